@@ -1,0 +1,139 @@
+// Epilogue policies: what a consumer warpgroup does with its 64 x BN fp32 accumulator
+// slab of a C tile. Called once per tile by each of the two consumer warpgroups (128
+// threads each, in parallel), while the producer is already loading the next tile.
+//
+// Policy interface (duck-typed):
+//   struct Epilogue {
+//     struct Params { ... };
+//     template <int BN> static constexpr int smem_bytes_per_wg();   // staging, 1024-aligned
+//     template <typename T, int BN>
+//     __device__ static void store(const Params&, float (&acc)[BN / 2], const SlabInfo&);
+//     __device__ static void finish(const Params&, const SlabInfo&);  // after the last tile
+//   };
+// Accumulator layout (wgmma m64nBNk16, fp32): see acc_row / acc_col below.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include "ptx.cuh"
+#include "scheduler.cuh"
+
+namespace mk { namespace gemm {
+
+struct SlabInfo {
+  TileCoord tile;
+  int row0;      // first C row of this warpgroup's 64-row slab
+  int col0;      // first C column of the tile
+  int M, N;      // C extent (the slab may overhang it)
+  int consumer;  // 0 or 1: which consumer warpgroup (named barrier 1 + consumer is free to use)
+  int thread;    // 0..127 inside the warpgroup
+  char* smem;    // this warpgroup's staging area (smem_bytes_per_wg bytes, 1024-aligned)
+};
+
+// Element i of the accumulator array of `thread` (0..127) holds C[row0 + acc_row][col0 + acc_col].
+__device__ __forceinline__ int acc_row(int i, int thread) {
+  return (thread >> 5) * 16 + ((thread & 31) >> 2) + ((i >> 1) & 1) * 8;
+}
+__device__ __forceinline__ int acc_col(int i, int thread) { return (i >> 2) * 8 + (thread & 3) * 2 + (i & 1); }
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Default: registers -> 128B-swizzled shared memory (conflict-free 4-byte stores) ->
+// TMA bulk tensor stores of 64x64 boxes; TMA clips rows >= M and columns >= N.
+// The store of tile i overlaps the mainloop of tile i+1; the staging buffer is reused
+// only after the previous stores have read it. Needs N % 8 == 0 and a 16-byte aligned C
+// (the tensor map's row stride); the host plans DirectStoreEpilogue otherwise.
+struct TmaStoreEpilogue {
+  struct Params {
+    const CUtensorMap* tma_c;  // box {64 columns, 64 rows}, CU_TENSOR_MAP_SWIZZLE_128B
+  };
+  template <int BN>
+  __host__ __device__ static constexpr int smem_bytes_per_wg() {
+    return 64 * BN * 2;
+  }
+
+  template <typename T, int BN>
+  __device__ static void store(const Params& p, float (&acc)[BN / 2], const SlabInfo& s) {
+    const int warp = s.thread >> 5, lane = s.thread & 31;
+    // The previous tile's stores must have finished reading the staging buffer.
+    if (s.thread == 0) tma_store_wait_read();
+    named_barrier_sync(1 + s.consumer, 128);
+    const uint32_t base = smem_addr(s.smem);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp * 16 + (lane >> 2) + h * 8;
+        const uint32_t off = (j >> 3) * 8192 + row * 128 + (((j & 7) ^ (row & 7)) << 4) + (lane & 3) * 4;
+        const uint32_t v = pack2<T>(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1]);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + off), "r"(v) : "memory");
+      }
+    }
+    fence_proxy_async_smem();
+    named_barrier_sync(1 + s.consumer, 128);
+    if (s.thread == 0) {
+#pragma unroll
+      for (int b = 0; b < BN / 64; ++b) tma_store_2d(p.tma_c, s.smem + b * 8192, s.col0 + b * 64, s.row0);
+      tma_store_commit();
+    }
+  }
+
+  __device__ static void finish(const Params&, const SlabInfo& s) {
+    if (s.thread == 0) tma_store_wait_all();
+  }
+};
+
+// Register -> global stores through a plain pointer, every element bounds-checked: any
+// N and alignment, any destination (a peer's mapped buffer too). Op::apply does the
+// per-element write (StoreOp: plain store; AddOp: atomic add, for reductions into a
+// shared buffer). Slower than the TMA epilogue; the plain GEMM uses it only when
+// N % 8 != 0 or C is not 16-byte aligned.
+struct StoreOp {
+  template <typename T>
+  __device__ static void apply(T* p, float v) {
+    *p = static_cast<T>(v);
+  }
+};
+struct AddOp {
+  template <typename T>
+  __device__ static void apply(T* p, float v) {
+    atomicAdd(p, static_cast<T>(v));
+  }
+};
+
+template <class Op = StoreOp>
+struct DirectStoreEpilogue {
+  struct Params {
+    void* c;
+    long long ldc;  // elements between rows
+  };
+  template <int BN>
+  __host__ __device__ static constexpr int smem_bytes_per_wg() {
+    return 0;
+  }
+  template <typename T, int BN>
+  __device__ static void store(const Params& p, float (&acc)[BN / 2], const SlabInfo& s) {
+    T* c = static_cast<T*>(p.c);
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      const int r = s.row0 + acc_row(i, s.thread);
+      const int col = s.col0 + acc_col(i, s.thread);
+      if (r < s.M && col < s.N) Op::apply(c + (long long)r * p.ldc + col, acc[i]);
+    }
+  }
+  __device__ static void finish(const Params&, const SlabInfo&) {}
+};
+
+}  // namespace gemm
+}  // namespace mk

@@ -1,0 +1,51 @@
+// Hook run by the engine's producer thread before it issues the first TMA load of A rows
+// for a tile: the place where a fused op waits until those rows have arrived.
+//
+// Policy interface (duck-typed):
+//   struct AWait {
+//     struct Params { ... };
+//     // Called by the single producer thread, once per tile, before the tile's first
+//     // A load. m_row0 = first A row of the tile, rows = BM (the tile may overhang M).
+//     __device__ static void before_a_load(const Params&, int m_block, int m_row0, int rows);
+//   };
+// After observing a flag through ordinary loads, the hook must execute
+// fence_proxy_async_global() so that the TMA loads that follow see the data.
+#pragma once
+#include <cstdint>
+#include "ptx.cuh"
+
+namespace mk { namespace gemm {
+
+// Plain GEMM: A is already there.
+struct NoAWait {
+  struct Params {
+    int unused;
+  };
+  __device__ static void before_a_load(const Params&, int, int, int) {}
+};
+
+// Waits until flags[row / rows_per_flag] >= epoch for every flag covering the tile's rows
+// (epoch-valued flags, never reset; written with release at system scope by the sender).
+// A minimal reference policy: the fused ops bring their own, with the bounded wait
+// and abort flag of kernels/common/signals.cuh.
+struct FlagAWait {
+  struct Params {
+    const uint64_t* flags;
+    uint64_t epoch;
+    int rows_per_flag;
+    int rows_total;  // M: flags past it are not read
+  };
+  __device__ static void before_a_load(const Params& p, int, int m_row0, int rows) {
+    const int last = min(m_row0 + rows, p.rows_total) - 1;
+    for (int f = m_row0 / p.rows_per_flag; f <= last / p.rows_per_flag; ++f) {
+      uint64_t v;
+      do {
+        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p.flags + f) : "memory");
+      } while (v < p.epoch);
+    }
+    fence_proxy_async_global();
+  }
+};
+
+}  // namespace gemm
+}  // namespace mk

@@ -1,0 +1,61 @@
+// Tile schedulers for the persistent GEMM engine: which (m_block, n_block) C tile the
+// linear work index t maps to. CTA `cta` of `num_ctas` processes t = cta, cta + num_ctas, …
+// so every policy only has to define the order. Policies are compile-time so the plain
+// GEMM pays nothing for the fused ops' orders.
+//
+// Policy interface (duck-typed):
+//   struct Policy {
+//     struct Params { ... };                                   // passed by the kernel
+//     __device__ static TileCoord tile(const Params&, int t);  // 0 <= t < tiles_m * tiles_n
+//   };
+#pragma once
+
+namespace mk { namespace gemm {
+
+struct TileCoord {
+  int m_block;
+  int n_block;
+};
+
+// Layout shared by the built-in orders; mirrored by GemmPlan in src/ops/gemm.rs.
+struct RasterParams {
+  int tiles_m;       // ceil(M / BM)
+  int tiles_n;       // ceil(N / BN)
+  int group_m;       // m-blocks walked together (L2 reuse of B); >= 1
+  int m_block_base;  // RankRotatedRaster: m-block that comes first (rank's own rows)
+};
+
+// Grouped ("swizzled") raster: groups of `group_m` m-blocks; inside a group the m-block
+// varies fastest, then the n-block. Consecutive CTAs share B tiles (same n-block) and a
+// small set of A row blocks, so one wave's working set stays in L2.
+__device__ __forceinline__ TileCoord grouped_tile(int tiles_m, int tiles_n, int group_m, int t) {
+  const int per_group = group_m * tiles_n;
+  const int group = t / per_group;
+  const int first_m = group * group_m;
+  const int rows = min(tiles_m - first_m, group_m);
+  const int in_group = t - group * per_group;
+  return TileCoord{first_m + in_group % rows, in_group / rows};
+}
+
+struct GroupedRaster {
+  using Params = RasterParams;
+  __device__ static TileCoord tile(const Params& p, int t) {
+    return grouped_tile(p.tiles_m, p.tiles_n, p.group_m, t);
+  }
+};
+
+// Grouped raster whose row order starts at m_block_base and wraps: with
+// m_block_base = rank * tiles_m / nranks each rank first computes the rows it already
+// holds (AllGather+GEMM) or whose destination it owns, then the next rank's, and so on.
+struct RankRotatedRaster {
+  using Params = RasterParams;
+  __device__ static TileCoord tile(const Params& p, int t) {
+    TileCoord c = grouped_tile(p.tiles_m, p.tiles_n, p.group_m, t);
+    c.m_block += p.m_block_base;
+    if (c.m_block >= p.tiles_m) c.m_block -= p.tiles_m;
+    return c;
+  }
+};
+
+}  // namespace gemm
+}  // namespace mk

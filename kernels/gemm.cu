@@ -1,0 +1,73 @@
+// Plain GEMM entry kernels (mkGemm): the engine of kernels/common/gemm with the grouped
+// raster, no A wait and either the TMA-store or the direct-store epilogue.
+//
+// Kernel name: mk_gemm_<dtype>_bn<BN>_<epilogue>, dtype in {bf16, f16}, BN in {64, 128, 256},
+// epilogue in {tma, direct}. All share one signature (unused arguments are ignored):
+//   (CUtensorMap tma_a, CUtensorMap tma_b, CUtensorMap tma_c, void* c, int M, int N, int K,
+//    int group_m)
+// Launch: 384 threads, grid = number of CTAs (<= tiles), dynamic shared memory =
+// mk_gemm_smem_bytes(BN, epilogue) as computed by src/ops/gemm.rs (checked here).
+#include <type_traits>
+
+#include "common/gemm/engine.cuh"
+
+namespace mk { namespace gemm {
+
+// Deepest ring that fits in 227 KiB next to the epilogue's staging buffers.
+template <int BN, bool TMA_EPI>
+struct PlainStages {
+  static constexpr int staging = TMA_EPI ? 2 * 64 * BN * 2 : 0;
+  static constexpr int stage = (128 + BN) * 64 * 2;
+  static constexpr int fit = (232448 - 1024 - staging - 256) / stage;
+  static constexpr int value = fit > 8 ? 8 : fit;
+};
+
+template <typename T, int BN, bool TMA_EPI>
+__device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
+                                           const CUtensorMap* tma_c, void* c, int M, int N, int K, int group_m) {
+  using Cfg = GemmConfig<T, BN, PlainStages<BN, TMA_EPI>::value>;
+  using Epi = typename std::conditional<TMA_EPI, TmaStoreEpilogue, DirectStoreEpilogue<StoreOp>>::type;
+  extern __shared__ __align__(1024) char smem[];
+  uint32_t dyn_smem;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  if (dyn_smem < uint32_t(engine_smem_bytes<Cfg, Epi>())) __trap();  // host/kernel plan mismatch
+
+  RasterParams sched;
+  sched.tiles_m = (M + Cfg::BM - 1) / Cfg::BM;
+  sched.tiles_n = (N + BN - 1) / BN;
+  sched.group_m = group_m > 0 ? group_m : 1;
+  sched.m_block_base = 0;
+  NoAWait::Params await{0};
+  typename Epi::Params epi;
+  if constexpr (TMA_EPI) {
+    epi.tma_c = tma_c;
+  } else {
+    epi.c = c;
+    epi.ldc = N;
+  }
+  gemm_persistent<Cfg, GroupedRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{M, N, K}, sched, await, epi,
+                                                     blockIdx.x, gridDim.x, smem);
+}
+
+}  // namespace gemm
+}  // namespace mk
+
+#define MK_GEMM_ENTRY(NAME, T, BN, TMA_EPI)                                                             \
+  extern "C" __global__ void __launch_bounds__(384, 1)                                                 \
+      NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,       \
+           const __grid_constant__ CUtensorMap tma_c, void* c, int M, int N, int K, int group_m) {     \
+    mk::gemm::plain_gemm<T, BN, TMA_EPI>(&tma_a, &tma_b, &tma_c, c, M, N, K, group_m);                 \
+  }
+
+MK_GEMM_ENTRY(mk_gemm_bf16_bn256_tma, __nv_bfloat16, 256, true)
+MK_GEMM_ENTRY(mk_gemm_bf16_bn128_tma, __nv_bfloat16, 128, true)
+MK_GEMM_ENTRY(mk_gemm_bf16_bn64_tma, __nv_bfloat16, 64, true)
+MK_GEMM_ENTRY(mk_gemm_bf16_bn256_direct, __nv_bfloat16, 256, false)
+MK_GEMM_ENTRY(mk_gemm_bf16_bn128_direct, __nv_bfloat16, 128, false)
+MK_GEMM_ENTRY(mk_gemm_bf16_bn64_direct, __nv_bfloat16, 64, false)
+MK_GEMM_ENTRY(mk_gemm_f16_bn256_tma, __half, 256, true)
+MK_GEMM_ENTRY(mk_gemm_f16_bn128_tma, __half, 128, true)
+MK_GEMM_ENTRY(mk_gemm_f16_bn64_tma, __half, 64, true)
+MK_GEMM_ENTRY(mk_gemm_f16_bn256_direct, __half, 256, false)
+MK_GEMM_ENTRY(mk_gemm_f16_bn128_direct, __half, 128, false)
+MK_GEMM_ENTRY(mk_gemm_f16_bn64_direct, __half, 64, false)

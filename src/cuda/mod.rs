@@ -1,0 +1,204 @@
+//! A thin layer over the CUDA driver API (cudarc, loaded at run time): the driver check,
+//! the current device's primary context, the embedded kernel modules, and launches.
+//!
+//! Nothing here links CUDA at build time. Every entry point first calls [`driver`], which
+//! turns a missing libcuda into `mkSystemError` instead of cudarc's panic.
+
+pub mod memory;
+
+use crate::error::{MkError, Result};
+pub use cudarc::driver::sys;
+use cudarc::driver::result as cu;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::OnceLock;
+
+/// The kernel fatbins compiled by build.rs, one per kernels/*.cu: (file stem, bytes).
+pub mod kernels {
+    include!(concat!(env!("OUT_DIR"), "/kernel_fatbins.rs"));
+}
+
+/// Converts a driver error into `mkUnhandledCudaError`, naming the call that failed.
+pub fn cuda_err(what: &str, e: cudarc::driver::DriverError) -> MkError {
+    let name = e.error_name().map(|c| c.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
+    let text = e.error_string().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+    MkError::cuda(format!("{what} failed: {name} ({text})"))
+}
+
+/// Checks a raw `CUresult`.
+pub fn check(what: &str, r: sys::CUresult) -> Result<()> {
+    r.result().map_err(|e| cuda_err(what, e))
+}
+
+/// Loads libcuda and initialises the driver once; later calls return the same outcome.
+pub fn driver() -> Result<()> {
+    static INIT: OnceLock<Result<()>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: only tries to dlopen the library; never calls into it.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(MkError::system(
+                "the CUDA driver library (libcuda.so.1) could not be loaded: this machine has no NVIDIA driver \
+                 or it is not on the loader path (LD_LIBRARY_PATH)",
+            ));
+        }
+        cu::init().map_err(|e| cuda_err("cuInit", e))
+    })
+    .clone()
+}
+
+/// The device of the calling thread's current context, or device 0 when there is none
+/// (the same default `cudaGetDevice` reports).
+pub fn current_device() -> Result<i32> {
+    driver()?;
+    match cu::ctx::get_current().map_err(|e| cuda_err("cuCtxGetCurrent", e))? {
+        Some(_) => {
+            let mut dev: sys::CUdevice = 0;
+            // SAFETY: writes one CUdevice.
+            check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut dev) })?;
+            Ok(dev)
+        }
+        None => Ok(0),
+    }
+}
+
+pub fn device_count() -> Result<i32> {
+    driver()?;
+    cu::device::get_count().map_err(|e| cuda_err("cuDeviceGetCount", e))
+}
+
+pub fn device_attribute(dev: i32, attr: sys::CUdevice_attribute) -> Result<i32> {
+    // SAFETY: reads one attribute of a valid device ordinal.
+    unsafe { cu::device::get_attribute(dev, attr) }.map_err(|e| cuda_err("cuDeviceGetAttribute", e))
+}
+
+pub fn sm_count(dev: i32) -> Result<i32> {
+    device_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+}
+
+/// A retained primary context of one device; released on drop.
+pub struct PrimaryContext {
+    pub device: i32,
+    pub ctx: sys::CUcontext,
+}
+
+// SAFETY: a CUcontext handle may be used from any thread.
+unsafe impl Send for PrimaryContext {}
+unsafe impl Sync for PrimaryContext {}
+
+impl PrimaryContext {
+    pub fn retain(device: i32) -> Result<Self> {
+        driver()?;
+        let n = device_count()?;
+        if device < 0 || device >= n {
+            return Err(MkError::invalid_argument(format!("CUDA device {device} does not exist (this machine has {n})")));
+        }
+        // SAFETY: device is a valid ordinal.
+        let ctx = unsafe { cu::primary_ctx::retain(device) }.map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
+        Ok(PrimaryContext { device, ctx })
+    }
+
+    /// Makes this context current until the guard drops, then restores the caller's.
+    pub fn enter(&self) -> Result<ContextGuard> {
+        // SAFETY: pushes a valid, retained context.
+        check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(self.ctx) })?;
+        Ok(ContextGuard { _private: () })
+    }
+}
+
+impl Drop for PrimaryContext {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `retain`.
+        let _ = unsafe { cu::primary_ctx::release(self.device) };
+    }
+}
+
+pub struct ContextGuard {
+    _private: (),
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        let mut old: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context pushed by `enter`.
+        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
+    }
+}
+
+struct LoadedModule {
+    module: sys::CUmodule,
+    functions: HashMap<String, sys::CUfunction>,
+}
+
+// SAFETY: module and function handles are process-wide and usable from any thread.
+unsafe impl Send for LoadedModule {}
+
+/// Modules loaded so far, per (context, kernels/*.cu stem).
+static MODULES: Mutex<Option<HashMap<(usize, &'static str), LoadedModule>>> = Mutex::new(None);
+
+/// Returns a kernel of the embedded module `module` (a kernels/*.cu stem) in the current
+/// context, loading the module on first use. Kernels are `extern "C"` so names are plain.
+pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
+    driver()?;
+    let ctx = cu::ctx::get_current()
+        .map_err(|e| cuda_err("cuCtxGetCurrent", e))?
+        .ok_or_else(|| MkError::internal("no current CUDA context while loading a kernel"))?;
+    let mut guard = MODULES.lock();
+    let modules = guard.get_or_insert_with(HashMap::new);
+    let key = (ctx as usize, module);
+    if !modules.contains_key(&key) {
+        let image = kernels::FATBINS
+            .iter()
+            .find(|(name, _)| *name == module)
+            .map(|(_, bytes)| *bytes)
+            .ok_or_else(|| MkError::internal(format!("no embedded kernel module named {module}")))?;
+        // The driver wants the image at an address that stays valid; copy it to aligned memory.
+        let aligned: Vec<u64> = image.chunks(8).map(|c| {
+            let mut b = [0u8; 8];
+            b[..c.len()].copy_from_slice(c);
+            u64::from_le_bytes(b)
+        }).collect();
+        // SAFETY: `aligned` holds a complete fatbin image for the duration of the call.
+        let m = unsafe { cu::module::load_data(aligned.as_ptr().cast()) }
+            .map_err(|e| cuda_err(&format!("loading kernel module {module} (needs an sm_90 GPU)"), e))?;
+        modules.insert(key, LoadedModule { module: m, functions: HashMap::new() });
+    }
+    let loaded = modules.get_mut(&key).expect("inserted above");
+    if let Some(f) = loaded.functions.get(kernel) {
+        return Ok(*f);
+    }
+    let cname = CString::new(kernel).map_err(|_| MkError::internal("kernel name contains NUL"))?;
+    // SAFETY: the module is loaded in the current context.
+    let f = unsafe { cu::module::get_function(loaded.module, cname) }
+        .map_err(|e| cuda_err(&format!("looking up kernel {kernel} in module {module}"), e))?;
+    loaded.functions.insert(kernel.to_string(), f);
+    Ok(f)
+}
+
+/// Launch geometry of one kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_mem_bytes: u32,
+}
+
+/// Launches `f` on `stream` with the given parameter pointers (one per kernel parameter).
+///
+/// # Safety
+/// `params` must match the kernel's signature exactly, and every pointer the kernel
+/// dereferences must be valid for the launch.
+pub unsafe fn launch(f: sys::CUfunction, cfg: LaunchConfig, stream: sys::CUstream, params: &mut [*mut c_void]) -> Result<()> {
+    if cfg.shared_mem_bytes > 48 * 1024 {
+        check(
+            "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+            sys::cuFuncSetAttribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                cfg.shared_mem_bytes as i32,
+            ),
+        )?;
+    }
+    cu::launch_kernel(f, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, params)
+        .map_err(|e| cuda_err("cuLaunchKernel", e))
+}

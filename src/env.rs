@@ -1,0 +1,64 @@
+//! Every `MK_*` environment variable is read here and nowhere else, so the README's table
+//! and the code cannot drift apart. Values are read on each call (cheap, and tests can
+//! change them); malformed values fall back to the default with a warning.
+
+use std::time::Duration;
+
+/// (name, default, meaning) of each knob; the README documents the same list.
+pub const KNOBS: &[(&str, &str, &str)] = &[
+    ("MK_DEBUG", "(unset)", "WARN or INFO: log to stderr with host:pid [rank] prefixes"),
+    ("MK_TIMEOUT_MS", "30000", "bound on every in-kernel wait for a peer"),
+    ("MK_BOOTSTRAP_TIMEOUT_MS", "30000", "bound on every bootstrap step (connect, rendezvous, allgather)"),
+    ("MK_SOCKET_IFNAME", "(first non-loopback)", "interfaces for bootstrap sockets: comma-separated prefixes, '^' excludes, '=' exact"),
+    ("MK_RANKS_PER_NODE", "(by host)", "group ranks into nodes of this size (emulates several nodes on one host)"),
+    ("MK_COMM_SMS", "(planned per op)", "CTAs given to communication roles in fused kernels"),
+    ("MK_MAX_CTAS", "(all SMs)", "cap on any kernel's grid; set it when several ranks share one GPU"),
+    ("MK_WORKSPACE_BYTES", "268435456", "symmetric workspace per rank allocated at init"),
+];
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn parse_u64(name: &str) -> Option<u64> {
+    let v = var(name)?;
+    match v.trim().parse::<u64>() {
+        Ok(x) => Some(x),
+        Err(_) => {
+            crate::log::warn(None, format_args!("ignoring {name}={v:?}: not a non-negative integer"));
+            None
+        }
+    }
+}
+
+pub fn debug_level() -> Option<String> {
+    var("MK_DEBUG").map(|s| s.trim().to_ascii_uppercase())
+}
+
+pub fn timeout() -> Duration {
+    Duration::from_millis(parse_u64("MK_TIMEOUT_MS").unwrap_or(30_000))
+}
+
+pub fn bootstrap_timeout() -> Duration {
+    Duration::from_millis(parse_u64("MK_BOOTSTRAP_TIMEOUT_MS").unwrap_or(30_000))
+}
+
+pub fn socket_ifname() -> Option<String> {
+    var("MK_SOCKET_IFNAME")
+}
+
+pub fn ranks_per_node() -> Option<u64> {
+    parse_u64("MK_RANKS_PER_NODE").filter(|&n| n > 0)
+}
+
+pub fn comm_sms() -> Option<u64> {
+    parse_u64("MK_COMM_SMS")
+}
+
+pub fn max_ctas() -> Option<u64> {
+    parse_u64("MK_MAX_CTAS").filter(|&n| n > 0)
+}
+
+pub fn workspace_bytes() -> u64 {
+    parse_u64("MK_WORKSPACE_BYTES").unwrap_or(256 << 20)
+}

@@ -1,0 +1,4 @@
+//! One module per operation: argument checks and planning in plain Rust (tested on the
+//! CPU), then the launch.
+
+pub mod util;
