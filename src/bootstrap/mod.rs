@@ -45,25 +45,31 @@ pub struct Bootstrap {
     ring: Mutex<Option<Ring>>,
     /// Clones of the ring sockets, so `abort` can shut them while a collective blocks.
     shutdown_handles: Vec<TcpStream>,
+    timeout: std::time::Duration,
 }
 
 impl Bootstrap {
     /// Joins the communicator named by `id` as `rank` of `nranks`.
-    pub fn join(id: &UniqueId, rank: usize, nranks: usize) -> Result<Bootstrap> {
-        let deadline = Deadline::after(crate::env::bootstrap_timeout());
+    /// `timeout` bounds the rendezvous and, later, each collective.
+    pub fn join(id: &UniqueId, rank: usize, nranks: usize, timeout: std::time::Duration) -> Result<Bootstrap> {
+        let deadline = Deadline::after(timeout);
         let listener = net::bind_listener(net::local_address()?)?;
         let hello = Hello {
             rank: rank as u32,
             nranks: nranks as u32,
             listen: listener.local_addr()?,
             host_hash: host_hash(),
+            timeout_ms: timeout.as_millis().min(u32::MAX as u128) as u32,
         };
         let what = format!("rank {rank} joining the bootstrap root at {}", id.root);
         let mut root = net::connect_before(id.root, &deadline, &what)?;
         net::respond(&mut root, &id.secret, id.session, &deadline)?;
         net::send_frame(&mut root, &hello.encode(), &deadline, &what)?;
         let waiting = format!("rank {rank} waiting for all {nranks} ranks at the bootstrap root {}", id.root);
-        let table = match RootReply::decode(&net::recv_frame(&mut root, &deadline, &waiting)?)? {
+        // The root's own deadline (from the first rank's arrival) ends about when ours does;
+        // allow a little longer so its answer, which names the missing ranks, gets here first.
+        let reply_deadline = Deadline::after(deadline.remaining(&waiting)? + std::time::Duration::from_secs(2));
+        let table = match RootReply::decode(&net::recv_frame(&mut root, &reply_deadline, &waiting)?)? {
             RootReply::Table(t) => t,
             RootReply::Error(e) => return Err(e),
         };
@@ -99,6 +105,7 @@ impl Bootstrap {
             host_hashes: table.iter().map(|h| h.host_hash).collect(),
             ring: Mutex::new(ring),
             shutdown_handles,
+            timeout,
         })
     }
 
@@ -122,7 +129,7 @@ impl Bootstrap {
         blocks[self.rank] = mine.to_vec();
         let mut guard = self.ring.lock();
         let Some(ring) = guard.as_mut() else { return Ok(blocks) };
-        let deadline = Deadline::after(crate::env::bootstrap_timeout());
+        let deadline = Deadline::after(self.timeout);
         for step in 0..n - 1 {
             let send_idx = (self.rank + n - step) % n;
             let recv_idx = (self.rank + 2 * n - step - 1) % n;
@@ -168,11 +175,13 @@ fn accept_ring_neighbour(listener: &std::net::TcpListener, id: &UniqueId, rank: 
     let what = format!("rank {rank} waiting for rank {prev_rank} to connect");
     loop {
         let (mut s, peer) = net::accept_before(listener, deadline, &what)?;
-        if let Err(e) = net::challenge(&mut s, &id.secret, id.session, deadline) {
+        // A short bound per connection, so a silent intruder cannot use up the whole deadline.
+        let hs = Deadline::after(deadline.remaining(&what)?.min(std::time::Duration::from_secs(5)));
+        if let Err(e) = net::challenge(&mut s, &id.secret, id.session, &hs) {
             mk_warn!(Some(rank), "refused bootstrap connection from {peer}: {}", e.message);
             continue;
         }
-        match net::recv_frame(&mut s, deadline, &what) {
+        match net::recv_frame(&mut s, &hs, &what) {
             Ok(b) if b == (prev_rank as u32).to_le_bytes() => return Ok(s),
             Ok(b) => mk_warn!(Some(rank), "refused ring connection from {peer}: it claims to be {b:?}, expected rank {prev_rank}"),
             Err(e) => mk_warn!(Some(rank), "dropped ring connection from {peer}: {}", e.message),

@@ -13,9 +13,11 @@ pub struct Hello {
     pub listen: SocketAddr,
     /// Identifies the host (hostname and boot id), to group ranks into nodes.
     pub host_hash: u64,
+    /// The rank's MK_BOOTSTRAP_TIMEOUT_MS; the root bounds the rendezvous by the first one.
+    pub timeout_ms: u32,
 }
 
-const HELLO_BYTES: usize = 8 + ENCODED_ADDR_BYTES + 8;
+const HELLO_BYTES: usize = 8 + ENCODED_ADDR_BYTES + 8 + 4;
 
 impl Hello {
     pub fn encode(&self) -> Vec<u8> {
@@ -24,6 +26,7 @@ impl Hello {
         v.extend_from_slice(&self.nranks.to_le_bytes());
         encode_addr(&self.listen, &mut v);
         v.extend_from_slice(&self.host_hash.to_le_bytes());
+        v.extend_from_slice(&self.timeout_ms.to_le_bytes());
         v
     }
 
@@ -38,6 +41,7 @@ impl Hello {
             nranks: u32_at(4),
             listen: decode_addr(&b[8..])?,
             host_hash: u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes")),
+            timeout_ms: u32_at(o + 8),
         })
     }
 }
@@ -96,7 +100,7 @@ mod tests {
 
     #[test]
     fn hello_and_replies_round_trip() {
-        let h = Hello { rank: 3, nranks: 8, listen: "192.168.1.9:3333".parse().unwrap(), host_hash: 0xdead_beef };
+        let h = Hello { rank: 3, nranks: 8, listen: "192.168.1.9:3333".parse().unwrap(), host_hash: 0xdead_beef, timeout_ms: 1500 };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
         let t = RootReply::Table(vec![h.clone(), Hello { rank: 4, ..h.clone() }]);
         assert_eq!(RootReply::decode(&t.encode()).unwrap(), t);

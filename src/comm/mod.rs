@@ -89,7 +89,7 @@ impl Comm {
             None => crate::cuda::current_device()?,
         };
         let context = PrimaryContext::retain(device)?;
-        let bootstrap = Bootstrap::join(id, rank as usize, nranks as usize)?;
+        let bootstrap = Bootstrap::join(id, rank as usize, nranks as usize, config.bootstrap_timeout)?;
         let nodes = node_of_ranks(bootstrap.host_hashes(), config.ranks_per_node);
         mk_info!(Some(rank as usize), "communicator ready: {nranks} ranks, device {device}, {} node(s)", nodes.iter().max().map_or(1, |m| m + 1));
         Ok(Comm {

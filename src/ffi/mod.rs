@@ -7,6 +7,7 @@
 
 pub mod comm;
 pub mod config;
+pub mod gemm;
 pub mod query;
 
 use crate::comm::Comm;

@@ -1,4 +1,5 @@
 //! One module per operation: argument checks and planning in plain Rust (tested on the
 //! CPU), then the launch.
 
+pub mod gemm;
 pub mod util;

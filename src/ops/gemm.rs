@@ -1,0 +1,348 @@
+//! `mkGemm`: C[M,N] = A[M,K] · B[N,K]ᵀ (row-major, bf16 or fp16, fp32 accumulate) on the
+//! Hopper GEMM engine (kernels/common/gemm, entry kernels in kernels/gemm.cu).
+//!
+//! Three parts: [`validate`] (argument checks, no CUDA), [`plan`] (tile width, epilogue,
+//! grid, raster group: pure arithmetic, unit-tested) and [`launch`] (tensor maps + launch).
+
+use crate::cuda::{self, sys, LaunchConfig};
+use crate::error::{MkError, Result};
+use crate::types::{mkDataType_t, RawDataType};
+use std::ffi::c_void;
+
+/// Rows of A (and C) per tile: two consumer warpgroups of 64 rows.
+pub const BM: usize = 128;
+/// K per pipeline stage: 64 two-byte elements = one 128-byte swizzle row.
+pub const BK: usize = 64;
+/// Threads per CTA: one producer warpgroup + two consumer warpgroups.
+pub const THREADS: u32 = 384;
+/// Largest dynamic shared memory a Hopper CTA can have (227 KiB).
+pub const SMEM_LIMIT: usize = 232_448;
+/// Tile widths the entry kernels are compiled for.
+pub const TILE_WIDTHS: [usize; 3] = [256, 128, 64];
+
+/// How C tiles leave the CTA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// Swizzled shared-memory staging + TMA bulk stores (needs N % 8 == 0, 16-byte aligned C).
+    Tma,
+    /// Bounds-checked stores from registers (any N, any 2-byte aligned C).
+    Direct,
+}
+
+impl Epilogue {
+    fn suffix(self) -> &'static str {
+        match self {
+            Epilogue::Tma => "tma",
+            Epilogue::Direct => "direct",
+        }
+    }
+}
+
+/// Pipeline depth of the plain-GEMM kernels: the deepest ring that fits next to the
+/// epilogue's staging buffers, at most 8. Mirrors `PlainStages` in kernels/gemm.cu.
+pub fn stages(bn: usize, epilogue: Epilogue) -> usize {
+    let staging = if epilogue == Epilogue::Tma { 2 * 64 * bn * 2 } else { 0 };
+    let stage = (BM + bn) * BK * 2;
+    ((SMEM_LIMIT - 1024 - staging - 256) / stage).min(8)
+}
+
+/// Dynamic shared memory of a plain-GEMM kernel. Mirrors `engine_smem_bytes` in
+/// kernels/common/gemm/engine.cuh (the kernel traps if it gets less).
+pub fn smem_bytes(bn: usize, epilogue: Epilogue) -> usize {
+    let s = stages(bn, epilogue);
+    let staging = if epilogue == Epilogue::Tma { 2 * 64 * bn * 2 } else { 0 };
+    1024 + s * (BM + bn) * BK * 2 + staging + 2 * s * 8
+}
+
+/// Optional overrides of the planner's choices (benchmarks and tuning; fused ops pass
+/// their CTA budget here).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanOverrides {
+    /// Tile width (64, 128 or 256).
+    pub bn: Option<usize>,
+    /// m-blocks per raster group.
+    pub group_m: Option<usize>,
+    /// Upper bound on the number of CTAs (the engine's CTA-count parameter).
+    pub max_ctas: Option<usize>,
+}
+
+/// Everything the launch needs, decided from the shape and the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmPlan {
+    pub bn: usize,
+    pub epilogue: Epilogue,
+    pub stages: usize,
+    pub smem_bytes: usize,
+    pub tiles_m: usize,
+    pub tiles_n: usize,
+    /// m-blocks walked together by the grouped raster.
+    pub group_m: usize,
+    /// Persistent CTAs: min(tiles, SMs, max_ctas).
+    pub grid: usize,
+}
+
+impl GemmPlan {
+    pub fn tiles(&self) -> usize {
+        self.tiles_m * self.tiles_n
+    }
+    /// Entry kernel name in kernels/gemm.cu.
+    pub fn kernel_name(&self, dtype: mkDataType_t) -> String {
+        let d = if dtype == mkDataType_t::mkFloat16 { "f16" } else { "bf16" };
+        format!("mk_gemm_{d}_bn{}_{}", self.bn, self.epilogue.suffix())
+    }
+}
+
+/// Raster group: as many m-blocks as balance the A rows and B rows one wave of `ctas`
+/// tiles touches (g·BM ≈ (ctas/g)·BN), so the wave's operands stay in L2.
+pub fn raster_group(tiles_m: usize, bn: usize, ctas: usize) -> usize {
+    let g = ((ctas * bn) as f64 / BM as f64).sqrt().round() as usize;
+    g.clamp(1, tiles_m.max(1))
+}
+
+/// Picks the tile width, epilogue, grid and raster group.
+///
+/// Widest tile (256) unless it leaves more than half of the SMs idle: skinny problems
+/// (few tiles) step down to 128, then 64 columns, so every SM gets work.
+pub fn plan(m: usize, n: usize, sms: usize, tma_epilogue_ok: bool, o: PlanOverrides) -> GemmPlan {
+    let sms = sms.max(1);
+    let ctas_cap = o.max_ctas.unwrap_or(sms).clamp(1, sms);
+    let tiles_for = |bn: usize| m.div_ceil(BM) * n.div_ceil(bn);
+    let bn = o.bn.unwrap_or_else(|| {
+        let mut bn = 256;
+        while bn > 64 && tiles_for(bn) * 2 < ctas_cap {
+            bn /= 2;
+        }
+        bn
+    });
+    let epilogue = if tma_epilogue_ok { Epilogue::Tma } else { Epilogue::Direct };
+    let tiles_m = m.div_ceil(BM);
+    let tiles_n = n.div_ceil(bn);
+    let grid = (tiles_m * tiles_n).clamp(1, ctas_cap);
+    let group_m = o.group_m.unwrap_or_else(|| raster_group(tiles_m, bn, grid)).clamp(1, tiles_m.max(1));
+    GemmPlan { bn, epilogue, stages: stages(bn, epilogue), smem_bytes: smem_bytes(bn, epilogue), tiles_m, tiles_n, group_m, grid }
+}
+
+/// A GEMM call's arguments after validation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmArgs {
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub dtype: mkDataType_t,
+}
+
+impl GemmArgs {
+    /// Whether C can be written with TMA stores (rows 16-byte aligned).
+    pub fn tma_epilogue_ok(&self) -> bool {
+        self.n % 8 == 0 && self.c % 16 == 0
+    }
+}
+
+/// Checks mkGemm's arguments (no CUDA call). M == 0 or N == 0 is a valid empty GEMM.
+pub fn validate(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: RawDataType) -> Result<GemmArgs> {
+    let dtype = mkDataType_t::from_raw(dtype)?;
+    crate::ensure_arg!(
+        matches!(dtype, mkDataType_t::mkBfloat16 | mkDataType_t::mkFloat16),
+        "dtype {} is not supported: mkGemm takes mkBfloat16 or mkFloat16 (A, B and C share the type)",
+        dtype.name()
+    );
+    crate::ensure_arg!(a != 0, "A is NULL");
+    crate::ensure_arg!(b != 0, "B is NULL");
+    crate::ensure_arg!(c != 0, "C is NULL");
+    crate::ensure_arg!(
+        k > 0 && k % 8 == 0,
+        "K = {k} must be a positive multiple of 8: TMA reads rows of A and B that must start on 16-byte boundaries (K * 2 bytes)"
+    );
+    let limit = i32::MAX as usize;
+    crate::ensure_arg!(m <= limit && n <= limit && k <= limit, "M = {m}, N = {n}, K = {k}: each must be at most {limit}");
+    crate::ensure_arg!(a % 16 == 0, "A = {a:#x} is not 16-byte aligned (TMA needs 16-byte aligned base addresses)");
+    crate::ensure_arg!(b % 16 == 0, "B = {b:#x} is not 16-byte aligned (TMA needs 16-byte aligned base addresses)");
+    crate::ensure_arg!(c % 2 == 0, "C = {c:#x} is not aligned to its 2-byte element type");
+    Ok(GemmArgs { a, b, c, m, n, k, dtype })
+}
+
+fn tensor_map(ptr: u64, dtype: mkDataType_t, rows: usize, cols: usize, box_rows: usize, box_cols: usize) -> Result<sys::CUtensorMap> {
+    let dt = match dtype {
+        mkDataType_t::mkFloat16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    };
+    let dims = [cols as u64, rows as u64];
+    let strides = [cols as u64 * 2];
+    let boxes = [box_cols as u32, box_rows as u32];
+    let elem = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: all arrays have the lengths rank 2 requires; the map is written by the call.
+    cuda::check("cuTensorMapEncodeTiled", unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dt,
+            2,
+            ptr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    })?;
+    // SAFETY: initialised by the successful call.
+    Ok(unsafe { map.assume_init() })
+}
+
+/// Launches the plain GEMM with `plan` on `stream` in the current context.
+pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result<()> {
+    if args.m == 0 || args.n == 0 {
+        return Ok(());
+    }
+    let mut ta = tensor_map(args.a, args.dtype, args.m, args.k, BM, BK)?;
+    let mut tb = tensor_map(args.b, args.dtype, args.n, args.k, plan.bn, BK)?;
+    // The direct epilogue ignores tma_c; pass any valid map.
+    let mut tc = if plan.epilogue == Epilogue::Tma { tensor_map(args.c, args.dtype, args.m, args.n, 64, 64)? } else { ta };
+    let f = cuda::function("gemm", &plan.kernel_name(args.dtype))?;
+    let mut c = args.c;
+    let (mut m, mut n, mut k, mut g) = (args.m as i32, args.n as i32, args.k as i32, plan.group_m as i32);
+    let cfg = LaunchConfig { grid: (plan.grid as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: plan.smem_bytes as u32 };
+    let mut params: [*mut c_void; 8] = [
+        (&mut ta as *mut sys::CUtensorMap).cast(),
+        (&mut tb as *mut sys::CUtensorMap).cast(),
+        (&mut tc as *mut sys::CUtensorMap).cast(),
+        (&mut c as *mut u64).cast(),
+        (&mut m as *mut i32).cast(),
+        (&mut n as *mut i32).cast(),
+        (&mut k as *mut i32).cast(),
+        (&mut g as *mut i32).cast(),
+    ];
+    // SAFETY: the parameters match the entry kernels' signature (3 tensor maps, a pointer,
+    // 4 ints); A, B and C were validated and cover M×K, N×K and M×N elements (caller's contract).
+    unsafe { cuda::launch(f, cfg, stream, &mut params) }
+}
+
+/// The SM count of the current context's device (cached per device).
+pub fn current_sm_count() -> Result<usize> {
+    use parking_lot::Mutex;
+    static CACHE: Mutex<Vec<(i32, usize)>> = Mutex::new(Vec::new());
+    let dev = cuda::current_device()?;
+    if let Some(&(_, s)) = CACHE.lock().iter().find(|(d, _)| *d == dev) {
+        return Ok(s);
+    }
+    let s = cuda::sm_count(dev)? as usize;
+    CACHE.lock().push((dev, s));
+    Ok(s)
+}
+
+/// Runs `f` with a current context: the caller's if it has one (the CUDA runtime's usual
+/// case), otherwise device 0's primary context, kept retained for the process.
+pub fn with_current_context<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    use std::sync::OnceLock;
+    cuda::driver()?;
+    let current = cudarc::driver::result::ctx::get_current().map_err(|e| cuda::cuda_err("cuCtxGetCurrent", e))?;
+    if current.is_some() {
+        return f();
+    }
+    static DEFAULT: OnceLock<std::result::Result<cuda::PrimaryContext, MkError>> = OnceLock::new();
+    let ctx = DEFAULT.get_or_init(|| cuda::PrimaryContext::retain(0)).as_ref().map_err(|e| e.clone())?;
+    let _guard = ctx.enter()?;
+    f()
+}
+
+/// mkGemm's body: validate, plan for the current device, launch.
+pub fn gemm(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: RawDataType, stream: sys::CUstream) -> Result<()> {
+    let args = validate(a, b, c, m, n, k, dtype)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    with_current_context(|| gemm_with(&args, PlanOverrides::default(), stream))
+}
+
+/// Plans (with overrides) and launches in the current context; returns nothing more than
+/// [`launch`] but lets benchmarks and fused ops steer the plan.
+pub fn gemm_with(args: &GemmArgs, o: PlanOverrides, stream: sys::CUstream) -> Result<()> {
+    let p = plan(args.m, args.n, current_sm_count()?, args.tma_epilogue_ok(), o);
+    launch(args, &p, stream)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::mkResult_t;
+
+    const BF16: RawDataType = mkDataType_t::mkBfloat16 as RawDataType;
+
+    #[test]
+    fn smem_fits_and_mirrors_kernel_stages() {
+        // Values the kernels were built and measured with (kernels/gemm.cu PlainStages).
+        assert_eq!(stages(256, Epilogue::Tma), 3);
+        assert_eq!(stages(128, Epilogue::Tma), 6);
+        assert_eq!(stages(64, Epilogue::Tma), 8);
+        assert_eq!(stages(256, Epilogue::Direct), 4);
+        for bn in TILE_WIDTHS {
+            for e in [Epilogue::Tma, Epilogue::Direct] {
+                assert!(smem_bytes(bn, e) <= SMEM_LIMIT, "bn {bn} {e:?}");
+                assert!(stages(bn, e) >= 3);
+            }
+        }
+    }
+
+    #[test]
+    fn large_shapes_use_the_wide_tile_and_every_sm() {
+        let p = plan(8192, 8192, 132, true, PlanOverrides::default());
+        assert_eq!((p.bn, p.epilogue, p.tiles_m, p.tiles_n, p.grid), (256, Epilogue::Tma, 64, 32, 132));
+        assert_eq!(p.group_m, 16); // sqrt(132 * 256 / 128) = 16.2
+        assert_eq!(p.kernel_name(mkDataType_t::mkBfloat16), "mk_gemm_bf16_bn256_tma");
+        assert_eq!(p.kernel_name(mkDataType_t::mkFloat16), "mk_gemm_f16_bn256_tma");
+    }
+
+    #[test]
+    fn skinny_shapes_narrow_the_tile_to_fill_the_sms() {
+        // M = 128: 32 tiles of 256 would idle 100 SMs; 64-wide tiles give 128.
+        let p = plan(128, 8192, 132, true, PlanOverrides::default());
+        assert_eq!((p.bn, p.grid, p.group_m), (64, 128, 1));
+        // M = 512: 128 tiles of 256 already fill the GPU.
+        assert_eq!(plan(512, 8192, 132, true, PlanOverrides::default()).bn, 256);
+        // Tiny problems: one tile, one CTA.
+        let p = plan(1, 1, 132, false, PlanOverrides::default());
+        assert_eq!((p.bn, p.grid, p.tiles(), p.epilogue), (64, 1, 1, Epilogue::Direct));
+    }
+
+    #[test]
+    fn overrides_cap_ctas_and_fix_the_tile() {
+        let o = PlanOverrides { bn: Some(128), group_m: Some(4), max_ctas: Some(100) };
+        let p = plan(4096, 4096, 132, true, o);
+        assert_eq!((p.bn, p.group_m, p.grid), (128, 4, 100));
+        // A CTA cap above the SM count is clamped to the SMs (one CTA per SM).
+        let p = plan(4096, 4096, 132, true, PlanOverrides { max_ctas: Some(1000), ..Default::default() });
+        assert_eq!(p.grid, 132);
+        // group never exceeds the m-blocks
+        assert_eq!(plan(256, 65536, 132, true, PlanOverrides::default()).group_m, 2);
+    }
+
+    #[test]
+    fn validate_accepts_good_and_names_the_broken_rule() {
+        let ok = validate(0x1000, 0x2000, 0x3000, 129, 257, 72, BF16).unwrap();
+        assert!(!ok.tma_epilogue_ok(), "N = 257 needs the direct epilogue");
+        assert!(validate(0x1000, 0x2000, 0x3000, 128, 256, 64, BF16).unwrap().tma_epilogue_ok());
+        assert!(!validate(0x1000, 0x2000, 0x3002, 128, 256, 64, BF16).unwrap().tma_epilogue_ok());
+        let err = |r: Result<GemmArgs>| {
+            let e = r.unwrap_err();
+            assert_eq!(e.code, mkResult_t::mkInvalidArgument);
+            e.message
+        };
+        assert!(err(validate(0, 0x2000, 0x3000, 1, 1, 8, BF16)).contains("A is NULL"));
+        assert!(err(validate(0x1000, 0, 0x3000, 1, 1, 8, BF16)).contains("B is NULL"));
+        assert!(err(validate(0x1000, 0x2000, 0, 1, 1, 8, BF16)).contains("C is NULL"));
+        assert!(err(validate(0x1000, 0x2000, 0x3000, 1, 1, 12, BF16)).contains("multiple of 8"));
+        assert!(err(validate(0x1000, 0x2000, 0x3000, 1, 1, 0, BF16)).contains("multiple of 8"));
+        assert!(err(validate(0x1008, 0x2000, 0x3000, 1, 1, 8, BF16)).contains("A = 0x1008 is not 16-byte aligned"));
+        assert!(err(validate(0x1000, 0x2004, 0x3000, 1, 1, 8, BF16)).contains("B = 0x2004"));
+        assert!(err(validate(0x1000, 0x2000, 0x3001, 1, 1, 8, BF16)).contains("C = 0x3001"));
+        assert!(err(validate(0x1000, 0x2000, 0x3000, 1, 1, 8, 77)).contains("unknown datatype"));
+        assert!(err(validate(0x1000, 0x2000, 0x3000, 1, 1, 8, mkDataType_t::mkFloat32 as i32)).contains("float"));
+        assert!(err(validate(0x1000, 0x2000, 0x3000, 1 << 31, 1, 8, BF16)).contains("at most"));
+    }
+}
