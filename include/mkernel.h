@@ -240,6 +240,34 @@ mkResult_t mkCommAbort(mkComm_t comm);
 mkResult_t mkCommGetAsyncError(mkComm_t comm, mkResult_t *asyncError);
 
 /**
+ * C = A * B^T on the GPU, the engine every fused operation is built on, alone (for tests
+ * and comparisons with cuBLAS).
+ *
+ * A is [M, K], B is [N, K] (the nn.Linear weight layout) and C is [M, N], all row-major,
+ * densely packed, device memory of the current CUDA context's device, of type `dtype`:
+ * mkBfloat16 or mkFloat16. Products accumulate in fp32; C is rounded to `dtype` once.
+ * Requires an sm_90 GPU (H100/H200).
+ *
+ * Rules (each violation returns mkInvalidArgument, with the rule named in mkGetLastError):
+ * A, B and C non-NULL; K a positive multiple of 8; A and B 16-byte aligned; C aligned to
+ * its element size; M, N, K at most INT_MAX. Any M and N are allowed (M == 0 or N == 0
+ * does nothing). C must not overlap A or B. Fastest when N % 8 == 0 and C is 16-byte
+ * aligned (C is then written with TMA stores).
+ *
+ * Stream-ordered and asynchronous: returns once the kernel is enqueued on `stream`
+ * (NULL = the legacy default stream); safe to capture in a CUDA graph. Uses the calling
+ * thread's current context, or device 0's primary context when there is none.
+ */
+mkResult_t mkGemm(const void *A,
+                  const void *B,
+                  void *C,
+                  size_t M,
+                  size_t N,
+                  size_t K,
+                  mkDataType_t dtype,
+                  mkStream_t stream);
+
+/**
  * Writes the library's version as MK_VERSION(major, minor, patch).
  */
 mkResult_t mkGetVersion(int *version);

@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v cc >/dev/null || need_apt+=(build-essential)
 command -v pkg-config >/dev/null || need_apt+=(pkg-config)
+command -v readelf >/dev/null || need_apt+=(binutils)
+command -v make >/dev/null || need_apt+=(make)
 command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 if ((${#need_apt[@]})); then
