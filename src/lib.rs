@@ -7,6 +7,7 @@
 
 pub mod bootstrap;
 pub mod comm;
+pub mod cublaslt;
 pub mod cuda;
 pub mod env;
 pub mod error;

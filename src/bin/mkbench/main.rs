@@ -2,12 +2,16 @@
 //! measures its baseline (cuBLAS, the unfused sequence, NCCL where GPUs allow) in the same
 //! run and prints both side by side, with a closing OK/FAILED line.
 
+mod gemm;
+
 use mkernel::testing::gpu_unavailable_reason;
 
 type Bench = fn(&[String]) -> mkernel::Result<bool>;
 
 /// Every benchmark, by name. Add a module and one line here.
-const BENCHES: &[(&str, Bench, &str)] = &[];
+const BENCHES: &[(&str, Bench, &str)] = &[
+    ("gemm", gemm::run, "GEMM engine vs cuBLASLt (--dtype, --shape MxNxK, --sweep, --json PATH)"),
+];
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
