@@ -7,7 +7,10 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export CARGO_TERM_COLOR=never
 
-echo "== cargo test (unit, bootstrap, ABI packaging; kernels compiled by build.rs)"
+echo "== cargo build (libmkernel.so, libmkernel.a, mktest, mkbench; kernels compiled by build.rs)"
+cargo build --release --lib --bins
+
+echo "== cargo test (unit, bootstrap, ABI packaging)"
 cargo test --release --all-targets -- --test-threads=2
 
 echo "== C tests against the installed header and library (plain, ASan/UBSan, C++)"

@@ -60,7 +60,7 @@ fn kernel_dtype_numbers_match_the_rust_enum() {
 fn shared_library_exports_only_mk_symbols() {
     let exe = std::env::current_exe().unwrap();
     let lib = exe.parent().unwrap().parent().unwrap().join("libmkernel.so");
-    assert!(lib.exists(), "{} not built", lib.display());
+    assert!(lib.exists(), "{} not built: `cargo test` builds only the rlib; run `cargo build --lib` (same profile) first, as scripts/test.sh does", lib.display());
     let out = Command::new("nm").args(["-D", "--defined-only"]).arg(&lib).output().expect("nm (binutils) is needed");
     assert!(out.status.success());
     let symbols: Vec<String> = String::from_utf8_lossy(&out.stdout)

@@ -86,3 +86,24 @@ pub(crate) unsafe fn write_out<T>(out: *mut T, value: T, what: &str) -> Result<(
     out.write(value);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::thread_last_error;
+
+    #[test]
+    fn a_panic_becomes_internal_error_with_a_message() {
+        let r = guard(None, "mkTest", || panic!("boom {}", 7));
+        assert_eq!(r, mkResult_t::mkInternalError);
+        assert!(thread_last_error().contains("panic inside mkTest: boom 7"));
+    }
+
+    #[test]
+    fn errors_are_recorded_for_mk_get_last_error() {
+        let r = guard(None, "mkTest", || Err(MkError::invalid_argument("count is NULL")));
+        assert_eq!(r, mkResult_t::mkInvalidArgument);
+        assert_eq!(thread_last_error(), "mkTest: count is NULL");
+        assert_eq!(guard(None, "mkTest", || Ok(())), mkResult_t::mkSuccess);
+    }
+}

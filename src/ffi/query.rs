@@ -38,6 +38,7 @@ pub unsafe extern "C" fn mkCommCuDevice(comm: mkComm_t, device: *mut c_int) -> m
 /// values this library does not define).
 #[no_mangle]
 pub extern "C" fn mkGetErrorString(result: RawResult) -> *const c_char {
+    // Cannot fail; kept outside `guard` because it returns a string, not a result code.
     static STRINGS: std::sync::OnceLock<Vec<CString>> = std::sync::OnceLock::new();
     let strings = STRINGS.get_or_init(|| {
         (0..=9)
@@ -60,12 +61,17 @@ thread_local! {
 /// stays valid until the next failing call on the same comm or thread. Empty when none.
 #[no_mangle]
 pub unsafe extern "C" fn mkGetLastError(comm: mkComm_t) -> *const c_char {
-    if let Ok(c) = comm_ref(comm) {
-        return c.last_error_ptr();
-    }
-    LAST_ERROR_BUFFER.with(|b| {
-        let msg = thread_last_error().replace('\0', " ");
-        *b.borrow_mut() = CString::new(msg).unwrap_or_default();
-        b.borrow().as_ptr()
+    static EMPTY: &[u8] = b"\0";
+    // Returns a string, so it has its own panic boundary: an empty string on panic.
+    std::panic::catch_unwind(|| {
+        if let Ok(c) = comm_ref(comm) {
+            return c.last_error_ptr();
+        }
+        LAST_ERROR_BUFFER.with(|b| {
+            let msg = thread_last_error().replace('\0', " ");
+            *b.borrow_mut() = CString::new(msg).unwrap_or_default();
+            b.borrow().as_ptr()
+        })
     })
+    .unwrap_or(EMPTY.as_ptr().cast())
 }
