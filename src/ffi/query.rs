@@ -63,7 +63,7 @@ thread_local! {
 pub unsafe extern "C" fn mkGetLastError(comm: mkComm_t) -> *const c_char {
     static EMPTY: &[u8] = b"\0";
     // Returns a string, so it has its own panic boundary: an empty string on panic.
-    std::panic::catch_unwind(|| {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         if let Ok(c) = comm_ref(comm) {
             return c.last_error_ptr();
         }
@@ -72,6 +72,6 @@ pub unsafe extern "C" fn mkGetLastError(comm: mkComm_t) -> *const c_char {
             *b.borrow_mut() = CString::new(msg).unwrap_or_default();
             b.borrow().as_ptr()
         })
-    })
+    }))
     .unwrap_or(EMPTY.as_ptr().cast())
 }
