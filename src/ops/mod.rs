@@ -2,4 +2,5 @@
 //! CPU), then the launch.
 
 pub mod gemm;
+pub mod ag_gemm;
 pub mod util;
