@@ -40,7 +40,8 @@ __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUten
   NoAWait::Params await{0};
   typename Epi::Params epi;
   if constexpr (TMA_EPI) {
-    epi.tma_c = tma_c;
+    epi.dest.tma_c = tma_c;
+    epi.signal.unused = 0;
   } else {
     epi.c = c;
     epi.ldc = N;

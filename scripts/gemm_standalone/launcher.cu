@@ -11,6 +11,23 @@
 
 #include "../../kernels/gemm.cu"
 
+// The fusion hooks together, as a fused op would use them: rank-rotated row order, a
+// flag wait before each A row block, TMA reduce-add into C, a per-tile flag after it.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    mk_gemm_hooks_test(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
+                       const __grid_constant__ CUtensorMap tma_c, const uint64_t* a_flags, uint64_t* tile_flags,
+                       int M, int N, int K, int group_m, int m_block_base, int rows_per_flag) {
+  using namespace mk::gemm;
+  using Cfg = GemmConfig<__nv_bfloat16, 256, 3>;
+  using Epi = TmaEpilogue<LocalDest, TmaAddOp, FlagTileSignal>;
+  extern __shared__ __align__(1024) char smem[];
+  RasterParams sched{(M + 127) / 128, (N + 255) / 256, group_m, m_block_base};
+  FlagAWait::Params wait{a_flags, 1, rows_per_flag, M};
+  Epi::Params epi{{&tma_c}, {tile_flags, sched.tiles_n}};
+  gemm_persistent<Cfg, RankRotatedRaster, FlagAWait, Epi>(&tma_a, &tma_b, GemmShape{M, N, K}, sched, wait, epi,
+                                                           blockIdx.x, gridDim.x, smem);
+}
+
 namespace {
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
@@ -74,6 +91,25 @@ int smem_bytes(int bn, int tma) {
 }
 
 }  // namespace
+
+extern "C" int mk_standalone_hooks_test(const void* A, const void* B, void* C, const void* a_flags, void* tile_flags,
+                                        int M, int N, int K, int group_m, int m_block_base, int rows_per_flag,
+                                        int num_ctas, void* stream) {
+  using namespace mk::gemm;
+  CUtensorMap ta, tb, tc;
+  int e;
+  if ((e = make_map(&ta, A, 0, M, K, 128, 64))) return e;
+  if ((e = make_map(&tb, B, 0, N, K, 256, 64))) return e;
+  if ((e = make_map(&tc, C, 0, M, N, 64, 64))) return e;
+  const int smem = engine_smem_bytes<GemmConfig<__nv_bfloat16, 256, 3>, TmaEpilogue<LocalDest, TmaAddOp, FlagTileSignal>>();
+  cudaError_t r = cudaFuncSetAttribute(reinterpret_cast<const void*>(mk_gemm_hooks_test),
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (r != cudaSuccess) return 1000 + (int)r;
+  mk_gemm_hooks_test<<<num_ctas, 384, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
+      ta, tb, tc, (const uint64_t*)a_flags, (uint64_t*)tile_flags, M, N, K, group_m, m_block_base, rows_per_flag);
+  r = cudaGetLastError();
+  return r == cudaSuccess ? 0 : 1000 + (int)r;
+}
 
 extern "C" int mk_standalone_smem_bytes(int bn, int tma) { return smem_bytes(bn, tma); }
 

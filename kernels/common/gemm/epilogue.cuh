@@ -49,14 +49,69 @@ __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// ---- TMA epilogue and its policies ---------------------------------------------------
+
+// Where a slab's TMA stores go: a tensor map and the (row, column) of the slab in it.
+// Policy interface: struct { struct Params; __device__ static const CUtensorMap*
+//   map(const Params&, const SlabInfo&, int& row, int& col); }  (called by one thread)
+struct LocalDest {
+  struct Params {
+    const CUtensorMap* tma_c;  // C: dims {N, M}, box {64, 64}, CU_TENSOR_MAP_SWIZZLE_128B
+  };
+  __device__ static const CUtensorMap* map(const Params& p, const SlabInfo& s, int& row, int& col) {
+    row = s.row0;
+    col = s.col0;
+    return p.tma_c;
+  }
+};
+
+// How the boxes are written: plain store, or element-wise add into the destination
+// (reduce into a peer's or a shared buffer without a separate pass).
+struct TmaStoreOp {
+  __device__ static void box(const CUtensorMap* m, const void* src, int col, int row) { tma_store_2d(m, src, col, row); }
+};
+struct TmaAddOp {
+  __device__ static void box(const CUtensorMap* m, const void* src, int col, int row) { tma_reduce_add_2d(m, src, col, row); }
+};
+
+// What happens once a slab's stores are complete and visible (e.g. raise a peer's flag).
+// Policy interface: struct { struct Params; static constexpr bool enabled;
+//   __device__ static void after_store(const Params&, const SlabInfo&); }  (one thread;
+// the engine waits for the slab's bulk stores first, only when enabled).
+struct NoTileSignal {
+  struct Params {
+    int unused;
+  };
+  static constexpr bool enabled = false;
+  __device__ static void after_store(const Params&, const SlabInfo&) {}
+};
+
+// Reference signal: after both 64-row slabs of tile (m, n) are stored, flags[m * tiles_n + n]
+// has been incremented twice (system-scope release), i.e. it reaches 2 * epoch on the
+// epoch-th call when flags are never reset. Fused ops bring their own (signals.cuh).
+struct FlagTileSignal {
+  struct Params {
+    uint64_t* flags;
+    int tiles_n;
+  };
+  static constexpr bool enabled = true;
+  __device__ static void after_store(const Params& p, const SlabInfo& s) {
+    fence_proxy_async_global();  // the TMA (async proxy) writes are ordered before the flag
+    uint64_t* f = p.flags + (size_t)s.tile.m_block * p.tiles_n + s.tile.n_block;
+    asm volatile("red.release.sys.global.add.u64 [%0], 1;" ::"l"(f) : "memory");
+  }
+};
+
 // Default: registers -> 128B-swizzled shared memory (conflict-free 4-byte stores) ->
 // TMA bulk tensor stores of 64x64 boxes; TMA clips rows >= M and columns >= N.
 // The store of tile i overlaps the mainloop of tile i+1; the staging buffer is reused
 // only after the previous stores have read it. Needs N % 8 == 0 and a 16-byte aligned C
 // (the tensor map's row stride); the host plans DirectStoreEpilogue otherwise.
-struct TmaStoreEpilogue {
+template <class Dest = LocalDest, class Op = TmaStoreOp, class Signal = NoTileSignal>
+struct TmaEpilogue {
   struct Params {
-    const CUtensorMap* tma_c;  // box {64 columns, 64 rows}, CU_TENSOR_MAP_SWIZZLE_128B
+    typename Dest::Params dest;
+    typename Signal::Params signal;
   };
   template <int BN>
   __host__ __device__ static constexpr int smem_bytes_per_wg() {
@@ -83,9 +138,15 @@ struct TmaStoreEpilogue {
     fence_proxy_async_smem();
     named_barrier_sync(1 + s.consumer, 128);
     if (s.thread == 0) {
+      int row, col;
+      const CUtensorMap* m = Dest::map(p.dest, s, row, col);
 #pragma unroll
-      for (int b = 0; b < BN / 64; ++b) tma_store_2d(p.tma_c, s.smem + b * 8192, s.col0 + b * 64, s.row0);
+      for (int b = 0; b < BN / 64; ++b) Op::box(m, s.smem + b * 8192, col + b * 64, row);
       tma_store_commit();
+      if constexpr (Signal::enabled) {
+        tma_store_wait_all();
+        Signal::after_store(p.signal, s);
+      }
     }
   }
 
@@ -93,6 +154,9 @@ struct TmaStoreEpilogue {
     if (s.thread == 0) tma_store_wait_all();
   }
 };
+
+// The plain GEMM's epilogue: TMA stores into C.
+using TmaStoreEpilogue = TmaEpilogue<>;
 
 // Register -> global stores through a plain pointer, every element bounds-checked: any
 // N and alignment, any destination (a peer's mapped buffer too). Op::apply does the
