@@ -3,4 +3,6 @@
 
 pub mod gemm;
 pub mod ag_gemm;
+pub mod gemm_ar;
+pub mod gemm_rs;
 pub mod util;

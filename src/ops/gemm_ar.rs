@@ -1,0 +1,76 @@
+//! GEMM + AllReduce: planning (pure, CPU-tested).
+//!
+//! Two regimes. For small M (decode, M ≤ 256) the one-shot path: every rank stores its
+//! partial tile in its workspace and signals it; every rank reads all n partials of a tile
+//! as soon as they are signalled and sums them in rank order — lowest latency, and the
+//! same sum order everywhere, so outputs are bitwise identical across ranks. For large M,
+//! reduce-scatter then all-gather inside the kernel: each chunk's owner reduces it (as in
+//! GEMM + ReduceScatter) and the reduced chunk is then pulled by every rank as it
+//! finishes; one owner computes each sum, so ranks again agree bit for bit.
+
+use super::gemm_rs::{self, GemmRsShape};
+use crate::error::Result;
+
+/// Largest M that takes the one-shot path.
+pub const ONE_SHOT_MAX_M: usize = 256;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GemmArPlan {
+    /// Every rank reads every partial: `reduce_ctas` read-and-sum, the rest compute.
+    OneShot { compute_ctas: u32, reduce_ctas: u32 },
+    /// Reduce-scatter by owner chunks, then all-gather of reduced chunks.
+    TwoPhase(gemm_rs::GemmRsPlan),
+}
+
+/// Plans the op; `m` may be any value ≥ 1 on the one-shot path (no divisibility needed),
+/// while the two-phase path needs M divisible by nranks, and falls back to one-shot when
+/// it is not.
+pub fn plan(m: usize, n: usize, k: usize, nranks: usize, rank: usize, grid_ctas: u32, comm_override: Option<u32>) -> Result<GemmArPlan> {
+    let shape = GemmRsShape { m, n, k, nranks, rank };
+    let two_phase_ok = m > ONE_SHOT_MAX_M && m % nranks == 0 && nranks > 1;
+    if two_phase_ok {
+        return gemm_rs::plan(&shape, grid_ctas, comm_override).map(GemmArPlan::TwoPhase);
+    }
+    // One-shot: validate N and K with the same rules, ignoring M's divisibility.
+    gemm_rs::validate(&GemmRsShape { m: nranks, ..shape })?;
+    let reduce_ctas = match comm_override {
+        Some(c) if c >= 1 && c < grid_ctas => c,
+        Some(c) => {
+            return Err(crate::error::MkError::invalid_argument(format!(
+                "reduction CTAs = {c} must be in [1, {grid_ctas}) for a grid of {grid_ctas} CTAs"
+            )))
+        }
+        // Small M: few tiles, so many CTAs are idle anyway; give reduction a third.
+        None => (grid_ctas / 3).clamp(1, 64),
+    };
+    Ok(GemmArPlan::OneShot { compute_ctas: grid_ctas - reduce_ctas, reduce_ctas })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_m_is_one_shot_and_any_m_is_accepted() {
+        for m in [1, 7, 16, 64, 255, 256] {
+            match plan(m, 8192, 1024, 4, 0, 132, None).unwrap() {
+                GemmArPlan::OneShot { compute_ctas, reduce_ctas } => assert_eq!(compute_ctas + reduce_ctas, 132),
+                p => panic!("M={m}: {p:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn large_divisible_m_is_two_phase_else_one_shot() {
+        assert!(matches!(plan(8192, 8192, 1024, 4, 0, 132, None).unwrap(), GemmArPlan::TwoPhase(_)));
+        assert!(matches!(plan(8191, 8192, 1024, 4, 0, 132, None).unwrap(), GemmArPlan::OneShot { .. }));
+        assert!(matches!(plan(8192, 8192, 1024, 1, 0, 132, None).unwrap(), GemmArPlan::OneShot { .. }));
+    }
+
+    #[test]
+    fn bad_n_or_k_is_rejected_on_both_paths() {
+        assert!(plan(16, 60, 1024, 4, 0, 132, None).is_err());
+        assert!(plan(8192, 8192, 12, 4, 0, 132, None).is_err());
+        assert!(plan(16, 64, 64, 4, 0, 132, Some(0)).is_err());
+    }
+}
