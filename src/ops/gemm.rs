@@ -46,12 +46,18 @@ pub fn stages(bn: usize, epilogue: Epilogue) -> usize {
     ((SMEM_LIMIT - 1024 - staging - 256) / stage).min(8)
 }
 
-/// Dynamic shared memory of a plain-GEMM kernel. Mirrors `engine_smem_bytes` in
-/// kernels/common/gemm/engine.cuh (the kernel traps if it gets less).
+/// Dynamic shared memory the engine needs for a tile width, ring depth and epilogue
+/// staging per consumer warpgroup (TmaEpilogue: 64·bn·2 bytes; DirectStoreEpilogue: 0).
+/// Mirrors `engine_smem_bytes` in kernels/common/gemm/engine.cuh; fused kernels that carve
+/// their own shared memory after the engine's add theirs to it.
+pub fn engine_smem_bytes(bn: usize, stages: usize, staging_per_wg: usize) -> usize {
+    1024 + stages * (BM + bn) * BK * 2 + 2 * staging_per_wg + 2 * stages * 8
+}
+
+/// Dynamic shared memory of a plain-GEMM kernel (the kernel traps if it gets less).
 pub fn smem_bytes(bn: usize, epilogue: Epilogue) -> usize {
-    let s = stages(bn, epilogue);
-    let staging = if epilogue == Epilogue::Tma { 2 * 64 * bn * 2 } else { 0 };
-    1024 + s * (BM + bn) * BK * 2 + staging + 2 * s * 8
+    let staging = if epilogue == Epilogue::Tma { 64 * bn * 2 } else { 0 };
+    engine_smem_bytes(bn, stages(bn, epilogue), staging)
 }
 
 /// Optional overrides of the planner's choices (benchmarks and tuning; fused ops pass
@@ -158,13 +164,21 @@ pub fn validate(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: Raw
     );
     let limit = i32::MAX as usize;
     crate::ensure_arg!(m <= limit && n <= limit && k <= limit, "M = {m}, N = {n}, K = {k}: each must be at most {limit}");
+    crate::ensure_arg!(
+        m.div_ceil(BM) * n.div_ceil(64) <= limit,
+        "M = {m}, N = {n}: more than {limit} tiles of {BM}x64 (the tile index is 32-bit); split the GEMM"
+    );
     crate::ensure_arg!(a % 16 == 0, "A = {a:#x} is not 16-byte aligned (TMA needs 16-byte aligned base addresses)");
     crate::ensure_arg!(b % 16 == 0, "B = {b:#x} is not 16-byte aligned (TMA needs 16-byte aligned base addresses)");
     crate::ensure_arg!(c % 2 == 0, "C = {c:#x} is not aligned to its 2-byte element type");
     Ok(GemmArgs { a, b, c, m, n, k, dtype })
 }
 
-fn tensor_map(ptr: u64, dtype: mkDataType_t, rows: usize, cols: usize, box_rows: usize, box_cols: usize) -> Result<sys::CUtensorMap> {
+/// A 2-D TMA descriptor for a row-major [rows, cols] bf16/fp16 matrix at `ptr` (any
+/// device-visible address, a peer's mapped buffer too), box {box_cols, box_rows}, 128-byte
+/// swizzle, zero fill out of bounds. The engine's maps: A (BM, BK), B (bn, BK), C (64, 64).
+/// Needs ptr % 16 == 0 and cols % 8 == 0.
+pub fn tensor_map(ptr: u64, dtype: mkDataType_t, rows: usize, cols: usize, box_rows: usize, box_cols: usize) -> Result<sys::CUtensorMap> {
     let dt = match dtype {
         mkDataType_t::mkFloat16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -196,6 +210,8 @@ fn tensor_map(ptr: u64, dtype: mkDataType_t, rows: usize, cols: usize, box_rows:
 }
 
 /// Launches the plain GEMM with `plan` on `stream` in the current context.
+// The stream handle is only passed to the driver, never dereferenced here.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result<()> {
     if args.m == 0 || args.n == 0 {
         return Ok(());
@@ -252,6 +268,7 @@ pub fn with_current_context<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
 }
 
 /// mkGemm's body: validate, plan for the current device, launch.
+#[allow(clippy::too_many_arguments)] // mirrors the C signature
 pub fn gemm(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: RawDataType, stream: sys::CUstream) -> Result<()> {
     let args = validate(a, b, c, m, n, k, dtype)?;
     if m == 0 || n == 0 {
@@ -344,5 +361,6 @@ mod tests {
         assert!(err(validate(0x1000, 0x2000, 0x3000, 1, 1, 8, 77)).contains("unknown datatype"));
         assert!(err(validate(0x1000, 0x2000, 0x3000, 1, 1, 8, mkDataType_t::mkFloat32 as i32)).contains("float"));
         assert!(err(validate(0x1000, 0x2000, 0x3000, 1 << 31, 1, 8, BF16)).contains("at most"));
+        assert!(err(validate(0x1000, 0x2000, 0x3000, 1 << 30, 1 << 30, 8, BF16)).contains("tiles"));
     }
 }

@@ -12,6 +12,21 @@
 // CTAs (ids 0..num_ctas-1) and uses the others for communication.
 //
 // A tile that overhangs M, N or K is handled by TMA: loads zero-fill, stores clip.
+//
+// Using it in a fused kernel (see kernels/gemm.cu for the plain case):
+//   using Cfg = GemmConfig<__nv_bfloat16, 256, 3>;        // T, BN in {64,128,256}, stages
+//   using Epi = TmaEpilogue<PeerDest, TmaAddOp, MySignal>; // or TmaStoreEpilogue, DirectStoreEpilogue<Op>
+//   extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1) my_fused(const __grid_constant__ CUtensorMap ta,
+//       const __grid_constant__ CUtensorMap tb, const __grid_constant__ MyParams p) {
+//     extern __shared__ __align__(1024) char smem[];
+//     if (blockIdx.x >= p.gemm_ctas) { communication_role(p); return; }   // CTA-count split
+//     gemm_persistent<Cfg, RankRotatedRaster, MyAWait, Epi>(&ta, &tb, GemmShape{M, N, K}, p.raster,
+//         p.wait, p.epi, blockIdx.x, p.gemm_ctas, smem);
+//   }
+// launched with Cfg::THREADS threads and engine_smem_bytes<Cfg, Epi>() dynamic shared
+// memory (Rust: ops::gemm::engine_smem_bytes). Tensor maps that the engine or an epilogue
+// reads must live in kernel parameter space (__grid_constant__) or global memory.
+// Named barriers 1 and 2 belong to the consumer warpgroups' epilogues.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
