@@ -121,6 +121,11 @@ typedef enum {
 typedef struct mkComm mkComm;
 
 /**
+ * Handle to a communicator.
+ */
+typedef mkComm *mkComm_t;
+
+/**
  * 128 opaque bytes naming a communicator: the bootstrap root's address and a random
  * secret. Made by `mkGetUniqueId` on one rank and passed to the others out of band (MPI,
  * a file, a TCP store). Treat it as a password: whoever holds it can join.
@@ -128,11 +133,6 @@ typedef struct mkComm mkComm;
 typedef struct {
   char internal[128];
 } mkUniqueId;
-
-/**
- * Handle to a communicator.
- */
-typedef mkComm *mkComm_t;
 
 /**
  * Communicator configuration for `mkCommInitRankConfig`.
@@ -184,6 +184,60 @@ typedef struct {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Gathers `sendcount` elements from every rank: rank r's `sendbuff` lands in every
+ * rank's `recvbuff` at offset r * sendcount (recvbuff holds nranks * sendcount elements).
+ *
+ * In place when `sendbuff == recvbuff + rank * sendcount` elements (as NCCL); any other
+ * overlap is mkInvalidArgument. Every dtype is supported (the data is copied bit for bit).
+ * `sendcount == 0` does nothing. Buffers are device memory of the communicator's device,
+ * aligned to their element size.
+ *
+ * Stream-ordered and asynchronous: returns once the kernel is enqueued on `stream`; every
+ * rank must make the same sequence of collective calls on the communicator. Safe to
+ * capture in a CUDA graph (replays keep their own step count on the device). When a peer
+ * does not arrive within MK_TIMEOUT_MS, or fails, the kernel stops instead of hanging:
+ * mkCommGetAsyncError then reports mkTimeout or mkRemoteError and the communicator
+ * refuses new operations (abort and recreate it).
+ */
+mkResult_t mkAllGather(const void *sendbuff,
+                       void *recvbuff,
+                       size_t sendcount,
+                       mkDataType_t datatype,
+                       mkComm_t comm,
+                       mkStream_t stream);
+
+/**
+ * Reduces `sendbuff` (nranks * recvcount elements) over all ranks with `op` and leaves
+ * block r of the result (elements r * recvcount .. (r+1) * recvcount) in rank r's
+ * `recvbuff` (recvcount elements).
+ *
+ * In place when `recvbuff == sendbuff + rank * recvcount` elements. Ops: mkSum, mkProd,
+ * mkMax, mkMin, mkAvg (sum divided by nranks; integer division for integer types), for
+ * every dtype. Half and bfloat16 accumulate in float and round once; integers wrap.
+ * Otherwise as mkAllGather (stream order, graphs, timeouts).
+ */
+mkResult_t mkReduceScatter(const void *sendbuff,
+                           void *recvbuff,
+                           size_t recvcount,
+                           mkDataType_t datatype,
+                           mkRedOp_t op,
+                           mkComm_t comm,
+                           mkStream_t stream);
+
+/**
+ * Reduces `count` elements over all ranks with `op`; every rank receives the whole result
+ * in `recvbuff` (bit-identical on every rank). In place when `sendbuff == recvbuff`.
+ * Ops and types as mkReduceScatter; otherwise as mkAllGather.
+ */
+mkResult_t mkAllReduce(const void *sendbuff,
+                       void *recvbuff,
+                       size_t count,
+                       mkDataType_t datatype,
+                       mkRedOp_t op,
+                       mkComm_t comm,
+                       mkStream_t stream);
 
 /**
  * Creates a new unique id and starts its bootstrap root (a thread of the calling process

@@ -1,6 +1,8 @@
 //! The communicator: rank, size, device context, bootstrap, configuration, and the error
 //! state (`mkGetLastError`, `mkCommGetAsyncError`, abort).
 
+pub mod workspace;
+
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::cuda::PrimaryContext;
 use crate::error::{mkResult_t, MkError, Result};
@@ -62,6 +64,11 @@ pub fn node_of_ranks(host_hashes: &[u64], ranks_per_node: Option<u32>) -> Vec<us
 }
 
 pub struct Comm {
+    /// The NVLink data plane (declared first: dropped before the context it lives in).
+    /// None when the ranks span several nodes or exceed MK_MAX_PEERS; `data_plane_missing`
+    /// then says why.
+    pub workspace: Option<workspace::SymmetricWorkspace>,
+    pub data_plane_missing: Option<String>,
     pub rank: usize,
     pub nranks: usize,
     pub context: PrimaryContext,
@@ -91,8 +98,18 @@ impl Comm {
         let context = PrimaryContext::retain(device)?;
         let bootstrap = Bootstrap::join(id, rank as usize, nranks as usize, config.bootstrap_timeout)?;
         let nodes = node_of_ranks(bootstrap.host_hashes(), config.ranks_per_node);
+        let (workspace, data_plane_missing) = if nodes.iter().any(|&n| n != nodes[0]) {
+            (None, Some("the ranks span several nodes; collectives across nodes are not implemented yet".to_string()))
+        } else if nranks as usize > crate::kernel_abi::MK_MAX_PEERS {
+            (None, Some(format!("{nranks} ranks on one node; the NVLink data plane maps at most {}", crate::kernel_abi::MK_MAX_PEERS)))
+        } else {
+            let _g = context.enter()?;
+            (Some(workspace::SymmetricWorkspace::create(&bootstrap, rank as usize, nranks as usize, &context, &config)?), None)
+        };
         mk_info!(Some(rank as usize), "communicator ready: {nranks} ranks, device {device}, {} node(s)", nodes.iter().max().map_or(1, |m| m + 1));
         Ok(Comm {
+            workspace,
+            data_plane_missing,
             rank: rank as usize,
             nranks: nranks as usize,
             context,
@@ -126,12 +143,21 @@ impl Comm {
     }
 
     pub fn async_error(&self) -> mkResult_t {
+        // A kernel of this rank may have recorded a timeout or a peer's failure.
+        if let Some(word) = self.workspace.as_ref().map(|w| w.error_word()).filter(|&w| w != 0) {
+            if self.async_error.load(Ordering::Acquire) == mkResult_t::mkSuccess as i32 {
+                self.record_async_error(&crate::ops::collectives::ErrorWord(word).to_error(self.rank));
+            }
+        }
         mkResult_t::from_i32(self.async_error.load(Ordering::Acquire))
     }
 
     /// Marks the communicator aborted and unblocks any host-side wait.
     pub fn abort(&self) {
         self.aborted.store(true, Ordering::Release);
+        if let Some(ws) = &self.workspace {
+            ws.raise_host_abort();
+        }
         self.bootstrap.abort();
     }
 

@@ -5,6 +5,7 @@
 //! Every exported body runs inside [`guard`]: errors become an `mkResult_t` plus a message
 //! for `mkGetLastError`, and a panic becomes `mkInternalError` instead of unwinding into C.
 
+pub mod collectives;
 pub mod comm;
 pub mod config;
 pub mod gemm;

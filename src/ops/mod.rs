@@ -1,6 +1,7 @@
 //! One module per operation: argument checks and planning in plain Rust (tested on the
 //! CPU), then the launch.
 
+pub mod collectives;
 pub mod gemm;
 pub mod ag_gemm;
 pub mod gemm_ar;

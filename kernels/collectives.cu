@@ -1,0 +1,318 @@
+// AllGather, ReduceScatter and AllReduce over the symmetric workspace (NVLink / CUDA IPC).
+//
+// One persistent grid per call; CTA b owns a fixed part of every rank's data region
+// (WorkspaceView.cta_slots parts, so the partition never changes between calls) split into
+// two slots used on alternate steps. Each CTA walks its pieces of the message (piece g goes
+// to CTA g % grid); one piece is one step, numbered by a per-CTA counter that only grows
+// (MK_SIG_SEQ + b), so flags need no reset and graph replays keep counting on the device.
+// A step:
+//   1. wait until every peer has finished reading this rank's slot of step-2 (FREE flags),
+//   2. stage this rank's input piece into its own slot (AllGather also writes its own
+//      output segment from the same registers),
+//   3. post READY to every peer, wait for every peer's READY,
+//   4. read the peers' slots over NVLink / IPC (pull): copy (AllGather), reduce this rank's
+//      segment (ReduceScatter), or reduce this rank's slice, post READY2, and gather the
+//      other slices (AllReduce: reduce-scatter + all-gather inside the piece),
+//   5. post FREE to every peer.
+// Every wait is bounded (common/signals.cuh). With one rank the op is a plain copy.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include "mk_kernel_abi.h"
+#include "common/dtypes.cuh"
+#include "common/signals.cuh"
+
+#define MK_COLLECTIVE_THREADS 512
+#define MK_RED_SUM 0
+#define MK_RED_PROD 1
+#define MK_RED_MAX 2
+#define MK_RED_MIN 3
+#define MK_RED_AVG 4
+
+// ---- element traits: what a reduction accumulates in ----
+template <typename T> struct Traits {
+  typedef T Acc;
+  static __device__ __forceinline__ Acc load(T v) { return v; }
+  static __device__ __forceinline__ T store(Acc a) { return a; }
+};
+template <> struct Traits<__half> {
+  typedef float Acc;
+  static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half store(float a) { return __float2half_rn(a); }
+};
+template <> struct Traits<__nv_bfloat16> {
+  typedef float Acc;
+  static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 store(float a) { return __float2bfloat16_rn(a); }
+};
+
+template <typename A> __device__ __forceinline__ A combine(A a, A b, int op) {
+  switch (op) {
+    case MK_RED_PROD: return (A)(a * b);
+    case MK_RED_MAX: return a > b ? a : b;
+    case MK_RED_MIN: return a < b ? a : b;
+    default: return (A)(a + b);  // sum, avg
+  }
+}
+template <typename A> __device__ __forceinline__ A finalize(A a, int op, int nranks) {
+  return op == MK_RED_AVG ? (A)(a / (A)nranks) : a;
+}
+
+// ---- copies: 16-byte vectors when every pointer allows, element-wise otherwise ----
+__device__ __forceinline__ uint4 load16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+
+template <typename E>
+__device__ __forceinline__ void copy_elems(char* dst, char* dst2, const char* src, uint64_t n, uint64_t tid, uint64_t nthreads) {
+  const E* s = reinterpret_cast<const E*>(src);
+  E* d = reinterpret_cast<E*>(dst);
+  E* d2 = reinterpret_cast<E*>(dst2);
+  for (uint64_t i = tid; i < n; i += nthreads) {
+    E v = s[i];
+    d[i] = v;
+    if (dst2) d2[i] = v;
+  }
+}
+
+// Copies `bytes` (a multiple of elem) from src to dst (and dst2 when non-NULL), spread over
+// nthreads threads of which this is tid.
+__device__ __forceinline__ void copy_range(char* dst, char* dst2, const char* src, uint64_t bytes, int elem, uint64_t tid,
+                                           uint64_t nthreads) {
+  uint64_t done = 0;
+  bool vec = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+               (dst2 ? reinterpret_cast<uintptr_t>(dst2) : 0)) & 15) == 0;
+  if (vec) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    uint4* d2 = reinterpret_cast<uint4*>(dst2);
+    uint64_t nv = bytes / 16;
+    const int U = 4;
+    uint64_t i = tid;
+    for (; i + (U - 1) * nthreads < nv; i += U * nthreads) {
+      uint4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = load16(s + i + u * nthreads);
+#pragma unroll
+      for (int u = 0; u < U; ++u) d[i + u * nthreads] = v[u];
+      if (dst2) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) d2[i + u * nthreads] = v[u];
+      }
+    }
+    for (; i < nv; i += nthreads) {
+      uint4 v = load16(s + i);
+      d[i] = v;
+      if (dst2) d2[i] = v;
+    }
+    done = nv * 16;
+  }
+  if (done == bytes) return;
+  dst += done;
+  src += done;
+  if (dst2) dst2 += done;
+  uint64_t rest = bytes - done;
+  switch (elem) {
+    case 8: copy_elems<uint64_t>(dst, dst2, src, rest / 8, tid, nthreads); break;
+    case 4: copy_elems<uint32_t>(dst, dst2, src, rest / 4, tid, nthreads); break;
+    case 2: copy_elems<uint16_t>(dst, dst2, src, rest / 2, tid, nthreads); break;
+    default: copy_elems<uint8_t>(dst, dst2, src, rest, tid, nthreads); break;
+  }
+}
+
+__device__ __forceinline__ void cta_copy(char* dst, char* dst2, const char* src, uint64_t bytes, int elem) {
+  copy_range(dst, dst2, src, bytes, elem, threadIdx.x, blockDim.x);
+}
+
+// dst[i] (and dst2[i]) = op over p < nsrc of src[p][i], for i < n, by the whole CTA.
+template <typename T>
+__device__ __forceinline__ void cta_reduce(T* dst, T* dst2, const char* const (&src)[MK_MAX_PEERS], int nsrc, uint64_t n, int op,
+                                           int nranks) {
+  typedef Traits<T> Tr;
+  typedef typename Tr::Acc A;
+  constexpr int V = 16 / sizeof(T);
+  uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | (dst2 ? reinterpret_cast<uintptr_t>(dst2) : 0);
+#pragma unroll
+  for (int p = 0; p < MK_MAX_PEERS; ++p)
+    if (p < nsrc) bits |= reinterpret_cast<uintptr_t>(src[p]);
+  uint64_t done = 0;
+  if ((bits & 15) == 0) {
+    uint64_t nv = n / V;
+    for (uint64_t i = threadIdx.x; i < nv; i += blockDim.x) {
+      uint4 raw[MK_MAX_PEERS];
+#pragma unroll
+      for (int p = 0; p < MK_MAX_PEERS; ++p)
+        if (p < nsrc) raw[p] = load16(src[p] + i * 16);
+      A acc[V];
+      const T* t0 = reinterpret_cast<const T*>(&raw[0]);
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[v] = Tr::load(t0[v]);
+#pragma unroll
+      for (int p = 1; p < MK_MAX_PEERS; ++p) {
+        if (p < nsrc) {
+          const T* t = reinterpret_cast<const T*>(&raw[p]);
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[v] = combine<A>(acc[v], Tr::load(t[v]), op);
+        }
+      }
+      uint4 out;
+      T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+      for (int v = 0; v < V; ++v) o[v] = Tr::store(finalize<A>(acc[v], op, nranks));
+      reinterpret_cast<uint4*>(dst)[i] = out;
+      if (dst2) reinterpret_cast<uint4*>(dst2)[i] = out;
+    }
+    done = nv * V;
+  }
+  for (uint64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
+    A acc = Tr::load(__ldcg(reinterpret_cast<const T*>(src[0]) + i));
+#pragma unroll
+    for (int p = 1; p < MK_MAX_PEERS; ++p)
+      if (p < nsrc) acc = combine<A>(acc, Tr::load(__ldcg(reinterpret_cast<const T*>(src[p]) + i)), op);
+    T r = Tr::store(finalize<A>(acc, op, nranks));
+    dst[i] = r;
+    if (dst2) dst2[i] = r;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void collective(const CollectiveParams& p) {
+  const WorkspaceView& ws = p.ws;
+  const int rank = ws.rank, nranks = ws.nranks;
+  const uint64_t es = (uint64_t)p.elem_size;
+  char* send = reinterpret_cast<char*>(p.send);
+  char* recv = reinterpret_cast<char*>(p.recv);
+
+  if (nranks == 1) {
+    // sum/avg/prod/max/min of one value is the value: a copy (nothing when in place).
+    if (send != recv)
+      copy_range(recv, nullptr, send, p.count * es, p.elem_size, (uint64_t)blockIdx.x * blockDim.x + threadIdx.x,
+                 (uint64_t)gridDim.x * blockDim.x);
+    return;
+  }
+
+  const int b = blockIdx.x;
+  const uint32_t opk = (uint32_t)p.kind;
+  const uint64_t region = (ws.data_bytes / (uint64_t)ws.cta_slots) & ~255ull;
+  const uint64_t slot_bytes = (region / 2) & ~255ull;
+  const uint64_t chunk = p.chunk;
+  const uint64_t npieces = (p.count + chunk - 1) / chunk;
+  uint64_t* seq_word = mk_signal_word(ws, rank, MK_SIG_SEQ + b);
+  const uint32_t ready = MK_SIG_READY + b * MK_MAX_PEERS;
+  const uint32_t ready2 = MK_SIG_READY2 + b * MK_MAX_PEERS;
+  const uint32_t freed = MK_SIG_FREE + b * MK_MAX_PEERS;
+  uint64_t step = *seq_word;
+
+  for (uint64_t g = b; g < npieces; g += gridDim.x) {
+    ++step;
+    const uint64_t off = g * chunk;
+    const uint64_t n = min(chunk, p.count - off);
+    const uint64_t slot_off = (uint64_t)b * region + (step & 1) * slot_bytes;
+    char* mine = reinterpret_cast<char*>(ws.data[rank]) + slot_off;
+
+    // 1. this rank's slot is free once every peer has read it at step - 2
+    if (step > 2 && !mk_cta_wait_peers(ws, freed, step - 2, rank, MK_WAIT_FREE, opk)) return;
+
+    // 2. stage
+    if (p.kind == MK_OP_ALL_GATHER) {
+      char* own_out = recv + ((uint64_t)rank * p.count + off) * es;
+      const char* in = send + off * es;
+      cta_copy(mine, own_out == in ? nullptr : own_out, in, n * es, p.elem_size);
+    } else if (p.kind == MK_OP_REDUCE_SCATTER) {
+      for (int q = 0; q < nranks; ++q)
+        cta_copy(mine + (uint64_t)q * chunk * es, nullptr, send + ((uint64_t)q * p.count + off) * es, n * es, p.elem_size);
+    } else {
+      cta_copy(mine, nullptr, send + off * es, n * es, p.elem_size);
+    }
+
+    // 3. publish, then wait for every peer's piece
+    mk_cta_signal_peers(ws, ready, step, rank);
+    if (!mk_cta_wait_peers(ws, ready, step, rank, MK_WAIT_READY, opk)) return;
+
+    // 4. consume
+    if (p.kind == MK_OP_ALL_GATHER) {
+      for (int i = 1; i < nranks; ++i) {
+        int q = (rank + i) % nranks;
+        cta_copy(recv + ((uint64_t)q * p.count + off) * es, nullptr,
+                 reinterpret_cast<const char*>(ws.data[q]) + slot_off, n * es, p.elem_size);
+      }
+    } else if (p.kind == MK_OP_REDUCE_SCATTER) {
+      const char* src[MK_MAX_PEERS];
+#pragma unroll
+      for (int q = 0; q < MK_MAX_PEERS; ++q)
+        src[q] = q < nranks ? reinterpret_cast<const char*>(ws.data[q]) + slot_off + (uint64_t)rank * chunk * es : nullptr;
+      cta_reduce<T>(reinterpret_cast<T*>(recv + off * es), nullptr, src, nranks, n, p.op, nranks);
+    } else {
+      // slices of 16-byte multiples keep every slice vector-aligned in the slots
+      const uint64_t per16 = 16 / es;
+      const uint64_t slice = ((n + nranks - 1) / nranks + per16 - 1) / per16 * per16;
+      const uint64_t lo = min(n, (uint64_t)rank * slice), hi = min(n, lo + slice);
+      const char* src[MK_MAX_PEERS];
+#pragma unroll
+      for (int q = 0; q < MK_MAX_PEERS; ++q)
+        src[q] = q < nranks ? reinterpret_cast<const char*>(ws.data[q]) + slot_off + lo * es : nullptr;
+      cta_reduce<T>(reinterpret_cast<T*>(mine + (chunk + lo) * es), reinterpret_cast<T*>(recv + (off + lo) * es), src, nranks,
+                    hi - lo, p.op, nranks);
+      mk_cta_signal_peers(ws, ready2, step, rank);
+      if (!mk_cta_wait_peers(ws, ready2, step, rank, MK_WAIT_READY2, opk)) return;
+      for (int i = 1; i < nranks; ++i) {
+        int q = (rank + i) % nranks;
+        const uint64_t qlo = min(n, (uint64_t)q * slice), qhi = min(n, qlo + slice);
+        cta_copy(recv + (off + qlo) * es, nullptr, reinterpret_cast<const char*>(ws.data[q]) + slot_off + (chunk + qlo) * es,
+                 (qhi - qlo) * es, p.elem_size);
+      }
+    }
+
+    // 5. tell every peer its slot of this step has been read
+    mk_cta_signal_peers(ws, freed, step, rank);
+  }
+  if (threadIdx.x == 0) *seq_word = step;
+}
+
+#define MK_COLLECTIVE_KERNEL(suffix, T)                                                              \
+  extern "C" __global__ void __launch_bounds__(MK_COLLECTIVE_THREADS) mk_collective_##suffix(      \
+      const __grid_constant__ CollectiveParams p) {                                                  \
+    collective<T>(p);                                                                                \
+  }
+
+MK_COLLECTIVE_KERNEL(i8, int8_t)
+MK_COLLECTIVE_KERNEL(u8, uint8_t)
+MK_COLLECTIVE_KERNEL(i32, int32_t)
+MK_COLLECTIVE_KERNEL(u32, uint32_t)
+MK_COLLECTIVE_KERNEL(i64, int64_t)
+MK_COLLECTIVE_KERNEL(u64, uint64_t)
+MK_COLLECTIVE_KERNEL(f16, __half)
+MK_COLLECTIVE_KERNEL(f32, float)
+MK_COLLECTIVE_KERNEL(f64, double)
+MK_COLLECTIVE_KERNEL(bf16, __nv_bfloat16)
+
+// ---- benchmark check: float32 results against the inputs' generator, on the device ----
+// The same stream as mk_fill_random in util.cu (SplitMix64 of seed and index).
+__device__ __forceinline__ uint64_t check_splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+__device__ __forceinline__ float check_uniform(uint64_t seed, uint64_t i) {
+  uint32_t r = (uint32_t)(check_splitmix64(seed * 0x632be59bd9b4e019ull + i) >> 40);
+  return (float)r * (2.0f / 16777216.0f) - 1.0f;
+}
+
+extern "C" __global__ void mk_collective_check(CollectiveCheckParams c) {
+  const float* out = reinterpret_cast<const float*>(c.out);
+  uint64_t total = c.kind == MK_OP_ALL_GATHER ? c.count * (uint64_t)c.nranks : c.count;
+  uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  unsigned long long wrong = 0;
+  for (uint64_t j = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; j < total; j += stride) {
+    double expect = 0.0;
+    if (c.kind == MK_OP_ALL_GATHER) {
+      expect = check_uniform(c.seed_base + j / c.count, j % c.count);
+    } else {
+      uint64_t i = c.kind == MK_OP_REDUCE_SCATTER ? (uint64_t)c.rank * c.count + j : j;
+      for (int p = 0; p < c.nranks; ++p) expect += (double)check_uniform(c.seed_base + p, i);
+      if (c.op == MK_RED_AVG) expect /= c.nranks;
+    }
+    double d = fabs((double)out[j] - expect);
+    if (!(d <= 1e-6 * c.nranks + 1e-6 * fabs(expect))) ++wrong;
+  }
+  if (wrong) atomicAdd(reinterpret_cast<unsigned long long*>(c.wrong), wrong);
+}

@@ -1,0 +1,163 @@
+// Signals between ranks: epoch-valued flags in the symmetric workspace, written with
+// release and read with acquire at system scope, and bounded waits.
+//
+// Every flag only ever grows (it holds a step number), so nothing is reset between calls:
+// a waiter asks "has this flag reached step s?". Every wait is bounded by the
+// communicator's timeout (ws.timeout_ns of %globaltimer). A wait that gives up
+//   - records an error word in the rank's host-mapped CommStatus (first error wins; the
+//     host reads it in mkCommGetAsyncError and refuses new ops afterwards),
+//   - raises the abort word in every rank's signal region (its own too), so every other
+//     CTA of every rank stops at its next wait instead of waiting out its own timeout,
+//   - returns false; the caller's CTA must then leave the kernel.
+// A wait that sees a raised abort word (or mkCommAbort's host abort word) records
+// mkRemoteError (or mkInvalidUsage for a local abort) and returns false the same way.
+//
+// Fused kernels use the same helpers: mk_signal_word() for a flag, mk_cta_signal_peers()
+// / mk_signal_store() to post one, mk_cta_wait() / mk_wait_geq() to wait, and the
+// MK_SIG_OP_BASE.. words of the signal region for their own flags.
+#pragma once
+#include <stdint.h>
+#include "mk_kernel_abi.h"
+
+// ---- signal-region layout (u64 word indexes; mirrored by src/comm/workspace.rs) ----
+#define MK_SIG_ABORT 0            // nonzero: 1 + the rank that raised it
+#define MK_SIG_SEQ 64             // + b: last step of collective CTA b (its own rank only)
+#define MK_SIG_MAX_CTAS 256       // collective CTA slots with flags
+#define MK_SIG_READY 512          // + b*8 + src: src's piece of step s is staged (collectives)
+#define MK_SIG_READY2 (MK_SIG_READY + MK_SIG_MAX_CTAS * MK_MAX_PEERS)  // AllReduce: src's reduced slice is ready
+#define MK_SIG_FREE (MK_SIG_READY2 + MK_SIG_MAX_CTAS * MK_MAX_PEERS)   // src finished reading this rank's slot of step s
+#define MK_SIG_OP_BASE 8192       // words from here to MK_SIG_WORDS belong to the fused ops
+#define MK_SIG_WORDS 131072       // 1 MiB signal region
+
+// ---- error words (decoded by ops::collectives::ErrorWord on the host) ----
+// bits 0-7 mkResult_t code, 8-15 peer rank (0xff: none), 16-23 what was awaited, 24-31 op.
+#define MK_RESULT_INVALID_USAGE 5
+#define MK_RESULT_REMOTE_ERROR 6
+#define MK_RESULT_TIMEOUT 8
+#define MK_WAIT_READY 1      // a peer's staged data
+#define MK_WAIT_READY2 2     // a peer's reduced slice
+#define MK_WAIT_FREE 3       // a peer to finish reading this rank's slot
+#define MK_WAIT_OP_FLAG 4    // a fused op's own flag
+#define MK_OP_ALL_GATHER 1
+#define MK_OP_REDUCE_SCATTER 2
+#define MK_OP_ALL_REDUCE 3
+// fused ops: 16 and up
+
+__device__ __forceinline__ uint32_t mk_error_word(uint32_t code, uint32_t peer, uint32_t what, uint32_t op) {
+  return (code & 0xff) | ((peer & 0xff) << 8) | ((what & 0xff) << 16) | ((op & 0xff) << 24);
+}
+
+// ---- memory-model primitives ----
+__device__ __forceinline__ uint64_t mk_ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t mk_ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t mk_ld_relaxed_sys_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void mk_st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void mk_st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t mk_globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Word `index` of `rank`'s signal region, as mapped in this rank.
+__device__ __forceinline__ uint64_t* mk_signal_word(const WorkspaceView& ws, int rank, uint32_t index) {
+  return reinterpret_cast<uint64_t*>(ws.signals[rank]) + index;
+}
+
+__device__ __forceinline__ CommStatus* mk_status(const WorkspaceView& ws) {
+  return reinterpret_cast<CommStatus*>(ws.status);
+}
+
+// Records `word` as this rank's error unless one is already recorded.
+__device__ __forceinline__ void mk_record_error(const WorkspaceView& ws, uint32_t word) {
+  atomicCAS_system(&mk_status(ws)->error, 0u, word);
+  __threadfence_system();
+}
+
+// Raises the abort word of every rank (this one included): their waits stop.
+__device__ __forceinline__ void mk_raise_abort(const WorkspaceView& ws) {
+  for (int r = 0; r < ws.nranks; ++r) mk_st_release_sys(mk_signal_word(ws, r, MK_SIG_ABORT), (uint64_t)ws.rank + 1);
+}
+
+// One thread: waits until *flag >= target. `what` and `op` describe the wait for the
+// error word; `peer` is the rank expected to post the flag. False: the CTA must exit.
+__device__ __noinline__ bool mk_wait_geq(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer,
+                                         uint32_t what, uint32_t op) {
+  if (mk_ld_acquire_sys(flag) >= target) return true;
+  const uint64_t* abort_word = mk_signal_word(ws, ws.rank, MK_SIG_ABORT);
+  const uint32_t* host_abort = &mk_status(ws)->host_abort;
+  uint64_t start = mk_globaltimer();
+  for (uint32_t spin = 1;; ++spin) {
+    if (mk_ld_acquire_sys(flag) >= target) return true;
+    if ((spin & 31) == 0) {
+      uint64_t raised = mk_ld_relaxed_sys(abort_word);
+      if (raised != 0) {
+        mk_record_error(ws, mk_error_word(MK_RESULT_REMOTE_ERROR, (uint32_t)(raised - 1), what, op));
+        return false;
+      }
+      if (mk_ld_relaxed_sys_u32(host_abort) != 0) {
+        mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
+        mk_raise_abort(ws);
+        return false;
+      }
+      if (mk_globaltimer() - start > ws.timeout_ns) {
+        mk_record_error(ws, mk_error_word(MK_RESULT_TIMEOUT, (uint32_t)peer, what, op));
+        mk_raise_abort(ws);
+        return false;
+      }
+    }
+  }
+}
+
+// Whole CTA: thread p (< nranks, p != skip) waits for flag_base[p] >= target in this
+// rank's signal region, then every thread learns whether all waits succeeded.
+// `flag_index(p)` is MK_SIG_READY + b*MK_MAX_PEERS + p and the like.
+__device__ __forceinline__ bool mk_cta_wait_peers(const WorkspaceView& ws, uint32_t first_word, uint64_t target, int skip,
+                                                  uint32_t what, uint32_t op) {
+  int ok = 1;
+  int p = threadIdx.x;
+  if (p < ws.nranks && p != skip) ok = mk_wait_geq(ws, mk_signal_word(ws, ws.rank, first_word + p), target, p, what, op);
+  return __syncthreads_and(ok) != 0;
+}
+
+// Whole CTA: after every thread's prior writes, thread p (< nranks, p != skip) stores
+// `value` to word `first_word + ws.rank` of rank p's signal region.
+__device__ __forceinline__ void mk_cta_signal_peers(const WorkspaceView& ws, uint32_t first_word, uint64_t value, int skip) {
+  __syncthreads();
+  int p = threadIdx.x;
+  if (p < ws.nranks && p != skip) {
+    __threadfence_system();
+    mk_st_release_sys(mk_signal_word(ws, p, first_word + ws.rank), value);
+  }
+}
+
+// Whole CTA: thread 0 waits for one flag; every thread learns the outcome.
+__device__ __forceinline__ bool mk_cta_wait(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer,
+                                            uint32_t what, uint32_t op) {
+  int ok = 1;
+  if (threadIdx.x == 0) ok = mk_wait_geq(ws, flag, target, peer, what, op);
+  return __syncthreads_and(ok) != 0;
+}
+
+// One thread: publishes `value` to a (possibly remote) flag after this thread's prior
+// writes and everything ordered before them (call after __syncthreads for CTA data).
+__device__ __forceinline__ void mk_signal_store(uint64_t* flag, uint64_t value) {
+  __threadfence_system();
+  mk_st_release_sys(flag, value);
+}

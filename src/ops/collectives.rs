@@ -1,0 +1,406 @@
+//! mkAllGather, mkReduceScatter, mkAllReduce: argument checks, the plan (grid size and
+//! piece size, pure and unit-tested), the launch of kernels/collectives.cu, and the
+//! decoding of the error words those kernels leave in the host-mapped status block.
+
+use crate::comm::Comm;
+use crate::cuda::{self, sys, LaunchConfig};
+use crate::error::{mkResult_t, MkError, Result};
+use crate::kernel_abi::{CollectiveParams, WorkspaceView};
+use crate::ensure_arg;
+use crate::types::{mkDataType_t, mkRedOp_t, RawDataType, RawRedOp};
+
+/// Threads per CTA of the collective kernels (MK_COLLECTIVE_THREADS).
+pub const THREADS: u32 = 512;
+/// Bytes a CTA should have to move before another CTA is worth adding.
+pub const MIN_BYTES_PER_CTA: u64 = 64 << 10;
+/// Pieces are multiples of this many bytes, so every piece starts 256-byte aligned.
+pub const PIECE_ALIGN_BYTES: u64 = 256;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum CollectiveKind {
+    AllGather = 1,
+    ReduceScatter = 2,
+    AllReduce = 3,
+}
+
+impl CollectiveKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::AllGather => "mkAllGather",
+            CollectiveKind::ReduceScatter => "mkReduceScatter",
+            CollectiveKind::AllReduce => "mkAllReduce",
+        }
+    }
+    /// Elements of sendbuff and recvbuff for a per-call `count` (NCCL's definitions).
+    pub fn buffer_counts(self, count: u64, nranks: u64) -> Option<(u64, u64)> {
+        let all = count.checked_mul(nranks)?;
+        Some(match self {
+            CollectiveKind::AllGather => (count, all),
+            CollectiveKind::ReduceScatter => (all, count),
+            CollectiveKind::AllReduce => (count, count),
+        })
+    }
+    /// Byte offset of sendbuff inside recvbuff for the in-place form (NCCL: AllGather
+    /// sendbuff == recvbuff + rank*count; ReduceScatter recvbuff == sendbuff + rank*count;
+    /// AllReduce the same buffer), as (which buffer is the larger, offset).
+    fn in_place_offset(self, count_bytes: u64, rank: u64) -> u64 {
+        match self {
+            CollectiveKind::AllReduce => 0,
+            _ => count_bytes * rank,
+        }
+    }
+}
+
+/// Grid and piece size of one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CollectivePlan {
+    pub ctas: u32,
+    /// Elements per piece (one CTA step).
+    pub chunk: u64,
+}
+
+/// Plans one call. `count` is elements per rank segment; `cta_slots` and `data_bytes` come
+/// from the workspace (the same on every rank, so every rank plans the same steps);
+/// `single_rank_ctas` is the grid cap for the one-rank copy (no workspace involved).
+pub fn plan(kind: CollectiveKind, count: u64, elem: u64, nranks: u64, cta_slots: u32, data_bytes: u64, single_rank_ctas: u32) -> CollectivePlan {
+    let bytes = count * elem;
+    let want = bytes.div_ceil(MIN_BYTES_PER_CTA).max(1);
+    if nranks == 1 {
+        return CollectivePlan { ctas: want.min(single_rank_ctas.max(1) as u64) as u32, chunk: count.max(1) };
+    }
+    let slots = cta_slots.max(1) as u64;
+    let region = (data_bytes / slots) & !255;
+    let slot_bytes = (region / 2) & !255;
+    // What one slot must hold per element of a piece.
+    let per_elem = match kind {
+        CollectiveKind::AllGather => elem,
+        CollectiveKind::ReduceScatter => elem * nranks,
+        CollectiveKind::AllReduce => 2 * elem,
+    };
+    let align = (PIECE_ALIGN_BYTES / elem).max(1);
+    // Largest aligned piece that fits; a slot always holds at least one aligned unit
+    // (slots are >= 4 KiB and nranks <= 8, per_elem <= 64 bytes ... 256*8*8 = 16 KiB is the
+    // worst case, so fall back to unaligned pieces only there).
+    let fit = slot_bytes / per_elem;
+    let max_chunk = if fit >= align { fit / align * align } else { fit.max(1) };
+    let ctas = want.min(slots);
+    let even = count.div_ceil(ctas).div_ceil(align) * align;
+    let chunk = even.min(max_chunk).max(1);
+    let pieces = count.div_ceil(chunk).max(1);
+    CollectivePlan { ctas: pieces.min(ctas) as u32, chunk }
+}
+
+/// The kernel instantiation for a dtype.
+pub fn kernel_name(dtype: mkDataType_t) -> &'static str {
+    use mkDataType_t::*;
+    match dtype {
+        mkInt8 => "mk_collective_i8",
+        mkUint8 => "mk_collective_u8",
+        mkInt32 => "mk_collective_i32",
+        mkUint32 => "mk_collective_u32",
+        mkInt64 => "mk_collective_i64",
+        mkUint64 => "mk_collective_u64",
+        mkFloat16 => "mk_collective_f16",
+        mkFloat32 => "mk_collective_f32",
+        mkFloat64 => "mk_collective_f64",
+        mkBfloat16 => "mk_collective_bf16",
+    }
+}
+
+/// An error word from the status block: bits 0-7 mkResult_t, 8-15 the peer rank involved
+/// (0xff none), 16-23 what was awaited, 24-31 the op (kernels/common/signals.cuh).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ErrorWord(pub u32);
+
+impl ErrorWord {
+    pub fn encode(code: mkResult_t, peer: Option<usize>, what: u32, op: u32) -> ErrorWord {
+        ErrorWord((code as u32 & 0xff) | ((peer.map_or(0xff, |p| p as u32) & 0xff) << 8) | ((what & 0xff) << 16) | ((op & 0xff) << 24))
+    }
+    pub fn code(self) -> mkResult_t {
+        match self.0 & 0xff {
+            0 => mkResult_t::mkInternalError,
+            c => mkResult_t::from_i32(c as i32),
+        }
+    }
+    pub fn peer(self) -> Option<usize> {
+        match (self.0 >> 8) & 0xff {
+            0xff => None,
+            p => Some(p as usize),
+        }
+    }
+    fn op_name(self) -> String {
+        match self.0 >> 24 {
+            1 => "mkAllGather".into(),
+            2 => "mkReduceScatter".into(),
+            3 => "mkAllReduce".into(),
+            n => format!("fused op {n}"),
+        }
+    }
+    fn awaited(self) -> &'static str {
+        match (self.0 >> 16) & 0xff {
+            1 => "its staged data",
+            2 => "its reduced slice",
+            3 => "it to finish reading this rank's workspace slot",
+            4 => "a fused-op flag",
+            _ => "a signal",
+        }
+    }
+    /// The error mkCommGetAsyncError reports, with a message for mkGetLastError.
+    pub fn to_error(self, rank: usize) -> MkError {
+        let op = self.op_name();
+        let peer = self.peer().map_or("a peer".to_string(), |p| format!("rank {p}"));
+        match self.code() {
+            mkResult_t::mkTimeout => MkError::timeout(format!(
+                "{op} on rank {rank} timed out waiting for {peer} ({}) after MK_TIMEOUT_MS; that rank is stuck, \
+                 never made the call, or died. Abort and recreate the communicator",
+                self.awaited()
+            )),
+            mkResult_t::mkRemoteError => MkError::remote(format!(
+                "{op} on rank {rank} stopped because {peer} failed or aborted (it raised the communicator's abort flag). \
+                 Abort and recreate the communicator"
+            )),
+            mkResult_t::mkInvalidUsage => MkError::invalid_usage(format!("{op} on rank {rank} stopped: the communicator was aborted (mkCommAbort)")),
+            code => MkError::new(code, format!("{op} on rank {rank} recorded error word {:#010x}", self.0)),
+        }
+    }
+}
+
+/// Checks that `ptr` is device (or managed) memory of `device`, naming `what` otherwise.
+fn check_device_pointer(ptr: u64, device: i32, what: &str) -> Result<()> {
+    let mut mem_type: u32 = 0;
+    // SAFETY: queries one attribute of an address; fails cleanly for unknown addresses.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut mem_type as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            ptr,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS || mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        let mut managed: u32 = 0;
+        // SAFETY: as above.
+        let rm = unsafe {
+            sys::cuPointerGetAttribute((&mut managed as *mut u32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)
+        };
+        if !(rm == sys::CUresult::CUDA_SUCCESS && managed != 0) {
+            return Err(MkError::invalid_argument(format!(
+                "{what} ({ptr:#x}) is not device memory (allocate it with cudaMalloc on the communicator's device)"
+            )));
+        }
+        return Ok(());
+    }
+    let mut ordinal: i32 = -1;
+    // SAFETY: as above.
+    let r = unsafe {
+        sys::cuPointerGetAttribute((&mut ordinal as *mut i32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+    };
+    if r == sys::CUresult::CUDA_SUCCESS && ordinal != device {
+        return Err(MkError::invalid_argument(format!("{what} ({ptr:#x}) is memory of device {ordinal}, but the communicator uses device {device}")));
+    }
+    Ok(())
+}
+
+/// Validated arguments of one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CollectiveArgs {
+    pub kind: CollectiveKind,
+    pub send: u64,
+    pub recv: u64,
+    /// Elements per rank segment.
+    pub count: u64,
+    pub dtype: mkDataType_t,
+    pub op: mkRedOp_t,
+}
+
+/// Argument checks that need no GPU: dtype/op values, NULLs, element alignment, sizes,
+/// and overlap (only NCCL's in-place position is allowed).
+pub fn validate(kind: CollectiveKind, send: u64, recv: u64, count: usize, dtype: RawDataType, op: Option<RawRedOp>, rank: usize, nranks: usize) -> Result<CollectiveArgs> {
+    let dtype = mkDataType_t::from_raw(dtype)?;
+    let op = match op {
+        Some(o) => mkRedOp_t::from_raw(o)?,
+        None => mkRedOp_t::mkSum,
+    };
+    let count = count as u64;
+    let args = CollectiveArgs { kind, send, recv, count, dtype, op };
+    if count == 0 {
+        return Ok(args);
+    }
+    let elem = dtype.size() as u64;
+    let (send_count, recv_count) = kind
+        .buffer_counts(count, nranks as u64)
+        .filter(|&(s, r)| s.checked_mul(elem).is_some() && r.checked_mul(elem).is_some() && s * elem <= isize::MAX as u64 && r * elem <= isize::MAX as u64)
+        .ok_or_else(|| MkError::invalid_argument(format!("count {count} × {nranks} ranks × {elem} bytes overflows")))?;
+    ensure_arg!(send != 0, "sendbuff is NULL");
+    ensure_arg!(recv != 0, "recvbuff is NULL");
+    ensure_arg!(send % elem == 0, "sendbuff ({send:#x}) is not aligned to its {elem}-byte {} elements", dtype.name());
+    ensure_arg!(recv % elem == 0, "recvbuff ({recv:#x}) is not aligned to its {elem}-byte {} elements", dtype.name());
+    let (send_bytes, recv_bytes) = (send_count * elem, recv_count * elem);
+    let overlap = send < recv + recv_bytes && recv < send + send_bytes;
+    if overlap {
+        let in_place = match kind {
+            CollectiveKind::AllGather => send == recv + kind.in_place_offset(count * elem, rank as u64),
+            CollectiveKind::ReduceScatter => recv == send + kind.in_place_offset(count * elem, rank as u64),
+            CollectiveKind::AllReduce => send == recv,
+        };
+        if !in_place {
+            let rule = match kind {
+                CollectiveKind::AllGather => "in place means sendbuff == recvbuff + rank * sendcount elements",
+                CollectiveKind::ReduceScatter => "in place means recvbuff == sendbuff + rank * recvcount elements",
+                CollectiveKind::AllReduce => "in place means sendbuff == recvbuff",
+            };
+            return Err(MkError::invalid_argument(format!("sendbuff and recvbuff overlap but not in place ({rule})")));
+        }
+    }
+    Ok(args)
+}
+
+/// Validates, plans and launches one collective on `comm` (stream-ordered, no host sync).
+pub fn collective(comm: &Comm, kind: CollectiveKind, send: u64, recv: u64, count: usize, dtype: RawDataType, op: Option<RawRedOp>, stream: sys::CUstream) -> Result<()> {
+    comm.check_usable()?;
+    let args = validate(kind, send, recv, count, dtype, op, comm.rank, comm.nranks)?;
+    let ws = comm.workspace.as_ref().ok_or_else(|| {
+        MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+    })?;
+    if args.count == 0 {
+        return Ok(());
+    }
+    let _ctx = comm.context.enter()?;
+    check_device_pointer(args.send, comm.context.device, "sendbuff")?;
+    check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
+    launch(&ws.view, &args, single_rank_ctas(comm)?, stream)
+}
+
+fn single_rank_ctas(comm: &Comm) -> Result<u32> {
+    let sms = cuda::sm_count(comm.context.device)? as u32;
+    Ok(comm.config.max_ctas.unwrap_or(2 * sms).max(1))
+}
+
+/// Launches the collective kernel for validated `args` (the context must be current).
+pub fn launch(view: &WorkspaceView, args: &CollectiveArgs, single_rank_ctas: u32, stream: sys::CUstream) -> Result<()> {
+    let elem = args.dtype.size() as u64;
+    let p = plan(args.kind, args.count, elem, view.nranks as u64, view.cta_slots as u32, view.data_bytes, single_rank_ctas);
+    let f = cuda::function("collectives", kernel_name(args.dtype))?;
+    let mut params = CollectiveParams {
+        ws: *view,
+        send: args.send,
+        recv: args.recv,
+        count: args.count,
+        chunk: p.chunk,
+        kind: args.kind as i32,
+        dtype: args.dtype as i32,
+        op: args.op as i32,
+        elem_size: elem as i32,
+    };
+    let cfg = LaunchConfig { grid: (p.ctas, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: one CollectiveParams by value; the buffers were checked to be device memory
+    // of this context's device, large enough as the caller promised.
+    unsafe { cuda::launch(f, cfg, stream, &mut [(&mut params as *mut CollectiveParams).cast()]) }
+        .map_err(|e| e.context(format!("launching {}", args.kind.name())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::mkDataType_t::*;
+
+    fn slot_need(kind: CollectiveKind, chunk: u64, elem: u64, nranks: u64) -> u64 {
+        match kind {
+            CollectiveKind::AllGather => chunk * elem,
+            CollectiveKind::ReduceScatter => chunk * elem * nranks,
+            CollectiveKind::AllReduce => 2 * chunk * elem,
+        }
+    }
+
+    #[test]
+    fn plans_fit_the_slots_cover_the_message_and_stay_aligned() {
+        let kinds = [CollectiveKind::AllGather, CollectiveKind::ReduceScatter, CollectiveKind::AllReduce];
+        for kind in kinds {
+            for nranks in [2u64, 3, 4, 8] {
+                for elem in [1u64, 2, 4, 8] {
+                    for (slots, data) in [(64u32, 256u64 << 20), (8, 4 << 20), (1, 64 << 10), (16, 1 << 20)] {
+                        for count in [1u64, 7, 255, 4097, 1_000_003, 300_000_000] {
+                            let p = plan(kind, count, elem, nranks, slots, data, 264);
+                            assert!(p.ctas >= 1 && p.ctas <= slots, "{kind:?} {p:?}");
+                            let slot_bytes = ((data / slots as u64) & !255) / 2 & !255;
+                            assert!(slot_need(kind, p.chunk, elem, nranks) <= slot_bytes, "{kind:?} n={nranks} e={elem} {p:?} slot {slot_bytes}");
+                            assert!(p.chunk * p.ctas as u64 >= count.min(p.chunk * p.ctas as u64));
+                            assert!(count.div_ceil(p.chunk) >= p.ctas as u64, "no idle CTA: {p:?} count {count}");
+                            if count * elem >= 1 << 20 {
+                                assert_eq!(p.chunk * elem % 16, 0, "large pieces stay vector-aligned");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grid_grows_with_size_and_respects_caps() {
+        let small = plan(CollectiveKind::AllGather, 1000, 4, 4, 64, 256 << 20, 264);
+        assert_eq!(small.ctas, 1);
+        let big = plan(CollectiveKind::AllGather, 64 << 20, 4, 4, 16, 256 << 20, 264);
+        assert_eq!(big.ctas, 16);
+        let one = plan(CollectiveKind::AllGather, 256 << 20, 1, 1, 1, 0, 264);
+        assert_eq!((one.ctas, one.chunk), (264, 256 << 20));
+        let capped = plan(CollectiveKind::AllReduce, 256 << 20, 1, 1, 1, 0, 10);
+        assert_eq!(capped.ctas, 10);
+    }
+
+    #[test]
+    fn error_words_decode_to_codes_and_messages() {
+        let w = ErrorWord::encode(mkResult_t::mkTimeout, Some(3), 1, 1);
+        assert_eq!(w.code(), mkResult_t::mkTimeout);
+        assert_eq!(w.peer(), Some(3));
+        let e = w.to_error(0);
+        assert_eq!(e.code, mkResult_t::mkTimeout);
+        assert!(e.message.contains("mkAllGather on rank 0 timed out waiting for rank 3"), "{}", e.message);
+        let r = ErrorWord::encode(mkResult_t::mkRemoteError, Some(1), 3, 3).to_error(2);
+        assert_eq!(r.code, mkResult_t::mkRemoteError);
+        assert!(r.message.contains("mkAllReduce on rank 2 stopped because rank 1"), "{}", r.message);
+        let a = ErrorWord::encode(mkResult_t::mkInvalidUsage, None, 2, 2);
+        assert_eq!(a.peer(), None);
+        assert_eq!(a.to_error(0).code, mkResult_t::mkInvalidUsage);
+        // The kernel's encoding (signals.cuh mk_error_word) is the same bit layout.
+        assert_eq!(ErrorWord::encode(mkResult_t::mkTimeout, Some(2), 3, 2).0, 8 | (2 << 8) | (3 << 16) | (2 << 24));
+        assert_eq!(ErrorWord(0x42).code(), mkResult_t::mkInternalError);
+    }
+
+    #[test]
+    fn validation_names_the_problem() {
+        let v = |k, s, r, c, d, o| validate(k, s, r, c, d, o, 1, 4);
+        let ag = CollectiveKind::AllGather;
+        let rs = CollectiveKind::ReduceScatter;
+        let ar = CollectiveKind::AllReduce;
+        let f32_ = mkFloat32 as RawDataType;
+        let msg = |r: Result<CollectiveArgs>| r.unwrap_err().message;
+        assert!(msg(v(ag, 0, 0x2000, 10, f32_, None)).contains("sendbuff is NULL"));
+        assert!(msg(v(ag, 0x1000, 0, 10, f32_, None)).contains("recvbuff is NULL"));
+        assert!(msg(v(ar, 0x1000, 0x9000, 10, 99, Some(0))).contains("unknown datatype 99"));
+        assert!(msg(v(ar, 0x1000, 0x9000, 10, f32_, Some(7))).contains("unknown reduction op 7"));
+        assert!(msg(v(ar, 0x1002, 0x9000, 10, f32_, Some(0))).contains("not aligned"));
+        assert!(msg(v(ar, 0x1000, 0x9000, usize::MAX / 2, f32_, Some(0))).contains("overflows"));
+        // count 0 is a no-op, even with NULL buffers (as NCCL)
+        assert!(v(ar, 0, 0, 0, f32_, Some(0)).is_ok());
+        // in place as NCCL defines it
+        assert!(v(ar, 0x1000, 0x1000, 10, f32_, Some(0)).is_ok());
+        assert!(v(ag, 0x1000 + 40, 0x1000, 10, f32_, None).is_ok(), "rank 1 of 4: recvbuff + 1*10 floats");
+        assert!(v(rs, 0x1000, 0x1000 + 40, 10, f32_, Some(0)).is_ok());
+        // any other overlap is refused
+        assert!(msg(v(ar, 0x1000, 0x1004, 10, f32_, Some(0))).contains("overlap"));
+        assert!(msg(v(ag, 0x1000, 0x1000, 10, f32_, None)).contains("recvbuff + rank * sendcount"));
+        assert!(msg(v(rs, 0x1000, 0x1000, 10, f32_, Some(0))).contains("sendbuff + rank * recvcount"));
+        // disjoint buffers are fine
+        assert!(v(rs, 0x1000, 0x1000 + 160, 10, f32_, Some(4)).is_ok());
+    }
+
+    #[test]
+    fn every_dtype_has_a_kernel() {
+        let src = include_str!("../../kernels/collectives.cu");
+        for t in mkDataType_t::ALL {
+            let name = kernel_name(t).trim_start_matches("mk_collective_");
+            assert!(src.contains(&format!("MK_COLLECTIVE_KERNEL({name},")), "{name}");
+        }
+    }
+}
