@@ -1,8 +1,8 @@
 // Plain GEMM entry kernels (mkGemm): the engine of kernels/common/gemm with the grouped
 // raster, no A wait and either the TMA-store or the direct-store epilogue.
 //
-// Kernel name: mk_gemm_<dtype>_bn<BN>_<epilogue>, dtype in {bf16, f16}, BN in {64, 128, 256},
-// epilogue in {tma, direct}. All share one signature (unused arguments are ignored):
+// Kernel name: mk_gemm_<dtype>_bn<BN>_<epilogue>[_c2a|_c2b], dtype in {bf16, f16}, BN in
+// {64, 128, 256}, epilogue in {tma, direct}; _c2a/_c2b: 2-CTA cluster sharing A/B. All share one signature (unused arguments are ignored):
 //   (CUtensorMap tma_a, CUtensorMap tma_b, CUtensorMap tma_c, void* c, int M, int N, int K,
 //    int group_m)
 // Launch: 384 threads, grid = number of CTAs (<= tiles), dynamic shared memory =
@@ -22,10 +22,10 @@ struct PlainStages {
   static constexpr int value = fit > 8 ? 8 : fit;
 };
 
-template <typename T, int BN, bool TMA_EPI>
+template <typename T, int BN, bool TMA_EPI, int SHARE = SHARE_NONE>
 __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
                                            const CUtensorMap* tma_c, void* c, int M, int N, int K, int group_m) {
-  using Cfg = GemmConfig<T, BN, PlainStages<BN, TMA_EPI>::value>;
+  using Cfg = GemmConfig<T, BN, PlainStages<BN, TMA_EPI>::value, SHARE>;
   using Epi = typename std::conditional<TMA_EPI, TmaStoreEpilogue, DirectStoreEpilogue<StoreOp>>::type;
   extern __shared__ __align__(1024) char smem[];
   uint32_t dyn_smem;
@@ -35,6 +35,8 @@ __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUten
   RasterParams sched;
   sched.tiles_m = (M + Cfg::BM - 1) / Cfg::BM;
   sched.tiles_n = (N + BN - 1) / BN;
+  if (SHARE == SHARE_B) sched.tiles_m = (sched.tiles_m + 1) / 2;  // the raster walks cluster tiles
+  if (SHARE == SHARE_A) sched.tiles_n = (sched.tiles_n + 1) / 2;
   sched.group_m = group_m > 0 ? group_m : 1;
   sched.m_block_base = 0;
   NoAWait::Params await{0};
@@ -53,12 +55,13 @@ __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUten
 }  // namespace gemm
 }  // namespace mk
 
-#define MK_GEMM_ENTRY(NAME, T, BN, TMA_EPI)                                                             \
+#define MK_GEMM_ENTRY_SHARE(NAME, T, BN, TMA_EPI, SHARE)                                                \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                 \
       NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,       \
            const __grid_constant__ CUtensorMap tma_c, void* c, int M, int N, int K, int group_m) {     \
-    mk::gemm::plain_gemm<T, BN, TMA_EPI>(&tma_a, &tma_b, &tma_c, c, M, N, K, group_m);                 \
+    mk::gemm::plain_gemm<T, BN, TMA_EPI, SHARE>(&tma_a, &tma_b, &tma_c, c, M, N, K, group_m);          \
   }
+#define MK_GEMM_ENTRY(NAME, T, BN, TMA_EPI) MK_GEMM_ENTRY_SHARE(NAME, T, BN, TMA_EPI, mk::gemm::SHARE_NONE)
 
 MK_GEMM_ENTRY(mk_gemm_bf16_bn256_tma, __nv_bfloat16, 256, true)
 MK_GEMM_ENTRY(mk_gemm_bf16_bn128_tma, __nv_bfloat16, 128, true)
@@ -72,3 +75,14 @@ MK_GEMM_ENTRY(mk_gemm_f16_bn64_tma, __half, 64, true)
 MK_GEMM_ENTRY(mk_gemm_f16_bn256_direct, __half, 256, false)
 MK_GEMM_ENTRY(mk_gemm_f16_bn128_direct, __half, 128, false)
 MK_GEMM_ENTRY(mk_gemm_f16_bn64_direct, __half, 64, false)
+
+// 2-CTA clusters with TMA multicast (launch with cluster dims (2,1,1), even grid):
+// _c2b share B (pairs of m-blocks), _c2a share A (pairs of n-blocks).
+MK_GEMM_ENTRY_SHARE(mk_gemm_bf16_bn256_tma_c2b, __nv_bfloat16, 256, true, mk::gemm::SHARE_B)
+MK_GEMM_ENTRY_SHARE(mk_gemm_bf16_bn128_tma_c2b, __nv_bfloat16, 128, true, mk::gemm::SHARE_B)
+MK_GEMM_ENTRY_SHARE(mk_gemm_bf16_bn128_tma_c2a, __nv_bfloat16, 128, true, mk::gemm::SHARE_A)
+MK_GEMM_ENTRY_SHARE(mk_gemm_bf16_bn64_tma_c2a, __nv_bfloat16, 64, true, mk::gemm::SHARE_A)
+MK_GEMM_ENTRY_SHARE(mk_gemm_f16_bn256_tma_c2b, __half, 256, true, mk::gemm::SHARE_B)
+MK_GEMM_ENTRY_SHARE(mk_gemm_f16_bn128_tma_c2b, __half, 128, true, mk::gemm::SHARE_B)
+MK_GEMM_ENTRY_SHARE(mk_gemm_f16_bn128_tma_c2a, __half, 128, true, mk::gemm::SHARE_A)
+MK_GEMM_ENTRY_SHARE(mk_gemm_f16_bn64_tma_c2a, __half, 64, true, mk::gemm::SHARE_A)

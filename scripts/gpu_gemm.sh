@@ -15,7 +15,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,po
   | tee "$OUT/gpu.txt"
 
 echo "== mktest gemm"
-timeout 240 ./target/release/mktest gemm > "$OUT/mktest_gemm.log" 2>&1 || status=1
+# Sweep the variants (tile widths, 2-CTA clusters) only when every variant passed its checks.
+sweep="--sweep"
+timeout 150 ./target/release/mktest gemm > "$OUT/mktest_gemm.log" 2>&1 || { status=1; sweep=""; }
 grep -v " -> ok$" "$OUT/mktest_gemm.log" | tail -20
 
 if [ -f build/gemm_standalone/libmkgemm_standalone.so ]; then
@@ -25,7 +27,7 @@ if [ -f build/gemm_standalone/libmkgemm_standalone.so ]; then
 fi
 
 echo "== mkbench gemm"
-timeout 300 ./target/release/mkbench gemm --json "$OUT/mkbench_gemm.json" ${MKBENCH_ARGS:-} 2>&1 | tee "$OUT/mkbench_gemm.log" || status=1
+timeout 300 ./target/release/mkbench gemm --json "$OUT/mkbench_gemm.json" ${MKBENCH_ARGS-$sweep} 2>&1 | tee "$OUT/mkbench_gemm.log" || status=1
 
 echo "== SASS / ptxas"
 if [ -f build/gemm_fatbin/gemm.fatbin ]; then

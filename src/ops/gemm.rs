@@ -38,6 +38,40 @@ impl Epilogue {
     }
 }
 
+/// 2-CTA clusters whose CTAs share one operand through TMA multicast (kernels/common/gemm
+/// SHARE_A / SHARE_B): half the L2→SM traffic for that operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cluster {
+    /// One CTA per work item.
+    None,
+    /// Two CTAs on n-blocks 2j, 2j+1 of one m-block load A once (tile widths 64, 128).
+    ShareA,
+    /// Two CTAs on m-blocks 2i, 2i+1 of one n-block load B once (tile widths 128, 256).
+    ShareB,
+}
+
+impl Cluster {
+    fn suffix(self) -> &'static str {
+        match self {
+            Cluster::None => "",
+            Cluster::ShareA => "_c2a",
+            Cluster::ShareB => "_c2b",
+        }
+    }
+    /// CTAs per cluster.
+    pub fn size(self) -> usize {
+        if self == Cluster::None { 1 } else { 2 }
+    }
+    /// Whether kernels/gemm.cu has this cluster kind for a tile width and epilogue.
+    pub fn compiled_for(self, bn: usize, epilogue: Epilogue) -> bool {
+        match self {
+            Cluster::None => true,
+            Cluster::ShareA => epilogue == Epilogue::Tma && (bn == 64 || bn == 128),
+            Cluster::ShareB => epilogue == Epilogue::Tma && (bn == 128 || bn == 256),
+        }
+    }
+}
+
 /// Pipeline depth of the plain-GEMM kernels: the deepest ring that fits next to the
 /// epilogue's staging buffers, at most 8. Mirrors `PlainStages` in kernels/gemm.cu.
 pub fn stages(bn: usize, epilogue: Epilogue) -> usize {
@@ -70,6 +104,9 @@ pub struct PlanOverrides {
     pub group_m: Option<usize>,
     /// Upper bound on the number of CTAs (the engine's CTA-count parameter).
     pub max_ctas: Option<usize>,
+    /// 2-CTA cluster kind (falls back to none where no kernel exists or the shared
+    /// dimension has an odd number of tiles).
+    pub cluster: Option<Cluster>,
 }
 
 /// Everything the launch needs, decided from the shape and the device.
@@ -81,10 +118,13 @@ pub struct GemmPlan {
     pub smem_bytes: usize,
     pub tiles_m: usize,
     pub tiles_n: usize,
-    /// m-blocks walked together by the grouped raster.
+    /// Raster group passed to the kernel: m-blocks walked together (pairs of m-blocks
+    /// for Cluster::ShareB).
     pub group_m: usize,
-    /// Persistent CTAs: min(tiles, SMs, max_ctas).
+    /// Persistent CTAs: min(tiles, SMs, max_ctas), even with clusters (the launch may lower
+    /// it further to what can be co-resident as clusters).
     pub grid: usize,
+    pub cluster: Cluster,
 }
 
 impl GemmPlan {
@@ -94,7 +134,7 @@ impl GemmPlan {
     /// Entry kernel name in kernels/gemm.cu.
     pub fn kernel_name(&self, dtype: mkDataType_t) -> String {
         let d = if dtype == mkDataType_t::mkFloat16 { "f16" } else { "bf16" };
-        format!("mk_gemm_{d}_bn{}_{}", self.bn, self.epilogue.suffix())
+        format!("mk_gemm_{d}_bn{}_{}{}", self.bn, self.epilogue.suffix(), self.cluster.suffix())
     }
 }
 
@@ -123,9 +163,24 @@ pub fn plan(m: usize, n: usize, sms: usize, tma_epilogue_ok: bool, o: PlanOverri
     let epilogue = if tma_epilogue_ok { Epilogue::Tma } else { Epilogue::Direct };
     let tiles_m = m.div_ceil(BM);
     let tiles_n = n.div_ceil(bn);
-    let grid = (tiles_m * tiles_n).clamp(1, ctas_cap);
-    let group_m = o.group_m.unwrap_or_else(|| raster_group(tiles_m, bn, grid)).clamp(1, tiles_m.max(1));
-    GemmPlan { bn, epilogue, stages: stages(bn, epilogue), smem_bytes: smem_bytes(bn, epilogue), tiles_m, tiles_n, group_m, grid }
+    let mut cluster = o.cluster.unwrap_or(Cluster::None);
+    let even = match cluster {
+        Cluster::None => true,
+        Cluster::ShareA => tiles_n % 2 == 0,
+        Cluster::ShareB => tiles_m % 2 == 0,
+    };
+    if !even || !cluster.compiled_for(bn, epilogue) || ctas_cap < 2 {
+        cluster = Cluster::None;
+    }
+    let cs = cluster.size();
+    let grid = ((tiles_m * tiles_n).min(ctas_cap) / cs * cs).max(1);
+    let group_m = o.group_m.unwrap_or_else(|| raster_group(tiles_m, bn, grid));
+    let group_m = if cluster == Cluster::ShareB {
+        group_m.div_ceil(2).clamp(1, tiles_m.div_ceil(2))
+    } else {
+        group_m.clamp(1, tiles_m.max(1))
+    };
+    GemmPlan { bn, epilogue, stages: stages(bn, epilogue), smem_bytes: smem_bytes(bn, epilogue), tiles_m, tiles_n, group_m, grid, cluster }
 }
 
 /// A GEMM call's arguments after validation.
@@ -216,14 +271,17 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
     if args.m == 0 || args.n == 0 {
         return Ok(());
     }
-    let mut ta = tensor_map(args.a, args.dtype, args.m, args.k, BM, BK)?;
-    let mut tb = tensor_map(args.b, args.dtype, args.n, args.k, plan.bn, BK)?;
+    // A CTA of a cluster loads half of the shared operand (multicast to both).
+    let a_rows = if plan.cluster == Cluster::ShareA { BM / 2 } else { BM };
+    let b_rows = if plan.cluster == Cluster::ShareB { plan.bn / 2 } else { plan.bn };
+    let mut ta = tensor_map(args.a, args.dtype, args.m, args.k, a_rows, BK)?;
+    let mut tb = tensor_map(args.b, args.dtype, args.n, args.k, b_rows, BK)?;
     // The direct epilogue ignores tma_c; pass any valid map.
     let mut tc = if plan.epilogue == Epilogue::Tma { tensor_map(args.c, args.dtype, args.m, args.n, 64, 64)? } else { ta };
     let f = cuda::function("gemm", &plan.kernel_name(args.dtype))?;
     let mut c = args.c;
     let (mut m, mut n, mut k, mut g) = (args.m as i32, args.n as i32, args.k as i32, plan.group_m as i32);
-    let cfg = LaunchConfig { grid: (plan.grid as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: plan.smem_bytes as u32 };
+    let mut cfg = LaunchConfig { grid: (plan.grid as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: plan.smem_bytes as u32 };
     let mut params: [*mut c_void; 8] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
@@ -234,9 +292,68 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
         (&mut k as *mut i32).cast(),
         (&mut g as *mut i32).cast(),
     ];
-    // SAFETY: the parameters match the entry kernels' signature (3 tensor maps, a pointer,
-    // 4 ints); A, B and C were validated and cover M×K, N×K and M×N elements (caller's contract).
-    unsafe { cuda::launch(f, cfg, stream, &mut params) }
+    if plan.cluster == Cluster::None {
+        // SAFETY: the parameters match the entry kernels' signature (3 tensor maps, a pointer,
+        // 4 ints); A, B and C were validated and cover M×K, N×K and M×N elements (caller's contract).
+        return unsafe { cuda::launch(f, cfg, stream, &mut params) };
+    }
+    // Persistent clusters must all be resident: no more than the GPU can co-schedule.
+    let resident = max_active_clusters(f, plan.smem_bytes)?;
+    cfg.grid.0 = cfg.grid.0.min(2 * resident as u32).max(2);
+    // SAFETY: as above; the kernel is a cluster kernel launched with cluster dims (2,1,1).
+    unsafe { launch_cluster2(f, cfg, stream, &mut params) }
+}
+
+fn cluster2_config(f: sys::CUfunction, cfg: LaunchConfig, stream: sys::CUstream, attr: &mut sys::CUlaunchAttribute) -> Result<sys::CUlaunchConfig> {
+    // SAFETY: plain attribute setting on a valid function.
+    cuda::check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+        sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)
+    })?;
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 2, y: 1, z: 1 };
+    Ok(sys::CUlaunchConfig {
+        gridDimX: cfg.grid.0,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: cfg.block.0,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream,
+        attrs: attr,
+        numAttrs: 1,
+    })
+}
+
+/// How many 2-CTA clusters of `f` can be resident at once (cached per function and size).
+fn max_active_clusters(f: sys::CUfunction, smem: usize) -> Result<usize> {
+    use parking_lot::Mutex;
+    static CACHE: Mutex<Vec<(usize, usize, usize)>> = Mutex::new(Vec::new());
+    if let Some(&(_, _, n)) = CACHE.lock().iter().find(|(g, s, _)| *g == f as usize && *s == smem) {
+        return Ok(n);
+    }
+    // SAFETY: an all-zero attribute is valid plain data; it is filled in by cluster2_config.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    let cfg = LaunchConfig { grid: (2, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem as u32 };
+    let lc = cluster2_config(f, cfg, std::ptr::null_mut(), &mut attr)?;
+    let mut n: i32 = 0;
+    // SAFETY: lc points at attr, alive for the call.
+    cuda::check("cuOccupancyMaxActiveClusters", unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &lc) })?;
+    if n < 1 {
+        return Err(MkError::internal(format!("no 2-CTA cluster of the GEMM kernel fits on this GPU ({smem} bytes of shared memory)")));
+    }
+    CACHE.lock().push((f as usize, smem, n as usize));
+    Ok(n as usize)
+}
+
+/// Launches a kernel with cluster dims (2,1,1).
+///
+/// # Safety
+/// As for [`cuda::launch`]; `cfg.grid.0` must be even.
+unsafe fn launch_cluster2(f: sys::CUfunction, cfg: LaunchConfig, stream: sys::CUstream, params: &mut [*mut c_void]) -> Result<()> {
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    let lc = cluster2_config(f, cfg, stream, &mut attr)?;
+    cuda::check("cuLaunchKernelEx (2-CTA clusters)", sys::cuLaunchKernelEx(&lc, f, params.as_mut_ptr(), std::ptr::null_mut()))
 }
 
 /// The SM count of the current context's device (cached per device).
@@ -329,7 +446,7 @@ mod tests {
 
     #[test]
     fn overrides_cap_ctas_and_fix_the_tile() {
-        let o = PlanOverrides { bn: Some(128), group_m: Some(4), max_ctas: Some(100) };
+        let o = PlanOverrides { bn: Some(128), group_m: Some(4), max_ctas: Some(100), cluster: None };
         let p = plan(4096, 4096, 132, true, o);
         assert_eq!((p.bn, p.group_m, p.grid), (128, 4, 100));
         // A CTA cap above the SM count is clamped to the SMs (one CTA per SM).
@@ -337,6 +454,31 @@ mod tests {
         assert_eq!(p.grid, 132);
         // group never exceeds the m-blocks
         assert_eq!(plan(256, 65536, 132, true, PlanOverrides::default()).group_m, 2);
+    }
+
+    #[test]
+    fn clusters_pair_tiles_and_fall_back_where_they_cannot() {
+        let with = |m, n, bn, c| {
+            plan(m, n, 132, true, PlanOverrides { bn: Some(bn), cluster: Some(c), ..Default::default() })
+        };
+        // Large: pairs of m-blocks share B; the raster group counts pairs; even grid.
+        let p = with(8192, 8192, 256, Cluster::ShareB);
+        assert_eq!((p.cluster, p.group_m, p.grid), (Cluster::ShareB, 8, 132));
+        assert_eq!(p.kernel_name(mkDataType_t::mkBfloat16), "mk_gemm_bf16_bn256_tma_c2b");
+        // Skinny: pairs of n-blocks share A.
+        let p = with(128, 8192, 64, Cluster::ShareA);
+        assert_eq!((p.cluster, p.grid, p.group_m), (Cluster::ShareA, 128, 1));
+        assert_eq!(p.kernel_name(mkDataType_t::mkFloat16), "mk_gemm_f16_bn64_tma_c2a");
+        // Odd number of tiles along the shared direction, no such kernel, direct epilogue,
+        // or a single CTA: no cluster.
+        assert_eq!(with(384, 8192, 256, Cluster::ShareB).cluster, Cluster::None); // 3 m-blocks
+        assert_eq!(with(8192, 8192, 256, Cluster::ShareA).cluster, Cluster::None); // no bn256 c2a kernel
+        assert_eq!(plan(8192, 8190, 132, false, PlanOverrides { cluster: Some(Cluster::ShareB), ..Default::default() }).cluster, Cluster::None);
+        let p = plan(256, 256, 132, true, PlanOverrides { max_ctas: Some(1), cluster: Some(Cluster::ShareB), ..Default::default() });
+        assert_eq!((p.cluster, p.grid), (Cluster::None, 1));
+        // An odd CTA budget rounds down to whole clusters.
+        let p = plan(8192, 8192, 132, true, PlanOverrides { max_ctas: Some(101), cluster: Some(Cluster::ShareB), ..Default::default() });
+        assert_eq!(p.grid, 100);
     }
 
     #[test]

@@ -40,9 +40,21 @@
 
 namespace mk { namespace gemm {
 
-template <typename T_, int BN_, int STAGES_>
+// Operand shared by a 2-CTA cluster (TMA multicast): each CTA loads half of it for both.
+//   SHARE_NONE  no cluster;
+//   SHARE_A     the two CTAs compute n-blocks 2j and 2j+1 of one m-block: A is loaded once
+//               (each CTA loads 64 of the 128 rows; A map box {64, 64});
+//   SHARE_B     the two CTAs compute m-blocks 2i and 2i+1 of one n-block: B is loaded once
+//               (each CTA loads BN/2 rows; B map box {64, BN/2}).
+// Launch with cluster dims (2,1,1) and an even grid; the schedule's Params count cluster
+// tiles (tiles_n/2 columns for SHARE_A, tiles_m/2 rows for SHARE_B, rounded up).
+constexpr int SHARE_NONE = 0, SHARE_A = 1, SHARE_B = 2;
+
+template <typename T_, int BN_, int STAGES_, int SHARE_ = SHARE_NONE>
 struct GemmConfig {
   using T = T_;
+  static constexpr int SHARE = SHARE_;
+  static constexpr int CLUSTER = SHARE_ == SHARE_NONE ? 1 : 2;
   static constexpr int BM = 128;
   static constexpr int BN = BN_;
   static constexpr int BK = 64;  // 64 x 2 bytes = one 128-byte swizzle row
@@ -54,6 +66,9 @@ struct GemmConfig {
   static constexpr int A_STAGE_BYTES = BM * BK * 2;
   static constexpr int B_STAGE_BYTES = BN * BK * 2;
   static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
+  // Rows this CTA's producer loads per stage (boxes of the tensor maps).
+  static constexpr int A_LOAD_ROWS = SHARE == SHARE_A ? BM / 2 : BM;
+  static constexpr int B_LOAD_ROWS = SHARE == SHARE_B ? BN / 2 : BN;
   static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma N");
   static_assert(sizeof(T) == 2, "16-bit inputs");
 };
@@ -89,20 +104,36 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
   uint64_t* full = reinterpret_cast<uint64_t*>(smem_c + Cfg::CONSUMERS * C_WG_BYTES);
   uint64_t* empty = full + STAGES;
 
+  constexpr int CLUSTER = Cfg::CLUSTER, SHARE = Cfg::SHARE;
   const int wg = threadIdx.x / 128;
   const int tiles_m = (shape.M + BM - 1) / BM;
   const int tiles_n = (shape.N + BN - 1) / BN;
-  const int num_tiles = tiles_m * tiles_n;
+  // Work items are cluster tiles: pairs of C tiles for a 2-CTA cluster.
+  const int items_m = SHARE == SHARE_B ? (tiles_m + 1) / 2 : tiles_m;
+  const int items_n = SHARE == SHARE_A ? (tiles_n + 1) / 2 : tiles_n;
+  const int num_items = items_m * items_n;
   const int k_blocks = (shape.K + BK - 1) / BK;
+  const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;
+  const int item0 = cta / CLUSTER, item_step = num_ctas / CLUSTER;
+  // C tile of this CTA for a cluster tile.
+  auto expand = [&](TileCoord c) {
+    if (SHARE == SHARE_A) c.n_block = c.n_block * 2 + (int)rank;
+    if (SHARE == SHARE_B) c.m_block = c.m_block * 2 + (int)rank;
+    return c;
+  };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], Cfg::CONSUMERS * 4);  // one arrival per consumer warp
+      mbar_init(&empty[s], Cfg::CONSUMERS * 4 * CLUSTER);  // one arrival per consumer warp of the cluster
     }
     fence_mbar_init();
   }
-  __syncthreads();
+  if constexpr (CLUSTER > 1) {
+    cluster_sync();  // the peer's barriers exist before anything is multicast into it
+  } else {
+    __syncthreads();
+  }
 
   if (wg == 0) {
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
@@ -111,15 +142,29 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
       prefetch_tensor_map(tma_b);
       int stage = 0;
       uint32_t phase = 0;
-      for (int t = cta; t < num_tiles; t += num_ctas) {
-        const TileCoord tc = Sched::tile(sched, t);
+      for (int t = item0; t < num_items; t += item_step) {
+        const TileCoord tc = expand(Sched::tile(sched, t));
         const int m0 = tc.m_block * BM, n0 = tc.n_block * BN;
         AWait::before_a_load(await, tc.m_block, m0, BM);
         for (int kb = 0; kb < k_blocks; ++kb) {
+          // In a cluster this waits until both CTAs' consumers freed the slot (the peer
+          // multicasts into it too).
           mbar_wait(&empty[stage], phase ^ 1);
           mbar_expect_tx(&full[stage], Cfg::STAGE_BYTES);
-          tma_load_2d(smem_a + stage * Cfg::A_STAGE_BYTES, tma_a, &full[stage], kb * BK, m0);
-          tma_load_2d(smem_b + stage * Cfg::B_STAGE_BYTES, tma_b, &full[stage], kb * BK, n0);
+          char* a_dst = smem_a + stage * Cfg::A_STAGE_BYTES;
+          char* b_dst = smem_b + stage * Cfg::B_STAGE_BYTES;
+          if constexpr (SHARE == SHARE_A) {
+            tma_load_2d_multicast(a_dst + rank * (Cfg::A_LOAD_ROWS * BK * 2), tma_a, &full[stage], kb * BK,
+                                  m0 + (int)rank * Cfg::A_LOAD_ROWS, 0x3);
+          } else {
+            tma_load_2d(a_dst, tma_a, &full[stage], kb * BK, m0);
+          }
+          if constexpr (SHARE == SHARE_B) {
+            tma_load_2d_multicast(b_dst + rank * (Cfg::B_LOAD_ROWS * BK * 2), tma_b, &full[stage], kb * BK,
+                                  n0 + (int)rank * Cfg::B_LOAD_ROWS, 0x3);
+          } else {
+            tma_load_2d(b_dst, tma_b, &full[stage], kb * BK, n0);
+          }
           if (++stage == STAGES) {
             stage = 0;
             phase ^= 1;
@@ -141,8 +186,14 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
     slab.consumer = consumer;
     slab.thread = thread;
     slab.smem = smem_c + consumer * C_WG_BYTES;
-    for (int t = cta; t < num_tiles; t += num_ctas) {
-      const TileCoord tc = Sched::tile(sched, t);
+    auto release = [&](int s) {
+      if (warp_leader) {
+        mbar_arrive(&empty[s]);
+        if constexpr (CLUSTER > 1) mbar_arrive_cluster(&empty[s], rank ^ 1);
+      }
+    };
+    for (int t = item0; t < num_items; t += item_step) {
+      const TileCoord tc = expand(Sched::tile(sched, t));
       int prev = -1;
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(&full[stage], phase);
@@ -156,7 +207,7 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
         }
         wgmma_commit();
         wgmma_wait<1>();  // the previous k-block's batch is done: release its stage
-        if (prev >= 0 && warp_leader) mbar_arrive(&empty[prev]);
+        if (prev >= 0) release(prev);
         prev = stage;
         if (++stage == STAGES) {
           stage = 0;
@@ -165,7 +216,7 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
       }
       wgmma_wait<0>();
       fence_operands(acc);
-      if (warp_leader) mbar_arrive(&empty[prev]);
+      release(prev);
       slab.tile = tc;
       slab.row0 = tc.m_block * BM + consumer * 64;
       slab.col0 = tc.n_block * BN;
@@ -173,6 +224,8 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
     }
     Epi::finish(epi, slab);
   }
+  // No CTA may exit while its peer can still multicast into it or arrive on its barriers.
+  if constexpr (CLUSTER > 1) cluster_sync();
 }
 
 }  // namespace gemm

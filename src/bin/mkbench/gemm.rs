@@ -12,7 +12,7 @@
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::MkError;
-use mkernel::ops::gemm::{self, GemmArgs, PlanOverrides};
+use mkernel::ops::gemm::{self, Cluster, GemmArgs, PlanOverrides};
 use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 use cudarc::driver::result as cu;
@@ -149,10 +149,22 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
             let mut contenders: Vec<(String, gemm::GemmPlan)> = vec![("mk".into(), default_plan)];
             if sweep {
                 for bn in gemm::TILE_WIDTHS {
-                    for group in [4usize, 8, 16] {
-                        let p = gemm::plan(m, n, sms, tma_ok, PlanOverrides { bn: Some(bn), group_m: Some(group), max_ctas: None });
-                        if p != default_plan && !contenders.iter().any(|(_, q)| *q == p) {
-                            contenders.push((format!("bn{bn}_g{}", p.group_m), p));
+                    for cluster in [Cluster::None, Cluster::ShareA, Cluster::ShareB] {
+                        for group in [None, Some(8usize)] {
+                            let o = PlanOverrides { bn: Some(bn), group_m: group, max_ctas: None, cluster: Some(cluster) };
+                            let p = gemm::plan(m, n, sms, tma_ok, o);
+                            // Narrow tiles only where they are the skinny-shape candidates.
+                            if p.cluster != cluster || (bn < 256 && p.tiles() > 2 * sms) {
+                                continue;
+                            }
+                            if p != default_plan && !contenders.iter().any(|(_, q)| *q == p) {
+                                let c = match cluster {
+                                    Cluster::None => "",
+                                    Cluster::ShareA => "_c2a",
+                                    Cluster::ShareB => "_c2b",
+                                };
+                                contenders.push((format!("bn{bn}{c}_g{}", p.group_m), p));
+                            }
                         }
                     }
                 }
@@ -177,7 +189,18 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
             let ours_us = median(times[1].clone());
             let variants: Vec<(String, f64)> =
                 contenders.iter().zip(&times[1..]).map(|((name, _), t)| (name.clone(), tflops(shape, median(t.clone())))).collect();
-            let plan = format!("bn{} g{} ctas{} {:?}", default_plan.bn, default_plan.group_m, default_plan.grid, default_plan.epilogue);
+            let plan = format!(
+                "bn{} g{} ctas{} {:?}{}",
+                default_plan.bn,
+                default_plan.group_m,
+                default_plan.grid,
+                default_plan.epilogue,
+                match default_plan.cluster {
+                    Cluster::None => "",
+                    Cluster::ShareA => " c2a",
+                    Cluster::ShareB => " c2b",
+                }
+            );
             println!(
                 "  {:>5} {:>6} {:>6} {:>6}  {:>10.1} {:>9.1}  {:>10.1} {:>9.1}  {:>6.3}  {:>8.1e} {:>6}  {plan}{}",
                 if dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "fp16" },
