@@ -2,6 +2,7 @@
 //! measures its baseline (cuBLAS, the unfused sequence, NCCL where GPUs allow) in the same
 //! run and prints both side by side, with a closing OK/FAILED line.
 
+mod collectives;
 mod gemm;
 
 use mkernel::testing::gpu_unavailable_reason;
@@ -10,6 +11,9 @@ type Bench = fn(&[String]) -> mkernel::Result<bool>;
 
 /// Every benchmark, by name. Add a module and one line here.
 const BENCHES: &[(&str, Bench, &str)] = &[
+    ("all_gather", collectives::all_gather, "mkAllGather vs D2D copy, nccl-tests style (-b -e -f -n -w -g, --op, --json PATH)"),
+    ("reduce_scatter", collectives::reduce_scatter, "mkReduceScatter, same options"),
+    ("all_reduce", collectives::all_reduce, "mkAllReduce, same options"),
     ("gemm", gemm::run, "GEMM engine vs cuBLASLt (--dtype, --shape MxNxK, --sweep, --json PATH)"),
 ];
 
@@ -35,7 +39,9 @@ fn main() {
         return;
     }
     match bench(&args[1..]) {
-        Ok(true) => println!("OK"),
+        // Rank processes other than 0 (multi-rank benches) stay quiet.
+        Ok(true) if std::env::var("MK_TEST_RANK").map_or(true, |r| r == "0") => println!("OK"),
+        Ok(true) => {}
         Ok(false) => {
             println!("FAILED");
             std::process::exit(1);

@@ -2,7 +2,9 @@
 //! are named) and prints one line per check and a closing OK/FAILED line. Without a GPU it
 //! prints SKIPPED and exits 0, so CI (which has no GPU) can run it.
 
+mod collectives;
 mod gemm;
+mod ranks;
 mod smoke;
 
 use mkernel::testing::gpu_unavailable_reason;
@@ -10,7 +12,7 @@ use mkernel::testing::gpu_unavailable_reason;
 type Suite = fn() -> mkernel::Result<()>;
 
 /// Every suite, by name. Add a module and one line here.
-const SUITES: &[(&str, Suite)] = &[("smoke", smoke::run), ("gemm", gemm::run)];
+const SUITES: &[(&str, Suite)] = &[("smoke", smoke::run), ("gemm", gemm::run), ("collectives", collectives::run)];
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# THE GPU cycle, on the GPU machine, from binaries built elsewhere (it has no Rust):
+#   cargo build --release     # here
+#   device run: command "scripts/gpu-run.sh", carry ["target/release/mktest", "target/release/mkbench"]
+# Starts MPS, runs the mktest suites with 1, 2, 4 and 8 rank processes sharing the GPU
+# (each MPS client gets 100/N % of the SMs and an MK_MAX_CTAS that fits in it, so every
+# persistent grid is co-resident), then the collective benches (and `mkbench gemm` when the
+# binary has it), writes logs under $OUT (at most 8 files), and stops MPS.
+# Options: --ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
+# Every step has a timeout, so nothing here can hang the call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-run-logs}
+mkdir -p "$OUT"
+BIN=${BIN:-target/release}
+RANKS="1 2 4 8"; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --ranks) RANKS="$2"; shift ;;
+    --no-tests) TESTS=0 ;;
+    --no-bench) BENCH=0 ;;
+    --no-gemm) GEMM=0 ;;
+    --max-size) MAXSIZE="$2"; shift ;;
+    *) echo "gpu-run.sh: unknown option $1"; exit 2 ;;
+  esac
+  shift
+done
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+status=0
+
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,compute_mode --format=csv; } | tee -a "$SUMMARY"
+
+# MPS: several rank processes on one GPU run side by side instead of time-slicing.
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mk-mps CUDA_MPS_LOG_DIRECTORY=/tmp/mk-mpslog
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+if nvidia-cuda-mps-control -d; then MPS=1; note "MPS started"; else MPS=0; note "MPS did not start: ranks will time-slice"; fi
+stop_mps() { if [ "$MPS" = 1 ]; then echo quit | timeout 20 nvidia-cuda-mps-control; MPS=0; fi; }
+trap stop_mps EXIT
+
+max_ctas_for() { case "$1" in 1) echo "";; 2) echo 32;; 4) echo 16;; *) echo $(( 128 / $1 / 2 > 0 ? 128 / $1 / 2 : 1 ));; esac; }
+
+with_ranks() {  # N command...: runs the command as an MPS client sized for N ranks
+  local n=$1; shift
+  if [ "$n" -gt 1 ]; then
+    env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$(( 100 / n )) MK_MAX_CTAS=$(max_ctas_for "$n") MK_TEST_NRANKS="$n" "$@"
+  else
+    env MK_TEST_NRANKS=1 "$@"
+  fi
+}
+
+if [ "$TESTS" = 1 ]; then
+  for n in $RANKS; do
+    suites="smoke collectives"
+    echo "===== mktest $suites with $n rank(s)" | tee -a "$OUT/mktest.log"
+    t0=$(date +%s)
+    with_ranks "$n" timeout 200 "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
+    rc=$?
+    note "mktest collectives N=$n: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
+    [ $rc = 0 ] || status=1
+    grep -E "WRONG|FAILED|error|stopped after|init/destroy|graph capture|correctness:|in-process" "$OUT/mktest.log" | tail -n 40 | sed "s/^/    /" | tail -n 12
+  done
+fi
+
+if [ "$BENCH" = 1 ]; then
+  for n in $RANKS; do
+    for op in all_gather reduce_scatter all_reduce; do
+      lo=8M; hi=$MAXSIZE
+      [ "$n" -gt 1 ] && hi=256M
+      echo "===== mkbench $op -b $lo -e $hi -f 2 -n 20 -w 5 -g $n" | tee -a "$OUT/bench.log"
+      with_ranks "$n" timeout 100 "$BIN/mkbench" $op -b $lo -e $hi -f 2 -n 20 -w 5 -g "$n" --json "$OUT/tmp.json" 2>&1 | tee -a "$OUT/bench.log"
+      rc=${PIPESTATUS[0]}
+      [ -f "$OUT/tmp.json" ] && { echo "// $op -g $n"; cat "$OUT/tmp.json"; } >> "$OUT/bench-json.txt" && rm -f "$OUT/tmp.json"
+      note "mkbench $op -g $n: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
+      [ $rc = 0 ] || status=1
+    done
+  done
+  if [ "$GEMM" = 1 ] && "$BIN/mkbench" 2>&1 | grep -q "^  gemm"; then
+    echo "===== mkbench gemm" | tee -a "$OUT/gemm.log"
+    timeout 200 "$BIN/mkbench" gemm >> "$OUT/gemm.log" 2>&1; rc=$?
+    tail -n 15 "$OUT/gemm.log"
+    note "mkbench gemm: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
+  fi
+fi
+
+stop_mps
+echo "===== summary"; cat "$SUMMARY"
+exit $status

@@ -1,0 +1,318 @@
+//! `mkbench all_gather | reduce_scatter | all_reduce`, in the style of nccl-tests:
+//!
+//!   mkbench all_gather -b 8M -e 1G -f 2 -n 20 -w 5 -g <ranks> [--op sum|avg] [--json PATH]
+//!
+//! With -g N > 1 it starts N rank processes of itself (sharing the GPU under MPS, or one
+//! per GPU), or joins ranks a launcher started (MK_TEST_RANK / MK_TEST_NRANKS /
+//! MK_TEST_ID_FILE, as mktest). Sizes are bytes of the larger buffer (nccl-tests'
+//! convention: AllGather's recvbuff, ReduceScatter's sendbuff, AllReduce's buffer), float32.
+//! Per size: -w warm-up calls, then -n calls each timed with CUDA events; the median is
+//! reported (the slowest rank's median). algbw = size / time; busbw = algbw × (n−1)/n
+//! (AllGather, ReduceScatter) or × 2(n−1)/n (AllReduce). #wrong is counted on the device
+//! against the inputs' generator. The baseline in the same run: a device-to-device
+//! cuMemcpyAsync of the same size (read + write, as our one-rank copy), timed the same way
+//! while the other ranks wait. NCCL (dlopen) needs several GPUs; with one it is not run.
+
+#[path = "../mktest/ranks.rs"]
+#[allow(dead_code)]
+mod ranks;
+
+use cudarc::driver::result as cu;
+use mkernel::comm::{Comm, CommConfig};
+use mkernel::cuda::{self, sys, LaunchConfig, PrimaryContext};
+use mkernel::error::{MkError, Result};
+use mkernel::kernel_abi::CollectiveCheckParams;
+use mkernel::ops::collectives::{collective, CollectiveKind};
+use mkernel::ops::util::fill_random;
+use mkernel::testing::TestBuffer;
+use mkernel::types::{mkDataType_t, mkRedOp_t};
+use std::time::Duration;
+
+struct Options {
+    kind: CollectiveKind,
+    min_bytes: u64,
+    max_bytes: u64,
+    factor: u64,
+    iters: usize,
+    warmup: usize,
+    ranks: usize,
+    op: mkRedOp_t,
+    json: Option<String>,
+}
+
+fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last()? {
+        'K' | 'k' => (&s[..s.len() - 1], 1u64 << 10),
+        'M' | 'm' => (&s[..s.len() - 1], 1 << 20),
+        'G' | 'g' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>().ok().map(|v| v * mul)
+}
+
+fn parse(op_name: &str, args: &[String]) -> Result<Options> {
+    let kind = match op_name {
+        "all_gather" => CollectiveKind::AllGather,
+        "reduce_scatter" => CollectiveKind::ReduceScatter,
+        "all_reduce" => CollectiveKind::AllReduce,
+        _ => return Err(MkError::invalid_argument(format!("unknown collective {op_name}"))),
+    };
+    let mut o = Options { kind, min_bytes: 8 << 20, max_bytes: 1 << 30, factor: 2, iters: 20, warmup: 5, ranks: 1, op: mkRedOp_t::mkSum, json: None };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || it.next().cloned().ok_or_else(|| MkError::invalid_argument(format!("{a} needs a value")));
+        let bad = |a: &str| MkError::invalid_argument(format!("bad value for {a}"));
+        match a.as_str() {
+            "-b" => o.min_bytes = parse_size(&val()?).ok_or_else(|| bad("-b"))?,
+            "-e" => o.max_bytes = parse_size(&val()?).ok_or_else(|| bad("-e"))?,
+            "-f" => o.factor = val()?.parse().map_err(|_| bad("-f"))?,
+            "-n" => o.iters = val()?.parse().map_err(|_| bad("-n"))?,
+            "-w" => o.warmup = val()?.parse().map_err(|_| bad("-w"))?,
+            "-g" => o.ranks = val()?.parse().map_err(|_| bad("-g"))?,
+            "--op" => {
+                o.op = match val()?.as_str() {
+                    "sum" => mkRedOp_t::mkSum,
+                    "avg" => mkRedOp_t::mkAvg,
+                    _ => return Err(bad("--op (sum or avg)")),
+                }
+            }
+            "--json" => o.json = Some(val()?),
+            other => return Err(MkError::invalid_argument(format!("unknown option {other:?} (see src/bin/mkbench/collectives.rs)"))),
+        }
+    }
+    if o.factor < 2 || o.iters == 0 || o.ranks == 0 || o.min_bytes == 0 || o.min_bytes > o.max_bytes {
+        return Err(MkError::invalid_argument("need -f >= 2, -n >= 1, -g >= 1 and 0 < -b <= -e"));
+    }
+    Ok(o)
+}
+
+pub fn all_gather(args: &[String]) -> Result<bool> {
+    run("all_gather", args)
+}
+pub fn reduce_scatter(args: &[String]) -> Result<bool> {
+    run("reduce_scatter", args)
+}
+pub fn all_reduce(args: &[String]) -> Result<bool> {
+    run("all_reduce", args)
+}
+
+fn run(op_name: &str, args: &[String]) -> Result<bool> {
+    let o = parse(op_name, args)?;
+    if let Some(env) = ranks::child_env(1)? {
+        return rank_main(&o, env.rank, env.nranks, &env.ids[0], env.device);
+    }
+    if o.ranks == 1 {
+        let id = mkernel::bootstrap::root::start_root()?;
+        return rank_main(&o, 0, 1, &id, 0);
+    }
+    let mut child_args = vec![op_name.to_string()];
+    child_args.extend(args.iter().cloned());
+    ranks::spawn(&child_args, o.ranks, 1, Duration::from_secs(95), |_| 0)?;
+    Ok(true)
+}
+
+struct Events {
+    pairs: Vec<(sys::CUevent, sys::CUevent)>,
+}
+impl Events {
+    fn new(n: usize) -> Result<Self> {
+        let mk = || cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cuda::cuda_err("cuEventCreate", e));
+        Ok(Events { pairs: (0..n).map(|_| Ok((mk()?, mk()?))).collect::<Result<_>>()? })
+    }
+    /// Median microseconds of `f` over the pairs, each call timed on its own.
+    fn median_us(&self, stream: sys::CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+        let mut times = Vec::with_capacity(self.pairs.len());
+        // SAFETY: live events and stream.
+        unsafe {
+            for &(a, b) in &self.pairs {
+                cu::event::record(a, stream).map_err(|e| cuda::cuda_err("cuEventRecord", e))?;
+                f()?;
+                cu::event::record(b, stream).map_err(|e| cuda::cuda_err("cuEventRecord", e))?;
+            }
+            for &(a, b) in &self.pairs {
+                cu::event::synchronize(b).map_err(|e| cuda::cuda_err("cuEventSynchronize", e))?;
+                times.push(cu::event::elapsed(a, b).map_err(|e| cuda::cuda_err("cuEventElapsedTime", e))? as f64 * 1e3);
+            }
+        }
+        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        Ok(times[times.len() / 2])
+    }
+}
+
+struct Row {
+    bytes: u64,
+    count: u64,
+    times: [f64; 2],
+    wrong: [u64; 2],
+    copy_us: f64,
+}
+
+fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
+    let ctx = PrimaryContext::retain(device)?;
+    let _g = ctx.enter()?;
+    let comm = Comm::init(id, n as i32, rank as i32, Some(device), CommConfig::from_env())?;
+    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
+    let dtype = mkDataType_t::mkFloat32;
+    let es = 4u64;
+    let nr = n as u64;
+    let kind = o.kind;
+    // count per rank segment for a size: the larger buffer holds size bytes
+    let count_of = |bytes: u64| match kind {
+        CollectiveKind::AllReduce => bytes / es,
+        _ => bytes / es / nr,
+    };
+    let (send_max, recv_max) = kind.buffer_counts(count_of(o.max_bytes), nr).unwrap();
+    let send = TestBuffer::new(send_max as usize, dtype)?;
+    let recv = TestBuffer::new(recv_max as usize, dtype)?;
+    let (copy_src, copy_dst) = if rank == 0 {
+        (Some(TestBuffer::new((o.max_bytes / es) as usize, dtype)?), Some(TestBuffer::new((o.max_bytes / es) as usize, dtype)?))
+    } else {
+        (None, None)
+    };
+    if let Some(src) = &copy_src {
+        src.randomize(7, 1.0, stream)?;
+    }
+    let wrong_counter = TestBuffer::new(1, mkDataType_t::mkUint64)?;
+    let check_fn = cuda::function("collectives", "mk_collective_check")?;
+    let events = Events::new(o.iters)?;
+    let seed_base = 1000u64;
+    let factor = match kind {
+        CollectiveKind::AllReduce => 2.0 * (nr as f64 - 1.0) / nr as f64,
+        _ => (nr as f64 - 1.0) / nr as f64,
+    };
+    let sync = || -> Result<()> {
+        // SAFETY: live stream.
+        unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))
+    };
+
+    if rank == 0 {
+        let sms = cuda::sm_count(device)?;
+        println!("# mkbench {}: {n} rank(s), float32, op {:?}, {} SMs, MK_MAX_CTAS={}, warm-up {} + {} timed calls (median of the slowest rank)",
+            kind.name(), o.op, sms, comm.config.max_ctas.map_or("-".into(), |v| v.to_string()), o.warmup, o.iters);
+        println!("# NCCL baseline: {}", if cuda::device_count()? > 1 { "not implemented yet" } else { "needs several GPUs; this machine shows one, so only the D2D copy baseline runs" });
+        println!("#");
+        println!("# {:>12} {:>12} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>7}",
+            "", "", "", "out-of-place", "", "", "", "in-place", "", "", "", "D2D copy", "", "");
+        println!("# {:>12} {:>12} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>7}",
+            "size(B)", "count", "type", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "GB/s", "oop/copy");
+    }
+    let mut rows = Vec::new();
+    let mut all_ok = true;
+    let mut bytes = o.min_bytes;
+    while bytes <= o.max_bytes {
+        let count = count_of(bytes);
+        if count == 0 {
+            bytes *= o.factor;
+            continue;
+        }
+        let size = match kind {
+            CollectiveKind::AllReduce => count * es,
+            _ => count * es * nr,
+        };
+        let mut row = Row { bytes: size, count, times: [0.0; 2], wrong: [0; 2], copy_us: 0.0 };
+        // Baseline first, alone on the GPU.
+        comm.bootstrap.barrier()?;
+        if let (Some(src), Some(dst)) = (&copy_src, &copy_dst) {
+            let copy = || -> Result<()> {
+                // SAFETY: both buffers hold max_bytes >= size.
+                unsafe { cu::memcpy_dtod_async(dst.ptr(), src.ptr(), size as usize, stream) }.map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))
+            };
+            for _ in 0..o.warmup {
+                copy()?;
+            }
+            row.copy_us = events.median_us(stream, copy)?;
+        }
+        comm.bootstrap.barrier()?;
+        for (slot, in_place) in [false, true].into_iter().enumerate() {
+            let (send_n, _recv_n) = kind.buffer_counts(count, nr).unwrap();
+            let (sp, rp) = if in_place {
+                match kind {
+                    CollectiveKind::AllGather => (recv.ptr() + rank as u64 * count * es, recv.ptr()),
+                    CollectiveKind::ReduceScatter => (recv.ptr(), recv.ptr() + rank as u64 * count * es),
+                    CollectiveKind::AllReduce => (recv.ptr(), recv.ptr()),
+                }
+            } else {
+                (send.ptr(), recv.ptr())
+            };
+            // ReduceScatter in place needs recvbuff to hold the whole send: use send for it.
+            let (sp, rp) = if in_place && kind == CollectiveKind::ReduceScatter { (send.ptr(), send.ptr() + rank as u64 * count * es) } else { (sp, rp) };
+            let fill = || fill_random(sp, send_n, dtype, seed_base + rank as u64, 1.0, stream);
+            let call = || collective(&comm, kind, sp, rp, count as usize, dtype as i32, Some(o.op as i32), stream);
+            fill()?;
+            for _ in 0..o.warmup {
+                call()?;
+            }
+            sync()?;
+            comm.bootstrap.barrier()?;
+            let t = events.median_us(stream, call)?;
+            sync()?;
+            // In place the timed calls reduced their own output: refill and run once to check.
+            if in_place && kind != CollectiveKind::AllGather {
+                comm.bootstrap.barrier()?;
+                fill()?;
+                call()?;
+            }
+            let err = comm.async_error();
+            if err != mkernel::mkResult_t::mkSuccess {
+                return Err(MkError::new(err, format!("{} failed asynchronously at {size} bytes", kind.name())));
+            }
+            // SAFETY: one u64.
+            unsafe { cu::memset_d8_async(wrong_counter.ptr(), 0, 8, stream) }.map_err(|e| cuda::cuda_err("cuMemsetD8Async", e))?;
+            let out_count = if kind == CollectiveKind::AllGather { count * nr } else { count };
+            let mut p = CollectiveCheckParams {
+                out: rp,
+                wrong: wrong_counter.ptr(),
+                count,
+                seed_base,
+                kind: kind as i32,
+                op: o.op as i32,
+                rank: rank as i32,
+                nranks: n as i32,
+            };
+            let cfg = LaunchConfig { grid: (out_count.div_ceil(256).clamp(1, 4096) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: one CollectiveCheckParams; rp holds out_count floats.
+            unsafe { cuda::launch(check_fn, cfg, stream, &mut [(&mut p as *mut CollectiveCheckParams).cast()])? };
+            sync()?;
+            let mut w = [0u8; 8];
+            // SAFETY: reads the one u64.
+            unsafe { cu::memcpy_dtoh_sync(&mut w, wrong_counter.ptr()) }.map_err(|e| cuda::cuda_err("cuMemcpyDtoH", e))?;
+            let wrong = u64::from_le_bytes(w);
+            // The slowest rank's median, and everyone's wrong elements.
+            let mut mine = t.to_le_bytes().to_vec();
+            mine.extend_from_slice(&wrong.to_le_bytes());
+            let all = comm.bootstrap.allgather(&mine)?;
+            row.times[slot] = all.iter().map(|b| f64::from_le_bytes(b[..8].try_into().unwrap())).fold(0.0, f64::max);
+            row.wrong[slot] = all.iter().map(|b| u64::from_le_bytes(b[8..16].try_into().unwrap())).sum();
+        }
+        if row.wrong.iter().any(|&w| w > 0) {
+            all_ok = false;
+        }
+        if rank == 0 {
+            let gbs = |us: f64| size as f64 / us / 1e3;
+            let ratio = if row.copy_us > 0.0 { row.copy_us / row.times[0] } else { 0.0 };
+            println!("  {:>12} {:>12} {:>6}   {:>10.1} {:>8.1} {:>8.1} {:>6}   {:>10.1} {:>8.1} {:>8.1} {:>6}   {:>10.1} {:>8.1} {:>7.3}",
+                size, count, "float", row.times[0], gbs(row.times[0]), gbs(row.times[0]) * factor, row.wrong[0],
+                row.times[1], gbs(row.times[1]), gbs(row.times[1]) * factor, row.wrong[1],
+                row.copy_us, 2.0 * gbs(row.copy_us), ratio);
+        }
+        rows.push(row);
+        bytes *= o.factor;
+    }
+    if rank == 0 {
+        println!("# algbw, busbw in GB/s (1e9 B/s); D2D GB/s counts bytes read + written; oop/copy = copy time / out-of-place time");
+        if let Some(path) = &o.json {
+            let items: Vec<String> = rows
+                .iter()
+                .map(|r| format!(
+                    "{{\"op\":\"{}\",\"ranks\":{n},\"bytes\":{},\"count\":{},\"type\":\"float\",\"oop_us\":{:.3},\"oop_busbw\":{:.3},\"oop_wrong\":{},\"ip_us\":{:.3},\"ip_busbw\":{:.3},\"ip_wrong\":{},\"copy_us\":{:.3}}}",
+                    kind.name(), r.bytes, r.count, r.times[0], r.bytes as f64 / r.times[0] / 1e3 * factor, r.wrong[0],
+                    r.times[1], r.bytes as f64 / r.times[1] / 1e3 * factor, r.wrong[1], r.copy_us))
+                .collect();
+            std::fs::write(path, format!("[\n{}\n]\n", items.join(",\n"))).map_err(|e| MkError::system(format!("writing {path}: {e}")))?;
+        }
+    }
+    comm.bootstrap.barrier()?;
+    drop(comm);
+    Ok(all_ok)
+}

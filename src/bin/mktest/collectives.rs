@@ -1,0 +1,671 @@
+//! mkAllGather / mkReduceScatter / mkAllReduce on the GPU, with MK_TEST_NRANKS ranks
+//! (processes of this executable sharing the GPU under MPS, or one per GPU).
+//!
+//! Per rank: every dtype × op × awkward count × in/out of place through the C ABI, with
+//! fresh random inputs, poisoned outputs and a float64 (exact for integers) reference;
+//! CUDA-graph capture and replay with fresh inputs; a rank that never calls the op (the
+//! others must stop within the timeout with mkTimeout/mkRemoteError, refuse new ops, and
+//! the absent rank learns of it at its next call); 100 init/destroy cycles that must leave
+//! no device memory and no IPC mapping behind; and, last, a rank killed mid-op. With one
+//! rank it also runs two ranks inside this process (mkCommInitAll, same device).
+
+use crate::ranks::{self, RankEnv, VICTIM_EXIT};
+use cudarc::driver::result as cu;
+use mkernel::bootstrap::{root::start_root, UniqueId, UNIQUE_ID_BYTES};
+use mkernel::comm::workspace::{LIVE_WORKSPACES, OPEN_IPC_MAPPINGS};
+use mkernel::comm::{Comm, CommConfig};
+use mkernel::cuda::{self, sys, PrimaryContext};
+use mkernel::error::{mkResult_t, MkError, Result};
+use mkernel::ffi::collectives::{mkAllGather, mkAllReduce, mkReduceScatter};
+use mkernel::ffi::comm::{mkCommDestroy, mkCommGetAsyncError, mkCommInitAll, mkCommInitRankConfig, mkUniqueId};
+use mkernel::ffi::config::{mkConfig_t, MK_CONFIG_MAGIC, MK_CONFIG_UNDEF_INT};
+use mkernel::ffi::mkComm_t;
+use mkernel::ffi::query::mkGetLastError;
+use mkernel::ops::collectives::CollectiveKind;
+use mkernel::testing::{f32_to_bf16, f32_to_f16, relative_error, to_f64, tolerance, TestBuffer};
+use mkernel::types::{mkDataType_t, mkRedOp_t};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+const IDS: usize = 5; // control, main, graph, absent-rank test, killed-rank test
+const FAULT_TIMEOUT_MS: i32 = 2000;
+const FAULT_SLACK: Duration = Duration::from_secs(3);
+
+pub fn run() -> Result<()> {
+    if let Some(env) = ranks::child_env(IDS)? {
+        return rank_main(&env);
+    }
+    let n = ranks::nranks_requested();
+    if n == 1 {
+        let ids: Vec<UniqueId> = (0..IDS).map(|_| start_root()).collect::<Result<_>>()?;
+        rank_main(&RankEnv { rank: 0, nranks: 1, ids, device: 0 })?;
+        return in_process_ranks();
+    }
+    println!("  starting {n} rank processes");
+    ranks::spawn(&["collectives".to_string()], n, IDS, Duration::from_secs(180), |r| if r == n - 1 { VICTIM_EXIT } else { 0 })
+}
+
+// ---------------------------------------------------------------- helpers
+
+fn say(rank: usize, msg: impl AsRef<str>) {
+    println!("  [rank {rank}] {}", msg.as_ref());
+}
+
+fn ffi(what: &str, r: mkResult_t, comm: mkComm_t) -> Result<()> {
+    if r == mkResult_t::mkSuccess {
+        return Ok(());
+    }
+    // SAFETY: the comm handle is live (or NULL, which mkGetLastError accepts).
+    let msg = unsafe { std::ffi::CStr::from_ptr(mkGetLastError(comm)) }.to_string_lossy().into_owned();
+    Err(MkError::new(r, format!("{what}: {msg}")))
+}
+
+fn config(timeout_ms: i32, workspace: i64) -> mkConfig_t {
+    mkConfig_t {
+        size: std::mem::size_of::<mkConfig_t>(),
+        magic: MK_CONFIG_MAGIC,
+        version: mkernel::version_code() as u32,
+        timeoutMs: timeout_ms,
+        bootstrapTimeoutMs: MK_CONFIG_UNDEF_INT,
+        commCtas: MK_CONFIG_UNDEF_INT,
+        maxCtas: MK_CONFIG_UNDEF_INT,
+        ranksPerNode: MK_CONFIG_UNDEF_INT,
+        workspaceBytes: workspace,
+    }
+}
+
+fn init_comm(env: &RankEnv, id: &UniqueId, cfg: &mkConfig_t) -> Result<mkComm_t> {
+    let mut uid = mkUniqueId { internal: [0; UNIQUE_ID_BYTES] };
+    for (d, s) in uid.internal.iter_mut().zip(id.to_bytes()) {
+        *d = s as std::os::raw::c_char;
+    }
+    let mut comm: mkComm_t = std::ptr::null_mut();
+    // SAFETY: out-pointer and config are valid.
+    ffi("mkCommInitRankConfig", unsafe { mkCommInitRankConfig(&mut comm, env.nranks as i32, uid, env.rank as i32, cfg) }, comm)?;
+    Ok(comm)
+}
+
+fn destroy(comm: mkComm_t) -> Result<()> {
+    // SAFETY: a live handle, destroyed once.
+    ffi("mkCommDestroy", unsafe { mkCommDestroy(comm) }, std::ptr::null_mut())
+}
+
+fn async_error(comm: mkComm_t) -> mkResult_t {
+    let mut e = mkResult_t::mkInternalError;
+    // SAFETY: live handle, valid out-pointer.
+    unsafe { mkCommGetAsyncError(comm, &mut e) };
+    e
+}
+
+struct Stream(sys::CUstream);
+impl Stream {
+    fn new() -> Result<Self> {
+        let mut s: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: creates a stream in the current context.
+        cuda::check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) })?;
+        Ok(Stream(s))
+    }
+    fn sync(&self) -> Result<()> {
+        // SAFETY: live stream.
+        cuda::check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.0) })
+    }
+}
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: created by new.
+        unsafe { sys::cuStreamDestroy_v2(self.0) };
+    }
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+fn is_float(t: mkDataType_t) -> bool {
+    use mkDataType_t::*;
+    matches!(t, mkFloat16 | mkBfloat16 | mkFloat32 | mkFloat64)
+}
+
+fn is_signed(t: mkDataType_t) -> bool {
+    use mkDataType_t::*;
+    matches!(t, mkInt8 | mkInt32 | mkInt64)
+}
+
+/// `n` random elements of `dtype` (bytes, and their exact values). Floats uniform in
+/// [-1, 1); signed integers in [-3, 3]; unsigned in [1, 4] (products of 8 ranks wrap in 8 bits).
+fn random_input(dtype: mkDataType_t, n: usize, seed: u64) -> (Vec<u8>, Vec<f64>) {
+    use mkDataType_t::*;
+    let mut bytes = Vec::with_capacity(n * dtype.size());
+    for i in 0..n {
+        let r = splitmix(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ i as u64);
+        let u = (r >> 40) as f32 * (2.0 / 16_777_216.0) - 1.0;
+        let si = (r % 7) as i64 - 3;
+        let ui = (r % 4) + 1;
+        match dtype {
+            mkFloat16 => bytes.extend_from_slice(&f32_to_f16(u).to_le_bytes()),
+            mkBfloat16 => bytes.extend_from_slice(&f32_to_bf16(u).to_le_bytes()),
+            mkFloat32 => bytes.extend_from_slice(&u.to_le_bytes()),
+            mkFloat64 => bytes.extend_from_slice(&(u as f64 + (r & 0xff) as f64 * 1e-12).to_le_bytes()),
+            mkInt8 => bytes.push(si as i8 as u8),
+            mkUint8 => bytes.push(ui as u8),
+            mkInt32 => bytes.extend_from_slice(&(si as i32).to_le_bytes()),
+            mkUint32 => bytes.extend_from_slice(&(ui as u32).to_le_bytes()),
+            mkInt64 => bytes.extend_from_slice(&si.to_le_bytes()),
+            mkUint64 => bytes.extend_from_slice(&ui.to_le_bytes()),
+        }
+    }
+    let vals = to_f64(&bytes, dtype);
+    (bytes, vals)
+}
+
+/// Wraps an exact integer to `dtype`'s width, as the kernel's integer arithmetic does.
+fn wrap_int(v: i128, dtype: mkDataType_t) -> i128 {
+    use mkDataType_t::*;
+    match dtype {
+        mkInt8 => v as i8 as i128,
+        mkUint8 => v as u8 as i128,
+        mkInt32 => v as i32 as i128,
+        mkUint32 => v as u32 as i128,
+        mkInt64 => v as i64 as i128,
+        mkUint64 => v as u64 as i128,
+        _ => v,
+    }
+}
+
+/// The reference reduction of one element over the ranks' values.
+fn reduce_ref(vals: &[f64], op: mkRedOp_t, dtype: mkDataType_t) -> f64 {
+    let n = vals.len();
+    if is_float(dtype) {
+        return match op {
+            mkRedOp_t::mkSum => vals.iter().sum(),
+            mkRedOp_t::mkAvg => vals.iter().sum::<f64>() / n as f64,
+            mkRedOp_t::mkProd => vals.iter().product(),
+            mkRedOp_t::mkMax => vals.iter().cloned().fold(f64::MIN, f64::max),
+            mkRedOp_t::mkMin => vals.iter().cloned().fold(f64::MAX, f64::min),
+        };
+    }
+    let ints: Vec<i128> = vals.iter().map(|&v| v as i128).collect();
+    let r = match op {
+        mkRedOp_t::mkSum => wrap_int(ints.iter().sum(), dtype),
+        mkRedOp_t::mkProd => wrap_int(ints.iter().fold(1i128, |a, b| wrap_int(a * b, dtype)), dtype),
+        mkRedOp_t::mkMax => *ints.iter().max().unwrap(),
+        mkRedOp_t::mkMin => *ints.iter().min().unwrap(),
+        // integer avg: the wrapped sum divided by nranks, truncating (C division)
+        mkRedOp_t::mkAvg => wrap_int(ints.iter().sum(), dtype) / n as i128,
+    };
+    let _ = is_signed(dtype);
+    r as f64
+}
+
+fn upload_at(ptr: u64, bytes: &[u8]) -> Result<()> {
+    // SAFETY: the caller's buffer holds bytes.len() bytes at ptr.
+    unsafe { cu::memcpy_htod_sync(ptr, bytes) }.map_err(|e| cuda::cuda_err("cuMemcpyHtoD", e))
+}
+
+fn download_at(ptr: u64, bytes: usize) -> Result<Vec<u8>> {
+    let mut host = vec![0u8; bytes];
+    // SAFETY: the caller's buffer holds `bytes` bytes at ptr.
+    unsafe { cu::memcpy_dtoh_sync(&mut host, ptr) }.map_err(|e| cuda::cuda_err("cuMemcpyDtoH", e))?;
+    Ok(host)
+}
+
+/// One collective call with its own buffers, fresh inputs on every `prepare`.
+struct Case {
+    kind: CollectiveKind,
+    dtype: mkDataType_t,
+    op: mkRedOp_t,
+    count: usize,
+    in_place: bool,
+    rank: usize,
+    nranks: usize,
+    _bufs: Vec<TestBuffer>,
+    send: u64,
+    recv: u64,
+    expected: Vec<f64>,
+}
+
+impl Case {
+    fn new(kind: CollectiveKind, dtype: mkDataType_t, op: mkRedOp_t, count: usize, in_place: bool, rank: usize, nranks: usize) -> Result<Case> {
+        let es = dtype.size() as u64;
+        let (send_n, recv_n) = kind.buffer_counts(count as u64, nranks as u64).unwrap();
+        let (bufs, send, recv) = if in_place {
+            let b = TestBuffer::new(send_n.max(recv_n) as usize, dtype)?;
+            let base = b.ptr();
+            let (s, r) = match kind {
+                CollectiveKind::AllGather => (base + rank as u64 * count as u64 * es, base),
+                CollectiveKind::ReduceScatter => (base, base + rank as u64 * count as u64 * es),
+                CollectiveKind::AllReduce => (base, base),
+            };
+            (vec![b], s, r)
+        } else {
+            let s = TestBuffer::new(send_n as usize, dtype)?;
+            let r = TestBuffer::new(recv_n as usize, dtype)?;
+            let (sp, rp) = (s.ptr(), r.ptr());
+            (vec![s, r], sp, rp)
+        };
+        Ok(Case { kind, dtype, op, count, in_place, rank, nranks, _bufs: bufs, send, recv, expected: Vec::new() })
+    }
+
+    fn label(&self) -> String {
+        let op = if self.kind == CollectiveKind::AllGather { String::new() } else { format!(" {:?}", self.op) };
+        format!("{}{op} {} count={} {}", self.kind.name(), self.dtype.name(), self.count, if self.in_place { "in-place" } else { "out-of-place" })
+    }
+
+    /// Poisons the output, uploads this rank's fresh input, computes the expected output.
+    fn prepare(&mut self, seed: u64) -> Result<()> {
+        let es = self.dtype.size();
+        let (send_n, recv_n) = self.kind.buffer_counts(self.count as u64, self.nranks as u64).unwrap();
+        let inputs: Vec<Vec<f64>> = (0..self.nranks)
+            .map(|p| {
+                let (bytes, vals) = random_input(self.dtype, send_n as usize, seed ^ (p as u64 + 1) * 0x9e37_79b9);
+                if p == self.rank {
+                    // poison the whole output first (in place: then the input goes in)
+                    // SAFETY: recv holds recv_n elements.
+                    unsafe { cu::memset_d8_sync(self.recv, 0xff, recv_n as usize * es) }.map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
+                    upload_at(self.send, &bytes)?;
+                }
+                Ok(vals)
+            })
+            .collect::<Result<_>>()?;
+        // The copies above may still be in flight (pageable uploads return early) and our
+        // ops run on non-blocking streams: wait for them.
+        // SAFETY: synchronises the current context.
+        cuda::check("cuCtxSynchronize (after uploading inputs)", unsafe { sys::cuCtxSynchronize() })?;
+        let c = self.count;
+        self.expected = match self.kind {
+            CollectiveKind::AllGather => inputs.concat(),
+            CollectiveKind::ReduceScatter => (0..c)
+                .map(|i| reduce_ref(&inputs.iter().map(|v| v[self.rank * c + i]).collect::<Vec<_>>(), self.op, self.dtype))
+                .collect(),
+            CollectiveKind::AllReduce => {
+                (0..c).map(|i| reduce_ref(&inputs.iter().map(|v| v[i]).collect::<Vec<_>>(), self.op, self.dtype)).collect()
+            }
+        };
+        Ok(())
+    }
+
+    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> Result<()> {
+        let (s, r) = (self.send as *const _, self.recv as *mut _);
+        let (t, o) = (self.dtype as i32, self.op as i32);
+        // SAFETY: buffers sized by Case::new on this comm's device.
+        let rc = unsafe {
+            match self.kind {
+                CollectiveKind::AllGather => mkAllGather(s, r, self.count, t, comm, stream),
+                CollectiveKind::ReduceScatter => mkReduceScatter(s, r, self.count, t, o, comm, stream),
+                CollectiveKind::AllReduce => mkAllReduce(s, r, self.count, t, o, comm, stream),
+            }
+        };
+        ffi(self.kind.name(), rc, comm)
+    }
+
+    /// Relative error (floats) or number of wrong elements (integers) and whether it passes.
+    fn verify(&self) -> Result<(bool, String)> {
+        let got = to_f64(&download_at(self.recv, self.expected.len() * self.dtype.size())?, self.dtype);
+        if is_float(self.dtype) {
+            let err = relative_error(&got, &self.expected);
+            let nan = got.iter().filter(|v| !v.is_finite()).count();
+            Ok((err <= tolerance(self.dtype) && nan == 0, format!("rel err {err:.2e}, {nan} non-finite")))
+        } else {
+            let wrong = got.iter().zip(&self.expected).filter(|(g, e)| g != e).count();
+            Ok((wrong == 0, format!("{wrong} wrong")))
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the rank's tests
+
+fn rank_main(env: &RankEnv) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let ctx = PrimaryContext::retain(env.device)?;
+    let _g = ctx.enter()?;
+    // The control communicator: host barriers and id broadcasts between the tests.
+    let mut control_cfg = CommConfig::from_env();
+    control_cfg.workspace_bytes = 0;
+    let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
+    let result = (|| {
+        correctness(env)?;
+        graph_replay(env)?;
+        if n > 1 {
+            absent_rank(env, &control)?;
+        }
+        init_destroy_leaks(env, &control)?;
+        if n > 1 {
+            killed_rank(env, &control)?;
+        }
+        Ok(())
+    })();
+    drop(control);
+    result
+}
+
+fn correctness(env: &RankEnv) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    // A 4 MiB workspace makes the large counts pipeline through many steps per CTA.
+    let comm = init_comm(env, &env.ids[1], &config(10_000, 4 << 20))?;
+    let stream = Stream::new()?;
+    let mut seed = 0x1234_5678u64;
+    let (mut checks, mut failures) = (0usize, 0usize);
+    let all_ops = [mkRedOp_t::mkSum, mkRedOp_t::mkProd, mkRedOp_t::mkMax, mkRedOp_t::mkMin, mkRedOp_t::mkAvg];
+    let mut cases: Vec<(CollectiveKind, mkDataType_t, mkRedOp_t, usize)> = Vec::new();
+    for dtype in mkDataType_t::ALL {
+        for count in [1usize, 3, 1000, 70_001] {
+            cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, count));
+            for op in all_ops {
+                cases.push((CollectiveKind::ReduceScatter, dtype, op, count));
+                cases.push((CollectiveKind::AllReduce, dtype, op, count));
+            }
+        }
+    }
+    for dtype in [mkDataType_t::mkFloat32, mkDataType_t::mkBfloat16, mkDataType_t::mkInt32] {
+        cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, 1_000_003));
+        cases.push((CollectiveKind::AllReduce, dtype, mkRedOp_t::mkSum, 1_000_003));
+        cases.push((CollectiveKind::ReduceScatter, dtype, mkRedOp_t::mkSum, 250_007));
+    }
+    for (kind, dtype, op, count) in cases {
+        for in_place in [false, true] {
+            let mut case = Case::new(kind, dtype, op, count, in_place, rank, n)?;
+            seed += 1;
+            case.prepare(seed)?;
+            case.launch(comm, stream.0)?;
+            stream.sync().map_err(|e| e.context(case.label()))?;
+            let code = async_error(comm);
+            if code != mkResult_t::mkSuccess {
+                return Err(MkError::new(code, format!("{}: asynchronous error {code:?}", case.label())));
+            }
+            let (ok, detail) = case.verify()?;
+            checks += 1;
+            if !ok {
+                failures += 1;
+                say(rank, format!("{} -> WRONG ({detail})", case.label()));
+            } else if count >= 70_001 && rank == 0 {
+                say(rank, format!("{} -> ok ({detail})", case.label()));
+            }
+        }
+    }
+    // Bad arguments come back as codes with messages, before anything runs.
+    let bad = unsafe { mkAllReduce(std::ptr::null(), 0x1000 as *mut _, 10, 7, 0, comm, stream.0) };
+    checks += 1;
+    if bad != mkResult_t::mkInvalidArgument {
+        failures += 1;
+        say(rank, format!("NULL sendbuff gave {bad:?}"));
+    }
+    let host = vec![0f32; 16];
+    let bad = unsafe { mkAllGather(host.as_ptr().cast(), host.as_ptr() as *mut _, 1, 7, comm, stream.0) };
+    checks += 1;
+    if bad != mkResult_t::mkInvalidArgument {
+        failures += 1;
+        say(rank, format!("host memory gave {bad:?}"));
+    }
+    destroy(comm)?;
+    say(rank, format!("correctness: {checks} checks, {failures} failed"));
+    if failures > 0 {
+        return Err(MkError::internal(format!("{failures} of {checks} collective checks failed")));
+    }
+    Ok(())
+}
+
+fn graph_replay(env: &RankEnv) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let comm = init_comm(env, &env.ids[2], &config(10_000, 64 << 20))?;
+    let r = graph_replay_on(comm, rank, n);
+    destroy(comm)?;
+    r
+}
+
+fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+    let stream = Stream::new()?;
+    let mut cases = vec![
+        Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 100_003, false, rank, n)?,
+        Case::new(CollectiveKind::AllGather, mkDataType_t::mkBfloat16, mkRedOp_t::mkSum, 50_001, false, rank, n)?,
+        Case::new(CollectiveKind::ReduceScatter, mkDataType_t::mkFloat16, mkRedOp_t::mkAvg, 30_001, true, rank, n)?,
+        Case::new(CollectiveKind::AllReduce, mkDataType_t::mkBfloat16, mkRedOp_t::mkMax, 4_097, true, rank, n)?,
+    ];
+    let mut interleaved = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 7_777, false, rank, n)?;
+    for c in cases.iter_mut() {
+        c.prepare(1)?;
+    }
+    // SAFETY: capture on a live non-default stream; the launches are our ops.
+    unsafe {
+        cuda::check("cuStreamBeginCapture", sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))?;
+    }
+    let launched: Result<()> = cases.iter().try_for_each(|c| c.launch(comm, stream.0));
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above.
+    cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
+    launched?;
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: graph from the capture.
+    cuda::check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
+    let mut failures = 0;
+    for replay in 0..4u64 {
+        for (i, c) in cases.iter_mut().enumerate() {
+            c.prepare(1000 + replay * 10 + i as u64)?;
+        }
+        // SAFETY: instantiated graph, live stream.
+        cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
+        stream.sync()?;
+        if async_error(comm) != mkResult_t::mkSuccess {
+            return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
+        }
+        for c in &cases {
+            let (ok, detail) = c.verify()?;
+            if !ok {
+                failures += 1;
+                say(rank, format!("graph replay {replay}: {} -> WRONG ({detail})", c.label()));
+            }
+        }
+        // An op outside the graph between replays: the device-side step counters keep agreeing.
+        interleaved.prepare(5000 + replay)?;
+        interleaved.launch(comm, stream.0)?;
+        stream.sync()?;
+        let (ok, detail) = interleaved.verify()?;
+        if !ok {
+            failures += 1;
+            say(rank, format!("op between replays -> WRONG ({detail})"));
+        }
+    }
+    // SAFETY: destroyed once.
+    unsafe {
+        sys::cuGraphExecDestroy(exec);
+        sys::cuGraphDestroy(graph);
+    }
+    say(rank, format!("graph capture: 4 ops × 4 replays with fresh inputs, {failures} wrong"));
+    if failures > 0 {
+        return Err(MkError::internal("graph replay gave wrong results"));
+    }
+    Ok(())
+}
+
+/// Waits for the stream with a bound of its own (the kernel's timeout must fire first).
+fn timed_sync(stream: &Stream, limit: Duration) -> Result<Duration> {
+    let start = Instant::now();
+    loop {
+        // SAFETY: live stream.
+        let r = unsafe { sys::cuStreamQuery(stream.0) };
+        if r == sys::CUresult::CUDA_SUCCESS {
+            return Ok(start.elapsed());
+        }
+        if r != sys::CUresult::CUDA_ERROR_NOT_READY {
+            cuda::check("cuStreamQuery", r)?;
+        }
+        if start.elapsed() > limit {
+            return Err(MkError::timeout(format!("the op did not stop within {} s: its bounded waits did not fire", limit.as_secs())));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn check_stopped(rank: usize, comm: mkComm_t, elapsed: Duration, what: &str) -> Result<mkResult_t> {
+    let code = async_error(comm);
+    let limit = Duration::from_millis(FAULT_TIMEOUT_MS as u64) + FAULT_SLACK;
+    say(rank, format!("{what}: stopped after {:.2} s with {code:?}", elapsed.as_secs_f64()));
+    if code != mkResult_t::mkTimeout && code != mkResult_t::mkRemoteError {
+        return Err(MkError::internal(format!("{what}: expected mkTimeout or mkRemoteError, got {code:?}")));
+    }
+    if elapsed > limit {
+        return Err(MkError::internal(format!("{what}: took {:.2} s, more than the timeout plus {} s", elapsed.as_secs_f64(), FAULT_SLACK.as_secs())));
+    }
+    // The communicator now refuses new work with the same code and a message.
+    let host_probe = TestBuffer::new(16, mkDataType_t::mkFloat32)?;
+    // SAFETY: valid device buffer.
+    let again = unsafe { mkAllReduce(host_probe.ptr() as *const _, host_probe.ptr() as *mut _, 16, 7, 0, comm, std::ptr::null_mut()) };
+    if again != code {
+        return Err(MkError::internal(format!("{what}: a new op after the failure returned {again:?}, expected {code:?}")));
+    }
+    Ok(code)
+}
+
+fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let comm = init_comm(env, &env.ids[3], &config(FAULT_TIMEOUT_MS, 16 << 20))?;
+    let stream = Stream::new()?;
+    let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 1 << 20, false, rank, n)?;
+    case.prepare(77)?;
+    let absent = n - 1;
+    let mut outcome = Ok(());
+    let mut code = mkResult_t::mkSuccess;
+    if rank != absent {
+        let t = Instant::now();
+        case.launch(comm, stream.0)?;
+        outcome = timed_sync(&stream, Duration::from_secs(30)).and_then(|_| check_stopped(rank, comm, t.elapsed(), "absent rank").map(|c| code = c));
+    }
+    // Every survivor has stopped; at least one of them must have timed out itself.
+    let codes = control.bootstrap.allgather(&[code as i32 as u8])?;
+    if rank == 0 && !codes.iter().take(absent).any(|c| c[0] as i32 == mkResult_t::mkTimeout as i32) {
+        outcome = outcome.and(Err(MkError::internal("no surviving rank reported mkTimeout")));
+    }
+    if rank == absent {
+        // The absent rank learns at its next call: the peers raised its abort word.
+        let t = Instant::now();
+        case.launch(comm, stream.0)?;
+        let elapsed = timed_sync(&stream, Duration::from_secs(30))?;
+        let c = async_error(comm);
+        say(rank, format!("absent rank's late call: stopped after {:.3} s with {c:?}", elapsed.as_secs_f64()));
+        if c != mkResult_t::mkRemoteError || t.elapsed() > Duration::from_millis(FAULT_TIMEOUT_MS as u64) {
+            outcome = Err(MkError::internal(format!("absent rank's late call: expected a prompt mkRemoteError, got {c:?}")));
+        }
+    }
+    control.bootstrap.barrier()?;
+    destroy(comm)?;
+    outcome
+}
+
+fn device_free() -> Result<usize> {
+    cu::mem_get_info().map(|(free, _)| free).map_err(|e| cuda::cuda_err("cuMemGetInfo", e))
+}
+
+fn init_destroy_leaks(env: &RankEnv, control: &Comm) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let ctx = PrimaryContext::retain(env.device)?;
+    let mut cfg = CommConfig::from_env();
+    cfg.workspace_bytes = 16 << 20;
+    cfg.timeout = Duration::from_secs(10);
+    let cycle = |i: usize| -> Result<()> {
+        let id_bytes = control.bootstrap.broadcast(&if rank == 0 { start_root()?.to_bytes().to_vec() } else { Vec::new() }, 0)?;
+        let id = UniqueId::from_bytes(&id_bytes.try_into().map_err(|_| MkError::internal("id size"))?)?;
+        let comm = Comm::init(&id, n as i32, rank as i32, Some(env.device), cfg.clone())?;
+        if i % 25 == 0 {
+            // use it: a small AllReduce through the Rust entry point
+            let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 1001, false, rank, n)?;
+            case.prepare(i as u64)?;
+            mkernel::ops::collectives::collective(&comm, CollectiveKind::AllReduce, case.send, case.recv, 1001, 7, Some(0), std::ptr::null_mut())?;
+            cuda::check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
+            let (ok, detail) = case.verify()?;
+            if !ok {
+                return Err(MkError::internal(format!("init/destroy cycle {i}: AllReduce wrong ({detail})")));
+            }
+        }
+        let _g = ctx.enter()?;
+        drop(comm);
+        Ok(())
+    };
+    cycle(0)?;
+    control.bootstrap.barrier()?;
+    let (free0, ipc0, live0) = (device_free()?, OPEN_IPC_MAPPINGS.load(Ordering::Acquire), LIVE_WORKSPACES.load(Ordering::Acquire));
+    control.bootstrap.barrier()?;
+    let t = Instant::now();
+    for i in 1..=100 {
+        cycle(i)?;
+    }
+    control.bootstrap.barrier()?;
+    let (free1, ipc1, live1) = (device_free()?, OPEN_IPC_MAPPINGS.load(Ordering::Acquire), LIVE_WORKSPACES.load(Ordering::Acquire));
+    control.bootstrap.barrier()?;
+    let lost = free0 as i64 - free1 as i64;
+    say(rank, format!("100 init/destroy cycles in {:.1} s: device memory {lost:+} bytes, IPC mappings {ipc0} -> {ipc1}, workspaces {live0} -> {live1}", t.elapsed().as_secs_f64()));
+    // 100 leaked workspaces would be 1.6 GB per rank; allow 4 MiB of allocator noise.
+    if lost > 4 << 20 || ipc1 != ipc0 || live1 != live0 {
+        return Err(MkError::internal("init/destroy leaked device memory, IPC mappings or workspaces"));
+    }
+    Ok(())
+}
+
+fn killed_rank(env: &RankEnv, control: &Comm) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let comm = init_comm(env, &env.ids[4], &config(FAULT_TIMEOUT_MS, 16 << 20))?;
+    let stream = Stream::new()?;
+    let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 4 << 20, false, rank, n)?;
+    case.prepare(99)?;
+    control.bootstrap.barrier()?;
+    if rank == n - 1 {
+        // Enter the op (it waits for the others, who start later), then die inside it.
+        case.launch(comm, stream.0)?;
+        std::thread::sleep(Duration::from_millis(300));
+        say(rank, "killed rank: exiting in the middle of mkAllReduce");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        // SAFETY: ends the process at once, as a crash would.
+        unsafe { libc::_exit(VICTIM_EXIT) };
+    }
+    std::thread::sleep(Duration::from_millis(800));
+    let t = Instant::now();
+    case.launch(comm, stream.0)?;
+    timed_sync(&stream, Duration::from_secs(30))?;
+    check_stopped(rank, comm, t.elapsed(), "killed rank")?;
+    destroy(comm)?;
+    Ok(())
+}
+
+/// Two ranks of one communicator in this process on device 0 (plain pointers, no IPC).
+fn in_process_ranks() -> Result<()> {
+    let mut comms: [mkComm_t; 2] = [std::ptr::null_mut(); 2];
+    let devs = [0i32, 0];
+    // SAFETY: room for two handles and two device ordinals.
+    ffi("mkCommInitAll", unsafe { mkCommInitAll(comms.as_mut_ptr(), 2, devs.as_ptr()) }, std::ptr::null_mut())?;
+    let ctx = PrimaryContext::retain(0)?;
+    let _g = ctx.enter()?;
+    let streams = [Stream::new()?, Stream::new()?];
+    let mut failures = 0;
+    for (kind, dtype, op, count) in [
+        (CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 300_007usize),
+        (CollectiveKind::AllGather, mkDataType_t::mkBfloat16, mkRedOp_t::mkSum, 123_457),
+        (CollectiveKind::ReduceScatter, mkDataType_t::mkInt32, mkRedOp_t::mkMax, 65_539),
+    ] {
+        let mut cases = [Case::new(kind, dtype, op, count, false, 0, 2)?, Case::new(kind, dtype, op, count, false, 1, 2)?];
+        for c in cases.iter_mut() {
+            c.prepare(4242)?;
+        }
+        for (i, c) in cases.iter().enumerate() {
+            c.launch(comms[i], streams[i].0)?;
+        }
+        for s in &streams {
+            timed_sync(s, Duration::from_secs(30))?;
+        }
+        for (i, c) in cases.iter().enumerate() {
+            let (ok, detail) = c.verify()?;
+            println!("  [in-process rank {i}] {} -> {} ({detail})", c.label(), if ok { "ok" } else { "WRONG" });
+            if !ok {
+                failures += 1;
+            }
+        }
+    }
+    for c in comms {
+        destroy(c)?;
+    }
+    if failures > 0 {
+        return Err(MkError::internal("in-process ranks gave wrong results"));
+    }
+    Ok(())
+}
