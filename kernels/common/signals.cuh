@@ -97,8 +97,11 @@ __device__ __forceinline__ void mk_raise_abort(const WorkspaceView& ws) {
 
 // One thread: waits until *flag >= target. `what` and `op` describe the wait for the
 // error word; `peer` is the rank expected to post the flag. False: the CTA must exit.
-__device__ __noinline__ bool mk_wait_geq(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer,
-                                         uint32_t what, uint32_t op) {
+// Inlined form, for code that must not make calls (a GEMM producer warp after
+// setmaxnreg: ptxas cannot allocate registers around a call there); mk_wait_geq below
+// is the same wait out of line.
+__device__ __forceinline__ bool mk_wait_geq_inline(const WorkspaceView& ws, const uint64_t* flag, uint64_t target,
+                                                   int peer, uint32_t what, uint32_t op) {
   if (mk_ld_acquire_sys(flag) >= target) return true;
   const uint64_t* abort_word = mk_signal_word(ws, ws.rank, MK_SIG_ABORT);
   const uint32_t* host_abort = &mk_status(ws)->host_abort;
@@ -123,6 +126,11 @@ __device__ __noinline__ bool mk_wait_geq(const WorkspaceView& ws, const uint64_t
       }
     }
   }
+}
+
+__device__ __noinline__ bool mk_wait_geq(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer,
+                                         uint32_t what, uint32_t op) {
+  return mk_wait_geq_inline(ws, flag, target, peer, what, op);
 }
 
 // Whole CTA: thread p (< nranks, p != skip) waits for flag_base[p] >= target in this

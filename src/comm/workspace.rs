@@ -3,10 +3,19 @@
 //!
 //! Layout of each rank's allocation: a 1 MiB signal region (u64 flags, zeroed at init;
 //! word layout in kernels/common/signals.cuh) followed by the data region
-//! (`CommConfig::workspace_bytes`, the minimum over ranks). Peers in other processes map it
-//! with CUDA IPC (`cuIpcGetMemHandle` / `cuIpcOpenMemHandle`); ranks of the same process
-//! (`mkCommInitAll`) use the plain pointer (after enabling peer access when the devices
-//! differ). Handles travel through the bootstrap allgather. Never NVLink multicast.
+//! (`CommConfig::workspace_bytes`, the minimum over ranks).
+//!
+//! Peers in other processes map it, preferably through the virtual-memory API: the owner
+//! allocates with `cuMemCreate` and exports a POSIX file descriptor, each importer takes a
+//! duplicate of that descriptor with `pidfd_getfd` and maps it (`cuMemImportFromShareableHandle`).
+//! An imported handle keeps the physical memory alive, so a peer process that dies (or
+//! frees first) cannot turn this rank's pending reads into illegal-address faults: its
+//! kernels time out cleanly instead. Where that path is unavailable on any rank (no VMM
+//! IPC, no permission for pidfd_getfd), every rank falls back to legacy CUDA IPC
+//! (`cuIpcGetMemHandle` / `cuIpcOpenMemHandle`), where a dead peer's memory vanishes with it.
+//! Ranks of the same process (`mkCommInitAll`) use the plain pointer (granting the other
+//! devices access when they differ). Everything travels through the bootstrap allgather.
+//! Never NVLink multicast.
 //!
 //! The collectives pipeline any message through a fixed partition of the data region, so
 //! the workspace never grows: its size only bounds the piece size (a small workspace means
@@ -44,13 +53,158 @@ enum PeerMapping {
     Direct(u64),
     /// Opened with cuIpcOpenMemHandle; closed on drop.
     Ipc(u64),
+    /// Imported from the peer's exported descriptor and mapped here; unmapped on drop.
+    Vmm(VmmMapping),
 }
 
 impl PeerMapping {
     fn base(&self) -> u64 {
         match self {
             PeerMapping::Direct(p) | PeerMapping::Ipc(p) => *p,
+            PeerMapping::Vmm(m) => m.ptr,
         }
+    }
+}
+
+/// A virtual-memory mapping of a physical allocation (own or imported).
+struct VmmMapping {
+    ptr: u64,
+    size: usize,
+    handle: sys::CUmemGenericAllocationHandle,
+}
+
+impl VmmMapping {
+    /// Reserves an address range for `handle`, maps it and grants `devices` read/write.
+    /// On failure the handle is left to the caller; on success the mapping owns it.
+    fn map(handle: sys::CUmemGenericAllocationHandle, size: usize, devices: &[i32]) -> Result<VmmMapping> {
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: reserves a fresh range of `size` bytes.
+        check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0) })?;
+        let m = VmmMapping { ptr, size, handle };
+        // SAFETY: maps the whole allocation at the reserved range.
+        if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(ptr, size, 0, handle, 0) }) {
+            // SAFETY: frees the range reserved above.
+            unsafe { sys::cuMemAddressFree(ptr, size) };
+            return Err(e);
+        }
+        for &d in devices {
+            let desc = sys::CUmemAccessDesc {
+                location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: d },
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the range is mapped.
+            if let Err(e) = check(&format!("cuMemSetAccess(device {d})"), unsafe { sys::cuMemSetAccess(ptr, size, &desc, 1) }) {
+                // SAFETY: undoes the map and reservation above; the caller keeps the handle.
+                unsafe {
+                    sys::cuMemUnmap(ptr, size);
+                    sys::cuMemAddressFree(ptr, size);
+                }
+                return Err(e);
+            }
+        }
+        Ok(m)
+    }
+
+    /// Unmaps and releases this mapping's reference to the physical memory.
+    fn unmap(&self) {
+        // SAFETY: ptr/size/handle were mapped by `map`; each is undone once.
+        unsafe {
+            sys::cuMemUnmap(self.ptr, self.size);
+            sys::cuMemAddressFree(self.ptr, self.size);
+            sys::cuMemRelease(self.handle);
+        }
+    }
+}
+
+/// This rank's own allocation.
+enum Backing {
+    None,
+    Legacy(DeviceBuffer),
+    /// With the exported descriptor (closed on drop).
+    Vmm(VmmMapping, i32),
+}
+
+impl Backing {
+    fn base(&self) -> u64 {
+        match self {
+            Backing::None => 0,
+            Backing::Legacy(b) => b.ptr,
+            Backing::Vmm(m, _) => m.ptr,
+        }
+    }
+    fn release(&mut self) {
+        match std::mem::replace(self, Backing::None) {
+            Backing::Vmm(m, fd) => {
+                m.unmap();
+                // SAFETY: our exported descriptor, closed once.
+                unsafe { libc::close(fd) };
+            }
+            Backing::Legacy(b) => drop(b),
+            Backing::None => {}
+        }
+    }
+}
+
+fn vmm_prop(device: i32) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device },
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 { compressionType: 0, gpuDirectRDMACapable: 0, usage: 0, reserved: [0; 4] },
+    }
+}
+
+/// Allocates `bytes` (rounded up to the granularity) with cuMemCreate, maps it for
+/// `device` and exports a POSIX descriptor.
+fn vmm_alloc(device: i32, bytes: usize) -> Result<(VmmMapping, i32)> {
+    let prop = vmm_prop(device);
+    let mut gran = 0usize;
+    // SAFETY: reads the granularity for a valid property struct.
+    check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(&mut gran, &prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+    })?;
+    let size = bytes.div_ceil(gran.max(1)) * gran.max(1);
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: creates a physical allocation.
+    check(&format!("cuMemCreate({size} bytes)"), unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
+    let mut fd: i32 = -1;
+    // SAFETY: exports the handle as a descriptor into fd.
+    if let Err(e) = check("cuMemExportToShareableHandle(POSIX fd)", unsafe {
+        sys::cuMemExportToShareableHandle((&mut fd as *mut i32).cast(), handle, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+    }) {
+        // SAFETY: releases the allocation created above.
+        unsafe { sys::cuMemRelease(handle) };
+        return Err(e);
+    }
+    match VmmMapping::map(handle, size, &[device]) {
+        Ok(m) => Ok((m, fd)),
+        Err(e) => {
+            // SAFETY: our descriptor and handle, released once.
+            unsafe {
+                libc::close(fd);
+                sys::cuMemRelease(handle);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Duplicates descriptor `fd` of process `pid` into this process (Linux pidfd_getfd).
+fn take_peer_fd(pid: u32, fd: i32) -> std::result::Result<i32, String> {
+    // SAFETY: plain syscalls; descriptors are closed on every path.
+    unsafe {
+        let pidfd = libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) as i32;
+        if pidfd < 0 {
+            return Err(format!("pidfd_open({pid}): {}", std::io::Error::last_os_error()));
+        }
+        let got = libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0) as i32;
+        let err = std::io::Error::last_os_error();
+        libc::close(pidfd);
+        if got < 0 {
+            return Err(format!("pidfd_getfd(pid {pid}, fd {fd}): {err}"));
+        }
+        Ok(got)
     }
 }
 
@@ -63,11 +217,16 @@ struct PeerInfo {
     base: u64,
     data_bytes: u64,
     cta_slots: u32,
+    /// 1: `base` is a cuMemCreate allocation exported as descriptor `fd` (`alloc_bytes` long).
+    vmm: u32,
+    fd: i32,
+    alloc_bytes: u64,
+    /// Legacy CUDA IPC handle (all zero when none).
     handle: [u8; 64],
 }
 
 impl PeerInfo {
-    const BYTES: usize = 4 + 8 + 4 + 8 + 8 + 4 + 64;
+    const BYTES: usize = 4 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 8 + 64;
     fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(Self::BYTES);
         v.extend_from_slice(&self.pid.to_le_bytes());
@@ -76,6 +235,9 @@ impl PeerInfo {
         v.extend_from_slice(&self.base.to_le_bytes());
         v.extend_from_slice(&self.data_bytes.to_le_bytes());
         v.extend_from_slice(&self.cta_slots.to_le_bytes());
+        v.extend_from_slice(&self.vmm.to_le_bytes());
+        v.extend_from_slice(&self.fd.to_le_bytes());
+        v.extend_from_slice(&self.alloc_bytes.to_le_bytes());
         v.extend_from_slice(&self.handle);
         v
     }
@@ -92,7 +254,10 @@ impl PeerInfo {
             base: u64_at(16),
             data_bytes: u64_at(24),
             cta_slots: u32_at(32),
-            handle: b[36..100].try_into().unwrap(),
+            vmm: u32_at(36),
+            fd: u32_at(40) as i32,
+            alloc_bytes: u64_at(44),
+            handle: b[52..116].try_into().unwrap(),
         })
     }
 }
@@ -108,9 +273,11 @@ pub fn wanted_cta_slots(max_ctas: Option<u32>, sm_count: u32, data_bytes: u64) -
 /// A communicator's symmetric workspace. Create it with the communicator's context
 /// current; drop it with the same context current.
 pub struct SymmetricWorkspace {
-    own: DeviceBuffer,
+    own: Backing,
     peers: Vec<PeerMapping>,
     status_host: *mut CommStatus,
+    /// "vmm" or "legacy IPC (why)" or "single process".
+    pub transport: String,
     /// What the kernels get.
     pub view: WorkspaceView,
 }
@@ -120,6 +287,17 @@ pub struct SymmetricWorkspace {
 unsafe impl Send for SymmetricWorkspace {}
 unsafe impl Sync for SymmetricWorkspace {}
 
+fn zero_signals(base: u64) -> Result<()> {
+    // SAFETY: the signal region lies at the start of the allocation.
+    check("cuMemsetD8(signal region)", unsafe { sys::cuMemsetD8_v2(base, 0, SIGNAL_BYTES) })?;
+    // SAFETY: plain synchronisation of the current context.
+    check("cuCtxSynchronize(after zeroing the signal region)", unsafe { sys::cuCtxSynchronize() })
+}
+
+fn decode_all(blocks: Vec<Vec<u8>>) -> Result<Vec<PeerInfo>> {
+    blocks.iter().map(|b| PeerInfo::decode(b)).collect()
+}
+
 impl SymmetricWorkspace {
     /// Collective over the communicator: allocates, exchanges handles, maps every peer.
     /// Requires every rank on one node and at most MK_MAX_PEERS ranks (checked by the caller).
@@ -128,6 +306,7 @@ impl SymmetricWorkspace {
         let sms = cuda::sm_count(device)? as u32;
         let want_bytes = config.workspace_bytes.max(MIN_DATA_BYTES);
         let want_slots = wanted_cta_slots(config.max_ctas, sms, want_bytes);
+        let alloc_bytes = SIGNAL_BYTES + want_bytes as usize;
 
         // Status block first, so every later failure path frees it through Drop.
         let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -138,70 +317,168 @@ impl SymmetricWorkspace {
         let status_host = host as *mut CommStatus;
         // SAFETY: fresh allocation of the right size.
         unsafe { status_host.write_volatile(CommStatus::default()) };
-        let mut ws = SymmetricWorkspace {
-            own: DeviceBuffer { ptr: 0, bytes: 0 },
-            peers: Vec::new(),
-            status_host,
-            view: WorkspaceView::default(),
-        };
+        let mut ws = SymmetricWorkspace { own: Backing::None, peers: Vec::new(), status_host, transport: String::new(), view: WorkspaceView::default() };
         LIVE_WORKSPACES.fetch_add(1, Ordering::AcqRel);
         let mut status_dev: sys::CUdeviceptr = 0;
         // SAFETY: host came from cuMemHostAlloc with DEVICEMAP.
         check("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut status_dev, host, 0) })?;
 
-        ws.own = DeviceBuffer::alloc(SIGNAL_BYTES + want_bytes as usize)?;
-        // SAFETY: the signal region lies inside the allocation.
-        check("cuMemsetD8(signal region)", unsafe { sys::cuMemsetD8_v2(ws.own.ptr, 0, SIGNAL_BYTES) })?;
-        check("cuCtxSynchronize(after zeroing the signal region)", unsafe { sys::cuCtxSynchronize() })?;
-
         let pid = std::process::id();
         let host_hash = crate::bootstrap::host_hash();
-        let infos: Vec<PeerInfo> = {
-            // Other processes need an IPC handle; find out who they are first (cheap).
-            let mut handle = [0u8; 64];
-            if nranks > 1 {
-                let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-                // cuIpcGetMemHandle fails where IPC is unsupported; only peers in other
-                // processes need it, so the failure is reported when one opens it.
-                // SAFETY: ptr is the base of a cuMemAlloc allocation.
-                if unsafe { sys::cuIpcGetMemHandle(&mut h, ws.own.ptr) } == sys::CUresult::CUDA_SUCCESS {
-                    handle = h.reserved.map(|c| c as u8);
+        let mut info = PeerInfo {
+            pid, host: host_hash, device, base: 0, data_bytes: want_bytes, cta_slots: want_slots,
+            vmm: 0, fd: -1, alloc_bytes: alloc_bytes as u64, handle: [0; 64],
+        };
+
+        // Round 1: everyone tries the VMM allocation and says whether it worked.
+        let mut vmm_failure = None;
+        if nranks > 1 {
+            match vmm_alloc(device, alloc_bytes) {
+                Ok((m, fd)) => {
+                    info.base = m.ptr;
+                    info.alloc_bytes = m.size as u64;
+                    info.vmm = 1;
+                    info.fd = fd;
+                    ws.own = Backing::Vmm(m, fd);
+                    zero_signals(info.base)?;
+                }
+                Err(e) => vmm_failure = Some(format!("rank {rank}: {}", e.message)),
+            }
+        }
+        let infos = decode_all(bootstrap.allgather(&info.encode())?)?;
+        let remote = |i: &PeerInfo| !(i.pid == pid && i.host == host_hash);
+        let mut use_vmm = nranks > 1 && infos.iter().all(|i| i.vmm == 1);
+        let mut imported: Vec<Option<i32>> = vec![None; nranks];
+        if use_vmm {
+            // Round 2: take every remote peer's descriptor; all must succeed.
+            let mut my_failure = None;
+            for (r, i) in infos.iter().enumerate() {
+                if r != rank && remote(i) {
+                    match take_peer_fd(i.pid, i.fd) {
+                        Ok(fd) => imported[r] = Some(fd),
+                        Err(why) => {
+                            my_failure = Some(format!("rank {rank}: {why}"));
+                            break;
+                        }
+                    }
                 }
             }
-            let mine = PeerInfo { pid, host: host_hash, device, base: ws.own.ptr, data_bytes: want_bytes, cta_slots: want_slots, handle };
-            let all = bootstrap.allgather(&mine.encode())?;
-            all.iter().map(|b| PeerInfo::decode(b)).collect::<Result<_>>()?
+            let verdicts = bootstrap.allgather(my_failure.as_deref().unwrap_or("").as_bytes())?;
+            if let Some(v) = verdicts.iter().find(|v| !v.is_empty()) {
+                vmm_failure = Some(String::from_utf8_lossy(v).into_owned());
+                use_vmm = false;
+            }
+        } else if vmm_failure.is_none() && nranks > 1 {
+            vmm_failure = Some("another rank could not allocate with cuMemCreate".into());
+        }
+
+        let infos = if use_vmm {
+            ws.transport = "vmm (cuMemCreate + POSIX fd)".into();
+            infos
+        } else {
+            for fd in imported.iter_mut().filter_map(|f| f.take()) {
+                // SAFETY: a descriptor duplicated into this process, unused.
+                unsafe { libc::close(fd) };
+            }
+            // Legacy path: a plain allocation, exported with cuIpcGetMemHandle when needed.
+            ws.own.release();
+            let buf = DeviceBuffer::alloc(alloc_bytes)?;
+            zero_signals(buf.ptr)?;
+            info.base = buf.ptr;
+            info.vmm = 0;
+            info.fd = -1;
+            info.alloc_bytes = alloc_bytes as u64;
+            ws.own = Backing::Legacy(buf);
+            let any_remote = infos.iter().any(|i| remote(i));
+            if any_remote {
+                let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+                // cuIpcGetMemHandle fails where IPC is unsupported; the peers that need it
+                // report that when they try to open it.
+                // SAFETY: ptr is the base of a cuMemAlloc allocation.
+                if unsafe { sys::cuIpcGetMemHandle(&mut h, info.base) } == sys::CUresult::CUDA_SUCCESS {
+                    info.handle = h.reserved.map(|c| c as u8);
+                }
+                ws.transport = format!("legacy CUDA IPC ({})", vmm_failure.clone().unwrap_or_default());
+            } else {
+                ws.transport = "single process".into();
+            }
+            decode_all(bootstrap.allgather(&info.encode())?)?
         };
         let data_bytes = infos.iter().map(|i| i.data_bytes).min().unwrap_or(want_bytes);
         let cta_slots = infos.iter().map(|i| i.cta_slots).min().unwrap_or(want_slots).max(1);
 
-        for (r, info) in infos.iter().enumerate() {
-            if r == rank {
-                ws.peers.push(PeerMapping::Direct(ws.own.ptr));
-            } else if info.pid == pid && info.host == host_hash {
-                if info.device != device {
-                    let peer_ctx = PrimaryContext::retain(info.device)?;
+        // In-process peers on other devices read and write this allocation directly.
+        let other_local_devices: Vec<i32> = infos
+            .iter()
+            .filter(|i| !remote(i) && i.device != device)
+            .map(|i| i.device)
+            .collect();
+        for &d in &other_local_devices {
+            match &ws.own {
+                Backing::Vmm(m, _) => {
+                    let desc = sys::CUmemAccessDesc {
+                        location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: d },
+                        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                    };
+                    // SAFETY: our mapped range.
+                    check(&format!("cuMemSetAccess(for device {d})"), unsafe { sys::cuMemSetAccess(m.ptr, m.size, &desc, 1) })?;
+                }
+                _ => {
+                    let peer_ctx = PrimaryContext::retain(d)?;
                     // SAFETY: enables access from the current context to a retained one.
                     let r = unsafe { sys::cuCtxEnablePeerAccess(peer_ctx.ctx, 0) };
                     if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-                        check(&format!("cuCtxEnablePeerAccess(device {device} -> {})", info.device), r)?;
+                        check(&format!("cuCtxEnablePeerAccess(device {device} -> {d})"), r)?;
                     }
                 }
-                ws.peers.push(PeerMapping::Direct(info.base));
+            }
+        }
+        // Round 3 (or 2): everyone has granted access before anyone maps or launches.
+        bootstrap.barrier()?;
+
+        for (r, i) in infos.iter().enumerate() {
+            if r == rank {
+                ws.peers.push(PeerMapping::Direct(ws.own.base()));
+            } else if !remote(i) {
+                ws.peers.push(PeerMapping::Direct(i.base));
+            } else if use_vmm {
+                let fd = imported[r].take().expect("taken in round 2");
+                let mut h: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: fd is a descriptor of the peer's exported allocation.
+                let rc = unsafe {
+                    sys::cuMemImportFromShareableHandle(&mut h, fd as usize as *mut std::ffi::c_void, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+                };
+                // SAFETY: the import holds its own reference.
+                unsafe { libc::close(fd) };
+                check(&format!("cuMemImportFromShareableHandle(workspace of rank {r}, pid {})", i.pid), rc)?;
+                let m = match VmmMapping::map(h, i.alloc_bytes as usize, &[device]) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        // SAFETY: the imported handle, released once.
+                        unsafe { sys::cuMemRelease(h) };
+                        return Err(e.context(format!("mapping the workspace of rank {r}")));
+                    }
+                };
+                OPEN_IPC_MAPPINGS.fetch_add(1, Ordering::AcqRel);
+                ws.peers.push(PeerMapping::Vmm(m));
             } else {
-                if info.handle == [0u8; 64] {
+                if i.handle == [0u8; 64] {
                     return Err(MkError::system(format!("rank {r} could not export its workspace with CUDA IPC (cuIpcGetMemHandle failed there)")));
                 }
-                let h = sys::CUipcMemHandle_st { reserved: info.handle.map(|c| c as std::os::raw::c_char) };
+                let h = sys::CUipcMemHandle_st { reserved: i.handle.map(|c| c as std::os::raw::c_char) };
                 let mut p: sys::CUdeviceptr = 0;
                 // SAFETY: the handle names a live allocation of another process of this node.
                 check(
-                    &format!("cuIpcOpenMemHandle(workspace of rank {r}, pid {}, device {})", info.pid, info.device),
+                    &format!("cuIpcOpenMemHandle(workspace of rank {r}, pid {}, device {})", i.pid, i.device),
                     unsafe { sys::cuIpcOpenMemHandle_v2(&mut p, h, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32) },
                 )?;
                 OPEN_IPC_MAPPINGS.fetch_add(1, Ordering::AcqRel);
                 ws.peers.push(PeerMapping::Ipc(p));
             }
+        }
+        for fd in imported.iter_mut().filter_map(|f| f.take()) {
+            // SAFETY: unused duplicate.
+            unsafe { libc::close(fd) };
         }
 
         let mut view = WorkspaceView {
@@ -218,8 +495,8 @@ impl SymmetricWorkspace {
             view.data[r] = m.base() + SIGNAL_BYTES as u64;
         }
         ws.view = view;
-        mk_info!(Some(rank), "symmetric workspace: {} MiB data + 1 MiB signals per rank, {cta_slots} CTA slots, {} IPC mapping(s)",
-            data_bytes >> 20, ws.peers.iter().filter(|m| matches!(m, PeerMapping::Ipc(_))).count());
+        mk_info!(Some(rank), "symmetric workspace: {} MiB data + 1 MiB signals per rank, {cta_slots} CTA slots, peers mapped by {}",
+            data_bytes >> 20, ws.transport);
         Ok(ws)
     }
 
@@ -241,9 +518,9 @@ impl SymmetricWorkspace {
         unsafe { std::ptr::addr_of!((*self.status_host).host_abort).read_volatile() != 0 }
     }
 
-    /// Number of peers mapped through CUDA IPC.
+    /// Number of peers mapped from other processes.
     pub fn ipc_mappings(&self) -> usize {
-        self.peers.iter().filter(|m| matches!(m, PeerMapping::Ipc(_))).count()
+        self.peers.iter().filter(|m| !matches!(m, PeerMapping::Direct(_))).count()
     }
 }
 
@@ -256,13 +533,20 @@ impl Drop for SymmetricWorkspace {
             let _ = unsafe { sys::cuCtxSynchronize() };
         }
         for m in self.peers.drain(..) {
-            if let PeerMapping::Ipc(p) = m {
-                // SAFETY: p came from cuIpcOpenMemHandle and is closed once.
-                let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
-                OPEN_IPC_MAPPINGS.fetch_sub(1, Ordering::AcqRel);
+            match m {
+                PeerMapping::Ipc(p) => {
+                    // SAFETY: p came from cuIpcOpenMemHandle and is closed once.
+                    let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+                    OPEN_IPC_MAPPINGS.fetch_sub(1, Ordering::AcqRel);
+                }
+                PeerMapping::Vmm(v) => {
+                    v.unmap();
+                    OPEN_IPC_MAPPINGS.fetch_sub(1, Ordering::AcqRel);
+                }
+                PeerMapping::Direct(_) => {}
             }
         }
-        // `own` frees itself after this body.
+        self.own.release();
         if !self.status_host.is_null() {
             // SAFETY: allocated with cuMemHostAlloc, freed once.
             let _ = unsafe { sys::cuMemFreeHost(self.status_host.cast()) };
@@ -281,7 +565,10 @@ mod tests {
     fn peer_info_round_trips() {
         let mut handle = [0u8; 64];
         handle.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8 * 3);
-        let info = PeerInfo { pid: 77, host: 0xdead_beef_0123, device: 3, base: 0x7f00_0000_1000, data_bytes: 1 << 28, cta_slots: 16, handle };
+        let info = PeerInfo {
+            pid: 77, host: 0xdead_beef_0123, device: 3, base: 0x7f00_0000_1000, data_bytes: 1 << 28, cta_slots: 16,
+            vmm: 1, fd: 42, alloc_bytes: (1 << 28) + (2 << 20), handle,
+        };
         let enc = info.encode();
         assert_eq!(enc.len(), PeerInfo::BYTES);
         assert_eq!(PeerInfo::decode(&enc).unwrap(), info);

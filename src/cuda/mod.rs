@@ -161,6 +161,16 @@ pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
         // SAFETY: `aligned` holds a complete fatbin image for the duration of the call.
         let m = unsafe { cu::module::load_data(aligned.as_ptr().cast()) }
             .map_err(|e| cuda_err(&format!("loading kernel module {module} (needs an sm_90 GPU)"), e))?;
+        // The cache is keyed by context pointer: keep this device's primary context alive
+        // for the life of the process (one extra retain, never released), so a context
+        // destroyed when the last communicator lets go of it cannot be recreated at the
+        // same address with this cache's handles gone stale (CUDA_ERROR_INVALID_HANDLE).
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: writes one CUdevice of the current context.
+        if unsafe { sys::cuCtxGetDevice(&mut dev) } == sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: retains a valid device's primary context.
+            let _ = unsafe { cu::primary_ctx::retain(dev) };
+        }
         modules.insert(key, LoadedModule { module: m, functions: HashMap::new() });
     }
     let loaded = modules.get_mut(&key).expect("inserted above");

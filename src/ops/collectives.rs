@@ -167,7 +167,7 @@ impl ErrorWord {
 }
 
 /// Checks that `ptr` is device (or managed) memory of `device`, naming `what` otherwise.
-fn check_device_pointer(ptr: u64, device: i32, what: &str) -> Result<()> {
+pub fn check_device_pointer(ptr: u64, device: i32, what: &str) -> Result<()> {
     let mut mem_type: u32 = 0;
     // SAFETY: queries one attribute of an address; fails cleanly for unknown addresses.
     let r = unsafe {

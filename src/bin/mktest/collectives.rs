@@ -28,8 +28,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 const IDS: usize = 5; // control, main, graph, absent-rank test, killed-rank test
-const FAULT_TIMEOUT_MS: i32 = 2000;
-const FAULT_SLACK: Duration = Duration::from_secs(3);
+pub(crate) const FAULT_TIMEOUT_MS: i32 = 2000;
+pub(crate) const FAULT_SLACK: Duration = Duration::from_secs(3);
 
 pub fn run() -> Result<()> {
     if let Some(env) = ranks::child_env(IDS)? {
@@ -47,11 +47,11 @@ pub fn run() -> Result<()> {
 
 // ---------------------------------------------------------------- helpers
 
-fn say(rank: usize, msg: impl AsRef<str>) {
+pub(crate) fn say(rank: usize, msg: impl AsRef<str>) {
     println!("  [rank {rank}] {}", msg.as_ref());
 }
 
-fn ffi(what: &str, r: mkResult_t, comm: mkComm_t) -> Result<()> {
+pub(crate) fn ffi(what: &str, r: mkResult_t, comm: mkComm_t) -> Result<()> {
     if r == mkResult_t::mkSuccess {
         return Ok(());
     }
@@ -60,7 +60,7 @@ fn ffi(what: &str, r: mkResult_t, comm: mkComm_t) -> Result<()> {
     Err(MkError::new(r, format!("{what}: {msg}")))
 }
 
-fn config(timeout_ms: i32, workspace: i64) -> mkConfig_t {
+pub(crate) fn config(timeout_ms: i32, workspace: i64) -> mkConfig_t {
     mkConfig_t {
         size: std::mem::size_of::<mkConfig_t>(),
         magic: MK_CONFIG_MAGIC,
@@ -74,7 +74,7 @@ fn config(timeout_ms: i32, workspace: i64) -> mkConfig_t {
     }
 }
 
-fn init_comm(env: &RankEnv, id: &UniqueId, cfg: &mkConfig_t) -> Result<mkComm_t> {
+pub(crate) fn init_comm(env: &RankEnv, id: &UniqueId, cfg: &mkConfig_t) -> Result<mkComm_t> {
     let mut uid = mkUniqueId { internal: [0; UNIQUE_ID_BYTES] };
     for (d, s) in uid.internal.iter_mut().zip(id.to_bytes()) {
         *d = s as std::os::raw::c_char;
@@ -85,27 +85,27 @@ fn init_comm(env: &RankEnv, id: &UniqueId, cfg: &mkConfig_t) -> Result<mkComm_t>
     Ok(comm)
 }
 
-fn destroy(comm: mkComm_t) -> Result<()> {
+pub(crate) fn destroy(comm: mkComm_t) -> Result<()> {
     // SAFETY: a live handle, destroyed once.
     ffi("mkCommDestroy", unsafe { mkCommDestroy(comm) }, std::ptr::null_mut())
 }
 
-fn async_error(comm: mkComm_t) -> mkResult_t {
+pub(crate) fn async_error(comm: mkComm_t) -> mkResult_t {
     let mut e = mkResult_t::mkInternalError;
     // SAFETY: live handle, valid out-pointer.
     unsafe { mkCommGetAsyncError(comm, &mut e) };
     e
 }
 
-struct Stream(sys::CUstream);
+pub(crate) struct Stream(pub(crate) sys::CUstream);
 impl Stream {
-    fn new() -> Result<Self> {
+    pub(crate) fn new() -> Result<Self> {
         let mut s: sys::CUstream = std::ptr::null_mut();
         // SAFETY: creates a stream in the current context.
         cuda::check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) })?;
         Ok(Stream(s))
     }
-    fn sync(&self) -> Result<()> {
+    pub(crate) fn sync(&self) -> Result<()> {
         // SAFETY: live stream.
         cuda::check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.0) })
     }
@@ -135,13 +135,17 @@ fn is_signed(t: mkDataType_t) -> bool {
 }
 
 /// `n` random elements of `dtype` (bytes, and their exact values). Floats uniform in
-/// [-1, 1); signed integers in [-3, 3]; unsigned in [1, 4] (products of 8 ranks wrap in 8 bits).
-fn random_input(dtype: mkDataType_t, n: usize, seed: u64) -> (Vec<u8>, Vec<f64>) {
+/// [-1, 1) (for products, ±[0.75, 1.25), so 8 factors stay clear of half's subnormals);
+/// signed integers in [-3, 3]; unsigned in [1, 4] (products of 8 ranks wrap in 8 bits).
+fn random_input(dtype: mkDataType_t, n: usize, seed: u64, for_prod: bool) -> (Vec<u8>, Vec<f64>) {
     use mkDataType_t::*;
     let mut bytes = Vec::with_capacity(n * dtype.size());
     for i in 0..n {
         let r = splitmix(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ i as u64);
-        let u = (r >> 40) as f32 * (2.0 / 16_777_216.0) - 1.0;
+        let mut u = (r >> 40) as f32 * (2.0 / 16_777_216.0) - 1.0;
+        if for_prod {
+            u = u.signum() * (0.75 + 0.5 * u.abs());
+        }
         let si = (r % 7) as i64 - 3;
         let ui = (r % 4) + 1;
         match dtype {
@@ -260,7 +264,7 @@ impl Case {
         let (send_n, recv_n) = self.kind.buffer_counts(self.count as u64, self.nranks as u64).unwrap();
         let inputs: Vec<Vec<f64>> = (0..self.nranks)
             .map(|p| {
-                let (bytes, vals) = random_input(self.dtype, send_n as usize, seed ^ (p as u64 + 1) * 0x9e37_79b9);
+                let (bytes, vals) = random_input(self.dtype, send_n as usize, seed ^ (p as u64 + 1) * 0x9e37_79b9, self.op == mkRedOp_t::mkProd);
                 if p == self.rank {
                     // poison the whole output first (in place: then the input goes in)
                     // SAFETY: recv holds recv_n elements.
@@ -325,6 +329,9 @@ fn rank_main(env: &RankEnv) -> Result<()> {
     let mut control_cfg = CommConfig::from_env();
     control_cfg.workspace_bytes = 0;
     let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
+    if rank == 0 {
+        say(rank, format!("peers mapped by: {}", control.workspace.as_ref().map_or("-".to_string(), |w| w.transport.clone())));
+    }
     let result = (|| {
         correctness(env)?;
         graph_replay(env)?;
@@ -480,7 +487,7 @@ fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
 }
 
 /// Waits for the stream with a bound of its own (the kernel's timeout must fire first).
-fn timed_sync(stream: &Stream, limit: Duration) -> Result<Duration> {
+pub(crate) fn timed_sync(stream: &Stream, limit: Duration) -> Result<Duration> {
     let start = Instant::now();
     loop {
         // SAFETY: live stream.
@@ -498,7 +505,7 @@ fn timed_sync(stream: &Stream, limit: Duration) -> Result<Duration> {
     }
 }
 
-fn check_stopped(rank: usize, comm: mkComm_t, elapsed: Duration, what: &str) -> Result<mkResult_t> {
+pub(crate) fn check_stopped(rank: usize, comm: mkComm_t, elapsed: Duration, what: &str) -> Result<mkResult_t> {
     let code = async_error(comm);
     let limit = Duration::from_millis(FAULT_TIMEOUT_MS as u64) + FAULT_SLACK;
     say(rank, format!("{what}: stopped after {:.2} s with {code:?}", elapsed.as_secs_f64()));
