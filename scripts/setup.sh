@@ -12,6 +12,10 @@ command -v readelf >/dev/null || need_apt+=(binutils)
 command -v make >/dev/null || need_apt+=(make)
 command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+# The `rdma` feature (RDMA transport via rdma-sys: bindgen over the verbs headers).
+pkg-config --exists libibverbs 2>/dev/null || need_apt+=(libibverbs-dev)
+pkg-config --exists librdmacm 2>/dev/null || need_apt+=(librdmacm-dev)
+compgen -G "/usr/lib/llvm-*/lib/libclang.so" >/dev/null || need_apt+=(libclang-dev)
 if ((${#need_apt[@]})); then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${need_apt[@]}"

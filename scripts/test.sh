@@ -10,7 +10,11 @@ export CARGO_TERM_COLOR=never
 echo "== cargo build (libmkernel.so, libmkernel.a, mktest, mkbench; kernels compiled by build.rs)"
 cargo build --release --lib --bins
 
-echo "== cargo test (unit, bootstrap, ABI packaging)"
+echo "== RDMA feature: builds, links, and its no-device fallback works (no RDMA device here to run it)"
+cargo build --release --lib --features rdma
+cargo test --release --lib --features rdma transport:: -- --test-threads=2
+
+echo "== cargo test (unit, bootstrap, transport, ABI packaging)"
 cargo test --release --all-targets -- --test-threads=2
 
 echo "== C tests against the installed header and library (plain, ASan/UBSan, C++)"

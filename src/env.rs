@@ -14,6 +14,8 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
     ("MK_COMM_SMS", "(planned per op)", "CTAs given to communication roles in fused kernels"),
     ("MK_MAX_CTAS", "(all SMs)", "cap on any kernel's grid; set it when several ranks share one GPU"),
     ("MK_WORKSPACE_BYTES", "268435456", "symmetric workspace per rank allocated at init"),
+    ("MK_NET", "(ib if an RDMA device is usable, else socket)", "inter-node transport: ib or socket"),
+    ("MK_IB_HCA", "(every active device)", "RDMA devices to use: comma-separated name[:port] prefixes, '^' excludes, '=' exact"),
 ];
 
 fn var(name: &str) -> Option<String> {
@@ -61,4 +63,14 @@ pub fn max_ctas() -> Option<u64> {
 
 pub fn workspace_bytes() -> u64 {
     parse_u64("MK_WORKSPACE_BYTES").unwrap_or(256 << 20)
+}
+
+/// `MK_NET` as given (`ib`, `socket`); the transport module validates it.
+pub fn net() -> Option<String> {
+    var("MK_NET").map(|s| s.trim().to_ascii_lowercase())
+}
+
+/// `MK_IB_HCA` as given; the transport module parses it.
+pub fn ib_hca() -> Option<String> {
+    var("MK_IB_HCA").map(|s| s.trim().to_string())
 }

@@ -93,3 +93,127 @@ pub struct CollectiveCheckParams {
     pub rank: i32,
     pub nranks: i32,
 }
+
+// ---- Proxy ring (inter-node): device producers, one host proxy thread per communicator.
+// Protocol in src/transport/proxy.rs; device side in kernels/common/proxy.cuh.
+
+/// `ProxyCommand::header` kind (low 8 bits): the slot is empty (the proxy clears it after
+/// taking the command; a producer's store of a nonzero header publishes the slot).
+pub const MK_PROXY_KIND_EMPTY: u32 = 0;
+/// Put `bytes` from this rank's data region at `src_offset` to the peer's data region at
+/// `dst_offset`, then (unless `signal_id` is `MK_PROXY_NO_SIGNAL`) write `signal_value`
+/// to the peer's signal word `signal_id`, visible only after the data.
+pub const MK_PROXY_KIND_PUT: u32 = 1;
+/// Only the signal write of a put (no data).
+pub const MK_PROXY_KIND_SIGNAL: u32 = 2;
+/// `signal_id` of a put that writes no signal.
+pub const MK_PROXY_NO_SIGNAL: u32 = 0xffff_ffff;
+/// `ProxyCommand::header` = kind | peer << MK_PROXY_PEER_SHIFT (peer: the destination rank).
+pub const MK_PROXY_PEER_SHIFT: u32 = 8;
+/// Largest destination rank a header can name (24 bits).
+pub const MK_PROXY_MAX_PEER: u32 = 0x00ff_ffff;
+
+/// One 32-byte command in the proxy ring. The producer writes every field except `header`,
+/// then `header` last with a release store; the proxy reads `header` with acquire, copies
+/// the command out and stores 0 to `header` before freeing the slot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProxyCommand {
+    /// kind (`MK_PROXY_KIND_*`, low 8 bits) | destination rank << 8. Nonzero = published.
+    pub header: u32,
+    /// Bytes to move (0 for a signal-only command).
+    pub bytes: u32,
+    /// Offset in this rank's registered data region.
+    pub src_offset: u64,
+    /// Offset in the destination rank's registered data region.
+    pub dst_offset: u64,
+    /// Index of the destination's u64 signal word, or `MK_PROXY_NO_SIGNAL`.
+    pub signal_id: u32,
+    /// Value written to that signal word (epoch-valued flags: no reset between calls).
+    pub signal_value: u32,
+}
+
+/// Counters the proxy writes and producers read, one cache line each so the device's
+/// polling of one does not contend with the host's writes of another.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProxyRingControl {
+    /// Slots freed so far: a producer holding ticket t may write slot t % capacity once
+    /// `tail + capacity > t` (back-pressure when the ring is full).
+    pub tail: u64,
+    pub reserved0: [u64; 7],
+    /// Commands whose transfers completed, counted in ticket order: every command with a
+    /// ticket below `completed` is done (its source bytes may be reused).
+    pub completed: u64,
+    pub reserved1: [u64; 7],
+    /// 0, or the `mkResult_t` of the proxy's first failure: producers stop waiting on it.
+    pub error: u32,
+    pub reserved2: [u32; 15],
+}
+
+/// What a kernel needs to post commands: pointers as the device sees them, passed by value
+/// inside an op's parameter struct.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProxyRingView {
+    /// `capacity` × `ProxyCommand` in host-pinned, device-mapped memory.
+    pub commands: u64,
+    /// `ProxyRingControl` in the same memory.
+    pub control: u64,
+    /// The u64 ticket counter producers claim slots from with an atomic add. It lives in
+    /// device memory on a GPU (system-scope atomics on host memory over PCIe are not
+    /// reliable), in host memory when host threads produce (tests).
+    pub head: u64,
+    /// Slots; a power of two.
+    pub capacity: u32,
+    pub reserved: u32,
+    /// Bound on every producer wait, in nanoseconds of %globaltimer (MK_TIMEOUT_MS).
+    pub timeout_ns: u64,
+}
+
+/// Parameters of the proxy test kernel (kernels/proxy.cu): every CTA's thread 0 posts
+/// `commands_per_cta` puts to `peer`, each of `bytes` bytes at offsets spaced `stride`
+/// apart, signalling `signal_value` on word (CTA index); the status of each CTA's last
+/// post is written to `status[cta]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProxyTestParams {
+    pub ring: ProxyRingView,
+    /// Device pointer to one i32 per CTA.
+    pub status: u64,
+    pub stride: u64,
+    pub commands_per_cta: u32,
+    pub bytes: u32,
+    pub peer: u32,
+    pub signal_value: u32,
+}
+
+/// Most signalled chunks per source rank in AllGather + GEMM (src/ops/ag_gemm.rs
+/// MAX_CHUNKS_PER_RANK; the kernel's flag array is sized by it).
+pub const MK_AG_GEMM_MAX_CHUNKS: usize = 32;
+
+/// Parameters of the AllGather + GEMM kernels (kernels/ag_gemm.cu). The tensor maps (A over
+/// this rank's gathered buffer in the workspace, B, C) travel as separate kernel arguments.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AgGemmParams {
+    pub ws: WorkspaceView,
+    /// This rank's rows of A: [rows_per_rank, k].
+    pub a_local: u64,
+    /// Where the gathered A is also written for the caller ([m, k]), or 0.
+    pub gathered_out: u64,
+    /// Byte offset of the gathered A buffer ([m, k]) in every rank's data region.
+    pub gathered_offset: u64,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub rows_per_rank: i32,
+    pub chunk_rows: i32,
+    pub chunks_per_rank: i32,
+    /// CTAs 0..compute_ctas run GEMM tiles; the next comm_ctas push and signal chunks.
+    pub compute_ctas: i32,
+    pub comm_ctas: i32,
+    pub group_m: i32,
+    /// First row block computed (this rank's own rows).
+    pub m_block_base: i32,
+}

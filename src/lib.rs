@@ -16,6 +16,7 @@ pub mod kernel_abi;
 pub mod log;
 pub mod ops;
 pub mod testing;
+pub mod transport;
 pub mod types;
 
 pub use error::{mkResult_t, MkError, Result};

@@ -1,6 +1,7 @@
 //! The communicator: rank, size, device context, bootstrap, configuration, and the error
 //! state (`mkGetLastError`, `mkCommGetAsyncError`, abort).
 
+pub mod topology;
 pub mod workspace;
 
 use crate::bootstrap::{Bootstrap, UniqueId};

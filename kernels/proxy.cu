@@ -1,0 +1,19 @@
+// Proxy ring test kernel: exercises kernels/common/proxy.cuh end to end on a GPU (each
+// CTA's thread 0 posts puts and waits for their completion) and keeps the header compiled
+// by every build. Launched by the proxy GPU test; parameters in src/kernel_abi.rs.
+#include <stdint.h>
+#include "mk_kernel_abi.h"
+#include "common/proxy.cuh"
+
+extern "C" __global__ void mk_proxy_test(ProxyTestParams p) {
+  if (threadIdx.x != 0) return;
+  int* status = reinterpret_cast<int*>(p.status);
+  uint64_t ticket = 0;
+  int rc = MK_PROXY_OK;
+  for (uint32_t i = 0; i < p.commands_per_cta && rc == MK_PROXY_OK; ++i) {
+    uint64_t offset = ((uint64_t)blockIdx.x * p.commands_per_cta + i) * p.stride;
+    rc = mk_proxy_put(p.ring, p.peer, offset, offset, p.bytes, blockIdx.x, p.signal_value, &ticket);
+  }
+  if (rc == MK_PROXY_OK && p.commands_per_cta > 0) rc = mk_proxy_wait_complete(p.ring, ticket);
+  status[blockIdx.x] = rc;
+}

@@ -1,0 +1,513 @@
+//! TCP transport between proxies: one connection per peer pair, a sender thread and a
+//! receiver thread per peer, puts staged through host memory.
+//!
+//! Connections are authenticated both ways with the bootstrap's challenge-response
+//! (`bootstrap::net::{challenge, respond}`), keyed by `TransportAuth` (derived from the
+//! unique id's secret): a process that does not know the id cannot write into a window.
+//! The higher rank of a pair connects, the lower accepts.
+//!
+//! Wire: every message is a 32-byte `Frame` header, then `bytes` of data for a put. The
+//! receiver copies the data into its window, then stores the signal word with release
+//! semantics, so the signal is visible only after the data (TCP keeps one connection's
+//! bytes in order). A put completes locally when its bytes are written to the socket.
+//! A `Close` frame ends a connection cleanly; any other end of it is the peer's failure.
+
+use super::{check_peers, check_put_ranges, MemoryKind, PostId, PutRequest, Transport, TransportAuth, Window};
+use crate::bootstrap::net::{self, Deadline};
+use crate::bootstrap::unique_id::{decode_addr, encode_addr, ENCODED_ADDR_BYTES};
+use crate::error::{MkError, Result};
+use crate::mk_warn;
+use parking_lot::Mutex;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const BLOB_MAGIC: &[u8; 4] = b"MKS1";
+const BLOB_BYTES: usize = 4 + ENCODED_ADDR_BYTES + 16;
+const FRAME_BYTES: usize = 32;
+const FRAME_PUT: u32 = 1;
+const FRAME_CLOSE: u32 = 2;
+/// How often an idle receiver looks at the closing flag.
+const IDLE_POLL: Duration = Duration::from_millis(100);
+
+/// A message header on the wire (little-endian).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Frame {
+    kind: u32,
+    /// Signal word index, or u32::MAX for none.
+    signal_id: u32,
+    bytes: u64,
+    dst_offset: u64,
+    signal_value: u64,
+}
+
+impl Frame {
+    fn encode(&self) -> [u8; FRAME_BYTES] {
+        let mut b = [0u8; FRAME_BYTES];
+        b[0..4].copy_from_slice(&self.kind.to_le_bytes());
+        b[4..8].copy_from_slice(&self.signal_id.to_le_bytes());
+        b[8..16].copy_from_slice(&self.bytes.to_le_bytes());
+        b[16..24].copy_from_slice(&self.dst_offset.to_le_bytes());
+        b[24..32].copy_from_slice(&self.signal_value.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; FRAME_BYTES]) -> Frame {
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
+        Frame { kind: u32_at(0), signal_id: u32_at(4), bytes: u64_at(8), dst_offset: u64_at(16), signal_value: u64_at(24) }
+    }
+
+    fn close() -> Frame {
+        Frame { kind: FRAME_CLOSE, signal_id: u32::MAX, bytes: 0, dst_offset: 0, signal_value: 0 }
+    }
+}
+
+/// What peers learn about this rank: where to connect and how big its window is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SocketBlob {
+    pub listen: SocketAddr,
+    pub data_bytes: u64,
+    pub signal_words: u64,
+}
+
+impl SocketBlob {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(BLOB_BYTES);
+        v.extend_from_slice(BLOB_MAGIC);
+        encode_addr(&self.listen, &mut v);
+        v.extend_from_slice(&self.data_bytes.to_le_bytes());
+        v.extend_from_slice(&self.signal_words.to_le_bytes());
+        v
+    }
+
+    pub fn decode(b: &[u8], from_rank: usize) -> Result<SocketBlob> {
+        if b.len() != BLOB_BYTES || &b[..4] != BLOB_MAGIC {
+            return Err(MkError::remote(format!(
+                "rank {from_rank} sent no socket-transport connection data ({} bytes): do all ranks use the same \
+                 MK_NET and the same mkernel build?",
+                b.len()
+            )));
+        }
+        let listen = decode_addr(&b[4..4 + ENCODED_ADDR_BYTES])?;
+        let o = 4 + ENCODED_ADDR_BYTES;
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
+        Ok(SocketBlob { listen, data_bytes: u64_at(o), signal_words: u64_at(o + 8) })
+    }
+}
+
+/// State shared by the transport and its peer threads.
+#[derive(Default)]
+struct Shared {
+    error: Mutex<Option<MkError>>,
+    completed: Mutex<Vec<PostId>>,
+    closing: AtomicBool,
+}
+
+impl Shared {
+    fn fail(&self, rank: usize, e: MkError) {
+        let mut slot = self.error.lock();
+        if slot.is_none() {
+            mk_warn!(Some(rank), "socket transport: {}", e.message);
+            *slot = Some(e);
+        }
+    }
+
+    fn error(&self) -> Option<MkError> {
+        self.error.lock().clone()
+    }
+}
+
+enum SendJob {
+    Put { id: PostId, frame: Frame, src: usize, len: usize },
+    Close,
+}
+
+struct PeerLink {
+    jobs: Option<mpsc::Sender<SendJob>>,
+    sender: Option<JoinHandle<()>>,
+    receiver: Option<JoinHandle<()>>,
+    /// A handle on the socket to shut it down when the peer does not close in time.
+    socket: TcpStream,
+    data_bytes: u64,
+    signal_words: u64,
+}
+
+/// The TCP transport of one rank.
+pub struct SocketTransport {
+    rank: usize,
+    nranks: usize,
+    auth: TransportAuth,
+    timeout: Duration,
+    listener: TcpListener,
+    window: Option<Window>,
+    peers: Vec<Option<PeerLink>>,
+    next_post: PostId,
+    shared: Arc<Shared>,
+    closed: bool,
+}
+
+impl SocketTransport {
+    /// Listens on the bootstrap's interface (`MK_SOCKET_IFNAME`). `timeout` bounds
+    /// connecting, every send, every partially received message, and closing.
+    pub fn new(rank: usize, nranks: usize, auth: TransportAuth, timeout: Duration) -> Result<SocketTransport> {
+        if rank >= nranks {
+            return Err(MkError::invalid_argument(format!("rank {rank} is out of range [0, {nranks})")));
+        }
+        let listener = net::bind_listener(net::local_address()?)?;
+        Ok(SocketTransport {
+            rank,
+            nranks,
+            auth,
+            timeout,
+            listener,
+            window: None,
+            peers: (0..nranks).map(|_| None).collect(),
+            next_post: 0,
+            shared: Arc::new(Shared::default()),
+            closed: false,
+        })
+    }
+
+    fn handshake_deadline(&self, deadline: &Deadline, what: &str) -> Result<Deadline> {
+        // A short bound per connection, so a silent intruder cannot use up the whole deadline.
+        Ok(Deadline::after(deadline.remaining(&what)?.min(Duration::from_secs(5))))
+    }
+
+    /// Connecting side: prove the key, check the peer's proof, say who we are.
+    fn dial(&self, peer: usize, addr: SocketAddr, deadline: &Deadline) -> Result<TcpStream> {
+        let what = format!("rank {} connecting its socket transport to rank {peer} at {addr}", self.rank);
+        let mut s = net::connect_before(addr, deadline, &what)?;
+        let hs = self.handshake_deadline(deadline, &what)?;
+        let refused = |e: MkError| {
+            e.context(format!("{what}: handshake failed (does every rank use the same unique id?)"))
+        };
+        net::respond(&mut s, &self.auth.key, self.auth.session, &hs).map_err(refused)?;
+        net::challenge(&mut s, &self.auth.key, self.auth.session, &hs).map_err(refused)?;
+        net::send_frame(&mut s, &(self.rank as u32).to_le_bytes(), &hs, &what)?;
+        Ok(s)
+    }
+
+    /// Accepting side: accepts authenticated connections until every rank in `expected` has
+    /// connected; strangers and wrong proofs are logged and dropped.
+    fn accept_peers(&self, expected: &[usize], deadline: &Deadline) -> Result<Vec<(usize, TcpStream)>> {
+        let mut got: Vec<(usize, TcpStream)> = Vec::new();
+        while got.len() < expected.len() {
+            let missing: Vec<usize> = expected.iter().copied().filter(|p| !got.iter().any(|(r, _)| r == p)).collect();
+            let what = format!("rank {} waiting for ranks {missing:?} to connect their socket transports", self.rank);
+            let (mut s, from) = net::accept_before(&self.listener, deadline, &what)?;
+            let hs = self.handshake_deadline(deadline, &what)?;
+            let checked = net::challenge(&mut s, &self.auth.key, self.auth.session, &hs)
+                .and_then(|_| net::respond(&mut s, &self.auth.key, self.auth.session, &hs))
+                .and_then(|_| net::recv_frame(&mut s, &hs, &what));
+            match checked {
+                Ok(b) if b.len() == 4 && missing.contains(&(u32::from_le_bytes(b[..].try_into().expect("4")) as usize)) => {
+                    got.push((u32::from_le_bytes(b[..].try_into().expect("4")) as usize, s));
+                }
+                Ok(b) => mk_warn!(Some(self.rank), "refused transport connection from {from}: it claims to be {b:?}, expected one of {missing:?}"),
+                Err(e) => mk_warn!(Some(self.rank), "refused transport connection from {from}: {}", e.message),
+            }
+        }
+        Ok(got)
+    }
+
+    fn start_peer(&mut self, peer: usize, socket: TcpStream, blob: &SocketBlob) -> Result<()> {
+        let window = self.window.expect("connect checks registration");
+        socket.set_nodelay(true)?;
+        let send_socket = socket.try_clone()?;
+        let recv_socket = socket.try_clone()?;
+        let (jobs, queue) = mpsc::channel();
+        let shared = Arc::clone(&self.shared);
+        let (rank, timeout) = (self.rank, self.timeout);
+        let sender = std::thread::Builder::new()
+            .name(format!("mk-sock-tx-{rank}-{peer}"))
+            .spawn(move || send_loop(rank, peer, send_socket, queue, &shared, timeout))
+            .map_err(|e| MkError::system(format!("cannot start a transport thread: {e}")))?;
+        let shared = Arc::clone(&self.shared);
+        let receiver = std::thread::Builder::new()
+            .name(format!("mk-sock-rx-{rank}-{peer}"))
+            .spawn(move || {
+                if let Err(e) = receive_loop(peer, recv_socket, window, &shared, timeout) {
+                    shared.fail(rank, e);
+                }
+            })
+            .map_err(|e| MkError::system(format!("cannot start a transport thread: {e}")))?;
+        self.peers[peer] = Some(PeerLink {
+            jobs: Some(jobs),
+            sender: Some(sender),
+            receiver: Some(receiver),
+            socket,
+            data_bytes: blob.data_bytes,
+            signal_words: blob.signal_words,
+        });
+        Ok(())
+    }
+}
+
+fn lost_peer(peer: usize, e: std::io::Error, timeout: Duration, doing: &str) -> MkError {
+    match e.kind() {
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => MkError::timeout(format!(
+            "rank {peer} did not make progress {doing} within MK_TIMEOUT_MS={} ms",
+            timeout.as_millis()
+        )),
+        ErrorKind::UnexpectedEof => MkError::remote(format!("rank {peer} closed its connection {doing} (did it exit?)")),
+        _ => MkError::remote(format!("connection to rank {peer} failed {doing}: {e}")),
+    }
+}
+
+fn send_loop(rank: usize, peer: usize, mut socket: TcpStream, queue: mpsc::Receiver<SendJob>, shared: &Shared, timeout: Duration) {
+    if let Err(e) = socket.set_write_timeout(Some(timeout)) {
+        shared.fail(rank, MkError::system(format!("socket to rank {peer}: {e}")));
+        return;
+    }
+    for job in queue {
+        let result = match job {
+            SendJob::Put { id, frame, src, len } => {
+                // SAFETY: `register`'s contract keeps the window valid until close, and
+                // post_put checked that [src, src + len) lies in its data region.
+                let data = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
+                socket
+                    .write_all(&frame.encode())
+                    .and_then(|_| socket.write_all(data))
+                    .map(|_| shared.completed.lock().push(id))
+            }
+            SendJob::Close => socket.write_all(&Frame::close().encode()),
+        };
+        if let Err(e) = result {
+            shared.fail(rank, lost_peer(peer, e, timeout, "while this rank sent to it"));
+            return;
+        }
+    }
+}
+
+/// Reads exactly `buf`, waiting without limit for the first byte only when `idle_ok`
+/// (between messages); returns false on a clean end of stream before any byte.
+fn read_message_part(socket: &mut TcpStream, buf: &mut [u8], idle_ok: bool, shared: &Shared, peer: usize, timeout: Duration) -> Result<bool> {
+    let mut got = 0;
+    let mut last_progress = Instant::now();
+    while got < buf.len() {
+        match socket.read(&mut buf[got..]) {
+            Ok(0) if got == 0 && idle_ok && shared.closing.load(Ordering::Acquire) => return Ok(false),
+            Ok(0) => return Err(lost_peer(peer, ErrorKind::UnexpectedEof.into(), timeout, "while sending to this rank")),
+            Ok(n) => {
+                got += n;
+                last_progress = Instant::now();
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                if got == 0 && idle_ok {
+                    continue; // idle between messages: fine for as long as it lasts
+                }
+                if last_progress.elapsed() >= timeout {
+                    return Err(lost_peer(peer, e, timeout, "in the middle of a message to this rank"));
+                }
+            }
+            // close() shut the socket after the peer failed to say Close in time.
+            Err(_) if shared.closing.load(Ordering::Acquire) => return Ok(false),
+            Err(e) => return Err(lost_peer(peer, e, timeout, "while sending to this rank")),
+        }
+    }
+    Ok(true)
+}
+
+fn receive_loop(peer: usize, mut socket: TcpStream, window: Window, shared: &Shared, timeout: Duration) -> Result<()> {
+    socket.set_read_timeout(Some(IDLE_POLL))?;
+    loop {
+        let mut header = [0u8; FRAME_BYTES];
+        if !read_message_part(&mut socket, &mut header, true, shared, peer, timeout)? {
+            return Ok(());
+        }
+        let frame = Frame::decode(&header);
+        match frame.kind {
+            FRAME_CLOSE => return Ok(()),
+            FRAME_PUT => {}
+            k => return Err(MkError::remote(format!("rank {peer} sent an unknown transport message kind {k}"))),
+        }
+        let in_data = frame.dst_offset.checked_add(frame.bytes).is_some_and(|end| end <= window.data.bytes);
+        let in_signals = frame.signal_id == u32::MAX || (frame.signal_id as u64) < window.signal_words();
+        if !in_data || !in_signals {
+            return Err(MkError::remote(format!(
+                "rank {peer} sent a put outside this rank's window ({frame:?}; data {} bytes, {} signal words)",
+                window.data.bytes,
+                window.signal_words()
+            )));
+        }
+        // SAFETY: the range was checked against the registered data region just above, and
+        // `register`'s contract keeps it valid until close.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut((window.data.base + frame.dst_offset) as *mut u8, frame.bytes as usize)
+        };
+        if !dst.is_empty() && !read_message_part(&mut socket, dst, false, shared, peer, timeout)? {
+            return Ok(());
+        }
+        if frame.signal_id != u32::MAX {
+            // SAFETY: signal_id < signal words (checked above); the signal region is 8-byte
+            // aligned (checked by register) and valid until close.
+            let word = unsafe { &*((window.signals.base + 8 * frame.signal_id as u64) as *const AtomicU64) };
+            // Release: the data copied above is visible before the signal value.
+            word.store(frame.signal_value, Ordering::Release);
+        }
+    }
+}
+
+impl Transport for SocketTransport {
+    fn name(&self) -> &'static str {
+        "socket"
+    }
+
+    unsafe fn register(&mut self, window: Window) -> Result<()> {
+        if self.window.is_some() {
+            return Err(MkError::invalid_usage("the socket transport's window is already registered"));
+        }
+        for (name, region) in [("data", window.data), ("signal", window.signals)] {
+            if region.kind != MemoryKind::Host {
+                return Err(MkError::invalid_usage(format!(
+                    "the socket transport reads and writes host memory only; the {name} region is device memory \
+                     (stage it through a host-pinned buffer)"
+                )));
+            }
+            if region.base == 0 && region.bytes > 0 {
+                return Err(MkError::invalid_argument(format!("the {name} region is NULL")));
+            }
+        }
+        if window.signals.base % 8 != 0 || window.signals.bytes % 8 != 0 {
+            return Err(MkError::invalid_argument("signal words must be 8-byte aligned u64s"));
+        }
+        self.window = Some(window);
+        Ok(())
+    }
+
+    fn connection_blob(&mut self, _peers: &[usize]) -> Result<Vec<u8>> {
+        let window = self.window.ok_or_else(|| MkError::invalid_usage("register a window before connecting"))?;
+        Ok(SocketBlob { listen: self.listener.local_addr()?, data_bytes: window.data.bytes, signal_words: window.signal_words() }
+            .encode())
+    }
+
+    fn connect(&mut self, blobs: &[Vec<u8>], peers: &[usize]) -> Result<()> {
+        if self.window.is_none() {
+            return Err(MkError::invalid_usage("register a window before connecting"));
+        }
+        check_peers(self.rank, self.nranks, blobs.len(), peers)?;
+        let decoded: Vec<(usize, SocketBlob)> =
+            peers.iter().map(|&p| SocketBlob::decode(&blobs[p], p).map(|b| (p, b))).collect::<Result<_>>()?;
+        let deadline = Deadline::after(self.timeout);
+        let (lower, higher): (Vec<_>, Vec<_>) = decoded.iter().partition(|(p, _)| *p < self.rank);
+        let higher_ranks: Vec<usize> = higher.iter().map(|(p, _)| *p).collect();
+        // Dial the lower ranks while accepting the higher ones: every pair has one dialer.
+        let (dialed, accepted) = std::thread::scope(|s| {
+            let dialer = s.spawn(|| {
+                lower.iter().map(|(p, b)| self.dial(*p, b.listen, &deadline).map(|sock| (*p, sock))).collect::<Result<Vec<_>>>()
+            });
+            let accepted = self.accept_peers(&higher_ranks, &deadline);
+            let dialed = dialer.join().map_err(|_| MkError::internal("transport dialer thread panicked"));
+            (dialed, accepted)
+        });
+        let mut sockets = dialed??;
+        sockets.extend(accepted?);
+        for (p, sock) in sockets {
+            let blob = decoded.iter().find(|(r, _)| *r == p).expect("a listed peer").1;
+            self.start_peer(p, sock, &blob)?;
+        }
+        Ok(())
+    }
+
+    fn post_put(&mut self, put: &PutRequest) -> Result<PostId> {
+        if let Some(e) = self.shared.error() {
+            return Err(e);
+        }
+        if self.closed {
+            return Err(MkError::invalid_usage("the socket transport is closed"));
+        }
+        let window = self.window.ok_or_else(|| MkError::invalid_usage("register a window before posting"))?;
+        let Some(link) = self.peers.get(put.peer).and_then(|l| l.as_ref()) else {
+            return Err(MkError::invalid_argument(format!("rank {} is not connected to rank {}", self.rank, put.peer)));
+        };
+        check_put_ranges(put, &window, link.data_bytes, link.signal_words)?;
+        let id = self.next_post;
+        let (signal_id, signal_value) = put.signal.unwrap_or((u32::MAX, 0));
+        let frame = Frame { kind: FRAME_PUT, signal_id, bytes: put.bytes, dst_offset: put.dst_offset, signal_value };
+        let job = SendJob::Put { id, frame, src: (window.data.base + put.src_offset) as usize, len: put.bytes as usize };
+        let sent = link.jobs.as_ref().is_some_and(|jobs| jobs.send(job).is_ok());
+        if !sent {
+            return Err(self.shared.error().unwrap_or_else(|| MkError::remote(format!("the connection to rank {} is gone", put.peer))));
+        }
+        self.next_post += 1;
+        Ok(id)
+    }
+
+    fn poll(&mut self, completed: &mut Vec<PostId>) -> Result<()> {
+        completed.append(&mut self.shared.completed.lock());
+        match self.shared.error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn close(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        self.shared.closing.store(true, Ordering::Release);
+        // Queue a Close behind every pending put; senders exit when their queue ends.
+        for link in self.peers.iter_mut().flatten() {
+            if let Some(jobs) = link.jobs.take() {
+                let _ = jobs.send(SendJob::Close);
+            }
+        }
+        for link in self.peers.iter_mut().flatten() {
+            if let Some(t) = link.sender.take() {
+                let _ = t.join(); // bounded: every write has the send timeout
+            }
+        }
+        // Give each peer until the deadline to send its own Close, then cut the connection.
+        let deadline = Instant::now() + self.timeout;
+        for link in self.peers.iter_mut().flatten() {
+            if let Some(t) = link.receiver.take() {
+                while !t.is_finished() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                let _ = link.socket.shutdown(Shutdown::Both);
+                let _ = t.join();
+            }
+        }
+        match self.shared.error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for SocketTransport {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::mkResult_t;
+
+    #[test]
+    fn frames_round_trip() {
+        let f = Frame { kind: FRAME_PUT, signal_id: 9, bytes: 1 << 40, dst_offset: 77, signal_value: u64::MAX - 1 };
+        assert_eq!(Frame::decode(&f.encode()), f);
+        assert_eq!(Frame::decode(&Frame::close().encode()).kind, FRAME_CLOSE);
+    }
+
+    #[test]
+    fn blobs_round_trip_and_reject_foreign_data() {
+        let b = SocketBlob { listen: "127.0.0.1:4242".parse().unwrap(), data_bytes: 1 << 33, signal_words: 64 };
+        assert_eq!(SocketBlob::decode(&b.encode(), 3).unwrap(), b);
+        let v6 = SocketBlob { listen: "[::1]:9".parse().unwrap(), ..b };
+        assert_eq!(SocketBlob::decode(&v6.encode(), 3).unwrap(), v6);
+        let mut wrong = b.encode();
+        wrong[0] = b'X';
+        assert_eq!(SocketBlob::decode(&wrong, 3).unwrap_err().code, mkResult_t::mkRemoteError);
+        assert_eq!(SocketBlob::decode(&[], 3).unwrap_err().code, mkResult_t::mkRemoteError);
+    }
+}

@@ -1,0 +1,382 @@
+//! Socket transport on loopback: ranks as threads and as separate processes (this test
+//! binary re-runs itself as a rank), data-then-signal ordering for large and odd sizes,
+//! GPU i ↔ GPU i peers from the topology, a wrong secret refused, a killed peer giving
+//! mkRemoteError and a stopped one mkTimeout within the timeout.
+
+use mkernel::bootstrap::{root::start_root, Bootstrap, UniqueId, UNIQUE_ID_BYTES};
+use mkernel::comm::{node_of_ranks, topology::Topology};
+use mkernel::error::{mkResult_t, MkError, Result};
+use mkernel::transport::socket::SocketTransport;
+use mkernel::transport::{
+    connect_through_bootstrap, MemoryKind, MemoryRegion, PostId, PutRequest, Transport, TransportAuth, Window,
+};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+const ROLE: &str = "MK_TEST_TRANSPORT_RANK";
+/// Message sizes every rank sends to every peer: tiny, odd, page-straddling, multi-MiB.
+const SIZES: &[usize] = &[1, 3, 4095, 4097, 65_537, 1 << 20, (4 << 20) + 13];
+
+fn loopback() {
+    std::env::set_var("MK_SOCKET_IFNAME", "=lo");
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+/// A rank's window in plain host memory (leaked for the test's lifetime, so the
+/// transport's threads can never outlive it).
+struct HostWindow {
+    data: *mut u8,
+    data_bytes: usize,
+    signals: &'static [AtomicU64],
+}
+
+impl HostWindow {
+    fn new(data_bytes: usize, signal_words: usize) -> HostWindow {
+        let data = Box::leak(vec![0u8; data_bytes].into_boxed_slice()).as_mut_ptr();
+        let signals = Box::leak((0..signal_words).map(|_| AtomicU64::new(0)).collect::<Vec<_>>().into_boxed_slice());
+        HostWindow { data, data_bytes, signals }
+    }
+
+    fn window(&self) -> Window {
+        Window {
+            data: MemoryRegion { base: self.data as u64, bytes: self.data_bytes as u64, kind: MemoryKind::Host },
+            signals: MemoryRegion { base: self.signals.as_ptr() as u64, bytes: 8 * self.signals.len() as u64, kind: MemoryKind::Host },
+        }
+    }
+
+    fn bytes(&self, offset: usize, len: usize) -> &[u8] {
+        assert!(offset + len <= self.data_bytes);
+        // SAFETY: in bounds of the leaked allocation; callers read a range only after the
+        // signal of the put that wrote it (acquire), and nothing writes it again.
+        unsafe { std::slice::from_raw_parts(self.data.add(offset), len) }
+    }
+
+    fn fill(&self, offset: usize, bytes: &[u8]) {
+        assert!(offset + bytes.len() <= self.data_bytes);
+        // SAFETY: in bounds; the source area is written before any put reads it.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data.add(offset), bytes.len()) };
+    }
+}
+
+fn pattern(from: usize, message: usize, i: usize) -> u8 {
+    (i.wrapping_mul(31) ^ (i >> 9) ^ message.wrapping_mul(7) ^ from.wrapping_mul(101)) as u8
+}
+
+/// Offsets of each message inside one sender's area.
+fn message_offsets() -> (Vec<usize>, usize) {
+    let mut offsets = Vec::new();
+    let mut at = 0;
+    for &s in SIZES {
+        offsets.push(at);
+        at += s;
+    }
+    (offsets, at)
+}
+
+fn signal_value(from: usize, message: usize) -> u64 {
+    ((from as u64) << 32) | (message as u64 + 1)
+}
+
+fn wait_all_posted(t: &mut SocketTransport, ids: &[PostId], limit: Duration) -> Result<()> {
+    let start = Instant::now();
+    let mut done = Vec::new();
+    while !ids.iter().all(|id| done.contains(id)) {
+        t.poll(&mut done)?;
+        if start.elapsed() > limit {
+            return Err(MkError::timeout("puts did not complete"));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Ok(())
+}
+
+/// One rank of the exchange: every rank puts every message of `SIZES` to each of its
+/// peers (source area at offset 0; sender r's messages land in area r + 1 of the peer) with
+/// a signal per message, then checks what its peers put into it as each signal arrives.
+fn run_exchange_rank(id: &UniqueId, rank: usize, nranks: usize, peers_of: fn(usize, usize) -> Vec<usize>) -> Result<()> {
+    let timeout = Duration::from_secs(20);
+    let boot = Bootstrap::join(id, rank, nranks, timeout)?;
+    let (offsets, area) = message_offsets();
+    let window = HostWindow::new(area * (nranks + 1), SIZES.len() * nranks);
+    for (m, &size) in SIZES.iter().enumerate() {
+        let bytes: Vec<u8> = (0..size).map(|i| pattern(rank, m, i)).collect();
+        window.fill(offsets[m], &bytes);
+    }
+    let mut t = SocketTransport::new(rank, nranks, TransportAuth::from_unique_id(id), timeout)?;
+    // SAFETY: the window's memory is leaked: valid for the rest of the process.
+    unsafe { t.register(window.window())? };
+    let peers = peers_of(rank, nranks);
+    connect_through_bootstrap(&mut t, &boot, &peers)?;
+
+    let mut ids = Vec::new();
+    for &p in &peers {
+        for (m, &size) in SIZES.iter().enumerate() {
+            let put = PutRequest {
+                peer: p,
+                src_offset: offsets[m] as u64,
+                dst_offset: (area * (rank + 1) + offsets[m]) as u64,
+                bytes: size as u64,
+                signal: Some(((rank * SIZES.len() + m) as u32, signal_value(rank, m))),
+            };
+            ids.push(t.post_put(&put)?);
+        }
+    }
+    // Check each incoming message the moment its signal shows: data must already be there.
+    let start = Instant::now();
+    for &p in &peers {
+        for (m, &size) in SIZES.iter().enumerate() {
+            let word = &window.signals[p * SIZES.len() + m];
+            while word.load(Ordering::Acquire) != signal_value(p, m) {
+                if start.elapsed() > timeout {
+                    return Err(MkError::timeout(format!("rank {rank}: message {m} from rank {p} never signalled")));
+                }
+                std::hint::spin_loop();
+            }
+            let got = window.bytes(area * (p + 1) + offsets[m], size);
+            if let Some(i) = (0..size).find(|&i| got[i] != pattern(p, m, i)) {
+                return Err(MkError::internal(format!(
+                    "rank {rank}: message {m} ({size} bytes) from rank {p} was signalled before byte {i} arrived"
+                )));
+            }
+        }
+    }
+    wait_all_posted(&mut t, &ids, timeout)?;
+    boot.barrier()?;
+    t.close()
+}
+
+fn all_others(rank: usize, nranks: usize) -> Vec<usize> {
+    (0..nranks).filter(|&r| r != rank).collect()
+}
+
+/// GPU i ↔ GPU i: nodes of two ranks (MK_RANKS_PER_NODE=2), peers on the other nodes.
+fn rail_peers(rank: usize, nranks: usize) -> Vec<usize> {
+    let nodes = node_of_ranks(&vec![0; nranks], Some(2));
+    Topology::new(rank, &nodes).unwrap().inter_node_peers()
+}
+
+#[test]
+fn ranks_as_threads_exchange_all_to_all() {
+    loopback();
+    let id = start_root().unwrap();
+    let n = 3;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n).map(|r| s.spawn(move || run_exchange_rank(&id, r, n, all_others))).collect();
+        for (r, h) in handles.into_iter().enumerate() {
+            h.join().unwrap().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        }
+    });
+}
+
+/// Entry point of a child rank process; a no-op when run as a normal test.
+#[test]
+fn child_rank_entry() {
+    let Ok(spec) = std::env::var(ROLE) else { return };
+    let parts: Vec<&str> = spec.split(':').collect();
+    let id = UniqueId::from_bytes(&<[u8; UNIQUE_ID_BYTES]>::try_from(unhex(parts[1])).unwrap()).unwrap();
+    let rank: usize = parts[2].parse().unwrap();
+    let nranks: usize = parts[3].parse().unwrap();
+    match parts[0] {
+        "exchange" => {
+            run_exchange_rank(&id, rank, nranks, rail_peers).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            println!("CHILD-OK rank {rank}");
+        }
+        "connect-then-wait" => {
+            let timeout = Duration::from_secs(30);
+            let boot = Bootstrap::join(&id, rank, nranks, timeout).unwrap();
+            let window = HostWindow::new(64 << 20, 4);
+            let mut t = SocketTransport::new(rank, nranks, TransportAuth::from_unique_id(&id), timeout).unwrap();
+            // SAFETY: leaked window.
+            unsafe { t.register(window.window()).unwrap() };
+            connect_through_bootstrap(&mut t, &boot, &all_others(rank, nranks)).unwrap();
+            std::thread::sleep(Duration::from_secs(60)); // the parent kills or stops us
+        }
+        other => panic!("unknown child role {other}"),
+    }
+}
+
+fn spawn_rank(role: &str, id: &UniqueId, rank: usize, nranks: usize) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_rank_entry", "--nocapture", "--test-threads=1"])
+        .env(ROLE, format!("{role}:{}:{rank}:{nranks}", hex(&id.to_bytes())))
+        .env("MK_SOCKET_IFNAME", "=lo")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn ranks_as_processes_exchange_with_rail_peers() {
+    loopback();
+    let id = start_root().unwrap();
+    let n = 4; // two emulated nodes of two ranks: 0 ↔ 2 and 1 ↔ 3
+    let children: Vec<Child> = (0..n).map(|r| spawn_rank("exchange", &id, r, n)).collect();
+    for (r, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains(&format!("CHILD-OK rank {r}")),
+            "rank {r} failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn wrong_secret_is_refused() {
+    loopback();
+    let timeout = Duration::from_millis(1500);
+    let window0 = HostWindow::new(4096, 1);
+    let window1 = HostWindow::new(4096, 1);
+    let good = TransportAuth::new(&[1; 16], 7);
+    let bad = TransportAuth::new(&[2; 16], 7);
+    let mut t0 = SocketTransport::new(0, 2, good, timeout).unwrap();
+    let mut t1 = SocketTransport::new(1, 2, bad, timeout).unwrap();
+    // SAFETY: leaked windows.
+    unsafe {
+        t0.register(window0.window()).unwrap();
+        t1.register(window1.window()).unwrap();
+    }
+    let blobs = vec![t0.connection_blob(&[1]).unwrap(), t1.connection_blob(&[0]).unwrap()];
+    let start = Instant::now();
+    let (r0, r1) = std::thread::scope(|s| {
+        let h = s.spawn(|| t1.connect(&blobs, &[0]));
+        let r0 = t0.connect(&blobs, &[1]);
+        (r0, h.join().unwrap())
+    });
+    let e0 = r0.unwrap_err();
+    assert_eq!(e0.code, mkResult_t::mkTimeout, "rank 0 never accepts the impostor: {e0}");
+    assert!(r1.is_err(), "rank 1 cannot connect with the wrong secret");
+    assert!(start.elapsed() < timeout + Duration::from_secs(3));
+    assert_eq!(
+        t0.post_put(&PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 1, signal: None }).unwrap_err().code,
+        mkResult_t::mkInvalidArgument,
+        "no connection, no put"
+    );
+}
+
+/// Rank 0 here, rank 1 a child process that connects and then is killed or stopped.
+fn connect_to_child(timeout: Duration) -> (SocketTransport, Child, HostWindow) {
+    loopback();
+    let id = start_root().unwrap();
+    let child = spawn_rank("connect-then-wait", &id, 1, 2);
+    let boot = Bootstrap::join(&id, 0, 2, Duration::from_secs(20)).unwrap();
+    let window = HostWindow::new(64 << 20, 4);
+    let mut t = SocketTransport::new(0, 2, TransportAuth::from_unique_id(&id), timeout).unwrap();
+    // SAFETY: leaked window.
+    unsafe { t.register(window.window()).unwrap() };
+    connect_through_bootstrap(&mut t, &boot, &[1]).unwrap();
+    // connect_through_bootstrap ends in a barrier: the child has connected too.
+    (t, child, window)
+}
+
+fn poll_until_error(t: &mut SocketTransport, limit: Duration) -> MkError {
+    let start = Instant::now();
+    let mut done = Vec::new();
+    loop {
+        if let Err(e) = t.poll(&mut done) {
+            return e;
+        }
+        assert!(start.elapsed() < limit, "no error within {limit:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn killed_peer_is_a_remote_error_within_the_timeout() {
+    let timeout = Duration::from_secs(3);
+    let (mut t, mut child, _window) = connect_to_child(timeout);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let start = Instant::now();
+    let e = poll_until_error(&mut t, timeout);
+    assert_eq!(e.code, mkResult_t::mkRemoteError, "{e}");
+    assert!(e.message.contains("rank 1"), "{e}");
+    assert!(start.elapsed() < timeout);
+    let put = PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 8, signal: Some((0, 1)) };
+    assert_eq!(t.post_put(&put).unwrap_err().code, mkResult_t::mkRemoteError);
+    assert_eq!(t.close().unwrap_err().code, mkResult_t::mkRemoteError);
+}
+
+#[test]
+fn stopped_peer_is_a_timeout_not_a_hang() {
+    let timeout = Duration::from_secs(1);
+    let (mut t, mut child, _window) = connect_to_child(timeout);
+    // SAFETY: plain signal to our own child process.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGSTOP) }, 0);
+    // Far more than the socket buffers hold: the sender blocks, then gives up.
+    let start = Instant::now();
+    for _ in 0..4 {
+        let put = PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 60 << 20, signal: Some((0, 1)) };
+        if t.post_put(&put).is_err() {
+            break;
+        }
+    }
+    let e = poll_until_error(&mut t, Duration::from_secs(10));
+    let waited = start.elapsed();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(e.code, mkResult_t::mkTimeout, "{e}");
+    assert!(waited < Duration::from_secs(8), "gave up after {waited:?}");
+    let closing = Instant::now();
+    assert!(t.close().is_err());
+    assert!(closing.elapsed() < Duration::from_secs(5), "close is bounded too");
+}
+
+#[test]
+fn puts_outside_either_window_are_rejected_before_sending() {
+    loopback();
+    let id = start_root().unwrap();
+    let timeout = Duration::from_secs(10);
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                s.spawn(move || -> Result<()> {
+                    let boot = Bootstrap::join(&id, rank, 2, timeout)?;
+                    // Rank 0 has the bigger window; rank 1's is 1000 bytes with 2 signals.
+                    let window = if rank == 0 { HostWindow::new(8192, 8) } else { HostWindow::new(1000, 2) };
+                    let mut t = SocketTransport::new(rank, 2, TransportAuth::from_unique_id(&id), timeout)?;
+                    // SAFETY: leaked window.
+                    unsafe { t.register(window.window())? };
+                    connect_through_bootstrap(&mut t, &boot, &[1 - rank])?;
+                    if rank == 0 {
+                        let ok = PutRequest { peer: 1, src_offset: 7000, dst_offset: 900, bytes: 100, signal: Some((1, 5)) };
+                        for bad in [
+                            PutRequest { dst_offset: 901, ..ok },
+                            PutRequest { src_offset: 8100, ..ok },
+                            PutRequest { signal: Some((2, 5)), ..ok },
+                            PutRequest { peer: 0, ..ok },
+                            PutRequest { peer: 5, ..ok },
+                        ] {
+                            let e = t.post_put(&bad).unwrap_err();
+                            assert_eq!(e.code, mkResult_t::mkInvalidArgument, "{bad:?}: {e}");
+                        }
+                        let id = t.post_put(&ok)?;
+                        wait_all_posted(&mut t, &[id], timeout)?;
+                    } else {
+                        let start = Instant::now();
+                        while window.signals[1].load(Ordering::Acquire) != 5 {
+                            assert!(start.elapsed() < timeout, "the valid put never arrived");
+                            std::hint::spin_loop();
+                        }
+                    }
+                    boot.barrier()?;
+                    t.close()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
