@@ -294,6 +294,41 @@ mkResult_t mkCommAbort(mkComm_t comm);
 mkResult_t mkCommGetAsyncError(mkComm_t comm, mkResult_t *asyncError);
 
 /**
+ * AllGather of A's rows across the ranks, then C = A_gathered · Bᵀ, in one persistent
+ * kernel: the rows of each peer are consumed by the GEMM as soon as their chunk arrives,
+ * this rank's own rows first.
+ *
+ * - `A`: this rank's rows, [M / nranks, K]; rank r holds rows [r·M/n, (r+1)·M/n).
+ * - `B`: [N, K] (the nn.Linear weight layout), the same on every rank.
+ * - `C`: [M, N], the full product (every rank gets all of C).
+ * - `gatheredA`: receives the gathered [M, K] A when non-NULL (for the backward pass).
+ * - `M` counts all gathered rows (the unfused GEMM's M); N, K as in that GEMM.
+ * - `dtype`: mkBfloat16 or mkFloat16 for A, B, C and gatheredA; fp32 accumulation, C
+ *   rounded once. Matrices are row-major and densely packed.
+ *
+ * Rules (mkInvalidArgument, with the rule in mkGetLastError): M divisible by nranks, K a
+ * positive multiple of 8, N a multiple of 8, every pointer 16-byte aligned device memory
+ * of this rank's device. The gathered A (M·K elements) must fit in the communicator's
+ * workspace (MK_WORKSPACE_BYTES / mkConfig_t.workspaceBytes), else mkInvalidUsage names
+ * the size needed. Needs an sm_90 GPU.
+ *
+ * Stream-ordered and asynchronous, capturable in a CUDA graph. Every rank must call it
+ * with the same M, N, K and dtype. A peer that does not arrive within MK_TIMEOUT_MS
+ * makes the kernel stop; mkCommGetAsyncError then reports mkTimeout (or mkRemoteError on
+ * the ranks that were stopped by the failing one) and C is undefined.
+ */
+mkResult_t mkAllGatherGemm(const void *A,
+                           const void *B,
+                           void *C,
+                           void *gatheredA,
+                           size_t M,
+                           size_t N,
+                           size_t K,
+                           mkDataType_t dtype,
+                           mkComm_t comm,
+                           mkStream_t stream);
+
+/**
  * C = A * B^T on the GPU, the engine every fused operation is built on, alone (for tests
  * and comparisons with cuBLAS).
  *

@@ -8,6 +8,7 @@
 pub mod collectives;
 pub mod comm;
 pub mod config;
+pub mod fused;
 pub mod gemm;
 pub mod query;
 

@@ -3,7 +3,13 @@
 //! followed by an epoch signal; compute CTAs run the GEMM engine over row blocks in
 //! rank-rotated order (local rows first) and wait per row block for the chunks it needs.
 
+use crate::comm::Comm;
+use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
+use crate::kernel_abi::{AgGemmParams, MK_AG_GEMM_MAX_CHUNKS};
+use crate::ops::gemm::{self as engine, Epilogue, PlanOverrides};
+use crate::types::{mkDataType_t, RawDataType};
+use std::ffi::c_void;
 
 /// The GEMM's row-block height; chunks are whole row blocks so one wait covers one block.
 pub const ROW_BLOCK: usize = 128;
@@ -35,8 +41,9 @@ pub struct AgGemmPlan {
     /// Rows per signalled chunk (a multiple of ROW_BLOCK except for a shard's last chunk).
     pub chunk_rows: usize,
     pub chunks_per_rank: usize,
-    /// Source ranks in the order compute consumes their rows: this rank first, then the
-    /// ones whose data arrives next (rank+1, rank+2, ...; every rank pushes in that order).
+    /// Source ranks in the order compute consumes their rows: this rank first, then rank+1,
+    /// rank+2, ... (every rank pushes to rank-1 first, rank-2 next, so data arrives in
+    /// the order it is consumed).
     pub source_order: Vec<usize>,
 }
 
@@ -121,6 +128,121 @@ pub fn chunks_for_rows(plan: &AgGemmPlan, row0: usize, rows: usize) -> Vec<(usiz
     out
 }
 
+/// A validated mkAllGatherGemm call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AgGemmArgs {
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+    pub gathered: u64,
+    pub shape: AgGemmShape,
+    pub dtype: mkDataType_t,
+}
+
+/// Argument checks (no CUDA). The rules are the GEMM engine's plus divisibility of M.
+#[allow(clippy::too_many_arguments)]
+pub fn validate_args(a: u64, b: u64, c: u64, gathered: u64, m: usize, n: usize, k: usize, dtype: RawDataType, nranks: usize, rank: usize) -> Result<AgGemmArgs> {
+    let dtype = mkDataType_t::from_raw(dtype)?;
+    crate::ensure_arg!(dtype.is_gemm_type(), "dtype {} is not supported: mkAllGatherGemm takes mkBfloat16 or mkFloat16", dtype.name());
+    let shape = AgGemmShape { m, n, k, nranks, rank };
+    validate(&shape)?;
+    if m > 0 && n > 0 {
+        crate::ensure_arg!(a != 0, "A is NULL");
+        crate::ensure_arg!(b != 0, "B is NULL");
+        crate::ensure_arg!(c != 0, "C is NULL");
+    }
+    crate::ensure_arg!(n % 8 == 0, "N = {n} must be a multiple of 8: C rows are written with TMA (16-byte rows)");
+    crate::ensure_arg!(m <= i32::MAX as usize && n <= i32::MAX as usize && k <= i32::MAX as usize, "M, N and K must each be at most 2^31-1");
+    for (ptr, name) in [(a, "A"), (b, "B"), (c, "C"), (gathered, "gatheredA")] {
+        crate::ensure_arg!(ptr % 16 == 0, "{name} = {ptr:#x} is not 16-byte aligned (TMA and 16-byte vector copies need it)");
+    }
+    Ok(AgGemmArgs { a, b, c, gathered, shape, dtype })
+}
+
+/// mkAllGatherGemm on `comm`: validate, plan, launch (stream-ordered, no host sync).
+pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) -> Result<()> {
+    comm.check_usable()?;
+    let AgGemmShape { m, n, k, nranks, rank } = args.shape;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let _ctx = comm.context.enter()?;
+    let sms = cuda::sm_count(comm.context.device)? as u32;
+    let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
+    let rows_per_rank = m / nranks;
+    if nranks == 1 {
+        // Nothing to gather: the engine alone, and the caller's copy of A if asked for.
+        let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
+        let plan = engine::plan(m, n, grid as usize, g.tma_epilogue_ok(), PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() });
+        engine::launch(&g, &plan, stream)?;
+        if args.gathered != 0 && args.gathered != args.a {
+            copy_async(args.gathered, args.a, m * k * 2, stream)?;
+        }
+        return Ok(());
+    }
+    let ws = comm.workspace.as_ref().ok_or_else(|| {
+        MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+    })?;
+    let needed = (m * k * 2) as u64;
+    if needed > ws.view.data_bytes {
+        return Err(MkError::invalid_usage(format!(
+            "mkAllGatherGemm gathers {needed} bytes of A into the workspace, which holds {}: create the communicator with \
+             MK_WORKSPACE_BYTES (or mkConfig_t.workspaceBytes) of at least {needed}",
+            ws.view.data_bytes
+        )));
+    }
+    for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
+        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+    }
+    if args.gathered != 0 {
+        crate::ops::collectives::check_device_pointer(args.gathered, comm.context.device, "gatheredA")?;
+    }
+    let p = plan(&args.shape, grid, comm.config.comm_ctas)?;
+    // The engine's tile for the compute CTAs (the fused kernels exist for widths 256 and 128).
+    let tile = engine::plan(m, n, p.compute_ctas as usize, true, PlanOverrides { max_ctas: Some(p.compute_ctas as usize), ..Default::default() });
+    let bn = if tile.bn >= 256 { 256 } else { 128 };
+    let group_m = engine::raster_group(m.div_ceil(ROW_BLOCK), bn, p.compute_ctas as usize);
+    let smem = engine::smem_bytes(bn, Epilogue::Tma);
+    let gathered_base = ws.view.data[rank];
+    let mut ta = engine::tensor_map(gathered_base, args.dtype, m, k, engine::BM, engine::BK)?;
+    let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
+    let mut tc = engine::tensor_map(args.c, args.dtype, m, n, 64, 64)?;
+    let mut params = AgGemmParams {
+        ws: ws.view,
+        a_local: args.a,
+        gathered_out: args.gathered,
+        gathered_offset: 0,
+        m: m as i32,
+        n: n as i32,
+        k: k as i32,
+        rows_per_rank: rows_per_rank as i32,
+        chunk_rows: p.chunk_rows as i32,
+        chunks_per_rank: p.chunks_per_rank as i32,
+        compute_ctas: p.compute_ctas as i32,
+        comm_ctas: p.comm_ctas as i32,
+        group_m: group_m as i32,
+        m_block_base: ((rank * rows_per_rank) / ROW_BLOCK) as i32,
+    };
+    debug_assert!(p.chunks_per_rank <= MK_AG_GEMM_MAX_CHUNKS);
+    let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
+    let f = cuda::function("ag_gemm", &format!("mk_ag_gemm_{dt}_bn{bn}"))?;
+    let cfg = LaunchConfig { grid: (p.compute_ctas + p.comm_ctas, 1, 1), block: (engine::THREADS, 1, 1), shared_mem_bytes: smem as u32 };
+    let mut kernel_params: [*mut c_void; 4] = [
+        (&mut ta as *mut sys::CUtensorMap).cast(),
+        (&mut tb as *mut sys::CUtensorMap).cast(),
+        (&mut tc as *mut sys::CUtensorMap).cast(),
+        (&mut params as *mut AgGemmParams).cast(),
+    ];
+    // SAFETY: the parameters match the kernel (3 tensor maps, AgGemmParams); the buffers
+    // were checked to be device memory of this device, of the sizes the caller promised.
+    unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }.map_err(|e| e.context("launching mkAllGatherGemm"))
+}
+
+fn copy_async(dst: u64, src: u64, bytes: usize, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: both ranges are device memory of the caller's stated sizes.
+    unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream) }.map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,6 +321,21 @@ mod tests {
             }
             assert_eq!(seen.len(), 3 * p.chunks_per_rank, "rows_per_rank={rows_per_rank}");
         }
+    }
+
+    #[test]
+    fn argument_rules_are_named() {
+        let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
+        let p = 0x1000u64;
+        assert!(validate_args(0, p, p, 0, 256, 64, 64, bf16, 2, 0).unwrap_err().message.contains("A is NULL"));
+        assert!(validate_args(p, p, p, 0, 256, 60, 64, bf16, 2, 0).unwrap_err().message.contains("multiple of 8"));
+        assert!(validate_args(p, p, p, 0x1008, 256, 64, 64, bf16, 2, 0).unwrap_err().message.contains("gatheredA"));
+        assert!(validate_args(p, p, p, 0, 255, 64, 64, bf16, 2, 0).unwrap_err().message.contains("divisible"));
+        assert!(validate_args(p, p, p, 0, 256, 64, 64, 77, 2, 0).unwrap_err().message.contains("unknown datatype 77"));
+        assert!(validate_args(p, p, p, 0, 256, 64, 64, mkDataType_t::mkFloat32 as RawDataType, 2, 0).is_err());
+        assert!(validate_args(p, p, p, 0, 256, 64, 64, bf16, 2, 1).is_ok());
+        // An empty GEMM needs no pointers.
+        assert!(validate_args(0, 0, 0, 0, 0, 64, 64, bf16, 2, 1).is_ok());
     }
 
     #[test]

@@ -13,9 +13,7 @@
 //! cuMemcpyAsync of the same size (read + write, as our one-rank copy), timed the same way
 //! while the other ranks wait. NCCL (dlopen) needs several GPUs; with one it is not run.
 
-#[path = "../mktest/ranks.rs"]
-#[allow(dead_code)]
-mod ranks;
+use crate::ranks;
 
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -112,16 +110,16 @@ fn run(op_name: &str, args: &[String]) -> Result<bool> {
     Ok(true)
 }
 
-struct Events {
+pub(crate) struct Events {
     pairs: Vec<(sys::CUevent, sys::CUevent)>,
 }
 impl Events {
-    fn new(n: usize) -> Result<Self> {
+    pub(crate) fn new(n: usize) -> Result<Self> {
         let mk = || cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cuda::cuda_err("cuEventCreate", e));
         Ok(Events { pairs: (0..n).map(|_| Ok((mk()?, mk()?))).collect::<Result<_>>()? })
     }
     /// Median microseconds of `f` over the pairs, each call timed on its own.
-    fn median_us(&self, stream: sys::CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    pub(crate) fn median_us(&self, stream: sys::CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
         let mut times = Vec::with_capacity(self.pairs.len());
         // SAFETY: live events and stream.
         unsafe {

@@ -2,8 +2,12 @@
 //! measures its baseline (cuBLAS, the unfused sequence, NCCL where GPUs allow) in the same
 //! run and prints both side by side, with a closing OK/FAILED line.
 
+mod ag_gemm;
 mod collectives;
 mod gemm;
+#[path = "../mktest/ranks.rs"]
+#[allow(dead_code)]
+mod ranks;
 
 use mkernel::testing::gpu_unavailable_reason;
 
@@ -14,6 +18,7 @@ const BENCHES: &[(&str, Bench, &str)] = &[
     ("all_gather", collectives::all_gather, "mkAllGather vs D2D copy, nccl-tests style (-b -e -f -n -w -g, --op, --json PATH)"),
     ("reduce_scatter", collectives::reduce_scatter, "mkReduceScatter, same options"),
     ("all_reduce", collectives::all_reduce, "mkAllReduce, same options"),
+    ("ag_gemm", ag_gemm::run, "mkAllGatherGemm vs mkAllGather+GEMM, mkAllGather+cuBLAS, cuBLAS (-g, --rows, --nk NxK,..., --dtype, -n, -w)"),
     ("gemm", gemm::run, "GEMM engine vs cuBLASLt (--dtype, --shape MxNxK, --sweep, --json PATH)"),
 ];
 

@@ -2,6 +2,7 @@
 //! are named) and prints one line per check and a closing OK/FAILED line. Without a GPU it
 //! prints SKIPPED and exits 0, so CI (which has no GPU) can run it.
 
+mod ag_gemm;
 mod collectives;
 mod gemm;
 mod ranks;
@@ -12,7 +13,7 @@ use mkernel::testing::gpu_unavailable_reason;
 type Suite = fn() -> mkernel::Result<()>;
 
 /// Every suite, by name. Add a module and one line here.
-const SUITES: &[(&str, Suite)] = &[("smoke", smoke::run), ("gemm", gemm::run), ("collectives", collectives::run)];
+const SUITES: &[(&str, Suite)] = &[("smoke", smoke::run), ("gemm", gemm::run), ("collectives", collectives::run), ("ag_gemm", ag_gemm::run)];
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

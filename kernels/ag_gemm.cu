@@ -1,0 +1,169 @@
+// AllGather + GEMM in one persistent kernel (mkAllGatherGemm).
+//
+// CTAs [0, compute_ctas) run the GEMM engine over the gathered A in this rank's workspace,
+// row blocks in rank-rotated order (own rows first); before a tile's A rows are loaded the
+// producer waits for the chunks covering them. CTAs [compute_ctas, +comm_ctas) push this
+// rank's rows, chunk by chunk, into every rank's gathered buffer (its own first, then
+// rank-1, rank-2, ...: the order in which the others consume them) and raise one
+// epoch-valued flag per chunk in the receiver's signal region. With `gathered_out` they
+// then copy the whole gathered A out for the caller.
+//
+// Epochs live on the device (signal word AGG_EPOCH), so a captured CUDA graph replays
+// correctly: every CTA reads the epoch at start; the last CTA to finish advances it and
+// tells every peer it has finished reading its gathered buffer (AGG_DONE), which a pusher
+// waits for before overwriting that buffer in the next call.
+#include "common/gemm/engine.cuh"
+#include "common/signals.cuh"
+
+#define MK_OP_AG_GEMM 16
+// Signal words of this op (own region unless noted).
+#define AGG_EPOCH (MK_SIG_OP_BASE + 0)   // last completed epoch of this rank
+#define AGG_ARRIVE (MK_SIG_OP_BASE + 1)  // CTAs of the running launch that have finished
+#define AGG_DONE (MK_SIG_OP_BASE + 8)    // + q: rank q finished epoch e (written by q)
+#define AGG_CHUNK (MK_SIG_OP_BASE + 64)  // + src * MK_AG_GEMM_MAX_CHUNKS + c: chunk arrived (written by src)
+
+namespace mk { namespace ag_gemm {
+
+using namespace mk::gemm;
+
+// Waits, in the engine's producer thread, for every chunk covering rows [row0, row0 + rows).
+struct ChunkAWait {
+  struct Params {
+    const AgGemmParams* op;  // the __grid_constant__ kernel parameter (no local copy)
+    uint64_t epoch;
+  };
+  __device__ static void before_a_load(const Params& w, int, int row0, int rows) {
+    const AgGemmParams& p = *w.op;
+    const int end = min(row0 + rows, p.m);
+    for (int r = row0; r < end;) {
+      const int src = r / p.rows_per_rank;
+      const int c = (r - src * p.rows_per_rank) / p.chunk_rows;
+      const uint64_t* flag = mk_signal_word(p.ws, p.ws.rank, AGG_CHUNK + src * MK_AG_GEMM_MAX_CHUNKS + c);
+      // A failed wait (timeout, abort) has recorded the error and raised the abort word;
+      // the tile then computes on stale rows and the kernel still ends, in bounded time.
+      mk_wait_geq_inline(p.ws, flag, w.epoch, src, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
+      r = min(src * p.rows_per_rank + (c + 1) * p.chunk_rows, (src + 1) * p.rows_per_rank);
+    }
+    fence_proxy_async_global();  // the peers' generic-proxy stores, then our TMA loads
+  }
+};
+
+// All threads of the CTA copy `bytes` (a multiple of 16) from src to dst, four 16-byte
+// vectors in flight per thread.
+__device__ __forceinline__ void cta_copy(char* dst, const char* src, size_t bytes) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  int4* d = reinterpret_cast<int4*>(dst);
+  const size_t n = bytes / 16;
+  const size_t stride = blockDim.x;
+  size_t i = threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    int4 v0 = s[i], v1 = s[i + stride], v2 = s[i + 2 * stride], v3 = s[i + 3 * stride];
+    d[i] = v0;
+    d[i + stride] = v1;
+    d[i + 2 * stride] = v2;
+    d[i + 3 * stride] = v3;
+  }
+  for (; i < n; i += stride) d[i] = s[i];
+}
+
+__device__ __forceinline__ bool push_and_gather(const AgGemmParams& p, uint64_t epoch, int j) {
+  const WorkspaceView& ws = p.ws;
+  const int n = ws.nranks, me = ws.rank, chunks = p.chunks_per_rank;
+  const size_t row_bytes = (size_t)p.k * 2;
+  for (int it = j; it < n * chunks; it += p.comm_ctas) {
+    const int q = (me - it / chunks + n) % n;
+    const int c = it % chunks;
+    const int row0 = c * p.chunk_rows;
+    const int rows = min(p.chunk_rows, p.rows_per_rank - row0);
+    if (q != me && !mk_cta_wait(ws, mk_signal_word(ws, me, AGG_DONE + q), epoch - 1, q, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM))
+      return false;
+    char* dst = reinterpret_cast<char*>(ws.data[q]) + p.gathered_offset + ((size_t)me * p.rows_per_rank + row0) * row_bytes;
+    cta_copy(dst, reinterpret_cast<const char*>(p.a_local) + row0 * row_bytes, rows * row_bytes);
+    __syncthreads();
+    if (threadIdx.x == 0) mk_signal_store(mk_signal_word(ws, q, AGG_CHUNK + me * MK_AG_GEMM_MAX_CHUNKS + c), epoch);
+  }
+  if (p.gathered_out == 0) return true;
+  const char* own = reinterpret_cast<const char*>(ws.data[me]) + p.gathered_offset;
+  for (int it = j; it < n * chunks; it += p.comm_ctas) {
+    const int src = it / chunks, c = it % chunks;
+    const int row0 = c * p.chunk_rows;
+    const int rows = min(p.chunk_rows, p.rows_per_rank - row0);
+    if (!mk_cta_wait(ws, mk_signal_word(ws, me, AGG_CHUNK + src * MK_AG_GEMM_MAX_CHUNKS + c), epoch, src,
+                     MK_WAIT_OP_FLAG, MK_OP_AG_GEMM))
+      return false;
+    const size_t off = ((size_t)src * p.rows_per_rank + row0) * row_bytes;
+    cta_copy(reinterpret_cast<char*>(p.gathered_out) + off, own + off, rows * row_bytes);
+  }
+  return true;
+}
+
+template <int BN>
+struct AgStages {  // deepest ring that fits beside the TMA epilogue's staging buffers
+  static constexpr int fit = (232448 - 1024 - 2 * 64 * BN * 2 - 256) / ((128 + BN) * 64 * 2);
+  static constexpr int value = fit > 8 ? 8 : fit;
+};
+
+template <typename T, int BN>
+__device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
+                                        const AgGemmParams& p) {
+  using Cfg = GemmConfig<T, BN, AgStages<BN>::value>;
+  using Epi = TmaStoreEpilogue;
+  extern __shared__ __align__(1024) char smem[];
+  __shared__ uint64_t epoch_s;
+  const WorkspaceView& ws = p.ws;
+  if (threadIdx.x == 0) epoch_s = mk_ld_acquire_sys(mk_signal_word(ws, ws.rank, AGG_EPOCH)) + 1;
+  __syncthreads();
+  const uint64_t epoch = epoch_s;
+
+  if ((int)blockIdx.x < p.compute_ctas) {
+    RasterParams sched;
+    sched.tiles_m = (p.m + Cfg::BM - 1) / Cfg::BM;
+    sched.tiles_n = (p.n + BN - 1) / BN;
+    sched.group_m = p.group_m > 0 ? p.group_m : 1;
+    sched.m_block_base = p.m_block_base;
+    typename ChunkAWait::Params await{&p, epoch};
+    typename Epi::Params epi;
+    epi.dest.tma_c = tma_c;
+    epi.signal.unused = 0;
+    gemm_persistent<Cfg, RankRotatedRaster, ChunkAWait, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
+                                                              blockIdx.x, p.compute_ctas, smem);
+  } else {
+    push_and_gather(p, epoch, blockIdx.x - p.compute_ctas);
+  }
+
+  // The last CTA to finish advances the epoch and frees this rank's gathered buffer.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    unsigned long long* arrive = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, AGG_ARRIVE));
+    if (atomicAdd(arrive, 1ull) == gridDim.x - 1) {
+      *arrive = 0;
+      mk_st_release_sys(mk_signal_word(ws, ws.rank, AGG_EPOCH), epoch);
+      for (int q = 0; q < ws.nranks; ++q)
+        if (q != ws.rank) mk_signal_store(mk_signal_word(ws, q, AGG_DONE + ws.rank), epoch);
+    }
+  }
+}
+
+}  // namespace ag_gemm
+}  // namespace mk
+
+// Smem per tile width (checked against the host's plan in src/ops/ag_gemm.rs).
+extern "C" __global__ void mk_ag_gemm_smem_bytes(int* out) {
+  using namespace mk::gemm;
+  out[0] = engine_smem_bytes<GemmConfig<__nv_bfloat16, 256, mk::ag_gemm::AgStages<256>::value>, TmaStoreEpilogue>();
+  out[1] = engine_smem_bytes<GemmConfig<__nv_bfloat16, 128, mk::ag_gemm::AgStages<128>::value>, TmaStoreEpilogue>();
+  out[2] = engine_smem_bytes<GemmConfig<__nv_bfloat16, 64, mk::ag_gemm::AgStages<64>::value>, TmaStoreEpilogue>();
+}
+
+#define MK_AG_GEMM_ENTRY(NAME, T, BN)                                                                  \
+  extern "C" __global__ void __launch_bounds__(384, 1)                                                \
+      NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,      \
+           const __grid_constant__ CUtensorMap tma_c, const __grid_constant__ AgGemmParams p) {       \
+    mk::ag_gemm::ag_gemm<T, BN>(&tma_a, &tma_b, &tma_c, p);                                           \
+  }
+
+MK_AG_GEMM_ENTRY(mk_ag_gemm_bf16_bn256, __nv_bfloat16, 256)
+MK_AG_GEMM_ENTRY(mk_ag_gemm_bf16_bn128, __nv_bfloat16, 128)
+MK_AG_GEMM_ENTRY(mk_ag_gemm_f16_bn256, __half, 256)
+MK_AG_GEMM_ENTRY(mk_ag_gemm_f16_bn128, __half, 128)

@@ -1,0 +1,268 @@
+//! mkAllGatherGemm on the GPU with MK_TEST_NRANKS ranks (processes sharing the GPU under
+//! MPS, or one per GPU).
+//!
+//! Per rank: both dtypes × awkward shapes (rows per rank not a multiple of the tile, N and
+//! K not multiples of the tile) against a float64 CPU reference of the gathered GEMM, with
+//! the gathered A checked bit for bit; every shape twice with fresh inputs (the device-side
+//! epochs advance); capture in a CUDA graph and replay with fresh inputs; and, with several
+//! ranks, a rank that never calls: the others stop within the timeout with
+//! mkTimeout/mkRemoteError.
+
+use crate::collectives::{async_error, check_stopped, config, destroy, ffi, init_comm, say, timed_sync, Stream, FAULT_TIMEOUT_MS};
+use crate::ranks::{self, RankEnv};
+use mkernel::bootstrap::root::start_root;
+use mkernel::comm::{Comm, CommConfig};
+use mkernel::cuda::{self, sys, PrimaryContext};
+use mkernel::error::{mkResult_t, MkError, Result};
+use mkernel::ffi::fused::mkAllGatherGemm;
+use mkernel::ffi::mkComm_t;
+use mkernel::testing::{relative_error, to_f64, tolerance, TestBuffer};
+use mkernel::types::mkDataType_t;
+use std::time::{Duration, Instant};
+
+const IDS: usize = 3; // control, main, absent-rank test
+
+pub fn run() -> Result<()> {
+    if let Some(env) = ranks::child_env(IDS)? {
+        return rank_main(&env);
+    }
+    let n = ranks::nranks_requested();
+    if n == 1 {
+        let ids = (0..IDS).map(|_| start_root()).collect::<Result<Vec<_>>>()?;
+        return rank_main(&RankEnv { rank: 0, nranks: 1, ids, device: 0 });
+    }
+    println!("  starting {n} rank processes");
+    ranks::spawn(&["ag_gemm".to_string()], n, IDS, Duration::from_secs(240), |_| 0)
+}
+
+/// One problem: every rank's shard of A, B, and the outputs, with the host copies the
+/// reference needs.
+struct Case {
+    dtype: mkDataType_t,
+    rows_per_rank: usize,
+    n: usize,
+    k: usize,
+    nranks: usize,
+    rank: usize,
+    a_all: TestBuffer,
+    b: TestBuffer,
+    c: TestBuffer,
+    gathered: TestBuffer,
+}
+
+impl Case {
+    fn new(dtype: mkDataType_t, rows_per_rank: usize, n: usize, k: usize, nranks: usize, rank: usize) -> Result<Case> {
+        let m = rows_per_rank * nranks;
+        Ok(Case {
+            dtype,
+            rows_per_rank,
+            n,
+            k,
+            nranks,
+            rank,
+            a_all: TestBuffer::new(m * k, dtype)?,
+            b: TestBuffer::new(n * k, dtype)?,
+            c: TestBuffer::new(m * n, dtype)?,
+            gathered: TestBuffer::new(m * k, dtype)?,
+        })
+    }
+
+    fn m(&self) -> usize {
+        self.rows_per_rank * self.nranks
+    }
+
+    fn label(&self) -> String {
+        format!("{} M={} ({}x{}) N={} K={}", self.dtype.name(), self.m(), self.nranks, self.rows_per_rank, self.n, self.k)
+    }
+
+    /// Fresh inputs: shard s of A from seed (seed, s) on every rank (so every rank knows
+    /// the whole A), B from its own seed; outputs poisoned with NaN.
+    fn prepare(&self, seed: u64) -> Result<()> {
+        let shard = self.rows_per_rank * self.k;
+        for s in 0..self.nranks {
+            let ptr = self.a_all.ptr() + (s * shard * 2) as u64;
+            mkernel::ops::util::fill_random(ptr, shard as u64, self.dtype, seed * 1000 + s as u64, 1.0, std::ptr::null_mut())?;
+        }
+        self.b.randomize(seed * 1000 + 999, 1.0, std::ptr::null_mut())?;
+        self.c.poison(std::ptr::null_mut())?;
+        self.gathered.poison(std::ptr::null_mut())?;
+        Ok(())
+    }
+
+    fn a_local(&self) -> u64 {
+        self.a_all.ptr() + (self.rank * self.rows_per_rank * self.k * 2) as u64
+    }
+
+    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        // SAFETY: device buffers of the sizes the op expects.
+        unsafe {
+            mkAllGatherGemm(
+                self.a_local() as *const _,
+                self.b.ptr() as *const _,
+                self.c.ptr() as *mut _,
+                self.gathered.ptr() as *mut _,
+                self.m(),
+                self.n,
+                self.k,
+                self.dtype as i32,
+                comm,
+                stream,
+            )
+        }
+    }
+
+    /// (passed, detail): C against a float64 reference, gathered A bit for bit.
+    fn verify(&self) -> Result<(bool, String)> {
+        let (m, n, k) = (self.m(), self.n, self.k);
+        let a_bytes = self.a_all.download()?;
+        let gathered = self.gathered.download()?;
+        let a = to_f64(&a_bytes, self.dtype);
+        let b = self.b.download_f64()?;
+        let c = self.c.download_f64()?;
+        let mut reference = vec![0f64; m * n];
+        for i in 0..m {
+            let row = &a[i * k..(i + 1) * k];
+            for j in 0..n {
+                let col = &b[j * k..(j + 1) * k];
+                reference[i * n + j] = row.iter().zip(col).map(|(x, y)| x * y).sum();
+            }
+        }
+        let err = relative_error(&c, &reference);
+        let gathered_ok = gathered == a_bytes;
+        let ok = err <= tolerance(self.dtype) && gathered_ok;
+        Ok((ok, format!("rel err {err:.2e}, gatheredA {}", if gathered_ok { "exact" } else { "WRONG" })))
+    }
+}
+
+fn shapes() -> Vec<(usize, usize, usize)> {
+    // (rows per rank, N, K): shards that straddle tiles, N and K off the tile grid.
+    vec![(97, 264, 72), (128, 520, 136), (200, 1000, 520), (333, 776, 264)]
+}
+
+fn rank_main(env: &RankEnv) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let ctx = PrimaryContext::retain(env.device)?;
+    let _g = ctx.enter()?;
+    let mut control_cfg = CommConfig::from_env();
+    control_cfg.workspace_bytes = 0;
+    let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
+    let result = (|| {
+        let comm = init_comm(env, &env.ids[1], &config(30_000, 64 << 20))?;
+        let outcome = correctness(comm, rank, n).and_then(|_| graph_replay(comm, rank, n));
+        control.bootstrap.barrier()?;
+        destroy(comm)?;
+        outcome?;
+        if n > 1 {
+            absent_rank(env, &control)?;
+        }
+        Ok(())
+    })();
+    drop(control);
+    result
+}
+
+fn correctness(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+    let stream = Stream::new()?;
+    let mut failures = 0;
+    let mut checks = 0;
+    for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
+        for (rows, cols, k) in shapes() {
+            let case = Case::new(dtype, rows, cols, k, n, rank)?;
+            for round in 0..2u64 {
+                case.prepare(17 + round)?;
+                ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
+                stream.sync()?;
+                if async_error(comm) != mkResult_t::mkSuccess {
+                    return Err(MkError::new(async_error(comm), format!("{}: asynchronous error", case.label())));
+                }
+                let (ok, detail) = case.verify()?;
+                checks += 1;
+                if !ok {
+                    failures += 1;
+                }
+                if !ok || rank == 0 {
+                    say(rank, format!("{} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
+                }
+            }
+        }
+    }
+    say(rank, format!("correctness: {checks} checks, {failures} wrong"));
+    if failures > 0 {
+        return Err(MkError::internal(format!("mkAllGatherGemm: {failures} of {checks} checks wrong")));
+    }
+    Ok(())
+}
+
+fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+    let stream = Stream::new()?;
+    let case = Case::new(mkDataType_t::mkBfloat16, 160, 392, 200, n, rank)?;
+    case.prepare(1)?;
+    // SAFETY: capture on a live non-default stream; the launch is our op.
+    unsafe { cuda::check("cuStreamBeginCapture", sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))? };
+    let launched = case.launch(comm, stream.0);
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above.
+    cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
+    ffi("mkAllGatherGemm (captured)", launched, comm)?;
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: graph from the capture.
+    cuda::check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
+    let mut failures = 0;
+    for replay in 0..3u64 {
+        case.prepare(100 + replay)?;
+        // SAFETY: instantiated graph, live stream.
+        cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
+        stream.sync()?;
+        if async_error(comm) != mkResult_t::mkSuccess {
+            return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
+        }
+        let (ok, detail) = case.verify()?;
+        if !ok {
+            failures += 1;
+            say(rank, format!("graph replay {replay}: {detail} -> WRONG"));
+        }
+        // A direct call between replays: the device-side epochs stay in step.
+        case.prepare(200 + replay)?;
+        ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
+        stream.sync()?;
+        let (ok, detail) = case.verify()?;
+        if !ok {
+            failures += 1;
+            say(rank, format!("call between replays: {detail} -> WRONG"));
+        }
+    }
+    // SAFETY: destroyed once.
+    unsafe {
+        sys::cuGraphExecDestroy(exec);
+        sys::cuGraphDestroy(graph);
+    }
+    say(rank, format!("graph capture: 3 replays + 3 direct calls with fresh inputs, {failures} wrong"));
+    if failures > 0 {
+        return Err(MkError::internal("mkAllGatherGemm graph replay gave wrong results"));
+    }
+    Ok(())
+}
+
+fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let comm = init_comm(env, &env.ids[2], &config(FAULT_TIMEOUT_MS, 64 << 20))?;
+    let stream = Stream::new()?;
+    let case = Case::new(mkDataType_t::mkBfloat16, 256, 1024, 512, n, rank)?;
+    case.prepare(5)?;
+    let absent = n - 1;
+    let mut outcome = Ok(());
+    let mut code = mkResult_t::mkSuccess;
+    if rank != absent {
+        let t = Instant::now();
+        ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
+        outcome = timed_sync(&stream, Duration::from_secs(30))
+            .and_then(|_| check_stopped(rank, comm, t.elapsed(), "ag_gemm absent rank").map(|c| code = c));
+    }
+    let codes = control.bootstrap.allgather(&[code as i32 as u8])?;
+    if rank == 0 && !codes.iter().take(absent).any(|c| c[0] as i32 == mkResult_t::mkTimeout as i32) {
+        outcome = outcome.and(Err(MkError::internal("no surviving rank reported mkTimeout")));
+    }
+    control.bootstrap.barrier()?;
+    destroy(comm)?;
+    outcome
+}

@@ -1,0 +1,48 @@
+//! Fused communication + compute operations.
+
+use super::{mkComm_t, with_comm};
+use crate::cuda::sys::CUstream;
+use crate::error::mkResult_t;
+use crate::types::RawDataType;
+use std::ffi::c_void;
+
+/// AllGather of A's rows across the ranks, then C = A_gathered · Bᵀ, in one persistent
+/// kernel: the rows of each peer are consumed by the GEMM as soon as their chunk arrives,
+/// this rank's own rows first.
+///
+/// - `A`: this rank's rows, [M / nranks, K]; rank r holds rows [r·M/n, (r+1)·M/n).
+/// - `B`: [N, K] (the nn.Linear weight layout), the same on every rank.
+/// - `C`: [M, N], the full product (every rank gets all of C).
+/// - `gatheredA`: receives the gathered [M, K] A when non-NULL (for the backward pass).
+/// - `M` counts all gathered rows (the unfused GEMM's M); N, K as in that GEMM.
+/// - `dtype`: mkBfloat16 or mkFloat16 for A, B, C and gatheredA; fp32 accumulation, C
+///   rounded once. Matrices are row-major and densely packed.
+///
+/// Rules (mkInvalidArgument, with the rule in mkGetLastError): M divisible by nranks, K a
+/// positive multiple of 8, N a multiple of 8, every pointer 16-byte aligned device memory
+/// of this rank's device. The gathered A (M·K elements) must fit in the communicator's
+/// workspace (MK_WORKSPACE_BYTES / mkConfig_t.workspaceBytes), else mkInvalidUsage names
+/// the size needed. Needs an sm_90 GPU.
+///
+/// Stream-ordered and asynchronous, capturable in a CUDA graph. Every rank must call it
+/// with the same M, N, K and dtype. A peer that does not arrive within MK_TIMEOUT_MS
+/// makes the kernel stop; mkCommGetAsyncError then reports mkTimeout (or mkRemoteError on
+/// the ranks that were stopped by the failing one) and C is undefined.
+#[no_mangle]
+pub unsafe extern "C" fn mkAllGatherGemm(
+    A: *const c_void,
+    B: *const c_void,
+    C: *mut c_void,
+    gatheredA: *mut c_void,
+    M: usize,
+    N: usize,
+    K: usize,
+    dtype: RawDataType,
+    comm: mkComm_t,
+    stream: CUstream,
+) -> mkResult_t {
+    with_comm(comm, "mkAllGatherGemm", |c| {
+        let args = crate::ops::ag_gemm::validate_args(A as u64, B as u64, C as u64, gatheredA as u64, M, N, K, dtype, c.nranks, c.rank)?;
+        crate::ops::ag_gemm::all_gather_gemm(c, &args, stream)
+    })
+}
