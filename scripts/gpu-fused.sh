@@ -11,7 +11,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mk-mps CUDA_MPS_LOG_DIRECTORY=/tmp/mk-mpslog
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d && trap 'echo quit | timeout 20 nvidia-cuda-mps-control' EXIT
-as_ranks() { local n=$1; shift; if [ "$n" -gt 1 ]; then env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / n)) MK_MAX_CTAS=$((128 / n / 2 * 2)) MK_TEST_NRANKS=$n "$@"; else env MK_TEST_NRANKS=1 "$@"; fi; }
+as_ranks() { local n=$1; shift; if [ "$n" -gt 1 ]; then env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / n)) MK_MAX_CTAS=$((132 / n / 2)) MK_TEST_NRANKS=$n "$@"; else env MK_TEST_NRANKS=1 "$@"; fi; }
 status=0
 for n in ${RANKS:-1 2 4 8}; do
   echo "===== mktest $SUITE N=$n" | tee -a "$OUT/tests.log"
