@@ -1,0 +1,83 @@
+//! Bringing up one rank's inter-node path: the transport `MK_NET` chose, connected to the
+//! rank's GPU i ↔ GPU i peers, a proxy ring, and the proxy thread draining it. What
+//! `Comm::init` will call once kernels post commands; a communicator on one node gets
+//! `None` and never starts a thread or touches a NIC.
+
+use super::proxy::{Proxy, ProxyOptions, ProxyRing, RingMemory};
+use super::socket::SocketTransport;
+use super::{connect_through_bootstrap, NetKind, Transport, TransportAuth, Window};
+use crate::bootstrap::Bootstrap;
+use crate::comm::topology::Topology;
+use crate::error::{MkError, Result};
+use crate::mk_info;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Everything `start_inter_node` needs from the communicator.
+pub struct InterNodeSetup<'a> {
+    pub bootstrap: &'a Bootstrap,
+    pub topology: &'a Topology,
+    pub auth: TransportAuth,
+    pub net: NetKind,
+    /// The memory peers put into and this rank's puts read from.
+    pub window: Window,
+    /// MK_TIMEOUT_MS: bounds connecting, every transfer, every producer wait.
+    pub timeout: Duration,
+    /// Ring slots (a power of two).
+    pub ring_capacity: u32,
+    /// Where the ring lives (`PinnedRingMemory` for a GPU's producers).
+    pub ring_memory: Box<dyn RingMemory>,
+    /// The producers' ticket counter (device memory on a GPU); None: in the ring memory.
+    pub head_address: Option<u64>,
+}
+
+/// A rank's running inter-node path.
+pub struct InterNode {
+    pub net: NetKind,
+    pub ring: Arc<ProxyRing>,
+    pub proxy: Proxy,
+    /// The ranks this rank's kernels may post puts to.
+    pub peers: Vec<usize>,
+}
+
+/// Collective over the communicator when it spans nodes (every rank must call it; they
+/// all agree on the topology, so either all or none take part); `Ok(None)` on one node.
+///
+/// # Safety
+/// `setup.window` must stay valid until the returned proxy is stopped or dropped (the
+/// transport reads and writes it from its own threads, or the NIC does).
+pub unsafe fn start_inter_node(setup: InterNodeSetup<'_>) -> Result<Option<InterNode>> {
+    let topology = setup.topology;
+    if !topology.spans_nodes() {
+        return Ok(None);
+    }
+    let rank = topology.rank;
+    let nranks = setup.bootstrap.nranks();
+    let mut transport: Box<dyn Transport> = match setup.net {
+        NetKind::Socket => Box::new(SocketTransport::new(rank, nranks, setup.auth, setup.timeout)?),
+        #[cfg(feature = "rdma")]
+        NetKind::Ib => Box::new(super::rdma::RdmaTransport::new(rank, nranks)?),
+        #[cfg(not(feature = "rdma"))]
+        NetKind::Ib => return Err(MkError::invalid_usage("this libmkernel was built without RDMA support (cargo feature `rdma`)")),
+    };
+    // SAFETY: forwarded from this function's contract.
+    unsafe { transport.register(setup.window)? };
+    let peers = topology.inter_node_peers();
+    connect_through_bootstrap(transport.as_mut(), setup.bootstrap, &peers)
+        .map_err(|e| e.context(format!("connecting the {} transport", transport.name())))?;
+    let ring = Arc::new(ProxyRing::new(setup.ring_memory, setup.ring_capacity, setup.head_address, setup.timeout)?);
+    let proxy = Proxy::start(Arc::clone(&ring), transport, ProxyOptions::new(rank, setup.timeout))?;
+    mk_info!(Some(rank), "inter-node path up over {:?}: peers {peers:?}, {}-slot proxy ring", setup.net, setup.ring_capacity);
+    if topology.rail_peers.iter().any(Option::is_none) {
+        // Not an error here: the ops that need a peer on every node reject the layout.
+        crate::log::warn(Some(rank), format_args!("rank {rank} has no GPU-i peer on some node (nodes of unequal size)"));
+    }
+    Ok(Some(InterNode { net: setup.net, ring, proxy, peers }))
+}
+
+impl InterNode {
+    /// The proxy's first failure, for `Comm::record_async_error` (→ mkCommGetAsyncError).
+    pub fn error(&self) -> Option<MkError> {
+        self.proxy.error()
+    }
+}
