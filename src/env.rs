@@ -13,7 +13,7 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
     ("MK_RANKS_PER_NODE", "(by host)", "group ranks into nodes of this size (emulates several nodes on one host)"),
     ("MK_COMM_SMS", "(planned per op)", "CTAs given to communication roles in fused kernels"),
     ("MK_MAX_CTAS", "(all SMs)", "cap on any kernel's grid; set it when several ranks share one GPU"),
-    ("MK_WORKSPACE_BYTES", "268435456", "symmetric workspace per rank allocated at init"),
+    ("MK_WORKSPACE_BYTES", "268435456", "symmetric workspace per rank allocated at init: this much for the collectives and as much again for the fused ops"),
     ("MK_NET", "(ib if an RDMA device is usable, else socket)", "inter-node transport: ib or socket"),
     ("MK_IB_HCA", "(every active device)", "RDMA devices to use: comma-separated name[:port] prefixes, '^' excludes, '=' exact"),
 ];

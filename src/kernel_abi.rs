@@ -44,6 +44,10 @@ pub struct WorkspaceView {
     /// data_bytes / cta_slots bytes at b * (data_bytes / cta_slots).
     pub cta_slots: i32,
     pub reserved: i32,
+    /// Bytes of the fused ops' region, which follows the data region (at
+    /// `data[r] + data_bytes`). Kept apart from the collectives' staging so a fused op and
+    /// a collective issued back to back never write into each other's buffers.
+    pub op_bytes: u64,
 }
 
 /// Host-mapped status block of one rank: the kernels write it, the host reads it in

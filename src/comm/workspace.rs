@@ -306,7 +306,8 @@ impl SymmetricWorkspace {
         let sms = cuda::sm_count(device)? as u32;
         let want_bytes = config.workspace_bytes.max(MIN_DATA_BYTES);
         let want_slots = wanted_cta_slots(config.max_ctas, sms, want_bytes);
-        let alloc_bytes = SIGNAL_BYTES + want_bytes as usize;
+        // Signals, the collectives' data region, then an equal region for the fused ops.
+        let alloc_bytes = SIGNAL_BYTES + 2 * want_bytes as usize;
 
         // Status block first, so every later failure path frees it through Drop.
         let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -484,6 +485,7 @@ impl SymmetricWorkspace {
         let mut view = WorkspaceView {
             status: status_dev,
             data_bytes,
+            op_bytes: data_bytes,
             timeout_ns: config.timeout.as_nanos().min(u64::MAX as u128) as u64,
             rank: rank as i32,
             nranks: nranks as i32,

@@ -184,11 +184,11 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
     })?;
     let needed = (m * k * 2) as u64;
-    if needed > ws.view.data_bytes {
+    if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
-            "mkAllGatherGemm gathers {needed} bytes of A into the workspace, which holds {}: create the communicator with \
-             MK_WORKSPACE_BYTES (or mkConfig_t.workspaceBytes) of at least {needed}",
-            ws.view.data_bytes
+            "mkAllGatherGemm gathers {needed} bytes of A into the workspace's fused-op region, which holds {}: create the \
+             communicator with MK_WORKSPACE_BYTES (or mkConfig_t.workspaceBytes) of at least {needed}",
+            ws.view.op_bytes
         )));
     }
     for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
@@ -203,7 +203,8 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
     let bn = if tile.bn >= 256 { 256 } else { 128 };
     let group_m = engine::raster_group(m.div_ceil(ROW_BLOCK), bn, p.compute_ctas as usize);
     let smem = engine::smem_bytes(bn, Epilogue::Tma);
-    let gathered_base = ws.view.data[rank];
+    // The fused ops' region follows the collectives' data region in every rank's workspace.
+    let gathered_base = ws.view.data[rank] + ws.view.data_bytes;
     let mut ta = engine::tensor_map(gathered_base, args.dtype, m, k, engine::BM, engine::BK)?;
     let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
     let mut tc = engine::tensor_map(args.c, args.dtype, m, n, 64, 64)?;
@@ -211,7 +212,7 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         ws: ws.view,
         a_local: args.a,
         gathered_out: args.gathered,
-        gathered_offset: 0,
+        gathered_offset: ws.view.data_bytes,
         m: m as i32,
         n: n as i32,
         k: k as i32,
