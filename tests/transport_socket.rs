@@ -380,3 +380,18 @@ fn puts_outside_either_window_are_rejected_before_sending() {
         res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
     }
 }
+
+#[test]
+fn device_windows_need_a_cuda_context() {
+    loopback();
+    let mut t = SocketTransport::new(0, 2, TransportAuth::new(&[1; 16], 1), Duration::from_secs(1)).unwrap();
+    let host = HostWindow::new(64, 1);
+    let mut device = host.window();
+    device.data.kind = MemoryKind::Device;
+    // SAFETY: leaked memory; rejected before anything uses it.
+    let e = unsafe { t.register(device) }.unwrap_err();
+    assert_eq!(e.code, mkResult_t::mkInvalidUsage, "{e}");
+    assert!(e.message.contains("CUDA context"), "{e}");
+    // SAFETY: leaked memory.
+    unsafe { t.register(host.window()).unwrap() };
+}

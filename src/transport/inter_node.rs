@@ -29,6 +29,10 @@ pub struct InterNodeSetup<'a> {
     pub ring_memory: Box<dyn RingMemory>,
     /// The producers' ticket counter (device memory on a GPU); None: in the ring memory.
     pub head_address: Option<u64>,
+    /// The communicator's context (a `CUcontext`), needed when the window is device memory:
+    /// the socket transport stages through it. Call with this context current (RDMA's
+    /// dmabuf registration uses the current context).
+    pub cuda_context: Option<usize>,
 }
 
 /// A rank's running inter-node path.
@@ -54,7 +58,13 @@ pub unsafe fn start_inter_node(setup: InterNodeSetup<'_>) -> Result<Option<Inter
     let rank = topology.rank;
     let nranks = setup.bootstrap.nranks();
     let mut transport: Box<dyn Transport> = match setup.net {
-        NetKind::Socket => Box::new(SocketTransport::new(rank, nranks, setup.auth, setup.timeout)?),
+        NetKind::Socket => {
+            let mut socket = SocketTransport::new(rank, nranks, setup.auth, setup.timeout)?;
+            if let Some(context) = setup.cuda_context {
+                socket.set_cuda_context(context as cudarc::driver::sys::CUcontext);
+            }
+            Box::new(socket)
+        }
         #[cfg(feature = "rdma")]
         NetKind::Ib => Box::new(super::rdma::RdmaTransport::new(rank, nranks)?),
         #[cfg(not(feature = "rdma"))]

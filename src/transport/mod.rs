@@ -14,6 +14,7 @@ pub mod proxy;
 /// Pure parts always built (and tested); the verbs code only with the `rdma` feature.
 pub mod rdma;
 pub mod socket;
+pub mod staging;
 
 use crate::bootstrap::{sha256::hmac_sha256, Bootstrap, UniqueId};
 use crate::error::{MkError, Result};

@@ -1,5 +1,6 @@
 //! TCP transport between proxies: one connection per peer pair, a sender thread and a
-//! receiver thread per peer, puts staged through host memory.
+//! receiver thread per peer, puts staged through host memory (windows in device memory go
+//! through `staging::DeviceStager`'s pinned buffers).
 //!
 //! Connections are authenticated both ways with the bootstrap's challenge-response
 //! (`bootstrap::net::{challenge, respond}`), keyed by `TransportAuth` (derived from the
@@ -12,6 +13,7 @@
 //! bytes in order). A put completes locally when its bytes are written to the socket.
 //! A `Close` frame ends a connection cleanly; any other end of it is the peer's failure.
 
+use super::staging::{missing_context, DeviceStager};
 use super::{check_peers, check_put_ranges, MemoryKind, PostId, PutRequest, Transport, TransportAuth, Window};
 use crate::bootstrap::net::{self, Deadline};
 use crate::bootstrap::unique_id::{decode_addr, encode_addr, ENCODED_ADDR_BYTES};
@@ -148,9 +150,17 @@ pub struct SocketTransport {
     next_post: PostId,
     shared: Arc<Shared>,
     closed: bool,
+    /// The communicator's CUDA context (a `CUcontext`), for windows in device memory.
+    cuda_context: Option<usize>,
 }
 
 impl SocketTransport {
+    /// Lets the transport stage windows in device memory through pinned host buffers, using
+    /// `context` (which must outlive the transport) on its own threads.
+    pub fn set_cuda_context(&mut self, context: cudarc::driver::sys::CUcontext) {
+        self.cuda_context = Some(context as usize);
+    }
+
     /// Listens on the bootstrap's interface (`MK_SOCKET_IFNAME`). `timeout` bounds
     /// connecting, every send, every partially received message, and closing.
     pub fn new(rank: usize, nranks: usize, auth: TransportAuth, timeout: Duration) -> Result<SocketTransport> {
@@ -169,6 +179,7 @@ impl SocketTransport {
             next_post: 0,
             shared: Arc::new(Shared::default()),
             closed: false,
+            cuda_context: None,
         })
     }
 
@@ -222,16 +233,21 @@ impl SocketTransport {
         let (jobs, queue) = mpsc::channel();
         let shared = Arc::clone(&self.shared);
         let (rank, timeout) = (self.rank, self.timeout);
+        let context = self.cuda_context;
         let sender = std::thread::Builder::new()
             .name(format!("mk-sock-tx-{rank}-{peer}"))
-            .spawn(move || send_loop(rank, peer, send_socket, queue, &shared, timeout))
+            .spawn(move || send_loop(rank, peer, send_socket, queue, &shared, window, Staging { context, stager: None }, timeout))
             .map_err(|e| MkError::system(format!("cannot start a transport thread: {e}")))?;
         let shared = Arc::clone(&self.shared);
         let receiver = std::thread::Builder::new()
             .name(format!("mk-sock-rx-{rank}-{peer}"))
             .spawn(move || {
-                if let Err(e) = receive_loop(peer, recv_socket, window, &shared, timeout) {
-                    shared.fail(rank, e);
+                let staging = Staging { context, stager: None };
+                if let Err(e) = receive_loop(peer, recv_socket, window, &shared, staging, timeout) {
+                    // A connection cut by our own close() is not a failure.
+                    if !shared.closing.load(Ordering::Acquire) {
+                        shared.fail(rank, e);
+                    }
                 }
             })
             .map_err(|e| MkError::system(format!("cannot start a transport thread: {e}")))?;
@@ -258,26 +274,49 @@ fn lost_peer(peer: usize, e: std::io::Error, timeout: Duration, doing: &str) -> 
     }
 }
 
-fn send_loop(rank: usize, peer: usize, mut socket: TcpStream, queue: mpsc::Receiver<SendJob>, shared: &Shared, timeout: Duration) {
+/// Where a transport thread's window lives: host memory it reads and writes directly, or
+/// device memory it stages (the stager is created on the thread's first device transfer).
+struct Staging {
+    context: Option<usize>,
+    stager: Option<DeviceStager>,
+}
+
+impl Staging {
+    fn stager(&mut self) -> Result<&mut DeviceStager> {
+        if self.stager.is_none() {
+            let context = self.context.ok_or_else(missing_context)?;
+            self.stager = Some(DeviceStager::new(context)?);
+        }
+        Ok(self.stager.as_mut().expect("just created"))
+    }
+}
+
+fn send_loop(rank: usize, peer: usize, mut socket: TcpStream, queue: mpsc::Receiver<SendJob>, shared: &Shared, window: Window, mut staging: Staging, timeout: Duration) {
     if let Err(e) = socket.set_write_timeout(Some(timeout)) {
         shared.fail(rank, MkError::system(format!("socket to rank {peer}: {e}")));
         return;
     }
+    let sending = |e: std::io::Error| lost_peer(peer, e, timeout, "while this rank sent to it");
     for job in queue {
         let result = match job {
             SendJob::Put { id, frame, src, len } => {
-                // SAFETY: `register`'s contract keeps the window valid until close, and
-                // post_put checked that [src, src + len) lies in its data region.
-                let data = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-                socket
-                    .write_all(&frame.encode())
-                    .and_then(|_| socket.write_all(data))
-                    .map(|_| shared.completed.lock().push(id))
+                let sent = socket.write_all(&frame.encode()).map_err(sending).and_then(|_| {
+                    if window.data.kind == MemoryKind::Device {
+                        let socket = &mut socket;
+                        staging.stager()?.send_from_device(src as u64, len, &mut |chunk| socket.write_all(chunk).map_err(sending))
+                    } else {
+                        // SAFETY: `register`'s contract keeps the window valid until close,
+                        // and post_put checked that [src, src + len) lies in its data region.
+                        let data = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
+                        socket.write_all(data).map_err(sending)
+                    }
+                });
+                sent.map(|_| shared.completed.lock().push(id))
             }
-            SendJob::Close => socket.write_all(&Frame::close().encode()),
+            SendJob::Close => socket.write_all(&Frame::close().encode()).map_err(sending),
         };
         if let Err(e) = result {
-            shared.fail(rank, lost_peer(peer, e, timeout, "while this rank sent to it"));
+            shared.fail(rank, e);
             return;
         }
     }
@@ -313,7 +352,7 @@ fn read_message_part(socket: &mut TcpStream, buf: &mut [u8], idle_ok: bool, shar
     Ok(true)
 }
 
-fn receive_loop(peer: usize, mut socket: TcpStream, window: Window, shared: &Shared, timeout: Duration) -> Result<()> {
+fn receive_loop(peer: usize, mut socket: TcpStream, window: Window, shared: &Shared, mut staging: Staging, timeout: Duration) -> Result<()> {
     socket.set_read_timeout(Some(IDLE_POLL))?;
     loop {
         let mut header = [0u8; FRAME_BYTES];
@@ -335,20 +374,37 @@ fn receive_loop(peer: usize, mut socket: TcpStream, window: Window, shared: &Sha
                 window.signal_words()
             )));
         }
-        // SAFETY: the range was checked against the registered data region just above, and
-        // `register`'s contract keeps it valid until close.
-        let dst = unsafe {
-            std::slice::from_raw_parts_mut((window.data.base + frame.dst_offset) as *mut u8, frame.bytes as usize)
-        };
-        if !dst.is_empty() && !read_message_part(&mut socket, dst, false, shared, peer, timeout)? {
-            return Ok(());
+        let dst_addr = window.data.base + frame.dst_offset;
+        let mut complete = true;
+        if window.data.kind == MemoryKind::Device {
+            let socket = &mut socket;
+            staging.stager()?.receive_into_device(dst_addr, frame.bytes as usize, &mut |chunk| {
+                match read_message_part(socket, chunk, false, shared, peer, timeout)? {
+                    true => Ok(()),
+                    false => Err(MkError::remote("the transport closed in the middle of a message")),
+                }
+            })?;
+        } else if frame.bytes > 0 {
+            // SAFETY: the range was checked against the registered data region just above,
+            // and `register`'s contract keeps it valid until close.
+            let dst = unsafe { std::slice::from_raw_parts_mut(dst_addr as *mut u8, frame.bytes as usize) };
+            complete = read_message_part(&mut socket, dst, false, shared, peer, timeout)?;
+        }
+        if !complete {
+            return Ok(()); // closing
         }
         if frame.signal_id != u32::MAX {
-            // SAFETY: signal_id < signal words (checked above); the signal region is 8-byte
-            // aligned (checked by register) and valid until close.
-            let word = unsafe { &*((window.signals.base + 8 * frame.signal_id as u64) as *const AtomicU64) };
-            // Release: the data copied above is visible before the signal value.
-            word.store(frame.signal_value, Ordering::Release);
+            let signal_addr = window.signals.base + 8 * frame.signal_id as u64;
+            if window.signals.kind == MemoryKind::Device {
+                // After the data: receive_into_device returned once every byte was on the device.
+                staging.stager()?.store_u64(signal_addr, frame.signal_value)?;
+            } else {
+                // SAFETY: signal_id < signal words (checked above); the signal region is
+                // 8-byte aligned (checked by register) and valid until close.
+                let word = unsafe { &*(signal_addr as *const AtomicU64) };
+                // Release: the data copied above is visible before the signal value.
+                word.store(frame.signal_value, Ordering::Release);
+            }
         }
     }
 }
@@ -363,11 +419,8 @@ impl Transport for SocketTransport {
             return Err(MkError::invalid_usage("the socket transport's window is already registered"));
         }
         for (name, region) in [("data", window.data), ("signal", window.signals)] {
-            if region.kind != MemoryKind::Host {
-                return Err(MkError::invalid_usage(format!(
-                    "the socket transport reads and writes host memory only; the {name} region is device memory \
-                     (stage it through a host-pinned buffer)"
-                )));
+            if region.kind == MemoryKind::Device && self.cuda_context.is_none() {
+                return Err(missing_context().context(format!("registering the {name} region")));
             }
             if region.base == 0 && region.bytes > 0 {
                 return Err(MkError::invalid_argument(format!("the {name} region is NULL")));
