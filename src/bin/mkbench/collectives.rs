@@ -11,8 +11,10 @@
 //! (AllGather, ReduceScatter) or × 2(n−1)/n (AllReduce). #wrong is counted on the device
 //! against the inputs' generator. The baseline in the same run: a device-to-device
 //! cuMemcpyAsync of the same size (read + write, as our one-rank copy), timed the same way
-//! while the other ranks wait. NCCL (dlopen) needs several GPUs; with one it is not run.
+//! while the other ranks wait; and NCCL (dlopen, src/bin/mkbench/nccl.rs) out of place on the
+//! same buffers when the ranks sit on several GPUs (NCCL refuses two ranks on one GPU).
 
+use crate::nccl::Nccl;
 use crate::ranks;
 
 use cudarc::driver::result as cu;
@@ -144,6 +146,7 @@ struct Row {
     times: [f64; 2],
     wrong: [u64; 2],
     copy_us: f64,
+    nccl_us: Option<f64>,
 }
 
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
@@ -184,16 +187,35 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))
     };
 
+    let gpus = cuda::device_count()?;
+    let mut nccl_note = if gpus > 1 { String::new() } else { "needs several GPUs; this machine shows one, so only the D2D copy baseline runs".to_string() };
+    let nccl = if n > 1 && gpus > 1 {
+        match Nccl::init(&comm.bootstrap, rank, n) {
+            Ok(x) => {
+                nccl_note = "NCCL (dlopen), out of place on the same buffers, NCCL_NVLS_ENABLE=0".into();
+                Some(x)
+            }
+            Err(e) => {
+                nccl_note = format!("not available: {}", e.message);
+                None
+            }
+        }
+    } else {
+        if n == 1 && gpus > 1 {
+            nccl_note = "one rank: nothing to compare".into();
+        }
+        None
+    };
     if rank == 0 {
         let sms = cuda::sm_count(device)?;
         println!("# mkbench {}: {n} rank(s), float32, op {:?}, {} SMs, MK_MAX_CTAS={}, warm-up {} + {} timed calls (median of the slowest rank)",
             kind.name(), o.op, sms, comm.config.max_ctas.map_or("-".into(), |v| v.to_string()), o.warmup, o.iters);
-        println!("# NCCL baseline: {}", if cuda::device_count()? > 1 { "not implemented yet" } else { "needs several GPUs; this machine shows one, so only the D2D copy baseline runs" });
+        println!("# NCCL baseline: {nccl_note}");
         println!("#");
         println!("# {:>12} {:>12} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>7}",
             "", "", "", "out-of-place", "", "", "", "in-place", "", "", "", "D2D copy", "", "");
-        println!("# {:>12} {:>12} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>7}",
-            "size(B)", "count", "type", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "GB/s", "oop/copy");
+        println!("# {:>12} {:>12} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>7}   {:>10} {:>8} {:>7}",
+            "size(B)", "count", "type", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "GB/s", "oop/copy", "nccl(us)", "busbw", "bw/nccl");
     }
     let mut rows = Vec::new();
     let mut all_ok = true;
@@ -208,7 +230,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             CollectiveKind::AllReduce => count * es,
             _ => count * es * nr,
         };
-        let mut row = Row { bytes: size, count, times: [0.0; 2], wrong: [0; 2], copy_us: 0.0 };
+        let mut row = Row { bytes: size, count, times: [0.0; 2], wrong: [0; 2], copy_us: 0.0, nccl_us: None };
         // Baseline first, alone on the GPU.
         comm.bootstrap.barrier()?;
         if let (Some(src), Some(dst)) = (&copy_src, &copy_dst) {
@@ -283,13 +305,29 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             row.times[slot] = all.iter().map(|b| f64::from_le_bytes(b[..8].try_into().unwrap())).fold(0.0, f64::max);
             row.wrong[slot] = all.iter().map(|b| u64::from_le_bytes(b[8..16].try_into().unwrap())).sum();
         }
+        if let Some(nc) = &nccl {
+            let (sp, rp) = (send.ptr(), recv.ptr());
+            let ncall = || nc.call(kind as i32, sp, rp, count as usize, dtype as i32, o.op as i32, stream);
+            for _ in 0..o.warmup {
+                ncall()?;
+            }
+            sync()?;
+            comm.bootstrap.barrier()?;
+            let t = events.median_us(stream, ncall)?;
+            let all = comm.bootstrap.allgather(&t.to_le_bytes())?;
+            row.nccl_us = Some(all.iter().map(|b| f64::from_le_bytes(b[..8].try_into().unwrap())).fold(0.0, f64::max));
+        }
         if row.wrong.iter().any(|&w| w > 0) {
             all_ok = false;
         }
         if rank == 0 {
             let gbs = |us: f64| size as f64 / us / 1e3;
             let ratio = if row.copy_us > 0.0 { row.copy_us / row.times[0] } else { 0.0 };
-            println!("  {:>12} {:>12} {:>6}   {:>10.1} {:>8.1} {:>8.1} {:>6}   {:>10.1} {:>8.1} {:>8.1} {:>6}   {:>10.1} {:>8.1} {:>7.3}",
+            let nccl_cols = match row.nccl_us {
+                Some(t) => format!("{:>10.1} {:>8.1} {:>7.3}", t, gbs(t) * factor, t / row.times[0]),
+                None => format!("{:>10} {:>8} {:>7}", "-", "-", "-"),
+            };
+            println!("  {:>12} {:>12} {:>6}   {:>10.1} {:>8.1} {:>8.1} {:>6}   {:>10.1} {:>8.1} {:>8.1} {:>6}   {:>10.1} {:>8.1} {:>7.3}   {nccl_cols}",
                 size, count, "float", row.times[0], gbs(row.times[0]), gbs(row.times[0]) * factor, row.wrong[0],
                 row.times[1], gbs(row.times[1]), gbs(row.times[1]) * factor, row.wrong[1],
                 row.copy_us, 2.0 * gbs(row.copy_us), ratio);
@@ -298,19 +336,21 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         bytes *= o.factor;
     }
     if rank == 0 {
-        println!("# algbw, busbw in GB/s (1e9 B/s); D2D GB/s counts bytes read + written; oop/copy = copy time / out-of-place time");
+        println!("# algbw, busbw in GB/s (1e9 B/s); D2D GB/s counts bytes read + written; oop/copy = copy time / out-of-place time; bw/nccl = NCCL time / our out-of-place time");
         if let Some(path) = &o.json {
             let items: Vec<String> = rows
                 .iter()
                 .map(|r| format!(
-                    "{{\"op\":\"{}\",\"ranks\":{n},\"bytes\":{},\"count\":{},\"type\":\"float\",\"oop_us\":{:.3},\"oop_busbw\":{:.3},\"oop_wrong\":{},\"ip_us\":{:.3},\"ip_busbw\":{:.3},\"ip_wrong\":{},\"copy_us\":{:.3}}}",
+                    "{{\"op\":\"{}\",\"ranks\":{n},\"bytes\":{},\"count\":{},\"type\":\"float\",\"oop_us\":{:.3},\"oop_busbw\":{:.3},\"oop_wrong\":{},\"ip_us\":{:.3},\"ip_busbw\":{:.3},\"ip_wrong\":{},\"copy_us\":{:.3},\"nccl_us\":{}}}",
                     kind.name(), r.bytes, r.count, r.times[0], r.bytes as f64 / r.times[0] / 1e3 * factor, r.wrong[0],
-                    r.times[1], r.bytes as f64 / r.times[1] / 1e3 * factor, r.wrong[1], r.copy_us))
+                    r.times[1], r.bytes as f64 / r.times[1] / 1e3 * factor, r.wrong[1], r.copy_us,
+                    r.nccl_us.map_or("null".to_string(), |t| format!("{t:.3}"))))
                 .collect();
             std::fs::write(path, format!("[\n{}\n]\n", items.join(",\n"))).map_err(|e| MkError::system(format!("writing {path}: {e}")))?;
         }
     }
     comm.bootstrap.barrier()?;
+    drop(nccl);
     drop(comm);
     Ok(all_ok)
 }

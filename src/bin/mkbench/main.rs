@@ -5,6 +5,7 @@
 mod ag_gemm;
 mod collectives;
 mod gemm;
+mod nccl;
 #[path = "../mktest/ranks.rs"]
 #[allow(dead_code)]
 mod ranks;
