@@ -9,6 +9,7 @@
 //! Every put is "data, then signal": the destination's signal word changes only after all
 //! the put's bytes are in place there, so a kernel spinning on the signal may read the data.
 
+pub mod device_check;
 pub mod inter_node;
 pub mod proxy;
 /// Pure parts always built (and tested); the verbs code only with the `rdma` feature.

@@ -1,0 +1,22 @@
+//! The device side of the proxy ring on a GPU (kernels/common/proxy.cuh via mk_proxy_test):
+//! many CTAs through a small ring to a live proxy, and a full ring timing out. Prints
+//! SKIPPED and returns where no CUDA device is usable (CI, the development machine); run
+//! this binary on the GPU machine to check the device protocol.
+
+use mkernel::cuda::PrimaryContext;
+use mkernel::testing::gpu_unavailable_reason;
+use mkernel::transport::device_check;
+
+#[test]
+fn device_producers_through_the_proxy_ring() {
+    if let Some(why) = gpu_unavailable_reason() {
+        eprintln!("SKIPPED device_producers_through_the_proxy_ring: {why}");
+        return;
+    }
+    let ctx = PrimaryContext::retain(0).unwrap();
+    let _current = ctx.enter().unwrap();
+    let many = device_check::check_many_producers().unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("64 CTAs x 40 commands through a 16-slot ring: {} puts in {:?}", many.puts.len(), many.elapsed);
+    let full = device_check::check_full_ring_times_out().unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("full ring without a proxy: status {:?} after {:?}", full.status, full.elapsed);
+}
