@@ -6,7 +6,8 @@
 use mkernel::bootstrap::{root::start_root, Bootstrap, UniqueId, UNIQUE_ID_BYTES};
 use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{mkResult_t, MkError, Result};
-use mkernel::transport::socket::SocketTransport;
+use mkernel::bootstrap::net::{self, Deadline};
+use mkernel::transport::socket::{SocketBlob, SocketTransport};
 use mkernel::transport::{
     connect_through_bootstrap, MemoryKind, MemoryRegion, PostId, PutRequest, Transport, TransportAuth, Window,
 };
@@ -394,4 +395,73 @@ fn device_windows_need_a_cuda_context() {
     assert!(e.message.contains("CUDA context"), "{e}");
     // SAFETY: leaked memory.
     unsafe { t.register(host.window()).unwrap() };
+}
+
+/// A put frame as the wire carries it: kind, signal id, bytes, destination, signal value.
+fn raw_frame(kind: u32, signal_id: u32, bytes: u64, dst_offset: u64, signal_value: u64) -> Vec<u8> {
+    let mut f = Vec::new();
+    f.extend_from_slice(&kind.to_le_bytes());
+    f.extend_from_slice(&signal_id.to_le_bytes());
+    f.extend_from_slice(&bytes.to_le_bytes());
+    f.extend_from_slice(&dst_offset.to_le_bytes());
+    f.extend_from_slice(&signal_value.to_le_bytes());
+    f
+}
+
+/// Rank 1 played by hand (it knows the key): it connects to rank 0 and sends `frames`.
+/// Returns rank 0's transport, its window, and the raw socket.
+fn hand_made_peer(frames: &[Vec<u8>]) -> (SocketTransport, HostWindow, std::net::TcpStream) {
+    loopback();
+    let auth = TransportAuth::new(&[9; 16], 99);
+    let window = HostWindow::new(1000, 2);
+    let mut t = SocketTransport::new(0, 2, auth, Duration::from_secs(5)).unwrap();
+    // SAFETY: leaked window.
+    unsafe { t.register(window.window()).unwrap() };
+    let mine = SocketBlob::decode(&t.connection_blob(&[1]).unwrap(), 0).unwrap();
+    let fake = SocketBlob { listen: "127.0.0.1:9".parse().unwrap(), data_bytes: 1000, signal_words: 2 };
+    let blobs = vec![mine.encode(), fake.encode()];
+    let sock = std::thread::scope(|s| {
+        let dialer = s.spawn(|| {
+            let d = Deadline::after(Duration::from_secs(5));
+            let mut sock = net::connect_before(mine.listen, &d, &"fake rank 1").unwrap();
+            net::respond(&mut sock, &auth.key, auth.session, &d).unwrap();
+            net::challenge(&mut sock, &auth.key, auth.session, &d).unwrap();
+            net::send_frame(&mut sock, &1u32.to_le_bytes(), &d, &"fake rank 1").unwrap();
+            sock
+        });
+        t.connect(&blobs, &[1]).unwrap();
+        dialer.join().unwrap()
+    });
+    let mut sock = sock;
+    for f in frames {
+        std::io::Write::write_all(&mut sock, f).unwrap();
+    }
+    (t, window, sock)
+}
+
+#[test]
+fn hostile_frames_are_remote_errors_and_write_nothing() {
+    let cases: Vec<(&str, Vec<Vec<u8>>)> = vec![
+        ("past the end of the data region", vec![raw_frame(1, u32::MAX, 100, 901, 0), vec![0xAB; 100]]),
+        ("offset overflowing u64", vec![raw_frame(1, u32::MAX, 16, u64::MAX - 7, 0), vec![0xAB; 16]]),
+        ("signal word out of range", vec![raw_frame(1, 2, 4, 0, 5), vec![0xAB; 4]]),
+        ("unknown message kind", vec![raw_frame(77, u32::MAX, 0, 0, 0)]),
+    ];
+    for (what, frames) in cases {
+        let (mut t, window, _sock) = hand_made_peer(&frames);
+        let e = poll_until_error(&mut t, Duration::from_secs(5));
+        assert_eq!(e.code, mkResult_t::mkRemoteError, "{what}: {e}");
+        assert!(window.bytes(0, 1000).iter().all(|&b| b == 0), "{what}: the window was written");
+        assert!(window.signals.iter().all(|w| w.load(Ordering::Acquire) == 0), "{what}: a signal was written");
+    }
+    // The same peer sending a valid put is accepted: the rejections above were about the frames.
+    let (mut t, window, _sock) = hand_made_peer(&[raw_frame(1, 1, 4, 996, 5), vec![0xAB; 4]]);
+    let start = Instant::now();
+    while window.signals[1].load(Ordering::Acquire) != 5 {
+        assert!(start.elapsed() < Duration::from_secs(5), "the valid put never landed");
+        std::thread::yield_now();
+    }
+    assert_eq!(window.bytes(996, 4), &[0xAB; 4]);
+    let mut done = Vec::new();
+    t.poll(&mut done).unwrap();
 }

@@ -35,7 +35,7 @@ pub struct InterNodeSetup<'a> {
     pub cuda_context: Option<usize>,
 }
 
-/// A rank's running inter-node path.
+/// A rank's running inter-node path. Send + Sync, so a communicator can own it.
 pub struct InterNode {
     pub net: NetKind,
     pub ring: Arc<ProxyRing>,
@@ -91,3 +91,8 @@ impl InterNode {
         self.proxy.error()
     }
 }
+
+const _: fn() = || {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<InterNode>();
+};

@@ -606,8 +606,8 @@ impl Worker {
     }
 
     fn fail(&mut self, e: MkError) {
-        // Count what finished before the failure, so `completed` stays exact.
-        self.completed_ids.clear();
+        // Count what finished before the failure (including completions the failing poll
+        // handed back with its error), so `completed` stays exact.
         let _ = self.transport.poll(&mut self.completed_ids);
         self.advance_completed();
         self.failed = true;
