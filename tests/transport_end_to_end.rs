@@ -95,6 +95,7 @@ fn set_up(id: &UniqueId, rank: usize, nranks: usize, ranks_per_node: u32, timeou
         ring_memory: Box::new(HostRingMemory::new(ring_bytes(8))?),
         head_address: None,
         cuda_context: None,
+        proxy_cpus: None,
     };
     // SAFETY: the window is leaked.
     let inter = unsafe { start_inter_node(setup)? }.expect("the ranks span two nodes");
@@ -223,6 +224,7 @@ fn one_node_starts_nothing() {
         ring_memory: Box::new(HostRingMemory::new(ring_bytes(8)).unwrap()),
         head_address: None,
         cuda_context: None,
+        proxy_cpus: None,
     };
     // SAFETY: the window is leaked.
     assert!(unsafe { start_inter_node(setup) }.unwrap().is_none());

@@ -308,3 +308,16 @@ fn stopping_with_a_stuck_transport_is_bounded() {
     assert_eq!(proxy.stop().unwrap_err().code, mkResult_t::mkTimeout);
     assert!(start.elapsed() < Duration::from_secs(5));
 }
+
+#[test]
+fn pinned_proxy_thread_still_serves_the_ring() {
+    let (ring, producer) = ring(8, Duration::from_secs(10));
+    let transport = ScriptedTransport::new(Completion::Immediate);
+    let mut options = ProxyOptions::new(0, Duration::from_secs(10));
+    options.cpus = Some(vec![0, 1, 100_000]); // the impossible CPU is ignored
+    let proxy = Proxy::start(Arc::clone(&ring), Box::new(transport.clone()), options).unwrap();
+    let t = producer.post(&numbered(0, 0)).unwrap();
+    producer.wait_complete(t).unwrap();
+    proxy.stop().unwrap();
+    assert_eq!(transport.puts().len(), 1);
+}

@@ -33,6 +33,8 @@ pub struct InterNodeSetup<'a> {
     /// the socket transport stages through it. Call with this context current (RDMA's
     /// dmabuf registration uses the current context).
     pub cuda_context: Option<usize>,
+    /// CPUs for the proxy thread (`proxy::cpus_near_cuda_device(device)`), or None.
+    pub proxy_cpus: Option<Vec<usize>>,
 }
 
 /// A rank's running inter-node path. Send + Sync, so a communicator can own it.
@@ -76,7 +78,9 @@ pub unsafe fn start_inter_node(setup: InterNodeSetup<'_>) -> Result<Option<Inter
     connect_through_bootstrap(transport.as_mut(), setup.bootstrap, &peers)
         .map_err(|e| e.context(format!("connecting the {} transport", transport.name())))?;
     let ring = Arc::new(ProxyRing::new(setup.ring_memory, setup.ring_capacity, setup.head_address, setup.timeout)?);
-    let proxy = Proxy::start(Arc::clone(&ring), transport, ProxyOptions::new(rank, setup.timeout))?;
+    let mut options = ProxyOptions::new(rank, setup.timeout);
+    options.cpus = setup.proxy_cpus;
+    let proxy = Proxy::start(Arc::clone(&ring), transport, options)?;
     mk_info!(Some(rank), "inter-node path up over {:?}: peers {peers:?}, {}-slot proxy ring", setup.net, setup.ring_capacity);
     if topology.rail_peers.iter().any(Option::is_none) {
         // Not an error here: the ops that need a peer on every node reject the layout.

@@ -376,11 +376,72 @@ pub struct ProxyOptions {
     pub max_in_flight: usize,
     /// Bound on waiting for an outstanding put to complete (MK_TIMEOUT_MS).
     pub timeout: Duration,
+    /// CPUs to run the proxy thread on (`cpus_near_cuda_device`): polling the ring and
+    /// touching the NIC from the GPU's NUMA node. None: wherever the scheduler likes.
+    pub cpus: Option<Vec<usize>>,
 }
 
 impl ProxyOptions {
     pub fn new(rank: usize, timeout: Duration) -> ProxyOptions {
-        ProxyOptions { rank, max_in_flight: 64, timeout }
+        ProxyOptions { rank, max_in_flight: 64, timeout, cpus: None }
+    }
+}
+
+/// Parses a Linux CPU list ("0-3,8,10-11"); None when malformed.
+pub fn parse_cpu_list(list: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (a.trim().parse::<usize>().ok()?, b.trim().parse::<usize>().ok()?);
+                if a > b || b - a > 1 << 16 {
+                    return None;
+                }
+                cpus.extend(a..=b);
+            }
+            None => cpus.push(part.trim().parse().ok()?),
+        }
+    }
+    Some(cpus)
+}
+
+/// The CPUs of the NUMA node closest to a PCI device ("0000:3b:00.0", any case), from sysfs.
+pub fn cpus_near_pci_device(bus_id: &str) -> Option<Vec<usize>> {
+    let path = format!("/sys/bus/pci/devices/{}/local_cpulist", bus_id.trim().to_ascii_lowercase());
+    parse_cpu_list(&std::fs::read_to_string(path).ok()?).filter(|c| !c.is_empty())
+}
+
+/// The CPUs closest to CUDA device `device` (where the proxy thread should run, as mKernel
+/// pins its proxy to the GPU's NUMA node); None when unknown.
+pub fn cpus_near_cuda_device(device: i32) -> Option<Vec<usize>> {
+    crate::cuda::driver().ok()?;
+    let mut bus = [0 as std::ffi::c_char; 32];
+    // SAFETY: writes a NUL-terminated bus id of at most 32 bytes.
+    let r = unsafe { cudarc::driver::sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, device) };
+    crate::cuda::check("cuDeviceGetPCIBusId", r).ok()?;
+    // SAFETY: NUL-terminated by the driver within the buffer.
+    let id = unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }.to_string_lossy().into_owned();
+    cpus_near_pci_device(&id)
+}
+
+/// Restricts the calling thread to `cpus` (intersected with what it may use already, so
+/// taskset and cgroup limits win); returns false when nothing was changed.
+fn pin_current_thread(cpus: &[usize]) -> bool {
+    // SAFETY: cpu_set_t is plain data; the calls read and write only the set given.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut allowed) != 0 {
+            return false;
+        }
+        let mut wanted: libc::cpu_set_t = std::mem::zeroed();
+        let mut any = false;
+        for &c in cpus.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
+            if libc::CPU_ISSET(c, &allowed) {
+                libc::CPU_SET(c, &mut wanted);
+                any = true;
+            }
+        }
+        any && libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &wanted) == 0
     }
 }
 
@@ -491,6 +552,11 @@ struct Worker {
 
 impl Worker {
     fn run(mut self) -> Box<dyn Transport> {
+        if let Some(cpus) = &self.options.cpus {
+            if !pin_current_thread(cpus) {
+                crate::mk_info!(Some(self.options.rank), "proxy thread not pinned: none of CPUs {cpus:?} is available");
+            }
+        }
         let mut idle_rounds = 0u32;
         loop {
             let stopping = self.stop.load(Ordering::Acquire);
@@ -641,6 +707,17 @@ mod tests {
         for c in [bad_kind, signal_without_id, signal_with_bytes] {
             assert_eq!(decode_command(&c).unwrap_err().code, mkResult_t::mkInternalError, "{c:?}");
         }
+    }
+
+    #[test]
+    fn cpu_lists_parse_like_sysfs() {
+        assert_eq!(parse_cpu_list("0-3,8,10-11\n"), Some(vec![0, 1, 2, 3, 8, 10, 11]));
+        assert_eq!(parse_cpu_list("5"), Some(vec![5]));
+        assert_eq!(parse_cpu_list(""), Some(vec![]));
+        for bad in ["3-1", "a", "1-", "0-99999999"] {
+            assert_eq!(parse_cpu_list(bad), None, "{bad:?}");
+        }
+        assert_eq!(cpus_near_pci_device("not-a-device"), None);
     }
 
     #[test]
