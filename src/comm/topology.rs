@@ -74,6 +74,76 @@ impl Topology {
     }
 }
 
+/// How the shard of rank `s` reaches this rank in a two-level AllGather: NVLink within a
+/// node, the network only between GPU i and GPU i of two nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatherRoute {
+    /// This rank's own shard.
+    Own,
+    /// `from` is on this node: the shard comes over NVLink from it.
+    NvLink { from: usize },
+    /// `from` is this rank's GPU-i peer on another node: the shard comes over the network.
+    Network { from: usize },
+    /// `from` is on another node with another local rank: it crosses the network to
+    /// `relay` (the rank of this node with `from`'s local rank), which forwards it over
+    /// NVLink. Each shard crosses the network once per node, never once per rank.
+    Relayed { from: usize, relay: usize },
+}
+
+/// Where this rank's contribution to the shard owned by rank `o` goes in a two-level
+/// ReduceScatter: first over NVLink to `node_reducer` (the rank of this node with `o`'s
+/// local rank; this rank itself when they coincide), which sums the node's contributions
+/// and, when `o` is on another node, sends that partial sum to `o` over the network
+/// (`o` is its GPU-i peer); `o` then sums one partial per node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReduceRoute {
+    pub node_reducer: usize,
+    /// Whether the node's partial crosses the network (owner on another node).
+    pub crosses_network: bool,
+}
+
+impl Topology {
+    fn require_uniform(&self, what: &str) -> Result<()> {
+        if !self.uniform {
+            return Err(MkError::invalid_usage(format!(
+                "{what} across nodes needs the same number of ranks on every node (set MK_RANKS_PER_NODE or \
+                 launch as many ranks on each host)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Route of every rank's shard to this rank (index = source rank) in a two-level
+    /// AllGather. `nodes` is the node of every rank (as for `Topology::new`).
+    pub fn allgather_routes(&self, nodes: &[usize]) -> Result<Vec<GatherRoute>> {
+        self.require_uniform("a hierarchical AllGather")?;
+        Ok((0..nodes.len())
+            .map(|s| {
+                let local = local_rank(nodes, s);
+                if s == self.rank {
+                    GatherRoute::Own
+                } else if nodes[s] == self.node {
+                    GatherRoute::NvLink { from: s }
+                } else if local == self.local_rank {
+                    GatherRoute::Network { from: s }
+                } else {
+                    let relay = self.node_ranks[local];
+                    GatherRoute::Relayed { from: s, relay }
+                }
+            })
+            .collect())
+    }
+
+    /// Route of this rank's contribution to every rank's shard (index = owner) in a
+    /// two-level ReduceScatter (the first half of a two-level AllReduce).
+    pub fn reduce_scatter_routes(&self, nodes: &[usize]) -> Result<Vec<ReduceRoute>> {
+        self.require_uniform("a hierarchical ReduceScatter")?;
+        Ok((0..nodes.len())
+            .map(|o| ReduceRoute { node_reducer: self.node_ranks[local_rank(nodes, o)], crosses_network: nodes[o] != self.node })
+            .collect())
+    }
+}
+
 /// Number of nodes; an error when the node numbering has gaps (a node index with no rank),
 /// which would mean the numbering did not come from `node_of_ranks`.
 pub fn node_count(nodes: &[usize]) -> Result<usize> {
@@ -180,6 +250,76 @@ mod tests {
                 assert_ne!(nodes[p], nodes[r]);
             }
         }
+    }
+
+    /// Simulates a two-level AllGather from the routes: every rank ends with every shard,
+    /// each network transfer is between GPU-i peers, and each shard crosses into a node once.
+    #[test]
+    fn allgather_routes_deliver_every_shard_once_per_node() {
+        for (nranks, rpn) in [(4, 2), (6, 2), (6, 3), (8, 4), (3, 1), (4, 4)] {
+            let nodes = node_of_ranks(&vec![0; nranks], Some(rpn));
+            let tops: Vec<Topology> = (0..nranks).map(|r| Topology::new(r, &nodes).unwrap()).collect();
+            let mut network_arrivals = std::collections::HashSet::new();
+            for t in &tops {
+                let routes = t.allgather_routes(&nodes).unwrap();
+                assert_eq!(routes.len(), nranks);
+                for (s, route) in routes.iter().enumerate() {
+                    match *route {
+                        GatherRoute::Own => assert_eq!(s, t.rank),
+                        GatherRoute::NvLink { from } => assert!(from == s && nodes[s] == t.node),
+                        GatherRoute::Network { from } => {
+                            assert!(from == s && nodes[s] != t.node && local_rank(&nodes, s) == t.local_rank);
+                            // The shard's one entry into this node.
+                            assert!(network_arrivals.insert((s, t.node)), "shard {s} entered node {} twice", t.node);
+                        }
+                        GatherRoute::Relayed { from, relay } => {
+                            assert!(from == s && nodes[s] != t.node);
+                            assert_eq!(nodes[relay], t.node, "the relay is on this node");
+                            // The relay itself gets the shard over the network.
+                            assert_eq!(tops[relay].allgather_routes(&nodes).unwrap()[s], GatherRoute::Network { from: s });
+                        }
+                    }
+                }
+            }
+            let node_count = node_count(&nodes).unwrap();
+            assert_eq!(network_arrivals.len(), nranks * (node_count - 1), "{nranks} ranks, {rpn} per node");
+        }
+    }
+
+    /// Simulates a two-level ReduceScatter: each owner receives exactly one contribution
+    /// path from every rank, through the node reducer with the owner's local rank.
+    #[test]
+    fn reduce_scatter_routes_sum_every_contribution_once() {
+        for (nranks, rpn) in [(4, 2), (6, 3), (8, 2), (2, 1)] {
+            let nodes = node_of_ranks(&vec![0; nranks], Some(rpn));
+            let tops: Vec<Topology> = (0..nranks).map(|r| Topology::new(r, &nodes).unwrap()).collect();
+            for o in 0..nranks {
+                let mut contributors_per_reducer = std::collections::BTreeMap::<usize, Vec<usize>>::new();
+                for t in &tops {
+                    let route = t.reduce_scatter_routes(&nodes).unwrap()[o];
+                    assert_eq!(nodes[route.node_reducer], t.node, "the first hop stays in the node");
+                    assert_eq!(local_rank(&nodes, route.node_reducer), local_rank(&nodes, o), "reducer is GPU-i of the owner");
+                    assert_eq!(route.crosses_network, nodes[o] != t.node);
+                    contributors_per_reducer.entry(route.node_reducer).or_default().push(t.rank);
+                }
+                // One reducer per node, each summing its whole node; the owner's own node
+                // reducer is the owner itself.
+                assert_eq!(contributors_per_reducer.len(), node_count(&nodes).unwrap());
+                for (reducer, contributors) in &contributors_per_reducer {
+                    assert_eq!(contributors, &ranks_on_node(&nodes, nodes[*reducer]));
+                    if nodes[*reducer] == nodes[o] {
+                        assert_eq!(*reducer, o);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn hierarchical_routes_need_uniform_nodes() {
+        let t = Topology::new(0, &[0, 0, 1]).unwrap();
+        assert_eq!(t.allgather_routes(&[0, 0, 1]).unwrap_err().code, mkResult_t::mkInvalidUsage);
+        assert_eq!(t.reduce_scatter_routes(&[0, 0, 1]).unwrap_err().code, mkResult_t::mkInvalidUsage);
     }
 
     #[test]
