@@ -15,7 +15,7 @@ as_ranks() { local n=$1; shift; if [ "$n" -gt 1 ]; then env CUDA_MPS_ACTIVE_THRE
 status=0
 for n in ${RANKS:-1 2 4 8}; do
   echo "===== mktest $SUITE N=$n" | tee -a "$OUT/tests.log"
-  as_ranks "$n" timeout ${TEST_TIMEOUT:-150} "$B/mktest" "$SUITE" >> "$OUT/tests.log" 2>&1; rc=$?
+  as_ranks "$n" timeout ${TEST_TIMEOUT:-150} "$B/mktest" $SUITE >> "$OUT/tests.log" 2>&1; rc=$?
   echo "mktest $SUITE N=$n: exit $rc" | tee -a "$OUT/summary.txt"; [ $rc = 0 ] || status=1
   grep -E "WRONG|FAILED|correctness:|graph capture:|stopped after|error" "$OUT/tests.log" | tail -n 6
 done

@@ -221,3 +221,32 @@ pub struct AgGemmParams {
     /// First row block computed (this rank's own rows).
     pub m_block_base: i32,
 }
+
+/// Parameters of the GEMM + ReduceScatter / AllReduce kernels (kernels/gemm_reduce.cu). The
+/// tensor maps (A, B, and this rank's partial-product buffer P in the fused-op region)
+/// travel as separate kernel arguments.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GemmReduceParams {
+    pub ws: WorkspaceView,
+    /// Output: AllReduce [m, n]; ReduceScatter this rank's rows [row_hi - row_lo, n].
+    pub c: u64,
+    /// Byte offset of P ([m, n] partial products) in every rank's data region.
+    pub partial_offset: u64,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    /// Rows of the sum this rank produces: [row_lo, row_hi).
+    pub row_lo: i32,
+    pub row_hi: i32,
+    /// Row of the sum that lands in C's row 0 (AllReduce 0, ReduceScatter row_lo).
+    pub out_row0: i32,
+    pub tiles_n: i32,
+    pub group_m: i32,
+    /// CTAs 0..compute_ctas run GEMM tiles; the next reduce_ctas sum partial tiles.
+    pub compute_ctas: i32,
+    pub reduce_ctas: i32,
+    /// 17 ReduceScatter, 18 AllReduce (for error words).
+    pub op: i32,
+    pub reserved: i32,
+}

@@ -46,3 +46,64 @@ pub unsafe extern "C" fn mkAllGatherGemm(
         crate::ops::ag_gemm::all_gather_gemm(c, &args, stream)
     })
 }
+
+/// C = Σ over ranks of A·Bᵀ, reduce-scattered by rows, in one persistent kernel: partial
+/// tiles are summed as soon as every rank has produced them.
+///
+/// - `A`: [M, K] with this rank's K columns (K is this rank's share of the contraction).
+/// - `B`: [N, K], this rank's K columns of the weight.
+/// - `C`: this rank's [M / nranks, N] rows of the sum: rank r gets rows [r·M/n, (r+1)·M/n).
+/// - `dtype`: mkBfloat16 or mkFloat16. Rounding: each rank's partial product is accumulated
+///   in fp32 and rounded once to `dtype`; the n partials are then added in fp32 in rank
+///   order 0..n-1 and the sum rounded once to `dtype`.
+///
+/// Rules (mkInvalidArgument): M divisible by nranks; N and K multiples of 8; pointers
+/// 16-byte aligned device memory. The partial product (M·N elements) must fit in the
+/// communicator's fused-op region (MK_WORKSPACE_BYTES), else mkInvalidUsage names the size.
+/// Stream-ordered, capturable in a CUDA graph; waits bounded by MK_TIMEOUT_MS (then
+/// mkCommGetAsyncError reports mkTimeout / mkRemoteError and C is undefined).
+#[no_mangle]
+pub unsafe extern "C" fn mkGemmReduceScatter(
+    A: *const c_void,
+    B: *const c_void,
+    C: *mut c_void,
+    M: usize,
+    N: usize,
+    K: usize,
+    dtype: RawDataType,
+    comm: mkComm_t,
+    stream: CUstream,
+) -> mkResult_t {
+    use crate::ops::gemm_reduce::{gemm_reduce, validate, Reduction};
+    with_comm(comm, "mkGemmReduceScatter", |c| {
+        let args = validate(Reduction::Scatter, A as u64, B as u64, C as u64, M, N, K, dtype, c.nranks)?;
+        gemm_reduce(c, &args, stream)
+    })
+}
+
+/// C = Σ over ranks of A·Bᵀ on every rank, in one persistent kernel (one-shot: every rank
+/// reads every rank's partial tile as soon as it is signalled and sums it).
+///
+/// - `A`: [M, K] with this rank's K columns; `B`: [N, K] likewise; `C`: [M, N] on every rank.
+/// - Any M ≥ 0 (decode shapes included). Rounding as mkGemmReduceScatter; the partials are
+///   added in the same order on every rank, so all ranks' C are bitwise identical.
+///
+/// Rules, errors and stream semantics as mkGemmReduceScatter (no divisibility of M).
+#[no_mangle]
+pub unsafe extern "C" fn mkGemmAllReduce(
+    A: *const c_void,
+    B: *const c_void,
+    C: *mut c_void,
+    M: usize,
+    N: usize,
+    K: usize,
+    dtype: RawDataType,
+    comm: mkComm_t,
+    stream: CUstream,
+) -> mkResult_t {
+    use crate::ops::gemm_reduce::{gemm_reduce, validate, Reduction};
+    with_comm(comm, "mkGemmAllReduce", |c| {
+        let args = validate(Reduction::All, A as u64, B as u64, C as u64, M, N, K, dtype, c.nranks)?;
+        gemm_reduce(c, &args, stream)
+    })
+}

@@ -5,5 +5,6 @@ pub mod collectives;
 pub mod gemm;
 pub mod ag_gemm;
 pub mod gemm_ar;
+pub mod gemm_reduce;
 pub mod gemm_rs;
 pub mod util;

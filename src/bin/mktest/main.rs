@@ -5,6 +5,7 @@
 mod ag_gemm;
 mod collectives;
 mod gemm;
+mod gemm_reduce;
 mod ranks;
 mod smoke;
 
@@ -13,7 +14,7 @@ use mkernel::testing::gpu_unavailable_reason;
 type Suite = fn() -> mkernel::Result<()>;
 
 /// Every suite, by name. Add a module and one line here.
-const SUITES: &[(&str, Suite)] = &[("smoke", smoke::run), ("gemm", gemm::run), ("collectives", collectives::run), ("ag_gemm", ag_gemm::run)];
+const SUITES: &[(&str, Suite)] = &[("smoke", smoke::run), ("gemm", gemm::run), ("collectives", collectives::run), ("ag_gemm", ag_gemm::run), ("gemm_reduce", gemm_reduce::run)];
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

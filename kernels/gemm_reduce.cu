@@ -1,0 +1,162 @@
+// GEMM + ReduceScatter and GEMM + AllReduce in one persistent kernel (mkGemmReduceScatter,
+// mkGemmAllReduce; one-shot reduction).
+//
+// CTAs [0, compute_ctas) run the GEMM engine on this rank's K slice and store partial
+// tiles P (rounded to the input type) in this rank's fused-op region with TMA, each slab
+// followed by an epoch-valued flag. CTAs [compute_ctas, +reduce_ctas) walk the tiles in
+// the compute order, wait until every rank has stored a tile, read the n partials of it
+// (peers' over NVLink) and add them in fp32 in rank order 0..n-1 (the same order on every
+// rank, so AllReduce outputs are bitwise identical across ranks), writing the rows this
+// rank owns (ReduceScatter: its M / n rows; AllReduce: all of them).
+//
+// Epochs are device-side (GR_EPOCH, advanced by the last CTA), so graph replays stay in
+// step. Before storing a new P, compute CTAs wait until every peer has finished reading the
+// previous one (GR_DONE, raised by the peer's last CTA).
+#include "common/gemm/engine.cuh"
+#include "common/signals.cuh"
+
+#define GR_EPOCH (MK_SIG_OP_BASE + 1024)
+#define GR_ARRIVE (MK_SIG_OP_BASE + 1025)
+#define GR_DONE (MK_SIG_OP_BASE + 1032)  // + q: rank q finished reading this rank's P of epoch e
+#define GR_TILE (MK_SIG_OP_BASE + 2048)  // + tile * 2 + slab: slab stored (own region)
+
+namespace mk { namespace gemm_reduce {
+
+using namespace mk::gemm;
+
+// After a 64-row slab of a partial tile is stored, its flag takes the epoch.
+struct EpochTileSignal {
+  struct Params {
+    uint64_t* flags;
+    int tiles_n;
+    uint64_t epoch;
+  };
+  static constexpr bool enabled = true;
+  __device__ static void after_store(const Params& p, const SlabInfo& s) {
+    fence_proxy_async_global();  // the TMA (async proxy) writes, then the flag
+    uint64_t* f = p.flags + ((size_t)s.tile.m_block * p.tiles_n + s.tile.n_block) * 2 + s.consumer;
+    mk_signal_store(f, p.epoch);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ void add8(float (&acc)[8], int4 v) {
+  const T* h = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] += (float)h[i];
+}
+
+template <typename T>
+__device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
+  int4 out;
+  T* h = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) h[i] = T(acc[i]);
+  return out;
+}
+
+template <typename T, int BN>
+__device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j) {
+  const WorkspaceView& ws = p.ws;
+  const int tiles_m = (p.m + 127) / 128;
+  const int total = tiles_m * p.tiles_n;
+  const int lo_block = p.row_lo / 128, hi_block = (p.row_hi - 1) / 128;
+  for (int t = j; t < total; t += p.reduce_ctas) {
+    const TileCoord tc = grouped_tile(tiles_m, p.tiles_n, p.group_m, t);
+    if (tc.m_block < lo_block || tc.m_block > hi_block) continue;
+    const int r0 = max(tc.m_block * 128, p.row_lo), r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
+    // Thread q waits for rank q's slabs of this tile that hold rows we reduce.
+    int ok = 1;
+    const int q = threadIdx.x;
+    if (q < ws.nranks) {
+      for (int slab = 0; slab < 2; ++slab) {
+        const int s0 = tc.m_block * 128 + slab * 64;
+        if (s0 >= r1 || s0 + 64 <= r0) continue;
+        const uint64_t* f = mk_signal_word(ws, q, GR_TILE + ((uint32_t)tc.m_block * p.tiles_n + tc.n_block) * 2 + slab);
+        ok &= mk_wait_geq(ws, f, epoch, q, MK_WAIT_OP_FLAG, p.op);
+      }
+    }
+    if (!__syncthreads_and(ok)) return false;
+    const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
+    const int vpr = (c1 - c0) / 8;  // N % 8 == 0: 16-byte vectors never straddle a row end
+    const int nvec = (r1 - r0) * vpr;
+    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
+      const size_t off = p.partial_offset + ((size_t)r * p.n + col) * sizeof(T);
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int src = 0; src < ws.nranks; ++src)
+        add8<T>(acc, *reinterpret_cast<const int4*>(reinterpret_cast<const char*>(ws.data[src]) + off));
+      *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.c) + ((size_t)(r - p.out_row0) * p.n + col) * sizeof(T)) = pack8<T>(acc);
+    }
+  }
+  return true;
+}
+
+template <int BN>
+struct Stages {  // deepest ring that fits beside the TMA epilogue's staging buffers
+  static constexpr int fit = (232448 - 1024 - 2 * 64 * BN * 2 - 256) / ((128 + BN) * 64 * 2);
+  static constexpr int value = fit > 8 ? 8 : fit;
+};
+
+template <typename T, int BN>
+__device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_p,
+                                            const GemmReduceParams& p) {
+  using Cfg = GemmConfig<T, BN, Stages<BN>::value>;
+  using Epi = TmaEpilogue<LocalDest, TmaStoreOp, EpochTileSignal>;
+  extern __shared__ __align__(1024) char smem[];
+  __shared__ uint64_t epoch_s;
+  const WorkspaceView& ws = p.ws;
+  if (threadIdx.x == 0) epoch_s = mk_ld_acquire_sys(mk_signal_word(ws, ws.rank, GR_EPOCH)) + 1;
+  __syncthreads();
+  const uint64_t epoch = epoch_s;
+
+  if ((int)blockIdx.x < p.compute_ctas) {
+    // Peers must have finished reading our previous partials before we overwrite them.
+    if (mk_cta_wait_peers(ws, GR_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, p.op)) {
+      RasterParams sched;
+      sched.tiles_m = (p.m + Cfg::BM - 1) / Cfg::BM;
+      sched.tiles_n = p.tiles_n;
+      sched.group_m = p.group_m > 0 ? p.group_m : 1;
+      sched.m_block_base = 0;
+      NoAWait::Params await{0};
+      typename Epi::Params epi;
+      epi.dest.tma_c = tma_p;
+      epi.signal.flags = mk_signal_word(ws, ws.rank, GR_TILE);
+      epi.signal.tiles_n = p.tiles_n;
+      epi.signal.epoch = epoch;
+      gemm_persistent<Cfg, GroupedRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
+                                                         blockIdx.x, p.compute_ctas, smem);
+    }
+  } else {
+    reduce_tiles<T, BN>(p, epoch, blockIdx.x - p.compute_ctas);
+  }
+
+  // The last CTA to finish advances the epoch and tells every peer we are done reading
+  // its partials.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    unsigned long long* arrive = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, GR_ARRIVE));
+    if (atomicAdd(arrive, 1ull) == gridDim.x - 1) {
+      *arrive = 0;
+      mk_st_release_sys(mk_signal_word(ws, ws.rank, GR_EPOCH), epoch);
+      for (int q = 0; q < ws.nranks; ++q)
+        if (q != ws.rank) mk_signal_store(mk_signal_word(ws, q, GR_DONE + ws.rank), epoch);
+    }
+  }
+}
+
+}  // namespace gemm_reduce
+}  // namespace mk
+
+#define MK_GEMM_REDUCE_ENTRY(NAME, T, BN)                                                               \
+  extern "C" __global__ void __launch_bounds__(384, 1)                                                 \
+      NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,       \
+           const __grid_constant__ CUtensorMap tma_p, const __grid_constant__ GemmReduceParams p) {    \
+    mk::gemm_reduce::gemm_reduce<T, BN>(&tma_a, &tma_b, &tma_p, p);                                    \
+  }
+
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn256, __nv_bfloat16, 256)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn128, __nv_bfloat16, 128)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn256, __half, 256)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn128, __half, 128)

@@ -1,0 +1,186 @@
+//! Launch of the GEMM + reduction kernels (kernels/gemm_reduce.cu) shared by
+//! mkGemmReduceScatter and mkGemmAllReduce: argument checks, role split (from the
+//! `gemm_rs` / `gemm_ar` planners), tensor maps, launch.
+
+use super::gemm::{self as engine, Epilogue, PlanOverrides};
+use super::{gemm_ar, gemm_rs};
+use crate::comm::Comm;
+use crate::cuda::{self, sys, LaunchConfig};
+use crate::error::{MkError, Result};
+use crate::kernel_abi::GemmReduceParams;
+use crate::types::{mkDataType_t, RawDataType};
+use std::ffi::c_void;
+
+/// First signal word of the per-tile flags and the region's end (kernels/gemm_reduce.cu
+/// GR_TILE, signals.cuh MK_SIG_WORDS): two flags per tile must fit between them.
+const TILE_FLAG_WORDS: usize = 131_072 - (8192 + 2048);
+const ROW_BLOCK: usize = 128;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduction {
+    /// Each rank gets its M / nranks rows of the sum.
+    Scatter,
+    /// Every rank gets all of the sum.
+    All,
+}
+
+impl Reduction {
+    fn name(self) -> &'static str {
+        match self {
+            Reduction::Scatter => "mkGemmReduceScatter",
+            Reduction::All => "mkGemmAllReduce",
+        }
+    }
+    /// Operation code in error words (signals.cuh: fused ops from 16).
+    fn op_code(self) -> i32 {
+        match self {
+            Reduction::Scatter => 17,
+            Reduction::All => 18,
+        }
+    }
+}
+
+/// A validated call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmReduceArgs {
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub dtype: mkDataType_t,
+    pub reduction: Reduction,
+}
+
+/// Argument checks (no CUDA).
+#[allow(clippy::too_many_arguments)]
+pub fn validate(reduction: Reduction, a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: RawDataType, nranks: usize) -> Result<GemmReduceArgs> {
+    let dtype = mkDataType_t::from_raw(dtype)?;
+    crate::ensure_arg!(dtype.is_gemm_type(), "dtype {} is not supported: {} takes mkBfloat16 or mkFloat16", dtype.name(), reduction.name());
+    if reduction == Reduction::Scatter {
+        crate::ensure_arg!(m % nranks == 0, "M = {m} is not divisible by nranks = {nranks}: each rank receives M / nranks rows of C");
+    }
+    crate::ensure_arg!(k > 0 && k % 8 == 0, "K = {k} must be a positive multiple of 8 (16-byte rows for TMA)");
+    crate::ensure_arg!(n % 8 == 0, "N = {n} must be a multiple of 8: partial rows are moved as 16-byte vectors");
+    crate::ensure_arg!(m <= i32::MAX as usize && n <= i32::MAX as usize && k <= i32::MAX as usize, "M, N and K must each be at most 2^31-1");
+    if m > 0 && n > 0 {
+        crate::ensure_arg!(a != 0, "A is NULL");
+        crate::ensure_arg!(b != 0, "B is NULL");
+        crate::ensure_arg!(c != 0, "C is NULL");
+    }
+    for (ptr, name) in [(a, "A"), (b, "B"), (c, "C")] {
+        crate::ensure_arg!(ptr % 16 == 0, "{name} = {ptr:#x} is not 16-byte aligned (TMA and 16-byte vector stores need it)");
+    }
+    let tiles = m.div_ceil(ROW_BLOCK) * n.div_ceil(128);
+    crate::ensure_arg!(
+        2 * tiles <= TILE_FLAG_WORDS,
+        "M = {m}, N = {n}: {tiles} tiles of 128x128 exceed the {} per-tile signals of the workspace; split the GEMM",
+        TILE_FLAG_WORDS / 2
+    );
+    Ok(GemmReduceArgs { a, b, c, m, n, k, dtype, reduction })
+}
+
+/// Validated call on `comm`: plan, launch (stream-ordered, no host sync).
+pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) -> Result<()> {
+    comm.check_usable()?;
+    let GemmReduceArgs { m, n, k, .. } = *args;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let ws = comm.workspace.as_ref().ok_or_else(|| {
+        MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+    })?;
+    let needed = (m * n * 2) as u64;
+    if needed > ws.view.op_bytes {
+        return Err(MkError::invalid_usage(format!(
+            "{} keeps this rank's partial product ({needed} bytes) in the workspace's fused-op region, which holds {}: \
+             create the communicator with MK_WORKSPACE_BYTES (or mkConfig_t.workspaceBytes) of at least {needed}",
+            args.reduction.name(),
+            ws.view.op_bytes
+        )));
+    }
+    let _ctx = comm.context.enter()?;
+    for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
+        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+    }
+    let (nranks, rank) = (comm.nranks, comm.rank);
+    let sms = cuda::sm_count(comm.context.device)? as u32;
+    let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
+    let (compute_ctas, reduce_ctas) = match args.reduction {
+        Reduction::Scatter => {
+            let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid, comm.config.comm_ctas)?;
+            (p.compute_ctas, p.reduce_ctas)
+        }
+        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas)? {
+            gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas),
+            gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas),
+        },
+    };
+    let tile = engine::plan(m, n, compute_ctas as usize, true, PlanOverrides { max_ctas: Some(compute_ctas as usize), ..Default::default() });
+    let bn = if tile.bn >= 256 { 256 } else { 128 };
+    let tiles_n = n.div_ceil(bn);
+    let group_m = engine::raster_group(m.div_ceil(ROW_BLOCK), bn, compute_ctas as usize);
+    let (row_lo, row_hi, out_row0) = match args.reduction {
+        Reduction::Scatter => (rank * m / nranks, (rank + 1) * m / nranks, rank * m / nranks),
+        Reduction::All => (0, m, 0),
+    };
+    let partial_base = ws.view.data[rank] + ws.view.data_bytes;
+    let mut ta = engine::tensor_map(args.a, args.dtype, m, k, engine::BM, engine::BK)?;
+    let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
+    let mut tp = engine::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
+    let mut params = GemmReduceParams {
+        ws: ws.view,
+        c: args.c,
+        partial_offset: ws.view.data_bytes,
+        m: m as i32,
+        n: n as i32,
+        k: k as i32,
+        row_lo: row_lo as i32,
+        row_hi: row_hi as i32,
+        out_row0: out_row0 as i32,
+        tiles_n: tiles_n as i32,
+        group_m: group_m as i32,
+        compute_ctas: compute_ctas as i32,
+        reduce_ctas: reduce_ctas as i32,
+        op: args.reduction.op_code(),
+        reserved: 0,
+    };
+    let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
+    let f = cuda::function("gemm_reduce", &format!("mk_gemm_reduce_{dt}_bn{bn}"))?;
+    let cfg = LaunchConfig {
+        grid: (compute_ctas + reduce_ctas, 1, 1),
+        block: (engine::THREADS, 1, 1),
+        shared_mem_bytes: engine::smem_bytes(bn, Epilogue::Tma) as u32,
+    };
+    let mut kernel_params: [*mut c_void; 4] = [
+        (&mut ta as *mut sys::CUtensorMap).cast(),
+        (&mut tb as *mut sys::CUtensorMap).cast(),
+        (&mut tp as *mut sys::CUtensorMap).cast(),
+        (&mut params as *mut GemmReduceParams).cast(),
+    ];
+    // SAFETY: the parameters match the kernel (3 tensor maps, GemmReduceParams); the
+    // buffers were checked to be device memory of this device, of the caller's sizes.
+    unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }.map_err(|e| e.context(format!("launching {}", args.reduction.name())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_are_named() {
+        let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
+        let p = 0x1000;
+        let err = |r: Result<GemmReduceArgs>| r.unwrap_err().message;
+        assert!(err(validate(Reduction::Scatter, p, p, p, 1001, 64, 64, bf16, 4)).contains("divisible"));
+        assert!(validate(Reduction::All, p, p, p, 1001, 64, 64, bf16, 4).is_ok(), "AllReduce takes any M");
+        assert!(err(validate(Reduction::All, p, p, p, 16, 60, 64, bf16, 4)).contains("multiple of 8"));
+        assert!(err(validate(Reduction::All, p, p, p, 16, 64, 12, bf16, 4)).contains("K = 12"));
+        assert!(err(validate(Reduction::All, 0, p, p, 16, 64, 64, bf16, 4)).contains("A is NULL"));
+        assert!(err(validate(Reduction::All, p, p, 0x1002, 16, 64, 64, bf16, 4)).contains("C = 0x1002"));
+        assert!(err(validate(Reduction::All, p, p, p, 16, 64, 64, 99, 4)).contains("unknown datatype 99"));
+        assert!(err(validate(Reduction::All, p, p, p, 1 << 20, 1 << 16, 64, bf16, 4)).contains("split the GEMM"));
+        assert!(validate(Reduction::All, 0, 0, 0, 0, 64, 64, bf16, 4).is_ok(), "an empty product needs no pointers");
+    }
+}
