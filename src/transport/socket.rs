@@ -214,11 +214,13 @@ impl SocketTransport {
             let checked = net::challenge(&mut s, &self.auth.key, self.auth.session, &hs)
                 .and_then(|_| net::respond(&mut s, &self.auth.key, self.auth.session, &hs))
                 .and_then(|_| net::recv_frame(&mut s, &hs, &what));
-            match checked {
-                Ok(b) if b.len() == 4 && missing.contains(&(u32::from_le_bytes(b[..].try_into().expect("4")) as usize)) => {
-                    got.push((u32::from_le_bytes(b[..].try_into().expect("4")) as usize, s));
-                }
-                Ok(b) => mk_warn!(Some(self.rank), "refused transport connection from {from}: it claims to be {b:?}, expected one of {missing:?}"),
+            let claimed = checked.map(|b| <[u8; 4]>::try_from(b.as_slice()).map(|r| u32::from_le_bytes(r) as usize));
+            match claimed {
+                Ok(Ok(peer)) if missing.contains(&peer) => got.push((peer, s)),
+                Ok(claim) => mk_warn!(
+                    Some(self.rank),
+                    "refused transport connection from {from}: it claims to be {claim:?}, expected one of {missing:?}"
+                ),
                 Err(e) => mk_warn!(Some(self.rank), "refused transport connection from {from}: {}", e.message),
             }
         }
@@ -231,22 +233,20 @@ impl SocketTransport {
         let send_socket = socket.try_clone()?;
         let recv_socket = socket.try_clone()?;
         let (jobs, queue) = mpsc::channel();
-        let shared = Arc::clone(&self.shared);
-        let (rank, timeout) = (self.rank, self.timeout);
+        let link = Link { rank: self.rank, peer, window, timeout: self.timeout, shared: Arc::clone(&self.shared) };
         let context = self.cuda_context;
+        let sender_link = link.clone();
         let sender = std::thread::Builder::new()
-            .name(format!("mk-sock-tx-{rank}-{peer}"))
-            .spawn(move || send_loop(rank, peer, send_socket, queue, &shared, window, Staging { context, stager: None }, timeout))
+            .name(format!("mk-sock-tx-{}-{peer}", self.rank))
+            .spawn(move || send_loop(&sender_link, send_socket, queue, Staging { context, stager: None }))
             .map_err(|e| MkError::system(format!("cannot start a transport thread: {e}")))?;
-        let shared = Arc::clone(&self.shared);
         let receiver = std::thread::Builder::new()
-            .name(format!("mk-sock-rx-{rank}-{peer}"))
+            .name(format!("mk-sock-rx-{}-{peer}", self.rank))
             .spawn(move || {
-                let staging = Staging { context, stager: None };
-                if let Err(e) = receive_loop(peer, recv_socket, window, &shared, staging, timeout) {
+                if let Err(e) = receive_loop(&link, recv_socket, Staging { context, stager: None }) {
                     // A connection cut by our own close() is not a failure.
-                    if !shared.closing.load(Ordering::Acquire) {
-                        shared.fail(rank, e);
+                    if !link.shared.closing.load(Ordering::Acquire) {
+                        link.shared.fail(link.rank, e);
                     }
                 }
             })
@@ -274,6 +274,16 @@ fn lost_peer(peer: usize, e: std::io::Error, timeout: Duration, doing: &str) -> 
     }
 }
 
+/// What a peer's sender and receiver threads share.
+#[derive(Clone)]
+struct Link {
+    rank: usize,
+    peer: usize,
+    window: Window,
+    timeout: Duration,
+    shared: Arc<Shared>,
+}
+
 /// Where a transport thread's window lives: host memory it reads and writes directly, or
 /// device memory it stages (the stager is created on the thread's first device transfer).
 struct Staging {
@@ -291,7 +301,8 @@ impl Staging {
     }
 }
 
-fn send_loop(rank: usize, peer: usize, mut socket: TcpStream, queue: mpsc::Receiver<SendJob>, shared: &Shared, window: Window, mut staging: Staging, timeout: Duration) {
+fn send_loop(link: &Link, mut socket: TcpStream, queue: mpsc::Receiver<SendJob>, mut staging: Staging) {
+    let Link { rank, peer, window, timeout, ref shared } = *link;
     if let Err(e) = socket.set_write_timeout(Some(timeout)) {
         shared.fail(rank, MkError::system(format!("socket to rank {peer}: {e}")));
         return;
@@ -352,7 +363,8 @@ fn read_message_part(socket: &mut TcpStream, buf: &mut [u8], idle_ok: bool, shar
     Ok(true)
 }
 
-fn receive_loop(peer: usize, mut socket: TcpStream, window: Window, shared: &Shared, mut staging: Staging, timeout: Duration) -> Result<()> {
+fn receive_loop(link: &Link, mut socket: TcpStream, mut staging: Staging) -> Result<()> {
+    let Link { peer, window, timeout, ref shared, .. } = *link;
     socket.set_read_timeout(Some(IDLE_POLL))?;
     loop {
         let mut header = [0u8; FRAME_BYTES];
