@@ -321,3 +321,19 @@ fn pinned_proxy_thread_still_serves_the_ring() {
     proxy.stop().unwrap();
     assert_eq!(transport.puts().len(), 1);
 }
+
+#[test]
+fn abort_is_prompt_and_stops_producers() {
+    let (ring, producer) = ring(8, Duration::from_secs(10));
+    let transport = ScriptedTransport::new(Completion::Gated); // puts never complete
+    let proxy = start(&ring, &transport, Duration::from_secs(10));
+    let ticket = producer.post(&numbered(0, 0)).unwrap();
+    wait_until("the proxy to take the command", Duration::from_secs(5), || transport.puts().len() == 1);
+    let start = Instant::now();
+    proxy.abort();
+    assert!(start.elapsed() < Duration::from_secs(2), "abort waited {:?}", start.elapsed());
+    assert!(transport.0.lock().closed, "the transport was released");
+    assert_eq!(ring.error_code(), mkResult_t::mkInvalidUsage);
+    assert_eq!(producer.wait_complete(ticket).unwrap_err().code, mkResult_t::mkInvalidUsage);
+    assert_eq!(producer.post(&numbered(0, 1)).unwrap_err().code, mkResult_t::mkInvalidUsage);
+}

@@ -465,3 +465,14 @@ fn hostile_frames_are_remote_errors_and_write_nothing() {
     let mut done = Vec::new();
     t.poll(&mut done).unwrap();
 }
+
+#[test]
+fn abort_does_not_wait_for_a_silent_peer() {
+    // The hand-made peer never says Close: close() would wait out the 5 s timeout.
+    let (mut t, _window, _sock) = hand_made_peer(&[]);
+    let start = Instant::now();
+    t.abort();
+    assert!(start.elapsed() < Duration::from_secs(1), "abort waited {:?}", start.elapsed());
+    let put = PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 1, signal: None };
+    assert!(t.post_put(&put).is_err(), "an aborted transport takes no puts");
+}

@@ -103,6 +103,12 @@ pub trait Transport: Send {
 
     /// Finishes outstanding sends, tells the peers, and releases everything. Idempotent.
     fn close(&mut self) -> Result<()>;
+
+    /// Releases everything now, dropping outstanding sends (mkCommAbort). The default
+    /// closes, for transports whose close cannot block.
+    fn abort(&mut self) {
+        let _ = self.close();
+    }
 }
 
 /// Exchanges connection blobs through the bootstrap (every rank must call it, even one

@@ -465,6 +465,7 @@ impl ErrorSlot {
 pub struct Proxy {
     ring: Arc<ProxyRing>,
     stop: Arc<AtomicBool>,
+    aborting: Arc<AtomicBool>,
     error: Arc<ErrorSlot>,
     thread: Option<JoinHandle<Box<dyn Transport>>>,
 }
@@ -473,11 +474,13 @@ impl Proxy {
     /// Starts the thread draining `ring` into `transport` (already connected).
     pub fn start(ring: Arc<ProxyRing>, transport: Box<dyn Transport>, options: ProxyOptions) -> Result<Proxy> {
         let stop = Arc::new(AtomicBool::new(false));
+        let aborting = Arc::new(AtomicBool::new(false));
         let error = Arc::new(ErrorSlot::default());
         let worker = Worker {
             ring: Arc::clone(&ring),
             transport,
             stop: Arc::clone(&stop),
+            aborting: Arc::clone(&aborting),
             error: Arc::clone(&error),
             in_flight: VecDeque::new(),
             done: HashSet::new(),
@@ -490,7 +493,7 @@ impl Proxy {
             .name(format!("mk-proxy-{}", worker.options.rank))
             .spawn(move || worker.run())
             .map_err(|e| MkError::system(format!("cannot start the proxy thread: {e}")))?;
-        Ok(Proxy { ring, stop, error, thread: Some(thread) })
+        Ok(Proxy { ring, stop, aborting, error, thread: Some(thread) })
     }
 
     /// The first failure (transport, timeout, malformed command), for
@@ -506,13 +509,21 @@ impl Proxy {
     /// Stops the thread after it has executed every command published so far, waits for
     /// their completion (bounded), and closes the transport. Returns the proxy's first error.
     pub fn stop(mut self) -> Result<()> {
-        self.shutdown()
+        self.shutdown(false)
     }
 
-    fn shutdown(&mut self) -> Result<()> {
+    /// Stops at once (mkCommAbort): producers see `mkInvalidUsage` in the error word,
+    /// outstanding puts are dropped and the connections cut without waiting for peers.
+    pub fn abort(mut self) {
+        self.aborting.store(true, Ordering::Release);
+        let _ = self.shutdown(true);
+    }
+
+    fn shutdown(&mut self, abort: bool) -> Result<()> {
         let Some(thread) = self.thread.take() else { return Ok(()) };
         self.stop.store(true, Ordering::Release);
         match thread.join() {
+            Ok(mut transport) if abort => transport.abort(),
             Ok(mut transport) => {
                 if let Err(e) = transport.close() {
                     self.error.record(e.context("closing the inter-node transport"));
@@ -531,7 +542,7 @@ impl Proxy {
 
 impl Drop for Proxy {
     fn drop(&mut self) {
-        let _ = self.shutdown();
+        let _ = self.shutdown(false);
     }
 }
 
@@ -539,6 +550,7 @@ struct Worker {
     ring: Arc<ProxyRing>,
     transport: Box<dyn Transport>,
     stop: Arc<AtomicBool>,
+    aborting: Arc<AtomicBool>,
     error: Arc<ErrorSlot>,
     /// (ticket, post id) of puts handed to the transport, in ticket order.
     in_flight: VecDeque<(u64, PostId)>,
@@ -559,6 +571,10 @@ impl Worker {
         }
         let mut idle_rounds = 0u32;
         loop {
+            if self.aborting.load(Ordering::Acquire) {
+                self.fail(MkError::invalid_usage("the communicator was aborted"));
+                break;
+            }
             let stopping = self.stop.load(Ordering::Acquire);
             let took = self.take_published();
             let finished = self.poll_transport();

@@ -511,6 +511,10 @@ impl Transport for SocketTransport {
         }
     }
 
+    fn abort(&mut self) {
+        self.cut();
+    }
+
     fn close(&mut self) -> Result<()> {
         if self.closed {
             return Ok(());
@@ -542,6 +546,23 @@ impl Transport for SocketTransport {
         match self.shared.error() {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+}
+
+impl SocketTransport {
+    /// Cuts every connection at once: nothing waits for the peers or for queued puts.
+    fn cut(&mut self) {
+        self.closed = true;
+        self.shared.closing.store(true, Ordering::Release);
+        for link in self.peers.iter_mut().flatten() {
+            link.jobs.take();
+            let _ = link.socket.shutdown(Shutdown::Both);
+        }
+        for link in self.peers.iter_mut().flatten() {
+            for t in [link.sender.take(), link.receiver.take()].into_iter().flatten() {
+                let _ = t.join(); // prompt: their socket is shut
+            }
         }
     }
 }
