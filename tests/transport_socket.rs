@@ -256,7 +256,9 @@ fn wrong_secret_is_refused() {
     });
     let e0 = r0.unwrap_err();
     assert_eq!(e0.code, mkResult_t::mkTimeout, "rank 0 never accepts the impostor: {e0}");
-    assert!(r1.is_err(), "rank 1 cannot connect with the wrong secret");
+    let e1 = r1.unwrap_err();
+    assert_eq!(e1.code, mkResult_t::mkRemoteError, "rank 0 hung up on the impostor: {e1}");
+    assert!(e1.message.contains("same unique id"), "rank 1 is told why: {e1}");
     assert!(start.elapsed() < timeout + Duration::from_secs(3));
     assert_eq!(
         t0.post_put(&PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 1, signal: None }).unwrap_err().code,
