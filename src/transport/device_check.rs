@@ -6,7 +6,7 @@
 //!
 //! Written without a GPU at hand: not run yet.
 
-use super::proxy::{ring_bytes, PinnedRingMemory, Proxy, ProxyOptions, ProxyRing};
+use super::proxy::{Proxy, ProxyOptions, ProxyRing};
 use super::{PostId, PutRequest, Transport, Window};
 use crate::cuda::{self, memory::DeviceBuffer, sys, LaunchConfig};
 use crate::error::{mkResult_t, MkError, Result};
@@ -70,15 +70,10 @@ struct Launch {
 
 fn run(l: &Launch) -> Result<ProxyCheckOutcome> {
     cuda::driver()?;
-    let memory = PinnedRingMemory::new(ring_bytes(l.capacity))?;
-    let head = DeviceBuffer::alloc(8)?;
+    let ring = Arc::new(ProxyRing::on_device(l.capacity, l.timeout)?);
     let status = DeviceBuffer::alloc(4 * l.ctas as usize)?;
-    // SAFETY: both ranges are these allocations.
-    unsafe {
-        cu::memset_d8_sync(head.ptr, 0, 8).map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
-        cu::memset_d8_sync(status.ptr, 0xff, 4 * l.ctas as usize).map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
-    }
-    let ring = Arc::new(ProxyRing::new(Box::new(memory), l.capacity, Some(head.ptr), l.timeout)?);
+    // SAFETY: the range is this allocation.
+    unsafe { cu::memset_d8_sync(status.ptr, 0xff, 4 * l.ctas as usize) }.map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
     let transport = RecordingTransport::default();
     let proxy = if l.start_proxy {
         Some(Proxy::start(Arc::clone(&ring), Box::new(transport.clone()), ProxyOptions::new(0, l.timeout))?)

@@ -155,6 +155,8 @@ impl Drop for PinnedRingMemory {
 /// A command ring in some `RingMemory`.
 pub struct ProxyRing {
     memory: Box<dyn RingMemory>,
+    /// The device-memory head counter, when the ring made it (`on_device`).
+    _device_head: Option<crate::cuda::memory::DeviceBuffer>,
     capacity: u32,
     /// Producers' ticket counter as they address it.
     head_address: u64,
@@ -178,7 +180,20 @@ impl ProxyRing {
             )));
         }
         let head_address = head_address.unwrap_or(memory.device_address() + HOST_HEAD_OFFSET as u64);
-        Ok(ProxyRing { memory, capacity, head_address, timeout })
+        Ok(ProxyRing { memory, _device_head: None, capacity, head_address, timeout })
+    }
+
+    /// A ring for the current CUDA context's kernels: commands and control in pinned,
+    /// device-mapped memory, the ticket counter in (zeroed) device memory.
+    pub fn on_device(capacity: u32, timeout: Duration) -> Result<ProxyRing> {
+        let head = crate::cuda::memory::DeviceBuffer::alloc(8)?;
+        // SAFETY: the 8 bytes are this allocation.
+        unsafe { cudarc::driver::result::memset_d8_sync(head.ptr, 0, 8) }
+            .map_err(|e| crate::cuda::cuda_err("cuMemsetD8 (proxy ring head)", e))?;
+        let memory = PinnedRingMemory::new(ring_bytes(capacity.min(1 << 20)))?;
+        let mut ring = Self::new(Box::new(memory), capacity, Some(head.ptr), timeout)?;
+        ring._device_head = Some(head);
+        Ok(ring)
     }
 
     /// A ring in plain host memory for host-thread producers.
@@ -722,6 +737,17 @@ mod tests {
         let signal_with_bytes = ProxyCommand { header: command_header(MK_PROXY_KIND_SIGNAL, 1), bytes: 4, signal_id: 0, ..Default::default() };
         for c in [bad_kind, signal_without_id, signal_with_bytes] {
             assert_eq!(decode_command(&c).unwrap_err().code, mkResult_t::mkInternalError, "{c:?}");
+        }
+    }
+
+    /// Without a GPU (no libcuda) a device ring is a clear error, never a panic (cudarc
+    /// panics when libcuda is missing and it is called).
+    #[test]
+    fn device_ring_without_a_gpu_is_an_error() {
+        if crate::testing::gpu_unavailable_reason().is_some() {
+            let e = ProxyRing::on_device(8, Duration::from_secs(1)).err().expect("no GPU, no device ring");
+            assert!(matches!(e.code, mkResult_t::mkSystemError | mkResult_t::mkUnhandledCudaError), "{e}");
+            assert!(PinnedRingMemory::new(4096).is_err());
         }
     }
 
