@@ -600,8 +600,12 @@ impl Worker {
                 idle_rounds = idle_rounds.saturating_add(1);
                 if idle_rounds < 256 {
                     std::hint::spin_loop();
+                } else if !self.in_flight.is_empty() {
+                    // Transfers in progress: stay responsive, but let the transport's own
+                    // threads have the core.
+                    std::thread::yield_now();
                 } else {
-                    // Idle: a few tens of µs of latency added to the first command after a
+                    // Idle: some tens of µs of latency added to the first command after a
                     // pause, instead of a core burnt per communicator.
                     std::thread::sleep(Duration::from_micros(20));
                 }

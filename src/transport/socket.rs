@@ -32,6 +32,8 @@ const BLOB_BYTES: usize = 4 + ENCODED_ADDR_BYTES + 16;
 const FRAME_BYTES: usize = 32;
 const FRAME_PUT: u32 = 1;
 const FRAME_CLOSE: u32 = 2;
+/// Puts up to this size are sent with their header in one write.
+const SMALL_PUT_BYTES: usize = 64 << 10;
 /// How often an idle receiver looks at the closing flag.
 const IDLE_POLL: Duration = Duration::from_millis(100);
 
@@ -311,8 +313,22 @@ fn send_loop(link: &Link, mut socket: TcpStream, queue: mpsc::Receiver<SendJob>,
     for job in queue {
         let result = match job {
             SendJob::Put { id, frame, src, len } => {
-                let sent = socket.write_all(&frame.encode()).map_err(sending).and_then(|_| {
-                    if window.data.kind == MemoryKind::Device {
+                let small = window.data.kind == MemoryKind::Host && len <= SMALL_PUT_BYTES;
+                let sent = if small {
+                    // One write for header and data: small puts (signals, tiles' tails) are
+                    // bound by system calls, not bandwidth.
+                    let mut message = Vec::with_capacity(FRAME_BYTES + len);
+                    message.extend_from_slice(&frame.encode());
+                    // SAFETY: as below.
+                    message.extend_from_slice(unsafe { std::slice::from_raw_parts(src as *const u8, len) });
+                    socket.write_all(&message).map_err(sending)
+                } else {
+                    socket.write_all(&frame.encode()).map_err(sending)
+                };
+                let sent = sent.and_then(|_| {
+                    if small {
+                        Ok(())
+                    } else if window.data.kind == MemoryKind::Device {
                         let socket = &mut socket;
                         staging.stager()?.send_from_device(src as u64, len, &mut |chunk| socket.write_all(chunk).map_err(sending))
                     } else {
