@@ -155,6 +155,13 @@ pub fn plan_put(put: &PutRequest, remote: &RdmaBlob) -> Vec<WriteStep> {
     steps
 }
 
+/// The page-aligned range covering `[base, base + bytes)`: (aligned base, length).
+pub fn page_cover(base: u64, bytes: u64, page: u64) -> (u64, u64) {
+    let start = base & !(page - 1);
+    let end = (base + bytes).div_ceil(page) * page;
+    (start, end - start)
+}
+
 /// Work requests one put can need: ⌈u32::MAX / MAX_WRITE_BYTES⌉ data writes and a flag
 /// (ring commands carry u32 byte counts).
 pub const MAX_WRITES_PER_COMMAND: u32 = 5;
@@ -191,6 +198,12 @@ mod verbs {
     /// verbs.h's IBV_LINK_LAYER_ETHERNET (an anonymous enum rdma-sys does not bind): RoCE.
     const LINK_LAYER_ETHERNET: u8 = 2;
     const CQ_DEPTH: i32 = 4096;
+
+    fn host_page_bytes() -> u64 {
+        // SAFETY: sysconf has no preconditions.
+        let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if p > 0 { p as u64 } else { 4096 }
+    }
 
     fn errno_error(what: &str) -> MkError {
         MkError::system(format!("{what} failed: {}", std::io::Error::last_os_error()))
@@ -399,13 +412,16 @@ mod verbs {
         fn register_dmabuf(&mut self, base: u64, bytes: u64, access: i32) -> Option<*mut ibv_mr> {
             use cudarc::driver::sys;
             crate::cuda::driver().ok()?;
+            // The driver exports whole pages: export the page-aligned cover of the range
+            // and register the range at its offset inside it.
+            let (export_base, export_bytes) = page_cover(base, bytes, host_page_bytes());
             let mut fd: i32 = -1;
             // SAFETY: writes a new dmabuf fd for the device range into `fd`.
             let r = unsafe {
                 sys::cuMemGetHandleForAddressRange(
                     (&mut fd as *mut i32).cast(),
-                    base,
-                    bytes as usize,
+                    export_base,
+                    export_bytes as usize,
                     sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
                     0,
                 )
@@ -413,9 +429,10 @@ mod verbs {
             if r != sys::CUresult::CUDA_SUCCESS || fd < 0 {
                 return None;
             }
-            // SAFETY: fd names the dmabuf for [base, base + bytes); iova = base keeps remote
+            // SAFETY: fd names the dmabuf of [export_base, +export_bytes), which covers
+            // [base, +bytes) at offset base - export_base; iova = base keeps remote
             // addresses equal to device pointers.
-            let mr = unsafe { ibv_reg_dmabuf_mr(self.pd, 0, bytes as usize, base, fd, access) };
+            let mr = unsafe { ibv_reg_dmabuf_mr(self.pd, base - export_base, bytes as usize, base, fd, access) };
             // SAFETY: the MR holds its own reference to the dmabuf; our fd is ours to close.
             unsafe { libc::close(fd) };
             (!mr.is_null()).then_some(mr)
@@ -463,6 +480,13 @@ mod verbs {
 
         fn connect_qp(&self, peer: usize, remote: &RdmaBlob) -> Result<()> {
             let qp = self.qps[peer];
+            if remote.qp_nums.len() != self.nranks {
+                return Err(MkError::remote(format!(
+                    "rank {peer}'s RDMA connection data names {} ranks, this communicator has {}",
+                    remote.qp_nums.len(),
+                    self.nranks
+                )));
+            }
             let remote_qpn = *remote.qp_nums.get(self.rank).filter(|&&q| q != 0).ok_or_else(|| {
                 MkError::invalid_usage(format!("rank {peer} has no queue pair for rank {}: every peer must list the other", self.rank))
             })?;
@@ -515,6 +539,7 @@ mod verbs {
             // SAFETY: data_mr is registered (post_put checks `window`).
             let lkey = unsafe { (*self.data_mr).lkey };
             let mut sges: Vec<ibv_sge> = Vec::with_capacity(steps.len());
+            // Full capacity up front: SGEs point into this vector, which must not reallocate.
             let mut flag_values: Vec<u64> = Vec::with_capacity(steps.len());
             // SAFETY: plain data; every field used is set below.
             let mut wrs: Vec<ibv_send_wr> = (0..steps.len()).map(|_| unsafe { std::mem::zeroed() }).collect();
@@ -814,6 +839,15 @@ mod tests {
         }
         assert_eq!(next_src, u32::MAX as u64);
         assert!(matches!(steps.last(), Some(WriteStep::Flag { .. })));
+    }
+
+    #[test]
+    fn dmabuf_export_covers_whole_pages() {
+        assert_eq!(page_cover(0x10000, 0x1000, 0x1000), (0x10000, 0x1000));
+        assert_eq!(page_cover(0x10010, 0x10, 0x1000), (0x10000, 0x1000));
+        assert_eq!(page_cover(0x10ff0, 0x20, 0x1000), (0x10000, 0x2000));
+        let (b, n) = page_cover(0x7f00_1234_5678, 3 << 20, 1 << 16);
+        assert!(b <= 0x7f00_1234_5678 && b + n >= 0x7f00_1234_5678 + (3 << 20) && b % (1 << 16) == 0 && n % (1 << 16) == 0);
     }
 
     #[test]
