@@ -229,3 +229,47 @@ fn one_node_starts_nothing() {
     // SAFETY: the window is leaked.
     assert!(unsafe { start_inter_node(setup) }.unwrap().is_none());
 }
+
+/// Nodes of unequal size (ranks 0, 1 on node 0; rank 2 on node 1): rank 1 has no GPU-1 peer
+/// on node 1, yet takes part in the bring-up (it is collective) and the others connect.
+#[test]
+fn uneven_nodes_bring_up_and_connect_the_rails_that_exist() {
+    std::env::set_var("MK_SOCKET_IFNAME", "=lo");
+    let id = start_root().unwrap();
+    let timeout = Duration::from_secs(10);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                s.spawn(move || -> Result<()> {
+                    let r = set_up(&id, rank, 3, 2, timeout)?;
+                    assert!(!r.topology.uniform);
+                    let expected: Vec<usize> = match rank {
+                        0 => vec![2],
+                        1 => vec![],
+                        _ => vec![0],
+                    };
+                    assert_eq!(r.topology.inter_node_peers(), expected, "rank {rank}");
+                    if rank == 0 {
+                        r.window.fill(0, b"rail");
+                        let producer = r.ring.host_producer().unwrap();
+                        let t = producer.post(&put_command(2, 0, 100, 4, Some((3, 42))))?;
+                        producer.wait_complete(t)?;
+                    }
+                    if rank == 2 {
+                        let start = Instant::now();
+                        while r.window.signals[3].load(Ordering::Acquire) != 42 {
+                            assert!(start.elapsed() < timeout, "the put from rank 0 never arrived");
+                            std::thread::yield_now();
+                        }
+                        assert_eq!(r.window.slice(100, 4), b"rail");
+                    }
+                    r.boot.barrier()?;
+                    r.proxy.stop()
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            h.join().unwrap().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        }
+    });
+}
