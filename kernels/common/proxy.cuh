@@ -17,8 +17,16 @@
 // A producer that times out leaves its claimed slot unpublished: the ring is unusable
 // afterwards, as the communicator is after any timeout.
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 #include "mk_kernel_abi.h"
+
+// The protocol relies on these (src/transport/proxy.rs asserts the same on the Rust side).
+static_assert(sizeof(ProxyCommand) == 32, "a proxy command is 32 bytes");
+static_assert(offsetof(ProxyCommand, header) == 0, "the header word comes first");
+static_assert(offsetof(ProxyRingControl, tail) == 0 && offsetof(ProxyRingControl, completed) == 64 &&
+                  offsetof(ProxyRingControl, error) == 128,
+              "one cache line per control word");
 
 // mkResult_t numbering (include/mkernel.h) for the codes these functions return.
 #define MK_PROXY_OK 0

@@ -33,6 +33,8 @@ use std::time::{Duration, Instant};
 
 const _: () = assert!(std::mem::size_of::<ProxyCommand>() == 32);
 const _: () = assert!(std::mem::size_of::<ProxyRingControl>() == 192);
+const _: () = assert!(std::mem::offset_of!(ProxyRingControl, completed) == 64);
+const _: () = assert!(std::mem::offset_of!(ProxyRingControl, error) == 128);
 
 /// Bytes before the command array: the control block, then (for host producers) the head
 /// counter on its own cache line.
