@@ -2,9 +2,13 @@
 //! another node. Two implementations share one trait:
 //! - `socket`: TCP between proxies, staged through host memory, authenticated like the
 //!   bootstrap (always built; the fallback and the emulated multi-node tests);
-//! - `rdma` (cargo feature `rdma`): ibverbs RC queue pairs, RDMA WRITE then flag write.
+//! - `rdma`: ibverbs RC queue pairs, RDMA WRITE then flag write (the verbs code only with
+//!   the cargo feature `rdma`; its pure parts always).
 //!
-//! `proxy` holds the device→host command ring and the thread that drains it.
+//! `proxy` holds the device→host command ring and the thread that drains it;
+//! `inter_node::start_inter_node` brings the whole path up for a communicator that spans
+//! nodes; `staging` moves device-memory windows through pinned buffers for sockets;
+//! `device_check` runs the ring's device side on a GPU (for the GPU test driver).
 //!
 //! Every put is "data, then signal": the destination's signal word changes only after all
 //! the put's bytes are in place there, so a kernel spinning on the signal may read the data.
