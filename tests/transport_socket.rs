@@ -478,3 +478,52 @@ fn abort_does_not_wait_for_a_silent_peer() {
     let put = PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 1, signal: None };
     assert!(t.post_put(&put).is_err(), "an aborted transport takes no puts");
 }
+
+#[test]
+fn one_signal_covers_every_earlier_put_to_the_peer() {
+    loopback();
+    let id = start_root().unwrap();
+    let timeout = Duration::from_secs(10);
+    let (chunks, chunk) = (50usize, 64usize << 10);
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                s.spawn(move || -> Result<()> {
+                    let boot = Bootstrap::join(&id, rank, 2, timeout)?;
+                    let window = HostWindow::new(chunks * chunk, 1);
+                    let mut t = SocketTransport::new(rank, 2, TransportAuth::from_unique_id(&id), timeout)?;
+                    // SAFETY: leaked window.
+                    unsafe { t.register(window.window())? };
+                    connect_through_bootstrap(&mut t, &boot, &[1 - rank])?;
+                    if rank == 0 {
+                        let bytes: Vec<u8> = (0..chunks * chunk).map(|i| pattern(0, i / chunk, i)).collect();
+                        window.fill(0, &bytes);
+                        let mut ids = Vec::new();
+                        for c in 0..chunks {
+                            let at = (c * chunk) as u64;
+                            ids.push(t.post_put(&PutRequest { peer: 1, src_offset: at, dst_offset: at, bytes: chunk as u64, signal: None })?);
+                        }
+                        ids.push(t.post_put(&PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 0, signal: Some((0, 1)) })?);
+                        wait_all_posted(&mut t, &ids, timeout)?;
+                    } else {
+                        let start = Instant::now();
+                        while window.signals[0].load(Ordering::Acquire) != 1 {
+                            assert!(start.elapsed() < timeout, "the signal never arrived");
+                            std::hint::spin_loop();
+                        }
+                        let got = window.bytes(0, chunks * chunk);
+                        if let Some(i) = (0..chunks * chunk).find(|&i| got[i] != pattern(0, i / chunk, i)) {
+                            panic!("byte {i} (chunk {}) was not there when the later signal was", i / chunk);
+                        }
+                    }
+                    boot.barrier()?;
+                    t.close()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}

@@ -12,6 +12,8 @@
 //!
 //! Every put is "data, then signal": the destination's signal word changes only after all
 //! the put's bytes are in place there, so a kernel spinning on the signal may read the data.
+//! The order holds across puts to the same peer too: a signal also follows every earlier
+//! put from this rank to that peer (so many unsignalled chunks then one signal is fine).
 
 pub mod device_check;
 pub mod inter_node;
