@@ -8,7 +8,7 @@ use mkernel::bootstrap::{root::start_root, Bootstrap, UniqueId, UNIQUE_ID_BYTES}
 use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::transport::inter_node::{start_inter_node, InterNodeSetup};
-use mkernel::transport::proxy::{put_command, ring_bytes, HostRingMemory, Proxy, ProxyRing};
+use mkernel::transport::proxy::{put_command, Proxy, ProxyRing};
 use mkernel::transport::{MemoryKind, MemoryRegion, NetKind, TransportAuth, Window};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -91,9 +91,7 @@ fn set_up(id: &UniqueId, rank: usize, nranks: usize, ranks_per_node: u32, timeou
         net: NetKind::Socket,
         window: window.window(),
         timeout,
-        ring_capacity: 8,
-        ring_memory: Box::new(HostRingMemory::new(ring_bytes(8))?),
-        head_address: None,
+        make_ring: Box::new(move || ProxyRing::in_host_memory(8, timeout)),
         cuda_context: None,
         proxy_cpus: None,
     };
@@ -220,9 +218,7 @@ fn one_node_starts_nothing() {
         net: NetKind::Ib,
         window: window.window(),
         timeout: Duration::from_secs(1),
-        ring_capacity: 8,
-        ring_memory: Box::new(HostRingMemory::new(ring_bytes(8)).unwrap()),
-        head_address: None,
+        make_ring: Box::new(|| panic!("one node must not build a ring")),
         cuda_context: None,
         proxy_cpus: None,
     };

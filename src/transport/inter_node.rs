@@ -3,7 +3,7 @@
 //! `Comm::init` will call once kernels post commands; a communicator on one node gets
 //! `None` and never starts a thread or touches a NIC.
 
-use super::proxy::{Proxy, ProxyOptions, ProxyRing, RingMemory};
+use super::proxy::{Proxy, ProxyOptions, ProxyRing};
 use super::socket::SocketTransport;
 use super::{connect_through_bootstrap, NetKind, Transport, TransportAuth, Window};
 use crate::bootstrap::Bootstrap;
@@ -23,12 +23,10 @@ pub struct InterNodeSetup<'a> {
     pub window: Window,
     /// MK_TIMEOUT_MS: bounds connecting, every transfer, every producer wait.
     pub timeout: Duration,
-    /// Ring slots (a power of two).
-    pub ring_capacity: u32,
-    /// Where the ring lives (`PinnedRingMemory` for a GPU's producers).
-    pub ring_memory: Box<dyn RingMemory>,
-    /// The producers' ticket counter (device memory on a GPU); None: in the ring memory.
-    pub head_address: Option<u64>,
+    /// Makes the ring kernels will post to (`|| ProxyRing::on_device(1024, timeout)` for a
+    /// GPU's producers, `ProxyRing::in_host_memory` for host threads). Called only when the
+    /// communicator spans nodes: one node allocates nothing.
+    pub make_ring: Box<dyn FnOnce() -> Result<ProxyRing> + 'a>,
     /// The communicator's context (a `CUcontext`), needed when the window is device memory:
     /// the socket transport stages through it. Call with this context current (RDMA's
     /// dmabuf registration uses the current context).
@@ -77,11 +75,11 @@ pub unsafe fn start_inter_node(setup: InterNodeSetup<'_>) -> Result<Option<Inter
     let peers = topology.inter_node_peers();
     connect_through_bootstrap(transport.as_mut(), setup.bootstrap, &peers)
         .map_err(|e| e.context(format!("connecting the {} transport", transport.name())))?;
-    let ring = Arc::new(ProxyRing::new(setup.ring_memory, setup.ring_capacity, setup.head_address, setup.timeout)?);
+    let ring = Arc::new((setup.make_ring)()?);
     let mut options = ProxyOptions::new(rank, setup.timeout);
     options.cpus = setup.proxy_cpus;
     let proxy = Proxy::start(Arc::clone(&ring), transport, options)?;
-    mk_info!(Some(rank), "inter-node path up over {:?}: peers {peers:?}, {}-slot proxy ring", setup.net, setup.ring_capacity);
+    mk_info!(Some(rank), "inter-node path up over {:?}: peers {peers:?}, {}-slot proxy ring", setup.net, ring.capacity());
     if topology.rail_peers.iter().any(Option::is_none) {
         // Not an error here: the ops that need a peer on every node reject the layout.
         crate::log::warn(Some(rank), format_args!("rank {rank} has no GPU-i peer on some node (nodes of unequal size)"));
