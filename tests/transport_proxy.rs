@@ -246,7 +246,9 @@ fn stuck_transport_fails_the_proxy_with_timeout() {
     assert_eq!(e.code, mkResult_t::mkTimeout, "{e}");
     assert!(start.elapsed() < Duration::from_secs(5), "the proxy's own bound, not the producer's 20 s, ended the wait");
     assert_eq!(ring.error_code(), mkResult_t::mkTimeout);
-    assert_eq!(proxy.error().unwrap().code, mkResult_t::mkTimeout);
+    let recorded = proxy.error().unwrap();
+    assert_eq!(recorded.code, mkResult_t::mkTimeout);
+    assert!(recorded.message.contains("1 puts in flight; ring tail 1, completed 0"), "{recorded}");
     assert_eq!(producer.post(&numbered(0, 1)).unwrap_err().code, mkResult_t::mkTimeout, "a failed proxy refuses new work");
     assert_eq!(proxy.stop().unwrap_err().code, mkResult_t::mkTimeout);
 }

@@ -369,8 +369,10 @@ impl HostProducer {
             }
             if start.elapsed() >= self.ring.timeout {
                 return Err(MkError::timeout(format!(
-                    "waited for {what} longer than MK_TIMEOUT_MS={} ms",
-                    self.ring.timeout.as_millis()
+                    "waited for {what} longer than MK_TIMEOUT_MS={} ms (ring tail {}, completed {}: is the proxy running?)",
+                    self.ring.timeout.as_millis(),
+                    self.ring.tail(),
+                    self.ring.completed()
                 )));
             }
             spins += 1;
@@ -679,10 +681,15 @@ impl Worker {
             self.last_progress = Instant::now();
         } else if !self.in_flight.is_empty() && self.last_progress.elapsed() >= self.options.timeout {
             let (ticket, _) = self.in_flight[0];
+            // The ring's state in the message: what a hang investigation needs first.
             self.fail(MkError::timeout(format!(
-                "proxy command {ticket} did not complete within MK_TIMEOUT_MS={} ms over the {} transport",
+                "proxy command {ticket} did not complete within MK_TIMEOUT_MS={} ms over the {} transport \
+                 ({} puts in flight; ring tail {}, completed {})",
                 self.options.timeout.as_millis(),
-                self.transport.name()
+                self.transport.name(),
+                self.in_flight.len(),
+                self.ring.tail(),
+                self.ring.completed()
             )));
         }
         finished
