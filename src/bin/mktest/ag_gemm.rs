@@ -86,7 +86,7 @@ impl Case {
         self.b.randomize(seed * 1000 + 999, 1.0, std::ptr::null_mut())?;
         self.c.poison(std::ptr::null_mut())?;
         self.gathered.poison(std::ptr::null_mut())?;
-        Ok(())
+        sync_default_stream()
     }
 
     fn a_local(&self) -> u64 {
@@ -265,4 +265,11 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     control.bootstrap.barrier()?;
     destroy(comm)?;
     outcome
+}
+
+/// The fills and poisons above run on the legacy default stream, which the op's
+/// non-blocking stream does not wait for: finish them before the op is launched.
+fn sync_default_stream() -> Result<()> {
+    // SAFETY: synchronises the current context.
+    cuda::check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
 }

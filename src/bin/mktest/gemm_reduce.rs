@@ -75,7 +75,8 @@ impl Case {
             fill_random(self.a_all.ptr() + (r * a_len * 2) as u64, a_len as u64, self.dtype, seed * 100 + r as u64, 1.0, std::ptr::null_mut())?;
             fill_random(self.b_all.ptr() + (r * b_len * 2) as u64, b_len as u64, self.dtype, seed * 100 + 50 + r as u64, 1.0, std::ptr::null_mut())?;
         }
-        self.c.poison(std::ptr::null_mut())
+        self.c.poison(std::ptr::null_mut())?;
+        sync_default_stream()
     }
 
     fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
@@ -260,4 +261,11 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     control.bootstrap.barrier()?;
     destroy(comm)?;
     outcome
+}
+
+/// The fills and poisons above run on the legacy default stream, which the op's
+/// non-blocking stream does not wait for: finish them before the op is launched.
+fn sync_default_stream() -> Result<()> {
+    // SAFETY: synchronises the current context.
+    cuda::check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
 }
