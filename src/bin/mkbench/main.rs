@@ -5,6 +5,7 @@
 mod ag_gemm;
 mod collectives;
 mod gemm;
+mod gemm_reduce;
 mod nccl;
 #[path = "../mktest/ranks.rs"]
 #[allow(dead_code)]
@@ -20,6 +21,8 @@ const BENCHES: &[(&str, Bench, &str)] = &[
     ("reduce_scatter", collectives::reduce_scatter, "mkReduceScatter, same options"),
     ("all_reduce", collectives::all_reduce, "mkAllReduce, same options"),
     ("ag_gemm", ag_gemm::run, "mkAllGatherGemm vs mkAllGather+GEMM, mkAllGather+cuBLAS, cuBLAS (-g, --rows, --nk NxK,..., --dtype, -n, -w)"),
+    ("gemm_rs", gemm_reduce::gemm_rs, "mkGemmReduceScatter vs GEMM+mkReduceScatter, cuBLAS+mkReduceScatter, cuBLAS (-g, --m, --nk NxK,..., -n, -w)"),
+    ("gemm_ar", gemm_reduce::gemm_ar, "mkGemmAllReduce vs GEMM+mkAllReduce, cuBLAS+mkAllReduce, cuBLAS (-g, --m, --nk NxK,..., -n, -w)"),
     ("gemm", gemm::run, "GEMM engine vs cuBLASLt (--dtype, --shape MxNxK, --sweep, --json PATH)"),
 ];
 

@@ -1,0 +1,174 @@
+//! `mkbench gemm_rs` and `mkbench gemm_ar`: mkGemmReduceScatter / mkGemmAllReduce beside
+//! the unfused sequences they replace, in the same run:
+//!
+//!   mkbench gemm_rs [-g ranks] [--m 1024,4096,16384] [--nk 8192x1024,8192x3584] [-n iters] [-w warmup]
+//!   mkbench gemm_ar [-g ranks] [--m 1,16,64,256,2048,8192,16384] [--nk ...]
+//!
+//! Per shape: the fused op; our GEMM then mkReduceScatter / mkAllReduce; cuBLASLt then the
+//! same collective; cuBLASLt alone; and the collective alone (overlap efficiency
+//! max(t_gemm, t_comm) / t_fused). Medians of CUDA-event-timed calls after warm-up, the
+//! slowest rank's. TFLOP/s per rank = 2·M·N·K / t. bf16.
+
+use crate::collectives::Events;
+use crate::ranks;
+use cudarc::driver::result as cu;
+use mkernel::comm::{Comm, CommConfig};
+use mkernel::cublaslt::CublasLt;
+use mkernel::cuda::{self, PrimaryContext};
+use mkernel::error::{mkResult_t, MkError, Result};
+use mkernel::ops::collectives::{collective, CollectiveKind};
+use mkernel::ops::gemm as engine;
+use mkernel::ops::gemm_reduce::{gemm_reduce, validate, Reduction};
+use mkernel::testing::TestBuffer;
+use mkernel::types::{mkDataType_t, mkRedOp_t};
+use std::time::Duration;
+
+struct Options {
+    ranks: usize,
+    ms: Vec<usize>,
+    nk: Vec<(usize, usize)>,
+    iters: usize,
+    warmup: usize,
+}
+
+fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
+    let mut o = Options {
+        ranks: ranks::nranks_requested(),
+        ms: match reduction {
+            Reduction::Scatter => vec![1024, 4096, 16384],
+            Reduction::All => vec![1, 16, 64, 256, 2048, 8192, 16384],
+        },
+        nk: vec![(8192, 1024), (8192, 3584)],
+        iters: 10,
+        warmup: 3,
+    };
+    let bad = |what: &str| MkError::invalid_argument(format!("mkbench: bad {what}"));
+    let mut i = 0;
+    while i < args.len() {
+        let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
+        match args[i].as_str() {
+            "-g" => o.ranks = v.parse().map_err(|_| bad("-g"))?,
+            "-n" => o.iters = v.parse().map_err(|_| bad("-n"))?,
+            "-w" => o.warmup = v.parse().map_err(|_| bad("-w"))?,
+            "--m" => o.ms = v.split(',').map(|x| x.parse().map_err(|_| bad("--m"))).collect::<Result<_>>()?,
+            "--nk" => {
+                o.nk = v
+                    .split(',')
+                    .map(|p| {
+                        let (a, b) = p.split_once('x').ok_or_else(|| bad("--nk"))?;
+                        Ok((a.parse().map_err(|_| bad("--nk"))?, b.parse().map_err(|_| bad("--nk"))?))
+                    })
+                    .collect::<Result<_>>()?
+            }
+            other => return Err(bad(other)),
+        }
+        i += 2;
+    }
+    Ok(o)
+}
+
+pub fn gemm_rs(args: &[String]) -> Result<bool> {
+    run(Reduction::Scatter, "gemm_rs", args)
+}
+
+pub fn gemm_ar(args: &[String]) -> Result<bool> {
+    run(Reduction::All, "gemm_ar", args)
+}
+
+fn run(reduction: Reduction, name: &str, args: &[String]) -> Result<bool> {
+    let o = parse(reduction, args)?;
+    if let Some(env) = ranks::child_env(1)? {
+        return rank_main(reduction, &o, env.rank, env.nranks, &env.ids[0], env.device);
+    }
+    if o.ranks == 1 {
+        let id = mkernel::bootstrap::root::start_root()?;
+        return rank_main(reduction, &o, 0, 1, &id, 0);
+    }
+    let mut child = vec![name.to_string()];
+    child.extend(args.iter().cloned());
+    ranks::spawn(&child, o.ranks, 1, Duration::from_secs(500), |_| 0)?;
+    Ok(true)
+}
+
+fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
+    let ctx = PrimaryContext::retain(device)?;
+    let _g = ctx.enter()?;
+    let dtype = mkDataType_t::mkBfloat16;
+    let max_m = o.ms.iter().copied().max().unwrap_or(1).next_multiple_of(n);
+    let max_n = o.nk.iter().map(|x| x.0).max().unwrap_or(8);
+    let max_k = o.nk.iter().map(|x| x.1).max().unwrap_or(8);
+    let mut cfg = CommConfig::from_env();
+    cfg.workspace_bytes = cfg.workspace_bytes.max((max_m * max_n * 2) as u64);
+    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
+    let lt = CublasLt::new()?;
+    let a = TestBuffer::new(max_m * max_k, dtype)?;
+    let b = TestBuffer::new(max_n * max_k, dtype)?;
+    let partial = TestBuffer::new(max_m * max_n, dtype)?;
+    let out = TestBuffer::new(max_m * max_n, dtype)?;
+    a.randomize(5 + rank as u64, 1.0, stream)?;
+    b.randomize(50 + rank as u64, 1.0, stream)?;
+    let events = Events::new(o.iters)?;
+    let sms = cuda::sm_count(device)? as usize;
+    let cap = comm.config.max_ctas.map_or(sms, |v| v as usize);
+    let (label, kind) = match reduction {
+        Reduction::Scatter => ("GEMM+ReduceScatter", CollectiveKind::ReduceScatter),
+        Reduction::All => ("GEMM+AllReduce", CollectiveKind::AllReduce),
+    };
+    if rank == 0 {
+        println!(
+            "# mkbench {label}: {n} rank(s), bf16, {sms} SMs, MK_MAX_CTAS={}, warm-up {} + {} timed calls (median of the slowest rank)",
+            comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
+            o.warmup,
+            o.iters
+        );
+        println!(
+            "# {:>6} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>9} {:>9} {:>9} {:>9} | {:>7} {:>7} {:>7}",
+            "M", "N", "K", "fused us", "TF/s", "ours+coll", "cuBL+coll", "cuBLAS", "ours", "coll", "f/unf", "f/cuBL", "overlap"
+        );
+    }
+    let mut all_ok = true;
+    for &(nn, kk) in &o.nk {
+        for &m0 in &o.ms {
+            let m = if reduction == Reduction::Scatter { m0.next_multiple_of(n) } else { m0 };
+            let args = validate(reduction, a.ptr(), b.ptr(), out.ptr(), m, nn, kk, dtype as i32, n)?;
+            let gemm_args = engine::validate(a.ptr(), b.ptr(), partial.ptr(), m, nn, kk, dtype as i32)?;
+            let plan = engine::plan(m, nn, cap, gemm_args.tma_epilogue_ok(), engine::PlanOverrides { max_ctas: Some(cap), ..Default::default() });
+            let blas = lt.gemm(m, nn, kk, dtype, dtype)?;
+            let count = if reduction == Reduction::Scatter { m / n * nn } else { m * nn };
+            let coll = || collective(&comm, kind, partial.ptr(), out.ptr(), count, dtype as i32, Some(mkRedOp_t::mkSum as i32), stream);
+            let ours = || engine::launch(&gemm_args, &plan, stream);
+            let cublas = || blas.run(&lt, a.ptr(), b.ptr(), partial.ptr(), stream);
+            let fused = || gemm_reduce(&comm, &args, stream);
+            let timed = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+                comm.bootstrap.barrier()?;
+                for _ in 0..o.warmup {
+                    f()?;
+                }
+                let t = events.median_us(stream, || f())?;
+                let all = comm.bootstrap.allgather(&t.to_le_bytes())?;
+                Ok(all.iter().map(|v| f64::from_le_bytes(v[..8].try_into().unwrap())).fold(0.0, f64::max))
+            };
+            let t_fused = timed(&fused)?;
+            let t_ours_coll = timed(&|| ours().and_then(|_| coll()))?;
+            let t_blas_coll = timed(&|| cublas().and_then(|_| coll()))?;
+            let t_blas = timed(&cublas)?;
+            let t_ours = timed(&ours)?;
+            let t_coll = timed(&coll)?;
+            let err = comm.async_error();
+            all_ok &= err == mkResult_t::mkSuccess;
+            if rank == 0 {
+                let tf = 2.0 * m as f64 * nn as f64 * kk as f64 / (t_fused * 1e-6) / 1e12;
+                println!(
+                    "  {:>6} {:>6} {:>6} | {:>9.1} {:>7.1} | {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} | {:>7.3} {:>7.3} {:>7.3}{}",
+                    m, nn, kk, t_fused, tf, t_ours_coll, t_blas_coll, t_blas, t_ours, t_coll,
+                    t_fused / t_ours_coll, t_fused / t_blas_coll, t_ours.max(t_coll) / t_fused,
+                    if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
+                );
+            }
+        }
+    }
+    // SAFETY: live stream.
+    unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+    Ok(all_ok)
+}
