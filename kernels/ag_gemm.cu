@@ -13,7 +13,7 @@
 // tells every peer it has finished reading its gathered buffer (AGG_DONE), which a pusher
 // waits for before overwriting that buffer in the next call.
 #include "common/gemm/engine.cuh"
-#include "common/signals.cuh"
+#include "common/fused_op.cuh"
 
 #define MK_OP_AG_GEMM 16
 // Signal words of this op (own region unless noted).
@@ -97,23 +97,16 @@ __device__ __forceinline__ bool push_and_gather(const AgGemmParams& p, uint64_t 
   return true;
 }
 
-template <int BN>
-struct AgStages {  // deepest ring that fits beside the TMA epilogue's staging buffers
-  static constexpr int fit = (232448 - 1024 - 2 * 64 * BN * 2 - 256) / ((128 + BN) * 64 * 2);
-  static constexpr int value = fit > 8 ? 8 : fit;
-};
 
 template <typename T, int BN>
 __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
                                         const AgGemmParams& p) {
-  using Cfg = GemmConfig<T, BN, AgStages<BN>::value>;
+  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value>;
   using Epi = TmaStoreEpilogue;
   extern __shared__ __align__(1024) char smem[];
-  __shared__ uint64_t epoch_s;
+  mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
-  if (threadIdx.x == 0) epoch_s = mk_ld_acquire_sys(mk_signal_word(ws, ws.rank, AGG_EPOCH)) + 1;
-  __syncthreads();
-  const uint64_t epoch = epoch_s;
+  const uint64_t epoch = mk_op_epoch_begin(ws, AGG_EPOCH);
 
   if ((int)blockIdx.x < p.compute_ctas) {
     RasterParams sched;
@@ -132,29 +125,11 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
   }
 
   // The last CTA to finish advances the epoch and frees this rank's gathered buffer.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    unsigned long long* arrive = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, AGG_ARRIVE));
-    if (atomicAdd(arrive, 1ull) == gridDim.x - 1) {
-      *arrive = 0;
-      mk_st_release_sys(mk_signal_word(ws, ws.rank, AGG_EPOCH), epoch);
-      for (int q = 0; q < ws.nranks; ++q)
-        if (q != ws.rank) mk_signal_store(mk_signal_word(ws, q, AGG_DONE + ws.rank), epoch);
-    }
-  }
+  mk_op_epoch_end(ws, AGG_EPOCH, AGG_ARRIVE, AGG_DONE, epoch);
 }
 
 }  // namespace ag_gemm
 }  // namespace mk
-
-// Smem per tile width (checked against the host's plan in src/ops/ag_gemm.rs).
-extern "C" __global__ void mk_ag_gemm_smem_bytes(int* out) {
-  using namespace mk::gemm;
-  out[0] = engine_smem_bytes<GemmConfig<__nv_bfloat16, 256, mk::ag_gemm::AgStages<256>::value>, TmaStoreEpilogue>();
-  out[1] = engine_smem_bytes<GemmConfig<__nv_bfloat16, 128, mk::ag_gemm::AgStages<128>::value>, TmaStoreEpilogue>();
-  out[2] = engine_smem_bytes<GemmConfig<__nv_bfloat16, 64, mk::ag_gemm::AgStages<64>::value>, TmaStoreEpilogue>();
-}
 
 #define MK_AG_GEMM_ENTRY(NAME, T, BN)                                                                  \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                \

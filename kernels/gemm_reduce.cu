@@ -13,7 +13,7 @@
 // step. Before storing a new P, compute CTAs wait until every peer has finished reading the
 // previous one (GR_DONE, raised by the peer's last CTA).
 #include "common/gemm/engine.cuh"
-#include "common/signals.cuh"
+#include "common/fused_op.cuh"
 
 #define GR_EPOCH (MK_SIG_OP_BASE + 1024)
 #define GR_ARRIVE (MK_SIG_OP_BASE + 1025)
@@ -92,23 +92,16 @@ __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t
   return true;
 }
 
-template <int BN>
-struct Stages {  // deepest ring that fits beside the TMA epilogue's staging buffers
-  static constexpr int fit = (232448 - 1024 - 2 * 64 * BN * 2 - 256) / ((128 + BN) * 64 * 2);
-  static constexpr int value = fit > 8 ? 8 : fit;
-};
 
 template <typename T, int BN>
 __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_p,
                                             const GemmReduceParams& p) {
-  using Cfg = GemmConfig<T, BN, Stages<BN>::value>;
+  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value>;
   using Epi = TmaEpilogue<LocalDest, TmaStoreOp, EpochTileSignal>;
   extern __shared__ __align__(1024) char smem[];
-  __shared__ uint64_t epoch_s;
+  mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
-  if (threadIdx.x == 0) epoch_s = mk_ld_acquire_sys(mk_signal_word(ws, ws.rank, GR_EPOCH)) + 1;
-  __syncthreads();
-  const uint64_t epoch = epoch_s;
+  const uint64_t epoch = mk_op_epoch_begin(ws, GR_EPOCH);
 
   if ((int)blockIdx.x < p.compute_ctas) {
     // Peers must have finished reading our previous partials before we overwrite them.
@@ -133,17 +126,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
 
   // The last CTA to finish advances the epoch and tells every peer we are done reading
   // its partials.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    unsigned long long* arrive = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, GR_ARRIVE));
-    if (atomicAdd(arrive, 1ull) == gridDim.x - 1) {
-      *arrive = 0;
-      mk_st_release_sys(mk_signal_word(ws, ws.rank, GR_EPOCH), epoch);
-      for (int q = 0; q < ws.nranks; ++q)
-        if (q != ws.rank) mk_signal_store(mk_signal_word(ws, q, GR_DONE + ws.rank), epoch);
-    }
-  }
+  mk_op_epoch_end(ws, GR_EPOCH, GR_ARRIVE, GR_DONE, epoch);
 }
 
 }  // namespace gemm_reduce

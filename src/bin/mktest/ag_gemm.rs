@@ -8,7 +8,8 @@
 //! ranks, a rank that never calls: the others stop within the timeout with
 //! mkTimeout/mkRemoteError.
 
-use crate::collectives::{async_error, check_stopped, config, destroy, ffi, init_comm, say, timed_sync, Stream, FAULT_TIMEOUT_MS};
+use crate::collectives::{async_error, config, destroy, ffi, init_comm, say, Stream};
+use crate::fused_common;
 use crate::ranks::{self, RankEnv};
 use mkernel::bootstrap::root::start_root;
 use mkernel::comm::{Comm, CommConfig};
@@ -18,7 +19,7 @@ use mkernel::ffi::fused::mkAllGatherGemm;
 use mkernel::ffi::mkComm_t;
 use mkernel::testing::{relative_error, to_f64, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const IDS: usize = 3; // control, main, absent-rank test
 
@@ -86,7 +87,7 @@ impl Case {
         self.b.randomize(seed * 1000 + 999, 1.0, std::ptr::null_mut())?;
         self.c.poison(std::ptr::null_mut())?;
         self.gathered.poison(std::ptr::null_mut())?;
-        sync_default_stream()
+        fused_common::sync_default_stream()
     }
 
     fn a_local(&self) -> u64 {
@@ -245,31 +246,10 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
 
 fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
-    let comm = init_comm(env, &env.ids[2], &config(FAULT_TIMEOUT_MS, 64 << 20))?;
-    let stream = Stream::new()?;
     let case = Case::new(mkDataType_t::mkBfloat16, 256, 1024, 512, n, rank)?;
-    case.prepare(5)?;
-    let absent = n - 1;
-    let mut outcome = Ok(());
-    let mut code = mkResult_t::mkSuccess;
-    if rank != absent {
-        let t = Instant::now();
-        ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
-        outcome = timed_sync(&stream, Duration::from_secs(30))
-            .and_then(|_| check_stopped(rank, comm, t.elapsed(), "ag_gemm absent rank").map(|c| code = c));
-    }
-    let codes = control.bootstrap.allgather(&[code as i32 as u8])?;
-    if rank == 0 && !codes.iter().take(absent).any(|c| c[0] as i32 == mkResult_t::mkTimeout as i32) {
-        outcome = outcome.and(Err(MkError::internal("no surviving rank reported mkTimeout")));
-    }
-    control.bootstrap.barrier()?;
-    destroy(comm)?;
-    outcome
+    fused_common::absent_rank(env, control, 2, "mkAllGatherGemm (a rank absent)", |comm, stream| {
+        case.prepare(5)?;
+        Ok(case.launch(comm, stream))
+    })
 }
 
-/// The fills and poisons above run on the legacy default stream, which the op's
-/// non-blocking stream does not wait for: finish them before the op is launched.
-fn sync_default_stream() -> Result<()> {
-    // SAFETY: synchronises the current context.
-    cuda::check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
-}

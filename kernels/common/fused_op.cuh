@@ -1,0 +1,55 @@
+// What every fused kernel shares: its device-side epoch and the end-of-kernel handshake.
+//
+// A fused op keeps three kinds of words in the signal region (own rank unless noted):
+//   epoch_word       the last epoch this rank completed;
+//   arrive_word      how many CTAs of the running launch have finished;
+//   done_word + q    written by rank q: q finished epoch e of this op (so this rank may
+//                    overwrite the buffers q was reading).
+// Every CTA reads the epoch at start (mk_op_epoch_begin); the last CTA to finish advances
+// it and tells every peer (mk_op_epoch_end). Epochs live on the device, so replays of a
+// captured CUDA graph stay in step with direct calls.
+#pragma once
+#include "gemm/engine.cuh"
+#include "signals.cuh"
+
+// Whole CTA: this launch's epoch (last completed + 1).
+__device__ __forceinline__ uint64_t mk_op_epoch_begin(const WorkspaceView& ws, uint32_t epoch_word) {
+  __shared__ uint64_t epoch_s;
+  if (threadIdx.x == 0) epoch_s = mk_ld_acquire_sys(mk_signal_word(ws, ws.rank, epoch_word)) + 1;
+  __syncthreads();
+  return epoch_s;
+}
+
+// Whole CTA, after its work: the last CTA of the grid advances the epoch and raises
+// done_word + rank in every peer's region.
+__device__ __forceinline__ void mk_op_epoch_end(const WorkspaceView& ws, uint32_t epoch_word, uint32_t arrive_word,
+                                                uint32_t done_word, uint64_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    unsigned long long* arrive = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, arrive_word));
+    if (atomicAdd(arrive, 1ull) == gridDim.x - 1) {
+      *arrive = 0;  // the next launch starts after this one ends (stream order)
+      mk_st_release_sys(mk_signal_word(ws, ws.rank, epoch_word), epoch);
+      for (int q = 0; q < ws.nranks; ++q)
+        if (q != ws.rank) mk_signal_store(mk_signal_word(ws, q, done_word + ws.rank), epoch);
+    }
+  }
+}
+
+// Deepest stage ring that fits in 227 KiB beside the TMA epilogue's staging buffers
+// (mirrors ops::gemm::stages(bn, Epilogue::Tma)).
+template <int BN>
+struct FusedStages {
+  static constexpr int fit = (232448 - 1024 - 2 * 64 * BN * 2 - 256) / ((128 + BN) * 64 * 2);
+  static constexpr int value = fit > 8 ? 8 : fit;
+};
+
+// Traps when the launch gave less dynamic shared memory than the engine needs (a
+// mismatch between the host's plan and the kernel's configuration).
+template <class Cfg, class Epi>
+__device__ __forceinline__ void mk_check_engine_smem() {
+  uint32_t dyn_smem;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  if (dyn_smem < uint32_t(mk::gemm::engine_smem_bytes<Cfg, Epi>())) __trap();
+}

@@ -1,0 +1,42 @@
+//! What the fused-op suites share: finishing default-stream fills before a launch on a
+//! non-blocking stream, and the absent-rank check.
+
+use crate::collectives::{check_stopped, config, destroy, ffi, init_comm, timed_sync, Stream, FAULT_TIMEOUT_MS};
+use crate::ranks::RankEnv;
+use mkernel::comm::Comm;
+use mkernel::cuda::{self, sys};
+use mkernel::error::{mkResult_t, MkError, Result};
+use mkernel::ffi::mkComm_t;
+use std::time::{Duration, Instant};
+
+/// Test inputs are filled and outputs poisoned on the legacy default stream, which the
+/// op's non-blocking stream does not wait for: finish them before the op is launched.
+pub fn sync_default_stream() -> Result<()> {
+    // SAFETY: synchronises the current context.
+    cuda::check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+}
+
+/// The last rank never calls the op (on a communicator made from `env.ids[id_index]` with
+/// a short timeout); every other rank must stop within the timeout with mkTimeout or
+/// mkRemoteError, refuse new work, and at least one must report mkTimeout itself.
+/// `launch(comm, stream)` prepares fresh inputs and calls the op once.
+pub fn absent_rank(env: &RankEnv, control: &Comm, id_index: usize, what: &str, launch: impl Fn(mkComm_t, sys::CUstream) -> Result<mkResult_t>) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let comm = init_comm(env, &env.ids[id_index], &config(FAULT_TIMEOUT_MS, 64 << 20))?;
+    let stream = Stream::new()?;
+    let absent = n - 1;
+    let mut outcome = Ok(());
+    let mut code = mkResult_t::mkSuccess;
+    if rank != absent {
+        let t = Instant::now();
+        ffi(what, launch(comm, stream.0)?, comm)?;
+        outcome = timed_sync(&stream, Duration::from_secs(30)).and_then(|_| check_stopped(rank, comm, t.elapsed(), what).map(|c| code = c));
+    }
+    let codes = control.bootstrap.allgather(&[code as i32 as u8])?;
+    if rank == 0 && !codes.iter().take(absent).any(|c| c[0] as i32 == mkResult_t::mkTimeout as i32) {
+        outcome = outcome.and(Err(MkError::internal("no surviving rank reported mkTimeout")));
+    }
+    control.bootstrap.barrier()?;
+    destroy(comm)?;
+    outcome
+}
