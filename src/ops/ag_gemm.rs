@@ -18,8 +18,17 @@ pub const MAX_CHUNKS_PER_RANK: usize = 32;
 /// Per-CTA push bandwidth assumed when sizing the communication role (bytes/s): TMA or
 /// 16-byte stores from one SM move ~25-30 GB/s over NVLink (PEERS.md, GEMM-NOTES.md).
 pub const PUSH_BYTES_PER_CTA_PER_S: f64 = 25e9;
-/// GEMM rate assumed for the whole GPU when sizing roles (FLOP/s; measured cuBLAS ~700 T).
+/// GEMM rate assumed for a whole H100/H200 when sizing roles (FLOP/s; measured cuBLAS
+/// ~700 T), and its SM count: a grid of g CTAs is assumed to compute at g / 132 of it
+/// (ranks sharing one GPU get a fraction of its SMs, so their GEMMs take longer and hide
+/// more communication).
 pub const GEMM_FLOPS_PER_S: f64 = 700e12;
+pub const FULL_GPU_SMS: f64 = 132.0;
+
+/// Estimated seconds of an M×N×K GEMM on `ctas` CTAs.
+pub fn gemm_seconds(m: usize, n: usize, k: usize, ctas: u32) -> f64 {
+    2.0 * m as f64 * n as f64 * k as f64 / (GEMM_FLOPS_PER_S * (ctas as f64 / FULL_GPU_SMS).min(1.0))
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AgGemmShape {
@@ -90,12 +99,12 @@ pub fn plan(shape: &AgGemmShape, grid_ctas: u32, comm_override: Option<u32>) -> 
         c
     } else {
         // Enough pushers that the shard reaches every peer within half the GEMM's time,
-        // so compute rarely waits; at least one per peer up to 16 (mKernel's best static
-        // splits for AG+GEMM were 2-16 SMs).
+        // so compute rarely waits, and no more: every pusher is a CTA the GEMM loses
+        // (mKernel's best static splits for AG+GEMM were 2-16 SMs).
         let push_bytes = (nranks - 1) as f64 * rows_per_rank as f64 * k as f64 * 2.0;
-        let gemm_s = 2.0 * m as f64 * n as f64 * k as f64 / GEMM_FLOPS_PER_S;
+        let gemm_s = gemm_seconds(m, n, k, grid_ctas);
         let needed = (push_bytes / (PUSH_BYTES_PER_CTA_PER_S * 0.5 * gemm_s.max(1e-9))).ceil() as u32;
-        needed.clamp((nranks - 1).min(16) as u32, 16).min(grid_ctas / 2).max(1)
+        needed.clamp(1, 16).min(grid_ctas / 2).max(1)
     };
     let blocks_per_rank = rows_per_rank.div_ceil(ROW_BLOCK).max(1);
     let blocks_per_chunk = blocks_per_rank.div_ceil(MAX_CHUNKS_PER_RANK);
@@ -282,9 +291,13 @@ mod tests {
         let narrow = plan(&shape(8 * 128, 1024, 8192, 8, 0), 132, None).unwrap();
         let wide = plan(&shape(8 * 128, 28672, 8192, 8, 0), 132, None).unwrap();
         assert!(narrow.comm_ctas >= wide.comm_ctas);
-        // A small grid (ranks sharing a GPU) keeps at least half for compute.
+        // A small grid (ranks sharing a GPU) keeps at least half for compute, and its
+        // slower GEMM hides the push with fewer pushers than the whole GPU needs.
         let small = plan(&shape(4 * 4096, 1024, 8192, 4, 0), 8, None).unwrap();
         assert!(small.compute_ctas >= 4 && small.comm_ctas >= 1);
+        let whole = plan(&shape(4 * 2048, 8192, 8192, 4, 0), 132, None).unwrap();
+        let share = plan(&shape(4 * 2048, 8192, 8192, 4, 0), 16, None).unwrap();
+        assert!(share.comm_ctas < whole.comm_ctas, "{share:?} vs {whole:?}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ pub use super::ag_gemm::ROW_BLOCK;
 pub const MAX_CHUNKS_PER_OWNER: usize = 16;
 /// Bytes/s one reduction CTA pulls and sums (reads of peers' partials over NVLink).
 pub const REDUCE_BYTES_PER_CTA_PER_S: f64 = 25e9;
-pub use super::ag_gemm::GEMM_FLOPS_PER_S;
+use super::ag_gemm::gemm_seconds;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmRsShape {
@@ -75,7 +75,7 @@ pub fn plan(shape: &GemmRsShape, grid_ctas: u32, reduce_override: Option<u32>) -
         None => {
             // Read every rank's partial of our rows (2-byte elements) within half the GEMM.
             let bytes = nranks as f64 * rows_per_rank as f64 * n as f64 * 2.0;
-            let gemm_s = 2.0 * m as f64 * n as f64 * k as f64 / GEMM_FLOPS_PER_S;
+            let gemm_s = gemm_seconds(m, n, k, grid_ctas);
             let needed = (bytes / (REDUCE_BYTES_PER_CTA_PER_S * 0.5 * gemm_s.max(1e-9))).ceil() as u32;
             needed.clamp(4, 64).min(grid_ctas / 2).max(1)
         }
