@@ -141,6 +141,20 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 Ok(all.iter().map(|v| f64::from_le_bytes(v[..8].try_into().unwrap())).fold(0.0, f64::max))
             };
             let t_fused = timed(&fused)?;
+            // Host time to enqueue one call (launch-bound shapes show it in the GPU time too).
+            let host_us = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+                let t = std::time::Instant::now();
+                for _ in 0..o.iters {
+                    f()?;
+                }
+                let us = t.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
+                // SAFETY: live stream.
+                unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+                comm.bootstrap.barrier()?;
+                Ok(us)
+            };
+            let host_fused = host_us(&fused)?;
+            let host_unfused = host_us(&|| ag().and_then(|_| ours()))?;
             let t_ag_ours = timed(&|| ag().and_then(|_| ours()))?;
             let t_ag_blas = timed(&|| ag().and_then(|_| cublas()))?;
             let t_blas = timed(&cublas)?;
@@ -158,6 +172,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                     t_fused / t_ag_ours, t_fused / t_ag_blas, t_ours.max(t_ag) / t_fused,
                     if err == mkernel::error::mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
                 );
+                println!("  {:>22} host enqueue µs/call: fused {host_fused:.1}, AG+ours {host_unfused:.1}", "");
             }
         }
     }
