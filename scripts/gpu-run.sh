@@ -6,17 +6,18 @@
 # (each MPS client gets 100/N % of the SMs and an MK_MAX_CTAS that fits in it, so every
 # persistent grid is co-resident), then the collective benches (and `mkbench gemm` when the
 # binary has it), writes logs under $OUT (at most 8 files), and stops MPS.
-# Options: --ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
+# Options: --ranks "1 2 4 8" (tests)  --bench-ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
 # Every step has a timeout, so nothing here can hang the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-run-logs}
 mkdir -p "$OUT"
 BIN=${BIN:-target/release}
-RANKS="1 2 4 8"; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G
+RANKS="1 2 4 8"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G
 while [ $# -gt 0 ]; do
   case "$1" in
     --ranks) RANKS="$2"; shift ;;
+    --bench-ranks) BENCH_RANKS="$2"; shift ;;
     --no-tests) TESTS=0 ;;
     --no-bench) BENCH=0 ;;
     --no-gemm) GEMM=0 ;;
@@ -65,7 +66,7 @@ if [ "$TESTS" = 1 ]; then
 fi
 
 if [ "$BENCH" = 1 ]; then
-  for n in $RANKS; do
+  for n in ${BENCH_RANKS:-$RANKS}; do
     for op in all_gather reduce_scatter all_reduce; do
       lo=8M; hi=$MAXSIZE
       [ "$n" -gt 1 ] && hi=256M
