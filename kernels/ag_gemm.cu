@@ -19,6 +19,7 @@
 // Signal words of this op (own region unless noted).
 #define AGG_EPOCH (MK_SIG_OP_BASE + 0)   // last completed epoch of this rank
 #define AGG_ARRIVE (MK_SIG_OP_BASE + 1)  // CTAs of the running launch that have finished
+#define AGG_LOCAL (MK_SIG_OP_BASE + 2)   // CTAs of the running launch that copied their slice of the own rows
 #define AGG_DONE (MK_SIG_OP_BASE + 8)    // + q: rank q finished epoch e (written by q)
 #define AGG_CHUNK (MK_SIG_OP_BASE + 64)  // + src * MK_AG_GEMM_MAX_CHUNKS + c: chunk arrived (written by src)
 
@@ -48,20 +49,20 @@ struct ChunkAWait {
   }
 };
 
-// All threads of the CTA copy `bytes` (a multiple of 16) from src to dst, four 16-byte
-// vectors in flight per thread.
+// All threads of the CTA copy `bytes` (a multiple of 16) from src to dst.
 __device__ __forceinline__ void cta_copy(char* dst, const char* src, size_t bytes) {
+  constexpr int kInFlight = 8;  // 16-byte loads per thread before the first store: latency-bound otherwise
   const int4* s = reinterpret_cast<const int4*>(src);
   int4* d = reinterpret_cast<int4*>(dst);
   const size_t n = bytes / 16;
   const size_t stride = blockDim.x;
   size_t i = threadIdx.x;
-  for (; i + 3 * stride < n; i += 4 * stride) {
-    int4 v0 = s[i], v1 = s[i + stride], v2 = s[i + 2 * stride], v3 = s[i + 3 * stride];
-    d[i] = v0;
-    d[i + stride] = v1;
-    d[i + 2 * stride] = v2;
-    d[i + 3 * stride] = v3;
+  for (; i + (kInFlight - 1) * stride < n; i += kInFlight * stride) {
+    int4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) v[u] = s[i + u * stride];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) d[i + u * stride] = v[u];
   }
   for (; i < n; i += stride) d[i] = s[i];
 }
@@ -70,12 +71,14 @@ __device__ __forceinline__ bool push_and_gather(const AgGemmParams& p, uint64_t 
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, chunks = p.chunks_per_rank;
   const size_t row_bytes = (size_t)p.k * 2;
-  for (int it = j; it < n * chunks; it += p.comm_ctas) {
-    const int q = (me - it / chunks + n) % n;
+  // This rank's own rows were copied by every CTA (copy_own_rows); push to the others,
+  // rank-1 first (it consumes our rows next), then rank-2, ...
+  for (int it = j; it < (n - 1) * chunks; it += p.comm_ctas) {
+    const int q = (me - 1 - it / chunks + n) % n;
     const int c = it % chunks;
     const int row0 = c * p.chunk_rows;
     const int rows = min(p.chunk_rows, p.rows_per_rank - row0);
-    if (q != me && !mk_cta_wait(ws, mk_signal_word(ws, me, AGG_DONE + q), epoch - 1, q, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM))
+    if (!mk_cta_wait(ws, mk_signal_word(ws, me, AGG_DONE + q), epoch - 1, q, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM))
       return false;
     char* dst = reinterpret_cast<char*>(ws.data[q]) + p.gathered_offset + ((size_t)me * p.rows_per_rank + row0) * row_bytes;
     cta_copy(dst, reinterpret_cast<const char*>(p.a_local) + row0 * row_bytes, rows * row_bytes);
@@ -98,6 +101,29 @@ __device__ __forceinline__ bool push_and_gather(const AgGemmParams& p, uint64_t 
 }
 
 
+// Whole grid: every CTA copies its slice of this rank's rows into the own gathered buffer;
+// the last to finish raises the own-row chunk flags. The GEMM starts on these rows, so
+// they must not wait for the few push CTAs.
+__device__ __forceinline__ void copy_own_rows(const AgGemmParams& p, uint64_t epoch) {
+  const WorkspaceView& ws = p.ws;
+  const size_t row_bytes = (size_t)p.k * 2;
+  const size_t total = (size_t)p.rows_per_rank * row_bytes;  // a multiple of 16
+  const size_t slice = ((total / 16 + gridDim.x - 1) / gridDim.x) * 16;
+  const size_t begin = min(total, (size_t)blockIdx.x * slice), end = min(total, begin + slice);
+  char* own = reinterpret_cast<char*>(ws.data[ws.rank]) + p.gathered_offset + (size_t)ws.rank * p.rows_per_rank * row_bytes;
+  cta_copy(own + begin, reinterpret_cast<const char*>(p.a_local) + begin, end - begin);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned long long* arrived = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, AGG_LOCAL));
+    if (atomicAdd(arrived, 1ull) == gridDim.x - 1) {
+      *arrived = 0;  // every CTA has arrived; the next launch starts after this one ends
+      for (int c = 0; c < p.chunks_per_rank; ++c)
+        mk_signal_store(mk_signal_word(ws, ws.rank, AGG_CHUNK + ws.rank * MK_AG_GEMM_MAX_CHUNKS + c), epoch);
+    }
+  }
+}
+
 template <typename T, int BN>
 __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
                                         const AgGemmParams& p) {
@@ -107,6 +133,7 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
   mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
   const uint64_t epoch = mk_op_epoch_begin(ws, AGG_EPOCH);
+  copy_own_rows(p, epoch);
 
   if ((int)blockIdx.x < p.compute_ctas) {
     RasterParams sched;

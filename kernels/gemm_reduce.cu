@@ -83,9 +83,16 @@ __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
       const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
       const size_t off = p.partial_offset + ((size_t)r * p.n + col) * sizeof(T);
+      // Every rank's vector is loaded before the first add (latency-bound otherwise); the
+      // adds then run in rank order, the same on every rank.
+      int4 part[MK_MAX_PEERS];
+#pragma unroll
+      for (int src = 0; src < MK_MAX_PEERS; ++src)
+        if (src < ws.nranks) part[src] = *reinterpret_cast<const int4*>(reinterpret_cast<const char*>(ws.data[src]) + off);
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int src = 0; src < ws.nranks; ++src)
-        add8<T>(acc, *reinterpret_cast<const int4*>(reinterpret_cast<const char*>(ws.data[src]) + off));
+#pragma unroll
+      for (int src = 0; src < MK_MAX_PEERS; ++src)
+        if (src < ws.nranks) add8<T>(acc, part[src]);
       *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.c) + ((size_t)(r - p.out_row0) * p.n + col) * sizeof(T)) = pack8<T>(acc);
     }
   }

@@ -5,7 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-fused-logs}; mkdir -p "$OUT"
-SUITE=${1:-ag_gemm}; BENCH=${2:-ag_gemm}
+SUITE=${1:-ag_gemm}; BENCH=${2-ag_gemm}
 B=${BIN:-target/release}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mk-mps CUDA_MPS_LOG_DIRECTORY=/tmp/mk-mpslog

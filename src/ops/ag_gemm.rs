@@ -15,9 +15,10 @@ use std::ffi::c_void;
 pub const ROW_BLOCK: usize = 128;
 /// At most this many signalled chunks per rank: fewer, larger pushes beyond it.
 pub const MAX_CHUNKS_PER_RANK: usize = 32;
-/// Per-CTA push bandwidth assumed when sizing the communication role (bytes/s): TMA or
-/// 16-byte stores from one SM move ~25-30 GB/s over NVLink (PEERS.md, GEMM-NOTES.md).
-pub const PUSH_BYTES_PER_CTA_PER_S: f64 = 25e9;
+/// Per-CTA push bandwidth assumed when sizing the communication role (bytes/s). TMA
+/// reaches ~25-30 GB/s per SM over NVLink (PEERS.md); our 16-byte-vector copy measured
+/// well below that on one H200 with ranks sharing it, so plan conservatively.
+pub const PUSH_BYTES_PER_CTA_PER_S: f64 = 10e9;
 /// GEMM rate assumed for a whole H100/H200 when sizing roles (FLOP/s; measured cuBLAS
 /// ~700 T), and its SM count: a grid of g CTAs is assumed to compute at g / 132 of it
 /// (ranks sharing one GPU get a fraction of its SMs, so their GEMMs take longer and hide
