@@ -57,12 +57,29 @@ if [ "$TESTS" = 1 ]; then
     suites="smoke collectives"
     echo "===== mktest $suites with $n rank(s)" | tee -a "$OUT/mktest.log"
     t0=$(date +%s)
-    with_ranks "$n" timeout 200 "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
+    # The killed-rank test runs after MPS stops (see below).
+    with_ranks "$n" env MK_TEST_KILL=skip timeout 200 "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest collectives N=$n: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
     [ $rc = 0 ] || status=1
     grep -E "WRONG|FAILED|error|stopped after|init/destroy|graph capture|correctness:|in-process" "$OUT/mktest.log" | tail -n 40 | sed "s/^/    /" | tail -n 12
   done
+fi
+
+if [ "$TESTS" = 1 ]; then
+  # A rank killed mid-op, without MPS: under MPS the dying client poisons the others'
+  # contexts (their next launch fails with an illegal address), which would test MPS, not us.
+  stop_mps
+  for n in $RANKS; do
+    [ "$n" -gt 1 ] || continue
+    echo "===== mktest collectives, killed rank only, $n rank(s), no MPS" | tee -a "$OUT/mktest.log"
+    env MK_TEST_KILL=only MK_TEST_NRANKS="$n" timeout 90 "$BIN/mktest" collectives >> "$OUT/mktest.log" 2>&1
+    rc=$?
+    note "mktest killed rank N=$n (no MPS): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
+    [ $rc = 0 ] || status=1
+    grep -E "killed rank|FAILED" "$OUT/mktest.log" | tail -n 6 | sed "s/^/    /"
+  done
+  if nvidia-cuda-mps-control -d; then MPS=1; fi
 fi
 
 if [ "$BENCH" = 1 ]; then

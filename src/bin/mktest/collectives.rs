@@ -8,6 +8,12 @@
 //! the absent rank learns of it at its next call); 100 init/destroy cycles that must leave
 //! no device memory and no IPC mapping behind; and, last, a rank killed mid-op. With one
 //! rank it also runs two ranks inside this process (mkCommInitAll, same device).
+//!
+//! MK_TEST_KILL=skip leaves the killed-rank test out, MK_TEST_KILL=only runs nothing else.
+//! Run it without MPS: under MPS a client that dies with a kernel in flight poisons the other
+//! clients' contexts (observed on the H200: their next launch fails with
+//! CUDA_ERROR_ILLEGAL_ADDRESS although they were idle), which is MPS's behaviour, not ours;
+//! scripts/gpu-run.sh runs it after stopping MPS.
 
 use crate::ranks::{self, RankEnv, VICTIM_EXIT};
 use cudarc::driver::result as cu;
@@ -42,10 +48,26 @@ pub fn run() -> Result<()> {
         return in_process_ranks();
     }
     println!("  starting {n} rank processes");
-    ranks::spawn(&["collectives".to_string()], n, IDS, Duration::from_secs(180), |r| if r == n - 1 { VICTIM_EXIT } else { 0 })
+    let victim = kill_mode() != KillMode::Skip;
+    ranks::spawn(&["collectives".to_string()], n, IDS, Duration::from_secs(180), |r| if victim && r == n - 1 { VICTIM_EXIT } else { 0 })
 }
 
 // ---------------------------------------------------------------- helpers
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum KillMode {
+    Run,
+    Skip,
+    Only,
+}
+
+fn kill_mode() -> KillMode {
+    match std::env::var("MK_TEST_KILL").as_deref() {
+        Ok("skip") => KillMode::Skip,
+        Ok("only") => KillMode::Only,
+        _ => KillMode::Run,
+    }
+}
 
 pub(crate) fn say(rank: usize, msg: impl AsRef<str>) {
     println!("  [rank {rank}] {}", msg.as_ref());
@@ -332,14 +354,17 @@ fn rank_main(env: &RankEnv) -> Result<()> {
     if rank == 0 {
         say(rank, format!("peers mapped by: {}", control.workspace.as_ref().map_or("-".to_string(), |w| w.transport.clone())));
     }
+    let mode = kill_mode();
     let result = (|| {
-        correctness(env)?;
-        graph_replay(env)?;
-        if n > 1 {
-            absent_rank(env, &control)?;
+        if mode != KillMode::Only {
+            correctness(env)?;
+            graph_replay(env)?;
+            if n > 1 {
+                absent_rank(env, &control)?;
+            }
+            init_destroy_leaks(env, &control)?;
         }
-        init_destroy_leaks(env, &control)?;
-        if n > 1 {
+        if n > 1 && mode != KillMode::Skip {
             killed_rank(env, &control)?;
         }
         Ok(())
