@@ -4,8 +4,10 @@
 #   device run: command "scripts/gpu-run.sh", carry ["target/release/mktest", "target/release/mkbench"]
 # Starts MPS, runs the mktest suites with 1, 2, 4 and 8 rank processes sharing the GPU
 # (each MPS client gets 100/N % of the SMs and an MK_MAX_CTAS that fits in it, so every
-# persistent grid is co-resident), then the collective benches (and `mkbench gemm` when the
-# binary has it), writes logs under $OUT (at most 8 files), and stops MPS.
+# persistent grid is co-resident) — smoke, collectives, the fused ops (ag_gemm, gemm_reduce)
+# and, with one rank, the GEMM engine — then the benches: collectives, `mkbench gemm`, and
+# the fused ops beside their unfused sequences; writes logs under $OUT (at most 8 files),
+# and stops MPS.
 # Options: --ranks "1 2 4 8" (tests)  --bench-ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
 # Every step has a timeout, so nothing here can hang the call.
 set -uo pipefail
@@ -54,13 +56,14 @@ with_ranks() {  # N command...: runs the command as an MPS client sized for N ra
 
 if [ "$TESTS" = 1 ]; then
   for n in $RANKS; do
-    suites="smoke collectives"
+    suites="smoke collectives ag_gemm gemm_reduce"
+    [ "$n" = 1 ] && suites="$suites gemm"  # the engine alone is a one-rank suite
     echo "===== mktest $suites with $n rank(s)" | tee -a "$OUT/mktest.log"
     t0=$(date +%s)
     # The killed-rank test runs after MPS stops (see below).
     with_ranks "$n" env MK_TEST_KILL=skip timeout 200 "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
     rc=$?
-    note "mktest collectives N=$n: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
+    note "mktest $suites N=$n: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
     [ $rc = 0 ] || status=1
     grep -E "WRONG|FAILED|error|stopped after|init/destroy|graph capture|correctness:|in-process" "$OUT/mktest.log" | tail -n 40 | sed "s/^/    /" | tail -n 12
   done
@@ -101,6 +104,24 @@ if [ "$BENCH" = 1 ]; then
     tail -n 15 "$OUT/gemm.log"
     note "mkbench gemm: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
   fi
+  # The fused ops beside their unfused sequences (issue shapes; fewer at several ranks,
+  # where every rank's GEMM shares the one GPU).
+  for n in ${BENCH_RANKS:-$RANKS}; do
+    for op in ag_gemm gemm_rs gemm_ar; do
+      args="-g $n"
+      if [ "$n" -gt 1 ]; then
+        case $op in
+          ag_gemm) args="$args --rows 128,512,2048 --nk 8192x8192 -n 5 -w 2" ;;
+          gemm_rs) args="$args --m 1024,4096 -n 5 -w 2" ;;
+          gemm_ar) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024 -n 5 -w 2" ;;
+        esac
+      fi
+      echo "===== mkbench $op $args" | tee -a "$OUT/fused.log"
+      with_ranks "$n" timeout 200 "$BIN/mkbench" $op $args >> "$OUT/fused.log" 2>&1; rc=$?
+      note "mkbench $op -g $n: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
+      [ $rc = 0 ] || status=1
+    done
+  done
 fi
 
 stop_mps
