@@ -12,12 +12,13 @@
 //! With -g N > 1 the ranks are processes of this binary (run under MPS on one GPU).
 
 use crate::collectives::Events;
+use crate::fused_common::{bad, parse_list, parse_pairs, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
-use mkernel::error::{MkError, Result};
+use mkernel::error::Result;
 use mkernel::ops::ag_gemm::{all_gather_gemm, validate_args};
 use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::ops::gemm as engine;
@@ -43,7 +44,6 @@ fn parse(args: &[String]) -> Result<Options> {
         iters: 10,
         warmup: 3,
     };
-    let bad = |what: &str| MkError::invalid_argument(format!("mkbench ag_gemm: bad {what}"));
     let mut i = 0;
     while i < args.len() {
         let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
@@ -51,16 +51,8 @@ fn parse(args: &[String]) -> Result<Options> {
             "-g" => o.ranks = v.parse().map_err(|_| bad("-g"))?,
             "-n" => o.iters = v.parse().map_err(|_| bad("-n"))?,
             "-w" => o.warmup = v.parse().map_err(|_| bad("-w"))?,
-            "--rows" => o.rows = v.split(',').map(|x| x.parse().map_err(|_| bad("--rows"))).collect::<Result<_>>()?,
-            "--nk" => {
-                o.nk = v
-                    .split(',')
-                    .map(|p| {
-                        let (a, b) = p.split_once('x').ok_or_else(|| bad("--nk"))?;
-                        Ok((a.parse().map_err(|_| bad("--nk"))?, b.parse().map_err(|_| bad("--nk"))?))
-                    })
-                    .collect::<Result<_>>()?
-            }
+            "--rows" => o.rows = parse_list(v, "--rows")?,
+            "--nk" => o.nk = parse_pairs(v, "--nk")?,
             "--dtype" => o.dtype = if v == "fp16" { mkDataType_t::mkFloat16 } else { mkDataType_t::mkBfloat16 },
             other => return Err(bad(other)),
         }
@@ -130,16 +122,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let ours = || engine::launch(&gemm_args, &gemm_plan, stream);
             let cublas = || blas.run(&lt, a_gathered.ptr(), b.ptr(), c.ptr(), stream);
             let fused = || all_gather_gemm(&comm, &args, stream);
-            let timed = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
-                comm.bootstrap.barrier()?;
-                for _ in 0..o.warmup {
-                    f()?;
-                }
-                let t = events.median_us(stream, || f())?;
-                // The slowest rank's median.
-                let all = comm.bootstrap.allgather(&t.to_le_bytes())?;
-                Ok(all.iter().map(|v| f64::from_le_bytes(v[..8].try_into().unwrap())).fold(0.0, f64::max))
-            };
+            let timed = |f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f);
             let t_fused = timed(&fused)?;
             // Host time to enqueue one call (launch-bound shapes show it in the GPU time too).
             let host_us = |f: &dyn Fn() -> Result<()>| -> Result<f64> {

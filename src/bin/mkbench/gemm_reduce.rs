@@ -10,12 +10,13 @@
 //! slowest rank's. TFLOP/s per rank = 2·M·N·K / t. bf16.
 
 use crate::collectives::Events;
+use crate::fused_common::{bad, parse_list, parse_pairs, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
-use mkernel::error::{mkResult_t, MkError, Result};
+use mkernel::error::{mkResult_t, Result};
 use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::ops::gemm as engine;
 use mkernel::ops::gemm_reduce::{gemm_reduce, validate, Reduction};
@@ -42,7 +43,6 @@ fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
         iters: 10,
         warmup: 3,
     };
-    let bad = |what: &str| MkError::invalid_argument(format!("mkbench: bad {what}"));
     let mut i = 0;
     while i < args.len() {
         let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
@@ -50,16 +50,8 @@ fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
             "-g" => o.ranks = v.parse().map_err(|_| bad("-g"))?,
             "-n" => o.iters = v.parse().map_err(|_| bad("-n"))?,
             "-w" => o.warmup = v.parse().map_err(|_| bad("-w"))?,
-            "--m" => o.ms = v.split(',').map(|x| x.parse().map_err(|_| bad("--m"))).collect::<Result<_>>()?,
-            "--nk" => {
-                o.nk = v
-                    .split(',')
-                    .map(|p| {
-                        let (a, b) = p.split_once('x').ok_or_else(|| bad("--nk"))?;
-                        Ok((a.parse().map_err(|_| bad("--nk"))?, b.parse().map_err(|_| bad("--nk"))?))
-                    })
-                    .collect::<Result<_>>()?
-            }
+            "--m" => o.ms = parse_list(v, "--m")?,
+            "--nk" => o.nk = parse_pairs(v, "--nk")?,
             other => return Err(bad(other)),
         }
         i += 2;
@@ -140,15 +132,7 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
             let ours = || engine::launch(&gemm_args, &plan, stream);
             let cublas = || blas.run(&lt, a.ptr(), b.ptr(), partial.ptr(), stream);
             let fused = || gemm_reduce(&comm, &args, stream);
-            let timed = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
-                comm.bootstrap.barrier()?;
-                for _ in 0..o.warmup {
-                    f()?;
-                }
-                let t = events.median_us(stream, || f())?;
-                let all = comm.bootstrap.allgather(&t.to_le_bytes())?;
-                Ok(all.iter().map(|v| f64::from_le_bytes(v[..8].try_into().unwrap())).fold(0.0, f64::max))
-            };
+            let timed = |f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f);
             let t_fused = timed(&fused)?;
             let t_ours_coll = timed(&|| ours().and_then(|_| coll()))?;
             let t_blas_coll = timed(&|| cublas().and_then(|_| coll()))?;

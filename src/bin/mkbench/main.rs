@@ -4,6 +4,7 @@
 
 mod ag_gemm;
 mod collectives;
+mod fused_common;
 mod gemm;
 mod gemm_reduce;
 mod nccl;

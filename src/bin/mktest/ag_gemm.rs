@@ -8,32 +8,19 @@
 //! ranks, a rank that never calls: the others stop within the timeout with
 //! mkTimeout/mkRemoteError.
 
-use crate::collectives::{async_error, config, destroy, ffi, init_comm, say, Stream};
+use crate::collectives::{async_error, ffi, say, Stream};
 use crate::fused_common;
-use crate::ranks::{self, RankEnv};
-use mkernel::bootstrap::root::start_root;
-use mkernel::comm::{Comm, CommConfig};
-use mkernel::cuda::{self, sys, PrimaryContext};
+use crate::ranks::RankEnv;
+use mkernel::comm::Comm;
+use mkernel::cuda::{self, sys};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::mkAllGatherGemm;
 use mkernel::ffi::mkComm_t;
 use mkernel::testing::{relative_error, to_f64, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
-use std::time::Duration;
-
-const IDS: usize = 3; // control, main, absent-rank test
 
 pub fn run() -> Result<()> {
-    if let Some(env) = ranks::child_env(IDS)? {
-        return rank_main(&env);
-    }
-    let n = ranks::nranks_requested();
-    if n == 1 {
-        let ids = (0..IDS).map(|_| start_root()).collect::<Result<Vec<_>>>()?;
-        return rank_main(&RankEnv { rank: 0, nranks: 1, ids, device: 0 });
-    }
-    println!("  starting {n} rank processes");
-    ranks::spawn(&["ag_gemm".to_string()], n, IDS, Duration::from_secs(240), |_| 0)
+    fused_common::run_suite("ag_gemm", |comm, _control, rank, n| correctness(comm, rank, n).and_then(|_| graph_replay(comm, rank, n)), absent_rank)
 }
 
 /// One problem: every rank's shard of A, B, and the outputs, with the host copies the
@@ -138,28 +125,6 @@ impl Case {
 fn shapes() -> Vec<(usize, usize, usize)> {
     // (rows per rank, N, K): shards that straddle tiles, N and K off the tile grid.
     vec![(97, 264, 72), (128, 520, 136), (200, 1000, 520), (333, 776, 264)]
-}
-
-fn rank_main(env: &RankEnv) -> Result<()> {
-    let (rank, n) = (env.rank, env.nranks);
-    let ctx = PrimaryContext::retain(env.device)?;
-    let _g = ctx.enter()?;
-    let mut control_cfg = CommConfig::from_env();
-    control_cfg.workspace_bytes = 0;
-    let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
-    let result = (|| {
-        let comm = init_comm(env, &env.ids[1], &config(30_000, 64 << 20))?;
-        let outcome = correctness(comm, rank, n).and_then(|_| graph_replay(comm, rank, n));
-        control.bootstrap.barrier()?;
-        destroy(comm)?;
-        outcome?;
-        if n > 1 {
-            absent_rank(env, &control)?;
-        }
-        Ok(())
-    })();
-    drop(control);
-    result
 }
 
 fn correctness(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {

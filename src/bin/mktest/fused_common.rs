@@ -1,10 +1,11 @@
-//! What the fused-op suites share: finishing default-stream fills before a launch on a
-//! non-blocking stream, and the absent-rank check.
+//! What the fused-op suites share: the rank launcher and per-rank frame, finishing
+//! default-stream fills before a launch on a non-blocking stream, and the absent-rank check.
 
 use crate::collectives::{check_stopped, config, destroy, ffi, init_comm, timed_sync, Stream, FAULT_TIMEOUT_MS};
-use crate::ranks::RankEnv;
-use mkernel::comm::Comm;
-use mkernel::cuda::{self, sys};
+use crate::ranks::{self, RankEnv};
+use mkernel::bootstrap::root::start_root;
+use mkernel::comm::{Comm, CommConfig};
+use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::mkComm_t;
 use std::time::{Duration, Instant};
@@ -39,4 +40,46 @@ pub fn absent_rank(env: &RankEnv, control: &Comm, id_index: usize, what: &str, l
     control.bootstrap.barrier()?;
     destroy(comm)?;
     outcome
+}
+
+/// Unique ids a fused suite uses: control, main, absent-rank test.
+const IDS: usize = 3;
+
+/// Runs a fused-op suite: as a rank (when started by `ranks::spawn` or a launcher), as the
+/// only rank, or by starting MK_TEST_NRANKS rank processes of this executable.
+/// `checks(comm, control, rank, nranks)` runs on the main communicator; `absent(env,
+/// control)` runs with several ranks, after it.
+pub fn run_suite(
+    name: &str,
+    checks: fn(mkComm_t, &Comm, usize, usize) -> Result<()>,
+    absent: fn(&RankEnv, &Comm) -> Result<()>,
+) -> Result<()> {
+    let env = match ranks::child_env(IDS)? {
+        Some(env) => env,
+        None => {
+            let n = ranks::nranks_requested();
+            if n > 1 {
+                println!("  starting {n} rank processes");
+                return ranks::spawn(&[name.to_string()], n, IDS, Duration::from_secs(240), |_| 0);
+            }
+            let ids = (0..IDS).map(|_| start_root()).collect::<Result<Vec<_>>>()?;
+            RankEnv { rank: 0, nranks: 1, ids, device: 0 }
+        }
+    };
+    let (rank, n) = (env.rank, env.nranks);
+    let ctx = PrimaryContext::retain(env.device)?;
+    let _g = ctx.enter()?;
+    // The control communicator: host barriers and allgathers between the checks.
+    let mut control_cfg = CommConfig::from_env();
+    control_cfg.workspace_bytes = 0;
+    let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
+    let comm = init_comm(&env, &env.ids[1], &config(30_000, 64 << 20))?;
+    let outcome = checks(comm, &control, rank, n);
+    control.bootstrap.barrier()?;
+    destroy(comm)?;
+    outcome?;
+    if n > 1 {
+        absent(&env, &control)?;
+    }
+    Ok(())
 }

@@ -6,33 +6,20 @@
 //! rank; every shape twice with fresh inputs; capture in a CUDA graph and replay with fresh
 //! inputs; and, with several ranks, a rank that never calls.
 
-use crate::collectives::{async_error, config, destroy, ffi, init_comm, say, Stream};
+use crate::collectives::{async_error, ffi, say, Stream};
 use crate::fused_common;
-use crate::ranks::{self, RankEnv};
-use mkernel::bootstrap::root::start_root;
-use mkernel::comm::{Comm, CommConfig};
-use mkernel::cuda::{self, sys, PrimaryContext};
+use crate::ranks::RankEnv;
+use mkernel::comm::Comm;
+use mkernel::cuda::{self, sys};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::{mkGemmAllReduce, mkGemmReduceScatter};
 use mkernel::ffi::mkComm_t;
 use mkernel::ops::util::fill_random;
 use mkernel::testing::{relative_error, to_f64, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
-use std::time::Duration;
-
-const IDS: usize = 3; // control, main, absent-rank test
 
 pub fn run() -> Result<()> {
-    if let Some(env) = ranks::child_env(IDS)? {
-        return rank_main(&env);
-    }
-    let n = ranks::nranks_requested();
-    if n == 1 {
-        let ids = (0..IDS).map(|_| start_root()).collect::<Result<Vec<_>>>()?;
-        return rank_main(&RankEnv { rank: 0, nranks: 1, ids, device: 0 });
-    }
-    println!("  starting {n} rank processes");
-    ranks::spawn(&["gemm_reduce".to_string()], n, IDS, Duration::from_secs(240), |_| 0)
+    fused_common::run_suite("gemm_reduce", |comm, control, rank, n| correctness(comm, control, rank, n).and_then(|_| graph_replay(comm, rank, n)), absent_rank)
 }
 
 struct Case {
@@ -109,28 +96,6 @@ impl Case {
         let err = relative_error(&out, &reference);
         Ok((err <= tolerance(self.dtype), format!("rel err {err:.2e}"), raw[..(r1 - r0) * n * 2].to_vec()))
     }
-}
-
-fn rank_main(env: &RankEnv) -> Result<()> {
-    let (rank, n) = (env.rank, env.nranks);
-    let ctx = PrimaryContext::retain(env.device)?;
-    let _g = ctx.enter()?;
-    let mut control_cfg = CommConfig::from_env();
-    control_cfg.workspace_bytes = 0;
-    let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
-    let result = (|| {
-        let comm = init_comm(env, &env.ids[1], &config(30_000, 64 << 20))?;
-        let outcome = correctness(comm, &control, rank, n).and_then(|_| graph_replay(comm, rank, n));
-        control.bootstrap.barrier()?;
-        destroy(comm)?;
-        outcome?;
-        if n > 1 {
-            absent_rank(env, &control)?;
-        }
-        Ok(())
-    })();
-    drop(control);
-    result
 }
 
 fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize) -> Result<()> {
