@@ -13,8 +13,9 @@ use std::ffi::c_void;
 
 /// The GEMM's row-block height; chunks are whole row blocks so one wait covers one block.
 pub const ROW_BLOCK: usize = 128;
-/// At most this many signalled chunks per rank: fewer, larger pushes beyond it.
-pub const MAX_CHUNKS_PER_RANK: usize = 32;
+/// At most this many signalled chunks per rank: fewer, larger pushes beyond it (the
+/// kernel's flag array is sized by the same constant).
+pub const MAX_CHUNKS_PER_RANK: usize = MK_AG_GEMM_MAX_CHUNKS;
 /// Per-CTA push bandwidth assumed when sizing the communication role (bytes/s). TMA
 /// reaches ~25-30 GB/s per SM over NVLink (PEERS.md); our 16-byte-vector copy measured
 /// well below that on one H200 with ranks sharing it, so plan conservatively.
@@ -234,7 +235,6 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         group_m: group_m as i32,
         m_block_base: ((rank * rows_per_rank) / ROW_BLOCK) as i32,
     };
-    debug_assert!(p.chunks_per_rank <= MK_AG_GEMM_MAX_CHUNKS);
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
     let f = cuda::function("ag_gemm", &format!("mk_ag_gemm_{dt}_bn{bn}"))?;
     let cfg = LaunchConfig { grid: (p.compute_ctas + p.comm_ctas, 1, 1), block: (engine::THREADS, 1, 1), shared_mem_bytes: smem as u32 };
