@@ -7,4 +7,5 @@ pub mod ag_gemm;
 pub mod gemm_ar;
 pub mod gemm_reduce;
 pub mod gemm_rs;
+pub mod ring_attention;
 pub mod util;
