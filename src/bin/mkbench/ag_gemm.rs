@@ -12,7 +12,7 @@
 //! With -g N > 1 the ranks are processes of this binary (run under MPS on one GPU).
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, parse_list, parse_pairs, timed_slowest};
+use crate::fused_common::{bad, common_flag, parse_list, parse_pairs, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -48,9 +48,7 @@ fn parse(args: &[String]) -> Result<Options> {
     while i < args.len() {
         let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
         match args[i].as_str() {
-            "-g" => o.ranks = v.parse().map_err(|_| bad("-g"))?,
-            "-n" => o.iters = v.parse().map_err(|_| bad("-n"))?,
-            "-w" => o.warmup = v.parse().map_err(|_| bad("-w"))?,
+            f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--rows" => o.rows = parse_list(v, "--rows")?,
             "--nk" => o.nk = parse_pairs(v, "--nk")?,
             "--dtype" => o.dtype = if v == "fp16" { mkDataType_t::mkFloat16 } else { mkDataType_t::mkBfloat16 },

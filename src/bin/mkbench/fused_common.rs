@@ -10,6 +10,19 @@ pub fn bad(what: &str) -> MkError {
     MkError::invalid_argument(format!("mkbench: bad {what}"))
 }
 
+/// Reads the options every fused bench takes (-g ranks, -n iters, -w warm-up) into the
+/// given fields; false when `flag` is not one of them.
+pub fn common_flag(flag: &str, v: &str, ranks: &mut usize, iters: &mut usize, warmup: &mut usize) -> Result<bool> {
+    let target = match flag {
+        "-g" => ranks,
+        "-n" => iters,
+        "-w" => warmup,
+        _ => return Ok(false),
+    };
+    *target = v.parse().map_err(|_| bad(flag))?;
+    Ok(true)
+}
+
 /// "8192,28672" -> [8192, 28672].
 pub fn parse_list(v: &str, what: &str) -> Result<Vec<usize>> {
     v.split(',').map(|x| x.trim().parse().map_err(|_| bad(what))).collect()

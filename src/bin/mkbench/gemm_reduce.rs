@@ -10,7 +10,7 @@
 //! slowest rank's. TFLOP/s per rank = 2·M·N·K / t. bf16.
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, parse_list, parse_pairs, timed_slowest};
+use crate::fused_common::{bad, common_flag, parse_list, parse_pairs, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -47,9 +47,7 @@ fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
     while i < args.len() {
         let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
         match args[i].as_str() {
-            "-g" => o.ranks = v.parse().map_err(|_| bad("-g"))?,
-            "-n" => o.iters = v.parse().map_err(|_| bad("-n"))?,
-            "-w" => o.warmup = v.parse().map_err(|_| bad("-w"))?,
+            f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--m" => o.ms = parse_list(v, "--m")?,
             "--nk" => o.nk = parse_pairs(v, "--nk")?,
             other => return Err(bad(other)),
