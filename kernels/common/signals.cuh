@@ -27,7 +27,14 @@
 #define MK_SIG_READY2 (MK_SIG_READY + MK_SIG_MAX_CTAS * MK_MAX_PEERS)  // AllReduce: src's reduced slice is ready
 #define MK_SIG_FREE (MK_SIG_READY2 + MK_SIG_MAX_CTAS * MK_MAX_PEERS)   // src finished reading this rank's slot of step s
 #define MK_SIG_OP_BASE 8192       // words from here to MK_SIG_WORDS belong to the fused ops
-#define MK_SIG_WORDS 131072       // 1 MiB signal region
+// Each fused op owns a disjoint range, so one op's epoch-valued flags can never satisfy
+// another op's wait: AG+GEMM [OP_BASE, +1024), GEMM+reduce [OP_BASE+1024, MK_SIG_GR_END)
+// (its per-tile flags fill the rest of the first MiB), MoE [MK_SIG_MOE_BASE, +65536),
+// ring attention [MK_SIG_RING_BASE, +65536).
+#define MK_SIG_GR_END 131072
+#define MK_SIG_MOE_BASE 131072
+#define MK_SIG_RING_BASE 196608
+#define MK_SIG_WORDS 262144       // 2 MiB signal region
 
 // ---- error words (decoded by ops::collectives::ErrorWord on the host) ----
 // bits 0-7 mkResult_t code, 8-15 peer rank (0xff: none), 16-23 what was awaited, 24-31 op.

@@ -1,7 +1,7 @@
 //! The symmetric workspace: one device allocation per rank, mapped into every other rank
 //! of the node, plus a host-mapped status block the kernels report errors through.
 //!
-//! Layout of each rank's allocation: a 1 MiB signal region (u64 flags, zeroed at init;
+//! Layout of each rank's allocation: a 2 MiB signal region (u64 flags, zeroed at init;
 //! word layout in kernels/common/signals.cuh) followed by the data region
 //! (`CommConfig::workspace_bytes`, the minimum over ranks).
 //!
@@ -32,7 +32,7 @@ use crate::mk_info;
 use std::sync::atomic::{AtomicIsize, Ordering};
 
 /// Bytes of the signal region in front of each rank's data region.
-pub const SIGNAL_BYTES: usize = 1 << 20;
+pub const SIGNAL_BYTES: usize = 2 << 20;
 /// u64 word index of the abort word in the signal region (signals.cuh MK_SIG_ABORT).
 pub const SIG_ABORT_WORD: usize = 0;
 /// Most CTA slots the collectives partition the data region into (signals.cuh MK_SIG_MAX_CTAS
@@ -497,7 +497,7 @@ impl SymmetricWorkspace {
             view.data[r] = m.base() + SIGNAL_BYTES as u64;
         }
         ws.view = view;
-        mk_info!(Some(rank), "symmetric workspace: {} MiB data + 1 MiB signals per rank, {cta_slots} CTA slots, peers mapped by {}",
+        mk_info!(Some(rank), "symmetric workspace: {} MiB data + 2 MiB signals per rank, {cta_slots} CTA slots, peers mapped by {}",
             data_bytes >> 20, ws.transport);
         Ok(ws)
     }

@@ -11,9 +11,10 @@ use crate::kernel_abi::GemmReduceParams;
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
-/// First signal word of the per-tile flags and the region's end (kernels/gemm_reduce.cu
-/// GR_TILE, signals.cuh MK_SIG_WORDS): two flags per tile must fit between them.
-const TILE_FLAG_WORDS: usize = 131_072 - (8192 + 2048);
+/// First signal word of the per-tile flags and the end of this op's range
+/// (kernels/gemm_reduce.cu GR_TILE, signals.cuh MK_SIG_GR_END): two flags per tile must
+/// fit between them.
+const TILE_FLAG_WORDS: usize = 131_072 - (8192 + 2048); // MK_SIG_GR_END - GR_TILE
 const ROW_BLOCK: usize = 128;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
