@@ -14,6 +14,7 @@
 // waits for before overwriting that buffer in the next call.
 #include "common/gemm/engine.cuh"
 #include "common/fused_op.cuh"
+#include "common/trace.cuh"
 
 #define MK_OP_AG_GEMM 16
 // Signal words of this op (own region unless noted).
@@ -22,10 +23,109 @@
 #define AGG_LOCAL (MK_SIG_OP_BASE + 2)   // CTAs of the running launch that copied their slice of the own rows
 #define AGG_DONE (MK_SIG_OP_BASE + 8)    // + q: rank q finished epoch e (written by q)
 #define AGG_CHUNK (MK_SIG_OP_BASE + 64)  // + src * MK_AG_GEMM_MAX_CHUNKS + c: chunk arrived (written by src)
+#define AGG_PUSHED (MK_SIG_OP_BASE + 64 + MK_MAX_PEERS * MK_AG_GEMM_MAX_CHUNKS)  // + q * MAX_CHUNKS + c: pushers done with chunk c for q (reset by the last)
 
 namespace mk { namespace ag_gemm {
 
 using namespace mk::gemm;
+
+// `threads` threads (this one is `tid`) copy `bytes` (a multiple of 16) from src to dst,
+// IN_FLIGHT 16-byte loads per thread before the first store (latency-bound otherwise).
+template <int IN_FLIGHT>
+__device__ __forceinline__ void copy_vectors(char* dst, const char* src, size_t bytes, int tid, int threads) {
+  const int4* s = reinterpret_cast<const int4*>(src) + tid;
+  int4* d = reinterpret_cast<int4*>(dst) + tid;
+  // 32-bit indexes (a slice is far below 64 GB): fewer registers in the side warps.
+  const uint32_t n = (uint32_t)(bytes / 16), step = (uint32_t)threads;
+  uint32_t i = tid;
+  for (; i + (IN_FLIGHT - 1) * step < n; i += IN_FLIGHT * step, s += IN_FLIGHT * step, d += IN_FLIGHT * step) {
+    int4 v[IN_FLIGHT];
+#pragma unroll
+    for (int u = 0; u < IN_FLIGHT; ++u) v[u] = s[u * step];
+#pragma unroll
+    for (int u = 0; u < IN_FLIGHT; ++u) d[u * step] = v[u];
+  }
+  for (; i < n; i += step, s += step, d += step) *d = *s;
+}
+__device__ __forceinline__ void cta_copy(char* dst, const char* src, size_t bytes) {
+  copy_vectors<8>(dst, src, bytes, threadIdx.x, blockDim.x);
+}
+
+// The threads that push: a whole dedicated CTA, or the three side warps of a GEMM CTA.
+struct WholeCta {
+  static constexpr int IN_FLIGHT = 8;
+  __device__ static int and_all(int v) { return __syncthreads_and(v); }
+  __device__ static void sync() { __syncthreads(); }
+};
+struct SideWarps {
+  static constexpr int IN_FLIGHT = 8;  // the producer warpgroup's 40-register budget
+  __device__ static int and_all(int v) { return named_barrier_and(3, 96, v); }
+  __device__ static void sync() { named_barrier_sync(3, 96); }
+};
+
+// Pusher `part` of `parts` (its threads: tid of `threads`) copies its slice of every chunk
+// of this rank's rows into every peer's gathered buffer: rank-1 first (it consumes our
+// rows next), then rank-2, ... After its slice of chunk c for peer q it counts itself in
+// AGG_PUSHED(q, c); the last pusher of that chunk raises the chunk's flag at q. Slicing
+// every chunk across all pushers keeps a chunk's latency short (a chunk is at least one
+// 128-row block: 2 MB at K = 8192, 35-200 µs for one CTA). Then, with `gathered_out`, the
+// gathered A is copied out for the caller as its chunks arrive. Thread tid 0 waits.
+template <class Team>
+__device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoch, int part, int parts, int tid,
+                                            int threads) {
+  const WorkspaceView& ws = p.ws;
+  const int n = ws.nranks, me = ws.rank, chunks = p.chunks_per_rank;
+  const size_t row_bytes = (size_t)p.k * 2;
+  for (int i = 1; i < n; ++i) {
+    const int q = (me - i + n) % n;
+    int ok = 1;
+    uint64_t t0 = 0;
+    if (tid == 0) {
+      t0 = p.trace ? mk_globaltimer() : 0;
+      // q must have finished reading its gathered buffer of our previous call.
+      ok = mk_wait_geq_inline(ws, mk_signal_word(ws, me, AGG_DONE + q), epoch - 1, q, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
+      if (p.trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(p.trace, MK_TR_WAIT)), mk_globaltimer() - t0);
+    }
+    if (!Team::and_all(ok)) return false;
+    char* peer = reinterpret_cast<char*>(ws.data[q]) + p.gathered_offset + (size_t)me * p.rows_per_rank * row_bytes;
+    for (int c = 0; c < chunks; ++c) {
+      const size_t first = (size_t)c * p.chunk_rows * row_bytes;
+      const size_t bytes = (size_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
+      const size_t slice = (bytes / 16 + parts - 1) / parts * 16;
+      const size_t begin = first + min(bytes, (size_t)part * slice), end = first + min(bytes, (size_t)(part + 1) * slice);
+      copy_vectors<Team::IN_FLIGHT>(peer + begin, reinterpret_cast<const char*>(p.a_local) + begin, end - begin, tid, threads);
+      Team::sync();
+      if (tid == 0) {
+        if (p.trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(p.trace, MK_TR_BYTES)), 2ull * (end - begin));
+        __threadfence_system();  // our slice (every thread's stores, ordered by the barrier), then the count
+        unsigned long long* pushed =
+            reinterpret_cast<unsigned long long*>(mk_signal_word(ws, me, AGG_PUSHED + q * MK_AG_GEMM_MAX_CHUNKS + c));
+        if (atomicAdd(pushed, 1ull) == (unsigned long long)parts - 1) {
+          *pushed = 0;  // every pusher has counted; the next launch starts after this one ends
+          mk_signal_store(mk_signal_word(ws, q, AGG_CHUNK + me * MK_AG_GEMM_MAX_CHUNKS + c), epoch);
+          if (p.trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(p.trace, MK_TR_ITEMS)), 1ull);
+        }
+      }
+    }
+  }
+  if (p.gathered_out == 0) return true;
+  const char* own = reinterpret_cast<const char*>(ws.data[me]) + p.gathered_offset;
+  for (int src = 0; src < n; ++src) {
+    for (int c = 0; c < chunks; ++c) {
+      int ok = 1;
+      if (tid == 0)
+        ok = mk_wait_geq_inline(ws, mk_signal_word(ws, me, AGG_CHUNK + src * MK_AG_GEMM_MAX_CHUNKS + c), epoch, src,
+                                MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
+      if (!Team::and_all(ok)) return false;
+      const size_t first = ((size_t)src * p.rows_per_rank + (size_t)c * p.chunk_rows) * row_bytes;
+      const size_t bytes = (size_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
+      const size_t slice = (bytes / 16 + parts - 1) / parts * 16;
+      const size_t begin = first + min(bytes, (size_t)part * slice), end = first + min(bytes, (size_t)(part + 1) * slice);
+      copy_vectors<Team::IN_FLIGHT>(reinterpret_cast<char*>(p.gathered_out) + begin, own + begin, end - begin, tid, threads);
+    }
+  }
+  return true;
+}
 
 // Waits, in the engine's producer thread, for every chunk covering rows [row0, row0 + rows).
 struct ChunkAWait {
@@ -35,6 +135,7 @@ struct ChunkAWait {
   };
   __device__ static void before_a_load(const Params& w, int, int row0, int rows) {
     const AgGemmParams& p = *w.op;
+    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
     const int end = min(row0 + rows, p.m);
     for (int r = row0; r < end;) {
       const int src = r / p.rows_per_rank;
@@ -46,60 +147,14 @@ struct ChunkAWait {
       r = min(src * p.rows_per_rank + (c + 1) * p.chunk_rows, (src + 1) * p.rows_per_rank);
     }
     fence_proxy_async_global();  // the peers' generic-proxy stores, then our TMA loads
+    if (p.trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(p.trace, MK_TR_WAIT)), mk_globaltimer() - t0);
+  }
+  // Without dedicated communication CTAs, the side warps of every GEMM CTA push.
+  __device__ static void side_work(const Params& w, int thread) {
+    const AgGemmParams& p = *w.op;
+    if (p.comm_ctas == 0 && p.ws.nranks > 1) push_chunks<SideWarps>(p, w.epoch, blockIdx.x, p.compute_ctas, thread, 96);
   }
 };
-
-// All threads of the CTA copy `bytes` (a multiple of 16) from src to dst.
-__device__ __forceinline__ void cta_copy(char* dst, const char* src, size_t bytes) {
-  constexpr int kInFlight = 8;  // 16-byte loads per thread before the first store: latency-bound otherwise
-  const int4* s = reinterpret_cast<const int4*>(src);
-  int4* d = reinterpret_cast<int4*>(dst);
-  const size_t n = bytes / 16;
-  const size_t stride = blockDim.x;
-  size_t i = threadIdx.x;
-  for (; i + (kInFlight - 1) * stride < n; i += kInFlight * stride) {
-    int4 v[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) v[u] = s[i + u * stride];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) d[i + u * stride] = v[u];
-  }
-  for (; i < n; i += stride) d[i] = s[i];
-}
-
-__device__ __forceinline__ bool push_and_gather(const AgGemmParams& p, uint64_t epoch, int j) {
-  const WorkspaceView& ws = p.ws;
-  const int n = ws.nranks, me = ws.rank, chunks = p.chunks_per_rank;
-  const size_t row_bytes = (size_t)p.k * 2;
-  // This rank's own rows were copied by every CTA (copy_own_rows); push to the others,
-  // rank-1 first (it consumes our rows next), then rank-2, ...
-  for (int it = j; it < (n - 1) * chunks; it += p.comm_ctas) {
-    const int q = (me - 1 - it / chunks + n) % n;
-    const int c = it % chunks;
-    const int row0 = c * p.chunk_rows;
-    const int rows = min(p.chunk_rows, p.rows_per_rank - row0);
-    if (!mk_cta_wait(ws, mk_signal_word(ws, me, AGG_DONE + q), epoch - 1, q, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM))
-      return false;
-    char* dst = reinterpret_cast<char*>(ws.data[q]) + p.gathered_offset + ((size_t)me * p.rows_per_rank + row0) * row_bytes;
-    cta_copy(dst, reinterpret_cast<const char*>(p.a_local) + row0 * row_bytes, rows * row_bytes);
-    __syncthreads();
-    if (threadIdx.x == 0) mk_signal_store(mk_signal_word(ws, q, AGG_CHUNK + me * MK_AG_GEMM_MAX_CHUNKS + c), epoch);
-  }
-  if (p.gathered_out == 0) return true;
-  const char* own = reinterpret_cast<const char*>(ws.data[me]) + p.gathered_offset;
-  for (int it = j; it < n * chunks; it += p.comm_ctas) {
-    const int src = it / chunks, c = it % chunks;
-    const int row0 = c * p.chunk_rows;
-    const int rows = min(p.chunk_rows, p.rows_per_rank - row0);
-    if (!mk_cta_wait(ws, mk_signal_word(ws, me, AGG_CHUNK + src * MK_AG_GEMM_MAX_CHUNKS + c), epoch, src,
-                     MK_WAIT_OP_FLAG, MK_OP_AG_GEMM))
-      return false;
-    const size_t off = ((size_t)src * p.rows_per_rank + row0) * row_bytes;
-    cta_copy(reinterpret_cast<char*>(p.gathered_out) + off, own + off, rows * row_bytes);
-  }
-  return true;
-}
-
 
 // Whole grid: every CTA copies its slice of this rank's rows into the own gathered buffer;
 // the last to finish raises the own-row chunk flags. The GEMM starts on these rows, so
@@ -132,8 +187,10 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
+  mk_trace_begin(p.trace, (int)blockIdx.x >= p.compute_ctas);
   const uint64_t epoch = mk_op_epoch_begin(ws, AGG_EPOCH);
   copy_own_rows(p, epoch);
+  mk_trace_time(p.trace, MK_TR_SETUP);
 
   if ((int)blockIdx.x < p.compute_ctas) {
     RasterParams sched;
@@ -148,11 +205,16 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
     gemm_persistent<Cfg, RankRotatedRaster, ChunkAWait, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
                                                               blockIdx.x, p.compute_ctas, smem);
   } else {
-    push_and_gather(p, epoch, blockIdx.x - p.compute_ctas);
+    push_chunks<WholeCta>(p, epoch, blockIdx.x - p.compute_ctas, p.comm_ctas, threadIdx.x, blockDim.x);
+  }
+  if (p.trace) {
+    __syncthreads();  // a GEMM CTA's thread 0 (the producer) finishes before its consumers
+    mk_trace_time(p.trace, MK_TR_ROLE);
   }
 
   // The last CTA to finish advances the epoch and frees this rank's gathered buffer.
   mk_op_epoch_end(ws, AGG_EPOCH, AGG_ARRIVE, AGG_DONE, epoch);
+  mk_trace_time(p.trace, MK_TR_END);
 }
 
 }  // namespace ag_gemm

@@ -14,11 +14,13 @@
 // previous one (GR_DONE, raised by the peer's last CTA).
 #include "common/gemm/engine.cuh"
 #include "common/fused_op.cuh"
+#include "common/trace.cuh"
 
 #define GR_EPOCH (MK_SIG_OP_BASE + 1024)
 #define GR_ARRIVE (MK_SIG_OP_BASE + 1025)
 #define GR_DONE (MK_SIG_OP_BASE + 1032)  // + q: rank q finished reading this rank's P of epoch e
 #define GR_TILE (MK_SIG_OP_BASE + 2048)  // + tile * 2 + slab: slab stored (own region)
+// Two-phase AllReduce: GR_TILE + 2 * tiles + tile: the owner reduced the tile into its R.
 
 namespace mk { namespace gemm_reduce {
 
@@ -55,9 +57,57 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
   return out;
 }
 
+// Thread q (< nranks) waits for rank q's slabs of tile `tc` that hold rows [r0, r1); every
+// thread learns whether all waits succeeded.
+__device__ __forceinline__ bool wait_partials(const GemmReduceParams& p, uint64_t epoch, const TileCoord& tc, int r0, int r1) {
+  const WorkspaceView& ws = p.ws;
+  const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+  int ok = 1;
+  const int q = threadIdx.x;
+  if (q < ws.nranks) {
+    for (int slab = 0; slab < 2; ++slab) {
+      const int s0 = tc.m_block * 128 + slab * 64;
+      if (s0 >= r1 || s0 + 64 <= r0) continue;
+      const uint64_t* f = mk_signal_word(ws, q, GR_TILE + ((uint32_t)tc.m_block * p.tiles_n + tc.n_block) * 2 + slab);
+      ok &= mk_wait_geq(ws, f, epoch, q, MK_WAIT_OP_FLAG, p.op);
+    }
+  }
+  ok = __syncthreads_and(ok);
+  if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+  return ok != 0;
+}
+
+// Sums rows [r0, r1) x columns [c0, c1) of every rank's partial in rank order 0..n-1 (the
+// same order on every rank) and writes them to C (at row - out_row0) and, when
+// `reduced` is set, to the same place in this rank's R.
+template <typename T>
+__device__ __forceinline__ void sum_partials(const GemmReduceParams& p, int r0, int r1, int c0, int c1, char* reduced) {
+  const WorkspaceView& ws = p.ws;
+  const int vpr = (c1 - c0) / 8;  // N % 8 == 0: 16-byte vectors never straddle a row end
+  const int nvec = (r1 - r0) * vpr;
+  if (p.trace) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (ws.nranks + (reduced ? 2 : 1)));
+  for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+    const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
+    const size_t off = ((size_t)r * p.n + col) * sizeof(T);
+    // Every rank's vector is loaded before the first add (latency-bound otherwise).
+    int4 part[MK_MAX_PEERS];
+#pragma unroll
+    for (int src = 0; src < MK_MAX_PEERS; ++src)
+      if (src < ws.nranks) part[src] = *reinterpret_cast<const int4*>(reinterpret_cast<const char*>(ws.data[src]) + p.partial_offset + off);
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int src = 0; src < MK_MAX_PEERS; ++src)
+      if (src < ws.nranks) add8<T>(acc, part[src]);
+    const int4 sum = pack8<T>(acc);
+    *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.c) + ((size_t)(r - p.out_row0) * p.n + col) * sizeof(T)) = sum;
+    if (reduced) *reinterpret_cast<int4*>(reduced + off) = sum;
+  }
+}
+
+// One-shot (ReduceScatter, small-M AllReduce): every tile holding rows this rank writes is
+// reduced here, in the compute order.
 template <typename T, int BN>
 __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j) {
-  const WorkspaceView& ws = p.ws;
   const int tiles_m = (p.m + 127) / 128;
   const int total = tiles_m * p.tiles_n;
   const int lo_block = p.row_lo / 128, hi_block = (p.row_hi - 1) / 128;
@@ -65,40 +115,58 @@ __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t
     const TileCoord tc = grouped_tile(tiles_m, p.tiles_n, p.group_m, t);
     if (tc.m_block < lo_block || tc.m_block > hi_block) continue;
     const int r0 = max(tc.m_block * 128, p.row_lo), r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
-    // Thread q waits for rank q's slabs of this tile that hold rows we reduce.
-    int ok = 1;
-    const int q = threadIdx.x;
-    if (q < ws.nranks) {
-      for (int slab = 0; slab < 2; ++slab) {
-        const int s0 = tc.m_block * 128 + slab * 64;
-        if (s0 >= r1 || s0 + 64 <= r0) continue;
-        const uint64_t* f = mk_signal_word(ws, q, GR_TILE + ((uint32_t)tc.m_block * p.tiles_n + tc.n_block) * 2 + slab);
-        ok &= mk_wait_geq(ws, f, epoch, q, MK_WAIT_OP_FLAG, p.op);
-      }
-    }
-    if (!__syncthreads_and(ok)) return false;
-    const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
-    const int vpr = (c1 - c0) / 8;  // N % 8 == 0: 16-byte vectors never straddle a row end
-    const int nvec = (r1 - r0) * vpr;
-    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
-      const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
-      const size_t off = p.partial_offset + ((size_t)r * p.n + col) * sizeof(T);
-      // Every rank's vector is loaded before the first add (latency-bound otherwise); the
-      // adds then run in rank order, the same on every rank.
-      int4 part[MK_MAX_PEERS];
-#pragma unroll
-      for (int src = 0; src < MK_MAX_PEERS; ++src)
-        if (src < ws.nranks) part[src] = *reinterpret_cast<const int4*>(reinterpret_cast<const char*>(ws.data[src]) + off);
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-      for (int src = 0; src < MK_MAX_PEERS; ++src)
-        if (src < ws.nranks) add8<T>(acc, part[src]);
-      *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.c) + ((size_t)(r - p.out_row0) * p.n + col) * sizeof(T)) = pack8<T>(acc);
-    }
+    if (!wait_partials(p, epoch, tc, r0, r1)) return false;
+    if (p.trace) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
+    sum_partials<T>(p, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), nullptr);
   }
   return true;
 }
 
+// Two-phase AllReduce. Phase 1: the tiles of this rank's row blocks are reduced (as
+// above) into C and R, each then flagged. Phase 2: every other tile is copied from its
+// owner's R once the owner has flagged it. One rank computes each sum, so every rank's C
+// is bitwise identical; each rank reads n·M/n + (n−1)·M/n rows instead of the one-shot's
+// n·M.
+template <typename T, int BN>
+__device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, uint64_t epoch, int j) {
+  const WorkspaceView& ws = p.ws;
+  const int tiles_m = (p.m + 127) / 128;
+  const int total = tiles_m * p.tiles_n;
+  const int blocks_per_rank = p.rows_per_rank / 128;
+  const int lo_block = ws.rank * blocks_per_rank, hi_block = lo_block + blocks_per_rank - 1;
+  char* reduced = reinterpret_cast<char*>(ws.data[ws.rank]) + p.reduced_offset;
+  for (int t = j; t < total; t += p.reduce_ctas) {
+    const TileCoord tc = grouped_tile(tiles_m, p.tiles_n, p.group_m, t);
+    if (tc.m_block < lo_block || tc.m_block > hi_block) continue;
+    const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
+    if (!wait_partials(p, epoch, tc, r0, r1)) return false;
+    if (p.trace) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
+    sum_partials<T>(p, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), reduced);
+    __syncthreads();
+    if (threadIdx.x == 0)
+      mk_signal_store(mk_signal_word(ws, ws.rank, GR_TILE + 2 * total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block), epoch);
+  }
+  for (int t = j; t < total; t += p.reduce_ctas) {
+    const TileCoord tc = grouped_tile(tiles_m, p.tiles_n, p.group_m, t);
+    const int owner = tc.m_block / blocks_per_rank;
+    if (owner == ws.rank) continue;
+    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+    const uint64_t* f = mk_signal_word(ws, owner, GR_TILE + 2 * total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block);
+    if (!mk_cta_wait(ws, f, epoch, owner, MK_WAIT_OP_FLAG, p.op)) return false;
+    if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+    const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
+    const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
+    const int vpr = (c1 - c0) / 8;
+    const int nvec = (r1 - r0) * vpr;
+    if (p.trace) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 32);
+    const char* src = reinterpret_cast<const char*>(ws.data[owner]) + p.reduced_offset;
+    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const size_t off = ((size_t)(r0 + v / vpr) * p.n + c0 + (v % vpr) * 8) * sizeof(T);
+      *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.c) + off) = *reinterpret_cast<const int4*>(src + off);
+    }
+  }
+  return true;
+}
 
 template <typename T, int BN>
 __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_p,
@@ -108,11 +176,14 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
+  mk_trace_begin(p.trace, (int)blockIdx.x >= p.compute_ctas);
   const uint64_t epoch = mk_op_epoch_begin(ws, GR_EPOCH);
 
   if ((int)blockIdx.x < p.compute_ctas) {
     // Peers must have finished reading our previous partials before we overwrite them.
-    if (mk_cta_wait_peers(ws, GR_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, p.op)) {
+    const bool peers_done = mk_cta_wait_peers(ws, GR_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, p.op);
+    mk_trace_time(p.trace, MK_TR_SETUP);
+    if (peers_done) {
       RasterParams sched;
       sched.tiles_m = (p.m + Cfg::BM - 1) / Cfg::BM;
       sched.tiles_n = p.tiles_n;
@@ -128,12 +199,21 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
                                                          blockIdx.x, p.compute_ctas, smem);
     }
   } else {
-    reduce_tiles<T, BN>(p, epoch, blockIdx.x - p.compute_ctas);
+    mk_trace_time(p.trace, MK_TR_SETUP);
+    if (p.two_phase)
+      reduce_then_gather<T, BN>(p, epoch, blockIdx.x - p.compute_ctas);
+    else
+      reduce_tiles<T, BN>(p, epoch, blockIdx.x - p.compute_ctas);
+  }
+  if (p.trace) {
+    __syncthreads();  // a GEMM CTA's thread 0 (the producer) finishes before its consumers
+    mk_trace_time(p.trace, MK_TR_ROLE);
   }
 
   // The last CTA to finish advances the epoch and tells every peer we are done reading
   // its partials.
   mk_op_epoch_end(ws, GR_EPOCH, GR_ARRIVE, GR_DONE, epoch);
+  mk_trace_time(p.trace, MK_TR_END);
 }
 
 }  // namespace gemm_reduce

@@ -220,6 +220,9 @@ pub struct AgGemmParams {
     pub group_m: i32,
     /// First row block computed (this rank's own rows).
     pub m_block_base: i32,
+    /// Device buffer of `MK_TRACE_WORDS` u64 per CTA for `mkbench --trace`, or 0 (always,
+    /// from the C API): where each CTA spent its time (kernels/common/trace.cuh).
+    pub trace: u64,
 }
 
 /// Parameters of the GEMM + ReduceScatter / AllReduce kernels (kernels/gemm_reduce.cu). The
@@ -248,5 +251,18 @@ pub struct GemmReduceParams {
     pub reduce_ctas: i32,
     /// 17 ReduceScatter, 18 AllReduce (for error words).
     pub op: i32,
+    /// AllReduce in two phases: each row block is reduced once, by the rank owning it
+    /// (rows [r·rows_per_rank, (r+1)·rows_per_rank)), into C and into its reduced buffer R;
+    /// every other rank copies it from there. 0: one-shot (every rank reduces every tile).
+    pub two_phase: i32,
+    /// As `AgGemmParams::trace`.
+    pub trace: u64,
+    /// Byte offset of R ([m, n], two-phase only) in every rank's data region.
+    pub reduced_offset: u64,
+    /// Rows each rank owns in the two-phase path (a multiple of 128).
+    pub rows_per_rank: i32,
     pub reserved: i32,
 }
+
+/// u64 words per CTA in a fused kernel's trace buffer (layout in kernels/common/trace.cuh).
+pub const MK_TRACE_WORDS: usize = 8;

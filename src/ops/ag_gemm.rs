@@ -1,7 +1,15 @@
 //! AllGather + GEMM: planning (pure, CPU-tested). Each rank holds `M / nranks` rows of A;
-//! communication CTAs push this rank's rows into every peer's workspace in chunks, each
-//! followed by an epoch signal; compute CTAs run the GEMM engine over row blocks in
-//! rank-rotated order (local rows first) and wait per row block for the chunks it needs.
+//! pushers copy this rank's rows into every peer's workspace in chunks, each followed by
+//! an epoch signal; compute CTAs run the GEMM engine over row blocks in rank-rotated order
+//! (local rows first) and wait per row block for the chunks it needs.
+//!
+//! The pushers are, by default, the three warps of every GEMM CTA's producer warpgroup
+//! that the engine leaves idle (its TMA producer is one thread): the push then runs beside
+//! the GEMM on every SM and costs the GEMM no CTA. Measured on one H200 with 2 ranks
+//! sharing it (benches/RESULTS.md), dedicated push CTAs cost the GEMM their SMs for the
+//! whole kernel while pushing for a fraction of it (idle 85-90% of the kernel), and one
+//! CTA pushing a 2 MB chunk alone took 35-200 µs. `MK_COMM_SMS` = c ≥ 1 still selects c
+//! dedicated CTAs (all threads copy; useful where a link needs many SMs to saturate).
 
 use crate::comm::Comm;
 use crate::cuda::{self, sys, LaunchConfig};
@@ -16,10 +24,6 @@ pub const ROW_BLOCK: usize = 128;
 /// At most this many signalled chunks per rank: fewer, larger pushes beyond it (the
 /// kernel's flag array is sized by the same constant).
 pub const MAX_CHUNKS_PER_RANK: usize = MK_AG_GEMM_MAX_CHUNKS;
-/// Per-CTA push bandwidth assumed when sizing the communication role (bytes/s). TMA
-/// reaches ~25-30 GB/s per SM over NVLink (PEERS.md); our 16-byte-vector copy measured
-/// well below that on one H200 with ranks sharing it, so plan conservatively.
-pub const PUSH_BYTES_PER_CTA_PER_S: f64 = 10e9;
 /// GEMM rate assumed for a whole H100/H200 when sizing roles (FLOP/s; measured cuBLAS
 /// ~700 T), and its SM count: a grid of g CTAs is assumed to compute at g / 132 of it
 /// (ranks sharing one GPU get a fraction of its SMs, so their GEMMs take longer and hide
@@ -45,7 +49,8 @@ pub struct AgGemmShape {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AgGemmPlan {
     pub rows_per_rank: usize,
-    /// CTAs pushing this rank's shard to peers (0 with one rank).
+    /// CTAs dedicated to pushing this rank's shard to peers; 0: the GEMM CTAs' side warps
+    /// push (the default), or one rank (nothing to push).
     pub comm_ctas: u32,
     /// CTAs running GEMM tiles.
     pub compute_ctas: u32,
@@ -82,31 +87,20 @@ pub fn validate(shape: &AgGemmShape) -> Result<()> {
 /// (SM count, capped by MK_MAX_CTAS); `comm_override` comes from MK_COMM_SMS / config.
 pub fn plan(shape: &AgGemmShape, grid_ctas: u32, comm_override: Option<u32>) -> Result<AgGemmPlan> {
     validate(shape)?;
-    let AgGemmShape { m, n, k, nranks, rank } = *shape;
+    let AgGemmShape { m, nranks, rank, .. } = *shape;
     let rows_per_rank = m / nranks;
-    if grid_ctas < 2 && nranks > 1 {
-        return Err(MkError::invalid_argument(format!(
-            "a fused kernel needs at least 2 CTAs (one to communicate, one to compute); the grid cap is {grid_ctas}"
-        )));
+    if grid_ctas < 1 {
+        return Err(MkError::invalid_argument("the grid cap (MK_MAX_CTAS) must be at least 1"));
     }
-    let comm_ctas = if nranks == 1 {
-        0
-    } else if let Some(c) = comm_override {
-        if c == 0 || c >= grid_ctas {
+    let comm_ctas = match comm_override {
+        _ if nranks == 1 => 0,
+        None | Some(0) => 0,
+        Some(c) if c >= grid_ctas => {
             return Err(MkError::invalid_argument(format!(
-                "communication CTAs = {c} must be in [1, {}) for a grid of {grid_ctas} CTAs",
-                grid_ctas
-            )));
+                "communication CTAs = {c} must be below the grid of {grid_ctas} CTAs (0: the GEMM CTAs push)"
+            )))
         }
-        c
-    } else {
-        // Enough pushers that the shard reaches every peer within half the GEMM's time,
-        // so compute rarely waits, and no more: every pusher is a CTA the GEMM loses
-        // (mKernel's best static splits for AG+GEMM were 2-16 SMs).
-        let push_bytes = (nranks - 1) as f64 * rows_per_rank as f64 * k as f64 * 2.0;
-        let gemm_s = gemm_seconds(m, n, k, grid_ctas);
-        let needed = (push_bytes / (PUSH_BYTES_PER_CTA_PER_S * 0.5 * gemm_s.max(1e-9))).ceil() as u32;
-        needed.clamp(1, 16).min(grid_ctas / 2).max(1)
+        Some(c) => c,
     };
     let blocks_per_rank = rows_per_rank.div_ceil(ROW_BLOCK).max(1);
     let blocks_per_chunk = blocks_per_rank.div_ceil(MAX_CHUNKS_PER_RANK);
@@ -148,6 +142,8 @@ pub struct AgGemmArgs {
     pub gathered: u64,
     pub shape: AgGemmShape,
     pub dtype: mkDataType_t,
+    /// Per-CTA timing buffer for `mkbench --trace` (kernels/common/trace.cuh), else 0.
+    pub trace: u64,
 }
 
 /// Argument checks (no CUDA). The rules are the GEMM engine's plus divisibility of M.
@@ -167,7 +163,7 @@ pub fn validate_args(a: u64, b: u64, c: u64, gathered: u64, m: usize, n: usize, 
     for (ptr, name) in [(a, "A"), (b, "B"), (c, "C"), (gathered, "gatheredA")] {
         crate::ensure_arg!(ptr % 16 == 0, "{name} = {ptr:#x} is not 16-byte aligned (TMA and 16-byte vector copies need it)");
     }
-    Ok(AgGemmArgs { a, b, c, gathered, shape, dtype })
+    Ok(AgGemmArgs { a, b, c, gathered, shape, dtype, trace: 0 })
 }
 
 /// mkAllGatherGemm on `comm`: validate, plan, launch (stream-ordered, no host sync).
@@ -234,6 +230,7 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         comm_ctas: p.comm_ctas as i32,
         group_m: group_m as i32,
         m_block_base: ((rank * rows_per_rank) / ROW_BLOCK) as i32,
+        trace: args.trace,
     };
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
     let f = cuda::function("ag_gemm", &format!("mk_ag_gemm_{dt}_bn{bn}"))?;
@@ -278,35 +275,27 @@ mod tests {
     }
 
     #[test]
-    fn roles_fill_the_grid_and_grow_with_communication_share() {
+    fn side_warps_push_by_default_and_every_cta_computes() {
         for nranks in [2, 4, 8] {
             for rows in [128, 512, 2048, 8192] {
-                for (n, k) in [(8192, 8192), (28672, 8192)] {
-                    let p = plan(&shape(rows * nranks, n, k, nranks, 1), 132, None).unwrap();
-                    assert_eq!(p.comm_ctas + p.compute_ctas, 132);
-                    assert!(p.comm_ctas >= 1 && p.comm_ctas <= 16, "{p:?}");
-                }
+                let p = plan(&shape(rows * nranks, 8192, 8192, nranks, 1), 132, None).unwrap();
+                assert_eq!((p.comm_ctas, p.compute_ctas), (0, 132), "{p:?}");
             }
         }
-        // A wide GEMM hides the same push with fewer pushers than a narrow one.
-        let narrow = plan(&shape(8 * 128, 1024, 8192, 8, 0), 132, None).unwrap();
-        let wide = plan(&shape(8 * 128, 28672, 8192, 8, 0), 132, None).unwrap();
-        assert!(narrow.comm_ctas >= wide.comm_ctas);
-        // A small grid (ranks sharing a GPU) keeps at least half for compute, and its
-        // slower GEMM hides the push with fewer pushers than the whole GPU needs.
-        let small = plan(&shape(4 * 4096, 1024, 8192, 4, 0), 8, None).unwrap();
-        assert!(small.compute_ctas >= 4 && small.comm_ctas >= 1);
-        let whole = plan(&shape(4 * 2048, 8192, 8192, 4, 0), 132, None).unwrap();
-        let share = plan(&shape(4 * 2048, 8192, 8192, 4, 0), 16, None).unwrap();
-        assert!(share.comm_ctas < whole.comm_ctas, "{share:?} vs {whole:?}");
+        let p = plan(&shape(4096, 64, 64, 4, 0), 1, None).unwrap();
+        assert_eq!((p.comm_ctas, p.compute_ctas), (0, 1));
     }
 
     #[test]
     fn overrides_are_checked() {
         assert_eq!(plan(&shape(4096, 64, 64, 4, 0), 132, Some(20)).unwrap().comm_ctas, 20);
-        assert!(plan(&shape(4096, 64, 64, 4, 0), 132, Some(0)).is_err());
-        assert!(plan(&shape(4096, 64, 64, 4, 0), 132, Some(132)).is_err());
-        assert!(plan(&shape(4096, 64, 64, 4, 0), 1, None).is_err());
+        assert_eq!(plan(&shape(4096, 64, 64, 4, 0), 132, Some(20)).unwrap().compute_ctas, 112);
+        assert_eq!(plan(&shape(4096, 64, 64, 4, 0), 132, Some(0)).unwrap().comm_ctas, 0);
+        let e = plan(&shape(4096, 64, 64, 4, 0), 132, Some(132)).unwrap_err();
+        assert!(e.message.contains("below the grid"), "{e}");
+        assert!(plan(&shape(4096, 64, 64, 4, 0), 0, None).is_err());
+        // One rank never pushes, whatever the override.
+        assert_eq!(plan(&shape(4096, 64, 64, 1, 0), 132, Some(8)).unwrap().comm_ctas, 0);
     }
 
     #[test]

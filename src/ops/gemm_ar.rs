@@ -23,11 +23,11 @@ pub enum GemmArPlan {
 }
 
 /// Plans the op; `m` may be any value ≥ 1 on the one-shot path (no divisibility needed),
-/// while the two-phase path needs M divisible by nranks, and falls back to one-shot when
-/// it is not.
+/// while the two-phase path needs every rank to own whole 128-row blocks (M divisible by
+/// 128·nranks), and falls back to one-shot when it does not.
 pub fn plan(m: usize, n: usize, k: usize, nranks: usize, rank: usize, grid_ctas: u32, comm_override: Option<u32>) -> Result<GemmArPlan> {
     let shape = GemmRsShape { m, n, k, nranks, rank };
-    let two_phase_ok = m > ONE_SHOT_MAX_M && m % nranks == 0 && nranks > 1;
+    let two_phase_ok = m > ONE_SHOT_MAX_M && m % (nranks * super::ag_gemm::ROW_BLOCK) == 0 && nranks > 1;
     if two_phase_ok {
         return gemm_rs::plan(&shape, grid_ctas, comm_override).map(GemmArPlan::TwoPhase);
     }
@@ -64,6 +64,9 @@ mod tests {
     fn large_divisible_m_is_two_phase_else_one_shot() {
         assert!(matches!(plan(8192, 8192, 1024, 4, 0, 132, None).unwrap(), GemmArPlan::TwoPhase(_)));
         assert!(matches!(plan(8191, 8192, 1024, 4, 0, 132, None).unwrap(), GemmArPlan::OneShot { .. }));
+        // Owners must hold whole 128-row blocks: 4 x 160 rows is one-shot.
+        assert!(matches!(plan(640, 8192, 1024, 4, 0, 132, None).unwrap(), GemmArPlan::OneShot { .. }));
+        assert!(matches!(plan(1024, 8192, 1024, 4, 0, 132, None).unwrap(), GemmArPlan::TwoPhase(_)));
         assert!(matches!(plan(8192, 8192, 1024, 1, 0, 132, None).unwrap(), GemmArPlan::OneShot { .. }));
     }
 

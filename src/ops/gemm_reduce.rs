@@ -12,7 +12,7 @@ use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
 /// First signal word of the per-tile flags and the end of this op's range
-/// (kernels/gemm_reduce.cu GR_TILE, signals.cuh MK_SIG_GR_END): two flags per tile must
+/// (kernels/gemm_reduce.cu GR_TILE, signals.cuh MK_SIG_GR_END): three flags per tile must
 /// fit between them.
 const TILE_FLAG_WORDS: usize = 131_072 - (8192 + 2048); // MK_SIG_GR_END - GR_TILE
 const ROW_BLOCK: usize = 128;
@@ -52,6 +52,8 @@ pub struct GemmReduceArgs {
     pub k: usize,
     pub dtype: mkDataType_t,
     pub reduction: Reduction,
+    /// Per-CTA timing buffer for `mkbench --trace` (kernels/common/trace.cuh), else 0.
+    pub trace: u64,
 }
 
 /// Argument checks (no CUDA).
@@ -74,12 +76,13 @@ pub fn validate(reduction: Reduction, a: u64, b: u64, c: u64, m: usize, n: usize
         crate::ensure_arg!(ptr % 16 == 0, "{name} = {ptr:#x} is not 16-byte aligned (TMA and 16-byte vector stores need it)");
     }
     let tiles = m.div_ceil(ROW_BLOCK) * n.div_ceil(128);
+    // Three flags per tile: two stored slabs, and the two-phase AllReduce's "reduced".
     crate::ensure_arg!(
-        2 * tiles <= TILE_FLAG_WORDS,
+        3 * tiles <= TILE_FLAG_WORDS,
         "M = {m}, N = {n}: {tiles} tiles of 128x128 exceed the {} per-tile signals of the workspace; split the GEMM",
-        TILE_FLAG_WORDS / 2
+        TILE_FLAG_WORDS / 3
     );
-    Ok(GemmReduceArgs { a, b, c, m, n, k, dtype, reduction })
+    Ok(GemmReduceArgs { a, b, c, m, n, k, dtype, reduction, trace: 0 })
 }
 
 /// Validated call on `comm`: plan, launch (stream-ordered, no host sync).
@@ -92,12 +95,27 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let ws = comm.workspace.as_ref().ok_or_else(|| {
         MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
     })?;
-    let needed = (m * n * 2) as u64;
+    let (nranks, rank) = (comm.nranks, comm.rank);
+    let sms = cuda::sm_count(comm.context.device)? as u32;
+    let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
+    let (compute_ctas, reduce_ctas, two_phase) = match args.reduction {
+        Reduction::Scatter => {
+            let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid, comm.config.comm_ctas)?;
+            (p.compute_ctas, p.reduce_ctas, false)
+        }
+        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas)? {
+            gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas, false),
+            gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas, true),
+        },
+    };
+    // P (this rank's partial product), and for the two-phase path R (its reduced rows).
+    let needed = (m * n * 2 * if two_phase { 2 } else { 1 }) as u64;
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
-            "{} keeps this rank's partial product ({needed} bytes) in the workspace's fused-op region, which holds {}: \
+            "{} keeps this rank's partial product{} ({needed} bytes) in the workspace's fused-op region, which holds {}: \
              create the communicator with MK_WORKSPACE_BYTES (or mkConfig_t.workspaceBytes) of at least {needed}",
             args.reduction.name(),
+            if two_phase { " and its reduced rows" } else { "" },
             ws.view.op_bytes
         )));
     }
@@ -105,19 +123,6 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
         crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
     }
-    let (nranks, rank) = (comm.nranks, comm.rank);
-    let sms = cuda::sm_count(comm.context.device)? as u32;
-    let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
-    let (compute_ctas, reduce_ctas) = match args.reduction {
-        Reduction::Scatter => {
-            let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid, comm.config.comm_ctas)?;
-            (p.compute_ctas, p.reduce_ctas)
-        }
-        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas)? {
-            gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas),
-            gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas),
-        },
-    };
     let tile = engine::plan(m, n, compute_ctas as usize, true, PlanOverrides { max_ctas: Some(compute_ctas as usize), ..Default::default() });
     let bn = if tile.bn >= 256 { 256 } else { 128 };
     let tiles_n = n.div_ceil(bn);
@@ -145,6 +150,10 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         compute_ctas: compute_ctas as i32,
         reduce_ctas: reduce_ctas as i32,
         op: args.reduction.op_code(),
+        two_phase: two_phase as i32,
+        trace: args.trace,
+        reduced_offset: ws.view.data_bytes + (m * n * 2) as u64,
+        rows_per_rank: (m / nranks) as i32,
         reserved: 0,
     };
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };

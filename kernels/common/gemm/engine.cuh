@@ -26,7 +26,8 @@
 // launched with Cfg::THREADS threads and engine_smem_bytes<Cfg, Epi>() dynamic shared
 // memory (Rust: ops::gemm::engine_smem_bytes). Tensor maps that the engine or an epilogue
 // reads must live in kernel parameter space (__grid_constant__) or global memory.
-// Named barriers 1 and 2 belong to the consumer warpgroups' epilogues.
+// Named barriers 1 and 2 belong to the consumer warpgroups' epilogues, 3 to the AWait
+// hook's side work (warps 1-3 of the producer warpgroup).
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -171,6 +172,8 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
           }
         }
       }
+    } else if (threadIdx.x >= 32) {
+      AWait::side_work(await, threadIdx.x - 32);
     }
   } else {
     setmaxnreg_inc<Cfg::CONSUMER_REGS>();

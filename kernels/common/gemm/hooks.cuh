@@ -7,6 +7,11 @@
 //     // Called by the single producer thread, once per tile, before the tile's first
 //     // A load. m_row0 = first A row of the tile, rows = BM (the tile may overhang M).
 //     __device__ static void before_a_load(const Params&, int m_block, int m_row0, int rows);
+//     // Run by warps 1-3 of the producer warpgroup (96 threads, thread = 0..95), which
+//     // the engine leaves idle: a fused op's data movement can live here, beside the
+//     // GEMM on the same SM, instead of taking whole CTAs. Register budget: the
+//     // producer's (Cfg::PRODUCER_REGS); named barrier 3 (96 threads) is theirs.
+//     __device__ static void side_work(const Params&, int thread);
 //   };
 // After observing a flag through ordinary loads, the hook must execute
 // fence_proxy_async_global() so that the TMA loads that follow see the data.
@@ -22,6 +27,7 @@ struct NoAWait {
     int unused;
   };
   __device__ static void before_a_load(const Params&, int, int, int) {}
+  __device__ static void side_work(const Params&, int) {}
 };
 
 // Waits until flags[row / rows_per_flag] >= epoch for every flag covering the tile's rows
@@ -45,6 +51,7 @@ struct FlagAWait {
     }
     fence_proxy_async_global();
   }
+  __device__ static void side_work(const Params&, int) {}
 };
 
 }  // namespace gemm

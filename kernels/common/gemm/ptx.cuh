@@ -179,6 +179,16 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// Named barrier that also returns whether `pred` was nonzero in every participating thread.
+__device__ __forceinline__ int named_barrier_and(int id, int threads, int pred) {
+  int r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.and.pred q, %2, %3, p;\n selp.s32 %0, 1, 0, q;\n}"
+      : "=r"(r)
+      : "r"(pred), "r"(id), "r"(threads)
+      : "memory");
+  return r;
+}
 
 }  // namespace gemm
 }  // namespace mk

@@ -2,7 +2,7 @@
 //! same run:
 //!
 //!   mkbench ag_gemm [-g ranks] [--rows 128,512,2048,8192] [--nk 8192x8192,28672x8192]
-//!                   [--dtype bf16|fp16] [-n iters] [-w warmup]
+//!                   [--dtype bf16|fp16] [-n iters] [-w warmup] [--trace]
 //!
 //! Per shape (rows per rank, N, K; M = ranks × rows): the fused op; mkAllGather then our
 //! GEMM; mkAllGather then cuBLASLt; cuBLASLt alone on the gathered A; and the two parts
@@ -12,14 +12,14 @@
 //! With -g N > 1 the ranks are processes of this binary (run under MPS on one GPU).
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, parse_list, parse_pairs, timed_slowest};
+use crate::fused_common::{bad, common_flag, print_trace, parse_list, parse_pairs, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::Result;
-use mkernel::ops::ag_gemm::{all_gather_gemm, validate_args};
+use mkernel::ops::ag_gemm::{all_gather_gemm, validate_args, AgGemmArgs};
 use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::ops::gemm as engine;
 use mkernel::testing::TestBuffer;
@@ -33,6 +33,7 @@ struct Options {
     dtype: mkDataType_t,
     iters: usize,
     warmup: usize,
+    trace: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -43,9 +44,15 @@ fn parse(args: &[String]) -> Result<Options> {
         dtype: mkDataType_t::mkBfloat16,
         iters: 10,
         warmup: 3,
+        trace: false,
     };
     let mut i = 0;
     while i < args.len() {
+        if args[i] == "--trace" {
+            o.trace = true;
+            i += 1;
+            continue;
+        }
         let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
         match args[i].as_str() {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
@@ -141,6 +148,11 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let t_blas = timed(&cublas)?;
             let t_ours = timed(&ours)?;
             let t_ag = timed(&ag)?;
+            if o.trace {
+                print_trace(&comm, stream, &format!("ag_gemm rows/rank {rows} N {nn} K {kk}"), &|buf| {
+                    all_gather_gemm(&comm, &AgGemmArgs { trace: buf, ..args }, stream)
+                })?;
+            }
             let err = comm.async_error();
             if err != mkernel::error::mkResult_t::mkSuccess {
                 all_ok = false;

@@ -49,3 +49,71 @@ pub fn timed_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, warmup
     let all = comm.bootstrap.allgather(&t.to_le_bytes())?;
     Ok(all.iter().map(|v| f64::from_le_bytes(v[..8].try_into().expect("8 bytes"))).fold(0.0, f64::max))
 }
+
+/// `--trace`: one more call of a fused op with a per-CTA timing buffer
+/// (kernels/common/trace.cuh); every rank prints, per role, where its CTAs spent their
+/// time. `call` launches the op with the buffer's device address.
+pub fn print_trace(comm: &Comm, stream: sys::CUstream, label: &str, call: &dyn Fn(u64) -> Result<()>) -> Result<()> {
+    use cudarc::driver::result as cu;
+    use mkernel::cuda;
+    use mkernel::kernel_abi::MK_TRACE_WORDS;
+    const MAX_CTAS: usize = 1024;
+    let bytes = MAX_CTAS * MK_TRACE_WORDS * 8;
+    let mut words = vec![0u64; MAX_CTAS * MK_TRACE_WORDS];
+    // SAFETY: a fresh allocation, zeroed, used by one call, read back after the stream
+    // finished it, then freed.
+    unsafe {
+        let buf = cu::malloc_sync(bytes).map_err(|e| cuda::cuda_err("cuMemAlloc", e))?;
+        let run = (|| -> Result<()> {
+            cu::memset_d8_sync(buf, 0, bytes).map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
+            comm.bootstrap.barrier()?;
+            call(buf)?;
+            cu::stream::synchronize(stream).map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+            cu::memcpy_dtoh_sync(&mut words, buf).map_err(|e| cuda::cuda_err("cuMemcpyDtoH", e))
+        })();
+        cu::free_sync(buf).map_err(|e| cuda::cuda_err("cuMemFree", e))?;
+        run?;
+    }
+    let ctas: Vec<&[u64]> = words.chunks(MK_TRACE_WORDS).filter(|w| w[0] != 0).collect();
+    let first = ctas.iter().map(|w| w[0]).min().unwrap_or(0);
+    let all = comm.bootstrap.allgather(&first.to_le_bytes())?;
+    let earliest = all.iter().map(|v| u64::from_le_bytes(v[..8].try_into().expect("8 bytes"))).min().unwrap_or(first);
+    let last = ctas.iter().map(|w| w[3]).max().unwrap_or(first);
+    let latest_start = ctas.iter().map(|w| w[0]).max().unwrap_or(first);
+    let us = |ns: u64| ns as f64 / 1e3;
+    let med_max = |mut v: Vec<u64>| -> (f64, f64) {
+        v.sort_unstable();
+        if v.is_empty() { (0.0, 0.0) } else { (us(v[v.len() / 2]), us(v[v.len() - 1])) }
+    };
+    let mut line = format!(
+        "trace {label} rank {}: kernel {:.1} µs, started {:.1} µs after the earliest rank, CTA starts spread over {:.1} µs",
+        comm.rank,
+        us(last.saturating_sub(first)),
+        us(first - earliest),
+        us(latest_start - first)
+    );
+    for (role, name) in [(0u64, "compute"), (1, "comm")] {
+        let r: Vec<&&[u64]> = ctas.iter().filter(|w| w[7] >> 32 == role).collect();
+        if r.is_empty() {
+            continue;
+        }
+        let (setup, _) = med_max(r.iter().map(|w| w[1].saturating_sub(w[0])).collect());
+        let (work, work_max) = med_max(r.iter().map(|w| w[2].saturating_sub(w[1])).collect());
+        let (wait, wait_max) = med_max(r.iter().map(|w| w[4]).collect());
+        let (tail, _) = med_max(r.iter().map(|w| last.saturating_sub(w[2])).collect());
+        let moved: u64 = r.iter().map(|w| w[5]).sum();
+        let items: u64 = r.iter().map(|w| w[6]).sum();
+        let busy: Vec<u64> = r.iter().filter(|w| w[5] > 0).map(|w| (w[2].saturating_sub(w[1])).saturating_sub(w[4]).max(1)).collect();
+        let rate = if busy.is_empty() { 0.0 } else { moved as f64 / busy.iter().sum::<u64>() as f64 };
+        line += &format!(
+            "\n    {name:>7}: {} CTAs, setup {setup:.1} µs, work {work:.1} (max {work_max:.1}) µs, waits {wait:.1} (max {wait_max:.1}) µs, \
+             idle at the end {tail:.1} µs, {items} items",
+            r.len()
+        );
+        if moved > 0 {
+            line += &format!(", {:.1} MB moved at {rate:.1} GB/s per CTA outside waits", moved as f64 / 1e6);
+        }
+    }
+    println!("{line}");
+    Ok(())
+}

@@ -1,7 +1,7 @@
 //! `mkbench gemm_rs` and `mkbench gemm_ar`: mkGemmReduceScatter / mkGemmAllReduce beside
 //! the unfused sequences they replace, in the same run:
 //!
-//!   mkbench gemm_rs [-g ranks] [--m 1024,4096,16384] [--nk 8192x1024,8192x3584] [-n iters] [-w warmup]
+//!   mkbench gemm_rs [-g ranks] [--m 1024,4096,16384] [--nk 8192x1024,8192x3584] [-n iters] [-w warmup] [--trace]
 //!   mkbench gemm_ar [-g ranks] [--m 1,16,64,256,2048,8192,16384] [--nk ...]
 //!
 //! Per shape: the fused op; our GEMM then mkReduceScatter / mkAllReduce; cuBLASLt then the
@@ -10,7 +10,7 @@
 //! slowest rank's. TFLOP/s per rank = 2·M·N·K / t. bf16.
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, parse_list, parse_pairs, timed_slowest};
+use crate::fused_common::{bad, common_flag, print_trace, parse_list, parse_pairs, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -19,7 +19,7 @@ use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, Result};
 use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::ops::gemm as engine;
-use mkernel::ops::gemm_reduce::{gemm_reduce, validate, Reduction};
+use mkernel::ops::gemm_reduce::{gemm_reduce, validate, GemmReduceArgs, Reduction};
 use mkernel::testing::TestBuffer;
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 use std::time::Duration;
@@ -30,6 +30,7 @@ struct Options {
     nk: Vec<(usize, usize)>,
     iters: usize,
     warmup: usize,
+    trace: bool,
 }
 
 fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
@@ -42,9 +43,15 @@ fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
         nk: vec![(8192, 1024), (8192, 3584)],
         iters: 10,
         warmup: 3,
+        trace: false,
     };
     let mut i = 0;
     while i < args.len() {
+        if args[i] == "--trace" {
+            o.trace = true;
+            i += 1;
+            continue;
+        }
         let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
         match args[i].as_str() {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
@@ -137,6 +144,11 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
             let t_blas = timed(&cublas)?;
             let t_ours = timed(&ours)?;
             let t_coll = timed(&coll)?;
+            if o.trace {
+                print_trace(&comm, stream, &format!("{label} M {m} N {nn} K {kk}"), &|buf| {
+                    gemm_reduce(&comm, &GemmReduceArgs { trace: buf, ..args }, stream)
+                })?;
+            }
             let err = comm.async_error();
             all_ok &= err == mkResult_t::mkSuccess;
             if rank == 0 {

@@ -103,11 +103,12 @@ fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize) -> Result<
     let (mut checks, mut failures) = (0, 0);
     for scatter in [true, false] {
         for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
-            // (M, N, K): decode-sized and odd M (AllReduce), shards off the tile grid.
+            // (M, N, K): decode-sized and odd M (AllReduce, one-shot), shards off the tile
+            // grid; M = n·384 and n·256 take the two-phase AllReduce when n > 1.
             let shapes: Vec<(usize, usize, usize)> = if scatter {
                 vec![(n * 97, 264, 72), (n * 128, 520, 136), (n * 333, 776, 264)]
             } else {
-                vec![(1, 264, 72), (7, 520, 136), (64, 1032, 256), (255, 776, 264), (n * 200 + 3, 392, 200)]
+                vec![(1, 264, 72), (7, 520, 136), (64, 1032, 256), (255, 776, 264), (n * 200 + 3, 392, 200), (n * 384, 776, 264), (n * 256, 1032, 136)]
             };
             for (m, cols, k) in shapes {
                 let case = Case::new(scatter, dtype, m, cols, k, n, rank)?;
@@ -152,11 +153,13 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let stream = Stream::new()?;
     let rs = Case::new(true, mkDataType_t::mkBfloat16, n * 160, 392, 200, n, rank)?;
     let ar = Case::new(false, mkDataType_t::mkFloat16, 33, 264, 136, n, rank)?;
+    let ar2 = Case::new(false, mkDataType_t::mkBfloat16, n * 384, 264, 136, n, rank)?; // two-phase when n > 1
     rs.prepare(1)?;
     ar.prepare(2)?;
+    ar2.prepare(3)?;
     // SAFETY: capture on a live non-default stream; the launches are our ops.
     unsafe { cuda::check("cuStreamBeginCapture", sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))? };
-    let launched = [rs.launch(comm, stream.0), ar.launch(comm, stream.0)];
+    let launched = [rs.launch(comm, stream.0), ar.launch(comm, stream.0), ar2.launch(comm, stream.0)];
     let mut graph: sys::CUgraph = std::ptr::null_mut();
     // SAFETY: ends the capture begun above.
     cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
@@ -170,13 +173,14 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     for replay in 0..3u64 {
         rs.prepare(10 + replay)?;
         ar.prepare(20 + replay)?;
+        ar2.prepare(40 + replay)?;
         // SAFETY: instantiated graph, live stream.
         cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
         stream.sync()?;
         if async_error(comm) != mkResult_t::mkSuccess {
             return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
         }
-        for c in [&rs, &ar] {
+        for c in [&rs, &ar, &ar2] {
             let (ok, detail, _) = c.verify()?;
             if !ok {
                 failures += 1;

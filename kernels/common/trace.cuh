@@ -1,0 +1,40 @@
+// Where each CTA of a fused kernel spends its time, for `mkbench --trace` (the C API
+// always passes trace = 0, and every call below is then one predictable branch).
+// Per CTA, MK_TRACE_WORDS u64 at trace + blockIdx.x * MK_TRACE_WORDS:
+//   0 start (%globaltimer ns)   1 after the setup every CTA does (e.g. own rows copied)
+//   2 role's work done          3 end (after the end-of-kernel handshake)
+//   4 ns spent in waits         5 bytes moved by the role (reads + writes)
+//   6 work items (tiles, chunks)  7 SM id | role << 32 (0 compute, 1 communication)
+// Thread 0 writes it; in a GEMM CTA thread 0 is also the TMA producer, which does the waits.
+#pragma once
+#include <stdint.h>
+#include "mk_kernel_abi.h"
+#include "signals.cuh"
+
+enum MkTraceSlot { MK_TR_START = 0, MK_TR_SETUP = 1, MK_TR_ROLE = 2, MK_TR_END = 3, MK_TR_WAIT = 4, MK_TR_BYTES = 5,
+                   MK_TR_ITEMS = 6, MK_TR_SM = 7 };
+
+__device__ __forceinline__ uint64_t* mk_trace_slot(uint64_t trace, int slot) {
+  return reinterpret_cast<uint64_t*>(trace) + (size_t)blockIdx.x * MK_TRACE_WORDS + slot;
+}
+// Thread 0: records the time now in `slot`.
+__device__ __forceinline__ void mk_trace_time(uint64_t trace, int slot) {
+  if (trace == 0 || threadIdx.x != 0) return;
+  *mk_trace_slot(trace, slot) = mk_globaltimer();
+}
+// Thread 0, first thing in the kernel: start time, SM, role; counters zeroed.
+__device__ __forceinline__ void mk_trace_begin(uint64_t trace, bool communication_role) {
+  if (trace == 0 || threadIdx.x != 0) return;
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  *mk_trace_slot(trace, MK_TR_SM) = sm | ((uint64_t)communication_role << 32);
+  *mk_trace_slot(trace, MK_TR_WAIT) = 0;
+  *mk_trace_slot(trace, MK_TR_BYTES) = 0;
+  *mk_trace_slot(trace, MK_TR_ITEMS) = 0;
+  *mk_trace_slot(trace, MK_TR_START) = mk_globaltimer();
+}
+// Thread 0: adds `v` to a counter slot.
+__device__ __forceinline__ void mk_trace_add(uint64_t trace, int slot, uint64_t v) {
+  if (trace == 0 || threadIdx.x != 0) return;
+  *mk_trace_slot(trace, slot) += v;
+}
