@@ -29,6 +29,12 @@ namespace mk { namespace ag_gemm {
 
 using namespace mk::gemm;
 
+// When every rank's rows are whole 128-row blocks, no tile mixes two ranks' rows, so the
+// tiles of this rank's own rows load them from the caller's A in place (tma_a_local) and
+// the own rows are never copied into the gathered buffer. Otherwise a block can straddle
+// two shards and the own rows are copied there first (copy_own_rows).
+__device__ __forceinline__ bool own_rows_in_place(const AgGemmParams& p) { return p.rows_per_rank % 128 == 0; }
+
 // `threads` threads (this one is `tid`) copy `bytes` (a multiple of 16) from src to dst,
 // IN_FLIGHT 16-byte loads per thread before the first store (latency-bound otherwise).
 template <int IN_FLIGHT>
@@ -51,6 +57,11 @@ __device__ __forceinline__ void cta_copy(char* dst, const char* src, size_t byte
   copy_vectors<8>(dst, src, bytes, threadIdx.x, blockDim.x);
 }
 
+// Registers of the GEMM's producer warpgroup, whose three idle warps push: ptxas spills
+// the push loop below 80 (measured: 40, 56, 64 all spill); the consumers keep 216, which
+// BN = 256 fits without spills (tests/kernels.rs checks both).
+constexpr int kProducerRegs = 80;
+
 // The threads that push: a whole dedicated CTA, or the three side warps of a GEMM CTA.
 struct WholeCta {
   static constexpr int IN_FLIGHT = 8;
@@ -58,7 +69,7 @@ struct WholeCta {
   __device__ static void sync() { __syncthreads(); }
 };
 struct SideWarps {
-  static constexpr int IN_FLIGHT = 8;  // the producer warpgroup's 40-register budget
+  static constexpr int IN_FLIGHT = 8;  // within the producer warpgroup's register budget (kProducerRegs)
   __device__ static int and_all(int v) { return named_barrier_and(3, 96, v); }
   __device__ static void sync() { named_barrier_sync(3, 96); }
 };
@@ -111,9 +122,12 @@ __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoc
   if (p.gathered_out == 0) return true;
   const char* own = reinterpret_cast<const char*>(ws.data[me]) + p.gathered_offset;
   for (int src = 0; src < n; ++src) {
+    // Rows read in place: from A itself, nothing to wait for.
+    const bool from_a = src == me && own_rows_in_place(p);
+    const char* from = from_a ? reinterpret_cast<const char*>(p.a_local) - (size_t)me * p.rows_per_rank * row_bytes : own;
     for (int c = 0; c < chunks; ++c) {
       int ok = 1;
-      if (tid == 0)
+      if (tid == 0 && !from_a)
         ok = mk_wait_geq_inline(ws, mk_signal_word(ws, me, AGG_CHUNK + src * MK_AG_GEMM_MAX_CHUNKS + c), epoch, src,
                                 MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
       if (!Team::and_all(ok)) return false;
@@ -121,7 +135,7 @@ __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoc
       const size_t bytes = (size_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
       const size_t slice = (bytes / 16 + parts - 1) / parts * 16;
       const size_t begin = first + min(bytes, (size_t)part * slice), end = first + min(bytes, (size_t)(part + 1) * slice);
-      copy_vectors<Team::IN_FLIGHT>(reinterpret_cast<char*>(p.gathered_out) + begin, own + begin, end - begin, tid, threads);
+      copy_vectors<Team::IN_FLIGHT>(reinterpret_cast<char*>(p.gathered_out) + begin, from + begin, end - begin, tid, threads);
     }
   }
   return true;
@@ -131,10 +145,12 @@ __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoc
 struct ChunkAWait {
   struct Params {
     const AgGemmParams* op;  // the __grid_constant__ kernel parameter (no local copy)
+    const CUtensorMap* tma_a_local;  // this rank's rows in place (the caller's A)
     uint64_t epoch;
   };
   __device__ static void before_a_load(const Params& w, int, int row0, int rows) {
     const AgGemmParams& p = *w.op;
+    if (own_rows_in_place(p) && row0 / p.rows_per_rank == p.ws.rank) return;  // read from A itself
     const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
     const int end = min(row0 + rows, p.m);
     for (int r = row0; r < end;) {
@@ -149,6 +165,15 @@ struct ChunkAWait {
     fence_proxy_async_global();  // the peers' generic-proxy stores, then our TMA loads
     if (p.trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(p.trace, MK_TR_WAIT)), mk_globaltimer() - t0);
   }
+  __device__ static const CUtensorMap* a_source(const Params& w, const CUtensorMap* tma_a, int m_row0, int& row) {
+    const AgGemmParams& p = *w.op;
+    if (own_rows_in_place(p) && m_row0 / p.rows_per_rank == p.ws.rank) {
+      row = m_row0 - p.ws.rank * p.rows_per_rank;
+      return w.tma_a_local;
+    }
+    row = m_row0;
+    return tma_a;
+  }
   // Without dedicated communication CTAs, the side warps of every GEMM CTA push.
   __device__ static void side_work(const Params& w, int thread) {
     const AgGemmParams& p = *w.op;
@@ -156,10 +181,10 @@ struct ChunkAWait {
   }
 };
 
-// Whole grid: every CTA copies its slice of this rank's rows into the own gathered buffer;
-// the last to finish raises the own-row chunk flags. The GEMM starts on these rows, so
-// they must not wait for the few push CTAs.
+// Whole grid, only when blocks straddle shards: every CTA copies its slice of this rank's
+// rows into the own gathered buffer; the last to finish raises the own-row chunk flags.
 __device__ __forceinline__ void copy_own_rows(const AgGemmParams& p, uint64_t epoch) {
+  if (own_rows_in_place(p)) return;
   const WorkspaceView& ws = p.ws;
   const size_t row_bytes = (size_t)p.k * 2;
   const size_t total = (size_t)p.rows_per_rank * row_bytes;  // a multiple of 16
@@ -180,9 +205,9 @@ __device__ __forceinline__ void copy_own_rows(const AgGemmParams& p, uint64_t ep
 }
 
 template <typename T, int BN>
-__device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
-                                        const AgGemmParams& p) {
-  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value>;
+__device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_a_local,
+                                        const CUtensorMap* tma_b, const CUtensorMap* tma_c, const AgGemmParams& p) {
+  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value, SHARE_NONE, kProducerRegs>;
   using Epi = TmaStoreEpilogue;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
@@ -198,7 +223,8 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
     sched.tiles_n = (p.n + BN - 1) / BN;
     sched.group_m = p.group_m > 0 ? p.group_m : 1;
     sched.m_block_base = p.m_block_base;
-    typename ChunkAWait::Params await{&p, epoch};
+    sched.owners = 1;
+    typename ChunkAWait::Params await{&p, tma_a_local, epoch};
     typename Epi::Params epi;
     epi.dest.tma_c = tma_c;
     epi.signal.unused = 0;
@@ -222,9 +248,10 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
 
 #define MK_AG_GEMM_ENTRY(NAME, T, BN)                                                                  \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                \
-      NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,      \
-           const __grid_constant__ CUtensorMap tma_c, const __grid_constant__ AgGemmParams p) {       \
-    mk::ag_gemm::ag_gemm<T, BN>(&tma_a, &tma_b, &tma_c, p);                                           \
+      NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a_local, \
+           const __grid_constant__ CUtensorMap tma_b, const __grid_constant__ CUtensorMap tma_c,      \
+           const __grid_constant__ AgGemmParams p) {                                                  \
+    mk::ag_gemm::ag_gemm<T, BN>(&tma_a, &tma_a_local, &tma_b, &tma_c, p);                             \
   }
 
 MK_AG_GEMM_ENTRY(mk_ag_gemm_bf16_bn256, __nv_bfloat16, 256)

@@ -39,6 +39,7 @@ __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUten
   if (SHARE == SHARE_A) sched.tiles_n = (sched.tiles_n + 1) / 2;
   sched.group_m = group_m > 0 ? group_m : 1;
   sched.m_block_base = 0;
+  sched.owners = 1;
   NoAWait::Params await{0};
   typename Epi::Params epi;
   if constexpr (TMA_EPI) {

@@ -57,36 +57,57 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
   return out;
 }
 
-// Thread q (< nranks) waits for rank q's slabs of tile `tc` that hold rows [r0, r1); every
-// thread learns whether all waits succeeded.
+// The threads that reduce: a whole dedicated CTA, or the two consumer warpgroups of a GEMM
+// CTA after its last tile (named barrier 4; the producer warpgroup has 40 registers).
+struct WholeCta {
+  __device__ static int tid() { return threadIdx.x; }
+  __device__ static int threads() { return blockDim.x; }
+  __device__ static int and_all(int v) { return __syncthreads_and(v); }
+  __device__ static void sync() { __syncthreads(); }
+};
+struct Consumers {
+  __device__ static int tid() { return threadIdx.x - 128; }
+  __device__ static int threads() { return 256; }
+  __device__ static int and_all(int v) { return named_barrier_and(4, 256, v); }
+  __device__ static void sync() { named_barrier_sync(4, 256); }
+};
+
+// One thread of a team: adds to a trace counter (the producer thread may add too).
+__device__ __forceinline__ void trace_add(uint64_t trace, int slot, uint64_t v) {
+  if (trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(trace, slot)), (unsigned long long)v);
+}
+
+// Team thread q (< nranks) waits for rank q's slabs of tile `tc` that hold rows [r0, r1);
+// every thread learns whether all waits succeeded.
+template <class Team>
 __device__ __forceinline__ bool wait_partials(const GemmReduceParams& p, uint64_t epoch, const TileCoord& tc, int r0, int r1) {
   const WorkspaceView& ws = p.ws;
   const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
   int ok = 1;
-  const int q = threadIdx.x;
+  const int q = Team::tid();
   if (q < ws.nranks) {
     for (int slab = 0; slab < 2; ++slab) {
       const int s0 = tc.m_block * 128 + slab * 64;
       if (s0 >= r1 || s0 + 64 <= r0) continue;
       const uint64_t* f = mk_signal_word(ws, q, GR_TILE + ((uint32_t)tc.m_block * p.tiles_n + tc.n_block) * 2 + slab);
-      ok &= mk_wait_geq(ws, f, epoch, q, MK_WAIT_OP_FLAG, p.op);
+      ok &= mk_wait_geq_inline(ws, f, epoch, q, MK_WAIT_OP_FLAG, p.op);  // inlined: no calls in the GEMM warps (ptxas)
     }
   }
-  ok = __syncthreads_and(ok);
-  if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+  ok = Team::and_all(ok);
+  if (Team::tid() == 0) trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
   return ok != 0;
 }
 
 // Sums rows [r0, r1) x columns [c0, c1) of every rank's partial in rank order 0..n-1 (the
 // same order on every rank) and writes them to C (at row - out_row0) and, when
 // `reduced` is set, to the same place in this rank's R.
-template <typename T>
+template <typename T, class Team>
 __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, int r0, int r1, int c0, int c1, char* reduced) {
   const WorkspaceView& ws = p.ws;
   const int vpr = (c1 - c0) / 8;  // N % 8 == 0: 16-byte vectors never straddle a row end
   const int nvec = (r1 - r0) * vpr;
-  if (p.trace) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (ws.nranks + (reduced ? 2 : 1)));
-  for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+  if (Team::tid() == 0) trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (ws.nranks + (reduced ? 2 : 1)));
+  for (int v = Team::tid(); v < nvec; v += Team::threads()) {
     const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
     const size_t off = ((size_t)r * p.n + col) * sizeof(T);
     // Every rank's vector is loaded before the first add (latency-bound otherwise).
@@ -105,19 +126,19 @@ __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, int r0, 
 }
 
 // One-shot (ReduceScatter, small-M AllReduce): every tile holding rows this rank writes is
-// reduced here, in the compute order.
-template <typename T, int BN>
-__device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j) {
+// reduced, in the compute order; this team takes tiles j, j + stride, ...
+template <typename T, int BN, class Team>
+__device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
   const int tiles_m = (p.m + 127) / 128;
   const int total = tiles_m * p.tiles_n;
   const int lo_block = p.row_lo / 128, hi_block = (p.row_hi - 1) / 128;
-  for (int t = j; t < total; t += p.reduce_ctas) {
-    const TileCoord tc = grouped_tile(tiles_m, p.tiles_n, p.group_m, t);
+  for (int t = j; t < total; t += stride) {
+    const TileCoord tc = interleaved_tile(tiles_m, p.tiles_n, p.group_m, p.interleave, t);
     if (tc.m_block < lo_block || tc.m_block > hi_block) continue;
     const int r0 = max(tc.m_block * 128, p.row_lo), r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
-    if (!wait_partials(p, epoch, tc, r0, r1)) return false;
-    if (p.trace) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-    sum_partials<T>(p, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), nullptr);
+    if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
+    if (Team::tid() == 0) trace_add(p.trace, MK_TR_ITEMS, 1);
+    sum_partials<T, Team>(p, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), nullptr);
   }
   return true;
 }
@@ -127,40 +148,44 @@ __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t
 // owner's R once the owner has flagged it. One rank computes each sum, so every rank's C
 // is bitwise identical; each rank reads n·M/n + (n−1)·M/n rows instead of the one-shot's
 // n·M.
-template <typename T, int BN>
-__device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, uint64_t epoch, int j) {
+template <typename T, int BN, class Team>
+__device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
   const WorkspaceView& ws = p.ws;
   const int tiles_m = (p.m + 127) / 128;
   const int total = tiles_m * p.tiles_n;
   const int blocks_per_rank = p.rows_per_rank / 128;
   const int lo_block = ws.rank * blocks_per_rank, hi_block = lo_block + blocks_per_rank - 1;
   char* reduced = reinterpret_cast<char*>(ws.data[ws.rank]) + p.reduced_offset;
-  for (int t = j; t < total; t += p.reduce_ctas) {
-    const TileCoord tc = grouped_tile(tiles_m, p.tiles_n, p.group_m, t);
+  for (int t = j; t < total; t += stride) {
+    const TileCoord tc = interleaved_tile(tiles_m, p.tiles_n, p.group_m, p.interleave, t);
     if (tc.m_block < lo_block || tc.m_block > hi_block) continue;
     const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
-    if (!wait_partials(p, epoch, tc, r0, r1)) return false;
-    if (p.trace) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-    sum_partials<T>(p, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), reduced);
-    __syncthreads();
-    if (threadIdx.x == 0)
+    if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
+    if (Team::tid() == 0) trace_add(p.trace, MK_TR_ITEMS, 1);
+    sum_partials<T, Team>(p, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), reduced);
+    Team::sync();
+    if (Team::tid() == 0)
       mk_signal_store(mk_signal_word(ws, ws.rank, GR_TILE + 2 * total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block), epoch);
   }
-  for (int t = j; t < total; t += p.reduce_ctas) {
-    const TileCoord tc = grouped_tile(tiles_m, p.tiles_n, p.group_m, t);
+  for (int t = j; t < total; t += stride) {
+    const TileCoord tc = interleaved_tile(tiles_m, p.tiles_n, p.group_m, p.interleave, t);
     const int owner = tc.m_block / blocks_per_rank;
     if (owner == ws.rank) continue;
     const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
-    const uint64_t* f = mk_signal_word(ws, owner, GR_TILE + 2 * total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block);
-    if (!mk_cta_wait(ws, f, epoch, owner, MK_WAIT_OP_FLAG, p.op)) return false;
-    if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+    int ok = 1;
+    if (Team::tid() == 0) {
+      const uint64_t* f = mk_signal_word(ws, owner, GR_TILE + 2 * total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block);
+      ok = mk_wait_geq_inline(ws, f, epoch, owner, MK_WAIT_OP_FLAG, p.op);
+      trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+    }
+    if (!Team::and_all(ok)) return false;
     const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
     const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
     const int vpr = (c1 - c0) / 8;
     const int nvec = (r1 - r0) * vpr;
-    if (p.trace) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 32);
+    if (Team::tid() == 0) trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 32);
     const char* src = reinterpret_cast<const char*>(ws.data[owner]) + p.reduced_offset;
-    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+    for (int v = Team::tid(); v < nvec; v += Team::threads()) {
       const size_t off = ((size_t)(r0 + v / vpr) * p.n + c0 + (v % vpr) * 8) * sizeof(T);
       *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.c) + off) = *reinterpret_cast<const int4*>(src + off);
     }
@@ -168,11 +193,33 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
   return true;
 }
 
+template <typename T, int BN, class Team>
+__device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
+  return p.two_phase ? reduce_then_gather<T, BN, Team>(p, epoch, j, stride) : reduce_tiles<T, BN, Team>(p, epoch, j, stride);
+}
+
+// Without dedicated reduction CTAs, the GEMM CTAs reduce: each CTA's two consumer
+// warpgroups (256 threads, the full register budget) run the reduction once their last
+// tile is stored and signalled, CTA c taking tiles c, c + grid, ... The GEMM keeps every
+// SM; the reduction overlaps only the GEMM's last wave (CTAs finish at different times).
+template <typename T, int BN>
+struct ReduceAfterGemm : TmaEpilogue<LocalDest, TmaStoreOp, EpochTileSignal> {
+  using Base = TmaEpilogue<LocalDest, TmaStoreOp, EpochTileSignal>;
+  struct Params : Base::Params {
+    const GemmReduceParams* op;
+    uint64_t epoch;
+  };
+  __device__ static void finish(const Params& p, const SlabInfo& s) {
+    Base::finish(p, s);  // this warpgroup's last slab stored and signalled
+    if (p.op->reduce_ctas == 0) reduce<T, BN, Consumers>(*p.op, p.epoch, blockIdx.x, gridDim.x);
+  }
+};
+
 template <typename T, int BN>
 __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_p,
                                             const GemmReduceParams& p) {
   using Cfg = GemmConfig<T, BN, FusedStages<BN>::value>;
-  using Epi = TmaEpilogue<LocalDest, TmaStoreOp, EpochTileSignal>;
+  using Epi = ReduceAfterGemm<T, BN>;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
@@ -189,21 +236,21 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
       sched.tiles_n = p.tiles_n;
       sched.group_m = p.group_m > 0 ? p.group_m : 1;
       sched.m_block_base = 0;
+      sched.owners = p.interleave;
       NoAWait::Params await{0};
       typename Epi::Params epi;
       epi.dest.tma_c = tma_p;
       epi.signal.flags = mk_signal_word(ws, ws.rank, GR_TILE);
       epi.signal.tiles_n = p.tiles_n;
       epi.signal.epoch = epoch;
-      gemm_persistent<Cfg, GroupedRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
+      epi.op = &p;
+      epi.epoch = epoch;
+      gemm_persistent<Cfg, OwnerInterleavedRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
                                                          blockIdx.x, p.compute_ctas, smem);
     }
   } else {
     mk_trace_time(p.trace, MK_TR_SETUP);
-    if (p.two_phase)
-      reduce_then_gather<T, BN>(p, epoch, blockIdx.x - p.compute_ctas);
-    else
-      reduce_tiles<T, BN>(p, epoch, blockIdx.x - p.compute_ctas);
+    reduce<T, BN, WholeCta>(p, epoch, blockIdx.x - p.compute_ctas, p.reduce_ctas);
   }
   if (p.trace) {
     __syncthreads();  // a GEMM CTA's thread 0 (the producer) finishes before its consumers

@@ -261,7 +261,9 @@ pub struct GemmReduceParams {
     pub reduced_offset: u64,
     /// Rows each rank owns in the two-phase path (a multiple of 128).
     pub rows_per_rank: i32,
-    pub reserved: i32,
+    /// Compute and reduction walk the row blocks of this many equal owner shards
+    /// interleaved (kernels/common/gemm/scheduler.cuh OwnerInterleavedRaster); 1: in order.
+    pub interleave: i32,
 }
 
 /// u64 words per CTA in a fused kernel's trace buffer (layout in kernels/common/trace.cuh).

@@ -16,7 +16,8 @@ pub const ONE_SHOT_MAX_M: usize = 256;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum GemmArPlan {
-    /// Every rank reads every partial: `reduce_ctas` read-and-sum, the rest compute.
+    /// Every rank reads every partial: `reduce_ctas` dedicated CTAs read and sum while the
+    /// rest compute, or (0) the GEMM CTAs do it after their last tile.
     OneShot { compute_ctas: u32, reduce_ctas: u32 },
     /// Reduce-scatter by owner chunks, then all-gather of reduced chunks.
     TwoPhase(gemm_rs::GemmRsPlan),
@@ -34,14 +35,13 @@ pub fn plan(m: usize, n: usize, k: usize, nranks: usize, rank: usize, grid_ctas:
     // One-shot: validate N and K with the same rules, ignoring M's divisibility.
     gemm_rs::validate(&GemmRsShape { m: nranks, ..shape })?;
     let reduce_ctas = match comm_override {
-        Some(c) if c >= 1 && c < grid_ctas => c,
-        Some(c) => {
+        None | Some(0) => 0,
+        Some(c) if c >= grid_ctas => {
             return Err(crate::error::MkError::invalid_argument(format!(
-                "reduction CTAs = {c} must be in [1, {grid_ctas}) for a grid of {grid_ctas} CTAs"
+                "reduction CTAs = {c} must be below the grid of {grid_ctas} CTAs (0: the GEMM CTAs reduce after their tiles)"
             )))
         }
-        // Small M: few tiles, so many CTAs are idle anyway; give reduction a third.
-        None => (grid_ctas / 3).clamp(1, 64),
+        Some(c) => c,
     };
     Ok(GemmArPlan::OneShot { compute_ctas: grid_ctas - reduce_ctas, reduce_ctas })
 }
@@ -74,6 +74,7 @@ mod tests {
     fn bad_n_or_k_is_rejected_on_both_paths() {
         assert!(plan(16, 60, 1024, 4, 0, 132, None).is_err());
         assert!(plan(8192, 8192, 12, 4, 0, 132, None).is_err());
-        assert!(plan(16, 64, 64, 4, 0, 132, Some(0)).is_err());
+        assert!(plan(16, 64, 64, 4, 0, 132, Some(132)).is_err());
+        assert_eq!(plan(16, 64, 64, 4, 0, 132, Some(11)).unwrap(), GemmArPlan::OneShot { compute_ctas: 121, reduce_ctas: 11 });
     }
 }

@@ -85,6 +85,19 @@ pub fn validate(reduction: Reduction, a: u64, b: u64, c: u64, m: usize, n: usize
     Ok(GemmReduceArgs { a, b, c, m, n, k, dtype, reduction, trace: 0 })
 }
 
+/// Owner shards whose row blocks compute and reduction interleave: every destination
+/// rank when each owns whole 128-row blocks (ReduceScatter, two-phase AllReduce), so all
+/// owners reduce while the GEMM runs; 1 (rows in order) otherwise, and for the one-shot
+/// AllReduce, where every rank reduces every tile anyway.
+pub fn interleave_owners(reduction: Reduction, two_phase: bool, m: usize, nranks: usize) -> usize {
+    let owner_blocks = m % nranks == 0 && (m / nranks) % ROW_BLOCK == 0;
+    if nranks > 1 && owner_blocks && (reduction == Reduction::Scatter || two_phase) {
+        nranks
+    } else {
+        1
+    }
+}
+
 /// Validated call on `comm`: plan, launch (stream-ordered, no host sync).
 pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) -> Result<()> {
     comm.check_usable()?;
@@ -154,7 +167,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         trace: args.trace,
         reduced_offset: ws.view.data_bytes + (m * n * 2) as u64,
         rows_per_rank: (m / nranks) as i32,
-        reserved: 0,
+        interleave: interleave_owners(args.reduction, two_phase, m, nranks) as i32,
     };
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
     let f = cuda::function("gemm_reduce", &format!("mk_gemm_reduce_{dt}_bn{bn}"))?;
@@ -177,6 +190,15 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn owners_interleave_only_on_whole_row_blocks() {
+        assert_eq!(interleave_owners(Reduction::Scatter, false, 4096, 4), 4);
+        assert_eq!(interleave_owners(Reduction::Scatter, false, 4 * 97, 4), 1);
+        assert_eq!(interleave_owners(Reduction::All, true, 8192, 8), 8);
+        assert_eq!(interleave_owners(Reduction::All, false, 8192, 8), 1);
+        assert_eq!(interleave_owners(Reduction::Scatter, false, 4096, 1), 1);
+    }
 
     #[test]
     fn rules_are_named() {

@@ -2,20 +2,26 @@
 //!
 //! Every rank computes P = A·Bᵀ over its K slice; rank o owns rows [o·M/n, (o+1)·M/n) of
 //! the sum. Compute CTAs store partial tiles in their own workspace (no remote stores in
-//! the epilogue: Hopper's TMA pipeline stalls on them, PEERS.md) and raise a signal per
-//! (owner, chunk); reduction CTAs on each owner pull that chunk's partials from every rank
-//! once all are signalled, sum them in fp32 in rank order (the same on every run) and
-//! write C. Tiles are ordered chunk-major, owners rotated by rank, so every owner gets its
-//! first chunk early and the traffic at any moment is spread over all owners.
+//! the epilogue: Hopper's TMA pipeline stalls on them, PEERS.md) and raise a flag per
+//! 64-row slab; the reduction on each owner pulls a tile's partials from every rank once
+//! all are flagged, sums them in fp32 in rank order (the same on every run) and writes C.
+//! Every rank computes the tiles in the same order, the owners' row blocks interleaved
+//! (block 0 of every owner, then block 1, …; `tile_order`), so every owner's reduction
+//! can start early and the traffic is spread over all owners.
+//!
+//! Two designs for who reduces, both in kernels/gemm_reduce.cu, chosen here:
+//! - after the GEMM (default, `reduce_ctas` = 0): every CTA computes; each CTA's consumer
+//!   warpgroups reduce once its own last tile is stored, so the reduction overlaps the
+//!   GEMM's last wave and the GEMM keeps every SM;
+//! - dedicated reduction CTAs (`MK_COMM_SMS` = c ≥ 1): c CTAs reduce while the others
+//!   compute, overlapping the whole GEMM but taking c SMs from it.
+//! Measured on one H200 with ranks sharing it (benches/RESULTS.md, 2026-12-02, session 2):
+//! the dedicated CTAs spent 40–75% of their time waiting for tiles, and their SMs cost the
+//! GEMM more than the overlap gained; the default is the faster one there.
 
 use crate::error::{MkError, Result};
 
 pub use super::ag_gemm::ROW_BLOCK;
-/// Chunks per owner shard, at most: reduction pipelines against compute at this grain.
-pub const MAX_CHUNKS_PER_OWNER: usize = 16;
-/// Bytes/s one reduction CTA pulls and sums (reads of peers' partials over NVLink).
-pub const REDUCE_BYTES_PER_CTA_PER_S: f64 = 25e9;
-use super::ag_gemm::gemm_seconds;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmRsShape {
@@ -30,12 +36,19 @@ pub struct GemmRsShape {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GemmRsPlan {
     pub rows_per_rank: usize,
+    /// Dedicated reduction CTAs; 0: the GEMM CTAs reduce after their last tile.
     pub reduce_ctas: u32,
     pub compute_ctas: u32,
-    pub chunk_rows: usize,
-    pub chunks_per_owner: usize,
-    /// (owner, chunk) in the order this rank computes them.
-    pub order: Vec<(usize, usize)>,
+}
+
+/// The row blocks (m-block indexes) in the order every rank computes them and every owner
+/// reduces them: owners interleaved — block 0 of every owner's rows, then block 1, … —
+/// when each owns whole 128-row blocks (kernels/common/gemm/scheduler.cuh
+/// OwnerInterleavedRaster), else in row order.
+pub fn tile_order(m: usize, nranks: usize) -> Vec<usize> {
+    let tiles_m = m.div_ceil(ROW_BLOCK);
+    let interleave = nranks > 1 && m % nranks == 0 && (m / nranks) % ROW_BLOCK == 0;
+    (0..tiles_m).map(|l| if interleave { (l % nranks) * (tiles_m / nranks) + l / nranks } else { l }).collect()
 }
 
 pub fn validate(shape: &GemmRsShape) -> Result<()> {
@@ -58,38 +71,21 @@ pub fn validate(shape: &GemmRsShape) -> Result<()> {
 
 pub fn plan(shape: &GemmRsShape, grid_ctas: u32, reduce_override: Option<u32>) -> Result<GemmRsPlan> {
     validate(shape)?;
-    let GemmRsShape { m, n, k, nranks, rank } = *shape;
+    let GemmRsShape { m, nranks, .. } = *shape;
     let rows_per_rank = m / nranks;
-    if grid_ctas < 2 {
-        return Err(MkError::invalid_argument(format!(
-            "GEMM + ReduceScatter needs at least 2 CTAs (compute and reduce); the grid cap is {grid_ctas}"
-        )));
+    if grid_ctas < 1 {
+        return Err(MkError::invalid_argument("the grid cap (MK_MAX_CTAS) must be at least 1"));
     }
     let reduce_ctas = match reduce_override {
-        Some(c) if c == 0 || c >= grid_ctas => {
+        None | Some(0) => 0,
+        Some(c) if c >= grid_ctas => {
             return Err(MkError::invalid_argument(format!(
-                "reduction CTAs = {c} must be in [1, {grid_ctas}) for a grid of {grid_ctas} CTAs"
+                "reduction CTAs = {c} must be below the grid of {grid_ctas} CTAs (0: the GEMM CTAs reduce after their tiles)"
             )))
         }
         Some(c) => c,
-        None => {
-            // Read every rank's partial of our rows (2-byte elements) within half the GEMM.
-            let bytes = nranks as f64 * rows_per_rank as f64 * n as f64 * 2.0;
-            let gemm_s = gemm_seconds(m, n, k, grid_ctas);
-            let needed = (bytes / (REDUCE_BYTES_PER_CTA_PER_S * 0.5 * gemm_s.max(1e-9))).ceil() as u32;
-            needed.clamp(4, 64).min(grid_ctas / 2).max(1)
-        }
     };
-    let blocks = rows_per_rank.div_ceil(ROW_BLOCK).max(1);
-    let chunk_rows = blocks.div_ceil(MAX_CHUNKS_PER_OWNER) * ROW_BLOCK;
-    let chunks_per_owner = rows_per_rank.div_ceil(chunk_rows).max(1);
-    let mut order = Vec::with_capacity(nranks * chunks_per_owner);
-    for chunk in 0..chunks_per_owner {
-        for i in 1..=nranks {
-            order.push(((rank + i) % nranks, chunk));
-        }
-    }
-    Ok(GemmRsPlan { rows_per_rank, reduce_ctas, compute_ctas: grid_ctas - reduce_ctas, chunk_rows, chunks_per_owner, order })
+    Ok(GemmRsPlan { rows_per_rank, reduce_ctas, compute_ctas: grid_ctas - reduce_ctas })
 }
 
 #[cfg(test)]
@@ -108,44 +104,25 @@ mod tests {
     }
 
     #[test]
-    fn order_is_chunk_major_with_rotated_owners_and_covers_everything_once() {
-        let p = plan(&shape(4 * 4096, 8192, 1024, 4, 1), 132, None).unwrap();
-        assert_eq!(&p.order[..4], &[(2, 0), (3, 0), (0, 0), (1, 0)]);
-        let mut all = p.order.clone();
+    fn order_interleaves_owners_and_covers_every_block_once() {
+        let order = tile_order(4 * 512, 4);
+        assert_eq!(&order[..6], &[0, 4, 8, 12, 1, 5]);
+        let mut all = order.clone();
         all.sort();
-        all.dedup();
-        assert_eq!(all.len(), 4 * p.chunks_per_owner);
-        assert_eq!(p.order.len(), all.len());
-        // At every step the ranks write to different owners (no n-to-1 hot spot).
-        for step in 0..p.order.len() {
-            let owners: std::collections::BTreeSet<usize> = (0..4)
-                .map(|r| plan(&shape(4 * 4096, 8192, 1024, 4, r), 132, None).unwrap().order[step].0)
-                .collect();
-            assert_eq!(owners.len(), 4);
-        }
+        assert_eq!(all, (0..16).collect::<Vec<_>>());
+        // Shards off the block grid stay in row order.
+        assert_eq!(tile_order(3 * 100, 3), vec![0, 1, 2]);
+        assert_eq!(tile_order(1000, 1), (0..8).collect::<Vec<_>>());
     }
 
     #[test]
-    fn reduction_share_shrinks_as_k_grows() {
-        let thin = plan(&shape(4 * 1024, 8192, 1024, 4, 0), 132, None).unwrap();
-        let thick = plan(&shape(4 * 1024, 8192, 3584, 4, 0), 132, None).unwrap();
-        assert!(thin.reduce_ctas >= thick.reduce_ctas, "{thin:?} {thick:?}");
-        for p in [&thin, &thick] {
-            assert_eq!(p.reduce_ctas + p.compute_ctas, 132);
-            assert!(p.reduce_ctas >= 4 && p.reduce_ctas <= 64);
-        }
-        let small_grid = plan(&shape(4 * 1024, 8192, 1024, 4, 0), 6, None).unwrap();
-        assert_eq!(small_grid.reduce_ctas + small_grid.compute_ctas, 6);
-        assert!(small_grid.compute_ctas >= 3);
+    fn gemm_ctas_reduce_by_default_and_overrides_are_checked() {
+        let p = plan(&shape(4 * 1024, 8192, 1024, 4, 0), 132, None).unwrap();
+        assert_eq!((p.reduce_ctas, p.compute_ctas), (0, 132));
+        let p = plan(&shape(4 * 1024, 8192, 1024, 4, 0), 132, Some(14)).unwrap();
+        assert_eq!((p.reduce_ctas, p.compute_ctas), (14, 118));
+        assert!(plan(&shape(4 * 1024, 8192, 1024, 4, 0), 132, Some(132)).unwrap_err().message.contains("below the grid"));
+        assert_eq!(plan(&shape(4 * 1024, 8192, 1024, 4, 0), 1, None).unwrap().compute_ctas, 1);
     }
 
-    #[test]
-    fn chunks_cover_awkward_shards() {
-        for rows in [1, 127, 128, 129, 1000, 4096, 16384] {
-            let p = plan(&shape(rows * 3, 64, 64, 3, 0), 132, None).unwrap();
-            assert!(p.chunks_per_owner <= MAX_CHUNKS_PER_OWNER);
-            assert!(p.chunks_per_owner * p.chunk_rows >= rows);
-            assert!((p.chunks_per_owner - 1) * p.chunk_rows < rows);
-        }
-    }
 }

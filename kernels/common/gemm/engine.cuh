@@ -51,7 +51,10 @@ namespace mk { namespace gemm {
 // tiles (tiles_n/2 columns for SHARE_A, tiles_m/2 rows for SHARE_B, rounded up).
 constexpr int SHARE_NONE = 0, SHARE_A = 1, SHARE_B = 2;
 
-template <typename T_, int BN_, int STAGES_, int SHARE_ = SHARE_NONE>
+// PRODUCER_REGS_: registers of the producer warpgroup after setmaxnreg (the consumers get
+// what is left of the 64K, rounded down to a multiple of 8). 40 suits a lone TMA producer;
+// a fused kernel whose hook runs side work in the producer's idle warps takes more.
+template <typename T_, int BN_, int STAGES_, int SHARE_ = SHARE_NONE, int PRODUCER_REGS_ = 40>
 struct GemmConfig {
   using T = T_;
   static constexpr int SHARE = SHARE_;
@@ -62,8 +65,9 @@ struct GemmConfig {
   static constexpr int STAGES = STAGES_;
   static constexpr int CONSUMERS = 2;
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
-  static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
+  static constexpr int PRODUCER_REGS = PRODUCER_REGS_;
+  static constexpr int CONSUMER_REGS = ((65536 / 128 - PRODUCER_REGS) / 2) / 8 * 8;
+  static_assert(PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && CONSUMER_REGS <= 256, "setmaxnreg counts");
   static constexpr int A_STAGE_BYTES = BM * BK * 2;
   static constexpr int B_STAGE_BYTES = BN * BK * 2;
   static constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
@@ -158,7 +162,10 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
             tma_load_2d_multicast(a_dst + rank * (Cfg::A_LOAD_ROWS * BK * 2), tma_a, &full[stage], kb * BK,
                                   m0 + (int)rank * Cfg::A_LOAD_ROWS, 0x3);
           } else {
-            tma_load_2d(a_dst, tma_a, &full[stage], kb * BK, m0);
+            // Asked per k-block rather than kept across the loop: the producer has 40 registers.
+            int a_row;
+            const CUtensorMap* a_map = AWait::a_source(await, tma_a, m0, a_row);
+            tma_load_2d(a_dst, a_map, &full[stage], kb * BK, a_row);
           }
           if constexpr (SHARE == SHARE_B) {
             tma_load_2d_multicast(b_dst + rank * (Cfg::B_LOAD_ROWS * BK * 2), tma_b, &full[stage], kb * BK,

@@ -23,6 +23,7 @@ struct RasterParams {
   int tiles_n;       // ceil(N / BN)
   int group_m;       // m-blocks walked together (L2 reuse of B); >= 1
   int m_block_base;  // RankRotatedRaster: m-block that comes first (rank's own rows)
+  int owners;        // OwnerInterleavedRaster: equal row shards to interleave (1: none)
 };
 
 // Grouped ("swizzled") raster: groups of `group_m` m-blocks; inside a group the m-block
@@ -54,6 +55,27 @@ struct RankRotatedRaster {
     c.m_block += p.m_block_base;
     if (c.m_block >= p.tiles_m) c.m_block -= p.tiles_m;
     return c;
+  }
+};
+
+// GEMM + reduction: the m-blocks form `owners` equal shards (one per destination rank;
+// tiles_m % owners == 0, else pass owners = 1) and are visited shard-interleaved —
+// block 0 of every shard, then block 1, … — so every owner's reduction pipelines against
+// compute from the start, instead of the last owner reducing all of its rows after the
+// GEMM ends. Reduction CTAs walk the same order (interleaved_tile).
+__device__ __forceinline__ TileCoord interleaved_tile(int tiles_m, int tiles_n, int group_m, int owners, int t) {
+  TileCoord c = grouped_tile(tiles_m, tiles_n, group_m, t);
+  if (owners > 1) {
+    const int per_owner = tiles_m / owners;
+    c.m_block = (c.m_block % owners) * per_owner + c.m_block / owners;
+  }
+  return c;
+}
+
+struct OwnerInterleavedRaster {
+  using Params = RasterParams;
+  __device__ static TileCoord tile(const Params& p, int t) {
+    return interleaved_tile(p.tiles_m, p.tiles_n, p.group_m, p.owners, t);
   }
 };
 
