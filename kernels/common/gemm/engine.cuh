@@ -66,7 +66,10 @@ struct GemmConfig {
   static constexpr int CONSUMERS = 2;
   static constexpr int THREADS = 128 * (CONSUMERS + 1);
   static constexpr int PRODUCER_REGS = PRODUCER_REGS_;
-  static constexpr int CONSUMER_REGS = ((65536 / 128 - PRODUCER_REGS) / 2) / 8 * 8;
+  // A CTA of THREADS threads starts with 168 registers each (64K / 384, rounded down to a
+  // multiple of 8); setmaxnreg only moves registers between warpgroups, so the consumers'
+  // share is what the producer gives up. Asking for more blocks setmaxnreg.inc forever.
+  static constexpr int CONSUMER_REGS = ((THREADS * 168 - 128 * PRODUCER_REGS) / (128 * CONSUMERS)) / 8 * 8;
   static_assert(PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && CONSUMER_REGS <= 256, "setmaxnreg counts");
   static constexpr int A_STAGE_BYTES = BM * BK * 2;
   static constexpr int B_STAGE_BYTES = BN * BK * 2;
