@@ -134,6 +134,11 @@ impl ErrorWord {
             1 => "mkAllGather".into(),
             2 => "mkReduceScatter".into(),
             3 => "mkAllReduce".into(),
+            16 => "mkAllGatherGemm".into(),
+            17 => "mkGemmReduceScatter".into(),
+            18 => "mkGemmAllReduce".into(),
+            19 => "mkMoeDispatchGemm".into(),
+            20 => "mkMoeGemmCombine".into(),
             n => format!("fused op {n}"),
         }
     }
@@ -150,7 +155,16 @@ impl ErrorWord {
     pub fn to_error(self, rank: usize) -> MkError {
         let op = self.op_name();
         let peer = self.peer().map_or("a peer".to_string(), |p| format!("rank {p}"));
+        let what = (self.0 >> 16) & 0xff;
         match self.code() {
+            // kernels/moe.cu: errors found in the inputs on the device.
+            mkResult_t::mkInvalidUsage if what == 5 => MkError::invalid_usage(format!(
+                "{op} on rank {rank}: the receive buffer of {peer} needs more rows than recvCapacity; nothing was moved. \
+                 recvCounts[E_local] holds the recvCapacity this routing needs (the most over ranks). Recreate the communicator"
+            )),
+            mkResult_t::mkInvalidUsage if what == 6 => MkError::invalid_usage(format!(
+                "{op} on rank {rank}: topkIdx holds an expert id outside [-1, E); those choices were dropped. Recreate the communicator"
+            )),
             mkResult_t::mkTimeout => MkError::timeout(format!(
                 "{op} on rank {rank} timed out waiting for {peer} ({}) after MK_TIMEOUT_MS; that rank is stuck, \
                  never made the call, or died. Abort and recreate the communicator",
