@@ -59,6 +59,60 @@ using namespace mk::gemm;
 
 __device__ __forceinline__ int ld_cg(const int* p) { return __ldcg(p); }
 
+// mk_wait_geq_inline with a back-off: hundreds of threads polling system-scope acquire
+// loads in a tight loop slowed the GEMM CTAs beside them by orders of magnitude (first GPU
+// run: the fused combine took 130x the unfused one). Polls with relaxed loads and
+// __nanosleep, then one acquire load; timeout, abort and error words as mk_wait_geq.
+// Inline and call-free: the engine's producer thread uses it after setmaxnreg.
+__device__ __forceinline__ bool moe_wait(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer,
+                                         uint32_t what, uint32_t op) {
+  if (mk_ld_acquire_sys(flag) >= target) return true;
+  const uint64_t* abort_word = mk_signal_word(ws, ws.rank, MK_SIG_ABORT);
+  const uint32_t* host_abort = &mk_status(ws)->host_abort;
+  const uint64_t start = mk_globaltimer();
+  unsigned ns = 64;
+  for (uint32_t spin = 1;; ++spin) {
+    __nanosleep(ns);
+    if (ns < 2048) ns *= 2;
+    if (mk_ld_relaxed_sys(flag) >= target) return mk_ld_acquire_sys(flag) >= target;  // flags only grow
+    if ((spin & 7) == 0) {
+      const uint64_t raised = mk_ld_relaxed_sys(abort_word);
+      if (raised != 0) {
+        mk_record_error(ws, mk_error_word(MK_RESULT_REMOTE_ERROR, (uint32_t)(raised - 1), what, op));
+        return false;
+      }
+      if (mk_ld_relaxed_sys_u32(host_abort) != 0) {
+        mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
+        mk_raise_abort(ws);
+        return false;
+      }
+      if (mk_globaltimer() - start > ws.timeout_ns) {
+        mk_record_error(ws, mk_error_word(MK_RESULT_TIMEOUT, (uint32_t)peer, what, op));
+        mk_raise_abort(ws);
+        return false;
+      }
+    }
+  }
+}
+
+// Whole CTA: thread 0 waits for one flag (with back-off); every thread learns the outcome.
+__device__ __forceinline__ bool moe_cta_wait(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer,
+                                             uint32_t op) {
+  int ok = 1;
+  if (threadIdx.x == 0) ok = moe_wait(ws, flag, target, peer, MK_WAIT_OP_FLAG, op);
+  return __syncthreads_and(ok) != 0;
+}
+
+// Whole CTA: thread p (< nranks, p != skip) waits for word first_word + p of this rank's
+// region to reach target.
+__device__ __forceinline__ bool moe_cta_wait_peers(const WorkspaceView& ws, uint32_t first_word, uint64_t target, int skip,
+                                                   uint32_t op) {
+  int ok = 1;
+  const int p = threadIdx.x;
+  if (p < ws.nranks && p != skip) ok = moe_wait(ws, mk_signal_word(ws, ws.rank, first_word + p), target, p, MK_WAIT_OP_FLAG, op);
+  return __syncthreads_and(ok) != 0;
+}
+
 // Tiles: t -> grouped raster over (ordered m-block index, n-block); the m-block index goes
 // through the order table, and the B row block is the expert's (E_local·N_total view).
 struct MoeRaster {
@@ -89,7 +143,7 @@ struct SourceAWait {
       mask &= mask - 1;
       // A failed wait has recorded the error and raised the abort word; the tile then
       // computes on stale rows and the kernel still ends in bounded time.
-      mk_wait_geq_inline(ws, mk_signal_word(ws, ws.rank, MOE_RECV + s), w.epoch, s, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
+      moe_wait(ws, mk_signal_word(ws, ws.rank, MOE_RECV + s), w.epoch, s, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
     }
     fence_proxy_async_global();  // the senders' generic-proxy stores, then our TMA loads
   }
@@ -194,14 +248,14 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   if (tid == 0 && bad_id) mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, me, MK_WAIT_MOE_EXPERT, MK_OP_MOE_DISPATCH));
 
   // Nobody may still be sending into or pulling from any region of the previous kernel.
-  if (!mk_cta_wait_peers(ws, MOE_DONE, epoch - 1, me, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH)) return false;
+  if (!moe_cta_wait_peers(ws, MOE_DONE, epoch - 1, me, MK_OP_MOE_DISPATCH)) return false;
   // Count exchange: our counts into every rank's area [me][E], then CNT[me] there.
   for (int q = 0; q < n; ++q) {
     int* dst = reinterpret_cast<int*>(reinterpret_cast<char*>(ws.data[q]) + p.counts_offset) + me * E;
     for (int e = tid; e < E; e += blockDim.x) dst[e] = run[e];
   }
   mk_cta_signal_peers(ws, MOE_CNT, epoch, -1);
-  if (!mk_cta_wait_peers(ws, MOE_CNT, epoch, -1, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH)) return false;
+  if (!moe_cta_wait_peers(ws, MOE_CNT, epoch, -1, MK_OP_MOE_DISPATCH)) return false;
   {
     const int* src = reinterpret_cast<const int*>(reinterpret_cast<const char*>(ws.data[me]) + p.counts_offset);
     for (int i = tid; i < n * E; i += blockDim.x) cnt[i] = ld_cg(src + i);
@@ -293,17 +347,18 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   return true;
 }
 
-// All threads of the warp copy one row (bytes a multiple of 16) to dst.
+// All threads of the warp copy one row (bytes a multiple of 16) to dst, 8 vectors in
+// flight per lane (latency-bound otherwise).
 __device__ __forceinline__ void warp_copy_row(char* dst, const char* src, int vecs, int lane) {
   const int4* s = reinterpret_cast<const int4*>(src);
   int4* d = reinterpret_cast<int4*>(dst);
   int i = lane;
-  for (; i + 96 < vecs; i += 128) {
-    const int4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
-    d[i] = a;
-    d[i + 32] = b;
-    d[i + 64] = c;
-    d[i + 96] = e;
+  for (; i + 7 * 32 < vecs; i += 8 * 32) {
+    int4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = s[i + u * 32];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) d[i + u * 32] = v[u];
   }
   for (; i < vecs; i += 32) d[i] = s[i];
 }
@@ -372,7 +427,7 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
     if (threadIdx.x == 0) mk_signal_store(mk_signal_word(ws, ws.rank, MOE_PREP), ok ? epoch : 0);
   }
   // The layout of this epoch is in place (thread 0's acquire, then the barrier).
-  bool ready = mk_cta_wait(ws, mk_signal_word(ws, ws.rank, MOE_PREP), epoch, ws.rank, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
+  bool ready = moe_cta_wait(ws, mk_signal_word(ws, ws.rank, MOE_PREP), epoch, ws.rank, MK_OP_MOE_DISPATCH);
   if (ready && ld_cg(layout + LAY_OVERFLOW) != 0) ready = false;
 
   if (ready && j < 0) {
@@ -389,7 +444,7 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
                                                          await, epi, blockIdx.x, p.compute_ctas, smem);
     } else if (blockIdx.x == 0) {
       // Communication only: the kernel ends once every source's rows are here.
-      mk_cta_wait_peers(ws, MOE_RECV, epoch, -1, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
+      moe_cta_wait_peers(ws, MOE_RECV, epoch, -1, MK_OP_MOE_DISPATCH);
     }
   } else if (ready) {
     send_rows(p, epoch, j);
@@ -430,10 +485,14 @@ __device__ __forceinline__ void pull_rows(const MoeParams& p, uint64_t epoch, in
     int ok = 1;
     if (dest >= 0) {
       const uint32_t word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
-      ok = mk_wait_geq(ws, mk_signal_word(ws, dest, word), epoch, dest, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
+      ok = moe_wait(ws, mk_signal_word(ws, dest, word), epoch, dest, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
     }
     if (!__all_sync(0xffffffffu, ok)) return;
-    for (int v = lane; v < BN / 8; v += 32) {
+    // Every lane runs every iteration (the shuffles need the whole warp); lanes past the
+    // tile's BN / 8 vectors only shuffle.
+    for (int v0 = 0; v0 < BN / 8; v0 += 32) {
+      const int v = v0 + lane;
+      const bool active = v < BN / 8;
       const size_t col = (size_t)nb * BN + v * 8;
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int j0 = 0; j0 < K; j0 += 8) {
@@ -448,20 +507,20 @@ __device__ __forceinline__ void pull_rows(const MoeParams& p, uint64_t epoch, in
           dd[u] = __shfl_sync(0xffffffffu, dest, jj & 31);
           const int r = __shfl_sync(0xffffffffu, row, jj & 31);
           ww[u] = __shfl_sync(0xffffffffu, w, jj & 31);
-          if (jj < K && dd[u] >= 0)
+          if (active && jj < K && dd[u] >= 0)
             z[u] = *reinterpret_cast<const int4*>(reinterpret_cast<const char*>(ws.data[dd[u]]) + p.buf_offset +
                                                   ((size_t)r * H + col) * 2);
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-          if (j0 + u < K && dd[u] >= 0) {
+          if (active && j0 + u < K && dd[u] >= 0) {
             const T* h = reinterpret_cast<const T*>(&z[u]);
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc[i] += ww[u] * (float)h[i];
           }
         }
       }
-      *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.out) + ((size_t)t * H + col) * 2) = pack8<T>(acc);
+      if (active) *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.out) + ((size_t)t * H + col) * 2) = pack8<T>(acc);
     }
   }
 }
@@ -481,7 +540,7 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
 
   if ((int)blockIdx.x < p.compute_ctas) {
     // Z overwrites our region: every peer must be done with the previous kernel.
-    if (valid && mk_cta_wait_peers(ws, MOE_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE)) {
+    if (valid && moe_cta_wait_peers(ws, MOE_DONE, epoch - 1, ws.rank, MK_OP_MOE_COMBINE)) {
       const int total_mb = ld_cg(layout + LAY_TOTAL_MB);
       uint64_t* flags = mk_signal_word(ws, ws.rank, MOE_TILE);
       if (p.gemm) {

@@ -379,6 +379,12 @@ mod tests {
         // The kernel's encoding (signals.cuh mk_error_word) is the same bit layout.
         assert_eq!(ErrorWord::encode(mkResult_t::mkTimeout, Some(2), 3, 2).0, 8 | (2 << 8) | (3 << 16) | (2 << 24));
         assert_eq!(ErrorWord(0x42).code(), mkResult_t::mkInternalError);
+        // kernels/moe.cu: a receive buffer too small (what 5) and a bad expert id (what 6).
+        let cap = ErrorWord::encode(mkResult_t::mkInvalidUsage, Some(3), 5, 19).to_error(1);
+        assert_eq!(cap.code, mkResult_t::mkInvalidUsage);
+        assert!(cap.message.contains("mkMoeDispatchGemm on rank 1: the receive buffer of rank 3 needs more rows than recvCapacity"), "{}", cap.message);
+        assert!(ErrorWord::encode(mkResult_t::mkInvalidUsage, Some(0), 6, 19).to_error(0).message.contains("outside [-1, E)"));
+        assert!(ErrorWord::encode(mkResult_t::mkTimeout, Some(2), 4, 20).to_error(0).message.contains("mkMoeGemmCombine on rank 0 timed out waiting for rank 2"));
     }
 
     #[test]
