@@ -147,6 +147,8 @@ struct SourceAWait {
     }
     fence_proxy_async_global();  // the senders' generic-proxy stores, then our TMA loads
   }
+  // The producer warpgroup's idle warps do nothing here (the comm CTAs move the tokens).
+  __device__ static void side_work(const Params&, int) {}
 };
 
 // C tile columns: the scheduler's n_block counts over all experts' B rows; the output has

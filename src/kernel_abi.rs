@@ -266,6 +266,7 @@ pub struct GemmReduceParams {
 
 /// u64 words per CTA in a fused kernel's trace buffer (layout in kernels/common/trace.cuh).
 pub const MK_TRACE_WORDS: usize = 8;
+
 /// Parameters of the MoE kernels (kernels/moe.cu: mkMoeDispatchGemm and mkMoeGemmCombine).
 /// The tensor maps travel as separate kernel arguments: dispatch A = this rank's receive
 /// buffer in the fused-op region, B = W1 as [E_local·F, H], C = Y; combine A = Y', B = W2

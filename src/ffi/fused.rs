@@ -208,3 +208,32 @@ pub unsafe extern "C" fn mkMoeGemmCombine(
         gemm_combine(c, &args, true, stream)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::thread_last_error;
+    use crate::types::mkDataType_t;
+
+    // No GPU needed: these fail before any CUDA call (the argument rules themselves are
+    // tested on ops::moe::validate_dispatch / validate_combine).
+    #[test]
+    fn moe_entry_points_reject_a_null_comm_and_size_the_layout() {
+        let p = 0x10000 as *mut c_void;
+        let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
+        let s = std::ptr::null_mut();
+        unsafe {
+            let r = mkMoeDispatchGemm(p, p as *const i32, p, p, p as *mut i32, p, 4, 256, 256, 2, 8, 512, bf16, std::ptr::null_mut(), s);
+            assert_eq!(r, mkResult_t::mkInvalidArgument);
+            assert!(thread_last_error().contains("mkMoeDispatchGemm: comm is NULL"), "{}", thread_last_error());
+            let r = mkMoeGemmCombine(p, p, p as *const f32, p, p, 4, 256, 256, 2, 8, 512, bf16, std::ptr::null_mut(), s);
+            assert_eq!(r, mkResult_t::mkInvalidArgument);
+            assert!(thread_last_error().contains("mkMoeGemmCombine: comm is NULL"));
+            let mut bytes = 0usize;
+            assert_eq!(mkMoeLayoutBytes(10, 3, 512, &mut bytes), mkResult_t::mkSuccess);
+            assert_eq!(bytes, 4 * (4 + 2 * 30 + 3 * 4));
+            assert_eq!(mkMoeLayoutBytes(10, 3, 512, std::ptr::null_mut()), mkResult_t::mkInvalidArgument);
+            assert!(thread_last_error().contains("bytes is NULL"));
+        }
+    }
+}
