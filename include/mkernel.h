@@ -376,6 +376,87 @@ mkResult_t mkGemmAllReduce(const void *A,
                            mkStream_t stream);
 
 /**
+ * Bytes of the layout buffer that mkMoeDispatchGemm fills and mkMoeGemmCombine reads:
+ * 4·(4 + 2·tokens·topk + 3·recvCapacity/128) (int32 words: per (token, choice) the owner
+ * rank and the row there, per receive-buffer row block its expert, order and sources).
+ */
+mkResult_t mkMoeLayoutBytes(size_t tokens, size_t topk, size_t recvCapacity, size_t *bytes);
+
+/**
+ * MoE token dispatch fused with the experts' first GEMM, in one persistent kernel.
+ *
+ * Each rank holds `tokens` tokens `x` [tokens, hidden] and their routing `topkIdx`
+ * [tokens, topk] (int32 expert ids in [0, experts), −1 = no expert). Rank r owns experts
+ * [r·E/n, (r+1)·E/n) (E_local = E/n of them) and their weights `w1` [E_local, ffn, hidden]
+ * (nn.Linear layout). Each token is copied to every rank that owns one of its experts;
+ * there it appears once per (token, expert) (an expert listed twice for a token is one
+ * row), and the owner computes Y = x_row · W1_eᵀ for its local expert e.
+ *
+ * - `y` [recvCapacity, ffn]: rows grouped by local expert, in each expert by source rank
+ *   then token index; expert e's segment starts at row Σ_{e' < e} roundup(recvCounts[e'], 128)
+ *   and holds recvCounts[e] rows; the rows between segments (padding) are unspecified.
+ * - `recvCounts` [E_local + 1] int32: rows per local expert; the last entry is the
+ *   smallest recvCapacity that fits this routing on every rank.
+ * - `layout` (mkMoeLayoutBytes bytes, 16-byte aligned device memory): filled here, read by
+ *   mkMoeGemmCombine; keep it until then.
+ * - Rounding: fp32 accumulation, Y rounded once to `dtype` (mkBfloat16 or mkFloat16).
+ *
+ * Counts and offsets are computed on the device (the ranks exchange per-expert counts
+ * inside the kernel): no host synchronisation, capturable in a CUDA graph. Every rank must
+ * call it with the same hidden, ffn, topk, experts, recvCapacity and dtype (tokens may
+ * differ). If some rank's rows exceed recvCapacity nothing is moved, recvCounts is still
+ * written, and mkCommGetAsyncError reports mkInvalidUsage on every rank (the communicator
+ * is then unusable). Rules (mkInvalidArgument): hidden and ffn positive multiples of 128;
+ * recvCapacity a multiple of 128; E a multiple of nranks, at most 1024; 1 ≤ topk ≤ 32;
+ * x, w1, y 16-byte aligned. The receive buffer (recvCapacity·hidden elements + 64 KiB)
+ * must fit in the workspace's fused-op region (MK_WORKSPACE_BYTES), else mkInvalidUsage
+ * names the size. A peer that does not arrive within MK_TIMEOUT_MS stops the kernel:
+ * mkCommGetAsyncError reports mkTimeout / mkRemoteError and the outputs are undefined.
+ */
+mkResult_t mkMoeDispatchGemm(const void *x,
+                             const int32_t *topkIdx,
+                             const void *w1,
+                             void *y,
+                             int32_t *recvCounts,
+                             void *layout,
+                             size_t tokens,
+                             size_t hidden,
+                             size_t ffn,
+                             size_t topk,
+                             size_t experts,
+                             size_t recvCapacity,
+                             mkDataType_t dtype,
+                             mkComm_t comm,
+                             mkStream_t stream);
+
+/**
+ * The experts' second GEMM fused with the way back, in one persistent kernel.
+ *
+ * On the owner: Z = Y'_e · W2_eᵀ for its rows (`yAct` [recvCapacity, ffn] in the layout of
+ * mkMoeDispatchGemm's `y`, e.g. the activation of it; `w2` [E_local, hidden, ffn]),
+ * rounded to `dtype`. Each source rank then pulls its tokens' rows from the owners and
+ * writes `out` [tokens, hidden]: out[t] = Σ_j topkWeights[t, j] · Z[t, topkIdx[t, j]],
+ * summed in fp32 in j order 0..topk−1 (an expert listed twice counts twice; a token with no
+ * expert gets 0), rounded once. `topkWeights` [tokens, topk] fp32; `layout` as filled by the
+ * preceding mkMoeDispatchGemm of this communicator with the same sizes. Rules, errors and
+ * stream semantics as mkMoeDispatchGemm.
+ */
+mkResult_t mkMoeGemmCombine(const void *yAct,
+                            const void *w2,
+                            const float *topkWeights,
+                            const void *layout,
+                            void *out,
+                            size_t tokens,
+                            size_t hidden,
+                            size_t ffn,
+                            size_t topk,
+                            size_t experts,
+                            size_t recvCapacity,
+                            mkDataType_t dtype,
+                            mkComm_t comm,
+                            mkStream_t stream);
+
+/**
  * C = A * B^T on the GPU, the engine every fused operation is built on, alone (for tests
  * and comparisons with cuBLAS).
  *

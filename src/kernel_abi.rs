@@ -268,3 +268,53 @@ pub struct GemmReduceParams {
 
 /// u64 words per CTA in a fused kernel's trace buffer (layout in kernels/common/trace.cuh).
 pub const MK_TRACE_WORDS: usize = 8;
+
+/// Parameters of the MoE kernels (kernels/moe.cu: mkMoeDispatchGemm and mkMoeGemmCombine).
+/// The tensor maps travel as separate kernel arguments: dispatch A = this rank's receive
+/// buffer in the fused-op region, B = W1 as [E_local·F, H], C = Y; combine A = Y', B = W2
+/// as [E_local·H, F], C = Z in the fused-op region.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MoeParams {
+    pub ws: WorkspaceView,
+    /// Dispatch: x [tokens, hidden].
+    pub x: u64,
+    /// Dispatch: topkIdx [tokens, top_k] int32.
+    pub topk_idx: u64,
+    /// Combine: topkWeights [tokens, top_k] fp32.
+    pub topk_weights: u64,
+    /// Combine: out [tokens, hidden].
+    pub out: u64,
+    /// Dispatch: recvCounts [experts_local + 1] int32.
+    pub recv_counts: u64,
+    /// The caller's layout buffer (int32 words, offsets below; ops::moe::LayoutOffsets).
+    pub layout: u64,
+    /// Byte offset, from `ws.data[r]`, of the count-exchange area (fused-op region start).
+    pub counts_offset: u64,
+    /// Byte offset, from `ws.data[r]`, of the receive buffer (dispatch) / Z (combine).
+    pub buf_offset: u64,
+    /// Layout word offsets: per-slot owner rank, per-slot row, per-m-block expert, m-block order, m-block source mask.
+    pub lay_dest: i32,
+    pub lay_row: i32,
+    pub lay_mb_expert: i32,
+    pub lay_mb_order: i32,
+    pub lay_mb_srcmask: i32,
+    pub tokens: i32,
+    pub hidden: i32,
+    pub ffn: i32,
+    pub top_k: i32,
+    pub experts: i32,
+    pub experts_local: i32,
+    /// Rows of Y / the receive buffer (a multiple of 128).
+    pub capacity: i32,
+    /// Column tiles of the GEMM (F / BN for dispatch, H / BN for combine).
+    pub tiles_n: i32,
+    pub group_m: i32,
+    /// CTAs 0..compute_ctas run GEMM tiles; the next comm_ctas send (dispatch) or pull (combine).
+    pub compute_ctas: i32,
+    pub comm_ctas: i32,
+    /// 1: fused GEMM; 0: communication only (the benchmark's unfused baseline runs the
+    /// GEMM as separate launches).
+    pub gemm: i32,
+    pub reserved: i32,
+}

@@ -107,3 +107,133 @@ pub unsafe extern "C" fn mkGemmAllReduce(
         gemm_reduce(c, &args, stream)
     })
 }
+
+/// Bytes of the layout buffer that mkMoeDispatchGemm fills and mkMoeGemmCombine reads:
+/// 4·(4 + 2·tokens·topk + 3·recvCapacity/128) (int32 words: per (token, choice) the owner
+/// rank and the row there, per receive-buffer row block its expert, order and sources).
+#[no_mangle]
+pub unsafe extern "C" fn mkMoeLayoutBytes(tokens: usize, topk: usize, recvCapacity: usize, bytes: *mut usize) -> mkResult_t {
+    super::guard(None, "mkMoeLayoutBytes", || {
+        let words = crate::ops::moe::layout_offsets(tokens, topk, recvCapacity).words;
+        super::write_out(bytes, words * 4, "bytes")
+    })
+}
+
+/// MoE token dispatch fused with the experts' first GEMM, in one persistent kernel.
+///
+/// Each rank holds `tokens` tokens `x` [tokens, hidden] and their routing `topkIdx`
+/// [tokens, topk] (int32 expert ids in [0, experts), −1 = no expert). Rank r owns experts
+/// [r·E/n, (r+1)·E/n) (E_local = E/n of them) and their weights `w1` [E_local, ffn, hidden]
+/// (nn.Linear layout). Each token is copied to every rank that owns one of its experts;
+/// there it appears once per (token, expert) (an expert listed twice for a token is one
+/// row), and the owner computes Y = x_row · W1_eᵀ for its local expert e.
+///
+/// - `y` [recvCapacity, ffn]: rows grouped by local expert, in each expert by source rank
+///   then token index; expert e's segment starts at row Σ_{e' < e} roundup(recvCounts[e'], 128)
+///   and holds recvCounts[e] rows; the rows between segments (padding) are unspecified.
+/// - `recvCounts` [E_local + 1] int32: rows per local expert; the last entry is the
+///   smallest recvCapacity that fits this routing on every rank.
+/// - `layout` (mkMoeLayoutBytes bytes, 16-byte aligned device memory): filled here, read by
+///   mkMoeGemmCombine; keep it until then.
+/// - Rounding: fp32 accumulation, Y rounded once to `dtype` (mkBfloat16 or mkFloat16).
+///
+/// Counts and offsets are computed on the device (the ranks exchange per-expert counts
+/// inside the kernel): no host synchronisation, capturable in a CUDA graph. Every rank must
+/// call it with the same hidden, ffn, topk, experts, recvCapacity and dtype (tokens may
+/// differ). If some rank's rows exceed recvCapacity nothing is moved, recvCounts is still
+/// written, and mkCommGetAsyncError reports mkInvalidUsage on every rank (the communicator
+/// is then unusable). Rules (mkInvalidArgument): hidden and ffn positive multiples of 128;
+/// recvCapacity a multiple of 128; E a multiple of nranks, at most 1024; 1 ≤ topk ≤ 32;
+/// x, w1, y 16-byte aligned. The receive buffer (recvCapacity·hidden elements + 64 KiB)
+/// must fit in the workspace's fused-op region (MK_WORKSPACE_BYTES), else mkInvalidUsage
+/// names the size. A peer that does not arrive within MK_TIMEOUT_MS stops the kernel:
+/// mkCommGetAsyncError reports mkTimeout / mkRemoteError and the outputs are undefined.
+#[no_mangle]
+pub unsafe extern "C" fn mkMoeDispatchGemm(
+    x: *const c_void,
+    topkIdx: *const i32,
+    w1: *const c_void,
+    y: *mut c_void,
+    recvCounts: *mut i32,
+    layout: *mut c_void,
+    tokens: usize,
+    hidden: usize,
+    ffn: usize,
+    topk: usize,
+    experts: usize,
+    recvCapacity: usize,
+    dtype: RawDataType,
+    comm: mkComm_t,
+    stream: CUstream,
+) -> mkResult_t {
+    use crate::ops::moe::{dispatch_gemm, validate_dispatch, MoeDims};
+    with_comm(comm, "mkMoeDispatchGemm", |c| {
+        let dims = MoeDims { tokens, hidden, ffn, top_k: topk, experts, capacity: recvCapacity, nranks: c.nranks };
+        let args = validate_dispatch(x as u64, topkIdx as u64, w1 as u64, y as u64, recvCounts as u64, layout as u64, dims, dtype)?;
+        dispatch_gemm(c, &args, true, stream)
+    })
+}
+
+/// The experts' second GEMM fused with the way back, in one persistent kernel.
+///
+/// On the owner: Z = Y'_e · W2_eᵀ for its rows (`yAct` [recvCapacity, ffn] in the layout of
+/// mkMoeDispatchGemm's `y`, e.g. the activation of it; `w2` [E_local, hidden, ffn]),
+/// rounded to `dtype`. Each source rank then pulls its tokens' rows from the owners and
+/// writes `out` [tokens, hidden]: out[t] = Σ_j topkWeights[t, j] · Z[t, topkIdx[t, j]],
+/// summed in fp32 in j order 0..topk−1 (an expert listed twice counts twice; a token with no
+/// expert gets 0), rounded once. `topkWeights` [tokens, topk] fp32; `layout` as filled by the
+/// preceding mkMoeDispatchGemm of this communicator with the same sizes. Rules, errors and
+/// stream semantics as mkMoeDispatchGemm.
+#[no_mangle]
+pub unsafe extern "C" fn mkMoeGemmCombine(
+    yAct: *const c_void,
+    w2: *const c_void,
+    topkWeights: *const f32,
+    layout: *const c_void,
+    out: *mut c_void,
+    tokens: usize,
+    hidden: usize,
+    ffn: usize,
+    topk: usize,
+    experts: usize,
+    recvCapacity: usize,
+    dtype: RawDataType,
+    comm: mkComm_t,
+    stream: CUstream,
+) -> mkResult_t {
+    use crate::ops::moe::{gemm_combine, validate_combine, MoeDims};
+    with_comm(comm, "mkMoeGemmCombine", |c| {
+        let dims = MoeDims { tokens, hidden, ffn, top_k: topk, experts, capacity: recvCapacity, nranks: c.nranks };
+        let args = validate_combine(yAct as u64, w2 as u64, topkWeights as u64, layout as u64, out as u64, dims, dtype)?;
+        gemm_combine(c, &args, true, stream)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::thread_last_error;
+    use crate::types::mkDataType_t;
+
+    // No GPU needed: these fail before any CUDA call (the argument rules themselves are
+    // tested on ops::moe::validate_dispatch / validate_combine).
+    #[test]
+    fn moe_entry_points_reject_a_null_comm_and_size_the_layout() {
+        let p = 0x10000 as *mut c_void;
+        let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
+        let s = std::ptr::null_mut();
+        unsafe {
+            let r = mkMoeDispatchGemm(p, p as *const i32, p, p, p as *mut i32, p, 4, 256, 256, 2, 8, 512, bf16, std::ptr::null_mut(), s);
+            assert_eq!(r, mkResult_t::mkInvalidArgument);
+            assert!(thread_last_error().contains("mkMoeDispatchGemm: comm is NULL"), "{}", thread_last_error());
+            let r = mkMoeGemmCombine(p, p, p as *const f32, p, p, 4, 256, 256, 2, 8, 512, bf16, std::ptr::null_mut(), s);
+            assert_eq!(r, mkResult_t::mkInvalidArgument);
+            assert!(thread_last_error().contains("mkMoeGemmCombine: comm is NULL"));
+            let mut bytes = 0usize;
+            assert_eq!(mkMoeLayoutBytes(10, 3, 512, &mut bytes), mkResult_t::mkSuccess);
+            assert_eq!(bytes, 4 * (4 + 2 * 30 + 3 * 4));
+            assert_eq!(mkMoeLayoutBytes(10, 3, 512, std::ptr::null_mut()), mkResult_t::mkInvalidArgument);
+            assert!(thread_last_error().contains("bytes is NULL"));
+        }
+    }
+}

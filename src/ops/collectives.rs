@@ -134,6 +134,11 @@ impl ErrorWord {
             1 => "mkAllGather".into(),
             2 => "mkReduceScatter".into(),
             3 => "mkAllReduce".into(),
+            16 => "mkAllGatherGemm".into(),
+            17 => "mkGemmReduceScatter".into(),
+            18 => "mkGemmAllReduce".into(),
+            19 => "mkMoeDispatchGemm".into(),
+            20 => "mkMoeGemmCombine".into(),
             n => format!("fused op {n}"),
         }
     }
@@ -150,7 +155,16 @@ impl ErrorWord {
     pub fn to_error(self, rank: usize) -> MkError {
         let op = self.op_name();
         let peer = self.peer().map_or("a peer".to_string(), |p| format!("rank {p}"));
+        let what = (self.0 >> 16) & 0xff;
         match self.code() {
+            // kernels/moe.cu: errors found in the inputs on the device.
+            mkResult_t::mkInvalidUsage if what == 5 => MkError::invalid_usage(format!(
+                "{op} on rank {rank}: the receive buffer of {peer} needs more rows than recvCapacity; nothing was moved. \
+                 recvCounts[E_local] holds the recvCapacity this routing needs (the most over ranks). Recreate the communicator"
+            )),
+            mkResult_t::mkInvalidUsage if what == 6 => MkError::invalid_usage(format!(
+                "{op} on rank {rank}: topkIdx holds an expert id outside [-1, E); those choices were dropped. Recreate the communicator"
+            )),
             mkResult_t::mkTimeout => MkError::timeout(format!(
                 "{op} on rank {rank} timed out waiting for {peer} ({}) after MK_TIMEOUT_MS; that rank is stuck, \
                  never made the call, or died. Abort and recreate the communicator",
@@ -365,6 +379,12 @@ mod tests {
         // The kernel's encoding (signals.cuh mk_error_word) is the same bit layout.
         assert_eq!(ErrorWord::encode(mkResult_t::mkTimeout, Some(2), 3, 2).0, 8 | (2 << 8) | (3 << 16) | (2 << 24));
         assert_eq!(ErrorWord(0x42).code(), mkResult_t::mkInternalError);
+        // kernels/moe.cu: a receive buffer too small (what 5) and a bad expert id (what 6).
+        let cap = ErrorWord::encode(mkResult_t::mkInvalidUsage, Some(3), 5, 19).to_error(1);
+        assert_eq!(cap.code, mkResult_t::mkInvalidUsage);
+        assert!(cap.message.contains("mkMoeDispatchGemm on rank 1: the receive buffer of rank 3 needs more rows than recvCapacity"), "{}", cap.message);
+        assert!(ErrorWord::encode(mkResult_t::mkInvalidUsage, Some(0), 6, 19).to_error(0).message.contains("outside [-1, E)"));
+        assert!(ErrorWord::encode(mkResult_t::mkTimeout, Some(2), 4, 20).to_error(0).message.contains("mkMoeGemmCombine on rank 0 timed out waiting for rank 2"));
     }
 
     #[test]

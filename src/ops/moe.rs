@@ -1,19 +1,28 @@
-//! MoE dispatch + grouped GEMM and the way back: the routing semantics and the receive
-//! layout, as plain Rust (issue 8). The kernels are not built yet. On the device the same
-//! layout will be computed without a host round trip; this module is the definition the
-//! kernels and their float64 reference tests share.
+//! MoE dispatch + grouped GEMM and the way back (issue 8): the routing semantics and the
+//! receive layout as plain Rust (the definition the kernels and their float64 reference
+//! tests share), the argument checks, the role split, and the launches of
+//! kernels/moe.cu (mkMoeDispatchGemm, mkMoeGemmCombine).
 //!
 //! Semantics. Rank r holds T tokens and, per token, k expert ids (−1 = none) and weights.
 //! Experts are spread evenly: rank r owns experts [r·E/n, (r+1)·E/n). Dispatch sends each
-//! token once to every rank that owns at least one of its experts (a token routed to two
-//! experts of one rank travels once) and appears once per (token, expert) in that rank's
-//! expert-grouped rows. Rows are grouped by local expert, and inside an expert by source
-//! rank, then by token index: a deterministic order every rank can compute alone.
-
+//! token to every rank that owns at least one of its experts and it appears once per
+//! (token, expert) in that rank's expert-grouped rows (a token listing one expert twice is
+//! one row). Rows are grouped by local expert, and inside an expert by source rank, then
+//! by token index: a deterministic order every rank can compute alone. On the device each
+//! expert's segment starts on a 128-row boundary (`device_layout`), so GEMM tiles never
+//! straddle two experts.
+use crate::comm::Comm;
+use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
+use crate::kernel_abi::MoeParams;
+use crate::ops::gemm::{self as engine, Epilogue};
+use crate::types::{mkDataType_t, RawDataType};
+use std::collections::HashMap;
+use std::ffi::c_void;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MoeShape {
+    /// This rank's tokens (other ranks' counts come from the length of their routing).
     pub tokens: usize,
     pub top_k: usize,
     pub experts: usize,
@@ -54,10 +63,11 @@ pub fn receive_layout(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result
     let mut rows: Vec<Vec<ReceivedRow>> = vec![Vec::new(); per_rank];
     let mut tokens_from = vec![0usize; s.nranks];
     for (src, ids) in routing.iter().enumerate() {
-        if ids.len() != s.tokens * s.top_k {
-            return Err(MkError::invalid_argument(format!("routing of rank {src} has {} ids, expected T·k = {}", ids.len(), s.tokens * s.top_k)));
+        // Ranks may hold different numbers of tokens: each routing is [T_src, k].
+        if ids.len() % s.top_k != 0 {
+            return Err(MkError::invalid_argument(format!("routing of rank {src} has {} ids, not a multiple of k = {}", ids.len(), s.top_k)));
         }
-        for t in 0..s.tokens {
+        for t in 0..ids.len() / s.top_k {
             let mut sent = false;
             let mut seen_local = Vec::with_capacity(s.top_k);
             for &e in &ids[t * s.top_k..(t + 1) * s.top_k] {
@@ -87,6 +97,451 @@ pub fn rows_needed(layout: &[Vec<ReceivedRow>]) -> usize {
     layout.iter().map(Vec::len).sum()
 }
 
+// ---- the device layout -----------------------------------------------------------------
+
+/// GEMM row block: every expert's segment of a receive buffer starts on a multiple of it.
+pub const ROW_BLOCK: usize = 128;
+/// Most experts (the prep CTA keeps per-expert tables in shared memory).
+pub const MAX_EXPERTS: usize = 1024;
+/// Most experts per token (one warp lane per choice).
+pub const MAX_TOP_K: usize = 32;
+/// Bytes at the start of the fused-op region for the count exchange (nranks·E int32); the
+/// receive buffer (dispatch) and Z (combine) follow it.
+pub const COUNTS_BYTES: usize = 64 << 10;
+/// Per-slab flags of Z (signal words MK_SIG_MOE_BASE + 1024 .. + 65536).
+pub const TILE_FLAG_WORDS: usize = 65_536 - 1024;
+/// Most 128-row blocks in a receive buffer (one byte of order key each in shared memory).
+pub const MAX_CAPACITY_BLOCKS: usize = 16_384;
+const WARPS: usize = 12;
+
+/// Where the tables live in the caller's layout buffer (int32 words). Words 0..4: the
+/// number of row blocks in use on this rank, and whether some rank's buffer overflowed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayoutOffsets {
+    /// [T·k] owner rank of each (token, choice), −1 for none.
+    pub dest: usize,
+    /// [T·k] row at the owner.
+    pub row: usize,
+    /// [capacity / 128] local expert of each row block.
+    pub mb_expert: usize,
+    /// [capacity / 128] row blocks in the order the GEMM takes them.
+    pub mb_order: usize,
+    /// [capacity / 128] bit s: the block holds rows from rank s.
+    pub mb_srcmask: usize,
+    pub words: usize,
+}
+
+pub fn layout_offsets(tokens: usize, top_k: usize, capacity: usize) -> LayoutOffsets {
+    let slots = tokens * top_k;
+    let blocks = capacity.div_ceil(ROW_BLOCK);
+    let dest = 4;
+    let row = dest + slots;
+    let mb_expert = row + slots;
+    let mb_order = mb_expert + blocks;
+    let mb_srcmask = mb_order + blocks;
+    LayoutOffsets { dest, row, mb_expert, mb_order, mb_srcmask, words: mb_srcmask + blocks }
+}
+
+/// What `rank`'s kernels compute for a routing (the device's layout, for tests).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceLayout {
+    /// Rows per local expert of `rank`.
+    pub recv_counts: Vec<usize>,
+    /// First row of each local expert's segment (multiples of 128).
+    pub expert_base: Vec<usize>,
+    /// Rows of the receive buffer every rank needs, the most over ranks (the smallest
+    /// recvCapacity that fits this call).
+    pub rows_needed: usize,
+    /// Per own (token, choice): (owner rank, row at the owner), None for −1.
+    pub slots: Vec<Option<(usize, usize)>>,
+    /// Rows received by `rank`, in receive-buffer order with their row index.
+    pub rows: Vec<(usize, ReceivedRow)>,
+}
+
+pub fn device_layout(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result<DeviceLayout> {
+    let per_rank = s.experts / s.nranks.max(1);
+    let mut position: HashMap<(usize, usize, usize), usize> = HashMap::new(); // (owner, token of `rank`, expert) -> row
+    let mut rows_needed = 0;
+    let mut mine = None;
+    for d in 0..s.nranks {
+        let (layout, _) = receive_layout(s, routing, d)?;
+        let mut base = 0;
+        let mut bases = Vec::with_capacity(per_rank);
+        let mut rows = Vec::new();
+        for (le, group) in layout.iter().enumerate() {
+            bases.push(base);
+            for (i, r) in group.iter().enumerate() {
+                if r.source == rank {
+                    position.insert((d, r.token, d * per_rank + le), base + i);
+                }
+                rows.push((base + i, *r));
+            }
+            base += group.len().next_multiple_of(ROW_BLOCK);
+        }
+        rows_needed = rows_needed.max(base);
+        if d == rank {
+            mine = Some((layout.iter().map(Vec::len).collect::<Vec<_>>(), bases, rows));
+        }
+    }
+    let (recv_counts, expert_base, rows) = mine.expect("rank < nranks");
+    let ids = &routing[rank];
+    let slots = ids
+        .iter()
+        .enumerate()
+        .map(|(i, &e)| (e >= 0).then(|| {
+            let d = owner(s, e as usize);
+            (d, position[&(d, i / s.top_k, e as usize)])
+        }))
+        .collect();
+    Ok(DeviceLayout { recv_counts, expert_base, rows_needed, slots, rows })
+}
+
+// ---- argument checks and planning ------------------------------------------------------
+
+/// The sizes of a call (the same on every rank, except that `tokens` is per rank).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeDims {
+    pub tokens: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub top_k: usize,
+    pub experts: usize,
+    /// Rows of Y (and of each rank's receive buffer).
+    pub capacity: usize,
+    pub nranks: usize,
+}
+
+impl MoeDims {
+    pub fn experts_local(&self) -> usize {
+        self.experts / self.nranks
+    }
+}
+
+/// GEMM tile width for `cols` output columns (a multiple of 128).
+pub fn tile_width(cols: usize) -> usize {
+    if cols % 256 == 0 { 256 } else { 128 }
+}
+
+pub fn validate_dims(d: &MoeDims) -> Result<()> {
+    validate(&MoeShape { tokens: d.tokens, top_k: d.top_k, experts: d.experts, nranks: d.nranks })?;
+    crate::ensure_arg!(d.top_k <= MAX_TOP_K, "k = {} exceeds {MAX_TOP_K} experts per token", d.top_k);
+    crate::ensure_arg!(d.experts <= MAX_EXPERTS, "E = {} exceeds {MAX_EXPERTS} experts", d.experts);
+    crate::ensure_arg!(
+        d.hidden > 0 && d.hidden % 128 == 0 && d.ffn > 0 && d.ffn % 128 == 0,
+        "H = {} and F = {} must be positive multiples of 128 (GEMM column tiles never straddle two experts' weights)",
+        d.hidden,
+        d.ffn
+    );
+    crate::ensure_arg!(
+        d.capacity % ROW_BLOCK == 0 && d.capacity / ROW_BLOCK <= MAX_CAPACITY_BLOCKS,
+        "recvCapacity = {} must be a multiple of {ROW_BLOCK} rows, at most {}",
+        d.capacity,
+        MAX_CAPACITY_BLOCKS * ROW_BLOCK
+    );
+    let flags = d.capacity / ROW_BLOCK * (d.hidden / tile_width(d.hidden)) * 2;
+    crate::ensure_arg!(
+        flags <= TILE_FLAG_WORDS,
+        "recvCapacity = {} with H = {}: {} Z-slab signals exceed the {TILE_FLAG_WORDS} MoE signal words; lower recvCapacity",
+        d.capacity,
+        d.hidden,
+        flags
+    );
+    let lim = i32::MAX as usize;
+    crate::ensure_arg!(
+        d.tokens * d.top_k < lim && d.capacity * d.hidden < lim && d.tokens * d.hidden < lim && d.experts_local() * d.ffn.max(d.hidden) < lim,
+        "sizes too large: T·k, T·H, recvCapacity·H and E_local·max(F, H) must each stay below 2^31"
+    );
+    Ok(())
+}
+
+fn check_ptr(ptr: u64, name: &str, align: u64, needed: bool) -> Result<()> {
+    crate::ensure_arg!(!needed || ptr != 0, "{name} is NULL");
+    crate::ensure_arg!(ptr % align == 0, "{name} = {ptr:#x} is not {align}-byte aligned");
+    Ok(())
+}
+
+fn gemm_dtype(dtype: RawDataType, op: &str) -> Result<mkDataType_t> {
+    let dtype = mkDataType_t::from_raw(dtype)?;
+    crate::ensure_arg!(dtype.is_gemm_type(), "dtype {} is not supported: {op} takes mkBfloat16 or mkFloat16", dtype.name());
+    Ok(dtype)
+}
+
+/// A validated mkMoeDispatchGemm call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DispatchArgs {
+    pub x: u64,
+    pub topk_idx: u64,
+    pub w1: u64,
+    pub y: u64,
+    pub recv_counts: u64,
+    pub layout: u64,
+    pub dims: MoeDims,
+    pub dtype: mkDataType_t,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn validate_dispatch(x: u64, topk_idx: u64, w1: u64, y: u64, recv_counts: u64, layout: u64, dims: MoeDims, dtype: RawDataType) -> Result<DispatchArgs> {
+    let dtype = gemm_dtype(dtype, "mkMoeDispatchGemm")?;
+    validate_dims(&dims)?;
+    let has_tokens = dims.tokens > 0;
+    check_ptr(x, "x", 16, has_tokens)?;
+    check_ptr(topk_idx, "topkIdx", 4, has_tokens)?;
+    check_ptr(w1, "w1", 16, true)?;
+    check_ptr(y, "y", 16, true)?;
+    check_ptr(recv_counts, "recvCounts", 4, true)?;
+    check_ptr(layout, "layout", 16, true)?;
+    Ok(DispatchArgs { x, topk_idx, w1, y, recv_counts, layout, dims, dtype })
+}
+
+/// A validated mkMoeGemmCombine call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CombineArgs {
+    pub y_act: u64,
+    pub w2: u64,
+    pub topk_weights: u64,
+    pub layout: u64,
+    pub out: u64,
+    pub dims: MoeDims,
+    pub dtype: mkDataType_t,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn validate_combine(y_act: u64, w2: u64, topk_weights: u64, layout: u64, out: u64, dims: MoeDims, dtype: RawDataType) -> Result<CombineArgs> {
+    let dtype = gemm_dtype(dtype, "mkMoeGemmCombine")?;
+    validate_dims(&dims)?;
+    let has_tokens = dims.tokens > 0;
+    check_ptr(y_act, "yAct", 16, true)?;
+    check_ptr(w2, "w2", 16, true)?;
+    check_ptr(topk_weights, "topkWeights", 4, has_tokens)?;
+    check_ptr(layout, "layout", 16, true)?;
+    check_ptr(out, "out", 16, has_tokens)?;
+    Ok(CombineArgs { y_act, w2, topk_weights, layout, out, dims, dtype })
+}
+
+/// Bytes/s one communication CTA moves (16-byte vector copies to or from a peer).
+pub const COMM_BYTES_PER_CTA_PER_S: f64 = 25e9;
+
+/// CTAs of a persistent MoE kernel: compute (GEMM tiles) and communication (send or pull).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RolePlan {
+    pub compute_ctas: u32,
+    pub comm_ctas: u32,
+}
+
+/// Communication CTAs so that moving `bytes` takes at most half the GEMM's estimated time
+/// (at least 1, at most half the grid), unless `comm_override` (MK_COMM_SMS) says.
+pub fn plan_roles(bytes: f64, gemm_flops: f64, grid: u32, comm_override: Option<u32>) -> Result<RolePlan> {
+    crate::ensure_arg!(grid >= 2, "the MoE kernels need at least 2 CTAs (compute and communication); the grid cap is {grid}");
+    let comm_ctas = match comm_override {
+        Some(c) => {
+            crate::ensure_arg!(c >= 1 && c < grid, "communication CTAs = {c} (MK_COMM_SMS) must be in [1, {grid}) for a grid of {grid} CTAs");
+            c
+        }
+        None => {
+            let gemm_s = gemm_flops / (super::ag_gemm::GEMM_FLOPS_PER_S * (grid as f64 / super::ag_gemm::FULL_GPU_SMS).min(1.0));
+            let needed = (bytes / (COMM_BYTES_PER_CTA_PER_S * 0.5 * gemm_s.max(1e-9))).ceil() as u32;
+            needed.clamp(1, (grid / 2).max(1))
+        }
+    };
+    Ok(RolePlan { compute_ctas: grid - comm_ctas, comm_ctas })
+}
+
+/// Shared memory the dispatch's prep CTA uses (kernels/moe.cu `prep`).
+pub fn prep_smem_bytes(d: &MoeDims) -> usize {
+    let e = d.experts;
+    (2 * WARPS * e + e + d.nranks * e + e + d.experts_local() + 1) * 4 + d.capacity / ROW_BLOCK
+}
+
+// ---- launches ----------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Direction {
+    Dispatch,
+    Combine,
+}
+
+impl Direction {
+    fn name(self) -> &'static str {
+        match self {
+            Direction::Dispatch => "mkMoeDispatchGemm",
+            Direction::Combine => "mkMoeGemmCombine",
+        }
+    }
+}
+
+struct Launch {
+    dir: Direction,
+    dims: MoeDims,
+    dtype: mkDataType_t,
+    a: (u64, usize, usize),
+    b: (u64, usize, usize),
+    c: (u64, usize, usize),
+    params: MoeParams,
+    /// The GEMM's output columns (F for dispatch, H for combine).
+    cols: usize,
+    inner: usize,
+    bytes_moved: f64,
+    gemm: bool,
+}
+
+/// Byte offsets of the count exchange and of the receive buffer / Z in the fused-op
+/// region, and the bytes the op needs there.
+fn region_needed(dims: &MoeDims) -> usize {
+    COUNTS_BYTES + dims.capacity * dims.hidden * 2
+}
+
+fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
+    comm.check_usable()?;
+    let name = l.dir.name();
+    crate::ensure_arg!(l.dims.nranks == comm.nranks, "{name}: internal: nranks mismatch");
+    let ws = comm.workspace.as_ref().ok_or_else(|| {
+        MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+    })?;
+    let needed = region_needed(&l.dims) as u64;
+    if needed > ws.view.op_bytes {
+        return Err(MkError::invalid_usage(format!(
+            "{name} keeps a receive buffer of recvCapacity·H = {}·{} elements (plus {COUNTS_BYTES} bytes of counts) in the \
+             workspace's fused-op region, which holds {} bytes: create the communicator with MK_WORKSPACE_BYTES (or \
+             mkConfig_t.workspaceBytes) of at least {needed}",
+            l.dims.capacity,
+            l.dims.hidden,
+            ws.view.op_bytes
+        )));
+    }
+    let _ctx = comm.context.enter()?;
+    let sms = cuda::sm_count(comm.context.device)? as u32;
+    let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
+    let rows_est = (l.dims.tokens * l.dims.top_k).max(1);
+    let flops = 2.0 * rows_est as f64 * l.cols as f64 * l.inner as f64;
+    let roles = plan_roles(l.bytes_moved, flops, grid, comm.config.comm_ctas)?;
+    let bn = tile_width(l.cols);
+    let smem = engine::smem_bytes(bn, Epilogue::Tma);
+    if l.dir == Direction::Dispatch && prep_smem_bytes(&l.dims) > smem {
+        return Err(MkError::internal(format!("{name}: the prep CTA needs {} bytes of shared memory, the launch has {smem}", prep_smem_bytes(&l.dims))));
+    }
+    let region = ws.view.data[comm.rank] + ws.view.data_bytes;
+    l.params.ws = ws.view;
+    l.params.counts_offset = ws.view.data_bytes;
+    l.params.buf_offset = ws.view.data_bytes + COUNTS_BYTES as u64;
+    l.params.tiles_n = (l.cols / bn) as i32;
+    l.params.group_m = engine::raster_group(l.dims.capacity.div_ceil(ROW_BLOCK).min(rows_est.div_ceil(ROW_BLOCK) + l.dims.experts_local()), bn, roles.compute_ctas as usize) as i32;
+    l.params.compute_ctas = roles.compute_ctas as i32;
+    l.params.comm_ctas = roles.comm_ctas as i32;
+    l.params.gemm = l.gemm as i32;
+    let fix = |p: u64| if p == u64::MAX { region + COUNTS_BYTES as u64 } else { p };
+    let mut ta = engine::tensor_map(fix(l.a.0), l.dtype, l.a.1, l.a.2, engine::BM, engine::BK)?;
+    let mut tb = engine::tensor_map(fix(l.b.0), l.dtype, l.b.1, l.b.2, bn, engine::BK)?;
+    let mut tc = engine::tensor_map(fix(l.c.0), l.dtype, l.c.1, l.c.2, 64, 64)?;
+    let dt = if l.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
+    let kind = if l.dir == Direction::Dispatch { "dispatch" } else { "combine" };
+    let f = cuda::function("moe", &format!("mk_moe_{kind}_{dt}_bn{bn}"))?;
+    let cfg = LaunchConfig { grid: (roles.compute_ctas + roles.comm_ctas, 1, 1), block: (engine::THREADS, 1, 1), shared_mem_bytes: smem as u32 };
+    let mut params = l.params;
+    let mut kernel_params: [*mut c_void; 4] = [
+        (&mut ta as *mut sys::CUtensorMap).cast(),
+        (&mut tb as *mut sys::CUtensorMap).cast(),
+        (&mut tc as *mut sys::CUtensorMap).cast(),
+        (&mut params as *mut MoeParams).cast(),
+    ];
+    // SAFETY: the parameters match the kernel (3 tensor maps, MoeParams); the buffers were
+    // checked to be device memory of this device.
+    unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }.map_err(|e| e.context(format!("launching {name}")))
+}
+
+fn base_params(dims: &MoeDims, layout: u64) -> MoeParams {
+    let lo = layout_offsets(dims.tokens, dims.top_k, dims.capacity);
+    MoeParams {
+        layout,
+        lay_dest: lo.dest as i32,
+        lay_row: lo.row as i32,
+        lay_mb_expert: lo.mb_expert as i32,
+        lay_mb_order: lo.mb_order as i32,
+        lay_mb_srcmask: lo.mb_srcmask as i32,
+        tokens: dims.tokens as i32,
+        hidden: dims.hidden as i32,
+        ffn: dims.ffn as i32,
+        top_k: dims.top_k as i32,
+        experts: dims.experts as i32,
+        experts_local: dims.experts_local() as i32,
+        capacity: dims.capacity as i32,
+        ..Default::default()
+    }
+}
+
+fn check_pointers(comm: &Comm, ptrs: &[(u64, &str)]) -> Result<()> {
+    let _ctx = comm.context.enter()?;
+    for &(p, name) in ptrs {
+        if p != 0 {
+            crate::ops::collectives::check_device_pointer(p, comm.context.device, name)?;
+        }
+    }
+    Ok(())
+}
+
+/// mkMoeDispatchGemm on `comm` (stream-ordered, no host sync). `gemm = false` moves the
+/// tokens only (the benchmark's unfused baseline then runs the GEMMs itself).
+pub fn dispatch_gemm(comm: &Comm, a: &DispatchArgs, gemm: bool, stream: sys::CUstream) -> Result<()> {
+    let d = a.dims;
+    crate::ensure_arg!(d.nranks == comm.nranks, "internal: dims for {} ranks on a communicator of {}", d.nranks, comm.nranks);
+    check_pointers(comm, &[(a.x, "x"), (a.topk_idx, "topkIdx"), (a.w1, "w1"), (a.y, "y"), (a.recv_counts, "recvCounts"), (a.layout, "layout")])?;
+    let mut params = base_params(&d, a.layout);
+    params.x = a.x;
+    params.topk_idx = a.topk_idx;
+    params.recv_counts = a.recv_counts;
+    let el = d.experts_local();
+    launch(
+        comm,
+        Launch {
+            dir: Direction::Dispatch,
+            dims: d,
+            dtype: a.dtype,
+            a: (u64::MAX, d.capacity, d.hidden),
+            b: (a.w1, el * d.ffn, d.hidden),
+            c: (a.y, d.capacity, d.ffn),
+            params,
+            cols: d.ffn,
+            inner: d.hidden,
+            bytes_moved: (d.tokens * d.top_k * d.hidden * 2) as f64,
+            gemm,
+        },
+        stream,
+    )
+}
+
+/// mkMoeGemmCombine on `comm`. `gemm = false`: Z is already in the fused-op region (the
+/// benchmark's unfused baseline wrote it with separate GEMM launches); only pull and sum.
+pub fn gemm_combine(comm: &Comm, a: &CombineArgs, gemm: bool, stream: sys::CUstream) -> Result<()> {
+    let d = a.dims;
+    crate::ensure_arg!(d.nranks == comm.nranks, "internal: dims for {} ranks on a communicator of {}", d.nranks, comm.nranks);
+    check_pointers(comm, &[(a.y_act, "yAct"), (a.w2, "w2"), (a.topk_weights, "topkWeights"), (a.layout, "layout"), (a.out, "out")])?;
+    let mut params = base_params(&d, a.layout);
+    params.topk_weights = a.topk_weights;
+    params.out = a.out;
+    let el = d.experts_local();
+    launch(
+        comm,
+        Launch {
+            dir: Direction::Combine,
+            dims: d,
+            dtype: a.dtype,
+            a: (a.y_act, d.capacity, d.ffn),
+            b: (a.w2, el * d.hidden, d.ffn),
+            c: (u64::MAX, d.capacity, d.hidden),
+            params,
+            cols: d.hidden,
+            inner: d.ffn,
+            bytes_moved: (d.tokens * d.top_k * d.hidden * 2) as f64,
+            gemm,
+        },
+        stream,
+    )
+}
+
+/// Device pointer of this rank's receive buffer / Z in the fused-op region (benchmarks).
+pub fn region_buffer(comm: &Comm) -> Option<u64> {
+    comm.workspace.as_ref().map(|w| w.view.data[comm.rank] + w.view.data_bytes + COUNTS_BYTES as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,7 +556,9 @@ mod tests {
         assert!(validate(&shape(4, 0, 8, 4)).is_err());
         let s = shape(1, 1, 8, 2);
         assert!(receive_layout(&s, &[vec![8], vec![0]], 0).unwrap_err().message.contains("outside [0, 8)"));
-        assert!(receive_layout(&s, &[vec![0, 1], vec![0]], 0).unwrap_err().message.contains("expected T·k = 1"));
+        let s2 = shape(1, 2, 8, 2);
+        assert!(receive_layout(&s2, &[vec![0, 1, 2], vec![0, 1]], 0).unwrap_err().message.contains("not a multiple of k = 2"));
+        assert_eq!(rows_needed(&receive_layout(&s2, &[vec![0, 1, 2, 3], vec![]], 0).unwrap().0), 4, "ranks may hold different T");
     }
 
     #[test]
@@ -149,5 +606,82 @@ mod tests {
         let (layout, tokens_from) = receive_layout(&s, &[vec![0, 0, 0], vec![0, -1, 1]], 1).unwrap();
         assert!(layout.iter().all(Vec::is_empty));
         assert_eq!(tokens_from, vec![0, 0]);
+    }
+
+    fn dims(tokens: usize, hidden: usize, ffn: usize, top_k: usize, experts: usize, capacity: usize, nranks: usize) -> MoeDims {
+        MoeDims { tokens, hidden, ffn, top_k, experts, capacity, nranks }
+    }
+
+    #[test]
+    fn call_rules_are_named() {
+        let err = |d: MoeDims| validate_dims(&d).unwrap_err().message;
+        assert!(validate_dims(&dims(4096, 7168, 2048, 8, 256, 40960, 8)).is_ok());
+        assert!(err(dims(4, 7168, 2000, 8, 256, 1024, 8)).contains("multiples of 128"));
+        assert!(err(dims(4, 100, 256, 8, 256, 1024, 8)).contains("multiples of 128"));
+        assert!(err(dims(4, 256, 256, 33, 256, 1024, 8)).contains("k = 33"));
+        assert!(err(dims(4, 256, 256, 8, 2048, 1024, 8)).contains("E = 2048"));
+        assert!(err(dims(4, 256, 256, 8, 12, 1024, 8)).contains("multiple of nranks"));
+        assert!(err(dims(4, 256, 256, 8, 16, 1000, 8)).contains("recvCapacity = 1000"));
+        assert!(err(dims(4, 7168, 256, 8, 16, 1 << 21, 8)).contains("lower recvCapacity"));
+        let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
+        let d = dims(4, 256, 256, 2, 16, 1024, 2);
+        let p = 0x1000;
+        assert!(validate_dispatch(p, p, p, p, p, p, d, bf16).is_ok());
+        assert!(validate_dispatch(0, p, p, p, p, p, d, bf16).unwrap_err().message.contains("x is NULL"));
+        assert!(validate_dispatch(0, 0, p, p, p, p, dims(0, 256, 256, 2, 16, 1024, 2), bf16).is_ok(), "a rank without tokens still takes part");
+        assert!(validate_dispatch(p, p, p + 8, p, p, p, d, bf16).unwrap_err().message.contains("w1 = 0x1008 is not 16-byte aligned"));
+        assert!(validate_dispatch(p, p, p, p, p, p, d, mkDataType_t::mkFloat32 as RawDataType).unwrap_err().message.contains("mkBfloat16 or mkFloat16"));
+        assert!(validate_combine(p, p, p, p, 0, d, bf16).unwrap_err().message.contains("out is NULL"));
+        assert!(validate_combine(p, p, p + 2, p, p, d, bf16).unwrap_err().message.contains("topkWeights"));
+    }
+
+    #[test]
+    fn roles_leave_compute_the_most_and_follow_the_override() {
+        // DeepSeek-V3-like dispatch on a full H200: 4096 tokens x 8 x 7168 x 2 bytes.
+        let bytes = 4096.0 * 8.0 * 7168.0 * 2.0;
+        let flops = 2.0 * 4096.0 * 8.0 * 2048.0 * 7168.0;
+        let p = plan_roles(bytes, flops, 132, None).unwrap();
+        assert!(p.comm_ctas >= 1 && p.comm_ctas <= 66 && p.compute_ctas + p.comm_ctas == 132, "{p:?}");
+        // No GEMM work: communication gets at most half.
+        assert_eq!(plan_roles(1e9, 0.0, 16, None).unwrap(), RolePlan { compute_ctas: 8, comm_ctas: 8 });
+        assert_eq!(plan_roles(1.0, 1e15, 8, None).unwrap().comm_ctas, 1);
+        assert_eq!(plan_roles(bytes, flops, 66, Some(5)).unwrap(), RolePlan { compute_ctas: 61, comm_ctas: 5 });
+        assert!(plan_roles(bytes, flops, 8, Some(8)).unwrap_err().message.contains("MK_COMM_SMS"));
+        assert!(plan_roles(bytes, flops, 1, None).is_err());
+    }
+
+    #[test]
+    fn layout_buffer_and_prep_memory() {
+        let lo = layout_offsets(10, 3, 512);
+        assert_eq!((lo.dest, lo.row, lo.mb_expert, lo.mb_order, lo.mb_srcmask, lo.words), (4, 34, 64, 68, 72, 76));
+        // The largest call fits the prep CTA's shared memory beside the narrowest engine.
+        let d = dims(4096, 7168, 2048, 8, MAX_EXPERTS, MAX_CAPACITY_BLOCKS * ROW_BLOCK, 8);
+        assert!(prep_smem_bytes(&d) <= engine::smem_bytes(256, Epilogue::Tma).min(engine::smem_bytes(128, Epilogue::Tma)));
+    }
+
+    #[test]
+    fn device_layout_pads_experts_and_finds_every_slot() {
+        // 2 ranks, 4 experts (2 each), k = 2, skew: expert 0 takes 130 rows (two blocks).
+        let s = shape(130, 2, 4, 2);
+        let r0: Vec<i32> = (0..130).flat_map(|t| [0, if t % 3 == 0 { 3 } else { -1 }]).collect();
+        let r1: Vec<i32> = (0..130).flat_map(|t| [if t % 2 == 0 { 0 } else { 2 }, if t == 5 { 2 } else { -1 }]).collect();
+        let routing = vec![r0, r1];
+        let l0 = device_layout(&s, &routing, 0).unwrap();
+        assert_eq!(l0.recv_counts, vec![130 + 65, 0]);
+        assert_eq!(l0.expert_base, vec![0, 256]);
+        let l1 = device_layout(&s, &routing, 1).unwrap();
+        assert_eq!(l1.recv_counts, vec![65, 44]);
+        assert_eq!(l1.expert_base, vec![0, 128]);
+        assert_eq!(l0.rows_needed, 256, "the most over ranks");
+        assert_eq!(l1.rows_needed, 256);
+        // Rank 1's token 0 (expert 0) lands after rank 0's 130 rows on rank 0.
+        assert_eq!(l1.slots[0], Some((0, 130)));
+        // Rank 1's token 5 lists expert 2 twice: one row, both choices point at it.
+        assert_eq!(l1.slots[10], l1.slots[11]);
+        assert_eq!(l0.slots[1], Some((1, 128)), "rank 0 token 0 -> expert 3 = rank 1's second expert");
+        for (row, r) in &l0.rows {
+            let e = r.local_expert;
+            assert!(*row >= l0.expert_base[e] && *row < l0.expert_base[e] + l0.recv_counts[e]);
+        }
     }
 }

@@ -7,6 +7,7 @@ mod collectives;
 mod fused_common;
 mod gemm;
 mod gemm_reduce;
+mod moe;
 mod nccl;
 #[path = "../mktest/ranks.rs"]
 #[allow(dead_code)]
@@ -24,6 +25,7 @@ const BENCHES: &[(&str, Bench, &str)] = &[
     ("ag_gemm", ag_gemm::run, "mkAllGatherGemm vs mkAllGather+GEMM, mkAllGather+cuBLAS, cuBLAS (-g, --rows, --nk NxK,..., --dtype, -n, -w)"),
     ("gemm_rs", gemm_reduce::gemm_rs, "mkGemmReduceScatter vs GEMM+mkReduceScatter, cuBLAS+mkReduceScatter, cuBLAS (-g, --m, --nk NxK,..., -n, -w)"),
     ("gemm_ar", gemm_reduce::gemm_ar, "mkGemmAllReduce vs GEMM+mkAllReduce, cuBLAS+mkAllReduce, cuBLAS (-g, --m, --nk NxK,..., -n, -w)"),
+    ("moe", moe::run, "mkMoeDispatchGemm / mkMoeGemmCombine vs exchange + per-expert GEMMs (-g, --tokens, --hidden, --ffn, --experts, --topk, -n, -w)"),
     ("gemm", gemm::run, "GEMM engine vs cuBLASLt (--dtype, --shape MxNxK, --sweep, --json PATH)"),
 ];
 

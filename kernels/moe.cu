@@ -1,0 +1,591 @@
+// MoE token dispatch fused with the experts' grouped GEMM (mkMoeDispatchGemm) and the
+// grouped GEMM fused with the way back (mkMoeGemmCombine). Semantics and the receive
+// layout are defined in src/ops/moe.rs (the host reference); this file is the device side.
+//
+// Receive layout on owner d: rows grouped by local expert, inside an expert by source
+// rank, then by token index; each expert's segment starts on a 128-row boundary (the
+// GEMM's BM), so a tile never straddles two experts. Every rank learns every rank's
+// per-expert counts at the start of the dispatch (count exchange through the fused-op
+// region), so every rank computes every offset itself: no host round trip, graph-capturable.
+//
+// Dispatch, CTAs [0, compute_ctas): the GEMM engine over (m-block, n-block) tiles of
+//   Y = X_recv · W1_eᵀ, m-blocks ordered so that blocks whose rows come from the sources
+//   that arrive first (own rows, then rank-1, rank-2, ...) come first; before loading a
+//   tile's A rows the producer waits for the flags of the sources whose rows the block holds.
+// Dispatch, CTAs [compute_ctas, +comm_ctas): the first one ("prep") counts this rank's
+//   routing per expert and each (token, expert)'s position among this rank's tokens of
+//   that expert, exchanges the counts, computes the layout and the m-block tables into the
+//   caller's layout buffer; then all of them copy token rows (16-byte vectors) into the
+//   owners' receive buffers, destination by destination (own rank first), and the last CTA
+//   done with a destination raises RECV[this rank] there.
+// Combine, CTAs [0, compute_ctas): the engine over the same m-blocks, Z = Y' · W2_eᵀ into
+//   this rank's fused-op region (TMA stores; remote stores would stall the TMA pipeline),
+//   each 64-row slab followed by an epoch-valued flag.
+// Combine, CTAs [compute_ctas, +comm_ctas): for each own token and column tile, wait for
+//   the slabs holding its k rows on their owners, pull them and write
+//   out[t] = Σ_j w[t, j] · Z[row(t, j)] (fp32, j in order 0..k-1, rounded once).
+//
+// Both kernels share one device-side epoch (MOE_EPOCH) and the end-of-kernel handshake
+// (MOE_DONE): before a kernel writes into any rank's fused-op region it waits until every
+// peer has finished the previous MoE kernel (no one still sends into or pulls from it).
+#include "common/gemm/engine.cuh"
+#include "common/fused_op.cuh"
+
+#define MK_OP_MOE_DISPATCH 19
+#define MK_OP_MOE_COMBINE 20
+#define MK_WAIT_MOE_CAPACITY 5   // error word "what": a receive buffer is too small
+#define MK_WAIT_MOE_EXPERT 6     // error word "what": an expert id outside [-1, E)
+
+// Signal words (own region unless noted), all in [MK_SIG_MOE_BASE, +65536).
+#define MOE_EPOCH (MK_SIG_MOE_BASE + 0)
+#define MOE_ARRIVE (MK_SIG_MOE_BASE + 1)
+#define MOE_PREP (MK_SIG_MOE_BASE + 2)    // the prep CTA wrote the layout of epoch e
+#define MOE_DONE (MK_SIG_MOE_BASE + 8)    // + q: rank q finished MoE kernel e (written by q)
+#define MOE_CNT (MK_SIG_MOE_BASE + 16)    // + s: rank s wrote its counts here (written by s)
+#define MOE_RECV (MK_SIG_MOE_BASE + 24)   // + s: all of rank s's rows for us arrived (written by s)
+#define MOE_SENT (MK_SIG_MOE_BASE + 32)   // + d: comm CTAs done sending to d (counter)
+#define MOE_TILE (MK_SIG_MOE_BASE + 1024) // + (m_block * tiles_n + n) * 2 + slab: Z slab stored
+
+// Layout buffer words (int32): see ops::moe::LayoutOffsets.
+#define LAY_TOTAL_MB 0   // m-blocks of this rank's receive buffer in use
+#define LAY_OVERFLOW 1   // nonzero: some rank's receive buffer is too small; nothing was moved
+
+#define MOE_MAX_EXPERTS 1024
+#define MOE_WARPS 12
+
+namespace mk { namespace moe {
+
+using namespace mk::gemm;
+
+__device__ __forceinline__ int ld_cg(const int* p) { return __ldcg(p); }
+
+// mk_wait_geq_inline with a back-off: hundreds of threads polling system-scope acquire
+// loads in a tight loop slowed the GEMM CTAs beside them by orders of magnitude (first GPU
+// run: the fused combine took 130x the unfused one). Polls with relaxed loads and
+// __nanosleep, then one acquire load; timeout, abort and error words as mk_wait_geq.
+// Inline and call-free: the engine's producer thread uses it after setmaxnreg.
+__device__ __forceinline__ bool moe_wait(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer,
+                                         uint32_t what, uint32_t op) {
+  if (mk_ld_acquire_sys(flag) >= target) return true;
+  const uint64_t* abort_word = mk_signal_word(ws, ws.rank, MK_SIG_ABORT);
+  const uint32_t* host_abort = &mk_status(ws)->host_abort;
+  const uint64_t start = mk_globaltimer();
+  unsigned ns = 64;
+  for (uint32_t spin = 1;; ++spin) {
+    __nanosleep(ns);
+    if (ns < 2048) ns *= 2;
+    if (mk_ld_relaxed_sys(flag) >= target) return mk_ld_acquire_sys(flag) >= target;  // flags only grow
+    if ((spin & 7) == 0) {
+      const uint64_t raised = mk_ld_relaxed_sys(abort_word);
+      if (raised != 0) {
+        mk_record_error(ws, mk_error_word(MK_RESULT_REMOTE_ERROR, (uint32_t)(raised - 1), what, op));
+        return false;
+      }
+      if (mk_ld_relaxed_sys_u32(host_abort) != 0) {
+        mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
+        mk_raise_abort(ws);
+        return false;
+      }
+      if (mk_globaltimer() - start > ws.timeout_ns) {
+        mk_record_error(ws, mk_error_word(MK_RESULT_TIMEOUT, (uint32_t)peer, what, op));
+        mk_raise_abort(ws);
+        return false;
+      }
+    }
+  }
+}
+
+// Whole CTA: thread 0 waits for one flag (with back-off); every thread learns the outcome.
+__device__ __forceinline__ bool moe_cta_wait(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer,
+                                             uint32_t op) {
+  int ok = 1;
+  if (threadIdx.x == 0) ok = moe_wait(ws, flag, target, peer, MK_WAIT_OP_FLAG, op);
+  return __syncthreads_and(ok) != 0;
+}
+
+// Whole CTA: thread p (< nranks, p != skip) waits for word first_word + p of this rank's
+// region to reach target.
+__device__ __forceinline__ bool moe_cta_wait_peers(const WorkspaceView& ws, uint32_t first_word, uint64_t target, int skip,
+                                                   uint32_t op) {
+  int ok = 1;
+  const int p = threadIdx.x;
+  if (p < ws.nranks && p != skip) ok = moe_wait(ws, mk_signal_word(ws, ws.rank, first_word + p), target, p, MK_WAIT_OP_FLAG, op);
+  return __syncthreads_and(ok) != 0;
+}
+
+// Tiles: t -> grouped raster over (ordered m-block index, n-block); the m-block index goes
+// through the order table, and the B row block is the expert's (E_local·N_total view).
+struct MoeRaster {
+  struct Params {
+    const int* order;      // m-block order (layout)
+    const int* mb_expert;  // local expert of each m-block (layout)
+    int tiles_m, tiles_n, group_m;
+  };
+  __device__ static TileCoord tile(const Params& p, int t) {
+    const TileCoord c = grouped_tile(p.tiles_m, p.tiles_n, p.group_m, t);
+    const int mb = ld_cg(p.order + c.m_block);
+    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + c.n_block};
+  }
+};
+
+// Before a tile's A rows are loaded: wait for every source whose rows the m-block holds.
+struct SourceAWait {
+  struct Params {
+    const MoeParams* op;
+    const int* srcmask;
+    uint64_t epoch;
+  };
+  __device__ static void before_a_load(const Params& w, int m_block, int, int) {
+    const WorkspaceView& ws = w.op->ws;
+    unsigned mask = (unsigned)ld_cg(w.srcmask + m_block);
+    while (mask) {
+      const int s = __ffs(mask) - 1;
+      mask &= mask - 1;
+      // A failed wait has recorded the error and raised the abort word; the tile then
+      // computes on stale rows and the kernel still ends in bounded time.
+      moe_wait(ws, mk_signal_word(ws, ws.rank, MOE_RECV + s), w.epoch, s, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
+    }
+    fence_proxy_async_global();  // the senders' generic-proxy stores, then our TMA loads
+  }
+  // The producer warpgroup's idle warps do nothing here (the comm CTAs move the tokens).
+  __device__ static void side_work(const Params&, int) {}
+};
+
+// C tile columns: the scheduler's n_block counts over all experts' B rows; the output has
+// only one expert's columns.
+struct ExpertDest {
+  struct Params {
+    const CUtensorMap* tma_c;
+    int cols;  // F (dispatch) or H (combine)
+  };
+  __device__ static const CUtensorMap* map(const Params& p, const SlabInfo& s, int& row, int& col) {
+    row = s.row0;
+    col = s.col0 % p.cols;
+    return p.tma_c;
+  }
+};
+
+struct ZSlabSignal {
+  struct Params {
+    uint64_t* flags;
+    int tiles_n;
+    uint64_t epoch;
+  };
+  static constexpr bool enabled = true;
+  __device__ static void after_store(const Params& p, const SlabInfo& s) {
+    fence_proxy_async_global();  // the TMA (async proxy) writes, then the flag
+    const int n = s.tile.n_block % p.tiles_n;
+    mk_signal_store(p.flags + ((size_t)s.tile.m_block * p.tiles_n + n) * 2 + s.consumer, p.epoch);
+  }
+};
+
+// ---- dispatch: the prep CTA ----------------------------------------------------------
+
+// Whole CTA (the first comm CTA). Returns false if a wait failed.
+__device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem) {
+  const WorkspaceView& ws = p.ws;
+  const int n = ws.nranks, me = ws.rank, E = p.experts, El = p.experts_local, K = p.top_k;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  uint32_t* bits = reinterpret_cast<uint32_t*>(smem);             // [MOE_WARPS][E] lanes routed to e
+  int* pre = reinterpret_cast<int*>(bits + MOE_WARPS * E);         // [MOE_WARPS][E] tokens of e before the warp
+  int* run = pre + MOE_WARPS * E;                                  // [E] own tokens of e so far
+  int* cnt = run + E;                                              // [n][E] every rank's counts
+  int* off = cnt + n * E;                                          // [E] row of own first token of e at its owner
+  int* lbase = off + E;                                            // [El + 1] own experts' first rows
+  unsigned char* keys = reinterpret_cast<unsigned char*>(lbase + El + 1);  // [capacity / 128] block order keys
+  __shared__ int bad_id, overflow, needed_max;
+  int* layout = reinterpret_cast<int*>(p.layout);
+  const int* idx = reinterpret_cast<const int*>(p.topk_idx);
+  int* lay_dest = layout + p.lay_dest;
+  int* lay_row = layout + p.lay_row;
+
+  for (int i = tid; i < MOE_WARPS * E; i += blockDim.x) bits[i] = 0;
+  for (int i = tid; i < E; i += blockDim.x) run[i] = 0;
+  if (tid == 0) {
+    bad_id = 0;
+    overflow = 0;
+    needed_max = 0;
+  }
+  __syncthreads();
+
+  // Pass 1: per (token, j) the position among this rank's tokens of that expert, in token
+  // order (a token listing an expert twice is one row): per 32-token warp a bitmap of the
+  // lanes routed to each expert, the warps' counts prefixed per expert.
+  for (int c0 = 0; c0 < p.tokens; c0 += blockDim.x) {
+    const int t = c0 + tid;
+    if (t < p.tokens) {
+      for (int j = 0; j < K; ++j) {
+        const int e = idx[(size_t)t * K + j];
+        if (e >= 0 && e < E) atomicOr(&bits[warp * E + e], 1u << lane);
+        else if (e != -1) bad_id = 1;
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) {
+      int s = run[e];
+      for (int w = 0; w < MOE_WARPS; ++w) {
+        pre[w * E + e] = s;
+        s += __popc(bits[w * E + e]);
+      }
+      run[e] = s;
+    }
+    __syncthreads();
+    if (t < p.tokens) {
+      for (int j = 0; j < K; ++j) {
+        const int e = idx[(size_t)t * K + j];
+        const bool ok = e >= 0 && e < E;
+        lay_dest[(size_t)t * K + j] = ok ? e / El : -1;
+        lay_row[(size_t)t * K + j] = ok ? pre[warp * E + e] + __popc(bits[warp * E + e] & ((1u << lane) - 1)) : -1;
+      }
+    }
+    __syncthreads();
+    if (t < p.tokens) {
+      for (int j = 0; j < K; ++j) {
+        const int e = idx[(size_t)t * K + j];
+        if (e >= 0 && e < E) bits[warp * E + e] = 0;
+      }
+    }
+    __syncthreads();
+  }
+  if (tid == 0 && bad_id) mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, me, MK_WAIT_MOE_EXPERT, MK_OP_MOE_DISPATCH));
+
+  // Nobody may still be sending into or pulling from any region of the previous kernel.
+  if (!moe_cta_wait_peers(ws, MOE_DONE, epoch - 1, me, MK_OP_MOE_DISPATCH)) return false;
+  // Count exchange: our counts into every rank's area [me][E], then CNT[me] there.
+  for (int q = 0; q < n; ++q) {
+    int* dst = reinterpret_cast<int*>(reinterpret_cast<char*>(ws.data[q]) + p.counts_offset) + me * E;
+    for (int e = tid; e < E; e += blockDim.x) dst[e] = run[e];
+  }
+  mk_cta_signal_peers(ws, MOE_CNT, epoch, -1);
+  if (!moe_cta_wait_peers(ws, MOE_CNT, epoch, -1, MK_OP_MOE_DISPATCH)) return false;
+  {
+    const int* src = reinterpret_cast<const int*>(reinterpret_cast<const char*>(ws.data[me]) + p.counts_offset);
+    for (int i = tid; i < n * E; i += blockDim.x) cnt[i] = ld_cg(src + i);
+  }
+  __syncthreads();
+
+  // Every destination's layout (thread d): expert segments padded to 128 rows.
+  if (tid < n) {
+    const int d = tid;
+    int base = 0;
+    for (int le = 0; le < El; ++le) {
+      const int e = d * El + le;
+      int rows = 0;
+      for (int s = 0; s < n; ++s) {
+        if (s == me) off[e] = base + rows;
+        rows += cnt[s * E + e];
+      }
+      if (d == me) lbase[le] = base;
+      base += (rows + 127) / 128 * 128;
+    }
+    if (d == me) lbase[El] = base;
+    atomicMax(&needed_max, base);
+    if (base > p.capacity) overflow = d + 1;
+  }
+  __syncthreads();
+  int* counts_out = reinterpret_cast<int*>(p.recv_counts);
+  for (int le = tid; le < El; le += blockDim.x) {
+    int rows = 0;
+    for (int s = 0; s < n; ++s) rows += cnt[s * E + me * El + le];
+    counts_out[le] = rows;
+  }
+  if (tid == 0) {
+    counts_out[El] = needed_max;
+    layout[LAY_OVERFLOW] = overflow;
+    if (overflow) mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, overflow - 1, MK_WAIT_MOE_CAPACITY, MK_OP_MOE_DISPATCH));
+  }
+  if (overflow) {
+    __syncthreads();
+    return true;
+  }
+  // Pass 2: rows at the owners.
+  for (int i = tid; i < p.tokens * K; i += blockDim.x) {
+    const int e = idx[i];
+    if (e >= 0 && e < E) lay_row[i] += off[e];
+  }
+  // Own m-block tables (thread per local expert): expert and the sources each block holds.
+  int* mb_expert = layout + p.lay_mb_expert;
+  int* mb_src = layout + p.lay_mb_srcmask;
+  for (int le = tid; le < El; le += blockDim.x) {
+    const int e = me * El + le;
+    const int base = lbase[le], nb = (lbase[le + 1] - base) / 128;
+    for (int b = 0; b < nb; ++b) {
+      mb_expert[base / 128 + b] = le;
+      mb_src[base / 128 + b] = 0;
+    }
+    int r0 = base;
+    for (int s = 0; s < n; ++s) {
+      const int c = cnt[s * E + e];
+      if (c > 0)
+        for (int b = r0 / 128; b <= (r0 + c - 1) / 128; ++b) mb_src[b] |= 1 << s;
+      r0 += c;
+    }
+  }
+  __syncthreads();
+  // Block order: by the latest-arriving source a block needs (senders go to themselves
+  // first, then rank+1, ...: we get rank s's rows at step (me - s) mod n), then by index.
+  const int total = lbase[El] / 128;
+  for (int b = tid; b < total; b += blockDim.x) {
+    const unsigned m = (unsigned)mb_src[b];
+    int latest = 0;
+    for (int s = 0; s < n; ++s)
+      if (m & (1u << s)) latest = max(latest, (me - s + n) % n);
+    keys[b] = (unsigned char)latest;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int* order = layout + p.lay_mb_order;
+    int k = 0;
+    for (int step = 0; step < n; ++step)
+      for (int b0 = 0; b0 < total; b0 += 32) {
+        const bool hit = b0 + lane < total && keys[b0 + lane] == step;
+        const unsigned ballot = __ballot_sync(0xffffffffu, hit);
+        if (hit) order[k + __popc(ballot & ((1u << lane) - 1))] = b0 + lane;
+        k += __popc(ballot);
+      }
+    if (lane == 0) layout[LAY_TOTAL_MB] = total;
+  }
+  __syncthreads();
+  return true;
+}
+
+// All threads of the warp copy one row (bytes a multiple of 16) to dst, 8 vectors in
+// flight per lane (latency-bound otherwise).
+__device__ __forceinline__ void warp_copy_row(char* dst, const char* src, int vecs, int lane) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  int4* d = reinterpret_cast<int4*>(dst);
+  int i = lane;
+  for (; i + 7 * 32 < vecs; i += 8 * 32) {
+    int4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = s[i + u * 32];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) d[i + u * 32] = v[u];
+  }
+  for (; i < vecs; i += 32) d[i] = s[i];
+}
+
+// Whole CTA (comm CTA j): copy this rank's token rows into the owners' receive buffers,
+// one destination after another (own rank first), and signal each destination once every
+// comm CTA is done with it.
+__device__ __forceinline__ void send_rows(const MoeParams& p, uint64_t epoch, int j) {
+  const WorkspaceView& ws = p.ws;
+  const int n = ws.nranks, me = ws.rank, K = p.top_k;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gw = j * MOE_WARPS + warp, nw = p.comm_ctas * MOE_WARPS;
+  const int* idx = reinterpret_cast<const int*>(p.topk_idx);
+  const int* layout = reinterpret_cast<const int*>(p.layout);
+  const size_t row_bytes = (size_t)p.hidden * 2;
+  const int vecs = p.hidden / 8;
+  for (int step = 0; step < n; ++step) {
+    const int d = (me + step) % n;
+    char* recv = reinterpret_cast<char*>(ws.data[d]) + p.buf_offset;
+    for (int t = gw; t < p.tokens; t += nw) {
+      int e = -2, dest = -1, row = 0;
+      if (lane < K) {
+        e = idx[(size_t)t * K + lane];
+        dest = ld_cg(layout + p.lay_dest + (size_t)t * K + lane);
+        row = ld_cg(layout + p.lay_row + (size_t)t * K + lane);
+      }
+      // A token listing one expert twice travels once for it.
+      const unsigned same = __match_any_sync(0xffffffffu, e);
+      const bool first = (same & ((1u << lane) - 1)) == 0;
+      unsigned todo = __ballot_sync(0xffffffffu, lane < K && dest == d && first);
+      const char* src = reinterpret_cast<const char*>(p.x) + (size_t)t * row_bytes;
+      while (todo) {
+        const int l = __ffs(todo) - 1;
+        todo &= todo - 1;
+        const int r = __shfl_sync(0xffffffffu, row, l);
+        warp_copy_row(recv + (size_t)r * row_bytes, src, vecs, lane);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      unsigned long long* sent = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, me, MOE_SENT + d));
+      if (atomicAdd(sent, 1ull) == (unsigned long long)p.comm_ctas - 1) {
+        *sent = 0;  // every comm CTA is done with d; the next launch starts after this one
+        mk_signal_store(mk_signal_word(ws, d, MOE_RECV + me), epoch);
+      }
+    }
+  }
+}
+
+template <typename T, int BN>
+__device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
+                                         const MoeParams& p) {
+  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value>;
+  using Epi = TmaEpilogue<ExpertDest, TmaStoreOp, NoTileSignal>;
+  extern __shared__ __align__(1024) char smem[];
+  mk_check_engine_smem<Cfg, Epi>();
+  const WorkspaceView& ws = p.ws;
+  const uint64_t epoch = mk_op_epoch_begin(ws, MOE_EPOCH);
+  const int* layout = reinterpret_cast<const int*>(p.layout);
+  const int j = (int)blockIdx.x - p.compute_ctas;
+
+  if (j == 0) {
+    const bool ok = prep(p, epoch, smem);
+    __syncthreads();
+    if (threadIdx.x == 0) mk_signal_store(mk_signal_word(ws, ws.rank, MOE_PREP), ok ? epoch : 0);
+  }
+  // The layout of this epoch is in place (thread 0's acquire, then the barrier).
+  bool ready = moe_cta_wait(ws, mk_signal_word(ws, ws.rank, MOE_PREP), epoch, ws.rank, MK_OP_MOE_DISPATCH);
+  if (ready && ld_cg(layout + LAY_OVERFLOW) != 0) ready = false;
+
+  if (ready && j < 0) {
+    const int total_mb = ld_cg(layout + LAY_TOTAL_MB);
+    if (p.gemm) {
+      typename MoeRaster::Params sched{layout + p.lay_mb_order, layout + p.lay_mb_expert, total_mb, p.tiles_n,
+                                       max(1, min(p.group_m, total_mb))};
+      typename SourceAWait::Params await{&p, layout + p.lay_mb_srcmask, epoch};
+      typename Epi::Params epi;
+      epi.dest.tma_c = tma_c;
+      epi.dest.cols = p.ffn;
+      epi.signal.unused = 0;
+      gemm_persistent<Cfg, MoeRaster, SourceAWait, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.ffn, p.hidden}, sched,
+                                                         await, epi, blockIdx.x, p.compute_ctas, smem);
+    } else if (blockIdx.x == 0) {
+      // Communication only: the kernel ends once every source's rows are here.
+      moe_cta_wait_peers(ws, MOE_RECV, epoch, -1, MK_OP_MOE_DISPATCH);
+    }
+  } else if (ready) {
+    send_rows(p, epoch, j);
+  }
+  mk_op_epoch_end(ws, MOE_EPOCH, MOE_ARRIVE, MOE_DONE, epoch);
+}
+
+// ---- combine ----------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
+  int4 out;
+  T* h = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) h[i] = T(acc[i]);
+  return out;
+}
+
+// Whole CTA (comm CTA j): out[t, tile n] for the work items (t, n) of this CTA's warps.
+template <typename T, int BN>
+__device__ __forceinline__ void pull_rows(const MoeParams& p, uint64_t epoch, int j) {
+  const WorkspaceView& ws = p.ws;
+  const int K = p.top_k, H = p.hidden;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gw = j * MOE_WARPS + warp, nw = p.comm_ctas * MOE_WARPS;
+  const int* layout = reinterpret_cast<const int*>(p.layout);
+  const float* weights = reinterpret_cast<const float*>(p.topk_weights);
+  const int items = p.tokens * p.tiles_n;
+  for (int it = gw; it < items; it += nw) {
+    const int t = it / p.tiles_n, nb = it % p.tiles_n;
+    int dest = -1, row = 0;
+    float w = 0.f;
+    if (lane < K) {
+      dest = ld_cg(layout + p.lay_dest + (size_t)t * K + lane);
+      row = ld_cg(layout + p.lay_row + (size_t)t * K + lane);
+      w = weights[(size_t)t * K + lane];
+    }
+    int ok = 1;
+    if (dest >= 0) {
+      const uint32_t word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
+      ok = moe_wait(ws, mk_signal_word(ws, dest, word), epoch, dest, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
+    }
+    if (!__all_sync(0xffffffffu, ok)) return;
+    // Every lane runs every iteration (the shuffles need the whole warp); lanes past the
+    // tile's BN / 8 vectors only shuffle.
+    for (int v0 = 0; v0 < BN / 8; v0 += 32) {
+      const int v = v0 + lane;
+      const bool active = v < BN / 8;
+      const size_t col = (size_t)nb * BN + v * 8;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int j0 = 0; j0 < K; j0 += 8) {
+        // Up to 8 rows' vectors loaded before the first add (latency-bound otherwise); the
+        // adds then run in j order.
+        int4 z[8];
+        int dd[8];
+        float ww[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int jj = j0 + u;
+          dd[u] = __shfl_sync(0xffffffffu, dest, jj & 31);
+          const int r = __shfl_sync(0xffffffffu, row, jj & 31);
+          ww[u] = __shfl_sync(0xffffffffu, w, jj & 31);
+          if (active && jj < K && dd[u] >= 0)
+            z[u] = *reinterpret_cast<const int4*>(reinterpret_cast<const char*>(ws.data[dd[u]]) + p.buf_offset +
+                                                  ((size_t)r * H + col) * 2);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (active && j0 + u < K && dd[u] >= 0) {
+            const T* h = reinterpret_cast<const T*>(&z[u]);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] += ww[u] * (float)h[i];
+          }
+        }
+      }
+      if (active) *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.out) + ((size_t)t * H + col) * 2) = pack8<T>(acc);
+    }
+  }
+}
+
+template <typename T, int BN>
+__device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
+                                        const MoeParams& p) {
+  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value>;
+  using Epi = TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal>;
+  extern __shared__ __align__(1024) char smem[];
+  mk_check_engine_smem<Cfg, Epi>();
+  const WorkspaceView& ws = p.ws;
+  const uint64_t epoch = mk_op_epoch_begin(ws, MOE_EPOCH);
+  const int* layout = reinterpret_cast<const int*>(p.layout);
+  // A dispatch that found a receive buffer too small moved nothing (every rank saw it).
+  const bool valid = ld_cg(layout + LAY_OVERFLOW) == 0;
+
+  if ((int)blockIdx.x < p.compute_ctas) {
+    // Z overwrites our region: every peer must be done with the previous kernel.
+    if (valid && moe_cta_wait_peers(ws, MOE_DONE, epoch - 1, ws.rank, MK_OP_MOE_COMBINE)) {
+      const int total_mb = ld_cg(layout + LAY_TOTAL_MB);
+      uint64_t* flags = mk_signal_word(ws, ws.rank, MOE_TILE);
+      if (p.gemm) {
+        typename MoeRaster::Params sched{layout + p.lay_mb_order, layout + p.lay_mb_expert, total_mb, p.tiles_n,
+                                         max(1, min(p.group_m, total_mb))};
+        NoAWait::Params await{0};
+        typename Epi::Params epi;
+        epi.dest.tma_c = tma_c;
+        epi.dest.cols = p.hidden;
+        epi.signal.flags = flags;
+        epi.signal.tiles_n = p.tiles_n;
+        epi.signal.epoch = epoch;
+        gemm_persistent<Cfg, MoeRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.hidden, p.ffn}, sched,
+                                                       await, epi, blockIdx.x, p.compute_ctas, smem);
+      } else {
+        // Communication only: Z was written by earlier launches on this stream.
+        __threadfence_system();
+        const int words = total_mb * p.tiles_n * 2;
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += p.compute_ctas * blockDim.x)
+          mk_st_release_sys(flags + i, epoch);
+      }
+    }
+  } else if (valid) {
+    pull_rows<T, BN>(p, epoch, blockIdx.x - p.compute_ctas);
+  }
+  mk_op_epoch_end(ws, MOE_EPOCH, MOE_ARRIVE, MOE_DONE, epoch);
+}
+
+}  // namespace moe
+}  // namespace mk
+
+#define MK_MOE_ENTRY(NAME, FN, T, BN)                                                                  \
+  extern "C" __global__ void __launch_bounds__(384, 1)                                                \
+      NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,      \
+           const __grid_constant__ CUtensorMap tma_c, const __grid_constant__ MoeParams p) {          \
+    mk::moe::FN<T, BN>(&tma_a, &tma_b, &tma_c, p);                                                    \
+  }
+
+MK_MOE_ENTRY(mk_moe_dispatch_bf16_bn256, dispatch, __nv_bfloat16, 256)
+MK_MOE_ENTRY(mk_moe_dispatch_bf16_bn128, dispatch, __nv_bfloat16, 128)
+MK_MOE_ENTRY(mk_moe_dispatch_f16_bn256, dispatch, __half, 256)
+MK_MOE_ENTRY(mk_moe_dispatch_f16_bn128, dispatch, __half, 128)
+MK_MOE_ENTRY(mk_moe_combine_bf16_bn256, combine, __nv_bfloat16, 256)
+MK_MOE_ENTRY(mk_moe_combine_bf16_bn128, combine, __nv_bfloat16, 128)
+MK_MOE_ENTRY(mk_moe_combine_f16_bn256, combine, __half, 256)
+MK_MOE_ENTRY(mk_moe_combine_f16_bn128, combine, __half, 128)

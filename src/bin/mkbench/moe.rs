@@ -1,0 +1,189 @@
+//! `mkbench moe`: mkMoeDispatchGemm and mkMoeGemmCombine beside the unfused sequences, in
+//! the same run:
+//!
+//!   mkbench moe [-g ranks] [--tokens 4096] [--hidden 7168] [--ffn 2048] [--experts 256] [--topk 8] [-n iters] [-w warmup]
+//!
+//! Unfused dispatch = the same kernel with its GEMM switched off (the token exchange alone:
+//! count exchange, 16-byte-vector copies into the owners' receive buffers, signals), then
+//! one GEMM-engine launch per local expert on the received rows (the grouped GEMM as
+//! separate launches). Unfused combine = one GEMM launch per local expert into the
+//! workspace, then the combine kernel with its GEMM switched off (pull and weighted sum).
+//! Uniform routing (k distinct experts per token), bf16, Y' = Y. Medians of CUDA-event-
+//! timed calls after warm-up, the slowest rank's. Bandwidth as DeepEP counts it: bytes of
+//! the (token, expert) rows a rank sends (dispatch) or receives back (combine) / time of the
+//! exchange alone; TFLOP/s per rank = 2·rows·F·H / time, rows = this rank's received rows.
+
+use crate::collectives::Events;
+use crate::fused_common::{bad, common_flag, timed_slowest};
+use crate::ranks;
+use cudarc::driver::result as cu;
+use mkernel::comm::{Comm, CommConfig};
+use mkernel::cuda::{self, PrimaryContext};
+use mkernel::error::{mkResult_t, Result};
+use mkernel::ops::gemm as engine;
+use mkernel::ops::moe::{self, device_layout, gemm_combine, dispatch_gemm, validate_combine, validate_dispatch, MoeDims, MoeShape};
+use mkernel::testing::TestBuffer;
+use mkernel::types::mkDataType_t;
+use std::time::Duration;
+
+struct Options {
+    ranks: usize,
+    tokens: usize,
+    hidden: usize,
+    ffn: usize,
+    experts: usize,
+    top_k: usize,
+    iters: usize,
+    warmup: usize,
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut o = Options { ranks: ranks::nranks_requested(), tokens: 4096, hidden: 7168, ffn: 2048, experts: 256, top_k: 8, iters: 10, warmup: 3 };
+    let mut i = 0;
+    while i < args.len() {
+        let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
+        let num = || v.parse::<usize>().map_err(|_| bad(&args[i]));
+        match args[i].as_str() {
+            f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
+            "--tokens" => o.tokens = num()?,
+            "--hidden" => o.hidden = num()?,
+            "--ffn" => o.ffn = num()?,
+            "--experts" => o.experts = num()?,
+            "--topk" => o.top_k = num()?,
+            other => return Err(bad(other)),
+        }
+        i += 2;
+    }
+    Ok(o)
+}
+
+pub fn run(args: &[String]) -> Result<bool> {
+    let o = parse(args)?;
+    if let Some(env) = ranks::child_env(1)? {
+        return rank_main(&o, env.rank, env.nranks, &env.ids[0], env.device);
+    }
+    if o.ranks == 1 {
+        let id = mkernel::bootstrap::root::start_root()?;
+        return rank_main(&o, 0, 1, &id, 0);
+    }
+    let mut child = vec!["moe".to_string()];
+    child.extend(args.iter().cloned());
+    ranks::spawn(&child, o.ranks, 1, Duration::from_secs(500), |_| 0)?;
+    Ok(true)
+}
+
+/// Uniform routing: k distinct experts per token, from a per-rank seed.
+fn routing(o: &Options, n: usize) -> Vec<Vec<i32>> {
+    (0..n)
+        .map(|r| {
+            let mut s = 0x2545_F491_4F6C_DD1Du64 ^ (r as u64 + 1);
+            let mut v = Vec::with_capacity(o.tokens * o.top_k);
+            for _ in 0..o.tokens {
+                let mut chosen: Vec<i32> = Vec::with_capacity(o.top_k);
+                while chosen.len() < o.top_k {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    let e = (s % o.experts as u64) as i32;
+                    if !chosen.contains(&e) {
+                        chosen.push(e);
+                    }
+                }
+                v.extend(chosen);
+            }
+            v
+        })
+        .collect()
+}
+
+fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
+    let ctx = PrimaryContext::retain(device)?;
+    let _g = ctx.enter()?;
+    let dtype = mkDataType_t::mkBfloat16;
+    let (t, h, f, k, e) = (o.tokens, o.hidden, o.ffn, o.top_k, o.experts);
+    let el = e / n;
+    let ids = routing(o, n);
+    let layout = device_layout(&MoeShape { tokens: t, top_k: k, experts: e, nranks: n }, &ids, rank)?;
+    let cap = layout.rows_needed;
+    let dims = MoeDims { tokens: t, hidden: h, ffn: f, top_k: k, experts: e, capacity: cap, nranks: n };
+    let mut cfg = CommConfig::from_env();
+    cfg.workspace_bytes = cfg.workspace_bytes.max((moe::COUNTS_BYTES + cap * h * 2) as u64);
+    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
+    let x = TestBuffer::new(t * h, dtype)?;
+    let w1 = TestBuffer::new(el * f * h, dtype)?;
+    let w2 = TestBuffer::new(el * h * f, dtype)?;
+    let y = TestBuffer::new(cap * f, dtype)?;
+    let out = TestBuffer::new(t * h, dtype)?;
+    let idx = TestBuffer::new(t * k, mkDataType_t::mkInt32)?;
+    let wts = TestBuffer::new(t * k, mkDataType_t::mkFloat32)?;
+    let counts = TestBuffer::new(el + 1, mkDataType_t::mkInt32)?;
+    let lay = TestBuffer::new(moe::layout_offsets(t, k, cap).words, mkDataType_t::mkInt32)?;
+    x.randomize(5 + rank as u64, 1.0, stream)?;
+    w1.randomize(50 + rank as u64, 0.05, stream)?;
+    w2.randomize(80 + rank as u64, 0.05, stream)?;
+    wts.randomize(90 + rank as u64, 1.0, stream)?;
+    idx.upload(&ids[rank].iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+    let dargs = validate_dispatch(x.ptr(), idx.ptr(), w1.ptr(), y.ptr(), counts.ptr(), lay.ptr(), dims, dtype as i32)?;
+    let cargs = validate_combine(y.ptr(), w2.ptr(), wts.ptr(), lay.ptr(), out.ptr(), dims, dtype as i32)?;
+    let recv = moe::region_buffer(&comm).expect("data plane");
+    // The unfused grouped GEMMs: one engine launch per local expert with rows.
+    let sms = cuda::sm_count(device)? as usize;
+    let grid = comm.config.max_ctas.map_or(sms, |v| v as usize);
+    let mut g1 = Vec::new();
+    let mut g2 = Vec::new();
+    for le in 0..el {
+        let rows = layout.recv_counts[le];
+        if rows == 0 {
+            continue;
+        }
+        let base = layout.expert_base[le];
+        let a1 = engine::validate(recv + (base * h * 2) as u64, w1.ptr() + (le * f * h * 2) as u64, y.ptr() + (base * f * 2) as u64, rows, f, h, dtype as i32)?;
+        let p1 = engine::plan(rows, f, grid, a1.tma_epilogue_ok(), engine::PlanOverrides { max_ctas: Some(grid), ..Default::default() });
+        g1.push((a1, p1));
+        let a2 = engine::validate(y.ptr() + (base * f * 2) as u64, w2.ptr() + (le * h * f * 2) as u64, recv + (base * h * 2) as u64, rows, h, f, dtype as i32)?;
+        let p2 = engine::plan(rows, h, grid, a2.tma_epilogue_ok(), engine::PlanOverrides { max_ctas: Some(grid), ..Default::default() });
+        g2.push((a2, p2));
+    }
+    let events = Events::new(o.iters)?;
+    let timed = |f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f);
+    let gemm1 = || g1.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
+    let gemm2 = || g2.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
+    // The dispatch leaves the layout the combines read; a combine may be repeated on it.
+    let t_fd = timed(&|| dispatch_gemm(&comm, &dargs, true, stream))?;
+    let t_xd = timed(&|| dispatch_gemm(&comm, &dargs, false, stream))?;
+    let t_ud = timed(&|| dispatch_gemm(&comm, &dargs, false, stream).and_then(|_| gemm1()))?;
+    let t_g1 = timed(&gemm1)?;
+    let t_fc = timed(&|| gemm_combine(&comm, &cargs, true, stream))?;
+    let t_g2 = timed(&gemm2)?;
+    let t_xc = timed(&|| gemm_combine(&comm, &cargs, false, stream))?;
+    let t_uc = timed(&|| gemm2().and_then(|_| gemm_combine(&comm, &cargs, false, stream)))?;
+    let err = comm.async_error();
+    let rows: usize = layout.recv_counts.iter().sum();
+    let sent_rows: usize = layout.slots.iter().enumerate().filter(|(i, s)| s.is_some() && !ids[rank][i / k * k..*i].contains(&ids[rank][*i])).count();
+    let all = comm.bootstrap.allgather(&[(rows as u64).to_le_bytes(), (sent_rows as u64).to_le_bytes()].concat())?;
+    let max_rows = all.iter().map(|v| u64::from_le_bytes(v[..8].try_into().unwrap())).max().unwrap_or(0) as f64;
+    if rank == 0 {
+        let tf = |us: f64| 2.0 * max_rows * f as f64 * h as f64 / (us * 1e-6) / 1e12;
+        let gbs = |us: f64| sent_rows as f64 * h as f64 * 2.0 / (us * 1e-6) / 1e9;
+        println!(
+            "# mkbench moe: {n} rank(s), bf16, T={t}/rank, H={h}, F={f}, E={e}, k={k}, {sms} SMs, MK_MAX_CTAS={}, recvCapacity={cap}, rows/rank <= {max_rows}, warm-up {} + {} timed calls (median of the slowest rank)",
+            comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
+            o.warmup,
+            o.iters
+        );
+        println!("# {:<9} | {:>10} {:>7} | {:>10} {:>7} | {:>9} | {:>10} {:>7} | {:>9} {:>8}", "direction", "fused us", "TF/s", "unfused us", "TF/s", "fused/unf", "exchange us", "GB/s", "GEMMs us", "GEMM TF/s");
+        println!(
+            "  {:<9} | {:>10.1} {:>7.1} | {:>10.1} {:>7.1} | {:>9.3} | {:>10.1} {:>7.1} | {:>9.1} {:>8.1}",
+            "dispatch", t_fd, tf(t_fd), t_ud, tf(t_ud), t_fd / t_ud, t_xd, gbs(t_xd), t_g1, tf(t_g1)
+        );
+        println!(
+            "  {:<9} | {:>10.1} {:>7.1} | {:>10.1} {:>7.1} | {:>9.3} | {:>10.1} {:>7.1} | {:>9.1} {:>8.1}{}",
+            "combine", t_fc, tf(t_fc), t_uc, tf(t_uc), t_fc / t_uc, t_xc, gbs(t_xc), t_g2, tf(t_g2),
+            if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
+        );
+    }
+    // SAFETY: live stream.
+    unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+    Ok(err == mkResult_t::mkSuccess)
+}

@@ -1,0 +1,493 @@
+//! mkMoeDispatchGemm and mkMoeGemmCombine on the GPU with MK_TEST_NRANKS ranks.
+//!
+//! Per case and rank: fresh random tokens, weights and a skewed routing (one hot expert,
+//! experts that get no token, −1 holes, an expert listed twice by one token; ranks may hold
+//! different numbers of tokens, zero included), generated from seeds so every rank can
+//! rebuild every rank's inputs. The dispatch's recvCounts must equal ops::moe's layout and
+//! every received row of Y must match a float64 reference x_row·W1_eᵀ; the combine (fed a
+//! fresh random Y', independent of Y) must match Σ_j w·round(Y'_row·W2_eᵀ) in float64.
+//! Outputs are NaN-poisoned first (NaN never passes). Then graph capture with fresh routing
+//! on each replay, the capacity overflow, and (several ranks) a rank that never calls.
+
+use crate::collectives::{async_error, ffi, say, Stream};
+use crate::fused_common;
+use crate::ranks::RankEnv;
+use mkernel::comm::Comm;
+use mkernel::cuda::{self, sys};
+use mkernel::error::{mkResult_t, MkError, Result};
+use mkernel::ffi::fused::{mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes};
+use mkernel::ffi::mkComm_t;
+use mkernel::ops::moe::{device_layout, DeviceLayout, MoeShape, ROW_BLOCK};
+use mkernel::ops::util::fill_random;
+use mkernel::testing::{f32_to_bf16, f32_to_f16, bf16_to_f32, f16_to_f32, relative_error, tolerance, TestBuffer};
+use mkernel::types::mkDataType_t;
+
+pub fn run() -> Result<()> {
+    fused_common::run_suite(
+        "moe",
+        |comm, control, rank, n| correctness(comm, control, rank, n).and_then(|_| graph_replay(comm, rank, n)).and_then(|_| capacity_overflow(comm, rank, n)),
+        absent_rank,
+    )
+}
+
+/// Small deterministic generator (routing and weights are made on the host).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Sizes {
+    tokens: usize,
+    /// Odd ranks hold this many tokens instead (0: a rank with nothing to send).
+    tokens_odd: usize,
+    hidden: usize,
+    ffn: usize,
+    top_k: usize,
+    experts: usize,
+    dtype: mkDataType_t,
+    /// At most this many distinct experts get tokens (besides the hot one).
+    spread: usize,
+}
+
+fn tokens_of(s: &Sizes, r: usize) -> usize {
+    if r % 2 == 1 { s.tokens_odd } else { s.tokens }
+}
+
+/// Every rank's routing and weights for `seed`: choice 0 often the hot expert, −1 holes,
+/// repeats, and a band of experts (those ≡ 1 mod 3) that never get a token.
+fn routing(s: &Sizes, n: usize, seed: u64) -> (Vec<Vec<i32>>, Vec<Vec<f32>>) {
+    let hot = (seed as usize * 7) % s.experts;
+    let allowed: Vec<usize> = (0..s.experts).filter(|e| e % 3 != 1).take(s.spread.max(1)).collect();
+    let mut ids = Vec::new();
+    let mut ws = Vec::new();
+    for r in 0..n {
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (seed * 1000 + r as u64 + 1));
+        let t = tokens_of(s, r);
+        let mut v = Vec::with_capacity(t * s.top_k);
+        let mut w = Vec::with_capacity(t * s.top_k);
+        for _ in 0..t {
+            for j in 0..s.top_k {
+                let roll = rng.below(100);
+                let e = if roll < 35 {
+                    hot as i32
+                } else if roll < 43 {
+                    -1
+                } else if roll < 48 && j > 0 {
+                    v[v.len() - 1]
+                } else {
+                    allowed[rng.below(allowed.len())] as i32
+                };
+                v.push(e);
+                w.push(rng.unit() + 0.05);
+            }
+        }
+        ids.push(v);
+        ws.push(w);
+    }
+    (ids, ws)
+}
+
+fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn round_to(v: f64, dtype: mkDataType_t) -> f64 {
+    match dtype {
+        mkDataType_t::mkBfloat16 => bf16_to_f32(f32_to_bf16(v as f32)) as f64,
+        _ => f16_to_f32(f32_to_f16(v as f32)) as f64,
+    }
+}
+
+/// One configuration's device buffers (the largest T of any rank) on one rank.
+struct Case {
+    s: Sizes,
+    n: usize,
+    rank: usize,
+    capacity: usize,
+    x_all: TestBuffer,
+    w1: TestBuffer,
+    w2_all: TestBuffer,
+    idx: TestBuffer,
+    weights: TestBuffer,
+    y: TestBuffer,
+    yact_all: TestBuffer,
+    counts: TestBuffer,
+    layout: TestBuffer,
+    out: TestBuffer,
+}
+
+struct Inputs {
+    ids: Vec<Vec<i32>>,
+    weights: Vec<Vec<f32>>,
+    layout: DeviceLayout,
+    seed: u64,
+}
+
+impl Case {
+    fn new(s: Sizes, n: usize, rank: usize, capacity: usize) -> Result<Case> {
+        let t_max = s.tokens.max(s.tokens_odd).max(1);
+        let el = s.experts / n;
+        let mut words = 0usize;
+        // SAFETY: valid out-pointer.
+        let r = unsafe { mkMoeLayoutBytes(t_max, s.top_k, capacity, &mut words) };
+        if r != mkResult_t::mkSuccess {
+            return Err(MkError::new(r, "mkMoeLayoutBytes"));
+        }
+        Ok(Case {
+            s,
+            n,
+            rank,
+            capacity,
+            x_all: TestBuffer::new(n * t_max * s.hidden, s.dtype)?,
+            w1: TestBuffer::new(el * s.ffn * s.hidden, s.dtype)?,
+            w2_all: TestBuffer::new(n * el * s.hidden * s.ffn, s.dtype)?,
+            idx: TestBuffer::new(t_max * s.top_k, mkDataType_t::mkInt32)?,
+            weights: TestBuffer::new(t_max * s.top_k, mkDataType_t::mkFloat32)?,
+            y: TestBuffer::new(capacity * s.ffn, s.dtype)?,
+            yact_all: TestBuffer::new(n * capacity * s.ffn, s.dtype)?,
+            counts: TestBuffer::new(el + 1, mkDataType_t::mkInt32)?,
+            layout: TestBuffer::new(words / 4, mkDataType_t::mkInt32)?,
+            out: TestBuffer::new(t_max * s.hidden, s.dtype)?,
+        })
+    }
+
+    fn label(&self) -> String {
+        let s = &self.s;
+        format!(
+            "{} T={}/{} H={} F={} k={} E={} cap={}",
+            s.dtype.name(),
+            s.tokens,
+            s.tokens_odd,
+            s.hidden,
+            s.ffn,
+            s.top_k,
+            s.experts,
+            self.capacity
+        )
+    }
+
+    fn t_max(&self) -> usize {
+        self.s.tokens.max(self.s.tokens_odd).max(1)
+    }
+
+    /// Fresh inputs for `seed` (every rank's x, W2, Y' regenerated from seeds), outputs poisoned.
+    fn prepare(&self, seed: u64) -> Result<Inputs> {
+        let s = &self.s;
+        let el = s.experts / self.n;
+        let (xl, w1l, w2l, yl) = (self.t_max() * s.hidden, el * s.ffn * s.hidden, el * s.hidden * s.ffn, self.capacity * s.ffn);
+        let null = std::ptr::null_mut();
+        for r in 0..self.n {
+            fill_random(self.x_all.ptr() + (r * xl * 2) as u64, xl as u64, s.dtype, seed * 100 + r as u64, 1.0, null)?;
+            fill_random(self.w2_all.ptr() + (r * w2l * 2) as u64, w2l as u64, s.dtype, seed * 100 + 30 + r as u64, 0.5, null)?;
+            fill_random(self.yact_all.ptr() + (r * yl * 2) as u64, yl as u64, s.dtype, seed * 100 + 60 + r as u64, 1.0, null)?;
+        }
+        fill_random(self.w1.ptr(), w1l as u64, s.dtype, seed * 100 + 90 + self.rank as u64, 0.5, null)?;
+        let (ids, weights) = routing(s, self.n, seed);
+        let t = tokens_of(s, self.rank);
+        let mut own = ids[self.rank].clone();
+        own.resize(self.t_max() * s.top_k, -1);
+        self.idx.upload(&i32_bytes(&own))?;
+        let mut w = weights[self.rank].clone();
+        w.resize(self.t_max() * s.top_k, 0.0);
+        self.weights.upload(&f32_bytes(&w))?;
+        debug_assert!(ids[self.rank].len() == t * s.top_k);
+        self.y.poison(null)?;
+        self.out.poison(null)?;
+        self.counts.poison(null)?;
+        fused_common::sync_default_stream()?;
+        let shape = MoeShape { tokens: t, top_k: s.top_k, experts: s.experts, nranks: self.n };
+        let layout = device_layout(&shape, &ids, self.rank)?;
+        Ok(Inputs { ids, weights, layout, seed })
+    }
+
+    fn dispatch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        let s = &self.s;
+        let x = self.x_all.ptr() + (self.rank * self.t_max() * s.hidden * 2) as u64;
+        // SAFETY: device buffers of the sizes the op expects.
+        unsafe {
+            mkMoeDispatchGemm(
+                x as *const _,
+                self.idx.ptr() as *const i32,
+                self.w1.ptr() as *const _,
+                self.y.ptr() as *mut _,
+                self.counts.ptr() as *mut i32,
+                self.layout.ptr() as *mut _,
+                tokens_of(s, self.rank),
+                s.hidden,
+                s.ffn,
+                s.top_k,
+                s.experts,
+                self.capacity,
+                s.dtype as i32,
+                comm,
+                stream,
+            )
+        }
+    }
+
+    fn combine(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        let s = &self.s;
+        let yact = self.yact_all.ptr() + (self.rank * self.capacity * s.ffn * 2) as u64;
+        // SAFETY: device buffers of the sizes the op expects.
+        unsafe {
+            mkMoeGemmCombine(
+                yact as *const _,
+                (self.w2_all.ptr() + (self.rank * (s.experts / self.n) * s.hidden * s.ffn * 2) as u64) as *const _,
+                self.weights.ptr() as *const f32,
+                self.layout.ptr() as *const _,
+                self.out.ptr() as *mut _,
+                tokens_of(s, self.rank),
+                s.hidden,
+                s.ffn,
+                s.top_k,
+                s.experts,
+                self.capacity,
+                s.dtype as i32,
+                comm,
+                stream,
+            )
+        }
+    }
+
+    /// recvCounts and every received row of Y against float64.
+    fn verify_dispatch(&self, inp: &Inputs) -> Result<(bool, String)> {
+        let s = &self.s;
+        let (h, f) = (s.hidden, s.ffn);
+        let el = s.experts / self.n;
+        let counts: Vec<i32> = self.counts.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+        let mut want: Vec<i32> = inp.layout.recv_counts.iter().map(|&c| c as i32).collect();
+        want.push(inp.layout.rows_needed as i32);
+        if counts != want {
+            return Ok((false, format!("recvCounts {counts:?}, expected {want:?}")));
+        }
+        let x = self.x_all.download_f64()?;
+        let w1 = self.w1.download_f64()?;
+        let y = self.y.download_f64()?;
+        let xl = self.t_max() * h;
+        let mut out = Vec::with_capacity(inp.layout.rows.len() * f);
+        let mut reference = Vec::with_capacity(inp.layout.rows.len() * f);
+        for (row, r) in &inp.layout.rows {
+            let xr = &x[r.source * xl + r.token * h..][..h];
+            for c in 0..f {
+                let wr = &w1[(r.local_expert * f + c) * h..][..h];
+                reference.push(xr.iter().zip(wr).map(|(a, b)| a * b).sum::<f64>());
+                out.push(y[row * f + c]);
+            }
+        }
+        let _ = el;
+        let err = relative_error(&out, &reference);
+        Ok((err <= tolerance(s.dtype), format!("{} rows, rel err {err:.2e}", inp.layout.rows.len())))
+    }
+
+    /// out[t] against Σ_j w·round(Y'_owner[row]·W2_eᵀ) in float64.
+    fn verify_combine(&self, inp: &Inputs) -> Result<(bool, String)> {
+        let s = &self.s;
+        let (h, f, k) = (s.hidden, s.ffn, s.top_k);
+        let el = s.experts / self.n;
+        let yact = self.yact_all.download_f64()?;
+        let w2 = self.w2_all.download_f64()?;
+        let out_all = self.out.download_f64()?;
+        let t = tokens_of(s, self.rank);
+        let mut reference = vec![0f64; t * h];
+        for tok in 0..t {
+            for j in 0..k {
+                let Some((d, row)) = inp.layout.slots[tok * k + j] else { continue };
+                let e = inp.ids[self.rank][tok * k + j] as usize;
+                let w = inp.weights[self.rank][tok * k + j] as f64;
+                let le = e - d * el;
+                let yr = &yact[(d * self.capacity + row) * f..][..f];
+                for c in 0..h {
+                    let wr = &w2[((d * el + le) * h + c) * f..][..f];
+                    let z = round_to(yr.iter().zip(wr).map(|(a, b)| a * b).sum::<f64>(), s.dtype);
+                    reference[tok * h + c] += w * z;
+                }
+            }
+        }
+        let out = &out_all[..t * h];
+        let err = relative_error(out, &reference);
+        // Tokens with no expert must be exactly 0 (relative_error alone would accept a tiny value).
+        let zeros_ok = (0..t).filter(|&tok| inp.layout.slots[tok * k..(tok + 1) * k].iter().all(Option::is_none)).all(|tok| out[tok * h..(tok + 1) * h].iter().all(|&v| v == 0.0));
+        Ok((err <= tolerance(s.dtype) && zeros_ok, format!("{t} tokens, rel err {err:.2e}{}", if zeros_ok { "" } else { ", empty token not 0" })))
+    }
+}
+
+fn sizes_list() -> Vec<Sizes> {
+    use mkDataType_t::{mkBfloat16 as BF, mkFloat16 as FP};
+    let sz = |tokens, tokens_odd, hidden, ffn, top_k, experts, dtype, spread| Sizes { tokens, tokens_odd, hidden, ffn, top_k, experts, dtype, spread };
+    vec![
+        sz(37, 37, 384, 256, 2, 8, BF, 8),
+        sz(50, 23, 256, 384, 8, 64, FP, 40),
+        sz(100, 0, 128, 128, 8, 256, BF, 60),
+        sz(3, 5, 256, 256, 1, 8, FP, 8),
+        // DeepSeek-V3-sized expert matrices (E kept small so every rank can rebuild them).
+        sz(40, 40, 7168, 2048, 2, 8, BF, 8),
+    ]
+}
+
+/// The smallest recvCapacity this seed's routing needs, plus `slack` blocks.
+fn capacity_for(s: &Sizes, n: usize, seed: u64, slack: usize) -> Result<usize> {
+    let (ids, _) = routing(s, n, seed);
+    let shape = MoeShape { tokens: tokens_of(s, 0), top_k: s.top_k, experts: s.experts, nranks: n };
+    Ok(device_layout(&shape, &ids, 0)?.rows_needed.max(ROW_BLOCK) + slack * ROW_BLOCK)
+}
+
+fn step(rank: usize, what: &str, ok: bool, detail: &str, failures: &mut usize) {
+    if !ok {
+        *failures += 1;
+    }
+    if !ok || rank == 0 {
+        say(rank, format!("{what}: {detail} -> {}", if ok { "ok" } else { "WRONG" }));
+    }
+}
+
+fn run_once(case: &Case, comm: mkComm_t, stream: &Stream, seed: u64, failures: &mut usize) -> Result<()> {
+    let inp = case.prepare(seed)?;
+    ffi(&case.label(), case.dispatch(comm, stream.0), comm)?;
+    stream.sync()?;
+    if async_error(comm) != mkResult_t::mkSuccess {
+        return Err(MkError::new(async_error(comm), format!("{}: asynchronous error in the dispatch", case.label())));
+    }
+    let (ok, detail) = case.verify_dispatch(&inp)?;
+    step(case.rank, &format!("dispatch {} seed {}", case.label(), inp.seed), ok, &detail, failures);
+    ffi(&case.label(), case.combine(comm, stream.0), comm)?;
+    stream.sync()?;
+    if async_error(comm) != mkResult_t::mkSuccess {
+        return Err(MkError::new(async_error(comm), format!("{}: asynchronous error in the combine", case.label())));
+    }
+    let (ok, detail) = case.verify_combine(&inp)?;
+    step(case.rank, &format!("combine  {} seed {}", case.label(), inp.seed), ok, &detail, failures);
+    Ok(())
+}
+
+fn correctness(comm: mkComm_t, _control: &Comm, rank: usize, n: usize) -> Result<()> {
+    let stream = Stream::new()?;
+    let mut failures = 0;
+    let mut checks = 0;
+    for (i, s) in sizes_list().into_iter().enumerate() {
+        if s.experts % n != 0 {
+            continue;
+        }
+        let big = s.hidden >= 4096;
+        let seeds: Vec<u64> = if big { vec![3] } else { vec![1 + i as u64, 11 + i as u64] };
+        // Capacity: exactly what the first seed needs (tight), and enough for the others.
+        let mut cap = 0;
+        for &seed in &seeds {
+            cap = cap.max(capacity_for(&s, n, seed, 0)?);
+        }
+        let case = Case::new(s, n, rank, cap)?;
+        for &seed in &seeds {
+            run_once(&case, comm, &stream, seed, &mut failures)?;
+            checks += 2;
+        }
+    }
+    say(rank, format!("correctness: {checks} checks, {failures} wrong"));
+    if failures > 0 {
+        return Err(MkError::internal(format!("MoE: {failures} of {checks} checks wrong")));
+    }
+    Ok(())
+}
+
+fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+    let stream = Stream::new()?;
+    let s = Sizes { tokens: 29, tokens_odd: 17, hidden: 256, ffn: 256, top_k: 4, experts: 16, dtype: mkDataType_t::mkBfloat16, spread: 12 };
+    // Room for any of the replays' routings.
+    let mut cap = 0;
+    for seed in 40..50 {
+        cap = cap.max(capacity_for(&s, n, seed, 0)?);
+    }
+    let case = Case::new(s, n, rank, cap)?;
+    let inp = case.prepare(40)?;
+    // SAFETY: capture on a live non-default stream; the launches are our ops.
+    unsafe { cuda::check("cuStreamBeginCapture", sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))? };
+    let launched = [case.dispatch(comm, stream.0), case.combine(comm, stream.0)];
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above.
+    cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
+    for r in launched {
+        ffi("captured launch", r, comm)?;
+    }
+    drop(inp);
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: graph from the capture.
+    cuda::check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
+    let mut failures = 0;
+    for replay in 0..3u64 {
+        // Fresh tokens, weights and routing: the counts change, the graph does not.
+        let inp = case.prepare(41 + replay)?;
+        // SAFETY: instantiated graph, live stream.
+        cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
+        stream.sync()?;
+        if async_error(comm) != mkResult_t::mkSuccess {
+            return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
+        }
+        let (ok, detail) = case.verify_dispatch(&inp)?;
+        step(rank, &format!("graph replay {replay} dispatch"), ok, &detail, &mut failures);
+        let (ok, detail) = case.verify_combine(&inp)?;
+        step(rank, &format!("graph replay {replay} combine"), ok, &detail, &mut failures);
+        // A direct call between replays keeps the device-side epochs in step.
+        run_once(&case, comm, &stream, 45 + replay, &mut failures)?;
+    }
+    // SAFETY: destroyed once.
+    unsafe {
+        sys::cuGraphExecDestroy(exec);
+        sys::cuGraphDestroy(graph);
+    }
+    say(rank, format!("graph capture: dispatch+combine x 3 replays (fresh routing) + 3 direct calls, {failures} wrong"));
+    if failures > 0 {
+        return Err(MkError::internal("MoE graph replay gave wrong results"));
+    }
+    Ok(())
+}
+
+/// Last on the main communicator (it leaves it unusable): a recvCapacity one block short
+/// must be reported on every rank, with the needed rows in recvCounts[E_local].
+fn capacity_overflow(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+    let stream = Stream::new()?;
+    let s = Sizes { tokens: 200, tokens_odd: 150, hidden: 128, ffn: 128, top_k: 2, experts: 8, dtype: mkDataType_t::mkFloat16, spread: 8 };
+    let needed = capacity_for(&s, n, 77, 0)?;
+    let case = Case::new(s, n, rank, needed - ROW_BLOCK)?;
+    case.prepare(77)?;
+    ffi("mkMoeDispatchGemm (too small)", case.dispatch(comm, stream.0), comm)?;
+    stream.sync()?;
+    let code = async_error(comm);
+    // SAFETY: live handle.
+    let msg = unsafe { std::ffi::CStr::from_ptr(mkernel::ffi::query::mkGetLastError(comm)) }.to_string_lossy().into_owned();
+    let counts: Vec<i32> = case.counts.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+    let reported = *counts.last().unwrap() as usize;
+    let ok = code == mkResult_t::mkInvalidUsage && reported == needed && msg.contains("needs more rows than recvCapacity");
+    say(rank, format!("capacity overflow: {code:?}, rows needed {reported} (expected {needed}), \"{msg}\" -> {}", if ok { "ok" } else { "WRONG" }));
+    if !ok {
+        return Err(MkError::internal("MoE capacity overflow not reported as specified"));
+    }
+    // The communicator refuses new work.
+    let again = case.combine(comm, stream.0);
+    if again == mkResult_t::mkSuccess {
+        return Err(MkError::internal("a call after the overflow was accepted"));
+    }
+    Ok(())
+}
+
+fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let s = Sizes { tokens: 64, tokens_odd: 64, hidden: 256, ffn: 256, top_k: 2, experts: 8, dtype: mkDataType_t::mkBfloat16, spread: 8 };
+    let case = Case::new(s, n, rank, capacity_for(&s, n, 5, 0)?)?;
+    fused_common::absent_rank(env, control, 2, "mkMoeDispatchGemm (a rank absent)", |comm, stream| {
+        case.prepare(5)?;
+        Ok(case.dispatch(comm, stream))
+    })
+}
