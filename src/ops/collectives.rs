@@ -134,6 +134,7 @@ impl ErrorWord {
             1 => "mkAllGather".into(),
             2 => "mkReduceScatter".into(),
             3 => "mkAllReduce".into(),
+            19 => "mkRingAttention".into(),
             n => format!("fused op {n}"),
         }
     }

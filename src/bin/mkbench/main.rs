@@ -8,6 +8,7 @@ mod fused_common;
 mod gemm;
 mod gemm_reduce;
 mod nccl;
+mod ring_attn;
 #[path = "../mktest/ranks.rs"]
 #[allow(dead_code)]
 mod ranks;
@@ -24,6 +25,7 @@ const BENCHES: &[(&str, Bench, &str)] = &[
     ("ag_gemm", ag_gemm::run, "mkAllGatherGemm vs mkAllGather+GEMM, mkAllGather+cuBLAS, cuBLAS (-g, --rows, --nk NxK,..., --dtype, -n, -w)"),
     ("gemm_rs", gemm_reduce::gemm_rs, "mkGemmReduceScatter vs GEMM+mkReduceScatter, cuBLAS+mkReduceScatter, cuBLAS (-g, --m, --nk NxK,..., -n, -w)"),
     ("gemm_ar", gemm_reduce::gemm_ar, "mkGemmAllReduce vs GEMM+mkAllReduce, cuBLAS+mkAllReduce, cuBLAS (-g, --m, --nk NxK,..., -n, -w)"),
+    ("ring_attn", ring_attn::run, "mkRingAttention vs mkAllGather(K,V)+attention, the attention alone (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, -n, -w)"),
     ("gemm", gemm::run, "GEMM engine vs cuBLASLt (--dtype, --shape MxNxK, --sweep, --json PATH)"),
 ];
 
