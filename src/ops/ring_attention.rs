@@ -153,7 +153,14 @@ fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
 
 fn launch(args: &RingArgs, mut p: RingAttnParams, grid: u32, stream: sys::CUstream) -> Result<()> {
     let f = kernel(args)?;
-    let cfg = LaunchConfig { grid: (grid, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem_bytes(args.shape.head_dim) as u32 };
+    let smem = smem_bytes(args.shape.head_dim) as u32;
+    // The opt-in is needed whenever dynamic plus static shared memory passes 48 KiB; at
+    // D = 64 the dynamic part is exactly 48 KiB, which cuda::launch does not opt in for.
+    // SAFETY: sets one attribute of a loaded kernel.
+    cuda::check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+        sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+    })?;
+    let cfg = LaunchConfig { grid: (grid, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem };
     let mut kernel_params: [*mut c_void; 1] = [(&mut p as *mut RingAttnParams).cast()];
     // SAFETY: the parameter matches the kernel (RingAttnParams by value); the tensors were
     // checked to be device memory of this device, of the sizes the caller promised.
