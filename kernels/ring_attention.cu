@@ -19,16 +19,19 @@
 // receives n-1 blocks) without relaying through intermediate ranks: within one node the
 // peer is one NVLink hop away, so relaying would only add latency (DESIGN-NOTES.md).
 //
-// Math engine: FA2-style mma.sync m16n8k16 (bf16/fp16 in, fp32 accumulate), Q fragments
-// in registers, K/V 64-row tiles double-buffered in shared memory by cp.async, ldmatrix
-// (transposed for V) from an XOR-swizzled layout (16-byte chunk c of row r stored at
-// c ^ (r & 7): conflict-free ldmatrix). Each warp owns 16 query rows.
+// Math engine (FA3-style without warp specialisation): two warpgroups, 64 query rows
+// each; S = Q·Kᵀ by wgmma from shared memory (Q and K K-major, 128-byte swizzle), the
+// online softmax on the fp32 accumulators, then O += P·V by wgmma with P straight from
+// the score registers (A from registers) and V as an MN-major B operand. Q and 128-key
+// K/V tiles are loaded by cp.async (all 256 threads) into the swizzled layout, K/V
+// double-buffered so the next tile loads while this one is multiplied.
 //
 // Gathered mode (p.kv_gathered != 0, used by the unfused baseline and at one rank): the
 // K/V of every source rank lie in one local buffer, shard after shard; no signals.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include "common/fused_op.cuh"
+#include "common/gemm/wgmma_rs_ops.cuh"
 
 #define MK_OP_RING_ATTN 19
 // Signal words of this op: [MK_SIG_RING_BASE, +65536).
@@ -40,8 +43,8 @@
 
 namespace mk { namespace ring_attn {
 
-constexpr int BM = 128;  // queries per work item (8 warps x 16 rows)
-constexpr int BN = 64;   // keys per tile
+constexpr int BM = 128;  // queries per work item (2 warpgroups x 64 rows)
+constexpr int BN = 128;  // keys per tile
 constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
 
@@ -55,24 +58,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-
 template <typename T>
-struct Mma;
+struct Mma;  // the packing of two fp32 into a b32 register of T
 template <>
 struct Mma<__nv_bfloat16> {
-  __device__ static void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
   __device__ static uint32_t pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
@@ -80,21 +69,18 @@ struct Mma<__nv_bfloat16> {
 };
 template <>
 struct Mma<__half> {
-  __device__ static void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
   __device__ static uint32_t pack(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
 };
 
-// Element offset of (row, 16-byte chunk) in a swizzled tile of D-element rows.
-template <int D>
+// Element offset of (row, 16-byte chunk) in a tile of R rows stored as wgmma's K-major
+// 128-byte-swizzle layout: 64-element column blocks of R rows x 128 bytes, chunk c of row
+// r at c ^ (r & 7) inside its block (the tile must start 1024-byte aligned).
+template <int R>
 __device__ __forceinline__ int swz(int row, int chunk) {
-  return row * D + ((chunk ^ (row & 7)) << 3);
+  return (chunk >> 3) * (R * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
 }
 
 // Global token position of local token i on `rank` (ops::ring_attention::rank_spans):
@@ -114,7 +100,7 @@ __device__ __forceinline__ void load_tile(T* tile, const T* base, int rows, int 
     const int r = idx / CHUNKS, c = idx % CHUNKS;
     const bool valid = r < rows;
     const T* src = valid ? base + (size_t)r * stride + c * 8 : base;
-    cp_async16(tile + swz<D>(r, c), src, valid ? 16 : 0);
+    cp_async16(tile + swz<BR>(r, c), src, valid ? 16 : 0);
   }
 }
 
@@ -162,18 +148,35 @@ __device__ __forceinline__ bool publish_kv(const RingAttnParams& p, uint64_t epo
 
 template <typename T, int D>
 struct Attn {
-  static constexpr int KSTEPS = D / 16;  // k-steps of Q·Kᵀ
-  static constexpr int DBLK = D / 8;     // 8-wide output column blocks
-  static constexpr int NBLK = BN / 8;    // 8-wide score column blocks
+  static constexpr int KSTEPS = D / 16;  // k-steps of Q·Kᵀ (over d)
+  static constexpr int PSTEPS = BN / 16; // k-steps of P·V (over keys)
+  static constexpr int SREG = BN / 2;    // score accumulators per thread (m64nBN)
+  static constexpr int OREG = D / 2;     // output accumulators per thread (m64nD)
   static constexpr int TILE = BN * D;    // elements of one K or V tile
 
+  // Descriptor of an MN-major 128-byte-swizzled B operand (V: [key][d], d contiguous):
+  // 8-key groups 1024 bytes apart (stride byte offset), 64-wide d blocks `block_bytes`
+  // apart (leading byte offset), as CUTLASS's canonical MN-major SW128 layout.
+  __device__ static uint64_t desc_mn_sw128(const void* p, uint32_t block_bytes) {
+    uint64_t desc = (uint64_t(smem_u32(p)) & 0x3FFFF) >> 4;
+    desc |= uint64_t(block_bytes >> 4) << 16;
+    desc |= uint64_t(1024 >> 4) << 32;
+    desc |= uint64_t(1) << 62;
+    return desc;
+  }
+
   // Phase 2. Returns false when a wait gave up.
-  __device__ static bool run(const RingAttnParams& p, uint64_t epoch, char* smem) {
+  __device__ static bool run(const RingAttnParams& p, uint64_t epoch, char* smem_raw) {
+    using mk::gemm::make_smem_desc_sw128;
+    // 128-byte swizzle repeats every 1024 bytes: tiles start 1024-aligned.
+    char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
     T* sQ = reinterpret_cast<T*>(smem);
-    T* sK = sQ + BM * D;       // [2][BN][D]
-    T* sV = sK + 2 * TILE;     // [2][BN][D]
+    T* sK = sQ + BM * D;    // [2][BN x D]
+    T* sV = sK + 2 * TILE;  // [2][BN x D]
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int wg = warp / 4;  // warpgroup: query rows 64·wg ..
     const int g = lane / 4, t = lane % 4;
+    const int row_base = 64 * wg + 16 * (warp % 4) + g;  // this thread's rows: row_base, row_base + 8
     const int S = p.seq_local, n = p.nranks, me = p.rank;
     const bool causal = p.causal != 0;
     const int q_stride = p.heads * D, kv_stride = p.kv_heads * D;
@@ -231,13 +234,13 @@ struct Attn {
       if (more && p.kv_gathered == 0 && !ensure((me - s + n) % n)) { cp_async_wait<0>(); return false; }
       if (more) issue(s, kb, 0);
 
-      float acc[DBLK][4];
+      float acc[OREG];
 #pragma unroll
-      for (int j = 0; j < DBLK; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      for (int i = 0; i < OREG; ++i) acc[i] = 0.f;
       float m_row[2] = {-INFINITY, -INFINITY}, l_row[2] = {0.f, 0.f};
-      uint32_t qf[KSTEPS][4];
-      bool q_loaded = false;
       int buf = 0;
+      // This warpgroup's 64 query rows of the Q tile (A operand, K-major SW128).
+      const char* q_wg = reinterpret_cast<const char*>(sQ) + 64 * wg * 128;
 
       while (more) {
         const int cs = s, ckb = kb;
@@ -250,58 +253,52 @@ struct Attn {
         } else {
           cp_async_wait<0>();
         }
+        mk::gemm::fence_proxy_async_smem();  // cp.async (generic proxy) writes, then wgmma reads
         __syncthreads();
-        if (!q_loaded) {
-#pragma unroll
-          for (int kk = 0; kk < KSTEPS; ++kk)
-            ldmatrix_x4(qf[kk], sQ + swz<D>(warp * 16 + (lane % 16), kk * 2 + lane / 16));
-          q_loaded = true;
-        }
-        const T* tK = sK + buf * TILE;
-        const T* tV = sV + buf * TILE;
+        const char* tK = reinterpret_cast<const char*>(sK + buf * TILE);
+        const char* tV = reinterpret_cast<const char*>(sV + buf * TILE);
 
-        // S = Q·Kᵀ for this warp's 16 rows x 64 keys.
-        float sc[NBLK][4];
+        // S = Q·Kᵀ: this warpgroup's 64 rows x BN keys.
+        float sc[SREG];
 #pragma unroll
-        for (int j = 0; j < NBLK; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+        for (int i = 0; i < SREG; ++i) sc[i] = 0.f;
+        mk::gemm::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
-#pragma unroll
-          for (int np = 0; np < NBLK / 2; ++np) {
-            uint32_t bk[4];
-            // matrices: keys np*16+0..7 x d chunk 2kk, 2kk+1; keys +8..15 x the same
-            ldmatrix_x4(bk, tK + swz<D>(np * 16 + (lane / 16) * 8 + (lane % 8), kk * 2 + (lane / 8) % 2));
-            Mma<T>::run(sc[2 * np], qf[kk], bk[0], bk[1]);
-            Mma<T>::run(sc[2 * np + 1], qf[kk], bk[2], bk[3]);
-          }
+          const int cb = kk / 4, ko = (kk % 4) * 32;  // 64-wide d block, 16-element step inside it
+          mk::gemm::Wgmma<BN, T>::mma(sc, make_smem_desc_sw128(q_wg + cb * (BM * 128) + ko),
+                                      make_smem_desc_sw128(tK + cb * (BN * 128) + ko), kk > 0);
         }
+        mk::gemm::wgmma_commit();
+        mk::gemm::wgmma_wait<0>();
+        mk::gemm::fence_operands(sc);
 
         // Mask: keys past seqLocal, and (causal) keys after the query.
         const int src = (me - cs + n) % n;
         const int k0 = ckb * BN, k_rows = min(BN, S - k0);
         const bool need_mask = k_rows < BN || (causal && token_pos(src, k0 + k_rows - 1, S, n, causal) > qmin);
         if (need_mask) {
-          const int qp0 = token_pos(me, q0 + warp * 16 + g, S, n, causal);
-          const int qp1 = token_pos(me, q0 + warp * 16 + g + 8, S, n, causal);
+          const int qp0 = token_pos(me, q0 + row_base, S, n, causal);
+          const int qp1 = token_pos(me, q0 + row_base + 8, S, n, causal);
 #pragma unroll
-          for (int j = 0; j < NBLK; ++j) {
+          for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int kl = j * 8 + 2 * t + e;
               const int kp = token_pos(src, k0 + kl, S, n, causal);
               const bool out = kl >= k_rows;
-              if (out || (causal && kp > qp0)) sc[j][e] = -INFINITY;
-              if (out || (causal && kp > qp1)) sc[j][2 + e] = -INFINITY;
+              if (out || (causal && kp > qp0)) sc[4 * j + e] = -INFINITY;
+              if (out || (causal && kp > qp1)) sc[4 * j + 2 + e] = -INFINITY;
             }
           }
         }
 
-        // Online softmax (exp2 with the scale folded in), rows g and g+8.
+        // Online softmax (exp2 with the scale folded in), rows row_base and row_base + 8.
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           float mx = m_row[r];
 #pragma unroll
-          for (int j = 0; j < NBLK; ++j) mx = fmaxf(mx, fmaxf(sc[j][2 * r], sc[j][2 * r + 1]));
+          for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
           // A row with no visible key yet keeps max -inf: subtract 0 so exp2(-inf) = 0.
@@ -310,36 +307,36 @@ struct Attn {
           m_row[r] = mx;
           float sum = 0.f;
 #pragma unroll
-          for (int j = 0; j < NBLK; ++j) {
-            sc[j][2 * r] = exp2f(sc[j][2 * r] * sl - msc);
-            sc[j][2 * r + 1] = exp2f(sc[j][2 * r + 1] * sl - msc);
-            sum += sc[j][2 * r] + sc[j][2 * r + 1];
+          for (int j = 0; j < BN / 8; ++j) {
+            sc[4 * j + 2 * r] = exp2f(sc[4 * j + 2 * r] * sl - msc);
+            sc[4 * j + 2 * r + 1] = exp2f(sc[4 * j + 2 * r + 1] * sl - msc);
+            sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
           }
           l_row[r] = l_row[r] * alpha + sum;  // this thread's share; the quad sums at the end
 #pragma unroll
-          for (int j = 0; j < DBLK; ++j) {
-            acc[j][2 * r] *= alpha;
-            acc[j][2 * r + 1] *= alpha;
+          for (int j = 0; j < D / 8; ++j) {
+            acc[4 * j + 2 * r] *= alpha;
+            acc[4 * j + 2 * r + 1] *= alpha;
           }
         }
 
-        // O += P·V: P from the score registers (C layout = A layout by pairs of blocks).
+        // O += P·V: P from the score registers (accumulator layout = A-fragment layout by
+        // pairs of 8-key blocks), V as the MN-major B operand.
+        uint32_t pa[PSTEPS][4];
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          uint32_t pa[4];
-          pa[0] = Mma<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
-          pa[1] = Mma<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
-          pa[2] = Mma<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-          pa[3] = Mma<T>::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-#pragma unroll
-          for (int dp = 0; dp < DBLK / 2; ++dp) {
-            uint32_t bv[4];
-            // matrices: keys kk*16+0..7 / +8..15 x d chunk 2dp; the same x chunk 2dp+1
-            ldmatrix_x4_trans(bv, tV + swz<D>(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
-            Mma<T>::run(acc[2 * dp], pa, bv[0], bv[1]);
-            Mma<T>::run(acc[2 * dp + 1], pa, bv[2], bv[3]);
-          }
+        for (int kk = 0; kk < PSTEPS; ++kk) {
+          pa[kk][0] = Mma<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
+          pa[kk][1] = Mma<T>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
+          pa[kk][2] = Mma<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
+          pa[kk][3] = Mma<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
         }
+        mk::gemm::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < PSTEPS; ++kk)
+          mk::gemm::WgmmaRsT<D, T>::mma(acc, pa[kk], desc_mn_sw128(tV + kk * 16 * 128, BN * 128));
+        mk::gemm::wgmma_commit();
+        mk::gemm::wgmma_wait<0>();
+        mk::gemm::fence_operands(acc);
         __syncthreads();  // this buffer is refilled two tiles from now
         s = ns;
         kb = nkb_;
@@ -352,13 +349,13 @@ struct Attn {
         float l = l_row[r];
         l += __shfl_xor_sync(0xffffffff, l, 1);
         l += __shfl_xor_sync(0xffffffff, l, 2);
-        const int row = q0 + warp * 16 + g + 8 * r;
+        const int row = q0 + row_base + 8 * r;
         if (row < S) {
           const float inv = l > 0.f ? 1.f / l : 0.f;
           T* o = reinterpret_cast<T*>(p.out) + ((size_t)b * S * p.heads + h) * D + (size_t)row * q_stride;
 #pragma unroll
-          for (int j = 0; j < DBLK; ++j)
-            *reinterpret_cast<uint32_t*>(o + j * 8 + 2 * t) = Mma<T>::pack(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+          for (int j = 0; j < D / 8; ++j)
+            *reinterpret_cast<uint32_t*>(o + j * 8 + 2 * t) = Mma<T>::pack(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
           if (t == 0) {
             float* lse = reinterpret_cast<float*>(p.lse) + ((size_t)b * p.heads + h) * S + row;
             *lse = l > 0.f ? (m_row[r] * sl + log2f(l)) * 0.69314718055994531f : -INFINITY;
@@ -370,13 +367,12 @@ struct Attn {
     return true;
   }
 };
-
 template <typename T, int D>
 __device__ __forceinline__ void ring_attention(const RingAttnParams& p) {
-  extern __shared__ __align__(128) char smem[];
+  extern __shared__ __align__(1024) char smem[];
   uint32_t dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-  if (dyn_smem < uint32_t((BM + 4 * BN) * D * 2)) __trap();  // host plan and kernel disagree
+  if (dyn_smem < uint32_t((BM + 4 * BN) * D * 2 + 1024)) __trap();  // host plan and kernel disagree
   const bool ring = p.kv_gathered == 0 && p.nranks > 1;
   uint64_t epoch = 0;
   bool ok = true;
