@@ -77,6 +77,9 @@ int main(void) {
   /* An unknown datatype is rejected before anything touches the GPU. */
   int dummy[8];
   expect_error(mkGemm(dummy, dummy, dummy, 1, 1, 8, (mkDataType_t)77, NULL), mkInvalidArgument, NULL, "unknown datatype 77", "mkGemm dtype 77");
+  float lse[8];
+  expect_error(mkRingAttention(dummy, dummy, dummy, dummy, lse, 1, 16, 4, 2, 64, 0.125f, 1, mkBfloat16, NULL, NULL),
+               mkInvalidArgument, NULL, "comm is NULL", "mkRingAttention(comm NULL)");
 
   /* A valid single-rank init: without a GPU it must fail cleanly, naming libcuda. */
   mkResult_t r = mkCommInitRank(&comm, 1, id, 0);

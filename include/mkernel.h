@@ -457,6 +457,56 @@ mkResult_t mkMoeGemmCombine(const void *yAct,
                             mkStream_t stream);
 
 /**
+ * Context-parallel attention forward (ring attention) in one persistent kernel: every
+ * rank's queries attend to the keys and values of the whole global sequence, whose
+ * shards are spread over the ranks; the K/V blocks travel between ranks inside the
+ * kernel, overlapped with the attention on the block in hand.
+ *
+ * - `q`: [batch, seqLocal, numHeads, headDim]; `k`, `v`: [batch, seqLocal, numKvHeads,
+ *   headDim] (GQA: query head h uses K/V head h / (numHeads / numKvHeads)); `out`: like
+ *   `q`; `lse`: [batch, numHeads, seqLocal] fp32, the natural-log log-sum-exp of each
+ *   query's scaled scores (what a backward pass needs). All densely packed, row-major.
+ * - Layout of the global sequence of S = nranks · seqLocal tokens. Non-causal
+ *   (`causal` = 0): contiguous shards, rank r holds tokens [r·seqLocal, (r+1)·seqLocal).
+ *   Causal (`causal` = 1): zigzag, for load balance: the sequence is cut into 2·nranks
+ *   chunks of seqLocal / 2 tokens and rank r holds chunk r followed by chunk
+ *   2·nranks − 1 − r (local token i < seqLocal/2 is global r·seqLocal/2 + i, the others
+ *   (2·nranks − 1 − r)·seqLocal/2 + i − seqLocal/2). Query at global position i sees
+ *   keys at positions ≤ i.
+ * - out = softmax(softmaxScale · q·kᵀ [masked]) · v with fp32 scores, fp32 softmax and
+ *   accumulation; the probabilities are rounded to `dtype` before the product with v
+ *   (as FlashAttention does) and out is rounded once.
+ * - `dtype`: mkBfloat16 or mkFloat16 for q, k, v, out; `headDim` 64 or 128.
+ *
+ * Rules (mkInvalidArgument, with the rule in mkGetLastError): numKvHeads divides
+ * numHeads; causal needs an even seqLocal; softmaxScale finite and positive; q, k, v, out
+ * 16-byte aligned and lse 4-byte aligned device memory of this rank's device. With more
+ * than one rank this rank's K and V (2 · batch · seqLocal · numKvHeads · headDim
+ * elements) must fit in the communicator's fused-op region (MK_WORKSPACE_BYTES /
+ * mkConfig_t.workspaceBytes), else mkInvalidUsage names the size needed. Needs an sm_90 GPU.
+ *
+ * Stream-ordered and asynchronous, capturable in a CUDA graph. Every rank must call it
+ * with the same shape, scale, causal flag and dtype. A peer that does not arrive within
+ * MK_TIMEOUT_MS makes the kernel stop; mkCommGetAsyncError then reports mkTimeout (or
+ * mkRemoteError on the ranks stopped by the failing one) and out/lse are undefined.
+ */
+mkResult_t mkRingAttention(const void *q,
+                           const void *k,
+                           const void *v,
+                           void *out,
+                           float *lse,
+                           size_t batch,
+                           size_t seqLocal,
+                           size_t numHeads,
+                           size_t numKvHeads,
+                           size_t headDim,
+                           float softmaxScale,
+                           int32_t causal,
+                           mkDataType_t dtype,
+                           mkComm_t comm,
+                           mkStream_t stream);
+
+/**
  * C = A * B^T on the GPU, the engine every fused operation is built on, alone (for tests
  * and comparisons with cuBLAS).
  *

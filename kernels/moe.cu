@@ -148,6 +148,10 @@ struct SourceAWait {
     fence_proxy_async_global();  // the senders' generic-proxy stores, then our TMA loads
   }
   // The producer warpgroup's idle warps do nothing here (the comm CTAs move the tokens).
+  __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
+    row = m_row0;
+    return tma_a;
+  }
   __device__ static void side_work(const Params&, int) {}
 };
 

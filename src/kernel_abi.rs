@@ -318,3 +318,41 @@ pub struct MoeParams {
     pub gemm: i32,
     pub reserved: i32,
 }
+
+/// Parameters of the ring-attention kernels (kernels/ring_attention.cu). Tensors as the
+/// mkRingAttention header states: q/out [batch, seq_local, heads, D], k/v [batch,
+/// seq_local, kv_heads, D], lse [batch, heads, seq_local] fp32.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RingAttnParams {
+    /// The communicator's workspace (ring mode); unused in gathered mode or at one rank.
+    pub ws: WorkspaceView,
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub out: u64,
+    pub lse: u64,
+    /// Byte offset, in every rank's data region, of that rank's K copy; V follows it at
+    /// `kv_elems` elements.
+    pub kv_offset: u64,
+    /// Elements of one rank's K (= of its V): batch · seq_local · kv_heads · D.
+    pub kv_elems: u64,
+    /// Gathered mode when nonzero: source rank s's K at `kv_gathered + s · kv_elems`
+    /// elements (V likewise in `v_gathered`), all local; no signals.
+    pub kv_gathered: u64,
+    pub v_gathered: u64,
+    pub batch: i32,
+    pub seq_local: i32,
+    pub heads: i32,
+    pub kv_heads: i32,
+    /// 1: causal mask over global positions (zigzag layout); 0: none (contiguous shards).
+    pub causal: i32,
+    /// Ring size and this rank's place in it (positions and step sources follow them).
+    pub nranks: i32,
+    pub rank: i32,
+    /// Query blocks (of 128) per (batch, head); work items = batch · heads · q_blocks.
+    pub q_blocks: i32,
+    pub num_items: i32,
+    /// softmaxScale · log2(e): scores go through exp2.
+    pub scale_log2: f32,
+}

@@ -139,6 +139,7 @@ impl ErrorWord {
             18 => "mkGemmAllReduce".into(),
             19 => "mkMoeDispatchGemm".into(),
             20 => "mkMoeGemmCombine".into(),
+            21 => "mkRingAttention".into(),
             n => format!("fused op {n}"),
         }
     }

@@ -1,6 +1,8 @@
-//! Ring attention (context parallel, forward): argument rules and the ring's plan, pure
-//! and CPU-tested. The kernel (issue 9) is not built yet; this fixes the layout and the
-//! per-step work so the kernel and its tests share one definition.
+//! Ring attention (context parallel, forward): argument rules and the ring's plan (pure
+//! and CPU-tested), and the launch of kernels/ring_attention.cu, which follows this plan:
+//! its token positions, ring-step sources and causal block skipping are the functions
+//! below (the GPU suite `mktest ring_attn` checks the kernel against a float64 reference
+//! built from them).
 //!
 //! Layout. The global sequence of length S = n · S_local is cut into blocks:
 //! - non-causal: n contiguous shards, rank r holds tokens [r·S_local, (r+1)·S_local);
@@ -9,7 +11,18 @@
 //! At ring step s (0 ≤ s < n) rank r attends with its queries to the K/V that started on
 //! rank (r − s) mod n.
 
+use crate::comm::Comm;
+use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
+use crate::kernel_abi::{RingAttnParams, WorkspaceView};
+use crate::types::{mkDataType_t, RawDataType};
+use std::ffi::c_void;
+
+/// Queries per work item (kernel: 2 warpgroups × 64 rows) and keys per tile.
+pub const BLOCK_M: usize = 128;
+pub const BLOCK_N: usize = 128;
+/// Threads per CTA.
+pub const THREADS: u32 = 256;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RingShape {
@@ -31,6 +44,178 @@ pub fn validate(s: &RingShape) -> Result<()> {
         return Err(MkError::invalid_argument("seqLocal × nranks overflows"));
     }
     Ok(())
+}
+
+/// Global position of local token `i` on `rank` (the kernel's token_pos).
+pub fn token_pos(s: &RingShape, rank: usize, i: usize) -> usize {
+    if s.causal {
+        let half = s.seq_local / 2;
+        if i < half { rank * half + i } else { (2 * s.nranks - 1 - rank) * half + (i - half) }
+    } else {
+        rank * s.seq_local + i
+    }
+}
+
+/// Dynamic shared memory of the kernel: a Q tile and two K and two V tiles, and 1 KiB to
+/// align them to the 128-byte swizzle's 1024-byte period.
+pub fn smem_bytes(head_dim: usize) -> usize {
+    (BLOCK_M + 4 * BLOCK_N) * head_dim * 2 + 1024
+}
+
+/// Bytes of the fused-op region a rank needs: its K and V copy.
+pub fn workspace_bytes(s: &RingShape) -> u64 {
+    2 * (s.batch * s.seq_local * s.kv_heads * s.head_dim * 2) as u64
+}
+
+/// Work items (batch, head, query block) and the grid: one CTA per SM (the kernel uses
+/// 161 KiB of shared memory at D = 128), never more than there are
+/// items, within the grid cap (MK_MAX_CTAS: ranks sharing a GPU must all be resident).
+pub fn plan_grid(s: &RingShape, grid_cap: u32) -> (usize, usize, u32) {
+    let q_blocks = s.seq_local.div_ceil(BLOCK_M);
+    let items = s.batch * s.heads * q_blocks;
+    (q_blocks, items, (items as u32).clamp(1, grid_cap.max(1)))
+}
+
+/// A validated mkRingAttention call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RingArgs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub out: u64,
+    pub lse: u64,
+    pub shape: RingShape,
+    pub rank: usize,
+    pub softmax_scale: f32,
+    pub dtype: mkDataType_t,
+}
+
+/// Argument checks (no CUDA); messages name the rule.
+#[allow(clippy::too_many_arguments)]
+pub fn validate_args(
+    q: u64, k: u64, v: u64, out: u64, lse: u64, batch: usize, seq_local: usize, heads: usize, kv_heads: usize, head_dim: usize,
+    softmax_scale: f32, causal: i32, dtype: RawDataType, nranks: usize, rank: usize,
+) -> Result<RingArgs> {
+    let dtype = mkDataType_t::from_raw(dtype)?;
+    crate::ensure_arg!(dtype.is_gemm_type(), "dtype {} is not supported: mkRingAttention takes mkBfloat16 or mkFloat16", dtype.name());
+    crate::ensure_arg!(causal == 0 || causal == 1, "causal = {causal} must be 0 or 1");
+    crate::ensure_arg!(heads > 0, "numHeads must be positive");
+    crate::ensure_arg!(softmax_scale.is_finite() && softmax_scale > 0.0, "softmaxScale = {softmax_scale} must be finite and positive");
+    if nranks == 0 || rank >= nranks {
+        return Err(MkError::internal(format!("rank {rank} of {nranks}")));
+    }
+    let shape = RingShape { batch, seq_local, heads, kv_heads, head_dim, causal: causal == 1, nranks };
+    validate(&shape)?;
+    let global = seq_local * nranks;
+    crate::ensure_arg!(global <= i32::MAX as usize / 2, "seqLocal × nranks = {global} must be below 2^30");
+    let items = batch.checked_mul(heads).and_then(|x| x.checked_mul(seq_local.div_ceil(BLOCK_M)));
+    crate::ensure_arg!(items.is_some_and(|x| x <= i32::MAX as usize), "batch × numHeads × ⌈seqLocal / 128⌉ must be below 2^31");
+    if batch > 0 && seq_local > 0 {
+        for (ptr, name, align) in [(q, "q", 16), (k, "k", 16), (v, "v", 16), (out, "out", 16), (lse, "lse", 4)] {
+            crate::ensure_arg!(ptr != 0, "{name} is NULL");
+            crate::ensure_arg!(ptr % align == 0, "{name} = {ptr:#x} is not {align}-byte aligned");
+        }
+    }
+    Ok(RingArgs { q, k, v, out, lse, shape, rank, softmax_scale, dtype })
+}
+
+fn kernel(args: &RingArgs) -> Result<sys::CUfunction> {
+    let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
+    cuda::function("ring_attention", &format!("mk_ring_attn_{dt}_d{}", args.shape.head_dim))
+}
+
+fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
+    let s = &args.shape;
+    let (q_blocks, items, grid) = plan_grid(s, grid_cap);
+    let p = RingAttnParams {
+        ws: WorkspaceView::default(),
+        q: args.q,
+        k: args.k,
+        v: args.v,
+        out: args.out,
+        lse: args.lse,
+        kv_offset: 0,
+        kv_elems: (s.batch * s.seq_local * s.kv_heads * s.head_dim) as u64,
+        kv_gathered: 0,
+        v_gathered: 0,
+        batch: s.batch as i32,
+        seq_local: s.seq_local as i32,
+        heads: s.heads as i32,
+        kv_heads: s.kv_heads as i32,
+        causal: s.causal as i32,
+        nranks: s.nranks as i32,
+        rank: args.rank as i32,
+        q_blocks: q_blocks as i32,
+        num_items: items as i32,
+        scale_log2: args.softmax_scale * std::f32::consts::LOG2_E,
+    };
+    (p, grid)
+}
+
+fn launch(args: &RingArgs, mut p: RingAttnParams, grid: u32, stream: sys::CUstream) -> Result<()> {
+    let f = kernel(args)?;
+    let smem = smem_bytes(args.shape.head_dim) as u32;
+    // The opt-in is needed whenever dynamic plus static shared memory passes 48 KiB; at
+    // D = 64 the dynamic part is exactly 48 KiB, which cuda::launch does not opt in for.
+    // SAFETY: sets one attribute of a loaded kernel.
+    cuda::check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+        sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+    })?;
+    let cfg = LaunchConfig { grid: (grid, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem };
+    let mut kernel_params: [*mut c_void; 1] = [(&mut p as *mut RingAttnParams).cast()];
+    // SAFETY: the parameter matches the kernel (RingAttnParams by value); the tensors were
+    // checked to be device memory of this device, of the sizes the caller promised.
+    unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }.map_err(|e| e.context("launching mkRingAttention"))
+}
+
+fn grid_cap(comm: &Comm) -> Result<u32> {
+    let sms = cuda::sm_count(comm.context.device)? as u32;
+    Ok(comm.config.max_ctas.map_or(sms, |c| c.min(sms)))
+}
+
+/// mkRingAttention on `comm`: validate, plan, launch (stream-ordered, no host sync).
+pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Result<()> {
+    comm.check_usable()?;
+    let s = args.shape;
+    if s.batch == 0 || s.seq_local == 0 {
+        return Ok(());
+    }
+    let _ctx = comm.context.enter()?;
+    for (ptr, name) in [(args.q, "q"), (args.k, "k"), (args.v, "v"), (args.out, "out"), (args.lse, "lse")] {
+        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+    }
+    let (mut p, grid) = params(args, grid_cap(comm)?);
+    if s.nranks > 1 {
+        let ws = comm.workspace.as_ref().ok_or_else(|| {
+            MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+        })?;
+        let needed = workspace_bytes(&s);
+        if needed > ws.view.op_bytes {
+            return Err(MkError::invalid_usage(format!(
+                "mkRingAttention copies this rank's K and V ({needed} bytes) into the workspace's fused-op region, which \
+                 holds {}: create the communicator with MK_WORKSPACE_BYTES (or mkConfig_t.workspaceBytes) of at least {needed}",
+                ws.view.op_bytes
+            )));
+        }
+        p.ws = ws.view;
+        p.kv_offset = ws.view.data_bytes;
+    }
+    launch(args, p, grid, stream)
+}
+
+/// The attention alone over K/V already gathered in local buffers (shard of source rank s
+/// at element s · batch·seqLocal·numKvHeads·headDim, as mkAllGather leaves them): what
+/// the unfused baseline runs after its communication. Same masking and positions as the
+/// ring; no signals. `grid_cap` bounds the CTAs.
+pub fn attention_gathered(args: &RingArgs, k_gathered: u64, v_gathered: u64, grid_cap: u32, stream: sys::CUstream) -> Result<()> {
+    let s = args.shape;
+    if s.batch == 0 || s.seq_local == 0 {
+        return Ok(());
+    }
+    let (mut p, grid) = params(args, grid_cap);
+    p.kv_gathered = k_gathered;
+    p.v_gathered = v_gathered;
+    launch(args, p, grid, stream)
 }
 
 /// A span of global token positions, [start, start + len).
@@ -165,6 +350,58 @@ mod tests {
         let work: Vec<usize> = (0..8).map(|r| visible_pairs(&s, r)).collect();
         let (lo, hi) = (work.iter().min().unwrap(), work.iter().max().unwrap());
         assert_eq!(lo, hi, "zigzag gives every rank the same causal work: {work:?}");
+    }
+
+    #[test]
+    fn token_positions_follow_the_spans_and_grow_with_the_local_index() {
+        for causal in [false, true] {
+            for n in 1..=8 {
+                let s = shape(2 * 45, causal, n);
+                for r in 0..n {
+                    let from_spans: Vec<usize> = rank_spans(&s, r).iter().flat_map(|sp| sp.start..sp.start + sp.len).collect();
+                    let direct: Vec<usize> = (0..s.seq_local).map(|i| token_pos(&s, r, i)).collect();
+                    assert_eq!(direct, from_spans);
+                    // The kernel classifies a tile by its first and last token: positions must be monotonic.
+                    assert!(direct.windows(2).all(|w| w[0] < w[1]));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grid_and_workspace_plan() {
+        let s = RingShape { batch: 2, seq_local: 300, heads: 4, kv_heads: 2, head_dim: 64, causal: false, nranks: 4 };
+        assert_eq!(plan_grid(&s, 132), (3, 24, 24));
+        assert_eq!(plan_grid(&s, 16), (3, 24, 16));
+        assert_eq!(workspace_bytes(&s), 2 * 2 * 300 * 2 * 64 * 2);
+        assert_eq!(smem_bytes(128), 164864);
+        assert_eq!(smem_bytes(64), 82944);
+        assert!(smem_bytes(128) <= 232448, "fits the 227 KiB a block may opt in to");
+    }
+
+    #[test]
+    fn call_arguments_are_checked_with_the_rule() {
+        let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
+        let p = 0x1000u64;
+        let call = |q: u64, lse: u64, seq: usize, heads: usize, kvh: usize, d: usize, scale: f32, causal: i32, dtype: RawDataType| {
+            validate_args(q, p, p, p, lse, 1, seq, heads, kvh, d, scale, causal, dtype, 4, 1)
+        };
+        assert!(call(p, p, 256, 4, 2, 128, 0.1, 1, bf16).is_ok());
+        assert!(call(0, p, 256, 4, 2, 128, 0.1, 0, bf16).unwrap_err().message.contains("q is NULL"));
+        assert!(call(p + 8, p, 256, 4, 2, 128, 0.1, 0, bf16).unwrap_err().message.contains("16-byte aligned"));
+        assert!(call(p, p + 2, 256, 4, 2, 128, 0.1, 0, bf16).unwrap_err().message.contains("lse"));
+        assert!(call(p, p, 255, 4, 2, 128, 0.1, 1, bf16).unwrap_err().message.contains("even"));
+        assert!(call(p, p, 255, 4, 2, 128, 0.1, 0, bf16).is_ok());
+        assert!(call(p, p, 256, 4, 3, 128, 0.1, 0, bf16).unwrap_err().message.contains("divide"));
+        assert!(call(p, p, 256, 4, 2, 96, 0.1, 0, bf16).unwrap_err().message.contains("headDim"));
+        assert!(call(p, p, 256, 4, 2, 64, 0.0, 0, bf16).unwrap_err().message.contains("softmaxScale"));
+        assert!(call(p, p, 256, 4, 2, 64, f32::NAN, 0, bf16).unwrap_err().message.contains("softmaxScale"));
+        assert!(call(p, p, 256, 4, 2, 64, 0.1, 2, bf16).unwrap_err().message.contains("causal"));
+        assert!(call(p, p, 256, 0, 0, 64, 0.1, 0, bf16).unwrap_err().message.contains("numHeads"));
+        assert!(call(p, p, 256, 4, 2, 64, 0.1, 0, mkDataType_t::mkFloat32 as RawDataType).unwrap_err().message.contains("not supported"));
+        assert!(call(p, p, 256, 4, 2, 64, 0.1, 0, 77).is_err());
+        // An empty problem needs no pointers.
+        assert!(call(0, 0, 0, 4, 2, 64, 0.1, 0, bf16).is_ok());
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod gemm;
 mod gemm_reduce;
 mod moe;
 mod nccl;
+mod ring_attn;
 #[path = "../mktest/ranks.rs"]
 #[allow(dead_code)]
 mod ranks;
@@ -26,6 +27,7 @@ const BENCHES: &[(&str, Bench, &str)] = &[
     ("gemm_rs", gemm_reduce::gemm_rs, "mkGemmReduceScatter vs GEMM+mkReduceScatter, cuBLAS+mkReduceScatter, cuBLAS (-g, --m, --nk NxK,..., -n, -w)"),
     ("gemm_ar", gemm_reduce::gemm_ar, "mkGemmAllReduce vs GEMM+mkAllReduce, cuBLAS+mkAllReduce, cuBLAS (-g, --m, --nk NxK,..., -n, -w)"),
     ("moe", moe::run, "mkMoeDispatchGemm / mkMoeGemmCombine vs exchange + per-expert GEMMs (-g, --tokens, --hidden, --ffn, --experts, --topk, -n, -w)"),
+    ("ring_attn", ring_attn::run, "mkRingAttention vs mkAllGather(K,V)+attention, the attention alone (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, -n, -w)"),
     ("gemm", gemm::run, "GEMM engine vs cuBLASLt (--dtype, --shape MxNxK, --sweep, --json PATH)"),
 ];
 

@@ -1,0 +1,154 @@
+//! `mkbench ring_attn`: mkRingAttention beside the unfused ring it replaces, in the same run:
+//!
+//!   mkbench ring_attn [-g ranks] [--seq 8192,16384,32768] [--heads 32] [--kv-heads 32]
+//!                     [--dim 128] [--causal 0,1] [-n iters] [-w warmup]
+//!
+//! Per (global S, causal): the fused op; the unfused ring (mkAllGather of K, mkAllGather of
+//! V, then the same attention kernel over the gathered K/V, no overlap); and its two parts
+//! alone (attention over gathered K/V; the two AllGathers) for the overlap efficiency
+//! max(t_attn, t_comm) / t_fused. Batch 1, bf16. Times are medians over -n calls after -w
+//! warm-up calls (CUDA events), the slowest rank's median. TFLOP/s per rank: 4·H·S_local·
+//! S·D (non-causal), half of it causal (the FlashAttention convention). The single-GPU
+//! baseline (torch SDPA, cuDNN and flash backends) is a separate script
+//! (benches/sdpa_baseline.py), run in the same GPU session.
+
+use crate::collectives::Events;
+use crate::fused_common::{bad, common_flag, parse_list, timed_slowest};
+use crate::ranks;
+use cudarc::driver::result as cu;
+use mkernel::comm::{Comm, CommConfig};
+use mkernel::cuda::{self, PrimaryContext};
+use mkernel::error::Result;
+use mkernel::ops::collectives::{collective, CollectiveKind};
+use mkernel::ops::ring_attention::{attention_gathered, ring_attention, validate_args, workspace_bytes, RingShape};
+use mkernel::testing::TestBuffer;
+use mkernel::types::mkDataType_t;
+use std::time::Duration;
+
+struct Options {
+    ranks: usize,
+    seq: Vec<usize>,
+    heads: usize,
+    kv_heads: usize,
+    dim: usize,
+    causal: Vec<usize>,
+    iters: usize,
+    warmup: usize,
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut o = Options { ranks: ranks::nranks_requested(), seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], iters: 5, warmup: 2 };
+    let mut i = 0;
+    while i < args.len() {
+        let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
+        match args[i].as_str() {
+            f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
+            "--seq" => o.seq = parse_list(v, "--seq")?,
+            "--heads" => o.heads = v.parse().map_err(|_| bad("--heads"))?,
+            "--kv-heads" => o.kv_heads = v.parse().map_err(|_| bad("--kv-heads"))?,
+            "--dim" => o.dim = v.parse().map_err(|_| bad("--dim"))?,
+            "--causal" => o.causal = parse_list(v, "--causal")?,
+            other => return Err(bad(other)),
+        }
+        i += 2;
+    }
+    Ok(o)
+}
+
+pub fn run(args: &[String]) -> Result<bool> {
+    let o = parse(args)?;
+    if let Some(env) = ranks::child_env(1)? {
+        return rank_main(&o, env.rank, env.nranks, &env.ids[0], env.device);
+    }
+    if o.ranks == 1 {
+        let id = mkernel::bootstrap::root::start_root()?;
+        return rank_main(&o, 0, 1, &id, 0);
+    }
+    let mut child = vec!["ring_attn".to_string()];
+    child.extend(args.iter().cloned());
+    ranks::spawn(&child, o.ranks, 1, Duration::from_secs(500), |_| 0)?;
+    Ok(true)
+}
+
+fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
+    let ctx = PrimaryContext::retain(device)?;
+    let _g = ctx.enter()?;
+    let dtype = mkDataType_t::mkBfloat16;
+    let max_sl = o.seq.iter().max().copied().unwrap_or(0) / n;
+    let shape_of = |sl: usize, causal: bool| RingShape { batch: 1, seq_local: sl, heads: o.heads, kv_heads: o.kv_heads, head_dim: o.dim, causal, nranks: n };
+    let mut cfg = CommConfig::from_env();
+    // The fused op's K/V copy, and the collectives' staging for the unfused AllGathers.
+    cfg.workspace_bytes = cfg.workspace_bytes.max(workspace_bytes(&shape_of(max_sl, false)));
+    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
+    let q_elems = max_sl * o.heads * o.dim;
+    let kv_elems = max_sl * o.kv_heads * o.dim;
+    let q = TestBuffer::new(q_elems, dtype)?;
+    let k = TestBuffer::new(kv_elems, dtype)?;
+    let v = TestBuffer::new(kv_elems, dtype)?;
+    let out = TestBuffer::new(q_elems, dtype)?;
+    let lse = TestBuffer::new(max_sl * o.heads, mkDataType_t::mkFloat32)?;
+    let kg = TestBuffer::new(kv_elems * n, dtype)?;
+    let vg = TestBuffer::new(kv_elems * n, dtype)?;
+    q.randomize(11 + rank as u64, 1.0, stream)?;
+    k.randomize(21 + rank as u64, 1.0, stream)?;
+    v.randomize(31 + rank as u64, 1.0, stream)?;
+    let events = Events::new(o.iters)?;
+    let sms = cuda::sm_count(device)? as u32;
+    let grid_cap = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
+    if rank == 0 {
+        println!(
+            "# mkbench ring_attn: {n} rank(s), bf16, B=1 H={} H_kv={} D={}, {sms} SMs, MK_MAX_CTAS={}, warm-up {} + {} timed calls (median of the slowest rank)",
+            o.heads,
+            o.kv_heads,
+            o.dim,
+            comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
+            o.warmup,
+            o.iters
+        );
+        println!(
+            "# {:>6} {:>6} {:>6} | {:>10} {:>7} | {:>10} {:>10} {:>10} | {:>7} {:>7}",
+            "S", "S_loc", "causal", "fused us", "TF/s", "unfused us", "attn us", "AGx2 us", "f/unf", "overlap"
+        );
+    }
+    let mut all_ok = true;
+    for &causal in &o.causal {
+        for &s_global in &o.seq {
+            let sl = s_global / n;
+            let args = validate_args(q.ptr(), k.ptr(), v.ptr(), out.ptr(), lse.ptr(), 1, sl, o.heads, o.kv_heads, o.dim, 1.0 / (o.dim as f32).sqrt(), causal as i32, dtype as i32, n, rank)?;
+            let count = sl * o.kv_heads * o.dim;
+            let fused = || ring_attention(&comm, &args, stream);
+            let gather = || {
+                if n == 1 {
+                    return Ok(());
+                }
+                collective(&comm, CollectiveKind::AllGather, k.ptr(), kg.ptr(), count, dtype as i32, None, stream)?;
+                collective(&comm, CollectiveKind::AllGather, v.ptr(), vg.ptr(), count, dtype as i32, None, stream)
+            };
+            let (kp, vp) = if n == 1 { (k.ptr(), v.ptr()) } else { (kg.ptr(), vg.ptr()) };
+            let attn = || attention_gathered(&args, kp, vp, grid_cap, stream);
+            let timed = |f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f);
+            let t_fused = timed(&fused)?;
+            let t_unfused = timed(&|| gather().and_then(|_| attn()))?;
+            let t_attn = timed(&attn)?;
+            let t_comm = if n > 1 { timed(&gather)? } else { 0.0 };
+            let err = comm.async_error();
+            if err != mkernel::error::mkResult_t::mkSuccess {
+                all_ok = false;
+            }
+            if rank == 0 {
+                let flops = 4.0 * o.heads as f64 * sl as f64 * s_global as f64 * o.dim as f64 * if causal == 1 { 0.5 } else { 1.0 };
+                let tf = flops / (t_fused * 1e-6) / 1e12;
+                println!(
+                    "  {:>6} {:>6} {:>6} | {:>10.1} {:>7.1} | {:>10.1} {:>10.1} {:>10.1} | {:>7.3} {:>7.3}{}",
+                    s_global, sl, causal, t_fused, tf, t_unfused, t_attn, t_comm,
+                    t_fused / t_unfused, t_attn.max(t_comm) / t_fused,
+                    if err == mkernel::error::mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
+                );
+            }
+        }
+    }
+    // SAFETY: live stream.
+    unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+    Ok(all_ok)
+}
