@@ -81,14 +81,18 @@ pub unsafe extern "C" fn mkGemmReduceScatter(
     })
 }
 
-/// C = Σ over ranks of A·Bᵀ on every rank, in one persistent kernel (one-shot: every rank
-/// reads every rank's partial tile as soon as it is signalled and sums it).
+/// C = Σ over ranks of A·Bᵀ on every rank, in one persistent kernel. Small M (≤ 256, or M
+/// not a multiple of 128·nranks): one-shot, every rank reads every rank's partial tile as
+/// soon as it is signalled and sums it (lowest latency). Larger M: two-phase, each row
+/// block is summed once by the rank owning it ([r·M/n, (r+1)·M/n)) and copied by the others.
 ///
 /// - `A`: [M, K] with this rank's K columns; `B`: [N, K] likewise; `C`: [M, N] on every rank.
-/// - Any M ≥ 0 (decode shapes included). Rounding as mkGemmReduceScatter; the partials are
-///   added in the same order on every rank, so all ranks' C are bitwise identical.
+/// - Any M ≥ 0 (decode shapes included). Rounding as mkGemmReduceScatter; every sum is
+///   formed in the same order (rank 0..n-1) whoever forms it, so all ranks' C are bitwise
+///   identical.
 ///
-/// Rules, errors and stream semantics as mkGemmReduceScatter (no divisibility of M).
+/// Rules, errors and stream semantics as mkGemmReduceScatter (no divisibility of M); the
+/// two-phase path also keeps the reduced rows in the fused-op region (2·M·N elements in all).
 #[no_mangle]
 pub unsafe extern "C" fn mkGemmAllReduce(
     A: *const c_void,
