@@ -4,7 +4,8 @@
 #   device run: command "scripts/gpu-run.sh", carry ["target/release/mktest", "target/release/mkbench"]
 # Starts MPS, runs the mktest suites with 1, 2, 4 and 8 rank processes sharing the GPU
 # (each MPS client gets 100/N % of the SMs and an MK_MAX_CTAS that fits in it, so every
-# persistent grid is co-resident) — smoke, collectives, the fused ops (ag_gemm, gemm_reduce)
+# persistent grid is co-resident) — smoke, collectives, the fused ops (ag_gemm, gemm_reduce,
+# moe, ring_attn)
 # and, with one rank, the GEMM engine — then the benches: collectives, `mkbench gemm`, and
 # the fused ops beside their unfused sequences; writes logs under $OUT (at most 8 files),
 # and stops MPS.
@@ -56,7 +57,7 @@ with_ranks() {  # N command...: runs the command as an MPS client sized for N ra
 
 if [ "$TESTS" = 1 ]; then
   for n in $RANKS; do
-    suites="smoke collectives ag_gemm gemm_reduce"
+    suites="smoke collectives ag_gemm gemm_reduce moe ring_attn"
     [ "$n" = 1 ] && suites="$suites gemm"  # the engine alone is a one-rank suite
     echo "===== mktest $suites with $n rank(s)" | tee -a "$OUT/mktest.log"
     t0=$(date +%s)
@@ -66,6 +67,8 @@ if [ "$TESTS" = 1 ]; then
     note "mktest $suites N=$n: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
     [ $rc = 0 ] || status=1
     grep -E "WRONG|FAILED|error|stopped after|init/destroy|graph capture|correctness:|in-process" "$OUT/mktest.log" | tail -n 40 | sed "s/^/    /" | tail -n 12
+    # A hung or crashed client can leave the MPS server unusable for the next N: restart it.
+    if [ "$rc" != 0 ] && [ "$MPS" = 1 ]; then stop_mps; nvidia-cuda-mps-control -d && MPS=1; fi
   done
 fi
 
@@ -107,13 +110,16 @@ if [ "$BENCH" = 1 ]; then
   # The fused ops beside their unfused sequences (issue shapes; fewer at several ranks,
   # where every rank's GEMM shares the one GPU).
   for n in ${BENCH_RANKS:-$RANKS}; do
-    for op in ag_gemm gemm_rs gemm_ar; do
+    for op in ag_gemm gemm_rs gemm_ar moe ring_attn; do
       args="-g $n"
+      [ "$op" = ring_attn ] && [ "$n" = 1 ] && args="$args -n 3 -w 1"
       if [ "$n" -gt 1 ]; then
         case $op in
           ag_gemm) args="$args --rows 128,512,2048 --nk 8192x8192 -n 5 -w 2" ;;
           gemm_rs) args="$args --m 1024,4096 -n 5 -w 2" ;;
           gemm_ar) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024 -n 5 -w 2" ;;
+          moe) args="$args -n 3 -w 1" ;;
+          ring_attn) args="$args --seq 16384,32768 -n 3 -w 1" ;;
         esac
       fi
       echo "===== mkbench $op $args" | tee -a "$OUT/fused.log"
