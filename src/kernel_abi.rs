@@ -82,6 +82,64 @@ pub struct CollectiveParams {
     pub elem_size: i32,
 }
 
+/// Most nodes a hierarchical collective spans (kernels/common/signals.cuh gives every CTA
+/// slot MK_MAX_NODES words per network flag).
+pub const MK_MAX_NODES: usize = 8;
+/// Entries of `HierCollectiveParams::rank_of` (MK_MAX_NODES × MK_MAX_PEERS).
+pub const MK_MAX_NODE_RANKS: usize = 64;
+
+/// Parameters of the hierarchical collectives (kernels/hier_collectives.cu): NVLink within
+/// the node through `ws` (indexed by local rank), GPU i ↔ GPU i between nodes through the
+/// proxy ring. Every byte offset below is inside a CTA's slot of the data region: CTA b's
+/// slot for step s starts at `b * region_bytes + (s & 1) * slot_bytes` (the same offset on
+/// every rank of every node, so a put's source and destination offsets are symmetric).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct HierCollectiveParams {
+    /// This node's workspace (rank/nranks in it are the local rank and the node's size).
+    pub ws: WorkspaceView,
+    /// This rank's proxy ring.
+    pub ring: ProxyRingView,
+    pub send: u64,
+    pub recv: u64,
+    /// Elements per rank segment (as `CollectiveParams::count`).
+    pub count: u64,
+    /// Elements per piece (one CTA step).
+    pub chunk: u64,
+    /// AllReduce: elements of each owner's slice of a piece (owner q: [q·slice, (q+1)·slice)).
+    pub slice: u64,
+    /// Bytes of one sub-area (a piece, a node partial or a slice), a multiple of 16.
+    pub sub_bytes: u64,
+    /// Slot offsets of the staging area, outbox, inbox and gather area (unused ones 0).
+    pub stage_off: u64,
+    pub outbox_off: u64,
+    pub inbox_off: u64,
+    pub gather_off: u64,
+    /// Each CTA's part of the data region, and one of its two slots.
+    pub region_bytes: u64,
+    pub slot_bytes: u64,
+    /// 1 AllGather, 2 ReduceScatter, 3 AllReduce.
+    pub kind: i32,
+    pub dtype: i32,
+    pub op: i32,
+    pub elem_size: i32,
+    /// This rank and the communicator's size (global).
+    pub rank: i32,
+    pub nranks: i32,
+    /// This rank's node and the number of nodes.
+    pub node: i32,
+    pub nodes: i32,
+    /// rank_of[m * MK_MAX_PEERS + l]: the global rank of local rank l on node m.
+    pub rank_of: [i32; MK_MAX_NODE_RANKS],
+}
+
+impl Default for HierCollectiveParams {
+    fn default() -> Self {
+        // SAFETY: plain integers and arrays of them: all-zero is a valid value.
+        unsafe { std::mem::zeroed() }
+    }
+}
+
 /// Parameters of the benchmark's on-device result check (kernels/collectives.cu): inputs
 /// of rank p were made by mk_fill_random(seed_base + p, scale 1) as float32.
 #[repr(C)]

@@ -26,6 +26,11 @@
 #define MK_SIG_READY 512          // + b*8 + src: src's piece of step s is staged (collectives)
 #define MK_SIG_READY2 (MK_SIG_READY + MK_SIG_MAX_CTAS * MK_MAX_PEERS)  // AllReduce: src's reduced slice is ready
 #define MK_SIG_FREE (MK_SIG_READY2 + MK_SIG_MAX_CTAS * MK_MAX_PEERS)   // src finished reading this rank's slot of step s
+// Across nodes (kernels/hier_collectives.cu), + b*MK_MAX_NODES + src_node, written by the
+// proxy of src_node's GPU-i rank (step-valued, like the words above):
+#define MK_SIG_NET_GRANT 6656     // src_node may put step s into this rank's slot
+#define MK_SIG_NET_READY (MK_SIG_NET_GRANT + 64 * MK_MAX_NODES)   // src_node's data of step s has arrived
+#define MK_SIG_NET_READY2 (MK_SIG_NET_READY + 64 * MK_MAX_NODES)  // AllReduce: src_node's reduced slice has arrived
 #define MK_SIG_OP_BASE 8192       // words from here to MK_SIG_WORDS belong to the fused ops
 // Each fused op owns a disjoint range, so one op's epoch-valued flags can never satisfy
 // another op's wait: AG+GEMM [OP_BASE, +1024), GEMM+reduce [OP_BASE+1024, MK_SIG_GR_END)
@@ -45,6 +50,10 @@
 #define MK_WAIT_READY2 2     // a peer's reduced slice
 #define MK_WAIT_FREE 3       // a peer to finish reading this rank's slot
 #define MK_WAIT_OP_FLAG 4    // a fused op's own flag
+// 5, 6: kernels/moe.cu
+#define MK_WAIT_NET 7        // a rank on another node's data (through its proxy)
+#define MK_WAIT_GRANT 8      // a rank on another node to free its slot for this rank's put
+#define MK_WAIT_PROXY 9      // this rank's proxy (ring full, a put not completing, or the transport failed)
 #define MK_OP_ALL_GATHER 1
 #define MK_OP_REDUCE_SCATTER 2
 #define MK_OP_ALL_REDUCE 3

@@ -7,11 +7,21 @@ pub mod workspace;
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::cuda::PrimaryContext;
 use crate::error::{mkResult_t, MkError, Result};
+use crate::kernel_abi::ProxyRingView;
 use crate::mk_info;
+use crate::transport::inter_node::{start_inter_node, InterNode, InterNodeSetup};
+use crate::transport::proxy::{cpus_near_cuda_device, ProxyRing};
+use crate::transport::{select_net_from_env, MemoryKind, MemoryRegion, TransportAuth, Window};
 use parking_lot::Mutex;
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+use topology::Topology;
+
+/// Slots of a communicator's proxy ring: commands in flight from all its CTAs (a
+/// hierarchical collective posts at most 3 per step per CTA and peer node).
+pub const PROXY_RING_SLOTS: u32 = 1024;
 
 /// Settings resolved from `mkConfig_t`, then the environment, then defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,10 +75,18 @@ pub fn node_of_ranks(host_hashes: &[u64], ranks_per_node: Option<u32>) -> Vec<us
 }
 
 pub struct Comm {
-    /// The NVLink data plane (declared first: dropped before the context it lives in).
-    /// None when the ranks span several nodes or exceed MK_MAX_PEERS; `data_plane_missing`
-    /// then says why.
+    /// The inter-node path (proxy thread, transport, ring) when the ranks span nodes.
+    /// Declared first: stopped before the workspace its transport writes into goes away.
+    /// `abort` takes it out (and aborts the proxy) but keeps its ring in `retired_ring`.
+    pub inter_node: Mutex<Option<InterNode>>,
+    /// The NVLink data plane among the ranks of this rank's node (all ranks on one node),
+    /// indexed by local rank. None when a node holds more than MK_MAX_PEERS ranks;
+    /// `data_plane_missing` then says why.
     pub workspace: Option<workspace::SymmetricWorkspace>,
+    /// The ring of an aborted inter-node path: kernels may still be leaving it when
+    /// mkCommAbort returns, so it is freed after the workspace (whose drop synchronises
+    /// the context after an abort).
+    retired_ring: Mutex<Option<Arc<ProxyRing>>>,
     pub data_plane_missing: Option<String>,
     pub rank: usize,
     pub nranks: usize,
@@ -77,14 +95,33 @@ pub struct Comm {
     pub config: CommConfig,
     /// Node index of every rank.
     pub nodes: Vec<usize>,
+    /// This rank's place in the node layout.
+    pub topology: Topology,
+    /// What kernels get to post to the proxy (None on one node).
+    pub proxy_ring: Option<ProxyRingView>,
     last_error: Mutex<CString>,
     async_error: AtomicI32,
     aborted: AtomicBool,
 }
 
+/// Why a communicator has no NVLink data plane, if it has none: a node holds more ranks
+/// than the view maps. The same answer on every rank (the creation is collective).
+pub fn data_plane_missing(nodes: &[usize]) -> Option<String> {
+    let biggest = (0..=nodes.iter().copied().max().unwrap_or(0)).map(|n| nodes.iter().filter(|&&m| m == n).count()).max().unwrap_or(0);
+    (biggest > crate::kernel_abi::MK_MAX_PEERS).then(|| {
+        format!("{biggest} ranks on one node; the NVLink data plane maps at most {}", crate::kernel_abi::MK_MAX_PEERS)
+    })
+}
+
 impl Comm {
     /// Joins the communicator `id` as `rank` of `nranks` on `device` (the caller's current
     /// device when None).
+    ///
+    /// On several nodes (by host, or `MK_RANKS_PER_NODE`), each node gets its own symmetric
+    /// workspace among its ranks, and every rank starts its inter-node path
+    /// (`transport::inter_node::start_inter_node`: the transport `MK_NET` picks, connected to
+    /// its GPU-i peers, with this rank's workspace registered as its window, and a proxy
+    /// thread draining a device-fed ring).
     pub fn init(id: &UniqueId, nranks: i32, rank: i32, device: Option<i32>, config: CommConfig) -> Result<Comm> {
         if nranks <= 0 {
             return Err(MkError::invalid_argument(format!("nranks must be positive, got {nranks}")));
@@ -99,17 +136,46 @@ impl Comm {
         let context = PrimaryContext::retain(device)?;
         let bootstrap = Bootstrap::join(id, rank as usize, nranks as usize, config.bootstrap_timeout)?;
         let nodes = node_of_ranks(bootstrap.host_hashes(), config.ranks_per_node);
-        let (workspace, data_plane_missing) = if nodes.iter().any(|&n| n != nodes[0]) {
-            (None, Some("the ranks span several nodes; collectives across nodes are not implemented yet".to_string()))
-        } else if nranks as usize > crate::kernel_abi::MK_MAX_PEERS {
-            (None, Some(format!("{nranks} ranks on one node; the NVLink data plane maps at most {}", crate::kernel_abi::MK_MAX_PEERS)))
+        let topology = Topology::new(rank as usize, &nodes)?;
+        let data_plane_missing = data_plane_missing(&nodes);
+        let workspace = if data_plane_missing.is_some() {
+            None
         } else {
             let _g = context.enter()?;
-            (Some(workspace::SymmetricWorkspace::create(&bootstrap, rank as usize, nranks as usize, &context, &config)?), None)
+            Some(workspace::SymmetricWorkspace::create(&bootstrap, rank as usize, nranks as usize, &topology.node_ranks, &context, &config)?)
         };
-        mk_info!(Some(rank as usize), "communicator ready: {nranks} ranks, device {device}, {} node(s)", nodes.iter().max().map_or(1, |m| m + 1));
+        let inter_node = match &workspace {
+            Some(ws) if topology.spans_nodes() => {
+                let _g = context.enter()?;
+                let local = topology.local_rank;
+                let window = Window {
+                    data: MemoryRegion { base: ws.view.data[local], bytes: ws.view.data_bytes + ws.view.op_bytes, kind: MemoryKind::Device },
+                    signals: MemoryRegion { base: ws.view.signals[local], bytes: workspace::SIGNAL_BYTES as u64, kind: MemoryKind::Device },
+                };
+                let timeout = config.timeout;
+                let setup = InterNodeSetup {
+                    bootstrap: &bootstrap,
+                    topology: &topology,
+                    auth: TransportAuth::from_unique_id(id),
+                    net: select_net_from_env()?,
+                    window,
+                    timeout,
+                    make_ring: Box::new(move || ProxyRing::on_device(PROXY_RING_SLOTS, timeout)),
+                    cuda_context: Some(context.ctx as usize),
+                    proxy_cpus: cpus_near_cuda_device(device),
+                };
+                // SAFETY: the window is this rank's workspace allocation, which the Comm
+                // keeps until after the proxy stops (field order; `abort` stops it first).
+                unsafe { start_inter_node(setup) }.map_err(|e| e.context("starting the inter-node path"))?
+            }
+            _ => None,
+        };
+        let proxy_ring = inter_node.as_ref().map(|i| i.ring.view());
+        mk_info!(Some(rank as usize), "communicator ready: {nranks} ranks, device {device}, {} node(s)", topology.node_count);
         Ok(Comm {
+            inter_node: Mutex::new(inter_node),
             workspace,
+            retired_ring: Mutex::new(None),
             data_plane_missing,
             rank: rank as usize,
             nranks: nranks as usize,
@@ -117,9 +183,27 @@ impl Comm {
             bootstrap,
             config,
             nodes,
+            topology,
+            proxy_ring,
             last_error: Mutex::new(CString::default()),
             async_error: AtomicI32::new(mkResult_t::mkSuccess as i32),
             aborted: AtomicBool::new(false),
+        })
+    }
+
+    /// The workspace for an op that runs within one node only (the fused ops, the flat
+    /// collectives): refused with `mkInvalidUsage` when the communicator spans nodes, or
+    /// has no data plane.
+    pub fn one_node_workspace(&self, op: &str) -> Result<&workspace::SymmetricWorkspace> {
+        if self.topology.spans_nodes() {
+            return Err(MkError::invalid_usage(format!(
+                "{op} does not run across nodes yet (this communicator spans {} nodes); only mkAllGather, \
+                 mkReduceScatter and mkAllReduce do",
+                self.topology.node_count
+            )));
+        }
+        self.workspace.as_ref().ok_or_else(|| {
+            MkError::invalid_usage(self.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
         })
     }
 
@@ -144,20 +228,30 @@ impl Comm {
     }
 
     pub fn async_error(&self) -> mkResult_t {
-        // A kernel of this rank may have recorded a timeout or a peer's failure.
-        if let Some(word) = self.workspace.as_ref().map(|w| w.error_word()).filter(|&w| w != 0) {
-            if self.async_error.load(Ordering::Acquire) == mkResult_t::mkSuccess as i32 {
+        if self.async_error.load(Ordering::Acquire) == mkResult_t::mkSuccess as i32 {
+            // A kernel of this rank may have recorded a timeout or a peer's failure; the
+            // kernel's word says more (which op, which peer), so it goes first.
+            if let Some(word) = self.workspace.as_ref().map(|w| w.error_word()).filter(|&w| w != 0) {
                 self.record_async_error(&crate::ops::collectives::ErrorWord(word).to_error(self.rank));
+            } else if let Some(e) = self.inter_node.lock().as_ref().and_then(InterNode::error) {
+                // The proxy failed (a peer's connection lost, a transfer timed out).
+                self.record_async_error(&e.context("the inter-node proxy failed"));
             }
         }
         mkResult_t::from_i32(self.async_error.load(Ordering::Acquire))
     }
 
-    /// Marks the communicator aborted and unblocks any host-side wait.
+    /// Marks the communicator aborted and unblocks any host-side wait: this rank's kernels
+    /// stop (host abort word), the proxy stops at once and cuts its connections (its ring's
+    /// error word tells device producers), and the bootstrap's sockets are shut.
     pub fn abort(&self) {
         self.aborted.store(true, Ordering::Release);
         if let Some(ws) = &self.workspace {
             ws.raise_host_abort();
+        }
+        if let Some(InterNode { ring, proxy, .. }) = self.inter_node.lock().take() {
+            proxy.abort();
+            *self.retired_ring.lock() = Some(ring);
         }
         self.bootstrap.abort();
     }
@@ -184,6 +278,15 @@ impl Comm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_bigger_than_the_view_has_no_data_plane() {
+        assert_eq!(data_plane_missing(&[0; 8]), None);
+        assert_eq!(data_plane_missing(&node_of_ranks(&[0; 16], Some(8))), None, "two nodes of eight");
+        assert!(data_plane_missing(&[0; 9]).unwrap().contains("9 ranks on one node"));
+        // Uneven nodes: the biggest decides, on every rank alike.
+        assert!(data_plane_missing(&[0, 1, 1, 1, 1, 1, 1, 1, 1, 1]).is_some());
+    }
 
     #[test]
     fn nodes_by_host_and_by_ranks_per_node() {

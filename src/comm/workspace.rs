@@ -1,5 +1,9 @@
 //! The symmetric workspace: one device allocation per rank, mapped into every other rank
 //! of the node, plus a host-mapped status block the kernels report errors through.
+//! A communicator spanning nodes gets one per node: each rank maps only the ranks of its
+//! own node, and its `WorkspaceView` is indexed by local rank (`rank`/`nranks` in the view
+//! are the local rank and the node's size; `SymmetricWorkspace::members` maps back to
+//! global ranks). Ranks on other nodes are reached through the proxy (src/transport).
 //!
 //! Layout of each rank's allocation: a 2 MiB signal region (u64 flags, zeroed at init;
 //! word layout in kernels/common/signals.cuh) followed by the data region
@@ -270,6 +274,25 @@ pub fn wanted_cta_slots(max_ctas: Option<u32>, sm_count: u32, data_bytes: u64) -
     cap.min(by_size)
 }
 
+/// Where `rank` sits in the view of its node's workspace: (its slot = local rank, slots).
+/// `members` are the node's ranks in local-rank order (each once, `rank` among them, all
+/// below `nranks`); at most MK_MAX_PEERS of them, since the view maps that many.
+pub fn node_view_slots(members: &[usize], rank: usize, nranks: usize) -> Result<(usize, usize)> {
+    let bad = |why: &str| Err(MkError::internal(format!("workspace members {members:?} of rank {rank} (of {nranks}): {why}")));
+    if members.iter().enumerate().any(|(i, &m)| m >= nranks || members[..i].contains(&m)) {
+        return bad("a member is out of range or repeated");
+    }
+    let Some(local) = members.iter().position(|&m| m == rank) else { return bad("the rank itself is missing") };
+    if members.len() > crate::kernel_abi::MK_MAX_PEERS {
+        return Err(MkError::invalid_usage(format!(
+            "{} ranks on one node; the NVLink data plane maps at most {}",
+            members.len(),
+            crate::kernel_abi::MK_MAX_PEERS
+        )));
+    }
+    Ok((local, members.len()))
+}
+
 /// A communicator's symmetric workspace. Create it with the communicator's context
 /// current; drop it with the same context current.
 pub struct SymmetricWorkspace {
@@ -278,6 +301,8 @@ pub struct SymmetricWorkspace {
     status_host: *mut CommStatus,
     /// "vmm" or "legacy IPC (why)" or "single process".
     pub transport: String,
+    /// The global rank of each view slot (`view.data[l]` is rank `members[l]`'s region).
+    pub members: Vec<usize>,
     /// What the kernels get.
     pub view: WorkspaceView,
 }
@@ -299,9 +324,14 @@ fn decode_all(blocks: Vec<Vec<u8>>) -> Result<Vec<PeerInfo>> {
 }
 
 impl SymmetricWorkspace {
-    /// Collective over the communicator: allocates, exchanges handles, maps every peer.
-    /// Requires every rank on one node and at most MK_MAX_PEERS ranks (checked by the caller).
-    pub fn create(bootstrap: &Bootstrap, rank: usize, nranks: usize, context: &PrimaryContext, config: &CommConfig) -> Result<Self> {
+    /// Collective over the communicator (every rank calls it): allocates, exchanges
+    /// handles, and maps the ranks of `members` — this rank's node, in local-rank order
+    /// (`Topology::node_ranks`; all ranks when the communicator is on one node). The view
+    /// is indexed by local rank (`node_view_slots`). At most MK_MAX_PEERS members (checked
+    /// by the caller). Sizes (`data_bytes`, `cta_slots`) are the minimum over *all* ranks,
+    /// so offsets inside the regions agree across nodes too (inter-node puts rely on it).
+    pub fn create(bootstrap: &Bootstrap, rank: usize, nranks: usize, members: &[usize], context: &PrimaryContext, config: &CommConfig) -> Result<Self> {
+        let (local_rank, local_size) = node_view_slots(members, rank, nranks)?;
         let device = context.device;
         let sms = cuda::sm_count(device)? as u32;
         let want_bytes = config.workspace_bytes.max(MIN_DATA_BYTES);
@@ -318,7 +348,7 @@ impl SymmetricWorkspace {
         let status_host = host as *mut CommStatus;
         // SAFETY: fresh allocation of the right size.
         unsafe { status_host.write_volatile(CommStatus::default()) };
-        let mut ws = SymmetricWorkspace { own: Backing::None, peers: Vec::new(), status_host, transport: String::new(), view: WorkspaceView::default() };
+        let mut ws = SymmetricWorkspace { own: Backing::None, peers: Vec::new(), status_host, transport: String::new(), members: Vec::new(), view: WorkspaceView::default() };
         LIVE_WORKSPACES.fetch_add(1, Ordering::AcqRel);
         let mut status_dev: sys::CUdeviceptr = 0;
         // SAFETY: host came from cuMemHostAlloc with DEVICEMAP.
@@ -354,7 +384,7 @@ impl SymmetricWorkspace {
             // Round 2: take every remote peer's descriptor; all must succeed.
             let mut my_failure = None;
             for (r, i) in infos.iter().enumerate() {
-                if r != rank && remote(i) {
+                if r != rank && remote(i) && members.contains(&r) {
                     match take_peer_fd(i.pid, i.fd) {
                         Ok(fd) => imported[r] = Some(fd),
                         Err(why) => {
@@ -390,7 +420,7 @@ impl SymmetricWorkspace {
             info.fd = -1;
             info.alloc_bytes = alloc_bytes as u64;
             ws.own = Backing::Legacy(buf);
-            let any_remote = infos.iter().any(|i| remote(i));
+            let any_remote = members.iter().any(|&r| remote(&infos[r]));
             if any_remote {
                 let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
                 // cuIpcGetMemHandle fails where IPC is unsupported; the peers that need it
@@ -409,8 +439,9 @@ impl SymmetricWorkspace {
         let cta_slots = infos.iter().map(|i| i.cta_slots).min().unwrap_or(want_slots).max(1);
 
         // In-process peers on other devices read and write this allocation directly.
-        let other_local_devices: Vec<i32> = infos
+        let other_local_devices: Vec<i32> = members
             .iter()
+            .map(|&r| &infos[r])
             .filter(|i| !remote(i) && i.device != device)
             .map(|i| i.device)
             .collect();
@@ -437,7 +468,8 @@ impl SymmetricWorkspace {
         // Round 3 (or 2): everyone has granted access before anyone maps or launches.
         bootstrap.barrier()?;
 
-        for (r, i) in infos.iter().enumerate() {
+        for &r in members {
+            let i = &infos[r];
             if r == rank {
                 ws.peers.push(PeerMapping::Direct(ws.own.base()));
             } else if !remote(i) {
@@ -487,16 +519,17 @@ impl SymmetricWorkspace {
             data_bytes,
             op_bytes: data_bytes,
             timeout_ns: config.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            rank: rank as i32,
-            nranks: nranks as i32,
+            rank: local_rank as i32,
+            nranks: local_size as i32,
             cta_slots: cta_slots as i32,
             ..WorkspaceView::default()
         };
-        for (r, m) in ws.peers.iter().enumerate() {
-            view.signals[r] = m.base();
-            view.data[r] = m.base() + SIGNAL_BYTES as u64;
+        for (l, m) in ws.peers.iter().enumerate() {
+            view.signals[l] = m.base();
+            view.data[l] = m.base() + SIGNAL_BYTES as u64;
         }
         ws.view = view;
+        ws.members = members.to_vec();
         mk_info!(Some(rank), "symmetric workspace: {} MiB data + 2 MiB signals per rank, {cta_slots} CTA slots, peers mapped by {}",
             data_bytes >> 20, ws.transport);
         Ok(ws)
@@ -575,6 +608,26 @@ mod tests {
         assert_eq!(enc.len(), PeerInfo::BYTES);
         assert_eq!(PeerInfo::decode(&enc).unwrap(), info);
         assert!(PeerInfo::decode(&enc[1..]).is_err());
+    }
+
+    #[test]
+    fn the_view_is_indexed_by_local_rank() {
+        use crate::comm::{node_of_ranks, topology::Topology};
+        // Two emulated nodes of two: rank 3 is slot 1 of node 1's view [2, 3].
+        let nodes = node_of_ranks(&[0; 4], Some(2));
+        let t = Topology::new(3, &nodes).unwrap();
+        assert_eq!(node_view_slots(&t.node_ranks, 3, 4).unwrap(), (1, 2));
+        // Interleaved hosts: node 0 is ranks [0, 2]; rank 2 is slot 1.
+        let t = Topology::new(2, &[0, 1, 0, 1]).unwrap();
+        assert_eq!(t.node_ranks, vec![0, 2]);
+        assert_eq!(node_view_slots(&t.node_ranks, 2, 4).unwrap(), (1, 2));
+        // One node: the view is the whole communicator, slot = rank.
+        assert_eq!(node_view_slots(&[0, 1, 2], 1, 3).unwrap(), (1, 3));
+        assert_eq!(node_view_slots(&[0, 1], 2, 4).unwrap_err().code, crate::error::mkResult_t::mkInternalError);
+        assert_eq!(node_view_slots(&[0, 0], 0, 4).unwrap_err().code, crate::error::mkResult_t::mkInternalError);
+        assert_eq!(node_view_slots(&[0, 5], 0, 4).unwrap_err().code, crate::error::mkResult_t::mkInternalError);
+        let nine: Vec<usize> = (0..9).collect();
+        assert_eq!(node_view_slots(&nine, 0, 9).unwrap_err().code, crate::error::mkResult_t::mkInvalidUsage);
     }
 
     #[test]

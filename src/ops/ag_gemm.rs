@@ -187,9 +187,7 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         }
         return Ok(());
     }
-    let ws = comm.workspace.as_ref().ok_or_else(|| {
-        MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
-    })?;
+    let ws = comm.one_node_workspace("mkAllGatherGemm")?;
     let needed = (m * k * 2) as u64;
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(

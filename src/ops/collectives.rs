@@ -149,6 +149,9 @@ impl ErrorWord {
             2 => "its reduced slice",
             3 => "it to finish reading this rank's workspace slot",
             4 => "a fused-op flag",
+            7 => "its data over the network",
+            8 => "it to free its slot for this rank's put over the network",
+            9 => "this rank's inter-node proxy",
             _ => "a signal",
         }
     }
@@ -165,6 +168,13 @@ impl ErrorWord {
             )),
             mkResult_t::mkInvalidUsage if what == 6 => MkError::invalid_usage(format!(
                 "{op} on rank {rank}: topkIdx holds an expert id outside [-1, E); those choices were dropped. Recreate the communicator"
+            )),
+            // kernels/hier_collectives.cu: this rank's proxy failed (MK_WAIT_PROXY); the
+            // proxy's own message is in mkGetLastError once the host reads it.
+            code if what == 9 => MkError::new(code, format!(
+                "{op} on rank {rank} stopped: its inter-node proxy failed ({code:?}) while sending to or waiting for {peer} \
+                 (a lost connection, a ring that stayed full, or a transfer that did not complete within MK_TIMEOUT_MS). \
+                 Abort and recreate the communicator"
             )),
             mkResult_t::mkTimeout => MkError::timeout(format!(
                 "{op} on rank {rank} timed out waiting for {peer} ({}) after MK_TIMEOUT_MS; that rank is stuck, \
@@ -271,7 +281,11 @@ pub fn validate(kind: CollectiveKind, send: u64, recv: u64, count: usize, dtype:
 }
 
 /// Validates, plans and launches one collective on `comm` (stream-ordered, no host sync).
+/// A communicator that spans nodes runs the hierarchical kernel (`ops::hier_collectives`).
 pub fn collective(comm: &Comm, kind: CollectiveKind, send: u64, recv: u64, count: usize, dtype: RawDataType, op: Option<RawRedOp>, stream: sys::CUstream) -> Result<()> {
+    if comm.topology.spans_nodes() {
+        return super::hier_collectives::collective(comm, kind, send, recv, count, dtype, op, stream);
+    }
     comm.check_usable()?;
     let args = validate(kind, send, recv, count, dtype, op, comm.rank, comm.nranks)?;
     let ws = comm.workspace.as_ref().ok_or_else(|| {
@@ -386,6 +400,12 @@ mod tests {
         assert!(cap.message.contains("mkMoeDispatchGemm on rank 1: the receive buffer of rank 3 needs more rows than recvCapacity"), "{}", cap.message);
         assert!(ErrorWord::encode(mkResult_t::mkInvalidUsage, Some(0), 6, 19).to_error(0).message.contains("outside [-1, E)"));
         assert!(ErrorWord::encode(mkResult_t::mkTimeout, Some(2), 4, 20).to_error(0).message.contains("mkMoeGemmCombine on rank 0 timed out waiting for rank 2"));
+        // kernels/hier_collectives.cu: network waits and proxy failures.
+        let net = ErrorWord::encode(mkResult_t::mkTimeout, Some(5), 7, 1).to_error(1);
+        assert!(net.message.contains("mkAllGather on rank 1 timed out waiting for rank 5 (its data over the network)"), "{}", net.message);
+        let proxy = ErrorWord::encode(mkResult_t::mkRemoteError, Some(2), 9, 3).to_error(0);
+        assert_eq!(proxy.code, mkResult_t::mkRemoteError);
+        assert!(proxy.message.contains("inter-node proxy failed"), "{}", proxy.message);
     }
 
     #[test]

@@ -105,9 +105,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let ws = comm.workspace.as_ref().ok_or_else(|| {
-        MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
-    })?;
+    let ws = comm.one_node_workspace("mkGemmReduceScatter / mkGemmAllReduce")?;
     let (nranks, rank) = (comm.nranks, comm.rank);
     let sms = cuda::sm_count(comm.context.device)? as u32;
     let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));

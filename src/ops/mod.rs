@@ -7,6 +7,7 @@ pub mod ag_gemm;
 pub mod gemm_ar;
 pub mod gemm_reduce;
 pub mod gemm_rs;
+pub mod hier_collectives;
 pub mod moe;
 pub mod ring_attention;
 pub mod util;

@@ -394,9 +394,7 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     comm.check_usable()?;
     let name = l.dir.name();
     crate::ensure_arg!(l.dims.nranks == comm.nranks, "{name}: internal: nranks mismatch");
-    let ws = comm.workspace.as_ref().ok_or_else(|| {
-        MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
-    })?;
+    let ws = comm.one_node_workspace(name)?;
     let needed = region_needed(&l.dims) as u64;
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(

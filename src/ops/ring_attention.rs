@@ -186,9 +186,7 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
     }
     let (mut p, grid) = params(args, grid_cap(comm)?);
     if s.nranks > 1 {
-        let ws = comm.workspace.as_ref().ok_or_else(|| {
-            MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
-        })?;
+        let ws = comm.one_node_workspace("mkRingAttention")?;
         let needed = workspace_bytes(&s);
         if needed > ws.view.op_bytes {
             return Err(MkError::invalid_usage(format!(
