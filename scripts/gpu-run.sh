@@ -9,14 +9,17 @@
 # and, with one rank, the GEMM engine — then the benches: collectives, `mkbench gemm`, and
 # the fused ops beside their unfused sequences; writes logs under $OUT (at most 8 files),
 # and stops MPS.
+# Then the collectives across emulated nodes (mktest nodes: 4 ranks, MK_RANKS_PER_NODE=2,
+# MK_NET=socket; its killed-node test without MPS), logged to $OUT/nodes.log.
 # Options: --ranks "1 2 4 8" (tests)  --bench-ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
+#          --no-nodes (skip mktest nodes)  --only-nodes (only mktest nodes: no other suite, no bench)
 # Every step has a timeout, so nothing here can hang the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-run-logs}
 mkdir -p "$OUT"
 BIN=${BIN:-target/release}
-RANKS="1 2 4 8"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G
+RANKS="1 2 4 8"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --ranks) RANKS="$2"; shift ;;
@@ -25,6 +28,8 @@ while [ $# -gt 0 ]; do
     --no-bench) BENCH=0 ;;
     --no-gemm) GEMM=0 ;;
     --max-size) MAXSIZE="$2"; shift ;;
+    --no-nodes) NODES=0 ;;
+    --only-nodes) ONLY_NODES=1; BENCH=0 ;;
     *) echo "gpu-run.sh: unknown option $1"; exit 2 ;;
   esac
   shift
@@ -55,7 +60,7 @@ with_ranks() {  # N command...: runs the command as an MPS client sized for N ra
   fi
 }
 
-if [ "$TESTS" = 1 ]; then
+if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for n in $RANKS; do
     suites="smoke collectives ag_gemm gemm_reduce moe ring_attn"
     [ "$n" = 1 ] && suites="$suites gemm"  # the engine alone is a one-rank suite
@@ -72,7 +77,7 @@ if [ "$TESTS" = 1 ]; then
   done
 fi
 
-if [ "$TESTS" = 1 ]; then
+if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   # A rank killed mid-op, without MPS: under MPS the dying client poisons the others'
   # contexts (their next launch fails with an illegal address), which would test MPS, not us.
   stop_mps
@@ -85,6 +90,29 @@ if [ "$TESTS" = 1 ]; then
     [ $rc = 0 ] || status=1
     grep -E "killed rank|FAILED" "$OUT/mktest.log" | tail -n 6 | sed "s/^/    /"
   done
+  if nvidia-cuda-mps-control -d; then MPS=1; fi
+fi
+
+if [ "$TESTS" = 1 ] && [ "$NODES" = 1 ]; then
+  # Across emulated nodes: 4 ranks on the one GPU, two nodes of two, the proxies talking
+  # over sockets (the GPU machine has no RDMA device). The suite's own deadline is 240 s
+  # (ranks::spawn kills stragglers); timeout is the backstop.
+  NODE_ENV="MK_RANKS_PER_NODE=2 MK_NET=socket"
+  echo "===== mktest nodes, 4 ranks, $NODE_ENV" | tee -a "$OUT/nodes.log"
+  t0=$(date +%s)
+  with_ranks 4 env $NODE_ENV MK_TEST_KILL=skip timeout 280 "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
+  rc=$?
+  note "mktest nodes N=4 (2 per node, sockets): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
+  [ $rc = 0 ] || status=1
+  grep -E "WRONG|FAILED|error|across nodes|graph capture|inter-node|SKIPPED" "$OUT/nodes.log" | tail -n 12 | sed "s/^/    /"
+  # One emulated node killed while the others wait for it, without MPS (see above).
+  stop_mps
+  echo "===== mktest nodes, killed node only, 4 ranks, $NODE_ENV, no MPS" | tee -a "$OUT/nodes.log"
+  env $NODE_ENV MK_TEST_KILL=only MK_TEST_NRANKS=4 timeout 90 "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
+  rc=$?
+  note "mktest nodes killed node N=4 (no MPS): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
+  [ $rc = 0 ] || status=1
+  grep -E "killed node|FAILED" "$OUT/nodes.log" | tail -n 6 | sed "s/^/    /"
   if nvidia-cuda-mps-control -d; then MPS=1; fi
 fi
 

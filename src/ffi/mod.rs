@@ -22,6 +22,13 @@ pub struct mkComm {
     pub(crate) comm: Comm,
 }
 
+impl mkComm {
+    /// The communicator behind a handle, for Rust callers (the GPU test driver).
+    pub fn comm(&self) -> &Comm {
+        &self.comm
+    }
+}
+
 /// Handle to a communicator.
 #[allow(non_camel_case_types)]
 pub type mkComm_t = *mut mkComm;

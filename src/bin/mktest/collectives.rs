@@ -55,13 +55,13 @@ pub fn run() -> Result<()> {
 // ---------------------------------------------------------------- helpers
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum KillMode {
+pub(crate) enum KillMode {
     Run,
     Skip,
     Only,
 }
 
-fn kill_mode() -> KillMode {
+pub(crate) fn kill_mode() -> KillMode {
     match std::env::var("MK_TEST_KILL").as_deref() {
         Ok("skip") => KillMode::Skip,
         Ok("only") => KillMode::Only,
@@ -239,7 +239,7 @@ fn download_at(ptr: u64, bytes: usize) -> Result<Vec<u8>> {
 }
 
 /// One collective call with its own buffers, fresh inputs on every `prepare`.
-struct Case {
+pub(crate) struct Case {
     kind: CollectiveKind,
     dtype: mkDataType_t,
     op: mkRedOp_t,
@@ -254,7 +254,7 @@ struct Case {
 }
 
 impl Case {
-    fn new(kind: CollectiveKind, dtype: mkDataType_t, op: mkRedOp_t, count: usize, in_place: bool, rank: usize, nranks: usize) -> Result<Case> {
+    pub(crate) fn new(kind: CollectiveKind, dtype: mkDataType_t, op: mkRedOp_t, count: usize, in_place: bool, rank: usize, nranks: usize) -> Result<Case> {
         let es = dtype.size() as u64;
         let (send_n, recv_n) = kind.buffer_counts(count as u64, nranks as u64).unwrap();
         let (bufs, send, recv) = if in_place {
@@ -275,13 +275,13 @@ impl Case {
         Ok(Case { kind, dtype, op, count, in_place, rank, nranks, _bufs: bufs, send, recv, expected: Vec::new() })
     }
 
-    fn label(&self) -> String {
+    pub(crate) fn label(&self) -> String {
         let op = if self.kind == CollectiveKind::AllGather { String::new() } else { format!(" {:?}", self.op) };
         format!("{}{op} {} count={} {}", self.kind.name(), self.dtype.name(), self.count, if self.in_place { "in-place" } else { "out-of-place" })
     }
 
     /// Poisons the output, uploads this rank's fresh input, computes the expected output.
-    fn prepare(&mut self, seed: u64) -> Result<()> {
+    pub(crate) fn prepare(&mut self, seed: u64) -> Result<()> {
         let es = self.dtype.size();
         let (send_n, recv_n) = self.kind.buffer_counts(self.count as u64, self.nranks as u64).unwrap();
         let inputs: Vec<Vec<f64>> = (0..self.nranks)
@@ -313,7 +313,7 @@ impl Case {
         Ok(())
     }
 
-    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> Result<()> {
+    pub(crate) fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> Result<()> {
         let (s, r) = (self.send as *const _, self.recv as *mut _);
         let (t, o) = (self.dtype as i32, self.op as i32);
         // SAFETY: buffers sized by Case::new on this comm's device.
@@ -328,7 +328,7 @@ impl Case {
     }
 
     /// Relative error (floats) or number of wrong elements (integers) and whether it passes.
-    fn verify(&self) -> Result<(bool, String)> {
+    pub(crate) fn verify(&self) -> Result<(bool, String)> {
         let got = to_f64(&download_at(self.recv, self.expected.len() * self.dtype.size())?, self.dtype);
         if is_float(self.dtype) {
             let err = relative_error(&got, &self.expected);
@@ -447,7 +447,7 @@ fn graph_replay(env: &RankEnv) -> Result<()> {
     r
 }
 
-fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let stream = Stream::new()?;
     let mut cases = vec![
         Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 100_003, false, rank, n)?,

@@ -8,6 +8,7 @@ mod fused_common;
 mod gemm;
 mod gemm_reduce;
 mod moe;
+mod nodes;
 mod ranks;
 mod ring_attn;
 mod smoke;
@@ -17,7 +18,7 @@ use mkernel::testing::gpu_unavailable_reason;
 type Suite = fn() -> mkernel::Result<()>;
 
 /// Every suite, by name. Add a module and one line here.
-const SUITES: &[(&str, Suite)] = &[("smoke", smoke::run), ("gemm", gemm::run), ("collectives", collectives::run), ("ag_gemm", ag_gemm::run), ("gemm_reduce", gemm_reduce::run), ("moe", moe::run), ("ring_attn", ring_attn::run)];
+const SUITES: &[(&str, Suite)] = &[("smoke", smoke::run), ("gemm", gemm::run), ("collectives", collectives::run), ("ag_gemm", ag_gemm::run), ("gemm_reduce", gemm_reduce::run), ("moe", moe::run), ("ring_attn", ring_attn::run), ("nodes", nodes::run)];
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

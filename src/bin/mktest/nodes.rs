@@ -1,0 +1,184 @@
+//! Collectives across (emulated) nodes: MK_TEST_NRANKS rank processes on this machine,
+//! grouped into nodes of MK_RANKS_PER_NODE ranks (default: two nodes), the inter-node
+//! traffic through each rank's proxy over MK_NET (sockets unless set; no RDMA device on the
+//! GPU machine). scripts/gpu-run.sh runs it as 4 ranks on one GPU under MPS with
+//! MK_RANKS_PER_NODE=2 and MK_NET=socket.
+//!
+//! Per rank: every dtype × AllGather / ReduceScatter (every op) / AllReduce (every op) ×
+//! awkward counts × in/out of place through the C ABI, fresh random inputs, poisoned
+//! outputs, float64 (exact for integers) references; large counts through a small
+//! workspace (many steps per CTA: both slot parities, grants); CUDA-graph capture and
+//! replay; and, last, one emulated node killed while the others are inside an AllReduce
+//! waiting for it: they must stop with mkRemoteError or mkTimeout within the timeout.
+//!
+//! MK_TEST_KILL=skip leaves the killed-node test out, MK_TEST_KILL=only runs nothing else
+//! (run it without MPS, as the collectives suite's killed rank: under MPS a dying client
+//! poisons the others' contexts).
+//!
+//! Written without a GPU (the development machine has none): first run next session.
+
+use crate::collectives::{async_error, config, graph_replay_on, init_comm, kill_mode, say, timed_sync, Case, KillMode, Stream, FAULT_SLACK, FAULT_TIMEOUT_MS};
+use crate::ranks::{self, RankEnv, VICTIM_EXIT};
+use mkernel::comm::{Comm, CommConfig};
+use mkernel::cuda::PrimaryContext;
+use mkernel::error::{mkResult_t, MkError, Result};
+use mkernel::ffi::config::mkConfig_t;
+use mkernel::ops::collectives::CollectiveKind;
+use mkernel::types::{mkDataType_t, mkRedOp_t};
+use std::time::{Duration, Instant};
+
+const IDS: usize = 4; // control, main + graph, killed node, spare
+
+/// Ranks per emulated node: MK_RANKS_PER_NODE, else half the ranks (two nodes).
+fn ranks_per_node(n: usize) -> usize {
+    std::env::var("MK_RANKS_PER_NODE").ok().and_then(|v| v.trim().parse().ok()).filter(|&r: &usize| r >= 1).unwrap_or((n / 2).max(1))
+}
+
+pub fn run() -> Result<()> {
+    if let Some(env) = ranks::child_env(IDS)? {
+        return rank_main(&env);
+    }
+    let n = ranks::nranks_requested();
+    let rpn = ranks_per_node(n);
+    if n < 2 || n % rpn != 0 || n / rpn < 2 {
+        println!("  SKIPPED: the nodes suite needs MK_TEST_NRANKS >= 2 split into >= 2 equal nodes (MK_TEST_NRANKS={n}, MK_RANKS_PER_NODE={rpn}); scripts/gpu-run.sh runs it with 4 ranks, 2 per node");
+        return Ok(());
+    }
+    println!("  starting {n} rank processes, {} emulated nodes of {rpn}", n / rpn);
+    let victim = kill_mode() != KillMode::Skip;
+    // The killed node is the last one.
+    ranks::spawn(&["nodes".to_string()], n, IDS, Duration::from_secs(240), |r| if victim && r >= n - rpn { VICTIM_EXIT } else { 0 })
+}
+
+fn node_config(timeout_ms: i32, workspace: i64, rpn: usize) -> mkConfig_t {
+    let mut c = config(timeout_ms, workspace);
+    c.ranksPerNode = rpn as i32;
+    c
+}
+
+fn rank_main(env: &RankEnv) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let rpn = ranks_per_node(n);
+    let ctx = PrimaryContext::retain(env.device)?;
+    let _g = ctx.enter()?;
+    // The control communicator spans one node (no proxy): host barriers between the tests.
+    let mut control_cfg = CommConfig::from_env();
+    control_cfg.workspace_bytes = 0;
+    control_cfg.ranks_per_node = None;
+    let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
+    let mode = kill_mode();
+    let result = (|| {
+        if mode != KillMode::Only {
+            correctness_and_graphs(env, &control, rpn)?;
+        }
+        if mode != KillMode::Skip {
+            killed_node(env, &control, rpn)?;
+        }
+        Ok(())
+    })();
+    drop(control);
+    result
+}
+
+fn correctness_and_graphs(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    // A 4 MiB workspace makes the large counts pipeline through many steps per CTA.
+    let comm = init_comm(env, &env.ids[1], &node_config(10_000, 4 << 20, rpn))?;
+    // SAFETY: a live handle made by init_comm.
+    let nodes = unsafe { (*comm).comm() }.topology.node_count;
+    if rank == 0 {
+        say(rank, format!("{n} ranks in {nodes} nodes of {rpn}, inter-node over {:?}", unsafe { (*comm).comm() }.inter_node.lock().as_ref().map(|i| i.net)));
+    }
+    if nodes < 2 {
+        return Err(MkError::internal(format!("the communicator has {nodes} node(s): MK_RANKS_PER_NODE={rpn} did not split it")));
+    }
+    let stream = Stream::new()?;
+    let mut seed = 0x5eed_0000u64;
+    let (mut checks, mut failures) = (0usize, 0usize);
+    let all_ops = [mkRedOp_t::mkSum, mkRedOp_t::mkProd, mkRedOp_t::mkMax, mkRedOp_t::mkMin, mkRedOp_t::mkAvg];
+    let mut cases: Vec<(CollectiveKind, mkDataType_t, mkRedOp_t, usize)> = Vec::new();
+    for dtype in mkDataType_t::ALL {
+        for count in [1usize, 3, 1000, 70_001] {
+            cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, count));
+            for op in all_ops {
+                cases.push((CollectiveKind::ReduceScatter, dtype, op, count));
+                cases.push((CollectiveKind::AllReduce, dtype, op, count));
+            }
+        }
+    }
+    for dtype in [mkDataType_t::mkFloat32, mkDataType_t::mkBfloat16, mkDataType_t::mkInt32] {
+        cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, 1_000_003));
+        cases.push((CollectiveKind::AllReduce, dtype, mkRedOp_t::mkSum, 1_000_003));
+        cases.push((CollectiveKind::ReduceScatter, dtype, mkRedOp_t::mkSum, 250_007));
+    }
+    let t = Instant::now();
+    for (kind, dtype, op, count) in cases {
+        for in_place in [false, true] {
+            let mut case = Case::new(kind, dtype, op, count, in_place, rank, n)?;
+            seed += 1;
+            case.prepare(seed)?;
+            case.launch(comm, stream.0)?;
+            // Bounded: a hung kernel must fail the test, not the whole run.
+            timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(case.label()))?;
+            let code = async_error(comm);
+            if code != mkResult_t::mkSuccess {
+                return Err(MkError::new(code, format!("{}: asynchronous error {code:?}", case.label())));
+            }
+            let (ok, detail) = case.verify()?;
+            checks += 1;
+            if !ok {
+                failures += 1;
+                say(rank, format!("{} -> WRONG ({detail})", case.label()));
+            } else if count >= 70_001 && rank == 0 {
+                say(rank, format!("{} -> ok ({detail})", case.label()));
+            }
+        }
+    }
+    say(rank, format!("across nodes: {checks} checks, {failures} failed, {:.1} s", t.elapsed().as_secs_f64()));
+    let graphs = graph_replay_on(comm, rank, n);
+    // Every rank is done with the communicator before any closes its connections.
+    control.bootstrap.barrier()?;
+    crate::collectives::destroy(comm)?;
+    if failures > 0 {
+        return Err(MkError::internal(format!("{failures} of {checks} checks across nodes failed")));
+    }
+    graphs
+}
+
+/// The last emulated node dies while the others are inside an AllReduce waiting for it.
+fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let comm = init_comm(env, &env.ids[2], &node_config(FAULT_TIMEOUT_MS, 16 << 20, rpn))?;
+    let stream = Stream::new()?;
+    let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 4 << 20, false, rank, n)?;
+    case.prepare(99)?;
+    control.bootstrap.barrier()?;
+    if rank >= n - rpn {
+        // Never join the op: the survivors are waiting for this node's data when it dies.
+        std::thread::sleep(Duration::from_millis(500));
+        say(rank, "killed node: exiting while the other nodes are in mkAllReduce");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        // SAFETY: ends the process at once, as a crash would.
+        unsafe { libc::_exit(VICTIM_EXIT) };
+    }
+    let t = Instant::now();
+    case.launch(comm, stream.0)?;
+    let elapsed = timed_sync(&stream, Duration::from_secs(30))?;
+    let code = async_error(comm);
+    let limit = Duration::from_millis(FAULT_TIMEOUT_MS as u64) + FAULT_SLACK;
+    say(rank, format!("killed node: stopped after {:.2} s with {code:?}", elapsed.as_secs_f64()));
+    if code != mkResult_t::mkTimeout && code != mkResult_t::mkRemoteError {
+        return Err(MkError::internal(format!("killed node: expected mkTimeout or mkRemoteError, got {code:?}")));
+    }
+    if t.elapsed() > limit {
+        return Err(MkError::internal(format!("killed node: took {:.2} s, more than the timeout plus {} s", t.elapsed().as_secs_f64(), FAULT_SLACK.as_secs())));
+    }
+    // The communicator refuses new work with the same code.
+    let again = case.launch(comm, stream.0).err().map(|e| e.code);
+    if again != Some(code) {
+        return Err(MkError::internal(format!("killed node: a new op after the failure gave {again:?}, expected {code:?}")));
+    }
+    crate::collectives::destroy(comm)?;
+    Ok(())
+}
