@@ -125,23 +125,29 @@ __device__ __forceinline__ bool hier_grant(const HierCollectiveParams& p, int b,
   return true;
 }
 
-// Thread 0, after the CTA's writes of the sources (__syncthreads before): for every other
-// node m, waits for its grant of `step`, then puts part(m) = {src, dst, bytes} (offsets in
-// the data regions) to rank_of(m, l), setting its word first + b*MK_MAX_NODES + n := step.
+// Thread 0, after hier_publish: for every other node m, waits for its grant of `step`,
+// then puts part(m) = {src, dst, bytes} (offsets in the data regions) to rank_of(m, l),
+// setting its word first + n := step (first: this CTA's NET_READY or NET_READY2 base).
 struct HierPart {
   uint64_t src, dst, bytes;
 };
+// Whole CTA: every thread's writes of a put's source reach the point the proxy's copy
+// reads from before thread 0 publishes the command.
+__device__ __forceinline__ void hier_publish() {
+  __threadfence_system();
+  __syncthreads();
+}
+
 template <class Part>
 __device__ __forceinline__ bool hier_send(const HierCollectiveParams& p, int b, uint64_t step, uint32_t first, uint64_t* ticket,
                                           Part part) {
-  __threadfence_system();  // the CTA's staged data before the commands that read it
   for (int m = 0; m < p.nodes; ++m) {
     if (m == p.node) continue;
     int peer = rank_of(p, m, p.ws.rank);
     if (!hier_wait(p, mk_signal_word(p.ws, p.ws.rank, MK_SIG_NET_GRANT + b * MK_MAX_NODES + m), step, peer, MK_WAIT_GRANT))
       return false;
     HierPart q = part(m);
-    int rc = mk_proxy_put(p.ring, (uint32_t)peer, q.src, q.dst, (uint32_t)q.bytes, first + b * MK_MAX_NODES + p.node,
+    int rc = mk_proxy_put(p.ring, (uint32_t)peer, q.src, q.dst, (uint32_t)q.bytes, first + p.node,
                           (uint32_t)step, ticket);
     if (rc != MK_PROXY_OK) {
       hier_fail(p, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, (uint32_t)p.kind));
@@ -181,6 +187,9 @@ __device__ __forceinline__ void hier_collective(const HierCollectiveParams& p) {
   const uint32_t ready = MK_SIG_READY + b * MK_MAX_PEERS;
   const uint32_t ready2 = MK_SIG_READY2 + b * MK_MAX_PEERS;
   const uint32_t freed = MK_SIG_FREE + b * MK_MAX_PEERS;
+  // This CTA's network arrival flags (+ source node); hier_send writes word + p.node at the peer.
+  const uint32_t net_ready = MK_SIG_NET_READY + b * MK_MAX_NODES;
+  const uint32_t net_ready2 = MK_SIG_NET_READY2 + b * MK_MAX_NODES;
   // Node partials are plain sums (products, max, min) of the node's values; avg divides
   // once, by R, when the N partials are combined.
   const int partial_op = p.op == MK_RED_AVG ? MK_RED_SUM : p.op;
@@ -217,12 +226,12 @@ __device__ __forceinline__ void hier_collective(const HierCollectiveParams& p) {
       char* own_out = recv + ((uint64_t)p.rank * p.count + off) * es;
       const char* in = send + off * es;
       cta_copy(gather + (uint64_t)n * sub, own_out == in ? nullptr : own_out, in, bytes, p.elem_size);
-      __syncthreads();
+      hier_publish();
       const uint64_t at = slot_off + p.gather_off + (uint64_t)n * sub;
       if (threadIdx.x == 0)
-        ok = hier_send(p, b, step, MK_SIG_NET_READY, &last_ticket[par], [&](int) { return HierPart{at, at, bytes}; });
+        ok = hier_send(p, b, step, net_ready, &last_ticket[par], [&](int) { return HierPart{at, at, bytes}; });
       if (!__syncthreads_and(ok)) return;
-      if (!hier_wait_net(p, MK_SIG_NET_READY, step, MK_WAIT_NET)) return;
+      if (!hier_wait_net(p, net_ready, step, MK_WAIT_NET)) return;
       mk_cta_signal_peers(ws, ready, step, l);
       if (!hier_wait_local(p, ready, step, MK_WAIT_READY)) return;
       for (int i = 0; i < L; ++i) {
@@ -250,13 +259,14 @@ __device__ __forceinline__ void hier_collective(const HierCollectiveParams& p) {
         char* dst = mine + (m == n ? p.inbox_off + (uint64_t)n * sub : p.outbox_off + (uint64_t)m * sub);
         cta_reduce<T>(reinterpret_cast<T*>(dst), nullptr, src, L, nel, partial_op, 1);
       }
-      mk_cta_signal_peers(ws, freed, step, l);  // done reading the local peers' slots (and a __syncthreads)
+      mk_cta_signal_peers(ws, freed, step, l);  // done reading the local peers' slots
+      hier_publish();
       if (threadIdx.x == 0)
-        ok = hier_send(p, b, step, MK_SIG_NET_READY, &last_ticket[par], [&](int m) {
+        ok = hier_send(p, b, step, net_ready, &last_ticket[par], [&](int m) {
           return HierPart{slot_off + p.outbox_off + (uint64_t)m * sub, slot_off + p.inbox_off + (uint64_t)n * sub, bytes};
         });
       if (!__syncthreads_and(ok)) return;
-      if (!hier_wait_net(p, MK_SIG_NET_READY, step, MK_WAIT_NET)) return;
+      if (!hier_wait_net(p, net_ready, step, MK_WAIT_NET)) return;
       const char* parts[MK_MAX_PEERS];
 #pragma unroll
       for (int m = 0; m < MK_MAX_PEERS; ++m) parts[m] = m < N ? mine + p.inbox_off + (uint64_t)m * sub : nullptr;
@@ -277,15 +287,15 @@ __device__ __forceinline__ void hier_collective(const HierCollectiveParams& p) {
         char* dst = mine + (m == n ? p.inbox_off + (uint64_t)n * sub : p.outbox_off + (uint64_t)m * sub);
         cta_reduce<T>(reinterpret_cast<T*>(dst), nullptr, src, L, hi - lo, partial_op, 1);
       }
-      __syncthreads();
+      hier_publish();
       if (threadIdx.x == 0)
-        ok = hier_send(p, b, step, MK_SIG_NET_READY, &last_ticket[par], [&](int m) {
+        ok = hier_send(p, b, step, net_ready, &last_ticket[par], [&](int m) {
           uint64_t lo, hi;
           slice_of(p, rank_of(p, m, l), nel, &lo, &hi);
           return HierPart{slot_off + p.outbox_off + (uint64_t)m * sub, slot_off + p.inbox_off + (uint64_t)n * sub, (hi - lo) * es};
         });
       if (!__syncthreads_and(ok)) return;
-      if (!hier_wait_net(p, MK_SIG_NET_READY, step, MK_WAIT_NET)) return;
+      if (!hier_wait_net(p, net_ready, step, MK_WAIT_NET)) return;
       uint64_t lo, hi;
       slice_of(p, p.rank, nel, &lo, &hi);
       const char* parts[MK_MAX_PEERS];
@@ -293,12 +303,12 @@ __device__ __forceinline__ void hier_collective(const HierCollectiveParams& p) {
       for (int m = 0; m < MK_MAX_PEERS; ++m) parts[m] = m < N ? mine + p.inbox_off + (uint64_t)m * sub : nullptr;
       cta_reduce<T>(reinterpret_cast<T*>(recv + (off + lo) * es), reinterpret_cast<T*>(mine + p.gather_off + (uint64_t)n * sub),
                     parts, N, hi - lo, p.op, R);
-      __syncthreads();
+      hier_publish();
       const uint64_t at = slot_off + p.gather_off + (uint64_t)n * sub;
       if (threadIdx.x == 0)
-        ok = hier_send(p, b, step, MK_SIG_NET_READY2, &last_ticket[par], [&](int) { return HierPart{at, at, (hi - lo) * es}; });
+        ok = hier_send(p, b, step, net_ready2, &last_ticket[par], [&](int) { return HierPart{at, at, (hi - lo) * es}; });
       if (!__syncthreads_and(ok)) return;
-      if (!hier_wait_net(p, MK_SIG_NET_READY2, step, MK_WAIT_NET)) return;
+      if (!hier_wait_net(p, net_ready2, step, MK_WAIT_NET)) return;
       mk_cta_signal_peers(ws, ready2, step, l);
       if (!hier_wait_local(p, ready2, step, MK_WAIT_READY2)) return;
       for (int i = 0; i < L; ++i) {
