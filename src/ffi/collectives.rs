@@ -1,4 +1,5 @@
-//! Collectives over the communicator's NVLink data plane.
+//! Collectives over the communicator's NVLink data plane (and, across nodes, through each
+//! rank's proxy: NVLink within a node, GPU i ↔ GPU i between nodes).
 
 use super::{mkComm_t, with_comm};
 use crate::cuda::sys::CUstream;
@@ -21,6 +22,11 @@ use std::ffi::c_void;
 /// does not arrive within MK_TIMEOUT_MS, or fails, the kernel stops instead of hanging:
 /// mkCommGetAsyncError then reports mkTimeout or mkRemoteError and the communicator
 /// refuses new operations (abort and recreate it).
+///
+/// Across nodes (ranks on several hosts, or MK_RANKS_PER_NODE): every node must hold the
+/// same number of ranks (at most 8 nodes of at most 8 ranks), else mkInvalidUsage. Each
+/// shard crosses the network once per node, to the rank with the owner's local rank, and
+/// is forwarded over NVLink there. Not yet run on a GPU (see the README's status).
 #[no_mangle]
 pub unsafe extern "C" fn mkAllGather(
     sendbuff: *const c_void,
@@ -43,6 +49,11 @@ pub unsafe extern "C" fn mkAllGather(
 /// mkMax, mkMin, mkAvg (sum divided by nranks; integer division for integer types), for
 /// every dtype. Half and bfloat16 accumulate in float and round once; integers wrap.
 /// Otherwise as mkAllGather (stream order, graphs, timeouts).
+///
+/// Across nodes the contributions are first combined within each node (in local-rank
+/// order), then the nodes' partial results in node order; each partial is stored in the
+/// element type, so half and bfloat16 round once more per node. mkAvg divides once, by
+/// nranks, at the end.
 #[no_mangle]
 pub unsafe extern "C" fn mkReduceScatter(
     sendbuff: *const c_void,
@@ -60,7 +71,8 @@ pub unsafe extern "C" fn mkReduceScatter(
 
 /// Reduces `count` elements over all ranks with `op`; every rank receives the whole result
 /// in `recvbuff` (bit-identical on every rank). In place when `sendbuff == recvbuff`.
-/// Ops and types as mkReduceScatter; otherwise as mkAllGather.
+/// Ops and types as mkReduceScatter; otherwise as mkAllGather. Across nodes each piece is
+/// reduce-scattered in slices (as mkReduceScatter across nodes) and the slices all-gathered.
 #[no_mangle]
 pub unsafe extern "C" fn mkAllReduce(
     sendbuff: *const c_void,

@@ -64,6 +64,11 @@ fn init_into(comm: *mut mkComm_t, nranks: c_int, id: &mkUniqueId, rank: c_int, d
 /// (`mkTimeout`). A duplicate rank or a different `nranks` on another rank gives
 /// `mkInvalidUsage` on every rank. Without a usable CUDA driver it returns `mkSystemError`.
 /// On failure `*comm` is set to NULL.
+///
+/// Ranks on several hosts (or grouped by MK_RANKS_PER_NODE) form nodes: each node maps a
+/// workspace among its ranks, and each rank connects to the ranks with its local rank on
+/// the other nodes over MK_NET (sockets, or RDMA in a build with the `rdma` feature) and
+/// starts a proxy thread that carries its kernels' inter-node transfers.
 #[no_mangle]
 pub unsafe extern "C" fn mkCommInitRank(comm: *mut mkComm_t, nranks: c_int, commId: mkUniqueId, rank: c_int) -> mkResult_t {
     guard(None, "mkCommInitRank", || init_into(comm, nranks, &commId, rank, None, Ok(CommConfig::from_env())))
