@@ -12,20 +12,21 @@
 # Then the collectives across emulated nodes (mktest nodes: 4 ranks, MK_RANKS_PER_NODE=2,
 # MK_NET=socket; its killed-node test without MPS), logged to $OUT/nodes.log.
 # Options: --ranks "1 2 4 8" (tests)  --bench-ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
-#          --no-nodes (skip mktest nodes)  --only-nodes (only mktest nodes: no other suite, no bench)
+#          --no-nodes (skip mktest nodes and its benches)  --only-nodes (only mktest nodes and the
+#          emulated-node benches of all_gather / reduce_scatter / all_reduce)
 # Every step has a timeout, so nothing here can hang the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-run-logs}
 mkdir -p "$OUT"
 BIN=${BIN:-target/release}
-RANKS="1 2 4 8"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0
+RANKS="1 2 4 8"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --ranks) RANKS="$2"; shift ;;
     --bench-ranks) BENCH_RANKS="$2"; shift ;;
     --no-tests) TESTS=0 ;;
-    --no-bench) BENCH=0 ;;
+    --no-bench) BENCH=0; NODE_BENCH=0 ;;
     --no-gemm) GEMM=0 ;;
     --max-size) MAXSIZE="$2"; shift ;;
     --no-nodes) NODES=0 ;;
@@ -155,6 +156,17 @@ if [ "$BENCH" = 1 ]; then
       note "mkbench $op -g $n: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
       [ $rc = 0 ] || status=1
     done
+  done
+fi
+
+if [ "$NODES" = 1 ] && [ "$NODE_BENCH" = 1 ]; then
+  # Across two emulated nodes of two ranks (sockets, staged through host memory).
+  for op in all_gather reduce_scatter all_reduce; do
+    echo "===== mkbench $op -b 1M -e 64M -f 4 -n 10 -w 3 -g 4, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
+    with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout 120 "$BIN/mkbench" $op -b 1M -e 64M -f 4 -n 10 -w 3 -g 4 2>&1 | tee -a "$OUT/bench.log"
+    rc=${PIPESTATUS[0]}
+    note "mkbench $op -g 4 across 2 emulated nodes: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
+    [ $rc = 0 ] || status=1
   done
 fi
 

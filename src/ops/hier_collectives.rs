@@ -157,6 +157,18 @@ pub fn plan(kind: CollectiveKind, count: u64, elem: u64, nodes: u64, local: u64,
     Ok(p)
 }
 
+/// Bytes each rank sends over the network per byte of the larger buffer (what mkbench's
+/// sizes count): AllGather and ReduceScatter (N−1)/R (one piece or one partial per other
+/// node, each 1/R of the buffer), AllReduce 2(N−1)/R (a partial and a slice per other node).
+/// Network GB/s per rank = algbw × this.
+pub fn network_fraction(kind: CollectiveKind, nodes: u64, nranks: u64) -> f64 {
+    let f = (nodes.saturating_sub(1)) as f64 / nranks.max(1) as f64;
+    match kind {
+        CollectiveKind::AllReduce => 2.0 * f,
+        _ => f,
+    }
+}
+
 /// The kernel instantiation for a dtype.
 pub fn kernel_name(dtype: mkDataType_t) -> String {
     super::collectives::kernel_name(dtype).replace("mk_collective_", "mk_hier_collective_")
@@ -452,6 +464,14 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn network_bytes_per_buffer_byte() {
+        assert_eq!(network_fraction(CollectiveKind::AllGather, 2, 4), 0.25);
+        assert_eq!(network_fraction(CollectiveKind::ReduceScatter, 4, 4), 0.75);
+        assert_eq!(network_fraction(CollectiveKind::AllReduce, 2, 4), 0.5);
+        assert_eq!(network_fraction(CollectiveKind::AllReduce, 1, 4), 0.0);
     }
 
     #[test]

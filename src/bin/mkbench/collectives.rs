@@ -211,6 +211,12 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         println!("# mkbench {}: {n} rank(s), float32, op {:?}, {} SMs, MK_MAX_CTAS={}, warm-up {} + {} timed calls (median of the slowest rank)",
             kind.name(), o.op, sms, comm.config.max_ctas.map_or("-".into(), |v| v.to_string()), o.warmup, o.iters);
         println!("# NCCL baseline: {nccl_note}");
+        if comm.topology.spans_nodes() {
+            let net = comm.inter_node.lock().as_ref().map(|i| format!("{:?}", i.net)).unwrap_or_default();
+            println!("# across {} nodes of {} ranks (hierarchical kernel), inter-node over {net}: network GB/s per rank = algbw x {:.3}",
+                comm.topology.node_count, comm.topology.local_size(),
+                mkernel::ops::hier_collectives::network_fraction(kind, comm.topology.node_count as u64, nr));
+        }
         println!("#");
         println!("# {:>12} {:>12} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>7}",
             "", "", "", "out-of-place", "", "", "", "in-place", "", "", "", "D2D copy", "", "");
