@@ -200,6 +200,11 @@ extern "C" {
  * does not arrive within MK_TIMEOUT_MS, or fails, the kernel stops instead of hanging:
  * mkCommGetAsyncError then reports mkTimeout or mkRemoteError and the communicator
  * refuses new operations (abort and recreate it).
+ *
+ * Across nodes (ranks on several hosts, or MK_RANKS_PER_NODE): every node must hold the
+ * same number of ranks (at most 8 nodes of at most 8 ranks), else mkInvalidUsage. Each
+ * shard crosses the network once per node, to the rank with the owner's local rank, and
+ * is forwarded over NVLink there. Not yet run on a GPU (see the README's status).
  */
 mkResult_t mkAllGather(const void *sendbuff,
                        void *recvbuff,
@@ -217,6 +222,11 @@ mkResult_t mkAllGather(const void *sendbuff,
  * mkMax, mkMin, mkAvg (sum divided by nranks; integer division for integer types), for
  * every dtype. Half and bfloat16 accumulate in float and round once; integers wrap.
  * Otherwise as mkAllGather (stream order, graphs, timeouts).
+ *
+ * Across nodes the contributions are first combined within each node (in local-rank
+ * order), then the nodes' partial results in node order; each partial is stored in the
+ * element type, so half and bfloat16 round once more per node. mkAvg divides once, by
+ * nranks, at the end.
  */
 mkResult_t mkReduceScatter(const void *sendbuff,
                            void *recvbuff,
@@ -229,7 +239,8 @@ mkResult_t mkReduceScatter(const void *sendbuff,
 /**
  * Reduces `count` elements over all ranks with `op`; every rank receives the whole result
  * in `recvbuff` (bit-identical on every rank). In place when `sendbuff == recvbuff`.
- * Ops and types as mkReduceScatter; otherwise as mkAllGather.
+ * Ops and types as mkReduceScatter; otherwise as mkAllGather. Across nodes each piece is
+ * reduce-scattered in slices (as mkReduceScatter across nodes) and the slices all-gathered.
  */
 mkResult_t mkAllReduce(const void *sendbuff,
                        void *recvbuff,
@@ -253,6 +264,11 @@ mkResult_t mkGetUniqueId(mkUniqueId *uniqueId);
  * (`mkTimeout`). A duplicate rank or a different `nranks` on another rank gives
  * `mkInvalidUsage` on every rank. Without a usable CUDA driver it returns `mkSystemError`.
  * On failure `*comm` is set to NULL.
+ *
+ * Ranks on several hosts (or grouped by MK_RANKS_PER_NODE) form nodes: each node maps a
+ * workspace among its ranks, and each rank connects to the ranks with its local rank on
+ * the other nodes over MK_NET (sockets, or RDMA in a build with the `rdma` feature) and
+ * starts a proxy thread that carries its kernels' inter-node transfers.
  */
 mkResult_t mkCommInitRank(mkComm_t *comm, int nranks, mkUniqueId commId, int rank);
 
