@@ -537,7 +537,7 @@ pub fn gemm_combine(comm: &Comm, a: &CombineArgs, gemm: bool, stream: sys::CUstr
 
 /// Device pointer of this rank's receive buffer / Z in the fused-op region (benchmarks).
 pub fn region_buffer(comm: &Comm) -> Option<u64> {
-    comm.workspace.as_ref().map(|w| w.view.data[comm.rank] + w.view.data_bytes + COUNTS_BYTES as u64)
+    comm.workspace.as_ref().map(|w| w.view.data[w.view.rank as usize] + w.view.data_bytes + COUNTS_BYTES as u64)
 }
 
 #[cfg(test)]
