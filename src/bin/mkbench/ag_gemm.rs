@@ -12,7 +12,7 @@
 //! With -g N > 1 the ranks are processes of this binary (run under MPS on one GPU).
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, print_trace, parse_list, parse_pairs, timed_slowest};
+use crate::fused_common::{bad, common_flag, run_ranks, print_trace, parse_list, parse_pairs, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -24,7 +24,6 @@ use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::ops::gemm as engine;
 use mkernel::testing::TestBuffer;
 use mkernel::types::mkDataType_t;
-use std::time::Duration;
 
 struct Options {
     ranks: usize,
@@ -68,17 +67,7 @@ fn parse(args: &[String]) -> Result<Options> {
 
 pub fn run(args: &[String]) -> Result<bool> {
     let o = parse(args)?;
-    if let Some(env) = ranks::child_env(1)? {
-        return rank_main(&o, env.rank, env.nranks, &env.ids[0], env.device);
-    }
-    if o.ranks == 1 {
-        let id = mkernel::bootstrap::root::start_root()?;
-        return rank_main(&o, 0, 1, &id, 0);
-    }
-    let mut child = vec!["ag_gemm".to_string()];
-    child.extend(args.iter().cloned());
-    ranks::spawn(&child, o.ranks, 1, Duration::from_secs(500), |_| 0)?;
-    Ok(true)
+    run_ranks("ag_gemm", args, o.ranks, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
 }
 
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {

@@ -10,6 +10,29 @@ pub fn bad(what: &str) -> MkError {
     MkError::invalid_argument(format!("mkbench: bad {what}"))
 }
 
+/// How every fused bench starts: as a rank process spawned by a parent run (the ids come
+/// through the environment), as the only rank, or as the parent spawning `ranks` processes
+/// of this binary that run `mkbench <name> <args>`. `rank_main(rank, nranks, id, device)`
+/// is the bench itself.
+pub fn run_ranks(
+    name: &str,
+    args: &[String],
+    ranks: usize,
+    rank_main: &dyn Fn(usize, usize, &mkernel::bootstrap::UniqueId, i32) -> Result<bool>,
+) -> Result<bool> {
+    if let Some(env) = crate::ranks::child_env(1)? {
+        return rank_main(env.rank, env.nranks, &env.ids[0], env.device);
+    }
+    if ranks == 1 {
+        let id = mkernel::bootstrap::root::start_root()?;
+        return rank_main(0, 1, &id, 0);
+    }
+    let mut child = vec![name.to_string()];
+    child.extend(args.iter().cloned());
+    crate::ranks::spawn(&child, ranks, 1, std::time::Duration::from_secs(500), |_| 0)?;
+    Ok(true)
+}
+
 /// Reads the options every fused bench takes (-g ranks, -n iters, -w warm-up) into the
 /// given fields; false when `flag` is not one of them.
 pub fn common_flag(flag: &str, v: &str, ranks: &mut usize, iters: &mut usize, warmup: &mut usize) -> Result<bool> {

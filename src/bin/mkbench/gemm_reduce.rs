@@ -10,7 +10,7 @@
 //! slowest rank's. TFLOP/s per rank = 2·M·N·K / t. bf16.
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, print_trace, parse_list, parse_pairs, timed_slowest};
+use crate::fused_common::{bad, common_flag, run_ranks, print_trace, parse_list, parse_pairs, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -22,7 +22,6 @@ use mkernel::ops::gemm as engine;
 use mkernel::ops::gemm_reduce::{gemm_reduce, validate, GemmReduceArgs, Reduction};
 use mkernel::testing::TestBuffer;
 use mkernel::types::{mkDataType_t, mkRedOp_t};
-use std::time::Duration;
 
 struct Options {
     ranks: usize,
@@ -74,17 +73,7 @@ pub fn gemm_ar(args: &[String]) -> Result<bool> {
 
 fn run(reduction: Reduction, name: &str, args: &[String]) -> Result<bool> {
     let o = parse(reduction, args)?;
-    if let Some(env) = ranks::child_env(1)? {
-        return rank_main(reduction, &o, env.rank, env.nranks, &env.ids[0], env.device);
-    }
-    if o.ranks == 1 {
-        let id = mkernel::bootstrap::root::start_root()?;
-        return rank_main(reduction, &o, 0, 1, &id, 0);
-    }
-    let mut child = vec![name.to_string()];
-    child.extend(args.iter().cloned());
-    ranks::spawn(&child, o.ranks, 1, Duration::from_secs(500), |_| 0)?;
-    Ok(true)
+    run_ranks(name, args, o.ranks, &|rank, n, id, device| rank_main(reduction, &o, rank, n, id, device))
 }
 
 fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {

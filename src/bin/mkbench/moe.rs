@@ -14,7 +14,7 @@
 //! exchange alone; TFLOP/s per rank = 2·rows·F·H / time, rows = this rank's received rows.
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, timed_slowest};
+use crate::fused_common::{bad, common_flag, run_ranks, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -24,7 +24,6 @@ use mkernel::ops::gemm as engine;
 use mkernel::ops::moe::{self, device_layout, gemm_combine, dispatch_gemm, validate_combine, validate_dispatch, MoeDims, MoeShape};
 use mkernel::testing::TestBuffer;
 use mkernel::types::mkDataType_t;
-use std::time::Duration;
 
 struct Options {
     ranks: usize,
@@ -59,17 +58,7 @@ fn parse(args: &[String]) -> Result<Options> {
 
 pub fn run(args: &[String]) -> Result<bool> {
     let o = parse(args)?;
-    if let Some(env) = ranks::child_env(1)? {
-        return rank_main(&o, env.rank, env.nranks, &env.ids[0], env.device);
-    }
-    if o.ranks == 1 {
-        let id = mkernel::bootstrap::root::start_root()?;
-        return rank_main(&o, 0, 1, &id, 0);
-    }
-    let mut child = vec!["moe".to_string()];
-    child.extend(args.iter().cloned());
-    ranks::spawn(&child, o.ranks, 1, Duration::from_secs(500), |_| 0)?;
-    Ok(true)
+    run_ranks("moe", args, o.ranks, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
 }
 
 /// Uniform routing: k distinct experts per token, from a per-rank seed.

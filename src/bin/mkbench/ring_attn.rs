@@ -13,7 +13,7 @@
 //! (benches/sdpa_baseline.py), run in the same GPU session.
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, parse_list, timed_slowest};
+use crate::fused_common::{bad, common_flag, run_ranks, parse_list, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -23,7 +23,6 @@ use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::ops::ring_attention::{attention_gathered, ring_attention, validate_args, workspace_bytes, RingShape};
 use mkernel::testing::TestBuffer;
 use mkernel::types::mkDataType_t;
-use std::time::Duration;
 
 struct Options {
     ranks: usize,
@@ -57,17 +56,7 @@ fn parse(args: &[String]) -> Result<Options> {
 
 pub fn run(args: &[String]) -> Result<bool> {
     let o = parse(args)?;
-    if let Some(env) = ranks::child_env(1)? {
-        return rank_main(&o, env.rank, env.nranks, &env.ids[0], env.device);
-    }
-    if o.ranks == 1 {
-        let id = mkernel::bootstrap::root::start_root()?;
-        return rank_main(&o, 0, 1, &id, 0);
-    }
-    let mut child = vec!["ring_attn".to_string()];
-    child.extend(args.iter().cloned());
-    ranks::spawn(&child, o.ranks, 1, Duration::from_secs(500), |_| 0)?;
-    Ok(true)
+    run_ranks("ring_attn", args, o.ranks, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
 }
 
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {

@@ -1,7 +1,8 @@
 //! What the fused-op suites share: the rank launcher and per-rank frame, finishing
-//! default-stream fills before a launch on a non-blocking stream, and the absent-rank check.
+//! default-stream fills before a launch on a non-blocking stream, the graph-replay check
+//! and the absent-rank check.
 
-use crate::collectives::{check_stopped, config, destroy, ffi, init_comm, timed_sync, Stream, FAULT_TIMEOUT_MS};
+use crate::collectives::{async_error, check_stopped, config, destroy, ffi, init_comm, say, timed_sync, Stream, FAULT_TIMEOUT_MS};
 use crate::ranks::{self, RankEnv};
 use mkernel::bootstrap::root::start_root;
 use mkernel::comm::{Comm, CommConfig};
@@ -15,6 +16,69 @@ use std::time::{Duration, Instant};
 pub fn sync_default_stream() -> Result<()> {
     // SAFETY: synchronises the current context.
     cuda::check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+}
+
+/// One test case of a fused op: fresh inputs from a seed, one call, a check against the
+/// float64 reference (ok, a line of detail).
+pub trait FusedCase {
+    fn prepare(&self, seed: u64) -> Result<()>;
+    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t;
+    fn verify(&self) -> Result<(bool, String)>;
+}
+
+/// Captures one call of `op` in a CUDA graph, then three times replays it on fresh inputs
+/// and checks, and makes a direct call on fresh inputs between replays (the device-side
+/// epochs must stay in step whichever way the op is launched).
+pub fn graph_replay(comm: mkComm_t, rank: usize, op: &str, case: &dyn FusedCase) -> Result<()> {
+    let stream = Stream::new()?;
+    case.prepare(1)?;
+    // SAFETY: capture on a live non-default stream; the launch is our op.
+    unsafe { cuda::check("cuStreamBeginCapture", sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))? };
+    let launched = case.launch(comm, stream.0);
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above.
+    cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
+    ffi(&format!("{op} (captured)"), launched, comm)?;
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: graph from the capture.
+    cuda::check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
+    let mut failures = 0;
+    let result = (|| -> Result<()> {
+        for replay in 0..3u64 {
+            case.prepare(100 + replay)?;
+            // SAFETY: instantiated graph, live stream.
+            cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
+            stream.sync()?;
+            if async_error(comm) != mkResult_t::mkSuccess {
+                return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
+            }
+            let (ok, detail) = case.verify()?;
+            if !ok {
+                failures += 1;
+                say(rank, format!("graph replay {replay}: {detail} -> WRONG"));
+            }
+            case.prepare(200 + replay)?;
+            ffi(op, case.launch(comm, stream.0), comm)?;
+            stream.sync()?;
+            let (ok, detail) = case.verify()?;
+            if !ok {
+                failures += 1;
+                say(rank, format!("call between replays: {detail} -> WRONG"));
+            }
+        }
+        Ok(())
+    })();
+    // SAFETY: destroyed once, whatever happened above.
+    unsafe {
+        sys::cuGraphExecDestroy(exec);
+        sys::cuGraphDestroy(graph);
+    }
+    result?;
+    say(rank, format!("graph capture: 3 replays + 3 direct calls with fresh inputs, {failures} wrong"));
+    if failures > 0 {
+        return Err(MkError::internal(format!("{op} graph replay gave wrong results")));
+    }
+    Ok(())
 }
 
 /// The last rank never calls the op (on a communicator made from `env.ids[id_index]` with

@@ -18,7 +18,7 @@ use crate::collectives::{async_error, ffi, say, Stream};
 use crate::fused_common;
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
-use mkernel::cuda::{self, sys};
+use mkernel::cuda::sys;
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::mkRingAttention;
 use mkernel::ffi::mkComm_t;
@@ -264,53 +264,20 @@ fn last_error(comm: mkComm_t) -> String {
     unsafe { std::ffi::CStr::from_ptr(mkGetLastError(comm)) }.to_string_lossy().into_owned()
 }
 
+impl fused_common::FusedCase for Case {
+    fn prepare(&self, seed: u64) -> Result<()> {
+        Case::prepare(self, seed)
+    }
+    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        Case::launch(self, comm, stream)
+    }
+    fn verify(&self) -> Result<(bool, String)> {
+        Case::verify(self)
+    }
+}
+
 fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
-    let stream = Stream::new()?;
-    let case = Case::new(mkDataType_t::mkBfloat16, 1, 192, 4, 2, 128, true, n, rank)?;
-    case.prepare(1)?;
-    // SAFETY: capture on a live non-default stream; the launch is our op.
-    unsafe { cuda::check("cuStreamBeginCapture", sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))? };
-    let launched = case.launch(comm, stream.0);
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    // SAFETY: ends the capture begun above.
-    cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
-    ffi("mkRingAttention (captured)", launched, comm)?;
-    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-    // SAFETY: graph from the capture.
-    cuda::check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
-    let mut failures = 0;
-    for replay in 0..3u64 {
-        case.prepare(100 + replay)?;
-        // SAFETY: instantiated graph, live stream.
-        cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
-        stream.sync()?;
-        if async_error(comm) != mkResult_t::mkSuccess {
-            return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
-        }
-        let (ok, detail) = case.verify()?;
-        if !ok {
-            failures += 1;
-            say(rank, format!("graph replay {replay}: {detail} -> WRONG"));
-        }
-        case.prepare(200 + replay)?;
-        ffi("mkRingAttention", case.launch(comm, stream.0), comm)?;
-        stream.sync()?;
-        let (ok, detail) = case.verify()?;
-        if !ok {
-            failures += 1;
-            say(rank, format!("call between replays: {detail} -> WRONG"));
-        }
-    }
-    // SAFETY: destroyed once.
-    unsafe {
-        sys::cuGraphExecDestroy(exec);
-        sys::cuGraphDestroy(graph);
-    }
-    say(rank, format!("graph capture: 3 replays + 3 direct calls with fresh inputs, {failures} wrong"));
-    if failures > 0 {
-        return Err(MkError::internal("mkRingAttention graph replay gave wrong results"));
-    }
-    Ok(())
+    fused_common::graph_replay(comm, rank, "mkRingAttention", &Case::new(mkDataType_t::mkBfloat16, 1, 192, 4, 2, 128, true, n, rank)?)
 }
 
 fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
