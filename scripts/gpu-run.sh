@@ -68,7 +68,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     echo "===== mktest $suites with $n rank(s)" | tee -a "$OUT/mktest.log"
     t0=$(date +%s)
     # The killed-rank test runs after MPS stops (see below).
-    with_ranks "$n" env MK_TEST_KILL=skip timeout 200 "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
+    with_ranks "$n" env MK_TEST_KILL=skip timeout 480 "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest $suites N=$n: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
     [ $rc = 0 ] || status=1
