@@ -62,28 +62,22 @@ __device__ __forceinline__ void cta_copy(char* dst, const char* src, size_t byte
 // BN = 256 fits without spills (tests/kernels.rs checks both).
 constexpr int kProducerRegs = 80;
 
-// The threads that push: a whole dedicated CTA, or the three side warps of a GEMM CTA.
-struct WholeCta {
-  static constexpr int IN_FLIGHT = 8;
-  __device__ static int and_all(int v) { return __syncthreads_and(v); }
-  __device__ static void sync() { __syncthreads(); }
-};
-struct SideWarps {
-  static constexpr int IN_FLIGHT = 8;  // within the producer warpgroup's register budget (kProducerRegs)
-  __device__ static int and_all(int v) { return named_barrier_and(3, 96, v); }
-  __device__ static void sync() { named_barrier_sync(3, 96); }
-};
+// The pushers: dedicated CTAs (CtaTeam), or the three idle warps of a GEMM CTA's producer
+// warpgroup (threads 32..127, named barrier 3).
+using SideWarps = WarpTeam<32, 96, 3>;
+// 16-byte loads in flight per pushing thread (fits the producer's kProducerRegs).
+constexpr int kPushInFlight = 8;
 
-// Pusher `part` of `parts` (its threads: tid of `threads`) copies its slice of every chunk
+// Pusher `part` of `parts` (the threads of Team) copies its slice of every chunk
 // of this rank's rows into every peer's gathered buffer: rank-1 first (it consumes our
 // rows next), then rank-2, ... After its slice of chunk c for peer q it counts itself in
 // AGG_PUSHED(q, c); the last pusher of that chunk raises the chunk's flag at q. Slicing
 // every chunk across all pushers keeps a chunk's latency short (a chunk is at least one
 // 128-row block: 2 MB at K = 8192, 35-200 µs for one CTA). Then, with `gathered_out`, the
-// gathered A is copied out for the caller as its chunks arrive. Thread tid 0 waits.
+// gathered A is copied out for the caller as its chunks arrive. Team thread 0 waits.
 template <class Team>
-__device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoch, int part, int parts, int tid,
-                                            int threads) {
+__device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoch, int part, int parts) {
+  const int tid = Team::tid(), threads = Team::threads();
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, chunks = p.chunks_per_rank;
   const size_t row_bytes = (size_t)p.k * 2;
@@ -95,7 +89,7 @@ __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoc
       t0 = p.trace ? mk_globaltimer() : 0;
       // q must have finished reading its gathered buffer of our previous call.
       ok = mk_wait_geq_inline(ws, mk_signal_word(ws, me, AGG_DONE + q), epoch - 1, q, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
-      if (p.trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(p.trace, MK_TR_WAIT)), mk_globaltimer() - t0);
+      if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
     }
     if (!Team::and_all(ok)) return false;
     char* peer = reinterpret_cast<char*>(ws.data[q]) + p.gathered_offset + (size_t)me * p.rows_per_rank * row_bytes;
@@ -104,17 +98,17 @@ __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoc
       const size_t bytes = (size_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
       const size_t slice = (bytes / 16 + parts - 1) / parts * 16;
       const size_t begin = first + min(bytes, (size_t)part * slice), end = first + min(bytes, (size_t)(part + 1) * slice);
-      copy_vectors<Team::IN_FLIGHT>(peer + begin, reinterpret_cast<const char*>(p.a_local) + begin, end - begin, tid, threads);
+      copy_vectors<kPushInFlight>(peer + begin, reinterpret_cast<const char*>(p.a_local) + begin, end - begin, tid, threads);
       Team::sync();
       if (tid == 0) {
-        if (p.trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(p.trace, MK_TR_BYTES)), 2ull * (end - begin));
+        mk_trace_add(p.trace, MK_TR_BYTES, 2ull * (end - begin));
         __threadfence_system();  // our slice (every thread's stores, ordered by the barrier), then the count
         unsigned long long* pushed =
             reinterpret_cast<unsigned long long*>(mk_signal_word(ws, me, AGG_PUSHED + q * MK_AG_GEMM_MAX_CHUNKS + c));
         if (atomicAdd(pushed, 1ull) == (unsigned long long)parts - 1) {
           *pushed = 0;  // every pusher has counted; the next launch starts after this one ends
           mk_signal_store(mk_signal_word(ws, q, AGG_CHUNK + me * MK_AG_GEMM_MAX_CHUNKS + c), epoch);
-          if (p.trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(p.trace, MK_TR_ITEMS)), 1ull);
+          mk_trace_add(p.trace, MK_TR_ITEMS, 1);
         }
       }
     }
@@ -135,7 +129,7 @@ __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoc
       const size_t bytes = (size_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
       const size_t slice = (bytes / 16 + parts - 1) / parts * 16;
       const size_t begin = first + min(bytes, (size_t)part * slice), end = first + min(bytes, (size_t)(part + 1) * slice);
-      copy_vectors<Team::IN_FLIGHT>(reinterpret_cast<char*>(p.gathered_out) + begin, from + begin, end - begin, tid, threads);
+      copy_vectors<kPushInFlight>(reinterpret_cast<char*>(p.gathered_out) + begin, from + begin, end - begin, tid, threads);
     }
   }
   return true;
@@ -163,7 +157,7 @@ struct ChunkAWait {
       r = min(src * p.rows_per_rank + (c + 1) * p.chunk_rows, (src + 1) * p.rows_per_rank);
     }
     fence_proxy_async_global();  // the peers' generic-proxy stores, then our TMA loads
-    if (p.trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(p.trace, MK_TR_WAIT)), mk_globaltimer() - t0);
+    if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
   }
   __device__ static const CUtensorMap* a_source(const Params& w, const CUtensorMap* tma_a, int m_row0, int& row) {
     const AgGemmParams& p = *w.op;
@@ -175,9 +169,9 @@ struct ChunkAWait {
     return tma_a;
   }
   // Without dedicated communication CTAs, the side warps of every GEMM CTA push.
-  __device__ static void side_work(const Params& w, int thread) {
+  __device__ static void side_work(const Params& w, int) {
     const AgGemmParams& p = *w.op;
-    if (p.comm_ctas == 0 && p.ws.nranks > 1) push_chunks<SideWarps>(p, w.epoch, blockIdx.x, p.compute_ctas, thread, 96);
+    if (p.comm_ctas == 0 && p.ws.nranks > 1) push_chunks<SideWarps>(p, w.epoch, blockIdx.x, p.compute_ctas);
   }
 };
 
@@ -231,7 +225,7 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
     gemm_persistent<Cfg, RankRotatedRaster, ChunkAWait, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
                                                               blockIdx.x, p.compute_ctas, smem);
   } else {
-    push_chunks<WholeCta>(p, epoch, blockIdx.x - p.compute_ctas, p.comm_ctas, threadIdx.x, blockDim.x);
+    push_chunks<CtaTeam>(p, epoch, blockIdx.x - p.compute_ctas, p.comm_ctas);
   }
   if (p.trace) {
     __syncthreads();  // a GEMM CTA's thread 0 (the producer) finishes before its consumers

@@ -57,25 +57,10 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
   return out;
 }
 
-// The threads that reduce: a whole dedicated CTA, or the two consumer warpgroups of a GEMM
-// CTA after its last tile (named barrier 4; the producer warpgroup has 40 registers).
-struct WholeCta {
-  __device__ static int tid() { return threadIdx.x; }
-  __device__ static int threads() { return blockDim.x; }
-  __device__ static int and_all(int v) { return __syncthreads_and(v); }
-  __device__ static void sync() { __syncthreads(); }
-};
-struct Consumers {
-  __device__ static int tid() { return threadIdx.x - 128; }
-  __device__ static int threads() { return 256; }
-  __device__ static int and_all(int v) { return named_barrier_and(4, 256, v); }
-  __device__ static void sync() { named_barrier_sync(4, 256); }
-};
-
-// One thread of a team: adds to a trace counter (the producer thread may add too).
-__device__ __forceinline__ void trace_add(uint64_t trace, int slot, uint64_t v) {
-  if (trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(trace, slot)), (unsigned long long)v);
-}
+// The reducers: dedicated CTAs (CtaTeam), or the two consumer warpgroups of a GEMM CTA
+// after its last tile (threads 128..383, named barrier 4; the producer warpgroup has only
+// 40 registers).
+using Consumers = WarpTeam<128, 256, 4>;
 
 // Team thread q (< nranks) waits for rank q's slabs of tile `tc` that hold rows [r0, r1);
 // every thread learns whether all waits succeeded.
@@ -94,7 +79,7 @@ __device__ __forceinline__ bool wait_partials(const GemmReduceParams& p, uint64_
     }
   }
   ok = Team::and_all(ok);
-  if (Team::tid() == 0) trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+  if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
   return ok != 0;
 }
 
@@ -106,7 +91,7 @@ __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, int r0, 
   const WorkspaceView& ws = p.ws;
   const int vpr = (c1 - c0) / 8;  // N % 8 == 0: 16-byte vectors never straddle a row end
   const int nvec = (r1 - r0) * vpr;
-  if (Team::tid() == 0) trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (ws.nranks + (reduced ? 2 : 1)));
+  if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (ws.nranks + (reduced ? 2 : 1)));
   // Each thread loads every rank's vector for kVectors vectors before the first add:
   // with one vector in flight per rank the loop is latency-bound (measured ~5 GB/s per
   // CTA).
@@ -151,7 +136,7 @@ __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t
     if (tc.m_block < lo_block || tc.m_block > hi_block) continue;
     const int r0 = max(tc.m_block * 128, p.row_lo), r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
     if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
-    if (Team::tid() == 0) trace_add(p.trace, MK_TR_ITEMS, 1);
+    if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
     sum_partials<T, Team>(p, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), nullptr);
   }
   return true;
@@ -175,7 +160,7 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
     if (tc.m_block < lo_block || tc.m_block > hi_block) continue;
     const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
     if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
-    if (Team::tid() == 0) trace_add(p.trace, MK_TR_ITEMS, 1);
+    if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
     sum_partials<T, Team>(p, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), reduced);
     Team::sync();
     if (Team::tid() == 0)
@@ -190,14 +175,14 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
     if (Team::tid() == 0) {
       const uint64_t* f = mk_signal_word(ws, owner, GR_TILE + 2 * total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block);
       ok = mk_wait_geq_inline(ws, f, epoch, owner, MK_WAIT_OP_FLAG, p.op);
-      trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+      mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
     }
     if (!Team::and_all(ok)) return false;
     const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
     const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
     const int vpr = (c1 - c0) / 8;
     const int nvec = (r1 - r0) * vpr;
-    if (Team::tid() == 0) trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 32);
+    if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 32);
     const char* src = reinterpret_cast<const char*>(ws.data[owner]) + p.reduced_offset;
     constexpr int kVectors = 8;  // in flight per thread, as above
     for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
@@ -275,7 +260,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     }
   } else {
     mk_trace_time(p.trace, MK_TR_SETUP);
-    reduce<T, BN, WholeCta>(p, epoch, blockIdx.x - p.compute_ctas, p.reduce_ctas);
+    reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x - p.compute_ctas, p.reduce_ctas);
   }
   if (p.trace) {
     __syncthreads();  // a GEMM CTA's thread 0 (the producer) finishes before its consumers

@@ -37,6 +37,25 @@ __device__ __forceinline__ void mk_op_epoch_end(const WorkspaceView& ws, uint32_
   }
 }
 
+// The threads that run a fused op's data movement, and how they synchronise among
+// themselves: a whole CTA, or COUNT threads from FIRST on (whole warps) with their own
+// named barrier (e.g. the producer warpgroup's idle warps 32..127 on barrier 3, or the
+// consumer warpgroups 128..383 on barrier 4 once the GEMM is done).
+struct CtaTeam {
+  __device__ static int tid() { return threadIdx.x; }
+  __device__ static int threads() { return blockDim.x; }
+  __device__ static int and_all(int v) { return __syncthreads_and(v); }
+  __device__ static void sync() { __syncthreads(); }
+};
+template <int FIRST, int COUNT, int BARRIER>
+struct WarpTeam {
+  static_assert(FIRST % 32 == 0 && COUNT % 32 == 0, "named barriers count whole warps");
+  __device__ static int tid() { return threadIdx.x - FIRST; }
+  __device__ static int threads() { return COUNT; }
+  __device__ static int and_all(int v) { return mk::gemm::named_barrier_and(BARRIER, COUNT, v); }
+  __device__ static void sync() { mk::gemm::named_barrier_sync(BARRIER, COUNT); }
+};
+
 // Deepest stage ring that fits in 227 KiB beside the TMA epilogue's staging buffers
 // (mirrors ops::gemm::stages(bn, Epilogue::Tma)).
 template <int BN>

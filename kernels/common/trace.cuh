@@ -5,7 +5,7 @@
 //   2 role's work done          3 end (after the end-of-kernel handshake)
 //   4 ns spent in waits         5 bytes moved by the role (reads + writes)
 //   6 work items (tiles, chunks)  7 SM id | role << 32 (0 compute, 1 communication)
-// Thread 0 writes it; in a GEMM CTA thread 0 is also the TMA producer, which does the waits.
+// Thread 0 writes the times; counters are added by one thread of the counting team.
 #pragma once
 #include <stdint.h>
 #include "mk_kernel_abi.h"
@@ -33,8 +33,8 @@ __device__ __forceinline__ void mk_trace_begin(uint64_t trace, bool communicatio
   *mk_trace_slot(trace, MK_TR_ITEMS) = 0;
   *mk_trace_slot(trace, MK_TR_START) = mk_globaltimer();
 }
-// Thread 0: adds `v` to a counter slot.
+// One thread of whichever team counts: adds `v` to a counter slot (atomically: a GEMM
+// CTA's producer thread and its side warps may count into the same slot).
 __device__ __forceinline__ void mk_trace_add(uint64_t trace, int slot, uint64_t v) {
-  if (trace == 0 || threadIdx.x != 0) return;
-  *mk_trace_slot(trace, slot) += v;
+  if (trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(trace, slot)), (unsigned long long)v);
 }
