@@ -12,7 +12,7 @@
 //! With -g N > 1 the ranks are processes of this binary (run under MPS on one GPU).
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, run_ranks, print_trace, parse_list, parse_pairs, timed_slowest};
+use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, print_trace, parse_list, parse_pairs, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -45,23 +45,16 @@ fn parse(args: &[String]) -> Result<Options> {
         warmup: 3,
         trace: false,
     };
-    let mut i = 0;
-    while i < args.len() {
-        if args[i] == "--trace" {
-            o.trace = true;
-            i += 1;
-            continue;
-        }
-        let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
-        match args[i].as_str() {
+    for_each_option(args, Some(&mut o.trace), |flag, v| {
+        match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--rows" => o.rows = parse_list(v, "--rows")?,
             "--nk" => o.nk = parse_pairs(v, "--nk")?,
             "--dtype" => o.dtype = if v == "fp16" { mkDataType_t::mkFloat16 } else { mkDataType_t::mkBfloat16 },
             other => return Err(bad(other)),
         }
-        i += 2;
-    }
+        Ok(())
+    })?;
     Ok(o)
 }
 

@@ -33,6 +33,24 @@ pub fn run_ranks(
     Ok(true)
 }
 
+/// Walks a fused bench's arguments: `flag value` pairs, each handed to `option(flag, value)`
+/// (which reads the common ones with `common_flag`), and, when `trace` is given, the lone
+/// flag `--trace`. A flag without its value is an error.
+pub fn for_each_option(args: &[String], mut trace: Option<&mut bool>, mut option: impl FnMut(&str, &str) -> Result<()>) -> Result<()> {
+    let mut i = 0;
+    while i < args.len() {
+        if let (Some(t), "--trace") = (trace.as_deref_mut(), args[i].as_str()) {
+            *t = true;
+            i += 1;
+            continue;
+        }
+        let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
+        option(&args[i], v)?;
+        i += 2;
+    }
+    Ok(())
+}
+
 /// Reads the options every fused bench takes (-g ranks, -n iters, -w warm-up) into the
 /// given fields; false when `flag` is not one of them.
 pub fn common_flag(flag: &str, v: &str, ranks: &mut usize, iters: &mut usize, warmup: &mut usize) -> Result<bool> {
@@ -139,4 +157,35 @@ pub fn print_trace(comm: &Comm, stream: sys::CUstream, label: &str, call: &dyn F
     }
     println!("{line}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn options_come_in_pairs_and_trace_stands_alone_where_taken() {
+        let (mut seen, mut trace) = (Vec::new(), false);
+        for_each_option(&args("-g 2 --trace --rows 128,512"), Some(&mut trace), |f, v| {
+            seen.push(format!("{f}={v}"));
+            Ok(())
+        })
+        .unwrap();
+        assert!(trace);
+        assert_eq!(seen, ["-g=2", "--rows=128,512"]);
+        // Without a trace option, --trace is an ordinary flag (and here lacks its value).
+        assert!(for_each_option(&args("--trace"), None, |_, _| Ok(())).is_err());
+        assert!(for_each_option(&args("-n"), None, |_, _| Ok(())).is_err());
+        let (mut ranks, mut iters, mut warmup) = (1, 1, 1);
+        for_each_option(&args("-g 4 -n 7 -w 2"), None, |f, v| {
+            assert!(common_flag(f, v, &mut ranks, &mut iters, &mut warmup)?);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!((ranks, iters, warmup), (4, 7, 2));
+    }
 }

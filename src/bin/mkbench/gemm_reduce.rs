@@ -10,7 +10,7 @@
 //! slowest rank's. TFLOP/s per rank = 2·M·N·K / t. bf16.
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, run_ranks, print_trace, parse_list, parse_pairs, timed_slowest};
+use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, print_trace, parse_list, parse_pairs, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -44,22 +44,15 @@ fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
         warmup: 3,
         trace: false,
     };
-    let mut i = 0;
-    while i < args.len() {
-        if args[i] == "--trace" {
-            o.trace = true;
-            i += 1;
-            continue;
-        }
-        let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
-        match args[i].as_str() {
+    for_each_option(args, Some(&mut o.trace), |flag, v| {
+        match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--m" => o.ms = parse_list(v, "--m")?,
             "--nk" => o.nk = parse_pairs(v, "--nk")?,
             other => return Err(bad(other)),
         }
-        i += 2;
-    }
+        Ok(())
+    })?;
     Ok(o)
 }
 

@@ -14,7 +14,7 @@
 //! exchange alone; TFLOP/s per rank = 2·rows·F·H / time, rows = this rank's received rows.
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, run_ranks, timed_slowest};
+use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -38,11 +38,9 @@ struct Options {
 
 fn parse(args: &[String]) -> Result<Options> {
     let mut o = Options { ranks: ranks::nranks_requested(), tokens: 4096, hidden: 7168, ffn: 2048, experts: 256, top_k: 8, iters: 10, warmup: 3 };
-    let mut i = 0;
-    while i < args.len() {
-        let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
-        let num = || v.parse::<usize>().map_err(|_| bad(&args[i]));
-        match args[i].as_str() {
+    for_each_option(args, None, |flag, v| {
+        let num = || v.parse::<usize>().map_err(|_| bad(flag));
+        match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--tokens" => o.tokens = num()?,
             "--hidden" => o.hidden = num()?,
@@ -51,8 +49,8 @@ fn parse(args: &[String]) -> Result<Options> {
             "--topk" => o.top_k = num()?,
             other => return Err(bad(other)),
         }
-        i += 2;
-    }
+        Ok(())
+    })?;
     Ok(o)
 }
 

@@ -13,7 +13,7 @@
 //! (benches/sdpa_baseline.py), run in the same GPU session.
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, run_ranks, parse_list, timed_slowest};
+use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, parse_list, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -37,10 +37,8 @@ struct Options {
 
 fn parse(args: &[String]) -> Result<Options> {
     let mut o = Options { ranks: ranks::nranks_requested(), seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], iters: 5, warmup: 2 };
-    let mut i = 0;
-    while i < args.len() {
-        let v = args.get(i + 1).ok_or_else(|| bad(&args[i]))?;
-        match args[i].as_str() {
+    for_each_option(args, None, |flag, v| {
+        match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--seq" => o.seq = parse_list(v, "--seq")?,
             "--heads" => o.heads = v.parse().map_err(|_| bad("--heads"))?,
@@ -49,8 +47,8 @@ fn parse(args: &[String]) -> Result<Options> {
             "--causal" => o.causal = parse_list(v, "--causal")?,
             other => return Err(bad(other)),
         }
-        i += 2;
-    }
+        Ok(())
+    })?;
     Ok(o)
 }
 

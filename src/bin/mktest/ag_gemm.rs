@@ -9,7 +9,7 @@
 //! mkTimeout/mkRemoteError.
 
 use crate::collectives::{async_error, ffi, say, Stream};
-use crate::fused_common;
+use crate::fused_common::{self, FusedCase};
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
 use mkernel::cuda::sys;
@@ -63,6 +63,12 @@ impl Case {
         format!("{} M={} ({}x{}) N={} K={}", self.dtype.name(), self.m(), self.nranks, self.rows_per_rank, self.n, self.k)
     }
 
+    fn a_local(&self) -> u64 {
+        self.a_all.ptr() + (self.rank * self.rows_per_rank * self.k * 2) as u64
+    }
+}
+
+impl FusedCase for Case {
     /// Fresh inputs: shard s of A from seed (seed, s) on every rank (so every rank knows
     /// the whole A), B from its own seed; outputs poisoned with NaN.
     fn prepare(&self, seed: u64) -> Result<()> {
@@ -75,10 +81,6 @@ impl Case {
         self.c.poison(std::ptr::null_mut())?;
         self.gathered.poison(std::ptr::null_mut())?;
         fused_common::sync_default_stream()
-    }
-
-    fn a_local(&self) -> u64 {
-        self.a_all.ptr() + (self.rank * self.rows_per_rank * self.k * 2) as u64
     }
 
     fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
@@ -157,18 +159,6 @@ fn correctness(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
         return Err(MkError::internal(format!("mkAllGatherGemm: {failures} of {checks} checks wrong")));
     }
     Ok(())
-}
-
-impl fused_common::FusedCase for Case {
-    fn prepare(&self, seed: u64) -> Result<()> {
-        Case::prepare(self, seed)
-    }
-    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
-        Case::launch(self, comm, stream)
-    }
-    fn verify(&self) -> Result<(bool, String)> {
-        Case::verify(self)
-    }
 }
 
 fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {

@@ -15,7 +15,7 @@
 //! tolerances (1e-2, 2e-3). lse is computed in fp32 from the exact inputs: |Δlse| ≤ 1e-3.
 
 use crate::collectives::{async_error, ffi, say, Stream};
-use crate::fused_common;
+use crate::fused_common::{self, FusedCase};
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
 use mkernel::cuda::sys;
@@ -88,7 +88,9 @@ impl Case {
             if s.causal { "causal" } else { "full" }
         )
     }
+}
 
+impl FusedCase for Case {
     /// Fresh inputs (shard s of K/V from seeds (seed, s) on every rank; Q per rank) and
     /// NaN-poisoned outputs.
     fn prepare(&self, seed: u64) -> Result<()> {
@@ -262,18 +264,6 @@ fn argument_errors(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
 fn last_error(comm: mkComm_t) -> String {
     // SAFETY: a live communicator; the string stays valid until its next call.
     unsafe { std::ffi::CStr::from_ptr(mkGetLastError(comm)) }.to_string_lossy().into_owned()
-}
-
-impl fused_common::FusedCase for Case {
-    fn prepare(&self, seed: u64) -> Result<()> {
-        Case::prepare(self, seed)
-    }
-    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
-        Case::launch(self, comm, stream)
-    }
-    fn verify(&self) -> Result<(bool, String)> {
-        Case::verify(self)
-    }
 }
 
 fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
