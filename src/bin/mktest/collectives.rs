@@ -28,7 +28,7 @@ use mkernel::ffi::config::{mkConfig_t, MK_CONFIG_MAGIC, MK_CONFIG_UNDEF_INT};
 use mkernel::ffi::mkComm_t;
 use mkernel::ffi::query::mkGetLastError;
 use mkernel::ops::collectives::CollectiveKind;
-use mkernel::testing::{f32_to_bf16, f32_to_f16, relative_error, to_f64, tolerance, TestBuffer};
+use mkernel::testing::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, relative_error, to_f64, tolerance, TestBuffer};
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -202,6 +202,16 @@ fn wrap_int(v: i128, dtype: mkDataType_t) -> i128 {
 }
 
 /// The reference reduction of one element over the ranks' values.
+/// `v` rounded to the nearest value of the float type `dtype` (other types unchanged).
+fn round_to(dtype: mkDataType_t, v: f64) -> f64 {
+    match dtype {
+        mkDataType_t::mkBfloat16 => bf16_to_f32(f32_to_bf16(v as f32)) as f64,
+        mkDataType_t::mkFloat16 => f16_to_f32(f32_to_f16(v as f32)) as f64,
+        mkDataType_t::mkFloat32 => v as f32 as f64,
+        _ => v,
+    }
+}
+
 fn reduce_ref(vals: &[f64], op: mkRedOp_t, dtype: mkDataType_t) -> f64 {
     let n = vals.len();
     if is_float(dtype) {
@@ -251,6 +261,10 @@ pub(crate) struct Case {
     send: u64,
     recv: u64,
     expected: Vec<f64>,
+    /// Ranks per node whose partial the library rounds to the element type before the
+    /// nodes' partials are combined (the hierarchical path, see mkReduceScatter in the
+    /// header); `nranks` (one node) means a single rounding at the end.
+    node_size: usize,
 }
 
 impl Case {
@@ -272,7 +286,26 @@ impl Case {
             let (sp, rp) = (s.ptr(), r.ptr());
             (vec![s, r], sp, rp)
         };
-        Ok(Case { kind, dtype, op, count, in_place, rank, nranks, _bufs: bufs, send, recv, expected: Vec::new() })
+        Ok(Case { kind, dtype, op, count, in_place, rank, nranks, _bufs: bufs, send, recv, expected: Vec::new(), node_size: nranks })
+    }
+
+    /// The reference models the hierarchical path's rounding: each node's partial (ranks
+    /// `[k·ranks_per_node, (k+1)·ranks_per_node)`) is rounded to the element type once.
+    pub(crate) fn across_nodes(mut self, ranks_per_node: usize) -> Case {
+        self.node_size = ranks_per_node.clamp(1, self.nranks);
+        self
+    }
+
+    /// The float64 reference of one element from every rank's value, rounded as the
+    /// library states it rounds (once, or once more per node partial across nodes).
+    fn reference(&self, vals: &[f64]) -> f64 {
+        if !is_float(self.dtype) || self.node_size >= vals.len() {
+            return reduce_ref(vals, self.op, self.dtype);
+        }
+        let partial_op = if self.op == mkRedOp_t::mkAvg { mkRedOp_t::mkSum } else { self.op };
+        let partials: Vec<f64> = vals.chunks(self.node_size).map(|node| round_to(self.dtype, reduce_ref(node, partial_op, self.dtype))).collect();
+        let total = reduce_ref(&partials, partial_op, self.dtype);
+        if self.op == mkRedOp_t::mkAvg { total / vals.len() as f64 } else { total }
     }
 
     pub(crate) fn label(&self) -> String {
@@ -304,10 +337,10 @@ impl Case {
         self.expected = match self.kind {
             CollectiveKind::AllGather => inputs.concat(),
             CollectiveKind::ReduceScatter => (0..c)
-                .map(|i| reduce_ref(&inputs.iter().map(|v| v[self.rank * c + i]).collect::<Vec<_>>(), self.op, self.dtype))
+                .map(|i| self.reference(&inputs.iter().map(|v| v[self.rank * c + i]).collect::<Vec<_>>()))
                 .collect(),
             CollectiveKind::AllReduce => {
-                (0..c).map(|i| reduce_ref(&inputs.iter().map(|v| v[i]).collect::<Vec<_>>(), self.op, self.dtype)).collect()
+                (0..c).map(|i| self.reference(&inputs.iter().map(|v| v[i]).collect::<Vec<_>>())).collect()
             }
         };
         Ok(())

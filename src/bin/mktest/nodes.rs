@@ -120,7 +120,7 @@ fn correctness_and_graphs(env: &RankEnv, control: &Comm, rpn: usize) -> Result<(
     let t = Instant::now();
     for (kind, dtype, op, count) in cases {
         for in_place in [false, true] {
-            let mut case = Case::new(kind, dtype, op, count, in_place, rank, n)?;
+            let mut case = Case::new(kind, dtype, op, count, in_place, rank, n)?.across_nodes(rpn);
             seed += 1;
             case.prepare(seed)?;
             case.launch(comm, stream.0)?;
