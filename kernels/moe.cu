@@ -30,6 +30,7 @@
 // peer has finished the previous MoE kernel (no one still sends into or pulls from it).
 #include "common/gemm/engine.cuh"
 #include "common/fused_op.cuh"
+#include "common/trace.cuh"
 
 #define MK_OP_MOE_DISPATCH 19
 #define MK_OP_MOE_COMBINE 20
@@ -174,12 +175,14 @@ struct ZSlabSignal {
     uint64_t* flags;
     int tiles_n;
     uint64_t epoch;
+    uint64_t trace;
   };
   static constexpr bool enabled = true;
   __device__ static void after_store(const Params& p, const SlabInfo& s) {
     fence_proxy_async_global();  // the TMA (async proxy) writes, then the flag
     const int n = s.tile.n_block % p.tiles_n;
     mk_signal_store(p.flags + ((size_t)s.tile.m_block * p.tiles_n + n) * 2 + s.consumer, p.epoch);
+    mk_trace_add(p.trace, MK_TR_ITEMS, 1);
   }
 };
 
@@ -423,6 +426,7 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
+  mk_trace_begin(p.trace, (int)blockIdx.x >= p.compute_ctas);
   const uint64_t epoch = mk_op_epoch_begin(ws, MOE_EPOCH);
   const int* layout = reinterpret_cast<const int*>(p.layout);
   const int j = (int)blockIdx.x - p.compute_ctas;
@@ -435,6 +439,7 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   // The layout of this epoch is in place (thread 0's acquire, then the barrier).
   bool ready = moe_cta_wait(ws, mk_signal_word(ws, ws.rank, MOE_PREP), epoch, ws.rank, MK_OP_MOE_DISPATCH);
   if (ready && ld_cg(layout + LAY_OVERFLOW) != 0) ready = false;
+  mk_trace_time(p.trace, MK_TR_SETUP);
 
   if (ready && j < 0) {
     const int total_mb = ld_cg(layout + LAY_TOTAL_MB);
@@ -455,7 +460,12 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   } else if (ready) {
     send_rows(p, epoch, j);
   }
+  if (p.trace) {
+    __syncthreads();
+    mk_trace_time(p.trace, MK_TR_ROLE);
+  }
   mk_op_epoch_end(ws, MOE_EPOCH, MOE_ARRIVE, MOE_DONE, epoch);
+  mk_trace_time(p.trace, MK_TR_END);
 }
 
 // ---- combine ----------------------------------------------------------------------------
@@ -489,11 +499,21 @@ __device__ __forceinline__ void pull_rows(const MoeParams& p, uint64_t epoch, in
       w = weights[(size_t)t * K + lane];
     }
     int ok = 1;
+    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
     if (dest >= 0) {
       const uint32_t word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
       ok = moe_wait(ws, mk_signal_word(ws, dest, word), epoch, dest, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
     }
     if (!__all_sync(0xffffffffu, ok)) return;
+    if (p.trace) {
+      // Per warp; the trace's per-CTA wait is the sum over the CTA's 12 warps.
+      const int rows = __popc(__ballot_sync(0xffffffffu, dest >= 0));
+      if (lane == 0) {
+        mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+        mk_trace_add(p.trace, MK_TR_ITEMS, 1);
+        mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(rows + 1) * BN * 2);
+      }
+    }
     // Every lane runs every iteration (the shuffles need the whole warp); lanes past the
     // tile's BN / 8 vectors only shuffle.
     for (int v0 = 0; v0 < BN / 8; v0 += 32) {
@@ -539,10 +559,12 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
+  mk_trace_begin(p.trace, (int)blockIdx.x >= p.compute_ctas);
   const uint64_t epoch = mk_op_epoch_begin(ws, MOE_EPOCH);
   const int* layout = reinterpret_cast<const int*>(p.layout);
   // A dispatch that found a receive buffer too small moved nothing (every rank saw it).
   const bool valid = ld_cg(layout + LAY_OVERFLOW) == 0;
+  mk_trace_time(p.trace, MK_TR_SETUP);
 
   if ((int)blockIdx.x < p.compute_ctas) {
     // Z overwrites our region: every peer must be done with the previous kernel.
@@ -559,6 +581,7 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
         epi.signal.flags = flags;
         epi.signal.tiles_n = p.tiles_n;
         epi.signal.epoch = epoch;
+        epi.signal.trace = p.trace;
         gemm_persistent<Cfg, MoeRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.hidden, p.ffn}, sched,
                                                        await, epi, blockIdx.x, p.compute_ctas, smem);
       } else {
@@ -572,7 +595,12 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
   } else if (valid) {
     pull_rows<T, BN>(p, epoch, blockIdx.x - p.compute_ctas);
   }
+  if (p.trace) {
+    __syncthreads();
+    mk_trace_time(p.trace, MK_TR_ROLE);
+  }
   mk_op_epoch_end(ws, MOE_EPOCH, MOE_ARRIVE, MOE_DONE, epoch);
+  mk_trace_time(p.trace, MK_TR_END);
 }
 
 }  // namespace moe

@@ -375,6 +375,8 @@ pub struct MoeParams {
     /// GEMM as separate launches).
     pub gemm: i32,
     pub reserved: i32,
+    /// As `AgGemmParams::trace`.
+    pub trace: u64,
 }
 
 /// Parameters of the ring-attention kernels (kernels/ring_attention.cu). Tensors as the

@@ -277,6 +277,8 @@ pub struct DispatchArgs {
     pub layout: u64,
     pub dims: MoeDims,
     pub dtype: mkDataType_t,
+    /// Per-CTA timing buffer for `mkbench moe --trace` (kernels/common/trace.cuh), else 0.
+    pub trace: u64,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -290,7 +292,7 @@ pub fn validate_dispatch(x: u64, topk_idx: u64, w1: u64, y: u64, recv_counts: u6
     check_ptr(y, "y", 16, true)?;
     check_ptr(recv_counts, "recvCounts", 4, true)?;
     check_ptr(layout, "layout", 16, true)?;
-    Ok(DispatchArgs { x, topk_idx, w1, y, recv_counts, layout, dims, dtype })
+    Ok(DispatchArgs { x, topk_idx, w1, y, recv_counts, layout, dims, dtype, trace: 0 })
 }
 
 /// A validated mkMoeGemmCombine call.
@@ -303,6 +305,8 @@ pub struct CombineArgs {
     pub out: u64,
     pub dims: MoeDims,
     pub dtype: mkDataType_t,
+    /// Per-CTA timing buffer for `mkbench moe --trace` (kernels/common/trace.cuh), else 0.
+    pub trace: u64,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -315,7 +319,7 @@ pub fn validate_combine(y_act: u64, w2: u64, topk_weights: u64, layout: u64, out
     check_ptr(topk_weights, "topkWeights", 4, has_tokens)?;
     check_ptr(layout, "layout", 16, true)?;
     check_ptr(out, "out", 16, has_tokens)?;
-    Ok(CombineArgs { y_act, w2, topk_weights, layout, out, dims, dtype })
+    Ok(CombineArgs { y_act, w2, topk_weights, layout, out, dims, dtype, trace: 0 })
 }
 
 /// Bytes/s one communication CTA moves (16-byte vector copies to or from a peer).
@@ -486,6 +490,7 @@ pub fn dispatch_gemm(comm: &Comm, a: &DispatchArgs, gemm: bool, stream: sys::CUs
     params.x = a.x;
     params.topk_idx = a.topk_idx;
     params.recv_counts = a.recv_counts;
+    params.trace = a.trace;
     let el = d.experts_local();
     launch(
         comm,
@@ -515,6 +520,7 @@ pub fn gemm_combine(comm: &Comm, a: &CombineArgs, gemm: bool, stream: sys::CUstr
     let mut params = base_params(&d, a.layout);
     params.topk_weights = a.topk_weights;
     params.out = a.out;
+    params.trace = a.trace;
     let el = d.experts_local();
     launch(
         comm,

@@ -1,7 +1,7 @@
 //! `mkbench moe`: mkMoeDispatchGemm and mkMoeGemmCombine beside the unfused sequences, in
 //! the same run:
 //!
-//!   mkbench moe [-g ranks] [--tokens 4096] [--hidden 7168] [--ffn 2048] [--experts 256] [--topk 8] [-n iters] [-w warmup]
+//!   mkbench moe [-g ranks] [--tokens 4096] [--hidden 7168] [--ffn 2048] [--experts 256] [--topk 8] [-n iters] [-w warmup] [--trace]
 //!
 //! Unfused dispatch = the same kernel with its GEMM switched off (the token exchange alone:
 //! count exchange, 16-byte-vector copies into the owners' receive buffers, signals), then
@@ -12,9 +12,12 @@
 //! timed calls after warm-up, the slowest rank's. Bandwidth as DeepEP counts it: bytes of
 //! the (token, expert) rows a rank sends (dispatch) or receives back (combine) / time of the
 //! exchange alone; TFLOP/s per rank = 2·rows·F·H / time, rows = this rank's received rows.
+//! `--trace` adds, per direction, one traced call of the fused kernel: per role (GEMM /
+//! send or pull CTAs) where the time went (kernels/common/trace.cuh; the pull CTAs' waits
+//! are summed over their 12 warps, the GEMM CTAs count 64-row Z slabs as items).
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, timed_slowest};
+use crate::fused_common::{bad, common_flag, for_each_option, print_trace, run_ranks, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
@@ -34,11 +37,12 @@ struct Options {
     top_k: usize,
     iters: usize,
     warmup: usize,
+    trace: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { ranks: ranks::nranks_requested(), tokens: 4096, hidden: 7168, ffn: 2048, experts: 256, top_k: 8, iters: 10, warmup: 3 };
-    for_each_option(args, None, |flag, v| {
+    let mut o = Options { ranks: ranks::nranks_requested(), tokens: 4096, hidden: 7168, ffn: 2048, experts: 256, top_k: 8, iters: 10, warmup: 3, trace: false };
+    for_each_option(args, Some(&mut o.trace), |flag, v| {
         let num = || v.parse::<usize>().map_err(|_| bad(flag));
         match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
@@ -145,6 +149,10 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let t_g2 = timed(&gemm2)?;
     let t_xc = timed(&|| gemm_combine(&comm, &cargs, false, stream))?;
     let t_uc = timed(&|| gemm2().and_then(|_| gemm_combine(&comm, &cargs, false, stream)))?;
+    if o.trace {
+        print_trace(&comm, stream, "moe dispatch", &|buf| dispatch_gemm(&comm, &moe::DispatchArgs { trace: buf, ..dargs }, true, stream))?;
+        print_trace(&comm, stream, "moe combine", &|buf| gemm_combine(&comm, &moe::CombineArgs { trace: buf, ..cargs }, true, stream))?;
+    }
     let err = comm.async_error();
     let rows: usize = layout.recv_counts.iter().sum();
     let sent_rows: usize = layout.slots.iter().enumerate().filter(|(i, s)| s.is_some() && !ids[rank][i / k * k..*i].contains(&ids[rank][*i])).count();
