@@ -15,9 +15,11 @@
 // Dispatch, CTAs [compute_ctas, +comm_ctas): the first one ("prep") counts this rank's
 //   routing per expert and each (token, expert)'s position among this rank's tokens of
 //   that expert, exchanges the counts, computes the layout and the m-block tables into the
-//   caller's layout buffer; then all of them copy token rows (16-byte vectors) into the
-//   owners' receive buffers, destination by destination (own rank first), and the last CTA
-//   done with a destination raises RECV[this rank] there.
+//   caller's layout buffer. Then the senders copy token rows (16-byte vectors) into the
+//   owners' receive buffers, destination by destination (own rank first), and the last
+//   sender done with a destination raises RECV[this rank] there. The senders are the three
+//   idle warps of every GEMM CTA's producer warpgroup (default: one comm CTA, the prep), or
+//   the comm CTAs when MK_COMM_SMS asks for them.
 // Combine, CTAs [0, compute_ctas): the engine over the same m-blocks, Z = Y' · W2_eᵀ into
 //   this rank's fused-op region (TMA stores; remote stores would stall the TMA pipeline),
 //   each 64-row slab followed by an epoch-valued flag.
@@ -44,7 +46,7 @@
 #define MOE_DONE (MK_SIG_MOE_BASE + 8)    // + q: rank q finished MoE kernel e (written by q)
 #define MOE_CNT (MK_SIG_MOE_BASE + 16)    // + s: rank s wrote its counts here (written by s)
 #define MOE_RECV (MK_SIG_MOE_BASE + 24)   // + s: all of rank s's rows for us arrived (written by s)
-#define MOE_SENT (MK_SIG_MOE_BASE + 32)   // + d: comm CTAs done sending to d (counter)
+#define MOE_SENT (MK_SIG_MOE_BASE + 32)   // + d: senders done sending to d (counter)
 #define MOE_TILE (MK_SIG_MOE_BASE + 1024) // + (m_block * tiles_n + n) * 2 + slab: Z slab stored
 
 // Layout buffer words (int32): see ops::moe::LayoutOffsets.
@@ -68,31 +70,13 @@ __device__ __forceinline__ int ld_cg(const int* p) { return __ldcg(p); }
 __device__ __forceinline__ bool moe_wait(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer,
                                          uint32_t what, uint32_t op) {
   if (mk_ld_acquire_sys(flag) >= target) return true;
-  const uint64_t* abort_word = mk_signal_word(ws, ws.rank, MK_SIG_ABORT);
-  const uint32_t* host_abort = &mk_status(ws)->host_abort;
-  const uint64_t start = mk_globaltimer();
+  MkWaitChecks checks(ws);
   unsigned ns = 64;
   for (uint32_t spin = 1;; ++spin) {
     __nanosleep(ns);
     if (ns < 2048) ns *= 2;
     if (mk_ld_relaxed_sys(flag) >= target) return mk_ld_acquire_sys(flag) >= target;  // flags only grow
-    if ((spin & 7) == 0) {
-      const uint64_t raised = mk_ld_relaxed_sys(abort_word);
-      if (raised != 0) {
-        mk_record_error(ws, mk_error_word(MK_RESULT_REMOTE_ERROR, (uint32_t)(raised - 1), what, op));
-        return false;
-      }
-      if (mk_ld_relaxed_sys_u32(host_abort) != 0) {
-        mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
-        mk_raise_abort(ws);
-        return false;
-      }
-      if (mk_globaltimer() - start > ws.timeout_ns) {
-        mk_record_error(ws, mk_error_word(MK_RESULT_TIMEOUT, (uint32_t)peer, what, op));
-        mk_raise_abort(ws);
-        return false;
-      }
-    }
+    if ((spin & 7) == 0 && !checks.keep_waiting(peer, what, op)) return false;
   }
 }
 
@@ -127,33 +111,6 @@ struct MoeRaster {
     const int mb = ld_cg(p.order + c.m_block);
     return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + c.n_block};
   }
-};
-
-// Before a tile's A rows are loaded: wait for every source whose rows the m-block holds.
-struct SourceAWait {
-  struct Params {
-    const MoeParams* op;
-    const int* srcmask;
-    uint64_t epoch;
-  };
-  __device__ static void before_a_load(const Params& w, int m_block, int, int) {
-    const WorkspaceView& ws = w.op->ws;
-    unsigned mask = (unsigned)ld_cg(w.srcmask + m_block);
-    while (mask) {
-      const int s = __ffs(mask) - 1;
-      mask &= mask - 1;
-      // A failed wait has recorded the error and raised the abort word; the tile then
-      // computes on stale rows and the kernel still ends in bounded time.
-      moe_wait(ws, mk_signal_word(ws, ws.rank, MOE_RECV + s), w.epoch, s, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
-    }
-    fence_proxy_async_global();  // the senders' generic-proxy stores, then our TMA loads
-  }
-  // The producer warpgroup's idle warps do nothing here (the comm CTAs move the tokens).
-  __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
-    row = m_row0;
-    return tma_a;
-  }
-  __device__ static void side_work(const Params&, int) {}
 };
 
 // C tile columns: the scheduler's n_block counts over all experts' B rows; the output has
@@ -356,30 +313,41 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   return true;
 }
 
-// All threads of the warp copy one row (bytes a multiple of 16) to dst, 8 vectors in
-// flight per lane (latency-bound otherwise).
+// All threads of the warp copy one row (bytes a multiple of 16) to dst, IN_FLIGHT vectors
+// in flight per lane (latency-bound otherwise).
+template <int IN_FLIGHT>
 __device__ __forceinline__ void warp_copy_row(char* dst, const char* src, int vecs, int lane) {
   const int4* s = reinterpret_cast<const int4*>(src);
   int4* d = reinterpret_cast<int4*>(dst);
   int i = lane;
-  for (; i + 7 * 32 < vecs; i += 8 * 32) {
-    int4 v[8];
+  for (; i + (IN_FLIGHT - 1) * 32 < vecs; i += IN_FLIGHT * 32) {
+    int4 v[IN_FLIGHT];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) v[u] = s[i + u * 32];
+    for (int u = 0; u < IN_FLIGHT; ++u) v[u] = s[i + u * 32];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) d[i + u * 32] = v[u];
+    for (int u = 0; u < IN_FLIGHT; ++u) d[i + u * 32] = v[u];
   }
   for (; i < vecs; i += 32) d[i] = s[i];
 }
 
-// Whole CTA (comm CTA j): copy this rank's token rows into the owners' receive buffers,
-// one destination after another (own rank first), and signal each destination once every
-// comm CTA is done with it.
-__device__ __forceinline__ void send_rows(const MoeParams& p, uint64_t epoch, int j) {
+// Registers of the dispatch GEMM's producer warpgroup, whose three idle warps send token
+// rows: the send loop spills at 80 (ag_gemm.cu gets by with 80); at 88 the consumers still
+// keep 208 (GemmConfig rounds their share down to 8).
+constexpr int kProducerRegs = 88;
+// The senders: dedicated CTAs (CtaTeam), or the idle warps of a GEMM CTA's producer
+// warpgroup (threads 32..127, named barrier 3; the engine uses barriers 0-2).
+using SideWarps = WarpTeam<32, 96, 3>;
+
+// Sender `part` of `parts` (the threads of Team, IN_FLIGHT vectors in flight per lane:
+// 4 for the side warps, whose 80 registers spill with 8): copy its share of this rank's token rows
+// into the owners' receive buffers, one destination after another (own rank first), and
+// signal each destination once every sender is done with it.
+template <class Team, int IN_FLIGHT = 8>
+__device__ __forceinline__ void send_rows(const MoeParams& p, uint64_t epoch, int part, int parts) {
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, K = p.top_k;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int gw = j * MOE_WARPS + warp, nw = p.comm_ctas * MOE_WARPS;
+  const int warps = Team::threads() / 32, warp = Team::tid() / 32, lane = threadIdx.x % 32;
+  const int gw = part * warps + warp, nw = parts * warps;
   const int* idx = reinterpret_cast<const int*>(p.topk_idx);
   const int* layout = reinterpret_cast<const int*>(p.layout);
   const size_t row_bytes = (size_t)p.hidden * 2;
@@ -387,41 +355,64 @@ __device__ __forceinline__ void send_rows(const MoeParams& p, uint64_t epoch, in
   for (int step = 0; step < n; ++step) {
     const int d = (me + step) % n;
     char* recv = reinterpret_cast<char*>(ws.data[d]) + p.buf_offset;
-    for (int t = gw; t < p.tokens; t += nw) {
-      int e = -2, dest = -1, row = 0;
-      if (lane < K) {
-        e = idx[(size_t)t * K + lane];
-        dest = ld_cg(layout + p.lay_dest + (size_t)t * K + lane);
-        row = ld_cg(layout + p.lay_row + (size_t)t * K + lane);
-      }
-      // A token listing one expert twice travels once for it.
-      const unsigned same = __match_any_sync(0xffffffffu, e);
-      const bool first = (same & ((1u << lane) - 1)) == 0;
-      unsigned todo = __ballot_sync(0xffffffffu, lane < K && dest == d && first);
-      const char* src = reinterpret_cast<const char*>(p.x) + (size_t)t * row_bytes;
-      while (todo) {
-        const int l = __ffs(todo) - 1;
-        todo &= todo - 1;
-        const int r = __shfl_sync(0xffffffffu, row, l);
-        warp_copy_row(recv + (size_t)r * row_bytes, src, vecs, lane);
-      }
+    // Work items are (token, slot) pairs, every lane reading the same words (a broadcast):
+    // lighter on registers than a lane per slot with match/ballot, which spilled in the
+    // side warps' 88 registers.
+    for (int i = gw; i < p.tokens * K; i += nw) {
+      if (ld_cg(layout + p.lay_dest + i) != d) continue;
+      const int t = i / K, e = idx[i];
+      bool first = true;  // a token listing one expert twice travels once for it
+      for (int j = t * K; j < i; ++j) first &= idx[j] != e;
+      if (!first) continue;
+      const int r = ld_cg(layout + p.lay_row + i);
+      warp_copy_row<IN_FLIGHT>(recv + (size_t)r * row_bytes, reinterpret_cast<const char*>(p.x) + (size_t)t * row_bytes, vecs, lane);
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
+    Team::sync();
+    if (Team::tid() == 0) {
       __threadfence_system();
       unsigned long long* sent = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, me, MOE_SENT + d));
-      if (atomicAdd(sent, 1ull) == (unsigned long long)p.comm_ctas - 1) {
-        *sent = 0;  // every comm CTA is done with d; the next launch starts after this one
+      if (atomicAdd(sent, 1ull) == (unsigned long long)parts - 1) {
+        *sent = 0;  // every sender is done with d; the next launch starts after this one
         mk_signal_store(mk_signal_word(ws, d, MOE_RECV + me), epoch);
       }
     }
   }
 }
 
+// Before a tile's A rows are loaded: wait for every source whose rows the m-block holds.
+struct SourceAWait {
+  struct Params {
+    const MoeParams* op;
+    const int* srcmask;
+    uint64_t epoch;
+  };
+  __device__ static void before_a_load(const Params& w, int m_block, int, int) {
+    const WorkspaceView& ws = w.op->ws;
+    unsigned mask = (unsigned)ld_cg(w.srcmask + m_block);
+    while (mask) {
+      const int s = __ffs(mask) - 1;
+      mask &= mask - 1;
+      // A failed wait has recorded the error and raised the abort word; the tile then
+      // computes on stale rows and the kernel still ends in bounded time.
+      moe_wait(ws, mk_signal_word(ws, ws.rank, MOE_RECV + s), w.epoch, s, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
+    }
+    fence_proxy_async_global();  // the senders' generic-proxy stores, then our TMA loads
+  }
+  __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
+    row = m_row0;
+    return tma_a;
+  }
+  // Unless communication CTAs were asked for (MK_COMM_SMS), the producer warpgroup's idle
+  // warps send this CTA's share of the token rows.
+  __device__ static void side_work(const Params& w, int) {
+    if (w.op->send_by_gemm_ctas) send_rows<SideWarps, 4>(*w.op, w.epoch, blockIdx.x, w.op->compute_ctas);
+  }
+};
+
 template <typename T, int BN>
 __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
                                          const MoeParams& p) {
-  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value>;
+  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value, SHARE_NONE, kProducerRegs>;
   using Epi = TmaEpilogue<ExpertDest, TmaStoreOp, NoTileSignal>;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
@@ -453,12 +444,14 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
       epi.signal.unused = 0;
       gemm_persistent<Cfg, MoeRaster, SourceAWait, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.ffn, p.hidden}, sched,
                                                          await, epi, blockIdx.x, p.compute_ctas, smem);
-    } else if (blockIdx.x == 0) {
-      // Communication only: the kernel ends once every source's rows are here.
-      moe_cta_wait_peers(ws, MOE_RECV, epoch, -1, MK_OP_MOE_DISPATCH);
+    } else {
+      // Communication only (the benchmark's unfused baseline): the would-be GEMM CTAs send
+      // with all their warps; the kernel ends once every source's rows are here.
+      if (p.send_by_gemm_ctas) send_rows<CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
+      if (blockIdx.x == 0) moe_cta_wait_peers(ws, MOE_RECV, epoch, -1, MK_OP_MOE_DISPATCH);
     }
-  } else if (ready) {
-    send_rows(p, epoch, j);
+  } else if (ready && !p.send_by_gemm_ctas) {
+    send_rows<CtaTeam>(p, epoch, j, p.comm_ctas);
   }
   if (p.trace) {
     __syncthreads();
@@ -479,13 +472,14 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
   return out;
 }
 
-// Whole CTA (comm CTA j): out[t, tile n] for the work items (t, n) of this CTA's warps.
+// One warp (number gw of nw pulling warps in the grid): out[t, tile n] for the work items
+// (t, n) gw, gw + nw, ...  Warp-synchronous only, so any set of warps can pull: the
+// dedicated pull CTAs' 12 warps, or a GEMM CTA's 8 consumer warps after its last tile.
 template <typename T, int BN>
-__device__ __forceinline__ void pull_rows(const MoeParams& p, uint64_t epoch, int j) {
+__device__ __forceinline__ void pull_rows(const MoeParams& p, uint64_t epoch, int gw, int nw) {
   const WorkspaceView& ws = p.ws;
   const int K = p.top_k, H = p.hidden;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int gw = j * MOE_WARPS + warp, nw = p.comm_ctas * MOE_WARPS;
+  const int lane = threadIdx.x % 32;
   const int* layout = reinterpret_cast<const int*>(p.layout);
   const float* weights = reinterpret_cast<const float*>(p.topk_weights);
   const int items = p.tokens * p.tiles_n;
@@ -498,13 +492,17 @@ __device__ __forceinline__ void pull_rows(const MoeParams& p, uint64_t epoch, in
       row = ld_cg(layout + p.lay_row + (size_t)t * K + lane);
       w = weights[(size_t)t * K + lane];
     }
+    // Lane 0 waits for the item's k slabs one after another (one poller per warp, not k:
+    // waiting lanes compete with the GEMM CTAs for the memory system).
+    const uint32_t word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
     int ok = 1;
     const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
-    if (dest >= 0) {
-      const uint32_t word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
-      ok = moe_wait(ws, mk_signal_word(ws, dest, word), epoch, dest, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
+    for (int u = 0; u < K; ++u) {
+      const int du = __shfl_sync(0xffffffffu, dest, u);
+      const uint32_t wu = __shfl_sync(0xffffffffu, word, u);
+      if (lane == 0 && ok && du >= 0) ok = moe_wait(ws, mk_signal_word(ws, du, wu), epoch, du, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
     }
-    if (!__all_sync(0xffffffffu, ok)) return;
+    if (!__shfl_sync(0xffffffffu, ok, 0)) return;
     if (p.trace) {
       // Per warp; the trace's per-CTA wait is the sum over the CTA's 12 warps.
       const int rows = __popc(__ballot_sync(0xffffffffu, dest >= 0));
@@ -551,11 +549,30 @@ __device__ __forceinline__ void pull_rows(const MoeParams& p, uint64_t epoch, in
   }
 }
 
+// The combine's default epilogue: Z slabs stored and flagged; then, when the launch has no
+// dedicated pull CTAs, the consumer warps (8 per CTA, whose registers setmaxnreg raised;
+// the producer warps' were lowered) pull and sum this CTA's share of the output. Most of
+// the slabs are in by then: the pull overlaps only the GEMM's last wave.
+template <typename T, int BN>
+struct PullAfterGemm : TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal> {
+  using Base = TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal>;
+  struct Params : Base::Params {
+    const MoeParams* op;
+  };
+  __device__ static void finish(const Params& p, const SlabInfo& s) {
+    Base::finish(p, s);  // this warpgroup's last slab stored and flagged
+    if (p.op->comm_ctas == 0) {
+      const int warp = s.consumer * 4 + s.thread / 32;
+      pull_rows<T, BN>(*p.op, p.signal.epoch, blockIdx.x * 8 + warp, p.op->compute_ctas * 8);
+    }
+  }
+};
+
 template <typename T, int BN>
 __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
                                         const MoeParams& p) {
   using Cfg = GemmConfig<T, BN, FusedStages<BN>::value>;
-  using Epi = TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal>;
+  using Epi = PullAfterGemm<T, BN>;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
@@ -582,6 +599,7 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
         epi.signal.tiles_n = p.tiles_n;
         epi.signal.epoch = epoch;
         epi.signal.trace = p.trace;
+        epi.op = &p;
         gemm_persistent<Cfg, MoeRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.hidden, p.ffn}, sched,
                                                        await, epi, blockIdx.x, p.compute_ctas, smem);
       } else {
@@ -590,10 +608,11 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
         const int words = total_mb * p.tiles_n * 2;
         for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += p.compute_ctas * blockDim.x)
           mk_st_release_sys(flags + i, epoch);
+        if (p.comm_ctas == 0) pull_rows<T, BN>(p, epoch, blockIdx.x * MOE_WARPS + threadIdx.x / 32, p.compute_ctas * MOE_WARPS);
       }
     }
   } else if (valid) {
-    pull_rows<T, BN>(p, epoch, blockIdx.x - p.compute_ctas);
+    pull_rows<T, BN>(p, epoch, (blockIdx.x - p.compute_ctas) * MOE_WARPS + threadIdx.x / 32, p.comm_ctas * MOE_WARPS);
   }
   if (p.trace) {
     __syncthreads();

@@ -374,7 +374,10 @@ pub struct MoeParams {
     /// 1: fused GEMM; 0: communication only (the benchmark's unfused baseline runs the
     /// GEMM as separate launches).
     pub gemm: i32,
-    pub reserved: i32,
+    /// Dispatch: 1 = the three idle warps of every GEMM CTA's producer warpgroup send the
+    /// token rows (the one communication CTA only computes the layout); 0 = the
+    /// communication CTAs send (MK_COMM_SMS).
+    pub send_by_gemm_ctas: i32,
     /// As `AgGemmParams::trace`.
     pub trace: u64,
 }

@@ -111,6 +111,45 @@ __device__ __forceinline__ void mk_raise_abort(const WorkspaceView& ws) {
   for (int r = 0; r < ws.nranks; ++r) mk_st_release_sys(mk_signal_word(ws, r, MK_SIG_ABORT), (uint64_t)ws.rank + 1);
 }
 
+// The checks a bounded wait makes between polls of its flag, call-free (usable after
+// setmaxnreg): the abort word (device memory) and the timeout on every check; the host's
+// abort flag only once per kHostCheckNs, because it lives in host-mapped memory and every
+// read crosses PCIe: hundreds of waiting threads reading it every few microseconds slowed
+// the GEMM CTAs beside them by 10-100x (the MoE kernels, benches/RESULTS.md session 3).
+// A host abort (mkCommAbort) is noticed within a millisecond. Returns false, with the
+// error recorded, when the wait must stop.
+struct MkWaitChecks {
+  static constexpr uint64_t kHostCheckNs = 1000000;
+  const WorkspaceView& ws;
+  const uint64_t* abort_word;
+  uint64_t start, next_host_check;
+  __device__ __forceinline__ explicit MkWaitChecks(const WorkspaceView& w)
+      : ws(w), abort_word(mk_signal_word(w, w.rank, MK_SIG_ABORT)), start(mk_globaltimer()),
+        next_host_check(start + kHostCheckNs) {}
+  __device__ __forceinline__ bool keep_waiting(int peer, uint32_t what, uint32_t op) {
+    const uint64_t raised = mk_ld_relaxed_sys(abort_word);
+    if (raised != 0) {
+      mk_record_error(ws, mk_error_word(MK_RESULT_REMOTE_ERROR, (uint32_t)(raised - 1), what, op));
+      return false;
+    }
+    const uint64_t now = mk_globaltimer();
+    if (now - start > ws.timeout_ns) {
+      mk_record_error(ws, mk_error_word(MK_RESULT_TIMEOUT, (uint32_t)peer, what, op));
+      mk_raise_abort(ws);
+      return false;
+    }
+    if (now >= next_host_check) {
+      next_host_check = now + kHostCheckNs;
+      if (mk_ld_relaxed_sys_u32(&mk_status(ws)->host_abort) != 0) {
+        mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
+        mk_raise_abort(ws);
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
 // One thread: waits until *flag >= target. `what` and `op` describe the wait for the
 // error word; `peer` is the rank expected to post the flag. False: the CTA must exit.
 // Inlined form, for code that must not make calls (a GEMM producer warp after
@@ -119,28 +158,10 @@ __device__ __forceinline__ void mk_raise_abort(const WorkspaceView& ws) {
 __device__ __forceinline__ bool mk_wait_geq_inline(const WorkspaceView& ws, const uint64_t* flag, uint64_t target,
                                                    int peer, uint32_t what, uint32_t op) {
   if (mk_ld_acquire_sys(flag) >= target) return true;
-  const uint64_t* abort_word = mk_signal_word(ws, ws.rank, MK_SIG_ABORT);
-  const uint32_t* host_abort = &mk_status(ws)->host_abort;
-  uint64_t start = mk_globaltimer();
+  MkWaitChecks checks(ws);
   for (uint32_t spin = 1;; ++spin) {
     if (mk_ld_acquire_sys(flag) >= target) return true;
-    if ((spin & 31) == 0) {
-      uint64_t raised = mk_ld_relaxed_sys(abort_word);
-      if (raised != 0) {
-        mk_record_error(ws, mk_error_word(MK_RESULT_REMOTE_ERROR, (uint32_t)(raised - 1), what, op));
-        return false;
-      }
-      if (mk_ld_relaxed_sys_u32(host_abort) != 0) {
-        mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
-        mk_raise_abort(ws);
-        return false;
-      }
-      if (mk_globaltimer() - start > ws.timeout_ns) {
-        mk_record_error(ws, mk_error_word(MK_RESULT_TIMEOUT, (uint32_t)peer, what, op));
-        mk_raise_abort(ws);
-        return false;
-      }
-    }
+    if ((spin & 31) == 0 && !checks.keep_waiting(peer, what, op)) return false;
   }
 }
 

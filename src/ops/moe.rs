@@ -332,8 +332,33 @@ pub struct RolePlan {
     pub comm_ctas: u32,
 }
 
-/// Communication CTAs so that moving `bytes` takes at most half the GEMM's estimated time
-/// (at least 1, at most half the grid), unless `comm_override` (MK_COMM_SMS) says.
+/// Dispatch: one communication CTA, which computes the layout; the token rows are sent
+/// by the three idle warps of every GEMM CTA's producer warpgroup (`send_by_gemm_ctas`),
+/// so that no SM waits idle once the rows are out (dedicated senders sat idle for 75% of
+/// the kernel at 4 ranks). With MK_COMM_SMS = c, c communication CTAs send instead.
+///
+/// Combine: no communication CTAs unless MK_COMM_SMS asks for them: every CTA runs GEMM
+/// tiles and then, with its consumer warps, pulls and sums its share of the output (the
+/// GEMM keeps every SM; the pull overlaps the GEMM's last wave). Dedicated pull CTAs
+/// spend the whole GEMM waiting, and their polling slowed the GEMM beside them (measured:
+/// benches/RESULTS.md, session 3).
+pub fn plan_roles_for(dir: Direction, bytes: f64, gemm_flops: f64, grid: u32, comm_override: Option<u32>) -> Result<RolePlan> {
+    match (dir, comm_override) {
+        (Direction::Combine, None) => {
+            crate::ensure_arg!(grid >= 1, "the MoE combine needs at least 1 CTA");
+            Ok(RolePlan { compute_ctas: grid, comm_ctas: 0 })
+        }
+        (Direction::Dispatch, None) => {
+            crate::ensure_arg!(grid >= 2, "the MoE dispatch needs at least 2 CTAs (GEMM and layout); the grid cap is {grid}");
+            Ok(RolePlan { compute_ctas: grid - 1, comm_ctas: 1 })
+        }
+        _ => plan_roles(bytes, gemm_flops, grid, comm_override),
+    }
+}
+
+/// Dedicated communication CTAs (MK_COMM_SMS, or sized from the bytes to move and the
+/// GEMM's estimated time when `comm_override` is None: moving them takes at most half of
+/// it; at least 1, at most half the grid).
 pub fn plan_roles(bytes: f64, gemm_flops: f64, grid: u32, comm_override: Option<u32>) -> Result<RolePlan> {
     crate::ensure_arg!(grid >= 2, "the MoE kernels need at least 2 CTAs (compute and communication); the grid cap is {grid}");
     let comm_ctas = match comm_override {
@@ -358,8 +383,9 @@ pub fn prep_smem_bytes(d: &MoeDims) -> usize {
 
 // ---- launches ----------------------------------------------------------------------------
 
+/// Which MoE kernel: token dispatch + GEMM, or GEMM + combine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Direction {
+pub enum Direction {
     Dispatch,
     Combine,
 }
@@ -415,7 +441,7 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
     let rows_est = (l.dims.tokens * l.dims.top_k).max(1);
     let flops = 2.0 * rows_est as f64 * l.cols as f64 * l.inner as f64;
-    let roles = plan_roles(l.bytes_moved, flops, grid, comm.config.comm_ctas)?;
+    let roles = plan_roles_for(l.dir, l.bytes_moved, flops, grid, comm.config.comm_ctas)?;
     let bn = tile_width(l.cols);
     let smem = engine::smem_bytes(bn, Epilogue::Tma);
     if l.dir == Direction::Dispatch && prep_smem_bytes(&l.dims) > smem {
@@ -430,6 +456,7 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     l.params.compute_ctas = roles.compute_ctas as i32;
     l.params.comm_ctas = roles.comm_ctas as i32;
     l.params.gemm = l.gemm as i32;
+    l.params.send_by_gemm_ctas = (l.dir == Direction::Dispatch && comm.config.comm_ctas.is_none()) as i32;
     let fix = |p: u64| if p == u64::MAX { region + COUNTS_BYTES as u64 } else { p };
     let mut ta = engine::tensor_map(fix(l.a.0), l.dtype, l.a.1, l.a.2, engine::BM, engine::BK)?;
     let mut tb = engine::tensor_map(fix(l.b.0), l.dtype, l.b.1, l.b.2, bn, engine::BK)?;
@@ -652,6 +679,14 @@ mod tests {
         assert_eq!(plan_roles(bytes, flops, 66, Some(5)).unwrap(), RolePlan { compute_ctas: 61, comm_ctas: 5 });
         assert!(plan_roles(bytes, flops, 8, Some(8)).unwrap_err().message.contains("MK_COMM_SMS"));
         assert!(plan_roles(bytes, flops, 1, None).is_err());
+        // The combine pulls after its GEMM, on every CTA, unless MK_COMM_SMS says.
+        assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 132, None).unwrap(), RolePlan { compute_ctas: 132, comm_ctas: 0 });
+        assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 1, None).unwrap(), RolePlan { compute_ctas: 1, comm_ctas: 0 });
+        assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 66, Some(5)).unwrap(), RolePlan { compute_ctas: 61, comm_ctas: 5 });
+        // The dispatch keeps one CTA for the layout; the GEMM CTAs send, unless MK_COMM_SMS says.
+        assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 132, None).unwrap(), RolePlan { compute_ctas: 131, comm_ctas: 1 });
+        assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 132, Some(7)).unwrap(), RolePlan { compute_ctas: 125, comm_ctas: 7 });
+        assert!(plan_roles_for(Direction::Dispatch, bytes, flops, 1, None).is_err());
     }
 
     #[test]
