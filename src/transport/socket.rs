@@ -13,7 +13,7 @@
 //! bytes in order). A put completes locally when its bytes are written to the socket.
 //! A `Close` frame ends a connection cleanly; any other end of it is the peer's failure.
 
-use super::staging::{missing_context, DeviceStager};
+use super::staging::{missing_context, nth_chunk, DeviceStager, STAGING_HEADROOM};
 use super::{check_peers, check_put_ranges, MemoryKind, PostId, PutRequest, Transport, TransportAuth, Window};
 use crate::bootstrap::net::{self, Deadline};
 use crate::bootstrap::unique_id::{decode_addr, encode_addr, ENCODED_ADDR_BYTES};
@@ -21,6 +21,7 @@ use crate::error::{MkError, Result};
 use crate::mk_warn;
 use parking_lot::Mutex;
 use std::io::{ErrorKind, Read, Write};
+use std::collections::VecDeque;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -125,6 +126,7 @@ impl Shared {
     }
 }
 
+#[derive(Clone, Copy)]
 enum SendJob {
     Put { id: PostId, frame: Frame, src: usize, len: usize },
     Close,
@@ -303,6 +305,44 @@ impl Staging {
     }
 }
 
+/// Puts a sender takes off its queue ahead of the one it is writing, so that their
+/// staging copies can start while it writes (device windows).
+const SEND_LOOKAHEAD: usize = 64;
+
+/// Where a transport thread's time went; logged at MK_DEBUG=INFO when the thread ends.
+#[derive(Default)]
+struct ThreadStats {
+    messages: u64,
+    bytes: u64,
+    /// Waiting for work (sender: an empty queue; receiver: the next header).
+    idle: Duration,
+    /// In socket writes (sender) or reads of message bodies (receiver).
+    socket: Duration,
+    /// Issuing and waiting for staging copies and signal writes.
+    cuda: Duration,
+}
+
+impl ThreadStats {
+    fn timed<T>(slot: &mut Duration, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        *slot += t.elapsed();
+        r
+    }
+
+    fn log(&self, rank: usize, what: &str) {
+        crate::mk_info!(
+            Some(rank),
+            "socket transport {what}: {} messages, {:.1} MB; idle {:.1} ms, socket {:.1} ms, staging {:.1} ms",
+            self.messages,
+            self.bytes as f64 / 1e6,
+            self.idle.as_secs_f64() * 1e3,
+            self.socket.as_secs_f64() * 1e3,
+            self.cuda.as_secs_f64() * 1e3
+        );
+    }
+}
+
 fn send_loop(link: &Link, mut socket: TcpStream, queue: mpsc::Receiver<SendJob>, mut staging: Staging) {
     let Link { rank, peer, window, timeout, ref shared } = *link;
     if let Err(e) = socket.set_write_timeout(Some(timeout)) {
@@ -310,42 +350,153 @@ fn send_loop(link: &Link, mut socket: TcpStream, queue: mpsc::Receiver<SendJob>,
         return;
     }
     let sending = |e: std::io::Error| lost_peer(peer, e, timeout, "while this rank sent to it");
-    for job in queue {
-        let result = match job {
+    let mut jobs: VecDeque<SendJob> = VecDeque::new();
+    // Device windows: the buffers of the staging copies issued for the first unsent chunks
+    // of `jobs`, in send order, and how many chunks of the front job are already sent.
+    let mut ahead = CopyAhead::default();
+    let mut stats = ThreadStats::default();
+    loop {
+        if jobs.is_empty() {
+            match ThreadStats::timed(&mut stats.idle, || next_job(&queue)) {
+                Ok(job) => jobs.push_back(job),
+                Err(_) => break, // close() or cut() dropped the queue
+            }
+        }
+        while jobs.len() < SEND_LOOKAHEAD {
+            match queue.try_recv() {
+                Ok(job) => jobs.push_back(job),
+                Err(_) => break,
+            }
+        }
+        let result = match jobs[0] {
             SendJob::Put { id, frame, src, len } => {
-                let small = window.data.kind == MemoryKind::Host && len <= SMALL_PUT_BYTES;
-                let sent = if small {
-                    // One write for header and data: small puts (signals, tiles' tails) are
-                    // bound by system calls, not bandwidth.
-                    let mut message = Vec::with_capacity(FRAME_BYTES + len);
-                    message.extend_from_slice(&frame.encode());
-                    // SAFETY: as below.
-                    message.extend_from_slice(unsafe { std::slice::from_raw_parts(src as *const u8, len) });
-                    socket.write_all(&message).map_err(sending)
+                stats.messages += 1;
+                stats.bytes += len as u64;
+                let sent = if window.data.kind == MemoryKind::Device {
+                    staging.stager().and_then(|stager| {
+                        ahead.send_front(&jobs, stager, &mut socket, &frame, len, &mut stats).map_err(|e| match e {
+                            SendError::Io(e) => sending(e),
+                            SendError::Mk(e) => e,
+                        })
+                    })
                 } else {
-                    socket.write_all(&frame.encode()).map_err(sending)
+                    send_host_put(&mut socket, &frame, src, len, &mut stats).map_err(sending)
                 };
-                let sent = sent.and_then(|_| {
-                    if small {
-                        Ok(())
-                    } else if window.data.kind == MemoryKind::Device {
-                        let socket = &mut socket;
-                        staging.stager()?.send_from_device(src as u64, len, &mut |chunk| socket.write_all(chunk).map_err(sending))
-                    } else {
-                        // SAFETY: `register`'s contract keeps the window valid until close,
-                        // and post_put checked that [src, src + len) lies in its data region.
-                        let data = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-                        socket.write_all(data).map_err(sending)
-                    }
-                });
                 sent.map(|_| shared.completed.lock().push(id))
             }
             SendJob::Close => socket.write_all(&Frame::close().encode()).map_err(sending),
         };
+        jobs.pop_front();
+        ahead.front_sent = 0;
         if let Err(e) = result {
             shared.fail(rank, e);
             return;
         }
+    }
+    stats.log(rank, &format!("sender to rank {peer}"));
+}
+
+/// How long an idle sender polls its queue before it blocks: the proxy hands over the
+/// commands of one collective tens of µs apart, and waking a blocked thread costs about
+/// as much again.
+const SENDER_SPIN: Duration = Duration::from_micros(200);
+
+/// The next job: polled for `SENDER_SPIN`, then waited for without limit (an idle
+/// connection is fine; close() ends the queue).
+fn next_job(queue: &mpsc::Receiver<SendJob>) -> std::result::Result<SendJob, mpsc::RecvError> {
+    let start = Instant::now();
+    loop {
+        match queue.try_recv() {
+            Ok(job) => return Ok(job),
+            Err(mpsc::TryRecvError::Disconnected) => return Err(mpsc::RecvError),
+            Err(mpsc::TryRecvError::Empty) if start.elapsed() < SENDER_SPIN => std::thread::yield_now(),
+            Err(mpsc::TryRecvError::Empty) => return queue.recv(),
+        }
+    }
+}
+
+/// A put from a window in host memory.
+fn send_host_put(socket: &mut TcpStream, frame: &Frame, src: usize, len: usize, stats: &mut ThreadStats) -> std::io::Result<()> {
+    // SAFETY: `register`'s contract keeps the window valid until close, and post_put
+    // checked that [src, src + len) lies in its data region.
+    let data = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
+    ThreadStats::timed(&mut stats.socket, || {
+        if len <= SMALL_PUT_BYTES {
+            // One write for header and data: small puts (signals, tiles' tails) are bound
+            // by system calls, not bandwidth.
+            let mut message = Vec::with_capacity(FRAME_BYTES + len);
+            message.extend_from_slice(&frame.encode());
+            message.extend_from_slice(data);
+            socket.write_all(&message)
+        } else {
+            socket.write_all(&frame.encode())?;
+            socket.write_all(data)
+        }
+    })
+}
+
+enum SendError {
+    Io(std::io::Error),
+    Mk(MkError),
+}
+
+impl From<MkError> for SendError {
+    fn from(e: MkError) -> Self {
+        SendError::Mk(e)
+    }
+}
+
+/// A sender's copy-ahead over its queue (device windows): the device→host copies of the
+/// next chunks, of the put being written and of the puts queued behind it, run while the
+/// current chunk goes to the socket, so a put's staging latency is hidden behind the
+/// previous put's write instead of adding to it.
+#[derive(Default)]
+struct CopyAhead {
+    /// Staging buffers with copies issued, for the first unsent chunks of the queue in order.
+    issued: VecDeque<usize>,
+    /// Chunks of the queue's front put already written.
+    front_sent: usize,
+}
+
+impl CopyAhead {
+    /// Writes the front put of `jobs` (its frame, then its data chunk by chunk, the first
+    /// chunk in the same write as the frame).
+    fn send_front(&mut self, jobs: &VecDeque<SendJob>, stager: &mut DeviceStager, socket: &mut TcpStream, frame: &Frame, len: usize, stats: &mut ThreadStats) -> std::result::Result<(), SendError> {
+        const _: () = assert!(FRAME_BYTES <= STAGING_HEADROOM);
+        let header = frame.encode();
+        if len == 0 {
+            return ThreadStats::timed(&mut stats.socket, || socket.write_all(&header)).map_err(SendError::Io);
+        }
+        let chunk = stager.chunk_bytes();
+        for k in 0..len.div_ceil(chunk) {
+            ThreadStats::timed(&mut stats.cuda, || self.top_up(jobs, stager))?;
+            let i = self.issued.pop_front().expect("the current chunk's copy is issued first");
+            let bytes = chunk.min(len - k * chunk);
+            let buffer = ThreadStats::timed(&mut stats.cuda, || stager.finish_copy_out(i))?;
+            let from = if k == 0 {
+                buffer[STAGING_HEADROOM - FRAME_BYTES..STAGING_HEADROOM].copy_from_slice(&header);
+                STAGING_HEADROOM - FRAME_BYTES
+            } else {
+                STAGING_HEADROOM
+            };
+            ThreadStats::timed(&mut stats.socket, || socket.write_all(&buffer[from..STAGING_HEADROOM + bytes])).map_err(SendError::Io)?;
+            self.front_sent += 1;
+        }
+        Ok(())
+    }
+
+    /// Issues copies for the next unsent chunks until every staging buffer is in use (the
+    /// buffer of the chunk just written is free again: the write copied it into the socket).
+    fn top_up(&mut self, jobs: &VecDeque<SendJob>, stager: &mut DeviceStager) -> Result<()> {
+        let lens = || jobs.iter().map(|j| if let SendJob::Put { len, .. } = j { *len } else { 0 });
+        while self.issued.len() < stager.buffer_count() {
+            let Some((t, offset, bytes)) = nth_chunk(lens(), self.front_sent, self.issued.len(), stager.chunk_bytes()) else {
+                break;
+            };
+            let SendJob::Put { src, .. } = jobs[t] else { unreachable!("only puts have chunks") };
+            self.issued.push_back(stager.start_copy_out((src + offset) as u64, bytes)?);
+        }
+        Ok(())
     }
 }
 
@@ -380,11 +531,18 @@ fn read_message_part(socket: &mut TcpStream, buf: &mut [u8], idle_ok: bool, shar
 }
 
 fn receive_loop(link: &Link, mut socket: TcpStream, mut staging: Staging) -> Result<()> {
+    let mut stats = ThreadStats::default();
+    let result = receive_messages(link, &mut socket, &mut staging, &mut stats);
+    stats.log(link.rank, &format!("receiver from rank {}", link.peer));
+    result
+}
+
+fn receive_messages(link: &Link, socket: &mut TcpStream, staging: &mut Staging, stats: &mut ThreadStats) -> Result<()> {
     let Link { peer, window, timeout, ref shared, .. } = *link;
     socket.set_read_timeout(Some(IDLE_POLL))?;
     loop {
         let mut header = [0u8; FRAME_BYTES];
-        if !read_message_part(&mut socket, &mut header, true, shared, peer, timeout)? {
+        if !ThreadStats::timed(&mut stats.idle, || read_message_part(socket, &mut header, true, shared, peer, timeout))? {
             return Ok(());
         }
         let frame = Frame::decode(&header);
@@ -402,21 +560,30 @@ fn receive_loop(link: &Link, mut socket: TcpStream, mut staging: Staging) -> Res
                 window.signal_words()
             )));
         }
+        stats.messages += 1;
+        stats.bytes += frame.bytes;
         let dst_addr = window.data.base + frame.dst_offset;
         let mut complete = true;
         if window.data.kind == MemoryKind::Device {
-            let socket = &mut socket;
-            staging.stager()?.receive_into_device(dst_addr, frame.bytes as usize, &mut |chunk| {
-                match read_message_part(socket, chunk, false, shared, peer, timeout)? {
+            let stager = staging.stager()?;
+            let started = Instant::now();
+            let mut reading = Duration::ZERO;
+            // The copies to the device may still run when this returns; the signal below is
+            // written by the same stream, after them.
+            stager.receive_into_device(dst_addr, frame.bytes as usize, &mut |chunk| {
+                let r = ThreadStats::timed(&mut reading, || read_message_part(socket, chunk, false, shared, peer, timeout));
+                match r? {
                     true => Ok(()),
                     false => Err(MkError::remote("the transport closed in the middle of a message")),
                 }
             })?;
+            stats.socket += reading;
+            stats.cuda += started.elapsed().saturating_sub(reading);
         } else if frame.bytes > 0 {
             // SAFETY: the range was checked against the registered data region just above,
             // and `register`'s contract keeps it valid until close.
             let dst = unsafe { std::slice::from_raw_parts_mut(dst_addr as *mut u8, frame.bytes as usize) };
-            complete = read_message_part(&mut socket, dst, false, shared, peer, timeout)?;
+            complete = ThreadStats::timed(&mut stats.socket, || read_message_part(socket, dst, false, shared, peer, timeout))?;
         }
         if !complete {
             return Ok(()); // closing
@@ -424,9 +591,15 @@ fn receive_loop(link: &Link, mut socket: TcpStream, mut staging: Staging) -> Res
         if frame.signal_id != u32::MAX {
             let signal_addr = window.signals.base + 8 * frame.signal_id as u64;
             if window.signals.kind == MemoryKind::Device {
-                // After the data: receive_into_device returned once every byte was on the device.
-                staging.stager()?.store_u64(signal_addr, frame.signal_value)?;
+                // Stream-ordered after the data copies of this and every earlier message.
+                let stager = staging.stager()?;
+                ThreadStats::timed(&mut stats.cuda, || stager.store_u64(signal_addr, frame.signal_value))?;
             } else {
+                if window.data.kind == MemoryKind::Device {
+                    // The host store below is not ordered after the staging copies.
+                    let stager = staging.stager()?;
+                    ThreadStats::timed(&mut stats.cuda, || stager.finish_all())?;
+                }
                 // SAFETY: signal_id < signal words (checked above); the signal region is
                 // 8-byte aligned (checked by register) and valid until close.
                 let word = unsafe { &*(signal_addr as *const AtomicU64) };
