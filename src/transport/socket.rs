@@ -330,15 +330,17 @@ impl ThreadStats {
         r
     }
 
-    fn log(&self, rank: usize, what: &str) {
+    fn log(&self, rank: usize, what: &str, staging: &Staging) {
+        let calls = staging.stager.as_ref().map(|s| format!("; copies issued {}, buffer waits {}, signals {}", s.times.issue, s.times.wait, s.times.signal));
         crate::mk_info!(
             Some(rank),
-            "socket transport {what}: {} messages, {:.1} MB; idle {:.1} ms, socket {:.1} ms, staging {:.1} ms",
+            "socket transport {what}: {} messages, {:.1} MB; idle {:.1} ms, socket {:.1} ms, staging {:.1} ms{}",
             self.messages,
             self.bytes as f64 / 1e6,
             self.idle.as_secs_f64() * 1e3,
             self.socket.as_secs_f64() * 1e3,
-            self.cuda.as_secs_f64() * 1e3
+            self.cuda.as_secs_f64() * 1e3,
+            calls.unwrap_or_default()
         );
     }
 }
@@ -393,7 +395,7 @@ fn send_loop(link: &Link, mut socket: TcpStream, queue: mpsc::Receiver<SendJob>,
             return;
         }
     }
-    stats.log(rank, &format!("sender to rank {peer}"));
+    stats.log(rank, &format!("sender to rank {peer}"), &staging);
 }
 
 /// How long an idle sender polls its queue before it blocks: the proxy hands over the
@@ -533,7 +535,7 @@ fn read_message_part(socket: &mut TcpStream, buf: &mut [u8], idle_ok: bool, shar
 fn receive_loop(link: &Link, mut socket: TcpStream, mut staging: Staging) -> Result<()> {
     let mut stats = ThreadStats::default();
     let result = receive_messages(link, &mut socket, &mut staging, &mut stats);
-    stats.log(link.rank, &format!("receiver from rank {}", link.peer));
+    stats.log(link.rank, &format!("receiver from rank {}", link.peer), &staging);
     result
 }
 
@@ -596,7 +598,8 @@ fn receive_messages(link: &Link, socket: &mut TcpStream, staging: &mut Staging, 
                 ThreadStats::timed(&mut stats.cuda, || stager.store_u64(signal_addr, frame.signal_value))?;
             } else {
                 if window.data.kind == MemoryKind::Device {
-                    // The host store below is not ordered after the staging copies.
+                    // The host store below is not ordered after the staging copies: wait
+                    // for those of this message and earlier ones (none left: no call).
                     let stager = staging.stager()?;
                     ThreadStats::timed(&mut stats.cuda, || stager.finish_all())?;
                 }

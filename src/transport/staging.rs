@@ -52,6 +52,38 @@ pub fn nth_chunk(lens: impl IntoIterator<Item = usize>, skip: usize, index: usiz
     None
 }
 
+/// Count, total and longest of one kind of CUDA call (for the transport threads' INFO log).
+#[derive(Clone, Copy, Default, Debug)]
+pub struct CallTime {
+    pub calls: u64,
+    pub total: std::time::Duration,
+    pub max: std::time::Duration,
+}
+
+impl CallTime {
+    fn add(&mut self, since: std::time::Instant) {
+        let d = since.elapsed();
+        self.calls += 1;
+        self.total += d;
+        self.max = self.max.max(d);
+    }
+}
+
+impl std::fmt::Display for CallTime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let avg = if self.calls == 0 { 0.0 } else { self.total.as_secs_f64() * 1e6 / self.calls as f64 };
+        write!(f, "{} x {avg:.1} us (max {:.0} us)", self.calls, self.max.as_secs_f64() * 1e6)
+    }
+}
+
+/// Where a stager's time went: waits for buffers' copies, issuing copies, signal writes.
+#[derive(Clone, Copy, Default, Debug)]
+pub struct StagerTimes {
+    pub wait: CallTime,
+    pub issue: CallTime,
+    pub signal: CallTime,
+}
+
 /// A thread's CUDA stream, pinned chunk ring and events.
 pub struct DeviceStager {
     stream: sys::CUstream,
@@ -67,6 +99,7 @@ pub struct DeviceStager {
     word: *mut u64,
     /// Whether `cuStreamWriteValue64` may be used (device attribute, then the first call).
     stream_mem_ops: bool,
+    pub times: StagerTimes,
 }
 
 fn check(what: &str, r: sys::CUresult) -> Result<()> {
@@ -94,6 +127,7 @@ impl DeviceStager {
             chunk: STAGING_CHUNK_BYTES,
             word: std::ptr::null_mut(),
             stream_mem_ops: false,
+            times: StagerTimes::default(),
         };
         for _ in 0..STAGING_BUFFERS {
             let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -131,8 +165,10 @@ impl DeviceStager {
     /// Waits for the copy last issued on buffer `i`, if any.
     fn wait(&mut self, i: usize) -> Result<()> {
         if self.busy[i] {
+            let t = std::time::Instant::now();
             // SAFETY: our event, recorded on our stream.
             check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.events[i]) })?;
+            self.times.wait.add(t);
             self.busy[i] = false;
         }
         Ok(())
@@ -165,12 +201,14 @@ impl DeviceStager {
     pub fn start_copy_out(&mut self, device: u64, bytes: usize) -> Result<usize> {
         assert!(bytes <= self.chunk, "a staged copy is at most one chunk");
         let i = self.acquire()?;
+        let t = std::time::Instant::now();
         // SAFETY: the caller checked [device, +bytes) lies in the registered device window;
         // the buffer holds `chunk` >= bytes after its headroom and no copy is using it.
         check("cuMemcpyDtoHAsync", unsafe {
             sys::cuMemcpyDtoHAsync_v2(self.data_ptr(i).cast(), device, bytes, self.stream)
         })?;
         self.record(i)?;
+        self.times.issue.add(t);
         Ok(i)
     }
 
@@ -194,12 +232,14 @@ impl DeviceStager {
             // SAFETY: as finish_copy_out: no copy uses buffer i (acquire waited).
             let buffer = unsafe { std::slice::from_raw_parts_mut(self.data_ptr(i), bytes) };
             source(buffer)?;
+            let t = std::time::Instant::now();
             // SAFETY: the caller checked [device, +len) lies in the registered window; the
             // buffer stays untouched until its event says the copy finished.
             check("cuMemcpyHtoDAsync", unsafe {
                 sys::cuMemcpyHtoDAsync_v2(device + offset as u64, self.data_ptr(i).cast(), bytes, self.stream)
             })?;
             self.record(i)?;
+            self.times.issue.add(t);
         }
         Ok(())
     }
@@ -208,6 +248,13 @@ impl DeviceStager {
     /// on this stager (stream order; the write carries a memory barrier, so a kernel that
     /// sees the value sees the data copied before it). Does not wait for it.
     pub fn store_u64(&mut self, device: u64, value: u64) -> Result<()> {
+        let t = std::time::Instant::now();
+        let r = self.store_u64_inner(device, value);
+        self.times.signal.add(t);
+        r
+    }
+
+    fn store_u64_inner(&mut self, device: u64, value: u64) -> Result<()> {
         if self.stream_mem_ops {
             // SAFETY: `device` is an 8-byte aligned signal word of the registered window.
             let r = unsafe {
@@ -228,9 +275,15 @@ impl DeviceStager {
         self.sync()
     }
 
-    /// Waits until every copy issued so far has finished.
+    /// Waits until every copy issued so far has finished (at once when none is in flight).
     pub fn finish_all(&mut self) -> Result<()> {
-        self.sync()
+        if !self.busy.iter().any(|&b| b) {
+            return Ok(());
+        }
+        let t = std::time::Instant::now();
+        let r = self.sync();
+        self.times.wait.add(t);
+        r
     }
 
     fn sync(&mut self) -> Result<()> {
