@@ -64,7 +64,12 @@ __device__ __noinline__ bool hier_wait(const HierCollectiveParams& p, const uint
   const uint64_t* abort_word = mk_signal_word(ws, ws.rank, MK_SIG_ABORT);
   const uint32_t* host_abort = &mk_status(ws)->host_abort;
   const uint32_t* proxy_error = &reinterpret_cast<const ProxyRingControl*>(p.ring.control)->error;
-  uint64_t start = mk_globaltimer();
+  const uint64_t start = mk_globaltimer();
+  // The host's abort flag and the proxy's error word live in host memory: every read
+  // crosses PCIe, and many waiters reading them every few µs slow whatever else uses the
+  // link (MkWaitChecks in signals.cuh; here: this path's own staging copies). Read them
+  // once per kHostCheckNs: an abort or a proxy failure is noticed within a millisecond.
+  uint64_t next_host_check = start + MkWaitChecks::kHostCheckNs;
   for (uint32_t spin = 1;; ++spin) {
     if (mk_ld_acquire_sys(flag) >= target) return true;
     if ((spin & 31) == 0) {
@@ -73,16 +78,20 @@ __device__ __noinline__ bool hier_wait(const HierCollectiveParams& p, const uint
         mk_record_error(ws, mk_error_word(MK_RESULT_REMOTE_ERROR, (uint32_t)(raised - 1), what, op));
         return false;
       }
-      if (mk_ld_relaxed_sys_u32(host_abort) != 0) {
-        hier_fail(p, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
-        return false;
+      const uint64_t now = mk_globaltimer();
+      if (now >= next_host_check) {
+        next_host_check = now + MkWaitChecks::kHostCheckNs;
+        if (mk_ld_relaxed_sys_u32(host_abort) != 0) {
+          hier_fail(p, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
+          return false;
+        }
+        uint32_t failed = mk_proxy_load_acquire_u32(proxy_error);
+        if (failed != 0) {
+          hier_fail(p, mk_error_word(failed, (uint32_t)peer, MK_WAIT_PROXY, op));
+          return false;
+        }
       }
-      uint32_t failed = mk_proxy_load_acquire_u32(proxy_error);
-      if (failed != 0) {
-        hier_fail(p, mk_error_word(failed, (uint32_t)peer, MK_WAIT_PROXY, op));
-        return false;
-      }
-      if (mk_globaltimer() - start > ws.timeout_ns) {
+      if (now - start > ws.timeout_ns) {
         hier_fail(p, mk_error_word(MK_RESULT_TIMEOUT, (uint32_t)peer, what, op));
         return false;
       }

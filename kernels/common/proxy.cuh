@@ -54,21 +54,32 @@ __device__ __forceinline__ void mk_proxy_store_release_u32(uint32_t* p, uint32_t
   asm volatile("st.release.sys.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
 }
 
+// How often a waiter reads the proxy's error word, and the longest pause between reads of
+// the counter it waits for. Both live in host memory, so every read crosses PCIe: dozens
+// of CTAs reading two words every microsecond slow everything else on the link (the
+// staging copies of this very path; MkWaitChecks in signals.cuh has the GEMM story).
+#define MK_PROXY_ERROR_CHECK_NS 1000000ull
+#define MK_PROXY_MAX_BACKOFF_NS 4096u
+
 // Spins until counter (tail or completed) exceeds `ticket` - `slack`, i.e. counter + slack > ticket.
 // Returns 0, the proxy's error, or MK_PROXY_TIMEOUT.
 __device__ __forceinline__ int mk_proxy_wait_counter(const ProxyRingView& ring, const uint64_t* counter,
                                                      uint64_t ticket, uint64_t slack) {
   const ProxyRingControl* control = reinterpret_cast<const ProxyRingControl*>(ring.control);
-  uint64_t start = 0;
+  uint64_t start = 0, next_error_check = 0;
   uint32_t backoff = 32;
   while (mk_proxy_load_acquire_u64(counter) + slack <= ticket) {
-    uint32_t proxy_error = mk_proxy_load_acquire_u32(&control->error);
-    if (proxy_error != 0) return (int)proxy_error;
     uint64_t now = mk_proxy_now_ns();
+    if (now >= next_error_check) {
+      // The first time round too: a proxy that failed may never move the counter.
+      uint32_t proxy_error = mk_proxy_load_acquire_u32(&control->error);
+      if (proxy_error != 0) return (int)proxy_error;
+      next_error_check = now + MK_PROXY_ERROR_CHECK_NS;
+    }
     if (start == 0) start = now;
     else if (now - start > ring.timeout_ns) return MK_PROXY_TIMEOUT;
     __nanosleep(backoff);
-    if (backoff < 1024) backoff *= 2;
+    if (backoff < MK_PROXY_MAX_BACKOFF_NS) backoff *= 2;
   }
   return MK_PROXY_OK;
 }
