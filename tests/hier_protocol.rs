@@ -20,10 +20,13 @@ use mkernel::ops::collectives::CollectiveKind;
 use mkernel::ops::hier_collectives::{node_layout, plan, HierPlan, NodeLayout};
 use mkernel::transport::inter_node::{start_inter_node, InterNodeSetup};
 use mkernel::transport::proxy::{command_header, put_command, HostProducer, ProxyRing};
-use mkernel::transport::{MemoryKind, MemoryRegion, NetKind, TransportAuth, Window};
+use mkernel::transport::{NetKind, TransportAuth};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod common;
+use common::HostWindow;
 
 // kernels/common/signals.cuh
 const SIG_SEQ: usize = 64;
@@ -38,41 +41,6 @@ const SIGNAL_WORDS: usize = 8192;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
-/// A rank's window: data region and signal words, leaked (the transport threads use them).
-struct HostWindow {
-    data: *mut u8,
-    data_bytes: usize,
-    signals: &'static [AtomicU64],
-}
-// SAFETY: leaked memory shared by design; ranges are read only after the acquire load of
-// the flag that published them (which is what the test checks).
-unsafe impl Sync for HostWindow {}
-// SAFETY: as above.
-unsafe impl Send for HostWindow {}
-
-impl HostWindow {
-    fn new(data_bytes: usize) -> HostWindow {
-        let words = Box::leak(vec![0u64; data_bytes / 8].into_boxed_slice());
-        let signals = Box::leak((0..SIGNAL_WORDS).map(|_| AtomicU64::new(0)).collect::<Vec<_>>().into_boxed_slice());
-        HostWindow { data: words.as_mut_ptr().cast(), data_bytes, signals }
-    }
-    fn window(&self) -> Window {
-        Window {
-            data: MemoryRegion { base: self.data as u64, bytes: self.data_bytes as u64, kind: MemoryKind::Host },
-            signals: MemoryRegion { base: self.signals.as_ptr() as u64, bytes: 8 * SIGNAL_WORDS as u64, kind: MemoryKind::Host },
-        }
-    }
-    fn read(&self, off: u64) -> f64 {
-        assert!(off as usize + 8 <= self.data_bytes && off % 8 == 0);
-        // SAFETY: in bounds and aligned; see the Sync impl.
-        unsafe { std::ptr::read_volatile(self.data.add(off as usize).cast::<f64>()) }
-    }
-    fn write(&self, off: u64, v: f64) {
-        assert!(off as usize + 8 <= self.data_bytes && off % 8 == 0);
-        // SAFETY: as read.
-        unsafe { std::ptr::write_volatile(self.data.add(off as usize).cast::<f64>(), v) }
-    }
-}
 
 /// One rank as its kernel sees it.
 struct RankCtx {
@@ -216,7 +184,7 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
                 let gather = slot_off + p.gather_off;
                 for i in 0..nel {
                     let v = call.send[(off + i) as usize];
-                    me.write(gather + n as u64 * sub + i * es, v);
+                    me.write_f64(gather + n as u64 * sub + i * es, v);
                     set_recv(ctx.rank as u64 * call.count + off + i, v);
                 }
                 let at = gather + n as u64 * sub;
@@ -235,7 +203,7 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
                         }
                         let q = ctx.rank_of(m, j) as u64;
                         for e in 0..nel {
-                            set_recv(q * call.count + off + e, ctx.local[j].read(gather + m as u64 * sub + e * es));
+                            set_recv(q * call.count + off + e, ctx.local[j].read_f64(gather + m as u64 * sub + e * es));
                         }
                     }
                 }
@@ -244,7 +212,7 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
             CollectiveKind::ReduceScatter => {
                 for q in 0..r as u64 {
                     for e in 0..nel {
-                        me.write(slot_off + p.stage_off + q * sub + e * es, call.send[(q * call.count + off + e) as usize]);
+                        me.write_f64(slot_off + p.stage_off + q * sub + e * es, call.send[(q * call.count + off + e) as usize]);
                     }
                 }
                 ctx.signal_local(ready, step);
@@ -254,8 +222,8 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
                     let o = ctx.rank_of(m, l) as u64;
                     let dst = slot_off + if m == n { p.inbox_off + n as u64 * sub } else { p.outbox_off + m as u64 * sub };
                     for e in 0..nel {
-                        let s: f64 = (0..local).map(|j| ctx.local[j].read(slot_off + p.stage_off + o * sub + e * es)).sum();
-                        me.write(dst + e * es, s);
+                        let s: f64 = (0..local).map(|j| ctx.local[j].read_f64(slot_off + p.stage_off + o * sub + e * es)).sum();
+                        me.write_f64(dst + e * es, s);
                     }
                 }
                 ctx.signal_local(freed, step);
@@ -266,13 +234,13 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
                 ctx.wait_net(net_ready, step, "RS partials")?;
                 jitter(ctx.rank, b, step, 3);
                 for e in 0..nel {
-                    let s: f64 = (0..nodes).map(|m| me.read(slot_off + p.inbox_off + m as u64 * sub + e * es)).sum();
+                    let s: f64 = (0..nodes).map(|m| me.read_f64(slot_off + p.inbox_off + m as u64 * sub + e * es)).sum();
                     set_recv(off + e, s);
                 }
             }
             CollectiveKind::AllReduce => {
                 for e in 0..nel {
-                    me.write(slot_off + p.stage_off + e * es, call.send[(off + e) as usize]);
+                    me.write_f64(slot_off + p.stage_off + e * es, call.send[(off + e) as usize]);
                 }
                 ctx.signal_local(ready, step);
                 ctx.wait_local(ready, step, "READY")?;
@@ -281,8 +249,8 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
                     let (lo, hi) = slice(ctx.rank_of(m, l));
                     let dst = slot_off + if m == n { p.inbox_off + n as u64 * sub } else { p.outbox_off + m as u64 * sub };
                     for e in lo..hi {
-                        let s: f64 = (0..local).map(|j| ctx.local[j].read(slot_off + p.stage_off + e * es)).sum();
-                        me.write(dst + (e - lo) * es, s);
+                        let s: f64 = (0..local).map(|j| ctx.local[j].read_f64(slot_off + p.stage_off + e * es)).sum();
+                        me.write_f64(dst + (e - lo) * es, s);
                     }
                 }
                 let t = ctx.send(b, step, net_ready, |m| {
@@ -296,9 +264,9 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
                 jitter(ctx.rank, b, step, 5);
                 let (lo, hi) = slice(ctx.rank);
                 for e in lo..hi {
-                    let s: f64 = (0..nodes).map(|m| me.read(slot_off + p.inbox_off + m as u64 * sub + (e - lo) * es)).sum();
+                    let s: f64 = (0..nodes).map(|m| me.read_f64(slot_off + p.inbox_off + m as u64 * sub + (e - lo) * es)).sum();
                     set_recv(off + e, s);
-                    me.write(slot_off + p.gather_off + n as u64 * sub + (e - lo) * es, s);
+                    me.write_f64(slot_off + p.gather_off + n as u64 * sub + (e - lo) * es, s);
                 }
                 let at = slot_off + p.gather_off + n as u64 * sub;
                 if let Some(t) = ctx.send(b, step, net_ready2, |_| (at, at, (hi - lo) * es))? {
@@ -316,7 +284,7 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
                         }
                         let (qlo, qhi) = slice(ctx.rank_of(m, j));
                         for e in qlo..qhi {
-                            set_recv(off + e, ctx.local[j].read(slot_off + p.gather_off + m as u64 * sub + (e - qlo) * es));
+                            set_recv(off + e, ctx.local[j].read_f64(slot_off + p.gather_off + m as u64 * sub + (e - qlo) * es));
                         }
                     }
                 }
@@ -416,7 +384,7 @@ fn rank_main(id: &UniqueId, rank: usize, nranks: usize, rpn: u32, windows: &[Arc
 fn run(nranks: usize, rpn: u32) {
     std::env::set_var("MK_SOCKET_IFNAME", "=lo");
     let id = start_root().unwrap();
-    let windows: Vec<Arc<HostWindow>> = (0..nranks).map(|_| Arc::new(HostWindow::new(DATA_BYTES as usize))).collect();
+    let windows: Vec<Arc<HostWindow>> = (0..nranks).map(|_| Arc::new(HostWindow::new(DATA_BYTES as usize, SIGNAL_WORDS, 0))).collect();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..nranks).map(|r| {
             let (id, windows) = (&id, &windows);

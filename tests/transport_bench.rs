@@ -19,54 +19,36 @@ use mkernel::error::{MkError, Result};
 use mkernel::kernel_abi::{ProxyCommand, MK_PROXY_KIND_SIGNAL};
 use mkernel::transport::inter_node::{start_inter_node, InterNodeSetup};
 use mkernel::transport::proxy::{command_header, put_command, HostProducer, Proxy, ProxyRing};
-use mkernel::transport::{MemoryKind, MemoryRegion, NetKind, TransportAuth, Window};
-use std::sync::atomic::{AtomicU64, Ordering};
+use mkernel::transport::{NetKind, TransportAuth};
+use std::sync::atomic::Ordering;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
+
+mod common;
+use common::HostWindow;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 const WORDS: usize = 4096;
 
-struct HostWindow {
-    data: *mut u8,
-    data_bytes: usize,
-    signals: &'static [AtomicU64],
+/// Waits until the window's signal `word` reaches `target` (bounded).
+fn wait(w: &HostWindow, word: usize, target: u64) -> Result<()> {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    while w.signals[word].load(Ordering::Acquire) < target {
+        if start.elapsed() > TIMEOUT {
+            return Err(MkError::timeout(format!("word {word} never reached {target}")));
+        }
+        spins += 1;
+        if spins > 64 {
+            // Sleep, not yield: dozens of emulated CTAs must not starve the transport
+            // threads of the CPU (a kernel spins on the GPU, not here).
+            quick_sleeps();
+            std::thread::sleep(Duration::from_micros(10));
+        }
+    }
+    Ok(())
 }
-// SAFETY: leaked memory shared by design; nothing here checks the bytes.
-unsafe impl Sync for HostWindow {}
-// SAFETY: as above.
-unsafe impl Send for HostWindow {}
 
-impl HostWindow {
-    fn new(data_bytes: usize) -> HostWindow {
-        let data = Box::leak(vec![1u8; data_bytes].into_boxed_slice()).as_mut_ptr();
-        let signals = Box::leak((0..WORDS).map(|_| AtomicU64::new(0)).collect::<Vec<_>>().into_boxed_slice());
-        HostWindow { data, data_bytes, signals }
-    }
-    fn window(&self) -> Window {
-        Window {
-            data: MemoryRegion { base: self.data as u64, bytes: self.data_bytes as u64, kind: MemoryKind::Host },
-            signals: MemoryRegion { base: self.signals.as_ptr() as u64, bytes: 8 * WORDS as u64, kind: MemoryKind::Host },
-        }
-    }
-    fn wait(&self, word: usize, target: u64) -> Result<()> {
-        let start = Instant::now();
-        let mut spins = 0u32;
-        while self.signals[word].load(Ordering::Acquire) < target {
-            if start.elapsed() > TIMEOUT {
-                return Err(MkError::timeout(format!("word {word} never reached {target}")));
-            }
-            spins += 1;
-            if spins > 64 {
-                // Sleep, not yield: dozens of emulated CTAs must not starve the transport
-                // threads of the CPU (a kernel spins on the GPU, not here).
-                quick_sleeps();
-                std::thread::sleep(Duration::from_micros(10));
-            }
-        }
-        Ok(())
-    }
-}
 
 /// Short sleeps without the default 50 µs timer slack.
 fn quick_sleeps() {
@@ -85,7 +67,7 @@ struct Rank {
 fn set_up(id: &UniqueId, rank: usize, nranks: usize, per_node: u32, data_bytes: usize) -> Result<Rank> {
     let boot = Bootstrap::join(id, rank, nranks, TIMEOUT)?;
     let topology = Topology::new(rank, &node_of_ranks(boot.host_hashes(), Some(per_node)))?;
-    let window = HostWindow::new(data_bytes);
+    let window = HostWindow::new(data_bytes, WORDS, 1);
     let setup = InterNodeSetup {
         bootstrap: &boot,
         topology: &topology,
@@ -150,9 +132,9 @@ fn latency() {
             for i in 1..=ROUNDS {
                 if me == 0 {
                     r.producer.post(&cmd(i))?;
-                    r.window.wait(0, i)?;
+                    wait(&r.window, 0, i)?;
                 } else {
-                    r.window.wait(0, i)?;
+                    wait(&r.window, 0, i)?;
                     r.producer.post(&cmd(i))?;
                 }
             }
@@ -181,7 +163,7 @@ fn throughput() {
                     let signal = (k + 1 == total / PUT).then_some((0u32, rep as u32));
                     last = r.producer.post(&put_command(peer as u32, k * PUT, k * PUT, PUT as u32, signal))?;
                 }
-                r.window.wait(0, rep)?;
+                wait(&r.window, 0, rep)?;
             }
             r.producer.wait_complete(last)?;
             let t = start.elapsed().as_secs_f64() / reps as f64;
@@ -216,10 +198,10 @@ fn hier_steps() {
                                     *start.lock().unwrap() = Some(Instant::now());
                                 }
                                 r.producer.post(&signal(peer, b, step))?;
-                                r.window.wait(b, step)?;
+                                wait(&r.window, b, step)?;
                                 let at = b as u64 * (1 << 20);
                                 let t = r.producer.post(&put_command(peer as u32, at, at, put as u32, Some(((ARRIVE + b) as u32, step as u32))))?;
-                                r.window.wait(ARRIVE + b, step)?;
+                                wait(&r.window, ARRIVE + b, step)?;
                                 r.producer.wait_complete(t)?;
                             }
                             Ok(())

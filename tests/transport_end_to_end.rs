@@ -9,51 +9,18 @@ use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::transport::inter_node::{start_inter_node, InterNodeSetup};
 use mkernel::transport::proxy::{put_command, Proxy, ProxyRing};
-use mkernel::transport::{MemoryKind, MemoryRegion, NetKind, TransportAuth, Window};
+use mkernel::transport::{NetKind, TransportAuth};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod common;
+use common::HostWindow;
 
 const ROLE: &str = "MK_TEST_END_TO_END_RANK";
 const SIZES: &[u32] = &[1, 7, 4096, 12_345, 1 << 20, (3 << 20) + 5];
 
-/// Leaked host memory: data region and signal words.
-struct HostWindow {
-    data: *mut u8,
-    data_bytes: usize,
-    signals: &'static [AtomicU64],
-}
-
-// SAFETY: the memory is leaked (lives forever) and shared by design; tests read a range only
-// after the acquire load of the signal that published it.
-unsafe impl Sync for HostWindow {}
-// SAFETY: as above.
-unsafe impl Send for HostWindow {}
-
-impl HostWindow {
-    fn new(data_bytes: usize, signal_words: usize) -> HostWindow {
-        let data = Box::leak(vec![0u8; data_bytes].into_boxed_slice()).as_mut_ptr();
-        let signals = Box::leak((0..signal_words).map(|_| AtomicU64::new(0)).collect::<Vec<_>>().into_boxed_slice());
-        HostWindow { data, data_bytes, signals }
-    }
-    fn window(&self) -> Window {
-        Window {
-            data: MemoryRegion { base: self.data as u64, bytes: self.data_bytes as u64, kind: MemoryKind::Host },
-            signals: MemoryRegion { base: self.signals.as_ptr() as u64, bytes: 8 * self.signals.len() as u64, kind: MemoryKind::Host },
-        }
-    }
-    fn slice(&self, offset: usize, len: usize) -> &[u8] {
-        assert!(offset + len <= self.data_bytes);
-        // SAFETY: in bounds of the leaked allocation.
-        unsafe { std::slice::from_raw_parts(self.data.add(offset), len) }
-    }
-    fn fill(&self, offset: usize, bytes: &[u8]) {
-        assert!(offset + bytes.len() <= self.data_bytes);
-        // SAFETY: in bounds; written before any put reads it.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data.add(offset), bytes.len()) };
-    }
-}
 
 fn pattern(from: usize, message: usize, i: usize) -> u8 {
     (i.wrapping_mul(13) ^ (i >> 7) ^ message.wrapping_mul(29) ^ from.wrapping_mul(71)) as u8
@@ -83,7 +50,7 @@ fn set_up(id: &UniqueId, rank: usize, nranks: usize, ranks_per_node: u32, timeou
     let topology = Topology::new(rank, &node_of_ranks(boot.host_hashes(), Some(ranks_per_node)))?;
     let (_, area) = offsets();
     // Own messages at area 0; rank r's land in area r + 1.
-    let window = HostWindow::new(area * (nranks + 1), 16);
+    let window = HostWindow::new(area * (nranks + 1), 16, 0);
     let setup = InterNodeSetup {
         bootstrap: &boot,
         topology: &topology,
@@ -209,7 +176,7 @@ fn one_node_starts_nothing() {
     let id = start_root().unwrap();
     let boot = Bootstrap::join(&id, 0, 1, Duration::from_secs(5)).unwrap();
     let topology = Topology::new(0, &node_of_ranks(boot.host_hashes(), None)).unwrap();
-    let window = HostWindow::new(64, 1);
+    let window = HostWindow::new(64, 1, 0);
     let setup = InterNodeSetup {
         bootstrap: &boot,
         topology: &topology,
