@@ -109,8 +109,18 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let ours = || engine::launch(&gemm_args, &gemm_plan, stream);
             let cublas = || blas.run(&lt, a_gathered.ptr(), b.ptr(), c.ptr(), stream);
             let fused = || all_gather_gemm(&comm, &args, stream);
-            let timed = |f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f);
-            let t_fused = timed(&fused)?;
+            // Which part failed, with the kernel's error word decoded (op, peer, what it awaited).
+            let phase = |what: &str, t: f64| -> Result<f64> {
+                let code = comm.async_error();
+                if code == mkernel::error::mkResult_t::mkSuccess {
+                    return Ok(t);
+                }
+                // SAFETY: the comm's NUL-terminated last-error string, alive while comm is.
+                let msg = unsafe { std::ffi::CStr::from_ptr(comm.last_error_ptr()) }.to_string_lossy().into_owned();
+                Err(mkernel::error::MkError::new(code, format!("rows/rank {rows} N {nn} K {kk}, {what}: {msg}")))
+            };
+            let timed = |what: &str, f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f).and_then(|t| phase(what, t));
+            let t_fused = timed("fused", &fused)?;
             // Host time to enqueue one call (launch-bound shapes show it in the GPU time too).
             let host_us = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
                 let t = std::time::Instant::now();
@@ -125,11 +135,12 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             };
             let host_fused = host_us(&fused)?;
             let host_unfused = host_us(&|| ag().and_then(|_| ours()))?;
-            let t_ag_ours = timed(&|| ag().and_then(|_| ours()))?;
-            let t_ag_blas = timed(&|| ag().and_then(|_| cublas()))?;
-            let t_blas = timed(&cublas)?;
-            let t_ours = timed(&ours)?;
-            let t_ag = timed(&ag)?;
+            phase("fused, back to back", 0.0)?;
+            let t_ag_ours = timed("AllGather + ours", &|| ag().and_then(|_| ours()))?;
+            let t_ag_blas = timed("AllGather + cuBLAS", &|| ag().and_then(|_| cublas()))?;
+            let t_blas = timed("cuBLAS", &cublas)?;
+            let t_ours = timed("ours", &ours)?;
+            let t_ag = timed("AllGather", &ag)?;
             if o.trace {
                 print_trace(&comm, stream, &format!("ag_gemm rows/rank {rows} N {nn} K {kk}"), &|buf| {
                     all_gather_gemm(&comm, &AgGemmArgs { trace: buf, ..args }, stream)

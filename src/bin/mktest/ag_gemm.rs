@@ -25,7 +25,7 @@ pub fn run() -> Result<()> {
 
 /// One problem: every rank's shard of A, B, and the outputs, with the host copies the
 /// reference needs.
-struct Case {
+pub(crate) struct Case {
     dtype: mkDataType_t,
     rows_per_rank: usize,
     n: usize,
@@ -39,7 +39,7 @@ struct Case {
 }
 
 impl Case {
-    fn new(dtype: mkDataType_t, rows_per_rank: usize, n: usize, k: usize, nranks: usize, rank: usize) -> Result<Case> {
+    pub(crate) fn new(dtype: mkDataType_t, rows_per_rank: usize, n: usize, k: usize, nranks: usize, rank: usize) -> Result<Case> {
         let m = rows_per_rank * nranks;
         Ok(Case {
             dtype,
@@ -59,7 +59,7 @@ impl Case {
         self.rows_per_rank * self.nranks
     }
 
-    fn label(&self) -> String {
+    pub(crate) fn label(&self) -> String {
         format!("{} M={} ({}x{}) N={} K={}", self.dtype.name(), self.m(), self.nranks, self.rows_per_rank, self.n, self.k)
     }
 
@@ -124,7 +124,7 @@ impl FusedCase for Case {
     }
 }
 
-fn shapes() -> Vec<(usize, usize, usize)> {
+pub(crate) fn shapes() -> Vec<(usize, usize, usize)> {
     // (rows per rank, N, K): shards that straddle tiles, N and K off the tile grid.
     vec![(97, 264, 72), (128, 520, 136), (200, 1000, 520), (333, 776, 264)]
 }
