@@ -198,7 +198,7 @@ impl Comm {
         if self.topology.spans_nodes() {
             return Err(MkError::invalid_usage(format!(
                 "{op} does not run across nodes yet (this communicator spans {} nodes); only mkAllGather, \
-                 mkReduceScatter and mkAllReduce do",
+                 mkReduceScatter, mkAllReduce and mkAllGatherGemm do",
                 self.topology.node_count
             )));
         }

@@ -133,9 +133,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 comm.bootstrap.barrier()?;
                 Ok(us)
             };
-            let host_fused = host_us(&fused)?;
-            let host_unfused = host_us(&|| ag().and_then(|_| ours()))?;
-            phase("fused, back to back", 0.0)?;
+            let host_fused = host_us(&fused).and_then(|t| phase("fused, enqueued back to back", t))?;
+            let host_unfused = host_us(&|| ag().and_then(|_| ours())).and_then(|t| phase("AllGather + ours, enqueued back to back", t))?;
             let t_ag_ours = timed("AllGather + ours", &|| ag().and_then(|_| ours()))?;
             let t_ag_blas = timed("AllGather + cuBLAS", &|| ag().and_then(|_| cublas()))?;
             let t_blas = timed("cuBLAS", &cublas)?;

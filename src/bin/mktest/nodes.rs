@@ -200,6 +200,30 @@ fn all_gather_gemm(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize) -> Resul
             }
         }
     }
+    // Back to back without a host sync between calls (as a training step or mkbench issues
+    // them), with and without gatheredA: the cross-call handshakes alone keep the calls apart.
+    // The inputs stay the same across the calls, so the last result must match them.
+    for with_gathered in [true, false] {
+        let mut case = AgGemmCase::new(mkDataType_t::mkBfloat16, 512, 1024, 512, n, rank)?;
+        case.with_gathered = with_gathered;
+        case.prepare(41)?;
+        for _ in 0..6 {
+            crate::collectives::ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
+        }
+        timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{} back to back", case.label())))?;
+        let code = async_error(comm);
+        if code != mkResult_t::mkSuccess {
+            return Err(MkError::new(code, format!("mkAllGatherGemm {} back to back (gatheredA {with_gathered}): asynchronous error {code:?}", case.label())));
+        }
+        let (ok, detail) = case.verify()?;
+        checks += 1;
+        if !ok {
+            failures += 1;
+        }
+        if !ok || rank == 0 {
+            say(rank, format!("mkAllGatherGemm {} 6 calls back to back: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
+        }
+    }
     say(rank, format!("mkAllGatherGemm across nodes: {checks} checks, {failures} wrong, {:.1} s", t.elapsed().as_secs_f64()));
     if failures > 0 {
         return Err(MkError::internal(format!("mkAllGatherGemm across nodes: {failures} of {checks} checks wrong")));
