@@ -183,6 +183,11 @@ pub fn node_routes(nl: &NodeLayout) -> NodeRoutes {
     NodeRoutes { puts, forwards, tile_sources }
 }
 
+/// Every instantiation of the kernel (dtype × tile width), as `all_gather_gemm` names them.
+pub fn kernel_names() -> Vec<String> {
+    ["bf16", "f16"].iter().flat_map(|dt| [256, 128].map(|bn| format!("mk_ag_gemm_{dt}_bn{bn}"))).collect()
+}
+
 /// A validated mkAllGatherGemm call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AgGemmArgs {
@@ -495,6 +500,19 @@ mod tests {
         }
         assert_eq!(flag_stride(8), MK_AG_GEMM_MAX_CHUNKS, "one node keeps its 32 chunks per rank");
         assert!(plan(&shape(65 * 128, 64, 64, 65, 0), 132, None).is_err());
+    }
+
+    #[test]
+    fn kernel_names_are_the_instantiations_in_the_source() {
+        let src = include_str!("../../kernels/ag_gemm.cu");
+        let mut entries: Vec<String> = src
+            .lines()
+            .filter_map(|l| l.strip_prefix("MK_AG_GEMM_ENTRY(")?.split(',').next().map(str::to_string))
+            .collect();
+        let mut names = kernel_names();
+        entries.sort();
+        names.sort();
+        assert_eq!(entries, names);
     }
 
     #[test]

@@ -120,6 +120,18 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 Err(mkernel::error::MkError::new(code, format!("rows/rank {rows} N {nn} K {kk}, {what}: {msg}")))
             };
             let timed = |what: &str, f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f).and_then(|t| phase(what, t));
+            // Every part alone once first, synchronised: under lazy module loading (CUDA's
+            // default) the first launch of a kernel can wait for the context to go idle, and
+            // across nodes an in-flight hierarchical kernel waits for its proxy's copies, which
+            // that load holds up: the first `ours()` after an in-flight mkAllGather stalled
+            // until the kernel's timeout. (DESIGN-NOTES: lazy loading across nodes.)
+            for (what, part) in [("ours", &ours as &dyn Fn() -> Result<()>), ("cuBLAS", &cublas), ("AllGather", &ag), ("fused", &fused)] {
+                part()?;
+                // SAFETY: live stream.
+                unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+                phase(&format!("{what} alone (warm-up)"), 0.0)?;
+            }
+            comm.bootstrap.barrier()?;
             let t_fused = timed("fused", &fused)?;
             // Host time to enqueue one call (launch-bound shapes show it in the GPU time too).
             let host_us = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
