@@ -332,6 +332,15 @@ mkResult_t mkCommGetAsyncError(mkComm_t comm, mkResult_t *asyncError);
  * with the same M, N, K and dtype. A peer that does not arrive within MK_TIMEOUT_MS
  * makes the kernel stop; mkCommGetAsyncError then reports mkTimeout (or mkRemoteError on
  * the ranks that were stopped by the failing one) and C is undefined.
+ *
+ * Across nodes (a communicator spanning hosts, or MK_RANKS_PER_NODE): the same semantics
+ * and results (the gathered rows are copied, never summed, so C is as on one node); each
+ * rank's rows cross the network once per other node, to the rank with the same local
+ * index there (through the proxy, issued from the kernel), and NVLink to the other ranks of
+ * each node; the GEMM takes its own rows, then its node's, then the other nodes' as they
+ * arrive. Needs nodes of equal size (at most 8 nodes of at most 8 ranks), else
+ * mkInvalidUsage. A node that fails or leaves makes the others stop with mkRemoteError or
+ * mkTimeout.
  */
 mkResult_t mkAllGatherGemm(const void *A,
                            const void *B,
@@ -360,6 +369,7 @@ mkResult_t mkAllGatherGemm(const void *A,
  * communicator's fused-op region (MK_WORKSPACE_BYTES), else mkInvalidUsage names the size.
  * Stream-ordered, capturable in a CUDA graph; waits bounded by MK_TIMEOUT_MS (then
  * mkCommGetAsyncError reports mkTimeout / mkRemoteError and C is undefined).
+ * Not yet across nodes: on a communicator spanning nodes it returns mkInvalidUsage.
  */
 mkResult_t mkGemmReduceScatter(const void *A,
                                const void *B,
@@ -384,6 +394,7 @@ mkResult_t mkGemmReduceScatter(const void *A,
  *
  * Rules, errors and stream semantics as mkGemmReduceScatter (no divisibility of M); the
  * two-phase path also keeps the reduced rows in the fused-op region (2·M·N elements in all).
+ * Not yet across nodes: on a communicator spanning nodes it returns mkInvalidUsage.
  */
 mkResult_t mkGemmAllReduce(const void *A,
                            const void *B,

@@ -12,8 +12,22 @@
 // correctly: every CTA reads the epoch at start; the last CTA to finish advances it and
 // tells every peer it has finished reading its gathered buffer (AGG_DONE), which a pusher
 // waits for before overwriting that buffer in the next call.
+//
+// Across nodes (p.nodes > 1; ws is this node's workspace, indexed by local rank l, and
+// rows are placed by global rank): this rank's rows are first copied into its own
+// gathered buffer by the whole grid (the proxy can only read from the registered window),
+// then one pusher thread hands them to the proxy, one put per chunk to the GPU-l rank of
+// every other node, into the same rows of that rank's gathered buffer (symmetric offsets),
+// the put raising the chunk's flag there. The pushers forward over NVLink, chunk by chunk,
+// the rows this rank holds for its node -- its own, then each other node's GPU-l rows as
+// their chunks arrive through the proxy -- into every local peer's gathered buffer. So
+// every row crosses the network once per node and NVLink once per local peer, and the GEMM
+// (own rows, local peers' rows, then the other nodes') waits per chunk as on one node.
+// The last CTA's end of the epoch is also sent, through the proxy, to the GPU-l rank of
+// every other node (AGG_NET_DONE): their next call's puts wait for it.
 #include "common/gemm/engine.cuh"
 #include "common/fused_op.cuh"
+#include "common/proxy.cuh"
 #include "common/trace.cuh"
 
 #define MK_OP_AG_GEMM 16
@@ -21,9 +35,14 @@
 #define AGG_EPOCH (MK_SIG_OP_BASE + 0)   // last completed epoch of this rank
 #define AGG_ARRIVE (MK_SIG_OP_BASE + 1)  // CTAs of the running launch that have finished
 #define AGG_LOCAL (MK_SIG_OP_BASE + 2)   // CTAs of the running launch that copied their slice of the own rows
-#define AGG_DONE (MK_SIG_OP_BASE + 8)    // + q: rank q finished epoch e (written by q)
-#define AGG_CHUNK (MK_SIG_OP_BASE + 64)  // + src * MK_AG_GEMM_MAX_CHUNKS + c: chunk arrived (written by src)
-#define AGG_PUSHED (MK_SIG_OP_BASE + 64 + MK_MAX_PEERS * MK_AG_GEMM_MAX_CHUNKS)  // + q * MAX_CHUNKS + c: pushers done with chunk c for q (reset by the last)
+#define AGG_DONE (MK_SIG_OP_BASE + 8)    // + q: local rank q finished epoch e (written by q)
+#define AGG_NET_DONE (MK_SIG_OP_BASE + 16)  // + node m: node m's GPU-l rank finished epoch e (written by its proxy)
+#define AGG_CHUNK (MK_SIG_OP_BASE + 64)  // + src * flag_stride + c: chunk c of global rank src arrived
+// + q * MAX_CHUNKS + c (one node) or + (q * nodes + m) * flag_stride + c (across nodes):
+// pushers done with chunk c (of source node m) for local rank q (reset by the last).
+#define AGG_PUSHED (MK_SIG_OP_BASE + 64 + MK_MAX_PEERS * MK_AG_GEMM_MAX_CHUNKS)
+#define AGG_WORDS_END (MK_SIG_OP_BASE + 64 + 2 * MK_MAX_PEERS * MK_AG_GEMM_MAX_CHUNKS)
+static_assert(AGG_WORDS_END <= MK_SIG_OP_BASE + 1024, "AG+GEMM owns 1024 signal words");
 
 namespace mk { namespace ag_gemm {
 
@@ -34,6 +53,19 @@ using namespace mk::gemm;
 // the own rows are never copied into the gathered buffer. Otherwise a block can straddle
 // two shards and the own rows are copied there first (copy_own_rows).
 __device__ __forceinline__ bool own_rows_in_place(const AgGemmParams& p) { return p.rows_per_rank % 128 == 0; }
+
+// The arrival flag of chunk c of global rank src's rows (in the receiving rank's region).
+__device__ __forceinline__ uint32_t agg_chunk(const AgGemmParams& p, int src, int c) {
+  return AGG_CHUNK + src * p.flag_stride + c;
+}
+__device__ __forceinline__ int agg_rank_of(const AgGemmParams& p, int node, int local) {
+  return p.rank_of[node * MK_MAX_PEERS + local];
+}
+// Records `word` and stops this node's ranks (their waits see the abort word).
+__device__ __forceinline__ void agg_fail(const AgGemmParams& p, uint32_t word) {
+  mk_record_error(p.ws, word);
+  mk_raise_abort(p.ws);
+}
 
 // `threads` threads (this one is `tid`) copy `bytes` (a multiple of 16) from src to dst,
 // IN_FLIGHT 16-byte loads per thread before the first store (latency-bound otherwise).
@@ -67,6 +99,38 @@ constexpr int kProducerRegs = 80;
 using SideWarps = WarpTeam<32, 96, 3>;
 // 16-byte loads in flight per pushing thread (fits the producer's kProducerRegs).
 constexpr int kPushInFlight = 8;
+// Across nodes the forwarding loop keeps more state live: 4 in flight stays within 80.
+constexpr int kHierPushInFlight = 4;
+
+// With `gathered_out`, pusher `part` of `parts` copies its slice of every chunk of the
+// gathered A out for the caller, as the chunks arrive (global ranks: p.m / rows_per_rank).
+template <class Team>
+__device__ __forceinline__ bool copy_gathered_out(const AgGemmParams& p, uint64_t epoch, int part, int parts) {
+  if (p.gathered_out == 0) return true;
+  const int tid = Team::tid(), threads = Team::threads();
+  const WorkspaceView& ws = p.ws;
+  const int n = p.m / p.rows_per_rank, me = p.global_rank, chunks = p.chunks_per_rank;
+  const size_t row_bytes = (size_t)p.k * 2;
+  const char* own = reinterpret_cast<const char*>(ws.data[ws.rank]) + p.gathered_offset;
+  for (int src = 0; src < n; ++src) {
+    // Rows read in place: from A itself, nothing to wait for.
+    const bool from_a = src == me && own_rows_in_place(p);
+    const char* from = from_a ? reinterpret_cast<const char*>(p.a_local) - (size_t)me * p.rows_per_rank * row_bytes : own;
+    for (int c = 0; c < chunks; ++c) {
+      int ok = 1;
+      if (tid == 0 && !from_a)
+        ok = mk_wait_geq_inline(ws, mk_signal_word(ws, ws.rank, agg_chunk(p, src, c)), epoch, src, MK_WAIT_OP_FLAG,
+                                MK_OP_AG_GEMM);
+      if (!Team::and_all(ok)) return false;
+      const size_t first = ((size_t)src * p.rows_per_rank + (size_t)c * p.chunk_rows) * row_bytes;
+      const size_t bytes = (size_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
+      const size_t slice = (bytes / 16 + parts - 1) / parts * 16;
+      const size_t begin = first + min(bytes, (size_t)part * slice), end = first + min(bytes, (size_t)(part + 1) * slice);
+      copy_vectors<kPushInFlight>(reinterpret_cast<char*>(p.gathered_out) + begin, from + begin, end - begin, tid, threads);
+    }
+  }
+  return true;
+}
 
 // Pusher `part` of `parts` (the threads of Team) copies its slice of every chunk
 // of this rank's rows into every peer's gathered buffer: rank-1 first (it consumes our
@@ -107,33 +171,147 @@ __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoc
             reinterpret_cast<unsigned long long*>(mk_signal_word(ws, me, AGG_PUSHED + q * MK_AG_GEMM_MAX_CHUNKS + c));
         if (atomicAdd(pushed, 1ull) == (unsigned long long)parts - 1) {
           *pushed = 0;  // every pusher has counted; the next launch starts after this one ends
-          mk_signal_store(mk_signal_word(ws, q, AGG_CHUNK + me * MK_AG_GEMM_MAX_CHUNKS + c), epoch);
+          mk_signal_store(mk_signal_word(ws, q, agg_chunk(p, me, c)), epoch);
           mk_trace_add(p.trace, MK_TR_ITEMS, 1);
         }
       }
     }
   }
-  if (p.gathered_out == 0) return true;
-  const char* own = reinterpret_cast<const char*>(ws.data[me]) + p.gathered_offset;
-  for (int src = 0; src < n; ++src) {
-    // Rows read in place: from A itself, nothing to wait for.
-    const bool from_a = src == me && own_rows_in_place(p);
-    const char* from = from_a ? reinterpret_cast<const char*>(p.a_local) - (size_t)me * p.rows_per_rank * row_bytes : own;
-    for (int c = 0; c < chunks; ++c) {
-      int ok = 1;
-      if (tid == 0 && !from_a)
-        ok = mk_wait_geq_inline(ws, mk_signal_word(ws, me, AGG_CHUNK + src * MK_AG_GEMM_MAX_CHUNKS + c), epoch, src,
-                                MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
-      if (!Team::and_all(ok)) return false;
-      const size_t first = ((size_t)src * p.rows_per_rank + (size_t)c * p.chunk_rows) * row_bytes;
-      const size_t bytes = (size_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
-      const size_t slice = (bytes / 16 + parts - 1) / parts * 16;
-      const size_t begin = first + min(bytes, (size_t)part * slice), end = first + min(bytes, (size_t)(part + 1) * slice);
-      copy_vectors<kPushInFlight>(reinterpret_cast<char*>(p.gathered_out) + begin, from + begin, end - begin, tid, threads);
+  return copy_gathered_out<Team>(p, epoch, part, parts);
+}
+
+// Across nodes, Team thread 0 of pusher part 0: hands this rank's rows (already in its
+// gathered buffer: copy_own_rows) to the proxy, one put per chunk to the GPU-l rank of
+// every other node, each raising the chunk's flag there. A node's rank is written only
+// after it finished reading its buffer in the previous call (AGG_NET_DONE). *ticket: the
+// last command posted (its completion frees the sources for the next call).
+__device__ __forceinline__ bool post_own_rows(const AgGemmParams& p, uint64_t epoch, uint64_t* ticket) {
+  const WorkspaceView& ws = p.ws;
+  const int g = p.global_rank;
+  const size_t row_bytes = (size_t)p.k * 2;
+  for (int c = 0; c < p.chunks_per_rank; ++c)
+    if (!mk_wait_geq_inline(ws, mk_signal_word(ws, ws.rank, agg_chunk(p, g, c)), epoch, g, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM))
+      return false;
+  for (int i = 1; i < p.nodes; ++i) {
+    const int m = (p.node + i) % p.nodes;
+    const int peer = agg_rank_of(p, m, ws.rank);
+    if (!mk_wait_geq_inline(ws, mk_signal_word(ws, ws.rank, AGG_NET_DONE + m), epoch - 1, peer, MK_WAIT_NET, MK_OP_AG_GEMM))
+      return false;
+    for (int c = 0; c < p.chunks_per_rank; ++c) {
+      const uint64_t at = p.gathered_offset + ((uint64_t)g * p.rows_per_rank + (uint64_t)c * p.chunk_rows) * row_bytes;
+      const uint64_t bytes = (uint64_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
+      const int rc = mk_proxy_put(p.ring, (uint32_t)peer, at, at, (uint32_t)bytes, agg_chunk(p, g, c), (uint32_t)epoch, ticket);
+      if (rc != MK_PROXY_OK) {
+        agg_fail(p, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, MK_OP_AG_GEMM));
+        return false;
+      }
     }
   }
   return true;
 }
+
+// Across nodes, pusher `part` of `parts`: after part 0 has posted the puts of this rank's
+// rows, every pusher forwards its slice of the rows this rank holds for its node -- its own
+// (from A), then those of the GPU-l rank of node n+1, n+2, ... as each chunk arrives
+// through the proxy (from the gathered buffer) -- into every local peer's gathered buffer
+// (l-1 first), counting itself in AGG_PUSHED; the last pusher of a chunk raises its flag
+// at the peer. Then the copy out for the caller, and part 0 waits until the proxy has
+// sent its puts (the next call overwrites their sources).
+template <class Team>
+__device__ __forceinline__ bool push_hier(const AgGemmParams& p, uint64_t epoch, int part, int parts) {
+  const int tid = Team::tid(), threads = Team::threads();
+  const WorkspaceView& ws = p.ws;
+  const int L = ws.nranks, l = ws.rank, N = p.nodes, g = p.global_rank, chunks = p.chunks_per_rank;
+  const size_t row_bytes = (size_t)p.k * 2;
+  // The poster's last ticket, in shared memory: a register for it spills the loop below.
+  __shared__ uint64_t ticket;
+  const bool poster = part == 0 && tid == 0 && N > 1;
+  int ok = 1;
+  if (tid == 0) {
+    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+    // Every local peer must have finished reading its gathered buffer of our previous call.
+    for (int j = 0; j < L && ok; ++j)
+      if (j != l)
+        ok = mk_wait_geq_inline(ws, mk_signal_word(ws, l, AGG_DONE + j), epoch - 1, agg_rank_of(p, p.node, j),
+                                MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
+    if (ok && poster) ok = post_own_rows(p, epoch, &ticket);
+    if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+  }
+  if (!Team::and_all(ok)) return false;
+  const char* own = reinterpret_cast<const char*>(ws.data[l]) + p.gathered_offset;
+  for (int i = 0; i < N; ++i) {
+    const int m = (p.node + i) % N;
+    const int s = agg_rank_of(p, m, l);
+    const size_t shard = (size_t)s * p.rows_per_rank * row_bytes;
+    const char* from = s == g ? reinterpret_cast<const char*>(p.a_local) : own + shard;
+    for (int c = 0; c < chunks; ++c) {
+      if (s != g) {
+        ok = 1;
+        if (tid == 0) {
+          const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+          ok = mk_wait_geq_inline(ws, mk_signal_word(ws, l, agg_chunk(p, s, c)), epoch, s, MK_WAIT_NET, MK_OP_AG_GEMM);
+          if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+        }
+        if (!Team::and_all(ok)) return false;
+      }
+      const size_t first = (size_t)c * p.chunk_rows * row_bytes;
+      const size_t bytes = (size_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
+      const size_t slice = (bytes / 16 + parts - 1) / parts * 16;
+      const size_t begin = first + min(bytes, (size_t)part * slice), end = first + min(bytes, (size_t)(part + 1) * slice);
+      for (int jj = 1; jj < L; ++jj) {
+        const int j = (l - jj + L) % L;
+        char* peer = reinterpret_cast<char*>(ws.data[j]) + p.gathered_offset + shard;
+        copy_vectors<kHierPushInFlight>(peer + begin, from + begin, end - begin, tid, threads);
+        Team::sync();
+        if (tid == 0) {
+          mk_trace_add(p.trace, MK_TR_BYTES, 2ull * (end - begin));
+          __threadfence_system();  // our slice (every thread's stores, ordered by the barrier), then the count
+          unsigned long long* pushed = reinterpret_cast<unsigned long long*>(
+              mk_signal_word(ws, l, AGG_PUSHED + (j * N + m) * p.flag_stride + c));
+          if (atomicAdd(pushed, 1ull) == (unsigned long long)parts - 1) {
+            *pushed = 0;  // every pusher has counted; the next launch starts after this one ends
+            mk_signal_store(mk_signal_word(ws, j, agg_chunk(p, s, c)), epoch);
+            mk_trace_add(p.trace, MK_TR_ITEMS, 1);
+          }
+        }
+      }
+    }
+  }
+  if (!copy_gathered_out<Team>(p, epoch, part, parts)) return false;
+  if (poster) {
+    const int rc = mk_proxy_wait_complete(p.ring, ticket);
+    if (rc != MK_PROXY_OK) ok = 0, agg_fail(p, mk_error_word((uint32_t)rc, 0xff, MK_WAIT_PROXY, MK_OP_AG_GEMM));
+  }
+  return Team::and_all(ok) != 0;
+}
+
+// The pushers' work: across nodes or within one.
+template <class Team>
+__device__ __forceinline__ void push(const AgGemmParams& p, uint64_t epoch, int part, int parts) {
+  if (p.nodes > 1) push_hier<Team>(p, epoch, part, parts);
+  else if (p.ws.nranks > 1) push_chunks<Team>(p, epoch, part, parts);
+}
+
+// Tile order: own rows first, then (RankRotatedRaster) the next ranks'. Across nodes with
+// whole-block shards: own rows, the local peers' (l+1, l+2, ...), then node n+1's ranks
+// (its GPU-l rank first: those rows come straight from the proxy), node n+2's, ...
+struct NodeOrderRaster {
+  struct Params {
+    RasterParams r;
+    const AgGemmParams* op;
+    int blocks_per_rank;  // 0: RankRotatedRaster
+  };
+  __device__ static TileCoord tile(const Params& s, int t) {
+    if (s.blocks_per_rank == 0) return RankRotatedRaster::tile(s.r, t);
+    TileCoord c = grouped_tile(s.r.tiles_m, s.r.tiles_n, s.r.group_m, t);
+    const AgGemmParams& p = *s.op;
+    const int L = p.ws.nranks;
+    const int k = c.m_block / s.blocks_per_rank;  // k-th source in the order
+    const int m = (p.node + k / L) % p.nodes, j = (p.ws.rank + k % L) % L;
+    c.m_block = agg_rank_of(p, m, j) * s.blocks_per_rank + c.m_block % s.blocks_per_rank;
+    return c;
+  }
+};
 
 // Waits, in the engine's producer thread, for every chunk covering rows [row0, row0 + rows).
 struct ChunkAWait {
@@ -144,13 +322,13 @@ struct ChunkAWait {
   };
   __device__ static void before_a_load(const Params& w, int, int row0, int rows) {
     const AgGemmParams& p = *w.op;
-    if (own_rows_in_place(p) && row0 / p.rows_per_rank == p.ws.rank) return;  // read from A itself
+    if (own_rows_in_place(p) && row0 / p.rows_per_rank == p.global_rank) return;  // read from A itself
     const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
     const int end = min(row0 + rows, p.m);
     for (int r = row0; r < end;) {
       const int src = r / p.rows_per_rank;
       const int c = (r - src * p.rows_per_rank) / p.chunk_rows;
-      const uint64_t* flag = mk_signal_word(p.ws, p.ws.rank, AGG_CHUNK + src * MK_AG_GEMM_MAX_CHUNKS + c);
+      const uint64_t* flag = mk_signal_word(p.ws, p.ws.rank, agg_chunk(p, src, c));
       // A failed wait (timeout, abort) has recorded the error and raised the abort word;
       // the tile then computes on stale rows and the kernel still ends, in bounded time.
       mk_wait_geq_inline(p.ws, flag, w.epoch, src, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
@@ -161,8 +339,8 @@ struct ChunkAWait {
   }
   __device__ static const CUtensorMap* a_source(const Params& w, const CUtensorMap* tma_a, int m_row0, int& row) {
     const AgGemmParams& p = *w.op;
-    if (own_rows_in_place(p) && m_row0 / p.rows_per_rank == p.ws.rank) {
-      row = m_row0 - p.ws.rank * p.rows_per_rank;
+    if (own_rows_in_place(p) && m_row0 / p.rows_per_rank == p.global_rank) {
+      row = m_row0 - p.global_rank * p.rows_per_rank;
       return w.tma_a_local;
     }
     row = m_row0;
@@ -171,29 +349,57 @@ struct ChunkAWait {
   // Without dedicated communication CTAs, the side warps of every GEMM CTA push.
   __device__ static void side_work(const Params& w, int) {
     const AgGemmParams& p = *w.op;
-    if (p.comm_ctas == 0 && p.ws.nranks > 1) push_chunks<SideWarps>(p, w.epoch, blockIdx.x, p.compute_ctas);
+    if (p.comm_ctas == 0) push<SideWarps>(p, w.epoch, blockIdx.x, p.compute_ctas);
   }
 };
 
-// Whole grid, only when blocks straddle shards: every CTA copies its slice of this rank's
-// rows into the own gathered buffer; the last to finish raises the own-row chunk flags.
+// Whole grid, when blocks straddle shards or across nodes (the proxy's puts read the own
+// rows from the gathered buffer): every CTA copies its slice of this rank's rows into the
+// own gathered buffer; the last to finish raises the own-row chunk flags.
 __device__ __forceinline__ void copy_own_rows(const AgGemmParams& p, uint64_t epoch) {
-  if (own_rows_in_place(p)) return;
+  if (own_rows_in_place(p) && p.nodes == 1) return;
   const WorkspaceView& ws = p.ws;
   const size_t row_bytes = (size_t)p.k * 2;
   const size_t total = (size_t)p.rows_per_rank * row_bytes;  // a multiple of 16
   const size_t slice = ((total / 16 + gridDim.x - 1) / gridDim.x) * 16;
   const size_t begin = min(total, (size_t)blockIdx.x * slice), end = min(total, begin + slice);
-  char* own = reinterpret_cast<char*>(ws.data[ws.rank]) + p.gathered_offset + (size_t)ws.rank * p.rows_per_rank * row_bytes;
+  char* own = reinterpret_cast<char*>(ws.data[ws.rank]) + p.gathered_offset + (size_t)p.global_rank * p.rows_per_rank * row_bytes;
   cta_copy(own + begin, reinterpret_cast<const char*>(p.a_local) + begin, end - begin);
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
+    if (p.nodes > 1) __threadfence_system();  // the proxy's copy reads them
+    else __threadfence();
     unsigned long long* arrived = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, AGG_LOCAL));
     if (atomicAdd(arrived, 1ull) == gridDim.x - 1) {
       *arrived = 0;  // every CTA has arrived; the next launch starts after this one ends
       for (int c = 0; c < p.chunks_per_rank; ++c)
-        mk_signal_store(mk_signal_word(ws, ws.rank, AGG_CHUNK + ws.rank * MK_AG_GEMM_MAX_CHUNKS + c), epoch);
+        mk_signal_store(mk_signal_word(ws, ws.rank, agg_chunk(p, p.global_rank, c)), epoch);
+    }
+  }
+}
+
+// mk_op_epoch_end across nodes: the last CTA also tells the GPU-l rank of every other node,
+// through the proxy, that this rank finished reading its gathered buffer (AGG_NET_DONE).
+__device__ __forceinline__ void agg_epoch_end_hier(const AgGemmParams& p, uint64_t epoch) {
+  const WorkspaceView& ws = p.ws;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    unsigned long long* arrive = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, AGG_ARRIVE));
+    if (atomicAdd(arrive, 1ull) == gridDim.x - 1) {
+      *arrive = 0;  // the next launch starts after this one ends (stream order)
+      mk_st_release_sys(mk_signal_word(ws, ws.rank, AGG_EPOCH), epoch);
+      for (int q = 0; q < ws.nranks; ++q)
+        if (q != ws.rank) mk_signal_store(mk_signal_word(ws, q, AGG_DONE + ws.rank), epoch);
+      for (int i = 1; i < p.nodes; ++i) {
+        const int m = (p.node + i) % p.nodes, peer = agg_rank_of(p, m, ws.rank);
+        uint64_t ticket;
+        const int rc = mk_proxy_signal(p.ring, (uint32_t)peer, AGG_NET_DONE + p.node, (uint32_t)epoch, &ticket);
+        if (rc != MK_PROXY_OK) {
+          agg_fail(p, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, MK_OP_AG_GEMM));
+          break;
+        }
+      }
     }
   }
 }
@@ -218,14 +424,15 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
     sched.group_m = p.group_m > 0 ? p.group_m : 1;
     sched.m_block_base = p.m_block_base;
     sched.owners = 1;
+    typename NodeOrderRaster::Params order{sched, &p, p.nodes > 1 && own_rows_in_place(p) ? p.rows_per_rank / Cfg::BM : 0};
     typename ChunkAWait::Params await{&p, tma_a_local, epoch};
     typename Epi::Params epi;
     epi.dest.tma_c = tma_c;
     epi.signal.unused = 0;
-    gemm_persistent<Cfg, RankRotatedRaster, ChunkAWait, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
+    gemm_persistent<Cfg, NodeOrderRaster, ChunkAWait, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, order, await, epi,
                                                               blockIdx.x, p.compute_ctas, smem);
   } else {
-    push_chunks<CtaTeam>(p, epoch, blockIdx.x - p.compute_ctas, p.comm_ctas);
+    push<CtaTeam>(p, epoch, blockIdx.x - p.compute_ctas, p.comm_ctas);
   }
   if (p.trace) {
     __syncthreads();  // a GEMM CTA's thread 0 (the producer) finishes before its consumers
@@ -233,7 +440,8 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
   }
 
   // The last CTA to finish advances the epoch and frees this rank's gathered buffer.
-  mk_op_epoch_end(ws, AGG_EPOCH, AGG_ARRIVE, AGG_DONE, epoch);
+  if (p.nodes > 1) agg_epoch_end_hier(p, epoch);
+  else mk_op_epoch_end(ws, AGG_EPOCH, AGG_ARRIVE, AGG_DONE, epoch);
   mk_trace_time(p.trace, MK_TR_END);
 }
 

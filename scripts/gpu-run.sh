@@ -13,7 +13,7 @@
 # MK_NET=socket; its killed-node test without MPS), logged to $OUT/nodes.log.
 # Options: --ranks "1 2 4 8" (tests)  --bench-ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
 #          --no-nodes (skip mktest nodes and its benches)  --only-nodes (only mktest nodes and the
-#          emulated-node benches of all_gather / reduce_scatter / all_reduce)
+#          emulated-node benches of all_gather / reduce_scatter / all_reduce / ag_gemm)
 # Every step has a timeout, so nothing here can hang the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -168,6 +168,12 @@ if [ "$NODES" = 1 ] && [ "$NODE_BENCH" = 1 ]; then
     note "mkbench $op -g 4 across 2 emulated nodes: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
     [ $rc = 0 ] || status=1
   done
+  # The fused AllGather + GEMM beside its unfused sequence (hierarchical mkAllGather + our GEMM).
+  echo "===== mkbench ag_gemm -g 4 --rows 128,512,2048 --nk 8192x8192, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
+  with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout 120 "$BIN/mkbench" ag_gemm -g 4 --rows 128,512,2048 --nk 8192x8192 -n 5 -w 2 2>&1 | tee -a "$OUT/bench.log"
+  rc=${PIPESTATUS[0]}
+  note "mkbench ag_gemm -g 4 across 2 emulated nodes: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
+  [ $rc = 0 ] || status=1
 fi
 
 stop_mps

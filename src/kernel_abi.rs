@@ -257,7 +257,7 @@ pub const MK_AG_GEMM_MAX_CHUNKS: usize = 32;
 /// Parameters of the AllGather + GEMM kernels (kernels/ag_gemm.cu). The tensor maps (A over
 /// this rank's gathered buffer in the workspace, B, C) travel as separate kernel arguments.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct AgGemmParams {
     pub ws: WorkspaceView,
     /// This rank's rows of A: [rows_per_rank, k].
@@ -281,6 +281,26 @@ pub struct AgGemmParams {
     /// Device buffer of `MK_TRACE_WORDS` u64 per CTA for `mkbench --trace`, or 0 (always,
     /// from the C API): where each CTA spent its time (kernels/common/trace.cuh).
     pub trace: u64,
+    /// This rank's global rank (its rows of A start at global_rank * rows_per_rank);
+    /// `ws.rank` is the local rank within the node. Equal on one node.
+    pub global_rank: i32,
+    /// Signal words per source rank for the chunk flags (AGG_CHUNK + src * flag_stride + c):
+    /// MK_AG_GEMM_MAX_CHUNKS on one node, 256 / nranks (at most 32) across nodes.
+    pub flag_stride: i32,
+    /// Across nodes (kernels/ag_gemm.cu, hierarchical path): the node count (1: one node,
+    /// the fields below unused), this rank's node, its proxy ring, and the rank table
+    /// (rank_of[m * MK_MAX_PEERS + l]: global rank of local rank l on node m).
+    pub nodes: i32,
+    pub node: i32,
+    pub ring: ProxyRingView,
+    pub rank_of: [i32; MK_MAX_NODE_RANKS],
+}
+
+impl Default for AgGemmParams {
+    fn default() -> Self {
+        // SAFETY: plain integers and arrays of them: all-zero is a valid value.
+        unsafe { std::mem::zeroed() }
+    }
 }
 
 /// Parameters of the GEMM + ReduceScatter / AllReduce kernels (kernels/gemm_reduce.cu). The

@@ -166,7 +166,12 @@ impl Comm {
                 };
                 // SAFETY: the window is this rank's workspace allocation, which the Comm
                 // keeps until after the proxy stops (field order; `abort` stops it first).
-                unsafe { start_inter_node(setup) }.map_err(|e| e.context("starting the inter-node path"))?
+                let inter = unsafe { start_inter_node(setup) }.map_err(|e| e.context("starting the inter-node path"))?;
+                // Best effort (a failure here only brings back the lazy first load).
+                if let Err(e) = crate::ops::preload_across_nodes() {
+                    mk_info!(Some(rank as usize), "kernels not preloaded: {e}");
+                }
+                inter
             }
             _ => None,
         };
@@ -198,7 +203,7 @@ impl Comm {
         if self.topology.spans_nodes() {
             return Err(MkError::invalid_usage(format!(
                 "{op} does not run across nodes yet (this communicator spans {} nodes); only mkAllGather, \
-                 mkReduceScatter and mkAllReduce do",
+                 mkReduceScatter, mkAllReduce and mkAllGatherGemm do",
                 self.topology.node_count
             )));
         }

@@ -185,6 +185,24 @@ pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
     Ok(f)
 }
 
+/// Loads `kernels` of `module` in the current context now (module, function, and its code:
+/// reading an attribute loads it, as NCCL does; `cuFuncLoad` would need a 12.4 driver),
+/// instead of at their first launch. Under CUDA's lazy loading (the default)
+/// a first launch can wait for the context to go idle; across nodes a kernel in flight
+/// waits for its proxy's CUDA copies, which such a load holds up, so the kernels that run
+/// across nodes are loaded when the communicator is created.
+pub fn preload(module: &'static str, kernels: &[String]) -> Result<()> {
+    for k in kernels {
+        let f = function(module, k)?;
+        let mut threads = 0;
+        // SAFETY: a function handle of a module loaded in the current context; writes one int.
+        check(&format!("cuFuncGetAttribute({k})"), unsafe {
+            sys::cuFuncGetAttribute(&mut threads, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f)
+        })?;
+    }
+    Ok(())
+}
+
 /// Launch geometry of one kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchConfig {

@@ -14,7 +14,8 @@
 use crate::comm::Comm;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
-use crate::kernel_abi::{AgGemmParams, MK_AG_GEMM_MAX_CHUNKS};
+use crate::kernel_abi::{AgGemmParams, MK_AG_GEMM_MAX_CHUNKS, MK_MAX_PEERS};
+use crate::ops::hier_collectives::{node_layout, NodeLayout};
 use crate::ops::gemm::{self as engine, Epilogue, PlanOverrides};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
@@ -24,6 +25,16 @@ pub const ROW_BLOCK: usize = 128;
 /// At most this many signalled chunks per rank: fewer, larger pushes beyond it (the
 /// kernel's flag array is sized by the same constant).
 pub const MAX_CHUNKS_PER_RANK: usize = MK_AG_GEMM_MAX_CHUNKS;
+/// Chunk-flag words the kernel has (AGG_CHUNK, and as many AGG_PUSHED counters):
+/// MK_MAX_PEERS × MK_AG_GEMM_MAX_CHUNKS. Across nodes the sources are all R ranks, so each
+/// gets 256 / R of them (R ≤ 64: at least 4 chunks per rank).
+pub const CHUNK_FLAG_WORDS: usize = MK_MAX_PEERS * MK_AG_GEMM_MAX_CHUNKS;
+
+/// Signal words per source rank for the chunk flags (the kernel's `flag_stride`), which is
+/// also the most chunks per rank.
+pub fn flag_stride(nranks: usize) -> usize {
+    (CHUNK_FLAG_WORDS / nranks.max(1)).min(MAX_CHUNKS_PER_RANK)
+}
 /// GEMM rate assumed for a whole H100/H200 when sizing roles (FLOP/s; measured cuBLAS
 /// ~700 T), and its SM count: a grid of g CTAs is assumed to compute at g / 132 of it
 /// (ranks sharing one GPU get a fraction of its SMs, so their GEMMs take longer and hide
@@ -57,6 +68,8 @@ pub struct AgGemmPlan {
     /// Rows per signalled chunk (a multiple of ROW_BLOCK except for a shard's last chunk).
     pub chunk_rows: usize,
     pub chunks_per_rank: usize,
+    /// Flag words per source rank (`flag_stride(nranks)`, ≥ chunks_per_rank).
+    pub flag_stride: usize,
     /// Source ranks in the order compute consumes their rows: this rank first, then rank+1,
     /// rank+2, ... (every rank pushes to rank-1 first, rank-2 next, so data arrives in
     /// the order it is consumed).
@@ -103,7 +116,11 @@ pub fn plan(shape: &AgGemmShape, grid_ctas: u32, comm_override: Option<u32>) -> 
         Some(c) => c,
     };
     let blocks_per_rank = rows_per_rank.div_ceil(ROW_BLOCK).max(1);
-    let blocks_per_chunk = blocks_per_rank.div_ceil(MAX_CHUNKS_PER_RANK);
+    if nranks > CHUNK_FLAG_WORDS / 4 {
+        return Err(MkError::invalid_usage(format!("mkAllGatherGemm: {nranks} ranks, at most {} are supported", CHUNK_FLAG_WORDS / 4)));
+    }
+    let stride = flag_stride(nranks);
+    let blocks_per_chunk = blocks_per_rank.div_ceil(stride);
     let chunk_rows = blocks_per_chunk * ROW_BLOCK;
     Ok(AgGemmPlan {
         rows_per_rank,
@@ -111,6 +128,7 @@ pub fn plan(shape: &AgGemmShape, grid_ctas: u32, comm_override: Option<u32>) -> 
         compute_ctas: grid_ctas - comm_ctas,
         chunk_rows,
         chunks_per_rank: rows_per_rank.div_ceil(chunk_rows),
+        flag_stride: stride,
         source_order: (0..nranks).map(|i| (rank + i) % nranks).collect(),
     })
 }
@@ -131,6 +149,43 @@ pub fn chunks_for_rows(plan: &AgGemmPlan, row0: usize, rows: usize) -> Vec<(usiz
         r = chunk_end;
     }
     out
+}
+
+/// What one rank does across nodes (mirrors kernels/ag_gemm.cu: post_own_rows,
+/// push_hier, NodeOrderRaster), for the CPU model of the data flow.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeRoutes {
+    /// Global ranks this rank's own rows are put to through the proxy (the GPU-l rank of
+    /// node n+1, n+2, ...), one put per chunk each.
+    pub puts: Vec<usize>,
+    /// (source, local peer): the rows this rank forwards over NVLink, in order — its own
+    /// rows, then those of the GPU-l rank of node n+1, n+2, ... (as they arrive), each to
+    /// local rank l-1, l-2, ...
+    pub forwards: Vec<(usize, usize)>,
+    /// Sources in the order the GEMM consumes their rows (whole-block shards): its own,
+    /// its local peers' (l+1, ...), then node n+1's ranks from its GPU-l rank on, ...
+    pub tile_sources: Vec<usize>,
+}
+
+/// This rank's routes on the node layout `nl` (equal-sized nodes, as `node_layout` checks).
+pub fn node_routes(nl: &NodeLayout) -> NodeRoutes {
+    let (nodes, local, n, l) = (nl.nodes, nl.local_size, nl.node, nl.local_rank);
+    let rank_of = |m: usize, j: usize| nl.rank_of[m * MK_MAX_PEERS + j] as usize;
+    let puts = (1..nodes).map(|i| rank_of((n + i) % nodes, l)).collect();
+    let mut forwards = Vec::new();
+    for i in 0..nodes {
+        let s = rank_of((n + i) % nodes, l);
+        for jj in 1..local {
+            forwards.push((s, rank_of(n, (l + local - jj) % local)));
+        }
+    }
+    let tile_sources = (0..nodes * local).map(|k| rank_of((n + k / local) % nodes, (l + k % local) % local)).collect();
+    NodeRoutes { puts, forwards, tile_sources }
+}
+
+/// Every instantiation of the kernel (dtype × tile width), as `all_gather_gemm` names them.
+pub fn kernel_names() -> Vec<String> {
+    ["bf16", "f16"].iter().flat_map(|dt| [256, 128].map(|bn| format!("mk_ag_gemm_{dt}_bn{bn}"))).collect()
 }
 
 /// A validated mkAllGatherGemm call.
@@ -187,7 +242,17 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         }
         return Ok(());
     }
-    let ws = comm.one_node_workspace("mkAllGatherGemm")?;
+    // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
+    // rank table; rows are still placed by global rank.
+    let (ws, nodes) = if comm.topology.spans_nodes() {
+        let ws = comm.workspace.as_ref().ok_or_else(|| {
+            MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+        })?;
+        let ring = comm.proxy_ring.ok_or_else(|| MkError::internal("a communicator across nodes without a proxy ring"))?;
+        (ws, Some((node_layout(&comm.topology, &comm.nodes, "mkAllGatherGemm")?, ring)))
+    } else {
+        (comm.one_node_workspace("mkAllGatherGemm")?, None)
+    };
     let needed = (m * k * 2) as u64;
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
@@ -203,13 +268,20 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         crate::ops::collectives::check_device_pointer(args.gathered, comm.context.device, "gatheredA")?;
     }
     let p = plan(&args.shape, grid, comm.config.comm_ctas)?;
+    let chunk_bytes = (p.chunk_rows * k * 2) as u64;
+    if nodes.is_some() && chunk_bytes > u32::MAX as u64 {
+        return Err(MkError::invalid_usage(format!(
+            "mkAllGatherGemm across nodes: a chunk of {} rows × K = {k} is {chunk_bytes} bytes, more than one proxy put moves (4 GiB)",
+            p.chunk_rows
+        )));
+    }
     // The engine's tile for the compute CTAs (the fused kernels exist for widths 256 and 128).
     let tile = engine::plan(m, n, p.compute_ctas as usize, true, PlanOverrides { max_ctas: Some(p.compute_ctas as usize), ..Default::default() });
     let bn = if tile.bn >= 256 { 256 } else { 128 };
     let group_m = engine::raster_group(m.div_ceil(ROW_BLOCK), bn, p.compute_ctas as usize);
     let smem = engine::smem_bytes(bn, Epilogue::Tma);
     // The fused ops' region follows the collectives' data region in every rank's workspace.
-    let gathered_base = ws.view.data[rank] + ws.view.data_bytes;
+    let gathered_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
     let mut ta = engine::tensor_map(gathered_base, args.dtype, m, k, engine::BM, engine::BK)?;
     // This rank's rows in place (the kernel reads them from A when shards are whole blocks).
     let mut ta_local = engine::tensor_map(args.a, args.dtype, rows_per_rank, k, engine::BM, engine::BK)?;
@@ -231,7 +303,17 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         group_m: group_m as i32,
         m_block_base: ((rank * rows_per_rank) / ROW_BLOCK) as i32,
         trace: args.trace,
+        global_rank: rank as i32,
+        flag_stride: p.flag_stride as i32,
+        nodes: 1,
+        ..Default::default()
     };
+    if let Some((nl, ring)) = &nodes {
+        params.nodes = nl.nodes as i32;
+        params.node = nl.node as i32;
+        params.ring = *ring;
+        params.rank_of = nl.rank_of;
+    }
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
     let f = cuda::function("ag_gemm", &format!("mk_ag_gemm_{dt}_bn{bn}"))?;
     let cfg = LaunchConfig { grid: (p.compute_ctas + p.comm_ctas, 1, 1), block: (engine::THREADS, 1, 1), shared_mem_bytes: smem as u32 };
@@ -341,6 +423,96 @@ mod tests {
         assert!(validate_args(p, p, p, 0, 256, 64, 64, bf16, 2, 1).is_ok());
         // An empty GEMM needs no pointers.
         assert!(validate_args(0, 0, 0, 0, 0, 64, 64, bf16, 2, 1).is_ok());
+    }
+
+    /// Rank tables for `nranks` ranks in nodes of `rpn` (by rank, as MK_RANKS_PER_NODE), or
+    /// by host (interleaved: rank r on host r % nodes).
+    fn layouts(nranks: usize, rpn: usize, interleaved: bool) -> Vec<NodeLayout> {
+        use crate::comm::{node_of_ranks, topology::Topology};
+        let nodes = if interleaved {
+            let hosts: Vec<u64> = (0..nranks).map(|r| (r % (nranks / rpn)) as u64 + 7).collect();
+            node_of_ranks(&hosts, None)
+        } else {
+            node_of_ranks(&vec![0; nranks], Some(rpn as u32))
+        };
+        (0..nranks).map(|r| node_layout(&Topology::new(r, &nodes).unwrap(), &nodes, "x").unwrap()).collect()
+    }
+
+    #[test]
+    fn across_nodes_every_rank_receives_every_shard_once_and_forwards_only_what_it_holds() {
+        for (nranks, rpn) in [(2, 1), (4, 2), (4, 1), (8, 2), (8, 4), (6, 3), (9, 3), (16, 8), (64, 8)] {
+            for interleaved in [false, true] {
+                let ls = layouts(nranks, rpn, interleaved);
+                // held[r]: how many times rank r's gathered buffer received each source's rows
+                // (its own count as held from the start: read from A / copied in place).
+                let mut held = vec![vec![0usize; nranks]; nranks];
+                let rank_of = |nl: &NodeLayout| nl.rank_of[nl.node * MK_MAX_PEERS + nl.local_rank] as usize;
+                for nl in &ls {
+                    held[rank_of(nl)][rank_of(nl)] = 1;
+                }
+                // Proxy puts first (they carry only the sender's own rows) ...
+                for nl in &ls {
+                    let me = rank_of(nl);
+                    for peer in node_routes(nl).puts {
+                        assert_eq!(ls[peer].local_rank, nl.local_rank, "puts go GPU i to GPU i");
+                        assert_ne!(ls[peer].node, nl.node);
+                        held[peer][me] += 1;
+                    }
+                }
+                // ... then NVLink forwards, of rows the forwarder holds, to its node's ranks.
+                for nl in &ls {
+                    let me = rank_of(nl);
+                    for (s, j) in node_routes(nl).forwards {
+                        assert_eq!(held[me][s], 1, "rank {me} forwards source {s} it does not hold");
+                        assert_eq!(ls[j].node, nl.node, "forwards stay in the node");
+                        assert_ne!(j, me);
+                        held[j][s] += 1;
+                    }
+                }
+                for (r, h) in held.iter().enumerate() {
+                    assert!(h.iter().all(|&c| c == 1), "{nranks}/{rpn} interleaved={interleaved}: rank {r} received {h:?}");
+                }
+                // Compute order: a permutation, own rows first, then the local peers'.
+                for nl in &ls {
+                    let order = node_routes(nl).tile_sources;
+                    let mut sorted = order.clone();
+                    sorted.sort();
+                    assert_eq!(sorted, (0..nranks).collect::<Vec<_>>());
+                    assert_eq!(order[0], rank_of(nl));
+                    assert!(order[..rpn].iter().all(|&s| ls[s].node == nl.node), "{order:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn across_nodes_the_flag_words_fit() {
+        for nranks in [2, 4, 8, 9, 16, 33, 64] {
+            let stride = flag_stride(nranks);
+            assert!(stride >= 4 && stride <= MAX_CHUNKS_PER_RANK);
+            // AGG_CHUNK + src * stride + c and AGG_PUSHED + (j * nodes + m) * stride + c.
+            assert!(nranks * stride <= CHUNK_FLAG_WORDS);
+            for rows in [1, 128, 1000, 65536, 1 << 20] {
+                let p = plan(&shape(rows * nranks, 64, 64, nranks, 0), 132, None).unwrap();
+                assert!(p.chunks_per_rank <= stride, "{p:?}");
+                assert_eq!(p.flag_stride, stride);
+            }
+        }
+        assert_eq!(flag_stride(8), MK_AG_GEMM_MAX_CHUNKS, "one node keeps its 32 chunks per rank");
+        assert!(plan(&shape(65 * 128, 64, 64, 65, 0), 132, None).is_err());
+    }
+
+    #[test]
+    fn kernel_names_are_the_instantiations_in_the_source() {
+        let src = include_str!("../../kernels/ag_gemm.cu");
+        let mut entries: Vec<String> = src
+            .lines()
+            .filter_map(|l| l.strip_prefix("MK_AG_GEMM_ENTRY(")?.split(',').next().map(str::to_string))
+            .collect();
+        let mut names = kernel_names();
+        entries.sort();
+        names.sort();
+        assert_eq!(entries, names);
     }
 
     #[test]

@@ -11,3 +11,12 @@ pub mod hier_collectives;
 pub mod moe;
 pub mod ring_attention;
 pub mod util;
+
+/// Loads the kernels that run across nodes (hierarchical collectives, AllGather + GEMM) in
+/// the current context: see `cuda::preload`.
+pub fn preload_across_nodes() -> crate::error::Result<()> {
+    use crate::types::mkDataType_t;
+    let hier: Vec<String> = mkDataType_t::ALL.iter().map(|&d| hier_collectives::kernel_name(d)).collect();
+    crate::cuda::preload("hier_collectives", &hier)?;
+    crate::cuda::preload("ag_gemm", &ag_gemm::kernel_names())
+}

@@ -109,8 +109,30 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let ours = || engine::launch(&gemm_args, &gemm_plan, stream);
             let cublas = || blas.run(&lt, a_gathered.ptr(), b.ptr(), c.ptr(), stream);
             let fused = || all_gather_gemm(&comm, &args, stream);
-            let timed = |f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f);
-            let t_fused = timed(&fused)?;
+            // Which part failed, with the kernel's error word decoded (op, peer, what it awaited).
+            let phase = |what: &str, t: f64| -> Result<f64> {
+                let code = comm.async_error();
+                if code == mkernel::error::mkResult_t::mkSuccess {
+                    return Ok(t);
+                }
+                // SAFETY: the comm's NUL-terminated last-error string, alive while comm is.
+                let msg = unsafe { std::ffi::CStr::from_ptr(comm.last_error_ptr()) }.to_string_lossy().into_owned();
+                Err(mkernel::error::MkError::new(code, format!("rows/rank {rows} N {nn} K {kk}, {what}: {msg}")))
+            };
+            let timed = |what: &str, f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f).and_then(|t| phase(what, t));
+            // Every part alone once first, synchronised: under lazy module loading (CUDA's
+            // default) the first launch of a kernel can wait for the context to go idle, and
+            // across nodes an in-flight hierarchical kernel waits for its proxy's copies, which
+            // that load holds up: the first `ours()` after an in-flight mkAllGather stalled
+            // until the kernel's timeout. (DESIGN-NOTES: lazy loading across nodes.)
+            for (what, part) in [("ours", &ours as &dyn Fn() -> Result<()>), ("cuBLAS", &cublas), ("AllGather", &ag), ("fused", &fused)] {
+                part()?;
+                // SAFETY: live stream.
+                unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+                phase(&format!("{what} alone (warm-up)"), 0.0)?;
+            }
+            comm.bootstrap.barrier()?;
+            let t_fused = timed("fused", &fused)?;
             // Host time to enqueue one call (launch-bound shapes show it in the GPU time too).
             let host_us = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
                 let t = std::time::Instant::now();
@@ -123,13 +145,13 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 comm.bootstrap.barrier()?;
                 Ok(us)
             };
-            let host_fused = host_us(&fused)?;
-            let host_unfused = host_us(&|| ag().and_then(|_| ours()))?;
-            let t_ag_ours = timed(&|| ag().and_then(|_| ours()))?;
-            let t_ag_blas = timed(&|| ag().and_then(|_| cublas()))?;
-            let t_blas = timed(&cublas)?;
-            let t_ours = timed(&ours)?;
-            let t_ag = timed(&ag)?;
+            let host_fused = host_us(&fused).and_then(|t| phase("fused, enqueued back to back", t))?;
+            let host_unfused = host_us(&|| ag().and_then(|_| ours())).and_then(|t| phase("AllGather + ours, enqueued back to back", t))?;
+            let t_ag_ours = timed("AllGather + ours", &|| ag().and_then(|_| ours()))?;
+            let t_ag_blas = timed("AllGather + cuBLAS", &|| ag().and_then(|_| cublas()))?;
+            let t_blas = timed("cuBLAS", &cublas)?;
+            let t_ours = timed("ours", &ours)?;
+            let t_ag = timed("AllGather", &ag)?;
             if o.trace {
                 print_trace(&comm, stream, &format!("ag_gemm rows/rank {rows} N {nn} K {kk}"), &|buf| {
                     all_gather_gemm(&comm, &AgGemmArgs { trace: buf, ..args }, stream)

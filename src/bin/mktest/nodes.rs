@@ -11,12 +11,24 @@
 //! replay; and, last, one emulated node killed while the others are inside an AllReduce
 //! waiting for it: they must stop with mkRemoteError or mkTimeout within the timeout.
 //!
+//! mkAllGatherGemm across the nodes: both dtypes × awkward shapes (shards straddling row
+//! blocks, N and K off the tile grid) and whole-block shards of several chunks, each twice
+//! with fresh inputs, against the float64 reference, the gathered A bit for bit; graph
+//! capture and replay; in the killed-node test, the survivors' mkAllGatherGemm must stop
+//! with mkRemoteError or mkTimeout too. mkGemmReduceScatter / mkGemmAllReduce are still
+//! refused across nodes (mkInvalidUsage), which is checked.
+//!
+//! MK_TEST_NODES=fused runs only the fused ops' checks (and graph replay) of the
+//! correctness part (the collectives' ~900 cases take most of the suite's time).
+//!
 //! MK_TEST_KILL=skip leaves the killed-node test out, MK_TEST_KILL=only runs nothing else
 //! (run it without MPS, as the collectives suite's killed rank: under MPS a dying client
 //! poisons the others' contexts).
 //!
 //! Written without a GPU (the development machine has none): first run next session.
 
+use crate::ag_gemm::Case as AgGemmCase;
+use crate::fused_common::{self, FusedCase};
 use crate::collectives::{async_error, config, graph_replay_on, init_comm, kill_mode, say, timed_sync, Case, KillMode, Stream, FAULT_SLACK, FAULT_TIMEOUT_MS};
 use crate::ranks::{self, RankEnv, VICTIM_EXIT};
 use mkernel::comm::{Comm, CommConfig};
@@ -27,7 +39,7 @@ use mkernel::ops::collectives::CollectiveKind;
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 use std::time::{Duration, Instant};
 
-const IDS: usize = 4; // control, main + graph, killed node, spare
+const IDS: usize = 4; // control, main + graph, killed node (collective), killed node (fused)
 
 /// Ranks per emulated node: MK_RANKS_PER_NODE, else half the ranks (two nodes).
 fn ranks_per_node(n: usize) -> usize {
@@ -92,9 +104,10 @@ fn correctness_and_graphs(env: &RankEnv, control: &Comm, rpn: usize) -> Result<(
     if nodes < 2 {
         return Err(MkError::internal(format!("the communicator has {nodes} node(s): MK_RANKS_PER_NODE={rpn} did not split it")));
     }
-    // The fused ops do not run across nodes yet: refused, not run on the local view.
+    // GEMM + ReduceScatter / AllReduce do not run across nodes yet: refused, not run on the
+    // local view.
     // SAFETY: as above.
-    match unsafe { (*comm).comm() }.one_node_workspace("mkAllGatherGemm") {
+    match unsafe { (*comm).comm() }.one_node_workspace("mkGemmReduceScatter") {
         Err(e) if e.code == mkResult_t::mkInvalidUsage => {}
         other => return Err(MkError::internal(format!("a fused op on a communicator across nodes: {:?}", other.map(|_| ()).err()))),
     }
@@ -116,6 +129,9 @@ fn correctness_and_graphs(env: &RankEnv, control: &Comm, rpn: usize) -> Result<(
         cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, 1_000_003));
         cases.push((CollectiveKind::AllReduce, dtype, mkRedOp_t::mkSum, 1_000_003));
         cases.push((CollectiveKind::ReduceScatter, dtype, mkRedOp_t::mkSum, 250_007));
+    }
+    if std::env::var("MK_TEST_NODES").is_ok_and(|v| v == "fused") {
+        cases.clear();
     }
     let t = Instant::now();
     for (kind, dtype, op, count) in cases {
@@ -141,28 +157,101 @@ fn correctness_and_graphs(env: &RankEnv, control: &Comm, rpn: usize) -> Result<(
         }
     }
     say(rank, format!("across nodes: {checks} checks, {failures} failed, {:.1} s", t.elapsed().as_secs_f64()));
-    let graphs = graph_replay_on(comm, rank, n);
+    let fused = all_gather_gemm(comm, rank, n);
+    let graphs = if checks > 0 { graph_replay_on(comm, rank, n) } else { Ok(()) };
+    let fused_graphs = fused_common::graph_replay(comm, rank, "mkAllGatherGemm across nodes", &AgGemmCase::new(mkDataType_t::mkBfloat16, 256, 392, 200, n, rank)?);
     // Every rank is done with the communicator before any closes its connections.
     control.bootstrap.barrier()?;
     crate::collectives::destroy(comm)?;
     if failures > 0 {
         return Err(MkError::internal(format!("{failures} of {checks} checks across nodes failed")));
     }
-    graphs
+    fused.and(graphs).and(fused_graphs)
 }
 
-/// The last emulated node dies while the others are inside an AllReduce waiting for it.
+/// mkAllGatherGemm across the nodes (the communicator's 4 MiB workspace holds the largest
+/// gathered A here, 2 MiB).
+fn all_gather_gemm(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize) -> Result<()> {
+    let stream = Stream::new()?;
+    let (mut checks, mut failures) = (0usize, 0usize);
+    let mut shapes = crate::ag_gemm::shapes();
+    // Whole-block shards of 4 chunks (own rows read in place, the NodeOrderRaster order).
+    shapes.push((512, 1024, 512));
+    let t = Instant::now();
+    for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
+        for &(rows, cols, k) in &shapes {
+            let case = AgGemmCase::new(dtype, rows, cols, k, n, rank)?;
+            for round in 0..2u64 {
+                case.prepare(31 + round)?;
+                crate::collectives::ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
+                timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(case.label()))?;
+                let code = async_error(comm);
+                if code != mkResult_t::mkSuccess {
+                    return Err(MkError::new(code, format!("mkAllGatherGemm {}: asynchronous error {code:?}", case.label())));
+                }
+                let (ok, detail) = case.verify()?;
+                checks += 1;
+                if !ok {
+                    failures += 1;
+                }
+                if !ok || rank == 0 {
+                    say(rank, format!("mkAllGatherGemm {} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
+                }
+            }
+        }
+    }
+    // Back to back without a host sync between calls (as a training step or mkbench issues
+    // them), with and without gatheredA: the cross-call handshakes alone keep the calls apart.
+    // The inputs stay the same across the calls, so the last result must match them.
+    for with_gathered in [true, false] {
+        let mut case = AgGemmCase::new(mkDataType_t::mkBfloat16, 512, 1024, 512, n, rank)?;
+        case.with_gathered = with_gathered;
+        case.prepare(41)?;
+        for _ in 0..6 {
+            crate::collectives::ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
+        }
+        timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{} back to back", case.label())))?;
+        let code = async_error(comm);
+        if code != mkResult_t::mkSuccess {
+            return Err(MkError::new(code, format!("mkAllGatherGemm {} back to back (gatheredA {with_gathered}): asynchronous error {code:?}", case.label())));
+        }
+        let (ok, detail) = case.verify()?;
+        checks += 1;
+        if !ok {
+            failures += 1;
+        }
+        if !ok || rank == 0 {
+            say(rank, format!("mkAllGatherGemm {} 6 calls back to back: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
+        }
+    }
+    say(rank, format!("mkAllGatherGemm across nodes: {checks} checks, {failures} wrong, {:.1} s", t.elapsed().as_secs_f64()));
+    if failures > 0 {
+        return Err(MkError::internal(format!("mkAllGatherGemm across nodes: {failures} of {checks} checks wrong")));
+    }
+    Ok(())
+}
+
+/// The last emulated node dies while the others are inside an AllReduce and an
+/// mkAllGatherGemm (two communicators, two streams, both kernels resident: the fused
+/// grid is capped at 16 CTAs) waiting for it: both must stop with mkRemoteError or
+/// mkTimeout within the timeout.
 fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
     let comm = init_comm(env, &env.ids[2], &node_config(FAULT_TIMEOUT_MS, 16 << 20, rpn))?;
+    let mut fused_cfg = node_config(FAULT_TIMEOUT_MS, 16 << 20, rpn);
+    fused_cfg.maxCtas = 16;
+    let fused_comm = init_comm(env, &env.ids[3], &fused_cfg)?;
+    let fused_case = AgGemmCase::new(mkDataType_t::mkBfloat16, 512, 1024, 1024, n, rank)?;
+    fused_case.prepare(98)?;
     let stream = Stream::new()?;
+    let fused_stream = Stream::new()?;
     let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 4 << 20, false, rank, n)?;
     case.prepare(99)?;
     control.bootstrap.barrier()?;
     if rank >= n - rpn {
-        // Never join the op: the survivors are waiting for this node's data when it dies.
+        // Never join the ops: the survivors are waiting for this node's data when it dies.
         std::thread::sleep(Duration::from_millis(500));
-        say(rank, "killed node: exiting while the other nodes are in mkAllReduce");
+        say(rank, "killed node: exiting while the other nodes are in mkAllReduce and mkAllGatherGemm");
         use std::io::Write;
         let _ = std::io::stdout().flush();
         // SAFETY: ends the process at once, as a crash would.
@@ -170,9 +259,10 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     }
     let t = Instant::now();
     case.launch(comm, stream.0)?;
+    crate::collectives::ffi("mkAllGatherGemm", fused_case.launch(fused_comm, fused_stream.0), fused_comm)?;
+    let limit = Duration::from_millis(FAULT_TIMEOUT_MS as u64) + FAULT_SLACK;
     let elapsed = timed_sync(&stream, Duration::from_secs(30))?;
     let code = async_error(comm);
-    let limit = Duration::from_millis(FAULT_TIMEOUT_MS as u64) + FAULT_SLACK;
     say(rank, format!("killed node: stopped after {:.2} s with {code:?}", elapsed.as_secs_f64()));
     if code != mkResult_t::mkTimeout && code != mkResult_t::mkRemoteError {
         return Err(MkError::internal(format!("killed node: expected mkTimeout or mkRemoteError, got {code:?}")));
@@ -180,11 +270,25 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     if t.elapsed() > limit {
         return Err(MkError::internal(format!("killed node: took {:.2} s, more than the timeout plus {} s", t.elapsed().as_secs_f64(), FAULT_SLACK.as_secs())));
     }
-    // The communicator refuses new work with the same code.
+    timed_sync(&fused_stream, Duration::from_secs(30))?;
+    let fused_code = async_error(fused_comm);
+    say(rank, format!("killed node: mkAllGatherGemm stopped after {:.2} s with {fused_code:?}", t.elapsed().as_secs_f64()));
+    if fused_code != mkResult_t::mkTimeout && fused_code != mkResult_t::mkRemoteError {
+        return Err(MkError::internal(format!("killed node: mkAllGatherGemm: expected mkTimeout or mkRemoteError, got {fused_code:?}")));
+    }
+    if t.elapsed() > limit {
+        return Err(MkError::internal(format!("killed node: mkAllGatherGemm took {:.2} s, more than the timeout plus {} s", t.elapsed().as_secs_f64(), FAULT_SLACK.as_secs())));
+    }
+    // The communicators refuse new work with the same code.
     let again = case.launch(comm, stream.0).err().map(|e| e.code);
     if again != Some(code) {
         return Err(MkError::internal(format!("killed node: a new op after the failure gave {again:?}, expected {code:?}")));
     }
+    let again = fused_case.launch(fused_comm, fused_stream.0);
+    if again != fused_code {
+        return Err(MkError::internal(format!("killed node: mkAllGatherGemm after the failure gave {again:?}, expected {fused_code:?}")));
+    }
     crate::collectives::destroy(comm)?;
+    crate::collectives::destroy(fused_comm)?;
     Ok(())
 }
