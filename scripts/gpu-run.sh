@@ -36,6 +36,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+# As README advises across nodes: no lazy module load may wait on a resident kernel.
+export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
