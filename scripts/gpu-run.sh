@@ -78,6 +78,13 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     # A hung or crashed client can leave the MPS server unusable for the next N: restart it.
     if [ "$rc" != 0 ] && [ "$MPS" = 1 ]; then stop_mps; nvidia-cuda-mps-control -d && MPS=1; fi
   done
+  # The MoE kernels' dedicated-CTA path (MK_COMM_SMS: sender / pull CTAs instead of the
+  # GEMM CTAs' own warps), at 2 ranks.
+  echo "===== mktest moe with MK_COMM_SMS=4, 2 ranks" | tee -a "$OUT/mktest.log"
+  with_ranks 2 env MK_COMM_SMS=4 MK_TEST_KILL=skip timeout 120 "$BIN/mktest" moe >> "$OUT/mktest.log" 2>&1
+  rc=$?
+  note "mktest moe MK_COMM_SMS=4 N=2: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
+  [ $rc = 0 ] || status=1
 fi
 
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
