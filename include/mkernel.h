@@ -164,7 +164,12 @@ typedef struct {
    */
   int bootstrapTimeoutMs;
   /**
-   * CTAs given to communication roles in fused kernels (MK_COMM_SMS).
+   * CTAs given to communication roles in fused kernels (MK_COMM_SMS). Unset: each op
+   * plans its own, and the shipped plans give none — the GEMM CTAs move the data
+   * themselves (AllGather+GEMM and the MoE dispatch send from the idle warps of the
+   * producer warpgroup; GEMM+ReduceScatter/AllReduce and the MoE combine reduce or pull
+   * on the consumer warps after their last tile; the MoE dispatch keeps one CTA for the
+   * layout). c >= 1: c dedicated CTAs take those roles instead.
    */
   int commCtas;
   /**

@@ -30,7 +30,12 @@ pub struct mkConfig_t {
     pub timeoutMs: c_int,
     /// Bound on each bootstrap step, in ms (MK_BOOTSTRAP_TIMEOUT_MS).
     pub bootstrapTimeoutMs: c_int,
-    /// CTAs given to communication roles in fused kernels (MK_COMM_SMS).
+    /// CTAs given to communication roles in fused kernels (MK_COMM_SMS). Unset: each op
+    /// plans its own, and the shipped plans give none — the GEMM CTAs move the data
+    /// themselves (AllGather+GEMM and the MoE dispatch send from the idle warps of the
+    /// producer warpgroup; GEMM+ReduceScatter/AllReduce and the MoE combine reduce or pull
+    /// on the consumer warps after their last tile; the MoE dispatch keeps one CTA for the
+    /// layout). c >= 1: c dedicated CTAs take those roles instead.
     pub commCtas: c_int,
     /// Cap on any kernel's grid, for several ranks sharing one GPU (MK_MAX_CTAS).
     pub maxCtas: c_int,
