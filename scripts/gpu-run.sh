@@ -14,12 +14,16 @@
 # Options: --ranks "1 2 4 8" (tests)  --bench-ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
 #          --no-nodes (skip mktest nodes and its benches)  --only-nodes (only mktest nodes and the
 #          emulated-node benches of all_gather / reduce_scatter / all_reduce / ag_gemm)
+#          --deadline SECONDS (stop starting steps when fewer than ~30 s of this budget are left,
+#          and cut each step's timeout to what is left: for a device call with a time limit;
+#          skipped steps are listed as SKIPPED (deadline) and make the exit status 3)
 # Every step has a timeout, so nothing here can hang the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-run-logs}
 mkdir -p "$OUT"
 BIN=${BIN:-target/release}
+DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0
 RANKS="1 2 4 8"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -31,6 +35,7 @@ while [ $# -gt 0 ]; do
     --max-size) MAXSIZE="$2"; shift ;;
     --no-nodes) NODES=0 ;;
     --only-nodes) ONLY_NODES=1; BENCH=0 ;;
+    --deadline) DEADLINE="$2"; shift ;;
     *) echo "gpu-run.sh: unknown option $1"; exit 2 ;;
   esac
   shift
@@ -41,6 +46,17 @@ export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
+# --deadline: a step's timeout cut to the time left (less a margin for the summary and
+# MPS shutdown); `late` is true when too little is left to start a step.
+limit() {
+  [ "$DEADLINE" = 0 ] && { echo "$1"; return; }
+  local left=$(( DEADLINE - ($(date +%s) - T0) - 20 ))
+  echo $(( $1 < left ? $1 : (left > 1 ? left : 1) ))
+}
+late() {
+  [ "$DEADLINE" != 0 ] && [ $(( DEADLINE - ($(date +%s) - T0) )) -lt 30 ] || return 1
+  note "$*: SKIPPED (deadline)"; SKIPPED_STEPS=$((SKIPPED_STEPS + 1)); return 0
+}
 status=0
 
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,compute_mode --format=csv; } | tee -a "$SUMMARY"
@@ -67,10 +83,11 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for n in $RANKS; do
     suites="smoke collectives ag_gemm gemm_reduce moe ring_attn"
     [ "$n" = 1 ] && suites="$suites gemm"  # the engine alone is a one-rank suite
+    late "mktest $suites N=$n" && continue
     echo "===== mktest $suites with $n rank(s)" | tee -a "$OUT/mktest.log"
     t0=$(date +%s)
     # The killed-rank test runs after MPS stops (see below).
-    with_ranks "$n" env MK_TEST_KILL=skip timeout 480 "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
+    with_ranks "$n" env MK_TEST_KILL=skip timeout "$(limit 480)" "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest $suites N=$n: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
     [ $rc = 0 ] || status=1
@@ -80,11 +97,13 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   done
   # The MoE kernels' dedicated-CTA path (MK_COMM_SMS: sender / pull CTAs instead of the
   # GEMM CTAs' own warps), at 2 ranks.
-  echo "===== mktest moe with MK_COMM_SMS=4, 2 ranks" | tee -a "$OUT/mktest.log"
-  with_ranks 2 env MK_COMM_SMS=4 MK_TEST_KILL=skip timeout 120 "$BIN/mktest" moe >> "$OUT/mktest.log" 2>&1
-  rc=$?
-  note "mktest moe MK_COMM_SMS=4 N=2: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
-  [ $rc = 0 ] || status=1
+  if ! late "mktest moe MK_COMM_SMS=4 N=2"; then
+    echo "===== mktest moe with MK_COMM_SMS=4, 2 ranks" | tee -a "$OUT/mktest.log"
+    with_ranks 2 env MK_COMM_SMS=4 MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" moe >> "$OUT/mktest.log" 2>&1
+    rc=$?
+    note "mktest moe MK_COMM_SMS=4 N=2: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
+    [ $rc = 0 ] || status=1
+  fi
 fi
 
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
@@ -93,8 +112,9 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   stop_mps
   for n in $RANKS; do
     [ "$n" -gt 1 ] || continue
+    late "mktest killed rank N=$n" && continue
     echo "===== mktest collectives, killed rank only, $n rank(s), no MPS" | tee -a "$OUT/mktest.log"
-    env MK_TEST_KILL=only MK_TEST_NRANKS="$n" timeout 90 "$BIN/mktest" collectives >> "$OUT/mktest.log" 2>&1
+    env MK_TEST_KILL=only MK_TEST_NRANKS="$n" timeout "$(limit 90)" "$BIN/mktest" collectives >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest killed rank N=$n (no MPS): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
     [ $rc = 0 ] || status=1
@@ -108,21 +128,25 @@ if [ "$TESTS" = 1 ] && [ "$NODES" = 1 ]; then
   # over sockets (the GPU machine has no RDMA device). The suite's own deadline is 240 s
   # (ranks::spawn kills stragglers); timeout is the backstop.
   NODE_ENV="MK_RANKS_PER_NODE=2 MK_NET=socket"
-  echo "===== mktest nodes, 4 ranks, $NODE_ENV" | tee -a "$OUT/nodes.log"
-  t0=$(date +%s)
-  with_ranks 4 env $NODE_ENV MK_TEST_KILL=skip timeout 280 "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
-  rc=$?
-  note "mktest nodes N=4 (2 per node, sockets): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
-  [ $rc = 0 ] || status=1
-  grep -E "WRONG|FAILED|error|across nodes|graph capture|inter-node|SKIPPED" "$OUT/nodes.log" | tail -n 12 | sed "s/^/    /"
+  if ! late "mktest nodes N=4"; then
+    echo "===== mktest nodes, 4 ranks, $NODE_ENV" | tee -a "$OUT/nodes.log"
+    t0=$(date +%s)
+    with_ranks 4 env $NODE_ENV MK_TEST_KILL=skip timeout "$(limit 280)" "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
+    rc=$?
+    note "mktest nodes N=4 (2 per node, sockets): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
+    [ $rc = 0 ] || status=1
+    grep -E "WRONG|FAILED|error|across nodes|graph capture|inter-node|SKIPPED" "$OUT/nodes.log" | tail -n 12 | sed "s/^/    /"
+  fi
   # One emulated node killed while the others wait for it, without MPS (see above).
   stop_mps
-  echo "===== mktest nodes, killed node only, 4 ranks, $NODE_ENV, no MPS" | tee -a "$OUT/nodes.log"
-  env $NODE_ENV MK_TEST_KILL=only MK_TEST_NRANKS=4 timeout 90 "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
-  rc=$?
-  note "mktest nodes killed node N=4 (no MPS): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
-  [ $rc = 0 ] || status=1
-  grep -E "killed node|FAILED" "$OUT/nodes.log" | tail -n 6 | sed "s/^/    /"
+  if ! late "mktest nodes killed node N=4"; then
+    echo "===== mktest nodes, killed node only, 4 ranks, $NODE_ENV, no MPS" | tee -a "$OUT/nodes.log"
+    env $NODE_ENV MK_TEST_KILL=only MK_TEST_NRANKS=4 timeout "$(limit 90)" "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
+    rc=$?
+    note "mktest nodes killed node N=4 (no MPS): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
+    [ $rc = 0 ] || status=1
+    grep -E "killed node|FAILED" "$OUT/nodes.log" | tail -n 6 | sed "s/^/    /"
+  fi
   if nvidia-cuda-mps-control -d; then MPS=1; fi
 fi
 
@@ -131,17 +155,18 @@ if [ "$BENCH" = 1 ]; then
     for op in all_gather reduce_scatter all_reduce; do
       lo=8M; hi=$MAXSIZE
       [ "$n" -gt 1 ] && hi=256M
+      late "mkbench $op -g $n" && continue
       echo "===== mkbench $op -b $lo -e $hi -f 2 -n 20 -w 5 -g $n" | tee -a "$OUT/bench.log"
-      with_ranks "$n" timeout 100 "$BIN/mkbench" $op -b $lo -e $hi -f 2 -n 20 -w 5 -g "$n" --json "$OUT/tmp.json" 2>&1 | tee -a "$OUT/bench.log"
+      with_ranks "$n" timeout "$(limit 100)" "$BIN/mkbench" $op -b $lo -e $hi -f 2 -n 20 -w 5 -g "$n" --json "$OUT/tmp.json" 2>&1 | tee -a "$OUT/bench.log"
       rc=${PIPESTATUS[0]}
       [ -f "$OUT/tmp.json" ] && { echo "// $op -g $n"; cat "$OUT/tmp.json"; } >> "$OUT/bench-json.txt" && rm -f "$OUT/tmp.json"
       note "mkbench $op -g $n: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
       [ $rc = 0 ] || status=1
     done
   done
-  if [ "$GEMM" = 1 ] && "$BIN/mkbench" 2>&1 | grep -q "^  gemm"; then
+  if [ "$GEMM" = 1 ] && "$BIN/mkbench" 2>&1 | grep -q "^  gemm" && ! late "mkbench gemm"; then
     echo "===== mkbench gemm" | tee -a "$OUT/gemm.log"
-    timeout 200 "$BIN/mkbench" gemm >> "$OUT/gemm.log" 2>&1; rc=$?
+    timeout "$(limit 200)" "$BIN/mkbench" gemm >> "$OUT/gemm.log" 2>&1; rc=$?
     tail -n 15 "$OUT/gemm.log"
     note "mkbench gemm: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
   fi
@@ -160,8 +185,9 @@ if [ "$BENCH" = 1 ]; then
           ring_attn) args="$args --seq 16384,32768 -n 3 -w 1" ;;
         esac
       fi
+      late "mkbench $op -g $n" && continue
       echo "===== mkbench $op $args" | tee -a "$OUT/fused.log"
-      with_ranks "$n" timeout 200 "$BIN/mkbench" $op $args >> "$OUT/fused.log" 2>&1; rc=$?
+      with_ranks "$n" timeout "$(limit 200)" "$BIN/mkbench" $op $args >> "$OUT/fused.log" 2>&1; rc=$?
       note "mkbench $op -g $n: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
       [ $rc = 0 ] || status=1
     done
@@ -171,20 +197,27 @@ fi
 if [ "$NODES" = 1 ] && [ "$NODE_BENCH" = 1 ]; then
   # Across two emulated nodes of two ranks (sockets, staged through host memory).
   for op in all_gather reduce_scatter all_reduce; do
+    late "mkbench $op -g 4 across 2 emulated nodes" && continue
     echo "===== mkbench $op -b 1M -e 64M -f 4 -n 10 -w 3 -g 4, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
-    with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout 120 "$BIN/mkbench" $op -b 1M -e 64M -f 4 -n 10 -w 3 -g 4 2>&1 | tee -a "$OUT/bench.log"
+    with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout "$(limit 120)" "$BIN/mkbench" $op -b 1M -e 64M -f 4 -n 10 -w 3 -g 4 2>&1 | tee -a "$OUT/bench.log"
     rc=${PIPESTATUS[0]}
     note "mkbench $op -g 4 across 2 emulated nodes: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
     [ $rc = 0 ] || status=1
   done
   # The fused AllGather + GEMM beside its unfused sequence (hierarchical mkAllGather + our GEMM).
-  echo "===== mkbench ag_gemm -g 4 --rows 128,512,2048 --nk 8192x8192, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
-  with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout 120 "$BIN/mkbench" ag_gemm -g 4 --rows 128,512,2048 --nk 8192x8192 -n 5 -w 2 2>&1 | tee -a "$OUT/bench.log"
-  rc=${PIPESTATUS[0]}
-  note "mkbench ag_gemm -g 4 across 2 emulated nodes: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
-  [ $rc = 0 ] || status=1
+  if ! late "mkbench ag_gemm -g 4 across 2 emulated nodes"; then
+    echo "===== mkbench ag_gemm -g 4 --rows 128,512,2048 --nk 8192x8192, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
+    with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout "$(limit 120)" "$BIN/mkbench" ag_gemm -g 4 --rows 128,512,2048 --nk 8192x8192 -n 5 -w 2 2>&1 | tee -a "$OUT/bench.log"
+    rc=${PIPESTATUS[0]}
+    note "mkbench ag_gemm -g 4 across 2 emulated nodes: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
+    [ $rc = 0 ] || status=1
+  fi
 fi
 
 stop_mps
+if [ "$SKIPPED_STEPS" -gt 0 ]; then
+  note "$SKIPPED_STEPS step(s) SKIPPED (deadline): rerun them with the options above"
+  [ $status = 0 ] && status=3
+fi
 echo "===== summary"; cat "$SUMMARY"
 exit $status
