@@ -12,13 +12,24 @@
 // Epochs are device-side (GR_EPOCH, advanced by the last CTA), so graph replays stay in
 // step. Before storing a new P, compute CTAs wait until every peer has finished reading the
 // previous one (GR_DONE, raised by the peer's last CTA).
+//
+// Across nodes (p.nodes > 1) the same GEMM and the same reducers run a hierarchical
+// reduction instead: node partials over NVLink, one proxy put per owner block to the
+// GPU-l rank of each other node, the node partials summed by the owner, and for AllReduce
+// the sums sent back the same way (reduce_nodes below; plan and data flow in
+// src/ops/gemm_reduce_nodes.rs).
 #include "common/gemm/engine.cuh"
 #include "common/fused_op.cuh"
+#include "common/proxy.cuh"
 #include "common/trace.cuh"
 
 #define GR_EPOCH (MK_SIG_OP_BASE + 1024)
 #define GR_ARRIVE (MK_SIG_OP_BASE + 1025)
 #define GR_DONE (MK_SIG_OP_BASE + 1032)  // + q: rank q finished reading this rank's P of epoch e
+// Across nodes, + m: node m's GPU-l rank is done with its inbox and R of epoch e (this rank
+// may put the next call's data there); written by that rank's proxy.
+#define GR_NET_DONE (MK_SIG_OP_BASE + 1040)
+#define GR_OP_ALL_REDUCE 18  // GemmReduceParams::op
 #define GR_TILE (MK_SIG_OP_BASE + 2048)  // + tile * 2 + slab: slab stored (own region)
 // Two-phase AllReduce: GR_TILE + 2 * tiles + tile: the owner reduced the tile into its R.
 
@@ -203,8 +214,274 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
   return true;
 }
 
+// ---- Across nodes -------------------------------------------------------------------
+// ws is this node's workspace (local ranks 0..L-1); owners are global ranks; this rank
+// (node n, local rank l) talks to the GPU-l rank of every other node through its proxy.
+
+static_assert(MK_MAX_PEERS == 8 && MK_MAX_NODES == 8, "sum_rows takes up to 8 sources");
+
+__device__ __forceinline__ int gr_rank_of(const GemmReduceParams& p, int node, int local) {
+  return p.rank_of[node * MK_MAX_PEERS + local];
+}
+// First row owned by global rank q (owner q's rows end where q + 1's begin).
+__device__ __forceinline__ int gr_owner_lo(const GemmReduceParams& p, int q) {
+  return (int)min((long long)p.m, (long long)q * p.owner_rows);
+}
+// Records `word` and stops this node's ranks (their waits see the abort word).
+__device__ __forceinline__ void gr_fail(const GemmReduceParams& p, uint32_t word) {
+  mk_record_error(p.ws, word);
+  mk_raise_abort(p.ws);
+}
+
+// Sums rows [r0, r1) x columns [c0, c1) of `nsrc` row-major [*, n] buffers (row r of
+// source i at src(i) + (r - src_row0) * n elements), in source order, into dst (row r at
+// dst + (r - dst_row0) * n) and, when dst2 is set, into dst2 at row r. `src` computes the
+// bases from the kernel parameters: an array of 8 pointers would take 16 registers and
+// make the reducers spill.
+template <typename T, class Team, class Src>
+__device__ __forceinline__ void sum_rows(Src src, int nsrc, int src_row0, char* dst, int dst_row0,
+                                         char* dst2, int n, int r0, int r1, int c0, int c1, uint64_t trace) {
+  const int vpr = (c1 - c0) / 8;
+  const int nvec = (r1 - r0) * vpr;
+  if (Team::tid() == 0) mk_trace_add(trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (nsrc + (dst2 ? 2 : 1)));
+  constexpr int kVectors = 2;  // x up to 8 sources in flight per thread; 4 made the reducers spill (168 registers)
+  for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
+    int4 part[kVectors][8];
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u) {
+      const int v = v0 + u * Team::threads();
+      if (v >= nvec) break;
+      const size_t off = ((size_t)(r0 + v / vpr - src_row0) * n + c0 + (v % vpr) * 8) * sizeof(T);
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+        if (s < nsrc) part[u][s] = *reinterpret_cast<const int4*>(src(s) + off);
+    }
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u) {
+      const int v = v0 + u * Team::threads();
+      if (v >= nvec) break;
+      const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+        if (s < nsrc) add8<T>(acc, part[u][s]);
+      const int4 sum = pack8<T>(acc);
+      *reinterpret_cast<int4*>(dst + ((size_t)(r - dst_row0) * n + col) * sizeof(T)) = sum;
+      if (dst2) *reinterpret_cast<int4*>(dst2 + ((size_t)r * n + col) * sizeof(T)) = sum;
+    }
+  }
+}
+
+// Team: copies rows [r0, r1) x columns [c0, c1) of a row-major [*, n] buffer to another.
+template <typename T, class Team>
+__device__ __forceinline__ void copy_rows(char* dst, const char* src, int n, int r0, int r1, int c0, int c1) {
+  const int vpr = (c1 - c0) / 8;
+  const int nvec = (r1 - r0) * vpr;
+  constexpr int kVectors = 8;
+  for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
+    int4 piece[kVectors];
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u) {
+      const int v = v0 + u * Team::threads();
+      if (v < nvec) piece[u] = *reinterpret_cast<const int4*>(src + ((size_t)(r0 + v / vpr) * n + c0 + (v % vpr) * 8) * sizeof(T));
+    }
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u) {
+      const int v = v0 + u * Team::threads();
+      if (v < nvec) *reinterpret_cast<int4*>(dst + ((size_t)(r0 + v / vpr) * n + c0 + (v % vpr) * 8) * sizeof(T)) = piece[u];
+    }
+  }
+}
+
+// A team's thread 0: the last command it posted (drained before the kernel ends: the
+// next call overwrites the sources).
+struct NetPosts {
+  uint64_t ticket;
+  bool posted;
+};
+
+// Thread 0: puts `bytes` at src (this rank's window) to dst in `peer`'s, raising `word`
+// there to the epoch after the data -- once `peer` (node m's GPU-l rank) said it is done
+// with what this rank put there in the previous call.
+__device__ __forceinline__ bool gr_put(const GemmReduceParams& p, uint64_t epoch, int m, int peer, uint64_t src,
+                                       uint64_t dst, uint64_t bytes, uint32_t word, NetPosts& posts) {
+  if (!mk_wait_geq_inline(p.ws, mk_signal_word(p.ws, p.ws.rank, GR_NET_DONE + m), epoch - 1, peer, MK_WAIT_GRANT, p.op))
+    return false;
+  const int rc = mk_proxy_put(p.ring, (uint32_t)peer, src, dst, (uint32_t)bytes, word, (uint32_t)epoch, &posts.ticket);
+  if (rc != MK_PROXY_OK) {
+    gr_fail(p, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, p.op));
+    return false;
+  }
+  posts.posted = true;
+  return true;
+}
+
+// Thread 0, after its team stored rows [r0, r1) x `cols` columns of owner q's rows
+// [lo, hi) into slab m (and fenced them): counts them per owner block. The team that
+// completes a block publishes it: slab n (this node's partial of this rank's own rows)
+// by its flag, slab m != n by a put into inbox slab n of q = rank_of(m, l).
+template <typename T>
+__device__ __forceinline__ bool count_node_rows(const GemmReduceParams& p, uint64_t epoch, int m, int q, int lo, int hi,
+                                                int r0, int r1, int cols, NetPosts& posts) {
+  const WorkspaceView& ws = p.ws;
+  const uint64_t row_bytes = (uint64_t)p.n * sizeof(T);
+  for (int b = (r0 - lo) / 128; b <= (r1 - 1 - lo) / 128; ++b) {
+    const int b0 = lo + b * 128, b1 = min(b0 + 128, hi);
+    const unsigned long long add = (unsigned long long)(min(r1, b1) - max(r0, b0)) * cols;
+    unsigned long long* count =
+        reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, p.count_node_word + m * p.owner_blocks + b));
+    if (atomicAdd(count, add) + add != (unsigned long long)(b1 - b0) * p.n) continue;
+    *count = 0;              // every piece is counted; the next launch starts after this one ends
+    __threadfence_system();  // the other teams' rows (fenced before they counted), then the flag / put
+    const uint32_t word = p.net_in_word + p.node * p.owner_blocks + b;
+    if (m == p.node) {
+      mk_signal_store(mk_signal_word(ws, ws.rank, word), epoch);
+      continue;
+    }
+    const uint64_t within = (uint64_t)b * 128 * row_bytes;
+    if (!gr_put(p, epoch, m, q, p.outbox_offset + (uint64_t)m * p.slab_bytes + within,
+                p.inbox_offset + (uint64_t)p.node * p.slab_bytes + within, (uint64_t)(b1 - b0) * row_bytes, word, posts))
+      return false;
+  }
+  return true;
+}
+
+// Thread 0 (AllReduce), after its team wrote rows [r0, r1) x `cols` of this rank's block b
+// to R: counts them; the team completing the block raises its flag for the local peers and
+// puts the rows into R of the GPU-l rank of every other node.
+template <typename T>
+__device__ __forceinline__ bool count_own_rows(const GemmReduceParams& p, uint64_t epoch, int b, int r0, int r1, int cols,
+                                               NetPosts& posts) {
+  const WorkspaceView& ws = p.ws;
+  unsigned long long* count = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, p.count_final_word + b));
+  const unsigned long long add = (unsigned long long)(r1 - r0) * cols;
+  if (atomicAdd(count, add) + add != (unsigned long long)(r1 - r0) * p.n) return true;
+  *count = 0;
+  __threadfence_system();
+  const uint32_t word = p.net_reduced_word + p.node * p.owner_blocks + b;
+  mk_signal_store(mk_signal_word(ws, ws.rank, word), epoch);
+  const uint64_t row_bytes = (uint64_t)p.n * sizeof(T);
+  const uint64_t at = p.reduced_offset + (uint64_t)r0 * row_bytes;
+  for (int i = 1; i < p.nodes; ++i) {
+    const int m = (p.node + i) % p.nodes;
+    if (!gr_put(p, epoch, m, gr_rank_of(p, m, ws.rank), at, at, (uint64_t)(r1 - r0) * row_bytes, word, posts)) return false;
+  }
+  return true;
+}
+
+// The reduction across nodes, for team j of `stride`:
+//  1. node partials of the tiles j, j + stride, ... (compute order), other nodes' owners
+//     first (their puts go out while this node's work continues);
+//  2. this rank's own blocks x column tiles: the N node partials summed in node order;
+//  3. AllReduce: every block this rank does not own, copied from the R of the local rank
+//     holding it (its owner on this node, or the owner's GPU-i counterpart here).
+template <typename T, int BN, class Team>
+__device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
+  const WorkspaceView& ws = p.ws;
+  const int L = ws.nranks, l = ws.rank, N = p.nodes, n = p.node, g = p.global_rank;
+  const bool all = p.op == GR_OP_ALL_REDUCE;
+  const int tiles_m = (p.m + 127) / 128;
+  const int total = tiles_m * p.tiles_n;
+  char* own = reinterpret_cast<char*>(ws.data[l]);
+  NetPosts posts{0, false};
+  int ok = 1;
+
+  const auto partial = [&](int s) { return reinterpret_cast<const char*>(p.ws.data[s]) + p.partial_offset; };
+  for (int t = j; t < total; t += stride) {
+    const TileCoord tc = interleaved_tile(tiles_m, p.tiles_n, p.group_m, p.interleave, t);
+    const int tr0 = tc.m_block * 128, tr1 = min(tr0 + 128, p.m);
+    const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
+    for (int i = 1; i <= N; ++i) {
+      const int m = (n + i) % N, q = gr_rank_of(p, m, l);
+      const int lo = gr_owner_lo(p, q), hi = gr_owner_lo(p, q + 1);
+      const int r0 = max(tr0, lo), r1 = min(tr1, hi);
+      if (r0 >= r1) continue;
+      if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
+      if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
+      char* slab = own + (m == n ? p.inbox_offset : p.outbox_offset) + (uint64_t)m * p.slab_bytes;
+      sum_rows<T, Team>(partial, L, 0, slab, lo, nullptr, p.n, r0, r1, c0, c1, p.trace);
+      __threadfence_system();  // this thread's rows, before the count (the proxy reads them)
+      Team::sync();
+      if (Team::tid() == 0) ok = count_node_rows<T>(p, epoch, m, q, lo, hi, r0, r1, c1 - c0, posts);
+      if (!Team::and_all(ok)) return false;
+    }
+  }
+
+  const int my_lo = gr_owner_lo(p, g), my_hi = gr_owner_lo(p, g + 1);
+  const int my_blocks = (my_hi - my_lo + 127) / 128;
+  const auto inbox = [&](int s) { return reinterpret_cast<const char*>(p.ws.data[p.ws.rank]) + p.inbox_offset + (uint64_t)s * p.slab_bytes; };
+  char* reduced = all ? own + p.reduced_offset : nullptr;
+  for (int it = j; it < my_blocks * p.tiles_n; it += stride) {
+    const int b = it / p.tiles_n, nt = it % p.tiles_n;
+    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+    const int x = Team::tid();
+    ok = 1;
+    if (x < N)
+      ok = mk_wait_geq_inline(ws, mk_signal_word(ws, l, p.net_in_word + x * p.owner_blocks + b), epoch, gr_rank_of(p, x, l),
+                              x == n ? MK_WAIT_OP_FLAG : MK_WAIT_NET, p.op);
+    if (!Team::and_all(ok)) return false;
+    if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+    const int r0 = my_lo + b * 128, r1 = min(r0 + 128, my_hi);
+    const int c0 = nt * BN, c1 = min(c0 + BN, p.n);
+    sum_rows<T, Team>(inbox, N, my_lo, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
+    if (all) {
+      __threadfence_system();
+      Team::sync();
+      if (Team::tid() == 0) ok = count_own_rows<T>(p, epoch, b, r0, r1, c1 - c0, posts);
+      if (!Team::and_all(ok)) return false;
+    }
+  }
+
+  if (all) {
+    const int items = N * L * p.owner_blocks * p.tiles_n;
+    for (int it = j; it < items; it += stride) {
+      const int nt = it % p.tiles_n, rest = it / p.tiles_n;
+      const int b = rest % p.owner_blocks, k = rest / p.owner_blocks;
+      const int m = (n + k / L) % N, x = (l + k % L) % L;  // this node's owners first
+      const int q = gr_rank_of(p, m, x);
+      if (q == g) continue;
+      const int lo = gr_owner_lo(p, q), hi = gr_owner_lo(p, q + 1);
+      const int r0 = lo + b * 128, r1 = min(r0 + 128, hi);
+      if (r0 >= r1) continue;
+      const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+      ok = 1;
+      if (Team::tid() == 0)
+        ok = mk_wait_geq_inline(ws, mk_signal_word(ws, x, p.net_reduced_word + m * p.owner_blocks + b), epoch, q,
+                                m == n ? MK_WAIT_OP_FLAG : MK_WAIT_NET, p.op);
+      if (!Team::and_all(ok)) return false;
+      if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+      const int c0 = nt * BN, c1 = min(c0 + BN, p.n);
+      copy_rows<T, Team>(reinterpret_cast<char*>(p.c), reinterpret_cast<const char*>(ws.data[x]) + p.reduced_offset, p.n, r0, r1,
+                         c0, c1);
+    }
+  }
+
+  ok = 1;
+  if (Team::tid() == 0 && posts.posted) {
+    const int rc = mk_proxy_wait_complete(p.ring, posts.ticket);
+    if (rc != MK_PROXY_OK) ok = 0, gr_fail(p, mk_error_word((uint32_t)rc, 0xff, MK_WAIT_PROXY, p.op));
+  }
+  return Team::and_all(ok) != 0;
+}
+
+// Thread 0 of CTA 0, at the start of a call across nodes, once the local peers finished
+// reading this rank's buffers of the previous call: tells the GPU-l rank of every other
+// node that it may put this call's data into this rank's inbox and R (GR_NET_DONE).
+__device__ __forceinline__ void gr_post_net_done(const GemmReduceParams& p, uint64_t epoch) {
+  for (int i = 1; i < p.nodes; ++i) {
+    const int m = (p.node + i) % p.nodes, peer = gr_rank_of(p, m, p.ws.rank);
+    uint64_t ticket;
+    const int rc = mk_proxy_signal(p.ring, (uint32_t)peer, GR_NET_DONE + p.node, (uint32_t)(epoch - 1), &ticket);
+    if (rc != MK_PROXY_OK) {
+      gr_fail(p, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, p.op));
+      return;
+    }
+  }
+}
+
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
+  if (p.nodes > 1) return reduce_nodes<T, BN, Team>(p, epoch, j, stride);
   return p.two_phase ? reduce_then_gather<T, BN, Team>(p, epoch, j, stride) : reduce_tiles<T, BN, Team>(p, epoch, j, stride);
 }
 
@@ -239,6 +516,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
   if ((int)blockIdx.x < p.compute_ctas) {
     // Peers must have finished reading our previous partials before we overwrite them.
     const bool peers_done = mk_cta_wait_peers(ws, GR_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, p.op);
+    if (p.nodes > 1 && peers_done && blockIdx.x == 0 && threadIdx.x == 0) gr_post_net_done(p, epoch);
     mk_trace_time(p.trace, MK_TR_SETUP);
     if (peers_done) {
       RasterParams sched;

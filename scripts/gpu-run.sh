@@ -9,11 +9,14 @@
 # and, with one rank, the GEMM engine — then the benches: collectives, `mkbench gemm`, and
 # the fused ops beside their unfused sequences; writes logs under $OUT (at most 8 files),
 # and stops MPS.
-# Then the collectives across emulated nodes (mktest nodes: 4 ranks, MK_RANKS_PER_NODE=2,
-# MK_NET=socket; its killed-node test without MPS), logged to $OUT/nodes.log.
-# Options: --ranks "1 2 4 8" (tests)  --bench-ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
+# Then the collectives and the dense fused ops across emulated nodes (mktest nodes: 4 ranks,
+# MK_RANKS_PER_NODE=2, MK_NET=socket; its killed-node test without MPS), logged to
+# $OUT/nodes.log, and their benches.
+# Options: --ranks "1 2 4 8" (tests)  --suites "gemm_reduce ..." (instead of every suite)
+#          --bench-ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
 #          --no-nodes (skip mktest nodes and its benches)  --only-nodes (only mktest nodes and the
-#          emulated-node benches of all_gather / reduce_scatter / all_reduce / ag_gemm)
+#          emulated-node benches)  --node-ops "all_gather reduce_scatter all_reduce ag_gemm
+#          gemm_rs gemm_ar" (which emulated-node benches)
 #          --deadline SECONDS (stop starting steps when fewer than ~30 s of this budget are left,
 #          and cut each step's timeout to what is left: for a device call with a time limit;
 #          skipped steps are listed as SKIPPED (deadline) and make the exit status 3)
@@ -24,10 +27,12 @@ OUT=${OUT:-gpu-run-logs}
 mkdir -p "$OUT"
 BIN=${BIN:-target/release}
 DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0
-RANKS="1 2 4 8"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1
+RANKS="1 2 4 8"; SUITES=""; NODE_OPS="all_gather reduce_scatter all_reduce ag_gemm gemm_rs gemm_ar"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --ranks) RANKS="$2"; shift ;;
+    --suites) SUITES="$2"; shift ;;
+    --node-ops) NODE_OPS="$2"; shift ;;
     --bench-ranks) BENCH_RANKS="$2"; shift ;;
     --no-tests) TESTS=0 ;;
     --no-bench) BENCH=0; NODE_BENCH=0 ;;
@@ -83,6 +88,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for n in $RANKS; do
     suites="smoke collectives ag_gemm gemm_reduce moe ring_attn"
     [ "$n" = 1 ] && suites="$suites gemm"  # the engine alone is a one-rank suite
+    [ -n "$SUITES" ] && suites="$SUITES"
     late "mktest $suites N=$n" && continue
     echo "===== mktest $suites with $n rank(s)" | tee -a "$OUT/mktest.log"
     t0=$(date +%s)
@@ -195,23 +201,24 @@ if [ "$BENCH" = 1 ]; then
 fi
 
 if [ "$NODES" = 1 ] && [ "$NODE_BENCH" = 1 ]; then
-  # Across two emulated nodes of two ranks (sockets, staged through host memory).
-  for op in all_gather reduce_scatter all_reduce; do
+  # Across two emulated nodes of two ranks (sockets, staged through host memory): the
+  # collectives' bandwidth, and the dense fused ops beside their unfused sequences (our
+  # GEMM + the hierarchical collective), each with its parts' times.
+  for op in $NODE_OPS; do
+    case "$op" in
+      all_gather|reduce_scatter|all_reduce) spec="$op -b 1M -e 64M -f 4 -n 10 -w 3" ;;
+      ag_gemm) spec="ag_gemm --rows 128,512,2048 --nk 8192x8192 -n 5 -w 2" ;;
+      gemm_rs) spec="gemm_rs --m 1024,4096 --nk 8192x1024 -n 5 -w 2" ;;
+      gemm_ar) spec="gemm_ar --m 16,256,2048 --nk 8192x1024 -n 5 -w 2" ;;
+      *) note "unknown --node-ops entry $op"; status=1; continue ;;
+    esac
     late "mkbench $op -g 4 across 2 emulated nodes" && continue
-    echo "===== mkbench $op -b 1M -e 64M -f 4 -n 10 -w 3 -g 4, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
-    with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout "$(limit 120)" "$BIN/mkbench" $op -b 1M -e 64M -f 4 -n 10 -w 3 -g 4 2>&1 | tee -a "$OUT/bench.log"
+    echo "===== mkbench $spec -g 4, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
+    with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout "$(limit 120)" "$BIN/mkbench" $spec -g 4 2>&1 | tee -a "$OUT/bench.log"
     rc=${PIPESTATUS[0]}
     note "mkbench $op -g 4 across 2 emulated nodes: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
     [ $rc = 0 ] || status=1
   done
-  # The fused AllGather + GEMM beside its unfused sequence (hierarchical mkAllGather + our GEMM).
-  if ! late "mkbench ag_gemm -g 4 across 2 emulated nodes"; then
-    echo "===== mkbench ag_gemm -g 4 --rows 128,512,2048 --nk 8192x8192, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
-    with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout "$(limit 120)" "$BIN/mkbench" ag_gemm -g 4 --rows 128,512,2048 --nk 8192x8192 -n 5 -w 2 2>&1 | tee -a "$OUT/bench.log"
-    rc=${PIPESTATUS[0]}
-    note "mkbench ag_gemm -g 4 across 2 emulated nodes: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
-    [ $rc = 0 ] || status=1
-  fi
 fi
 
 stop_mps

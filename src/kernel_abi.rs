@@ -307,7 +307,7 @@ impl Default for AgGemmParams {
 /// tensor maps (A, B, and this rank's partial-product buffer P in the fused-op region)
 /// travel as separate kernel arguments.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct GemmReduceParams {
     pub ws: WorkspaceView,
     /// Output: AllReduce [m, n]; ReduceScatter this rank's rows [row_hi - row_lo, n].
@@ -342,6 +342,36 @@ pub struct GemmReduceParams {
     /// Compute and reduction walk the row blocks of this many equal owner shards
     /// interleaved (kernels/common/gemm/scheduler.cuh OwnerInterleavedRaster); 1: in order.
     pub interleave: i32,
+    /// Across nodes (src/ops/gemm_reduce_nodes.rs has the plan; 1: one node, the fields
+    /// below unused): `ws` is this node's workspace (indexed by local rank); global rank q
+    /// owns rows [q·owner_rows, (q+1)·owner_rows) ∩ [0, m), in `owner_blocks` blocks of 128.
+    pub nodes: i32,
+    pub node: i32,
+    pub global_rank: i32,
+    pub owner_rows: i32,
+    pub owner_blocks: i32,
+    /// Signal words (absolute): NET_IN + m·MB + b, NET_REDUCED + m·MB + b, the element
+    /// counters per (m, b) and per own block.
+    pub net_in_word: u32,
+    pub net_reduced_word: u32,
+    pub count_node_word: u32,
+    pub count_final_word: u32,
+    pub reserved: u32,
+    /// Byte offsets in every rank's data region: N slabs each of [owner_rows, n], slab m at
+    /// + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
+    pub outbox_offset: u64,
+    pub inbox_offset: u64,
+    pub slab_bytes: u64,
+    pub ring: ProxyRingView,
+    /// rank_of[m * MK_MAX_PEERS + l]: global rank of local rank l on node m.
+    pub rank_of: [i32; MK_MAX_NODE_RANKS],
+}
+
+impl Default for GemmReduceParams {
+    fn default() -> Self {
+        // SAFETY: plain integers and arrays of them: all-zero is a valid value.
+        unsafe { std::mem::zeroed() }
+    }
 }
 
 /// u64 words per CTA in a fused kernel's trace buffer (layout in kernels/common/trace.cuh).

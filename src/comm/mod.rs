@@ -202,8 +202,8 @@ impl Comm {
     pub fn one_node_workspace(&self, op: &str) -> Result<&workspace::SymmetricWorkspace> {
         if self.topology.spans_nodes() {
             return Err(MkError::invalid_usage(format!(
-                "{op} does not run across nodes yet (this communicator spans {} nodes); only mkAllGather, \
-                 mkReduceScatter, mkAllReduce and mkAllGatherGemm do",
+                "{op} does not run across nodes yet (this communicator spans {} nodes); mkAllGather, \
+                 mkReduceScatter, mkAllReduce, mkAllGatherGemm, mkGemmReduceScatter and mkGemmAllReduce do",
                 self.topology.node_count
             )));
         }

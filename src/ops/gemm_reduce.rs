@@ -3,7 +3,8 @@
 //! `gemm_rs` / `gemm_ar` planners), tensor maps, launch.
 
 use super::gemm::{self as engine, Epilogue, PlanOverrides};
-use super::{gemm_ar, gemm_rs};
+use super::hier_collectives::node_layout;
+use super::{gemm_ar, gemm_reduce_nodes, gemm_rs};
 use crate::comm::Comm;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
@@ -15,6 +16,8 @@ use std::ffi::c_void;
 /// (kernels/gemm_reduce.cu GR_TILE, signals.cuh MK_SIG_GR_END): three flags per tile must
 /// fit between them.
 const TILE_FLAG_WORDS: usize = 131_072 - (8192 + 2048); // MK_SIG_GR_END - GR_TILE
+const GR_TILE_WORD: u32 = 8192 + 2048;
+const GR_END_WORD: u32 = 131_072;
 const ROW_BLOCK: usize = 128;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,7 +29,7 @@ pub enum Reduction {
 }
 
 impl Reduction {
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Reduction::Scatter => "mkGemmReduceScatter",
             Reduction::All => "mkGemmAllReduce",
@@ -98,6 +101,11 @@ pub fn interleave_owners(reduction: Reduction, two_phase: bool, m: usize, nranks
     }
 }
 
+/// The kernel instantiations (kernels/gemm_reduce.cu MK_GEMM_REDUCE_ENTRY).
+pub fn kernel_names() -> Vec<String> {
+    ["bf16", "f16"].iter().flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}"))).collect()
+}
+
 /// Validated call on `comm`: plan, launch (stream-ordered, no host sync).
 pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) -> Result<()> {
     comm.check_usable()?;
@@ -105,7 +113,17 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let ws = comm.one_node_workspace("mkGemmReduceScatter / mkGemmAllReduce")?;
+    // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
+    // rank table (src/ops/gemm_reduce_nodes.rs); rows are still owned by global rank.
+    let (ws, nodes) = if comm.topology.spans_nodes() {
+        let ws = comm.workspace.as_ref().ok_or_else(|| {
+            MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+        })?;
+        let ring = comm.proxy_ring.ok_or_else(|| MkError::internal("a communicator across nodes without a proxy ring"))?;
+        (ws, Some((node_layout(&comm.topology, &comm.nodes, args.reduction.name())?, ring)))
+    } else {
+        (comm.one_node_workspace("mkGemmReduceScatter / mkGemmAllReduce")?, None)
+    };
     let (nranks, rank) = (comm.nranks, comm.rank);
     let sms = cuda::sm_count(comm.context.device)? as u32;
     let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
@@ -119,14 +137,35 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
             gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas, true),
         },
     };
-    // P (this rank's partial product), and for the two-phase path R (its reduced rows).
-    let needed = (m * n * 2 * if two_phase { 2 } else { 1 }) as u64;
+    // Across nodes the kernel always reduces in its hierarchical phases (the one-node
+    // planners above only split the CTAs).
+    let two_phase = two_phase && nodes.is_none();
+    let tiles = m.div_ceil(ROW_BLOCK) * n.div_ceil(128);
+    let node_plan = match &nodes {
+        Some((nl, _)) => Some(gemm_reduce_nodes::plan(
+            args.reduction,
+            m,
+            n,
+            2,
+            nl.nodes,
+            nranks,
+            ws.view.data_bytes,
+            GR_TILE_WORD,
+            tiles,
+            GR_END_WORD,
+        )?),
+        None => None,
+    };
+    // P (this rank's partial product), and for the two-phase path R (its reduced rows);
+    // across nodes also the outbox and inbox of node partials.
+    let needed = node_plan.map_or((m * n * 2 * if two_phase { 2 } else { 1 }) as u64, |p| p.op_bytes);
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
-            "{} keeps this rank's partial product{} ({needed} bytes) in the workspace's fused-op region, which holds {}: \
+            "{} keeps this rank's partial product{}{} ({needed} bytes) in the workspace's fused-op region, which holds {}: \
              create the communicator with MK_WORKSPACE_BYTES (or mkConfig_t.workspaceBytes) of at least {needed}",
             args.reduction.name(),
-            if two_phase { " and its reduced rows" } else { "" },
+            if node_plan.is_some() { ", its node partials" } else { "" },
+            if two_phase || (node_plan.is_some() && args.reduction == Reduction::All) { " and its reduced rows" } else { "" },
             ws.view.op_bytes
         )));
     }
@@ -142,7 +181,8 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         Reduction::Scatter => (rank * m / nranks, (rank + 1) * m / nranks, rank * m / nranks),
         Reduction::All => (0, m, 0),
     };
-    let partial_base = ws.view.data[rank] + ws.view.data_bytes;
+    // The view is indexed by local rank (the global rank across nodes).
+    let partial_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
     let mut ta = engine::tensor_map(args.a, args.dtype, m, k, engine::BM, engine::BK)?;
     let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
     let mut tp = engine::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
@@ -165,8 +205,27 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         trace: args.trace,
         reduced_offset: ws.view.data_bytes + (m * n * 2) as u64,
         rows_per_rank: (m / nranks) as i32,
-        interleave: interleave_owners(args.reduction, two_phase, m, nranks) as i32,
+        interleave: interleave_owners(args.reduction, two_phase || nodes.is_some(), m, nranks) as i32,
+        nodes: 1,
+        global_rank: rank as i32,
+        ..GemmReduceParams::default()
     };
+    if let (Some((nl, ring)), Some(np)) = (&nodes, &node_plan) {
+        params.nodes = nl.nodes as i32;
+        params.node = nl.node as i32;
+        params.owner_rows = np.owner_rows as i32;
+        params.owner_blocks = np.owner_blocks as i32;
+        params.net_in_word = np.net_in_word;
+        params.net_reduced_word = np.net_reduced_word;
+        params.count_node_word = np.count_node_word;
+        params.count_final_word = np.count_final_word;
+        params.outbox_offset = np.outbox_offset;
+        params.inbox_offset = np.inbox_offset;
+        params.slab_bytes = np.slab_bytes;
+        params.reduced_offset = np.reduced_offset;
+        params.ring = *ring;
+        params.rank_of = nl.rank_of;
+    }
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
     let f = cuda::function("gemm_reduce", &format!("mk_gemm_reduce_{dt}_bn{bn}"))?;
     let cfg = LaunchConfig {

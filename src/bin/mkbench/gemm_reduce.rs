@@ -77,7 +77,8 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
     let max_n = o.nk.iter().map(|x| x.0).max().unwrap_or(8);
     let max_k = o.nk.iter().map(|x| x.1).max().unwrap_or(8);
     let mut cfg = CommConfig::from_env();
-    cfg.workspace_bytes = cfg.workspace_bytes.max((max_m * max_n * 2) as u64);
+    // P, and R for the two-phase AllReduce; across nodes also the node partials (src/ops/gemm_reduce_nodes.rs).
+    cfg.workspace_bytes = cfg.workspace_bytes.max((max_m * max_n * 2 * 4) as u64);
     let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let lt = CublasLt::new()?;

@@ -22,7 +22,7 @@ pub fn run() -> Result<()> {
     fused_common::run_suite("gemm_reduce", |comm, control, rank, n| correctness(comm, control, rank, n).and_then(|_| graph_replay(comm, rank, n)), absent_rank)
 }
 
-struct Case {
+pub(crate) struct Case {
     scatter: bool,
     dtype: mkDataType_t,
     m: usize,
@@ -37,7 +37,7 @@ struct Case {
 }
 
 impl Case {
-    fn new(scatter: bool, dtype: mkDataType_t, m: usize, n: usize, k: usize, nranks: usize, rank: usize) -> Result<Case> {
+    pub(crate) fn new(scatter: bool, dtype: mkDataType_t, m: usize, n: usize, k: usize, nranks: usize, rank: usize) -> Result<Case> {
         let rows_out = if scatter { m / nranks } else { m };
         Ok(Case {
             scatter,
@@ -53,11 +53,11 @@ impl Case {
         })
     }
 
-    fn label(&self) -> String {
+    pub(crate) fn label(&self) -> String {
         format!("{} {} M={} N={} K={}", if self.scatter { "GEMM+RS" } else { "GEMM+AR" }, self.dtype.name(), self.m, self.n, self.k)
     }
 
-    fn prepare(&self, seed: u64) -> Result<()> {
+    pub(crate) fn prepare(&self, seed: u64) -> Result<()> {
         let (a_len, b_len) = (self.m * self.k, self.n * self.k);
         for r in 0..self.nranks {
             fill_random(self.a_all.ptr() + (r * a_len * 2) as u64, a_len as u64, self.dtype, seed * 100 + r as u64, 1.0, std::ptr::null_mut())?;
@@ -67,7 +67,7 @@ impl Case {
         fused_common::sync_default_stream()
     }
 
-    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+    pub(crate) fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
         let a = self.a_all.ptr() + (self.rank * self.m * self.k * 2) as u64;
         let b = self.b_all.ptr() + (self.rank * self.n * self.k * 2) as u64;
         let f = if self.scatter { mkGemmReduceScatter } else { mkGemmAllReduce };
@@ -76,7 +76,7 @@ impl Case {
     }
 
     /// (passed, detail, raw output bytes).
-    fn verify(&self) -> Result<(bool, String, Vec<u8>)> {
+    pub(crate) fn verify(&self) -> Result<(bool, String, Vec<u8>)> {
         let (m, n, k) = (self.m, self.n, self.k);
         let a = self.a_all.download_f64()?;
         let b = self.b_all.download_f64()?;
@@ -98,7 +98,7 @@ impl Case {
     }
 }
 
-fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize) -> Result<()> {
+pub(crate) fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize) -> Result<()> {
     let stream = Stream::new()?;
     let (mut checks, mut failures) = (0, 0);
     for scatter in [true, false] {
@@ -149,7 +149,7 @@ fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize) -> Result<
     Ok(())
 }
 
-fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+pub(crate) fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let stream = Stream::new()?;
     let rs = Case::new(true, mkDataType_t::mkBfloat16, n * 160, 392, 200, n, rank)?;
     let ar = Case::new(false, mkDataType_t::mkFloat16, 33, 264, 136, n, rank)?;

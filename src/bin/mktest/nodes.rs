@@ -15,8 +15,13 @@
 //! blocks, N and K off the tile grid) and whole-block shards of several chunks, each twice
 //! with fresh inputs, against the float64 reference, the gathered A bit for bit; graph
 //! capture and replay; in the killed-node test, the survivors' mkAllGatherGemm must stop
-//! with mkRemoteError or mkTimeout too. mkGemmReduceScatter / mkGemmAllReduce are still
-//! refused across nodes (mkInvalidUsage), which is checked.
+//! with mkRemoteError or mkTimeout too.
+//!
+//! mkGemmReduceScatter and mkGemmAllReduce across the nodes: the gemm_reduce suite's cases
+//! (both dtypes, M from 1 and odd, shards off the tile grid, AllReduce bitwise identical on
+//! every rank, each twice with fresh inputs) and its graph capture and replay, then calls
+//! back to back without a host sync; in the killed-node test the survivors'
+//! mkGemmReduceScatter must stop with mkRemoteError or mkTimeout too.
 //!
 //! MK_TEST_NODES=fused runs only the fused ops' checks (and graph replay) of the
 //! correctness part (the collectives' ~900 cases take most of the suite's time).
@@ -25,7 +30,6 @@
 //! (run it without MPS, as the collectives suite's killed rank: under MPS a dying client
 //! poisons the others' contexts).
 //!
-//! Written without a GPU (the development machine has none): first run next session.
 
 use crate::ag_gemm::Case as AgGemmCase;
 use crate::fused_common::{self, FusedCase};
@@ -39,7 +43,7 @@ use mkernel::ops::collectives::CollectiveKind;
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 use std::time::{Duration, Instant};
 
-const IDS: usize = 4; // control, main + graph, killed node (collective), killed node (fused)
+const IDS: usize = 6; // control, main + graph, killed node (collective), killed node (AG+GEMM), GEMM + reduction, killed node (GEMM+RS)
 
 /// Ranks per emulated node: MK_RANKS_PER_NODE, else half the ranks (two nodes).
 fn ranks_per_node(n: usize) -> usize {
@@ -82,6 +86,7 @@ fn rank_main(env: &RankEnv) -> Result<()> {
     let result = (|| {
         if mode != KillMode::Only {
             correctness_and_graphs(env, &control, rpn)?;
+            gemm_reduce_across_nodes(env, &control, rpn)?;
         }
         if mode != KillMode::Skip {
             killed_node(env, &control, rpn)?;
@@ -103,13 +108,6 @@ fn correctness_and_graphs(env: &RankEnv, control: &Comm, rpn: usize) -> Result<(
     }
     if nodes < 2 {
         return Err(MkError::internal(format!("the communicator has {nodes} node(s): MK_RANKS_PER_NODE={rpn} did not split it")));
-    }
-    // GEMM + ReduceScatter / AllReduce do not run across nodes yet: refused, not run on the
-    // local view.
-    // SAFETY: as above.
-    match unsafe { (*comm).comm() }.one_node_workspace("mkGemmReduceScatter") {
-        Err(e) if e.code == mkResult_t::mkInvalidUsage => {}
-        other => return Err(MkError::internal(format!("a fused op on a communicator across nodes: {:?}", other.map(|_| ()).err()))),
     }
     let stream = Stream::new()?;
     let mut seed = 0x5eed_0000u64;
@@ -167,6 +165,48 @@ fn correctness_and_graphs(env: &RankEnv, control: &Comm, rpn: usize) -> Result<(
         return Err(MkError::internal(format!("{failures} of {checks} checks across nodes failed")));
     }
     fused.and(graphs).and(fused_graphs)
+}
+
+/// mkGemmReduceScatter / mkGemmAllReduce across the nodes, on their own communicator (the
+/// largest case keeps ~8 MiB of partials, node partials and sums in the workspace).
+fn gemm_reduce_across_nodes(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let comm = init_comm(env, &env.ids[4], &node_config(10_000, 64 << 20, rpn))?;
+    let t = Instant::now();
+    let result = crate::gemm_reduce::correctness(comm, control, rank, n)
+        .and_then(|_| crate::gemm_reduce::graph_replay(comm, rank, n))
+        .and_then(|_| gemm_reduce_back_to_back(comm, rank, n));
+    say(rank, format!("mkGemmReduceScatter / mkGemmAllReduce across nodes: {:.1} s, {}", t.elapsed().as_secs_f64(), if result.is_ok() { "passed" } else { "FAILED" }));
+    control.bootstrap.barrier()?;
+    crate::collectives::destroy(comm)?;
+    result
+}
+
+/// Six calls of each op back to back without a host sync (the cross-call handshakes alone
+/// keep them apart: a rank puts into another node's buffers only once that rank is done
+/// with the previous call's), the same inputs, the last result checked.
+fn gemm_reduce_back_to_back(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize) -> Result<()> {
+    let stream = Stream::new()?;
+    for (scatter, m) in [(true, n * 256), (false, n * 256), (false, 40)] {
+        let case = crate::gemm_reduce::Case::new(scatter, mkDataType_t::mkBfloat16, m, 520, 264, n, rank)?;
+        case.prepare(77)?;
+        for _ in 0..6 {
+            crate::collectives::ffi(&case.label(), case.launch(comm, stream.0), comm)?;
+        }
+        timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{} back to back", case.label())))?;
+        let code = async_error(comm);
+        if code != mkResult_t::mkSuccess {
+            return Err(MkError::new(code, format!("{} back to back: asynchronous error {code:?}", case.label())));
+        }
+        let (ok, detail, _) = case.verify()?;
+        if !ok || rank == 0 {
+            say(rank, format!("{} 6 calls back to back: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
+        }
+        if !ok {
+            return Err(MkError::internal(format!("{} back to back: wrong result", case.label())));
+        }
+    }
+    Ok(())
 }
 
 /// mkAllGatherGemm across the nodes (the communicator's 4 MiB workspace holds the largest
@@ -231,9 +271,9 @@ fn all_gather_gemm(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize) -> Resul
     Ok(())
 }
 
-/// The last emulated node dies while the others are inside an AllReduce and an
-/// mkAllGatherGemm (two communicators, two streams, both kernels resident: the fused
-/// grid is capped at 16 CTAs) waiting for it: both must stop with mkRemoteError or
+/// The last emulated node dies while the others are inside an AllReduce, an
+/// mkAllGatherGemm and an mkGemmReduceScatter (three communicators, three streams, all
+/// kernels resident: the fused grids are capped at 16 CTAs) waiting for it: both must stop with mkRemoteError or
 /// mkTimeout within the timeout.
 fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
@@ -243,15 +283,19 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     let fused_comm = init_comm(env, &env.ids[3], &fused_cfg)?;
     let fused_case = AgGemmCase::new(mkDataType_t::mkBfloat16, 512, 1024, 1024, n, rank)?;
     fused_case.prepare(98)?;
+    let rs_comm = init_comm(env, &env.ids[5], &fused_cfg)?;
+    let rs_case = crate::gemm_reduce::Case::new(true, mkDataType_t::mkBfloat16, n * 256, 1024, 1024, n, rank)?;
+    rs_case.prepare(97)?;
     let stream = Stream::new()?;
     let fused_stream = Stream::new()?;
+    let rs_stream = Stream::new()?;
     let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 4 << 20, false, rank, n)?;
     case.prepare(99)?;
     control.bootstrap.barrier()?;
     if rank >= n - rpn {
         // Never join the ops: the survivors are waiting for this node's data when it dies.
         std::thread::sleep(Duration::from_millis(500));
-        say(rank, "killed node: exiting while the other nodes are in mkAllReduce and mkAllGatherGemm");
+        say(rank, "killed node: exiting while the other nodes are in mkAllReduce, mkAllGatherGemm and mkGemmReduceScatter");
         use std::io::Write;
         let _ = std::io::stdout().flush();
         // SAFETY: ends the process at once, as a crash would.
@@ -260,6 +304,7 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     let t = Instant::now();
     case.launch(comm, stream.0)?;
     crate::collectives::ffi("mkAllGatherGemm", fused_case.launch(fused_comm, fused_stream.0), fused_comm)?;
+    crate::collectives::ffi("mkGemmReduceScatter", rs_case.launch(rs_comm, rs_stream.0), rs_comm)?;
     let limit = Duration::from_millis(FAULT_TIMEOUT_MS as u64) + FAULT_SLACK;
     let elapsed = timed_sync(&stream, Duration::from_secs(30))?;
     let code = async_error(comm);
@@ -279,6 +324,15 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     if t.elapsed() > limit {
         return Err(MkError::internal(format!("killed node: mkAllGatherGemm took {:.2} s, more than the timeout plus {} s", t.elapsed().as_secs_f64(), FAULT_SLACK.as_secs())));
     }
+    timed_sync(&rs_stream, Duration::from_secs(30))?;
+    let rs_code = async_error(rs_comm);
+    say(rank, format!("killed node: mkGemmReduceScatter stopped after {:.2} s with {rs_code:?}", t.elapsed().as_secs_f64()));
+    if rs_code != mkResult_t::mkTimeout && rs_code != mkResult_t::mkRemoteError {
+        return Err(MkError::internal(format!("killed node: mkGemmReduceScatter: expected mkTimeout or mkRemoteError, got {rs_code:?}")));
+    }
+    if t.elapsed() > limit {
+        return Err(MkError::internal(format!("killed node: mkGemmReduceScatter took {:.2} s, more than the timeout plus {} s", t.elapsed().as_secs_f64(), FAULT_SLACK.as_secs())));
+    }
     // The communicators refuse new work with the same code.
     let again = case.launch(comm, stream.0).err().map(|e| e.code);
     if again != Some(code) {
@@ -290,5 +344,6 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     }
     crate::collectives::destroy(comm)?;
     crate::collectives::destroy(fused_comm)?;
+    crate::collectives::destroy(rs_comm)?;
     Ok(())
 }
