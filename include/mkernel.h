@@ -367,14 +367,19 @@ mkResult_t mkAllGatherGemm(const void *A,
  * - `C`: this rank's [M / nranks, N] rows of the sum: rank r gets rows [r·M/n, (r+1)·M/n).
  * - `dtype`: mkBfloat16 or mkFloat16. Rounding: each rank's partial product is accumulated
  *   in fp32 and rounded once to `dtype`; the n partials are then added in fp32 in rank
- *   order 0..n-1 and the sum rounded once to `dtype`.
+ *   order 0..n-1 and the sum rounded once to `dtype`. Across nodes the partials are first
+ *   added within each node (fp32, rank order, rounded once to `dtype`), then the node
+ *   partials in node order (fp32, rounded once).
  *
  * Rules (mkInvalidArgument): M divisible by nranks; N and K multiples of 8; pointers
  * 16-byte aligned device memory. The partial product (M·N elements) must fit in the
  * communicator's fused-op region (MK_WORKSPACE_BYTES), else mkInvalidUsage names the size.
  * Stream-ordered, capturable in a CUDA graph; waits bounded by MK_TIMEOUT_MS (then
  * mkCommGetAsyncError reports mkTimeout / mkRemoteError and C is undefined).
- * Not yet across nodes: on a communicator spanning nodes it returns mkInvalidUsage.
+ * Across nodes (hosts, or MK_RANKS_PER_NODE): partials are summed within each node over
+ * NVLink and one node partial per owner crosses the network, GPU i to GPU i, from inside
+ * the kernel; the fused-op region then also holds 2·nodes·(M/nranks)·N elements of node
+ * partials.
  */
 mkResult_t mkGemmReduceScatter(const void *A,
                                const void *B,
@@ -399,7 +404,10 @@ mkResult_t mkGemmReduceScatter(const void *A,
  *
  * Rules, errors and stream semantics as mkGemmReduceScatter (no divisibility of M); the
  * two-phase path also keeps the reduced rows in the fused-op region (2·M·N elements in all).
- * Not yet across nodes: on a communicator spanning nodes it returns mkInvalidUsage.
+ * Across nodes: reduce-scatter as mkGemmReduceScatter across nodes (owners hold whole
+ * 128-row blocks, ⌈M/128/nranks⌉ each), then each sum is sent back over the network once
+ * per node and over NVLink to the node's ranks; C is still bitwise identical on every
+ * rank. The fused-op region holds 2·M·N + 2·nodes·rows·N elements (rows per owner).
  */
 mkResult_t mkGemmAllReduce(const void *A,
                            const void *B,
