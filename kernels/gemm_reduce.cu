@@ -29,6 +29,10 @@
 // Across nodes, + m: node m's GPU-l rank is done with its inbox and R of epoch e (this rank
 // may put the next call's data there); written by that rank's proxy.
 #define GR_NET_DONE (MK_SIG_OP_BASE + 1040)
+// Across nodes: element counters, [GR_COUNT, GR_TILE) (src/ops/gemm_reduce_nodes.rs
+// COUNT_WORD): a range of their own, because a counter must start at 0 and the words past
+// the tile flags hold other shapes' epochs.
+#define GR_COUNT (MK_SIG_OP_BASE + 1056)
 #define GR_OP_ALL_REDUCE 18  // GemmReduceParams::op
 #define GR_TILE (MK_SIG_OP_BASE + 2048)  // + tile * 2 + slab: slab stored (own region)
 // Two-phase AllReduce: GR_TILE + 2 * tiles + tile: the owner reduced the tile into its R.

@@ -71,7 +71,8 @@ pub struct NodeReducePlan {
     pub net_in_word: u32,
     /// NET_REDUCED + m·MB + b: the sum of block b of rank_of(m, l) is in this rank's R.
     pub net_reduced_word: u32,
-    /// Counters of elements reduced per (slab m, block b), and (AllReduce) per own block.
+    /// Counters of elements reduced per (slab m, block b), and (AllReduce) per own block
+    /// (in [COUNT_WORD, COUNT_END_WORD)).
     pub count_node_word: u32,
     pub count_final_word: u32,
     /// One past the last word used.
@@ -82,8 +83,17 @@ fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
-/// Plans one call. `first_word`/`end_word`: the signal words the op may use past its two
-/// per-tile slab flags (which take `2 · tiles` words from `tile_word`).
+/// Signal words of the element counters: a fixed range of their own (kernels/gemm_reduce.cu
+/// GR_COUNT .. GR_TILE). A counter must read 0 when a call starts, and the words after the
+/// tile flags move with the shape: a counter placed there would start from a flag another
+/// shape's call left in it (an epoch), never reach its total, and hang the call (seen on the
+/// GPU: the first call after a larger shape). Completed counters are reset to 0.
+pub const COUNT_WORD: u32 = 8192 + 1056;
+pub const COUNT_END_WORD: u32 = 8192 + 2048;
+
+/// Plans one call. The epoch-valued flags go after the op's two per-tile slab flags (which
+/// take `2 · tiles` words from `tile_word`) and before `end_word`; the counters in
+/// [COUNT_WORD, COUNT_END_WORD).
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     reduction: Reduction,
@@ -122,14 +132,20 @@ pub fn plan(
     let flags = (nodes * blocks) as u64;
     let net_in_word = tile_word as u64 + 2 * tiles as u64;
     let net_reduced_word = net_in_word + flags;
-    let count_node_word = net_reduced_word + flags;
-    let count_final_word = count_node_word + flags;
-    let last = count_final_word + blocks as u64;
+    let last = net_reduced_word + flags;
     if last > end_word as u64 {
         return Err(MkError::invalid_usage(format!(
-            "{what} across nodes: M = {m}, N = {n} need {} signal words (2 per 128x128 tile, 3 per node and owner block, 1 per owner block) but the op has {}; split the GEMM",
+            "{what} across nodes: M = {m}, N = {n} need {} signal words (2 per 128x128 tile, 2 per node and owner block) but the op has {}; split the GEMM",
             last - tile_word as u64,
             end_word - tile_word
+        )));
+    }
+    let count_node_word = COUNT_WORD as u64;
+    let count_final_word = count_node_word + flags;
+    if count_final_word + blocks as u64 > COUNT_END_WORD as u64 {
+        return Err(MkError::invalid_usage(format!(
+            "{what} across nodes: M = {m} gives each of the {nranks} ranks {blocks} blocks of 128 rows, and ({nodes} nodes + 1) x {blocks} counters exceed the op's {}; split the GEMM",
+            COUNT_END_WORD - COUNT_WORD
         )));
     }
     Ok(NodeReducePlan {
@@ -275,10 +291,24 @@ mod tests {
             assert_eq!(p.net_in_word, TILE_WORD + 2 * tiles(m, n) as u32);
             let flags = (nodes * p.owner_blocks) as u32;
             assert_eq!(p.net_reduced_word, p.net_in_word + flags);
-            assert_eq!(p.count_node_word, p.net_reduced_word + flags);
-            assert_eq!(p.count_final_word, p.count_node_word + flags);
+            assert_eq!(p.end_word, p.net_reduced_word + flags);
             assert!(p.end_word <= END_WORD);
+            // The counters keep their own fixed range, clear of every shape's flags.
+            assert_eq!(p.count_node_word, COUNT_WORD);
+            assert_eq!(p.count_final_word, p.count_node_word + flags);
+            assert!(p.count_final_word + p.owner_blocks as u32 <= COUNT_END_WORD);
+            assert!(COUNT_END_WORD <= TILE_WORD);
         }
+    }
+
+    /// The kernel's counter range is the one planned here.
+    #[test]
+    fn the_kernel_counts_where_the_plan_says() {
+        let src = include_str!("../../kernels/gemm_reduce.cu");
+        let want = format!("#define GR_COUNT (MK_SIG_OP_BASE + {})", COUNT_WORD - 8192);
+        assert!(src.contains(&want), "kernels/gemm_reduce.cu lacks `{want}`");
+        assert!(src.contains("#define GR_TILE (MK_SIG_OP_BASE + 2048)"));
+        assert_eq!(COUNT_END_WORD, TILE_WORD);
     }
 
     #[test]
@@ -287,6 +317,9 @@ mod tests {
         assert!(err.message.contains("split the GEMM"), "{}", err.message);
         let err = plan(Reduction::All, 128, 1 << 24, 2, 2, 4, 0, TILE_WORD, 1, END_WORD).unwrap_err();
         assert!(err.message.contains("4 GiB"), "{}", err.message);
+        // 8 nodes of 2, M = 2^18: 128 blocks per owner, 9 x 128 counters.
+        let err = plan(Reduction::Scatter, 1 << 18, 128, 2, 8, 16, 0, TILE_WORD, tiles(1 << 18, 128), END_WORD).unwrap_err();
+        assert!(err.message.contains("counters"), "{}", err.message);
     }
 
     /// Every inbox slab (m, block) of every rank is written by exactly one put, from node m's
