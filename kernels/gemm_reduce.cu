@@ -72,10 +72,23 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
   return out;
 }
 
-// The reducers: dedicated CTAs (CtaTeam), or the two consumer warpgroups of a GEMM CTA
-// after its last tile (threads 128..383, named barrier 4; the producer warpgroup has only
-// 40 registers).
+// The reducers: dedicated CTAs (CtaTeam), the two consumer warpgroups of a GEMM CTA
+// after its last tile (threads 128..383, named barrier 4), or -- one node only -- the three
+// idle warps of a GEMM CTA's producer warpgroup during the whole GEMM (threads 32..127,
+// named barrier 3, the producer's kProducerRegs registers: they sum with few values live).
 using Consumers = WarpTeam<128, 256, 4>;
+struct SideWarps : WarpTeam<32, 96, 3> {};
+template <class Team>
+struct LeanTeam {
+  static constexpr bool value = false;
+};
+template <>
+struct LeanTeam<SideWarps> {
+  static constexpr bool value = true;
+};
+// Registers of the producer warpgroup (its side warps reduce): 80, as AG+GEMM's pushers;
+// the consumers keep 208, enough for BN = 256 without spills (ptxas; tests/kernels.rs).
+constexpr int kProducerRegs = 80;
 
 // Team thread q (< nranks) waits for rank q's slabs of tile `tc` that hold rows [r0, r1);
 // every thread learns whether all waits succeeded.
@@ -107,6 +120,40 @@ __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, int r0, 
   const int vpr = (c1 - c0) / 8;  // N % 8 == 0: 16-byte vectors never straddle a row end
   const int nvec = (r1 - r0) * vpr;
   if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (ws.nranks + (reduced ? 2 : 1)));
+  if constexpr (LeanTeam<Team>::value) {
+    // Side warps (80 registers): one source at a time, kLean vectors of it in flight,
+    // added into fp32 sums -- registers independent of the rank count.
+    constexpr int kLean = 3;
+    for (int v0 = Team::tid(); v0 < nvec; v0 += kLean * Team::threads()) {
+      float acc[kLean][8];
+#pragma unroll
+      for (int u = 0; u < kLean; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
+      for (int src = 0; src < ws.nranks; ++src) {
+        const char* base = reinterpret_cast<const char*>(ws.data[src]) + p.partial_offset;
+        int4 part[kLean];
+#pragma unroll
+        for (int u = 0; u < kLean; ++u) {
+          const int v = v0 + u * Team::threads();
+          if (v < nvec) part[u] = *reinterpret_cast<const int4*>(base + ((size_t)(r0 + v / vpr) * p.n + c0 + (v % vpr) * 8) * sizeof(T));
+        }
+#pragma unroll
+        for (int u = 0; u < kLean; ++u)
+          if (v0 + u * Team::threads() < nvec) add8<T>(acc[u], part[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kLean; ++u) {
+        const int v = v0 + u * Team::threads();
+        if (v >= nvec) break;
+        const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
+        const int4 sum = pack8<T>(acc[u]);
+        *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.c) + ((size_t)(r - p.out_row0) * p.n + col) * sizeof(T)) = sum;
+        if (reduced) *reinterpret_cast<int4*>(reduced + ((size_t)r * p.n + col) * sizeof(T)) = sum;
+      }
+    }
+    return;
+  }
   // Each thread loads every rank's vector for kVectors vectors before the first add:
   // with one vector in flight per rank the loop is latency-bound (measured ~5 GB/s per
   // CTA).
@@ -199,7 +246,7 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
     const int nvec = (r1 - r0) * vpr;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 32);
     const char* src = reinterpret_cast<const char*>(ws.data[owner]) + p.reduced_offset;
-    constexpr int kVectors = 8;  // in flight per thread, as above
+    constexpr int kVectors = LeanTeam<Team>::value ? 4 : 8;  // in flight per thread, as above
     for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
       int4 piece[kVectors];
 #pragma unroll
@@ -485,9 +532,36 @@ __device__ __forceinline__ void gr_post_net_done(const GemmReduceParams& p, uint
 
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
-  if (p.nodes > 1) return reduce_nodes<T, BN, Team>(p, epoch, j, stride);
+  if constexpr (!LeanTeam<Team>::value) {  // the side warps reduce on one node only (the host plans it)
+    if (p.nodes > 1) return reduce_nodes<T, BN, Team>(p, epoch, j, stride);
+  }
   return p.two_phase ? reduce_then_gather<T, BN, Team>(p, epoch, j, stride) : reduce_tiles<T, BN, Team>(p, epoch, j, stride);
 }
+
+// The side warps' hook (kernels/common/gemm/hooks.cuh): when the host planned it
+// (side_reduce), the producer warpgroup's idle warps of GEMM CTA c reduce tiles c, c +
+// compute_ctas, ... while the GEMM runs, waiting for each as the ranks store it; the
+// reduction then overlaps the whole GEMM instead of its last wave only.
+struct ReduceSideWork : NoAWait {
+  struct Params {
+    const GemmReduceParams* op;
+    uint64_t epoch;
+  };
+  __device__ static void before_a_load(const Params&, int, int, int) {}
+  __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
+    row = m_row0;
+    return tma_a;
+  }
+  template <typename T, int BN>
+  __device__ static void run(const Params& w) {
+    const GemmReduceParams& p = *w.op;
+    if (p.side_reduce && p.reduce_ctas == 0) reduce<T, BN, SideWarps>(p, w.epoch, blockIdx.x, p.compute_ctas);
+  }
+};
+template <typename T, int BN>
+struct ReduceSideWorkFor : ReduceSideWork {
+  __device__ static void side_work(const Params& w, int) { ReduceSideWork::run<T, BN>(w); }
+};
 
 // Without dedicated reduction CTAs, the GEMM CTAs reduce: each CTA's two consumer
 // warpgroups (256 threads, the full register budget) run the reduction once their last
@@ -502,14 +576,14 @@ struct ReduceAfterGemm : TmaEpilogue<LocalDest, TmaStoreOp, EpochTileSignal> {
   };
   __device__ static void finish(const Params& p, const SlabInfo& s) {
     Base::finish(p, s);  // this warpgroup's last slab stored and signalled
-    if (p.op->reduce_ctas == 0) reduce<T, BN, Consumers>(*p.op, p.epoch, blockIdx.x, gridDim.x);
+    if (p.op->reduce_ctas == 0 && !p.op->side_reduce) reduce<T, BN, Consumers>(*p.op, p.epoch, blockIdx.x, gridDim.x);
   }
 };
 
 template <typename T, int BN>
 __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_p,
                                             const GemmReduceParams& p) {
-  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value>;
+  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value, SHARE_NONE, kProducerRegs>;
   using Epi = ReduceAfterGemm<T, BN>;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
@@ -529,7 +603,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
       sched.group_m = p.group_m > 0 ? p.group_m : 1;
       sched.m_block_base = 0;
       sched.owners = p.interleave;
-      NoAWait::Params await{0};
+      typename ReduceSideWorkFor<T, BN>::Params await{&p, epoch};
       typename Epi::Params epi;
       epi.dest.tma_c = tma_p;
       epi.signal.flags = mk_signal_word(ws, ws.rank, GR_TILE);
@@ -537,7 +611,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
       epi.signal.epoch = epoch;
       epi.op = &p;
       epi.epoch = epoch;
-      gemm_persistent<Cfg, OwnerInterleavedRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
+      gemm_persistent<Cfg, OwnerInterleavedRaster, ReduceSideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
                                                          blockIdx.x, p.compute_ctas, smem);
     }
   } else {

@@ -16,6 +16,7 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
     ("MK_WORKSPACE_BYTES", "268435456", "symmetric workspace per rank allocated at init: this much for the collectives and as much again for the fused ops"),
     ("MK_NET", "(ib if an RDMA device is usable, else socket)", "inter-node transport: ib or socket"),
     ("MK_IB_HCA", "(every active device)", "RDMA devices to use: comma-separated name[:port] prefixes, '^' excludes, '=' exact"),
+    ("MK_GEMM_REDUCERS", "side", "who sums the partials in mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: side (the GEMM CTAs' idle producer warps, during the GEMM) or after (their consumer warps, after their last tile)"),
 ];
 
 fn var(name: &str) -> Option<String> {
@@ -73,4 +74,16 @@ pub fn net() -> Option<String> {
 /// `MK_IB_HCA` as given; the transport module parses it.
 pub fn ib_hca() -> Option<String> {
     var("MK_IB_HCA").map(|s| s.trim().to_string())
+}
+
+/// `MK_GEMM_REDUCERS`: true for `after`, false for `side` (the default).
+pub fn gemm_reducers_after() -> bool {
+    match var("MK_GEMM_REDUCERS").map(|s| s.trim().to_ascii_lowercase()) {
+        Some(v) if v == "after" => true,
+        Some(v) if v != "side" => {
+            crate::log::warn(None, format_args!("ignoring MK_GEMM_REDUCERS={v:?}: expected side or after"));
+            false
+        }
+        _ => false,
+    }
 }

@@ -356,7 +356,9 @@ pub struct GemmReduceParams {
     pub net_reduced_word: u32,
     pub count_node_word: u32,
     pub count_final_word: u32,
-    pub reserved: u32,
+    /// One node, no dedicated reduction CTAs: 1 when the producer warpgroup's idle warps
+    /// reduce during the GEMM, 0 when the consumer warpgroups reduce after their last tile.
+    pub side_reduce: u32,
     /// Byte offsets in every rank's data region: N slabs each of [owner_rows, n], slab m at
     /// + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
     pub outbox_offset: u64,

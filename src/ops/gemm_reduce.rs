@@ -208,6 +208,9 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         interleave: interleave_owners(args.reduction, two_phase || nodes.is_some(), m, nranks) as i32,
         nodes: 1,
         global_rank: rank as i32,
+        // One node, no dedicated CTAs: the producer warpgroups' idle warps reduce during
+        // the GEMM (MK_GEMM_REDUCERS=after: the consumers, after their last tile).
+        side_reduce: (nodes.is_none() && reduce_ctas == 0 && !crate::env::gemm_reducers_after()) as u32,
         ..GemmReduceParams::default()
     };
     if let (Some((nl, ring)), Some(np)) = (&nodes, &node_plan) {
