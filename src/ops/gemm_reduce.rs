@@ -208,8 +208,10 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         interleave: interleave_owners(args.reduction, two_phase || nodes.is_some(), m, nranks) as i32,
         nodes: 1,
         global_rank: rank as i32,
-        // One node, no dedicated CTAs: the producer warpgroups' idle warps reduce during
-        // the GEMM (MK_GEMM_REDUCERS=after: the consumers, after their last tile).
+        // One node, no dedicated CTAs: the consumers reduce after their last tile;
+        // MK_GEMM_REDUCERS=side has the producer warpgroups' idle warps reduce during the
+        // GEMM instead (1.6x slower on one H200: 80 registers leave them ~6 GB/s per CTA;
+        // benches/RESULTS.md, session 5).
         side_reduce: (nodes.is_none() && reduce_ctas == 0 && !crate::env::gemm_reducers_after()) as u32,
         ..GemmReduceParams::default()
     };
