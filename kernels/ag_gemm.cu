@@ -61,11 +61,6 @@ __device__ __forceinline__ uint32_t agg_chunk(const AgGemmParams& p, int src, in
 __device__ __forceinline__ int agg_rank_of(const AgGemmParams& p, int node, int local) {
   return p.rank_of[node * MK_MAX_PEERS + local];
 }
-// Records `word` and stops this node's ranks (their waits see the abort word).
-__device__ __forceinline__ void agg_fail(const AgGemmParams& p, uint32_t word) {
-  mk_record_error(p.ws, word);
-  mk_raise_abort(p.ws);
-}
 
 // `threads` threads (this one is `tid`) copy `bytes` (a multiple of 16) from src to dst,
 // IN_FLIGHT 16-byte loads per thread before the first store (latency-bound otherwise).
@@ -202,7 +197,7 @@ __device__ __forceinline__ bool post_own_rows(const AgGemmParams& p, uint64_t ep
       const uint64_t bytes = (uint64_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
       const int rc = mk_proxy_put(p.ring, (uint32_t)peer, at, at, (uint32_t)bytes, agg_chunk(p, g, c), (uint32_t)epoch, ticket);
       if (rc != MK_PROXY_OK) {
-        agg_fail(p, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, MK_OP_AG_GEMM));
+        mk_fail(p.ws, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, MK_OP_AG_GEMM));
         return false;
       }
     }
@@ -280,7 +275,7 @@ __device__ __forceinline__ bool push_hier(const AgGemmParams& p, uint64_t epoch,
   if (!copy_gathered_out<Team>(p, epoch, part, parts)) return false;
   if (poster) {
     const int rc = mk_proxy_wait_complete(p.ring, ticket);
-    if (rc != MK_PROXY_OK) ok = 0, agg_fail(p, mk_error_word((uint32_t)rc, 0xff, MK_WAIT_PROXY, MK_OP_AG_GEMM));
+    if (rc != MK_PROXY_OK) ok = 0, mk_fail(p.ws, mk_error_word((uint32_t)rc, 0xff, MK_WAIT_PROXY, MK_OP_AG_GEMM));
   }
   return Team::and_all(ok) != 0;
 }
@@ -396,7 +391,7 @@ __device__ __forceinline__ void agg_epoch_end_hier(const AgGemmParams& p, uint64
         uint64_t ticket;
         const int rc = mk_proxy_signal(p.ring, (uint32_t)peer, AGG_NET_DONE + p.node, (uint32_t)epoch, &ticket);
         if (rc != MK_PROXY_OK) {
-          agg_fail(p, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, MK_OP_AG_GEMM));
+          mk_fail(p.ws, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, MK_OP_AG_GEMM));
           break;
         }
       }

@@ -111,16 +111,78 @@ __device__ __forceinline__ bool wait_partials(const GemmReduceParams& p, uint64_
   return ok != 0;
 }
 
+// Sums rows [r0, r1) x columns [c0, c1) of `nsrc` row-major [*, n] buffers (row r of
+// source i at src(i) + (r - src_row0) * n elements), in source order, into dst (row r at
+// dst + (r - dst_row0) * n) and, when dst2 is set, into dst2 at row r. `src` computes the
+// bases from the kernel parameters: an array of 8 pointers would take 16 registers and
+// make the reducers spill.
+// kVectors vectors x up to 8 sources are in flight per thread: with one vector per source
+// the loop is latency-bound (measured ~5 GB/s per CTA).
+template <typename T, class Team, int kVectors, class Src>
+__device__ __forceinline__ void sum_rows(Src src, int nsrc, int src_row0, char* dst, int dst_row0,
+                                         char* dst2, int n, int r0, int r1, int c0, int c1, uint64_t trace) {
+  static_assert(MK_MAX_PEERS == 8 && MK_MAX_NODES == 8, "sum_rows takes up to 8 sources");
+  const int vpr = (c1 - c0) / 8;
+  const int nvec = (r1 - r0) * vpr;
+  if (Team::tid() == 0) mk_trace_add(trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (nsrc + (dst2 ? 2 : 1)));
+  for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
+    int4 part[kVectors][8];
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u) {
+      const int v = v0 + u * Team::threads();
+      if (v >= nvec) break;
+      const size_t off = ((size_t)(r0 + v / vpr - src_row0) * n + c0 + (v % vpr) * 8) * sizeof(T);
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+        if (s < nsrc) part[u][s] = *reinterpret_cast<const int4*>(src(s) + off);
+    }
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u) {
+      const int v = v0 + u * Team::threads();
+      if (v >= nvec) break;
+      const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+        if (s < nsrc) add8<T>(acc, part[u][s]);
+      const int4 sum = pack8<T>(acc);
+      *reinterpret_cast<int4*>(dst + ((size_t)(r - dst_row0) * n + col) * sizeof(T)) = sum;
+      if (dst2) *reinterpret_cast<int4*>(dst2 + ((size_t)r * n + col) * sizeof(T)) = sum;
+    }
+  }
+}
+
+// Team: copies rows [r0, r1) x columns [c0, c1) of a row-major [*, n] buffer to another,
+// kVectors vectors in flight per thread.
+template <typename T, class Team, int kVectors = 8>
+__device__ __forceinline__ void copy_rows(char* dst, const char* src, int n, int r0, int r1, int c0, int c1) {
+  const int vpr = (c1 - c0) / 8;
+  const int nvec = (r1 - r0) * vpr;
+  for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
+    int4 piece[kVectors];
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u) {
+      const int v = v0 + u * Team::threads();
+      if (v < nvec) piece[u] = *reinterpret_cast<const int4*>(src + ((size_t)(r0 + v / vpr) * n + c0 + (v % vpr) * 8) * sizeof(T));
+    }
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u) {
+      const int v = v0 + u * Team::threads();
+      if (v < nvec) *reinterpret_cast<int4*>(dst + ((size_t)(r0 + v / vpr) * n + c0 + (v % vpr) * 8) * sizeof(T)) = piece[u];
+    }
+  }
+}
+
 // Sums rows [r0, r1) x columns [c0, c1) of every rank's partial in rank order 0..n-1 (the
 // same order on every rank) and writes them to C (at row - out_row0) and, when
 // `reduced` is set, to the same place in this rank's R.
 template <typename T, class Team>
 __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, int r0, int r1, int c0, int c1, char* reduced) {
   const WorkspaceView& ws = p.ws;
-  const int vpr = (c1 - c0) / 8;  // N % 8 == 0: 16-byte vectors never straddle a row end
-  const int nvec = (r1 - r0) * vpr;
-  if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (ws.nranks + (reduced ? 2 : 1)));
   if constexpr (LeanTeam<Team>::value) {
+    const int vpr = (c1 - c0) / 8;  // N % 8 == 0: 16-byte vectors never straddle a row end
+    const int nvec = (r1 - r0) * vpr;
+    if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (ws.nranks + (reduced ? 2 : 1)));
     // Side warps (80 registers): one source at a time, kLean vectors of it in flight,
     // added into fp32 sums -- registers independent of the rank count.
     constexpr int kLean = 3;
@@ -154,36 +216,8 @@ __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, int r0, 
     }
     return;
   }
-  // Each thread loads every rank's vector for kVectors vectors before the first add:
-  // with one vector in flight per rank the loop is latency-bound (measured ~5 GB/s per
-  // CTA).
-  constexpr int kVectors = 4;
-  for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
-    int4 part[kVectors][MK_MAX_PEERS];
-#pragma unroll
-    for (int u = 0; u < kVectors; ++u) {
-      const int v = v0 + u * Team::threads();
-      if (v >= nvec) break;
-      const size_t off = ((size_t)(r0 + v / vpr) * p.n + c0 + (v % vpr) * 8) * sizeof(T);
-#pragma unroll
-      for (int src = 0; src < MK_MAX_PEERS; ++src)
-        if (src < ws.nranks) part[u][src] = *reinterpret_cast<const int4*>(reinterpret_cast<const char*>(ws.data[src]) + p.partial_offset + off);
-    }
-#pragma unroll
-    for (int u = 0; u < kVectors; ++u) {
-      const int v = v0 + u * Team::threads();
-      if (v >= nvec) break;
-      const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
-      const size_t off = ((size_t)r * p.n + col) * sizeof(T);
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-      for (int src = 0; src < MK_MAX_PEERS; ++src)
-        if (src < ws.nranks) add8<T>(acc, part[u][src]);
-      const int4 sum = pack8<T>(acc);
-      *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.c) + ((size_t)(r - p.out_row0) * p.n + col) * sizeof(T)) = sum;
-      if (reduced) *reinterpret_cast<int4*>(reduced + off) = sum;
-    }
-  }
+  const auto partial = [&](int q) { return reinterpret_cast<const char*>(p.ws.data[q]) + p.partial_offset; };
+  sum_rows<T, Team, 4>(partial, ws.nranks, 0, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
 }
 
 // One-shot (ReduceScatter, small-M AllReduce): every tile holding rows this rank writes is
@@ -242,25 +276,11 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
     if (!Team::and_all(ok)) return false;
     const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
     const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
-    const int vpr = (c1 - c0) / 8;
-    const int nvec = (r1 - r0) * vpr;
-    if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 32);
-    const char* src = reinterpret_cast<const char*>(ws.data[owner]) + p.reduced_offset;
-    constexpr int kVectors = LeanTeam<Team>::value ? 4 : 8;  // in flight per thread, as above
-    for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
-      int4 piece[kVectors];
-#pragma unroll
-      for (int u = 0; u < kVectors; ++u) {
-        const int v = v0 + u * Team::threads();
-        if (v < nvec) piece[u] = *reinterpret_cast<const int4*>(src + ((size_t)(r0 + v / vpr) * p.n + c0 + (v % vpr) * 8) * sizeof(T));
-      }
-#pragma unroll
-      for (int u = 0; u < kVectors; ++u) {
-        const int v = v0 + u * Team::threads();
-        if (v < nvec)
-          *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.c) + ((size_t)(r0 + v / vpr) * p.n + c0 + (v % vpr) * 8) * sizeof(T)) = piece[u];
-      }
-    }
+    if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(r1 - r0) * (c1 - c0) * sizeof(T) * 2);
+    // In flight per thread: 8, or 4 in the side warps' 80 registers.
+    copy_rows<T, Team, LeanTeam<Team>::value ? 4 : 8>(reinterpret_cast<char*>(p.c),
+                                                      reinterpret_cast<const char*>(ws.data[owner]) + p.reduced_offset, p.n, r0, r1,
+                                                      c0, c1);
   }
   return true;
 }
@@ -269,79 +289,12 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
 // ws is this node's workspace (local ranks 0..L-1); owners are global ranks; this rank
 // (node n, local rank l) talks to the GPU-l rank of every other node through its proxy.
 
-static_assert(MK_MAX_PEERS == 8 && MK_MAX_NODES == 8, "sum_rows takes up to 8 sources");
-
 __device__ __forceinline__ int gr_rank_of(const GemmReduceParams& p, int node, int local) {
   return p.rank_of[node * MK_MAX_PEERS + local];
 }
 // First row owned by global rank q (owner q's rows end where q + 1's begin).
 __device__ __forceinline__ int gr_owner_lo(const GemmReduceParams& p, int q) {
   return (int)min((long long)p.m, (long long)q * p.owner_rows);
-}
-// Records `word` and stops this node's ranks (their waits see the abort word).
-__device__ __forceinline__ void gr_fail(const GemmReduceParams& p, uint32_t word) {
-  mk_record_error(p.ws, word);
-  mk_raise_abort(p.ws);
-}
-
-// Sums rows [r0, r1) x columns [c0, c1) of `nsrc` row-major [*, n] buffers (row r of
-// source i at src(i) + (r - src_row0) * n elements), in source order, into dst (row r at
-// dst + (r - dst_row0) * n) and, when dst2 is set, into dst2 at row r. `src` computes the
-// bases from the kernel parameters: an array of 8 pointers would take 16 registers and
-// make the reducers spill.
-template <typename T, class Team, class Src>
-__device__ __forceinline__ void sum_rows(Src src, int nsrc, int src_row0, char* dst, int dst_row0,
-                                         char* dst2, int n, int r0, int r1, int c0, int c1, uint64_t trace) {
-  const int vpr = (c1 - c0) / 8;
-  const int nvec = (r1 - r0) * vpr;
-  if (Team::tid() == 0) mk_trace_add(trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (nsrc + (dst2 ? 2 : 1)));
-  constexpr int kVectors = 2;  // x up to 8 sources in flight per thread; 4 made the reducers spill (168 registers)
-  for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
-    int4 part[kVectors][8];
-#pragma unroll
-    for (int u = 0; u < kVectors; ++u) {
-      const int v = v0 + u * Team::threads();
-      if (v >= nvec) break;
-      const size_t off = ((size_t)(r0 + v / vpr - src_row0) * n + c0 + (v % vpr) * 8) * sizeof(T);
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-        if (s < nsrc) part[u][s] = *reinterpret_cast<const int4*>(src(s) + off);
-    }
-#pragma unroll
-    for (int u = 0; u < kVectors; ++u) {
-      const int v = v0 + u * Team::threads();
-      if (v >= nvec) break;
-      const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-        if (s < nsrc) add8<T>(acc, part[u][s]);
-      const int4 sum = pack8<T>(acc);
-      *reinterpret_cast<int4*>(dst + ((size_t)(r - dst_row0) * n + col) * sizeof(T)) = sum;
-      if (dst2) *reinterpret_cast<int4*>(dst2 + ((size_t)r * n + col) * sizeof(T)) = sum;
-    }
-  }
-}
-
-// Team: copies rows [r0, r1) x columns [c0, c1) of a row-major [*, n] buffer to another.
-template <typename T, class Team>
-__device__ __forceinline__ void copy_rows(char* dst, const char* src, int n, int r0, int r1, int c0, int c1) {
-  const int vpr = (c1 - c0) / 8;
-  const int nvec = (r1 - r0) * vpr;
-  constexpr int kVectors = 8;
-  for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
-    int4 piece[kVectors];
-#pragma unroll
-    for (int u = 0; u < kVectors; ++u) {
-      const int v = v0 + u * Team::threads();
-      if (v < nvec) piece[u] = *reinterpret_cast<const int4*>(src + ((size_t)(r0 + v / vpr) * n + c0 + (v % vpr) * 8) * sizeof(T));
-    }
-#pragma unroll
-    for (int u = 0; u < kVectors; ++u) {
-      const int v = v0 + u * Team::threads();
-      if (v < nvec) *reinterpret_cast<int4*>(dst + ((size_t)(r0 + v / vpr) * n + c0 + (v % vpr) * 8) * sizeof(T)) = piece[u];
-    }
-  }
 }
 
 // A team's thread 0: the last command it posted (drained before the kernel ends: the
@@ -360,10 +313,23 @@ __device__ __forceinline__ bool gr_put(const GemmReduceParams& p, uint64_t epoch
     return false;
   const int rc = mk_proxy_put(p.ring, (uint32_t)peer, src, dst, (uint32_t)bytes, word, (uint32_t)epoch, &posts.ticket);
   if (rc != MK_PROXY_OK) {
-    gr_fail(p, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, p.op));
+    mk_fail(p.ws, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, p.op));
     return false;
   }
   posts.posted = true;
+  return true;
+}
+
+// Thread 0: adds `add` elements to the counter at signal word `word`; true for the caller
+// whose add completes `total`. That caller resets the counter (every piece is counted;
+// the next launch starts after this one ends) and fences, so the other teams' data
+// (fenced before they counted) is ordered before the flag or put it issues next.
+__device__ __forceinline__ bool gr_count_completes(const WorkspaceView& ws, uint32_t word, unsigned long long add,
+                                                   unsigned long long total) {
+  unsigned long long* count = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, word));
+  if (atomicAdd(count, add) + add != total) return false;
+  *count = 0;
+  __threadfence_system();
   return true;
 }
 
@@ -379,11 +345,7 @@ __device__ __forceinline__ bool count_node_rows(const GemmReduceParams& p, uint6
   for (int b = (r0 - lo) / 128; b <= (r1 - 1 - lo) / 128; ++b) {
     const int b0 = lo + b * 128, b1 = min(b0 + 128, hi);
     const unsigned long long add = (unsigned long long)(min(r1, b1) - max(r0, b0)) * cols;
-    unsigned long long* count =
-        reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, p.count_node_word + m * p.owner_blocks + b));
-    if (atomicAdd(count, add) + add != (unsigned long long)(b1 - b0) * p.n) continue;
-    *count = 0;              // every piece is counted; the next launch starts after this one ends
-    __threadfence_system();  // the other teams' rows (fenced before they counted), then the flag / put
+    if (!gr_count_completes(ws, p.count_node_word + m * p.owner_blocks + b, add, (unsigned long long)(b1 - b0) * p.n)) continue;
     const uint32_t word = p.net_in_word + p.node * p.owner_blocks + b;
     if (m == p.node) {
       mk_signal_store(mk_signal_word(ws, ws.rank, word), epoch);
@@ -404,11 +366,8 @@ template <typename T>
 __device__ __forceinline__ bool count_own_rows(const GemmReduceParams& p, uint64_t epoch, int b, int r0, int r1, int cols,
                                                NetPosts& posts) {
   const WorkspaceView& ws = p.ws;
-  unsigned long long* count = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, p.count_final_word + b));
-  const unsigned long long add = (unsigned long long)(r1 - r0) * cols;
-  if (atomicAdd(count, add) + add != (unsigned long long)(r1 - r0) * p.n) return true;
-  *count = 0;
-  __threadfence_system();
+  if (!gr_count_completes(ws, p.count_final_word + b, (unsigned long long)(r1 - r0) * cols, (unsigned long long)(r1 - r0) * p.n))
+    return true;
   const uint32_t word = p.net_reduced_word + p.node * p.owner_blocks + b;
   mk_signal_store(mk_signal_word(ws, ws.rank, word), epoch);
   const uint64_t row_bytes = (uint64_t)p.n * sizeof(T);
@@ -450,7 +409,8 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
       if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
       if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
       char* slab = own + (m == n ? p.inbox_offset : p.outbox_offset) + (uint64_t)m * p.slab_bytes;
-      sum_rows<T, Team>(partial, L, 0, slab, lo, nullptr, p.n, r0, r1, c0, c1, p.trace);
+      // 2 vectors x up to 8 sources in flight: 4 spilled in the 168 registers of a dedicated CTA.
+      sum_rows<T, Team, 2>(partial, L, 0, slab, lo, nullptr, p.n, r0, r1, c0, c1, p.trace);
       __threadfence_system();  // this thread's rows, before the count (the proxy reads them)
       Team::sync();
       if (Team::tid() == 0) ok = count_node_rows<T>(p, epoch, m, q, lo, hi, r0, r1, c1 - c0, posts);
@@ -474,7 +434,7 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
     const int r0 = my_lo + b * 128, r1 = min(r0 + 128, my_hi);
     const int c0 = nt * BN, c1 = min(c0 + BN, p.n);
-    sum_rows<T, Team>(inbox, N, my_lo, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
+    sum_rows<T, Team, 2>(inbox, N, my_lo, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
     if (all) {
       __threadfence_system();
       Team::sync();
@@ -510,7 +470,7 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
   ok = 1;
   if (Team::tid() == 0 && posts.posted) {
     const int rc = mk_proxy_wait_complete(p.ring, posts.ticket);
-    if (rc != MK_PROXY_OK) ok = 0, gr_fail(p, mk_error_word((uint32_t)rc, 0xff, MK_WAIT_PROXY, p.op));
+    if (rc != MK_PROXY_OK) ok = 0, mk_fail(p.ws, mk_error_word((uint32_t)rc, 0xff, MK_WAIT_PROXY, p.op));
   }
   return Team::and_all(ok) != 0;
 }
@@ -524,7 +484,7 @@ __device__ __forceinline__ void gr_post_net_done(const GemmReduceParams& p, uint
     uint64_t ticket;
     const int rc = mk_proxy_signal(p.ring, (uint32_t)peer, GR_NET_DONE + p.node, (uint32_t)(epoch - 1), &ticket);
     if (rc != MK_PROXY_OK) {
-      gr_fail(p, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, p.op));
+      mk_fail(p.ws, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, p.op));
       return;
     }
   }

@@ -111,6 +111,13 @@ __device__ __forceinline__ void mk_raise_abort(const WorkspaceView& ws) {
   for (int r = 0; r < ws.nranks; ++r) mk_st_release_sys(mk_signal_word(ws, r, MK_SIG_ABORT), (uint64_t)ws.rank + 1);
 }
 
+// Records `word` and stops this node's ranks (their waits see the abort word): what a
+// fused kernel does when a step other than a wait fails (a proxy post, say).
+__device__ __forceinline__ void mk_fail(const WorkspaceView& ws, uint32_t word) {
+  mk_record_error(ws, word);
+  mk_raise_abort(ws);
+}
+
 // The checks a bounded wait makes between polls of its flag, call-free (usable after
 // setmaxnreg): the abort word (device memory) and the timeout on every check; the host's
 // abort flag only once per kHostCheckNs, because it lives in host-mapped memory and every

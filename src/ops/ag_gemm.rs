@@ -15,7 +15,7 @@ use crate::comm::Comm;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{AgGemmParams, MK_AG_GEMM_MAX_CHUNKS, MK_MAX_PEERS};
-use crate::ops::hier_collectives::{node_layout, NodeLayout};
+use crate::ops::hier_collectives::{fused_op_workspace, NodeLayout};
 use crate::ops::gemm::{self as engine, Epilogue, PlanOverrides};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
@@ -244,15 +244,7 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
     }
     // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
     // rank table; rows are still placed by global rank.
-    let (ws, nodes) = if comm.topology.spans_nodes() {
-        let ws = comm.workspace.as_ref().ok_or_else(|| {
-            MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
-        })?;
-        let ring = comm.proxy_ring.ok_or_else(|| MkError::internal("a communicator across nodes without a proxy ring"))?;
-        (ws, Some((node_layout(&comm.topology, &comm.nodes, "mkAllGatherGemm")?, ring)))
-    } else {
-        (comm.one_node_workspace("mkAllGatherGemm")?, None)
-    };
+    let (ws, nodes) = fused_op_workspace(comm, "mkAllGatherGemm")?;
     let needed = (m * k * 2) as u64;
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
@@ -429,6 +421,7 @@ mod tests {
     /// by host (interleaved: rank r on host r % nodes).
     fn layouts(nranks: usize, rpn: usize, interleaved: bool) -> Vec<NodeLayout> {
         use crate::comm::{node_of_ranks, topology::Topology};
+        use crate::ops::hier_collectives::node_layout;
         let nodes = if interleaved {
             let hosts: Vec<u64> = (0..nranks).map(|r| (r % (nranks / rpn)) as u64 + 7).collect();
             node_of_ranks(&hosts, None)

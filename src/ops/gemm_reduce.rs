@@ -3,7 +3,7 @@
 //! `gemm_rs` / `gemm_ar` planners), tensor maps, launch.
 
 use super::gemm::{self as engine, Epilogue, PlanOverrides};
-use super::hier_collectives::node_layout;
+use super::hier_collectives::fused_op_workspace;
 use super::{gemm_ar, gemm_reduce_nodes, gemm_rs};
 use crate::comm::Comm;
 use crate::cuda::{self, sys, LaunchConfig};
@@ -15,9 +15,9 @@ use std::ffi::c_void;
 /// First signal word of the per-tile flags and the end of this op's range
 /// (kernels/gemm_reduce.cu GR_TILE, signals.cuh MK_SIG_GR_END): three flags per tile must
 /// fit between them.
-const TILE_FLAG_WORDS: usize = 131_072 - (8192 + 2048); // MK_SIG_GR_END - GR_TILE
-const GR_TILE_WORD: u32 = 8192 + 2048;
-const GR_END_WORD: u32 = 131_072;
+pub(crate) const GR_TILE_WORD: u32 = 8192 + 2048; // GR_TILE
+pub(crate) const GR_END_WORD: u32 = 131_072; // MK_SIG_GR_END
+const TILE_FLAG_WORDS: usize = (GR_END_WORD - GR_TILE_WORD) as usize;
 const ROW_BLOCK: usize = 128;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,15 +115,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     }
     // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
     // rank table (src/ops/gemm_reduce_nodes.rs); rows are still owned by global rank.
-    let (ws, nodes) = if comm.topology.spans_nodes() {
-        let ws = comm.workspace.as_ref().ok_or_else(|| {
-            MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
-        })?;
-        let ring = comm.proxy_ring.ok_or_else(|| MkError::internal("a communicator across nodes without a proxy ring"))?;
-        (ws, Some((node_layout(&comm.topology, &comm.nodes, args.reduction.name())?, ring)))
-    } else {
-        (comm.one_node_workspace("mkGemmReduceScatter / mkGemmAllReduce")?, None)
-    };
+    let (ws, nodes) = fused_op_workspace(comm, args.reduction.name())?;
     let (nranks, rank) = (comm.nranks, comm.rank);
     let sms = cuda::sm_count(comm.context.device)? as u32;
     let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));

@@ -29,6 +29,7 @@
 //! next call may overwrite the outbox.
 
 use super::gemm_reduce::Reduction;
+use super::hier_collectives::align_up;
 use crate::error::{MkError, Result};
 
 /// Rows of an owner block, and of a GEMM tile.
@@ -77,10 +78,6 @@ pub struct NodeReducePlan {
     pub count_final_word: u32,
     /// One past the last word used.
     pub end_word: u32,
-}
-
-fn align_up(x: u64, a: u64) -> u64 {
-    x.div_ceil(a) * a
 }
 
 /// Signal words of the element counters: a fixed range of their own (kernels/gemm_reduce.cu
@@ -239,8 +236,7 @@ pub fn puts_of(
 mod tests {
     use super::*;
 
-    const TILE_WORD: u32 = 8192 + 2048;
-    const END_WORD: u32 = 131_072;
+    use crate::ops::gemm_reduce::{GR_END_WORD as END_WORD, GR_TILE_WORD as TILE_WORD};
 
     fn tiles(m: usize, n: usize) -> usize {
         m.div_ceil(128) * n.div_ceil(128)

@@ -9,6 +9,7 @@
 
 use super::collectives::{check_device_pointer, validate, CollectiveArgs, CollectiveKind, MIN_BYTES_PER_CTA, PIECE_ALIGN_BYTES};
 use crate::comm::topology::{rank_with_local_rank, Topology};
+use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
@@ -62,6 +63,20 @@ pub fn node_layout(topology: &Topology, nodes: &[usize], what: &str) -> Result<N
     Ok(NodeLayout { nodes: topology.node_count, local_size: topology.local_size(), node: topology.node, local_rank: topology.local_rank, rank_of })
 }
 
+/// The workspace a dense fused op runs on: on one node the communicator's (refused with
+/// mkInvalidUsage when it has no data plane); across nodes this node's (its view indexed
+/// by local rank), with the rank table and this rank's proxy ring.
+pub fn fused_op_workspace<'a>(comm: &'a Comm, op: &str) -> Result<(&'a SymmetricWorkspace, Option<(NodeLayout, ProxyRingView)>)> {
+    if !comm.topology.spans_nodes() {
+        return Ok((comm.one_node_workspace(op)?, None));
+    }
+    let ws = comm.workspace.as_ref().ok_or_else(|| {
+        MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+    })?;
+    let ring = comm.proxy_ring.ok_or_else(|| MkError::internal("a communicator across nodes without a proxy ring"))?;
+    Ok((ws, Some((node_layout(&comm.topology, &comm.nodes, op)?, ring))))
+}
+
 /// One call's grid, piece size and slot layout (byte offsets inside a CTA's slot).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct HierPlan {
@@ -79,7 +94,7 @@ pub struct HierPlan {
     pub slot_bytes: u64,
 }
 
-fn align_up(x: u64, a: u64) -> u64 {
+pub(crate) fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 

@@ -315,24 +315,21 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     if t.elapsed() > limit {
         return Err(MkError::internal(format!("killed node: took {:.2} s, more than the timeout plus {} s", t.elapsed().as_secs_f64(), FAULT_SLACK.as_secs())));
     }
-    timed_sync(&fused_stream, Duration::from_secs(30))?;
-    let fused_code = async_error(fused_comm);
-    say(rank, format!("killed node: mkAllGatherGemm stopped after {:.2} s with {fused_code:?}", t.elapsed().as_secs_f64()));
-    if fused_code != mkResult_t::mkTimeout && fused_code != mkResult_t::mkRemoteError {
-        return Err(MkError::internal(format!("killed node: mkAllGatherGemm: expected mkTimeout or mkRemoteError, got {fused_code:?}")));
-    }
-    if t.elapsed() > limit {
-        return Err(MkError::internal(format!("killed node: mkAllGatherGemm took {:.2} s, more than the timeout plus {} s", t.elapsed().as_secs_f64(), FAULT_SLACK.as_secs())));
-    }
-    timed_sync(&rs_stream, Duration::from_secs(30))?;
-    let rs_code = async_error(rs_comm);
-    say(rank, format!("killed node: mkGemmReduceScatter stopped after {:.2} s with {rs_code:?}", t.elapsed().as_secs_f64()));
-    if rs_code != mkResult_t::mkTimeout && rs_code != mkResult_t::mkRemoteError {
-        return Err(MkError::internal(format!("killed node: mkGemmReduceScatter: expected mkTimeout or mkRemoteError, got {rs_code:?}")));
-    }
-    if t.elapsed() > limit {
-        return Err(MkError::internal(format!("killed node: mkGemmReduceScatter took {:.2} s, more than the timeout plus {} s", t.elapsed().as_secs_f64(), FAULT_SLACK.as_secs())));
-    }
+    // Each fused op must stop the same way, within the same limit.
+    let fused_stopped = |what: &str, stream: &Stream, comm| -> Result<mkResult_t> {
+        timed_sync(stream, Duration::from_secs(30))?;
+        let code = async_error(comm);
+        say(rank, format!("killed node: {what} stopped after {:.2} s with {code:?}", t.elapsed().as_secs_f64()));
+        if code != mkResult_t::mkTimeout && code != mkResult_t::mkRemoteError {
+            return Err(MkError::internal(format!("killed node: {what}: expected mkTimeout or mkRemoteError, got {code:?}")));
+        }
+        if t.elapsed() > limit {
+            return Err(MkError::internal(format!("killed node: {what} took {:.2} s, more than the timeout plus {} s", t.elapsed().as_secs_f64(), FAULT_SLACK.as_secs())));
+        }
+        Ok(code)
+    };
+    let fused_code = fused_stopped("mkAllGatherGemm", &fused_stream, fused_comm)?;
+    fused_stopped("mkGemmReduceScatter", &rs_stream, rs_comm)?;
     // The communicators refuse new work with the same code.
     let again = case.launch(comm, stream.0).err().map(|e| e.code);
     if again != Some(code) {
