@@ -15,6 +15,10 @@
 //      other slices (AllReduce: reduce-scatter + all-gather inside the piece),
 //   5. post FREE to every peer.
 // Every wait is bounded (common/signals.cuh). With one rank the op is a plain copy.
+// Launched with p.stage_bytes of dynamic shared memory (MK_LOAD_STAGING=smem), the copies
+// and reductions stage their loads there with cp.async (common/reduce_copy.cuh): a CTA
+// then keeps tens of KiB in flight instead of a few vectors per thread, which is what
+// bounds it when several ranks share the GPUs (~1 us per load).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -37,15 +41,14 @@ __device__ __forceinline__ void collective(const CollectiveParams& p) {
     // sum/avg/prod/max/min of one value is the value: a copy (nothing when in place).
     if (send != recv)
       copy_range(recv, nullptr, send, p.count * es, p.elem_size, (uint64_t)blockIdx.x * blockDim.x + threadIdx.x,
-                 (uint64_t)gridDim.x * blockDim.x);
+                 (uint64_t)gridDim.x * blockDim.x, p.stage_bytes);
     return;
   }
 
   const int b = blockIdx.x;
   const uint32_t opk = (uint32_t)p.kind;
-  const uint64_t region = (ws.data_bytes / (uint64_t)ws.cta_slots) & ~255ull;
-  const uint64_t slot_bytes = (region / 2) & ~255ull;
   const uint64_t chunk = p.chunk;
+  const uint32_t stage = p.stage_bytes;
   const uint64_t npieces = (p.count + chunk - 1) / chunk;
   uint64_t* seq_word = mk_signal_word(ws, rank, MK_SIG_SEQ + b);
   const uint32_t ready = MK_SIG_READY + b * MK_MAX_PEERS;
@@ -57,6 +60,13 @@ __device__ __forceinline__ void collective(const CollectiveParams& p) {
     ++step;
     const uint64_t off = g * chunk;
     const uint64_t n = min(chunk, p.count - off);
+    // This CTA's part of the data region and the step's slot in it, recomputed every step
+    // (a division per piece) rather than held across the loop: the kernel is at its
+    // register cap (512 threads), and the empty asm keeps the compiler from hoisting it.
+    uint64_t data_bytes = ws.data_bytes;
+    asm volatile("" : "+l"(data_bytes));
+    const uint64_t region = (data_bytes / (uint64_t)ws.cta_slots) & ~255ull;
+    const uint64_t slot_bytes = (region / 2) & ~255ull;
     const uint64_t slot_off = (uint64_t)b * region + (step & 1) * slot_bytes;
     char* mine = reinterpret_cast<char*>(ws.data[rank]) + slot_off;
 
@@ -67,12 +77,12 @@ __device__ __forceinline__ void collective(const CollectiveParams& p) {
     if (p.kind == MK_OP_ALL_GATHER) {
       char* own_out = recv + ((uint64_t)rank * p.count + off) * es;
       const char* in = send + off * es;
-      cta_copy(mine, own_out == in ? nullptr : own_out, in, n * es, p.elem_size);
+      cta_copy(mine, own_out == in ? nullptr : own_out, in, n * es, p.elem_size, stage);
     } else if (p.kind == MK_OP_REDUCE_SCATTER) {
       for (int q = 0; q < nranks; ++q)
-        cta_copy(mine + (uint64_t)q * chunk * es, nullptr, send + ((uint64_t)q * p.count + off) * es, n * es, p.elem_size);
+        cta_copy(mine + (uint64_t)q * chunk * es, nullptr, send + ((uint64_t)q * p.count + off) * es, n * es, p.elem_size, stage);
     } else {
-      cta_copy(mine, nullptr, send + off * es, n * es, p.elem_size);
+      cta_copy(mine, nullptr, send + off * es, n * es, p.elem_size, stage);
     }
 
     // 3. publish, then wait for every peer's piece
@@ -84,14 +94,14 @@ __device__ __forceinline__ void collective(const CollectiveParams& p) {
       for (int i = 1; i < nranks; ++i) {
         int q = (rank + i) % nranks;
         cta_copy(recv + ((uint64_t)q * p.count + off) * es, nullptr,
-                 reinterpret_cast<const char*>(ws.data[q]) + slot_off, n * es, p.elem_size);
+                 reinterpret_cast<const char*>(ws.data[q]) + slot_off, n * es, p.elem_size, stage);
       }
     } else if (p.kind == MK_OP_REDUCE_SCATTER) {
       const char* src[MK_MAX_PEERS];
 #pragma unroll
       for (int q = 0; q < MK_MAX_PEERS; ++q)
         src[q] = q < nranks ? reinterpret_cast<const char*>(ws.data[q]) + slot_off + (uint64_t)rank * chunk * es : nullptr;
-      cta_reduce<T>(reinterpret_cast<T*>(recv + off * es), nullptr, src, nranks, n, p.op, nranks);
+      cta_reduce<T>(reinterpret_cast<T*>(recv + off * es), nullptr, src, nranks, n, p.op, nranks, stage);
     } else {
       // slices of 16-byte multiples keep every slice vector-aligned in the slots
       const uint64_t per16 = 16 / es;
@@ -102,14 +112,14 @@ __device__ __forceinline__ void collective(const CollectiveParams& p) {
       for (int q = 0; q < MK_MAX_PEERS; ++q)
         src[q] = q < nranks ? reinterpret_cast<const char*>(ws.data[q]) + slot_off + lo * es : nullptr;
       cta_reduce<T>(reinterpret_cast<T*>(mine + (chunk + lo) * es), reinterpret_cast<T*>(recv + (off + lo) * es), src, nranks,
-                    hi - lo, p.op, nranks);
+                    hi - lo, p.op, nranks, stage);
       mk_cta_signal_peers(ws, ready2, step, rank);
       if (!mk_cta_wait_peers(ws, ready2, step, rank, MK_WAIT_READY2, opk)) return;
       for (int i = 1; i < nranks; ++i) {
         int q = (rank + i) % nranks;
         const uint64_t qlo = min(n, (uint64_t)q * slice), qhi = min(n, qlo + slice);
         cta_copy(recv + (off + qlo) * es, nullptr, reinterpret_cast<const char*>(ws.data[q]) + slot_off + (chunk + qlo) * es,
-                 (qhi - qlo) * es, p.elem_size);
+                 (qhi - qlo) * es, p.elem_size, stage);
       }
     }
 

@@ -18,6 +18,7 @@
 // GPU-l rank of each other node, the node partials summed by the owner, and for AllReduce
 // the sums sent back the same way (reduce_nodes below; plan and data flow in
 // src/ops/gemm_reduce_nodes.rs).
+#include "common/cp_async.cuh"
 #include "common/gemm/engine.cuh"
 #include "common/fused_op.cuh"
 #include "common/proxy.cuh"
@@ -111,6 +112,79 @@ __device__ __forceinline__ bool wait_partials(const GemmReduceParams& p, uint64_
   return ok != 0;
 }
 
+// Where the reducers stage their loads: the GEMM's operand ring, free once the team's CTA
+// has computed its last tile (every team path passes a team barrier before its first sum,
+// so both consumer warpgroups are past their mainloops), or in a dedicated reduction CTA,
+// which never runs the GEMM. bytes 0: loads go to registers (MK_LOAD_STAGING=registers,
+// and the side warps, which reduce while the ring is in use).
+struct Staging {
+  char* smem;
+  int bytes;
+};
+
+// Dedicated reduction CTAs (MK_COMM_SMS) always stage: their 168 registers spill when the
+// register loop is compiled beside the staged one.
+template <class Team>
+constexpr bool kAlwaysStaged = std::is_same<Team, CtaTeam>::value;
+
+template <int BN, class Team>
+__device__ __forceinline__ Staging reducer_staging(const GemmReduceParams& p) {
+  if constexpr (LeanTeam<Team>::value) return Staging{nullptr, 0};
+  extern __shared__ __align__(1024) char smem[];
+  char* ring = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));  // as the engine
+  return Staging{ring, p.stage_loads || kAlwaysStaged<Team> ? FusedStages<BN>::value * (128 + BN) * 64 * 2 : 0};
+}
+
+// sum_rows / copy_rows through shared memory: every thread cp.asyncs its own vectors of a
+// batch into its own slots (slot (buffer, source, u) x thread, 16 bytes each: a warp's
+// slots are contiguous) and reads back only those, so no barrier is needed; the next
+// batch is in flight while this one is summed. A batch is half the staging area: ~70 KiB
+// in flight per CTA against ~32 KiB from registers, whose loops were latency bound
+// (6-10 GB/s per CTA in the traces, session 2). One source is copied bit for bit.
+template <typename T, class Team, class Src>
+__device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int nsrc, int src_row0, char* dst, int dst_row0,
+                                            char* dst2, int n, int r0, int r1, int c0, int c1) {
+  const int vpr = (c1 - c0) / 8;
+  const int nvec = (r1 - r0) * vpr;
+  const int nt = Team::threads(), tid = Team::tid();
+  const int per_batch = max(1, staging.bytes / 2 / (nt * 16 * nsrc));  // vectors of each source per thread
+  const int batch_vectors = per_batch * nt;
+  const int batches = (nvec + batch_vectors - 1) / batch_vectors;
+  const auto slot = [&](int b, int s, int u) {
+    return staging.smem + ((((size_t)(b & 1) * nsrc + s) * per_batch + u) * nt + tid) * 16;
+  };
+  const auto issue = [&](int b) {
+    for (int u = 0; u < per_batch; ++u) {
+      const int v = b * batch_vectors + u * nt + tid;
+      if (v >= nvec) break;
+      const size_t off = ((size_t)(r0 + v / vpr - src_row0) * n + c0 + (v % vpr) * 8) * sizeof(T);
+      for (int s = 0; s < nsrc; ++s) cp_async16(slot(b, s, u), src(s) + off);
+    }
+    cp_async_commit();  // also when empty: wait_group<1> below counts groups
+  };
+  if (batches > 0) issue(0);
+  for (int b = 0; b < batches; ++b) {
+    issue(b + 1);  // writes the slots read two batches ago, by this thread, already consumed
+    cp_async_wait<1>();
+    for (int u = 0; u < per_batch; ++u) {
+      const int v = b * batch_vectors + u * nt + tid;
+      if (v >= nvec) break;
+      int4 out;
+      if (nsrc == 1) {
+        out = *reinterpret_cast<const int4*>(slot(b, 0, u));
+      } else {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int s = 0; s < nsrc; ++s) add8<T>(acc, *reinterpret_cast<const int4*>(slot(b, s, u)));
+        out = pack8<T>(acc);
+      }
+      const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
+      *reinterpret_cast<int4*>(dst + ((size_t)(r - dst_row0) * n + col) * sizeof(T)) = out;
+      if (dst2) *reinterpret_cast<int4*>(dst2 + ((size_t)r * n + col) * sizeof(T)) = out;
+    }
+  }
+  cp_async_wait<0>();
+}
+
 // Sums rows [r0, r1) x columns [c0, c1) of `nsrc` row-major [*, n] buffers (row r of
 // source i at src(i) + (r - src_row0) * n elements), in source order, into dst (row r at
 // dst + (r - dst_row0) * n) and, when dst2 is set, into dst2 at row r. `src` computes the
@@ -119,12 +193,14 @@ __device__ __forceinline__ bool wait_partials(const GemmReduceParams& p, uint64_
 // kVectors vectors x up to 8 sources are in flight per thread: with one vector per source
 // the loop is latency-bound (measured ~5 GB/s per CTA).
 template <typename T, class Team, int kVectors, class Src>
-__device__ __forceinline__ void sum_rows(Src src, int nsrc, int src_row0, char* dst, int dst_row0,
+__device__ __forceinline__ void sum_rows(const Staging& staging, Src src, int nsrc, int src_row0, char* dst, int dst_row0,
                                          char* dst2, int n, int r0, int r1, int c0, int c1, uint64_t trace) {
   static_assert(MK_MAX_PEERS == 8 && MK_MAX_NODES == 8, "sum_rows takes up to 8 sources");
   const int vpr = (c1 - c0) / 8;
   const int nvec = (r1 - r0) * vpr;
   if (Team::tid() == 0) mk_trace_add(trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (nsrc + (dst2 ? 2 : 1)));
+  if (kAlwaysStaged<Team> || staging.bytes > 0)
+    return staged_rows<T, Team>(staging, src, nsrc, src_row0, dst, dst_row0, dst2, n, r0, r1, c0, c1);
   for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
     int4 part[kVectors][8];
 #pragma unroll
@@ -155,7 +231,9 @@ __device__ __forceinline__ void sum_rows(Src src, int nsrc, int src_row0, char* 
 // Team: copies rows [r0, r1) x columns [c0, c1) of a row-major [*, n] buffer to another,
 // kVectors vectors in flight per thread.
 template <typename T, class Team, int kVectors = 8>
-__device__ __forceinline__ void copy_rows(char* dst, const char* src, int n, int r0, int r1, int c0, int c1) {
+__device__ __forceinline__ void copy_rows(const Staging& staging, char* dst, const char* src, int n, int r0, int r1, int c0, int c1) {
+  if (kAlwaysStaged<Team> || staging.bytes > 0)
+    return staged_rows<T, Team>(staging, [&](int) { return src; }, 1, 0, dst, 0, nullptr, n, r0, r1, c0, c1);
   const int vpr = (c1 - c0) / 8;
   const int nvec = (r1 - r0) * vpr;
   for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
@@ -177,7 +255,8 @@ __device__ __forceinline__ void copy_rows(char* dst, const char* src, int n, int
 // same order on every rank) and writes them to C (at row - out_row0) and, when
 // `reduced` is set, to the same place in this rank's R.
 template <typename T, class Team>
-__device__ __forceinline__ void sum_partials(const GemmReduceParams& p, int r0, int r1, int c0, int c1, char* reduced) {
+__device__ __forceinline__ void sum_partials(const GemmReduceParams& p, const Staging& staging, int r0, int r1, int c0, int c1,
+                                             char* reduced) {
   const WorkspaceView& ws = p.ws;
   if constexpr (LeanTeam<Team>::value) {
     const int vpr = (c1 - c0) / 8;  // N % 8 == 0: 16-byte vectors never straddle a row end
@@ -217,13 +296,14 @@ __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, int r0, 
     return;
   }
   const auto partial = [&](int q) { return reinterpret_cast<const char*>(p.ws.data[q]) + p.partial_offset; };
-  sum_rows<T, Team, 4>(partial, ws.nranks, 0, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
+  sum_rows<T, Team, 4>(staging, partial, ws.nranks, 0, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
 }
 
 // One-shot (ReduceScatter, small-M AllReduce): every tile holding rows this rank writes is
 // reduced, in the compute order; this team takes tiles j, j + stride, ...
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
+  const Staging staging = reducer_staging<BN, Team>(p);
   const int tiles_m = (p.m + 127) / 128;
   const int total = tiles_m * p.tiles_n;
   const int lo_block = p.row_lo / 128, hi_block = (p.row_hi - 1) / 128;
@@ -233,7 +313,7 @@ __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t
     const int r0 = max(tc.m_block * 128, p.row_lo), r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
     if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-    sum_partials<T, Team>(p, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), nullptr);
+    sum_partials<T, Team>(p, staging, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), nullptr);
   }
   return true;
 }
@@ -245,6 +325,7 @@ __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t
 // n·M.
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
+  const Staging staging = reducer_staging<BN, Team>(p);
   const WorkspaceView& ws = p.ws;
   const int tiles_m = (p.m + 127) / 128;
   const int total = tiles_m * p.tiles_n;
@@ -257,7 +338,7 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
     const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
     if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-    sum_partials<T, Team>(p, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), reduced);
+    sum_partials<T, Team>(p, staging, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), reduced);
     Team::sync();
     if (Team::tid() == 0)
       mk_signal_store(mk_signal_word(ws, ws.rank, GR_TILE + 2 * total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block), epoch);
@@ -278,7 +359,7 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
     const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(r1 - r0) * (c1 - c0) * sizeof(T) * 2);
     // In flight per thread: 8, or 4 in the side warps' 80 registers.
-    copy_rows<T, Team, LeanTeam<Team>::value ? 4 : 8>(reinterpret_cast<char*>(p.c),
+    copy_rows<T, Team, LeanTeam<Team>::value ? 4 : 8>(staging, reinterpret_cast<char*>(p.c),
                                                       reinterpret_cast<const char*>(ws.data[owner]) + p.reduced_offset, p.n, r0, r1,
                                                       c0, c1);
   }
@@ -387,6 +468,7 @@ __device__ __forceinline__ bool count_own_rows(const GemmReduceParams& p, uint64
 //     holding it (its owner on this node, or the owner's GPU-i counterpart here).
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
+  const Staging staging = reducer_staging<BN, Team>(p);
   const WorkspaceView& ws = p.ws;
   const int L = ws.nranks, l = ws.rank, N = p.nodes, n = p.node, g = p.global_rank;
   const bool all = p.op == GR_OP_ALL_REDUCE;
@@ -410,7 +492,7 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
       if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
       char* slab = own + (m == n ? p.inbox_offset : p.outbox_offset) + (uint64_t)m * p.slab_bytes;
       // 2 vectors x up to 8 sources in flight: 4 spilled in the 168 registers of a dedicated CTA.
-      sum_rows<T, Team, 2>(partial, L, 0, slab, lo, nullptr, p.n, r0, r1, c0, c1, p.trace);
+      sum_rows<T, Team, 2>(staging, partial, L, 0, slab, lo, nullptr, p.n, r0, r1, c0, c1, p.trace);
       __threadfence_system();  // this thread's rows, before the count (the proxy reads them)
       Team::sync();
       if (Team::tid() == 0) ok = count_node_rows<T>(p, epoch, m, q, lo, hi, r0, r1, c1 - c0, posts);
@@ -434,7 +516,7 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
     const int r0 = my_lo + b * 128, r1 = min(r0 + 128, my_hi);
     const int c0 = nt * BN, c1 = min(c0 + BN, p.n);
-    sum_rows<T, Team, 2>(inbox, N, my_lo, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
+    sum_rows<T, Team, 2>(staging, inbox, N, my_lo, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
     if (all) {
       __threadfence_system();
       Team::sync();
@@ -462,7 +544,7 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
       if (!Team::and_all(ok)) return false;
       if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
       const int c0 = nt * BN, c1 = min(c0 + BN, p.n);
-      copy_rows<T, Team>(reinterpret_cast<char*>(p.c), reinterpret_cast<const char*>(ws.data[x]) + p.reduced_offset, p.n, r0, r1,
+      copy_rows<T, Team>(staging, reinterpret_cast<char*>(p.c), reinterpret_cast<const char*>(ws.data[x]) + p.reduced_offset, p.n, r0, r1,
                          c0, c1);
     }
   }

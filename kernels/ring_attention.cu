@@ -30,6 +30,7 @@
 // K/V of every source rank lie in one local buffer, shard after shard; no signals.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include "common/cp_async.cuh"
 #include "common/fused_op.cuh"
 #include "common/gemm/wgmma_rs_ops.cuh"
 
@@ -49,14 +50,6 @@ constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 16-byte cp.async; src_bytes 0 zero-fills (rows past the end).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 template <typename T>
 struct Mma;  // the packing of two fp32 into a b32 register of T

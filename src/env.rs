@@ -17,6 +17,7 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
     ("MK_NET", "(ib if an RDMA device is usable, else socket)", "inter-node transport: ib or socket"),
     ("MK_IB_HCA", "(every active device)", "RDMA devices to use: comma-separated name[:port] prefixes, '^' excludes, '=' exact"),
     ("MK_GEMM_REDUCERS", "after", "who sums the partials in mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: after (the GEMM CTAs' consumer warps, after their last tile) or side (their idle producer warps, during the GEMM; measured 1.6x slower)"),
+    ("MK_LOAD_STAGING", "smem", "how the collectives and the fused ops' reducers keep loads in flight: smem (cp.async into shared memory, many per thread) or registers (a few vectors per thread)"),
 ];
 
 fn var(name: &str) -> Option<String> {
@@ -74,6 +75,18 @@ pub fn net() -> Option<String> {
 /// `MK_IB_HCA` as given; the transport module parses it.
 pub fn ib_hca() -> Option<String> {
     var("MK_IB_HCA").map(|s| s.trim().to_string())
+}
+
+/// `MK_LOAD_STAGING`: true for `smem` (the default), false for `registers`.
+pub fn load_staging_smem() -> bool {
+    match var("MK_LOAD_STAGING").map(|s| s.trim().to_ascii_lowercase()) {
+        Some(v) if v == "registers" => false,
+        Some(v) if v != "smem" => {
+            crate::log::warn(None, format_args!("ignoring MK_LOAD_STAGING={v:?}: expected smem or registers"));
+            true
+        }
+        _ => true,
+    }
 }
 
 /// `MK_GEMM_REDUCERS`: false for `side`, true for `after` (the default).

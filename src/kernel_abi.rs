@@ -80,6 +80,10 @@ pub struct CollectiveParams {
     pub op: i32,
     /// Bytes per element.
     pub elem_size: i32,
+    /// Dynamic shared memory the kernel was launched with, in which its copies and
+    /// reductions stage their loads (cp.async); 0 keeps the loads in registers.
+    pub stage_bytes: u32,
+    pub reserved: u32,
 }
 
 /// Most nodes a hierarchical collective spans (kernels/common/signals.cuh gives every CTA
@@ -359,6 +363,9 @@ pub struct GemmReduceParams {
     /// One node, no dedicated reduction CTAs: 1 when the producer warpgroup's idle warps
     /// reduce during the GEMM, 0 when the consumer warpgroups reduce after their last tile.
     pub side_reduce: u32,
+    /// 1: the reducers stage their loads in the GEMM's free shared memory with cp.async
+    /// (MK_LOAD_STAGING=smem, the default); 0: in registers.
+    pub stage_loads: u32,
     /// Byte offsets in every rank's data region: N slabs each of [owner_rows, n], slab m at
     /// + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
     pub outbox_offset: u64,

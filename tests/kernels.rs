@@ -70,3 +70,17 @@ fn hierarchical_collective_kernels_are_built_without_spills() {
         assert!(line.ends_with("0 bytes spill stores, 0 bytes spill loads"), "{function}: {line}");
     }
 }
+
+/// The collectives within a node: one kernel per dtype, none spilling. They sit at the
+/// register cap of 512 threads (128), with both the register and the shared-memory-staged
+/// loops inlined, so a small change can tip one dtype into spilling.
+#[test]
+fn collective_kernels_are_built_without_spills() {
+    let reports = ptxas_reports();
+    let report = reports.get("collectives").expect("no ptxas report for kernels/collectives.cu");
+    let props: Vec<(String, String)> = properties(report).into_iter().filter(|(f, _)| f.starts_with("mk_collective_") && f != "mk_collective_check").collect();
+    assert_eq!(props.len(), 10, "one kernel per dtype: {props:?}");
+    for (function, line) in props {
+        assert_eq!(line, "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", "{function}");
+    }
+}

@@ -2,11 +2,19 @@
 // kernels/hier_collectives.cu across nodes): whole-CTA copies and reductions over up to
 // MK_MAX_PEERS sources, 16-byte vectors when every pointer allows, element-wise otherwise.
 // Reductions accumulate half/bfloat16 in float and round once on the store.
+//
+// The vector loops have two ways to keep loads in flight. In registers a thread holds 1-4
+// (copy) or nsrc (reduce) 16-byte vectors at a time: 8-64 KiB per CTA of 512 threads, and
+// at ~1 us loaded latency (HBM and NVLink with several ranks on the GPUs) a CTA moves only
+// 15-24 GB/s. Staged (a caller passes stage_bytes, the dynamic shared memory its kernel was
+// launched with), cp.async copies hold no registers while in flight, so half of
+// stage_bytes is in flight per CTA while the other half is consumed (double buffering).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include "mk_kernel_abi.h"
+#include "cp_async.cuh"
 
 #define MK_RED_SUM 0
 #define MK_RED_PROD 1
@@ -46,6 +54,58 @@ template <typename A> __device__ __forceinline__ A finalize(A a, int op, int nra
 // ---- copies: 16-byte vectors when every pointer allows, element-wise otherwise ----
 __device__ __forceinline__ uint4 load16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
 
+// ---- staging: each thread cp.asyncs only its own vectors into its own slots ----
+// Slot j of thread t is 16 bytes at (j * blockDim.x + t) * 16 of the dynamic shared memory:
+// consecutive threads use consecutive 16 B (no bank conflicts), and a slot belongs to the
+// same thread whatever the layout of j, so cp.async.wait_group alone makes the data
+// visible to its reader (no barrier between the copy and the read, nor between calls).
+// j = (buffer * nsrc + source) * U + u for U vectors per source per batch. A thread walks
+// its own vectors i = first, first + stride, ... in batches of U; batch b+1 is issued
+// (one commit group, empty past the end) before waiting for batch b, so "all but the
+// newest group" is always batch b. The kernels sit at their register cap: these loops
+// keep only a few scalars live (no batch counter, no per-source addresses).
+__device__ __forceinline__ uint4* stage_slots() {
+  extern __shared__ __align__(16) uint4 mk_stage_smem[];
+  return mk_stage_smem + threadIdx.x;
+}
+
+// Vectors per source per batch when stage_bytes hold two batches of nsrc sources for the
+// whole CTA; 0 when not even one vector each fits (the caller keeps the register loop).
+__device__ __forceinline__ uint32_t stage_vectors(uint32_t stage_bytes, int nsrc) {
+  return stage_bytes / 2 / (blockDim.x * 16u * (uint32_t)nsrc);
+}
+
+// One batch of one source: vectors i, i + stride, ... (U of them, those below nv) into
+// slots buf[0], buf[blockDim.x], ...
+__device__ __forceinline__ void stage_issue(uint4* buf, const uint4* s, uint64_t i, uint64_t nv, uint64_t stride, uint32_t U) {
+  for (uint32_t u = 0; u < U && i < nv; ++u, i += stride) cp_async16(buf + u * blockDim.x, s + i);
+}
+
+// d[i] (and d2[i]) = s[i] for vectors i < nv, vector i by the thread with tid == i % nthreads,
+// through U staged vectors per thread per batch: batch b+1 loads while batch b is stored.
+__device__ __forceinline__ void copy_vectors_staged(uint4* d, uint4* d2, const uint4* s, uint64_t nv, uint64_t tid,
+                                                    uint64_t nthreads, uint32_t U) {
+  uint4* slots = stage_slots();
+  const uint32_t half = U * blockDim.x;  // slots of one buffer
+  const uint64_t batch = (uint64_t)U * nthreads;
+  uint32_t cur = 0;
+  stage_issue(slots, s, tid, nv, nthreads, U);
+  cp_async_commit();
+  for (uint64_t first = tid; first < nv; first += batch) {
+    stage_issue(slots + (half - cur), s, first + batch, nv, nthreads, U);
+    cp_async_commit();
+    cp_async_wait<1>();
+    const uint4* buf = slots + cur;
+    uint64_t i = first;
+    for (uint32_t u = 0; u < U && i < nv; ++u, i += nthreads) {
+      uint4 v = buf[u * blockDim.x];
+      d[i] = v;
+      if (d2) d2[i] = v;
+    }
+    cur = half - cur;
+  }
+}
+
 template <typename E>
 __device__ __forceinline__ void copy_elems(char* dst, char* dst2, const char* src, uint64_t n, uint64_t tid, uint64_t nthreads) {
   const E* s = reinterpret_cast<const E*>(src);
@@ -59,13 +119,19 @@ __device__ __forceinline__ void copy_elems(char* dst, char* dst2, const char* sr
 }
 
 // Copies `bytes` (a multiple of elem) from src to dst (and dst2 when non-NULL), spread over
-// nthreads threads of which this is tid.
+// nthreads threads of which this is tid; the vectors are staged through shared memory when
+// the kernel was launched with stage_bytes of it (0: in registers).
 __device__ __forceinline__ void copy_range(char* dst, char* dst2, const char* src, uint64_t bytes, int elem, uint64_t tid,
-                                           uint64_t nthreads) {
+                                           uint64_t nthreads, uint32_t stage_bytes = 0) {
   uint64_t done = 0;
   bool vec = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
                (dst2 ? reinterpret_cast<uintptr_t>(dst2) : 0)) & 15) == 0;
-  if (vec) {
+  const uint32_t staged = stage_bytes ? stage_vectors(stage_bytes, 1) : 0;
+  if (vec && staged) {
+    copy_vectors_staged(reinterpret_cast<uint4*>(dst), reinterpret_cast<uint4*>(dst2), reinterpret_cast<const uint4*>(src),
+                        bytes / 16, tid, nthreads, staged);
+    done = bytes / 16 * 16;
+  } else if (vec) {
     const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(dst);
     uint4* d2 = reinterpret_cast<uint4*>(dst2);
@@ -103,14 +169,71 @@ __device__ __forceinline__ void copy_range(char* dst, char* dst2, const char* sr
   }
 }
 
-__device__ __forceinline__ void cta_copy(char* dst, char* dst2, const char* src, uint64_t bytes, int elem) {
-  copy_range(dst, dst2, src, bytes, elem, threadIdx.x, blockDim.x);
+__device__ __forceinline__ void cta_copy(char* dst, char* dst2, const char* src, uint64_t bytes, int elem,
+                                         uint32_t stage_bytes = 0) {
+  copy_range(dst, dst2, src, bytes, elem, threadIdx.x, blockDim.x, stage_bytes);
 }
 
-// dst[i] (and dst2[i]) = op over p < nsrc of src[p][i], for i < n, by the whole CTA.
+// One batch of every source: source p's vectors into slots (buffer, p, u).
+__device__ __forceinline__ void reduce_stage_issue(uint4* buf, const char* const (&src)[MK_MAX_PEERS], int nsrc, uint64_t first,
+                                                   uint64_t nv, uint32_t U) {
+#pragma unroll
+  for (int p = 0; p < MK_MAX_PEERS; ++p)
+    if (p < nsrc) stage_issue(buf + p * U * blockDim.x, reinterpret_cast<const uint4*>(src[p]), first, nv, blockDim.x, U);
+  cp_async_commit();
+}
+
+// The vector part of cta_reduce (nv 16-byte vectors, every pointer aligned) through U staged
+// vectors per source per thread per batch: batch b+1 loads while batch b is reduced, one
+// source at a time from shared memory (an accumulator and one vector live, not nsrc).
+template <typename T>
+__device__ __forceinline__ void reduce_vectors_staged(T* dst, T* dst2, const char* const (&src)[MK_MAX_PEERS], int nsrc, uint64_t nv,
+                                                      int op, int nranks, uint32_t U) {
+  typedef Traits<T> Tr;
+  typedef typename Tr::Acc A;
+  constexpr int V = 16 / sizeof(T);
+  uint4* slots = stage_slots();
+  const uint32_t per_src = U * blockDim.x;
+  const uint32_t half = nsrc * per_src;  // slots of one buffer
+  uint32_t cur = 0;
+  reduce_stage_issue(slots, src, nsrc, threadIdx.x, nv, U);
+  for (uint64_t first = threadIdx.x; first < nv; first += per_src) {
+    reduce_stage_issue(slots + (half - cur), src, nsrc, first + per_src, nv, U);
+    cp_async_wait<1>();
+    const uint4* buf = slots + cur;
+    uint64_t i = first;
+    for (uint32_t u = 0; u < U && i < nv; ++u, i += blockDim.x) {
+      const uint4* slot = buf + u * blockDim.x;
+      uint4 raw = slot[0];
+      const T* t = reinterpret_cast<const T*>(&raw);
+      A acc[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[v] = Tr::load(t[v]);
+#pragma unroll
+      for (int p = 1; p < MK_MAX_PEERS; ++p) {
+        if (p < nsrc) {
+          raw = slot[p * per_src];
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[v] = combine<A>(acc[v], Tr::load(t[v]), op);
+        }
+      }
+      uint4 out;
+      T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+      for (int v = 0; v < V; ++v) o[v] = Tr::store(finalize<A>(acc[v], op, nranks));
+      reinterpret_cast<uint4*>(dst)[i] = out;
+      if (dst2) reinterpret_cast<uint4*>(dst2)[i] = out;
+    }
+    cur = half - cur;
+  }
+}
+
+// dst[i] (and dst2[i]) = op over p < nsrc of src[p][i], for i < n, by the whole CTA; the
+// vectors are staged through shared memory when the kernel was launched with stage_bytes of
+// it and one vector of every source fits twice per thread (0: in registers).
 template <typename T>
 __device__ __forceinline__ void cta_reduce(T* dst, T* dst2, const char* const (&src)[MK_MAX_PEERS], int nsrc, uint64_t n, int op,
-                                           int nranks) {
+                                           int nranks, uint32_t stage_bytes = 0) {
   typedef Traits<T> Tr;
   typedef typename Tr::Acc A;
   constexpr int V = 16 / sizeof(T);
@@ -119,7 +242,11 @@ __device__ __forceinline__ void cta_reduce(T* dst, T* dst2, const char* const (&
   for (int p = 0; p < MK_MAX_PEERS; ++p)
     if (p < nsrc) bits |= reinterpret_cast<uintptr_t>(src[p]);
   uint64_t done = 0;
-  if ((bits & 15) == 0) {
+  const uint32_t staged = stage_bytes ? stage_vectors(stage_bytes, nsrc) : 0;
+  if ((bits & 15) == 0 && staged) {
+    reduce_vectors_staged<T>(dst, dst2, src, nsrc, n / V, op, nranks, staged);
+    done = n / V * V;
+  } else if ((bits & 15) == 0) {
     uint64_t nv = n / V;
     for (uint64_t i = threadIdx.x; i < nv; i += blockDim.x) {
       uint4 raw[MK_MAX_PEERS];

@@ -15,6 +15,24 @@ pub const THREADS: u32 = 512;
 pub const MIN_BYTES_PER_CTA: u64 = 64 << 10;
 /// Pieces are multiples of this many bytes, so every piece starts 256-byte aligned.
 pub const PIECE_ALIGN_BYTES: u64 = 256;
+/// Dynamic shared memory per CTA in which the kernels stage their loads (MK_LOAD_STAGING=smem).
+/// The loops are bound by load latency (~1 us with several ranks on the GPUs), so bytes in
+/// flight per SM set the bandwidth: half of this is in flight per CTA while the other half
+/// is consumed. 128 KiB is the least that still gives a reduction of MK_MAX_PEERS sources
+/// one vector per source per thread in both halves (2 × 8 × 512 threads × 16 B), and it costs
+/// no occupancy: at 512 threads the kernels' 118-128 registers per thread (ptxas) already
+/// take more than half of an SM's register file, so a CTA has the SM to itself, and 128 KiB
+/// (+1 KiB reserved) of its 228 KiB leaves ~100 KiB of L1. A copy keeps 64 KiB in flight per
+/// CTA (8 vectors per thread). Were the kernels ever cut to 64 registers for two CTAs per SM,
+/// this would have to drop to ~96 KiB (and reductions of 7-8 sources would stay in registers).
+pub const STAGE_BYTES: u32 = 128 << 10;
+
+/// Vectors per source per thread and batch that `stage_bytes` give a CTA of `THREADS`
+/// threads reducing `nsrc` sources (kernels/common/reduce_copy.cuh stage_vectors; 0: the
+/// kernel keeps that loop in registers).
+pub fn stage_vectors(stage_bytes: u32, nsrc: u32) -> u32 {
+    stage_bytes / 2 / (THREADS * 16 * nsrc.max(1))
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(i32)]
@@ -310,6 +328,7 @@ pub fn launch(view: &WorkspaceView, args: &CollectiveArgs, single_rank_ctas: u32
     let elem = args.dtype.size() as u64;
     let p = plan(args.kind, args.count, elem, view.nranks as u64, view.cta_slots as u32, view.data_bytes, single_rank_ctas);
     let f = cuda::function("collectives", kernel_name(args.dtype))?;
+    let stage_bytes = if crate::env::load_staging_smem() { STAGE_BYTES } else { 0 };
     let mut params = CollectiveParams {
         ws: *view,
         send: args.send,
@@ -320,8 +339,11 @@ pub fn launch(view: &WorkspaceView, args: &CollectiveArgs, single_rank_ctas: u32
         dtype: args.dtype as i32,
         op: args.op as i32,
         elem_size: elem as i32,
+        stage_bytes,
+        reserved: 0,
     };
-    let cfg = LaunchConfig { grid: (p.ctas, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // cuda::launch raises the function's dynamic shared-memory limit above 48 KiB.
+    let cfg = LaunchConfig { grid: (p.ctas, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: stage_bytes };
     // SAFETY: one CollectiveParams by value; the buffers were checked to be device memory
     // of this context's device, large enough as the caller promised.
     unsafe { cuda::launch(f, cfg, stream, &mut [(&mut params as *mut CollectiveParams).cast()]) }
@@ -434,6 +456,18 @@ mod tests {
         assert!(msg(v(rs, 0x1000, 0x1000, 10, f32_, Some(0))).contains("sendbuff + rank * recvcount"));
         // disjoint buffers are fine
         assert!(v(rs, 0x1000, 0x1000 + 160, 10, f32_, Some(4)).is_ok());
+    }
+
+    #[test]
+    fn staging_fits_every_reduction_and_one_cta_per_sm() {
+        use crate::kernel_abi::MK_MAX_PEERS;
+        assert!(stage_vectors(STAGE_BYTES, MK_MAX_PEERS as u32) >= 1, "a reduction of every peer still stages");
+        for nsrc in 1..=MK_MAX_PEERS as u32 {
+            assert!(2 * nsrc * stage_vectors(STAGE_BYTES, nsrc) * THREADS * 16 <= STAGE_BYTES, "{nsrc} sources");
+        }
+        assert_eq!(stage_vectors(STAGE_BYTES, 1), 8, "a copy keeps 8 vectors per thread in flight");
+        // sm_90: at most 227 KiB of dynamic shared memory per CTA (1 KiB of the SM's 228 reserved).
+        assert!(STAGE_BYTES <= 227 << 10);
     }
 
     #[test]

@@ -205,6 +205,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         // GEMM instead (1.6x slower on one H200: 80 registers leave them ~6 GB/s per CTA;
         // benches/RESULTS.md, session 5).
         side_reduce: (nodes.is_none() && reduce_ctas == 0 && !crate::env::gemm_reducers_after()) as u32,
+        stage_loads: crate::env::load_staging_smem() as u32,
         ..GemmReduceParams::default()
     };
     if let (Some((nl, ring)), Some(np)) = (&nodes, &node_plan) {
