@@ -299,17 +299,28 @@ __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, const St
   sum_rows<T, Team, 4>(staging, partial, ws.nranks, 0, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
 }
 
+// Tile i of the `blocks` x tiles_n tiles of row blocks [first, first + blocks), in the order
+// the GEMM computes them: with owner-interleaved compute (p.interleave owners, group_m a
+// multiple of them: the host plans it so), an owner's blocks come group_m / owners to a
+// group, n-block by n-block. Reducer teams take i = j, j + stride, ... of one owner's tiles,
+// so every team gets its share: striding over all tiles and skipping other owners' left
+// the CTAs of the other parity idle at two ranks (the stride and the interleave are both
+// even) -- half the CTAs reduced everything. Mirrored by gemm_reduce::owned_tile (tested).
+__device__ __forceinline__ TileCoord owned_tile(const GemmReduceParams& p, int first, int blocks, int i) {
+  TileCoord c = grouped_tile(blocks, p.tiles_n, max(1, p.group_m / max(1, p.interleave)), i);
+  c.m_block += first;
+  return c;
+}
+
 // One-shot (ReduceScatter, small-M AllReduce): every tile holding rows this rank writes is
-// reduced, in the compute order; this team takes tiles j, j + stride, ...
+// reduced, in the compute order; this team takes the owned tiles j, j + stride, ...
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
   const Staging staging = reducer_staging<BN, Team>(p);
-  const int tiles_m = (p.m + 127) / 128;
-  const int total = tiles_m * p.tiles_n;
-  const int lo_block = p.row_lo / 128, hi_block = (p.row_hi - 1) / 128;
-  for (int t = j; t < total; t += stride) {
-    const TileCoord tc = interleaved_tile(tiles_m, p.tiles_n, p.group_m, p.interleave, t);
-    if (tc.m_block < lo_block || tc.m_block > hi_block) continue;
+  if (p.row_hi <= p.row_lo) return true;  // fewer rows than ranks
+  const int lo_block = p.row_lo / 128, blocks = (p.row_hi - 1) / 128 - lo_block + 1;
+  for (int i = j; i < blocks * p.tiles_n; i += stride) {
+    const TileCoord tc = owned_tile(p, lo_block, blocks, i);
     const int r0 = max(tc.m_block * 128, p.row_lo), r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
     if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
@@ -320,21 +331,21 @@ __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t
 
 // Two-phase AllReduce. Phase 1: the tiles of this rank's row blocks are reduced (as
 // above) into C and R, each then flagged. Phase 2: every other tile is copied from its
-// owner's R once the owner has flagged it. One rank computes each sum, so every rank's C
-// is bitwise identical; each rank reads n·M/n + (n−1)·M/n rows instead of the one-shot's
-// n·M.
+// owner's R once the owner has flagged it, the owners taken in turn. One rank computes
+// each sum, so every rank's C is bitwise identical; each rank reads n·M/n + (n−1)·M/n rows
+// instead of the one-shot's n·M.
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
   const Staging staging = reducer_staging<BN, Team>(p);
   const WorkspaceView& ws = p.ws;
   const int tiles_m = (p.m + 127) / 128;
   const int total = tiles_m * p.tiles_n;
-  const int blocks_per_rank = p.rows_per_rank / 128;
-  const int lo_block = ws.rank * blocks_per_rank, hi_block = lo_block + blocks_per_rank - 1;
+  const int per_rank = p.rows_per_rank / 128;
+  // Row blocks owner q holds: [q * per_rank, +blocks_of(q)) (the last owners' may be short).
+  const auto blocks_of = [&](int q) { return max(0, min(per_rank, tiles_m - q * per_rank)); };
   char* reduced = reinterpret_cast<char*>(ws.data[ws.rank]) + p.reduced_offset;
-  for (int t = j; t < total; t += stride) {
-    const TileCoord tc = interleaved_tile(tiles_m, p.tiles_n, p.group_m, p.interleave, t);
-    if (tc.m_block < lo_block || tc.m_block > hi_block) continue;
+  for (int i = j; i < blocks_of(ws.rank) * p.tiles_n; i += stride) {
+    const TileCoord tc = owned_tile(p, ws.rank * per_rank, blocks_of(ws.rank), i);
     const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
     if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
@@ -343,10 +354,11 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
     if (Team::tid() == 0)
       mk_signal_store(mk_signal_word(ws, ws.rank, GR_TILE + 2 * total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block), epoch);
   }
-  for (int t = j; t < total; t += stride) {
-    const TileCoord tc = interleaved_tile(tiles_m, p.tiles_n, p.group_m, p.interleave, t);
-    const int owner = tc.m_block / blocks_per_rank;
-    if (owner == ws.rank) continue;
+  const int others = ws.nranks - 1;
+  for (int i = j; i < others * per_rank * p.tiles_n; i += stride) {
+    const int owner = (ws.rank + 1 + i % others) % ws.nranks, k = i / others;
+    if (k >= blocks_of(owner) * p.tiles_n) continue;
+    const TileCoord tc = owned_tile(p, owner * per_rank, blocks_of(owner), k);
     const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
     int ok = 1;
     if (Team::tid() == 0) {

@@ -101,6 +101,47 @@ pub fn interleave_owners(reduction: Reduction, two_phase: bool, m: usize, nranks
     }
 }
 
+/// Raster group of the GEMM + reduction: the engine's L2 group, rounded up to a multiple of
+/// the interleaved owners (`tiles_m` is then one too), so that each group holds the same
+/// number of every owner's row blocks and a reducer's walk over one owner's tiles
+/// (`owned_tile`) follows the compute order exactly.
+pub fn reduction_group_m(tiles_m: usize, bn: usize, compute_ctas: usize, owners: usize) -> usize {
+    let g = engine::raster_group(tiles_m, bn, compute_ctas);
+    if owners > 1 { g.div_ceil(owners) * owners } else { g }
+}
+
+/// A tile (m-block, n-block).
+pub type Tile = (usize, usize);
+
+/// The engine's grouped raster (kernels/common/gemm/scheduler.cuh grouped_tile): tile `t`.
+pub fn grouped_tile(tiles_m: usize, tiles_n: usize, group_m: usize, t: usize) -> Tile {
+    let per_group = group_m * tiles_n;
+    let (group, in_group) = (t / per_group, t % per_group);
+    let first_m = group * group_m;
+    let rows = (tiles_m - first_m).min(group_m);
+    (first_m + in_group % rows, in_group / rows)
+}
+
+/// The compute order of the GEMM + reduction (scheduler.cuh interleaved_tile): the grouped
+/// raster over `owners` interleaved equal shards of the row blocks.
+pub fn interleaved_tile(tiles_m: usize, tiles_n: usize, group_m: usize, owners: usize, t: usize) -> Tile {
+    let (m, n) = grouped_tile(tiles_m, tiles_n, group_m, t);
+    if owners > 1 {
+        let per_owner = tiles_m / owners;
+        ((m % owners) * per_owner + m / owners, n)
+    } else {
+        (m, n)
+    }
+}
+
+/// Tile `i` of row blocks [first, first + blocks) in the order the GEMM computes them: what
+/// the kernel's reducer teams walk, team j taking i = j, j + stride, ...
+/// (kernels/gemm_reduce.cu owned_tile).
+pub fn owned_tile(tiles_n: usize, group_m: usize, owners: usize, first: usize, blocks: usize, i: usize) -> Tile {
+    let (m, n) = grouped_tile(blocks, tiles_n, (group_m / owners.max(1)).max(1), i);
+    (first + m, n)
+}
+
 /// The kernel instantiations (kernels/gemm_reduce.cu MK_GEMM_REDUCE_ENTRY).
 pub fn kernel_names() -> Vec<String> {
     ["bf16", "f16"].iter().flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}"))).collect()
@@ -168,7 +209,8 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let tile = engine::plan(m, n, compute_ctas as usize, true, PlanOverrides { max_ctas: Some(compute_ctas as usize), ..Default::default() });
     let bn = if tile.bn >= 256 { 256 } else { 128 };
     let tiles_n = n.div_ceil(bn);
-    let group_m = engine::raster_group(m.div_ceil(ROW_BLOCK), bn, compute_ctas as usize);
+    let interleave = interleave_owners(args.reduction, two_phase || nodes.is_some(), m, nranks);
+    let group_m = reduction_group_m(m.div_ceil(ROW_BLOCK), bn, compute_ctas as usize, interleave);
     let (row_lo, row_hi, out_row0) = match args.reduction {
         Reduction::Scatter => (rank * m / nranks, (rank + 1) * m / nranks, rank * m / nranks),
         Reduction::All => (0, m, 0),
@@ -197,7 +239,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         trace: args.trace,
         reduced_offset: ws.view.data_bytes + (m * n * 2) as u64,
         rows_per_rank: (m / nranks) as i32,
-        interleave: interleave_owners(args.reduction, two_phase || nodes.is_some(), m, nranks) as i32,
+        interleave: interleave as i32,
         nodes: 1,
         global_rank: rank as i32,
         // One node, no dedicated CTAs: the consumers reduce after their last tile;
@@ -253,6 +295,35 @@ mod tests {
         assert_eq!(interleave_owners(Reduction::All, true, 8192, 8), 8);
         assert_eq!(interleave_owners(Reduction::All, false, 8192, 8), 1);
         assert_eq!(interleave_owners(Reduction::Scatter, false, 4096, 1), 1);
+    }
+
+    /// Each owner's reducer teams visit its tiles exactly once, in the order the GEMM
+    /// computes them, with every team's share within one tile of the others' -- the
+    /// stride over all tiles used before gave one parity of teams every tile at two ranks.
+    #[test]
+    fn reducers_share_each_owners_tiles_in_compute_order() {
+        for &(m, n, bn, ctas, owners) in &[
+            (4096, 8192, 256, 32, 2),
+            (1024, 8192, 256, 32, 2),
+            (8192, 8192, 256, 16, 4),
+            (16384, 8192, 256, 32, 8),
+            (4096, 3584, 128, 33, 4),
+            (1024, 8192, 256, 132, 1),
+        ] {
+            let (tiles_m, tiles_n) = (m / ROW_BLOCK, n / bn);
+            let group_m = reduction_group_m(tiles_m, bn, ctas, owners);
+            assert_eq!(group_m % owners, 0);
+            let compute: Vec<Tile> = (0..tiles_m * tiles_n).map(|t| interleaved_tile(tiles_m, tiles_n, group_m, owners, t)).collect();
+            let blocks = tiles_m / owners;
+            for q in 0..owners {
+                let first = q * blocks;
+                let mine: Vec<Tile> = compute.iter().copied().filter(|&(b, _)| b >= first && b < first + blocks).collect();
+                let walk: Vec<Tile> = (0..blocks * tiles_n).map(|i| owned_tile(tiles_n, group_m, owners, first, blocks, i)).collect();
+                assert_eq!(walk, mine, "owner {q} of M {m} N {n}: reducers walk the compute order");
+                let shares: Vec<usize> = (0..ctas).map(|j| (j..walk.len()).step_by(ctas).count()).collect();
+                assert!(shares.iter().max().unwrap() - shares.iter().min().unwrap() <= 1, "{shares:?}");
+            }
+        }
     }
 
     #[test]
