@@ -73,11 +73,11 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
   return out;
 }
 
-// The reducers: dedicated CTAs (CtaTeam), the two consumer warpgroups of a GEMM CTA
-// after its last tile (threads 128..383, named barrier 4), or -- one node only -- the three
-// idle warps of a GEMM CTA's producer warpgroup during the whole GEMM (threads 32..127,
-// named barrier 3, the producer's kProducerRegs registers: they sum with few values live).
-using Consumers = WarpTeam<128, 256, 4>;
+// The reducers: a whole CTA (CtaTeam) -- a dedicated reduction CTA, or a GEMM CTA once
+// its GEMM is done (every warp, its registers back at the launch's 168) -- or, one node
+// only, the three idle warps of a GEMM CTA's producer warpgroup during the whole GEMM
+// (threads 32..127, named barrier 3, the producer's kProducerRegs registers: they sum
+// with few values live).
 struct SideWarps : WarpTeam<32, 96, 3> {};
 template <class Team>
 struct LeanTeam {
@@ -112,63 +112,67 @@ __device__ __forceinline__ bool wait_partials(const GemmReduceParams& p, uint64_
   return ok != 0;
 }
 
-// Where the reducers stage their loads: the GEMM's operand ring, free once the team's CTA
-// has computed its last tile (every team path passes a team barrier before its first sum,
-// so both consumer warpgroups are past their mainloops), or in a dedicated reduction CTA,
-// which never runs the GEMM. bytes 0: loads go to registers (MK_LOAD_STAGING=registers,
-// and the side warps, which reduce while the ring is in use).
+// Where a CTA team stages its loads: the GEMM's operand ring, free once the CTA's GEMM is
+// done, or in a dedicated reduction CTA, which never runs the GEMM. (The side warps reduce
+// while the ring is in use: their loads go to registers.)
 struct Staging {
   char* smem;
   int bytes;
 };
 
-// Dedicated reduction CTAs (MK_COMM_SMS) always stage: their 168 registers spill when the
-// register loop is compiled beside the staged one.
-template <class Team>
-constexpr bool kAlwaysStaged = std::is_same<Team, CtaTeam>::value;
-
-template <int BN, class Team>
-__device__ __forceinline__ Staging reducer_staging(const GemmReduceParams& p) {
-  if constexpr (LeanTeam<Team>::value) return Staging{nullptr, 0};
+template <int BN>
+__device__ __forceinline__ Staging ring_staging() {
   extern __shared__ __align__(1024) char smem[];
   char* ring = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));  // as the engine
-  return Staging{ring, p.stage_loads || kAlwaysStaged<Team> ? FusedStages<BN>::value * (128 + BN) * 64 * 2 : 0};
+  return Staging{ring, FusedStages<BN>::value * (128 + BN) * 64 * 2};
 }
 
-// sum_rows / copy_rows through shared memory: every thread cp.asyncs its own vectors of a
-// batch into its own slots (slot (buffer, source, u) x thread, 16 bytes each: a warp's
-// slots are contiguous) and reads back only those, so no barrier is needed; the next
-// batch is in flight while this one is summed. A batch is half the staging area: ~70 KiB
-// in flight per CTA against ~32 KiB from registers, whose loops were latency bound
-// (6-10 GB/s per CTA in the traces, session 2). One source is copied bit for bit.
+template <int BN, class Team>
+__device__ __forceinline__ Staging team_staging() {
+  if constexpr (LeanTeam<Team>::value) return Staging{nullptr, 0};
+  return ring_staging<BN>();
+}
+
+// The team sums rows [r0, r1) x columns [c0, c1) of `nsrc` row-major [*, n] buffers (row r
+// of source i at src(i) + (r - src_row0) * n elements), in source order, into dst (row r at
+// dst + (r - dst_row0) * n) and, when dst2 is set, into dst2 at row r; one source is copied
+// bit for bit. `src` computes the bases from the kernel parameters (an array of 8 pointers
+// would hold 16 registers).
+// Loads go through shared memory: every thread cp.asyncs its own vectors of a batch into
+// its own slots (slot (buffer, source, u) x thread, 16 bytes each: a warp's slots are
+// contiguous) and reads back only those, so no barrier is needed; the next batch is in
+// flight while this one is summed. Thread t keeps column vector t % vpr and walks the rows
+// t / vpr, + rows_per_pass, ...: no division per vector. The loop is bound by instructions
+// as much as by latency (session 6: ~14 GB/s per CTA with 8 warps and a division per
+// vector, from registers or staged alike), hence all 12 warps and the cheap indexing.
 template <typename T, class Team, class Src>
 __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int nsrc, int src_row0, char* dst, int dst_row0,
                                             char* dst2, int n, int r0, int r1, int c0, int c1) {
-  const int vpr = (c1 - c0) / 8;
-  const int nvec = (r1 - r0) * vpr;
   const int nt = Team::threads(), tid = Team::tid();
+  const int vpr = (c1 - c0) / 8;  // <= 32 vectors per row <= nt
+  const int rows_per_pass = nt / vpr;
+  const int my_row = tid / vpr;
+  const int rows = my_row < rows_per_pass ? (r1 - r0 - my_row + rows_per_pass - 1) / rows_per_pass : 0;  // this thread's
+  const size_t row_bytes = (size_t)n * sizeof(T);
+  const size_t col_bytes = (size_t)(c0 + (tid % vpr) * 8) * sizeof(T);
+  const int first_row = r0 + my_row;
   const int per_batch = max(1, staging.bytes / 2 / (nt * 16 * nsrc));  // vectors of each source per thread
-  const int batch_vectors = per_batch * nt;
-  const int batches = (nvec + batch_vectors - 1) / batch_vectors;
   const auto slot = [&](int b, int s, int u) {
     return staging.smem + ((((size_t)(b & 1) * nsrc + s) * per_batch + u) * nt + tid) * 16;
   };
   const auto issue = [&](int b) {
-    for (int u = 0; u < per_batch; ++u) {
-      const int v = b * batch_vectors + u * nt + tid;
-      if (v >= nvec) break;
-      const size_t off = ((size_t)(r0 + v / vpr - src_row0) * n + c0 + (v % vpr) * 8) * sizeof(T);
+    for (int u = 0, k = b * per_batch; u < per_batch && k < rows; ++u, ++k) {
+      const size_t off = (size_t)(first_row + k * rows_per_pass - src_row0) * row_bytes + col_bytes;
       for (int s = 0; s < nsrc; ++s) cp_async16(slot(b, s, u), src(s) + off);
     }
     cp_async_commit();  // also when empty: wait_group<1> below counts groups
   };
+  const int batches = (rows + per_batch - 1) / per_batch;
   if (batches > 0) issue(0);
   for (int b = 0; b < batches; ++b) {
     issue(b + 1);  // writes the slots read two batches ago, by this thread, already consumed
     cp_async_wait<1>();
-    for (int u = 0; u < per_batch; ++u) {
-      const int v = b * batch_vectors + u * nt + tid;
-      if (v >= nvec) break;
+    for (int u = 0, k = b * per_batch; u < per_batch && k < rows; ++u, ++k) {
       int4 out;
       if (nsrc == 1) {
         out = *reinterpret_cast<const int4*>(slot(b, 0, u));
@@ -177,63 +181,28 @@ __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int
         for (int s = 0; s < nsrc; ++s) add8<T>(acc, *reinterpret_cast<const int4*>(slot(b, s, u)));
         out = pack8<T>(acc);
       }
-      const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
-      *reinterpret_cast<int4*>(dst + ((size_t)(r - dst_row0) * n + col) * sizeof(T)) = out;
-      if (dst2) *reinterpret_cast<int4*>(dst2 + ((size_t)r * n + col) * sizeof(T)) = out;
+      const int r = first_row + k * rows_per_pass;
+      *reinterpret_cast<int4*>(dst + (size_t)(r - dst_row0) * row_bytes + col_bytes) = out;
+      if (dst2) *reinterpret_cast<int4*>(dst2 + (size_t)r * row_bytes + col_bytes) = out;
     }
   }
-  cp_async_wait<0>();
 }
 
-// Sums rows [r0, r1) x columns [c0, c1) of `nsrc` row-major [*, n] buffers (row r of
-// source i at src(i) + (r - src_row0) * n elements), in source order, into dst (row r at
-// dst + (r - dst_row0) * n) and, when dst2 is set, into dst2 at row r. `src` computes the
-// bases from the kernel parameters: an array of 8 pointers would take 16 registers and
-// make the reducers spill.
-// kVectors vectors x up to 8 sources are in flight per thread: with one vector per source
-// the loop is latency-bound (measured ~5 GB/s per CTA).
-template <typename T, class Team, int kVectors, class Src>
+// staged_rows, counted in the trace.
+template <typename T, class Team, class Src>
 __device__ __forceinline__ void sum_rows(const Staging& staging, Src src, int nsrc, int src_row0, char* dst, int dst_row0,
                                          char* dst2, int n, int r0, int r1, int c0, int c1, uint64_t trace) {
-  static_assert(MK_MAX_PEERS == 8 && MK_MAX_NODES == 8, "sum_rows takes up to 8 sources");
-  const int vpr = (c1 - c0) / 8;
-  const int nvec = (r1 - r0) * vpr;
-  if (Team::tid() == 0) mk_trace_add(trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (nsrc + (dst2 ? 2 : 1)));
-  if (kAlwaysStaged<Team> || staging.bytes > 0)
-    return staged_rows<T, Team>(staging, src, nsrc, src_row0, dst, dst_row0, dst2, n, r0, r1, c0, c1);
-  for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
-    int4 part[kVectors][8];
-#pragma unroll
-    for (int u = 0; u < kVectors; ++u) {
-      const int v = v0 + u * Team::threads();
-      if (v >= nvec) break;
-      const size_t off = ((size_t)(r0 + v / vpr - src_row0) * n + c0 + (v % vpr) * 8) * sizeof(T);
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-        if (s < nsrc) part[u][s] = *reinterpret_cast<const int4*>(src(s) + off);
-    }
-#pragma unroll
-    for (int u = 0; u < kVectors; ++u) {
-      const int v = v0 + u * Team::threads();
-      if (v >= nvec) break;
-      const int r = r0 + v / vpr, col = c0 + (v % vpr) * 8;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-        if (s < nsrc) add8<T>(acc, part[u][s]);
-      const int4 sum = pack8<T>(acc);
-      *reinterpret_cast<int4*>(dst + ((size_t)(r - dst_row0) * n + col) * sizeof(T)) = sum;
-      if (dst2) *reinterpret_cast<int4*>(dst2 + ((size_t)r * n + col) * sizeof(T)) = sum;
-    }
-  }
+  if (Team::tid() == 0) mk_trace_add(trace, MK_TR_BYTES, (uint64_t)(r1 - r0) * (c1 - c0) * sizeof(T) * (nsrc + (dst2 ? 2 : 1)));
+  staged_rows<T, Team>(staging, src, nsrc, src_row0, dst, dst_row0, dst2, n, r0, r1, c0, c1);
 }
 
-// Team: copies rows [r0, r1) x columns [c0, c1) of a row-major [*, n] buffer to another,
-// kVectors vectors in flight per thread.
+// Team: copies rows [r0, r1) x columns [c0, c1) of a row-major [*, n] buffer to another:
+// staged (a CTA team), or kVectors vectors in flight per thread in registers (side warps).
 template <typename T, class Team, int kVectors = 8>
 __device__ __forceinline__ void copy_rows(const Staging& staging, char* dst, const char* src, int n, int r0, int r1, int c0, int c1) {
-  if (kAlwaysStaged<Team> || staging.bytes > 0)
+  if constexpr (!LeanTeam<Team>::value) {
     return staged_rows<T, Team>(staging, [&](int) { return src; }, 1, 0, dst, 0, nullptr, n, r0, r1, c0, c1);
+  }
   const int vpr = (c1 - c0) / 8;
   const int nvec = (r1 - r0) * vpr;
   for (int v0 = Team::tid(); v0 < nvec; v0 += kVectors * Team::threads()) {
@@ -296,7 +265,7 @@ __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, const St
     return;
   }
   const auto partial = [&](int q) { return reinterpret_cast<const char*>(p.ws.data[q]) + p.partial_offset; };
-  sum_rows<T, Team, 4>(staging, partial, ws.nranks, 0, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
+  sum_rows<T, Team>(staging, partial, ws.nranks, 0, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
 }
 
 // Tile i of the `blocks` x tiles_n tiles of row blocks [first, first + blocks), in the order
@@ -316,7 +285,7 @@ __device__ __forceinline__ TileCoord owned_tile(const GemmReduceParams& p, int f
 // reduced, in the compute order; this team takes the owned tiles j, j + stride, ...
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
-  const Staging staging = reducer_staging<BN, Team>(p);
+  const Staging staging = team_staging<BN, Team>();
   if (p.row_hi <= p.row_lo) return true;  // fewer rows than ranks
   const int lo_block = p.row_lo / 128, blocks = (p.row_hi - 1) / 128 - lo_block + 1;
   for (int i = j; i < blocks * p.tiles_n; i += stride) {
@@ -336,7 +305,7 @@ __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t
 // instead of the one-shot's n·M.
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
-  const Staging staging = reducer_staging<BN, Team>(p);
+  const Staging staging = team_staging<BN, Team>();
   const WorkspaceView& ws = p.ws;
   const int tiles_m = (p.m + 127) / 128;
   const int total = tiles_m * p.tiles_n;
@@ -480,7 +449,7 @@ __device__ __forceinline__ bool count_own_rows(const GemmReduceParams& p, uint64
 //     holding it (its owner on this node, or the owner's GPU-i counterpart here).
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
-  const Staging staging = reducer_staging<BN, Team>(p);
+  const Staging staging = team_staging<BN, Team>();
   const WorkspaceView& ws = p.ws;
   const int L = ws.nranks, l = ws.rank, N = p.nodes, n = p.node, g = p.global_rank;
   const bool all = p.op == GR_OP_ALL_REDUCE;
@@ -504,7 +473,7 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
       if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
       char* slab = own + (m == n ? p.inbox_offset : p.outbox_offset) + (uint64_t)m * p.slab_bytes;
       // 2 vectors x up to 8 sources in flight: 4 spilled in the 168 registers of a dedicated CTA.
-      sum_rows<T, Team, 2>(staging, partial, L, 0, slab, lo, nullptr, p.n, r0, r1, c0, c1, p.trace);
+      sum_rows<T, Team>(staging, partial, L, 0, slab, lo, nullptr, p.n, r0, r1, c0, c1, p.trace);
       __threadfence_system();  // this thread's rows, before the count (the proxy reads them)
       Team::sync();
       if (Team::tid() == 0) ok = count_node_rows<T>(p, epoch, m, q, lo, hi, r0, r1, c1 - c0, posts);
@@ -528,7 +497,7 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
     const int r0 = my_lo + b * 128, r1 = min(r0 + 128, my_hi);
     const int c0 = nt * BN, c1 = min(c0 + BN, p.n);
-    sum_rows<T, Team, 2>(staging, inbox, N, my_lo, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
+    sum_rows<T, Team>(staging, inbox, N, my_lo, reinterpret_cast<char*>(p.c), p.out_row0, reduced, p.n, r0, r1, c0, c1, p.trace);
     if (all) {
       __threadfence_system();
       Team::sync();
@@ -619,28 +588,15 @@ struct ReduceSideWorkFor : ReduceSideWork {
   __device__ static void side_work(const Params& w, int) { ReduceSideWork::run<T, BN>(w); }
 };
 
-// Without dedicated reduction CTAs, the GEMM CTAs reduce: each CTA's two consumer
-// warpgroups (256 threads, the full register budget) run the reduction once their last
-// tile is stored and signalled, CTA c taking tiles c, c + grid, ... The GEMM keeps every
-// SM; the reduction overlaps only the GEMM's last wave (CTAs finish at different times).
-template <typename T, int BN>
-struct ReduceAfterGemm : TmaEpilogue<LocalDest, TmaStoreOp, EpochTileSignal> {
-  using Base = TmaEpilogue<LocalDest, TmaStoreOp, EpochTileSignal>;
-  struct Params : Base::Params {
-    const GemmReduceParams* op;
-    uint64_t epoch;
-  };
-  __device__ static void finish(const Params& p, const SlabInfo& s) {
-    Base::finish(p, s);  // this warpgroup's last slab stored and signalled
-    if (p.op->reduce_ctas == 0 && !p.op->side_reduce) reduce<T, BN, Consumers>(*p.op, p.epoch, blockIdx.x, gridDim.x);
-  }
-};
+// The GEMM's epilogue: partial tiles stored into this rank's region, each 64-row slab
+// flagged with the epoch.
+using PartialEpilogue = TmaEpilogue<LocalDest, TmaStoreOp, EpochTileSignal>;
 
 template <typename T, int BN>
 __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_p,
                                             const GemmReduceParams& p) {
   using Cfg = GemmConfig<T, BN, FusedStages<BN>::value, SHARE_NONE, kProducerRegs>;
-  using Epi = ReduceAfterGemm<T, BN>;
+  using Epi = PartialEpilogue;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
@@ -665,10 +621,17 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
       epi.signal.flags = mk_signal_word(ws, ws.rank, GR_TILE);
       epi.signal.tiles_n = p.tiles_n;
       epi.signal.epoch = epoch;
-      epi.op = &p;
-      epi.epoch = epoch;
       gemm_persistent<Cfg, OwnerInterleavedRaster, ReduceSideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
                                                          blockIdx.x, p.compute_ctas, smem);
+      // Without dedicated reduction CTAs (and side warps), the GEMM CTAs reduce once their
+      // GEMM is done: all 12 warps, as CTA c of the grid taking owned tiles c, c + grid, ...
+      // The GEMM's stores overlap only its last wave this way (CTAs finish at different
+      // times); the side warps, which overlap all of it, measured slower (session 5).
+      restore_launch_registers<Cfg>();
+      if (p.reduce_ctas == 0 && !p.side_reduce) {
+        if (p.trace) mk_trace_time(p.trace, MK_TR_GEMM);
+        reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
+      }
     }
   } else {
     mk_trace_time(p.trace, MK_TR_SETUP);

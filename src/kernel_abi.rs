@@ -361,11 +361,8 @@ pub struct GemmReduceParams {
     pub count_node_word: u32,
     pub count_final_word: u32,
     /// One node, no dedicated reduction CTAs: 1 when the producer warpgroup's idle warps
-    /// reduce during the GEMM, 0 when the consumer warpgroups reduce after their last tile.
+    /// reduce during the GEMM, 0 when each GEMM CTA's 12 warps reduce after its GEMM.
     pub side_reduce: u32,
-    /// 1: the reducers stage their loads in the GEMM's free shared memory with cp.async
-    /// (MK_LOAD_STAGING=smem, the default); 0: in registers.
-    pub stage_loads: u32,
     /// Byte offsets in every rank's data region: N slabs each of [owner_rows, n], slab m at
     /// + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
     pub outbox_offset: u64,
@@ -384,7 +381,7 @@ impl Default for GemmReduceParams {
 }
 
 /// u64 words per CTA in a fused kernel's trace buffer (layout in kernels/common/trace.cuh).
-pub const MK_TRACE_WORDS: usize = 8;
+pub const MK_TRACE_WORDS: usize = 9;
 
 /// Parameters of the MoE kernels (kernels/moe.cu: mkMoeDispatchGemm and mkMoeGemmCombine).
 /// The tensor maps travel as separate kernel arguments: dispatch A = this rank's receive

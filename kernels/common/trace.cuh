@@ -5,6 +5,7 @@
 //   2 role's work done          3 end (after the end-of-kernel handshake)
 //   4 ns spent in waits         5 bytes moved by the role (reads + writes)
 //   6 work items (tiles, chunks)  7 SM id | role << 32 (0 compute, 1 communication)
+//   8 a GEMM CTA's GEMM done, where the same CTA then moves data (0 if not recorded)
 // Thread 0 writes the times; counters are added by one thread of the counting team.
 #pragma once
 #include <stdint.h>
@@ -12,7 +13,7 @@
 #include "signals.cuh"
 
 enum MkTraceSlot { MK_TR_START = 0, MK_TR_SETUP = 1, MK_TR_ROLE = 2, MK_TR_END = 3, MK_TR_WAIT = 4, MK_TR_BYTES = 5,
-                   MK_TR_ITEMS = 6, MK_TR_SM = 7 };
+                   MK_TR_ITEMS = 6, MK_TR_SM = 7, MK_TR_GEMM = 8 };
 
 __device__ __forceinline__ uint64_t* mk_trace_slot(uint64_t trace, int slot) {
   return reinterpret_cast<uint64_t*>(trace) + (size_t)blockIdx.x * MK_TRACE_WORDS + slot;
@@ -31,6 +32,7 @@ __device__ __forceinline__ void mk_trace_begin(uint64_t trace, bool communicatio
   *mk_trace_slot(trace, MK_TR_WAIT) = 0;
   *mk_trace_slot(trace, MK_TR_BYTES) = 0;
   *mk_trace_slot(trace, MK_TR_ITEMS) = 0;
+  *mk_trace_slot(trace, MK_TR_GEMM) = 0;
   *mk_trace_slot(trace, MK_TR_START) = mk_globaltimer();
 }
 // One thread of whichever team counts: adds `v` to a counter slot (atomically: a GEMM

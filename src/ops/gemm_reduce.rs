@@ -154,12 +154,20 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     if m == 0 || n == 0 {
         return Ok(());
     }
-    // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
-    // rank table (src/ops/gemm_reduce_nodes.rs); rows are still owned by global rank.
-    let (ws, nodes) = fused_op_workspace(comm, args.reduction.name())?;
     let (nranks, rank) = (comm.nranks, comm.rank);
     let sms = cuda::sm_count(comm.context.device)? as u32;
     let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
+    if nranks == 1 {
+        // The sum over one rank is its product: the engine alone, storing C directly (the
+        // fused kernel would store a partial and copy it: 1.3x the GEMM's time, session 6).
+        let _ctx = comm.context.enter()?;
+        let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
+        let plan = engine::plan(m, n, grid as usize, g.tma_epilogue_ok(), PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() });
+        return engine::launch(&g, &plan, stream);
+    }
+    // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
+    // rank table (src/ops/gemm_reduce_nodes.rs); rows are still owned by global rank.
+    let (ws, nodes) = fused_op_workspace(comm, args.reduction.name())?;
     let (compute_ctas, reduce_ctas, two_phase) = match args.reduction {
         Reduction::Scatter => {
             let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid, comm.config.comm_ctas)?;
@@ -242,12 +250,11 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         interleave: interleave as i32,
         nodes: 1,
         global_rank: rank as i32,
-        // One node, no dedicated CTAs: the consumers reduce after their last tile;
+        // One node, no dedicated CTAs: each GEMM CTA's warps reduce after its GEMM;
         // MK_GEMM_REDUCERS=side has the producer warpgroups' idle warps reduce during the
         // GEMM instead (1.6x slower on one H200: 80 registers leave them ~6 GB/s per CTA;
         // benches/RESULTS.md, session 5).
         side_reduce: (nodes.is_none() && reduce_ctas == 0 && !crate::env::gemm_reducers_after()) as u32,
-        stage_loads: crate::env::load_staging_smem() as u32,
         ..GemmReduceParams::default()
     };
     if let (Some((nl, ring)), Some(np)) = (&nodes, &node_plan) {

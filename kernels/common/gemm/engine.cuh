@@ -241,5 +241,19 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
   if constexpr (CLUSTER > 1) cluster_sync();
 }
 
+// After gemm_persistent, in every thread of the CTA: gives each warpgroup the launch's
+// 168 registers again (the consumers release what setmaxnreg gave them, then the producer
+// warpgroup takes its share back), so code after the GEMM may run on all warps alike.
+template <class Cfg>
+__device__ __forceinline__ void restore_launch_registers() {
+  constexpr int kLaunchRegs = 168;  // 64K / THREADS, rounded down to a multiple of 8 (GemmConfig)
+  static_assert(Cfg::THREADS == 384 && Cfg::CLUSTER == 1, "launch registers of a 384-thread CTA");
+  if (threadIdx.x / 128 == 0) {
+    setmaxnreg_inc<kLaunchRegs>();
+  } else {
+    setmaxnreg_dec<kLaunchRegs>();
+  }
+}
+
 }  // namespace gemm
 }  // namespace mk

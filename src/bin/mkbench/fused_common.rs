@@ -154,6 +154,17 @@ pub fn print_trace(comm: &Comm, stream: sys::CUstream, label: &str, call: &dyn F
         if moved > 0 {
             line += &format!(", {:.1} MB moved at {rate:.1} GB/s per CTA outside waits", moved as f64 / 1e6);
         }
+        // GEMM CTAs that move data after their GEMM: the split of their work.
+        let after: Vec<&&&[u64]> = r.iter().filter(|w| w[8] != 0).collect();
+        if !after.is_empty() {
+            let (gemm, gemm_max) = med_max(after.iter().map(|w| w[8].saturating_sub(w[1])).collect());
+            let (rest, rest_max) = med_max(after.iter().map(|w| w[2].saturating_sub(w[8])).collect());
+            let rest_ns: u64 = after.iter().map(|w| w[2].saturating_sub(w[8])).sum();
+            line += &format!(
+                "\n             GEMM {gemm:.1} (max {gemm_max:.1}) µs, then {rest:.1} (max {rest_max:.1}) µs moving data ({:.1} GB/s per CTA, waits included)",
+                moved as f64 / rest_ns.max(1) as f64
+            );
+        }
     }
     println!("{line}");
     Ok(())
