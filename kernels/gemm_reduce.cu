@@ -3,8 +3,9 @@
 //
 // CTAs [0, compute_ctas) run the GEMM engine on this rank's K slice and store partial
 // tiles P (rounded to the input type) in this rank's fused-op region with TMA, each slab
-// followed by an epoch-valued flag. CTAs [compute_ctas, +reduce_ctas) walk the tiles in
-// the compute order, wait until every rank has stored a tile, read the n partials of it
+// followed by an epoch-valued flag. The reducers -- each GEMM CTA once its GEMM is done,
+// or CTAs [compute_ctas, +reduce_ctas) when MK_COMM_SMS asks for dedicated ones -- walk
+// their owner's tiles in the compute order, wait until every rank has stored a tile, read the n partials of it
 // (peers' over NVLink) and add them in fp32 in rank order 0..n-1 (the same order on every
 // rank, so AllReduce outputs are bitwise identical across ranks), writing the rows this
 // rank owns (ReduceScatter: its M / n rows; AllReduce: all of them).
@@ -91,8 +92,9 @@ template <>
 struct LeanTeam<SideWarps> {
   static constexpr bool value = true;
 };
-// Registers of the producer warpgroup (its side warps reduce): 80, as AG+GEMM's pushers;
-// the consumers keep 208, enough for BN = 256 without spills (ptxas; tests/kernels.rs).
+// Registers of the producer warpgroup during the GEMM (its side warps may reduce): 80, as
+// AG+GEMM's pushers; the consumers keep 208, enough for BN = 256 without spills (ptxas;
+// tests/kernels.rs). 40 / 232 measured no faster (session 6, run 6).
 constexpr int kProducerRegs = 80;
 
 // Team thread q (< nranks) waits for rank q's slabs of tile `tc` that hold rows [r0, r1);
@@ -476,7 +478,6 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
       if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
       if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
       char* slab = own + (m == n ? p.inbox_offset : p.outbox_offset) + (uint64_t)m * p.slab_bytes;
-      // 2 vectors x up to 8 sources in flight: 4 spilled in the 168 registers of a dedicated CTA.
       sum_rows<T, Team>(staging, partial, L, 0, slab, lo, nullptr, p.n, r0, r1, c0, c1, p.trace);
       __threadfence_system();  // this thread's rows, before the count (the proxy reads them)
       Team::sync();
@@ -570,7 +571,7 @@ __device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch
 // reduce tiles c, c + compute_ctas, ... while the GEMM runs, waiting for each as the ranks
 // store it. Measured (one H200, 2 ranks): it overlaps the whole GEMM but moves ~6 GB/s per
 // CTA in 80 registers, so the reduction ends ~700 us after the GEMM at M 4096 -- 1.6x
-// slower than the consumers after the GEMM, which stay the default.
+// slower than reducing after the GEMM, which stays the default.
 struct ReduceSideWork : NoAWait {
   struct Params {
     const GemmReduceParams* op;
