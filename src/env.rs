@@ -17,6 +17,7 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
     ("MK_NET", "(ib if an RDMA device is usable, else socket)", "inter-node transport: ib or socket"),
     ("MK_IB_HCA", "(every active device)", "RDMA devices to use: comma-separated name[:port] prefixes, '^' excludes, '=' exact"),
     ("MK_GEMM_REDUCERS", "after", "who sums the partials in mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: after (every warp of each GEMM CTA, after its GEMM) or side (their idle producer warps, during the GEMM; measured 1.6x slower)"),
+    ("MK_GEMM_AR_ONESHOT_MAX_M", "256", "mkGemmAllReduce: largest M that takes the one-shot path (every rank sums every tile); above it, two-phase (each owner sums its rows, the others copy them) where M divides into 128-row blocks per rank"),
     ("MK_LOAD_STAGING", "smem", "how the collectives keep loads in flight: smem (cp.async into 128 KiB of shared memory per CTA) or registers (a few vectors per thread); the fused ops' reducers always stage"),
 ];
 
@@ -53,6 +54,11 @@ pub fn socket_ifname() -> Option<String> {
 
 pub fn ranks_per_node() -> Option<u64> {
     parse_u64("MK_RANKS_PER_NODE").filter(|&n| n > 0)
+}
+
+/// `MK_GEMM_AR_ONESHOT_MAX_M` (ops::gemm_ar::ONE_SHOT_MAX_M by default).
+pub fn gemm_ar_one_shot_max_m() -> usize {
+    parse_u64("MK_GEMM_AR_ONESHOT_MAX_M").map_or(crate::ops::gemm_ar::ONE_SHOT_MAX_M, |m| m as usize)
 }
 
 pub fn comm_sms() -> Option<u64> {

@@ -11,7 +11,7 @@
 use super::gemm_rs::{self, GemmRsShape};
 use crate::error::Result;
 
-/// Largest M that takes the one-shot path.
+/// Largest M that takes the one-shot path by default (MK_GEMM_AR_ONESHOT_MAX_M overrides).
 pub const ONE_SHOT_MAX_M: usize = 256;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,11 +24,23 @@ pub enum GemmArPlan {
 }
 
 /// Plans the op; `m` may be any value ≥ 1 on the one-shot path (no divisibility needed),
-/// while the two-phase path needs every rank to own whole 128-row blocks (M divisible by
-/// 128·nranks), and falls back to one-shot when it does not.
-pub fn plan(m: usize, n: usize, k: usize, nranks: usize, rank: usize, grid_ctas: u32, comm_override: Option<u32>) -> Result<GemmArPlan> {
+/// while the two-phase path (M above `one_shot_max_m`) needs every rank to own whole
+/// 128-row blocks (M divisible by 128·nranks), and falls back to one-shot when it does not.
+/// At two ranks both regimes move the same bytes per rank (one-shot reads 2·M·N, two-phase
+/// M·N + M·N/2 plus the extra write of R); the two-phase one waits on the owners' flags.
+#[allow(clippy::too_many_arguments)] // one shape, the grid and two overrides
+pub fn plan(
+    m: usize,
+    n: usize,
+    k: usize,
+    nranks: usize,
+    rank: usize,
+    grid_ctas: u32,
+    comm_override: Option<u32>,
+    one_shot_max_m: usize,
+) -> Result<GemmArPlan> {
     let shape = GemmRsShape { m, n, k, nranks, rank };
-    let two_phase_ok = m > ONE_SHOT_MAX_M && m % (nranks * super::ag_gemm::ROW_BLOCK) == 0 && nranks > 1;
+    let two_phase_ok = m > one_shot_max_m && m % (nranks * super::ag_gemm::ROW_BLOCK) == 0 && nranks > 1;
     if two_phase_ok {
         return gemm_rs::plan(&shape, grid_ctas, comm_override).map(GemmArPlan::TwoPhase);
     }
@@ -53,7 +65,7 @@ mod tests {
     #[test]
     fn small_m_is_one_shot_and_any_m_is_accepted() {
         for m in [1, 7, 16, 64, 255, 256] {
-            match plan(m, 8192, 1024, 4, 0, 132, None).unwrap() {
+            match plan(m, 8192, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).unwrap() {
                 GemmArPlan::OneShot { compute_ctas, reduce_ctas } => assert_eq!(compute_ctas + reduce_ctas, 132),
                 p => panic!("M={m}: {p:?}"),
             }
@@ -62,19 +74,26 @@ mod tests {
 
     #[test]
     fn large_divisible_m_is_two_phase_else_one_shot() {
-        assert!(matches!(plan(8192, 8192, 1024, 4, 0, 132, None).unwrap(), GemmArPlan::TwoPhase(_)));
-        assert!(matches!(plan(8191, 8192, 1024, 4, 0, 132, None).unwrap(), GemmArPlan::OneShot { .. }));
+        assert!(matches!(plan(8192, 8192, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).unwrap(), GemmArPlan::TwoPhase(_)));
+        assert!(matches!(plan(8191, 8192, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).unwrap(), GemmArPlan::OneShot { .. }));
         // Owners must hold whole 128-row blocks: 4 x 160 rows is one-shot.
-        assert!(matches!(plan(640, 8192, 1024, 4, 0, 132, None).unwrap(), GemmArPlan::OneShot { .. }));
-        assert!(matches!(plan(1024, 8192, 1024, 4, 0, 132, None).unwrap(), GemmArPlan::TwoPhase(_)));
-        assert!(matches!(plan(8192, 8192, 1024, 1, 0, 132, None).unwrap(), GemmArPlan::OneShot { .. }));
+        assert!(matches!(plan(640, 8192, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).unwrap(), GemmArPlan::OneShot { .. }));
+        assert!(matches!(plan(1024, 8192, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).unwrap(), GemmArPlan::TwoPhase(_)));
+        assert!(matches!(plan(8192, 8192, 1024, 1, 0, 132, None, ONE_SHOT_MAX_M).unwrap(), GemmArPlan::OneShot { .. }));
+    }
+
+    #[test]
+    fn the_one_shot_bound_is_overridable() {
+        assert!(matches!(plan(8192, 8192, 1024, 2, 0, 64, None, 16384).unwrap(), GemmArPlan::OneShot { .. }));
+        assert!(matches!(plan(512, 8192, 1024, 2, 0, 64, None, 0).unwrap(), GemmArPlan::TwoPhase(_)));
+        assert!(matches!(plan(256, 8192, 1024, 2, 0, 64, None, 0).unwrap(), GemmArPlan::TwoPhase(_)));
     }
 
     #[test]
     fn bad_n_or_k_is_rejected_on_both_paths() {
-        assert!(plan(16, 60, 1024, 4, 0, 132, None).is_err());
-        assert!(plan(8192, 8192, 12, 4, 0, 132, None).is_err());
-        assert!(plan(16, 64, 64, 4, 0, 132, Some(132)).is_err());
-        assert_eq!(plan(16, 64, 64, 4, 0, 132, Some(11)).unwrap(), GemmArPlan::OneShot { compute_ctas: 121, reduce_ctas: 11 });
+        assert!(plan(16, 60, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).is_err());
+        assert!(plan(8192, 8192, 12, 4, 0, 132, None, ONE_SHOT_MAX_M).is_err());
+        assert!(plan(16, 64, 64, 4, 0, 132, Some(132), ONE_SHOT_MAX_M).is_err());
+        assert_eq!(plan(16, 64, 64, 4, 0, 132, Some(11), ONE_SHOT_MAX_M).unwrap(), GemmArPlan::OneShot { compute_ctas: 121, reduce_ctas: 11 });
     }
 }

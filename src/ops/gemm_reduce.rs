@@ -173,7 +173,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
             let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid, comm.config.comm_ctas)?;
             (p.compute_ctas, p.reduce_ctas, false)
         }
-        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas)? {
+        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas, crate::env::gemm_ar_one_shot_max_m())? {
             gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas, false),
             gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas, true),
         },
