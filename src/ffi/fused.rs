@@ -71,8 +71,9 @@ pub unsafe extern "C" fn mkAllGatherGemm(
 /// Rules (mkInvalidArgument): M divisible by nranks; N and K multiples of 8; pointers
 /// 16-byte aligned device memory. The partial product (M·N elements) must fit in the
 /// communicator's fused-op region (MK_WORKSPACE_BYTES), else mkInvalidUsage names the size.
-/// Stream-ordered, capturable in a CUDA graph; waits bounded by MK_TIMEOUT_MS (then
-/// mkCommGetAsyncError reports mkTimeout / mkRemoteError and C is undefined).
+/// With one rank, the GEMM alone (C = A·Bᵀ). Stream-ordered, capturable in a CUDA graph;
+/// waits bounded by MK_TIMEOUT_MS (then mkCommGetAsyncError reports mkTimeout /
+/// mkRemoteError and C is undefined).
 /// Across nodes (hosts, or MK_RANKS_PER_NODE): partials are summed within each node over
 /// NVLink and one node partial per owner crosses the network, GPU i to GPU i, from inside
 /// the kernel; the fused-op region then also holds 2·nodes·(M/nranks)·N elements of node
@@ -96,10 +97,11 @@ pub unsafe extern "C" fn mkGemmReduceScatter(
     })
 }
 
-/// C = Σ over ranks of A·Bᵀ on every rank, in one persistent kernel. Small M (≤ 256, or M
-/// not a multiple of 128·nranks): one-shot, every rank reads every rank's partial tile as
-/// soon as it is signalled and sums it (lowest latency). Larger M: two-phase, each row
-/// block is summed once by the rank owning it ([r·M/n, (r+1)·M/n)) and copied by the others.
+/// C = Σ over ranks of A·Bᵀ on every rank, in one persistent kernel. Small M (≤ 256 or
+/// MK_GEMM_AR_ONESHOT_MAX_M, or M not a multiple of 128·nranks): one-shot, every rank reads
+/// every rank's partial tile as soon as it is signalled and sums it (lowest latency). Larger
+/// M: two-phase, each row block is summed once by the rank owning it ([r·M/n, (r+1)·M/n))
+/// and copied by the others. With one rank, the GEMM alone.
 ///
 /// - `A`: [M, K] with this rank's K columns; `B`: [N, K] likewise; `C`: [M, N] on every rank.
 /// - Any M ≥ 0 (decode shapes included). Rounding as mkGemmReduceScatter; every sum is
