@@ -83,26 +83,25 @@ pub fn ib_hca() -> Option<String> {
     var("MK_IB_HCA").map(|s| s.trim().to_string())
 }
 
-/// `MK_LOAD_STAGING`: true for `smem` (the default), false for `registers`.
-pub fn load_staging_smem() -> bool {
-    match var("MK_LOAD_STAGING").map(|s| s.trim().to_ascii_lowercase()) {
-        Some(v) if v == "registers" => false,
-        Some(v) if v != "smem" => {
-            crate::log::warn(None, format_args!("ignoring MK_LOAD_STAGING={v:?}: expected smem or registers"));
+/// A knob with two values: true for `default` (also when unset or malformed, with a
+/// warning), false for `other`.
+fn either(name: &str, default: &str, other: &str) -> bool {
+    match var(name).map(|s| s.trim().to_ascii_lowercase()) {
+        Some(v) if v == other => false,
+        Some(v) if v != default => {
+            crate::log::warn(None, format_args!("ignoring {name}={v:?}: expected {default} or {other}"));
             true
         }
         _ => true,
     }
 }
 
+/// `MK_LOAD_STAGING`: true for `smem` (the default), false for `registers`.
+pub fn load_staging_smem() -> bool {
+    either("MK_LOAD_STAGING", "smem", "registers")
+}
+
 /// `MK_GEMM_REDUCERS`: false for `side`, true for `after` (the default).
 pub fn gemm_reducers_after() -> bool {
-    match var("MK_GEMM_REDUCERS").map(|s| s.trim().to_ascii_lowercase()) {
-        Some(v) if v == "side" => false,
-        Some(v) if v != "after" => {
-            crate::log::warn(None, format_args!("ignoring MK_GEMM_REDUCERS={v:?}: expected after or side"));
-            true
-        }
-        _ => true,
-    }
+    either("MK_GEMM_REDUCERS", "after", "side")
 }

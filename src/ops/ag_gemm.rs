@@ -235,8 +235,7 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
     if nranks == 1 {
         // Nothing to gather: the engine alone, and the caller's copy of A if asked for.
         let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
-        let plan = engine::plan(m, n, grid as usize, g.tma_epilogue_ok(), PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() });
-        engine::launch(&g, &plan, stream)?;
+        engine::gemm_with(&g, PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() }, stream)?;
         if args.gathered != 0 && args.gathered != args.a {
             copy_async(args.gathered, args.a, m * k * 2, stream)?;
         }

@@ -162,8 +162,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         // fused kernel would store a partial and copy it: 1.3x the GEMM's time, session 6).
         let _ctx = comm.context.enter()?;
         let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
-        let plan = engine::plan(m, n, grid as usize, g.tma_epilogue_ok(), PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() });
-        return engine::launch(&g, &plan, stream);
+        return engine::gemm_with(&g, PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() }, stream);
     }
     // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
     // rank table (src/ops/gemm_reduce_nodes.rs); rows are still owned by global rank.
