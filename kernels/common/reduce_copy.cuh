@@ -174,6 +174,33 @@ __device__ __forceinline__ void cta_copy(char* dst, char* dst2, const char* src,
   copy_range(dst, dst2, src, bytes, elem, threadIdx.x, blockDim.x, stage_bytes);
 }
 
+// op over p < nsrc of the 16-byte vectors vec(0), vec(1), ... (accumulated in Traits<T>::Acc,
+// in source order, finalized and rounded once): one output vector of cta_reduce.
+template <typename T, class Vec>
+__device__ __forceinline__ uint4 reduce_vector(Vec vec, int nsrc, int op, int nranks) {
+  typedef Traits<T> Tr;
+  typedef typename Tr::Acc A;
+  constexpr int V = 16 / sizeof(T);
+  uint4 raw = vec(0);
+  const T* t = reinterpret_cast<const T*>(&raw);
+  A acc[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) acc[v] = Tr::load(t[v]);
+#pragma unroll
+  for (int p = 1; p < MK_MAX_PEERS; ++p) {
+    if (p < nsrc) {
+      raw = vec(p);
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[v] = combine<A>(acc[v], Tr::load(t[v]), op);
+    }
+  }
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int v = 0; v < V; ++v) o[v] = Tr::store(finalize<A>(acc[v], op, nranks));
+  return out;
+}
+
 // One batch of every source: source p's vectors into slots (buffer, p, u).
 __device__ __forceinline__ void reduce_stage_issue(uint4* buf, const char* const (&src)[MK_MAX_PEERS], int nsrc, uint64_t first,
                                                    uint64_t nv, uint32_t U) {
@@ -189,9 +216,6 @@ __device__ __forceinline__ void reduce_stage_issue(uint4* buf, const char* const
 template <typename T>
 __device__ __forceinline__ void reduce_vectors_staged(T* dst, T* dst2, const char* const (&src)[MK_MAX_PEERS], int nsrc, uint64_t nv,
                                                       int op, int nranks, uint32_t U) {
-  typedef Traits<T> Tr;
-  typedef typename Tr::Acc A;
-  constexpr int V = 16 / sizeof(T);
   uint4* slots = stage_slots();
   const uint32_t per_src = U * blockDim.x;
   const uint32_t half = nsrc * per_src;  // slots of one buffer
@@ -204,23 +228,7 @@ __device__ __forceinline__ void reduce_vectors_staged(T* dst, T* dst2, const cha
     uint64_t i = first;
     for (uint32_t u = 0; u < U && i < nv; ++u, i += blockDim.x) {
       const uint4* slot = buf + u * blockDim.x;
-      uint4 raw = slot[0];
-      const T* t = reinterpret_cast<const T*>(&raw);
-      A acc[V];
-#pragma unroll
-      for (int v = 0; v < V; ++v) acc[v] = Tr::load(t[v]);
-#pragma unroll
-      for (int p = 1; p < MK_MAX_PEERS; ++p) {
-        if (p < nsrc) {
-          raw = slot[p * per_src];
-#pragma unroll
-          for (int v = 0; v < V; ++v) acc[v] = combine<A>(acc[v], Tr::load(t[v]), op);
-        }
-      }
-      uint4 out;
-      T* o = reinterpret_cast<T*>(&out);
-#pragma unroll
-      for (int v = 0; v < V; ++v) o[v] = Tr::store(finalize<A>(acc[v], op, nranks));
+      const uint4 out = reduce_vector<T>([&](int p) { return slot[p * per_src]; }, nsrc, op, nranks);
       reinterpret_cast<uint4*>(dst)[i] = out;
       if (dst2) reinterpret_cast<uint4*>(dst2)[i] = out;
     }
@@ -249,26 +257,11 @@ __device__ __forceinline__ void cta_reduce(T* dst, T* dst2, const char* const (&
   } else if ((bits & 15) == 0) {
     uint64_t nv = n / V;
     for (uint64_t i = threadIdx.x; i < nv; i += blockDim.x) {
-      uint4 raw[MK_MAX_PEERS];
+      uint4 raw[MK_MAX_PEERS];  // every source's load issued before the first add
 #pragma unroll
       for (int p = 0; p < MK_MAX_PEERS; ++p)
         if (p < nsrc) raw[p] = load16(src[p] + i * 16);
-      A acc[V];
-      const T* t0 = reinterpret_cast<const T*>(&raw[0]);
-#pragma unroll
-      for (int v = 0; v < V; ++v) acc[v] = Tr::load(t0[v]);
-#pragma unroll
-      for (int p = 1; p < MK_MAX_PEERS; ++p) {
-        if (p < nsrc) {
-          const T* t = reinterpret_cast<const T*>(&raw[p]);
-#pragma unroll
-          for (int v = 0; v < V; ++v) acc[v] = combine<A>(acc[v], Tr::load(t[v]), op);
-        }
-      }
-      uint4 out;
-      T* o = reinterpret_cast<T*>(&out);
-#pragma unroll
-      for (int v = 0; v < V; ++v) o[v] = Tr::store(finalize<A>(acc[v], op, nranks));
+      const uint4 out = reduce_vector<T>([&](int p) { return raw[p]; }, nsrc, op, nranks);
       reinterpret_cast<uint4*>(dst)[i] = out;
       if (dst2) reinterpret_cast<uint4*>(dst2)[i] = out;
     }
