@@ -80,10 +80,10 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
 
 // The reducers: a whole CTA (CtaTeam) -- a dedicated reduction CTA, or a GEMM CTA once
 // its GEMM is done (every warp, its registers back at the launch's 168) -- or, one node
-// only, the three idle warps of a GEMM CTA's producer warpgroup during the whole GEMM
-// (threads 32..127, named barrier 3, the producer's kProducerRegs registers: they sum
-// with few values live).
-struct SideWarps : WarpTeam<32, 96, 3> {};
+// only, two idle warps of a GEMM CTA's producer warpgroup during the whole GEMM
+// (threads 64..127, named barrier 3, the producer's kProducerRegs registers: they sum
+// with few values live; warp 1 is the epilogue's courier, which raises the slab flags).
+struct SideWarps : WarpTeam<64, 64, 3> {};
 template <class Team>
 struct LeanTeam {
   static constexpr bool value = false;

@@ -85,8 +85,12 @@ pub fn stages(bn: usize, epilogue: Epilogue) -> usize {
 /// Mirrors `engine_smem_bytes` in kernels/common/gemm/engine.cuh; fused kernels that carve
 /// their own shared memory after the engine's add theirs to it.
 pub fn engine_smem_bytes(bn: usize, stages: usize, staging_per_wg: usize) -> usize {
-    1024 + stages * (BM + bn) * BK * 2 + 2 * staging_per_wg + 2 * stages * 8
+    1024 + stages * (BM + bn) * BK * 2 + 2 * staging_per_wg + 2 * stages * 8 + MAILBOX_BYTES
 }
+
+/// The epilogue courier's mailbox after the stage barriers (kMailboxBytes in
+/// kernels/common/gemm/epilogue.cuh): two slots of two mbarriers and a slab's coordinates.
+const MAILBOX_BYTES: usize = 64;
 
 /// Dynamic shared memory of a plain-GEMM kernel (the kernel traps if it gets less).
 pub fn smem_bytes(bn: usize, epilogue: Epilogue) -> usize {

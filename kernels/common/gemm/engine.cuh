@@ -27,7 +27,8 @@
 // memory (Rust: ops::gemm::engine_smem_bytes). Tensor maps that the engine or an epilogue
 // reads must live in kernel parameter space (__grid_constant__) or global memory.
 // Named barriers 1 and 2 belong to the consumer warpgroups' epilogues, 3 to the AWait
-// hook's side work (warps 1-3 of the producer warpgroup).
+// hook's side work (warps 1-3 of the producer warpgroup; warps 2-3 when the epilogue
+// signals its slabs, whose courier is warp 1).
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -85,7 +86,7 @@ struct GemmConfig {
 template <class Cfg, class Epi>
 __host__ __device__ constexpr int engine_smem_bytes() {
   return 1024 + Cfg::STAGES * Cfg::STAGE_BYTES + Cfg::CONSUMERS * Epi::template smem_bytes_per_wg<Cfg::BN>() +
-         2 * Cfg::STAGES * 8;
+         2 * Cfg::STAGES * 8 + kMailboxBytes;
 }
 
 struct GemmShape {
@@ -111,6 +112,7 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
   constexpr int C_WG_BYTES = Epi::template smem_bytes_per_wg<BN>();
   uint64_t* full = reinterpret_cast<uint64_t*>(smem_c + Cfg::CONSUMERS * C_WG_BYTES);
   uint64_t* empty = full + STAGES;
+  uint64_t* mailboxes = empty + STAGES;  // the epilogue courier's (kMailboxBytes)
 
   constexpr int CLUSTER = Cfg::CLUSTER, SHARE = Cfg::SHARE;
   const int wg = threadIdx.x / 128;
@@ -134,6 +136,10 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], Cfg::CONSUMERS * 4 * CLUSTER);  // one arrival per consumer warp of the cluster
+    }
+    for (int c = 0; c < Cfg::CONSUMERS; ++c) {
+      mbar_init(&mailboxes[c * kMailboxWords], 1);      // a slab handed to the courier
+      mbar_init(&mailboxes[c * kMailboxWords + 1], 1);  // the courier took it
     }
     fence_mbar_init();
   }
@@ -182,6 +188,10 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
           }
         }
       }
+    } else if (Epi::kCourier && threadIdx.x / 32 == 1) {
+      static_assert(!Epi::kCourier || Cfg::CONSUMERS == 2, "the courier serves two consumer warpgroups");
+      const int tiles = item0 < num_items ? (num_items - item0 + item_step - 1) / item_step : 0;
+      if (threadIdx.x == 32) Epi::courier(epi, mailboxes, tiles);
     } else if (threadIdx.x >= 32) {
       AWait::side_work(await, threadIdx.x - 32);
     }
@@ -199,6 +209,7 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
     slab.consumer = consumer;
     slab.thread = thread;
     slab.smem = smem_c + consumer * C_WG_BYTES;
+    slab.mailbox = mailboxes + consumer * kMailboxWords;
     auto release = [&](int s) {
       if (warp_leader) {
         mbar_arrive(&empty[s]);
@@ -237,6 +248,10 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
     }
     Epi::finish(epi, slab);
   }
+  // Every warp leaves converged: its roles ran on single lanes (the producer thread, the
+  // courier, a consumer's thread 0 in the epilogue), and a fused kernel may follow with
+  // warp-collective .aligned instructions (setmaxnreg, bar.sync), undefined on a diverged warp.
+  __syncwarp();
   // No CTA may exit while its peer can still multicast into it or arrive on its barriers.
   if constexpr (CLUSTER > 1) cluster_sync();
 }
@@ -248,6 +263,11 @@ template <class Cfg>
 __device__ __forceinline__ void restore_launch_registers() {
   constexpr int kLaunchRegs = 168;  // 64K / THREADS, rounded down to a multiple of 8 (GemmConfig)
   static_assert(Cfg::THREADS == 384 && Cfg::CLUSTER == 1, "launch registers of a 384-thread CTA");
+  // setmaxnreg is warpgroup-collective: every warp of each warpgroup arrives converged,
+  // and the producer warpgroup waits at the barrier (asleep) rather than in
+  // setmaxnreg.inc's retry loop (SASS: TRY_ALLOC) until the consumers release registers.
+  __syncwarp();
+  __syncthreads();
   if (threadIdx.x / 128 == 0) {
     setmaxnreg_inc<kLaunchRegs>();
   } else {

@@ -14,7 +14,8 @@
 //     // Run by warps 1-3 of the producer warpgroup (96 threads, thread = 0..95), which
 //     // the engine leaves idle: a fused op's data movement can live here, beside the
 //     // GEMM on the same SM, instead of taking whole CTAs. Register budget: the
-//     // producer's (Cfg::PRODUCER_REGS); named barrier 3 (96 threads) is theirs.
+//     // producer's (Cfg::PRODUCER_REGS); named barrier 3 is theirs. With a signalling
+//     // epilogue (Epi::kCourier) warp 1 is the courier: only warps 2-3 (thread = 32..95) run it.
 //     __device__ static void side_work(const Params&, int thread);
 //   };
 // After observing a flag through ordinary loads, the hook must execute
