@@ -26,8 +26,9 @@
 //               registers) and V as an MN-major B operand. Pipelined inside the
 //               warpgroup: S_t is issued before O is rescaled and P_{t-1}·V_{t-1} issued,
 //               and the softmax of S_t runs while that product is on the tensor cores.
-//               The two warpgroups run independently (no CTA-wide barrier per tile), so
-//               one's softmax also overlaps the other's GEMMs.
+//               No CTA-wide barrier per tile: the two warpgroups take turns issuing
+//               their GEMMs (pingpong, FA3 §3.1, two named barriers), so one's softmax
+//               runs while the other's GEMMs hold the tensor cores.
 //   warps 8-11  the producer warpgroup: every load, by cp.async into the swizzled
 //               layout: Q per item, K and V tiles through two rings of KV_STAGES slots
 //               with full/empty mbarriers (K of tile t is loaded before V of tile t-1,
@@ -72,6 +73,7 @@ constexpr int PRODUCER_REGS = 56;
 constexpr int CONSUMER_REGS = (THREADS * LAUNCH_REGS - PRODUCER_THREADS * PRODUCER_REGS) / (CONSUMER_WARPS * 32) / 8 * 8;
 static_assert(CONSUMER_REGS == 224, "setmaxnreg split");
 constexpr int PRODUCER_BARRIER = 1;                // named barrier of the producer warpgroup
+constexpr int TURN_BARRIER = 2;                    // + wg: consumer warpgroup wg's turn to issue (2, 3)
 
 // Dynamic shared memory (ops::ring_attention::smem_bytes): the Q tile, the K and V rings,
 // and 1 KiB to align them to the 128-byte swizzle's 1024-byte period.
@@ -367,6 +369,23 @@ struct Attn {
     auto release = [&](uint64_t* bar) {
       if (lane == 0) mbar_arrive(bar);  // after this warp's wgmma wait: its reads are done
     };
+    // Pingpong: the warpgroups issue their GEMMs of a tile in turns, 0 then 1. Barrier
+    // TURN_BARRIER + wg completes with this warpgroup's bar.sync (128) and the other's
+    // bar.arrive (128) after it issued; warpgroup 0 arrives on its own barrier once to
+    // start. Both warpgroups walk the same tiles and take one turn per tile (the final
+    // P·V of an item is outside the turns), so the counts match; the one arrival left at
+    // the end is dropped with the CTA. A turn starts only after wait_k succeeded: at an
+    // abort both stop before the same turn, and no one waits for an arrival that will
+    // not come.
+    // (Immediate barrier ids: a computed id makes ptxas reserve all 16.)
+    auto turn_begin = [&] {
+      if (wg == 0) named_barrier_sync(TURN_BARRIER, 2 * 128);
+      else named_barrier_sync(TURN_BARRIER + 1, 2 * 128);
+    };
+    auto turn_end = [&] {
+      if (wg == 0) named_barrier_arrive(TURN_BARRIER + 1, 2 * 128);
+      else named_barrier_arrive(TURN_BARRIER, 2 * 128);
+    };
     // Waits for tile t's K; false when the producer gave up at this tile.
     auto wait_k = [&](int t) -> bool {
       mbar_wait(&pl.k_full[t % KV_STAGES], (t / KV_STAGES) & 1);
@@ -462,6 +481,7 @@ struct Attn {
     float sc[SREG];
 #pragma unroll
     for (int i = 0; i < SREG; ++i) sc[i] = 0.f;  // defined before the first wgmma (which overwrites it)
+    if (wg == 0) named_barrier_arrive(TURN_BARRIER, 2 * 128);  // warpgroup 0 has the first turn
     uint32_t pa[PSTEPS][4];
     int tile = 0;  // K/V tiles consumed so far (the producer's numbering)
     int items = 0;
@@ -478,7 +498,9 @@ struct Attn {
       int s = 0, kb = 0;
       next_visible(p, it.qmax, s, kb);
       if (!wait_k(tile)) return false;
+      turn_begin();
       issue_s(sc, tile);
+      turn_end();
       wgmma_wait<0>();
       fence_operands(sc);
       release(&pl.k_empty[tile % KV_STAGES]);
@@ -490,9 +512,11 @@ struct Attn {
       // the softmax of S_t overlaps that product.
       while (next_visible(p, it.qmax, s, kb)) {
         if (!wait_k(tile)) return false;  // nothing in flight: the last wait was wait<0>
+        turn_begin();
         issue_s(sc, tile);
         rescale(acc, alpha);  // O is not in flight (P·V of t-2 was waited for)
         issue_pv(acc, pa, tile - 1);
+        turn_end();
         wgmma_wait<1>();  // S_t done (groups complete in order), P_{t-1}·V_{t-1} may run on
         fence_operands(sc);
         release(&pl.k_empty[tile % KV_STAGES]);
