@@ -2,7 +2,7 @@
 // K/V ring inside one persistent kernel. The plan (layouts, ring steps, causal block
 // visibility) is ops::ring_attention in Rust; this kernel follows it.
 //
-// Roles and phases of one launch (every CTA, 8 warps):
+// Roles and phases of one launch (every CTA, 12 warps):
 //   1. publish: after every peer has said it finished reading this rank's workspace in
 //      the previous call (RING_DONE), every CTA copies its slice of this rank's K and V
 //      into the rank's own fused-op region; the last CTA to finish raises RING_KV + me in
@@ -12,19 +12,31 @@
 //      from the caller's k/v, later steps straight from the source rank's workspace over
 //      the peer mapping, after a bounded wait for its RING_KV flag (once per CTA and
 //      source). One online softmax (fp32, exp2) runs across all steps, so no per-step
-//      merge is needed. Fully masked 64-key blocks (causal) are skipped; partial ones and
+//      merge is needed. Fully masked 128-key blocks (causal) are skipped; partial ones and
 //      the tail beyond seqLocal are masked elementwise by global token position.
 //   3. the last CTA advances the epoch and raises RING_DONE + me in every peer's region.
 // Each rank pulls every peer's K/V once, which is the traffic of a ring (every rank
 // receives n-1 blocks) without relaying through intermediate ranks: within one node the
 // peer is one NVLink hop away, so relaying would only add latency (DESIGN-NOTES.md).
 //
-// Math engine (FA3-style without warp specialisation): two warpgroups, 64 query rows
-// each; S = Q·Kᵀ by wgmma from shared memory (Q and K K-major, 128-byte swizzle), the
-// online softmax on the fp32 accumulators, then O += P·V by wgmma with P straight from
-// the score registers (A from registers) and V as an MN-major B operand. Q and 128-key
-// K/V tiles are loaded by cp.async (all 256 threads) into the swizzled layout, K/V
-// double-buffered so the next tile loads while this one is multiplied.
+// Math engine (FlashAttention-3 style, warp-specialised):
+//   warps 0-7   two consumer warpgroups, 64 query rows each: S = Q·Kᵀ by wgmma from
+//               shared memory (Q and K K-major, 128-byte swizzle), the online softmax on
+//               the fp32 accumulators, O += P·V by wgmma with P from registers (A from
+//               registers) and V as an MN-major B operand. Pipelined inside the
+//               warpgroup: S_t is issued before O is rescaled and P_{t-1}·V_{t-1} issued,
+//               and the softmax of S_t runs while that product is on the tensor cores.
+//               No CTA-wide barrier per tile: the two warpgroups take turns issuing
+//               their GEMMs (pingpong, FA3 §3.1, two named barriers), so one's softmax
+//               runs while the other's GEMMs hold the tensor cores.
+//   warps 8-11  the producer warpgroup: every load, by cp.async into the swizzled
+//               layout: Q per item, K and V tiles through two rings of KV_STAGES slots
+//               with full/empty mbarriers (K of tile t is loaded before V of tile t-1,
+//               the order the consumers need them in). It also makes the bounded waits
+//               for the sources' RING_KV flags, and stops the consumers at the tile
+//               where one gave up (Pipeline::abort_tile).
+// cp.async rather than TMA: K/V of remote ranks are read through plain peer pointers,
+// for which no tensor maps exist.
 //
 // Gathered mode (p.kv_gathered != 0, used by the unfused baseline and at one rank): the
 // K/V of every source rank lie in one local buffer, shard after shard; no signals.
@@ -46,10 +58,40 @@ namespace mk { namespace ring_attn {
 
 constexpr int BM = 128;  // queries per work item (2 warpgroups x 64 rows)
 constexpr int BN = 128;  // keys per tile
-constexpr int WARPS = 8;
-constexpr int THREADS = WARPS * 32;
+constexpr int CONSUMER_WARPS = 8;                  // warps 0-7: two math warpgroups
+constexpr int PRODUCER_THREADS = 128;              // warps 8-11: every load of the engine
+constexpr int THREADS = CONSUMER_WARPS * 32 + PRODUCER_THREADS;  // ops::ring_attention::THREADS
+constexpr int KV_STAGES = 2;                       // slots of the K ring and of the V ring
+// Registers after setmaxnreg. A CTA of 384 threads starts with 168 each (a sub-partition
+// holds 3 of its 12 warps: 16K / 96, rounded down to a multiple of 8); the loaders need
+// few (56: at 48 they spill), the math warps hold O, S and P (64 + 64 + 32 at D = 128).
+// The consumers' share is what the producers give up: (384·168 − 128·56) / 256 = 224.
+// (A lone 9th producer warp would cap every thread at 168: its sub-partition holds 3
+// warps.)
+constexpr int LAUNCH_REGS = 168;
+constexpr int PRODUCER_REGS = 56;
+constexpr int CONSUMER_REGS = (THREADS * LAUNCH_REGS - PRODUCER_THREADS * PRODUCER_REGS) / (CONSUMER_WARPS * 32) / 8 * 8;
+static_assert(CONSUMER_REGS == 224, "setmaxnreg split");
+constexpr int PRODUCER_BARRIER = 1;                // named barrier of the producer warpgroup
+constexpr int TURN_BARRIER = 2;                    // + wg: consumer warpgroup wg's turn to issue (2, 3)
+
+// Dynamic shared memory (ops::ring_attention::smem_bytes): the Q tile, the K and V rings,
+// and 1 KiB to align them to the 128-byte swizzle's 1024-byte period.
+template <int D>
+__host__ __device__ constexpr int smem_bytes() {
+  return (BM + 2 * KV_STAGES * BN) * D * 2 + 1024;
+}
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 2^x on the SFU (MUFU.EX2), subnormal results flushed to 0: exp2f's fix-up of the
+// subnormal range would triple the softmax's instruction count, and probabilities below
+// 2^-126 of the row maximum vanish in the row sum anyway. 2^-inf = +0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 template <typename T>
 struct Mma;  // the packing of two fp32 into a b32 register of T
@@ -82,19 +124,6 @@ __device__ __forceinline__ int token_pos(int rank, int i, int seq, int n, bool c
   if (!causal) return rank * seq + i;
   const int half = seq >> 1;
   return i < half ? rank * half + i : (2 * n - 1 - rank) * half + (i - half);
-}
-
-// Loads `rows` valid rows (of BR) starting at token row0 of a [.., seq, heads, D] tensor
-// (row stride `stride` elements) into a swizzled tile; rows past `rows` are zero-filled.
-template <typename T, int D, int BR>
-__device__ __forceinline__ void load_tile(T* tile, const T* base, int rows, int stride) {
-  constexpr int CHUNKS = D / 8;
-  for (int idx = threadIdx.x; idx < BR * CHUNKS; idx += THREADS) {
-    const int r = idx / CHUNKS, c = idx % CHUNKS;
-    const bool valid = r < rows;
-    const T* src = valid ? base + (size_t)r * stride + c * 8 : base;
-    cp_async16(tile + swz<BR>(r, c), src, valid ? 16 : 0);
-  }
 }
 
 // All threads of the CTA copy `bytes` (a multiple of 16) from src to dst.
@@ -139,6 +168,55 @@ __device__ __forceinline__ bool publish_kv(const RingAttnParams& p, uint64_t epo
   return true;
 }
 
+// Barriers of the load pipeline (static shared memory beside the dynamic tiles).
+//   q_full, k_full[st], v_full[st]: the producer warpgroup's cp.async copies of the tile
+//     have landed (128 arrivals: one cp.async.mbarrier.arrive.noinc per producer thread);
+//   q_empty, k_empty[st], v_empty[st]: every consumer warp's wgmmas that read the tile
+//     have completed (8 arrivals: lane 0 of each consumer warp after its wgmma wait).
+// K/V tile number t (counted over all items of this CTA, the same sequence for the
+// producer and both consumer warpgroups) lives in slot t % KV_STAGES and completes phase
+// (t / KV_STAGES) & 1 of its slot's barriers; Q of the CTA's i-th item, phase i & 1.
+struct Pipeline {
+  uint64_t q_full, q_empty;
+  uint64_t k_full[KV_STAGES], k_empty[KV_STAGES];
+  uint64_t v_full[KV_STAGES], v_empty[KV_STAGES];
+  // The K/V tile at which the producer's bounded wait gave up (INT_MAX: none). Written
+  // before the producer arrives on that tile's k_full without data, so both consumer
+  // warpgroups stop at the same tile.
+  int abort_tile;
+};
+
+// One work item: (batch, head, 128-query block) and the query positions it covers.
+struct Item {
+  int b, h, hk, q0, q_rows, qmin, qmax;
+  __device__ Item(const RingAttnParams& p, int item) {
+    // Heaviest query blocks first (causal: later local tokens see more keys).
+    const int qb = p.q_blocks - 1 - item % p.q_blocks;
+    const int bh = item / p.q_blocks;
+    h = bh % p.heads;
+    b = bh / p.heads;
+    hk = h / (p.heads / p.kv_heads);
+    q0 = qb * BM;
+    q_rows = min(BM, p.seq_local - q0);
+    const bool causal = p.causal != 0;
+    qmin = token_pos(p.rank, q0, p.seq_local, p.nranks, causal);
+    qmax = token_pos(p.rank, q0 + q_rows - 1, p.seq_local, p.nranks, causal);
+  }
+};
+
+// Next visible 128-key block at or after (ring step s, block kb) for queries up to
+// position qmax; false past the last step. Fully masked blocks (causal) are skipped.
+// The producer and the consumers walk the same sequence.
+__device__ __forceinline__ bool next_visible(const RingAttnParams& p, int qmax, int& s, int& kb) {
+  const int nkb = (p.seq_local + BN - 1) / BN;
+  const bool causal = p.causal != 0;
+  for (; s < p.nranks; ++s, kb = 0) {
+    const int src = (p.rank - s + p.nranks) % p.nranks;
+    if (kb < nkb && (!causal || token_pos(src, kb * BN, p.seq_local, p.nranks, causal) <= qmax)) return true;
+  }
+  return false;
+}
+
 template <typename T, int D>
 struct Attn {
   static constexpr int KSTEPS = D / 16;  // k-steps of Q·Kᵀ (over d)
@@ -158,183 +236,304 @@ struct Attn {
     return desc;
   }
 
-  // Phase 2. Returns false when a wait gave up.
-  __device__ static bool run(const RingAttnParams& p, uint64_t epoch, char* smem_raw) {
-    using mk::gemm::make_smem_desc_sw128;
-    // 128-byte swizzle repeats every 1024 bytes: tiles start 1024-aligned.
-    char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-    T* sQ = reinterpret_cast<T*>(smem);
-    T* sK = sQ + BM * D;    // [2][BN x D]
-    T* sV = sK + 2 * TILE;  // [2][BN x D]
+  // First row of key block kb of source `src`'s K (value = false) or V, at the (batch,
+  // kv head) of `it`: where the ring step reads it (own tensors, a peer's
+  // workspace over the peer mapping, or the gathered buffer).
+  __device__ static const T* kv_rows(const RingAttnParams& p, const Item& it, int src, int kb, bool value) {
+    const size_t off = ((size_t)it.b * p.seq_local * p.kv_heads + it.hk) * D + (size_t)kb * BN * p.kv_heads * D;
+    if (p.kv_gathered != 0)
+      return reinterpret_cast<const T*>(value ? p.v_gathered : p.kv_gathered) + (size_t)src * p.kv_elems + off;
+    if (src == p.rank) return reinterpret_cast<const T*>(value ? p.v : p.k) + off;
+    const T* ws_k = reinterpret_cast<const T*>(p.ws.data[src] + p.kv_offset);
+    return ws_k + (value ? p.kv_elems : 0) + off;
+  }
+
+  // The producer warpgroup (warps 8-11): Q of every item, then its visible K/V tiles in
+  // ring order, into the slot rings; the only loads of the engine. All 128 threads take
+  // the same path (one outcome per bounded wait). Returns false when a wait gave up.
+  __device__ static bool produce(const RingAttnParams& p, uint64_t epoch, T* sQ, T* sK, T* sV, Pipeline& pl) {
+    using namespace mk::gemm;
+    const int tid = threadIdx.x - CONSUMER_WARPS * 32;
+    const int S = p.seq_local, n = p.nranks, me = p.rank;
+    const int q_stride = p.heads * D, kv_stride = p.kv_heads * D;
+    uint32_t acquired = 1u << me;  // sources whose K/V this CTA may read
+    // Bounded wait (one thread; the warpgroup learns the outcome) before the first read
+    // of source `src`'s workspace: its RING_KV flag of this epoch. The inline form: no
+    // calls after setmaxnreg. The named barrier also orders the flag's acquire before
+    // every producer thread's loads.
+    auto ensure = [&](int src) -> bool {
+      if (p.kv_gathered != 0 || (acquired & (1u << src))) return true;
+      int ok = 1;
+      if (tid == 0)
+        ok = mk_wait_geq_inline(p.ws, mk_signal_word(p.ws, me, RING_KV + src), epoch, src, MK_WAIT_OP_FLAG,
+                                MK_OP_RING_ATTN);
+      ok = named_barrier_and(PRODUCER_BARRIER, PRODUCER_THREADS, ok);
+      if (ok) acquired |= 1u << src;
+      return ok != 0;
+    };
+    int tile = 0;  // K/V tiles issued so far (all items)
+    int items = 0;
+    for (int item = blockIdx.x; item < p.num_items; item += gridDim.x, ++items) {
+      const Item it(p, item);
+      // Q: the consumers released the previous item's Q after their last S = Q·Kᵀ.
+      mbar_wait(&pl.q_empty, (items & 1) ^ 1);
+      load_rows<BM>(sQ, reinterpret_cast<const T*>(p.q) + ((size_t)it.b * S * p.heads + it.h) * D + (size_t)it.q0 * q_stride,
+                    it.q_rows, q_stride, tid);
+      cp_async_mbar_arrive(&pl.q_full);
+      // K of tile t, then V of tile t-1: the consumers need V one tile later than K
+      // (they multiply P_{t-1}·V_{t-1} while S_t = Q·K_tᵀ is computed).
+      int s = 0, kb = 0, prev_s = 0, prev_kb = 0;
+      bool have_prev = false;
+      for (;;) {
+        const bool more = next_visible(p, it.qmax, s, kb);
+        if (more) {
+          const int st = tile % KV_STAGES;
+          const uint32_t ph = (tile / KV_STAGES) & 1;
+          const int src = (me - s + n) % n;
+          const bool ok = ensure(src);
+          // The slot's previous tile is consumed (also before an abort: completing the
+          // next phase early would let a consumer miss the one it waits for).
+          mbar_wait(&pl.k_empty[st], ph ^ 1);
+          if (!ok) {
+            if (tid == 0) *reinterpret_cast<volatile int*>(&pl.abort_tile) = tile;
+            mbar_arrive(&pl.k_full[st]);  // 128 plain arrivals complete the phase without data
+            cp_async_commit();
+            cp_async_wait<0>();  // no copy may land after the CTA moves on
+            return false;
+          }
+          load_rows<BN>(sK + st * TILE, kv_rows(p, it, src, kb, false), min(BN, S - kb * BN), kv_stride, tid);
+          cp_async_mbar_arrive(&pl.k_full[st]);
+        }
+        if (have_prev) {
+          const int pt = tile - 1, st = pt % KV_STAGES;
+          const uint32_t ph = (pt / KV_STAGES) & 1;
+          mbar_wait(&pl.v_empty[st], ph ^ 1);
+          load_rows<BN>(sV + st * TILE, kv_rows(p, it, (me - prev_s + n) % n, prev_kb, true), min(BN, S - prev_kb * BN),
+                        kv_stride, tid);
+          cp_async_mbar_arrive(&pl.v_full[st]);
+        }
+        if (!more) break;
+        prev_s = s;
+        prev_kb = kb;
+        have_prev = true;
+        ++tile;
+        ++kb;
+      }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    return true;
+  }
+
+  // Loads `rows` valid rows (of BR) from `base` (row stride `stride` elements) into a
+  // swizzled tile, the producer warpgroup: thread i copies 16-byte chunk i % (D/8) of
+  // rows i / (D/8) + k·ROW_STEP. ROW_STEP is a multiple of 8, so a thread's rows share
+  // their swizzle phase and its destination advances by ROW_STEP rows (few registers: the
+  // loaders run on 56). Rows past `rows` are zero-filled (masked keys must meet V = 0,
+  // never NaN).
+  template <int BR>
+  __device__ static void load_rows(T* tile, const T* base, int rows, int stride, int tid) {
+    constexpr int CHUNKS = D / 8;
+    constexpr int ROW_STEP = PRODUCER_THREADS / CHUNKS;
+    static_assert(BR % ROW_STEP == 0 && ROW_STEP % 8 == 0, "same chunk count and swizzle phase per thread");
+    const int c = tid % CHUNKS, r0 = tid / CHUNKS;
+    const T* src = base + (size_t)r0 * stride + c * 8;
+    T* dst = tile + swz<BR>(r0, c);
+#pragma unroll 4
+    for (int r = r0; r < BR; r += ROW_STEP) {
+      const bool valid = r < rows;
+      cp_async16(dst, valid ? src : base, valid ? 16 : 0);
+      src += (size_t)ROW_STEP * stride;
+      dst += ROW_STEP * 64;
+    }
+  }
+
+  // The two consumer warpgroups (warps 0-7), 64 query rows each, pipelined inside the
+  // warpgroup (FlashAttention-3 §3.2): while the softmax of tile t runs on the CUDA
+  // cores, the tensor cores compute P_{t-1}·V_{t-1}, and S_{t+1} = Q·K_{t+1}ᵀ is issued
+  // before O is rescaled. One score register set (S_t as fp32) and P_{t-1} packed to
+  // 16 bits for the register-A wgmma. Returns false when the producer gave up.
+  __device__ static bool consume(const RingAttnParams& p, const T* sQ, const T* sK, const T* sV, Pipeline& pl) {
+    using namespace mk::gemm;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int wg = warp / 4;  // warpgroup: query rows 64·wg ..
-    const int g = lane / 4, t = lane % 4;
+    const int g = lane / 4, t4 = lane % 4;
     const int row_base = 64 * wg + 16 * (warp % 4) + g;  // this thread's rows: row_base, row_base + 8
     const int S = p.seq_local, n = p.nranks, me = p.rank;
     const bool causal = p.causal != 0;
-    const int q_stride = p.heads * D, kv_stride = p.kv_heads * D;
-    const int nkb = (S + BN - 1) / BN;
+    const int q_stride = p.heads * D;
     const float sl = p.scale_log2;
-    uint32_t acquired = 1u << me;  // sources whose K/V this CTA may read
+    // This warpgroup's 64 query rows of the Q tile (A operand, K-major SW128).
+    const char* q_wg = reinterpret_cast<const char*>(sQ) + 64 * wg * 128;
 
-    for (int item = blockIdx.x; item < p.num_items; item += gridDim.x) {
-      // Heaviest query blocks first (causal: later local tokens see more keys).
-      const int qb = p.q_blocks - 1 - item % p.q_blocks;
-      const int bh = item / p.q_blocks;
-      const int h = bh % p.heads, b = bh / p.heads;
-      const int hk = h / (p.heads / p.kv_heads);
-      const int q0 = qb * BM, q_rows = min(BM, S - q0);
-      const int qmin = token_pos(me, q0, S, n, causal), qmax = token_pos(me, q0 + q_rows - 1, S, n, causal);
-
-      // Next visible key block at or after (s, kb); false past the last step.
-      auto next_visible = [&](int& s, int& kb) -> bool {
-        for (; s < n; ++s, kb = 0) {
-          const int src = (me - s + n) % n;
-          if (kb < nkb && (!causal || token_pos(src, kb * BN, S, n, causal) <= qmax)) return true;
+    auto release = [&](uint64_t* bar) {
+      if (lane == 0) mbar_arrive(bar);  // after this warp's wgmma wait: its reads are done
+    };
+    // Pingpong: the warpgroups issue their GEMMs of a tile in turns, 0 then 1. Barrier
+    // TURN_BARRIER + wg completes with this warpgroup's bar.sync (128) and the other's
+    // bar.arrive (128) after it issued; warpgroup 0 arrives on its own barrier once to
+    // start. Both warpgroups walk the same tiles and take one turn per tile (the final
+    // P·V of an item is outside the turns), so the counts match; the one arrival left at
+    // the end is dropped with the CTA. A turn starts only after wait_k succeeded: at an
+    // abort both stop before the same turn, and no one waits for an arrival that will
+    // not come.
+    // (Immediate barrier ids: a computed id makes ptxas reserve all 16.)
+    auto turn_begin = [&] {
+      if (wg == 0) named_barrier_sync(TURN_BARRIER, 2 * 128);
+      else named_barrier_sync(TURN_BARRIER + 1, 2 * 128);
+    };
+    auto turn_end = [&] {
+      if (wg == 0) named_barrier_arrive(TURN_BARRIER + 1, 2 * 128);
+      else named_barrier_arrive(TURN_BARRIER, 2 * 128);
+    };
+    // Waits for tile t's K; false when the producer gave up at this tile.
+    auto wait_k = [&](int t) -> bool {
+      mbar_wait(&pl.k_full[t % KV_STAGES], (t / KV_STAGES) & 1);
+      if (t >= *reinterpret_cast<volatile int*>(&pl.abort_tile)) return false;
+      fence_proxy_async_smem();  // cp.async (generic proxy) writes, then wgmma reads
+      return true;
+    };
+    auto issue_s = [&](float (&sc)[SREG], int t) {
+      const char* tK = reinterpret_cast<const char*>(sK + (t % KV_STAGES) * TILE);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+        const int cb = kk / 4, ko = (kk % 4) * 32;  // 64-wide d block, 16-element step inside it
+        Wgmma<BN, T>::mma(sc, make_smem_desc_sw128(q_wg + cb * (BM * 128) + ko),
+                          make_smem_desc_sw128(tK + cb * (BN * 128) + ko), kk > 0);
+      }
+      wgmma_commit();
+    };
+    // O += P·V of tile t: P from registers (the accumulator layout of S is the A-fragment
+    // layout by pairs of 8-key blocks), V as the MN-major B operand.
+    auto issue_pv = [&](float (&acc)[OREG], const uint32_t (&pa)[PSTEPS][4], int t) {
+      mbar_wait(&pl.v_full[t % KV_STAGES], (t / KV_STAGES) & 1);
+      fence_proxy_async_smem();
+      const char* tV = reinterpret_cast<const char*>(sV + (t % KV_STAGES) * TILE);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < PSTEPS; ++kk) WgmmaRsT<D, T>::mma(acc, pa[kk], desc_mn_sw128(tV + kk * 16 * 128, BN * 128));
+      wgmma_commit();
+    };
+    // Mask (keys past seqLocal; causal: keys after the query) and online softmax of the
+    // scores of key block kb of step s: sc becomes P (fp32, exp2 with the scale folded
+    // in), m_row / l_row advance, alpha is the factor O must be rescaled by before P·V.
+    auto softmax = [&](float (&sc)[SREG], const Item& it, int s, int kb, float (&m_row)[2], float (&l_row)[2],
+                       float (&alpha)[2]) {
+      const int src = (me - s + n) % n;
+      const int k0 = kb * BN, k_rows = min(BN, S - k0);
+      const bool need_mask = k_rows < BN || (causal && token_pos(src, k0 + k_rows - 1, S, n, causal) > it.qmin);
+      if (need_mask) {
+        const int qp0 = token_pos(me, it.q0 + row_base, S, n, causal);
+        const int qp1 = token_pos(me, it.q0 + row_base + 8, S, n, causal);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kl = j * 8 + 2 * t4 + e;
+            const int kp = token_pos(src, k0 + kl, S, n, causal);
+            const bool out = kl >= k_rows;
+            if (out || (causal && kp > qp0)) sc[4 * j + e] = -INFINITY;
+            if (out || (causal && kp > qp1)) sc[4 * j + 2 + e] = -INFINITY;
+          }
         }
-        return false;
-      };
-      // Bounded wait (whole CTA, uniform) before reading source `src`'s workspace.
-      auto ensure = [&](int src) -> bool {
-        if (acquired & (1u << src)) return true;
-        if (!mk_cta_wait(p.ws, mk_signal_word(p.ws, me, RING_KV + src), epoch, src, MK_WAIT_OP_FLAG, MK_OP_RING_ATTN))
-          return false;
-        acquired |= 1u << src;
-        return true;
-      };
-      auto kv_base = [&](int src, bool value) -> const T* {
-        const size_t off = ((size_t)b * S * p.kv_heads + hk) * D;
-        if (p.kv_gathered != 0)
-          return reinterpret_cast<const T*>(value ? p.v_gathered : p.kv_gathered) + (size_t)src * p.kv_elems + off;
-        if (src == me) return reinterpret_cast<const T*>(value ? p.v : p.k) + off;
-        const T* ws_k = reinterpret_cast<const T*>(p.ws.data[src] + p.kv_offset);
-        return ws_k + (value ? p.kv_elems : 0) + off;
-      };
-      auto issue = [&](int s, int kb, int buf) {
-        const int src = (me - s + n) % n;
-        const int k0 = kb * BN, rows = min(BN, S - k0);
-        load_tile<T, D, BN>(sK + buf * TILE, kv_base(src, false) + (size_t)k0 * kv_stride, rows, kv_stride);
-        load_tile<T, D, BN>(sV + buf * TILE, kv_base(src, true) + (size_t)k0 * kv_stride, rows, kv_stride);
-        cp_async_commit();
-      };
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m_row[r];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        // A row with no visible key yet keeps max -inf: subtract 0 so exp2(-inf) = 0.
+        const float msc = mx == -INFINITY ? 0.f : mx * sl;
+        alpha[r] = exp2_ftz(m_row[r] * sl - msc);
+        m_row[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          sc[4 * j + 2 * r] = exp2_ftz(sc[4 * j + 2 * r] * sl - msc);
+          sc[4 * j + 2 * r + 1] = exp2_ftz(sc[4 * j + 2 * r + 1] * sl - msc);
+          sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
+        }
+        l_row[r] = l_row[r] * alpha[r] + sum;  // this thread's share; the quad sums at the end
+      }
+    };
+    auto pack = [&](uint32_t (&pa)[PSTEPS][4], const float (&sc)[SREG]) {
+#pragma unroll
+      for (int kk = 0; kk < PSTEPS; ++kk) {
+        pa[kk][0] = Mma<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
+        pa[kk][1] = Mma<T>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
+        pa[kk][2] = Mma<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
+        pa[kk][3] = Mma<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
+      }
+    };
+    auto rescale = [&](float (&acc)[OREG], const float (&alpha)[2]) {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        acc[4 * j + 0] *= alpha[0];
+        acc[4 * j + 1] *= alpha[0];
+        acc[4 * j + 2] *= alpha[1];
+        acc[4 * j + 3] *= alpha[1];
+      }
+    };
 
-      // Q tile, then the first K/V tile.
-      load_tile<T, D, BM>(sQ, reinterpret_cast<const T*>(p.q) + ((size_t)b * S * p.heads + h) * D + (size_t)q0 * q_stride,
-                          q_rows, q_stride);
-      cp_async_commit();
-      int s = 0, kb = 0;
-      bool more = next_visible(s, kb);  // step 0 always has the query's own token
-      if (more && p.kv_gathered == 0 && !ensure((me - s + n) % n)) { cp_async_wait<0>(); return false; }
-      if (more) issue(s, kb, 0);
-
+    float sc[SREG];
+#pragma unroll
+    for (int i = 0; i < SREG; ++i) sc[i] = 0.f;  // defined before the first wgmma (which overwrites it)
+    if (wg == 0) named_barrier_arrive(TURN_BARRIER, 2 * 128);  // warpgroup 0 has the first turn
+    uint32_t pa[PSTEPS][4];
+    int tile = 0;  // K/V tiles consumed so far (the producer's numbering)
+    int items = 0;
+    for (int item = blockIdx.x; item < p.num_items; item += gridDim.x, ++items) {
+      const Item it(p, item);
+      mbar_wait(&pl.q_full, items & 1);
+      fence_proxy_async_smem();
       float acc[OREG];
 #pragma unroll
       for (int i = 0; i < OREG; ++i) acc[i] = 0.f;
-      float m_row[2] = {-INFINITY, -INFINITY}, l_row[2] = {0.f, 0.f};
-      int buf = 0;
-      // This warpgroup's 64 query rows of the Q tile (A operand, K-major SW128).
-      const char* q_wg = reinterpret_cast<const char*>(sQ) + 64 * wg * 128;
+      float m_row[2] = {-INFINITY, -INFINITY}, l_row[2] = {0.f, 0.f}, alpha[2];
 
-      while (more) {
-        const int cs = s, ckb = kb;
-        int ns = s, nkb_ = kb + 1;
-        more = next_visible(ns, nkb_);
-        if (more) {
-          if (p.kv_gathered == 0 && !ensure((me - ns + n) % n)) { cp_async_wait<0>(); return false; }
-          issue(ns, nkb_, buf ^ 1);
-          cp_async_wait<1>();
-        } else {
-          cp_async_wait<0>();
-        }
-        mk::gemm::fence_proxy_async_smem();  // cp.async (generic proxy) writes, then wgmma reads
-        __syncthreads();
-        const char* tK = reinterpret_cast<const char*>(sK + buf * TILE);
-        const char* tV = reinterpret_cast<const char*>(sV + buf * TILE);
-
-        // S = Q·Kᵀ: this warpgroup's 64 rows x BN keys.
-        float sc[SREG];
-#pragma unroll
-        for (int i = 0; i < SREG; ++i) sc[i] = 0.f;
-        mk::gemm::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < KSTEPS; ++kk) {
-          const int cb = kk / 4, ko = (kk % 4) * 32;  // 64-wide d block, 16-element step inside it
-          mk::gemm::Wgmma<BN, T>::mma(sc, make_smem_desc_sw128(q_wg + cb * (BM * 128) + ko),
-                                      make_smem_desc_sw128(tK + cb * (BN * 128) + ko), kk > 0);
-        }
-        mk::gemm::wgmma_commit();
-        mk::gemm::wgmma_wait<0>();
-        mk::gemm::fence_operands(sc);
-
-        // Mask: keys past seqLocal, and (causal) keys after the query.
-        const int src = (me - cs + n) % n;
-        const int k0 = ckb * BN, k_rows = min(BN, S - k0);
-        const bool need_mask = k_rows < BN || (causal && token_pos(src, k0 + k_rows - 1, S, n, causal) > qmin);
-        if (need_mask) {
-          const int qp0 = token_pos(me, q0 + row_base, S, n, causal);
-          const int qp1 = token_pos(me, q0 + row_base + 8, S, n, causal);
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int kl = j * 8 + 2 * t + e;
-              const int kp = token_pos(src, k0 + kl, S, n, causal);
-              const bool out = kl >= k_rows;
-              if (out || (causal && kp > qp0)) sc[4 * j + e] = -INFINITY;
-              if (out || (causal && kp > qp1)) sc[4 * j + 2 + e] = -INFINITY;
-            }
-          }
-        }
-
-        // Online softmax (exp2 with the scale folded in), rows row_base and row_base + 8.
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = m_row[r];
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-          // A row with no visible key yet keeps max -inf: subtract 0 so exp2(-inf) = 0.
-          const float msc = mx == -INFINITY ? 0.f : mx * sl;
-          const float alpha = exp2f(m_row[r] * sl - msc);
-          m_row[r] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) {
-            sc[4 * j + 2 * r] = exp2f(sc[4 * j + 2 * r] * sl - msc);
-            sc[4 * j + 2 * r + 1] = exp2f(sc[4 * j + 2 * r + 1] * sl - msc);
-            sum += sc[4 * j + 2 * r] + sc[4 * j + 2 * r + 1];
-          }
-          l_row[r] = l_row[r] * alpha + sum;  // this thread's share; the quad sums at the end
-#pragma unroll
-          for (int j = 0; j < D / 8; ++j) {
-            acc[4 * j + 2 * r] *= alpha;
-            acc[4 * j + 2 * r + 1] *= alpha;
-          }
-        }
-
-        // O += P·V: P from the score registers (accumulator layout = A-fragment layout by
-        // pairs of 8-key blocks), V as the MN-major B operand.
-        uint32_t pa[PSTEPS][4];
-#pragma unroll
-        for (int kk = 0; kk < PSTEPS; ++kk) {
-          pa[kk][0] = Mma<T>::pack(sc[8 * kk + 0], sc[8 * kk + 1]);
-          pa[kk][1] = Mma<T>::pack(sc[8 * kk + 2], sc[8 * kk + 3]);
-          pa[kk][2] = Mma<T>::pack(sc[8 * kk + 4], sc[8 * kk + 5]);
-          pa[kk][3] = Mma<T>::pack(sc[8 * kk + 6], sc[8 * kk + 7]);
-        }
-        mk::gemm::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < PSTEPS; ++kk)
-          mk::gemm::WgmmaRsT<D, T>::mma(acc, pa[kk], desc_mn_sw128(tV + kk * 16 * 128, BN * 128));
-        mk::gemm::wgmma_commit();
-        mk::gemm::wgmma_wait<0>();
-        mk::gemm::fence_operands(acc);
-        __syncthreads();  // this buffer is refilled two tiles from now
-        s = ns;
-        kb = nkb_;
-        buf ^= 1;
+      // Tile 0 (step 0 always has the query's own token): S, softmax, P.
+      int s = 0, kb = 0;
+      next_visible(p, it.qmax, s, kb);
+      if (!wait_k(tile)) return false;
+      turn_begin();
+      issue_s(sc, tile);
+      turn_end();
+      wgmma_wait<0>();
+      fence_operands(sc);
+      release(&pl.k_empty[tile % KV_STAGES]);
+      softmax(sc, it, s, kb, m_row, l_row, alpha);
+      pack(pa, sc);
+      ++tile;
+      ++kb;
+      // Steady state, tile t = `tile`: S_t issued, O rescaled, P_{t-1}·V_{t-1} issued;
+      // the softmax of S_t overlaps that product.
+      while (next_visible(p, it.qmax, s, kb)) {
+        if (!wait_k(tile)) return false;  // nothing in flight: the last wait was wait<0>
+        turn_begin();
+        issue_s(sc, tile);
+        rescale(acc, alpha);  // O is not in flight (P·V of t-2 was waited for)
+        issue_pv(acc, pa, tile - 1);
+        turn_end();
+        wgmma_wait<1>();  // S_t done (groups complete in order), P_{t-1}·V_{t-1} may run on
+        fence_operands(sc);
+        release(&pl.k_empty[tile % KV_STAGES]);
+        softmax(sc, it, s, kb, m_row, l_row, alpha);
+        wgmma_wait<0>();  // P_{t-1}·V_{t-1} done: its V slot and the P registers are free
+        fence_operands(acc);
+        release(&pl.v_empty[(tile - 1) % KV_STAGES]);
+        pack(pa, sc);
+        ++tile;
+        ++kb;
       }
+      release(&pl.q_empty);  // every S of this item has completed: the producer may load the next Q
+      rescale(acc, alpha);
+      issue_pv(acc, pa, tile - 1);
+      wgmma_wait<0>();
+      fence_operands(acc);
+      release(&pl.v_empty[(tile - 1) % KV_STAGES]);
 
       // Epilogue: normalise, store O rows and the log-sum-exp.
 #pragma unroll
@@ -342,22 +541,58 @@ struct Attn {
         float l = l_row[r];
         l += __shfl_xor_sync(0xffffffff, l, 1);
         l += __shfl_xor_sync(0xffffffff, l, 2);
-        const int row = q0 + row_base + 8 * r;
+        const int row = it.q0 + row_base + 8 * r;
         if (row < S) {
           const float inv = l > 0.f ? 1.f / l : 0.f;
-          T* o = reinterpret_cast<T*>(p.out) + ((size_t)b * S * p.heads + h) * D + (size_t)row * q_stride;
+          T* o = reinterpret_cast<T*>(p.out) + ((size_t)it.b * S * p.heads + it.h) * D + (size_t)row * q_stride;
 #pragma unroll
           for (int j = 0; j < D / 8; ++j)
-            *reinterpret_cast<uint32_t*>(o + j * 8 + 2 * t) = Mma<T>::pack(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
-          if (t == 0) {
-            float* lse = reinterpret_cast<float*>(p.lse) + ((size_t)b * p.heads + h) * S + row;
+            *reinterpret_cast<uint32_t*>(o + j * 8 + 2 * t4) =
+                Mma<T>::pack(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
+          if (t4 == 0) {
+            float* lse = reinterpret_cast<float*>(p.lse) + ((size_t)it.b * p.heads + it.h) * S + row;
             *lse = l > 0.f ? (m_row[r] * sl + log2f(l)) * 0.69314718055994531f : -INFINITY;
           }
         }
       }
-      __syncthreads();  // sQ is refilled by the next item
     }
     return true;
+  }
+
+  // Phase 2 (every thread of the CTA). Returns false when a wait gave up.
+  __device__ static bool run(const RingAttnParams& p, uint64_t epoch, char* smem_raw) {
+    __shared__ Pipeline pl;
+    // 128-byte swizzle repeats every 1024 bytes: tiles start 1024-aligned.
+    char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    T* sQ = reinterpret_cast<T*>(smem);
+    T* sK = sQ + BM * D;            // [KV_STAGES][BN x D]
+    T* sV = sK + KV_STAGES * TILE;  // [KV_STAGES][BN x D]
+    if (threadIdx.x == 0) {
+      mk::gemm::mbar_init(&pl.q_full, PRODUCER_THREADS);
+      mk::gemm::mbar_init(&pl.q_empty, CONSUMER_WARPS);
+      for (int st = 0; st < KV_STAGES; ++st) {
+        mk::gemm::mbar_init(&pl.k_full[st], PRODUCER_THREADS);
+        mk::gemm::mbar_init(&pl.v_full[st], PRODUCER_THREADS);
+        mk::gemm::mbar_init(&pl.k_empty[st], CONSUMER_WARPS);
+        mk::gemm::mbar_init(&pl.v_empty[st], CONSUMER_WARPS);
+      }
+      pl.abort_tile = INT_MAX;
+      mk::gemm::fence_mbar_init();
+    }
+    __syncthreads();
+    bool ok;
+    // Registers move from the loaders to the math warps for the engine, and back after it
+    // (the consumers give theirs up first) so the code after it runs on every warp alike.
+    if (threadIdx.x >= CONSUMER_WARPS * 32) {
+      mk::gemm::setmaxnreg_dec<PRODUCER_REGS>();
+      ok = produce(p, epoch, sQ, sK, sV, pl);
+      mk::gemm::setmaxnreg_inc<LAUNCH_REGS>();
+    } else {
+      mk::gemm::setmaxnreg_inc<CONSUMER_REGS>();
+      ok = consume(p, sQ, sK, sV, pl);
+      mk::gemm::setmaxnreg_dec<LAUNCH_REGS>();
+    }
+    return ok;
   }
 };
 template <typename T, int D>
@@ -365,7 +600,8 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p) {
   extern __shared__ __align__(1024) char smem[];
   uint32_t dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-  if (dyn_smem < uint32_t((BM + 4 * BN) * D * 2 + 1024)) __trap();  // host plan and kernel disagree
+  // The host plan and the kernel disagree: trap rather than run out of bounds or hang.
+  if (dyn_smem < uint32_t(smem_bytes<D>()) || blockDim.x != THREADS) __trap();
   const bool ring = p.kv_gathered == 0 && p.nranks > 1;
   uint64_t epoch = 0;
   bool ok = true;

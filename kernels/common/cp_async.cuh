@@ -19,3 +19,12 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+// The mbarrier at `bar` (shared memory) receives one arrival from this thread once all of
+// its prior cp.async copies have landed. .noinc: that arrival counts towards the
+// barrier's expected count (init the barrier with one arrival per thread that calls it).
+// Generic-proxy writes: a consumer that reads the data by wgmma (async proxy) executes
+// fence.proxy.async after its wait on the barrier.
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"((uint32_t)__cvta_generic_to_shared(bar))
+               : "memory");
+}

@@ -21,8 +21,11 @@ use std::ffi::c_void;
 /// Queries per work item (kernel: 2 warpgroups × 64 rows) and keys per tile.
 pub const BLOCK_M: usize = 128;
 pub const BLOCK_N: usize = 128;
-/// Threads per CTA.
-pub const THREADS: u32 = 256;
+/// Threads per CTA: two math warpgroups and one loading warpgroup (the kernel traps on
+/// any other block size).
+pub const THREADS: u32 = 384;
+/// Slots of the kernel's K ring and of its V ring (ring_attention.cu KV_STAGES).
+pub const KV_STAGES: usize = 2;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RingShape {
@@ -56,10 +59,11 @@ pub fn token_pos(s: &RingShape, rank: usize, i: usize) -> usize {
     }
 }
 
-/// Dynamic shared memory of the kernel: a Q tile and two K and two V tiles, and 1 KiB to
-/// align them to the 128-byte swizzle's 1024-byte period.
+/// Dynamic shared memory of the kernel (ring_attention.cu smem_bytes): a Q tile, the
+/// K and V rings of KV_STAGES tiles each, and 1 KiB to align them to the 128-byte
+/// swizzle's 1024-byte period. The kernel traps when given less.
 pub fn smem_bytes(head_dim: usize) -> usize {
-    (BLOCK_M + 4 * BLOCK_N) * head_dim * 2 + 1024
+    (BLOCK_M + 2 * KV_STAGES * BLOCK_N) * head_dim * 2 + 1024
 }
 
 /// Bytes of the fused-op region a rank needs: its K and V copy.

@@ -179,6 +179,11 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrives on a named barrier without waiting (the other `threads` - this warp's arrivals
+// come from bar.sync or bar.arrive elsewhere): how one team hands a turn to another.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 // Named barrier that also returns whether `pred` was nonzero in every participating thread.
 __device__ __forceinline__ int named_barrier_and(int id, int threads, int pred) {
   int r;

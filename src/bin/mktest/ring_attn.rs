@@ -1,8 +1,9 @@
 //! mkRingAttention on the GPU with MK_TEST_NRANKS ranks (processes sharing the GPU under
 //! MPS, or one per GPU).
 //!
-//! Per rank: both dtypes × shapes (GQA 4:1, 2:1, 1:1; seqLocal off the 64/128 tile grid;
-//! D 64 and 128; causal zigzag and non-causal contiguous) against a float64 reference of
+//! Per rank: both dtypes × shapes (GQA 4:1, 2:1, 1:1, 17:1; seqLocal off the 64/128 tile
+//! grid; D 64 and 128; causal zigzag and non-causal contiguous; more work items than SMs)
+//! against a float64 reference of
 //! attention over the gathered global sequence, out and lse both checked; every shape
 //! twice with fresh inputs (the device-side epochs advance), outputs poisoned with NaN
 //! before every call; argument errors on a live communicator; capture in a CUDA graph and
@@ -192,6 +193,9 @@ fn shapes() -> Vec<(usize, usize, usize, usize, usize, bool)> {
         (2, 130, 4, 2, 64, true),
         (1, 256, 4, 4, 128, true),
         (1, 72, 4, 1, 64, false),
+        // More work items (136 heads × 2 query blocks) than SMs: every CTA runs several, so
+        // the kernel's load rings carry their slot phases across items, even at one rank.
+        (1, 130, 136, 8, 64, true),
     ]
 }
 
