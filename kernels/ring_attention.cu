@@ -586,10 +586,12 @@ struct Attn {
     if (threadIdx.x >= CONSUMER_WARPS * 32) {
       mk::gemm::setmaxnreg_dec<PRODUCER_REGS>();
       ok = produce(p, epoch, sQ, sK, sV, pl);
+      __syncwarp();  // setmaxnreg is .aligned: single-lane work above must have reconverged
       mk::gemm::setmaxnreg_inc<LAUNCH_REGS>();
     } else {
       mk::gemm::setmaxnreg_inc<CONSUMER_REGS>();
       ok = consume(p, sQ, sK, sV, pl);
+      __syncwarp();
       mk::gemm::setmaxnreg_dec<LAUNCH_REGS>();
     }
     return ok;
