@@ -2,6 +2,8 @@
 // accumulate, all row-major. Persistent and warp-specialised:
 //   warpgroup 0      one producer thread: TMA loads of A (BM x 64) and B (BN x 64) tiles,
 //                    128-byte swizzled, into a STAGES-deep ring (full/empty mbarriers);
+//                    warp 1 is the epilogue's courier when the epilogue flags its slabs
+//                    (Epi::kCourier), warps 1-3 (2-3) the AWait hook's side work;
 //   warpgroups 1, 2  consumers: each owns 64 rows of the BM=128 tile, wgmma m64nBNk16 from
 //                    shared memory with one batch in flight, then the epilogue policy.
 // Compile-time policies make it the core of every fused op:
