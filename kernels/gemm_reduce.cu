@@ -202,108 +202,6 @@ __device__ __forceinline__ void sum_rows(const Staging& staging, Src src, int ns
   staged_rows<T, Team>(staging, src, nsrc, src_row0, dst, dst_row0, dst2, n, r0, r1, c0, c1);
 }
 
-// A rectangle of a tile a team streams: rows [r0, r1) x columns [c0, c1); `key` is the
-// caller's (the owner whose buffer holds it, in the gather).
-struct RowRect {
-  int r0, r1, c0, c1, key;
-};
-
-// This thread's share of a rectangle, as staged_rows splits it: column vector tid % vpr,
-// rows first, first + pass, ... (`rows` of them); `batches` is the team's (that of the
-// thread with the most rows), so every thread walks the same batch sequence.
-struct RowShare {
-  int first, pass, rows, batches;
-  size_t col_bytes;
-};
-template <typename T>
-__device__ __forceinline__ RowShare row_share(const RowRect& t, int per_batch, int nt, int tid) {
-  const int vpr = (t.c1 - t.c0) / 8;  // N % 8 == 0; <= 32 vectors per row <= nt
-  const int pass = nt / vpr, my_row = tid / vpr;
-  const int most = (t.r1 - t.r0 + pass - 1) / pass;
-  RowShare s;
-  s.first = t.r0 + my_row;
-  s.pass = pass;
-  s.rows = my_row < pass ? max(0, (t.r1 - t.r0 - my_row + pass - 1) / pass) : 0;
-  s.batches = max(1, (most + per_batch - 1) / per_batch);  // an empty rectangle: one empty batch
-  s.col_bytes = (size_t)(t.c0 + (tid % vpr) * 8) * sizeof(T);
-  return s;
-}
-
-// staged_rows over a sequence of `count` rectangles (`rect(i)`) without draining between
-// them: the first batch of rectangle i + 1 is in flight while the last of rectangle i is
-// summed (per rectangle the loads were otherwise exposed twice, at its start and its end:
-// ~3 us each under load, most of a 128 x 256 tile's time). `ready(i)` is the team's wait
-// before rectangle i's loads (team-collective; false: give up), `done(i)` runs after its
-// stores were issued (team-collective). Sources: `src(rect, s)` for s < nsrc, row r at
-// + (r - src_row0) * n elements; summed in source order as staged_rows (one source: copied
-// bit for bit) into dst (row r at + (r - dst_row0) * n) and dst2 (row r) when set.
-template <typename T, class Team, class Rect, class Src, class Ready, class Done>
-__device__ __forceinline__ bool stream_rows(const Staging& staging, int count, Rect rect, Src src, int nsrc, int src_row0, char* dst,
-                                            int dst_row0, char* dst2, int n, Ready ready, Done done, uint64_t trace) {
-  if (count <= 0) return true;
-  const int nt = Team::threads(), tid = Team::tid();
-  const int per_batch = max(1, staging.bytes / 2 / (nt * 16 * nsrc));  // vectors of each source per thread
-  const size_t row_bytes = (size_t)n * sizeof(T);
-  const auto slot = [&](int g, int s, int u) {
-    return staging.smem + ((((size_t)(g & 1) * nsrc + s) * per_batch + u) * nt + tid) * 16;
-  };
-  // Batch b of rectangle t (share sh) into the slots of global batch g; one commit group
-  // per batch, empty ones too (wait_group counts groups).
-  const auto issue = [&](const RowRect& t, const RowShare& sh, int b, int g) {
-    if (tid == 0 && b == 0)
-      mk_trace_add(trace, MK_TR_BYTES, (uint64_t)max(0, t.r1 - t.r0) * (t.c1 - t.c0) * sizeof(T) * (nsrc + (dst2 ? 2 : 1)));
-    for (int u = 0, k = b * per_batch; u < per_batch && k < sh.rows; ++u, ++k) {
-      const size_t off = (size_t)(sh.first + k * sh.pass - src_row0) * row_bytes + sh.col_bytes;
-      for (int s = 0; s < nsrc; ++s) cp_async16(slot(g, s, u), src(t, s) + off);
-    }
-    cp_async_commit();
-  };
-  if (!ready(0)) return false;
-  RowRect cur = rect(0);
-  RowShare sh = row_share<T>(cur, per_batch, nt, tid);
-  int g = 0;  // global index of the next batch issued
-  issue(cur, sh, 0, g++);
-  for (int i = 0; i < count; ++i) {
-    RowRect next = cur;
-    RowShare next_sh = sh;
-    for (int b = 0; b < sh.batches; ++b) {
-      // The next batch: this rectangle's, or the next rectangle's first, or none.
-      if (b + 1 < sh.batches) {
-        issue(cur, sh, b + 1, g++);
-      } else if (i + 1 < count) {
-        if (!ready(i + 1)) {
-          cp_async_wait<0>();  // nothing may land in the staging after we leave
-          return false;
-        }
-        next = rect(i + 1);
-        next_sh = row_share<T>(next, per_batch, nt, tid);
-        issue(next, next_sh, 0, g++);
-      } else {
-        cp_async_commit();
-        ++g;
-      }
-      cp_async_wait<1>();  // batch g - 2 has landed (this thread's own slots: no barrier)
-      for (int u = 0, k = b * per_batch; u < per_batch && k < sh.rows; ++u, ++k) {
-        int4 out;
-        if (nsrc == 1) {
-          out = *reinterpret_cast<const int4*>(slot(g - 2, 0, u));
-        } else {
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (int s = 0; s < nsrc; ++s) add8<T>(acc, *reinterpret_cast<const int4*>(slot(g - 2, s, u)));
-          out = pack8<T>(acc);
-        }
-        const int r = sh.first + k * sh.pass;
-        *reinterpret_cast<int4*>(dst + (size_t)(r - dst_row0) * row_bytes + sh.col_bytes) = out;
-        if (dst2) *reinterpret_cast<int4*>(dst2 + (size_t)r * row_bytes + sh.col_bytes) = out;
-      }
-    }
-    done(i);
-    cur = next;
-    sh = next_sh;
-  }
-  return true;
-}
-
 // Team: copies rows [r0, r1) x columns [c0, c1) of a row-major [*, n] buffer to another:
 // staged (a CTA team), or kVectors vectors in flight per thread in registers (side warps).
 template <typename T, class Team, int kVectors = 8>
@@ -396,25 +294,6 @@ __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t
   const Staging staging = team_staging<BN, Team>();
   if (p.row_hi <= p.row_lo) return true;  // fewer rows than ranks
   const int lo_block = p.row_lo / 128, blocks = (p.row_hi - 1) / 128 - lo_block + 1;
-  if constexpr (!LeanTeam<Team>::value) {
-    // This team's tiles i = j, j + stride, ..., streamed.
-    const auto tile = [&](int i) { return owned_tile(p, lo_block, blocks, j + i * stride); };
-    const auto rect = [&](int i) {
-      const TileCoord tc = tile(i);
-      return RowRect{max(tc.m_block * 128, p.row_lo), min(min(tc.m_block * 128 + 128, p.row_hi), p.m), tc.n_block * BN,
-                     min(tc.n_block * BN + BN, p.n), 0};
-    };
-    const auto ready = [&](int i) {
-      const RowRect r = rect(i);
-      if (!wait_partials<Team>(p, epoch, tile(i), r.r0, r.r1)) return false;
-      if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-      return true;
-    };
-    const auto partial = [&](const RowRect&, int q) { return reinterpret_cast<const char*>(p.ws.data[q]) + p.partial_offset; };
-    const int count = j < blocks * p.tiles_n ? (blocks * p.tiles_n - j + stride - 1) / stride : 0;
-    return stream_rows<T, Team>(staging, count, rect, partial, p.ws.nranks, 0, reinterpret_cast<char*>(p.c), p.out_row0, nullptr,
-                                p.n, ready, [](int) {}, p.trace);
-  }
   for (int i = j; i < blocks * p.tiles_n; i += stride) {
     const TileCoord tc = owned_tile(p, lo_block, blocks, i);
     const int r0 = max(tc.m_block * 128, p.row_lo), r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
@@ -440,66 +319,6 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
   // Row blocks owner q holds: [q * per_rank, +blocks_of(q)) (the last owners' may be short).
   const auto blocks_of = [&](int q) { return max(0, min(per_rank, tiles_m - q * per_rank)); };
   char* reduced = reinterpret_cast<char*>(ws.data[ws.rank]) + p.reduced_offset;
-  if constexpr (!LeanTeam<Team>::value) {
-    // Phase 1, streamed: this team's tiles of its own row blocks, each flagged once stored.
-    const int mine = blocks_of(ws.rank) * p.tiles_n;
-    const auto tile1 = [&](int i) { return owned_tile(p, ws.rank * per_rank, blocks_of(ws.rank), j + i * stride); };
-    const auto rect1 = [&](int i) {
-      const TileCoord tc = tile1(i);
-      return RowRect{tc.m_block * 128, min(tc.m_block * 128 + 128, p.m), tc.n_block * BN, min(tc.n_block * BN + BN, p.n), 0};
-    };
-    const auto ready1 = [&](int i) {
-      const RowRect r = rect1(i);
-      if (!wait_partials<Team>(p, epoch, tile1(i), r.r0, r.r1)) return false;
-      if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-      return true;
-    };
-    const auto done1 = [&](int i) {
-      Team::sync();  // every thread's stores of the tile, then the flag
-      const TileCoord tc = tile1(i);
-      if (Team::tid() == 0)
-        mk_signal_store(mk_signal_word(ws, ws.rank, GR_TILE + 2 * total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block), epoch);
-    };
-    const auto partial = [&](const RowRect&, int q) { return reinterpret_cast<const char*>(ws.data[q]) + p.partial_offset; };
-    const int count1 = j < mine ? (mine - j + stride - 1) / stride : 0;
-    if (!stream_rows<T, Team>(staging, count1, rect1, partial, ws.nranks, 0, reinterpret_cast<char*>(p.c), p.out_row0, reduced,
-                              p.n, ready1, done1, p.trace))
-      return false;
-    // Phase 2, streamed: the other owners' tiles i = j, j + stride, ... (owners in turn),
-    // copied from the owner's R once flagged. An owner's short last blocks (not planned on
-    // one node: two-phase needs M divisible by 128 * nranks) give empty rectangles.
-    const int others = ws.nranks - 1;
-    const auto owner_of = [&](int i) { return (ws.rank + 1 + (j + i * stride) % others) % ws.nranks; };
-    const auto tile2 = [&](int i, bool& valid) {
-      const int owner = owner_of(i), k = (j + i * stride) / others;
-      valid = k < blocks_of(owner) * p.tiles_n;
-      return owned_tile(p, owner * per_rank, blocks_of(owner), valid ? k : 0);
-    };
-    const auto rect2 = [&](int i) {
-      bool valid;
-      const TileCoord tc = tile2(i, valid);
-      const int r0 = tc.m_block * 128, c0 = tc.n_block * BN;
-      return RowRect{r0, valid ? min(r0 + 128, p.m) : r0, c0, min(c0 + BN, p.n), owner_of(i)};
-    };
-    const auto ready2 = [&](int i) {
-      bool valid;
-      const TileCoord tc = tile2(i, valid);
-      const int owner = owner_of(i);
-      const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
-      int ok = 1;
-      if (Team::tid() == 0 && valid) {
-        const uint64_t* f = mk_signal_word(ws, owner, GR_TILE + 2 * total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block);
-        ok = mk_wait_geq_inline(ws, f, epoch, owner, MK_WAIT_OP_FLAG, p.op);
-        mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
-      }
-      return Team::and_all(ok) != 0;
-    };
-    const auto from_owner = [&](const RowRect& r, int) { return reinterpret_cast<const char*>(ws.data[r.key]) + p.reduced_offset; };
-    const int all2 = others * per_rank * p.tiles_n;
-    const int count2 = j < all2 ? (all2 - j + stride - 1) / stride : 0;
-    return stream_rows<T, Team>(staging, count2, rect2, from_owner, 1, 0, reinterpret_cast<char*>(p.c), 0, nullptr, p.n, ready2,
-                                [](int) {}, p.trace);
-  }
   for (int i = j; i < blocks_of(ws.rank) * p.tiles_n; i += stride) {
     const TileCoord tc = owned_tile(p, ws.rank * per_rank, blocks_of(ws.rank), i);
     const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
