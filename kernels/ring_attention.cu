@@ -25,16 +25,21 @@
 //               the fp32 accumulators, O += P·V by wgmma with P from registers (A from
 //               registers) and V as an MN-major B operand. Pipelined inside the
 //               warpgroup: S_t is issued before O is rescaled and P_{t-1}·V_{t-1} issued,
-//               and the softmax of S_t runs while that product is on the tensor cores.
+//               and the softmax of S_t runs while that product is on the tensor cores;
+//               the tiles of all of a CTA's items are one stream, so an item's first S
+//               runs beside the previous item's last P·V, whose epilogue (O staged
+//               through the finished item's Q tile, 16-byte stores) follows.
 //               No CTA-wide barrier per tile: the two warpgroups take turns issuing
 //               their GEMMs (pingpong, FA3 §3.1, two named barriers), so one's softmax
 //               runs while the other's GEMMs hold the tensor cores.
 //   warps 8-11  the producer warpgroup: every load, by cp.async into the swizzled
-//               layout: Q per item, K and V tiles through two rings of KV_STAGES slots
-//               with full/empty mbarriers (K of tile t is loaded before V of tile t-1,
-//               the order the consumers need them in). It also makes the bounded waits
-//               for the sources' RING_KV flags, and stops the consumers at the tile
-//               where one gave up (Pipeline::abort_tile).
+//               layout: Q per item into a ring of Q_STAGES slots, K and V tiles through
+//               two rings of KV_STAGES slots, with full/empty mbarriers (K of tile t is
+//               loaded before V of tile t-1, the order the consumers need them in, also
+//               across items). It also makes the bounded waits for the sources' RING_KV
+//               flags, and stops the consumers at the tile where one gave up
+//               (Pipeline::abort_tile).
+// Items are dealt to CTAs in a snake order (cta_item) that evens out causal work.
 // cp.async rather than TMA: K/V of remote ranks are read through plain peer pointers,
 // for which no tensor maps exist.
 //
@@ -62,6 +67,7 @@ constexpr int CONSUMER_WARPS = 8;                  // warps 0-7: two math warpgr
 constexpr int PRODUCER_THREADS = 128;              // warps 8-11: every load of the engine
 constexpr int THREADS = CONSUMER_WARPS * 32 + PRODUCER_THREADS;  // ops::ring_attention::THREADS
 constexpr int KV_STAGES = 2;                       // slots of the K ring and of the V ring
+constexpr int Q_STAGES = 2;                        // slots of the Q ring: the next item's Q loads during this one
 // Registers after setmaxnreg. A CTA of 384 threads starts with 168 each (a sub-partition
 // holds 3 of its 12 warps: 16K / 96, rounded down to a multiple of 8); the loaders need
 // few (56: at 48 they spill), the math warps hold O, S and P (64 + 64 + 32 at D = 128).
@@ -75,12 +81,13 @@ static_assert(CONSUMER_REGS == 224, "setmaxnreg split");
 constexpr int PRODUCER_BARRIER = 1;                // named barrier of the producer warpgroup
 constexpr int TURN_BARRIER = 2;                    // + wg: consumer warpgroup wg's turn to issue (2, 3)
 
-// Dynamic shared memory (ops::ring_attention::smem_bytes): the Q tile, the K and V rings,
-// and 1 KiB to align them to the 128-byte swizzle's 1024-byte period.
+// Dynamic shared memory (ops::ring_attention::smem_bytes): the Q ring, the K and V rings,
+// and 1 KiB to align them to the 128-byte swizzle's 1024-byte period (193 KiB at D = 128).
 template <int D>
 __host__ __device__ constexpr int smem_bytes() {
-  return (BM + 2 * KV_STAGES * BN) * D * 2 + 1024;
+  return (Q_STAGES * BM + 2 * KV_STAGES * BN) * D * 2 + 1024;
 }
+static_assert(smem_bytes<128>() <= 227 * 1024, "a CTA may opt in to 227 KiB of shared memory");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
@@ -169,22 +176,40 @@ __device__ __forceinline__ bool publish_kv(const RingAttnParams& p, uint64_t epo
 }
 
 // Barriers of the load pipeline (static shared memory beside the dynamic tiles).
-//   q_full, k_full[st], v_full[st]: the producer warpgroup's cp.async copies of the tile
-//     have landed (128 arrivals: one cp.async.mbarrier.arrive.noinc per producer thread);
-//   q_empty, k_empty[st], v_empty[st]: every consumer warp's wgmmas that read the tile
-//     have completed (8 arrivals: lane 0 of each consumer warp after its wgmma wait).
+//   q_full[qs], k_full[st], v_full[st]: the producer warpgroup's cp.async copies of the
+//     tile have landed (128 arrivals: one cp.async.mbarrier.arrive.noinc per producer
+//     thread);
+//   k_empty[st], v_empty[st]: every consumer warp's wgmmas that read the tile have
+//     completed (8 arrivals: lane 0 of each consumer warp after its wgmma wait);
+//   q_empty[qs]: every consumer warp has stored its O rows, which it stages through the
+//     item's Q tile (8 arrivals, lane 0 of each warp after the warp's reads).
 // K/V tile number t (counted over all items of this CTA, the same sequence for the
 // producer and both consumer warpgroups) lives in slot t % KV_STAGES and completes phase
-// (t / KV_STAGES) & 1 of its slot's barriers; Q of the CTA's i-th item, phase i & 1.
+// (t / KV_STAGES) & 1 of its slot's barriers; Q of the CTA's k-th item, slot k % Q_STAGES,
+// phase (k / Q_STAGES) & 1.
 struct Pipeline {
-  uint64_t q_full, q_empty;
+  uint64_t q_full[Q_STAGES], q_empty[Q_STAGES];
   uint64_t k_full[KV_STAGES], k_empty[KV_STAGES];
   uint64_t v_full[KV_STAGES], v_empty[KV_STAGES];
   // The K/V tile at which the producer's bounded wait gave up (INT_MAX: none). Written
   // before the producer arrives on that tile's k_full without data, so both consumer
   // warpgroups stop at the same tile.
   int abort_tile;
+  // Written by the consumers after every softmax and never read (Attn::consume, `anchor`).
+  int anchor;
 };
+
+// The k-th work item of this CTA, or -1 past its last. Items are dealt in rounds of
+// gridDim.x, forward in even rounds and backward in odd ones (a snake): in causal
+// attention the items of a head come heaviest first, and a plain round robin hands the
+// same CTAs the heavy end of every round (the busiest CTA ~7 % above the mean at S = 8K,
+// 32 heads, 132 CTAs; ~3 % with the snake). A round still spans one or two heads, so the
+// CTAs running at the same time share their K/V in L2. A CTA's items are increasing.
+__device__ __forceinline__ int cta_item(const RingAttnParams& p, int k) {
+  const long long g = gridDim.x;
+  const long long i = (long long)k * g + ((k & 1) ? g - 1 - blockIdx.x : blockIdx.x);
+  return i < p.num_items ? (int)i : -1;
+}
 
 // One work item: (batch, head, 128-query block) and the query positions it covers.
 struct Item {
@@ -248,8 +273,8 @@ struct Attn {
     return ws_k + (value ? p.kv_elems : 0) + off;
   }
 
-  // The producer warpgroup (warps 8-11): Q of every item, then its visible K/V tiles in
-  // ring order, into the slot rings; the only loads of the engine. All 128 threads take
+  // The producer warpgroup (warps 8-11): per item of this CTA its Q, then its visible
+  // K/V tiles in ring order, into the slot rings; the only loads of the engine. All 128 threads take
   // the same path (one outcome per bounded wait). Returns false when a wait gave up.
   __device__ static bool produce(const RingAttnParams& p, uint64_t epoch, T* sQ, T* sK, T* sV, Pipeline& pl) {
     using namespace mk::gemm;
@@ -271,55 +296,55 @@ struct Attn {
       if (ok) acquired |= 1u << src;
       return ok != 0;
     };
-    int tile = 0;  // K/V tiles issued so far (all items)
-    int items = 0;
-    for (int item = blockIdx.x; item < p.num_items; item += gridDim.x, ++items) {
+    int tile = 0;  // K/V tiles issued so far (all items of this CTA)
+    // K of tile t, then V of tile t-1: the consumers need V one tile later than K (they
+    // multiply P_{t-1}·V_{t-1} while S_t = Q·K_tᵀ is computed), also across items (an
+    // item's last P·V runs beside the next item's first S).
+    const T* v_src = nullptr;  // V rows of tile `tile - 1` and how many are valid
+    int v_rows = 0;
+    auto load_v = [&](int t) {
+      const int st = t % KV_STAGES;
+      mbar_wait(&pl.v_empty[st], ((t / KV_STAGES) & 1) ^ 1);
+      load_rows<BN>(sV + st * TILE, v_src, v_rows, kv_stride, tid);
+      cp_async_mbar_arrive(&pl.v_full[st]);
+    };
+    for (int k = 0;; ++k) {
+      const int item = cta_item(p, k);
+      if (item < 0) break;
       const Item it(p, item);
-      // Q: the consumers released the previous item's Q after their last S = Q·Kᵀ.
-      mbar_wait(&pl.q_empty, (items & 1) ^ 1);
-      load_rows<BM>(sQ, reinterpret_cast<const T*>(p.q) + ((size_t)it.b * S * p.heads + it.h) * D + (size_t)it.q0 * q_stride,
+      // Q into slot k % Q_STAGES, free once the consumers have stored the O rows of item
+      // k - Q_STAGES, which they stage through it. Every tile they need before that (K of
+      // item k-1's first tile, V of item k-2's last) was issued in the previous item.
+      const int qs = k % Q_STAGES;
+      mbar_wait(&pl.q_empty[qs], ((k / Q_STAGES) & 1) ^ 1);
+      load_rows<BM>(sQ + qs * BM * D,
+                    reinterpret_cast<const T*>(p.q) + ((size_t)it.b * S * p.heads + it.h) * D + (size_t)it.q0 * q_stride,
                     it.q_rows, q_stride, tid);
-      cp_async_mbar_arrive(&pl.q_full);
-      // K of tile t, then V of tile t-1: the consumers need V one tile later than K
-      // (they multiply P_{t-1}·V_{t-1} while S_t = Q·K_tᵀ is computed).
-      int s = 0, kb = 0, prev_s = 0, prev_kb = 0;
-      bool have_prev = false;
-      for (;;) {
-        const bool more = next_visible(p, it.qmax, s, kb);
-        if (more) {
-          const int st = tile % KV_STAGES;
-          const uint32_t ph = (tile / KV_STAGES) & 1;
-          const int src = (me - s + n) % n;
-          const bool ok = ensure(src);
-          // The slot's previous tile is consumed (also before an abort: completing the
-          // next phase early would let a consumer miss the one it waits for).
-          mbar_wait(&pl.k_empty[st], ph ^ 1);
-          if (!ok) {
-            if (tid == 0) *reinterpret_cast<volatile int*>(&pl.abort_tile) = tile;
-            mbar_arrive(&pl.k_full[st]);  // 128 plain arrivals complete the phase without data
-            cp_async_commit();
-            cp_async_wait<0>();  // no copy may land after the CTA moves on
-            return false;
-          }
-          load_rows<BN>(sK + st * TILE, kv_rows(p, it, src, kb, false), min(BN, S - kb * BN), kv_stride, tid);
-          cp_async_mbar_arrive(&pl.k_full[st]);
+      cp_async_mbar_arrive(&pl.q_full[qs]);
+      for (int s = 0, kb = 0; next_visible(p, it.qmax, s, kb); ++kb, ++tile) {
+        const int st = tile % KV_STAGES;
+        const uint32_t ph = (tile / KV_STAGES) & 1;
+        const int src = (me - s + n) % n;
+        const bool ok = ensure(src);
+        // The slot's previous tile is consumed (also before an abort: completing the
+        // next phase early would let a consumer miss the one it waits for).
+        mbar_wait(&pl.k_empty[st], ph ^ 1);
+        if (!ok) {
+          if (tid == 0) *reinterpret_cast<volatile int*>(&pl.abort_tile) = tile;
+          mbar_arrive(&pl.k_full[st]);  // 128 plain arrivals complete the phase without data
+          cp_async_commit();
+          cp_async_wait<0>();  // no copy may land after the CTA moves on
+          return false;
         }
-        if (have_prev) {
-          const int pt = tile - 1, st = pt % KV_STAGES;
-          const uint32_t ph = (pt / KV_STAGES) & 1;
-          mbar_wait(&pl.v_empty[st], ph ^ 1);
-          load_rows<BN>(sV + st * TILE, kv_rows(p, it, (me - prev_s + n) % n, prev_kb, true), min(BN, S - prev_kb * BN),
-                        kv_stride, tid);
-          cp_async_mbar_arrive(&pl.v_full[st]);
-        }
-        if (!more) break;
-        prev_s = s;
-        prev_kb = kb;
-        have_prev = true;
-        ++tile;
-        ++kb;
+        const int rows = min(BN, S - kb * BN);
+        load_rows<BN>(sK + st * TILE, kv_rows(p, it, src, kb, false), rows, kv_stride, tid);
+        cp_async_mbar_arrive(&pl.k_full[st]);
+        if (tile > 0) load_v(tile - 1);
+        v_src = kv_rows(p, it, src, kb, true);
+        v_rows = rows;
       }
     }
+    if (tile > 0) load_v(tile - 1);
     cp_async_commit();
     cp_async_wait<0>();
     return true;
@@ -350,10 +375,14 @@ struct Attn {
 
   // The two consumer warpgroups (warps 0-7), 64 query rows each, pipelined inside the
   // warpgroup (FlashAttention-3 §3.2): while the softmax of tile t runs on the CUDA
-  // cores, the tensor cores compute P_{t-1}·V_{t-1}, and S_{t+1} = Q·K_{t+1}ᵀ is issued
-  // before O is rescaled. One score register set (S_t as fp32) and P_{t-1} packed to
-  // 16 bits for the register-A wgmma. Returns false when the producer gave up.
-  __device__ static bool consume(const RingAttnParams& p, const T* sQ, const T* sK, const T* sV, Pipeline& pl) {
+  // cores, the tensor cores compute P_{t-1}·V_{t-1}, and S_t = Q·K_tᵀ is issued before O
+  // is rescaled. One score register set (S_t as fp32) and P_{t-1} packed to 16 bits for
+  // the register-A wgmma. The tiles of all of the CTA's items form one stream: the first
+  // S of an item is issued before the previous item's last P·V, and that item's epilogue
+  // follows the softmax of the new S, so the tensor cores do not wait for an epilogue
+  // and a pipeline fill per item (causal items average half the tiles of non-causal
+  // ones, so this per-item cost weighs twice). Returns false when the producer gave up.
+  __device__ static bool consume(const RingAttnParams& p, T* sQ, const T* sK, const T* sV, Pipeline& pl) {
     using namespace mk::gemm;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int wg = warp / 4;  // warpgroup: query rows 64·wg ..
@@ -363,8 +392,6 @@ struct Attn {
     const bool causal = p.causal != 0;
     const int q_stride = p.heads * D;
     const float sl = p.scale_log2;
-    // This warpgroup's 64 query rows of the Q tile (A operand, K-major SW128).
-    const char* q_wg = reinterpret_cast<const char*>(sQ) + 64 * wg * 128;
 
     auto release = [&](uint64_t* bar) {
       if (lane == 0) mbar_arrive(bar);  // after this warp's wgmma wait: its reads are done
@@ -372,11 +399,10 @@ struct Attn {
     // Pingpong: the warpgroups issue their GEMMs of a tile in turns, 0 then 1. Barrier
     // TURN_BARRIER + wg completes with this warpgroup's bar.sync (128) and the other's
     // bar.arrive (128) after it issued; warpgroup 0 arrives on its own barrier once to
-    // start. Both warpgroups walk the same tiles and take one turn per tile (the final
-    // P·V of an item is outside the turns), so the counts match; the one arrival left at
-    // the end is dropped with the CTA. A turn starts only after wait_k succeeded: at an
-    // abort both stop before the same turn, and no one waits for an arrival that will
-    // not come.
+    // start. Both warpgroups walk the same tiles and take one turn per tile (the CTA's
+    // final P·V is outside the turns), so the counts match; the one arrival left at the
+    // end is dropped with the CTA. A turn starts only after wait_k succeeded: at an abort
+    // both stop before the same turn, and no one waits for an arrival that will not come.
     // (Immediate barrier ids: a computed id makes ptxas reserve all 16.)
     auto turn_begin = [&] {
       if (wg == 0) named_barrier_sync(TURN_BARRIER, 2 * 128);
@@ -386,20 +412,27 @@ struct Attn {
       if (wg == 0) named_barrier_arrive(TURN_BARRIER + 1, 2 * 128);
       else named_barrier_arrive(TURN_BARRIER, 2 * 128);
     };
+    // Waits for the Q of the CTA's k-th item.
+    auto wait_q = [&](int k) {
+      mbar_wait(&pl.q_full[k % Q_STAGES], (k / Q_STAGES) & 1);
+      fence_proxy_async_smem();  // cp.async (generic proxy) writes, then wgmma reads
+    };
     // Waits for tile t's K; false when the producer gave up at this tile.
     auto wait_k = [&](int t) -> bool {
       mbar_wait(&pl.k_full[t % KV_STAGES], (t / KV_STAGES) & 1);
       if (t >= *reinterpret_cast<volatile int*>(&pl.abort_tile)) return false;
-      fence_proxy_async_smem();  // cp.async (generic proxy) writes, then wgmma reads
+      fence_proxy_async_smem();
       return true;
     };
-    auto issue_s = [&](float (&sc)[SREG], int t) {
+    // S = Q·K_tᵀ for this warpgroup's 64 query rows of the k-th item's Q tile.
+    auto issue_s = [&](float (&sc)[SREG], int k, int t) {
+      const char* tQ = reinterpret_cast<const char*>(sQ + (k % Q_STAGES) * BM * D) + 64 * wg * 128;
       const char* tK = reinterpret_cast<const char*>(sK + (t % KV_STAGES) * TILE);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk) {
         const int cb = kk / 4, ko = (kk % 4) * 32;  // 64-wide d block, 16-element step inside it
-        Wgmma<BN, T>::mma(sc, make_smem_desc_sw128(q_wg + cb * (BM * 128) + ko),
+        Wgmma<BN, T>::mma(sc, make_smem_desc_sw128(tQ + cb * (BM * 128) + ko),
                           make_smem_desc_sw128(tK + cb * (BN * 128) + ko), kk > 0);
       }
       wgmma_commit();
@@ -416,25 +449,52 @@ struct Attn {
       wgmma_commit();
     };
     // Mask (keys past seqLocal; causal: keys after the query) and online softmax of the
-    // scores of key block kb of step s: sc becomes P (fp32, exp2 with the scale folded
-    // in), m_row / l_row advance, alpha is the factor O must be rescaled by before P·V.
-    auto softmax = [&](float (&sc)[SREG], const Item& it, int s, int kb, float (&m_row)[2], float (&l_row)[2],
+    // scores of key block kb of step s for the item whose first query is local q0: sc
+    // becomes P (fp32, exp2 with the scale folded in), m_row / l_row advance, alpha is
+    // the factor O must be rescaled by before P·V.
+    auto softmax = [&](float (&sc)[SREG], int q0, int qmin, int s, int kb, float (&m_row)[2], float (&l_row)[2],
                        float (&alpha)[2]) {
       const int src = (me - s + n) % n;
       const int k0 = kb * BN, k_rows = min(BN, S - k0);
-      const bool need_mask = k_rows < BN || (causal && token_pos(src, k0 + k_rows - 1, S, n, causal) > it.qmin);
+      const bool need_mask = k_rows < BN || (causal && token_pos(src, k0 + k_rows - 1, S, n, causal) > qmin);
       if (need_mask) {
-        const int qp0 = token_pos(me, it.q0 + row_base, S, n, causal);
-        const int qp1 = token_pos(me, it.q0 + row_base + 8, S, n, causal);
+        const int half = S >> 1;
+        if (!causal || k0 >= half || k0 + k_rows <= half) {
+          // The tile's keys lie in one span of consecutive positions kp0 + kl (a shard, or
+          // one zigzag chunk): key kl is masked for the query at position qp iff
+          // kl >= k_rows or (causal) kl > qp - kp0, one compare per score against a
+          // per-row limit.
+          const int kp0 = token_pos(src, k0, S, n, causal);
+          int lim[2];
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
+          for (int r = 0; r < 2; ++r) {
+            lim[r] = k_rows - 1;
+            if (causal) lim[r] = min(lim[r], token_pos(me, q0 + row_base + 8 * r, S, n, causal) - kp0);
+            lim[r] -= 2 * t4;  // compare the tile-constant j * 8 + e
+          }
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int kl = j * 8 + 2 * t4 + e;
-            const int kp = token_pos(src, k0 + kl, S, n, causal);
-            const bool out = kl >= k_rows;
-            if (out || (causal && kp > qp0)) sc[4 * j + e] = -INFINITY;
-            if (out || (causal && kp > qp1)) sc[4 * j + 2 + e] = -INFINITY;
+          for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              if (j * 8 + e > lim[0]) sc[4 * j + e] = -INFINITY;
+              if (j * 8 + e > lim[1]) sc[4 * j + 2 + e] = -INFINITY;
+            }
+          }
+        } else {
+          // The tile straddles the two zigzag chunks (seqLocal / 2 not a multiple of 128):
+          // the position of every key.
+          const int qp0 = token_pos(me, q0 + row_base, S, n, causal);
+          const int qp1 = token_pos(me, q0 + row_base + 8, S, n, causal);
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int kl = j * 8 + 2 * t4 + e;
+              const int kp = token_pos(src, k0 + kl, S, n, causal);
+              const bool out = kl >= k_rows;
+              if (out || kp > qp0) sc[4 * j + e] = -INFINITY;
+              if (out || kp > qp1) sc[4 * j + 2 + e] = -INFINITY;
+            }
           }
         }
       }
@@ -459,6 +519,16 @@ struct Attn {
         l_row[r] = l_row[r] * alpha[r] + sum;  // this thread's share; the quad sums at the end
       }
     };
+    // Keeps the softmax ahead of the wgmma wait<0> that follows it. ptxas otherwise moves
+    // that WARPGROUP.DEPBAR to the top of the softmax (the packing of P after it writes
+    // the registers the in-flight P·V reads, and its scheduler interleaves the packs with
+    // the exponentials), and the softmax no longer overlaps P·V: seen in the SASS of the
+    // previous version, every MUFU.EX2 of the loop after the DEPBAR. A shared-memory store
+    // of a value that depends on every exponential (the row sums) stays before the wait.
+    auto anchor = [&](const float (&l_row)[2]) {
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem_u32(&pl.anchor)), "r"(__float_as_uint(l_row[0] + l_row[1]))
+                   : "memory");
+    };
     auto pack = [&](uint32_t (&pa)[PSTEPS][4], const float (&sc)[SREG]) {
 #pragma unroll
       for (int kk = 0; kk < PSTEPS; ++kk) {
@@ -477,85 +547,135 @@ struct Attn {
         acc[4 * j + 3] *= alpha[1];
       }
     };
+    // Epilogue of the CTA's k-th item: O = acc / l and the log-sum-exp. O goes through
+    // this warp's 16 rows of the item's Q tile (every S of the item has completed, so the
+    // rows are free, and no other warp touches them): each thread holds 4-byte pieces of 2
+    // rows, written in the tile's swizzle (conflict-free: the 8 rows of a piece column
+    // fall on 8 different 16-byte chunks), then read back as 16-byte chunks of whole rows,
+    // so every global store is 16 bytes and each warp store covers two 256-byte rows
+    // (instead of 8 rows x 16 bytes of 4-byte stores). Then the Q slot goes back to the
+    // producer.
+    auto epilogue = [&](const float (&acc)[OREG], const Item& it, int k, const float (&m_fin)[2],
+                        const float (&l_fin)[2]) {
+      T* tQ = sQ + (k % Q_STAGES) * BM * D;
+      float inv[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float l = l_fin[r];
+        l += __shfl_xor_sync(0xffffffff, l, 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+        inv[r] = l > 0.f ? 1.f / l : 0.f;
+        const int row = it.q0 + row_base + 8 * r;
+        if (t4 == 0 && row < S) {
+          float* lse = reinterpret_cast<float*>(p.lse) + ((size_t)it.b * p.heads + it.h) * S + row;
+          *lse = l > 0.f ? (m_fin[r] * sl + log2f(l)) * 0.69314718055994531f : -INFINITY;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+          *reinterpret_cast<uint32_t*>(tQ + swz<BM>(row_base + 8 * r, j) + 2 * t4) =
+              Mma<T>::pack(acc[4 * j + 2 * r] * inv[r], acc[4 * j + 2 * r + 1] * inv[r]);
+      }
+      __syncwarp();
+      constexpr int CHUNKS = D / 8;                 // 16-byte chunks of a row
+      constexpr int PER_LANE = 16 * CHUNKS / 32;    // of the warp's 16 rows
+      const int wrow = 64 * wg + 16 * (warp % 4);   // the warp's first row of the tile
+      T* o = reinterpret_cast<T*>(p.out) + ((size_t)it.b * S * p.heads + it.h) * D;
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i) {
+        const int idx = i * 32 + lane, rr = idx / CHUNKS, c = idx % CHUNKS;
+        const int row = it.q0 + wrow + rr;
+        if (row < S)
+          *reinterpret_cast<int4*>(o + (size_t)row * q_stride + c * 8) =
+              *reinterpret_cast<const int4*>(tQ + swz<BM>(wrow + rr, c));
+      }
+      __syncwarp();  // every lane's reads of the slot come before lane 0 releases it
+      release(&pl.q_empty[k % Q_STAGES]);
+      __syncwarp();  // converged again before the next wgmma and bar.sync (.aligned)
+    };
 
     float sc[SREG];
 #pragma unroll
     for (int i = 0; i < SREG; ++i) sc[i] = 0.f;  // defined before the first wgmma (which overwrites it)
     if (wg == 0) named_barrier_arrive(TURN_BARRIER, 2 * 128);  // warpgroup 0 has the first turn
-    uint32_t pa[PSTEPS][4];
-    int tile = 0;  // K/V tiles consumed so far (the producer's numbering)
-    int items = 0;
-    for (int item = blockIdx.x; item < p.num_items; item += gridDim.x, ++items) {
-      const Item it(p, item);
-      mbar_wait(&pl.q_full, items & 1);
-      fence_proxy_async_smem();
-      float acc[OREG];
-#pragma unroll
-      for (int i = 0; i < OREG; ++i) acc[i] = 0.f;
-      float m_row[2] = {-INFINITY, -INFINITY}, l_row[2] = {0.f, 0.f}, alpha[2];
+    int item = cta_item(p, 0);
+    if (item < 0) return true;
+    Item it(p, item);  // the item of the tile being computed
+    int k = 0;         // its number among this CTA's items (Q slot k % Q_STAGES)
+    int s = 0, kb = 0;
+    next_visible(p, it.qmax, s, kb);  // true: step 0 holds the queries' own keys
 
-      // Tile 0 (step 0 always has the query's own token): S, softmax, P.
-      int s = 0, kb = 0;
-      next_visible(p, it.qmax, s, kb);
-      if (!wait_k(tile)) return false;
+    // Tile 0: S, softmax, P; nothing to overlap with yet.
+    wait_q(0);
+    if (!wait_k(0)) return false;
+    turn_begin();
+    issue_s(sc, 0, 0);
+    turn_end();
+    wgmma_wait<0>();
+    fence_operands(sc);
+    release(&pl.k_empty[0]);
+    float m_row[2] = {-INFINITY, -INFINITY}, l_row[2] = {0.f, 0.f}, alpha[2];
+    softmax(sc, it.q0, it.qmin, s, kb, m_row, l_row, alpha);
+    float acc[OREG];
+#pragma unroll
+    for (int i = 0; i < OREG; ++i) acc[i] = 0.f;
+    uint32_t pa[PSTEPS][4];
+    pack(pa, sc);
+    int tile = 1;  // K/V tiles consumed so far (the producer's numbering)
+    ++kb;
+    // Steady state, tile t = `tile`: S_t issued, O rescaled, P_{t-1}·V_{t-1} issued; the
+    // softmax of S_t overlaps that product. When t is the first tile of the next item,
+    // P_{t-1}·V_{t-1} completes the finished item, whose epilogue then runs.
+    for (;;) {
+      const Item fin = it;  // the item P_{t-1}·V_{t-1} belongs to
+      const bool boundary = !next_visible(p, it.qmax, s, kb);
+      if (boundary) {
+        item = cta_item(p, k + 1);
+        if (item < 0) break;
+        it = Item(p, item);
+        s = 0;
+        kb = 0;
+        next_visible(p, it.qmax, s, kb);  // true, as for tile 0
+        wait_q(k + 1);
+      }
+      if (!wait_k(tile)) return false;  // nothing in flight: the last wait was wait<0>
       turn_begin();
-      issue_s(sc, tile);
+      issue_s(sc, boundary ? k + 1 : k, tile);
+      rescale(acc, alpha);  // O is not in flight (P·V of t-2 was waited for)
+      issue_pv(acc, pa, tile - 1);
       turn_end();
-      wgmma_wait<0>();
+      wgmma_wait<1>();  // S_t done (groups complete in order), P_{t-1}·V_{t-1} may run on
       fence_operands(sc);
       release(&pl.k_empty[tile % KV_STAGES]);
-      softmax(sc, it, s, kb, m_row, l_row, alpha);
-      pack(pa, sc);
-      ++tile;
-      ++kb;
-      // Steady state, tile t = `tile`: S_t issued, O rescaled, P_{t-1}·V_{t-1} issued;
-      // the softmax of S_t overlaps that product.
-      while (next_visible(p, it.qmax, s, kb)) {
-        if (!wait_k(tile)) return false;  // nothing in flight: the last wait was wait<0>
-        turn_begin();
-        issue_s(sc, tile);
-        rescale(acc, alpha);  // O is not in flight (P·V of t-2 was waited for)
-        issue_pv(acc, pa, tile - 1);
-        turn_end();
-        wgmma_wait<1>();  // S_t done (groups complete in order), P_{t-1}·V_{t-1} may run on
-        fence_operands(sc);
-        release(&pl.k_empty[tile % KV_STAGES]);
-        softmax(sc, it, s, kb, m_row, l_row, alpha);
-        wgmma_wait<0>();  // P_{t-1}·V_{t-1} done: its V slot and the P registers are free
-        fence_operands(acc);
-        release(&pl.v_empty[(tile - 1) % KV_STAGES]);
-        pack(pa, sc);
-        ++tile;
-        ++kb;
+      const float m_fin[2] = {m_row[0], m_row[1]}, l_fin[2] = {l_row[0], l_row[1]};
+      if (boundary) {  // a new online softmax; alpha becomes 0, which O = 0 ignores
+        m_row[0] = m_row[1] = -INFINITY;
+        l_row[0] = l_row[1] = 0.f;
       }
-      release(&pl.q_empty);  // every S of this item has completed: the producer may load the next Q
-      rescale(acc, alpha);
-      issue_pv(acc, pa, tile - 1);
-      wgmma_wait<0>();
+      softmax(sc, it.q0, it.qmin, s, kb, m_row, l_row, alpha);
+      anchor(l_row);
+      wgmma_wait<0>();  // P_{t-1}·V_{t-1} done: its V slot and the P registers are free
       fence_operands(acc);
       release(&pl.v_empty[(tile - 1) % KV_STAGES]);
-
-      // Epilogue: normalise, store O rows and the log-sum-exp.
+      pack(pa, sc);
+      if (boundary) {
+        epilogue(acc, fin, k, m_fin, l_fin);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float l = l_row[r];
-        l += __shfl_xor_sync(0xffffffff, l, 1);
-        l += __shfl_xor_sync(0xffffffff, l, 2);
-        const int row = it.q0 + row_base + 8 * r;
-        if (row < S) {
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          T* o = reinterpret_cast<T*>(p.out) + ((size_t)it.b * S * p.heads + it.h) * D + (size_t)row * q_stride;
-#pragma unroll
-          for (int j = 0; j < D / 8; ++j)
-            *reinterpret_cast<uint32_t*>(o + j * 8 + 2 * t4) =
-                Mma<T>::pack(acc[4 * j + 2 * r] * inv, acc[4 * j + 2 * r + 1] * inv);
-          if (t4 == 0) {
-            float* lse = reinterpret_cast<float*>(p.lse) + ((size_t)it.b * p.heads + it.h) * S + row;
-            *lse = l > 0.f ? (m_row[r] * sl + log2f(l)) * 0.69314718055994531f : -INFINITY;
-          }
-        }
+        for (int i = 0; i < OREG; ++i) acc[i] = 0.f;
+        ++k;
       }
+      ++tile;
+      ++kb;
     }
+    // The CTA's last item: its final P·V and epilogue.
+    rescale(acc, alpha);
+    issue_pv(acc, pa, tile - 1);
+    wgmma_wait<0>();
+    fence_operands(acc);
+    release(&pl.v_empty[(tile - 1) % KV_STAGES]);
+    epilogue(acc, it, k, m_row, l_row);
     return true;
   }
 
@@ -564,12 +684,14 @@ struct Attn {
     __shared__ Pipeline pl;
     // 128-byte swizzle repeats every 1024 bytes: tiles start 1024-aligned.
     char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-    T* sQ = reinterpret_cast<T*>(smem);
-    T* sK = sQ + BM * D;            // [KV_STAGES][BN x D]
-    T* sV = sK + KV_STAGES * TILE;  // [KV_STAGES][BN x D]
+    T* sQ = reinterpret_cast<T*>(smem);      // [Q_STAGES][BM x D]
+    T* sK = sQ + Q_STAGES * BM * D;          // [KV_STAGES][BN x D]
+    T* sV = sK + KV_STAGES * TILE;           // [KV_STAGES][BN x D]
     if (threadIdx.x == 0) {
-      mk::gemm::mbar_init(&pl.q_full, PRODUCER_THREADS);
-      mk::gemm::mbar_init(&pl.q_empty, CONSUMER_WARPS);
+      for (int qs = 0; qs < Q_STAGES; ++qs) {
+        mk::gemm::mbar_init(&pl.q_full[qs], PRODUCER_THREADS);
+        mk::gemm::mbar_init(&pl.q_empty[qs], CONSUMER_WARPS);
+      }
       for (int st = 0; st < KV_STAGES; ++st) {
         mk::gemm::mbar_init(&pl.k_full[st], PRODUCER_THREADS);
         mk::gemm::mbar_init(&pl.v_full[st], PRODUCER_THREADS);

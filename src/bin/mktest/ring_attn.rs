@@ -196,6 +196,13 @@ fn shapes() -> Vec<(usize, usize, usize, usize, usize, bool)> {
         // More work items (136 heads × 2 query blocks) than SMs: every CTA runs several, so
         // the kernel's load rings carry their slot phases across items, even at one rank.
         (1, 130, 136, 8, 64, true),
+        // D = 128 with 4-5 items per CTA of one short tile each (seqLocal below one tile):
+        // every tile starts an item, so each Q slot is reused with both phases and every
+        // epilogue runs beside the next item's first S.
+        (1, 8, 600, 8, 128, true),
+        // D = 128, 2-3 items per CTA of two tiles per step (a full one and an 8-key tail),
+        // 8-row tail query blocks: the staged O store must skip rows past seqLocal.
+        (1, 136, 140, 4, 128, false),
     ]
 }
 
