@@ -17,6 +17,8 @@
 #          --no-nodes (skip mktest nodes and its benches)  --only-nodes (only mktest nodes and the
 #          emulated-node benches)  --node-ops "all_gather reduce_scatter all_reduce ag_gemm
 #          gemm_rs gemm_ar" (which emulated-node benches)
+#          BIN=DIR (the binaries' folder, default target/release) or BIN_TAR=FILE (as
+#          scripts/pack-bins.sh packs them, for a size-limited copy to the GPU machine)
 #          --deadline SECONDS (stop starting steps when fewer than ~30 s of this budget are left,
 #          and cut each step's timeout to what is left: for a device call with a time limit;
 #          skipped steps are listed as SKIPPED (deadline) and make the exit status 3)
@@ -26,6 +28,11 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-run-logs}
 mkdir -p "$OUT"
 BIN=${BIN:-target/release}
+# BIN_TAR: the binaries as scripts/pack-bins.sh packed them (stripped, xz): unpacked here.
+if [ -n "${BIN_TAR:-}" ]; then
+  BIN=$(mktemp -d)
+  xz -dc "$BIN_TAR" | tar -C "$BIN" -xf - || { echo "gpu-run.sh: cannot unpack $BIN_TAR"; exit 2; }
+fi
 DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0
 RANKS="1 2 4 8"; SUITES=""; NODE_OPS="all_gather reduce_scatter all_reduce ag_gemm gemm_rs gemm_ar"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1
 while [ $# -gt 0 ]; do
