@@ -521,7 +521,9 @@ mkResult_t mkMoeGemmCombine(const void *yAct,
  *   keys at positions ≤ i.
  * - out = softmax(softmaxScale · q·kᵀ [masked]) · v with fp32 scores, fp32 softmax and
  *   accumulation; the probabilities are rounded to `dtype` before the product with v
- *   (as FlashAttention does) and out is rounded once.
+ *   (as FlashAttention does) and out is rounded once. The exponentials use the GPU's
+ *   exp2 approximation (relative error about 2^-22), and a probability below 2^-126 of
+ *   its row's maximum counts as 0 (far below the output's rounding).
  * - `dtype`: mkBfloat16 or mkFloat16 for q, k, v, out; `headDim` 64 or 128.
  *
  * Rules (mkInvalidArgument, with the rule in mkGetLastError): numKvHeads divides
