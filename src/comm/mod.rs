@@ -38,6 +38,14 @@ pub struct CommConfig {
     pub workspace_bytes: u64,
     /// Ranks per node (None: grouped by host).
     pub ranks_per_node: Option<u32>,
+    /// Collectives stage their loads in shared memory (MK_LOAD_STAGING=smem) or keep them
+    /// in registers.
+    pub stage_collective_loads: bool,
+    /// GEMM+RS/AR on one node: every warp of a GEMM CTA reduces after its GEMM
+    /// (MK_GEMM_REDUCERS=after), or the side warps during it.
+    pub gemm_reducers_after: bool,
+    /// mkGemmAllReduce: the largest M that takes the one-shot path.
+    pub gemm_ar_one_shot_max_m: usize,
 }
 
 impl CommConfig {
@@ -49,6 +57,9 @@ impl CommConfig {
             max_ctas: crate::env::max_ctas().map(|v| v as u32),
             workspace_bytes: crate::env::workspace_bytes(),
             ranks_per_node: crate::env::ranks_per_node().map(|v| v as u32),
+            stage_collective_loads: crate::env::load_staging_smem(),
+            gemm_reducers_after: crate::env::gemm_reducers_after(),
+            gemm_ar_one_shot_max_m: crate::env::gemm_ar_one_shot_max_m(),
         }
     }
 }

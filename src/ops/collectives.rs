@@ -315,7 +315,8 @@ pub fn collective(comm: &Comm, kind: CollectiveKind, send: u64, recv: u64, count
     let _ctx = comm.context.enter()?;
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
-    launch(&ws.view, &args, single_rank_ctas(comm)?, stream)
+    let stage_bytes = if comm.config.stage_collective_loads { STAGE_BYTES } else { 0 };
+    launch(&ws.view, &args, single_rank_ctas(comm)?, stage_bytes, stream)
 }
 
 fn single_rank_ctas(comm: &Comm) -> Result<u32> {
@@ -323,12 +324,12 @@ fn single_rank_ctas(comm: &Comm) -> Result<u32> {
     Ok(comm.config.max_ctas.unwrap_or(2 * sms).max(1))
 }
 
-/// Launches the collective kernel for validated `args` (the context must be current).
-pub fn launch(view: &WorkspaceView, args: &CollectiveArgs, single_rank_ctas: u32, stream: sys::CUstream) -> Result<()> {
+/// Launches the collective kernel for validated `args` (the context must be current),
+/// staging its loads in `stage_bytes` of dynamic shared memory (0: in registers).
+pub fn launch(view: &WorkspaceView, args: &CollectiveArgs, single_rank_ctas: u32, stage_bytes: u32, stream: sys::CUstream) -> Result<()> {
     let elem = args.dtype.size() as u64;
     let p = plan(args.kind, args.count, elem, view.nranks as u64, view.cta_slots as u32, view.data_bytes, single_rank_ctas);
     let f = cuda::function("collectives", kernel_name(args.dtype))?;
-    let stage_bytes = if crate::env::load_staging_smem() { STAGE_BYTES } else { 0 };
     let mut params = CollectiveParams {
         ws: *view,
         send: args.send,

@@ -172,7 +172,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
             let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid, comm.config.comm_ctas)?;
             (p.compute_ctas, p.reduce_ctas, false)
         }
-        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas, crate::env::gemm_ar_one_shot_max_m())? {
+        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas, comm.config.gemm_ar_one_shot_max_m)? {
             gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas, false),
             gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas, true),
         },
@@ -253,7 +253,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         // MK_GEMM_REDUCERS=side has the producer warpgroups' idle warps reduce during the
         // GEMM instead (1.6x slower on one H200: 80 registers leave them ~6 GB/s per CTA;
         // benches/RESULTS.md, session 5).
-        side_reduce: (nodes.is_none() && reduce_ctas == 0 && !crate::env::gemm_reducers_after()) as u32,
+        side_reduce: (nodes.is_none() && reduce_ctas == 0 && !comm.config.gemm_reducers_after) as u32,
         ..GemmReduceParams::default()
     };
     if let (Some((nl, ring)), Some(np)) = (&nodes, &node_plan) {
