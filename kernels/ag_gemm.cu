@@ -344,7 +344,11 @@ struct ChunkAWait {
   // Without dedicated communication CTAs, the side warps of every GEMM CTA push.
   __device__ static void side_work(const Params& w, int) {
     const AgGemmParams& p = *w.op;
-    if (p.comm_ctas == 0) push<SideWarps>(p, w.epoch, blockIdx.x, p.compute_ctas);
+    if (p.comm_ctas == 0) {
+      push<SideWarps>(p, w.epoch, blockIdx.x, p.compute_ctas);
+      // The push's end, for `mkbench ag_gemm --trace` (does it overlap the whole GEMM?).
+      if (p.trace && SideWarps::tid() == 0) *mk_trace_slot(p.trace, MK_TR_SIDE) = mk_globaltimer();
+    }
   }
 };
 

@@ -165,6 +165,12 @@ pub fn print_trace(comm: &Comm, stream: sys::CUstream, label: &str, call: &dyn F
                 moved as f64 / rest_ns.max(1) as f64
             );
         }
+        // GEMM CTAs whose idle producer warps moved data during the GEMM: when they ended.
+        let side: Vec<&&&[u64]> = r.iter().filter(|w| w[9] != 0).collect();
+        if !side.is_empty() {
+            let (done, done_max) = med_max(side.iter().map(|w| w[9].saturating_sub(w[1])).collect());
+            line += &format!("\n             side warps done after {done:.1} (max {done_max:.1}) µs of the work");
+        }
     }
     println!("{line}");
     Ok(())
