@@ -2,11 +2,18 @@
 //
 // CTAs [0, compute_ctas) run the GEMM engine over the gathered A in this rank's workspace,
 // row blocks in rank-rotated order (own rows first); before a tile's A rows are loaded the
-// producer waits for the chunks covering them. CTAs [compute_ctas, +comm_ctas) push this
+// producer waits for the chunks covering them. The pushers (the idle warps of every GEMM
+// CTA's producer warpgroup, or CTAs [compute_ctas, +comm_ctas) with MK_COMM_SMS) copy this
 // rank's rows, chunk by chunk, into every rank's gathered buffer (its own first, then
-// rank-1, rank-2, ...: the order in which the others consume them) and raise one
+// rank-1, rank-2, ...: the order in which the ranks consume them) and raise one
 // epoch-valued flag per chunk in the receiver's signal region. With `gathered_out` they
 // then copy the whole gathered A out for the caller.
+//
+// The GEMM reads every row through the one tensor map of the gathered buffer, own rows too
+// (copied there first), although it could read those from the caller's A in place: with a
+// second map for the own rows the GEMM ran 7-12 % slower at 2 ranks (N = K = 8192, every
+// tile; session 8 runs 2-3, with pushes and waits switched off, and not cured by prefetching
+// the second map), more than the copy costs.
 //
 // Epochs live on the device (signal word AGG_EPOCH), so a captured CUDA graph replays
 // correctly: every CTA reads the epoch at start; the last CTA to finish advances it and
@@ -48,11 +55,8 @@ namespace mk { namespace ag_gemm {
 
 using namespace mk::gemm;
 
-// When every rank's rows are whole 128-row blocks, no tile mixes two ranks' rows, so the
-// tiles of this rank's own rows load them from the caller's A in place (tma_a_local) and
-// the own rows are never copied into the gathered buffer. Otherwise a block can straddle
-// two shards and the own rows are copied there first (copy_own_rows).
-__device__ __forceinline__ bool own_rows_in_place(const AgGemmParams& p) { return p.rows_per_rank % 128 == 0; }
+// Whether every rank's rows are whole 128-row blocks (no tile mixes two ranks' rows).
+__device__ __forceinline__ bool whole_block_shards(const AgGemmParams& p) { return p.rows_per_rank % 128 == 0; }
 
 // The arrival flag of chunk c of global rank src's rows (in the receiving rank's region).
 __device__ __forceinline__ uint32_t agg_chunk(const AgGemmParams& p, int src, int c) {
@@ -108,12 +112,9 @@ __device__ __forceinline__ bool copy_gathered_out(const AgGemmParams& p, uint64_
   const size_t row_bytes = (size_t)p.k * 2;
   const char* own = reinterpret_cast<const char*>(ws.data[ws.rank]) + p.gathered_offset;
   for (int src = 0; src < n; ++src) {
-    // Rows read in place: from A itself, nothing to wait for.
-    const bool from_a = src == me && own_rows_in_place(p);
-    const char* from = from_a ? reinterpret_cast<const char*>(p.a_local) - (size_t)me * p.rows_per_rank * row_bytes : own;
     for (int c = 0; c < chunks; ++c) {
       int ok = 1;
-      if (tid == 0 && !from_a)
+      if (tid == 0)
         ok = mk_wait_geq_inline(ws, mk_signal_word(ws, ws.rank, agg_chunk(p, src, c)), epoch, src, MK_WAIT_OP_FLAG,
                                 MK_OP_AG_GEMM);
       if (!Team::and_all(ok)) return false;
@@ -121,30 +122,32 @@ __device__ __forceinline__ bool copy_gathered_out(const AgGemmParams& p, uint64_
       const size_t bytes = (size_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
       const size_t slice = (bytes / 16 + parts - 1) / parts * 16;
       const size_t begin = first + min(bytes, (size_t)part * slice), end = first + min(bytes, (size_t)(part + 1) * slice);
-      copy_vectors<kPushInFlight>(reinterpret_cast<char*>(p.gathered_out) + begin, from + begin, end - begin, tid, threads);
+      copy_vectors<kPushInFlight>(reinterpret_cast<char*>(p.gathered_out) + begin, own + begin, end - begin, tid, threads);
     }
   }
   return true;
 }
 
 // Pusher `part` of `parts` (the threads of Team) copies its slice of every chunk
-// of this rank's rows into every peer's gathered buffer: rank-1 first (it consumes our
-// rows next), then rank-2, ... After its slice of chunk c for peer q it counts itself in
-// AGG_PUSHED(q, c); the last pusher of that chunk raises the chunk's flag at q. Slicing
-// every chunk across all pushers keeps a chunk's latency short (a chunk is at least one
-// 128-row block: 2 MB at K = 8192, 35-200 µs for one CTA). Then, with `gathered_out`, the
-// gathered A is copied out for the caller as its chunks arrive. Team thread 0 waits.
+// of this rank's rows into every rank's gathered buffer: its own first (our GEMM starts on
+// them), then rank-1's (it consumes our rows next), rank-2's, ... After its slice of chunk
+// c for rank q it counts itself in AGG_PUSHED(q, c); the last pusher of that chunk raises
+// the chunk's flag at q. Slicing every chunk across all pushers keeps a chunk's latency
+// short (a chunk is at least one 128-row block: 2 MB at K = 8192, 35-200 µs for one CTA).
+// Then, with `gathered_out`, the gathered A is copied out for the caller as its chunks
+// arrive. Team thread 0 waits.
 template <class Team>
 __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoch, int part, int parts) {
   const int tid = Team::tid(), threads = Team::threads();
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, chunks = p.chunks_per_rank;
   const size_t row_bytes = (size_t)p.k * 2;
-  for (int i = 1; i < n; ++i) {
+  for (int i = 0; i < n; ++i) {
     const int q = (me - i + n) % n;
     int ok = 1;
     uint64_t t0 = 0;
-    if (tid == 0) {
+    // Our own buffer: our previous call has ended (stream order), nothing to wait for.
+    if (tid == 0 && q != me) {
       t0 = p.trace ? mk_globaltimer() : 0;
       // q must have finished reading its gathered buffer of our previous call.
       ok = mk_wait_geq_inline(ws, mk_signal_word(ws, me, AGG_DONE + q), epoch - 1, q, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
@@ -312,12 +315,10 @@ struct NodeOrderRaster {
 struct ChunkAWait {
   struct Params {
     const AgGemmParams* op;  // the __grid_constant__ kernel parameter (no local copy)
-    const CUtensorMap* tma_a_local;  // this rank's rows in place (the caller's A)
     uint64_t epoch;
   };
   __device__ static void before_a_load(const Params& w, int, int row0, int rows) {
     const AgGemmParams& p = *w.op;
-    if (own_rows_in_place(p) && row0 / p.rows_per_rank == p.global_rank) return;  // read from A itself
     const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
     const int end = min(row0 + rows, p.m);
     for (int r = row0; r < end;) {
@@ -332,12 +333,7 @@ struct ChunkAWait {
     fence_proxy_async_global();  // the peers' generic-proxy stores, then our TMA loads
     if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
   }
-  __device__ static const CUtensorMap* a_source(const Params& w, const CUtensorMap* tma_a, int m_row0, int& row) {
-    const AgGemmParams& p = *w.op;
-    if (own_rows_in_place(p) && m_row0 / p.rows_per_rank == p.global_rank) {
-      row = m_row0 - p.global_rank * p.rows_per_rank;
-      return w.tma_a_local;
-    }
+  __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
     row = m_row0;
     return tma_a;
   }
@@ -352,11 +348,12 @@ struct ChunkAWait {
   }
 };
 
-// Whole grid, when blocks straddle shards or across nodes (the proxy's puts read the own
-// rows from the gathered buffer): every CTA copies its slice of this rank's rows into the
-// own gathered buffer; the last to finish raises the own-row chunk flags.
+// Across nodes (the proxy's puts read the own rows from the gathered buffer, whole, at
+// once), by the whole grid before the GEMM: every CTA copies its slice of this rank's rows
+// into the own gathered buffer; the last to finish raises the own-row chunk flags. (On one
+// node the pushers copy them, chunk by chunk.)
 __device__ __forceinline__ void copy_own_rows(const AgGemmParams& p, uint64_t epoch) {
-  if (own_rows_in_place(p) && p.nodes == 1) return;
+  if (p.nodes == 1) return;
   const WorkspaceView& ws = p.ws;
   const size_t row_bytes = (size_t)p.k * 2;
   const size_t total = (size_t)p.rows_per_rank * row_bytes;  // a multiple of 16
@@ -404,8 +401,7 @@ __device__ __forceinline__ void agg_epoch_end_hier(const AgGemmParams& p, uint64
 }
 
 template <typename T, int BN>
-__device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_a_local,
-                                        const CUtensorMap* tma_b, const CUtensorMap* tma_c, const AgGemmParams& p) {
+__device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c, const AgGemmParams& p) {
   using Cfg = GemmConfig<T, BN, FusedStages<BN>::value, SHARE_NONE, kProducerRegs>;
   using Epi = TmaStoreEpilogue;
   extern __shared__ __align__(1024) char smem[];
@@ -423,8 +419,8 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
     sched.group_m = p.group_m > 0 ? p.group_m : 1;
     sched.m_block_base = p.m_block_base;
     sched.owners = 1;
-    typename NodeOrderRaster::Params order{sched, &p, p.nodes > 1 && own_rows_in_place(p) ? p.rows_per_rank / Cfg::BM : 0};
-    typename ChunkAWait::Params await{&p, tma_a_local, epoch};
+    typename NodeOrderRaster::Params order{sched, &p, p.nodes > 1 && whole_block_shards(p) ? p.rows_per_rank / Cfg::BM : 0};
+    typename ChunkAWait::Params await{&p, epoch};
     typename Epi::Params epi;
     epi.dest.tma_c = tma_c;
     epi.signal.unused = 0;
@@ -449,10 +445,10 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
 
 #define MK_AG_GEMM_ENTRY(NAME, T, BN)                                                                  \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                \
-      NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a_local, \
-           const __grid_constant__ CUtensorMap tma_b, const __grid_constant__ CUtensorMap tma_c,      \
+      NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,       \
+           const __grid_constant__ CUtensorMap tma_c,                                                 \
            const __grid_constant__ AgGemmParams p) {                                                  \
-    mk::ag_gemm::ag_gemm<T, BN>(&tma_a, &tma_a_local, &tma_b, &tma_c, p);                             \
+    mk::ag_gemm::ag_gemm<T, BN>(&tma_a, &tma_b, &tma_c, p);                                           \
   }
 
 MK_AG_GEMM_ENTRY(mk_ag_gemm_bf16_bn256, __nv_bfloat16, 256)

@@ -116,7 +116,8 @@ impl RankCtx {
         let first = c * self.plan.chunk_rows;
         first..(first + self.plan.chunk_rows).min(self.rows_per_rank)
     }
-    fn in_place(&self) -> bool {
+    /// whole_block_shards: no row block mixes two ranks' rows (NodeOrderRaster applies).
+    fn whole_blocks(&self) -> bool {
         self.rows_per_rank % ROW_BLOCK == 0
     }
 }
@@ -213,7 +214,7 @@ fn gemm_rows(ctx: &RankCtx, a: &[f64], epoch: u64, b: usize, call: u64) -> Resul
     let (g, rpr, nranks) = (ctx.rank, ctx.rows_per_rank, ctx.nl.nodes * ctx.nl.local_size);
     let m = rpr * nranks;
     let tiles_m = m.div_ceil(ROW_BLOCK);
-    let bpr = if ctx.in_place() { rpr / ROW_BLOCK } else { 0 };
+    let bpr = if ctx.whole_blocks() { rpr / ROW_BLOCK } else { 0 };
     // Two column tiles per row block, so every row block is read by two CTAs.
     for t in (b..2 * tiles_m).step_by(CTAS) {
         let k = t % tiles_m;
@@ -228,16 +229,14 @@ fn gemm_rows(ctx: &RankCtx, a: &[f64], epoch: u64, b: usize, call: u64) -> Resul
         };
         let row0 = m_block * ROW_BLOCK;
         let rows = ROW_BLOCK.min(m - row0);
-        let own_in_place = ctx.in_place() && row0 / rpr == g;
-        if !own_in_place {
-            for (src, c) in chunks_for_rows(&ctx.plan, row0, rows) {
-                ctx.wait(ctx.chunk_word(src, c), epoch, "a chunk for a tile")?;
-            }
+        // Every row, own rows too, is read from the gathered buffer after its chunk's flag.
+        for (src, c) in chunks_for_rows(&ctx.plan, row0, rows) {
+            ctx.wait(ctx.chunk_word(src, c), epoch, "a chunk for a tile")?;
         }
         jitter(g, b + 100, call, t as u64);
         for r in row0..row0 + rows {
             for e in 0..K {
-                let got = if own_in_place { a[(r - g * rpr) * K + e] } else { ctx.own().get(r, e) };
+                let got = ctx.own().get(r, e);
                 if got != value(call, r, e) {
                     return Err(MkError::internal(format!(
                         "rank {g}, call {call}: gathered row {r} element {e} is {got}, expected {}",

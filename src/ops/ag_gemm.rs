@@ -274,8 +274,6 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
     // The fused ops' region follows the collectives' data region in every rank's workspace.
     let gathered_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
     let mut ta = engine::tensor_map(gathered_base, args.dtype, m, k, engine::BM, engine::BK)?;
-    // This rank's rows in place (the kernel reads them from A when shards are whole blocks).
-    let mut ta_local = engine::tensor_map(args.a, args.dtype, rows_per_rank, k, engine::BM, engine::BK)?;
     let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
     let mut tc = engine::tensor_map(args.c, args.dtype, m, n, 64, 64)?;
     let mut params = AgGemmParams {
@@ -308,14 +306,13 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
     let f = cuda::function("ag_gemm", &format!("mk_ag_gemm_{dt}_bn{bn}"))?;
     let cfg = LaunchConfig { grid: (p.compute_ctas + p.comm_ctas, 1, 1), block: (engine::THREADS, 1, 1), shared_mem_bytes: smem as u32 };
-    let mut kernel_params: [*mut c_void; 5] = [
+    let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
-        (&mut ta_local as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
         (&mut tc as *mut sys::CUtensorMap).cast(),
         (&mut params as *mut AgGemmParams).cast(),
     ];
-    // SAFETY: the parameters match the kernel (4 tensor maps, AgGemmParams); the buffers
+    // SAFETY: the parameters match the kernel (3 tensor maps, AgGemmParams); the buffers
     // were checked to be device memory of this device, of the sizes the caller promised.
     unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }.map_err(|e| e.context("launching mkAllGatherGemm"))
 }
@@ -436,7 +433,7 @@ mod tests {
             for interleaved in [false, true] {
                 let ls = layouts(nranks, rpn, interleaved);
                 // held[r]: how many times rank r's gathered buffer received each source's rows
-                // (its own count as held from the start: read from A / copied in place).
+                // (its own count as held from the start: copied into its gathered buffer first).
                 let mut held = vec![vec![0usize; nranks]; nranks];
                 let rank_of = |nl: &NodeLayout| nl.rank_of[nl.node * MK_MAX_PEERS + nl.local_rank] as usize;
                 for nl in &ls {
