@@ -116,9 +116,16 @@ struct EpochTileSignal {
     uint64_t* flags;
     int tiles_n;
     const Gate* gate;  // the epoch; the courier's slabs come after the gate (GatedDest)
+    int m;             // rows of P
   };
   static constexpr bool enabled = true;
   __device__ static void after_store(const Params& p, const SlabInfo& s) {
+    // A slab entirely at or below row M holds no row of P (TMA clipped all of it) and its
+    // flag is never read: every wait (wait_partials) skips the slabs outside the rows it
+    // sums, which are < M. At M <= 64 that is every tile's second slab, whose flag cost
+    // the courier a system-scope release (a MEMBAR.SYS) per tile on the way to the
+    // reduction.
+    if (s.row0 >= p.m) return;
     // The courier got this slab from a consumer's store thread, which had passed the gate
     // (GatedDest) before storing it: the mailbox's release / acquire makes the gate's
     // epoch and ok visible here. A failed gate stored nothing: no flag either, so a peer
@@ -737,6 +744,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     epi.signal.flags = mk_signal_word(ws, ws.rank, GR_TILE);
     epi.signal.tiles_n = p.tiles_n;
     epi.signal.gate = &gate;
+    epi.signal.m = p.m;
     // Runs whatever the gate's outcome (a failed gate only stops P's stores and flags): the
     // loads and wgmmas touch nothing a peer reads.
     gemm_persistent<Cfg, OwnerInterleavedRaster, ReduceSideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
