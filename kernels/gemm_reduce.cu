@@ -704,10 +704,17 @@ struct ReduceSideWorkFor : ReduceSideWork {
 // flagged with the epoch.
 using PartialEpilogue = TmaEpilogue<GatedDest, TmaStoreOp, EpochTileSignal>;
 
-template <typename T, int BN>
+// BM = 64 (M <= 64, chosen by the host, A's tensor map boxed {64, 64}): the A stages hold
+// only the 64 rows the one live consumer reads, so 4 stages fit instead of 3 at BN 256 (8
+// at BN 128, as with BM 128): more of B -- all of a small-M GEMM's traffic -- in flight.
+// The reduction still works in 128-row blocks (one block: M <= 64).
+template <typename T, int BN, int BM = 128>
 __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_p,
                                             const GemmReduceParams& p) {
-  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value, SHARE_NONE, kProducerRegs>;
+  using Cfg = GemmConfig<T, BN, FusedStages<BN, BM>::value, SHARE_NONE, kProducerRegs, BM>;
+  // The reducers stage their loads in the first FusedStages<BN> * (128 + BN) * 128 bytes of
+  // the ring (ring_staging): the ring must hold them.
+  static_assert(Cfg::STAGES * Cfg::STAGE_BYTES >= FusedStages<BN>::value * (128 + BN) * 64 * 2, "ring_staging fits the ring");
   using Epi = PartialEpilogue;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
@@ -782,14 +789,19 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
 }  // namespace gemm_reduce
 }  // namespace mk
 
-#define MK_GEMM_REDUCE_ENTRY(NAME, T, BN)                                                               \
+#define MK_GEMM_REDUCE_ENTRY(NAME, T, BN, BM)                                                           \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                 \
       NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,       \
            const __grid_constant__ CUtensorMap tma_p, const __grid_constant__ GemmReduceParams p) {    \
-    mk::gemm_reduce::gemm_reduce<T, BN>(&tma_a, &tma_b, &tma_p, p);                                    \
+    mk::gemm_reduce::gemm_reduce<T, BN, BM>(&tma_a, &tma_b, &tma_p, p);                                \
   }
 
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn256, __nv_bfloat16, 256)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn128, __nv_bfloat16, 128)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn256, __half, 256)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn128, __half, 128)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn256, __nv_bfloat16, 256, 128)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn128, __nv_bfloat16, 128, 128)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn256, __half, 256, 128)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn128, __half, 128, 128)
+// M <= 64 (src/ops/gemm_reduce.rs picks them).
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn256_bm64, __nv_bfloat16, 256, 64)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn128_bm64, __nv_bfloat16, 128, 64)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn256_bm64, __half, 256, 64)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn128_bm64, __half, 128, 64)

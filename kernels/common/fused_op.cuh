@@ -90,10 +90,10 @@ struct WarpTeam {
 };
 
 // Deepest stage ring that fits in 227 KiB beside the TMA epilogue's staging buffers
-// (mirrors ops::gemm::stages(bn, Epilogue::Tma)).
-template <int BN>
+// (mirrors ops::gemm::stages_bm(bm, bn, Epilogue::Tma)), for tiles of BM rows.
+template <int BN, int BM = 128>
 struct FusedStages {
-  static constexpr int fit = (232448 - 1024 - 2 * 64 * BN * 2 - 256) / ((128 + BN) * 64 * 2);
+  static constexpr int fit = (232448 - 1024 - 2 * 64 * BN * 2 - 256) / ((BM + BN) * 64 * 2);
   static constexpr int value = fit > 8 ? 8 : fit;
 };
 
