@@ -43,22 +43,122 @@ namespace mk { namespace gemm_reduce {
 
 using namespace mk::gemm;
 
+// The start gate of a GEMM CTA (shared memory): this launch's epoch, and whether every
+// peer has finished reading this rank's partials of the previous launch (GR_DONE), so that
+// P may be overwritten. Only P's stores (and, after the GEMM, R and the node buffers)
+// need it; the GEMM's loads and wgmmas do not, so on one node the CTA starts its GEMM at
+// once and warp 2 of the producer warpgroup (idle in the default "after" mode) reads the
+// epoch and waits for the peers beside it (open_gate); the epilogue's store thread waits
+// for the gate before its first store into P (GatedDest), the courier reads the epoch
+// from it (EpochTileSignal). Before: every CTA read the epoch, waited for the peers and met
+// at two CTA barriers before its first TMA load (the trace's setup, 2.2 us at M = 1).
+// Across nodes the whole CTA still waits first (thread 0 also posts GR_NET_DONE through
+// the proxy) and opens the gate before the engine starts.
+struct Gate {
+  uint64_t bar;    // mbarrier, count 1: arrives once, when epoch and ok are written
+  uint64_t epoch;  // this launch's epoch (last completed + 1)
+  int ok;          // 0: a wait failed (error recorded, abort raised): store nothing into P
+};
+
+// Opener (one thread, after writing epoch and ok): releases them at CTA scope; a waiter's
+// acquire (mbarrier try_wait) sees them.
+__device__ __forceinline__ void gate_open(Gate* g, uint64_t epoch, int ok) {
+  g->epoch = epoch;
+  g->ok = ok;
+  mbar_arrive(&g->bar);
+}
+__device__ __forceinline__ void gate_wait(Gate* g) { mbar_wait(&g->bar, 0); }
+
+// Warp 2 of a GEMM CTA's producer warpgroup (threads 64..95), one node: lane 0 reads the
+// epoch, lane q (< nranks, != rank) waits for peer q's GR_DONE of the previous epoch, and
+// lane 0 opens the gate. The peer words are this rank's own signal words; the poll backs
+// off (relaxed loads and __nanosleep up to 256 ns, then one acquire) so that a long wait
+// -- back-to-back calls where a peer is still reading -- does not steal issue slots and
+// L2 bandwidth from the GEMM beside it (session 3: tight system-scope polls during a
+// GEMM slowed it 20-25 %). Inline and call-free: 80 registers after setmaxnreg.
+__device__ __forceinline__ void open_gate(const GemmReduceParams& p, Gate* g) {
+  const WorkspaceView& ws = p.ws;
+  const int lane = threadIdx.x & 31;
+  uint64_t epoch = 0;
+  if (lane == 0) epoch = mk_ld_acquire_sys(mk_signal_word(ws, ws.rank, GR_EPOCH)) + 1;
+  epoch = __shfl_sync(0xffffffffu, epoch, 0);
+  int ok = 1;
+  if (lane < ws.nranks && lane != ws.rank) {
+    const uint64_t* f = mk_signal_word(ws, ws.rank, GR_DONE + lane);
+    if (mk_ld_acquire_sys(f) < epoch - 1) {
+      MkWaitChecks checks(ws);
+      unsigned ns = 32;
+      for (uint32_t spin = 1;; ++spin) {
+        __nanosleep(ns);
+        if (ns < 256) ns *= 2;
+        if (mk_ld_relaxed_sys(f) >= epoch - 1) {
+          ok = mk_ld_acquire_sys(f) >= epoch - 1;  // flags only grow: true; the acquire orders what follows
+          break;
+        }
+        if ((spin & 15) == 0 && !checks.keep_waiting(lane, MK_WAIT_OP_FLAG, p.op)) {
+          ok = 0;
+          break;
+        }
+      }
+    }
+  }
+  ok = __all_sync(0xffffffffu, ok);
+  // bar.warp.sync orders each lane's acquire before lane 0's release (the gate's mbarrier
+  // arrive), so whoever passes the gate is causally after every peer's GR_DONE release.
+  __syncwarp();
+  if (lane == 0) gate_open(g, epoch, ok);
+  __syncwarp();
+}
+
 // After a 64-row slab of a partial tile is stored, its flag takes the epoch.
 struct EpochTileSignal {
   struct Params {
     uint64_t* flags;
     int tiles_n;
-    uint64_t epoch;
+    const Gate* gate;  // the epoch; the courier's slabs come after the gate (GatedDest)
+    int m;             // rows of P
   };
   static constexpr bool enabled = true;
   __device__ static void after_store(const Params& p, const SlabInfo& s) {
+    // A slab entirely at or below row M holds no row of P (TMA clipped all of it) and its
+    // flag is never read: every wait (wait_partials) skips the slabs outside the rows it
+    // sums, which are < M. At M <= 64 that is every tile's second slab, whose flag cost
+    // the courier a system-scope release (a MEMBAR.SYS) per tile on the way to the
+    // reduction.
+    if (s.row0 >= p.m) return;
+    // The courier got this slab from a consumer's store thread, which had passed the gate
+    // (GatedDest) before storing it: the mailbox's release / acquire makes the gate's
+    // epoch and ok visible here. A failed gate stored nothing: no flag either, so a peer
+    // waits (and sees the abort word) instead of reading a stale partial.
+    if (!p.gate->ok) return;
     // The engine waited for the slab's bulk stores to complete; the proxy fence orders those
     // async-proxy writes before this thread's generic accesses, and the release store at
     // system scope publishes them to a peer's acquire. A full fence.sc.sys before it (as
     // mk_signal_store) only added cost: 5 % of the whole op at 2 ranks (session 6, run 6).
     fence_proxy_async_global();
     uint64_t* f = p.flags + ((size_t)s.tile.m_block * p.tiles_n + s.tile.n_block) * 2 + s.consumer;
-    mk_st_release_sys(f, p.epoch);
+    mk_st_release_sys(f, p.gate->epoch);
+  }
+};
+
+// The partials' destination (this rank's P), behind the start gate: the epilogue's store
+// thread waits for it before every tile's stores (an mbarrier try_wait on a completed
+// phase after the first: a few cycles), and stores nothing when it failed (nullptr: the
+// epilogue skips the boxes). The proxy fence orders the gate's acquire (generic proxy:
+// the peers' GR_DONE, i.e. their reads of P) before this thread's TMA stores (async
+// proxy) into P -- the write-after-read counterpart of hooks.cuh's rule for TMA loads.
+struct GatedDest {
+  struct Params {
+    const CUtensorMap* tma_c;  // P: dims {N, M}, box {64, 64}, CU_TENSOR_MAP_SWIZZLE_128B
+    Gate* gate;
+  };
+  static constexpr bool kMayRefuse = true;
+  __device__ static const CUtensorMap* map(const Params& p, const SlabInfo& s, int& row, int& col) {
+    gate_wait(p.gate);
+    fence_proxy_async_global();
+    row = s.row0;
+    col = s.col0;
+    return p.gate->ok ? p.tma_c : nullptr;
   }
 };
 
@@ -572,10 +672,13 @@ __device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch
 // store it. Measured (one H200, 2 ranks): it overlaps the whole GEMM but moves ~6 GB/s per
 // CTA in 80 registers, so the reduction ends ~700 us after the GEMM at M 4096 -- 1.6x
 // slower than reducing after the GEMM, which stays the default.
+// On one node, warp 2 first opens the CTA's start gate (open_gate): warps 2-3 run beside
+// the GEMM from its start, which is what lets the epoch read and the peers' GR_DONE wait
+// overlap the first loads.
 struct ReduceSideWork : NoAWait {
   struct Params {
     const GemmReduceParams* op;
-    uint64_t epoch;
+    Gate* gate;
   };
   __device__ static void before_a_load(const Params&, int, int, int) {}
   __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
@@ -585,7 +688,11 @@ struct ReduceSideWork : NoAWait {
   template <typename T, int BN>
   __device__ static void run(const Params& w) {
     const GemmReduceParams& p = *w.op;
-    if (p.side_reduce && p.reduce_ctas == 0) reduce<T, BN, SideWarps>(p, w.epoch, blockIdx.x, p.compute_ctas);
+    if (p.nodes == 1 && threadIdx.x / 32 == 2) open_gate(p, w.gate);
+    if (p.side_reduce && p.reduce_ctas == 0) {
+      gate_wait(w.gate);  // both warps: the same outcome, so both (named barrier 3) reduce or neither
+      if (w.gate->ok) reduce<T, BN, SideWarps>(p, w.gate->epoch, blockIdx.x, p.compute_ctas);
+    }
   }
 };
 template <typename T, int BN>
@@ -595,50 +702,74 @@ struct ReduceSideWorkFor : ReduceSideWork {
 
 // The GEMM's epilogue: partial tiles stored into this rank's region, each 64-row slab
 // flagged with the epoch.
-using PartialEpilogue = TmaEpilogue<LocalDest, TmaStoreOp, EpochTileSignal>;
+using PartialEpilogue = TmaEpilogue<GatedDest, TmaStoreOp, EpochTileSignal>;
 
-template <typename T, int BN>
+// BM = 64 (M <= 64, chosen by the host, A's tensor map boxed {64, 64}): the A stages hold
+// only the 64 rows the one live consumer reads, so 4 stages fit instead of 3 at BN 256 (8
+// at BN 128, as with BM 128): more of B -- all of a small-M GEMM's traffic -- in flight.
+// The reduction still works in 128-row blocks (one block: M <= 64).
+template <typename T, int BN, int BM = 128>
 __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_p,
                                             const GemmReduceParams& p) {
-  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value, SHARE_NONE, kProducerRegs>;
+  using Cfg = GemmConfig<T, BN, FusedStages<BN, BM>::value, SHARE_NONE, kProducerRegs, BM>;
+  // The reducers stage their loads in the first FusedStages<BN> * (128 + BN) * 128 bytes of
+  // the ring (ring_staging): the ring must hold them.
+  static_assert(Cfg::STAGES * Cfg::STAGE_BYTES >= FusedStages<BN>::value * (128 + BN) * 64 * 2, "ring_staging fits the ring");
   using Epi = PartialEpilogue;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
   mk_trace_begin(p.trace, (int)blockIdx.x >= p.compute_ctas);
-  const uint64_t epoch = mk_op_epoch_begin(ws, GR_EPOCH);
+  uint64_t epoch;
 
   if ((int)blockIdx.x < p.compute_ctas) {
-    // Peers must have finished reading our previous partials before we overwrite them.
-    const bool peers_done = mk_cta_wait_peers(ws, GR_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, p.op);
-    if (p.nodes > 1 && peers_done && blockIdx.x == 0 && threadIdx.x == 0) gr_post_net_done(p, epoch);
+    __shared__ Gate gate;
+    // The engine's own barrier (after its mbarrier inits) orders this init before any use.
+    if (threadIdx.x == 0) mbar_init(&gate.bar, 1);
+    if (p.nodes > 1) {
+      // Across nodes: the whole CTA waits first, as before the gate (thread 0 posts to the
+      // proxy), and opens the gate at once. Peers must have finished reading our previous
+      // partials before we overwrite them.
+      epoch = mk_op_epoch_begin(ws, GR_EPOCH);
+      const bool peers_done = mk_cta_wait_peers(ws, GR_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, p.op);
+      if (peers_done && blockIdx.x == 0 && threadIdx.x == 0) gr_post_net_done(p, epoch);
+      if (threadIdx.x == 0) gate_open(&gate, epoch, peers_done);
+    }
+    // One node: warp 2 opens the gate during the GEMM (ReduceSideWork). "setup" in the
+    // trace is now the time before the engine starts.
     mk_trace_time(p.trace, MK_TR_SETUP);
-    if (peers_done) {
-      RasterParams sched;
-      sched.tiles_m = (p.m + Cfg::BM - 1) / Cfg::BM;
-      sched.tiles_n = p.tiles_n;
-      sched.group_m = p.group_m > 0 ? p.group_m : 1;
-      sched.m_block_base = 0;
-      sched.owners = p.interleave;
-      typename ReduceSideWorkFor<T, BN>::Params await{&p, epoch};
-      typename Epi::Params epi;
-      epi.dest.tma_c = tma_p;
-      epi.signal.flags = mk_signal_word(ws, ws.rank, GR_TILE);
-      epi.signal.tiles_n = p.tiles_n;
-      epi.signal.epoch = epoch;
-      gemm_persistent<Cfg, OwnerInterleavedRaster, ReduceSideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
-                                                         blockIdx.x, p.compute_ctas, smem);
-      // Without dedicated reduction CTAs (and side warps), the GEMM CTAs reduce once their
-      // GEMM is done: all 12 warps, as CTA c of the grid taking owned tiles c, c + grid, ...
-      // The GEMM's stores overlap only its last wave this way (CTAs finish at different
-      // times); the side warps, which overlap all of it, measured slower (session 5).
-      restore_launch_registers<Cfg>();
-      if (p.reduce_ctas == 0 && !p.side_reduce) {
-        if (p.trace) mk_trace_time(p.trace, MK_TR_GEMM);
-        reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
-      }
+    RasterParams sched;
+    sched.tiles_m = (p.m + Cfg::BM - 1) / Cfg::BM;
+    sched.tiles_n = p.tiles_n;
+    sched.group_m = p.group_m > 0 ? p.group_m : 1;
+    sched.m_block_base = 0;
+    sched.owners = p.interleave;
+    typename ReduceSideWorkFor<T, BN>::Params await{&p, &gate};
+    typename Epi::Params epi;
+    epi.dest.tma_c = tma_p;
+    epi.dest.gate = &gate;
+    epi.signal.flags = mk_signal_word(ws, ws.rank, GR_TILE);
+    epi.signal.tiles_n = p.tiles_n;
+    epi.signal.gate = &gate;
+    epi.signal.m = p.m;
+    // Runs whatever the gate's outcome (a failed gate only stops P's stores and flags): the
+    // loads and wgmmas touch nothing a peer reads.
+    gemm_persistent<Cfg, OwnerInterleavedRaster, ReduceSideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
+                                                       blockIdx.x, p.compute_ctas, smem);
+    // Without dedicated reduction CTAs (and side warps), the GEMM CTAs reduce once their
+    // GEMM is done: all 12 warps, as CTA c of the grid taking owned tiles c, c + grid, ...
+    // The GEMM's stores overlap only its last wave this way (CTAs finish at different
+    // times); the side warps, which overlap all of it, measured slower (session 5).
+    // restore_launch_registers' CTA barrier comes after warp 2 opened the gate (it opens
+    // it before any side work and reaches the barrier only after): every thread reads it.
+    restore_launch_registers<Cfg>();
+    epoch = gate.epoch;
+    if (gate.ok && p.reduce_ctas == 0 && !p.side_reduce) {
+      if (p.trace) mk_trace_time(p.trace, MK_TR_GEMM);
+      reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
     }
   } else {
+    epoch = mk_op_epoch_begin(ws, GR_EPOCH);
     mk_trace_time(p.trace, MK_TR_SETUP);
     reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x - p.compute_ctas, p.reduce_ctas);
   }
@@ -649,21 +780,28 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
 
   // The last CTA to finish advances the epoch and tells every peer we are done reading
   // its partials.
-  mk_op_epoch_end(ws, GR_EPOCH, GR_ARRIVE, GR_DONE, epoch);
+  // Only reads of peers' memory happen here (every rank pulls), so the GPU-scope variant:
+  // one system-scope fence, in the last CTA only (fused_op.cuh).
+  mk_op_epoch_end_readers(ws, GR_EPOCH, GR_ARRIVE, GR_DONE, epoch);
   mk_trace_time(p.trace, MK_TR_END);
 }
 
 }  // namespace gemm_reduce
 }  // namespace mk
 
-#define MK_GEMM_REDUCE_ENTRY(NAME, T, BN)                                                               \
+#define MK_GEMM_REDUCE_ENTRY(NAME, T, BN, BM)                                                           \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                 \
       NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,       \
            const __grid_constant__ CUtensorMap tma_p, const __grid_constant__ GemmReduceParams p) {    \
-    mk::gemm_reduce::gemm_reduce<T, BN>(&tma_a, &tma_b, &tma_p, p);                                    \
+    mk::gemm_reduce::gemm_reduce<T, BN, BM>(&tma_a, &tma_b, &tma_p, p);                                \
   }
 
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn256, __nv_bfloat16, 256)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn128, __nv_bfloat16, 128)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn256, __half, 256)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn128, __half, 128)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn256, __nv_bfloat16, 256, 128)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn128, __nv_bfloat16, 128, 128)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn256, __half, 256, 128)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn128, __half, 128, 128)
+// M <= 64 (src/ops/gemm_reduce.rs picks them).
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn256_bm64, __nv_bfloat16, 256, 64)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn128_bm64, __nv_bfloat16, 128, 64)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn256_bm64, __half, 256, 64)
+MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn128_bm64, __half, 128, 64)

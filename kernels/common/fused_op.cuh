@@ -37,6 +37,39 @@ __device__ __forceinline__ void mk_op_epoch_end(const WorkspaceView& ws, uint32_
   }
 }
 
+// mk_op_epoch_end for an op whose done words only say "this rank finished READING your
+// buffers" -- its CTAs never write into a peer's memory (GEMM + ReduceScatter /
+// AllReduce: every rank pulls; the only remote stores are the done words themselves).
+// The guarantee a peer needs: every read of its buffer by every CTA here happens before
+// its next call's writes to that buffer, in causality order:
+//   a CTA's reads -> bar.sync -> thread 0's atom.acq_rel.gpu (release) -> the last CTA's
+//   same atom (acquire) -> fence.acq_rel.sys + st.relaxed.sys (a release pattern at
+//   system scope) -> the peer's ld.acquire.sys of its done word -> the peer's writes.
+// Every CTA's fence is at GPU scope (all CTAs of this grid are on this GPU), and only the
+// last CTA pays one fence at system scope, for all of its stores (mk_op_epoch_end: a
+// fence.sc.sys per CTA, then a fence.sc.sys and a release at system scope per peer, on
+// the kernel's critical path: ~3 us of the end at M = 1, benches/RESULTS.md session 7).
+// A load has returned its value before the CTA's barrier (its data was summed and stored),
+// so no scope stronger than GPU is needed to order the reads themselves.
+// Not for ops that write into peers' memory (AG+GEMM's pushes, MoE's sends): there the
+// system-scope fence in each writing CTA is what publishes its remote stores.
+__device__ __forceinline__ void mk_op_epoch_end_readers(const WorkspaceView& ws, uint32_t epoch_word, uint32_t arrive_word,
+                                                        uint32_t done_word, uint64_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long* arrive = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, arrive_word));
+    unsigned long long before;
+    asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(before) : "l"(arrive) : "memory");
+    if (before == gridDim.x - 1) {
+      *arrive = 0;  // the next launch starts after this one ends (stream order)
+      asm volatile("fence.acq_rel.sys;" ::: "memory");
+      mk_st_relaxed_sys(mk_signal_word(ws, ws.rank, epoch_word), epoch);
+      for (int q = 0; q < ws.nranks; ++q)
+        if (q != ws.rank) mk_st_relaxed_sys(mk_signal_word(ws, q, done_word + ws.rank), epoch);
+    }
+  }
+}
+
 // The threads that run a fused op's data movement, and how they synchronise among
 // themselves: a whole CTA, or COUNT threads from FIRST on (whole warps) with their own
 // named barrier (e.g. the producer warpgroup's idle warps 32..127 on barrier 3, or the
@@ -57,10 +90,10 @@ struct WarpTeam {
 };
 
 // Deepest stage ring that fits in 227 KiB beside the TMA epilogue's staging buffers
-// (mirrors ops::gemm::stages(bn, Epilogue::Tma)).
-template <int BN>
+// (mirrors ops::gemm::stages_bm(bm, bn, Epilogue::Tma)), for tiles of BM rows.
+template <int BN, int BM = 128>
 struct FusedStages {
-  static constexpr int fit = (232448 - 1024 - 2 * 64 * BN * 2 - 256) / ((128 + BN) * 64 * 2);
+  static constexpr int fit = (232448 - 1024 - 2 * 64 * BN * 2 - 256) / ((BM + BN) * 64 * 2);
   static constexpr int value = fit > 8 ? 8 : fit;
 };
 

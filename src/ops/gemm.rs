@@ -88,6 +88,20 @@ pub fn engine_smem_bytes(bn: usize, stages: usize, staging_per_wg: usize) -> usi
     1024 + stages * (BM + bn) * BK * 2 + 2 * staging_per_wg + 2 * stages * 8 + MAILBOX_BYTES
 }
 
+/// Ring depth of a fused engine with the TMA epilogue and `bm`-row tiles (128, or 64 for
+/// the small-M GEMM + reduce kernels): mirrors `FusedStages<BN, BM>` in
+/// kernels/common/fused_op.cuh (`stages(bn, Epilogue::Tma)` at bm 128).
+pub fn fused_stages(bm: usize, bn: usize) -> usize {
+    ((SMEM_LIMIT - 1024 - 2 * 64 * bn * 2 - 256) / ((bm + bn) * BK * 2)).min(8)
+}
+
+/// Dynamic shared memory of a fused engine with the TMA epilogue and `bm`-row tiles
+/// (`smem_bytes(bn, Epilogue::Tma)` at bm 128): as `engine_smem_bytes`.
+pub fn fused_smem_bytes(bm: usize, bn: usize) -> usize {
+    let stages = fused_stages(bm, bn);
+    1024 + stages * (bm + bn) * BK * 2 + 2 * 64 * bn * 2 + 2 * stages * 8 + MAILBOX_BYTES
+}
+
 /// The epilogue courier's mailbox after the stage barriers (kMailboxBytes in
 /// kernels/common/gemm/epilogue.cuh): two slots of two mbarriers and a slab's coordinates.
 const MAILBOX_BYTES: usize = 64;

@@ -2,7 +2,7 @@
 //! mkGemmReduceScatter and mkGemmAllReduce: argument checks, role split (from the
 //! `gemm_rs` / `gemm_ar` planners), tensor maps, launch.
 
-use super::gemm::{self as engine, Epilogue, PlanOverrides};
+use super::gemm::{self as engine, PlanOverrides};
 use super::hier_collectives::fused_op_workspace;
 use super::{gemm_ar, gemm_reduce_nodes, gemm_rs};
 use crate::comm::Comm;
@@ -144,7 +144,17 @@ pub fn owned_tile(tiles_n: usize, group_m: usize, owners: usize, first: usize, b
 
 /// The kernel instantiations (kernels/gemm_reduce.cu MK_GEMM_REDUCE_ENTRY).
 pub fn kernel_names() -> Vec<String> {
-    ["bf16", "f16"].iter().flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}"))).collect()
+    ["bf16", "f16"]
+        .iter()
+        .flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}")))
+        .chain(["bf16", "f16"].iter().flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}_bm64"))))
+        .collect()
+}
+
+/// Rows per GEMM tile of the fused kernel: 64 when M fits one such tile (the `_bm64`
+/// kernels: A stages of 64 rows, so a deeper ring of B fits), else the engine's 128.
+pub fn tile_rows(m: usize) -> usize {
+    if m <= 64 { 64 } else { engine::BM }
 }
 
 /// Validated call on `comm`: plan, launch (stream-ordered, no host sync).
@@ -224,7 +234,8 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     };
     // The view is indexed by local rank (the global rank across nodes).
     let partial_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
-    let mut ta = engine::tensor_map(args.a, args.dtype, m, k, engine::BM, engine::BK)?;
+    let bm = tile_rows(m);
+    let mut ta = engine::tensor_map(args.a, args.dtype, m, k, bm, engine::BK)?;
     let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
     let mut tp = engine::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
     let mut params = GemmReduceParams {
@@ -273,11 +284,11 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         params.rank_of = nl.rank_of;
     }
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
-    let f = cuda::function("gemm_reduce", &format!("mk_gemm_reduce_{dt}_bn{bn}"))?;
+    let f = cuda::function("gemm_reduce", &format!("mk_gemm_reduce_{dt}_bn{bn}{}", if bm == 64 { "_bm64" } else { "" }))?;
     let cfg = LaunchConfig {
         grid: (compute_ctas + reduce_ctas, 1, 1),
         block: (engine::THREADS, 1, 1),
-        shared_mem_bytes: engine::smem_bytes(bn, Epilogue::Tma) as u32,
+        shared_mem_bytes: engine::fused_smem_bytes(bm, bn) as u32,
     };
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
@@ -293,6 +304,28 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::gemm::Epilogue;
+
+    /// The small-M kernels' ring: deeper at bn 256 (4 stages instead of 3), never shallower,
+    /// within the shared-memory limit beside the kernel's 1 KiB of static shared memory, and
+    /// the bm 128 sizes are the plain engine's.
+    #[test]
+    fn small_m_tiles_fit_a_deeper_ring() {
+        assert_eq!(tile_rows(1), 64);
+        assert_eq!(tile_rows(64), 64);
+        assert_eq!(tile_rows(65), 128);
+        assert_eq!(engine::fused_stages(64, 256), 4);
+        assert_eq!(engine::fused_stages(128, 256), 3);
+        for bn in [128, 256] {
+            assert_eq!(engine::fused_smem_bytes(128, bn), engine::smem_bytes(bn, Epilogue::Tma));
+            assert_eq!(engine::fused_stages(128, bn), engine::stages(bn, Epilogue::Tma));
+            assert!(engine::fused_stages(64, bn) >= engine::fused_stages(128, bn));
+            // kernels/gemm_reduce.cu's static_assert: the reducers' staging fits the ring.
+            assert!(engine::fused_stages(64, bn) * (64 + bn) >= engine::fused_stages(128, bn) * (128 + bn));
+            assert!(engine::fused_smem_bytes(64, bn) + 1024 <= engine::SMEM_LIMIT, "bn {bn}");
+        }
+        assert!(kernel_names().contains(&"mk_gemm_reduce_f16_bn128_bm64".to_string()));
+    }
 
     #[test]
     fn owners_interleave_only_on_whole_row_blocks() {

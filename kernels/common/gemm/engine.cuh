@@ -57,12 +57,17 @@ constexpr int SHARE_NONE = 0, SHARE_A = 1, SHARE_B = 2;
 // PRODUCER_REGS_: registers of the producer warpgroup after setmaxnreg (the consumers get
 // what is left of the 64K, rounded down to a multiple of 8). 40 suits a lone TMA producer;
 // a fused kernel whose hook runs side work in the producer's idle warps takes more.
-template <typename T_, int BN_, int STAGES_, int SHARE_ = SHARE_NONE, int PRODUCER_REGS_ = 40>
+// BM_: rows per tile, 128 (two consumer slabs of 64) or 64 for a GEMM of M <= 64 (no
+// cluster): A stages of 64 rows (the A tensor map's box must be {64, 64}), so more stages
+// fit beside the same B tiles; consumer 1 then never has rows and only keeps the stage and
+// epilogue protocol (see `live` below).
+template <typename T_, int BN_, int STAGES_, int SHARE_ = SHARE_NONE, int PRODUCER_REGS_ = 40, int BM_ = 128>
 struct GemmConfig {
   using T = T_;
   static constexpr int SHARE = SHARE_;
   static constexpr int CLUSTER = SHARE_ == SHARE_NONE ? 1 : 2;
-  static constexpr int BM = 128;
+  static constexpr int BM = BM_;
+  static_assert(BM_ == 128 || (BM_ == 64 && SHARE_ == SHARE_NONE), "BM 64 only without a cluster");
   static constexpr int BN = BN_;
   static constexpr int BK = 64;  // 64 x 2 bytes = one 128-byte swizzle row
   static constexpr int STAGES = STAGES_;
@@ -98,7 +103,7 @@ struct GemmShape {
 // Runs the engine in one CTA of a kernel launched with Cfg::THREADS threads and
 // __launch_bounds__(Cfg::THREADS, 1). `smem` is the dynamic shared memory
 // (engine_smem_bytes<Cfg, Epi>() bytes). tma_a / tma_b point at __grid_constant__ tensor
-// maps: A dims {K, M}, B dims {K, N}, boxes {64, 128} / {64, BN}, SWIZZLE_128B.
+// maps: A dims {K, M}, B dims {K, N}, boxes {64, BM} / {64, BN}, SWIZZLE_128B.
 template <class Cfg, class Sched, class AWait, class Epi>
 __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const CUtensorMap* tma_b, GemmShape shape,
                                                 const typename Sched::Params& sched,
@@ -220,29 +225,57 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
     };
     for (int t = item0; t < num_items; t += item_step) {
       const TileCoord tc = expand(Sched::tile(sched, t));
-      int prev = -1;
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        mbar_wait(&full[stage], phase);
-        const char* a = smem_a + stage * Cfg::A_STAGE_BYTES + consumer * (64 * BK * 2);
-        const char* b = smem_b + stage * Cfg::B_STAGE_BYTES;
-        wgmma_fence();
+      // A slab entirely at or below row M (M <= 64: consumer 1 on every tile; else the
+      // last m-block's lower half when M % 128 is in (0, 64]) multiplies only the rows TMA
+      // zero-filled: its wgmmas would take the SM's tensor cores (shared by both consumer
+      // warpgroups) for nothing -- half the tensor work of a small-M GEMM. Such a
+      // warpgroup still waits for every stage to fill and releases it (the empty barrier
+      // counts all 8 consumer warps: an arrival without the wait could be counted in the
+      // wrong phase) and still runs the epilogue, so every epilogue's protocol (slab
+      // flags, the courier's mailbox count) is unchanged. The accumulators it hands over
+      // are stale (the previous tile's, or never written) instead of the zeros the wgmmas
+      // would have made: every row of the slab is >= M, which every epilogue clips (TMA:
+      // the tensor map's extent; DirectStoreEpilogue: r < M). Zeroing them here would be a
+      // non-wgmma definition of the accumulator registers, which makes ptxas serialise
+      // every wgmma of the kernel (C7515; seen on the first build of this). An epilogue
+      // that writes rows >= M anywhere must not rely on their values.
+      // Warpgroup-uniform (tile and consumer), so wgmma stays warpgroup-converged.
+      // (With BM = 64 consumer 1's slab lies outside the tile: never live.)
+      const bool live = consumer * 64 < BM && tc.m_block * BM + consumer * 64 < shape.M;
+      if (live) {
+        int prev = -1;
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          mbar_wait(&full[stage], phase);
+          const char* a = smem_a + stage * Cfg::A_STAGE_BYTES + consumer * (64 * BK * 2);
+          const char* b = smem_b + stage * Cfg::B_STAGE_BYTES;
+          wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < BK / 16; ++k) {
-          Wgmma<BN, T>::mma(acc, make_smem_desc_sw128(a + k * 32), make_smem_desc_sw128(b + k * 32),
-                            (kb > 0 || k > 0) ? 1 : 0);
+          for (int k = 0; k < BK / 16; ++k) {
+            Wgmma<BN, T>::mma(acc, make_smem_desc_sw128(a + k * 32), make_smem_desc_sw128(b + k * 32),
+                              (kb > 0 || k > 0) ? 1 : 0);
+          }
+          wgmma_commit();
+          wgmma_wait<1>();  // the previous k-block's batch is done: release its stage
+          if (prev >= 0) release(prev);
+          prev = stage;
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
         }
-        wgmma_commit();
-        wgmma_wait<1>();  // the previous k-block's batch is done: release its stage
-        if (prev >= 0) release(prev);
-        prev = stage;
-        if (++stage == STAGES) {
-          stage = 0;
-          phase ^= 1;
+        wgmma_wait<0>();
+        fence_operands(acc);
+        release(prev);
+      } else {
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          mbar_wait(&full[stage], phase);
+          release(stage);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
         }
       }
-      wgmma_wait<0>();
-      fence_operands(acc);
-      release(prev);
       slab.tile = tc;
       slab.row0 = tc.m_block * BM + consumer * 64;
       slab.col0 = tc.n_block * BN;

@@ -17,6 +17,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 #include "ptx.cuh"
 #include "scheduler.cuh"
 
@@ -68,7 +69,15 @@ __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
 
 // Where a slab's TMA stores go: a tensor map and the (row, column) of the slab in it.
 // Policy interface: struct { struct Params; __device__ static const CUtensorMap*
-//   map(const Params&, const SlabInfo&, int& row, int& col); }  (called by one thread)
+//   map(const Params&, const SlabInfo&, int& row, int& col); }  (called by one thread,
+// the store thread, right before it issues the slab's stores: a Dest may wait there; one
+// that declares `static constexpr bool kMayRefuse = true` may return nullptr to store
+// nothing).
+template <class Dest, class = void>
+struct DestMayRefuse : std::false_type {};
+template <class Dest>
+struct DestMayRefuse<Dest, std::void_t<decltype(Dest::kMayRefuse)>> : std::bool_constant<Dest::kMayRefuse> {};
+
 struct LocalDest {
   struct Params {
     const CUtensorMap* tma_c;  // C: dims {N, M}, box {64, 64}, CU_TENSOR_MAP_SWIZZLE_128B
@@ -177,8 +186,12 @@ struct TmaEpilogue {
     if (s.thread == 0) {
       int row, col;
       const CUtensorMap* m = Dest::map(p.dest, s, row, col);
+      // A Dest with kMayRefuse returns nullptr to store nothing (a fused op whose start
+      // wait failed); checked only for such Dests, so the others' code is unchanged.
+      if (!DestMayRefuse<Dest>::value || m != nullptr) {
 #pragma unroll
-      for (int b = 0; b < BN / 64; ++b) Op::box(m, s.smem + b * 8192, col + b * 64, row);
+        for (int b = 0; b < BN / 64; ++b) Op::box(m, s.smem + b * 8192, col + b * 64, row);
+      }
       tma_store_commit();
       if constexpr (Signal::enabled) {
         s.signal_tile = s.tile;
