@@ -99,17 +99,46 @@ __device__ __forceinline__ bool moe_cta_wait_peers(const WorkspaceView& ws, uint
 }
 
 // Tiles: t -> grouped raster over (ordered m-block index, n-block); the m-block index goes
-// through the order table, and the B row block is the expert's (E_local·N_total view).
+// through the order table (identity when null), and the B row block is the expert's
+// (E_local·N_total view). With a run table, raster groups never straddle two runs (a run:
+// consecutive order positions of one expert, and for the dispatch one order key): a run of
+// L blocks is cut into ceil(L / group_m) groups of balanced sizes, so the tiles that share
+// an expert's B tile run in the same wave. Host mirror: ops::moe::moe_tile.
 struct MoeRaster {
   struct Params {
-    const int* order;      // m-block order (layout)
+    const int* order;      // m-block order (layout); null: identity
+    const int* runs;       // per m-block: first order position of its run | length << 15; null: fixed groups
     const int* mb_expert;  // local expert of each m-block (layout)
     int tiles_m, tiles_n, group_m;
   };
   __device__ static TileCoord tile(const Params& p, int t) {
-    const TileCoord c = grouped_tile(p.tiles_m, p.tiles_n, p.group_m, t);
-    const int mb = ld_cg(p.order + c.m_block);
-    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + c.n_block};
+    int pos, nb;
+    if (p.runs == nullptr) {
+      const TileCoord c = grouped_tile(p.tiles_m, p.tiles_n, p.group_m, t);
+      pos = c.m_block;
+      nb = c.n_block;
+    } else {
+      // Groups tile the order positions, so position t / tiles_n lies in t's group.
+      const int at = t / p.tiles_n;
+      const int info = ld_cg(p.runs + (p.order ? ld_cg(p.order + at) : at));
+      const int rs = info & 0x7fff, len = info >> 15;
+      const int groups = (len + p.group_m - 1) / p.group_m;
+      const int q = len / groups, r = len % groups, o = at - rs;  // r groups of q + 1, then q
+      int gs, gl;
+      if (o < r * (q + 1)) {
+        gs = o / (q + 1) * (q + 1);
+        gl = q + 1;
+      } else {
+        gs = r * (q + 1) + (o - r * (q + 1)) / q * q;
+        gl = q;
+      }
+      gs += rs;
+      const int in_group = t - gs * p.tiles_n;
+      pos = gs + in_group % gl;
+      nb = in_group / gl;
+    }
+    const int mb = p.order ? ld_cg(p.order + pos) : pos;
+    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + nb};
   }
 };
 
@@ -267,15 +296,18 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     const int e = idx[i];
     if (e >= 0 && e < E) lay_row[i] += off[e];
   }
-  // Own m-block tables (thread per local expert): expert and the sources each block holds.
+  // Own m-block tables (thread per local expert): expert and the sources each block holds,
+  // and each block's expert segment (first block | blocks << 15: the combine's groups).
   int* mb_expert = layout + p.lay_mb_expert;
   int* mb_src = layout + p.lay_mb_srcmask;
+  int* mb_seg = layout + p.lay_mb_seg;
   for (int le = tid; le < El; le += blockDim.x) {
     const int e = me * El + le;
     const int base = lbase[le], nb = (lbase[le + 1] - base) / 128;
     for (int b = 0; b < nb; ++b) {
       mb_expert[base / 128 + b] = le;
       mb_src[base / 128 + b] = 0;
+      mb_seg[base / 128 + b] = base / 128 | nb << 15;
     }
     int r0 = base;
     for (int s = 0; s < n; ++s) {
@@ -286,29 +318,75 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     }
   }
   __syncthreads();
-  // Block order: by the latest-arriving source a block needs (senders go to themselves
-  // first, then rank+1, ...: we get rank s's rows at step (me - s) mod n), then by index.
+  // Block order (host mirror: ops::moe::block_order): by a key, then by index (so, inside a
+  // key, expert-major). Senders go to themselves first, then rank+1, ...: we get rank s's
+  // rows at step (me - s) mod n. Keys (MoeParams::order_mode):
+  //   arrival (0): the step of the latest source the block needs (n keys);
+  //   expert (1, default): 0 = only own rows, 1 = the rest (2 keys);
+  //   split (2): 0 = only own rows, 1 = no rows of the last step's source, 2 = the rest.
+  // Why expert by default (4 ranks, T 4096, k 8, E 256: ~4.4 blocks per expert, ~1 per
+  // source): under arrival a raster group of 5 blocks spans ~5 experts, so every tile
+  // streams its own 3.7 MB W1 tile; expert-major with groups cut at expert boundaries
+  // (MoeRaster) shares each W1 tile among the expert's blocks (host model of one wave's
+  // distinct A + B, L2 of 50 MB / 4 ranks: 3.35 -> 1.43 MB per tile, the per-expert
+  // launches 1.29). The price: after the own-only blocks (0-0.5 per expert) the GEMM waits
+  // for the sources' last rows; split keeps half of that overlap.
   const int total = lbase[El] / 128;
+  const int mode = p.order_mode;
+  const int nkeys = mode == 0 ? n : mode == 1 ? 2 : 3;
   for (int b = tid; b < total; b += blockDim.x) {
     const unsigned m = (unsigned)mb_src[b];
     int latest = 0;
     for (int s = 0; s < n; ++s)
       if (m & (1u << s)) latest = max(latest, (me - s + n) % n);
-    keys[b] = (unsigned char)latest;
+    int key = latest;
+    if (mode != 0) key = m == (1u << me) ? 0 : (mode == 2 && latest < n - 1) ? 1 : mode;
+    keys[b] = (unsigned char)key;
   }
   __syncthreads();
-  if (warp == 0) {
-    int* order = layout + p.lay_mb_order;
-    int k = 0;
-    for (int step = 0; step < n; ++step)
-      for (int b0 = 0; b0 < total; b0 += 32) {
-        const bool hit = b0 + lane < total && keys[b0 + lane] == step;
-        const unsigned ballot = __ballot_sync(0xffffffffu, hit);
-        if (hit) order[k + __popc(ballot & ((1u << lane) - 1))] = b0 + lane;
-        k += __popc(ballot);
-      }
-    if (lane == 0) layout[LAY_TOTAL_MB] = total;
+  // Per (key, expert): blocks (kcnt), then the first order position (exclusive prefix over
+  // (key, expert) in that order); bits/pre of pass 1 are free now (nkeys * El <= E words).
+  int* kcnt = reinterpret_cast<int*>(bits);
+  for (int le = tid; le < El; le += blockDim.x) {
+    for (int k = 0; k < nkeys; ++k) kcnt[k * El + le] = 0;
+    for (int b = lbase[le] / 128; b < lbase[le + 1] / 128; ++b) ++kcnt[keys[b] * El + le];
   }
+  __syncthreads();
+  if (warp == 0) {  // exclusive prefix over the nkeys * El counts: a chunk per lane
+    const int items = nkeys * El, chunk = (items + 31) / 32;
+    const int i0 = min(items, lane * chunk), i1 = min(items, i0 + chunk);
+    int sum = 0;
+    for (int i = i0; i < i1; ++i) sum += kcnt[i];
+    int incl = sum;
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    int pos = incl - sum;
+    for (int i = i0; i < i1; ++i) {
+      const int c = kcnt[i];
+      kcnt[i] = pos;
+      pos += c;
+    }
+  }
+  __syncthreads();
+  // The order, and per block its (key, expert) run in order space: first position | length
+  // << 15 (MoeRaster cuts its raster groups at run boundaries).
+  int* order = layout + p.lay_mb_order;
+  int* mb_run = layout + p.lay_mb_run;
+  for (int le = tid; le < El; le += blockDim.x) {
+    for (int k = 0; k < nkeys; ++k) {
+      const int first = kcnt[k * El + le];
+      const int next = k * El + le + 1 < nkeys * El ? kcnt[k * El + le + 1] : total;
+      int pos = first;
+      for (int b = lbase[le] / 128; b < lbase[le + 1] / 128; ++b)
+        if (keys[b] == k) {
+          order[pos++] = b;
+          mb_run[b] = first | (next - first) << 15;
+        }
+    }
+  }
+  if (tid == 0) layout[LAY_TOTAL_MB] = total;
   __syncthreads();
   return true;
 }
@@ -389,6 +467,7 @@ struct SourceAWait {
   __device__ static void before_a_load(const Params& w, int m_block, int, int) {
     const WorkspaceView& ws = w.op->ws;
     unsigned mask = (unsigned)ld_cg(w.srcmask + m_block);
+    const uint64_t t0 = w.op->trace ? mk_globaltimer() : 0;
     while (mask) {
       const int s = __ffs(mask) - 1;
       mask &= mask - 1;
@@ -396,6 +475,7 @@ struct SourceAWait {
       // computes on stale rows and the kernel still ends in bounded time.
       moe_wait(ws, mk_signal_word(ws, ws.rank, MOE_RECV + s), w.epoch, s, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
     }
+    if (w.op->trace) mk_trace_add(w.op->trace, MK_TR_WAIT, mk_globaltimer() - t0);  // the producer's waits
     fence_proxy_async_global();  // the senders' generic-proxy stores, then our TMA loads
   }
   __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
@@ -405,7 +485,10 @@ struct SourceAWait {
   // Unless communication CTAs were asked for (MK_COMM_SMS), the producer warpgroup's idle
   // warps send this CTA's share of the token rows.
   __device__ static void side_work(const Params& w, int) {
-    if (w.op->send_by_gemm_ctas) send_rows<SideWarps, 4>(*w.op, w.epoch, blockIdx.x, w.op->compute_ctas);
+    if (w.op->send_by_gemm_ctas) {
+      send_rows<SideWarps, 4>(*w.op, w.epoch, blockIdx.x, w.op->compute_ctas);
+      if (w.op->trace && SideWarps::tid() == 0) *mk_trace_slot(w.op->trace, MK_TR_SIDE) = mk_globaltimer();
+    }
   }
 };
 
@@ -435,8 +518,9 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   if (ready && j < 0) {
     const int total_mb = ld_cg(layout + LAY_TOTAL_MB);
     if (p.gemm) {
-      typename MoeRaster::Params sched{layout + p.lay_mb_order, layout + p.lay_mb_expert, total_mb, p.tiles_n,
-                                       max(1, min(p.group_m, total_mb))};
+      // Arrival order (mode 0) keeps main's fixed raster groups; the others cut them at runs.
+      typename MoeRaster::Params sched{layout + p.lay_mb_order, p.order_mode == 0 ? nullptr : layout + p.lay_mb_run,
+                                       layout + p.lay_mb_expert, total_mb, p.tiles_n, max(1, min(p.group_m, total_mb))};
       typename SourceAWait::Params await{&p, layout + p.lay_mb_srcmask, epoch};
       typename Epi::Params epi;
       epi.dest.tma_c = tma_c;
@@ -589,8 +673,11 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
       const int total_mb = ld_cg(layout + LAY_TOTAL_MB);
       uint64_t* flags = mk_signal_word(ws, ws.rank, MOE_TILE);
       if (p.gemm) {
-        typename MoeRaster::Params sched{layout + p.lay_mb_order, layout + p.lay_mb_expert, total_mb, p.tiles_n,
-                                         max(1, min(p.group_m, total_mb))};
+        // Y' is local: no arrival order to follow. Expert-major (the receive layout's own
+        // order), groups cut at expert segments; arrival mode (0) keeps the dispatch's order.
+        const bool by_expert = p.order_mode != 0;
+        typename MoeRaster::Params sched{by_expert ? nullptr : layout + p.lay_mb_order, by_expert ? layout + p.lay_mb_seg : nullptr,
+                                         layout + p.lay_mb_expert, total_mb, p.tiles_n, max(1, min(p.group_m, total_mb))};
         NoAWait::Params await{0};
         typename Epi::Params epi;
         epi.dest.tma_c = tma_c;

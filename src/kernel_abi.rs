@@ -413,6 +413,12 @@ pub struct MoeParams {
     pub lay_mb_expert: i32,
     pub lay_mb_order: i32,
     pub lay_mb_srcmask: i32,
+    /// Per m-block: first order position of its (order key, expert) run | run length << 15.
+    pub lay_mb_run: i32,
+    /// Per m-block: first block of its expert's segment | the segment's blocks << 15.
+    pub lay_mb_seg: i32,
+    /// m-block order (MK_MOE_ORDER): 0 arrival, 1 expert, 2 split (ops::moe::OrderMode).
+    pub order_mode: i32,
     pub tokens: i32,
     pub hidden: i32,
     pub ffn: i32,

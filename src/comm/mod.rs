@@ -46,6 +46,8 @@ pub struct CommConfig {
     pub gemm_reducers_after: bool,
     /// mkGemmAllReduce: the largest M that takes the one-shot path.
     pub gemm_ar_one_shot_max_m: usize,
+    /// MoE kernels' m-block order (MK_MOE_ORDER): 0 arrival, 1 expert, 2 split.
+    pub moe_order: u32,
 }
 
 impl CommConfig {
@@ -60,6 +62,7 @@ impl CommConfig {
             stage_collective_loads: crate::env::load_staging_smem(),
             gemm_reducers_after: crate::env::gemm_reducers_after(),
             gemm_ar_one_shot_max_m: crate::env::gemm_ar_one_shot_max_m(),
+            moe_order: crate::env::moe_order(),
         }
     }
 }

@@ -128,6 +128,10 @@ pub struct LayoutOffsets {
     pub mb_order: usize,
     /// [capacity / 128] bit s: the block holds rows from rank s.
     pub mb_srcmask: usize,
+    /// [capacity / 128] per block: first order position of its (key, expert) run | length << 15.
+    pub mb_run: usize,
+    /// [capacity / 128] per block: first block of its expert's segment | its blocks << 15.
+    pub mb_seg: usize,
     pub words: usize,
 }
 
@@ -139,7 +143,9 @@ pub fn layout_offsets(tokens: usize, top_k: usize, capacity: usize) -> LayoutOff
     let mb_expert = row + slots;
     let mb_order = mb_expert + blocks;
     let mb_srcmask = mb_order + blocks;
-    LayoutOffsets { dest, row, mb_expert, mb_order, mb_srcmask, words: mb_srcmask + blocks }
+    let mb_run = mb_srcmask + blocks;
+    let mb_seg = mb_run + blocks;
+    LayoutOffsets { dest, row, mb_expert, mb_order, mb_srcmask, mb_run, mb_seg, words: mb_seg + blocks }
 }
 
 /// What `rank`'s kernels compute for a routing (the device's layout, for tests).
@@ -381,6 +387,120 @@ pub fn prep_smem_bytes(d: &MoeDims) -> usize {
     (2 * WARPS * e + e + d.nranks * e + e + d.experts_local() + 1) * 4 + d.capacity / ROW_BLOCK
 }
 
+/// The raster group cap (MoeParams::group_m): m-blocks of one group, which share one wave's
+/// B tiles. The engine's balance of one wave's A and B rows (g·BM ≈ (ctas/g)·BN: 5 at 15
+/// CTAs and BN 256, 6 at 16). The kernels cut groups at expert runs (`moe_tile`), so an
+/// expert of up to g blocks (4.4 at 4 ranks, T 4096, k 8, E 256) is one group and shares
+/// each B tile in one wave; a larger one is cut into balanced groups of at most g (a whole
+/// hot expert in one group would stream its A blocks once per column tile: A of the group
+/// no longer fits the L2 share).
+pub fn group_m(d: &MoeDims, bn: usize, compute_ctas: usize) -> usize {
+    let rows_est = (d.tokens * d.top_k).max(1);
+    engine::raster_group(d.capacity.div_ceil(ROW_BLOCK).min(rows_est.div_ceil(ROW_BLOCK) + d.experts_local()), bn, compute_ctas)
+}
+
+/// Order of the GEMM row blocks (MK_MOE_ORDER; MoeParams::order_mode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OrderMode {
+    /// Dispatch by the arrival step of the latest source a block needs; fixed raster groups.
+    Arrival = 0,
+    /// Dispatch: only-own-rows blocks, then the rest; expert-major inside; groups cut at runs.
+    Expert = 1,
+    /// Dispatch: only-own-rows blocks, blocks without the last step's source, the rest.
+    Split = 2,
+}
+
+/// The m-block tables the dispatch's prep writes into the layout buffer (kernels/moe.cu
+/// `prep`), for `rank`'s receive buffer; host mirror for tests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockTables {
+    /// Per block: local expert.
+    pub expert: Vec<usize>,
+    /// Per block: bit s = the block holds rows of rank s.
+    pub srcmask: Vec<u32>,
+    /// Per block: the order key (smaller first).
+    pub key: Vec<usize>,
+    /// Order positions -> block (a permutation).
+    pub order: Vec<usize>,
+    /// Per block: (first order position, length) of its (key, expert) run.
+    pub run: Vec<(usize, usize)>,
+    /// Per block: (first block, blocks) of its expert's segment.
+    pub seg: Vec<(usize, usize)>,
+}
+
+pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: OrderMode) -> Result<BlockTables> {
+    let n = s.nranks;
+    let (layout, _) = receive_layout(s, routing, rank)?;
+    let (mut expert, mut srcmask, mut seg) = (Vec::new(), Vec::new(), Vec::new());
+    for (le, rows) in layout.iter().enumerate() {
+        let first = expert.len();
+        let nb = rows.len().div_ceil(ROW_BLOCK);
+        for b in 0..nb {
+            expert.push(le);
+            seg.push((first, nb));
+            srcmask.push(rows[b * ROW_BLOCK..rows.len().min((b + 1) * ROW_BLOCK)].iter().fold(0u32, |m, r| m | 1 << r.source));
+        }
+    }
+    let key: Vec<usize> = srcmask
+        .iter()
+        .map(|&m| {
+            let latest = (0..n).filter(|&src| m >> src & 1 != 0).map(|src| (rank + n - src) % n).max().unwrap_or(0);
+            match mode {
+                OrderMode::Arrival => latest,
+                _ if m == 1 << rank => 0,
+                OrderMode::Split if latest < n - 1 => 1,
+                _ => mode as usize,
+            }
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..expert.len()).collect();
+    order.sort_by_key(|&b| (key[b], b));
+    let mut run = vec![(0, 0); expert.len()];
+    let mut p = 0;
+    while p < order.len() {
+        let same = |q: usize| key[order[q]] == key[order[p]] && expert[order[q]] == expert[order[p]];
+        let end = (p..order.len()).find(|&q| !same(q)).unwrap_or(order.len());
+        for q in p..end {
+            run[order[q]] = (p, end - p);
+        }
+        p = end;
+    }
+    Ok(BlockTables { expert, srcmask, key, order, run, seg })
+}
+
+/// Tile `t` of the MoE GEMM (kernels/moe.cu `MoeRaster::tile`): (block, n-block within the
+/// expert). `order` None = identity; `runs` (per block: first order position, length of its
+/// run) None = the engine's fixed groups of `group_m`.
+pub fn moe_tile(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_m: usize, tiles_n: usize, group_m: usize, t: usize) -> (usize, usize) {
+    let at_order = |pos: usize| order.map_or(pos, |o| o[pos]);
+    let (pos, nb) = match runs {
+        None => {
+            let per_group = group_m * tiles_n;
+            let first = t / per_group * group_m;
+            let rows = (tiles_m - first).min(group_m);
+            let in_group = t % per_group;
+            (first + in_group % rows, in_group / rows)
+        }
+        Some(runs) => {
+            let at = t / tiles_n;
+            let (gs, gl) = run_group(runs[at_order(at)], group_m, at);
+            let in_group = t - gs * tiles_n;
+            (gs + in_group % gl, in_group / gl)
+        }
+    };
+    (at_order(pos), nb)
+}
+
+/// The raster group (first order position, blocks) holding order position `at` of the run
+/// (first position, length): the run cut into ceil(length / group_m) groups, the first
+/// length mod groups of them one block longer.
+pub fn run_group((rs, len): (usize, usize), group_m: usize, at: usize) -> (usize, usize) {
+    let groups = len.div_ceil(group_m);
+    let (q, r, o) = (len / groups, len % groups, at - rs);
+    let (gs, gl) = if o < r * (q + 1) { (o / (q + 1) * (q + 1), q + 1) } else { (r * (q + 1) + (o - r * (q + 1)) / q * q, q) };
+    (rs + gs, gl)
+}
+
 // ---- launches ----------------------------------------------------------------------------
 
 /// Which MoE kernel: token dispatch + GEMM, or GEMM + combine.
@@ -452,7 +572,8 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     l.params.counts_offset = ws.view.data_bytes;
     l.params.buf_offset = ws.view.data_bytes + COUNTS_BYTES as u64;
     l.params.tiles_n = (l.cols / bn) as i32;
-    l.params.group_m = engine::raster_group(l.dims.capacity.div_ceil(ROW_BLOCK).min(rows_est.div_ceil(ROW_BLOCK) + l.dims.experts_local()), bn, roles.compute_ctas as usize) as i32;
+    l.params.group_m = group_m(&l.dims, bn, roles.compute_ctas as usize) as i32;
+    l.params.order_mode = comm.config.moe_order as i32;
     l.params.compute_ctas = roles.compute_ctas as i32;
     l.params.comm_ctas = roles.comm_ctas as i32;
     l.params.gemm = l.gemm as i32;
@@ -486,6 +607,8 @@ fn base_params(dims: &MoeDims, layout: u64) -> MoeParams {
         lay_mb_expert: lo.mb_expert as i32,
         lay_mb_order: lo.mb_order as i32,
         lay_mb_srcmask: lo.mb_srcmask as i32,
+        lay_mb_run: lo.mb_run as i32,
+        lay_mb_seg: lo.mb_seg as i32,
         tokens: dims.tokens as i32,
         hidden: dims.hidden as i32,
         ffn: dims.ffn as i32,
@@ -692,7 +815,7 @@ mod tests {
     #[test]
     fn layout_buffer_and_prep_memory() {
         let lo = layout_offsets(10, 3, 512);
-        assert_eq!((lo.dest, lo.row, lo.mb_expert, lo.mb_order, lo.mb_srcmask, lo.words), (4, 34, 64, 68, 72, 76));
+        assert_eq!((lo.dest, lo.row, lo.mb_expert, lo.mb_order, lo.mb_srcmask, lo.mb_run, lo.mb_seg, lo.words), (4, 34, 64, 68, 72, 76, 80, 84));
         // The largest call fits the prep CTA's shared memory beside the narrowest engine.
         let d = dims(4096, 7168, 2048, 8, MAX_EXPERTS, MAX_CAPACITY_BLOCKS * ROW_BLOCK, 8);
         assert!(prep_smem_bytes(&d) <= engine::smem_bytes(256, Epilogue::Tma).min(engine::smem_bytes(128, Epilogue::Tma)));
@@ -722,5 +845,179 @@ mod tests {
             let e = r.local_expert;
             assert!(*row >= l0.expert_base[e] && *row < l0.expert_base[e] + l0.recv_counts[e]);
         }
+    }
+
+    /// Uniform-ish routing: token t of rank r picks k distinct experts (a small LCG).
+    fn routing_for(tokens: usize, top_k: usize, experts: usize, nranks: usize, seed: u64) -> Vec<Vec<i32>> {
+        let mut x = seed;
+        (0..nranks)
+            .map(|_| {
+                (0..tokens)
+                    .flat_map(|_| {
+                        let mut picked: Vec<i32> = Vec::new();
+                        while picked.len() < top_k {
+                            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                            let e = ((x >> 33) % experts as u64) as i32;
+                            if !picked.contains(&e) {
+                                picked.push(e);
+                            }
+                        }
+                        picked
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn check_tables(t: &BlockTables, rank: usize, mode: OrderMode) {
+        let nb = t.expert.len();
+        let mut seen = vec![false; nb];
+        for &b in &t.order {
+            assert!(!seen[b], "order is a permutation");
+            seen[b] = true;
+        }
+        assert!(seen.iter().all(|&v| v));
+        for w in t.order.windows(2) {
+            assert!((t.key[w[0]], w[0]) < (t.key[w[1]], w[1]), "by key, then index (expert-major inside a key)");
+        }
+        for (p, &b) in t.order.iter().enumerate() {
+            let (rs, len) = t.run[b];
+            assert!(rs <= p && p < rs + len);
+            for q in rs..rs + len {
+                assert_eq!((t.expert[t.order[q]], t.key[t.order[q]]), (t.expert[b], t.key[b]), "a run is one (key, expert)");
+            }
+            assert!(rs == 0 || (t.expert[t.order[rs - 1]], t.key[t.order[rs - 1]]) != (t.expert[b], t.key[b]), "runs are maximal");
+            let (first, blocks) = t.seg[b];
+            assert!(first <= b && b < first + blocks && t.expert[first] == t.expert[b]);
+            assert!(first == 0 || t.expert[first - 1] != t.expert[b]);
+            assert!(t.srcmask[b] != 0, "every block holds a row");
+        }
+        if mode != OrderMode::Arrival {
+            // Blocks of own rows only first (they wait for no peer), then the rest.
+            for &b in &t.order {
+                assert_eq!(t.key[b] == 0, t.srcmask[b] == 1 << rank);
+            }
+        }
+    }
+
+    /// Every tile of tiles_m x tiles_n exactly once; with runs, the groups cut each run into
+    /// balanced pieces of at most group_m blocks, and a group's tiles are its blocks' tiles.
+    fn check_raster(t: &BlockTables, tiles_n: usize, group_m: usize, use_order: bool, runs: Option<&[(usize, usize)]>) {
+        let tiles_m = t.expert.len();
+        let order = use_order.then_some(&t.order[..]);
+        let at_order = |p: usize| order.map_or(p, |o| o[p]);
+        let mut hit = vec![0u8; tiles_m * tiles_n];
+        for i in 0..tiles_m * tiles_n {
+            let (b, n) = moe_tile(order, runs, tiles_m, tiles_n, group_m, i);
+            assert!(n < tiles_n);
+            hit[b * tiles_n + n] += 1;
+        }
+        assert!(hit.iter().all(|&h| h == 1), "every tile once");
+        let Some(runs) = runs else { return };
+        let mut p = 0;
+        while p < tiles_m {
+            let run = runs[at_order(p)];
+            assert_eq!(run.0, p, "runs tile the order positions");
+            let mut sizes = Vec::new();
+            let mut q = p;
+            while q < p + run.1 {
+                let (gs, gl) = run_group(run, group_m, q);
+                assert_eq!(gs, q, "a group starts where the last one ended");
+                assert!(gl >= 1 && gl <= group_m);
+                for at in gs..gs + gl {
+                    assert_eq!(run_group(run, group_m, at), (gs, gl));
+                    assert_eq!(runs[at_order(at)], run, "a group never straddles two runs");
+                }
+                let blocks: std::collections::BTreeSet<usize> = (gs * tiles_n..(gs + gl) * tiles_n).map(|i| moe_tile(order, Some(runs), tiles_m, tiles_n, group_m, i).0).collect();
+                assert_eq!(blocks, (gs..gs + gl).map(at_order).collect());
+                sizes.push(gl);
+                q += gl;
+            }
+            assert_eq!(sizes.len(), run.1.div_ceil(group_m));
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1, "balanced: {sizes:?}");
+            p += run.1;
+        }
+    }
+
+    #[test]
+    fn block_order_mirrors_the_prep_and_the_raster_covers_every_tile() {
+        for (nranks, tokens, top_k, experts) in [(1, 300, 2, 8), (2, 400, 4, 16), (4, 512, 8, 32), (8, 256, 8, 64), (3, 200, 3, 12)] {
+            let s = shape(tokens, top_k, experts, nranks);
+            let routing = routing_for(tokens, top_k, experts, nranks, 7 + nranks as u64);
+            for rank in 0..nranks {
+                for mode in [OrderMode::Arrival, OrderMode::Expert, OrderMode::Split] {
+                    let t = block_tables(&s, &routing, rank, mode).unwrap();
+                    let dl = device_layout(&s, &routing, rank).unwrap();
+                    assert_eq!(t.expert.len() * ROW_BLOCK, dl.expert_base.last().unwrap() + dl.recv_counts.last().unwrap().next_multiple_of(ROW_BLOCK));
+                    check_tables(&t, rank, mode);
+                    for (tiles_n, g) in [(1, 1), (8, 5), (3, 2), (28, 6), (4, 100)] {
+                        let g = g.min(t.expert.len()).max(1);
+                        check_raster(&t, tiles_n, g, true, None);
+                        check_raster(&t, tiles_n, g, true, Some(&t.run));
+                        check_raster(&t, tiles_n, g, false, Some(&t.seg));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn expert_order_keeps_arrival_keys_for_the_arrival_mode() {
+        // 4 ranks, rank 0: arrival keys are the latest source's step ((0 - s) mod 4).
+        let s = shape(512, 8, 32, 4);
+        let routing = routing_for(512, 8, 32, 4, 3);
+        let t = block_tables(&s, &routing, 0, OrderMode::Arrival).unwrap();
+        for b in 0..t.expert.len() {
+            let latest = (0..4).filter(|&src| t.srcmask[b] >> src & 1 != 0).map(|src| (4 - src) % 4).max().unwrap();
+            assert_eq!(t.key[b], latest);
+        }
+        // Expert mode: after the own-only blocks, the order is the receive layout's (expert-major).
+        let e = block_tables(&s, &routing, 2, OrderMode::Expert).unwrap();
+        let rest: Vec<usize> = e.order.iter().copied().filter(|&b| e.key[b] == 1).collect();
+        assert!(rest.windows(2).all(|w| w[0] < w[1]));
+        // Split: the last step's source (rank 3 for rank 2) only in key 2.
+        let sp = block_tables(&s, &routing, 2, OrderMode::Split).unwrap();
+        for b in 0..sp.expert.len() {
+            assert_eq!(sp.key[b] == 2, sp.srcmask[b] >> 3 & 1 != 0 && sp.srcmask[b] != 1 << 2, "block {b}");
+        }
+    }
+
+    #[test]
+    fn expert_groups_share_b_tiles_in_a_wave() {
+        // DeepSeek-V3-like routing at 4 ranks (scaled: T 1024, E 64, so ~4.5 blocks per
+        // local expert as at T 4096, E 256): one wave of 15 dispatch tiles (tiles_n 8,
+        // group 5) touches far fewer (expert, n-block) B tiles in expert order.
+        let s = shape(1024, 8, 64, 4);
+        let routing = routing_for(1024, 8, 64, 4, 11);
+        let d = dims(1024, 7168, 2048, 8, 64, 1 << 14, 4);
+        let g = group_m(&d, 256, 15);
+        assert_eq!(g, 5);
+        let wave_b_tiles = |t: &BlockTables, runs: Option<&[(usize, usize)]>| -> f64 {
+            let tiles = t.expert.len() * 8;
+            let mut sum = 0usize;
+            for w0 in (0..tiles).step_by(15) {
+                let mut bt: Vec<(usize, usize)> = (w0..tiles.min(w0 + 15)).map(|i| { let (b, n) = moe_tile(Some(&t.order), runs, t.expert.len(), 8, g, i); (t.expert[b], n) }).collect();
+                bt.sort();
+                bt.dedup();
+                sum += bt.len();
+            }
+            sum as f64 / tiles.div_ceil(15) as f64
+        };
+        let arrival = block_tables(&s, &routing, 1, OrderMode::Arrival).unwrap();
+        let expert = block_tables(&s, &routing, 1, OrderMode::Expert).unwrap();
+        let (a, e) = (wave_b_tiles(&arrival, None), wave_b_tiles(&expert, Some(&expert.run)));
+        assert!(e * 2.0 < a, "B tiles per wave: arrival {a:.1}, expert {e:.1}");
+    }
+
+    #[test]
+    fn group_cap_balances_a_and_b_rows() {
+        // 4 ranks on one H200 (16 CTAs each), T 4096, k 8, E 256: dispatch 15 GEMM CTAs, BN 256.
+        let d = dims(4096, 7168, 2048, 8, 256, 40960, 4);
+        assert_eq!(group_m(&d, 256, 15), 5);
+        assert_eq!(group_m(&d, 256, 16), 6);
+        assert_eq!(group_m(&d, 256, 7), 4);
+        assert_eq!(group_m(&d, 256, 131), 16);
+        // Never more than the blocks there can be.
+        assert_eq!(group_m(&dims(4, 256, 256, 1, 8, 128, 1), 256, 132), 1);
     }
 }

@@ -17,7 +17,7 @@ use mkernel::cuda::{self, sys};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::{mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes};
 use mkernel::ffi::mkComm_t;
-use mkernel::ops::moe::{device_layout, DeviceLayout, MoeShape, ROW_BLOCK};
+use mkernel::ops::moe::{block_tables, device_layout, layout_offsets, DeviceLayout, MoeShape, OrderMode, ROW_BLOCK};
 use mkernel::ops::util::fill_random;
 use mkernel::testing::{f32_to_bf16, f32_to_f16, bf16_to_f32, f16_to_f32, relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
@@ -275,6 +275,9 @@ impl Case {
         if counts != want {
             return Ok((false, format!("recvCounts {counts:?}, expected {want:?}")));
         }
+        if let Some(msg) = self.verify_block_tables(inp)? {
+            return Ok((false, msg));
+        }
         let x = self.x_all.download_f64()?;
         let w1 = self.w1.download_f64()?;
         let y = self.y.download_f64()?;
@@ -292,6 +295,41 @@ impl Case {
         let _ = el;
         let err = relative_error(&out, &reference);
         Ok((err <= tolerance(s.dtype), format!("{} rows, rel err {err:.2e}", inp.layout.rows.len())))
+    }
+
+    /// The prep's m-block tables in the layout buffer against ops::moe::block_tables (the
+    /// host mirror), in the order mode of this process (MK_MOE_ORDER). None: equal.
+    fn verify_block_tables(&self, inp: &Inputs) -> Result<Option<String>> {
+        let s = &self.s;
+        let t = inp.ids[self.rank].len() / s.top_k;
+        let shape = MoeShape { tokens: t, top_k: s.top_k, experts: s.experts, nranks: self.n };
+        let mode = match mkernel::env::moe_order() {
+            0 => OrderMode::Arrival,
+            2 => OrderMode::Split,
+            _ => OrderMode::Expert,
+        };
+        let want = block_tables(&shape, &inp.ids, self.rank, mode)?;
+        let words: Vec<i32> = self.layout.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+        let lo = layout_offsets(t, s.top_k, self.capacity); // as the launch: this call's tokens
+        let nb = want.expert.len();
+        let pack = |v: &[(usize, usize)]| v.iter().map(|&(a, l)| (a | l << 15) as i32).collect::<Vec<_>>();
+        let as_i32 = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<_>>();
+        let checks: [(&str, usize, Vec<i32>); 5] = [
+            ("m-block experts", lo.mb_expert, as_i32(&want.expert)),
+            ("m-block sources", lo.mb_srcmask, want.srcmask.iter().map(|&m| m as i32).collect()),
+            ("m-block order", lo.mb_order, as_i32(&want.order)),
+            ("m-block runs", lo.mb_run, pack(&want.run)),
+            ("m-block segments", lo.mb_seg, pack(&want.seg)),
+        ];
+        if words[0] as usize != nb {
+            return Ok(Some(format!("layout: {} m-blocks in use, expected {nb}", words[0])));
+        }
+        for (name, off, v) in checks {
+            if words[off..off + nb] != v[..] {
+                return Ok(Some(format!("layout: {name} differ from ops::moe::block_tables (mode {mode:?})")));
+            }
+        }
+        Ok(None)
     }
 
     /// out[t] against Σ_j w·round(Y'_owner[row]·W2_eᵀ) in float64.
