@@ -72,17 +72,19 @@ constexpr int THREADS = CONSUMER_WARPS * 32 + PRODUCER_THREADS;  // ops::ring_at
 constexpr int KV_STAGES = 2;                       // slots of the K ring and of the V ring
 constexpr int Q_STAGES = 2;                        // slots of the Q ring: the next item's Q loads during this one
 // Registers after setmaxnreg. A CTA of 384 threads starts with 168 each (a sub-partition
-// holds 3 of its 12 warps: 16K / 96, rounded down to a multiple of 8); the TMA producer
-// needs few (40: its per-tile loop does not spill, only the per-item bookkeeping and the
-// bounded wait's slow path touch the stack; 32 and 24 spill in the loop; the cp.async
-// loaders needed 56), the math warps hold O, S and P (64 + 64 + 32 at D = 128) and the
-// rest of the softmax. The consumers' share is what the producers give up:
-// (384·168 − 128·40) / 256 = 232. (A lone 9th producer warp would cap every thread at
-// 168: its sub-partition holds 3 warps.)
+// holds 3 of its 12 warps: 16K / 96, rounded down to a multiple of 8); the producer
+// needs few, the math warps hold O, S and P (64 + 64 + 32 at D = 128) and the rest of the
+// softmax. The consumers' share is what the producers give up:
+// (384·168 − 128·56) / 256 = 224. 56 is the least at which the TMA producer does not
+// spill at all (tests/kernels.rs): at 48 the D = 64 kernels spill 4 bytes, at 40 (which
+// would give the consumers 232) every kernel spills 32 bytes in the per-item bookkeeping
+// and the bounded wait's slow path (its per-tile loop stays clean), at 24 and 32 in the
+// per-tile loop too. (A lone 9th producer warp would cap every thread at 168: its
+// sub-partition holds 3 warps.)
 constexpr int LAUNCH_REGS = 168;
-constexpr int PRODUCER_REGS = 40;
+constexpr int PRODUCER_REGS = 56;
 constexpr int CONSUMER_REGS = (THREADS * LAUNCH_REGS - PRODUCER_THREADS * PRODUCER_REGS) / (CONSUMER_WARPS * 32) / 8 * 8;
-static_assert(CONSUMER_REGS == 232, "setmaxnreg split");
+static_assert(CONSUMER_REGS == 224, "setmaxnreg split");
 constexpr int TURN_BARRIER = 2;                    // + wg: consumer warpgroup wg's turn to issue (2, 3)
 
 // Dynamic shared memory (ops::ring_attention::smem_bytes): the Q ring, the K and V rings,
