@@ -32,22 +32,25 @@
 //               No CTA-wide barrier per tile: the two warpgroups take turns issuing
 //               their GEMMs (pingpong, FA3 §3.1, two named barriers), so one's softmax
 //               runs while the other's GEMMs hold the tensor cores.
-//   warps 8-11  the producer warpgroup: every load, by cp.async into the swizzled
-//               layout: Q per item into a ring of Q_STAGES slots, K and V tiles through
-//               two rings of KV_STAGES slots, with full/empty mbarriers (K of tile t is
-//               loaded before V of tile t-1, the order the consumers need them in, also
-//               across items). It also makes the bounded waits for the sources' RING_KV
-//               flags, and stops the consumers at the tile where one gave up
-//               (Pipeline::abort_tile).
+//   warps 8-11  the producer warpgroup, of which one thread works: every load, by TMA
+//               (cp.async.bulk.tensor, 128-byte swizzle): Q per item into a ring of
+//               Q_STAGES slots, K and V tiles through two rings of KV_STAGES slots, with
+//               full/empty mbarriers (K of tile t is loaded before V of tile t-1, the order
+//               the consumers need them in, also across items). It also makes the bounded
+//               waits for the sources' RING_KV flags, and stops the consumers at the tile
+//               where one gave up (Pipeline::abort_tile). Warps 9-11 and lanes 1-31 of
+//               warp 8 only give their registers to the math warps.
 // Items are dealt to CTAs in a snake order (cta_item) that evens out causal work.
-// cp.async rather than TMA: K/V of remote ranks are read through plain peer pointers,
-// for which no tensor maps exist.
+// Tensor maps (RingAttnMaps, encoded on the host per launch): Q, and K and V of every
+// source rank at the address this rank reads them from (own tensors, a peer's workspace
+// through the peer mapping, which is an ordinary device address in this process, or the
+// gathered buffer), each 4-D [batch][token][head][d] so that tokens past seqLocal are out
+// of bounds and arrive as zeros.
 //
 // Gathered mode (p.kv_gathered != 0, used by the unfused baseline and at one rank): the
 // K/V of every source rank lie in one local buffer, shard after shard; no signals.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include "common/cp_async.cuh"
 #include "common/fused_op.cuh"
 #include "common/gemm/wgmma_rs_ops.cuh"
 
@@ -69,16 +72,19 @@ constexpr int THREADS = CONSUMER_WARPS * 32 + PRODUCER_THREADS;  // ops::ring_at
 constexpr int KV_STAGES = 2;                       // slots of the K ring and of the V ring
 constexpr int Q_STAGES = 2;                        // slots of the Q ring: the next item's Q loads during this one
 // Registers after setmaxnreg. A CTA of 384 threads starts with 168 each (a sub-partition
-// holds 3 of its 12 warps: 16K / 96, rounded down to a multiple of 8); the loaders need
-// few (56: at 48 they spill), the math warps hold O, S and P (64 + 64 + 32 at D = 128).
-// The consumers' share is what the producers give up: (384·168 − 128·56) / 256 = 224.
-// (A lone 9th producer warp would cap every thread at 168: its sub-partition holds 3
-// warps.)
+// holds 3 of its 12 warps: 16K / 96, rounded down to a multiple of 8); the producer
+// needs few, the math warps hold O, S and P (64 + 64 + 32 at D = 128) and the rest of the
+// softmax. The consumers' share is what the producers give up:
+// (384·168 − 128·56) / 256 = 224. 56 is the least at which the TMA producer does not
+// spill at all (tests/kernels.rs): at 48 the D = 64 kernels spill 4 bytes, at 40 (which
+// would give the consumers 232) every kernel spills 32 bytes in the per-item bookkeeping
+// and the bounded wait's slow path (its per-tile loop stays clean), at 24 and 32 in the
+// per-tile loop too. (A lone 9th producer warp would cap every thread at 168: its
+// sub-partition holds 3 warps.)
 constexpr int LAUNCH_REGS = 168;
 constexpr int PRODUCER_REGS = 56;
 constexpr int CONSUMER_REGS = (THREADS * LAUNCH_REGS - PRODUCER_THREADS * PRODUCER_REGS) / (CONSUMER_WARPS * 32) / 8 * 8;
 static_assert(CONSUMER_REGS == 224, "setmaxnreg split");
-constexpr int PRODUCER_BARRIER = 1;                // named barrier of the producer warpgroup
 constexpr int TURN_BARRIER = 2;                    // + wg: consumer warpgroup wg's turn to issue (2, 3)
 
 // Dynamic shared memory (ops::ring_attention::smem_bytes): the Q ring, the K and V rings,
@@ -90,6 +96,26 @@ __host__ __device__ constexpr int smem_bytes() {
 static_assert(smem_bytes<128>() <= 227 * 1024, "a CTA may opt in to 227 KiB of shared memory");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// TMA descriptors of the engine's loads (ops::ring_attention::RingAttnMaps; a second
+// __grid_constant__ kernel parameter). Every map is 4-D, innermost first: d (box 64 =
+// one 128-byte swizzle row), head (box 1), token (box BM = BN rows), batch (box 1); K and
+// V of source rank `src` in k[src] / v[src] (only src < nranks are encoded).
+struct RingAttnMaps {
+  CUtensorMap q;
+  CUtensorMap k[MK_MAX_PEERS];
+  CUtensorMap v[MK_MAX_PEERS];
+};
+
+// One 4-D TMA box into shared memory, completing `bytes` on `bar` (expect_tx first).
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
 
 // 2^x on the SFU (MUFU.EX2), subnormal results flushed to 0: exp2f's fix-up of the
 // subnormal range would triple the softmax's instruction count, and probabilities below
@@ -176,13 +202,15 @@ __device__ __forceinline__ bool publish_kv(const RingAttnParams& p, uint64_t epo
 }
 
 // Barriers of the load pipeline (static shared memory beside the dynamic tiles).
-//   q_full[qs], k_full[st], v_full[st]: the producer warpgroup's cp.async copies of the
-//     tile have landed (128 arrivals: one cp.async.mbarrier.arrive.noinc per producer
-//     thread);
+//   q_full[qs], k_full[st], v_full[st]: the tile's TMA boxes have landed (1 arrival, the
+//     producer's arrive.expect_tx, plus the tile's bytes). TMA writes through the async
+//     proxy, which wgmma reads through: no proxy fence after the wait (the cp.async
+//     version needed fence.proxy.async, a MEMBAR, after each of these waits);
 //   k_empty[st], v_empty[st]: every consumer warp's wgmmas that read the tile have
 //     completed (8 arrivals: lane 0 of each consumer warp after its wgmma wait);
 //   q_empty[qs]: every consumer warp has stored its O rows, which it stages through the
-//     item's Q tile (8 arrivals, lane 0 of each warp after the warp's reads).
+//     item's Q tile (8 arrivals, lane 0 of each warp after the warp's reads and a
+//     fence.proxy.async: generic accesses before the TMA's next write of the slot).
 // K/V tile number t (counted over all items of this CTA, the same sequence for the
 // producer and both consumer warpgroups) lives in slot t % KV_STAGES and completes phase
 // (t / KV_STAGES) & 1 of its slot's barriers; Q of the CTA's k-th item, slot k % Q_STAGES,
@@ -229,6 +257,14 @@ struct Item {
   }
 };
 
+// The rank whose K/V ring step s (0 <= s < n) of `rank` reads: (rank - s) mod n, without
+// the integer division of `%` (about 20 instructions, which ran per tile in the consumers'
+// loop and cost the 24-register producer spills).
+__device__ __forceinline__ int ring_src(int rank, int s, int n) {
+  const int r = rank - s;
+  return r < 0 ? r + n : r;
+}
+
 // Next visible 128-key block at or after (ring step s, block kb) for queries up to
 // position qmax; false past the last step. Fully masked blocks (causal) are skipped.
 // The producer and the consumers walk the same sequence.
@@ -236,7 +272,7 @@ __device__ __forceinline__ bool next_visible(const RingAttnParams& p, int qmax, 
   const int nkb = (p.seq_local + BN - 1) / BN;
   const bool causal = p.causal != 0;
   for (; s < p.nranks; ++s, kb = 0) {
-    const int src = (p.rank - s + p.nranks) % p.nranks;
+    const int src = ring_src(p.rank, s, p.nranks);
     if (kb < nkb && (!causal || token_pos(src, kb * BN, p.seq_local, p.nranks, causal) <= qmax)) return true;
   }
   return false;
@@ -261,52 +297,46 @@ struct Attn {
     return desc;
   }
 
-  // First row of key block kb of source `src`'s K (value = false) or V, at the (batch,
-  // kv head) of `it`: where the ring step reads it (own tensors, a peer's
-  // workspace over the peer mapping, or the gathered buffer).
-  __device__ static const T* kv_rows(const RingAttnParams& p, const Item& it, int src, int kb, bool value) {
-    const size_t off = ((size_t)it.b * p.seq_local * p.kv_heads + it.hk) * D + (size_t)kb * BN * p.kv_heads * D;
-    if (p.kv_gathered != 0)
-      return reinterpret_cast<const T*>(value ? p.v_gathered : p.kv_gathered) + (size_t)src * p.kv_elems + off;
-    if (src == p.rank) return reinterpret_cast<const T*>(value ? p.v : p.k) + off;
-    const T* ws_k = reinterpret_cast<const T*>(p.ws.data[src] + p.kv_offset);
-    return ws_k + (value ? p.kv_elems : 0) + off;
-  }
-
-  // The producer warpgroup (warps 8-11): per item of this CTA its Q, then its visible
-  // K/V tiles in ring order, into the slot rings; the only loads of the engine. All 128 threads take
-  // the same path (one outcome per bounded wait). Returns false when a wait gave up.
-  __device__ static bool produce(const RingAttnParams& p, uint64_t epoch, T* sQ, T* sK, T* sV, Pipeline& pl) {
+  // The producer (one thread: lane 0 of warp 8): per item of this CTA its Q, then its
+  // visible K/V tiles in ring order, into the slot rings; the only loads of the engine.
+  // Each tile is D / 64 TMA boxes of 128 rows x 128 bytes (the swz<> layout); rows past
+  // seqLocal are outside the map and arrive as zeros (masked keys must meet V = 0, never
+  // NaN). Returns false when a wait gave up.
+  __device__ static bool produce(const RingAttnParams& p, const RingAttnMaps& maps, uint64_t epoch, T* sQ, T* sK, T* sV,
+                                 Pipeline& pl) {
     using namespace mk::gemm;
-    const int tid = threadIdx.x - CONSUMER_WARPS * 32;
-    const int S = p.seq_local, n = p.nranks, me = p.rank;
-    const int q_stride = p.heads * D, kv_stride = p.kv_heads * D;
+    static_assert(BM == BN, "Q, K and V tiles share the box shape");
+    constexpr uint32_t TILE_BYTES = BN * D * sizeof(T);
+    const int n = p.nranks, me = p.rank;
     uint32_t acquired = 1u << me;  // sources whose K/V this CTA may read
-    // Bounded wait (one thread; the warpgroup learns the outcome) before the first read
-    // of source `src`'s workspace: its RING_KV flag of this epoch. The inline form: no
-    // calls after setmaxnreg. The named barrier also orders the flag's acquire before
-    // every producer thread's loads.
+    // Bounded wait before the first read of source `src`'s workspace: its RING_KV flag
+    // of this epoch (the inline form: no calls after setmaxnreg). The flag is observed
+    // through the generic proxy and the data read by TMA (async proxy): the proxy fence
+    // orders the acquire before this thread's later TMA reads.
     auto ensure = [&](int src) -> bool {
       if (p.kv_gathered != 0 || (acquired & (1u << src))) return true;
-      int ok = 1;
-      if (tid == 0)
-        ok = mk_wait_geq_inline(p.ws, mk_signal_word(p.ws, me, RING_KV + src), epoch, src, MK_WAIT_OP_FLAG,
-                                MK_OP_RING_ATTN);
-      ok = named_barrier_and(PRODUCER_BARRIER, PRODUCER_THREADS, ok);
-      if (ok) acquired |= 1u << src;
-      return ok != 0;
+      if (!mk_wait_geq_inline(p.ws, mk_signal_word(p.ws, me, RING_KV + src), epoch, src, MK_WAIT_OP_FLAG,
+                              MK_OP_RING_ATTN))
+        return false;
+      fence_proxy_async_global();
+      acquired |= 1u << src;
+      return true;
+    };
+    // The D / 64 boxes of one 128-row tile: rows row0.. of `head` in batch b.
+    auto load_tile = [&](T* dst, const CUtensorMap* map, uint64_t* bar, int head, int row0, int b) {
+#pragma unroll
+      for (int c = 0; c < D / 64; ++c) tma_load_4d(dst + c * (BN * 64), map, bar, c * 64, head, row0, b);
     };
     int tile = 0;  // K/V tiles issued so far (all items of this CTA)
     // K of tile t, then V of tile t-1: the consumers need V one tile later than K (they
     // multiply P_{t-1}·V_{t-1} while S_t = Q·K_tᵀ is computed), also across items (an
     // item's last P·V runs beside the next item's first S).
-    const T* v_src = nullptr;  // V rows of tile `tile - 1` and how many are valid
-    int v_rows = 0;
+    int v_src = 0, v_row = 0, v_b = 0, v_hk = 0;  // where V of tile `tile - 1` comes from
     auto load_v = [&](int t) {
       const int st = t % KV_STAGES;
       mbar_wait(&pl.v_empty[st], ((t / KV_STAGES) & 1) ^ 1);
-      load_rows<BN>(sV + st * TILE, v_src, v_rows, kv_stride, tid);
-      cp_async_mbar_arrive(&pl.v_full[st]);
+      mbar_expect_tx(&pl.v_full[st], TILE_BYTES);
+      load_tile(sV + st * TILE, &maps.v[v_src], &pl.v_full[st], v_hk, v_row, v_b);
     };
     for (int k = 0;; ++k) {
       const int item = cta_item(p, k);
@@ -317,60 +347,34 @@ struct Attn {
       // item k-1's first tile, V of item k-2's last) was issued in the previous item.
       const int qs = k % Q_STAGES;
       mbar_wait(&pl.q_empty[qs], ((k / Q_STAGES) & 1) ^ 1);
-      load_rows<BM>(sQ + qs * BM * D,
-                    reinterpret_cast<const T*>(p.q) + ((size_t)it.b * S * p.heads + it.h) * D + (size_t)it.q0 * q_stride,
-                    it.q_rows, q_stride, tid);
-      cp_async_mbar_arrive(&pl.q_full[qs]);
+      mbar_expect_tx(&pl.q_full[qs], BM * D * sizeof(T));
+      load_tile(sQ + qs * BM * D, &maps.q, &pl.q_full[qs], it.h, it.q0, it.b);
       for (int s = 0, kb = 0; next_visible(p, it.qmax, s, kb); ++kb, ++tile) {
         const int st = tile % KV_STAGES;
         const uint32_t ph = (tile / KV_STAGES) & 1;
-        const int src = (me - s + n) % n;
+        const int src = ring_src(me, s, n);
         const bool ok = ensure(src);
         // The slot's previous tile is consumed (also before an abort: completing the
         // next phase early would let a consumer miss the one it waits for).
         mbar_wait(&pl.k_empty[st], ph ^ 1);
         if (!ok) {
-          if (tid == 0) *reinterpret_cast<volatile int*>(&pl.abort_tile) = tile;
-          mbar_arrive(&pl.k_full[st]);  // 128 plain arrivals complete the phase without data
-          cp_async_commit();
-          cp_async_wait<0>();  // no copy may land after the CTA moves on
+          *reinterpret_cast<volatile int*>(&pl.abort_tile) = tile;
+          mbar_arrive(&pl.k_full[st]);  // the one expected arrival, no bytes: the phase completes without data
+          // Every box issued so far is waited for by the consumers before they stop
+          // (Q and K up to tile - 1, V up to tile - 2): none lands after the CTA moves on.
           return false;
         }
-        const int rows = min(BN, S - kb * BN);
-        load_rows<BN>(sK + st * TILE, kv_rows(p, it, src, kb, false), rows, kv_stride, tid);
-        cp_async_mbar_arrive(&pl.k_full[st]);
+        mbar_expect_tx(&pl.k_full[st], TILE_BYTES);
+        load_tile(sK + st * TILE, &maps.k[src], &pl.k_full[st], it.hk, kb * BN, it.b);
         if (tile > 0) load_v(tile - 1);
-        v_src = kv_rows(p, it, src, kb, true);
-        v_rows = rows;
+        v_src = src;
+        v_row = kb * BN;
+        v_b = it.b;
+        v_hk = it.hk;
       }
     }
     if (tile > 0) load_v(tile - 1);
-    cp_async_commit();
-    cp_async_wait<0>();
     return true;
-  }
-
-  // Loads `rows` valid rows (of BR) from `base` (row stride `stride` elements) into a
-  // swizzled tile, the producer warpgroup: thread i copies 16-byte chunk i % (D/8) of
-  // rows i / (D/8) + k·ROW_STEP. ROW_STEP is a multiple of 8, so a thread's rows share
-  // their swizzle phase and its destination advances by ROW_STEP rows (few registers: the
-  // loaders run on 56). Rows past `rows` are zero-filled (masked keys must meet V = 0,
-  // never NaN).
-  template <int BR>
-  __device__ static void load_rows(T* tile, const T* base, int rows, int stride, int tid) {
-    constexpr int CHUNKS = D / 8;
-    constexpr int ROW_STEP = PRODUCER_THREADS / CHUNKS;
-    static_assert(BR % ROW_STEP == 0 && ROW_STEP % 8 == 0, "same chunk count and swizzle phase per thread");
-    const int c = tid % CHUNKS, r0 = tid / CHUNKS;
-    const T* src = base + (size_t)r0 * stride + c * 8;
-    T* dst = tile + swz<BR>(r0, c);
-#pragma unroll 4
-    for (int r = r0; r < BR; r += ROW_STEP) {
-      const bool valid = r < rows;
-      cp_async16(dst, valid ? src : base, valid ? 16 : 0);
-      src += (size_t)ROW_STEP * stride;
-      dst += ROW_STEP * 64;
-    }
   }
 
   // The two consumer warpgroups (warps 0-7), 64 query rows each, pipelined inside the
@@ -414,26 +418,30 @@ struct Attn {
     };
     // Waits for the Q of the CTA's k-th item.
     auto wait_q = [&](int k) {
-      mbar_wait(&pl.q_full[k % Q_STAGES], (k / Q_STAGES) & 1);
-      fence_proxy_async_smem();  // cp.async (generic proxy) writes, then wgmma reads
+      mbar_wait(&pl.q_full[k % Q_STAGES], (k / Q_STAGES) & 1);  // TMA wrote it: no proxy fence (Pipeline)
     };
     // Waits for tile t's K; false when the producer gave up at this tile.
     auto wait_k = [&](int t) -> bool {
       mbar_wait(&pl.k_full[t % KV_STAGES], (t / KV_STAGES) & 1);
-      if (t >= *reinterpret_cast<volatile int*>(&pl.abort_tile)) return false;
-      fence_proxy_async_smem();
-      return true;
+      return t < *reinterpret_cast<volatile int*>(&pl.abort_tile);
     };
-    // S = Q·K_tᵀ for this warpgroup's 64 query rows of the k-th item's Q tile.
-    auto issue_s = [&](float (&sc)[SREG], int k, int t) {
-      const char* tQ = reinterpret_cast<const char*>(sQ + (k % Q_STAGES) * BM * D) + 64 * wg * 128;
-      const char* tK = reinterpret_cast<const char*>(sK + (t % KV_STAGES) * TILE);
+    // Descriptor of this warpgroup's 64 query rows of the k-th item's Q tile. The operands'
+    // descriptors of the k-steps are this plus the step's byte offset / 16: the start
+    // address field is address / 16 in 14 bits and shared memory ends below 256 KiB, so
+    // the sum never carries out of it. Computed once per item (not per k-step inside the
+    // turn, where the slot-dependent address took 4 vector instructions and an R2UR per
+    // wgmma).
+    auto q_desc = [&](int k) -> uint64_t {
+      return make_smem_desc_sw128(reinterpret_cast<const char*>(sQ + (k % Q_STAGES) * BM * D) + 64 * wg * 128);
+    };
+    // S = Q·K_tᵀ for this warpgroup's 64 query rows (Q descriptor qd).
+    auto issue_s = [&](float (&sc)[SREG], uint64_t qd, int t) {
+      const uint64_t kd = make_smem_desc_sw128(sK + (t % KV_STAGES) * TILE);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk) {
-        const int cb = kk / 4, ko = (kk % 4) * 32;  // 64-wide d block, 16-element step inside it
-        Wgmma<BN, T>::mma(sc, make_smem_desc_sw128(tQ + cb * (BM * 128) + ko),
-                          make_smem_desc_sw128(tK + cb * (BN * 128) + ko), kk > 0);
+        const int cb = kk / 4, ko = (kk % 4) * 32;  // 64-wide d block, 16-element (32-byte) step inside it
+        Wgmma<BN, T>::mma(sc, qd + ((cb * (BM * 128) + ko) >> 4), kd + ((cb * (BN * 128) + ko) >> 4), kk > 0);
       }
       wgmma_commit();
     };
@@ -441,7 +449,6 @@ struct Attn {
     // layout by pairs of 8-key blocks), V as the MN-major B operand.
     auto issue_pv = [&](float (&acc)[OREG], const uint32_t (&pa)[PSTEPS][4], int t) {
       mbar_wait(&pl.v_full[t % KV_STAGES], (t / KV_STAGES) & 1);
-      fence_proxy_async_smem();
       const char* tV = reinterpret_cast<const char*>(sV + (t % KV_STAGES) * TILE);
       wgmma_fence();
 #pragma unroll
@@ -454,7 +461,7 @@ struct Attn {
     // the factor O must be rescaled by before P·V.
     auto softmax = [&](float (&sc)[SREG], int q0, int qmin, int s, int kb, float (&m_row)[2], float (&l_row)[2],
                        float (&alpha)[2]) {
-      const int src = (me - s + n) % n;
+      const int src = ring_src(me, s, n);
       const int k0 = kb * BN, k_rows = min(BN, S - k0);
       const bool need_mask = k_rows < BN || (causal && token_pos(src, k0 + k_rows - 1, S, n, causal) > qmin);
       if (need_mask) {
@@ -500,9 +507,22 @@ struct Attn {
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = m_row[r];
+        // The row maximum as a tree (depth log2(BN / 4) + 1 instead of a chain of BN / 4
+        // dependent FMNMX): the softmax's first phase is latency-bound, each warp's max
+        // feeds the shuffles and every exponential after it. fmaxf is exact, so the
+        // order does not change the result.
+        float part[BN / 8];
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+        for (int j = 0; j < BN / 8; ++j) part[j] = fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]);
+        static_assert(BN / 8 == 16, "tree levels below");
+#pragma unroll
+        for (int j = 0; j < 8; ++j) part[j] = fmaxf(part[j], part[j + 8]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) part[j] = fmaxf(part[j], part[j + 4]);
+        part[0] = fmaxf(part[0], part[2]);
+        part[1] = fmaxf(part[1], part[3]);
+        part[0] = fmaxf(part[0], part[1]);
+        float mx = fmaxf(m_row[r], part[0]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
         // A row with no visible key yet keeps max -inf: subtract 0 so exp2(-inf) = 0.
@@ -591,7 +611,10 @@ struct Attn {
           *reinterpret_cast<int4*>(o + (size_t)row * q_stride + c * 8) =
               *reinterpret_cast<const int4*>(tQ + swz<BM>(wrow + rr, c));
       }
-      __syncwarp();  // every lane's reads of the slot come before lane 0 releases it
+      // Every lane's generic accesses of the slot (the O staging) come before lane 0
+      // releases it to the producer, whose next TMA write of it is an async-proxy write.
+      fence_proxy_async_smem();
+      __syncwarp();
       release(&pl.q_empty[k % Q_STAGES]);
       __syncwarp();  // converged again before the next wgmma and bar.sync (.aligned)
     };
@@ -610,8 +633,9 @@ struct Attn {
     // Tile 0: S, softmax, P; nothing to overlap with yet.
     wait_q(0);
     if (!wait_k(0)) return false;
+    uint64_t qd = q_desc(0);  // Q of the item of the tile being computed
     turn_begin();
-    issue_s(sc, 0, 0);
+    issue_s(sc, qd, 0);
     turn_end();
     wgmma_wait<0>();
     fence_operands(sc);
@@ -639,10 +663,11 @@ struct Attn {
         kb = 0;
         next_visible(p, it.qmax, s, kb);  // true, as for tile 0
         wait_q(k + 1);
+        qd = q_desc(k + 1);
       }
       if (!wait_k(tile)) return false;  // nothing in flight: the last wait was wait<0>
       turn_begin();
-      issue_s(sc, boundary ? k + 1 : k, tile);
+      issue_s(sc, qd, tile);
       rescale(acc, alpha);  // O is not in flight (P·V of t-2 was waited for)
       issue_pv(acc, pa, tile - 1);
       turn_end();
@@ -680,7 +705,7 @@ struct Attn {
   }
 
   // Phase 2 (every thread of the CTA). Returns false when a wait gave up.
-  __device__ static bool run(const RingAttnParams& p, uint64_t epoch, char* smem_raw) {
+  __device__ static bool run(const RingAttnParams& p, const RingAttnMaps& maps, uint64_t epoch, char* smem_raw) {
     __shared__ Pipeline pl;
     // 128-byte swizzle repeats every 1024 bytes: tiles start 1024-aligned.
     char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -689,12 +714,12 @@ struct Attn {
     T* sV = sK + KV_STAGES * TILE;           // [KV_STAGES][BN x D]
     if (threadIdx.x == 0) {
       for (int qs = 0; qs < Q_STAGES; ++qs) {
-        mk::gemm::mbar_init(&pl.q_full[qs], PRODUCER_THREADS);
+        mk::gemm::mbar_init(&pl.q_full[qs], 1);
         mk::gemm::mbar_init(&pl.q_empty[qs], CONSUMER_WARPS);
       }
       for (int st = 0; st < KV_STAGES; ++st) {
-        mk::gemm::mbar_init(&pl.k_full[st], PRODUCER_THREADS);
-        mk::gemm::mbar_init(&pl.v_full[st], PRODUCER_THREADS);
+        mk::gemm::mbar_init(&pl.k_full[st], 1);
+        mk::gemm::mbar_init(&pl.v_full[st], 1);
         mk::gemm::mbar_init(&pl.k_empty[st], CONSUMER_WARPS);
         mk::gemm::mbar_init(&pl.v_empty[st], CONSUMER_WARPS);
       }
@@ -707,7 +732,15 @@ struct Attn {
     // (the consumers give theirs up first) so the code after it runs on every warp alike.
     if (threadIdx.x >= CONSUMER_WARPS * 32) {
       mk::gemm::setmaxnreg_dec<PRODUCER_REGS>();
-      ok = produce(p, epoch, sQ, sK, sV, pl);
+      ok = true;
+      if (threadIdx.x == CONSUMER_WARPS * 32) {
+        mk::gemm::prefetch_tensor_map(&maps.q);
+        for (int src = 0; src < p.nranks; ++src) {
+          mk::gemm::prefetch_tensor_map(&maps.k[src]);
+          mk::gemm::prefetch_tensor_map(&maps.v[src]);
+        }
+        ok = produce(p, maps, epoch, sQ, sK, sV, pl);
+      }
       __syncwarp();  // setmaxnreg is .aligned: single-lane work above must have reconverged
       mk::gemm::setmaxnreg_inc<LAUNCH_REGS>();
     } else {
@@ -720,7 +753,7 @@ struct Attn {
   }
 };
 template <typename T, int D>
-__device__ __forceinline__ void ring_attention(const RingAttnParams& p) {
+__device__ __forceinline__ void ring_attention(const RingAttnParams& p, const RingAttnMaps& maps) {
   extern __shared__ __align__(1024) char smem[];
   uint32_t dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
@@ -735,7 +768,7 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p) {
   }
   // A failed wait has recorded the error and raised the abort word: skip to the end, so
   // the kernel still ends in bounded time.
-  if (ok) Attn<T, D>::run(p, epoch, smem);
+  if (ok) Attn<T, D>::run(p, maps, epoch, smem);
   if (ring) mk_op_epoch_end(p.ws, RING_EPOCH, RING_ARRIVE, RING_DONE, epoch);
 }
 
@@ -743,8 +776,9 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p) {
 }  // namespace mk
 
 #define MK_RING_ATTN_ENTRY(NAME, T, D)                                                                   \
-  extern "C" __global__ void __launch_bounds__(mk::ring_attn::THREADS, 1) NAME(const __grid_constant__ RingAttnParams p) { \
-    mk::ring_attn::ring_attention<T, D>(p);                                                              \
+  extern "C" __global__ void __launch_bounds__(mk::ring_attn::THREADS, 1) NAME(const __grid_constant__ RingAttnParams p, \
+                                                                                 const __grid_constant__ mk::ring_attn::RingAttnMaps maps) { \
+    mk::ring_attn::ring_attention<T, D>(p, maps);                                                        \
   }
 
 MK_RING_ATTN_ENTRY(mk_ring_attn_bf16_d128, __nv_bfloat16, 128)

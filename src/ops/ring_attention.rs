@@ -14,7 +14,7 @@
 use crate::comm::Comm;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
-use crate::kernel_abi::{RingAttnParams, WorkspaceView};
+use crate::kernel_abi::{RingAttnParams, WorkspaceView, MK_MAX_PEERS};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
@@ -159,8 +159,82 @@ fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
     (p, grid)
 }
 
+/// The kernel's TMA descriptors (ring_attention.cu `RingAttnMaps`, its second parameter,
+/// `__grid_constant__`): Q, and K and V of every source rank at the address this rank
+/// reads them from; maps of sources ≥ nranks stay zero and are never used.
+#[repr(C)]
+struct RingAttnMaps {
+    q: sys::CUtensorMap,
+    k: [sys::CUtensorMap; MK_MAX_PEERS],
+    v: [sys::CUtensorMap; MK_MAX_PEERS],
+}
+
+/// A 4-D TMA map over a [batch][token][head][d] tensor at `ptr` (d contiguous), box
+/// {64 d, 1 head, BLOCK_M tokens, 1 batch} = one 128-byte-swizzled 128 x 128-byte tile
+/// block, zeros out of bounds (tokens past `tokens`: the kernel's tail rows). Needs
+/// ptr % 16 == 0 (checked for the caller's tensors; workspace regions are aligned).
+fn head_map(ptr: u64, dtype: mkDataType_t, batch: usize, tokens: usize, heads: usize, head_dim: usize) -> Result<sys::CUtensorMap> {
+    let dt = match dtype {
+        mkDataType_t::mkFloat16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    };
+    let dims = [head_dim as u64, heads as u64, tokens as u64, batch as u64];
+    let row = (head_dim * 2) as u64;
+    let strides = [row, row * heads as u64, row * (heads * tokens) as u64];
+    let boxes = [64u32, 1, BLOCK_M as u32, 1];
+    let elem = [1u32; 4];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: all arrays have the lengths rank 4 requires; the map is written by the call.
+    cuda::check("cuTensorMapEncodeTiled (mkRingAttention)", unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dt,
+            4,
+            ptr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    })?;
+    // SAFETY: initialised by the successful call.
+    Ok(unsafe { map.assume_init() })
+}
+
+/// Where the kernel reads source rank `src`'s K (`value` false) or V: the gathered
+/// buffers, the caller's own tensors, or the peer's fused-op region through the peer
+/// mapping (the kernel's K/V source rule; elements are 2 bytes).
+fn kv_source(p: &RingAttnParams, src: usize, value: bool) -> u64 {
+    let bytes = p.kv_elems * 2;
+    if p.kv_gathered != 0 {
+        (if value { p.v_gathered } else { p.kv_gathered }) + src as u64 * bytes
+    } else if src == p.rank as usize {
+        if value { p.v } else { p.k }
+    } else {
+        p.ws.data[src] + p.kv_offset + if value { bytes } else { 0 }
+    }
+}
+
+fn tensor_maps(args: &RingArgs, p: &RingAttnParams) -> Result<RingAttnMaps> {
+    let s = &args.shape;
+    crate::ensure_arg!(s.nranks <= MK_MAX_PEERS, "{} ranks: mkRingAttention reads at most {MK_MAX_PEERS} K/V sources", s.nranks);
+    // SAFETY: CUtensorMap is plain bytes; all-zero is a valid (unused) value.
+    let mut maps: RingAttnMaps = unsafe { std::mem::zeroed() };
+    maps.q = head_map(p.q, args.dtype, s.batch, s.seq_local, s.heads, s.head_dim)?;
+    for src in 0..s.nranks {
+        maps.k[src] = head_map(kv_source(p, src, false), args.dtype, s.batch, s.seq_local, s.kv_heads, s.head_dim)?;
+        maps.v[src] = head_map(kv_source(p, src, true), args.dtype, s.batch, s.seq_local, s.kv_heads, s.head_dim)?;
+    }
+    Ok(maps)
+}
+
 fn launch(args: &RingArgs, mut p: RingAttnParams, grid: u32, stream: sys::CUstream) -> Result<()> {
     let f = kernel(args)?;
+    let mut maps = tensor_maps(args, &p)?;
     let smem = smem_bytes(args.shape.head_dim) as u32;
     // The opt-in is needed whenever dynamic plus static shared memory passes 48 KiB, which
     // it does at every head dimension (97 KiB at D = 64, 193 KiB at D = 128).
@@ -169,9 +243,10 @@ fn launch(args: &RingArgs, mut p: RingAttnParams, grid: u32, stream: sys::CUstre
         sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
     })?;
     let cfg = LaunchConfig { grid: (grid, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem };
-    let mut kernel_params: [*mut c_void; 1] = [(&mut p as *mut RingAttnParams).cast()];
-    // SAFETY: the parameter matches the kernel (RingAttnParams by value); the tensors were
-    // checked to be device memory of this device, of the sizes the caller promised.
+    let mut kernel_params: [*mut c_void; 2] = [(&mut p as *mut RingAttnParams).cast(), (&mut maps as *mut RingAttnMaps).cast()];
+    // SAFETY: the parameters match the kernel (RingAttnParams and RingAttnMaps by value);
+    // the tensors were checked to be device memory of this device, of the sizes the caller
+    // promised, and the maps describe exactly those tensors.
     unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }.map_err(|e| e.context("launching mkRingAttention"))
 }
 
