@@ -2,18 +2,21 @@
 //
 // CTAs [0, compute_ctas) run the GEMM engine over the gathered A in this rank's workspace,
 // row blocks in rank-rotated order (own rows first); before a tile's A rows are loaded the
-// producer waits for the chunks covering them. The pushers (the idle warps of every GEMM
+// producer waits for the chunks covering them. First the whole grid copies this rank's rows
+// into its own gathered buffer (copy_own_rows). The pushers (the idle warps of every GEMM
 // CTA's producer warpgroup, or CTAs [compute_ctas, +comm_ctas) with MK_COMM_SMS) copy this
-// rank's rows, chunk by chunk, into every rank's gathered buffer (its own first, then
-// rank-1, rank-2, ...: the order in which the ranks consume them) and raise one
-// epoch-valued flag per chunk in the receiver's signal region. With `gathered_out` they
-// then copy the whole gathered A out for the caller.
+// rank's rows, chunk by chunk, into every peer's gathered buffer (rank-1, rank-2, ...: the
+// order in which the peers consume them) and raise one epoch-valued flag per chunk in the
+// receiver's signal region. With `gathered_out` they then copy the whole gathered A out for
+// the caller.
 //
-// The GEMM reads every row through the one tensor map of the gathered buffer, own rows too
-// (copied there first), although it could read those from the caller's A in place: with a
-// second map for the own rows the GEMM ran 7-12 % slower at 2 ranks (N = K = 8192, every
-// tile; session 8 runs 2-3, with pushes and waits switched off, and not cured by prefetching
-// the second map), more than the copy costs.
+// The GEMM reads every row through the one tensor map of the gathered buffer, own rows too,
+// although it could read those from the caller's A in place: with a second map for the own
+// rows the GEMM ran 7-12 % slower at 2 ranks (N = K = 8192, every tile; session 8 runs 2-3,
+// with pushes and waits switched off, and not cured by prefetching the second map), more
+// than the copy costs (47 µs at 2048 rows/rank). Copied by the pushers instead, chunk by
+// chunk ahead of the peers' rows, it was slower still (run 5: the GEMM's first tiles wait
+// on 96 threads per CTA instead of 384).
 //
 // Epochs live on the device (signal word AGG_EPOCH), so a captured CUDA graph replays
 // correctly: every CTA reads the epoch at start; the last CTA to finish advances it and
@@ -129,10 +132,9 @@ __device__ __forceinline__ bool copy_gathered_out(const AgGemmParams& p, uint64_
 }
 
 // Pusher `part` of `parts` (the threads of Team) copies its slice of every chunk
-// of this rank's rows into every rank's gathered buffer: its own first (our GEMM starts on
-// them), then rank-1's (it consumes our rows next), rank-2's, ... After its slice of chunk
-// c for rank q it counts itself in AGG_PUSHED(q, c); the last pusher of that chunk raises
-// the chunk's flag at q. Slicing every chunk across all pushers keeps a chunk's latency
+// of this rank's rows into every peer's gathered buffer: rank-1 first (it consumes our
+// rows next), then rank-2, ... After its slice of chunk c for peer q it counts itself in
+// AGG_PUSHED(q, c); the last pusher of that chunk raises the chunk's flag at q. Slicing every chunk across all pushers keeps a chunk's latency
 // short (a chunk is at least one 128-row block: 2 MB at K = 8192, 35-200 µs for one CTA).
 // Then, with `gathered_out`, the gathered A is copied out for the caller as its chunks
 // arrive. Team thread 0 waits.
@@ -142,12 +144,11 @@ __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoc
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, chunks = p.chunks_per_rank;
   const size_t row_bytes = (size_t)p.k * 2;
-  for (int i = 0; i < n; ++i) {
+  for (int i = 1; i < n; ++i) {
     const int q = (me - i + n) % n;
     int ok = 1;
     uint64_t t0 = 0;
-    // Our own buffer: our previous call has ended (stream order), nothing to wait for.
-    if (tid == 0 && q != me) {
+    if (tid == 0) {
       t0 = p.trace ? mk_globaltimer() : 0;
       // q must have finished reading its gathered buffer of our previous call.
       ok = mk_wait_geq_inline(ws, mk_signal_word(ws, me, AGG_DONE + q), epoch - 1, q, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
@@ -348,12 +349,11 @@ struct ChunkAWait {
   }
 };
 
-// Across nodes (the proxy's puts read the own rows from the gathered buffer, whole, at
-// once), by the whole grid before the GEMM: every CTA copies its slice of this rank's rows
-// into the own gathered buffer; the last to finish raises the own-row chunk flags. (On one
-// node the pushers copy them, chunk by chunk.)
+// Whole grid, before the GEMM (which reads every row from the gathered buffer; across
+// nodes the proxy's puts read the own rows from there too): every CTA copies its slice of
+// this rank's rows into the own gathered buffer; the last to finish raises the own-row
+// chunk flags.
 __device__ __forceinline__ void copy_own_rows(const AgGemmParams& p, uint64_t epoch) {
-  if (p.nodes == 1) return;
   const WorkspaceView& ws = p.ws;
   const size_t row_bytes = (size_t)p.k * 2;
   const size_t total = (size_t)p.rows_per_rank * row_bytes;  // a multiple of 16

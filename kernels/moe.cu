@@ -321,16 +321,20 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   // Block order (host mirror: ops::moe::block_order): by a key, then by index (so, inside a
   // key, expert-major). Senders go to themselves first, then rank+1, ...: we get rank s's
   // rows at step (me - s) mod n. Keys (MoeParams::order_mode):
-  //   arrival (0): the step of the latest source the block needs (n keys);
-  //   expert (1, default): 0 = only own rows, 1 = the rest (2 keys);
+  //   arrival (0; the default, MK_MOE_ORDER=auto): the step of the latest source the
+  //     block needs (n keys);
+  //   expert (1): 0 = only own rows, 1 = the rest (2 keys);
   //   split (2): 0 = only own rows, 1 = no rows of the last step's source, 2 = the rest.
-  // Why expert by default (4 ranks, T 4096, k 8, E 256: ~4.4 blocks per expert, ~1 per
+  // Why expert (4 ranks, T 4096, k 8, E 256: ~4.4 blocks per expert, ~1 per
   // source): under arrival a raster group of 5 blocks spans ~5 experts, so every tile
   // streams its own 3.7 MB W1 tile; expert-major with groups cut at expert boundaries
   // (MoeRaster) shares each W1 tile among the expert's blocks (host model of one wave's
   // distinct A + B, L2 of 50 MB / 4 ranks: 3.35 -> 1.43 MB per tile, the per-expert
   // launches 1.29). The price: after the own-only blocks (0-0.5 per expert) the GEMM waits
-  // for the sources' last rows; split keeps half of that overlap.
+  // for the sources' last rows; split keeps half of that overlap. Measured (session 8, 4
+  // ranks), the wait costs the dispatch more than L2 gains it (1.26x unfused against 1.18
+  // by arrival), so the dispatch runs by arrival unless MK_MOE_ORDER asks; the combine,
+  // which has nothing to wait for, runs expert-major (ops::moe::order_mode_for).
   const int total = lbase[El] / 128;
   const int mode = p.order_mode;
   const int nkeys = mode == 0 ? n : mode == 1 ? 2 : 3;

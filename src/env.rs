@@ -18,7 +18,7 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
     ("MK_IB_HCA", "(every active device)", "RDMA devices to use: comma-separated name[:port] prefixes, '^' excludes, '=' exact"),
     ("MK_GEMM_REDUCERS", "after", "who sums the partials in mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: after (every warp of each GEMM CTA, after its GEMM) or side (two idle producer warps, during the GEMM; measured 1.6x slower with three)"),
     ("MK_GEMM_AR_ONESHOT_MAX_M", "256", "mkGemmAllReduce: largest M that takes the one-shot path (every rank sums every tile); above it, two-phase (each owner sums its rows, the others copy them) where M divides into 128-row blocks per rank"),
-    ("MK_MOE_ORDER", "expert", "order of the MoE kernels' GEMM row blocks: expert (dispatch: blocks of own tokens only first, then expert-major; combine expert-major; raster groups cut at experts, so an expert's blocks share its weight tiles in L2), split (dispatch: own-only, then blocks without the last-arriving source, then the rest, each expert-major) or arrival (the dispatch by the latest source's arrival, fixed raster groups: the design before)"),
+    ("MK_MOE_ORDER", "auto", "order of the MoE kernels' GEMM row blocks: auto (the dispatch by arrival, the combine expert-major: the fastest pair measured), expert (dispatch: blocks of own tokens only first, then expert-major; combine expert-major; raster groups cut at experts, so an expert's blocks share its weight tiles in L2), split (dispatch: own-only, then blocks without the last-arriving source, then the rest, each expert-major) or arrival (both kernels by the latest source's arrival, fixed raster groups: the design before)"),
     ("MK_LOAD_STAGING", "smem", "how the collectives keep loads in flight: smem (cp.async into 128 KiB of shared memory per CTA) or registers (a few vectors per thread); the fused ops' reducers always stage"),
 ];
 
@@ -62,15 +62,17 @@ pub fn gemm_ar_one_shot_max_m() -> usize {
     parse_u64("MK_GEMM_AR_ONESHOT_MAX_M").map_or(crate::ops::gemm_ar::ONE_SHOT_MAX_M, |m| m as usize)
 }
 
-/// `MK_MOE_ORDER`: 0 arrival, 1 expert (default), 2 split (ops::moe::OrderMode).
+/// `MK_MOE_ORDER`: 0 arrival, 1 expert, 2 split, 3 auto (the default; ops::moe::order_mode_for
+/// turns it into each direction's OrderMode).
 pub fn moe_order() -> u32 {
     match var("MK_MOE_ORDER").map(|s| s.trim().to_ascii_lowercase()).as_deref() {
-        None | Some("expert") => 1,
+        None | Some("auto") => 3,
+        Some("expert") => 1,
         Some("arrival") => 0,
         Some("split") => 2,
         Some(v) => {
-            crate::log::warn(None, format_args!("ignoring MK_MOE_ORDER={v:?}: not expert, split or arrival"));
-            1
+            crate::log::warn(None, format_args!("ignoring MK_MOE_ORDER={v:?}: not auto, expert, split or arrival"));
+            3
         }
     }
 }

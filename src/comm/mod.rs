@@ -46,7 +46,7 @@ pub struct CommConfig {
     pub gemm_reducers_after: bool,
     /// mkGemmAllReduce: the largest M that takes the one-shot path.
     pub gemm_ar_one_shot_max_m: usize,
-    /// MoE kernels' m-block order (MK_MOE_ORDER): 0 arrival, 1 expert, 2 split.
+    /// MoE kernels' m-block order (MK_MOE_ORDER): 0 arrival, 1 expert, 2 split, 3 auto.
     pub moe_order: u32,
 }
 

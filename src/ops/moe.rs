@@ -410,6 +410,21 @@ pub enum OrderMode {
     Split = 2,
 }
 
+/// The order each direction's kernel runs for MK_MOE_ORDER (`env::moe_order`: 0 arrival,
+/// 1 expert, 2 split, 3 auto). `auto`, the default, takes the faster order of each kernel as
+/// measured (benches/RESULTS.md, session 8, 4 ranks on one H200, DeepSeek-V3-like sizes):
+/// the dispatch by arrival (1.18x unfused against 1.26 expert-major: expert-major makes the
+/// GEMM wait for the last source's rows after the few own-only blocks; at 2 ranks 0.74
+/// against 0.72), the combine expert-major (1.10 against 1.25; at 2 ranks 0.93 against
+/// 1.01: nothing to wait for, and an expert's blocks share its weight tiles in L2).
+pub fn order_mode_for(config_order: u32, dir: Direction) -> OrderMode {
+    match (config_order, dir) {
+        (0, _) | (3, Direction::Dispatch) => OrderMode::Arrival,
+        (2, _) => OrderMode::Split,
+        _ => OrderMode::Expert,
+    }
+}
+
 /// The m-block tables the dispatch's prep writes into the layout buffer (kernels/moe.cu
 /// `prep`), for `rank`'s receive buffer; host mirror for tests.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -573,7 +588,7 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     l.params.buf_offset = ws.view.data_bytes + COUNTS_BYTES as u64;
     l.params.tiles_n = (l.cols / bn) as i32;
     l.params.group_m = group_m(&l.dims, bn, roles.compute_ctas as usize) as i32;
-    l.params.order_mode = comm.config.moe_order as i32;
+    l.params.order_mode = order_mode_for(comm.config.moe_order, l.dir) as i32;
     l.params.compute_ctas = roles.compute_ctas as i32;
     l.params.comm_ctas = roles.comm_ctas as i32;
     l.params.gemm = l.gemm as i32;
@@ -867,6 +882,18 @@ mod tests {
                     .collect()
             })
             .collect()
+    }
+
+    #[test]
+    fn auto_order_runs_the_dispatch_by_arrival_and_the_combine_by_expert() {
+        use Direction::{Combine, Dispatch};
+        assert_eq!(order_mode_for(3, Dispatch), OrderMode::Arrival);
+        assert_eq!(order_mode_for(3, Combine), OrderMode::Expert);
+        for dir in [Dispatch, Combine] {
+            assert_eq!(order_mode_for(0, dir), OrderMode::Arrival);
+            assert_eq!(order_mode_for(1, dir), OrderMode::Expert);
+            assert_eq!(order_mode_for(2, dir), OrderMode::Split);
+        }
     }
 
     fn check_tables(t: &BlockTables, rank: usize, mode: OrderMode) {
