@@ -252,21 +252,30 @@ pub fn validate(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: Raw
 /// swizzle, zero fill out of bounds. The engine's maps: A (BM, BK), B (bn, BK), C (64, 64).
 /// Needs ptr % 16 == 0 and cols % 8 == 0.
 pub fn tensor_map(ptr: u64, dtype: mkDataType_t, rows: usize, cols: usize, box_rows: usize, box_cols: usize) -> Result<sys::CUtensorMap> {
+    tiled_tensor_map(ptr, dtype, &[cols as u64, rows as u64], &[cols as u64 * 2], &[box_cols as u32, box_rows as u32], "cuTensorMapEncodeTiled")
+}
+
+/// A TMA descriptor of any rank (up to 5) over a bf16/fp16 tensor at `ptr`: `dims`
+/// innermost first, the byte `strides` of dims 1.., one box extent per dim; 128-byte
+/// swizzle, 256-byte L2 promotion, zero fill out of bounds. `what` names the caller in errors.
+pub fn tiled_tensor_map(ptr: u64, dtype: mkDataType_t, dims: &[u64], strides: &[u64], boxes: &[u32], what: &str) -> Result<sys::CUtensorMap> {
+    let rank = dims.len();
+    if !(1..=5).contains(&rank) || strides.len() + 1 != rank || boxes.len() != rank {
+        return Err(MkError::internal(format!("{what}: a tensor map of {rank} dims with {} strides and {} boxes", strides.len(), boxes.len())));
+    }
     let dt = match dtype {
         mkDataType_t::mkFloat16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     };
-    let dims = [cols as u64, rows as u64];
-    let strides = [cols as u64 * 2];
-    let boxes = [box_cols as u32, box_rows as u32];
-    let elem = [1u32, 1];
+    let elem = [1u32; 5];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: all arrays have the lengths rank 2 requires; the map is written by the call.
-    cuda::check("cuTensorMapEncodeTiled", unsafe {
+    // SAFETY: dims, boxes and elem have `rank` entries and strides rank - 1 (checked above);
+    // the map is written by the call.
+    cuda::check(what, unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             dt,
-            2,
+            rank as u32,
             ptr as *mut c_void,
             dims.as_ptr(),
             strides.as_ptr(),
@@ -425,6 +434,15 @@ mod tests {
     use crate::error::mkResult_t;
 
     const BF16: RawDataType = mkDataType_t::mkBfloat16 as RawDataType;
+
+    #[test]
+    fn tensor_map_rank_mismatches_are_errors_before_any_driver_call() {
+        let bf16 = mkDataType_t::mkBfloat16;
+        for (dims, strides, boxes) in [(&[8u64, 8][..], &[][..], &[8u32, 8][..]), (&[8, 8], &[16], &[8]), (&[], &[], &[]), (&[1; 6], &[2; 5], &[1; 6])] {
+            let e = tiled_tensor_map(0, bf16, dims, strides, boxes, "test").unwrap_err();
+            assert_eq!(e.code, crate::error::mkResult_t::mkInternalError, "{dims:?} {strides:?} {boxes:?}");
+        }
+    }
 
     #[test]
     fn smem_fits_and_mirrors_kernel_stages() {

@@ -174,35 +174,15 @@ struct RingAttnMaps {
 /// block, zeros out of bounds (tokens past `tokens`: the kernel's tail rows). Needs
 /// ptr % 16 == 0 (checked for the caller's tensors; workspace regions are aligned).
 fn head_map(ptr: u64, dtype: mkDataType_t, batch: usize, tokens: usize, heads: usize, head_dim: usize) -> Result<sys::CUtensorMap> {
-    let dt = match dtype {
-        mkDataType_t::mkFloat16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-    };
-    let dims = [head_dim as u64, heads as u64, tokens as u64, batch as u64];
     let row = (head_dim * 2) as u64;
-    let strides = [row, row * heads as u64, row * (heads * tokens) as u64];
-    let boxes = [64u32, 1, BLOCK_M as u32, 1];
-    let elem = [1u32; 4];
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: all arrays have the lengths rank 4 requires; the map is written by the call.
-    cuda::check("cuTensorMapEncodeTiled (mkRingAttention)", unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            dt,
-            4,
-            ptr as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    })?;
-    // SAFETY: initialised by the successful call.
-    Ok(unsafe { map.assume_init() })
+    crate::ops::gemm::tiled_tensor_map(
+        ptr,
+        dtype,
+        &[head_dim as u64, heads as u64, tokens as u64, batch as u64],
+        &[row, row * heads as u64, row * (heads * tokens) as u64],
+        &[64, 1, BLOCK_M as u32, 1],
+        "cuTensorMapEncodeTiled (mkRingAttention)",
+    )
 }
 
 /// Where the kernel reads source rank `src`'s K (`value` false) or V: the gathered
