@@ -65,16 +65,7 @@ pub fn gemm_ar_one_shot_max_m() -> usize {
 /// `MK_MOE_ORDER`: 0 arrival, 1 expert, 2 split, 3 auto (the default; ops::moe::order_mode_for
 /// turns it into each direction's OrderMode).
 pub fn moe_order() -> u32 {
-    match var("MK_MOE_ORDER").map(|s| s.trim().to_ascii_lowercase()).as_deref() {
-        None | Some("auto") => 3,
-        Some("expert") => 1,
-        Some("arrival") => 0,
-        Some("split") => 2,
-        Some(v) => {
-            crate::log::warn(None, format_args!("ignoring MK_MOE_ORDER={v:?}: not auto, expert, split or arrival"));
-            3
-        }
-    }
+    one_of("MK_MOE_ORDER", &[("auto", 3), ("expert", 1), ("arrival", 0), ("split", 2)])
 }
 
 pub fn comm_sms() -> Option<u64> {
@@ -99,25 +90,26 @@ pub fn ib_hca() -> Option<String> {
     var("MK_IB_HCA").map(|s| s.trim().to_string())
 }
 
-/// A knob with two values: true for `default` (also when unset or malformed, with a
-/// warning), false for `other`.
-fn either(name: &str, default: &str, other: &str) -> bool {
-    match var(name).map(|s| s.trim().to_ascii_lowercase()) {
-        Some(v) if v == other => false,
-        Some(v) if v != default => {
-            crate::log::warn(None, format_args!("ignoring {name}={v:?}: expected {default} or {other}"));
-            true
-        }
-        _ => true,
+/// A knob with named values (case-insensitive): the value of the one given, or of the
+/// first (the default) when unset or malformed, with a warning.
+fn one_of<T: Copy>(name: &str, values: &[(&str, T)]) -> T {
+    let Some(given) = var(name).map(|s| s.trim().to_ascii_lowercase()) else {
+        return values[0].1;
+    };
+    if let Some(&(_, v)) = values.iter().find(|(n, _)| *n == given) {
+        return v;
     }
+    let names: Vec<&str> = values.iter().map(|(n, _)| *n).collect();
+    crate::log::warn(None, format_args!("ignoring {name}={given:?}: expected {}", names.join(", ")));
+    values[0].1
 }
 
 /// `MK_LOAD_STAGING`: true for `smem` (the default), false for `registers`.
 pub fn load_staging_smem() -> bool {
-    either("MK_LOAD_STAGING", "smem", "registers")
+    one_of("MK_LOAD_STAGING", &[("smem", true), ("registers", false)])
 }
 
 /// `MK_GEMM_REDUCERS`: false for `side`, true for `after` (the default).
 pub fn gemm_reducers_after() -> bool {
-    either("MK_GEMM_REDUCERS", "after", "side")
+    one_of("MK_GEMM_REDUCERS", &[("after", true), ("side", false)])
 }

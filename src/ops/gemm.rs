@@ -75,31 +75,41 @@ impl Cluster {
 /// Pipeline depth of the plain-GEMM kernels: the deepest ring that fits next to the
 /// epilogue's staging buffers, at most 8. Mirrors `PlainStages` in kernels/gemm.cu.
 pub fn stages(bn: usize, epilogue: Epilogue) -> usize {
-    let staging = if epilogue == Epilogue::Tma { 2 * 64 * bn * 2 } else { 0 };
-    let stage = (BM + bn) * BK * 2;
-    ((SMEM_LIMIT - 1024 - staging - 256) / stage).min(8)
+    ring_stages(BM, bn, epilogue_staging_per_wg(bn, epilogue))
 }
 
-/// Dynamic shared memory the engine needs for a tile width, ring depth and epilogue
-/// staging per consumer warpgroup (TmaEpilogue: 64·bn·2 bytes; DirectStoreEpilogue: 0).
-/// Mirrors `engine_smem_bytes` in kernels/common/gemm/engine.cuh; fused kernels that carve
-/// their own shared memory after the engine's add theirs to it.
-pub fn engine_smem_bytes(bn: usize, stages: usize, staging_per_wg: usize) -> usize {
-    1024 + stages * (BM + bn) * BK * 2 + 2 * staging_per_wg + 2 * stages * 8 + MAILBOX_BYTES
+/// Shared memory of one consumer warpgroup's epilogue staging: TmaEpilogue 64·bn·2 bytes,
+/// DirectStoreEpilogue none.
+fn epilogue_staging_per_wg(bn: usize, epilogue: Epilogue) -> usize {
+    if epilogue == Epilogue::Tma { 64 * bn * 2 } else { 0 }
+}
+
+/// The deepest ring of `bm`- and `bn`-row stages (at most 8) that fits in the shared-memory
+/// limit beside two warpgroups' epilogue staging; the formula of `PlainStages` and
+/// `FusedStages<BN, BM>` in the kernels.
+fn ring_stages(bm: usize, bn: usize, staging_per_wg: usize) -> usize {
+    ((SMEM_LIMIT - 1024 - 2 * staging_per_wg - 256) / ((bm + bn) * BK * 2)).min(8)
+}
+
+/// Dynamic shared memory the engine needs for a tile shape, ring depth and epilogue
+/// staging per consumer warpgroup. Mirrors `engine_smem_bytes` in
+/// kernels/common/gemm/engine.cuh; fused kernels that carve their own shared memory after
+/// the engine's add theirs to it.
+pub fn engine_smem_bytes(bm: usize, bn: usize, stages: usize, staging_per_wg: usize) -> usize {
+    1024 + stages * (bm + bn) * BK * 2 + 2 * staging_per_wg + 2 * stages * 8 + MAILBOX_BYTES
 }
 
 /// Ring depth of a fused engine with the TMA epilogue and `bm`-row tiles (128, or 64 for
 /// the small-M GEMM + reduce kernels): mirrors `FusedStages<BN, BM>` in
 /// kernels/common/fused_op.cuh (`stages(bn, Epilogue::Tma)` at bm 128).
 pub fn fused_stages(bm: usize, bn: usize) -> usize {
-    ((SMEM_LIMIT - 1024 - 2 * 64 * bn * 2 - 256) / ((bm + bn) * BK * 2)).min(8)
+    ring_stages(bm, bn, epilogue_staging_per_wg(bn, Epilogue::Tma))
 }
 
 /// Dynamic shared memory of a fused engine with the TMA epilogue and `bm`-row tiles
-/// (`smem_bytes(bn, Epilogue::Tma)` at bm 128): as `engine_smem_bytes`.
+/// (`smem_bytes(bn, Epilogue::Tma)` at bm 128).
 pub fn fused_smem_bytes(bm: usize, bn: usize) -> usize {
-    let stages = fused_stages(bm, bn);
-    1024 + stages * (bm + bn) * BK * 2 + 2 * 64 * bn * 2 + 2 * stages * 8 + MAILBOX_BYTES
+    engine_smem_bytes(bm, bn, fused_stages(bm, bn), epilogue_staging_per_wg(bn, Epilogue::Tma))
 }
 
 /// The epilogue courier's mailbox after the stage barriers (kMailboxBytes in
@@ -108,8 +118,7 @@ const MAILBOX_BYTES: usize = 64;
 
 /// Dynamic shared memory of a plain-GEMM kernel (the kernel traps if it gets less).
 pub fn smem_bytes(bn: usize, epilogue: Epilogue) -> usize {
-    let staging = if epilogue == Epilogue::Tma { 64 * bn * 2 } else { 0 };
-    engine_smem_bytes(bn, stages(bn, epilogue), staging)
+    engine_smem_bytes(BM, bn, stages(bn, epilogue), epilogue_staging_per_wg(bn, epilogue))
 }
 
 /// Optional overrides of the planner's choices (benchmarks and tuning; fused ops pass

@@ -489,13 +489,7 @@ pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: Order
 pub fn moe_tile(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_m: usize, tiles_n: usize, group_m: usize, t: usize) -> (usize, usize) {
     let at_order = |pos: usize| order.map_or(pos, |o| o[pos]);
     let (pos, nb) = match runs {
-        None => {
-            let per_group = group_m * tiles_n;
-            let first = t / per_group * group_m;
-            let rows = (tiles_m - first).min(group_m);
-            let in_group = t % per_group;
-            (first + in_group % rows, in_group / rows)
-        }
+        None => crate::ops::gemm_reduce::grouped_tile(tiles_m, tiles_n, group_m, t),
         Some(runs) => {
             let at = t / tiles_n;
             let (gs, gl) = run_group(runs[at_order(at)], group_m, at);
