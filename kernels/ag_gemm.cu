@@ -344,7 +344,7 @@ struct ChunkAWait {
     if (p.comm_ctas == 0) {
       push<SideWarps>(p, w.epoch, blockIdx.x, p.compute_ctas);
       // The push's end, for `mkbench ag_gemm --trace` (does it overlap the whole GEMM?).
-      if (p.trace && SideWarps::tid() == 0) *mk_trace_slot(p.trace, MK_TR_SIDE) = mk_globaltimer();
+      if (SideWarps::tid() == 0) mk_trace_stamp(p.trace, MK_TR_SIDE);
     }
   }
 };

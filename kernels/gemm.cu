@@ -15,12 +15,7 @@ namespace mk { namespace gemm {
 
 // Deepest ring that fits in 227 KiB next to the epilogue's staging buffers.
 template <int BN, bool TMA_EPI>
-struct PlainStages {
-  static constexpr int staging = TMA_EPI ? 2 * 64 * BN * 2 : 0;
-  static constexpr int stage = (128 + BN) * 64 * 2;
-  static constexpr int fit = (232448 - 1024 - staging - 256) / stage;
-  static constexpr int value = fit > 8 ? 8 : fit;
-};
+struct PlainStages : RingStages<128, BN, TMA_EPI ? 64 * BN * 2 : 0> {};
 
 template <typename T, int BN, bool TMA_EPI, int SHARE = SHARE_NONE>
 __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_b,

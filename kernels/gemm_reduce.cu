@@ -72,10 +72,10 @@ __device__ __forceinline__ void gate_wait(Gate* g) { mbar_wait(&g->bar, 0); }
 // Warp 2 of a GEMM CTA's producer warpgroup (threads 64..95), one node: lane 0 reads the
 // epoch, lane q (< nranks, != rank) waits for peer q's GR_DONE of the previous epoch, and
 // lane 0 opens the gate. The peer words are this rank's own signal words; the poll backs
-// off (relaxed loads and __nanosleep up to 256 ns, then one acquire) so that a long wait
-// -- back-to-back calls where a peer is still reading -- does not steal issue slots and
-// L2 bandwidth from the GEMM beside it (session 3: tight system-scope polls during a
-// GEMM slowed it 20-25 %). Inline and call-free: 80 registers after setmaxnreg.
+// off (mk_wait_geq_backoff, up to 256 ns between polls) so that a long wait --
+// back-to-back calls where a peer is still reading -- does not steal issue slots and L2
+// bandwidth from the GEMM beside it (session 3: tight system-scope polls during a GEMM
+// slowed it 20-25 %). Inline and call-free: 80 registers after setmaxnreg.
 __device__ __forceinline__ void open_gate(const GemmReduceParams& p, Gate* g) {
   const WorkspaceView& ws = p.ws;
   const int lane = threadIdx.x & 31;
@@ -83,25 +83,9 @@ __device__ __forceinline__ void open_gate(const GemmReduceParams& p, Gate* g) {
   if (lane == 0) epoch = mk_ld_acquire_sys(mk_signal_word(ws, ws.rank, GR_EPOCH)) + 1;
   epoch = __shfl_sync(0xffffffffu, epoch, 0);
   int ok = 1;
-  if (lane < ws.nranks && lane != ws.rank) {
-    const uint64_t* f = mk_signal_word(ws, ws.rank, GR_DONE + lane);
-    if (mk_ld_acquire_sys(f) < epoch - 1) {
-      MkWaitChecks checks(ws);
-      unsigned ns = 32;
-      for (uint32_t spin = 1;; ++spin) {
-        __nanosleep(ns);
-        if (ns < 256) ns *= 2;
-        if (mk_ld_relaxed_sys(f) >= epoch - 1) {
-          ok = mk_ld_acquire_sys(f) >= epoch - 1;  // flags only grow: true; the acquire orders what follows
-          break;
-        }
-        if ((spin & 15) == 0 && !checks.keep_waiting(lane, MK_WAIT_OP_FLAG, p.op)) {
-          ok = 0;
-          break;
-        }
-      }
-    }
-  }
+  if (lane < ws.nranks && lane != ws.rank)
+    ok = mk_wait_geq_backoff<32, 256, 16>(ws, mk_signal_word(ws, ws.rank, GR_DONE + lane), epoch - 1, lane,
+                                          MK_WAIT_OP_FLAG, p.op);
   ok = __all_sync(0xffffffffu, ok);
   // bar.warp.sync orders each lane's acquire before lane 0's release (the gate's mbarrier
   // arrive), so whoever passes the gate is causally after every peer's GR_DONE release.
@@ -226,11 +210,15 @@ struct Staging {
   int bytes;
 };
 
+// The reducers' staging: the ring of the engine's 128-row configuration.
+template <int BN>
+constexpr int kRingStagingBytes = FusedStages<BN>::value * (128 + BN) * 64 * 2;
+
 template <int BN>
 __device__ __forceinline__ Staging ring_staging() {
   extern __shared__ __align__(1024) char smem[];
   char* ring = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));  // as the engine
-  return Staging{ring, FusedStages<BN>::value * (128 + BN) * 64 * 2};
+  return Staging{ring, kRingStagingBytes<BN>};
 }
 
 template <int BN, class Team>
@@ -712,9 +700,9 @@ template <typename T, int BN, int BM = 128>
 __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_p,
                                             const GemmReduceParams& p) {
   using Cfg = GemmConfig<T, BN, FusedStages<BN, BM>::value, SHARE_NONE, kProducerRegs, BM>;
-  // The reducers stage their loads in the first FusedStages<BN> * (128 + BN) * 128 bytes of
-  // the ring (ring_staging): the ring must hold them.
-  static_assert(Cfg::STAGES * Cfg::STAGE_BYTES >= FusedStages<BN>::value * (128 + BN) * 64 * 2, "ring_staging fits the ring");
+  // The reducers stage their loads in the first kRingStagingBytes of the ring
+  // (ring_staging): the ring must hold them (BM 64 runs its own, deeper ring).
+  static_assert(Cfg::STAGES * Cfg::STAGE_BYTES >= kRingStagingBytes<BN>, "ring_staging fits the ring");
   using Epi = PartialEpilogue;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
@@ -765,7 +753,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     restore_launch_registers<Cfg>();
     epoch = gate.epoch;
     if (gate.ok && p.reduce_ctas == 0 && !p.side_reduce) {
-      if (p.trace) mk_trace_time(p.trace, MK_TR_GEMM);
+      mk_trace_time(p.trace, MK_TR_GEMM);
       reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
     }
   } else {

@@ -62,22 +62,10 @@ using namespace mk::gemm;
 
 __device__ __forceinline__ int ld_cg(const int* p) { return __ldcg(p); }
 
-// mk_wait_geq_inline with a back-off: hundreds of threads polling system-scope acquire
-// loads in a tight loop slowed the GEMM CTAs beside them by orders of magnitude (first GPU
-// run: the fused combine took 130x the unfused one). Polls with relaxed loads and
-// __nanosleep, then one acquire load; timeout, abort and error words as mk_wait_geq.
-// Inline and call-free: the engine's producer thread uses it after setmaxnreg.
+// The MoE kernels' waits: with a back-off (signals.cuh), up to 2 us between polls.
 __device__ __forceinline__ bool moe_wait(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer,
                                          uint32_t what, uint32_t op) {
-  if (mk_ld_acquire_sys(flag) >= target) return true;
-  MkWaitChecks checks(ws);
-  unsigned ns = 64;
-  for (uint32_t spin = 1;; ++spin) {
-    __nanosleep(ns);
-    if (ns < 2048) ns *= 2;
-    if (mk_ld_relaxed_sys(flag) >= target) return mk_ld_acquire_sys(flag) >= target;  // flags only grow
-    if ((spin & 7) == 0 && !checks.keep_waiting(peer, what, op)) return false;
-  }
+  return mk_wait_geq_backoff<64, 2048, 8>(ws, flag, target, peer, what, op);
 }
 
 // Whole CTA: thread 0 waits for one flag (with back-off); every thread learns the outcome.
@@ -491,7 +479,7 @@ struct SourceAWait {
   __device__ static void side_work(const Params& w, int) {
     if (w.op->send_by_gemm_ctas) {
       send_rows<SideWarps, 4>(*w.op, w.epoch, blockIdx.x, w.op->compute_ctas);
-      if (w.op->trace && SideWarps::tid() == 0) *mk_trace_slot(w.op->trace, MK_TR_SIDE) = mk_globaltimer();
+      if (SideWarps::tid() == 0) mk_trace_stamp(w.op->trace, MK_TR_SIDE);
     }
   }
 };

@@ -95,7 +95,6 @@ __host__ __device__ constexpr int smem_bytes() {
 }
 static_assert(smem_bytes<128>() <= 227 * 1024, "a CTA may opt in to 227 KiB of shared memory");
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 // TMA descriptors of the engine's loads (ops::ring_attention::RingAttnMaps; a second
 // __grid_constant__ kernel parameter). Every map is 4-D, innermost first: d (box 64 =
@@ -106,16 +105,6 @@ struct RingAttnMaps {
   CUtensorMap k[MK_MAX_PEERS];
   CUtensorMap v[MK_MAX_PEERS];
 };
-
-// One 4-D TMA box into shared memory, completing `bytes` on `bar` (expect_tx first).
-__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
-                                            int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
-}
 
 // 2^x on the SFU (MUFU.EX2), subnormal results flushed to 0: exp2f's fix-up of the
 // subnormal range would triple the softmax's instruction count, and probabilities below
@@ -290,7 +279,7 @@ struct Attn {
   // 8-key groups 1024 bytes apart (stride byte offset), 64-wide d blocks `block_bytes`
   // apart (leading byte offset), as CUTLASS's canonical MN-major SW128 layout.
   __device__ static uint64_t desc_mn_sw128(const void* p, uint32_t block_bytes) {
-    uint64_t desc = (uint64_t(smem_u32(p)) & 0x3FFFF) >> 4;
+    uint64_t desc = (uint64_t(gemm::smem_addr(p)) & 0x3FFFF) >> 4;
     desc |= uint64_t(block_bytes >> 4) << 16;
     desc |= uint64_t(1024 >> 4) << 32;
     desc |= uint64_t(1) << 62;
@@ -546,7 +535,7 @@ struct Attn {
     // previous version, every MUFU.EX2 of the loop after the DEPBAR. A shared-memory store
     // of a value that depends on every exponential (the row sums) stays before the wait.
     auto anchor = [&](const float (&l_row)[2]) {
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem_u32(&pl.anchor)), "r"(__float_as_uint(l_row[0] + l_row[1]))
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(gemm::smem_addr(&pl.anchor)), "r"(__float_as_uint(l_row[0] + l_row[1]))
                    : "memory");
     };
     auto pack = [&](uint32_t (&pa)[PSTEPS][4], const float (&sc)[SREG]) {
@@ -708,7 +697,7 @@ struct Attn {
   __device__ static bool run(const RingAttnParams& p, const RingAttnMaps& maps, uint64_t epoch, char* smem_raw) {
     __shared__ Pipeline pl;
     // 128-byte swizzle repeats every 1024 bytes: tiles start 1024-aligned.
-    char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    char* smem = smem_raw + ((1024 - (gemm::smem_addr(smem_raw) & 1023)) & 1023);
     T* sQ = reinterpret_cast<T*>(smem);      // [Q_STAGES][BM x D]
     T* sK = sQ + Q_STAGES * BM * D;          // [KV_STAGES][BN x D]
     T* sV = sK + KV_STAGES * TILE;           // [KV_STAGES][BN x D]

@@ -90,12 +90,9 @@ struct WarpTeam {
 };
 
 // Deepest stage ring that fits in 227 KiB beside the TMA epilogue's staging buffers
-// (mirrors ops::gemm::stages_bm(bm, bn, Epilogue::Tma)), for tiles of BM rows.
+// (mirrors ops::gemm::fused_stages(bm, bn)), for tiles of BM rows.
 template <int BN, int BM = 128>
-struct FusedStages {
-  static constexpr int fit = (232448 - 1024 - 2 * 64 * BN * 2 - 256) / ((BM + BN) * 64 * 2);
-  static constexpr int value = fit > 8 ? 8 : fit;
-};
+struct FusedStages : mk::gemm::RingStages<BM, BN, 64 * BN * 2> {};
 
 // Traps when the launch gave less dynamic shared memory than the engine needs (a
 // mismatch between the host's plan and the kernel's configuration).

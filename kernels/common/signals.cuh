@@ -177,6 +177,27 @@ __device__ __noinline__ bool mk_wait_geq(const WorkspaceView& ws, const uint64_t
   return mk_wait_geq_inline(ws, flag, target, peer, what, op);
 }
 
+// mk_wait_geq_inline with a back-off, for waits beside a running GEMM: hundreds of threads
+// polling system-scope acquire loads in a tight loop slowed the GEMM CTAs beside them by
+// orders of magnitude (the MoE kernels' first GPU run: the fused combine took 130x the
+// unfused one). Polls with relaxed loads, sleeping FIRST_NS doubling up to MAX_NS between
+// them, checks abort and timeout every CHECK_EVERY polls (a power of two), then one
+// acquire load. Inline and call-free: a GEMM producer warpgroup uses it after setmaxnreg.
+template <unsigned FIRST_NS, unsigned MAX_NS, uint32_t CHECK_EVERY>
+__device__ __forceinline__ bool mk_wait_geq_backoff(const WorkspaceView& ws, const uint64_t* flag, uint64_t target,
+                                                    int peer, uint32_t what, uint32_t op) {
+  static_assert((CHECK_EVERY & (CHECK_EVERY - 1)) == 0, "CHECK_EVERY: a power of two");
+  if (mk_ld_acquire_sys(flag) >= target) return true;
+  MkWaitChecks checks(ws);
+  unsigned ns = FIRST_NS;
+  for (uint32_t spin = 1;; ++spin) {
+    __nanosleep(ns);
+    if (ns < MAX_NS) ns *= 2;
+    if (mk_ld_relaxed_sys(flag) >= target) return mk_ld_acquire_sys(flag) >= target;  // flags only grow
+    if ((spin & (CHECK_EVERY - 1)) == 0 && !checks.keep_waiting(peer, what, op)) return false;
+  }
+}
+
 // Whole CTA: thread p (< nranks, p != skip) waits for flag_base[p] >= target in this
 // rank's signal region, then every thread learns whether all waits succeeded.
 // `flag_index(p)` is MK_SIG_READY + b*MK_MAX_PEERS + p and the like.

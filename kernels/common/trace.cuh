@@ -20,10 +20,13 @@ enum MkTraceSlot { MK_TR_START = 0, MK_TR_SETUP = 1, MK_TR_ROLE = 2, MK_TR_END =
 __device__ __forceinline__ uint64_t* mk_trace_slot(uint64_t trace, int slot) {
   return reinterpret_cast<uint64_t*>(trace) + (size_t)blockIdx.x * MK_TRACE_WORDS + slot;
 }
+// The calling thread (one of a team, the caller's choice): records the time now in `slot`.
+__device__ __forceinline__ void mk_trace_stamp(uint64_t trace, int slot) {
+  if (trace) *mk_trace_slot(trace, slot) = mk_globaltimer();
+}
 // Thread 0: records the time now in `slot`.
 __device__ __forceinline__ void mk_trace_time(uint64_t trace, int slot) {
-  if (trace == 0 || threadIdx.x != 0) return;
-  *mk_trace_slot(trace, slot) = mk_globaltimer();
+  if (threadIdx.x == 0) mk_trace_stamp(trace, slot);
 }
 // Thread 0, first thing in the kernel: start time, SM, role; counters zeroed.
 __device__ __forceinline__ void mk_trace_begin(uint64_t trace, bool communication_role) {

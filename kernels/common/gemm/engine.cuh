@@ -89,6 +89,15 @@ struct GemmConfig {
   static_assert(sizeof(T) == 2, "16-bit inputs");
 };
 
+// The deepest ring of (BM + BN) x 64 stages, at most 8, that fits in 227 KiB beside two
+// consumer warpgroups' epilogue staging of STAGING_PER_WG bytes each (mirrors
+// ops::gemm::ring_stages): the plain GEMM's PlainStages and the fused ops' FusedStages.
+template <int BM, int BN, int STAGING_PER_WG>
+struct RingStages {
+  static constexpr int fit = (232448 - 1024 - 2 * STAGING_PER_WG - 256) / ((BM + BN) * 64 * 2);
+  static constexpr int value = fit > 8 ? 8 : fit;
+};
+
 // Shared memory the engine needs for a config and epilogue (plus 1024 for alignment slack).
 template <class Cfg, class Epi>
 __host__ __device__ constexpr int engine_smem_bytes() {
