@@ -210,7 +210,7 @@ fn push_hier(ctx: &RankCtx, a: &[f64], epoch: u64, part: usize, call: u64) -> Re
 
 /// The GEMM producer of CTA b: its tiles' row blocks in the kernel's order, each after the
 /// chunk waits (ChunkAWait::before_a_load), reading and checking every row.
-fn gemm_rows(ctx: &RankCtx, a: &[f64], epoch: u64, b: usize, call: u64) -> Result<()> {
+fn gemm_rows(ctx: &RankCtx, epoch: u64, b: usize, call: u64) -> Result<()> {
     let (g, rpr, nranks) = (ctx.rank, ctx.rows_per_rank, ctx.nl.nodes * ctx.nl.local_size);
     let m = rpr * nranks;
     let tiles_m = m.div_ceil(ROW_BLOCK);
@@ -315,7 +315,7 @@ fn rank_main(id: &UniqueId, rank: usize, nranks: usize, rpn: u32, rows_per_rank:
                         copy_own_rows(ctx, a, epoch, b);
                         std::thread::scope(|s2| {
                             let side = s2.spawn(|| push_hier(ctx, a, epoch, b, call));
-                            let producer = s2.spawn(|| gemm_rows(ctx, a, epoch, b, call));
+                            let producer = s2.spawn(|| gemm_rows(ctx, epoch, b, call));
                             let r1 = side.join().map_err(|_| MkError::internal("a pusher panicked"))?;
                             let r2 = producer.join().map_err(|_| MkError::internal("a producer panicked"))?;
                             r1.and(r2)

@@ -1,4 +1,8 @@
 #![allow(non_snake_case, non_camel_case_types)]
+// The exported functions' safety contract (which pointers may be NULL, what they must point
+// to, for how long) is written in each doc comment's argument list, which cbindgen copies
+// into the header, the reference C callers read; a Rust-only `# Safety` heading would repeat it.
+#![allow(clippy::missing_safety_doc)]
 //! The C ABI. This is the only module with `#[no_mangle]`; each file is one section of
 //! include/mkernel.h, and the doc comments on these items are the header's manual.
 //!
