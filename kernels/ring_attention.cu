@@ -40,7 +40,10 @@
 //               waits for the sources' RING_KV flags, and stops the consumers at the tile
 //               where one gave up (Pipeline::abort_tile). Warps 9-11 and lanes 1-31 of
 //               warp 8 only give their registers to the math warps.
-// Items are dealt to CTAs in a snake order (cta_item) that evens out causal work.
+// Items: with a workspace (every mkRingAttention call) the producer takes tickets from a
+// counter in the rank's signal region, in the section order of sched_item (heaviest items
+// first, lightest last: CTAs end evenly); without one (gathered mode) each CTA walks a
+// fixed snake (cta_item). Either way the producer tells the consumers each item (q_item).
 // Tensor maps (RingAttnMaps, encoded on the host per launch): Q, and K and V of every
 // source rank at the address this rank reads them from (own tensors, a peer's workspace
 // through the peer mapping, which is an ordinary device address in this process, or the
@@ -59,6 +62,8 @@
 #define RING_EPOCH (MK_SIG_RING_BASE + 0)   // last completed epoch of this rank
 #define RING_ARRIVE (MK_SIG_RING_BASE + 1)  // CTAs of the running launch that have finished
 #define RING_COPIED (MK_SIG_RING_BASE + 2)  // CTAs of the running launch that copied their K/V slice
+#define RING_SCHED_NEXT (MK_SIG_RING_BASE + 3)  // dynamic schedule: tickets taken in the running launch
+#define RING_SCHED_DONE (MK_SIG_RING_BASE + 4)  // dynamic schedule: CTAs of the running launch that took their last
 #define RING_DONE (MK_SIG_RING_BASE + 8)    // + q: rank q finished reading this rank's K/V of epoch e
 #define RING_KV (MK_SIG_RING_BASE + 16)     // + src: src's K/V of epoch e is in its workspace (written by src)
 
@@ -214,6 +219,10 @@ struct Pipeline {
   int abort_tile;
   // Written by the consumers after every softmax and never read (Attn::consume, `anchor`).
   int anchor;
+  // The work item whose Q is in slot qs, or -1: the CTA has no more items. Written by the
+  // producer before it arrives on q_full[qs] (a release), read by the consumers after
+  // their wait on it: with the dynamic schedule only the producer knows the items.
+  int q_item[Q_STAGES];
 };
 
 // The k-th work item of this CTA, or -1 past its last. Items are dealt in rounds of
@@ -223,9 +232,32 @@ struct Pipeline {
 // 32 heads, 132 CTAs; ~3 % with the snake). A round still spans one or two heads, so the
 // CTAs running at the same time share their K/V in L2. A CTA's items are increasing.
 __device__ __forceinline__ int cta_item(const RingAttnParams& p, int k) {
-  const long long g = gridDim.x;
-  const long long i = (long long)k * g + ((k & 1) ? g - 1 - blockIdx.x : blockIdx.x);
-  return i < p.num_items ? (int)i : -1;
+  // 32-bit unsigned: k · g stays below num_items + g < 2^32 (num_items < 2^31), and
+  // 64-bit arithmetic here cost the 56-register producer a spill.
+  const unsigned g = gridDim.x;
+  const unsigned i = (unsigned)k * g + ((k & 1) ? g - 1 - blockIdx.x : blockIdx.x);
+  return i < (unsigned)p.num_items ? (int)i : -1;
+}
+
+// The work item that ticket i of the dynamic schedule stands for (the host's mirror and
+// its tests: ops::ring_attention::sched_item): sections of p.sched_section (batch, head)
+// pairs in turn, inside one heaviest query block first with the section's pairs
+// alternating, so the CTAs that take tickets together share the section's K/V in L2 and
+// the call ends on its lightest items (greedy list scheduling then ends evenly: causal
+// items of one head range from 1 to q_blocks tiles).
+__device__ __forceinline__ int sched_item(const RingAttnParams& p, int i) {
+  const int pairs = p.batch * p.heads, per_section = p.sched_section * p.q_blocks;
+  const int sec = i / per_section;
+  const int len = min(p.sched_section, pairs - sec * p.sched_section);
+  const int r = i - sec * per_section;
+  return (sec * p.sched_section + r % len) * p.q_blocks + r / len;
+}
+
+// The next ticket of the dynamic schedule.
+__device__ __forceinline__ int take_ticket(unsigned long long* counter) {
+  unsigned long long v;
+  asm volatile("atom.relaxed.gpu.global.add.u64 %0, [%1], 1;" : "=l"(v) : "l"(counter));
+  return (int)v;
 }
 
 // One work item: (batch, head, 128-query block) and the query positions it covers.
@@ -254,18 +286,48 @@ __device__ __forceinline__ int ring_src(int rank, int s, int n) {
   return r < 0 ? r + n : r;
 }
 
-// Next visible 128-key block at or after (ring step s, block kb) for queries up to
-// position qmax; false past the last step. Fully masked blocks (causal) are skipped.
-// The producer and the consumers walk the same sequence.
-__device__ __forceinline__ bool next_visible(const RingAttnParams& p, int qmax, int& s, int& kb) {
-  const int nkb = (p.seq_local + BN - 1) / BN;
-  const bool causal = p.causal != 0;
-  for (; s < p.nranks; ++s, kb = 0) {
-    const int src = ring_src(p.rank, s, p.nranks);
-    if (kb < nkb && (!causal || token_pos(src, kb * BN, p.seq_local, p.nranks, causal) <= qmax)) return true;
+// The 128-key blocks of source `src` that queries up to position qmax see: a prefix
+// [0, n) of its blocks, since local positions grow with the local index (block kb is
+// visible iff its first key's position is at most qmax, i.e. kb·BN is below the count of
+// src's keys at or before qmax). Fully masked blocks (causal) are the rest.
+__device__ __forceinline__ int visible_blocks(const RingAttnParams& p, int src, int qmax) {
+  int count = p.seq_local;  // non-causal: every key
+  if (p.causal != 0) {
+    const int half = p.seq_local >> 1;  // zigzag chunks src and 2n-1-src
+    count = min(max(qmax - src * half + 1, 0), half) +
+            min(max(qmax - (2 * p.nranks - 1 - src) * half + 1, 0), p.seq_local - half);
   }
-  return false;
+  return (count + BN - 1) / BN;
 }
+
+// A work item's walk over its visible blocks, which the producer and the consumers take
+// alike: ring steps in order; inside a step, its visible blocks [0, nvis) starting at
+// block rot = (the item's query block) mod nvis and wrapping around. The rotation
+// staggers the CTAs' K/V streams: without it every item of a round starts at block 0 and
+// the CTAs read each K/V tile at the same moment, so the first read of every tile (from
+// HBM) holds up all of them, where staggered streams find it in L2, brought in by the
+// CTA ahead. Causal, one rank: the diagonal block first, then 0 up. The online softmax
+// does not depend on the order (within rounding).
+struct Walk {
+  int s = -1, i = 0, nvis = 0, rot = 0;
+  __device__ __forceinline__ int block() const {
+    const int b = i + rot;
+    return b < nvis ? b : b - nvis;
+  }
+  // Moves to the next visible block; false past the last ring step.
+  __device__ __forceinline__ bool next(const RingAttnParams& p, int qmax, int qblock) {
+    if (++i < nvis) return true;
+    while (++s < p.nranks) {
+      nvis = visible_blocks(p, ring_src(p.rank, s, p.nranks), qmax);
+      if (nvis > 0) {
+        i = 0;
+        rot = qblock < nvis ? qblock : qblock % nvis;  // no division in the usual case
+        return true;
+      }
+    }
+    return false;
+  }
+};
 
 template <typename T, int D>
 struct Attn {
@@ -327,18 +389,33 @@ struct Attn {
       mbar_expect_tx(&pl.v_full[st], TILE_BYTES);
       load_tile(sV + st * TILE, &maps.v[v_src], &pl.v_full[st], v_hk, v_row, v_b);
     };
+    // Dynamic schedule: the next item's ticket is taken right after the current item's
+    // first tile is issued, where the producer would wait for the next K slot anyway
+    // (about a tile's compute); ptxas makes even a one-lane atomic a warp-aggregated one
+    // whose result shuffle waits for the round trip at once, so where it sits matters.
+    // (The counter's address is recomputed from the parameters at each use and the first
+    // tile is recognised from the walk: the 56-register producer has none to spare.)
+    const bool dynamic = p.sched_dynamic != 0;
+    auto tickets = [&] { return reinterpret_cast<unsigned long long*>(mk_signal_word(p.ws, p.ws.rank, RING_SCHED_NEXT)); };
+    int ticket = dynamic ? take_ticket(tickets()) : 0;
     for (int k = 0;; ++k) {
-      const int item = cta_item(p, k);
-      if (item < 0) break;
-      const Item it(p, item);
+      const int item = dynamic ? (ticket < p.num_items ? sched_item(p, ticket) : -1) : cta_item(p, k);
       // Q into slot k % Q_STAGES, free once the consumers have stored the O rows of item
       // k - Q_STAGES, which they stage through it. Every tile they need before that (K of
       // item k-1's first tile, V of item k-2's last) was issued in the previous item.
       const int qs = k % Q_STAGES;
       mbar_wait(&pl.q_empty[qs], ((k / Q_STAGES) & 1) ^ 1);
+      pl.q_item[qs] = item;  // published by the arrive below (release), read after the consumers' wait
+      if (item < 0) {
+        mbar_arrive(&pl.q_full[qs]);  // the one expected arrival, no bytes: "no more items"
+        break;
+      }
+      const Item it(p, item);
       mbar_expect_tx(&pl.q_full[qs], BM * D * sizeof(T));
       load_tile(sQ + qs * BM * D, &maps.q, &pl.q_full[qs], it.h, it.q0, it.b);
-      for (int s = 0, kb = 0; next_visible(p, it.qmax, s, kb); ++kb, ++tile) {
+      Walk w;
+      while (w.next(p, it.qmax, it.q0 / BM)) {
+        const int s = w.s, kb = w.block();
         const int st = tile % KV_STAGES;
         const uint32_t ph = (tile / KV_STAGES) & 1;
         const int src = ring_src(me, s, n);
@@ -356,10 +433,12 @@ struct Attn {
         mbar_expect_tx(&pl.k_full[st], TILE_BYTES);
         load_tile(sK + st * TILE, &maps.k[src], &pl.k_full[st], it.hk, kb * BN, it.b);
         if (tile > 0) load_v(tile - 1);
+        if (dynamic && s == 0 && w.i == 0) ticket = take_ticket(tickets());  // the item's first tile
         v_src = src;
         v_row = kb * BN;
         v_b = it.b;
         v_hk = it.hk;
+        ++tile;
       }
     }
     if (tile > 0) load_v(tile - 1);
@@ -405,9 +484,10 @@ struct Attn {
       if (wg == 0) named_barrier_arrive(TURN_BARRIER + 1, 2 * 128);
       else named_barrier_arrive(TURN_BARRIER, 2 * 128);
     };
-    // Waits for the Q of the CTA's k-th item.
-    auto wait_q = [&](int k) {
+    // Waits for the Q of the CTA's k-th item and returns the item (-1: there is none).
+    auto wait_q = [&](int k) -> int {
       mbar_wait(&pl.q_full[k % Q_STAGES], (k / Q_STAGES) & 1);  // TMA wrote it: no proxy fence (Pipeline)
+      return *reinterpret_cast<volatile int*>(&pl.q_item[k % Q_STAGES]);
     };
     // Waits for tile t's K; false when the producer gave up at this tile.
     auto wait_k = [&](int t) -> bool {
@@ -612,15 +692,14 @@ struct Attn {
 #pragma unroll
     for (int i = 0; i < SREG; ++i) sc[i] = 0.f;  // defined before the first wgmma (which overwrites it)
     if (wg == 0) named_barrier_arrive(TURN_BARRIER, 2 * 128);  // warpgroup 0 has the first turn
-    int item = cta_item(p, 0);
+    int item = wait_q(0);
     if (item < 0) return true;
     Item it(p, item);  // the item of the tile being computed
     int k = 0;         // its number among this CTA's items (Q slot k % Q_STAGES)
-    int s = 0, kb = 0;
-    next_visible(p, it.qmax, s, kb);  // true: step 0 holds the queries' own keys
+    Walk w;
+    w.next(p, it.qmax, it.q0 / BM);  // true: step 0 holds the queries' own keys
 
     // Tile 0: S, softmax, P; nothing to overlap with yet.
-    wait_q(0);
     if (!wait_k(0)) return false;
     uint64_t qd = q_desc(0);  // Q of the item of the tile being computed
     turn_begin();
@@ -630,28 +709,25 @@ struct Attn {
     fence_operands(sc);
     release(&pl.k_empty[0]);
     float m_row[2] = {-INFINITY, -INFINITY}, l_row[2] = {0.f, 0.f}, alpha[2];
-    softmax(sc, it.q0, it.qmin, s, kb, m_row, l_row, alpha);
+    softmax(sc, it.q0, it.qmin, w.s, w.block(), m_row, l_row, alpha);
     float acc[OREG];
 #pragma unroll
     for (int i = 0; i < OREG; ++i) acc[i] = 0.f;
     uint32_t pa[PSTEPS][4];
     pack(pa, sc);
     int tile = 1;  // K/V tiles consumed so far (the producer's numbering)
-    ++kb;
     // Steady state, tile t = `tile`: S_t issued, O rescaled, P_{t-1}·V_{t-1} issued; the
     // softmax of S_t overlaps that product. When t is the first tile of the next item,
     // P_{t-1}·V_{t-1} completes the finished item, whose epilogue then runs.
     for (;;) {
       const Item fin = it;  // the item P_{t-1}·V_{t-1} belongs to
-      const bool boundary = !next_visible(p, it.qmax, s, kb);
+      const bool boundary = !w.next(p, it.qmax, it.q0 / BM);
       if (boundary) {
-        item = cta_item(p, k + 1);
+        item = wait_q(k + 1);
         if (item < 0) break;
         it = Item(p, item);
-        s = 0;
-        kb = 0;
-        next_visible(p, it.qmax, s, kb);  // true, as for tile 0
-        wait_q(k + 1);
+        w = Walk();
+        w.next(p, it.qmax, it.q0 / BM);  // true, as for tile 0
         qd = q_desc(k + 1);
       }
       if (!wait_k(tile)) return false;  // nothing in flight: the last wait was wait<0>
@@ -668,7 +744,7 @@ struct Attn {
         m_row[0] = m_row[1] = -INFINITY;
         l_row[0] = l_row[1] = 0.f;
       }
-      softmax(sc, it.q0, it.qmin, s, kb, m_row, l_row, alpha);
+      softmax(sc, it.q0, it.qmin, w.s, w.block(), m_row, l_row, alpha);
       anchor(l_row);
       wgmma_wait<0>();  // P_{t-1}·V_{t-1} done: its V slot and the P registers are free
       fence_operands(acc);
@@ -681,7 +757,6 @@ struct Attn {
         ++k;
       }
       ++tile;
-      ++kb;
     }
     // The CTA's last item: its final P·V and epilogue.
     rescale(acc, alpha);
@@ -758,6 +833,22 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
   // A failed wait has recorded the error and raised the abort word: skip to the end, so
   // the kernel still ends in bounded time.
   if (ok) Attn<T, D>::run(p, maps, epoch, smem);
+  if (p.sched_dynamic != 0) {
+    // The last CTA to have taken its last ticket resets the counter for the next launch
+    // (stream order: it starts after this one ends). Every CTA's tickets precede its
+    // arrival here (its producer thread took them before the barrier), and the fence
+    // orders them before the arrival; a CTA that stopped early (a failed wait) took
+    // fewer, which the reset forgets too.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      unsigned long long* done = reinterpret_cast<unsigned long long*>(mk_signal_word(p.ws, p.ws.rank, RING_SCHED_DONE));
+      if (atomicAdd(done, 1ull) == gridDim.x - 1) {
+        atomicExch(reinterpret_cast<unsigned long long*>(mk_signal_word(p.ws, p.ws.rank, RING_SCHED_NEXT)), 0ull);
+        atomicExch(done, 0ull);
+      }
+    }
+  }
   if (ring) mk_op_epoch_end(p.ws, RING_EPOCH, RING_ARRIVE, RING_DONE, epoch);
 }
 

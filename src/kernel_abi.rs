@@ -480,4 +480,12 @@ pub struct RingAttnParams {
     pub num_items: i32,
     /// softmaxScale · log2(e): scores go through exp2.
     pub scale_log2: f32,
+    /// Nonzero: work items are handed out at run time, in the section order of
+    /// ops::ring_attention::sched_item, from a counter in this rank's signal region
+    /// (`ws.signals[ws.rank]`, which must then be set, also at one rank); 0: each CTA
+    /// walks its fixed snake of items (gathered mode, no workspace).
+    pub sched_dynamic: i32,
+    /// (batch, head) pairs per section of the dynamic order (a multiple of heads /
+    /// kv_heads, ≥ 1): ops::ring_attention::sched_section.
+    pub sched_section: i32,
 }

@@ -83,6 +83,39 @@ pub fn plan_grid(s: &RingShape, grid_cap: u32) -> (usize, usize, u32) {
     (q_blocks, items, (items as u32).clamp(1, grid_cap.max(1)))
 }
 
+/// K/V bytes a section of the dynamic schedule may keep in L2 at once (the H200 has 60 MB
+/// of L2; CTAs of one section read the same K/V tiles at about the same time, and the
+/// next section's heavy items start while the last light ones of this one run).
+pub const SCHED_L2_BYTES: usize = 16 << 20;
+
+/// (batch, head) pairs per section of the dynamic order: as many kv heads as fit their K
+/// and V over every ring step in SCHED_L2_BYTES (at least one), times the query heads
+/// that share each, capped at all pairs. Sections are aligned to multiples of heads /
+/// kv_heads, so the query heads of one kv head never straddle two sections.
+pub fn sched_section(s: &RingShape) -> usize {
+    let kv_bytes = (s.nranks * s.seq_local * s.head_dim * 2 * 2).max(1);
+    let kv_heads = (SCHED_L2_BYTES / kv_bytes).max(1);
+    (kv_heads * (s.heads / s.kv_heads.max(1)).max(1)).min((s.batch * s.heads).max(1))
+}
+
+/// The work item (`bh · q_blocks + j`, j = 0 the heaviest query block of pair bh, the
+/// kernel's Item numbering) that ticket `i` of the dynamic schedule hands out
+/// (ring_attention.cu sched_item). Tickets run through sections of `section` (batch,
+/// head) pairs in turn; inside a section by weight, heaviest first (causal: later local
+/// query blocks see more keys, on every rank, since local positions grow with the local
+/// index), the section's pairs alternating at each weight. So the CTAs taking tickets
+/// share one section's K/V in L2, and the last tickets of the call are the lightest
+/// items: greedy list scheduling in this order ends with every CTA within about one
+/// light item of the others (a fixed round robin of the same items left ~3 % idle).
+pub fn sched_item(i: usize, pairs: usize, q_blocks: usize, section: usize) -> usize {
+    let per_section = section * q_blocks;
+    let sec = i / per_section;
+    let len = section.min(pairs - sec * section); // the last section may be short
+    let r = i - sec * per_section;
+    let (j, pair) = (r / len, sec * section + r % len);
+    pair * q_blocks + j
+}
+
 /// A validated mkRingAttention call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RingArgs {
@@ -155,6 +188,8 @@ fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
         q_blocks: q_blocks as i32,
         num_items: items as i32,
         scale_log2: args.softmax_scale * std::f32::consts::LOG2_E,
+        sched_dynamic: 0,
+        sched_section: sched_section(s) as i32,
     };
     (p, grid)
 }
@@ -259,6 +294,11 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
         }
         p.ws = ws.view;
         p.kv_offset = ws.view.data_bytes;
+    }
+    // The dynamic schedule's counter lives in the signal region, which one rank has too.
+    if let Some(ws) = &comm.workspace {
+        p.ws = ws.view;
+        p.sched_dynamic = 1;
     }
     launch(args, p, grid, stream)
 }
@@ -437,6 +477,64 @@ mod tests {
         assert_eq!(smem_bytes(128), 197632);
         assert_eq!(smem_bytes(64), 99328);
         assert!(smem_bytes(128) <= 232448, "fits the 227 KiB a block may opt in to");
+    }
+
+    #[test]
+    fn sched_sections_fit_the_l2_budget_and_keep_gqa_groups_whole() {
+        let s = |seq_local: usize, heads: usize, kv_heads: usize, nranks: usize| RingShape {
+            batch: 1, seq_local, heads, kv_heads, head_dim: 128, causal: true, nranks,
+        };
+        // 16 MiB of K and V: 4 heads at S 8K, 2 at 16K, 1 at 32K (one rank, D 128, bf16).
+        assert_eq!(sched_section(&s(8192, 32, 32, 1)), 4);
+        assert_eq!(sched_section(&s(16384, 32, 32, 1)), 2);
+        assert_eq!(sched_section(&s(32768, 32, 32, 1)), 1);
+        assert_eq!(sched_section(&s(65536, 32, 32, 1)), 1, "at least one head");
+        assert_eq!(sched_section(&s(4096, 32, 32, 4)), 2, "every ring step's K/V counts");
+        assert_eq!(sched_section(&s(16384, 32, 8, 1)), 8, "2 kv heads, 4 query heads each");
+        assert_eq!(sched_section(&s(256, 4, 2, 1)), 4, "capped at every (batch, head) pair");
+    }
+
+    #[test]
+    fn sched_order_hands_out_every_item_once_heaviest_first_per_section() {
+        for (pairs, q_blocks, section) in [(32, 64, 4), (32, 128, 2), (6, 5, 4), (1, 7, 1), (7, 3, 3), (5, 1, 2)] {
+            let order: Vec<usize> = (0..pairs * q_blocks).map(|i| sched_item(i, pairs, q_blocks, section)).collect();
+            let mut seen = order.clone();
+            seen.sort();
+            assert_eq!(seen, (0..pairs * q_blocks).collect::<Vec<_>>(), "{pairs} {q_blocks} {section}");
+            for w in order.windows(2) {
+                let (a, b) = ((w[0] / q_blocks, w[0] % q_blocks), (w[1] / q_blocks, w[1] % q_blocks));
+                // Inside a section the heaviness rank j never decreases; a new section starts at j = 0.
+                if a.0 / section == b.0 / section {
+                    assert!(b.1 >= a.1, "{pairs} {q_blocks} {section}: {a:?} then {b:?}");
+                } else {
+                    assert_eq!((b.0 / section, b.1), (a.0 / section + 1, 0));
+                }
+            }
+        }
+    }
+
+    /// Greedy list scheduling (each CTA takes the next ticket when it finishes an item) of
+    /// the one-rank causal bench shapes in the dynamic order: the busiest of 132 CTAs ends
+    /// within 0.5 % of the mean (the fixed snake: 3.1 %). Cost of an item: its visible
+    /// 128-key tiles plus one for the item's own overhead.
+    #[test]
+    fn dynamic_order_balances_causal_items() {
+        for seq in [8192usize, 16384, 32768] {
+            let s = RingShape { batch: 1, seq_local: seq, heads: 32, kv_heads: 32, head_dim: 128, causal: true, nranks: 1 };
+            let (q_blocks, items, grid) = plan_grid(&s, 132);
+            let section = sched_section(&s);
+            let cost = |item: usize| (q_blocks - item % q_blocks) as u64 + 1; // j = 0: the last query block, q_blocks tiles
+            let mut ctas = std::collections::BinaryHeap::new();
+            (0..grid).for_each(|c| ctas.push(std::cmp::Reverse((0u64, c))));
+            for i in 0..items {
+                let std::cmp::Reverse((t, c)) = ctas.pop().unwrap();
+                ctas.push(std::cmp::Reverse((t + cost(sched_item(i, 32, q_blocks, section)), c)));
+            }
+            let ends: Vec<u64> = ctas.into_iter().map(|std::cmp::Reverse((t, _))| t).collect();
+            let mean = ends.iter().sum::<u64>() as f64 / ends.len() as f64;
+            let max = *ends.iter().max().unwrap() as f64;
+            assert!(max / mean < 1.005, "S {seq}: busiest CTA {max} against a mean of {mean}");
+        }
     }
 
     #[test]
