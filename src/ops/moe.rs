@@ -132,6 +132,12 @@ pub struct LayoutOffsets {
     pub mb_run: usize,
     /// [capacity / 128] per block: first block of its expert's segment | its blocks << 15.
     pub mb_seg: usize,
+    /// [capacity / 128] per block: rows in use (1..=128).
+    pub mb_rows: usize,
+    /// [T·k] the send list (`send_tables`): slots t·k + j by (local expert, destination step).
+    pub send: usize,
+    /// [MAX_EXPERTS + 1] first send-list entry of each list q = le·nranks + step, [E] = total.
+    pub send_row0: usize,
     pub words: usize,
 }
 
@@ -145,7 +151,11 @@ pub fn layout_offsets(tokens: usize, top_k: usize, capacity: usize) -> LayoutOff
     let mb_srcmask = mb_order + blocks;
     let mb_run = mb_srcmask + blocks;
     let mb_seg = mb_run + blocks;
-    LayoutOffsets { dest, row, mb_expert, mb_order, mb_srcmask, mb_run, mb_seg, words: mb_seg + blocks }
+    let mb_rows = mb_seg + blocks;
+    let send = mb_rows + blocks;
+    // E is not a parameter of mkMoeLayoutBytes: room for the most experts.
+    let send_row0 = send + slots;
+    LayoutOffsets { dest, row, mb_expert, mb_order, mb_srcmask, mb_run, mb_seg, mb_rows, send, send_row0, words: send_row0 + MAX_EXPERTS + 1 }
 }
 
 /// What `rank`'s kernels compute for a routing (the device's layout, for tests).
@@ -404,23 +414,23 @@ pub fn group_m(d: &MoeDims, bn: usize, compute_ctas: usize) -> usize {
 pub enum OrderMode {
     /// Dispatch by the arrival step of the latest source a block needs; fixed raster groups.
     Arrival = 0,
-    /// Dispatch: only-own-rows blocks, then the rest; expert-major inside; groups cut at runs.
+    /// Expert-major (the receive layout's order); groups cut at experts.
     Expert = 1,
     /// Dispatch: only-own-rows blocks, blocks without the last step's source, the rest.
     Split = 2,
 }
 
 /// The order each direction's kernel runs for MK_MOE_ORDER (`env::moe_order`: 0 arrival,
-/// 1 expert, 2 split, 3 auto). `auto`, the default, takes the faster order of each kernel as
-/// measured (benches/RESULTS.md, session 8, 4 ranks on one H200, DeepSeek-V3-like sizes):
-/// the dispatch by arrival (1.18x unfused against 1.26 expert-major: expert-major makes the
-/// GEMM wait for the last source's rows after the few own-only blocks; at 2 ranks 0.74
-/// against 0.72), the combine expert-major (1.10 against 1.25; at 2 ranks 0.93 against
-/// 1.01: nothing to wait for, and an expert's blocks share its weight tiles in L2).
-pub fn order_mode_for(config_order: u32, dir: Direction) -> OrderMode {
-    match (config_order, dir) {
-        (0, _) | (3, Direction::Dispatch) => OrderMode::Arrival,
-        (2, _) => OrderMode::Split,
+/// 1 expert, 2 split, 3 auto). `auto`, the default, is expert-major for both: an expert's
+/// blocks share its weight tiles in L2 (the combine, session 8, 4 ranks: 1.10x unfused
+/// against 1.25 by arrival). The dispatch ran by arrival in session 8 (1.18 against 1.26)
+/// because rows were flagged per source, sent destination by destination, so expert-major
+/// waited for the last source; since session 9 the rows go out expert by expert with a flag
+/// per (source, expert) (`send_tables`), which is the order expert-major consumes them.
+pub fn order_mode_for(config_order: u32, _dir: Direction) -> OrderMode {
+    match config_order {
+        0 => OrderMode::Arrival,
+        2 => OrderMode::Split,
         _ => OrderMode::Expert,
     }
 }
@@ -441,18 +451,21 @@ pub struct BlockTables {
     pub run: Vec<(usize, usize)>,
     /// Per block: (first block, blocks) of its expert's segment.
     pub seg: Vec<(usize, usize)>,
+    /// Per block: rows in use (1..=128; the GEMM skips a 64-row slab past them).
+    pub rows: Vec<usize>,
 }
 
 pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: OrderMode) -> Result<BlockTables> {
     let n = s.nranks;
     let (layout, _) = receive_layout(s, routing, rank)?;
-    let (mut expert, mut srcmask, mut seg) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut expert, mut srcmask, mut seg, mut block_rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (le, rows) in layout.iter().enumerate() {
         let first = expert.len();
         let nb = rows.len().div_ceil(ROW_BLOCK);
         for b in 0..nb {
             expert.push(le);
             seg.push((first, nb));
+            block_rows.push((rows.len() - b * ROW_BLOCK).min(ROW_BLOCK));
             srcmask.push(rows[b * ROW_BLOCK..rows.len().min((b + 1) * ROW_BLOCK)].iter().fold(0u32, |m, r| m | 1 << r.source));
         }
     }
@@ -462,9 +475,10 @@ pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: Order
             let latest = (0..n).filter(|&src| m >> src & 1 != 0).map(|src| (rank + n - src) % n).max().unwrap_or(0);
             match mode {
                 OrderMode::Arrival => latest,
+                OrderMode::Expert => 0,
                 _ if m == 1 << rank => 0,
-                OrderMode::Split if latest < n - 1 => 1,
-                _ => mode as usize,
+                _ if latest < n - 1 => 1,
+                _ => 2,
             }
         })
         .collect();
@@ -480,7 +494,31 @@ pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: Order
         }
         p = end;
     }
-    Ok(BlockTables { expert, srcmask, key, order, run, seg })
+    Ok(BlockTables { expert, srcmask, key, order, run, seg, rows: block_rows })
+}
+
+/// The dispatch's send list for `rank` (kernels/moe.cu `prep`, read by `send_rows_warp`):
+/// lists q = le·nranks + step, for destination d = (rank + step) mod nranks and its local
+/// expert le (global e = d·E_local + le), each holding the slots t·k + j of this rank's
+/// tokens routed to e in token order (j the first choice naming e). Returns (start of each
+/// list, then the total: E + 1 entries; the slots). Senders walk it in order, so each
+/// destination receives every source's rows of its expert 0 first, then expert 1, ...
+pub fn send_tables(s: &MoeShape, ids: &[i32], rank: usize) -> (Vec<usize>, Vec<usize>) {
+    let (n, k) = (s.nranks, s.top_k);
+    let el = s.experts / n;
+    let mut row0 = Vec::with_capacity(s.experts + 1);
+    let mut slots = Vec::new();
+    for q in 0..s.experts {
+        row0.push(slots.len());
+        let e = ((rank + q % n) % n * el + q / n) as i32;
+        for t in 0..ids.len() / k {
+            if let Some(j) = ids[t * k..(t + 1) * k].iter().position(|&x| x == e) {
+                slots.push(t * k + j);
+            }
+        }
+    }
+    row0.push(slots.len());
+    (row0, slots)
 }
 
 /// Tile `t` of the MoE GEMM (kernels/moe.cu `MoeRaster::tile`): (block, n-block within the
@@ -618,6 +656,9 @@ fn base_params(dims: &MoeDims, layout: u64) -> MoeParams {
         lay_mb_srcmask: lo.mb_srcmask as i32,
         lay_mb_run: lo.mb_run as i32,
         lay_mb_seg: lo.mb_seg as i32,
+        lay_mb_rows: lo.mb_rows as i32,
+        lay_send: lo.send as i32,
+        lay_send_row0: lo.send_row0 as i32,
         tokens: dims.tokens as i32,
         hidden: dims.hidden as i32,
         ffn: dims.ffn as i32,
@@ -824,7 +865,8 @@ mod tests {
     #[test]
     fn layout_buffer_and_prep_memory() {
         let lo = layout_offsets(10, 3, 512);
-        assert_eq!((lo.dest, lo.row, lo.mb_expert, lo.mb_order, lo.mb_srcmask, lo.mb_run, lo.mb_seg, lo.words), (4, 34, 64, 68, 72, 76, 80, 84));
+        assert_eq!((lo.dest, lo.row, lo.mb_expert, lo.mb_order, lo.mb_srcmask, lo.mb_run, lo.mb_seg), (4, 34, 64, 68, 72, 76, 80));
+        assert_eq!((lo.mb_rows, lo.send, lo.send_row0, lo.words), (84, 88, 118, 118 + MAX_EXPERTS + 1));
         // The largest call fits the prep CTA's shared memory beside the narrowest engine.
         let d = dims(4096, 7168, 2048, 8, MAX_EXPERTS, MAX_CAPACITY_BLOCKS * ROW_BLOCK, 8);
         assert!(prep_smem_bytes(&d) <= engine::smem_bytes(256, Epilogue::Tma).min(engine::smem_bytes(128, Epilogue::Tma)));
@@ -879,9 +921,9 @@ mod tests {
     }
 
     #[test]
-    fn auto_order_runs_the_dispatch_by_arrival_and_the_combine_by_expert() {
+    fn auto_order_runs_both_kernels_by_expert() {
         use Direction::{Combine, Dispatch};
-        assert_eq!(order_mode_for(3, Dispatch), OrderMode::Arrival);
+        assert_eq!(order_mode_for(3, Dispatch), OrderMode::Expert);
         assert_eq!(order_mode_for(3, Combine), OrderMode::Expert);
         for dir in [Dispatch, Combine] {
             assert_eq!(order_mode_for(0, dir), OrderMode::Arrival);
@@ -913,11 +955,20 @@ mod tests {
             assert!(first == 0 || t.expert[first - 1] != t.expert[b]);
             assert!(t.srcmask[b] != 0, "every block holds a row");
         }
-        if mode != OrderMode::Arrival {
+        if mode == OrderMode::Split {
             // Blocks of own rows only first (they wait for no peer), then the rest.
             for &b in &t.order {
                 assert_eq!(t.key[b] == 0, t.srcmask[b] == 1 << rank);
             }
+        }
+        if mode == OrderMode::Expert {
+            assert!(t.order.iter().enumerate().all(|(p, &b)| p == b), "expert-major: the layout's order");
+            assert_eq!(t.run, t.seg, "runs are the experts' segments");
+        }
+        for b in 0..nb {
+            let (first, blocks) = t.seg[b];
+            let last = b + 1 == first + blocks;
+            assert!(t.rows[b] >= 1 && t.rows[b] <= ROW_BLOCK && (last || t.rows[b] == ROW_BLOCK), "block {b}: {} rows", t.rows[b]);
         }
     }
 
@@ -992,14 +1043,52 @@ mod tests {
             let latest = (0..4).filter(|&src| t.srcmask[b] >> src & 1 != 0).map(|src| (4 - src) % 4).max().unwrap();
             assert_eq!(t.key[b], latest);
         }
-        // Expert mode: after the own-only blocks, the order is the receive layout's (expert-major).
+        // Expert mode: the receive layout's order (expert-major), one key.
         let e = block_tables(&s, &routing, 2, OrderMode::Expert).unwrap();
-        let rest: Vec<usize> = e.order.iter().copied().filter(|&b| e.key[b] == 1).collect();
-        assert!(rest.windows(2).all(|w| w[0] < w[1]));
+        assert!(e.key.iter().all(|&k| k == 0) && e.order.windows(2).all(|w| w[0] < w[1]));
+        // Block rows add up to the experts' counts.
+        let dl = device_layout(&s, &routing, 2).unwrap();
+        for (le, &c) in dl.recv_counts.iter().enumerate() {
+            assert_eq!((0..e.expert.len()).filter(|&b| e.expert[b] == le).map(|b| e.rows[b]).sum::<usize>(), c);
+        }
         // Split: the last step's source (rank 3 for rank 2) only in key 2.
         let sp = block_tables(&s, &routing, 2, OrderMode::Split).unwrap();
         for b in 0..sp.expert.len() {
             assert_eq!(sp.key[b] == 2, sp.srcmask[b] >> 3 & 1 != 0 && sp.srcmask[b] != 1 << 2, "block {b}");
+        }
+    }
+
+    #[test]
+    fn send_lists_cover_every_row_once_expert_by_expert() {
+        for (nranks, tokens, top_k, experts) in [(1, 300, 2, 8), (2, 400, 4, 16), (4, 512, 8, 32), (3, 200, 3, 12)] {
+            let s = shape(tokens, top_k, experts, nranks);
+            let mut routing = routing_for(tokens, top_k, experts, nranks, 5 + nranks as u64);
+            // Holes and a token naming one expert twice (one row, sent once).
+            routing[0][0] = -1;
+            routing[0][top_k.min(2) * 3 - 1] = routing[0][top_k.min(2) * 3 - 2];
+            let el = experts / nranks;
+            for rank in 0..nranks {
+                let dl = device_layout(&s, &routing, rank).unwrap();
+                let (row0, slots) = send_tables(&s, &routing[rank], rank);
+                assert_eq!(row0.len(), experts + 1);
+                assert_eq!(row0[experts], slots.len());
+                let mut rows_sent = std::collections::HashSet::new();
+                for q in 0..experts {
+                    let (d, le) = ((rank + q % nranks) % nranks, q / nranks);
+                    let list = &slots[row0[q]..row0[q + 1]];
+                    for (i, &slot) in list.iter().enumerate() {
+                        assert_eq!(routing[rank][slot], (d * el + le) as i32);
+                        let (owner, row) = dl.slots[slot].unwrap();
+                        assert_eq!(owner, d);
+                        // The kernel writes entry row0[q] + (row - the list's first row).
+                        assert_eq!(row, dl.slots[list[0]].unwrap().1 + i, "list {q}: consecutive rows at the owner");
+                        assert!(rows_sent.insert((d, row)), "each row once");
+                    }
+                }
+                // Every distinct (token, expert) of this rank is in some list.
+                let distinct: usize = routing[rank].chunks(top_k).map(|c| { let mut v: Vec<_> = c.iter().filter(|&&e| e >= 0).collect(); v.sort(); v.dedup(); v.len() }).sum();
+                assert_eq!(slots.len(), distinct);
+            }
         }
     }
 
