@@ -47,6 +47,8 @@
 #define MOE_CNT (MK_SIG_MOE_BASE + 16)    // + s: rank s wrote its counts here (written by s)
 #define MOE_GRAB (MK_SIG_MOE_BASE + 40)   // senders' next chunk of the send list (counter)
 #define MOE_EXIT (MK_SIG_MOE_BASE + 41)   // sender warps done (counter; the last resets both)
+#define MOE_PULL_GRAB (MK_SIG_MOE_BASE + 42)  // combine: pullers' next chunk of items (counter)
+#define MOE_PULL_EXIT (MK_SIG_MOE_BASE + 43)  // combine: pulling warps done (counter; the last resets both)
 #define MOE_RECV (MK_SIG_MOE_BASE + 1024) // + s * E_local + le: all of rank s's rows of local expert le arrived (written by s)
 #define MOE_SENT (MK_SIG_MOE_BASE + 2048) // + q: rows of send list q copied (counter; the last copier resets it)
 #define MOE_TILE (MK_SIG_MOE_BASE + 3072) // + (m_block * tiles_n + n) * 2 + slab: Z slab stored
@@ -100,7 +102,9 @@ struct MoeRaster {
     const int* runs;       // per m-block: first order position of its run | length << 15; null: fixed groups
     const int* mb_expert;  // local expert of each m-block (layout)
     const int* mb_rows;    // rows of each m-block in use (layout): 1..128
-    int tiles_m, tiles_n, group_m;
+    int tiles_m, tiles_n;
+    int band_w;  // column tiles per band (divides tiles_n): the raster runs band by band
+    int group_m;
   };
   // The engine skips the wgmmas of a 64-row consumer slab at or past this row: an expert's
   // last m-block holds (rows mod 128) rows, and at 4 ranks (T 4096, k 8, E 256: ~512 +- 22
@@ -111,14 +115,19 @@ struct MoeRaster {
     return c.m_block * 128 + ld_cg(p.mb_rows + c.m_block);
   }
   __device__ static TileCoord tile(const Params& p, int t) {
+    // Bands (the combine: its pull follows them): band b's tiles, then band b + 1's, each
+    // band rastered as below over its band_w column tiles.
+    const int per_band = p.tiles_m * p.band_w;
+    const int band = t / per_band;
+    t -= band * per_band;
     int pos, nb;
     if (p.runs == nullptr) {
-      const TileCoord c = grouped_tile(p.tiles_m, p.tiles_n, p.group_m, t);
+      const TileCoord c = grouped_tile(p.tiles_m, p.band_w, p.group_m, t);
       pos = c.m_block;
       nb = c.n_block;
     } else {
-      // Groups tile the order positions, so position t / tiles_n lies in t's group.
-      const int at = t / p.tiles_n;
+      // Groups tile the order positions, so position t / band_w lies in t's group.
+      const int at = t / p.band_w;
       const int info = ld_cg(p.runs + (p.order ? ld_cg(p.order + at) : at));
       const int rs = info & 0x7fff, len = info >> 15;
       const int groups = (len + p.group_m - 1) / p.group_m;
@@ -132,12 +141,12 @@ struct MoeRaster {
         gl = q;
       }
       gs += rs;
-      const int in_group = t - gs * p.tiles_n;
+      const int in_group = t - gs * p.band_w;
       pos = gs + in_group % gl;
       nb = in_group / gl;
     }
     const int mb = p.order ? ld_cg(p.order + pos) : pos;
-    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + nb};
+    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + band * p.band_w + nb};
   }
 };
 
@@ -627,7 +636,7 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
     if (p.gemm) {
       // Arrival order (mode 0) keeps main's fixed raster groups; the others cut them at runs.
       typename MoeRaster::Params sched{layout + p.lay_mb_order, p.order_mode == 0 ? nullptr : layout + p.lay_mb_run,
-                                       layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n,
+                                       layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n, p.tiles_n,
                                        max(1, min(p.group_m, total_mb))};
       typename SourceAWait::Params await{&p, layout + p.lay_mb_srcmask, layout + p.lay_mb_expert, epoch};
       typename Epi::Params epi;
@@ -665,87 +674,156 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
   return out;
 }
 
-// One warp (number gw of nw pulling warps in the grid): out[t, tile n] for the work items
-// (t, n) gw, gw + nw, ...  Warp-synchronous only, so any set of warps can pull: the
-// dedicated pull CTAs' 12 warps, or a GEMM CTA's 8 consumer warps after its last tile.
-template <typename T, int BN>
-__device__ __forceinline__ void pull_rows(const MoeParams& p, uint64_t epoch, int gw, int nw) {
+// Items of the combine's pull: (token t, column tile nb), ordered band-major (bands of
+// band_w column tiles, the order the combine GEMM computes them: MoeRaster), then by
+// token, then by tile. A band's items are ready once the GEMM is through that band.
+__device__ __forceinline__ void pull_item(const MoeParams& p, int it, int& t, int& nb) {
+  const int per_band = p.tokens * p.band_w;
+  const int band = it / per_band, r = it - band * per_band;
+  t = r / p.band_w;
+  nb = band * p.band_w + (r - t * p.band_w);
+}
+
+// Items one grab of the pull takes (one atomic per 4 items of ~4.5 KB each).
+constexpr int kPullChunk = 4;
+
+// Pulling warps of a combine launch: the communication CTAs' (MK_COMM_SMS), else every
+// GEMM CTA's 8 consumer warps after the GEMM plus, with several bands, its 2 side warps
+// during it; communication only (the benchmark's baseline): every warp of the GEMM CTAs.
+__device__ __forceinline__ int puller_warps(const MoeParams& p) {
+  if (p.comm_ctas > 0) return p.comm_ctas * MOE_WARPS;
+  if (!p.gemm) return p.compute_ctas * MOE_WARPS;
+  return p.compute_ctas * (8 + (p.band_w < p.tiles_n ? 2 : 0));
+}
+
+// One warp (any warp of the grid; puller_warps() call this per launch): grab kPullChunk
+// items at a time in item order (MOE_PULL_GRAB: warps that come early, or free, take more)
+// and write out[t, tile nb] for each. Warp-synchronous only. The last warp to leave resets
+// the counters for the next launch.
+template <typename T, int BN, int RB = 8>
+__device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoch) {
   const WorkspaceView& ws = p.ws;
   const int K = p.top_k, H = p.hidden;
   const int lane = threadIdx.x % 32;
   const int* layout = reinterpret_cast<const int*>(p.layout);
   const float* weights = reinterpret_cast<const float*>(p.topk_weights);
   const int items = p.tokens * p.tiles_n;
-  for (int it = gw; it < items; it += nw) {
-    const int t = it / p.tiles_n, nb = it % p.tiles_n;
-    int dest = -1, row = 0;
-    float w = 0.f;
-    if (lane < K) {
-      dest = ld_cg(layout + p.lay_dest + (size_t)t * K + lane);
-      row = ld_cg(layout + p.lay_row + (size_t)t * K + lane);
-      w = weights[(size_t)t * K + lane];
-    }
-    // Lane 0 waits for the item's k slabs one after another (one poller per warp, not k:
-    // waiting lanes compete with the GEMM CTAs for the memory system).
-    const uint32_t word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
-    int ok = 1;
-    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
-    for (int u = 0; u < K; ++u) {
-      const int du = __shfl_sync(0xffffffffu, dest, u);
-      const uint32_t wu = __shfl_sync(0xffffffffu, word, u);
-      if (lane == 0 && ok && du >= 0) ok = moe_wait(ws, mk_signal_word(ws, du, wu), epoch, du, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
-    }
-    if (!__shfl_sync(0xffffffffu, ok, 0)) return;
-    if (p.trace) {
-      // Per warp; the trace's per-CTA wait is the sum over the CTA's 12 warps.
-      const int rows = __popc(__ballot_sync(0xffffffffu, dest >= 0));
-      if (lane == 0) {
-        mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
-        mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-        mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(rows + 1) * BN * 2);
+  unsigned long long* grab = peer_word(ws, ws.rank, MOE_PULL_GRAB);
+  bool ok = true;
+  while (ok) {
+    int c = 0;
+    if (lane == 0) c = (int)atomicAdd(grab, 1ull);
+    c = __shfl_sync(0xffffffffu, c, 0) * kPullChunk;
+    if (c >= items) break;
+    for (int it = c; it < min(items, c + kPullChunk) && ok; ++it) {
+      int t, nb;
+      pull_item(p, it, t, nb);
+      int dest = -1, row = 0;
+      float w = 0.f;
+      if (lane < K) {
+        dest = ld_cg(layout + p.lay_dest + (size_t)t * K + lane);
+        row = ld_cg(layout + p.lay_row + (size_t)t * K + lane);
+        w = weights[(size_t)t * K + lane];
       }
-    }
-    // Every lane runs every iteration (the shuffles need the whole warp); lanes past the
-    // tile's BN / 8 vectors only shuffle.
-    for (int v0 = 0; v0 < BN / 8; v0 += 32) {
-      const int v = v0 + lane;
-      const bool active = v < BN / 8;
-      const size_t col = (size_t)nb * BN + v * 8;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int j0 = 0; j0 < K; j0 += 8) {
-        // Up to 8 rows' vectors loaded before the first add (latency-bound otherwise); the
-        // adds then run in j order.
-        int4 z[8];
-        int dd[8];
-        float ww[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int jj = j0 + u;
-          dd[u] = __shfl_sync(0xffffffffu, dest, jj & 31);
-          const int r = __shfl_sync(0xffffffffu, row, jj & 31);
-          ww[u] = __shfl_sync(0xffffffffu, w, jj & 31);
-          if (active && jj < K && dd[u] >= 0)
-            z[u] = *reinterpret_cast<const int4*>(reinterpret_cast<const char*>(ws.data[dd[u]]) + p.buf_offset +
-                                                  ((size_t)r * H + col) * 2);
+      const uint32_t word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
+      const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+      // Lane j checks the slab of row j once (acquire; one round trip for all k, where one
+      // lane checking them in turn took k); only if one is not there yet does lane 0 wait
+      // for them in turn, with back-off (one poller per warp: waiting lanes compete with
+      // the GEMM for the memory system).
+      bool here = true;
+      if (dest >= 0) here = mk_ld_acquire_sys(reinterpret_cast<const uint64_t*>(peer_word(ws, dest, word))) >= epoch;
+      if (!__all_sync(0xffffffffu, here)) {
+        int good = 1;
+        for (int u = 0; u < K; ++u) {
+          const int du = __shfl_sync(0xffffffffu, dest, u);
+          const uint32_t wu = __shfl_sync(0xffffffffu, word, u);
+          if (lane == 0 && good && du >= 0)
+            good = moe_wait(ws, reinterpret_cast<const uint64_t*>(peer_word(ws, du, wu)), epoch, du, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
         }
+        ok = __shfl_sync(0xffffffffu, good, 0) != 0;
+        if (!ok) break;
+      }
+      __syncwarp();  // the lanes' acquires, then every lane's loads of every row
+      if (p.trace) {
+        // Per warp; the trace's per-CTA wait is the sum over the CTA's pulling warps.
+        const int rows = __popc(__ballot_sync(0xffffffffu, dest >= 0));
+        if (lane == 0) {
+          mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+          mk_trace_add(p.trace, MK_TR_ITEMS, 1);
+          mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(rows + 1) * BN * 2);
+        }
+      }
+      // Every lane runs every iteration (the shuffles need the whole warp); lanes past the
+      // tile's BN / 8 vectors only shuffle.
+      for (int v0 = 0; v0 < BN / 8; v0 += 32) {
+        const int v = v0 + lane;
+        const bool active = v < BN / 8;
+        const size_t col = (size_t)nb * BN + v * 8;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j0 = 0; j0 < K; j0 += RB) {
+          // Up to RB rows' vectors loaded before the first add (latency-bound otherwise); the
+          // adds then run in j order.
+          int4 z[RB];
+          int dd[RB];
+          float ww[RB];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          if (active && j0 + u < K && dd[u] >= 0) {
-            const T* h = reinterpret_cast<const T*>(&z[u]);
+          for (int u = 0; u < RB; ++u) {
+            const int jj = j0 + u;
+            dd[u] = __shfl_sync(0xffffffffu, dest, jj & 31);
+            const int r = __shfl_sync(0xffffffffu, row, jj & 31);
+            ww[u] = __shfl_sync(0xffffffffu, w, jj & 31);
+            if (active && jj < K && dd[u] >= 0)
+              z[u] = *reinterpret_cast<const int4*>(peer_data(ws, dd[u]) + p.buf_offset + ((size_t)r * H + col) * 2);
+          }
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] += ww[u] * (float)h[i];
+          for (int u = 0; u < RB; ++u) {
+            if (active && j0 + u < K && dd[u] >= 0) {
+              const T* h = reinterpret_cast<const T*>(&z[u]);
+#pragma unroll
+              for (int i = 0; i < 8; ++i) acc[i] += ww[u] * (float)h[i];
+            }
           }
         }
+        if (active) *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.out) + ((size_t)t * H + col) * 2) = pack8<T>(acc);
       }
-      if (active) *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.out) + ((size_t)t * H + col) * 2) = pack8<T>(acc);
     }
   }
+  if (lane == 0) {
+    unsigned long long* exits = peer_word(ws, ws.rank, MOE_PULL_EXIT);
+    if (atomicAdd(exits, 1ull) == (unsigned long long)puller_warps(p) - 1) {
+      *grab = 0;  // every warp has made its last grab
+      *exits = 0;
+    }
+  }
+  __syncwarp();
 }
+
+// The combine GEMM's producer-side hook: nothing to wait for (Y' is local); with several
+// column bands the side warps (2 per CTA: warp 1 is the courier) pull from the start,
+// band by band as the GEMMs of every rank get through them.
+template <typename T, int BN>
+struct PullBeside {
+  struct Params {
+    const MoeParams* op;
+    uint64_t epoch;
+  };
+  __device__ static void before_a_load(const Params&, int, int, int) {}
+  __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
+    row = m_row0;
+    return tma_a;
+  }
+  __device__ static void side_work(const Params& w, int) {
+    // 4 rows' vectors in flight: with 8, the producer warpgroup's 96 registers spill.
+    if (w.op->comm_ctas == 0 && w.op->band_w < w.op->tiles_n) pull_rows_warp<T, BN, 4>(*w.op, w.epoch);
+  }
+};
 
 // The combine's default epilogue: Z slabs stored and flagged; then, when the launch has no
 // dedicated pull CTAs, the consumer warps (8 per CTA, whose registers setmaxnreg raised;
-// the producer warps' were lowered) pull and sum this CTA's share of the output. Most of
-// the slabs are in by then: the pull overlaps only the GEMM's last wave.
+// the producer warps' were lowered) pull and sum items until none is left. With one band
+// the pull overlaps only the GEMM's last wave; with several, the side warps have pulled
+// the early bands' items during the GEMM.
 template <typename T, int BN>
 struct PullAfterGemm : TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal> {
   using Base = TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal>;
@@ -754,17 +832,14 @@ struct PullAfterGemm : TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal> {
   };
   __device__ static void finish(const Params& p, const SlabInfo& s) {
     Base::finish(p, s);  // this warpgroup's last slab stored and flagged
-    if (p.op->comm_ctas == 0) {
-      const int warp = s.consumer * 4 + s.thread / 32;
-      pull_rows<T, BN>(*p.op, p.signal.epoch, blockIdx.x * 8 + warp, p.op->compute_ctas * 8);
-    }
+    if (p.op->comm_ctas == 0) pull_rows_warp<T, BN>(*p.op, p.signal.epoch);
   }
 };
 
 template <typename T, int BN>
 __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
                                         const MoeParams& p) {
-  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value>;
+  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value, SHARE_NONE, kProducerRegs>;
   using Epi = PullAfterGemm<T, BN>;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
@@ -783,12 +858,13 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
       uint64_t* flags = mk_signal_word(ws, ws.rank, MOE_TILE);
       if (p.gemm) {
         // Y' is local: no arrival order to follow. Expert-major (the receive layout's own
-        // order), groups cut at expert segments; arrival mode (0) keeps the dispatch's order.
+        // order), groups cut at expert segments, column bands first (band_w); arrival mode
+        // (0) keeps the dispatch's order.
         const bool by_expert = p.order_mode != 0;
         typename MoeRaster::Params sched{by_expert ? nullptr : layout + p.lay_mb_order, by_expert ? layout + p.lay_mb_seg : nullptr,
-                                         layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n,
+                                         layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n, p.band_w,
                                          max(1, min(p.group_m, total_mb))};
-        NoAWait::Params await{0};
+        typename PullBeside<T, BN>::Params await{&p, epoch};
         typename Epi::Params epi;
         epi.dest.tma_c = tma_c;
         epi.dest.cols = p.hidden;
@@ -797,19 +873,19 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
         epi.signal.epoch = epoch;
         epi.signal.trace = p.trace;
         epi.op = &p;
-        gemm_persistent<Cfg, MoeRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.hidden, p.ffn}, sched,
-                                                       await, epi, blockIdx.x, p.compute_ctas, smem);
+        gemm_persistent<Cfg, MoeRaster, PullBeside<T, BN>, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.hidden, p.ffn}, sched,
+                                                                 await, epi, blockIdx.x, p.compute_ctas, smem);
       } else {
         // Communication only: Z was written by earlier launches on this stream.
         __threadfence_system();
         const int words = total_mb * p.tiles_n * 2;
         for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += p.compute_ctas * blockDim.x)
           mk_st_release_sys(flags + i, epoch);
-        if (p.comm_ctas == 0) pull_rows<T, BN>(p, epoch, blockIdx.x * MOE_WARPS + threadIdx.x / 32, p.compute_ctas * MOE_WARPS);
+        if (p.comm_ctas == 0) pull_rows_warp<T, BN>(p, epoch);
       }
     }
   } else if (valid) {
-    pull_rows<T, BN>(p, epoch, (blockIdx.x - p.compute_ctas) * MOE_WARPS + threadIdx.x / 32, p.comm_ctas * MOE_WARPS);
+    pull_rows_warp<T, BN>(p, epoch);
   }
   if (p.trace) {
     __syncthreads();

@@ -108,8 +108,9 @@ pub const MAX_TOP_K: usize = 32;
 /// Bytes at the start of the fused-op region for the count exchange (nranks·E int32); the
 /// receive buffer (dispatch) and Z (combine) follow it.
 pub const COUNTS_BYTES: usize = 64 << 10;
-/// Per-slab flags of Z (signal words MK_SIG_MOE_BASE + 1024 .. + 65536).
-pub const TILE_FLAG_WORDS: usize = 65_536 - 1024;
+/// Per-slab flags of Z (signal words MK_SIG_MOE_BASE + 3072 .. + 65536; below them the
+/// dispatch's per-(source, expert) flags at + 1024 and per-list counters at + 2048).
+pub const TILE_FLAG_WORDS: usize = 65_536 - 3072;
 /// Most 128-row blocks in a receive buffer (one byte of order key each in shared memory).
 pub const MAX_CAPACITY_BLOCKS: usize = 16_384;
 const WARPS: usize = 12;
@@ -409,6 +410,22 @@ pub fn group_m(d: &MoeDims, bn: usize, compute_ctas: usize) -> usize {
     engine::raster_group(d.capacity.div_ceil(ROW_BLOCK).min(rows_est.div_ceil(ROW_BLOCK) + d.experts_local()), bn, compute_ctas)
 }
 
+/// Column bands of the combine's GEMM (MK_MOE_BANDS). The pull of a token's output tile
+/// needs the tile's slabs of all its k rows, on up to k experts anywhere in the expert-major
+/// order, so without bands nothing can be pulled before the GEMM's end (session 8, 4 ranks:
+/// the pull, ~2.6 ms alone, ran after a ~11 ms GEMM). With b bands the GEMM finishes band 0
+/// (every block, its first H / b columns) after ~1/b of its time, and the side warps pull
+/// band 0's outputs while bands 1.. compute; each band reads A (Y') again: b x 168 MB per
+/// rank at DeepSeek-V3-like sizes, beside ~1.8 GB of W2 tiles read once.
+pub const DEFAULT_BANDS: usize = 4;
+
+/// Column tiles per band for `tiles_n` column tiles and `bands` requested: the most bands
+/// up to `bands` that divide `tiles_n` (every band the same width).
+pub fn band_width(tiles_n: usize, bands: usize) -> usize {
+    let b = (1..=bands.clamp(1, tiles_n.max(1))).rev().find(|b| tiles_n % b == 0).unwrap_or(1);
+    tiles_n.max(1) / b
+}
+
 /// Order of the GEMM row blocks (MK_MOE_ORDER; MoeParams::order_mode).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OrderMode {
@@ -525,17 +542,34 @@ pub fn send_tables(s: &MoeShape, ids: &[i32], rank: usize) -> (Vec<usize>, Vec<u
 /// expert). `order` None = identity; `runs` (per block: first order position, length of its
 /// run) None = the engine's fixed groups of `group_m`.
 pub fn moe_tile(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_m: usize, tiles_n: usize, group_m: usize, t: usize) -> (usize, usize) {
+    moe_tile_banded(order, runs, tiles_m, tiles_n, tiles_n, group_m, t)
+}
+
+/// `moe_tile` with column bands of `band_w` tiles (MoeParams::band_w; divides tiles_n):
+/// every tile of band b before band b + 1, each band rastered as `moe_tile` over its columns.
+pub fn moe_tile_banded(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_m: usize, tiles_n: usize, band_w: usize, group_m: usize, t: usize) -> (usize, usize) {
+    debug_assert!(band_w >= 1 && tiles_n % band_w == 0);
     let at_order = |pos: usize| order.map_or(pos, |o| o[pos]);
+    let band = t / (tiles_m * band_w);
+    let t = t - band * tiles_m * band_w;
     let (pos, nb) = match runs {
-        None => crate::ops::gemm_reduce::grouped_tile(tiles_m, tiles_n, group_m, t),
+        None => crate::ops::gemm_reduce::grouped_tile(tiles_m, band_w, group_m, t),
         Some(runs) => {
-            let at = t / tiles_n;
+            let at = t / band_w;
             let (gs, gl) = run_group(runs[at_order(at)], group_m, at);
-            let in_group = t - gs * tiles_n;
+            let in_group = t - gs * band_w;
             (gs + in_group % gl, in_group / gl)
         }
     };
-    (at_order(pos), nb)
+    (at_order(pos), band * band_w + nb)
+}
+
+/// Item `it` of the combine's pull (kernels/moe.cu `pull_item`): (token, column tile),
+/// band-major, then token, then tile.
+pub fn pull_item(tokens: usize, band_w: usize, it: usize) -> (usize, usize) {
+    let per_band = tokens * band_w;
+    let (band, r) = (it / per_band, it % per_band);
+    (r / band_w, band * band_w + r % band_w)
 }
 
 /// The raster group (first order position, blocks) holding order position `at` of the run
@@ -619,6 +653,10 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     l.params.counts_offset = ws.view.data_bytes;
     l.params.buf_offset = ws.view.data_bytes + COUNTS_BYTES as u64;
     l.params.tiles_n = (l.cols / bn) as i32;
+    l.params.band_w = match l.dir {
+        Direction::Dispatch => l.cols / bn,
+        Direction::Combine => band_width(l.cols / bn, comm.config.moe_bands),
+    } as i32;
     l.params.group_m = group_m(&l.dims, bn, roles.compute_ctas as usize) as i32;
     l.params.order_mode = order_mode_for(comm.config.moe_order, l.dir) as i32;
     l.params.compute_ctas = roles.compute_ctas as i32;
@@ -1117,6 +1155,47 @@ mod tests {
         let expert = block_tables(&s, &routing, 1, OrderMode::Expert).unwrap();
         let (a, e) = (wave_b_tiles(&arrival, None), wave_b_tiles(&expert, Some(&expert.run)));
         assert!(e * 2.0 < a, "B tiles per wave: arrival {a:.1}, expert {e:.1}");
+    }
+
+    #[test]
+    fn bands_divide_the_columns_and_run_in_order() {
+        assert_eq!(band_width(28, 4), 7);
+        assert_eq!(band_width(28, 3), 14, "the most bands up to 3 that divide 28: 2");
+        assert_eq!(band_width(28, 1), 28);
+        assert_eq!(band_width(1, 4), 1);
+        assert_eq!(band_width(7, 4), 7, "7 is prime: one band");
+        assert_eq!(band_width(8, 100), 1);
+        let s = shape(400, 4, 16, 2);
+        let routing = routing_for(400, 4, 16, 2, 9);
+        let t = block_tables(&s, &routing, 1, OrderMode::Expert).unwrap();
+        let tiles_m = t.expert.len();
+        for (tiles_n, bw, g) in [(28, 7, 5), (8, 2, 3), (6, 3, 1), (4, 4, 2)] {
+            let mut hit = vec![0u8; tiles_m * tiles_n];
+            let mut last_band = 0;
+            for i in 0..tiles_m * tiles_n {
+                let (b, n) = moe_tile_banded(None, Some(&t.seg), tiles_m, tiles_n, bw, g, i);
+                hit[b * tiles_n + n] += 1;
+                assert!(n / bw >= last_band, "bands in order");
+                last_band = n / bw;
+            }
+            assert!(hit.iter().all(|&h| h == 1), "every tile once");
+            // Within a band: as the unbanded raster over the band's columns.
+            for i in 0..tiles_m * bw {
+                let (b0, n0) = moe_tile(None, Some(&t.seg), tiles_m, bw, g, i);
+                for band in 0..tiles_n / bw {
+                    assert_eq!(moe_tile_banded(None, Some(&t.seg), tiles_m, tiles_n, bw, g, band * tiles_m * bw + i), (b0, band * bw + n0));
+                }
+            }
+            // The pull's items: every (token, tile) once, band by band.
+            let tokens = 37;
+            let mut seen = vec![false; tokens * tiles_n];
+            for it in 0..tokens * tiles_n {
+                let (tok, n) = pull_item(tokens, bw, it);
+                assert!(!seen[tok * tiles_n + n]);
+                seen[tok * tiles_n + n] = true;
+                assert_eq!(n / bw, it / (tokens * bw));
+            }
+        }
     }
 
     #[test]
