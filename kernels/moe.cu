@@ -815,7 +815,12 @@ struct PullBeside {
   }
   __device__ static void side_work(const Params& w, int) {
     // 4 rows' vectors in flight: with 8, the producer warpgroup's 96 registers spill.
-    if (w.op->comm_ctas == 0 && w.op->band_w < w.op->tiles_n) pull_rows_warp<T, BN, 4>(*w.op, w.epoch);
+    if (w.op->comm_ctas == 0 && w.op->band_w < w.op->tiles_n) {
+      pull_rows_warp<T, BN, 4>(*w.op, w.epoch);
+      // The trace's "side warps done after": the later of the two.
+      if (w.op->trace && threadIdx.x % 32 == 0)
+        atomicMax(reinterpret_cast<unsigned long long*>(mk_trace_slot(w.op->trace, MK_TR_SIDE)), (unsigned long long)mk_globaltimer());
+    }
   }
 };
 
