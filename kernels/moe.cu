@@ -472,12 +472,25 @@ constexpr int kSendChunk = 8;
 // warp to leave resets the grab counters for the next launch.
 // ws.data[rank] / ws.signals[rank] read at the use: indexing the parameter's pointer arrays
 // with a run-time rank otherwise keeps them in registers, scarce in the side warps
-// (ptxas spilled the send loop).
+// (ptxas spilled the send loop). `ws` lives in the __grid_constant__ kernel parameter:
+// the load goes through an asm (volatile: not hoisted out of the caller's loop) with the
+// parameter's generic address, which ptxas forms as the parameter window base
+// (c[0x0][0x198]) + offset, as for any pointer into the parameter that escapes. Session 9's
+// first version used a C++ volatile load instead, and ptxas (CUDA 13.0, sm_90a) dropped
+// the window base for it: LD.E.64.STRONG.SYS from the bare offset (0x1f0 + 8 * rank +
+// 0x40 for signals[]), CUDA_ERROR_ILLEGAL_ADDRESS in the first MoE call (compute-sanitizer:
+// "Access to 0x230 is out of bounds"). Plain loads become constant-bank loads (correct),
+// but moved ptxas to spill in the dispatch (bn256: 32 B stores, 104 B loads).
+__device__ __forceinline__ uint64_t param_word(const uint64_t* a) {
+  uint64_t v;
+  asm volatile("ld.u64 %0, [%1];" : "=l"(v) : "l"(a));
+  return v;
+}
 __device__ __forceinline__ char* peer_data(const WorkspaceView& ws, int rank) {
-  return reinterpret_cast<char*>(*reinterpret_cast<const volatile uint64_t*>(&ws.data[rank]));
+  return reinterpret_cast<char*>(param_word(&ws.data[rank]));
 }
 __device__ __forceinline__ unsigned long long* peer_word(const WorkspaceView& ws, int rank, uint32_t index) {
-  return reinterpret_cast<unsigned long long*>(*reinterpret_cast<const volatile uint64_t*>(&ws.signals[rank])) + index;
+  return reinterpret_cast<unsigned long long*>(param_word(&ws.signals[rank])) + index;
 }
 
 template <int IN_FLIGHT>
