@@ -423,9 +423,10 @@ mkResult_t mkGemmAllReduce(const void *A,
 
 /**
  * Bytes of the layout buffer that mkMoeDispatchGemm fills and mkMoeGemmCombine reads:
- * 4·(4 + 2·tokens·topk + 5·recvCapacity/128) (int32 words: per (token, choice) the owner
- * rank and the row there, per receive-buffer row block its expert, order, sources, order run
- * and expert segment).
+ * 4·(4 + 3·tokens·topk + 6·recvCapacity/128 + 1025) (int32 words: per (token, choice) the
+ * owner rank and the row there, per receive-buffer row block its expert, order, sources,
+ * order run, expert segment and rows in use, the send list and its per-(expert,
+ * destination) starts).
  */
 mkResult_t mkMoeLayoutBytes(size_t tokens, size_t topk, size_t recvCapacity, size_t *bytes);
 

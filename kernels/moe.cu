@@ -45,9 +45,13 @@
 #define MOE_PREP (MK_SIG_MOE_BASE + 2)    // the prep CTA wrote the layout of epoch e
 #define MOE_DONE (MK_SIG_MOE_BASE + 8)    // + q: rank q finished MoE kernel e (written by q)
 #define MOE_CNT (MK_SIG_MOE_BASE + 16)    // + s: rank s wrote its counts here (written by s)
-#define MOE_RECV (MK_SIG_MOE_BASE + 24)   // + s: all of rank s's rows for us arrived (written by s)
-#define MOE_SENT (MK_SIG_MOE_BASE + 32)   // + d: senders done sending to d (counter)
-#define MOE_TILE (MK_SIG_MOE_BASE + 1024) // + (m_block * tiles_n + n) * 2 + slab: Z slab stored
+#define MOE_GRAB (MK_SIG_MOE_BASE + 40)   // senders' next chunk of the send list (counter)
+#define MOE_EXIT (MK_SIG_MOE_BASE + 41)   // sender warps done (counter; the last resets both)
+#define MOE_PULL_GRAB (MK_SIG_MOE_BASE + 42)  // combine: pullers' next chunk of items (counter)
+#define MOE_PULL_EXIT (MK_SIG_MOE_BASE + 43)  // combine: pulling warps done (counter; the last resets both)
+#define MOE_RECV (MK_SIG_MOE_BASE + 1024) // + s * E_local + le: all of rank s's rows of local expert le arrived (written by s)
+#define MOE_SENT (MK_SIG_MOE_BASE + 2048) // + q: rows of send list q copied (counter; the last copier resets it)
+#define MOE_TILE (MK_SIG_MOE_BASE + 3072) // + (m_block * tiles_n + n) * 2 + slab: Z slab stored
 
 // Layout buffer words (int32): see ops::moe::LayoutOffsets.
 #define LAY_TOTAL_MB 0   // m-blocks of this rank's receive buffer in use
@@ -97,17 +101,33 @@ struct MoeRaster {
     const int* order;      // m-block order (layout); null: identity
     const int* runs;       // per m-block: first order position of its run | length << 15; null: fixed groups
     const int* mb_expert;  // local expert of each m-block (layout)
-    int tiles_m, tiles_n, group_m;
+    const int* mb_rows;    // rows of each m-block in use (layout): 1..128
+    int tiles_m, tiles_n;
+    int band_w;  // column tiles per band (divides tiles_n): the raster runs band by band
+    int group_m;
   };
+  // The engine skips the wgmmas of a 64-row consumer slab at or past this row: an expert's
+  // last m-block holds (rows mod 128) rows, and at 4 ranks (T 4096, k 8, E 256: ~512 +- 22
+  // rows per expert) about half of the experts end in a block of <= 64 rows: ~16 of ~288
+  // blocks' tensor work was padding. The unfused per-expert GEMMs (M = the expert's rows)
+  // skip it too. The slab's stale accumulators go to padding rows (Y: unspecified; Z: never read).
+  __device__ static int rows_end(const Params& p, const TileCoord& c, int) {
+    return c.m_block * 128 + ld_cg(p.mb_rows + c.m_block);
+  }
   __device__ static TileCoord tile(const Params& p, int t) {
+    // Bands (the combine: its pull follows them): band b's tiles, then band b + 1's, each
+    // band rastered as below over its band_w column tiles.
+    const int per_band = p.tiles_m * p.band_w;
+    const int band = t / per_band;
+    t -= band * per_band;
     int pos, nb;
     if (p.runs == nullptr) {
-      const TileCoord c = grouped_tile(p.tiles_m, p.tiles_n, p.group_m, t);
+      const TileCoord c = grouped_tile(p.tiles_m, p.band_w, p.group_m, t);
       pos = c.m_block;
       nb = c.n_block;
     } else {
-      // Groups tile the order positions, so position t / tiles_n lies in t's group.
-      const int at = t / p.tiles_n;
+      // Groups tile the order positions, so position t / band_w lies in t's group.
+      const int at = t / p.band_w;
       const int info = ld_cg(p.runs + (p.order ? ld_cg(p.order + at) : at));
       const int rs = info & 0x7fff, len = info >> 15;
       const int groups = (len + p.group_m - 1) / p.group_m;
@@ -121,12 +141,12 @@ struct MoeRaster {
         gl = q;
       }
       gs += rs;
-      const int in_group = t - gs * p.tiles_n;
+      const int in_group = t - gs * p.band_w;
       pos = gs + in_group % gl;
       nb = in_group / gl;
     }
     const int mb = p.order ? ld_cg(p.order + pos) : pos;
-    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + nb};
+    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + band * p.band_w + nb};
   }
 };
 
@@ -161,6 +181,27 @@ struct ZSlabSignal {
 };
 
 // ---- dispatch: the prep CTA ----------------------------------------------------------
+
+// Warp 0 of the calling CTA: a[0..items) -> its exclusive prefix sum, in place (a chunk
+// per lane, then a shuffle scan over the lanes' sums). Returns the total (every lane).
+__device__ __forceinline__ int warp_exclusive_scan(int* a, int items, int lane) {
+  const int chunk = (items + 31) / 32;
+  const int i0 = min(items, lane * chunk), i1 = min(items, i0 + chunk);
+  int sum = 0;
+  for (int i = i0; i < i1; ++i) sum += a[i];
+  int incl = sum;
+  for (int d = 1; d < 32; d *= 2) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  int pos = incl - sum;
+  for (int i = i0; i < i1; ++i) {
+    const int c = a[i];
+    a[i] = pos;
+    pos += c;
+  }
+  return __shfl_sync(0xffffffffu, incl, 31);
+}
 
 // Whole CTA (the first comm CTA). Returns false if a wait failed.
 __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem) {
@@ -279,23 +320,53 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     __syncthreads();
     return true;
   }
-  // Pass 2: rows at the owners.
+  // The send list (host mirror: ops::moe::send_tables): this rank's rows grouped into
+  // lists q = le * n + step, one per (local expert le, destination d = (me + step) mod n),
+  // each in token order: the senders walk it in that order, so every destination gets
+  // every source's rows of its expert 0 first, then expert 1, ..., which is the order the
+  // dispatch GEMM takes its blocks (expert-major), and each (source, expert) is flagged
+  // once its list is out (MOE_RECV). Entries are slots t * K + j (the first j of the
+  // token naming that expert); send_row0[q] = first entry of list q, [E] = total.
+  int* srow0 = pre;  // pass 1's per-warp prefixes are free: [E + 1] list starts, by q
+  int* send_row0 = layout + p.lay_send_row0;
+  int* send = layout + p.lay_send;
+  for (int q = tid; q < E; q += blockDim.x) srow0[q] = run[((me + q % n) % n) * El + q / n];
+  __syncthreads();
+  if (warp == 0) {
+    const int total = warp_exclusive_scan(srow0, E, lane);
+    if (lane == 0) srow0[E] = total;
+  }
+  __syncthreads();
+  for (int q = tid; q <= E; q += blockDim.x) send_row0[q] = srow0[q];
+  // Pass 2: rows at the owners, and the send list.
   for (int i = tid; i < p.tokens * K; i += blockDim.x) {
     const int e = idx[i];
-    if (e >= 0 && e < E) lay_row[i] += off[e];
+    if (e >= 0 && e < E) {
+      const int pos = lay_row[i];
+      lay_row[i] = pos + off[e];
+      const int t = i / K;
+      bool first = true;  // a token listing one expert twice travels once for it
+      for (int j = t * K; j < i; ++j) first &= idx[j] != e;
+      const int d = e / El;
+      if (first) send[srow0[(e - d * El) * n + (d - me + n) % n] + pos] = i;
+    }
   }
   // Own m-block tables (thread per local expert): expert and the sources each block holds,
   // and each block's expert segment (first block | blocks << 15: the combine's groups).
   int* mb_expert = layout + p.lay_mb_expert;
   int* mb_src = layout + p.lay_mb_srcmask;
   int* mb_seg = layout + p.lay_mb_seg;
+  int* mb_rows = layout + p.lay_mb_rows;
   for (int le = tid; le < El; le += blockDim.x) {
     const int e = me * El + le;
     const int base = lbase[le], nb = (lbase[le + 1] - base) / 128;
+    int rows = 0;
+    for (int s = 0; s < n; ++s) rows += cnt[s * E + e];
     for (int b = 0; b < nb; ++b) {
       mb_expert[base / 128 + b] = le;
       mb_src[base / 128 + b] = 0;
       mb_seg[base / 128 + b] = base / 128 | nb << 15;
+      mb_rows[base / 128 + b] = min(128, rows - b * 128);
     }
     int r0 = base;
     for (int s = 0; s < n; ++s) {
@@ -306,33 +377,27 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     }
   }
   __syncthreads();
-  // Block order (host mirror: ops::moe::block_order): by a key, then by index (so, inside a
-  // key, expert-major). Senders go to themselves first, then rank+1, ...: we get rank s's
-  // rows at step (me - s) mod n. Keys (MoeParams::order_mode):
-  //   arrival (0; the default, MK_MOE_ORDER=auto): the step of the latest source the
-  //     block needs (n keys);
-  //   expert (1): 0 = only own rows, 1 = the rest (2 keys);
+  // Block order (host mirror: ops::moe::block_tables): by a key, then by index (so, inside
+  // a key, expert-major). Keys (MoeParams::order_mode):
+  //   expert (1; the default, MK_MOE_ORDER=auto): one key, so the receive layout's order
+  //     (expert-major), with raster groups cut at experts (MoeRaster): an expert's blocks
+  //     share its W1 tiles (256 x 7168 x 2 bytes = 3.7 MB at DeepSeek-V3-like sizes) in L2.
+  //     The senders send expert by expert to every destination (the send list above) and
+  //     flag each (source, expert), so block b waits only for its own expert's rows.
+  //     Session 8's dispatch sent destination by destination with one flag per source;
+  //     there expert-major made the GEMM wait for the last source's rows (1.26x unfused at
+  //     4 ranks against 1.18 by arrival), hence the other keys:
+  //   arrival (0): the send step (me - s) mod n of the latest source s the block needs;
   //   split (2): 0 = only own rows, 1 = no rows of the last step's source, 2 = the rest.
-  // Why expert (4 ranks, T 4096, k 8, E 256: ~4.4 blocks per expert, ~1 per
-  // source): under arrival a raster group of 5 blocks spans ~5 experts, so every tile
-  // streams its own 3.7 MB W1 tile; expert-major with groups cut at expert boundaries
-  // (MoeRaster) shares each W1 tile among the expert's blocks (host model of one wave's
-  // distinct A + B, L2 of 50 MB / 4 ranks: 3.35 -> 1.43 MB per tile, the per-expert
-  // launches 1.29). The price: after the own-only blocks (0-0.5 per expert) the GEMM waits
-  // for the sources' last rows; split keeps half of that overlap. Measured (session 8, 4
-  // ranks), the wait costs the dispatch more than L2 gains it (1.26x unfused against 1.18
-  // by arrival), so the dispatch runs by arrival unless MK_MOE_ORDER asks; the combine,
-  // which has nothing to wait for, runs expert-major (ops::moe::order_mode_for).
   const int total = lbase[El] / 128;
   const int mode = p.order_mode;
-  const int nkeys = mode == 0 ? n : mode == 1 ? 2 : 3;
+  const int nkeys = mode == 0 ? n : mode == 1 ? 1 : 3;
   for (int b = tid; b < total; b += blockDim.x) {
     const unsigned m = (unsigned)mb_src[b];
     int latest = 0;
     for (int s = 0; s < n; ++s)
       if (m & (1u << s)) latest = max(latest, (me - s + n) % n);
-    int key = latest;
-    if (mode != 0) key = m == (1u << me) ? 0 : (mode == 2 && latest < n - 1) ? 1 : mode;
+    int key = mode == 0 ? latest : mode == 1 ? 0 : m == (1u << me) ? 0 : latest < n - 1 ? 1 : 2;
     keys[b] = (unsigned char)key;
   }
   __syncthreads();
@@ -344,23 +409,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     for (int b = lbase[le] / 128; b < lbase[le + 1] / 128; ++b) ++kcnt[keys[b] * El + le];
   }
   __syncthreads();
-  if (warp == 0) {  // exclusive prefix over the nkeys * El counts: a chunk per lane
-    const int items = nkeys * El, chunk = (items + 31) / 32;
-    const int i0 = min(items, lane * chunk), i1 = min(items, i0 + chunk);
-    int sum = 0;
-    for (int i = i0; i < i1; ++i) sum += kcnt[i];
-    int incl = sum;
-    for (int d = 1; d < 32; d *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += v;
-    }
-    int pos = incl - sum;
-    for (int i = i0; i < i1; ++i) {
-      const int c = kcnt[i];
-      kcnt[i] = pos;
-      pos += c;
-    }
-  }
+  if (warp == 0) warp_exclusive_scan(kcnt, nkeys * El, lane);  // first position per (key, expert)
   __syncthreads();
   // The order, and per block its (key, expert) run in order space: first position | length
   // << 15 (MoeRaster cuts its raster groups at run boundaries).
@@ -401,71 +450,141 @@ __device__ __forceinline__ void warp_copy_row(char* dst, const char* src, int ve
 }
 
 // Registers of the dispatch GEMM's producer warpgroup, whose three idle warps send token
-// rows: the send loop spills at 80 (ag_gemm.cu gets by with 80); at 88 the consumers still
-// keep 208 (GemmConfig rounds their share down to 8).
-constexpr int kProducerRegs = 88;
+// rows: session 8's send loop spilled at 80; the send-list walk (list search, per-list
+// counts) spilled at 88 (ptxas moved kernel-long values to local memory); at 96 nothing
+// spills and the consumers keep 200 (GemmConfig rounds their share down to 8; no spills).
+constexpr int kProducerRegs = 96;
 // The senders: dedicated CTAs (CtaTeam), or the idle warps of a GEMM CTA's producer
 // warpgroup (threads 32..127, named barrier 3; the engine uses barriers 0-2).
 using SideWarps = WarpTeam<32, 96, 3>;
 
-// Sender `part` of `parts` (the threads of Team, IN_FLIGHT vectors in flight per lane:
-// 4 for the side warps, whose 80 registers spill with 8): copy its share of this rank's token rows
-// into the owners' receive buffers, one destination after another (own rank first), and
-// signal each destination once every sender is done with it.
-template <class Team, int IN_FLIGHT = 8>
-__device__ __forceinline__ void send_rows(const MoeParams& p, uint64_t epoch, int part, int parts) {
-  const WorkspaceView& ws = p.ws;
-  const int n = ws.nranks, me = ws.rank, K = p.top_k;
-  const int warps = Team::threads() / 32, warp = Team::tid() / 32, lane = threadIdx.x % 32;
-  const int gw = part * warps + warp, nw = parts * warps;
-  const int* idx = reinterpret_cast<const int*>(p.topk_idx);
-  const int* layout = reinterpret_cast<const int*>(p.layout);
-  const size_t row_bytes = (size_t)p.hidden * 2;
-  const int vecs = p.hidden / 8;
-  for (int step = 0; step < n; ++step) {
-    const int d = (me + step) % n;
-    char* recv = reinterpret_cast<char*>(ws.data[d]) + p.buf_offset;
-    // Work items are (token, slot) pairs, every lane reading the same words (a broadcast):
-    // lighter on registers than a lane per slot with match/ballot, which spilled in the
-    // side warps' 88 registers.
-    for (int i = gw; i < p.tokens * K; i += nw) {
-      if (ld_cg(layout + p.lay_dest + i) != d) continue;
-      const int t = i / K, e = idx[i];
-      bool first = true;  // a token listing one expert twice travels once for it
-      for (int j = t * K; j < i; ++j) first &= idx[j] != e;
-      if (!first) continue;
-      const int r = ld_cg(layout + p.lay_row + i);
-      warp_copy_row<IN_FLIGHT>(recv + (size_t)r * row_bytes, reinterpret_cast<const char*>(p.x) + (size_t)t * row_bytes, vecs, lane);
-    }
-    Team::sync();
-    if (Team::tid() == 0) {
-      __threadfence_system();
-      unsigned long long* sent = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, me, MOE_SENT + d));
-      if (atomicAdd(sent, 1ull) == (unsigned long long)parts - 1) {
-        *sent = 0;  // every sender is done with d; the next launch starts after this one
-        mk_signal_store(mk_signal_word(ws, d, MOE_RECV + me), epoch);
-      }
-    }
-  }
+// Rows of the send list one grab takes: small, so that the first experts' lists are out
+// soon after the start (a side warp copies ~2 GB/s: 8 rows of 14 KB in ~60 us) and the
+// grabs stay in list order; one atomic per 8 rows is nothing beside the copies.
+constexpr int kSendChunk = 8;
+
+// One sender warp (any warp of the grid; `warps` = how many call this in the launch): grab
+// chunks of kSendChunk entries of the send list in order (MOE_GRAB, so faster warps take
+// more and the lists go out in order), copy each row (IN_FLIGHT 16-byte vectors in flight
+// per lane: 4 for the side warps, whose 96 registers would spill with 8) into its owner's
+// receive buffer, and count the rows of each list q = le * n + step copied (MOE_SENT + q);
+// whoever completes a list raises RECV[me * E_local + le] at its destination d. The last
+// warp to leave resets the grab counters for the next launch.
+// ws.data[rank] / ws.signals[rank] read at the use: indexing the parameter's pointer arrays
+// with a run-time rank otherwise keeps them in registers, scarce in the side warps
+// (ptxas spilled the send loop). `ws` lives in the __grid_constant__ kernel parameter:
+// the load goes through an asm (volatile: not hoisted out of the caller's loop) with the
+// parameter's generic address, which ptxas forms as the parameter window base
+// (c[0x0][0x198]) + offset, as for any pointer into the parameter that escapes. Session 9's
+// first version used a C++ volatile load instead, and ptxas (CUDA 13.0, sm_90a) dropped
+// the window base for it: LD.E.64.STRONG.SYS from the bare offset (0x1f0 + 8 * rank +
+// 0x40 for signals[]), CUDA_ERROR_ILLEGAL_ADDRESS in the first MoE call (compute-sanitizer:
+// "Access to 0x230 is out of bounds"). Plain loads become constant-bank loads (correct),
+// but moved ptxas to spill in the dispatch (bn256: 32 B stores, 104 B loads).
+__device__ __forceinline__ uint64_t param_word(const uint64_t* a) {
+  uint64_t v;
+  asm volatile("ld.u64 %0, [%1];" : "=l"(v) : "l"(a));
+  return v;
+}
+__device__ __forceinline__ char* peer_data(const WorkspaceView& ws, int rank) {
+  return reinterpret_cast<char*>(param_word(&ws.data[rank]));
+}
+__device__ __forceinline__ unsigned long long* peer_word(const WorkspaceView& ws, int rank, uint32_t index) {
+  return reinterpret_cast<unsigned long long*>(param_word(&ws.signals[rank])) + index;
 }
 
-// Before a tile's A rows are loaded: wait for every source whose rows the m-block holds.
+template <int IN_FLIGHT>
+__device__ __forceinline__ void send_rows_warp(const MoeParams& p, uint64_t epoch, int warps) {
+  const WorkspaceView& ws = p.ws;
+  const int n = ws.nranks, me = ws.rank, K = p.top_k, E = p.experts, El = p.experts_local;
+  const int lane = threadIdx.x % 32;
+  const int* layout = reinterpret_cast<const int*>(p.layout);
+  const int* row0 = layout + p.lay_send_row0;
+  const int* send = layout + p.lay_send;
+  const size_t row_bytes = (size_t)p.hidden * 2;
+  const int vecs = p.hidden / 8;
+  const int total = ld_cg(row0 + E);
+  const int chunks = (total + kSendChunk - 1) / kSendChunk;
+  unsigned long long* grab = peer_word(ws, me, MOE_GRAB);
+  for (;;) {
+    int c = 0;
+    if (lane == 0) c = (int)atomicAdd(grab, 1ull);
+    c = __shfl_sync(0xffffffffu, c, 0);
+    if (c >= chunks) break;
+    int r = c * kSendChunk;
+    const int r1 = min(total, r + kSendChunk);
+    // The list holding entry r: the last q with row0[q] <= r (lists may be empty).
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (ld_cg(row0 + mid) <= r) lo = mid;
+      else hi = mid - 1;
+    }
+    int q = lo;
+    while (r < r1) {
+      int qend = ld_cg(row0 + q + 1);
+      while (qend <= r) qend = ld_cg(row0 + ++q + 1);  // skip empty lists
+      const int end = min(r1, qend);
+      const int d = (me + q % n) % n;
+      char* recv = peer_data(ws, d) + p.buf_offset;
+      for (int e = r; e < end; ++e) {
+        const int slot = ld_cg(send + e);
+        const int row = ld_cg(layout + p.lay_row + slot);
+        warp_copy_row<IN_FLIGHT>(recv + (size_t)row * row_bytes, reinterpret_cast<const char*>(p.x) + (size_t)(slot / K) * row_bytes,
+                                 vecs, lane);
+      }
+      __syncwarp();  // the lanes' copies, then lane 0's fence (cumulative) and count
+      if (lane == 0) {
+        __threadfence_system();
+        const unsigned long long rows = (unsigned long long)(end - r);
+        const unsigned long long need = (unsigned long long)(qend - ld_cg(row0 + q));
+        unsigned long long* sent = peer_word(ws, me, MOE_SENT + q);
+        if (atomicAdd(sent, rows) + rows == need) {
+          *sent = 0;  // every row of list q is out; the next launch starts after this one
+          mk_signal_store(reinterpret_cast<uint64_t*>(peer_word(ws, d, MOE_RECV + me * El + q / n)), epoch);
+        }
+      }
+      r = end;
+      ++q;
+    }
+  }
+  if (lane == 0) {
+    unsigned long long* exits = peer_word(ws, me, MOE_EXIT);
+    if (atomicAdd(exits, 1ull) == (unsigned long long)warps - 1) {
+      *grab = 0;  // every warp has made its last grab
+      *exits = 0;
+    }
+  }
+  __syncwarp();
+}
+
+// Sender warps of a dispatch launch: the side warps of every GEMM CTA (or, communication
+// only, all their warps) and every warp of the communication CTAs (the prep CTA sends too
+// once the layout is written).
+__device__ __forceinline__ int sender_warps(const MoeParams& p) {
+  return (p.send_by_gemm_ctas ? p.compute_ctas * (p.gemm ? 3 : MOE_WARPS) : 0) + p.comm_ctas * MOE_WARPS;
+}
+
+// Before a tile's A rows are loaded: wait for the rows of the block's expert from every
+// source whose rows the m-block holds (one flag per (source, local expert)).
 struct SourceAWait {
   struct Params {
     const MoeParams* op;
     const int* srcmask;
+    const int* mb_expert;
     uint64_t epoch;
   };
   __device__ static void before_a_load(const Params& w, int m_block, int, int) {
     const WorkspaceView& ws = w.op->ws;
     unsigned mask = (unsigned)ld_cg(w.srcmask + m_block);
+    const int le = ld_cg(w.mb_expert + m_block), El = w.op->experts_local;
     const uint64_t t0 = w.op->trace ? mk_globaltimer() : 0;
     while (mask) {
       const int s = __ffs(mask) - 1;
       mask &= mask - 1;
       // A failed wait has recorded the error and raised the abort word; the tile then
       // computes on stale rows and the kernel still ends in bounded time.
-      moe_wait(ws, mk_signal_word(ws, ws.rank, MOE_RECV + s), w.epoch, s, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
+      moe_wait(ws, mk_signal_word(ws, ws.rank, MOE_RECV + s * El + le), w.epoch, s, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
     }
     if (w.op->trace) mk_trace_add(w.op->trace, MK_TR_WAIT, mk_globaltimer() - t0);  // the producer's waits
     fence_proxy_async_global();  // the senders' generic-proxy stores, then our TMA loads
@@ -475,14 +594,32 @@ struct SourceAWait {
     return tma_a;
   }
   // Unless communication CTAs were asked for (MK_COMM_SMS), the producer warpgroup's idle
-  // warps send this CTA's share of the token rows.
+  // warps send token rows.
   __device__ static void side_work(const Params& w, int) {
     if (w.op->send_by_gemm_ctas) {
-      send_rows<SideWarps, 4>(*w.op, w.epoch, blockIdx.x, w.op->compute_ctas);
-      if (SideWarps::tid() == 0) mk_trace_stamp(w.op->trace, MK_TR_SIDE);
+      send_rows_warp<4>(*w.op, w.epoch, sender_warps(*w.op));
+      if (w.op->trace) {
+        SideWarps::sync();
+        if (SideWarps::tid() == 0) mk_trace_stamp(w.op->trace, MK_TR_SIDE);
+      }
     }
   }
 };
+
+// Communication only (the benchmark's unfused baseline), whole CTA: wait until every
+// source's rows of every local expert are here (the flags of the (source, expert) pairs
+// with rows, from the exchanged counts).
+__device__ __forceinline__ void wait_all_rows(const MoeParams& p, uint64_t epoch) {
+  const WorkspaceView& ws = p.ws;
+  const int E = p.experts, El = p.experts_local;
+  const int* cnt = reinterpret_cast<const int*>(reinterpret_cast<const char*>(ws.data[ws.rank]) + p.counts_offset);
+  for (int i = threadIdx.x; i < E; i += blockDim.x) {
+    const int s = i / El, le = i % El;
+    if (ld_cg(cnt + s * E + ws.rank * El + le) > 0)
+      moe_wait(ws, mk_signal_word(ws, ws.rank, MOE_RECV + i), epoch, s, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
+  }
+  __syncthreads();
+}
 
 template <typename T, int BN>
 __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
@@ -512,8 +649,9 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
     if (p.gemm) {
       // Arrival order (mode 0) keeps main's fixed raster groups; the others cut them at runs.
       typename MoeRaster::Params sched{layout + p.lay_mb_order, p.order_mode == 0 ? nullptr : layout + p.lay_mb_run,
-                                       layout + p.lay_mb_expert, total_mb, p.tiles_n, max(1, min(p.group_m, total_mb))};
-      typename SourceAWait::Params await{&p, layout + p.lay_mb_srcmask, epoch};
+                                       layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n, p.tiles_n,
+                                       max(1, min(p.group_m, total_mb))};
+      typename SourceAWait::Params await{&p, layout + p.lay_mb_srcmask, layout + p.lay_mb_expert, epoch};
       typename Epi::Params epi;
       epi.dest.tma_c = tma_c;
       epi.dest.cols = p.ffn;
@@ -523,11 +661,12 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
     } else {
       // Communication only (the benchmark's unfused baseline): the would-be GEMM CTAs send
       // with all their warps; the kernel ends once every source's rows are here.
-      if (p.send_by_gemm_ctas) send_rows<CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
-      if (blockIdx.x == 0) moe_cta_wait_peers(ws, MOE_RECV, epoch, -1, MK_OP_MOE_DISPATCH);
+      if (p.send_by_gemm_ctas) send_rows_warp<8>(p, epoch, sender_warps(p));
+      if (blockIdx.x == 0) wait_all_rows(p, epoch);
     }
-  } else if (ready && !p.send_by_gemm_ctas) {
-    send_rows<CtaTeam>(p, epoch, j, p.comm_ctas);
+  } else if (ready) {
+    // The communication CTAs (the prep CTA, once the layout is out, or MK_COMM_SMS's).
+    send_rows_warp<8>(p, epoch, sender_warps(p));
   }
   if (p.trace) {
     __syncthreads();
@@ -548,87 +687,161 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
   return out;
 }
 
-// One warp (number gw of nw pulling warps in the grid): out[t, tile n] for the work items
-// (t, n) gw, gw + nw, ...  Warp-synchronous only, so any set of warps can pull: the
-// dedicated pull CTAs' 12 warps, or a GEMM CTA's 8 consumer warps after its last tile.
-template <typename T, int BN>
-__device__ __forceinline__ void pull_rows(const MoeParams& p, uint64_t epoch, int gw, int nw) {
+// Items of the combine's pull: (token t, column tile nb), ordered band-major (bands of
+// band_w column tiles, the order the combine GEMM computes them: MoeRaster), then by
+// token, then by tile. A band's items are ready once the GEMM is through that band.
+__device__ __forceinline__ void pull_item(const MoeParams& p, int it, int& t, int& nb) {
+  const int per_band = p.tokens * p.band_w;
+  const int band = it / per_band, r = it - band * per_band;
+  t = r / p.band_w;
+  nb = band * p.band_w + (r - t * p.band_w);
+}
+
+// Items one grab of the pull takes (one atomic per 4 items of ~4.5 KB each).
+constexpr int kPullChunk = 4;
+
+// Pulling warps of a combine launch: the communication CTAs' (MK_COMM_SMS), else every
+// GEMM CTA's 8 consumer warps after the GEMM plus, with several bands, its 2 side warps
+// during it; communication only (the benchmark's baseline): every warp of the GEMM CTAs.
+__device__ __forceinline__ int puller_warps(const MoeParams& p) {
+  if (p.comm_ctas > 0) return p.comm_ctas * MOE_WARPS;
+  if (!p.gemm) return p.compute_ctas * MOE_WARPS;
+  return p.compute_ctas * (8 + (p.band_w < p.tiles_n ? 2 : 0));
+}
+
+// One warp (any warp of the grid; puller_warps() call this per launch): grab kPullChunk
+// items at a time in item order (MOE_PULL_GRAB: warps that come early, or free, take more)
+// and write out[t, tile nb] for each. Warp-synchronous only. The last warp to leave resets
+// the counters for the next launch.
+template <typename T, int BN, int RB = 8>
+__device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoch) {
   const WorkspaceView& ws = p.ws;
   const int K = p.top_k, H = p.hidden;
   const int lane = threadIdx.x % 32;
   const int* layout = reinterpret_cast<const int*>(p.layout);
   const float* weights = reinterpret_cast<const float*>(p.topk_weights);
   const int items = p.tokens * p.tiles_n;
-  for (int it = gw; it < items; it += nw) {
-    const int t = it / p.tiles_n, nb = it % p.tiles_n;
-    int dest = -1, row = 0;
-    float w = 0.f;
-    if (lane < K) {
-      dest = ld_cg(layout + p.lay_dest + (size_t)t * K + lane);
-      row = ld_cg(layout + p.lay_row + (size_t)t * K + lane);
-      w = weights[(size_t)t * K + lane];
-    }
-    // Lane 0 waits for the item's k slabs one after another (one poller per warp, not k:
-    // waiting lanes compete with the GEMM CTAs for the memory system).
-    const uint32_t word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
-    int ok = 1;
-    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
-    for (int u = 0; u < K; ++u) {
-      const int du = __shfl_sync(0xffffffffu, dest, u);
-      const uint32_t wu = __shfl_sync(0xffffffffu, word, u);
-      if (lane == 0 && ok && du >= 0) ok = moe_wait(ws, mk_signal_word(ws, du, wu), epoch, du, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
-    }
-    if (!__shfl_sync(0xffffffffu, ok, 0)) return;
-    if (p.trace) {
-      // Per warp; the trace's per-CTA wait is the sum over the CTA's 12 warps.
-      const int rows = __popc(__ballot_sync(0xffffffffu, dest >= 0));
-      if (lane == 0) {
-        mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
-        mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-        mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(rows + 1) * BN * 2);
+  unsigned long long* grab = peer_word(ws, ws.rank, MOE_PULL_GRAB);
+  bool ok = true;
+  while (ok) {
+    int c = 0;
+    if (lane == 0) c = (int)atomicAdd(grab, 1ull);
+    c = __shfl_sync(0xffffffffu, c, 0) * kPullChunk;
+    if (c >= items) break;
+    for (int it = c; it < min(items, c + kPullChunk) && ok; ++it) {
+      int t, nb;
+      pull_item(p, it, t, nb);
+      int dest = -1, row = 0;
+      float w = 0.f;
+      if (lane < K) {
+        dest = ld_cg(layout + p.lay_dest + (size_t)t * K + lane);
+        row = ld_cg(layout + p.lay_row + (size_t)t * K + lane);
+        w = weights[(size_t)t * K + lane];
       }
-    }
-    // Every lane runs every iteration (the shuffles need the whole warp); lanes past the
-    // tile's BN / 8 vectors only shuffle.
-    for (int v0 = 0; v0 < BN / 8; v0 += 32) {
-      const int v = v0 + lane;
-      const bool active = v < BN / 8;
-      const size_t col = (size_t)nb * BN + v * 8;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int j0 = 0; j0 < K; j0 += 8) {
-        // Up to 8 rows' vectors loaded before the first add (latency-bound otherwise); the
-        // adds then run in j order.
-        int4 z[8];
-        int dd[8];
-        float ww[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int jj = j0 + u;
-          dd[u] = __shfl_sync(0xffffffffu, dest, jj & 31);
-          const int r = __shfl_sync(0xffffffffu, row, jj & 31);
-          ww[u] = __shfl_sync(0xffffffffu, w, jj & 31);
-          if (active && jj < K && dd[u] >= 0)
-            z[u] = *reinterpret_cast<const int4*>(reinterpret_cast<const char*>(ws.data[dd[u]]) + p.buf_offset +
-                                                  ((size_t)r * H + col) * 2);
+      const uint32_t word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
+      const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+      // Lane j checks the slab of row j once (acquire; one round trip for all k, where one
+      // lane checking them in turn took k); only if one is not there yet does lane 0 wait
+      // for them in turn, with back-off (one poller per warp: waiting lanes compete with
+      // the GEMM for the memory system).
+      bool here = true;
+      if (dest >= 0) here = mk_ld_acquire_sys(reinterpret_cast<const uint64_t*>(peer_word(ws, dest, word))) >= epoch;
+      if (!__all_sync(0xffffffffu, here)) {
+        int good = 1;
+        for (int u = 0; u < K; ++u) {
+          const int du = __shfl_sync(0xffffffffu, dest, u);
+          const uint32_t wu = __shfl_sync(0xffffffffu, word, u);
+          if (lane == 0 && good && du >= 0)
+            good = moe_wait(ws, reinterpret_cast<const uint64_t*>(peer_word(ws, du, wu)), epoch, du, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
         }
+        ok = __shfl_sync(0xffffffffu, good, 0) != 0;
+        if (!ok) break;
+      }
+      __syncwarp();  // the lanes' acquires, then every lane's loads of every row
+      if (p.trace) {
+        // Per warp; the trace's per-CTA wait is the sum over the CTA's pulling warps.
+        const int rows = __popc(__ballot_sync(0xffffffffu, dest >= 0));
+        if (lane == 0) {
+          mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+          mk_trace_add(p.trace, MK_TR_ITEMS, 1);
+          mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(rows + 1) * BN * 2);
+        }
+      }
+      // Every lane runs every iteration (the shuffles need the whole warp); lanes past the
+      // tile's BN / 8 vectors only shuffle.
+      for (int v0 = 0; v0 < BN / 8; v0 += 32) {
+        const int v = v0 + lane;
+        const bool active = v < BN / 8;
+        const size_t col = (size_t)nb * BN + v * 8;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j0 = 0; j0 < K; j0 += RB) {
+          // Up to RB rows' vectors loaded before the first add (latency-bound otherwise); the
+          // adds then run in j order.
+          int4 z[RB];
+          int dd[RB];
+          float ww[RB];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          if (active && j0 + u < K && dd[u] >= 0) {
-            const T* h = reinterpret_cast<const T*>(&z[u]);
+          for (int u = 0; u < RB; ++u) {
+            const int jj = j0 + u;
+            dd[u] = __shfl_sync(0xffffffffu, dest, jj & 31);
+            const int r = __shfl_sync(0xffffffffu, row, jj & 31);
+            ww[u] = __shfl_sync(0xffffffffu, w, jj & 31);
+            if (active && jj < K && dd[u] >= 0)
+              z[u] = *reinterpret_cast<const int4*>(peer_data(ws, dd[u]) + p.buf_offset + ((size_t)r * H + col) * 2);
+          }
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] += ww[u] * (float)h[i];
+          for (int u = 0; u < RB; ++u) {
+            if (active && j0 + u < K && dd[u] >= 0) {
+              const T* h = reinterpret_cast<const T*>(&z[u]);
+#pragma unroll
+              for (int i = 0; i < 8; ++i) acc[i] += ww[u] * (float)h[i];
+            }
           }
         }
+        if (active) *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.out) + ((size_t)t * H + col) * 2) = pack8<T>(acc);
       }
-      if (active) *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.out) + ((size_t)t * H + col) * 2) = pack8<T>(acc);
     }
   }
+  if (lane == 0) {
+    unsigned long long* exits = peer_word(ws, ws.rank, MOE_PULL_EXIT);
+    if (atomicAdd(exits, 1ull) == (unsigned long long)puller_warps(p) - 1) {
+      *grab = 0;  // every warp has made its last grab
+      *exits = 0;
+    }
+  }
+  __syncwarp();
 }
+
+// The combine GEMM's producer-side hook: nothing to wait for (Y' is local); with several
+// column bands the side warps (2 per CTA: warp 1 is the courier) pull from the start,
+// band by band as the GEMMs of every rank get through them.
+template <typename T, int BN>
+struct PullBeside {
+  struct Params {
+    const MoeParams* op;
+    uint64_t epoch;
+  };
+  __device__ static void before_a_load(const Params&, int, int, int) {}
+  __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
+    row = m_row0;
+    return tma_a;
+  }
+  __device__ static void side_work(const Params& w, int) {
+    // 4 rows' vectors in flight: with 8, the producer warpgroup's 96 registers spill.
+    if (w.op->comm_ctas == 0 && w.op->band_w < w.op->tiles_n) {
+      pull_rows_warp<T, BN, 4>(*w.op, w.epoch);
+      // The trace's "side warps done after": the later of the two.
+      if (w.op->trace && threadIdx.x % 32 == 0)
+        atomicMax(reinterpret_cast<unsigned long long*>(mk_trace_slot(w.op->trace, MK_TR_SIDE)), (unsigned long long)mk_globaltimer());
+    }
+  }
+};
 
 // The combine's default epilogue: Z slabs stored and flagged; then, when the launch has no
 // dedicated pull CTAs, the consumer warps (8 per CTA, whose registers setmaxnreg raised;
-// the producer warps' were lowered) pull and sum this CTA's share of the output. Most of
-// the slabs are in by then: the pull overlaps only the GEMM's last wave.
+// the producer warps' were lowered) pull and sum items until none is left. With one band
+// the pull overlaps only the GEMM's last wave; with several, the side warps have pulled
+// the early bands' items during the GEMM.
 template <typename T, int BN>
 struct PullAfterGemm : TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal> {
   using Base = TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal>;
@@ -637,17 +850,14 @@ struct PullAfterGemm : TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal> {
   };
   __device__ static void finish(const Params& p, const SlabInfo& s) {
     Base::finish(p, s);  // this warpgroup's last slab stored and flagged
-    if (p.op->comm_ctas == 0) {
-      const int warp = s.consumer * 4 + s.thread / 32;
-      pull_rows<T, BN>(*p.op, p.signal.epoch, blockIdx.x * 8 + warp, p.op->compute_ctas * 8);
-    }
+    if (p.op->comm_ctas == 0) pull_rows_warp<T, BN>(*p.op, p.signal.epoch);
   }
 };
 
 template <typename T, int BN>
 __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
                                         const MoeParams& p) {
-  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value>;
+  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value, SHARE_NONE, kProducerRegs>;
   using Epi = PullAfterGemm<T, BN>;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
@@ -666,11 +876,13 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
       uint64_t* flags = mk_signal_word(ws, ws.rank, MOE_TILE);
       if (p.gemm) {
         // Y' is local: no arrival order to follow. Expert-major (the receive layout's own
-        // order), groups cut at expert segments; arrival mode (0) keeps the dispatch's order.
+        // order), groups cut at expert segments, column bands first (band_w); arrival mode
+        // (0) keeps the dispatch's order.
         const bool by_expert = p.order_mode != 0;
         typename MoeRaster::Params sched{by_expert ? nullptr : layout + p.lay_mb_order, by_expert ? layout + p.lay_mb_seg : nullptr,
-                                         layout + p.lay_mb_expert, total_mb, p.tiles_n, max(1, min(p.group_m, total_mb))};
-        NoAWait::Params await{0};
+                                         layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n, p.band_w,
+                                         max(1, min(p.group_m, total_mb))};
+        typename PullBeside<T, BN>::Params await{&p, epoch};
         typename Epi::Params epi;
         epi.dest.tma_c = tma_c;
         epi.dest.cols = p.hidden;
@@ -679,19 +891,19 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
         epi.signal.epoch = epoch;
         epi.signal.trace = p.trace;
         epi.op = &p;
-        gemm_persistent<Cfg, MoeRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.hidden, p.ffn}, sched,
-                                                       await, epi, blockIdx.x, p.compute_ctas, smem);
+        gemm_persistent<Cfg, MoeRaster, PullBeside<T, BN>, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.hidden, p.ffn}, sched,
+                                                                 await, epi, blockIdx.x, p.compute_ctas, smem);
       } else {
         // Communication only: Z was written by earlier launches on this stream.
         __threadfence_system();
         const int words = total_mb * p.tiles_n * 2;
         for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += p.compute_ctas * blockDim.x)
           mk_st_release_sys(flags + i, epoch);
-        if (p.comm_ctas == 0) pull_rows<T, BN>(p, epoch, blockIdx.x * MOE_WARPS + threadIdx.x / 32, p.compute_ctas * MOE_WARPS);
+        if (p.comm_ctas == 0) pull_rows_warp<T, BN>(p, epoch);
       }
     }
   } else if (valid) {
-    pull_rows<T, BN>(p, epoch, (blockIdx.x - p.compute_ctas) * MOE_WARPS + threadIdx.x / 32, p.comm_ctas * MOE_WARPS);
+    pull_rows_warp<T, BN>(p, epoch);
   }
   if (p.trace) {
     __syncthreads();

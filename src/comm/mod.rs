@@ -48,6 +48,8 @@ pub struct CommConfig {
     pub gemm_ar_one_shot_max_m: usize,
     /// MoE kernels' m-block order (MK_MOE_ORDER): 0 arrival, 1 expert, 2 split, 3 auto.
     pub moe_order: u32,
+    /// mkMoeGemmCombine's column bands (MK_MOE_BANDS).
+    pub moe_bands: usize,
 }
 
 impl CommConfig {
@@ -63,6 +65,7 @@ impl CommConfig {
             gemm_reducers_after: crate::env::gemm_reducers_after(),
             gemm_ar_one_shot_max_m: crate::env::gemm_ar_one_shot_max_m(),
             moe_order: crate::env::moe_order(),
+            moe_bands: crate::env::moe_bands(),
         }
     }
 }

@@ -134,9 +134,10 @@ pub unsafe extern "C" fn mkGemmAllReduce(
 }
 
 /// Bytes of the layout buffer that mkMoeDispatchGemm fills and mkMoeGemmCombine reads:
-/// 4·(4 + 2·tokens·topk + 5·recvCapacity/128) (int32 words: per (token, choice) the owner
-/// rank and the row there, per receive-buffer row block its expert, order, sources, order run
-/// and expert segment).
+/// 4·(4 + 3·tokens·topk + 6·recvCapacity/128 + 1025) (int32 words: per (token, choice) the
+/// owner rank and the row there, per receive-buffer row block its expert, order, sources,
+/// order run, expert segment and rows in use, the send list and its per-(expert,
+/// destination) starts).
 #[no_mangle]
 pub unsafe extern "C" fn mkMoeLayoutBytes(tokens: usize, topk: usize, recvCapacity: usize, bytes: *mut usize) -> mkResult_t {
     super::guard(None, "mkMoeLayoutBytes", || {
@@ -319,7 +320,7 @@ mod tests {
             assert!(thread_last_error().contains("mkMoeGemmCombine: comm is NULL"));
             let mut bytes = 0usize;
             assert_eq!(mkMoeLayoutBytes(10, 3, 512, &mut bytes), mkResult_t::mkSuccess);
-            assert_eq!(bytes, 4 * (4 + 2 * 30 + 5 * 4));
+            assert_eq!(bytes, 4 * (4 + 3 * 30 + 6 * 4 + 1025));
             assert_eq!(mkMoeLayoutBytes(10, 3, 512, std::ptr::null_mut()), mkResult_t::mkInvalidArgument);
             assert!(thread_last_error().contains("bytes is NULL"));
         }

@@ -108,8 +108,9 @@ pub const MAX_TOP_K: usize = 32;
 /// Bytes at the start of the fused-op region for the count exchange (nranks·E int32); the
 /// receive buffer (dispatch) and Z (combine) follow it.
 pub const COUNTS_BYTES: usize = 64 << 10;
-/// Per-slab flags of Z (signal words MK_SIG_MOE_BASE + 1024 .. + 65536).
-pub const TILE_FLAG_WORDS: usize = 65_536 - 1024;
+/// Per-slab flags of Z (signal words MK_SIG_MOE_BASE + 3072 .. + 65536; below them the
+/// dispatch's per-(source, expert) flags at + 1024 and per-list counters at + 2048).
+pub const TILE_FLAG_WORDS: usize = 65_536 - 3072;
 /// Most 128-row blocks in a receive buffer (one byte of order key each in shared memory).
 pub const MAX_CAPACITY_BLOCKS: usize = 16_384;
 const WARPS: usize = 12;
@@ -132,6 +133,12 @@ pub struct LayoutOffsets {
     pub mb_run: usize,
     /// [capacity / 128] per block: first block of its expert's segment | its blocks << 15.
     pub mb_seg: usize,
+    /// [capacity / 128] per block: rows in use (1..=128).
+    pub mb_rows: usize,
+    /// [T·k] the send list (`send_tables`): slots t·k + j by (local expert, destination step).
+    pub send: usize,
+    /// [MAX_EXPERTS + 1] first send-list entry of each list q = le·nranks + step, [E] = total.
+    pub send_row0: usize,
     pub words: usize,
 }
 
@@ -145,7 +152,11 @@ pub fn layout_offsets(tokens: usize, top_k: usize, capacity: usize) -> LayoutOff
     let mb_srcmask = mb_order + blocks;
     let mb_run = mb_srcmask + blocks;
     let mb_seg = mb_run + blocks;
-    LayoutOffsets { dest, row, mb_expert, mb_order, mb_srcmask, mb_run, mb_seg, words: mb_seg + blocks }
+    let mb_rows = mb_seg + blocks;
+    let send = mb_rows + blocks;
+    // E is not a parameter of mkMoeLayoutBytes: room for the most experts.
+    let send_row0 = send + slots;
+    LayoutOffsets { dest, row, mb_expert, mb_order, mb_srcmask, mb_run, mb_seg, mb_rows, send, send_row0, words: send_row0 + MAX_EXPERTS + 1 }
 }
 
 /// What `rank`'s kernels compute for a routing (the device's layout, for tests).
@@ -399,28 +410,44 @@ pub fn group_m(d: &MoeDims, bn: usize, compute_ctas: usize) -> usize {
     engine::raster_group(d.capacity.div_ceil(ROW_BLOCK).min(rows_est.div_ceil(ROW_BLOCK) + d.experts_local()), bn, compute_ctas)
 }
 
+/// Column bands of the combine's GEMM (MK_MOE_BANDS). The pull of a token's output tile
+/// needs the tile's slabs of all its k rows, on up to k experts anywhere in the expert-major
+/// order, so without bands nothing can be pulled before the GEMM's end (session 8, 4 ranks:
+/// the pull, ~2.6 ms alone, ran after a ~11 ms GEMM). With b bands the GEMM finishes band 0
+/// (every block, its first H / b columns) after ~1/b of its time, and the side warps pull
+/// band 0's outputs while bands 1.. compute; each band reads A (Y') again: b x 168 MB per
+/// rank at DeepSeek-V3-like sizes, beside ~1.8 GB of W2 tiles read once.
+pub const DEFAULT_BANDS: usize = 4;
+
+/// Column tiles per band for `tiles_n` column tiles and `bands` requested: the most bands
+/// up to `bands` that divide `tiles_n` (every band the same width).
+pub fn band_width(tiles_n: usize, bands: usize) -> usize {
+    let b = (1..=bands.clamp(1, tiles_n.max(1))).rev().find(|b| tiles_n % b == 0).unwrap_or(1);
+    tiles_n.max(1) / b
+}
+
 /// Order of the GEMM row blocks (MK_MOE_ORDER; MoeParams::order_mode).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OrderMode {
     /// Dispatch by the arrival step of the latest source a block needs; fixed raster groups.
     Arrival = 0,
-    /// Dispatch: only-own-rows blocks, then the rest; expert-major inside; groups cut at runs.
+    /// Expert-major (the receive layout's order); groups cut at experts.
     Expert = 1,
     /// Dispatch: only-own-rows blocks, blocks without the last step's source, the rest.
     Split = 2,
 }
 
 /// The order each direction's kernel runs for MK_MOE_ORDER (`env::moe_order`: 0 arrival,
-/// 1 expert, 2 split, 3 auto). `auto`, the default, takes the faster order of each kernel as
-/// measured (benches/RESULTS.md, session 8, 4 ranks on one H200, DeepSeek-V3-like sizes):
-/// the dispatch by arrival (1.18x unfused against 1.26 expert-major: expert-major makes the
-/// GEMM wait for the last source's rows after the few own-only blocks; at 2 ranks 0.74
-/// against 0.72), the combine expert-major (1.10 against 1.25; at 2 ranks 0.93 against
-/// 1.01: nothing to wait for, and an expert's blocks share its weight tiles in L2).
-pub fn order_mode_for(config_order: u32, dir: Direction) -> OrderMode {
-    match (config_order, dir) {
-        (0, _) | (3, Direction::Dispatch) => OrderMode::Arrival,
-        (2, _) => OrderMode::Split,
+/// 1 expert, 2 split, 3 auto). `auto`, the default, is expert-major for both: an expert's
+/// blocks share its weight tiles in L2 (the combine, session 8, 4 ranks: 1.10x unfused
+/// against 1.25 by arrival). The dispatch ran by arrival in session 8 (1.18 against 1.26)
+/// because rows were flagged per source, sent destination by destination, so expert-major
+/// waited for the last source; since session 9 the rows go out expert by expert with a flag
+/// per (source, expert) (`send_tables`), which is the order expert-major consumes them.
+pub fn order_mode_for(config_order: u32, _dir: Direction) -> OrderMode {
+    match config_order {
+        0 => OrderMode::Arrival,
+        2 => OrderMode::Split,
         _ => OrderMode::Expert,
     }
 }
@@ -441,18 +468,21 @@ pub struct BlockTables {
     pub run: Vec<(usize, usize)>,
     /// Per block: (first block, blocks) of its expert's segment.
     pub seg: Vec<(usize, usize)>,
+    /// Per block: rows in use (1..=128; the GEMM skips a 64-row slab past them).
+    pub rows: Vec<usize>,
 }
 
 pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: OrderMode) -> Result<BlockTables> {
     let n = s.nranks;
     let (layout, _) = receive_layout(s, routing, rank)?;
-    let (mut expert, mut srcmask, mut seg) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut expert, mut srcmask, mut seg, mut block_rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (le, rows) in layout.iter().enumerate() {
         let first = expert.len();
         let nb = rows.len().div_ceil(ROW_BLOCK);
         for b in 0..nb {
             expert.push(le);
             seg.push((first, nb));
+            block_rows.push((rows.len() - b * ROW_BLOCK).min(ROW_BLOCK));
             srcmask.push(rows[b * ROW_BLOCK..rows.len().min((b + 1) * ROW_BLOCK)].iter().fold(0u32, |m, r| m | 1 << r.source));
         }
     }
@@ -462,9 +492,10 @@ pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: Order
             let latest = (0..n).filter(|&src| m >> src & 1 != 0).map(|src| (rank + n - src) % n).max().unwrap_or(0);
             match mode {
                 OrderMode::Arrival => latest,
+                OrderMode::Expert => 0,
                 _ if m == 1 << rank => 0,
-                OrderMode::Split if latest < n - 1 => 1,
-                _ => mode as usize,
+                _ if latest < n - 1 => 1,
+                _ => 2,
             }
         })
         .collect();
@@ -480,24 +511,65 @@ pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: Order
         }
         p = end;
     }
-    Ok(BlockTables { expert, srcmask, key, order, run, seg })
+    Ok(BlockTables { expert, srcmask, key, order, run, seg, rows: block_rows })
+}
+
+/// The dispatch's send list for `rank` (kernels/moe.cu `prep`, read by `send_rows_warp`):
+/// lists q = le·nranks + step, for destination d = (rank + step) mod nranks and its local
+/// expert le (global e = d·E_local + le), each holding the slots t·k + j of this rank's
+/// tokens routed to e in token order (j the first choice naming e). Returns (start of each
+/// list, then the total: E + 1 entries; the slots). Senders walk it in order, so each
+/// destination receives every source's rows of its expert 0 first, then expert 1, ...
+pub fn send_tables(s: &MoeShape, ids: &[i32], rank: usize) -> (Vec<usize>, Vec<usize>) {
+    let (n, k) = (s.nranks, s.top_k);
+    let el = s.experts / n;
+    let mut row0 = Vec::with_capacity(s.experts + 1);
+    let mut slots = Vec::new();
+    for q in 0..s.experts {
+        row0.push(slots.len());
+        let e = ((rank + q % n) % n * el + q / n) as i32;
+        for t in 0..ids.len() / k {
+            if let Some(j) = ids[t * k..(t + 1) * k].iter().position(|&x| x == e) {
+                slots.push(t * k + j);
+            }
+        }
+    }
+    row0.push(slots.len());
+    (row0, slots)
 }
 
 /// Tile `t` of the MoE GEMM (kernels/moe.cu `MoeRaster::tile`): (block, n-block within the
 /// expert). `order` None = identity; `runs` (per block: first order position, length of its
 /// run) None = the engine's fixed groups of `group_m`.
 pub fn moe_tile(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_m: usize, tiles_n: usize, group_m: usize, t: usize) -> (usize, usize) {
+    moe_tile_banded(order, runs, tiles_m, tiles_n, tiles_n, group_m, t)
+}
+
+/// `moe_tile` with column bands of `band_w` tiles (MoeParams::band_w; divides tiles_n):
+/// every tile of band b before band b + 1, each band rastered as `moe_tile` over its columns.
+pub fn moe_tile_banded(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_m: usize, tiles_n: usize, band_w: usize, group_m: usize, t: usize) -> (usize, usize) {
+    debug_assert!(band_w >= 1 && tiles_n % band_w == 0);
     let at_order = |pos: usize| order.map_or(pos, |o| o[pos]);
+    let band = t / (tiles_m * band_w);
+    let t = t - band * tiles_m * band_w;
     let (pos, nb) = match runs {
-        None => crate::ops::gemm_reduce::grouped_tile(tiles_m, tiles_n, group_m, t),
+        None => crate::ops::gemm_reduce::grouped_tile(tiles_m, band_w, group_m, t),
         Some(runs) => {
-            let at = t / tiles_n;
+            let at = t / band_w;
             let (gs, gl) = run_group(runs[at_order(at)], group_m, at);
-            let in_group = t - gs * tiles_n;
+            let in_group = t - gs * band_w;
             (gs + in_group % gl, in_group / gl)
         }
     };
-    (at_order(pos), nb)
+    (at_order(pos), band * band_w + nb)
+}
+
+/// Item `it` of the combine's pull (kernels/moe.cu `pull_item`): (token, column tile),
+/// band-major, then token, then tile.
+pub fn pull_item(tokens: usize, band_w: usize, it: usize) -> (usize, usize) {
+    let per_band = tokens * band_w;
+    let (band, r) = (it / per_band, it % per_band);
+    (r / band_w, band * band_w + r % band_w)
 }
 
 /// The raster group (first order position, blocks) holding order position `at` of the run
@@ -581,6 +653,10 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     l.params.counts_offset = ws.view.data_bytes;
     l.params.buf_offset = ws.view.data_bytes + COUNTS_BYTES as u64;
     l.params.tiles_n = (l.cols / bn) as i32;
+    l.params.band_w = match l.dir {
+        Direction::Dispatch => l.cols / bn,
+        Direction::Combine => band_width(l.cols / bn, comm.config.moe_bands),
+    } as i32;
     l.params.group_m = group_m(&l.dims, bn, roles.compute_ctas as usize) as i32;
     l.params.order_mode = order_mode_for(comm.config.moe_order, l.dir) as i32;
     l.params.compute_ctas = roles.compute_ctas as i32;
@@ -618,6 +694,9 @@ fn base_params(dims: &MoeDims, layout: u64) -> MoeParams {
         lay_mb_srcmask: lo.mb_srcmask as i32,
         lay_mb_run: lo.mb_run as i32,
         lay_mb_seg: lo.mb_seg as i32,
+        lay_mb_rows: lo.mb_rows as i32,
+        lay_send: lo.send as i32,
+        lay_send_row0: lo.send_row0 as i32,
         tokens: dims.tokens as i32,
         hidden: dims.hidden as i32,
         ffn: dims.ffn as i32,
@@ -824,7 +903,8 @@ mod tests {
     #[test]
     fn layout_buffer_and_prep_memory() {
         let lo = layout_offsets(10, 3, 512);
-        assert_eq!((lo.dest, lo.row, lo.mb_expert, lo.mb_order, lo.mb_srcmask, lo.mb_run, lo.mb_seg, lo.words), (4, 34, 64, 68, 72, 76, 80, 84));
+        assert_eq!((lo.dest, lo.row, lo.mb_expert, lo.mb_order, lo.mb_srcmask, lo.mb_run, lo.mb_seg), (4, 34, 64, 68, 72, 76, 80));
+        assert_eq!((lo.mb_rows, lo.send, lo.send_row0, lo.words), (84, 88, 118, 118 + MAX_EXPERTS + 1));
         // The largest call fits the prep CTA's shared memory beside the narrowest engine.
         let d = dims(4096, 7168, 2048, 8, MAX_EXPERTS, MAX_CAPACITY_BLOCKS * ROW_BLOCK, 8);
         assert!(prep_smem_bytes(&d) <= engine::smem_bytes(256, Epilogue::Tma).min(engine::smem_bytes(128, Epilogue::Tma)));
@@ -879,9 +959,9 @@ mod tests {
     }
 
     #[test]
-    fn auto_order_runs_the_dispatch_by_arrival_and_the_combine_by_expert() {
+    fn auto_order_runs_both_kernels_by_expert() {
         use Direction::{Combine, Dispatch};
-        assert_eq!(order_mode_for(3, Dispatch), OrderMode::Arrival);
+        assert_eq!(order_mode_for(3, Dispatch), OrderMode::Expert);
         assert_eq!(order_mode_for(3, Combine), OrderMode::Expert);
         for dir in [Dispatch, Combine] {
             assert_eq!(order_mode_for(0, dir), OrderMode::Arrival);
@@ -913,11 +993,20 @@ mod tests {
             assert!(first == 0 || t.expert[first - 1] != t.expert[b]);
             assert!(t.srcmask[b] != 0, "every block holds a row");
         }
-        if mode != OrderMode::Arrival {
+        if mode == OrderMode::Split {
             // Blocks of own rows only first (they wait for no peer), then the rest.
             for &b in &t.order {
                 assert_eq!(t.key[b] == 0, t.srcmask[b] == 1 << rank);
             }
+        }
+        if mode == OrderMode::Expert {
+            assert!(t.order.iter().enumerate().all(|(p, &b)| p == b), "expert-major: the layout's order");
+            assert_eq!(t.run, t.seg, "runs are the experts' segments");
+        }
+        for b in 0..nb {
+            let (first, blocks) = t.seg[b];
+            let last = b + 1 == first + blocks;
+            assert!(t.rows[b] >= 1 && t.rows[b] <= ROW_BLOCK && (last || t.rows[b] == ROW_BLOCK), "block {b}: {} rows", t.rows[b]);
         }
     }
 
@@ -992,14 +1081,52 @@ mod tests {
             let latest = (0..4).filter(|&src| t.srcmask[b] >> src & 1 != 0).map(|src| (4 - src) % 4).max().unwrap();
             assert_eq!(t.key[b], latest);
         }
-        // Expert mode: after the own-only blocks, the order is the receive layout's (expert-major).
+        // Expert mode: the receive layout's order (expert-major), one key.
         let e = block_tables(&s, &routing, 2, OrderMode::Expert).unwrap();
-        let rest: Vec<usize> = e.order.iter().copied().filter(|&b| e.key[b] == 1).collect();
-        assert!(rest.windows(2).all(|w| w[0] < w[1]));
+        assert!(e.key.iter().all(|&k| k == 0) && e.order.windows(2).all(|w| w[0] < w[1]));
+        // Block rows add up to the experts' counts.
+        let dl = device_layout(&s, &routing, 2).unwrap();
+        for (le, &c) in dl.recv_counts.iter().enumerate() {
+            assert_eq!((0..e.expert.len()).filter(|&b| e.expert[b] == le).map(|b| e.rows[b]).sum::<usize>(), c);
+        }
         // Split: the last step's source (rank 3 for rank 2) only in key 2.
         let sp = block_tables(&s, &routing, 2, OrderMode::Split).unwrap();
         for b in 0..sp.expert.len() {
             assert_eq!(sp.key[b] == 2, sp.srcmask[b] >> 3 & 1 != 0 && sp.srcmask[b] != 1 << 2, "block {b}");
+        }
+    }
+
+    #[test]
+    fn send_lists_cover_every_row_once_expert_by_expert() {
+        for (nranks, tokens, top_k, experts) in [(1, 300, 2, 8), (2, 400, 4, 16), (4, 512, 8, 32), (3, 200, 3, 12)] {
+            let s = shape(tokens, top_k, experts, nranks);
+            let mut routing = routing_for(tokens, top_k, experts, nranks, 5 + nranks as u64);
+            // Holes and a token naming one expert twice (one row, sent once).
+            routing[0][0] = -1;
+            routing[0][top_k.min(2) * 3 - 1] = routing[0][top_k.min(2) * 3 - 2];
+            let el = experts / nranks;
+            for rank in 0..nranks {
+                let dl = device_layout(&s, &routing, rank).unwrap();
+                let (row0, slots) = send_tables(&s, &routing[rank], rank);
+                assert_eq!(row0.len(), experts + 1);
+                assert_eq!(row0[experts], slots.len());
+                let mut rows_sent = std::collections::HashSet::new();
+                for q in 0..experts {
+                    let (d, le) = ((rank + q % nranks) % nranks, q / nranks);
+                    let list = &slots[row0[q]..row0[q + 1]];
+                    for (i, &slot) in list.iter().enumerate() {
+                        assert_eq!(routing[rank][slot], (d * el + le) as i32);
+                        let (owner, row) = dl.slots[slot].unwrap();
+                        assert_eq!(owner, d);
+                        // The kernel writes entry row0[q] + (row - the list's first row).
+                        assert_eq!(row, dl.slots[list[0]].unwrap().1 + i, "list {q}: consecutive rows at the owner");
+                        assert!(rows_sent.insert((d, row)), "each row once");
+                    }
+                }
+                // Every distinct (token, expert) of this rank is in some list.
+                let distinct: usize = routing[rank].chunks(top_k).map(|c| { let mut v: Vec<_> = c.iter().filter(|&&e| e >= 0).collect(); v.sort(); v.dedup(); v.len() }).sum();
+                assert_eq!(slots.len(), distinct);
+            }
         }
     }
 
@@ -1028,6 +1155,47 @@ mod tests {
         let expert = block_tables(&s, &routing, 1, OrderMode::Expert).unwrap();
         let (a, e) = (wave_b_tiles(&arrival, None), wave_b_tiles(&expert, Some(&expert.run)));
         assert!(e * 2.0 < a, "B tiles per wave: arrival {a:.1}, expert {e:.1}");
+    }
+
+    #[test]
+    fn bands_divide_the_columns_and_run_in_order() {
+        assert_eq!(band_width(28, 4), 7);
+        assert_eq!(band_width(28, 3), 14, "the most bands up to 3 that divide 28: 2");
+        assert_eq!(band_width(28, 1), 28);
+        assert_eq!(band_width(1, 4), 1);
+        assert_eq!(band_width(7, 4), 7, "7 is prime: one band");
+        assert_eq!(band_width(8, 100), 1);
+        let s = shape(400, 4, 16, 2);
+        let routing = routing_for(400, 4, 16, 2, 9);
+        let t = block_tables(&s, &routing, 1, OrderMode::Expert).unwrap();
+        let tiles_m = t.expert.len();
+        for (tiles_n, bw, g) in [(28, 7, 5), (8, 2, 3), (6, 3, 1), (4, 4, 2)] {
+            let mut hit = vec![0u8; tiles_m * tiles_n];
+            let mut last_band = 0;
+            for i in 0..tiles_m * tiles_n {
+                let (b, n) = moe_tile_banded(None, Some(&t.seg), tiles_m, tiles_n, bw, g, i);
+                hit[b * tiles_n + n] += 1;
+                assert!(n / bw >= last_band, "bands in order");
+                last_band = n / bw;
+            }
+            assert!(hit.iter().all(|&h| h == 1), "every tile once");
+            // Within a band: as the unbanded raster over the band's columns.
+            for i in 0..tiles_m * bw {
+                let (b0, n0) = moe_tile(None, Some(&t.seg), tiles_m, bw, g, i);
+                for band in 0..tiles_n / bw {
+                    assert_eq!(moe_tile_banded(None, Some(&t.seg), tiles_m, tiles_n, bw, g, band * tiles_m * bw + i), (b0, band * bw + n0));
+                }
+            }
+            // The pull's items: every (token, tile) once, band by band.
+            let tokens = 37;
+            let mut seen = vec![false; tokens * tiles_n];
+            for it in 0..tokens * tiles_n {
+                let (tok, n) = pull_item(tokens, bw, it);
+                assert!(!seen[tok * tiles_n + n]);
+                seen[tok * tiles_n + n] = true;
+                assert_eq!(n / bw, it / (tokens * bw));
+            }
+        }
     }
 
     #[test]

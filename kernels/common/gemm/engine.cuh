@@ -36,6 +36,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include "epilogue.cuh"
 #include "hooks.cuh"
 #include "ptx.cuh"
@@ -43,6 +45,20 @@
 #include "wgmma_ops.cuh"
 
 namespace mk { namespace gemm {
+
+// Where a tile's live rows end: shape.M, unless the scheduler defines
+//   __device__ static int rows_end(const Params&, const TileCoord&, int M);
+// (MoE: an expert's last m-block holds fewer than BM rows; rows past the expert's count
+// are padding whose products nobody reads). Consumer slabs at or past it skip their wgmmas.
+template <class Sched, class = void>
+struct TileRowsEnd {
+  __device__ static int get(const typename Sched::Params&, const TileCoord&, int M) { return M; }
+};
+template <class Sched>
+struct TileRowsEnd<Sched, std::void_t<decltype(Sched::rows_end(std::declval<const typename Sched::Params&>(),
+                                                               std::declval<const TileCoord&>(), 0))>> {
+  __device__ static int get(const typename Sched::Params& p, const TileCoord& c, int M) { return Sched::rows_end(p, c, M); }
+};
 
 // Operand shared by a 2-CTA cluster (TMA multicast): each CTA loads half of it for both.
 //   SHARE_NONE  no cluster;
@@ -250,7 +266,8 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
       // that writes rows >= M anywhere must not rely on their values.
       // Warpgroup-uniform (tile and consumer), so wgmma stays warpgroup-converged.
       // (With BM = 64 consumer 1's slab lies outside the tile: never live.)
-      const bool live = consumer * 64 < BM && tc.m_block * BM + consumer * 64 < shape.M;
+      // A scheduler may end the live rows earlier (TileRowsEnd; rows past it are padding).
+      const bool live = consumer * 64 < BM && tc.m_block * BM + consumer * 64 < TileRowsEnd<Sched>::get(sched, tc, shape.M);
       if (live) {
         int prev = -1;
         for (int kb = 0; kb < k_blocks; ++kb) {

@@ -17,7 +17,7 @@ use mkernel::cuda::{self, sys};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::{mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes};
 use mkernel::ffi::mkComm_t;
-use mkernel::ops::moe::{block_tables, device_layout, layout_offsets, order_mode_for, DeviceLayout, Direction, MoeShape, ROW_BLOCK};
+use mkernel::ops::moe::{block_tables, device_layout, layout_offsets, order_mode_for, send_tables, DeviceLayout, Direction, MoeShape, ROW_BLOCK};
 use mkernel::ops::util::fill_random;
 use mkernel::testing::{f32_to_bf16, f32_to_f16, bf16_to_f32, f16_to_f32, relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
@@ -311,19 +311,23 @@ impl Case {
         let nb = want.expert.len();
         let pack = |v: &[(usize, usize)]| v.iter().map(|&(a, l)| (a | l << 15) as i32).collect::<Vec<_>>();
         let as_i32 = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<_>>();
-        let checks: [(&str, usize, Vec<i32>); 5] = [
+        let (send_row0, send) = send_tables(&shape, &inp.ids[self.rank], self.rank);
+        let checks: [(&str, usize, Vec<i32>); 8] = [
             ("m-block experts", lo.mb_expert, as_i32(&want.expert)),
             ("m-block sources", lo.mb_srcmask, want.srcmask.iter().map(|&m| m as i32).collect()),
             ("m-block order", lo.mb_order, as_i32(&want.order)),
             ("m-block runs", lo.mb_run, pack(&want.run)),
             ("m-block segments", lo.mb_seg, pack(&want.seg)),
+            ("m-block rows", lo.mb_rows, as_i32(&want.rows)),
+            ("send list starts", lo.send_row0, as_i32(&send_row0)),
+            ("send list", lo.send, as_i32(&send)),
         ];
         if words[0] as usize != nb {
             return Ok(Some(format!("layout: {} m-blocks in use, expected {nb}", words[0])));
         }
         for (name, off, v) in checks {
-            if words[off..off + nb] != v[..] {
-                return Ok(Some(format!("layout: {name} differ from ops::moe::block_tables (mode {mode:?})")));
+            if words[off..off + v.len()] != v[..] {
+                return Ok(Some(format!("layout: {name} differ from ops::moe::{} (mode {mode:?})", if name.starts_with("send") { "send_tables" } else { "block_tables" })));
             }
         }
         Ok(None)
