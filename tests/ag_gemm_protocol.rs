@@ -76,7 +76,7 @@ fn value(call: u64, row: usize, e: usize) -> f64 {
 
 /// Some readers stall (a pseudo-random quarter of (rank, CTA, call, place) sleeps 1 ms).
 fn jitter(rank: usize, b: usize, call: u64, place: u64) {
-    let h = (rank as u64 * 0x9e37_79b9 ^ b as u64 * 0x85eb_ca6b ^ call * 0xc2b2_ae35 ^ place * 0x27d4_eb2f).wrapping_mul(0x1656_67b1);
+    let h = ((rank as u64 * 0x9e37_79b9) ^ (b as u64 * 0x85eb_ca6b) ^ (call * 0xc2b2_ae35) ^ (place * 0x27d4_eb2f)).wrapping_mul(0x1656_67b1);
     if (h >> 29) & 3 == 0 {
         std::thread::sleep(Duration::from_millis(1));
     }

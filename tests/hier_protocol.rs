@@ -125,7 +125,7 @@ impl RankCtx {
 /// before reading): a writer that ignored the flow control would overwrite a slot they
 /// are still reading, and the result would be wrong.
 fn jitter(rank: usize, b: usize, step: u64, place: u64) {
-    let h = (rank as u64 * 0x9e37_79b9 ^ b as u64 * 0x85eb_ca6b ^ step * 0xc2b2_ae35 ^ place * 0x27d4_eb2f).wrapping_mul(0x1656_67b1);
+    let h = ((rank as u64 * 0x9e37_79b9) ^ (b as u64 * 0x85eb_ca6b) ^ (step * 0xc2b2_ae35) ^ (place * 0x27d4_eb2f)).wrapping_mul(0x1656_67b1);
     if (h >> 29) & 3 == 0 {
         std::thread::sleep(Duration::from_millis(2));
     }

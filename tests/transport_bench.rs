@@ -10,6 +10,7 @@
 //!   for the peer's grant, put with arrival flag, wait for the peer's put, wait for
 //!   completion), C "CTAs" per rank, 4 ranks in 2 emulated nodes — the 1, 4, 16 and
 //!   64 MB AllGather cases of `mkbench all_gather -g 4` under MK_RANKS_PER_NODE=2.
+//!
 //! The staging through pinned memory that device windows add is measured on the GPU only
 //! (mkbench with MK_DEBUG=INFO logs where each transport thread's time went).
 

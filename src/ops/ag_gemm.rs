@@ -506,7 +506,7 @@ mod tests {
     fn across_nodes_the_flag_words_fit() {
         for nranks in [2, 4, 8, 9, 16, 33, 64] {
             let stride = flag_stride(nranks);
-            assert!(stride >= 4 && stride <= MAX_CHUNKS_PER_RANK);
+            assert!((4..=MAX_CHUNKS_PER_RANK).contains(&stride));
             // AGG_CHUNK + src * stride + c and AGG_PUSHED + (j * nodes + m) * stride + c.
             assert!(nranks * stride <= CHUNK_FLAG_WORDS);
             for rows in [1, 128, 1000, 65536, 1 << 20] {

@@ -374,7 +374,7 @@ mod tests {
                         for count in [1u64, 7, 255, 4097, 1_000_003, 300_000_000] {
                             let p = plan(kind, count, elem, nranks, slots, data, 264);
                             assert!(p.ctas >= 1 && p.ctas <= slots, "{kind:?} {p:?}");
-                            let slot_bytes = ((data / slots as u64) & !255) / 2 & !255;
+                            let slot_bytes = (((data / slots as u64) & !255) / 2) & !255;
                             assert!(slot_need(kind, p.chunk, elem, nranks) <= slot_bytes, "{kind:?} n={nranks} e={elem} {p:?} slot {slot_bytes}");
                             assert!(p.chunk * p.ctas as u64 >= count.min(p.chunk * p.ctas as u64));
                             assert!(count.div_ceil(p.chunk) >= p.ctas as u64, "no idle CTA: {p:?} count {count}");
@@ -468,7 +468,7 @@ mod tests {
         }
         assert_eq!(stage_vectors(STAGE_BYTES, 1), 8, "a copy keeps 8 vectors per thread in flight");
         // sm_90: at most 227 KiB of dynamic shared memory per CTA (1 KiB of the SM's 228 reserved).
-        assert!(STAGE_BYTES <= 227 << 10);
+        const _: () = assert!(STAGE_BYTES <= 227 << 10);
     }
 
     #[test]

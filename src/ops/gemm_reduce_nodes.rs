@@ -293,7 +293,7 @@ mod tests {
             assert_eq!(p.count_node_word, COUNT_WORD);
             assert_eq!(p.count_final_word, p.count_node_word + flags);
             assert!(p.count_final_word + p.owner_blocks as u32 <= COUNT_END_WORD);
-            assert!(COUNT_END_WORD <= TILE_WORD);
+            const _: () = assert!(COUNT_END_WORD <= TILE_WORD);
         }
     }
 

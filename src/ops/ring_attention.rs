@@ -8,6 +8,7 @@
 //! - non-causal: n contiguous shards, rank r holds tokens [r·S_local, (r+1)·S_local);
 //! - causal (zigzag, for load balance): 2n chunks of S_local / 2 tokens, rank r holds chunk
 //!   r then chunk 2n−1−r (so S_local must be even).
+//!
 //! At ring step s (0 ≤ s < n) rank r attends with its queries to the K/V that started on
 //! rank (r − s) mod n.
 

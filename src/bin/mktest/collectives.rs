@@ -319,7 +319,7 @@ impl Case {
         let (send_n, recv_n) = self.kind.buffer_counts(self.count as u64, self.nranks as u64).unwrap();
         let inputs: Vec<Vec<f64>> = (0..self.nranks)
             .map(|p| {
-                let (bytes, vals) = random_input(self.dtype, send_n as usize, seed ^ (p as u64 + 1) * 0x9e37_79b9, self.op == mkRedOp_t::mkProd);
+                let (bytes, vals) = random_input(self.dtype, send_n as usize, seed ^ ((p as u64 + 1) * 0x9e37_79b9), self.op == mkRedOp_t::mkProd);
                 if p == self.rank {
                     // poison the whole output first (in place: then the input goes in)
                     // SAFETY: recv holds recv_n elements.
@@ -457,7 +457,7 @@ fn correctness(env: &RankEnv) -> Result<()> {
         failures += 1;
         say(rank, format!("NULL sendbuff gave {bad:?}"));
     }
-    let host = vec![0f32; 16];
+    let host = [0f32; 16];
     let bad = unsafe { mkAllGather(host.as_ptr().cast(), host.as_ptr() as *mut _, 1, 7, comm, stream.0) };
     checks += 1;
     if bad != mkResult_t::mkInvalidArgument {
