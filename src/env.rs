@@ -69,7 +69,7 @@ pub fn moe_bands() -> usize {
 }
 
 /// `MK_MOE_ORDER`: 0 arrival, 1 expert, 2 split, 3 auto (the default; ops::moe::order_mode_for
-/// turns it into each direction's OrderMode).
+/// turns it into the kernels' OrderMode).
 pub fn moe_order() -> u32 {
     one_of("MK_MOE_ORDER", &[("auto", 3), ("expert", 1), ("arrival", 0), ("split", 2)])
 }

@@ -437,14 +437,14 @@ pub enum OrderMode {
     Split = 2,
 }
 
-/// The order each direction's kernel runs for MK_MOE_ORDER (`env::moe_order`: 0 arrival,
+/// The order both kernels run for MK_MOE_ORDER (`env::moe_order`: 0 arrival,
 /// 1 expert, 2 split, 3 auto). `auto`, the default, is expert-major for both: an expert's
 /// blocks share its weight tiles in L2 (the combine, session 8, 4 ranks: 1.10x unfused
 /// against 1.25 by arrival). The dispatch ran by arrival in session 8 (1.18 against 1.26)
 /// because rows were flagged per source, sent destination by destination, so expert-major
 /// waited for the last source; since session 9 the rows go out expert by expert with a flag
 /// per (source, expert) (`send_tables`), which is the order expert-major consumes them.
-pub fn order_mode_for(config_order: u32, _dir: Direction) -> OrderMode {
+pub fn order_mode_for(config_order: u32) -> OrderMode {
     match config_order {
         0 => OrderMode::Arrival,
         2 => OrderMode::Split,
@@ -658,7 +658,7 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
         Direction::Combine => band_width(l.cols / bn, comm.config.moe_bands),
     } as i32;
     l.params.group_m = group_m(&l.dims, bn, roles.compute_ctas as usize) as i32;
-    l.params.order_mode = order_mode_for(comm.config.moe_order, l.dir) as i32;
+    l.params.order_mode = order_mode_for(comm.config.moe_order) as i32;
     l.params.compute_ctas = roles.compute_ctas as i32;
     l.params.comm_ctas = roles.comm_ctas as i32;
     l.params.gemm = l.gemm as i32;
@@ -960,14 +960,10 @@ mod tests {
 
     #[test]
     fn auto_order_runs_both_kernels_by_expert() {
-        use Direction::{Combine, Dispatch};
-        assert_eq!(order_mode_for(3, Dispatch), OrderMode::Expert);
-        assert_eq!(order_mode_for(3, Combine), OrderMode::Expert);
-        for dir in [Dispatch, Combine] {
-            assert_eq!(order_mode_for(0, dir), OrderMode::Arrival);
-            assert_eq!(order_mode_for(1, dir), OrderMode::Expert);
-            assert_eq!(order_mode_for(2, dir), OrderMode::Split);
-        }
+        assert_eq!(order_mode_for(3), OrderMode::Expert);
+        assert_eq!(order_mode_for(0), OrderMode::Arrival);
+        assert_eq!(order_mode_for(1), OrderMode::Expert);
+        assert_eq!(order_mode_for(2), OrderMode::Split);
     }
 
     fn check_tables(t: &BlockTables, rank: usize, mode: OrderMode) {
