@@ -10,6 +10,7 @@ use crate::error::{MkError, Result};
 pub use cudarc::driver::sys;
 use cudarc::driver::result as cu;
 use parking_lot::Mutex;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::OnceLock;
@@ -145,35 +146,36 @@ pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
         .ok_or_else(|| MkError::internal("no current CUDA context while loading a kernel"))?;
     let mut guard = MODULES.lock();
     let modules = guard.get_or_insert_with(HashMap::new);
-    let key = (ctx as usize, module);
-    if !modules.contains_key(&key) {
-        let image = kernels::FATBINS
-            .iter()
-            .find(|(name, _)| *name == module)
-            .map(|(_, bytes)| *bytes)
-            .ok_or_else(|| MkError::internal(format!("no embedded kernel module named {module}")))?;
-        // The driver wants the image at an address that stays valid; copy it to aligned memory.
-        let aligned: Vec<u64> = image.chunks(8).map(|c| {
-            let mut b = [0u8; 8];
-            b[..c.len()].copy_from_slice(c);
-            u64::from_le_bytes(b)
-        }).collect();
-        // SAFETY: `aligned` holds a complete fatbin image for the duration of the call.
-        let m = unsafe { cu::module::load_data(aligned.as_ptr().cast()) }
-            .map_err(|e| cuda_err(&format!("loading kernel module {module} (needs an sm_90 GPU)"), e))?;
-        // The cache is keyed by context pointer: keep this device's primary context alive
-        // for the life of the process (one extra retain, never released), so a context
-        // destroyed when the last communicator lets go of it cannot be recreated at the
-        // same address with this cache's handles gone stale (CUDA_ERROR_INVALID_HANDLE).
-        let mut dev: sys::CUdevice = 0;
-        // SAFETY: writes one CUdevice of the current context.
-        if unsafe { sys::cuCtxGetDevice(&mut dev) } == sys::CUresult::CUDA_SUCCESS {
-            // SAFETY: retains a valid device's primary context.
-            let _ = unsafe { cu::primary_ctx::retain(dev) };
+    let loaded = match modules.entry((ctx as usize, module)) {
+        Entry::Occupied(entry) => entry.into_mut(),
+        Entry::Vacant(entry) => {
+            let image = kernels::FATBINS
+                .iter()
+                .find(|(name, _)| *name == module)
+                .map(|(_, bytes)| *bytes)
+                .ok_or_else(|| MkError::internal(format!("no embedded kernel module named {module}")))?;
+            // The driver wants the image at an address that stays valid; copy it to aligned memory.
+            let aligned: Vec<u64> = image.chunks(8).map(|c| {
+                let mut b = [0u8; 8];
+                b[..c.len()].copy_from_slice(c);
+                u64::from_le_bytes(b)
+            }).collect();
+            // SAFETY: `aligned` holds a complete fatbin image for the duration of the call.
+            let m = unsafe { cu::module::load_data(aligned.as_ptr().cast()) }
+                .map_err(|e| cuda_err(&format!("loading kernel module {module} (needs an sm_90 GPU)"), e))?;
+            // The cache is keyed by context pointer: keep this device's primary context alive
+            // for the life of the process (one extra retain, never released), so a context
+            // destroyed when the last communicator lets go of it cannot be recreated at the
+            // same address with this cache's handles gone stale (CUDA_ERROR_INVALID_HANDLE).
+            let mut dev: sys::CUdevice = 0;
+            // SAFETY: writes one CUdevice of the current context.
+            if unsafe { sys::cuCtxGetDevice(&mut dev) } == sys::CUresult::CUDA_SUCCESS {
+                // SAFETY: retains a valid device's primary context.
+                let _ = unsafe { cu::primary_ctx::retain(dev) };
+            }
+            entry.insert(LoadedModule { module: m, functions: HashMap::new() })
         }
-        modules.insert(key, LoadedModule { module: m, functions: HashMap::new() });
-    }
-    let loaded = modules.get_mut(&key).expect("inserted above");
+    };
     if let Some(f) = loaded.functions.get(kernel) {
         return Ok(*f);
     }
