@@ -12,14 +12,14 @@
 //   Y = X_recv · W1_eᵀ, m-blocks ordered so that blocks whose rows come from the sources
 //   that arrive first (own rows, then rank-1, rank-2, ...) come first; before loading a
 //   tile's A rows the producer waits for the flags of the sources whose rows the block holds.
-// Dispatch, CTAs [compute_ctas, +comm_ctas): the first one ("prep") counts this rank's
-//   routing per expert and each (token, expert)'s position among this rank's tokens of
-//   that expert, exchanges the counts, computes the layout and the m-block tables into the
-//   caller's layout buffer. Then the senders copy token rows (16-byte vectors) into the
-//   owners' receive buffers, destination by destination (own rank first), and the last
-//   sender done with a destination raises RECV[this rank] there. The senders are the three
-//   idle warps of every GEMM CTA's producer warpgroup (default: one comm CTA, the prep), or
-//   the comm CTAs when MK_COMM_SMS asks for them.
+// Dispatch, the prep (the last GEMM CTA before its GEMM; the first comm CTA with
+//   MK_COMM_SMS): counts this rank's routing per expert and each (token, expert)'s position
+//   among this rank's tokens of that expert, exchanges the counts, computes the layout, the
+//   m-block tables and the send list into the caller's layout buffer. Then the senders copy
+//   token rows (16-byte vectors) into the owners' receive buffers, expert by expert (the
+//   send list), and whoever completes a (destination, expert) list raises
+//   RECV[this rank, expert] there. The senders are the three idle warps of every GEMM CTA's
+//   producer warpgroup (default: no comm CTA), or the comm CTAs when MK_COMM_SMS asks.
 // Combine, CTAs [0, compute_ctas): the engine over the same m-blocks, Z = Y' · W2_eᵀ into
 //   this rank's fused-op region (TMA stores; remote stores would stall the TMA pipeline),
 //   each 64-row slab followed by an epoch-valued flag.
@@ -634,8 +634,13 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   const int* layout = reinterpret_cast<const int*>(p.layout);
   const int j = (int)blockIdx.x - p.compute_ctas;
 
-  if (j == 0) {
+  // The prep: the first communication CTA (MK_COMM_SMS), else the last GEMM CTA, which then
+  // runs its GEMM tiles like the others (every CTA waits for the layout anyway; a prep CTA
+  // that only sent afterwards left the GEMM one SM short: 15 of 16 CTAs at 4 ranks).
+  if (j == (p.comm_ctas > 0 ? 0 : -1)) {
     const bool ok = prep(p, epoch, smem);
+    // The prep's generic shared-memory writes, before the engine's TMA loads reuse the space.
+    fence_proxy_async_smem();
     __syncthreads();
     if (threadIdx.x == 0) mk_signal_store(mk_signal_word(ws, ws.rank, MOE_PREP), ok ? epoch : 0);
   }
@@ -709,10 +714,22 @@ __device__ __forceinline__ int puller_warps(const MoeParams& p) {
   return p.compute_ctas * (8 + (p.band_w < p.tiles_n ? 2 : 0));
 }
 
+// Brings the 128-byte line holding `p` into L2: no register, no wait (prefetch.L2 on a
+// generic address).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.L2 [%0];" ::"l"(p)); }
+
 // One warp (any warp of the grid; puller_warps() call this per launch): grab kPullChunk
 // items at a time in item order (MOE_PULL_GRAB: warps that come early, or free, take more)
 // and write out[t, tile nb] for each. Warp-synchronous only. The last warp to leave resets
 // the counters for the next launch.
+// The items of a grab are looked up together (session 10): lane i * K + j holds row j of
+// item i (min(kPullChunk, 32 / K) items), so the layout reads and the slab-flag acquires
+// are one round trip each per batch of items instead of per item, and every row of the
+// batch is prefetched into L2 once its flag is seen, so only the first item's loads wait
+// for HBM. Before, an item cost a layout round trip, a flag round trip and K / RB row round
+// trips from HBM, each row's load address behind a load of the peer's base from the
+// parameter space: the side warps (RB 4: the producer warpgroup's 96 registers) could not
+// keep up with the bands (4 ranks: they pulled until the kernel's end, session 9).
 template <typename T, int BN, int RB = 8>
 __device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoch) {
   const WorkspaceView& ws = p.ws;
@@ -721,6 +738,8 @@ __device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoc
   const int* layout = reinterpret_cast<const int*>(p.layout);
   const float* weights = reinterpret_cast<const float*>(p.topk_weights);
   const int items = p.tokens * p.tiles_n;
+  const int batch = max(1, min(kPullChunk, 32 / K));
+  const int li = lane / K, lj = lane - li * K;  // this lane's (item in the batch, row)
   unsigned long long* grab = peer_word(ws, ws.rank, MOE_PULL_GRAB);
   bool ok = true;
   while (ok) {
@@ -728,77 +747,98 @@ __device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoc
     if (lane == 0) c = (int)atomicAdd(grab, 1ull);
     c = __shfl_sync(0xffffffffu, c, 0) * kPullChunk;
     if (c >= items) break;
-    for (int it = c; it < min(items, c + kPullChunk) && ok; ++it) {
-      int t, nb;
-      pull_item(p, it, t, nb);
-      int dest = -1, row = 0;
+    const int c1 = min(items, c + kPullChunk);
+    for (int b0 = c; b0 < c1 && ok; b0 += batch) {
+      const int nitems = min(batch, c1 - b0);
+      // Lane (i, j): where row j of item b0 + i lies (null: no row), its weight, its slab flag.
+      int dest = -1;
+      uint32_t word = 0;
       float w = 0.f;
-      if (lane < K) {
-        dest = ld_cg(layout + p.lay_dest + (size_t)t * K + lane);
-        row = ld_cg(layout + p.lay_row + (size_t)t * K + lane);
-        w = weights[(size_t)t * K + lane];
+      const char* src = nullptr;
+      if (li < nitems) {
+        int t, nb;
+        pull_item(p, b0 + li, t, nb);
+        const size_t slot = (size_t)t * K + lj;
+        dest = ld_cg(layout + p.lay_dest + slot);
+        const int row = ld_cg(layout + p.lay_row + slot);
+        w = weights[slot];
+        if (dest >= 0) {
+          word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
+          src = peer_data(ws, dest) + p.buf_offset + ((size_t)row * H + (size_t)nb * BN) * 2;
+        }
       }
-      const uint32_t word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
       const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
-      // Lane j checks the slab of row j once (acquire; one round trip for all k, where one
-      // lane checking them in turn took k); only if one is not there yet does lane 0 wait
-      // for them in turn, with back-off (one poller per warp: waiting lanes compete with
-      // the GEMM for the memory system).
+      // Every lane checks its row's slab once (acquire); only if some are not there yet does
+      // lane 0 wait for those in turn, with back-off (one poller per warp: waiting lanes
+      // compete with the GEMM for the memory system).
       bool here = true;
       if (dest >= 0) here = mk_ld_acquire_sys(reinterpret_cast<const uint64_t*>(peer_word(ws, dest, word))) >= epoch;
-      if (!__all_sync(0xffffffffu, here)) {
+      unsigned missing = __ballot_sync(0xffffffffu, !here);
+      if (missing) {
         int good = 1;
-        for (int u = 0; u < K; ++u) {
+        while (missing) {
+          const int u = __ffs(missing) - 1;
+          missing &= missing - 1;
           const int du = __shfl_sync(0xffffffffu, dest, u);
           const uint32_t wu = __shfl_sync(0xffffffffu, word, u);
-          if (lane == 0 && good && du >= 0)
+          if (lane == 0 && good)
             good = moe_wait(ws, reinterpret_cast<const uint64_t*>(peer_word(ws, du, wu)), epoch, du, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
         }
         ok = __shfl_sync(0xffffffffu, good, 0) != 0;
         if (!ok) break;
       }
       __syncwarp();  // the lanes' acquires, then every lane's loads of every row
+      if (src != nullptr) {
+#pragma unroll
+        for (int o = 0; o < BN * 2; o += 128) prefetch_l2(src + o);
+      }
       if (p.trace) {
         // Per warp; the trace's per-CTA wait is the sum over the CTA's pulling warps.
         const int rows = __popc(__ballot_sync(0xffffffffu, dest >= 0));
         if (lane == 0) {
           mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
-          mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-          mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(rows + 1) * BN * 2);
+          mk_trace_add(p.trace, MK_TR_ITEMS, nitems);
+          mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(rows + nitems) * BN * 2);
         }
       }
-      // Every lane runs every iteration (the shuffles need the whole warp); lanes past the
-      // tile's BN / 8 vectors only shuffle.
-      for (int v0 = 0; v0 < BN / 8; v0 += 32) {
-        const int v = v0 + lane;
-        const bool active = v < BN / 8;
-        const size_t col = (size_t)nb * BN + v * 8;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int j0 = 0; j0 < K; j0 += RB) {
-          // Up to RB rows' vectors loaded before the first add (latency-bound otherwise); the
-          // adds then run in j order.
-          int4 z[RB];
-          int dd[RB];
-          float ww[RB];
+      for (int i = 0; i < nitems; ++i) {
+        int t, nb;
+        pull_item(p, b0 + i, t, nb);
+        // Every lane runs every iteration (the shuffles need the whole warp); lanes past the
+        // tile's BN / 8 vectors only shuffle.
+        for (int v0 = 0; v0 < BN / 8; v0 += 32) {
+          const int v = v0 + lane;
+          const bool active = v < BN / 8;
+          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          for (int j0 = 0; j0 < K; j0 += RB) {
+            // Up to RB rows' vectors loaded before the first add (latency-bound otherwise); the
+            // adds then run in j order.
+            int4 z[RB];
+            float ww[RB];
+            bool has[RB];
 #pragma unroll
-          for (int u = 0; u < RB; ++u) {
-            const int jj = j0 + u;
-            dd[u] = __shfl_sync(0xffffffffu, dest, jj & 31);
-            const int r = __shfl_sync(0xffffffffu, row, jj & 31);
-            ww[u] = __shfl_sync(0xffffffffu, w, jj & 31);
-            if (active && jj < K && dd[u] >= 0)
-              z[u] = *reinterpret_cast<const int4*>(peer_data(ws, dd[u]) + p.buf_offset + ((size_t)r * H + col) * 2);
-          }
+            for (int u = 0; u < RB; ++u) {
+              const int jj = j0 + u;
+              const int from = (i * K + jj) & 31;
+              const char* su = reinterpret_cast<const char*>(
+                  __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(src), from));
+              ww[u] = __shfl_sync(0xffffffffu, w, from);
+              has[u] = jj < K && su != nullptr;
+              if (active && has[u]) z[u] = *reinterpret_cast<const int4*>(su + (size_t)v * 16);
+            }
 #pragma unroll
-          for (int u = 0; u < RB; ++u) {
-            if (active && j0 + u < K && dd[u] >= 0) {
-              const T* h = reinterpret_cast<const T*>(&z[u]);
+            for (int u = 0; u < RB; ++u) {
+              if (active && has[u]) {
+                const T* h = reinterpret_cast<const T*>(&z[u]);
 #pragma unroll
-              for (int i = 0; i < 8; ++i) acc[i] += ww[u] * (float)h[i];
+                for (int e = 0; e < 8; ++e) acc[e] += ww[u] * (float)h[e];
+              }
             }
           }
+          if (active)
+            *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.out) + ((size_t)t * H + (size_t)nb * BN + (size_t)v * 8) * 2) =
+                pack8<T>(acc);
         }
-        if (active) *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.out) + ((size_t)t * H + col) * 2) = pack8<T>(acc);
       }
     }
   }
@@ -850,6 +890,9 @@ struct PullAfterGemm : TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal> {
   };
   __device__ static void finish(const Params& p, const SlabInfo& s) {
     Base::finish(p, s);  // this warpgroup's last slab stored and flagged
+    // The trace's "GEMM ... then ... moving data": the later of the two warpgroups.
+    if (p.op->trace && threadIdx.x % 128 == 0)
+      atomicMax(reinterpret_cast<unsigned long long*>(mk_trace_slot(p.op->trace, MK_TR_GEMM)), (unsigned long long)mk_globaltimer());
     if (p.op->comm_ctas == 0) pull_rows_warp<T, BN>(*p.op, p.signal.epoch);
   }
 };

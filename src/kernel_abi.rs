@@ -446,8 +446,8 @@ pub struct MoeParams {
     /// GEMM as separate launches).
     pub gemm: i32,
     /// Dispatch: 1 = the three idle warps of every GEMM CTA's producer warpgroup send the
-    /// token rows (the one communication CTA only computes the layout); 0 = the
-    /// communication CTAs send (MK_COMM_SMS).
+    /// token rows (no communication CTA: the last GEMM CTA computes the layout first);
+    /// 0 = the communication CTAs compute the layout and send (MK_COMM_SMS).
     pub send_by_gemm_ctas: i32,
     /// As `AgGemmParams::trace`.
     pub trace: u64,

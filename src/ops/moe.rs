@@ -349,10 +349,14 @@ pub struct RolePlan {
     pub comm_ctas: u32,
 }
 
-/// Dispatch: one communication CTA, which computes the layout; the token rows are sent
-/// by the three idle warps of every GEMM CTA's producer warpgroup (`send_by_gemm_ctas`),
-/// so that no SM waits idle once the rows are out (dedicated senders sat idle for 75% of
-/// the kernel at 4 ranks). With MK_COMM_SMS = c, c communication CTAs send instead.
+/// Dispatch: every CTA runs GEMM tiles; the last one first computes the layout (the prep,
+/// ~150 us at 4 ranks, while every CTA waits for the layout anyway), and the token rows
+/// are sent by the three idle warps of every GEMM CTA's producer warpgroup
+/// (`send_by_gemm_ctas`), so that no SM waits idle once the rows are out (dedicated
+/// senders sat idle for 75% of the kernel at 4 ranks). Until session 10 the prep CTA was a
+/// communication CTA that only sent after the layout: the GEMM ran on grid - 1 CTAs (15
+/// of 16 at 4 ranks, where the GEMM is ~90 % of the kernel and the rows were out after a
+/// third of it). With MK_COMM_SMS = c, c communication CTAs compute the layout and send.
 ///
 /// Combine: no communication CTAs unless MK_COMM_SMS asks for them: every CTA runs GEMM
 /// tiles and then, with its consumer warps, pulls and sums its share of the output (the
@@ -366,8 +370,8 @@ pub fn plan_roles_for(dir: Direction, bytes: f64, gemm_flops: f64, grid: u32, co
             Ok(RolePlan { compute_ctas: grid, comm_ctas: 0 })
         }
         (Direction::Dispatch, None) => {
-            crate::ensure_arg!(grid >= 2, "the MoE dispatch needs at least 2 CTAs (GEMM and layout); the grid cap is {grid}");
-            Ok(RolePlan { compute_ctas: grid - 1, comm_ctas: 1 })
+            crate::ensure_arg!(grid >= 1, "the MoE dispatch needs at least 1 CTA");
+            Ok(RolePlan { compute_ctas: grid, comm_ctas: 0 })
         }
         _ => plan_roles(bytes, gemm_flops, grid, comm_override),
     }
@@ -894,10 +898,12 @@ mod tests {
         assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 132, None).unwrap(), RolePlan { compute_ctas: 132, comm_ctas: 0 });
         assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 1, None).unwrap(), RolePlan { compute_ctas: 1, comm_ctas: 0 });
         assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 66, Some(5)).unwrap(), RolePlan { compute_ctas: 61, comm_ctas: 5 });
-        // The dispatch keeps one CTA for the layout; the GEMM CTAs send, unless MK_COMM_SMS says.
-        assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 132, None).unwrap(), RolePlan { compute_ctas: 131, comm_ctas: 1 });
+        // The dispatch's last GEMM CTA computes the layout first; the GEMM CTAs send, unless
+        // MK_COMM_SMS says (then the first communication CTA computes the layout).
+        assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 132, None).unwrap(), RolePlan { compute_ctas: 132, comm_ctas: 0 });
+        assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 1, None).unwrap(), RolePlan { compute_ctas: 1, comm_ctas: 0 });
         assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 132, Some(7)).unwrap(), RolePlan { compute_ctas: 125, comm_ctas: 7 });
-        assert!(plan_roles_for(Direction::Dispatch, bytes, flops, 1, None).is_err());
+        assert!(plan_roles_for(Direction::Dispatch, bytes, flops, 0, None).is_err());
     }
 
     #[test]
