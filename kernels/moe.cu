@@ -203,7 +203,18 @@ __device__ __forceinline__ int warp_exclusive_scan(int* a, int items, int lane) 
   return __shfl_sync(0xffffffffu, incl, 31);
 }
 
-// Whole CTA (the first comm CTA). Returns false if a wait failed.
+// Most choices per token (MoeParams::top_k; ops::moe validates k <= 32).
+constexpr int kMaxTopK = 32;
+
+// ids[j] = token t's expert j for j < K (all loads issued together); -1 past K or past the
+// tokens (-1 is "no expert": nothing is counted or written for it).
+__device__ __forceinline__ void load_ids(int (&ids)[kMaxTopK], const int* idx, int t, int tokens, int K) {
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) ids[j] = j < K && t < tokens ? idx[(size_t)t * K + j] : -1;
+}
+
+// Whole CTA (the last GEMM CTA, before its GEMM; with MK_COMM_SMS the first comm CTA).
+// Returns false if a wait failed.
 __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem) {
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, E = p.experts, El = p.experts_local, K = p.top_k;
@@ -232,15 +243,18 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
 
   // Pass 1: per (token, j) the position among this rank's tokens of that expert, in token
   // order (a token listing an expert twice is one row): per 32-token warp a bitmap of the
-  // lanes routed to each expert, the warps' counts prefixed per expert.
+  // lanes routed to each expert, the warps' counts prefixed per expert. A thread's token's
+  // ids are loaded once, together, into registers (kMaxTopK unrolled slots): loaded per use
+  // they were three chains of K dependent loads per round, most of the prep's time.
   for (int c0 = 0; c0 < p.tokens; c0 += blockDim.x) {
     const int t = c0 + tid;
-    if (t < p.tokens) {
-      for (int j = 0; j < K; ++j) {
-        const int e = idx[(size_t)t * K + j];
-        if (e >= 0 && e < E) atomicOr(&bits[warp * E + e], 1u << lane);
-        else if (e != -1) bad_id = 1;
-      }
+    int ids[kMaxTopK];
+    load_ids(ids, idx, t, p.tokens, K);
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      const int e = ids[j];
+      if (e >= 0 && e < E) atomicOr(&bits[warp * E + e], 1u << lane);
+      else if (j < K && t < p.tokens && e != -1) bad_id = 1;
     }
     __syncthreads();
     for (int e = tid; e < E; e += blockDim.x) {
@@ -252,20 +266,20 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
       run[e] = s;
     }
     __syncthreads();
-    if (t < p.tokens) {
-      for (int j = 0; j < K; ++j) {
-        const int e = idx[(size_t)t * K + j];
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      if (j < K && t < p.tokens) {
+        const int e = ids[j];
         const bool ok = e >= 0 && e < E;
         lay_dest[(size_t)t * K + j] = ok ? e / El : -1;
         lay_row[(size_t)t * K + j] = ok ? pre[warp * E + e] + __popc(bits[warp * E + e] & ((1u << lane) - 1)) : -1;
       }
     }
     __syncthreads();
-    if (t < p.tokens) {
-      for (int j = 0; j < K; ++j) {
-        const int e = idx[(size_t)t * K + j];
-        if (e >= 0 && e < E) bits[warp * E + e] = 0;
-      }
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      const int e = ids[j];
+      if (e >= 0 && e < E) bits[warp * E + e] = 0;
     }
     __syncthreads();
   }
@@ -338,17 +352,27 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   }
   __syncthreads();
   for (int q = tid; q <= E; q += blockDim.x) send_row0[q] = srow0[q];
-  // Pass 2: rows at the owners, and the send list.
-  for (int i = tid; i < p.tokens * K; i += blockDim.x) {
-    const int e = idx[i];
-    if (e >= 0 && e < E) {
-      const int pos = lay_row[i];
-      lay_row[i] = pos + off[e];
-      const int t = i / K;
-      bool first = true;  // a token listing one expert twice travels once for it
-      for (int j = t * K; j < i; ++j) first &= idx[j] != e;
-      const int d = e / El;
-      if (first) send[srow0[(e - d * El) * n + (d - me + n) % n] + pos] = i;
+  // Pass 2: rows at the owners, and the send list; a thread per token, its ids and pass 1's
+  // positions loaded together into registers (per slot, they were two dependent loads and
+  // up to K - 1 more per slot, 86 slots per thread at T 4096, k 8).
+  for (int t = tid; t < p.tokens; t += blockDim.x) {
+    int ids[kMaxTopK];
+    load_ids(ids, idx, t, p.tokens, K);
+    int pos[kMaxTopK];
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) pos[j] = ids[j] >= 0 && ids[j] < E ? lay_row[(size_t)t * K + j] : 0;
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      const int e = ids[j];
+      if (e >= 0 && e < E) {
+        const int i = t * K + j;
+        lay_row[i] = pos[j] + off[e];
+        bool first = true;  // a token listing one expert twice travels once for it
+#pragma unroll
+        for (int u = 0; u < j; ++u) first &= ids[u] != e;
+        const int d = e / El;
+        if (first) send[srow0[(e - d * El) * n + (d - me + n) % n] + pos[j]] = i;
+      }
     }
   }
   // Own m-block tables (thread per local expert): expert and the sources each block holds,
@@ -493,8 +517,10 @@ __device__ __forceinline__ unsigned long long* peer_word(const WorkspaceView& ws
   return reinterpret_cast<unsigned long long*>(param_word(&ws.signals[rank])) + index;
 }
 
+// `stop`: the warp leaves once it has copied a chunk at or past chunk stop - 1 (the burst
+// before the GEMM: it counts as one of `warps` and leaves the rest to the side warps).
 template <int IN_FLIGHT>
-__device__ __forceinline__ void send_rows_warp(const MoeParams& p, uint64_t epoch, int warps) {
+__device__ __forceinline__ void send_rows_warp(const MoeParams& p, uint64_t epoch, int warps, int stop = 0x7fffffff) {
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, K = p.top_k, E = p.experts, El = p.experts_local;
   const int lane = threadIdx.x % 32;
@@ -547,6 +573,7 @@ __device__ __forceinline__ void send_rows_warp(const MoeParams& p, uint64_t epoc
       r = end;
       ++q;
     }
+    if (c + 1 >= stop) break;
   }
   if (lane == 0) {
     unsigned long long* exits = peer_word(ws, me, MOE_EXIT);
@@ -558,11 +585,12 @@ __device__ __forceinline__ void send_rows_warp(const MoeParams& p, uint64_t epoc
   __syncwarp();
 }
 
-// Sender warps of a dispatch launch: the side warps of every GEMM CTA (or, communication
-// only, all their warps) and every warp of the communication CTAs (the prep CTA sends too
-// once the layout is written).
+// Calls of send_rows_warp in a dispatch launch (each warp's call counts once): the side
+// warps of every GEMM CTA, plus every warp of it for the burst before the GEMM (or,
+// communication only, all their warps), and every warp of the communication CTAs.
 __device__ __forceinline__ int sender_warps(const MoeParams& p) {
-  return (p.send_by_gemm_ctas ? p.compute_ctas * (p.gemm ? 3 : MOE_WARPS) : 0) + p.comm_ctas * MOE_WARPS;
+  return (p.send_by_gemm_ctas ? p.compute_ctas * (p.gemm ? 3 + (p.burst_lists > 0 ? MOE_WARPS : 0) : MOE_WARPS) : 0) +
+         p.comm_ctas * MOE_WARPS;
 }
 
 // Before a tile's A rows are loaded: wait for the rows of the block's expert from every
@@ -661,6 +689,13 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
       epi.dest.tma_c = tma_c;
       epi.dest.cols = p.ffn;
       epi.signal.unused = 0;
+      // The burst: until the first wave's rows are out, every warp sends (the consumers have
+      // nothing to do before them; 8 vectors in flight: the launch's 168 registers).
+      if (p.send_by_gemm_ctas && p.burst_lists > 0) {
+        const int* row0 = layout + p.lay_send_row0;
+        const int entries = ld_cg(row0 + min(p.experts, p.burst_lists));
+        send_rows_warp<8>(p, epoch, sender_warps(p), (entries + kSendChunk - 1) / kSendChunk);
+      }
       gemm_persistent<Cfg, MoeRaster, SourceAWait, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.ffn, p.hidden}, sched,
                                                          await, epi, blockIdx.x, p.compute_ctas, smem);
     } else {

@@ -449,6 +449,10 @@ pub struct MoeParams {
     /// token rows (no communication CTA: the last GEMM CTA computes the layout first);
     /// 0 = the communication CTAs compute the layout and send (MK_COMM_SMS).
     pub send_by_gemm_ctas: i32,
+    /// Dispatch with `send_by_gemm_ctas`: every warp of every GEMM CTA first sends the send
+    /// lists q < burst_lists (the rows of the first wave of tiles) before its GEMM starts;
+    /// 0: only the side warps send (ops::moe::burst_lists, MK_MOE_BURST).
+    pub burst_lists: i32,
     /// As `AgGemmParams::trace`.
     pub trace: u64,
 }

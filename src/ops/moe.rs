@@ -414,6 +414,21 @@ pub fn group_m(d: &MoeDims, bn: usize, compute_ctas: usize) -> usize {
     engine::raster_group(d.capacity.div_ceil(ROW_BLOCK).min(rows_est.div_ceil(ROW_BLOCK) + d.experts_local()), bn, compute_ctas)
 }
 
+/// Send lists (q = local expert · n + step, kernels/moe.cu `prep`) that every warp of the
+/// dispatch's GEMM CTAs sends before the GEMM (MK_MOE_BURST; MoeParams::burst_lists): the
+/// local experts whose blocks the first wave of tiles covers (expert-major order, at the
+/// expected rows per expert of uniform routing), plus one. The side warps alone (3 per CTA,
+/// 4 vectors in flight per lane) took ~150-200 us to get the first experts' rows out at 4
+/// ranks while every GEMM CTA waited for them (session 9 trace); all 12 warps of a CTA,
+/// with 8 in flight, send them ~4x faster and are idle until then anyway.
+pub fn burst_lists(d: &MoeDims, compute_ctas: usize, tiles_n: usize) -> usize {
+    let rows_per_expert = (d.tokens * d.top_k * d.nranks).div_ceil(d.experts.max(1)).max(1);
+    let blocks_per_expert = rows_per_expert.div_ceil(ROW_BLOCK);
+    let first_wave_blocks = compute_ctas.div_ceil(tiles_n.max(1));
+    let experts = first_wave_blocks.div_ceil(blocks_per_expert) + 1;
+    (experts * d.nranks).min(d.experts)
+}
+
 /// Column bands of the combine's GEMM (MK_MOE_BANDS). The pull of a token's output tile
 /// needs the tile's slabs of all its k rows, on up to k experts anywhere in the expert-major
 /// order, so without bands nothing can be pulled before the GEMM's end (session 8, 4 ranks:
@@ -667,6 +682,11 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     l.params.comm_ctas = roles.comm_ctas as i32;
     l.params.gemm = l.gemm as i32;
     l.params.send_by_gemm_ctas = (l.dir == Direction::Dispatch && comm.config.comm_ctas.is_none()) as i32;
+    l.params.burst_lists = if l.params.send_by_gemm_ctas != 0 && l.gemm && comm.config.moe_burst {
+        burst_lists(&l.dims, roles.compute_ctas as usize, l.cols / bn) as i32
+    } else {
+        0
+    };
     let fix = |p: u64| if p == u64::MAX { region + COUNTS_BYTES as u64 } else { p };
     let mut ta = engine::tensor_map(fix(l.a.0), l.dtype, l.a.1, l.a.2, engine::BM, engine::BK)?;
     let mut tb = engine::tensor_map(fix(l.b.0), l.dtype, l.b.1, l.b.2, bn, engine::BK)?;
@@ -904,6 +924,19 @@ mod tests {
         assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 1, None).unwrap(), RolePlan { compute_ctas: 1, comm_ctas: 0 });
         assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 132, Some(7)).unwrap(), RolePlan { compute_ctas: 125, comm_ctas: 7 });
         assert!(plan_roles_for(Direction::Dispatch, bytes, flops, 0, None).is_err());
+    }
+
+    #[test]
+    fn burst_covers_the_first_wave_and_one_more_expert() {
+        // 4 ranks, DeepSeek-V3-like: ~512 rows (4 blocks) per expert, 16 CTAs x 8 column tiles:
+        // the first wave is 2 blocks of expert 0; experts 0 and 1 of every destination.
+        assert_eq!(burst_lists(&dims(4096, 7168, 2048, 8, 256, 40960, 4), 16, 8), 8);
+        // 2 ranks: ~256 rows (2 blocks), 32 CTAs: 4 blocks = experts 0-1, plus 2.
+        assert_eq!(burst_lists(&dims(4096, 7168, 2048, 8, 256, 40960, 2), 32, 8), 6);
+        // 1 rank, 132 CTAs: 17 blocks of 1 block each, plus 1.
+        assert_eq!(burst_lists(&dims(4096, 7168, 2048, 8, 256, 40960, 1), 132, 8), 18);
+        // Never more lists than there are.
+        assert_eq!(burst_lists(&dims(40, 384, 256, 2, 8, 512, 2), 132, 1), 8);
     }
 
     #[test]
