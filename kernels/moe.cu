@@ -90,6 +90,29 @@ __device__ __forceinline__ bool moe_cta_wait_peers(const WorkspaceView& ws, uint
   return __syncthreads_and(ok) != 0;
 }
 
+// Column bands (MoeParams::band_w; host mirror ops::moe::band_locate): u counts units
+// (tiles_m per column for the GEMM's tiles, tokens per column for the pull's items) band
+// by band; on return u is the unit within its band, w the band's width, and the result its
+// first column. band_w > 0: bands of band_w columns; 0: halving bands, each ceil(r / 2) of
+// the r columns left (28: 14, 7, 4, 2, 1), so the last band, whose pull runs after the
+// GEMM, is one column while earlier bands are pulled beside the later ones.
+__device__ __forceinline__ int band_locate(int per_col, int tiles_n, int band_w, int& u, int& w) {
+  if (band_w > 0) {
+    const int band = u / (per_col * band_w);
+    u -= band * per_col * band_w;
+    w = band_w;
+    return band * band_w;
+  }
+  int col0 = 0;
+  for (;;) {
+    const int r = tiles_n - col0;
+    w = (r + 1) / 2;
+    if (r <= 1 || u < per_col * w) return col0;
+    u -= per_col * w;
+    col0 += w;
+  }
+}
+
 // Tiles: t -> grouped raster over (ordered m-block index, n-block); the m-block index goes
 // through the order table (identity when null), and the B row block is the expert's
 // (E_local·N_total view). With a run table, raster groups never straddle two runs (a run:
@@ -103,7 +126,7 @@ struct MoeRaster {
     const int* mb_expert;  // local expert of each m-block (layout)
     const int* mb_rows;    // rows of each m-block in use (layout): 1..128
     int tiles_m, tiles_n;
-    int band_w;  // column tiles per band (divides tiles_n): the raster runs band by band
+    int band_w;  // column tiles per band (divides tiles_n; 0: halving bands, band_locate): the raster runs band by band
     int group_m;
   };
   // The engine skips the wgmmas of a 64-row consumer slab at or past this row: an expert's
@@ -116,18 +139,17 @@ struct MoeRaster {
   }
   __device__ static TileCoord tile(const Params& p, int t) {
     // Bands (the combine: its pull follows them): band b's tiles, then band b + 1's, each
-    // band rastered as below over its band_w column tiles.
-    const int per_band = p.tiles_m * p.band_w;
-    const int band = t / per_band;
-    t -= band * per_band;
+    // band rastered as below over its bw column tiles.
+    int bw;
+    const int col0 = band_locate(p.tiles_m, p.tiles_n, p.band_w, t, bw);
     int pos, nb;
     if (p.runs == nullptr) {
-      const TileCoord c = grouped_tile(p.tiles_m, p.band_w, p.group_m, t);
+      const TileCoord c = grouped_tile(p.tiles_m, bw, p.group_m, t);
       pos = c.m_block;
       nb = c.n_block;
     } else {
-      // Groups tile the order positions, so position t / band_w lies in t's group.
-      const int at = t / p.band_w;
+      // Groups tile the order positions, so position t / bw lies in t's group.
+      const int at = t / bw;
       const int info = ld_cg(p.runs + (p.order ? ld_cg(p.order + at) : at));
       const int rs = info & 0x7fff, len = info >> 15;
       const int groups = (len + p.group_m - 1) / p.group_m;
@@ -141,12 +163,12 @@ struct MoeRaster {
         gl = q;
       }
       gs += rs;
-      const int in_group = t - gs * p.band_w;
+      const int in_group = t - gs * bw;
       pos = gs + in_group % gl;
       nb = in_group / gl;
     }
     const int mb = p.order ? ld_cg(p.order + pos) : pos;
-    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + band * p.band_w + nb};
+    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + col0 + nb};
   }
 };
 
@@ -727,14 +749,14 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
   return out;
 }
 
-// Items of the combine's pull: (token t, column tile nb), ordered band-major (bands of
-// band_w column tiles, the order the combine GEMM computes them: MoeRaster), then by
-// token, then by tile. A band's items are ready once the GEMM is through that band.
+// Items of the combine's pull: (token t, column tile nb), ordered band-major (the bands
+// the combine GEMM computes in order: band_locate, MoeRaster), then by token, then by
+// tile. A band's items are ready once the GEMM is through that band.
 __device__ __forceinline__ void pull_item(const MoeParams& p, int it, int& t, int& nb) {
-  const int per_band = p.tokens * p.band_w;
-  const int band = it / per_band, r = it - band * per_band;
-  t = r / p.band_w;
-  nb = band * p.band_w + (r - t * p.band_w);
+  int bw;
+  const int col0 = band_locate(p.tokens, p.tiles_n, p.band_w, it, bw);
+  t = it / bw;
+  nb = col0 + (it - t * bw);
 }
 
 // Items one grab of the pull takes (one atomic per 4 items of ~4.5 KB each).

@@ -435,8 +435,9 @@ pub struct MoeParams {
     pub capacity: i32,
     /// Column tiles of the GEMM (F / BN for dispatch, H / BN for combine).
     pub tiles_n: i32,
-    /// Column tiles per band (divides tiles_n): the GEMM runs band by band and the
-    /// combine's pull follows the bands (ops::moe::band_width); tiles_n = one band.
+    /// Column tiles per band (divides tiles_n; 0: halving bands, ops::moe::band_locate): the
+    /// GEMM runs band by band and the combine's pull follows the bands (ops::moe::band_width);
+    /// tiles_n = one band.
     pub band_w: i32,
     pub group_m: i32,
     /// CTAs 0..compute_ctas run GEMM tiles; the next comm_ctas send (dispatch) or pull (combine).

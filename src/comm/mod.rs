@@ -50,8 +50,9 @@ pub struct CommConfig {
     pub moe_order: u32,
     /// mkMoeGemmCombine's column bands (MK_MOE_BANDS).
     pub moe_bands: usize,
-    /// mkMoeDispatchGemm: all warps send the first wave's rows before the GEMM (MK_MOE_BURST).
-    pub moe_burst: bool,
+    /// mkMoeDispatchGemm: all warps send the first wave's rows before the GEMM
+    /// (MK_MOE_BURST: Some when forced, None = auto, ops::moe::burst_for).
+    pub moe_burst: Option<bool>,
 }
 
 impl CommConfig {
