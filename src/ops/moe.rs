@@ -430,9 +430,9 @@ pub fn burst_lists(d: &MoeDims, compute_ctas: usize, tiles_n: usize) -> usize {
 }
 
 /// Whether the dispatch bursts (MK_MOE_BURST: forced on or off, or auto). Auto bursts at 4
-/// ranks and more. Measured in session 10 (one H200, T 4096, DeepSeek-V3-like sizes):
-/// 4 ranks 11.3-11.8 ms with the burst against 12.05 without; 2 ranks 6.75-6.90 ms
-/// against 6.27 without — at 2 ranks the first wave's waits were short anyway (45 us per
+/// ranks and more. Measured in session 10 (one H200, T 4096, DeepSeek-V3-like sizes, two
+/// GPU rounds): 4 ranks 11.3-11.8 ms with the burst against 12.05-12.08 without; 2 ranks
+/// 6.75-6.90 ms against 6.27-6.28 without — at 2 ranks the first wave's waits were short anyway (45 us per
 /// CTA), and all 32 CTAs' 12 warps grabbing one 8-row chunk each overshoot the first lists
 /// 4x (384 chunks for 96), which holds every CTA's GEMM back.
 pub fn burst_for(forced: Option<bool>, nranks: usize) -> bool {
@@ -455,7 +455,9 @@ pub const DEFAULT_BANDS: usize = 4;
 /// was what kept the fused combine above 0.8x unfused; 28 columns halve to 14, 7, 4, 2, 1:
 /// each band is pulled while the next, half as wide, computes, and one column is left
 /// for after the GEMM (one more pass over A than 4 bands; 14 even bands, 3.5x the A
-/// passes, measured slower).
+/// passes, measured slower). Measured (session 10 round 2): no gain — 2 ranks 6335 us
+/// against 6283-6311 with 4 bands, 4 ranks 11528 against 11343-11467: the side warps are
+/// idle during the wide first band and then fall behind. Kept as a knob, not the default.
 pub const HALVING_BANDS: usize = 0;
 
 /// Column tiles per band for `tiles_n` column tiles and `bands` requested: the most bands
