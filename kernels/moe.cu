@@ -12,14 +12,14 @@
 //   Y = X_recv · W1_eᵀ, m-blocks ordered so that blocks whose rows come from the sources
 //   that arrive first (own rows, then rank-1, rank-2, ...) come first; before loading a
 //   tile's A rows the producer waits for the flags of the sources whose rows the block holds.
-// Dispatch, CTAs [compute_ctas, +comm_ctas): the first one ("prep") counts this rank's
-//   routing per expert and each (token, expert)'s position among this rank's tokens of
-//   that expert, exchanges the counts, computes the layout and the m-block tables into the
-//   caller's layout buffer. Then the senders copy token rows (16-byte vectors) into the
-//   owners' receive buffers, destination by destination (own rank first), and the last
-//   sender done with a destination raises RECV[this rank] there. The senders are the three
-//   idle warps of every GEMM CTA's producer warpgroup (default: one comm CTA, the prep), or
-//   the comm CTAs when MK_COMM_SMS asks for them.
+// Dispatch, the prep (the last GEMM CTA before its GEMM; the first comm CTA with
+//   MK_COMM_SMS): counts this rank's routing per expert and each (token, expert)'s position
+//   among this rank's tokens of that expert, exchanges the counts, computes the layout, the
+//   m-block tables and the send list into the caller's layout buffer. Then the senders copy
+//   token rows (16-byte vectors) into the owners' receive buffers, expert by expert (the
+//   send list), and whoever completes a (destination, expert) list raises
+//   RECV[this rank, expert] there. The senders are the three idle warps of every GEMM CTA's
+//   producer warpgroup (default: no comm CTA), or the comm CTAs when MK_COMM_SMS asks.
 // Combine, CTAs [0, compute_ctas): the engine over the same m-blocks, Z = Y' · W2_eᵀ into
 //   this rank's fused-op region (TMA stores; remote stores would stall the TMA pipeline),
 //   each 64-row slab followed by an epoch-valued flag.
@@ -90,6 +90,29 @@ __device__ __forceinline__ bool moe_cta_wait_peers(const WorkspaceView& ws, uint
   return __syncthreads_and(ok) != 0;
 }
 
+// Column bands (MoeParams::band_w; host mirror ops::moe::band_locate): u counts units
+// (tiles_m per column for the GEMM's tiles, tokens per column for the pull's items) band
+// by band; on return u is the unit within its band, w the band's width, and the result its
+// first column. band_w > 0: bands of band_w columns; 0: halving bands, each ceil(r / 2) of
+// the r columns left (28: 14, 7, 4, 2, 1), so the last band, whose pull runs after the
+// GEMM, is one column while earlier bands are pulled beside the later ones.
+__device__ __forceinline__ int band_locate(int per_col, int tiles_n, int band_w, int& u, int& w) {
+  if (band_w > 0) {
+    const int band = u / (per_col * band_w);
+    u -= band * per_col * band_w;
+    w = band_w;
+    return band * band_w;
+  }
+  int col0 = 0;
+  for (;;) {
+    const int r = tiles_n - col0;
+    w = (r + 1) / 2;
+    if (r <= 1 || u < per_col * w) return col0;
+    u -= per_col * w;
+    col0 += w;
+  }
+}
+
 // Tiles: t -> grouped raster over (ordered m-block index, n-block); the m-block index goes
 // through the order table (identity when null), and the B row block is the expert's
 // (E_local·N_total view). With a run table, raster groups never straddle two runs (a run:
@@ -103,7 +126,7 @@ struct MoeRaster {
     const int* mb_expert;  // local expert of each m-block (layout)
     const int* mb_rows;    // rows of each m-block in use (layout): 1..128
     int tiles_m, tiles_n;
-    int band_w;  // column tiles per band (divides tiles_n): the raster runs band by band
+    int band_w;  // column tiles per band (divides tiles_n; 0: halving bands, band_locate): the raster runs band by band
     int group_m;
   };
   // The engine skips the wgmmas of a 64-row consumer slab at or past this row: an expert's
@@ -116,18 +139,17 @@ struct MoeRaster {
   }
   __device__ static TileCoord tile(const Params& p, int t) {
     // Bands (the combine: its pull follows them): band b's tiles, then band b + 1's, each
-    // band rastered as below over its band_w column tiles.
-    const int per_band = p.tiles_m * p.band_w;
-    const int band = t / per_band;
-    t -= band * per_band;
+    // band rastered as below over its bw column tiles.
+    int bw;
+    const int col0 = band_locate(p.tiles_m, p.tiles_n, p.band_w, t, bw);
     int pos, nb;
     if (p.runs == nullptr) {
-      const TileCoord c = grouped_tile(p.tiles_m, p.band_w, p.group_m, t);
+      const TileCoord c = grouped_tile(p.tiles_m, bw, p.group_m, t);
       pos = c.m_block;
       nb = c.n_block;
     } else {
-      // Groups tile the order positions, so position t / band_w lies in t's group.
-      const int at = t / p.band_w;
+      // Groups tile the order positions, so position t / bw lies in t's group.
+      const int at = t / bw;
       const int info = ld_cg(p.runs + (p.order ? ld_cg(p.order + at) : at));
       const int rs = info & 0x7fff, len = info >> 15;
       const int groups = (len + p.group_m - 1) / p.group_m;
@@ -141,12 +163,12 @@ struct MoeRaster {
         gl = q;
       }
       gs += rs;
-      const int in_group = t - gs * p.band_w;
+      const int in_group = t - gs * bw;
       pos = gs + in_group % gl;
       nb = in_group / gl;
     }
     const int mb = p.order ? ld_cg(p.order + pos) : pos;
-    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + band * p.band_w + nb};
+    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + col0 + nb};
   }
 };
 
@@ -203,7 +225,18 @@ __device__ __forceinline__ int warp_exclusive_scan(int* a, int items, int lane) 
   return __shfl_sync(0xffffffffu, incl, 31);
 }
 
-// Whole CTA (the first comm CTA). Returns false if a wait failed.
+// Most choices per token (MoeParams::top_k; ops::moe validates k <= 32).
+constexpr int kMaxTopK = 32;
+
+// ids[j] = token t's expert j for j < K (all loads issued together); -1 past K or past the
+// tokens (-1 is "no expert": nothing is counted or written for it).
+__device__ __forceinline__ void load_ids(int (&ids)[kMaxTopK], const int* idx, int t, int tokens, int K) {
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) ids[j] = j < K && t < tokens ? idx[(size_t)t * K + j] : -1;
+}
+
+// Whole CTA (the last GEMM CTA, before its GEMM; with MK_COMM_SMS the first comm CTA).
+// Returns false if a wait failed.
 __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem) {
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, E = p.experts, El = p.experts_local, K = p.top_k;
@@ -232,15 +265,18 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
 
   // Pass 1: per (token, j) the position among this rank's tokens of that expert, in token
   // order (a token listing an expert twice is one row): per 32-token warp a bitmap of the
-  // lanes routed to each expert, the warps' counts prefixed per expert.
+  // lanes routed to each expert, the warps' counts prefixed per expert. A thread's token's
+  // ids are loaded once, together, into registers (kMaxTopK unrolled slots): loaded per use
+  // they were three chains of K dependent loads per round, most of the prep's time.
   for (int c0 = 0; c0 < p.tokens; c0 += blockDim.x) {
     const int t = c0 + tid;
-    if (t < p.tokens) {
-      for (int j = 0; j < K; ++j) {
-        const int e = idx[(size_t)t * K + j];
-        if (e >= 0 && e < E) atomicOr(&bits[warp * E + e], 1u << lane);
-        else if (e != -1) bad_id = 1;
-      }
+    int ids[kMaxTopK];
+    load_ids(ids, idx, t, p.tokens, K);
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      const int e = ids[j];
+      if (e >= 0 && e < E) atomicOr(&bits[warp * E + e], 1u << lane);
+      else if (j < K && t < p.tokens && e != -1) bad_id = 1;
     }
     __syncthreads();
     for (int e = tid; e < E; e += blockDim.x) {
@@ -252,20 +288,20 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
       run[e] = s;
     }
     __syncthreads();
-    if (t < p.tokens) {
-      for (int j = 0; j < K; ++j) {
-        const int e = idx[(size_t)t * K + j];
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      if (j < K && t < p.tokens) {
+        const int e = ids[j];
         const bool ok = e >= 0 && e < E;
         lay_dest[(size_t)t * K + j] = ok ? e / El : -1;
         lay_row[(size_t)t * K + j] = ok ? pre[warp * E + e] + __popc(bits[warp * E + e] & ((1u << lane) - 1)) : -1;
       }
     }
     __syncthreads();
-    if (t < p.tokens) {
-      for (int j = 0; j < K; ++j) {
-        const int e = idx[(size_t)t * K + j];
-        if (e >= 0 && e < E) bits[warp * E + e] = 0;
-      }
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      const int e = ids[j];
+      if (e >= 0 && e < E) bits[warp * E + e] = 0;
     }
     __syncthreads();
   }
@@ -338,17 +374,27 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   }
   __syncthreads();
   for (int q = tid; q <= E; q += blockDim.x) send_row0[q] = srow0[q];
-  // Pass 2: rows at the owners, and the send list.
-  for (int i = tid; i < p.tokens * K; i += blockDim.x) {
-    const int e = idx[i];
-    if (e >= 0 && e < E) {
-      const int pos = lay_row[i];
-      lay_row[i] = pos + off[e];
-      const int t = i / K;
-      bool first = true;  // a token listing one expert twice travels once for it
-      for (int j = t * K; j < i; ++j) first &= idx[j] != e;
-      const int d = e / El;
-      if (first) send[srow0[(e - d * El) * n + (d - me + n) % n] + pos] = i;
+  // Pass 2: rows at the owners, and the send list; a thread per token, its ids and pass 1's
+  // positions loaded together into registers (per slot, they were two dependent loads and
+  // up to K - 1 more per slot, 86 slots per thread at T 4096, k 8).
+  for (int t = tid; t < p.tokens; t += blockDim.x) {
+    int ids[kMaxTopK];
+    load_ids(ids, idx, t, p.tokens, K);
+    int pos[kMaxTopK];
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) pos[j] = ids[j] >= 0 && ids[j] < E ? lay_row[(size_t)t * K + j] : 0;
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      const int e = ids[j];
+      if (e >= 0 && e < E) {
+        const int i = t * K + j;
+        lay_row[i] = pos[j] + off[e];
+        bool first = true;  // a token listing one expert twice travels once for it
+#pragma unroll
+        for (int u = 0; u < j; ++u) first &= ids[u] != e;
+        const int d = e / El;
+        if (first) send[srow0[(e - d * El) * n + (d - me + n) % n] + pos[j]] = i;
+      }
     }
   }
   // Own m-block tables (thread per local expert): expert and the sources each block holds,
@@ -493,8 +539,10 @@ __device__ __forceinline__ unsigned long long* peer_word(const WorkspaceView& ws
   return reinterpret_cast<unsigned long long*>(param_word(&ws.signals[rank])) + index;
 }
 
+// `stop`: the warp leaves once it has copied a chunk at or past chunk stop - 1 (the burst
+// before the GEMM: it counts as one of `warps` and leaves the rest to the side warps).
 template <int IN_FLIGHT>
-__device__ __forceinline__ void send_rows_warp(const MoeParams& p, uint64_t epoch, int warps) {
+__device__ __forceinline__ void send_rows_warp(const MoeParams& p, uint64_t epoch, int warps, int stop = 0x7fffffff) {
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, K = p.top_k, E = p.experts, El = p.experts_local;
   const int lane = threadIdx.x % 32;
@@ -547,6 +595,7 @@ __device__ __forceinline__ void send_rows_warp(const MoeParams& p, uint64_t epoc
       r = end;
       ++q;
     }
+    if (c + 1 >= stop) break;
   }
   if (lane == 0) {
     unsigned long long* exits = peer_word(ws, me, MOE_EXIT);
@@ -558,11 +607,12 @@ __device__ __forceinline__ void send_rows_warp(const MoeParams& p, uint64_t epoc
   __syncwarp();
 }
 
-// Sender warps of a dispatch launch: the side warps of every GEMM CTA (or, communication
-// only, all their warps) and every warp of the communication CTAs (the prep CTA sends too
-// once the layout is written).
+// Calls of send_rows_warp in a dispatch launch (each warp's call counts once): the side
+// warps of every GEMM CTA, plus every warp of it for the burst before the GEMM (or,
+// communication only, all their warps), and every warp of the communication CTAs.
 __device__ __forceinline__ int sender_warps(const MoeParams& p) {
-  return (p.send_by_gemm_ctas ? p.compute_ctas * (p.gemm ? 3 : MOE_WARPS) : 0) + p.comm_ctas * MOE_WARPS;
+  return (p.send_by_gemm_ctas ? p.compute_ctas * (p.gemm ? 3 + (p.burst_lists > 0 ? MOE_WARPS : 0) : MOE_WARPS) : 0) +
+         p.comm_ctas * MOE_WARPS;
 }
 
 // Before a tile's A rows are loaded: wait for the rows of the block's expert from every
@@ -634,8 +684,13 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   const int* layout = reinterpret_cast<const int*>(p.layout);
   const int j = (int)blockIdx.x - p.compute_ctas;
 
-  if (j == 0) {
+  // The prep: the first communication CTA (MK_COMM_SMS), else the last GEMM CTA, which then
+  // runs its GEMM tiles like the others (every CTA waits for the layout anyway; a prep CTA
+  // that only sent afterwards left the GEMM one SM short: 15 of 16 CTAs at 4 ranks).
+  if (j == (p.comm_ctas > 0 ? 0 : -1)) {
     const bool ok = prep(p, epoch, smem);
+    // The prep's generic shared-memory writes, before the engine's TMA loads reuse the space.
+    fence_proxy_async_smem();
     __syncthreads();
     if (threadIdx.x == 0) mk_signal_store(mk_signal_word(ws, ws.rank, MOE_PREP), ok ? epoch : 0);
   }
@@ -656,6 +711,13 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
       epi.dest.tma_c = tma_c;
       epi.dest.cols = p.ffn;
       epi.signal.unused = 0;
+      // The burst: until the first wave's rows are out, every warp sends (the consumers have
+      // nothing to do before them; 8 vectors in flight: the launch's 168 registers).
+      if (p.send_by_gemm_ctas && p.burst_lists > 0) {
+        const int* row0 = layout + p.lay_send_row0;
+        const int entries = ld_cg(row0 + min(p.experts, p.burst_lists));
+        send_rows_warp<8>(p, epoch, sender_warps(p), (entries + kSendChunk - 1) / kSendChunk);
+      }
       gemm_persistent<Cfg, MoeRaster, SourceAWait, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.ffn, p.hidden}, sched,
                                                          await, epi, blockIdx.x, p.compute_ctas, smem);
     } else {
@@ -687,14 +749,14 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
   return out;
 }
 
-// Items of the combine's pull: (token t, column tile nb), ordered band-major (bands of
-// band_w column tiles, the order the combine GEMM computes them: MoeRaster), then by
-// token, then by tile. A band's items are ready once the GEMM is through that band.
+// Items of the combine's pull: (token t, column tile nb), ordered band-major (the bands
+// the combine GEMM computes in order: band_locate, MoeRaster), then by token, then by
+// tile. A band's items are ready once the GEMM is through that band.
 __device__ __forceinline__ void pull_item(const MoeParams& p, int it, int& t, int& nb) {
-  const int per_band = p.tokens * p.band_w;
-  const int band = it / per_band, r = it - band * per_band;
-  t = r / p.band_w;
-  nb = band * p.band_w + (r - t * p.band_w);
+  int bw;
+  const int col0 = band_locate(p.tokens, p.tiles_n, p.band_w, it, bw);
+  t = it / bw;
+  nb = col0 + (it - t * bw);
 }
 
 // Items one grab of the pull takes (one atomic per 4 items of ~4.5 KB each).
@@ -709,10 +771,22 @@ __device__ __forceinline__ int puller_warps(const MoeParams& p) {
   return p.compute_ctas * (8 + (p.band_w < p.tiles_n ? 2 : 0));
 }
 
+// Brings the 128-byte line holding `p` into L2: no register, no wait (prefetch.L2 on a
+// generic address).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.L2 [%0];" ::"l"(p)); }
+
 // One warp (any warp of the grid; puller_warps() call this per launch): grab kPullChunk
 // items at a time in item order (MOE_PULL_GRAB: warps that come early, or free, take more)
 // and write out[t, tile nb] for each. Warp-synchronous only. The last warp to leave resets
 // the counters for the next launch.
+// The items of a grab are looked up together (session 10): lane i * K + j holds row j of
+// item i (min(kPullChunk, 32 / K) items), so the layout reads and the slab-flag acquires
+// are one round trip each per batch of items instead of per item, and every row of the
+// batch is prefetched into L2 once its flag is seen, so only the first item's loads wait
+// for HBM. Before, an item cost a layout round trip, a flag round trip and K / RB row round
+// trips from HBM, each row's load address behind a load of the peer's base from the
+// parameter space: the side warps (RB 4: the producer warpgroup's 96 registers) could not
+// keep up with the bands (4 ranks: they pulled until the kernel's end, session 9).
 template <typename T, int BN, int RB = 8>
 __device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoch) {
   const WorkspaceView& ws = p.ws;
@@ -721,6 +795,8 @@ __device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoc
   const int* layout = reinterpret_cast<const int*>(p.layout);
   const float* weights = reinterpret_cast<const float*>(p.topk_weights);
   const int items = p.tokens * p.tiles_n;
+  const int batch = max(1, min(kPullChunk, 32 / K));
+  const int li = lane / K, lj = lane - li * K;  // this lane's (item in the batch, row)
   unsigned long long* grab = peer_word(ws, ws.rank, MOE_PULL_GRAB);
   bool ok = true;
   while (ok) {
@@ -728,77 +804,98 @@ __device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoc
     if (lane == 0) c = (int)atomicAdd(grab, 1ull);
     c = __shfl_sync(0xffffffffu, c, 0) * kPullChunk;
     if (c >= items) break;
-    for (int it = c; it < min(items, c + kPullChunk) && ok; ++it) {
-      int t, nb;
-      pull_item(p, it, t, nb);
-      int dest = -1, row = 0;
+    const int c1 = min(items, c + kPullChunk);
+    for (int b0 = c; b0 < c1 && ok; b0 += batch) {
+      const int nitems = min(batch, c1 - b0);
+      // Lane (i, j): where row j of item b0 + i lies (null: no row), its weight, its slab flag.
+      int dest = -1;
+      uint32_t word = 0;
       float w = 0.f;
-      if (lane < K) {
-        dest = ld_cg(layout + p.lay_dest + (size_t)t * K + lane);
-        row = ld_cg(layout + p.lay_row + (size_t)t * K + lane);
-        w = weights[(size_t)t * K + lane];
+      const char* src = nullptr;
+      if (li < nitems) {
+        int t, nb;
+        pull_item(p, b0 + li, t, nb);
+        const size_t slot = (size_t)t * K + lj;
+        dest = ld_cg(layout + p.lay_dest + slot);
+        const int row = ld_cg(layout + p.lay_row + slot);
+        w = weights[slot];
+        if (dest >= 0) {
+          word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
+          src = peer_data(ws, dest) + p.buf_offset + ((size_t)row * H + (size_t)nb * BN) * 2;
+        }
       }
-      const uint32_t word = MOE_TILE + ((uint32_t)(row / 128) * p.tiles_n + nb) * 2 + (row % 128) / 64;
       const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
-      // Lane j checks the slab of row j once (acquire; one round trip for all k, where one
-      // lane checking them in turn took k); only if one is not there yet does lane 0 wait
-      // for them in turn, with back-off (one poller per warp: waiting lanes compete with
-      // the GEMM for the memory system).
+      // Every lane checks its row's slab once (acquire); only if some are not there yet does
+      // lane 0 wait for those in turn, with back-off (one poller per warp: waiting lanes
+      // compete with the GEMM for the memory system).
       bool here = true;
       if (dest >= 0) here = mk_ld_acquire_sys(reinterpret_cast<const uint64_t*>(peer_word(ws, dest, word))) >= epoch;
-      if (!__all_sync(0xffffffffu, here)) {
+      unsigned missing = __ballot_sync(0xffffffffu, !here);
+      if (missing) {
         int good = 1;
-        for (int u = 0; u < K; ++u) {
+        while (missing) {
+          const int u = __ffs(missing) - 1;
+          missing &= missing - 1;
           const int du = __shfl_sync(0xffffffffu, dest, u);
           const uint32_t wu = __shfl_sync(0xffffffffu, word, u);
-          if (lane == 0 && good && du >= 0)
+          if (lane == 0 && good)
             good = moe_wait(ws, reinterpret_cast<const uint64_t*>(peer_word(ws, du, wu)), epoch, du, MK_WAIT_OP_FLAG, MK_OP_MOE_COMBINE);
         }
         ok = __shfl_sync(0xffffffffu, good, 0) != 0;
         if (!ok) break;
       }
       __syncwarp();  // the lanes' acquires, then every lane's loads of every row
+      if (src != nullptr) {
+#pragma unroll
+        for (int o = 0; o < BN * 2; o += 128) prefetch_l2(src + o);
+      }
       if (p.trace) {
         // Per warp; the trace's per-CTA wait is the sum over the CTA's pulling warps.
         const int rows = __popc(__ballot_sync(0xffffffffu, dest >= 0));
         if (lane == 0) {
           mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
-          mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-          mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(rows + 1) * BN * 2);
+          mk_trace_add(p.trace, MK_TR_ITEMS, nitems);
+          mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(rows + nitems) * BN * 2);
         }
       }
-      // Every lane runs every iteration (the shuffles need the whole warp); lanes past the
-      // tile's BN / 8 vectors only shuffle.
-      for (int v0 = 0; v0 < BN / 8; v0 += 32) {
-        const int v = v0 + lane;
-        const bool active = v < BN / 8;
-        const size_t col = (size_t)nb * BN + v * 8;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int j0 = 0; j0 < K; j0 += RB) {
-          // Up to RB rows' vectors loaded before the first add (latency-bound otherwise); the
-          // adds then run in j order.
-          int4 z[RB];
-          int dd[RB];
-          float ww[RB];
+      for (int i = 0; i < nitems; ++i) {
+        int t, nb;
+        pull_item(p, b0 + i, t, nb);
+        // Every lane runs every iteration (the shuffles need the whole warp); lanes past the
+        // tile's BN / 8 vectors only shuffle.
+        for (int v0 = 0; v0 < BN / 8; v0 += 32) {
+          const int v = v0 + lane;
+          const bool active = v < BN / 8;
+          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          for (int j0 = 0; j0 < K; j0 += RB) {
+            // Up to RB rows' vectors loaded before the first add (latency-bound otherwise); the
+            // adds then run in j order.
+            int4 z[RB];
+            float ww[RB];
+            bool has[RB];
 #pragma unroll
-          for (int u = 0; u < RB; ++u) {
-            const int jj = j0 + u;
-            dd[u] = __shfl_sync(0xffffffffu, dest, jj & 31);
-            const int r = __shfl_sync(0xffffffffu, row, jj & 31);
-            ww[u] = __shfl_sync(0xffffffffu, w, jj & 31);
-            if (active && jj < K && dd[u] >= 0)
-              z[u] = *reinterpret_cast<const int4*>(peer_data(ws, dd[u]) + p.buf_offset + ((size_t)r * H + col) * 2);
-          }
+            for (int u = 0; u < RB; ++u) {
+              const int jj = j0 + u;
+              const int from = (i * K + jj) & 31;
+              const char* su = reinterpret_cast<const char*>(
+                  __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(src), from));
+              ww[u] = __shfl_sync(0xffffffffu, w, from);
+              has[u] = jj < K && su != nullptr;
+              if (active && has[u]) z[u] = *reinterpret_cast<const int4*>(su + (size_t)v * 16);
+            }
 #pragma unroll
-          for (int u = 0; u < RB; ++u) {
-            if (active && j0 + u < K && dd[u] >= 0) {
-              const T* h = reinterpret_cast<const T*>(&z[u]);
+            for (int u = 0; u < RB; ++u) {
+              if (active && has[u]) {
+                const T* h = reinterpret_cast<const T*>(&z[u]);
 #pragma unroll
-              for (int i = 0; i < 8; ++i) acc[i] += ww[u] * (float)h[i];
+                for (int e = 0; e < 8; ++e) acc[e] += ww[u] * (float)h[e];
+              }
             }
           }
+          if (active)
+            *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.out) + ((size_t)t * H + (size_t)nb * BN + (size_t)v * 8) * 2) =
+                pack8<T>(acc);
         }
-        if (active) *reinterpret_cast<int4*>(reinterpret_cast<char*>(p.out) + ((size_t)t * H + col) * 2) = pack8<T>(acc);
       }
     }
   }
@@ -850,6 +947,9 @@ struct PullAfterGemm : TmaEpilogue<ExpertDest, TmaStoreOp, ZSlabSignal> {
   };
   __device__ static void finish(const Params& p, const SlabInfo& s) {
     Base::finish(p, s);  // this warpgroup's last slab stored and flagged
+    // The trace's "GEMM ... then ... moving data": the later of the two warpgroups.
+    if (p.op->trace && threadIdx.x % 128 == 0)
+      atomicMax(reinterpret_cast<unsigned long long*>(mk_trace_slot(p.op->trace, MK_TR_GEMM)), (unsigned long long)mk_globaltimer());
     if (p.op->comm_ctas == 0) pull_rows_warp<T, BN>(*p.op, p.signal.epoch);
   }
 };

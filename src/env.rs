@@ -19,7 +19,8 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
     ("MK_GEMM_REDUCERS", "after", "who sums the partials in mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: after (every warp of each GEMM CTA, after its GEMM) or side (two idle producer warps, during the GEMM; measured 1.6x slower with three)"),
     ("MK_GEMM_AR_ONESHOT_MAX_M", "256", "mkGemmAllReduce: largest M that takes the one-shot path (every rank sums every tile); above it, two-phase (each owner sums its rows, the others copy them) where M divides into 128-row blocks per rank"),
     ("MK_MOE_ORDER", "auto", "order of the MoE kernels' GEMM row blocks: auto or expert (expert-major, raster groups cut at experts, so an expert's blocks share its weight tiles in L2; the dispatch's senders send expert by expert, flagged per (source, expert)), split (dispatch: own-only blocks, then blocks without the last step's source, then the rest, each expert-major) or arrival (both kernels by the latest source's send step, fixed raster groups: session 8's dispatch)"),
-    ("MK_MOE_BANDS", "4", "mkMoeGemmCombine: column bands of the GEMM (fewer where H / tile width has no such divisor); the pull of band b's outputs runs beside the GEMM of the later bands (1: pull after the GEMM only)"),
+    ("MK_MOE_BANDS", "4", "mkMoeGemmCombine: column bands of the GEMM (fewer where H / tile width has no such divisor); the pull of band b's outputs runs beside the GEMM of the later bands (1: pull after the GEMM only); halving: bands of half the columns left (28 column tiles: 14, 7, 4, 2, 1), so one column's pull is left after the GEMM"),
+    ("MK_MOE_BURST", "auto", "mkMoeDispatchGemm: 1 = before their GEMM, all warps of the GEMM CTAs send the rows of the first local experts (those the first wave of tiles needs), then the side warps send the rest; 0 = the side warps send everything; auto = 1 at 4 or more ranks (measured faster at 4 ranks, slower at 2)"),
     ("MK_LOAD_STAGING", "smem", "how the collectives keep loads in flight: smem (cp.async into 128 KiB of shared memory per CTA) or registers (a few vectors per thread); the fused ops' reducers always stage"),
 ];
 
@@ -63,9 +64,18 @@ pub fn gemm_ar_one_shot_max_m() -> usize {
     parse_u64("MK_GEMM_AR_ONESHOT_MAX_M").map_or(crate::ops::gemm_ar::ONE_SHOT_MAX_M, |m| m as usize)
 }
 
-/// `MK_MOE_BANDS` (ops::moe::DEFAULT_BANDS by default; at least 1).
+/// `MK_MOE_BANDS` (ops::moe::DEFAULT_BANDS by default; at least 1; `halving`:
+/// ops::moe::HALVING_BANDS).
 pub fn moe_bands() -> usize {
+    if var("MK_MOE_BANDS").is_some_and(|v| v.trim().eq_ignore_ascii_case("halving")) {
+        return crate::ops::moe::HALVING_BANDS;
+    }
     parse_u64("MK_MOE_BANDS").map_or(crate::ops::moe::DEFAULT_BANDS, |b| (b as usize).max(1))
+}
+
+/// `MK_MOE_BURST`: Some(on) when forced, None for `auto` (the default; ops::moe::burst_for).
+pub fn moe_burst() -> Option<bool> {
+    one_of("MK_MOE_BURST", &[("auto", None), ("1", Some(true)), ("0", Some(false))])
 }
 
 /// `MK_MOE_ORDER`: 0 arrival, 1 expert, 2 split, 3 auto (the default; ops::moe::order_mode_for

@@ -435,8 +435,9 @@ pub struct MoeParams {
     pub capacity: i32,
     /// Column tiles of the GEMM (F / BN for dispatch, H / BN for combine).
     pub tiles_n: i32,
-    /// Column tiles per band (divides tiles_n): the GEMM runs band by band and the
-    /// combine's pull follows the bands (ops::moe::band_width); tiles_n = one band.
+    /// Column tiles per band (divides tiles_n; 0: halving bands, ops::moe::band_locate): the
+    /// GEMM runs band by band and the combine's pull follows the bands (ops::moe::band_width);
+    /// tiles_n = one band.
     pub band_w: i32,
     pub group_m: i32,
     /// CTAs 0..compute_ctas run GEMM tiles; the next comm_ctas send (dispatch) or pull (combine).
@@ -446,9 +447,13 @@ pub struct MoeParams {
     /// GEMM as separate launches).
     pub gemm: i32,
     /// Dispatch: 1 = the three idle warps of every GEMM CTA's producer warpgroup send the
-    /// token rows (the one communication CTA only computes the layout); 0 = the
-    /// communication CTAs send (MK_COMM_SMS).
+    /// token rows (no communication CTA: the last GEMM CTA computes the layout first);
+    /// 0 = the communication CTAs compute the layout and send (MK_COMM_SMS).
     pub send_by_gemm_ctas: i32,
+    /// Dispatch with `send_by_gemm_ctas`: every warp of every GEMM CTA first sends the send
+    /// lists q < burst_lists (the rows of the first wave of tiles) before its GEMM starts;
+    /// 0: only the side warps send (ops::moe::burst_lists, MK_MOE_BURST).
+    pub burst_lists: i32,
     /// As `AgGemmParams::trace`.
     pub trace: u64,
 }

@@ -50,6 +50,9 @@ pub struct CommConfig {
     pub moe_order: u32,
     /// mkMoeGemmCombine's column bands (MK_MOE_BANDS).
     pub moe_bands: usize,
+    /// mkMoeDispatchGemm: all warps send the first wave's rows before the GEMM
+    /// (MK_MOE_BURST: Some when forced, None = auto, ops::moe::burst_for).
+    pub moe_burst: Option<bool>,
 }
 
 impl CommConfig {
@@ -66,6 +69,7 @@ impl CommConfig {
             gemm_ar_one_shot_max_m: crate::env::gemm_ar_one_shot_max_m(),
             moe_order: crate::env::moe_order(),
             moe_bands: crate::env::moe_bands(),
+            moe_burst: crate::env::moe_burst(),
         }
     }
 }

@@ -349,10 +349,14 @@ pub struct RolePlan {
     pub comm_ctas: u32,
 }
 
-/// Dispatch: one communication CTA, which computes the layout; the token rows are sent
-/// by the three idle warps of every GEMM CTA's producer warpgroup (`send_by_gemm_ctas`),
-/// so that no SM waits idle once the rows are out (dedicated senders sat idle for 75% of
-/// the kernel at 4 ranks). With MK_COMM_SMS = c, c communication CTAs send instead.
+/// Dispatch: every CTA runs GEMM tiles; the last one first computes the layout (the prep,
+/// ~150 us at 4 ranks, while every CTA waits for the layout anyway), and the token rows
+/// are sent by the three idle warps of every GEMM CTA's producer warpgroup
+/// (`send_by_gemm_ctas`), so that no SM waits idle once the rows are out (dedicated
+/// senders sat idle for 75% of the kernel at 4 ranks). Until session 10 the prep CTA was a
+/// communication CTA that only sent after the layout: the GEMM ran on grid - 1 CTAs (15
+/// of 16 at 4 ranks, where the GEMM is ~90 % of the kernel and the rows were out after a
+/// third of it). With MK_COMM_SMS = c, c communication CTAs compute the layout and send.
 ///
 /// Combine: no communication CTAs unless MK_COMM_SMS asks for them: every CTA runs GEMM
 /// tiles and then, with its consumer warps, pulls and sums its share of the output (the
@@ -366,8 +370,8 @@ pub fn plan_roles_for(dir: Direction, bytes: f64, gemm_flops: f64, grid: u32, co
             Ok(RolePlan { compute_ctas: grid, comm_ctas: 0 })
         }
         (Direction::Dispatch, None) => {
-            crate::ensure_arg!(grid >= 2, "the MoE dispatch needs at least 2 CTAs (GEMM and layout); the grid cap is {grid}");
-            Ok(RolePlan { compute_ctas: grid - 1, comm_ctas: 1 })
+            crate::ensure_arg!(grid >= 1, "the MoE dispatch needs at least 1 CTA");
+            Ok(RolePlan { compute_ctas: grid, comm_ctas: 0 })
         }
         _ => plan_roles(bytes, gemm_flops, grid, comm_override),
     }
@@ -410,6 +414,31 @@ pub fn group_m(d: &MoeDims, bn: usize, compute_ctas: usize) -> usize {
     engine::raster_group(d.capacity.div_ceil(ROW_BLOCK).min(rows_est.div_ceil(ROW_BLOCK) + d.experts_local()), bn, compute_ctas)
 }
 
+/// Send lists (q = local expert · n + step, kernels/moe.cu `prep`) that every warp of the
+/// dispatch's GEMM CTAs sends before the GEMM (MK_MOE_BURST; MoeParams::burst_lists): the
+/// local experts whose blocks the first wave of tiles covers (expert-major order, at the
+/// expected rows per expert of uniform routing), plus one. The side warps alone (3 per CTA,
+/// 4 vectors in flight per lane) took ~150-200 us to get the first experts' rows out at 4
+/// ranks while every GEMM CTA waited for them (session 9 trace); all 12 warps of a CTA,
+/// with 8 in flight, send them ~4x faster and are idle until then anyway.
+pub fn burst_lists(d: &MoeDims, compute_ctas: usize, tiles_n: usize) -> usize {
+    let rows_per_expert = (d.tokens * d.top_k * d.nranks).div_ceil(d.experts.max(1)).max(1);
+    let blocks_per_expert = rows_per_expert.div_ceil(ROW_BLOCK);
+    let first_wave_blocks = compute_ctas.div_ceil(tiles_n.max(1));
+    let experts = first_wave_blocks.div_ceil(blocks_per_expert) + 1;
+    (experts * d.nranks).min(d.experts)
+}
+
+/// Whether the dispatch bursts (MK_MOE_BURST: forced on or off, or auto). Auto bursts at 4
+/// ranks and more. Measured in session 10 (one H200, T 4096, DeepSeek-V3-like sizes, two
+/// GPU rounds): 4 ranks 11.3-11.8 ms with the burst against 12.05-12.08 without; 2 ranks
+/// 6.75-6.90 ms against 6.27-6.28 without — at 2 ranks the first wave's waits were short anyway (45 us per
+/// CTA), and all 32 CTAs' 12 warps grabbing one 8-row chunk each overshoot the first lists
+/// 4x (384 chunks for 96), which holds every CTA's GEMM back.
+pub fn burst_for(forced: Option<bool>, nranks: usize) -> bool {
+    forced.unwrap_or(nranks >= 4)
+}
+
 /// Column bands of the combine's GEMM (MK_MOE_BANDS). The pull of a token's output tile
 /// needs the tile's slabs of all its k rows, on up to k experts anywhere in the expert-major
 /// order, so without bands nothing can be pulled before the GEMM's end (session 8, 4 ranks:
@@ -419,9 +448,25 @@ pub fn group_m(d: &MoeDims, bn: usize, compute_ctas: usize) -> usize {
 /// rank at DeepSeek-V3-like sizes, beside ~1.8 GB of W2 tiles read once.
 pub const DEFAULT_BANDS: usize = 4;
 
+/// MK_MOE_BANDS=halving (CommConfig::moe_bands, MoeParams::band_w): bands that halve the
+/// columns left (`band_locate`). Session 10, 2 ranks: with 4 even bands the side warps
+/// waited about half of the GEMM (they pull a band in about half the time the GEMM takes
+/// to compute one as wide), and the last band's pull after the GEMM (~140 us of 6.4 ms)
+/// was what kept the fused combine above 0.8x unfused; 28 columns halve to 14, 7, 4, 2, 1:
+/// each band is pulled while the next, half as wide, computes, and one column is left
+/// for after the GEMM (one more pass over A than 4 bands; 14 even bands, 3.5x the A
+/// passes, measured slower). Measured (session 10 round 2): no gain — 2 ranks 6335 us
+/// against 6283-6311 with 4 bands, 4 ranks 11528 against 11343-11467: the side warps are
+/// idle during the wide first band and then fall behind. Kept as a knob, not the default.
+pub const HALVING_BANDS: usize = 0;
+
 /// Column tiles per band for `tiles_n` column tiles and `bands` requested: the most bands
-/// up to `bands` that divide `tiles_n` (every band the same width).
+/// up to `bands` that divide `tiles_n` (every band the same width); HALVING_BANDS stays
+/// (one column: one band).
 pub fn band_width(tiles_n: usize, bands: usize) -> usize {
+    if bands == HALVING_BANDS {
+        return if tiles_n <= 1 { tiles_n.max(1) } else { HALVING_BANDS };
+    }
     let b = (1..=bands.clamp(1, tiles_n.max(1))).rev().find(|b| tiles_n % b == 0).unwrap_or(1);
     tiles_n.max(1) / b
 }
@@ -545,13 +590,33 @@ pub fn moe_tile(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_
     moe_tile_banded(order, runs, tiles_m, tiles_n, tiles_n, group_m, t)
 }
 
-/// `moe_tile` with column bands of `band_w` tiles (MoeParams::band_w; divides tiles_n):
-/// every tile of band b before band b + 1, each band rastered as `moe_tile` over its columns.
+/// Column bands (kernels/moe.cu `band_locate`): unit `u` of a band-major sequence with
+/// `per_col` units per column -> (first column of its band, the band's width, the unit
+/// within the band). `band_w` > 0: bands of `band_w` columns (dividing tiles_n);
+/// HALVING_BANDS (0): each band is ceil(r / 2) of the r columns left (28: 14, 7, 4, 2, 1).
+pub fn band_locate(per_col: usize, tiles_n: usize, band_w: usize, u: usize) -> (usize, usize, usize) {
+    if band_w > 0 {
+        let band = u / (per_col * band_w);
+        return (band * band_w, band_w, u - band * per_col * band_w);
+    }
+    let (mut col0, mut u) = (0, u);
+    loop {
+        let r = tiles_n - col0;
+        let w = r.div_ceil(2);
+        if r <= 1 || u < per_col * w {
+            return (col0, w, u);
+        }
+        u -= per_col * w;
+        col0 += w;
+    }
+}
+
+/// `moe_tile` with column bands (MoeParams::band_w: `band_locate`): every tile of band b
+/// before band b + 1, each band rastered as `moe_tile` over its columns.
 pub fn moe_tile_banded(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_m: usize, tiles_n: usize, band_w: usize, group_m: usize, t: usize) -> (usize, usize) {
-    debug_assert!(band_w >= 1 && tiles_n % band_w == 0);
+    debug_assert!(band_w == HALVING_BANDS || tiles_n % band_w == 0);
     let at_order = |pos: usize| order.map_or(pos, |o| o[pos]);
-    let band = t / (tiles_m * band_w);
-    let t = t - band * tiles_m * band_w;
+    let (col0, band_w, t) = band_locate(tiles_m, tiles_n, band_w, t);
     let (pos, nb) = match runs {
         None => crate::ops::gemm_reduce::grouped_tile(tiles_m, band_w, group_m, t),
         Some(runs) => {
@@ -561,15 +626,14 @@ pub fn moe_tile_banded(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>,
             (gs + in_group % gl, in_group / gl)
         }
     };
-    (at_order(pos), band * band_w + nb)
+    (at_order(pos), col0 + nb)
 }
 
 /// Item `it` of the combine's pull (kernels/moe.cu `pull_item`): (token, column tile),
-/// band-major, then token, then tile.
-pub fn pull_item(tokens: usize, band_w: usize, it: usize) -> (usize, usize) {
-    let per_band = tokens * band_w;
-    let (band, r) = (it / per_band, it % per_band);
-    (r / band_w, band * band_w + r % band_w)
+/// band-major (`band_locate`), then token, then tile.
+pub fn pull_item(tokens: usize, tiles_n: usize, band_w: usize, it: usize) -> (usize, usize) {
+    let (col0, w, r) = band_locate(tokens, tiles_n, band_w, it);
+    (r / w, col0 + r % w)
 }
 
 /// The raster group (first order position, blocks) holding order position `at` of the run
@@ -663,6 +727,11 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     l.params.comm_ctas = roles.comm_ctas as i32;
     l.params.gemm = l.gemm as i32;
     l.params.send_by_gemm_ctas = (l.dir == Direction::Dispatch && comm.config.comm_ctas.is_none()) as i32;
+    l.params.burst_lists = if l.params.send_by_gemm_ctas != 0 && l.gemm && burst_for(comm.config.moe_burst, l.dims.nranks) {
+        burst_lists(&l.dims, roles.compute_ctas as usize, l.cols / bn) as i32
+    } else {
+        0
+    };
     let fix = |p: u64| if p == u64::MAX { region + COUNTS_BYTES as u64 } else { p };
     let mut ta = engine::tensor_map(fix(l.a.0), l.dtype, l.a.1, l.a.2, engine::BM, engine::BK)?;
     let mut tb = engine::tensor_map(fix(l.b.0), l.dtype, l.b.1, l.b.2, bn, engine::BK)?;
@@ -894,10 +963,31 @@ mod tests {
         assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 132, None).unwrap(), RolePlan { compute_ctas: 132, comm_ctas: 0 });
         assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 1, None).unwrap(), RolePlan { compute_ctas: 1, comm_ctas: 0 });
         assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 66, Some(5)).unwrap(), RolePlan { compute_ctas: 61, comm_ctas: 5 });
-        // The dispatch keeps one CTA for the layout; the GEMM CTAs send, unless MK_COMM_SMS says.
-        assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 132, None).unwrap(), RolePlan { compute_ctas: 131, comm_ctas: 1 });
+        // The dispatch's last GEMM CTA computes the layout first; the GEMM CTAs send, unless
+        // MK_COMM_SMS says (then the first communication CTA computes the layout).
+        assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 132, None).unwrap(), RolePlan { compute_ctas: 132, comm_ctas: 0 });
+        assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 1, None).unwrap(), RolePlan { compute_ctas: 1, comm_ctas: 0 });
         assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 132, Some(7)).unwrap(), RolePlan { compute_ctas: 125, comm_ctas: 7 });
-        assert!(plan_roles_for(Direction::Dispatch, bytes, flops, 1, None).is_err());
+        assert!(plan_roles_for(Direction::Dispatch, bytes, flops, 0, None).is_err());
+    }
+
+    #[test]
+    fn burst_is_forced_or_planned_by_rank_count() {
+        assert!(burst_for(None, 4) && burst_for(None, 8) && !burst_for(None, 2) && !burst_for(None, 1));
+        assert!(burst_for(Some(true), 2) && !burst_for(Some(false), 4));
+    }
+
+    #[test]
+    fn burst_covers_the_first_wave_and_one_more_expert() {
+        // 4 ranks, DeepSeek-V3-like: ~512 rows (4 blocks) per expert, 16 CTAs x 8 column tiles:
+        // the first wave is 2 blocks of expert 0; experts 0 and 1 of every destination.
+        assert_eq!(burst_lists(&dims(4096, 7168, 2048, 8, 256, 40960, 4), 16, 8), 8);
+        // 2 ranks: ~256 rows (2 blocks), 32 CTAs: 4 blocks = experts 0-1, plus 2.
+        assert_eq!(burst_lists(&dims(4096, 7168, 2048, 8, 256, 40960, 2), 32, 8), 6);
+        // 1 rank, 132 CTAs: 17 blocks of 1 block each, plus 1.
+        assert_eq!(burst_lists(&dims(4096, 7168, 2048, 8, 256, 40960, 1), 132, 8), 18);
+        // Never more lists than there are.
+        assert_eq!(burst_lists(&dims(40, 384, 256, 2, 8, 512, 2), 132, 1), 8);
     }
 
     #[test]
@@ -1175,6 +1265,24 @@ mod tests {
                 last_band = n / bw;
             }
             assert!(hit.iter().all(|&h| h == 1), "every tile once");
+            // Halving bands: every tile once, bands in order, each band rastered as the
+            // unbanded raster over its columns.
+            let mut hit = vec![0u8; tiles_m * tiles_n];
+            let (mut last_col0, mut t0) = (0, 0);
+            for i in 0..tiles_m * tiles_n {
+                let (col0, w, u) = band_locate(tiles_m, tiles_n, HALVING_BANDS, i);
+                assert!(col0 >= last_col0 && col0 + w <= tiles_n && u < tiles_m * w);
+                if col0 != last_col0 || i == 0 {
+                    t0 = i;
+                    last_col0 = col0;
+                }
+                assert_eq!(u, i - t0);
+                let (b, n) = moe_tile_banded(None, Some(&t.seg), tiles_m, tiles_n, HALVING_BANDS, g, i);
+                let (b0, n0) = moe_tile(None, Some(&t.seg), tiles_m, w, g, u);
+                assert_eq!((b, n), (b0, col0 + n0));
+                hit[b * tiles_n + n] += 1;
+            }
+            assert!(hit.iter().all(|&h| h == 1), "halving: every tile once");
             // Within a band: as the unbanded raster over the band's columns.
             for i in 0..tiles_m * bw {
                 let (b0, n0) = moe_tile(None, Some(&t.seg), tiles_m, bw, g, i);
@@ -1186,12 +1294,37 @@ mod tests {
             let tokens = 37;
             let mut seen = vec![false; tokens * tiles_n];
             for it in 0..tokens * tiles_n {
-                let (tok, n) = pull_item(tokens, bw, it);
+                let (tok, n) = pull_item(tokens, tiles_n, bw, it);
                 assert!(!seen[tok * tiles_n + n]);
                 seen[tok * tiles_n + n] = true;
                 assert_eq!(n / bw, it / (tokens * bw));
             }
+            // Halving: every item once, each in the band the GEMM computes its column in.
+            let mut seen = vec![false; tokens * tiles_n];
+            for it in 0..tokens * tiles_n {
+                let (tok, n) = pull_item(tokens, tiles_n, HALVING_BANDS, it);
+                assert!(!seen[tok * tiles_n + n]);
+                seen[tok * tiles_n + n] = true;
+                let (col0, w, _) = band_locate(tokens, tiles_n, HALVING_BANDS, it);
+                assert!(n >= col0 && n < col0 + w);
+                assert_eq!(band_locate(tiles_m, tiles_n, HALVING_BANDS, 0).0, 0);
+            }
         }
+        let widths = |n: usize| {
+            let (mut c, mut v) = (0, Vec::new());
+            while c < n {
+                let (c0, w, _) = band_locate(1, n, HALVING_BANDS, c);
+                assert_eq!(c0, c);
+                v.push(w);
+                c += w;
+            }
+            v
+        };
+        assert_eq!(widths(28), vec![14, 7, 4, 2, 1]);
+        assert_eq!(widths(8), vec![4, 2, 1, 1]);
+        assert_eq!(widths(1), vec![1]);
+        assert_eq!(band_width(28, HALVING_BANDS), HALVING_BANDS);
+        assert_eq!(band_width(1, HALVING_BANDS), 1);
     }
 
     #[test]
