@@ -377,14 +377,19 @@ __device__ __forceinline__ TileCoord owned_tile(const GemmReduceParams& p, int f
 
 // One-shot (ReduceScatter, small-M AllReduce): every tile holding rows this rank writes is
 // reduced, in the compute order; this team takes the owned tiles j, j + stride, ...
+// The walk starts at this team's item `first` (0, 1, ...), from row `first_rows` of that
+// item's rows: the items and rows before it were summed by the CTA's side warps during the
+// GEMM (early sums; ops::gemm_reduce::team_rest mirrors the split).
 template <typename T, int BN, class Team>
-__device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
+__device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j, int stride, int first = 0,
+                                             int first_rows = 0) {
   const Staging staging = team_staging<BN, Team>();
   if (p.row_hi <= p.row_lo) return true;  // fewer rows than ranks
   const int lo_block = p.row_lo / 128, blocks = (p.row_hi - 1) / 128 - lo_block + 1;
-  for (int i = j; i < blocks * p.tiles_n; i += stride) {
+  for (int i = j + first * stride, skip = first_rows; i < blocks * p.tiles_n; i += stride, skip = 0) {
     const TileCoord tc = owned_tile(p, lo_block, blocks, i);
-    const int r0 = max(tc.m_block * 128, p.row_lo), r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
+    const int r0 = max(tc.m_block * 128, p.row_lo) + skip, r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
+    if (r0 >= r1) continue;
     if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
     sum_partials<T, Team>(p, staging, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), nullptr);
@@ -646,12 +651,112 @@ __device__ __forceinline__ void gr_post_net_done(const GemmReduceParams& p, uint
   }
 }
 
+// first / first_rows: where early sums left the one-shot walk (reduce_tiles); the host
+// plans early sums only on that path (ops::gemm_reduce::early_items).
 template <typename T, int BN, class Team>
-__device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
+__device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch, int j, int stride, int first = 0,
+                                       int first_rows = 0) {
   if constexpr (!LeanTeam<Team>::value) {  // the side warps reduce on one node only (the host plans it)
     if (p.nodes > 1) return reduce_nodes<T, BN, Team>(p, epoch, j, stride);
   }
-  return p.two_phase ? reduce_then_gather<T, BN, Team>(p, epoch, j, stride) : reduce_tiles<T, BN, Team>(p, epoch, j, stride);
+  return p.two_phase ? reduce_then_gather<T, BN, Team>(p, epoch, j, stride)
+                     : reduce_tiles<T, BN, Team>(p, epoch, j, stride, first, first_rows);
+}
+
+// ---- Early sums ------------------------------------------------------------------------
+// One node, one-shot path, GEMM CTAs reducing after their GEMM (ops::gemm_reduce::
+// early_items plans it): the producer warpgroup's warps 2-3 (idle beside the GEMM once the
+// gate is open) sum the first items of the CTA's reducer walk -- at most early_items, never
+// the CTA's last -- while the GEMM computes the later tiles, and stop at the end of the
+// GEMM; the CTA's 12 warps sum the rest after it. Session 9 (M 256, K 1024, 2 ranks, 32
+// CTAs, two tiles each): the rank that starts last ran its GEMM (31 us) and then both
+// tiles' sums (16 us); its first tile's sum can run beside the second tile's GEMM, its own
+// partial being flagged after the first wave and the peer's long there.
+// Loads are staged with cp.async in kSideStagingBytes after the engine's shared memory
+// (the ring is in use; in registers the side warps moved ~6 GB/s per CTA, session 5).
+// An item is summed in pieces of kSideRows rows and the side warps look for the end of the
+// GEMM between pieces, so the 12 warps wait at most one piece for them at the CTA barrier
+// after the GEMM (restore_launch_registers).
+constexpr int kSideRows = 32;  // ops::gemm_reduce::SIDE_ROWS
+
+// Shared between a GEMM CTA's side warps and its warps after the GEMM.
+struct EarlySums {
+  int items;      // items of the walk the side warps summed (side thread 0 writes it before the CTA barrier)
+  int rows;       // rows of the next item they summed (a multiple of kSideRows)
+  int gemm_done;  // consumer 0 sets it after its last epilogue: the side warps start no further piece
+};
+
+// Shared memory after the engine's: what fits below the 227 KiB beside 1 KiB of static
+// shared memory, 16 or 8 KiB, else 0 (ops::gemm_reduce::side_staging_bytes mirrors it).
+template <class Cfg, class Epi>
+constexpr int side_staging_bytes() {
+  constexpr int free = 232448 - 1024 - engine_smem_bytes<Cfg, Epi>();
+  return free >= 16384 ? 16384 : (free >= 8192 ? 8192 : 0);
+}
+
+// The side warps: true once every rank flagged the slabs of tile tc holding rows [r0, r1)
+// (team thread q polls rank q's); false if the GEMM ended first -- the 12 warps then wait
+// for it after the GEMM, bounded (wait_partials). No bound is needed here: the GEMM ends
+// whatever the peers do (its only wait, the gate's, is bounded). The poll backs off to
+// 256 ns between reads, so it takes little from the GEMM beside it.
+template <class Team>
+__device__ __forceinline__ bool poll_partials(const GemmReduceParams& p, uint64_t epoch, const TileCoord& tc, int r0, int r1,
+                                              const volatile int* gemm_done) {
+  const WorkspaceView& ws = p.ws;
+  const int q = Team::tid();
+  for (int ns = 32;; ns = min(2 * ns, 256)) {
+    int ready = 1;
+    if (q < ws.nranks) {
+      for (int slab = 0; slab < 2; ++slab) {
+        const int s0 = tc.m_block * 128 + slab * 64;
+        if (s0 >= r1 || s0 + 64 <= r0) continue;
+        const uint64_t* f = mk_signal_word(ws, q, GR_TILE + ((uint32_t)tc.m_block * p.tiles_n + tc.n_block) * 2 + slab);
+        ready &= mk_ld_acquire_sys(f) >= epoch;
+      }
+    }
+    // bar.red orders every thread's acquire before the team's reads of the partials.
+    if (Team::and_all(ready)) return true;
+    if (!Team::and_all(*gemm_done == 0)) return false;
+    __nanosleep(ns);
+  }
+}
+
+// The side warps' early sums (after the gate opened successfully).
+template <typename T, int BN>
+__device__ __forceinline__ void early_sums(const GemmReduceParams& p, uint64_t epoch, EarlySums* es, const Staging& staging) {
+  using Team = SideWarps;
+  int k = 0, rows = 0;
+  if (p.row_hi > p.row_lo) {
+    const int lo_block = p.row_lo / 128, blocks = (p.row_hi - 1) / 128 - lo_block + 1;
+    const int total = blocks * p.tiles_n, j = blockIdx.x, stride = p.compute_ctas;
+    const int mine = j < total ? (total - j + stride - 1) / stride : 0;
+    const int limit = min(p.early_items, mine - 1);
+    const auto partial = [&](int q) { return reinterpret_cast<const char*>(p.ws.data[q]) + p.partial_offset; };
+    const volatile int* done = &es->gemm_done;
+    bool stop = false;
+    for (; k < limit && !stop; ++k) {
+      const TileCoord tc = owned_tile(p, lo_block, blocks, j + k * stride);
+      const int r0 = max(tc.m_block * 128, p.row_lo), r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
+      if (!poll_partials<Team>(p, epoch, tc, r0, r1, done)) break;
+      const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
+      for (rows = 0; r0 + rows < r1; rows += kSideRows) {
+        if (rows > 0 && !Team::and_all(*done == 0)) {
+          stop = true;  // the GEMM is over: the 12 warps take the rest of this item
+          break;
+        }
+        sum_rows<T, Team>(staging, partial, p.ws.nranks, 0, reinterpret_cast<char*>(p.c), p.out_row0, nullptr, p.n, r0 + rows,
+                          min(r0 + rows + kSideRows, r1), c0, c1, p.trace);
+      }
+      if (stop) break;
+      rows = 0;
+      if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
+    }
+  }
+  if (Team::tid() == 0) {
+    es->items = k;
+    es->rows = rows;
+    mk_trace_stamp(p.trace, MK_TR_SIDE);
+  }
 }
 
 // The side warps' hook (kernels/common/gemm/hooks.cuh): when the host planned it
@@ -663,17 +768,21 @@ __device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch
 // On one node, warp 2 first opens the CTA's start gate (open_gate): warps 2-3 run beside
 // the GEMM from its start, which is what lets the epoch read and the peers' GR_DONE wait
 // overlap the first loads.
+// With early sums (kEarly: the kernel has side staging; p.early_items > 0: planned) the
+// two warps then sum the CTA's first items (early_sums).
 struct ReduceSideWork : NoAWait {
   struct Params {
     const GemmReduceParams* op;
     Gate* gate;
+    EarlySums* early;  // kEarly only
+    Staging side;      // kEarly only
   };
   __device__ static void before_a_load(const Params&, int, int, int) {}
   __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
     row = m_row0;
     return tma_a;
   }
-  template <typename T, int BN>
+  template <typename T, int BN, bool kEarly>
   __device__ static void run(const Params& w) {
     const GemmReduceParams& p = *w.op;
     if (p.nodes == 1 && threadIdx.x / 32 == 2) open_gate(p, w.gate);
@@ -681,11 +790,17 @@ struct ReduceSideWork : NoAWait {
       gate_wait(w.gate);  // both warps: the same outcome, so both (named barrier 3) reduce or neither
       if (w.gate->ok) reduce<T, BN, SideWarps>(p, w.gate->epoch, blockIdx.x, p.compute_ctas);
     }
+    if constexpr (kEarly) {
+      if (p.early_items > 0 && !p.side_reduce && p.reduce_ctas == 0 && p.nodes == 1 && !p.two_phase) {
+        gate_wait(w.gate);  // as above: both warps sum or neither
+        if (w.gate->ok) early_sums<T, BN>(p, w.gate->epoch, w.early, w.side);
+      }
+    }
   }
 };
-template <typename T, int BN>
+template <typename T, int BN, bool kEarly>
 struct ReduceSideWorkFor : ReduceSideWork {
-  __device__ static void side_work(const Params& w, int) { ReduceSideWork::run<T, BN>(w); }
+  __device__ static void side_work(const Params& w, int) { ReduceSideWork::run<T, BN, kEarly>(w); }
 };
 
 // The GEMM's epilogue: partial tiles stored into this rank's region, each 64-row slab
@@ -704,16 +819,28 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
   // (ring_staging): the ring must hold them (BM 64 runs its own, deeper ring).
   static_assert(Cfg::STAGES * Cfg::STAGE_BYTES >= kRingStagingBytes<BN>, "ring_staging fits the ring");
   using Epi = PartialEpilogue;
+  constexpr int kSide = side_staging_bytes<Cfg, Epi>();
+  constexpr bool kEarly = kSide > 0;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
+  if constexpr (kEarly) {
+    // The host adds the side staging to the launch when it plans early sums.
+    uint32_t dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (p.early_items > 0 && dyn_smem < uint32_t(engine_smem_bytes<Cfg, Epi>() + kSide)) __trap();
+  }
   const WorkspaceView& ws = p.ws;
   mk_trace_begin(p.trace, (int)blockIdx.x >= p.compute_ctas);
   uint64_t epoch;
 
   if ((int)blockIdx.x < p.compute_ctas) {
     __shared__ Gate gate;
-    // The engine's own barrier (after its mbarrier inits) orders this init before any use.
+    __shared__ EarlySums early;
+    // The engine's own barrier (after its mbarrier inits) orders these inits before any use.
     if (threadIdx.x == 0) mbar_init(&gate.bar, 1);
+    if constexpr (kEarly) {
+      if (threadIdx.x == 0) early = EarlySums{0, 0, 0};
+    }
     if (p.nodes > 1) {
       // Across nodes: the whole CTA waits first, as before the gate (thread 0 posts to the
       // proxy), and opens the gate at once. Peers must have finished reading our previous
@@ -732,7 +859,10 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     sched.group_m = p.group_m > 0 ? p.group_m : 1;
     sched.m_block_base = 0;
     sched.owners = p.interleave;
-    typename ReduceSideWorkFor<T, BN>::Params await{&p, &gate};
+    // The side staging: right after the engine's shared memory (from the ring's 1 KiB-aligned base).
+    char* side_base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023)) +
+                      (engine_smem_bytes<Cfg, Epi>() - 1024);
+    typename ReduceSideWorkFor<T, BN, kEarly>::Params await{&p, &gate, &early, Staging{side_base, kSide}};
     typename Epi::Params epi;
     epi.dest.tma_c = tma_p;
     epi.dest.gate = &gate;
@@ -742,8 +872,17 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     epi.signal.m = p.m;
     // Runs whatever the gate's outcome (a failed gate only stops P's stores and flags): the
     // loads and wgmmas touch nothing a peer reads.
-    gemm_persistent<Cfg, OwnerInterleavedRaster, ReduceSideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
-                                                       blockIdx.x, p.compute_ctas, smem);
+    gemm_persistent<Cfg, OwnerInterleavedRaster, ReduceSideWorkFor<T, BN, kEarly>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched,
+                                                                                  await, epi, blockIdx.x, p.compute_ctas, smem);
+    const bool early_on = kEarly && p.early_items > 0 && !p.side_reduce && p.reduce_ctas == 0 && p.nodes == 1 && !p.two_phase;
+    if constexpr (kEarly) {
+      // Consumer 0 is past its last epilogue: the side warps start no further piece. "GEMM"
+      // in the trace is then this moment, not the CTA barrier after the side warps.
+      if (early_on && threadIdx.x == 128) {
+        *reinterpret_cast<volatile int*>(&early.gemm_done) = 1;
+        mk_trace_stamp(p.trace, MK_TR_GEMM);
+      }
+    }
     // Without dedicated reduction CTAs (and side warps), the GEMM CTAs reduce once their
     // GEMM is done: all 12 warps, as CTA c of the grid taking owned tiles c, c + grid, ...
     // The GEMM's stores overlap only its last wave this way (CTAs finish at different
@@ -753,8 +892,13 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     restore_launch_registers<Cfg>();
     epoch = gate.epoch;
     if (gate.ok && p.reduce_ctas == 0 && !p.side_reduce) {
-      mk_trace_time(p.trace, MK_TR_GEMM);
-      reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
+      if (!early_on) mk_trace_time(p.trace, MK_TR_GEMM);
+      // The side warps' EarlySums (written before the barrier in restore_launch_registers).
+      int first = 0, first_rows = 0;
+      if constexpr (kEarly) {
+        if (early_on) first = early.items, first_rows = early.rows;
+      }
+      reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas, first, first_rows);
     }
   } else {
     epoch = mk_op_epoch_begin(ws, GR_EPOCH);

@@ -363,6 +363,11 @@ pub struct GemmReduceParams {
     /// One node, no dedicated reduction CTAs: 1 when the producer warpgroup's idle warps
     /// reduce during the GEMM, 0 when each GEMM CTA's 12 warps reduce after its GEMM.
     pub side_reduce: u32,
+    /// One node, one-shot, reducers after the GEMM (`ops::gemm_reduce::early_items`): the
+    /// most of a GEMM CTA's reducer items (tiles of its walk, all but its last) that its
+    /// two idle producer warps may sum during the GEMM, as the partials are flagged; the
+    /// CTA's 12 warps sum the rest after it. 0: none.
+    pub early_items: i32,
     /// Byte offsets in every rank's data region: N slabs each of [owner_rows, n], slab m at
     /// + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
     pub outbox_offset: u64,
