@@ -75,7 +75,7 @@ __device__ __forceinline__ void gate_wait(Gate* g) { mbar_wait(&g->bar, 0); }
 // off (mk_wait_geq_backoff, up to 256 ns between polls) so that a long wait --
 // back-to-back calls where a peer is still reading -- does not steal issue slots and L2
 // bandwidth from the GEMM beside it (session 3: tight system-scope polls during a GEMM
-// slowed it 20-25 %). Inline and call-free: 80 registers after setmaxnreg.
+// slowed it 20-25 %). Inline and call-free: kProducerRegs (88) registers after setmaxnreg.
 __device__ __forceinline__ void open_gate(const GemmReduceParams& p, Gate* g) {
   const WorkspaceView& ws = p.ws;
   const int lane = threadIdx.x & 31;
@@ -176,10 +176,13 @@ template <>
 struct LeanTeam<SideWarps> {
   static constexpr bool value = true;
 };
-// Registers of the producer warpgroup during the GEMM (its side warps may reduce): 80, as
-// AG+GEMM's pushers; the consumers keep 208, enough for BN = 256 without spills (ptxas;
-// tests/kernels.rs). 40 / 232 measured no faster (session 6, run 6).
-constexpr int kProducerRegs = 80;
+// Registers of the producer warpgroup during the GEMM (its side warps may reduce): 88
+// (AG+GEMM's pushers have 80); the consumers keep 208, enough for BN = 256 without spills
+// (ptxas; tests/kernels.rs). 40 / 232 measured no faster (session 6, run 6). 88 leaves the consumers the same 208 ((384 * 168 - 128 * 88) / 256 = 208 exactly; 80
+// gave 212, rounded down to 208) and the side warps' early sums (cp.async staging) 8 more:
+// at 80 ptxas spilled 8 bytes there.
+constexpr int kProducerRegs = 88;
+static_assert(GemmConfig<__nv_bfloat16, 256, 3, SHARE_NONE, kProducerRegs>::CONSUMER_REGS == 208, "consumers keep 208");
 
 // Team thread q (< nranks) waits for rank q's slabs of tile `tc` that hold rows [r0, r1);
 // every thread learns whether all waits succeeded.
@@ -239,9 +242,24 @@ __device__ __forceinline__ Staging team_staging() {
 // t / vpr, + rows_per_pass, ...: no division per vector. The loop is bound by instructions
 // as much as by latency (session 6: ~14 GB/s per CTA with 8 warps and a division per
 // vector, from registers or staged alike), hence all 12 warps and the cheap indexing.
-template <typename T, class Team, class Src>
+// The CTA's last GEMM tile is still in the epilogue's staging after the GEMM: each
+// consumer warpgroup's 64-row slab as 128B-swizzled 64 x 64 boxes of T, the very bits the
+// TMA stores put into P. With kOwn, staged_rows reads source `src` (this rank's partial)
+// from there instead of loading it from P: at 2 ranks a third of the bytes the reducers
+// after the GEMM move for that tile, which is the one summed last, after the GEMM
+// (session 9: 16 us of sums after a 31 us GEMM at M 256). Rows are absolute; the columns
+// must be the whole tile's from its first (c0 = n_block * BN).
+struct OwnSlab {
+  const char* smem = nullptr;  // consumer 0's staging (consumer 1's follows at + wg_bytes); nullptr: none
+  int wg_bytes;
+  int src;           // this rank
+  int row0;          // the tile's first row
+  int n_block;
+};
+
+template <typename T, class Team, class Src, bool kOwn = false>
 __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int nsrc, int src_row0, char* dst, int dst_row0,
-                                            char* dst2, int n, int r0, int r1, int c0, int c1) {
+                                            char* dst2, int n, int r0, int r1, int c0, int c1, OwnSlab own = OwnSlab{}) {
   const int nt = Team::threads(), tid = Team::tid();
   const int vpr = (c1 - c0) / 8;  // <= 32 vectors per row <= nt
   const int rows_per_pass = nt / vpr;
@@ -257,7 +275,10 @@ __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int
   const auto issue = [&](int b) {
     for (int u = 0, k = b * per_batch; u < per_batch && k < rows; ++u, ++k) {
       const size_t off = (size_t)(first_row + k * rows_per_pass - src_row0) * row_bytes + col_bytes;
-      for (int s = 0; s < nsrc; ++s) cp_async16(slot(b, s, u), src(s) + off);
+      for (int s = 0; s < nsrc; ++s) {
+        if (kOwn && s == own.src) continue;
+        cp_async16(slot(b, s, u), src(s) + off);
+      }
     }
     cp_async_commit();  // also when empty: wait_group<1> below counts groups
   };
@@ -272,7 +293,15 @@ __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int
         out = *reinterpret_cast<const int4*>(slot(b, 0, u));
       } else {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int s = 0; s < nsrc; ++s) add8<T>(acc, *reinterpret_cast<const int4*>(slot(b, s, u)));
+        for (int s = 0; s < nsrc; ++s) {
+          if (kOwn && s == own.src) {
+            const int rr = first_row + k * rows_per_pass - own.row0, cv = tid % vpr;
+            add8<T>(acc, *reinterpret_cast<const int4*>(own.smem + (rr >> 6) * own.wg_bytes + (cv >> 3) * 8192 + (rr & 63) * 128 +
+                                                        (((cv & 7) ^ (rr & 7)) << 4)));
+          } else {
+            add8<T>(acc, *reinterpret_cast<const int4*>(slot(b, s, u)));
+          }
+        }
         out = pack8<T>(acc);
       }
       const int r = first_row + k * rows_per_pass;
@@ -283,11 +312,12 @@ __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int
 }
 
 // staged_rows, counted in the trace.
-template <typename T, class Team, class Src>
+template <typename T, class Team, class Src, bool kOwn = false>
 __device__ __forceinline__ void sum_rows(const Staging& staging, Src src, int nsrc, int src_row0, char* dst, int dst_row0,
-                                         char* dst2, int n, int r0, int r1, int c0, int c1, uint64_t trace) {
+                                         char* dst2, int n, int r0, int r1, int c0, int c1, uint64_t trace,
+                                         OwnSlab own = OwnSlab{}) {
   if (Team::tid() == 0) mk_trace_add(trace, MK_TR_BYTES, (uint64_t)(r1 - r0) * (c1 - c0) * sizeof(T) * (nsrc + (dst2 ? 2 : 1)));
-  staged_rows<T, Team>(staging, src, nsrc, src_row0, dst, dst_row0, dst2, n, r0, r1, c0, c1);
+  staged_rows<T, Team, Src, kOwn>(staging, src, nsrc, src_row0, dst, dst_row0, dst2, n, r0, r1, c0, c1, own);
 }
 
 // Team: copies rows [r0, r1) x columns [c0, c1) of a row-major [*, n] buffer to another:
@@ -325,7 +355,7 @@ __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, const St
     const int vpr = (c1 - c0) / 8;  // N % 8 == 0: 16-byte vectors never straddle a row end
     const int nvec = (r1 - r0) * vpr;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (ws.nranks + (reduced ? 2 : 1)));
-    // Side warps (80 registers): one source at a time, kLean vectors of it in flight,
+    // Side warps (kProducerRegs registers): one source at a time, kLean vectors of it in flight,
     // added into fp32 sums -- registers independent of the rank count.
     constexpr int kLean = 3;
     for (int v0 = Team::tid(); v0 < nvec; v0 += kLean * Team::threads()) {
@@ -380,9 +410,11 @@ __device__ __forceinline__ TileCoord owned_tile(const GemmReduceParams& p, int f
 // The walk starts at this team's item `first` (0, 1, ...), from row `first_rows` of that
 // item's rows: the items and rows before it were summed by the CTA's side warps during the
 // GEMM (early sums; ops::gemm_reduce::team_rest mirrors the split).
+// `own` (GEMM CTAs after their GEMM; else smem == nullptr): the CTA's last tile in the epilogue's
+// staging (OwnSlab); that item's own partial is read from there.
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j, int stride, int first = 0,
-                                             int first_rows = 0) {
+                                             int first_rows = 0, OwnSlab own = OwnSlab{}) {
   const Staging staging = team_staging<BN, Team>();
   if (p.row_hi <= p.row_lo) return true;  // fewer rows than ranks
   const int lo_block = p.row_lo / 128, blocks = (p.row_hi - 1) / 128 - lo_block + 1;
@@ -392,7 +424,16 @@ __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t
     if (r0 >= r1) continue;
     if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-    sum_partials<T, Team>(p, staging, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), nullptr);
+    const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
+    if constexpr (!LeanTeam<Team>::value) {
+      if (own.smem != nullptr && tc.m_block * 128 == own.row0 && tc.n_block == own.n_block) {
+        const auto partial = [&](int q) { return reinterpret_cast<const char*>(p.ws.data[q]) + p.partial_offset; };
+        sum_rows<T, Team, decltype(partial), true>(staging, partial, p.ws.nranks, 0, reinterpret_cast<char*>(p.c), p.out_row0,
+                                                   nullptr, p.n, r0, r1, c0, c1, p.trace, own);
+        continue;
+      }
+    }
+    sum_partials<T, Team>(p, staging, r0, r1, c0, c1, nullptr);
   }
   return true;
 }
@@ -438,7 +479,7 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
     const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
     const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(r1 - r0) * (c1 - c0) * sizeof(T) * 2);
-    // In flight per thread: 8, or 4 in the side warps' 80 registers.
+    // In flight per thread: 8, or 4 in the side warps' registers.
     copy_rows<T, Team, LeanTeam<Team>::value ? 4 : 8>(staging, reinterpret_cast<char*>(p.c),
                                                       reinterpret_cast<const char*>(ws.data[owner]) + p.reduced_offset, p.n, r0, r1,
                                                       c0, c1);
@@ -655,12 +696,12 @@ __device__ __forceinline__ void gr_post_net_done(const GemmReduceParams& p, uint
 // plans early sums only on that path (ops::gemm_reduce::early_items).
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch, int j, int stride, int first = 0,
-                                       int first_rows = 0) {
+                                       int first_rows = 0, OwnSlab own = OwnSlab{}) {
   if constexpr (!LeanTeam<Team>::value) {  // the side warps reduce on one node only (the host plans it)
     if (p.nodes > 1) return reduce_nodes<T, BN, Team>(p, epoch, j, stride);
   }
   return p.two_phase ? reduce_then_gather<T, BN, Team>(p, epoch, j, stride)
-                     : reduce_tiles<T, BN, Team>(p, epoch, j, stride, first, first_rows);
+                     : reduce_tiles<T, BN, Team>(p, epoch, j, stride, first, first_rows, own);
 }
 
 // ---- Early sums ------------------------------------------------------------------------
@@ -898,7 +939,18 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
       if constexpr (kEarly) {
         if (early_on) first = early.items, first_rows = early.rows;
       }
-      reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas, first, first_rows);
+      // The CTA's last GEMM tile, still in the epilogue's staging (OwnSlab): the GEMM
+      // tiles are BM-row tiles (BM 64: one, the rows of M <= 64, consumer 0's slab).
+      OwnSlab own{nullptr, 0, 0, 0, 0};
+      const int gemm_tiles = sched.tiles_m * sched.tiles_n;
+      if ((int)blockIdx.x < gemm_tiles) {
+        const int t_last = blockIdx.x + (gemm_tiles - 1 - (int)blockIdx.x) / p.compute_ctas * p.compute_ctas;
+        const TileCoord last = OwnerInterleavedRaster::tile(sched, t_last);
+        char* ring = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));
+        own = OwnSlab{ring + Cfg::STAGES * Cfg::STAGE_BYTES, Epi::template smem_bytes_per_wg<BN>(), ws.rank, last.m_block * Cfg::BM,
+                      last.n_block};
+      }
+      reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas, first, first_rows, own);
     }
   } else {
     epoch = mk_op_epoch_begin(ws, GR_EPOCH);
