@@ -268,9 +268,13 @@ __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int
   const size_t row_bytes = (size_t)n * sizeof(T);
   const size_t col_bytes = (size_t)(c0 + (tid % vpr) * 8) * sizeof(T);
   const int first_row = r0 + my_row;
-  const int per_batch = max(1, staging.bytes / 2 / (nt * 16 * nsrc));  // vectors of each source per thread
+  // Sources loaded into the staging: all, or all but the own one (kOwn), which then leaves
+  // its slots to deeper batches of the others (at 2 ranks one batch holds a whole tile).
+  const int loaded = kOwn ? nsrc - 1 : nsrc;
+  const int per_batch = max(1, staging.bytes / 2 / (nt * 16 * loaded));  // vectors of each loaded source per thread
   const auto slot = [&](int b, int s, int u) {
-    return staging.smem + ((((size_t)(b & 1) * nsrc + s) * per_batch + u) * nt + tid) * 16;
+    const int l = kOwn && s > own.src ? s - 1 : s;  // the source's place among the loaded ones
+    return staging.smem + ((((size_t)(b & 1) * loaded + l) * per_batch + u) * nt + tid) * 16;
   };
   const auto issue = [&](int b) {
     for (int u = 0, k = b * per_batch; u < per_batch && k < rows; ++u, ++k) {
