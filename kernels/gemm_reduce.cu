@@ -722,7 +722,7 @@ __device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch
 // An item is summed in pieces of kSideRows rows and the side warps look for the end of the
 // GEMM between pieces, so the 12 warps wait at most one piece for them at the CTA barrier
 // after the GEMM (restore_launch_registers).
-constexpr int kSideRows = 32;  // ops::gemm_reduce::SIDE_ROWS
+constexpr int kSideRows = 8;  // ops::gemm_reduce::SIDE_ROWS (pieces of 32 rows held the CTA up to ~10 us)
 
 // Shared between a GEMM CTA's side warps and its warps after the GEMM.
 struct EarlySums {

@@ -176,24 +176,61 @@ pub fn team_items(total: usize, j: usize, stride: usize) -> usize {
     if j < total { (total - j).div_ceil(stride) } else { 0 }
 }
 
+/// Side warps' summing rate beside the GEMM, bytes read + written per µs per CTA: an
+/// estimate from session 10 round 1 (benches/RESULTS.md): at GEMM+RS M 1024 the side warps
+/// summed most of three items in the ~70 µs of GEMM after the first was ready (~6-8 GB/s),
+/// at GEMM+AR M 256, K 3584 not one within the 42 µs of the CTA's second tile (< 5 GB/s).
+pub const SIDE_BYTES_PER_US: usize = 6000;
+/// GEMM tiles of time the side warps need per early item at least (empirical, the same
+/// run: one tile per item, GEMM+AR M 256 at K 1024 and 3584, lost every time).
+pub const SIDE_TILES_PER_ITEM: usize = 2;
+/// GEMM time of one 128 x 256 tile per 1024 of K on the fused kernel's CTAs: 15.5 µs
+/// (session 9/10 traces, 2 ranks x 32 CTAs sharing one H200: 31 µs for two tiles at K 1024).
+pub const TILE_US_PER_1024_K: f64 = 15.5;
+
 /// Early sums: the most reducer items of one GEMM CTA's walk that its side warps may sum
 /// during the GEMM (`GemmReduceParams::early_items`; the kernel also never gives them the
 /// CTA's last item, whose partial is stored only as its GEMM ends). 0 (off) unless the
 /// reducers are the GEMM CTAs' warps after the GEMM on one node (`Reducers::Early`, no
 /// dedicated CTAs), the path is one-shot (every ReduceScatter, small-M AllReduce), the
-/// kernel has side staging, and some CTA has two or more items (more than one wave).
+/// kernel has side staging, and the side warps can finish the items within the GEMM:
+/// an item's sum (`nranks` partials read, one tile written) at SIDE_BYTES_PER_US takes
+/// `side_us`; the GEMM time left after the CTA's first tile (the earliest an item's
+/// partials exist) is (tiles per CTA - 1) x the tile time at this K; the side warps get as
+/// many items as fit in it, and at most one per SIDE_TILES_PER_ITEM of those tiles.
 ///
-/// Why: at M 256 (K 1024, 2 ranks, 32 CTAs: two tiles per CTA) the rank that starts last
-/// ran its GEMM (31 µs) and then both tiles' sums (16 µs) back to back, and the early
-/// rank waited for it (benches/RESULTS.md, session 9 run 1). The first tile's sum can run
-/// beside the second tile's GEMM: its own partial is flagged after the first wave, and on
-/// the late rank the peer's has long been there.
+/// Why the model (benches/RESULTS.md, session 10 round 1): GEMM+RS at M 1024 / 4096 (8 / 32
+/// tiles per CTA) gained (0.866 -> 0.845, 0.881 -> 0.843), while GEMM+AR at M 256 (two
+/// tiles per CTA at 2 ranks, four of four sources at 4 ranks) lost (K 1024 0.82 -> 0.92, K
+/// 3584 0.87 -> 0.94, 4 ranks 0.82 -> 0.86): one GEMM tile of time is not enough for one
+/// tile's sum beside it, and the CTA's warps then wait for the side warps at the end.
 #[allow(clippy::too_many_arguments)]
-pub fn early_items(reducers: Reducers, one_node: bool, reduce_ctas: u32, two_phase: bool, bm: usize, bn: usize, items: usize, compute_ctas: usize) -> usize {
+pub fn early_items(
+    reducers: Reducers,
+    one_node: bool,
+    reduce_ctas: u32,
+    two_phase: bool,
+    bm: usize,
+    bn: usize,
+    items: usize,
+    compute_ctas: usize,
+    gemm_tiles: usize,
+    k: usize,
+    nranks: usize,
+    forced: Option<usize>,
+) -> usize {
     if reducers != Reducers::Early || !one_node || reduce_ctas != 0 || two_phase || side_staging_bytes(bm, bn) == 0 || compute_ctas == 0 {
         return 0;
     }
-    team_items(items, 0, compute_ctas).saturating_sub(1)
+    let most = team_items(items, 0, compute_ctas).saturating_sub(1);
+    if let Some(f) = forced {
+        return most.min(f); // MK_GEMM_EARLY_ITEMS (tests, tuning)
+    }
+    let side_us = (ROW_BLOCK * bn * 2 * (nranks + 1)) as f64 / SIDE_BYTES_PER_US as f64;
+    let tile_us = TILE_US_PER_1024_K * (k as f64 / 1024.0) * (bm * bn) as f64 / (128.0 * 256.0);
+    let left_tiles = team_items(gemm_tiles, 0, compute_ctas).saturating_sub(1);
+    let left_us = left_tiles as f64 * tile_us;
+    most.min(left_tiles / SIDE_TILES_PER_ITEM).min((left_us / side_us) as usize)
 }
 
 /// The one-shot reducer items of a call (the kernel's reduce_tiles walk): the tiles of the
@@ -204,8 +241,9 @@ pub fn reducer_items(row_lo: usize, row_hi: usize, tiles_n: usize) -> usize {
 
 /// Rows per piece of an early sum (kernels/gemm_reduce.cu kSideRows): the side warps look
 /// for the end of the GEMM between pieces, so the CTA's 12 warps wait at most one piece
-/// for them.
-pub const SIDE_ROWS: usize = 32;
+/// for them. 8 rows (12 KB at 2 ranks, ~3 µs at SIDE_BYTES_PER_US): pieces of 32 took up
+/// to ~10 µs beside the GEMM (session 10 round 1, side warps done after 40 µs, GEMM 31).
+pub const SIDE_ROWS: usize = 8;
 
 /// Where the CTA's team resumes the walk after its side warps: they completed `done`
 /// items and `rows` rows (a multiple of SIDE_ROWS, from the item's first row) of the next
@@ -311,7 +349,21 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let mut ta = engine::tensor_map(args.a, args.dtype, m, k, bm, engine::BK)?;
     let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
     let mut tp = engine::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
-    let early = early_items(comm.config.gemm_reducers, nodes.is_none(), reduce_ctas, two_phase, bm, bn, reducer_items(row_lo, row_hi, tiles_n), compute_ctas as usize);
+    let gemm_tiles = m.div_ceil(bm) * tiles_n;
+    let early = early_items(
+        comm.config.gemm_reducers,
+        nodes.is_none(),
+        reduce_ctas,
+        two_phase,
+        bm,
+        bn,
+        reducer_items(row_lo, row_hi, tiles_n),
+        compute_ctas as usize,
+        gemm_tiles,
+        k,
+        nranks,
+        comm.config.gemm_early_items,
+    );
     let mut params = GemmReduceParams {
         ws: ws.view,
         c: args.c,
@@ -421,29 +473,51 @@ mod tests {
     }
 
     /// Early sums only where the GEMM CTAs reduce after their GEMM on one node, one-shot,
-    /// with side staging and more than one wave; at most all but a CTA's last item.
+    /// with side staging, and where the side warps can finish items within the GEMM (the
+    /// session 10 round 1 shapes: on for GEMM+RS M 1024 / 4096, off for GEMM+AR M 256).
     #[test]
     fn early_sums_plan() {
-        // M 256, N 8192, BN 256, 2 ranks, 32 CTAs: 64 tiles, two per CTA: one early.
+        let early = |items: usize, ctas: usize, gemm_tiles: usize, k: usize, nranks: usize| {
+            early_items(Reducers::Early, true, 0, false, 128, 256, items, ctas, gemm_tiles, k, nranks, None)
+        };
+        // GEMM+AR M 256, N 8192 (64 tiles): 2 ranks x 32 CTAs (two tiles each), K 1024
+        // and 3584; 4 ranks x 16 CTAs (four tiles each, four partials per sum): off.
         let items = reducer_items(0, 256, 32);
         assert_eq!(items, 64);
-        assert_eq!(early_items(Reducers::Early, true, 0, false, 128, 256, items, 32), 1);
-        // 4 ranks, 16 CTAs: four per CTA.
-        assert_eq!(early_items(Reducers::Early, true, 0, false, 128, 256, items, 16), 3);
-        // ReduceScatter M 1024 at 2 ranks: this rank's 512 rows, 4 x 32 tiles over 32 CTAs.
-        assert_eq!(early_items(Reducers::Early, true, 0, false, 128, 256, reducer_items(512, 1024, 32), 32), 3);
+        assert_eq!(early(items, 32, 64, 1024, 2), 0);
+        assert_eq!(early(items, 32, 64, 3584, 2), 0);
+        assert_eq!(early(items, 16, 64, 1024, 4), 0);
+        // Two GEMM tiles per CTA are never enough, whatever K.
+        assert_eq!(early(items, 32, 64, 65536, 2), 0);
+        // GEMM+RS M 1024 / 4096 at 2 ranks, K 1024: 8 / 32 GEMM tiles per CTA, 4 / 16 items.
+        assert_eq!(early(reducer_items(512, 1024, 32), 32, 256, 1024, 2), 3);
+        assert_eq!(early(reducer_items(2048, 4096, 32), 32, 1024, 1024, 2), 14);
+        // Short K: the sums do not fit (the GEMM tile takes ~1 µs).
+        assert_eq!(early(reducer_items(2048, 4096, 32), 32, 1024, 64, 2), 0);
+        // Never the CTA's last item.
+        assert_eq!(early(reducer_items(512, 1024, 32), 32, 256, 65536, 2), 3);
+        // MK_GEMM_EARLY_ITEMS overrides the model, not the structure.
+        let forced = |f, r, bm| early_items(r, true, 0, false, bm, 256, items, 32, 64, 1024, 2, Some(f));
+        assert_eq!(forced(5, Reducers::Early, 128), 1);
+        assert_eq!(forced(0, Reducers::Early, 128), 0);
+        assert_eq!(forced(5, Reducers::After, 128), 0);
+        assert_eq!(forced(5, Reducers::Early, 64), 0);
         // Odd rows: the blocks holding them.
         assert_eq!(reducer_items(100, 300, 4), 12);
         assert_eq!(reducer_items(5, 5, 4), 0);
-        // One wave (M <= 64 at 32 CTAs, BM 64: no room either), other modes, paths, nodes.
-        assert_eq!(early_items(Reducers::Early, true, 0, false, 128, 256, 32, 32), 0);
-        assert_eq!(early_items(Reducers::Early, true, 0, false, 64, 256, 64, 32), 0);
-        assert_eq!(early_items(Reducers::Early, true, 0, false, 128, 128, 128, 32), 0);
-        assert_eq!(early_items(Reducers::After, true, 0, false, 128, 256, items, 32), 0);
-        assert_eq!(early_items(Reducers::Side, true, 0, false, 128, 256, items, 32), 0);
-        assert_eq!(early_items(Reducers::Early, false, 0, false, 128, 256, items, 32), 0);
-        assert_eq!(early_items(Reducers::Early, true, 4, false, 128, 256, items, 28), 0);
-        assert_eq!(early_items(Reducers::Early, true, 0, true, 128, 256, items, 32), 0);
+        // One wave, no side staging (BM 64, BN 128), other modes, paths, nodes.
+        let long = |bm, bn, r, one_node, reduce_ctas, two_phase| {
+            early_items(r, one_node, reduce_ctas, two_phase, bm, bn, 1024, 32, 1024, 65536, 2, None)
+        };
+        assert!(long(128, 256, Reducers::Early, true, 0, false) > 0);
+        assert_eq!(early(32, 32, 32, 65536, 2), 0);
+        assert_eq!(long(64, 256, Reducers::Early, true, 0, false), 0);
+        assert_eq!(long(128, 128, Reducers::Early, true, 0, false), 0);
+        assert_eq!(long(128, 256, Reducers::After, true, 0, false), 0);
+        assert_eq!(long(128, 256, Reducers::Side, true, 0, false), 0);
+        assert_eq!(long(128, 256, Reducers::Early, false, 0, false), 0);
+        assert_eq!(long(128, 256, Reducers::Early, true, 4, false), 0);
+        assert_eq!(long(128, 256, Reducers::Early, true, 0, true), 0);
     }
 
     /// Side warps and the team after the GEMM sum every row of every item of a team's walk
