@@ -416,19 +416,68 @@ __device__ __forceinline__ TileCoord owned_tile(const GemmReduceParams& p, int f
 // GEMM (early sums; ops::gemm_reduce::team_rest mirrors the split).
 // `own` (GEMM CTAs after their GEMM; else smem == nullptr): the CTA's last tile in the epilogue's
 // staging (OwnSlab); that item's own partial is read from there.
+// Published sums (`publish`: p.publish, GEMM CTAs after their GEMM; one-shot AllReduce):
+// the ranks' kernels start 10-20 us apart under MPS, so the early rank sums its first
+// wave's tiles while the late one still computes its second (session 9/10 traces). A
+// tile summed by one rank (whole, not its CTA's last) is also written to that rank's R
+// and flagged (GR_TILE + 2 * tiles + tile, the two-phase path's words); a rank that finds
+// a peer's flag up copies that sum (one read instead of n) -- the same bits, the sum
+// order being the same everywhere. The CTA's last tile is never published: its own partial
+// is in the staging (OwnSlab), and a peer waiting for it would rather wait for the partial.
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j, int stride, int first = 0,
-                                             int first_rows = 0, OwnSlab own = OwnSlab{}) {
+                                             int first_rows = 0, OwnSlab own = OwnSlab{}, bool publish = false) {
   const Staging staging = team_staging<BN, Team>();
   if (p.row_hi <= p.row_lo) return true;  // fewer rows than ranks
   const int lo_block = p.row_lo / 128, blocks = (p.row_hi - 1) / 128 - lo_block + 1;
+  const int tiles_total = ((p.m + 127) / 128) * p.tiles_n;
+  const WorkspaceView& ws = p.ws;
   for (int i = j + first * stride, skip = first_rows; i < blocks * p.tiles_n; i += stride, skip = 0) {
     const TileCoord tc = owned_tile(p, lo_block, blocks, i);
     const int r0 = max(tc.m_block * 128, p.row_lo) + skip, r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
     if (r0 >= r1) continue;
+    const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
+    const uint32_t sum_word = GR_TILE + 2 * tiles_total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block;
+    char* publish_to = nullptr;
+    if constexpr (!LeanTeam<Team>::value) {
+      // Not for the CTA's last item: with the same grid no peer publishes it (it is the
+      // last of the same walk there too), and M <= 64 (one item per CTA) pays no lookup.
+      if (publish && i + stride < blocks * p.tiles_n) {
+        // A peer's published sum (thread 0 looks, the CTA barrier shares what it found).
+        __shared__ int found;
+        if (Team::tid() == 0) {
+          found = -1;
+          for (int d = 1; d < ws.nranks && found < 0; ++d) {
+            const int q = (ws.rank + d) % ws.nranks;
+            if (mk_ld_acquire_sys(mk_signal_word(ws, q, sum_word)) >= epoch) found = q;
+          }
+        }
+        Team::sync();  // bar.sync: thread 0's acquire is ordered before every thread's reads of R
+        const int q = found;
+        Team::sync();  // everyone has read `found` before thread 0 writes it for the next item
+        if (q >= 0) {
+          if (Team::tid() == 0) {
+            mk_trace_add(p.trace, MK_TR_ITEMS, 1);
+            mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(r1 - r0) * (c1 - c0) * sizeof(T) * 2);
+          }
+          copy_rows<T, Team>(staging, reinterpret_cast<char*>(p.c), reinterpret_cast<const char*>(ws.data[q]) + p.reduced_offset, p.n,
+                             r0, r1, c0, c1);
+          continue;
+        }
+        // Whole tiles only (not one the side warps began).
+        if (skip == 0) publish_to = reinterpret_cast<char*>(ws.data[ws.rank]) + p.reduced_offset;
+      }
+    }
     if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-    const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
+    if constexpr (!LeanTeam<Team>::value) {
+      if (publish_to != nullptr) {
+        sum_partials<T, Team>(p, staging, r0, r1, c0, c1, publish_to);
+        Team::sync();  // every thread's rows of R, then thread 0's flag (fence.sc.sys first: cumulative)
+        if (Team::tid() == 0) mk_signal_store(mk_signal_word(ws, ws.rank, sum_word), epoch);
+        continue;
+      }
+    }
     if constexpr (!LeanTeam<Team>::value) {
       if (own.smem != nullptr && tc.m_block * 128 == own.row0 && tc.n_block == own.n_block) {
         const auto partial = [&](int q) { return reinterpret_cast<const char*>(p.ws.data[q]) + p.partial_offset; };
@@ -700,12 +749,12 @@ __device__ __forceinline__ void gr_post_net_done(const GemmReduceParams& p, uint
 // plans early sums only on that path (ops::gemm_reduce::early_items).
 template <typename T, int BN, class Team>
 __device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch, int j, int stride, int first = 0,
-                                       int first_rows = 0, OwnSlab own = OwnSlab{}) {
+                                       int first_rows = 0, OwnSlab own = OwnSlab{}, bool publish = false) {
   if constexpr (!LeanTeam<Team>::value) {  // the side warps reduce on one node only (the host plans it)
     if (p.nodes > 1) return reduce_nodes<T, BN, Team>(p, epoch, j, stride);
   }
   return p.two_phase ? reduce_then_gather<T, BN, Team>(p, epoch, j, stride)
-                     : reduce_tiles<T, BN, Team>(p, epoch, j, stride, first, first_rows, own);
+                     : reduce_tiles<T, BN, Team>(p, epoch, j, stride, first, first_rows, own, publish);
 }
 
 // ---- Early sums ------------------------------------------------------------------------
@@ -954,7 +1003,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
         own = OwnSlab{ring + Cfg::STAGES * Cfg::STAGE_BYTES, Epi::template smem_bytes_per_wg<BN>(), ws.rank, last.m_block * Cfg::BM,
                       last.n_block};
       }
-      reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas, first, first_rows, own);
+      reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas, first, first_rows, own, p.publish != 0);
     }
   } else {
     epoch = mk_op_epoch_begin(ws, GR_EPOCH);

@@ -368,6 +368,11 @@ pub struct GemmReduceParams {
     /// two idle producer warps may sum during the GEMM, as the partials are flagged; the
     /// CTA's 12 warps sum the rest after it. 0: none.
     pub early_items: i32,
+    /// One-shot AllReduce on one node, GEMM CTAs reducing after their GEMM
+    /// (`ops::gemm_reduce::publish_sums`): 1 when a rank that sums a tile other than its
+    /// CTA's last also writes the sum to its R (at `reduced_offset`) and flags it, and a
+    /// rank finding a peer's flag up copies that sum instead of summing the partials.
+    pub publish: i32,
     /// Byte offsets in every rank's data region: N slabs each of [owner_rows, n], slab m at
     /// + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
     pub outbox_offset: u64,

@@ -233,6 +233,17 @@ pub fn early_items(
     most.min(left_tiles / SIDE_TILES_PER_ITEM).min((left_us / side_us) as usize)
 }
 
+/// Published sums (`GemmReduceParams::publish`, kernels/gemm_reduce.cu reduce_tiles): on the
+/// one-shot AllReduce on one node with the GEMM CTAs reducing after their GEMM, a rank that
+/// sums a tile (other than its CTA's last) also writes it to its R and flags it, and a rank
+/// finding a peer's flag copies that sum. Why: under MPS the ranks start 10-20 µs apart
+/// (session 9/10 traces); the early rank sums the first wave while the late one computes
+/// its second, so the late rank copies those tiles (one read) instead of summing the n
+/// partials. Needs R beside P in the fused-op region (`op_bytes`); off where it does not fit.
+pub fn publish_sums(reduction: Reduction, two_phase: bool, one_node: bool, reduce_ctas: u32, reducers: Reducers, m: usize, n: usize, op_bytes: u64) -> bool {
+    reduction == Reduction::All && !two_phase && one_node && reduce_ctas == 0 && reducers != Reducers::Side && (2 * m * n * 2) as u64 <= op_bytes
+}
+
 /// The one-shot reducer items of a call (the kernel's reduce_tiles walk): the tiles of the
 /// 128-row blocks holding rows [row_lo, row_hi).
 pub fn reducer_items(row_lo: usize, row_hi: usize, tiles_n: usize) -> usize {
@@ -320,6 +331,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     // P (this rank's partial product), and for the two-phase path R (its reduced rows);
     // across nodes also the outbox and inbox of node partials.
     let needed = node_plan.map_or((m * n * 2 * if two_phase { 2 } else { 1 }) as u64, |p| p.op_bytes);
+    let publish = publish_sums(args.reduction, two_phase, nodes.is_none(), reduce_ctas, comm.config.gemm_reducers, m, n, ws.view.op_bytes);
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
             "{} keeps this rank's partial product{}{} ({needed} bytes) in the workspace's fused-op region, which holds {}: \
@@ -393,6 +405,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         // session 5).
         side_reduce: (nodes.is_none() && reduce_ctas == 0 && comm.config.gemm_reducers == Reducers::Side) as u32,
         early_items: early as i32,
+        publish: publish as i32,
         ..GemmReduceParams::default()
     };
     if let (Some((nl, ring)), Some(np)) = (&nodes, &node_plan) {
@@ -518,6 +531,21 @@ mod tests {
         assert_eq!(long(128, 256, Reducers::Early, false, 0, false), 0);
         assert_eq!(long(128, 256, Reducers::Early, true, 4, false), 0);
         assert_eq!(long(128, 256, Reducers::Early, true, 0, true), 0);
+    }
+
+    #[test]
+    fn sums_are_published_on_the_one_shot_allreduce_only() {
+        let big = 1 << 28;
+        assert!(publish_sums(Reduction::All, false, true, 0, Reducers::Early, 256, 8192, big));
+        assert!(publish_sums(Reduction::All, false, true, 0, Reducers::After, 256, 8192, big));
+        // R beside P must fit: 2 x M x N x 2 bytes.
+        assert!(publish_sums(Reduction::All, false, true, 0, Reducers::Early, 256, 8192, 2 * 256 * 8192 * 2));
+        assert!(!publish_sums(Reduction::All, false, true, 0, Reducers::Early, 256, 8192, 2 * 256 * 8192 * 2 - 1));
+        assert!(!publish_sums(Reduction::Scatter, false, true, 0, Reducers::Early, 256, 8192, big));
+        assert!(!publish_sums(Reduction::All, true, true, 0, Reducers::Early, 4096, 8192, big));
+        assert!(!publish_sums(Reduction::All, false, false, 0, Reducers::Early, 256, 8192, big));
+        assert!(!publish_sums(Reduction::All, false, true, 4, Reducers::Early, 256, 8192, big));
+        assert!(!publish_sums(Reduction::All, false, true, 0, Reducers::Side, 256, 8192, big));
     }
 
     /// Side warps and the team after the GEMM sum every row of every item of a team's walk
