@@ -75,7 +75,7 @@ __device__ __forceinline__ void gate_wait(Gate* g) { mbar_wait(&g->bar, 0); }
 // off (mk_wait_geq_backoff, up to 256 ns between polls) so that a long wait --
 // back-to-back calls where a peer is still reading -- does not steal issue slots and L2
 // bandwidth from the GEMM beside it (session 3: tight system-scope polls during a GEMM
-// slowed it 20-25 %). Inline and call-free: kProducerRegs (88) registers after setmaxnreg.
+// slowed it 20-25 %). Inline and call-free: 80 registers after setmaxnreg.
 __device__ __forceinline__ void open_gate(const GemmReduceParams& p, Gate* g) {
   const WorkspaceView& ws = p.ws;
   const int lane = threadIdx.x & 31;
@@ -176,13 +176,10 @@ template <>
 struct LeanTeam<SideWarps> {
   static constexpr bool value = true;
 };
-// Registers of the producer warpgroup during the GEMM (its side warps may reduce): 88
-// (AG+GEMM's pushers have 80); the consumers keep 208, enough for BN = 256 without spills
-// (ptxas; tests/kernels.rs). 40 / 232 measured no faster (session 6, run 6). 88 leaves the consumers the same 208 ((384 * 168 - 128 * 88) / 256 = 208 exactly; 80
-// gave 212, rounded down to 208) and the side warps' early sums (cp.async staging) 8 more:
-// at 80 ptxas spilled 8 bytes there.
-constexpr int kProducerRegs = 88;
-static_assert(GemmConfig<__nv_bfloat16, 256, 3, SHARE_NONE, kProducerRegs>::CONSUMER_REGS == 208, "consumers keep 208");
+// Registers of the producer warpgroup during the GEMM (its side warps may reduce): 80, as
+// AG+GEMM's pushers; the consumers keep 208, enough for BN = 256 without spills (ptxas;
+// tests/kernels.rs). 40 / 232 measured no faster (session 6, run 6).
+constexpr int kProducerRegs = 80;
 
 // Team thread q (< nranks) waits for rank q's slabs of tile `tc` that hold rows [r0, r1);
 // every thread learns whether all waits succeeded.
@@ -242,24 +239,9 @@ __device__ __forceinline__ Staging team_staging() {
 // t / vpr, + rows_per_pass, ...: no division per vector. The loop is bound by instructions
 // as much as by latency (session 6: ~14 GB/s per CTA with 8 warps and a division per
 // vector, from registers or staged alike), hence all 12 warps and the cheap indexing.
-// The CTA's last GEMM tile is still in the epilogue's staging after the GEMM: each
-// consumer warpgroup's 64-row slab as 128B-swizzled 64 x 64 boxes of T, the very bits the
-// TMA stores put into P. With kOwn, staged_rows reads source `src` (this rank's partial)
-// from there instead of loading it from P: at 2 ranks a third of the bytes the reducers
-// after the GEMM move for that tile, which is the one summed last, after the GEMM
-// (session 9: 16 us of sums after a 31 us GEMM at M 256). Rows are absolute; the columns
-// must be the whole tile's from its first (c0 = n_block * BN).
-struct OwnSlab {
-  const char* smem = nullptr;  // consumer 0's staging (consumer 1's follows at + wg_bytes); nullptr: none
-  int wg_bytes;
-  int src;           // this rank
-  int row0;          // the tile's first row
-  int n_block;
-};
-
-template <typename T, class Team, class Src, bool kOwn = false>
+template <typename T, class Team, class Src>
 __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int nsrc, int src_row0, char* dst, int dst_row0,
-                                            char* dst2, int n, int r0, int r1, int c0, int c1, OwnSlab own = OwnSlab{}) {
+                                            char* dst2, int n, int r0, int r1, int c0, int c1) {
   const int nt = Team::threads(), tid = Team::tid();
   const int vpr = (c1 - c0) / 8;  // <= 32 vectors per row <= nt
   const int rows_per_pass = nt / vpr;
@@ -268,21 +250,14 @@ __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int
   const size_t row_bytes = (size_t)n * sizeof(T);
   const size_t col_bytes = (size_t)(c0 + (tid % vpr) * 8) * sizeof(T);
   const int first_row = r0 + my_row;
-  // Sources loaded into the staging: all, or all but the own one (kOwn), which then leaves
-  // its slots to deeper batches of the others (at 2 ranks one batch holds a whole tile).
-  const int loaded = kOwn ? nsrc - 1 : nsrc;
-  const int per_batch = max(1, staging.bytes / 2 / (nt * 16 * loaded));  // vectors of each loaded source per thread
+  const int per_batch = max(1, staging.bytes / 2 / (nt * 16 * nsrc));  // vectors of each source per thread
   const auto slot = [&](int b, int s, int u) {
-    const int l = kOwn && s > own.src ? s - 1 : s;  // the source's place among the loaded ones
-    return staging.smem + ((((size_t)(b & 1) * loaded + l) * per_batch + u) * nt + tid) * 16;
+    return staging.smem + ((((size_t)(b & 1) * nsrc + s) * per_batch + u) * nt + tid) * 16;
   };
   const auto issue = [&](int b) {
     for (int u = 0, k = b * per_batch; u < per_batch && k < rows; ++u, ++k) {
       const size_t off = (size_t)(first_row + k * rows_per_pass - src_row0) * row_bytes + col_bytes;
-      for (int s = 0; s < nsrc; ++s) {
-        if (kOwn && s == own.src) continue;
-        cp_async16(slot(b, s, u), src(s) + off);
-      }
+      for (int s = 0; s < nsrc; ++s) cp_async16(slot(b, s, u), src(s) + off);
     }
     cp_async_commit();  // also when empty: wait_group<1> below counts groups
   };
@@ -297,15 +272,7 @@ __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int
         out = *reinterpret_cast<const int4*>(slot(b, 0, u));
       } else {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int s = 0; s < nsrc; ++s) {
-          if (kOwn && s == own.src) {
-            const int rr = first_row + k * rows_per_pass - own.row0, cv = tid % vpr;
-            add8<T>(acc, *reinterpret_cast<const int4*>(own.smem + (rr >> 6) * own.wg_bytes + (cv >> 3) * 8192 + (rr & 63) * 128 +
-                                                        (((cv & 7) ^ (rr & 7)) << 4)));
-          } else {
-            add8<T>(acc, *reinterpret_cast<const int4*>(slot(b, s, u)));
-          }
-        }
+        for (int s = 0; s < nsrc; ++s) add8<T>(acc, *reinterpret_cast<const int4*>(slot(b, s, u)));
         out = pack8<T>(acc);
       }
       const int r = first_row + k * rows_per_pass;
@@ -316,12 +283,11 @@ __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int
 }
 
 // staged_rows, counted in the trace.
-template <typename T, class Team, class Src, bool kOwn = false>
+template <typename T, class Team, class Src>
 __device__ __forceinline__ void sum_rows(const Staging& staging, Src src, int nsrc, int src_row0, char* dst, int dst_row0,
-                                         char* dst2, int n, int r0, int r1, int c0, int c1, uint64_t trace,
-                                         OwnSlab own = OwnSlab{}) {
+                                         char* dst2, int n, int r0, int r1, int c0, int c1, uint64_t trace) {
   if (Team::tid() == 0) mk_trace_add(trace, MK_TR_BYTES, (uint64_t)(r1 - r0) * (c1 - c0) * sizeof(T) * (nsrc + (dst2 ? 2 : 1)));
-  staged_rows<T, Team, Src, kOwn>(staging, src, nsrc, src_row0, dst, dst_row0, dst2, n, r0, r1, c0, c1, own);
+  staged_rows<T, Team>(staging, src, nsrc, src_row0, dst, dst_row0, dst2, n, r0, r1, c0, c1);
 }
 
 // Team: copies rows [r0, r1) x columns [c0, c1) of a row-major [*, n] buffer to another:
@@ -359,7 +325,7 @@ __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, const St
     const int vpr = (c1 - c0) / 8;  // N % 8 == 0: 16-byte vectors never straddle a row end
     const int nvec = (r1 - r0) * vpr;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)nvec * 16 * (ws.nranks + (reduced ? 2 : 1)));
-    // Side warps (kProducerRegs registers): one source at a time, kLean vectors of it in flight,
+    // Side warps (80 registers): one source at a time, kLean vectors of it in flight,
     // added into fp32 sums -- registers independent of the rank count.
     constexpr int kLean = 3;
     for (int v0 = Team::tid(); v0 < nvec; v0 += kLean * Team::threads()) {
@@ -411,82 +377,17 @@ __device__ __forceinline__ TileCoord owned_tile(const GemmReduceParams& p, int f
 
 // One-shot (ReduceScatter, small-M AllReduce): every tile holding rows this rank writes is
 // reduced, in the compute order; this team takes the owned tiles j, j + stride, ...
-// The walk starts at this team's item `first` (0, 1, ...), from row `first_rows` of that
-// item's rows: the items and rows before it were summed by the CTA's side warps during the
-// GEMM (early sums; ops::gemm_reduce::team_rest mirrors the split).
-// `own` (GEMM CTAs after their GEMM; else smem == nullptr): the CTA's last tile in the epilogue's
-// staging (OwnSlab); that item's own partial is read from there.
-// Published sums (`publish`: p.publish, GEMM CTAs after their GEMM; one-shot AllReduce):
-// the ranks' kernels start 10-20 us apart under MPS, so the early rank sums its first
-// wave's tiles while the late one still computes its second (session 9/10 traces). A
-// tile summed by one rank (whole, not its CTA's last) is also written to that rank's R
-// and flagged (GR_TILE + 2 * tiles + tile, the two-phase path's words); a rank that finds
-// a peer's flag up copies that sum (one read instead of n) -- the same bits, the sum
-// order being the same everywhere. The CTA's last tile is never published: its own partial
-// is in the staging (OwnSlab), and a peer waiting for it would rather wait for the partial.
 template <typename T, int BN, class Team>
-__device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j, int stride, int first = 0,
-                                             int first_rows = 0, OwnSlab own = OwnSlab{}, bool publish = false) {
+__device__ __forceinline__ bool reduce_tiles(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
   const Staging staging = team_staging<BN, Team>();
   if (p.row_hi <= p.row_lo) return true;  // fewer rows than ranks
   const int lo_block = p.row_lo / 128, blocks = (p.row_hi - 1) / 128 - lo_block + 1;
-  const int tiles_total = ((p.m + 127) / 128) * p.tiles_n;
-  const WorkspaceView& ws = p.ws;
-  for (int i = j + first * stride, skip = first_rows; i < blocks * p.tiles_n; i += stride, skip = 0) {
+  for (int i = j; i < blocks * p.tiles_n; i += stride) {
     const TileCoord tc = owned_tile(p, lo_block, blocks, i);
-    const int r0 = max(tc.m_block * 128, p.row_lo) + skip, r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
-    if (r0 >= r1) continue;
-    const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
-    const uint32_t sum_word = GR_TILE + 2 * tiles_total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block;
-    char* publish_to = nullptr;
-    if constexpr (!LeanTeam<Team>::value) {
-      // Not for the CTA's last item: with the same grid no peer publishes it (it is the
-      // last of the same walk there too), and M <= 64 (one item per CTA) pays no lookup.
-      if (publish && i + stride < blocks * p.tiles_n) {
-        // A peer's published sum (thread 0 looks, the CTA barrier shares what it found).
-        __shared__ int found;
-        if (Team::tid() == 0) {
-          found = -1;
-          for (int d = 1; d < ws.nranks && found < 0; ++d) {
-            const int q = (ws.rank + d) % ws.nranks;
-            if (mk_ld_acquire_sys(mk_signal_word(ws, q, sum_word)) >= epoch) found = q;
-          }
-        }
-        Team::sync();  // bar.sync: thread 0's acquire is ordered before every thread's reads of R
-        const int q = found;
-        Team::sync();  // everyone has read `found` before thread 0 writes it for the next item
-        if (q >= 0) {
-          if (Team::tid() == 0) {
-            mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-            mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(r1 - r0) * (c1 - c0) * sizeof(T) * 2);
-          }
-          copy_rows<T, Team>(staging, reinterpret_cast<char*>(p.c), reinterpret_cast<const char*>(ws.data[q]) + p.reduced_offset, p.n,
-                             r0, r1, c0, c1);
-          continue;
-        }
-        // Whole tiles only (not one the side warps began).
-        if (skip == 0) publish_to = reinterpret_cast<char*>(ws.data[ws.rank]) + p.reduced_offset;
-      }
-    }
+    const int r0 = max(tc.m_block * 128, p.row_lo), r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
     if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-    if constexpr (!LeanTeam<Team>::value) {
-      if (publish_to != nullptr) {
-        sum_partials<T, Team>(p, staging, r0, r1, c0, c1, publish_to);
-        Team::sync();  // every thread's rows of R, then thread 0's flag (fence.sc.sys first: cumulative)
-        if (Team::tid() == 0) mk_signal_store(mk_signal_word(ws, ws.rank, sum_word), epoch);
-        continue;
-      }
-    }
-    if constexpr (!LeanTeam<Team>::value) {
-      if (own.smem != nullptr && tc.m_block * 128 == own.row0 && tc.n_block == own.n_block) {
-        const auto partial = [&](int q) { return reinterpret_cast<const char*>(p.ws.data[q]) + p.partial_offset; };
-        sum_rows<T, Team, decltype(partial), true>(staging, partial, p.ws.nranks, 0, reinterpret_cast<char*>(p.c), p.out_row0,
-                                                   nullptr, p.n, r0, r1, c0, c1, p.trace, own);
-        continue;
-      }
-    }
-    sum_partials<T, Team>(p, staging, r0, r1, c0, c1, nullptr);
+    sum_partials<T, Team>(p, staging, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), nullptr);
   }
   return true;
 }
@@ -532,7 +433,7 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
     const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
     const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(r1 - r0) * (c1 - c0) * sizeof(T) * 2);
-    // In flight per thread: 8, or 4 in the side warps' registers.
+    // In flight per thread: 8, or 4 in the side warps' 80 registers.
     copy_rows<T, Team, LeanTeam<Team>::value ? 4 : 8>(staging, reinterpret_cast<char*>(p.c),
                                                       reinterpret_cast<const char*>(ws.data[owner]) + p.reduced_offset, p.n, r0, r1,
                                                       c0, c1);
@@ -745,33 +646,27 @@ __device__ __forceinline__ void gr_post_net_done(const GemmReduceParams& p, uint
   }
 }
 
-// first / first_rows: where early sums left the one-shot walk (reduce_tiles); the host
-// plans early sums only on that path (ops::gemm_reduce::early_items).
 template <typename T, int BN, class Team>
-__device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch, int j, int stride, int first = 0,
-                                       int first_rows = 0, OwnSlab own = OwnSlab{}, bool publish = false) {
+__device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
   if constexpr (!LeanTeam<Team>::value) {  // the side warps reduce on one node only (the host plans it)
     if (p.nodes > 1) return reduce_nodes<T, BN, Team>(p, epoch, j, stride);
   }
-  return p.two_phase ? reduce_then_gather<T, BN, Team>(p, epoch, j, stride)
-                     : reduce_tiles<T, BN, Team>(p, epoch, j, stride, first, first_rows, own, publish);
+  return p.two_phase ? reduce_then_gather<T, BN, Team>(p, epoch, j, stride) : reduce_tiles<T, BN, Team>(p, epoch, j, stride);
 }
 
-// ---- Early sums ------------------------------------------------------------------------
-// One node, one-shot path, GEMM CTAs reducing after their GEMM (ops::gemm_reduce::
-// early_items plans it): the producer warpgroup's warps 2-3 (idle beside the GEMM once the
-// gate is open) sum the first items of the CTA's reducer walk -- at most early_items, never
-// the CTA's last -- while the GEMM computes the later tiles, and stop at the end of the
-// GEMM; the CTA's 12 warps sum the rest after it. Session 9 (M 256, K 1024, 2 ranks, 32
-// CTAs, two tiles each): the rank that starts last ran its GEMM (31 us) and then both
-// tiles' sums (16 us); its first tile's sum can run beside the second tile's GEMM, its own
-// partial being flagged after the first wave and the peer's long there.
-// Loads are staged with cp.async in kSideStagingBytes after the engine's shared memory
-// (the ring is in use; in registers the side warps moved ~6 GB/s per CTA, session 5).
-// An item is summed in pieces of kSideRows rows and the side warps look for the end of the
-// GEMM between pieces, so the 12 warps wait at most one piece for them at the CTA barrier
-// after the GEMM (restore_launch_registers).
-constexpr int kSideRows = 8;  // ops::gemm_reduce::SIDE_ROWS (pieces of 32 rows held the CTA up to ~10 us)
+// ---- Early sums (GEMM+RS, the mk_gemm_reduce_early_* kernels) -------------------------
+// One node, GEMM CTAs reducing after their GEMM, planned by ops::gemm_reduce::early_items:
+// the producer warpgroup's warps 2-3 (idle beside the GEMM once the gate is open) sum the
+// first items of the CTA's reducer walk -- at most early_items, never the CTA's last --
+// while the GEMM computes the later tiles, and stop at the end of the GEMM; the CTA's 12
+// warps sum the rest after it. Loads staged with cp.async in kSideStagingBytes after the
+// engine's shared memory (the ring is in use). An item is summed in pieces of kSideRows
+// rows; between pieces the side warps look for the end of the GEMM.
+// Measured (session 10): GEMM+RS M 1024 / 4096 at 2 ranks 0.866 -> 0.845, 0.881 -> 0.843;
+// GEMM+AR M 256 lost (one GEMM tile of time does not cover a tile's sum beside the GEMM,
+// whose TMA loads leave the side warps ~4-6 GB/s per CTA), so only ReduceScatter gets
+// these kernels, separate entries that leave the others' code as it was.
+constexpr int kSideRows = 32;  // ops::gemm_reduce::SIDE_ROWS
 
 // Shared between a GEMM CTA's side warps and its warps after the GEMM.
 struct EarlySums {
@@ -792,7 +687,7 @@ constexpr int side_staging_bytes() {
 // (team thread q polls rank q's); false if the GEMM ended first -- the 12 warps then wait
 // for it after the GEMM, bounded (wait_partials). No bound is needed here: the GEMM ends
 // whatever the peers do (its only wait, the gate's, is bounded). The poll backs off to
-// 256 ns between reads, so it takes little from the GEMM beside it.
+// 256 ns between reads.
 template <class Team>
 __device__ __forceinline__ bool poll_partials(const GemmReduceParams& p, uint64_t epoch, const TileCoord& tc, int r0, int r1,
                                               const volatile int* gemm_done) {
@@ -828,7 +723,7 @@ __device__ __forceinline__ void early_sums(const GemmReduceParams& p, uint64_t e
     const auto partial = [&](int q) { return reinterpret_cast<const char*>(p.ws.data[q]) + p.partial_offset; };
     const volatile int* done = &es->gemm_done;
     bool stop = false;
-    for (; k < limit && !stop; ++k) {
+    for (; k < limit; ++k) {
       const TileCoord tc = owned_tile(p, lo_block, blocks, j + k * stride);
       const int r0 = max(tc.m_block * 128, p.row_lo), r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
       if (!poll_partials<Team>(p, epoch, tc, r0, r1, done)) break;
@@ -853,6 +748,27 @@ __device__ __forceinline__ void early_sums(const GemmReduceParams& p, uint64_t e
   }
 }
 
+// reduce_tiles for the 12 warps after the side warps' early sums: the walk resumes at this
+// team's item `first`, from row `first_rows` of its rows (ops::gemm_reduce::team_rest
+// mirrors the split).
+template <typename T, int BN>
+__device__ __forceinline__ bool reduce_tiles_from(const GemmReduceParams& p, uint64_t epoch, int j, int stride, int first,
+                                                  int first_rows) {
+  using Team = CtaTeam;
+  const Staging staging = team_staging<BN, Team>();
+  if (p.row_hi <= p.row_lo) return true;
+  const int lo_block = p.row_lo / 128, blocks = (p.row_hi - 1) / 128 - lo_block + 1;
+  for (int i = j + first * stride, skip = first_rows; i < blocks * p.tiles_n; i += stride, skip = 0) {
+    const TileCoord tc = owned_tile(p, lo_block, blocks, i);
+    const int r0 = max(tc.m_block * 128, p.row_lo) + skip, r1 = min(min(tc.m_block * 128 + 128, p.row_hi), p.m);
+    if (r0 >= r1) continue;
+    if (!wait_partials<Team>(p, epoch, tc, r0, r1)) return false;
+    if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
+    sum_partials<T, Team>(p, staging, r0, r1, tc.n_block * BN, min(tc.n_block * BN + BN, p.n), nullptr);
+  }
+  return true;
+}
+
 // The side warps' hook (kernels/common/gemm/hooks.cuh): when the host planned it
 // (side_reduce, MK_GEMM_REDUCERS=side), the producer warpgroup's idle warps of GEMM CTA c
 // reduce tiles c, c + compute_ctas, ... while the GEMM runs, waiting for each as the ranks
@@ -862,21 +778,17 @@ __device__ __forceinline__ void early_sums(const GemmReduceParams& p, uint64_t e
 // On one node, warp 2 first opens the CTA's start gate (open_gate): warps 2-3 run beside
 // the GEMM from its start, which is what lets the epoch read and the peers' GR_DONE wait
 // overlap the first loads.
-// With early sums (kEarly: the kernel has side staging; p.early_items > 0: planned) the
-// two warps then sum the CTA's first items (early_sums).
 struct ReduceSideWork : NoAWait {
   struct Params {
     const GemmReduceParams* op;
     Gate* gate;
-    EarlySums* early;  // kEarly only
-    Staging side;      // kEarly only
   };
   __device__ static void before_a_load(const Params&, int, int, int) {}
   __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
     row = m_row0;
     return tma_a;
   }
-  template <typename T, int BN, bool kEarly>
+  template <typename T, int BN>
   __device__ static void run(const Params& w) {
     const GemmReduceParams& p = *w.op;
     if (p.nodes == 1 && threadIdx.x / 32 == 2) open_gate(p, w.gate);
@@ -884,17 +796,38 @@ struct ReduceSideWork : NoAWait {
       gate_wait(w.gate);  // both warps: the same outcome, so both (named barrier 3) reduce or neither
       if (w.gate->ok) reduce<T, BN, SideWarps>(p, w.gate->epoch, blockIdx.x, p.compute_ctas);
     }
-    if constexpr (kEarly) {
-      if (p.early_items > 0 && !p.side_reduce && p.reduce_ctas == 0 && p.nodes == 1 && !p.two_phase) {
-        gate_wait(w.gate);  // as above: both warps sum or neither
-        if (w.gate->ok) early_sums<T, BN>(p, w.gate->epoch, w.early, w.side);
-      }
-    }
   }
 };
-template <typename T, int BN, bool kEarly>
+template <typename T, int BN>
 struct ReduceSideWorkFor : ReduceSideWork {
-  __device__ static void side_work(const Params& w, int) { ReduceSideWork::run<T, BN, kEarly>(w); }
+  __device__ static void side_work(const Params& w, int) { ReduceSideWork::run<T, BN>(w); }
+};
+
+// The early kernels' side warps: warp 2 opens the gate (as ReduceSideWork), then warps 2-3
+// sum the CTA's first items (early_sums).
+struct EarlySideWork : NoAWait {
+  struct Params {
+    const GemmReduceParams* op;
+    Gate* gate;
+    EarlySums* early;
+    Staging side;
+  };
+  __device__ static void before_a_load(const Params&, int, int, int) {}
+  __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
+    row = m_row0;
+    return tma_a;
+  }
+};
+template <typename T, int BN>
+struct EarlySideWorkFor : EarlySideWork {
+  __device__ static void side_work(const Params& w, int) {
+    const GemmReduceParams& p = *w.op;
+    if (threadIdx.x / 32 == 2) open_gate(p, w.gate);
+    if (p.early_items > 0) {
+      gate_wait(w.gate);  // both warps: the same outcome, so both (named barrier 3) sum or neither
+      if (w.gate->ok) early_sums<T, BN>(p, w.gate->epoch, w.early, w.side);
+    }
+  }
 };
 
 // The GEMM's epilogue: partial tiles stored into this rank's region, each 64-row slab
@@ -913,28 +846,16 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
   // (ring_staging): the ring must hold them (BM 64 runs its own, deeper ring).
   static_assert(Cfg::STAGES * Cfg::STAGE_BYTES >= kRingStagingBytes<BN>, "ring_staging fits the ring");
   using Epi = PartialEpilogue;
-  constexpr int kSide = side_staging_bytes<Cfg, Epi>();
-  constexpr bool kEarly = kSide > 0;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
-  if constexpr (kEarly) {
-    // The host adds the side staging to the launch when it plans early sums.
-    uint32_t dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (p.early_items > 0 && dyn_smem < uint32_t(engine_smem_bytes<Cfg, Epi>() + kSide)) __trap();
-  }
   const WorkspaceView& ws = p.ws;
   mk_trace_begin(p.trace, (int)blockIdx.x >= p.compute_ctas);
   uint64_t epoch;
 
   if ((int)blockIdx.x < p.compute_ctas) {
     __shared__ Gate gate;
-    __shared__ EarlySums early;
-    // The engine's own barrier (after its mbarrier inits) orders these inits before any use.
+    // The engine's own barrier (after its mbarrier inits) orders this init before any use.
     if (threadIdx.x == 0) mbar_init(&gate.bar, 1);
-    if constexpr (kEarly) {
-      if (threadIdx.x == 0) early = EarlySums{0, 0, 0};
-    }
     if (p.nodes > 1) {
       // Across nodes: the whole CTA waits first, as before the gate (thread 0 posts to the
       // proxy), and opens the gate at once. Peers must have finished reading our previous
@@ -953,10 +874,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     sched.group_m = p.group_m > 0 ? p.group_m : 1;
     sched.m_block_base = 0;
     sched.owners = p.interleave;
-    // The side staging: right after the engine's shared memory (from the ring's 1 KiB-aligned base).
-    char* side_base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023)) +
-                      (engine_smem_bytes<Cfg, Epi>() - 1024);
-    typename ReduceSideWorkFor<T, BN, kEarly>::Params await{&p, &gate, &early, Staging{side_base, kSide}};
+    typename ReduceSideWorkFor<T, BN>::Params await{&p, &gate};
     typename Epi::Params epi;
     epi.dest.tma_c = tma_p;
     epi.dest.gate = &gate;
@@ -966,17 +884,8 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     epi.signal.m = p.m;
     // Runs whatever the gate's outcome (a failed gate only stops P's stores and flags): the
     // loads and wgmmas touch nothing a peer reads.
-    gemm_persistent<Cfg, OwnerInterleavedRaster, ReduceSideWorkFor<T, BN, kEarly>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched,
-                                                                                  await, epi, blockIdx.x, p.compute_ctas, smem);
-    const bool early_on = kEarly && p.early_items > 0 && !p.side_reduce && p.reduce_ctas == 0 && p.nodes == 1 && !p.two_phase;
-    if constexpr (kEarly) {
-      // Consumer 0 is past its last epilogue: the side warps start no further piece. "GEMM"
-      // in the trace is then this moment, not the CTA barrier after the side warps.
-      if (early_on && threadIdx.x == 128) {
-        *reinterpret_cast<volatile int*>(&early.gemm_done) = 1;
-        mk_trace_stamp(p.trace, MK_TR_GEMM);
-      }
-    }
+    gemm_persistent<Cfg, OwnerInterleavedRaster, ReduceSideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
+                                                       blockIdx.x, p.compute_ctas, smem);
     // Without dedicated reduction CTAs (and side warps), the GEMM CTAs reduce once their
     // GEMM is done: all 12 warps, as CTA c of the grid taking owned tiles c, c + grid, ...
     // The GEMM's stores overlap only its last wave this way (CTAs finish at different
@@ -986,24 +895,8 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     restore_launch_registers<Cfg>();
     epoch = gate.epoch;
     if (gate.ok && p.reduce_ctas == 0 && !p.side_reduce) {
-      if (!early_on) mk_trace_time(p.trace, MK_TR_GEMM);
-      // The side warps' EarlySums (written before the barrier in restore_launch_registers).
-      int first = 0, first_rows = 0;
-      if constexpr (kEarly) {
-        if (early_on) first = early.items, first_rows = early.rows;
-      }
-      // The CTA's last GEMM tile, still in the epilogue's staging (OwnSlab): the GEMM
-      // tiles are BM-row tiles (BM 64: one, the rows of M <= 64, consumer 0's slab).
-      OwnSlab own{nullptr, 0, 0, 0, 0};
-      const int gemm_tiles = sched.tiles_m * sched.tiles_n;
-      if ((int)blockIdx.x < gemm_tiles) {
-        const int t_last = blockIdx.x + (gemm_tiles - 1 - (int)blockIdx.x) / p.compute_ctas * p.compute_ctas;
-        const TileCoord last = OwnerInterleavedRaster::tile(sched, t_last);
-        char* ring = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));
-        own = OwnSlab{ring + Cfg::STAGES * Cfg::STAGE_BYTES, Epi::template smem_bytes_per_wg<BN>(), ws.rank, last.m_block * Cfg::BM,
-                      last.n_block};
-      }
-      reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas, first, first_rows, own, p.publish != 0);
+      mk_trace_time(p.trace, MK_TR_GEMM);
+      reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
     }
   } else {
     epoch = mk_op_epoch_begin(ws, GR_EPOCH);
@@ -1019,6 +912,74 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
   // its partials.
   // Only reads of peers' memory happen here (every rank pulls), so the GPU-scope variant:
   // one system-scope fence, in the last CTA only (fused_op.cuh).
+  mk_op_epoch_end_readers(ws, GR_EPOCH, GR_ARRIVE, GR_DONE, epoch);
+  mk_trace_time(p.trace, MK_TR_END);
+}
+
+// GEMM+RS with early sums (mk_gemm_reduce_early_*: BN 256, BM 128, one node, GEMM CTAs
+// reducing after their GEMM -- the host picks these kernels only then, with the side
+// staging after the engine's shared memory): gemm_reduce's one-node GEMM CTA path, with
+// the side warps summing during the GEMM and the 12 warps resuming after them.
+template <typename T, int BN>
+__device__ __forceinline__ void gemm_reduce_early(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_p,
+                                                  const GemmReduceParams& p) {
+  using Cfg = GemmConfig<T, BN, FusedStages<BN>::value, SHARE_NONE, kProducerRegs>;
+  static_assert(Cfg::STAGES * Cfg::STAGE_BYTES >= kRingStagingBytes<BN>, "ring_staging fits the ring");
+  using Epi = PartialEpilogue;
+  constexpr int kSide = side_staging_bytes<Cfg, Epi>();
+  static_assert(kSide > 0, "the early kernels need side staging");
+  extern __shared__ __align__(1024) char smem[];
+  mk_check_engine_smem<Cfg, Epi>();
+  uint32_t dyn_smem;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  // A plan mismatch (the host launches these on one node, without dedicated or side
+  // reducers, with the staging) is a bug: trap rather than reduce wrongly.
+  if (dyn_smem < uint32_t(engine_smem_bytes<Cfg, Epi>() + kSide) || p.nodes != 1 || p.reduce_ctas != 0 || p.side_reduce ||
+      p.two_phase || (int)gridDim.x != p.compute_ctas)
+    __trap();
+  const WorkspaceView& ws = p.ws;
+  mk_trace_begin(p.trace, false);
+
+  __shared__ Gate gate;
+  __shared__ EarlySums early;
+  // The engine's own barrier (after its mbarrier inits) orders these inits before any use.
+  if (threadIdx.x == 0) {
+    mbar_init(&gate.bar, 1);
+    early = EarlySums{0, 0, 0};
+  }
+  mk_trace_time(p.trace, MK_TR_SETUP);
+  RasterParams sched;
+  sched.tiles_m = (p.m + Cfg::BM - 1) / Cfg::BM;
+  sched.tiles_n = p.tiles_n;
+  sched.group_m = p.group_m > 0 ? p.group_m : 1;
+  sched.m_block_base = 0;
+  sched.owners = p.interleave;
+  // The side staging: right after the engine's shared memory (from the ring's 1 KiB-aligned base).
+  char* side_base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023)) +
+                    (engine_smem_bytes<Cfg, Epi>() - 1024);
+  typename EarlySideWorkFor<T, BN>::Params await{&p, &gate, &early, Staging{side_base, kSide}};
+  typename Epi::Params epi;
+  epi.dest.tma_c = tma_p;
+  epi.dest.gate = &gate;
+  epi.signal.flags = mk_signal_word(ws, ws.rank, GR_TILE);
+  epi.signal.tiles_n = p.tiles_n;
+  epi.signal.gate = &gate;
+  epi.signal.m = p.m;
+  gemm_persistent<Cfg, OwnerInterleavedRaster, EarlySideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
+                                                                             blockIdx.x, p.compute_ctas, smem);
+  // Consumer 0 is past its last epilogue: the side warps start no further piece. "GEMM" in
+  // the trace is this moment, not the CTA barrier after the side warps.
+  if (threadIdx.x == 128) {
+    *reinterpret_cast<volatile int*>(&early.gemm_done) = 1;
+    mk_trace_stamp(p.trace, MK_TR_GEMM);
+  }
+  restore_launch_registers<Cfg>();  // its CTA barrier: the side warps' EarlySums are written
+  const uint64_t epoch = gate.epoch;
+  if (gate.ok) reduce_tiles_from<T, BN>(p, epoch, blockIdx.x, p.compute_ctas, early.items, early.rows);
+  if (p.trace) {
+    __syncthreads();
+    mk_trace_time(p.trace, MK_TR_ROLE);
+  }
   mk_op_epoch_end_readers(ws, GR_EPOCH, GR_ARRIVE, GR_DONE, epoch);
   mk_trace_time(p.trace, MK_TR_END);
 }
@@ -1042,3 +1003,12 @@ MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn256_bm64, __nv_bfloat16, 256, 64)
 MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn128_bm64, __nv_bfloat16, 128, 64)
 MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn256_bm64, __half, 256, 64)
 MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn128_bm64, __half, 128, 64)
+// GEMM+RS with early sums (BN 256, one node; src/ops/gemm_reduce.rs picks them).
+#define MK_GEMM_REDUCE_EARLY_ENTRY(NAME, T)                                                             \
+  extern "C" __global__ void __launch_bounds__(384, 1)                                                 \
+      NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,       \
+           const __grid_constant__ CUtensorMap tma_p, const __grid_constant__ GemmReduceParams p) {    \
+    mk::gemm_reduce::gemm_reduce_early<T, 256>(&tma_a, &tma_b, &tma_p, p);                             \
+  }
+MK_GEMM_REDUCE_EARLY_ENTRY(mk_gemm_reduce_early_bf16_bn256, __nv_bfloat16)
+MK_GEMM_REDUCE_EARLY_ENTRY(mk_gemm_reduce_early_f16_bn256, __half)

@@ -16,8 +16,7 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
     ("MK_WORKSPACE_BYTES", "268435456", "symmetric workspace per rank allocated at init: this much for the collectives and as much again for the fused ops"),
     ("MK_NET", "(ib if an RDMA device is usable, else socket)", "inter-node transport: ib or socket"),
     ("MK_IB_HCA", "(every active device)", "RDMA devices to use: comma-separated name[:port] prefixes, '^' excludes, '=' exact"),
-    ("MK_GEMM_REDUCERS", "early", "who sums the partials in mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: early (two idle producer warps of each GEMM CTA sum its earlier tiles during the GEMM, every warp the rest after it), after (every warp of each GEMM CTA, after its GEMM) or side (two idle producer warps, during the GEMM; measured 1.6x slower with three)"),
-    ("MK_GEMM_EARLY_ITEMS", "(planned)", "with MK_GEMM_REDUCERS=early: how many of each GEMM CTA's reducer tiles its side warps may sum during the GEMM (at most all but its last; only where the kernel has side staging); the default plan gives them as many as fit in the GEMM's time (ops::gemm_reduce::early_items)"),
+    ("MK_GEMM_REDUCERS", "early", "who sums the partials in mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: early (GEMM+RS: two idle producer warps of each GEMM CTA sum its earlier tiles during the GEMM, every warp the rest after it; GEMM+AR: as after), after (every warp of each GEMM CTA, after its GEMM) or side (two idle producer warps, during the GEMM; measured 1.6x slower with three)"),
     ("MK_GEMM_AR_ONESHOT_MAX_M", "256", "mkGemmAllReduce: largest M that takes the one-shot path (every rank sums every tile); above it, two-phase (each owner sums its rows, the others copy them) where M divides into 128-row blocks per rank"),
     ("MK_MOE_ORDER", "auto", "order of the MoE kernels' GEMM row blocks: auto or expert (expert-major, raster groups cut at experts, so an expert's blocks share its weight tiles in L2; the dispatch's senders send expert by expert, flagged per (source, expert)), split (dispatch: own-only blocks, then blocks without the last step's source, then the rest, each expert-major) or arrival (both kernels by the latest source's send step, fixed raster groups: session 8's dispatch)"),
     ("MK_MOE_BANDS", "4", "mkMoeGemmCombine: column bands of the GEMM (fewer where H / tile width has no such divisor); the pull of band b's outputs runs beside the GEMM of the later bands (1: pull after the GEMM only)"),
@@ -62,11 +61,6 @@ pub fn ranks_per_node() -> Option<u64> {
 /// `MK_GEMM_AR_ONESHOT_MAX_M` (ops::gemm_ar::ONE_SHOT_MAX_M by default).
 pub fn gemm_ar_one_shot_max_m() -> usize {
     parse_u64("MK_GEMM_AR_ONESHOT_MAX_M").map_or(crate::ops::gemm_ar::ONE_SHOT_MAX_M, |m| m as usize)
-}
-
-/// `MK_GEMM_EARLY_ITEMS` (None: planned).
-pub fn gemm_early_items() -> Option<usize> {
-    parse_u64("MK_GEMM_EARLY_ITEMS").map(|v| v as usize)
 }
 
 /// `MK_MOE_BANDS` (ops::moe::DEFAULT_BANDS by default; at least 1).

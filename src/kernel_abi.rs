@@ -363,16 +363,6 @@ pub struct GemmReduceParams {
     /// One node, no dedicated reduction CTAs: 1 when the producer warpgroup's idle warps
     /// reduce during the GEMM, 0 when each GEMM CTA's 12 warps reduce after its GEMM.
     pub side_reduce: u32,
-    /// One node, one-shot, reducers after the GEMM (`ops::gemm_reduce::early_items`): the
-    /// most of a GEMM CTA's reducer items (tiles of its walk, all but its last) that its
-    /// two idle producer warps may sum during the GEMM, as the partials are flagged; the
-    /// CTA's 12 warps sum the rest after it. 0: none.
-    pub early_items: i32,
-    /// One-shot AllReduce on one node, GEMM CTAs reducing after their GEMM
-    /// (`ops::gemm_reduce::publish_sums`): 1 when a rank that sums a tile other than its
-    /// CTA's last also writes the sum to its R (at `reduced_offset`) and flags it, and a
-    /// rank finding a peer's flag up copies that sum instead of summing the partials.
-    pub publish: i32,
     /// Byte offsets in every rank's data region: N slabs each of [owner_rows, n], slab m at
     /// + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
     pub outbox_offset: u64,
@@ -381,6 +371,12 @@ pub struct GemmReduceParams {
     pub ring: ProxyRingView,
     /// rank_of[m * MK_MAX_PEERS + l]: global rank of local rank l on node m.
     pub rank_of: [i32; MK_MAX_NODE_RANKS],
+    /// GEMM+RS on one node, reducers after the GEMM (`ops::gemm_reduce::early_items`; the
+    /// `mk_gemm_reduce_early_*` kernels only): the most of a GEMM CTA's reducer items (tiles
+    /// of its walk, all but its last) that its two idle producer warps may sum during the
+    /// GEMM, as the partials are flagged; the CTA's 12 warps sum the rest after it. Last in
+    /// the struct, so the other kernels' parameter offsets (and code) stay as they were.
+    pub early_items: i32,
 }
 
 impl Default for GemmReduceParams {

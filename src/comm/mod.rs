@@ -45,8 +45,6 @@ pub struct CommConfig {
     /// the earlier tiles during the GEMM and every warp the rest after it (early), every
     /// warp of a GEMM CTA after its GEMM (after), or the side warps during it (side).
     pub gemm_reducers: crate::ops::gemm_reduce::Reducers,
-    /// MK_GEMM_EARLY_ITEMS: overrides the planned number of early-summed tiles per CTA.
-    pub gemm_early_items: Option<usize>,
     /// mkGemmAllReduce: the largest M that takes the one-shot path.
     pub gemm_ar_one_shot_max_m: usize,
     /// MoE kernels' m-block order (MK_MOE_ORDER): 0 arrival, 1 expert, 2 split, 3 auto.
@@ -66,7 +64,6 @@ impl CommConfig {
             ranks_per_node: crate::env::ranks_per_node().map(|v| v as u32),
             stage_collective_loads: crate::env::load_staging_smem(),
             gemm_reducers: crate::env::gemm_reducers(),
-            gemm_early_items: crate::env::gemm_early_items(),
             gemm_ar_one_shot_max_m: crate::env::gemm_ar_one_shot_max_m(),
             moe_order: crate::env::moe_order(),
             moe_bands: crate::env::moe_bands(),

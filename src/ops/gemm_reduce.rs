@@ -47,9 +47,9 @@ impl Reduction {
 /// Who sums the partials on one node without dedicated reduction CTAs (MK_GEMM_REDUCERS).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reducers {
-    /// The producer warpgroup's two idle warps of each GEMM CTA sum its earlier tiles while
-    /// the GEMM computes the later ones (`early_items`); every warp sums the rest after the
-    /// GEMM. The default.
+    /// GEMM+RS: the producer warpgroup's two idle warps of each GEMM CTA sum its earlier
+    /// tiles while the GEMM computes the later ones (`early_items`); every warp sums the
+    /// rest after the GEMM. GEMM+AR: as `After`. The default.
     Early,
     /// Every warp of each GEMM CTA, after its GEMM.
     After,
@@ -176,72 +176,40 @@ pub fn team_items(total: usize, j: usize, stride: usize) -> usize {
     if j < total { (total - j).div_ceil(stride) } else { 0 }
 }
 
-/// Side warps' summing rate beside the GEMM, bytes read + written per µs per CTA: an
-/// estimate from session 10 round 1 (benches/RESULTS.md): at GEMM+RS M 1024 the side warps
-/// summed most of three items in the ~70 µs of GEMM after the first was ready (~6-8 GB/s),
-/// at GEMM+AR M 256, K 3584 not one within the 42 µs of the CTA's second tile (< 5 GB/s).
-pub const SIDE_BYTES_PER_US: usize = 6000;
-/// GEMM tiles of time the side warps need per early item at least (empirical, the same
-/// run: one tile per item, GEMM+AR M 256 at K 1024 and 3584, lost every time).
-pub const SIDE_TILES_PER_ITEM: usize = 2;
-/// GEMM time of one 128 x 256 tile per 1024 of K on the fused kernel's CTAs: 15.5 µs
-/// (session 9/10 traces, 2 ranks x 32 CTAs sharing one H200: 31 µs for two tiles at K 1024).
-pub const TILE_US_PER_1024_K: f64 = 15.5;
-
 /// Early sums: the most reducer items of one GEMM CTA's walk that its side warps may sum
-/// during the GEMM (`GemmReduceParams::early_items`; the kernel also never gives them the
-/// CTA's last item, whose partial is stored only as its GEMM ends). 0 (off) unless the
-/// reducers are the GEMM CTAs' warps after the GEMM on one node (`Reducers::Early`, no
-/// dedicated CTAs), the path is one-shot (every ReduceScatter, small-M AllReduce), the
-/// kernel has side staging, and the side warps can finish the items within the GEMM:
-/// an item's sum (`nranks` partials read, one tile written) at SIDE_BYTES_PER_US takes
-/// `side_us`; the GEMM time left after the CTA's first tile (the earliest an item's
-/// partials exist) is (tiles per CTA - 1) x the tile time at this K; the side warps get as
-/// many items as fit in it, and at most one per SIDE_TILES_PER_ITEM of those tiles.
+/// during the GEMM (`GemmReduceParams::early_items`, the `mk_gemm_reduce_early_*` kernels;
+/// the kernel also never gives them the CTA's last item, whose partial is stored only as
+/// its GEMM ends). 0 (off: the other kernels) unless the op is ReduceScatter, the reducers
+/// are the GEMM CTAs' warps after the GEMM on one node (`Reducers::Early`, no dedicated
+/// CTAs), the kernel has side staging (BM 128, BN 256), and some CTA has two or more items.
 ///
-/// Why the model (benches/RESULTS.md, session 10 round 1): GEMM+RS at M 1024 / 4096 (8 / 32
-/// tiles per CTA) gained (0.866 -> 0.845, 0.881 -> 0.843), while GEMM+AR at M 256 (two
-/// tiles per CTA at 2 ranks, four of four sources at 4 ranks) lost (K 1024 0.82 -> 0.92, K
-/// 3584 0.87 -> 0.94, 4 ranks 0.82 -> 0.86): one GEMM tile of time is not enough for one
-/// tile's sum beside it, and the CTA's warps then wait for the side warps at the end.
+/// Measured (benches/RESULTS.md, session 10, one H200, 2 ranks): GEMM+RS M 1024 / 4096, K
+/// 1024 (8 / 32 GEMM tiles, 4 / 16 items per CTA) 0.866 -> 0.845, 0.881 -> 0.843 of the
+/// unfused sequence. GEMM+AR M 256 lost (K 1024 0.82 -> 0.92, K 3584 0.87 -> 0.94, 4
+/// ranks 0.82 -> 0.86): two GEMM tiles per CTA, and beside the GEMM the side warps sum only
+/// ~4-6 GB/s per CTA (its TMA loads hold the SM's memory path), so one tile of GEMM time
+/// does not cover a tile's sum and the CTA then waits for them; AllReduce stays without.
 #[allow(clippy::too_many_arguments)]
 pub fn early_items(
+    reduction: Reduction,
     reducers: Reducers,
     one_node: bool,
     reduce_ctas: u32,
-    two_phase: bool,
     bm: usize,
     bn: usize,
     items: usize,
     compute_ctas: usize,
-    gemm_tiles: usize,
-    k: usize,
-    nranks: usize,
-    forced: Option<usize>,
 ) -> usize {
-    if reducers != Reducers::Early || !one_node || reduce_ctas != 0 || two_phase || side_staging_bytes(bm, bn) == 0 || compute_ctas == 0 {
+    if reduction != Reduction::Scatter
+        || reducers != Reducers::Early
+        || !one_node
+        || reduce_ctas != 0
+        || side_staging_bytes(bm, bn) == 0
+        || compute_ctas == 0
+    {
         return 0;
     }
-    let most = team_items(items, 0, compute_ctas).saturating_sub(1);
-    if let Some(f) = forced {
-        return most.min(f); // MK_GEMM_EARLY_ITEMS (tests, tuning)
-    }
-    let side_us = (ROW_BLOCK * bn * 2 * (nranks + 1)) as f64 / SIDE_BYTES_PER_US as f64;
-    let tile_us = TILE_US_PER_1024_K * (k as f64 / 1024.0) * (bm * bn) as f64 / (128.0 * 256.0);
-    let left_tiles = team_items(gemm_tiles, 0, compute_ctas).saturating_sub(1);
-    let left_us = left_tiles as f64 * tile_us;
-    most.min(left_tiles / SIDE_TILES_PER_ITEM).min((left_us / side_us) as usize)
-}
-
-/// Published sums (`GemmReduceParams::publish`, kernels/gemm_reduce.cu reduce_tiles): on the
-/// one-shot AllReduce on one node with the GEMM CTAs reducing after their GEMM, a rank that
-/// sums a tile (other than its CTA's last) also writes it to its R and flags it, and a rank
-/// finding a peer's flag copies that sum. Why: under MPS the ranks start 10-20 µs apart
-/// (session 9/10 traces); the early rank sums the first wave while the late one computes
-/// its second, so the late rank copies those tiles (one read) instead of summing the n
-/// partials. Needs R beside P in the fused-op region (`op_bytes`); off where it does not fit.
-pub fn publish_sums(reduction: Reduction, two_phase: bool, one_node: bool, reduce_ctas: u32, reducers: Reducers, m: usize, n: usize, op_bytes: u64) -> bool {
-    reduction == Reduction::All && !two_phase && one_node && reduce_ctas == 0 && reducers != Reducers::Side && (2 * m * n * 2) as u64 <= op_bytes
+    team_items(items, 0, compute_ctas).saturating_sub(1)
 }
 
 /// The one-shot reducer items of a call (the kernel's reduce_tiles walk): the tiles of the
@@ -252,9 +220,8 @@ pub fn reducer_items(row_lo: usize, row_hi: usize, tiles_n: usize) -> usize {
 
 /// Rows per piece of an early sum (kernels/gemm_reduce.cu kSideRows): the side warps look
 /// for the end of the GEMM between pieces, so the CTA's 12 warps wait at most one piece
-/// for them. 8 rows (12 KB at 2 ranks, ~3 µs at SIDE_BYTES_PER_US): pieces of 32 took up
-/// to ~10 µs beside the GEMM (session 10 round 1, side warps done after 40 µs, GEMM 31).
-pub const SIDE_ROWS: usize = 8;
+/// for them.
+pub const SIDE_ROWS: usize = 32;
 
 /// Where the CTA's team resumes the walk after its side warps: they completed `done`
 /// items and `rows` rows (a multiple of SIDE_ROWS, from the item's first row) of the next
@@ -270,6 +237,7 @@ pub fn kernel_names() -> Vec<String> {
         .iter()
         .flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}")))
         .chain(["bf16", "f16"].iter().flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}_bm64"))))
+        .chain(["bf16", "f16"].iter().map(|dt| format!("mk_gemm_reduce_early_{dt}_bn256")))
         .collect()
 }
 
@@ -331,7 +299,6 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     // P (this rank's partial product), and for the two-phase path R (its reduced rows);
     // across nodes also the outbox and inbox of node partials.
     let needed = node_plan.map_or((m * n * 2 * if two_phase { 2 } else { 1 }) as u64, |p| p.op_bytes);
-    let publish = publish_sums(args.reduction, two_phase, nodes.is_none(), reduce_ctas, comm.config.gemm_reducers, m, n, ws.view.op_bytes);
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
             "{} keeps this rank's partial product{}{} ({needed} bytes) in the workspace's fused-op region, which holds {}: \
@@ -361,21 +328,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let mut ta = engine::tensor_map(args.a, args.dtype, m, k, bm, engine::BK)?;
     let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
     let mut tp = engine::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
-    let gemm_tiles = m.div_ceil(bm) * tiles_n;
-    let early = early_items(
-        comm.config.gemm_reducers,
-        nodes.is_none(),
-        reduce_ctas,
-        two_phase,
-        bm,
-        bn,
-        reducer_items(row_lo, row_hi, tiles_n),
-        compute_ctas as usize,
-        gemm_tiles,
-        k,
-        nranks,
-        comm.config.gemm_early_items,
-    );
+    let early = early_items(args.reduction, comm.config.gemm_reducers, nodes.is_none(), reduce_ctas, bm, bn, reducer_items(row_lo, row_hi, tiles_n), compute_ctas as usize);
     let mut params = GemmReduceParams {
         ws: ws.view,
         c: args.c,
@@ -405,7 +358,6 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         // session 5).
         side_reduce: (nodes.is_none() && reduce_ctas == 0 && comm.config.gemm_reducers == Reducers::Side) as u32,
         early_items: early as i32,
-        publish: publish as i32,
         ..GemmReduceParams::default()
     };
     if let (Some((nl, ring)), Some(np)) = (&nodes, &node_plan) {
@@ -425,7 +377,13 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         params.rank_of = nl.rank_of;
     }
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
-    let f = cuda::function("gemm_reduce", &format!("mk_gemm_reduce_{dt}_bn{bn}{}", if bm == 64 { "_bm64" } else { "" }))?;
+    // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere).
+    let name = if early > 0 {
+        format!("mk_gemm_reduce_early_{dt}_bn256")
+    } else {
+        format!("mk_gemm_reduce_{dt}_bn{bn}{}", if bm == 64 { "_bm64" } else { "" })
+    };
+    let f = cuda::function("gemm_reduce", &name)?;
     let cfg = LaunchConfig {
         grid: (compute_ctas + reduce_ctas, 1, 1),
         block: (engine::THREADS, 1, 1),
@@ -485,67 +443,30 @@ mod tests {
         }
     }
 
-    /// Early sums only where the GEMM CTAs reduce after their GEMM on one node, one-shot,
-    /// with side staging, and where the side warps can finish items within the GEMM (the
-    /// session 10 round 1 shapes: on for GEMM+RS M 1024 / 4096, off for GEMM+AR M 256).
+    /// Early sums only for ReduceScatter with the GEMM CTAs reducing after their GEMM on
+    /// one node, with side staging and more than one item per CTA; at most all but a
+    /// CTA's last item.
     #[test]
     fn early_sums_plan() {
-        let early = |items: usize, ctas: usize, gemm_tiles: usize, k: usize, nranks: usize| {
-            early_items(Reducers::Early, true, 0, false, 128, 256, items, ctas, gemm_tiles, k, nranks, None)
-        };
-        // GEMM+AR M 256, N 8192 (64 tiles): 2 ranks x 32 CTAs (two tiles each), K 1024
-        // and 3584; 4 ranks x 16 CTAs (four tiles each, four partials per sum): off.
-        let items = reducer_items(0, 256, 32);
-        assert_eq!(items, 64);
-        assert_eq!(early(items, 32, 64, 1024, 2), 0);
-        assert_eq!(early(items, 32, 64, 3584, 2), 0);
-        assert_eq!(early(items, 16, 64, 1024, 4), 0);
-        // Two GEMM tiles per CTA are never enough, whatever K.
-        assert_eq!(early(items, 32, 64, 65536, 2), 0);
-        // GEMM+RS M 1024 / 4096 at 2 ranks, K 1024: 8 / 32 GEMM tiles per CTA, 4 / 16 items.
-        assert_eq!(early(reducer_items(512, 1024, 32), 32, 256, 1024, 2), 3);
-        assert_eq!(early(reducer_items(2048, 4096, 32), 32, 1024, 1024, 2), 14);
-        // Short K: the sums do not fit (the GEMM tile takes ~1 µs).
-        assert_eq!(early(reducer_items(2048, 4096, 32), 32, 1024, 64, 2), 0);
-        // Never the CTA's last item.
-        assert_eq!(early(reducer_items(512, 1024, 32), 32, 256, 65536, 2), 3);
-        // MK_GEMM_EARLY_ITEMS overrides the model, not the structure.
-        let forced = |f, r, bm| early_items(r, true, 0, false, bm, 256, items, 32, 64, 1024, 2, Some(f));
-        assert_eq!(forced(5, Reducers::Early, 128), 1);
-        assert_eq!(forced(0, Reducers::Early, 128), 0);
-        assert_eq!(forced(5, Reducers::After, 128), 0);
-        assert_eq!(forced(5, Reducers::Early, 64), 0);
+        let rs = |items, ctas| early_items(Reduction::Scatter, Reducers::Early, true, 0, 128, 256, items, ctas);
+        // ReduceScatter M 1024 / 4096 at 2 ranks: this rank's 512 / 2048 rows, 32 CTAs.
+        assert_eq!(rs(reducer_items(512, 1024, 32), 32), 3);
+        assert_eq!(rs(reducer_items(2048, 4096, 32), 32), 15);
         // Odd rows: the blocks holding them.
         assert_eq!(reducer_items(100, 300, 4), 12);
         assert_eq!(reducer_items(5, 5, 4), 0);
-        // One wave, no side staging (BM 64, BN 128), other modes, paths, nodes.
-        let long = |bm, bn, r, one_node, reduce_ctas, two_phase| {
-            early_items(r, one_node, reduce_ctas, two_phase, bm, bn, 1024, 32, 1024, 65536, 2, None)
-        };
-        assert!(long(128, 256, Reducers::Early, true, 0, false) > 0);
-        assert_eq!(early(32, 32, 32, 65536, 2), 0);
-        assert_eq!(long(64, 256, Reducers::Early, true, 0, false), 0);
-        assert_eq!(long(128, 128, Reducers::Early, true, 0, false), 0);
-        assert_eq!(long(128, 256, Reducers::After, true, 0, false), 0);
-        assert_eq!(long(128, 256, Reducers::Side, true, 0, false), 0);
-        assert_eq!(long(128, 256, Reducers::Early, false, 0, false), 0);
-        assert_eq!(long(128, 256, Reducers::Early, true, 4, false), 0);
-        assert_eq!(long(128, 256, Reducers::Early, true, 0, true), 0);
-    }
-
-    #[test]
-    fn sums_are_published_on_the_one_shot_allreduce_only() {
-        let big = 1 << 28;
-        assert!(publish_sums(Reduction::All, false, true, 0, Reducers::Early, 256, 8192, big));
-        assert!(publish_sums(Reduction::All, false, true, 0, Reducers::After, 256, 8192, big));
-        // R beside P must fit: 2 x M x N x 2 bytes.
-        assert!(publish_sums(Reduction::All, false, true, 0, Reducers::Early, 256, 8192, 2 * 256 * 8192 * 2));
-        assert!(!publish_sums(Reduction::All, false, true, 0, Reducers::Early, 256, 8192, 2 * 256 * 8192 * 2 - 1));
-        assert!(!publish_sums(Reduction::Scatter, false, true, 0, Reducers::Early, 256, 8192, big));
-        assert!(!publish_sums(Reduction::All, true, true, 0, Reducers::Early, 4096, 8192, big));
-        assert!(!publish_sums(Reduction::All, false, false, 0, Reducers::Early, 256, 8192, big));
-        assert!(!publish_sums(Reduction::All, false, true, 4, Reducers::Early, 256, 8192, big));
-        assert!(!publish_sums(Reduction::All, false, true, 0, Reducers::Side, 256, 8192, big));
+        // One item per CTA; AllReduce (M 256: measured slower); no side staging; other
+        // modes; across nodes; dedicated reducers.
+        assert_eq!(rs(32, 32), 0);
+        let items = reducer_items(0, 256, 32);
+        assert_eq!(early_items(Reduction::All, Reducers::Early, true, 0, 128, 256, items, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 0, 64, 256, 128, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 0, 128, 128, 128, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::After, true, 0, 128, 256, 128, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::Side, true, 0, 128, 256, 128, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::Early, false, 0, 128, 256, 128, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 4, 128, 256, 128, 28), 0);
+        assert!(kernel_names().contains(&"mk_gemm_reduce_early_f16_bn256".to_string()));
     }
 
     /// Side warps and the team after the GEMM sum every row of every item of a team's walk

@@ -106,9 +106,9 @@ pub(crate) fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize)
             // (M, N, K): decode-sized and odd M (AllReduce, one-shot), shards off the tile
             // grid; M = n·384 and n·256 take the two-phase AllReduce when n > 1. N = 4360
             // (18 tiles of 256, the last partial) gives more reducer items than the 8-32
-            // CTAs of a shared GPU, with a partial last wave: with MK_GEMM_EARLY_ITEMS set
-            // (the plan finds no time at K = 72) the side warps' early sums, stopped inside
-            // an item by a GEMM this short, the 12 warps finishing it.
+            // CTAs of a shared GPU, with a partial last wave: for GEMM+RS the early-sum
+            // kernels (ops::gemm_reduce::early_items), with K = 72 a GEMM short enough that
+            // the side warps are often stopped inside an item and the 12 warps finish it.
             let shapes: Vec<(usize, usize, usize)> = if scatter {
                 vec![(n * 97, 264, 72), (n * 128, 520, 136), (n * 333, 776, 264), (n * 300, 4360, 72)]
             } else {
