@@ -371,6 +371,12 @@ pub struct GemmReduceParams {
     pub ring: ProxyRingView,
     /// rank_of[m * MK_MAX_PEERS + l]: global rank of local rank l on node m.
     pub rank_of: [i32; MK_MAX_NODE_RANKS],
+    /// GEMM+RS on one node, reducers after the GEMM (`ops::gemm_reduce::early_items`; the
+    /// `mk_gemm_reduce_early_*` kernels only): the most of a GEMM CTA's reducer items (tiles
+    /// of its walk, all but its last) that its two idle producer warps may sum during the
+    /// GEMM, as the partials are flagged; the CTA's 12 warps sum the rest after it. Last in
+    /// the struct, so the other kernels' parameter offsets (and code) stay as they were.
+    pub early_items: i32,
 }
 
 impl Default for GemmReduceParams {

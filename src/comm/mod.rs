@@ -41,9 +41,10 @@ pub struct CommConfig {
     /// Collectives stage their loads in shared memory (MK_LOAD_STAGING=smem) or keep them
     /// in registers.
     pub stage_collective_loads: bool,
-    /// GEMM+RS/AR on one node: every warp of a GEMM CTA reduces after its GEMM
-    /// (MK_GEMM_REDUCERS=after), or the side warps during it.
-    pub gemm_reducers_after: bool,
+    /// GEMM+RS/AR on one node: who sums the partials (MK_GEMM_REDUCERS): the side warps
+    /// the earlier tiles during the GEMM and every warp the rest after it (early), every
+    /// warp of a GEMM CTA after its GEMM (after), or the side warps during it (side).
+    pub gemm_reducers: crate::ops::gemm_reduce::Reducers,
     /// mkGemmAllReduce: the largest M that takes the one-shot path.
     pub gemm_ar_one_shot_max_m: usize,
     /// MoE kernels' m-block order (MK_MOE_ORDER): 0 arrival, 1 expert, 2 split, 3 auto.
@@ -65,7 +66,7 @@ impl CommConfig {
             workspace_bytes: crate::env::workspace_bytes(),
             ranks_per_node: crate::env::ranks_per_node().map(|v| v as u32),
             stage_collective_loads: crate::env::load_staging_smem(),
-            gemm_reducers_after: crate::env::gemm_reducers_after(),
+            gemm_reducers: crate::env::gemm_reducers(),
             gemm_ar_one_shot_max_m: crate::env::gemm_ar_one_shot_max_m(),
             moe_order: crate::env::moe_order(),
             moe_bands: crate::env::moe_bands(),

@@ -44,6 +44,19 @@ impl Reduction {
     }
 }
 
+/// Who sums the partials on one node without dedicated reduction CTAs (MK_GEMM_REDUCERS).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reducers {
+    /// GEMM+RS: the producer warpgroup's two idle warps of each GEMM CTA sum its earlier
+    /// tiles while the GEMM computes the later ones (`early_items`); every warp sums the
+    /// rest after the GEMM. GEMM+AR: as `After`. The default.
+    Early,
+    /// Every warp of each GEMM CTA, after its GEMM.
+    After,
+    /// The two idle producer warps, during the GEMM, everything (1.6x slower than after).
+    Side,
+}
+
 /// A validated call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmReduceArgs {
@@ -142,12 +155,89 @@ pub fn owned_tile(tiles_n: usize, group_m: usize, owners: usize, first: usize, b
     (first + m, n)
 }
 
+/// Shared memory after the fused engine's where the side warps stage their early sums
+/// (kernels/gemm_reduce.cu kSideStagingBytes): 16 KiB (or 8) where the 227 KiB leave it
+/// beside 1 KiB of static shared memory, else 0 (no early sums). Only the BM 128, BN 256
+/// kernels have room (three stages of 48 KiB and 64 KiB of epilogue staging leave 17 KiB);
+/// the others' rings took the space for more stages.
+pub fn side_staging_bytes(bm: usize, bn: usize) -> usize {
+    let free = engine::SMEM_LIMIT.saturating_sub(1024 + engine::fused_smem_bytes(bm, bn));
+    if free >= 16384 {
+        16384
+    } else if free >= 8192 {
+        8192
+    } else {
+        0
+    }
+}
+
+/// Items of a `total`-item walk that reducer team `j` of `stride` takes (j, j + stride, ...).
+pub fn team_items(total: usize, j: usize, stride: usize) -> usize {
+    if j < total { (total - j).div_ceil(stride) } else { 0 }
+}
+
+/// Early sums: the most reducer items of one GEMM CTA's walk that its side warps may sum
+/// during the GEMM (`GemmReduceParams::early_items`, the `mk_gemm_reduce_early_*` kernels;
+/// the kernel also never gives them the CTA's last item, whose partial is stored only as
+/// its GEMM ends). 0 (off: the other kernels) unless the op is ReduceScatter, the reducers
+/// are the GEMM CTAs' warps after the GEMM on one node (`Reducers::Early`, no dedicated
+/// CTAs), the kernel has side staging (BM 128, BN 256), and some CTA has two or more items.
+///
+/// Measured (benches/RESULTS.md, session 10, one H200, 2 ranks): GEMM+RS M 1024 / 4096, K
+/// 1024 (8 / 32 GEMM tiles, 4 / 16 items per CTA) 0.866 -> 0.845, 0.881 -> 0.843 of the
+/// unfused sequence. GEMM+AR M 256 lost (K 1024 0.82 -> 0.92, K 3584 0.87 -> 0.94, 4
+/// ranks 0.82 -> 0.86): two GEMM tiles per CTA, and beside the GEMM the side warps sum only
+/// ~4-6 GB/s per CTA (its TMA loads hold the SM's memory path), so one tile of GEMM time
+/// does not cover a tile's sum and the CTA then waits for them; AllReduce stays without.
+#[allow(clippy::too_many_arguments)]
+pub fn early_items(
+    reduction: Reduction,
+    reducers: Reducers,
+    one_node: bool,
+    reduce_ctas: u32,
+    bm: usize,
+    bn: usize,
+    items: usize,
+    compute_ctas: usize,
+) -> usize {
+    if reduction != Reduction::Scatter
+        || reducers != Reducers::Early
+        || !one_node
+        || reduce_ctas != 0
+        || side_staging_bytes(bm, bn) == 0
+        || compute_ctas == 0
+    {
+        return 0;
+    }
+    team_items(items, 0, compute_ctas).saturating_sub(1)
+}
+
+/// The one-shot reducer items of a call (the kernel's reduce_tiles walk): the tiles of the
+/// 128-row blocks holding rows [row_lo, row_hi).
+pub fn reducer_items(row_lo: usize, row_hi: usize, tiles_n: usize) -> usize {
+    if row_hi <= row_lo { 0 } else { ((row_hi - 1) / ROW_BLOCK - row_lo / ROW_BLOCK + 1) * tiles_n }
+}
+
+/// Rows per piece of an early sum (kernels/gemm_reduce.cu kSideRows): the side warps look
+/// for the end of the GEMM between pieces, so the CTA's 12 warps wait at most one piece
+/// for them.
+pub const SIDE_ROWS: usize = 32;
+
+/// Where the CTA's team resumes the walk after its side warps: they completed `done`
+/// items and `rows` rows (a multiple of SIDE_ROWS, from the item's first row) of the next
+/// one. Team `j` of `stride`, items of `rows_of(i)` rows: returns the (item index, first
+/// row offset) pairs the team sums (kernels/gemm_reduce.cu reduce_tiles with `first`).
+pub fn team_rest(total: usize, j: usize, stride: usize, done: usize, rows: usize) -> Vec<(usize, usize)> {
+    (0..team_items(total, j, stride)).skip(done).enumerate().map(|(x, k)| (j + k * stride, if x == 0 { rows } else { 0 })).collect()
+}
+
 /// The kernel instantiations (kernels/gemm_reduce.cu MK_GEMM_REDUCE_ENTRY).
 pub fn kernel_names() -> Vec<String> {
     ["bf16", "f16"]
         .iter()
         .flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}")))
         .chain(["bf16", "f16"].iter().flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}_bm64"))))
+        .chain(["bf16", "f16"].iter().map(|dt| format!("mk_gemm_reduce_early_{dt}_bn256")))
         .collect()
 }
 
@@ -238,6 +328,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let mut ta = engine::tensor_map(args.a, args.dtype, m, k, bm, engine::BK)?;
     let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
     let mut tp = engine::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
+    let early = early_items(args.reduction, comm.config.gemm_reducers, nodes.is_none(), reduce_ctas, bm, bn, reducer_items(row_lo, row_hi, tiles_n), compute_ctas as usize);
     let mut params = GemmReduceParams {
         ws: ws.view,
         c: args.c,
@@ -260,11 +351,13 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         interleave: interleave as i32,
         nodes: 1,
         global_rank: rank as i32,
-        // One node, no dedicated CTAs: each GEMM CTA's warps reduce after its GEMM;
-        // MK_GEMM_REDUCERS=side has the producer warpgroups' idle warps reduce during the
-        // GEMM instead (1.6x slower on one H200: 80 registers leave them ~6 GB/s per CTA;
-        // benches/RESULTS.md, session 5).
-        side_reduce: (nodes.is_none() && reduce_ctas == 0 && !comm.config.gemm_reducers_after) as u32,
+        // One node, no dedicated CTAs: each GEMM CTA's warps reduce after its GEMM (its
+        // side warps the earlier tiles during it: early_items); MK_GEMM_REDUCERS=side has
+        // the producer warpgroups' idle warps reduce everything during the GEMM instead
+        // (1.6x slower on one H200: 80 registers leave them ~6 GB/s per CTA; benches/RESULTS.md,
+        // session 5).
+        side_reduce: (nodes.is_none() && reduce_ctas == 0 && comm.config.gemm_reducers == Reducers::Side) as u32,
+        early_items: early as i32,
         ..GemmReduceParams::default()
     };
     if let (Some((nl, ring)), Some(np)) = (&nodes, &node_plan) {
@@ -284,11 +377,18 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         params.rank_of = nl.rank_of;
     }
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
-    let f = cuda::function("gemm_reduce", &format!("mk_gemm_reduce_{dt}_bn{bn}{}", if bm == 64 { "_bm64" } else { "" }))?;
+    // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere).
+    let name = if early > 0 {
+        format!("mk_gemm_reduce_early_{dt}_bn256")
+    } else {
+        format!("mk_gemm_reduce_{dt}_bn{bn}{}", if bm == 64 { "_bm64" } else { "" })
+    };
+    let f = cuda::function("gemm_reduce", &name)?;
     let cfg = LaunchConfig {
         grid: (compute_ctas + reduce_ctas, 1, 1),
         block: (engine::THREADS, 1, 1),
-        shared_mem_bytes: engine::fused_smem_bytes(bm, bn) as u32,
+        // Early sums stage in shared memory after the engine's (side_staging_bytes).
+        shared_mem_bytes: (engine::fused_smem_bytes(bm, bn) + if early > 0 { side_staging_bytes(bm, bn) } else { 0 }) as u32,
     };
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
@@ -325,6 +425,87 @@ mod tests {
             assert!(engine::fused_smem_bytes(64, bn) + 1024 <= engine::SMEM_LIMIT, "bn {bn}");
         }
         assert!(kernel_names().contains(&"mk_gemm_reduce_f16_bn128_bm64".to_string()));
+    }
+
+    /// Side staging exists only where the ring leaves room (BM 128, BN 256: 17 KiB free),
+    /// and with it the launch stays within the shared-memory limit.
+    #[test]
+    fn side_staging_fits_beside_the_engine() {
+        assert_eq!(side_staging_bytes(128, 256), 16384);
+        assert_eq!(side_staging_bytes(128, 128), 0);
+        assert_eq!(side_staging_bytes(64, 256), 0);
+        assert_eq!(side_staging_bytes(64, 128), 0);
+        for (bm, bn) in [(128, 256), (128, 128), (64, 256), (64, 128)] {
+            assert!(engine::fused_smem_bytes(bm, bn) + side_staging_bytes(bm, bn) + 1024 <= engine::SMEM_LIMIT);
+            // Whole batches of the side warps' cp.async staging: 64 threads x 16 bytes x 2
+            // sources x 2 buffers.
+            assert_eq!(side_staging_bytes(bm, bn) % 4096, 0);
+        }
+    }
+
+    /// Early sums only for ReduceScatter with the GEMM CTAs reducing after their GEMM on
+    /// one node, with side staging and more than one item per CTA; at most all but a
+    /// CTA's last item.
+    #[test]
+    fn early_sums_plan() {
+        let rs = |items, ctas| early_items(Reduction::Scatter, Reducers::Early, true, 0, 128, 256, items, ctas);
+        // ReduceScatter M 1024 / 4096 at 2 ranks: this rank's 512 / 2048 rows, 32 CTAs.
+        assert_eq!(rs(reducer_items(512, 1024, 32), 32), 3);
+        assert_eq!(rs(reducer_items(2048, 4096, 32), 32), 15);
+        // Odd rows: the blocks holding them.
+        assert_eq!(reducer_items(100, 300, 4), 12);
+        assert_eq!(reducer_items(5, 5, 4), 0);
+        // One item per CTA; AllReduce (M 256: measured slower); no side staging; other
+        // modes; across nodes; dedicated reducers.
+        assert_eq!(rs(32, 32), 0);
+        let items = reducer_items(0, 256, 32);
+        assert_eq!(early_items(Reduction::All, Reducers::Early, true, 0, 128, 256, items, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 0, 64, 256, 128, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 0, 128, 128, 128, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::After, true, 0, 128, 256, 128, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::Side, true, 0, 128, 256, 128, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::Early, false, 0, 128, 256, 128, 32), 0);
+        assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 4, 128, 256, 128, 28), 0);
+        assert!(kernel_names().contains(&"mk_gemm_reduce_early_f16_bn256".to_string()));
+    }
+
+    /// Side warps and the team after the GEMM sum every row of every item of a team's walk
+    /// exactly once, wherever the side warps stopped (within the kernel's limit).
+    #[test]
+    fn side_and_team_cover_each_walk_once() {
+        for &(total, stride, early) in &[(64, 32, 1), (64, 16, 3), (128, 32, 3), (70, 32, 2), (5, 4, 1)] {
+            for j in 0..stride {
+                let mine = team_items(total, j, stride);
+                let limit = early.min(mine.saturating_sub(1));
+                for done in 0..=limit {
+                    for rows in (0..128).step_by(SIDE_ROWS) {
+                        if done == limit && rows > 0 {
+                            continue; // the side warps start no item past the limit
+                        }
+                        let mut seen = vec![0usize; total * 128];
+                        for k in 0..done {
+                            for r in 0..128 {
+                                seen[(j + k * stride) * 128 + r] += 1;
+                            }
+                        }
+                        if rows > 0 {
+                            for r in 0..rows {
+                                seen[(j + done * stride) * 128 + r] += 1;
+                            }
+                        }
+                        for (i, r0) in team_rest(total, j, stride, done, rows) {
+                            for r in r0..128 {
+                                seen[i * 128 + r] += 1;
+                            }
+                        }
+                        for i in 0..total {
+                            let want = usize::from(i % stride == j);
+                            assert!(seen[i * 128..(i + 1) * 128].iter().all(|&c| c == want), "total {total} j {j} done {done} rows {rows} item {i}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

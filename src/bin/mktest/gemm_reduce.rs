@@ -104,11 +104,24 @@ pub(crate) fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize)
     for scatter in [true, false] {
         for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
             // (M, N, K): decode-sized and odd M (AllReduce, one-shot), shards off the tile
-            // grid; M = n·384 and n·256 take the two-phase AllReduce when n > 1.
+            // grid; M = n·384 and n·256 take the two-phase AllReduce when n > 1. N = 4360
+            // (18 tiles of 256, the last partial) gives more reducer items than the 8-32
+            // CTAs of a shared GPU, with a partial last wave: for GEMM+RS the early-sum
+            // kernels (ops::gemm_reduce::early_items), with K = 72 a GEMM short enough that
+            // the side warps are often stopped inside an item and the 12 warps finish it.
             let shapes: Vec<(usize, usize, usize)> = if scatter {
-                vec![(n * 97, 264, 72), (n * 128, 520, 136), (n * 333, 776, 264)]
+                vec![(n * 97, 264, 72), (n * 128, 520, 136), (n * 333, 776, 264), (n * 300, 4360, 72)]
             } else {
-                vec![(1, 264, 72), (7, 520, 136), (64, 1032, 256), (255, 776, 264), (n * 200 + 3, 392, 200), (n * 384, 776, 264), (n * 256, 1032, 136)]
+                vec![
+                    (1, 264, 72),
+                    (7, 520, 136),
+                    (64, 1032, 256),
+                    (255, 776, 264),
+                    (n * 200 + 3, 392, 200),
+                    (n * 384, 776, 264),
+                    (n * 256, 1032, 136),
+                    (250, 4360, 72),
+                ]
             };
             for (m, cols, k) in shapes {
                 let case = Case::new(scatter, dtype, m, cols, k, n, rank)?;
