@@ -84,19 +84,31 @@ pub fn plan_grid(s: &RingShape, grid_cap: u32) -> (usize, usize, u32) {
     (q_blocks, items, (items as u32).clamp(1, grid_cap.max(1)))
 }
 
-/// K/V bytes a section of the dynamic schedule may keep in L2 at once (the H200 has 60 MB
-/// of L2; CTAs of one section read the same K/V tiles at about the same time, and the
-/// next section's heavy items start while the last light ones of this one run).
-pub const SCHED_L2_BYTES: usize = 16 << 20;
+/// K/V bytes a section of the dynamic schedule may span (MK_RING_L2_MIB overrides it):
+/// CTAs of one section read the same K/V tiles at about the same time, and the next
+/// section's heavy items start while the last light ones of this one run, so about this
+/// much K/V is being read at once. 16 MiB (session 9) ran slower than a working set of
+/// one 8 MiB head: non-causal S 32K, one 16 MiB head at a time, ran at 0.90x of S 16K,
+/// and at causal S 8K / 16K the 16 MiB sections (4 / 2 heads) lost 2-3 % against the fixed
+/// snake, whose rounds span ~8 MiB, in spite of the snake's 3 % imbalance (RESULTS,
+/// session 9 run 3).
+pub const SCHED_L2_BYTES: usize = 8 << 20;
 
 /// (batch, head) pairs per section of the dynamic order: as many kv heads as fit their K
-/// and V over every ring step in SCHED_L2_BYTES (at least one), times the query heads
-/// that share each, capped at all pairs. Sections are aligned to multiples of heads /
-/// kv_heads, so the query heads of one kv head never straddle two sections.
-pub fn sched_section(s: &RingShape) -> usize {
+/// and V over every ring step in `l2_bytes` (at least one), times the query heads that
+/// share each, capped at all pairs; but no fewer kv heads than give a section half as many
+/// items as the `grid` has CTAs. The last section's heaviest items are the call's last
+/// heavy ones: with fewer items than that they start late and the call ends unevenly
+/// (one head of 64 query blocks per section on 132 CTAs: the busiest 5.6 % above the
+/// mean). Sections are aligned to multiples of heads / kv_heads, so the query heads of one
+/// kv head never straddle two sections.
+pub fn sched_section(s: &RingShape, l2_bytes: usize, grid: u32) -> usize {
     let kv_bytes = (s.nranks * s.seq_local * s.head_dim * 2 * 2).max(1);
-    let kv_heads = (SCHED_L2_BYTES / kv_bytes).max(1);
-    (kv_heads * (s.heads / s.kv_heads.max(1)).max(1)).min((s.batch * s.heads).max(1))
+    let group = (s.heads / s.kv_heads.max(1)).max(1);
+    let q_blocks = s.seq_local.div_ceil(BLOCK_M).max(1);
+    let min_kv_heads = (grid as usize).div_ceil(2 * q_blocks * group);
+    let kv_heads = (l2_bytes / kv_bytes).max(min_kv_heads).max(1);
+    (kv_heads * group).min((s.batch * s.heads).max(1))
 }
 
 /// The work item (`bh · q_blocks + j`, j = 0 the heaviest query block of pair bh, the
@@ -190,7 +202,7 @@ fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
         num_items: items as i32,
         scale_log2: args.softmax_scale * std::f32::consts::LOG2_E,
         sched_dynamic: 0,
-        sched_section: sched_section(s) as i32,
+        sched_section: sched_section(s, crate::env::ring_l2_bytes(), grid) as i32,
     };
     (p, grid)
 }
@@ -485,14 +497,27 @@ mod tests {
         let s = |seq_local: usize, heads: usize, kv_heads: usize, nranks: usize| RingShape {
             batch: 1, seq_local, heads, kv_heads, head_dim: 128, causal: true, nranks,
         };
-        // 16 MiB of K and V: 4 heads at S 8K, 2 at 16K, 1 at 32K (one rank, D 128, bf16).
-        assert_eq!(sched_section(&s(8192, 32, 32, 1)), 4);
-        assert_eq!(sched_section(&s(16384, 32, 32, 1)), 2);
-        assert_eq!(sched_section(&s(32768, 32, 32, 1)), 1);
-        assert_eq!(sched_section(&s(65536, 32, 32, 1)), 1, "at least one head");
-        assert_eq!(sched_section(&s(4096, 32, 32, 4)), 2, "every ring step's K/V counts");
-        assert_eq!(sched_section(&s(16384, 32, 8, 1)), 8, "2 kv heads, 4 query heads each");
-        assert_eq!(sched_section(&s(256, 4, 2, 1)), 4, "capped at every (batch, head) pair");
+        let mib = 1usize << 20;
+        // 8 MiB of K and V (the default): 2 heads at S 8K, 1 at 16K and 32K (one rank, D 128, bf16).
+        assert_eq!(SCHED_L2_BYTES, 8 * mib);
+        assert_eq!(sched_section(&s(8192, 32, 32, 1), 8 * mib, 132), 2);
+        assert_eq!(sched_section(&s(16384, 32, 32, 1), 8 * mib, 132), 1);
+        assert_eq!(sched_section(&s(32768, 32, 32, 1), 8 * mib, 132), 1, "at least one head");
+        assert_eq!(sched_section(&s(16384, 32, 8, 1), 8 * mib, 132), 4, "1 kv head, 4 query heads each");
+        assert_eq!(sched_section(&s(2048, 32, 32, 4), 8 * mib, 32), 2, "every ring step's K/V counts");
+        assert_eq!(sched_section(&s(2048, 32, 32, 4), 8 * mib, 132), 5, "66 items per section: 5 heads of 16 query blocks");
+        // Other budgets (MK_RING_L2_MIB).
+        assert_eq!(sched_section(&s(8192, 32, 32, 1), 16 * mib, 132), 4);
+        assert_eq!(sched_section(&s(16384, 32, 32, 1), 16 * mib, 132), 2);
+        assert_eq!(sched_section(&s(32768, 32, 32, 1), 16 * mib, 132), 1);
+        assert_eq!(sched_section(&s(65536, 32, 32, 1), 16 * mib, 132), 1, "at least one head");
+        assert_eq!(sched_section(&s(4096, 32, 32, 4), 16 * mib, 32), 2, "every ring step's K/V counts");
+        assert_eq!(sched_section(&s(16384, 32, 8, 1), 16 * mib, 132), 8, "2 kv heads, 4 query heads each");
+        assert_eq!(sched_section(&s(8192, 32, 32, 1), 0, 64), 1, "0: one kv head");
+        assert_eq!(sched_section(&s(8192, 32, 32, 1), 0, 132), 2, "at least 66 items per section on 132 CTAs");
+        assert_eq!(sched_section(&s(16384, 32, 32, 1), 0, 132), 1);
+        assert_eq!(sched_section(&s(2048, 32, 8, 1), 0, 132), 8, "whole GQA groups of 4 query heads: 2 x 4 x 16 items");
+        assert_eq!(sched_section(&s(256, 4, 2, 1), 8 * mib, 132), 4, "capped at every (batch, head) pair");
     }
 
     #[test]
@@ -516,14 +541,15 @@ mod tests {
 
     /// Greedy list scheduling (each CTA takes the next ticket when it finishes an item) of
     /// the one-rank causal bench shapes in the dynamic order: the busiest of 132 CTAs ends
-    /// within 0.5 % of the mean (the fixed snake: 3.1 %). Cost of an item: its visible
-    /// 128-key tiles plus one for the item's own overhead.
+    /// within 0.5 % of the mean (the fixed snake: 3.1 %), for section budgets from one
+    /// head to several. Cost of an item: its visible 128-key tiles plus one for the item's
+    /// own overhead.
     #[test]
     fn dynamic_order_balances_causal_items() {
-        for seq in [8192usize, 16384, 32768] {
+        for (seq, l2_mib) in [8192usize, 16384, 32768].into_iter().flat_map(|s| [0, 4, 8, 16, 32].map(|m| (s, m))) {
             let s = RingShape { batch: 1, seq_local: seq, heads: 32, kv_heads: 32, head_dim: 128, causal: true, nranks: 1 };
             let (q_blocks, items, grid) = plan_grid(&s, 132);
-            let section = sched_section(&s);
+            let section = sched_section(&s, l2_mib << 20, grid);
             let cost = |item: usize| (q_blocks - item % q_blocks) as u64 + 1; // j = 0: the last query block, q_blocks tiles
             let mut ctas = std::collections::BinaryHeap::new();
             (0..grid).for_each(|c| ctas.push(std::cmp::Reverse((0u64, c))));
@@ -534,7 +560,7 @@ mod tests {
             let ends: Vec<u64> = ctas.into_iter().map(|std::cmp::Reverse((t, _))| t).collect();
             let mean = ends.iter().sum::<u64>() as f64 / ends.len() as f64;
             let max = *ends.iter().max().unwrap() as f64;
-            assert!(max / mean < 1.005, "S {seq}: busiest CTA {max} against a mean of {mean}");
+            assert!(max / mean < 1.005, "S {seq}, {l2_mib} MiB: busiest CTA {max} against a mean of {mean}");
         }
     }
 
