@@ -642,23 +642,24 @@ struct Attn {
     // rows, written in the tile's swizzle (conflict-free: the 8 rows of a piece column
     // fall on 8 different 16-byte chunks), then read back as 16-byte chunks of whole rows,
     // so every global store is 16 bytes and each warp store covers two 256-byte rows
-    // (instead of 8 rows x 16 bytes of 4-byte stores). Then the Q slot goes back to the
-    // producer.
+    // (instead of 8 rows x 16 bytes of 4-byte stores). All of a lane's chunks are read
+    // into registers first and the Q slot goes back to the producer before the global
+    // stores: the proxy fence before the release (a MEMBAR.ALL.CTA in the SASS) then
+    // waits for shared-memory reads only, not for 8 global stores and the lse store, and
+    // the reads are not serialised behind per-chunk row checks. The epilogue runs between
+    // two of this warpgroup's GEMM turns, once per item (causal items average half the
+    // tiles of non-causal ones), so what it waits for is time the tensor cores may idle.
     auto epilogue = [&](const float (&acc)[OREG], const Item& it, int k, const float (&m_fin)[2],
                         const float (&l_fin)[2]) {
       T* tQ = sQ + (k % Q_STAGES) * BM * D;
-      float inv[2];
+      float inv[2], lse_v[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float l = l_fin[r];
         l += __shfl_xor_sync(0xffffffff, l, 1);
         l += __shfl_xor_sync(0xffffffff, l, 2);
         inv[r] = l > 0.f ? 1.f / l : 0.f;
-        const int row = it.q0 + row_base + 8 * r;
-        if (t4 == 0 && row < S) {
-          float* lse = reinterpret_cast<float*>(p.lse) + ((size_t)it.b * p.heads + it.h) * S + row;
-          *lse = l > 0.f ? (m_fin[r] * sl + log2f(l)) * 0.69314718055994531f : -INFINITY;
-        }
+        lse_v[r] = l > 0.f ? (m_fin[r] * sl + log2f(l)) * 0.69314718055994531f : -INFINITY;
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -671,20 +672,33 @@ struct Attn {
       constexpr int CHUNKS = D / 8;                 // 16-byte chunks of a row
       constexpr int PER_LANE = 16 * CHUNKS / 32;    // of the warp's 16 rows
       const int wrow = 64 * wg + 16 * (warp % 4);   // the warp's first row of the tile
-      T* o = reinterpret_cast<T*>(p.out) + ((size_t)it.b * S * p.heads + it.h) * D;
+      int4 chunk[PER_LANE];
 #pragma unroll
       for (int i = 0; i < PER_LANE; ++i) {
         const int idx = i * 32 + lane, rr = idx / CHUNKS, c = idx % CHUNKS;
-        const int row = it.q0 + wrow + rr;
-        if (row < S)
-          *reinterpret_cast<int4*>(o + (size_t)row * q_stride + c * 8) =
-              *reinterpret_cast<const int4*>(tQ + swz<BM>(wrow + rr, c));
+        chunk[i] = *reinterpret_cast<const int4*>(tQ + swz<BM>(wrow + rr, c));
       }
       // Every lane's generic accesses of the slot (the O staging) come before lane 0
       // releases it to the producer, whose next TMA write of it is an async-proxy write.
       fence_proxy_async_smem();
       __syncwarp();
       release(&pl.q_empty[k % Q_STAGES]);
+      T* o = reinterpret_cast<T*>(p.out) + ((size_t)it.b * S * p.heads + it.h) * D;
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i) {
+        const int idx = i * 32 + lane, rr = idx / CHUNKS, c = idx % CHUNKS;
+        const int row = it.q0 + wrow + rr;
+        // (A plain int4 assignment from the register array compiled to four 4-byte stores.)
+        if (row < S)
+          asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(o + (size_t)row * q_stride + c * 8), "r"(chunk[i].x),
+                       "r"(chunk[i].y), "r"(chunk[i].z), "r"(chunk[i].w)
+                       : "memory");
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = it.q0 + row_base + 8 * r;
+        if (t4 == 0 && row < S) reinterpret_cast<float*>(p.lse)[((size_t)it.b * p.heads + it.h) * S + row] = lse_v[r];
+      }
       __syncwarp();  // converged again before the next wgmma and bar.sync (.aligned)
     };
 
