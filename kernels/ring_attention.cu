@@ -302,17 +302,21 @@ __device__ __forceinline__ int visible_blocks(const RingAttnParams& p, int src, 
 
 // A work item's walk over its visible blocks, which the producer and the consumers take
 // alike: ring steps in order; inside a step, its visible blocks [0, nvis) starting at
-// block rot = (the item's query block) mod nvis and wrapping around. The rotation
-// staggers the CTAs' K/V streams: without it every item of a round starts at block 0 and
-// the CTAs read each K/V tile at the same moment, so the first read of every tile (from
-// HBM) holds up all of them, where staggered streams find it in L2, brought in by the
-// CTA ahead. Causal, one rank: the diagonal block first, then 0 up. The online softmax
-// does not depend on the order (within rounding).
+// block rot = (the item's query block) mod nvis and going down, wrapping around. The
+// rotation staggers the CTAs' K/V streams: without it every item of a round starts at
+// block 0 and the CTAs read each K/V tile at the same moment, so the first read of every
+// tile (from HBM) holds up all of them, where staggered streams find it in L2, brought in
+// by the CTA ahead. Going down (FlashAttention-3's order) keeps the causal items
+// staggered past their first tile too: causal, one rank, an item walks from its diagonal
+// block down to 0, so items started together (neighbouring query blocks) read
+// neighbouring tiles, each one a tile behind the next, where going up from 0 after the
+// diagonal put them all on the same tile at once. The online softmax does not depend on
+// the order (within rounding).
 struct Walk {
   int s = -1, i = 0, nvis = 0, rot = 0;
   __device__ __forceinline__ int block() const {
-    const int b = i + rot;
-    return b < nvis ? b : b - nvis;
+    const int b = rot - i;
+    return b >= 0 ? b : b + nvis;
   }
   // Moves to the next visible block; false past the last ring step.
   __device__ __forceinline__ bool next(const RingAttnParams& p, int qmax, int qblock) {
