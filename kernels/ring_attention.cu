@@ -56,6 +56,7 @@
 #include <cuda_fp16.h>
 #include "common/fused_op.cuh"
 #include "common/gemm/wgmma_rs_ops.cuh"
+#include "common/trace.cuh"
 
 #define MK_OP_RING_ATTN 21
 // Signal words of this op: [MK_SIG_RING_BASE, +65536).
@@ -68,6 +69,15 @@
 #define RING_KV (MK_SIG_RING_BASE + 16)     // + src: src's K/V of epoch e is in its workspace (written by src)
 
 namespace mk { namespace ring_attn {
+
+// `mkbench ring_attn --trace` (p.trace != 0; the C API passes 0): MK_TRACE_WORDS u64 per
+// CTA at p.trace + blockIdx.x * MK_TRACE_WORDS. Times from %globaltimer (ns).
+//   0 start   1 K/V published (= start at one rank)   2 thread 0's consumer done
+//   3 end     4 / 5 / 8 ns thread 0 (warpgroup 0) waited for K / V / Q to land
+//   6 items | K/V tiles << 32 (the producer's count)   7 SM id
+//   9 ns thread 128 (warpgroup 1) waited for K and V
+// Only the waits that did not succeed at the first try are timed.
+enum RingTrace { TR_WAIT_K = 4, TR_WAIT_V = 5, TR_COUNT = 6, TR_WAIT_Q = 8, TR_WAIT_KV1 = 9 };
 
 constexpr int BM = 128;  // queries per work item (2 warpgroups x 64 rows)
 constexpr int BN = 128;  // keys per tile
@@ -412,6 +422,7 @@ struct Attn {
       pl.q_item[qs] = item;  // published by the arrive below (release), read after the consumers' wait
       if (item < 0) {
         mbar_arrive(&pl.q_full[qs]);  // the one expected arrival, no bytes: "no more items"
+        if (p.trace) *mk_trace_slot(p.trace, TR_COUNT) = (uint64_t)k | ((uint64_t)tile << 32);
         break;
       }
       const Item it(p, item);
@@ -472,6 +483,18 @@ struct Attn {
     auto release = [&](uint64_t* bar) {
       if (lane == 0) mbar_arrive(bar);  // after this warp's wgmma wait: its reads are done
     };
+    // --trace: the time of the waits that do not succeed at once (RingTrace).
+    const bool traced = p.trace != 0;
+    uint64_t waited_k = 0, waited_v = 0, waited_q = 0;
+    auto wait_full = [&](uint64_t* bar, uint32_t parity, uint64_t& waited) {
+      if (traced && !mbar_try_wait(bar, parity)) {
+        const uint64_t t0 = mk_globaltimer();
+        mbar_wait(bar, parity);
+        waited += mk_globaltimer() - t0;
+      } else {
+        mbar_wait(bar, parity);
+      }
+    };
     // Pingpong: the warpgroups issue their GEMMs of a tile in turns, 0 then 1. Barrier
     // TURN_BARRIER + wg completes with this warpgroup's bar.sync (128) and the other's
     // bar.arrive (128) after it issued; warpgroup 0 arrives on its own barrier once to
@@ -490,12 +513,12 @@ struct Attn {
     };
     // Waits for the Q of the CTA's k-th item and returns the item (-1: there is none).
     auto wait_q = [&](int k) -> int {
-      mbar_wait(&pl.q_full[k % Q_STAGES], (k / Q_STAGES) & 1);  // TMA wrote it: no proxy fence (Pipeline)
+      wait_full(&pl.q_full[k % Q_STAGES], (k / Q_STAGES) & 1, waited_q);  // TMA wrote it: no proxy fence (Pipeline)
       return *reinterpret_cast<volatile int*>(&pl.q_item[k % Q_STAGES]);
     };
     // Waits for tile t's K; false when the producer gave up at this tile.
     auto wait_k = [&](int t) -> bool {
-      mbar_wait(&pl.k_full[t % KV_STAGES], (t / KV_STAGES) & 1);
+      wait_full(&pl.k_full[t % KV_STAGES], (t / KV_STAGES) & 1, waited_k);
       return t < *reinterpret_cast<volatile int*>(&pl.abort_tile);
     };
     // Descriptor of this warpgroup's 64 query rows of the k-th item's Q tile. The operands'
@@ -521,7 +544,7 @@ struct Attn {
     // O += P·V of tile t: P from registers (the accumulator layout of S is the A-fragment
     // layout by pairs of 8-key blocks), V as the MN-major B operand.
     auto issue_pv = [&](float (&acc)[OREG], const uint32_t (&pa)[PSTEPS][4], int t) {
-      mbar_wait(&pl.v_full[t % KV_STAGES], (t / KV_STAGES) & 1);
+      wait_full(&pl.v_full[t % KV_STAGES], (t / KV_STAGES) & 1, waited_v);
       const char* tV = reinterpret_cast<const char*>(sV + (t % KV_STAGES) * TILE);
       wgmma_fence();
 #pragma unroll
@@ -783,6 +806,15 @@ struct Attn {
     fence_operands(acc);
     release(&pl.v_empty[(tile - 1) % KV_STAGES]);
     epilogue(acc, it, k, m_row, l_row);
+    if (traced && lane == 0 && warp % 4 == 0) {
+      if (wg == 0) {
+        *mk_trace_slot(p.trace, TR_WAIT_K) = waited_k;
+        *mk_trace_slot(p.trace, TR_WAIT_V) = waited_v;
+        *mk_trace_slot(p.trace, TR_WAIT_Q) = waited_q;
+      } else {
+        *mk_trace_slot(p.trace, TR_WAIT_KV1) = waited_k + waited_v;
+      }
+    }
     return true;
   }
 
@@ -841,6 +873,7 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
   // The host plan and the kernel disagree: trap rather than run out of bounds or hang.
   if (dyn_smem < uint32_t(smem_bytes<D>()) || blockDim.x != THREADS) __trap();
+  mk_trace_begin(p.trace, false);
   const bool ring = p.kv_gathered == 0 && p.nranks > 1;
   uint64_t epoch = 0;
   bool ok = true;
@@ -848,9 +881,11 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
     epoch = mk_op_epoch_begin(p.ws, RING_EPOCH);
     ok = publish_kv(p, epoch);
   }
+  mk_trace_time(p.trace, MK_TR_SETUP);
   // A failed wait has recorded the error and raised the abort word: skip to the end, so
   // the kernel still ends in bounded time.
   if (ok) Attn<T, D>::run(p, maps, epoch, smem);
+  mk_trace_time(p.trace, MK_TR_ROLE);
   if (p.sched_dynamic != 0) {
     // The last CTA to have taken its last ticket resets the counter for the next launch
     // (stream order: it starts after this one ends). Every CTA's tickets precede its
@@ -868,6 +903,7 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
     }
   }
   if (ring) mk_op_epoch_end(p.ws, RING_EPOCH, RING_ARRIVE, RING_DONE, epoch);
+  mk_trace_time(p.trace, MK_TR_END);
 }
 
 }  // namespace ring_attn

@@ -141,6 +141,8 @@ pub struct RingArgs {
     pub rank: usize,
     pub softmax_scale: f32,
     pub dtype: mkDataType_t,
+    /// Per-CTA timing buffer for `mkbench ring_attn --trace`, else 0.
+    pub trace: u64,
 }
 
 /// Argument checks (no CUDA); messages name the rule.
@@ -169,7 +171,7 @@ pub fn validate_args(
             crate::ensure_arg!(ptr % align == 0, "{name} = {ptr:#x} is not {align}-byte aligned");
         }
     }
-    Ok(RingArgs { q, k, v, out, lse, shape, rank, softmax_scale, dtype })
+    Ok(RingArgs { q, k, v, out, lse, shape, rank, softmax_scale, dtype, trace: 0 })
 }
 
 fn kernel(args: &RingArgs) -> Result<sys::CUfunction> {
@@ -191,6 +193,7 @@ fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
         kv_elems: (s.batch * s.seq_local * s.kv_heads * s.head_dim) as u64,
         kv_gathered: 0,
         v_gathered: 0,
+        trace: args.trace,
         batch: s.batch as i32,
         seq_local: s.seq_local as i32,
         heads: s.heads as i32,
