@@ -34,7 +34,7 @@
 //               runs while the other's GEMMs hold the tensor cores.
 //   warps 8-11  the producer warpgroup, of which one thread works: every load, by TMA
 //               (cp.async.bulk.tensor, 128-byte swizzle): Q per item into a ring of
-//               Q_STAGES slots, K and V tiles through two rings of KV_STAGES slots, with
+//               Q_STAGES slots, K and V tiles through rings of K_STAGES and V_STAGES slots, with
 //               full/empty mbarriers (K of tile t is loaded before V of tile t-1, the order
 //               the consumers need them in, also across items). It also makes the bounded
 //               waits for the sources' RING_KV flags, and stops the consumers at the tile
@@ -84,7 +84,13 @@ constexpr int BN = 128;  // keys per tile
 constexpr int CONSUMER_WARPS = 8;                  // warps 0-7: two math warpgroups
 constexpr int PRODUCER_THREADS = 128;              // warps 8-11: every load of the engine
 constexpr int THREADS = CONSUMER_WARPS * 32 + PRODUCER_THREADS;  // ops::ring_attention::THREADS
-constexpr int KV_STAGES = 2;                       // slots of the K ring and of the V ring
+// Slots of the K ring and of the V ring. The producer issues K of tile t once the slot's
+// previous tile (t - K_STAGES) is consumed, then V of tile t - 1: with two K slots K_t
+// left only when S_{t-2} had completed in both warpgroups, about two tiles ahead of its
+// use; a third K slot (the shared memory allows one: 225 KiB at D = 128) lets K_t leave
+// a tile earlier, V keeps its lead (its slot frees when P_{t-3}·V_{t-3} completes).
+constexpr int K_STAGES = 3;
+constexpr int V_STAGES = 2;
 constexpr int Q_STAGES = 2;                        // slots of the Q ring: the next item's Q loads during this one
 // Registers after setmaxnreg. A CTA of 384 threads starts with 168 each (a sub-partition
 // holds 3 of its 12 warps: 16K / 96, rounded down to a multiple of 8); the producer
@@ -103,10 +109,10 @@ static_assert(CONSUMER_REGS == 224, "setmaxnreg split");
 constexpr int TURN_BARRIER = 2;                    // + wg: consumer warpgroup wg's turn to issue (2, 3)
 
 // Dynamic shared memory (ops::ring_attention::smem_bytes): the Q ring, the K and V rings,
-// and 1 KiB to align them to the 128-byte swizzle's 1024-byte period (193 KiB at D = 128).
+// and 1 KiB to align them to the 128-byte swizzle's 1024-byte period (225 KiB at D = 128).
 template <int D>
 __host__ __device__ constexpr int smem_bytes() {
-  return (Q_STAGES * BM + 2 * KV_STAGES * BN) * D * 2 + 1024;
+  return (Q_STAGES * BM + (K_STAGES + V_STAGES) * BN) * D * 2 + 1024;
 }
 static_assert(smem_bytes<128>() <= 227 * 1024, "a CTA may opt in to 227 KiB of shared memory");
 
@@ -216,13 +222,14 @@ __device__ __forceinline__ bool publish_kv(const RingAttnParams& p, uint64_t epo
 //     item's Q tile (8 arrivals, lane 0 of each warp after the warp's reads and a
 //     fence.proxy.async: generic accesses before the TMA's next write of the slot).
 // K/V tile number t (counted over all items of this CTA, the same sequence for the
-// producer and both consumer warpgroups) lives in slot t % KV_STAGES and completes phase
-// (t / KV_STAGES) & 1 of its slot's barriers; Q of the CTA's k-th item, slot k % Q_STAGES,
+// producer and both consumer warpgroups) lives in K slot t % K_STAGES and completes phase
+// (t / K_STAGES) & 1 of its slot's barriers, and in V slot t % V_STAGES, phase
+// (t / V_STAGES) & 1; Q of the CTA's k-th item, slot k % Q_STAGES,
 // phase (k / Q_STAGES) & 1.
 struct Pipeline {
   uint64_t q_full[Q_STAGES], q_empty[Q_STAGES];
-  uint64_t k_full[KV_STAGES], k_empty[KV_STAGES];
-  uint64_t v_full[KV_STAGES], v_empty[KV_STAGES];
+  uint64_t k_full[K_STAGES], k_empty[K_STAGES];
+  uint64_t v_full[V_STAGES], v_empty[V_STAGES];
   // The K/V tile at which the producer's bounded wait gave up (INT_MAX: none). Written
   // before the producer arrives on that tile's k_full without data, so both consumer
   // warpgroups stop at the same tile.
@@ -398,8 +405,8 @@ struct Attn {
     // item's last P·V runs beside the next item's first S).
     int v_src = 0, v_row = 0, v_b = 0, v_hk = 0;  // where V of tile `tile - 1` comes from
     auto load_v = [&](int t) {
-      const int st = t % KV_STAGES;
-      mbar_wait(&pl.v_empty[st], ((t / KV_STAGES) & 1) ^ 1);
+      const int st = t % V_STAGES;
+      mbar_wait(&pl.v_empty[st], ((t / V_STAGES) & 1) ^ 1);
       mbar_expect_tx(&pl.v_full[st], TILE_BYTES);
       load_tile(sV + st * TILE, &maps.v[v_src], &pl.v_full[st], v_hk, v_row, v_b);
     };
@@ -431,8 +438,8 @@ struct Attn {
       Walk w;
       while (w.next(p, it.qmax, it.q0 / BM)) {
         const int s = w.s, kb = w.block();
-        const int st = tile % KV_STAGES;
-        const uint32_t ph = (tile / KV_STAGES) & 1;
+        const int st = tile % K_STAGES;
+        const uint32_t ph = (tile / K_STAGES) & 1;
         const int src = ring_src(me, s, n);
         const bool ok = ensure(src);
         // The slot's previous tile is consumed (also before an abort: completing the
@@ -518,7 +525,7 @@ struct Attn {
     };
     // Waits for tile t's K; false when the producer gave up at this tile.
     auto wait_k = [&](int t) -> bool {
-      wait_full(&pl.k_full[t % KV_STAGES], (t / KV_STAGES) & 1, waited_k);
+      wait_full(&pl.k_full[t % K_STAGES], (t / K_STAGES) & 1, waited_k);
       return t < *reinterpret_cast<volatile int*>(&pl.abort_tile);
     };
     // Descriptor of this warpgroup's 64 query rows of the k-th item's Q tile. The operands'
@@ -532,7 +539,7 @@ struct Attn {
     };
     // S = Q·K_tᵀ for this warpgroup's 64 query rows (Q descriptor qd).
     auto issue_s = [&](float (&sc)[SREG], uint64_t qd, int t) {
-      const uint64_t kd = make_smem_desc_sw128(sK + (t % KV_STAGES) * TILE);
+      const uint64_t kd = make_smem_desc_sw128(sK + (t % K_STAGES) * TILE);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk) {
@@ -544,8 +551,8 @@ struct Attn {
     // O += P·V of tile t: P from registers (the accumulator layout of S is the A-fragment
     // layout by pairs of 8-key blocks), V as the MN-major B operand.
     auto issue_pv = [&](float (&acc)[OREG], const uint32_t (&pa)[PSTEPS][4], int t) {
-      wait_full(&pl.v_full[t % KV_STAGES], (t / KV_STAGES) & 1, waited_v);
-      const char* tV = reinterpret_cast<const char*>(sV + (t % KV_STAGES) * TILE);
+      wait_full(&pl.v_full[t % V_STAGES], (t / V_STAGES) & 1, waited_v);
+      const char* tV = reinterpret_cast<const char*>(sV + (t % V_STAGES) * TILE);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < PSTEPS; ++kk) WgmmaRsT<D, T>::mma(acc, pa[kk], desc_mn_sw128(tV + kk * 16 * 128, BN * 128));
@@ -779,7 +786,7 @@ struct Attn {
       turn_end();
       wgmma_wait<1>();  // S_t done (groups complete in order), P_{t-1}·V_{t-1} may run on
       fence_operands(sc);
-      release(&pl.k_empty[tile % KV_STAGES]);
+      release(&pl.k_empty[tile % K_STAGES]);
       const float m_fin[2] = {m_row[0], m_row[1]}, l_fin[2] = {l_row[0], l_row[1]};
       if (boundary) {  // a new online softmax; alpha becomes 0, which O = 0 ignores
         m_row[0] = m_row[1] = -INFINITY;
@@ -789,7 +796,7 @@ struct Attn {
       anchor(l_row);
       wgmma_wait<0>();  // P_{t-1}·V_{t-1} done: its V slot and the P registers are free
       fence_operands(acc);
-      release(&pl.v_empty[(tile - 1) % KV_STAGES]);
+      release(&pl.v_empty[(tile - 1) % V_STAGES]);
       pack(pa, sc);
       if (boundary) {
         epilogue(acc, fin, k, m_fin, l_fin);
@@ -804,7 +811,7 @@ struct Attn {
     issue_pv(acc, pa, tile - 1);
     wgmma_wait<0>();
     fence_operands(acc);
-    release(&pl.v_empty[(tile - 1) % KV_STAGES]);
+    release(&pl.v_empty[(tile - 1) % V_STAGES]);
     epilogue(acc, it, k, m_row, l_row);
     if (traced && lane == 0 && warp % 4 == 0) {
       if (wg == 0) {
@@ -824,17 +831,19 @@ struct Attn {
     // 128-byte swizzle repeats every 1024 bytes: tiles start 1024-aligned.
     char* smem = smem_raw + ((1024 - (gemm::smem_addr(smem_raw) & 1023)) & 1023);
     T* sQ = reinterpret_cast<T*>(smem);      // [Q_STAGES][BM x D]
-    T* sK = sQ + Q_STAGES * BM * D;          // [KV_STAGES][BN x D]
-    T* sV = sK + KV_STAGES * TILE;           // [KV_STAGES][BN x D]
+    T* sK = sQ + Q_STAGES * BM * D;          // [K_STAGES][BN x D]
+    T* sV = sK + K_STAGES * TILE;            // [V_STAGES][BN x D]
     if (threadIdx.x == 0) {
       for (int qs = 0; qs < Q_STAGES; ++qs) {
         mk::gemm::mbar_init(&pl.q_full[qs], 1);
         mk::gemm::mbar_init(&pl.q_empty[qs], CONSUMER_WARPS);
       }
-      for (int st = 0; st < KV_STAGES; ++st) {
+      for (int st = 0; st < K_STAGES; ++st) {
         mk::gemm::mbar_init(&pl.k_full[st], 1);
-        mk::gemm::mbar_init(&pl.v_full[st], 1);
         mk::gemm::mbar_init(&pl.k_empty[st], CONSUMER_WARPS);
+      }
+      for (int st = 0; st < V_STAGES; ++st) {
+        mk::gemm::mbar_init(&pl.v_full[st], 1);
         mk::gemm::mbar_init(&pl.v_empty[st], CONSUMER_WARPS);
       }
       pl.abort_tile = INT_MAX;

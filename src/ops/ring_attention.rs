@@ -25,8 +25,9 @@ pub const BLOCK_N: usize = 128;
 /// Threads per CTA: two math warpgroups and one loading warpgroup (the kernel traps on
 /// any other block size).
 pub const THREADS: u32 = 384;
-/// Slots of the kernel's K ring and of its V ring (ring_attention.cu KV_STAGES).
-pub const KV_STAGES: usize = 2;
+/// Slots of the kernel's K ring and of its V ring (ring_attention.cu K_STAGES, V_STAGES).
+pub const K_STAGES: usize = 3;
+pub const V_STAGES: usize = 2;
 /// Slots of the kernel's Q ring (ring_attention.cu Q_STAGES): the next item's Q loads
 /// while the current one is computed, and each slot stages its item's O on the way out.
 pub const Q_STAGES: usize = 2;
@@ -64,10 +65,10 @@ pub fn token_pos(s: &RingShape, rank: usize, i: usize) -> usize {
 }
 
 /// Dynamic shared memory of the kernel (ring_attention.cu smem_bytes): the Q ring of
-/// Q_STAGES tiles, the K and V rings of KV_STAGES tiles each, and 1 KiB to align them to
+/// Q_STAGES tiles, the K and V rings of K_STAGES and V_STAGES tiles, and 1 KiB to align them to
 /// the 128-byte swizzle's 1024-byte period. The kernel traps when given less.
 pub fn smem_bytes(head_dim: usize) -> usize {
-    (Q_STAGES * BLOCK_M + 2 * KV_STAGES * BLOCK_N) * head_dim * 2 + 1024
+    (Q_STAGES * BLOCK_M + (K_STAGES + V_STAGES) * BLOCK_N) * head_dim * 2 + 1024
 }
 
 /// Bytes of the fused-op region a rank needs: its K and V copy.
@@ -76,7 +77,7 @@ pub fn workspace_bytes(s: &RingShape) -> u64 {
 }
 
 /// Work items (batch, head, query block) and the grid: one CTA per SM (the kernel uses
-/// 193 KiB of shared memory at D = 128), never more than there are
+/// 225 KiB of shared memory at D = 128), never more than there are
 /// items, within the grid cap (MK_MAX_CTAS: ranks sharing a GPU must all be resident).
 pub fn plan_grid(s: &RingShape, grid_cap: u32) -> (usize, usize, u32) {
     let q_blocks = s.seq_local.div_ceil(BLOCK_M);
@@ -268,7 +269,7 @@ fn launch(args: &RingArgs, mut p: RingAttnParams, grid: u32, stream: sys::CUstre
     let mut maps = tensor_maps(args, &p)?;
     let smem = smem_bytes(args.shape.head_dim) as u32;
     // The opt-in is needed whenever dynamic plus static shared memory passes 48 KiB, which
-    // it does at every head dimension (97 KiB at D = 64, 193 KiB at D = 128).
+    // it does at every head dimension (113 KiB at D = 64, 225 KiB at D = 128).
     // SAFETY: sets one attribute of a loaded kernel.
     cuda::check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
         sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
@@ -490,8 +491,8 @@ mod tests {
         assert_eq!(plan_grid(&s, 132), (3, 24, 24));
         assert_eq!(plan_grid(&s, 16), (3, 24, 16));
         assert_eq!(workspace_bytes(&s), 2 * 2 * 300 * 2 * 64 * 2);
-        assert_eq!(smem_bytes(128), 197632);
-        assert_eq!(smem_bytes(64), 99328);
+        assert_eq!(smem_bytes(128), 230400);
+        assert_eq!(smem_bytes(64), 115712);
         assert!(smem_bytes(128) <= 232448, "fits the 227 KiB a block may opt in to");
     }
 
