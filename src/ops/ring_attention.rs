@@ -88,12 +88,10 @@ pub fn plan_grid(s: &RingShape, grid_cap: u32) -> (usize, usize, u32) {
 /// K/V bytes a section of the dynamic schedule may span (MK_RING_L2_MIB overrides it):
 /// CTAs of one section read the same K/V tiles at about the same time, and the next
 /// section's heavy items start while the last light ones of this one run, so about this
-/// much K/V is being read at once. 16 MiB (session 9) ran slower than a working set of
-/// one 8 MiB head: non-causal S 32K, one 16 MiB head at a time, ran at 0.90x of S 16K,
-/// and at causal S 8K / 16K the 16 MiB sections (4 / 2 heads) lost 2-3 % against the fixed
-/// snake, whose rounds span ~8 MiB, in spite of the snake's 3 % imbalance (RESULTS,
-/// session 9 run 3).
-pub const SCHED_L2_BYTES: usize = 8 << 20;
+/// much K/V is being read at once. 8 MiB (one head at S 16K, two at 8K) measured slower
+/// than 16 MiB at causal S 8K / 16K (-3.5 % / -2 %, RESULTS session 10 round 1), and 32
+/// MiB (FA3's budget) no better in one sample, so 16 MiB stays.
+pub const SCHED_L2_BYTES: usize = 16 << 20;
 
 /// (batch, head) pairs per section of the dynamic order: as many kv heads as fit their K
 /// and V over every ring step in `l2_bytes` (at least one), times the query heads that
@@ -502,15 +500,15 @@ mod tests {
             batch: 1, seq_local, heads, kv_heads, head_dim: 128, causal: true, nranks,
         };
         let mib = 1usize << 20;
-        // 8 MiB of K and V (the default): 2 heads at S 8K, 1 at 16K and 32K (one rank, D 128, bf16).
-        assert_eq!(SCHED_L2_BYTES, 8 * mib);
+        assert_eq!(SCHED_L2_BYTES, 16 * mib);
+        // 8 MiB of K and V: 2 heads at S 8K, 1 at 16K and 32K (one rank, D 128, bf16).
         assert_eq!(sched_section(&s(8192, 32, 32, 1), 8 * mib, 132), 2);
         assert_eq!(sched_section(&s(16384, 32, 32, 1), 8 * mib, 132), 1);
         assert_eq!(sched_section(&s(32768, 32, 32, 1), 8 * mib, 132), 1, "at least one head");
         assert_eq!(sched_section(&s(16384, 32, 8, 1), 8 * mib, 132), 4, "1 kv head, 4 query heads each");
         assert_eq!(sched_section(&s(2048, 32, 32, 4), 8 * mib, 32), 2, "every ring step's K/V counts");
         assert_eq!(sched_section(&s(2048, 32, 32, 4), 8 * mib, 132), 5, "66 items per section: 5 heads of 16 query blocks");
-        // Other budgets (MK_RING_L2_MIB).
+        // 16 MiB (the default).
         assert_eq!(sched_section(&s(8192, 32, 32, 1), 16 * mib, 132), 4);
         assert_eq!(sched_section(&s(16384, 32, 32, 1), 16 * mib, 132), 2);
         assert_eq!(sched_section(&s(32768, 32, 32, 1), 16 * mib, 132), 1);

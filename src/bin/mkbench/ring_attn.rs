@@ -2,6 +2,7 @@
 //!
 //!   mkbench ring_attn [-g ranks] [--seq 8192,16384,32768] [--heads 32] [--kv-heads 32]
 //!                     [--dim 128] [--causal 0,1] [-n iters] [-w warmup] [--trace]
+//!                     [--unfused 0|1] [--rest-ms ms]
 //!
 //! Per (global S, causal): the fused op; the unfused ring (mkAllGather of K, mkAllGather of
 //! V, then the same attention kernel over the gathered K/V, no overlap); and its two parts
@@ -10,7 +11,11 @@
 //! warm-up calls (CUDA events), the slowest rank's median. TFLOP/s per rank: 4·H·S_local·
 //! S·D (non-causal), half of it causal (the FlashAttention convention). The single-GPU
 //! baseline (torch SDPA, cuDNN and flash backends) is a separate script
-//! (benches/sdpa_baseline.py), run in the same GPU session. `--trace`: one more fused call
+//! (benches/sdpa_baseline.py), run in the same GPU session. The H200 lowers its clocks under
+//! sustained attention (power), so a case measured after long ones reads slower: for a
+//! fair comparison with that script, `--unfused 0` measures the fused op alone and
+//! `--rest-ms` idles the GPU before each case (the script takes the same options), cases in
+//! the order given (`--causal 1,0` runs the causal ones first). `--trace`: one more fused call
 //! per case with the kernel's per-CTA timing buffer, summarised per rank (trace_summary).
 
 use crate::collectives::Events;
@@ -35,10 +40,14 @@ struct Options {
     iters: usize,
     warmup: usize,
     trace: bool,
+    /// 0: only the fused op (no unfused ring, no attention alone, no AllGathers).
+    unfused: usize,
+    /// Idle time before each case (after the stream has drained), in ms.
+    rest_ms: u64,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { ranks: ranks::nranks_requested(), seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], iters: 5, warmup: 2, trace: false };
+    let mut o = Options { ranks: ranks::nranks_requested(), seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], iters: 5, warmup: 2, trace: false, unfused: 1, rest_ms: 0 };
     for_each_option(args, Some(&mut o.trace), |flag, v| {
         match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
@@ -47,6 +56,8 @@ fn parse(args: &[String]) -> Result<Options> {
             "--kv-heads" => o.kv_heads = v.parse().map_err(|_| bad("--kv-heads"))?,
             "--dim" => o.dim = v.parse().map_err(|_| bad("--dim"))?,
             "--causal" => o.causal = parse_list(v, "--causal")?,
+            "--unfused" => o.unfused = v.parse().map_err(|_| bad("--unfused"))?,
+            "--rest-ms" => o.rest_ms = v.parse().map_err(|_| bad("--rest-ms"))?,
             other => return Err(bad(other)),
         }
         Ok(())
@@ -117,10 +128,17 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let (kp, vp) = if n == 1 { (k.ptr(), v.ptr()) } else { (kg.ptr(), vg.ptr()) };
             let attn = || attention_gathered(&args, kp, vp, grid_cap, stream);
             let timed = |f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f);
+            if o.rest_ms > 0 {
+                // SAFETY: live stream.
+                unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+                std::thread::sleep(std::time::Duration::from_millis(o.rest_ms));
+            }
             let t_fused = timed(&fused)?;
-            let t_unfused = timed(&|| gather().and_then(|_| attn()))?;
-            let t_attn = timed(&attn)?;
-            let t_comm = if n > 1 { timed(&gather)? } else { 0.0 };
+            let (t_unfused, t_attn, t_comm) = if o.unfused == 0 {
+                (f64::NAN, f64::NAN, f64::NAN)
+            } else {
+                (timed(&|| gather().and_then(|_| attn()))?, timed(&attn)?, if n > 1 { timed(&gather)? } else { 0.0 })
+            };
             let err = comm.async_error();
             if err != mkernel::error::mkResult_t::mkSuccess {
                 all_ok = false;
