@@ -219,7 +219,17 @@ fn trace_summary(label: &str, words: &[u64]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::trace_summary;
+    use super::{parse, trace_summary};
+
+    #[test]
+    fn fair_measurement_options_parse() {
+        let args: Vec<String> = "--seq 8192,16384 --causal 1,0 --unfused 0 --rest-ms 1000 -w 3 -n 10 --trace".split(' ').map(String::from).collect();
+        let o = parse(&args).unwrap();
+        assert_eq!((o.seq, o.causal, o.unfused, o.rest_ms, o.warmup, o.iters, o.trace), (vec![8192, 16384], vec![1, 0], 0, 1000, 3, 10, true));
+        let o = parse(&[]).unwrap();
+        assert_eq!((o.unfused, o.rest_ms, o.trace), (1, 0, false), "defaults: every column, no rest");
+        assert!(parse(&["--rest-ms".into(), "x".into()]).is_err());
+    }
     use mkernel::kernel_abi::MK_TRACE_WORDS;
 
     #[test]
