@@ -34,7 +34,7 @@
 //               runs while the other's GEMMs hold the tensor cores.
 //   warps 8-11  the producer warpgroup, of which one thread works: every load, by TMA
 //               (cp.async.bulk.tensor, 128-byte swizzle): Q per item into a ring of
-//               Q_STAGES slots, K and V tiles through rings of K_STAGES and V_STAGES slots, with
+//               Q_STAGES slots, K and V tiles through two rings of KV_STAGES slots, with
 //               full/empty mbarriers (K of tile t is loaded before V of tile t-1, the order
 //               the consumers need them in, also across items). It also makes the bounded
 //               waits for the sources' RING_KV flags, and stops the consumers at the tile
@@ -56,7 +56,6 @@
 #include <cuda_fp16.h>
 #include "common/fused_op.cuh"
 #include "common/gemm/wgmma_rs_ops.cuh"
-#include "common/trace.cuh"
 
 #define MK_OP_RING_ATTN 21
 // Signal words of this op: [MK_SIG_RING_BASE, +65536).
@@ -70,27 +69,12 @@
 
 namespace mk { namespace ring_attn {
 
-// `mkbench ring_attn --trace` (p.trace != 0; the C API passes 0): MK_TRACE_WORDS u64 per
-// CTA at p.trace + blockIdx.x * MK_TRACE_WORDS. Times from %globaltimer (ns).
-//   0 start   1 K/V published (= start at one rank)   2 thread 0's consumer done
-//   3 end     4 / 5 / 8 ns thread 0 (warpgroup 0) waited for K / V / Q to land
-//   6 items | K/V tiles << 32 (the producer's count)   7 SM id
-//   9 ns thread 128 (warpgroup 1) waited for K and V
-// Only the waits that did not succeed at the first try are timed.
-enum RingTrace { TR_WAIT_K = 4, TR_WAIT_V = 5, TR_COUNT = 6, TR_WAIT_Q = 8, TR_WAIT_KV1 = 9 };
-
 constexpr int BM = 128;  // queries per work item (2 warpgroups x 64 rows)
 constexpr int BN = 128;  // keys per tile
 constexpr int CONSUMER_WARPS = 8;                  // warps 0-7: two math warpgroups
 constexpr int PRODUCER_THREADS = 128;              // warps 8-11: every load of the engine
 constexpr int THREADS = CONSUMER_WARPS * 32 + PRODUCER_THREADS;  // ops::ring_attention::THREADS
-// Slots of the K ring and of the V ring. The producer issues K of tile t once the slot's
-// previous tile (t - K_STAGES) is consumed, then V of tile t - 1: with two K slots K_t
-// left only when S_{t-2} had completed in both warpgroups, about two tiles ahead of its
-// use; a third K slot (the shared memory allows one: 225 KiB at D = 128) lets K_t leave
-// a tile earlier, V keeps its lead (its slot frees when P_{t-3}·V_{t-3} completes).
-constexpr int K_STAGES = 3;
-constexpr int V_STAGES = 2;
+constexpr int KV_STAGES = 2;                       // slots of the K ring and of the V ring
 constexpr int Q_STAGES = 2;                        // slots of the Q ring: the next item's Q loads during this one
 // Registers after setmaxnreg. A CTA of 384 threads starts with 168 each (a sub-partition
 // holds 3 of its 12 warps: 16K / 96, rounded down to a multiple of 8); the producer
@@ -109,10 +93,10 @@ static_assert(CONSUMER_REGS == 224, "setmaxnreg split");
 constexpr int TURN_BARRIER = 2;                    // + wg: consumer warpgroup wg's turn to issue (2, 3)
 
 // Dynamic shared memory (ops::ring_attention::smem_bytes): the Q ring, the K and V rings,
-// and 1 KiB to align them to the 128-byte swizzle's 1024-byte period (225 KiB at D = 128).
+// and 1 KiB to align them to the 128-byte swizzle's 1024-byte period (193 KiB at D = 128).
 template <int D>
 __host__ __device__ constexpr int smem_bytes() {
-  return (Q_STAGES * BM + (K_STAGES + V_STAGES) * BN) * D * 2 + 1024;
+  return (Q_STAGES * BM + 2 * KV_STAGES * BN) * D * 2 + 1024;
 }
 static_assert(smem_bytes<128>() <= 227 * 1024, "a CTA may opt in to 227 KiB of shared memory");
 
@@ -222,14 +206,13 @@ __device__ __forceinline__ bool publish_kv(const RingAttnParams& p, uint64_t epo
 //     item's Q tile (8 arrivals, lane 0 of each warp after the warp's reads and a
 //     fence.proxy.async: generic accesses before the TMA's next write of the slot).
 // K/V tile number t (counted over all items of this CTA, the same sequence for the
-// producer and both consumer warpgroups) lives in K slot t % K_STAGES and completes phase
-// (t / K_STAGES) & 1 of its slot's barriers, and in V slot t % V_STAGES, phase
-// (t / V_STAGES) & 1; Q of the CTA's k-th item, slot k % Q_STAGES,
+// producer and both consumer warpgroups) lives in slot t % KV_STAGES and completes phase
+// (t / KV_STAGES) & 1 of its slot's barriers; Q of the CTA's k-th item, slot k % Q_STAGES,
 // phase (k / Q_STAGES) & 1.
 struct Pipeline {
   uint64_t q_full[Q_STAGES], q_empty[Q_STAGES];
-  uint64_t k_full[K_STAGES], k_empty[K_STAGES];
-  uint64_t v_full[V_STAGES], v_empty[V_STAGES];
+  uint64_t k_full[KV_STAGES], k_empty[KV_STAGES];
+  uint64_t v_full[KV_STAGES], v_empty[KV_STAGES];
   // The K/V tile at which the producer's bounded wait gave up (INT_MAX: none). Written
   // before the producer arrives on that tile's k_full without data, so both consumer
   // warpgroups stop at the same tile.
@@ -319,21 +302,17 @@ __device__ __forceinline__ int visible_blocks(const RingAttnParams& p, int src, 
 
 // A work item's walk over its visible blocks, which the producer and the consumers take
 // alike: ring steps in order; inside a step, its visible blocks [0, nvis) starting at
-// block rot = (the item's query block) mod nvis and going down, wrapping around. The
-// rotation staggers the CTAs' K/V streams: without it every item of a round starts at
-// block 0 and the CTAs read each K/V tile at the same moment, so the first read of every
-// tile (from HBM) holds up all of them, where staggered streams find it in L2, brought in
-// by the CTA ahead. Going down (FlashAttention-3's order) keeps the causal items
-// staggered past their first tile too: causal, one rank, an item walks from its diagonal
-// block down to 0, so items started together (neighbouring query blocks) read
-// neighbouring tiles, each one a tile behind the next, where going up from 0 after the
-// diagonal put them all on the same tile at once. The online softmax does not depend on
-// the order (within rounding).
+// block rot = (the item's query block) mod nvis and wrapping around. The rotation
+// staggers the CTAs' K/V streams: without it every item of a round starts at block 0 and
+// the CTAs read each K/V tile at the same moment, so the first read of every tile (from
+// HBM) holds up all of them, where staggered streams find it in L2, brought in by the
+// CTA ahead. Causal, one rank: the diagonal block first, then 0 up. The online softmax
+// does not depend on the order (within rounding).
 struct Walk {
   int s = -1, i = 0, nvis = 0, rot = 0;
   __device__ __forceinline__ int block() const {
-    const int b = rot - i;
-    return b >= 0 ? b : b + nvis;
+    const int b = i + rot;
+    return b < nvis ? b : b - nvis;
   }
   // Moves to the next visible block; false past the last ring step.
   __device__ __forceinline__ bool next(const RingAttnParams& p, int qmax, int qblock) {
@@ -405,8 +384,8 @@ struct Attn {
     // item's last P·V runs beside the next item's first S).
     int v_src = 0, v_row = 0, v_b = 0, v_hk = 0;  // where V of tile `tile - 1` comes from
     auto load_v = [&](int t) {
-      const int st = t % V_STAGES;
-      mbar_wait(&pl.v_empty[st], ((t / V_STAGES) & 1) ^ 1);
+      const int st = t % KV_STAGES;
+      mbar_wait(&pl.v_empty[st], ((t / KV_STAGES) & 1) ^ 1);
       mbar_expect_tx(&pl.v_full[st], TILE_BYTES);
       load_tile(sV + st * TILE, &maps.v[v_src], &pl.v_full[st], v_hk, v_row, v_b);
     };
@@ -429,7 +408,6 @@ struct Attn {
       pl.q_item[qs] = item;  // published by the arrive below (release), read after the consumers' wait
       if (item < 0) {
         mbar_arrive(&pl.q_full[qs]);  // the one expected arrival, no bytes: "no more items"
-        if (p.trace) *mk_trace_slot(p.trace, TR_COUNT) = (uint64_t)k | ((uint64_t)tile << 32);
         break;
       }
       const Item it(p, item);
@@ -438,8 +416,8 @@ struct Attn {
       Walk w;
       while (w.next(p, it.qmax, it.q0 / BM)) {
         const int s = w.s, kb = w.block();
-        const int st = tile % K_STAGES;
-        const uint32_t ph = (tile / K_STAGES) & 1;
+        const int st = tile % KV_STAGES;
+        const uint32_t ph = (tile / KV_STAGES) & 1;
         const int src = ring_src(me, s, n);
         const bool ok = ensure(src);
         // The slot's previous tile is consumed (also before an abort: completing the
@@ -490,18 +468,6 @@ struct Attn {
     auto release = [&](uint64_t* bar) {
       if (lane == 0) mbar_arrive(bar);  // after this warp's wgmma wait: its reads are done
     };
-    // --trace: the time of the waits that do not succeed at once (RingTrace).
-    const bool traced = p.trace != 0;
-    uint64_t waited_k = 0, waited_v = 0, waited_q = 0;
-    auto wait_full = [&](uint64_t* bar, uint32_t parity, uint64_t& waited) {
-      if (traced && !mbar_try_wait(bar, parity)) {
-        const uint64_t t0 = mk_globaltimer();
-        mbar_wait(bar, parity);
-        waited += mk_globaltimer() - t0;
-      } else {
-        mbar_wait(bar, parity);
-      }
-    };
     // Pingpong: the warpgroups issue their GEMMs of a tile in turns, 0 then 1. Barrier
     // TURN_BARRIER + wg completes with this warpgroup's bar.sync (128) and the other's
     // bar.arrive (128) after it issued; warpgroup 0 arrives on its own barrier once to
@@ -520,12 +486,12 @@ struct Attn {
     };
     // Waits for the Q of the CTA's k-th item and returns the item (-1: there is none).
     auto wait_q = [&](int k) -> int {
-      wait_full(&pl.q_full[k % Q_STAGES], (k / Q_STAGES) & 1, waited_q);  // TMA wrote it: no proxy fence (Pipeline)
+      mbar_wait(&pl.q_full[k % Q_STAGES], (k / Q_STAGES) & 1);  // TMA wrote it: no proxy fence (Pipeline)
       return *reinterpret_cast<volatile int*>(&pl.q_item[k % Q_STAGES]);
     };
     // Waits for tile t's K; false when the producer gave up at this tile.
     auto wait_k = [&](int t) -> bool {
-      wait_full(&pl.k_full[t % K_STAGES], (t / K_STAGES) & 1, waited_k);
+      mbar_wait(&pl.k_full[t % KV_STAGES], (t / KV_STAGES) & 1);
       return t < *reinterpret_cast<volatile int*>(&pl.abort_tile);
     };
     // Descriptor of this warpgroup's 64 query rows of the k-th item's Q tile. The operands'
@@ -539,7 +505,7 @@ struct Attn {
     };
     // S = Q·K_tᵀ for this warpgroup's 64 query rows (Q descriptor qd).
     auto issue_s = [&](float (&sc)[SREG], uint64_t qd, int t) {
-      const uint64_t kd = make_smem_desc_sw128(sK + (t % K_STAGES) * TILE);
+      const uint64_t kd = make_smem_desc_sw128(sK + (t % KV_STAGES) * TILE);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk) {
@@ -551,8 +517,8 @@ struct Attn {
     // O += P·V of tile t: P from registers (the accumulator layout of S is the A-fragment
     // layout by pairs of 8-key blocks), V as the MN-major B operand.
     auto issue_pv = [&](float (&acc)[OREG], const uint32_t (&pa)[PSTEPS][4], int t) {
-      wait_full(&pl.v_full[t % V_STAGES], (t / V_STAGES) & 1, waited_v);
-      const char* tV = reinterpret_cast<const char*>(sV + (t % V_STAGES) * TILE);
+      mbar_wait(&pl.v_full[t % KV_STAGES], (t / KV_STAGES) & 1);
+      const char* tV = reinterpret_cast<const char*>(sV + (t % KV_STAGES) * TILE);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < PSTEPS; ++kk) WgmmaRsT<D, T>::mma(acc, pa[kk], desc_mn_sw128(tV + kk * 16 * 128, BN * 128));
@@ -676,24 +642,23 @@ struct Attn {
     // rows, written in the tile's swizzle (conflict-free: the 8 rows of a piece column
     // fall on 8 different 16-byte chunks), then read back as 16-byte chunks of whole rows,
     // so every global store is 16 bytes and each warp store covers two 256-byte rows
-    // (instead of 8 rows x 16 bytes of 4-byte stores). All of a lane's chunks are read
-    // into registers first and the Q slot goes back to the producer before the global
-    // stores: the proxy fence before the release (a MEMBAR.ALL.CTA in the SASS) then
-    // waits for shared-memory reads only, not for 8 global stores and the lse store, and
-    // the reads are not serialised behind per-chunk row checks. The epilogue runs between
-    // two of this warpgroup's GEMM turns, once per item (causal items average half the
-    // tiles of non-causal ones), so what it waits for is time the tensor cores may idle.
+    // (instead of 8 rows x 16 bytes of 4-byte stores). Then the Q slot goes back to the
+    // producer.
     auto epilogue = [&](const float (&acc)[OREG], const Item& it, int k, const float (&m_fin)[2],
                         const float (&l_fin)[2]) {
       T* tQ = sQ + (k % Q_STAGES) * BM * D;
-      float inv[2], lse_v[2];
+      float inv[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float l = l_fin[r];
         l += __shfl_xor_sync(0xffffffff, l, 1);
         l += __shfl_xor_sync(0xffffffff, l, 2);
         inv[r] = l > 0.f ? 1.f / l : 0.f;
-        lse_v[r] = l > 0.f ? (m_fin[r] * sl + log2f(l)) * 0.69314718055994531f : -INFINITY;
+        const int row = it.q0 + row_base + 8 * r;
+        if (t4 == 0 && row < S) {
+          float* lse = reinterpret_cast<float*>(p.lse) + ((size_t)it.b * p.heads + it.h) * S + row;
+          *lse = l > 0.f ? (m_fin[r] * sl + log2f(l)) * 0.69314718055994531f : -INFINITY;
+        }
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -706,33 +671,20 @@ struct Attn {
       constexpr int CHUNKS = D / 8;                 // 16-byte chunks of a row
       constexpr int PER_LANE = 16 * CHUNKS / 32;    // of the warp's 16 rows
       const int wrow = 64 * wg + 16 * (warp % 4);   // the warp's first row of the tile
-      int4 chunk[PER_LANE];
+      T* o = reinterpret_cast<T*>(p.out) + ((size_t)it.b * S * p.heads + it.h) * D;
 #pragma unroll
       for (int i = 0; i < PER_LANE; ++i) {
         const int idx = i * 32 + lane, rr = idx / CHUNKS, c = idx % CHUNKS;
-        chunk[i] = *reinterpret_cast<const int4*>(tQ + swz<BM>(wrow + rr, c));
+        const int row = it.q0 + wrow + rr;
+        if (row < S)
+          *reinterpret_cast<int4*>(o + (size_t)row * q_stride + c * 8) =
+              *reinterpret_cast<const int4*>(tQ + swz<BM>(wrow + rr, c));
       }
       // Every lane's generic accesses of the slot (the O staging) come before lane 0
       // releases it to the producer, whose next TMA write of it is an async-proxy write.
       fence_proxy_async_smem();
       __syncwarp();
       release(&pl.q_empty[k % Q_STAGES]);
-      T* o = reinterpret_cast<T*>(p.out) + ((size_t)it.b * S * p.heads + it.h) * D;
-#pragma unroll
-      for (int i = 0; i < PER_LANE; ++i) {
-        const int idx = i * 32 + lane, rr = idx / CHUNKS, c = idx % CHUNKS;
-        const int row = it.q0 + wrow + rr;
-        // (A plain int4 assignment from the register array compiled to four 4-byte stores.)
-        if (row < S)
-          asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(o + (size_t)row * q_stride + c * 8), "r"(chunk[i].x),
-                       "r"(chunk[i].y), "r"(chunk[i].z), "r"(chunk[i].w)
-                       : "memory");
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = it.q0 + row_base + 8 * r;
-        if (t4 == 0 && row < S) reinterpret_cast<float*>(p.lse)[((size_t)it.b * p.heads + it.h) * S + row] = lse_v[r];
-      }
       __syncwarp();  // converged again before the next wgmma and bar.sync (.aligned)
     };
 
@@ -786,7 +738,7 @@ struct Attn {
       turn_end();
       wgmma_wait<1>();  // S_t done (groups complete in order), P_{t-1}·V_{t-1} may run on
       fence_operands(sc);
-      release(&pl.k_empty[tile % K_STAGES]);
+      release(&pl.k_empty[tile % KV_STAGES]);
       const float m_fin[2] = {m_row[0], m_row[1]}, l_fin[2] = {l_row[0], l_row[1]};
       if (boundary) {  // a new online softmax; alpha becomes 0, which O = 0 ignores
         m_row[0] = m_row[1] = -INFINITY;
@@ -796,7 +748,7 @@ struct Attn {
       anchor(l_row);
       wgmma_wait<0>();  // P_{t-1}·V_{t-1} done: its V slot and the P registers are free
       fence_operands(acc);
-      release(&pl.v_empty[(tile - 1) % V_STAGES]);
+      release(&pl.v_empty[(tile - 1) % KV_STAGES]);
       pack(pa, sc);
       if (boundary) {
         epilogue(acc, fin, k, m_fin, l_fin);
@@ -811,17 +763,8 @@ struct Attn {
     issue_pv(acc, pa, tile - 1);
     wgmma_wait<0>();
     fence_operands(acc);
-    release(&pl.v_empty[(tile - 1) % V_STAGES]);
+    release(&pl.v_empty[(tile - 1) % KV_STAGES]);
     epilogue(acc, it, k, m_row, l_row);
-    if (traced && lane == 0 && warp % 4 == 0) {
-      if (wg == 0) {
-        *mk_trace_slot(p.trace, TR_WAIT_K) = waited_k;
-        *mk_trace_slot(p.trace, TR_WAIT_V) = waited_v;
-        *mk_trace_slot(p.trace, TR_WAIT_Q) = waited_q;
-      } else {
-        *mk_trace_slot(p.trace, TR_WAIT_KV1) = waited_k + waited_v;
-      }
-    }
     return true;
   }
 
@@ -831,19 +774,17 @@ struct Attn {
     // 128-byte swizzle repeats every 1024 bytes: tiles start 1024-aligned.
     char* smem = smem_raw + ((1024 - (gemm::smem_addr(smem_raw) & 1023)) & 1023);
     T* sQ = reinterpret_cast<T*>(smem);      // [Q_STAGES][BM x D]
-    T* sK = sQ + Q_STAGES * BM * D;          // [K_STAGES][BN x D]
-    T* sV = sK + K_STAGES * TILE;            // [V_STAGES][BN x D]
+    T* sK = sQ + Q_STAGES * BM * D;          // [KV_STAGES][BN x D]
+    T* sV = sK + KV_STAGES * TILE;           // [KV_STAGES][BN x D]
     if (threadIdx.x == 0) {
       for (int qs = 0; qs < Q_STAGES; ++qs) {
         mk::gemm::mbar_init(&pl.q_full[qs], 1);
         mk::gemm::mbar_init(&pl.q_empty[qs], CONSUMER_WARPS);
       }
-      for (int st = 0; st < K_STAGES; ++st) {
+      for (int st = 0; st < KV_STAGES; ++st) {
         mk::gemm::mbar_init(&pl.k_full[st], 1);
-        mk::gemm::mbar_init(&pl.k_empty[st], CONSUMER_WARPS);
-      }
-      for (int st = 0; st < V_STAGES; ++st) {
         mk::gemm::mbar_init(&pl.v_full[st], 1);
+        mk::gemm::mbar_init(&pl.k_empty[st], CONSUMER_WARPS);
         mk::gemm::mbar_init(&pl.v_empty[st], CONSUMER_WARPS);
       }
       pl.abort_tile = INT_MAX;
@@ -882,7 +823,6 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
   // The host plan and the kernel disagree: trap rather than run out of bounds or hang.
   if (dyn_smem < uint32_t(smem_bytes<D>()) || blockDim.x != THREADS) __trap();
-  mk_trace_begin(p.trace, false);
   const bool ring = p.kv_gathered == 0 && p.nranks > 1;
   uint64_t epoch = 0;
   bool ok = true;
@@ -890,11 +830,9 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
     epoch = mk_op_epoch_begin(p.ws, RING_EPOCH);
     ok = publish_kv(p, epoch);
   }
-  mk_trace_time(p.trace, MK_TR_SETUP);
   // A failed wait has recorded the error and raised the abort word: skip to the end, so
   // the kernel still ends in bounded time.
   if (ok) Attn<T, D>::run(p, maps, epoch, smem);
-  mk_trace_time(p.trace, MK_TR_ROLE);
   if (p.sched_dynamic != 0) {
     // The last CTA to have taken its last ticket resets the counter for the next launch
     // (stream order: it starts after this one ends). Every CTA's tickets precede its
@@ -912,7 +850,6 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
     }
   }
   if (ring) mk_op_epoch_end(p.ws, RING_EPOCH, RING_ARRIVE, RING_DONE, epoch);
-  mk_trace_time(p.trace, MK_TR_END);
 }
 
 }  // namespace ring_attn

@@ -20,7 +20,6 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
     ("MK_GEMM_AR_ONESHOT_MAX_M", "256", "mkGemmAllReduce: largest M that takes the one-shot path (every rank sums every tile); above it, two-phase (each owner sums its rows, the others copy them) where M divides into 128-row blocks per rank"),
     ("MK_MOE_ORDER", "auto", "order of the MoE kernels' GEMM row blocks: auto or expert (expert-major, raster groups cut at experts, so an expert's blocks share its weight tiles in L2; the dispatch's senders send expert by expert, flagged per (source, expert)), split (dispatch: own-only blocks, then blocks without the last step's source, then the rest, each expert-major) or arrival (both kernels by the latest source's send step, fixed raster groups: session 8's dispatch)"),
     ("MK_MOE_BANDS", "4", "mkMoeGemmCombine: column bands of the GEMM (fewer where H / tile width has no such divisor); the pull of band b's outputs runs beside the GEMM of the later bands (1: pull after the GEMM only)"),
-    ("MK_RING_L2_MIB", "16", "mkRingAttention's dynamic schedule: MiB of K/V (over every ring step) a section of (batch, head) pairs may span; CTAs take a section's items before the next one's, so about this much K/V is read at once (at least one kv head per section)"),
     ("MK_LOAD_STAGING", "smem", "how the collectives keep loads in flight: smem (cp.async into 128 KiB of shared memory per CTA) or registers (a few vectors per thread); the fused ops' reducers always stage"),
 ];
 
@@ -67,12 +66,6 @@ pub fn gemm_ar_one_shot_max_m() -> usize {
 /// `MK_MOE_BANDS` (ops::moe::DEFAULT_BANDS by default; at least 1).
 pub fn moe_bands() -> usize {
     parse_u64("MK_MOE_BANDS").map_or(crate::ops::moe::DEFAULT_BANDS, |b| (b as usize).max(1))
-}
-
-/// `MK_RING_L2_MIB` in bytes (ops::ring_attention::SCHED_L2_BYTES by default; 0 means one
-/// kv head per section).
-pub fn ring_l2_bytes() -> usize {
-    parse_u64("MK_RING_L2_MIB").map_or(crate::ops::ring_attention::SCHED_L2_BYTES, |m| (m as usize).saturating_mul(1 << 20))
 }
 
 /// `MK_MOE_ORDER`: 0 arrival, 1 expert, 2 split, 3 auto (the default; ops::moe::order_mode_for

@@ -475,9 +475,6 @@ pub struct RingAttnParams {
     /// elements (V likewise in `v_gathered`), all local; no signals.
     pub kv_gathered: u64,
     pub v_gathered: u64,
-    /// Per-CTA timing buffer for `mkbench ring_attn --trace` (MK_TRACE_WORDS u64 per CTA,
-    /// the layout in kernels/ring_attention.cu `RingTrace`), or 0 (always, from the C API).
-    pub trace: u64,
     pub batch: i32,
     pub seq_local: i32,
     pub heads: i32,

@@ -25,9 +25,8 @@ pub const BLOCK_N: usize = 128;
 /// Threads per CTA: two math warpgroups and one loading warpgroup (the kernel traps on
 /// any other block size).
 pub const THREADS: u32 = 384;
-/// Slots of the kernel's K ring and of its V ring (ring_attention.cu K_STAGES, V_STAGES).
-pub const K_STAGES: usize = 3;
-pub const V_STAGES: usize = 2;
+/// Slots of the kernel's K ring and of its V ring (ring_attention.cu KV_STAGES).
+pub const KV_STAGES: usize = 2;
 /// Slots of the kernel's Q ring (ring_attention.cu Q_STAGES): the next item's Q loads
 /// while the current one is computed, and each slot stages its item's O on the way out.
 pub const Q_STAGES: usize = 2;
@@ -65,10 +64,10 @@ pub fn token_pos(s: &RingShape, rank: usize, i: usize) -> usize {
 }
 
 /// Dynamic shared memory of the kernel (ring_attention.cu smem_bytes): the Q ring of
-/// Q_STAGES tiles, the K and V rings of K_STAGES and V_STAGES tiles, and 1 KiB to align them to
+/// Q_STAGES tiles, the K and V rings of KV_STAGES tiles each, and 1 KiB to align them to
 /// the 128-byte swizzle's 1024-byte period. The kernel traps when given less.
 pub fn smem_bytes(head_dim: usize) -> usize {
-    (Q_STAGES * BLOCK_M + (K_STAGES + V_STAGES) * BLOCK_N) * head_dim * 2 + 1024
+    (Q_STAGES * BLOCK_M + 2 * KV_STAGES * BLOCK_N) * head_dim * 2 + 1024
 }
 
 /// Bytes of the fused-op region a rank needs: its K and V copy.
@@ -77,7 +76,7 @@ pub fn workspace_bytes(s: &RingShape) -> u64 {
 }
 
 /// Work items (batch, head, query block) and the grid: one CTA per SM (the kernel uses
-/// 225 KiB of shared memory at D = 128), never more than there are
+/// 193 KiB of shared memory at D = 128), never more than there are
 /// items, within the grid cap (MK_MAX_CTAS: ranks sharing a GPU must all be resident).
 pub fn plan_grid(s: &RingShape, grid_cap: u32) -> (usize, usize, u32) {
     let q_blocks = s.seq_local.div_ceil(BLOCK_M);
@@ -85,29 +84,19 @@ pub fn plan_grid(s: &RingShape, grid_cap: u32) -> (usize, usize, u32) {
     (q_blocks, items, (items as u32).clamp(1, grid_cap.max(1)))
 }
 
-/// K/V bytes a section of the dynamic schedule may span (MK_RING_L2_MIB overrides it):
-/// CTAs of one section read the same K/V tiles at about the same time, and the next
-/// section's heavy items start while the last light ones of this one run, so about this
-/// much K/V is being read at once. 8 MiB (one head at S 16K, two at 8K) measured slower
-/// than 16 MiB at causal S 8K / 16K (-3.5 % / -2 %, RESULTS session 10 round 1), and 32
-/// MiB (FA3's budget) no better in one sample, so 16 MiB stays.
+/// K/V bytes a section of the dynamic schedule may keep in L2 at once (the H200 has 60 MB
+/// of L2; CTAs of one section read the same K/V tiles at about the same time, and the
+/// next section's heavy items start while the last light ones of this one run).
 pub const SCHED_L2_BYTES: usize = 16 << 20;
 
 /// (batch, head) pairs per section of the dynamic order: as many kv heads as fit their K
-/// and V over every ring step in `l2_bytes` (at least one), times the query heads that
-/// share each, capped at all pairs; but no fewer kv heads than give a section half as many
-/// items as the `grid` has CTAs. The last section's heaviest items are the call's last
-/// heavy ones: with fewer items than that they start late and the call ends unevenly
-/// (one head of 64 query blocks per section on 132 CTAs: the busiest 5.6 % above the
-/// mean). Sections are aligned to multiples of heads / kv_heads, so the query heads of one
-/// kv head never straddle two sections.
-pub fn sched_section(s: &RingShape, l2_bytes: usize, grid: u32) -> usize {
+/// and V over every ring step in SCHED_L2_BYTES (at least one), times the query heads
+/// that share each, capped at all pairs. Sections are aligned to multiples of heads /
+/// kv_heads, so the query heads of one kv head never straddle two sections.
+pub fn sched_section(s: &RingShape) -> usize {
     let kv_bytes = (s.nranks * s.seq_local * s.head_dim * 2 * 2).max(1);
-    let group = (s.heads / s.kv_heads.max(1)).max(1);
-    let q_blocks = s.seq_local.div_ceil(BLOCK_M).max(1);
-    let min_kv_heads = (grid as usize).div_ceil(2 * q_blocks * group);
-    let kv_heads = (l2_bytes / kv_bytes).max(min_kv_heads).max(1);
-    (kv_heads * group).min((s.batch * s.heads).max(1))
+    let kv_heads = (SCHED_L2_BYTES / kv_bytes).max(1);
+    (kv_heads * (s.heads / s.kv_heads.max(1)).max(1)).min((s.batch * s.heads).max(1))
 }
 
 /// The work item (`bh · q_blocks + j`, j = 0 the heaviest query block of pair bh, the
@@ -140,8 +129,6 @@ pub struct RingArgs {
     pub rank: usize,
     pub softmax_scale: f32,
     pub dtype: mkDataType_t,
-    /// Per-CTA timing buffer for `mkbench ring_attn --trace`, else 0.
-    pub trace: u64,
 }
 
 /// Argument checks (no CUDA); messages name the rule.
@@ -170,7 +157,7 @@ pub fn validate_args(
             crate::ensure_arg!(ptr % align == 0, "{name} = {ptr:#x} is not {align}-byte aligned");
         }
     }
-    Ok(RingArgs { q, k, v, out, lse, shape, rank, softmax_scale, dtype, trace: 0 })
+    Ok(RingArgs { q, k, v, out, lse, shape, rank, softmax_scale, dtype })
 }
 
 fn kernel(args: &RingArgs) -> Result<sys::CUfunction> {
@@ -192,7 +179,6 @@ fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
         kv_elems: (s.batch * s.seq_local * s.kv_heads * s.head_dim) as u64,
         kv_gathered: 0,
         v_gathered: 0,
-        trace: args.trace,
         batch: s.batch as i32,
         seq_local: s.seq_local as i32,
         heads: s.heads as i32,
@@ -204,7 +190,7 @@ fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
         num_items: items as i32,
         scale_log2: args.softmax_scale * std::f32::consts::LOG2_E,
         sched_dynamic: 0,
-        sched_section: sched_section(s, crate::env::ring_l2_bytes(), grid) as i32,
+        sched_section: sched_section(s) as i32,
     };
     (p, grid)
 }
@@ -267,7 +253,7 @@ fn launch(args: &RingArgs, mut p: RingAttnParams, grid: u32, stream: sys::CUstre
     let mut maps = tensor_maps(args, &p)?;
     let smem = smem_bytes(args.shape.head_dim) as u32;
     // The opt-in is needed whenever dynamic plus static shared memory passes 48 KiB, which
-    // it does at every head dimension (113 KiB at D = 64, 225 KiB at D = 128).
+    // it does at every head dimension (97 KiB at D = 64, 193 KiB at D = 128).
     // SAFETY: sets one attribute of a loaded kernel.
     cuda::check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
         sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
@@ -489,8 +475,8 @@ mod tests {
         assert_eq!(plan_grid(&s, 132), (3, 24, 24));
         assert_eq!(plan_grid(&s, 16), (3, 24, 16));
         assert_eq!(workspace_bytes(&s), 2 * 2 * 300 * 2 * 64 * 2);
-        assert_eq!(smem_bytes(128), 230400);
-        assert_eq!(smem_bytes(64), 115712);
+        assert_eq!(smem_bytes(128), 197632);
+        assert_eq!(smem_bytes(64), 99328);
         assert!(smem_bytes(128) <= 232448, "fits the 227 KiB a block may opt in to");
     }
 
@@ -499,27 +485,14 @@ mod tests {
         let s = |seq_local: usize, heads: usize, kv_heads: usize, nranks: usize| RingShape {
             batch: 1, seq_local, heads, kv_heads, head_dim: 128, causal: true, nranks,
         };
-        let mib = 1usize << 20;
-        assert_eq!(SCHED_L2_BYTES, 16 * mib);
-        // 8 MiB of K and V: 2 heads at S 8K, 1 at 16K and 32K (one rank, D 128, bf16).
-        assert_eq!(sched_section(&s(8192, 32, 32, 1), 8 * mib, 132), 2);
-        assert_eq!(sched_section(&s(16384, 32, 32, 1), 8 * mib, 132), 1);
-        assert_eq!(sched_section(&s(32768, 32, 32, 1), 8 * mib, 132), 1, "at least one head");
-        assert_eq!(sched_section(&s(16384, 32, 8, 1), 8 * mib, 132), 4, "1 kv head, 4 query heads each");
-        assert_eq!(sched_section(&s(2048, 32, 32, 4), 8 * mib, 32), 2, "every ring step's K/V counts");
-        assert_eq!(sched_section(&s(2048, 32, 32, 4), 8 * mib, 132), 5, "66 items per section: 5 heads of 16 query blocks");
-        // 16 MiB (the default).
-        assert_eq!(sched_section(&s(8192, 32, 32, 1), 16 * mib, 132), 4);
-        assert_eq!(sched_section(&s(16384, 32, 32, 1), 16 * mib, 132), 2);
-        assert_eq!(sched_section(&s(32768, 32, 32, 1), 16 * mib, 132), 1);
-        assert_eq!(sched_section(&s(65536, 32, 32, 1), 16 * mib, 132), 1, "at least one head");
-        assert_eq!(sched_section(&s(4096, 32, 32, 4), 16 * mib, 32), 2, "every ring step's K/V counts");
-        assert_eq!(sched_section(&s(16384, 32, 8, 1), 16 * mib, 132), 8, "2 kv heads, 4 query heads each");
-        assert_eq!(sched_section(&s(8192, 32, 32, 1), 0, 64), 1, "0: one kv head");
-        assert_eq!(sched_section(&s(8192, 32, 32, 1), 0, 132), 2, "at least 66 items per section on 132 CTAs");
-        assert_eq!(sched_section(&s(16384, 32, 32, 1), 0, 132), 1);
-        assert_eq!(sched_section(&s(2048, 32, 8, 1), 0, 132), 8, "whole GQA groups of 4 query heads: 2 x 4 x 16 items");
-        assert_eq!(sched_section(&s(256, 4, 2, 1), 8 * mib, 132), 4, "capped at every (batch, head) pair");
+        // 16 MiB of K and V: 4 heads at S 8K, 2 at 16K, 1 at 32K (one rank, D 128, bf16).
+        assert_eq!(sched_section(&s(8192, 32, 32, 1)), 4);
+        assert_eq!(sched_section(&s(16384, 32, 32, 1)), 2);
+        assert_eq!(sched_section(&s(32768, 32, 32, 1)), 1);
+        assert_eq!(sched_section(&s(65536, 32, 32, 1)), 1, "at least one head");
+        assert_eq!(sched_section(&s(4096, 32, 32, 4)), 2, "every ring step's K/V counts");
+        assert_eq!(sched_section(&s(16384, 32, 8, 1)), 8, "2 kv heads, 4 query heads each");
+        assert_eq!(sched_section(&s(256, 4, 2, 1)), 4, "capped at every (batch, head) pair");
     }
 
     #[test]
@@ -543,15 +516,14 @@ mod tests {
 
     /// Greedy list scheduling (each CTA takes the next ticket when it finishes an item) of
     /// the one-rank causal bench shapes in the dynamic order: the busiest of 132 CTAs ends
-    /// within 0.5 % of the mean (the fixed snake: 3.1 %), for section budgets from one
-    /// head to several. Cost of an item: its visible 128-key tiles plus one for the item's
-    /// own overhead.
+    /// within 0.5 % of the mean (the fixed snake: 3.1 %). Cost of an item: its visible
+    /// 128-key tiles plus one for the item's own overhead.
     #[test]
     fn dynamic_order_balances_causal_items() {
-        for (seq, l2_mib) in [8192usize, 16384, 32768].into_iter().flat_map(|s| [0, 4, 8, 16, 32].map(|m| (s, m))) {
+        for seq in [8192usize, 16384, 32768] {
             let s = RingShape { batch: 1, seq_local: seq, heads: 32, kv_heads: 32, head_dim: 128, causal: true, nranks: 1 };
             let (q_blocks, items, grid) = plan_grid(&s, 132);
-            let section = sched_section(&s, l2_mib << 20, grid);
+            let section = sched_section(&s);
             let cost = |item: usize| (q_blocks - item % q_blocks) as u64 + 1; // j = 0: the last query block, q_blocks tiles
             let mut ctas = std::collections::BinaryHeap::new();
             (0..grid).for_each(|c| ctas.push(std::cmp::Reverse((0u64, c))));
@@ -562,7 +534,7 @@ mod tests {
             let ends: Vec<u64> = ctas.into_iter().map(|std::cmp::Reverse((t, _))| t).collect();
             let mean = ends.iter().sum::<u64>() as f64 / ends.len() as f64;
             let max = *ends.iter().max().unwrap() as f64;
-            assert!(max / mean < 1.005, "S {seq}, {l2_mib} MiB: busiest CTA {max} against a mean of {mean}");
+            assert!(max / mean < 1.005, "S {seq}: busiest CTA {max} against a mean of {mean}");
         }
     }
 
