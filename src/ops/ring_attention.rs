@@ -269,8 +269,8 @@ fn launch(args: &RingArgs, mut p: RingAttnParams, grid: u32, stream: sys::CUstre
     // The `_trace` twin takes the buffer as a third parameter; the plain kernels two.
     let kernel_params = if args.trace != 0 { &mut kernel_params[..] } else { &mut kernel_params[..2] };
     // SAFETY: the parameters match the kernel (RingAttnParams and RingAttnMaps by value, and
-    // the `_trace` twin's u64); the tensors were checked to be device memory of this device, of the sizes the caller
-    // promised, and the maps describe exactly those tensors.
+    // the `_trace` twin's u64); the tensors were checked to be device memory of this
+    // device, of the sizes the caller promised, and the maps describe exactly those tensors.
     unsafe { cuda::launch(f, cfg, stream, kernel_params) }.map_err(|e| e.context("launching mkRingAttention"))
 }
 
