@@ -56,6 +56,7 @@
 #include <cuda_fp16.h>
 #include "common/fused_op.cuh"
 #include "common/gemm/wgmma_rs_ops.cuh"
+#include "common/trace.cuh"
 
 #define MK_OP_RING_ATTN 21
 // Signal words of this op: [MK_SIG_RING_BASE, +65536).
@@ -68,6 +69,17 @@
 #define RING_KV (MK_SIG_RING_BASE + 16)     // + src: src's K/V of epoch e is in its workspace (written by src)
 
 namespace mk { namespace ring_attn {
+
+// `mkbench ring_attn --trace` runs the `_trace` twin of each kernel (TRACED = true, a third
+// parameter: the buffer); the kernels the library launches are TRACED = false, where every
+// hook below compiles away (their SASS is the same as without the hooks). MK_TRACE_WORDS
+// u64 per CTA at trace + blockIdx.x * MK_TRACE_WORDS, times from %globaltimer (ns):
+//   0 start   1 K/V published (= start at one rank)   2 thread 0's consumer done
+//   3 end     4 / 5 / 8 ns thread 0 (warpgroup 0) waited for K / V / Q to land
+//   6 items | K/V tiles << 32 (the producer's count)   7 SM id
+//   9 ns thread 128 (warpgroup 1) waited for K and V
+// Only the waits that did not succeed at the first try are timed.
+enum RingTrace { TR_WAIT_K = 4, TR_WAIT_V = 5, TR_COUNT = 6, TR_WAIT_Q = 8, TR_WAIT_KV1 = 9 };
 
 constexpr int BM = 128;  // queries per work item (2 warpgroups x 64 rows)
 constexpr int BN = 128;  // keys per tile
@@ -329,7 +341,7 @@ struct Walk {
   }
 };
 
-template <typename T, int D>
+template <typename T, int D, bool TRACED>
 struct Attn {
   static constexpr int KSTEPS = D / 16;  // k-steps of Q·Kᵀ (over d)
   static constexpr int PSTEPS = BN / 16; // k-steps of P·V (over keys)
@@ -354,7 +366,7 @@ struct Attn {
   // seqLocal are outside the map and arrive as zeros (masked keys must meet V = 0, never
   // NaN). Returns false when a wait gave up.
   __device__ static bool produce(const RingAttnParams& p, const RingAttnMaps& maps, uint64_t epoch, T* sQ, T* sK, T* sV,
-                                 Pipeline& pl) {
+                                 Pipeline& pl, const uint64_t& trace) {
     using namespace mk::gemm;
     static_assert(BM == BN, "Q, K and V tiles share the box shape");
     constexpr uint32_t TILE_BYTES = BN * D * sizeof(T);
@@ -408,6 +420,7 @@ struct Attn {
       pl.q_item[qs] = item;  // published by the arrive below (release), read after the consumers' wait
       if (item < 0) {
         mbar_arrive(&pl.q_full[qs]);  // the one expected arrival, no bytes: "no more items"
+        if constexpr (TRACED) *mk_trace_slot(trace, TR_COUNT) = (uint64_t)k | ((uint64_t)tile << 32);
         break;
       }
       const Item it(p, item);
@@ -454,7 +467,7 @@ struct Attn {
   // follows the softmax of the new S, so the tensor cores do not wait for an epilogue
   // and a pipeline fill per item (causal items average half the tiles of non-causal
   // ones, so this per-item cost weighs twice). Returns false when the producer gave up.
-  __device__ static bool consume(const RingAttnParams& p, T* sQ, const T* sK, const T* sV, Pipeline& pl) {
+  __device__ static bool consume(const RingAttnParams& p, T* sQ, const T* sK, const T* sV, Pipeline& pl, const uint64_t& trace) {
     using namespace mk::gemm;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int wg = warp / 4;  // warpgroup: query rows 64·wg ..
@@ -467,6 +480,19 @@ struct Attn {
 
     auto release = [&](uint64_t* bar) {
       if (lane == 0) mbar_arrive(bar);  // after this warp's wgmma wait: its reads are done
+    };
+    // TRACED: the time of the waits for landed tiles that do not succeed at once.
+    uint64_t waited_k = 0, waited_v = 0, waited_q = 0;
+    auto wait_full = [&](uint64_t* bar, uint32_t parity, uint64_t& waited) {
+      if constexpr (TRACED) {
+        if (!mbar_try_wait(bar, parity)) {
+          const uint64_t t0 = mk_globaltimer();
+          mbar_wait(bar, parity);
+          waited += mk_globaltimer() - t0;
+        }
+      } else {
+        mbar_wait(bar, parity);
+      }
     };
     // Pingpong: the warpgroups issue their GEMMs of a tile in turns, 0 then 1. Barrier
     // TURN_BARRIER + wg completes with this warpgroup's bar.sync (128) and the other's
@@ -486,12 +512,12 @@ struct Attn {
     };
     // Waits for the Q of the CTA's k-th item and returns the item (-1: there is none).
     auto wait_q = [&](int k) -> int {
-      mbar_wait(&pl.q_full[k % Q_STAGES], (k / Q_STAGES) & 1);  // TMA wrote it: no proxy fence (Pipeline)
+      wait_full(&pl.q_full[k % Q_STAGES], (k / Q_STAGES) & 1, waited_q);  // TMA wrote it: no proxy fence (Pipeline)
       return *reinterpret_cast<volatile int*>(&pl.q_item[k % Q_STAGES]);
     };
     // Waits for tile t's K; false when the producer gave up at this tile.
     auto wait_k = [&](int t) -> bool {
-      mbar_wait(&pl.k_full[t % KV_STAGES], (t / KV_STAGES) & 1);
+      wait_full(&pl.k_full[t % KV_STAGES], (t / KV_STAGES) & 1, waited_k);
       return t < *reinterpret_cast<volatile int*>(&pl.abort_tile);
     };
     // Descriptor of this warpgroup's 64 query rows of the k-th item's Q tile. The operands'
@@ -517,7 +543,7 @@ struct Attn {
     // O += P·V of tile t: P from registers (the accumulator layout of S is the A-fragment
     // layout by pairs of 8-key blocks), V as the MN-major B operand.
     auto issue_pv = [&](float (&acc)[OREG], const uint32_t (&pa)[PSTEPS][4], int t) {
-      mbar_wait(&pl.v_full[t % KV_STAGES], (t / KV_STAGES) & 1);
+      wait_full(&pl.v_full[t % KV_STAGES], (t / KV_STAGES) & 1, waited_v);
       const char* tV = reinterpret_cast<const char*>(sV + (t % KV_STAGES) * TILE);
       wgmma_fence();
 #pragma unroll
@@ -765,11 +791,22 @@ struct Attn {
     fence_operands(acc);
     release(&pl.v_empty[(tile - 1) % KV_STAGES]);
     epilogue(acc, it, k, m_row, l_row);
+    if constexpr (TRACED) {
+      if (lane == 0 && warp % 4 == 0) {
+        if (wg == 0) {
+          *mk_trace_slot(trace, TR_WAIT_K) = waited_k;
+          *mk_trace_slot(trace, TR_WAIT_V) = waited_v;
+          *mk_trace_slot(trace, TR_WAIT_Q) = waited_q;
+        } else {
+          *mk_trace_slot(trace, TR_WAIT_KV1) = waited_k + waited_v;
+        }
+      }
+    }
     return true;
   }
 
   // Phase 2 (every thread of the CTA). Returns false when a wait gave up.
-  __device__ static bool run(const RingAttnParams& p, const RingAttnMaps& maps, uint64_t epoch, char* smem_raw) {
+  __device__ static bool run(const RingAttnParams& p, const RingAttnMaps& maps, uint64_t epoch, char* smem_raw, const uint64_t& trace) {
     __shared__ Pipeline pl;
     // 128-byte swizzle repeats every 1024 bytes: tiles start 1024-aligned.
     char* smem = smem_raw + ((1024 - (gemm::smem_addr(smem_raw) & 1023)) & 1023);
@@ -803,26 +840,27 @@ struct Attn {
           mk::gemm::prefetch_tensor_map(&maps.k[src]);
           mk::gemm::prefetch_tensor_map(&maps.v[src]);
         }
-        ok = produce(p, maps, epoch, sQ, sK, sV, pl);
+        ok = produce(p, maps, epoch, sQ, sK, sV, pl, trace);
       }
       __syncwarp();  // setmaxnreg is .aligned: single-lane work above must have reconverged
       mk::gemm::setmaxnreg_inc<LAUNCH_REGS>();
     } else {
       mk::gemm::setmaxnreg_inc<CONSUMER_REGS>();
-      ok = consume(p, sQ, sK, sV, pl);
+      ok = consume(p, sQ, sK, sV, pl, trace);
       __syncwarp();
       mk::gemm::setmaxnreg_dec<LAUNCH_REGS>();
     }
     return ok;
   }
 };
-template <typename T, int D>
-__device__ __forceinline__ void ring_attention(const RingAttnParams& p, const RingAttnMaps& maps) {
+template <typename T, int D, bool TRACED>
+__device__ __forceinline__ void ring_attention(const RingAttnParams& p, const RingAttnMaps& maps, const uint64_t& trace) {
   extern __shared__ __align__(1024) char smem[];
   uint32_t dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
   // The host plan and the kernel disagree: trap rather than run out of bounds or hang.
   if (dyn_smem < uint32_t(smem_bytes<D>()) || blockDim.x != THREADS) __trap();
+  if constexpr (TRACED) mk_trace_begin(trace, false);
   const bool ring = p.kv_gathered == 0 && p.nranks > 1;
   uint64_t epoch = 0;
   bool ok = true;
@@ -830,9 +868,11 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
     epoch = mk_op_epoch_begin(p.ws, RING_EPOCH);
     ok = publish_kv(p, epoch);
   }
+  if constexpr (TRACED) mk_trace_time(trace, MK_TR_SETUP);
   // A failed wait has recorded the error and raised the abort word: skip to the end, so
   // the kernel still ends in bounded time.
-  if (ok) Attn<T, D>::run(p, maps, epoch, smem);
+  if (ok) Attn<T, D, TRACED>::run(p, maps, epoch, smem, trace);
+  if constexpr (TRACED) mk_trace_time(trace, MK_TR_ROLE);
   if (p.sched_dynamic != 0) {
     // The last CTA to have taken its last ticket resets the counter for the next launch
     // (stream order: it starts after this one ends). Every CTA's tickets precede its
@@ -850,15 +890,24 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
     }
   }
   if (ring) mk_op_epoch_end(p.ws, RING_EPOCH, RING_ARRIVE, RING_DONE, epoch);
+  if constexpr (TRACED) mk_trace_time(trace, MK_TR_END);
 }
 
 }  // namespace ring_attn
 }  // namespace mk
 
+// Each kernel and its `_trace` twin (mkbench --trace only; a third parameter, the buffer,
+// read where used from the parameter space like p: held in a register, it cost the
+// 56-register producer a spill).
 #define MK_RING_ATTN_ENTRY(NAME, T, D)                                                                   \
   extern "C" __global__ void __launch_bounds__(mk::ring_attn::THREADS, 1) NAME(const __grid_constant__ RingAttnParams p, \
                                                                                  const __grid_constant__ mk::ring_attn::RingAttnMaps maps) { \
-    mk::ring_attn::ring_attention<T, D>(p, maps);                                                        \
+    const uint64_t no_trace = 0;                                                                         \
+    mk::ring_attn::ring_attention<T, D, false>(p, maps, no_trace);                                       \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(mk::ring_attn::THREADS, 1) NAME##_trace(                  \
+      const __grid_constant__ RingAttnParams p, const __grid_constant__ mk::ring_attn::RingAttnMaps maps, const __grid_constant__ uint64_t trace) { \
+    mk::ring_attn::ring_attention<T, D, true>(p, maps, trace);                                           \
   }
 
 MK_RING_ATTN_ENTRY(mk_ring_attn_bf16_d128, __nv_bfloat16, 128)

@@ -197,7 +197,10 @@ if [ "$BENCH" = 1 ]; then
   for n in ${BENCH_RANKS:-$RANKS}; do
     for op in ag_gemm gemm_rs gemm_ar moe ring_attn; do
       args="-g $n"
-      [ "$op" = ring_attn ] && [ "$n" = 1 ] && args="$args -n 3 -w 1"
+      # One rank: against cuDNN (below) by the same protocol, the fused op alone (the unfused
+      # columns equal it there), causal first, each case after 1 s idle: the H200 lowers its
+      # clocks under sustained attention, so a case measured after long ones reads slower.
+      [ "$op" = ring_attn ] && [ "$n" = 1 ] && args="$args --causal 1,0 --unfused 0 --rest-ms 1000 -w 3 -n 10"
       if [ "$n" -gt 1 ]; then
         case $op in
           ag_gemm) args="$args --rows 128,512,2048 --nk 8192x8192 -n 5 -w 2" ;;
@@ -212,6 +215,11 @@ if [ "$BENCH" = 1 ]; then
       with_ranks "$n" timeout "$(limit 200)" "$BIN/mkbench" $op $args >> "$OUT/fused.log" 2>&1; rc=$?
       note "mkbench $op -g $n: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
       [ $rc = 0 ] || status=1
+      if [ "$op" = ring_attn ] && [ "$n" = 1 ] && python3 -c "import torch" 2>/dev/null; then
+        echo "===== sdpa_baseline.py (cuDNN, same protocol)" | tee -a "$OUT/fused.log"
+        timeout "$(limit 120)" python3 benches/sdpa_baseline.py 8192 16384 32768 --causal 1,0 --backends cudnn \
+          --rest-ms 1000 -w 3 -n 10 >> "$OUT/fused.log" 2>&1 || note "sdpa_baseline.py: FAILED"
+      fi
     done
   done
 fi

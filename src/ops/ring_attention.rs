@@ -129,6 +129,9 @@ pub struct RingArgs {
     pub rank: usize,
     pub softmax_scale: f32,
     pub dtype: mkDataType_t,
+    /// Per-CTA timing buffer for `mkbench ring_attn --trace` (the kernels' `_trace` twins,
+    /// layout in kernels/ring_attention.cu `RingTrace`), else 0 (always, from the C API).
+    pub trace: u64,
 }
 
 /// Argument checks (no CUDA); messages name the rule.
@@ -157,12 +160,13 @@ pub fn validate_args(
             crate::ensure_arg!(ptr % align == 0, "{name} = {ptr:#x} is not {align}-byte aligned");
         }
     }
-    Ok(RingArgs { q, k, v, out, lse, shape, rank, softmax_scale, dtype })
+    Ok(RingArgs { q, k, v, out, lse, shape, rank, softmax_scale, dtype, trace: 0 })
 }
 
 fn kernel(args: &RingArgs) -> Result<sys::CUfunction> {
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
-    cuda::function("ring_attention", &format!("mk_ring_attn_{dt}_d{}", args.shape.head_dim))
+    let twin = if args.trace != 0 { "_trace" } else { "" };
+    cuda::function("ring_attention", &format!("mk_ring_attn_{dt}_d{}{twin}", args.shape.head_dim))
 }
 
 fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
@@ -259,11 +263,15 @@ fn launch(args: &RingArgs, mut p: RingAttnParams, grid: u32, stream: sys::CUstre
         sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
     })?;
     let cfg = LaunchConfig { grid: (grid, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem };
-    let mut kernel_params: [*mut c_void; 2] = [(&mut p as *mut RingAttnParams).cast(), (&mut maps as *mut RingAttnMaps).cast()];
-    // SAFETY: the parameters match the kernel (RingAttnParams and RingAttnMaps by value);
-    // the tensors were checked to be device memory of this device, of the sizes the caller
-    // promised, and the maps describe exactly those tensors.
-    unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }.map_err(|e| e.context("launching mkRingAttention"))
+    let mut trace = args.trace;
+    let mut kernel_params: [*mut c_void; 3] =
+        [(&mut p as *mut RingAttnParams).cast(), (&mut maps as *mut RingAttnMaps).cast(), (&mut trace as *mut u64).cast()];
+    // The `_trace` twin takes the buffer as a third parameter; the plain kernels two.
+    let kernel_params = if args.trace != 0 { &mut kernel_params[..] } else { &mut kernel_params[..2] };
+    // SAFETY: the parameters match the kernel (RingAttnParams and RingAttnMaps by value, and
+    // the `_trace` twin's u64); the tensors were checked to be device memory of this
+    // device, of the sizes the caller promised, and the maps describe exactly those tensors.
+    unsafe { cuda::launch(f, cfg, stream, kernel_params) }.map_err(|e| e.context("launching mkRingAttention"))
 }
 
 fn grid_cap(comm: &Comm) -> Result<u32> {

@@ -91,10 +91,9 @@ pub fn timed_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, warmup
     Ok(all.iter().map(|v| f64::from_le_bytes(v[..8].try_into().expect("8 bytes"))).fold(0.0, f64::max))
 }
 
-/// `--trace`: one more call of a fused op with a per-CTA timing buffer
-/// (kernels/common/trace.cuh); every rank prints, per role, where its CTAs spent their
-/// time. `call` launches the op with the buffer's device address.
-pub fn print_trace(comm: &Comm, stream: sys::CUstream, label: &str, call: &dyn Fn(u64) -> Result<()>) -> Result<()> {
+/// One call of a fused op with a zeroed per-CTA timing buffer (room for 1024 CTAs of
+/// `MK_TRACE_WORDS` u64, kernels/common/trace.cuh): the buffer's words after the call.
+pub fn trace_words(comm: &Comm, stream: sys::CUstream, call: &dyn Fn(u64) -> Result<()>) -> Result<Vec<u64>> {
     use cudarc::driver::result as cu;
     use mkernel::cuda;
     use mkernel::kernel_abi::MK_TRACE_WORDS;
@@ -115,6 +114,15 @@ pub fn print_trace(comm: &Comm, stream: sys::CUstream, label: &str, call: &dyn F
         cu::free_sync(buf).map_err(|e| cuda::cuda_err("cuMemFree", e))?;
         run?;
     }
+    Ok(words)
+}
+
+/// `--trace`: one more call of a fused op with a per-CTA timing buffer
+/// (kernels/common/trace.cuh); every rank prints, per role, where its CTAs spent their
+/// time. `call` launches the op with the buffer's device address.
+pub fn print_trace(comm: &Comm, stream: sys::CUstream, label: &str, call: &dyn Fn(u64) -> Result<()>) -> Result<()> {
+    use mkernel::kernel_abi::MK_TRACE_WORDS;
+    let words = trace_words(comm, stream, call)?;
     let ctas: Vec<&[u64]> = words.chunks(MK_TRACE_WORDS).filter(|w| w[0] != 0).collect();
     let first = ctas.iter().map(|w| w[0]).min().unwrap_or(0);
     let all = comm.bootstrap.allgather(&first.to_le_bytes())?;

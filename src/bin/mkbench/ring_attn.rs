@@ -1,7 +1,8 @@
 //! `mkbench ring_attn`: mkRingAttention beside the unfused ring it replaces, in the same run:
 //!
 //!   mkbench ring_attn [-g ranks] [--seq 8192,16384,32768] [--heads 32] [--kv-heads 32]
-//!                     [--dim 128] [--causal 0,1] [-n iters] [-w warmup]
+//!                     [--dim 128] [--causal 0,1] [-n iters] [-w warmup] [--trace]
+//!                     [--unfused 0|1] [--rest-ms ms]
 //!
 //! Per (global S, causal): the fused op; the unfused ring (mkAllGather of K, mkAllGather of
 //! V, then the same attention kernel over the gathered K/V, no overlap); and its two parts
@@ -10,17 +11,23 @@
 //! warm-up calls (CUDA events), the slowest rank's median. TFLOP/s per rank: 4·H·S_local·
 //! S·D (non-causal), half of it causal (the FlashAttention convention). The single-GPU
 //! baseline (torch SDPA, cuDNN and flash backends) is a separate script
-//! (benches/sdpa_baseline.py), run in the same GPU session.
+//! (benches/sdpa_baseline.py), run in the same GPU session. The H200 lowers its clocks under
+//! sustained attention (power), so a case measured after long ones reads slower: for a
+//! fair comparison with that script, `--unfused 0` measures the fused op alone and
+//! `--rest-ms` idles the GPU before each case (the script takes the same options), cases in
+//! the order given (`--causal 1,0` runs the causal ones first). `--trace`: one more fused call
+//! per case, by the kernel's `_trace` twin with a per-CTA timing buffer, summarised per rank
+//! (trace_summary).
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, parse_list, timed_slowest};
+use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, parse_list, timed_slowest, trace_words};
 use crate::ranks;
 use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::Result;
 use mkernel::ops::collectives::{collective, CollectiveKind};
-use mkernel::ops::ring_attention::{attention_gathered, ring_attention, validate_args, workspace_bytes, RingShape};
+use mkernel::ops::ring_attention::{attention_gathered, ring_attention, validate_args, workspace_bytes, RingArgs, RingShape};
 use mkernel::testing::TestBuffer;
 use mkernel::types::mkDataType_t;
 
@@ -33,11 +40,16 @@ struct Options {
     causal: Vec<usize>,
     iters: usize,
     warmup: usize,
+    trace: bool,
+    /// 0: only the fused op (no unfused ring, no attention alone, no AllGathers).
+    unfused: usize,
+    /// Idle time before each case (after the stream has drained), in ms.
+    rest_ms: u64,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { ranks: ranks::nranks_requested(), seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], iters: 5, warmup: 2 };
-    for_each_option(args, None, |flag, v| {
+    let mut o = Options { ranks: ranks::nranks_requested(), seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], iters: 5, warmup: 2, trace: false, unfused: 1, rest_ms: 0 };
+    for_each_option(args, Some(&mut o.trace), |flag, v| {
         match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--seq" => o.seq = parse_list(v, "--seq")?,
@@ -45,6 +57,8 @@ fn parse(args: &[String]) -> Result<Options> {
             "--kv-heads" => o.kv_heads = v.parse().map_err(|_| bad("--kv-heads"))?,
             "--dim" => o.dim = v.parse().map_err(|_| bad("--dim"))?,
             "--causal" => o.causal = parse_list(v, "--causal")?,
+            "--unfused" => o.unfused = v.parse().map_err(|_| bad("--unfused"))?,
+            "--rest-ms" => o.rest_ms = v.parse().map_err(|_| bad("--rest-ms"))?,
             other => return Err(bad(other)),
         }
         Ok(())
@@ -115,10 +129,17 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let (kp, vp) = if n == 1 { (k.ptr(), v.ptr()) } else { (kg.ptr(), vg.ptr()) };
             let attn = || attention_gathered(&args, kp, vp, grid_cap, stream);
             let timed = |f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f);
+            if o.rest_ms > 0 {
+                // SAFETY: live stream.
+                unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+                std::thread::sleep(std::time::Duration::from_millis(o.rest_ms));
+            }
             let t_fused = timed(&fused)?;
-            let t_unfused = timed(&|| gather().and_then(|_| attn()))?;
-            let t_attn = timed(&attn)?;
-            let t_comm = if n > 1 { timed(&gather)? } else { 0.0 };
+            let (t_unfused, t_attn, t_comm) = if o.unfused == 0 {
+                (f64::NAN, f64::NAN, f64::NAN)
+            } else {
+                (timed(&|| gather().and_then(|_| attn()))?, timed(&attn)?, if n > 1 { timed(&gather)? } else { 0.0 })
+            };
             let err = comm.async_error();
             if err != mkernel::error::mkResult_t::mkSuccess {
                 all_ok = false;
@@ -133,9 +154,107 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                     if err == mkernel::error::mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
                 );
             }
+            if o.trace {
+                let words = trace_words(&comm, stream, &|buf| ring_attention(&comm, &RingArgs { trace: buf, ..args }, stream))?;
+                println!("{}", trace_summary(&format!("S {s_global} causal {causal} rank {rank}"), &words));
+            }
         }
     }
     // SAFETY: live stream.
     unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
     Ok(all_ok)
+}
+
+/// One line (and a second) from the ring-attention kernel's trace words (layout:
+/// kernels/ring_attention.cu `RingTrace`): the kernel's span; per CTA the compute time
+/// (warpgroup 0's consumer, from K/V published to its last item stored), how long before
+/// the last CTA it finished (the imbalance), its items and tiles; and how long warpgroup 0
+/// waited for K, V and Q to land, warpgroup 1 for K and V (medians and maxima, and the
+/// sum as a share of the compute time).
+fn trace_summary(label: &str, words: &[u64]) -> String {
+    use mkernel::kernel_abi::MK_TRACE_WORDS;
+    let ctas: Vec<&[u64]> = words.chunks(MK_TRACE_WORDS).filter(|w| w[0] != 0).collect();
+    if ctas.is_empty() {
+        return format!("trace {label}: no CTA recorded");
+    }
+    let us = |ns: u64| ns as f64 / 1e3;
+    let stats = |mut v: Vec<u64>| -> (f64, f64, f64) {
+        v.sort_unstable();
+        (us(v[0]), us(v[v.len() / 2]), us(v[v.len() - 1]))
+    };
+    let first = ctas.iter().map(|w| w[0]).min().unwrap_or(0);
+    let last_end = ctas.iter().map(|w| w[3]).max().unwrap_or(first);
+    let last_done = ctas.iter().map(|w| w[2]).max().unwrap_or(first);
+    let compute: Vec<u64> = ctas.iter().map(|w| w[2].saturating_sub(w[1])).collect();
+    let busy: u64 = compute.iter().sum::<u64>().max(1);
+    let (c_min, c_med, c_max) = stats(compute.clone());
+    let (_, idle_med, idle_max) = stats(ctas.iter().map(|w| last_done.saturating_sub(w[2])).collect());
+    let (_, start_med, start_max) = stats(ctas.iter().map(|w| w[1].saturating_sub(first)).collect());
+    let items: Vec<u64> = ctas.iter().map(|w| w[6] & 0xffff_ffff).collect();
+    let tiles: Vec<u64> = ctas.iter().map(|w| w[6] >> 32).collect();
+    let mean = |v: &[u64]| v.iter().sum::<u64>() as f64 / v.len() as f64;
+    let share = |slot: usize| 100.0 * ctas.iter().map(|w| w[slot]).sum::<u64>() as f64 / busy as f64;
+    let (_, k_med, k_max) = stats(ctas.iter().map(|w| w[4]).collect());
+    let (_, v_med, v_max) = stats(ctas.iter().map(|w| w[5]).collect());
+    let (_, q_med, q_max) = stats(ctas.iter().map(|w| w[8]).collect());
+    let (_, kv1_med, kv1_max) = stats(ctas.iter().map(|w| w[9]).collect());
+    format!(
+        "trace {label}: {} CTAs, kernel {:.1} µs, compute starts after {start_med:.1} (max {start_max:.1}) µs, compute per CTA {c_min:.1} / {c_med:.1} / {c_max:.1} µs (min / median / max), \
+         done before the last CTA {idle_med:.1} (max {idle_max:.1}) µs, items {:.1} (min {} max {}), tiles {:.1} (min {} max {}) per CTA\n    \
+         waits of warpgroup 0: K {k_med:.1} (max {k_max:.1}) µs = {:.2} %, V {v_med:.1} (max {v_max:.1}) µs = {:.2} %, Q {q_med:.1} (max {q_max:.1}) µs = {:.2} %; \
+         warpgroup 1 K+V {kv1_med:.1} (max {kv1_max:.1}) µs = {:.2} % of the compute time",
+        ctas.len(),
+        us(last_end - first),
+        mean(&items),
+        items.iter().min().unwrap(),
+        items.iter().max().unwrap(),
+        mean(&tiles),
+        tiles.iter().min().unwrap(),
+        tiles.iter().max().unwrap(),
+        share(4),
+        share(5),
+        share(8),
+        share(9),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse, trace_summary};
+
+    #[test]
+    fn fair_measurement_options_parse() {
+        let args: Vec<String> = "--seq 8192,16384 --causal 1,0 --unfused 0 --rest-ms 1000 -w 3 -n 10 --trace".split(' ').map(String::from).collect();
+        let o = parse(&args).unwrap();
+        assert_eq!((o.seq, o.causal, o.unfused, o.rest_ms, o.warmup, o.iters, o.trace), (vec![8192, 16384], vec![1, 0], 0, 1000, 3, 10, true));
+        let o = parse(&[]).unwrap();
+        assert_eq!((o.unfused, o.rest_ms, o.trace), (1, 0, false), "defaults: every column, no rest");
+        assert!(parse(&["--rest-ms".into(), "x".into()]).is_err());
+    }
+    use mkernel::kernel_abi::MK_TRACE_WORDS;
+
+    #[test]
+    fn trace_summary_reads_the_kernel_layout() {
+        // Two CTAs: start 1000 / 1000 ns, compute from 2000 to 12000 and 2000 to 10000 ns.
+        let mut w = vec![0u64; 3 * MK_TRACE_WORDS];
+        for (c, done, k, v, q, kv1, items, tiles) in [(0usize, 12_000u64, 500u64, 300u64, 100u64, 700u64, 3u64, 40u64), (1, 10_000, 1500, 0, 0, 0, 2, 30)] {
+            let x = &mut w[c * MK_TRACE_WORDS..(c + 1) * MK_TRACE_WORDS];
+            x[0] = 1000;
+            x[1] = 2000;
+            x[2] = done;
+            x[3] = done + 100;
+            x[4] = k;
+            x[5] = v;
+            x[6] = items | tiles << 32;
+            x[8] = q;
+            x[9] = kv1;
+        }
+        let s = trace_summary("t", &w);
+        assert!(s.starts_with("trace t: 2 CTAs, kernel 11.1 µs"), "{s}");
+        assert!(s.contains("compute per CTA 8.0 / 10.0 / 10.0 µs"), "{s}");
+        assert!(s.contains("done before the last CTA 2.0 (max 2.0) µs"), "{s}");
+        assert!(s.contains("items 2.5 (min 2 max 3), tiles 35.0 (min 30 max 40)"), "{s}");
+        // K: 2000 ns of 18000 ns compute.
+        assert!(s.contains("K 1.5 (max 1.5) µs = 11.11 %"), "{s}");
+    }
 }
