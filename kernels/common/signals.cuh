@@ -21,6 +21,7 @@
 
 // ---- signal-region layout (u64 word indexes; mirrored by src/comm/workspace.rs) ----
 #define MK_SIG_ABORT 0            // nonzero: 1 + the rank that raised it
+#define MK_SIG_ERROR_CLAIM 1      // nonzero: the first error word a kernel of this rank recorded
 #define MK_SIG_SEQ 64             // + b: last step of collective CTA b (its own rank only)
 #define MK_SIG_MAX_CTAS 256       // collective CTA slots with flags
 #define MK_SIG_READY 512          // + b*8 + src: src's piece of step s is staged (collectives)
@@ -100,9 +101,17 @@ __device__ __forceinline__ CommStatus* mk_status(const WorkspaceView& ws) {
   return reinterpret_cast<CommStatus*>(ws.status);
 }
 
-// Records `word` as this rank's error unless one is already recorded.
+// Records `word` as this rank's error unless one is already recorded. The status block is
+// host memory (cuMemHostAlloc), where a device atomic is not atomic on hosts without native
+// PCIe atomics (x86: compute-sanitizer reports atomicCAS_system there as an invalid access),
+// so the first error is chosen by a CAS on a device word of this rank's signal region (only
+// this rank's kernels write it; the region is zeroed with the communicator, and errors are
+// sticky), and only that CAS's winner stores the word into the status block.
 __device__ __forceinline__ void mk_record_error(const WorkspaceView& ws, uint32_t word) {
-  atomicCAS_system(&mk_status(ws)->error, 0u, word);
+  unsigned long long* claim = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, MK_SIG_ERROR_CLAIM));
+  if (atomicCAS(claim, 0ull, (unsigned long long)word) == 0ull) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(&mk_status(ws)->error), "r"(word) : "memory");
+  }
   __threadfence_system();
 }
 

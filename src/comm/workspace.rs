@@ -39,6 +39,10 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 pub const SIGNAL_BYTES: usize = 2 << 20;
 /// u64 word index of the abort word in the signal region (signals.cuh MK_SIG_ABORT).
 pub const SIG_ABORT_WORD: usize = 0;
+/// u64 word index of the device-side claim on this rank's first error (signals.cuh
+/// MK_SIG_ERROR_CLAIM): kernels arbitrate there, the winner copies its word into the host
+/// status block (device atomics on host memory are not atomic over PCIe).
+pub const SIG_ERROR_CLAIM_WORD: usize = 1;
 /// Most CTA slots the collectives partition the data region into (signals.cuh MK_SIG_MAX_CTAS
 /// bounds the flags; 64 keeps pieces large).
 pub const MAX_CTA_SLOTS: u32 = 64;
@@ -647,6 +651,8 @@ mod tests {
             line.split_whitespace().nth(2).unwrap().parse().unwrap()
         };
         assert_eq!(define("MK_SIG_ABORT"), SIG_ABORT_WORD);
+        assert_eq!(define("MK_SIG_ERROR_CLAIM"), SIG_ERROR_CLAIM_WORD);
+        assert!(SIG_ERROR_CLAIM_WORD < define("MK_SIG_SEQ"));
         assert_eq!(define("MK_SIG_WORDS") * 8, SIGNAL_BYTES);
         assert!(define("MK_SIG_MAX_CTAS") >= MAX_CTA_SLOTS as usize);
         // READY, READY2, FREE for every CTA slot and peer must end before the fused ops' words.

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# compute-sanitizer audit of the GPU test suites, on the GPU machine, from carried binaries
+# (BIN=DIR or BIN_TAR=FILE as scripts/gpu-run.sh takes them). One rank (a sanitized
+# process cannot be an MPS client here, and several ranks without MPS time-slice): every
+# `mktest` suite under memcheck (out-of-bounds and misaligned accesses, leaks of device
+# memory), then racecheck and synccheck (shared-memory hazards, barriers reached by part of a
+# warp or block) on the fused-op suites. Each step has a timeout; a step that runs out is
+# reported as TIMEOUT, not as a pass. Writes $OUT/sanitize.log and $OUT/sanitize-summary.txt;
+# exits 1 when a tool reported an error.
+#   scripts/gpu-sanitize.sh [--tools "memcheck racecheck synccheck"] [--suites "..."]
+#                           [--step-timeout 90] [--deadline SECONDS]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-run-logs}
+mkdir -p "$OUT"
+BIN=${BIN:-target/release}
+if [ -n "${BIN_TAR:-}" ]; then
+  BIN=$(mktemp -d)
+  xz -dc "$BIN_TAR" | tar -C "$BIN" -xf - || { echo "gpu-sanitize.sh: cannot unpack $BIN_TAR"; exit 2; }
+fi
+TOOLS="memcheck racecheck synccheck"; SUITES="smoke collectives gemm ag_gemm gemm_reduce moe ring_attn"
+STEP=90; DEADLINE=0; T0=$(date +%s)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tools) TOOLS="$2"; shift ;;
+    --suites) SUITES="$2"; shift ;;
+    --step-timeout) STEP="$2"; shift ;;
+    --deadline) DEADLINE="$2"; shift ;;
+    *) echo "gpu-sanitize.sh: unknown option $1"; exit 2 ;;
+  esac
+  shift
+done
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+[ -x "$SAN" ] || { echo "gpu-sanitize.sh: compute-sanitizer not found"; exit 2; }
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} MK_TEST_NRANKS=1
+SUMMARY="$OUT/sanitize-summary.txt"; LOG="$OUT/sanitize.log"
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+status=0
+for tool in $TOOLS; do
+  suites=$SUITES
+  # racecheck and synccheck look at shared memory and barriers: the fused kernels' own
+  # protocols; the collectives and the plain engine are covered by memcheck.
+  [ "$tool" != memcheck ] && suites=$(echo " $SUITES " | sed 's/ smoke / /; s/ collectives / /; s/ gemm / /')
+  for suite in $suites; do
+    t=$STEP
+    if [ "$DEADLINE" != 0 ]; then
+      left=$(( DEADLINE - ($(date +%s) - T0) - 15 ))
+      [ "$left" -lt 20 ] && { note "$tool $suite: SKIPPED (deadline)"; continue; }
+      [ "$left" -lt "$t" ] && t=$left
+    fi
+    echo "===== $tool: mktest $suite" >> "$LOG"
+    s0=$(date +%s)
+    # --report-api-errors no: the suites' argument tests hand host pointers to the library,
+    # whose cuPointerGetAttribute check then fails as it should (the library checks every
+    # driver call's result itself); the tool's job here is the kernels' accesses.
+    timeout -k 5 "$t" "$SAN" --tool "$tool" --error-exitcode 86 --print-limit 20 --report-api-errors no \
+      $([ "$tool" = memcheck ] && echo --leak-check full) "$BIN/mktest" "$suite" >> "$LOG" 2>&1
+    rc=$?
+    took=$(( $(date +%s) - s0 ))
+    case $rc in
+      0) note "$tool $suite: CLEAN (${took} s)" ;;
+      86) note "$tool $suite: ERRORS REPORTED (${took} s, see sanitize.log)"; status=1 ;;
+      124|137) note "$tool $suite: TIMEOUT after ${t} s (not a pass)" ;;
+      *) note "$tool $suite: mktest FAILED under the tool (exit $rc, ${took} s)"; status=1 ;;
+    esac
+  done
+done
+grep -E "ERROR SUMMARY|Invalid|Race|Barrier|Leaked" "$LOG" | sort | uniq -c | sort -rn | head -40 >> "$SUMMARY"
+exit $status
