@@ -25,14 +25,7 @@
 # Every step has a timeout, so nothing here can hang the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-run-logs}
-mkdir -p "$OUT"
-BIN=${BIN:-target/release}
-# BIN_TAR: the binaries as scripts/pack-bins.sh packed them (stripped, xz): unpacked here.
-if [ -n "${BIN_TAR:-}" ]; then
-  BIN=$(mktemp -d)
-  xz -dc "$BIN_TAR" | tar -C "$BIN" -xf - || { echo "gpu-run.sh: cannot unpack $BIN_TAR"; exit 2; }
-fi
+. scripts/gpu-bins.sh  # $OUT, and $BIN from BIN or BIN_TAR
 DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0
 RANKS="1 2 4 8"; SUITES=""; NODE_OPS="all_gather reduce_scatter all_reduce ag_gemm gemm_rs gemm_ar"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1
 while [ $# -gt 0 ]; do

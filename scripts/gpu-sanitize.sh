@@ -11,13 +11,7 @@
 #                           [--step-timeout 90] [--deadline SECONDS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-run-logs}
-mkdir -p "$OUT"
-BIN=${BIN:-target/release}
-if [ -n "${BIN_TAR:-}" ]; then
-  BIN=$(mktemp -d)
-  xz -dc "$BIN_TAR" | tar -C "$BIN" -xf - || { echo "gpu-sanitize.sh: cannot unpack $BIN_TAR"; exit 2; }
-fi
+. scripts/gpu-bins.sh  # $OUT, and $BIN from BIN or BIN_TAR
 TOOLS="memcheck racecheck synccheck"; SUITES="smoke collectives gemm ag_gemm gemm_reduce moe ring_attn"
 STEP=90; DEADLINE=0; T0=$(date +%s)
 while [ $# -gt 0 ]; do
