@@ -101,18 +101,27 @@ __device__ __forceinline__ CommStatus* mk_status(const WorkspaceView& ws) {
   return reinterpret_cast<CommStatus*>(ws.status);
 }
 
-// Records `word` as this rank's error unless one is already recorded. The status block is
-// host memory (cuMemHostAlloc), where a device atomic is not atomic on hosts without native
-// PCIe atomics (x86: compute-sanitizer reports atomicCAS_system there as an invalid access),
-// so the first error is chosen by a CAS on a device word of this rank's signal region (only
-// this rank's kernels write it; the region is zeroed with the communicator, and errors are
-// sticky), and only that CAS's winner stores the word into the status block.
-__device__ __forceinline__ void mk_record_error(const WorkspaceView& ws, uint32_t word) {
-  unsigned long long* claim = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, MK_SIG_ERROR_CLAIM));
-  if (atomicCAS(claim, 0ull, (unsigned long long)word) == 0ull) {
-    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(&mk_status(ws)->error), "r"(word) : "memory");
-  }
+// Records `word` (nonzero) as this rank's error unless one is already recorded. The status
+// block is host memory (cuMemHostAlloc), where a device atomic is not atomic on hosts without
+// native PCIe atomics (x86: compute-sanitizer reports atomicCAS_system there as an invalid
+// access), so the first error is chosen by a CAS on the low half of a device word of this
+// rank's signal region (only this rank's kernels write it; the region is zeroed with the
+// communicator, and errors are sticky), and every caller then stores the winner's word into
+// the status block: the same value, so the order of those stores does not matter.
+// Branch-free and 32-bit on purpose: this is inlined into the bounded waits of register-
+// tight GEMM producer warps (after setmaxnreg), where a 64-bit CAS and a branch around
+// the store made ptxas spill (mk_ag_gemm_*, the ring-attention trace kernels).
+// `own_signals` is word 0 of this rank's signal region (mk_signal_word(ws, ws.rank, 0)):
+// waiters already hold it, and recomputing it from ws.signals[ws.rank] costs registers.
+__device__ __forceinline__ void mk_record_error_at(const WorkspaceView& ws, uint64_t* own_signals, uint32_t word) {
+  unsigned int* claim = reinterpret_cast<unsigned int*>(own_signals + MK_SIG_ERROR_CLAIM);
+  const unsigned int first = atomicCAS(claim, 0u, word);
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(&mk_status(ws)->error), "r"(first == 0u ? word : first) : "memory");
   __threadfence_system();
+}
+
+__device__ __forceinline__ void mk_record_error(const WorkspaceView& ws, uint32_t word) {
+  mk_record_error_at(ws, mk_signal_word(ws, ws.rank, 0), word);
 }
 
 // Raises the abort word of every rank (this one included): their waits stop.
@@ -137,27 +146,27 @@ __device__ __forceinline__ void mk_fail(const WorkspaceView& ws, uint32_t word) 
 struct MkWaitChecks {
   static constexpr uint64_t kHostCheckNs = 1000000;
   const WorkspaceView& ws;
-  const uint64_t* abort_word;
+  uint64_t* own_signals;  // this rank's signal region: the abort word, and the error claim
   uint64_t start, next_host_check;
   __device__ __forceinline__ explicit MkWaitChecks(const WorkspaceView& w)
-      : ws(w), abort_word(mk_signal_word(w, w.rank, MK_SIG_ABORT)), start(mk_globaltimer()),
+      : ws(w), own_signals(mk_signal_word(w, w.rank, 0)), start(mk_globaltimer()),
         next_host_check(start + kHostCheckNs) {}
   __device__ __forceinline__ bool keep_waiting(int peer, uint32_t what, uint32_t op) {
-    const uint64_t raised = mk_ld_relaxed_sys(abort_word);
+    const uint64_t raised = mk_ld_relaxed_sys(own_signals + MK_SIG_ABORT);
     if (raised != 0) {
-      mk_record_error(ws, mk_error_word(MK_RESULT_REMOTE_ERROR, (uint32_t)(raised - 1), what, op));
+      mk_record_error_at(ws, own_signals, mk_error_word(MK_RESULT_REMOTE_ERROR, (uint32_t)(raised - 1), what, op));
       return false;
     }
     const uint64_t now = mk_globaltimer();
     if (now - start > ws.timeout_ns) {
-      mk_record_error(ws, mk_error_word(MK_RESULT_TIMEOUT, (uint32_t)peer, what, op));
+      mk_record_error_at(ws, own_signals, mk_error_word(MK_RESULT_TIMEOUT, (uint32_t)peer, what, op));
       mk_raise_abort(ws);
       return false;
     }
     if (now >= next_host_check) {
       next_host_check = now + kHostCheckNs;
       if (mk_ld_relaxed_sys_u32(&mk_status(ws)->host_abort) != 0) {
-        mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
+        mk_record_error_at(ws, own_signals, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
         mk_raise_abort(ws);
         return false;
       }

@@ -40,8 +40,9 @@ pub const SIGNAL_BYTES: usize = 2 << 20;
 /// u64 word index of the abort word in the signal region (signals.cuh MK_SIG_ABORT).
 pub const SIG_ABORT_WORD: usize = 0;
 /// u64 word index of the device-side claim on this rank's first error (signals.cuh
-/// MK_SIG_ERROR_CLAIM): kernels arbitrate there, the winner copies its word into the host
-/// status block (device atomics on host memory are not atomic over PCIe).
+/// MK_SIG_ERROR_CLAIM): kernels arbitrate with a 32-bit CAS on its low half, and the
+/// winner's word is copied into the host status block (device atomics on host memory are
+/// not atomic over PCIe).
 pub const SIG_ERROR_CLAIM_WORD: usize = 1;
 /// Most CTA slots the collectives partition the data region into (signals.cuh MK_SIG_MAX_CTAS
 /// bounds the flags; 64 keeps pieces large).
