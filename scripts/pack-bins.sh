@@ -4,8 +4,19 @@
 # debug info and xz-compressed into one file (~2 MB instead of ~44 MB).
 #   scripts/pack-bins.sh [OUT_FILE]     (default .carry/bins.tar.xz)
 # Then, on the GPU machine: BIN_TAR=OUT_FILE scripts/gpu-run.sh ...
+# It first runs the kernel build checks CI runs (tests/kernels.rs: every kernel family
+# embedded, no engine kernel spilling), so device time is not spent on a build that CI
+# would then reject (session 11 measured a build whose AG+GEMM kernels spilled; its CI
+# failed). MK_PACK_UNCHECKED=1 skips them, for an experiment that knows it spills.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${MK_PACK_UNCHECKED:-0}" != 1 ]; then
+  cargo test --release -q --test kernels >/dev/null 2>&1 || {
+    echo "pack-bins: the kernel build checks fail (cargo test --release --test kernels); not packing" >&2
+    cargo test --release -q --test kernels 2>&1 | grep -E "panicked at|^assertion|^  left|^ right" | head -n 8 >&2 || true
+    exit 1
+  }
+fi
 out=${1:-.carry/bins.tar.xz}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
