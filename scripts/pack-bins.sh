@@ -10,12 +10,10 @@
 # failed). MK_PACK_UNCHECKED=1 skips them, for an experiment that knows it spills.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ "${MK_PACK_UNCHECKED:-0}" != 1 ]; then
-  cargo test --release -q --test kernels >/dev/null 2>&1 || {
-    echo "pack-bins: the kernel build checks fail (cargo test --release --test kernels); not packing" >&2
-    cargo test --release -q --test kernels 2>&1 | grep -E "panicked at|^assertion|^  left|^ right" | head -n 8 >&2 || true
-    exit 1
-  }
+if [ "${MK_PACK_UNCHECKED:-0}" != 1 ] && ! check_log=$(cargo test --release -q --test kernels 2>&1); then
+  echo "pack-bins: the kernel build checks fail (cargo test --release --test kernels); not packing" >&2
+  grep -E "panicked at|^assertion|^  left|^ right" <<<"$check_log" | head -n 8 >&2 || true
+  exit 1
 fi
 out=${1:-.carry/bins.tar.xz}
 tmp=$(mktemp -d)
