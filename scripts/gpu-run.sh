@@ -110,15 +110,19 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     note "mktest moe MK_COMM_SMS=4 N=2: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
     [ $rc = 0 ] || status=1
   fi
-  # GEMM+RS/AR's non-default reducers (MK_GEMM_REDUCERS=side: the producer warpgroup's
-  # idle warps reduce during the GEMM), at 2 ranks, when the suite runs.
-  if { [ -z "$SUITES" ] || [[ " $SUITES " == *" gemm_reduce "* ]]; } && ! late "mktest gemm_reduce MK_GEMM_REDUCERS=side N=2"; then
-    echo "===== mktest gemm_reduce with MK_GEMM_REDUCERS=side, 2 ranks" | tee -a "$OUT/mktest.log"
-    with_ranks 2 env MK_GEMM_REDUCERS=side MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" gemm_reduce >> "$OUT/mktest.log" 2>&1
+  # GEMM+RS/AR's non-default reducers, when the suite runs: side (the producer warpgroup's
+  # idle warps reduce during the GEMM) at 2 ranks, owners (GEMM+AR's tile owners sum in
+  # their epilogue) at 2 and 4.
+  for step in "side 2" "owners 2" "owners 4"; do
+    set -- $step
+    { [ -z "$SUITES" ] || [[ " $SUITES " == *" gemm_reduce "* ]]; } || break
+    late "mktest gemm_reduce MK_GEMM_REDUCERS=$1 N=$2" && continue
+    echo "===== mktest gemm_reduce with MK_GEMM_REDUCERS=$1, $2 ranks" | tee -a "$OUT/mktest.log"
+    with_ranks "$2" env MK_GEMM_REDUCERS="$1" MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" gemm_reduce >> "$OUT/mktest.log" 2>&1
     rc=$?
-    note "mktest gemm_reduce MK_GEMM_REDUCERS=side N=2: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
+    note "mktest gemm_reduce MK_GEMM_REDUCERS=$1 N=$2: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
     [ $rc = 0 ] || status=1
-  fi
+  done
 fi
 
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then

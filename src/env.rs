@@ -16,7 +16,7 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
     ("MK_WORKSPACE_BYTES", "268435456", "symmetric workspace per rank allocated at init: this much for the collectives and as much again for the fused ops"),
     ("MK_NET", "(ib if an RDMA device is usable, else socket)", "inter-node transport: ib or socket"),
     ("MK_IB_HCA", "(every active device)", "RDMA devices to use: comma-separated name[:port] prefixes, '^' excludes, '=' exact"),
-    ("MK_GEMM_REDUCERS", "early", "who sums the partials in mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: early (GEMM+RS: two idle producer warps of each GEMM CTA sum its earlier tiles during the GEMM, every warp the rest after it; GEMM+AR: as after), after (every warp of each GEMM CTA, after its GEMM) or side (two idle producer warps, during the GEMM; measured 1.6x slower with three)"),
+    ("MK_GEMM_REDUCERS", "early", "who sums the partials in mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: early (GEMM+RS: two idle producer warps of each GEMM CTA sum its earlier tiles during the GEMM, every warp the rest after it; GEMM+AR: as after), after (every warp of each GEMM CTA, after its GEMM) or side (two idle producer warps, during the GEMM; measured 1.6x slower with three) or owners (GEMM+AR at the one-shot sizes above 64 rows: each tile's owner rank, which computes it last, sums it in its GEMM's epilogue and the others copy the sum after their GEMM; elsewhere as after)"),
     ("MK_GEMM_AR_ONESHOT_MAX_M", "256", "mkGemmAllReduce: largest M that takes the one-shot path (every rank sums every tile); above it, two-phase (each owner sums its rows, the others copy them) where M divides into 128-row blocks per rank"),
     ("MK_MOE_ORDER", "auto", "order of the MoE kernels' GEMM row blocks: auto or expert (expert-major, raster groups cut at experts, so an expert's blocks share its weight tiles in L2; the dispatch's senders send expert by expert, flagged per (source, expert)), split (dispatch: own-only blocks, then blocks without the last step's source, then the rest, each expert-major) or arrival (both kernels by the latest source's send step, fixed raster groups: session 8's dispatch)"),
     ("MK_MOE_BANDS", "4", "mkMoeGemmCombine: column bands of the GEMM (fewer where H / tile width has no such divisor); the pull of band b's outputs runs beside the GEMM of the later bands (1: pull after the GEMM only); halving: bands of half the columns left (28 column tiles: 14, 7, 4, 2, 1), so one column's pull is left after the GEMM"),
@@ -125,8 +125,8 @@ pub fn load_staging_smem() -> bool {
     one_of("MK_LOAD_STAGING", &[("smem", true), ("registers", false)])
 }
 
-/// `MK_GEMM_REDUCERS`: `early` (the default), `after` or `side`.
+/// `MK_GEMM_REDUCERS`: `early` (the default), `after`, `side` or `owners`.
 pub fn gemm_reducers() -> crate::ops::gemm_reduce::Reducers {
     use crate::ops::gemm_reduce::Reducers;
-    one_of("MK_GEMM_REDUCERS", &[("early", Reducers::Early), ("after", Reducers::After), ("side", Reducers::Side)])
+    one_of("MK_GEMM_REDUCERS", &[("early", Reducers::Early), ("after", Reducers::After), ("side", Reducers::Side), ("owners", Reducers::Owners)])
 }

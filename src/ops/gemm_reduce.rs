@@ -55,6 +55,12 @@ pub enum Reducers {
     After,
     /// The two idle producer warps, during the GEMM, everything (1.6x slower than after).
     Side,
+    /// GEMM+AR at the one-shot sizes with 128-row tiles: each tile's owner rank, which
+    /// computes it last, sums it in its GEMM's epilogue, and the other ranks copy the sum
+    /// (`gemm_ar::owner_sums`); elsewhere as `After`. It moves 2 tiles per tile and rank
+    /// instead of n + 1 (far fewer NVLink reads at 8 ranks); on one shared H200 it measured
+    /// no faster than `After` (benches/RESULTS.md, session 13), so it is not the default.
+    Owners,
 }
 
 /// A validated call.
@@ -133,6 +139,14 @@ pub fn grouped_tile(tiles_m: usize, tiles_n: usize, group_m: usize, t: usize) ->
     let first_m = group * group_m;
     let rows = (tiles_m - first_m).min(group_m);
     (first_m + in_group % rows, in_group / rows)
+}
+
+/// The inverse of `grouped_tile` (scheduler.cuh grouped_index): the linear index of a tile.
+pub fn grouped_index(tiles_m: usize, tiles_n: usize, group_m: usize, (m, n): Tile) -> usize {
+    let group = m / group_m;
+    let first_m = group * group_m;
+    let rows = (tiles_m - first_m).min(group_m);
+    group * group_m * tiles_n + n * rows + (m - first_m)
 }
 
 /// The compute order of the GEMM + reduction (scheduler.cuh interleaved_tile): the grouped
@@ -377,8 +391,13 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         params.rank_of = nl.rank_of;
     }
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
-    // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere).
-    let name = if early > 0 {
+    let one_shot_all = args.reduction == Reduction::All && !two_phase;
+    let owners = gemm_ar::owner_sums(one_shot_all, nodes.is_none(), reduce_ctas, comm.config.gemm_reducers, bm);
+    // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere), and
+    // so do the AllReduce tile owners' sums.
+    let name = if owners {
+        format!("mk_gemm_allreduce_owner_{dt}_bn{bn}")
+    } else if early > 0 {
         format!("mk_gemm_reduce_early_{dt}_bn256")
     } else {
         format!("mk_gemm_reduce_{dt}_bn{bn}{}", if bm == 64 { "_bm64" } else { "" })
@@ -503,6 +522,17 @@ mod tests {
                             assert!(seen[i * 128..(i + 1) * 128].iter().all(|&c| c == want), "total {total} j {j} done {done} rows {rows} item {i}");
                         }
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_index_inverts_grouped_tile() {
+        for (tiles_m, tiles_n) in [(1, 1), (2, 32), (3, 7), (17, 5), (64, 64)] {
+            for group_m in [1, 2, 3, 8, 16] {
+                for t in 0..tiles_m * tiles_n {
+                    assert_eq!(grouped_index(tiles_m, tiles_n, group_m, grouped_tile(tiles_m, tiles_n, group_m, t)), t);
                 }
             }
         }

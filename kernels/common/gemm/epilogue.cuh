@@ -77,6 +77,21 @@ template <class Dest, class = void>
 struct DestMayRefuse : std::false_type {};
 template <class Dest>
 struct DestMayRefuse<Dest, std::void_t<decltype(Dest::kMayRefuse)>> : std::bool_constant<Dest::kMayRefuse> {};
+// A Dest may also combine the staged slab before it is stored: one that declares
+// `static constexpr bool kCombines = true` has
+//   template <typename T, int BN> __device__ static bool combine(const Params&, const SlabInfo&);
+// called by all 128 threads of the warpgroup once the slab (rounded to T) sits in the
+// staging buffer, with no barrier since the staging stores: it must synchronise the
+// warpgroup (named barrier 1 + consumer, 128 threads) before reading another thread's part,
+// may rewrite the staging buffer (each thread then fences its own writes for the TMA store,
+// as the staging itself), and returns false to store nothing (every thread the same value).
+// A slab not stored is still handed to the courier (which counts every slab of every
+// tile): a Dest that refuses must also keep its Signal from raising the flag.
+// GEMM + AllReduce's tile owners add their peers' partials there (gemm_reduce.cu).
+template <class Dest, class = void>
+struct DestCombines : std::false_type {};
+template <class Dest>
+struct DestCombines<Dest, std::void_t<decltype(Dest::kCombines)>> : std::bool_constant<Dest::kCombines> {};
 
 struct LocalDest {
   struct Params {
@@ -181,16 +196,20 @@ struct TmaEpilogue {
         asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + off), "r"(v) : "memory");
       }
     }
+    bool store_slab = true;
+    if constexpr (DestCombines<Dest>::value) store_slab = Dest::template combine<T, BN>(p.dest, s);
     fence_proxy_async_smem();
     named_barrier_sync(1 + s.consumer, 128);
     if (s.thread == 0) {
-      int row, col;
-      const CUtensorMap* m = Dest::map(p.dest, s, row, col);
-      // A Dest with kMayRefuse returns nullptr to store nothing (a fused op whose start
-      // wait failed); checked only for such Dests, so the others' code is unchanged.
-      if (!DestMayRefuse<Dest>::value || m != nullptr) {
+      if (store_slab) {
+        int row, col;
+        const CUtensorMap* m = Dest::map(p.dest, s, row, col);
+        // A Dest with kMayRefuse returns nullptr to store nothing (a fused op whose start
+        // wait failed); checked only for such Dests, so the others' code is unchanged.
+        if (!DestMayRefuse<Dest>::value || m != nullptr) {
 #pragma unroll
-        for (int b = 0; b < BN / 64; ++b) Op::box(m, s.smem + b * 8192, col + b * 64, row);
+          for (int b = 0; b < BN / 64; ++b) Op::box(m, s.smem + b * 8192, col + b * 64, row);
+        }
       }
       tma_store_commit();
       if constexpr (Signal::enabled) {

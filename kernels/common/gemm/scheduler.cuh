@@ -24,6 +24,7 @@ struct RasterParams {
   int group_m;       // m-blocks walked together (L2 reuse of B); >= 1
   int m_block_base;  // RankRotatedRaster: m-block that comes first (rank's own rows)
   int owners;        // OwnerInterleavedRaster: equal row shards to interleave (1: none)
+  int first_tile;    // RotatedRaster: linear index that comes first
 };
 
 // Grouped ("swizzled") raster: groups of `group_m` m-blocks; inside a group the m-block
@@ -36,6 +37,14 @@ __device__ __forceinline__ TileCoord grouped_tile(int tiles_m, int tiles_n, int 
   const int rows = min(tiles_m - first_m, group_m);
   const int in_group = t - group * per_group;
   return TileCoord{first_m + in_group % rows, in_group / rows};
+}
+
+// The inverse of grouped_tile: the linear index of tile c.
+__device__ __forceinline__ int grouped_index(int tiles_m, int tiles_n, int group_m, TileCoord c) {
+  const int group = c.m_block / group_m;
+  const int first_m = group * group_m;
+  const int rows = min(tiles_m - first_m, group_m);
+  return group * group_m * tiles_n + c.n_block * rows + (c.m_block - first_m);
 }
 
 struct GroupedRaster {
@@ -76,6 +85,19 @@ struct OwnerInterleavedRaster {
   using Params = RasterParams;
   __device__ static TileCoord tile(const Params& p, int t) {
     return interleaved_tile(p.tiles_m, p.tiles_n, p.group_m, p.owners, t);
+  }
+};
+
+// Grouped raster whose linear order starts at first_tile and wraps: GEMM + AllReduce by
+// tile owners (gemm_reduce.cu) starts each rank at its own segment of the order, so that
+// every tile's owner computes it after (or with) every peer.
+struct RotatedRaster {
+  using Params = RasterParams;
+  __device__ static TileCoord tile(const Params& p, int t) {
+    t += p.first_tile;
+    const int total = p.tiles_m * p.tiles_n;
+    if (t >= total) t -= total;
+    return grouped_tile(p.tiles_m, p.tiles_n, p.group_m, t);
   }
 };
 

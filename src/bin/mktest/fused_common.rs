@@ -106,8 +106,8 @@ pub fn absent_rank(env: &RankEnv, control: &Comm, id_index: usize, what: &str, l
     outcome
 }
 
-/// Unique ids a fused suite uses: control, main, absent-rank test.
-const IDS: usize = 3;
+/// Unique ids a fused suite uses: control, main, and up to two absent-rank tests.
+const IDS: usize = 4;
 
 /// Runs a fused-op suite: as a rank (when started by `ranks::spawn` or a launcher), as the
 /// only rank, or by starting MK_TEST_NRANKS rank processes of this executable.

@@ -167,12 +167,14 @@ pub(crate) fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> 
     let rs = Case::new(true, mkDataType_t::mkBfloat16, n * 160, 392, 200, n, rank)?;
     let ar = Case::new(false, mkDataType_t::mkFloat16, 33, 264, 136, n, rank)?;
     let ar2 = Case::new(false, mkDataType_t::mkBfloat16, n * 384, 264, 136, n, rank)?; // two-phase when n > 1
+    let ar3 = Case::new(false, mkDataType_t::mkBfloat16, 200, 776, 136, n, rank)?; // tile owners' sums when n > 1
     rs.prepare(1)?;
     ar.prepare(2)?;
     ar2.prepare(3)?;
+    ar3.prepare(4)?;
     // SAFETY: capture on a live non-default stream; the launches are our ops.
     unsafe { cuda::check("cuStreamBeginCapture", sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))? };
-    let launched = [rs.launch(comm, stream.0), ar.launch(comm, stream.0), ar2.launch(comm, stream.0)];
+    let launched = [rs.launch(comm, stream.0), ar.launch(comm, stream.0), ar2.launch(comm, stream.0), ar3.launch(comm, stream.0)];
     let mut graph: sys::CUgraph = std::ptr::null_mut();
     // SAFETY: ends the capture begun above.
     cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
@@ -187,13 +189,14 @@ pub(crate) fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> 
         rs.prepare(10 + replay)?;
         ar.prepare(20 + replay)?;
         ar2.prepare(40 + replay)?;
+        ar3.prepare(50 + replay)?;
         // SAFETY: instantiated graph, live stream.
         cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
         stream.sync()?;
         if async_error(comm) != mkResult_t::mkSuccess {
             return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
         }
-        for c in [&rs, &ar, &ar2] {
+        for c in [&rs, &ar, &ar2, &ar3] {
             let (ok, detail, _) = c.verify()?;
             if !ok {
                 failures += 1;
@@ -215,7 +218,7 @@ pub(crate) fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> 
         sys::cuGraphExecDestroy(exec);
         sys::cuGraphDestroy(graph);
     }
-    say(rank, format!("graph capture: 2 ops x 3 replays + 3 direct calls with fresh inputs, {failures} wrong"));
+    say(rank, format!("graph capture: 4 launches x 3 replays + 3 direct calls with fresh inputs, {failures} wrong"));
     if failures > 0 {
         return Err(MkError::internal("GEMM + reduction graph replay gave wrong results"));
     }
@@ -227,6 +230,13 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     let case = Case::new(true, mkDataType_t::mkBfloat16, n * 256, 1024, 512, n, rank)?;
     fused_common::absent_rank(env, control, 2, "mkGemmReduceScatter (a rank absent)", |comm, stream| {
         case.prepare(5)?;
+        Ok(case.launch(comm, stream))
+    })?;
+    // The AllReduce tile owners' waits: in the epilogue (for the absent rank's partials)
+    // and after the GEMM (for the tiles it owns).
+    let case = Case::new(false, mkDataType_t::mkBfloat16, 200, 1024, 512, n, rank)?;
+    fused_common::absent_rank(env, control, 3, "mkGemmAllReduce (a rank absent)", |comm, stream| {
+        case.prepare(6)?;
         Ok(case.launch(comm, stream))
     })
 }
