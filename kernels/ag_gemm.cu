@@ -166,10 +166,7 @@ __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoc
       if (tid == 0) {
         mk_trace_add(p.trace, MK_TR_BYTES, 2ull * (end - begin));
         __threadfence_system();  // our slice (every thread's stores, ordered by the barrier), then the count
-        unsigned long long* pushed =
-            reinterpret_cast<unsigned long long*>(mk_signal_word(ws, me, AGG_PUSHED + q * MK_AG_GEMM_MAX_CHUNKS + c));
-        if (atomicAdd(pushed, 1ull) == (unsigned long long)parts - 1) {
-          *pushed = 0;  // every pusher has counted; the next launch starts after this one ends
+        if (mk_arrive_last(mk_signal_word(ws, me, AGG_PUSHED + q * MK_AG_GEMM_MAX_CHUNKS + c), (unsigned long long)parts)) {
           mk_signal_store(mk_signal_word(ws, q, agg_chunk(p, me, c)), epoch);
           mk_trace_add(p.trace, MK_TR_ITEMS, 1);
         }
@@ -265,10 +262,7 @@ __device__ __forceinline__ bool push_hier(const AgGemmParams& p, uint64_t epoch,
         if (tid == 0) {
           mk_trace_add(p.trace, MK_TR_BYTES, 2ull * (end - begin));
           __threadfence_system();  // our slice (every thread's stores, ordered by the barrier), then the count
-          unsigned long long* pushed = reinterpret_cast<unsigned long long*>(
-              mk_signal_word(ws, l, AGG_PUSHED + (j * N + m) * p.flag_stride + c));
-          if (atomicAdd(pushed, 1ull) == (unsigned long long)parts - 1) {
-            *pushed = 0;  // every pusher has counted; the next launch starts after this one ends
+          if (mk_arrive_last(mk_signal_word(ws, l, AGG_PUSHED + (j * N + m) * p.flag_stride + c), (unsigned long long)parts)) {
             mk_signal_store(mk_signal_word(ws, j, agg_chunk(p, s, c)), epoch);
             mk_trace_add(p.trace, MK_TR_ITEMS, 1);
           }
@@ -365,9 +359,7 @@ __device__ __forceinline__ void copy_own_rows(const AgGemmParams& p, uint64_t ep
   if (threadIdx.x == 0) {
     if (p.nodes > 1) __threadfence_system();  // the proxy's copy reads them
     else __threadfence();
-    unsigned long long* arrived = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, AGG_LOCAL));
-    if (atomicAdd(arrived, 1ull) == gridDim.x - 1) {
-      *arrived = 0;  // every CTA has arrived; the next launch starts after this one ends
+    if (mk_arrive_last(mk_signal_word(ws, ws.rank, AGG_LOCAL), gridDim.x)) {
       for (int c = 0; c < p.chunks_per_rank; ++c)
         mk_signal_store(mk_signal_word(ws, ws.rank, agg_chunk(p, p.global_rank, c)), epoch);
     }
@@ -381,9 +373,7 @@ __device__ __forceinline__ void agg_epoch_end_hier(const AgGemmParams& p, uint64
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    unsigned long long* arrive = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, AGG_ARRIVE));
-    if (atomicAdd(arrive, 1ull) == gridDim.x - 1) {
-      *arrive = 0;  // the next launch starts after this one ends (stream order)
+    if (mk_arrive_last(mk_signal_word(ws, ws.rank, AGG_ARRIVE), gridDim.x)) {
       mk_st_release_sys(mk_signal_word(ws, ws.rank, AGG_EPOCH), epoch);
       for (int q = 0; q < ws.nranks; ++q)
         if (q != ws.rank) mk_signal_store(mk_signal_word(ws, q, AGG_DONE + ws.rank), epoch);

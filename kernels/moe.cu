@@ -586,9 +586,8 @@ __device__ __forceinline__ void send_rows_warp(const MoeParams& p, uint64_t epoc
         __threadfence_system();
         const unsigned long long rows = (unsigned long long)(end - r);
         const unsigned long long need = (unsigned long long)(qend - ld_cg(row0 + q));
-        unsigned long long* sent = peer_word(ws, me, MOE_SENT + q);
-        if (atomicAdd(sent, rows) + rows == need) {
-          *sent = 0;  // every row of list q is out; the next launch starts after this one
+        // The arrival that sends list q's last rows raises its flag.
+        if (mk_arrive_last(reinterpret_cast<uint64_t*>(peer_word(ws, me, MOE_SENT + q)), need, rows)) {
           mk_signal_store(reinterpret_cast<uint64_t*>(peer_word(ws, d, MOE_RECV + me * El + q / n)), epoch);
         }
       }
@@ -598,11 +597,8 @@ __device__ __forceinline__ void send_rows_warp(const MoeParams& p, uint64_t epoc
     if (c + 1 >= stop) break;
   }
   if (lane == 0) {
-    unsigned long long* exits = peer_word(ws, me, MOE_EXIT);
-    if (atomicAdd(exits, 1ull) == (unsigned long long)warps - 1) {
+    if (mk_arrive_last(reinterpret_cast<uint64_t*>(peer_word(ws, me, MOE_EXIT)), (unsigned long long)warps))
       *grab = 0;  // every warp has made its last grab
-      *exits = 0;
-    }
   }
   __syncwarp();
 }
@@ -900,11 +896,8 @@ __device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoc
     }
   }
   if (lane == 0) {
-    unsigned long long* exits = peer_word(ws, ws.rank, MOE_PULL_EXIT);
-    if (atomicAdd(exits, 1ull) == (unsigned long long)puller_warps(p) - 1) {
+    if (mk_arrive_last(reinterpret_cast<uint64_t*>(peer_word(ws, ws.rank, MOE_PULL_EXIT)), (unsigned long long)puller_warps(p)))
       *grab = 0;  // every warp has made its last grab
-      *exits = 0;
-    }
   }
   __syncwarp();
 }

@@ -197,9 +197,7 @@ __device__ __forceinline__ bool publish_kv(const RingAttnParams& p, uint64_t epo
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    unsigned long long* copied = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, RING_COPIED));
-    if (atomicAdd(copied, 1ull) == gridDim.x - 1) {
-      *copied = 0;  // every CTA has arrived; the next launch starts after this one ends
+    if (mk_arrive_last(mk_signal_word(ws, ws.rank, RING_COPIED), gridDim.x)) {
       for (int q = 0; q < ws.nranks; ++q)
         if (q != ws.rank) mk_signal_store(mk_signal_word(ws, q, RING_KV + ws.rank), epoch);
     }
@@ -882,11 +880,8 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence();
-      unsigned long long* done = reinterpret_cast<unsigned long long*>(mk_signal_word(p.ws, p.ws.rank, RING_SCHED_DONE));
-      if (atomicAdd(done, 1ull) == gridDim.x - 1) {
+      if (mk_arrive_last(mk_signal_word(p.ws, p.ws.rank, RING_SCHED_DONE), gridDim.x))
         atomicExch(reinterpret_cast<unsigned long long*>(mk_signal_word(p.ws, p.ws.rank, RING_SCHED_NEXT)), 0ull);
-        atomicExch(done, 0ull);
-      }
     }
   }
   if (ring) mk_op_epoch_end(p.ws, RING_EPOCH, RING_ARRIVE, RING_DONE, epoch);

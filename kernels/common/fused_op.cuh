@@ -27,9 +27,7 @@ __device__ __forceinline__ void mk_op_epoch_end(const WorkspaceView& ws, uint32_
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    unsigned long long* arrive = reinterpret_cast<unsigned long long*>(mk_signal_word(ws, ws.rank, arrive_word));
-    if (atomicAdd(arrive, 1ull) == gridDim.x - 1) {
-      *arrive = 0;  // the next launch starts after this one ends (stream order)
+    if (mk_arrive_last(mk_signal_word(ws, ws.rank, arrive_word), gridDim.x)) {
       mk_st_release_sys(mk_signal_word(ws, ws.rank, epoch_word), epoch);
       for (int q = 0; q < ws.nranks; ++q)
         if (q != ws.rank) mk_signal_store(mk_signal_word(ws, q, done_word + ws.rank), epoch);

@@ -97,6 +97,19 @@ __device__ __forceinline__ uint64_t* mk_signal_word(const WorkspaceView& ws, int
   return reinterpret_cast<uint64_t*>(ws.signals[rank]) + index;
 }
 
+// "The last to arrive resets the counter", for a counter word (in a signal region) that is
+// zero between launches: adds `amount` (one thread per arrival) and is true for the
+// arrival that completes `total`, which has set the counter back to zero -- a plain store:
+// the next launch starts after this one ends (stream order), and every other arrival of
+// this one is in. The caller orders what its arrival announces before it (a fence); an
+// arrival with acq_rel ordering of its own (mk_op_epoch_end_readers) keeps its own atomic.
+__device__ __forceinline__ bool mk_arrive_last(uint64_t* counter, unsigned long long total, unsigned long long amount = 1) {
+  unsigned long long* c = reinterpret_cast<unsigned long long*>(counter);
+  if (atomicAdd(c, amount) + amount != total) return false;
+  *c = 0;
+  return true;
+}
+
 __device__ __forceinline__ CommStatus* mk_status(const WorkspaceView& ws) {
   return reinterpret_cast<CommStatus*>(ws.status);
 }
