@@ -14,8 +14,8 @@
 // step. Before storing a new P, compute CTAs wait until every peer has finished reading the
 // previous one (GR_DONE, raised by the peer's last CTA).
 //
-// GEMM + AllReduce at small M on one node (the mk_gemm_allreduce_owner_* kernels) sums in
-// the GEMM's epilogue instead: each tile has one owner rank, which computes it last; its
+// GEMM + AllReduce at small M on one node with MK_GEMM_REDUCERS=owners (the
+// mk_gemm_allreduce_owner_* kernels) sums in the GEMM's epilogue instead: each tile has one owner rank, which computes it last; its
 // epilogue adds the peers' partials to its own staged tile and stores the sum into C and
 // into its P, and every other rank copies the sum from there after its GEMM (below).
 //
@@ -186,6 +186,12 @@ struct LeanTeam<SideWarps> {
 // tests/kernels.rs). 40 / 232 measured no faster (session 6, run 6).
 constexpr int kProducerRegs = 80;
 
+// Rank q's flag for slab `slab` (rows 0-63 or 64-127) of tile tc: the epoch once the slab
+// is stored (EpochTileSignal) -- a partial, or with tile owners, on the owner, the sum.
+__device__ __forceinline__ const uint64_t* slab_flag(const GemmReduceParams& p, int q, const TileCoord& tc, int slab) {
+  return mk_signal_word(p.ws, q, GR_TILE + ((uint32_t)tc.m_block * p.tiles_n + tc.n_block) * 2 + slab);
+}
+
 // Team thread q (< nranks) waits for rank q's slabs of tile `tc` that hold rows [r0, r1);
 // every thread learns whether all waits succeeded.
 template <class Team>
@@ -198,8 +204,7 @@ __device__ __forceinline__ bool wait_partials(const GemmReduceParams& p, uint64_
     for (int slab = 0; slab < 2; ++slab) {
       const int s0 = tc.m_block * 128 + slab * 64;
       if (s0 >= r1 || s0 + 64 <= r0) continue;
-      const uint64_t* f = mk_signal_word(ws, q, GR_TILE + ((uint32_t)tc.m_block * p.tiles_n + tc.n_block) * 2 + slab);
-      ok &= mk_wait_geq_inline(ws, f, epoch, q, MK_WAIT_OP_FLAG, p.op);  // inlined: no calls in the GEMM warps (ptxas)
+      ok &= mk_wait_geq_inline(ws, slab_flag(p, q, tc, slab), epoch, q, MK_WAIT_OP_FLAG, p.op);  // inlined: no calls in the GEMM warps (ptxas)
     }
   }
   ok = Team::and_all(ok);
@@ -482,8 +487,9 @@ struct OwnerSumDest : GatedDest {
   static constexpr bool kCombines = true;
   // Vectors of a thread summed together: 4 x 8 fp32 sums and 4 loads in flight per source
   // beside the 128 accumulator registers, which stay allocated (the next tile's wgmmas
-  // read-modify-write them): 8 spilled in the 232 registers the owner kernels' consumers
-  // get, and 2 spilled in 208 (ptxas; tests/kernels.rs checks for spills).
+  // read-modify-write them). ptxas: 4 fit in the 232 registers the owner kernels' consumers
+  // get, 8 spilled there; in the usual 208, 4 spilled and even 2 did (tests/kernels.rs
+  // checks for spills).
   static constexpr int kBatch = 4;
 
   template <typename T, int BN>
@@ -501,8 +507,7 @@ struct OwnerSumDest : GatedDest {
     const uint64_t t0 = p.trace && s.thread == 0 ? mk_globaltimer() : 0;
     int ok = 1;
     if (s.thread < ws.nranks && s.thread != ws.rank) {
-      const uint64_t* f = mk_signal_word(ws, s.thread, GR_TILE + ((uint32_t)s.tile.m_block * p.tiles_n + s.tile.n_block) * 2 + s.consumer);
-      ok = mk_wait_geq_inline(ws, f, d.gate->epoch, s.thread, MK_WAIT_OP_FLAG, p.op);
+      ok = mk_wait_geq_inline(ws, slab_flag(p, s.thread, s.tile, s.consumer), d.gate->epoch, s.thread, MK_WAIT_OP_FLAG, p.op);
     }
     if (!named_barrier_and(1 + s.consumer, 128, ok)) {
       // The wait recorded the error and raised the abort word. Closing the gate makes this
@@ -589,8 +594,7 @@ __device__ __forceinline__ bool copy_owned_sums(const GemmReduceParams& p, uint6
     int ok = 1;
     const int slab = Team::tid();
     if (slab < 2 && r0 + slab * 64 < r1) {
-      const uint64_t* f = mk_signal_word(ws, owner, GR_TILE + ((uint32_t)tc.m_block * p.tiles_n + tc.n_block) * 2 + slab);
-      ok = mk_wait_geq_inline(ws, f, epoch, owner, MK_WAIT_OP_FLAG, p.op);
+      ok = mk_wait_geq_inline(ws, slab_flag(p, owner, tc, slab), epoch, owner, MK_WAIT_OP_FLAG, p.op);
     }
     if (!Team::and_all(ok)) return false;
     if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_WAIT, p.trace ? mk_globaltimer() - t0 : 0);
@@ -860,8 +864,7 @@ __device__ __forceinline__ bool poll_partials(const GemmReduceParams& p, uint64_
       for (int slab = 0; slab < 2; ++slab) {
         const int s0 = tc.m_block * 128 + slab * 64;
         if (s0 >= r1 || s0 + 64 <= r0) continue;
-        const uint64_t* f = mk_signal_word(ws, q, GR_TILE + ((uint32_t)tc.m_block * p.tiles_n + tc.n_block) * 2 + slab);
-        ready &= mk_ld_acquire_sys(f) >= epoch;
+        ready &= mk_ld_acquire_sys(slab_flag(p, q, tc, slab)) >= epoch;
       }
     }
     // bar.red orders every thread's acquire before the team's reads of the partials.
