@@ -315,6 +315,13 @@ mkResult_t mkCommAbort(mkComm_t comm);
 mkResult_t mkCommGetAsyncError(mkComm_t comm, mkResult_t *asyncError);
 
 /**
+ * Fills `*config` with what `MK_CONFIG_INITIALIZER` gives: this library's size, magic and
+ * version, and every field unset. For callers that cannot use the macro (cgo, ctypes,
+ * Julia's `ccall`): call it, then set the fields you want.
+ */
+mkResult_t mkConfigInit(mkConfig_t *config);
+
+/**
  * AllGather of A's rows across the ranks, then C = A_gathered · Bᵀ, in one persistent
  * kernel: the rows of each peer are consumed by the GEMM as soon as their chunk arrives,
  * this rank's own rows first.

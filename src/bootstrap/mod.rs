@@ -20,6 +20,11 @@ use std::net::{Shutdown, TcpStream};
 pub use unique_id::{UniqueId, UNIQUE_ID_BYTES};
 use wire::{Hello, RootReply};
 
+/// The most ranks a communicator may have. Every rank count that comes from C or from the
+/// network is checked against it before anything is sized by it (the root's tables grow
+/// with the rank count: about 100 bytes a rank at this bound).
+pub const MAX_RANKS: usize = 65536;
+
 /// A hash naming this host (hostname and boot id), so ranks can be grouped into nodes.
 pub fn host_hash() -> u64 {
     let mut host = [0u8; 256];

@@ -45,6 +45,31 @@ pub struct mkConfig_t {
     pub workspaceBytes: c_longlong,
 }
 
+/// Fills `*config` with what `MK_CONFIG_INITIALIZER` gives: this library's size, magic and
+/// version, and every field unset. For callers that cannot use the macro (cgo, ctypes,
+/// Julia's `ccall`): call it, then set the fields you want.
+#[no_mangle]
+pub unsafe extern "C" fn mkConfigInit(config: *mut mkConfig_t) -> crate::error::mkResult_t {
+    super::guard(None, "mkConfigInit", || super::write_out(config, mkConfig_t::initializer(), "config"))
+}
+
+impl mkConfig_t {
+    /// The value of `MK_CONFIG_INITIALIZER` for this library's header.
+    pub fn initializer() -> mkConfig_t {
+        mkConfig_t {
+            size: std::mem::size_of::<mkConfig_t>(),
+            magic: MK_CONFIG_MAGIC,
+            version: crate::version_code() as c_uint,
+            timeoutMs: MK_CONFIG_UNDEF_INT,
+            bootstrapTimeoutMs: MK_CONFIG_UNDEF_INT,
+            commCtas: MK_CONFIG_UNDEF_INT,
+            maxCtas: MK_CONFIG_UNDEF_INT,
+            ranksPerNode: MK_CONFIG_UNDEF_INT,
+            workspaceBytes: -1,
+        }
+    }
+}
+
 /// Reads a caller's config over the environment's values.
 ///
 /// # Safety
@@ -107,17 +132,19 @@ mod tests {
     use super::*;
 
     fn initializer() -> mkConfig_t {
-        mkConfig_t {
-            size: std::mem::size_of::<mkConfig_t>(),
-            magic: MK_CONFIG_MAGIC,
-            version: 100,
-            timeoutMs: MK_CONFIG_UNDEF_INT,
-            bootstrapTimeoutMs: MK_CONFIG_UNDEF_INT,
-            commCtas: MK_CONFIG_UNDEF_INT,
-            maxCtas: MK_CONFIG_UNDEF_INT,
-            ranksPerNode: MK_CONFIG_UNDEF_INT,
-            workspaceBytes: -1,
-        }
+        mkConfig_t::initializer()
+    }
+
+    #[test]
+    fn config_init_matches_the_initializer_and_rejects_null() {
+        let mut c = std::mem::MaybeUninit::<mkConfig_t>::zeroed();
+        assert_eq!(unsafe { mkConfigInit(c.as_mut_ptr()) }, crate::error::mkResult_t::mkSuccess);
+        let c = unsafe { c.assume_init() };
+        assert_eq!(c.size, std::mem::size_of::<mkConfig_t>());
+        assert_eq!(c.magic, MK_CONFIG_MAGIC);
+        assert_eq!(c.version as i32, crate::version_code());
+        assert_eq!((c.timeoutMs, c.maxCtas, c.workspaceBytes), (MK_CONFIG_UNDEF_INT, MK_CONFIG_UNDEF_INT, -1));
+        assert_eq!(unsafe { mkConfigInit(std::ptr::null_mut()) }, crate::error::mkResult_t::mkInvalidArgument);
     }
 
     #[test]
