@@ -150,7 +150,15 @@ pub(crate) fn guard(comm: Option<&Comm>, name: &str, body: impl FnOnce() -> Resu
 /// body returns, and errors are also stored on the communicator.
 pub(crate) fn with_comm(handle: mkComm_t, name: &str, body: impl FnOnce(&Comm) -> Result<()>) -> mkResult_t {
     match COMMS.enter(handle as usize) {
-        Ok(call) => guard(Some(&call), name, || body(&call)),
+        Ok(call) => {
+            let result = guard(Some(&call), name, || body(&call));
+            // The last holder releases the communicator (a destroy on another thread may
+            // have closed it meanwhile): that release must not unwind into C either.
+            if catch_unwind(AssertUnwindSafe(move || drop(call))).is_err() {
+                mk_warn!(None, "{name}: releasing the communicator panicked");
+            }
+            result
+        }
         Err(e) => guard(None, name, || Err(e)),
     }
 }
