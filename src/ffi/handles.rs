@@ -152,7 +152,7 @@ impl<T> Registry<T> {
                 Slot::Live(entry) => Ok(Closed { entry }),
                 Slot::Ended(_) => unreachable!("matched Live"),
             },
-            slot => Err(Self::not_live(handle, slot.map(|s| &*s))),
+            slot => Err(Self::not_live(handle, slot.as_deref())),
         }
     }
 
