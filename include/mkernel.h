@@ -6,6 +6,29 @@
  * the communicator, and the cudaStream_t last; they are stream-ordered and never
  * synchronise the host, so they can be captured in CUDA graphs. GEMMs are row-major with
  * B given as [N, K] (the nn.Linear weight layout): C = A * B^T.
+ *
+ * Order of this header: lifecycle (unique id, init, destroy, abort, asynchronous errors,
+ * configuration), queries and error strings, collectives, fused operations, the GEMM.
+ *
+ * Threads and handles:
+ * - Any thread may call any function. Every call on a communicator first checks that the
+ *   handle is live: NULL, a destroyed or aborted communicator, or a pointer this library
+ *   did not return is mkInvalidArgument with a message saying which, never a crash.
+ * - Operations on one communicator are issued in the same order on every rank; issue them
+ *   from one thread at a time (as with NCCL), or the order between threads is undefined.
+ * - mkCommAbort (and mkCommDestroy) may be called from another thread while a thread is
+ *   inside a call on the communicator or waiting on its stream (a watchdog): the work in
+ *   flight stops, calls in progress return, and the release waits for them to leave.
+ *   Later calls on the handle are refused (mkInvalidArgument: "was aborted").
+ *
+ * Error strings (mkGetLastError):
+ * - mkGetLastError(comm): the communicator's last failure, shared by all threads and the
+ *   same whichever OS thread reads it (the way for Go and Python callers to read errors of
+ *   calls on a communicator). Valid until a call on that communicator fails again or it is
+ *   destroyed.
+ * - mkGetLastError(NULL): the calling thread's last failure, init included; other threads
+ *   never change it. Valid until the next failing call on this thread: successful calls
+ *   and mkGetLastError itself leave it in place.
  */
 
 #ifndef MKERNEL_H
@@ -116,14 +139,15 @@ typedef enum {
 } mkRedOp_t;
 
 /**
- * Opaque communicator. Create with `mkCommInitRank`, release with `mkCommDestroy`.
+ * Opaque communicator. Create with `mkCommInitRank`, release with `mkCommDestroy` (or
+ * `mkCommAbort`).
+ *
+ * A handle is checked against the communicators alive in this process on every call: a
+ * destroyed, aborted or foreign handle gives mkInvalidArgument naming it, never a crash.
+ * (Each communicator keeps a few bytes for the life of the process so that its address
+ * is never handed out again.)
  */
 typedef struct mkComm mkComm;
-
-/**
- * Handle to a communicator.
- */
-typedef mkComm *mkComm_t;
 
 /**
  * 128 opaque bytes naming a communicator: the bootstrap root's address and a random
@@ -135,12 +159,25 @@ typedef struct {
 } mkUniqueId;
 
 /**
+ * Handle to a communicator.
+ */
+typedef mkComm *mkComm_t;
+
+/**
  * Communicator configuration for `mkCommInitRankConfig`.
  *
- * Always start from `MK_CONFIG_INITIALIZER`, then set the fields you want; fields left
- * at `MK_CONFIG_UNDEF_INT` (or -1 for `workspaceBytes`) take the environment variable or
- * the default. `size`, `magic` and `version` let the library accept structs from older
- * headers: fields beyond `size` count as unset.
+ * Always start from `MK_CONFIG_INITIALIZER` (or mkConfigInit), then set the fields you
+ * want; fields left at `MK_CONFIG_UNDEF_INT` (or -1 for `workspaceBytes`) take the
+ * environment variable or the default.
+ *
+ * `size`, `magic` and `version` let one library accept structs from other headers of its
+ * major version. The library reads `size` first, then only the first `size` bytes:
+ * - a smaller struct (an older header): the fields it lacks count as unset;
+ * - a larger struct (a newer header, at most 1024 bytes): accepted when every field beyond
+ *   this library's struct is unset (each 4-byte word 0, MK_CONFIG_UNDEF_INT or -1), else
+ *   mkInvalidArgument names the first one set (this library cannot honour it);
+ * - `size` below 16 (the three header fields), a wrong `magic`, `version` 0 or of another
+ *   major version than the library's: mkInvalidArgument.
  */
 typedef struct {
   /**
@@ -189,6 +226,140 @@ typedef struct {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Creates a new unique id and starts its bootstrap root (a thread of the calling process
+ * that lives until every rank has joined). Call it once per communicator, on one rank.
+ * Honors MK_SOCKET_IFNAME for the address it listens on.
+ */
+mkResult_t mkGetUniqueId(mkUniqueId *uniqueId);
+
+/**
+ * Creates this process's rank `rank` (0 ≤ rank < nranks) of the communicator named by
+ * `commId`, on the current CUDA device (select it first with cudaSetDevice, as with NCCL).
+ * `nranks` is at most 65536 (else mkInvalidArgument). Blocks until all `nranks` ranks have
+ * joined, or MK_BOOTSTRAP_TIMEOUT_MS passes (`mkTimeout`). A duplicate rank or a different
+ * `nranks` on another rank gives `mkInvalidUsage` on every rank. On failure `*comm` is set
+ * to NULL.
+ *
+ * Platform: without a usable CUDA driver it returns `mkSystemError`; a driver older than
+ * CUDA 13.0 (cuDriverGetVersion < 13000) is `mkSystemError` and a GPU other than compute
+ * capability 9.0 (H100, H200, GH200) is `mkInvalidUsage`, each with a message naming what
+ * was found and what is required.
+ *
+ * Ranks on several hosts (or grouped by MK_RANKS_PER_NODE) form nodes: each node maps a
+ * workspace among its ranks, and each rank connects to the ranks with its local rank on
+ * the other nodes over MK_NET (sockets, or RDMA in a build with the `rdma` feature) and
+ * starts a proxy thread that carries its kernels' inter-node transfers.
+ */
+mkResult_t mkCommInitRank(mkComm_t *comm, int nranks, mkUniqueId commId, int rank);
+
+/**
+ * `mkCommInitRank` with a configuration (NULL: as mkCommInitRank). Initialise `config`
+ * with `MK_CONFIG_INITIALIZER` (or mkConfigInit), then set the fields you want. The library
+ * reads `config->size` first and then at most that many bytes; see mkConfig_t for the
+ * rules on `size`, `magic` and `version` (each violation is mkInvalidArgument).
+ */
+mkResult_t mkCommInitRankConfig(mkComm_t *comm,
+                                int nranks,
+                                mkUniqueId commId,
+                                int rank,
+                                const mkConfig_t *config);
+
+/**
+ * Creates `ndev` ranks of one communicator in this process: rank i runs on CUDA device
+ * `devlist[i]` (devlist NULL: devices 0..ndev-1). A device may repeat, giving several
+ * ranks on one GPU. `ndev` is at most 65536. Fills `comms[0..ndev]`; on failure every
+ * entry is NULL. Platform errors as mkCommInitRank.
+ */
+mkResult_t mkCommInitAll(mkComm_t *comms, int ndev, const int *devlist);
+
+/**
+ * Releases a communicator and everything it holds. Call it after the work queued on it
+ * has completed (synchronise the streams first).
+ *
+ * Safe while another thread is inside a call on `comm`: later calls are refused at once,
+ * and the release waits for the calls inside to return (at most MK_TIMEOUT_MS; a call still
+ * inside then releases the communicator itself when it returns). Afterwards every call on
+ * the handle, a second mkCommDestroy included, is mkInvalidArgument saying it was destroyed;
+ * NULL and handles this library did not make are mkInvalidArgument too.
+ */
+mkResult_t mkCommDestroy(mkComm_t comm);
+
+/**
+ * Aborts a communicator and releases it: its kernels stop waiting (on every rank, which
+ * then reports mkRemoteError), host-side waits on it return, its proxy and connections
+ * stop; then it is released as by mkCommDestroy. Use it after an error or a timeout.
+ *
+ * Callable from any thread at any time, also while another thread is inside a call on
+ * `comm` or blocked in a stream synchronisation on its work (NCCL's watchdog pattern):
+ * the work in flight stops promptly, calls in progress return, and the release waits for
+ * them to leave. Afterwards every call on the handle is mkInvalidArgument saying it was
+ * aborted.
+ */
+mkResult_t mkCommAbort(mkComm_t comm);
+
+/**
+ * Reports an error that happened asynchronously (a peer timed out or failed inside a
+ * kernel): mkSuccess while none has, else mkTimeout, mkRemoteError, ... Once it is set,
+ * the communicator refuses new operations; abort and recreate it. The first asynchronous
+ * error also becomes the communicator's message: mkGetLastError(comm) describes it (which
+ * op, which peer).
+ */
+mkResult_t mkCommGetAsyncError(mkComm_t comm, mkResult_t *asyncError);
+
+/**
+ * Fills `*config` with what `MK_CONFIG_INITIALIZER` gives: this library's size, magic and
+ * version, and every field unset. For callers that cannot use the macro (cgo, ctypes,
+ * Julia's `ccall`): call it, then set the fields you want.
+ */
+mkResult_t mkConfigInit(mkConfig_t *config);
+
+/**
+ * Writes the library's version as MK_VERSION(major, minor, patch).
+ */
+mkResult_t mkGetVersion(int *version);
+
+/**
+ * Number of ranks in the communicator.
+ */
+mkResult_t mkCommCount(mkComm_t comm, int *count);
+
+/**
+ * This communicator's rank.
+ */
+mkResult_t mkCommUserRank(mkComm_t comm, int *rank);
+
+/**
+ * The CUDA device ordinal this rank runs on.
+ */
+mkResult_t mkCommCuDevice(mkComm_t comm, int *device);
+
+/**
+ * A static, human-readable description of a result code ("unknown result code" for
+ * values this library does not define).
+ */
+const char *mkGetErrorString(mkResult_t result);
+
+/**
+ * The detailed message of the last failed call.
+ *
+ * - `comm` non-NULL: the last failure of a call on that communicator, whichever thread
+ *   made it. It does not depend on the calling thread (Go and Python callers whose calls
+ *   move between OS threads read it this way). The string changes only when a call on
+ *   `comm` fails (or once, when mkCommGetAsyncError first reports an asynchronous error:
+ *   then it describes that error); it stays valid until then, or until the communicator
+ *   is destroyed. Threads sharing a communicator share this message.
+ * - `comm` NULL (or a handle that is no longer live): the last failure of any call made on
+ *   the calling thread (init and other calls without a communicator report only here).
+ *   Per thread: other threads' failures never change it. It stays valid until the next
+ *   failing call on this thread; successful calls and mkGetLastError itself leave it as
+ *   it is. A caller that cannot stay on one OS thread between the failing call and this
+ *   one (a goroutine) pins itself first (Go: runtime.LockOSThread).
+ *
+ * Empty ("") when there was no failure. Never NULL.
+ */
+const char *mkGetLastError(mkComm_t comm);
 
 /**
  * Gathers `sendcount` elements from every rank: rank r's `sendbuff` lands in every
@@ -254,72 +425,6 @@ mkResult_t mkAllReduce(const void *sendbuff,
                        mkRedOp_t op,
                        mkComm_t comm,
                        mkStream_t stream);
-
-/**
- * Creates a new unique id and starts its bootstrap root (a thread of the calling process
- * that lives until every rank has joined). Call it once per communicator, on one rank.
- * Honors MK_SOCKET_IFNAME for the address it listens on.
- */
-mkResult_t mkGetUniqueId(mkUniqueId *uniqueId);
-
-/**
- * Creates this process's rank `rank` (0 ≤ rank < nranks) of the communicator named by
- * `commId`, on the current CUDA device (select it first with cudaSetDevice, as with NCCL).
- * Blocks until all `nranks` ranks have joined, or MK_BOOTSTRAP_TIMEOUT_MS passes
- * (`mkTimeout`). A duplicate rank or a different `nranks` on another rank gives
- * `mkInvalidUsage` on every rank. Without a usable CUDA driver it returns `mkSystemError`.
- * On failure `*comm` is set to NULL.
- *
- * Ranks on several hosts (or grouped by MK_RANKS_PER_NODE) form nodes: each node maps a
- * workspace among its ranks, and each rank connects to the ranks with its local rank on
- * the other nodes over MK_NET (sockets, or RDMA in a build with the `rdma` feature) and
- * starts a proxy thread that carries its kernels' inter-node transfers.
- */
-mkResult_t mkCommInitRank(mkComm_t *comm, int nranks, mkUniqueId commId, int rank);
-
-/**
- * `mkCommInitRank` with a configuration (NULL: as mkCommInitRank). Initialise `config`
- * with `MK_CONFIG_INITIALIZER`, then set the fields you want.
- */
-mkResult_t mkCommInitRankConfig(mkComm_t *comm,
-                                int nranks,
-                                mkUniqueId commId,
-                                int rank,
-                                const mkConfig_t *config);
-
-/**
- * Creates `ndev` ranks of one communicator in this process: rank i runs on CUDA device
- * `devlist[i]` (devlist NULL: devices 0..ndev-1). A device may repeat, giving several
- * ranks on one GPU. Fills `comms[0..ndev]`; on failure every entry is NULL.
- */
-mkResult_t mkCommInitAll(mkComm_t *comms, int ndev, const int *devlist);
-
-/**
- * Releases a communicator and everything it holds. Call it after the work queued on it
- * has completed (synchronise the streams first). NULL is rejected.
- */
-mkResult_t mkCommDestroy(mkComm_t comm);
-
-/**
- * Marks the communicator aborted (its kernels' waits and its peers stop), unblocks any
- * host-side wait on it, then releases it like mkCommDestroy. Use it after an error or a
- * timeout; the handle is invalid afterwards.
- */
-mkResult_t mkCommAbort(mkComm_t comm);
-
-/**
- * Reports an error that happened asynchronously (a peer timed out or failed inside a
- * kernel): mkSuccess while none has, else mkTimeout, mkRemoteError, ... Once it is set,
- * the communicator refuses new operations; abort and recreate it.
- */
-mkResult_t mkCommGetAsyncError(mkComm_t comm, mkResult_t *asyncError);
-
-/**
- * Fills `*config` with what `MK_CONFIG_INITIALIZER` gives: this library's size, magic and
- * version, and every field unset. For callers that cannot use the macro (cgo, ctypes,
- * Julia's `ccall`): call it, then set the fields you want.
- */
-mkResult_t mkConfigInit(mkConfig_t *config);
 
 /**
  * AllGather of A's rows across the ranks, then C = A_gathered · Bᵀ, in one persistent
@@ -433,7 +538,9 @@ mkResult_t mkGemmAllReduce(const void *A,
  * 4·(4 + 3·tokens·topk + 6·recvCapacity/128 + 1025) (int32 words: per (token, choice) the
  * owner rank and the row there, per receive-buffer row block its expert, order, sources,
  * order run, expert segment and rows in use, the send list and its per-(expert,
- * destination) starts).
+ * destination) starts). Sizes whose layout would not fit in size_t (or whose words the
+ * kernels cannot index with int32) are mkInvalidArgument naming tokens, topk and
+ * recvCapacity; `*bytes` is then left as it was.
  */
 mkResult_t mkMoeLayoutBytes(size_t tokens, size_t topk, size_t recvCapacity, size_t *bytes);
 
@@ -590,39 +697,6 @@ mkResult_t mkGemm(const void *A,
                   size_t K,
                   mkDataType_t dtype,
                   mkStream_t stream);
-
-/**
- * Writes the library's version as MK_VERSION(major, minor, patch).
- */
-mkResult_t mkGetVersion(int *version);
-
-/**
- * Number of ranks in the communicator.
- */
-mkResult_t mkCommCount(mkComm_t comm, int *count);
-
-/**
- * This communicator's rank.
- */
-mkResult_t mkCommUserRank(mkComm_t comm, int *rank);
-
-/**
- * The CUDA device ordinal this rank runs on.
- */
-mkResult_t mkCommCuDevice(mkComm_t comm, int *device);
-
-/**
- * A static, human-readable description of a result code ("unknown result code" for
- * values this library does not define).
- */
-const char *mkGetErrorString(mkResult_t result);
-
-/**
- * The detailed message of the last failed call: on `comm` when it is non-NULL, else of
- * the calling thread (calls that had no communicator yet, such as init). The string
- * stays valid until the next failing call on the same comm or thread. Empty when none.
- */
-const char *mkGetLastError(mkComm_t comm);
 
 #ifdef __cplusplus
 }  // extern "C"

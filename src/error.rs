@@ -2,6 +2,7 @@
 //! behind `mkGetLastError`.
 
 use std::cell::RefCell;
+use std::ffi::CString;
 use std::fmt;
 
 /// Result codes, numbered as NCCL numbers `ncclResult_t`. Append only: the numbers are ABI.
@@ -139,21 +140,30 @@ macro_rules! ensure_arg {
 }
 
 thread_local! {
-    /// The message of the last failed call on this thread that had no communicator to
-    /// hold it (init, argument errors before a comm exists).
-    static THREAD_LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    /// The message of the last failed call on this thread (`mkGetLastError(NULL)`). Replaced
+    /// only by the next failing call on this thread, so a pointer to it stays valid across
+    /// successful calls and across `mkGetLastError` calls.
+    static THREAD_LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Turns a message into a C string, replacing any NUL inside it.
+pub fn c_message(message: &str) -> CString {
+    CString::new(message.replace('\0', " ")).expect("NULs replaced")
 }
 
 pub fn set_thread_last_error(message: &str) {
-    THREAD_LAST_ERROR.with(|m| {
-        let mut m = m.borrow_mut();
-        m.clear();
-        m.push_str(message);
-    });
+    let message = c_message(message);
+    THREAD_LAST_ERROR.with(|m| *m.borrow_mut() = message);
 }
 
 pub fn thread_last_error() -> String {
-    THREAD_LAST_ERROR.with(|m| m.borrow().clone())
+    THREAD_LAST_ERROR.with(|m| m.borrow().to_string_lossy().into_owned())
+}
+
+/// The calling thread's last error message as C reads it: valid until the next failing call
+/// on this thread (or the thread's exit).
+pub fn thread_last_error_ptr() -> *const std::os::raw::c_char {
+    THREAD_LAST_ERROR.with(|m| m.borrow().as_ptr())
 }
 
 #[cfg(test)]
@@ -173,6 +183,23 @@ mod tests {
         }
         assert_eq!(mkResult_t::from_i32(9), mkInternalError);
         assert_eq!(mkResult_t::from_i32(-1), mkInternalError);
+    }
+
+    #[test]
+    fn the_thread_message_changes_only_when_set_and_strips_nuls() {
+        set_thread_last_error("first\0failure");
+        let p = thread_last_error_ptr();
+        assert_eq!(thread_last_error(), "first failure");
+        // Reading it again hands back the same storage.
+        assert_eq!(thread_last_error_ptr(), p);
+        let other = std::thread::spawn(|| {
+            set_thread_last_error("another thread");
+            thread_last_error()
+        });
+        assert_eq!(other.join().unwrap(), "another thread");
+        assert_eq!(thread_last_error_ptr(), p, "another thread's failure leaves this thread's message alone");
+        // SAFETY: p is this thread's message, not replaced since.
+        assert_eq!(unsafe { std::ffi::CStr::from_ptr(p) }.to_str().unwrap(), "first failure");
     }
 
     #[test]

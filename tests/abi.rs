@@ -28,6 +28,47 @@ fn committed_header_is_fresh() {
 }
 
 #[test]
+fn header_reads_lifecycle_then_collectives_then_fused_ops() {
+    // The declarations, not mentions in doc comments.
+    let position = |name: &str| {
+        [format!("\nmkResult_t {name}("), format!("\nconst char *{name}(")]
+            .iter()
+            .find_map(|decl| COMMITTED.find(decl.as_str()))
+            .unwrap_or_else(|| panic!("header lacks a declaration of {name}"))
+    };
+    let order = [
+        "mkGetUniqueId",
+        "mkCommInitRank",
+        "mkCommDestroy",
+        "mkCommAbort",
+        "mkConfigInit",
+        "mkGetVersion",
+        "mkGetLastError",
+        "mkAllGather",
+        "mkAllReduce",
+        "mkAllGatherGemm",
+        "mkRingAttention",
+        "mkGemm",
+    ];
+    for pair in order.windows(2) {
+        assert!(position(pair[0]) < position(pair[1]), "{} must come before {} in include/mkernel.h", pair[0], pair[1]);
+    }
+}
+
+#[test]
+fn header_documents_threads_limits_and_error_string_lifetimes() {
+    for needle in [
+        "mkCommAbort (and mkCommDestroy) may be called from another thread",
+        "mkGetLastError(NULL): the calling thread's last failure",
+        "shared by all threads",
+        "`nranks` is at most 65536",
+        "capability 9.0 (H100, H200, GH200)",
+    ] {
+        assert!(COMMITTED.contains(needle), "the header does not say {needle:?}");
+    }
+}
+
+#[test]
 fn header_version_macros_match_cargo_toml() {
     assert_eq!(define(COMMITTED, "MK_MAJOR"), env!("CARGO_PKG_VERSION_MAJOR"));
     assert_eq!(define(COMMITTED, "MK_MINOR"), env!("CARGO_PKG_VERSION_MINOR"));

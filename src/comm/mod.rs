@@ -148,6 +148,12 @@ impl Comm {
         if nranks <= 0 {
             return Err(MkError::invalid_argument(format!("nranks must be positive, got {nranks}")));
         }
+        if nranks as usize > crate::bootstrap::MAX_RANKS {
+            return Err(MkError::invalid_argument(format!(
+                "nranks = {nranks} exceeds the {} ranks a communicator may have",
+                crate::bootstrap::MAX_RANKS
+            )));
+        }
         if rank < 0 || rank >= nranks {
             return Err(MkError::invalid_argument(format!("rank {rank} is out of range [0, {nranks})")));
         }
@@ -156,6 +162,7 @@ impl Comm {
             None => crate::cuda::current_device()?,
         };
         let context = PrimaryContext::retain(device)?;
+        crate::cuda::platform::check_device(device)?;
         let bootstrap = Bootstrap::join(id, rank as usize, nranks as usize, config.bootstrap_timeout)?;
         let nodes = node_of_ranks(bootstrap.host_hashes(), config.ranks_per_node);
         let topology = Topology::new(rank as usize, &nodes)?;
@@ -234,24 +241,29 @@ impl Comm {
         })
     }
 
+    /// Replaces the communicator's message (a call on it failed). The previous message's
+    /// storage is freed: `mkGetLastError(comm)` promises it only until this happens.
     pub fn set_last_error(&self, message: &str) {
-        *self.last_error.lock() = CString::new(message.replace('\0', " ")).unwrap_or_default();
+        *self.last_error.lock() = crate::error::c_message(message);
     }
 
-    /// Pointer to the last error message; valid until the next error on this comm.
+    /// Pointer to the last error message; valid until the next error on this comm or its
+    /// release.
     pub fn last_error_ptr(&self) -> *const std::os::raw::c_char {
         self.last_error.lock().as_ptr()
     }
 
-    /// Records an asynchronous error (the first one wins) for `mkCommGetAsyncError`.
+    /// Records an asynchronous error for `mkCommGetAsyncError`. The first one wins, and only
+    /// it becomes the communicator's message (a later one would free the string a caller
+    /// may be reading).
     pub fn record_async_error(&self, e: &MkError) {
-        let _ = self.async_error.compare_exchange(
-            mkResult_t::mkSuccess as i32,
-            e.code as i32,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
-        self.set_last_error(&e.message);
+        let first = self
+            .async_error
+            .compare_exchange(mkResult_t::mkSuccess as i32, e.code as i32, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if first {
+            self.set_last_error(&e.message);
+        }
     }
 
     pub fn async_error(&self) -> mkResult_t {

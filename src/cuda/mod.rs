@@ -5,6 +5,7 @@
 //! turns a missing libcuda into `mkSystemError` instead of cudarc's panic.
 
 pub mod memory;
+pub mod platform;
 
 use crate::error::{MkError, Result};
 pub use cudarc::driver::sys;

@@ -1,8 +1,9 @@
 //! Communicator creation and teardown.
 
 use super::config::{resolve, mkConfig_t};
-use super::{comm_ref, guard, mkComm, mkComm_t, with_comm, write_out};
-use crate::bootstrap::{root::start_root, UniqueId, UNIQUE_ID_BYTES};
+use super::handles::Ending;
+use super::{end_comm, guard, mkComm_t, register, with_comm, write_out};
+use crate::bootstrap::{root::start_root, UniqueId, MAX_RANKS, UNIQUE_ID_BYTES};
 use crate::comm::{Comm, CommConfig};
 use crate::error::{mkResult_t, MkError, Result};
 use std::os::raw::{c_char, c_int};
@@ -50,20 +51,25 @@ fn init_into(comm: *mut mkComm_t, nranks: c_int, id: &mkUniqueId, rank: c_int, d
     }
     // SAFETY: checked non-NULL; the caller provides room for one handle.
     unsafe { comm.write(std::ptr::null_mut()) };
+    let config = config?;
     let id = id.decode()?;
-    let c = Comm::init(&id, nranks, rank, device, config?)?;
-    let handle = Box::into_raw(Box::new(mkComm { comm: c }));
+    let c = Comm::init(&id, nranks, rank, device, config)?;
     // SAFETY: as above.
-    unsafe { comm.write(handle) };
+    unsafe { comm.write(register(c)) };
     Ok(())
 }
 
 /// Creates this process's rank `rank` (0 ≤ rank < nranks) of the communicator named by
 /// `commId`, on the current CUDA device (select it first with cudaSetDevice, as with NCCL).
-/// Blocks until all `nranks` ranks have joined, or MK_BOOTSTRAP_TIMEOUT_MS passes
-/// (`mkTimeout`). A duplicate rank or a different `nranks` on another rank gives
-/// `mkInvalidUsage` on every rank. Without a usable CUDA driver it returns `mkSystemError`.
-/// On failure `*comm` is set to NULL.
+/// `nranks` is at most 65536 (else mkInvalidArgument). Blocks until all `nranks` ranks have
+/// joined, or MK_BOOTSTRAP_TIMEOUT_MS passes (`mkTimeout`). A duplicate rank or a different
+/// `nranks` on another rank gives `mkInvalidUsage` on every rank. On failure `*comm` is set
+/// to NULL.
+///
+/// Platform: without a usable CUDA driver it returns `mkSystemError`; a driver older than
+/// CUDA 13.0 (cuDriverGetVersion < 13000) is `mkSystemError` and a GPU other than compute
+/// capability 9.0 (H100, H200, GH200) is `mkInvalidUsage`, each with a message naming what
+/// was found and what is required.
 ///
 /// Ranks on several hosts (or grouped by MK_RANKS_PER_NODE) form nodes: each node maps a
 /// workspace among its ranks, and each rank connects to the ranks with its local rank on
@@ -75,7 +81,9 @@ pub unsafe extern "C" fn mkCommInitRank(comm: *mut mkComm_t, nranks: c_int, comm
 }
 
 /// `mkCommInitRank` with a configuration (NULL: as mkCommInitRank). Initialise `config`
-/// with `MK_CONFIG_INITIALIZER`, then set the fields you want.
+/// with `MK_CONFIG_INITIALIZER` (or mkConfigInit), then set the fields you want. The library
+/// reads `config->size` first and then at most that many bytes; see mkConfig_t for the
+/// rules on `size`, `magic` and `version` (each violation is mkInvalidArgument).
 #[no_mangle]
 pub unsafe extern "C" fn mkCommInitRankConfig(
     comm: *mut mkComm_t,
@@ -89,7 +97,8 @@ pub unsafe extern "C" fn mkCommInitRankConfig(
 
 /// Creates `ndev` ranks of one communicator in this process: rank i runs on CUDA device
 /// `devlist[i]` (devlist NULL: devices 0..ndev-1). A device may repeat, giving several
-/// ranks on one GPU. Fills `comms[0..ndev]`; on failure every entry is NULL.
+/// ranks on one GPU. `ndev` is at most 65536. Fills `comms[0..ndev]`; on failure every
+/// entry is NULL. Platform errors as mkCommInitRank.
 #[no_mangle]
 pub unsafe extern "C" fn mkCommInitAll(comms: *mut mkComm_t, ndev: c_int, devlist: *const c_int) -> mkResult_t {
     guard(None, "mkCommInitAll", || {
@@ -98,6 +107,9 @@ pub unsafe extern "C" fn mkCommInitAll(comms: *mut mkComm_t, ndev: c_int, devlis
         }
         if ndev <= 0 {
             return Err(MkError::invalid_argument(format!("ndev must be positive, got {ndev}")));
+        }
+        if ndev as usize > MAX_RANKS {
+            return Err(MkError::invalid_argument(format!("ndev = {ndev} exceeds the {MAX_RANKS} ranks a communicator may have")));
         }
         let n = ndev as usize;
         // SAFETY: the caller provides room for ndev handles.
@@ -135,44 +147,44 @@ pub unsafe extern "C" fn mkCommInitAll(comms: *mut mkComm_t, ndev: c_int, devlis
             return Err(e.clone());
         }
         for (slot, c) in out.iter_mut().zip(results) {
-            *slot = Box::into_raw(Box::new(mkComm { comm: c.expect("checked above") }));
+            *slot = register(c.expect("checked above"));
         }
         Ok(())
     })
 }
 
 /// Releases a communicator and everything it holds. Call it after the work queued on it
-/// has completed (synchronise the streams first). NULL is rejected.
+/// has completed (synchronise the streams first).
+///
+/// Safe while another thread is inside a call on `comm`: later calls are refused at once,
+/// and the release waits for the calls inside to return (at most MK_TIMEOUT_MS; a call still
+/// inside then releases the communicator itself when it returns). Afterwards every call on
+/// the handle, a second mkCommDestroy included, is mkInvalidArgument saying it was destroyed;
+/// NULL and handles this library did not make are mkInvalidArgument too.
 #[no_mangle]
 pub unsafe extern "C" fn mkCommDestroy(comm: mkComm_t) -> mkResult_t {
-    guard(None, "mkCommDestroy", || {
-        comm_ref(comm)?;
-        // SAFETY: the handle came from Box::into_raw in init and is destroyed once.
-        let boxed = Box::from_raw(comm);
-        let _ctx = boxed.comm.context.enter()?;
-        drop(boxed);
-        Ok(())
-    })
+    guard(None, "mkCommDestroy", || end_comm(comm, Ending::Destroyed))
 }
 
-/// Marks the communicator aborted (its kernels' waits and its peers stop), unblocks any
-/// host-side wait on it, then releases it like mkCommDestroy. Use it after an error or a
-/// timeout; the handle is invalid afterwards.
+/// Aborts a communicator and releases it: its kernels stop waiting (on every rank, which
+/// then reports mkRemoteError), host-side waits on it return, its proxy and connections
+/// stop; then it is released as by mkCommDestroy. Use it after an error or a timeout.
+///
+/// Callable from any thread at any time, also while another thread is inside a call on
+/// `comm` or blocked in a stream synchronisation on its work (NCCL's watchdog pattern):
+/// the work in flight stops promptly, calls in progress return, and the release waits for
+/// them to leave. Afterwards every call on the handle is mkInvalidArgument saying it was
+/// aborted.
 #[no_mangle]
 pub unsafe extern "C" fn mkCommAbort(comm: mkComm_t) -> mkResult_t {
-    let r = with_comm(comm, "mkCommAbort", |c| {
-        c.abort();
-        Ok(())
-    });
-    if r != mkResult_t::mkSuccess {
-        return r;
-    }
-    mkCommDestroy(comm)
+    guard(None, "mkCommAbort", || end_comm(comm, Ending::Aborted))
 }
 
 /// Reports an error that happened asynchronously (a peer timed out or failed inside a
 /// kernel): mkSuccess while none has, else mkTimeout, mkRemoteError, ... Once it is set,
-/// the communicator refuses new operations; abort and recreate it.
+/// the communicator refuses new operations; abort and recreate it. The first asynchronous
+/// error also becomes the communicator's message: mkGetLastError(comm) describes it (which
+/// op, which peer).
 #[no_mangle]
 pub unsafe extern "C" fn mkCommGetAsyncError(comm: mkComm_t, asyncError: *mut mkResult_t) -> mkResult_t {
     with_comm(comm, "mkCommGetAsyncError", |c| write_out(asyncError, c.async_error(), "asyncError"))

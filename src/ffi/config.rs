@@ -12,10 +12,18 @@ pub const MK_CONFIG_MAGIC: c_uint = 0x6d6b_6366;
 
 /// Communicator configuration for `mkCommInitRankConfig`.
 ///
-/// Always start from `MK_CONFIG_INITIALIZER`, then set the fields you want; fields left
-/// at `MK_CONFIG_UNDEF_INT` (or -1 for `workspaceBytes`) take the environment variable or
-/// the default. `size`, `magic` and `version` let the library accept structs from older
-/// headers: fields beyond `size` count as unset.
+/// Always start from `MK_CONFIG_INITIALIZER` (or mkConfigInit), then set the fields you
+/// want; fields left at `MK_CONFIG_UNDEF_INT` (or -1 for `workspaceBytes`) take the
+/// environment variable or the default.
+///
+/// `size`, `magic` and `version` let one library accept structs from other headers of its
+/// major version. The library reads `size` first, then only the first `size` bytes:
+/// - a smaller struct (an older header): the fields it lacks count as unset;
+/// - a larger struct (a newer header, at most 1024 bytes): accepted when every field beyond
+///   this library's struct is unset (each 4-byte word 0, MK_CONFIG_UNDEF_INT or -1), else
+///   mkInvalidArgument names the first one set (this library cannot honour it);
+/// - `size` below 16 (the three header fields), a wrong `magic`, `version` 0 or of another
+///   major version than the library's: mkInvalidArgument.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[allow(non_snake_case)]
@@ -70,26 +78,103 @@ impl mkConfig_t {
     }
 }
 
+/// The fields a caller's struct holds: (offset, bytes) of each, in order.
+const FIELDS: [(usize, usize); 8] = [
+    (std::mem::offset_of!(mkConfig_t, magic), 4),
+    (std::mem::offset_of!(mkConfig_t, version), 4),
+    (std::mem::offset_of!(mkConfig_t, timeoutMs), 4),
+    (std::mem::offset_of!(mkConfig_t, bootstrapTimeoutMs), 4),
+    (std::mem::offset_of!(mkConfig_t, commCtas), 4),
+    (std::mem::offset_of!(mkConfig_t, maxCtas), 4),
+    (std::mem::offset_of!(mkConfig_t, ranksPerNode), 4),
+    (std::mem::offset_of!(mkConfig_t, workspaceBytes), 8),
+];
+/// Bytes of `size`, `magic` and `version`: the part every mkConfig_t has.
+const CONFIG_HEADER_BYTES: usize = std::mem::offset_of!(mkConfig_t, timeoutMs);
+/// The largest `size` accepted from a newer header.
+pub const MAX_CONFIG_BYTES: usize = 1024;
+
+/// Reads a caller's `mkConfig_t` of any version: `size` first, then at most `size` bytes,
+/// into a struct whose fields start unset. The caller's struct is only ever copied byte by
+/// byte, so a short struct at the end of a mapping and a misaligned one are both fine.
+///
+/// # Safety
+/// `cfg` must be non-NULL and point to at least `cfg->size` readable bytes.
+pub unsafe fn read_config(cfg: *const mkConfig_t) -> Result<mkConfig_t> {
+    let bytes = cfg.cast::<u8>();
+    let size = std::ptr::read_unaligned(cfg.cast::<usize>());
+    if size < CONFIG_HEADER_BYTES {
+        return Err(MkError::invalid_argument(format!(
+            "config->size = {size} is smaller than the config header ({CONFIG_HEADER_BYTES} bytes): initialise mkConfig_t with \
+             MK_CONFIG_INITIALIZER or mkConfigInit"
+        )));
+    }
+    let mut out = mkConfig_t::initializer();
+    // Whole fields only: a field cut by `size` counts as absent.
+    let copied = FIELDS.iter().map(|&(offset, len)| offset + len).take_while(|&end| end <= size).last().unwrap_or(0);
+    // SAFETY: `copied` <= size bytes are readable at cfg; `out` is a plain repr(C) struct of
+    // at least `copied` bytes whose every bit pattern is valid.
+    std::ptr::copy_nonoverlapping(bytes, (&mut out as *mut mkConfig_t).cast::<u8>(), copied);
+    if out.magic != MK_CONFIG_MAGIC {
+        return Err(MkError::invalid_argument(
+            "config->magic is wrong: initialise mkConfig_t with MK_CONFIG_INITIALIZER (or mkConfigInit) before setting fields",
+        ));
+    }
+    let ours = crate::version_code() as c_uint;
+    if out.version == 0 || out.version / 10000 != ours / 10000 {
+        return Err(MkError::invalid_argument(format!(
+            "config->version = {} is not a header version of this library's major version {} (this library is {}.{}.{}): \
+             initialise mkConfig_t with MK_CONFIG_INITIALIZER from this library's mkernel.h, or with mkConfigInit",
+            out.version,
+            ours / 10000,
+            ours / 10000,
+            ours / 100 % 100,
+            ours % 100
+        )));
+    }
+    let known = std::mem::size_of::<mkConfig_t>();
+    if size > MAX_CONFIG_BYTES {
+        return Err(MkError::invalid_argument(format!(
+            "config->size = {size} is larger than any mkConfig_t ({MAX_CONFIG_BYTES} bytes at most): initialise it with \
+             MK_CONFIG_INITIALIZER or mkConfigInit"
+        )));
+    }
+    if size > known {
+        // A newer header's struct: its extra fields must be unset, since this library
+        // cannot honour them.
+        let mut extra = vec![0u8; size - known];
+        // SAFETY: bytes known..size are readable (size <= the caller's struct).
+        std::ptr::copy_nonoverlapping(bytes.add(known), extra.as_mut_ptr(), extra.len());
+        let unset = |w: u32| w == 0 || w == MK_CONFIG_UNDEF_INT as u32 || w == u32::MAX;
+        for (i, chunk) in extra.chunks(4).enumerate() {
+            let mut word = [0u8; 4];
+            word[..chunk.len()].copy_from_slice(chunk);
+            let w = u32::from_ne_bytes(word);
+            if !unset(w) {
+                return Err(MkError::invalid_argument(format!(
+                    "config->size = {size}: the config comes from a newer header (this library's mkConfig_t has {known} bytes) \
+                     and sets a field this library does not know (byte offset {}, word {w:#x}); leave newer fields unset \
+                     or use a library as new as the header",
+                    known + 4 * i
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Reads a caller's config over the environment's values.
 ///
 /// # Safety
-/// `cfg` must point to at least `cfg.size` readable bytes when non-NULL.
+/// `cfg`, when non-NULL, must point to at least `cfg->size` readable bytes.
 pub unsafe fn resolve(cfg: *const mkConfig_t) -> Result<CommConfig> {
     let mut out = CommConfig::from_env();
-    let Some(c) = cfg.as_ref() else { return Ok(out) };
-    let header = std::mem::offset_of!(mkConfig_t, timeoutMs);
-    if c.magic != MK_CONFIG_MAGIC {
-        return Err(MkError::invalid_argument(
-            "config->magic is wrong: initialise mkConfig_t with MK_CONFIG_INITIALIZER before setting fields",
-        ));
+    if cfg.is_null() {
+        return Ok(out);
     }
-    if c.size < header {
-        return Err(MkError::invalid_argument(format!("config->size = {} is smaller than the config header", c.size)));
-    }
-    // A field counts only when the caller's struct is big enough to hold it.
-    let has = |offset: usize, len: usize| offset + len <= c.size;
-    let int_field = |offset: usize, v: c_int, name: &str| -> Result<Option<u32>> {
-        if !has(offset, 4) || v == MK_CONFIG_UNDEF_INT {
+    let c = read_config(cfg)?;
+    let int_field = |v: c_int, name: &str| -> Result<Option<u32>> {
+        if v == MK_CONFIG_UNDEF_INT {
             return Ok(None);
         }
         if v < 0 {
@@ -97,28 +182,28 @@ pub unsafe fn resolve(cfg: *const mkConfig_t) -> Result<CommConfig> {
         }
         Ok(Some(v as u32))
     };
-    if let Some(ms) = int_field(std::mem::offset_of!(mkConfig_t, timeoutMs), c.timeoutMs, "timeoutMs")? {
+    if let Some(ms) = int_field(c.timeoutMs, "timeoutMs")? {
         out.timeout = Duration::from_millis(ms as u64);
     }
-    if let Some(ms) = int_field(std::mem::offset_of!(mkConfig_t, bootstrapTimeoutMs), c.bootstrapTimeoutMs, "bootstrapTimeoutMs")? {
+    if let Some(ms) = int_field(c.bootstrapTimeoutMs, "bootstrapTimeoutMs")? {
         out.bootstrap_timeout = Duration::from_millis(ms as u64);
     }
-    if let Some(v) = int_field(std::mem::offset_of!(mkConfig_t, commCtas), c.commCtas, "commCtas")? {
+    if let Some(v) = int_field(c.commCtas, "commCtas")? {
         out.comm_ctas = Some(v);
     }
-    if let Some(v) = int_field(std::mem::offset_of!(mkConfig_t, maxCtas), c.maxCtas, "maxCtas")? {
+    if let Some(v) = int_field(c.maxCtas, "maxCtas")? {
         if v == 0 {
             return Err(MkError::invalid_argument("config->maxCtas must be at least 1"));
         }
         out.max_ctas = Some(v);
     }
-    if let Some(v) = int_field(std::mem::offset_of!(mkConfig_t, ranksPerNode), c.ranksPerNode, "ranksPerNode")? {
+    if let Some(v) = int_field(c.ranksPerNode, "ranksPerNode")? {
         if v == 0 {
             return Err(MkError::invalid_argument("config->ranksPerNode must be at least 1"));
         }
         out.ranks_per_node = Some(v);
     }
-    if has(std::mem::offset_of!(mkConfig_t, workspaceBytes), 8) && c.workspaceBytes != -1 {
+    if c.workspaceBytes != -1 {
         if c.workspaceBytes < 0 {
             return Err(MkError::invalid_argument(format!("config->workspaceBytes = {} is negative", c.workspaceBytes)));
         }
@@ -169,6 +254,106 @@ mod tests {
         let mut bad = initializer();
         bad.magic = 0;
         assert!(unsafe { resolve(&bad) }.unwrap_err().message.contains("MK_CONFIG_INITIALIZER"));
+    }
+
+    /// A page of readable memory followed by an inaccessible one: bytes placed at the end of
+    /// the first are the last the process may read there.
+    struct GuardedPage {
+        base: *mut u8,
+        page: usize,
+    }
+
+    impl GuardedPage {
+        fn new() -> Self {
+            // SAFETY: a fresh anonymous mapping of two pages; the second is made inaccessible.
+            unsafe {
+                let page = libc::sysconf(libc::_SC_PAGESIZE) as usize;
+                let base = libc::mmap(std::ptr::null_mut(), 2 * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+                assert_ne!(base, libc::MAP_FAILED);
+                assert_eq!(libc::mprotect(base.cast::<u8>().add(page).cast(), page, libc::PROT_NONE), 0);
+                GuardedPage { base: base.cast(), page }
+            }
+        }
+
+        /// Copies the first `len` bytes of `c` to the end of the readable page.
+        fn place(&self, c: &mkConfig_t, len: usize) -> *const mkConfig_t {
+            // SAFETY: len <= size_of::<mkConfig_t>() bytes inside the readable page.
+            unsafe {
+                let at = self.base.add(self.page - len);
+                std::ptr::copy_nonoverlapping((c as *const mkConfig_t).cast::<u8>(), at, len);
+                at.cast()
+            }
+        }
+    }
+
+    impl Drop for GuardedPage {
+        fn drop(&mut self) {
+            // SAFETY: the mapping made in `new`.
+            unsafe { libc::munmap(self.base.cast(), 2 * self.page) };
+        }
+    }
+
+    #[test]
+    fn an_older_smaller_struct_at_the_end_of_a_page_is_read_within_its_size() {
+        let guarded = GuardedPage::new();
+        // A header with only timeoutMs and bootstrapTimeoutMs (24 bytes, 8-byte aligned at the page end).
+        let len = std::mem::offset_of!(mkConfig_t, commCtas);
+        let mut c = initializer();
+        c.size = len;
+        c.timeoutMs = 777;
+        c.bootstrapTimeoutMs = 888;
+        let r = unsafe { resolve(guarded.place(&c, len)) }.unwrap();
+        assert_eq!((r.timeout, r.bootstrap_timeout), (Duration::from_millis(777), Duration::from_millis(888)));
+        let env = CommConfig::from_env();
+        assert_eq!((r.max_ctas, r.workspace_bytes), (env.max_ctas, env.workspace_bytes), "absent fields are unset");
+        // The header alone, and a field cut by the size (counts as absent).
+        c.size = 16;
+        assert_eq!(unsafe { resolve(guarded.place(&c, 16)) }.unwrap().timeout, env.timeout);
+        c.size = 18;
+        assert_eq!(unsafe { resolve(guarded.place(&c, 18)) }.unwrap().timeout, env.timeout);
+        // A size too small for the header is refused after reading only `size` itself.
+        c.size = 8;
+        assert!(unsafe { resolve(guarded.place(&c, 8)) }.unwrap_err().message.contains("config->size = 8"));
+    }
+
+    #[test]
+    fn version_zero_and_other_majors_are_refused() {
+        let mut c = initializer();
+        c.version = 0;
+        assert!(unsafe { resolve(&c) }.unwrap_err().message.contains("config->version = 0"));
+        c.version = (crate::version_code() + 10000) as c_uint;
+        let e = unsafe { resolve(&c) }.unwrap_err();
+        assert_eq!(e.code, crate::error::mkResult_t::mkInvalidArgument);
+        assert!(e.message.contains("major version"), "{}", e.message);
+        // A later minor or patch of the same major is fine.
+        c.version = (crate::version_code() / 10000 * 10000 + 99 * 100 + 7) as c_uint;
+        assert!(unsafe { resolve(&c) }.is_ok());
+    }
+
+    #[test]
+    fn a_newer_larger_struct_is_accepted_only_with_its_new_fields_unset() {
+        #[repr(C)]
+        struct Newer {
+            base: mkConfig_t,
+            future_int: c_int,
+            future_flag: c_int,
+            future_bytes: c_longlong,
+        }
+        let fresh = || Newer { base: mkConfig_t { size: std::mem::size_of::<Newer>(), ..initializer() }, future_int: MK_CONFIG_UNDEF_INT, future_flag: 0, future_bytes: -1 };
+        let n = fresh();
+        let mut expected = CommConfig::from_env();
+        expected.max_ctas = Some(3);
+        let mut with_base = fresh();
+        with_base.base.maxCtas = 3;
+        assert_eq!(unsafe { resolve((&with_base as *const Newer).cast()) }.unwrap(), expected);
+        assert!(unsafe { resolve((&n as *const Newer).cast()) }.is_ok());
+        let mut set = fresh();
+        set.future_flag = 1;
+        let e = unsafe { resolve((&set as *const Newer).cast()) }.unwrap_err().message;
+        assert!(e.contains("newer header") && e.contains(&format!("byte offset {}", std::mem::offset_of!(Newer, future_flag))), "{e}");
+        let mut huge = initializer();
+        huge.size = 1 << 40;
+        assert!(unsafe { resolve(&huge) }.unwrap_err().message.contains("larger than any mkConfig_t"));
     }
 
     #[test]

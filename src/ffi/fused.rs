@@ -2,7 +2,7 @@
 
 use super::{mkComm_t, with_comm};
 use crate::cuda::sys::CUstream;
-use crate::error::mkResult_t;
+use crate::error::{mkResult_t, MkError};
 use crate::types::RawDataType;
 use std::ffi::c_void;
 
@@ -137,12 +137,23 @@ pub unsafe extern "C" fn mkGemmAllReduce(
 /// 4·(4 + 3·tokens·topk + 6·recvCapacity/128 + 1025) (int32 words: per (token, choice) the
 /// owner rank and the row there, per receive-buffer row block its expert, order, sources,
 /// order run, expert segment and rows in use, the send list and its per-(expert,
-/// destination) starts).
+/// destination) starts). Sizes whose layout would not fit in size_t (or whose words the
+/// kernels cannot index with int32) are mkInvalidArgument naming tokens, topk and
+/// recvCapacity; `*bytes` is then left as it was.
 #[no_mangle]
 pub unsafe extern "C" fn mkMoeLayoutBytes(tokens: usize, topk: usize, recvCapacity: usize, bytes: *mut usize) -> mkResult_t {
     super::guard(None, "mkMoeLayoutBytes", || {
-        let words = crate::ops::moe::layout_offsets(tokens, topk, recvCapacity).words;
-        super::write_out(bytes, words * 4, "bytes")
+        let size = crate::ops::moe::checked_layout_offsets(tokens, topk, recvCapacity)
+            .map(|l| l.words)
+            .filter(|&words| words <= i32::MAX as usize)
+            .map(|words| words * 4)
+            .ok_or_else(|| {
+                MkError::invalid_argument(format!(
+                    "tokens = {tokens}, topk = {topk}, recvCapacity = {recvCapacity}: the layout would hold more than 2^31 \
+                     int32 words (3·tokens·topk + 6·⌈recvCapacity/128⌉ + 1029 words)"
+                ))
+            })?;
+        super::write_out(bytes, size, "bytes")
     })
 }
 
@@ -323,6 +334,13 @@ mod tests {
             assert_eq!(bytes, 4 * (4 + 3 * 30 + 6 * 4 + 1025));
             assert_eq!(mkMoeLayoutBytes(10, 3, 512, std::ptr::null_mut()), mkResult_t::mkInvalidArgument);
             assert!(thread_last_error().contains("bytes is NULL"));
+            // Sizes that wrap size_t (or pass the kernels' int32 word index) are refused by name.
+            for (t, k, cap) in [(usize::MAX / 2 + 1, 2, 512), (usize::MAX / 3, 1, 128), (1, 1, usize::MAX), (1 << 30, 2, 0)] {
+                bytes = 7;
+                assert_eq!(mkMoeLayoutBytes(t, k, cap, &mut bytes), mkResult_t::mkInvalidArgument, "{t} {k} {cap}");
+                assert!(thread_last_error().contains(&format!("tokens = {t}, topk = {k}, recvCapacity = {cap}")), "{}", thread_last_error());
+                assert_eq!(bytes, 7);
+            }
         }
     }
 }

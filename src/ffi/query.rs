@@ -1,8 +1,7 @@
 //! Queries: version, communicator properties, error strings.
 
-use super::{with_comm, write_out, guard, mkComm_t, comm_ref};
-use crate::error::{mkResult_t, thread_last_error};
-use std::cell::RefCell;
+use super::{guard, mkComm_t, with_comm, write_out, COMMS};
+use crate::error::{mkResult_t, thread_last_error_ptr};
 use std::ffi::CString;
 use std::os::raw::{c_char, c_int};
 
@@ -52,26 +51,59 @@ pub extern "C" fn mkGetErrorString(result: RawResult) -> *const c_char {
     strings[idx].as_ptr()
 }
 
-thread_local! {
-    static LAST_ERROR_BUFFER: RefCell<CString> = RefCell::new(CString::default());
-}
-
-/// The detailed message of the last failed call: on `comm` when it is non-NULL, else of
-/// the calling thread (calls that had no communicator yet, such as init). The string
-/// stays valid until the next failing call on the same comm or thread. Empty when none.
+/// The detailed message of the last failed call.
+///
+/// - `comm` non-NULL: the last failure of a call on that communicator, whichever thread
+///   made it. It does not depend on the calling thread (Go and Python callers whose calls
+///   move between OS threads read it this way). The string changes only when a call on
+///   `comm` fails (or once, when mkCommGetAsyncError first reports an asynchronous error:
+///   then it describes that error); it stays valid until then, or until the communicator
+///   is destroyed. Threads sharing a communicator share this message.
+/// - `comm` NULL (or a handle that is no longer live): the last failure of any call made on
+///   the calling thread (init and other calls without a communicator report only here).
+///   Per thread: other threads' failures never change it. It stays valid until the next
+///   failing call on this thread; successful calls and mkGetLastError itself leave it as
+///   it is. A caller that cannot stay on one OS thread between the failing call and this
+///   one (a goroutine) pins itself first (Go: runtime.LockOSThread).
+///
+/// Empty ("") when there was no failure. Never NULL.
 #[no_mangle]
 pub unsafe extern "C" fn mkGetLastError(comm: mkComm_t) -> *const c_char {
     static EMPTY: &[u8] = b"\0";
     // Returns a string, so it has its own panic boundary: an empty string on panic.
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        if let Ok(c) = comm_ref(comm) {
-            return c.last_error_ptr();
-        }
-        LAST_ERROR_BUFFER.with(|b| {
-            let msg = thread_last_error().replace('\0', " ");
-            *b.borrow_mut() = CString::new(msg).unwrap_or_default();
-            b.borrow().as_ptr()
-        })
-    }))
+    std::panic::catch_unwind(|| match COMMS.enter(comm as usize) {
+        Ok(c) => c.last_error_ptr(),
+        Err(_) => thread_last_error_ptr(),
+    })
     .unwrap_or(EMPTY.as_ptr().cast())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::CStr;
+
+    fn text(p: *const c_char) -> String {
+        // SAFETY: mkGetLastError's strings are NUL-terminated.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn the_thread_message_outlives_successful_calls_and_rereads() {
+        let mut v = 0;
+        unsafe {
+            assert_eq!(mkGetVersion(std::ptr::null_mut()), mkResult_t::mkInvalidArgument);
+            let p = mkGetLastError(std::ptr::null_mut());
+            assert_eq!(text(p), "mkGetVersion: version is NULL");
+            // Neither a second read nor a successful call may free or change it.
+            let again = mkGetLastError(std::ptr::null_mut());
+            assert_eq!(again, p);
+            assert_eq!(mkGetVersion(&mut v), mkResult_t::mkSuccess);
+            assert_eq!(text(p), "mkGetVersion: version is NULL");
+            assert_eq!(mkGetLastError(std::ptr::null_mut()), p);
+            // A foreign handle reads the thread's message too (after failing itself).
+            assert_eq!(mkCommCount(0x10 as mkComm_t, &mut v), mkResult_t::mkInvalidArgument);
+            assert!(text(mkGetLastError(0x10 as mkComm_t)).contains("mkCommCount: comm 0x10 is not a communicator"));
+        }
+    }
 }

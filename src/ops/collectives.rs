@@ -279,7 +279,15 @@ pub fn validate(kind: CollectiveKind, send: u64, recv: u64, count: usize, dtype:
     ensure_arg!(send % elem == 0, "sendbuff ({send:#x}) is not aligned to its {elem}-byte {} elements", dtype.name());
     ensure_arg!(recv % elem == 0, "recvbuff ({recv:#x}) is not aligned to its {elem}-byte {} elements", dtype.name());
     let (send_bytes, recv_bytes) = (send_count * elem, recv_count * elem);
-    let overlap = send < recv + recv_bytes && recv < send + send_bytes;
+    // Buffers from C may sit anywhere: one that runs past the top of the address space
+    // is refused, so the ends below (and the in-place offsets inside them) cannot wrap.
+    let end = |ptr: u64, bytes: u64, name: &str| {
+        ptr.checked_add(bytes).ok_or_else(|| {
+            MkError::invalid_argument(format!("{name} ({ptr:#x}) + {bytes} bytes runs past the end of the address space"))
+        })
+    };
+    let (send_end, recv_end) = (end(send, send_bytes, "sendbuff")?, end(recv, recv_bytes, "recvbuff")?);
+    let overlap = send < recv_end && recv < send_end;
     if overlap {
         let in_place = match kind {
             CollectiveKind::AllGather => send == recv + kind.in_place_offset(count * elem, rank as u64),
@@ -457,6 +465,10 @@ mod tests {
         assert!(msg(v(rs, 0x1000, 0x1000, 10, f32_, Some(0))).contains("sendbuff + rank * recvcount"));
         // disjoint buffers are fine
         assert!(v(rs, 0x1000, 0x1000 + 160, 10, f32_, Some(4)).is_ok());
+        // a buffer that wraps the address space is refused, not judged disjoint
+        let top = u64::MAX - 15;
+        assert!(msg(v(ar, 0x1000, top, 10, f32_, Some(0))).contains("recvbuff (0xfffffffffffffff0) + 40 bytes runs past the end"));
+        assert!(msg(v(ag, top, 0x1000, 10, f32_, None)).contains("sendbuff (0xfffffffffffffff0) + 40 bytes runs past the end"));
     }
 
     #[test]

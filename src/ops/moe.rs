@@ -142,21 +142,29 @@ pub struct LayoutOffsets {
     pub words: usize,
 }
 
+/// Where the tables live for a call's sizes (sizes `validate_dims` accepted; see
+/// [`checked_layout_offsets`] for sizes from C).
 pub fn layout_offsets(tokens: usize, top_k: usize, capacity: usize) -> LayoutOffsets {
-    let slots = tokens * top_k;
+    checked_layout_offsets(tokens, top_k, capacity).expect("validated MoE sizes give a layout of fewer than 2^64 words")
+}
+
+/// [`layout_offsets`], or None when a count overflows usize.
+pub fn checked_layout_offsets(tokens: usize, top_k: usize, capacity: usize) -> Option<LayoutOffsets> {
+    let slots = tokens.checked_mul(top_k)?;
     let blocks = capacity.div_ceil(ROW_BLOCK);
     let dest = 4;
-    let row = dest + slots;
-    let mb_expert = row + slots;
-    let mb_order = mb_expert + blocks;
-    let mb_srcmask = mb_order + blocks;
-    let mb_run = mb_srcmask + blocks;
-    let mb_seg = mb_run + blocks;
-    let mb_rows = mb_seg + blocks;
-    let send = mb_rows + blocks;
+    let row = slots.checked_add(dest)?;
+    let mb_expert = row.checked_add(slots)?;
+    let mb_order = mb_expert.checked_add(blocks)?;
+    let mb_srcmask = mb_order.checked_add(blocks)?;
+    let mb_run = mb_srcmask.checked_add(blocks)?;
+    let mb_seg = mb_run.checked_add(blocks)?;
+    let mb_rows = mb_seg.checked_add(blocks)?;
+    let send = mb_rows.checked_add(blocks)?;
     // E is not a parameter of mkMoeLayoutBytes: room for the most experts.
-    let send_row0 = send + slots;
-    LayoutOffsets { dest, row, mb_expert, mb_order, mb_srcmask, mb_run, mb_seg, mb_rows, send, send_row0, words: send_row0 + MAX_EXPERTS + 1 }
+    let send_row0 = send.checked_add(slots)?;
+    let words = send_row0.checked_add(MAX_EXPERTS + 1)?;
+    Some(LayoutOffsets { dest, row, mb_expert, mb_order, mb_srcmask, mb_run, mb_seg, mb_rows, send, send_row0, words })
 }
 
 /// What `rank`'s kernels compute for a routing (the device's layout, for tests).
@@ -255,18 +263,29 @@ pub fn validate_dims(d: &MoeDims) -> Result<()> {
         d.capacity,
         MAX_CAPACITY_BLOCKS * ROW_BLOCK
     );
-    let flags = d.capacity / ROW_BLOCK * (d.hidden / tile_width(d.hidden)) * 2;
+    // Sizes come from C: every product is checked (an overflow is as out of range as a
+    // product past the limit).
+    let flags = (d.capacity / ROW_BLOCK).checked_mul(d.hidden / tile_width(d.hidden)).and_then(|f| f.checked_mul(2));
     crate::ensure_arg!(
-        flags <= TILE_FLAG_WORDS,
+        flags.is_some_and(|f| f <= TILE_FLAG_WORDS),
         "recvCapacity = {} with H = {}: {} Z-slab signals exceed the {TILE_FLAG_WORDS} MoE signal words; lower recvCapacity",
         d.capacity,
         d.hidden,
-        flags
+        flags.map_or("more than 2^64".into(), |f| f.to_string())
     );
-    let lim = i32::MAX as usize;
+    let below_2_31 = |a: usize, b: usize| a.checked_mul(b).is_some_and(|p| p < i32::MAX as usize);
     crate::ensure_arg!(
-        d.tokens * d.top_k < lim && d.capacity * d.hidden < lim && d.tokens * d.hidden < lim && d.experts_local() * d.ffn.max(d.hidden) < lim,
-        "sizes too large: T·k, T·H, recvCapacity·H and E_local·max(F, H) must each stay below 2^31"
+        below_2_31(d.tokens, d.top_k)
+            && below_2_31(d.capacity, d.hidden)
+            && below_2_31(d.tokens, d.hidden)
+            && below_2_31(d.experts_local(), d.ffn.max(d.hidden)),
+        "sizes too large: T·k, T·H, recvCapacity·H and E_local·max(F, H) must each stay below 2^31 (tokens = {}, topk = {}, \
+         hidden = {}, ffn = {}, recvCapacity = {})",
+        d.tokens,
+        d.top_k,
+        d.hidden,
+        d.ffn,
+        d.capacity
     );
     Ok(())
 }
@@ -934,6 +953,10 @@ mod tests {
         assert!(err(dims(4, 256, 256, 8, 12, 1024, 8)).contains("multiple of nranks"));
         assert!(err(dims(4, 256, 256, 8, 16, 1000, 8)).contains("recvCapacity = 1000"));
         assert!(err(dims(4, 7168, 256, 8, 16, 1 << 21, 8)).contains("lower recvCapacity"));
+        // Products that wrap usize are refused, not wrapped into small values.
+        assert!(err(dims(1 << 59, 256, 256, 32, 16, 1024, 8)).contains("sizes too large"), "T·k and T·H wrap to 0");
+        assert!(err(dims(4, 1 << 57, 256, 8, 16, 1 << 21, 8)).contains("more than 2^64"), "the slab count wraps");
+        assert!(err(dims(4, 256, (usize::MAX / 2 + 1) & !127, 8, 16, 1024, 8)).contains("sizes too large"), "E_local·F wraps");
         let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
         let d = dims(4, 256, 256, 2, 16, 1024, 2);
         let p = 0x1000;
@@ -995,6 +1018,9 @@ mod tests {
         let lo = layout_offsets(10, 3, 512);
         assert_eq!((lo.dest, lo.row, lo.mb_expert, lo.mb_order, lo.mb_srcmask, lo.mb_run, lo.mb_seg), (4, 34, 64, 68, 72, 76, 80));
         assert_eq!((lo.mb_rows, lo.send, lo.send_row0, lo.words), (84, 88, 118, 118 + MAX_EXPERTS + 1));
+        assert_eq!(checked_layout_offsets(usize::MAX / 2, 3, 512), None);
+        assert_eq!(checked_layout_offsets(usize::MAX / 8, 3, 512), None, "3·slots wraps though T·k does not");
+        assert_eq!(checked_layout_offsets(usize::MAX, 1, 0), None, "the first table offset wraps");
         // The largest call fits the prep CTA's shared memory beside the narrowest engine.
         let d = dims(4096, 7168, 2048, 8, MAX_EXPERTS, MAX_CAPACITY_BLOCKS * ROW_BLOCK, 8);
         assert!(prep_smem_bytes(&d) <= engine::smem_bytes(256, Epilogue::Tma).min(engine::smem_bytes(128, Epilogue::Tma)));
