@@ -16,7 +16,8 @@
 //! (+ 2⁻²²·|s| for the scaling), the exponentials a relative 2⁻²¹, each rescale of the
 //! running sum 2⁻²², the probabilities are rounded to the element type (u) before P·V, and
 //! P·V and the row sum accumulate S terms in fp32 (γ_S). So with M = Σ_j P_j·|v_j|,
-//! |Δout| ≤ (u + γ_S + 2.2·(δs + 2⁻²¹) + blocks·2⁻²²)·M + u·|out|, and
+//! |Δout| ≤ (u + γ_S + 2.2·(δs + 2⁻²¹) + blocks·2⁻²²)·M + 2u·|out| (the final rounding,
+//! and once more where the row sum is formed from the rounded probabilities), and
 //! |Δlse| ≤ 2.2·(δs + 2⁻²¹) + γ_S + blocks·2⁻²² + 2⁻²³·|lse|. Every rank's K and V
 //! shard is its own allocation; every buffer's guard bands are checked.
 
@@ -187,7 +188,7 @@ impl FusedCase for Case {
                     let score_err = scale * gamma(d, u_acc) * dot_mag_max + 2f64.powi(-22) * s_max;
                     let factor = u + gamma(keys.max(1), u_acc) + 2.2 * (score_err + exp_err) + blocks * rescale_err;
                     for c in 0..d {
-                        out_bound[row + c] = 1.01 * (underflow_floor(self.dtype) + factor * mag[c] + u * ref_out[row + c].abs());
+                        out_bound[row + c] = 1.01 * (underflow_floor(self.dtype) + factor * mag[c] + 2.0 * u * ref_out[row + c].abs());
                     }
                     let li = (b * h + hh) * sl + i;
                     ref_lse[li] = mx + sum.ln();
