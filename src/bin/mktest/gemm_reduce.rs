@@ -87,27 +87,7 @@ impl Case {
         let raw = self.c.download()?;
         let (r0, r1) = if self.scatter { (self.rank * m / nr, (self.rank + 1) * m / nr) } else { (0, m) };
         let out = to_f64(&raw, self.dtype);
-        let u = unit_roundoff(self.dtype);
-        let partial_rule = Rule::reduction(self.dtype, k);
-        let sum_rule = Rule::reduction(self.dtype, nr);
-        let mut reference = Vec::with_capacity((r1 - r0) * n);
-        let mut bounds = Vec::with_capacity((r1 - r0) * n);
-        for i in r0..r1 {
-            for j in 0..n {
-                let (mut total, mut partials_abs, mut partial_slack) = (0.0, 0.0, 0.0);
-                for r in 0..nr {
-                    let (ar, br) = (&a[r][i * k..(i + 1) * k], &b[r][j * k..(j + 1) * k]);
-                    let (p, mag) = ar.iter().zip(br).fold((0.0, 0.0), |(s, g), (x, y)| (s + x * y, g + (x * y).abs()));
-                    total += p;
-                    partials_abs += p.abs();
-                    // One rank: the GEMM alone, no partial stored in the element type.
-                    partial_slack += if nr > 1 { partial_rule.bound(p, mag) } else { partial_rule.gamma * mag };
-                }
-                let node_slack = if self.node_partials { u * partials_abs } else { 0.0 };
-                reference.push(total);
-                bounds.push(partial_slack + node_slack + sum_rule.bound(total, partials_abs));
-            }
-        }
+        let (reference, bounds) = reduced_reference(&a, &b, r0..r1, n, k, self.dtype, self.node_partials);
         let verdict: Verdict = check_close(&out, &reference, &bounds, tolerance(self.dtype));
         let mut buffers: Vec<(&str, &TestBuffer)> = vec![("C", &self.c)];
         buffers.extend(self.a_shards.iter().map(|s| ("A shard", s)).chain(self.b_shards.iter().map(|s| ("B shard", s))));
@@ -115,6 +95,36 @@ impl Case {
         let ok = verdict.passed() && guards.is_none();
         Ok((ok, format!("{verdict}{}", guards.map_or(String::new(), |w| format!("; GUARD {w}"))), raw))
     }
+}
+
+/// Rows `rows` of Σ_r A_r·B_rᵀ in float64 (A_r [M, K], B_r [N, K] per rank) and each
+/// element's bound: each rank's partial accumulated over K and, with several ranks, stored
+/// in the element type; the n partials summed in fp32 and rounded once; across nodes one
+/// more rounding of the node partials.
+pub(crate) fn reduced_reference(a: &[Vec<f64>], b: &[Vec<f64>], rows: std::ops::Range<usize>, n: usize, k: usize, dtype: mkDataType_t, node_partials: bool) -> (Vec<f64>, Vec<f64>) {
+    let nr = a.len();
+    let u = unit_roundoff(dtype);
+    let partial_rule = Rule::reduction(dtype, k);
+    let sum_rule = Rule::reduction(dtype, nr);
+    let mut reference = Vec::with_capacity(rows.len() * n);
+    let mut bounds = Vec::with_capacity(rows.len() * n);
+    for i in rows {
+        for j in 0..n {
+            let (mut total, mut partials_abs, mut partial_slack) = (0.0, 0.0, 0.0);
+            for r in 0..nr {
+                let (ar, br) = (&a[r][i * k..(i + 1) * k], &b[r][j * k..(j + 1) * k]);
+                let (p, mag) = ar.iter().zip(br).fold((0.0, 0.0), |(s, g), (x, y)| (s + x * y, g + (x * y).abs()));
+                total += p;
+                partials_abs += p.abs();
+                // One rank: the GEMM alone, no partial stored in the element type.
+                partial_slack += if nr > 1 { partial_rule.bound(p, mag) } else { partial_rule.gamma * mag };
+            }
+            let node_slack = if node_partials { u * partials_abs } else { 0.0 };
+            reference.push(total);
+            bounds.push(partial_slack + node_slack + sum_rule.bound(total, partials_abs));
+        }
+    }
+    (reference, bounds)
 }
 
 /// `across_nodes`: the communicator spans nodes (the node partials' rounding is allowed for).
@@ -272,3 +282,65 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     })
 }
 
+
+#[cfg(test)]
+mod tests {
+    //! The bound against the rounding the header documents, simulated on the CPU: each
+    //! rank's partial accumulated in f32 and rounded to the element type, the partials
+    //! summed in f32 in rank order (within each node first, across nodes) and rounded once.
+    use super::*;
+    use mkernel::testing::round_to;
+
+    fn values(seed: u64, n: usize, dtype: mkDataType_t) -> Vec<f64> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                round_to(dtype, (x >> 11) as f64 / (1u64 << 52) as f64 - 1.0)
+            })
+            .collect()
+    }
+
+    fn simulated(a: &[Vec<f64>], b: &[Vec<f64>], m: usize, n: usize, k: usize, dtype: mkDataType_t, node_size: usize, drop_rank: Option<(usize, usize)>) -> Vec<f64> {
+        let nr = a.len();
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let partial = |r: usize| -> f32 {
+                    let p = (0..k).fold(0f32, |s, kk| s + (a[r][i * k + kk] * b[r][j * k + kk]) as f32);
+                    if nr > 1 { round_to(dtype, p as f64) as f32 } else { p }
+                };
+                let mut total = 0f32;
+                for node in (0..nr).collect::<Vec<_>>().chunks(node_size) {
+                    let s = node.iter().filter(|&&r| drop_rank != Some((i * n + j, r))).fold(0f32, |s, &r| s + partial(r));
+                    total += if node_size < nr { round_to(dtype, s as f64) as f32 } else { s };
+                }
+                c[i * n + j] = round_to(dtype, total as f64);
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn staged_sums_pass_and_a_missing_partial_fails() {
+        let (m, n, k) = (24, 40, 264);
+        for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
+            for (nr, node_size) in [(1, 1), (2, 2), (8, 8), (4, 2)] {
+                let a: Vec<Vec<f64>> = (0..nr).map(|r| values(r as u64 + 1, m * k, dtype)).collect();
+                let b: Vec<Vec<f64>> = (0..nr).map(|r| values(r as u64 + 100, n * k, dtype)).collect();
+                let (reference, bounds) = reduced_reference(&a, &b, 0..m, n, k, dtype, node_size < nr);
+                let out = simulated(&a, &b, m, n, k, dtype, node_size, None);
+                let v = check_close(&out, &reference, &bounds, tolerance(dtype));
+                assert!(v.passed(), "{} {nr} ranks, nodes of {node_size}: {v}", dtype.name());
+                if nr > 1 {
+                    // Element 77 lost rank 1's partial.
+                    let out = simulated(&a, &b, m, n, k, dtype, node_size, Some((77, 1)));
+                    let v = check_close(&out, &reference, &bounds, tolerance(dtype));
+                    assert!(!v.passed() && v.worst.unwrap().index == 77, "{} {nr} ranks: {v}", dtype.name());
+                }
+            }
+        }
+    }
+}
