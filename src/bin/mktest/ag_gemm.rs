@@ -10,13 +10,14 @@
 //! ranks, a rank that never calls: the others stop within the timeout with
 //! mkTimeout/mkRemoteError.
 
-use crate::collectives::{async_error, ffi, say, Stream};
+use crate::collectives::say;
 use crate::fused_common::{self, FusedCase};
 use crate::outcome::{self, Outcome};
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
 use mkernel::cuda::sys;
 use mkernel::error::{mkResult_t, MkError, Result};
+use std::cell::Cell;
 use mkernel::ffi::fused::mkAllGatherGemm;
 use mkernel::ffi::mkComm_t;
 use mkernel::testing::{check_close, check_exact_bytes, gemm_reference, to_f64, tolerance, Rule, TestBuffer};
@@ -40,7 +41,7 @@ pub(crate) struct Case {
     c: TestBuffer,
     gathered: TestBuffer,
     /// Pass gatheredA (else NULL: the op need not copy the gathered A out).
-    pub(crate) with_gathered: bool,
+    pub(crate) with_gathered: Cell<bool>,
 }
 
 impl Case {
@@ -57,20 +58,20 @@ impl Case {
             b: TestBuffer::new(n * k, dtype)?,
             c: TestBuffer::new(m * n, dtype)?,
             gathered: TestBuffer::new(m * k, dtype)?,
-            with_gathered: true,
+            with_gathered: Cell::new(true),
         })
     }
 
     fn m(&self) -> usize {
         self.rows_per_rank * self.nranks
     }
-
-    pub(crate) fn label(&self) -> String {
-        format!("{} M={} ({}x{}) N={} K={}", self.dtype.name(), self.m(), self.nranks, self.rows_per_rank, self.n, self.k)
-    }
 }
 
 impl FusedCase for Case {
+    fn label(&self) -> String {
+        format!("{} M={} ({}x{}) N={} K={}", self.dtype.name(), self.m(), self.nranks, self.rows_per_rank, self.n, self.k)
+    }
+
     /// Fresh inputs: shard s of A from seed (seed, s) on every rank (so every rank knows
     /// the whole A), B from its own seed; outputs poisoned with NaN.
     fn prepare(&self, seed: u64) -> Result<()> {
@@ -88,7 +89,7 @@ impl FusedCase for Case {
                 self.a_shards[self.rank].ptr() as *const _,
                 self.b.ptr() as *const _,
                 self.c.ptr() as *mut _,
-                if self.with_gathered { self.gathered.ptr() as *mut _ } else { std::ptr::null_mut() },
+                if self.with_gathered.get() { self.gathered.ptr() as *mut _ } else { std::ptr::null_mut() },
                 self.m(),
                 self.n,
                 self.k,
@@ -111,7 +112,7 @@ impl FusedCase for Case {
         let rule = Rule::reduction(self.dtype, k);
         let bounds: Vec<f64> = reference.iter().zip(&mag).map(|(&r, &g)| rule.bound(r, g)).collect();
         let c_verdict = check_close(&c, &reference, &bounds, tolerance(self.dtype));
-        let gathered = if self.with_gathered { Some(check_exact_bytes(&self.gathered.download()?, &a_bytes, self.dtype)) } else { None };
+        let gathered = if self.with_gathered.get() { Some(check_exact_bytes(&self.gathered.download()?, &a_bytes, self.dtype)) } else { None };
         let mut buffers: Vec<(&str, &TestBuffer)> = vec![("C", &self.c), ("gatheredA", &self.gathered), ("B", &self.b)];
         buffers.extend(self.a_shards.iter().map(|s| ("A shard", s)));
         let guards = fused_common::guards_intact(&buffers)?;
@@ -128,30 +129,14 @@ pub(crate) fn shapes() -> Vec<(usize, usize, usize)> {
 }
 
 fn correctness(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
-    let stream = Stream::new()?;
-    let mut failures = 0;
-    let mut checks = 0;
+    let (mut checks, mut failures) = (0, 0);
     for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
         for (rows, cols, k) in shapes() {
-            let mut case = Case::new(dtype, rows, cols, k, n, rank)?;
-            for round in 0..2u64 {
-                // The second round without gatheredA (the op must not need it).
-                case.with_gathered = round == 0;
-                case.prepare(17 + round)?;
-                ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
-                stream.sync()?;
-                if async_error(comm) != mkResult_t::mkSuccess {
-                    return Err(MkError::new(async_error(comm), format!("{}: asynchronous error", case.label())));
-                }
-                let (ok, detail) = case.verify()?;
-                checks += 1;
-                if !ok {
-                    failures += 1;
-                }
-                if !ok || rank == 0 {
-                    say(rank, format!("{} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
-                }
-            }
+            let case = Case::new(dtype, rows, cols, k, n, rank)?;
+            // The second round without gatheredA (the op must not need it).
+            let (c, f) = fused_common::check_rounds(comm, rank, "mkAllGatherGemm", &case, 17, 2, &|round| case.with_gathered.set(round == 0))?;
+            checks += c;
+            failures += f;
         }
     }
     outcome::count(checks);

@@ -425,19 +425,15 @@ fn rank_main(env: &RankEnv) -> Result<()> {
     result
 }
 
-fn correctness(env: &RankEnv) -> Result<()> {
-    let (rank, n) = (env.rank, env.nranks);
-    // A 4 MiB workspace makes the large counts pipeline through many steps per CTA.
-    let comm = init_comm(env, &env.ids[1], &config(10_000, 4 << 20))?;
-    let stream = Stream::new()?;
-    let mut seed = 0x1234_5678u64;
-    let (mut checks, mut failures) = (0usize, 0usize);
-    let all_ops = [mkRedOp_t::mkSum, mkRedOp_t::mkProd, mkRedOp_t::mkMax, mkRedOp_t::mkMin, mkRedOp_t::mkAvg];
-    let mut cases: Vec<(CollectiveKind, mkDataType_t, mkRedOp_t, usize)> = Vec::new();
+/// The collectives' case matrix: every dtype × AllGather / ReduceScatter (every op) /
+/// AllReduce (every op) × counts of 1, 3, 1000 and 70,001, and three dtypes at counts large
+/// enough to pipeline through many workspace steps.
+pub(crate) fn case_matrix() -> Vec<(CollectiveKind, mkDataType_t, mkRedOp_t, usize)> {
+    let mut cases = Vec::new();
     for dtype in mkDataType_t::ALL {
         for count in [1usize, 3, 1000, 70_001] {
             cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, count));
-            for op in all_ops {
+            for op in mkRedOp_t::ALL {
                 cases.push((CollectiveKind::ReduceScatter, dtype, op, count));
                 cases.push((CollectiveKind::AllReduce, dtype, op, count));
             }
@@ -448,13 +444,26 @@ fn correctness(env: &RankEnv) -> Result<()> {
         cases.push((CollectiveKind::AllReduce, dtype, mkRedOp_t::mkSum, 1_000_003));
         cases.push((CollectiveKind::ReduceScatter, dtype, mkRedOp_t::mkSum, 250_007));
     }
-    for (kind, dtype, op, count) in cases {
+    cases
+}
+
+/// Runs every case of `case_matrix()` out of place and in place on `comm`, each with fresh
+/// inputs (seeds from `seed`), a bounded wait, and the element-wise check; `ranks_per_node`
+/// when the communicator spans nodes. Returns (checks, failures).
+pub(crate) fn run_matrix(comm: mkComm_t, rank: usize, n: usize, ranks_per_node: Option<usize>, mut seed: u64) -> Result<(usize, usize)> {
+    let stream = Stream::new()?;
+    let (mut checks, mut failures) = (0usize, 0usize);
+    for (kind, dtype, op, count) in case_matrix() {
         for in_place in [false, true] {
             let mut case = Case::new(kind, dtype, op, count, in_place, rank, n)?;
+            if let Some(rpn) = ranks_per_node {
+                case = case.across_nodes(rpn);
+            }
             seed += 1;
             case.prepare(seed)?;
             case.launch(comm, stream.0)?;
-            stream.sync().map_err(|e| e.context(case.label()))?;
+            // Bounded: a hung kernel must fail the test, not the whole run.
+            timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(case.label()))?;
             let code = async_error(comm);
             if code != mkResult_t::mkSuccess {
                 return Err(MkError::new(code, format!("{}: asynchronous error {code:?}", case.label())));
@@ -469,6 +478,15 @@ fn correctness(env: &RankEnv) -> Result<()> {
             }
         }
     }
+    Ok((checks, failures))
+}
+
+fn correctness(env: &RankEnv) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    // A 4 MiB workspace makes the large counts pipeline through many steps per CTA.
+    let comm = init_comm(env, &env.ids[1], &config(10_000, 4 << 20))?;
+    let stream = Stream::new()?;
+    let (mut checks, mut failures) = run_matrix(comm, rank, n, None, 0x1234_5678)?;
     // Bad arguments come back as codes with messages, before anything runs.
     let bad = unsafe { mkAllReduce(std::ptr::null(), 0x1000 as *mut _, 10, 7, 0, comm, stream.0) };
     checks += 1;
@@ -495,20 +513,22 @@ fn correctness(env: &RankEnv) -> Result<()> {
 fn graph_replay(env: &RankEnv) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
     let comm = init_comm(env, &env.ids[2], &config(10_000, 64 << 20))?;
-    let r = graph_replay_on(comm, rank, n);
+    let r = graph_replay_on(comm, rank, n, None);
     destroy(comm)?;
     r
 }
 
-pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+/// `ranks_per_node` when the communicator spans nodes (the node partials' rounding is allowed for).
+pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize, ranks_per_node: Option<usize>) -> Result<()> {
     let stream = Stream::new()?;
+    let nodes = |c: Case| if let Some(rpn) = ranks_per_node { c.across_nodes(rpn) } else { c };
     let mut cases = vec![
-        Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 100_003, false, rank, n)?,
-        Case::new(CollectiveKind::AllGather, mkDataType_t::mkBfloat16, mkRedOp_t::mkSum, 50_001, false, rank, n)?,
-        Case::new(CollectiveKind::ReduceScatter, mkDataType_t::mkFloat16, mkRedOp_t::mkAvg, 30_001, true, rank, n)?,
-        Case::new(CollectiveKind::AllReduce, mkDataType_t::mkBfloat16, mkRedOp_t::mkMax, 4_097, true, rank, n)?,
+        nodes(Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 100_003, false, rank, n)?),
+        nodes(Case::new(CollectiveKind::AllGather, mkDataType_t::mkBfloat16, mkRedOp_t::mkSum, 50_001, false, rank, n)?),
+        nodes(Case::new(CollectiveKind::ReduceScatter, mkDataType_t::mkFloat16, mkRedOp_t::mkAvg, 30_001, true, rank, n)?),
+        nodes(Case::new(CollectiveKind::AllReduce, mkDataType_t::mkBfloat16, mkRedOp_t::mkMax, 4_097, true, rank, n)?),
     ];
-    let mut interleaved = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 7_777, false, rank, n)?;
+    let mut interleaved = nodes(Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 7_777, false, rank, n)?);
     for c in cases.iter_mut() {
         c.prepare(1)?;
     }

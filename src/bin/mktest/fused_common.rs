@@ -52,9 +52,36 @@ pub fn download_shards(buffers: &[TestBuffer]) -> Result<Vec<u8>> {
 /// One test case of a fused op: fresh inputs from a seed, one call, a check against the
 /// float64 reference (ok, a line of detail).
 pub trait FusedCase {
+    fn label(&self) -> String;
     fn prepare(&self, seed: u64) -> Result<()>;
     fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t;
     fn verify(&self) -> Result<(bool, String)>;
+}
+
+/// Runs `case` `rounds` times with fresh inputs (seeds `seed`, `seed + 1`, …): one call, a
+/// bounded wait, no asynchronous error, the case's check. `before(round)` adjusts the case
+/// before each round. Returns (checks, failures); the caller counts them.
+pub fn check_rounds(comm: mkComm_t, rank: usize, op: &str, case: &dyn FusedCase, seed: u64, rounds: u64, before: &dyn Fn(u64)) -> Result<(usize, usize)> {
+    let stream = Stream::new()?;
+    let mut failures = 0;
+    for round in 0..rounds {
+        before(round);
+        case.prepare(seed + round)?;
+        ffi(op, case.launch(comm, stream.0), comm)?;
+        timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{op} {}", case.label())))?;
+        let code = async_error(comm);
+        if code != mkResult_t::mkSuccess {
+            return Err(MkError::new(code, format!("{op} {}: asynchronous error {code:?}", case.label())));
+        }
+        let (ok, detail) = case.verify()?;
+        if !ok {
+            failures += 1;
+        }
+        if !ok || rank == 0 {
+            say(rank, format!("{op} {} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
+        }
+    }
+    Ok((rounds as usize, failures))
 }
 
 /// Captures one call of `op` in a CUDA graph, then three times replays it on fresh inputs

@@ -21,7 +21,7 @@
 //! |Δlse| ≤ 2.2·(δs + 2⁻²¹) + γ_S + blocks·2⁻²² + 2⁻²³·|lse|. Every rank's K and V
 //! shard is its own allocation; every buffer's guard bands are checked.
 
-use crate::collectives::{async_error, ffi, say, Stream};
+use crate::collectives::{say, Stream};
 use crate::fused_common::{self, FusedCase};
 use crate::outcome::{self, Outcome};
 use crate::ranks::RankEnv;
@@ -75,7 +75,9 @@ impl Case {
             lse: TestBuffer::new(batch * heads * seq_local, mkDataType_t::mkFloat32)?,
         })
     }
+}
 
+impl FusedCase for Case {
     fn label(&self) -> String {
         let s = &self.shape;
         format!(
@@ -89,9 +91,7 @@ impl Case {
             if s.causal { "causal" } else { "full" }
         )
     }
-}
 
-impl FusedCase for Case {
     /// Fresh inputs (shard s of K/V from seeds (seed, s) on every rank; Q per rank) and
     /// NaN-poisoned outputs.
     fn prepare(&self, seed: u64) -> Result<()> {
@@ -245,28 +245,13 @@ fn shapes() -> Vec<(usize, usize, usize, usize, usize, bool)> {
 }
 
 fn correctness(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
-    let stream = Stream::new()?;
-    let mut failures = 0;
-    let mut checks = 0;
+    let (mut checks, mut failures) = (0, 0);
     for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
         for (b, sl, h, hkv, d, causal) in shapes() {
             let case = Case::new(dtype, b, sl, h, hkv, d, causal, n, rank)?;
-            for round in 0..2u64 {
-                case.prepare(17 + round)?;
-                ffi("mkRingAttention", case.launch(comm, stream.0), comm)?;
-                stream.sync()?;
-                if async_error(comm) != mkResult_t::mkSuccess {
-                    return Err(MkError::new(async_error(comm), format!("{}: asynchronous error", case.label())));
-                }
-                let (ok, detail) = case.verify()?;
-                checks += 1;
-                if !ok {
-                    failures += 1;
-                }
-                if !ok || rank == 0 {
-                    say(rank, format!("{} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
-                }
-            }
+            let (c, f) = fused_common::check_rounds(comm, rank, "mkRingAttention", &case, 17, 2, &|_| {})?;
+            checks += c;
+            failures += f;
         }
     }
     outcome::count(checks);
