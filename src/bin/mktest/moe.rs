@@ -339,30 +339,18 @@ impl Case {
         let w2: Vec<Vec<f64>> = self.w2_shards.iter().map(|b| b.download_f64()).collect::<Result<_>>()?;
         let out_all = self.out.download_f64()?;
         let t = tokens_of(s, self.rank);
-        // out[t] = Σ_j w_j·Z_j: each Z_j a dot product of ffn terms rounded to the element
-        // type (its own bound, weighted by w_j), then the k weighted terms summed in fp32
-        // (k additions and one product each) and rounded once.
-        let (z_rule, sum_rule) = (Rule::reduction(s.dtype, f), Rule::reduction(s.dtype, k + 1));
-        let mut reference = vec![0f64; t * h];
-        let mut z_slack = vec![0f64; t * h];
-        let mut terms_abs = vec![0f64; t * h];
-        for tok in 0..t {
-            for j in 0..k {
-                let Some((d, row)) = inp.layout.slots[tok * k + j] else { continue };
-                let e = inp.ids[self.rank][tok * k + j] as usize;
-                let w = inp.weights[self.rank][tok * k + j] as f64;
-                let le = e - d * el;
-                let yr = &yact[d][row * f..][..f];
-                for c in 0..h {
-                    let wr = &w2[d][(le * h + c) * f..][..f];
-                    let (z, mag) = yr.iter().zip(wr).fold((0.0, 0.0), |(s, g), (a, b)| (s + a * b, g + (a * b).abs()));
-                    reference[tok * h + c] += w * z;
-                    z_slack[tok * h + c] += w * z_rule.bound(z, mag);
-                    terms_abs[tok * h + c] += (w * z).abs();
-                }
-            }
-        }
-        let bounds: Vec<f64> = (0..t * h).map(|i| z_slack[i] + sum_rule.bound(reference[i], terms_abs[i])).collect();
+        let choices: Vec<Vec<Choice>> = (0..t)
+            .map(|tok| {
+                (0..k)
+                    .filter_map(|j| {
+                        let (d, row) = inp.layout.slots[tok * k + j]?;
+                        let le = inp.ids[self.rank][tok * k + j] as usize - d * el;
+                        Some(Choice { weight: inp.weights[self.rank][tok * k + j] as f64, y_row: &yact[d][row * f..][..f], w2: &w2[d][le * h * f..][..h * f] })
+                    })
+                    .collect()
+            })
+            .collect();
+        let (reference, bounds) = combine_reference(&choices, h, f, k, s.dtype);
         let out = &out_all[..t * h];
         // Tokens with no expert are exactly 0 (a bound of 0 demands it too; this says which).
         let empty: Vec<usize> = (0..t).filter(|&tok| inp.layout.slots[tok * k..(tok + 1) * k].iter().all(Option::is_none)).collect();
@@ -389,6 +377,38 @@ impl Case {
         buffers.extend(self.yact_shards.iter().map(|b| ("yAct shard", b)));
         fused_common::guards_intact(&buffers)
     }
+}
+
+/// One routed choice of a token: its weight, the owner's row of Y' [ffn] and the expert's
+/// W2 [hidden, ffn].
+struct Choice<'a> {
+    weight: f64,
+    y_row: &'a [f64],
+    w2: &'a [f64],
+}
+
+/// out[t] = Σ_j w_j·Z_j in float64, Z_j = Y'_row·W2ᵀ, with each element's bound: each Z_j a
+/// dot product of `ffn` terms rounded to the element type (its own bound, weighted by w_j),
+/// then the weighted terms summed in fp32 (`top_k` additions and a product each) and
+/// rounded once. A token with no choice has the bound 0: exactly 0.
+fn combine_reference(tokens: &[Vec<Choice>], h: usize, f: usize, top_k: usize, dtype: mkDataType_t) -> (Vec<f64>, Vec<f64>) {
+    let (z_rule, sum_rule) = (Rule::reduction(dtype, f), Rule::reduction(dtype, top_k + 1));
+    let mut reference = vec![0f64; tokens.len() * h];
+    let mut bounds = vec![0f64; tokens.len() * h];
+    for (tok, choices) in tokens.iter().enumerate() {
+        for c in 0..h {
+            let (mut total, mut slack, mut terms_abs) = (0.0, 0.0, 0.0);
+            for ch in choices {
+                let (z, mag) = ch.y_row.iter().zip(&ch.w2[c * f..(c + 1) * f]).fold((0.0, 0.0), |(s, g), (a, b)| (s + a * b, g + (a * b).abs()));
+                total += ch.weight * z;
+                slack += ch.weight * z_rule.bound(z, mag);
+                terms_abs += (ch.weight * z).abs();
+            }
+            reference[tok * h + c] = total;
+            bounds[tok * h + c] = if choices.is_empty() { 0.0 } else { slack + sum_rule.bound(total, terms_abs) };
+        }
+    }
+    (reference, bounds)
 }
 
 fn sizes_list() -> Vec<Sizes> {
@@ -560,4 +580,68 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
         case.prepare(5)?;
         Ok(case.dispatch(comm, stream))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    //! The combine's bound against its documented rounding simulated on the CPU: each Z
+    //! accumulated in f32 and rounded to the element type, the weighted terms summed in f32
+    //! in choice order, rounded once.
+    use super::*;
+    use mkernel::testing::round_to;
+
+    fn values(seed: u64, n: usize, dtype: mkDataType_t, scale: f64) -> Vec<f64> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                round_to(dtype, scale * ((x >> 11) as f64 / (1u64 << 52) as f64 * 2.0 - 1.0))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn combined_tokens_pass_and_a_dropped_choice_fails() {
+        let (h, f, top_k, tokens, experts) = (128, 256, 4, 12, 3);
+        for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
+            let y = values(1, tokens * top_k * f, dtype, 1.0);
+            let w2 = values(2, experts * h * f, dtype, 0.5);
+            let weights = values(3, tokens * top_k, mkDataType_t::mkFloat32, 0.5);
+            // Token 5 has no expert; the others top_k choices of experts (i + j) mod E.
+            let choices: Vec<Vec<Choice>> = (0..tokens)
+                .map(|t| {
+                    if t == 5 {
+                        return Vec::new();
+                    }
+                    (0..top_k)
+                        .map(|j| Choice { weight: weights[t * top_k + j].abs() + 0.05, y_row: &y[(t * top_k + j) * f..][..f], w2: &w2[((t + j) % experts) * h * f..][..h * f] })
+                        .collect()
+                })
+                .collect();
+            let (reference, bounds) = combine_reference(&choices, h, f, top_k, dtype);
+            let simulate = |drop: Option<(usize, usize)>| -> Vec<f64> {
+                let mut out = vec![0f64; tokens * h];
+                for (t, ch) in choices.iter().enumerate() {
+                    for c in 0..h {
+                        let mut acc = 0f32;
+                        for (j, x) in ch.iter().enumerate() {
+                            if drop == Some((t, j)) {
+                                continue;
+                            }
+                            let z = x.y_row.iter().zip(&x.w2[c * f..(c + 1) * f]).fold(0f32, |s, (a, b)| s + (a * b) as f32);
+                            acc += x.weight as f32 * round_to(dtype, z as f64) as f32;
+                        }
+                        out[t * h + c] = round_to(dtype, acc as f64);
+                    }
+                }
+                out
+            };
+            let v = check_close(&simulate(None), &reference, &bounds, tolerance(dtype));
+            assert!(v.passed(), "{}: {v}", dtype.name());
+            let v = check_close(&simulate(Some((7, 2))), &reference, &bounds, tolerance(dtype));
+            assert!(!v.passed() && v.wrong > h / 2 && v.worst.unwrap().index / h == 7, "{}: {v}", dtype.name());
+        }
+    }
 }
