@@ -34,7 +34,7 @@ const SUITES: &[(&str, Suite, usize)] = &[
     // planned for the fixed shapes.
     ("gemm", gemm::run, 230),
     ("collectives", collectives::run, 900),
-    ("api", api::run, 55),
+    ("api", api::run, 50),
     ("ag_gemm", ag_gemm::run, 38),
     ("gemm_reduce", gemm_reduce::run, 80),
     ("moe", moe::run, 36),
