@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # THE GPU cycle, on the GPU machine, from binaries built elsewhere (it has no Rust):
 #   cargo build --release     # here
-#   device run: command "scripts/gpu-run.sh", carry ["target/release/mktest", "target/release/mkbench"]
+#   scripts/pack-bins.sh      # here: mktest, mkbench and the `make ctest` C tests in one file
+#   device run: command "BIN_TAR=.carry/bins.tar.xz scripts/gpu-run.sh", carry [".carry/bins.tar.xz"]
 # Starts MPS, runs the mktest suites with 1, 2, 4 and 8 rank processes sharing the GPU
 # (each MPS client gets 100/N % of the SMs and an MK_MAX_CTAS that fits in it, so every
-# persistent grid is co-resident) — smoke, collectives, the fused ops (ag_gemm, gemm_reduce,
-# moe, ring_attn)
+# persistent grid is co-resident) — smoke, collectives, api (the C ABI on a live
+# communicator), the fused ops (ag_gemm, gemm_reduce, moe, ring_attn)
 # and, with one rank, the GEMM engine — then the benches: collectives, `mkbench gemm`, and
 # the fused ops beside their unfused sequences; writes logs under $OUT (at most 8 files),
 # and stops MPS.
@@ -21,8 +22,14 @@
 #          scripts/pack-bins.sh packs them, for a size-limited copy to the GPU machine)
 #          --deadline SECONDS (stop starting steps when fewer than ~30 s of this budget are left,
 #          and cut each step's timeout to what is left: for a device call with a time limit;
-#          skipped steps are listed as SKIPPED (deadline) and make the exit status 3)
-# Every step has a timeout, so nothing here can hang the call.
+#          skipped steps are listed as SKIPPED (deadline) and make the exit status 3 when
+#          nothing failed)
+# Then the C tests that `make ctest` built (test_abi, test_abi_san, test_cxx) against the
+# carried libmkernel, on the GPU (their GPU branches run only here), and the cargo tests
+# that need a GPU (transport_gpu --ignored), logged to $OUT/ctest.log.
+# Every step has a timeout, so nothing here can hang the call. Only exit status 0 is a pass:
+# a step that fails, times out (TIMEOUT) or reports SKIPPED (mktest's exit 77: something
+# did not run) makes the script exit 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu-bins.sh  # $OUT, and $BIN from BIN or BIN_TAR
@@ -86,7 +93,7 @@ with_ranks() {  # N command...: runs the command as an MPS client sized for N ra
 
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for n in $RANKS; do
-    suites="smoke collectives ag_gemm gemm_reduce moe ring_attn"
+    suites="smoke collectives api ag_gemm gemm_reduce moe ring_attn"
     [ "$n" = 1 ] && suites="$suites gemm"  # the engine alone is a one-rank suite
     [ -n "$SUITES" ] && suites="$SUITES"
     late "mktest $suites N=$n" && continue
@@ -95,9 +102,9 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     # The killed-rank test runs after MPS stops (see below).
     with_ranks "$n" env MK_TEST_KILL=skip timeout "$(limit 480)" "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
     rc=$?
-    note "mktest $suites N=$n: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
+    note "mktest $suites N=$n: $(outcome $rc) in $(( $(date +%s) - t0 )) s"
     [ $rc = 0 ] || status=1
-    grep -E "WRONG|FAILED|error|stopped after|init/destroy|graph capture|correctness:|in-process" "$OUT/mktest.log" | tail -n 40 | sed "s/^/    /" | tail -n 12
+    grep -E "WRONG|FAILED|SKIPPED|error|stopped after|init/destroy|graph capture|correctness:|in-process|^\[suite" "$OUT/mktest.log" | tail -n 40 | sed "s/^/    /" | tail -n 12
     # A hung or crashed client can leave the MPS server unusable for the next N: restart it.
     if [ "$rc" != 0 ] && [ "$MPS" = 1 ]; then stop_mps; nvidia-cuda-mps-control -d && MPS=1; fi
   done
@@ -107,7 +114,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     echo "===== mktest moe with MK_COMM_SMS=4, 2 ranks" | tee -a "$OUT/mktest.log"
     with_ranks 2 env MK_COMM_SMS=4 MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" moe >> "$OUT/mktest.log" 2>&1
     rc=$?
-    note "mktest moe MK_COMM_SMS=4 N=2: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
+    note "mktest moe MK_COMM_SMS=4 N=2: $(outcome $rc)"
     [ $rc = 0 ] || status=1
   fi
   # GEMM+RS/AR's non-default reducers, when the suite runs: side (the producer warpgroup's
@@ -120,9 +127,38 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     echo "===== mktest gemm_reduce with MK_GEMM_REDUCERS=$mode, $ranks ranks" | tee -a "$OUT/mktest.log"
     with_ranks "$ranks" env MK_GEMM_REDUCERS="$mode" MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" gemm_reduce >> "$OUT/mktest.log" 2>&1
     rc=$?
-    note "mktest gemm_reduce MK_GEMM_REDUCERS=$mode N=$ranks: $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
+    note "mktest gemm_reduce MK_GEMM_REDUCERS=$mode N=$ranks: $(outcome $rc)"
     [ $rc = 0 ] || status=1
   done
+fi
+
+if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
+  # The C tests through the installed header and library, on a machine with a GPU. Under
+  # ASan the driver's allocations that live until exit read as leaks, so leak detection
+  # stays with the CPU run (make ctest); CUDA needs the shadow gap unprotected.
+  for t in test_abi test_abi_san test_cxx; do
+    late "ctest $t" && continue
+    if [ ! -x "$CTEST_BIN/$t" ]; then
+      note "ctest $t: MISSING from $CTEST_BIN (pack with scripts/pack-bins.sh, which runs make ctest)"; status=1; continue
+    fi
+    echo "===== ctest $t" >> "$OUT/ctest.log"
+    env LD_LIBRARY_PATH="$CTEST_LIB:$LD_LIBRARY_PATH" ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+      timeout "$(limit 120)" "$CTEST_BIN/$t" >> "$OUT/ctest.log" 2>&1
+    rc=$?
+    note "ctest $t: $(outcome $rc)"
+    [ $rc = 0 ] || status=1
+  done
+  # The cargo tests that need a GPU (ignored in CI), from the carried test binary.
+  if ! late "transport_gpu --ignored"; then
+    if [ -x "$BIN/transport_gpu" ]; then
+      echo "===== transport_gpu --ignored" >> "$OUT/ctest.log"
+      timeout "$(limit 60)" "$BIN/transport_gpu" --ignored >> "$OUT/ctest.log" 2>&1; rc=$?
+      note "cargo test transport_gpu --ignored: $(outcome $rc)"
+    else
+      note "cargo test transport_gpu --ignored: MISSING from $BIN (pack with scripts/pack-bins.sh)"; rc=1
+    fi
+    [ $rc = 0 ] || status=1
+  fi
 fi
 
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
@@ -135,7 +171,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     echo "===== mktest collectives, killed rank only, $n rank(s), no MPS" | tee -a "$OUT/mktest.log"
     env MK_TEST_KILL=only MK_TEST_NRANKS="$n" timeout "$(limit 90)" "$BIN/mktest" collectives >> "$OUT/mktest.log" 2>&1
     rc=$?
-    note "mktest killed rank N=$n (no MPS): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
+    note "mktest killed rank N=$n (no MPS): $(outcome $rc)"
     [ $rc = 0 ] || status=1
     grep -E "killed rank|FAILED" "$OUT/mktest.log" | tail -n 6 | sed "s/^/    /"
   done
@@ -152,7 +188,7 @@ if [ "$TESTS" = 1 ] && [ "$NODES" = 1 ]; then
     t0=$(date +%s)
     with_ranks 4 env $NODE_ENV MK_TEST_KILL=skip timeout "$(limit 280)" "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
     rc=$?
-    note "mktest nodes N=4 (2 per node, sockets): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") in $(( $(date +%s) - t0 )) s"
+    note "mktest nodes N=4 (2 per node, sockets): $(outcome $rc) in $(( $(date +%s) - t0 )) s"
     [ $rc = 0 ] || status=1
     grep -E "WRONG|FAILED|error|across nodes|graph capture|inter-node|SKIPPED" "$OUT/nodes.log" | tail -n 12 | sed "s/^/    /"
   fi
@@ -162,7 +198,7 @@ if [ "$TESTS" = 1 ] && [ "$NODES" = 1 ]; then
     echo "===== mktest nodes, killed node only, 4 ranks, $NODE_ENV, no MPS" | tee -a "$OUT/nodes.log"
     env $NODE_ENV MK_TEST_KILL=only MK_TEST_NRANKS=4 timeout "$(limit 90)" "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
     rc=$?
-    note "mktest nodes killed node N=4 (no MPS): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)")"
+    note "mktest nodes killed node N=4 (no MPS): $(outcome $rc)"
     [ $rc = 0 ] || status=1
     grep -E "killed node|FAILED" "$OUT/nodes.log" | tail -n 6 | sed "s/^/    /"
   fi
@@ -179,7 +215,7 @@ if [ "$BENCH" = 1 ]; then
       with_ranks "$n" timeout "$(limit 100)" "$BIN/mkbench" $op -b $lo -e $hi -f 2 -n 20 -w 5 -g "$n" --json "$OUT/tmp.json" 2>&1 | tee -a "$OUT/bench.log"
       rc=${PIPESTATUS[0]}
       [ -f "$OUT/tmp.json" ] && { echo "// $op -g $n"; cat "$OUT/tmp.json"; } >> "$OUT/bench-json.txt" && rm -f "$OUT/tmp.json"
-      note "mkbench $op -g $n: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
+      note "mkbench $op -g $n: $(outcome $rc)"
       [ $rc = 0 ] || status=1
     done
   done
@@ -187,7 +223,8 @@ if [ "$BENCH" = 1 ]; then
     echo "===== mkbench gemm" | tee -a "$OUT/gemm.log"
     timeout "$(limit 200)" "$BIN/mkbench" gemm >> "$OUT/gemm.log" 2>&1; rc=$?
     tail -n 15 "$OUT/gemm.log"
-    note "mkbench gemm: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
+    note "mkbench gemm: $(outcome $rc)"
+    [ $rc = 0 ] || status=1
   fi
   # The fused ops beside their unfused sequences (issue shapes; fewer at several ranks,
   # where every rank's GEMM shares the one GPU).
@@ -210,12 +247,12 @@ if [ "$BENCH" = 1 ]; then
       late "mkbench $op -g $n" && continue
       echo "===== mkbench $op $args" | tee -a "$OUT/fused.log"
       with_ranks "$n" timeout "$(limit 200)" "$BIN/mkbench" $op $args >> "$OUT/fused.log" 2>&1; rc=$?
-      note "mkbench $op -g $n: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
+      note "mkbench $op -g $n: $(outcome $rc)"
       [ $rc = 0 ] || status=1
       if [ "$op" = ring_attn ] && [ "$n" = 1 ] && python3 -c "import torch" 2>/dev/null; then
         echo "===== sdpa_baseline.py (cuDNN, same protocol)" | tee -a "$OUT/fused.log"
         timeout "$(limit 120)" python3 benches/sdpa_baseline.py 8192 16384 32768 --causal 1,0 --backends cudnn \
-          --rest-ms 1000 -w 3 -n 10 >> "$OUT/fused.log" 2>&1 || note "sdpa_baseline.py: FAILED"
+          --rest-ms 1000 -w 3 -n 10 >> "$OUT/fused.log" 2>&1 || { note "sdpa_baseline.py: FAILED"; status=1; }
       fi
     done
   done
@@ -237,7 +274,7 @@ if [ "$NODES" = 1 ] && [ "$NODE_BENCH" = 1 ]; then
     echo "===== mkbench $spec -g 4, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
     with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout "$(limit 120)" "$BIN/mkbench" $spec -g 4 2>&1 | tee -a "$OUT/bench.log"
     rc=${PIPESTATUS[0]}
-    note "mkbench $op -g 4 across 2 emulated nodes: $([ $rc = 0 ] && echo OK || echo "FAILED (exit $rc)")"
+    note "mkbench $op -g 4 across 2 emulated nodes: $(outcome $rc)"
     [ $rc = 0 ] || status=1
   done
 fi

@@ -4,16 +4,18 @@
 # process cannot be an MPS client here, and several ranks without MPS time-slice): every
 # `mktest` suite under memcheck (out-of-bounds and misaligned accesses, leaks of device
 # memory), then racecheck and synccheck (shared-memory hazards, barriers reached by part of a
-# warp or block) on the fused-op suites. Each step has a timeout; a step that runs out is
-# reported as TIMEOUT, not as a pass. Writes $OUT/sanitize.log and $OUT/sanitize-summary.txt;
-# exits 1 when a tool reported an error.
+# warp or block) on the fused-op suites. Each step has a timeout. Only a clean run is a
+# pass: a step that runs out (TIMEOUT), that mktest reports SKIPPED (exit 77) or that fails
+# makes the script exit 1; steps left out for the deadline are listed as SKIPPED (deadline)
+# and make it exit 3 when nothing failed. Writes $OUT/sanitize.log and
+# $OUT/sanitize-summary.txt.
 #   scripts/gpu-sanitize.sh [--tools "memcheck racecheck synccheck"] [--suites "..."]
 #                           [--step-timeout 90] [--deadline SECONDS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu-bins.sh  # $OUT, and $BIN from BIN or BIN_TAR
-TOOLS="memcheck racecheck synccheck"; SUITES="smoke collectives gemm ag_gemm gemm_reduce moe ring_attn"
-STEP=90; DEADLINE=0; T0=$(date +%s)
+TOOLS="memcheck racecheck synccheck"; SUITES="smoke collectives api gemm ag_gemm gemm_reduce moe ring_attn"
+STEP=90; DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --tools) TOOLS="$2"; shift ;;
@@ -35,12 +37,12 @@ for tool in $TOOLS; do
   suites=$SUITES
   # racecheck and synccheck look at shared memory and barriers: the fused kernels' own
   # protocols; the collectives and the plain engine are covered by memcheck.
-  [ "$tool" != memcheck ] && suites=$(echo " $SUITES " | sed 's/ smoke / /; s/ collectives / /; s/ gemm / /')
+  [ "$tool" != memcheck ] && suites=$(echo " $SUITES " | sed 's/ smoke / /; s/ collectives / /; s/ api / /; s/ gemm / /')
   for suite in $suites; do
     t=$STEP
     if [ "$DEADLINE" != 0 ]; then
       left=$(( DEADLINE - ($(date +%s) - T0) - 15 ))
-      [ "$left" -lt 20 ] && { note "$tool $suite: SKIPPED (deadline)"; continue; }
+      [ "$left" -lt 20 ] && { note "$tool $suite: SKIPPED (deadline)"; SKIPPED_STEPS=$((SKIPPED_STEPS + 1)); continue; }
       [ "$left" -lt "$t" ] && t=$left
     fi
     echo "===== $tool: mktest $suite" >> "$LOG"
@@ -55,10 +57,15 @@ for tool in $TOOLS; do
     case $rc in
       0) note "$tool $suite: CLEAN (${took} s)" ;;
       86) note "$tool $suite: ERRORS REPORTED (${took} s, see sanitize.log)"; status=1 ;;
-      124|137) note "$tool $suite: TIMEOUT after ${t} s (not a pass)" ;;
+      124|137) note "$tool $suite: TIMEOUT after ${t} s (not a pass)"; status=1 ;;
+      77) note "$tool $suite: SKIPPED by mktest (exit 77: did not run; not a pass)"; status=1 ;;
       *) note "$tool $suite: mktest FAILED under the tool (exit $rc, ${took} s)"; status=1 ;;
     esac
   done
 done
 grep -E "ERROR SUMMARY|Invalid|Race|Barrier|Leaked" "$LOG" | sort | uniq -c | sort -rn | head -40 >> "$SUMMARY"
+if [ "$SKIPPED_STEPS" -gt 0 ]; then
+  note "$SKIPPED_STEPS step(s) SKIPPED (deadline): not run, not passed"
+  [ $status = 0 ] && status=3
+fi
 exit $status

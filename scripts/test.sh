@@ -21,6 +21,6 @@ echo "== C tests against the installed header and library (plain, ASan/UBSan, C+
 make ctest
 
 echo "== GPU suites (SKIPPED without a GPU)"
-./target/release/mktest
+./target/release/mktest || [ $? = 77 ]  # 77: every suite SKIPPED (no GPU), never counted as passed
 
 echo "== all tests passed"

@@ -2,6 +2,11 @@
 //! conversions, float64 error measures, device buffers with random contents. Not part of
 //! the C ABI.
 
+mod acceptance;
+pub use acceptance::{
+    accumulation_unit, check_close, check_exact, check_exact_bytes, gamma, gemm_reference, underflow_floor, unit_roundoff, Rule, Verdict, Worst,
+};
+
 use crate::cuda::{self, memory::DeviceBuffer, sys};
 use crate::error::Result;
 use crate::types::mkDataType_t;
@@ -76,6 +81,16 @@ pub fn f32_to_f16(f: f32) -> u16 {
     sign | h as u16
 }
 
+/// `v` rounded to the nearest value of the float type `dtype` (other types unchanged).
+pub fn round_to(dtype: mkDataType_t, v: f64) -> f64 {
+    match dtype {
+        mkDataType_t::mkBfloat16 => bf16_to_f32(f32_to_bf16(v as f32)) as f64,
+        mkDataType_t::mkFloat16 => f16_to_f32(f32_to_f16(v as f32)) as f64,
+        mkDataType_t::mkFloat32 => v as f32 as f64,
+        _ => v,
+    }
+}
+
 /// Decodes raw device bytes of `dtype` into f64 values.
 pub fn to_f64(bytes: &[u8], dtype: mkDataType_t) -> Vec<f64> {
     use mkDataType_t::*;
@@ -116,7 +131,8 @@ pub fn relative_error(out: &[f64], reference: &[f64]) -> f64 {
     }
 }
 
-/// The relative-error band a result in `dtype` must fall within.
+/// The limit on ‖out − ref‖₂ / ‖ref‖₂ for a result in `dtype`: the second check after the
+/// element-wise rule (see `Rule`), a backstop against errors spread thinly over every element.
 pub fn tolerance(dtype: mkDataType_t) -> f64 {
     match dtype {
         mkDataType_t::mkBfloat16 => 1e-2,
@@ -126,7 +142,18 @@ pub fn tolerance(dtype: mkDataType_t) -> f64 {
     }
 }
 
-/// A device buffer of `count` elements of `dtype`.
+/// Bytes of the guard band before and after every `TestBuffer` (a multiple of 128, so
+/// the payload keeps the alignment TMA and vector accesses need).
+pub const GUARD_BYTES: usize = 512;
+
+/// The byte every guard band holds: neither the poison (0xFF) nor a zero, so a stray write
+/// of either, or of data, changes it.
+pub const GUARD_BYTE: u8 = 0x5A;
+
+/// A device buffer of `count` elements of `dtype` between two guard bands of
+/// `GUARD_BYTES`, filled with `GUARD_BYTE` at allocation: a kernel that writes past either
+/// end of its output is caught by `guards_intact`, one that reads past an input reads the
+/// guard pattern instead of a neighbour's data.
 pub struct TestBuffer {
     pub buf: DeviceBuffer,
     pub count: usize,
@@ -135,10 +162,14 @@ pub struct TestBuffer {
 
 impl TestBuffer {
     pub fn new(count: usize, dtype: mkDataType_t) -> Result<Self> {
-        Ok(TestBuffer { buf: DeviceBuffer::alloc(count * dtype.size())?, count, dtype })
+        let buf = DeviceBuffer::alloc(count * dtype.size() + 2 * GUARD_BYTES)?;
+        // SAFETY: the range is this allocation.
+        unsafe { cu::memset_d8_sync(buf.ptr, GUARD_BYTE, count * dtype.size() + 2 * GUARD_BYTES) }.map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
+        Ok(TestBuffer { buf, count, dtype })
     }
+    /// The first element (past the leading guard band).
     pub fn ptr(&self) -> u64 {
-        self.buf.ptr
+        self.buf.ptr + GUARD_BYTES as u64
     }
     pub fn bytes(&self) -> usize {
         self.count * self.dtype.size()
@@ -149,12 +180,12 @@ impl TestBuffer {
     }
     /// Fills every byte with 0xFF: NaN for the floating types, so unwritten outputs fail.
     pub fn poison(&self, stream: sys::CUstream) -> Result<()> {
-        // SAFETY: the range is this allocation.
+        // SAFETY: the range is this allocation's payload.
         unsafe { cu::memset_d8_async(self.ptr(), 0xff, self.bytes(), stream) }.map_err(|e| cuda::cuda_err("cuMemsetD8Async", e))
     }
     pub fn download(&self) -> Result<Vec<u8>> {
         let mut host = vec![0u8; self.bytes()];
-        // SAFETY: host has room for the whole allocation.
+        // SAFETY: host has room for the whole payload.
         unsafe { cu::memcpy_dtoh_sync(&mut host, self.ptr()) }.map_err(|e| cuda::cuda_err("cuMemcpyDtoH", e))?;
         Ok(host)
     }
@@ -163,8 +194,23 @@ impl TestBuffer {
     }
     pub fn upload(&self, bytes: &[u8]) -> Result<()> {
         assert_eq!(bytes.len(), self.bytes());
-        // SAFETY: the allocation holds bytes.len() bytes.
+        // SAFETY: the payload holds bytes.len() bytes.
         unsafe { cu::memcpy_htod_sync(self.ptr(), bytes) }.map_err(|e| cuda::cuda_err("cuMemcpyHtoD", e))
+    }
+    /// None when both guard bands still hold `GUARD_BYTE` everywhere, else which band was
+    /// written and where (the byte offset from the payload's edge).
+    pub fn guards_intact(&self) -> Result<Option<String>> {
+        let mut band = vec![0u8; GUARD_BYTES];
+        for (name, at) in [("before", self.buf.ptr), ("after", self.ptr() + self.bytes() as u64)] {
+            // SAFETY: each band lies inside this allocation.
+            unsafe { cu::memcpy_dtoh_sync(&mut band, at) }.map_err(|e| cuda::cuda_err("cuMemcpyDtoH", e))?;
+            if let Some(i) = band.iter().position(|&b| b != GUARD_BYTE) {
+                let offset = if name == "before" { GUARD_BYTES - i } else { i + 1 };
+                let written = band.iter().filter(|&&b| b != GUARD_BYTE).count();
+                return Ok(Some(format!("{written} byte(s) of the guard band {name} the buffer written ({offset} bytes from its edge)")));
+            }
+        }
+        Ok(None)
     }
 }
 

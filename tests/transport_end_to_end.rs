@@ -123,6 +123,7 @@ fn four_ranks_two_emulated_nodes_through_proxies() {
 
 /// Child process: rank 1, which sets up and then waits to be killed.
 #[test]
+#[ignore = "child-process entry point: its parent test runs it with --ignored --exact"]
 fn child_rank_entry() {
     let Ok(spec) = std::env::var(ROLE) else { return };
     let id_bytes: Vec<u8> = (0..spec.len()).step_by(2).map(|i| u8::from_str_radix(&spec[i..i + 2], 16).unwrap()).collect();
@@ -137,7 +138,7 @@ fn killed_peer_fails_the_proxy_and_the_producer_sees_it() {
     let id = start_root().unwrap();
     let hex: String = id.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_rank_entry", "--nocapture", "--test-threads=1"])
+        .args(["--ignored", "--exact", "child_rank_entry", "--nocapture", "--test-threads=1"])
         .env(ROLE, hex)
         .env("MK_SOCKET_IFNAME", "=lo")
         .stdout(Stdio::null())

@@ -774,13 +774,17 @@ mod tests {
     }
 
     /// Without a GPU (no libcuda) a device ring is a clear error, never a panic (cudarc
-    /// panics when libcuda is missing and it is called).
+    /// panics when libcuda is missing and it is called); with one, it is made.
     #[test]
     fn device_ring_without_a_gpu_is_an_error() {
         if crate::testing::gpu_unavailable_reason().is_some() {
             let e = ProxyRing::on_device(8, Duration::from_secs(1)).err().expect("no GPU, no device ring");
             assert!(matches!(e.code, mkResult_t::mkSystemError | mkResult_t::mkUnhandledCudaError), "{e}");
             assert!(PinnedRingMemory::new(4096).is_err());
+        } else {
+            let ctx = crate::cuda::PrimaryContext::retain(0).unwrap();
+            let _current = ctx.enter().unwrap();
+            ProxyRing::on_device(8, Duration::from_secs(1)).unwrap_or_else(|e| panic!("a GPU is present but no device ring: {e}"));
         }
     }
 

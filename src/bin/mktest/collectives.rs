@@ -15,6 +15,7 @@
 //! CUDA_ERROR_ILLEGAL_ADDRESS although they were idle), which is MPS's behaviour, not ours;
 //! scripts/gpu-run.sh runs it after stopping MPS.
 
+use crate::outcome::{self, Outcome};
 use crate::ranks::{self, RankEnv, VICTIM_EXIT};
 use cudarc::driver::result as cu;
 use mkernel::bootstrap::{root::start_root, UniqueId, UNIQUE_ID_BYTES};
@@ -28,7 +29,7 @@ use mkernel::ffi::config::{mkConfig_t, MK_CONFIG_MAGIC, MK_CONFIG_UNDEF_INT};
 use mkernel::ffi::mkComm_t;
 use mkernel::ffi::query::mkGetLastError;
 use mkernel::ops::collectives::CollectiveKind;
-use mkernel::testing::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, relative_error, to_f64, tolerance, TestBuffer};
+use mkernel::testing::{check_close, check_exact, f32_to_bf16, f32_to_f16, gamma, accumulation_unit, to_f64, tolerance, underflow_floor, unit_roundoff, Rule, TestBuffer, Verdict};
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -37,19 +38,22 @@ const IDS: usize = 5; // control, main, graph, absent-rank test, killed-rank tes
 pub(crate) const FAULT_TIMEOUT_MS: i32 = 2000;
 pub(crate) const FAULT_SLACK: Duration = Duration::from_secs(3);
 
-pub fn run() -> Result<()> {
+pub fn run() -> Result<Outcome> {
     if let Some(env) = ranks::child_env(IDS)? {
-        return rank_main(&env);
+        rank_main(&env)?;
+        return Ok(Outcome::Ran);
     }
     let n = ranks::nranks_requested();
     if n == 1 {
         let ids: Vec<UniqueId> = (0..IDS).map(|_| start_root()).collect::<Result<_>>()?;
         rank_main(&RankEnv { rank: 0, nranks: 1, ids, device: 0 })?;
-        return in_process_ranks();
+        in_process_ranks()?;
+        return Ok(Outcome::Ran);
     }
     println!("  starting {n} rank processes");
     let victim = kill_mode() != KillMode::Skip;
-    ranks::spawn(&["collectives".to_string()], n, IDS, Duration::from_secs(180), |r| if victim && r == n - 1 { VICTIM_EXIT } else { 0 })
+    ranks::spawn(&["collectives".to_string()], n, IDS, Duration::from_secs(180), |r| if victim && r == n - 1 { VICTIM_EXIT } else { 0 })?;
+    Ok(Outcome::Spawned { nranks: n })
 }
 
 // ---------------------------------------------------------------- helpers
@@ -201,17 +205,8 @@ fn wrap_int(v: i128, dtype: mkDataType_t) -> i128 {
     }
 }
 
-/// The reference reduction of one element over the ranks' values.
-/// `v` rounded to the nearest value of the float type `dtype` (other types unchanged).
-fn round_to(dtype: mkDataType_t, v: f64) -> f64 {
-    match dtype {
-        mkDataType_t::mkBfloat16 => bf16_to_f32(f32_to_bf16(v as f32)) as f64,
-        mkDataType_t::mkFloat16 => f16_to_f32(f32_to_f16(v as f32)) as f64,
-        mkDataType_t::mkFloat32 => v as f32 as f64,
-        _ => v,
-    }
-}
-
+/// The exact reduction of one element over the ranks' values (integers wrap as the
+/// kernel's integer arithmetic does).
 fn reduce_ref(vals: &[f64], op: mkRedOp_t, dtype: mkDataType_t) -> f64 {
     let n = vals.len();
     if is_float(dtype) {
@@ -261,6 +256,8 @@ pub(crate) struct Case {
     send: u64,
     recv: u64,
     expected: Vec<f64>,
+    /// Per element, the largest |out − expected| accepted (None: exact comparison).
+    bounds: Option<Vec<f64>>,
     /// Ranks per node whose partial the library rounds to the element type before the
     /// nodes' partials are combined (the hierarchical path, see mkReduceScatter in the
     /// header); `nranks` (one node) means a single rounding at the end.
@@ -286,26 +283,41 @@ impl Case {
             let (sp, rp) = (s.ptr(), r.ptr());
             (vec![s, r], sp, rp)
         };
-        Ok(Case { kind, dtype, op, count, in_place, rank, nranks, _bufs: bufs, send, recv, expected: Vec::new(), node_size: nranks })
+        Ok(Case { kind, dtype, op, count, in_place, rank, nranks, _bufs: bufs, send, recv, expected: Vec::new(), bounds: None, node_size: nranks })
     }
 
-    /// The reference models the hierarchical path's rounding: each node's partial (ranks
-    /// `[k·ranks_per_node, (k+1)·ranks_per_node)`) is rounded to the element type once.
+    /// The communicator spans nodes of `ranks_per_node` ranks: each node's partial (ranks
+    /// `[k·ranks_per_node, (k+1)·ranks_per_node)`) is rounded to the element type once more.
     pub(crate) fn across_nodes(mut self, ranks_per_node: usize) -> Case {
         self.node_size = ranks_per_node.clamp(1, self.nranks);
         self
     }
 
-    /// The float64 reference of one element from every rank's value, rounded as the
-    /// library states it rounds (once, or once more per node partial across nodes).
-    fn reference(&self, vals: &[f64]) -> f64 {
-        if !is_float(self.dtype) || self.node_size >= vals.len() {
-            return reduce_ref(vals, self.op, self.dtype);
+    /// The exact float64 result of one element from every rank's value and, for an op that
+    /// rounds (Sum, Avg, Prod of floats), the largest error the library's stated rounding
+    /// allows: an fp32 reduction over the ranks rounded once (testing::Rule), plus one
+    /// rounding per node partial across nodes. Max, Min and integers are exact (None).
+    fn reference(&self, vals: &[f64]) -> (f64, Option<f64>) {
+        let exact = reduce_ref(vals, self.op, self.dtype);
+        if !is_float(self.dtype) || matches!(self.op, mkRedOp_t::mkMax | mkRedOp_t::mkMin) {
+            return (exact, None);
         }
-        let partial_op = if self.op == mkRedOp_t::mkAvg { mkRedOp_t::mkSum } else { self.op };
-        let partials: Vec<f64> = vals.chunks(self.node_size).map(|node| round_to(self.dtype, reduce_ref(node, partial_op, self.dtype))).collect();
-        let total = reduce_ref(&partials, partial_op, self.dtype);
-        if self.op == mkRedOp_t::mkAvg { total / vals.len() as f64 } else { total }
+        let n = vals.len();
+        let u = unit_roundoff(self.dtype);
+        let node_roundings = if self.node_size < n { 1.0 } else { 0.0 };
+        let abs_sum: f64 = vals.iter().map(|v| v.abs()).sum();
+        let bound = match self.op {
+            mkRedOp_t::mkSum => Rule::reduction(self.dtype, n).bound(exact, abs_sum) + node_roundings * u * abs_sum,
+            // The sum's bound, divided by n (the division's own rounding is the extra term).
+            mkRedOp_t::mkAvg => (Rule::reduction(self.dtype, n + 1).bound(exact * n as f64, abs_sum) + node_roundings * u * abs_sum) / n as f64,
+            // n − 1 multiplications in the accumulator, one rounding at the end (and one per
+            // node partial): relative bounds.
+            _ => {
+                let rel = u * (1.0 + node_roundings * (n / self.node_size) as f64) + gamma(n, accumulation_unit(self.dtype));
+                1.01 * (underflow_floor(self.dtype) + rel * exact.abs())
+            }
+        };
+        (exact, Some(bound))
     }
 
     pub(crate) fn label(&self) -> String {
@@ -334,8 +346,8 @@ impl Case {
         // SAFETY: synchronises the current context.
         cuda::check("cuCtxSynchronize (after uploading inputs)", unsafe { sys::cuCtxSynchronize() })?;
         let c = self.count;
-        self.expected = match self.kind {
-            CollectiveKind::AllGather => inputs.concat(),
+        let elements: Vec<(f64, Option<f64>)> = match self.kind {
+            CollectiveKind::AllGather => inputs.concat().into_iter().map(|v| (v, None)).collect(),
             CollectiveKind::ReduceScatter => (0..c)
                 .map(|i| self.reference(&inputs.iter().map(|v| v[self.rank * c + i]).collect::<Vec<_>>()))
                 .collect(),
@@ -343,6 +355,8 @@ impl Case {
                 (0..c).map(|i| self.reference(&inputs.iter().map(|v| v[i]).collect::<Vec<_>>())).collect()
             }
         };
+        self.expected = elements.iter().map(|e| e.0).collect();
+        self.bounds = if elements.iter().any(|e| e.1.is_some()) { Some(elements.iter().map(|e| e.1.unwrap_or(0.0)).collect()) } else { None };
         Ok(())
     }
 
@@ -360,17 +374,22 @@ impl Case {
         ffi(self.kind.name(), rc, comm)
     }
 
-    /// Relative error (floats) or number of wrong elements (integers) and whether it passes.
+    /// Element by element: within each element's bound where the op rounds, exactly
+    /// otherwise (AllGather, Max, Min, integers); the output buffer's guard bands intact.
     pub(crate) fn verify(&self) -> Result<(bool, String)> {
         let got = to_f64(&download_at(self.recv, self.expected.len() * self.dtype.size())?, self.dtype);
-        if is_float(self.dtype) {
-            let err = relative_error(&got, &self.expected);
-            let nan = got.iter().filter(|v| !v.is_finite()).count();
-            Ok((err <= tolerance(self.dtype) && nan == 0, format!("rel err {err:.2e}, {nan} non-finite")))
-        } else {
-            let wrong = got.iter().zip(&self.expected).filter(|(g, e)| g != e).count();
-            Ok((wrong == 0, format!("{wrong} wrong")))
+        let verdict: Verdict = match &self.bounds {
+            Some(bounds) => check_close(&got, &self.expected, bounds, tolerance(self.dtype)),
+            None => check_exact(&got, &self.expected),
+        };
+        let mut guards = None;
+        for b in &self._bufs {
+            if let Some(what) = b.guards_intact()? {
+                guards = Some(what);
+            }
         }
+        let ok = verdict.passed() && guards.is_none();
+        Ok((ok, format!("{verdict}{}", guards.map_or(String::new(), |w| format!("; GUARD {w}")))))
     }
 }
 
@@ -406,19 +425,15 @@ fn rank_main(env: &RankEnv) -> Result<()> {
     result
 }
 
-fn correctness(env: &RankEnv) -> Result<()> {
-    let (rank, n) = (env.rank, env.nranks);
-    // A 4 MiB workspace makes the large counts pipeline through many steps per CTA.
-    let comm = init_comm(env, &env.ids[1], &config(10_000, 4 << 20))?;
-    let stream = Stream::new()?;
-    let mut seed = 0x1234_5678u64;
-    let (mut checks, mut failures) = (0usize, 0usize);
-    let all_ops = [mkRedOp_t::mkSum, mkRedOp_t::mkProd, mkRedOp_t::mkMax, mkRedOp_t::mkMin, mkRedOp_t::mkAvg];
-    let mut cases: Vec<(CollectiveKind, mkDataType_t, mkRedOp_t, usize)> = Vec::new();
+/// The collectives' case matrix: every dtype × AllGather / ReduceScatter (every op) /
+/// AllReduce (every op) × counts of 1, 3, 1000 and 70,001, and three dtypes at counts large
+/// enough to pipeline through many workspace steps.
+pub(crate) fn case_matrix() -> Vec<(CollectiveKind, mkDataType_t, mkRedOp_t, usize)> {
+    let mut cases = Vec::new();
     for dtype in mkDataType_t::ALL {
         for count in [1usize, 3, 1000, 70_001] {
             cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, count));
-            for op in all_ops {
+            for op in mkRedOp_t::ALL {
                 cases.push((CollectiveKind::ReduceScatter, dtype, op, count));
                 cases.push((CollectiveKind::AllReduce, dtype, op, count));
             }
@@ -429,13 +444,26 @@ fn correctness(env: &RankEnv) -> Result<()> {
         cases.push((CollectiveKind::AllReduce, dtype, mkRedOp_t::mkSum, 1_000_003));
         cases.push((CollectiveKind::ReduceScatter, dtype, mkRedOp_t::mkSum, 250_007));
     }
-    for (kind, dtype, op, count) in cases {
+    cases
+}
+
+/// Runs every case of `case_matrix()` out of place and in place on `comm`, each with fresh
+/// inputs (seeds from `seed`), a bounded wait, and the element-wise check; `ranks_per_node`
+/// when the communicator spans nodes. Returns (checks, failures).
+pub(crate) fn run_matrix(comm: mkComm_t, rank: usize, n: usize, ranks_per_node: Option<usize>, mut seed: u64) -> Result<(usize, usize)> {
+    let stream = Stream::new()?;
+    let (mut checks, mut failures) = (0usize, 0usize);
+    for (kind, dtype, op, count) in case_matrix() {
         for in_place in [false, true] {
             let mut case = Case::new(kind, dtype, op, count, in_place, rank, n)?;
+            if let Some(rpn) = ranks_per_node {
+                case = case.across_nodes(rpn);
+            }
             seed += 1;
             case.prepare(seed)?;
             case.launch(comm, stream.0)?;
-            stream.sync().map_err(|e| e.context(case.label()))?;
+            // Bounded: a hung kernel must fail the test, not the whole run.
+            timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(case.label()))?;
             let code = async_error(comm);
             if code != mkResult_t::mkSuccess {
                 return Err(MkError::new(code, format!("{}: asynchronous error {code:?}", case.label())));
@@ -450,6 +478,15 @@ fn correctness(env: &RankEnv) -> Result<()> {
             }
         }
     }
+    Ok((checks, failures))
+}
+
+fn correctness(env: &RankEnv) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    // A 4 MiB workspace makes the large counts pipeline through many steps per CTA.
+    let comm = init_comm(env, &env.ids[1], &config(10_000, 4 << 20))?;
+    let stream = Stream::new()?;
+    let (mut checks, mut failures) = run_matrix(comm, rank, n, None, 0x1234_5678)?;
     // Bad arguments come back as codes with messages, before anything runs.
     let bad = unsafe { mkAllReduce(std::ptr::null(), 0x1000 as *mut _, 10, 7, 0, comm, stream.0) };
     checks += 1;
@@ -465,6 +502,7 @@ fn correctness(env: &RankEnv) -> Result<()> {
         say(rank, format!("host memory gave {bad:?}"));
     }
     destroy(comm)?;
+    outcome::count(checks);
     say(rank, format!("correctness: {checks} checks, {failures} failed"));
     if failures > 0 {
         return Err(MkError::internal(format!("{failures} of {checks} collective checks failed")));
@@ -475,20 +513,22 @@ fn correctness(env: &RankEnv) -> Result<()> {
 fn graph_replay(env: &RankEnv) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
     let comm = init_comm(env, &env.ids[2], &config(10_000, 64 << 20))?;
-    let r = graph_replay_on(comm, rank, n);
+    let r = graph_replay_on(comm, rank, n, None);
     destroy(comm)?;
     r
 }
 
-pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+/// `ranks_per_node` when the communicator spans nodes (the node partials' rounding is allowed for).
+pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize, ranks_per_node: Option<usize>) -> Result<()> {
     let stream = Stream::new()?;
+    let nodes = |c: Case| if let Some(rpn) = ranks_per_node { c.across_nodes(rpn) } else { c };
     let mut cases = vec![
-        Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 100_003, false, rank, n)?,
-        Case::new(CollectiveKind::AllGather, mkDataType_t::mkBfloat16, mkRedOp_t::mkSum, 50_001, false, rank, n)?,
-        Case::new(CollectiveKind::ReduceScatter, mkDataType_t::mkFloat16, mkRedOp_t::mkAvg, 30_001, true, rank, n)?,
-        Case::new(CollectiveKind::AllReduce, mkDataType_t::mkBfloat16, mkRedOp_t::mkMax, 4_097, true, rank, n)?,
+        nodes(Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 100_003, false, rank, n)?),
+        nodes(Case::new(CollectiveKind::AllGather, mkDataType_t::mkBfloat16, mkRedOp_t::mkSum, 50_001, false, rank, n)?),
+        nodes(Case::new(CollectiveKind::ReduceScatter, mkDataType_t::mkFloat16, mkRedOp_t::mkAvg, 30_001, true, rank, n)?),
+        nodes(Case::new(CollectiveKind::AllReduce, mkDataType_t::mkBfloat16, mkRedOp_t::mkMax, 4_097, true, rank, n)?),
     ];
-    let mut interleaved = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 7_777, false, rank, n)?;
+    let mut interleaved = nodes(Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 7_777, false, rank, n)?);
     for c in cases.iter_mut() {
         c.prepare(1)?;
     }
@@ -517,6 +557,7 @@ pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize) -> Result<(
         }
         for c in &cases {
             let (ok, detail) = c.verify()?;
+            outcome::count(1);
             if !ok {
                 failures += 1;
                 say(rank, format!("graph replay {replay}: {} -> WRONG ({detail})", c.label()));
@@ -527,6 +568,7 @@ pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize) -> Result<(
         interleaved.launch(comm, stream.0)?;
         stream.sync()?;
         let (ok, detail) = interleaved.verify()?;
+        outcome::count(1);
         if !ok {
             failures += 1;
             say(rank, format!("op between replays -> WRONG ({detail})"));
@@ -689,6 +731,7 @@ fn killed_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     case.launch(comm, stream.0)?;
     timed_sync(&stream, Duration::from_secs(30))?;
     check_stopped(rank, comm, t.elapsed(), "killed rank")?;
+    outcome::count(1);
     destroy(comm)?;
     Ok(())
 }
@@ -720,6 +763,7 @@ fn in_process_ranks() -> Result<()> {
         }
         for (i, c) in cases.iter().enumerate() {
             let (ok, detail) = c.verify()?;
+            outcome::count(1);
             println!("  [in-process rank {i}] {} -> {} ({detail})", c.label(), if ok { "ok" } else { "WRONG" });
             if !ok {
                 failures += 1;

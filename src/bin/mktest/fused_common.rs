@@ -2,6 +2,7 @@
 //! default-stream fills before a launch on a non-blocking stream, the graph-replay check
 //! and the absent-rank check.
 
+use crate::outcome::Outcome;
 use crate::collectives::{async_error, check_stopped, config, destroy, ffi, init_comm, say, timed_sync, Stream, FAULT_TIMEOUT_MS};
 use crate::ranks::{self, RankEnv};
 use mkernel::bootstrap::root::start_root;
@@ -9,6 +10,7 @@ use mkernel::comm::{Comm, CommConfig};
 use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::mkComm_t;
+use mkernel::testing::TestBuffer;
 use std::time::{Duration, Instant};
 
 /// Test inputs are filled and outputs poisoned on the legacy default stream, which the
@@ -18,12 +20,68 @@ pub fn sync_default_stream() -> Result<()> {
     cuda::check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
 }
 
+/// None when every buffer's guard bands are intact, else which buffer's band was written.
+/// Inputs are listed too: an op must not write them either.
+pub fn guards_intact(buffers: &[(&str, &TestBuffer)]) -> Result<Option<String>> {
+    for (name, b) in buffers {
+        if let Some(what) = b.guards_intact()? {
+            return Ok(Some(format!("{name}: {what}")));
+        }
+    }
+    Ok(None)
+}
+
+/// Random contents for each of `buffers` (one allocation per rank), shard s from seed
+/// `seed + s`, on the legacy default stream.
+pub fn fill_shards(buffers: &[TestBuffer], seed: u64, scale: f32) -> Result<()> {
+    for (s, b) in buffers.iter().enumerate() {
+        b.randomize(seed + s as u64, scale, std::ptr::null_mut())?;
+    }
+    Ok(())
+}
+
+/// Every shard's values, concatenated in rank order.
+pub fn download_shards(buffers: &[TestBuffer]) -> Result<Vec<u8>> {
+    let mut all = Vec::new();
+    for b in buffers {
+        all.extend(b.download()?);
+    }
+    Ok(all)
+}
+
 /// One test case of a fused op: fresh inputs from a seed, one call, a check against the
 /// float64 reference (ok, a line of detail).
 pub trait FusedCase {
+    fn label(&self) -> String;
     fn prepare(&self, seed: u64) -> Result<()>;
     fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t;
     fn verify(&self) -> Result<(bool, String)>;
+}
+
+/// Runs `case` `rounds` times with fresh inputs (seeds `seed`, `seed + 1`, …): one call, a
+/// bounded wait, no asynchronous error, the case's check. `before(round)` adjusts the case
+/// before each round. Returns (checks, failures); the caller counts them.
+pub fn check_rounds(comm: mkComm_t, rank: usize, op: &str, case: &dyn FusedCase, seed: u64, rounds: u64, before: &dyn Fn(u64)) -> Result<(usize, usize)> {
+    let stream = Stream::new()?;
+    let mut failures = 0;
+    for round in 0..rounds {
+        before(round);
+        case.prepare(seed + round)?;
+        ffi(op, case.launch(comm, stream.0), comm)?;
+        timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{op} {}", case.label())))?;
+        let code = async_error(comm);
+        if code != mkResult_t::mkSuccess {
+            return Err(MkError::new(code, format!("{op} {}: asynchronous error {code:?}", case.label())));
+        }
+        let (ok, detail) = case.verify()?;
+        if !ok {
+            failures += 1;
+        }
+        if !ok || rank == 0 {
+            say(rank, format!("{op} {} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
+        }
+    }
+    Ok((rounds as usize, failures))
 }
 
 /// Captures one call of `op` in a CUDA graph, then three times replays it on fresh inputs
@@ -53,6 +111,7 @@ pub fn graph_replay(comm: mkComm_t, rank: usize, op: &str, case: &dyn FusedCase)
                 return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
             }
             let (ok, detail) = case.verify()?;
+            crate::outcome::count(1);
             if !ok {
                 failures += 1;
                 say(rank, format!("graph replay {replay}: {detail} -> WRONG"));
@@ -61,6 +120,7 @@ pub fn graph_replay(comm: mkComm_t, rank: usize, op: &str, case: &dyn FusedCase)
             ffi(op, case.launch(comm, stream.0), comm)?;
             stream.sync()?;
             let (ok, detail) = case.verify()?;
+            crate::outcome::count(1);
             if !ok {
                 failures += 1;
                 say(rank, format!("call between replays: {detail} -> WRONG"));
@@ -96,6 +156,7 @@ pub fn absent_rank(env: &RankEnv, control: &Comm, id_index: usize, what: &str, l
         let t = Instant::now();
         ffi(what, launch(comm, stream.0)?, comm)?;
         outcome = timed_sync(&stream, Duration::from_secs(30)).and_then(|_| check_stopped(rank, comm, t.elapsed(), what).map(|c| code = c));
+        crate::outcome::count(1);
     }
     let codes = control.bootstrap.allgather(&[code as i32 as u8])?;
     if rank == 0 && !codes.iter().take(absent).any(|c| c[0] as i32 == mkResult_t::mkTimeout as i32) {
@@ -117,14 +178,15 @@ pub fn run_suite(
     name: &str,
     checks: fn(mkComm_t, &Comm, usize, usize) -> Result<()>,
     absent: fn(&RankEnv, &Comm) -> Result<()>,
-) -> Result<()> {
+) -> Result<Outcome> {
     let env = match ranks::child_env(IDS)? {
         Some(env) => env,
         None => {
             let n = ranks::nranks_requested();
             if n > 1 {
                 println!("  starting {n} rank processes");
-                return ranks::spawn(&[name.to_string()], n, IDS, Duration::from_secs(240), |_| 0);
+                ranks::spawn(&[name.to_string()], n, IDS, Duration::from_secs(240), |_| 0)?;
+                return Ok(Outcome::Spawned { nranks: n });
             }
             let ids = (0..IDS).map(|_| start_root()).collect::<Result<Vec<_>>>()?;
             RankEnv { rank: 0, nranks: 1, ids, device: 0 }
@@ -145,5 +207,5 @@ pub fn run_suite(
     if n > 1 {
         absent(&env, &control)?;
     }
-    Ok(())
+    Ok(Outcome::Ran)
 }

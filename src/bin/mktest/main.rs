@@ -1,32 +1,61 @@
 //! mktest: the GPU test suite. `mktest [suite ...]` runs the named suites (all when none
-//! are named) and prints one line per check and a closing OK/FAILED line. Without a GPU it
-//! prints SKIPPED and exits 0, so CI (which has no GPU) can run it.
+//! are named) and prints one line per check and a closing OK / FAILED / SKIPPED line.
+//!
+//! Exit status: 0 when every selected suite passed, 1 when one failed, 77 (`SKIP_EXIT`)
+//! when none failed but at least one was skipped; without a GPU every suite is reported
+//! SKIPPED and the status is 77, so a script tells "nothing ran" from "passed". A rank
+//! process that skips exits 77 too, and its parent counts that as a failure of the
+//! multi-rank case. Each suite must execute at least its floor of checks (the table
+//! below), so a case matrix that silently shrinks fails.
 
 mod ag_gemm;
+mod api;
 mod collectives;
 mod fused_common;
 mod gemm;
 mod gemm_reduce;
 mod moe;
 mod nodes;
+mod outcome;
 mod ranks;
 mod ring_attn;
 mod smoke;
 
 use mkernel::testing::gpu_unavailable_reason;
+use outcome::{Outcome, SKIP_EXIT};
 
-type Suite = fn() -> mkernel::Result<()>;
+type Suite = fn() -> mkernel::Result<Outcome>;
 
-/// Every suite, by name. Add a module and one line here.
-const SUITES: &[(&str, Suite)] = &[("smoke", smoke::run), ("gemm", gemm::run), ("collectives", collectives::run), ("ag_gemm", ag_gemm::run), ("gemm_reduce", gemm_reduce::run), ("moe", moe::run), ("ring_attn", ring_attn::run), ("nodes", nodes::run)];
+/// Every suite: name, entry point, and the fewest checks one rank of it must execute at any
+/// rank count (below what the case matrix gives at N = 1..8). Add a module and one line.
+const SUITES: &[(&str, Suite, usize)] = &[
+    ("smoke", smoke::run, 4),
+    // 238 on an H200 (132 SMs): the floor fails when the 2-CTA cluster variants stop being
+    // planned for the fixed shapes.
+    ("gemm", gemm::run, 230),
+    ("collectives", collectives::run, 900),
+    ("api", api::run, 50),
+    ("ag_gemm", ag_gemm::run, 38),
+    ("gemm_reduce", gemm_reduce::run, 80),
+    ("moe", moe::run, 36),
+    ("ring_attn", ring_attn::run, 55),
+    // MK_TEST_NODES=fused leaves the ~900 collective cases out: the floor covers the rest.
+    ("nodes", nodes::run, 120),
+];
+
+/// MK_TEST_KILL=only runs a suite's killed-rank test alone: one check per surviving rank.
+fn floor_of(floor: usize) -> usize {
+    if std::env::var("MK_TEST_KILL").is_ok_and(|v| v == "only") { 1 } else { floor }
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.iter().any(|a| a == "-h" || a == "--help") {
         println!("usage: mktest [suite ...]   suites: {}", SUITES.iter().map(|s| s.0).collect::<Vec<_>>().join(" "));
+        println!("exit status: 0 passed, 1 failed, {SKIP_EXIT} skipped (nothing failed, something did not run)");
         return;
     }
-    let selected: Vec<&(&str, Suite)> = if args.is_empty() {
+    let selected: Vec<&(&str, Suite, usize)> = if args.is_empty() {
         SUITES.iter().collect()
     } else {
         let mut v = Vec::new();
@@ -42,24 +71,48 @@ fn main() {
         v
     };
     if let Some(why) = gpu_unavailable_reason() {
-        println!("SKIPPED: no GPU ({why}); {} GPU suite(s) not run", selected.len());
-        return;
+        for (name, _, _) in &selected {
+            println!("[suite {name}] SKIPPED: no GPU ({why})");
+        }
+        println!("SKIPPED ({} suite(s), none run)", selected.len());
+        std::process::exit(SKIP_EXIT);
     }
-    let mut failed = 0;
-    for (name, run) in selected {
+    let (mut failed, mut skipped) = (0, 0);
+    for (name, run, floor) in selected {
         let t = std::time::Instant::now();
+        outcome::take_tally();
+        let secs = || t.elapsed().as_secs_f64();
         match run() {
-            Ok(()) => println!("[suite {name}] ok ({:.1} s)", t.elapsed().as_secs_f64()),
+            Ok(Outcome::Ran) => {
+                let checks = outcome::take_tally();
+                let floor = floor_of(*floor);
+                if checks < floor {
+                    println!("[suite {name}] FAILED: {checks} checks executed, fewer than the suite's floor of {floor} ({:.1} s)", secs());
+                    failed += 1;
+                } else {
+                    println!("[suite {name}] ok, {checks} checks ({:.1} s)", secs());
+                }
+            }
+            Ok(Outcome::Spawned { nranks }) => {
+                println!("[suite {name}] ok on {nranks} rank processes, each at least {} checks ({:.1} s)", floor_of(*floor), secs())
+            }
+            Ok(Outcome::Skipped(why)) => {
+                println!("[suite {name}] SKIPPED: {why}");
+                skipped += 1;
+            }
             Err(e) => {
                 println!("[suite {name}] FAILED: {e}");
                 failed += 1;
             }
         }
     }
-    if failed == 0 {
-        println!("OK");
-    } else {
-        println!("FAILED ({failed} suite(s))");
+    if failed > 0 {
+        println!("FAILED ({failed} suite(s){})", if skipped > 0 { format!(", {skipped} skipped") } else { String::new() });
         std::process::exit(1);
     }
+    if skipped > 0 {
+        println!("SKIPPED ({skipped} suite(s) not run, the others passed)");
+        std::process::exit(SKIP_EXIT);
+    }
+    println!("OK");
 }

@@ -11,6 +11,7 @@
 
 use crate::collectives::{async_error, ffi, say, Stream};
 use crate::fused_common;
+use crate::outcome::{self, Outcome};
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
 use mkernel::cuda::{self, sys};
@@ -18,11 +19,10 @@ use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::{mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes};
 use mkernel::ffi::mkComm_t;
 use mkernel::ops::moe::{block_tables, device_layout, layout_offsets, order_mode_for, send_tables, DeviceLayout, MoeShape, ROW_BLOCK};
-use mkernel::ops::util::fill_random;
-use mkernel::testing::{f32_to_bf16, f32_to_f16, bf16_to_f32, f16_to_f32, relative_error, tolerance, TestBuffer};
+use mkernel::testing::{check_close, check_exact, tolerance, Rule, TestBuffer};
 use mkernel::types::mkDataType_t;
 
-pub fn run() -> Result<()> {
+pub fn run() -> Result<Outcome> {
     fused_common::run_suite(
         "moe",
         |comm, control, rank, n| correctness(comm, control, rank, n).and_then(|_| graph_replay(comm, rank, n)).and_then(|_| capacity_overflow(comm, rank, n)),
@@ -106,26 +106,20 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-fn round_to(v: f64, dtype: mkDataType_t) -> f64 {
-    match dtype {
-        mkDataType_t::mkBfloat16 => bf16_to_f32(f32_to_bf16(v as f32)) as f64,
-        _ => f16_to_f32(f32_to_f16(v as f32)) as f64,
-    }
-}
-
 /// One configuration's device buffers (the largest T of any rank) on one rank.
 struct Case {
     s: Sizes,
     n: usize,
     rank: usize,
     capacity: usize,
-    x_all: TestBuffer,
+    /// Every rank's tokens, W2 and Y' (one allocation per rank; this rank passes its own).
+    x_shards: Vec<TestBuffer>,
     w1: TestBuffer,
-    w2_all: TestBuffer,
+    w2_shards: Vec<TestBuffer>,
     idx: TestBuffer,
     weights: TestBuffer,
     y: TestBuffer,
-    yact_all: TestBuffer,
+    yact_shards: Vec<TestBuffer>,
     counts: TestBuffer,
     layout: TestBuffer,
     out: TestBuffer,
@@ -153,13 +147,13 @@ impl Case {
             n,
             rank,
             capacity,
-            x_all: TestBuffer::new(n * t_max * s.hidden, s.dtype)?,
+            x_shards: (0..n).map(|_| TestBuffer::new(t_max * s.hidden, s.dtype)).collect::<Result<_>>()?,
             w1: TestBuffer::new(el * s.ffn * s.hidden, s.dtype)?,
-            w2_all: TestBuffer::new(n * el * s.hidden * s.ffn, s.dtype)?,
+            w2_shards: (0..n).map(|_| TestBuffer::new(el * s.hidden * s.ffn, s.dtype)).collect::<Result<_>>()?,
             idx: TestBuffer::new(t_max * s.top_k, mkDataType_t::mkInt32)?,
             weights: TestBuffer::new(t_max * s.top_k, mkDataType_t::mkFloat32)?,
             y: TestBuffer::new(capacity * s.ffn, s.dtype)?,
-            yact_all: TestBuffer::new(n * capacity * s.ffn, s.dtype)?,
+            yact_shards: (0..n).map(|_| TestBuffer::new(capacity * s.ffn, s.dtype)).collect::<Result<_>>()?,
             counts: TestBuffer::new(el + 1, mkDataType_t::mkInt32)?,
             layout: TestBuffer::new(words / 4, mkDataType_t::mkInt32)?,
             out: TestBuffer::new(t_max * s.hidden, s.dtype)?,
@@ -185,18 +179,15 @@ impl Case {
         self.s.tokens.max(self.s.tokens_odd).max(1)
     }
 
-    /// Fresh inputs for `seed` (every rank's x, W2, Y' regenerated from seeds), outputs poisoned.
+    /// Fresh inputs for `seed` (every rank's x, W2, Y' regenerated from seeds); outputs and
+    /// the layout buffer poisoned (the dispatch must fill the layout every call).
     fn prepare(&self, seed: u64) -> Result<Inputs> {
         let s = &self.s;
-        let el = s.experts / self.n;
-        let (xl, w1l, w2l, yl) = (self.t_max() * s.hidden, el * s.ffn * s.hidden, el * s.hidden * s.ffn, self.capacity * s.ffn);
         let null = std::ptr::null_mut();
-        for r in 0..self.n {
-            fill_random(self.x_all.ptr() + (r * xl * 2) as u64, xl as u64, s.dtype, seed * 100 + r as u64, 1.0, null)?;
-            fill_random(self.w2_all.ptr() + (r * w2l * 2) as u64, w2l as u64, s.dtype, seed * 100 + 30 + r as u64, 0.5, null)?;
-            fill_random(self.yact_all.ptr() + (r * yl * 2) as u64, yl as u64, s.dtype, seed * 100 + 60 + r as u64, 1.0, null)?;
-        }
-        fill_random(self.w1.ptr(), w1l as u64, s.dtype, seed * 100 + 90 + self.rank as u64, 0.5, null)?;
+        fused_common::fill_shards(&self.x_shards, seed * 100, 1.0)?;
+        fused_common::fill_shards(&self.w2_shards, seed * 100 + 30, 0.5)?;
+        fused_common::fill_shards(&self.yact_shards, seed * 100 + 60, 1.0)?;
+        self.w1.randomize(seed * 100 + 90 + self.rank as u64, 0.5, null)?;
         let (ids, weights) = routing(s, self.n, seed);
         let t = tokens_of(s, self.rank);
         let mut own = ids[self.rank].clone();
@@ -209,6 +200,7 @@ impl Case {
         self.y.poison(null)?;
         self.out.poison(null)?;
         self.counts.poison(null)?;
+        self.layout.poison(null)?;
         fused_common::sync_default_stream()?;
         let shape = MoeShape { tokens: t, top_k: s.top_k, experts: s.experts, nranks: self.n };
         let layout = device_layout(&shape, &ids, self.rank)?;
@@ -217,7 +209,7 @@ impl Case {
 
     fn dispatch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
         let s = &self.s;
-        let x = self.x_all.ptr() + (self.rank * self.t_max() * s.hidden * 2) as u64;
+        let x = self.x_shards[self.rank].ptr();
         // SAFETY: device buffers of the sizes the op expects.
         unsafe {
             mkMoeDispatchGemm(
@@ -242,12 +234,12 @@ impl Case {
 
     fn combine(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
         let s = &self.s;
-        let yact = self.yact_all.ptr() + (self.rank * self.capacity * s.ffn * 2) as u64;
+        let yact = self.yact_shards[self.rank].ptr();
         // SAFETY: device buffers of the sizes the op expects.
         unsafe {
             mkMoeGemmCombine(
                 yact as *const _,
-                (self.w2_all.ptr() + (self.rank * (s.experts / self.n) * s.hidden * s.ffn * 2) as u64) as *const _,
+                self.w2_shards[self.rank].ptr() as *const _,
                 self.weights.ptr() as *const f32,
                 self.layout.ptr() as *const _,
                 self.out.ptr() as *mut _,
@@ -278,23 +270,28 @@ impl Case {
         if let Some(msg) = self.verify_block_tables(inp)? {
             return Ok((false, msg));
         }
-        let x = self.x_all.download_f64()?;
+        let x: Vec<Vec<f64>> = self.x_shards.iter().map(|b| b.download_f64()).collect::<Result<_>>()?;
         let w1 = self.w1.download_f64()?;
         let y = self.y.download_f64()?;
-        let xl = self.t_max() * h;
+        let rule = Rule::reduction(s.dtype, h);
         let mut out = Vec::with_capacity(inp.layout.rows.len() * f);
         let mut reference = Vec::with_capacity(inp.layout.rows.len() * f);
+        let mut bounds = Vec::with_capacity(inp.layout.rows.len() * f);
         for (row, r) in &inp.layout.rows {
-            let xr = &x[r.source * xl + r.token * h..][..h];
+            let xr = &x[r.source][r.token * h..][..h];
             for c in 0..f {
                 let wr = &w1[(r.local_expert * f + c) * h..][..h];
-                reference.push(xr.iter().zip(wr).map(|(a, b)| a * b).sum::<f64>());
+                let (dot, mag) = xr.iter().zip(wr).fold((0.0, 0.0), |(s, g), (a, b)| (s + a * b, g + (a * b).abs()));
+                reference.push(dot);
+                bounds.push(rule.bound(dot, mag));
                 out.push(y[row * f + c]);
             }
         }
         let _ = el;
-        let err = relative_error(&out, &reference);
-        Ok((err <= tolerance(s.dtype), format!("{} rows, rel err {err:.2e}", inp.layout.rows.len())))
+        let verdict = check_close(&out, &reference, &bounds, tolerance(s.dtype));
+        let guards = self.guards()?;
+        let ok = verdict.passed() && guards.is_none();
+        Ok((ok, format!("{} rows: {verdict}{}", inp.layout.rows.len(), guards.map_or(String::new(), |w| format!("; GUARD {w}")))))
     }
 
     /// The prep's m-block tables in the layout buffer against ops::moe::block_tables (the
@@ -338,31 +335,80 @@ impl Case {
         let s = &self.s;
         let (h, f, k) = (s.hidden, s.ffn, s.top_k);
         let el = s.experts / self.n;
-        let yact = self.yact_all.download_f64()?;
-        let w2 = self.w2_all.download_f64()?;
+        let yact: Vec<Vec<f64>> = self.yact_shards.iter().map(|b| b.download_f64()).collect::<Result<_>>()?;
+        let w2: Vec<Vec<f64>> = self.w2_shards.iter().map(|b| b.download_f64()).collect::<Result<_>>()?;
         let out_all = self.out.download_f64()?;
         let t = tokens_of(s, self.rank);
-        let mut reference = vec![0f64; t * h];
-        for tok in 0..t {
-            for j in 0..k {
-                let Some((d, row)) = inp.layout.slots[tok * k + j] else { continue };
-                let e = inp.ids[self.rank][tok * k + j] as usize;
-                let w = inp.weights[self.rank][tok * k + j] as f64;
-                let le = e - d * el;
-                let yr = &yact[(d * self.capacity + row) * f..][..f];
-                for c in 0..h {
-                    let wr = &w2[((d * el + le) * h + c) * f..][..f];
-                    let z = round_to(yr.iter().zip(wr).map(|(a, b)| a * b).sum::<f64>(), s.dtype);
-                    reference[tok * h + c] += w * z;
-                }
-            }
-        }
+        let choices: Vec<Vec<Choice>> = (0..t)
+            .map(|tok| {
+                (0..k)
+                    .filter_map(|j| {
+                        let (d, row) = inp.layout.slots[tok * k + j]?;
+                        let le = inp.ids[self.rank][tok * k + j] as usize - d * el;
+                        Some(Choice { weight: inp.weights[self.rank][tok * k + j] as f64, y_row: &yact[d][row * f..][..f], w2: &w2[d][le * h * f..][..h * f] })
+                    })
+                    .collect()
+            })
+            .collect();
+        let (reference, bounds) = combine_reference(&choices, h, f, k, s.dtype);
         let out = &out_all[..t * h];
-        let err = relative_error(out, &reference);
-        // Tokens with no expert must be exactly 0 (relative_error alone would accept a tiny value).
-        let zeros_ok = (0..t).filter(|&tok| inp.layout.slots[tok * k..(tok + 1) * k].iter().all(Option::is_none)).all(|tok| out[tok * h..(tok + 1) * h].iter().all(|&v| v == 0.0));
-        Ok((err <= tolerance(s.dtype) && zeros_ok, format!("{t} tokens, rel err {err:.2e}{}", if zeros_ok { "" } else { ", empty token not 0" })))
+        // Tokens with no expert are exactly 0 (a bound of 0 demands it too; this says which).
+        let empty: Vec<usize> = (0..t).filter(|&tok| inp.layout.slots[tok * k..(tok + 1) * k].iter().all(Option::is_none)).collect();
+        let zeros = empty.iter().fold(check_exact(&[], &[]), |v, &tok| v.and(check_exact(&out[tok * h..(tok + 1) * h], &vec![0.0; h])));
+        let verdict = check_close(out, &reference, &bounds, tolerance(s.dtype));
+        let guards = self.guards()?;
+        let ok = verdict.passed() && zeros.passed() && guards.is_none();
+        Ok((
+            ok,
+            format!(
+                "{t} tokens: {verdict}{}{}",
+                if zeros.passed() { String::new() } else { format!("; empty tokens not 0: {zeros}") },
+                guards.map_or(String::new(), |w| format!("; GUARD {w}"))
+            ),
+        ))
     }
+
+    /// None when every buffer's guard bands are intact (outputs, layout and inputs).
+    fn guards(&self) -> Result<Option<String>> {
+        let mut buffers: Vec<(&str, &TestBuffer)> =
+            vec![("y", &self.y), ("recvCounts", &self.counts), ("layout", &self.layout), ("out", &self.out), ("w1", &self.w1), ("topkIdx", &self.idx), ("topkWeights", &self.weights)];
+        buffers.extend(self.x_shards.iter().map(|b| ("x shard", b)));
+        buffers.extend(self.w2_shards.iter().map(|b| ("w2 shard", b)));
+        buffers.extend(self.yact_shards.iter().map(|b| ("yAct shard", b)));
+        fused_common::guards_intact(&buffers)
+    }
+}
+
+/// One routed choice of a token: its weight, the owner's row of Y' [ffn] and the expert's
+/// W2 [hidden, ffn].
+struct Choice<'a> {
+    weight: f64,
+    y_row: &'a [f64],
+    w2: &'a [f64],
+}
+
+/// out[t] = Σ_j w_j·Z_j in float64, Z_j = Y'_row·W2ᵀ, with each element's bound: each Z_j a
+/// dot product of `ffn` terms rounded to the element type (its own bound, weighted by w_j),
+/// then the weighted terms summed in fp32 (`top_k` additions and a product each) and
+/// rounded once. A token with no choice has the bound 0: exactly 0.
+fn combine_reference(tokens: &[Vec<Choice>], h: usize, f: usize, top_k: usize, dtype: mkDataType_t) -> (Vec<f64>, Vec<f64>) {
+    let (z_rule, sum_rule) = (Rule::reduction(dtype, f), Rule::reduction(dtype, top_k + 1));
+    let mut reference = vec![0f64; tokens.len() * h];
+    let mut bounds = vec![0f64; tokens.len() * h];
+    for (tok, choices) in tokens.iter().enumerate() {
+        for c in 0..h {
+            let (mut total, mut slack, mut terms_abs) = (0.0, 0.0, 0.0);
+            for ch in choices {
+                let (z, mag) = ch.y_row.iter().zip(&ch.w2[c * f..(c + 1) * f]).fold((0.0, 0.0), |(s, g), (a, b)| (s + a * b, g + (a * b).abs()));
+                total += ch.weight * z;
+                slack += ch.weight * z_rule.bound(z, mag);
+                terms_abs += (ch.weight * z).abs();
+            }
+            reference[tok * h + c] = total;
+            bounds[tok * h + c] = if choices.is_empty() { 0.0 } else { slack + sum_rule.bound(total, terms_abs) };
+        }
+    }
+    (reference, bounds)
 }
 
 fn sizes_list() -> Vec<Sizes> {
@@ -373,6 +419,9 @@ fn sizes_list() -> Vec<Sizes> {
         sz(50, 23, 256, 384, 8, 64, FP, 40),
         sz(100, 0, 128, 128, 8, 256, BF, 60),
         sz(3, 5, 256, 256, 1, 8, FP, 8),
+        // Decode sizes: 1 and 16 tokens (odd ranks 16 and 0), the smallest hidden and ffn.
+        sz(1, 16, 128, 128, 4, 8, FP, 8),
+        sz(16, 0, 128, 256, 2, 16, BF, 16),
         // DeepSeek-V3-sized expert matrices (E kept small so every rank can rebuild them).
         sz(40, 40, 7168, 2048, 2, 8, BF, 8),
     ]
@@ -386,6 +435,7 @@ fn capacity_for(s: &Sizes, n: usize, seed: u64, slack: usize) -> Result<usize> {
 }
 
 fn step(rank: usize, what: &str, ok: bool, detail: &str, failures: &mut usize) {
+    outcome::count(1);
     if !ok {
         *failures += 1;
     }
@@ -510,6 +560,7 @@ fn capacity_overflow(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let reported = *counts.last().unwrap() as usize;
     let ok = code == mkResult_t::mkInvalidUsage && reported == needed && msg.contains("needs more rows than recvCapacity");
     say(rank, format!("capacity overflow: {code:?}, rows needed {reported} (expected {needed}), \"{msg}\" -> {}", if ok { "ok" } else { "WRONG" }));
+    outcome::count(1);
     if !ok {
         return Err(MkError::internal("MoE capacity overflow not reported as specified"));
     }
@@ -529,4 +580,68 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
         case.prepare(5)?;
         Ok(case.dispatch(comm, stream))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    //! The combine's bound against its documented rounding simulated on the CPU: each Z
+    //! accumulated in f32 and rounded to the element type, the weighted terms summed in f32
+    //! in choice order, rounded once.
+    use super::*;
+    use mkernel::testing::round_to;
+
+    fn values(seed: u64, n: usize, dtype: mkDataType_t, scale: f64) -> Vec<f64> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                round_to(dtype, scale * ((x >> 11) as f64 / (1u64 << 52) as f64 * 2.0 - 1.0))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn combined_tokens_pass_and_a_dropped_choice_fails() {
+        let (h, f, top_k, tokens, experts) = (128, 256, 4, 12, 3);
+        for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
+            let y = values(1, tokens * top_k * f, dtype, 1.0);
+            let w2 = values(2, experts * h * f, dtype, 0.5);
+            let weights = values(3, tokens * top_k, mkDataType_t::mkFloat32, 0.5);
+            // Token 5 has no expert; the others top_k choices of experts (i + j) mod E.
+            let choices: Vec<Vec<Choice>> = (0..tokens)
+                .map(|t| {
+                    if t == 5 {
+                        return Vec::new();
+                    }
+                    (0..top_k)
+                        .map(|j| Choice { weight: weights[t * top_k + j].abs() + 0.05, y_row: &y[(t * top_k + j) * f..][..f], w2: &w2[((t + j) % experts) * h * f..][..h * f] })
+                        .collect()
+                })
+                .collect();
+            let (reference, bounds) = combine_reference(&choices, h, f, top_k, dtype);
+            let simulate = |drop: Option<(usize, usize)>| -> Vec<f64> {
+                let mut out = vec![0f64; tokens * h];
+                for (t, ch) in choices.iter().enumerate() {
+                    for c in 0..h {
+                        let mut acc = 0f32;
+                        for (j, x) in ch.iter().enumerate() {
+                            if drop == Some((t, j)) {
+                                continue;
+                            }
+                            let z = x.y_row.iter().zip(&x.w2[c * f..(c + 1) * f]).fold(0f32, |s, (a, b)| s + (a * b) as f32);
+                            acc += x.weight as f32 * round_to(dtype, z as f64) as f32;
+                        }
+                        out[t * h + c] = round_to(dtype, acc as f64);
+                    }
+                }
+                out
+            };
+            let v = check_close(&simulate(None), &reference, &bounds, tolerance(dtype));
+            assert!(v.passed(), "{}: {v}", dtype.name());
+            let v = check_close(&simulate(Some((7, 2))), &reference, &bounds, tolerance(dtype));
+            assert!(!v.passed() && v.wrong > h / 2 && v.worst.unwrap().index / h == 7, "{}: {v}", dtype.name());
+        }
+    }
 }

@@ -33,7 +33,8 @@
 
 use crate::ag_gemm::Case as AgGemmCase;
 use crate::fused_common::{self, FusedCase};
-use crate::collectives::{async_error, config, graph_replay_on, init_comm, kill_mode, say, timed_sync, Case, KillMode, Stream, FAULT_SLACK, FAULT_TIMEOUT_MS};
+use crate::collectives::{async_error, config, graph_replay_on, init_comm, kill_mode, run_matrix, say, timed_sync, Case, KillMode, Stream, FAULT_SLACK, FAULT_TIMEOUT_MS};
+use crate::outcome::{self, Outcome};
 use crate::ranks::{self, RankEnv, VICTIM_EXIT};
 use mkernel::comm::{Comm, CommConfig};
 use mkernel::cuda::PrimaryContext;
@@ -50,20 +51,23 @@ fn ranks_per_node(n: usize) -> usize {
     std::env::var("MK_RANKS_PER_NODE").ok().and_then(|v| v.trim().parse().ok()).filter(|&r: &usize| r >= 1).unwrap_or((n / 2).max(1))
 }
 
-pub fn run() -> Result<()> {
+pub fn run() -> Result<Outcome> {
     if let Some(env) = ranks::child_env(IDS)? {
-        return rank_main(&env);
+        rank_main(&env)?;
+        return Ok(Outcome::Ran);
     }
     let n = ranks::nranks_requested();
     let rpn = ranks_per_node(n);
     if n < 2 || n % rpn != 0 || n / rpn < 2 {
-        println!("  SKIPPED: the nodes suite needs MK_TEST_NRANKS >= 2 split into >= 2 equal nodes (MK_TEST_NRANKS={n}, MK_RANKS_PER_NODE={rpn}); scripts/gpu-run.sh runs it with 4 ranks, 2 per node");
-        return Ok(());
+        return Ok(Outcome::Skipped(format!(
+            "the nodes suite needs MK_TEST_NRANKS >= 2 split into >= 2 equal nodes (MK_TEST_NRANKS={n}, MK_RANKS_PER_NODE={rpn}); scripts/gpu-run.sh runs it with 4 ranks, 2 per node"
+        )));
     }
     println!("  starting {n} rank processes, {} emulated nodes of {rpn}", n / rpn);
     let victim = kill_mode() != KillMode::Skip;
     // The killed node is the last one.
-    ranks::spawn(&["nodes".to_string()], n, IDS, Duration::from_secs(240), |r| if victim && r >= n - rpn { VICTIM_EXIT } else { 0 })
+    ranks::spawn(&["nodes".to_string()], n, IDS, Duration::from_secs(240), |r| if victim && r >= n - rpn { VICTIM_EXIT } else { 0 })?;
+    Ok(Outcome::Spawned { nranks: n })
 }
 
 fn node_config(timeout_ms: i32, workspace: i64, rpn: usize) -> mkConfig_t {
@@ -109,54 +113,14 @@ fn correctness_and_graphs(env: &RankEnv, control: &Comm, rpn: usize) -> Result<(
     if nodes < 2 {
         return Err(MkError::internal(format!("the communicator has {nodes} node(s): MK_RANKS_PER_NODE={rpn} did not split it")));
     }
-    let stream = Stream::new()?;
-    let mut seed = 0x5eed_0000u64;
-    let (mut checks, mut failures) = (0usize, 0usize);
-    let all_ops = [mkRedOp_t::mkSum, mkRedOp_t::mkProd, mkRedOp_t::mkMax, mkRedOp_t::mkMin, mkRedOp_t::mkAvg];
-    let mut cases: Vec<(CollectiveKind, mkDataType_t, mkRedOp_t, usize)> = Vec::new();
-    for dtype in mkDataType_t::ALL {
-        for count in [1usize, 3, 1000, 70_001] {
-            cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, count));
-            for op in all_ops {
-                cases.push((CollectiveKind::ReduceScatter, dtype, op, count));
-                cases.push((CollectiveKind::AllReduce, dtype, op, count));
-            }
-        }
-    }
-    for dtype in [mkDataType_t::mkFloat32, mkDataType_t::mkBfloat16, mkDataType_t::mkInt32] {
-        cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, 1_000_003));
-        cases.push((CollectiveKind::AllReduce, dtype, mkRedOp_t::mkSum, 1_000_003));
-        cases.push((CollectiveKind::ReduceScatter, dtype, mkRedOp_t::mkSum, 250_007));
-    }
-    if std::env::var("MK_TEST_NODES").is_ok_and(|v| v == "fused") {
-        cases.clear();
-    }
     let t = Instant::now();
-    for (kind, dtype, op, count) in cases {
-        for in_place in [false, true] {
-            let mut case = Case::new(kind, dtype, op, count, in_place, rank, n)?.across_nodes(rpn);
-            seed += 1;
-            case.prepare(seed)?;
-            case.launch(comm, stream.0)?;
-            // Bounded: a hung kernel must fail the test, not the whole run.
-            timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(case.label()))?;
-            let code = async_error(comm);
-            if code != mkResult_t::mkSuccess {
-                return Err(MkError::new(code, format!("{}: asynchronous error {code:?}", case.label())));
-            }
-            let (ok, detail) = case.verify()?;
-            checks += 1;
-            if !ok {
-                failures += 1;
-                say(rank, format!("{} -> WRONG ({detail})", case.label()));
-            } else if count >= 70_001 && rank == 0 {
-                say(rank, format!("{} -> ok ({detail})", case.label()));
-            }
-        }
-    }
+    // MK_TEST_NODES=fused: the fused ops' checks only.
+    let (checks, failures) =
+        if std::env::var("MK_TEST_NODES").is_ok_and(|v| v == "fused") { (0, 0) } else { run_matrix(comm, rank, n, Some(rpn), 0x5eed_0000)? };
+    outcome::count(checks);
     say(rank, format!("across nodes: {checks} checks, {failures} failed, {:.1} s", t.elapsed().as_secs_f64()));
     let fused = all_gather_gemm(comm, rank, n);
-    let graphs = if checks > 0 { graph_replay_on(comm, rank, n) } else { Ok(()) };
+    let graphs = if checks > 0 { graph_replay_on(comm, rank, n, Some(rpn)) } else { Ok(()) };
     let fused_graphs = fused_common::graph_replay(comm, rank, "mkAllGatherGemm across nodes", &AgGemmCase::new(mkDataType_t::mkBfloat16, 256, 392, 200, n, rank)?);
     // Every rank is done with the communicator before any closes its connections.
     control.bootstrap.barrier()?;
@@ -173,8 +137,8 @@ fn gemm_reduce_across_nodes(env: &RankEnv, control: &Comm, rpn: usize) -> Result
     let (rank, n) = (env.rank, env.nranks);
     let comm = init_comm(env, &env.ids[4], &node_config(10_000, 64 << 20, rpn))?;
     let t = Instant::now();
-    let result = crate::gemm_reduce::correctness(comm, control, rank, n)
-        .and_then(|_| crate::gemm_reduce::graph_replay(comm, rank, n))
+    let result = crate::gemm_reduce::correctness(comm, control, rank, n, true)
+        .and_then(|_| crate::gemm_reduce::graph_replay(comm, rank, n, true))
         .and_then(|_| gemm_reduce_back_to_back(comm, rank, n));
     say(rank, format!("mkGemmReduceScatter / mkGemmAllReduce across nodes: {:.1} s, {}", t.elapsed().as_secs_f64(), if result.is_ok() { "passed" } else { "FAILED" }));
     control.bootstrap.barrier()?;
@@ -188,7 +152,8 @@ fn gemm_reduce_across_nodes(env: &RankEnv, control: &Comm, rpn: usize) -> Result
 fn gemm_reduce_back_to_back(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize) -> Result<()> {
     let stream = Stream::new()?;
     for (scatter, m) in [(true, n * 256), (false, n * 256), (false, 40)] {
-        let case = crate::gemm_reduce::Case::new(scatter, mkDataType_t::mkBfloat16, m, 520, 264, n, rank)?;
+        let mut case = crate::gemm_reduce::Case::new(scatter, mkDataType_t::mkBfloat16, m, 520, 264, n, rank)?;
+        case.node_partials = true;
         case.prepare(77)?;
         for _ in 0..6 {
             crate::collectives::ffi(&case.label(), case.launch(comm, stream.0), comm)?;
@@ -199,6 +164,7 @@ fn gemm_reduce_back_to_back(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize)
             return Err(MkError::new(code, format!("{} back to back: asynchronous error {code:?}", case.label())));
         }
         let (ok, detail, _) = case.verify()?;
+        outcome::count(1);
         if !ok || rank == 0 {
             say(rank, format!("{} 6 calls back to back: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
         }
@@ -221,31 +187,17 @@ fn all_gather_gemm(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize) -> Resul
     for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
         for &(rows, cols, k) in &shapes {
             let case = AgGemmCase::new(dtype, rows, cols, k, n, rank)?;
-            for round in 0..2u64 {
-                case.prepare(31 + round)?;
-                crate::collectives::ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
-                timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(case.label()))?;
-                let code = async_error(comm);
-                if code != mkResult_t::mkSuccess {
-                    return Err(MkError::new(code, format!("mkAllGatherGemm {}: asynchronous error {code:?}", case.label())));
-                }
-                let (ok, detail) = case.verify()?;
-                checks += 1;
-                if !ok {
-                    failures += 1;
-                }
-                if !ok || rank == 0 {
-                    say(rank, format!("mkAllGatherGemm {} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
-                }
-            }
+            let (c, f) = fused_common::check_rounds(comm, rank, "mkAllGatherGemm", &case, 31, 2, &|round| case.with_gathered.set(round == 0))?;
+            checks += c;
+            failures += f;
         }
     }
     // Back to back without a host sync between calls (as a training step or mkbench issues
     // them), with and without gatheredA: the cross-call handshakes alone keep the calls apart.
     // The inputs stay the same across the calls, so the last result must match them.
     for with_gathered in [true, false] {
-        let mut case = AgGemmCase::new(mkDataType_t::mkBfloat16, 512, 1024, 512, n, rank)?;
-        case.with_gathered = with_gathered;
+        let case = AgGemmCase::new(mkDataType_t::mkBfloat16, 512, 1024, 512, n, rank)?;
+        case.with_gathered.set(with_gathered);
         case.prepare(41)?;
         for _ in 0..6 {
             crate::collectives::ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
@@ -264,6 +216,7 @@ fn all_gather_gemm(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize) -> Resul
             say(rank, format!("mkAllGatherGemm {} 6 calls back to back: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
         }
     }
+    outcome::count(checks);
     say(rank, format!("mkAllGatherGemm across nodes: {checks} checks, {failures} wrong, {:.1} s", t.elapsed().as_secs_f64()));
     if failures > 0 {
         return Err(MkError::internal(format!("mkAllGatherGemm across nodes: {failures} of {checks} checks wrong")));
@@ -330,6 +283,7 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     };
     let fused_code = fused_stopped("mkAllGatherGemm", &fused_stream, fused_comm)?;
     fused_stopped("mkGemmReduceScatter", &rs_stream, rs_comm)?;
+    outcome::count(3);
     // The communicators refuse new work with the same code.
     let again = case.launch(comm, stream.0).err().map(|e| e.code);
     if again != Some(code) {

@@ -18,6 +18,9 @@ pub const ENV_IDS: &str = "MK_TEST_IDS";
 pub const ENV_ID_FILE: &str = "MK_TEST_ID_FILE";
 /// Exit status of a rank that a test kills on purpose.
 pub const VICTIM_EXIT: i32 = 42;
+/// Exit status of a run (or a rank process) in which nothing failed but something did not
+/// run: the automake/ctest convention for a skipped test.
+pub const SKIP_EXIT: i32 = 77;
 
 pub struct RankEnv {
     pub rank: usize,
@@ -96,7 +99,8 @@ pub fn child_env(nids: usize) -> mkernel::Result<Option<RankEnv>> {
 }
 
 /// Runs this executable with `args` in `nranks` processes of this executable; each rank must exit with
-/// `expected_exit(rank)` before `deadline`, or every remaining rank is killed.
+/// `expected_exit(rank)` before `deadline`, or every remaining rank is killed. A rank that
+/// exits with `SKIP_EXIT` (it could not run) is a failure, reported as a skip.
 pub fn spawn(args: &[String], nranks: usize, nids: usize, deadline: Duration, expected_exit: impl Fn(usize) -> i32) -> mkernel::Result<()> {
     let (_ids, text) = make_ids(nids)?;
     let exe = std::env::current_exe().map_err(|e| MkError::system(format!("current_exe: {e}")))?;
@@ -119,7 +123,9 @@ pub fn spawn(args: &[String], nranks: usize, nids: usize, deadline: Duration, ex
             let Some(child) = slot.as_mut() else { continue };
             if let Ok(Some(status)) = child.try_wait() {
                 let code = status.code().unwrap_or(-1);
-                if code != expected_exit(r) {
+                if code == SKIP_EXIT && expected_exit(r) != SKIP_EXIT {
+                    failures.push(format!("rank {r} SKIPPED (exit {SKIP_EXIT}): a rank that cannot run fails the multi-rank case"));
+                } else if code != expected_exit(r) {
                     failures.push(format!("rank {r} exited with {status} (expected {})", expected_exit(r)));
                 }
                 *slot = None;
