@@ -86,7 +86,16 @@ impl Bootstrap {
         };
         let what = format!("rank {rank} joining the bootstrap root at {}", id.root);
         let spec = DialSpec { key: &id.secret, session: id.session, purpose: Purpose::BootstrapRoot, dialer: rank as u32, target: ROOT_ID };
-        let mut root = handshake::dial(id.root, spec, &deadline, &what)?;
+        let mut root = handshake::dial(id.root, spec, &deadline, &what).map_err(|mut e| {
+            if e.code == crate::error::mkResult_t::mkTimeout && e.message.contains("refused") {
+                e.message.push_str(&format!(
+                    "; nothing listens at the root's address: the process that called mkGetUniqueId exited, or \
+                     its root stopped after ROOT_IDLE_LIMIT={} s with no rank joining",
+                    root::ROOT_IDLE_LIMIT.as_secs()
+                ));
+            }
+            e
+        })?;
         root.send(&hello.encode(), &deadline, &what)?;
         let waiting = format!("rank {rank} waiting for all {nranks} ranks at the bootstrap root {}", id.root);
         // The root's own deadline (from the first rank's arrival) ends about when ours does;
