@@ -142,6 +142,11 @@ fn silent_connections_to_a_transport_listener_do_not_fail_the_job() {
     }
     // SAFETY: in bounds; the put's bytes are in place once its signal is seen (acquire).
     assert_eq!(unsafe { std::slice::from_raw_parts(data0.add(8), 5) }, b"hello");
+    // Close both at once: each waits for the other's Close message.
+    std::thread::scope(|s| {
+        s.spawn(|| t1.close().unwrap());
+        t0.close().unwrap();
+    });
 }
 
 /// Row: silent connections to the root; also the thread-per-connection flood. The root

@@ -543,6 +543,26 @@ fn read_message_part(socket: &mut TcpStream, buf: &mut [u8], idle_ok: bool, shar
     Ok(true)
 }
 
+/// Checks a header from the wire before anything is written: true for a put inside this
+/// rank's window, false for Close, `mkRemoteError` for anything else.
+fn accept_frame(frame: &Frame, window: &Window, peer: usize) -> Result<bool> {
+    match frame.kind {
+        FRAME_CLOSE => return Ok(false),
+        FRAME_PUT => {}
+        k => return Err(MkError::remote(format!("rank {peer} sent an unknown transport message kind {k}"))),
+    }
+    let in_data = frame.dst_offset.checked_add(frame.bytes).is_some_and(|end| end <= window.data.bytes);
+    let in_signals = frame.signal_id == u32::MAX || (frame.signal_id as u64) < window.signal_words();
+    if !in_data || !in_signals {
+        return Err(MkError::remote(format!(
+            "rank {peer} sent a put outside this rank's window ({frame:?}; data {} bytes, {} signal words)",
+            window.data.bytes,
+            window.signal_words()
+        )));
+    }
+    Ok(true)
+}
+
 fn receive_loop(link: &Link, mut socket: TcpStream, mut staging: Staging) -> Result<()> {
     let mut stats = ThreadStats::default();
     let result = receive_messages(link, &mut socket, &mut staging, &mut stats);
@@ -559,19 +579,8 @@ fn receive_messages(link: &Link, socket: &mut TcpStream, staging: &mut Staging, 
             return Ok(());
         }
         let frame = Frame::decode(&header);
-        match frame.kind {
-            FRAME_CLOSE => return Ok(()),
-            FRAME_PUT => {}
-            k => return Err(MkError::remote(format!("rank {peer} sent an unknown transport message kind {k}"))),
-        }
-        let in_data = frame.dst_offset.checked_add(frame.bytes).is_some_and(|end| end <= window.data.bytes);
-        let in_signals = frame.signal_id == u32::MAX || (frame.signal_id as u64) < window.signal_words();
-        if !in_data || !in_signals {
-            return Err(MkError::remote(format!(
-                "rank {peer} sent a put outside this rank's window ({frame:?}; data {} bytes, {} signal words)",
-                window.data.bytes,
-                window.signal_words()
-            )));
+        if !accept_frame(&frame, &window, peer)? {
+            return Ok(()); // the peer closed cleanly
         }
         stats.messages += 1;
         stats.bytes += frame.bytes;
@@ -790,6 +799,38 @@ mod tests {
         let f = Frame { kind: FRAME_PUT, signal_id: 9, bytes: 1 << 40, dst_offset: 77, signal_value: u64::MAX - 1 };
         assert_eq!(Frame::decode(&f.encode()), f);
         assert_eq!(Frame::decode(&Frame::close().encode()).kind, FRAME_CLOSE);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config { cases: 4000, failure_persistence: None, ..Default::default() })]
+
+        /// Any 32 header bytes: a put is accepted only inside the window; nothing panics.
+        #[test]
+        fn any_header_is_a_put_inside_the_window_close_or_an_error(
+            header in proptest::array::uniform32(proptest::prelude::any::<u8>()),
+            small_kind in proptest::prelude::any::<bool>(),
+            data_bytes in 0u64..1 << 20,
+            signal_words in 0u64..64,
+        ) {
+            let mut header = header;
+            if small_kind {
+                header[0] %= 4;
+                header[1..4].fill(0);
+            }
+            let region = |bytes| crate::transport::MemoryRegion { base: 0x1000, bytes, kind: MemoryKind::Host };
+            let window = Window { data: region(data_bytes), signals: region(8 * signal_words) };
+            let frame = Frame::decode(&header);
+            proptest::prop_assert_eq!(Frame::decode(&frame.encode()), frame);
+            match accept_frame(&frame, &window, 1) {
+                Ok(true) => {
+                    proptest::prop_assert_eq!(frame.kind, FRAME_PUT);
+                    proptest::prop_assert!(u128::from(frame.dst_offset) + u128::from(frame.bytes) <= u128::from(data_bytes));
+                    proptest::prop_assert!(frame.signal_id == u32::MAX || u64::from(frame.signal_id) < signal_words);
+                }
+                Ok(false) => proptest::prop_assert_eq!(frame.kind, FRAME_CLOSE),
+                Err(e) => proptest::prop_assert_eq!(e.code, mkResult_t::mkRemoteError),
+            }
+        }
     }
 
     #[test]
