@@ -49,7 +49,10 @@ fn frame_from_junk(junk: &[u8], max: usize) -> Outcome {
 fn frame_round_trip(payload: &[u8], flip: usize) -> Outcome {
     let mut tx = FrameCounter::new([2; 32]);
     let wire = tx.seal(payload);
-    prop_assert_eq!(FrameCounter::new([2; 32]).open(&mut &wire[..], payload.len(), &deadline(), &"fuzz").unwrap(), payload);
+    prop_assert_eq!(
+        FrameCounter::new([2; 32]).open(&mut &wire[..], payload.len(), &deadline(), &"fuzz").unwrap(),
+        payload
+    );
     let mut bad = wire.clone();
     let i = flip % bad.len();
     bad[i] ^= 1 << (flip % 8);
@@ -150,7 +153,8 @@ fn acceptor_with_junk(junk: &[u8]) -> Outcome {
         first_frame_max: Some(16),
         log_rank: None,
     };
-    let got = Acceptor::new(&listener, config).next(&Deadline::bootstrap(Duration::from_secs(3)), &|_| true, "fuzz").unwrap();
+    let got =
+        Acceptor::new(&listener, config).next(&Deadline::bootstrap(Duration::from_secs(3)), &|_| true, "fuzz").unwrap();
     prop_assert_eq!(got.first_frame.as_deref(), Some(&b"hi"[..]));
     prop_assert_eq!(got.dialer, 0);
     honest.join().unwrap().unwrap();
@@ -178,10 +182,9 @@ fn run_all(cases: u32) {
     })
     .unwrap();
     r().run(&bytes(PROOF_BYTES + 8), |b| handshake_messages(&b)).unwrap();
-    r().run(
-        &(bytes(PROOF_BYTES + 4), bytes(CHALLENGE_BYTES + 4), bytes(VERDICT_BYTES + 4)),
-        |(p, c, v)| handshake_checks(&p, &c, &v),
-    )
+    r().run(&(bytes(PROOF_BYTES + 4), bytes(CHALLENGE_BYTES + 4), bytes(VERDICT_BYTES + 4)), |(p, c, v)| {
+        handshake_checks(&p, &c, &v)
+    })
     .unwrap();
     r().run(&bytes(64), |b| socket_blob(&b)).unwrap();
 }

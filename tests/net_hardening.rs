@@ -8,8 +8,8 @@
 
 use mkernel::bootstrap::acceptor::{Acceptor, AcceptorConfig};
 use mkernel::bootstrap::handshake::{
-    self, Challenge, ChallengeStatus, DialSpec, DialerSide, Purpose, Verdict, VerdictStatus,
-    CHALLENGE_BYTES, HANDSHAKE_LIMIT, PROOF_BYTES, ROOT_ID, VERDICT_BYTES,
+    self, Challenge, ChallengeStatus, DialSpec, DialerSide, Purpose, Verdict, VerdictStatus, CHALLENGE_BYTES,
+    HANDSHAKE_LIMIT, PROOF_BYTES, ROOT_ID, VERDICT_BYTES,
 };
 use mkernel::bootstrap::net::{self, Deadline};
 use mkernel::bootstrap::root::{start_root, start_root_with, RootLimits};
@@ -44,7 +44,8 @@ fn listening_ports() -> HashSet<u16> {
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
         .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(str::to_string))
         .collect();
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap() + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap()
+        + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
     table
         .lines()
         .filter_map(|l| {
@@ -155,13 +156,17 @@ fn silent_connections_to_a_transport_listener_do_not_fail_the_job() {
 #[test]
 fn a_flood_of_silent_connections_at_the_root_starts_no_threads_and_ranks_still_join() {
     let _serial = serial();
-    let limits = RootLimits { idle: Duration::from_secs(30), max_in_flight: 16, handshake_limit: Duration::from_millis(500) };
+    let limits =
+        RootLimits { idle: Duration::from_secs(30), max_in_flight: 16, handshake_limit: Duration::from_millis(500) };
     let (id, _root) = start_root_with(limits).unwrap();
     let threads_before = threads_in_this_process();
     let silent = silent_connections(id.root, 300);
     std::thread::sleep(Duration::from_millis(200)); // the root has accepted what it will
     let threads_during = threads_in_this_process();
-    assert!(threads_during <= threads_before + 2, "threads grew from {threads_before} to {threads_during} under the flood");
+    assert!(
+        threads_during <= threads_before + 2,
+        "threads grew from {threads_before} to {threads_during} under the flood"
+    );
     let start = Instant::now();
     for r in join_all(id, 3, Duration::from_secs(5)) {
         r.expect("a real rank joins despite the flood");
@@ -173,7 +178,13 @@ fn a_flood_of_silent_connections_at_the_root_starts_no_threads_and_ranks_still_j
 /// Speaks the rank side of the root protocol by hand (the test knows the secret).
 fn hand_made_hello(id: &UniqueId, hello: &Hello) -> mkernel::Result<RootReply> {
     let deadline = Deadline::bootstrap(Duration::from_secs(5));
-    let spec = DialSpec { key: &id.secret, session: id.session, purpose: Purpose::BootstrapRoot, dialer: hello.rank, target: ROOT_ID };
+    let spec = DialSpec {
+        key: &id.secret,
+        session: id.session,
+        purpose: Purpose::BootstrapRoot,
+        dialer: hello.rank,
+        target: ROOT_ID,
+    };
     let mut root = handshake::dial(id.root, spec, &deadline, "hand-made rank")?;
     root.send(&hello.encode(), &deadline, &"hand-made hello")?;
     RootReply::decode(&root.recv(MAX_ROOT_REPLY_BYTES, &deadline, &"root reply")?)
@@ -342,7 +353,8 @@ fn a_dialer_retries_dropped_and_busy_attempts() {
     let addr = listener.local_addr().unwrap();
     let dialer = std::thread::spawn(move || {
         let spec = DialSpec { key: &key, session: 5, purpose: Purpose::Transport, dialer: 2, target: 0 };
-        handshake::dial(addr, spec, &Deadline::after(Duration::from_secs(3), "test"), "retrying dialer").map(|s| s.peer())
+        handshake::dial(addr, spec, &Deadline::after(Duration::from_secs(3), "test"), "retrying dialer")
+            .map(|s| s.peer())
     });
     let wait = |l: &TcpListener| loop {
         match l.accept() {
@@ -352,7 +364,8 @@ fn a_dialer_retries_dropped_and_busy_attempts() {
     };
     drop(wait(&listener)); // dropped without a word
     let mut busy = wait(&listener);
-    busy.write_all(&Challenge { status: ChallengeStatus::Busy, purpose: Purpose::Transport, nonce: [0; 16] }.encode()).unwrap();
+    busy.write_all(&Challenge { status: ChallengeStatus::Busy, purpose: Purpose::Transport, nonce: [0; 16] }.encode())
+        .unwrap();
     drop(busy);
     let mut acceptor = Acceptor::new(&listener, acceptor_config(&key, 0));
     let got = acceptor.next(&Deadline::after(Duration::from_secs(3), "test"), &|d| d == 2, "test listener").unwrap();

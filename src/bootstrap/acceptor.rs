@@ -90,7 +90,11 @@ impl<'l, 'k> Acceptor<'l, 'k> {
             self.pending.retain(|p| {
                 let alive = p.deadline > now;
                 if !alive {
-                    refused(&self.config, p.peer, &format!("no handshake within HANDSHAKE_LIMIT={} ms", limit.as_millis()));
+                    refused(
+                        &self.config,
+                        p.peer,
+                        &format!("no handshake within HANDSHAKE_LIMIT={} ms", limit.as_millis()),
+                    );
                 }
                 alive
             });
@@ -165,7 +169,14 @@ impl<'l, 'k> Acceptor<'l, 'k> {
                 continue;
             }
             let deadline = Instant::now() + self.config.handshake_limit;
-            self.pending.push(Pending { socket, peer, deadline, side, stage: Stage::Proof, buf: Vec::with_capacity(PROOF_BYTES) });
+            self.pending.push(Pending {
+                socket,
+                peer,
+                deadline,
+                side,
+                stage: Stage::Proof,
+                buf: Vec::with_capacity(PROOF_BYTES),
+            });
         }
     }
 }
@@ -190,7 +201,13 @@ fn fill(socket: &mut TcpStream, buf: &mut Vec<u8>, need: usize) -> std::io::Resu
     Ok(true)
 }
 
-fn advance(p: &mut Pending<'_>, config: &AcceptorConfig<'_>, wanted: &dyn Fn(u32) -> bool, deadline: &Deadline, what: &str) -> Progress {
+fn advance(
+    p: &mut Pending<'_>,
+    config: &AcceptorConfig<'_>,
+    wanted: &dyn Fn(u32) -> bool,
+    deadline: &Deadline,
+    what: &str,
+) -> Progress {
     let need = match p.stage {
         Stage::Proof => PROOF_BYTES,
         Stage::FirstFrame { .. } if p.buf.len() < LENGTH_BYTES => LENGTH_BYTES,
@@ -249,5 +266,9 @@ fn finish(p: &mut Pending<'_>, dialer: u32, keys: FrameKeys, first_frame: Option
         Err(e) => return Progress::Dropped(format!("cannot use the connection: {e}")),
     };
     let frames = u64::from(first_frame.is_some());
-    Progress::Done(Accepted { stream: SecureStream::new(socket, p.peer, keys).with_received(frames), dialer, first_frame })
+    Progress::Done(Accepted {
+        stream: SecureStream::new(socket, p.peer, keys).with_received(frames),
+        dialer,
+        first_frame,
+    })
 }

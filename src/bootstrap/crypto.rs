@@ -11,7 +11,8 @@ type HmacSha256 = Hmac<Sha256>;
 
 fn keyed(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
     // HMAC accepts keys of any length (longer ones are hashed first), so this cannot fail.
-    let mut mac = <HmacSha256 as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!("HMAC takes any key length"));
+    let mut mac =
+        <HmacSha256 as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!("HMAC takes any key length"));
     for p in parts {
         mac.update(p);
     }
@@ -97,7 +98,10 @@ mod tests {
     /// FIPS 180-4 examples (the "abc" and two-block messages).
     #[test]
     fn sha256_matches_fips_examples() {
-        assert_eq!(sha256(&[b"abc"]).to_vec(), unhex("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"));
+        assert_eq!(
+            sha256(&[b"abc"]).to_vec(),
+            unhex("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")
+        );
         assert_eq!(
             sha256(&[b"abcdbcdecdefdefgefghfghighij", b"hijkijkljklmklmnlmnomnopnopq"]).to_vec(),
             unhex("248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1")

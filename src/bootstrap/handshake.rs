@@ -118,8 +118,8 @@ impl Challenge {
             1 => ChallengeStatus::Busy,
             s => return Err(MkError::remote(format!("handshake challenge with unknown status {s}"))),
         };
-        let purpose =
-            Purpose::from_u8(b[5]).ok_or_else(|| MkError::remote(format!("handshake challenge with unknown purpose {}", b[5])))?;
+        let purpose = Purpose::from_u8(b[5])
+            .ok_or_else(|| MkError::remote(format!("handshake challenge with unknown purpose {}", b[5])))?;
         Ok(Challenge { status, purpose, nonce: b[6..].try_into().expect("16 bytes") })
     }
 }
@@ -219,7 +219,10 @@ impl Transcript {
     /// The frame keys as the dialer uses them (the acceptor swaps send and receive).
     pub fn dialer_frame_keys(&self, key: &[u8]) -> FrameKeys {
         let t = self.bytes();
-        FrameKeys { send: hmac_sha256(key, &[DIALER_FRAMES_LABEL, &t]), recv: hmac_sha256(key, &[ACCEPTOR_FRAMES_LABEL, &t]) }
+        FrameKeys {
+            send: hmac_sha256(key, &[DIALER_FRAMES_LABEL, &t]),
+            recv: hmac_sha256(key, &[ACCEPTOR_FRAMES_LABEL, &t]),
+        }
     }
 
     pub fn acceptor_frame_keys(&self, key: &[u8]) -> FrameKeys {
@@ -241,7 +244,9 @@ impl std::fmt::Display for Refusal {
         match self {
             Refusal::WrongProof => f.write_str("its proof does not match the unique id's secret"),
             Refusal::WrongTarget { target } => write!(f, "it proved the secret but was meant for id {target}"),
-            Refusal::UnexpectedDialer { dialer } => write!(f, "it proved the secret as rank {dialer}, which is not expected here"),
+            Refusal::UnexpectedDialer { dialer } => {
+                write!(f, "it proved the secret as rank {dialer}, which is not expected here")
+            }
         }
     }
 }
@@ -269,7 +274,11 @@ impl<'k> AcceptorSide<'k> {
     /// Checks the dialer's proof message. Returns the verdict to send and, when accepted,
     /// the dialer's id and this side's frame keys. `wanted` says whether a dialer id is
     /// expected here. The acceptor's own proof is sent only to a dialer that proved the key.
-    pub fn check(&self, proof: &[u8], wanted: &dyn Fn(u32) -> bool) -> ([u8; VERDICT_BYTES], std::result::Result<(u32, FrameKeys), Refusal>) {
+    pub fn check(
+        &self,
+        proof: &[u8],
+        wanted: &dyn Fn(u32) -> bool,
+    ) -> ([u8; VERDICT_BYTES], std::result::Result<(u32, FrameKeys), Refusal>) {
         let refuse = |status: VerdictStatus, why: Refusal| (Verdict { status, tag: [0; TAG_BYTES] }.encode(), Err(why));
         let Ok(p) = Proof::decode(proof) else {
             return refuse(VerdictStatus::WrongProof, Refusal::WrongProof);
@@ -315,7 +324,11 @@ pub struct DialerSide<'k> {
 
 impl<'k> DialerSide<'k> {
     /// `Ok(None)`: the acceptor is busy, try again.
-    pub fn answer(spec: DialSpec<'k>, challenge: &[u8], dialer_nonce: [u8; NONCE_BYTES]) -> Result<Option<(Self, [u8; PROOF_BYTES])>> {
+    pub fn answer(
+        spec: DialSpec<'k>,
+        challenge: &[u8],
+        dialer_nonce: [u8; NONCE_BYTES],
+    ) -> Result<Option<(Self, [u8; PROOF_BYTES])>> {
         let c = Challenge::decode(challenge)?;
         if c.purpose != spec.purpose {
             return Err(MkError::remote(format!(
@@ -335,7 +348,12 @@ impl<'k> DialerSide<'k> {
             dialer: spec.dialer,
             target: spec.target,
         };
-        let proof = Proof { nonce: dialer_nonce, dialer: spec.dialer, target: spec.target, tag: transcript.dialer_proof(spec.key) };
+        let proof = Proof {
+            nonce: dialer_nonce,
+            dialer: spec.dialer,
+            target: spec.target,
+            tag: transcript.dialer_proof(spec.key),
+        };
         Ok(Some((DialerSide { spec, transcript }, proof.encode())))
     }
 
@@ -354,7 +372,9 @@ impl<'k> DialerSide<'k> {
                  (ranks disagree on the layout)",
                 self.spec.dialer, self.spec.target
             ))),
-            VerdictStatus::Accepted if hmac_sha256_verify(self.spec.key, &[ACCEPTOR_LABEL, &self.transcript.bytes()], &v.tag) => {
+            VerdictStatus::Accepted
+                if hmac_sha256_verify(self.spec.key, &[ACCEPTOR_LABEL, &self.transcript.bytes()], &v.tag) =>
+            {
                 Ok(self.transcript.dialer_frame_keys(self.spec.key))
             }
             VerdictStatus::Accepted => Err(MkError::remote(format!(
@@ -371,18 +391,29 @@ enum AttemptError {
     Fatal(MkError),
 }
 
-fn attempt(addr: SocketAddr, spec: DialSpec<'_>, deadline: &Deadline, what: &str) -> std::result::Result<SecureStream, AttemptError> {
+fn attempt(
+    addr: SocketAddr,
+    spec: DialSpec<'_>,
+    deadline: &Deadline,
+    what: &str,
+) -> std::result::Result<SecureStream, AttemptError> {
     use AttemptError::*;
     let retry = Retry;
     let mut s = net::connect_once(addr, deadline, &what).map_err(retry)?;
     // The acceptor may not be accepting yet: wait for its challenge up to the step's deadline.
     let mut challenge = [0u8; CHALLENGE_BYTES];
-    s.read_exact_before(&mut challenge, deadline, &format!("{what}: waiting for the handshake challenge")).map_err(retry)?;
+    s.read_exact_before(&mut challenge, deadline, &format!("{what}: waiting for the handshake challenge"))
+        .map_err(retry)?;
     let mut nonce = [0u8; NONCE_BYTES];
     random_bytes(&mut nonce).map_err(Fatal)?;
     let (side, proof) = match DialerSide::answer(spec, &challenge, nonce).map_err(Fatal)? {
         Some(x) => x,
-        None => return Err(Retry(MkError::remote(format!("the {} at {addr} was busy with other handshakes", spec.purpose.describe())))),
+        None => {
+            return Err(Retry(MkError::remote(format!(
+                "the {} at {addr} was busy with other handshakes",
+                spec.purpose.describe()
+            ))))
+        }
     };
     let hs = deadline.capped(HANDSHAKE_LIMIT, HANDSHAKE_LIMIT_NAME);
     let step = format!("{what}: handshake");
@@ -429,7 +460,11 @@ mod tests {
     }
 
     /// Runs the three messages in memory; returns both sides' outcomes.
-    fn exchange(acceptor_key: &[u8], dialer: DialSpec<'_>, me: u32) -> (std::result::Result<(u32, FrameKeys), Refusal>, Result<FrameKeys>) {
+    fn exchange(
+        acceptor_key: &[u8],
+        dialer: DialSpec<'_>,
+        me: u32,
+    ) -> (std::result::Result<(u32, FrameKeys), Refusal>, Result<FrameKeys>) {
         let a = AcceptorSide::new(acceptor_key, 42, Purpose::BootstrapRing, me).unwrap();
         let (side, proof) = DialerSide::answer(dialer, &a.challenge(), [9; NONCE_BYTES]).unwrap().unwrap();
         let (verdict, accepted) = a.check(&proof, &|d| d == 3);
@@ -519,9 +554,11 @@ mod tests {
 
     #[test]
     fn busy_and_foreign_challenges() {
-        let busy = Challenge { status: ChallengeStatus::Busy, purpose: Purpose::BootstrapRing, nonce: [0; 16] }.encode();
+        let busy =
+            Challenge { status: ChallengeStatus::Busy, purpose: Purpose::BootstrapRing, nonce: [0; 16] }.encode();
         assert!(DialerSide::answer(spec(&[1; 16]), &busy, [0; 16]).unwrap().is_none());
-        let root = Challenge { status: ChallengeStatus::Ready, purpose: Purpose::BootstrapRoot, nonce: [0; 16] }.encode();
+        let root =
+            Challenge { status: ChallengeStatus::Ready, purpose: Purpose::BootstrapRoot, nonce: [0; 16] }.encode();
         assert!(DialerSide::answer(spec(&[1; 16]), &root, [0; 16]).is_err());
         assert!(DialerSide::answer(spec(&[1; 16]), b"HTTP/1.1 400 Bad Request\r\n", [0; 16]).is_err());
     }

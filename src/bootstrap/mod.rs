@@ -85,7 +85,13 @@ impl Bootstrap {
             timeout_ms: timeout.as_millis().min(u32::MAX as u128) as u32,
         };
         let what = format!("rank {rank} joining the bootstrap root at {}", id.root);
-        let spec = DialSpec { key: &id.secret, session: id.session, purpose: Purpose::BootstrapRoot, dialer: rank as u32, target: ROOT_ID };
+        let spec = DialSpec {
+            key: &id.secret,
+            session: id.session,
+            purpose: Purpose::BootstrapRoot,
+            dialer: rank as u32,
+            target: ROOT_ID,
+        };
         let mut root = handshake::dial(id.root, spec, &deadline, &what).map_err(|mut e| {
             if e.code == crate::error::mkResult_t::mkTimeout && e.message.contains("refused") {
                 e.message.push_str(&format!(
@@ -142,7 +148,8 @@ impl Bootstrap {
                 };
                 let what = format!("rank {rank} waiting for rank {prev_rank} to connect (bootstrap ring)");
                 let prev = Acceptor::new(&listener, config).next(&deadline, &|d| d as usize == prev_rank, &what);
-                let next = connector.join().map_err(|_| MkError::internal("the bootstrap ring connector thread panicked"))?;
+                let next =
+                    connector.join().map_err(|_| MkError::internal("the bootstrap ring connector thread panicked"))?;
                 Ok::<_, MkError>((next?, prev?.stream))
             })?;
             let handles = vec![next.socket().try_clone()?, prev.socket().try_clone()?];
@@ -199,7 +206,8 @@ impl Bootstrap {
                     .spawn_scoped(s, || next.send(&payload, &deadline, &what))
                     .map_err(|e| MkError::system(format!("cannot start the bootstrap allgather sender thread: {e}")))?;
                 let got = prev.recv(MAX_MESSAGE_BYTES, &deadline, &what);
-                let sent = sender.join().map_err(|_| MkError::internal("the bootstrap allgather sender thread panicked"))?;
+                let sent =
+                    sender.join().map_err(|_| MkError::internal("the bootstrap allgather sender thread panicked"))?;
                 sent?;
                 got
             });

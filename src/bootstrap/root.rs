@@ -89,7 +89,12 @@ fn serve(listener: &TcpListener, id: &UniqueId, limits: RootLimits) -> Result<()
         let Accepted { stream, first_frame, .. } = match accepted {
             Ok(a) => a,
             Err(_) if rendezvous.deadline.is_none() => {
-                mk_info!(None, "bootstrap root on {}: no rank joined within ROOT_IDLE_LIMIT={} s; closing", id.root, limits.idle.as_secs());
+                mk_info!(
+                    None,
+                    "bootstrap root on {}: no rank joined within ROOT_IDLE_LIMIT={} s; closing",
+                    id.root,
+                    limits.idle.as_secs()
+                );
                 return Ok(());
             }
             Err(e) => {
@@ -98,7 +103,9 @@ fn serve(listener: &TcpListener, id: &UniqueId, limits: RootLimits) -> Result<()
                 return Err(e);
             }
         };
-        let hello = first_frame.ok_or_else(|| MkError::internal("the root's acceptor returned no hello")).and_then(|b| Hello::decode(&b));
+        let hello = first_frame
+            .ok_or_else(|| MkError::internal("the root's acceptor returned no hello"))
+            .and_then(|b| Hello::decode(&b));
         match hello.and_then(|h| rendezvous.admit(stream, h)) {
             Ok(true) => return Ok(()),
             Ok(false) => {}
@@ -147,7 +154,8 @@ impl Rendezvous {
             // Sized only after the bound check above; the clock starts with the first rank.
             self.nranks = hello.nranks;
             self.joined.resize_with(hello.nranks as usize, || None);
-            self.deadline = Some(Deadline::after(Duration::from_millis(u64::from(hello.timeout_ms)), BOOTSTRAP_TIMEOUT_VAR));
+            self.deadline =
+                Some(Deadline::after(Duration::from_millis(u64::from(hello.timeout_ms)), BOOTSTRAP_TIMEOUT_VAR));
         }
         mk_info!(Some(hello.rank as usize), "joined the bootstrap");
         let [entry] = one;

@@ -774,7 +774,11 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::test_runner::Config { cases: 4000, failure_persistence: None, ..Default::default() })]
+        #![proptest_config(proptest::test_runner::Config {
+            cases: 4000,
+            failure_persistence: None,
+            ..Default::default()
+        })]
 
         /// Any command a kernel could leave in a slot decodes to a put to a peer within
         /// MK_PROXY_MAX_PEER, or to mkInternalError; never a panic.

@@ -680,10 +680,14 @@ impl Transport for SocketTransport {
             });
             let dialer = match dialer {
                 Ok(d) => d,
-                Err(e) => return (Err(MkError::system(format!("cannot start the transport dialer thread: {e}"))), Ok(Vec::new())),
+                Err(e) => {
+                    let e = MkError::system(format!("cannot start the transport dialer thread: {e}"));
+                    return (Err(e), Ok(Vec::new()));
+                }
             };
             let accepted = self.accept_peers(&higher_ranks, &deadline);
-            let dialed = dialer.join().unwrap_or_else(|_| Err(MkError::internal("the transport dialer thread panicked")));
+            let dialed =
+                dialer.join().unwrap_or_else(|_| Err(MkError::internal("the transport dialer thread panicked")));
             (dialed, accepted)
         });
         let mut sockets = dialed?;
@@ -802,7 +806,11 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::test_runner::Config { cases: 4000, failure_persistence: None, ..Default::default() })]
+        #![proptest_config(proptest::test_runner::Config {
+            cases: 4000,
+            failure_persistence: None,
+            ..Default::default()
+        })]
 
         /// Any 32 header bytes: a put is accepted only inside the window; nothing panics.
         #[test]
@@ -824,7 +832,8 @@ mod tests {
             match accept_frame(&frame, &window, 1) {
                 Ok(true) => {
                     proptest::prop_assert_eq!(frame.kind, FRAME_PUT);
-                    proptest::prop_assert!(u128::from(frame.dst_offset) + u128::from(frame.bytes) <= u128::from(data_bytes));
+                    let end = u128::from(frame.dst_offset) + u128::from(frame.bytes);
+                    proptest::prop_assert!(end <= u128::from(data_bytes));
                     proptest::prop_assert!(frame.signal_id == u32::MAX || u64::from(frame.signal_id) < signal_words);
                 }
                 Ok(false) => proptest::prop_assert_eq!(frame.kind, FRAME_CLOSE),
