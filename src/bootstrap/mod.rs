@@ -107,7 +107,16 @@ impl Bootstrap {
         // The root's own deadline (from the first rank's arrival) ends about when ours does;
         // allow a little longer so its answer, which names the missing ranks, gets here first.
         let reply_deadline = Deadline::bootstrap(deadline.remaining(&waiting)? + std::time::Duration::from_secs(2));
-        let table = match RootReply::decode(&root.recv(MAX_ROOT_REPLY_BYTES, &reply_deadline, &waiting)?)? {
+        let reply = root.recv(MAX_ROOT_REPLY_BYTES, &reply_deadline, &waiting).map_err(|mut e| {
+            if e.code == crate::error::mkResult_t::mkRemoteError {
+                e.message.push_str(
+                    " (the bootstrap root ended without answering: see the log of the process that called \
+                     mkGetUniqueId)",
+                );
+            }
+            e
+        })?;
+        let table = match RootReply::decode(&reply)? {
             RootReply::Table(t) => t,
             RootReply::Error(e) => return Err(e),
         };

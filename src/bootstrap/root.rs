@@ -88,7 +88,7 @@ fn serve(listener: &TcpListener, id: &UniqueId, limits: RootLimits) -> Result<()
         let accepted = acceptor.next(&deadline, &|_| true, "bootstrap rendezvous");
         let Accepted { stream, first_frame, .. } = match accepted {
             Ok(a) => a,
-            Err(_) if rendezvous.deadline.is_none() => {
+            Err(e) if e.code == mkResult_t::mkTimeout && rendezvous.deadline.is_none() => {
                 mk_info!(
                     None,
                     "bootstrap root on {}: no rank joined within ROOT_IDLE_LIMIT={} s; closing",
