@@ -113,9 +113,10 @@ fn wrong_or_missing_secret_is_refused_and_real_ranks_still_form() {
     let all = b0.allgather(b"zero").unwrap();
     assert_eq!(all, vec![b"zero".to_vec(), b"one".to_vec()]);
     assert_eq!(other.join().unwrap(), all);
-    // The intruder never got a rank table: it was dropped at the challenge.
+    // The intruder never got a rank table: the root refused its proof and told it so.
     let e = intruder.join().unwrap().err().expect("intruder must not join");
-    assert!(matches!(e.code, mkResult_t::mkRemoteError | mkResult_t::mkTimeout), "{e}");
+    assert_eq!(e.code, mkResult_t::mkInvalidUsage, "{e}");
+    assert!(e.message.contains("authentication failed") && e.message.contains("unique id's secret"), "{e}");
     drop(silent);
 }
 
@@ -178,7 +179,7 @@ fn dead_peer_gives_remote_error_and_abort_unblocks() {
 fn unique_id_is_128_bytes_and_rejects_garbage() {
     assert_eq!(UNIQUE_ID_BYTES, 128);
     assert!(UniqueId::from_bytes(&[7u8; 128]).is_err());
-    let _ = net::Deadline::after(Duration::from_millis(1));
+    let _ = net::Deadline::bootstrap(Duration::from_millis(1));
 }
 
 /// Runs the forged-secret scenario in a child process with MK_DEBUG=WARN; a no-op otherwise.
@@ -212,7 +213,7 @@ fn refused_joins_are_logged() {
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("INTRUDER-REFUSED") && stdout.contains("REAL-RANK-OK"), "{stdout}");
     assert!(
-        stderr.contains("MK WARN refused bootstrap connection") && stderr.contains("does not match the unique id's secret"),
+        stderr.contains("MK WARN refused bootstrap root connection") && stderr.contains("does not match the unique id's secret"),
         "the refusal must be logged: {stderr}"
     );
 }

@@ -6,7 +6,8 @@
 use mkernel::bootstrap::{root::start_root, Bootstrap, UniqueId, UNIQUE_ID_BYTES};
 use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{mkResult_t, MkError, Result};
-use mkernel::bootstrap::net::{self, Deadline};
+use mkernel::bootstrap::handshake::{self, DialSpec, Purpose};
+use mkernel::bootstrap::net::Deadline;
 use mkernel::transport::socket::{SocketBlob, SocketTransport};
 use mkernel::transport::{
     connect_through_bootstrap, MemoryKind, MemoryRegion, PostId, PutRequest, Transport, TransportAuth, Window,
@@ -258,8 +259,8 @@ fn wrong_secret_is_refused() {
     let e0 = r0.unwrap_err();
     assert_eq!(e0.code, mkResult_t::mkTimeout, "rank 0 never accepts the impostor: {e0}");
     let e1 = r1.unwrap_err();
-    assert_eq!(e1.code, mkResult_t::mkRemoteError, "rank 0 hung up on the impostor: {e1}");
-    assert!(e1.message.contains("same unique id"), "rank 1 is told why: {e1}");
+    assert_eq!(e1.code, mkResult_t::mkInvalidUsage, "rank 0 refused the impostor's proof: {e1}");
+    assert!(e1.message.contains("authentication failed"), "rank 1 is told why: {e1}");
     assert!(start.elapsed() < timeout + Duration::from_secs(3));
     assert_eq!(
         t0.post_put(&PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 1, signal: None }).unwrap_err().code,
@@ -425,12 +426,9 @@ fn hand_made_peer(frames: &[Vec<u8>]) -> (SocketTransport, HostWindow, std::net:
     let blobs = vec![mine.encode(), fake.encode()];
     let sock = std::thread::scope(|s| {
         let dialer = s.spawn(|| {
-            let d = Deadline::after(Duration::from_secs(5));
-            let mut sock = net::connect_before(mine.listen, &d, &"fake rank 1").unwrap();
-            net::respond(&mut sock, &auth.key, auth.session, &d).unwrap();
-            net::challenge(&mut sock, &auth.key, auth.session, &d).unwrap();
-            net::send_frame(&mut sock, &1u32.to_le_bytes(), &d, &"fake rank 1").unwrap();
-            sock
+            let d = Deadline::after(Duration::from_secs(5), "test");
+            let spec = DialSpec { key: &auth.key, session: auth.session, purpose: Purpose::Transport, dialer: 1, target: 0 };
+            handshake::dial(mine.listen, spec, &d, "fake rank 1").unwrap().into_socket()
         });
         t.connect(&blobs, &[1]).unwrap();
         dialer.join().unwrap()

@@ -2,23 +2,36 @@
 //! (allgather, broadcast, barrier) over a ring of sockets between the ranks.
 //!
 //! Every step is bounded by `MK_BOOTSTRAP_TIMEOUT_MS`; a rank that never arrives gives
-//! `mkTimeout`, a peer that dies gives `mkRemoteError`. Every accepted connection, at the
-//! root and on the ring, must first answer a random challenge with an HMAC of the unique
-//! id's secret; connections that cannot are refused and logged.
+//! `mkTimeout`, a peer that dies gives `mkRemoteError`. Every connection, to the root and
+//! on the ring, starts with a mutual handshake proving the unique id's secret in both
+//! directions (`handshake`), and every frame after it carries a MAC (`frames`). The threat
+//! model and every bound are in docs/security.md.
 
+pub mod acceptor;
+pub mod crypto;
+pub mod frames;
+pub mod handshake;
 pub mod net;
 pub mod root;
-pub mod sha256;
 pub mod unique_id;
 pub mod wire;
 
 use crate::error::{MkError, Result};
-use crate::{mk_info, mk_warn};
+use crate::mk_info;
+use acceptor::{Acceptor, AcceptorConfig};
+use frames::SecureStream;
+use handshake::{DialSpec, Purpose, HANDSHAKE_LIMIT, ROOT_ID};
 use net::Deadline;
 use parking_lot::Mutex;
 use std::net::{Shutdown, TcpStream};
 pub use unique_id::{UniqueId, UNIQUE_ID_BYTES};
-use wire::{Hello, RootReply};
+use wire::{Hello, RootReply, MAX_ROOT_REPLY_BYTES};
+
+/// Largest payload a rank sends in one bootstrap collective; a peer's frame over it is a
+/// protocol error, not an allocation.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// Handshakes a rank's ring listener runs at once.
+const RING_MAX_IN_FLIGHT: usize = 16;
 
 /// The most ranks a communicator may have. Every rank count that comes from C or from the
 /// network is checked against it before anything is sized by it (the root's tables grow
@@ -31,15 +44,15 @@ pub fn host_hash() -> u64 {
     // SAFETY: the buffer is writable for its length.
     unsafe { libc::gethostname(host.as_mut_ptr().cast(), host.len()) };
     let boot = std::fs::read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let d = sha256::sha256(&[&host, &boot]);
+    let d = crypto::sha256(&[&host, &boot]);
     u64::from_le_bytes(d[..8].try_into().expect("8 bytes"))
 }
 
 struct Ring {
     /// Connection to rank + 1 (we send on it).
-    next: TcpStream,
+    next: SecureStream,
     /// Connection from rank - 1 (we receive on it).
-    prev: TcpStream,
+    prev: SecureStream,
 }
 
 /// One rank's view of the bootstrap after the rendezvous.
@@ -57,7 +70,12 @@ impl Bootstrap {
     /// Joins the communicator named by `id` as `rank` of `nranks`.
     /// `timeout` bounds the rendezvous and, later, each collective.
     pub fn join(id: &UniqueId, rank: usize, nranks: usize, timeout: std::time::Duration) -> Result<Bootstrap> {
-        let deadline = Deadline::after(timeout);
+        if nranks == 0 || nranks > MAX_RANKS || rank >= nranks {
+            return Err(MkError::invalid_argument(format!(
+                "rank {rank} of nranks {nranks}: nranks must be in [1, {MAX_RANKS}] (MAX_RANKS) and rank below it"
+            )));
+        }
+        let deadline = Deadline::bootstrap(timeout);
         let listener = net::bind_listener(net::local_address()?)?;
         let hello = Hello {
             rank: rank as u32,
@@ -67,14 +85,38 @@ impl Bootstrap {
             timeout_ms: timeout.as_millis().min(u32::MAX as u128) as u32,
         };
         let what = format!("rank {rank} joining the bootstrap root at {}", id.root);
-        let mut root = net::connect_before(id.root, &deadline, &what)?;
-        net::respond(&mut root, &id.secret, id.session, &deadline)?;
-        net::send_frame(&mut root, &hello.encode(), &deadline, &what)?;
+        let spec = DialSpec {
+            key: &id.secret,
+            session: id.session,
+            purpose: Purpose::BootstrapRoot,
+            dialer: rank as u32,
+            target: ROOT_ID,
+        };
+        let mut root = handshake::dial(id.root, spec, &deadline, &what).map_err(|mut e| {
+            if e.code == crate::error::mkResult_t::mkTimeout && e.message.contains("refused") {
+                e.message.push_str(&format!(
+                    "; nothing listens at the root's address: the process that called mkGetUniqueId exited, or \
+                     its root stopped after ROOT_IDLE_LIMIT={} s with no rank joining",
+                    root::ROOT_IDLE_LIMIT.as_secs()
+                ));
+            }
+            e
+        })?;
+        root.send(&hello.encode(), &deadline, &what)?;
         let waiting = format!("rank {rank} waiting for all {nranks} ranks at the bootstrap root {}", id.root);
         // The root's own deadline (from the first rank's arrival) ends about when ours does;
         // allow a little longer so its answer, which names the missing ranks, gets here first.
-        let reply_deadline = Deadline::after(deadline.remaining(&waiting)? + std::time::Duration::from_secs(2));
-        let table = match RootReply::decode(&net::recv_frame(&mut root, &reply_deadline, &waiting)?)? {
+        let reply_deadline = Deadline::bootstrap(deadline.remaining(&waiting)? + std::time::Duration::from_secs(2));
+        let reply = root.recv(MAX_ROOT_REPLY_BYTES, &reply_deadline, &waiting).map_err(|mut e| {
+            if e.code == crate::error::mkResult_t::mkRemoteError {
+                e.message.push_str(
+                    " (the bootstrap root ended without answering: see the log of the process that called \
+                     mkGetUniqueId)",
+                );
+            }
+            e
+        })?;
+        let table = match RootReply::decode(&reply)? {
             RootReply::Table(t) => t,
             RootReply::Error(e) => return Err(e),
         };
@@ -85,21 +127,41 @@ impl Bootstrap {
         mk_info!(Some(rank), "bootstrap rendezvous complete with {nranks} ranks");
 
         let (ring, shutdown_handles) = if nranks > 1 {
-            let next_addr = table[(rank + 1) % nranks].listen;
+            let next_rank = (rank + 1) % nranks;
+            let next_addr = table[next_rank].listen;
             let prev_rank = (rank + nranks - 1) % nranks;
             let (next, prev) = std::thread::scope(|s| {
-                let connector = s.spawn(|| -> Result<TcpStream> {
-                    let what = format!("rank {rank} connecting to rank {}", (rank + 1) % nranks);
-                    let mut next = net::connect_before(next_addr, &deadline, &what)?;
-                    net::respond(&mut next, &id.secret, id.session, &deadline)?;
-                    net::send_frame(&mut next, &(rank as u32).to_le_bytes(), &deadline, &what)?;
-                    Ok(next)
-                });
-                let prev = accept_ring_neighbour(&listener, id, rank, prev_rank, &deadline);
-                let next = connector.join().map_err(|_| MkError::internal("ring connector thread panicked"))?;
-                Ok::<_, MkError>((next?, prev?))
+                let connector = std::thread::Builder::new()
+                    .name(format!("mk-boot-ring-{rank}"))
+                    .spawn_scoped(s, || {
+                        let what = format!("rank {rank} connecting to rank {next_rank} (bootstrap ring)");
+                        let spec = DialSpec {
+                            key: &id.secret,
+                            session: id.session,
+                            purpose: Purpose::BootstrapRing,
+                            dialer: rank as u32,
+                            target: next_rank as u32,
+                        };
+                        handshake::dial(next_addr, spec, &deadline, &what)
+                    })
+                    .map_err(|e| MkError::system(format!("cannot start the bootstrap ring connector thread: {e}")))?;
+                let config = AcceptorConfig {
+                    key: &id.secret,
+                    session: id.session,
+                    purpose: Purpose::BootstrapRing,
+                    me: rank as u32,
+                    max_in_flight: RING_MAX_IN_FLIGHT,
+                    handshake_limit: HANDSHAKE_LIMIT,
+                    first_frame_max: None,
+                    log_rank: Some(rank),
+                };
+                let what = format!("rank {rank} waiting for rank {prev_rank} to connect (bootstrap ring)");
+                let prev = Acceptor::new(&listener, config).next(&deadline, &|d| d as usize == prev_rank, &what);
+                let next =
+                    connector.join().map_err(|_| MkError::internal("the bootstrap ring connector thread panicked"))?;
+                Ok::<_, MkError>((next?, prev?.stream))
             })?;
-            let handles = vec![next.try_clone()?, prev.try_clone()?];
+            let handles = vec![next.socket().try_clone()?, prev.socket().try_clone()?];
             (Some(Ring { next, prev }), handles)
         } else {
             (None, Vec::new())
@@ -134,7 +196,13 @@ impl Bootstrap {
         blocks[self.rank] = mine.to_vec();
         let mut guard = self.ring.lock();
         let Some(ring) = guard.as_mut() else { return Ok(blocks) };
-        let deadline = Deadline::after(self.timeout);
+        if mine.len() > MAX_MESSAGE_BYTES {
+            return Err(MkError::invalid_argument(format!(
+                "bootstrap allgather of {} bytes exceeds MAX_MESSAGE_BYTES={MAX_MESSAGE_BYTES}",
+                mine.len()
+            )));
+        }
+        let deadline = Deadline::bootstrap(self.timeout);
         for step in 0..n - 1 {
             let send_idx = (self.rank + n - step) % n;
             let recv_idx = (self.rank + 2 * n - step - 1) % n;
@@ -142,9 +210,13 @@ impl Bootstrap {
             let payload = std::mem::take(&mut blocks[send_idx]);
             let Ring { next, prev } = ring;
             let received = std::thread::scope(|s| {
-                let sender = s.spawn(|| net::send_frame(next, &payload, &deadline, &what));
-                let got = net::recv_frame(prev, &deadline, &what);
-                let sent = sender.join().map_err(|_| MkError::internal("allgather sender panicked"))?;
+                let sender = std::thread::Builder::new()
+                    .name(format!("mk-boot-send-{}", self.rank))
+                    .spawn_scoped(s, || next.send(&payload, &deadline, &what))
+                    .map_err(|e| MkError::system(format!("cannot start the bootstrap allgather sender thread: {e}")))?;
+                let got = prev.recv(MAX_MESSAGE_BYTES, &deadline, &what);
+                let sent =
+                    sender.join().map_err(|_| MkError::internal("the bootstrap allgather sender thread panicked"))?;
                 sent?;
                 got
             });
@@ -172,24 +244,6 @@ impl Bootstrap {
     pub fn abort(&self) {
         for s in &self.shutdown_handles {
             let _ = s.shutdown(Shutdown::Both);
-        }
-    }
-}
-
-fn accept_ring_neighbour(listener: &std::net::TcpListener, id: &UniqueId, rank: usize, prev_rank: usize, deadline: &Deadline) -> Result<TcpStream> {
-    let what = format!("rank {rank} waiting for rank {prev_rank} to connect");
-    loop {
-        let (mut s, peer) = net::accept_before(listener, deadline, &what)?;
-        // A short bound per connection, so a silent intruder cannot use up the whole deadline.
-        let hs = Deadline::after(deadline.remaining(&what)?.min(std::time::Duration::from_secs(5)));
-        if let Err(e) = net::challenge(&mut s, &id.secret, id.session, &hs) {
-            mk_warn!(Some(rank), "refused bootstrap connection from {peer}: {}", e.message);
-            continue;
-        }
-        match net::recv_frame(&mut s, &hs, &what) {
-            Ok(b) if b == (prev_rank as u32).to_le_bytes() => return Ok(s),
-            Ok(b) => mk_warn!(Some(rank), "refused ring connection from {peer}: it claims to be {b:?}, expected rank {prev_rank}"),
-            Err(e) => mk_warn!(Some(rank), "dropped ring connection from {peer}: {}", e.message),
         }
     }
 }

@@ -1,16 +1,11 @@
-//! Sockets for the bootstrap: interface choice (`MK_SOCKET_IFNAME`), length-framed messages
-//! with deadlines, and the challenge-response every accepted connection must pass.
+//! Sockets for the bootstrap and the socket transport: interface choice (`MK_SOCKET_IFNAME`),
+//! deadlines that name the variable governing them, and reads and writes bounded by them.
 
-use super::sha256::{constant_time_eq, hmac_sha256};
 use crate::error::{MkError, Result};
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-/// Largest bootstrap message accepted; anything bigger is a protocol error, not an allocation.
-pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
-const HANDSHAKE_MAGIC: &[u8; 4] = b"MKB1";
-const PROOF_CONTEXT: &[u8] = b"mkernel bootstrap join v1";
 
 /// Fills `buf` from the kernel's random source.
 pub fn random_bytes(buf: &mut [u8]) -> Result<()> {
@@ -30,31 +25,75 @@ pub fn random_bytes(buf: &mut [u8]) -> Result<()> {
     Ok(())
 }
 
-/// A deadline shared by the steps of one bootstrap operation.
+/// The variable that bounds every bootstrap step (rendezvous, ring, collectives).
+pub const BOOTSTRAP_TIMEOUT_VAR: &str = "MK_BOOTSTRAP_TIMEOUT_MS";
+/// The variable that bounds the transports' waits (connecting, sends, closing).
+pub const TRANSPORT_TIMEOUT_VAR: &str = "MK_TIMEOUT_MS";
+
+/// A deadline shared by the steps of one operation. It knows which variable or constant set
+/// it, so every timeout message names what a user would change.
 #[derive(Clone, Copy, Debug)]
 pub struct Deadline {
     at: Instant,
     total: Duration,
+    governed_by: &'static str,
 }
 
 impl Deadline {
-    pub fn after(total: Duration) -> Self {
-        Deadline { at: Instant::now() + total, total }
+    /// `governed_by` names the variable or constant that `total` came from.
+    pub fn after(total: Duration, governed_by: &'static str) -> Self {
+        Deadline { at: Instant::now() + total, total, governed_by }
     }
+
+    /// A deadline bounded by `MK_BOOTSTRAP_TIMEOUT_MS`.
+    pub fn bootstrap(total: Duration) -> Self {
+        Self::after(total, BOOTSTRAP_TIMEOUT_VAR)
+    }
+
+    /// The earlier of this deadline and one `limit` from now set by `governed_by`.
+    pub fn capped(&self, limit: Duration, governed_by: &'static str) -> Deadline {
+        let other = Deadline::after(limit, governed_by);
+        if other.at < self.at {
+            other
+        } else {
+            *self
+        }
+    }
+
+    /// The `mkTimeout` for `what` not finishing before this deadline.
+    pub fn expired(&self, what: &dyn std::fmt::Display) -> MkError {
+        MkError::timeout(format!(
+            "{what} did not complete within {}={} ms",
+            self.governed_by,
+            self.total.as_millis()
+        ))
+    }
+
     /// Time left, or `mkTimeout` naming what was being waited for.
     pub fn remaining(&self, what: &dyn std::fmt::Display) -> Result<Duration> {
-        let left = self.at.saturating_duration_since(Instant::now());
+        let left = self.left();
         if left.is_zero() {
-            Err(MkError::timeout(format!(
-                "{what} did not complete within MK_BOOTSTRAP_TIMEOUT_MS={} ms",
-                self.total.as_millis()
-            )))
+            Err(self.expired(what))
         } else {
             Ok(left)
         }
     }
+
+    /// Time left (zero once passed).
+    pub fn left(&self) -> Duration {
+        self.at.saturating_duration_since(Instant::now())
+    }
+
+    pub fn at(&self) -> Instant {
+        self.at
+    }
+
     pub fn total(&self) -> Duration {
         self.total
+    }
+
+    pub fn governed_by(&self) -> &'static str {
+        self.governed_by
     }
 }
 
@@ -158,53 +197,36 @@ pub fn bind_listener(addr: IpAddr) -> Result<TcpListener> {
     Ok(l)
 }
 
-/// Accepts one connection before the deadline (the listener is non-blocking).
-pub fn accept_before(listener: &TcpListener, deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<(TcpStream, SocketAddr)> {
+/// Waits until one of `fds` is ready for what its `events` ask, or `timeout` passes.
+/// Returns how many are ready (0 on timeout). Blocks in `poll(2)`: no busy waiting.
+pub fn poll_fds(fds: &mut [libc::pollfd], timeout: Duration) -> Result<usize> {
+    // Round up, so a wait of a fraction of a millisecond does not spin at zero.
+    let ms = timeout.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as i32;
     loop {
-        match listener.accept() {
-            Ok((s, a)) => {
-                s.set_nonblocking(false)?;
-                s.set_nodelay(true)?;
-                return Ok((s, a));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                deadline.remaining(what)?;
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(MkError::system(format!("accept failed: {e}"))),
+        // SAFETY: `fds` is a valid, writable array of `fds.len()` pollfd entries.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(MkError::system(format!("poll failed: {e}")));
         }
     }
 }
 
-/// Connects, retrying refused connections (the peer may not be listening yet) until the deadline.
-pub fn connect_before(addr: SocketAddr, deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<TcpStream> {
-    loop {
-        let left = deadline.remaining(what)?;
-        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1))) {
-            Ok(s) => {
-                s.set_nodelay(true)?;
-                return Ok(s);
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
-                ) =>
-            {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => return Err(MkError::system(format!("cannot connect to {addr} for {what}: {e}"))),
-        }
-    }
+/// Connects once, bounded by the deadline (and by one second, so a dropped SYN is retried).
+pub fn connect_once(addr: SocketAddr, deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<TcpStream> {
+    let left = deadline.remaining(what)?;
+    let s = TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1)))
+        .map_err(|e| MkError::from(e).context(format!("cannot connect to {addr} for {what}")))?;
+    s.set_nodelay(true)?;
+    Ok(s)
 }
 
 fn io_err(e: std::io::Error, what: &dyn std::fmt::Display, deadline: &Deadline) -> MkError {
     match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => MkError::timeout(format!(
-            "{what} did not complete within MK_BOOTSTRAP_TIMEOUT_MS={} ms",
-            deadline.total().as_millis()
-        )),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => deadline.expired(what),
         _ => MkError::from(e).context(what),
     }
 }
@@ -214,69 +236,43 @@ pub fn write_all_before(s: &mut TcpStream, bytes: &[u8], deadline: &Deadline, wh
     s.write_all(bytes).map_err(|e| io_err(e, what, deadline))
 }
 
-pub fn read_exact_before(s: &mut TcpStream, buf: &mut [u8], deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        s.set_read_timeout(Some(deadline.remaining(what)?))?;
-        match s.read(&mut buf[got..]) {
-            Ok(0) => return Err(MkError::remote(format!("{what}: peer closed the connection"))),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io_err(e, what, deadline)),
+/// A byte source whose reads are bounded by a deadline: a socket, or a byte slice (the
+/// parsers' tests feed them arbitrary bytes this way).
+pub trait ReadBefore {
+    /// Fills `buf`, or fails: `mkTimeout` at the deadline, `mkRemoteError` at end of stream.
+    fn read_exact_before(&mut self, buf: &mut [u8], deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<()>;
+}
+
+impl ReadBefore for TcpStream {
+    fn read_exact_before(&mut self, buf: &mut [u8], deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<()> {
+        let mut got = 0;
+        while got < buf.len() {
+            self.set_read_timeout(Some(deadline.remaining(what)?))?;
+            match self.read(&mut buf[got..]) {
+                Ok(0) => return Err(MkError::remote(format!("{what}: peer closed the connection"))),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_err(e, what, deadline)),
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
-pub fn send_frame(s: &mut TcpStream, payload: &[u8], deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<()> {
-    let mut buf = Vec::with_capacity(8 + payload.len());
-    buf.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    buf.extend_from_slice(payload);
-    write_all_before(s, &buf, deadline, what)
-}
-
-pub fn recv_frame(s: &mut TcpStream, deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<Vec<u8>> {
-    let mut len = [0u8; 8];
-    read_exact_before(s, &mut len, deadline, what)?;
-    let len = u64::from_le_bytes(len) as usize;
-    if len > MAX_MESSAGE_BYTES {
-        return Err(MkError::remote(format!("{what}: peer sent a {len}-byte frame (limit {MAX_MESSAGE_BYTES})")));
+impl ReadBefore for &[u8] {
+    fn read_exact_before(&mut self, buf: &mut [u8], _deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<()> {
+        if self.len() < buf.len() {
+            return Err(MkError::remote(format!("{what}: peer closed the connection")));
+        }
+        let (head, tail) = self.split_at(buf.len());
+        buf.copy_from_slice(head);
+        *self = tail;
+        Ok(())
     }
-    let mut buf = vec![0u8; len];
-    read_exact_before(s, &mut buf, deadline, what)?;
-    Ok(buf)
 }
 
-/// The proof a joining side sends for a challenge: HMAC(secret, context | session | nonce).
-pub fn join_proof(secret: &[u8; 16], session: u64, nonce: &[u8; 16]) -> [u8; 32] {
-    hmac_sha256(secret, &[PROOF_CONTEXT, &session.to_le_bytes(), nonce])
-}
-
-/// Accepting side: sends a fresh challenge and checks the proof that comes back.
-/// A wrong, missing or late proof is an error the caller logs before dropping the socket.
-pub fn challenge(s: &mut TcpStream, secret: &[u8; 16], session: u64, deadline: &Deadline) -> Result<()> {
-    let mut nonce = [0u8; 16];
-    random_bytes(&mut nonce)?;
-    let mut hello = Vec::from(&HANDSHAKE_MAGIC[..]);
-    hello.extend_from_slice(&nonce);
-    write_all_before(s, &hello, deadline, &"bootstrap challenge")?;
-    let mut proof = [0u8; 32];
-    read_exact_before(s, &mut proof, deadline, &"bootstrap join proof")?;
-    if !constant_time_eq(&proof, &join_proof(secret, session, &nonce)) {
-        return Err(MkError::invalid_usage("bootstrap join proof does not match the unique id's secret"));
-    }
-    Ok(())
-}
-
-/// Joining side: answers the challenge with the proof of the secret.
-pub fn respond(s: &mut TcpStream, secret: &[u8; 16], session: u64, deadline: &Deadline) -> Result<()> {
-    let mut hello = [0u8; 20];
-    read_exact_before(s, &mut hello, deadline, &"bootstrap challenge")?;
-    if &hello[..4] != HANDSHAKE_MAGIC {
-        return Err(MkError::remote("bootstrap peer is not an mkernel bootstrap endpoint (bad magic)"));
-    }
-    let nonce: [u8; 16] = hello[4..].try_into().expect("16-byte slice");
-    write_all_before(s, &join_proof(secret, session, &nonce), deadline, &"bootstrap join proof")
+pub fn read_exact_before(s: &mut TcpStream, buf: &mut [u8], deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<()> {
+    s.read_exact_before(buf, deadline, what)
 }
 
 #[cfg(test)]
@@ -296,15 +292,17 @@ mod tests {
     }
 
     #[test]
-    fn proof_depends_on_secret_session_and_nonce() {
-        let s1 = [1u8; 16];
-        let s2 = [2u8; 16];
-        let n = [7u8; 16];
-        let p = join_proof(&s1, 5, &n);
-        assert_ne!(p, join_proof(&s2, 5, &n));
-        assert_ne!(p, join_proof(&s1, 6, &n));
-        assert_ne!(p, join_proof(&s1, 5, &[8u8; 16]));
-        assert_eq!(p, join_proof(&s1, 5, &n));
+    fn deadlines_name_their_variable_and_cap_to_the_earlier() {
+        let long = Deadline::bootstrap(Duration::from_secs(60));
+        let capped = long.capped(Duration::from_millis(1), "mkernel's HANDSHAKE_LIMIT");
+        std::thread::sleep(Duration::from_millis(5));
+        let e = capped.remaining(&"a step").unwrap_err();
+        assert_eq!(e.code, crate::error::mkResult_t::mkTimeout);
+        assert!(e.message.contains("HANDSHAKE_LIMIT=1 ms"), "{e}");
+        assert!(long.remaining(&"x").is_ok());
+        let short = Deadline::after(Duration::ZERO, TRANSPORT_TIMEOUT_VAR);
+        let e = short.capped(Duration::from_secs(5), "other").remaining(&"y").unwrap_err();
+        assert!(e.message.contains("MK_TIMEOUT_MS=0 ms"), "{e}");
     }
 
     #[test]

@@ -1,157 +1,201 @@
 //! The rendezvous root: one thread per unique id. It admits connections that prove the
-//! secret, collects every rank's listening address and host, and answers each rank with
-//! the full table, or with one error (duplicate rank, mismatched nranks, ranks missing).
+//! secret (see `handshake`), collects every rank's hello (listening address and host), and
+//! answers each rank with the full table, or with one error (duplicate rank, mismatched or
+//! out-of-range nranks, ranks missing).
 //!
-//! Each accepted connection is checked on a thread of its own, so a silent or slow
-//! intruder cannot hold up the real ranks.
+//! Handshakes run concurrently inside the root's one thread (`Acceptor`), so silent or slow
+//! connections neither hold up real ranks nor start threads. The thread always ends: when
+//! the rendezvous is answered, when the first rank's `MK_BOOTSTRAP_TIMEOUT_MS` runs out, or
+//! when no rank proves the secret within `ROOT_IDLE_LIMIT` of `mkGetUniqueId` (an id nobody
+//! uses). It blocks in `poll(2)` between events.
 
-use super::net::{self, Deadline};
+use super::acceptor::{Accepted, Acceptor, AcceptorConfig};
+use super::frames::SecureStream;
+use super::handshake::{Purpose, HANDSHAKE_LIMIT, ROOT_ID};
+use super::net::{self, Deadline, BOOTSTRAP_TIMEOUT_VAR};
 use super::unique_id::UniqueId;
-use super::wire::{Hello, RootReply};
-use crate::error::{MkError, Result};
+use super::wire::{Hello, RootReply, HELLO_BYTES};
+use super::MAX_RANKS;
+use crate::error::{mkResult_t, MkError, Result};
 use crate::{mk_info, mk_warn};
-use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
-use std::sync::Arc;
+use std::net::TcpListener;
+use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// How long the root waits for the first rank before giving up (a unique id nobody uses).
-const ROOT_IDLE_LIMIT: Duration = Duration::from_secs(24 * 3600);
-/// Bound on one connection's handshake.
-const HANDSHAKE_LIMIT: Duration = Duration::from_secs(5);
+/// How long a root waits for its first rank before it stops listening.
+pub const ROOT_IDLE_LIMIT: Duration = Duration::from_secs(3600);
+/// Handshakes the root runs at once; connections beyond it are told to retry.
+pub const ROOT_MAX_IN_FLIGHT: usize = 64;
+
+/// A root's bounds; `RootLimits::default()` is what `mkGetUniqueId` uses.
+#[derive(Clone, Copy, Debug)]
+pub struct RootLimits {
+    /// Until the first rank proves the secret (`ROOT_IDLE_LIMIT`).
+    pub idle: Duration,
+    /// Handshakes in flight (`ROOT_MAX_IN_FLIGHT`).
+    pub max_in_flight: usize,
+    /// One handshake, from accept to the hello (`HANDSHAKE_LIMIT`).
+    pub handshake_limit: Duration,
+}
+
+impl Default for RootLimits {
+    fn default() -> Self {
+        RootLimits { idle: ROOT_IDLE_LIMIT, max_in_flight: ROOT_MAX_IN_FLIGHT, handshake_limit: HANDSHAKE_LIMIT }
+    }
+}
 
 /// Binds the root's socket and starts its thread; returns the id to hand to every rank.
 pub fn start_root() -> Result<UniqueId> {
+    start_root_with(RootLimits::default()).map(|(id, _)| id)
+}
+
+/// `start_root` with explicit bounds; also returns the root's thread, which ends on its own.
+pub fn start_root_with(limits: RootLimits) -> Result<(UniqueId, JoinHandle<()>)> {
     let listener = net::bind_listener(net::local_address()?)?;
     let id = UniqueId::new(listener.local_addr()?)?;
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("mk-bootstrap-root".into())
         .spawn(move || {
-            if let Err(e) = serve(listener, id) {
-                mk_warn!(None, "bootstrap root on {} ended: {e}", id.root);
+            // A panic must not escape a library thread: the ranks' connections close as it
+            // unwinds, and they report that the root went away.
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(&listener, &id, limits))) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => mk_warn!(None, "bootstrap root on {} ended: {e}", id.root),
+                Err(_) => mk_warn!(None, "bootstrap root on {} ended: internal error (panic)", id.root),
             }
         })
         .map_err(|e| MkError::system(format!("cannot start the bootstrap root thread: {e}")))?;
     mk_info!(None, "bootstrap root listening on {}", id.root);
-    Ok(id)
+    Ok((id, thread))
 }
 
-fn reply_all(joined: &mut [Option<(TcpStream, Hello)>], reply: &RootReply) {
-    let bytes = reply.encode();
-    let deadline = Deadline::after(HANDSHAKE_LIMIT);
-    for (s, h) in joined.iter_mut().flatten() {
-        if let Err(e) = net::send_frame(s, &bytes, &deadline, &"bootstrap root reply") {
-            mk_warn!(Some(h.rank as usize), "bootstrap root could not answer this rank: {e}");
-        }
-    }
-}
-
-/// Accepts connections until `done`, handing each to a handshake thread that forwards
-/// authenticated hellos to the root's loop.
-fn accept_loop(listener: TcpListener, id: UniqueId, done: Arc<AtomicBool>, hellos: mpsc::Sender<(TcpStream, Hello)>) {
-    let forever = Deadline::after(ROOT_IDLE_LIMIT);
-    while !done.load(Ordering::Acquire) {
-        let (mut stream, peer) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if forever.remaining(&"bootstrap root").is_err() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(2));
-                continue;
-            }
-            Err(e) => {
-                mk_warn!(None, "bootstrap root accept failed: {e}");
-                continue;
-            }
-        };
-        let hellos = hellos.clone();
-        std::thread::spawn(move || {
-            let hs = Deadline::after(HANDSHAKE_LIMIT);
-            let checked = stream
-                .set_nonblocking(false)
-                .map_err(MkError::from)
-                .and_then(|_| net::challenge(&mut stream, &id.secret, id.session, &hs))
-                .and_then(|_| net::recv_frame(&mut stream, &hs, &"bootstrap hello"))
-                .and_then(|b| Hello::decode(&b));
-            match checked {
-                Ok(hello) => {
-                    let _ = hellos.send((stream, hello));
-                }
-                Err(e) => mk_warn!(None, "refused bootstrap connection from {peer}: {}", e.message),
-            }
-        });
-    }
-}
-
-fn serve(listener: TcpListener, id: UniqueId) -> Result<()> {
-    let done = Arc::new(AtomicBool::new(false));
-    let (tx, rx) = mpsc::channel();
-    {
-        let done = done.clone();
-        std::thread::spawn(move || accept_loop(listener, id, done, tx));
-    }
-    let result = rendezvous(&rx);
-    done.store(true, Ordering::Release);
-    result
-}
-
-fn rendezvous(rx: &mpsc::Receiver<(TcpStream, Hello)>) -> Result<()> {
-    let mut joined: Vec<Option<(TcpStream, Hello)>> = Vec::new();
-    let mut deadline = Deadline::after(ROOT_IDLE_LIMIT);
-    let mut nranks = 0u32;
+fn serve(listener: &TcpListener, id: &UniqueId, limits: RootLimits) -> Result<()> {
+    let config = AcceptorConfig {
+        key: &id.secret,
+        session: id.session,
+        purpose: Purpose::BootstrapRoot,
+        me: ROOT_ID,
+        max_in_flight: limits.max_in_flight,
+        handshake_limit: limits.handshake_limit,
+        first_frame_max: Some(HELLO_BYTES),
+        log_rank: None,
+    };
+    let mut acceptor = Acceptor::new(listener, config);
+    let idle = Deadline::after(limits.idle, "ROOT_IDLE_LIMIT");
+    let mut rendezvous = Rendezvous::default();
     loop {
-        let left = deadline.remaining(&"bootstrap rendezvous");
-        let next = left.and_then(|d| {
-            rx.recv_timeout(d).map_err(|_| {
-                let missing: Vec<String> =
-                    joined.iter().enumerate().filter(|(_, j)| j.is_none()).map(|(r, _)| r.to_string()).collect();
-                MkError::timeout(format!(
-                    "ranks [{}] of {nranks} never joined the bootstrap within MK_BOOTSTRAP_TIMEOUT_MS={} ms",
-                    missing.join(", "),
-                    deadline.total().as_millis()
-                ))
-            })
-        });
-        let (stream, hello) = match next {
-            Ok(x) => x,
+        let deadline = rendezvous.deadline.unwrap_or(idle);
+        let accepted = acceptor.next(&deadline, &|_| true, "bootstrap rendezvous");
+        let Accepted { stream, first_frame, .. } = match accepted {
+            Ok(a) => a,
+            Err(e) if e.code == mkResult_t::mkTimeout && rendezvous.deadline.is_none() => {
+                mk_info!(
+                    None,
+                    "bootstrap root on {}: no rank joined within ROOT_IDLE_LIMIT={} s; closing",
+                    id.root,
+                    limits.idle.as_secs()
+                );
+                return Ok(());
+            }
             Err(e) => {
-                reply_all(&mut joined, &RootReply::Error(e.clone()));
+                let e = if e.code == mkResult_t::mkTimeout { rendezvous.missing_ranks_error(&deadline) } else { e };
+                rendezvous.reply_all(&RootReply::Error(e.clone()));
                 return Err(e);
             }
         };
-        if joined.is_empty() {
-            nranks = hello.nranks;
-            joined.resize_with(nranks as usize, || None);
-            // The clock for the whole rendezvous starts when the first rank arrives.
-            deadline = Deadline::after(Duration::from_millis(hello.timeout_ms as u64));
+        let hello = first_frame
+            .ok_or_else(|| MkError::internal("the root's acceptor returned no hello"))
+            .and_then(|b| Hello::decode(&b));
+        match hello.and_then(|h| rendezvous.admit(stream, h)) {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => return Err(e),
         }
-        let error = if hello.nranks != nranks {
+    }
+}
+
+#[derive(Default)]
+struct Rendezvous {
+    joined: Vec<Option<(SecureStream, Hello)>>,
+    nranks: u32,
+    /// Set by the first rank: its MK_BOOTSTRAP_TIMEOUT_MS from then.
+    deadline: Option<Deadline>,
+}
+
+impl Rendezvous {
+    /// Checks one hello (against the bounds and the ranks before it); answers everyone when
+    /// the table is complete (true) or the hello is an error (then returns it).
+    fn admit(&mut self, stream: SecureStream, hello: Hello) -> Result<bool> {
+        let error = if hello.nranks == 0 || hello.nranks as usize > MAX_RANKS {
             Some(MkError::invalid_usage(format!(
-                "mismatched nranks: rank {} called init with nranks={} but another rank used nranks={nranks}",
+                "rank {} called init with nranks={}, outside [1, {MAX_RANKS}] (MAX_RANKS)",
                 hello.rank, hello.nranks
             )))
-        } else if hello.rank >= nranks {
-            Some(MkError::invalid_usage(format!("rank {} is out of range for nranks={nranks}", hello.rank)))
-        } else if joined[hello.rank as usize].is_some() {
+        } else if self.deadline.is_some() && hello.nranks != self.nranks {
+            Some(MkError::invalid_usage(format!(
+                "mismatched nranks: rank {} called init with nranks={} but another rank used nranks={}",
+                hello.rank, hello.nranks, self.nranks
+            )))
+        } else if hello.rank >= hello.nranks {
+            Some(MkError::invalid_usage(format!("rank {} is out of range for nranks={}", hello.rank, hello.nranks)))
+        } else if self.joined.get(hello.rank as usize).is_some_and(Option::is_some) {
             Some(MkError::invalid_usage(format!("duplicate rank: two processes joined as rank {}", hello.rank)))
         } else {
             None
         };
+        let mut one = [Some((stream, hello.clone()))];
         if let Some(e) = error {
             let reply = RootReply::Error(e.clone());
-            reply_all(&mut [Some((stream, hello))], &reply);
-            reply_all(&mut joined, &reply);
+            reply_to(&mut one, &reply);
+            self.reply_all(&reply);
             return Err(e);
         }
+        if self.deadline.is_none() {
+            // Sized only after the bound check above; the clock starts with the first rank.
+            self.nranks = hello.nranks;
+            self.joined.resize_with(hello.nranks as usize, || None);
+            self.deadline =
+                Some(Deadline::after(Duration::from_millis(u64::from(hello.timeout_ms)), BOOTSTRAP_TIMEOUT_VAR));
+        }
         mk_info!(Some(hello.rank as usize), "joined the bootstrap");
-        let rank = hello.rank as usize;
-        joined[rank] = Some((stream, hello));
-        if joined.iter().all(Option::is_some) {
-            let table: Vec<Hello> = joined.iter().flatten().map(|(_, h)| h.clone()).collect();
-            reply_all(&mut joined, &RootReply::Table(table));
-            return Ok(());
+        let [entry] = one;
+        self.joined[hello.rank as usize] = entry;
+        if self.joined.iter().all(Option::is_some) {
+            let table: Vec<Hello> = self.joined.iter().flatten().map(|(_, h)| h.clone()).collect();
+            self.reply_all(&RootReply::Table(table));
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    fn missing_ranks_error(&self, deadline: &Deadline) -> MkError {
+        const LISTED: usize = 32;
+        let missing: Vec<usize> = self.joined.iter().enumerate().filter(|(_, j)| j.is_none()).map(|(r, _)| r).collect();
+        let mut list: Vec<String> = missing.iter().take(LISTED).map(usize::to_string).collect();
+        if missing.len() > LISTED {
+            list.push(format!("and {} more", missing.len() - LISTED));
+        }
+        MkError::timeout(format!(
+            "ranks [{}] of {} never joined the bootstrap within {}={} ms",
+            list.join(", "),
+            self.nranks,
+            deadline.governed_by(),
+            deadline.total().as_millis()
+        ))
+    }
+
+    fn reply_all(&mut self, reply: &RootReply) {
+        reply_to(&mut self.joined, reply);
+    }
+}
+
+/// Sends `reply` to every rank in `joined`, all within one `HANDSHAKE_LIMIT`.
+fn reply_to(joined: &mut [Option<(SecureStream, Hello)>], reply: &RootReply) {
+    let bytes = reply.encode();
+    let deadline = Deadline::after(HANDSHAKE_LIMIT, super::handshake::HANDSHAKE_LIMIT_NAME);
+    for (s, h) in joined.iter_mut().flatten() {
+        if let Err(e) = s.send(&bytes, &deadline, &"bootstrap root reply") {
+            mk_warn!(Some(h.rank as usize), "bootstrap root could not answer this rank: {e}");
         }
     }
 }

@@ -1,6 +1,8 @@
-//! Messages between ranks and the root, in a fixed little-endian layout.
+//! Messages between ranks and the root, in a fixed little-endian layout. Every count and
+//! length read here is bounded before it sizes anything.
 
 use super::unique_id::{decode_addr, encode_addr, ENCODED_ADDR_BYTES};
+use super::MAX_RANKS;
 use crate::error::{mkResult_t, MkError, Result};
 use std::net::SocketAddr;
 
@@ -17,7 +19,11 @@ pub struct Hello {
     pub timeout_ms: u32,
 }
 
-const HELLO_BYTES: usize = 8 + ENCODED_ADDR_BYTES + 8 + 4;
+pub const HELLO_BYTES: usize = 8 + ENCODED_ADDR_BYTES + 8 + 4;
+/// The longest error message a root reply carries (longer ones are cut).
+pub const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
+/// The largest root reply: a table of `MAX_RANKS` hellos.
+pub const MAX_ROOT_REPLY_BYTES: usize = 5 + MAX_RANKS * HELLO_BYTES;
 
 impl Hello {
     pub fn encode(&self) -> Vec<u8> {
@@ -67,7 +73,11 @@ impl RootReply {
             RootReply::Error(e) => {
                 v.push(1);
                 v.extend_from_slice(&(e.code as i32).to_le_bytes());
-                v.extend_from_slice(e.message.as_bytes());
+                let mut cut = e.message.len().min(MAX_ERROR_MESSAGE_BYTES);
+                while !e.message.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                v.extend_from_slice(&e.message.as_bytes()[..cut]);
             }
         }
         v
@@ -79,15 +89,24 @@ impl RootReply {
             Some(0) => {
                 let n = u32::from_le_bytes(b.get(1..5).ok_or_else(bad)?.try_into().expect("4 bytes")) as usize;
                 let body = &b[5..];
-                if body.len() != n * HELLO_BYTES {
+                if n > MAX_RANKS || body.len() != n * HELLO_BYTES {
                     return Err(bad());
                 }
                 body.chunks_exact(HELLO_BYTES).map(Hello::decode).collect::<Result<_>>().map(RootReply::Table)
             }
             Some(1) => {
                 let code = i32::from_le_bytes(b.get(1..5).ok_or_else(bad)?.try_into().expect("4 bytes"));
-                let msg = String::from_utf8_lossy(&b[5..]).into_owned();
-                Ok(RootReply::Error(MkError::new(mkResult_t::from_i32(code), msg)))
+                let msg = &b[5..];
+                if msg.len() > MAX_ERROR_MESSAGE_BYTES {
+                    return Err(bad());
+                }
+                let msg = String::from_utf8_lossy(msg).into_owned();
+                // An error reply always fails the join, whatever code a peer claims.
+                let code = match mkResult_t::from_i32(code) {
+                    mkResult_t::mkSuccess | mkResult_t::mkInProgress => mkResult_t::mkRemoteError,
+                    c => c,
+                };
+                Ok(RootReply::Error(MkError::new(code, msg)))
             }
             _ => Err(bad()),
         }

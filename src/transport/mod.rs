@@ -23,7 +23,7 @@ pub mod rdma;
 pub mod socket;
 pub mod staging;
 
-use crate::bootstrap::{sha256::hmac_sha256, Bootstrap, UniqueId};
+use crate::bootstrap::{crypto::hmac_sha256, Bootstrap, UniqueId};
 use crate::error::{MkError, Result};
 
 /// Where a registered region lives.
@@ -126,8 +126,9 @@ pub fn connect_through_bootstrap(transport: &mut dyn Transport, bootstrap: &Boot
     bootstrap.barrier()
 }
 
-/// The secret transports prove they know when they connect: derived from the unique id's
-/// secret, so a transport handshake can never be replayed as a bootstrap one (or back).
+/// The key transports prove they know when they connect (`bootstrap::handshake`, purpose
+/// `Transport`): derived from the unique id's secret, so a transport handshake can never be
+/// replayed as a bootstrap one (or back), and the transport never holds the secret itself.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct TransportAuth {
     pub key: [u8; 16],

@@ -773,6 +773,38 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config {
+            cases: 4000,
+            failure_persistence: None,
+            ..Default::default()
+        })]
+
+        /// Any command a kernel could leave in a slot decodes to a put to a peer within
+        /// MK_PROXY_MAX_PEER, or to mkInternalError; never a panic.
+        #[test]
+        fn any_command_decodes_or_is_an_internal_error(
+            header in proptest::prelude::any::<u32>(),
+            small_kind in proptest::prelude::any::<bool>(),
+            bytes in proptest::prelude::any::<u32>(),
+            src_offset in proptest::prelude::any::<u64>(),
+            dst_offset in proptest::prelude::any::<u64>(),
+            signal_id in proptest::prelude::any::<u32>(),
+            signal_value in proptest::prelude::any::<u32>(),
+        ) {
+            let header = if small_kind { header & !0xfc } else { header };
+            let cmd = ProxyCommand { header, bytes, src_offset, dst_offset, signal_id, signal_value };
+            match decode_command(&cmd) {
+                Ok(put) => {
+                    proptest::prop_assert!(put.peer <= MK_PROXY_MAX_PEER as usize);
+                    proptest::prop_assert_eq!(put.bytes, u64::from(bytes));
+                    proptest::prop_assert_eq!(put.signal.is_some(), signal_id != MK_PROXY_NO_SIGNAL);
+                }
+                Err(e) => proptest::prop_assert_eq!(e.code, mkResult_t::mkInternalError),
+            }
+        }
+    }
+
     /// Without a GPU (no libcuda) a device ring is a clear error, never a panic (cudarc
     /// panics when libcuda is missing and it is called); with one, it is made.
     #[test]

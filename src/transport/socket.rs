@@ -2,10 +2,12 @@
 //! receiver thread per peer, puts staged through host memory (windows in device memory go
 //! through `staging::DeviceStager`'s pinned buffers).
 //!
-//! Connections are authenticated both ways with the bootstrap's challenge-response
-//! (`bootstrap::net::{challenge, respond}`), keyed by `TransportAuth` (derived from the
-//! unique id's secret): a process that does not know the id cannot write into a window.
-//! The higher rank of a pair connects, the lower accepts.
+//! Connections are authenticated both ways with the bootstrap's handshake
+//! (`bootstrap::handshake`, purpose `Transport`, bound to the dialing and the accepting
+//! rank), keyed by `TransportAuth` (derived from the unique id's secret): a process that
+//! does not know the id cannot write into a window. The higher rank of a pair dials (and
+//! retries until `MK_TIMEOUT_MS`), the lower accepts, many handshakes at once with a bound
+//! on those in flight (`bootstrap::acceptor`), so silent connections cannot stall it.
 //!
 //! Wire: every message is a 32-byte `Frame` header, then `bytes` of data for a put. The
 //! receiver copies the data into its window, then stores the signal word with release
@@ -15,7 +17,9 @@
 
 use super::staging::{missing_context, nth_chunk, DeviceStager, STAGING_HEADROOM};
 use super::{check_peers, check_put_ranges, MemoryKind, PostId, PutRequest, Transport, TransportAuth, Window};
-use crate::bootstrap::net::{self, Deadline};
+use crate::bootstrap::acceptor::{Acceptor, AcceptorConfig};
+use crate::bootstrap::handshake::{self, DialSpec, Purpose, HANDSHAKE_LIMIT};
+use crate::bootstrap::net::{self, Deadline, TRANSPORT_TIMEOUT_VAR};
 use crate::bootstrap::unique_id::{decode_addr, encode_addr, ENCODED_ADDR_BYTES};
 use crate::error::{MkError, Result};
 use crate::mk_warn;
@@ -35,6 +39,8 @@ const FRAME_PUT: u32 = 1;
 const FRAME_CLOSE: u32 = 2;
 /// Puts up to this size are sent with their header in one write.
 const SMALL_PUT_BYTES: usize = 64 << 10;
+/// Handshakes a rank's transport listener runs at once.
+const TRANSPORT_MAX_IN_FLIGHT: usize = 32;
 /// How often an idle receiver looks at the closing flag.
 const IDLE_POLL: Duration = Duration::from_millis(100);
 
@@ -187,46 +193,39 @@ impl SocketTransport {
         })
     }
 
-    fn handshake_deadline(&self, deadline: &Deadline, what: &str) -> Result<Deadline> {
-        // A short bound per connection, so a silent intruder cannot use up the whole deadline.
-        Ok(Deadline::after(deadline.remaining(&what)?.min(Duration::from_secs(5))))
-    }
-
-    /// Connecting side: prove the key, check the peer's proof, say who we are.
+    /// Connecting side: the handshake as `self.rank` dialing `peer`, retried until the deadline.
     fn dial(&self, peer: usize, addr: SocketAddr, deadline: &Deadline) -> Result<TcpStream> {
         let what = format!("rank {} connecting its socket transport to rank {peer} at {addr}", self.rank);
-        let mut s = net::connect_before(addr, deadline, &what)?;
-        let hs = self.handshake_deadline(deadline, &what)?;
-        let refused = |e: MkError| {
-            e.context(format!("{what}: handshake failed (does every rank use the same unique id?)"))
+        let spec = DialSpec {
+            key: &self.auth.key,
+            session: self.auth.session,
+            purpose: Purpose::Transport,
+            dialer: self.rank as u32,
+            target: peer as u32,
         };
-        net::respond(&mut s, &self.auth.key, self.auth.session, &hs).map_err(refused)?;
-        net::challenge(&mut s, &self.auth.key, self.auth.session, &hs).map_err(refused)?;
-        net::send_frame(&mut s, &(self.rank as u32).to_le_bytes(), &hs, &what)?;
-        Ok(s)
+        Ok(handshake::dial(addr, spec, deadline, &what)?.into_socket())
     }
 
     /// Accepting side: accepts authenticated connections until every rank in `expected` has
-    /// connected; strangers and wrong proofs are logged and dropped.
+    /// connected; strangers, wrong proofs and unexpected ranks are logged and dropped.
     fn accept_peers(&self, expected: &[usize], deadline: &Deadline) -> Result<Vec<(usize, TcpStream)>> {
+        let config = AcceptorConfig {
+            key: &self.auth.key,
+            session: self.auth.session,
+            purpose: Purpose::Transport,
+            me: self.rank as u32,
+            max_in_flight: TRANSPORT_MAX_IN_FLIGHT,
+            handshake_limit: HANDSHAKE_LIMIT,
+            first_frame_max: None,
+            log_rank: Some(self.rank),
+        };
+        let mut acceptor = Acceptor::new(&self.listener, config);
         let mut got: Vec<(usize, TcpStream)> = Vec::new();
         while got.len() < expected.len() {
             let missing: Vec<usize> = expected.iter().copied().filter(|p| !got.iter().any(|(r, _)| r == p)).collect();
             let what = format!("rank {} waiting for ranks {missing:?} to connect their socket transports", self.rank);
-            let (mut s, from) = net::accept_before(&self.listener, deadline, &what)?;
-            let hs = self.handshake_deadline(deadline, &what)?;
-            let checked = net::challenge(&mut s, &self.auth.key, self.auth.session, &hs)
-                .and_then(|_| net::respond(&mut s, &self.auth.key, self.auth.session, &hs))
-                .and_then(|_| net::recv_frame(&mut s, &hs, &what));
-            let claimed = checked.map(|b| <[u8; 4]>::try_from(b.as_slice()).map(|r| u32::from_le_bytes(r) as usize));
-            match claimed {
-                Ok(Ok(peer)) if missing.contains(&peer) => got.push((peer, s)),
-                Ok(claim) => mk_warn!(
-                    Some(self.rank),
-                    "refused transport connection from {from}: it claims to be {claim:?}, expected one of {missing:?}"
-                ),
-                Err(e) => mk_warn!(Some(self.rank), "refused transport connection from {from}: {}", e.message),
-            }
+            let accepted = acceptor.next(deadline, &|d| missing.contains(&(d as usize)), &what)?;
+            got.push((accepted.dialer as usize, accepted.stream.into_socket()));
         }
         Ok(got)
     }
@@ -242,16 +241,23 @@ impl SocketTransport {
         let sender_link = link.clone();
         let sender = std::thread::Builder::new()
             .name(format!("mk-sock-tx-{}-{peer}", self.rank))
-            .spawn(move || send_loop(&sender_link, send_socket, queue, Staging { context, stager: None }))
+            .spawn(move || {
+                let sending = || send_loop(&sender_link, send_socket, queue, Staging { context, stager: None });
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(sending)).is_err() {
+                    sender_link.shared.fail(sender_link.rank, thread_panicked("sender", peer));
+                }
+            })
             .map_err(|e| MkError::system(format!("cannot start a transport thread: {e}")))?;
         let receiver = std::thread::Builder::new()
             .name(format!("mk-sock-rx-{}-{peer}", self.rank))
             .spawn(move || {
-                if let Err(e) = receive_loop(&link, recv_socket, Staging { context, stager: None }) {
+                let receiving = || receive_loop(&link, recv_socket, Staging { context, stager: None });
+                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(receiving)) {
+                    Ok(Ok(())) => {}
                     // A connection cut by our own close() is not a failure.
-                    if !link.shared.closing.load(Ordering::Acquire) {
-                        link.shared.fail(link.rank, e);
-                    }
+                    Ok(Err(_)) if link.shared.closing.load(Ordering::Acquire) => {}
+                    Ok(Err(e)) => link.shared.fail(link.rank, e),
+                    Err(_) => link.shared.fail(link.rank, thread_panicked("receiver", peer)),
                 }
             })
             .map_err(|e| MkError::system(format!("cannot start a transport thread: {e}")))?;
@@ -265,6 +271,11 @@ impl SocketTransport {
         });
         Ok(())
     }
+}
+
+/// A transport thread's panic, reported as the error of the calls that use the transport.
+fn thread_panicked(role: &str, peer: usize) -> MkError {
+    MkError::internal(format!("the socket transport's {role} thread for rank {peer} panicked"))
 }
 
 fn lost_peer(peer: usize, e: std::io::Error, timeout: Duration, doing: &str) -> MkError {
@@ -532,6 +543,26 @@ fn read_message_part(socket: &mut TcpStream, buf: &mut [u8], idle_ok: bool, shar
     Ok(true)
 }
 
+/// Checks a header from the wire before anything is written: true for a put inside this
+/// rank's window, false for Close, `mkRemoteError` for anything else.
+fn accept_frame(frame: &Frame, window: &Window, peer: usize) -> Result<bool> {
+    match frame.kind {
+        FRAME_CLOSE => return Ok(false),
+        FRAME_PUT => {}
+        k => return Err(MkError::remote(format!("rank {peer} sent an unknown transport message kind {k}"))),
+    }
+    let in_data = frame.dst_offset.checked_add(frame.bytes).is_some_and(|end| end <= window.data.bytes);
+    let in_signals = frame.signal_id == u32::MAX || (frame.signal_id as u64) < window.signal_words();
+    if !in_data || !in_signals {
+        return Err(MkError::remote(format!(
+            "rank {peer} sent a put outside this rank's window ({frame:?}; data {} bytes, {} signal words)",
+            window.data.bytes,
+            window.signal_words()
+        )));
+    }
+    Ok(true)
+}
+
 fn receive_loop(link: &Link, mut socket: TcpStream, mut staging: Staging) -> Result<()> {
     let mut stats = ThreadStats::default();
     let result = receive_messages(link, &mut socket, &mut staging, &mut stats);
@@ -548,19 +579,8 @@ fn receive_messages(link: &Link, socket: &mut TcpStream, staging: &mut Staging, 
             return Ok(());
         }
         let frame = Frame::decode(&header);
-        match frame.kind {
-            FRAME_CLOSE => return Ok(()),
-            FRAME_PUT => {}
-            k => return Err(MkError::remote(format!("rank {peer} sent an unknown transport message kind {k}"))),
-        }
-        let in_data = frame.dst_offset.checked_add(frame.bytes).is_some_and(|end| end <= window.data.bytes);
-        let in_signals = frame.signal_id == u32::MAX || (frame.signal_id as u64) < window.signal_words();
-        if !in_data || !in_signals {
-            return Err(MkError::remote(format!(
-                "rank {peer} sent a put outside this rank's window ({frame:?}; data {} bytes, {} signal words)",
-                window.data.bytes,
-                window.signal_words()
-            )));
+        if !accept_frame(&frame, &window, peer)? {
+            return Ok(()); // the peer closed cleanly
         }
         stats.messages += 1;
         stats.bytes += frame.bytes;
@@ -650,19 +670,27 @@ impl Transport for SocketTransport {
         check_peers(self.rank, self.nranks, blobs.len(), peers)?;
         let decoded: Vec<(usize, SocketBlob)> =
             peers.iter().map(|&p| SocketBlob::decode(&blobs[p], p).map(|b| (p, b))).collect::<Result<_>>()?;
-        let deadline = Deadline::after(self.timeout);
+        let deadline = Deadline::after(self.timeout, TRANSPORT_TIMEOUT_VAR);
         let (lower, higher): (Vec<_>, Vec<_>) = decoded.iter().partition(|(p, _)| *p < self.rank);
         let higher_ranks: Vec<usize> = higher.iter().map(|(p, _)| *p).collect();
         // Dial the lower ranks while accepting the higher ones: every pair has one dialer.
         let (dialed, accepted) = std::thread::scope(|s| {
-            let dialer = s.spawn(|| {
+            let dialer = std::thread::Builder::new().name(format!("mk-sock-dial-{}", self.rank)).spawn_scoped(s, || {
                 lower.iter().map(|(p, b)| self.dial(*p, b.listen, &deadline).map(|sock| (*p, sock))).collect::<Result<Vec<_>>>()
             });
+            let dialer = match dialer {
+                Ok(d) => d,
+                Err(e) => {
+                    let e = MkError::system(format!("cannot start the transport dialer thread: {e}"));
+                    return (Err(e), Ok(Vec::new()));
+                }
+            };
             let accepted = self.accept_peers(&higher_ranks, &deadline);
-            let dialed = dialer.join().map_err(|_| MkError::internal("transport dialer thread panicked"));
+            let dialed =
+                dialer.join().unwrap_or_else(|_| Err(MkError::internal("the transport dialer thread panicked")));
             (dialed, accepted)
         });
-        let mut sockets = dialed??;
+        let mut sockets = dialed?;
         sockets.extend(accepted?);
         for (p, sock) in sockets {
             let blob = decoded.iter().find(|(r, _)| *r == p).expect("a listed peer").1;
@@ -775,6 +803,43 @@ mod tests {
         let f = Frame { kind: FRAME_PUT, signal_id: 9, bytes: 1 << 40, dst_offset: 77, signal_value: u64::MAX - 1 };
         assert_eq!(Frame::decode(&f.encode()), f);
         assert_eq!(Frame::decode(&Frame::close().encode()).kind, FRAME_CLOSE);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config {
+            cases: 4000,
+            failure_persistence: None,
+            ..Default::default()
+        })]
+
+        /// Any 32 header bytes: a put is accepted only inside the window; nothing panics.
+        #[test]
+        fn any_header_is_a_put_inside_the_window_close_or_an_error(
+            header in proptest::array::uniform32(proptest::prelude::any::<u8>()),
+            small_kind in proptest::prelude::any::<bool>(),
+            data_bytes in 0u64..1 << 20,
+            signal_words in 0u64..64,
+        ) {
+            let mut header = header;
+            if small_kind {
+                header[0] %= 4;
+                header[1..4].fill(0);
+            }
+            let region = |bytes| crate::transport::MemoryRegion { base: 0x1000, bytes, kind: MemoryKind::Host };
+            let window = Window { data: region(data_bytes), signals: region(8 * signal_words) };
+            let frame = Frame::decode(&header);
+            proptest::prop_assert_eq!(Frame::decode(&frame.encode()), frame);
+            match accept_frame(&frame, &window, 1) {
+                Ok(true) => {
+                    proptest::prop_assert_eq!(frame.kind, FRAME_PUT);
+                    let end = u128::from(frame.dst_offset) + u128::from(frame.bytes);
+                    proptest::prop_assert!(end <= u128::from(data_bytes));
+                    proptest::prop_assert!(frame.signal_id == u32::MAX || u64::from(frame.signal_id) < signal_words);
+                }
+                Ok(false) => proptest::prop_assert_eq!(frame.kind, FRAME_CLOSE),
+                Err(e) => proptest::prop_assert_eq!(e.code, mkResult_t::mkRemoteError),
+            }
+        }
     }
 
     #[test]

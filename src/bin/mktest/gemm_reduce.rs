@@ -170,7 +170,7 @@ pub(crate) fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize,
                     let (mut ok, mut detail, raw) = case.verify()?;
                     if !scatter {
                         // Every rank's C must be the same bits.
-                        let digest = mkernel::bootstrap::sha256::sha256(&[&raw]);
+                        let digest = mkernel::bootstrap::crypto::sha256(&[&raw]);
                         let all = control.bootstrap.allgather(&digest)?;
                         if all.iter().any(|d| d[..] != digest[..]) {
                             ok = false;
