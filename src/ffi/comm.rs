@@ -26,8 +26,10 @@ impl mkUniqueId {
     }
 }
 
-/// Creates a new unique id and starts its bootstrap root (a thread of the calling process
-/// that lives until every rank has joined). Call it once per communicator, on one rank.
+/// Creates a new unique id and starts its bootstrap root: a thread of the calling process
+/// that ends once every rank has joined, when the first rank's MK_BOOTSTRAP_TIMEOUT_MS
+/// passes, or after an hour in which no rank joined. Call it once per communicator, on
+/// one rank.
 /// Honors MK_SOCKET_IFNAME for the address it listens on.
 #[no_mangle]
 pub unsafe extern "C" fn mkGetUniqueId(uniqueId: *mut mkUniqueId) -> mkResult_t {
