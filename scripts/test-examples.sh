@@ -9,7 +9,15 @@
 # GPU they exit 77 after the library's init error, and this script prints SKIPPED for them.
 # Needs target/release/libmkernel.{so,a} (cargo build --release --lib), a C/C++ compiler,
 # pkg-config, cmake and go (scripts/setup.sh installs them).
+#
+#   scripts/test-examples.sh [--keep DIR]
+#
+# --keep DIR also leaves the shared-linked example binaries in DIR/bin and the library in
+# DIR/lib, for a GPU machine without compilers:
+#   LD_LIBRARY_PATH=DIR/lib examples/run-examples.sh --require-gpu DIR/bin/*
 set -euo pipefail
+keep=""
+if [ "${1:-}" = --keep ] && [ -n "${2:-}" ]; then keep=$(realpath -m "$2"); fi
 cd "$(dirname "$0")/.."
 repo=$PWD
 work=$(mktemp -d "${TMPDIR:-/tmp}/mkernel-examples.XXXXXX")
@@ -54,41 +62,20 @@ C
 cc "$work/clash.c" -o "$work/clash" $(pkg-config --cflags --libs mkernel-static) || fail "the archive clashes with another runtime's symbols"
 "$work/clash" || fail "the program linked with the archive and its own runtime symbols failed"
 
-# run_example NAME COMMAND...: exit 0 with an OK line, or 77 with SKIPPED and the library's
-# init error (mkCommInit...: <why>); anything else fails.
-run_example() {
-  local name=$1 out rc
-  shift
-  set +e
-  out=$("$@" 2>&1)
-  rc=$?
-  set -e
-  case $rc in
-    0) grep -q ': OK' <<<"$out" || fail "$name exited 0 without an OK line: $out"
-       echo "  $name: $(grep ': OK' <<<"$out" | head -1)" ;;
-    77) grep -q 'SKIPPED' <<<"$out" || fail "$name exited 77 without saying SKIPPED: $out"
-        grep -q 'mkCommInit[A-Za-z]*: ' <<<"$out" || fail "$name skipped without the library's init error: $out"
-        echo "  $name: SKIPPED (no usable GPU): $(grep -o 'mkCommInit[A-Za-z]*: .*' <<<"$out" | head -1)" ;;
-    *) fail "$name exited $rc: $out" ;;
-  esac
-}
+# Examples run without LD_LIBRARY_PATH: shared ones find the library through their RPATH.
+run_examples() { env -u LD_LIBRARY_PATH examples/run-examples.sh "$@" || fail "an example failed"; }
 
 # no_mkernel_needed BINARY: the program does not load libmkernel.so.
 no_mkernel_needed() { readelf -d "$1" | grep -q 'NEEDED.*libmkernel' && fail "$1 needs libmkernel.so"; true; }
 
 echo "== C and C++ examples through pkg-config, shared (RPATH from pkg-config's libdir)"
 make -s -C examples LINK=shared OUT="$work/pc-shared" >/dev/null
-for ex in allreduce_init_all allreduce_cpp; do run_example "pkg-config shared $ex" env -u LD_LIBRARY_PATH "$work/pc-shared/$ex"; done
-run_example "pkg-config shared allreduce_two_procs" env -u LD_LIBRARY_PATH "$work/pc-shared/allreduce_two_procs" "$work/id"
-[ ! -e "$work/id" ] || fail "allreduce_two_procs left its id file"
+run_examples "$work"/pc-shared/*
 
 echo "== C and C++ examples through pkg-config mkernel-static"
 make -s -C examples LINK=static OUT="$work/pc-static" >/dev/null
-for ex in allreduce_init_all allreduce_cpp; do
-  no_mkernel_needed "$work/pc-static/$ex"
-  run_example "pkg-config static $ex" "$work/pc-static/$ex"
-done
-run_example "pkg-config static allreduce_two_procs" "$work/pc-static/allreduce_two_procs" "$work/id"
+for ex in "$work"/pc-static/*; do no_mkernel_needed "$ex"; done
+run_examples "$work"/pc-static/*
 
 echo "== a fully static executable (cc -static) with the archive"
 cc -static "$work/clash.c" -o "$work/clash-static" $(pkg-config --cflags --libs mkernel-static) 2>"$work/static.log" ||
@@ -106,7 +93,8 @@ for variant in shared static; do
     { cat "$work/cmake-$variant.log"; fail "cmake configure ($variant)"; }
   cmake --build "$work/cmake-$variant" >>"$work/cmake-$variant.log" 2>&1 || { cat "$work/cmake-$variant.log"; fail "cmake build ($variant)"; }
   [ $variant = static ] && no_mkernel_needed "$work/cmake-$variant/allreduce_cpp"
-  run_example "CMake $variant allreduce_cpp" env -u LD_LIBRARY_PATH "$work/cmake-$variant/allreduce_cpp"
+  cp "$work/cmake-$variant/allreduce_cpp" "$work/allreduce_cpp_cmake_$variant"
+  run_examples "$work/allreduce_cpp_cmake_$variant"
 done
 echo "== Go binding: go test (shared, RPATH through CGO_LDFLAGS; and -tags mkernel_static)"
 export CGO_LDFLAGS="-Wl,-rpath,$libdir"
@@ -115,9 +103,15 @@ export GOCACHE=${GOCACHE:-$repo/build/go-cache} GOPROXY=off
 (cd bindings/go/mkernel && go vet ./... && go test -count=1 ./... && go test -count=1 -tags mkernel_static ./...)
 (cd examples/go && go build -o "$work/allreduce_go" . && go build -tags mkernel_static -o "$work/allreduce_go_static" .)
 no_mkernel_needed "$work/allreduce_go_static"
-run_example "Go shared allreduce_go" env -u LD_LIBRARY_PATH "$work/allreduce_go"
-run_example "Go static allreduce_go" "$work/allreduce_go_static"
+run_examples "$work/allreduce_go" "$work/allreduce_go_static"
 unset CGO_LDFLAGS
+
+if [ -n "$keep" ]; then
+  mkdir -p "$keep/bin" "$keep/lib"
+  cp "$work"/pc-shared/* "$work/allreduce_cpp_cmake_shared" "$work/allreduce_go" "$keep/bin/"
+  cp -L "$libdir/libmkernel.so.${version%%.*}" "$keep/lib/"
+  echo "== kept the example binaries in $keep/bin, the library in $keep/lib"
+fi
 
 echo "== make uninstall removes every installed file"
 make -s uninstall PREFIX="$prefix" LIBDIR="$libdir" >/dev/null

@@ -15,15 +15,15 @@
 
 namespace {
 
-// A failed mkernel call: its result code and the library's message.
+// A failed mkernel call: its result code and the library's message (which names the
+// function and the rule it broke).
 struct MkError : std::runtime_error {
   mkResult_t code;
-  MkError(const char* call, mkResult_t r, mkComm_t comm)
-      : std::runtime_error(std::string(call) + ": " + mkGetErrorString(r) + ": " + mkGetLastError(comm)), code(r) {}
+  MkError(const std::string& what, mkResult_t r) : std::runtime_error(what), code(r) {}
 };
 
-void check(mkResult_t r, const char* call, mkComm_t comm = nullptr) {
-  if (r != mkSuccess) throw MkError(call, r, comm);
+void check(mkResult_t r, mkComm_t comm = nullptr) {
+  if (r != mkSuccess) throw MkError(mkGetLastError(comm), r);
 }
 
 void check_cuda(int failed) {
@@ -69,7 +69,7 @@ class Rank {
 class Comms {
  public:
   explicit Comms(const std::vector<int>& devices) : comms_(devices.size()) {
-    check(mkCommInitAll(comms_.data(), static_cast<int>(devices.size()), devices.data()), "mkCommInitAll");
+    check(mkCommInitAll(comms_.data(), static_cast<int>(devices.size()), devices.data()));
   }
   ~Comms() {
     for (mkComm_t c : comms_)
@@ -102,15 +102,14 @@ int main() {
       ranks.back()->upload(host);
     }
     for (int r = 0; r < nranks; r++)  // every rank enqueues before any waits
-      check(mkAllReduce(ranks[r]->data(), ranks[r]->data(), count, mkFloat32, mkSum, comms[r], ranks[r]->stream()),
-            "mkAllReduce", comms[r]);
+      check(mkAllReduce(ranks[r]->data(), ranks[r]->data(), count, mkFloat32, mkSum, comms[r], ranks[r]->stream()), comms[r]);
     size_t wrong = 0;
     const int weight = nranks * (nranks + 1) / 2;
     for (int r = 0; r < nranks; r++) {
       std::vector<float> out = ranks[r]->download();
       mkResult_t async = mkSuccess;
-      check(mkCommGetAsyncError(comms[r], &async), "mkCommGetAsyncError", comms[r]);
-      check(async, "the all-reduce (asynchronous error)", comms[r]);
+      check(mkCommGetAsyncError(comms[r], &async), comms[r]);
+      if (async != mkSuccess) throw MkError("rank " + std::to_string(r) + ": a kernel stopped: " + mkGetErrorString(async), async);
       for (size_t i = 0; i < count; i++) wrong += out[i] != static_cast<float>(weight * (1 + i % 5));
     }
     std::printf("allreduce_cpp: %s: %d ranks on %d GPU(s) summed %zu floats, %zu wrong\n", wrong ? "FAILED" : "OK", nranks,
