@@ -7,8 +7,10 @@
  *                                      rank 1 reads any ID_FILE it finds: start rank 0 first
  *                                      or remove a stale one)
  *
- * Rank r runs on GPU r when there are two GPUs, else on GPU 0. It holds (r+1)·(1 + i%5) at
- * element i; after mkAllReduce(sum) both hold 3·(1 + i%5). Exit 0: correct; 77: no GPU. */
+ * Rank r runs on GPU r when there are two GPUs, else on GPU 0 (two processes share one GPU
+ * at once only under MPS: start `nvidia-cuda-mps-control -d` first, as for mktest). Rank r
+ * holds (r+1)·(1 + i%5) at element i; after mkAllReduce(sum) both hold 3·(1 + i%5).
+ * Exit 0: correct; 77: no GPU. */
 #define _POSIX_C_SOURCE 200809L
 #include <mkernel.h>
 #include <stdio.h>
