@@ -76,7 +76,7 @@ static int run_rank(int rank, const char *id_path) {
       CU(cuda_min.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING)))
     return 1;
   if (mkAllReduce((void *)buf, (void *)buf, COUNT, mkFloat32, mkSum, comm, stream) != mkSuccess) {
-    fprintf(stderr, "rank %d: mkAllReduce: %s\n", rank, mkGetLastError(comm));
+    fprintf(stderr, "rank %d: %s\n", rank, mkGetLastError(comm));
     return 1;
   }
   mkResult_t async = mkSuccess;
