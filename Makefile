@@ -56,7 +56,7 @@ build:
 dist: $(DIST_SO) $(DIST_A)
 
 $(CARGO_SO) $(CARGO_A):
-	@echo "$@ is missing: build it first with 'make' (cargo build --release --lib)" >&2; exit 1
+	@test -f $@ || { echo "$@ is missing: build it first with 'make' (cargo build --release --lib)" >&2; exit 1; }
 
 # The shared library without its debug info (about half the size), linked to that info by
 # .gnu_debuglink; the dynamic symbol table (the mk* API) is kept.
