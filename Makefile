@@ -32,6 +32,9 @@ SO_NAME := libmkernel.so.$(VERSION)
 DIST_SO := $(DIST)/$(SO_NAME)
 DIST_DEBUG := $(DIST)/$(SO_NAME).debug
 DIST_A := $(DIST)/libmkernel.a
+# The pkg-config packages a program linking the archive needs beside the Rust runtime's
+# system libraries: the RDMA libraries in a build with the `rdma` feature, else none.
+DIST_STATIC_LIBS := $(DIST)/static-requires
 
 # The .pc and CMake files name libdir relative to ${prefix} (pkg-config) or to their own
 # location (CMake) so that a copied prefix keeps working.
@@ -53,7 +56,7 @@ all: build
 build:
 	cargo build --release --lib
 
-dist: $(DIST_SO) $(DIST_A)
+dist: $(DIST_SO) $(DIST_A) $(DIST_STATIC_LIBS)
 
 $(CARGO_SO) $(CARGO_A):
 	@test -f $@ || { echo "$@ is missing: build it first with 'make' (cargo build --release --lib)" >&2; exit 1; }
@@ -80,6 +83,12 @@ $(DIST_A): $(CARGO_A)
 	ar rcs $@ $(DIST)/prelink/mkernel.o
 	rm -rf $(DIST)/prelink
 
+$(DIST_STATIC_LIBS): $(DIST_A)
+	requires=""; \
+	if nm -u $< | grep -q ' ibv_'; then requires="$$requires libibverbs"; fi; \
+	if nm -u $< | grep -q ' rdma_'; then requires="$$requires librdmacm"; fi; \
+	echo $$requires > $(DIST_STATIC_LIBS)
+
 install: dist
 	install -d $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(CMAKE_DIR)
 	install -m 755 $(DIST_SO) $(DESTDIR)$(LIBDIR)/$(SO_NAME)
@@ -88,12 +97,16 @@ install: dist
 	if [ "$(INSTALL_DEBUG)" = 1 ]; then install -m 644 $(DIST_DEBUG) $(DESTDIR)$(LIBDIR)/$(SO_NAME).debug; fi
 	install -m 644 $(DIST_A) $(DESTDIR)$(LIBDIR)/libmkernel.a
 	install -m 644 include/mkernel.h $(DESTDIR)$(INCLUDEDIR)/mkernel.h
+	requires="$$(cat $(DIST_STATIC_LIBS))"; \
 	for pc in mkernel mkernel-static; do \
 	  sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(PC_LIBDIR)|' -e 's|@INCLUDEDIR@|$(PC_INCLUDEDIR)|' \
-	      -e 's|@VERSION@|$(VERSION)|' pkgconfig/$$pc.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/$$pc.pc || exit 1; \
-	done
+	      -e 's|@VERSION@|$(VERSION)|' -e "s|@STATIC_REQUIRES@|$$requires|" \
+	      pkgconfig/$$pc.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/$$pc.pc || exit 1; \
+	done; \
+	cmake_libs="$$(echo " $$requires" | sed -e 's/ lib/;/g')"; \
 	sed -e 's|@INCLUDEDIR_FROM_LIBDIR@|$(CMAKE_INCLUDEDIR)|' -e 's|@SO_NAME@|$(SO_NAME)|' \
-	    -e 's|@SONAME@|libmkernel.so.$(MAJOR)|' cmake/mkernelConfig.cmake.in > $(DESTDIR)$(CMAKE_DIR)/mkernelConfig.cmake
+	    -e 's|@SONAME@|libmkernel.so.$(MAJOR)|' -e "s|@STATIC_RDMA_LIBRARIES@|$$cmake_libs|" \
+	    cmake/mkernelConfig.cmake.in > $(DESTDIR)$(CMAKE_DIR)/mkernelConfig.cmake
 	sed -e 's|@VERSION@|$(VERSION)|' cmake/mkernelConfigVersion.cmake.in > $(DESTDIR)$(CMAKE_DIR)/mkernelConfigVersion.cmake
 
 uninstall:

@@ -78,7 +78,7 @@ for ex in "$work"/pc-static/*; do no_mkernel_needed "$ex"; done
 run_examples "$work"/pc-static/*
 
 echo "== a fully static executable (cc -static) with the archive"
-cc -static "$work/clash.c" -o "$work/clash-static" $(pkg-config --cflags --libs mkernel-static) 2>"$work/static.log" ||
+cc -static "$work/clash.c" -o "$work/clash-static" $(pkg-config --static --cflags --libs mkernel-static) 2>"$work/static.log" ||
   { cat "$work/static.log"; fail "cc -static with mkernel-static"; }
 readelf -d "$work/clash-static" 2>/dev/null | grep -q NEEDED && fail "cc -static produced a dynamic executable"
 "$work/clash-static" || fail "the fully static executable failed"
