@@ -48,7 +48,7 @@ INSTALLED_FILES = $(LIBDIR)/$(SO_NAME) $(LIBDIR)/libmkernel.so.$(MAJOR) $(LIBDIR
   $(LIBDIR)/pkgconfig/mkernel.pc $(LIBDIR)/pkgconfig/mkernel-static.pc \
   $(CMAKE_DIR)/mkernelConfig.cmake $(CMAKE_DIR)/mkernelConfigVersion.cmake
 
-.PHONY: all build dist install uninstall ctest clean
+.PHONY: all build dist install uninstall ctest clean FORCE
 
 all: build
 	@$(MAKE) --no-print-directory dist
@@ -61,12 +61,23 @@ dist: $(DIST_SO) $(DIST_A) $(DIST_STATIC_LIBS)
 $(CARGO_SO) $(CARGO_A):
 	@test -f $@ || { echo "$@ is missing: build it first with 'make' (cargo build --release --lib)" >&2; exit 1; }
 
+# cargo puts target/release/libmkernel.* in place as hard links to its deps/ files, which
+# can be older than the ones they replace (after building with other features), so their
+# mtimes cannot tell make that they changed. The stamp records each file's inode, size and
+# mtime, and is rewritten (so newer than build/dist) only when one of them differs.
+CARGO_STAMP := $(DIST)/cargo-artefacts
+$(CARGO_STAMP): FORCE $(CARGO_SO) $(CARGO_A)
+	@mkdir -p $(DIST)
+	@stat -c '%n %i %s %Y' $(CARGO_SO) $(CARGO_A) > $@.new
+	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+
+FORCE:
+
 # The shared library without its debug info (about half the size), linked to that info by
 # .gnu_debuglink; the dynamic symbol table (the mk* API) is kept.
-$(DIST_SO): $(CARGO_SO)
-	mkdir -p $(DIST)
-	objcopy --only-keep-debug $< $(DIST_DEBUG)
-	strip --strip-unneeded -o $@ $<
+$(DIST_SO): $(CARGO_STAMP)
+	objcopy --only-keep-debug $(CARGO_SO) $(DIST_DEBUG)
+	strip --strip-unneeded -o $@ $(CARGO_SO)
 	objcopy --add-gnu-debuglink=$(DIST_DEBUG) $@
 
 # The static archive as one relocatable object (ld -r) in which only the mk* API stays
@@ -74,9 +85,9 @@ $(DIST_SO): $(CARGO_SO)
 # library (or anything else) in the same link. The removed sections are LLVM bitcode and
 # address-significance tables that ld -r concatenates into something invalid (binutils'
 # LLVM plugin aborts on it); they serve LTO and lld's ICF only.
-$(DIST_A): $(CARGO_A)
+$(DIST_A): $(CARGO_STAMP)
 	mkdir -p $(DIST)/prelink
-	ld -r --whole-archive $< -o $(DIST)/prelink/mkernel.o
+	ld -r --whole-archive $(CARGO_A) -o $(DIST)/prelink/mkernel.o
 	objcopy --strip-debug -R .llvmbc -R .llvmcmd -R .llvm_addrsig \
 	  --wildcard --keep-global-symbol='mk[A-Z]*' $(DIST)/prelink/mkernel.o
 	rm -f $@
@@ -103,7 +114,7 @@ install: dist
 	      -e 's|@VERSION@|$(VERSION)|' -e "s|@STATIC_REQUIRES@|$$requires|" \
 	      pkgconfig/$$pc.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/$$pc.pc || exit 1; \
 	done; \
-	cmake_libs="$$(echo " $$requires" | sed -e 's/ lib/;/g')"; \
+	cmake_libs=""; for r in $$requires; do cmake_libs="$$cmake_libs;$${r#lib}"; done; \
 	sed -e 's|@INCLUDEDIR_FROM_LIBDIR@|$(CMAKE_INCLUDEDIR)|' -e 's|@SO_NAME@|$(SO_NAME)|' \
 	    -e 's|@SONAME@|libmkernel.so.$(MAJOR)|' -e "s|@STATIC_RDMA_LIBRARIES@|$$cmake_libs|" \
 	    cmake/mkernelConfig.cmake.in > $(DESTDIR)$(CMAKE_DIR)/mkernelConfig.cmake
