@@ -1,31 +1,128 @@
-# Build, install and C-test mkernel. `make install PREFIX=/opt/mkernel` installs
-# lib/libmkernel.so.<version> (+ .so.<major>, .so links), lib/libmkernel.a,
-# include/mkernel.h and lib/pkgconfig/mkernel.pc.
+# Build, install and uninstall mkernel; C-test it.
+#
+#   make                                  cargo build --release --lib, then build/dist/ (what install copies)
+#   make install PREFIX=/opt/mkernel      lib/libmkernel.so.<version> (stripped; .so.<major>, .so links),
+#                                         lib/libmkernel.a (one prelinked object: only mk* symbols global),
+#                                         include/mkernel.h, lib/pkgconfig/mkernel.pc and mkernel-static.pc,
+#                                         lib/cmake/mkernel/mkernelConfig.cmake and mkernelConfigVersion.cmake
+#   make uninstall PREFIX=/opt/mkernel    removes exactly those files (give it the same variables)
+#
+# LIBDIR and INCLUDEDIR default to $(PREFIX)/lib and $(PREFIX)/include; DESTDIR stages the
+# files under another root (the installed .pc and CMake files name the final paths).
+# INSTALL_DEBUG=1 also installs the library's debug info as libmkernel.so.<version>.debug
+# beside it, where gdb finds it through the library's .gnu_debuglink.
+# install and uninstall use only what `make` built (no cargo), so `sudo make install` works.
 
 PREFIX ?= /usr/local
+LIBDIR = $(PREFIX)/lib
+INCLUDEDIR = $(PREFIX)/include
 DESTDIR ?=
+INSTALL_DEBUG ?= 0
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 MAJOR := $(firstword $(subst ., ,$(VERSION)))
-LIBDIR := $(DESTDIR)$(PREFIX)/lib
-INCDIR := $(DESTDIR)$(PREFIX)/include
 CTEST_PREFIX := $(CURDIR)/build/prefix
 CTEST_BIN := $(CURDIR)/build/ctests
 CWARN := -Wall -Wextra -Wpedantic -Werror
 SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 
-.PHONY: build install ctest clean
+CARGO_SO := target/release/libmkernel.so
+CARGO_A := target/release/libmkernel.a
+DIST := build/dist
+SO_NAME := libmkernel.so.$(VERSION)
+DIST_SO := $(DIST)/$(SO_NAME)
+DIST_DEBUG := $(DIST)/$(SO_NAME).debug
+DIST_A := $(DIST)/libmkernel.a
+# The pkg-config packages a program linking the archive needs beside the Rust runtime's
+# system libraries: the RDMA libraries in a build with the `rdma` feature, else none.
+DIST_STATIC_LIBS := $(DIST)/static-requires
+
+# The .pc and CMake files name libdir relative to ${prefix} (pkg-config) or to their own
+# location (CMake) so that a copied prefix keeps working.
+PC_LIBDIR = $(patsubst $(PREFIX)/%,$${prefix}/%,$(LIBDIR))
+PC_INCLUDEDIR = $(patsubst $(PREFIX)/%,$${prefix}/%,$(INCLUDEDIR))
+CMAKE_DIR = $(LIBDIR)/cmake/mkernel
+CMAKE_INCLUDEDIR = $(shell realpath -m --relative-to=$(LIBDIR) $(INCLUDEDIR))
+
+INSTALLED_FILES = $(LIBDIR)/$(SO_NAME) $(LIBDIR)/libmkernel.so.$(MAJOR) $(LIBDIR)/libmkernel.so \
+  $(LIBDIR)/$(SO_NAME).debug $(LIBDIR)/libmkernel.a $(INCLUDEDIR)/mkernel.h \
+  $(LIBDIR)/pkgconfig/mkernel.pc $(LIBDIR)/pkgconfig/mkernel-static.pc \
+  $(CMAKE_DIR)/mkernelConfig.cmake $(CMAKE_DIR)/mkernelConfigVersion.cmake
+
+.PHONY: all build dist install uninstall ctest clean FORCE
+
+all: build
+	@$(MAKE) --no-print-directory dist
 
 build:
 	cargo build --release --lib
 
-install: build
-	install -d $(LIBDIR)/pkgconfig $(INCDIR)
-	install -m 755 target/release/libmkernel.so $(LIBDIR)/libmkernel.so.$(VERSION)
-	ln -sf libmkernel.so.$(VERSION) $(LIBDIR)/libmkernel.so.$(MAJOR)
-	ln -sf libmkernel.so.$(MAJOR) $(LIBDIR)/libmkernel.so
-	install -m 644 target/release/libmkernel.a $(LIBDIR)/libmkernel.a
-	install -m 644 include/mkernel.h $(INCDIR)/mkernel.h
-	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' pkgconfig/mkernel.pc.in > $(LIBDIR)/pkgconfig/mkernel.pc
+dist: $(DIST_SO) $(DIST_A) $(DIST_STATIC_LIBS)
+
+$(CARGO_SO) $(CARGO_A):
+	@test -f $@ || { echo "$@ is missing: build it first with 'make' (cargo build --release --lib)" >&2; exit 1; }
+
+# cargo puts target/release/libmkernel.* in place as hard links to its deps/ files, which
+# can be older than the ones they replace (after building with other features), so their
+# mtimes cannot tell make that they changed. The stamp records each file's inode, size and
+# mtime, and is rewritten (so newer than build/dist) only when one of them differs.
+CARGO_STAMP := $(DIST)/cargo-artefacts
+$(CARGO_STAMP): FORCE $(CARGO_SO) $(CARGO_A)
+	@mkdir -p $(DIST)
+	@stat -c '%n %i %s %Y' $(CARGO_SO) $(CARGO_A) > $@.new
+	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+
+FORCE:
+
+# The shared library without its debug info (about half the size), linked to that info by
+# .gnu_debuglink; the dynamic symbol table (the mk* API) is kept.
+$(DIST_SO): $(CARGO_STAMP)
+	objcopy --only-keep-debug $(CARGO_SO) $(DIST_DEBUG)
+	strip --strip-unneeded -o $@ $(CARGO_SO)
+	objcopy --add-gnu-debuglink=$(DIST_DEBUG) $@
+
+# The static archive as one relocatable object (ld -r) in which only the mk* API stays
+# global: the Rust runtime inside is local, so it cannot clash with another Rust static
+# library (or anything else) in the same link. The removed sections are LLVM bitcode and
+# address-significance tables that ld -r concatenates into something invalid (binutils'
+# LLVM plugin aborts on it); they serve LTO and lld's ICF only.
+$(DIST_A): $(CARGO_STAMP)
+	mkdir -p $(DIST)/prelink
+	ld -r --whole-archive $(CARGO_A) -o $(DIST)/prelink/mkernel.o
+	objcopy --strip-debug -R .llvmbc -R .llvmcmd -R .llvm_addrsig \
+	  --wildcard --keep-global-symbol='mk[A-Z]*' $(DIST)/prelink/mkernel.o
+	rm -f $@
+	ar rcs $@ $(DIST)/prelink/mkernel.o
+	rm -rf $(DIST)/prelink
+
+$(DIST_STATIC_LIBS): $(DIST_A)
+	requires=""; \
+	if nm -u $< | grep -q ' ibv_'; then requires="$$requires libibverbs"; fi; \
+	if nm -u $< | grep -q ' rdma_'; then requires="$$requires librdmacm"; fi; \
+	echo $$requires > $(DIST_STATIC_LIBS)
+
+install: dist
+	install -d $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(CMAKE_DIR)
+	install -m 755 $(DIST_SO) $(DESTDIR)$(LIBDIR)/$(SO_NAME)
+	ln -sf $(SO_NAME) $(DESTDIR)$(LIBDIR)/libmkernel.so.$(MAJOR)
+	ln -sf libmkernel.so.$(MAJOR) $(DESTDIR)$(LIBDIR)/libmkernel.so
+	if [ "$(INSTALL_DEBUG)" = 1 ]; then install -m 644 $(DIST_DEBUG) $(DESTDIR)$(LIBDIR)/$(SO_NAME).debug; fi
+	install -m 644 $(DIST_A) $(DESTDIR)$(LIBDIR)/libmkernel.a
+	install -m 644 include/mkernel.h $(DESTDIR)$(INCLUDEDIR)/mkernel.h
+	requires="$$(cat $(DIST_STATIC_LIBS))"; \
+	for pc in mkernel mkernel-static; do \
+	  sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(PC_LIBDIR)|' -e 's|@INCLUDEDIR@|$(PC_INCLUDEDIR)|' \
+	      -e 's|@VERSION@|$(VERSION)|' -e "s|@STATIC_REQUIRES@|$$requires|" \
+	      pkgconfig/$$pc.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/$$pc.pc || exit 1; \
+	done; \
+	cmake_libs=""; for r in $$requires; do cmake_libs="$$cmake_libs;$${r#lib}"; done; \
+	sed -e 's|@INCLUDEDIR_FROM_LIBDIR@|$(CMAKE_INCLUDEDIR)|' -e 's|@SO_NAME@|$(SO_NAME)|' \
+	    -e 's|@SONAME@|libmkernel.so.$(MAJOR)|' -e "s|@STATIC_RDMA_LIBRARIES@|$$cmake_libs|" \
+	    cmake/mkernelConfig.cmake.in > $(DESTDIR)$(CMAKE_DIR)/mkernelConfig.cmake
+	sed -e 's|@VERSION@|$(VERSION)|' cmake/mkernelConfigVersion.cmake.in > $(DESTDIR)$(CMAKE_DIR)/mkernelConfigVersion.cmake
+
+uninstall:
+	rm -f $(addprefix $(DESTDIR),$(INSTALLED_FILES))
+	rmdir $(DESTDIR)$(CMAKE_DIR) 2>/dev/null || true
 
 # C tests against the installed header and library, found through pkg-config only:
 # plain with strict warnings, again under ASan/UBSan, and a C++ translation unit.

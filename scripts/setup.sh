@@ -11,6 +11,9 @@ command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 command -v readelf >/dev/null || need_apt+=(binutils)
 command -v make >/dev/null || need_apt+=(make)
 command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
+# scripts/test-examples.sh: the CMake package, the Go binding and the examples.
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v go >/dev/null || need_apt+=(golang-go)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 # The `rdma` feature (RDMA transport via rdma-sys: bindgen over the verbs headers).
 pkg-config --exists libibverbs 2>/dev/null || need_apt+=(libibverbs-dev)

@@ -19,6 +19,7 @@ cargo test --release --all-targets -- --test-threads=2
 
 echo "== C tests against the installed header and library (plain, ASan/UBSan, C++)"
 make ctest
+./scripts/test-examples.sh # install, pkg-config, CMake, static archive, examples, Go, uninstall
 
 echo "== GPU suites (SKIPPED without a GPU)"
 ./target/release/mktest || [ $? = 77 ]  # 77: every suite SKIPPED (no GPU), never counted as passed

@@ -1,0 +1,3 @@
+module mkernel
+
+go 1.19

@@ -1,0 +1,213 @@
+package mkernel
+
+/*
+#include <mkernel.h>
+
+// Device pointers and streams cross from Go as integers; the casts live here.
+static inline void *mk_go_ptr(uintptr_t p) { return (void *)p; }
+static inline int32_t *mk_go_i32(uintptr_t p) { return (int32_t *)p; }
+static inline float *mk_go_f32(uintptr_t p) { return (float *)p; }
+static inline mkStream_t mk_go_stream(uintptr_t s) { return (mkStream_t)s; }
+*/
+import "C"
+
+import "unsafe"
+
+func ptr(p DevicePtr) unsafe.Pointer { return C.mk_go_ptr(C.uintptr_t(p)) }
+func i32(p DevicePtr) *C.int32_t     { return C.mk_go_i32(C.uintptr_t(p)) }
+func f32(p DevicePtr) *C.float       { return C.mk_go_f32(C.uintptr_t(p)) }
+func stream(s Stream) C.mkStream_t {
+	return C.mk_go_stream(C.uintptr_t(s))
+}
+
+// The operations below are stream-ordered and asynchronous: they return once the kernel is
+// enqueued on stream. Their rules (shapes, alignment, in-place use, rounding) are those of
+// the C functions of the same name in include/mkernel.h. Every rank must make the same
+// sequence of calls on a communicator.
+
+// AllGather gathers sendcount elements from every rank into recv (nranks*sendcount
+// elements, rank r's at offset r*sendcount) (mkAllGather).
+func (c *Comm) AllGather(send, recv DevicePtr, sendcount int, dtype DataType, s Stream) error {
+	sz := sizes{op: "mkAllGather"}
+	n := sz.of("sendcount", sendcount)
+	if sz.err != nil {
+		return sz.err
+	}
+	return c.do("mkAllGather", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkAllGather(ptr(send), ptr(recv), n, C.mkDataType_t(dtype), h, stream(s))
+	})
+}
+
+// ReduceScatter reduces send (nranks*recvcount elements) over the ranks with op and leaves
+// block r of the result in rank r's recv (mkReduceScatter).
+func (c *Comm) ReduceScatter(send, recv DevicePtr, recvcount int, dtype DataType, op RedOp, s Stream) error {
+	sz := sizes{op: "mkReduceScatter"}
+	n := sz.of("recvcount", recvcount)
+	if sz.err != nil {
+		return sz.err
+	}
+	return c.do("mkReduceScatter", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkReduceScatter(ptr(send), ptr(recv), n, C.mkDataType_t(dtype), C.mkRedOp_t(op), h, stream(s))
+	})
+}
+
+// AllReduce reduces count elements over the ranks with op; every rank receives the whole
+// result (mkAllReduce). In place when send == recv.
+func (c *Comm) AllReduce(send, recv DevicePtr, count int, dtype DataType, op RedOp, s Stream) error {
+	sz := sizes{op: "mkAllReduce"}
+	n := sz.of("count", count)
+	if sz.err != nil {
+		return sz.err
+	}
+	return c.do("mkAllReduce", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkAllReduce(ptr(send), ptr(recv), n, C.mkDataType_t(dtype), C.mkRedOp_t(op), h, stream(s))
+	})
+}
+
+// AllGatherGemm gathers A's rows ([m/nranks, k] per rank) and computes C = A·Bᵀ ([m, n]);
+// gatheredA (0: none) receives the gathered A (mkAllGatherGemm).
+func (c *Comm) AllGatherGemm(a, b, out, gatheredA DevicePtr, m, n, k int, dtype DataType, s Stream) error {
+	sz := sizes{op: "mkAllGatherGemm"}
+	cm, cn, ck := sz.of("m", m), sz.of("n", n), sz.of("k", k)
+	if sz.err != nil {
+		return sz.err
+	}
+	return c.do("mkAllGatherGemm", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkAllGatherGemm(ptr(a), ptr(b), ptr(out), ptr(gatheredA), cm, cn, ck, C.mkDataType_t(dtype), h, stream(s))
+	})
+}
+
+// GemmReduceScatter computes the sum over ranks of A·Bᵀ and leaves this rank's
+// [m/nranks, n] rows in out (mkGemmReduceScatter).
+func (c *Comm) GemmReduceScatter(a, b, out DevicePtr, m, n, k int, dtype DataType, s Stream) error {
+	sz := sizes{op: "mkGemmReduceScatter"}
+	cm, cn, ck := sz.of("m", m), sz.of("n", n), sz.of("k", k)
+	if sz.err != nil {
+		return sz.err
+	}
+	return c.do("mkGemmReduceScatter", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkGemmReduceScatter(ptr(a), ptr(b), ptr(out), cm, cn, ck, C.mkDataType_t(dtype), h, stream(s))
+	})
+}
+
+// GemmAllReduce computes the sum over ranks of A·Bᵀ ([m, n]) on every rank (mkGemmAllReduce).
+func (c *Comm) GemmAllReduce(a, b, out DevicePtr, m, n, k int, dtype DataType, s Stream) error {
+	sz := sizes{op: "mkGemmAllReduce"}
+	cm, cn, ck := sz.of("m", m), sz.of("n", n), sz.of("k", k)
+	if sz.err != nil {
+		return sz.err
+	}
+	return c.do("mkGemmAllReduce", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkGemmAllReduce(ptr(a), ptr(b), ptr(out), cm, cn, ck, C.mkDataType_t(dtype), h, stream(s))
+	})
+}
+
+// MoeLayoutBytes is the size of the layout buffer MoeDispatchGemm fills (mkMoeLayoutBytes).
+func MoeLayoutBytes(tokens, topk, recvCapacity int) (int, error) {
+	sz := sizes{op: "mkMoeLayoutBytes"}
+	t, k, r := sz.of("tokens", tokens), sz.of("topk", topk), sz.of("recvCapacity", recvCapacity)
+	if sz.err != nil {
+		return 0, sz.err
+	}
+	var bytes C.size_t
+	err := call("mkMoeLayoutBytes", nil, func() C.mkResult_t { return C.mkMoeLayoutBytes(t, k, r, &bytes) })
+	return int(bytes), err
+}
+
+// MoeShape is the shape shared by MoeDispatchGemm and MoeGemmCombine.
+type MoeShape struct {
+	Tokens, Hidden, Ffn, Topk, Experts, RecvCapacity int
+	DType                                            DataType
+}
+
+func (m MoeShape) c(sz *sizes) (t, hd, f, k, e, r C.size_t) {
+	return sz.of("Tokens", m.Tokens), sz.of("Hidden", m.Hidden), sz.of("Ffn", m.Ffn), sz.of("Topk", m.Topk),
+		sz.of("Experts", m.Experts), sz.of("RecvCapacity", m.RecvCapacity)
+}
+
+// MoeDispatchArgs are the buffers of MoeDispatchGemm: X [tokens, hidden], TopkIdx
+// [tokens, topk] int32, W1 [localExperts, ffn, hidden], Y [recvCapacity, ffn], RecvCounts
+// [localExperts+1] int32, Layout (MoeLayoutBytes bytes).
+type MoeDispatchArgs struct {
+	X, TopkIdx, W1, Y, RecvCounts, Layout DevicePtr
+	MoeShape
+}
+
+// MoeDispatchGemm sends each token to the ranks owning its experts and computes the
+// experts' first GEMM there, in one kernel (mkMoeDispatchGemm).
+func (c *Comm) MoeDispatchGemm(a MoeDispatchArgs, s Stream) error {
+	sz := sizes{op: "mkMoeDispatchGemm"}
+	t, hd, f, k, e, r := a.c(&sz)
+	if sz.err != nil {
+		return sz.err
+	}
+	return c.do("mkMoeDispatchGemm", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkMoeDispatchGemm(ptr(a.X), i32(a.TopkIdx), ptr(a.W1), ptr(a.Y), i32(a.RecvCounts), ptr(a.Layout),
+			t, hd, f, k, e, r, C.mkDataType_t(a.DType), h, stream(s))
+	})
+}
+
+// MoeCombineArgs are the buffers of MoeGemmCombine: YAct [recvCapacity, ffn], W2
+// [localExperts, hidden, ffn], TopkWeights [tokens, topk] float32, Layout (as filled by
+// MoeDispatchGemm), Out [tokens, hidden].
+type MoeCombineArgs struct {
+	YAct, W2, TopkWeights, Layout, Out DevicePtr
+	MoeShape
+}
+
+// MoeGemmCombine computes the experts' second GEMM and brings each token's weighted sum
+// back to its rank, in one kernel (mkMoeGemmCombine).
+func (c *Comm) MoeGemmCombine(a MoeCombineArgs, s Stream) error {
+	sz := sizes{op: "mkMoeGemmCombine"}
+	t, hd, f, k, e, r := a.c(&sz)
+	if sz.err != nil {
+		return sz.err
+	}
+	return c.do("mkMoeGemmCombine", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkMoeGemmCombine(ptr(a.YAct), ptr(a.W2), f32(a.TopkWeights), ptr(a.Layout), ptr(a.Out),
+			t, hd, f, k, e, r, C.mkDataType_t(a.DType), h, stream(s))
+	})
+}
+
+// RingAttentionArgs are the buffers and shape of RingAttention: Q [batch, seqLocal,
+// numHeads, headDim], K and V [batch, seqLocal, numKvHeads, headDim], Out like Q, Lse
+// [batch, numHeads, seqLocal] float32 (the log-sum-exp a backward pass needs).
+type RingAttentionArgs struct {
+	Q, K, V, Out, Lse                              DevicePtr
+	Batch, SeqLocal, NumHeads, NumKvHeads, HeadDim int
+	SoftmaxScale                                   float32
+	Causal                                         bool
+	DType                                          DataType
+}
+
+// RingAttention is context-parallel attention forward: K/V shards travel around the ranks
+// inside the kernel while each rank's queries attend to them (mkRingAttention).
+func (c *Comm) RingAttention(a RingAttentionArgs, s Stream) error {
+	sz := sizes{op: "mkRingAttention"}
+	b, sl, nh, nkv, hd := sz.of("Batch", a.Batch), sz.of("SeqLocal", a.SeqLocal), sz.of("NumHeads", a.NumHeads),
+		sz.of("NumKvHeads", a.NumKvHeads), sz.of("HeadDim", a.HeadDim)
+	if sz.err != nil {
+		return sz.err
+	}
+	causal := C.int32_t(0)
+	if a.Causal {
+		causal = 1
+	}
+	return c.do("mkRingAttention", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkRingAttention(ptr(a.Q), ptr(a.K), ptr(a.V), ptr(a.Out), f32(a.Lse), b, sl, nh, nkv, hd,
+			C.float(a.SoftmaxScale), causal, C.mkDataType_t(a.DType), h, stream(s))
+	})
+}
+
+// Gemm computes C = A·Bᵀ (A [m, k], B [n, k], C [m, n], row-major) with the engine every
+// fused operation is built on, on the calling thread's current context (mkGemm).
+func Gemm(a, b, out DevicePtr, m, n, k int, dtype DataType, s Stream) error {
+	sz := sizes{op: "mkGemm"}
+	cm, cn, ck := sz.of("m", m), sz.of("n", n), sz.of("k", k)
+	if sz.err != nil {
+		return sz.err
+	}
+	return call("mkGemm", nil, func() C.mkResult_t {
+		return C.mkGemm(ptr(a), ptr(b), ptr(out), cm, cn, ck, C.mkDataType_t(dtype), stream(s))
+	})
+}

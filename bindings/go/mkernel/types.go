@@ -1,0 +1,98 @@
+package mkernel
+
+// #include <mkernel.h>
+import "C"
+
+import "fmt"
+
+// DataType is an element type (mkDataType_t, numbered as ncclDataType_t).
+type DataType int32
+
+const (
+	Int8     DataType = C.mkInt8
+	Uint8    DataType = C.mkUint8
+	Int32    DataType = C.mkInt32
+	Uint32   DataType = C.mkUint32
+	Int64    DataType = C.mkInt64
+	Uint64   DataType = C.mkUint64
+	Float16  DataType = C.mkFloat16
+	Float32  DataType = C.mkFloat32
+	Float64  DataType = C.mkFloat64
+	Bfloat16 DataType = C.mkBfloat16
+)
+
+var dataTypeNames = [...]string{"mkInt8", "mkUint8", "mkInt32", "mkUint32", "mkInt64", "mkUint64", "mkFloat16",
+	"mkFloat32", "mkFloat64", "mkBfloat16"}
+
+func (t DataType) String() string {
+	if t >= 0 && int(t) < len(dataTypeNames) {
+		return dataTypeNames[t]
+	}
+	return fmt.Sprintf("mkDataType_t(%d)", int32(t))
+}
+
+// Size is the size of one element in bytes (0 for an unknown type).
+func (t DataType) Size() int {
+	switch t {
+	case Int8, Uint8:
+		return 1
+	case Float16, Bfloat16:
+		return 2
+	case Int32, Uint32, Float32:
+		return 4
+	case Int64, Uint64, Float64:
+		return 8
+	}
+	return 0
+}
+
+// RedOp is a reduction operator (mkRedOp_t, numbered as ncclRedOp_t).
+type RedOp int32
+
+const (
+	Sum  RedOp = C.mkSum
+	Prod RedOp = C.mkProd
+	Max  RedOp = C.mkMax
+	Min  RedOp = C.mkMin
+	Avg  RedOp = C.mkAvg
+)
+
+var redOpNames = [...]string{"mkSum", "mkProd", "mkMax", "mkMin", "mkAvg"}
+
+func (op RedOp) String() string {
+	if op >= 0 && int(op) < len(redOpNames) {
+		return redOpNames[op]
+	}
+	return fmt.Sprintf("mkRedOp_t(%d)", int32(op))
+}
+
+// DevicePtr is an address in device memory (a CUdeviceptr), from whatever CUDA binding
+// the program uses.
+type DevicePtr uintptr
+
+// Stream is a CUDA stream handle (CUstream / cudaStream_t); 0 is the legacy default stream.
+type Stream uintptr
+
+// HeaderVersion is MK_VERSION_CODE of the header this package was built against:
+// major*10000 + minor*100 + patch.
+const HeaderVersion = C.MK_VERSION_CODE
+
+// Version is the library's version (mkGetVersion), in HeaderVersion's encoding.
+func Version() (int, error) {
+	var v C.int
+	err := call("mkGetVersion", nil, func() C.mkResult_t { return C.mkGetVersion(&v) })
+	return int(v), err
+}
+
+// sizes converts Go ints to size_t, keeping the first negative one as an error.
+type sizes struct {
+	op  string
+	err error
+}
+
+func (s *sizes) of(name string, v int) C.size_t {
+	if v < 0 && s.err == nil {
+		s.err = argumentError(s.op, "%s is negative (%d)", name, v)
+	}
+	return C.size_t(v)
+}
