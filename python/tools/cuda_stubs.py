@@ -29,6 +29,9 @@ SPECIAL = {
     "cudaPeekAtLastError": "int cudaPeekAtLastError(void) { return 0; }",
     "cudaDriverGetVersion": "int cudaDriverGetVersion(int *v) { if (v) *v = 0; return 0; }",
 }
+# The driver stays absent: code that loads it lazily (torch's NVRTC helper, libmkernel) must see
+# "no driver", not a stand-in.
+NOT_STUBBED = {"libcuda.so.1"}
 GENERIC_ERROR = 999  # cudaErrorUnknown; also a failure status for cuBLAS, cuDNN, NCCL, ...
 
 
@@ -84,7 +87,10 @@ def main(torch_lib: Path, out_dir: Path) -> None:
     found: set[str] = set()
     for lib in libs:
         for soname, path in resolved_paths(lib).items():
-            (found.add(path) if path else missing.add(soname))
+            if path:
+                found.add(path)
+            elif soname not in NOT_STUBBED:
+                missing.add(soname)
     if not missing:
         print("cuda_stubs: every library torch needs is present; nothing to build")
         return

@@ -9,6 +9,7 @@ CUDA driver only when a call needs it.
 """
 
 from . import library  # noqa: F401  (registers torch.ops.mkernel.*)
+from . import nn
 from ._version import __version__
 from .comm import Communicator, get_unique_id
 from .errors import (
@@ -76,6 +77,7 @@ __all__ = [
     "moe_gemm_combine",
     "moe_layout_bytes",
     "moe_segment_starts",
+    "nn",
     "reduce_scatter",
     "ring_attention",
 ]

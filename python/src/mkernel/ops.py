@@ -40,6 +40,13 @@ def comm_name(comm: CommLike) -> str:
     return comm if isinstance(comm, str) else resolve(comm).name
 
 
+def _tensors(op: str, **named) -> None:
+    """Type check before dispatch, so a non-tensor gets this package's error, not the dispatcher's."""
+    for name, value in named.items():
+        if not isinstance(value, torch.Tensor):
+            check.fail(op, f"expected {name} to be a torch.Tensor, but got {type(value).__name__}")
+
+
 def _stream(device: int) -> _lib.mkStream_t:
     return _lib.mkStream_t(torch.cuda.current_stream(device).cuda_stream)
 
@@ -107,6 +114,7 @@ def all_gather(input: torch.Tensor, comm: CommLike, *, out: torch.Tensor | None 
     Any dtype of mkDataType_t (copied bit for bit). In place when `out[rank * rows:]`
     starts at `input` (as NCCL).
     """
+    _tensors("all_gather", input=input)
     if out is None:
         return torch.ops.mkernel.all_gather(input, comm_name(comm))
     c = resolve(comm)
@@ -125,6 +133,7 @@ def reduce_scatter(
     [r * rows / n, (r + 1) * rows / n) of the reduction. op: sum, prod, max, min, avg.
     Half and bfloat16 accumulate in float and round once.
     """
+    _tensors("reduce_scatter", input=input)
     if out is None:
         return torch.ops.mkernel.reduce_scatter(input, comm_name(comm), op)
     c = resolve(comm)
@@ -139,6 +148,7 @@ def all_reduce(input: torch.Tensor, comm: CommLike, op: str = "sum", *, out: tor
 
     In place with `out=input`.
     """
+    _tensors("all_reduce", input=input)
     if out is None:
         return torch.ops.mkernel.all_reduce(input, comm_name(comm), op)
     c = resolve(comm)
@@ -189,6 +199,7 @@ def gemm_launch(a, b, out) -> None:
 
 def gemm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """C = a @ b.T with mkernel's GEMM engine (no communication): a [M, K], b [N, K], bf16/fp16."""
+    _tensors("gemm", a=a, b=b)
     if out is None:
         return torch.ops.mkernel.gemm(a, b)
     shape = gemm_shapes(a, b)
@@ -239,6 +250,7 @@ def all_gather_gemm(
     (and the gathered A [M, K] with return_gathered=True, for a backward pass). bf16/fp16,
     K a positive multiple of 8, N a multiple of 8; the gathered A must fit in the workspace.
     """
+    _tensors("all_gather_gemm", a=a, b=b)
     if out is None and gathered_out is None:
         c, g = torch.ops.mkernel.all_gather_gemm(a, b, comm_name(comm), return_gathered)
         return (c, g) if return_gathered else c
@@ -296,6 +308,7 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out
     a: [M, K] with this rank's K columns; b: [N, K] likewise. Partials are rounded once to
     the dtype, then summed in fp32 in rank order and rounded once.
     """
+    _tensors("gemm_reduce_scatter", a=a, b=b)
     if out is None:
         return torch.ops.mkernel.gemm_reduce_scatter(a, b, comm_name(comm))
     c = resolve(comm)
@@ -307,6 +320,7 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out
 
 def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out: torch.Tensor | None = None):
     """Σ over ranks of a @ b.T on every rank (bitwise identical): [M, N]. Any M."""
+    _tensors("gemm_all_reduce", a=a, b=b)
     if out is None:
         return torch.ops.mkernel.gemm_all_reduce(a, b, comm_name(comm))
     c = resolve(comm)
@@ -396,6 +410,7 @@ def moe_dispatch_gemm(
     expert; see moe_segment_starts), recv_counts [E_local + 1] int32 (the last entry is
     the smallest recv_capacity that fits) and the layout for moe_gemm_combine.
     """
+    _tensors("moe_dispatch_gemm", x=x, topk_idx=topk_idx, w1=w1)
     y, counts, layout = torch.ops.mkernel.moe_dispatch_gemm(x, topk_idx, w1, comm_name(comm), recv_capacity)
     return MoeDispatch(y, counts, layout)
 
@@ -451,6 +466,7 @@ def moe_gemm_combine(
     from the preceding moe_dispatch_gemm on this communicator with the same sizes.
     out[t] = Σ_j topk_weights[t, j] · (y_act row of (t, topk_idx[t, j])) · W2ᵀ.
     """
+    _tensors("moe_gemm_combine", y_act=y_act, w2=w2, topk_weights=topk_weights, layout=layout)
     return torch.ops.mkernel.moe_gemm_combine(y_act, w2, topk_weights, layout, comm_name(comm))
 
 
@@ -516,6 +532,7 @@ def ring_attention(
     q; lse [batch, heads, seq_local] float32 (natural log). softmax_scale defaults to
     1/sqrt(head_dim).
     """
+    _tensors("ring_attention", q=q, k=k, v=v)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
     return tuple(torch.ops.mkernel.ring_attention(q, k, v, comm_name(comm), float(softmax_scale), bool(causal)))

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Tests the Python package as a user gets it: builds the wheel (scripts/build-wheel.sh),
+# installs it into a fresh venv with the pinned test dependencies, and runs pytest on
+# python/tests. GPU tests print SKIPPED without a GPU (pytest counts them apart).
+#
+# torch: PyPI's Linux torch wheel is the CUDA build and pulls about 2.6 GB of nvidia-*
+# wheels (over 5 GB installed). Here the torch wheel (530 MB) is installed alone
+# (--no-deps) with its pure-Python requirements, and python/tools/cuda_stubs.py builds
+# small stand-ins for the CUDA libraries it links, so `import torch` works with torch's
+# CPU side. Wheels are cached in .whl/python (MK_WHEEL_CACHE) so reruns need no network.
+# MK_PYTHON_TORCH=system uses the torch installed for python3 instead (a GPU machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_VERSION=2.11.0
+cache=${MK_WHEEL_CACHE:-.whl/python}
+venv=build/python-test-venv
+t0=$(date +%s)
+
+./scripts/build-wheel.sh
+wheel=$(ls -t dist/mkernel-*.whl | head -1)
+
+rm -rf "$venv"
+pip=(--quiet --disable-pip-version-check --no-compile)
+if [ "${MK_PYTHON_TORCH:-pypi}" = system ]; then
+  python3 -m venv --system-site-packages "$venv"
+  "$venv/bin/python" -c 'import torch; print("test-python: torch", torch.__version__, "from", torch.__file__)'
+  "$venv/bin/python" -m pytest --version >/dev/null 2>&1 || "$venv/bin/pip" install "${pip[@]}" -r python/requirements-test-cpu.txt
+else
+  python3 -m venv "$venv"
+  mkdir -p "$cache"
+  from_cache() { "$venv/bin/pip" install "${pip[@]}" --no-index --find-links "$cache" "$@" 2>/dev/null; }
+  if ! from_cache --no-deps "torch==$TORCH_VERSION"; then
+    echo "test-python: downloading torch $TORCH_VERSION into $cache"
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps -d "$cache" "torch==$TORCH_VERSION"
+    from_cache --no-deps "torch==$TORCH_VERSION"
+  fi
+  if ! from_cache -r python/requirements-test-cpu.txt; then
+    python3 -m pip download --quiet --disable-pip-version-check -d "$cache" -r python/requirements-test-cpu.txt
+    from_cache -r python/requirements-test-cpu.txt
+  fi
+  stubs="$venv/cuda-stubs"
+  torch_lib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/torch/lib
+  "$venv/bin/python" python/tools/cuda_stubs.py "$torch_lib" "$stubs"
+  export LD_LIBRARY_PATH="$stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+"$venv/bin/pip" install "${pip[@]}" --no-deps "$wheel"
+echo "test-python: venv ready in $(( $(date +%s) - t0 )) s ($(du -sh "$venv" | cut -f1))"
+
+# From python/, so `import mkernel` finds the installed wheel, not python/src.
+cd python
+"../$venv/bin/python" -m pytest tests
