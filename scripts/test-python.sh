@@ -15,6 +15,7 @@ TORCH_VERSION=2.11.0
 cache=${MK_WHEEL_CACHE:-.whl/python}
 venv=build/python-test-venv
 t0=$(date +%s)
+echo "== Python package: wheel, fresh venv, pytest (GPU tests SKIPPED without a GPU)"
 
 ./scripts/build-wheel.sh
 wheel=$(ls -t dist/mkernel-*.whl | head -1)
@@ -38,7 +39,7 @@ else
     python3 -m pip download --quiet --disable-pip-version-check -d "$cache" -r python/requirements-test-cpu.txt
     from_cache -r python/requirements-test-cpu.txt
   fi
-  stubs="$venv/cuda-stubs"
+  stubs="$PWD/$venv/cuda-stubs"
   torch_lib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/torch/lib
   "$venv/bin/python" python/tools/cuda_stubs.py "$torch_lib" "$stubs"
   export LD_LIBRARY_PATH="$stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

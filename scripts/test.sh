@@ -20,6 +20,8 @@ cargo test --release --all-targets -- --test-threads=2
 echo "== C tests against the installed header and library (plain, ASan/UBSan, C++)"
 make ctest
 
+./scripts/test-python.sh
+
 echo "== GPU suites (SKIPPED without a GPU)"
 ./target/release/mktest
 
