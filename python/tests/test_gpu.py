@@ -5,10 +5,16 @@ sm_90 GPU."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import gpu_cases
+from docs_example import TP_MLP, doc_example
 from gpu_harness import requires_gpu, run_ranks
 
 pytestmark = requires_gpu
@@ -66,22 +72,31 @@ def test_bootstrap_over_torch_distributed(tmp_path):
     _no_problems(run_ranks(2, gpu_cases.torch_distributed_bootstrap, str(tmp_path / "pg-init"), make_comm=False))
 
 
-def test_tp_mlp_example_trains(tmp_path):
-    """examples/torch/tp_mlp.py under torchrun with 2 ranks on one GPU: runs, and the loss falls."""
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    example = Path(__file__).resolve().parents[2] / "examples" / "torch" / "tp_mlp.py"
-    if not example.is_file():
-        pytest.skip("not run from a checkout (examples/ absent)")
+def _torchrun(script, *args):
     env = dict(os.environ, MK_MAX_CTAS="32", CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="50")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(example),
-           "--steps", "8", "--seq", "256", "--hidden", "256", "--ffn", "1024"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_tp_mlp_example_trains():
+    """examples/torch/tp_mlp.py under torchrun with 2 ranks on one GPU: runs, and the loss falls."""
+    if not TP_MLP.is_file():
+        pytest.skip("not run from a checkout (examples/ absent)")
+    done = _torchrun(TP_MLP, "--steps", "8", "--seq", "256", "--hidden", "256", "--ffn", "1024")
     losses = [float(v) for v in re.findall(r"step \d+: loss ([0-9.]+)", done.stdout)]
     assert len(losses) == 8, done.stdout
     assert losses[-1] < losses[0], losses
+
+
+def test_doc_example_runs(tmp_path):
+    """The example of docs/python.md under torchrun with 2 ranks: runs and prints the documented shapes."""
+    source = doc_example()
+    if source is None:
+        pytest.skip("not run from a checkout (docs/ absent)")
+    script = tmp_path / "example.py"
+    script.write_text(source)
+    done = _torchrun(script)
+    for rank in (0, 1):
+        assert f"{rank} torch.Size([4096, 2048]) torch.Size([2048, 1024])" in done.stdout, done.stdout
