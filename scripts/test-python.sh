@@ -8,7 +8,8 @@
 # (--no-deps) with its pure-Python requirements, and python/tools/cuda_stubs.py builds
 # small stand-ins for the CUDA libraries it links, so `import torch` works with torch's
 # CPU side. Wheels are cached in .whl/python (MK_WHEEL_CACHE) so reruns need no network.
-# MK_PYTHON_TORCH=system uses the torch installed for python3 instead (a GPU machine).
+# MK_PYTHON_TORCH=system uses the torch installed for python3 instead (a GPU machine), and
+# MK_PYTHON_WHEEL=path tests that wheel instead of building one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=2.11.0
@@ -17,15 +18,30 @@ venv=build/python-test-venv
 t0=$(date +%s)
 echo "== Python package: wheel, fresh venv, pytest (GPU tests SKIPPED without a GPU)"
 
-./scripts/build-wheel.sh
-wheel=$(ls -t dist/mkernel-*.whl | head -1)
+if [ -n "${MK_PYTHON_WHEEL:-}" ]; then
+  wheel=$MK_PYTHON_WHEEL  # a wheel built elsewhere (a GPU machine without a Rust toolchain or network)
+else
+  ./scripts/build-wheel.sh
+  wheel=$(ls -t dist/mkernel-*.whl | head -1)
+fi
 
 rm -rf "$venv"
 pip=(--quiet --disable-pip-version-check --no-compile)
 if [ "${MK_PYTHON_TORCH:-pypi}" = system ]; then
   python3 -m venv --system-site-packages "$venv"
-  "$venv/bin/python" -c 'import torch; print("test-python: torch", torch.__version__, "from", torch.__file__)'
-  "$venv/bin/python" -m pytest --version >/dev/null 2>&1 || "$venv/bin/pip" install "${pip[@]}" -r python/requirements-test-cpu.txt
+  "$venv/bin/python" - "$TORCH_VERSION" <<'PY'
+import sys, torch
+pinned = sys.argv[1].rsplit(".", 1)[0]
+print("test-python: torch", torch.__version__, "from", torch.__file__)
+if not torch.__version__.startswith(pinned + "."):
+    print(f"test-python: warning: the tests are pinned to torch {pinned}, this is {torch.__version__}")
+PY
+  if ! "$venv/bin/python" -m pytest --version >/dev/null 2>&1; then
+    # pytest from the wheel cache when it is there (no network needed), else from the index.
+    pytest_pin=$(grep '^pytest==' python/requirements-test-cpu.txt)
+    "$venv/bin/pip" install "${pip[@]}" --no-index --find-links "$cache" "$pytest_pin" 2>/dev/null ||
+      "$venv/bin/pip" install "${pip[@]}" "$pytest_pin"
+  fi
 else
   python3 -m venv "$venv"
   mkdir -p "$cache"
