@@ -3,12 +3,13 @@
 # installs it into a fresh venv with the pinned test dependencies, and runs pytest on
 # python/tests. GPU tests print SKIPPED without a GPU (pytest counts them apart).
 #
-# torch: PyPI's Linux torch wheel is the CUDA build and pulls about 2.6 GB of nvidia-*
-# wheels (over 5 GB installed). Here the torch wheel (530 MB) is installed alone
-# (--no-deps) with its pure-Python requirements, and python/tools/cuda_stubs.py builds
-# small stand-ins for the CUDA libraries it links, so `import torch` works with torch's
-# CPU side. Wheels are cached in .whl/python (MK_WHEEL_CACHE) so reruns need no network.
-# MK_PYTHON_TORCH=system uses the torch installed for python3 instead (a GPU machine), and
+# torch (MK_PYTHON_TORCH): PyPI's Linux torch wheel is the CUDA build; with its nvidia-*
+# dependencies it is 2.6 GB of wheels and 4.5 GB installed. By default (`stubbed`) the
+# torch wheel (530 MB) is installed alone (--no-deps) with its pure-Python requirements,
+# and python/tools/cuda_stubs.py builds small stand-ins for the CUDA libraries it links,
+# so `import torch` works with torch's CPU side (1.2 GB installed). `full` installs torch
+# with its CUDA wheels instead; `system` uses the torch installed for python3 (a GPU
+# machine). Wheels are cached in .whl/python (MK_WHEEL_CACHE) so reruns need no network.
 # MK_PYTHON_WHEEL=path tests that wheel instead of building one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,7 @@ fi
 
 rm -rf "$venv"
 pip=(--quiet --disable-pip-version-check --no-compile)
-if [ "${MK_PYTHON_TORCH:-pypi}" = system ]; then
+if [ "${MK_PYTHON_TORCH:-stubbed}" = system ]; then
   python3 -m venv --system-site-packages "$venv"
   "$venv/bin/python" - "$TORCH_VERSION" <<'PY'
 import sys, torch
@@ -45,20 +46,26 @@ PY
 else
   python3 -m venv "$venv"
   mkdir -p "$cache"
-  from_cache() { "$venv/bin/pip" install "${pip[@]}" --no-index --find-links "$cache" "$@" 2>/dev/null; }
-  if ! from_cache --no-deps "torch==$TORCH_VERSION"; then
-    echo "test-python: downloading torch $TORCH_VERSION into $cache"
-    python3 -m pip download --quiet --disable-pip-version-check --no-deps -d "$cache" "torch==$TORCH_VERSION"
-    from_cache --no-deps "torch==$TORCH_VERSION"
+  # Installs from the cache without an index; on a miss, downloads into the cache first.
+  cached() {
+    "$venv/bin/pip" install "${pip[@]}" --no-index --find-links "$cache" "$@" 2>/dev/null || {
+      echo "test-python: downloading $* into $cache"
+      python3 -m pip download --quiet --disable-pip-version-check -d "$cache" "$@"
+      "$venv/bin/pip" install "${pip[@]}" --no-index --find-links "$cache" "$@"
+    }
+  }
+  if [ "${MK_PYTHON_TORCH:-stubbed}" = full ]; then
+    cached "torch==$TORCH_VERSION"  # with its CUDA wheels
+  else
+    cached --no-deps "torch==$TORCH_VERSION"
   fi
-  if ! from_cache -r python/requirements-test-cpu.txt; then
-    python3 -m pip download --quiet --disable-pip-version-check -d "$cache" -r python/requirements-test-cpu.txt
-    from_cache -r python/requirements-test-cpu.txt
+  cached -r python/requirements-test-cpu.txt
+  if [ "${MK_PYTHON_TORCH:-stubbed}" != full ]; then
+    stubs="$PWD/$venv/cuda-stubs"
+    torch_lib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/torch/lib
+    "$venv/bin/python" python/tools/cuda_stubs.py "$torch_lib" "$stubs"
+    export LD_LIBRARY_PATH="$stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   fi
-  stubs="$PWD/$venv/cuda-stubs"
-  torch_lib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/torch/lib
-  "$venv/bin/python" python/tools/cuda_stubs.py "$torch_lib" "$stubs"
-  export LD_LIBRARY_PATH="$stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 "$venv/bin/pip" install "${pip[@]}" --no-deps "$wheel"
 echo "test-python: venv ready in $(( $(date +%s) - t0 )) s ($(du -sh "$venv" | cut -f1))"

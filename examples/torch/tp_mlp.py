@@ -76,7 +76,9 @@ def main() -> None:
                 print(f"step {step}: loss {shown.item() / world:.5f}")
         torch.cuda.synchronize()
         if rank == 0:
-            print(f"mkernel {mkernel.__version__}: {world} rank(s), workspace {comm.device_memory_bytes >> 20} MiB per rank")
+            print(
+                f"mkernel {mkernel.__version__}: {world} rank(s), workspace {comm.device_memory_bytes >> 20} MiB per rank"
+            )
     dist.destroy_process_group()
 
 

@@ -51,7 +51,10 @@ def collectives(comm, rank, n):
         mkernel.reduce_scatter(mine, comm, op, out=out)
         problems += close_to(f"reduce_scatter {op}", out, _shard(ref, rank, n), rtol=1e-5, atol=1e-5)
         problems += close_to(f"all_reduce {op}", mkernel.all_reduce(mine, comm, op), ref, rtol=1e-5, atol=1e-5)
-    ints = [torch.randint(-50, 50, (37,), generator=torch.Generator().manual_seed(200 + r), dtype=torch.int32) for r in range(n)]
+    ints = [
+        torch.randint(-50, 50, (37,), generator=torch.Generator().manual_seed(200 + r), dtype=torch.int32)
+        for r in range(n)
+    ]
     got = mkernel.all_reduce(ints[rank].to(DEV), comm, "sum").cpu()
     if not torch.equal(got, torch.stack(ints).sum(0)):
         problems.append("all_reduce int32 sum: not exact")
@@ -148,7 +151,9 @@ def _zigzag_positions(rank: int, n: int, seq_local: int, causal: bool) -> torch.
     if not causal:
         return torch.arange(rank * seq_local, (rank + 1) * seq_local)
     half = seq_local // 2
-    return torch.cat([torch.arange(rank * half, (rank + 1) * half), torch.arange((2 * n - 1 - rank) * half, (2 * n - rank) * half)])
+    return torch.cat(
+        [torch.arange(rank * half, (rank + 1) * half), torch.arange((2 * n - 1 - rank) * half, (2 * n - rank) * half)]
+    )
 
 
 def ring_attention(comm, rank, n):
@@ -309,7 +314,13 @@ def torch_distributed_bootstrap(_comm, rank, n, init_file):
             if comm.device_memory_bytes != (2 << 20) + 2 * (64 << 20):
                 problems.append(f"device_memory_bytes {comm.device_memory_bytes}")
             got = mkernel.all_reduce(torch.full((256,), float(rank + 1), device=DEV), comm)
-            problems += close_to("all_reduce over a gloo-bootstrapped communicator", got, torch.full((256,), n * (n + 1) / 2.0), rtol=0, atol=0)
+            problems += close_to(
+                "all_reduce over a gloo-bootstrapped communicator",
+                got,
+                torch.full((256,), n * (n + 1) / 2.0),
+                rtol=0,
+                atol=0,
+            )
             return problems
     finally:
         dist.destroy_process_group()

@@ -46,8 +46,11 @@ def test_functional_ops_compile_without_graph_breaks(shape_comm):
     compiled = torch.compile(step, backend=recorder, fullgraph=True)
     meta = dict(dtype=bf16, device="meta")
     z, s = compiled(
-        torch.empty(8, 32, **meta), torch.empty(16, 32, **meta),
-        torch.empty(1, 8, 4, 64, **meta), torch.empty(1, 8, 2, 64, **meta), torch.empty(1, 8, 2, 64, **meta),
+        torch.empty(8, 32, **meta),
+        torch.empty(16, 32, **meta),
+        torch.empty(1, 8, 4, 64, **meta),
+        torch.empty(1, 8, 2, 64, **meta),
+        torch.empty(1, 8, 2, 64, **meta),
     )
     assert z.shape == (8, 32) and z.dtype == bf16
     assert len(recorder.graphs) == 1
@@ -102,6 +105,25 @@ def test_parallel_mlp_compiles_forward_and_backward(shape_comm, sequence_paralle
     else:
         # forward: GEMM+AR (row); backward: GEMM+AR (column's dx).
         assert ops == ["mkernel.gemm_all_reduce", "mkernel.gemm_all_reduce"]
+
+
+def test_column_layer_skips_dx_for_an_input_without_grad(shape_comm):
+    comm = shape_comm(2).name
+    mlp = TensorParallelMLP(64, 128, comm, sequence_parallel=True)
+    recorder = GraphRecorder()
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def boxed(gm, example_inputs):
+        return make_boxed_func(recorder(gm, example_inputs))
+
+    compiled = torch.compile(mlp, backend=aot_autograd(fw_compiler=boxed, bw_compiler=boxed), fullgraph=True)
+    compiled(torch.empty(8, 2, 64, dtype=bf16, device="meta")).sum().backward()
+    assert mlp.up.weight.grad is not None
+    # The column layer's dx (a GEMM+ReduceScatter) is not computed: only the row layer's AllGather+GEMM remains.
+    assert sorted(recorder.mkernel_ops()) == sorted(
+        ["mkernel.all_gather_gemm", "mkernel.gemm_reduce_scatter", "mkernel.all_gather_gemm"]
+    )
 
 
 def test_ring_attention_module_compiles_and_has_no_backward(shape_comm):

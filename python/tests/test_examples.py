@@ -31,6 +31,11 @@ def test_tp_mlp_example_uses_exported_names():
     tree = ast.parse(TP_MLP.read_text())
     names = _mkernel_attributes(tree)
     assert names and all(hasattr(mkernel, n) for n in names), names
-    imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "mkernel.nn" for a in node.names}
+    imported = {
+        a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "mkernel.nn"
+        for a in node.names
+    }
     assert imported == {"ColumnParallelLinear", "RowParallelLinear"}
     assert all(hasattr(mkernel.nn, n) for n in imported)

@@ -23,25 +23,44 @@ def run_ops(comm: str, n: int, device: str):
     rows, k, nn_, tokens, hidden, ffn, topk, cap = 6, 32, 24, 5, 256, 384, 3, 512
     local_experts = 2
     layout_bytes = mkernel.moe_layout_bytes(tokens, topk, cap)
-    dispatch = mkernel.moe_dispatch_gemm(e(tokens, hidden), e(tokens, topk, dtype=torch.int32), e(local_experts, ffn, hidden), comm, cap)
+    dispatch = mkernel.moe_dispatch_gemm(
+        e(tokens, hidden), e(tokens, topk, dtype=torch.int32), e(local_experts, ffn, hidden), comm, cap
+    )
     return {
         "all_gather": (spec(mkernel.all_gather(e(rows, 3, dtype=torch.int64), comm)), [((n * rows, 3), torch.int64)]),
-        "reduce_scatter": (spec(mkernel.reduce_scatter(e(4 * n, 5, dtype=torch.float32), comm, "max")), [((4, 5), torch.float32)]),
-        "all_reduce": (spec(mkernel.all_reduce(e(7, 3, 2, dtype=torch.float16), comm, "avg")), [((7, 3, 2), torch.float16)]),
+        "reduce_scatter": (
+            spec(mkernel.reduce_scatter(e(4 * n, 5, dtype=torch.float32), comm, "max")),
+            [((4, 5), torch.float32)],
+        ),
+        "all_reduce": (
+            spec(mkernel.all_reduce(e(7, 3, 2, dtype=torch.float16), comm, "avg")),
+            [((7, 3, 2), torch.float16)],
+        ),
         "gemm": (spec(mkernel.gemm(e(rows, k), e(nn_, k))), [((rows, nn_), bf16)]),
         "all_gather_gemm": (spec(mkernel.all_gather_gemm(e(rows, k), e(nn_, k), comm)), [((n * rows, nn_), bf16)]),
         "all_gather_gemm+gathered": (
             spec(mkernel.all_gather_gemm(e(rows, k), e(nn_, k), comm, return_gathered=True)),
             [((n * rows, nn_), bf16), ((n * rows, k), bf16)],
         ),
-        "gemm_reduce_scatter": (spec(mkernel.gemm_reduce_scatter(e(rows * n, k), e(nn_, k), comm)), [((rows, nn_), bf16)]),
+        "gemm_reduce_scatter": (
+            spec(mkernel.gemm_reduce_scatter(e(rows * n, k), e(nn_, k), comm)),
+            [((rows, nn_), bf16)],
+        ),
         "gemm_all_reduce": (spec(mkernel.gemm_all_reduce(e(rows, k), e(nn_, k), comm)), [((rows, nn_), bf16)]),
         "moe_dispatch_gemm": (
             spec(dispatch),
             [((cap, ffn), bf16), ((local_experts + 1,), torch.int32), ((layout_bytes,), torch.uint8)],
         ),
         "moe_gemm_combine": (
-            spec(mkernel.moe_gemm_combine(dispatch.y, e(local_experts, hidden, ffn), e(tokens, topk, dtype=torch.float32), dispatch.layout, comm)),
+            spec(
+                mkernel.moe_gemm_combine(
+                    dispatch.y,
+                    e(local_experts, hidden, ffn),
+                    e(tokens, topk, dtype=torch.float32),
+                    dispatch.layout,
+                    comm,
+                )
+            ),
             [((tokens, hidden), bf16)],
         ),
         "ring_attention": (
@@ -70,7 +89,9 @@ def test_meta_tensors(shape_comm, n):
 def test_fake_outputs_stay_on_the_input_device(shape_comm):
     comm = shape_comm(2).name
     with FakeTensorMode():
-        out = mkernel.all_gather_gemm(torch.empty(4, 16, dtype=bf16, device="cuda:3"), torch.empty(8, 16, dtype=bf16, device="cuda:3"), comm)
+        out = mkernel.all_gather_gemm(
+            torch.empty(4, 16, dtype=bf16, device="cuda:3"), torch.empty(8, 16, dtype=bf16, device="cuda:3"), comm
+        )
     assert out.device == torch.device("cuda:3")
 
 
@@ -78,7 +99,9 @@ def test_fake_implementations_check_shapes(shape_comm):
     comm = shape_comm(4).name
     with FakeTensorMode():
         with pytest.raises(mkernel.MkInvalidArgumentError, match="divisible by the world size"):
-            mkernel.gemm_reduce_scatter(torch.empty(6, 16, dtype=bf16, device="cuda"), torch.empty(8, 16, dtype=bf16, device="cuda"), comm)
+            mkernel.gemm_reduce_scatter(
+                torch.empty(6, 16, dtype=bf16, device="cuda"), torch.empty(8, 16, dtype=bf16, device="cuda"), comm
+            )
 
 
 def test_moe_layout_bytes_follows_the_documented_formula():

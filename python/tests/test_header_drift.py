@@ -103,7 +103,9 @@ def drift(text: str, declarations: dict) -> list[str]:
             what = "result" if i == 0 else f"argument {i}"
             expected = C_TO_CTYPES.get(c_type)
             if expected is None:
-                problems.append(f"{name}: {what} has C type {c_type!r}, which this test cannot map (extend C_TO_CTYPES)")
+                problems.append(
+                    f"{name}: {what} has C type {c_type!r}, which this test cannot map (extend C_TO_CTYPES)"
+                )
             elif expected is not py_type:
                 problems.append(
                     f"{name}: {what} is {c_type!r} in the header (ctypes {_ctype_name(expected)}), "
@@ -128,11 +130,28 @@ def test_declarations_match_the_header():
 @pytest.mark.parametrize(
     "edit, expected",
     [
-        (lambda t: t.replace("mkResult_t mkCommCount(mkComm_t comm, int *count);", ""), "mkCommCount: declared in mkernel._lib, not in the header"),
-        (lambda t: t.replace("mkResult_t mkCommDestroy(mkComm_t comm);", "mkResult_t mkCommDestroy(mkComm_t comm, int flags);"), "mkCommDestroy: 2 arguments"),
-        (lambda t: t.replace("mkResult_t mkCommDestroy(mkComm_t comm);", "mkResult_t mkCommDestroy(mkComm_t comm);\nmkResult_t mkCommSplit(mkComm_t comm, int color);"), "mkCommSplit: in the header"),
+        (
+            lambda t: t.replace("mkResult_t mkCommCount(mkComm_t comm, int *count);", ""),
+            "mkCommCount: declared in mkernel._lib, not in the header",
+        ),
+        (
+            lambda t: t.replace(
+                "mkResult_t mkCommDestroy(mkComm_t comm);", "mkResult_t mkCommDestroy(mkComm_t comm, int flags);"
+            ),
+            "mkCommDestroy: 2 arguments",
+        ),
+        (
+            lambda t: t.replace(
+                "mkResult_t mkCommDestroy(mkComm_t comm);",
+                "mkResult_t mkCommDestroy(mkComm_t comm);\nmkResult_t mkCommSplit(mkComm_t comm, int color);",
+            ),
+            "mkCommSplit: in the header",
+        ),
         (lambda t: t.replace("size_t sendcount,", "int sendcount,"), "mkAllGather: argument 3 is 'int'"),
-        (lambda t: t.replace("const char *mkGetErrorString", "int mkGetErrorString"), "mkGetErrorString: result is 'int'"),
+        (
+            lambda t: t.replace("const char *mkGetErrorString", "int mkGetErrorString"),
+            "mkGetErrorString: result is 'int'",
+        ),
     ],
 )
 def test_drift_is_detected(edit, expected):
@@ -153,7 +172,10 @@ def test_library_exports_every_declaration():
 def test_config_struct_matches_the_header():
     body = _strip_comments(header_text())
     struct = re.search(r"typedef struct \{(.*?)\}\s*mkConfig_t;", body, flags=re.S).group(1)
-    fields = [(m.group(2), STRUCT_FIELD_TYPES[" ".join(m.group(1).split())]) for m in re.finditer(r"([\w ]+?)\s+(\w+);", struct)]
+    fields = [
+        (m.group(2), STRUCT_FIELD_TYPES[" ".join(m.group(1).split())])
+        for m in re.finditer(r"([\w ]+?)\s+(\w+);", struct)
+    ]
     assert fields == list(_lib.mkConfig_t._fields_)
 
 
@@ -172,8 +194,15 @@ def test_enum_values_match_the_header():
     body = _strip_comments(header_text())
     dtypes = _enum(body, "mkDataType_t")
     python_names = {
-        "int8": "mkInt8", "uint8": "mkUint8", "int32": "mkInt32", "uint32": "mkUint32", "int64": "mkInt64",
-        "uint64": "mkUint64", "float16": "mkFloat16", "float32": "mkFloat32", "float64": "mkFloat64",
+        "int8": "mkInt8",
+        "uint8": "mkUint8",
+        "int32": "mkInt32",
+        "uint32": "mkUint32",
+        "int64": "mkInt64",
+        "uint64": "mkUint64",
+        "float16": "mkFloat16",
+        "float32": "mkFloat32",
+        "float64": "mkFloat64",
         "bfloat16": "mkBfloat16",
     }
     assert {python_names[k]: v for k, v in _lib.DTYPE_CODES.items()} == dtypes

@@ -28,7 +28,9 @@ def test_import_needs_no_gpu():
 
 def test_bundled_library_loads_and_reports_the_header_version():
     text = header_text()
-    major, minor, patch = (int(re.search(rf"#define MK_{part} (\d+)", text).group(1)) for part in ("MAJOR", "MINOR", "PATCH"))
+    major, minor, patch = (
+        int(re.search(rf"#define MK_{part} (\d+)", text).group(1)) for part in ("MAJOR", "MINOR", "PATCH")
+    )
     assert mkernel.library_version() == major * 10000 + minor * 100 + patch
     assert mkernel.__version__ == f"{major}.{minor}.{patch}"
 

@@ -14,6 +14,7 @@ Usage: python cuda_stubs.py TORCH_LIB_DIR OUT_DIR   (then run with LD_LIBRARY_PA
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -52,8 +53,13 @@ def resolved_paths(lib: Path) -> dict[str, str | None]:
     return out
 
 
-def dyn_symbols(lib: Path):
-    """Yields (name, version or None, defined, binding, type) for the dynamic symbols of `lib`."""
+@functools.lru_cache(maxsize=None)
+def dyn_symbols(lib: Path) -> list[tuple[str, str | None, bool, str, str]]:
+    """(name, version or None, defined, binding, type) for each dynamic symbol of `lib` (read once)."""
+    return list(_dyn_symbols(lib))
+
+
+def _dyn_symbols(lib: Path):
     for line in run("readelf", "--dyn-syms", "-W", str(lib)).splitlines():
         parts = line.split()
         if len(parts) < 8 or not parts[0].rstrip(":").isdigit():
@@ -96,8 +102,8 @@ def main(torch_lib: Path, out_dir: Path) -> None:
         return
 
     defined: set[str] = set()
-    for path in sorted(found | {str(p) for p in libs}):
-        defined.update(name for name, _v, is_def, _b, _t in dyn_symbols(Path(path)) if is_def)
+    for path in sorted({Path(p).resolve() for p in found} | {p.resolve() for p in libs}):
+        defined.update(name for name, _v, is_def, _b, _t in dyn_symbols(path) if is_def)
 
     # soname -> version -> symbols; objects are defined as data, everything else as functions.
     wanted: dict[str, dict[str | None, set[str]]] = {s: defaultdict(set) for s in missing}
@@ -106,7 +112,7 @@ def main(torch_lib: Path, out_dir: Path) -> None:
     for lib in libs:
         owners = version_files(lib)
         direct = set(needed(lib))
-        for name, version, is_def, bind, typ in dyn_symbols(lib):
+        for name, version, is_def, bind, typ in dyn_symbols(lib.resolve()):
             if is_def or bind == "WEAK" or not name:
                 continue
             owner = owners.get(version) if version else None

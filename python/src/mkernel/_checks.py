@@ -91,7 +91,10 @@ def on_device(op: str, device: int, **named):
     """Checks that every tensor is in the memory of CUDA device `device`."""
     for name, t in named.items():
         if t.device.type != "cuda" or t.device.index != device:
-            fail(op, f"expected {name} to be on cuda:{device} (the communicator's device), but got a tensor on {t.device}")
+            fail(
+                op,
+                f"expected {name} to be on cuda:{device} (the communicator's device), but got a tensor on {t.device}",
+            )
 
 
 def aligned(op: str, name: str, t: torch.Tensor, alignment: int):

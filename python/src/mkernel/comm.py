@@ -333,4 +333,3 @@ class Communicator:
         allocation up to its granularity, so the true figure may be slightly larger.
         """
         return self._device_memory_bytes
-

@@ -73,7 +73,9 @@ def _(a, b):
 
 
 @custom_op("mkernel::all_gather_gemm", mutates_args=())
-def all_gather_gemm(a: torch.Tensor, b: torch.Tensor, comm: str, return_gathered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def all_gather_gemm(
+    a: torch.Tensor, b: torch.Tensor, comm: str, return_gathered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (C, gathered A); the gathered A is empty ([0, K]) unless return_gathered."""
     c = lookup(comm)
     c_shape, g_shape = ops.all_gather_gemm_shapes(a, b, c.world_size)

@@ -78,7 +78,9 @@ def reduce_scatter_shapes(x, op: str, world_size: int):
     check.reduce_op("reduce_scatter", op)
     rows = x.shape[0]
     if rows % world_size != 0:
-        check.fail("reduce_scatter", f"expected input.shape[0] ({rows}) to be divisible by the world size ({world_size})")
+        check.fail(
+            "reduce_scatter", f"expected input.shape[0] ({rows}) to be divisible by the world size ({world_size})"
+        )
     return (rows // world_size, *x.shape[1:])
 
 
@@ -87,7 +89,12 @@ def reduce_scatter_launch(x, out, op: str, comm) -> None:
     for name, t in (("input", x), ("output", out)):
         check.aligned("reduce_scatter", name, t, t.element_size())
     _call(
-        comm, "mkReduceScatter", x.data_ptr(), out.data_ptr(), out.numel(), check.dtype_code(x.dtype),
+        comm,
+        "mkReduceScatter",
+        x.data_ptr(),
+        out.data_ptr(),
+        out.numel(),
+        check.dtype_code(x.dtype),
         check.reduce_op("reduce_scatter", op),
     )
 
@@ -103,7 +110,12 @@ def all_reduce_launch(x, out, op: str, comm) -> None:
     for name, t in (("input", x), ("output", out)):
         check.aligned("all_reduce", name, t, t.element_size())
     _call(
-        comm, "mkAllReduce", x.data_ptr(), out.data_ptr(), x.numel(), check.dtype_code(x.dtype),
+        comm,
+        "mkAllReduce",
+        x.data_ptr(),
+        out.data_ptr(),
+        x.numel(),
+        check.dtype_code(x.dtype),
         check.reduce_op("all_reduce", op),
     )
 
@@ -143,7 +155,9 @@ def reduce_scatter(
     return out
 
 
-def all_reduce(input: torch.Tensor, comm: CommLike, op: str = "sum", *, out: torch.Tensor | None = None) -> torch.Tensor:
+def all_reduce(
+    input: torch.Tensor, comm: CommLike, op: str = "sum", *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Reduces `input` over the ranks with `op`; every rank gets the whole (bitwise identical) result.
 
     In place with `out=input`.
@@ -193,7 +207,9 @@ def gemm_launch(a, b, out) -> None:
     n = b.shape[0]
     lib = _lib.library()
     with torch.cuda.device(device):
-        code = lib.mkGemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, check.dtype_code(a.dtype), _stream(device))
+        code = lib.mkGemm(
+            a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, check.dtype_code(a.dtype), _stream(device)
+        )
     raise_for(code, "mkGemm")
 
 
@@ -230,8 +246,16 @@ def all_gather_gemm_launch(a, b, out, gathered, comm) -> None:
     m, n = out.shape
     k = a.shape[1]
     _call(
-        comm, "mkAllGatherGemm", a.data_ptr(), b.data_ptr(), out.data_ptr(),
-        gathered.data_ptr() if gathered is not None else None, m, n, k, check.dtype_code(a.dtype),
+        comm,
+        "mkAllGatherGemm",
+        a.data_ptr(),
+        b.data_ptr(),
+        out.data_ptr(),
+        gathered.data_ptr() if gathered is not None else None,
+        m,
+        n,
+        k,
+        check.dtype_code(a.dtype),
     )
 
 
@@ -388,14 +412,32 @@ def moe_dispatch_shapes(x, topk_idx, w1, recv_capacity: int, world_size: int):
 def moe_dispatch_launch(x, topk_idx, w1, y, recv_counts, layout, experts: int, comm) -> None:
     op = "moe_dispatch_gemm"
     check.on_device(op, comm.device, x=x, topk_idx=topk_idx, w1=w1, y=y, recv_counts=recv_counts, layout=layout)
-    for name, t, alignment in (("x", x, 16), ("w1", w1, 16), ("y", y, 16), ("layout", layout, 16),
-                               ("topk_idx", topk_idx, 4), ("recv_counts", recv_counts, 4)):
+    for name, t, alignment in (
+        ("x", x, 16),
+        ("w1", w1, 16),
+        ("y", y, 16),
+        ("layout", layout, 16),
+        ("topk_idx", topk_idx, 4),
+        ("recv_counts", recv_counts, 4),
+    ):
         check.aligned(op, name, t, alignment)
     tokens, hidden = x.shape
     _call(
-        comm, "mkMoeDispatchGemm", x.data_ptr(), _lib.as_ptr(topk_idx.data_ptr(), ctypes.c_int32), w1.data_ptr(),
-        y.data_ptr(), _lib.as_ptr(recv_counts.data_ptr(), ctypes.c_int32), layout.data_ptr(), tokens, hidden,
-        w1.shape[1], topk_idx.shape[1], experts, y.shape[0], check.dtype_code(x.dtype),
+        comm,
+        "mkMoeDispatchGemm",
+        x.data_ptr(),
+        _lib.as_ptr(topk_idx.data_ptr(), ctypes.c_int32),
+        w1.data_ptr(),
+        y.data_ptr(),
+        _lib.as_ptr(recv_counts.data_ptr(), ctypes.c_int32),
+        layout.data_ptr(),
+        tokens,
+        hidden,
+        w1.shape[1],
+        topk_idx.shape[1],
+        experts,
+        y.shape[0],
+        check.dtype_code(x.dtype),
     )
 
 
@@ -435,7 +477,10 @@ def moe_combine_shapes(y_act, w2, topk_weights, layout, world_size: int):
     check.multiple_of(op, "ffn (y_act.shape[1])", ffn, 128, positive=True)
     check.multiple_of(op, "recv_capacity (y_act.shape[0])", recv_capacity, 128)
     check.equal(
-        op, "layout.numel()", layout.numel(), moe_layout_bytes(tokens, topk, recv_capacity),
+        op,
+        "layout.numel()",
+        layout.numel(),
+        moe_layout_bytes(tokens, topk, recv_capacity),
         "moe_layout_bytes(tokens, topk, recv_capacity): pass the layout from moe_dispatch_gemm",
     )
     return (tokens, hidden), experts
@@ -444,14 +489,30 @@ def moe_combine_shapes(y_act, w2, topk_weights, layout, world_size: int):
 def moe_combine_launch(y_act, w2, topk_weights, layout, out, experts: int, comm) -> None:
     op = "moe_gemm_combine"
     check.on_device(op, comm.device, y_act=y_act, w2=w2, topk_weights=topk_weights, layout=layout, out=out)
-    for name, t, alignment in (("y_act", y_act, 16), ("w2", w2, 16), ("layout", layout, 16), ("out", out, 16),
-                               ("topk_weights", topk_weights, 4)):
+    for name, t, alignment in (
+        ("y_act", y_act, 16),
+        ("w2", w2, 16),
+        ("layout", layout, 16),
+        ("out", out, 16),
+        ("topk_weights", topk_weights, 4),
+    ):
         check.aligned(op, name, t, alignment)
     tokens, topk = topk_weights.shape
     recv_capacity, ffn = y_act.shape
     _call(
-        comm, "mkMoeGemmCombine", y_act.data_ptr(), w2.data_ptr(), _lib.as_ptr(topk_weights.data_ptr(), ctypes.c_float),
-        layout.data_ptr(), out.data_ptr(), tokens, w2.shape[1], ffn, topk, experts, recv_capacity,
+        comm,
+        "mkMoeGemmCombine",
+        y_act.data_ptr(),
+        w2.data_ptr(),
+        _lib.as_ptr(topk_weights.data_ptr(), ctypes.c_float),
+        layout.data_ptr(),
+        out.data_ptr(),
+        tokens,
+        w2.shape[1],
+        ffn,
+        topk,
+        experts,
+        recv_capacity,
         check.dtype_code(y_act.dtype),
     )
 
@@ -505,9 +566,21 @@ def ring_attention_launch(q, k, v, out, lse, softmax_scale: float, causal: bool,
         check.aligned(op, name, t, alignment)
     batch, seq, heads, head_dim = q.shape
     _call(
-        comm, "mkRingAttention", q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-        _lib.as_ptr(lse.data_ptr(), ctypes.c_float), batch, seq, heads, k.shape[2], head_dim,
-        ctypes.c_float(softmax_scale), 1 if causal else 0, check.dtype_code(q.dtype),
+        comm,
+        "mkRingAttention",
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        _lib.as_ptr(lse.data_ptr(), ctypes.c_float),
+        batch,
+        seq,
+        heads,
+        k.shape[2],
+        head_dim,
+        ctypes.c_float(softmax_scale),
+        1 if causal else 0,
+        check.dtype_code(q.dtype),
     )
 
 

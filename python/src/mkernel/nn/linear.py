@@ -39,7 +39,10 @@ class _ColumnSequenceParallel(torch.autograd.Function):
     def backward(ctx, dy):
         gathered, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = torch.ops.mkernel.gemm_reduce_scatter(dy, _transposed(weight), ctx.comm)
+        # needs_input_grad is the same on every rank (same model), so skipping the collective is consistent.
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.ops.mkernel.gemm_reduce_scatter(dy, _transposed(weight), ctx.comm)
         dw = dy.t() @ gathered
         return dx, dw, None
 
@@ -57,7 +60,9 @@ class _ColumnReplicated(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = torch.ops.mkernel.gemm_all_reduce(dy, _transposed(weight), ctx.comm)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.ops.mkernel.gemm_all_reduce(dy, _transposed(weight), ctx.comm)
         dw = dy.t() @ x
         return dx, dw, None
 
@@ -138,7 +143,10 @@ class ColumnParallelLinear(nn.Module):
         communicator = resolve(comm)
         n = communicator.world_size
         if out_features % n != 0:
-            check.fail("nn.ColumnParallelLinear", f"expected out_features ({out_features}) to be divisible by the world size ({n})")
+            check.fail(
+                "nn.ColumnParallelLinear",
+                f"expected out_features ({out_features}) to be divisible by the world size ({n})",
+            )
         if dtype not in check.GEMM_DTYPES:
             check.fail("nn.ColumnParallelLinear", f"expected dtype torch.bfloat16 or torch.float16, but got {dtype}")
         self.comm = comm_name(comm)
@@ -210,7 +218,9 @@ class RowParallelLinear(nn.Module):
         communicator = resolve(comm)
         n = communicator.world_size
         if in_features % n != 0:
-            check.fail("nn.RowParallelLinear", f"expected in_features ({in_features}) to be divisible by the world size ({n})")
+            check.fail(
+                "nn.RowParallelLinear", f"expected in_features ({in_features}) to be divisible by the world size ({n})"
+            )
         if dtype not in check.GEMM_DTYPES:
             check.fail("nn.RowParallelLinear", f"expected dtype torch.bfloat16 or torch.float16, but got {dtype}")
         self.comm = comm_name(comm)
