@@ -243,7 +243,7 @@ def parallel_linear(comm, rank, n, sequence_parallel: bool):
     y = down(F.gelu(up(x)))
     y.backward((_shard(dy_full, rank, n) if sequence_parallel else dy_full).to(DEV))
 
-    ref = [t.double().requires_grad_() for t in (x_full, w_up, b_up, w_down, b_down)]
+    ref = [t.detach().double().requires_grad_() for t in (x_full, w_up, b_up, w_down, b_down)]
     rx, rwu, rbu, rwd, rbd = ref
     ry = F.linear(F.gelu(F.linear(rx, rwu, rbu)), rwd, rbd)
     ry.backward(dy_full.double())
