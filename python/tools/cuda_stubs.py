@@ -108,6 +108,8 @@ def main(torch_lib: Path, out_dir: Path) -> None:
     # soname -> version -> symbols; objects are defined as data, everything else as functions.
     wanted: dict[str, dict[str | None, set[str]]] = {s: defaultdict(set) for s in missing}
     objects: set[str] = set()
+    # An unversioned import (NCCL's, cuDNN's) does not say which library defines it; the loader
+    # accepts a definition from any library in the global scope, so one stand-in takes them all.
     fallback = sorted(missing)[0]
     for lib in libs:
         owners = version_files(lib)
