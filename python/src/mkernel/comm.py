@@ -286,7 +286,9 @@ class Communicator:
 
         Safe from any thread, e.g. a watchdog that sees a step take too long: the blocked
         kernels stop, the stream drains, and every later call on this communicator raises
-        MkInvalidUsageError. Aborting a closed communicator does nothing.
+        MkInvalidUsageError. Aborting a closed communicator does nothing. The abort releases
+        the handle, so call it while the other threads wait (e.g. in torch.cuda.synchronize),
+        not while one of them is inside an mkernel call on this communicator.
         """
         handle = self._take_handle("aborted")
         if handle is not None:
