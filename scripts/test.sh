@@ -21,6 +21,8 @@ echo "== C tests against the installed header and library (plain, ASan/UBSan, C+
 make ctest
 ./scripts/test-examples.sh # install, pkg-config, CMake, static archive, examples, Go, uninstall
 
+./scripts/test-python.sh
+
 echo "== GPU suites (SKIPPED without a GPU)"
 ./target/release/mktest || [ $? = 77 ]  # 77: every suite SKIPPED (no GPU), never counted as passed
 

@@ -1,0 +1,115 @@
+"""Argument checks shared by the eager ops and their fake (shape-only) implementations.
+
+Each check raises MkInvalidArgumentError with a message in torch's style: the op, the
+argument, what was expected and what was given. Shape and dtype rules run first (also
+under FakeTensorMode and torch.compile); device and alignment rules need real storage
+and run only when launching.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _lib
+from .errors import MkInvalidArgumentError
+
+TORCH_DTYPES = {
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int32: "int32",
+    torch.uint32: "uint32",
+    torch.int64: "int64",
+    torch.uint64: "uint64",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.bfloat16: "bfloat16",
+}
+GEMM_DTYPES = (torch.bfloat16, torch.float16)
+REDUCE_OPS = tuple(_lib.REDOP_CODES)
+
+
+def fail(op: str, message: str):
+    raise MkInvalidArgumentError(f"mkernel.{op}: {message}")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _lib.DTYPE_CODES[TORCH_DTYPES[dtype]]
+
+
+def tensor(op: str, name: str, t, *, dtypes=None, dim: int | None = None, min_dim: int | None = None):
+    """Checks that `t` is a contiguous tensor with an allowed dtype and rank."""
+    if not isinstance(t, torch.Tensor):
+        fail(op, f"expected {name} to be a torch.Tensor, but got {type(t).__name__}")
+    allowed = dtypes if dtypes is not None else tuple(TORCH_DTYPES)
+    if t.dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        fail(op, f"expected {name} to have dtype in ({names}), but got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        fail(op, f"expected {name} to be a {dim}-D tensor, but got a {t.dim()}-D tensor of shape {tuple(t.shape)}")
+    if min_dim is not None and t.dim() < min_dim:
+        fail(op, f"expected {name} to have at least {min_dim} dimension(s), but got a {t.dim()}-D tensor")
+    if not t.is_contiguous():
+        fail(op, f"expected {name} to be contiguous (densely packed, row-major); call .contiguous() first")
+
+
+def same_dtype(op: str, **named):
+    items = list(named.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.dtype != first.dtype:
+            fail(op, f"expected {first_name} and {name} to have the same dtype, but got {first.dtype} and {t.dtype}")
+
+
+def multiple_of(op: str, what: str, value: int, factor: int, *, positive: bool = False):
+    if positive and value <= 0:
+        fail(op, f"expected {what} to be a positive multiple of {factor}, but got {value}")
+    if value % factor != 0:
+        fail(op, f"expected {what} to be a multiple of {factor}, but got {value}")
+
+
+def equal(op: str, what: str, value: int, expected: int, because: str = ""):
+    if value != expected:
+        suffix = f" ({because})" if because else ""
+        fail(op, f"expected {what} to be {expected}, but got {value}{suffix}")
+
+
+def reduce_op(op: str, reduce: str) -> int:
+    if reduce not in _lib.REDOP_CODES:
+        fail(op, f"expected op to be one of {REDUCE_OPS}, but got {reduce!r}")
+    return _lib.REDOP_CODES[reduce]
+
+
+def softmax_scale(op: str, scale: float):
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        fail(op, f"expected softmax_scale to be finite and positive, but got {scale!r}")
+
+
+def on_device(op: str, device: int, **named):
+    """Checks that every tensor is in the memory of CUDA device `device`."""
+    for name, t in named.items():
+        if t.device.type != "cuda" or t.device.index != device:
+            fail(
+                op,
+                f"expected {name} to be on cuda:{device} (the communicator's device), but got a tensor on {t.device}",
+            )
+
+
+def aligned(op: str, name: str, t: torch.Tensor, alignment: int):
+    """Checks that the tensor's first element sits at a multiple of `alignment` bytes."""
+    if t.data_ptr() % alignment != 0:
+        fail(
+            op,
+            f"expected {name} to be {alignment}-byte aligned, but its data starts at address "
+            f"{t.data_ptr():#x} (a view with a storage offset? call .clone())",
+        )
+
+
+def output(op: str, name: str, out, *, shape, dtype, device: int):
+    """Checks a caller-supplied output tensor (out=)."""
+    tensor(op, name, out, dtypes=(dtype,))
+    if tuple(out.shape) != tuple(shape):
+        fail(op, f"expected {name} to have shape {tuple(shape)}, but got {tuple(out.shape)}")
+    on_device(op, device, **{name: out})

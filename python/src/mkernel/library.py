@@ -1,0 +1,175 @@
+"""torch.library custom ops: torch.ops.mkernel.*, each with a fake implementation.
+
+The fake implementations run the same shape and dtype rules as the eager ops and return
+empty tensors of the output shapes, so torch.compile(fullgraph=True) traces through them
+without graph breaks, and they also serve meta tensors. A communicator is passed by its
+registered name (Communicator.name), as torch's functional collectives pass a group name;
+the fake implementations look it up only for its world size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+from . import ops
+from .comm import lookup
+
+
+def _empty(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype if dtype is not None else like.dtype, device=like.device)
+
+
+@custom_op("mkernel::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, comm: str) -> torch.Tensor:
+    c = lookup(comm)
+    out = _empty(ops.all_gather_shapes(x, c.world_size), x)
+    ops.all_gather_launch(x, out, c)
+    return out
+
+
+@all_gather.register_fake
+def _(x, comm):
+    return _empty(ops.all_gather_shapes(x, lookup(comm).world_size), x)
+
+
+@custom_op("mkernel::reduce_scatter", mutates_args=())
+def reduce_scatter(x: torch.Tensor, comm: str, op: str) -> torch.Tensor:
+    c = lookup(comm)
+    out = _empty(ops.reduce_scatter_shapes(x, op, c.world_size), x)
+    ops.reduce_scatter_launch(x, out, op, c)
+    return out
+
+
+@reduce_scatter.register_fake
+def _(x, comm, op):
+    return _empty(ops.reduce_scatter_shapes(x, op, lookup(comm).world_size), x)
+
+
+@custom_op("mkernel::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, comm: str, op: str) -> torch.Tensor:
+    c = lookup(comm)
+    out = _empty(ops.all_reduce_shapes(x, op), x)
+    ops.all_reduce_launch(x, out, op, c)
+    return out
+
+
+@all_reduce.register_fake
+def _(x, comm, op):
+    lookup(comm)
+    return _empty(ops.all_reduce_shapes(x, op), x)
+
+
+@custom_op("mkernel::gemm", mutates_args=())
+def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = _empty(ops.gemm_shapes(a, b), a)
+    ops.gemm_launch(a, b, out)
+    return out
+
+
+@gemm.register_fake
+def _(a, b):
+    return _empty(ops.gemm_shapes(a, b), a)
+
+
+@custom_op("mkernel::all_gather_gemm", mutates_args=())
+def all_gather_gemm(
+    a: torch.Tensor, b: torch.Tensor, comm: str, return_gathered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (C, gathered A); the gathered A is empty ([0, K]) unless return_gathered."""
+    c = lookup(comm)
+    c_shape, g_shape = ops.all_gather_gemm_shapes(a, b, c.world_size)
+    out = _empty(c_shape, a)
+    gathered = _empty(g_shape if return_gathered else (0, a.shape[1]), a)
+    ops.all_gather_gemm_launch(a, b, out, gathered if return_gathered else None, c)
+    return out, gathered
+
+
+@all_gather_gemm.register_fake
+def _(a, b, comm, return_gathered):
+    c_shape, g_shape = ops.all_gather_gemm_shapes(a, b, lookup(comm).world_size)
+    return _empty(c_shape, a), _empty(g_shape if return_gathered else (0, a.shape[1]), a)
+
+
+@custom_op("mkernel::gemm_reduce_scatter", mutates_args=())
+def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, comm: str) -> torch.Tensor:
+    c = lookup(comm)
+    out = _empty(ops.gemm_reduce_scatter_shapes(a, b, c.world_size), a)
+    ops.gemm_reduce_scatter_launch(a, b, out, c)
+    return out
+
+
+@gemm_reduce_scatter.register_fake
+def _(a, b, comm):
+    return _empty(ops.gemm_reduce_scatter_shapes(a, b, lookup(comm).world_size), a)
+
+
+@custom_op("mkernel::gemm_all_reduce", mutates_args=())
+def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, comm: str) -> torch.Tensor:
+    c = lookup(comm)
+    out = _empty(ops.gemm_all_reduce_shapes(a, b), a)
+    ops.gemm_all_reduce_launch(a, b, out, c)
+    return out
+
+
+@gemm_all_reduce.register_fake
+def _(a, b, comm):
+    lookup(comm)
+    return _empty(ops.gemm_all_reduce_shapes(a, b), a)
+
+
+@custom_op("mkernel::moe_dispatch_gemm", mutates_args=())
+def moe_dispatch_gemm(
+    x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, comm: str, recv_capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    c = lookup(comm)
+    y_shape, counts_shape, layout_shape, experts = ops.moe_dispatch_shapes(x, topk_idx, w1, recv_capacity, c.world_size)
+    y = _empty(y_shape, x)
+    counts = _empty(counts_shape, x, torch.int32)
+    layout = _empty(layout_shape, x, torch.uint8)
+    ops.moe_dispatch_launch(x, topk_idx, w1, y, counts, layout, experts, c)
+    return y, counts, layout
+
+
+@moe_dispatch_gemm.register_fake
+def _(x, topk_idx, w1, comm, recv_capacity):
+    y_shape, counts_shape, layout_shape, _experts = ops.moe_dispatch_shapes(
+        x, topk_idx, w1, recv_capacity, lookup(comm).world_size
+    )
+    return _empty(y_shape, x), _empty(counts_shape, x, torch.int32), _empty(layout_shape, x, torch.uint8)
+
+
+@custom_op("mkernel::moe_gemm_combine", mutates_args=())
+def moe_gemm_combine(
+    y_act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, layout: torch.Tensor, comm: str
+) -> torch.Tensor:
+    c = lookup(comm)
+    out_shape, experts = ops.moe_combine_shapes(y_act, w2, topk_weights, layout, c.world_size)
+    out = _empty(out_shape, y_act)
+    ops.moe_combine_launch(y_act, w2, topk_weights, layout, out, experts, c)
+    return out
+
+
+@moe_gemm_combine.register_fake
+def _(y_act, w2, topk_weights, layout, comm):
+    out_shape, _experts = ops.moe_combine_shapes(y_act, w2, topk_weights, layout, lookup(comm).world_size)
+    return _empty(out_shape, y_act)
+
+
+@custom_op("mkernel::ring_attention", mutates_args=())
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: str, softmax_scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    c = lookup(comm)
+    out_shape, lse_shape = ops.ring_attention_shapes(q, k, v, softmax_scale, causal)
+    out = _empty(out_shape, q)
+    lse = _empty(lse_shape, q, torch.float32)
+    ops.ring_attention_launch(q, k, v, out, lse, softmax_scale, causal, c)
+    return out, lse
+
+
+@ring_attention.register_fake
+def _(q, k, v, comm, softmax_scale, causal):
+    lookup(comm)
+    out_shape, lse_shape = ops.ring_attention_shapes(q, k, v, softmax_scale, causal)
+    return _empty(out_shape, q), _empty(lse_shape, q, torch.float32)

@@ -1,0 +1,611 @@
+"""Tensor operations over the C ABI.
+
+Each op has a shape rule (`*_shapes`: checks dtypes, ranks, contiguity and sizes, and
+returns the output shapes; shared with the fake implementations in mkernel.library) and a
+launcher (`*_launch`: checks devices and alignment, then enqueues the kernel on the
+current torch stream of the communicator's device). Nothing here synchronises the host,
+so every op can be captured in a CUDA graph.
+
+The public functions route through torch.ops.mkernel.* (so torch.compile keeps them in
+the graph) unless `out=` is given, in which case they launch into `out` directly (eager
+mode and CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import NamedTuple, Union
+
+import torch
+
+from . import _checks as check
+from . import _lib
+from .comm import Communicator, lookup
+from .errors import raise_for
+
+CommLike = Union[Communicator, str]
+
+
+def resolve(comm: CommLike):
+    """The communicator for a Communicator or its registered name."""
+    if isinstance(comm, str):
+        return lookup(comm)
+    if isinstance(comm, Communicator):
+        return comm
+    check.fail("ops", f"expected comm to be an mkernel.Communicator or its name, but got {type(comm).__name__}")
+
+
+def comm_name(comm: CommLike) -> str:
+    return comm if isinstance(comm, str) else resolve(comm).name
+
+
+def _tensors(op: str, **named) -> None:
+    """Type check before dispatch, so a non-tensor gets this package's error, not the dispatcher's."""
+    for name, value in named.items():
+        if not isinstance(value, torch.Tensor):
+            check.fail(op, f"expected {name} to be a torch.Tensor, but got {type(value).__name__}")
+
+
+def _stream(device: int) -> _lib.mkStream_t:
+    return _lib.mkStream_t(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _call(comm, fn_name: str, *args) -> None:
+    """Calls a communicator op with its handle and stream last; raises with the comm's message."""
+    handle = comm.handle()
+    fn = getattr(_lib.library(), fn_name)
+    raise_for(fn(*args, handle, _stream(comm.device)), fn_name, handle)
+
+
+# --- AllGather / ReduceScatter / AllReduce ------------------------------------------------------
+
+
+def all_gather_shapes(x, world_size: int):
+    check.tensor("all_gather", "input", x, min_dim=1)
+    return (x.shape[0] * world_size, *x.shape[1:])
+
+
+def all_gather_launch(x, out, comm) -> None:
+    check.on_device("all_gather", comm.device, input=x, output=out)
+    for name, t in (("input", x), ("output", out)):
+        check.aligned("all_gather", name, t, t.element_size())
+    _call(comm, "mkAllGather", x.data_ptr(), out.data_ptr(), x.numel(), check.dtype_code(x.dtype))
+
+
+def reduce_scatter_shapes(x, op: str, world_size: int):
+    check.tensor("reduce_scatter", "input", x, min_dim=1)
+    check.reduce_op("reduce_scatter", op)
+    rows = x.shape[0]
+    if rows % world_size != 0:
+        check.fail(
+            "reduce_scatter", f"expected input.shape[0] ({rows}) to be divisible by the world size ({world_size})"
+        )
+    return (rows // world_size, *x.shape[1:])
+
+
+def reduce_scatter_launch(x, out, op: str, comm) -> None:
+    check.on_device("reduce_scatter", comm.device, input=x, output=out)
+    for name, t in (("input", x), ("output", out)):
+        check.aligned("reduce_scatter", name, t, t.element_size())
+    _call(
+        comm,
+        "mkReduceScatter",
+        x.data_ptr(),
+        out.data_ptr(),
+        out.numel(),
+        check.dtype_code(x.dtype),
+        check.reduce_op("reduce_scatter", op),
+    )
+
+
+def all_reduce_shapes(x, op: str):
+    check.tensor("all_reduce", "input", x)
+    check.reduce_op("all_reduce", op)
+    return tuple(x.shape)
+
+
+def all_reduce_launch(x, out, op: str, comm) -> None:
+    check.on_device("all_reduce", comm.device, input=x, output=out)
+    for name, t in (("input", x), ("output", out)):
+        check.aligned("all_reduce", name, t, t.element_size())
+    _call(
+        comm,
+        "mkAllReduce",
+        x.data_ptr(),
+        out.data_ptr(),
+        x.numel(),
+        check.dtype_code(x.dtype),
+        check.reduce_op("all_reduce", op),
+    )
+
+
+def all_gather(input: torch.Tensor, comm: CommLike, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenates every rank's `input` along dim 0 (rank order): [world_size * rows, ...].
+
+    Any dtype of mkDataType_t (copied bit for bit). In place when `out[rank * rows:]`
+    starts at `input` (as NCCL).
+    """
+    _tensors("all_gather", input=input)
+    if out is None:
+        return torch.ops.mkernel.all_gather(input, comm_name(comm))
+    c = resolve(comm)
+    shape = all_gather_shapes(input, c.world_size)
+    check.output("all_gather", "out", out, shape=shape, dtype=input.dtype, device=c.device)
+    all_gather_launch(input, out, c)
+    return out
+
+
+def reduce_scatter(
+    input: torch.Tensor, comm: CommLike, op: str = "sum", *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reduces `input` over the ranks with `op` and returns this rank's block of rows.
+
+    `input.shape[0]` must be divisible by the world size; rank r gets rows
+    [r * rows / n, (r + 1) * rows / n) of the reduction. op: sum, prod, max, min, avg.
+    Half and bfloat16 accumulate in float and round once.
+    """
+    _tensors("reduce_scatter", input=input)
+    if out is None:
+        return torch.ops.mkernel.reduce_scatter(input, comm_name(comm), op)
+    c = resolve(comm)
+    shape = reduce_scatter_shapes(input, op, c.world_size)
+    check.output("reduce_scatter", "out", out, shape=shape, dtype=input.dtype, device=c.device)
+    reduce_scatter_launch(input, out, op, c)
+    return out
+
+
+def all_reduce(
+    input: torch.Tensor, comm: CommLike, op: str = "sum", *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reduces `input` over the ranks with `op`; every rank gets the whole (bitwise identical) result.
+
+    In place with `out=input`.
+    """
+    _tensors("all_reduce", input=input)
+    if out is None:
+        return torch.ops.mkernel.all_reduce(input, comm_name(comm), op)
+    c = resolve(comm)
+    shape = all_reduce_shapes(input, op)
+    check.output("all_reduce", "out", out, shape=shape, dtype=input.dtype, device=c.device)
+    all_reduce_launch(input, out, op, c)
+    return out
+
+
+# --- GEMMs ----------------------------------------------------------------------------------------
+
+
+def _gemm_operands(op: str, a, b):
+    check.tensor(op, "a", a, dtypes=check.GEMM_DTYPES, dim=2)
+    check.tensor(op, "b", b, dtypes=check.GEMM_DTYPES, dim=2)
+    check.same_dtype(op, a=a, b=b)
+    if a.shape[1] != b.shape[1]:
+        check.fail(
+            op,
+            f"expected a [M, K] and b [N, K] to share K, but got a.shape = {tuple(a.shape)} and "
+            f"b.shape = {tuple(b.shape)} (b is the nn.Linear weight layout: C = a @ b.T)",
+        )
+    return a.shape[0], b.shape[0], a.shape[1]
+
+
+def gemm_shapes(a, b):
+    m, n, k = _gemm_operands("gemm", a, b)
+    check.multiple_of("gemm", "K (a.shape[1])", k, 8, positive=True)
+    return (m, n)
+
+
+def gemm_launch(a, b, out) -> None:
+    op = "gemm"
+    if a.device.type != "cuda":
+        check.fail(op, f"expected a to be a CUDA tensor, but got a tensor on {a.device}")
+    device = a.device.index
+    check.on_device(op, device, a=a, b=b, out=out)
+    check.aligned(op, "a", a, 16)
+    check.aligned(op, "b", b, 16)
+    check.aligned(op, "out", out, out.element_size())
+    m, k = a.shape
+    n = b.shape[0]
+    lib = _lib.library()
+    with torch.cuda.device(device):
+        code = lib.mkGemm(
+            a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, check.dtype_code(a.dtype), _stream(device)
+        )
+    raise_for(code, "mkGemm")
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """C = a @ b.T with mkernel's GEMM engine (no communication): a [M, K], b [N, K], bf16/fp16."""
+    _tensors("gemm", a=a, b=b)
+    if out is None:
+        return torch.ops.mkernel.gemm(a, b)
+    shape = gemm_shapes(a, b)
+    if a.device.type != "cuda":
+        check.fail("gemm", f"expected a to be a CUDA tensor, but got a tensor on {a.device}")
+    check.output("gemm", "out", out, shape=shape, dtype=a.dtype, device=a.device.index)
+    gemm_launch(a, b, out)
+    return out
+
+
+def all_gather_gemm_shapes(a, b, world_size: int):
+    op = "all_gather_gemm"
+    rows, n, k = _gemm_operands(op, a, b)
+    check.multiple_of(op, "K (a.shape[1])", k, 8, positive=True)
+    check.multiple_of(op, "N (b.shape[0])", n, 8)
+    m = rows * world_size
+    return (m, n), (m, k)
+
+
+def all_gather_gemm_launch(a, b, out, gathered, comm) -> None:
+    op = "all_gather_gemm"
+    named = {"a": a, "b": b, "out": out}
+    if gathered is not None:
+        named["gathered_a"] = gathered
+    check.on_device(op, comm.device, **named)
+    for name, t in named.items():
+        check.aligned(op, name, t, 16)
+    m, n = out.shape
+    k = a.shape[1]
+    _call(
+        comm,
+        "mkAllGatherGemm",
+        a.data_ptr(),
+        b.data_ptr(),
+        out.data_ptr(),
+        gathered.data_ptr() if gathered is not None else None,
+        m,
+        n,
+        k,
+        check.dtype_code(a.dtype),
+    )
+
+
+def all_gather_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    comm: CommLike,
+    *,
+    return_gathered: bool = False,
+    out: torch.Tensor | None = None,
+    gathered_out: torch.Tensor | None = None,
+):
+    """AllGather of `a`'s rows over the ranks, then C = A_gathered @ b.T, in one kernel.
+
+    a: this rank's rows [M / n, K]; b: [N, K], the same on every rank; returns C [M, N]
+    (and the gathered A [M, K] with return_gathered=True, for a backward pass). bf16/fp16,
+    K a positive multiple of 8, N a multiple of 8; the gathered A must fit in the workspace.
+    """
+    _tensors("all_gather_gemm", a=a, b=b)
+    if out is None and gathered_out is None:
+        c, g = torch.ops.mkernel.all_gather_gemm(a, b, comm_name(comm), return_gathered)
+        return (c, g) if return_gathered else c
+    comm = resolve(comm)
+    c_shape, g_shape = all_gather_gemm_shapes(a, b, comm.world_size)
+    if out is None:
+        out = torch.empty(c_shape, dtype=a.dtype, device=a.device)
+    check.output("all_gather_gemm", "out", out, shape=c_shape, dtype=a.dtype, device=comm.device)
+    if gathered_out is None and return_gathered:
+        gathered_out = torch.empty(g_shape, dtype=a.dtype, device=a.device)
+    if gathered_out is not None:
+        check.output("all_gather_gemm", "gathered_out", gathered_out, shape=g_shape, dtype=a.dtype, device=comm.device)
+    all_gather_gemm_launch(a, b, out, gathered_out, comm)
+    return (out, gathered_out) if (return_gathered or gathered_out is not None) else out
+
+
+def gemm_reduce_scatter_shapes(a, b, world_size: int):
+    op = "gemm_reduce_scatter"
+    m, n, k = _gemm_operands(op, a, b)
+    check.multiple_of(op, "K (a.shape[1])", k, 8)
+    check.multiple_of(op, "N (b.shape[0])", n, 8)
+    if m % world_size != 0:
+        check.fail(op, f"expected M (a.shape[0] = {m}) to be divisible by the world size ({world_size})")
+    return (m // world_size, n)
+
+
+def gemm_all_reduce_shapes(a, b):
+    op = "gemm_all_reduce"
+    m, n, k = _gemm_operands(op, a, b)
+    check.multiple_of(op, "K (a.shape[1])", k, 8)
+    check.multiple_of(op, "N (b.shape[0])", n, 8)
+    return (m, n)
+
+
+def _reduced_gemm_launch(op: str, fn_name: str, a, b, out, comm) -> None:
+    check.on_device(op, comm.device, a=a, b=b, out=out)
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        check.aligned(op, name, t, 16)
+    m, k = a.shape
+    n = b.shape[0]
+    _call(comm, fn_name, a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, check.dtype_code(a.dtype))
+
+
+def gemm_reduce_scatter_launch(a, b, out, comm) -> None:
+    _reduced_gemm_launch("gemm_reduce_scatter", "mkGemmReduceScatter", a, b, out, comm)
+
+
+def gemm_all_reduce_launch(a, b, out, comm) -> None:
+    _reduced_gemm_launch("gemm_all_reduce", "mkGemmAllReduce", a, b, out, comm)
+
+
+def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out: torch.Tensor | None = None):
+    """Σ over ranks of a @ b.T, reduce-scattered by rows: this rank's [M / n, N] block.
+
+    a: [M, K] with this rank's K columns; b: [N, K] likewise. Partials are rounded once to
+    the dtype, then summed in fp32 in rank order and rounded once.
+    """
+    _tensors("gemm_reduce_scatter", a=a, b=b)
+    if out is None:
+        return torch.ops.mkernel.gemm_reduce_scatter(a, b, comm_name(comm))
+    c = resolve(comm)
+    shape = gemm_reduce_scatter_shapes(a, b, c.world_size)
+    check.output("gemm_reduce_scatter", "out", out, shape=shape, dtype=a.dtype, device=c.device)
+    gemm_reduce_scatter_launch(a, b, out, c)
+    return out
+
+
+def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out: torch.Tensor | None = None):
+    """Σ over ranks of a @ b.T on every rank (bitwise identical): [M, N]. Any M."""
+    _tensors("gemm_all_reduce", a=a, b=b)
+    if out is None:
+        return torch.ops.mkernel.gemm_all_reduce(a, b, comm_name(comm))
+    c = resolve(comm)
+    shape = gemm_all_reduce_shapes(a, b)
+    check.output("gemm_all_reduce", "out", out, shape=shape, dtype=a.dtype, device=c.device)
+    gemm_all_reduce_launch(a, b, out, c)
+    return out
+
+
+# --- MoE --------------------------------------------------------------------------------------------
+
+
+def moe_layout_bytes(tokens: int, topk: int, recv_capacity: int) -> int:
+    """Bytes of the layout buffer moe_dispatch_gemm fills and moe_gemm_combine reads (mkMoeLayoutBytes)."""
+    size = ctypes.c_size_t(0)
+    raise_for(_lib.library().mkMoeLayoutBytes(tokens, topk, recv_capacity, ctypes.byref(size)), "mkMoeLayoutBytes")
+    return size.value
+
+
+def moe_segment_starts(recv_counts: torch.Tensor) -> torch.Tensor:
+    """First row of each local expert's segment in moe_dispatch_gemm's `y`, computed on the device.
+
+    Expert e's rows start at Σ_{e' < e} roundup(recv_counts[e'], 128) and number
+    recv_counts[e]; returns an int64 tensor of E_local + 1 starts (the last is the end of
+    the last segment). No host synchronisation.
+    """
+    counts = recv_counts[:-1].to(torch.int64)
+    padded = (counts + 127) // 128 * 128
+    return torch.cat([padded.new_zeros(1), torch.cumsum(padded, 0)])
+
+
+class MoeDispatch(NamedTuple):
+    """moe_dispatch_gemm's outputs: pass `layout` (and `y` after the activation) to moe_gemm_combine."""
+
+    y: torch.Tensor
+    recv_counts: torch.Tensor
+    layout: torch.Tensor
+
+
+def moe_dispatch_shapes(x, topk_idx, w1, recv_capacity: int, world_size: int):
+    op = "moe_dispatch_gemm"
+    check.tensor(op, "x", x, dtypes=check.GEMM_DTYPES, dim=2)
+    check.tensor(op, "topk_idx", topk_idx, dtypes=(torch.int32,), dim=2)
+    check.tensor(op, "w1", w1, dtypes=check.GEMM_DTYPES, dim=3)
+    check.same_dtype(op, x=x, w1=w1)
+    tokens, hidden = x.shape
+    if topk_idx.shape[0] != tokens:
+        check.fail(op, f"expected topk_idx to have one row per token ({tokens}), but got {topk_idx.shape[0]}")
+    topk = topk_idx.shape[1]
+    if not 1 <= topk <= 32:
+        check.fail(op, f"expected topk (topk_idx.shape[1]) to be in [1, 32], but got {topk}")
+    local_experts, ffn, w_hidden = w1.shape
+    check.equal(op, "w1.shape[2]", w_hidden, hidden, "x's hidden size; w1 is [E_local, ffn, hidden]")
+    experts = local_experts * world_size
+    if not 1 <= experts <= 1024:
+        check.fail(op, f"expected the number of experts (w1.shape[0] * world size = {experts}) to be in [1, 1024]")
+    check.multiple_of(op, "hidden (x.shape[1])", hidden, 128, positive=True)
+    check.multiple_of(op, "ffn (w1.shape[1])", ffn, 128, positive=True)
+    check.multiple_of(op, "recv_capacity", recv_capacity, 128)
+    if recv_capacity < 0:
+        check.fail(op, f"expected recv_capacity to be non-negative, but got {recv_capacity}")
+    return (recv_capacity, ffn), (local_experts + 1,), (moe_layout_bytes(tokens, topk, recv_capacity),), experts
+
+
+def moe_dispatch_launch(x, topk_idx, w1, y, recv_counts, layout, experts: int, comm) -> None:
+    op = "moe_dispatch_gemm"
+    check.on_device(op, comm.device, x=x, topk_idx=topk_idx, w1=w1, y=y, recv_counts=recv_counts, layout=layout)
+    for name, t, alignment in (
+        ("x", x, 16),
+        ("w1", w1, 16),
+        ("y", y, 16),
+        ("layout", layout, 16),
+        ("topk_idx", topk_idx, 4),
+        ("recv_counts", recv_counts, 4),
+    ):
+        check.aligned(op, name, t, alignment)
+    tokens, hidden = x.shape
+    _call(
+        comm,
+        "mkMoeDispatchGemm",
+        x.data_ptr(),
+        _lib.as_ptr(topk_idx.data_ptr(), ctypes.c_int32),
+        w1.data_ptr(),
+        y.data_ptr(),
+        _lib.as_ptr(recv_counts.data_ptr(), ctypes.c_int32),
+        layout.data_ptr(),
+        tokens,
+        hidden,
+        w1.shape[1],
+        topk_idx.shape[1],
+        experts,
+        y.shape[0],
+        check.dtype_code(x.dtype),
+    )
+
+
+def moe_dispatch_gemm(
+    x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, comm: CommLike, recv_capacity: int
+) -> MoeDispatch:
+    """MoE token dispatch fused with the experts' first GEMM.
+
+    x [tokens, hidden] and its routing topk_idx [tokens, topk] (int32 expert ids, -1 =
+    none); this rank owns experts [r * E_local, (r + 1) * E_local) with weights
+    w1 [E_local, ffn, hidden]. Returns y [recv_capacity, ffn] (rows grouped by local
+    expert; see moe_segment_starts), recv_counts [E_local + 1] int32 (the last entry is
+    the smallest recv_capacity that fits) and the layout for moe_gemm_combine.
+    """
+    _tensors("moe_dispatch_gemm", x=x, topk_idx=topk_idx, w1=w1)
+    y, counts, layout = torch.ops.mkernel.moe_dispatch_gemm(x, topk_idx, w1, comm_name(comm), recv_capacity)
+    return MoeDispatch(y, counts, layout)
+
+
+def moe_combine_shapes(y_act, w2, topk_weights, layout, world_size: int):
+    op = "moe_gemm_combine"
+    check.tensor(op, "y_act", y_act, dtypes=check.GEMM_DTYPES, dim=2)
+    check.tensor(op, "w2", w2, dtypes=check.GEMM_DTYPES, dim=3)
+    check.tensor(op, "topk_weights", topk_weights, dtypes=(torch.float32,), dim=2)
+    check.tensor(op, "layout", layout, dtypes=(torch.uint8,), dim=1)
+    check.same_dtype(op, y_act=y_act, w2=w2)
+    recv_capacity, ffn = y_act.shape
+    local_experts, hidden, w_ffn = w2.shape
+    check.equal(op, "w2.shape[2]", w_ffn, ffn, "y_act's ffn size; w2 is [E_local, hidden, ffn]")
+    tokens, topk = topk_weights.shape
+    if not 1 <= topk <= 32:
+        check.fail(op, f"expected topk (topk_weights.shape[1]) to be in [1, 32], but got {topk}")
+    experts = local_experts * world_size
+    if not 1 <= experts <= 1024:
+        check.fail(op, f"expected the number of experts (w2.shape[0] * world size = {experts}) to be in [1, 1024]")
+    check.multiple_of(op, "hidden (w2.shape[1])", hidden, 128, positive=True)
+    check.multiple_of(op, "ffn (y_act.shape[1])", ffn, 128, positive=True)
+    check.multiple_of(op, "recv_capacity (y_act.shape[0])", recv_capacity, 128)
+    check.equal(
+        op,
+        "layout.numel()",
+        layout.numel(),
+        moe_layout_bytes(tokens, topk, recv_capacity),
+        "moe_layout_bytes(tokens, topk, recv_capacity): pass the layout from moe_dispatch_gemm",
+    )
+    return (tokens, hidden), experts
+
+
+def moe_combine_launch(y_act, w2, topk_weights, layout, out, experts: int, comm) -> None:
+    op = "moe_gemm_combine"
+    check.on_device(op, comm.device, y_act=y_act, w2=w2, topk_weights=topk_weights, layout=layout, out=out)
+    for name, t, alignment in (
+        ("y_act", y_act, 16),
+        ("w2", w2, 16),
+        ("layout", layout, 16),
+        ("out", out, 16),
+        ("topk_weights", topk_weights, 4),
+    ):
+        check.aligned(op, name, t, alignment)
+    tokens, topk = topk_weights.shape
+    recv_capacity, ffn = y_act.shape
+    _call(
+        comm,
+        "mkMoeGemmCombine",
+        y_act.data_ptr(),
+        w2.data_ptr(),
+        _lib.as_ptr(topk_weights.data_ptr(), ctypes.c_float),
+        layout.data_ptr(),
+        out.data_ptr(),
+        tokens,
+        w2.shape[1],
+        ffn,
+        topk,
+        experts,
+        recv_capacity,
+        check.dtype_code(y_act.dtype),
+    )
+
+
+def moe_gemm_combine(
+    y_act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, layout: torch.Tensor, comm: CommLike
+) -> torch.Tensor:
+    """The experts' second GEMM fused with the way back: out [tokens, hidden].
+
+    y_act [recv_capacity, ffn] in the layout of moe_dispatch_gemm's y (e.g. its
+    activation); w2 [E_local, hidden, ffn]; topk_weights [tokens, topk] float32; layout
+    from the preceding moe_dispatch_gemm on this communicator with the same sizes.
+    out[t] = Σ_j topk_weights[t, j] · (y_act row of (t, topk_idx[t, j])) · W2ᵀ.
+    """
+    _tensors("moe_gemm_combine", y_act=y_act, w2=w2, topk_weights=topk_weights, layout=layout)
+    return torch.ops.mkernel.moe_gemm_combine(y_act, w2, topk_weights, layout, comm_name(comm))
+
+
+# --- Ring attention ---------------------------------------------------------------------------------
+
+
+def ring_attention_shapes(q, k, v, softmax_scale: float, causal: bool):
+    op = "ring_attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check.tensor(op, name, t, dtypes=check.GEMM_DTYPES, dim=4)
+    check.same_dtype(op, q=q, k=k, v=v)
+    batch, seq, heads, head_dim = q.shape
+    if tuple(k.shape) != tuple(v.shape):
+        check.fail(op, f"expected k and v to have the same shape, but got {tuple(k.shape)} and {tuple(v.shape)}")
+    kb, kseq, kv_heads, kdim = k.shape
+    if (kb, kseq, kdim) != (batch, seq, head_dim):
+        check.fail(
+            op,
+            f"expected k [batch, seq_local, kv_heads, head_dim] to match q {tuple(q.shape)} in batch, seq_local "
+            f"and head_dim, but got {tuple(k.shape)}",
+        )
+    if head_dim not in (64, 128):
+        check.fail(op, f"expected head_dim (q.shape[3]) to be 64 or 128, but got {head_dim}")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        check.fail(op, f"expected kv_heads (k.shape[2] = {kv_heads}) to divide num_heads (q.shape[2] = {heads})")
+    if causal and seq % 2 != 0:
+        check.fail(op, f"expected an even seq_local (q.shape[1]) with causal=True (zigzag layout), but got {seq}")
+    check.softmax_scale(op, softmax_scale)
+    return tuple(q.shape), (batch, heads, seq)
+
+
+def ring_attention_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, comm) -> None:
+    op = "ring_attention"
+    check.on_device(op, comm.device, q=q, k=k, v=v, out=out, lse=lse)
+    for name, t, alignment in (("q", q, 16), ("k", k, 16), ("v", v, 16), ("out", out, 16), ("lse", lse, 4)):
+        check.aligned(op, name, t, alignment)
+    batch, seq, heads, head_dim = q.shape
+    _call(
+        comm,
+        "mkRingAttention",
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        _lib.as_ptr(lse.data_ptr(), ctypes.c_float),
+        batch,
+        seq,
+        heads,
+        k.shape[2],
+        head_dim,
+        ctypes.c_float(softmax_scale),
+        1 if causal else 0,
+        check.dtype_code(q.dtype),
+    )
+
+
+def default_softmax_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm: CommLike,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context-parallel attention forward: returns (out, lse).
+
+    q [batch, seq_local, heads, head_dim], k and v [batch, seq_local, kv_heads, head_dim]
+    (GQA when kv_heads < heads), this rank's shard of the global sequence: contiguous
+    shards without causal, the zigzag layout with causal=True (see mkernel.h). out is like
+    q; lse [batch, heads, seq_local] float32 (natural log). softmax_scale defaults to
+    1/sqrt(head_dim).
+    """
+    _tensors("ring_attention", q=q, k=k, v=v)
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(q.shape[-1])
+    return tuple(torch.ops.mkernel.ring_attention(q, k, v, comm_name(comm), float(softmax_scale), bool(causal)))

@@ -1,0 +1,327 @@
+"""What each rank runs in the GPU tests (importable by the spawned rank processes).
+
+Every case returns a list of problems (empty when the rank saw none). Inputs are random
+and generated identically on every rank from seeds; references are float64 on the CPU;
+outputs given through out= are poisoned first.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+import mkernel
+from gpu_harness import close_to, seeded
+
+bf16 = torch.bfloat16
+DEV = "cuda:0"
+
+
+def _shard(t: torch.Tensor, rank: int, n: int, dim: int = 0) -> torch.Tensor:
+    return t.chunk(n, dim=dim)[rank].contiguous()
+
+
+def _poisoned(shape, dtype) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=DEV)
+    return out.fill_(float("nan")) if dtype.is_floating_point else out.fill_(-7)
+
+
+def collectives(comm, rank, n):
+    problems = []
+    # AllGather, bit-exact for an integer and a float type; out= poisoned.
+    for seed, dtype in ((1, torch.int64), (2, bf16)):
+        full = (seeded(seed, n * 6, 5, dtype=torch.float64, scale=1000)).to(dtype)
+        mine = _shard(full, rank, n).to(DEV)
+        out = _poisoned((n * 6, 5), dtype)
+        mkernel.all_gather(mine, comm, out=out)
+        if not torch.equal(out.cpu(), full):
+            problems.append(f"all_gather {dtype}: differs from the concatenation")
+        if not torch.equal(mkernel.all_gather(mine, comm).cpu(), full):
+            problems.append(f"all_gather {dtype} (functional): differs")
+    # ReduceScatter and AllReduce: every rank's contribution is seeded(100 + r).
+    contributions = [seeded(100 + r, n * 8, 16, dtype=torch.float32) for r in range(n)]
+    stacked = torch.stack([c.double() for c in contributions])
+    mine = contributions[rank].to(DEV)
+    for op, ref in (("sum", stacked.sum(0)), ("max", stacked.amax(0)), ("avg", stacked.mean(0))):
+        out = _poisoned((8, 16), torch.float32)
+        mkernel.reduce_scatter(mine, comm, op, out=out)
+        problems += close_to(f"reduce_scatter {op}", out, _shard(ref, rank, n), rtol=1e-5, atol=1e-5)
+        problems += close_to(f"all_reduce {op}", mkernel.all_reduce(mine, comm, op), ref, rtol=1e-5, atol=1e-5)
+    ints = [
+        torch.randint(-50, 50, (37,), generator=torch.Generator().manual_seed(200 + r), dtype=torch.int32)
+        for r in range(n)
+    ]
+    got = mkernel.all_reduce(ints[rank].to(DEV), comm, "sum").cpu()
+    if not torch.equal(got, torch.stack(ints).sum(0)):
+        problems.append("all_reduce int32 sum: not exact")
+    # In place: out=input.
+    x = contributions[rank].to(DEV)
+    mkernel.all_reduce(x, comm, "sum", out=x)
+    problems += close_to("all_reduce in place", x, stacked.sum(0), rtol=1e-5, atol=1e-5)
+    torch.cuda.synchronize()
+    return problems
+
+
+def gemms(comm, rank, n):
+    problems = []
+    rows, k, nn_ = 64, 256, 192
+    m = rows * n
+    # GEMM alone.
+    a, b = seeded(10, m, k), seeded(11, nn_, k)
+    ref = a.double() @ b.double().T
+    out = _poisoned((m, nn_), bf16)
+    mkernel.gemm(a.to(DEV), b.to(DEV), out=out)
+    problems += close_to("gemm", out, ref, rtol=1e-2, atol=2e-2)
+    # AllGather + GEMM: A's rows sharded, B replicated.
+    c, gathered = mkernel.all_gather_gemm(_shard(a, rank, n).to(DEV), b.to(DEV), comm, return_gathered=True)
+    problems += close_to("all_gather_gemm", c, ref, rtol=1e-2, atol=2e-2)
+    if not torch.equal(gathered.cpu(), a):
+        problems.append("all_gather_gemm: gathered A differs from the concatenated shards")
+    # GEMM + ReduceScatter / AllReduce: the contraction dimension K sharded.
+    a_k, b_k = _shard(a, rank, n, dim=1).to(DEV), _shard(b, rank, n, dim=1).to(DEV)
+    partials = [(_shard(a, r, n, 1).double() @ _shard(b, r, n, 1).double().T).to(bf16).double() for r in range(n)]
+    ref_sum = torch.stack(partials).sum(0)
+    tol = dict(rtol=1e-2, atol=2e-2 * n)
+    out = _poisoned((rows, nn_), bf16)
+    mkernel.gemm_reduce_scatter(a_k, b_k, comm, out=out)
+    problems += close_to("gemm_reduce_scatter", out, _shard(ref_sum, rank, n), **tol)
+    for m_ar in (m, 5):  # two-phase and one-shot (decode-sized) paths
+        c_ar = mkernel.gemm_all_reduce(a_k[:m_ar].contiguous(), b_k, comm)
+        problems += close_to(f"gemm_all_reduce M={m_ar}", c_ar, ref_sum[:m_ar], **tol)
+    torch.cuda.synchronize()
+    # As a plain list (bf16 -> float is exact): tensors sent through the queue would need the rank alive.
+    return problems, mkernel.gemm_all_reduce(a_k, b_k, comm).float().cpu().flatten().tolist()
+
+
+def moe(comm, rank, n):
+    problems = []
+    tokens, hidden, ffn, topk, local = 48, 128, 256, 2, 2
+    experts = local * n
+    cap = 128 * math.ceil(n * tokens * topk / 128) + 128 * local
+    xs = [seeded(300 + r, tokens, hidden, scale=0.5) for r in range(n)]
+    routes = []
+    for r in range(n):
+        g = torch.Generator().manual_seed(400 + r)
+        idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]).to(torch.int32)
+        idx[::7, 1] = -1  # some tokens use one expert only
+        routes.append(idx)
+    weights = [torch.rand(tokens, topk, generator=torch.Generator().manual_seed(500 + r)) for r in range(n)]
+    w1 = seeded(600, experts, ffn, hidden, scale=0.1)
+    w2 = seeded(601, experts, hidden, ffn, scale=0.1)
+    mine = slice(rank * local, (rank + 1) * local)
+
+    d = mkernel.moe_dispatch_gemm(xs[rank].to(DEV), routes[rank].to(DEV), w1[mine].contiguous().to(DEV), comm, cap)
+    counts = d.recv_counts.cpu()
+    starts = mkernel.moe_segment_starts(d.recv_counts).cpu()
+    y = d.y.cpu()
+    for e in range(local):
+        expert = rank * local + e
+        # Rows for this expert: by source rank, then token index.
+        rows = [xs[r][t] for r in range(n) for t in range(tokens) if expert in routes[r][t].tolist()]
+        if int(counts[e]) != len(rows):
+            problems.append(f"moe_dispatch_gemm: expert {expert} got {int(counts[e])} rows, want {len(rows)}")
+            continue
+        if rows:
+            ref = torch.stack(rows).double() @ w1[expert].double().T
+            got = y[int(starts[e]) : int(starts[e]) + len(rows)]
+            problems += close_to(f"moe_dispatch_gemm y (expert {expert})", got, ref, rtol=1e-2, atol=1e-2)
+    if int(counts[local]) > cap:
+        problems.append(f"moe_dispatch_gemm: needed capacity {int(counts[local])} exceeds {cap}")
+
+    y_act = F.gelu(d.y.float()).to(bf16)
+    out = mkernel.moe_gemm_combine(y_act, w2[mine].contiguous().to(DEV), weights[rank].to(DEV), d.layout, comm)
+    ref = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(topk):
+            e = int(routes[rank][t, j])
+            if e < 0:
+                continue
+            y_row = (xs[rank][t].double() @ w1[e].double().T).to(bf16).float()
+            z = (F.gelu(y_row).to(bf16).double() @ w2[e].double().T).to(bf16).double()
+            ref[t] += weights[rank][t, j].double() * z
+    problems += close_to("moe_gemm_combine", out, ref, rtol=2e-2, atol=2e-2)
+    torch.cuda.synchronize()
+    return problems
+
+
+def _zigzag_positions(rank: int, n: int, seq_local: int, causal: bool) -> torch.Tensor:
+    if not causal:
+        return torch.arange(rank * seq_local, (rank + 1) * seq_local)
+    half = seq_local // 2
+    return torch.cat(
+        [torch.arange(rank * half, (rank + 1) * half), torch.arange((2 * n - 1 - rank) * half, (2 * n - rank) * half)]
+    )
+
+
+def ring_attention(comm, rank, n):
+    problems = []
+    batch, seq_local, heads, kv_heads, dim = 2, 64, 4, 2, 64
+    seq = seq_local * n
+    q, k, v = (seeded(700 + i, batch, seq, h, dim) for i, h in enumerate((heads, kv_heads, kv_heads)))
+    scale = 1 / math.sqrt(dim)
+    for causal in (False, True):
+        pos = [_zigzag_positions(r, n, seq_local, causal) for r in range(n)]
+        mine = pos[rank]
+        out, lse = mkernel.ring_attention(*(t[:, mine].contiguous().to(DEV) for t in (q, k, v)), comm, causal=causal)
+        # Reference over the global sequence, in float64 (GQA: head h uses K/V head h // (heads / kv_heads)).
+        group = heads // kv_heads
+        kk = k.double().repeat_interleave(group, dim=2)
+        vv = v.double().repeat_interleave(group, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q[:, mine].double(), kk) * scale
+        if causal:
+            mask = mine[:, None] >= torch.arange(seq)[None, :]
+            scores = scores.masked_fill(~mask, float("-inf"))
+        ref_lse = torch.logsumexp(scores, dim=-1)
+        ref_out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), vv)
+        problems += close_to(f"ring_attention out causal={causal}", out, ref_out, rtol=2e-2, atol=1e-2)
+        problems += close_to(f"ring_attention lse causal={causal}", lse, ref_lse, rtol=1e-3, atol=1e-3)
+    torch.cuda.synchronize()
+    return problems
+
+
+def compile_and_graphs(comm, rank, n):
+    problems = []
+    rows, k, nn_ = 64, 128, 128
+    b = seeded(20, nn_, k).to(DEV)
+
+    def step(x):
+        c = mkernel.all_gather_gemm(x, b, comm.name)  # [rows·n, 128], the same on every rank
+        return mkernel.gemm_all_reduce(c, b, comm.name)  # n · c·bᵀ
+
+    def reference(a_full):
+        b64 = b.double().cpu()
+        c = (a_full.double() @ b64.T).to(bf16).double()
+        return n * (c @ b64.T)
+
+    # torch.compile: one graph (fullgraph), same result as eager.
+    x = _shard(seeded(21, rows * n, k), rank, n).to(DEV)
+    eager = step(x)
+    compiled = torch.compile(step, fullgraph=True)(x)
+    if not torch.equal(eager, compiled):
+        problems.append("torch.compile: the compiled step differs from eager")
+    # CUDA graph: capture once, replay with new inputs copied into the static input.
+    static_x = torch.empty_like(x)
+    static_x.copy_(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static_x)  # warm-up outside capture, as torch.cuda.graph recommends
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(static_x)
+    for seed in (22, 23, 24):
+        full = seeded(seed, rows * n, k)
+        static_x.copy_(_shard(full, rank, n).to(DEV))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        problems += close_to(f"graph replay (seed {seed})", static_out, reference(full), rtol=2e-2, atol=0.5 * n)
+    torch.cuda.synchronize()
+    return problems
+
+
+def parallel_linear(comm, rank, n, sequence_parallel: bool):
+    """A Column -> GELU -> Row block against a float64 single-process reference, forward and backward."""
+    problems = []
+    seq, batch, hidden, ffn = 16 * n, 2, 128, 64 * n
+    w_up, b_up = seeded(30, ffn, hidden, scale=0.1), seeded(31, ffn, scale=0.1)
+    w_down, b_down = seeded(32, hidden, ffn, scale=0.1), seeded(33, hidden, scale=0.1)
+    x_full, dy_full = seeded(34, seq, batch, hidden), seeded(35, seq, batch, hidden)
+
+    up = mkernel.nn.ColumnParallelLinear(hidden, ffn, comm, sequence_parallel=sequence_parallel)
+    down = mkernel.nn.RowParallelLinear(ffn, hidden, comm, sequence_parallel=sequence_parallel)
+    with torch.no_grad():
+        up.weight.copy_(_shard(w_up, rank, n))
+        up.bias.copy_(_shard(b_up, rank, n))
+        down.weight.copy_(_shard(w_down, rank, n, dim=1))
+        down.bias.copy_(b_down)
+    x = (_shard(x_full, rank, n) if sequence_parallel else x_full).to(DEV).requires_grad_()
+    y = down(F.gelu(up(x)))
+    y.backward((_shard(dy_full, rank, n) if sequence_parallel else dy_full).to(DEV))
+
+    ref = [t.detach().double().requires_grad_() for t in (x_full, w_up, b_up, w_down, b_down)]
+    rx, rwu, rbu, rwd, rbd = ref
+    ry = F.linear(F.gelu(F.linear(rx, rwu, rbu)), rwd, rbd)
+    ry.backward(dy_full.double())
+    tol = dict(rtol=3e-2, atol=3e-2)
+    local = (lambda t: _shard(t, rank, n)) if sequence_parallel else (lambda t: t)
+    problems += close_to("y", y, local(ry), **tol)
+    problems += close_to("dx", x.grad, local(rx.grad), **tol)
+    problems += close_to("d up.weight", up.weight.grad, _shard(rwu.grad, rank, n), **tol)
+    problems += close_to("d up.bias", up.bias.grad, _shard(rbu.grad, rank, n), **tol)
+    problems += close_to("d down.weight", down.weight.grad, _shard(rwd.grad, rank, n, dim=1), **tol)
+    problems += close_to("d down.bias", down.bias.grad, rbd.grad, rtol=3e-2, atol=5e-2)
+    torch.cuda.synchronize()
+    return problems
+
+
+def abort_from_watchdog(comm, rank, n):
+    """Rank 0 waits in a collective that rank 1 never joins; a watchdog thread aborts it."""
+    if rank != 0:
+        time.sleep(20)  # stays away from the collective until rank 0 is done
+        comm.abort()
+        return []
+    x = torch.ones(1 << 20, device=DEV)
+    mkernel.all_reduce(x, comm)  # blocks on the device: rank 1 never arrives
+    watchdog = threading.Timer(2.0, comm.abort)
+    t0 = time.monotonic()
+    watchdog.start()
+    torch.cuda.synchronize()  # returns once abort stops the kernel (the timeout is 120 s)
+    waited = time.monotonic() - t0
+    watchdog.join()
+    problems = [] if waited < 15 else [f"synchronize returned {waited:.1f} s after the abort was scheduled"]
+    try:
+        mkernel.all_reduce(x, comm)
+        problems.append("an op on an aborted communicator did not raise")
+    except mkernel.MkInvalidUsageError as e:
+        if "aborted" not in str(e):
+            problems.append(f"unexpected message: {e}")
+    return problems
+
+
+def async_timeout(comm, rank, n):
+    """A peer that never arrives: the kernel stops at the timeout and the next call raises."""
+    if rank != 0:
+        time.sleep(15)
+        comm.abort()
+        return []
+    x = torch.ones(1024, device=DEV)
+    mkernel.all_reduce(x, comm)
+    torch.cuda.synchronize()  # bounded by the communicator's 2 s timeout
+    problems = []
+    try:
+        mkernel.all_reduce(x, comm)
+        problems.append("the op after a timed-out one did not raise")
+    except (mkernel.MkTimeoutError, mkernel.MkRemoteError) as e:
+        if "abort it and create a new one" not in str(e):
+            problems.append(f"unexpected message: {e}")
+    comm.abort()
+    return problems
+
+
+def torch_distributed_bootstrap(_comm, rank, n, init_file):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=n)
+    try:
+        with mkernel.Communicator(device=0, workspace_bytes=64 << 20, max_ctas=32) as comm:
+            problems = []
+            if (comm.rank, comm.world_size) != (rank, n):
+                problems.append(f"rank/world {comm.rank}/{comm.world_size}, want {rank}/{n}")
+            if comm.device_memory_bytes != (2 << 20) + 2 * (64 << 20):
+                problems.append(f"device_memory_bytes {comm.device_memory_bytes}")
+            got = mkernel.all_reduce(torch.full((256,), float(rank + 1), device=DEV), comm)
+            problems += close_to(
+                "all_reduce over a gloo-bootstrapped communicator",
+                got,
+                torch.full((256,), n * (n + 1) / 2.0),
+                rtol=0,
+                atol=0,
+            )
+            return problems
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,143 @@
+"""torch.compile(fullgraph=True) keeps the mkernel ops in the graph (no graph breaks),
+traced on meta tensors without a GPU, for the functional ops and the nn layers,
+forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mkernel
+from mkernel.nn import ColumnParallelLinear, RingAttention, RowParallelLinear
+
+bf16 = torch.bfloat16
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps each FX graph and runs it as traced (eagerly)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def mkernel_ops(self) -> list[str]:
+        return [
+            str(node.target).removesuffix(".default")
+            for gm in self.graphs
+            for node in gm.graph.nodes
+            if node.op == "call_function" and str(node.target).startswith("mkernel.")
+        ]
+
+
+def test_functional_ops_compile_without_graph_breaks(shape_comm):
+    comm = shape_comm(2).name
+
+    def step(x, w, q, k, v):
+        y = mkernel.all_gather_gemm(x, w, comm)  # [2·rows, N]
+        z = mkernel.gemm_reduce_scatter(torch.relu(y), w.t().contiguous(), comm)  # [rows, K]
+        z = mkernel.all_reduce(z, comm)
+        out, lse = mkernel.ring_attention(q, k, v, comm, causal=True)
+        return z, out.float().sum() + lse.sum()
+
+    recorder = GraphRecorder()
+    compiled = torch.compile(step, backend=recorder, fullgraph=True)
+    meta = dict(dtype=bf16, device="meta")
+    z, s = compiled(
+        torch.empty(8, 32, **meta),
+        torch.empty(16, 32, **meta),
+        torch.empty(1, 8, 4, 64, **meta),
+        torch.empty(1, 8, 2, 64, **meta),
+        torch.empty(1, 8, 2, 64, **meta),
+    )
+    assert z.shape == (8, 32) and z.dtype == bf16
+    assert len(recorder.graphs) == 1
+    assert recorder.mkernel_ops() == [
+        "mkernel.all_gather_gemm",
+        "mkernel.gemm_reduce_scatter",
+        "mkernel.all_reduce",
+        "mkernel.ring_attention",
+    ]
+
+
+class TensorParallelMLP(torch.nn.Module):
+    def __init__(self, hidden, ffn, comm, sequence_parallel):
+        super().__init__()
+        kw = dict(sequence_parallel=sequence_parallel, device="meta")
+        self.up = ColumnParallelLinear(hidden, ffn, comm, **kw)
+        self.down = RowParallelLinear(ffn, hidden, comm, **kw)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_parallel_mlp_compiles_forward_and_backward(shape_comm, sequence_parallel):
+    n, seq, batch, hidden, ffn = 4, 16, 2, 64, 256
+    comm = shape_comm(n).name
+    mlp = TensorParallelMLP(hidden, ffn, comm, sequence_parallel)
+    assert mlp.up.weight.shape == (ffn // n, hidden) and mlp.down.weight.shape == (hidden, ffn // n)
+
+    recorder = GraphRecorder()
+    # aot_autograd traces forward and backward together; the recorder sees both graphs.
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def boxed(gm, example_inputs):
+        return make_boxed_func(recorder(gm, example_inputs))
+
+    compiled = torch.compile(mlp, backend=aot_autograd(fw_compiler=boxed, bw_compiler=boxed), fullgraph=True)
+    local_seq = seq // n if sequence_parallel else seq
+    x = torch.empty(local_seq, batch, hidden, dtype=bf16, device="meta", requires_grad=True)
+    y = compiled(x)
+    assert y.shape == (local_seq, batch, hidden)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert mlp.up.weight.grad.shape == mlp.up.weight.shape
+    assert mlp.down.bias.grad.shape == (hidden,)
+
+    ops = recorder.mkernel_ops()
+    if sequence_parallel:
+        # forward: AG+GEMM, GEMM+RS; backward: AG+GEMM (row), GEMM+RS (column).
+        assert sorted(ops) == sorted(["mkernel.all_gather_gemm", "mkernel.gemm_reduce_scatter"] * 2)
+    else:
+        # forward: GEMM+AR (row); backward: GEMM+AR (column's dx).
+        assert ops == ["mkernel.gemm_all_reduce", "mkernel.gemm_all_reduce"]
+
+
+def test_column_layer_skips_dx_for_an_input_without_grad(shape_comm):
+    comm = shape_comm(2).name
+    mlp = TensorParallelMLP(64, 128, comm, sequence_parallel=True)
+    recorder = GraphRecorder()
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def boxed(gm, example_inputs):
+        return make_boxed_func(recorder(gm, example_inputs))
+
+    compiled = torch.compile(mlp, backend=aot_autograd(fw_compiler=boxed, bw_compiler=boxed), fullgraph=True)
+    compiled(torch.empty(8, 2, 64, dtype=bf16, device="meta")).sum().backward()
+    assert mlp.up.weight.grad is not None
+    # The column layer's dx (a GEMM+ReduceScatter) is not computed: only the row layer's AllGather+GEMM remains.
+    assert sorted(recorder.mkernel_ops()) == sorted(
+        ["mkernel.all_gather_gemm", "mkernel.gemm_reduce_scatter", "mkernel.all_gather_gemm"]
+    )
+
+
+def test_ring_attention_module_compiles_and_has_no_backward(shape_comm):
+    comm = shape_comm(2).name
+    attn = RingAttention(comm, causal=True)
+    recorder = GraphRecorder()
+    compiled = torch.compile(attn, backend=recorder, fullgraph=True)
+    meta = dict(dtype=bf16, device="meta")
+    q = torch.empty(1, 8, 4, 64, **meta)
+    out = compiled(q, torch.empty(1, 8, 2, 64, **meta), torch.empty(1, 8, 2, 64, **meta))
+    assert out.shape == q.shape
+    assert recorder.mkernel_ops() == ["mkernel.ring_attention"]
+
+    q = torch.empty(1, 8, 4, 64, requires_grad=True, **meta)
+    out = attn(q, torch.empty(1, 8, 2, 64, **meta), torch.empty(1, 8, 2, 64, **meta))
+    with pytest.raises(NotImplementedError, match="RingAttention has no backward pass"):
+        out.float().sum().backward()
