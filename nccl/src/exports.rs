@@ -55,10 +55,10 @@ fn not_standalone(name: &str) -> NcclError {
 /// Interpose: a call on a communicator that goes to the real NCCL, after the mkernel attach
 /// settled (so every rank issues its real calls in the same order).
 fn forward(name: &'static str, comm: ncclComm_t, counted: Option<&str>, call: impl FnOnce(ncclComm_t) -> Result<ncclResult_t>) -> ncclResult_t {
+    if !matches!(real::mode(), Ok(Mode::Interpose(_))) {
+        return forward_plain(name, || Err(NcclError::internal("unreachable: standalone refuses first")));
+    }
     on_comm(name, comm, |h| {
-        if standalone()? {
-            return Err(not_standalone(name));
-        }
         let _ = h.mk_comm();
         if let Some(c) = counted {
             h.count(c, Route::Nccl);
@@ -432,10 +432,10 @@ pub unsafe extern "C" fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) ->
 
 /// Interpose: a real communicator made from another (split, shrink), wrapped and attached.
 unsafe fn derived(name: &'static str, comm: ncclComm_t, newcomm: *mut ncclComm_t, make: impl FnOnce(ncclComm_t, *mut ncclComm_t) -> Result<ncclResult_t>) -> ncclResult_t {
+    if !matches!(real::mode(), Ok(Mode::Interpose(_))) {
+        return forward_plain(name, || Err(NcclError::internal("unreachable: standalone refuses first")));
+    }
     on_comm(name, comm, |h| {
-        if standalone()? {
-            return Err(not_standalone(name));
-        }
         if newcomm.is_null() {
             return Err(NcclError::invalid_argument("newcomm is NULL"));
         }
