@@ -40,16 +40,19 @@ cargo test --release -p mkernel-nccl -- --test-threads=2
 
 echo "== libmkernel-nccl: C programs against the real nccl.h"
 CUDA_INCLUDE=${MK_CUDA_INCLUDE:-$(ls -d .venv-cuda/lib/python3*/site-packages/nvidia/cu13/include | head -1)}
-LIB=$PWD/target/release
 BIN=build/nccl-tests
-mkdir -p "$BIN"
+# The installed layout: programs link -lmkernel-nccl and load it by its SONAME.
+LIB=$PWD/$BIN/lib
+mkdir -p "$LIB"
+ln -sf "$PWD/target/release/libmkernel_nccl.so" "$LIB/libmkernel-nccl.so.2"
+ln -sf libmkernel-nccl.so.2 "$LIB/libmkernel-nccl.so"
 CFLAGS=(-std=c11 -Wall -Wextra -Wpedantic -Werror -g -isystem "$CUDA_INCLUDE" -isystem "$NCCL_INCLUDE")
-cc "${CFLAGS[@]}" ctests/nccl/cpu_standalone.c -o "$BIN/cpu_standalone" -L"$LIB" -lmkernel_nccl -Wl,-rpath,"$LIB"
+cc "${CFLAGS[@]}" ctests/nccl/cpu_standalone.c -o "$BIN/cpu_standalone" -L"$LIB" -lmkernel-nccl -Wl,-rpath,"$LIB"
 cc "${CFLAGS[@]}" -fPIC -shared ctests/nccl/fake_nccl.c -o "$BIN/libfakenccl.so"
 # A program linked to "NCCL" alone (the stand-in), as PyTorch is linked to libnccl.so.2.
 cc "${CFLAGS[@]}" ctests/nccl/cpu_interpose.c -o "$BIN/cpu_interpose" -L"$BIN" -lfakenccl -Wl,-rpath,"$PWD/$BIN"
 # The same program linked to this library, finding the stand-in through MK_NCCL_LIBRARY.
-cc "${CFLAGS[@]}" ctests/nccl/cpu_interpose.c -o "$BIN/cpu_interpose_linked" -L"$LIB" -lmkernel_nccl -Wl,-rpath,"$LIB"
+cc "${CFLAGS[@]}" ctests/nccl/cpu_interpose.c -o "$BIN/cpu_interpose_linked" -L"$LIB" -lmkernel-nccl -Wl,-rpath,"$LIB"
 
 expect_line() {  # FILE PATTERN: the log must hold a line matching PATTERN
   grep -q -- "$2" "$1" || { echo "FAILED: no line matching '$2' in:"; cat "$1"; exit 1; }
@@ -60,7 +63,7 @@ env -u MK_NCCL_MODE -u MK_NCCL_LIBRARY MK_DEBUG=INFO "$BIN/cpu_standalone" 2>"$l
 expect_line "$log" "libmkernel-nccl: standalone mode on mkernel alone"
 MK_NCCL_MODE=standalone "$BIN/cpu_standalone"
 # Interpose found by RTLD_NEXT: the program links the stand-in, this library is preloaded.
-MK_DEBUG=INFO LD_PRELOAD="$LIB/libmkernel_nccl.so" "$BIN/cpu_interpose" 2>"$log"
+MK_DEBUG=INFO LD_PRELOAD="$LIB/libmkernel-nccl.so.2" "$BIN/cpu_interpose" 2>"$log"
 expect_line "$log" "interpose mode over .*libfakenccl.so (NCCL 2.27.7, found by the loader's search order"
 expect_line "$log" "destroyed rank 0 of 1; calls on mkernel: none; on NCCL: AllReduce 1, Broadcast 1, Send 1, Recv 1"
 # Interpose found by MK_NCCL_LIBRARY.
