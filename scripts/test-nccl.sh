@@ -41,18 +41,20 @@ cargo test --release -p mkernel-nccl -- --test-threads=2
 echo "== libmkernel-nccl: C programs against the real nccl.h"
 CUDA_INCLUDE=${MK_CUDA_INCLUDE:-$(ls -d .venv-cuda/lib/python3*/site-packages/nvidia/cu13/include | head -1)}
 BIN=build/nccl-tests
-# The installed layout: programs link -lmkernel-nccl and load it by its SONAME.
-LIB=$PWD/$BIN/lib
-mkdir -p "$LIB"
-ln -sf "$PWD/target/release/libmkernel_nccl.so" "$LIB/libmkernel-nccl.so.2"
-ln -sf libmkernel-nccl.so.2 "$LIB/libmkernel-nccl.so"
+mkdir -p "$BIN"
+# Installed as a user installs it, and found through pkg-config; programs load it by SONAME.
+PREFIX=$PWD/build/nccl-prefix
+make -s install-nccl PREFIX="$PREFIX"
+export PKG_CONFIG_PATH=$PREFIX/lib/pkgconfig
+LIB=$(pkg-config --variable=libdir mkernel-nccl)
+LINK=($(pkg-config --libs mkernel-nccl) -Wl,-rpath,"$LIB")
 CFLAGS=(-std=c11 -Wall -Wextra -Wpedantic -Werror -g -isystem "$CUDA_INCLUDE" -isystem "$NCCL_INCLUDE")
-cc "${CFLAGS[@]}" ctests/nccl/cpu_standalone.c -o "$BIN/cpu_standalone" -L"$LIB" -lmkernel-nccl -Wl,-rpath,"$LIB"
+cc "${CFLAGS[@]}" ctests/nccl/cpu_standalone.c -o "$BIN/cpu_standalone" "${LINK[@]}"
 cc "${CFLAGS[@]}" -fPIC -shared ctests/nccl/fake_nccl.c -o "$BIN/libfakenccl.so"
 # A program linked to "NCCL" alone (the stand-in), as PyTorch is linked to libnccl.so.2.
 cc "${CFLAGS[@]}" ctests/nccl/cpu_interpose.c -o "$BIN/cpu_interpose" -L"$BIN" -lfakenccl -Wl,-rpath,"$PWD/$BIN"
 # The same program linked to this library, finding the stand-in through MK_NCCL_LIBRARY.
-cc "${CFLAGS[@]}" ctests/nccl/cpu_interpose.c -o "$BIN/cpu_interpose_linked" -L"$LIB" -lmkernel-nccl -Wl,-rpath,"$LIB"
+cc "${CFLAGS[@]}" ctests/nccl/cpu_interpose.c -o "$BIN/cpu_interpose_linked" "${LINK[@]}"
 
 expect_line() {  # FILE PATTERN: the log must hold a line matching PATTERN
   grep -q -- "$2" "$1" || { echo "FAILED: no line matching '$2' in:"; cat "$1"; exit 1; }
