@@ -83,9 +83,18 @@ fn run_on_mkernel(h: &Arc<CommHandle>, op: CollOp, stream: cudaStream_t) -> Resu
         group::defer_op(Queued { comm: h.clone(), op, stream: stream as usize });
         return Ok(ncclSuccess);
     }
-    let mk = h.mk_comm()?.ok_or_else(|| NcclError::internal("no mkernel communicator"))?;
+    let mk = usable_mk(h)?;
     collectives::run(&mk, &op, stream as usize)?;
     Ok(ncclSuccess)
+}
+
+/// The mkernel communicator an op runs on (waiting for a pending init).
+fn usable_mk(h: &CommHandle) -> Result<Arc<crate::handle::MkComm>> {
+    match h.mk_comm()? {
+        Some(mk) => Ok(mk),
+        None if h.aborted.load(Ordering::Acquire) => Err(NcclError::invalid_usage("the communicator was aborted (ncclCommAbort)")),
+        None => Err(NcclError::internal("the communicator has no mkernel side")),
+    }
 }
 
 /// A collective that mkernel may run: standalone always; interpose when the communicator
@@ -751,10 +760,7 @@ pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
         }
         let mut first: Option<NcclError> = None;
         for q in work.ops {
-            let r = q.comm.mk_comm().and_then(|mk| {
-                let mk = mk.ok_or_else(|| NcclError::internal("no mkernel communicator"))?;
-                collectives::run(&mk, &q.op, q.stream)
-            });
+            let r = usable_mk(&q.comm).and_then(|mk| collectives::run(&mk, &q.op, q.stream));
             if let Err(e) = r {
                 q.comm.set_last_error(&format!("ncclGroupEnd ({}): {}", q.op.name(), e.message));
                 first.get_or_insert(e);

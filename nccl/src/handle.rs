@@ -146,7 +146,10 @@ impl CommHandle {
 
     /// Takes the mkernel communicator out (destroy, abort), leaving the slot off.
     pub fn take_mk(&self, why: &str) -> Option<Arc<MkComm>> {
-        match std::mem::replace(&mut *self.mk.lock(), MkSlot::Off(why.into())) {
+        let taken = std::mem::replace(&mut *self.mk.lock(), MkSlot::Off(why.into()));
+        // A call waiting for a pending init returns now (and finds the communicator gone).
+        self.mk_settled.notify_all();
+        match taken {
             MkSlot::Ready(c) => Some(c),
             _ => None,
         }
