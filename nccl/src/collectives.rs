@@ -90,6 +90,7 @@ impl CollOp {
     }
 }
 
+#[allow(clippy::too_many_arguments)] // mkernel::ops::collectives::collective's arguments, plus the comm
 fn kind_call(comm: &MkComm, kind: CollectiveKind, send: usize, recv: usize, count: usize, dtype: c_int, op: Option<c_int>, stream: usize) -> Result<()> {
     collective(comm, kind, send as u64, recv as u64, count, dtype, op, stream as sys::CUstream).map_err(NcclError::from)
 }

@@ -202,6 +202,10 @@ fn wait_real_ready(h: &CommHandle) -> Result<()> {
     Ok(())
 }
 
+/// Every rank reaches both real collectives whatever mkernel does locally (a bootstrap root
+/// that does not start, an init that fails), so no rank waits for a peer that gave up. Only
+/// a failure of CUDA itself before the broadcast (no context, no memory) returns early; NCCL
+/// cannot run on such a rank either.
 fn attach_inner(h: &CommHandle) -> Result<MkComm> {
     let comm = h.real_comm();
     let (mut nranks, mut rank, mut device) = (0 as c_int, 0 as c_int, 0 as c_int);
