@@ -148,3 +148,17 @@ ctest:
 clean:
 	cargo clean
 	rm -rf build
+
+# libmkernel-nccl (nccl/): NCCL's C API over mkernel. Installs lib/libmkernel-nccl.so.2 (its
+# SONAME: the major of NCCL's ABI), the libmkernel-nccl.so link and lib/pkgconfig/mkernel-nccl.pc.
+# No header: programs compile against the nccl.h of the NCCL they were written for.
+.PHONY: install-nccl uninstall-nccl
+install-nccl:
+	cargo build --release -p mkernel-nccl
+	install -d $(LIBDIR)/pkgconfig
+	install -m 755 target/release/libmkernel_nccl.so $(LIBDIR)/libmkernel-nccl.so.2
+	ln -sf libmkernel-nccl.so.2 $(LIBDIR)/libmkernel-nccl.so
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' pkgconfig/mkernel-nccl.pc.in > $(LIBDIR)/pkgconfig/mkernel-nccl.pc
+
+uninstall-nccl:
+	rm -f $(LIBDIR)/libmkernel-nccl.so.2 $(LIBDIR)/libmkernel-nccl.so $(LIBDIR)/pkgconfig/mkernel-nccl.pc

@@ -36,7 +36,9 @@ fn main() {
     compile_kernels(&manifest, &out, &abi_header);
 
     let major = std::env::var("CARGO_PKG_VERSION_MAJOR").unwrap();
-    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libmkernel.so.{major}");
+    // rustc-link-arg (this package's targets only), not rustc-cdylib-link-arg, which cargo
+    // also passes to every cdylib that depends on this crate (libmkernel-nccl.so).
+    println!("cargo:rustc-link-arg=-Wl,-soname,libmkernel.so.{major}");
 }
 
 fn version_macros() -> String {

@@ -10,6 +10,8 @@ export CARGO_TERM_COLOR=never
 echo "== cargo build (libmkernel.so, libmkernel.a, mktest, mkbench; kernels compiled by build.rs)"
 cargo build --release --lib --bins
 
+./scripts/test-nccl.sh  # libmkernel-nccl: fetches nccl.h 2.28.9, ABI, Rust and C tests (its GPU suite SKIPPED here)
+
 echo "== RDMA feature: builds, links, and its no-device fallback works (no RDMA device here to run it)"
 cargo build --release --lib --features rdma
 cargo test --release --lib --features rdma transport:: -- --test-threads=2
