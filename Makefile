@@ -1,10 +1,11 @@
 # Build, install and uninstall mkernel; C-test it.
 #
-#   make                                  cargo build --release --lib, then build/dist/ (what install copies)
+#   make                                  cargo build --release --lib (libmkernel and libmkernel-nccl), then build/dist/ (what install copies)
 #   make install PREFIX=/opt/mkernel      lib/libmkernel.so.<version> (stripped; .so.<major>, .so links),
 #                                         lib/libmkernel.a (one prelinked object: only mk* symbols global),
 #                                         include/mkernel.h, lib/pkgconfig/mkernel.pc and mkernel-static.pc,
 #                                         lib/cmake/mkernel/mkernelConfig.cmake and mkernelConfigVersion.cmake
+#                                         lib/libmkernel-nccl.so.2 (+ .so link), lib/pkgconfig/mkernel-nccl.pc
 #   make uninstall PREFIX=/opt/mkernel    removes exactly those files (give it the same variables)
 #
 # LIBDIR and INCLUDEDIR default to $(PREFIX)/lib and $(PREFIX)/include; DESTDIR stages the
@@ -26,12 +27,14 @@ CWARN := -Wall -Wextra -Wpedantic -Werror
 SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 
 CARGO_SO := target/release/libmkernel.so
+CARGO_NCCL_SO := target/release/libmkernel_nccl.so
 CARGO_A := target/release/libmkernel.a
 DIST := build/dist
 SO_NAME := libmkernel.so.$(VERSION)
 DIST_SO := $(DIST)/$(SO_NAME)
 DIST_DEBUG := $(DIST)/$(SO_NAME).debug
 DIST_A := $(DIST)/libmkernel.a
+NCCL_DIST_SO := $(DIST)/libmkernel-nccl.so.2
 # The pkg-config packages a program linking the archive needs beside the Rust runtime's
 # system libraries: the RDMA libraries in a build with the `rdma` feature, else none.
 DIST_STATIC_LIBS := $(DIST)/static-requires
@@ -47,6 +50,8 @@ INSTALLED_FILES = $(LIBDIR)/$(SO_NAME) $(LIBDIR)/libmkernel.so.$(MAJOR) $(LIBDIR
   $(LIBDIR)/$(SO_NAME).debug $(LIBDIR)/libmkernel.a $(INCLUDEDIR)/mkernel.h \
   $(LIBDIR)/pkgconfig/mkernel.pc $(LIBDIR)/pkgconfig/mkernel-static.pc \
   $(CMAKE_DIR)/mkernelConfig.cmake $(CMAKE_DIR)/mkernelConfigVersion.cmake
+NCCL_INSTALLED_FILES = $(LIBDIR)/libmkernel-nccl.so.2 $(LIBDIR)/libmkernel-nccl.so \
+  $(LIBDIR)/pkgconfig/mkernel-nccl.pc
 
 .PHONY: all build dist install uninstall ctest clean FORCE
 
@@ -56,9 +61,9 @@ all: build
 build:
 	cargo build --release --lib
 
-dist: $(DIST_SO) $(DIST_A) $(DIST_STATIC_LIBS)
+dist: $(DIST_SO) $(DIST_A) $(DIST_STATIC_LIBS) $(NCCL_DIST_SO)
 
-$(CARGO_SO) $(CARGO_A):
+$(CARGO_SO) $(CARGO_A) $(CARGO_NCCL_SO):
 	@test -f $@ || { echo "$@ is missing: build it first with 'make' (cargo build --release --lib)" >&2; exit 1; }
 
 # cargo puts target/release/libmkernel.* in place as hard links to its deps/ files, which
@@ -75,6 +80,10 @@ FORCE:
 
 # The shared library without its debug info (about half the size), linked to that info by
 # .gnu_debuglink; the dynamic symbol table (the mk* API) is kept.
+$(NCCL_DIST_SO): $(CARGO_NCCL_SO)
+	@mkdir -p $(DIST)
+	strip --strip-unneeded -o $@ $(CARGO_NCCL_SO)
+
 $(DIST_SO): $(CARGO_STAMP)
 	objcopy --only-keep-debug $(CARGO_SO) $(DIST_DEBUG)
 	strip --strip-unneeded -o $@ $(CARGO_SO)
@@ -100,7 +109,7 @@ $(DIST_STATIC_LIBS): $(DIST_A)
 	if nm -u $< | grep -q ' rdma_'; then requires="$$requires librdmacm"; fi; \
 	echo $$requires > $(DIST_STATIC_LIBS)
 
-install: dist
+install: dist install-nccl
 	install -d $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(CMAKE_DIR)
 	install -m 755 $(DIST_SO) $(DESTDIR)$(LIBDIR)/$(SO_NAME)
 	ln -sf $(SO_NAME) $(DESTDIR)$(LIBDIR)/libmkernel.so.$(MAJOR)
@@ -120,7 +129,7 @@ install: dist
 	    cmake/mkernelConfig.cmake.in > $(DESTDIR)$(CMAKE_DIR)/mkernelConfig.cmake
 	sed -e 's|@VERSION@|$(VERSION)|' cmake/mkernelConfigVersion.cmake.in > $(DESTDIR)$(CMAKE_DIR)/mkernelConfigVersion.cmake
 
-uninstall:
+uninstall: uninstall-nccl
 	rm -f $(addprefix $(DESTDIR),$(INSTALLED_FILES))
 	rmdir $(DESTDIR)$(CMAKE_DIR) 2>/dev/null || true
 
@@ -149,16 +158,17 @@ clean:
 	cargo clean
 	rm -rf build
 
-# libmkernel-nccl (nccl/): NCCL's C API over mkernel. Installs lib/libmkernel-nccl.so.2 (its
-# SONAME: the major of NCCL's ABI), the libmkernel-nccl.so link and lib/pkgconfig/mkernel-nccl.pc.
+# libmkernel-nccl (nccl/): NCCL's C API over mkernel, built by the same `cargo build
+# --release`. Installed as lib/libmkernel-nccl.so.2 (its SONAME: the major of NCCL's ABI,
+# stripped as libmkernel.so is), the libmkernel-nccl.so link and lib/pkgconfig/mkernel-nccl.pc.
 # No header: programs compile against the nccl.h of the NCCL they were written for.
 .PHONY: install-nccl uninstall-nccl
-install-nccl:
-	cargo build --release -p mkernel-nccl
-	install -d $(LIBDIR)/pkgconfig
-	install -m 755 target/release/libmkernel_nccl.so $(LIBDIR)/libmkernel-nccl.so.2
-	ln -sf libmkernel-nccl.so.2 $(LIBDIR)/libmkernel-nccl.so
-	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' pkgconfig/mkernel-nccl.pc.in > $(LIBDIR)/pkgconfig/mkernel-nccl.pc
+install-nccl: $(NCCL_DIST_SO)
+	install -d $(DESTDIR)$(LIBDIR)/pkgconfig
+	install -m 755 $(NCCL_DIST_SO) $(DESTDIR)$(LIBDIR)/libmkernel-nccl.so.2
+	ln -sf libmkernel-nccl.so.2 $(DESTDIR)$(LIBDIR)/libmkernel-nccl.so
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(PC_LIBDIR)|' -e 's|@VERSION@|$(VERSION)|' \
+	    pkgconfig/mkernel-nccl.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/mkernel-nccl.pc
 
 uninstall-nccl:
-	rm -f $(LIBDIR)/libmkernel-nccl.so.2 $(LIBDIR)/libmkernel-nccl.so $(LIBDIR)/pkgconfig/mkernel-nccl.pc
+	rm -f $(addprefix $(DESTDIR),$(NCCL_INSTALLED_FILES))
