@@ -286,9 +286,9 @@ class Communicator:
 
         Safe from any thread, e.g. a watchdog that sees a step take too long: the blocked
         kernels stop, the stream drains, and every later call on this communicator raises
-        MkInvalidUsageError. Aborting a closed communicator does nothing. The abort releases
-        the handle, so call it while the other threads wait (e.g. in torch.cuda.synchronize),
-        not while one of them is inside an mkernel call on this communicator.
+        MkInvalidUsageError. Aborting a closed communicator does nothing. Another thread may
+        be inside an mkernel call on this communicator: that call returns an error, and the
+        library frees the communicator only after it has left (docs/thread-safety.md).
         """
         handle = self._take_handle("aborted")
         if handle is not None:
