@@ -105,60 +105,127 @@ fn last_signal(puts: usize) -> usize {
     (0..puts).rev().find(|&j| signalled(j)).unwrap() + 1
 }
 
-/// Two ranks put `puts` messages to each other at once; each checks, whenever it sees a
-/// signal value v, that the data of every put numbered below v from its peer is in place.
-fn exchange(config: SimConfig, puts: usize) {
+/// One rank of an exchange: posts its puts in random bursts, polls, and checks whenever it
+/// sees a signal value v that the data of every put numbered below v from its peer is in
+/// place (each signal follows its own data and every earlier put's).
+struct ExchangeRank {
+    me: usize,
+    t: RdmaTransport,
+    w: HostWindow,
+    seed: u64,
+    puts: usize,
+    words: usize,
+    rng: SimRng,
+    posted: usize,
+    ids: Vec<PostId>,
+    completed: Vec<PostId>,
+    /// Puts from the peer whose data is verified.
+    verified: usize,
+}
+
+impl ExchangeRank {
+    fn new(me: usize, t: RdmaTransport, w: HostWindow, seed: u64, puts: usize, words: usize) -> ExchangeRank {
+        for j in 0..puts {
+            w.write(j * SLOT, &payload(seed, me, j));
+        }
+        let rng = SimRng::new(seed.wrapping_add(me as u64));
+        ExchangeRank { me, t, w, seed, puts, words, rng, posted: 0, ids: Vec::new(), completed: Vec::new(), verified: 0 }
+    }
+
+    fn done(&self) -> bool {
+        self.completed.len() == self.puts && self.verified >= last_signal(self.puts)
+    }
+
+    fn check_signals(&mut self) {
+        let peer = 1 - self.me;
+        for word in self.w.signals {
+            let v = word.load(Ordering::Acquire) as usize;
+            while self.verified < v {
+                let expected = payload(self.seed, peer, self.verified);
+                let got = self.w.read((self.puts + self.verified) * SLOT, expected.len());
+                assert!(got == expected, "rank {}: signal {v} seen before the data of put {} landed", self.me, self.verified);
+                self.verified += 1;
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        for _ in 0..self.rng.below(4) {
+            if self.posted < self.puts {
+                let put = put_of(1 - self.me, self.seed, self.me, self.posted, self.puts, self.words);
+                self.ids.push(self.t.post_put(&put).unwrap());
+                self.posted += 1;
+            }
+        }
+        self.t.poll(&mut self.completed).unwrap();
+        self.check_signals();
+    }
+
+    fn finish(self) -> RdmaTransport {
+        let done: BTreeSet<PostId> = self.completed.iter().copied().collect();
+        assert_eq!(done.len(), self.completed.len(), "rank {}: a put completed twice", self.me);
+        assert_eq!(done, self.ids.iter().copied().collect::<BTreeSet<_>>(), "rank {}: every put completes", self.me);
+        self.t
+    }
+}
+
+fn exchange_ranks(config: SimConfig, puts: usize) -> (SimFabric, Vec<ExchangeRank>) {
     let words = 7;
     let fabric = SimFabric::new(config);
     let ranks = connect(&fabric, 2, 2 * puts * SLOT, words);
-    let seed = config.seed;
+    let ranks = ranks.into_iter().enumerate().map(|(me, (t, w))| ExchangeRank::new(me, t, w, config.seed, puts, words)).collect();
+    (fabric, ranks)
+}
+
+/// Two ranks put `puts` messages to each other at once, each in its own thread.
+fn exchange(config: SimConfig, puts: usize) {
+    let (fabric, ranks) = exchange_ranks(config, puts);
     let threads: Vec<_> = ranks
         .into_iter()
-        .enumerate()
-        .map(|(me, (mut t, w))| {
+        .map(|mut rank| {
             std::thread::spawn(move || {
-                let peer = 1 - me;
-                for j in 0..puts {
-                    w.write(j * SLOT, &payload(seed, me, j));
-                }
-                let mut rng = SimRng::new(seed.wrapping_add(me as u64));
-                let mut posted = 0;
-                let mut completed: Vec<PostId> = Vec::new();
-                let mut ids = Vec::new();
-                // Highest put index from the peer whose data is verified.
-                let mut verified = 0usize;
-                let last_signalled = last_signal(puts);
                 let start = Instant::now();
-                while completed.len() < puts || verified < last_signalled {
-                    assert!(start.elapsed() < BOUND, "rank {me}: no progress (posted {posted}, completed {}, verified {verified})", completed.len());
-                    // Post a random burst.
-                    for _ in 0..rng.below(4) {
-                        if posted < puts {
-                            ids.push(t.post_put(&put_of(peer, seed, me, posted, puts, words)).unwrap());
-                            posted += 1;
-                        }
-                    }
-                    t.poll(&mut completed).unwrap();
-                    for word in w.signals {
-                        let v = word.load(Ordering::Acquire) as usize;
-                        while verified < v {
-                            let expected = payload(seed, peer, verified);
-                            let got = w.read((puts + verified) * SLOT, expected.len());
-                            assert!(got == expected, "rank {me}: signal {v} seen before the data of put {verified} landed");
-                            verified += 1;
-                        }
-                    }
+                while !rank.done() {
+                    assert!(start.elapsed() < BOUND, "rank {}: no progress", rank.me);
+                    rank.step();
                 }
-                let done: BTreeSet<PostId> = completed.iter().copied().collect();
-                assert_eq!(done.len(), completed.len(), "rank {me}: a put completed twice");
-                assert_eq!(done, ids.iter().copied().collect::<BTreeSet<_>>(), "rank {me}: every put completes");
-                t
+                rank.finish()
             })
         })
         .collect();
     let transports: Vec<RdmaTransport> = threads.into_iter().map(|h| h.join().expect("rank thread")).collect();
     drop(transports);
     assert_eq!(fabric.in_flight(), 0, "every message was delivered");
+}
+
+/// The same exchange in one thread with one delivery per poll, both ranks checking their
+/// signals after every delivery: a signal that lands before its data is always seen.
+fn exchange_in_lockstep(config: SimConfig, puts: usize) {
+    let (fabric, mut ranks) = exchange_ranks(SimConfig { deliveries_per_poll: 1, ..config }, puts);
+    let start = Instant::now();
+    while !ranks.iter().all(ExchangeRank::done) {
+        assert!(start.elapsed() < BOUND, "no progress");
+        for i in 0..2 {
+            ranks[i].step();
+            ranks[1 - i].check_signals();
+        }
+    }
+    drop(ranks.into_iter().map(ExchangeRank::finish).collect::<Vec<_>>());
+    assert_eq!(fabric.in_flight(), 0, "every message was delivered");
+}
+
+#[test]
+fn rc_data_never_precedes_its_signal_in_lockstep() {
+    for seed in 11..=14 {
+        exchange_in_lockstep(SimConfig::rc(seed), 200);
+    }
+}
+
+#[test]
+fn srd_data_never_precedes_its_signal_in_lockstep() {
+    for seed in 11..=14 {
+        exchange_in_lockstep(SimConfig::srd(seed), 200);
+    }
 }
 
 #[test]
