@@ -41,11 +41,19 @@ impl HostWindow {
         }
     }
 
-    fn slice(&self, offset: usize, len: usize) -> &mut [u8] {
+    /// Fills a source slot (before the puts that read it are posted).
+    fn fill(&self, offset: usize, len: usize, seed: u64) {
         assert!(offset + len <= self.data_bytes);
-        // SAFETY: in bounds of the leaked allocation; source slots are written before their
-        // puts are posted, destination slots read only after their signal.
-        unsafe { std::slice::from_raw_parts_mut(self.data.add(offset), len) }
+        let mut bytes = vec![0u8; len];
+        fill(seed, &mut bytes);
+        // SAFETY: in bounds of the leaked allocation; nothing reads the slot yet.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data.add(offset), len) };
+    }
+
+    fn read(&self, offset: usize, len: usize) -> Vec<u8> {
+        assert!(offset + len <= self.data_bytes);
+        // SAFETY: in bounds; destination slots are read only after their signal.
+        unsafe { std::slice::from_raw_parts(self.data.add(offset), len) }.to_vec()
     }
 }
 
@@ -93,7 +101,7 @@ fn puts_through_the_proxy_land_before_their_signals() {
                     let producer = ring.host_producer().unwrap();
                     let len = |j: usize| 1 + (j * 977) % SLOT;
                     for j in 0..puts {
-                        fill((me * puts + j) as u64, w.slice(j * SLOT, len(j)));
+                        w.fill(j * SLOT, len(j), (me * puts + j) as u64);
                     }
                     // What the peer put into this rank, checked as each signal is seen,
                     // while this rank's own puts are still being posted.
@@ -105,7 +113,7 @@ fn puts_through_the_proxy_land_before_their_signals() {
                             let n = len(*verified);
                             fill(((1 - me) * puts + *verified) as u64, &mut expected[..n]);
                             assert!(
-                                w.slice((puts + *verified) * SLOT, n) == &expected[..n],
+                                w.read((puts + *verified) * SLOT, n) == expected[..n],
                                 "rank {me}: signal {seen} before the data of put {verified}"
                             );
                             *verified += 1;

@@ -31,6 +31,7 @@ pub mod sequencer;
 pub mod sim;
 pub mod verbs;
 
+use super::staging::DeviceStager;
 use super::{check_peers, check_put_ranges, MemoryKind, PostId, PutRequest, Transport, Window};
 use crate::error::{MkError, Result};
 use sequencer::SignalSequencer;
@@ -260,6 +261,13 @@ struct PeerState {
     incoming: SignalSequencer,
 }
 
+/// The stager that writes device signal words for the sequenced protocol.
+struct SignalStager(DeviceStager);
+
+// SAFETY: a stager holds a CUDA stream, pinned host memory and events, which any thread of
+// the process may use; the transport uses it from one thread at a time (the proxy's).
+unsafe impl Send for SignalStager {}
+
 /// The RDMA transport of one rank, over any `Verbs`.
 pub struct RdmaTransport {
     rank: usize,
@@ -280,6 +288,8 @@ pub struct RdmaTransport {
     failed: Option<MkError>,
     /// For a signal region in device memory (sequenced ordering writes signals from the host).
     cuda_context: Option<usize>,
+    /// Writes device signal words on its own non-blocking stream (made on first use).
+    signal_stager: Option<SignalStager>,
     completions: Vec<Completion>,
     ready_signals: Vec<(u32, u64)>,
 }
@@ -308,6 +318,7 @@ impl RdmaTransport {
             next_post: 0,
             failed: None,
             cuda_context: None,
+            signal_stager: None,
             completions: Vec::new(),
             ready_signals: Vec::new(),
         }
@@ -368,7 +379,7 @@ impl RdmaTransport {
 
     /// Writes a signal word of this rank's window (sequenced ordering): after every message
     /// before it arrived, so after its data.
-    fn write_local_signal(&self, from: usize, id: u32, value: u64) -> Result<()> {
+    fn write_local_signal(&mut self, from: usize, id: u32, value: u64) -> Result<()> {
         let window = self.window.expect("connected transports have a window");
         if id as u64 >= window.signal_words() {
             return Err(MkError::remote(format!(
@@ -385,7 +396,15 @@ impl RdmaTransport {
                 word.store(value, std::sync::atomic::Ordering::Release);
                 Ok(())
             }
-            MemoryKind::Device => write_device_word(self.cuda_context, address, value),
+            MemoryKind::Device => {
+                if self.signal_stager.is_none() {
+                    let context = self.cuda_context.ok_or_else(super::staging::missing_context)?;
+                    self.signal_stager = Some(SignalStager(DeviceStager::new(context)?));
+                }
+                // A non-blocking stream: the legacy stream would wait for the persistent
+                // kernel that waits for this very signal. Stream order keeps signals in order.
+                self.signal_stager.as_mut().expect("made above").0.store_u64(address, value)
+            }
         }
     }
 
@@ -434,19 +453,6 @@ impl RdmaTransport {
         result?;
         self.verbs()?.post_receives(peer, 1)
     }
-}
-
-/// Writes one u64 into device memory from the host, with `context` current.
-fn write_device_word(context: Option<usize>, address: u64, value: u64) -> Result<()> {
-    use cudarc::driver::sys;
-    let context = context.ok_or_else(|| {
-        MkError::invalid_usage("an RDMA window with device-memory signals needs the communicator's CUDA context")
-    })?;
-    crate::cuda::driver()?;
-    // SAFETY: the communicator keeps the context alive while the transport exists.
-    crate::cuda::check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(context as sys::CUcontext) })?;
-    // SAFETY: `address` is inside the registered device signal region; 8 bytes from a local.
-    crate::cuda::check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(address, (&value as *const u64).cast(), 8) })
 }
 
 impl Transport for RdmaTransport {
@@ -701,7 +707,7 @@ mod tests {
             signals: MemoryRegion { base: 0x9000, bytes: 64, kind: MemoryKind::Host },
         };
         let keys = MemoryKeys { lkey: 7, rkey: 8 };
-        let put = PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: (2 * MAX_WRITE_BYTES + 5) as u64, signal: Some((3, 99)) };
+        let put = PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 2 * MAX_WRITE_BYTES + 5, signal: Some((3, 99)) };
         let steps = plan_put(&put, &remote);
         let mut seq = u32::MAX - 1;
         let work = plan_work(&put, 11, &steps, SignalOrdering::Sequenced, &window, keys, &mut seq);
