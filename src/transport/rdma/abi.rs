@@ -50,10 +50,11 @@ pub const QPX_SET_SGE: usize = 304;
 pub const QPX_START: usize = 320;
 pub const QPX_COMPLETE: usize = 328;
 pub const QPX_ABORT: usize = 336;
-/// struct efadv_device_attr: max_sq_wr, max_rq_wr, device_caps; its size.
+/// struct efadv_device_attr: max_sq_wr, max_rq_wr, device_caps, max_rdma_size; its size.
 pub const EFA_MAX_SQ_WR: usize = 8;
 pub const EFA_MAX_RQ_WR: usize = 12;
 pub const EFA_DEVICE_CAPS: usize = 24;
+pub const EFA_MAX_RDMA_SIZE: usize = 28;
 pub const EFA_DEVICE_ATTR_BYTES: usize = 32;
 
 pub const IBV_PORT_ACTIVE: u32 = 4;
@@ -287,6 +288,7 @@ pub fn layout_facts() -> Vec<(&'static str, usize)> {
         ("efadv_device_attr.max_sq_wr", EFA_MAX_SQ_WR),
         ("efadv_device_attr.max_rq_wr", EFA_MAX_RQ_WR),
         ("efadv_device_attr.device_caps", EFA_DEVICE_CAPS),
+        ("efadv_device_attr.max_rdma_size", EFA_MAX_RDMA_SIZE),
         ("sizeof efadv_device_attr", EFA_DEVICE_ATTR_BYTES),
         ("sizeof ibv_sge", size_of::<ibv_sge>()),
         ("sizeof ibv_send_wr", size_of::<ibv_send_wr>()),

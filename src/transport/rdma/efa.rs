@@ -47,6 +47,8 @@ pub struct EfaDevice {
     pub max_sq_wr: u32,
     pub max_rq_wr: u32,
     pub caps: u32,
+    /// Bytes one RDMA operation may carry.
+    pub max_rdma_size: u32,
 }
 
 /// The EFA attributes of an open device, or None when it is not an EFA device (or libefa
@@ -61,7 +63,12 @@ pub fn query_device(lib: &VerbsLibrary, ctx: Ptr) -> Option<EfaDevice> {
     let p = attr.as_ptr().cast::<u8>();
     // SAFETY: offsets inside efadv_device_attr (abi).
     let read = |at: usize| unsafe { std::ptr::read_unaligned(p.add(at).cast::<u32>()) };
-    Some(EfaDevice { max_sq_wr: read(EFA_MAX_SQ_WR), max_rq_wr: read(EFA_MAX_RQ_WR), caps: read(EFA_DEVICE_CAPS) })
+    Some(EfaDevice {
+        max_sq_wr: read(EFA_MAX_SQ_WR),
+        max_rq_wr: read(EFA_MAX_RQ_WR),
+        caps: read(EFA_DEVICE_CAPS),
+        max_rdma_size: read(EFA_MAX_RDMA_SIZE),
+    })
 }
 
 /// Creates an SRD queue pair (reset state) able to post RDMA writes and sends with

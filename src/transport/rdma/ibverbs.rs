@@ -271,6 +271,7 @@ pub struct IbVerbs {
     receive_depth: u32,
     max_qp_wr: u32,
     efa_caps: u32,
+    max_write: u64,
     queue_pairs: HashMap<usize, QueuePair>,
     peer_of_qp: HashMap<u32, usize>,
     mrs: Vec<Ptr>,
@@ -311,6 +312,7 @@ impl IbVerbs {
             receive_depth: 0,
             max_qp_wr: SEND_QUEUE_DEPTH,
             efa_caps: 0,
+            max_write: super::MAX_WRITE_BYTES,
             queue_pairs: HashMap::new(),
             peer_of_qp: HashMap::new(),
             mrs: Vec::new(),
@@ -329,6 +331,9 @@ impl IbVerbs {
             }
             v.ordering = SignalOrdering::Sequenced;
             v.efa_caps = efa_device.caps;
+            if efa_device.max_rdma_size > 0 {
+                v.max_write = v.max_write.min(efa_device.max_rdma_size as u64);
+            }
             v.send_depth = SEND_QUEUE_DEPTH.min(efa_device.max_sq_wr.max(1));
             v.receive_depth = RECEIVE_QUEUE_DEPTH.min(efa_device.max_rq_wr.max(1));
         } else if name.starts_with("efa") {
@@ -623,6 +628,10 @@ impl Verbs for IbVerbs {
         }
         self.queue_pairs.get_mut(&peer).expect("checked above").remote_qp = remote_qp;
         Ok(())
+    }
+
+    fn max_write_bytes(&self) -> u64 {
+        self.max_write
     }
 
     fn send_queue_depth(&self) -> u32 {

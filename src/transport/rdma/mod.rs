@@ -141,10 +141,17 @@ pub enum WriteStep {
 /// The writes of a put in posting order (data in chunks of at most `MAX_WRITE_BYTES`, then
 /// the flag); the last one is the one to signal. Ranges must already be checked.
 pub fn plan_put(put: &PutRequest, remote: &RdmaBlob) -> Vec<WriteStep> {
+    plan_put_in_chunks(put, remote, MAX_WRITE_BYTES)
+}
+
+/// `plan_put` for a device whose writes carry at most `max_write` bytes (EFA's
+/// `max_rdma_size`).
+pub fn plan_put_in_chunks(put: &PutRequest, remote: &RdmaBlob, max_write: u64) -> Vec<WriteStep> {
+    let max_write = max_write.clamp(1, MAX_WRITE_BYTES);
     let mut steps = Vec::new();
     let mut done = 0;
     while done < put.bytes {
-        let bytes = (put.bytes - done).min(MAX_WRITE_BYTES);
+        let bytes = (put.bytes - done).min(max_write);
         steps.push(WriteStep::Data {
             src_offset: put.src_offset + done,
             remote_addr: remote.data.addr + put.dst_offset + done,
@@ -275,6 +282,8 @@ pub struct RdmaTransport {
     /// None once closed.
     verbs: Option<Box<dyn Verbs>>,
     ordering: SignalOrdering,
+    /// Largest single write the device takes.
+    max_write: u64,
     window: Option<Window>,
     data_keys: MemoryKeys,
     signal_keys: MemoryKeys,
@@ -306,6 +315,7 @@ impl RdmaTransport {
             rank,
             nranks,
             ordering: verbs.ordering(),
+            max_write: verbs.max_write_bytes(),
             verbs: Some(verbs),
             window: None,
             data_keys: MemoryKeys::default(),
@@ -538,7 +548,7 @@ impl Transport for RdmaTransport {
             .ok_or_else(|| MkError::invalid_argument(format!("rank {} is not connected to rank {}", self.rank, put.peer)))?;
         let (data_bytes, signal_words) = window_limits(remote);
         check_put_ranges(put, &window, data_bytes, signal_words)?;
-        let steps = plan_put(put, remote);
+        let steps = plan_put_in_chunks(put, remote, self.max_write);
         let id = self.next_post;
         self.next_post += 1;
         if steps.is_empty() {
@@ -667,6 +677,9 @@ mod tests {
         }
         assert_eq!(next_src, u32::MAX as u64);
         assert!(matches!(steps.last(), Some(WriteStep::Flag { .. })));
+        let small = plan_put_in_chunks(&PutRequest { bytes: 10_000, ..put }, &remote, 4096);
+        let sizes: Vec<u64> = small.iter().filter_map(|s| if let WriteStep::Data { bytes, .. } = s { Some(*bytes) } else { None }).collect();
+        assert_eq!(sizes, vec![4096, 4096, 10_000 - 8192], "a device's smaller write limit splits puts further");
     }
 
     #[test]

@@ -64,6 +64,8 @@ pub struct SimConfig {
     pub receive_queue_depth: u32,
     /// Most messages delivered per `poll` call (a random number from 1 to this).
     pub deliveries_per_poll: u32,
+    /// Largest write the device takes (small, so tests' puts span several writes).
+    pub max_write: u64,
     pub seed: u64,
 }
 
@@ -76,6 +78,7 @@ impl SimConfig {
             accepts: 32,
             receive_queue_depth: 0,
             deliveries_per_poll: 4,
+            max_write: 2048,
             seed,
         }
     }
@@ -88,6 +91,7 @@ impl SimConfig {
             accepts: 12,
             receive_queue_depth: 16,
             deliveries_per_poll: 4,
+            max_write: 1024,
             seed,
         }
     }
@@ -231,7 +235,9 @@ impl Fabric {
         let (from_node, to_node) = (&self.nodes[&m.from], &self.nodes[&m.to]);
         let copied = match m.wr.op {
             WorkOp::Write { local_addr, lkey, bytes, remote_addr, rkey, .. } => {
-                if !find_region(from_node, |k| k.lkey == lkey, local_addr, bytes as u64) {
+                if bytes as u64 > self.config.max_write {
+                    Err("local length error")
+                } else if !find_region(from_node, |k| k.lkey == lkey, local_addr, bytes as u64) {
                     Err("local protection error")
                 } else if !find_region(to_node, |k| k.rkey == rkey, remote_addr, bytes as u64) {
                     Err("remote access error")
@@ -341,6 +347,10 @@ impl Verbs for SimVerbs {
             qp.connected = true;
             Ok(())
         })
+    }
+
+    fn max_write_bytes(&self) -> u64 {
+        self.config.max_write
     }
 
     fn send_queue_depth(&self) -> u32 {

@@ -108,6 +108,10 @@ pub trait Verbs: Send {
     fn create_queue_pair(&mut self, peer: usize) -> Result<u32>;
     /// Connects `peer`'s queue pair to the peer's (`remote_qp` from its blob).
     fn connect(&mut self, peer: usize, remote: &RdmaBlob, remote_qp: u32) -> Result<()>;
+    /// Bytes one RDMA write may carry at most.
+    fn max_write_bytes(&self) -> u64 {
+        super::MAX_WRITE_BYTES
+    }
     /// Work requests one queue pair holds at most (what the device granted).
     fn send_queue_depth(&self) -> u32;
     /// Receives one queue pair holds at most (0 where the ordering needs none).
