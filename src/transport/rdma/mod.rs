@@ -173,8 +173,9 @@ pub fn page_cover(base: u64, bytes: u64, page: u64) -> (u64, u64) {
     (start, end - start)
 }
 
-/// Work requests one put can need: ⌈u32::MAX / MAX_WRITE_BYTES⌉ data writes and a flag
-/// (ring commands carry u32 byte counts).
+/// Work requests one put needs with 1 GiB writes: ⌈u32::MAX / MAX_WRITE_BYTES⌉ data writes
+/// and a flag (ring commands carry u32 byte counts). Sizes the send queue; a device with a
+/// smaller write limit needs more, which wait in the transport's backlog.
 pub const MAX_WRITES_PER_COMMAND: u32 = 5;
 
 /// Window sizes as peers see them, for range checks.
