@@ -35,9 +35,6 @@ DIST_SO := $(DIST)/$(SO_NAME)
 DIST_DEBUG := $(DIST)/$(SO_NAME).debug
 DIST_A := $(DIST)/libmkernel.a
 NCCL_DIST_SO := $(DIST)/libmkernel-nccl.so.2
-# The pkg-config packages a program linking the archive needs beside the Rust runtime's
-# system libraries: the RDMA libraries in a build with the `rdma` feature, else none.
-DIST_STATIC_LIBS := $(DIST)/static-requires
 
 # The .pc and CMake files name libdir relative to ${prefix} (pkg-config) or to their own
 # location (CMake) so that a copied prefix keeps working.
@@ -61,7 +58,7 @@ all: build
 build:
 	cargo build --release --lib
 
-dist: $(DIST_SO) $(DIST_A) $(DIST_STATIC_LIBS) $(NCCL_DIST_SO)
+dist: $(DIST_SO) $(DIST_A) $(NCCL_DIST_SO)
 
 $(CARGO_SO) $(CARGO_A) $(CARGO_NCCL_SO):
 	@test -f $@ || { echo "$@ is missing: build it first with 'make' (cargo build --release --lib)" >&2; exit 1; }
@@ -103,12 +100,6 @@ $(DIST_A): $(CARGO_STAMP)
 	ar rcs $@ $(DIST)/prelink/mkernel.o
 	rm -rf $(DIST)/prelink
 
-$(DIST_STATIC_LIBS): $(DIST_A)
-	requires=""; \
-	if nm -u $< | grep -q ' ibv_'; then requires="$$requires libibverbs"; fi; \
-	if nm -u $< | grep -q ' rdma_'; then requires="$$requires librdmacm"; fi; \
-	echo $$requires > $(DIST_STATIC_LIBS)
-
 install: dist install-nccl
 	install -d $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(CMAKE_DIR)
 	install -m 755 $(DIST_SO) $(DESTDIR)$(LIBDIR)/$(SO_NAME)
@@ -117,15 +108,13 @@ install: dist install-nccl
 	if [ "$(INSTALL_DEBUG)" = 1 ]; then install -m 644 $(DIST_DEBUG) $(DESTDIR)$(LIBDIR)/$(SO_NAME).debug; fi
 	install -m 644 $(DIST_A) $(DESTDIR)$(LIBDIR)/libmkernel.a
 	install -m 644 include/mkernel.h $(DESTDIR)$(INCLUDEDIR)/mkernel.h
-	requires="$$(cat $(DIST_STATIC_LIBS))"; \
 	for pc in mkernel mkernel-static; do \
 	  sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(PC_LIBDIR)|' -e 's|@INCLUDEDIR@|$(PC_INCLUDEDIR)|' \
-	      -e 's|@VERSION@|$(VERSION)|' -e "s|@STATIC_REQUIRES@|$$requires|" \
+	      -e 's|@VERSION@|$(VERSION)|' \
 	      pkgconfig/$$pc.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/$$pc.pc || exit 1; \
 	done; \
-	cmake_libs=""; for r in $$requires; do cmake_libs="$$cmake_libs;$${r#lib}"; done; \
 	sed -e 's|@INCLUDEDIR_FROM_LIBDIR@|$(CMAKE_INCLUDEDIR)|' -e 's|@SO_NAME@|$(SO_NAME)|' \
-	    -e 's|@SONAME@|libmkernel.so.$(MAJOR)|' -e "s|@STATIC_RDMA_LIBRARIES@|$$cmake_libs|" \
+	    -e 's|@SONAME@|libmkernel.so.$(MAJOR)|' \
 	    cmake/mkernelConfig.cmake.in > $(DESTDIR)$(CMAKE_DIR)/mkernelConfig.cmake
 	sed -e 's|@VERSION@|$(VERSION)|' cmake/mkernelConfigVersion.cmake.in > $(DESTDIR)$(CMAKE_DIR)/mkernelConfigVersion.cmake
 

@@ -251,7 +251,7 @@ mkResult_t mkGetUniqueId(mkUniqueId *uniqueId);
  *
  * Ranks on several hosts (or grouped by MK_RANKS_PER_NODE) form nodes: each node maps a
  * workspace among its ranks, and each rank connects to the ranks with its local rank on
- * the other nodes over MK_NET (sockets, or RDMA in a build with the `rdma` feature) and
+ * the other nodes over MK_NET (sockets, or RDMA where libibverbs and a device exist) and
  * starts a proxy thread that carries its kernels' inter-node transfers.
  */
 mkResult_t mkCommInitRank(mkComm_t *comm, int nranks, mkUniqueId commId, int rank);

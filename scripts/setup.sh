@@ -15,7 +15,7 @@ command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v go >/dev/null || need_apt+=(golang-go)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
-# The `rdma` feature (RDMA transport via rdma-sys: bindgen over the verbs headers).
+# rdma-core's headers: tests/rdma_abi.rs checks the transport's verbs declarations against them.
 pkg-config --exists libibverbs 2>/dev/null || need_apt+=(libibverbs-dev)
 pkg-config --exists librdmacm 2>/dev/null || need_apt+=(librdmacm-dev)
 compgen -G "/usr/lib/llvm-*/lib/libclang.so" >/dev/null || need_apt+=(libclang-dev)

@@ -75,7 +75,7 @@ fn init_into(comm: *mut mkComm_t, nranks: c_int, id: &mkUniqueId, rank: c_int, d
 ///
 /// Ranks on several hosts (or grouped by MK_RANKS_PER_NODE) form nodes: each node maps a
 /// workspace among its ranks, and each rank connects to the ranks with its local rank on
-/// the other nodes over MK_NET (sockets, or RDMA in a build with the `rdma` feature) and
+/// the other nodes over MK_NET (sockets, or RDMA where libibverbs and a device exist) and
 /// starts a proxy thread that carries its kernels' inter-node transfers.
 #[no_mangle]
 pub unsafe extern "C" fn mkCommInitRank(comm: *mut mkComm_t, nranks: c_int, commId: mkUniqueId, rank: c_int) -> mkResult_t {

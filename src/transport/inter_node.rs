@@ -65,10 +65,13 @@ pub unsafe fn start_inter_node(setup: InterNodeSetup<'_>) -> Result<Option<Inter
             }
             Box::new(socket)
         }
-        #[cfg(feature = "rdma")]
-        NetKind::Ib => Box::new(super::rdma::RdmaTransport::new(rank, nranks)?),
-        #[cfg(not(feature = "rdma"))]
-        NetKind::Ib => return Err(MkError::invalid_usage("this libmkernel was built without RDMA support (cargo feature `rdma`)")),
+        NetKind::Ib => {
+            let mut rdma = super::rdma::RdmaTransport::open(rank, nranks)?;
+            if let Some(context) = setup.cuda_context {
+                rdma.set_cuda_context(context);
+            }
+            Box::new(rdma)
+        }
     };
     // SAFETY: forwarded from this function's contract.
     unsafe { transport.register(setup.window)? };

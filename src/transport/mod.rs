@@ -2,8 +2,8 @@
 //! another node. Two implementations share one trait:
 //! - `socket`: TCP between proxies, staged through host memory, authenticated like the
 //!   bootstrap (always built; the fallback and the emulated multi-node tests);
-//! - `rdma`: ibverbs RC queue pairs, RDMA WRITE then flag write (the verbs code only with
-//!   the cargo feature `rdma`; its pure parts always).
+//! - `rdma`: RDMA writes over InfiniBand/RoCE (RC) and AWS EFA (SRD), with libibverbs and
+//!   libefa loaded at run time (always built; used where a device exists).
 //!
 //! `proxy` holds the device→host command ring and the thread that drains it;
 //! `inter_node::start_inter_node` brings the whole path up for a communicator that spans
@@ -18,7 +18,6 @@
 pub mod device_check;
 pub mod inter_node;
 pub mod proxy;
-/// Pure parts always built (and tested); the verbs code only with the `rdma` feature.
 pub mod rdma;
 pub mod socket;
 pub mod staging;
@@ -203,17 +202,17 @@ pub enum NetKind {
     Socket,
 }
 
-/// Chooses the transport: `MK_NET` when set (`ib` or `socket`), otherwise ib when this
-/// build has RDMA support and a usable device exists, else sockets.
-/// `requested` is `MK_NET`; `rdma_built` whether the `rdma` feature was compiled in;
+/// Chooses the transport: `MK_NET` when set (`ib` or `socket`), otherwise ib when
+/// libibverbs loaded and a usable device exists, else sockets.
+/// `requested` is `MK_NET`; `verbs_loaded` whether libibverbs.so.1 could be loaded;
 /// `usable_ib_devices` how many devices passed `MK_IB_HCA` with an active port.
-pub fn select_net(requested: Option<&str>, rdma_built: bool, usable_ib_devices: usize) -> Result<NetKind> {
+pub fn select_net(requested: Option<&str>, verbs_loaded: bool, usable_ib_devices: usize) -> Result<NetKind> {
     match requested.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
-        None | Some("") => Ok(if rdma_built && usable_ib_devices > 0 { NetKind::Ib } else { NetKind::Socket }),
+        None | Some("") => Ok(if verbs_loaded && usable_ib_devices > 0 { NetKind::Ib } else { NetKind::Socket }),
         Some("socket") => Ok(NetKind::Socket),
-        Some("ib") if !rdma_built => Err(MkError::invalid_usage(
-            "MK_NET=ib, but this libmkernel was built without RDMA support (cargo feature `rdma`); \
-             rebuild with it or set MK_NET=socket",
+        Some("ib") if !verbs_loaded => Err(MkError::system(
+            "MK_NET=ib, but libibverbs.so.1 could not be loaded (install rdma-core / libibverbs, or put it on the \
+             loader path); or set MK_NET=socket",
         )),
         Some("ib") if usable_ib_devices == 0 => Err(MkError::system(
             "MK_NET=ib, but no RDMA device with an active port matches MK_IB_HCA (or none exists); \
@@ -224,13 +223,11 @@ pub fn select_net(requested: Option<&str>, rdma_built: bool, usable_ib_devices: 
     }
 }
 
-/// The transport for this process: `MK_NET`, the `rdma` feature and the devices present.
+/// The transport for this process: `MK_NET`, libibverbs and the devices present.
 pub fn select_net_from_env() -> Result<NetKind> {
-    #[cfg(feature = "rdma")]
-    let (built, usable) = (true, rdma::usable_device_count());
-    #[cfg(not(feature = "rdma"))]
-    let (built, usable) = (false, 0);
-    select_net(crate::env::net().as_deref(), built, usable)
+    let loaded = rdma::ibverbs::library().is_ok();
+    let usable = if loaded { rdma::usable_device_count() } else { 0 };
+    select_net(crate::env::net().as_deref(), loaded, usable)
 }
 
 /// A parsed `MK_IB_HCA`, NCCL_IB_HCA style: comma-separated `name[:port]` entries matched
@@ -302,7 +299,7 @@ mod tests {
         assert_eq!(select_net(None, true, 1).unwrap(), NetKind::Ib);
         assert_eq!(select_net(Some("socket"), true, 4).unwrap(), NetKind::Socket);
         assert_eq!(select_net(Some(" IB "), true, 1).unwrap(), NetKind::Ib);
-        assert_eq!(select_net(Some("ib"), false, 1).unwrap_err().code, mkResult_t::mkInvalidUsage);
+        assert_eq!(select_net(Some("ib"), false, 1).unwrap_err().code, mkResult_t::mkSystemError);
         assert_eq!(select_net(Some("ib"), true, 0).unwrap_err().code, mkResult_t::mkSystemError);
         assert_eq!(select_net(Some("tcp"), true, 1).unwrap_err().code, mkResult_t::mkInvalidArgument);
     }
