@@ -1,6 +1,6 @@
 //! `mkbench all_gather | reduce_scatter | all_reduce`, in the style of nccl-tests:
 //!
-//!   mkbench all_gather -b 8M -e 1G -f 2 -n 20 -w 5 -g <ranks> [--op sum|avg] [--json PATH]
+//!   mkbench all_gather -b 8 -e 1G -f 2 -n 20 -w 5 -g <ranks> [--op sum|avg] [--json PATH]
 //!
 //! With -g N > 1 it starts N rank processes of itself (sharing the GPU under MPS, or one
 //! per GPU), or joins ranks a launcher started (MK_TEST_RANK / MK_TEST_NRANKS /
@@ -37,7 +37,6 @@ struct Options {
     warmup: usize,
     ranks: usize,
     op: mkRedOp_t,
-    json: Option<String>,
 }
 
 fn parse_size(s: &str) -> Option<u64> {
@@ -58,7 +57,7 @@ fn parse(op_name: &str, args: &[String]) -> Result<Options> {
         "all_reduce" => CollectiveKind::AllReduce,
         _ => return Err(MkError::invalid_argument(format!("unknown collective {op_name}"))),
     };
-    let mut o = Options { kind, min_bytes: 8 << 20, max_bytes: 1 << 30, factor: 2, iters: 20, warmup: 5, ranks: 1, op: mkRedOp_t::mkSum, json: None };
+    let mut o = Options { kind, min_bytes: 8, max_bytes: 1 << 30, factor: 2, iters: 20, warmup: 5, ranks: 1, op: mkRedOp_t::mkSum };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut val = || it.next().cloned().ok_or_else(|| MkError::invalid_argument(format!("{a} needs a value")));
@@ -77,7 +76,6 @@ fn parse(op_name: &str, args: &[String]) -> Result<Options> {
                     _ => return Err(bad("--op (sum or avg)")),
                 }
             }
-            "--json" => o.json = Some(val()?),
             other => return Err(MkError::invalid_argument(format!("unknown option {other:?} (see src/bin/mkbench/collectives.rs)"))),
         }
     }
@@ -85,6 +83,11 @@ fn parse(op_name: &str, args: &[String]) -> Result<Options> {
         return Err(MkError::invalid_argument("need -f >= 2, -n >= 1, -g >= 1 and 0 < -b <= -e"));
     }
     Ok(o)
+}
+
+/// Parses the options without touching a GPU.
+pub fn check(op_name: &str, args: &[String]) -> Result<()> {
+    parse(op_name, args).map(|_| ())
 }
 
 pub fn all_gather(args: &[String]) -> Result<bool> {
@@ -121,22 +124,30 @@ impl Events {
         Ok(Events { pairs: (0..n).map(|_| Ok((mk()?, mk()?))).collect::<Result<_>>()? })
     }
     /// Median microseconds of `f` over the pairs, each call timed on its own.
-    pub(crate) fn median_us(&self, stream: sys::CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-        let mut times = Vec::with_capacity(self.pairs.len());
+    pub(crate) fn median_us(&self, stream: sys::CUstream, f: impl FnMut() -> Result<()>) -> Result<f64> {
+        let mut times = self.times_us(stream, self.pairs.len(), f)?;
+        times.sort_by(|a, b| a.total_cmp(b));
+        Ok(times[times.len() / 2])
+    }
+
+    /// Microseconds of each of `calls` calls of `f` (at most one per event pair), each
+    /// call timed on its own, in call order.
+    pub(crate) fn times_us(&self, stream: sys::CUstream, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+        let pairs = &self.pairs[..calls.min(self.pairs.len())];
+        let mut times = Vec::with_capacity(pairs.len());
         // SAFETY: live events and stream.
         unsafe {
-            for &(a, b) in &self.pairs {
+            for &(a, b) in pairs {
                 cu::event::record(a, stream).map_err(|e| cuda::cuda_err("cuEventRecord", e))?;
                 f()?;
                 cu::event::record(b, stream).map_err(|e| cuda::cuda_err("cuEventRecord", e))?;
             }
-            for &(a, b) in &self.pairs {
+            for &(a, b) in pairs {
                 cu::event::synchronize(b).map_err(|e| cuda::cuda_err("cuEventSynchronize", e))?;
                 times.push(cu::event::elapsed(a, b).map_err(|e| cuda::cuda_err("cuEventElapsedTime", e))? as f64 * 1e3);
             }
         }
-        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        Ok(times[times.len() / 2])
+        Ok(times)
     }
 }
 
@@ -343,16 +354,25 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     }
     if rank == 0 {
         println!("# algbw, busbw in GB/s (1e9 B/s); D2D GB/s counts bytes read + written; oop/copy = copy time / out-of-place time; bw/nccl = NCCL time / our out-of-place time");
-        if let Some(path) = &o.json {
-            let items: Vec<String> = rows
-                .iter()
-                .map(|r| format!(
-                    "{{\"op\":\"{}\",\"ranks\":{n},\"bytes\":{},\"count\":{},\"type\":\"float\",\"oop_us\":{:.3},\"oop_busbw\":{:.3},\"oop_wrong\":{},\"ip_us\":{:.3},\"ip_busbw\":{:.3},\"ip_wrong\":{},\"copy_us\":{:.3},\"nccl_us\":{}}}",
-                    kind.name(), r.bytes, r.count, r.times[0], r.bytes as f64 / r.times[0] / 1e3 * factor, r.wrong[0],
-                    r.times[1], r.bytes as f64 / r.times[1] / 1e3 * factor, r.wrong[1], r.copy_us,
-                    r.nccl_us.map_or("null".to_string(), |t| format!("{t:.3}"))))
-                .collect();
-            std::fs::write(path, format!("[\n{}\n]\n", items.join(",\n"))).map_err(|e| MkError::system(format!("writing {path}: {e}")))?;
+        use crate::record::{self, Json};
+        record::config("ranks", Json::num(n as f64));
+        record::config("dtype", Json::str("float32"));
+        record::config("op", Json::str(format!("{:?}", o.op)));
+        record::config("bus_factor", Json::num(factor));
+        for r in &rows {
+            let named = |name: &str, us: f64| Json::obj(&[("name", Json::str(name)), ("median_us", Json::num(us))]);
+            let mut contenders = vec![named("out_of_place", r.times[0]), named("in_place", r.times[1])];
+            if r.copy_us > 0.0 {
+                contenders.push(named("d2d_copy", r.copy_us));
+            }
+            if let Some(t) = r.nccl_us {
+                contenders.push(named("nccl", t));
+            }
+            record::row(
+                Json::obj(&[("op", Json::str(kind.name())), ("bytes", Json::num(r.bytes as f64)), ("count", Json::num(r.count as f64))]),
+                contenders,
+                &[("wrong", Json::Arr(vec![Json::num(r.wrong[0] as f64), Json::num(r.wrong[1] as f64)]))],
+            );
         }
     }
     comm.bootstrap.barrier()?;

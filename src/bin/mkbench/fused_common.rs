@@ -2,6 +2,7 @@
 //! warm-up, CUDA-event-timed calls, the slowest rank's median).
 
 use crate::collectives::Events;
+use crate::measure::{measure_interleaved, slowest_per_call, Protocol, Stats};
 use mkernel::comm::Comm;
 use mkernel::cuda::sys;
 use mkernel::error::{MkError, Result};
@@ -89,6 +90,40 @@ pub fn timed_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, warmup
     let t = events.median_us(stream, f)?;
     let all = comm.bootstrap.allgather(&t.to_le_bytes())?;
     Ok(all.iter().map(|v| f64::from_le_bytes(v[..8].try_into().expect("8 bytes"))).fold(0.0, f64::max))
+}
+
+/// The shared protocol (measure.rs) across ranks: every rank runs the same contenders in
+/// the same interleaved blocks, a barrier before each block; `events` must hold at least
+/// `p.iters` pairs. Per contender, the statistics of the slowest rank's time call by call.
+pub fn measure_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, p: Protocol, contenders: &[&dyn Fn() -> Result<()>]) -> Result<Vec<Stats>> {
+    let sync = || {
+        // SAFETY: live stream.
+        unsafe { cudarc::driver::result::stream::synchronize(stream) }.map_err(|e| mkernel::cuda::cuda_err("cuStreamSynchronize", e))
+    };
+    let mine = measure_interleaved(
+        contenders.len(),
+        p,
+        |c| {
+            comm.bootstrap.barrier()?;
+            for _ in 0..p.warmup {
+                contenders[c]()?;
+            }
+            sync()
+        },
+        |c, iters| {
+            comm.bootstrap.barrier()?;
+            events.times_us(stream, iters, contenders[c])
+        },
+    )?;
+    mine.iter()
+        .map(|samples| {
+            let bytes: Vec<u8> = samples.iter().flat_map(|t| t.to_le_bytes()).collect();
+            let all = comm.bootstrap.allgather(&bytes)?;
+            let per_rank: Vec<Vec<f64>> =
+                all.iter().map(|b| b.chunks_exact(8).map(|w| f64::from_le_bytes(w.try_into().expect("8 bytes"))).collect()).collect();
+            Stats::of(&slowest_per_call(&per_rank)).ok_or_else(|| bad("timing (no samples)"))
+        })
+        .collect()
 }
 
 /// One call of a fused op with a zeroed per-CTA timing buffer (room for 1024 CTAs of

@@ -32,6 +32,12 @@ struct Options {
     trace: bool,
 }
 
+/// Parses the options without touching a GPU (`op` is gemm_rs or gemm_ar).
+pub fn check(op: &str, args: &[String]) -> Result<()> {
+    let reduction = if op == "gemm_ar" { Reduction::All } else { Reduction::Scatter };
+    parse(reduction, args).map(|_| ())
+}
+
 fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
     let mut o = Options {
         ranks: ranks::nranks_requested(),

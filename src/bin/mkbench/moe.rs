@@ -40,6 +40,11 @@ struct Options {
     trace: bool,
 }
 
+/// Parses the options without touching a GPU.
+pub fn check(_op: &str, args: &[String]) -> Result<()> {
+    parse(args).map(|_| ())
+}
+
 fn parse(args: &[String]) -> Result<Options> {
     let mut o = Options { ranks: ranks::nranks_requested(), tokens: 4096, hidden: 7168, ffn: 2048, experts: 256, top_k: 8, iters: 10, warmup: 3, trace: false };
     for_each_option(args, Some(&mut o.trace), |flag, v| {

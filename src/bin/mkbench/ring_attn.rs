@@ -47,6 +47,11 @@ struct Options {
     rest_ms: u64,
 }
 
+/// Parses the options without touching a GPU.
+pub fn check(_op: &str, args: &[String]) -> Result<()> {
+    parse(args).map(|_| ())
+}
+
 fn parse(args: &[String]) -> Result<Options> {
     let mut o = Options { ranks: ranks::nranks_requested(), seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], iters: 5, warmup: 2, trace: false, unfused: 1, rest_ms: 0 };
     for_each_option(args, Some(&mut o.trace), |flag, v| {
