@@ -10,6 +10,7 @@
 //! slowest rank's. TFLOP/s per rank = 2·M·N·K / t. bf16.
 
 use crate::collectives::Events;
+use crate::record::{self, Json};
 use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, print_trace, parse_list, parse_pairs, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
@@ -147,6 +148,12 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
                     m, nn, kk, t_fused, tf, t_ours_coll, t_blas_coll, t_blas, t_ours, t_coll,
                     t_fused / t_ours_coll, t_fused / t_blas_coll, t_ours.max(t_coll) / t_fused,
                     if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
+                );
+                let c = record::contender_median;
+                record::row(
+                    record::shape(&[("ranks", n), ("m", m), ("n", nn), ("k", kk)], &[("op", label)]),
+                    vec![c("fused", t_fused), c("ours_capped+mk_collective", t_ours_coll), c("cublaslt+mk_collective", t_blas_coll), c("cublaslt", t_blas), c("ours_capped", t_ours), c("mk_collective", t_coll)],
+                    &[("async_error", Json::Bool(err != mkResult_t::mkSuccess))],
                 );
             }
         }

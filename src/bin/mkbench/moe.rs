@@ -17,6 +17,7 @@
 //! are summed over their 12 warps, the GEMM CTAs count 64-row Z slabs as items).
 
 use crate::collectives::Events;
+use crate::record::{self, Json};
 use crate::fused_common::{bad, common_flag, for_each_option, print_trace, run_ranks, timed_slowest};
 use crate::ranks;
 use cudarc::driver::result as cu;
@@ -182,6 +183,13 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             "combine", t_fc, tf(t_fc), t_uc, tf(t_uc), t_fc / t_uc, t_xc, gbs(t_xc), t_g2, tf(t_g2),
             if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
         );
+        let c = record::contender_median;
+        let shape = |direction: &str| {
+            record::shape(&[("ranks", n), ("tokens", t), ("hidden", h), ("ffn", f), ("experts", e), ("topk", k)], &[("direction", direction)])
+        };
+        let error = [("async_error", Json::Bool(err != mkResult_t::mkSuccess))];
+        record::row(shape("dispatch"), vec![c("fused", t_fd), c("exchange+per_expert_gemms", t_ud), c("exchange", t_xd), c("per_expert_gemms", t_g1)], &error);
+        record::row(shape("combine"), vec![c("fused", t_fc), c("per_expert_gemms+exchange", t_uc), c("exchange", t_xc), c("per_expert_gemms", t_g2)], &error);
     }
     // SAFETY: live stream.
     unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;

@@ -20,6 +20,7 @@
 //! (trace_summary).
 
 use crate::collectives::Events;
+use crate::record::{self, Json};
 use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, parse_list, timed_slowest, trace_words};
 use crate::ranks;
 use cudarc::driver::result as cu;
@@ -157,6 +158,16 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                     s_global, sl, causal, t_fused, tf, t_unfused, t_attn, t_comm,
                     t_fused / t_unfused, t_attn.max(t_comm) / t_fused,
                     if err == mkernel::error::mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
+                );
+                let c = record::contender_median;
+                let mut contenders = vec![c("fused", t_fused)];
+                if o.unfused != 0 {
+                    contenders.extend([c("mk_all_gather+attention", t_unfused), c("attention", t_attn), c("mk_all_gather", t_comm)]);
+                }
+                record::row(
+                    record::shape(&[("ranks", n), ("seq", s_global), ("seq_per_rank", sl), ("heads", o.heads), ("dim", o.dim), ("causal", causal as usize)], &[]),
+                    contenders,
+                    &[("async_error", Json::Bool(err != mkernel::error::mkResult_t::mkSuccess))],
                 );
             }
             if o.trace {
