@@ -20,6 +20,8 @@ cargo test --release --all-targets -- --test-threads=2
 echo "== C tests against the installed header and library (plain, ASan/UBSan, C++)"
 make ctest
 
+echo "== benchmark tooling (protocol, JSON schema, plots, gpu-run.sh skip handling)"; ./scripts/test-bench.sh
+
 echo "== GPU suites (SKIPPED without a GPU)"
 ./target/release/mktest || [ $? = 77 ]  # 77: every suite SKIPPED (no GPU), never counted as passed
 

@@ -330,6 +330,26 @@ mod tests {
         assert_eq!(partial.sm_clock_mhz, None);
     }
 
+    /// A whole record as the benches write it. scripts/test-bench.sh sets MK_BENCH_SAMPLE
+    /// to a path and validates the file written there against the schema checker
+    /// (benches/plot.py --check), so the writer and the documented schema cannot drift.
+    #[test]
+    fn a_record_has_the_documented_top_level_keys() {
+        let machine = Machine::from_nvidia_smi("NVIDIA H200, 570.86.15, 1980, 1980, 3201");
+        let s = Stats::of(&[10.0, 11.0, 12.0, 13.0, 30.0]).unwrap();
+        let rows = vec![Json::obj(&[
+            ("shape", shape(&[("m", 256), ("n", 8192), ("k", 8192)], &[("dtype", "bf16")])),
+            ("contenders", Json::Arr(vec![contender("fused", Some(s), Some(5.0)), contender_median("cublaslt", 9.5)])),
+        ])];
+        let doc = document("ag_gemm", true, machine, Json::obj(&[("ranks", Json::num(2.0))]), rows);
+        let Json::Obj(pairs) = &doc else { panic!("not an object") };
+        let keys: Vec<&str> = pairs.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["schema", "bench", "ok", "command", "commit", "date", "machine", "config", "rows"]);
+        if let Ok(path) = std::env::var("MK_BENCH_SAMPLE") {
+            std::fs::write(path, doc.text()).unwrap();
+        }
+    }
+
     #[test]
     fn a_contender_carries_its_statistics() {
         let s = Stats::of(&[1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
