@@ -25,7 +25,7 @@ use crate::measure::{host_enqueue_us, Protocol};
 use crate::record::{self, Json};
 use crate::ranks;
 use cudarc::driver::result as cu;
-use mkernel::comm::{Comm, CommConfig};
+use mkernel::comm::CommConfig;
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::Result;
@@ -96,7 +96,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let max_n = o.nk.iter().map(|x| x.0).max().unwrap_or(0);
     let mut cfg = CommConfig::from_env();
     cfg.workspace_bytes = cfg.workspace_bytes.max((max_m * max_k * 2) as u64);
-    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let lt = CublasLt::new()?;
     let dtype = o.dtype;

@@ -18,7 +18,7 @@ use crate::nccl::Nccl;
 use crate::ranks;
 
 use cudarc::driver::result as cu;
-use mkernel::comm::{Comm, CommConfig};
+use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, sys, LaunchConfig, PrimaryContext};
 use mkernel::error::{MkError, Result};
 use mkernel::kernel_abi::CollectiveCheckParams;
@@ -163,7 +163,7 @@ struct Row {
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
     let ctx = PrimaryContext::retain(device)?;
     let _g = ctx.enter()?;
-    let comm = Comm::init(id, n as i32, rank as i32, Some(device), CommConfig::from_env())?;
+    let comm = crate::fused_common::init_comm(id, n, rank, device, CommConfig::from_env())?;
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let dtype = mkDataType_t::mkFloat32;
     let es = 4u64;
@@ -360,7 +360,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         record::config("op", Json::str(format!("{:?}", o.op)));
         record::config("bus_factor", Json::num(factor));
         for r in &rows {
-            let named = |name: &str, us: f64| Json::obj(&[("name", Json::str(name)), ("median_us", Json::num(us))]);
+            let named = record::contender_median;
             let mut contenders = vec![named("out_of_place", r.times[0]), named("in_place", r.times[1])];
             if r.copy_us > 0.0 {
                 contenders.push(named("d2d_copy", r.copy_us));

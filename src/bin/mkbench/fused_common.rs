@@ -1,5 +1,5 @@
-//! What the fused-op benches share: shape-list parsing and the timing rule (barrier,
-//! warm-up, CUDA-event-timed calls, the slowest rank's median).
+//! What the fused-op benches share: option parsing, the communicator's start (timed), and
+//! the measurement protocol (measure.rs) run across ranks.
 
 use crate::collectives::Events;
 use crate::measure::{measure_interleaved, slowest_per_call, Protocol, Stats};
@@ -32,6 +32,18 @@ pub fn run_ranks(
     child.extend(args.iter().cloned());
     crate::ranks::spawn(&child, ranks, 1, std::time::Duration::from_secs(500), |_| 0)?;
     Ok(true)
+}
+
+/// Comm::init, its time and its workspace recorded in the run's config (`comm_init_ms`,
+/// `workspace_bytes`: this rank's symmetric workspace, data and fused-op regions).
+pub fn init_comm(id: &mkernel::bootstrap::UniqueId, n: usize, rank: usize, device: i32, cfg: mkernel::comm::CommConfig) -> Result<Comm> {
+    use crate::record::{self, Json};
+    let t = std::time::Instant::now();
+    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    record::config("comm_init_ms", Json::num(t.elapsed().as_secs_f64() * 1e3));
+    let bytes = comm.workspace.as_ref().map(|w| w.view.data_bytes + w.view.op_bytes);
+    record::config("workspace_bytes", bytes.map_or(Json::Null, |b| Json::num(b as f64)));
+    Ok(comm)
 }
 
 /// Walks a fused bench's arguments: `flag value` pairs, each handed to `option(flag, value)`
@@ -78,18 +90,6 @@ pub fn parse_pairs(v: &str, what: &str) -> Result<Vec<(usize, usize)>> {
             Ok((a.trim().parse().map_err(|_| bad(what))?, b.trim().parse().map_err(|_| bad(what))?))
         })
         .collect()
-}
-
-/// Every rank: barrier, `warmup` calls, then one CUDA-event-timed median over the events'
-/// calls; returns the slowest rank's median in µs.
-pub fn timed_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, warmup: usize, f: &dyn Fn() -> Result<()>) -> Result<f64> {
-    comm.bootstrap.barrier()?;
-    for _ in 0..warmup {
-        f()?;
-    }
-    let t = events.median_us(stream, f)?;
-    let all = comm.bootstrap.allgather(&t.to_le_bytes())?;
-    Ok(all.iter().map(|v| f64::from_le_bytes(v[..8].try_into().expect("8 bytes"))).fold(0.0, f64::max))
 }
 
 /// The shared protocol (measure.rs) across ranks: every rank runs the same contenders in

@@ -20,7 +20,7 @@ use crate::fused_common::{bad, common_flag, for_each_option, measure_slowest, pa
 use crate::measure::{host_enqueue_us, Protocol};
 use crate::ranks;
 use cudarc::driver::result as cu;
-use mkernel::comm::{Comm, CommConfig};
+use mkernel::comm::CommConfig;
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, Result};
@@ -96,7 +96,7 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
     let mut cfg = CommConfig::from_env();
     // P, and R for the two-phase AllReduce; across nodes also the node partials (src/ops/gemm_reduce_nodes.rs).
     cfg.workspace_bytes = cfg.workspace_bytes.max((max_m * max_n * 2 * 4) as u64);
-    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let lt = CublasLt::new()?;
     let a = TestBuffer::new(max_m * max_k, dtype)?;

@@ -27,7 +27,7 @@ use crate::fused_common::{bad, common_flag, for_each_option, measure_slowest, pa
 use crate::measure::Protocol;
 use crate::ranks;
 use cudarc::driver::result as cu;
-use mkernel::comm::{Comm, CommConfig};
+use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::Result;
 use mkernel::ops::collectives::{collective, CollectiveKind};
@@ -92,7 +92,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let mut cfg = CommConfig::from_env();
     // The fused op's K/V copy, and the collectives' staging for the unfused AllGathers.
     cfg.workspace_bytes = cfg.workspace_bytes.max(workspace_bytes(&shape_of(max_sl, false)));
-    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let q_elems = max_sl * o.heads * o.dim;
     let kv_elems = max_sl * o.kv_heads * o.dim;
