@@ -20,7 +20,7 @@
 
 use crate::collectives::Events;
 use crate::copy_engine::PeerShards;
-use crate::fused_common::{bad, common_flag, for_each_option, measure_slowest, parse_list, parse_pairs, print_trace, run_ranks};
+use crate::fused_common::{bad, common_flag, for_each_option, measure_cold_slowest, measure_slowest, L2Flush, parse_list, parse_pairs, print_trace, run_ranks};
 use crate::measure::{host_enqueue_us, Protocol};
 use crate::record::{self, Json};
 use crate::ranks;
@@ -111,6 +111,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     // the reason printed) where CUDA IPC is not available.
     let shards = if n > 1 { PeerShards::new(&comm.bootstrap, rank, n, max_rows * max_k * elem).map_err(|e| e.message) } else { Err("one rank".into()) };
     let protocol = Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters };
+    let l2_flush = L2Flush::new()?;
     a_local.randomize(11 + rank as u64, 1.0, stream)?;
     b.randomize(99, 1.0, stream)?;
     let events = Events::new(o.iters)?;
@@ -204,6 +205,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             }
             let fns: Vec<&dyn Fn() -> Result<()>> = contenders.iter().map(|c| c.1).collect();
             let stats = measure_slowest(&comm, &events, stream, protocol, &fns).and_then(|s| phase("timed blocks", 0.0).map(|_| s))?;
+            let cold_fused = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &fused)?;
+            let cold_base = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &ag_blas)?;
             let host = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
                 let us = host_enqueue_us(o.iters, f)?;
                 // SAFETY: live stream.
@@ -238,8 +241,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                     if err == mkernel::error::mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
                 );
                 println!(
-                    "  {:>22} fused p10/p90 {:.1}/{:.1} µs; host enqueue µs/call: fused {host_fused:.1}, AG+cuBLAS {host_unfused:.1}; rel err {rel_err:.1e}",
-                    "", stats[0].p10, stats[0].p90
+                    "  {:>22} fused p10/p90 {:.1}/{:.1} µs, cold L2 {:.1} (baseline {:.1}) µs; host enqueue µs/call: fused {host_fused:.1}, AG+cuBLAS {host_unfused:.1}; rel err {rel_err:.1e}",
+                    "", stats[0].p10, stats[0].p90, cold_fused.median, cold_base.median
                 );
                 let recorded: Vec<Json> = contenders
                     .iter()
@@ -252,6 +255,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                         };
                         record::contender(c.0, Some(*s), host)
                     })
+                    .chain([record::contender("fused_cold_l2", Some(cold_fused), None), record::contender("ag_mk+cublaslt_cold_l2", Some(cold_base), None)])
                     .collect();
                 record::row(
                     record::shape(&[("ranks", n), ("rows", rows), ("m", m), ("n", nn), ("k", kk)], &[("dtype", dtype.name())]),

@@ -132,12 +132,25 @@ impl Events {
 
     /// Microseconds of each of `calls` calls of `f` (at most one per event pair), each
     /// call timed on its own, in call order.
-    pub(crate) fn times_us(&self, stream: sys::CUstream, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    pub(crate) fn times_us(&self, stream: sys::CUstream, calls: usize, f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+        self.times_us_after(stream, calls, || Ok(()), f)
+    }
+
+    /// As `times_us`, with `before()` enqueued ahead of each call, outside its timing (an
+    /// L2 flush for cold-cache times).
+    pub(crate) fn times_us_after(
+        &self,
+        stream: sys::CUstream,
+        calls: usize,
+        mut before: impl FnMut() -> Result<()>,
+        mut f: impl FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
         let pairs = &self.pairs[..calls.min(self.pairs.len())];
         let mut times = Vec::with_capacity(pairs.len());
         // SAFETY: live events and stream.
         unsafe {
             for &(a, b) in pairs {
+                before()?;
                 cu::event::record(a, stream).map_err(|e| cuda::cuda_err("cuEventRecord", e))?;
                 f()?;
                 cu::event::record(b, stream).map_err(|e| cuda::cuda_err("cuEventRecord", e))?;

@@ -126,6 +126,39 @@ pub fn measure_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, p: P
         .collect()
 }
 
+/// A device buffer larger than any L2 (256 MiB; the H200's L2 is 50 MB): writing it before
+/// a call evicts that call's inputs, for cold-cache times.
+pub struct L2Flush {
+    buf: mkernel::cuda::memory::DeviceBuffer,
+}
+
+impl L2Flush {
+    pub fn new() -> Result<L2Flush> {
+        Ok(L2Flush { buf: mkernel::cuda::memory::DeviceBuffer::alloc(256 << 20)? })
+    }
+
+    pub fn enqueue(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: our own allocation of buf.bytes; the stream is live.
+        unsafe { cudarc::driver::result::memset_d8_async(self.buf.ptr, 0x5a, self.buf.bytes, stream) }
+            .map_err(|e| mkernel::cuda::cuda_err("cuMemsetD8Async", e))
+    }
+}
+
+/// Cold-L2 times of `f` across ranks: `p.blocks` blocks of `p.iters` calls, each call after
+/// an L2 flush (outside its timing); the slowest rank per call.
+pub fn measure_cold_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, p: Protocol, flush: &L2Flush, f: &dyn Fn() -> Result<()>) -> Result<Stats> {
+    let mut mine = Vec::with_capacity(p.blocks * p.iters);
+    for _ in 0..p.blocks {
+        comm.bootstrap.barrier()?;
+        mine.extend(events.times_us_after(stream, p.iters, || flush.enqueue(stream), f)?);
+    }
+    let bytes: Vec<u8> = mine.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let all = comm.bootstrap.allgather(&bytes)?;
+    let per_rank: Vec<Vec<f64>> =
+        all.iter().map(|b| b.chunks_exact(8).map(|w| f64::from_le_bytes(w.try_into().expect("8 bytes"))).collect()).collect();
+    Stats::of(&slowest_per_call(&per_rank)).ok_or_else(|| bad("cold-L2 timing (no samples)"))
+}
+
 /// One call of a fused op with a zeroed per-CTA timing buffer (room for 1024 CTAs of
 /// `MK_TRACE_WORDS` u64, kernels/common/trace.cuh): the buffer's words after the call.
 pub fn trace_words(comm: &Comm, stream: sys::CUstream, call: &dyn Fn(u64) -> Result<()>) -> Result<Vec<u64>> {

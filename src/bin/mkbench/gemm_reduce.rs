@@ -16,7 +16,7 @@
 
 use crate::collectives::Events;
 use crate::record::{self, Json};
-use crate::fused_common::{bad, common_flag, for_each_option, measure_slowest, parse_list, parse_pairs, print_trace, run_ranks};
+use crate::fused_common::{bad, common_flag, for_each_option, measure_cold_slowest, measure_slowest, L2Flush, parse_list, parse_pairs, print_trace, run_ranks};
 use crate::measure::{host_enqueue_us, Protocol};
 use crate::ranks;
 use cudarc::driver::result as cu;
@@ -105,6 +105,7 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
     let out = TestBuffer::new(max_m * max_n, dtype)?;
     let out_ref = TestBuffer::new(max_m * max_n, dtype)?;
     let protocol = Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters };
+    let l2_flush = L2Flush::new()?;
     a.randomize(5 + rank as u64, 1.0, stream)?;
     b.randomize(50 + rank as u64, 1.0, stream)?;
     let events = Events::new(o.iters)?;
@@ -168,6 +169,8 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
             ];
             let fns: Vec<&dyn Fn() -> Result<()>> = contenders.iter().map(|c| c.1).collect();
             let stats = measure_slowest(&comm, &events, stream, protocol, &fns)?;
+            let cold_fused = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &fused)?;
+            let cold_base = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &blas_coll)?;
             let host = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
                 let us = host_enqueue_us(o.iters, f)?;
                 // SAFETY: live stream.
@@ -194,8 +197,8 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
                     if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
                 );
                 println!(
-                    "  {:>22} fused p10/p90 {:.1}/{:.1} µs; host enqueue µs/call: fused {host_fused:.1}, cuBLAS+coll {host_unfused:.1}; rel err {rel_err:.1e}{}",
-                    "", stats[0].p10, stats[0].p90, if wrong { "  WRONG" } else { "" }
+                    "  {:>22} fused p10/p90 {:.1}/{:.1} µs, cold L2 {:.1} (baseline {:.1}) µs; host enqueue µs/call: fused {host_fused:.1}, cuBLAS+coll {host_unfused:.1}; rel err {rel_err:.1e}{}",
+                    "", stats[0].p10, stats[0].p90, cold_fused.median, cold_base.median, if wrong { "  WRONG" } else { "" }
                 );
                 let recorded: Vec<Json> = contenders
                     .iter()
@@ -208,6 +211,7 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
                         };
                         record::contender(c.0, Some(*s), host)
                     })
+                    .chain([record::contender("fused_cold_l2", Some(cold_fused), None), record::contender("cublaslt+mk_collective_cold_l2", Some(cold_base), None)])
                     .collect();
                 record::row(
                     record::shape(&[("ranks", n), ("m", m), ("n", nn), ("k", kk)], &[("op", label), ("dtype", dtype.name())]),
