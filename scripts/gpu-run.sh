@@ -249,7 +249,8 @@ if [ "$BENCH" = 1 ]; then
     check_rc $rc
   fi
   # The fused ops beside their unfused sequences (issue shapes; fewer at several ranks,
-  # where every rank's GEMM shares the one GPU).
+  # where every rank's GEMM shares the one GPU), in mkbench's default protocol (5
+  # interleaved blocks of 20 calls; ring attention's long cases 5 blocks of 5).
   for n in ${BENCH_RANKS:-$RANKS}; do
     for op in ag_gemm gemm_rs gemm_ar moe ring_attn; do
       args="-g $n"
@@ -259,11 +260,11 @@ if [ "$BENCH" = 1 ]; then
       [ "$op" = ring_attn ] && [ "$n" = 1 ] && args="$args --causal 1,0 --unfused 0 --rest-ms 1000 -w 3 -n 10"
       if [ "$n" -gt 1 ]; then
         case $op in
-          ag_gemm) args="$args --rows 128,512,2048 --nk 8192x8192 -n 5 -w 2" ;;
-          gemm_rs) args="$args --m 1024,4096 -n 5 -w 2" ;;
-          gemm_ar) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024 -n 5 -w 2" ;;
-          moe) args="$args -n 3 -w 1" ;;
-          ring_attn) args="$args --seq 16384,32768 -n 3 -w 1" ;;
+          ag_gemm) args="$args --rows 128,512,2048 --nk 8192x8192" ;;
+          gemm_rs) args="$args --m 1024,4096" ;;
+          gemm_ar) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024" ;;
+          moe) args="$args" ;;
+          ring_attn) args="$args --seq 16384,32768 -n 5 -w 1" ;;
         esac
       fi
       late "mkbench $op -g $n" && continue
