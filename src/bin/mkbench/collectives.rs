@@ -111,6 +111,7 @@ fn run(op_name: &str, args: &[String]) -> Result<bool> {
     }
     let mut child_args = vec![op_name.to_string()];
     child_args.extend(args.iter().cloned());
+    crate::record::parent_of_ranks();
     ranks::spawn(&child_args, o.ranks, 1, Duration::from_secs(95), |_| 0)?;
     Ok(true)
 }

@@ -30,6 +30,7 @@ pub fn run_ranks(
     }
     let mut child = vec![name.to_string()];
     child.extend(args.iter().cloned());
+    crate::record::parent_of_ranks();
     crate::ranks::spawn(&child, ranks, 1, std::time::Duration::from_secs(500), |_| 0)?;
     Ok(true)
 }

@@ -134,6 +134,14 @@ static ROWS: Mutex<Vec<Json>> = Mutex::new(Vec::new());
 /// Settings of the run (ranks, dtype, protocol) a bench reports once.
 static CONFIG: Mutex<Vec<(String, Json)>> = Mutex::new(Vec::new());
 
+/// Set in a process that only starts rank processes: rank 0 among them writes the record.
+static PARENT_ONLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Called before a process starts the rank processes that measure: it writes no record.
+pub fn parent_of_ranks() {
+    PARENT_ONLY.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Records one row: `shape` names the case (e.g. m, n, k, bytes), `contenders` its results,
 /// `extra` anything else (errors found, notes on the baseline).
 pub fn row(shape: Json, contenders: Vec<Json>, extra: &[(&str, Json)]) {
@@ -156,10 +164,11 @@ pub fn json_path() -> Option<String> {
 }
 
 /// Writes the record of this process's rows to `json_path()`, if any, and only from rank
-/// 0 (MK_TEST_RANK unset or "0"); `ok` is the bench's verdict.
+/// 0 (MK_TEST_RANK unset or "0", and not a parent that only started ranks); `ok` is the
+/// bench's verdict.
 pub fn finish(bench: &str, ok: bool) -> Result<()> {
     let Some(path) = json_path() else { return Ok(()) };
-    if std::env::var("MK_TEST_RANK").is_ok_and(|r| r != "0") {
+    if std::env::var("MK_TEST_RANK").is_ok_and(|r| r != "0") || PARENT_ONLY.load(std::sync::atomic::Ordering::Relaxed) {
         return Ok(());
     }
     let rows = std::mem::take(&mut *ROWS.lock().unwrap_or_else(|e| e.into_inner()));
