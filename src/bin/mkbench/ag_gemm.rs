@@ -184,10 +184,10 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let wrong = !(rel_err <= tolerance(dtype));
             all_ok &= !wrong;
             if let Ok(sh) = &shards {
-                sh.stage(a_local.ptr(), stream)?;
+                sh.stage(a_local.ptr(), rows * kk * elem, stream)?;
             }
             comm.bootstrap.barrier()?;
-            let ce = || shards.as_ref().map_err(|why| bad(why)).and_then(|sh| sh.all_gather(a_gathered.ptr(), stream));
+            let ce = || shards.as_ref().map_err(|why| bad(why)).and_then(|sh| sh.all_gather(a_gathered.ptr(), rows * kk * elem, stream));
             let ag_blas = || ag().and_then(|_| cublas());
             let ag_ours = || ag().and_then(|_| ours());
             let mut contenders: Vec<(&str, &dyn Fn() -> Result<()>)> = vec![

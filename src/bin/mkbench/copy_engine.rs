@@ -43,9 +43,21 @@ impl PeerShards {
         mine.extend(handle.reserved.iter().map(|&c| c as u8));
         let all = bootstrap.allgather(&mine)?;
         let mut shards = PeerShards { peers: vec![0; nranks], opened: Vec::new(), own, bytes };
+        let opened = shards.open_peers(rank, &all);
+        // Every rank learns whether every rank mapped every peer, so all of them keep the
+        // baseline or all drop it (none waits for a rank that gave up).
+        let verdicts = bootstrap.allgather(&[u8::from(opened.is_ok())])?;
+        opened?;
+        if let Some(r) = verdicts.iter().position(|v| v.first() != Some(&1)) {
+            return Err(MkError::system(format!("copy-engine baseline: rank {r} could not map its peers' buffers")));
+        }
+        Ok(shards)
+    }
+
+    fn open_peers(&mut self, rank: usize, all: &[Vec<u8>]) -> Result<()> {
         for (r, h) in all.iter().enumerate() {
             if r == rank {
-                shards.peers[r] = shards.own.ptr;
+                self.peers[r] = self.own.ptr;
                 continue;
             }
             if h.first() != Some(&1) || h.len() < 65 {
@@ -60,29 +72,38 @@ impl PeerShards {
             check("cuIpcOpenMemHandle", unsafe {
                 sys::cuIpcOpenMemHandle_v2(&mut p, peer, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32)
             })?;
-            shards.peers[r] = p;
-            shards.opened.push(p);
+            self.peers[r] = p;
+            self.opened.push(p);
         }
-        bootstrap.barrier()?;
-        Ok(shards)
+        Ok(())
+
     }
 
-    /// Copies this rank's shard (`bytes` at `src`) into its exported buffer and waits for it;
-    /// the caller barriers before the peers read it.
-    pub fn stage(&self, src: u64, stream: sys::CUstream) -> Result<()> {
-        // SAFETY: both hold self.bytes; the stream is live.
+    /// Copies this rank's shard (`bytes` at `src`, at most the size given to `new`) into its
+    /// exported buffer and waits for it; the caller barriers before the peers read it.
+    pub fn stage(&self, src: u64, bytes: usize, stream: sys::CUstream) -> Result<()> {
+        self.fits(bytes)?;
+        // SAFETY: both hold at least `bytes`; the stream is live.
         unsafe {
-            cu::memcpy_dtod_async(self.own.ptr, src, self.bytes, stream).map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))?;
+            cu::memcpy_dtod_async(self.own.ptr, src, bytes, stream).map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))?;
             cu::stream::synchronize(stream).map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))
         }
     }
 
-    /// The gathered shards in rank order at `dst` (nranks × bytes): one copy per rank.
-    pub fn all_gather(&self, dst: u64, stream: sys::CUstream) -> Result<()> {
+    /// The staged shards of `bytes` each, in rank order at `dst` (nranks × bytes): one copy
+    /// per rank.
+    pub fn all_gather(&self, dst: u64, bytes: usize, stream: sys::CUstream) -> Result<()> {
+        self.fits(bytes)?;
         for (r, &src) in self.peers.iter().enumerate() {
-            // SAFETY: src maps a peer's buffer of self.bytes; dst holds nranks × self.bytes.
-            unsafe { cu::memcpy_dtod_async(dst + (r * self.bytes) as u64, src, self.bytes, stream) }
-                .map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))?;
+            // SAFETY: src maps a peer's buffer of at least `bytes`; dst holds nranks × bytes.
+            unsafe { cu::memcpy_dtod_async(dst + (r * bytes) as u64, src, bytes, stream) }.map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))?;
+        }
+        Ok(())
+    }
+
+    fn fits(&self, bytes: usize) -> Result<()> {
+        if bytes > self.bytes {
+            return Err(MkError::invalid_argument(format!("copy-engine baseline: a {bytes}-byte shard exceeds the {} bytes allocated", self.bytes)));
         }
         Ok(())
     }
