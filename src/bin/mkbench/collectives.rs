@@ -172,6 +172,8 @@ struct Row {
     wrong: [u64; 2],
     copy_us: f64,
     nccl_us: Option<f64>,
+    /// Host µs to enqueue one out-of-place call (this rank's, rank 0 reports).
+    host_us: f64,
 }
 
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
@@ -261,7 +263,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             CollectiveKind::AllReduce => count * es,
             _ => count * es * nr,
         };
-        let mut row = Row { bytes: size, count, times: [0.0; 2], wrong: [0; 2], copy_us: 0.0, nccl_us: None };
+        let mut row = Row { bytes: size, count, times: [0.0; 2], wrong: [0; 2], copy_us: 0.0, nccl_us: None, host_us: 0.0 };
         // Baseline first, alone on the GPU.
         comm.bootstrap.barrier()?;
         if let (Some(src), Some(dst)) = (&copy_src, &copy_dst) {
@@ -298,6 +300,11 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             comm.bootstrap.barrier()?;
             let t = events.median_us(stream, call)?;
             sync()?;
+            if !in_place {
+                row.host_us = crate::measure::host_enqueue_us(o.iters, call)?;
+                sync()?;
+                comm.bootstrap.barrier()?;
+            }
             // In place the timed calls reduced their own output: refill and run once to check.
             if in_place && kind != CollectiveKind::AllGather {
                 comm.bootstrap.barrier()?;
@@ -375,7 +382,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         record::config("bus_factor", Json::num(factor));
         for r in &rows {
             let named = record::contender_median;
-            let mut contenders = vec![named("out_of_place", r.times[0]), named("in_place", r.times[1])];
+            let out_of_place = Json::obj(&[("name", Json::str("out_of_place")), ("median_us", Json::num(r.times[0])), ("host_enqueue_us", Json::num(r.host_us))]);
+            let mut contenders = vec![out_of_place, named("in_place", r.times[1])];
             if r.copy_us > 0.0 {
                 contenders.push(named("d2d_copy", r.copy_us));
             }
