@@ -30,12 +30,22 @@
 # Every step has a timeout, so nothing here can hang the call. Only exit status 0 is a pass:
 # a step that fails, times out (TIMEOUT) or reports SKIPPED (mktest's exit 77: something
 # did not run) makes the script exit 1.
+# --require-gpu (the default) makes a step that reports SKIPPED a failure (exit 1);
+# --allow-skip (a dry run where no GPU is expected) lists such steps and exits 3 instead,
+# still never 0. Options are parsed before anything is unpacked or any GPU is probed, so a
+# typo fails at once (exit 2) on every machine. The console shows each step as
+# [step k, elapsed s] while the logs go to files under $OUT; every bench writes its JSON
+# record (docs/benchmarks.md), packed at the end into $OUT/bench-json.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-. scripts/gpu-bins.sh  # $OUT, and $BIN from BIN or BIN_TAR
-DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0
+DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0; REQUIRE_GPU=1; STEP=0
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 RANKS="1 2 4 8"; SUITES=""; NODE_OPS="all_gather reduce_scatter all_reduce ag_gemm gemm_rs gemm_ar"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1
 while [ $# -gt 0 ]; do
+  case "$1" in
+    --ranks|--suites|--node-ops|--bench-ranks|--max-size|--deadline)
+      [ $# -ge 2 ] || { echo "gpu-run.sh: $1 needs a value"; exit 2; } ;;
+  esac
   case "$1" in
     --ranks) RANKS="$2"; shift ;;
     --suites) SUITES="$2"; shift ;;
@@ -48,16 +58,29 @@ while [ $# -gt 0 ]; do
     --no-nodes) NODES=0 ;;
     --only-nodes) ONLY_NODES=1; BENCH=0 ;;
     --deadline) DEADLINE="$2"; shift ;;
-    *) echo "gpu-run.sh: unknown option $1"; exit 2 ;;
+    --require-gpu) REQUIRE_GPU=1 ;;
+    --allow-skip) REQUIRE_GPU=0 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu-run.sh: unknown option $1 (see --help)"; exit 2 ;;
   esac
   shift
 done
+for v in "$DEADLINE"; do case "$v" in ''|*[!0-9]*) echo "gpu-run.sh: --deadline takes whole seconds, not $v"; exit 2 ;; esac; done
+. scripts/gpu-bins.sh  # $OUT, and $BIN from BIN or BIN_TAR
+[ -f "$BIN/COMMIT" ] && export MK_COMMIT=$(cat "$BIN/COMMIT")
+JSON_DIR="$OUT/json"; mkdir -p "$JSON_DIR"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # As README advises across nodes: no lazy module load may wait on a resident kernel.
 export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-note() { echo "$*" | tee -a "$SUMMARY"; }
+note() { STEP=$((STEP + 1)); echo "[step $STEP, $(( $(date +%s) - T0 )) s] $*" | tee -a "$SUMMARY"; }
+# A step's exit status into the script's: only 0 passes; 77 (SKIPPED) fails under
+# --require-gpu and is counted as skipped under --allow-skip.
+check_rc() {
+  [ "$1" = 0 ] && return 0
+  if [ "$1" = 77 ] && [ "$REQUIRE_GPU" = 0 ]; then SKIPPED_STEPS=$((SKIPPED_STEPS + 1)); else status=1; fi
+}
 # --deadline: a step's timeout cut to the time left (less a margin for the summary and
 # MPS shutdown); `late` is true when too little is left to start a step.
 limit() {
@@ -103,7 +126,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     with_ranks "$n" env MK_TEST_KILL=skip timeout "$(limit 480)" "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest $suites N=$n: $(outcome $rc) in $(( $(date +%s) - t0 )) s"
-    [ $rc = 0 ] || status=1
+    check_rc $rc
     grep -E "WRONG|FAILED|SKIPPED|error|stopped after|init/destroy|graph capture|correctness:|in-process|^\[suite" "$OUT/mktest.log" | tail -n 40 | sed "s/^/    /" | tail -n 12
     # A hung or crashed client can leave the MPS server unusable for the next N: restart it.
     if [ "$rc" != 0 ] && [ "$MPS" = 1 ]; then stop_mps; nvidia-cuda-mps-control -d && MPS=1; fi
@@ -115,7 +138,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     with_ranks 2 env MK_COMM_SMS=4 MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" moe >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest moe MK_COMM_SMS=4 N=2: $(outcome $rc)"
-    [ $rc = 0 ] || status=1
+    check_rc $rc
   fi
   # GEMM+RS/AR's non-default reducers, when the suite runs: side (the producer warpgroup's
   # idle warps reduce during the GEMM) at 2 ranks, owners (GEMM+AR's tile owners sum in
@@ -128,7 +151,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     with_ranks "$ranks" env MK_GEMM_REDUCERS="$mode" MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" gemm_reduce >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest gemm_reduce MK_GEMM_REDUCERS=$mode N=$ranks: $(outcome $rc)"
-    [ $rc = 0 ] || status=1
+    check_rc $rc
   done
 fi
 
@@ -146,7 +169,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
       timeout "$(limit 120)" "$CTEST_BIN/$t" >> "$OUT/ctest.log" 2>&1
     rc=$?
     note "ctest $t: $(outcome $rc)"
-    [ $rc = 0 ] || status=1
+    check_rc $rc
   done
   # The cargo tests that need a GPU (ignored in CI), from the carried test binary.
   if ! late "transport_gpu --ignored"; then
@@ -157,7 +180,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     else
       note "cargo test transport_gpu --ignored: MISSING from $BIN (pack with scripts/pack-bins.sh)"; rc=1
     fi
-    [ $rc = 0 ] || status=1
+    check_rc $rc
   fi
 fi
 
@@ -172,7 +195,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     env MK_TEST_KILL=only MK_TEST_NRANKS="$n" timeout "$(limit 90)" "$BIN/mktest" collectives >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest killed rank N=$n (no MPS): $(outcome $rc)"
-    [ $rc = 0 ] || status=1
+    check_rc $rc
     grep -E "killed rank|FAILED" "$OUT/mktest.log" | tail -n 6 | sed "s/^/    /"
   done
   if nvidia-cuda-mps-control -d; then MPS=1; fi
@@ -189,7 +212,7 @@ if [ "$TESTS" = 1 ] && [ "$NODES" = 1 ]; then
     with_ranks 4 env $NODE_ENV MK_TEST_KILL=skip timeout "$(limit 280)" "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
     rc=$?
     note "mktest nodes N=4 (2 per node, sockets): $(outcome $rc) in $(( $(date +%s) - t0 )) s"
-    [ $rc = 0 ] || status=1
+    check_rc $rc
     grep -E "WRONG|FAILED|error|across nodes|graph capture|inter-node|SKIPPED" "$OUT/nodes.log" | tail -n 12 | sed "s/^/    /"
   fi
   # One emulated node killed while the others wait for it, without MPS (see above).
@@ -199,7 +222,7 @@ if [ "$TESTS" = 1 ] && [ "$NODES" = 1 ]; then
     env $NODE_ENV MK_TEST_KILL=only MK_TEST_NRANKS=4 timeout "$(limit 90)" "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
     rc=$?
     note "mktest nodes killed node N=4 (no MPS): $(outcome $rc)"
-    [ $rc = 0 ] || status=1
+    check_rc $rc
     grep -E "killed node|FAILED" "$OUT/nodes.log" | tail -n 6 | sed "s/^/    /"
   fi
   if nvidia-cuda-mps-control -d; then MPS=1; fi
@@ -208,26 +231,26 @@ fi
 if [ "$BENCH" = 1 ]; then
   for n in ${BENCH_RANKS:-$RANKS}; do
     for op in all_gather reduce_scatter all_reduce; do
-      lo=8M; hi=$MAXSIZE
+      lo=8; hi=$MAXSIZE
       [ "$n" -gt 1 ] && hi=256M
       late "mkbench $op -g $n" && continue
-      echo "===== mkbench $op -b $lo -e $hi -f 2 -n 20 -w 5 -g $n" | tee -a "$OUT/bench.log"
-      with_ranks "$n" timeout "$(limit 100)" "$BIN/mkbench" $op -b $lo -e $hi -f 2 -n 20 -w 5 -g "$n" --json "$OUT/tmp.json" 2>&1 | tee -a "$OUT/bench.log"
-      rc=${PIPESTATUS[0]}
-      [ -f "$OUT/tmp.json" ] && { echo "// $op -g $n"; cat "$OUT/tmp.json"; } >> "$OUT/bench-json.txt" && rm -f "$OUT/tmp.json"
+      echo "===== mkbench $op -b $lo -e $hi -f 2 -n 20 -w 5 -g $n" >> "$OUT/bench.log"
+      with_ranks "$n" timeout "$(limit 100)" "$BIN/mkbench" $op -b $lo -e $hi -f 2 -n 20 -w 5 -g "$n" --json "$JSON_DIR/$op-g$n.json" >> "$OUT/bench.log" 2>&1
+      rc=$?
       note "mkbench $op -g $n: $(outcome $rc)"
-      [ $rc = 0 ] || status=1
+      check_rc $rc
     done
   done
   if [ "$GEMM" = 1 ] && "$BIN/mkbench" 2>&1 | grep -q "^  gemm" && ! late "mkbench gemm"; then
     echo "===== mkbench gemm" | tee -a "$OUT/gemm.log"
-    timeout "$(limit 200)" "$BIN/mkbench" gemm >> "$OUT/gemm.log" 2>&1; rc=$?
+    timeout "$(limit 200)" "$BIN/mkbench" gemm --json "$JSON_DIR/gemm.json" >> "$OUT/gemm.log" 2>&1; rc=$?
     tail -n 15 "$OUT/gemm.log"
     note "mkbench gemm: $(outcome $rc)"
-    [ $rc = 0 ] || status=1
+    check_rc $rc
   fi
   # The fused ops beside their unfused sequences (issue shapes; fewer at several ranks,
-  # where every rank's GEMM shares the one GPU).
+  # where every rank's GEMM shares the one GPU), in mkbench's default protocol (5
+  # interleaved blocks of 20 calls; ring attention's long cases 5 blocks of 5).
   for n in ${BENCH_RANKS:-$RANKS}; do
     for op in ag_gemm gemm_rs gemm_ar moe ring_attn; do
       args="-g $n"
@@ -237,18 +260,18 @@ if [ "$BENCH" = 1 ]; then
       [ "$op" = ring_attn ] && [ "$n" = 1 ] && args="$args --causal 1,0 --unfused 0 --rest-ms 1000 -w 3 -n 10"
       if [ "$n" -gt 1 ]; then
         case $op in
-          ag_gemm) args="$args --rows 128,512,2048 --nk 8192x8192 -n 5 -w 2" ;;
-          gemm_rs) args="$args --m 1024,4096 -n 5 -w 2" ;;
-          gemm_ar) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024 -n 5 -w 2" ;;
-          moe) args="$args -n 3 -w 1" ;;
-          ring_attn) args="$args --seq 16384,32768 -n 3 -w 1" ;;
+          ag_gemm) args="$args --rows 128,512,2048 --nk 8192x8192" ;;
+          gemm_rs) args="$args --m 1024,4096" ;;
+          gemm_ar) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024" ;;
+          moe) args="$args" ;;
+          ring_attn) args="$args --seq 16384,32768 -n 5 -w 1" ;;
         esac
       fi
       late "mkbench $op -g $n" && continue
       echo "===== mkbench $op $args" | tee -a "$OUT/fused.log"
-      with_ranks "$n" timeout "$(limit 200)" "$BIN/mkbench" $op $args >> "$OUT/fused.log" 2>&1; rc=$?
+      with_ranks "$n" timeout "$(limit 200)" "$BIN/mkbench" $op $args --json "$JSON_DIR/$op-g$n.json" >> "$OUT/fused.log" 2>&1; rc=$?
       note "mkbench $op -g $n: $(outcome $rc)"
-      [ $rc = 0 ] || status=1
+      check_rc $rc
       if [ "$op" = ring_attn ] && [ "$n" = 1 ] && python3 -c "import torch" 2>/dev/null; then
         echo "===== sdpa_baseline.py (cuDNN, same protocol)" | tee -a "$OUT/fused.log"
         timeout "$(limit 120)" python3 benches/sdpa_baseline.py 8192 16384 32768 --causal 1,0 --backends cudnn \
@@ -272,16 +295,21 @@ if [ "$NODES" = 1 ] && [ "$NODE_BENCH" = 1 ]; then
     esac
     late "mkbench $op -g 4 across 2 emulated nodes" && continue
     echo "===== mkbench $spec -g 4, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
-    with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout "$(limit 120)" "$BIN/mkbench" $spec -g 4 2>&1 | tee -a "$OUT/bench.log"
-    rc=${PIPESTATUS[0]}
+    with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout "$(limit 120)" "$BIN/mkbench" $spec -g 4 --json "$JSON_DIR/$op-g4-nodes.json" >> "$OUT/bench.log" 2>&1
+    rc=$?
     note "mkbench $op -g 4 across 2 emulated nodes: $(outcome $rc)"
-    [ $rc = 0 ] || status=1
+    check_rc $rc
   done
 fi
 
 stop_mps
+if [ -n "$(ls -A "$JSON_DIR" 2>/dev/null)" ]; then
+  tar -C "$OUT" -czf "$OUT/bench-json.tar.gz" json && rm -rf "$JSON_DIR"
+else
+  rmdir "$JSON_DIR" 2>/dev/null
+fi
 if [ "$SKIPPED_STEPS" -gt 0 ]; then
-  note "$SKIPPED_STEPS step(s) SKIPPED (deadline): rerun them with the options above"
+  note "$SKIPPED_STEPS step(s) SKIPPED (deadline or --allow-skip): not a pass"
   [ $status = 0 ] && status=3
 fi
 echo "===== summary"; cat "$SUMMARY"

@@ -24,6 +24,8 @@ make ctest
 
 ./scripts/test-python.sh
 
+echo "== benchmark tooling (protocol, JSON schema, plots, gpu-run.sh skip handling)"; ./scripts/test-bench.sh
+
 echo "== GPU suites (SKIPPED without a GPU)"
 ./target/release/mktest || [ $? = 77 ]  # 77: every suite SKIPPED (no GPU), never counted as passed
 

@@ -4,25 +4,35 @@
 //!   mkbench ag_gemm [-g ranks] [--rows 128,512,2048,8192] [--nk 8192x8192,28672x8192]
 //!                   [--dtype bf16|fp16] [-n iters] [-w warmup] [--trace]
 //!
-//! Per shape (rows per rank, N, K; M = ranks × rows): the fused op; mkAllGather then our
-//! GEMM; mkAllGather then cuBLASLt; cuBLASLt alone on the gathered A; and the two parts
-//! alone (mkAllGather, our GEMM) for the overlap efficiency max(t_gemm, t_comm) / t_fused.
-//! Times are medians over -n calls after -w warm-up calls, each call timed with CUDA
-//! events; the slowest rank's median is reported. TFLOP/s are per rank (2·M·N·K / t).
-//! With -g N > 1 the ranks are processes of this binary (run under MPS on one GPU).
+//! Per shape (rows per rank, N, K; M = ranks × rows), each contender in the shared
+//! protocol (measure.rs: interleaved blocks, -w warm-up, --blocks blocks of -n calls, the
+//! slowest rank per call; median, p10, p90):
+//!   fused          mkAllGatherGemm
+//!   AG+cuBLAS      mkAllGather, then cuBLASLt on all the SMs (the fair unfused baseline)
+//!   CE+cuBLAS      the copy-engine AllGather (copy_engine.rs, a lower bound), then cuBLASLt
+//!   cuBLAS         cuBLASLt alone on the gathered A: the overlap ceiling
+//!   AG+ours(cap)   mkAllGather, then our GEMM capped to MK_MAX_CTAS (extra column)
+//!   ours(cap), AG, CE   the parts alone, for overlap = max(t_gemm, t_comm) / t_fused
+//! The fused output is checked once per shape against AG+cuBLAS (#wrong = 1 when the
+//! relative error exceeds the dtype's band). Host enqueue µs per call for the fused op and
+//! for AG+cuBLAS. TFLOP/s are per rank (2·M·N·K / t). With -g N > 1 the ranks are processes
+//! of this binary (run under MPS on one GPU).
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, print_trace, parse_list, parse_pairs, timed_slowest};
+use crate::copy_engine::PeerShards;
+use crate::fused_common::{bad, common_flag, for_each_option, measure_cold_slowest, measure_slowest, L2Flush, parse_list, parse_pairs, print_trace, run_ranks};
+use crate::measure::{host_enqueue_us, Protocol};
+use crate::record::{self, Json};
 use crate::ranks;
 use cudarc::driver::result as cu;
-use mkernel::comm::{Comm, CommConfig};
+use mkernel::comm::CommConfig;
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::Result;
 use mkernel::ops::ag_gemm::{all_gather_gemm, validate_args, AgGemmArgs};
 use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::ops::gemm as engine;
-use mkernel::testing::TestBuffer;
+use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 
 struct Options {
@@ -32,7 +42,13 @@ struct Options {
     dtype: mkDataType_t,
     iters: usize,
     warmup: usize,
+    blocks: usize,
     trace: bool,
+}
+
+/// Parses the options without touching a GPU.
+pub fn check(_op: &str, args: &[String]) -> Result<()> {
+    parse(args).map(|_| ())
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -41,8 +57,9 @@ fn parse(args: &[String]) -> Result<Options> {
         rows: vec![128, 512, 2048, 8192],
         nk: vec![(8192, 8192), (28672, 8192)],
         dtype: mkDataType_t::mkBfloat16,
-        iters: 10,
-        warmup: 3,
+        iters: Protocol::DEFAULT.iters,
+        warmup: Protocol::DEFAULT.warmup,
+        blocks: Protocol::DEFAULT.blocks,
         trace: false,
     };
     for_each_option(args, Some(&mut o.trace), |flag, v| {
@@ -50,11 +67,19 @@ fn parse(args: &[String]) -> Result<Options> {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--rows" => o.rows = parse_list(v, "--rows")?,
             "--nk" => o.nk = parse_pairs(v, "--nk")?,
-            "--dtype" => o.dtype = if v == "fp16" { mkDataType_t::mkFloat16 } else { mkDataType_t::mkBfloat16 },
+            "--blocks" => o.blocks = v.parse().map_err(|_| bad("--blocks"))?,
+            "--dtype" => {
+                o.dtype = match v {
+                    "bf16" => mkDataType_t::mkBfloat16,
+                    "fp16" => mkDataType_t::mkFloat16,
+                    _ => return Err(bad("--dtype (bf16 or fp16)")),
+                }
+            }
             other => return Err(bad(other)),
         }
         Ok(())
     })?;
+    Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters }.validate()?;
     Ok(o)
 }
 
@@ -71,7 +96,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let max_n = o.nk.iter().map(|x| x.0).max().unwrap_or(0);
     let mut cfg = CommConfig::from_env();
     cfg.workspace_bytes = cfg.workspace_bytes.max((max_m * max_k * 2) as u64);
-    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let lt = CublasLt::new()?;
     let dtype = o.dtype;
@@ -79,21 +104,33 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let a_gathered = TestBuffer::new(max_m * max_k, dtype)?;
     let b = TestBuffer::new(max_n * max_k, dtype)?;
     let c = TestBuffer::new(max_m * max_n, dtype)?;
+    let c_ref = TestBuffer::new(max_m * max_n, dtype)?;
+    let max_rows = o.rows.iter().max().copied().unwrap_or(0);
+    let elem = if dtype == mkDataType_t::mkFloat32 { 4 } else { 2 };
+    // The copy-engine baseline's shard buffers, sized for the largest shard; absent (with
+    // the reason printed) where CUDA IPC is not available.
+    let shards = if n > 1 { PeerShards::new(&comm.bootstrap, rank, n, max_rows * max_k * elem).map_err(|e| e.message) } else { Err("one rank".into()) };
+    let protocol = Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters };
+    let l2_flush = L2Flush::new()?;
     a_local.randomize(11 + rank as u64, 1.0, stream)?;
     b.randomize(99, 1.0, stream)?;
     let events = Events::new(o.iters)?;
     let sms = cuda::sm_count(device)?;
     if rank == 0 {
         println!(
-            "# mkbench ag_gemm: {n} rank(s), {}, {sms} SMs, MK_MAX_CTAS={}, warm-up {} + {} timed calls (median of the slowest rank)",
+            "# mkbench ag_gemm: {n} rank(s), {}, {sms} SMs, MK_MAX_CTAS={} (our GEMM's cap; cuBLAS uncapped), warm-up {} then {} interleaved blocks of {} calls (median of the slowest rank per call)",
             dtype.name(),
             comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
             o.warmup,
+            o.blocks,
             o.iters
         );
+        if let Err(why) = &shards {
+            println!("# copy-engine AllGather baseline: absent ({why})");
+        }
         println!(
-            "# {:>6} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>9} {:>9} {:>9} | {:>8} {:>8} | {:>7} {:>7} {:>7}",
-            "rows", "N", "K", "fused us", "TF/s", "AG+ours", "AG+cuBLAS", "cuBLAS", "ours", "AG us", "", "f/unf", "f/cuBL", "overlap"
+            "# {:>6} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>9} {:>9} | {:>9} {:>9} {:>8} {:>8} | {:>7} {:>7} {:>6}",
+            "rows", "N", "K", "fused us", "TF/s", "AG+cuBLAS", "CE+cuBLAS", "cuBLAS", "AG+ours*", "ours*", "AG us", "CE us", "f/unf", "overlap", "#wrong"
         );
     }
     let mut all_ok = true;
@@ -107,7 +144,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let blas = lt.gemm(m, nn, kk, dtype, dtype)?;
             let ag = || collective(&comm, CollectiveKind::AllGather, a_local.ptr(), a_gathered.ptr(), rows * kk, dtype as i32, None, stream);
             let ours = || engine::launch(&gemm_args, &gemm_plan, stream);
-            let cublas = || blas.run(&lt, a_gathered.ptr(), b.ptr(), c.ptr(), stream);
+            let cublas = || blas.run(&lt, a_gathered.ptr(), b.ptr(), c_ref.ptr(), stream);
+            let cublas_ref = &cublas;
             let fused = || all_gather_gemm(&comm, &args, stream);
             // Which part failed, with the kernel's error word decoded (op, peer, what it awaited).
             let phase = |what: &str, t: f64| -> Result<f64> {
@@ -119,7 +157,6 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 let msg = unsafe { std::ffi::CStr::from_ptr(comm.last_error_ptr()) }.to_string_lossy().into_owned();
                 Err(mkernel::error::MkError::new(code, format!("rows/rank {rows} N {nn} K {kk}, {what}: {msg}")))
             };
-            let timed = |what: &str, f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f).and_then(|t| phase(what, t));
             // Every part alone once first, synchronised: under lazy module loading (CUDA's
             // default) the first launch of a kernel can wait for the context to go idle, and
             // across nodes an in-flight hierarchical kernel waits for its proxy's copies, which
@@ -131,27 +168,55 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
                 phase(&format!("{what} alone (warm-up)"), 0.0)?;
             }
+            // The fused output against the unfused one (AllGather then cuBLAS), once per shape.
+            c.poison(stream)?;
+            c_ref.poison(stream)?;
             comm.bootstrap.barrier()?;
-            let t_fused = timed("fused", &fused)?;
-            // Host time to enqueue one call (launch-bound shapes show it in the GPU time too).
-            let host_us = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
-                let t = std::time::Instant::now();
-                for _ in 0..o.iters {
-                    f()?;
-                }
-                let us = t.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
+            ag()?;
+            cublas_ref()?;
+            fused()?;
+            // SAFETY: live stream.
+            unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+            phase("verification", 0.0)?;
+            let (out, reference) = (c.download_f64()?, c_ref.download_f64()?);
+            let rel_err = relative_error(&out[..m * nn], &reference[..m * nn]);
+            #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN error counts as wrong
+            let wrong = !(rel_err <= tolerance(dtype));
+            all_ok &= !wrong;
+            if let Ok(sh) = &shards {
+                sh.stage(a_local.ptr(), rows * kk * elem, stream)?;
+            }
+            comm.bootstrap.barrier()?;
+            let ce = || shards.as_ref().map_err(|why| bad(why)).and_then(|sh| sh.all_gather(a_gathered.ptr(), rows * kk * elem, stream));
+            let ag_blas = || ag().and_then(|_| cublas());
+            let ag_ours = || ag().and_then(|_| ours());
+            let mut contenders: Vec<(&str, &dyn Fn() -> Result<()>)> = vec![
+                ("fused", &fused),
+                ("ag_mk+cublaslt", &ag_blas),
+                ("cublaslt", &cublas),
+                ("ag_mk+ours_capped", &ag_ours),
+                ("ours_capped", &ours),
+                ("ag_mk", &ag),
+            ];
+            let ce_blas = || ce().and_then(|_| cublas());
+            if shards.is_ok() {
+                contenders.push(("ag_copy_engine+cublaslt", &ce_blas));
+                contenders.push(("ag_copy_engine", &ce));
+            }
+            let fns: Vec<&dyn Fn() -> Result<()>> = contenders.iter().map(|c| c.1).collect();
+            let stats = measure_slowest(&comm, &events, stream, protocol, &fns).and_then(|s| phase("timed blocks", 0.0).map(|_| s))?;
+            let cold_fused = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &fused)?;
+            let cold_base = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &ag_blas)?;
+            let host = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+                let us = host_enqueue_us(o.iters, f)?;
                 // SAFETY: live stream.
                 unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
                 comm.bootstrap.barrier()?;
                 Ok(us)
             };
-            let host_fused = host_us(&fused).and_then(|t| phase("fused, enqueued back to back", t))?;
-            let host_unfused = host_us(&|| ag().and_then(|_| ours())).and_then(|t| phase("AllGather + ours, enqueued back to back", t))?;
-            let t_ag_ours = timed("AllGather + ours", &|| ag().and_then(|_| ours()))?;
-            let t_ag_blas = timed("AllGather + cuBLAS", &|| ag().and_then(|_| cublas()))?;
-            let t_blas = timed("cuBLAS", &cublas)?;
-            let t_ours = timed("ours", &ours)?;
-            let t_ag = timed("AllGather", &ag)?;
+            let host_fused = host(&fused).and_then(|t| phase("fused, enqueued back to back", t))?;
+            let host_unfused = host(contenders[1].1).and_then(|t| phase("AllGather + cuBLAS, enqueued back to back", t))?;
+            let med = |name: &str| contenders.iter().position(|c| c.0 == name).map(|i| stats[i].median);
             if o.trace {
                 print_trace(&comm, stream, &format!("ag_gemm rows/rank {rows} N {nn} K {kk}"), &|buf| {
                     all_gather_gemm(&comm, &AgGemmArgs { trace: buf, ..args }, stream)
@@ -162,14 +227,46 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 all_ok = false;
             }
             if rank == 0 {
+                let t_fused = stats[0].median;
+                let (t_ag_blas, t_blas, t_ag_ours, t_ours, t_ag) = (stats[1].median, stats[2].median, stats[3].median, stats[4].median, stats[5].median);
+                let t_ce_blas = med("ag_copy_engine+cublaslt");
+                let t_ce = med("ag_copy_engine");
+                let best_unfused = t_ce_blas.map_or(t_ag_blas, |t| t.min(t_ag_blas));
+                let opt = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.1}"));
                 let tf = 2.0 * m as f64 * nn as f64 * kk as f64 / (t_fused * 1e-6) / 1e12;
                 println!(
-                    "  {:>6} {:>6} {:>6} | {:>9.1} {:>7.1} | {:>9.1} {:>9.1} {:>9.1} {:>9.1} | {:>8.1} {:>8} | {:>7.3} {:>7.3} {:>7.3}{}",
-                    rows, nn, kk, t_fused, tf, t_ag_ours, t_ag_blas, t_blas, t_ours, t_ag, "",
-                    t_fused / t_ag_ours, t_fused / t_ag_blas, t_ours.max(t_ag) / t_fused,
+                    "  {:>6} {:>6} {:>6} | {:>9.1} {:>7.1} | {:>9.1} {:>9} {:>9.1} | {:>9.1} {:>9.1} {:>8.1} {:>8} | {:>7.3} {:>7.3} {:>6}{}",
+                    rows, nn, kk, t_fused, tf, t_ag_blas, opt(t_ce_blas), t_blas, t_ag_ours, t_ours, t_ag, opt(t_ce),
+                    t_fused / best_unfused, t_blas.max(t_ag.min(t_ce.unwrap_or(f64::INFINITY))) / t_fused, u8::from(wrong),
                     if err == mkernel::error::mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
                 );
-                println!("  {:>22} host enqueue µs/call: fused {host_fused:.1}, AG+ours {host_unfused:.1}", "");
+                println!(
+                    "  {:>22} fused p10/p90 {:.1}/{:.1} µs, cold L2 {:.1} (baseline {:.1}) µs; host enqueue µs/call: fused {host_fused:.1}, AG+cuBLAS {host_unfused:.1}; rel err {rel_err:.1e}",
+                    "", stats[0].p10, stats[0].p90, cold_fused.median, cold_base.median
+                );
+                let recorded: Vec<Json> = contenders
+                    .iter()
+                    .zip(&stats)
+                    .map(|(c, s)| {
+                        let host = match c.0 {
+                            "fused" => Some(host_fused),
+                            "ag_mk+cublaslt" => Some(host_unfused),
+                            _ => None,
+                        };
+                        record::contender(c.0, Some(*s), host)
+                    })
+                    .chain([record::contender("fused_cold_l2", Some(cold_fused), None), record::contender("ag_mk+cublaslt_cold_l2", Some(cold_base), None)])
+                    .collect();
+                record::row(
+                    record::shape(&[("ranks", n), ("rows", rows), ("m", m), ("n", nn), ("k", kk)], &[("dtype", dtype.name())]),
+                    recorded,
+                    &[
+                        ("rel_err", Json::num(rel_err)),
+                        ("wrong", Json::Bool(wrong)),
+                        ("baseline", Json::str("best of ag_mk+cublaslt and ag_copy_engine+cublaslt")),
+                        ("fused_over_baseline", Json::num(t_fused / best_unfused)),
+                    ],
+                );
             }
         }
     }

@@ -1,6 +1,6 @@
 //! `mkbench all_gather | reduce_scatter | all_reduce`, in the style of nccl-tests:
 //!
-//!   mkbench all_gather -b 8M -e 1G -f 2 -n 20 -w 5 -g <ranks> [--op sum|avg] [--json PATH]
+//!   mkbench all_gather -b 8 -e 1G -f 2 -n 20 -w 5 -g <ranks> [--op sum|avg] [--json PATH]
 //!
 //! With -g N > 1 it starts N rank processes of itself (sharing the GPU under MPS, or one
 //! per GPU), or joins ranks a launcher started (MK_TEST_RANK / MK_TEST_NRANKS /
@@ -18,7 +18,7 @@ use crate::nccl::Nccl;
 use crate::ranks;
 
 use cudarc::driver::result as cu;
-use mkernel::comm::{Comm, CommConfig};
+use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, sys, LaunchConfig, PrimaryContext};
 use mkernel::error::{MkError, Result};
 use mkernel::kernel_abi::CollectiveCheckParams;
@@ -37,7 +37,6 @@ struct Options {
     warmup: usize,
     ranks: usize,
     op: mkRedOp_t,
-    json: Option<String>,
 }
 
 fn parse_size(s: &str) -> Option<u64> {
@@ -58,7 +57,7 @@ fn parse(op_name: &str, args: &[String]) -> Result<Options> {
         "all_reduce" => CollectiveKind::AllReduce,
         _ => return Err(MkError::invalid_argument(format!("unknown collective {op_name}"))),
     };
-    let mut o = Options { kind, min_bytes: 8 << 20, max_bytes: 1 << 30, factor: 2, iters: 20, warmup: 5, ranks: 1, op: mkRedOp_t::mkSum, json: None };
+    let mut o = Options { kind, min_bytes: 8, max_bytes: 1 << 30, factor: 2, iters: 20, warmup: 5, ranks: 1, op: mkRedOp_t::mkSum };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut val = || it.next().cloned().ok_or_else(|| MkError::invalid_argument(format!("{a} needs a value")));
@@ -77,7 +76,6 @@ fn parse(op_name: &str, args: &[String]) -> Result<Options> {
                     _ => return Err(bad("--op (sum or avg)")),
                 }
             }
-            "--json" => o.json = Some(val()?),
             other => return Err(MkError::invalid_argument(format!("unknown option {other:?} (see src/bin/mkbench/collectives.rs)"))),
         }
     }
@@ -85,6 +83,11 @@ fn parse(op_name: &str, args: &[String]) -> Result<Options> {
         return Err(MkError::invalid_argument("need -f >= 2, -n >= 1, -g >= 1 and 0 < -b <= -e"));
     }
     Ok(o)
+}
+
+/// Parses the options without touching a GPU.
+pub fn check(op_name: &str, args: &[String]) -> Result<()> {
+    parse(op_name, args).map(|_| ())
 }
 
 pub fn all_gather(args: &[String]) -> Result<bool> {
@@ -108,6 +111,7 @@ fn run(op_name: &str, args: &[String]) -> Result<bool> {
     }
     let mut child_args = vec![op_name.to_string()];
     child_args.extend(args.iter().cloned());
+    crate::record::parent_of_ranks();
     ranks::spawn(&child_args, o.ranks, 1, Duration::from_secs(95), |_| 0)?;
     Ok(true)
 }
@@ -121,22 +125,43 @@ impl Events {
         Ok(Events { pairs: (0..n).map(|_| Ok((mk()?, mk()?))).collect::<Result<_>>()? })
     }
     /// Median microseconds of `f` over the pairs, each call timed on its own.
-    pub(crate) fn median_us(&self, stream: sys::CUstream, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-        let mut times = Vec::with_capacity(self.pairs.len());
+    pub(crate) fn median_us(&self, stream: sys::CUstream, f: impl FnMut() -> Result<()>) -> Result<f64> {
+        let mut times = self.times_us(stream, self.pairs.len(), f)?;
+        times.sort_by(|a, b| a.total_cmp(b));
+        Ok(times[times.len() / 2])
+    }
+
+    /// Microseconds of each of `calls` calls of `f` (at most one per event pair), each
+    /// call timed on its own, in call order.
+    pub(crate) fn times_us(&self, stream: sys::CUstream, calls: usize, f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+        self.times_us_after(stream, calls, || Ok(()), f)
+    }
+
+    /// As `times_us`, with `before()` enqueued ahead of each call, outside its timing (an
+    /// L2 flush for cold-cache times).
+    pub(crate) fn times_us_after(
+        &self,
+        stream: sys::CUstream,
+        calls: usize,
+        mut before: impl FnMut() -> Result<()>,
+        mut f: impl FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
+        let pairs = &self.pairs[..calls.min(self.pairs.len())];
+        let mut times = Vec::with_capacity(pairs.len());
         // SAFETY: live events and stream.
         unsafe {
-            for &(a, b) in &self.pairs {
+            for &(a, b) in pairs {
+                before()?;
                 cu::event::record(a, stream).map_err(|e| cuda::cuda_err("cuEventRecord", e))?;
                 f()?;
                 cu::event::record(b, stream).map_err(|e| cuda::cuda_err("cuEventRecord", e))?;
             }
-            for &(a, b) in &self.pairs {
+            for &(a, b) in pairs {
                 cu::event::synchronize(b).map_err(|e| cuda::cuda_err("cuEventSynchronize", e))?;
                 times.push(cu::event::elapsed(a, b).map_err(|e| cuda::cuda_err("cuEventElapsedTime", e))? as f64 * 1e3);
             }
         }
-        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        Ok(times[times.len() / 2])
+        Ok(times)
     }
 }
 
@@ -147,12 +172,14 @@ struct Row {
     wrong: [u64; 2],
     copy_us: f64,
     nccl_us: Option<f64>,
+    /// Host µs to enqueue one out-of-place call (this rank's, rank 0 reports).
+    host_us: f64,
 }
 
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
     let ctx = PrimaryContext::retain(device)?;
     let _g = ctx.enter()?;
-    let comm = Comm::init(id, n as i32, rank as i32, Some(device), CommConfig::from_env())?;
+    let comm = crate::fused_common::init_comm(id, n, rank, device, CommConfig::from_env())?;
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let dtype = mkDataType_t::mkFloat32;
     let es = 4u64;
@@ -236,7 +263,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             CollectiveKind::AllReduce => count * es,
             _ => count * es * nr,
         };
-        let mut row = Row { bytes: size, count, times: [0.0; 2], wrong: [0; 2], copy_us: 0.0, nccl_us: None };
+        let mut row = Row { bytes: size, count, times: [0.0; 2], wrong: [0; 2], copy_us: 0.0, nccl_us: None, host_us: 0.0 };
         // Baseline first, alone on the GPU.
         comm.bootstrap.barrier()?;
         if let (Some(src), Some(dst)) = (&copy_src, &copy_dst) {
@@ -273,6 +300,11 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             comm.bootstrap.barrier()?;
             let t = events.median_us(stream, call)?;
             sync()?;
+            if !in_place {
+                row.host_us = crate::measure::host_enqueue_us(o.iters, call)?;
+                sync()?;
+                comm.bootstrap.barrier()?;
+            }
             // In place the timed calls reduced their own output: refill and run once to check.
             if in_place && kind != CollectiveKind::AllGather {
                 comm.bootstrap.barrier()?;
@@ -343,16 +375,26 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     }
     if rank == 0 {
         println!("# algbw, busbw in GB/s (1e9 B/s); D2D GB/s counts bytes read + written; oop/copy = copy time / out-of-place time; bw/nccl = NCCL time / our out-of-place time");
-        if let Some(path) = &o.json {
-            let items: Vec<String> = rows
-                .iter()
-                .map(|r| format!(
-                    "{{\"op\":\"{}\",\"ranks\":{n},\"bytes\":{},\"count\":{},\"type\":\"float\",\"oop_us\":{:.3},\"oop_busbw\":{:.3},\"oop_wrong\":{},\"ip_us\":{:.3},\"ip_busbw\":{:.3},\"ip_wrong\":{},\"copy_us\":{:.3},\"nccl_us\":{}}}",
-                    kind.name(), r.bytes, r.count, r.times[0], r.bytes as f64 / r.times[0] / 1e3 * factor, r.wrong[0],
-                    r.times[1], r.bytes as f64 / r.times[1] / 1e3 * factor, r.wrong[1], r.copy_us,
-                    r.nccl_us.map_or("null".to_string(), |t| format!("{t:.3}"))))
-                .collect();
-            std::fs::write(path, format!("[\n{}\n]\n", items.join(",\n"))).map_err(|e| MkError::system(format!("writing {path}: {e}")))?;
+        use crate::record::{self, Json};
+        record::config("ranks", Json::num(n as f64));
+        record::config("dtype", Json::str("float32"));
+        record::config("op", Json::str(format!("{:?}", o.op)));
+        record::config("bus_factor", Json::num(factor));
+        for r in &rows {
+            let named = record::contender_median;
+            let out_of_place = Json::obj(&[("name", Json::str("out_of_place")), ("median_us", Json::num(r.times[0])), ("host_enqueue_us", Json::num(r.host_us))]);
+            let mut contenders = vec![out_of_place, named("in_place", r.times[1])];
+            if r.copy_us > 0.0 {
+                contenders.push(named("d2d_copy", r.copy_us));
+            }
+            if let Some(t) = r.nccl_us {
+                contenders.push(named("nccl", t));
+            }
+            record::row(
+                Json::obj(&[("op", Json::str(kind.name())), ("bytes", Json::num(r.bytes as f64)), ("count", Json::num(r.count as f64))]),
+                contenders,
+                &[("wrong", Json::Arr(vec![Json::num(r.wrong[0] as f64), Json::num(r.wrong[1] as f64)]))],
+            );
         }
     }
     comm.bootstrap.barrier()?;

@@ -1,7 +1,8 @@
-//! What the fused-op benches share: shape-list parsing and the timing rule (barrier,
-//! warm-up, CUDA-event-timed calls, the slowest rank's median).
+//! What the fused-op benches share: option parsing, the communicator's start (timed), and
+//! the measurement protocol (measure.rs) run across ranks.
 
 use crate::collectives::Events;
+use crate::measure::{measure_interleaved, slowest_per_call, Protocol, Stats};
 use mkernel::comm::Comm;
 use mkernel::cuda::sys;
 use mkernel::error::{MkError, Result};
@@ -29,8 +30,21 @@ pub fn run_ranks(
     }
     let mut child = vec![name.to_string()];
     child.extend(args.iter().cloned());
+    crate::record::parent_of_ranks();
     crate::ranks::spawn(&child, ranks, 1, std::time::Duration::from_secs(500), |_| 0)?;
     Ok(true)
+}
+
+/// Comm::init, its time and its workspace recorded in the run's config (`comm_init_ms`,
+/// `workspace_bytes`: this rank's symmetric workspace, data and fused-op regions).
+pub fn init_comm(id: &mkernel::bootstrap::UniqueId, n: usize, rank: usize, device: i32, cfg: mkernel::comm::CommConfig) -> Result<Comm> {
+    use crate::record::{self, Json};
+    let t = std::time::Instant::now();
+    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    record::config("comm_init_ms", Json::num(t.elapsed().as_secs_f64() * 1e3));
+    let bytes = comm.workspace.as_ref().map(|w| w.view.data_bytes + w.view.op_bytes);
+    record::config("workspace_bytes", bytes.map_or(Json::Null, |b| Json::num(b as f64)));
+    Ok(comm)
 }
 
 /// Walks a fused bench's arguments: `flag value` pairs, each handed to `option(flag, value)`
@@ -79,16 +93,71 @@ pub fn parse_pairs(v: &str, what: &str) -> Result<Vec<(usize, usize)>> {
         .collect()
 }
 
-/// Every rank: barrier, `warmup` calls, then one CUDA-event-timed median over the events'
-/// calls; returns the slowest rank's median in µs.
-pub fn timed_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, warmup: usize, f: &dyn Fn() -> Result<()>) -> Result<f64> {
-    comm.bootstrap.barrier()?;
-    for _ in 0..warmup {
-        f()?;
+/// The shared protocol (measure.rs) across ranks: every rank runs the same contenders in
+/// the same interleaved blocks, a barrier before each block; `events` must hold at least
+/// `p.iters` pairs. Per contender, the statistics of the slowest rank's time call by call.
+pub fn measure_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, p: Protocol, contenders: &[&dyn Fn() -> Result<()>]) -> Result<Vec<Stats>> {
+    let sync = || {
+        // SAFETY: live stream.
+        unsafe { cudarc::driver::result::stream::synchronize(stream) }.map_err(|e| mkernel::cuda::cuda_err("cuStreamSynchronize", e))
+    };
+    let mine = measure_interleaved(
+        contenders.len(),
+        p,
+        |c| {
+            comm.bootstrap.barrier()?;
+            for _ in 0..p.warmup {
+                contenders[c]()?;
+            }
+            sync()
+        },
+        |c, iters| {
+            comm.bootstrap.barrier()?;
+            events.times_us(stream, iters, contenders[c])
+        },
+    )?;
+    mine.iter()
+        .map(|samples| {
+            let bytes: Vec<u8> = samples.iter().flat_map(|t| t.to_le_bytes()).collect();
+            let all = comm.bootstrap.allgather(&bytes)?;
+            let per_rank: Vec<Vec<f64>> =
+                all.iter().map(|b| b.chunks_exact(8).map(|w| f64::from_le_bytes(w.try_into().expect("8 bytes"))).collect()).collect();
+            Stats::of(&slowest_per_call(&per_rank)).ok_or_else(|| bad("timing (no samples)"))
+        })
+        .collect()
+}
+
+/// A device buffer larger than any L2 (256 MiB; the H200's L2 is 50 MB): writing it before
+/// a call evicts that call's inputs, for cold-cache times.
+pub struct L2Flush {
+    buf: mkernel::cuda::memory::DeviceBuffer,
+}
+
+impl L2Flush {
+    pub fn new() -> Result<L2Flush> {
+        Ok(L2Flush { buf: mkernel::cuda::memory::DeviceBuffer::alloc(256 << 20)? })
     }
-    let t = events.median_us(stream, f)?;
-    let all = comm.bootstrap.allgather(&t.to_le_bytes())?;
-    Ok(all.iter().map(|v| f64::from_le_bytes(v[..8].try_into().expect("8 bytes"))).fold(0.0, f64::max))
+
+    pub fn enqueue(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: our own allocation of buf.bytes; the stream is live.
+        unsafe { cudarc::driver::result::memset_d8_async(self.buf.ptr, 0x5a, self.buf.bytes, stream) }
+            .map_err(|e| mkernel::cuda::cuda_err("cuMemsetD8Async", e))
+    }
+}
+
+/// Cold-L2 times of `f` across ranks: `p.blocks` blocks of `p.iters` calls, each call after
+/// an L2 flush (outside its timing); the slowest rank per call.
+pub fn measure_cold_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, p: Protocol, flush: &L2Flush, f: &dyn Fn() -> Result<()>) -> Result<Stats> {
+    let mut mine = Vec::with_capacity(p.blocks * p.iters);
+    for _ in 0..p.blocks {
+        comm.bootstrap.barrier()?;
+        mine.extend(events.times_us_after(stream, p.iters, || flush.enqueue(stream), f)?);
+    }
+    let bytes: Vec<u8> = mine.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let all = comm.bootstrap.allgather(&bytes)?;
+    let per_rank: Vec<Vec<f64>> =
+        all.iter().map(|b| b.chunks_exact(8).map(|w| f64::from_le_bytes(w.try_into().expect("8 bytes"))).collect()).collect();
+    Stats::of(&slowest_per_call(&per_rank)).ok_or_else(|| bad("cold-L2 timing (no samples)"))
 }
 
 /// One call of a fused op with a zeroed per-CTA timing buffer (room for 1024 CTAs of

@@ -7,8 +7,11 @@
 //!
 //! Options: --dtype bf16|fp16|both (both) · --shape MxNxK (repeatable; default: the
 //! issue's 5 large + 3 skinny shapes) · --sweep (also time every tile width) ·
-//! --json PATH (write the rows).
+//! --json PATH (the run's record, docs/benchmarks.md: per shape both contenders' block
+//! times as median / p10 / p90, the plan, the relative error).
 
+use crate::measure::Stats;
+use crate::record;
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::MkError;
@@ -26,10 +29,7 @@ struct Row {
     shape: (usize, usize, usize),
     ours_us: f64,
     cublas_us: f64,
-    plan: String,
-    rel_err: f64,
     wrong: bool,
-    variants: Vec<(String, f64)>,
 }
 
 fn tflops(shape: (usize, usize, usize), us: f64) -> f64 {
@@ -71,11 +71,21 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-pub fn run(args: &[String]) -> mkernel::Result<bool> {
+/// The options (`--json` is taken by main.rs for every bench).
+struct Options {
+    dtypes: Vec<mkDataType_t>,
+    shapes: Vec<(usize, usize, usize)>,
+    sweep: bool,
+}
+
+pub fn check(_op: &str, args: &[String]) -> mkernel::Result<()> {
+    parse(args).map(|_| ())
+}
+
+fn parse(args: &[String]) -> mkernel::Result<Options> {
     let mut dtypes = vec![mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16];
     let mut shapes: Vec<(usize, usize, usize)> = Vec::new();
     let mut sweep = false;
-    let mut json: Option<String> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -93,10 +103,14 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
                     .ok_or_else(|| MkError::invalid_argument("--shape takes MxNxK, e.g. 8192x8192x8192"))?,
             ),
             "--sweep" => sweep = true,
-            "--json" => json = Some(it.next().ok_or_else(|| MkError::invalid_argument("--json takes a path"))?.clone()),
             other => return Err(MkError::invalid_argument(format!("unknown option {other:?} (see src/bin/mkbench/gemm.rs)"))),
         }
     }
+    Ok(Options { dtypes, shapes, sweep })
+}
+
+pub fn run(args: &[String]) -> mkernel::Result<bool> {
+    let Options { dtypes, mut shapes, sweep } = parse(args)?;
     let default_shapes = shapes.is_empty();
     if default_shapes {
         shapes.extend(LARGE);
@@ -218,7 +232,17 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
                 u8::from(wrong),
                 if sweep { variants.iter().map(|(n, t)| format!(" {n}={t:.0}")).collect::<String>() } else { String::new() }
             );
-            rows.push(Row { dtype, shape, ours_us, cublas_us, plan, rel_err, wrong, variants });
+            let mut recorded = vec![
+                record::contender("mk", Stats::of(&times[1]), None),
+                record::contender("cublaslt", Stats::of(&times[0]), None),
+            ];
+            recorded.extend(contenders.iter().zip(&times[1..]).skip(1).map(|((name, _), t)| record::contender(name, Stats::of(t), None)));
+            record::row(
+                record::shape(&[("m", m), ("n", n), ("k", k)], &[("dtype", dtype.name())]),
+                recorded,
+                &[("plan", record::Json::str(plan)), ("rel_err", record::Json::num(rel_err)), ("wrong", record::Json::Bool(wrong))],
+            );
+            rows.push(Row { dtype, shape, ours_us, cublas_us, wrong });
         }
     }
 
@@ -251,31 +275,6 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
     let wrong = rows.iter().filter(|r| r.wrong).count();
     println!("# #wrong: {wrong} of {} shapes (ours vs cuBLASLt, rel err band bf16 1e-2, fp16 2e-3)", rows.len());
 
-    if let Some(path) = json {
-        let mut s = String::from("[\n");
-        for (i, r) in rows.iter().enumerate() {
-            s.push_str(&format!(
-                "  {{\"dtype\": \"{}\", \"M\": {}, \"N\": {}, \"K\": {}, \"mk_us\": {:.3}, \"mk_tflops\": {:.2}, \"cublas_us\": {:.3}, \
-                 \"cublas_tflops\": {:.2}, \"ratio\": {:.4}, \"rel_err\": {:.3e}, \"wrong\": {}, \"plan\": \"{}\", \"variants\": {{{}}}}}{}\n",
-                r.dtype.name(),
-                r.shape.0,
-                r.shape.1,
-                r.shape.2,
-                r.ours_us,
-                tflops(r.shape, r.ours_us),
-                r.cublas_us,
-                tflops(r.shape, r.cublas_us),
-                r.cublas_us / r.ours_us,
-                r.rel_err,
-                r.wrong,
-                r.plan,
-                r.variants.iter().map(|(n, t)| format!("\"{n}\": {t:.1}")).collect::<Vec<_>>().join(", "),
-                if i + 1 < rows.len() { "," } else { "" }
-            ));
-        }
-        s.push_str("]\n");
-        std::fs::write(&path, s).map_err(|e| MkError::system(format!("writing {path}: {e}")))?;
-    }
     // SAFETY: created above, no work pending after the last synchronize.
     let _ = unsafe { cu::stream::destroy(stream) };
     Ok(wrong == 0)

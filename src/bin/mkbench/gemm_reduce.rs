@@ -4,23 +4,30 @@
 //!   mkbench gemm_rs [-g ranks] [--m 1024,4096,16384] [--nk 8192x1024,8192x3584] [-n iters] [-w warmup] [--trace]
 //!   mkbench gemm_ar [-g ranks] [--m 1,16,64,256,2048,8192,16384] [--nk ...]
 //!
-//! Per shape: the fused op; our GEMM then mkReduceScatter / mkAllReduce; cuBLASLt then the
-//! same collective; cuBLASLt alone; and the collective alone (overlap efficiency
-//! max(t_gemm, t_comm) / t_fused). Medians of CUDA-event-timed calls after warm-up, the
-//! slowest rank's. TFLOP/s per rank = 2·M·N·K / t. bf16.
+//! Per shape, in the shared protocol (measure.rs: interleaved blocks, --blocks blocks of
+//! -n calls after -w warm-up, the slowest rank per call; median, p10, p90): the fused op;
+//! cuBLASLt on all the SMs then mkReduceScatter / mkAllReduce (the fair baseline);
+//! cuBLASLt alone (the overlap ceiling); our GEMM capped to MK_MAX_CTAS then the collective
+//! (an extra column); our GEMM and the collective alone (overlap efficiency
+//! max(t_gemm, t_comm) / t_fused). The fused output is checked once per shape against
+//! cuBLASLt + collective. Host enqueue µs per call for the fused op and the baseline.
+//! TFLOP/s per rank = 2·M·N·K / t. bf16. The copy-engine collective is not offered here:
+//! a reduction needs SMs to add.
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, print_trace, parse_list, parse_pairs, timed_slowest};
+use crate::record::{self, Json};
+use crate::fused_common::{bad, common_flag, for_each_option, measure_cold_slowest, measure_slowest, L2Flush, parse_list, parse_pairs, print_trace, run_ranks};
+use crate::measure::{host_enqueue_us, Protocol};
 use crate::ranks;
 use cudarc::driver::result as cu;
-use mkernel::comm::{Comm, CommConfig};
+use mkernel::comm::CommConfig;
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, Result};
 use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::ops::gemm as engine;
 use mkernel::ops::gemm_reduce::{gemm_reduce, validate, GemmReduceArgs, Reduction};
-use mkernel::testing::TestBuffer;
+use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 
 struct Options {
@@ -29,7 +36,14 @@ struct Options {
     nk: Vec<(usize, usize)>,
     iters: usize,
     warmup: usize,
+    blocks: usize,
     trace: bool,
+}
+
+/// Parses the options without touching a GPU (`op` is gemm_rs or gemm_ar).
+pub fn check(op: &str, args: &[String]) -> Result<()> {
+    let reduction = if op == "gemm_ar" { Reduction::All } else { Reduction::Scatter };
+    parse(reduction, args).map(|_| ())
 }
 
 fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
@@ -40,8 +54,9 @@ fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
             Reduction::All => vec![1, 16, 64, 256, 2048, 8192, 16384],
         },
         nk: vec![(8192, 1024), (8192, 3584)],
-        iters: 10,
-        warmup: 3,
+        iters: Protocol::DEFAULT.iters,
+        warmup: Protocol::DEFAULT.warmup,
+        blocks: Protocol::DEFAULT.blocks,
         trace: false,
     };
     for_each_option(args, Some(&mut o.trace), |flag, v| {
@@ -49,10 +64,12 @@ fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--m" => o.ms = parse_list(v, "--m")?,
             "--nk" => o.nk = parse_pairs(v, "--nk")?,
+            "--blocks" => o.blocks = v.parse().map_err(|_| bad("--blocks"))?,
             other => return Err(bad(other)),
         }
         Ok(())
     })?;
+    Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters }.validate()?;
     Ok(o)
 }
 
@@ -79,13 +96,16 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
     let mut cfg = CommConfig::from_env();
     // P, and R for the two-phase AllReduce; across nodes also the node partials (src/ops/gemm_reduce_nodes.rs).
     cfg.workspace_bytes = cfg.workspace_bytes.max((max_m * max_n * 2 * 4) as u64);
-    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let lt = CublasLt::new()?;
     let a = TestBuffer::new(max_m * max_k, dtype)?;
     let b = TestBuffer::new(max_n * max_k, dtype)?;
     let partial = TestBuffer::new(max_m * max_n, dtype)?;
     let out = TestBuffer::new(max_m * max_n, dtype)?;
+    let out_ref = TestBuffer::new(max_m * max_n, dtype)?;
+    let protocol = Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters };
+    let l2_flush = L2Flush::new()?;
     a.randomize(5 + rank as u64, 1.0, stream)?;
     b.randomize(50 + rank as u64, 1.0, stream)?;
     let events = Events::new(o.iters)?;
@@ -97,9 +117,10 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
     };
     if rank == 0 {
         println!(
-            "# mkbench {label}: {n} rank(s), bf16, {sms} SMs, MK_MAX_CTAS={}, warm-up {} + {} timed calls (median of the slowest rank)",
+            "# mkbench {label}: {n} rank(s), bf16, {sms} SMs, MK_MAX_CTAS={}, warm-up {} then {} interleaved blocks of {} calls (median of the slowest rank per call; cuBLAS uncapped)",
             comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
             o.warmup,
+            o.blocks,
             o.iters
         );
         println!(
@@ -120,13 +141,46 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
             let ours = || engine::launch(&gemm_args, &plan, stream);
             let cublas = || blas.run(&lt, a.ptr(), b.ptr(), partial.ptr(), stream);
             let fused = || gemm_reduce(&comm, &args, stream);
-            let timed = |f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f);
-            let t_fused = timed(&fused)?;
-            let t_ours_coll = timed(&|| ours().and_then(|_| coll()))?;
-            let t_blas_coll = timed(&|| cublas().and_then(|_| coll()))?;
-            let t_blas = timed(&cublas)?;
-            let t_ours = timed(&ours)?;
-            let t_coll = timed(&coll)?;
+            // The fused output against the unfused one (cuBLAS, then the collective), once per shape.
+            let out_count = count;
+            out.poison(stream)?;
+            out_ref.poison(stream)?;
+            comm.bootstrap.barrier()?;
+            cublas()?;
+            collective(&comm, kind, partial.ptr(), out_ref.ptr(), count, dtype as i32, Some(mkRedOp_t::mkSum as i32), stream)?;
+            fused()?;
+            // SAFETY: live stream.
+            unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+            comm.bootstrap.barrier()?;
+            let (got, want) = (out.download_f64()?, out_ref.download_f64()?);
+            let rel_err = relative_error(&got[..out_count], &want[..out_count]);
+            #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN error counts as wrong
+            let wrong = !(rel_err <= tolerance(dtype));
+            all_ok &= !wrong;
+            let ours_coll = || ours().and_then(|_| coll());
+            let blas_coll = || cublas().and_then(|_| coll());
+            let contenders: [(&str, &dyn Fn() -> Result<()>); 6] = [
+                ("fused", &fused),
+                ("cublaslt+mk_collective", &blas_coll),
+                ("cublaslt", &cublas),
+                ("ours_capped+mk_collective", &ours_coll),
+                ("ours_capped", &ours),
+                ("mk_collective", &coll),
+            ];
+            let fns: Vec<&dyn Fn() -> Result<()>> = contenders.iter().map(|c| c.1).collect();
+            let stats = measure_slowest(&comm, &events, stream, protocol, &fns)?;
+            let cold_fused = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &fused)?;
+            let cold_base = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &blas_coll)?;
+            let host = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+                let us = host_enqueue_us(o.iters, f)?;
+                // SAFETY: live stream.
+                unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+                comm.bootstrap.barrier()?;
+                Ok(us)
+            };
+            let host_fused = host(&fused)?;
+            let host_unfused = host(&blas_coll)?;
+            let [t_fused, t_blas_coll, t_blas, t_ours_coll, t_ours, t_coll] = [0, 1, 2, 3, 4, 5].map(|i| stats[i].median);
             if o.trace {
                 print_trace(&comm, stream, &format!("{label} M {m} N {nn} K {kk}"), &|buf| {
                     gemm_reduce(&comm, &GemmReduceArgs { trace: buf, ..args }, stream)
@@ -141,6 +195,34 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
                     m, nn, kk, t_fused, tf, t_ours_coll, t_blas_coll, t_blas, t_ours, t_coll,
                     t_fused / t_ours_coll, t_fused / t_blas_coll, t_ours.max(t_coll) / t_fused,
                     if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
+                );
+                println!(
+                    "  {:>22} fused p10/p90 {:.1}/{:.1} µs, cold L2 {:.1} (baseline {:.1}) µs; host enqueue µs/call: fused {host_fused:.1}, cuBLAS+coll {host_unfused:.1}; rel err {rel_err:.1e}{}",
+                    "", stats[0].p10, stats[0].p90, cold_fused.median, cold_base.median, if wrong { "  WRONG" } else { "" }
+                );
+                let recorded: Vec<Json> = contenders
+                    .iter()
+                    .zip(&stats)
+                    .map(|(c, s)| {
+                        let host = match c.0 {
+                            "fused" => Some(host_fused),
+                            "cublaslt+mk_collective" => Some(host_unfused),
+                            _ => None,
+                        };
+                        record::contender(c.0, Some(*s), host)
+                    })
+                    .chain([record::contender("fused_cold_l2", Some(cold_fused), None), record::contender("cublaslt+mk_collective_cold_l2", Some(cold_base), None)])
+                    .collect();
+                record::row(
+                    record::shape(&[("ranks", n), ("m", m), ("n", nn), ("k", kk)], &[("op", label), ("dtype", dtype.name())]),
+                    recorded,
+                    &[
+                        ("rel_err", Json::num(rel_err)),
+                        ("wrong", Json::Bool(wrong)),
+                        ("baseline", Json::str("cublaslt+mk_collective")),
+                        ("fused_over_baseline", Json::num(t_fused / t_blas_coll)),
+                        ("async_error", Json::Bool(err != mkResult_t::mkSuccess)),
+                    ],
                 );
             }
         }

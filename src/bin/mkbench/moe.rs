@@ -1,7 +1,7 @@
 //! `mkbench moe`: mkMoeDispatchGemm and mkMoeGemmCombine beside the unfused sequences, in
 //! the same run:
 //!
-//!   mkbench moe [-g ranks] [--tokens 4096] [--hidden 7168] [--ffn 2048] [--experts 256] [--topk 8] [-n iters] [-w warmup] [--trace]
+//!   mkbench moe [-g ranks] [--tokens 4096] [--hidden 7168] [--ffn 2048] [--experts 256] [--topk 8] [-n iters] [-w warmup] [--blocks B] [--trace]
 //!
 //! Unfused dispatch = the same kernel with its GEMM switched off (the token exchange alone:
 //! count exchange, 16-byte-vector copies into the owners' receive buffers, signals), then
@@ -17,10 +17,12 @@
 //! are summed over their 12 warps, the GEMM CTAs count 64-row Z slabs as items).
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, for_each_option, print_trace, run_ranks, timed_slowest};
+use crate::record::{self, Json};
+use crate::fused_common::{bad, common_flag, for_each_option, measure_slowest, print_trace, run_ranks};
+use crate::measure::Protocol;
 use crate::ranks;
 use cudarc::driver::result as cu;
-use mkernel::comm::{Comm, CommConfig};
+use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, Result};
 use mkernel::ops::gemm as engine;
@@ -37,11 +39,17 @@ struct Options {
     top_k: usize,
     iters: usize,
     warmup: usize,
+    blocks: usize,
     trace: bool,
 }
 
+/// Parses the options without touching a GPU.
+pub fn check(_op: &str, args: &[String]) -> Result<()> {
+    parse(args).map(|_| ())
+}
+
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { ranks: ranks::nranks_requested(), tokens: 4096, hidden: 7168, ffn: 2048, experts: 256, top_k: 8, iters: 10, warmup: 3, trace: false };
+    let mut o = Options { ranks: ranks::nranks_requested(), tokens: 4096, hidden: 7168, ffn: 2048, experts: 256, top_k: 8, iters: Protocol::DEFAULT.iters, warmup: 3, blocks: Protocol::DEFAULT.blocks, trace: false };
     for_each_option(args, Some(&mut o.trace), |flag, v| {
         let num = || v.parse::<usize>().map_err(|_| bad(flag));
         match flag {
@@ -51,10 +59,12 @@ fn parse(args: &[String]) -> Result<Options> {
             "--ffn" => o.ffn = num()?,
             "--experts" => o.experts = num()?,
             "--topk" => o.top_k = num()?,
+            "--blocks" => o.blocks = num()?,
             other => return Err(bad(other)),
         }
         Ok(())
     })?;
+    Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters }.validate()?;
     Ok(o)
 }
 
@@ -99,7 +109,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let dims = MoeDims { tokens: t, hidden: h, ffn: f, top_k: k, experts: e, capacity: cap, nranks: n };
     let mut cfg = CommConfig::from_env();
     cfg.workspace_bytes = cfg.workspace_bytes.max((moe::COUNTS_BYTES + cap * h * 2) as u64);
-    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let x = TestBuffer::new(t * h, dtype)?;
     let w1 = TestBuffer::new(el * f * h, dtype)?;
@@ -137,18 +147,22 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         g2.push((a2, p2));
     }
     let events = Events::new(o.iters)?;
-    let timed = |f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f);
     let gemm1 = || g1.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
     let gemm2 = || g2.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
     // The dispatch leaves the layout the combines read; a combine may be repeated on it.
-    let t_fd = timed(&|| dispatch_gemm(&comm, &dargs, true, stream))?;
-    let t_xd = timed(&|| dispatch_gemm(&comm, &dargs, false, stream))?;
-    let t_ud = timed(&|| dispatch_gemm(&comm, &dargs, false, stream).and_then(|_| gemm1()))?;
-    let t_g1 = timed(&gemm1)?;
-    let t_fc = timed(&|| gemm_combine(&comm, &cargs, true, stream))?;
-    let t_g2 = timed(&gemm2)?;
-    let t_xc = timed(&|| gemm_combine(&comm, &cargs, false, stream))?;
-    let t_uc = timed(&|| gemm2().and_then(|_| gemm_combine(&comm, &cargs, false, stream)))?;
+    // Every contender in the shared protocol. Each dispatch rebuilds the same layout the
+    // combines read (the warm-up runs the fused dispatch first), so any order is valid.
+    let fused_dispatch = || dispatch_gemm(&comm, &dargs, true, stream);
+    let exchange_dispatch = || dispatch_gemm(&comm, &dargs, false, stream);
+    let unfused_dispatch = || exchange_dispatch().and_then(|_| gemm1());
+    let fused_combine = || gemm_combine(&comm, &cargs, true, stream);
+    let exchange_combine = || gemm_combine(&comm, &cargs, false, stream);
+    let unfused_combine = || gemm2().and_then(|_| exchange_combine());
+    let contenders: [&dyn Fn() -> Result<()>; 8] =
+        [&fused_dispatch, &exchange_dispatch, &unfused_dispatch, &gemm1, &fused_combine, &gemm2, &exchange_combine, &unfused_combine];
+    let protocol = Protocol { warmup: o.warmup.max(1), blocks: o.blocks, iters: o.iters };
+    let stats = measure_slowest(&comm, &events, stream, protocol, &contenders)?;
+    let [t_fd, t_xd, t_ud, t_g1, t_fc, t_g2, t_xc, t_uc] = [0, 1, 2, 3, 4, 5, 6, 7].map(|i| stats[i].median);
     if o.trace {
         print_trace(&comm, stream, "moe dispatch", &|buf| dispatch_gemm(&comm, &moe::DispatchArgs { trace: buf, ..dargs }, true, stream))?;
         print_trace(&comm, stream, "moe combine", &|buf| gemm_combine(&comm, &moe::CombineArgs { trace: buf, ..cargs }, true, stream))?;
@@ -162,9 +176,10 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         let tf = |us: f64| 2.0 * max_rows * f as f64 * h as f64 / (us * 1e-6) / 1e12;
         let gbs = |us: f64| sent_rows as f64 * h as f64 * 2.0 / (us * 1e-6) / 1e9;
         println!(
-            "# mkbench moe: {n} rank(s), bf16, T={t}/rank, H={h}, F={f}, E={e}, k={k}, {sms} SMs, MK_MAX_CTAS={}, recvCapacity={cap}, rows/rank <= {max_rows}, warm-up {} + {} timed calls (median of the slowest rank)",
+            "# mkbench moe: {n} rank(s), bf16, T={t}/rank, H={h}, F={f}, E={e}, k={k}, {sms} SMs, MK_MAX_CTAS={}, recvCapacity={cap}, rows/rank <= {max_rows}, warm-up {} then {} interleaved blocks of {} calls (median of the slowest rank per call); outputs not verified here (mktest moe checks them)",
             comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
             o.warmup,
+            o.blocks,
             o.iters
         );
         println!("# {:<9} | {:>10} {:>7} | {:>10} {:>7} | {:>9} | {:>10} {:>7} | {:>9} {:>8}", "direction", "fused us", "TF/s", "unfused us", "TF/s", "fused/unf", "exchange us", "GB/s", "GEMMs us", "GEMM TF/s");
@@ -176,6 +191,27 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             "  {:<9} | {:>10.1} {:>7.1} | {:>10.1} {:>7.1} | {:>9.3} | {:>10.1} {:>7.1} | {:>9.1} {:>8.1}{}",
             "combine", t_fc, tf(t_fc), t_uc, tf(t_uc), t_fc / t_uc, t_xc, gbs(t_xc), t_g2, tf(t_g2),
             if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
+        );
+        let c = |name: &str, i: usize| record::contender(name, Some(stats[i]), None);
+        let shape = |direction: &str| {
+            record::shape(&[("ranks", n), ("tokens", t), ("hidden", h), ("ffn", f), ("experts", e), ("topk", k)], &[("direction", direction)])
+        };
+        let extra = |baseline: &str| {
+            [
+                ("async_error", Json::Bool(err != mkResult_t::mkSuccess)),
+                ("baseline", Json::str(baseline)),
+                ("verified", Json::Bool(false)),
+            ]
+        };
+        record::row(
+            shape("dispatch"),
+            vec![c("fused", 0), c("exchange+per_expert_gemms", 2), c("exchange", 1), c("per_expert_gemms", 3)],
+            &extra("exchange+per_expert_gemms (one GEMM launch per expert; no grouped GEMM)"),
+        );
+        record::row(
+            shape("combine"),
+            vec![c("fused", 4), c("per_expert_gemms+exchange", 7), c("exchange", 6), c("per_expert_gemms", 5)],
+            &extra("per_expert_gemms+exchange (one GEMM launch per expert; no grouped GEMM)"),
         );
     }
     // SAFETY: live stream.

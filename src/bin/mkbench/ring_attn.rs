@@ -2,13 +2,15 @@
 //!
 //!   mkbench ring_attn [-g ranks] [--seq 8192,16384,32768] [--heads 32] [--kv-heads 32]
 //!                     [--dim 128] [--causal 0,1] [-n iters] [-w warmup] [--trace]
-//!                     [--unfused 0|1] [--rest-ms ms]
+//!                     [--unfused 0|1] [--rest-ms ms] [--blocks B]
 //!
 //! Per (global S, causal): the fused op; the unfused ring (mkAllGather of K, mkAllGather of
 //! V, then the same attention kernel over the gathered K/V, no overlap); and its two parts
 //! alone (attention over gathered K/V; the two AllGathers) for the overlap efficiency
-//! max(t_attn, t_comm) / t_fused. Batch 1, bf16. Times are medians over -n calls after -w
-//! warm-up calls (CUDA events), the slowest rank's median. TFLOP/s per rank: 4·H·S_local·
+//! max(t_attn, t_comm) / t_fused. Batch 1, bf16. The fused output is checked once per case
+//! against the unfused ring's. Times follow the shared protocol (measure.rs: -w warm-up,
+//! then --blocks interleaved blocks of -n calls, the slowest rank per call; median, p10,
+//! p90). TFLOP/s per rank: 4·H·S_local·
 //! S·D (non-causal), half of it causal (the FlashAttention convention). The single-GPU
 //! baseline (torch SDPA, cuDNN and flash backends) is a separate script
 //! (benches/sdpa_baseline.py), run in the same GPU session. The H200 lowers its clocks under
@@ -20,15 +22,17 @@
 //! (trace_summary).
 
 use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, for_each_option, run_ranks, parse_list, timed_slowest, trace_words};
+use crate::record::{self, Json};
+use crate::fused_common::{bad, common_flag, for_each_option, measure_slowest, parse_list, run_ranks, trace_words};
+use crate::measure::Protocol;
 use crate::ranks;
 use cudarc::driver::result as cu;
-use mkernel::comm::{Comm, CommConfig};
+use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::Result;
 use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::ops::ring_attention::{attention_gathered, ring_attention, validate_args, workspace_bytes, RingArgs, RingShape};
-use mkernel::testing::TestBuffer;
+use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 
 struct Options {
@@ -40,6 +44,7 @@ struct Options {
     causal: Vec<usize>,
     iters: usize,
     warmup: usize,
+    blocks: usize,
     trace: bool,
     /// 0: only the fused op (no unfused ring, no attention alone, no AllGathers).
     unfused: usize,
@@ -47,8 +52,13 @@ struct Options {
     rest_ms: u64,
 }
 
+/// Parses the options without touching a GPU.
+pub fn check(_op: &str, args: &[String]) -> Result<()> {
+    parse(args).map(|_| ())
+}
+
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { ranks: ranks::nranks_requested(), seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], iters: 5, warmup: 2, trace: false, unfused: 1, rest_ms: 0 };
+    let mut o = Options { ranks: ranks::nranks_requested(), seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], iters: Protocol::DEFAULT.iters, warmup: 2, blocks: Protocol::DEFAULT.blocks, trace: false, unfused: 1, rest_ms: 0 };
     for_each_option(args, Some(&mut o.trace), |flag, v| {
         match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
@@ -59,10 +69,12 @@ fn parse(args: &[String]) -> Result<Options> {
             "--causal" => o.causal = parse_list(v, "--causal")?,
             "--unfused" => o.unfused = v.parse().map_err(|_| bad("--unfused"))?,
             "--rest-ms" => o.rest_ms = v.parse().map_err(|_| bad("--rest-ms"))?,
+            "--blocks" => o.blocks = v.parse().map_err(|_| bad("--blocks"))?,
             other => return Err(bad(other)),
         }
         Ok(())
     })?;
+    Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters }.validate()?;
     Ok(o)
 }
 
@@ -80,7 +92,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let mut cfg = CommConfig::from_env();
     // The fused op's K/V copy, and the collectives' staging for the unfused AllGathers.
     cfg.workspace_bytes = cfg.workspace_bytes.max(workspace_bytes(&shape_of(max_sl, false)));
-    let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
+    let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let q_elems = max_sl * o.heads * o.dim;
     let kv_elems = max_sl * o.kv_heads * o.dim;
@@ -88,6 +100,9 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let k = TestBuffer::new(kv_elems, dtype)?;
     let v = TestBuffer::new(kv_elems, dtype)?;
     let out = TestBuffer::new(q_elems, dtype)?;
+    let out_ref = TestBuffer::new(q_elems, dtype)?;
+    let lse_ref = TestBuffer::new(max_sl * o.heads, mkDataType_t::mkFloat32)?;
+    let protocol = Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters };
     let lse = TestBuffer::new(max_sl * o.heads, mkDataType_t::mkFloat32)?;
     let kg = TestBuffer::new(kv_elems * n, dtype)?;
     let vg = TestBuffer::new(kv_elems * n, dtype)?;
@@ -128,18 +143,43 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             };
             let (kp, vp) = if n == 1 { (k.ptr(), v.ptr()) } else { (kg.ptr(), vg.ptr()) };
             let attn = || attention_gathered(&args, kp, vp, grid_cap, stream);
-            let timed = |f: &dyn Fn() -> Result<()>| timed_slowest(&comm, &events, stream, o.warmup, f);
+            // The fused output against the unfused one (gather K, V, then attention), once per shape.
+            let ref_args = RingArgs { out: out_ref.ptr(), lse: lse_ref.ptr(), ..args };
+            out.poison(stream)?;
+            out_ref.poison(stream)?;
+            comm.bootstrap.barrier()?;
+            gather()?;
+            attention_gathered(&ref_args, kp, vp, grid_cap, stream)?;
+            fused()?;
+            // SAFETY: live stream.
+            unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+            comm.bootstrap.barrier()?;
+            let elems = sl * o.heads * o.dim;
+            let (got, want) = (out.download_f64()?, out_ref.download_f64()?);
+            let rel_err = relative_error(&got[..elems], &want[..elems]);
+            #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN error counts as wrong
+            let wrong = !(rel_err <= tolerance(dtype));
+            all_ok &= !wrong;
             if o.rest_ms > 0 {
                 // SAFETY: live stream.
                 unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
                 std::thread::sleep(std::time::Duration::from_millis(o.rest_ms));
             }
-            let t_fused = timed(&fused)?;
-            let (t_unfused, t_attn, t_comm) = if o.unfused == 0 {
-                (f64::NAN, f64::NAN, f64::NAN)
-            } else {
-                (timed(&|| gather().and_then(|_| attn()))?, timed(&attn)?, if n > 1 { timed(&gather)? } else { 0.0 })
-            };
+            let unfused_seq = || gather().and_then(|_| attn());
+            let mut contenders: Vec<(&str, &dyn Fn() -> Result<()>)> = vec![("fused", &fused)];
+            if o.unfused != 0 {
+                contenders.extend([("mk_all_gather+attention", &unfused_seq as &dyn Fn() -> Result<()>), ("attention", &attn)]);
+                if n > 1 {
+                    contenders.push(("mk_all_gather", &gather));
+                }
+            }
+            let fns: Vec<&dyn Fn() -> Result<()>> = contenders.iter().map(|c| c.1).collect();
+            let stats = measure_slowest(&comm, &events, stream, protocol, &fns)?;
+            let med = |name: &str| contenders.iter().position(|c| c.0 == name).map(|i| stats[i].median);
+            let t_fused = stats[0].median;
+            let t_unfused = med("mk_all_gather+attention").unwrap_or(f64::NAN);
+            let t_attn = med("attention").unwrap_or(f64::NAN);
+            let t_comm = if o.unfused == 0 { f64::NAN } else { med("mk_all_gather").unwrap_or(0.0) };
             let err = comm.async_error();
             if err != mkernel::error::mkResult_t::mkSuccess {
                 all_ok = false;
@@ -152,6 +192,17 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                     s_global, sl, causal, t_fused, tf, t_unfused, t_attn, t_comm,
                     t_fused / t_unfused, t_attn.max(t_comm) / t_fused,
                     if err == mkernel::error::mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
+                );
+                println!("  {:>20} fused p10/p90 {:.1}/{:.1} µs; rel err vs unfused {rel_err:.1e}{}", "", stats[0].p10, stats[0].p90, if wrong { "  WRONG" } else { "" });
+                record::row(
+                    record::shape(&[("ranks", n), ("seq", s_global), ("seq_per_rank", sl), ("heads", o.heads), ("dim", o.dim), ("causal", causal)], &[]),
+                    contenders.iter().zip(&stats).map(|(c, s)| record::contender(c.0, Some(*s), None)).collect(),
+                    &[
+                        ("rel_err", Json::num(rel_err)),
+                        ("wrong", Json::Bool(wrong)),
+                        ("baseline", Json::str("mk_all_gather+attention (attention: our kernel; cuDNN in benches/sdpa_baseline.py)")),
+                        ("async_error", Json::Bool(err != mkernel::error::mkResult_t::mkSuccess)),
+                    ],
                 );
             }
             if o.trace {

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The benchmark tooling's CPU tests (no GPU needed):
+#  1. mkbench's unit tests (protocol statistics, interleaving, record writer, options);
+#     the record the Rust writer produces is validated by benches/plot.py --check.
+#  2. The schema check accepts the fixtures (benches/fixtures) and refuses records that
+#     break one rule each.
+#  3. plot.py renders the fixtures to PNGs (matplotlib in a venv under target/).
+#  4. mkbench refuses a typo before probing a GPU (exit 2) and, without a GPU, says
+#     SKIPPED with exit 77.
+#  5. gpu-run.sh with fake binaries: a SKIPPED step (exit 77) fails the run by default and
+#     exits 3 under --allow-skip, never 0; the same run with passing fakes exits 0; a
+#     typo exits 2 before any GPU probe.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+fail() { echo "test-bench: FAILED: $*"; exit 1; }
+
+echo "== mkbench unit tests; the Rust writer's record against the schema"
+MK_BENCH_SAMPLE="$WORK/sample.json" cargo test --release --bin mkbench -- --test-threads=2
+[ -s "$WORK/sample.json" ] || fail "the record test wrote no sample"
+python3 benches/plot.py --check "$WORK/sample.json"
+
+echo "== schema: fixtures pass, each broken copy fails with its rule"
+python3 benches/plot.py --check benches/fixtures/*.json
+python3 - "$WORK" <<'EOF'
+import copy, json, subprocess, sys
+work = sys.argv[1]
+good = json.load(open("benches/fixtures/ag_gemm.json"))
+def broken(name, edit, rule):
+    rec = copy.deepcopy(good)
+    edit(rec)
+    path = f"{work}/{name}.json"
+    json.dump(rec, open(path, "w"))
+    r = subprocess.run([sys.executable, "benches/plot.py", "--check", path], capture_output=True, text=True)
+    assert r.returncode != 0, f"{name}: accepted"
+    assert rule in r.stderr, f"{name}: {r.stderr!r} does not name {rule!r}"
+broken("wrong-schema", lambda r: r.update(schema="mkbench/0"), '"schema" must be')
+broken("no-machine-clock", lambda r: r["machine"].pop("sm_clock_mhz"), 'missing key "sm_clock_mhz"')
+broken("bad-date", lambda r: r.update(date="yesterday"), "ISO 8601")
+broken("p10-above-median", lambda r: r["rows"][0]["contenders"][0].update(p10_us=1e9), "p10_us <= median_us <= p90_us")
+broken("twice", lambda r: r["rows"][0]["contenders"].append(r["rows"][0]["contenders"][0]), "appears twice")
+broken("no-rows-key", lambda r: r.pop("rows"), 'missing key "rows"')
+broken("negative-time", lambda r: r["rows"][1]["contenders"][2].update(median_us=-1.0), "positive")
+print("schema: 7 broken records refused, each naming its rule")
+EOF
+
+echo "== plot.py renders the fixtures"
+VENV=target/bench-venv
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import matplotlib" 2>/dev/null; then
+  python3 -m venv "$VENV"
+  # A cached wheel folder (.whl) first where there is one, then the package index.
+  links=(); [ -d .whl ] && links=(--find-links .whl)
+  "$VENV/bin/pip" install -q "${links[@]}" matplotlib
+fi
+"$VENV/bin/python" benches/plot.py benches/fixtures/*.json -o "$WORK/png" > "$WORK/png.list"
+[ "$(wc -l < "$WORK/png.list")" = 2 ] || fail "expected 2 PNGs, got: $(cat "$WORK/png.list")"
+while read -r png; do
+  [ "$(head -c 8 "$png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ] || fail "$png is not a PNG"
+  [ "$(stat -c %s "$png")" -gt 10000 ] || fail "$png is suspiciously small"
+done < "$WORK/png.list"
+
+echo "== mkbench: a typo fails before the GPU probe; no GPU is SKIPPED (77), not OK"
+cargo build --release --bin mkbench
+for op in all_gather ag_gemm gemm_rs gemm_ar moe ring_attn gemm; do
+  set +e; ./target/release/mkbench "$op" --no-such-option 1 > "$WORK/out" 2>&1; rc=$?; set -e
+  [ $rc = 2 ] || fail "mkbench $op --no-such-option exited $rc, not 2: $(cat "$WORK/out")"
+  grep -q -- "--no-such-option" "$WORK/out" || fail "mkbench $op: the message does not name the option"
+  ./target/release/mkbench "$op" --help | grep -q -- "--json" || fail "mkbench $op --help"
+done
+if ./target/release/mkbench all_gather -b 8 -e 8 > "$WORK/out" 2>&1; then
+  grep -q "^OK" "$WORK/out" || fail "mkbench exited 0 without saying OK"
+else
+  rc=$?
+  [ $rc = 77 ] && grep -q "^SKIPPED" "$WORK/out" || fail "mkbench all_gather exited $rc: $(cat "$WORK/out")"
+fi
+
+echo "== gpu-run.sh with fake binaries: skip is not pass"
+fake() {  # fake DIR EXIT: binaries that print what they are and exit EXIT
+  mkdir -p "$1/ctests"
+  for b in mktest mkbench transport_gpu ctests/test_abi ctests/test_abi_san ctests/test_cxx; do
+    printf '#!/bin/sh\n[ "$1" = "" ] && [ "%s" = mkbench ] && echo "  gemm x"\necho "fake %s: SKIPPED or run, exit %s"\nexit %s\n' \
+      "$b" "$b" "$2" "$2" > "$1/$b"
+    chmod +x "$1/$b"
+  done
+  tar -C "$1" -cJf "$1.tar.xz" .
+}
+run_fake() {  # EXIT ARGS...: gpu-run.sh's exit status on fakes that exit EXIT
+  local code=$1; shift
+  rm -rf "$WORK/fake" "$WORK/out"
+  fake "$WORK/fake" "$code"
+  set +e
+  env PATH="/usr/bin:/bin" OUT="$WORK/out" BIN_TAR="$WORK/fake.tar.xz" timeout 120 bash scripts/gpu-run.sh "$@" > "$WORK/log" 2>&1
+  local rc=$?
+  set -e
+  echo "$rc"
+}
+FAST="--ranks 1 --no-bench --no-nodes"
+rc=$(run_fake 77 $FAST); [ "$rc" = 1 ] || fail "skipped suites under --require-gpu (default) exited $rc, not 1"
+grep -q "SKIPPED" "$WORK/out/summary.txt" || fail "the summary does not say SKIPPED"
+rc=$(run_fake 77 $FAST --require-gpu); [ "$rc" = 1 ] || fail "--require-gpu: exited $rc, not 1"
+rc=$(run_fake 77 $FAST --allow-skip); [ "$rc" = 3 ] || fail "--allow-skip: skipped steps exited $rc, not 3"
+rc=$(run_fake 0 $FAST); [ "$rc" = 0 ] || fail "passing fakes exited $rc, not 0: $(tail -5 "$WORK/log")"
+grep -q "\[step 1, " "$WORK/log" || fail "no progress line on the console"
+rc=$(run_fake 77 --no-tests --no-nodes --ranks 1); [ "$rc" = 1 ] || fail "skipped benches exited $rc, not 1"
+rc=$(run_fake 0 $FAST --bogus); [ "$rc" = 2 ] || fail "a typo exited $rc, not 2"
+grep -q "MPS\|nvidia-smi" "$WORK/log" && fail "a typo reached the GPU probe"
+rc=$(run_fake 0 $FAST --deadline); [ "$rc" = 2 ] || fail "--deadline without a value exited $rc, not 2"
+echo "== benchmark tooling tests passed"
