@@ -23,11 +23,9 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include "mk_kernel_abi.h"
-#include "common/dtypes.cuh"
+#include "mkernel.h"
 #include "common/reduce_copy.cuh"
 #include "common/signals.cuh"
-
-#define MK_COLLECTIVE_THREADS 512
 
 template <typename T>
 __device__ __forceinline__ void collective(const CollectiveParams& p) {
@@ -171,7 +169,7 @@ extern "C" __global__ void mk_collective_check(CollectiveCheckParams c) {
     } else {
       uint64_t i = c.kind == MK_OP_REDUCE_SCATTER ? (uint64_t)c.rank * c.count + j : j;
       for (int p = 0; p < c.nranks; ++p) expect += (double)check_uniform(c.seed_base + p, i);
-      if (c.op == MK_RED_AVG) expect /= c.nranks;
+      if (c.op == mkAvg) expect /= c.nranks;
     }
     double d = fabs((double)out[j] - expect);
     if (!(d <= 1e-6 * c.nranks + 1e-6 * fabs(expect))) ++wrong;

@@ -30,19 +30,7 @@
 #include "common/proxy.cuh"
 #include "common/trace.cuh"
 
-#define GR_EPOCH (MK_SIG_OP_BASE + 1024)
-#define GR_ARRIVE (MK_SIG_OP_BASE + 1025)
-#define GR_DONE (MK_SIG_OP_BASE + 1032)  // + q: rank q finished reading this rank's P of epoch e
-// Across nodes, + m: node m's GPU-l rank is done with its inbox and R of epoch e (this rank
-// may put the next call's data there); written by that rank's proxy.
-#define GR_NET_DONE (MK_SIG_OP_BASE + 1040)
-// Across nodes: element counters, [GR_COUNT, GR_TILE) (src/ops/gemm_reduce_nodes.rs
-// COUNT_WORD): a range of their own, because a counter must start at 0 and the words past
-// the tile flags hold other shapes' epochs.
-#define GR_COUNT (MK_SIG_OP_BASE + 1056)
-#define GR_OP_ALL_REDUCE 18  // GemmReduceParams::op
-#define GR_TILE (MK_SIG_OP_BASE + 2048)  // + tile * 2 + slab: slab stored (own region)
-// Two-phase AllReduce: GR_TILE + 2 * tiles + tile: the owner reduced the tile into its R.
+// Signal words of this op: GR_* in mk_kernel_abi.h (src/kernel_abi.rs).
 
 namespace mk { namespace gemm_reduce {
 
@@ -633,7 +621,7 @@ __device__ __forceinline__ bool gr_put(const GemmReduceParams& p, uint64_t epoch
   if (!mk_wait_geq_inline(p.ws, mk_signal_word(p.ws, p.ws.rank, GR_NET_DONE + m), epoch - 1, peer, MK_WAIT_GRANT, p.op))
     return false;
   const int rc = mk_proxy_put(p.ring, (uint32_t)peer, src, dst, (uint32_t)bytes, word, (uint32_t)epoch, &posts.ticket);
-  if (rc != MK_PROXY_OK) {
+  if (rc != mkSuccess) {
     mk_fail(p.ws, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, p.op));
     return false;
   }
@@ -711,7 +699,7 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
   const Staging staging = team_staging<BN, Team>();
   const WorkspaceView& ws = p.ws;
   const int L = ws.nranks, l = ws.rank, N = p.nodes, n = p.node, g = p.global_rank;
-  const bool all = p.op == GR_OP_ALL_REDUCE;
+  const bool all = p.op == MK_OP_GEMM_ALL_REDUCE;
   const int tiles_m = (p.m + 127) / 128;
   const int total = tiles_m * p.tiles_n;
   char* own = reinterpret_cast<char*>(ws.data[l]);
@@ -791,7 +779,7 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
   ok = 1;
   if (Team::tid() == 0 && posts.posted) {
     const int rc = mk_proxy_wait_complete(p.ring, posts.ticket);
-    if (rc != MK_PROXY_OK) ok = 0, mk_fail(p.ws, mk_error_word((uint32_t)rc, 0xff, MK_WAIT_PROXY, p.op));
+    if (rc != mkSuccess) ok = 0, mk_fail(p.ws, mk_error_word((uint32_t)rc, 0xff, MK_WAIT_PROXY, p.op));
   }
   return Team::and_all(ok) != 0;
 }
@@ -804,7 +792,7 @@ __device__ __forceinline__ void gr_post_net_done(const GemmReduceParams& p, uint
     const int m = (p.node + i) % p.nodes, peer = gr_rank_of(p, m, p.ws.rank);
     uint64_t ticket;
     const int rc = mk_proxy_signal(p.ring, (uint32_t)peer, GR_NET_DONE + p.node, (uint32_t)(epoch - 1), &ticket);
-    if (rc != MK_PROXY_OK) {
+    if (rc != mkSuccess) {
       mk_fail(p.ws, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, p.op));
       return;
     }
@@ -1026,7 +1014,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
   mk_check_engine_smem<Cfg, Epi>();
   // A plan mismatch (the host picks the owner kernels for AllReduce on one node, with the
   // GEMM CTAs reducing after their GEMM) is a bug: trap rather than reduce wrongly.
-  if (kOwnerSums && (p.op != GR_OP_ALL_REDUCE || p.nodes != 1 || p.reduce_ctas != 0 || p.side_reduce || p.two_phase ||
+  if (kOwnerSums && (p.op != MK_OP_GEMM_ALL_REDUCE || p.nodes != 1 || p.reduce_ctas != 0 || p.side_reduce || p.two_phase ||
                      p.interleave != 1))
     __trap();
   const WorkspaceView& ws = p.ws;

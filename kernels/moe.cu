@@ -34,31 +34,8 @@
 #include "common/fused_op.cuh"
 #include "common/trace.cuh"
 
-#define MK_OP_MOE_DISPATCH 19
-#define MK_OP_MOE_COMBINE 20
-#define MK_WAIT_MOE_CAPACITY 5   // error word "what": a receive buffer is too small
-#define MK_WAIT_MOE_EXPERT 6     // error word "what": an expert id outside [-1, E)
-
-// Signal words (own region unless noted), all in [MK_SIG_MOE_BASE, +65536).
-#define MOE_EPOCH (MK_SIG_MOE_BASE + 0)
-#define MOE_ARRIVE (MK_SIG_MOE_BASE + 1)
-#define MOE_PREP (MK_SIG_MOE_BASE + 2)    // the prep CTA wrote the layout of epoch e
-#define MOE_DONE (MK_SIG_MOE_BASE + 8)    // + q: rank q finished MoE kernel e (written by q)
-#define MOE_CNT (MK_SIG_MOE_BASE + 16)    // + s: rank s wrote its counts here (written by s)
-#define MOE_GRAB (MK_SIG_MOE_BASE + 40)   // senders' next chunk of the send list (counter)
-#define MOE_EXIT (MK_SIG_MOE_BASE + 41)   // sender warps done (counter; the last resets both)
-#define MOE_PULL_GRAB (MK_SIG_MOE_BASE + 42)  // combine: pullers' next chunk of items (counter)
-#define MOE_PULL_EXIT (MK_SIG_MOE_BASE + 43)  // combine: pulling warps done (counter; the last resets both)
-#define MOE_RECV (MK_SIG_MOE_BASE + 1024) // + s * E_local + le: all of rank s's rows of local expert le arrived (written by s)
-#define MOE_SENT (MK_SIG_MOE_BASE + 2048) // + q: rows of send list q copied (counter; the last copier resets it)
-#define MOE_TILE (MK_SIG_MOE_BASE + 3072) // + (m_block * tiles_n + n) * 2 + slab: Z slab stored
-
-// Layout buffer words (int32): see ops::moe::LayoutOffsets.
-#define LAY_TOTAL_MB 0   // m-blocks of this rank's receive buffer in use
-#define LAY_OVERFLOW 1   // nonzero: some rank's receive buffer is too small; nothing was moved
-
-#define MOE_MAX_EXPERTS 1024
-#define MOE_WARPS 12
+// Signal words (MOE_*), layout words (MOE_LAY_*), MOE_MAX_EXPERTS and MOE_WARPS: in
+// mk_kernel_abi.h (src/kernel_abi.rs).
 
 namespace mk { namespace moe {
 
@@ -305,7 +282,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     }
     __syncthreads();
   }
-  if (tid == 0 && bad_id) mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, me, MK_WAIT_MOE_EXPERT, MK_OP_MOE_DISPATCH));
+  if (tid == 0 && bad_id) mk_record_error(ws, mk_error_word(mkInvalidUsage, me, MK_WAIT_MOE_EXPERT, MK_OP_MOE_DISPATCH));
 
   // Nobody may still be sending into or pulling from any region of the previous kernel.
   if (!moe_cta_wait_peers(ws, MOE_DONE, epoch - 1, me, MK_OP_MOE_DISPATCH)) return false;
@@ -349,8 +326,8 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   }
   if (tid == 0) {
     counts_out[El] = needed_max;
-    layout[LAY_OVERFLOW] = overflow;
-    if (overflow) mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, overflow - 1, MK_WAIT_MOE_CAPACITY, MK_OP_MOE_DISPATCH));
+    layout[MOE_LAY_OVERFLOW] = overflow;
+    if (overflow) mk_record_error(ws, mk_error_word(mkInvalidUsage, overflow - 1, MK_WAIT_MOE_CAPACITY, MK_OP_MOE_DISPATCH));
   }
   if (overflow) {
     __syncthreads();
@@ -473,7 +450,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
         }
     }
   }
-  if (tid == 0) layout[LAY_TOTAL_MB] = total;
+  if (tid == 0) layout[MOE_LAY_TOTAL_MB] = total;
   __syncthreads();
   return true;
 }
@@ -692,11 +669,11 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   }
   // The layout of this epoch is in place (thread 0's acquire, then the barrier).
   bool ready = moe_cta_wait(ws, mk_signal_word(ws, ws.rank, MOE_PREP), epoch, ws.rank, MK_OP_MOE_DISPATCH);
-  if (ready && ld_cg(layout + LAY_OVERFLOW) != 0) ready = false;
+  if (ready && ld_cg(layout + MOE_LAY_OVERFLOW) != 0) ready = false;
   mk_trace_time(p.trace, MK_TR_SETUP);
 
   if (ready && j < 0) {
-    const int total_mb = ld_cg(layout + LAY_TOTAL_MB);
+    const int total_mb = ld_cg(layout + MOE_LAY_TOTAL_MB);
     if (p.gemm) {
       // Arrival order (mode 0) keeps main's fixed raster groups; the others cut them at runs.
       typename MoeRaster::Params sched{layout + p.lay_mb_order, p.order_mode == 0 ? nullptr : layout + p.lay_mb_run,
@@ -959,13 +936,13 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
   const uint64_t epoch = mk_op_epoch_begin(ws, MOE_EPOCH);
   const int* layout = reinterpret_cast<const int*>(p.layout);
   // A dispatch that found a receive buffer too small moved nothing (every rank saw it).
-  const bool valid = ld_cg(layout + LAY_OVERFLOW) == 0;
+  const bool valid = ld_cg(layout + MOE_LAY_OVERFLOW) == 0;
   mk_trace_time(p.trace, MK_TR_SETUP);
 
   if ((int)blockIdx.x < p.compute_ctas) {
     // Z overwrites our region: every peer must be done with the previous kernel.
     if (valid && moe_cta_wait_peers(ws, MOE_DONE, epoch - 1, ws.rank, MK_OP_MOE_COMBINE)) {
-      const int total_mb = ld_cg(layout + LAY_TOTAL_MB);
+      const int total_mb = ld_cg(layout + MOE_LAY_TOTAL_MB);
       uint64_t* flags = mk_signal_word(ws, ws.rank, MOE_TILE);
       if (p.gemm) {
         // Y' is local: no arrival order to follow. Expert-major (the receive layout's own

@@ -5,12 +5,12 @@
 use crate::comm::Comm;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{mkResult_t, MkError, Result};
-use crate::kernel_abi::{CollectiveParams, WorkspaceView};
+use crate::kernel_abi::{CollectiveParams, MkOp, MkWait, WorkspaceView};
 use crate::ensure_arg;
 use crate::types::{mkDataType_t, mkRedOp_t, RawDataType, RawRedOp};
 
-/// Threads per CTA of the collective kernels (MK_COLLECTIVE_THREADS).
-pub const THREADS: u32 = 512;
+/// Threads per CTA of the collective kernels.
+pub const THREADS: u32 = crate::kernel_abi::MK_COLLECTIVE_THREADS;
 /// Bytes a CTA should have to move before another CTA is worth adding.
 pub const MIN_BYTES_PER_CTA: u64 = 64 << 10;
 /// Pieces are multiples of this many bytes, so every piece starts 256-byte aligned.
@@ -148,28 +148,23 @@ impl ErrorWord {
         }
     }
     fn op_name(self) -> String {
-        match self.0 >> 24 {
-            1 => "mkAllGather".into(),
-            2 => "mkReduceScatter".into(),
-            3 => "mkAllReduce".into(),
-            16 => "mkAllGatherGemm".into(),
-            17 => "mkGemmReduceScatter".into(),
-            18 => "mkGemmAllReduce".into(),
-            19 => "mkMoeDispatchGemm".into(),
-            20 => "mkMoeGemmCombine".into(),
-            21 => "mkRingAttention".into(),
-            n => format!("fused op {n}"),
+        match MkOp::from_u32(self.0 >> 24) {
+            Some(op) => op.api_name().into(),
+            None => format!("fused op {}", self.0 >> 24),
         }
     }
+    fn what(self) -> Option<MkWait> {
+        MkWait::from_u32((self.0 >> 16) & 0xff)
+    }
     fn awaited(self) -> &'static str {
-        match (self.0 >> 16) & 0xff {
-            1 => "its staged data",
-            2 => "its reduced slice",
-            3 => "it to finish reading this rank's workspace slot",
-            4 => "a fused-op flag",
-            7 => "its data over the network",
-            8 => "it to free its slot for this rank's put over the network",
-            9 => "this rank's inter-node proxy",
+        match self.what() {
+            Some(MkWait::Ready) => "its staged data",
+            Some(MkWait::Ready2) => "its reduced slice",
+            Some(MkWait::Free) => "it to finish reading this rank's workspace slot",
+            Some(MkWait::OpFlag) => "a fused-op flag",
+            Some(MkWait::Net) => "its data over the network",
+            Some(MkWait::Grant) => "it to free its slot for this rank's put over the network",
+            Some(MkWait::Proxy) => "this rank's inter-node proxy",
             _ => "a signal",
         }
     }
@@ -177,19 +172,19 @@ impl ErrorWord {
     pub fn to_error(self, rank: usize) -> MkError {
         let op = self.op_name();
         let peer = self.peer().map_or("a peer".to_string(), |p| format!("rank {p}"));
-        let what = (self.0 >> 16) & 0xff;
+        let what = self.what();
         match self.code() {
             // kernels/moe.cu: errors found in the inputs on the device.
-            mkResult_t::mkInvalidUsage if what == 5 => MkError::invalid_usage(format!(
+            mkResult_t::mkInvalidUsage if what == Some(MkWait::MoeCapacity) => MkError::invalid_usage(format!(
                 "{op} on rank {rank}: the receive buffer of {peer} needs more rows than recvCapacity; nothing was moved. \
                  recvCounts[E_local] holds the recvCapacity this routing needs (the most over ranks). Recreate the communicator"
             )),
-            mkResult_t::mkInvalidUsage if what == 6 => MkError::invalid_usage(format!(
+            mkResult_t::mkInvalidUsage if what == Some(MkWait::MoeExpert) => MkError::invalid_usage(format!(
                 "{op} on rank {rank}: topkIdx holds an expert id outside [-1, E); those choices were dropped. Recreate the communicator"
             )),
-            // kernels/hier_collectives.cu: this rank's proxy failed (MK_WAIT_PROXY); the
-            // proxy's own message is in mkGetLastError once the host reads it.
-            code if what == 9 => MkError::new(code, format!(
+            // kernels/hier_collectives.cu: this rank's proxy failed; the proxy's own
+            // message is in mkGetLastError once the host reads it.
+            code if what == Some(MkWait::Proxy) => MkError::new(code, format!(
                 "{op} on rank {rank} stopped: its inter-node proxy failed ({code:?}) while sending to or waiting for {peer} \
                  (a lost connection, a ring that stayed full, or a transfer that did not complete within MK_TIMEOUT_MS). \
                  Abort and recreate the communicator"

@@ -8,15 +8,14 @@ use super::{gemm_ar, gemm_reduce_nodes, gemm_rs};
 use crate::comm::Comm;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
-use crate::kernel_abi::GemmReduceParams;
+use crate::kernel_abi::{self, GemmReduceParams, MkOp};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
-/// First signal word of the per-tile flags and the end of this op's range
-/// (kernels/gemm_reduce.cu GR_TILE, signals.cuh MK_SIG_GR_END): three flags per tile must
-/// fit between them.
-pub(crate) const GR_TILE_WORD: u32 = 8192 + 2048; // GR_TILE
-pub(crate) const GR_END_WORD: u32 = 131_072; // MK_SIG_GR_END
+/// First signal word of the per-tile flags and the end of this op's range: three flags per
+/// tile must fit between them.
+pub(crate) const GR_TILE_WORD: u32 = kernel_abi::GR_TILE;
+pub(crate) const GR_END_WORD: u32 = kernel_abi::MK_SIG_GR_END;
 const TILE_FLAG_WORDS: usize = (GR_END_WORD - GR_TILE_WORD) as usize;
 const ROW_BLOCK: usize = 128;
 
@@ -35,11 +34,11 @@ impl Reduction {
             Reduction::All => "mkGemmAllReduce",
         }
     }
-    /// Operation code in error words (signals.cuh: fused ops from 16).
+    /// Operation code in error words.
     fn op_code(self) -> i32 {
         match self {
-            Reduction::Scatter => 17,
-            Reduction::All => 18,
+            Reduction::Scatter => MkOp::GemmReduceScatter as i32,
+            Reduction::All => MkOp::GemmAllReduce as i32,
         }
     }
 }

@@ -18,12 +18,12 @@ use crate::types::{mkDataType_t, RawDataType, RawRedOp};
 
 const _: () = assert!(MK_MAX_NODE_RANKS == MK_MAX_NODES * MK_MAX_PEERS);
 
-/// Threads per CTA (MK_HIER_THREADS).
-pub const THREADS: u32 = 512;
+/// Threads per CTA.
+pub const THREADS: u32 = crate::kernel_abi::MK_HIER_THREADS;
 /// Sub-areas of a slot start at multiples of this (the kernels' 16-byte vectors).
 pub const SUB_ALIGN: u64 = 16;
-/// Most CTA slots with network flags (signals.cuh gives 64 per flag kind).
-pub const MAX_NET_CTAS: u32 = 64;
+/// Most CTA slots with network flags (the signal map gives MK_SIG_NET_CTAS per flag kind).
+pub const MAX_NET_CTAS: u32 = crate::kernel_abi::MK_SIG_NET_CTAS;
 
 /// Who is where, as the kernel's rank table holds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -501,19 +501,10 @@ mod tests {
 
     #[test]
     fn network_flags_fit_below_the_fused_ops_words() {
-        let header = include_str!("../../kernels/common/signals.cuh");
-        let define = |name: &str| -> u64 {
-            let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).unwrap_or_else(|| panic!("{name} missing"));
-            line.split_whitespace().nth(2).unwrap().parse().unwrap()
-        };
-        let ready = define("MK_SIG_READY");
-        let max_ctas = define("MK_SIG_MAX_CTAS");
-        let grant = define("MK_SIG_NET_GRANT");
+        use crate::kernel_abi::{MK_SIG_MAX_CTAS, MK_SIG_NET_GRANT, MK_SIG_OP_BASE, MK_SIG_READY};
         // The one-node flags (READY, READY2, FREE) end where the network flags begin ...
-        assert!(ready + 3 * max_ctas * MK_MAX_PEERS as u64 <= grant);
-        // ... and three kinds of 64 CTAs x MK_MAX_NODES words end at the fused ops' base.
-        assert!(grant + 3 * MAX_NET_CTAS as u64 * MK_MAX_NODES as u64 <= define("MK_SIG_OP_BASE"));
-        assert!(header.contains("#define MK_SIG_NET_READY (MK_SIG_NET_GRANT + 64 * MK_MAX_NODES)"));
-        assert!(header.contains("#define MK_SIG_NET_READY2 (MK_SIG_NET_READY + 64 * MK_MAX_NODES)"));
+        assert!(MK_SIG_READY + 3 * MK_SIG_MAX_CTAS * MK_MAX_PEERS as u32 <= MK_SIG_NET_GRANT);
+        // ... and three kinds of MAX_NET_CTAS x MK_MAX_NODES words end at the fused ops' base.
+        assert!(MK_SIG_NET_GRANT + 3 * MAX_NET_CTAS * MK_MAX_NODES as u32 <= MK_SIG_OP_BASE);
     }
 }

@@ -102,18 +102,18 @@ pub fn rows_needed(layout: &[Vec<ReceivedRow>]) -> usize {
 /// GEMM row block: every expert's segment of a receive buffer starts on a multiple of it.
 pub const ROW_BLOCK: usize = 128;
 /// Most experts (the prep CTA keeps per-expert tables in shared memory).
-pub const MAX_EXPERTS: usize = 1024;
+pub const MAX_EXPERTS: usize = crate::kernel_abi::MOE_MAX_EXPERTS as usize;
 /// Most experts per token (one warp lane per choice).
 pub const MAX_TOP_K: usize = 32;
 /// Bytes at the start of the fused-op region for the count exchange (nranks·E int32); the
 /// receive buffer (dispatch) and Z (combine) follow it.
 pub const COUNTS_BYTES: usize = 64 << 10;
-/// Per-slab flags of Z (signal words MK_SIG_MOE_BASE + 3072 .. + 65536; below them the
-/// dispatch's per-(source, expert) flags at + 1024 and per-list counters at + 2048).
-pub const TILE_FLAG_WORDS: usize = 65_536 - 3072;
+/// Per-slab flags of Z (signal words MOE_TILE .. MOE_END; below them the dispatch's
+/// per-(source, expert) flags at MOE_RECV and per-list counters at MOE_SENT).
+pub const TILE_FLAG_WORDS: usize = (crate::kernel_abi::MOE_END - crate::kernel_abi::MOE_TILE) as usize;
 /// Most 128-row blocks in a receive buffer (one byte of order key each in shared memory).
 pub const MAX_CAPACITY_BLOCKS: usize = 16_384;
-const WARPS: usize = 12;
+const WARPS: usize = crate::kernel_abi::MOE_WARPS as usize;
 
 /// Where the tables live in the caller's layout buffer (int32 words). Words 0..4: the
 /// number of row blocks in use on this rank, and whether some rank's buffer overflowed.
