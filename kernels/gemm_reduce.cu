@@ -14,11 +14,6 @@
 // step. Before storing a new P, compute CTAs wait until every peer has finished reading the
 // previous one (GR_DONE, raised by the peer's last CTA).
 //
-// GEMM + AllReduce at small M on one node with MK_GEMM_REDUCERS=owners (the
-// mk_gemm_allreduce_owner_* kernels) sums in the GEMM's epilogue instead: each tile has one owner rank, which computes it last; its
-// epilogue adds the peers' partials to its own staged tile and stores the sum into C and
-// into its P, and every other rank copies the sum from there after its GEMM (below).
-//
 // Across nodes (p.nodes > 1) the same GEMM and the same reducers run a hierarchical
 // reduction instead: node partials over NVLink, one proxy put per owner block to the
 // GPU-l rank of each other node, the node partials summed by the owner, and for AllReduce
@@ -439,161 +434,6 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
   return true;
 }
 
-// ---- GEMM + AllReduce by tile owners (the mk_gemm_allreduce_owner_* kernels) ---------
-// One node, one-shot sizes, BM 128, the GEMM CTAs' warps after the GEMM (the host picks
-// these kernels only then: ops::gemm_ar::owner_sums). The one-shot path has every rank read
-// all n partials of every tile after its GEMM: n + 1 tiles of traffic per tile and rank, 16
-// us of a 47 us op at M 256 on two ranks sharing one H200, where the GEMM's 31 us leave no
-// SM time beside it (DESIGN-NOTES). Here the linear tile order is cut into n segments
-// (segment q starts at q * tiles / n); rank r computes from segment r on, wrapping, so
-// segment r - 1 comes last for it, and rank r owns those tiles: every peer computed them
-// earlier in its own order (or in the same round). The owner's epilogue waits for the
-// peers' slabs of the tile, adds them to its own staged partial in rank order (fp32, the
-// one-shot sum bit for bit) and stores the sum into C and, by the epilogue's TMA store, into
-// its P, flagged as a partial would be. After the GEMM every rank copies the tiles other
-// ranks own from their P: 2 tiles of traffic per tile instead of n + 1, and one writer per
-// tile, so C is bitwise identical across ranks. Mirrored by ops::gemm_ar (tested).
-__device__ __forceinline__ int owner_segment_start(int q, int tiles, int nranks) {
-  return (int)((long long)q * tiles / nranks);
-}
-__device__ __forceinline__ int tile_owner(int t, int tiles, int nranks) {
-  return (int)((((long long)t + 1) * nranks - 1) / tiles + 1) % nranks;
-}
-
-// Byte offset of 16-byte vector g (columns 8g..8g+7) of row `row` in a staged 64-row slab
-// (TmaEpilogue's layout: 64-column boxes of 64 rows x 128 bytes, 128B-swizzled).
-__device__ __forceinline__ uint32_t staged_vector(int row, int g) {
-  return (g >> 3) * 8192 + row * 128 + (((g & 7) ^ (row & 7)) << 4);
-}
-
-// The owners' epilogue destination: P behind the start gate (GatedDest), after the owner's
-// sum (combine). A tile this rank does not own is stored as it is: a partial.
-struct OwnerSumDest : GatedDest {
-  struct Params : GatedDest::Params {
-    const GemmReduceParams* op;
-  };
-  static constexpr bool kCombines = true;
-  // Vectors of a thread summed together: 4 x 8 fp32 sums and 4 loads in flight per source
-  // beside the 128 accumulator registers, which stay allocated (the next tile's wgmmas
-  // read-modify-write them). ptxas: 4 fit in the 232 registers the owner kernels' consumers
-  // get, 8 spilled there; in the usual 208, 4 spilled and even 2 did (tests/kernels.rs
-  // checks for spills).
-  static constexpr int kBatch = 4;
-
-  template <typename T, int BN>
-  __device__ static bool combine(const Params& d, const SlabInfo& s) {
-    const GemmReduceParams& p = *d.op;
-    const WorkspaceView& ws = p.ws;
-    if (s.row0 >= p.m) return true;  // every row clipped: nothing of it is stored
-    const int tiles_m = (p.m + 127) / 128;
-    const int t = grouped_index(tiles_m, p.tiles_n, max(1, p.group_m), s.tile);
-    if (tile_owner(t, tiles_m * p.tiles_n, ws.nranks) != ws.rank) return true;  // a partial, stored as it is
-    gate_wait(d.gate);
-    if (!d.gate->ok) return false;  // stores nothing, flags nothing (EpochTileSignal, GatedDest)
-    // Thread q (< n, != rank) waits for rank q's slab; bar.red then orders every waiter's
-    // acquire and every thread's staging stores before the reads below.
-    const uint64_t t0 = p.trace && s.thread == 0 ? mk_globaltimer() : 0;
-    int ok = 1;
-    if (s.thread < ws.nranks && s.thread != ws.rank) {
-      ok = mk_wait_geq_inline(ws, slab_flag(p, s.thread, s.tile, s.consumer), d.gate->epoch, s.thread, MK_WAIT_OP_FLAG, p.op);
-    }
-    if (!named_barrier_and(1 + s.consumer, 128, ok)) {
-      // The wait recorded the error and raised the abort word. Closing the gate makes this
-      // CTA store and flag nothing more (GatedDest, EpochTileSignal: the courier still takes
-      // this slab and reads the gate after the hand-off's release / acquire) and skip the
-      // copies after its GEMM; peers waiting for its flags see the abort word.
-      if (s.thread == 0) *reinterpret_cast<volatile int*>(&d.gate->ok) = 0;
-      return false;
-    }
-    if (s.thread == 0 && p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
-    // Thread i keeps column vector g = i % (BN / 8) of the slab and walks its rows
-    // i / (BN / 8), + kRowStep, ...: one 64-bit base and a fixed stride, few registers.
-    constexpr int kVectorsPerRow = BN / 8, kRowStep = 128 / kVectorsPerRow, kPerThread = 64 / kRowStep;
-    const int g = s.thread % kVectorsPerRow, first_row = s.thread / kVectorsPerRow;
-    const int rows = min(64, p.m - s.row0);
-    if (g * 8 >= p.n - s.col0) return true;  // past N: nothing to add (the named barrier above was the last)
-    const uint32_t staged = smem_addr(s.smem);
-    const size_t row_bytes = (size_t)p.n * sizeof(T);
-    const size_t offset = (size_t)(s.row0 + first_row) * row_bytes + (size_t)(s.col0 + g * 8) * sizeof(T);
-    char* c = reinterpret_cast<char*>(p.c) + offset;
-#pragma unroll 1
-    for (int b = 0; b < kPerThread && first_row + b * kRowStep < rows; b += kBatch) {
-      float acc[kBatch][8];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
-#pragma unroll 1
-      for (int src = 0; src < ws.nranks; ++src) {
-        int4 x[kBatch];
-        if (src == ws.rank) {
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            const int row = first_row + (b + u) * kRowStep;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(x[u].x), "=r"(x[u].y), "=r"(x[u].z), "=r"(x[u].w)
-                         : "r"(staged + staged_vector(row, g))
-                         : "memory");
-          }
-        } else {
-          const char* part = reinterpret_cast<const char*>(ws.data[src]) + p.partial_offset + offset + b * kRowStep * row_bytes;
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u)
-            x[u] = first_row + (b + u) * kRowStep < rows ? __ldcg(reinterpret_cast<const int4*>(part + u * kRowStep * row_bytes))
-                                                          : make_int4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) add8<T>(acc[u], x[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int row = first_row + (b + u) * kRowStep;
-        if (row < rows) {
-          const int4 sum = pack8<T>(acc[u]);
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(staged + staged_vector(row, g)), "r"(sum.x), "r"(sum.y),
-                       "r"(sum.z), "r"(sum.w)
-                       : "memory");
-          *reinterpret_cast<int4*>(c + (size_t)(b + u) * kRowStep * row_bytes) = sum;
-        }
-      }
-    }
-    if (s.thread == 0 && p.trace) mk_trace_add(p.trace, MK_TR_ITEMS, 1);
-    return true;
-  }
-};
-
-// After the GEMM (a CTA team): the tiles other ranks own, copied from their P once flagged,
-// the owners taken in turn and each owner's tiles in its compute order; this team takes
-// j, j + stride, ... of that walk (ops::gemm_ar::copy_walk mirrors it).
-template <typename T, int BN, class Team>
-__device__ __forceinline__ bool copy_owned_sums(const GemmReduceParams& p, uint64_t epoch, int j, int stride) {
-  const Staging staging = team_staging<BN, Team>();
-  const WorkspaceView& ws = p.ws;
-  const int tiles_m = (p.m + 127) / 128, total = tiles_m * p.tiles_n;
-  const int others = ws.nranks - 1, longest = (total + ws.nranks - 1) / ws.nranks;
-  for (int i = j; i < others * longest; i += stride) {
-    const int owner = (ws.rank + 1 + i % others) % ws.nranks;
-    const int segment = (owner + ws.nranks - 1) % ws.nranks;
-    const int t = owner_segment_start(segment, total, ws.nranks) + i / others;
-    if (t >= owner_segment_start(segment + 1, total, ws.nranks)) continue;
-    const TileCoord tc = grouped_tile(tiles_m, p.tiles_n, max(1, p.group_m), t);
-    const int r0 = tc.m_block * 128, r1 = min(r0 + 128, p.m);
-    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
-    int ok = 1;
-    const int slab = Team::tid();
-    if (slab < 2 && r0 + slab * 64 < r1) {
-      ok = mk_wait_geq_inline(ws, slab_flag(p, owner, tc, slab), epoch, owner, MK_WAIT_OP_FLAG, p.op);
-    }
-    if (!Team::and_all(ok)) return false;
-    if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_WAIT, p.trace ? mk_globaltimer() - t0 : 0);
-    const int c0 = tc.n_block * BN, c1 = min(c0 + BN, p.n);
-    if (Team::tid() == 0) mk_trace_add(p.trace, MK_TR_BYTES, (uint64_t)(r1 - r0) * (c1 - c0) * sizeof(T) * 2);
-    copy_rows<T, Team>(staging, reinterpret_cast<char*>(p.c), reinterpret_cast<const char*>(ws.data[owner]) + p.partial_offset,
-                       p.n, r0, r1, c0, c1);
-  }
-  return true;
-}
-
 // ---- Across nodes -------------------------------------------------------------------
 // ws is this node's workspace (local ranks 0..L-1); owners are global ranks; this rank
 // (node n, local rank l) talks to the GPU-l rank of every other node through its proxy.
@@ -950,16 +790,9 @@ struct ReduceSideWork : NoAWait {
     }
   }
 };
-// kSideReduce false (the owner kernels, which never reduce beside the GEMM): warp 2 only
-// opens the gate, so the producer warpgroup fits in fewer registers.
-template <typename T, int BN, bool kSideReduce = true>
+template <typename T, int BN>
 struct ReduceSideWorkFor : ReduceSideWork {
-  __device__ static void side_work(const Params& w, int) {
-    if constexpr (kSideReduce)
-      ReduceSideWork::run<T, BN>(w);
-    else if (threadIdx.x / 32 == 2)
-      open_gate(*w.op, w.gate);
-  }
+  __device__ static void side_work(const Params& w, int) { ReduceSideWork::run<T, BN>(w); }
 };
 
 // The early kernels' side warps: warp 2 opens the gate (as ReduceSideWork), then warps 2-3
@@ -997,26 +830,17 @@ using PartialEpilogue = TmaEpilogue<GatedDest, TmaStoreOp, EpochTileSignal>;
 // only the 64 rows the one live consumer reads, so 4 stages fit instead of 3 at BN 256 (8
 // at BN 128, as with BM 128): more of B -- all of a small-M GEMM's traffic -- in flight.
 // The reduction still works in 128-row blocks (one block: M <= 64).
-// kOwnerSums: GEMM + AllReduce by tile owners (the mk_gemm_allreduce_owner_* kernels).
-template <typename T, int BN, int BM = 128, bool kOwnerSums = false>
+template <typename T, int BN, int BM = 128>
 __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_p,
                                             const GemmReduceParams& p) {
-  // The owner kernels' producer warpgroup only loads, opens the gate and runs the courier:
-  // 40 registers, so that the consumers get 232 for the owners' sums beside the accumulators.
-  using Cfg = GemmConfig<T, BN, FusedStages<BN, BM>::value, SHARE_NONE, kOwnerSums ? 40 : kProducerRegs, BM>;
+  using Cfg = GemmConfig<T, BN, FusedStages<BN, BM>::value, SHARE_NONE, kProducerRegs, BM>;
   // The reducers stage their loads in the first kRingStagingBytes of the ring
   // (ring_staging): the ring must hold them (BM 64 runs its own, deeper ring).
   static_assert(Cfg::STAGES * Cfg::STAGE_BYTES >= kRingStagingBytes<BN>, "ring_staging fits the ring");
-  static_assert(!kOwnerSums || BM == 128, "owners sum 128-row tiles");
-  using Epi = std::conditional_t<kOwnerSums, TmaEpilogue<OwnerSumDest, TmaStoreOp, EpochTileSignal>, PartialEpilogue>;
-  using Raster = std::conditional_t<kOwnerSums, RotatedRaster, OwnerInterleavedRaster>;
+  using Epi = PartialEpilogue;
+  using Raster = OwnerInterleavedRaster;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
-  // A plan mismatch (the host picks the owner kernels for AllReduce on one node, with the
-  // GEMM CTAs reducing after their GEMM) is a bug: trap rather than reduce wrongly.
-  if (kOwnerSums && (p.op != MK_OP_GEMM_ALL_REDUCE || p.nodes != 1 || p.reduce_ctas != 0 || p.side_reduce || p.two_phase ||
-                     p.interleave != 1))
-    __trap();
   const WorkspaceView& ws = p.ws;
   mk_trace_begin(p.trace, (int)blockIdx.x >= p.compute_ctas);
   uint64_t epoch;
@@ -1043,19 +867,17 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     sched.group_m = p.group_m > 0 ? p.group_m : 1;
     sched.m_block_base = 0;
     sched.owners = p.interleave;
-    sched.first_tile = kOwnerSums ? owner_segment_start(ws.rank, sched.tiles_m * sched.tiles_n, ws.nranks) : 0;
-    typename ReduceSideWorkFor<T, BN, !kOwnerSums>::Params await{&p, &gate};
+    typename ReduceSideWorkFor<T, BN>::Params await{&p, &gate};
     typename Epi::Params epi;
     epi.dest.tma_c = tma_p;
     epi.dest.gate = &gate;
-    if constexpr (kOwnerSums) epi.dest.op = &p;
     epi.signal.flags = mk_signal_word(ws, ws.rank, GR_TILE);
     epi.signal.tiles_n = p.tiles_n;
     epi.signal.gate = &gate;
     epi.signal.m = p.m;
     // Runs whatever the gate's outcome (a failed gate only stops P's stores and flags): the
     // loads and wgmmas touch nothing a peer reads.
-    gemm_persistent<Cfg, Raster, ReduceSideWorkFor<T, BN, !kOwnerSums>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
+    gemm_persistent<Cfg, Raster, ReduceSideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
                                                               blockIdx.x, p.compute_ctas, smem);
     // Without dedicated reduction CTAs (and side warps), the GEMM CTAs reduce once their
     // GEMM is done: all 12 warps, as CTA c of the grid taking owned tiles c, c + grid, ...
@@ -1067,10 +889,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     epoch = gate.epoch;
     if (gate.ok && p.reduce_ctas == 0 && !p.side_reduce) {
       mk_trace_time(p.trace, MK_TR_GEMM);
-      if constexpr (kOwnerSums)
-        copy_owned_sums<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
-      else
-        reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
+      reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
     }
   } else {
     epoch = mk_op_epoch_begin(ws, GR_EPOCH);
@@ -1177,17 +996,6 @@ MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn256_bm64, __nv_bfloat16, 256, 64)
 MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn128_bm64, __nv_bfloat16, 128, 64)
 MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn256_bm64, __half, 256, 64)
 MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn128_bm64, __half, 128, 64)
-// GEMM+AR by tile owners (one node, one-shot sizes, BM 128; src/ops/gemm_reduce.rs picks them).
-#define MK_GEMM_ALLREDUCE_OWNER_ENTRY(NAME, T, BN)                                                      \
-  extern "C" __global__ void __launch_bounds__(384, 1)                                                 \
-      NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,       \
-           const __grid_constant__ CUtensorMap tma_p, const __grid_constant__ GemmReduceParams p) {    \
-    mk::gemm_reduce::gemm_reduce<T, BN, 128, true>(&tma_a, &tma_b, &tma_p, p);                         \
-  }
-MK_GEMM_ALLREDUCE_OWNER_ENTRY(mk_gemm_allreduce_owner_bf16_bn256, __nv_bfloat16, 256)
-MK_GEMM_ALLREDUCE_OWNER_ENTRY(mk_gemm_allreduce_owner_bf16_bn128, __nv_bfloat16, 128)
-MK_GEMM_ALLREDUCE_OWNER_ENTRY(mk_gemm_allreduce_owner_f16_bn256, __half, 256)
-MK_GEMM_ALLREDUCE_OWNER_ENTRY(mk_gemm_allreduce_owner_f16_bn128, __half, 128)
 // GEMM+RS with early sums (BN 256, one node; src/ops/gemm_reduce.rs picks them).
 #define MK_GEMM_REDUCE_EARLY_ENTRY(NAME, T)                                                             \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                 \

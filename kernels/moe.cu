@@ -67,27 +67,15 @@ __device__ __forceinline__ bool moe_cta_wait_peers(const WorkspaceView& ws, uint
   return __syncthreads_and(ok) != 0;
 }
 
-// Column bands (MoeParams::band_w; host mirror ops::moe::band_locate): u counts units
-// (tiles_m per column for the GEMM's tiles, tokens per column for the pull's items) band
-// by band; on return u is the unit within its band, w the band's width, and the result its
-// first column. band_w > 0: bands of band_w columns; 0: halving bands, each ceil(r / 2) of
-// the r columns left (28: 14, 7, 4, 2, 1), so the last band, whose pull runs after the
-// GEMM, is one column while earlier bands are pulled beside the later ones.
-__device__ __forceinline__ int band_locate(int per_col, int tiles_n, int band_w, int& u, int& w) {
-  if (band_w > 0) {
-    const int band = u / (per_col * band_w);
-    u -= band * per_col * band_w;
-    w = band_w;
-    return band * band_w;
-  }
-  int col0 = 0;
-  for (;;) {
-    const int r = tiles_n - col0;
-    w = (r + 1) / 2;
-    if (r <= 1 || u < per_col * w) return col0;
-    u -= per_col * w;
-    col0 += w;
-  }
+// Column bands of band_w columns (MoeParams::band_w, which divides tiles_n; host mirror
+// ops::moe::band_locate): u counts units (tiles_m per column for the GEMM's tiles, tokens
+// per column for the pull's items) band by band; on return u is the unit within its band,
+// w the band's width, and the result its first column.
+__device__ __forceinline__ int band_locate(int per_col, int band_w, int& u, int& w) {
+  const int band = u / (per_col * band_w);
+  u -= band * per_col * band_w;
+  w = band_w;
+  return band * band_w;
 }
 
 // Tiles: t -> grouped raster over (ordered m-block index, n-block); the m-block index goes
@@ -103,7 +91,7 @@ struct MoeRaster {
     const int* mb_expert;  // local expert of each m-block (layout)
     const int* mb_rows;    // rows of each m-block in use (layout): 1..128
     int tiles_m, tiles_n;
-    int band_w;  // column tiles per band (divides tiles_n; 0: halving bands, band_locate): the raster runs band by band
+    int band_w;  // column tiles per band (divides tiles_n, band_locate): the raster runs band by band
     int group_m;
   };
   // The engine skips the wgmmas of a 64-row consumer slab at or past this row: an expert's
@@ -118,7 +106,7 @@ struct MoeRaster {
     // Bands (the combine: its pull follows them): band b's tiles, then band b + 1's, each
     // band rastered as below over its bw column tiles.
     int bw;
-    const int col0 = band_locate(p.tiles_m, p.tiles_n, p.band_w, t, bw);
+    const int col0 = band_locate(p.tiles_m, p.band_w, t, bw);
     int pos, nb;
     if (p.runs == nullptr) {
       const TileCoord c = grouped_tile(p.tiles_m, bw, p.group_m, t);
@@ -400,29 +388,16 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     }
   }
   __syncthreads();
-  // Block order (host mirror: ops::moe::block_tables): by a key, then by index (so, inside
-  // a key, expert-major). Keys (MoeParams::order_mode):
-  //   expert (1; the default, MK_MOE_ORDER=auto): one key, so the receive layout's order
-  //     (expert-major), with raster groups cut at experts (MoeRaster): an expert's blocks
-  //     share its W1 tiles (256 x 7168 x 2 bytes = 3.7 MB at DeepSeek-V3-like sizes) in L2.
-  //     The senders send expert by expert to every destination (the send list above) and
-  //     flag each (source, expert), so block b waits only for its own expert's rows.
-  //     Session 8's dispatch sent destination by destination with one flag per source;
-  //     there expert-major made the GEMM wait for the last source's rows (1.26x unfused at
-  //     4 ranks against 1.18 by arrival), hence the other keys:
-  //   arrival (0): the send step (me - s) mod n of the latest source s the block needs;
-  //   split (2): 0 = only own rows, 1 = no rows of the last step's source, 2 = the rest.
+  // Block order (host mirror: ops::moe::block_tables): the receive layout's own order
+  // (expert-major), as runs of one expert's blocks with raster groups cut at them
+  // (MoeRaster): an expert's blocks share its W1 tiles (256 x 7168 x 2 bytes = 3.7 MB at
+  // DeepSeek-V3-like sizes) in L2. The senders send expert by expert to every destination
+  // (the send list above) and flag each (source, expert), so block b waits only for its own
+  // expert's rows. The order tables keep a per-block key (always 0: one key) so that runs
+  // are (key, expert) runs.
   const int total = lbase[El] / 128;
-  const int mode = p.order_mode;
-  const int nkeys = mode == 0 ? n : mode == 1 ? 1 : 3;
-  for (int b = tid; b < total; b += blockDim.x) {
-    const unsigned m = (unsigned)mb_src[b];
-    int latest = 0;
-    for (int s = 0; s < n; ++s)
-      if (m & (1u << s)) latest = max(latest, (me - s + n) % n);
-    int key = mode == 0 ? latest : mode == 1 ? 0 : m == (1u << me) ? 0 : latest < n - 1 ? 1 : 2;
-    keys[b] = (unsigned char)key;
-  }
+  const int nkeys = 1;
+  for (int b = tid; b < total; b += blockDim.x) keys[b] = 0;
   __syncthreads();
   // Per (key, expert): blocks (kcnt), then the first order position (exclusive prefix over
   // (key, expert) in that order); bits/pre of pass 1 are free now (nkeys * El <= E words).
@@ -675,8 +650,8 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   if (ready && j < 0) {
     const int total_mb = ld_cg(layout + MOE_LAY_TOTAL_MB);
     if (p.gemm) {
-      // Arrival order (mode 0) keeps main's fixed raster groups; the others cut them at runs.
-      typename MoeRaster::Params sched{layout + p.lay_mb_order, p.order_mode == 0 ? nullptr : layout + p.lay_mb_run,
+      // Raster groups cut at the (key, expert) runs.
+      typename MoeRaster::Params sched{layout + p.lay_mb_order, layout + p.lay_mb_run,
                                        layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n, p.tiles_n,
                                        max(1, min(p.group_m, total_mb))};
       typename SourceAWait::Params await{&p, layout + p.lay_mb_srcmask, layout + p.lay_mb_expert, epoch};
@@ -727,7 +702,7 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
 // tile. A band's items are ready once the GEMM is through that band.
 __device__ __forceinline__ void pull_item(const MoeParams& p, int it, int& t, int& nb) {
   int bw;
-  const int col0 = band_locate(p.tokens, p.tiles_n, p.band_w, it, bw);
+  const int col0 = band_locate(p.tokens, p.band_w, it, bw);
   t = it / bw;
   nb = col0 + (it - t * bw);
 }
@@ -946,10 +921,8 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
       uint64_t* flags = mk_signal_word(ws, ws.rank, MOE_TILE);
       if (p.gemm) {
         // Y' is local: no arrival order to follow. Expert-major (the receive layout's own
-        // order), groups cut at expert segments, column bands first (band_w); arrival mode
-        // (0) keeps the dispatch's order.
-        const bool by_expert = p.order_mode != 0;
-        typename MoeRaster::Params sched{by_expert ? nullptr : layout + p.lay_mb_order, by_expert ? layout + p.lay_mb_seg : nullptr,
+        // order), groups cut at expert segments, column bands first (band_w).
+        typename MoeRaster::Params sched{nullptr, layout + p.lay_mb_seg,
                                          layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n, p.band_w,
                                          max(1, min(p.group_m, total_mb))};
         typename PullBeside<T, BN>::Params await{&p, epoch};

@@ -439,8 +439,6 @@ pub struct MoeParams {
     pub lay_send: i32,
     /// [E + 1]: first send-list entry of each list, then the total.
     pub lay_send_row0: i32,
-    /// m-block order (MK_MOE_ORDER): 0 arrival, 1 expert, 2 split (ops::moe::OrderMode).
-    pub order_mode: i32,
     pub tokens: i32,
     pub hidden: i32,
     pub ffn: i32,
@@ -451,9 +449,8 @@ pub struct MoeParams {
     pub capacity: i32,
     /// Column tiles of the GEMM (F / BN for dispatch, H / BN for combine).
     pub tiles_n: i32,
-    /// Column tiles per band (divides tiles_n; 0: halving bands, ops::moe::band_locate): the
-    /// GEMM runs band by band and the combine's pull follows the bands (ops::moe::band_width);
-    /// tiles_n = one band.
+    /// Column tiles per band (divides tiles_n, ops::moe::band_locate): the GEMM runs band by
+    /// band and the combine's pull follows the bands (ops::moe::band_width); tiles_n = one band.
     pub band_w: i32,
     pub group_m: i32,
     /// CTAs 0..compute_ctas run GEMM tiles; the next comm_ctas send (dispatch) or pull (combine).

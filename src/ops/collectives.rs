@@ -310,7 +310,7 @@ pub fn collective(comm: &Comm, kind: CollectiveKind, send: u64, recv: u64, count
     let _ctx = comm.context.enter()?;
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
-    let stage_bytes = if comm.config.stage_collective_loads { STAGE_BYTES } else { 0 };
+    let stage_bytes = STAGE_BYTES;
     launch(&ws.view, &args, single_rank_ctas(comm)?, stage_bytes, stream)
 }
 

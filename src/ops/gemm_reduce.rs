@@ -43,7 +43,8 @@ impl Reduction {
     }
 }
 
-/// Who sums the partials on one node without dedicated reduction CTAs (MK_GEMM_REDUCERS).
+/// Who sums the partials on one node without dedicated reduction CTAs
+/// (`Tuning::gemm_reducers`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reducers {
     /// GEMM+RS: the producer warpgroup's two idle warps of each GEMM CTA sum its earlier
@@ -52,14 +53,6 @@ pub enum Reducers {
     Early,
     /// Every warp of each GEMM CTA, after its GEMM.
     After,
-    /// The two idle producer warps, during the GEMM, everything (1.6x slower than after).
-    Side,
-    /// GEMM+AR at the one-shot sizes with 128-row tiles: each tile's owner rank, which
-    /// computes it last, sums it in its GEMM's epilogue, and the other ranks copy the sum
-    /// (`gemm_ar::owner_sums`); elsewhere as `After`. It moves 2 tiles per tile and rank
-    /// instead of n + 1 (far fewer NVLink reads at 8 ranks); on one shared H200 it measured
-    /// no faster than `After` (benches/RESULTS.md, session 13), so it is not the default.
-    Owners,
 }
 
 /// A validated call.
@@ -285,7 +278,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
             let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid, comm.config.comm_ctas)?;
             (p.compute_ctas, p.reduce_ctas, false)
         }
-        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas, comm.config.gemm_ar_one_shot_max_m)? {
+        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas, comm.config.tuning.gemm_ar_one_shot_max_m)? {
             gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas, false),
             gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas, true),
         },
@@ -341,7 +334,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let mut ta = engine::tensor_map(args.a, args.dtype, m, k, bm, engine::BK)?;
     let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
     let mut tp = engine::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
-    let early = early_items(args.reduction, comm.config.gemm_reducers, nodes.is_none(), reduce_ctas, bm, bn, reducer_items(row_lo, row_hi, tiles_n), compute_ctas as usize);
+    let early = early_items(args.reduction, comm.config.tuning.gemm_reducers, nodes.is_none(), reduce_ctas, bm, bn, reducer_items(row_lo, row_hi, tiles_n), compute_ctas as usize);
     let mut params = GemmReduceParams {
         ws: ws.view,
         c: args.c,
@@ -365,11 +358,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         nodes: 1,
         global_rank: rank as i32,
         // One node, no dedicated CTAs: each GEMM CTA's warps reduce after its GEMM (its
-        // side warps the earlier tiles during it: early_items); MK_GEMM_REDUCERS=side has
-        // the producer warpgroups' idle warps reduce everything during the GEMM instead
-        // (1.6x slower on one H200: 80 registers leave them ~6 GB/s per CTA; benches/RESULTS.md,
-        // session 5).
-        side_reduce: (nodes.is_none() && reduce_ctas == 0 && comm.config.gemm_reducers == Reducers::Side) as u32,
+        // side warps the earlier tiles during it: early_items). side_reduce stays 0.
         early_items: early as i32,
         ..GemmReduceParams::default()
     };
@@ -390,13 +379,8 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         params.rank_of = nl.rank_of;
     }
     let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
-    let one_shot_all = args.reduction == Reduction::All && !two_phase;
-    let owners = gemm_ar::owner_sums(one_shot_all, nodes.is_none(), reduce_ctas, comm.config.gemm_reducers, bm);
-    // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere), and
-    // so do the AllReduce tile owners' sums.
-    let name = if owners {
-        format!("mk_gemm_allreduce_owner_{dt}_bn{bn}")
-    } else if early > 0 {
+    // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere).
+    let name = if early > 0 {
         format!("mk_gemm_reduce_early_{dt}_bn256")
     } else {
         format!("mk_gemm_reduce_{dt}_bn{bn}{}", if bm == 64 { "_bm64" } else { "" })
@@ -481,7 +465,6 @@ mod tests {
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 0, 64, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 0, 128, 128, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::After, true, 0, 128, 256, 128, 32), 0);
-        assert_eq!(early_items(Reduction::Scatter, Reducers::Side, true, 0, 128, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, false, 0, 128, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 4, 128, 256, 128, 28), 0);
         assert!(kernel_names().contains(&"mk_gemm_reduce_early_f16_bn256".to_string()));

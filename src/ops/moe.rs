@@ -448,53 +448,11 @@ pub fn burst_for(forced: Option<bool>, nranks: usize) -> bool {
 /// rank at DeepSeek-V3-like sizes, beside ~1.8 GB of W2 tiles read once.
 pub const DEFAULT_BANDS: usize = 4;
 
-/// MK_MOE_BANDS=halving (CommConfig::moe_bands, MoeParams::band_w): bands that halve the
-/// columns left (`band_locate`). Session 10, 2 ranks: with 4 even bands the side warps
-/// waited about half of the GEMM (they pull a band in about half the time the GEMM takes
-/// to compute one as wide), and the last band's pull after the GEMM (~140 us of 6.4 ms)
-/// was what kept the fused combine above 0.8x unfused; 28 columns halve to 14, 7, 4, 2, 1:
-/// each band is pulled while the next, half as wide, computes, and one column is left
-/// for after the GEMM (one more pass over A than 4 bands; 14 even bands, 3.5x the A
-/// passes, measured slower). Measured (session 10 round 2): no gain — 2 ranks 6335 us
-/// against 6283-6311 with 4 bands, 4 ranks 11528 against 11343-11467: the side warps are
-/// idle during the wide first band and then fall behind. Kept as a knob, not the default.
-pub const HALVING_BANDS: usize = 0;
-
 /// Column tiles per band for `tiles_n` column tiles and `bands` requested: the most bands
-/// up to `bands` that divide `tiles_n` (every band the same width); HALVING_BANDS stays
-/// (one column: one band).
+/// up to `bands` that divide `tiles_n` (every band the same width).
 pub fn band_width(tiles_n: usize, bands: usize) -> usize {
-    if bands == HALVING_BANDS {
-        return if tiles_n <= 1 { tiles_n.max(1) } else { HALVING_BANDS };
-    }
     let b = (1..=bands.clamp(1, tiles_n.max(1))).rev().find(|b| tiles_n % b == 0).unwrap_or(1);
     tiles_n.max(1) / b
-}
-
-/// Order of the GEMM row blocks (MK_MOE_ORDER; MoeParams::order_mode).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OrderMode {
-    /// Dispatch by the arrival step of the latest source a block needs; fixed raster groups.
-    Arrival = 0,
-    /// Expert-major (the receive layout's order); groups cut at experts.
-    Expert = 1,
-    /// Dispatch: only-own-rows blocks, blocks without the last step's source, the rest.
-    Split = 2,
-}
-
-/// The order both kernels run for MK_MOE_ORDER (`env::moe_order`: 0 arrival,
-/// 1 expert, 2 split, 3 auto). `auto`, the default, is expert-major for both: an expert's
-/// blocks share its weight tiles in L2 (the combine, session 8, 4 ranks: 1.10x unfused
-/// against 1.25 by arrival). The dispatch ran by arrival in session 8 (1.18 against 1.26)
-/// because rows were flagged per source, sent destination by destination, so expert-major
-/// waited for the last source; since session 9 the rows go out expert by expert with a flag
-/// per (source, expert) (`send_tables`), which is the order expert-major consumes them.
-pub fn order_mode_for(config_order: u32) -> OrderMode {
-    match config_order {
-        0 => OrderMode::Arrival,
-        2 => OrderMode::Split,
-        _ => OrderMode::Expert,
-    }
 }
 
 /// The m-block tables the dispatch's prep writes into the layout buffer (kernels/moe.cu
@@ -517,8 +475,9 @@ pub struct BlockTables {
     pub rows: Vec<usize>,
 }
 
-pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: OrderMode) -> Result<BlockTables> {
-    let n = s.nranks;
+/// The order is the receive layout's own (expert-major): one key, and each expert's
+/// blocks one run, so an expert's blocks share its weight tiles in L2.
+pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result<BlockTables> {
     let (layout, _) = receive_layout(s, routing, rank)?;
     let (mut expert, mut srcmask, mut seg, mut block_rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (le, rows) in layout.iter().enumerate() {
@@ -531,19 +490,7 @@ pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: Order
             srcmask.push(rows[b * ROW_BLOCK..rows.len().min((b + 1) * ROW_BLOCK)].iter().fold(0u32, |m, r| m | 1 << r.source));
         }
     }
-    let key: Vec<usize> = srcmask
-        .iter()
-        .map(|&m| {
-            let latest = (0..n).filter(|&src| m >> src & 1 != 0).map(|src| (rank + n - src) % n).max().unwrap_or(0);
-            match mode {
-                OrderMode::Arrival => latest,
-                OrderMode::Expert => 0,
-                _ if m == 1 << rank => 0,
-                _ if latest < n - 1 => 1,
-                _ => 2,
-            }
-        })
-        .collect();
+    let key = vec![0; srcmask.len()];
     let mut order: Vec<usize> = (0..expert.len()).collect();
     order.sort_by_key(|&b| (key[b], b));
     let mut run = vec![(0, 0); expert.len()];
@@ -592,31 +539,18 @@ pub fn moe_tile(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_
 
 /// Column bands (kernels/moe.cu `band_locate`): unit `u` of a band-major sequence with
 /// `per_col` units per column -> (first column of its band, the band's width, the unit
-/// within the band). `band_w` > 0: bands of `band_w` columns (dividing tiles_n);
-/// HALVING_BANDS (0): each band is ceil(r / 2) of the r columns left (28: 14, 7, 4, 2, 1).
-pub fn band_locate(per_col: usize, tiles_n: usize, band_w: usize, u: usize) -> (usize, usize, usize) {
-    if band_w > 0 {
-        let band = u / (per_col * band_w);
-        return (band * band_w, band_w, u - band * per_col * band_w);
-    }
-    let (mut col0, mut u) = (0, u);
-    loop {
-        let r = tiles_n - col0;
-        let w = r.div_ceil(2);
-        if r <= 1 || u < per_col * w {
-            return (col0, w, u);
-        }
-        u -= per_col * w;
-        col0 += w;
-    }
+/// within the band), for bands of `band_w` columns (dividing the column tiles).
+pub fn band_locate(per_col: usize, band_w: usize, u: usize) -> (usize, usize, usize) {
+    let band = u / (per_col * band_w);
+    (band * band_w, band_w, u - band * per_col * band_w)
 }
 
 /// `moe_tile` with column bands (MoeParams::band_w: `band_locate`): every tile of band b
 /// before band b + 1, each band rastered as `moe_tile` over its columns.
 pub fn moe_tile_banded(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_m: usize, tiles_n: usize, band_w: usize, group_m: usize, t: usize) -> (usize, usize) {
-    debug_assert!(band_w == HALVING_BANDS || tiles_n % band_w == 0);
+    debug_assert!(tiles_n % band_w == 0);
     let at_order = |pos: usize| order.map_or(pos, |o| o[pos]);
-    let (col0, band_w, t) = band_locate(tiles_m, tiles_n, band_w, t);
+    let (col0, band_w, t) = band_locate(tiles_m, band_w, t);
     let (pos, nb) = match runs {
         None => crate::ops::gemm_reduce::grouped_tile(tiles_m, band_w, group_m, t),
         Some(runs) => {
@@ -632,7 +566,8 @@ pub fn moe_tile_banded(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>,
 /// Item `it` of the combine's pull (kernels/moe.cu `pull_item`): (token, column tile),
 /// band-major (`band_locate`), then token, then tile.
 pub fn pull_item(tokens: usize, tiles_n: usize, band_w: usize, it: usize) -> (usize, usize) {
-    let (col0, w, r) = band_locate(tokens, tiles_n, band_w, it);
+    debug_assert!(tiles_n % band_w == 0);
+    let (col0, w, r) = band_locate(tokens, band_w, it);
     (r / w, col0 + r % w)
 }
 
@@ -719,15 +654,14 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     l.params.tiles_n = (l.cols / bn) as i32;
     l.params.band_w = match l.dir {
         Direction::Dispatch => l.cols / bn,
-        Direction::Combine => band_width(l.cols / bn, comm.config.moe_bands),
+        Direction::Combine => band_width(l.cols / bn, comm.config.tuning.moe_bands),
     } as i32;
     l.params.group_m = group_m(&l.dims, bn, roles.compute_ctas as usize) as i32;
-    l.params.order_mode = order_mode_for(comm.config.moe_order) as i32;
     l.params.compute_ctas = roles.compute_ctas as i32;
     l.params.comm_ctas = roles.comm_ctas as i32;
     l.params.gemm = l.gemm as i32;
     l.params.send_by_gemm_ctas = (l.dir == Direction::Dispatch && comm.config.comm_ctas.is_none()) as i32;
-    l.params.burst_lists = if l.params.send_by_gemm_ctas != 0 && l.gemm && burst_for(comm.config.moe_burst, l.dims.nranks) {
+    l.params.burst_lists = if l.params.send_by_gemm_ctas != 0 && l.gemm && burst_for(comm.config.tuning.moe_burst, l.dims.nranks) {
         burst_lists(&l.dims, roles.compute_ctas as usize, l.cols / bn) as i32
     } else {
         0
@@ -1048,15 +982,7 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn auto_order_runs_both_kernels_by_expert() {
-        assert_eq!(order_mode_for(3), OrderMode::Expert);
-        assert_eq!(order_mode_for(0), OrderMode::Arrival);
-        assert_eq!(order_mode_for(1), OrderMode::Expert);
-        assert_eq!(order_mode_for(2), OrderMode::Split);
-    }
-
-    fn check_tables(t: &BlockTables, rank: usize, mode: OrderMode) {
+    fn check_tables(t: &BlockTables) {
         let nb = t.expert.len();
         let mut seen = vec![false; nb];
         for &b in &t.order {
@@ -1079,16 +1005,8 @@ mod tests {
             assert!(first == 0 || t.expert[first - 1] != t.expert[b]);
             assert!(t.srcmask[b] != 0, "every block holds a row");
         }
-        if mode == OrderMode::Split {
-            // Blocks of own rows only first (they wait for no peer), then the rest.
-            for &b in &t.order {
-                assert_eq!(t.key[b] == 0, t.srcmask[b] == 1 << rank);
-            }
-        }
-        if mode == OrderMode::Expert {
-            assert!(t.order.iter().enumerate().all(|(p, &b)| p == b), "expert-major: the layout's order");
-            assert_eq!(t.run, t.seg, "runs are the experts' segments");
-        }
+        assert!(t.order.iter().enumerate().all(|(p, &b)| p == b), "expert-major: the layout's order");
+        assert_eq!(t.run, t.seg, "runs are the experts' segments");
         for b in 0..nb {
             let (first, blocks) = t.seg[b];
             let last = b + 1 == first + blocks;
@@ -1141,44 +1059,31 @@ mod tests {
             let s = shape(tokens, top_k, experts, nranks);
             let routing = routing_for(tokens, top_k, experts, nranks, 7 + nranks as u64);
             for rank in 0..nranks {
-                for mode in [OrderMode::Arrival, OrderMode::Expert, OrderMode::Split] {
-                    let t = block_tables(&s, &routing, rank, mode).unwrap();
-                    let dl = device_layout(&s, &routing, rank).unwrap();
-                    assert_eq!(t.expert.len() * ROW_BLOCK, dl.expert_base.last().unwrap() + dl.recv_counts.last().unwrap().next_multiple_of(ROW_BLOCK));
-                    check_tables(&t, rank, mode);
-                    for (tiles_n, g) in [(1, 1), (8, 5), (3, 2), (28, 6), (4, 100)] {
-                        let g = g.min(t.expert.len()).max(1);
-                        check_raster(&t, tiles_n, g, true, None);
-                        check_raster(&t, tiles_n, g, true, Some(&t.run));
-                        check_raster(&t, tiles_n, g, false, Some(&t.seg));
-                    }
+                let t = block_tables(&s, &routing, rank).unwrap();
+                let dl = device_layout(&s, &routing, rank).unwrap();
+                assert_eq!(t.expert.len() * ROW_BLOCK, dl.expert_base.last().unwrap() + dl.recv_counts.last().unwrap().next_multiple_of(ROW_BLOCK));
+                check_tables(&t);
+                for (tiles_n, g) in [(1, 1), (8, 5), (3, 2), (28, 6), (4, 100)] {
+                    let g = g.min(t.expert.len()).max(1);
+                    check_raster(&t, tiles_n, g, true, None);
+                    check_raster(&t, tiles_n, g, true, Some(&t.run));
+                    check_raster(&t, tiles_n, g, false, Some(&t.seg));
                 }
             }
         }
     }
 
     #[test]
-    fn expert_order_keeps_arrival_keys_for_the_arrival_mode() {
-        // 4 ranks, rank 0: arrival keys are the latest source's step ((0 - s) mod 4).
+    fn the_block_order_is_the_receive_layout_and_counts_add_up() {
         let s = shape(512, 8, 32, 4);
         let routing = routing_for(512, 8, 32, 4, 3);
-        let t = block_tables(&s, &routing, 0, OrderMode::Arrival).unwrap();
-        for b in 0..t.expert.len() {
-            let latest = (0..4).filter(|&src| t.srcmask[b] >> src & 1 != 0).map(|src| (4 - src) % 4).max().unwrap();
-            assert_eq!(t.key[b], latest);
-        }
-        // Expert mode: the receive layout's order (expert-major), one key.
-        let e = block_tables(&s, &routing, 2, OrderMode::Expert).unwrap();
+        // The receive layout's order (expert-major), one key.
+        let e = block_tables(&s, &routing, 2).unwrap();
         assert!(e.key.iter().all(|&k| k == 0) && e.order.windows(2).all(|w| w[0] < w[1]));
         // Block rows add up to the experts' counts.
         let dl = device_layout(&s, &routing, 2).unwrap();
         for (le, &c) in dl.recv_counts.iter().enumerate() {
             assert_eq!((0..e.expert.len()).filter(|&b| e.expert[b] == le).map(|b| e.rows[b]).sum::<usize>(), c);
-        }
-        // Split: the last step's source (rank 3 for rank 2) only in key 2.
-        let sp = block_tables(&s, &routing, 2, OrderMode::Split).unwrap();
-        for b in 0..sp.expert.len() {
-            assert_eq!(sp.key[b] == 2, sp.srcmask[b] >> 3 & 1 != 0 && sp.srcmask[b] != 1 << 2, "block {b}");
         }
     }
 
@@ -1237,8 +1142,12 @@ mod tests {
             }
             sum as f64 / tiles.div_ceil(15) as f64
         };
-        let arrival = block_tables(&s, &routing, 1, OrderMode::Arrival).unwrap();
-        let expert = block_tables(&s, &routing, 1, OrderMode::Expert).unwrap();
+        let expert = block_tables(&s, &routing, 1).unwrap();
+        // The comparison: blocks by the send step of the latest source they hold (rank 1 of
+        // 4), fixed raster groups.
+        let mut arrival = expert.clone();
+        arrival.key = expert.srcmask.iter().map(|&m| (0..4).filter(|&src| m >> src & 1 != 0).map(|src| (1 + 4 - src) % 4).max().unwrap()).collect();
+        arrival.order.sort_by_key(|&b| (arrival.key[b], b));
         let (a, e) = (wave_b_tiles(&arrival, None), wave_b_tiles(&expert, Some(&expert.run)));
         assert!(e * 2.0 < a, "B tiles per wave: arrival {a:.1}, expert {e:.1}");
     }
@@ -1253,7 +1162,7 @@ mod tests {
         assert_eq!(band_width(8, 100), 1);
         let s = shape(400, 4, 16, 2);
         let routing = routing_for(400, 4, 16, 2, 9);
-        let t = block_tables(&s, &routing, 1, OrderMode::Expert).unwrap();
+        let t = block_tables(&s, &routing, 1).unwrap();
         let tiles_m = t.expert.len();
         for (tiles_n, bw, g) in [(28, 7, 5), (8, 2, 3), (6, 3, 1), (4, 4, 2)] {
             let mut hit = vec![0u8; tiles_m * tiles_n];
@@ -1265,24 +1174,6 @@ mod tests {
                 last_band = n / bw;
             }
             assert!(hit.iter().all(|&h| h == 1), "every tile once");
-            // Halving bands: every tile once, bands in order, each band rastered as the
-            // unbanded raster over its columns.
-            let mut hit = vec![0u8; tiles_m * tiles_n];
-            let (mut last_col0, mut t0) = (0, 0);
-            for i in 0..tiles_m * tiles_n {
-                let (col0, w, u) = band_locate(tiles_m, tiles_n, HALVING_BANDS, i);
-                assert!(col0 >= last_col0 && col0 + w <= tiles_n && u < tiles_m * w);
-                if col0 != last_col0 || i == 0 {
-                    t0 = i;
-                    last_col0 = col0;
-                }
-                assert_eq!(u, i - t0);
-                let (b, n) = moe_tile_banded(None, Some(&t.seg), tiles_m, tiles_n, HALVING_BANDS, g, i);
-                let (b0, n0) = moe_tile(None, Some(&t.seg), tiles_m, w, g, u);
-                assert_eq!((b, n), (b0, col0 + n0));
-                hit[b * tiles_n + n] += 1;
-            }
-            assert!(hit.iter().all(|&h| h == 1), "halving: every tile once");
             // Within a band: as the unbanded raster over the band's columns.
             for i in 0..tiles_m * bw {
                 let (b0, n0) = moe_tile(None, Some(&t.seg), tiles_m, bw, g, i);
@@ -1299,32 +1190,7 @@ mod tests {
                 seen[tok * tiles_n + n] = true;
                 assert_eq!(n / bw, it / (tokens * bw));
             }
-            // Halving: every item once, each in the band the GEMM computes its column in.
-            let mut seen = vec![false; tokens * tiles_n];
-            for it in 0..tokens * tiles_n {
-                let (tok, n) = pull_item(tokens, tiles_n, HALVING_BANDS, it);
-                assert!(!seen[tok * tiles_n + n]);
-                seen[tok * tiles_n + n] = true;
-                let (col0, w, _) = band_locate(tokens, tiles_n, HALVING_BANDS, it);
-                assert!(n >= col0 && n < col0 + w);
-                assert_eq!(band_locate(tiles_m, tiles_n, HALVING_BANDS, 0).0, 0);
-            }
         }
-        let widths = |n: usize| {
-            let (mut c, mut v) = (0, Vec::new());
-            while c < n {
-                let (c0, w, _) = band_locate(1, n, HALVING_BANDS, c);
-                assert_eq!(c0, c);
-                v.push(w);
-                c += w;
-            }
-            v
-        };
-        assert_eq!(widths(28), vec![14, 7, 4, 2, 1]);
-        assert_eq!(widths(8), vec![4, 2, 1, 1]);
-        assert_eq!(widths(1), vec![1]);
-        assert_eq!(band_width(28, HALVING_BANDS), HALVING_BANDS);
-        assert_eq!(band_width(1, HALVING_BANDS), 1);
     }
 
     #[test]
