@@ -429,7 +429,4 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
     mk::ag_gemm::ag_gemm<T, BN>(&tma_a, &tma_b, &tma_c, p);                                           \
   }
 
-MK_AG_GEMM_ENTRY(mk_ag_gemm_bf16_bn256, __nv_bfloat16, 256)
-MK_AG_GEMM_ENTRY(mk_ag_gemm_bf16_bn128, __nv_bfloat16, 128)
-MK_AG_GEMM_ENTRY(mk_ag_gemm_f16_bn256, __half, 256)
-MK_AG_GEMM_ENTRY(mk_ag_gemm_f16_bn128, __half, 128)
+#include "kernel_instances/ag_gemm.inc"  // the entry points: kernels/instances.txt

@@ -127,22 +127,12 @@ __device__ __forceinline__ void collective(const CollectiveParams& p) {
   if (threadIdx.x == 0) *seq_word = step;
 }
 
-#define MK_COLLECTIVE_KERNEL(suffix, T)                                                              \
-  extern "C" __global__ void __launch_bounds__(MK_COLLECTIVE_THREADS) mk_collective_##suffix(      \
+#define MK_COLLECTIVE_KERNEL(NAME, T)                                                                \
+  extern "C" __global__ void __launch_bounds__(MK_COLLECTIVE_THREADS) NAME(                        \
       const __grid_constant__ CollectiveParams p) {                                                  \
     collective<T>(p);                                                                                \
   }
 
-MK_COLLECTIVE_KERNEL(i8, int8_t)
-MK_COLLECTIVE_KERNEL(u8, uint8_t)
-MK_COLLECTIVE_KERNEL(i32, int32_t)
-MK_COLLECTIVE_KERNEL(u32, uint32_t)
-MK_COLLECTIVE_KERNEL(i64, int64_t)
-MK_COLLECTIVE_KERNEL(u64, uint64_t)
-MK_COLLECTIVE_KERNEL(f16, __half)
-MK_COLLECTIVE_KERNEL(f32, float)
-MK_COLLECTIVE_KERNEL(f64, double)
-MK_COLLECTIVE_KERNEL(bf16, __nv_bfloat16)
 
 // ---- benchmark check: float32 results against the inputs' generator, on the device ----
 // The same stream as mk_fill_random in util.cu (SplitMix64 of seed and index).
@@ -176,3 +166,5 @@ extern "C" __global__ void mk_collective_check(CollectiveCheckParams c) {
   }
   if (wrong) atomicAdd(reinterpret_cast<unsigned long long*>(c.wrong), wrong);
 }
+
+#include "kernel_instances/collectives.inc"  // the entry points: kernels/instances.txt

@@ -987,21 +987,13 @@ __device__ __forceinline__ void gemm_reduce_early(const CUtensorMap* tma_a, cons
     mk::gemm_reduce::gemm_reduce<T, BN, BM>(&tma_a, &tma_b, &tma_p, p);                                \
   }
 
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn256, __nv_bfloat16, 256, 128)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn128, __nv_bfloat16, 128, 128)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn256, __half, 256, 128)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn128, __half, 128, 128)
-// M <= 64 (src/ops/gemm_reduce.rs picks them).
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn256_bm64, __nv_bfloat16, 256, 64)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_bf16_bn128_bm64, __nv_bfloat16, 128, 64)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn256_bm64, __half, 256, 64)
-MK_GEMM_REDUCE_ENTRY(mk_gemm_reduce_f16_bn128_bm64, __half, 128, 64)
-// GEMM+RS with early sums (BN 256, one node; src/ops/gemm_reduce.rs picks them).
+// BM 64 for M <= 64; GEMM+RS with early sums at BN 256 on one node (src/ops/gemm_reduce.rs
+// picks them).
 #define MK_GEMM_REDUCE_EARLY_ENTRY(NAME, T)                                                             \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                 \
       NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,       \
            const __grid_constant__ CUtensorMap tma_p, const __grid_constant__ GemmReduceParams p) {    \
     mk::gemm_reduce::gemm_reduce_early<T, 256>(&tma_a, &tma_b, &tma_p, p);                             \
   }
-MK_GEMM_REDUCE_EARLY_ENTRY(mk_gemm_reduce_early_bf16_bn256, __nv_bfloat16)
-MK_GEMM_REDUCE_EARLY_ENTRY(mk_gemm_reduce_early_f16_bn256, __half)
+
+#include "kernel_instances/gemm_reduce.inc"  // the entry points: kernels/instances.txt

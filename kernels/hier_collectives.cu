@@ -342,19 +342,10 @@ __device__ __forceinline__ void hier_collective(const HierCollectiveParams& p) {
   }
 }
 
-#define MK_HIER_KERNEL(suffix, T)                                                                \
-  extern "C" __global__ void __launch_bounds__(MK_HIER_THREADS) mk_hier_collective_##suffix(    \
+#define MK_HIER_KERNEL(NAME, T)                                                                  \
+  extern "C" __global__ void __launch_bounds__(MK_HIER_THREADS) NAME(                          \
       const __grid_constant__ HierCollectiveParams p) {                                          \
     hier_collective<T>(p);                                                                       \
   }
 
-MK_HIER_KERNEL(i8, int8_t)
-MK_HIER_KERNEL(u8, uint8_t)
-MK_HIER_KERNEL(i32, int32_t)
-MK_HIER_KERNEL(u32, uint32_t)
-MK_HIER_KERNEL(i64, int64_t)
-MK_HIER_KERNEL(u64, uint64_t)
-MK_HIER_KERNEL(f16, __half)
-MK_HIER_KERNEL(f32, float)
-MK_HIER_KERNEL(f64, double)
-MK_HIER_KERNEL(bf16, __nv_bfloat16)
+#include "kernel_instances/hier_collectives.inc"  // the entry points: kernels/instances.txt

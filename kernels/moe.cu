@@ -966,11 +966,4 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
     mk::moe::FN<T, BN>(&tma_a, &tma_b, &tma_c, p);                                                    \
   }
 
-MK_MOE_ENTRY(mk_moe_dispatch_bf16_bn256, dispatch, __nv_bfloat16, 256)
-MK_MOE_ENTRY(mk_moe_dispatch_bf16_bn128, dispatch, __nv_bfloat16, 128)
-MK_MOE_ENTRY(mk_moe_dispatch_f16_bn256, dispatch, __half, 256)
-MK_MOE_ENTRY(mk_moe_dispatch_f16_bn128, dispatch, __half, 128)
-MK_MOE_ENTRY(mk_moe_combine_bf16_bn256, combine, __nv_bfloat16, 256)
-MK_MOE_ENTRY(mk_moe_combine_bf16_bn128, combine, __nv_bfloat16, 128)
-MK_MOE_ENTRY(mk_moe_combine_f16_bn256, combine, __half, 256)
-MK_MOE_ENTRY(mk_moe_combine_f16_bn128, combine, __half, 128)
+#include "kernel_instances/moe.inc"  // the entry points: kernels/instances.txt

@@ -891,13 +891,11 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
                                                                                  const __grid_constant__ mk::ring_attn::RingAttnMaps maps) { \
     const uint64_t no_trace = 0;                                                                         \
     mk::ring_attn::ring_attention<T, D, false>(p, maps, no_trace);                                       \
-  }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(mk::ring_attn::THREADS, 1) NAME##_trace(                  \
+  }
+#define MK_RING_ATTN_TRACE_ENTRY(NAME, T, D)                                                             \
+  extern "C" __global__ void __launch_bounds__(mk::ring_attn::THREADS, 1) NAME(                          \
       const __grid_constant__ RingAttnParams p, const __grid_constant__ mk::ring_attn::RingAttnMaps maps, const __grid_constant__ uint64_t trace) { \
     mk::ring_attn::ring_attention<T, D, true>(p, maps, trace);                                           \
   }
 
-MK_RING_ATTN_ENTRY(mk_ring_attn_bf16_d128, __nv_bfloat16, 128)
-MK_RING_ATTN_ENTRY(mk_ring_attn_bf16_d64, __nv_bfloat16, 64)
-MK_RING_ATTN_ENTRY(mk_ring_attn_f16_d128, __half, 128)
-MK_RING_ATTN_ENTRY(mk_ring_attn_f16_d64, __half, 64)
+#include "kernel_instances/ring_attention.inc"  // the entry points: kernels/instances.txt

@@ -6,6 +6,7 @@ use super::gemm::{self as engine, PlanOverrides};
 use super::hier_collectives::fused_op_workspace;
 use super::{gemm_ar, gemm_reduce_nodes, gemm_rs};
 use crate::comm::Comm;
+use crate::cuda::kernels::Kernel;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{self, GemmReduceParams, MkOp};
@@ -237,14 +238,28 @@ pub fn team_rest(total: usize, j: usize, stride: usize, done: usize, rows: usize
     (0..team_items(total, j, stride)).skip(done).enumerate().map(|(x, k)| (j + k * stride, if x == 0 { rows } else { 0 })).collect()
 }
 
-/// The kernel instantiations (kernels/gemm_reduce.cu MK_GEMM_REDUCE_ENTRY).
-pub fn kernel_names() -> Vec<String> {
-    ["bf16", "f16"]
-        .iter()
-        .flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}")))
-        .chain(["bf16", "f16"].iter().flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}_bm64"))))
-        .chain(["bf16", "f16"].iter().map(|dt| format!("mk_gemm_reduce_early_{dt}_bn256")))
-        .collect()
+/// The GEMM + reduction kernel for a dtype, tile width and tile rows (BM 128 or 64), with
+/// or without early sums (BN 256, BM 128 only); None where none is built.
+pub fn kernel(dtype: mkDataType_t, bn: usize, bm: usize, early: bool) -> Option<Kernel> {
+    use crate::cuda::kernels::*;
+    let f16 = match dtype {
+        mkDataType_t::mkFloat16 => true,
+        mkDataType_t::mkBfloat16 => false,
+        _ => return None,
+    };
+    Some(match (f16, bn, bm, early) {
+        (false, 256, 128, false) => MK_GEMM_REDUCE_BF16_BN256,
+        (false, 128, 128, false) => MK_GEMM_REDUCE_BF16_BN128,
+        (true, 256, 128, false) => MK_GEMM_REDUCE_F16_BN256,
+        (true, 128, 128, false) => MK_GEMM_REDUCE_F16_BN128,
+        (false, 256, 64, false) => MK_GEMM_REDUCE_BF16_BN256_BM64,
+        (false, 128, 64, false) => MK_GEMM_REDUCE_BF16_BN128_BM64,
+        (true, 256, 64, false) => MK_GEMM_REDUCE_F16_BN256_BM64,
+        (true, 128, 64, false) => MK_GEMM_REDUCE_F16_BN128_BM64,
+        (false, 256, 128, true) => MK_GEMM_REDUCE_EARLY_BF16_BN256,
+        (true, 256, 128, true) => MK_GEMM_REDUCE_EARLY_F16_BN256,
+        _ => return None,
+    })
 }
 
 /// Rows per GEMM tile of the fused kernel: 64 when M fits one such tile (the `_bm64`
@@ -378,14 +393,10 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         params.ring = *ring;
         params.rank_of = nl.rank_of;
     }
-    let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
     // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere).
-    let name = if early > 0 {
-        format!("mk_gemm_reduce_early_{dt}_bn256")
-    } else {
-        format!("mk_gemm_reduce_{dt}_bn{bn}{}", if bm == 64 { "_bm64" } else { "" })
-    };
-    let f = cuda::function("gemm_reduce", &name)?;
+    let f = kernel(args.dtype, bn, bm, early > 0)
+        .ok_or_else(|| MkError::internal(format!("no GEMM + reduction kernel for BN {bn}, BM {bm}, early sums {}", early > 0)))?
+        .function()?;
     let cfg = LaunchConfig {
         grid: (compute_ctas + reduce_ctas, 1, 1),
         block: (engine::THREADS, 1, 1),
@@ -426,7 +437,7 @@ mod tests {
             assert!(engine::fused_stages(64, bn) * (64 + bn) >= engine::fused_stages(128, bn) * (128 + bn));
             assert!(engine::fused_smem_bytes(64, bn) + 1024 <= engine::SMEM_LIMIT, "bn {bn}");
         }
-        assert!(kernel_names().contains(&"mk_gemm_reduce_f16_bn128_bm64".to_string()));
+        assert!(kernel(mkDataType_t::mkFloat16, 128, 64, false).is_some());
     }
 
     /// Side staging exists only where the ring leaves room (BM 128, BN 256: 17 KiB free),
@@ -467,7 +478,7 @@ mod tests {
         assert_eq!(early_items(Reduction::Scatter, Reducers::After, true, 0, 128, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, false, 0, 128, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 4, 128, 256, 128, 28), 0);
-        assert!(kernel_names().contains(&"mk_gemm_reduce_early_f16_bn256".to_string()));
+        assert!(kernel(mkDataType_t::mkFloat16, 256, 128, true).is_some());
     }
 
     /// Side warps and the team after the GEMM sum every row of every item of a team's walk

@@ -455,6 +455,23 @@ pub fn band_width(tiles_n: usize, bands: usize) -> usize {
     tiles_n.max(1) / b
 }
 
+/// The MoE kernel for a direction, dtype and tile width (BN 128 or 256).
+pub fn kernel(dir: Direction, dtype: mkDataType_t, bn: usize) -> Option<crate::cuda::kernels::Kernel> {
+    use crate::cuda::kernels::*;
+    use mkDataType_t::{mkBfloat16, mkFloat16};
+    Some(match (dir, dtype, bn) {
+        (Direction::Dispatch, mkBfloat16, 256) => MK_MOE_DISPATCH_BF16_BN256,
+        (Direction::Dispatch, mkBfloat16, 128) => MK_MOE_DISPATCH_BF16_BN128,
+        (Direction::Dispatch, mkFloat16, 256) => MK_MOE_DISPATCH_F16_BN256,
+        (Direction::Dispatch, mkFloat16, 128) => MK_MOE_DISPATCH_F16_BN128,
+        (Direction::Combine, mkBfloat16, 256) => MK_MOE_COMBINE_BF16_BN256,
+        (Direction::Combine, mkBfloat16, 128) => MK_MOE_COMBINE_BF16_BN128,
+        (Direction::Combine, mkFloat16, 256) => MK_MOE_COMBINE_F16_BN256,
+        (Direction::Combine, mkFloat16, 128) => MK_MOE_COMBINE_F16_BN128,
+        _ => return None,
+    })
+}
+
 /// The m-block tables the dispatch's prep writes into the layout buffer (kernels/moe.cu
 /// `prep`), for `rank`'s receive buffer; host mirror for tests.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -670,9 +687,7 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     let mut ta = engine::tensor_map(fix(l.a.0), l.dtype, l.a.1, l.a.2, engine::BM, engine::BK)?;
     let mut tb = engine::tensor_map(fix(l.b.0), l.dtype, l.b.1, l.b.2, bn, engine::BK)?;
     let mut tc = engine::tensor_map(fix(l.c.0), l.dtype, l.c.1, l.c.2, 64, 64)?;
-    let dt = if l.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
-    let kind = if l.dir == Direction::Dispatch { "dispatch" } else { "combine" };
-    let f = cuda::function("moe", &format!("mk_moe_{kind}_{dt}_bn{bn}"))?;
+    let f = kernel(l.dir, l.dtype, bn).ok_or_else(|| MkError::internal(format!("no MoE kernel for BN {bn}")))?.function()?;
     let cfg = LaunchConfig { grid: (roles.compute_ctas + roles.comm_ctas, 1, 1), block: (engine::THREADS, 1, 1), shared_mem_bytes: smem as u32 };
     let mut params = l.params;
     let mut kernel_params: [*mut c_void; 4] = [
