@@ -62,7 +62,7 @@ __device__ __forceinline__ void gate_wait(Gate* g) { mbar_wait(&g->bar, 0); }
 // lane 0 opens the gate. The peer words are this rank's own signal words; the poll backs
 // off (mk_wait_geq_backoff, up to 256 ns between polls) so that a long wait --
 // back-to-back calls where a peer is still reading -- does not steal issue slots and L2
-// bandwidth from the GEMM beside it (session 3: tight system-scope polls during a GEMM
+// bandwidth from the GEMM beside it (tight system-scope polls during a GEMM
 // slowed it 20-25 %). Inline and call-free: 80 registers after setmaxnreg.
 __device__ __forceinline__ void open_gate(const GemmReduceParams& p, Gate* g) {
   const WorkspaceView& ws = p.ws;
@@ -106,7 +106,7 @@ struct EpochTileSignal {
     // The engine waited for the slab's bulk stores to complete; the proxy fence orders those
     // async-proxy writes before this thread's generic accesses, and the release store at
     // system scope publishes them to a peer's acquire. A full fence.sc.sys before it (as
-    // mk_signal_store) only added cost: 5 % of the whole op at 2 ranks (session 6, run 6).
+    // mk_signal_store) only added cost: 5 % of the whole op at 2 ranks.
     fence_proxy_async_global();
     uint64_t* f = p.flags + ((size_t)s.tile.m_block * p.tiles_n + s.tile.n_block) * 2 + s.consumer;
     mk_st_release_sys(f, p.gate->epoch);
@@ -166,7 +166,7 @@ struct LeanTeam<SideWarps> {
 };
 // Registers of the producer warpgroup during the GEMM (its side warps may reduce): 80, as
 // AG+GEMM's pushers; the consumers keep 208, enough for BN = 256 without spills (ptxas;
-// tests/kernels.rs). 40 / 232 measured no faster (session 6, run 6).
+// tests/kernels.rs). 40 / 232 measured no faster.
 constexpr int kProducerRegs = 80;
 
 // Rank q's flag for slab `slab` (rows 0-63 or 64-127) of tile tc: the epoch once the slab
@@ -230,7 +230,7 @@ __device__ __forceinline__ Staging team_staging() {
 // contiguous) and reads back only those, so no barrier is needed; the next batch is in
 // flight while this one is summed. Thread t keeps column vector t % vpr and walks the rows
 // t / vpr, + rows_per_pass, ...: no division per vector. The loop is bound by instructions
-// as much as by latency (session 6: ~14 GB/s per CTA with 8 warps and a division per
+// as much as by latency (~14 GB/s per CTA with 8 warps and a division per
 // vector, from registers or staged alike), hence all 12 warps and the cheap indexing.
 template <typename T, class Team, class Src>
 __device__ __forceinline__ void staged_rows(const Staging& staging, Src src, int nsrc, int src_row0, char* dst, int dst_row0,
@@ -655,7 +655,7 @@ __device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch
 // warps sum the rest after it. Loads staged with cp.async in kSideStagingBytes after the
 // engine's shared memory (the ring is in use). An item is summed in pieces of kSideRows
 // rows; between pieces the side warps look for the end of the GEMM.
-// Measured (session 10): GEMM+RS M 1024 / 4096 at 2 ranks 0.866 -> 0.845, 0.881 -> 0.843;
+// Measured (benches/RESULTS.md): GEMM+RS M 1024 / 4096 at 2 ranks 0.866 -> 0.845, 0.881 -> 0.843;
 // GEMM+AR M 256 lost (one GEMM tile of time does not cover a tile's sum beside the GEMM,
 // whose TMA loads leave the side warps ~4-6 GB/s per CTA), so only ReduceScatter gets
 // these kernels, separate entries that leave the others' code as it was.
@@ -882,7 +882,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     // Without dedicated reduction CTAs (and side warps), the GEMM CTAs reduce once their
     // GEMM is done: all 12 warps, as CTA c of the grid taking owned tiles c, c + grid, ...
     // The GEMM's stores overlap only its last wave this way (CTAs finish at different
-    // times); the side warps, which overlap all of it, measured slower (session 5).
+    // times); the side warps, which overlap all of it, measured slower (docs/decisions/0001).
     // restore_launch_registers' CTA barrier comes after warp 2 opened the gate (it opens
     // it before any side work and reaches the barrier only after): every thread reads it.
     restore_launch_registers<Cfg>();

@@ -9,9 +9,10 @@
 // region), so every rank computes every offset itself: no host round trip, graph-capturable.
 //
 // Dispatch, CTAs [0, compute_ctas): the GEMM engine over (m-block, n-block) tiles of
-//   Y = X_recv · W1_eᵀ, m-blocks ordered so that blocks whose rows come from the sources
-//   that arrive first (own rows, then rank-1, rank-2, ...) come first; before loading a
-//   tile's A rows the producer waits for the flags of the sources whose rows the block holds.
+//   Y = X_recv · W1_eᵀ, m-blocks in the receive layout's order (expert-major, raster groups
+//   cut at experts, so an expert's blocks share its weight tiles in L2); before loading a
+//   tile's A rows the producer waits for RECV[s, expert] of every source s whose rows the
+//   block holds.
 // Dispatch, the prep (the last GEMM CTA before its GEMM; the first comm CTA with
 //   MK_COMM_SMS): counts this rank's routing per expert and each (token, expert)'s position
 //   among this rank's tokens of that expert, exchanges the counts, computes the layout, the
@@ -22,10 +23,12 @@
 //   producer warpgroup (default: no comm CTA), or the comm CTAs when MK_COMM_SMS asks.
 // Combine, CTAs [0, compute_ctas): the engine over the same m-blocks, Z = Y' · W2_eᵀ into
 //   this rank's fused-op region (TMA stores; remote stores would stall the TMA pipeline),
-//   each 64-row slab followed by an epoch-valued flag.
-// Combine, CTAs [compute_ctas, +comm_ctas): for each own token and column tile, wait for
-//   the slabs holding its k rows on their owners, pull them and write
-//   out[t] = Σ_j w[t, j] · Z[row(t, j)] (fp32, j in order 0..k-1, rounded once).
+//   in column bands (band_w), each 64-row slab followed by an epoch-valued flag.
+// Combine, the pull: for each own token and column tile, wait for the slabs holding its k
+//   rows on their owners, pull them and write out[t] = Σ_j w[t, j] · Z[row(t, j)] (fp32,
+//   j in order 0..k-1, rounded once). The idle producer warps of the GEMM CTAs pull the
+//   earlier bands' outputs while the later bands compute, every warp the rest after its
+//   GEMM; with MK_COMM_SMS, CTAs [compute_ctas, +comm_ctas) pull instead.
 //
 // Both kernels share one device-side epoch (MOE_EPOCH) and the end-of-kernel handshake
 // (MOE_DONE): before a kernel writes into any rank's fused-op region it waits until every
@@ -448,7 +451,7 @@ __device__ __forceinline__ void warp_copy_row(char* dst, const char* src, int ve
 }
 
 // Registers of the dispatch GEMM's producer warpgroup, whose three idle warps send token
-// rows: session 8's send loop spilled at 80; the send-list walk (list search, per-list
+// rows: a send loop spilled at 80; the send-list walk (list search, per-list
 // counts) spilled at 88 (ptxas moved kernel-long values to local memory); at 96 nothing
 // spills and the consumers keep 200 (GemmConfig rounds their share down to 8; no spills).
 constexpr int kProducerRegs = 96;
@@ -473,10 +476,9 @@ constexpr int kSendChunk = 8;
 // (ptxas spilled the send loop). `ws` lives in the __grid_constant__ kernel parameter:
 // the load goes through an asm (volatile: not hoisted out of the caller's loop) with the
 // parameter's generic address, which ptxas forms as the parameter window base
-// (c[0x0][0x198]) + offset, as for any pointer into the parameter that escapes. Session 9's
-// first version used a C++ volatile load instead, and ptxas (CUDA 13.0, sm_90a) dropped
-// the window base for it: LD.E.64.STRONG.SYS from the bare offset (0x1f0 + 8 * rank +
-// 0x40 for signals[]), CUDA_ERROR_ILLEGAL_ADDRESS in the first MoE call (compute-sanitizer:
+// (c[0x0][0x198]) + offset, as for any pointer into the parameter that escapes. With a C++
+// volatile load instead, ptxas (CUDA 13.0, sm_90a) drops the window base:
+// LD.E.64.STRONG.SYS from the bare offset (0x1f0 + 8 * rank + 0x40 for signals[]), CUDA_ERROR_ILLEGAL_ADDRESS in the first MoE call (compute-sanitizer:
 // "Access to 0x230 is out of bounds"). Plain loads become constant-bank loads (correct),
 // but moved ptxas to spill in the dispatch (bn256: 32 B stores, 104 B loads).
 __device__ __forceinline__ uint64_t param_word(const uint64_t* a) {
@@ -727,14 +729,14 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // items at a time in item order (MOE_PULL_GRAB: warps that come early, or free, take more)
 // and write out[t, tile nb] for each. Warp-synchronous only. The last warp to leave resets
 // the counters for the next launch.
-// The items of a grab are looked up together (session 10): lane i * K + j holds row j of
+// The items of a grab are looked up together: lane i * K + j holds row j of
 // item i (min(kPullChunk, 32 / K) items), so the layout reads and the slab-flag acquires
 // are one round trip each per batch of items instead of per item, and every row of the
 // batch is prefetched into L2 once its flag is seen, so only the first item's loads wait
 // for HBM. Before, an item cost a layout round trip, a flag round trip and K / RB row round
 // trips from HBM, each row's load address behind a load of the peer's base from the
 // parameter space: the side warps (RB 4: the producer warpgroup's 96 registers) could not
-// keep up with the bands (4 ranks: they pulled until the kernel's end, session 9).
+// keep up with the bands (4 ranks: they pulled until the kernel's end).
 template <typename T, int BN, int RB = 8>
 __device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoch) {
   const WorkspaceView& ws = p.ws;

@@ -137,7 +137,7 @@ pub fn plan(shape: &AgGemmShape, grid_ctas: u32, comm_override: Option<u32>) -> 
 /// wave's m-blocks hold this rank's rows and at most one peer's. Row blocks are consumed
 /// own rows first, then rank+1's, …; a group spanning every source makes the first wave
 /// wait for the last rank to push (and, with ranks sharing a GPU, to start): at 4 ranks,
-/// 128 rows/rank, groups of 4 ran 1.07× unfused, of 2 at 1.00 (session 9, run 2). Never
+/// 128 rows/rank, groups of 4 ran 1.07× unfused, of 2 at 1.00 (benches/RESULTS.md). Never
 /// below 2 m-blocks: one block per wave re-reads all of B per block (group 1: 1.13×).
 pub fn raster_group(m: usize, rows_per_rank: usize, bn: usize, compute_ctas: usize) -> usize {
     let tiles_m = m.div_ceil(ROW_BLOCK);

@@ -190,7 +190,7 @@ pub fn team_items(total: usize, j: usize, stride: usize) -> usize {
 /// are the GEMM CTAs' warps after the GEMM on one node (`Reducers::Early`, no dedicated
 /// CTAs), the kernel has side staging (BM 128, BN 256), and some CTA has two or more items.
 ///
-/// Measured (benches/RESULTS.md, session 10, one H200, 2 ranks): GEMM+RS M 1024 / 4096, K
+/// Measured (benches/RESULTS.md, one H200, 2 ranks): GEMM+RS M 1024 / 4096, K
 /// 1024 (8 / 32 GEMM tiles, 4 / 16 items per CTA) 0.866 -> 0.845, 0.881 -> 0.843 of the
 /// unfused sequence. GEMM+AR M 256 lost (K 1024 0.82 -> 0.92, K 3584 0.87 -> 0.94, 4
 /// ranks 0.82 -> 0.86): two GEMM tiles per CTA, and beside the GEMM the side warps sum only
@@ -280,7 +280,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
     if nranks == 1 {
         // The sum over one rank is its product: the engine alone, storing C directly (the
-        // fused kernel would store a partial and copy it: 1.3x the GEMM's time, session 6).
+        // fused kernel would store a partial and copy it: 1.3x the GEMM's time).
         let _ctx = comm.context.enter()?;
         let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
         return engine::gemm_with(&g, PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() }, stream);
