@@ -1,4 +1,4 @@
-//! Launch of the GEMM + reduction kernels (kernels/gemm_reduce.cu) shared by
+//! Launch of the GEMM + reduction kernels (kernels/gemm_reduce.cu, kernels/gemm_reduce_early.cu) shared by
 //! mkGemmReduceScatter and mkGemmAllReduce: argument checks, role split (from the
 //! `gemm_rs` / `gemm_ar` planners), tensor maps, launch.
 
@@ -156,14 +156,14 @@ pub fn interleaved_tile(tiles_m: usize, tiles_n: usize, group_m: usize, owners: 
 
 /// Tile `i` of row blocks [first, first + blocks) in the order the GEMM computes them: what
 /// the kernel's reducer teams walk, team j taking i = j, j + stride, ...
-/// (kernels/gemm_reduce.cu owned_tile).
+/// (kernels/common/gemm_reduce.cuh owned_tile).
 pub fn owned_tile(tiles_n: usize, group_m: usize, owners: usize, first: usize, blocks: usize, i: usize) -> Tile {
     let (m, n) = grouped_tile(blocks, tiles_n, (group_m / owners.max(1)).max(1), i);
     (first + m, n)
 }
 
 /// Shared memory after the fused engine's where the side warps stage their early sums
-/// (kernels/gemm_reduce.cu kSideStagingBytes): 16 KiB (or 8) where the 227 KiB leave it
+/// (kernels/gemm_reduce_early.cu side_staging_bytes): 16 KiB (or 8) where the 227 KiB leave it
 /// beside 1 KiB of static shared memory, else 0 (no early sums). Only the BM 128, BN 256
 /// kernels have room (three stages of 48 KiB and 64 KiB of epilogue staging leave 17 KiB);
 /// the others' rings took the space for more stages.
@@ -225,7 +225,7 @@ pub fn reducer_items(row_lo: usize, row_hi: usize, tiles_n: usize) -> usize {
     if row_hi <= row_lo { 0 } else { ((row_hi - 1) / ROW_BLOCK - row_lo / ROW_BLOCK + 1) * tiles_n }
 }
 
-/// Rows per piece of an early sum (kernels/gemm_reduce.cu kSideRows): the side warps look
+/// Rows per piece of an early sum (kernels/gemm_reduce_early.cu kSideRows): the side warps look
 /// for the end of the GEMM between pieces, so the CTA's 12 warps wait at most one piece
 /// for them.
 pub const SIDE_ROWS: usize = 32;
@@ -233,7 +233,7 @@ pub const SIDE_ROWS: usize = 32;
 /// Where the CTA's team resumes the walk after its side warps: they completed `done`
 /// items and `rows` rows (a multiple of SIDE_ROWS, from the item's first row) of the next
 /// one. Team `j` of `stride`, items of `rows_of(i)` rows: returns the (item index, first
-/// row offset) pairs the team sums (kernels/gemm_reduce.cu reduce_tiles with `first`).
+/// row offset) pairs the team sums (kernels/gemm_reduce_early.cu reduce_tiles_from).
 pub fn team_rest(total: usize, j: usize, stride: usize, done: usize, rows: usize) -> Vec<(usize, usize)> {
     (0..team_items(total, j, stride)).skip(done).enumerate().map(|(x, k)| (j + k * stride, if x == 0 { rows } else { 0 })).collect()
 }

@@ -1,6 +1,6 @@
 //! mkGemmReduceScatter and mkGemmAllReduce on a communicator that spans nodes: the plan
 //! (pure, CPU-tested: row ownership, buffer layout, signal words) for the hierarchical
-//! path of kernels/gemm_reduce.cu.
+//! path of kernels/common/gemm_reduce.cuh.
 //!
 //! R ranks in N nodes of L; rank g = (node n, local rank l). Every rank computes its
 //! partial product P = A·Bᵀ ([M, N], its K slice) into its own workspace, as on one node.
@@ -50,7 +50,7 @@ pub fn owner_range(rows: usize, m: usize, q: usize) -> (usize, usize) {
     ((q * rows).min(m), ((q + 1) * rows).min(m))
 }
 
-/// Where things are, as kernels/gemm_reduce.cu's GemmReduceParams holds them. Byte offsets
+/// Where things are, as GemmReduceParams (src/kernel_abi.rs) holds them. Byte offsets
 /// are from the start of every rank's data region (the proxy's window); word indexes are
 /// absolute in the signal region. The layout is the same on every rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,7 +9,7 @@
 //! (block 0 of every owner, then block 1, …; `tile_order`), so every owner's reduction
 //! can start early and the traffic is spread over all owners.
 //!
-//! Two designs for who reduces, both in kernels/gemm_reduce.cu, chosen here:
+//! Two designs for who reduces, kernels/gemm_reduce.cu and gemm_reduce_early.cu, chosen here:
 //! - after the GEMM (default, `reduce_ctas` = 0): every CTA computes; each CTA's consumer
 //!   warpgroups reduce once its own last tile is stored, so the reduction overlaps the
 //!   GEMM's last wave and the GEMM keeps every SM;
