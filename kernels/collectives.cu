@@ -15,7 +15,7 @@
 //      other slices (AllReduce: reduce-scatter + all-gather inside the piece),
 //   5. post FREE to every peer.
 // Every wait is bounded (common/signals.cuh). With one rank the op is a plain copy.
-// Launched with p.stage_bytes of dynamic shared memory (MK_LOAD_STAGING=smem), the copies
+// Launched with p.stage_bytes of dynamic shared memory (the host always passes ops::collectives::STAGE_BYTES), the copies
 // and reductions stage their loads there with cp.async (common/reduce_copy.cuh): a CTA
 // then keeps tens of KiB in flight instead of a few vectors per thread, which is what
 // bounds it when several ranks share the GPUs (~1 us per load).

@@ -8,12 +8,10 @@ namespace mk { namespace gemm_reduce {
 
 using namespace mk::gemm;
 
-// The side warps' hook (kernels/common/gemm/hooks.cuh): when the host planned it
-// (side_reduce, MK_GEMM_REDUCERS=side), the producer warpgroup's idle warps of GEMM CTA c
-// reduce tiles c, c + compute_ctas, ... while the GEMM runs, waiting for each as the ranks
-// store it. Measured (one H200, 2 ranks): it overlaps the whole GEMM but moves ~6 GB/s per
-// CTA in 80 registers, so the reduction ends ~700 us after the GEMM at M 4096 -- 1.6x
-// slower than reducing after the GEMM, which stays the default.
+// The side warps' hook (kernels/common/gemm/hooks.cuh). The side_reduce branch (the idle
+// producer warps reduce everything during the GEMM) is never planned by the host: it
+// measured slower than reducing after the GEMM, and is removed together with a GPU run
+// (docs/decisions/0001-side-reducers.md).
 // On one node, warp 2 first opens the CTA's start gate (open_gate): warps 2-3 run beside
 // the GEMM from its start, which is what lets the epoch read and the peers' GR_DONE wait
 // overlap the first loads.

@@ -370,8 +370,9 @@ pub struct GemmReduceParams {
     pub net_reduced_word: u32,
     pub count_node_word: u32,
     pub count_final_word: u32,
-    /// One node, no dedicated reduction CTAs: 1 when the producer warpgroup's idle warps
-    /// reduce during the GEMM, 0 when each GEMM CTA's 12 warps reduce after its GEMM.
+    /// Always 0 from the host (docs/decisions/0001-side-reducers.md): 1 would have the
+    /// producer warpgroup's idle warps reduce during the GEMM instead of each GEMM CTA's 12
+    /// warps after it.
     pub side_reduce: u32,
     /// Byte offsets in every rank's data region: N slabs each of [owner_rows, n], slab m at
     /// + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
@@ -465,7 +466,7 @@ pub struct MoeParams {
     pub send_by_gemm_ctas: i32,
     /// Dispatch with `send_by_gemm_ctas`: every warp of every GEMM CTA first sends the send
     /// lists q < burst_lists (the rows of the first wave of tiles) before its GEMM starts;
-    /// 0: only the side warps send (ops::moe::burst_lists, MK_MOE_BURST).
+    /// 0: only the side warps send (ops::moe::burst_lists, `Tuning::moe_burst`).
     pub burst_lists: i32,
     /// As `AgGemmParams::trace`.
     pub trace: u64,

@@ -16,7 +16,7 @@ pub const THREADS: u32 = crate::kernel_abi::MK_COLLECTIVE_THREADS;
 pub const MIN_BYTES_PER_CTA: u64 = 64 << 10;
 /// Pieces are multiples of this many bytes, so every piece starts 256-byte aligned.
 pub const PIECE_ALIGN_BYTES: u64 = 256;
-/// Dynamic shared memory per CTA in which the kernels stage their loads (MK_LOAD_STAGING=smem).
+/// Dynamic shared memory per CTA in which the kernels stage their loads (docs/decisions/0004).
 /// The loops are bound by load latency (~1 us with several ranks on the GPUs), so bytes in
 /// flight per SM set the bandwidth: half of this is in flight per CTA while the other half
 /// is consumed. 128 KiB is the least that still gives a reduction of MK_MAX_PEERS sources

@@ -11,7 +11,7 @@
 use super::gemm_rs::{self, GemmRsShape};
 use crate::error::Result;
 
-/// Largest M that takes the one-shot path by default (MK_GEMM_AR_ONESHOT_MAX_M overrides).
+/// Largest M that takes the one-shot path by default (`Tuning::gemm_ar_one_shot_max_m`).
 pub const ONE_SHOT_MAX_M: usize = 256;
 
 #[derive(Clone, Debug, PartialEq, Eq)]

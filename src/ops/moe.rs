@@ -413,7 +413,7 @@ pub fn group_m(d: &MoeDims, bn: usize, compute_ctas: usize) -> usize {
 }
 
 /// Send lists (q = local expert · n + step, kernels/moe.cu `prep`) that every warp of the
-/// dispatch's GEMM CTAs sends before the GEMM (MK_MOE_BURST; MoeParams::burst_lists): the
+/// dispatch's GEMM CTAs sends before the GEMM (`Tuning::moe_burst`; MoeParams::burst_lists): the
 /// local experts whose blocks the first wave of tiles covers (expert-major order, at the
 /// expected rows per expert of uniform routing), plus one. The side warps alone (3 per CTA,
 /// 4 vectors in flight per lane) took ~150-200 us to get the first experts' rows out at 4
@@ -427,7 +427,7 @@ pub fn burst_lists(d: &MoeDims, compute_ctas: usize, tiles_n: usize) -> usize {
     (experts * d.nranks).min(d.experts)
 }
 
-/// Whether the dispatch bursts (MK_MOE_BURST: forced on or off, or auto). Auto bursts at 4
+/// Whether the dispatch bursts (`Tuning::moe_burst`: forced on or off, or auto). Auto bursts at 4
 /// ranks and more. Measured (benches/RESULTS.md; one H200, T 4096, DeepSeek-V3-like sizes, two
 /// GPU rounds): 4 ranks 11.3-11.8 ms with the burst against 12.05-12.08 without; 2 ranks
 /// 6.75-6.90 ms against 6.27-6.28 without — at 2 ranks the first wave's waits were short anyway (45 us per
@@ -437,7 +437,7 @@ pub fn burst_for(forced: Option<bool>, nranks: usize) -> bool {
     forced.unwrap_or(nranks >= 4)
 }
 
-/// Column bands of the combine's GEMM (MK_MOE_BANDS). The pull of a token's output tile
+/// Column bands of the combine's GEMM (`Tuning::moe_bands`). The pull of a token's output tile
 /// needs the tile's slabs of all its k rows, on up to k experts anywhere in the expert-major
 /// order, so without bands nothing can be pulled before the GEMM's end (4 ranks:
 /// the pull, ~2.6 ms alone, ran after a ~11 ms GEMM). With b bands the GEMM finishes band 0
