@@ -11,6 +11,7 @@ pub mod gemm_rs;
 pub mod hier_collectives;
 pub mod moe;
 pub mod ring_attention;
+pub mod schedule;
 pub mod util;
 
 /// Loads the kernels that run across nodes (hierarchical collectives, the dense fused ops) in

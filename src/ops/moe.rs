@@ -567,7 +567,7 @@ pub fn moe_tile_banded(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>,
     let at_order = |pos: usize| order.map_or(pos, |o| o[pos]);
     let (col0, band_w, t) = band_locate(tiles_m, band_w, t);
     let (pos, nb) = match runs {
-        None => crate::ops::gemm_reduce::grouped_tile(tiles_m, band_w, group_m, t),
+        None => crate::ops::schedule::grouped_tile(tiles_m, band_w, group_m, t),
         Some(runs) => {
             let at = t / band_w;
             let (gs, gl) = run_group(runs[at_order(at)], group_m, at);
