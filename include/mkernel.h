@@ -507,8 +507,8 @@ mkResult_t mkGemmReduceScatter(const void *A,
                                mkStream_t stream);
 
 /**
- * C = Σ over ranks of A·Bᵀ on every rank, in one persistent kernel. Small M (≤ 256 or
- * MK_GEMM_AR_ONESHOT_MAX_M, or M not a multiple of 128·nranks): one-shot, every rank reads
+ * C = Σ over ranks of A·Bᵀ on every rank, in one persistent kernel. Small M (≤ 256, or M
+ * not a multiple of 128·nranks): one-shot, every rank reads
  * every rank's partial tile as soon as it is signalled and sums it (lowest latency). Larger
  * M: two-phase, each row block is summed once by the rank owning it ([r·M/n, (r+1)·M/n))
  * and copied by the others. With one rank, the GEMM alone.

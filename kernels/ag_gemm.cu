@@ -12,10 +12,10 @@
 //
 // The GEMM reads every row through the one tensor map of the gathered buffer, own rows too,
 // although it could read those from the caller's A in place: with a second map for the own
-// rows the GEMM ran 7-12 % slower at 2 ranks (N = K = 8192, every tile; session 8 runs 2-3,
+// rows the GEMM ran 7-12 % slower at 2 ranks (N = K = 8192, every tile,
 // with pushes and waits switched off, and not cured by prefetching the second map), more
 // than the copy costs (47 µs at 2048 rows/rank). Copied by the pushers instead, chunk by
-// chunk ahead of the peers' rows, it was slower still (run 5: the GEMM's first tiles wait
+// chunk ahead of the peers' rows, it was slower still (the GEMM's first tiles wait
 // on 96 threads per CTA instead of 384).
 //
 // Epochs live on the device (signal word AGG_EPOCH), so a captured CUDA graph replays
@@ -40,19 +40,7 @@
 #include "common/proxy.cuh"
 #include "common/trace.cuh"
 
-#define MK_OP_AG_GEMM 16
-// Signal words of this op (own region unless noted).
-#define AGG_EPOCH (MK_SIG_OP_BASE + 0)   // last completed epoch of this rank
-#define AGG_ARRIVE (MK_SIG_OP_BASE + 1)  // CTAs of the running launch that have finished
-#define AGG_LOCAL (MK_SIG_OP_BASE + 2)   // CTAs of the running launch that copied their slice of the own rows
-#define AGG_DONE (MK_SIG_OP_BASE + 8)    // + q: local rank q finished epoch e (written by q)
-#define AGG_NET_DONE (MK_SIG_OP_BASE + 16)  // + node m: node m's GPU-l rank finished epoch e (written by its proxy)
-#define AGG_CHUNK (MK_SIG_OP_BASE + 64)  // + src * flag_stride + c: chunk c of global rank src arrived
-// + q * MAX_CHUNKS + c (one node) or + (q * nodes + m) * flag_stride + c (across nodes):
-// pushers done with chunk c (of source node m) for local rank q (reset by the last).
-#define AGG_PUSHED (MK_SIG_OP_BASE + 64 + MK_MAX_PEERS * MK_AG_GEMM_MAX_CHUNKS)
-#define AGG_WORDS_END (MK_SIG_OP_BASE + 64 + 2 * MK_MAX_PEERS * MK_AG_GEMM_MAX_CHUNKS)
-static_assert(AGG_WORDS_END <= MK_SIG_OP_BASE + 1024, "AG+GEMM owns 1024 signal words");
+// Signal words of this op: AGG_* in mk_kernel_abi.h (src/kernel_abi.rs).
 
 namespace mk { namespace ag_gemm {
 
@@ -119,7 +107,7 @@ __device__ __forceinline__ bool copy_gathered_out(const AgGemmParams& p, uint64_
       int ok = 1;
       if (tid == 0)
         ok = mk_wait_geq_inline(ws, mk_signal_word(ws, ws.rank, agg_chunk(p, src, c)), epoch, src, MK_WAIT_OP_FLAG,
-                                MK_OP_AG_GEMM);
+                                MK_OP_ALL_GATHER_GEMM);
       if (!Team::and_all(ok)) return false;
       const size_t first = ((size_t)src * p.rows_per_rank + (size_t)c * p.chunk_rows) * row_bytes;
       const size_t bytes = (size_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
@@ -151,7 +139,7 @@ __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoc
     if (tid == 0) {
       t0 = p.trace ? mk_globaltimer() : 0;
       // q must have finished reading its gathered buffer of our previous call.
-      ok = mk_wait_geq_inline(ws, mk_signal_word(ws, me, AGG_DONE + q), epoch - 1, q, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
+      ok = mk_wait_geq_inline(ws, mk_signal_word(ws, me, AGG_DONE + q), epoch - 1, q, MK_WAIT_OP_FLAG, MK_OP_ALL_GATHER_GEMM);
       if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
     }
     if (!Team::and_all(ok)) return false;
@@ -186,19 +174,19 @@ __device__ __forceinline__ bool post_own_rows(const AgGemmParams& p, uint64_t ep
   const int g = p.global_rank;
   const size_t row_bytes = (size_t)p.k * 2;
   for (int c = 0; c < p.chunks_per_rank; ++c)
-    if (!mk_wait_geq_inline(ws, mk_signal_word(ws, ws.rank, agg_chunk(p, g, c)), epoch, g, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM))
+    if (!mk_wait_geq_inline(ws, mk_signal_word(ws, ws.rank, agg_chunk(p, g, c)), epoch, g, MK_WAIT_OP_FLAG, MK_OP_ALL_GATHER_GEMM))
       return false;
   for (int i = 1; i < p.nodes; ++i) {
     const int m = (p.node + i) % p.nodes;
     const int peer = agg_rank_of(p, m, ws.rank);
-    if (!mk_wait_geq_inline(ws, mk_signal_word(ws, ws.rank, AGG_NET_DONE + m), epoch - 1, peer, MK_WAIT_NET, MK_OP_AG_GEMM))
+    if (!mk_wait_geq_inline(ws, mk_signal_word(ws, ws.rank, AGG_NET_DONE + m), epoch - 1, peer, MK_WAIT_NET, MK_OP_ALL_GATHER_GEMM))
       return false;
     for (int c = 0; c < p.chunks_per_rank; ++c) {
       const uint64_t at = p.gathered_offset + ((uint64_t)g * p.rows_per_rank + (uint64_t)c * p.chunk_rows) * row_bytes;
       const uint64_t bytes = (uint64_t)min(p.chunk_rows, p.rows_per_rank - c * p.chunk_rows) * row_bytes;
       const int rc = mk_proxy_put(p.ring, (uint32_t)peer, at, at, (uint32_t)bytes, agg_chunk(p, g, c), (uint32_t)epoch, ticket);
-      if (rc != MK_PROXY_OK) {
-        mk_fail(p.ws, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, MK_OP_AG_GEMM));
+      if (rc != mkSuccess) {
+        mk_fail(p.ws, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, MK_OP_ALL_GATHER_GEMM));
         return false;
       }
     }
@@ -229,7 +217,7 @@ __device__ __forceinline__ bool push_hier(const AgGemmParams& p, uint64_t epoch,
     for (int j = 0; j < L && ok; ++j)
       if (j != l)
         ok = mk_wait_geq_inline(ws, mk_signal_word(ws, l, AGG_DONE + j), epoch - 1, agg_rank_of(p, p.node, j),
-                                MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
+                                MK_WAIT_OP_FLAG, MK_OP_ALL_GATHER_GEMM);
     if (ok && poster) ok = post_own_rows(p, epoch, &ticket);
     if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
   }
@@ -245,7 +233,7 @@ __device__ __forceinline__ bool push_hier(const AgGemmParams& p, uint64_t epoch,
         ok = 1;
         if (tid == 0) {
           const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
-          ok = mk_wait_geq_inline(ws, mk_signal_word(ws, l, agg_chunk(p, s, c)), epoch, s, MK_WAIT_NET, MK_OP_AG_GEMM);
+          ok = mk_wait_geq_inline(ws, mk_signal_word(ws, l, agg_chunk(p, s, c)), epoch, s, MK_WAIT_NET, MK_OP_ALL_GATHER_GEMM);
           if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
         }
         if (!Team::and_all(ok)) return false;
@@ -273,7 +261,7 @@ __device__ __forceinline__ bool push_hier(const AgGemmParams& p, uint64_t epoch,
   if (!copy_gathered_out<Team>(p, epoch, part, parts)) return false;
   if (poster) {
     const int rc = mk_proxy_wait_complete(p.ring, ticket);
-    if (rc != MK_PROXY_OK) ok = 0, mk_fail(p.ws, mk_error_word((uint32_t)rc, 0xff, MK_WAIT_PROXY, MK_OP_AG_GEMM));
+    if (rc != mkSuccess) ok = 0, mk_fail(p.ws, mk_error_word((uint32_t)rc, 0xff, MK_WAIT_PROXY, MK_OP_ALL_GATHER_GEMM));
   }
   return Team::and_all(ok) != 0;
 }
@@ -322,7 +310,7 @@ struct ChunkAWait {
       const uint64_t* flag = mk_signal_word(p.ws, p.ws.rank, agg_chunk(p, src, c));
       // A failed wait (timeout, abort) has recorded the error and raised the abort word;
       // the tile then computes on stale rows and the kernel still ends, in bounded time.
-      mk_wait_geq_inline(p.ws, flag, w.epoch, src, MK_WAIT_OP_FLAG, MK_OP_AG_GEMM);
+      mk_wait_geq_inline(p.ws, flag, w.epoch, src, MK_WAIT_OP_FLAG, MK_OP_ALL_GATHER_GEMM);
       r = min(src * p.rows_per_rank + (c + 1) * p.chunk_rows, (src + 1) * p.rows_per_rank);
     }
     fence_proxy_async_global();  // the peers' generic-proxy stores, then our TMA loads
@@ -381,8 +369,8 @@ __device__ __forceinline__ void agg_epoch_end_hier(const AgGemmParams& p, uint64
         const int m = (p.node + i) % p.nodes, peer = agg_rank_of(p, m, ws.rank);
         uint64_t ticket;
         const int rc = mk_proxy_signal(p.ring, (uint32_t)peer, AGG_NET_DONE + p.node, (uint32_t)epoch, &ticket);
-        if (rc != MK_PROXY_OK) {
-          mk_fail(p.ws, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, MK_OP_AG_GEMM));
+        if (rc != mkSuccess) {
+          mk_fail(p.ws, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, MK_OP_ALL_GATHER_GEMM));
           break;
         }
       }
@@ -441,7 +429,4 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
     mk::ag_gemm::ag_gemm<T, BN>(&tma_a, &tma_b, &tma_c, p);                                           \
   }
 
-MK_AG_GEMM_ENTRY(mk_ag_gemm_bf16_bn256, __nv_bfloat16, 256)
-MK_AG_GEMM_ENTRY(mk_ag_gemm_bf16_bn128, __nv_bfloat16, 128)
-MK_AG_GEMM_ENTRY(mk_ag_gemm_f16_bn256, __half, 256)
-MK_AG_GEMM_ENTRY(mk_ag_gemm_f16_bn128, __half, 128)
+#include "kernel_instances/ag_gemm.inc"  // the entry points: kernels/instances.txt

@@ -15,7 +15,7 @@
 //      other slices (AllReduce: reduce-scatter + all-gather inside the piece),
 //   5. post FREE to every peer.
 // Every wait is bounded (common/signals.cuh). With one rank the op is a plain copy.
-// Launched with p.stage_bytes of dynamic shared memory (MK_LOAD_STAGING=smem), the copies
+// Launched with p.stage_bytes of dynamic shared memory (the host always passes ops::collectives::STAGE_BYTES), the copies
 // and reductions stage their loads there with cp.async (common/reduce_copy.cuh): a CTA
 // then keeps tens of KiB in flight instead of a few vectors per thread, which is what
 // bounds it when several ranks share the GPUs (~1 us per load).
@@ -23,11 +23,9 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include "mk_kernel_abi.h"
-#include "common/dtypes.cuh"
+#include "mkernel.h"
 #include "common/reduce_copy.cuh"
 #include "common/signals.cuh"
-
-#define MK_COLLECTIVE_THREADS 512
 
 template <typename T>
 __device__ __forceinline__ void collective(const CollectiveParams& p) {
@@ -129,22 +127,12 @@ __device__ __forceinline__ void collective(const CollectiveParams& p) {
   if (threadIdx.x == 0) *seq_word = step;
 }
 
-#define MK_COLLECTIVE_KERNEL(suffix, T)                                                              \
-  extern "C" __global__ void __launch_bounds__(MK_COLLECTIVE_THREADS) mk_collective_##suffix(      \
+#define MK_COLLECTIVE_KERNEL(NAME, T)                                                                \
+  extern "C" __global__ void __launch_bounds__(MK_COLLECTIVE_THREADS) NAME(                        \
       const __grid_constant__ CollectiveParams p) {                                                  \
     collective<T>(p);                                                                                \
   }
 
-MK_COLLECTIVE_KERNEL(i8, int8_t)
-MK_COLLECTIVE_KERNEL(u8, uint8_t)
-MK_COLLECTIVE_KERNEL(i32, int32_t)
-MK_COLLECTIVE_KERNEL(u32, uint32_t)
-MK_COLLECTIVE_KERNEL(i64, int64_t)
-MK_COLLECTIVE_KERNEL(u64, uint64_t)
-MK_COLLECTIVE_KERNEL(f16, __half)
-MK_COLLECTIVE_KERNEL(f32, float)
-MK_COLLECTIVE_KERNEL(f64, double)
-MK_COLLECTIVE_KERNEL(bf16, __nv_bfloat16)
 
 // ---- benchmark check: float32 results against the inputs' generator, on the device ----
 // The same stream as mk_fill_random in util.cu (SplitMix64 of seed and index).
@@ -171,10 +159,12 @@ extern "C" __global__ void mk_collective_check(CollectiveCheckParams c) {
     } else {
       uint64_t i = c.kind == MK_OP_REDUCE_SCATTER ? (uint64_t)c.rank * c.count + j : j;
       for (int p = 0; p < c.nranks; ++p) expect += (double)check_uniform(c.seed_base + p, i);
-      if (c.op == MK_RED_AVG) expect /= c.nranks;
+      if (c.op == mkAvg) expect /= c.nranks;
     }
     double d = fabs((double)out[j] - expect);
     if (!(d <= 1e-6 * c.nranks + 1e-6 * fabs(expect))) ++wrong;
   }
   if (wrong) atomicAdd(reinterpret_cast<unsigned long long*>(c.wrong), wrong);
 }
+
+#include "kernel_instances/collectives.inc"  // the entry points: kernels/instances.txt

@@ -58,27 +58,7 @@ __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUten
     mk::gemm::plain_gemm<T, BN, TMA_EPI, SHARE>(&tma_a, &tma_b, &tma_c, c, M, N, K, group_m);          \
   }
 #define MK_GEMM_ENTRY(NAME, T, BN, TMA_EPI) MK_GEMM_ENTRY_SHARE(NAME, T, BN, TMA_EPI, mk::gemm::SHARE_NONE)
+// MK_GEMM_ENTRY_SHARE's 2-CTA clusters use TMA multicast (launch with cluster dims (2,1,1),
+// even grid): _c2b share B (pairs of m-blocks), _c2a share A (pairs of n-blocks).
 
-MK_GEMM_ENTRY(mk_gemm_bf16_bn256_tma, __nv_bfloat16, 256, true)
-MK_GEMM_ENTRY(mk_gemm_bf16_bn128_tma, __nv_bfloat16, 128, true)
-MK_GEMM_ENTRY(mk_gemm_bf16_bn64_tma, __nv_bfloat16, 64, true)
-MK_GEMM_ENTRY(mk_gemm_bf16_bn256_direct, __nv_bfloat16, 256, false)
-MK_GEMM_ENTRY(mk_gemm_bf16_bn128_direct, __nv_bfloat16, 128, false)
-MK_GEMM_ENTRY(mk_gemm_bf16_bn64_direct, __nv_bfloat16, 64, false)
-MK_GEMM_ENTRY(mk_gemm_f16_bn256_tma, __half, 256, true)
-MK_GEMM_ENTRY(mk_gemm_f16_bn128_tma, __half, 128, true)
-MK_GEMM_ENTRY(mk_gemm_f16_bn64_tma, __half, 64, true)
-MK_GEMM_ENTRY(mk_gemm_f16_bn256_direct, __half, 256, false)
-MK_GEMM_ENTRY(mk_gemm_f16_bn128_direct, __half, 128, false)
-MK_GEMM_ENTRY(mk_gemm_f16_bn64_direct, __half, 64, false)
-
-// 2-CTA clusters with TMA multicast (launch with cluster dims (2,1,1), even grid):
-// _c2b share B (pairs of m-blocks), _c2a share A (pairs of n-blocks).
-MK_GEMM_ENTRY_SHARE(mk_gemm_bf16_bn256_tma_c2b, __nv_bfloat16, 256, true, mk::gemm::SHARE_B)
-MK_GEMM_ENTRY_SHARE(mk_gemm_bf16_bn128_tma_c2b, __nv_bfloat16, 128, true, mk::gemm::SHARE_B)
-MK_GEMM_ENTRY_SHARE(mk_gemm_bf16_bn128_tma_c2a, __nv_bfloat16, 128, true, mk::gemm::SHARE_A)
-MK_GEMM_ENTRY_SHARE(mk_gemm_bf16_bn64_tma_c2a, __nv_bfloat16, 64, true, mk::gemm::SHARE_A)
-MK_GEMM_ENTRY_SHARE(mk_gemm_f16_bn256_tma_c2b, __half, 256, true, mk::gemm::SHARE_B)
-MK_GEMM_ENTRY_SHARE(mk_gemm_f16_bn128_tma_c2b, __half, 128, true, mk::gemm::SHARE_B)
-MK_GEMM_ENTRY_SHARE(mk_gemm_f16_bn128_tma_c2a, __half, 128, true, mk::gemm::SHARE_A)
-MK_GEMM_ENTRY_SHARE(mk_gemm_f16_bn64_tma_c2a, __half, 64, true, mk::gemm::SHARE_A)
+#include "kernel_instances/gemm.inc"  // the entry points: kernels/instances.txt

@@ -38,12 +38,10 @@
 // Written without a GPU: first run by `mktest nodes` (scripts/gpu-run.sh).
 #include <stdint.h>
 #include "mk_kernel_abi.h"
-#include "common/dtypes.cuh"
+#include "mkernel.h"
 #include "common/proxy.cuh"
 #include "common/reduce_copy.cuh"
 #include "common/signals.cuh"
-
-#define MK_HIER_THREADS 512
 
 __device__ __forceinline__ int rank_of(const HierCollectiveParams& p, int node, int local) {
   return p.rank_of[node * MK_MAX_PEERS + local];
@@ -75,14 +73,14 @@ __device__ __noinline__ bool hier_wait(const HierCollectiveParams& p, const uint
     if ((spin & 31) == 0) {
       uint64_t raised = mk_ld_relaxed_sys(abort_word);
       if (raised != 0) {
-        mk_record_error(ws, mk_error_word(MK_RESULT_REMOTE_ERROR, (uint32_t)(raised - 1), what, op));
+        mk_record_error(ws, mk_error_word(mkRemoteError, (uint32_t)(raised - 1), what, op));
         return false;
       }
       const uint64_t now = mk_globaltimer();
       if (now >= next_host_check) {
         next_host_check = now + MkWaitChecks::kHostCheckNs;
         if (mk_ld_relaxed_sys_u32(host_abort) != 0) {
-          hier_fail(p, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
+          hier_fail(p, mk_error_word(mkInvalidUsage, 0xff, what, op));
           return false;
         }
         uint32_t failed = mk_proxy_load_acquire_u32(proxy_error);
@@ -92,7 +90,7 @@ __device__ __noinline__ bool hier_wait(const HierCollectiveParams& p, const uint
         }
       }
       if (now - start > ws.timeout_ns) {
-        hier_fail(p, mk_error_word(MK_RESULT_TIMEOUT, (uint32_t)peer, what, op));
+        hier_fail(p, mk_error_word(mkTimeout, (uint32_t)peer, what, op));
         return false;
       }
       __nanosleep(64);
@@ -126,7 +124,7 @@ __device__ __forceinline__ bool hier_grant(const HierCollectiveParams& p, int b,
     if (m == p.node) continue;
     int peer = rank_of(p, m, p.ws.rank);
     int rc = mk_proxy_signal(p.ring, (uint32_t)peer, MK_SIG_NET_GRANT + b * MK_MAX_NODES + p.node, (uint32_t)step, ticket);
-    if (rc != MK_PROXY_OK) {
+    if (rc != mkSuccess) {
       hier_fail(p, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, (uint32_t)p.kind));
       return false;
     }
@@ -158,7 +156,7 @@ __device__ __forceinline__ bool hier_send(const HierCollectiveParams& p, int b, 
     HierPart q = part(m);
     int rc = mk_proxy_put(p.ring, (uint32_t)peer, q.src, q.dst, (uint32_t)q.bytes, first + p.node,
                           (uint32_t)step, ticket);
-    if (rc != MK_PROXY_OK) {
+    if (rc != mkSuccess) {
       hier_fail(p, mk_error_word((uint32_t)rc, (uint32_t)peer, MK_WAIT_PROXY, (uint32_t)p.kind));
       return false;
     }
@@ -169,7 +167,7 @@ __device__ __forceinline__ bool hier_send(const HierCollectiveParams& p, int b, 
 // Thread 0: waits until the proxy has carried out `ticket` and everything before it.
 __device__ __forceinline__ bool hier_drain(const HierCollectiveParams& p, uint64_t ticket) {
   int rc = mk_proxy_wait_complete(p.ring, ticket);
-  if (rc != MK_PROXY_OK) {
+  if (rc != mkSuccess) {
     hier_fail(p, mk_error_word((uint32_t)rc, 0xff, MK_WAIT_PROXY, (uint32_t)p.kind));
     return false;
   }
@@ -201,7 +199,7 @@ __device__ __forceinline__ void hier_collective(const HierCollectiveParams& p) {
   const uint32_t net_ready2 = MK_SIG_NET_READY2 + b * MK_MAX_NODES;
   // Node partials are plain sums (products, max, min) of the node's values; avg divides
   // once, by R, when the N partials are combined.
-  const int partial_op = p.op == MK_RED_AVG ? MK_RED_SUM : p.op;
+  const int partial_op = p.op == mkAvg ? mkSum : p.op;
   uint64_t step = *seq_word;
   // Thread 0: the last command posted in each slot parity (its sources are in that slot).
   uint64_t last_ticket[2] = {0, 0};
@@ -344,19 +342,10 @@ __device__ __forceinline__ void hier_collective(const HierCollectiveParams& p) {
   }
 }
 
-#define MK_HIER_KERNEL(suffix, T)                                                                \
-  extern "C" __global__ void __launch_bounds__(MK_HIER_THREADS) mk_hier_collective_##suffix(    \
+#define MK_HIER_KERNEL(NAME, T)                                                                  \
+  extern "C" __global__ void __launch_bounds__(MK_HIER_THREADS) NAME(                          \
       const __grid_constant__ HierCollectiveParams p) {                                          \
     hier_collective<T>(p);                                                                       \
   }
 
-MK_HIER_KERNEL(i8, int8_t)
-MK_HIER_KERNEL(u8, uint8_t)
-MK_HIER_KERNEL(i32, int32_t)
-MK_HIER_KERNEL(u32, uint32_t)
-MK_HIER_KERNEL(i64, int64_t)
-MK_HIER_KERNEL(u64, uint64_t)
-MK_HIER_KERNEL(f16, __half)
-MK_HIER_KERNEL(f32, float)
-MK_HIER_KERNEL(f64, double)
-MK_HIER_KERNEL(bf16, __nv_bfloat16)
+#include "kernel_instances/hier_collectives.inc"  // the entry points: kernels/instances.txt

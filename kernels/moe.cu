@@ -9,9 +9,10 @@
 // region), so every rank computes every offset itself: no host round trip, graph-capturable.
 //
 // Dispatch, CTAs [0, compute_ctas): the GEMM engine over (m-block, n-block) tiles of
-//   Y = X_recv · W1_eᵀ, m-blocks ordered so that blocks whose rows come from the sources
-//   that arrive first (own rows, then rank-1, rank-2, ...) come first; before loading a
-//   tile's A rows the producer waits for the flags of the sources whose rows the block holds.
+//   Y = X_recv · W1_eᵀ, m-blocks in the receive layout's order (expert-major, raster groups
+//   cut at experts, so an expert's blocks share its weight tiles in L2); before loading a
+//   tile's A rows the producer waits for RECV[s, expert] of every source s whose rows the
+//   block holds.
 // Dispatch, the prep (the last GEMM CTA before its GEMM; the first comm CTA with
 //   MK_COMM_SMS): counts this rank's routing per expert and each (token, expert)'s position
 //   among this rank's tokens of that expert, exchanges the counts, computes the layout, the
@@ -22,10 +23,12 @@
 //   producer warpgroup (default: no comm CTA), or the comm CTAs when MK_COMM_SMS asks.
 // Combine, CTAs [0, compute_ctas): the engine over the same m-blocks, Z = Y' · W2_eᵀ into
 //   this rank's fused-op region (TMA stores; remote stores would stall the TMA pipeline),
-//   each 64-row slab followed by an epoch-valued flag.
-// Combine, CTAs [compute_ctas, +comm_ctas): for each own token and column tile, wait for
-//   the slabs holding its k rows on their owners, pull them and write
-//   out[t] = Σ_j w[t, j] · Z[row(t, j)] (fp32, j in order 0..k-1, rounded once).
+//   in column bands (band_w), each 64-row slab followed by an epoch-valued flag.
+// Combine, the pull: for each own token and column tile, wait for the slabs holding its k
+//   rows on their owners, pull them and write out[t] = Σ_j w[t, j] · Z[row(t, j)] (fp32,
+//   j in order 0..k-1, rounded once). The idle producer warps of the GEMM CTAs pull the
+//   earlier bands' outputs while the later bands compute, every warp the rest after its
+//   GEMM; with MK_COMM_SMS, CTAs [compute_ctas, +comm_ctas) pull instead.
 //
 // Both kernels share one device-side epoch (MOE_EPOCH) and the end-of-kernel handshake
 // (MOE_DONE): before a kernel writes into any rank's fused-op region it waits until every
@@ -34,31 +37,8 @@
 #include "common/fused_op.cuh"
 #include "common/trace.cuh"
 
-#define MK_OP_MOE_DISPATCH 19
-#define MK_OP_MOE_COMBINE 20
-#define MK_WAIT_MOE_CAPACITY 5   // error word "what": a receive buffer is too small
-#define MK_WAIT_MOE_EXPERT 6     // error word "what": an expert id outside [-1, E)
-
-// Signal words (own region unless noted), all in [MK_SIG_MOE_BASE, +65536).
-#define MOE_EPOCH (MK_SIG_MOE_BASE + 0)
-#define MOE_ARRIVE (MK_SIG_MOE_BASE + 1)
-#define MOE_PREP (MK_SIG_MOE_BASE + 2)    // the prep CTA wrote the layout of epoch e
-#define MOE_DONE (MK_SIG_MOE_BASE + 8)    // + q: rank q finished MoE kernel e (written by q)
-#define MOE_CNT (MK_SIG_MOE_BASE + 16)    // + s: rank s wrote its counts here (written by s)
-#define MOE_GRAB (MK_SIG_MOE_BASE + 40)   // senders' next chunk of the send list (counter)
-#define MOE_EXIT (MK_SIG_MOE_BASE + 41)   // sender warps done (counter; the last resets both)
-#define MOE_PULL_GRAB (MK_SIG_MOE_BASE + 42)  // combine: pullers' next chunk of items (counter)
-#define MOE_PULL_EXIT (MK_SIG_MOE_BASE + 43)  // combine: pulling warps done (counter; the last resets both)
-#define MOE_RECV (MK_SIG_MOE_BASE + 1024) // + s * E_local + le: all of rank s's rows of local expert le arrived (written by s)
-#define MOE_SENT (MK_SIG_MOE_BASE + 2048) // + q: rows of send list q copied (counter; the last copier resets it)
-#define MOE_TILE (MK_SIG_MOE_BASE + 3072) // + (m_block * tiles_n + n) * 2 + slab: Z slab stored
-
-// Layout buffer words (int32): see ops::moe::LayoutOffsets.
-#define LAY_TOTAL_MB 0   // m-blocks of this rank's receive buffer in use
-#define LAY_OVERFLOW 1   // nonzero: some rank's receive buffer is too small; nothing was moved
-
-#define MOE_MAX_EXPERTS 1024
-#define MOE_WARPS 12
+// Signal words (MOE_*), layout words (MOE_LAY_*), MOE_MAX_EXPERTS and MOE_WARPS: in
+// mk_kernel_abi.h (src/kernel_abi.rs).
 
 namespace mk { namespace moe {
 
@@ -90,27 +70,15 @@ __device__ __forceinline__ bool moe_cta_wait_peers(const WorkspaceView& ws, uint
   return __syncthreads_and(ok) != 0;
 }
 
-// Column bands (MoeParams::band_w; host mirror ops::moe::band_locate): u counts units
-// (tiles_m per column for the GEMM's tiles, tokens per column for the pull's items) band
-// by band; on return u is the unit within its band, w the band's width, and the result its
-// first column. band_w > 0: bands of band_w columns; 0: halving bands, each ceil(r / 2) of
-// the r columns left (28: 14, 7, 4, 2, 1), so the last band, whose pull runs after the
-// GEMM, is one column while earlier bands are pulled beside the later ones.
-__device__ __forceinline__ int band_locate(int per_col, int tiles_n, int band_w, int& u, int& w) {
-  if (band_w > 0) {
-    const int band = u / (per_col * band_w);
-    u -= band * per_col * band_w;
-    w = band_w;
-    return band * band_w;
-  }
-  int col0 = 0;
-  for (;;) {
-    const int r = tiles_n - col0;
-    w = (r + 1) / 2;
-    if (r <= 1 || u < per_col * w) return col0;
-    u -= per_col * w;
-    col0 += w;
-  }
+// Column bands of band_w columns (MoeParams::band_w, which divides tiles_n; host mirror
+// ops::moe::band_locate): u counts units (tiles_m per column for the GEMM's tiles, tokens
+// per column for the pull's items) band by band; on return u is the unit within its band,
+// w the band's width, and the result its first column.
+__device__ __forceinline__ int band_locate(int per_col, int band_w, int& u, int& w) {
+  const int band = u / (per_col * band_w);
+  u -= band * per_col * band_w;
+  w = band_w;
+  return band * band_w;
 }
 
 // Tiles: t -> grouped raster over (ordered m-block index, n-block); the m-block index goes
@@ -126,7 +94,7 @@ struct MoeRaster {
     const int* mb_expert;  // local expert of each m-block (layout)
     const int* mb_rows;    // rows of each m-block in use (layout): 1..128
     int tiles_m, tiles_n;
-    int band_w;  // column tiles per band (divides tiles_n; 0: halving bands, band_locate): the raster runs band by band
+    int band_w;  // column tiles per band (divides tiles_n, band_locate): the raster runs band by band
     int group_m;
   };
   // The engine skips the wgmmas of a 64-row consumer slab at or past this row: an expert's
@@ -141,7 +109,7 @@ struct MoeRaster {
     // Bands (the combine: its pull follows them): band b's tiles, then band b + 1's, each
     // band rastered as below over its bw column tiles.
     int bw;
-    const int col0 = band_locate(p.tiles_m, p.tiles_n, p.band_w, t, bw);
+    const int col0 = band_locate(p.tiles_m, p.band_w, t, bw);
     int pos, nb;
     if (p.runs == nullptr) {
       const TileCoord c = grouped_tile(p.tiles_m, bw, p.group_m, t);
@@ -305,7 +273,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     }
     __syncthreads();
   }
-  if (tid == 0 && bad_id) mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, me, MK_WAIT_MOE_EXPERT, MK_OP_MOE_DISPATCH));
+  if (tid == 0 && bad_id) mk_record_error(ws, mk_error_word(mkInvalidUsage, me, MK_WAIT_MOE_EXPERT, MK_OP_MOE_DISPATCH));
 
   // Nobody may still be sending into or pulling from any region of the previous kernel.
   if (!moe_cta_wait_peers(ws, MOE_DONE, epoch - 1, me, MK_OP_MOE_DISPATCH)) return false;
@@ -349,8 +317,8 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   }
   if (tid == 0) {
     counts_out[El] = needed_max;
-    layout[LAY_OVERFLOW] = overflow;
-    if (overflow) mk_record_error(ws, mk_error_word(MK_RESULT_INVALID_USAGE, overflow - 1, MK_WAIT_MOE_CAPACITY, MK_OP_MOE_DISPATCH));
+    layout[MOE_LAY_OVERFLOW] = overflow;
+    if (overflow) mk_record_error(ws, mk_error_word(mkInvalidUsage, overflow - 1, MK_WAIT_MOE_CAPACITY, MK_OP_MOE_DISPATCH));
   }
   if (overflow) {
     __syncthreads();
@@ -423,29 +391,16 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     }
   }
   __syncthreads();
-  // Block order (host mirror: ops::moe::block_tables): by a key, then by index (so, inside
-  // a key, expert-major). Keys (MoeParams::order_mode):
-  //   expert (1; the default, MK_MOE_ORDER=auto): one key, so the receive layout's order
-  //     (expert-major), with raster groups cut at experts (MoeRaster): an expert's blocks
-  //     share its W1 tiles (256 x 7168 x 2 bytes = 3.7 MB at DeepSeek-V3-like sizes) in L2.
-  //     The senders send expert by expert to every destination (the send list above) and
-  //     flag each (source, expert), so block b waits only for its own expert's rows.
-  //     Session 8's dispatch sent destination by destination with one flag per source;
-  //     there expert-major made the GEMM wait for the last source's rows (1.26x unfused at
-  //     4 ranks against 1.18 by arrival), hence the other keys:
-  //   arrival (0): the send step (me - s) mod n of the latest source s the block needs;
-  //   split (2): 0 = only own rows, 1 = no rows of the last step's source, 2 = the rest.
+  // Block order (host mirror: ops::moe::block_tables): the receive layout's own order
+  // (expert-major), as runs of one expert's blocks with raster groups cut at them
+  // (MoeRaster): an expert's blocks share its W1 tiles (256 x 7168 x 2 bytes = 3.7 MB at
+  // DeepSeek-V3-like sizes) in L2. The senders send expert by expert to every destination
+  // (the send list above) and flag each (source, expert), so block b waits only for its own
+  // expert's rows. The order tables keep a per-block key (always 0: one key) so that runs
+  // are (key, expert) runs.
   const int total = lbase[El] / 128;
-  const int mode = p.order_mode;
-  const int nkeys = mode == 0 ? n : mode == 1 ? 1 : 3;
-  for (int b = tid; b < total; b += blockDim.x) {
-    const unsigned m = (unsigned)mb_src[b];
-    int latest = 0;
-    for (int s = 0; s < n; ++s)
-      if (m & (1u << s)) latest = max(latest, (me - s + n) % n);
-    int key = mode == 0 ? latest : mode == 1 ? 0 : m == (1u << me) ? 0 : latest < n - 1 ? 1 : 2;
-    keys[b] = (unsigned char)key;
-  }
+  const int nkeys = 1;
+  for (int b = tid; b < total; b += blockDim.x) keys[b] = 0;
   __syncthreads();
   // Per (key, expert): blocks (kcnt), then the first order position (exclusive prefix over
   // (key, expert) in that order); bits/pre of pass 1 are free now (nkeys * El <= E words).
@@ -473,7 +428,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
         }
     }
   }
-  if (tid == 0) layout[LAY_TOTAL_MB] = total;
+  if (tid == 0) layout[MOE_LAY_TOTAL_MB] = total;
   __syncthreads();
   return true;
 }
@@ -496,7 +451,7 @@ __device__ __forceinline__ void warp_copy_row(char* dst, const char* src, int ve
 }
 
 // Registers of the dispatch GEMM's producer warpgroup, whose three idle warps send token
-// rows: session 8's send loop spilled at 80; the send-list walk (list search, per-list
+// rows: a send loop spilled at 80; the send-list walk (list search, per-list
 // counts) spilled at 88 (ptxas moved kernel-long values to local memory); at 96 nothing
 // spills and the consumers keep 200 (GemmConfig rounds their share down to 8; no spills).
 constexpr int kProducerRegs = 96;
@@ -521,10 +476,9 @@ constexpr int kSendChunk = 8;
 // (ptxas spilled the send loop). `ws` lives in the __grid_constant__ kernel parameter:
 // the load goes through an asm (volatile: not hoisted out of the caller's loop) with the
 // parameter's generic address, which ptxas forms as the parameter window base
-// (c[0x0][0x198]) + offset, as for any pointer into the parameter that escapes. Session 9's
-// first version used a C++ volatile load instead, and ptxas (CUDA 13.0, sm_90a) dropped
-// the window base for it: LD.E.64.STRONG.SYS from the bare offset (0x1f0 + 8 * rank +
-// 0x40 for signals[]), CUDA_ERROR_ILLEGAL_ADDRESS in the first MoE call (compute-sanitizer:
+// (c[0x0][0x198]) + offset, as for any pointer into the parameter that escapes. With a C++
+// volatile load instead, ptxas (CUDA 13.0, sm_90a) drops the window base:
+// LD.E.64.STRONG.SYS from the bare offset (0x1f0 + 8 * rank + 0x40 for signals[]), CUDA_ERROR_ILLEGAL_ADDRESS in the first MoE call (compute-sanitizer:
 // "Access to 0x230 is out of bounds"). Plain loads become constant-bank loads (correct),
 // but moved ptxas to spill in the dispatch (bn256: 32 B stores, 104 B loads).
 __device__ __forceinline__ uint64_t param_word(const uint64_t* a) {
@@ -692,14 +646,14 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   }
   // The layout of this epoch is in place (thread 0's acquire, then the barrier).
   bool ready = moe_cta_wait(ws, mk_signal_word(ws, ws.rank, MOE_PREP), epoch, ws.rank, MK_OP_MOE_DISPATCH);
-  if (ready && ld_cg(layout + LAY_OVERFLOW) != 0) ready = false;
+  if (ready && ld_cg(layout + MOE_LAY_OVERFLOW) != 0) ready = false;
   mk_trace_time(p.trace, MK_TR_SETUP);
 
   if (ready && j < 0) {
-    const int total_mb = ld_cg(layout + LAY_TOTAL_MB);
+    const int total_mb = ld_cg(layout + MOE_LAY_TOTAL_MB);
     if (p.gemm) {
-      // Arrival order (mode 0) keeps main's fixed raster groups; the others cut them at runs.
-      typename MoeRaster::Params sched{layout + p.lay_mb_order, p.order_mode == 0 ? nullptr : layout + p.lay_mb_run,
+      // Raster groups cut at the (key, expert) runs.
+      typename MoeRaster::Params sched{layout + p.lay_mb_order, layout + p.lay_mb_run,
                                        layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n, p.tiles_n,
                                        max(1, min(p.group_m, total_mb))};
       typename SourceAWait::Params await{&p, layout + p.lay_mb_srcmask, layout + p.lay_mb_expert, epoch};
@@ -750,7 +704,7 @@ __device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
 // tile. A band's items are ready once the GEMM is through that band.
 __device__ __forceinline__ void pull_item(const MoeParams& p, int it, int& t, int& nb) {
   int bw;
-  const int col0 = band_locate(p.tokens, p.tiles_n, p.band_w, it, bw);
+  const int col0 = band_locate(p.tokens, p.band_w, it, bw);
   t = it / bw;
   nb = col0 + (it - t * bw);
 }
@@ -775,14 +729,14 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // items at a time in item order (MOE_PULL_GRAB: warps that come early, or free, take more)
 // and write out[t, tile nb] for each. Warp-synchronous only. The last warp to leave resets
 // the counters for the next launch.
-// The items of a grab are looked up together (session 10): lane i * K + j holds row j of
+// The items of a grab are looked up together: lane i * K + j holds row j of
 // item i (min(kPullChunk, 32 / K) items), so the layout reads and the slab-flag acquires
 // are one round trip each per batch of items instead of per item, and every row of the
 // batch is prefetched into L2 once its flag is seen, so only the first item's loads wait
 // for HBM. Before, an item cost a layout round trip, a flag round trip and K / RB row round
 // trips from HBM, each row's load address behind a load of the peer's base from the
 // parameter space: the side warps (RB 4: the producer warpgroup's 96 registers) could not
-// keep up with the bands (4 ranks: they pulled until the kernel's end, session 9).
+// keep up with the bands (4 ranks: they pulled until the kernel's end).
 template <typename T, int BN, int RB = 8>
 __device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoch) {
   const WorkspaceView& ws = p.ws;
@@ -959,20 +913,18 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
   const uint64_t epoch = mk_op_epoch_begin(ws, MOE_EPOCH);
   const int* layout = reinterpret_cast<const int*>(p.layout);
   // A dispatch that found a receive buffer too small moved nothing (every rank saw it).
-  const bool valid = ld_cg(layout + LAY_OVERFLOW) == 0;
+  const bool valid = ld_cg(layout + MOE_LAY_OVERFLOW) == 0;
   mk_trace_time(p.trace, MK_TR_SETUP);
 
   if ((int)blockIdx.x < p.compute_ctas) {
     // Z overwrites our region: every peer must be done with the previous kernel.
     if (valid && moe_cta_wait_peers(ws, MOE_DONE, epoch - 1, ws.rank, MK_OP_MOE_COMBINE)) {
-      const int total_mb = ld_cg(layout + LAY_TOTAL_MB);
+      const int total_mb = ld_cg(layout + MOE_LAY_TOTAL_MB);
       uint64_t* flags = mk_signal_word(ws, ws.rank, MOE_TILE);
       if (p.gemm) {
         // Y' is local: no arrival order to follow. Expert-major (the receive layout's own
-        // order), groups cut at expert segments, column bands first (band_w); arrival mode
-        // (0) keeps the dispatch's order.
-        const bool by_expert = p.order_mode != 0;
-        typename MoeRaster::Params sched{by_expert ? nullptr : layout + p.lay_mb_order, by_expert ? layout + p.lay_mb_seg : nullptr,
+        // order), groups cut at expert segments, column bands first (band_w).
+        typename MoeRaster::Params sched{nullptr, layout + p.lay_mb_seg,
                                          layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n, p.band_w,
                                          max(1, min(p.group_m, total_mb))};
         typename PullBeside<T, BN>::Params await{&p, epoch};
@@ -1016,11 +968,4 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
     mk::moe::FN<T, BN>(&tma_a, &tma_b, &tma_c, p);                                                    \
   }
 
-MK_MOE_ENTRY(mk_moe_dispatch_bf16_bn256, dispatch, __nv_bfloat16, 256)
-MK_MOE_ENTRY(mk_moe_dispatch_bf16_bn128, dispatch, __nv_bfloat16, 128)
-MK_MOE_ENTRY(mk_moe_dispatch_f16_bn256, dispatch, __half, 256)
-MK_MOE_ENTRY(mk_moe_dispatch_f16_bn128, dispatch, __half, 128)
-MK_MOE_ENTRY(mk_moe_combine_bf16_bn256, combine, __nv_bfloat16, 256)
-MK_MOE_ENTRY(mk_moe_combine_bf16_bn128, combine, __nv_bfloat16, 128)
-MK_MOE_ENTRY(mk_moe_combine_f16_bn256, combine, __half, 256)
-MK_MOE_ENTRY(mk_moe_combine_f16_bn128, combine, __half, 128)
+#include "kernel_instances/moe.inc"  // the entry points: kernels/instances.txt

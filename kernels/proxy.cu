@@ -9,11 +9,11 @@ extern "C" __global__ void mk_proxy_test(ProxyTestParams p) {
   if (threadIdx.x != 0) return;
   int* status = reinterpret_cast<int*>(p.status);
   uint64_t ticket = 0;
-  int rc = MK_PROXY_OK;
-  for (uint32_t i = 0; i < p.commands_per_cta && rc == MK_PROXY_OK; ++i) {
+  int rc = mkSuccess;
+  for (uint32_t i = 0; i < p.commands_per_cta && rc == mkSuccess; ++i) {
     uint64_t offset = ((uint64_t)blockIdx.x * p.commands_per_cta + i) * p.stride;
     rc = mk_proxy_put(p.ring, p.peer, offset, offset, p.bytes, blockIdx.x, p.signal_value, &ticket);
   }
-  if (rc == MK_PROXY_OK && p.commands_per_cta > 0) rc = mk_proxy_wait_complete(p.ring, ticket);
+  if (rc == mkSuccess && p.commands_per_cta > 0) rc = mk_proxy_wait_complete(p.ring, ticket);
   status[blockIdx.x] = rc;
 }

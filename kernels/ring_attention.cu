@@ -58,15 +58,7 @@
 #include "common/gemm/wgmma_rs_ops.cuh"
 #include "common/trace.cuh"
 
-#define MK_OP_RING_ATTN 21
-// Signal words of this op: [MK_SIG_RING_BASE, +65536).
-#define RING_EPOCH (MK_SIG_RING_BASE + 0)   // last completed epoch of this rank
-#define RING_ARRIVE (MK_SIG_RING_BASE + 1)  // CTAs of the running launch that have finished
-#define RING_COPIED (MK_SIG_RING_BASE + 2)  // CTAs of the running launch that copied their K/V slice
-#define RING_SCHED_NEXT (MK_SIG_RING_BASE + 3)  // dynamic schedule: tickets taken in the running launch
-#define RING_SCHED_DONE (MK_SIG_RING_BASE + 4)  // dynamic schedule: CTAs of the running launch that took their last
-#define RING_DONE (MK_SIG_RING_BASE + 8)    // + q: rank q finished reading this rank's K/V of epoch e
-#define RING_KV (MK_SIG_RING_BASE + 16)     // + src: src's K/V of epoch e is in its workspace (written by src)
+// Signal words of this op: RING_* in mk_kernel_abi.h (src/kernel_abi.rs).
 
 namespace mk { namespace ring_attn {
 
@@ -187,7 +179,7 @@ __device__ __forceinline__ void cta_copy(char* dst, const char* src, size_t byte
 __device__ __forceinline__ bool publish_kv(const RingAttnParams& p, uint64_t epoch) {
   const WorkspaceView& ws = p.ws;
   // Peers read our workspace during their previous call: wait until all have finished.
-  if (!mk_cta_wait_peers(ws, RING_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, MK_OP_RING_ATTN)) return false;
+  if (!mk_cta_wait_peers(ws, RING_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, MK_OP_RING_ATTENTION)) return false;
   const size_t bytes = (size_t)p.kv_elems * 2;  // one of K, V
   const size_t slice = ((bytes / 16 + gridDim.x - 1) / gridDim.x) * 16;
   const size_t begin = min(bytes, (size_t)blockIdx.x * slice), end = min(bytes, begin + slice);
@@ -377,7 +369,7 @@ struct Attn {
     auto ensure = [&](int src) -> bool {
       if (p.kv_gathered != 0 || (acquired & (1u << src))) return true;
       if (!mk_wait_geq_inline(p.ws, mk_signal_word(p.ws, me, RING_KV + src), epoch, src, MK_WAIT_OP_FLAG,
-                              MK_OP_RING_ATTN))
+                              MK_OP_RING_ATTENTION))
         return false;
       fence_proxy_async_global();
       acquired |= 1u << src;
@@ -899,13 +891,11 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
                                                                                  const __grid_constant__ mk::ring_attn::RingAttnMaps maps) { \
     const uint64_t no_trace = 0;                                                                         \
     mk::ring_attn::ring_attention<T, D, false>(p, maps, no_trace);                                       \
-  }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(mk::ring_attn::THREADS, 1) NAME##_trace(                  \
+  }
+#define MK_RING_ATTN_TRACE_ENTRY(NAME, T, D)                                                             \
+  extern "C" __global__ void __launch_bounds__(mk::ring_attn::THREADS, 1) NAME(                          \
       const __grid_constant__ RingAttnParams p, const __grid_constant__ mk::ring_attn::RingAttnMaps maps, const __grid_constant__ uint64_t trace) { \
     mk::ring_attn::ring_attention<T, D, true>(p, maps, trace);                                           \
   }
 
-MK_RING_ATTN_ENTRY(mk_ring_attn_bf16_d128, __nv_bfloat16, 128)
-MK_RING_ATTN_ENTRY(mk_ring_attn_bf16_d64, __nv_bfloat16, 64)
-MK_RING_ATTN_ENTRY(mk_ring_attn_f16_d128, __half, 128)
-MK_RING_ATTN_ENTRY(mk_ring_attn_f16_d64, __half, 64)
+#include "kernel_instances/ring_attention.inc"  // the entry points: kernels/instances.txt

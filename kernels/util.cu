@@ -4,7 +4,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include "mk_kernel_abi.h"
-#include "common/dtypes.cuh"
+#include "mkernel.h"
 
 // SplitMix64: a cheap, well-mixed hash of (seed, index), so every element is independent
 // of how the grid is laid out.
@@ -26,11 +26,11 @@ extern "C" __global__ void mk_fill_random(FillRandomParams p) {
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += stride) {
     float v = mk_uniform(p.seed, i) * p.scale;
     switch (p.dtype) {
-      case MK_DTYPE_FLOAT16: reinterpret_cast<__half*>(p.data)[i] = __float2half_rn(v); break;
-      case MK_DTYPE_BFLOAT16: reinterpret_cast<__nv_bfloat16*>(p.data)[i] = __float2bfloat16_rn(v); break;
-      case MK_DTYPE_FLOAT32: reinterpret_cast<float*>(p.data)[i] = v; break;
-      case MK_DTYPE_FLOAT64: reinterpret_cast<double*>(p.data)[i] = (double)v; break;
-      case MK_DTYPE_INT32: reinterpret_cast<int32_t*>(p.data)[i] = (int32_t)(v * 1000.0f); break;
+      case mkFloat16: reinterpret_cast<__half*>(p.data)[i] = __float2half_rn(v); break;
+      case mkBfloat16: reinterpret_cast<__nv_bfloat16*>(p.data)[i] = __float2bfloat16_rn(v); break;
+      case mkFloat32: reinterpret_cast<float*>(p.data)[i] = v; break;
+      case mkFloat64: reinterpret_cast<double*>(p.data)[i] = (double)v; break;
+      case mkInt32: reinterpret_cast<int32_t*>(p.data)[i] = (int32_t)(v * 1000.0f); break;
       default: break;
     }
   }

@@ -140,17 +140,16 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     note "mktest moe MK_COMM_SMS=4 N=2: $(outcome $rc)"
     check_rc $rc
   fi
-  # GEMM+RS/AR's non-default reducers, when the suite runs: side (the producer warpgroup's
-  # idle warps reduce during the GEMM) at 2 ranks, owners (GEMM+AR's tile owners sum in
-  # their epilogue) at 2 and 4.
-  for step in "side 2" "owners 2" "owners 4"; do
+  # GEMM+RS/AR's non-default reducers, when the suite runs: after (every warp of a GEMM
+  # CTA sums after its GEMM, no early sums) at 2 ranks.
+  for step in "after 2"; do
     read -r mode ranks <<<"$step"
     { [ -z "$SUITES" ] || [[ " $SUITES " == *" gemm_reduce "* ]]; } || break
-    late "mktest gemm_reduce MK_GEMM_REDUCERS=$mode N=$ranks" && continue
-    echo "===== mktest gemm_reduce with MK_GEMM_REDUCERS=$mode, $ranks ranks" | tee -a "$OUT/mktest.log"
-    with_ranks "$ranks" env MK_GEMM_REDUCERS="$mode" MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" gemm_reduce >> "$OUT/mktest.log" 2>&1
+    late "mktest gemm_reduce MK_INTERNAL_GEMM_REDUCERS=$mode N=$ranks" && continue
+    echo "===== mktest gemm_reduce with MK_INTERNAL_GEMM_REDUCERS=$mode, $ranks ranks" | tee -a "$OUT/mktest.log"
+    with_ranks "$ranks" env MK_INTERNAL_GEMM_REDUCERS="$mode" MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" gemm_reduce >> "$OUT/mktest.log" 2>&1
     rc=$?
-    note "mktest gemm_reduce MK_GEMM_REDUCERS=$mode N=$ranks: $(outcome $rc)"
+    note "mktest gemm_reduce MK_INTERNAL_GEMM_REDUCERS=$mode N=$ranks: $(outcome $rc)"
     check_rc $rc
   done
 fi

@@ -1,12 +1,14 @@
-//! Every `MK_*` environment variable is read here and nowhere else, so the README's table
-//! and the code cannot drift apart. Values are read on each call (cheap, and tests can
-//! change them); malformed values fall back to the default with a warning.
+//! Every `MK_*` environment variable is read here and nowhere else. `KNOBS` (the public
+//! ones) and `INTERNAL_KNOBS` (tuning, `MK_INTERNAL_*`, see src/tuning.rs) are the tables of
+//! docs/environment.md, and a test fails when the document and these lists disagree. Values
+//! are read on each call (cheap, and tests can change them); malformed values fall back to
+//! the default with a warning.
 
 use std::time::Duration;
 
-/// (name, default, meaning) of each knob; the README documents the same list.
+/// (name, default, meaning) of each public knob: docs/environment.md's first table.
 pub const KNOBS: &[(&str, &str, &str)] = &[
-    ("MK_DEBUG", "(unset)", "WARN or INFO: log to stderr with host:pid [rank] prefixes"),
+    ("MK_DEBUG", "(unset)", "WARN or INFO: log to stderr with host:pid [rank] prefixes; INFO also prints the internal tuning"),
     ("MK_TIMEOUT_MS", "30000", "bound on every in-kernel wait for a peer"),
     ("MK_BOOTSTRAP_TIMEOUT_MS", "30000", "bound on every bootstrap step (connect, rendezvous, allgather)"),
     ("MK_SOCKET_IFNAME", "(first non-loopback)", "interfaces for bootstrap sockets: comma-separated prefixes, '^' excludes, '=' exact"),
@@ -16,12 +18,15 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
     ("MK_WORKSPACE_BYTES", "268435456", "symmetric workspace per rank allocated at init: this much for the collectives and as much again for the fused ops"),
     ("MK_NET", "(ib if an RDMA device is usable, else socket)", "inter-node transport: ib or socket"),
     ("MK_IB_HCA", "(every active device)", "RDMA devices to use: comma-separated name[:port] prefixes, '^' excludes, '=' exact"),
-    ("MK_GEMM_REDUCERS", "early", "who sums the partials in mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: early (GEMM+RS: two idle producer warps of each GEMM CTA sum its earlier tiles during the GEMM, every warp the rest after it; GEMM+AR: as after), after (every warp of each GEMM CTA, after its GEMM) or side (two idle producer warps, during the GEMM; measured 1.6x slower with three) or owners (GEMM+AR at the one-shot sizes above 64 rows: each tile's owner rank, which computes it last, sums it in its GEMM's epilogue and the others copy the sum after their GEMM; elsewhere as after)"),
-    ("MK_GEMM_AR_ONESHOT_MAX_M", "256", "mkGemmAllReduce: largest M that takes the one-shot path (every rank sums every tile); above it, two-phase (each owner sums its rows, the others copy them) where M divides into 128-row blocks per rank"),
-    ("MK_MOE_ORDER", "auto", "order of the MoE kernels' GEMM row blocks: auto or expert (expert-major, raster groups cut at experts, so an expert's blocks share its weight tiles in L2; the dispatch's senders send expert by expert, flagged per (source, expert)), split (dispatch: own-only blocks, then blocks without the last step's source, then the rest, each expert-major) or arrival (both kernels by the latest source's send step, fixed raster groups: session 8's dispatch)"),
-    ("MK_MOE_BANDS", "4", "mkMoeGemmCombine: column bands of the GEMM (fewer where H / tile width has no such divisor); the pull of band b's outputs runs beside the GEMM of the later bands (1: pull after the GEMM only); halving: bands of half the columns left (28 column tiles: 14, 7, 4, 2, 1), so one column's pull is left after the GEMM"),
-    ("MK_MOE_BURST", "auto", "mkMoeDispatchGemm: 1 = before their GEMM, all warps of the GEMM CTAs send the rows of the first local experts (those the first wave of tiles needs), then the side warps send the rest; 0 = the side warps send everything; auto = 1 at 4 or more ranks (measured faster at 4 ranks, slower at 2)"),
-    ("MK_LOAD_STAGING", "smem", "how the collectives keep loads in flight: smem (cp.async into 128 KiB of shared memory per CTA) or registers (a few vectors per thread); the fused ops' reducers always stage"),
+];
+
+/// (name, default, meaning) of each internal tuning knob (src/tuning.rs): docs/environment.md's
+/// second table. Not part of the interface: names and values may change between releases.
+pub const INTERNAL_KNOBS: &[(&str, &str, &str)] = &[
+    ("MK_INTERNAL_GEMM_REDUCERS", "early", "who sums the partials of mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: early (mkGemmReduceScatter with BN 256 tiles and more tiles than CTAs: two idle producer warps of each GEMM CTA sum its earlier tiles during the GEMM, every warp the rest after it; elsewhere as after) or after (every warp of each GEMM CTA, after its GEMM)"),
+    ("MK_INTERNAL_GEMM_AR_ONESHOT_MAX_M", "256", "mkGemmAllReduce: the largest M that takes the one-shot path (every rank sums every tile); above it, two-phase (each owner sums its 128-row blocks, the others copy them) where M divides into whole blocks per rank"),
+    ("MK_INTERNAL_MOE_BANDS", "4", "mkMoeGemmCombine: column bands of its GEMM (fewer where H / tile width has no such divisor); the pull of band b's outputs runs beside the GEMM of the later bands; 1: pull after the GEMM only"),
+    ("MK_INTERNAL_MOE_BURST", "auto", "mkMoeDispatchGemm: 1 = before their GEMM, all warps of the GEMM CTAs send the rows of the first local experts, then the side warps send the rest; 0 = the side warps send everything; auto = 1 at 4 or more ranks"),
 ];
 
 fn var(name: &str) -> Option<String> {
@@ -59,31 +64,6 @@ pub fn ranks_per_node() -> Option<u64> {
     parse_u64("MK_RANKS_PER_NODE").filter(|&n| n > 0)
 }
 
-/// `MK_GEMM_AR_ONESHOT_MAX_M` (ops::gemm_ar::ONE_SHOT_MAX_M by default).
-pub fn gemm_ar_one_shot_max_m() -> usize {
-    parse_u64("MK_GEMM_AR_ONESHOT_MAX_M").map_or(crate::ops::gemm_ar::ONE_SHOT_MAX_M, |m| m as usize)
-}
-
-/// `MK_MOE_BANDS` (ops::moe::DEFAULT_BANDS by default; at least 1; `halving`:
-/// ops::moe::HALVING_BANDS).
-pub fn moe_bands() -> usize {
-    if var("MK_MOE_BANDS").is_some_and(|v| v.trim().eq_ignore_ascii_case("halving")) {
-        return crate::ops::moe::HALVING_BANDS;
-    }
-    parse_u64("MK_MOE_BANDS").map_or(crate::ops::moe::DEFAULT_BANDS, |b| (b as usize).max(1))
-}
-
-/// `MK_MOE_BURST`: Some(on) when forced, None for `auto` (the default; ops::moe::burst_for).
-pub fn moe_burst() -> Option<bool> {
-    one_of("MK_MOE_BURST", &[("auto", None), ("1", Some(true)), ("0", Some(false))])
-}
-
-/// `MK_MOE_ORDER`: 0 arrival, 1 expert, 2 split, 3 auto (the default; ops::moe::order_mode_for
-/// turns it into the kernels' OrderMode).
-pub fn moe_order() -> u32 {
-    one_of("MK_MOE_ORDER", &[("auto", 3), ("expert", 1), ("arrival", 0), ("split", 2)])
-}
-
 pub fn comm_sms() -> Option<u64> {
     parse_u64("MK_COMM_SMS")
 }
@@ -106,27 +86,68 @@ pub fn ib_hca() -> Option<String> {
     var("MK_IB_HCA").map(|s| s.trim().to_string())
 }
 
-/// A knob with named values (case-insensitive): the value of the one given, or of the
-/// first (the default) when unset or malformed, with a warning.
-fn one_of<T: Copy>(name: &str, values: &[(&str, T)]) -> T {
-    let Some(given) = var(name).map(|s| s.trim().to_ascii_lowercase()) else {
-        return values[0].1;
-    };
+/// A knob with named values (case-insensitive): the value of the one given; None when
+/// unset, or malformed (with a warning).
+fn one_of<T: Copy>(name: &str, values: &[(&str, T)]) -> Option<T> {
+    let given = var(name).map(|s| s.trim().to_ascii_lowercase())?;
     if let Some(&(_, v)) = values.iter().find(|(n, _)| *n == given) {
-        return v;
+        return Some(v);
     }
     let names: Vec<&str> = values.iter().map(|(n, _)| *n).collect();
     crate::log::warn(None, format_args!("ignoring {name}={given:?}: expected {}", names.join(", ")));
-    values[0].1
+    None
 }
 
-/// `MK_LOAD_STAGING`: true for `smem` (the default), false for `registers`.
-pub fn load_staging_smem() -> bool {
-    one_of("MK_LOAD_STAGING", &[("smem", true), ("registers", false)])
-}
+// ---- internal tuning (src/tuning.rs): None when unset ----
 
-/// `MK_GEMM_REDUCERS`: `early` (the default), `after`, `side` or `owners`.
-pub fn gemm_reducers() -> crate::ops::gemm_reduce::Reducers {
+/// `MK_INTERNAL_GEMM_REDUCERS`: `early` or `after`.
+pub fn internal_gemm_reducers() -> Option<crate::ops::gemm_reduce::Reducers> {
     use crate::ops::gemm_reduce::Reducers;
-    one_of("MK_GEMM_REDUCERS", &[("early", Reducers::Early), ("after", Reducers::After), ("side", Reducers::Side), ("owners", Reducers::Owners)])
+    one_of("MK_INTERNAL_GEMM_REDUCERS", &[("early", Reducers::Early), ("after", Reducers::After)])
+}
+
+/// `MK_INTERNAL_GEMM_AR_ONESHOT_MAX_M`.
+pub fn internal_gemm_ar_one_shot_max_m() -> Option<usize> {
+    parse_u64("MK_INTERNAL_GEMM_AR_ONESHOT_MAX_M").map(|m| m as usize)
+}
+
+/// `MK_INTERNAL_MOE_BANDS` (at least 1).
+pub fn internal_moe_bands() -> Option<usize> {
+    parse_u64("MK_INTERNAL_MOE_BANDS").map(|b| (b as usize).max(1))
+}
+
+/// `MK_INTERNAL_MOE_BURST`: Some(Some(on)) when forced, Some(None) for `auto`.
+pub fn internal_moe_burst() -> Option<Option<bool>> {
+    one_of("MK_INTERNAL_MOE_BURST", &[("auto", None), ("1", Some(true)), ("0", Some(false))])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// docs/environment.md's two tables are exactly KNOBS and INTERNAL_KNOBS, row by row.
+    #[test]
+    fn the_environment_document_lists_exactly_these_knobs() {
+        let doc = include_str!("../docs/environment.md");
+        let rows: Vec<&str> = doc.lines().filter(|l| l.starts_with("| `MK_")).collect();
+        let want: Vec<String> =
+            KNOBS.iter().chain(INTERNAL_KNOBS).map(|(name, default, meaning)| format!("| `{name}` | {default} | {meaning} |")).collect();
+        assert_eq!(rows, want, "docs/environment.md and src/env.rs disagree");
+        // Public knobs come first, and none of them is internal.
+        assert!(KNOBS.iter().all(|(n, _, _)| !n.starts_with("MK_INTERNAL_")));
+        assert!(INTERNAL_KNOBS.iter().all(|(n, _, _)| n.starts_with("MK_INTERNAL_")));
+    }
+
+    /// The documented defaults are the ones the code uses.
+    #[test]
+    fn internal_defaults_are_the_tunings() {
+        let t = crate::tuning::Tuning::default();
+        let default_of = |name: &str| INTERNAL_KNOBS.iter().find(|(n, _, _)| *n == name).unwrap().1;
+        assert_eq!(default_of("MK_INTERNAL_GEMM_AR_ONESHOT_MAX_M"), t.gemm_ar_one_shot_max_m.to_string());
+        assert_eq!(default_of("MK_INTERNAL_MOE_BANDS"), t.moe_bands.to_string());
+        assert_eq!(default_of("MK_INTERNAL_MOE_BURST"), "auto");
+        assert_eq!(t.moe_burst, None);
+        assert_eq!(default_of("MK_INTERNAL_GEMM_REDUCERS"), "early");
+        assert_eq!(t.gemm_reducers, crate::ops::gemm_reduce::Reducers::Early);
+    }
 }

@@ -1,6 +1,11 @@
-//! Parameter structs shared by Rust launchers and CUDA kernels. build.rs turns this file
-//! into `mk_kernel_abi.h` (cbindgen), which every kernel includes, so the two sides cannot
-//! disagree about a field's offset. Keep it plain `#[repr(C)]` data with fixed-size fields.
+//! Everything the Rust launchers and the CUDA kernels must agree on: parameter structs,
+//! the signal region's word map (shared words and one range per op), operation codes and
+//! wait codes of error words, and tile constants. build.rs turns this file into
+//! `mk_kernel_abi.h` (cbindgen), which every kernel includes, so the two sides cannot
+//! disagree about a field's offset or a word's index. Keep it plain `#[repr(C)]` data with
+//! fixed-size fields, `#[repr(u32)]` enums and constant expressions cbindgen can emit.
+//! Result codes, data types and reduction ops come from the public header (mkernel.h),
+//! which the kernels include as well.
 
 /// Fills a device buffer with reproducible pseudo-random values, uniform in [-1, 1)
 /// scaled by `scale` (test and benchmark inputs: never zeros).
@@ -85,6 +90,11 @@ pub struct CollectiveParams {
     pub stage_bytes: u32,
     pub reserved: u32,
 }
+
+/// Threads per CTA of the collective kernels (kernels/collectives.cu).
+pub const MK_COLLECTIVE_THREADS: u32 = 512;
+/// Threads per CTA of the hierarchical collective kernels (kernels/hier_collectives.cu).
+pub const MK_HIER_THREADS: u32 = 512;
 
 /// Most nodes a hierarchical collective spans (kernels/common/signals.cuh gives every CTA
 /// slot MK_MAX_NODES words per network flag).
@@ -360,8 +370,9 @@ pub struct GemmReduceParams {
     pub net_reduced_word: u32,
     pub count_node_word: u32,
     pub count_final_word: u32,
-    /// One node, no dedicated reduction CTAs: 1 when the producer warpgroup's idle warps
-    /// reduce during the GEMM, 0 when each GEMM CTA's 12 warps reduce after its GEMM.
+    /// Always 0 from the host (docs/decisions/0101-side-reducers.md): 1 would have the
+    /// producer warpgroup's idle warps reduce during the GEMM instead of each GEMM CTA's 12
+    /// warps after it.
     pub side_reduce: u32,
     /// Byte offsets in every rank's data region: N slabs each of [owner_rows, n], slab m at
     /// + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
@@ -429,8 +440,6 @@ pub struct MoeParams {
     pub lay_send: i32,
     /// [E + 1]: first send-list entry of each list, then the total.
     pub lay_send_row0: i32,
-    /// m-block order (MK_MOE_ORDER): 0 arrival, 1 expert, 2 split (ops::moe::OrderMode).
-    pub order_mode: i32,
     pub tokens: i32,
     pub hidden: i32,
     pub ffn: i32,
@@ -441,9 +450,8 @@ pub struct MoeParams {
     pub capacity: i32,
     /// Column tiles of the GEMM (F / BN for dispatch, H / BN for combine).
     pub tiles_n: i32,
-    /// Column tiles per band (divides tiles_n; 0: halving bands, ops::moe::band_locate): the
-    /// GEMM runs band by band and the combine's pull follows the bands (ops::moe::band_width);
-    /// tiles_n = one band.
+    /// Column tiles per band (divides tiles_n, ops::moe::band_locate): the GEMM runs band by
+    /// band and the combine's pull follows the bands (ops::moe::band_width); tiles_n = one band.
     pub band_w: i32,
     pub group_m: i32,
     /// CTAs 0..compute_ctas run GEMM tiles; the next comm_ctas send (dispatch) or pull (combine).
@@ -458,7 +466,7 @@ pub struct MoeParams {
     pub send_by_gemm_ctas: i32,
     /// Dispatch with `send_by_gemm_ctas`: every warp of every GEMM CTA first sends the send
     /// lists q < burst_lists (the rows of the first wave of tiles) before its GEMM starts;
-    /// 0: only the side warps send (ops::moe::burst_lists, MK_MOE_BURST).
+    /// 0: only the side warps send (ops::moe::burst_lists, `Tuning::moe_burst`).
     pub burst_lists: i32,
     /// As `AgGemmParams::trace`.
     pub trace: u64,
@@ -508,4 +516,228 @@ pub struct RingAttnParams {
     /// (batch, head) pairs per section of the dynamic order (a multiple of heads /
     /// kv_heads, ≥ 1): ops::ring_attention::sched_section.
     pub sched_section: i32,
+}
+
+// ---- Signal region (u64 words; 2 MiB per rank, zeroed at init by src/comm/workspace.rs) ----
+// Flags are epoch-valued (they only grow), so nothing is reset between calls; counters are
+// zero between launches (the last arrival resets them). Each fused op owns a disjoint range,
+// so one op's flags can never satisfy another op's wait.
+
+/// Nonzero: 1 + the rank that raised the abort.
+pub const MK_SIG_ABORT: u32 = 0;
+/// Nonzero: the first error word a kernel of this rank recorded (a 32-bit CAS on its low half).
+pub const MK_SIG_ERROR_CLAIM: u32 = 1;
+/// + b: last step of collective CTA b (its own rank only).
+pub const MK_SIG_SEQ: u32 = 64;
+/// Collective CTA slots with flags.
+pub const MK_SIG_MAX_CTAS: u32 = 256;
+/// + b * MK_MAX_PEERS + src: src's piece of step s is staged (collectives).
+pub const MK_SIG_READY: u32 = 512;
+/// AllReduce: src's reduced slice is ready.
+pub const MK_SIG_READY2: u32 = MK_SIG_READY + MK_SIG_MAX_CTAS * MK_MAX_PEERS as u32;
+/// src finished reading this rank's slot of step s.
+pub const MK_SIG_FREE: u32 = MK_SIG_READY2 + MK_SIG_MAX_CTAS * MK_MAX_PEERS as u32;
+/// CTA slots with network flags (hierarchical collectives).
+pub const MK_SIG_NET_CTAS: u32 = 64;
+/// Across nodes (kernels/hier_collectives.cu), + b * MK_MAX_NODES + src_node, written by the
+/// proxy of src_node's GPU-i rank: src_node may put step s into this rank's slot.
+pub const MK_SIG_NET_GRANT: u32 = 6656;
+/// src_node's data of step s has arrived.
+pub const MK_SIG_NET_READY: u32 = MK_SIG_NET_GRANT + MK_SIG_NET_CTAS * MK_MAX_NODES as u32;
+/// AllReduce: src_node's reduced slice has arrived.
+pub const MK_SIG_NET_READY2: u32 = MK_SIG_NET_READY + MK_SIG_NET_CTAS * MK_MAX_NODES as u32;
+/// Words from here to MK_SIG_WORDS belong to the fused ops: AllGather + GEMM
+/// [OP_BASE, +1024), GEMM + reduction [OP_BASE + 1024, MK_SIG_GR_END), MoE
+/// [MK_SIG_MOE_BASE, +65536), ring attention [MK_SIG_RING_BASE, +65536).
+pub const MK_SIG_OP_BASE: u32 = 8192;
+/// End of the GEMM + reduction range (its per-tile flags fill the rest of the first MiB).
+pub const MK_SIG_GR_END: u32 = 131072;
+pub const MK_SIG_MOE_BASE: u32 = 131072;
+pub const MK_SIG_RING_BASE: u32 = 196608;
+/// Words of the signal region (2 MiB).
+pub const MK_SIG_WORDS: u32 = 262144;
+
+// AllGather + GEMM (kernels/ag_gemm.cu), own region unless noted.
+/// Last completed epoch of this rank.
+pub const AGG_EPOCH: u32 = MK_SIG_OP_BASE;
+/// CTAs of the running launch that have finished (counter).
+pub const AGG_ARRIVE: u32 = MK_SIG_OP_BASE + 1;
+/// CTAs of the running launch that copied their slice of the own rows (counter).
+pub const AGG_LOCAL: u32 = MK_SIG_OP_BASE + 2;
+/// + q: local rank q finished epoch e (written by q).
+pub const AGG_DONE: u32 = MK_SIG_OP_BASE + 8;
+/// + node m: node m's GPU-l rank finished epoch e (written by its proxy).
+pub const AGG_NET_DONE: u32 = MK_SIG_OP_BASE + 16;
+/// + src * flag_stride + c: chunk c of global rank src arrived.
+pub const AGG_CHUNK: u32 = MK_SIG_OP_BASE + 64;
+/// + q * MK_AG_GEMM_MAX_CHUNKS + c (one node) or + (q * nodes + m) * flag_stride + c (across
+/// nodes): pushers done with chunk c (of source node m) for local rank q (counter, reset by
+/// the last).
+pub const AGG_PUSHED: u32 = AGG_CHUNK + MK_MAX_PEERS as u32 * MK_AG_GEMM_MAX_CHUNKS as u32;
+/// End of the words AllGather + GEMM uses.
+pub const AGG_WORDS_END: u32 = AGG_PUSHED + MK_MAX_PEERS as u32 * MK_AG_GEMM_MAX_CHUNKS as u32;
+const _: () = assert!(AGG_WORDS_END <= MK_SIG_OP_BASE + 1024, "AG+GEMM owns 1024 signal words");
+const _: () = assert!(MK_SIG_FREE + MK_SIG_MAX_CTAS * MK_MAX_PEERS as u32 <= MK_SIG_NET_GRANT, "one-node flags end where the network flags begin");
+const _: () = assert!(MK_SIG_NET_READY2 + MK_SIG_NET_CTAS * MK_MAX_NODES as u32 <= MK_SIG_OP_BASE, "network flags end at the fused ops' base");
+const _: () = assert!(GR_TILE < MK_SIG_GR_END && MK_SIG_GR_END <= MK_SIG_MOE_BASE && MOE_END <= MK_SIG_RING_BASE);
+const _: () = assert!(MK_SIG_RING_BASE + 65536 <= MK_SIG_WORDS);
+
+// GEMM + ReduceScatter / AllReduce (kernels/gemm_reduce*.cu).
+pub const GR_EPOCH: u32 = MK_SIG_OP_BASE + 1024;
+pub const GR_ARRIVE: u32 = MK_SIG_OP_BASE + 1025;
+/// + q: rank q finished reading this rank's P of epoch e.
+pub const GR_DONE: u32 = MK_SIG_OP_BASE + 1032;
+/// Across nodes, + m: node m's GPU-l rank is done with its inbox and R of epoch e (this rank
+/// may put the next call's data there); written by that rank's proxy.
+pub const GR_NET_DONE: u32 = MK_SIG_OP_BASE + 1040;
+/// Across nodes: element counters, [GR_COUNT, GR_TILE): a range of their own, because a
+/// counter must start at 0 and the words past the tile flags hold other shapes' epochs.
+pub const GR_COUNT: u32 = MK_SIG_OP_BASE + 1056;
+/// + tile * 2 + slab: slab stored (own region). Two-phase AllReduce: GR_TILE + 2 * tiles +
+/// tile: the owner reduced the tile into its R. Across nodes the network flags follow.
+pub const GR_TILE: u32 = MK_SIG_OP_BASE + 2048;
+
+// MoE (kernels/moe.cu), own region unless noted, all in [MK_SIG_MOE_BASE, +65536).
+pub const MOE_EPOCH: u32 = MK_SIG_MOE_BASE;
+pub const MOE_ARRIVE: u32 = MK_SIG_MOE_BASE + 1;
+/// The prep CTA wrote the layout of epoch e.
+pub const MOE_PREP: u32 = MK_SIG_MOE_BASE + 2;
+/// + q: rank q finished MoE kernel e (written by q).
+pub const MOE_DONE: u32 = MK_SIG_MOE_BASE + 8;
+/// + s: rank s wrote its counts here (written by s).
+pub const MOE_CNT: u32 = MK_SIG_MOE_BASE + 16;
+/// Senders' next chunk of the send list (counter).
+pub const MOE_GRAB: u32 = MK_SIG_MOE_BASE + 40;
+/// Sender warps done (counter; the last resets both).
+pub const MOE_EXIT: u32 = MK_SIG_MOE_BASE + 41;
+/// Combine: pullers' next chunk of items (counter).
+pub const MOE_PULL_GRAB: u32 = MK_SIG_MOE_BASE + 42;
+/// Combine: pulling warps done (counter; the last resets both).
+pub const MOE_PULL_EXIT: u32 = MK_SIG_MOE_BASE + 43;
+/// + s * E_local + le: all of rank s's rows of local expert le arrived (written by s).
+pub const MOE_RECV: u32 = MK_SIG_MOE_BASE + 1024;
+/// + q: rows of send list q copied (counter; the last copier resets it).
+pub const MOE_SENT: u32 = MK_SIG_MOE_BASE + 2048;
+/// + (m_block * tiles_n + n) * 2 + slab: Z slab stored.
+pub const MOE_TILE: u32 = MK_SIG_MOE_BASE + 3072;
+/// End of the MoE range.
+pub const MOE_END: u32 = MK_SIG_MOE_BASE + 65536;
+/// Most experts a MoE call routes to (E).
+pub const MOE_MAX_EXPERTS: i32 = 1024;
+/// Warps of a MoE CTA that work on the prep and the sends (the GEMM's consumer warpgroups
+/// and its producer warpgroup).
+pub const MOE_WARPS: i32 = 12;
+/// Layout buffer word (int32): m-blocks of this rank's receive buffer in use
+/// (ops::moe::LayoutOffsets holds the rest of the layout).
+pub const MOE_LAY_TOTAL_MB: i32 = 0;
+/// Layout buffer word: nonzero when some rank's receive buffer is too small (nothing was moved).
+pub const MOE_LAY_OVERFLOW: i32 = 1;
+
+// Ring attention (kernels/ring_attention.cu), own region unless noted.
+/// Last completed epoch of this rank.
+pub const RING_EPOCH: u32 = MK_SIG_RING_BASE;
+/// CTAs of the running launch that have finished.
+pub const RING_ARRIVE: u32 = MK_SIG_RING_BASE + 1;
+/// CTAs of the running launch that copied their K/V slice.
+pub const RING_COPIED: u32 = MK_SIG_RING_BASE + 2;
+/// Dynamic schedule: tickets taken in the running launch.
+pub const RING_SCHED_NEXT: u32 = MK_SIG_RING_BASE + 3;
+/// Dynamic schedule: CTAs of the running launch that took their last.
+pub const RING_SCHED_DONE: u32 = MK_SIG_RING_BASE + 4;
+/// + q: rank q finished reading this rank's K/V of epoch e.
+pub const RING_DONE: u32 = MK_SIG_RING_BASE + 8;
+/// + src: src's K/V of epoch e is in its workspace (written by src).
+pub const RING_KV: u32 = MK_SIG_RING_BASE + 16;
+
+// ---- Error words: bits 0-7 mkResult_t, 8-15 peer rank (0xff: none), 16-23 what was
+// awaited (`MkWait`), 24-31 the op (`MkOp`). Decoded by ops::collectives::ErrorWord.
+
+/// The operation an error word names (bits 24-31). Collectives from 1, fused ops from 16.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MkOp {
+    AllGather = 1,
+    ReduceScatter = 2,
+    AllReduce = 3,
+    AllGatherGemm = 16,
+    GemmReduceScatter = 17,
+    GemmAllReduce = 18,
+    MoeDispatch = 19,
+    MoeCombine = 20,
+    RingAttention = 21,
+}
+
+/// Every op, for decoding (a free item: cbindgen would emit an associated constant).
+const MK_OPS: [MkOp; 9] = [
+    MkOp::AllGather,
+    MkOp::ReduceScatter,
+    MkOp::AllReduce,
+    MkOp::AllGatherGemm,
+    MkOp::GemmReduceScatter,
+    MkOp::GemmAllReduce,
+    MkOp::MoeDispatch,
+    MkOp::MoeCombine,
+    MkOp::RingAttention,
+];
+
+impl MkOp {
+    pub fn from_u32(v: u32) -> Option<MkOp> {
+        MK_OPS.into_iter().find(|op| *op as u32 == v)
+    }
+    /// The C entry point that runs this op.
+    pub fn api_name(self) -> &'static str {
+        match self {
+            MkOp::AllGather => "mkAllGather",
+            MkOp::ReduceScatter => "mkReduceScatter",
+            MkOp::AllReduce => "mkAllReduce",
+            MkOp::AllGatherGemm => "mkAllGatherGemm",
+            MkOp::GemmReduceScatter => "mkGemmReduceScatter",
+            MkOp::GemmAllReduce => "mkGemmAllReduce",
+            MkOp::MoeDispatch => "mkMoeDispatchGemm",
+            MkOp::MoeCombine => "mkMoeGemmCombine",
+            MkOp::RingAttention => "mkRingAttention",
+        }
+    }
+}
+
+/// What a failed wait was waiting for (bits 16-23 of an error word).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MkWait {
+    /// A peer's staged data.
+    Ready = 1,
+    /// A peer's reduced slice.
+    Ready2 = 2,
+    /// A peer to finish reading this rank's slot.
+    Free = 3,
+    /// A fused op's own flag.
+    OpFlag = 4,
+    /// Not a wait: a receive buffer is too small (MoE dispatch input check).
+    MoeCapacity = 5,
+    /// Not a wait: an expert id outside [-1, E) (MoE input check).
+    MoeExpert = 6,
+    /// A rank on another node's data (through its proxy).
+    Net = 7,
+    /// A rank on another node to free its slot for this rank's put.
+    Grant = 8,
+    /// This rank's proxy (ring full, a put not completing, or the transport failed).
+    Proxy = 9,
+}
+
+const MK_WAITS: [MkWait; 9] = [
+    MkWait::Ready,
+    MkWait::Ready2,
+    MkWait::Free,
+    MkWait::OpFlag,
+    MkWait::MoeCapacity,
+    MkWait::MoeExpert,
+    MkWait::Net,
+    MkWait::Grant,
+    MkWait::Proxy,
+];
+
+impl MkWait {
+    pub fn from_u32(v: u32) -> Option<MkWait> {
+        MK_WAITS.into_iter().find(|w| *w as u32 == v)
+    }
 }

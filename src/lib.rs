@@ -23,6 +23,7 @@ pub mod log;
 pub mod ops;
 pub mod testing;
 pub mod transport;
+pub mod tuning;
 pub mod types;
 
 pub use error::{mkResult_t, MkError, Result};

@@ -14,7 +14,7 @@
 use mkernel::bootstrap::{root::start_root, Bootstrap, UniqueId};
 use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{MkError, Result};
-use mkernel::kernel_abi::{ProxyCommand, MK_MAX_PEERS, MK_PROXY_KIND_SIGNAL};
+use mkernel::kernel_abi::{self as abi, ProxyCommand, MK_MAX_PEERS, MK_PROXY_KIND_SIGNAL};
 use mkernel::ops::ag_gemm::{chunks_for_rows, plan, AgGemmPlan, AgGemmShape, ROW_BLOCK};
 use mkernel::ops::hier_collectives::{node_layout, NodeLayout};
 use mkernel::transport::inter_node::{start_inter_node, InterNodeSetup};
@@ -24,16 +24,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-// kernels/common/signals.cuh and kernels/ag_gemm.cu
-const OP_BASE: usize = 8192;
-const AGG_EPOCH: usize = OP_BASE;
-const AGG_ARRIVE: usize = OP_BASE + 1;
-const AGG_LOCAL: usize = OP_BASE + 2;
-const AGG_DONE: usize = OP_BASE + 8;
-const AGG_NET_DONE: usize = OP_BASE + 16;
-const AGG_CHUNK: usize = OP_BASE + 64;
-const AGG_PUSHED: usize = OP_BASE + 64 + 8 * 32;
-const SIGNAL_WORDS: usize = OP_BASE + 1024;
+// The kernel's signal words (src/kernel_abi.rs, generated into the kernels' header).
+const AGG_EPOCH: usize = abi::AGG_EPOCH as usize;
+const AGG_ARRIVE: usize = abi::AGG_ARRIVE as usize;
+const AGG_LOCAL: usize = abi::AGG_LOCAL as usize;
+const AGG_DONE: usize = abi::AGG_DONE as usize;
+const AGG_NET_DONE: usize = abi::AGG_NET_DONE as usize;
+const AGG_CHUNK: usize = abi::AGG_CHUNK as usize;
+const AGG_PUSHED: usize = abi::AGG_PUSHED as usize;
+const SIGNAL_WORDS: usize = abi::AGG_WORDS_END as usize;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// f64 elements per row (the kernel's K; 8-byte elements here so rows hold exact values).

@@ -15,7 +15,7 @@
 use mkernel::bootstrap::{root::start_root, Bootstrap, UniqueId};
 use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{MkError, Result};
-use mkernel::kernel_abi::{ProxyCommand, MK_MAX_NODES, MK_MAX_PEERS, MK_PROXY_KIND_SIGNAL};
+use mkernel::kernel_abi::{self as abi, ProxyCommand, MK_MAX_NODES, MK_MAX_PEERS, MK_PROXY_KIND_SIGNAL};
 use mkernel::ops::collectives::CollectiveKind;
 use mkernel::ops::hier_collectives::{node_layout, plan, HierPlan, NodeLayout};
 use mkernel::transport::inter_node::{start_inter_node, InterNodeSetup};
@@ -28,16 +28,15 @@ use std::time::{Duration, Instant};
 mod common;
 use common::HostWindow;
 
-// kernels/common/signals.cuh
-const SIG_SEQ: usize = 64;
-const SIG_READY: usize = 512;
-const SIG_MAX_CTAS: usize = 256;
-const SIG_READY2: usize = SIG_READY + SIG_MAX_CTAS * MK_MAX_PEERS;
-const SIG_FREE: usize = SIG_READY2 + SIG_MAX_CTAS * MK_MAX_PEERS;
-const SIG_NET_GRANT: usize = 6656;
-const SIG_NET_READY: usize = SIG_NET_GRANT + 64 * MK_MAX_NODES;
-const SIG_NET_READY2: usize = SIG_NET_READY + 64 * MK_MAX_NODES;
-const SIGNAL_WORDS: usize = 8192;
+// The kernels' signal words (src/kernel_abi.rs, generated into the kernels' header).
+const SIG_SEQ: usize = abi::MK_SIG_SEQ as usize;
+const SIG_READY: usize = abi::MK_SIG_READY as usize;
+const SIG_READY2: usize = abi::MK_SIG_READY2 as usize;
+const SIG_FREE: usize = abi::MK_SIG_FREE as usize;
+const SIG_NET_GRANT: usize = abi::MK_SIG_NET_GRANT as usize;
+const SIG_NET_READY: usize = abi::MK_SIG_NET_READY as usize;
+const SIG_NET_READY2: usize = abi::MK_SIG_NET_READY2 as usize;
+const SIGNAL_WORDS: usize = abi::MK_SIG_OP_BASE as usize;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "mk_kernel_abi.h"
+#include "mkernel.h"
 
 // The protocol relies on these (src/transport/proxy.rs asserts the same on the Rust side).
 static_assert(sizeof(ProxyCommand) == 32, "a proxy command is 32 bytes");
@@ -28,9 +29,7 @@ static_assert(offsetof(ProxyRingControl, tail) == 0 && offsetof(ProxyRingControl
                   offsetof(ProxyRingControl, error) == 128,
               "one cache line per control word");
 
-// mkResult_t numbering (include/mkernel.h) for the codes these functions return.
-#define MK_PROXY_OK 0
-#define MK_PROXY_TIMEOUT 8
+// These functions return mkResult_t codes (mkernel.h): mkSuccess, mkTimeout, or the proxy's error.
 
 __device__ __forceinline__ uint64_t mk_proxy_now_ns() {
   uint64_t t;
@@ -62,7 +61,7 @@ __device__ __forceinline__ void mk_proxy_store_release_u32(uint32_t* p, uint32_t
 #define MK_PROXY_MAX_BACKOFF_NS 4096u
 
 // Spins until counter (tail or completed) exceeds `ticket` - `slack`, i.e. counter + slack > ticket.
-// Returns 0, the proxy's error, or MK_PROXY_TIMEOUT.
+// Returns 0, the proxy's error, or mkTimeout.
 __device__ __forceinline__ int mk_proxy_wait_counter(const ProxyRingView& ring, const uint64_t* counter,
                                                      uint64_t ticket, uint64_t slack) {
   const ProxyRingControl* control = reinterpret_cast<const ProxyRingControl*>(ring.control);
@@ -77,11 +76,11 @@ __device__ __forceinline__ int mk_proxy_wait_counter(const ProxyRingView& ring, 
       next_error_check = now + MK_PROXY_ERROR_CHECK_NS;
     }
     if (start == 0) start = now;
-    else if (now - start > ring.timeout_ns) return MK_PROXY_TIMEOUT;
+    else if (now - start > ring.timeout_ns) return mkTimeout;
     __nanosleep(backoff);
     if (backoff < MK_PROXY_MAX_BACKOFF_NS) backoff *= 2;
   }
-  return MK_PROXY_OK;
+  return mkSuccess;
 }
 
 // Posts one command; *ticket_out gets its ticket (for mk_proxy_wait_complete).
@@ -98,7 +97,7 @@ __device__ __forceinline__ int mk_proxy_post(const ProxyRingView& ring, uint32_t
   ProxyRingControl* control = reinterpret_cast<ProxyRingControl*>(ring.control);
   // Back-pressure: the slot is free once the proxy has taken the command `capacity` tickets back.
   int rc = mk_proxy_wait_counter(ring, &control->tail, ticket, ring.capacity);
-  if (rc != MK_PROXY_OK) return rc;
+  if (rc != mkSuccess) return rc;
   ProxyCommand* slot = reinterpret_cast<ProxyCommand*>(ring.commands) + (ticket & (uint64_t)(ring.capacity - 1));
   volatile ProxyCommand* body = slot;
   body->bytes = bytes;
@@ -108,7 +107,7 @@ __device__ __forceinline__ int mk_proxy_post(const ProxyRingView& ring, uint32_t
   body->signal_value = signal_value;
   // Publish last: the proxy reads the header with acquire, so it sees the body above.
   mk_proxy_store_release_u32(&slot->header, kind | (peer << MK_PROXY_PEER_SHIFT));
-  return MK_PROXY_OK;
+  return mkSuccess;
 }
 
 // A put of `bytes` from this rank's window at src_offset to `peer`'s window at dst_offset,

@@ -14,13 +14,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include "mk_kernel_abi.h"
+#include "mkernel.h"
 #include "cp_async.cuh"
-
-#define MK_RED_SUM 0
-#define MK_RED_PROD 1
-#define MK_RED_MAX 2
-#define MK_RED_MIN 3
-#define MK_RED_AVG 4
 
 // ---- element traits: what a reduction accumulates in ----
 template <typename T> struct Traits {
@@ -41,14 +36,14 @@ template <> struct Traits<__nv_bfloat16> {
 
 template <typename A> __device__ __forceinline__ A combine(A a, A b, int op) {
   switch (op) {
-    case MK_RED_PROD: return (A)(a * b);
-    case MK_RED_MAX: return a > b ? a : b;
-    case MK_RED_MIN: return a < b ? a : b;
+    case mkProd: return (A)(a * b);
+    case mkMax: return a > b ? a : b;
+    case mkMin: return a < b ? a : b;
     default: return (A)(a + b);  // sum, avg
   }
 }
 template <typename A> __device__ __forceinline__ A finalize(A a, int op, int nranks) {
-  return op == MK_RED_AVG ? (A)(a / (A)nranks) : a;
+  return op == mkAvg ? (A)(a / (A)nranks) : a;
 }
 
 // ---- copies: 16-byte vectors when every pointer allows, element-wise otherwise ----

@@ -18,47 +18,14 @@
 #pragma once
 #include <stdint.h>
 #include "mk_kernel_abi.h"
+#include "mkernel.h"
 
-// ---- signal-region layout (u64 word indexes; mirrored by src/comm/workspace.rs) ----
-#define MK_SIG_ABORT 0            // nonzero: 1 + the rank that raised it
-#define MK_SIG_ERROR_CLAIM 1      // nonzero: the first error word a kernel of this rank recorded
-#define MK_SIG_SEQ 64             // + b: last step of collective CTA b (its own rank only)
-#define MK_SIG_MAX_CTAS 256       // collective CTA slots with flags
-#define MK_SIG_READY 512          // + b*8 + src: src's piece of step s is staged (collectives)
-#define MK_SIG_READY2 (MK_SIG_READY + MK_SIG_MAX_CTAS * MK_MAX_PEERS)  // AllReduce: src's reduced slice is ready
-#define MK_SIG_FREE (MK_SIG_READY2 + MK_SIG_MAX_CTAS * MK_MAX_PEERS)   // src finished reading this rank's slot of step s
-// Across nodes (kernels/hier_collectives.cu), + b*MK_MAX_NODES + src_node, written by the
-// proxy of src_node's GPU-i rank (step-valued, like the words above):
-#define MK_SIG_NET_GRANT 6656     // src_node may put step s into this rank's slot
-#define MK_SIG_NET_READY (MK_SIG_NET_GRANT + 64 * MK_MAX_NODES)   // src_node's data of step s has arrived
-#define MK_SIG_NET_READY2 (MK_SIG_NET_READY + 64 * MK_MAX_NODES)  // AllReduce: src_node's reduced slice has arrived
-#define MK_SIG_OP_BASE 8192       // words from here to MK_SIG_WORDS belong to the fused ops
-// Each fused op owns a disjoint range, so one op's epoch-valued flags can never satisfy
-// another op's wait: AG+GEMM [OP_BASE, +1024), GEMM+reduce [OP_BASE+1024, MK_SIG_GR_END)
-// (its per-tile flags fill the rest of the first MiB), MoE [MK_SIG_MOE_BASE, +65536),
-// ring attention [MK_SIG_RING_BASE, +65536).
-#define MK_SIG_GR_END 131072
-#define MK_SIG_MOE_BASE 131072
-#define MK_SIG_RING_BASE 196608
-#define MK_SIG_WORDS 262144       // 2 MiB signal region
+// The signal-region layout (MK_SIG_* word indexes and each op's range), the operation codes
+// (MK_OP_*) and wait codes (MK_WAIT_*) come from mk_kernel_abi.h (src/kernel_abi.rs); the
+// result codes (mkTimeout, ...) from mkernel.h.
 
 // ---- error words (decoded by ops::collectives::ErrorWord on the host) ----
 // bits 0-7 mkResult_t code, 8-15 peer rank (0xff: none), 16-23 what was awaited, 24-31 op.
-#define MK_RESULT_INVALID_USAGE 5
-#define MK_RESULT_REMOTE_ERROR 6
-#define MK_RESULT_TIMEOUT 8
-#define MK_WAIT_READY 1      // a peer's staged data
-#define MK_WAIT_READY2 2     // a peer's reduced slice
-#define MK_WAIT_FREE 3       // a peer to finish reading this rank's slot
-#define MK_WAIT_OP_FLAG 4    // a fused op's own flag
-// 5, 6: kernels/moe.cu
-#define MK_WAIT_NET 7        // a rank on another node's data (through its proxy)
-#define MK_WAIT_GRANT 8      // a rank on another node to free its slot for this rank's put
-#define MK_WAIT_PROXY 9      // this rank's proxy (ring full, a put not completing, or the transport failed)
-#define MK_OP_ALL_GATHER 1
-#define MK_OP_REDUCE_SCATTER 2
-#define MK_OP_ALL_REDUCE 3
-// fused ops: 16 and up
 
 __device__ __forceinline__ uint32_t mk_error_word(uint32_t code, uint32_t peer, uint32_t what, uint32_t op) {
   return (code & 0xff) | ((peer & 0xff) << 8) | ((what & 0xff) << 16) | ((op & 0xff) << 24);
@@ -153,7 +120,7 @@ __device__ __forceinline__ void mk_fail(const WorkspaceView& ws, uint32_t word) 
 // setmaxnreg): the abort word (device memory) and the timeout on every check; the host's
 // abort flag only once per kHostCheckNs, because it lives in host-mapped memory and every
 // read crosses PCIe: hundreds of waiting threads reading it every few microseconds slowed
-// the GEMM CTAs beside them by 10-100x (the MoE kernels, benches/RESULTS.md session 3).
+// the GEMM CTAs beside them by 10-100x (the MoE kernels, benches/RESULTS.md).
 // A host abort (mkCommAbort) is noticed within a millisecond. Returns false, with the
 // error recorded, when the wait must stop.
 struct MkWaitChecks {
@@ -167,19 +134,19 @@ struct MkWaitChecks {
   __device__ __forceinline__ bool keep_waiting(int peer, uint32_t what, uint32_t op) {
     const uint64_t raised = mk_ld_relaxed_sys(own_signals + MK_SIG_ABORT);
     if (raised != 0) {
-      mk_record_error_at(ws, own_signals, mk_error_word(MK_RESULT_REMOTE_ERROR, (uint32_t)(raised - 1), what, op));
+      mk_record_error_at(ws, own_signals, mk_error_word(mkRemoteError, (uint32_t)(raised - 1), what, op));
       return false;
     }
     const uint64_t now = mk_globaltimer();
     if (now - start > ws.timeout_ns) {
-      mk_record_error_at(ws, own_signals, mk_error_word(MK_RESULT_TIMEOUT, (uint32_t)peer, what, op));
+      mk_record_error_at(ws, own_signals, mk_error_word(mkTimeout, (uint32_t)peer, what, op));
       mk_raise_abort(ws);
       return false;
     }
     if (now >= next_host_check) {
       next_host_check = now + kHostCheckNs;
       if (mk_ld_relaxed_sys_u32(&mk_status(ws)->host_abort) != 0) {
-        mk_record_error_at(ws, own_signals, mk_error_word(MK_RESULT_INVALID_USAGE, 0xff, what, op));
+        mk_record_error_at(ws, own_signals, mk_error_word(mkInvalidUsage, 0xff, what, op));
         mk_raise_abort(ws);
         return false;
       }

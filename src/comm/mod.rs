@@ -38,22 +38,8 @@ pub struct CommConfig {
     pub workspace_bytes: u64,
     /// Ranks per node (None: grouped by host).
     pub ranks_per_node: Option<u32>,
-    /// Collectives stage their loads in shared memory (MK_LOAD_STAGING=smem) or keep them
-    /// in registers.
-    pub stage_collective_loads: bool,
-    /// GEMM+RS/AR on one node: who sums the partials (MK_GEMM_REDUCERS): the side warps
-    /// the earlier tiles during the GEMM and every warp the rest after it (early), every
-    /// warp of a GEMM CTA after its GEMM (after), or the side warps during it (side).
-    pub gemm_reducers: crate::ops::gemm_reduce::Reducers,
-    /// mkGemmAllReduce: the largest M that takes the one-shot path.
-    pub gemm_ar_one_shot_max_m: usize,
-    /// MoE kernels' m-block order (MK_MOE_ORDER): 0 arrival, 1 expert, 2 split, 3 auto.
-    pub moe_order: u32,
-    /// mkMoeGemmCombine's column bands (MK_MOE_BANDS).
-    pub moe_bands: usize,
-    /// mkMoeDispatchGemm: all warps send the first wave's rows before the GEMM
-    /// (MK_MOE_BURST: Some when forced, None = auto, ops::moe::burst_for).
-    pub moe_burst: Option<bool>,
+    /// Internal tuning (src/tuning.rs), the process's.
+    pub tuning: crate::tuning::Tuning,
 }
 
 impl CommConfig {
@@ -65,12 +51,7 @@ impl CommConfig {
             max_ctas: crate::env::max_ctas().map(|v| v as u32),
             workspace_bytes: crate::env::workspace_bytes(),
             ranks_per_node: crate::env::ranks_per_node().map(|v| v as u32),
-            stage_collective_loads: crate::env::load_staging_smem(),
-            gemm_reducers: crate::env::gemm_reducers(),
-            gemm_ar_one_shot_max_m: crate::env::gemm_ar_one_shot_max_m(),
-            moe_order: crate::env::moe_order(),
-            moe_bands: crate::env::moe_bands(),
-            moe_burst: crate::env::moe_burst(),
+            tuning: crate::tuning::Tuning::process(),
         }
     }
 }

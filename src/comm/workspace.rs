@@ -36,14 +36,13 @@ use crate::mk_info;
 use std::sync::atomic::{AtomicIsize, Ordering};
 
 /// Bytes of the signal region in front of each rank's data region.
-pub const SIGNAL_BYTES: usize = 2 << 20;
-/// u64 word index of the abort word in the signal region (signals.cuh MK_SIG_ABORT).
-pub const SIG_ABORT_WORD: usize = 0;
-/// u64 word index of the device-side claim on this rank's first error (signals.cuh
-/// MK_SIG_ERROR_CLAIM): kernels arbitrate with a 32-bit CAS on its low half, and the
-/// winner's word is copied into the host status block (device atomics on host memory are
-/// not atomic over PCIe).
-pub const SIG_ERROR_CLAIM_WORD: usize = 1;
+pub const SIGNAL_BYTES: usize = crate::kernel_abi::MK_SIG_WORDS as usize * 8;
+/// u64 word index of the abort word in the signal region.
+pub const SIG_ABORT_WORD: usize = crate::kernel_abi::MK_SIG_ABORT as usize;
+/// u64 word index of the device-side claim on this rank's first error: kernels arbitrate
+/// with a 32-bit CAS on its low half, and the winner's word is copied into the host status
+/// block (device atomics on host memory are not atomic over PCIe).
+pub const SIG_ERROR_CLAIM_WORD: usize = crate::kernel_abi::MK_SIG_ERROR_CLAIM as usize;
 /// Most CTA slots the collectives partition the data region into (signals.cuh MK_SIG_MAX_CTAS
 /// bounds the flags; 64 keeps pieces large).
 pub const MAX_CTA_SLOTS: u32 = 64;
@@ -645,18 +644,12 @@ mod tests {
     }
 
     #[test]
-    fn signal_layout_matches_the_kernel_header() {
-        let header = include_str!("../../kernels/common/signals.cuh");
-        let define = |name: &str| -> usize {
-            let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).unwrap_or_else(|| panic!("{name} missing"));
-            line.split_whitespace().nth(2).unwrap().parse().unwrap()
-        };
-        assert_eq!(define("MK_SIG_ABORT"), SIG_ABORT_WORD);
-        assert_eq!(define("MK_SIG_ERROR_CLAIM"), SIG_ERROR_CLAIM_WORD);
-        assert!(SIG_ERROR_CLAIM_WORD < define("MK_SIG_SEQ"));
-        assert_eq!(define("MK_SIG_WORDS") * 8, SIGNAL_BYTES);
-        assert!(define("MK_SIG_MAX_CTAS") >= MAX_CTA_SLOTS as usize);
+    fn signal_layout_fits_the_slots() {
+        use crate::kernel_abi::{MK_SIG_MAX_CTAS, MK_SIG_OP_BASE, MK_SIG_READY, MK_SIG_SEQ};
+        assert!(SIG_ERROR_CLAIM_WORD < MK_SIG_SEQ as usize);
+        assert_eq!(SIGNAL_BYTES, 2 << 20);
+        assert!(MK_SIG_MAX_CTAS >= MAX_CTA_SLOTS);
         // READY, READY2, FREE for every CTA slot and peer must end before the fused ops' words.
-        assert!(define("MK_SIG_READY") + 3 * define("MK_SIG_MAX_CTAS") * MK_MAX_PEERS <= define("MK_SIG_OP_BASE"));
+        assert!(MK_SIG_READY as usize + 3 * MK_SIG_MAX_CTAS as usize * MK_MAX_PEERS <= MK_SIG_OP_BASE as usize);
     }
 }

@@ -16,9 +16,27 @@ use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::OnceLock;
 
-/// The kernel fatbins compiled by build.rs, one per kernels/*.cu: (file stem, bytes).
+/// The kernel fatbins compiled by build.rs, one per kernels/*.cu: (file stem, bytes), and
+/// one constant per kernel entry point (`kernels::MK_GEMM_BF16_BN256_TMA`, ...), generated
+/// from kernels/instances.txt, the list the kernel files instantiate from.
 pub mod kernels {
     include!(concat!(env!("OUT_DIR"), "/kernel_fatbins.rs"));
+
+    /// A kernel entry point: the kernels/*.cu file (fatbin) that holds it and its name.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Kernel {
+        pub file: &'static str,
+        pub name: &'static str,
+    }
+
+    impl Kernel {
+        /// The loaded function in the current context.
+        pub fn function(self) -> crate::error::Result<super::sys::CUfunction> {
+            super::function(self.file, self.name)
+        }
+    }
+
+    include!(concat!(env!("OUT_DIR"), "/kernel_instances.rs"));
 }
 
 /// Converts a driver error into `mkUnhandledCudaError`, naming the call that failed.
@@ -188,15 +206,16 @@ pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
     Ok(f)
 }
 
-/// Loads `kernels` of `module` in the current context now (module, function, and its code:
+/// Loads `kernels` in the current context now (module, function, and its code:
 /// reading an attribute loads it, as NCCL does; `cuFuncLoad` would need a 12.4 driver),
 /// instead of at their first launch. Under CUDA's lazy loading (the default)
 /// a first launch can wait for the context to go idle; across nodes a kernel in flight
 /// waits for its proxy's CUDA copies, which such a load holds up, so the kernels that run
 /// across nodes are loaded when the communicator is created.
-pub fn preload(module: &'static str, kernels: &[String]) -> Result<()> {
+pub fn preload(kernels: &[kernels::Kernel]) -> Result<()> {
     for k in kernels {
-        let f = function(module, k)?;
+        let f = k.function()?;
+        let k = k.name;
         let mut threads = 0;
         // SAFETY: a function handle of a module loaded in the current context; writes one int.
         check(&format!("cuFuncGetAttribute({k})"), unsafe {

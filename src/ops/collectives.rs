@@ -3,19 +3,20 @@
 //! decoding of the error words those kernels leave in the host-mapped status block.
 
 use crate::comm::Comm;
+use crate::cuda::kernels::Kernel;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{mkResult_t, MkError, Result};
-use crate::kernel_abi::{CollectiveParams, WorkspaceView};
+use crate::kernel_abi::{CollectiveParams, MkOp, MkWait, WorkspaceView};
 use crate::ensure_arg;
 use crate::types::{mkDataType_t, mkRedOp_t, RawDataType, RawRedOp};
 
-/// Threads per CTA of the collective kernels (MK_COLLECTIVE_THREADS).
-pub const THREADS: u32 = 512;
+/// Threads per CTA of the collective kernels.
+pub const THREADS: u32 = crate::kernel_abi::MK_COLLECTIVE_THREADS;
 /// Bytes a CTA should have to move before another CTA is worth adding.
 pub const MIN_BYTES_PER_CTA: u64 = 64 << 10;
 /// Pieces are multiples of this many bytes, so every piece starts 256-byte aligned.
 pub const PIECE_ALIGN_BYTES: u64 = 256;
-/// Dynamic shared memory per CTA in which the kernels stage their loads (MK_LOAD_STAGING=smem).
+/// Dynamic shared memory per CTA in which the kernels stage their loads (docs/decisions/0104).
 /// The loops are bound by load latency (~1 us with several ranks on the GPUs), so bytes in
 /// flight per SM set the bandwidth: half of this is in flight per CTA while the other half
 /// is consumed. 128 KiB is the least that still gives a reduction of MK_MAX_PEERS sources
@@ -110,20 +111,26 @@ pub fn plan(kind: CollectiveKind, count: u64, elem: u64, nranks: u64, cta_slots:
 }
 
 /// The kernel instantiation for a dtype.
-pub fn kernel_name(dtype: mkDataType_t) -> &'static str {
+pub fn kernel(dtype: mkDataType_t) -> Kernel {
+    use crate::cuda::kernels::*;
     use mkDataType_t::*;
     match dtype {
-        mkInt8 => "mk_collective_i8",
-        mkUint8 => "mk_collective_u8",
-        mkInt32 => "mk_collective_i32",
-        mkUint32 => "mk_collective_u32",
-        mkInt64 => "mk_collective_i64",
-        mkUint64 => "mk_collective_u64",
-        mkFloat16 => "mk_collective_f16",
-        mkFloat32 => "mk_collective_f32",
-        mkFloat64 => "mk_collective_f64",
-        mkBfloat16 => "mk_collective_bf16",
+        mkInt8 => MK_COLLECTIVE_I8,
+        mkUint8 => MK_COLLECTIVE_U8,
+        mkInt32 => MK_COLLECTIVE_I32,
+        mkUint32 => MK_COLLECTIVE_U32,
+        mkInt64 => MK_COLLECTIVE_I64,
+        mkUint64 => MK_COLLECTIVE_U64,
+        mkFloat16 => MK_COLLECTIVE_F16,
+        mkFloat32 => MK_COLLECTIVE_F32,
+        mkFloat64 => MK_COLLECTIVE_F64,
+        mkBfloat16 => MK_COLLECTIVE_BF16,
     }
+}
+
+/// The name of `kernel(dtype)`.
+pub fn kernel_name(dtype: mkDataType_t) -> &'static str {
+    kernel(dtype).name
 }
 
 /// An error word from the status block: bits 0-7 mkResult_t, 8-15 the peer rank involved
@@ -148,28 +155,23 @@ impl ErrorWord {
         }
     }
     fn op_name(self) -> String {
-        match self.0 >> 24 {
-            1 => "mkAllGather".into(),
-            2 => "mkReduceScatter".into(),
-            3 => "mkAllReduce".into(),
-            16 => "mkAllGatherGemm".into(),
-            17 => "mkGemmReduceScatter".into(),
-            18 => "mkGemmAllReduce".into(),
-            19 => "mkMoeDispatchGemm".into(),
-            20 => "mkMoeGemmCombine".into(),
-            21 => "mkRingAttention".into(),
-            n => format!("fused op {n}"),
+        match MkOp::from_u32(self.0 >> 24) {
+            Some(op) => op.api_name().into(),
+            None => format!("fused op {}", self.0 >> 24),
         }
     }
+    fn what(self) -> Option<MkWait> {
+        MkWait::from_u32((self.0 >> 16) & 0xff)
+    }
     fn awaited(self) -> &'static str {
-        match (self.0 >> 16) & 0xff {
-            1 => "its staged data",
-            2 => "its reduced slice",
-            3 => "it to finish reading this rank's workspace slot",
-            4 => "a fused-op flag",
-            7 => "its data over the network",
-            8 => "it to free its slot for this rank's put over the network",
-            9 => "this rank's inter-node proxy",
+        match self.what() {
+            Some(MkWait::Ready) => "its staged data",
+            Some(MkWait::Ready2) => "its reduced slice",
+            Some(MkWait::Free) => "it to finish reading this rank's workspace slot",
+            Some(MkWait::OpFlag) => "a fused-op flag",
+            Some(MkWait::Net) => "its data over the network",
+            Some(MkWait::Grant) => "it to free its slot for this rank's put over the network",
+            Some(MkWait::Proxy) => "this rank's inter-node proxy",
             _ => "a signal",
         }
     }
@@ -177,19 +179,19 @@ impl ErrorWord {
     pub fn to_error(self, rank: usize) -> MkError {
         let op = self.op_name();
         let peer = self.peer().map_or("a peer".to_string(), |p| format!("rank {p}"));
-        let what = (self.0 >> 16) & 0xff;
+        let what = self.what();
         match self.code() {
             // kernels/moe.cu: errors found in the inputs on the device.
-            mkResult_t::mkInvalidUsage if what == 5 => MkError::invalid_usage(format!(
+            mkResult_t::mkInvalidUsage if what == Some(MkWait::MoeCapacity) => MkError::invalid_usage(format!(
                 "{op} on rank {rank}: the receive buffer of {peer} needs more rows than recvCapacity; nothing was moved. \
                  recvCounts[E_local] holds the recvCapacity this routing needs (the most over ranks). Recreate the communicator"
             )),
-            mkResult_t::mkInvalidUsage if what == 6 => MkError::invalid_usage(format!(
+            mkResult_t::mkInvalidUsage if what == Some(MkWait::MoeExpert) => MkError::invalid_usage(format!(
                 "{op} on rank {rank}: topkIdx holds an expert id outside [-1, E); those choices were dropped. Recreate the communicator"
             )),
-            // kernels/hier_collectives.cu: this rank's proxy failed (MK_WAIT_PROXY); the
-            // proxy's own message is in mkGetLastError once the host reads it.
-            code if what == 9 => MkError::new(code, format!(
+            // kernels/hier_collectives.cu: this rank's proxy failed; the proxy's own
+            // message is in mkGetLastError once the host reads it.
+            code if what == Some(MkWait::Proxy) => MkError::new(code, format!(
                 "{op} on rank {rank} stopped: its inter-node proxy failed ({code:?}) while sending to or waiting for {peer} \
                  (a lost connection, a ring that stayed full, or a transfer that did not complete within MK_TIMEOUT_MS). \
                  Abort and recreate the communicator"
@@ -323,7 +325,7 @@ pub fn collective(comm: &Comm, kind: CollectiveKind, send: u64, recv: u64, count
     let _ctx = comm.context.enter()?;
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
-    let stage_bytes = if comm.config.stage_collective_loads { STAGE_BYTES } else { 0 };
+    let stage_bytes = STAGE_BYTES;
     launch(&ws.view, &args, single_rank_ctas(comm)?, stage_bytes, stream)
 }
 
@@ -337,7 +339,7 @@ fn single_rank_ctas(comm: &Comm) -> Result<u32> {
 pub fn launch(view: &WorkspaceView, args: &CollectiveArgs, single_rank_ctas: u32, stage_bytes: u32, stream: sys::CUstream) -> Result<()> {
     let elem = args.dtype.size() as u64;
     let p = plan(args.kind, args.count, elem, view.nranks as u64, view.cta_slots as u32, view.data_bytes, single_rank_ctas);
-    let f = cuda::function("collectives", kernel_name(args.dtype))?;
+    let f = kernel(args.dtype).function()?;
     let mut params = CollectiveParams {
         ws: *view,
         send: args.send,
@@ -481,14 +483,5 @@ mod tests {
         assert_eq!(stage_vectors(STAGE_BYTES, 1), 8, "a copy keeps 8 vectors per thread in flight");
         // sm_90: at most 227 KiB of dynamic shared memory per CTA (1 KiB of the SM's 228 reserved).
         const _: () = assert!(STAGE_BYTES <= 227 << 10);
-    }
-
-    #[test]
-    fn every_dtype_has_a_kernel() {
-        let src = include_str!("../../kernels/collectives.cu");
-        for t in mkDataType_t::ALL {
-            let name = kernel_name(t).trim_start_matches("mk_collective_");
-            assert!(src.contains(&format!("MK_COLLECTIVE_KERNEL({name},")), "{name}");
-        }
     }
 }

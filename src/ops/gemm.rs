@@ -4,6 +4,7 @@
 //! Three parts: [`validate`] (argument checks, no CUDA), [`plan`] (tile width, epilogue,
 //! grid, raster group: pure arithmetic, unit-tested) and [`launch`] (tensor maps + launch).
 
+use crate::cuda::kernels::Kernel;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
 use crate::types::{mkDataType_t, RawDataType};
@@ -29,15 +30,6 @@ pub enum Epilogue {
     Direct,
 }
 
-impl Epilogue {
-    fn suffix(self) -> &'static str {
-        match self {
-            Epilogue::Tma => "tma",
-            Epilogue::Direct => "direct",
-        }
-    }
-}
-
 /// 2-CTA clusters whose CTAs share one operand through TMA multicast (kernels/common/gemm
 /// SHARE_A / SHARE_B): half the L2→SM traffic for that operand.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,24 +43,13 @@ pub enum Cluster {
 }
 
 impl Cluster {
-    fn suffix(self) -> &'static str {
-        match self {
-            Cluster::None => "",
-            Cluster::ShareA => "_c2a",
-            Cluster::ShareB => "_c2b",
-        }
-    }
     /// CTAs per cluster.
     pub fn size(self) -> usize {
         if self == Cluster::None { 1 } else { 2 }
     }
     /// Whether kernels/gemm.cu has this cluster kind for a tile width and epilogue.
     pub fn compiled_for(self, bn: usize, epilogue: Epilogue) -> bool {
-        match self {
-            Cluster::None => true,
-            Cluster::ShareA => epilogue == Epilogue::Tma && (bn == 64 || bn == 128),
-            Cluster::ShareB => epilogue == Epilogue::Tma && (bn == 128 || bn == 256),
-        }
+        gemm_kernel(mkDataType_t::mkBfloat16, bn, epilogue, self).is_some()
     }
 }
 
@@ -158,11 +139,50 @@ impl GemmPlan {
     pub fn tiles(&self) -> usize {
         self.tiles_m * self.tiles_n
     }
-    /// Entry kernel name in kernels/gemm.cu.
-    pub fn kernel_name(&self, dtype: mkDataType_t) -> String {
-        let d = if dtype == mkDataType_t::mkFloat16 { "f16" } else { "bf16" };
-        format!("mk_gemm_{d}_bn{}_{}{}", self.bn, self.epilogue.suffix(), self.cluster.suffix())
+    /// The entry kernel (kernels/gemm.cu) this plan runs; None for a combination no kernel
+    /// is built for (the planner never makes one).
+    pub fn kernel(&self, dtype: mkDataType_t) -> Option<Kernel> {
+        gemm_kernel(dtype, self.bn, self.epilogue, self.cluster)
     }
+    /// The name of `kernel(dtype)` ("" where there is none).
+    pub fn kernel_name(&self, dtype: mkDataType_t) -> &'static str {
+        self.kernel(dtype).map_or("", |k| k.name)
+    }
+}
+
+/// The plain-GEMM kernel for a dtype (bf16 or f16), tile width, epilogue and cluster kind.
+pub fn gemm_kernel(dtype: mkDataType_t, bn: usize, epilogue: Epilogue, cluster: Cluster) -> Option<Kernel> {
+    use crate::cuda::kernels::*;
+    use Cluster::{None as Single, ShareA, ShareB};
+    use Epilogue::{Direct, Tma};
+    let f16 = match dtype {
+        mkDataType_t::mkFloat16 => true,
+        mkDataType_t::mkBfloat16 => false,
+        _ => return None,
+    };
+    Some(match (f16, bn, epilogue, cluster) {
+        (false, 256, Tma, Single) => MK_GEMM_BF16_BN256_TMA,
+        (false, 128, Tma, Single) => MK_GEMM_BF16_BN128_TMA,
+        (false, 64, Tma, Single) => MK_GEMM_BF16_BN64_TMA,
+        (false, 256, Direct, Single) => MK_GEMM_BF16_BN256_DIRECT,
+        (false, 128, Direct, Single) => MK_GEMM_BF16_BN128_DIRECT,
+        (false, 64, Direct, Single) => MK_GEMM_BF16_BN64_DIRECT,
+        (true, 256, Tma, Single) => MK_GEMM_F16_BN256_TMA,
+        (true, 128, Tma, Single) => MK_GEMM_F16_BN128_TMA,
+        (true, 64, Tma, Single) => MK_GEMM_F16_BN64_TMA,
+        (true, 256, Direct, Single) => MK_GEMM_F16_BN256_DIRECT,
+        (true, 128, Direct, Single) => MK_GEMM_F16_BN128_DIRECT,
+        (true, 64, Direct, Single) => MK_GEMM_F16_BN64_DIRECT,
+        (false, 256, Tma, ShareB) => MK_GEMM_BF16_BN256_TMA_C2B,
+        (false, 128, Tma, ShareB) => MK_GEMM_BF16_BN128_TMA_C2B,
+        (false, 128, Tma, ShareA) => MK_GEMM_BF16_BN128_TMA_C2A,
+        (false, 64, Tma, ShareA) => MK_GEMM_BF16_BN64_TMA_C2A,
+        (true, 256, Tma, ShareB) => MK_GEMM_F16_BN256_TMA_C2B,
+        (true, 128, Tma, ShareB) => MK_GEMM_F16_BN128_TMA_C2B,
+        (true, 128, Tma, ShareA) => MK_GEMM_F16_BN128_TMA_C2A,
+        (true, 64, Tma, ShareA) => MK_GEMM_F16_BN64_TMA_C2A,
+        _ => return None,
+    })
 }
 
 /// Raster group: as many m-blocks as balance the A rows and B rows one wave of `ctas`
@@ -314,7 +334,7 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
     let mut tb = tensor_map(args.b, args.dtype, args.n, args.k, b_rows, BK)?;
     // The direct epilogue ignores tma_c; pass any valid map.
     let mut tc = if plan.epilogue == Epilogue::Tma { tensor_map(args.c, args.dtype, args.m, args.n, 64, 64)? } else { ta };
-    let f = cuda::function("gemm", &plan.kernel_name(args.dtype))?;
+    let f = plan.kernel(args.dtype).ok_or_else(|| MkError::internal(format!("no GEMM kernel for {plan:?}")))?.function()?;
     let mut c = args.c;
     let (mut m, mut n, mut k, mut g) = (args.m as i32, args.n as i32, args.k as i32, plan.group_m as i32);
     let mut cfg = LaunchConfig { grid: (plan.grid as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: plan.smem_bytes as u32 };

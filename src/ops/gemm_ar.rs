@@ -11,7 +11,7 @@
 use super::gemm_rs::{self, GemmRsShape};
 use crate::error::Result;
 
-/// Largest M that takes the one-shot path by default (MK_GEMM_AR_ONESHOT_MAX_M overrides).
+/// Largest M that takes the one-shot path by default (`Tuning::gemm_ar_one_shot_max_m`).
 pub const ONE_SHOT_MAX_M: usize = 256;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -58,89 +58,9 @@ pub fn plan(
     Ok(GemmArPlan::OneShot { compute_ctas: grid_ctas - reduce_ctas, reduce_ctas })
 }
 
-/// GEMM + AllReduce by tile owners (kernels/gemm_reduce.cu, the `mk_gemm_allreduce_owner_*`
-/// kernels): the one-shot sizes on one node, with 128-row tiles and the GEMM CTAs summing
-/// after their GEMM, when `MK_GEMM_REDUCERS=owners` asks for it (not the default: measured
-/// no faster than every rank summing every tile on one shared H200). The linear tile order is cut into `nranks` segments, rank r computes from
-/// segment r on and owns segment r - 1, which it computes last: its epilogue adds the peers'
-/// partials, and the others copy the sum.
-pub fn owner_sums(one_shot: bool, one_node: bool, reduce_ctas: u32, reducers: super::gemm_reduce::Reducers, tile_rows: usize) -> bool {
-    one_shot && one_node && reduce_ctas == 0 && reducers == super::gemm_reduce::Reducers::Owners && tile_rows == 128
-}
-
-/// First linear tile of segment `q` of `tiles` (q = nranks: the end); rank q starts there.
-pub fn segment_start(q: usize, tiles: usize, nranks: usize) -> usize {
-    q * tiles / nranks
-}
-
-/// The rank that owns linear tile `t`: segment q's tiles belong to rank q + 1.
-pub fn tile_owner(t: usize, tiles: usize, nranks: usize) -> usize {
-    (((t + 1) * nranks - 1) / tiles + 1) % nranks
-}
-
-/// Step `i` of a rank's copy walk after its GEMM (kernels/gemm_reduce.cu copy_owned_sums),
-/// over `i < (nranks - 1) * ceil(tiles / nranks)`: the owners after `rank` in turn, each
-/// owner's tiles in its compute order; `None` where an owner's segment is shorter.
-pub fn copy_walk(rank: usize, nranks: usize, tiles: usize, i: usize) -> Option<(usize, usize)> {
-    let others = nranks - 1;
-    let owner = (rank + 1 + i % others) % nranks;
-    let segment = (owner + nranks - 1) % nranks;
-    let t = segment_start(segment, tiles, nranks) + i / others;
-    (t < segment_start(segment + 1, tiles, nranks)).then_some((owner, t))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Every tile has one owner, who computes it no earlier than any peer (its position in
-    /// the owner's rotated order is the largest), and owns exactly the last positions of its
-    /// own order; each rank's copy walk visits every tile it does not own exactly once, from
-    /// that tile's owner.
-    #[test]
-    fn owners_compute_their_tiles_last_and_copies_cover_the_rest() {
-        for nranks in 2..=8 {
-            for tiles in [1, 2, 3, 7, 16, 32, 63, 64, 65, 128, 130] {
-                let position = |r: usize, t: usize| (t + tiles - segment_start(r, tiles, nranks)) % tiles;
-                for t in 0..tiles {
-                    let o = tile_owner(t, tiles, nranks);
-                    assert!(o < nranks);
-                    assert!((0..nranks).all(|r| position(r, t) <= position(o, t)), "tiles {tiles}, n {nranks}, t {t}");
-                }
-                for r in 0..nranks {
-                    let owned = (0..tiles).filter(|&t| tile_owner(t, tiles, nranks) == r).count();
-                    for t in 0..tiles {
-                        assert_eq!(tile_owner(t, tiles, nranks) == r, position(r, t) >= tiles - owned, "tiles {tiles}, n {nranks}, r {r}");
-                    }
-                    let mut seen = vec![0; tiles];
-                    let longest = tiles.div_ceil(nranks);
-                    for i in 0..(nranks - 1) * longest {
-                        if let Some((owner, t)) = copy_walk(r, nranks, tiles, i) {
-                            assert_ne!(owner, r);
-                            assert_eq!(tile_owner(t, tiles, nranks), owner);
-                            seen[t] += 1;
-                        }
-                    }
-                    for t in 0..tiles {
-                        assert_eq!(seen[t], usize::from(tile_owner(t, tiles, nranks) != r), "tiles {tiles}, n {nranks}, r {r}, t {t}");
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn owner_sums_only_for_one_shot_on_one_node_after_the_gemm() {
-        use crate::ops::gemm_reduce::Reducers;
-        assert!(owner_sums(true, true, 0, Reducers::Owners, 128));
-        assert!(!owner_sums(false, true, 0, Reducers::Owners, 128));
-        assert!(!owner_sums(true, false, 0, Reducers::Owners, 128));
-        assert!(!owner_sums(true, true, 4, Reducers::Owners, 128));
-        assert!(!owner_sums(true, true, 0, Reducers::After, 128));
-        assert!(!owner_sums(true, true, 0, Reducers::Side, 128));
-        assert!(!owner_sums(true, true, 0, Reducers::Owners, 64));
-        assert!(!owner_sums(true, true, 0, Reducers::Early, 128));
-    }
 
     #[test]
     fn small_m_is_one_shot_and_any_m_is_accepted() {

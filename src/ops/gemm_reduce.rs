@@ -1,4 +1,4 @@
-//! Launch of the GEMM + reduction kernels (kernels/gemm_reduce.cu) shared by
+//! Launch of the GEMM + reduction kernels (kernels/gemm_reduce.cu, kernels/gemm_reduce_early.cu) shared by
 //! mkGemmReduceScatter and mkGemmAllReduce: argument checks, role split (from the
 //! `gemm_rs` / `gemm_ar` planners), tensor maps, launch.
 
@@ -6,17 +6,17 @@ use super::gemm::{self as engine, PlanOverrides};
 use super::hier_collectives::fused_op_workspace;
 use super::{gemm_ar, gemm_reduce_nodes, gemm_rs};
 use crate::comm::Comm;
+use crate::cuda::kernels::Kernel;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
-use crate::kernel_abi::GemmReduceParams;
+use crate::kernel_abi::{self, GemmReduceParams, MkOp};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
-/// First signal word of the per-tile flags and the end of this op's range
-/// (kernels/gemm_reduce.cu GR_TILE, signals.cuh MK_SIG_GR_END): three flags per tile must
-/// fit between them.
-pub(crate) const GR_TILE_WORD: u32 = 8192 + 2048; // GR_TILE
-pub(crate) const GR_END_WORD: u32 = 131_072; // MK_SIG_GR_END
+/// First signal word of the per-tile flags and the end of this op's range: three flags per
+/// tile must fit between them.
+pub(crate) const GR_TILE_WORD: u32 = kernel_abi::GR_TILE;
+pub(crate) const GR_END_WORD: u32 = kernel_abi::MK_SIG_GR_END;
 const TILE_FLAG_WORDS: usize = (GR_END_WORD - GR_TILE_WORD) as usize;
 const ROW_BLOCK: usize = 128;
 
@@ -35,16 +35,17 @@ impl Reduction {
             Reduction::All => "mkGemmAllReduce",
         }
     }
-    /// Operation code in error words (signals.cuh: fused ops from 16).
+    /// Operation code in error words.
     fn op_code(self) -> i32 {
         match self {
-            Reduction::Scatter => 17,
-            Reduction::All => 18,
+            Reduction::Scatter => MkOp::GemmReduceScatter as i32,
+            Reduction::All => MkOp::GemmAllReduce as i32,
         }
     }
 }
 
-/// Who sums the partials on one node without dedicated reduction CTAs (MK_GEMM_REDUCERS).
+/// Who sums the partials on one node without dedicated reduction CTAs
+/// (`Tuning::gemm_reducers`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reducers {
     /// GEMM+RS: the producer warpgroup's two idle warps of each GEMM CTA sum its earlier
@@ -53,14 +54,6 @@ pub enum Reducers {
     Early,
     /// Every warp of each GEMM CTA, after its GEMM.
     After,
-    /// The two idle producer warps, during the GEMM, everything (1.6x slower than after).
-    Side,
-    /// GEMM+AR at the one-shot sizes with 128-row tiles: each tile's owner rank, which
-    /// computes it last, sums it in its GEMM's epilogue, and the other ranks copy the sum
-    /// (`gemm_ar::owner_sums`); elsewhere as `After`. It moves 2 tiles per tile and rank
-    /// instead of n + 1 (far fewer NVLink reads at 8 ranks); on one shared H200 it measured
-    /// no faster than `After` (benches/RESULTS.md, session 13), so it is not the default.
-    Owners,
 }
 
 /// A validated call.
@@ -129,48 +122,10 @@ pub fn reduction_group_m(tiles_m: usize, bn: usize, compute_ctas: usize, owners:
     if owners > 1 { g.div_ceil(owners) * owners } else { g }
 }
 
-/// A tile (m-block, n-block).
-pub type Tile = (usize, usize);
-
-/// The engine's grouped raster (kernels/common/gemm/scheduler.cuh grouped_tile): tile `t`.
-pub fn grouped_tile(tiles_m: usize, tiles_n: usize, group_m: usize, t: usize) -> Tile {
-    let per_group = group_m * tiles_n;
-    let (group, in_group) = (t / per_group, t % per_group);
-    let first_m = group * group_m;
-    let rows = (tiles_m - first_m).min(group_m);
-    (first_m + in_group % rows, in_group / rows)
-}
-
-/// The inverse of `grouped_tile` (scheduler.cuh grouped_index): the linear index of a tile.
-pub fn grouped_index(tiles_m: usize, tiles_n: usize, group_m: usize, (m, n): Tile) -> usize {
-    let group = m / group_m;
-    let first_m = group * group_m;
-    let rows = (tiles_m - first_m).min(group_m);
-    group * group_m * tiles_n + n * rows + (m - first_m)
-}
-
-/// The compute order of the GEMM + reduction (scheduler.cuh interleaved_tile): the grouped
-/// raster over `owners` interleaved equal shards of the row blocks.
-pub fn interleaved_tile(tiles_m: usize, tiles_n: usize, group_m: usize, owners: usize, t: usize) -> Tile {
-    let (m, n) = grouped_tile(tiles_m, tiles_n, group_m, t);
-    if owners > 1 {
-        let per_owner = tiles_m / owners;
-        ((m % owners) * per_owner + m / owners, n)
-    } else {
-        (m, n)
-    }
-}
-
-/// Tile `i` of row blocks [first, first + blocks) in the order the GEMM computes them: what
-/// the kernel's reducer teams walk, team j taking i = j, j + stride, ...
-/// (kernels/gemm_reduce.cu owned_tile).
-pub fn owned_tile(tiles_n: usize, group_m: usize, owners: usize, first: usize, blocks: usize, i: usize) -> Tile {
-    let (m, n) = grouped_tile(blocks, tiles_n, (group_m / owners.max(1)).max(1), i);
-    (first + m, n)
-}
+pub use super::schedule::{grouped_index, grouped_tile, interleaved_tile, owned_tile, Tile};
 
 /// Shared memory after the fused engine's where the side warps stage their early sums
-/// (kernels/gemm_reduce.cu kSideStagingBytes): 16 KiB (or 8) where the 227 KiB leave it
+/// (kernels/gemm_reduce_early.cu side_staging_bytes): 16 KiB (or 8) where the 227 KiB leave it
 /// beside 1 KiB of static shared memory, else 0 (no early sums). Only the BM 128, BN 256
 /// kernels have room (three stages of 48 KiB and 64 KiB of epilogue staging leave 17 KiB);
 /// the others' rings took the space for more stages.
@@ -197,7 +152,7 @@ pub fn team_items(total: usize, j: usize, stride: usize) -> usize {
 /// are the GEMM CTAs' warps after the GEMM on one node (`Reducers::Early`, no dedicated
 /// CTAs), the kernel has side staging (BM 128, BN 256), and some CTA has two or more items.
 ///
-/// Measured (benches/RESULTS.md, session 10, one H200, 2 ranks): GEMM+RS M 1024 / 4096, K
+/// Measured (benches/RESULTS.md, one H200, 2 ranks): GEMM+RS M 1024 / 4096, K
 /// 1024 (8 / 32 GEMM tiles, 4 / 16 items per CTA) 0.866 -> 0.845, 0.881 -> 0.843 of the
 /// unfused sequence. GEMM+AR M 256 lost (K 1024 0.82 -> 0.92, K 3584 0.87 -> 0.94, 4
 /// ranks 0.82 -> 0.86): two GEMM tiles per CTA, and beside the GEMM the side warps sum only
@@ -232,7 +187,7 @@ pub fn reducer_items(row_lo: usize, row_hi: usize, tiles_n: usize) -> usize {
     if row_hi <= row_lo { 0 } else { ((row_hi - 1) / ROW_BLOCK - row_lo / ROW_BLOCK + 1) * tiles_n }
 }
 
-/// Rows per piece of an early sum (kernels/gemm_reduce.cu kSideRows): the side warps look
+/// Rows per piece of an early sum (kernels/gemm_reduce_early.cu kSideRows): the side warps look
 /// for the end of the GEMM between pieces, so the CTA's 12 warps wait at most one piece
 /// for them.
 pub const SIDE_ROWS: usize = 32;
@@ -240,19 +195,33 @@ pub const SIDE_ROWS: usize = 32;
 /// Where the CTA's team resumes the walk after its side warps: they completed `done`
 /// items and `rows` rows (a multiple of SIDE_ROWS, from the item's first row) of the next
 /// one. Team `j` of `stride`, items of `rows_of(i)` rows: returns the (item index, first
-/// row offset) pairs the team sums (kernels/gemm_reduce.cu reduce_tiles with `first`).
+/// row offset) pairs the team sums (kernels/gemm_reduce_early.cu reduce_tiles_from).
 pub fn team_rest(total: usize, j: usize, stride: usize, done: usize, rows: usize) -> Vec<(usize, usize)> {
     (0..team_items(total, j, stride)).skip(done).enumerate().map(|(x, k)| (j + k * stride, if x == 0 { rows } else { 0 })).collect()
 }
 
-/// The kernel instantiations (kernels/gemm_reduce.cu MK_GEMM_REDUCE_ENTRY).
-pub fn kernel_names() -> Vec<String> {
-    ["bf16", "f16"]
-        .iter()
-        .flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}")))
-        .chain(["bf16", "f16"].iter().flat_map(|dt| [128, 256].map(|bn| format!("mk_gemm_reduce_{dt}_bn{bn}_bm64"))))
-        .chain(["bf16", "f16"].iter().map(|dt| format!("mk_gemm_reduce_early_{dt}_bn256")))
-        .collect()
+/// The GEMM + reduction kernel for a dtype, tile width and tile rows (BM 128 or 64), with
+/// or without early sums (BN 256, BM 128 only); None where none is built.
+pub fn kernel(dtype: mkDataType_t, bn: usize, bm: usize, early: bool) -> Option<Kernel> {
+    use crate::cuda::kernels::*;
+    let f16 = match dtype {
+        mkDataType_t::mkFloat16 => true,
+        mkDataType_t::mkBfloat16 => false,
+        _ => return None,
+    };
+    Some(match (f16, bn, bm, early) {
+        (false, 256, 128, false) => MK_GEMM_REDUCE_BF16_BN256,
+        (false, 128, 128, false) => MK_GEMM_REDUCE_BF16_BN128,
+        (true, 256, 128, false) => MK_GEMM_REDUCE_F16_BN256,
+        (true, 128, 128, false) => MK_GEMM_REDUCE_F16_BN128,
+        (false, 256, 64, false) => MK_GEMM_REDUCE_BF16_BN256_BM64,
+        (false, 128, 64, false) => MK_GEMM_REDUCE_BF16_BN128_BM64,
+        (true, 256, 64, false) => MK_GEMM_REDUCE_F16_BN256_BM64,
+        (true, 128, 64, false) => MK_GEMM_REDUCE_F16_BN128_BM64,
+        (false, 256, 128, true) => MK_GEMM_REDUCE_EARLY_BF16_BN256,
+        (true, 256, 128, true) => MK_GEMM_REDUCE_EARLY_F16_BN256,
+        _ => return None,
+    })
 }
 
 /// Rows per GEMM tile of the fused kernel: 64 when M fits one such tile (the `_bm64`
@@ -273,7 +242,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
     if nranks == 1 {
         // The sum over one rank is its product: the engine alone, storing C directly (the
-        // fused kernel would store a partial and copy it: 1.3x the GEMM's time, session 6).
+        // fused kernel would store a partial and copy it: 1.3x the GEMM's time).
         let _ctx = comm.context.enter()?;
         let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
         return engine::gemm_with(&g, PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() }, stream);
@@ -286,7 +255,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
             let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid, comm.config.comm_ctas)?;
             (p.compute_ctas, p.reduce_ctas, false)
         }
-        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas, comm.config.gemm_ar_one_shot_max_m)? {
+        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas, comm.config.tuning.gemm_ar_one_shot_max_m)? {
             gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas, false),
             gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas, true),
         },
@@ -342,7 +311,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let mut ta = engine::tensor_map(args.a, args.dtype, m, k, bm, engine::BK)?;
     let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
     let mut tp = engine::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
-    let early = early_items(args.reduction, comm.config.gemm_reducers, nodes.is_none(), reduce_ctas, bm, bn, reducer_items(row_lo, row_hi, tiles_n), compute_ctas as usize);
+    let early = early_items(args.reduction, comm.config.tuning.gemm_reducers, nodes.is_none(), reduce_ctas, bm, bn, reducer_items(row_lo, row_hi, tiles_n), compute_ctas as usize);
     let mut params = GemmReduceParams {
         ws: ws.view,
         c: args.c,
@@ -366,11 +335,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         nodes: 1,
         global_rank: rank as i32,
         // One node, no dedicated CTAs: each GEMM CTA's warps reduce after its GEMM (its
-        // side warps the earlier tiles during it: early_items); MK_GEMM_REDUCERS=side has
-        // the producer warpgroups' idle warps reduce everything during the GEMM instead
-        // (1.6x slower on one H200: 80 registers leave them ~6 GB/s per CTA; benches/RESULTS.md,
-        // session 5).
-        side_reduce: (nodes.is_none() && reduce_ctas == 0 && comm.config.gemm_reducers == Reducers::Side) as u32,
+        // side warps the earlier tiles during it: early_items). side_reduce stays 0.
         early_items: early as i32,
         ..GemmReduceParams::default()
     };
@@ -390,19 +355,10 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         params.ring = *ring;
         params.rank_of = nl.rank_of;
     }
-    let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
-    let one_shot_all = args.reduction == Reduction::All && !two_phase;
-    let owners = gemm_ar::owner_sums(one_shot_all, nodes.is_none(), reduce_ctas, comm.config.gemm_reducers, bm);
-    // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere), and
-    // so do the AllReduce tile owners' sums.
-    let name = if owners {
-        format!("mk_gemm_allreduce_owner_{dt}_bn{bn}")
-    } else if early > 0 {
-        format!("mk_gemm_reduce_early_{dt}_bn256")
-    } else {
-        format!("mk_gemm_reduce_{dt}_bn{bn}{}", if bm == 64 { "_bm64" } else { "" })
-    };
-    let f = cuda::function("gemm_reduce", &name)?;
+    // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere).
+    let f = kernel(args.dtype, bn, bm, early > 0)
+        .ok_or_else(|| MkError::internal(format!("no GEMM + reduction kernel for BN {bn}, BM {bm}, early sums {}", early > 0)))?
+        .function()?;
     let cfg = LaunchConfig {
         grid: (compute_ctas + reduce_ctas, 1, 1),
         block: (engine::THREADS, 1, 1),
@@ -443,7 +399,7 @@ mod tests {
             assert!(engine::fused_stages(64, bn) * (64 + bn) >= engine::fused_stages(128, bn) * (128 + bn));
             assert!(engine::fused_smem_bytes(64, bn) + 1024 <= engine::SMEM_LIMIT, "bn {bn}");
         }
-        assert!(kernel_names().contains(&"mk_gemm_reduce_f16_bn128_bm64".to_string()));
+        assert!(kernel(mkDataType_t::mkFloat16, 128, 64, false).is_some());
     }
 
     /// Side staging exists only where the ring leaves room (BM 128, BN 256: 17 KiB free),
@@ -482,10 +438,9 @@ mod tests {
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 0, 64, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 0, 128, 128, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::After, true, 0, 128, 256, 128, 32), 0);
-        assert_eq!(early_items(Reduction::Scatter, Reducers::Side, true, 0, 128, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, false, 0, 128, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 4, 128, 256, 128, 28), 0);
-        assert!(kernel_names().contains(&"mk_gemm_reduce_early_f16_bn256".to_string()));
+        assert!(kernel(mkDataType_t::mkFloat16, 256, 128, true).is_some());
     }
 
     /// Side warps and the team after the GEMM sum every row of every item of a team's walk

@@ -1,6 +1,6 @@
 //! mkGemmReduceScatter and mkGemmAllReduce on a communicator that spans nodes: the plan
 //! (pure, CPU-tested: row ownership, buffer layout, signal words) for the hierarchical
-//! path of kernels/gemm_reduce.cu.
+//! path of kernels/common/gemm_reduce.cuh.
 //!
 //! R ranks in N nodes of L; rank g = (node n, local rank l). Every rank computes its
 //! partial product P = A·Bᵀ ([M, N], its K slice) into its own workspace, as on one node.
@@ -50,7 +50,7 @@ pub fn owner_range(rows: usize, m: usize, q: usize) -> (usize, usize) {
     ((q * rows).min(m), ((q + 1) * rows).min(m))
 }
 
-/// Where things are, as kernels/gemm_reduce.cu's GemmReduceParams holds them. Byte offsets
+/// Where things are, as GemmReduceParams (src/kernel_abi.rs) holds them. Byte offsets
 /// are from the start of every rank's data region (the proxy's window); word indexes are
 /// absolute in the signal region. The layout is the same on every rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,13 +80,13 @@ pub struct NodeReducePlan {
     pub end_word: u32,
 }
 
-/// Signal words of the element counters: a fixed range of their own (kernels/gemm_reduce.cu
-/// GR_COUNT .. GR_TILE). A counter must read 0 when a call starts, and the words after the
+/// Signal words of the element counters: a fixed range of their own (GR_COUNT .. GR_TILE of
+/// src/kernel_abi.rs, which the kernels use too). A counter must read 0 when a call starts, and the words after the
 /// tile flags move with the shape: a counter placed there would start from a flag another
 /// shape's call left in it (an epoch), never reach its total, and hang the call (seen on the
 /// GPU: the first call after a larger shape). Completed counters are reset to 0.
-pub const COUNT_WORD: u32 = 8192 + 1056;
-pub const COUNT_END_WORD: u32 = 8192 + 2048;
+pub const COUNT_WORD: u32 = crate::kernel_abi::GR_COUNT;
+pub const COUNT_END_WORD: u32 = crate::kernel_abi::GR_TILE;
 
 /// Plans one call. The epoch-valued flags go after the op's two per-tile slab flags (which
 /// take `2 · tiles` words from `tile_word`) and before `end_word`; the counters in
@@ -297,14 +297,12 @@ mod tests {
         }
     }
 
-    /// The kernel's counter range is the one planned here.
+    /// The counters end where the tile flags begin, and both lie in the op's own range.
     #[test]
-    fn the_kernel_counts_where_the_plan_says() {
-        let src = include_str!("../../kernels/gemm_reduce.cu");
-        let want = format!("#define GR_COUNT (MK_SIG_OP_BASE + {})", COUNT_WORD - 8192);
-        assert!(src.contains(&want), "kernels/gemm_reduce.cu lacks `{want}`");
-        assert!(src.contains("#define GR_TILE (MK_SIG_OP_BASE + 2048)"));
+    fn the_counter_range_ends_at_the_tile_flags() {
+        use crate::kernel_abi::{GR_NET_DONE, MK_MAX_NODES};
         assert_eq!(COUNT_END_WORD, TILE_WORD);
+        assert!(COUNT_WORD >= GR_NET_DONE + MK_MAX_NODES as u32, "the counters start after the per-node flags");
     }
 
     #[test]

@@ -9,14 +9,14 @@
 //! (block 0 of every owner, then block 1, …; `tile_order`), so every owner's reduction
 //! can start early and the traffic is spread over all owners.
 //!
-//! Two designs for who reduces, both in kernels/gemm_reduce.cu, chosen here:
+//! Two designs for who reduces, kernels/gemm_reduce.cu and gemm_reduce_early.cu, chosen here:
 //! - after the GEMM (default, `reduce_ctas` = 0): every CTA computes; each CTA's consumer
 //!   warpgroups reduce once its own last tile is stored, so the reduction overlaps the
 //!   GEMM's last wave and the GEMM keeps every SM;
 //! - dedicated reduction CTAs (`MK_COMM_SMS` = c ≥ 1): c CTAs reduce while the others
 //!   compute, overlapping the whole GEMM but taking c SMs from it.
 //!
-//! Measured on one H200 with ranks sharing it (benches/RESULTS.md, 2026-12-02, session 2):
+//! Measured on one H200 with ranks sharing it (benches/RESULTS.md):
 //! the dedicated CTAs spent 40–75% of their time waiting for tiles, and their SMs cost the
 //! GEMM more than the overlap gained; the default is the faster one there.
 

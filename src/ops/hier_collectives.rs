@@ -18,12 +18,12 @@ use crate::types::{mkDataType_t, RawDataType, RawRedOp};
 
 const _: () = assert!(MK_MAX_NODE_RANKS == MK_MAX_NODES * MK_MAX_PEERS);
 
-/// Threads per CTA (MK_HIER_THREADS).
-pub const THREADS: u32 = 512;
+/// Threads per CTA.
+pub const THREADS: u32 = crate::kernel_abi::MK_HIER_THREADS;
 /// Sub-areas of a slot start at multiples of this (the kernels' 16-byte vectors).
 pub const SUB_ALIGN: u64 = 16;
-/// Most CTA slots with network flags (signals.cuh gives 64 per flag kind).
-pub const MAX_NET_CTAS: u32 = 64;
+/// Most CTA slots with network flags (the signal map gives MK_SIG_NET_CTAS per flag kind).
+pub const MAX_NET_CTAS: u32 = crate::kernel_abi::MK_SIG_NET_CTAS;
 
 /// Who is where, as the kernel's rank table holds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -185,8 +185,21 @@ pub fn network_fraction(kind: CollectiveKind, nodes: u64, nranks: u64) -> f64 {
 }
 
 /// The kernel instantiation for a dtype.
-pub fn kernel_name(dtype: mkDataType_t) -> String {
-    super::collectives::kernel_name(dtype).replace("mk_collective_", "mk_hier_collective_")
+pub fn kernel(dtype: mkDataType_t) -> crate::cuda::kernels::Kernel {
+    use crate::cuda::kernels::*;
+    use mkDataType_t::*;
+    match dtype {
+        mkInt8 => MK_HIER_COLLECTIVE_I8,
+        mkUint8 => MK_HIER_COLLECTIVE_U8,
+        mkInt32 => MK_HIER_COLLECTIVE_I32,
+        mkUint32 => MK_HIER_COLLECTIVE_U32,
+        mkInt64 => MK_HIER_COLLECTIVE_I64,
+        mkUint64 => MK_HIER_COLLECTIVE_U64,
+        mkFloat16 => MK_HIER_COLLECTIVE_F16,
+        mkFloat32 => MK_HIER_COLLECTIVE_F32,
+        mkFloat64 => MK_HIER_COLLECTIVE_F64,
+        mkBfloat16 => MK_HIER_COLLECTIVE_BF16,
+    }
 }
 
 /// The kernel's parameters for validated `args`.
@@ -237,7 +250,7 @@ pub fn collective(comm: &Comm, kind: CollectiveKind, send: u64, recv: u64, count
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let mut params = params(&ws.view, ring, &nl, comm.rank, comm.nranks, &args, &plan);
-    let f = cuda::function("hier_collectives", &kernel_name(args.dtype))?;
+    let f = kernel(args.dtype).function()?;
     let cfg = LaunchConfig { grid: (plan.ctas, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: one HierCollectiveParams by value; the buffers were checked to be device
     // memory of this context's device, as large as the caller promised; the workspace and
@@ -490,30 +503,11 @@ mod tests {
     }
 
     #[test]
-    fn every_dtype_has_a_kernel() {
-        let src = include_str!("../../kernels/hier_collectives.cu");
-        for t in mkDataType_t::ALL {
-            let name = kernel_name(t);
-            let suffix = name.trim_start_matches("mk_hier_collective_");
-            assert!(src.contains(&format!("MK_HIER_KERNEL({suffix},")), "{name}");
-        }
-    }
-
-    #[test]
     fn network_flags_fit_below_the_fused_ops_words() {
-        let header = include_str!("../../kernels/common/signals.cuh");
-        let define = |name: &str| -> u64 {
-            let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).unwrap_or_else(|| panic!("{name} missing"));
-            line.split_whitespace().nth(2).unwrap().parse().unwrap()
-        };
-        let ready = define("MK_SIG_READY");
-        let max_ctas = define("MK_SIG_MAX_CTAS");
-        let grant = define("MK_SIG_NET_GRANT");
+        use crate::kernel_abi::{MK_SIG_MAX_CTAS, MK_SIG_NET_GRANT, MK_SIG_OP_BASE, MK_SIG_READY};
         // The one-node flags (READY, READY2, FREE) end where the network flags begin ...
-        assert!(ready + 3 * max_ctas * MK_MAX_PEERS as u64 <= grant);
-        // ... and three kinds of 64 CTAs x MK_MAX_NODES words end at the fused ops' base.
-        assert!(grant + 3 * MAX_NET_CTAS as u64 * MK_MAX_NODES as u64 <= define("MK_SIG_OP_BASE"));
-        assert!(header.contains("#define MK_SIG_NET_READY (MK_SIG_NET_GRANT + 64 * MK_MAX_NODES)"));
-        assert!(header.contains("#define MK_SIG_NET_READY2 (MK_SIG_NET_READY + 64 * MK_MAX_NODES)"));
+        assert!(MK_SIG_READY + 3 * MK_SIG_MAX_CTAS * MK_MAX_PEERS as u32 <= MK_SIG_NET_GRANT);
+        // ... and three kinds of MAX_NET_CTAS x MK_MAX_NODES words end at the fused ops' base.
+        assert!(MK_SIG_NET_GRANT + 3 * MAX_NET_CTAS * MK_MAX_NODES as u32 <= MK_SIG_OP_BASE);
     }
 }

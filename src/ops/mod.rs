@@ -11,14 +11,13 @@ pub mod gemm_rs;
 pub mod hier_collectives;
 pub mod moe;
 pub mod ring_attention;
+pub mod schedule;
 pub mod util;
 
 /// Loads the kernels that run across nodes (hierarchical collectives, the dense fused ops) in
 /// the current context: see `cuda::preload`.
 pub fn preload_across_nodes() -> crate::error::Result<()> {
-    use crate::types::mkDataType_t;
-    let hier: Vec<String> = mkDataType_t::ALL.iter().map(|&d| hier_collectives::kernel_name(d)).collect();
-    crate::cuda::preload("hier_collectives", &hier)?;
-    crate::cuda::preload("ag_gemm", &ag_gemm::kernel_names())?;
-    crate::cuda::preload("gemm_reduce", &gemm_reduce::kernel_names())
+    let files = ["hier_collectives", "ag_gemm", "gemm_reduce"];
+    let kernels: Vec<_> = crate::cuda::kernels::ALL.iter().copied().filter(|k| files.contains(&k.file)).collect();
+    crate::cuda::preload(&kernels)
 }

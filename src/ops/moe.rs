@@ -1,4 +1,4 @@
-//! MoE dispatch + grouped GEMM and the way back (issue 8): the routing semantics and the
+//! MoE dispatch + grouped GEMM and the way back: the routing semantics and the
 //! receive layout as plain Rust (the definition the kernels and their float64 reference
 //! tests share), the argument checks, the role split, and the launches of
 //! kernels/moe.cu (mkMoeDispatchGemm, mkMoeGemmCombine).
@@ -102,18 +102,18 @@ pub fn rows_needed(layout: &[Vec<ReceivedRow>]) -> usize {
 /// GEMM row block: every expert's segment of a receive buffer starts on a multiple of it.
 pub const ROW_BLOCK: usize = 128;
 /// Most experts (the prep CTA keeps per-expert tables in shared memory).
-pub const MAX_EXPERTS: usize = 1024;
+pub const MAX_EXPERTS: usize = crate::kernel_abi::MOE_MAX_EXPERTS as usize;
 /// Most experts per token (one warp lane per choice).
 pub const MAX_TOP_K: usize = 32;
 /// Bytes at the start of the fused-op region for the count exchange (nranks·E int32); the
 /// receive buffer (dispatch) and Z (combine) follow it.
 pub const COUNTS_BYTES: usize = 64 << 10;
-/// Per-slab flags of Z (signal words MK_SIG_MOE_BASE + 3072 .. + 65536; below them the
-/// dispatch's per-(source, expert) flags at + 1024 and per-list counters at + 2048).
-pub const TILE_FLAG_WORDS: usize = 65_536 - 3072;
+/// Per-slab flags of Z (signal words MOE_TILE .. MOE_END; below them the dispatch's
+/// per-(source, expert) flags at MOE_RECV and per-list counters at MOE_SENT).
+pub const TILE_FLAG_WORDS: usize = (crate::kernel_abi::MOE_END - crate::kernel_abi::MOE_TILE) as usize;
 /// Most 128-row blocks in a receive buffer (one byte of order key each in shared memory).
 pub const MAX_CAPACITY_BLOCKS: usize = 16_384;
-const WARPS: usize = 12;
+const WARPS: usize = crate::kernel_abi::MOE_WARPS as usize;
 
 /// Where the tables live in the caller's layout buffer (int32 words). Words 0..4: the
 /// number of row blocks in use on this rank, and whether some rank's buffer overflowed.
@@ -372,16 +372,14 @@ pub struct RolePlan {
 /// ~150 us at 4 ranks, while every CTA waits for the layout anyway), and the token rows
 /// are sent by the three idle warps of every GEMM CTA's producer warpgroup
 /// (`send_by_gemm_ctas`), so that no SM waits idle once the rows are out (dedicated
-/// senders sat idle for 75% of the kernel at 4 ranks). Until session 10 the prep CTA was a
-/// communication CTA that only sent after the layout: the GEMM ran on grid - 1 CTAs (15
-/// of 16 at 4 ranks, where the GEMM is ~90 % of the kernel and the rows were out after a
-/// third of it). With MK_COMM_SMS = c, c communication CTAs compute the layout and send.
+/// senders sat idle for 75% of the kernel at 4 ranks; a prep CTA that only sends after the
+/// layout leaves the GEMM grid - 1 CTAs, 15 of 16 at 4 ranks, where the GEMM is ~90 % of
+/// the kernel and the rows are out after a third of it). With MK_COMM_SMS = c, c communication CTAs compute the layout and send.
 ///
 /// Combine: no communication CTAs unless MK_COMM_SMS asks for them: every CTA runs GEMM
 /// tiles and then, with its consumer warps, pulls and sums its share of the output (the
 /// GEMM keeps every SM; the pull overlaps the GEMM's last wave). Dedicated pull CTAs
-/// spend the whole GEMM waiting, and their polling slowed the GEMM beside them (measured:
-/// benches/RESULTS.md, session 3).
+/// spend the whole GEMM waiting, and their polling slowed the GEMM beside them (benches/RESULTS.md).
 pub fn plan_roles_for(dir: Direction, bytes: f64, gemm_flops: f64, grid: u32, comm_override: Option<u32>) -> Result<RolePlan> {
     match (dir, comm_override) {
         (Direction::Combine, None) => {
@@ -434,11 +432,11 @@ pub fn group_m(d: &MoeDims, bn: usize, compute_ctas: usize) -> usize {
 }
 
 /// Send lists (q = local expert · n + step, kernels/moe.cu `prep`) that every warp of the
-/// dispatch's GEMM CTAs sends before the GEMM (MK_MOE_BURST; MoeParams::burst_lists): the
+/// dispatch's GEMM CTAs sends before the GEMM (`Tuning::moe_burst`; MoeParams::burst_lists): the
 /// local experts whose blocks the first wave of tiles covers (expert-major order, at the
 /// expected rows per expert of uniform routing), plus one. The side warps alone (3 per CTA,
 /// 4 vectors in flight per lane) took ~150-200 us to get the first experts' rows out at 4
-/// ranks while every GEMM CTA waited for them (session 9 trace); all 12 warps of a CTA,
+/// ranks while every GEMM CTA waited for them (a trace); all 12 warps of a CTA,
 /// with 8 in flight, send them ~4x faster and are idle until then anyway.
 pub fn burst_lists(d: &MoeDims, compute_ctas: usize, tiles_n: usize) -> usize {
     let rows_per_expert = (d.tokens * d.top_k * d.nranks).div_ceil(d.experts.max(1)).max(1);
@@ -448,8 +446,8 @@ pub fn burst_lists(d: &MoeDims, compute_ctas: usize, tiles_n: usize) -> usize {
     (experts * d.nranks).min(d.experts)
 }
 
-/// Whether the dispatch bursts (MK_MOE_BURST: forced on or off, or auto). Auto bursts at 4
-/// ranks and more. Measured in session 10 (one H200, T 4096, DeepSeek-V3-like sizes, two
+/// Whether the dispatch bursts (`Tuning::moe_burst`: forced on or off, or auto). Auto bursts at 4
+/// ranks and more. Measured (benches/RESULTS.md; one H200, T 4096, DeepSeek-V3-like sizes, two
 /// GPU rounds): 4 ranks 11.3-11.8 ms with the burst against 12.05-12.08 without; 2 ranks
 /// 6.75-6.90 ms against 6.27-6.28 without — at 2 ranks the first wave's waits were short anyway (45 us per
 /// CTA), and all 32 CTAs' 12 warps grabbing one 8-row chunk each overshoot the first lists
@@ -458,62 +456,37 @@ pub fn burst_for(forced: Option<bool>, nranks: usize) -> bool {
     forced.unwrap_or(nranks >= 4)
 }
 
-/// Column bands of the combine's GEMM (MK_MOE_BANDS). The pull of a token's output tile
+/// Column bands of the combine's GEMM (`Tuning::moe_bands`). The pull of a token's output tile
 /// needs the tile's slabs of all its k rows, on up to k experts anywhere in the expert-major
-/// order, so without bands nothing can be pulled before the GEMM's end (session 8, 4 ranks:
+/// order, so without bands nothing can be pulled before the GEMM's end (4 ranks:
 /// the pull, ~2.6 ms alone, ran after a ~11 ms GEMM). With b bands the GEMM finishes band 0
 /// (every block, its first H / b columns) after ~1/b of its time, and the side warps pull
 /// band 0's outputs while bands 1.. compute; each band reads A (Y') again: b x 168 MB per
 /// rank at DeepSeek-V3-like sizes, beside ~1.8 GB of W2 tiles read once.
 pub const DEFAULT_BANDS: usize = 4;
 
-/// MK_MOE_BANDS=halving (CommConfig::moe_bands, MoeParams::band_w): bands that halve the
-/// columns left (`band_locate`). Session 10, 2 ranks: with 4 even bands the side warps
-/// waited about half of the GEMM (they pull a band in about half the time the GEMM takes
-/// to compute one as wide), and the last band's pull after the GEMM (~140 us of 6.4 ms)
-/// was what kept the fused combine above 0.8x unfused; 28 columns halve to 14, 7, 4, 2, 1:
-/// each band is pulled while the next, half as wide, computes, and one column is left
-/// for after the GEMM (one more pass over A than 4 bands; 14 even bands, 3.5x the A
-/// passes, measured slower). Measured (session 10 round 2): no gain — 2 ranks 6335 us
-/// against 6283-6311 with 4 bands, 4 ranks 11528 against 11343-11467: the side warps are
-/// idle during the wide first band and then fall behind. Kept as a knob, not the default.
-pub const HALVING_BANDS: usize = 0;
-
 /// Column tiles per band for `tiles_n` column tiles and `bands` requested: the most bands
-/// up to `bands` that divide `tiles_n` (every band the same width); HALVING_BANDS stays
-/// (one column: one band).
+/// up to `bands` that divide `tiles_n` (every band the same width).
 pub fn band_width(tiles_n: usize, bands: usize) -> usize {
-    if bands == HALVING_BANDS {
-        return if tiles_n <= 1 { tiles_n.max(1) } else { HALVING_BANDS };
-    }
     let b = (1..=bands.clamp(1, tiles_n.max(1))).rev().find(|b| tiles_n % b == 0).unwrap_or(1);
     tiles_n.max(1) / b
 }
 
-/// Order of the GEMM row blocks (MK_MOE_ORDER; MoeParams::order_mode).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OrderMode {
-    /// Dispatch by the arrival step of the latest source a block needs; fixed raster groups.
-    Arrival = 0,
-    /// Expert-major (the receive layout's order); groups cut at experts.
-    Expert = 1,
-    /// Dispatch: only-own-rows blocks, blocks without the last step's source, the rest.
-    Split = 2,
-}
-
-/// The order both kernels run for MK_MOE_ORDER (`env::moe_order`: 0 arrival,
-/// 1 expert, 2 split, 3 auto). `auto`, the default, is expert-major for both: an expert's
-/// blocks share its weight tiles in L2 (the combine, session 8, 4 ranks: 1.10x unfused
-/// against 1.25 by arrival). The dispatch ran by arrival in session 8 (1.18 against 1.26)
-/// because rows were flagged per source, sent destination by destination, so expert-major
-/// waited for the last source; since session 9 the rows go out expert by expert with a flag
-/// per (source, expert) (`send_tables`), which is the order expert-major consumes them.
-pub fn order_mode_for(config_order: u32) -> OrderMode {
-    match config_order {
-        0 => OrderMode::Arrival,
-        2 => OrderMode::Split,
-        _ => OrderMode::Expert,
-    }
+/// The MoE kernel for a direction, dtype and tile width (BN 128 or 256).
+pub fn kernel(dir: Direction, dtype: mkDataType_t, bn: usize) -> Option<crate::cuda::kernels::Kernel> {
+    use crate::cuda::kernels::*;
+    use mkDataType_t::{mkBfloat16, mkFloat16};
+    Some(match (dir, dtype, bn) {
+        (Direction::Dispatch, mkBfloat16, 256) => MK_MOE_DISPATCH_BF16_BN256,
+        (Direction::Dispatch, mkBfloat16, 128) => MK_MOE_DISPATCH_BF16_BN128,
+        (Direction::Dispatch, mkFloat16, 256) => MK_MOE_DISPATCH_F16_BN256,
+        (Direction::Dispatch, mkFloat16, 128) => MK_MOE_DISPATCH_F16_BN128,
+        (Direction::Combine, mkBfloat16, 256) => MK_MOE_COMBINE_BF16_BN256,
+        (Direction::Combine, mkBfloat16, 128) => MK_MOE_COMBINE_BF16_BN128,
+        (Direction::Combine, mkFloat16, 256) => MK_MOE_COMBINE_F16_BN256,
+        (Direction::Combine, mkFloat16, 128) => MK_MOE_COMBINE_F16_BN128,
+        _ => return None,
+    })
 }
 
 /// The m-block tables the dispatch's prep writes into the layout buffer (kernels/moe.cu
@@ -536,8 +509,9 @@ pub struct BlockTables {
     pub rows: Vec<usize>,
 }
 
-pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: OrderMode) -> Result<BlockTables> {
-    let n = s.nranks;
+/// The order is the receive layout's own (expert-major): one key, and each expert's
+/// blocks one run, so an expert's blocks share its weight tiles in L2.
+pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result<BlockTables> {
     let (layout, _) = receive_layout(s, routing, rank)?;
     let (mut expert, mut srcmask, mut seg, mut block_rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (le, rows) in layout.iter().enumerate() {
@@ -550,19 +524,7 @@ pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize, mode: Order
             srcmask.push(rows[b * ROW_BLOCK..rows.len().min((b + 1) * ROW_BLOCK)].iter().fold(0u32, |m, r| m | 1 << r.source));
         }
     }
-    let key: Vec<usize> = srcmask
-        .iter()
-        .map(|&m| {
-            let latest = (0..n).filter(|&src| m >> src & 1 != 0).map(|src| (rank + n - src) % n).max().unwrap_or(0);
-            match mode {
-                OrderMode::Arrival => latest,
-                OrderMode::Expert => 0,
-                _ if m == 1 << rank => 0,
-                _ if latest < n - 1 => 1,
-                _ => 2,
-            }
-        })
-        .collect();
+    let key = vec![0; srcmask.len()];
     let mut order: Vec<usize> = (0..expert.len()).collect();
     order.sort_by_key(|&b| (key[b], b));
     let mut run = vec![(0, 0); expert.len()];
@@ -611,33 +573,20 @@ pub fn moe_tile(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_
 
 /// Column bands (kernels/moe.cu `band_locate`): unit `u` of a band-major sequence with
 /// `per_col` units per column -> (first column of its band, the band's width, the unit
-/// within the band). `band_w` > 0: bands of `band_w` columns (dividing tiles_n);
-/// HALVING_BANDS (0): each band is ceil(r / 2) of the r columns left (28: 14, 7, 4, 2, 1).
-pub fn band_locate(per_col: usize, tiles_n: usize, band_w: usize, u: usize) -> (usize, usize, usize) {
-    if band_w > 0 {
-        let band = u / (per_col * band_w);
-        return (band * band_w, band_w, u - band * per_col * band_w);
-    }
-    let (mut col0, mut u) = (0, u);
-    loop {
-        let r = tiles_n - col0;
-        let w = r.div_ceil(2);
-        if r <= 1 || u < per_col * w {
-            return (col0, w, u);
-        }
-        u -= per_col * w;
-        col0 += w;
-    }
+/// within the band), for bands of `band_w` columns (dividing the column tiles).
+pub fn band_locate(per_col: usize, band_w: usize, u: usize) -> (usize, usize, usize) {
+    let band = u / (per_col * band_w);
+    (band * band_w, band_w, u - band * per_col * band_w)
 }
 
 /// `moe_tile` with column bands (MoeParams::band_w: `band_locate`): every tile of band b
 /// before band b + 1, each band rastered as `moe_tile` over its columns.
 pub fn moe_tile_banded(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_m: usize, tiles_n: usize, band_w: usize, group_m: usize, t: usize) -> (usize, usize) {
-    debug_assert!(band_w == HALVING_BANDS || tiles_n % band_w == 0);
+    debug_assert!(tiles_n % band_w == 0);
     let at_order = |pos: usize| order.map_or(pos, |o| o[pos]);
-    let (col0, band_w, t) = band_locate(tiles_m, tiles_n, band_w, t);
+    let (col0, band_w, t) = band_locate(tiles_m, band_w, t);
     let (pos, nb) = match runs {
-        None => crate::ops::gemm_reduce::grouped_tile(tiles_m, band_w, group_m, t),
+        None => crate::ops::schedule::grouped_tile(tiles_m, band_w, group_m, t),
         Some(runs) => {
             let at = t / band_w;
             let (gs, gl) = run_group(runs[at_order(at)], group_m, at);
@@ -651,7 +600,8 @@ pub fn moe_tile_banded(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>,
 /// Item `it` of the combine's pull (kernels/moe.cu `pull_item`): (token, column tile),
 /// band-major (`band_locate`), then token, then tile.
 pub fn pull_item(tokens: usize, tiles_n: usize, band_w: usize, it: usize) -> (usize, usize) {
-    let (col0, w, r) = band_locate(tokens, tiles_n, band_w, it);
+    debug_assert!(tiles_n % band_w == 0);
+    let (col0, w, r) = band_locate(tokens, band_w, it);
     (r / w, col0 + r % w)
 }
 
@@ -738,15 +688,14 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     l.params.tiles_n = (l.cols / bn) as i32;
     l.params.band_w = match l.dir {
         Direction::Dispatch => l.cols / bn,
-        Direction::Combine => band_width(l.cols / bn, comm.config.moe_bands),
+        Direction::Combine => band_width(l.cols / bn, comm.config.tuning.moe_bands),
     } as i32;
     l.params.group_m = group_m(&l.dims, bn, roles.compute_ctas as usize) as i32;
-    l.params.order_mode = order_mode_for(comm.config.moe_order) as i32;
     l.params.compute_ctas = roles.compute_ctas as i32;
     l.params.comm_ctas = roles.comm_ctas as i32;
     l.params.gemm = l.gemm as i32;
     l.params.send_by_gemm_ctas = (l.dir == Direction::Dispatch && comm.config.comm_ctas.is_none()) as i32;
-    l.params.burst_lists = if l.params.send_by_gemm_ctas != 0 && l.gemm && burst_for(comm.config.moe_burst, l.dims.nranks) {
+    l.params.burst_lists = if l.params.send_by_gemm_ctas != 0 && l.gemm && burst_for(comm.config.tuning.moe_burst, l.dims.nranks) {
         burst_lists(&l.dims, roles.compute_ctas as usize, l.cols / bn) as i32
     } else {
         0
@@ -755,9 +704,7 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     let mut ta = engine::tensor_map(fix(l.a.0), l.dtype, l.a.1, l.a.2, engine::BM, engine::BK)?;
     let mut tb = engine::tensor_map(fix(l.b.0), l.dtype, l.b.1, l.b.2, bn, engine::BK)?;
     let mut tc = engine::tensor_map(fix(l.c.0), l.dtype, l.c.1, l.c.2, 64, 64)?;
-    let dt = if l.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
-    let kind = if l.dir == Direction::Dispatch { "dispatch" } else { "combine" };
-    let f = cuda::function("moe", &format!("mk_moe_{kind}_{dt}_bn{bn}"))?;
+    let f = kernel(l.dir, l.dtype, bn).ok_or_else(|| MkError::internal(format!("no MoE kernel for BN {bn}")))?.function()?;
     let cfg = LaunchConfig { grid: (roles.compute_ctas + roles.comm_ctas, 1, 1), block: (engine::THREADS, 1, 1), shared_mem_bytes: smem as u32 };
     let mut params = l.params;
     let mut kernel_params: [*mut c_void; 4] = [
@@ -1074,15 +1021,7 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn auto_order_runs_both_kernels_by_expert() {
-        assert_eq!(order_mode_for(3), OrderMode::Expert);
-        assert_eq!(order_mode_for(0), OrderMode::Arrival);
-        assert_eq!(order_mode_for(1), OrderMode::Expert);
-        assert_eq!(order_mode_for(2), OrderMode::Split);
-    }
-
-    fn check_tables(t: &BlockTables, rank: usize, mode: OrderMode) {
+    fn check_tables(t: &BlockTables) {
         let nb = t.expert.len();
         let mut seen = vec![false; nb];
         for &b in &t.order {
@@ -1105,16 +1044,8 @@ mod tests {
             assert!(first == 0 || t.expert[first - 1] != t.expert[b]);
             assert!(t.srcmask[b] != 0, "every block holds a row");
         }
-        if mode == OrderMode::Split {
-            // Blocks of own rows only first (they wait for no peer), then the rest.
-            for &b in &t.order {
-                assert_eq!(t.key[b] == 0, t.srcmask[b] == 1 << rank);
-            }
-        }
-        if mode == OrderMode::Expert {
-            assert!(t.order.iter().enumerate().all(|(p, &b)| p == b), "expert-major: the layout's order");
-            assert_eq!(t.run, t.seg, "runs are the experts' segments");
-        }
+        assert!(t.order.iter().enumerate().all(|(p, &b)| p == b), "expert-major: the layout's order");
+        assert_eq!(t.run, t.seg, "runs are the experts' segments");
         for b in 0..nb {
             let (first, blocks) = t.seg[b];
             let last = b + 1 == first + blocks;
@@ -1167,44 +1098,31 @@ mod tests {
             let s = shape(tokens, top_k, experts, nranks);
             let routing = routing_for(tokens, top_k, experts, nranks, 7 + nranks as u64);
             for rank in 0..nranks {
-                for mode in [OrderMode::Arrival, OrderMode::Expert, OrderMode::Split] {
-                    let t = block_tables(&s, &routing, rank, mode).unwrap();
-                    let dl = device_layout(&s, &routing, rank).unwrap();
-                    assert_eq!(t.expert.len() * ROW_BLOCK, dl.expert_base.last().unwrap() + dl.recv_counts.last().unwrap().next_multiple_of(ROW_BLOCK));
-                    check_tables(&t, rank, mode);
-                    for (tiles_n, g) in [(1, 1), (8, 5), (3, 2), (28, 6), (4, 100)] {
-                        let g = g.min(t.expert.len()).max(1);
-                        check_raster(&t, tiles_n, g, true, None);
-                        check_raster(&t, tiles_n, g, true, Some(&t.run));
-                        check_raster(&t, tiles_n, g, false, Some(&t.seg));
-                    }
+                let t = block_tables(&s, &routing, rank).unwrap();
+                let dl = device_layout(&s, &routing, rank).unwrap();
+                assert_eq!(t.expert.len() * ROW_BLOCK, dl.expert_base.last().unwrap() + dl.recv_counts.last().unwrap().next_multiple_of(ROW_BLOCK));
+                check_tables(&t);
+                for (tiles_n, g) in [(1, 1), (8, 5), (3, 2), (28, 6), (4, 100)] {
+                    let g = g.min(t.expert.len()).max(1);
+                    check_raster(&t, tiles_n, g, true, None);
+                    check_raster(&t, tiles_n, g, true, Some(&t.run));
+                    check_raster(&t, tiles_n, g, false, Some(&t.seg));
                 }
             }
         }
     }
 
     #[test]
-    fn expert_order_keeps_arrival_keys_for_the_arrival_mode() {
-        // 4 ranks, rank 0: arrival keys are the latest source's step ((0 - s) mod 4).
+    fn the_block_order_is_the_receive_layout_and_counts_add_up() {
         let s = shape(512, 8, 32, 4);
         let routing = routing_for(512, 8, 32, 4, 3);
-        let t = block_tables(&s, &routing, 0, OrderMode::Arrival).unwrap();
-        for b in 0..t.expert.len() {
-            let latest = (0..4).filter(|&src| t.srcmask[b] >> src & 1 != 0).map(|src| (4 - src) % 4).max().unwrap();
-            assert_eq!(t.key[b], latest);
-        }
-        // Expert mode: the receive layout's order (expert-major), one key.
-        let e = block_tables(&s, &routing, 2, OrderMode::Expert).unwrap();
+        // The receive layout's order (expert-major), one key.
+        let e = block_tables(&s, &routing, 2).unwrap();
         assert!(e.key.iter().all(|&k| k == 0) && e.order.windows(2).all(|w| w[0] < w[1]));
         // Block rows add up to the experts' counts.
         let dl = device_layout(&s, &routing, 2).unwrap();
         for (le, &c) in dl.recv_counts.iter().enumerate() {
             assert_eq!((0..e.expert.len()).filter(|&b| e.expert[b] == le).map(|b| e.rows[b]).sum::<usize>(), c);
-        }
-        // Split: the last step's source (rank 3 for rank 2) only in key 2.
-        let sp = block_tables(&s, &routing, 2, OrderMode::Split).unwrap();
-        for b in 0..sp.expert.len() {
-            assert_eq!(sp.key[b] == 2, sp.srcmask[b] >> 3 & 1 != 0 && sp.srcmask[b] != 1 << 2, "block {b}");
         }
     }
 
@@ -1263,8 +1181,12 @@ mod tests {
             }
             sum as f64 / tiles.div_ceil(15) as f64
         };
-        let arrival = block_tables(&s, &routing, 1, OrderMode::Arrival).unwrap();
-        let expert = block_tables(&s, &routing, 1, OrderMode::Expert).unwrap();
+        let expert = block_tables(&s, &routing, 1).unwrap();
+        // The comparison: blocks by the send step of the latest source they hold (rank 1 of
+        // 4), fixed raster groups.
+        let mut arrival = expert.clone();
+        arrival.key = expert.srcmask.iter().map(|&m| (0..4).filter(|&src| m >> src & 1 != 0).map(|src| (1 + 4 - src) % 4).max().unwrap()).collect();
+        arrival.order.sort_by_key(|&b| (arrival.key[b], b));
         let (a, e) = (wave_b_tiles(&arrival, None), wave_b_tiles(&expert, Some(&expert.run)));
         assert!(e * 2.0 < a, "B tiles per wave: arrival {a:.1}, expert {e:.1}");
     }
@@ -1279,7 +1201,7 @@ mod tests {
         assert_eq!(band_width(8, 100), 1);
         let s = shape(400, 4, 16, 2);
         let routing = routing_for(400, 4, 16, 2, 9);
-        let t = block_tables(&s, &routing, 1, OrderMode::Expert).unwrap();
+        let t = block_tables(&s, &routing, 1).unwrap();
         let tiles_m = t.expert.len();
         for (tiles_n, bw, g) in [(28, 7, 5), (8, 2, 3), (6, 3, 1), (4, 4, 2)] {
             let mut hit = vec![0u8; tiles_m * tiles_n];
@@ -1291,24 +1213,6 @@ mod tests {
                 last_band = n / bw;
             }
             assert!(hit.iter().all(|&h| h == 1), "every tile once");
-            // Halving bands: every tile once, bands in order, each band rastered as the
-            // unbanded raster over its columns.
-            let mut hit = vec![0u8; tiles_m * tiles_n];
-            let (mut last_col0, mut t0) = (0, 0);
-            for i in 0..tiles_m * tiles_n {
-                let (col0, w, u) = band_locate(tiles_m, tiles_n, HALVING_BANDS, i);
-                assert!(col0 >= last_col0 && col0 + w <= tiles_n && u < tiles_m * w);
-                if col0 != last_col0 || i == 0 {
-                    t0 = i;
-                    last_col0 = col0;
-                }
-                assert_eq!(u, i - t0);
-                let (b, n) = moe_tile_banded(None, Some(&t.seg), tiles_m, tiles_n, HALVING_BANDS, g, i);
-                let (b0, n0) = moe_tile(None, Some(&t.seg), tiles_m, w, g, u);
-                assert_eq!((b, n), (b0, col0 + n0));
-                hit[b * tiles_n + n] += 1;
-            }
-            assert!(hit.iter().all(|&h| h == 1), "halving: every tile once");
             // Within a band: as the unbanded raster over the band's columns.
             for i in 0..tiles_m * bw {
                 let (b0, n0) = moe_tile(None, Some(&t.seg), tiles_m, bw, g, i);
@@ -1325,32 +1229,7 @@ mod tests {
                 seen[tok * tiles_n + n] = true;
                 assert_eq!(n / bw, it / (tokens * bw));
             }
-            // Halving: every item once, each in the band the GEMM computes its column in.
-            let mut seen = vec![false; tokens * tiles_n];
-            for it in 0..tokens * tiles_n {
-                let (tok, n) = pull_item(tokens, tiles_n, HALVING_BANDS, it);
-                assert!(!seen[tok * tiles_n + n]);
-                seen[tok * tiles_n + n] = true;
-                let (col0, w, _) = band_locate(tokens, tiles_n, HALVING_BANDS, it);
-                assert!(n >= col0 && n < col0 + w);
-                assert_eq!(band_locate(tiles_m, tiles_n, HALVING_BANDS, 0).0, 0);
-            }
         }
-        let widths = |n: usize| {
-            let (mut c, mut v) = (0, Vec::new());
-            while c < n {
-                let (c0, w, _) = band_locate(1, n, HALVING_BANDS, c);
-                assert_eq!(c0, c);
-                v.push(w);
-                c += w;
-            }
-            v
-        };
-        assert_eq!(widths(28), vec![14, 7, 4, 2, 1]);
-        assert_eq!(widths(8), vec![4, 2, 1, 1]);
-        assert_eq!(widths(1), vec![1]);
-        assert_eq!(band_width(28, HALVING_BANDS), HALVING_BANDS);
-        assert_eq!(band_width(1, HALVING_BANDS), 1);
     }
 
     #[test]

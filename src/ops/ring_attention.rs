@@ -163,10 +163,27 @@ pub fn validate_args(
     Ok(RingArgs { q, k, v, out, lse, shape, rank, softmax_scale, dtype, trace: 0 })
 }
 
+/// The kernel for a dtype, head dimension (64 or 128) and whether it writes a trace (the
+/// `_trace` twins, for `mkbench --trace`).
+pub fn kernel_for(dtype: mkDataType_t, head_dim: usize, traced: bool) -> Option<crate::cuda::kernels::Kernel> {
+    use crate::cuda::kernels::*;
+    use mkDataType_t::{mkBfloat16, mkFloat16};
+    Some(match (dtype, head_dim, traced) {
+        (mkBfloat16, 128, false) => MK_RING_ATTN_BF16_D128,
+        (mkBfloat16, 64, false) => MK_RING_ATTN_BF16_D64,
+        (mkFloat16, 128, false) => MK_RING_ATTN_F16_D128,
+        (mkFloat16, 64, false) => MK_RING_ATTN_F16_D64,
+        (mkBfloat16, 128, true) => MK_RING_ATTN_BF16_D128_TRACE,
+        (mkBfloat16, 64, true) => MK_RING_ATTN_BF16_D64_TRACE,
+        (mkFloat16, 128, true) => MK_RING_ATTN_F16_D128_TRACE,
+        (mkFloat16, 64, true) => MK_RING_ATTN_F16_D64_TRACE,
+        _ => return None,
+    })
+}
+
 fn kernel(args: &RingArgs) -> Result<sys::CUfunction> {
-    let dt = if args.dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "f16" };
-    let twin = if args.trace != 0 { "_trace" } else { "" };
-    cuda::function("ring_attention", &format!("mk_ring_attn_{dt}_d{}{twin}", args.shape.head_dim))
+    let d = args.shape.head_dim;
+    kernel_for(args.dtype, d, args.trace != 0).ok_or_else(|| MkError::internal(format!("no ring-attention kernel for D {d}")))?.function()
 }
 
 fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {

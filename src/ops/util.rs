@@ -11,7 +11,7 @@ pub fn fill_random(data: u64, count: u64, dtype: mkDataType_t, seed: u64, scale:
     if !matches!(dtype, mkFloat16 | mkBfloat16 | mkFloat32 | mkFloat64 | mkInt32) {
         return Err(MkError::invalid_argument(format!("fill_random does not support {}", dtype.name())));
     }
-    let f = cuda::function("util", "mk_fill_random")?;
+    let f = crate::cuda::kernels::MK_FILL_RANDOM.function()?;
     let mut p = FillRandomParams { data, count, seed, dtype: dtype as i32, scale };
     let blocks = count.div_ceil(256).clamp(1, 4096) as u32;
     let cfg = LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 };

@@ -52,7 +52,7 @@ namespace mk { namespace gemm {
 // are padding whose products nobody reads). Consumer slabs at or past it skip their wgmmas.
 // Tested at compile time so that schedulers without it compile to exactly the code they
 // had before the hook: with the hook's default inlined instead, the AG+GEMM kernel's SASS
-// shifted and it ran ~4 % slower at 4 ranks x 2048 rows (session 9, runs 5-6).
+// shifted and it ran ~4 % slower at 4 ranks x 2048 rows.
 template <class Sched, class = void>
 struct HasRowsEnd : std::false_type {};
 template <class Sched>

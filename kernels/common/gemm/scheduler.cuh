@@ -17,14 +17,13 @@ struct TileCoord {
   int n_block;
 };
 
-// Layout shared by the built-in orders; mirrored by GemmPlan in src/ops/gemm.rs.
+// Parameters of the built-in orders (each kernel fills them from its own parameters).
 struct RasterParams {
   int tiles_m;       // ceil(M / BM)
   int tiles_n;       // ceil(N / BN)
   int group_m;       // m-blocks walked together (L2 reuse of B); >= 1
   int m_block_base;  // RankRotatedRaster: m-block that comes first (rank's own rows)
   int owners;        // OwnerInterleavedRaster: equal row shards to interleave (1: none)
-  int first_tile;    // RotatedRaster: linear index that comes first
 };
 
 // Grouped ("swizzled") raster: groups of `group_m` m-blocks; inside a group the m-block
@@ -85,19 +84,6 @@ struct OwnerInterleavedRaster {
   using Params = RasterParams;
   __device__ static TileCoord tile(const Params& p, int t) {
     return interleaved_tile(p.tiles_m, p.tiles_n, p.group_m, p.owners, t);
-  }
-};
-
-// Grouped raster whose linear order starts at first_tile and wraps: GEMM + AllReduce by
-// tile owners (gemm_reduce.cu) starts each rank at its own segment of the order, so that
-// every tile's owner computes it after (or with) every peer.
-struct RotatedRaster {
-  using Params = RasterParams;
-  __device__ static TileCoord tile(const Params& p, int t) {
-    t += p.first_tile;
-    const int total = p.tiles_m * p.tiles_n;
-    if (t >= total) t -= total;
-    return grouped_tile(p.tiles_m, p.tiles_n, p.group_m, t);
   }
 };
 

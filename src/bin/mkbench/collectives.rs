@@ -202,7 +202,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         src.randomize(7, 1.0, stream)?;
     }
     let wrong_counter = TestBuffer::new(1, mkDataType_t::mkUint64)?;
-    let check_fn = cuda::function("collectives", "mk_collective_check")?;
+    let check_fn = mkernel::cuda::kernels::MK_COLLECTIVE_CHECK.function()?;
     let events = Events::new(o.iters)?;
     let seed_base = 1000u64;
     let factor = match kind {

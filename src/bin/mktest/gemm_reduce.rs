@@ -203,7 +203,7 @@ pub(crate) fn graph_replay(comm: mkComm_t, rank: usize, n: usize, across_nodes: 
     let mut rs = Case::new(true, mkDataType_t::mkBfloat16, n * 160, 392, 200, n, rank)?;
     let mut ar = Case::new(false, mkDataType_t::mkFloat16, 33, 264, 136, n, rank)?;
     let mut ar2 = Case::new(false, mkDataType_t::mkBfloat16, n * 384, 264, 136, n, rank)?; // two-phase when n > 1
-    let mut ar3 = Case::new(false, mkDataType_t::mkBfloat16, 200, 776, 136, n, rank)?; // tile owners' sums when n > 1
+    let mut ar3 = Case::new(false, mkDataType_t::mkBfloat16, 200, 776, 136, n, rank)?; // one-shot, M not a multiple of 128: every rank sums every tile
     for c in [&mut rs, &mut ar, &mut ar2, &mut ar3] {
         c.node_partials = across_nodes;
     }
@@ -273,8 +273,8 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
         case.prepare(5)?;
         Ok(case.launch(comm, stream))
     })?;
-    // The AllReduce tile owners' waits: in the epilogue (for the absent rank's partials)
-    // and after the GEMM (for the tiles it owns).
+    // The one-shot AllReduce (M = 200 is not a multiple of 128): every rank waits for every
+    // peer's partials, so the absent rank is seen by all.
     let case = Case::new(false, mkDataType_t::mkBfloat16, 200, 1024, 512, n, rank)?;
     fused_common::absent_rank(env, control, 3, "mkGemmAllReduce (a rank absent)", |comm, stream| {
         case.prepare(6)?;

@@ -18,7 +18,7 @@ use mkernel::cuda::{self, sys};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::{mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes};
 use mkernel::ffi::mkComm_t;
-use mkernel::ops::moe::{block_tables, device_layout, layout_offsets, order_mode_for, send_tables, DeviceLayout, MoeShape, ROW_BLOCK};
+use mkernel::ops::moe::{block_tables, device_layout, layout_offsets, send_tables, DeviceLayout, MoeShape, ROW_BLOCK};
 use mkernel::testing::{check_close, check_exact, tolerance, Rule, TestBuffer};
 use mkernel::types::mkDataType_t;
 
@@ -295,14 +295,13 @@ impl Case {
     }
 
     /// The prep's m-block tables in the layout buffer against ops::moe::block_tables (the
-    /// host mirror), in the order mode of this process (MK_MOE_ORDER). None: equal.
+    /// host mirror). None: equal.
     fn verify_block_tables(&self, inp: &Inputs) -> Result<Option<String>> {
         let s = &self.s;
         let t = inp.ids[self.rank].len() / s.top_k;
         let shape = MoeShape { tokens: t, top_k: s.top_k, experts: s.experts, nranks: self.n };
         // The dispatch's prep writes the tables.
-        let mode = order_mode_for(mkernel::env::moe_order());
-        let want = block_tables(&shape, &inp.ids, self.rank, mode)?;
+        let want = block_tables(&shape, &inp.ids, self.rank)?;
         let words: Vec<i32> = self.layout.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
         let lo = layout_offsets(t, s.top_k, self.capacity); // as the launch: this call's tokens
         let nb = want.expert.len();
@@ -324,7 +323,7 @@ impl Case {
         }
         for (name, off, v) in checks {
             if words[off..off + v.len()] != v[..] {
-                return Ok(Some(format!("layout: {name} differ from ops::moe::{} (mode {mode:?})", if name.starts_with("send") { "send_tables" } else { "block_tables" })));
+                return Ok(Some(format!("layout: {name} differ from ops::moe::{}", if name.starts_with("send") { "send_tables" } else { "block_tables" })));
             }
         }
         Ok(None)

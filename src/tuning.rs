@@ -1,0 +1,100 @@
+//! Internal tuning: the settings that choose between kernel variants, or the sizes where one
+//! path gives way to another, that are not part of the public interface. Each has a default
+//! that the measurements in benches/ chose, and an `MK_INTERNAL_*` variable (read by
+//! src/env.rs, documented in docs/environment.md) to override it when measuring. They are
+//! parsed once per process and printed at `MK_DEBUG=INFO`, one line each, as NCCL prints
+//! its tuning.
+
+use crate::ops::gemm_reduce::Reducers;
+use std::sync::OnceLock;
+
+/// One process's tuning (copied into every communicator's config).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// GEMM + ReduceScatter / AllReduce on one node without dedicated reduction CTAs: who
+    /// sums the partials (MK_INTERNAL_GEMM_REDUCERS).
+    pub gemm_reducers: Reducers,
+    /// mkGemmAllReduce: the largest M that takes the one-shot path (MK_INTERNAL_GEMM_AR_ONESHOT_MAX_M).
+    pub gemm_ar_one_shot_max_m: usize,
+    /// mkMoeGemmCombine: column bands of its GEMM, at least 1 (MK_INTERNAL_MOE_BANDS).
+    pub moe_bands: usize,
+    /// mkMoeDispatchGemm: every warp of the GEMM CTAs sends the first wave's rows before the
+    /// GEMM; None: by rank count, `ops::moe::burst_for` (MK_INTERNAL_MOE_BURST).
+    pub moe_burst: Option<bool>,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            gemm_reducers: Reducers::Early,
+            gemm_ar_one_shot_max_m: crate::ops::gemm_ar::ONE_SHOT_MAX_M,
+            moe_bands: crate::ops::moe::DEFAULT_BANDS,
+            moe_burst: None,
+        }
+    }
+}
+
+static PROCESS_TUNING: OnceLock<Tuning> = OnceLock::new();
+
+impl Tuning {
+    /// The defaults, overridden by the `MK_INTERNAL_*` variables that are set.
+    pub fn from_env() -> Tuning {
+        let d = Tuning::default();
+        Tuning {
+            gemm_reducers: crate::env::internal_gemm_reducers().unwrap_or(d.gemm_reducers),
+            gemm_ar_one_shot_max_m: crate::env::internal_gemm_ar_one_shot_max_m().unwrap_or(d.gemm_ar_one_shot_max_m),
+            moe_bands: crate::env::internal_moe_bands().unwrap_or(d.moe_bands),
+            moe_burst: crate::env::internal_moe_burst().unwrap_or(d.moe_burst),
+        }
+    }
+
+    /// This process's tuning: read from the environment on first use, and then logged at INFO.
+    pub fn process() -> Tuning {
+        *PROCESS_TUNING.get_or_init(|| {
+            let t = Tuning::from_env();
+            for line in t.describe() {
+                crate::log::info(None, format_args!("{line}"));
+            }
+            t
+        })
+    }
+
+    /// One line per setting: `NAME = value`, and whether the environment set it.
+    pub fn describe(&self) -> Vec<String> {
+        let d = Tuning::default();
+        let burst = |b: Option<bool>| match b {
+            None => "auto".to_string(),
+            Some(b) => (b as u8).to_string(),
+        };
+        let reducers = |r: Reducers| match r {
+            Reducers::Early => "early",
+            Reducers::After => "after",
+        };
+        let rows = [
+            ("MK_INTERNAL_GEMM_REDUCERS", reducers(self.gemm_reducers).to_string(), self.gemm_reducers == d.gemm_reducers),
+            ("MK_INTERNAL_GEMM_AR_ONESHOT_MAX_M", self.gemm_ar_one_shot_max_m.to_string(), self.gemm_ar_one_shot_max_m == d.gemm_ar_one_shot_max_m),
+            ("MK_INTERNAL_MOE_BANDS", self.moe_bands.to_string(), self.moe_bands == d.moe_bands),
+            ("MK_INTERNAL_MOE_BURST", burst(self.moe_burst), self.moe_burst == d.moe_burst),
+        ];
+        rows.into_iter()
+            .map(|(name, value, default)| format!("tuning: {name} = {value}{}", if default { "" } else { " (set by environment)" }))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn description_names_every_setting_and_marks_overrides() {
+        let d = Tuning::default().describe();
+        assert_eq!(d.len(), 4);
+        assert!(d.iter().all(|l| l.starts_with("tuning: MK_INTERNAL_") && !l.contains("environment")), "{d:?}");
+        assert!(d[0].ends_with("= early"), "{}", d[0]);
+        let t = Tuning { gemm_reducers: Reducers::After, moe_burst: Some(false), ..Tuning::default() }.describe();
+        assert_eq!(t[0], "tuning: MK_INTERNAL_GEMM_REDUCERS = after (set by environment)");
+        assert_eq!(t[3], "tuning: MK_INTERNAL_MOE_BURST = 0 (set by environment)");
+        assert!(!t[1].contains("environment") && !t[2].contains("environment"));
+    }
+}
