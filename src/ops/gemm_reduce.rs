@@ -244,6 +244,9 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         // The sum over one rank is its product: the engine alone, storing C directly (the
         // fused kernel would store a partial and copy it: 1.3x the GEMM's time).
         let _ctx = comm.context.enter()?;
+        for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
+            crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+        }
         let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
         return engine::gemm_with(&g, PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() }, stream);
     }
