@@ -59,12 +59,22 @@ impl CublasLt {
             .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
         let mut g = CublasGemm { desc, layouts: [std::ptr::null_mut(); 3], algo: None, ws: 0 };
         let (op_t, op_n): (i32, i32) = (1, 0); // CUBLAS_OP_T, CUBLAS_OP_N
-        // SAFETY: desc is live; the attribute values are i32 as cuBLASLt expects.
+                                               // SAFETY: desc is live; the attribute values are i32 as cuBLASLt expects.
         unsafe {
-            lt::set_matmul_desc_attribute(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, (&op_t as *const i32).cast(), 4)
-                .map_err(|e| lt_err("set TRANSA", e))?;
-            lt::set_matmul_desc_attribute(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, (&op_n as *const i32).cast(), 4)
-                .map_err(|e| lt_err("set TRANSB", e))?;
+            lt::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                (&op_t as *const i32).cast(),
+                4,
+            )
+            .map_err(|e| lt_err("set TRANSA", e))?;
+            lt::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                (&op_n as *const i32).cast(),
+                4,
+            )
+            .map_err(|e| lt_err("set TRANSB", e))?;
         }
         g.layouts[0] = lt::create_matrix_layout(ti, k as u64, n as u64, k as i64).map_err(|e| lt_err("layout B", e))?;
         g.layouts[1] = lt::create_matrix_layout(ti, k as u64, m as u64, k as i64).map_err(|e| lt_err("layout A", e))?;
@@ -79,7 +89,17 @@ impl CublasLt {
                 (&ws as *const u64).cast(),
                 8,
             )
-            .and_then(|_| lt::get_matmul_algo_heuristic(self.handle, desc, g.layouts[0], g.layouts[1], g.layouts[2], g.layouts[2], pref));
+            .and_then(|_| {
+                lt::get_matmul_algo_heuristic(
+                    self.handle,
+                    desc,
+                    g.layouts[0],
+                    g.layouts[1],
+                    g.layouts[2],
+                    g.layouts[2],
+                    pref,
+                )
+            });
             let _ = lt::destroy_matmul_pref(pref);
             r.map_err(|e| lt_err(&format!("heuristic for {m}x{n}x{k} {}->{}", input.name(), out.name()), e))?
         };

@@ -130,8 +130,11 @@ mod tests {
     fn the_environment_document_lists_exactly_these_knobs() {
         let doc = include_str!("../docs/environment.md");
         let rows: Vec<&str> = doc.lines().filter(|l| l.starts_with("| `MK_")).collect();
-        let want: Vec<String> =
-            KNOBS.iter().chain(INTERNAL_KNOBS).map(|(name, default, meaning)| format!("| `{name}` | {default} | {meaning} |")).collect();
+        let want: Vec<String> = KNOBS
+            .iter()
+            .chain(INTERNAL_KNOBS)
+            .map(|(name, default, meaning)| format!("| `{name}` | {default} | {meaning} |"))
+            .collect();
         assert_eq!(rows, want, "docs/environment.md and src/env.rs disagree");
         // Public knobs come first, and none of them is internal.
         assert!(KNOBS.iter().all(|(n, _, _)| !n.starts_with("MK_INTERNAL_")));

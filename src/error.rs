@@ -174,8 +174,15 @@ mod tests {
     fn result_codes_are_numbered_as_nccl() {
         use mkResult_t::*;
         let codes = [
-            mkSuccess, mkUnhandledCudaError, mkSystemError, mkInternalError,
-            mkInvalidArgument, mkInvalidUsage, mkRemoteError, mkInProgress, mkTimeout,
+            mkSuccess,
+            mkUnhandledCudaError,
+            mkSystemError,
+            mkInternalError,
+            mkInvalidArgument,
+            mkInvalidUsage,
+            mkRemoteError,
+            mkInProgress,
+            mkTimeout,
         ];
         for (i, c) in codes.iter().enumerate() {
             assert_eq!(*c as i32, i as i32);

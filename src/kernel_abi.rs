@@ -577,8 +577,14 @@ pub const AGG_PUSHED: u32 = AGG_CHUNK + MK_MAX_PEERS as u32 * MK_AG_GEMM_MAX_CHU
 /// End of the words AllGather + GEMM uses.
 pub const AGG_WORDS_END: u32 = AGG_PUSHED + MK_MAX_PEERS as u32 * MK_AG_GEMM_MAX_CHUNKS as u32;
 const _: () = assert!(AGG_WORDS_END <= MK_SIG_OP_BASE + 1024, "AG+GEMM owns 1024 signal words");
-const _: () = assert!(MK_SIG_FREE + MK_SIG_MAX_CTAS * MK_MAX_PEERS as u32 <= MK_SIG_NET_GRANT, "one-node flags end where the network flags begin");
-const _: () = assert!(MK_SIG_NET_READY2 + MK_SIG_NET_CTAS * MK_MAX_NODES as u32 <= MK_SIG_OP_BASE, "network flags end at the fused ops' base");
+const _: () = assert!(
+    MK_SIG_FREE + MK_SIG_MAX_CTAS * MK_MAX_PEERS as u32 <= MK_SIG_NET_GRANT,
+    "one-node flags end where the network flags begin"
+);
+const _: () = assert!(
+    MK_SIG_NET_READY2 + MK_SIG_NET_CTAS * MK_MAX_NODES as u32 <= MK_SIG_OP_BASE,
+    "network flags end at the fused ops' base"
+);
 const _: () = assert!(GR_TILE < MK_SIG_GR_END && MK_SIG_GR_END <= MK_SIG_MOE_BASE && MOE_END <= MK_SIG_RING_BASE);
 const _: () = assert!(MK_SIG_RING_BASE + 65536 <= MK_SIG_WORDS);
 

@@ -31,5 +31,7 @@ pub use error::{mkResult_t, MkError, Result};
 /// MK_VERSION(major, minor, patch) of this build, as the header's MK_VERSION_CODE.
 pub fn version_code() -> i32 {
     let p = |s: &str| s.parse::<i32>().expect("numeric version");
-    p(env!("CARGO_PKG_VERSION_MAJOR")) * 10000 + p(env!("CARGO_PKG_VERSION_MINOR")) * 100 + p(env!("CARGO_PKG_VERSION_PATCH"))
+    p(env!("CARGO_PKG_VERSION_MAJOR")) * 10000
+        + p(env!("CARGO_PKG_VERSION_MINOR")) * 100
+        + p(env!("CARGO_PKG_VERSION_PATCH"))
 }

@@ -25,7 +25,11 @@ fn hostname() -> &'static str {
         // SAFETY: buf is writable for its length; gethostname NUL-terminates on success.
         let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
         let len = buf.iter().position(|&b| b == 0).unwrap_or(0);
-        if ok { String::from_utf8_lossy(&buf[..len]).into_owned() } else { "?".into() }
+        if ok {
+            String::from_utf8_lossy(&buf[..len]).into_owned()
+        } else {
+            "?".into()
+        }
     })
 }
 

@@ -4,7 +4,8 @@
 
 mod acceptance;
 pub use acceptance::{
-    accumulation_unit, check_close, check_exact, check_exact_bytes, gamma, gemm_reference, underflow_floor, unit_roundoff, Rule, Verdict, Worst,
+    accumulation_unit, check_close, check_exact, check_exact_bytes, gamma, gemm_reference, underflow_floor,
+    unit_roundoff, Rule, Verdict, Worst,
 };
 
 use crate::cuda::{self, memory::DeviceBuffer, sys};
@@ -125,7 +126,11 @@ pub fn relative_error(out: &[f64], reference: &[f64]) -> f64 {
         den += r * r;
     }
     if den == 0.0 {
-        if num == 0.0 { 0.0 } else { f64::INFINITY }
+        if num == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        }
     } else {
         (num / den).sqrt()
     }
@@ -164,7 +169,8 @@ impl TestBuffer {
     pub fn new(count: usize, dtype: mkDataType_t) -> Result<Self> {
         let buf = DeviceBuffer::alloc(count * dtype.size() + 2 * GUARD_BYTES)?;
         // SAFETY: the range is this allocation.
-        unsafe { cu::memset_d8_sync(buf.ptr, GUARD_BYTE, count * dtype.size() + 2 * GUARD_BYTES) }.map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
+        unsafe { cu::memset_d8_sync(buf.ptr, GUARD_BYTE, count * dtype.size() + 2 * GUARD_BYTES) }
+            .map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
         Ok(TestBuffer { buf, count, dtype })
     }
     /// The first element (past the leading guard band).
@@ -181,7 +187,8 @@ impl TestBuffer {
     /// Fills every byte with 0xFF: NaN for the floating types, so unwritten outputs fail.
     pub fn poison(&self, stream: sys::CUstream) -> Result<()> {
         // SAFETY: the range is this allocation's payload.
-        unsafe { cu::memset_d8_async(self.ptr(), 0xff, self.bytes(), stream) }.map_err(|e| cuda::cuda_err("cuMemsetD8Async", e))
+        unsafe { cu::memset_d8_async(self.ptr(), 0xff, self.bytes(), stream) }
+            .map_err(|e| cuda::cuda_err("cuMemsetD8Async", e))
     }
     pub fn download(&self) -> Result<Vec<u8>> {
         let mut host = vec![0u8; self.bytes()];
@@ -207,7 +214,9 @@ impl TestBuffer {
             if let Some(i) = band.iter().position(|&b| b != GUARD_BYTE) {
                 let offset = if name == "before" { GUARD_BYTES - i } else { i + 1 };
                 let written = band.iter().filter(|&&b| b != GUARD_BYTE).count();
-                return Ok(Some(format!("{written} byte(s) of the guard band {name} the buffer written ({offset} bytes from its edge)")));
+                return Ok(Some(format!(
+                    "{written} byte(s) of the guard band {name} the buffer written ({offset} bytes from its edge)"
+                )));
             }
         }
         Ok(None)

@@ -71,13 +71,23 @@ impl Tuning {
             Reducers::After => "after",
         };
         let rows = [
-            ("MK_INTERNAL_GEMM_REDUCERS", reducers(self.gemm_reducers).to_string(), self.gemm_reducers == d.gemm_reducers),
-            ("MK_INTERNAL_GEMM_AR_ONESHOT_MAX_M", self.gemm_ar_one_shot_max_m.to_string(), self.gemm_ar_one_shot_max_m == d.gemm_ar_one_shot_max_m),
+            (
+                "MK_INTERNAL_GEMM_REDUCERS",
+                reducers(self.gemm_reducers).to_string(),
+                self.gemm_reducers == d.gemm_reducers,
+            ),
+            (
+                "MK_INTERNAL_GEMM_AR_ONESHOT_MAX_M",
+                self.gemm_ar_one_shot_max_m.to_string(),
+                self.gemm_ar_one_shot_max_m == d.gemm_ar_one_shot_max_m,
+            ),
             ("MK_INTERNAL_MOE_BANDS", self.moe_bands.to_string(), self.moe_bands == d.moe_bands),
             ("MK_INTERNAL_MOE_BURST", burst(self.moe_burst), self.moe_burst == d.moe_burst),
         ];
         rows.into_iter()
-            .map(|(name, value, default)| format!("tuning: {name} = {value}{}", if default { "" } else { " (set by environment)" }))
+            .map(|(name, value, default)| {
+                format!("tuning: {name} = {value}{}", if default { "" } else { " (set by environment)" })
+            })
             .collect()
     }
 }

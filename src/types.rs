@@ -97,13 +97,8 @@ impl mkDataType_t {
 }
 
 impl mkRedOp_t {
-    pub const ALL: [mkRedOp_t; 5] = [
-        mkRedOp_t::mkSum,
-        mkRedOp_t::mkProd,
-        mkRedOp_t::mkMax,
-        mkRedOp_t::mkMin,
-        mkRedOp_t::mkAvg,
-    ];
+    pub const ALL: [mkRedOp_t; 5] =
+        [mkRedOp_t::mkSum, mkRedOp_t::mkProd, mkRedOp_t::mkMax, mkRedOp_t::mkMin, mkRedOp_t::mkAvg];
 
     pub fn from_raw(v: RawRedOp) -> Result<Self> {
         Self::ALL.iter().copied().find(|o| *o as c_int == v).ok_or_else(|| {

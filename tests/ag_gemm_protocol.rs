@@ -56,8 +56,16 @@ impl HostWindow {
     }
     fn window(&self) -> Window {
         Window {
-            data: MemoryRegion { base: self.data.as_ptr() as u64, bytes: (self.data.len() * 8) as u64, kind: MemoryKind::Host },
-            signals: MemoryRegion { base: self.signals.as_ptr() as u64, bytes: (8 * SIGNAL_WORDS) as u64, kind: MemoryKind::Host },
+            data: MemoryRegion {
+                base: self.data.as_ptr() as u64,
+                bytes: (self.data.len() * 8) as u64,
+                kind: MemoryKind::Host,
+            },
+            signals: MemoryRegion {
+                base: self.signals.as_ptr() as u64,
+                bytes: (8 * SIGNAL_WORDS) as u64,
+                kind: MemoryKind::Host,
+            },
         }
     }
     fn get(&self, row: usize, e: usize) -> f64 {
@@ -75,7 +83,8 @@ fn value(call: u64, row: usize, e: usize) -> f64 {
 
 /// Some readers stall (a pseudo-random quarter of (rank, CTA, call, place) sleeps 1 ms).
 fn jitter(rank: usize, b: usize, call: u64, place: u64) {
-    let h = ((rank as u64 * 0x9e37_79b9) ^ (b as u64 * 0x85eb_ca6b) ^ (call * 0xc2b2_ae35) ^ (place * 0x27d4_eb2f)).wrapping_mul(0x1656_67b1);
+    let h = ((rank as u64 * 0x9e37_79b9) ^ (b as u64 * 0x85eb_ca6b) ^ (call * 0xc2b2_ae35) ^ (place * 0x27d4_eb2f))
+        .wrapping_mul(0x1656_67b1);
     if (h >> 29) & 3 == 0 {
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -105,7 +114,10 @@ impl RankCtx {
         let start = Instant::now();
         while self.own().signals[word].load(Ordering::Acquire) < target {
             if start.elapsed() > TIMEOUT {
-                return Err(MkError::timeout(format!("rank {}: {what} (word {word}) never reached {target}", self.rank)));
+                return Err(MkError::timeout(format!(
+                    "rank {}: {what} (word {word}) never reached {target}",
+                    self.rank
+                )));
             }
             std::thread::yield_now();
         }
@@ -169,7 +181,8 @@ fn post_own_rows(ctx: &RankCtx, epoch: u64) -> Result<Option<u64>> {
 
 /// push_hier for pusher `part` of CTAS.
 fn push_hier(ctx: &RankCtx, a: &[f64], epoch: u64, part: usize, call: u64) -> Result<()> {
-    let (l, n, nodes, local, g, rpr) = (ctx.nl.local_rank, ctx.nl.node, ctx.nl.nodes, ctx.nl.local_size, ctx.rank, ctx.rows_per_rank);
+    let (l, n, nodes, local, g, rpr) =
+        (ctx.nl.local_rank, ctx.nl.node, ctx.nl.nodes, ctx.nl.local_size, ctx.rank, ctx.rows_per_rank);
     for j in (0..local).filter(|&j| j != l) {
         ctx.wait(AGG_DONE + j, epoch - 1, "a local peer finished the previous call")?;
     }
@@ -220,7 +233,10 @@ fn gemm_rows(ctx: &RankCtx, epoch: u64, b: usize, call: u64) -> Result<()> {
         let m_block = if bpr > 0 {
             // NodeOrderRaster
             let local = ctx.nl.local_size;
-            let src = ctx.rank_of((ctx.nl.node + (k / bpr) / local) % ctx.nl.nodes, (ctx.nl.local_rank + (k / bpr) % local) % local);
+            let src = ctx.rank_of(
+                (ctx.nl.node + (k / bpr) / local) % ctx.nl.nodes,
+                (ctx.nl.local_rank + (k / bpr) % local) % local,
+            );
             src * bpr + k % bpr
         } else {
             // RankRotatedRaster from the own first block
@@ -275,7 +291,14 @@ fn epoch_end(ctx: &RankCtx, epoch: u64) -> Result<()> {
     Ok(())
 }
 
-fn rank_main(id: &UniqueId, rank: usize, nranks: usize, rpn: u32, rows_per_rank: usize, windows: &[Arc<HostWindow>]) -> Result<()> {
+fn rank_main(
+    id: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    rpn: u32,
+    rows_per_rank: usize,
+    windows: &[Arc<HostWindow>],
+) -> Result<()> {
     let boot = Bootstrap::join(id, rank, nranks, Duration::from_secs(30))?;
     let nodes = node_of_ranks(boot.host_hashes(), Some(rpn));
     let topology = Topology::new(rank, &nodes)?;
@@ -334,7 +357,8 @@ fn rank_main(id: &UniqueId, rank: usize, nranks: usize, rpn: u32, rows_per_rank:
 fn run(nranks: usize, rpn: u32, rows_per_rank: usize) {
     std::env::set_var("MK_SOCKET_IFNAME", "=lo");
     let id = start_root().unwrap();
-    let windows: Vec<Arc<HostWindow>> = (0..nranks).map(|_| Arc::new(HostWindow::new(rows_per_rank * nranks))).collect();
+    let windows: Vec<Arc<HostWindow>> =
+        (0..nranks).map(|_| Arc::new(HostWindow::new(rows_per_rank * nranks))).collect();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..nranks)
             .map(|r| {
@@ -343,7 +367,9 @@ fn run(nranks: usize, rpn: u32, rows_per_rank: usize) {
             })
             .collect();
         for (r, h) in handles.into_iter().enumerate() {
-            h.join().unwrap().unwrap_or_else(|e| panic!("{nranks} ranks, {rpn} per node, {rows_per_rank} rows/rank, rank {r}: {e}"));
+            h.join()
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{nranks} ranks, {rpn} per node, {rows_per_rank} rows/rank, rank {r}: {e}"));
         }
     });
 }

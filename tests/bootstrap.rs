@@ -213,7 +213,8 @@ fn refused_joins_are_logged() {
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("INTRUDER-REFUSED") && stdout.contains("REAL-RANK-OK"), "{stdout}");
     assert!(
-        stderr.contains("MK WARN refused bootstrap root connection") && stderr.contains("does not match the unique id's secret"),
+        stderr.contains("MK WARN refused bootstrap root connection")
+            && stderr.contains("does not match the unique id's secret"),
         "the refusal must be logged: {stderr}"
     );
 }

@@ -40,7 +40,6 @@ const SIGNAL_WORDS: usize = abi::MK_SIG_OP_BASE as usize;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
-
 /// One rank as its kernel sees it.
 struct RankCtx {
     rank: usize,
@@ -62,7 +61,10 @@ impl RankCtx {
         let start = Instant::now();
         while self.own().signals[word].load(Ordering::Acquire) < target {
             if start.elapsed() > TIMEOUT {
-                return Err(MkError::timeout(format!("rank {}: {what} (word {word}) never reached {target}", self.rank)));
+                return Err(MkError::timeout(format!(
+                    "rank {}: {what} (word {word}) never reached {target}",
+                    self.rank
+                )));
             }
             std::thread::yield_now();
         }
@@ -124,7 +126,8 @@ impl RankCtx {
 /// before reading): a writer that ignored the flow control would overwrite a slot they
 /// are still reading, and the result would be wrong.
 fn jitter(rank: usize, b: usize, step: u64, place: u64) {
-    let h = ((rank as u64 * 0x9e37_79b9) ^ (b as u64 * 0x85eb_ca6b) ^ (step * 0xc2b2_ae35) ^ (place * 0x27d4_eb2f)).wrapping_mul(0x1656_67b1);
+    let h = ((rank as u64 * 0x9e37_79b9) ^ (b as u64 * 0x85eb_ca6b) ^ (step * 0xc2b2_ae35) ^ (place * 0x27d4_eb2f))
+        .wrapping_mul(0x1656_67b1);
     if (h >> 29) & 3 == 0 {
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -211,7 +214,10 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
             CollectiveKind::ReduceScatter => {
                 for q in 0..r as u64 {
                     for e in 0..nel {
-                        me.write_f64(slot_off + p.stage_off + q * sub + e * es, call.send[(q * call.count + off + e) as usize]);
+                        me.write_f64(
+                            slot_off + p.stage_off + q * sub + e * es,
+                            call.send[(q * call.count + off + e) as usize],
+                        );
                     }
                 }
                 ctx.signal_local(ready, step);
@@ -219,21 +225,26 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
                 jitter(ctx.rank, b, step, 2);
                 for m in 0..nodes {
                     let o = ctx.rank_of(m, l) as u64;
-                    let dst = slot_off + if m == n { p.inbox_off + n as u64 * sub } else { p.outbox_off + m as u64 * sub };
+                    let dst =
+                        slot_off + if m == n { p.inbox_off + n as u64 * sub } else { p.outbox_off + m as u64 * sub };
                     for e in 0..nel {
-                        let s: f64 = (0..local).map(|j| ctx.local[j].read_f64(slot_off + p.stage_off + o * sub + e * es)).sum();
+                        let s: f64 =
+                            (0..local).map(|j| ctx.local[j].read_f64(slot_off + p.stage_off + o * sub + e * es)).sum();
                         me.write_f64(dst + e * es, s);
                     }
                 }
                 ctx.signal_local(freed, step);
-                let t = ctx.send(b, step, net_ready, |m| (slot_off + p.outbox_off + m as u64 * sub, slot_off + p.inbox_off + n as u64 * sub, nel * es))?;
+                let t = ctx.send(b, step, net_ready, |m| {
+                    (slot_off + p.outbox_off + m as u64 * sub, slot_off + p.inbox_off + n as u64 * sub, nel * es)
+                })?;
                 if let Some(t) = t {
                     last_ticket[par] = Some(t);
                 }
                 ctx.wait_net(net_ready, step, "RS partials")?;
                 jitter(ctx.rank, b, step, 3);
                 for e in 0..nel {
-                    let s: f64 = (0..nodes).map(|m| me.read_f64(slot_off + p.inbox_off + m as u64 * sub + e * es)).sum();
+                    let s: f64 =
+                        (0..nodes).map(|m| me.read_f64(slot_off + p.inbox_off + m as u64 * sub + e * es)).sum();
                     set_recv(off + e, s);
                 }
             }
@@ -246,7 +257,8 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
                 jitter(ctx.rank, b, step, 4);
                 for m in 0..nodes {
                     let (lo, hi) = slice(ctx.rank_of(m, l));
-                    let dst = slot_off + if m == n { p.inbox_off + n as u64 * sub } else { p.outbox_off + m as u64 * sub };
+                    let dst =
+                        slot_off + if m == n { p.inbox_off + n as u64 * sub } else { p.outbox_off + m as u64 * sub };
                     for e in lo..hi {
                         let s: f64 = (0..local).map(|j| ctx.local[j].read_f64(slot_off + p.stage_off + e * es)).sum();
                         me.write_f64(dst + (e - lo) * es, s);
@@ -263,7 +275,8 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
                 jitter(ctx.rank, b, step, 5);
                 let (lo, hi) = slice(ctx.rank);
                 for e in lo..hi {
-                    let s: f64 = (0..nodes).map(|m| me.read_f64(slot_off + p.inbox_off + m as u64 * sub + (e - lo) * es)).sum();
+                    let s: f64 =
+                        (0..nodes).map(|m| me.read_f64(slot_off + p.inbox_off + m as u64 * sub + (e - lo) * es)).sum();
                     set_recv(off + e, s);
                     me.write_f64(slot_off + p.gather_off + n as u64 * sub + (e - lo) * es, s);
                 }
@@ -283,7 +296,10 @@ fn cta(ctx: &RankCtx, call: &Call, b: usize) -> Result<()> {
                         }
                         let (qlo, qhi) = slice(ctx.rank_of(m, j));
                         for e in qlo..qhi {
-                            set_recv(off + e, ctx.local[j].read_f64(slot_off + p.gather_off + m as u64 * sub + (e - qlo) * es));
+                            set_recv(
+                                off + e,
+                                ctx.local[j].read_f64(slot_off + p.gather_off + m as u64 * sub + (e - qlo) * es),
+                            );
                         }
                     }
                 }
@@ -304,7 +320,9 @@ fn expected(kind: CollectiveKind, call: u64, rank: usize, nranks: usize, count: 
     let c = count as usize;
     match kind {
         CollectiveKind::AllGather => (0..nranks).flat_map(|q| (0..c).map(move |i| input(call, q, i))).collect(),
-        CollectiveKind::ReduceScatter => (0..c).map(|i| (0..nranks).map(|q| input(call, q, rank * c + i)).sum()).collect(),
+        CollectiveKind::ReduceScatter => {
+            (0..c).map(|i| (0..nranks).map(|q| input(call, q, rank * c + i)).sum()).collect()
+        }
         CollectiveKind::AllReduce => (0..c).map(|i| (0..nranks).map(|q| input(call, q, i)).sum()).collect(),
     }
 }
@@ -360,10 +378,14 @@ fn rank_main(id: &UniqueId, rank: usize, nranks: usize, rpn: u32, windows: &[Arc
             recv: (0..recv_len).map(|_| AtomicU64::new(f64::NAN.to_bits())).collect(),
         };
         std::thread::scope(|s| {
-            let ctas: Vec<_> = (0..p.ctas as usize).map(|b| s.spawn({
-                let (ctx, call) = (&ctx, &call);
-                move || cta(ctx, call, b)
-            })).collect();
+            let ctas: Vec<_> = (0..p.ctas as usize)
+                .map(|b| {
+                    s.spawn({
+                        let (ctx, call) = (&ctx, &call);
+                        move || cta(ctx, call, b)
+                    })
+                })
+                .collect();
             ctas.into_iter().try_for_each(|h| h.join().map_err(|_| MkError::internal("a CTA thread panicked"))?)
         })
         .map_err(|e| e.context(format!("rank {rank}, call {c} ({kind:?}, count {count}, plan {p:?})")))?;
@@ -383,12 +405,15 @@ fn rank_main(id: &UniqueId, rank: usize, nranks: usize, rpn: u32, windows: &[Arc
 fn run(nranks: usize, rpn: u32) {
     std::env::set_var("MK_SOCKET_IFNAME", "=lo");
     let id = start_root().unwrap();
-    let windows: Vec<Arc<HostWindow>> = (0..nranks).map(|_| Arc::new(HostWindow::new(DATA_BYTES as usize, SIGNAL_WORDS, 0))).collect();
+    let windows: Vec<Arc<HostWindow>> =
+        (0..nranks).map(|_| Arc::new(HostWindow::new(DATA_BYTES as usize, SIGNAL_WORDS, 0))).collect();
     std::thread::scope(|s| {
-        let handles: Vec<_> = (0..nranks).map(|r| {
-            let (id, windows) = (&id, &windows);
-            s.spawn(move || rank_main(id, r, nranks, rpn, windows))
-        }).collect();
+        let handles: Vec<_> = (0..nranks)
+            .map(|r| {
+                let (id, windows) = (&id, &windows);
+                s.spawn(move || rank_main(id, r, nranks, rpn, windows))
+            })
+            .collect();
         for (r, h) in handles.into_iter().enumerate() {
             h.join().unwrap().unwrap_or_else(|e| panic!("{nranks} ranks, {rpn} per node, rank {r}: {e}"));
         }

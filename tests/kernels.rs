@@ -37,7 +37,9 @@ fn properties(report: &str) -> Vec<(String, String)> {
 #[test]
 fn every_kernel_family_is_embedded() {
     let embedded: Vec<&str> = mkernel::cuda::kernels::FATBINS.iter().map(|(name, _)| *name).collect();
-    for family in ["util", "gemm", "collectives", "hier_collectives", "ag_gemm", "gemm_reduce", "proxy", "moe", "ring_attention"] {
+    for family in
+        ["util", "gemm", "collectives", "hier_collectives", "ag_gemm", "gemm_reduce", "proxy", "moe", "ring_attention"]
+    {
         assert!(embedded.contains(&family), "kernels/{family}.cu is not embedded: {embedded:?}");
     }
     for (name, bytes) in mkernel::cuda::kernels::FATBINS {
@@ -53,7 +55,10 @@ fn engine_kernels_do_not_spill() {
         let props = properties(report);
         assert!(!props.is_empty(), "kernels/{family}.cu: no function properties in the ptxas report");
         for (function, line) in props {
-            assert_eq!(line, "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", "{function} in kernels/{family}.cu");
+            assert_eq!(
+                line, "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+                "{function} in kernels/{family}.cu"
+            );
         }
     }
 }
@@ -64,7 +69,8 @@ fn engine_kernels_do_not_spill() {
 fn hierarchical_collective_kernels_are_built_without_spills() {
     let reports = ptxas_reports();
     let report = reports.get("hier_collectives").expect("no ptxas report for kernels/hier_collectives.cu");
-    let props: Vec<(String, String)> = properties(report).into_iter().filter(|(f, _)| f.starts_with("mk_hier_collective_")).collect();
+    let props: Vec<(String, String)> =
+        properties(report).into_iter().filter(|(f, _)| f.starts_with("mk_hier_collective_")).collect();
     assert_eq!(props.len(), 10, "one kernel per dtype: {props:?}");
     for (function, line) in props {
         assert!(line.ends_with("0 bytes spill stores, 0 bytes spill loads"), "{function}: {line}");
@@ -78,7 +84,10 @@ fn hierarchical_collective_kernels_are_built_without_spills() {
 fn collective_kernels_are_built_without_spills() {
     let reports = ptxas_reports();
     let report = reports.get("collectives").expect("no ptxas report for kernels/collectives.cu");
-    let props: Vec<(String, String)> = properties(report).into_iter().filter(|(f, _)| f.starts_with("mk_collective_") && f != "mk_collective_check").collect();
+    let props: Vec<(String, String)> = properties(report)
+        .into_iter()
+        .filter(|(f, _)| f.starts_with("mk_collective_") && f != "mk_collective_check")
+        .collect();
     assert_eq!(props.len(), 10, "one kernel per dtype: {props:?}");
     for (function, line) in props {
         assert_eq!(line, "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", "{function}");

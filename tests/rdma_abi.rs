@@ -19,7 +19,8 @@ fn c_expression(fact: &str) -> String {
 
 #[test]
 fn declared_layouts_match_the_installed_headers() {
-    if !Path::new("/usr/include/infiniband/verbs.h").exists() || !Path::new("/usr/include/infiniband/efadv.h").exists() {
+    if !Path::new("/usr/include/infiniband/verbs.h").exists() || !Path::new("/usr/include/infiniband/efadv.h").exists()
+    {
         eprintln!("SKIPPED: no rdma-core headers (infiniband/verbs.h, efadv.h) on this machine");
         return;
     }
@@ -53,7 +54,9 @@ fn declared_layouts_match_the_installed_headers() {
     let values: Vec<i64> = String::from_utf8(out.stdout).unwrap().lines().map(|l| l.parse().unwrap()).collect();
     assert_eq!(values.len(), layouts.len() + constants.len());
     let mut wrong = Vec::new();
-    for ((name, ours), theirs) in layouts.iter().map(|&(n, v)| (n, v as i64)).chain(constants.iter().copied()).zip(&values) {
+    for ((name, ours), theirs) in
+        layouts.iter().map(|&(n, v)| (n, v as i64)).chain(constants.iter().copied()).zip(&values)
+    {
         if ours != *theirs {
             wrong.push(format!("{name}: declared {ours}, header says {theirs}"));
         }

@@ -37,7 +37,11 @@ impl HostWindow {
     fn window(&self) -> Window {
         Window {
             data: MemoryRegion { base: self.data as u64, bytes: self.data_bytes as u64, kind: MemoryKind::Host },
-            signals: MemoryRegion { base: self.signals.as_ptr() as u64, bytes: 8 * self.signals.len() as u64, kind: MemoryKind::Host },
+            signals: MemoryRegion {
+                base: self.signals.as_ptr() as u64,
+                bytes: 8 * self.signals.len() as u64,
+                kind: MemoryKind::Host,
+            },
         }
     }
 
@@ -65,12 +69,14 @@ fn fill(seed: u64, buf: &mut [u8]) {
 /// Proxies for two ranks over `fabric`, windows of `puts` source and `puts` destination slots.
 fn start(fabric: &SimFabric, puts: usize) -> Vec<(Proxy, Arc<ProxyRing>, Arc<HostWindow>)> {
     let windows: Vec<Arc<HostWindow>> = (0..2).map(|_| Arc::new(HostWindow::new(2 * puts * SLOT, 4))).collect();
-    let mut transports: Vec<RdmaTransport> = (0..2).map(|r| RdmaTransport::over(r, 2, Box::new(fabric.endpoint(r)))).collect();
+    let mut transports: Vec<RdmaTransport> =
+        (0..2).map(|r| RdmaTransport::over(r, 2, Box::new(fabric.endpoint(r)))).collect();
     for (t, w) in transports.iter_mut().zip(&windows) {
         // SAFETY: the windows are leaked.
         unsafe { t.register(w.window()).unwrap() };
     }
-    let blobs: Vec<Vec<u8>> = transports.iter_mut().enumerate().map(|(r, t)| t.connection_blob(&[1 - r]).unwrap()).collect();
+    let blobs: Vec<Vec<u8>> =
+        transports.iter_mut().enumerate().map(|(r, t)| t.connection_blob(&[1 - r]).unwrap()).collect();
     for (r, t) in transports.iter_mut().enumerate() {
         t.connect(&blobs, &[1 - r]).unwrap();
     }
@@ -161,7 +167,9 @@ fn a_vanished_peer_fails_the_producer_with_a_remote_error() {
         let producer = ring.host_producer().unwrap();
         let start = Instant::now();
         let e = loop {
-            let r = producer.post(&put_command(1, 0, 64 * SLOT as u64, 100, Some((0, 1)))).and_then(|t| producer.wait_complete(t));
+            let r = producer
+                .post(&put_command(1, 0, 64 * SLOT as u64, 100, Some((0, 1))))
+                .and_then(|t| producer.wait_complete(t));
             if let Err(e) = r {
                 break e;
             }

@@ -73,7 +73,8 @@ fn connect(fabric: &SimFabric, n: usize, data_bytes: usize, signal_words: usize)
         // SAFETY: the window is leaked.
         unsafe { t.register(w.window()).unwrap() };
     }
-    let blobs: Vec<Vec<u8>> = ranks.iter_mut().enumerate().map(|(r, (t, _))| t.connection_blob(&peers(r)).unwrap()).collect();
+    let blobs: Vec<Vec<u8>> =
+        ranks.iter_mut().enumerate().map(|(r, (t, _))| t.connection_blob(&peers(r)).unwrap()).collect();
     for (r, (t, _)) in ranks.iter_mut().enumerate() {
         t.connect(&blobs, &peers(r)).unwrap();
     }
@@ -129,7 +130,19 @@ impl ExchangeRank {
             w.write(j * SLOT, &payload(seed, me, j));
         }
         let rng = SimRng::new(seed.wrapping_add(me as u64));
-        ExchangeRank { me, t, w, seed, puts, words, rng, posted: 0, ids: Vec::new(), completed: Vec::new(), verified: 0 }
+        ExchangeRank {
+            me,
+            t,
+            w,
+            seed,
+            puts,
+            words,
+            rng,
+            posted: 0,
+            ids: Vec::new(),
+            completed: Vec::new(),
+            verified: 0,
+        }
     }
 
     fn done(&self) -> bool {
@@ -143,7 +156,12 @@ impl ExchangeRank {
             while self.verified < v {
                 let expected = payload(self.seed, peer, self.verified);
                 let got = self.w.read((self.puts + self.verified) * SLOT, expected.len());
-                assert!(got == expected, "rank {}: signal {v} seen before the data of put {} landed", self.me, self.verified);
+                assert!(
+                    got == expected,
+                    "rank {}: signal {v} seen before the data of put {} landed",
+                    self.me,
+                    self.verified
+                );
                 self.verified += 1;
             }
         }
@@ -173,7 +191,11 @@ fn exchange_ranks(config: SimConfig, puts: usize) -> (SimFabric, Vec<ExchangeRan
     let words = 7;
     let fabric = SimFabric::new(config);
     let ranks = connect(&fabric, 2, 2 * puts * SLOT, words);
-    let ranks = ranks.into_iter().enumerate().map(|(me, (t, w))| ExchangeRank::new(me, t, w, config.seed, puts, words)).collect();
+    let ranks = ranks
+        .into_iter()
+        .enumerate()
+        .map(|(me, (t, w))| ExchangeRank::new(me, t, w, config.seed, puts, words))
+        .collect();
     (fabric, ranks)
 }
 
@@ -261,8 +283,9 @@ fn full_send_queues_hold_puts_back() {
         for j in 0..200 {
             sw.write(j * SLOT, &payload(5, 0, j));
         }
-        let ids: Vec<PostId> =
-            (0..200).map(|j| sender.post_put(&put_of(1, 5, 0, j, 200, 4)).expect("a full queue is not an error")).collect();
+        let ids: Vec<PostId> = (0..200)
+            .map(|j| sender.post_put(&put_of(1, 5, 0, j, 200, 4)).expect("a full queue is not an error"))
+            .collect();
         assert!(sender.backlog(1) > 0, "{:?}: 200 puts exceed the send queue, so some must wait", config.ordering);
         let mut completed = Vec::new();
         let mut ignored = Vec::new();
@@ -348,14 +371,18 @@ fn a_bad_remote_key_is_a_remote_error() {
             // SAFETY: leaked window.
             unsafe { t.register(w.window()).unwrap() };
         }
-        let mut blobs: Vec<Vec<u8>> = vec![ts[0].0.connection_blob(&[1]).unwrap(), ts[1].0.connection_blob(&[0]).unwrap()];
+        let mut blobs: Vec<Vec<u8>> =
+            vec![ts[0].0.connection_blob(&[1]).unwrap(), ts[1].0.connection_blob(&[0]).unwrap()];
         let mut wrong = RdmaBlob::decode(&blobs[1], 1).unwrap();
         wrong.data.rkey ^= 0x5a5a;
         blobs[1] = wrong.encode();
         ts[0].0.connect(&blobs, &[1]).unwrap();
         ts[1].0.connect(&blobs, &[0]).unwrap();
         ts[0].1.write(0, &[7; 100]);
-        ts[0].0.post_put(&PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 100, signal: Some((0, 1)) }).unwrap();
+        ts[0]
+            .0
+            .post_put(&PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 100, signal: Some((0, 1)) })
+            .unwrap();
         let start = Instant::now();
         let mut done = Vec::new();
         let e = loop {

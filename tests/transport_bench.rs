@@ -50,11 +50,18 @@ fn wait(w: &HostWindow, word: usize, target: u64) -> Result<()> {
     Ok(())
 }
 
-
 /// Short sleeps without the default 50 µs timer slack.
 fn quick_sleeps() {
     // SAFETY: changes only the calling thread's timer slack.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong) };
+    unsafe {
+        libc::prctl(
+            libc::PR_SET_TIMERSLACK,
+            1000 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+        )
+    };
 }
 
 struct Rank {
@@ -127,7 +134,13 @@ fn latency() {
         ranks(2, 1, 1 << 20, |r| {
             let me = r.topology.rank;
             let peer = 1 - me;
-            let cmd = |i: u64| if bytes == 0 { signal(peer, 0, i) } else { put_command(peer as u32, 0, 0, bytes, Some((0, i as u32))) };
+            let cmd = |i: u64| {
+                if bytes == 0 {
+                    signal(peer, 0, i)
+                } else {
+                    put_command(peer as u32, 0, 0, bytes, Some((0, i as u32)))
+                }
+            };
             r.boot.barrier()?;
             let start = Instant::now();
             for i in 1..=ROUNDS {
@@ -169,7 +182,12 @@ fn throughput() {
             r.producer.wait_complete(last)?;
             let t = start.elapsed().as_secs_f64() / reps as f64;
             if r.topology.rank == 0 {
-                println!("{:>3} MiB each way at once: {:8.1} us, {:5.2} GB/s per direction", total >> 20, t * 1e6, total as f64 / t / 1e9);
+                println!(
+                    "{:>3} MiB each way at once: {:8.1} us, {:5.2} GB/s per direction",
+                    total >> 20,
+                    t * 1e6,
+                    total as f64 / t / 1e9
+                );
             }
             Ok(())
         });
@@ -201,7 +219,13 @@ fn hier_steps() {
                                 r.producer.post(&signal(peer, b, step))?;
                                 wait(&r.window, b, step)?;
                                 let at = b as u64 * (1 << 20);
-                                let t = r.producer.post(&put_command(peer as u32, at, at, put as u32, Some(((ARRIVE + b) as u32, step as u32))))?;
+                                let t = r.producer.post(&put_command(
+                                    peer as u32,
+                                    at,
+                                    at,
+                                    put as u32,
+                                    Some(((ARRIVE + b) as u32, step as u32)),
+                                ))?;
                                 wait(&r.window, ARRIVE + b, step)?;
                                 r.producer.wait_complete(t)?;
                             }
@@ -225,4 +249,3 @@ fn hier_steps() {
         });
     }
 }
-

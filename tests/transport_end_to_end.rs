@@ -21,7 +21,6 @@ use common::HostWindow;
 const ROLE: &str = "MK_TEST_END_TO_END_RANK";
 const SIZES: &[u32] = &[1, 7, 4096, 12_345, 1 << 20, (3 << 20) + 5];
 
-
 fn pattern(from: usize, message: usize, i: usize) -> u8 {
     (i.wrapping_mul(13) ^ (i >> 7) ^ message.wrapping_mul(29) ^ from.wrapping_mul(71)) as u8
 }
@@ -98,7 +97,9 @@ fn exchange(id: &UniqueId, rank: usize, nranks: usize) -> Result<()> {
             }
             let got = r.window.slice(area * (p + 1) + offs[m], size as usize);
             if let Some(i) = (0..size as usize).find(|&i| got[i] != pattern(p, m, i)) {
-                return Err(MkError::internal(format!("rank {rank}: message {m} from rank {p} signalled before byte {i}")));
+                return Err(MkError::internal(format!(
+                    "rank {rank}: message {m} from rank {p} signalled before byte {i}"
+                )));
             }
         }
     }
@@ -126,7 +127,8 @@ fn four_ranks_two_emulated_nodes_through_proxies() {
 #[ignore = "child-process entry point: its parent test runs it with --ignored --exact"]
 fn child_rank_entry() {
     let Ok(spec) = std::env::var(ROLE) else { return };
-    let id_bytes: Vec<u8> = (0..spec.len()).step_by(2).map(|i| u8::from_str_radix(&spec[i..i + 2], 16).unwrap()).collect();
+    let id_bytes: Vec<u8> =
+        (0..spec.len()).step_by(2).map(|i| u8::from_str_radix(&spec[i..i + 2], 16).unwrap()).collect();
     let id = UniqueId::from_bytes(&<[u8; UNIQUE_ID_BYTES]>::try_from(id_bytes).unwrap()).unwrap();
     let _rank = set_up(&id, 1, 2, 1, Duration::from_secs(30)).unwrap();
     std::thread::sleep(Duration::from_secs(60));

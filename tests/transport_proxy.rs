@@ -107,7 +107,13 @@ fn start(ring: &Arc<ProxyRing>, transport: &ScriptedTransport, timeout: Duration
 
 /// A command whose fields encode `(producer, index)` so the executed put identifies it.
 fn numbered(producer: u32, index: u32) -> ProxyCommand {
-    put_command(producer + 1, index as u64 * 64, (producer as u64) << 32 | index as u64, 64 + index, Some((producer, index)))
+    put_command(
+        producer + 1,
+        index as u64 * 64,
+        (producer as u64) << 32 | index as u64,
+        64 + index,
+        Some((producer, index)),
+    )
 }
 
 fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
@@ -135,7 +141,16 @@ fn single_producer_wraps_around_in_order() {
     assert_eq!(puts.len(), n as usize);
     for (i, p) in puts.iter().enumerate() {
         let i = i as u32;
-        assert_eq!(*p, PutRequest { peer: 1, src_offset: i as u64 * 64, dst_offset: i as u64, bytes: 64 + i as u64, signal: Some((0, i as u64)) });
+        assert_eq!(
+            *p,
+            PutRequest {
+                peer: 1,
+                src_offset: i as u64 * 64,
+                dst_offset: i as u64,
+                bytes: 64 + i as u64,
+                signal: Some((0, i as u64))
+            }
+        );
     }
     proxy.stop().unwrap();
     assert!(transport.0.lock().closed, "stopping the proxy closes its transport");
@@ -249,7 +264,11 @@ fn stuck_transport_fails_the_proxy_with_timeout() {
     let recorded = proxy.error().unwrap();
     assert_eq!(recorded.code, mkResult_t::mkTimeout);
     assert!(recorded.message.contains("1 puts in flight; ring tail 1, completed 0"), "{recorded}");
-    assert_eq!(producer.post(&numbered(0, 1)).unwrap_err().code, mkResult_t::mkTimeout, "a failed proxy refuses new work");
+    assert_eq!(
+        producer.post(&numbered(0, 1)).unwrap_err().code,
+        mkResult_t::mkTimeout,
+        "a failed proxy refuses new work"
+    );
     assert_eq!(proxy.stop().unwrap_err().code, mkResult_t::mkTimeout);
 }
 
@@ -277,7 +296,8 @@ fn malformed_command_is_an_internal_error() {
     let (ring, producer) = ring(8, Duration::from_secs(10));
     let transport = ScriptedTransport::new(Completion::Immediate);
     let proxy = start(&ring, &transport, Duration::from_secs(10));
-    let bad = ProxyCommand { header: command_header(MK_PROXY_KIND_SIGNAL, 1), bytes: 8, signal_id: 0, ..Default::default() };
+    let bad =
+        ProxyCommand { header: command_header(MK_PROXY_KIND_SIGNAL, 1), bytes: 8, signal_id: 0, ..Default::default() };
     let ticket = producer.post(&bad).unwrap();
     assert_eq!(producer.wait_complete(ticket).unwrap_err().code, mkResult_t::mkInternalError);
     assert!(transport.puts().is_empty(), "nothing is sent for a malformed command");

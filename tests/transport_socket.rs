@@ -3,11 +3,11 @@
 //! GPU i ↔ GPU i peers from the topology, a wrong secret refused, a killed peer giving
 //! mkRemoteError and a stopped one mkTimeout within the timeout.
 
+use mkernel::bootstrap::handshake::{self, DialSpec, Purpose};
+use mkernel::bootstrap::net::Deadline;
 use mkernel::bootstrap::{root::start_root, Bootstrap, UniqueId, UNIQUE_ID_BYTES};
 use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{mkResult_t, MkError, Result};
-use mkernel::bootstrap::handshake::{self, DialSpec, Purpose};
-use mkernel::bootstrap::net::Deadline;
 use mkernel::transport::socket::{SocketBlob, SocketTransport};
 use mkernel::transport::{
     connect_through_bootstrap, MemoryKind, MemoryRegion, PostId, PutRequest, Transport, TransportAuth, Window,
@@ -50,7 +50,11 @@ impl HostWindow {
     fn window(&self) -> Window {
         Window {
             data: MemoryRegion { base: self.data as u64, bytes: self.data_bytes as u64, kind: MemoryKind::Host },
-            signals: MemoryRegion { base: self.signals.as_ptr() as u64, bytes: 8 * self.signals.len() as u64, kind: MemoryKind::Host },
+            signals: MemoryRegion {
+                base: self.signals.as_ptr() as u64,
+                bytes: 8 * self.signals.len() as u64,
+                kind: MemoryKind::Host,
+            },
         }
     }
 
@@ -103,7 +107,12 @@ fn wait_all_posted(t: &mut SocketTransport, ids: &[PostId], limit: Duration) -> 
 /// One rank of the exchange: every rank puts every message of `SIZES` to each of its
 /// peers (source area at offset 0; sender r's messages land in area r + 1 of the peer) with
 /// a signal per message, then checks what its peers put into it as each signal arrives.
-fn run_exchange_rank(id: &UniqueId, rank: usize, nranks: usize, peers_of: fn(usize, usize) -> Vec<usize>) -> Result<()> {
+fn run_exchange_rank(
+    id: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    peers_of: fn(usize, usize) -> Vec<usize>,
+) -> Result<()> {
     let timeout = Duration::from_secs(20);
     let boot = Bootstrap::join(id, rank, nranks, timeout)?;
     let (offsets, area) = message_offsets();
@@ -354,7 +363,8 @@ fn puts_outside_either_window_are_rejected_before_sending() {
                     unsafe { t.register(window.window())? };
                     connect_through_bootstrap(&mut t, &boot, &[1 - rank])?;
                     if rank == 0 {
-                        let ok = PutRequest { peer: 1, src_offset: 7000, dst_offset: 900, bytes: 100, signal: Some((1, 5)) };
+                        let ok =
+                            PutRequest { peer: 1, src_offset: 7000, dst_offset: 900, bytes: 100, signal: Some((1, 5)) };
                         for bad in [
                             PutRequest { dst_offset: 901, ..ok },
                             PutRequest { src_offset: 8100, ..ok },
@@ -427,7 +437,8 @@ fn hand_made_peer(frames: &[Vec<u8>]) -> (SocketTransport, HostWindow, std::net:
     let sock = std::thread::scope(|s| {
         let dialer = s.spawn(|| {
             let d = Deadline::after(Duration::from_secs(5), "test");
-            let spec = DialSpec { key: &auth.key, session: auth.session, purpose: Purpose::Transport, dialer: 1, target: 0 };
+            let spec =
+                DialSpec { key: &auth.key, session: auth.session, purpose: Purpose::Transport, dialer: 1, target: 0 };
             handshake::dial(mine.listen, spec, &d, "fake rank 1").unwrap().into_socket()
         });
         t.connect(&blobs, &[1]).unwrap();
@@ -500,9 +511,21 @@ fn one_signal_covers_every_earlier_put_to_the_peer() {
                         let mut ids = Vec::new();
                         for c in 0..chunks {
                             let at = (c * chunk) as u64;
-                            ids.push(t.post_put(&PutRequest { peer: 1, src_offset: at, dst_offset: at, bytes: chunk as u64, signal: None })?);
+                            ids.push(t.post_put(&PutRequest {
+                                peer: 1,
+                                src_offset: at,
+                                dst_offset: at,
+                                bytes: chunk as u64,
+                                signal: None,
+                            })?);
                         }
-                        ids.push(t.post_put(&PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 0, signal: Some((0, 1)) })?);
+                        ids.push(t.post_put(&PutRequest {
+                            peer: 1,
+                            src_offset: 0,
+                            dst_offset: 0,
+                            bytes: 0,
+                            signal: Some((0, 1)),
+                        })?);
                         wait_all_posted(&mut t, &ids, timeout)?;
                     } else {
                         let start = Instant::now();

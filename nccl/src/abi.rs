@@ -115,8 +115,18 @@ pub const NCCL_VERSION_CODE: c_int = NCCL_MAJOR * 10000 + NCCL_MINOR * 100 + NCC
 /// NCCL's name of a data type value, for messages.
 pub fn datatype_name(t: ncclDataType_t) -> String {
     const NAMES: [&str; 12] = [
-        "ncclInt8", "ncclUint8", "ncclInt32", "ncclUint32", "ncclInt64", "ncclUint64", "ncclFloat16", "ncclFloat32",
-        "ncclFloat64", "ncclBfloat16", "ncclFloat8e4m3", "ncclFloat8e5m2",
+        "ncclInt8",
+        "ncclUint8",
+        "ncclInt32",
+        "ncclUint32",
+        "ncclInt64",
+        "ncclUint64",
+        "ncclFloat16",
+        "ncclFloat32",
+        "ncclFloat64",
+        "ncclBfloat16",
+        "ncclFloat8e4m3",
+        "ncclFloat8e5m2",
     ];
     usize::try_from(t).ok().and_then(|i| NAMES.get(i)).map_or_else(|| format!("datatype {t}"), |s| s.to_string())
 }

@@ -55,9 +55,9 @@ impl CollOp {
 
     fn dtype_op(&self) -> (ncclDataType_t, Option<ncclRedOp_t>) {
         match *self {
-            CollOp::AllReduce { dtype, op, .. } | CollOp::ReduceScatter { dtype, op, .. } | CollOp::Reduce { dtype, op, .. } => {
-                (dtype, Some(op))
-            }
+            CollOp::AllReduce { dtype, op, .. }
+            | CollOp::ReduceScatter { dtype, op, .. }
+            | CollOp::Reduce { dtype, op, .. } => (dtype, Some(op)),
             CollOp::AllGather { dtype, .. } | CollOp::Broadcast { dtype, .. } => (dtype, None),
         }
     }
@@ -67,7 +67,9 @@ impl CollOp {
     pub fn check(&self, nranks: usize) -> Result<()> {
         let (dtype, op) = self.dtype_op();
         if !(0..ncclNumTypes).contains(&dtype) {
-            return Err(NcclError::invalid_argument(format!("datatype {dtype} is not an ncclDataType_t (0..{ncclNumTypes})")));
+            return Err(NcclError::invalid_argument(format!(
+                "datatype {dtype} is not an ncclDataType_t (0..{ncclNumTypes})"
+            )));
         }
         if !mkernel_supports(dtype, None) {
             return Err(NcclError::invalid_argument(format!(
@@ -83,7 +85,9 @@ impl CollOp {
         }
         if let CollOp::Broadcast { root, .. } | CollOp::Reduce { root, .. } = *self {
             if root < 0 || root as usize >= nranks {
-                return Err(NcclError::invalid_argument(format!("root {root} is not a rank of this communicator (0..{nranks})")));
+                return Err(NcclError::invalid_argument(format!(
+                    "root {root} is not a rank of this communicator (0..{nranks})"
+                )));
             }
         }
         Ok(())
@@ -91,7 +95,16 @@ impl CollOp {
 }
 
 #[allow(clippy::too_many_arguments)] // mkernel::ops::collectives::collective's arguments, plus the comm
-fn kind_call(comm: &MkComm, kind: CollectiveKind, send: usize, recv: usize, count: usize, dtype: c_int, op: Option<c_int>, stream: usize) -> Result<()> {
+fn kind_call(
+    comm: &MkComm,
+    kind: CollectiveKind,
+    send: usize,
+    recv: usize,
+    count: usize,
+    dtype: c_int,
+    op: Option<c_int>,
+    stream: usize,
+) -> Result<()> {
     collective(comm, kind, send as u64, recv as u64, count, dtype, op, stream as sys::CUstream).map_err(NcclError::from)
 }
 
@@ -100,7 +113,9 @@ pub fn run(comm: &MkComm, op: &CollOp, stream: usize) -> Result<()> {
     let ar = CollectiveKind::AllReduce;
     let sum = Some(mkRedOp_t::mkSum as c_int);
     match *op {
-        CollOp::AllReduce { send, recv, count, dtype, op } => kind_call(comm, ar, send, recv, count, dtype, Some(op), stream),
+        CollOp::AllReduce { send, recv, count, dtype, op } => {
+            kind_call(comm, ar, send, recv, count, dtype, Some(op), stream)
+        }
         CollOp::AllGather { send, recv, count, dtype } => {
             kind_call(comm, CollectiveKind::AllGather, send, recv, count, dtype, None, stream)
         }

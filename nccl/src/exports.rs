@@ -54,7 +54,12 @@ fn not_standalone(name: &str) -> NcclError {
 
 /// Interpose: a call on a communicator that goes to the real NCCL, after the mkernel attach
 /// settled (so every rank issues its real calls in the same order).
-fn forward(name: &'static str, comm: ncclComm_t, counted: Option<&str>, call: impl FnOnce(ncclComm_t) -> Result<ncclResult_t>) -> ncclResult_t {
+fn forward(
+    name: &'static str,
+    comm: ncclComm_t,
+    counted: Option<&str>,
+    call: impl FnOnce(ncclComm_t) -> Result<ncclResult_t>,
+) -> ncclResult_t {
     if !matches!(real::mode(), Ok(Mode::Interpose(_))) {
         return forward_plain(name, || Err(NcclError::internal("unreachable: standalone refuses first")));
     }
@@ -92,14 +97,22 @@ fn run_on_mkernel(h: &Arc<CommHandle>, op: CollOp, stream: cudaStream_t) -> Resu
 fn usable_mk(h: &CommHandle) -> Result<Arc<crate::handle::MkComm>> {
     match h.mk_comm()? {
         Some(mk) => Ok(mk),
-        None if h.aborted.load(Ordering::Acquire) => Err(NcclError::invalid_usage("the communicator was aborted (ncclCommAbort)")),
+        None if h.aborted.load(Ordering::Acquire) => {
+            Err(NcclError::invalid_usage("the communicator was aborted (ncclCommAbort)"))
+        }
         None => Err(NcclError::internal("the communicator has no mkernel side")),
     }
 }
 
 /// A collective that mkernel may run: standalone always; interpose when the communicator
 /// has an mkernel side and mkernel runs the type and op, else the real NCCL.
-fn collective(name: &'static str, comm: ncclComm_t, op: CollOp, stream: cudaStream_t, real_call: impl FnOnce(ncclComm_t) -> Result<ncclResult_t>) -> ncclResult_t {
+fn collective(
+    name: &'static str,
+    comm: ncclComm_t,
+    op: CollOp,
+    stream: cudaStream_t,
+    real_call: impl FnOnce(ncclComm_t) -> Result<ncclResult_t>,
+) -> ncclResult_t {
     on_comm(name, comm, |h| {
         if standalone()? {
             return run_on_mkernel(h, op, stream);
@@ -194,7 +207,14 @@ pub extern "C" fn ncclResetDebugInit() {
 
 // ---------------------------------------------------------------- communicators
 
-unsafe fn init_rank(name: &'static str, out: *mut ncclComm_t, nranks: c_int, id: ncclUniqueId, rank: c_int, config: *mut ncclConfig_t) -> ncclResult_t {
+unsafe fn init_rank(
+    name: &'static str,
+    out: *mut ncclComm_t,
+    nranks: c_int,
+    id: ncclUniqueId,
+    rank: c_int,
+    config: *mut ncclConfig_t,
+) -> ncclResult_t {
     plain(name, || {
         if out.is_null() {
             return Err(NcclError::invalid_argument("comm (the output pointer) is NULL"));
@@ -239,7 +259,13 @@ unsafe fn init_rank(name: &'static str, out: *mut ncclComm_t, nranks: c_int, id:
 
 /// Interpose: wraps a communicator the real NCCL made and attaches mkernel to it: at the
 /// group's end inside a group, on a thread for a non-blocking one, else now.
-unsafe fn wrap_real(rc: ncclResult_t, real_comm: ncclComm_t, rank: usize, nranks: usize, out: *mut ncclComm_t) -> Result<ncclResult_t> {
+unsafe fn wrap_real(
+    rc: ncclResult_t,
+    real_comm: ncclComm_t,
+    rank: usize,
+    nranks: usize,
+    out: *mut ncclComm_t,
+) -> Result<ncclResult_t> {
     note_real_result(rc);
     if (rc != ncclSuccess && rc != ncclInProgress) || real_comm.is_null() {
         return Ok(rc);
@@ -265,7 +291,12 @@ fn spawn_attach(h: Arc<CommHandle>) {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ncclCommInitRank(comm: *mut ncclComm_t, nranks: c_int, commId: ncclUniqueId, rank: c_int) -> ncclResult_t {
+pub unsafe extern "C" fn ncclCommInitRank(
+    comm: *mut ncclComm_t,
+    nranks: c_int,
+    commId: ncclUniqueId,
+    rank: c_int,
+) -> ncclResult_t {
     init_rank("ncclCommInitRank", comm, nranks, commId, rank, std::ptr::null_mut())
 }
 
@@ -320,7 +351,8 @@ pub unsafe extern "C" fn ncclCommInitAll(comm: *mut ncclComm_t, ndev: c_int, dev
         let n = ndev as usize;
         let out = std::slice::from_raw_parts_mut(comm, n);
         out.fill(std::ptr::null_mut());
-        let devices: Vec<c_int> = if devlist.is_null() { (0..ndev).collect() } else { std::slice::from_raw_parts(devlist, n).to_vec() };
+        let devices: Vec<c_int> =
+            if devlist.is_null() { (0..ndev).collect() } else { std::slice::from_raw_parts(devlist, n).to_vec() };
         if !standalone()? {
             let mut reals = vec![std::ptr::null_mut(); n];
             let rc = real::ncclCommInitAll()?(reals.as_mut_ptr(), ndev, devlist);
@@ -346,7 +378,8 @@ pub unsafe extern "C" fn ncclCommInitAll(comm: *mut ncclComm_t, ndev: c_int, dev
         mkernel::cuda::driver()?;
         let id = start_root()?.to_bytes();
         let config = CommConfig::from_env();
-        let handles: Vec<Arc<CommHandle>> = devices.iter().enumerate().map(|(i, &d)| CommHandle::new(i, n, d, true, None)).collect();
+        let handles: Vec<Arc<CommHandle>> =
+            devices.iter().enumerate().map(|(i, &d)| CommHandle::new(i, n, d, true, None)).collect();
         let jobs = handles.iter().map(|h| InitJob { handle: h.clone(), id, config: config.clone() }).collect();
         init::start_inits(jobs, true)?;
         for (slot, h) in out.iter_mut().zip(handles) {
@@ -357,7 +390,13 @@ pub unsafe extern "C" fn ncclCommInitAll(comm: *mut ncclComm_t, ndev: c_int, dev
 }
 
 fn log_counts(h: &CommHandle, how: &str) {
-    mkernel::mk_info!(Some(h.rank), "libmkernel-nccl: {how} rank {} of {}; calls {}", h.rank, h.nranks, h.counts_line());
+    mkernel::mk_info!(
+        Some(h.rank),
+        "libmkernel-nccl: {how} rank {} of {}; calls {}",
+        h.rank,
+        h.nranks,
+        h.counts_line()
+    );
 }
 
 /// Waits for the work queued on the communicator's device to finish.
@@ -440,7 +479,12 @@ pub unsafe extern "C" fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) ->
 }
 
 /// Interpose: a real communicator made from another (split, shrink), wrapped and attached.
-unsafe fn derived(name: &'static str, comm: ncclComm_t, newcomm: *mut ncclComm_t, make: impl FnOnce(ncclComm_t, *mut ncclComm_t) -> Result<ncclResult_t>) -> ncclResult_t {
+unsafe fn derived(
+    name: &'static str,
+    comm: ncclComm_t,
+    newcomm: *mut ncclComm_t,
+    make: impl FnOnce(ncclComm_t, *mut ncclComm_t) -> Result<ncclResult_t>,
+) -> ncclResult_t {
     if !matches!(real::mode(), Ok(Mode::Interpose(_))) {
         return forward_plain(name, || Err(NcclError::internal("unreachable: standalone refuses first")));
     }
@@ -462,7 +506,13 @@ unsafe fn derived(name: &'static str, comm: ncclComm_t, newcomm: *mut ncclComm_t
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ncclCommSplit(comm: ncclComm_t, color: c_int, key: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) -> ncclResult_t {
+pub unsafe extern "C" fn ncclCommSplit(
+    comm: ncclComm_t,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut ncclConfig_t,
+) -> ncclResult_t {
     derived("ncclCommSplit", comm, newcomm, |c, out| Ok(real::ncclCommSplit()?(c, color, key, out, config)))
 }
 
@@ -507,7 +557,13 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(comm: ncclComm_t, asyncError: *mu
     })
 }
 
-unsafe fn query(name: &'static str, comm: ncclComm_t, out: *mut c_int, local: impl FnOnce(&CommHandle) -> c_int, real_fn: fn() -> Result<real::types::ncclCommCount>) -> ncclResult_t {
+unsafe fn query(
+    name: &'static str,
+    comm: ncclComm_t,
+    out: *mut c_int,
+    local: impl FnOnce(&CommHandle) -> c_int,
+    real_fn: fn() -> Result<real::types::ncclCommCount>,
+) -> ncclResult_t {
     on_comm(name, comm, |h| {
         if out.is_null() {
             return Err(NcclError::invalid_argument(format!("{name}: the output pointer is NULL")));
@@ -548,7 +604,12 @@ pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ncclCommRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, handle: *mut *mut c_void) -> ncclResult_t {
+pub unsafe extern "C" fn ncclCommRegister(
+    comm: ncclComm_t,
+    buff: *mut c_void,
+    size: usize,
+    handle: *mut *mut c_void,
+) -> ncclResult_t {
     forward("ncclCommRegister", comm, None, |c| Ok(real::ncclCommRegister()?(c, buff, size, handle)))
 }
 
@@ -558,7 +619,13 @@ pub unsafe extern "C" fn ncclCommDeregister(comm: ncclComm_t, handle: *mut c_voi
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ncclCommWindowRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, win: *mut ncclWindow_t, winFlags: c_int) -> ncclResult_t {
+pub unsafe extern "C" fn ncclCommWindowRegister(
+    comm: ncclComm_t,
+    buff: *mut c_void,
+    size: usize,
+    win: *mut ncclWindow_t,
+    winFlags: c_int,
+) -> ncclResult_t {
     forward("ncclCommWindowRegister", comm, None, |c| Ok(real::ncclCommWindowRegister()?(c, buff, size, win, winFlags)))
 }
 
@@ -575,7 +642,9 @@ pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
     residence: ncclScalarResidence_t,
     comm: ncclComm_t,
 ) -> ncclResult_t {
-    forward("ncclRedOpCreatePreMulSum", comm, None, |c| Ok(real::ncclRedOpCreatePreMulSum()?(op, scalar, datatype, residence, c)))
+    forward("ncclRedOpCreatePreMulSum", comm, None, |c| {
+        Ok(real::ncclRedOpCreatePreMulSum()?(op, scalar, datatype, residence, c))
+    })
 }
 
 #[no_mangle]
@@ -596,7 +665,9 @@ pub unsafe extern "C" fn ncclAllReduce(
     stream: cudaStream_t,
 ) -> ncclResult_t {
     let o = CollOp::AllReduce { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, op };
-    collective("ncclAllReduce", comm, o, stream, |c| Ok(real::ncclAllReduce()?(sendbuff, recvbuff, count, datatype, op, c, stream)))
+    collective("ncclAllReduce", comm, o, stream, |c| {
+        Ok(real::ncclAllReduce()?(sendbuff, recvbuff, count, datatype, op, c, stream))
+    })
 }
 
 #[no_mangle]
@@ -609,7 +680,9 @@ pub unsafe extern "C" fn ncclAllGather(
     stream: cudaStream_t,
 ) -> ncclResult_t {
     let o = CollOp::AllGather { send: sendbuff as usize, recv: recvbuff as usize, count: sendcount, dtype: datatype };
-    collective("ncclAllGather", comm, o, stream, |c| Ok(real::ncclAllGather()?(sendbuff, recvbuff, sendcount, datatype, c, stream)))
+    collective("ncclAllGather", comm, o, stream, |c| {
+        Ok(real::ncclAllGather()?(sendbuff, recvbuff, sendcount, datatype, c, stream))
+    })
 }
 
 #[no_mangle]
@@ -622,7 +695,13 @@ pub unsafe extern "C" fn ncclReduceScatter(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let o = CollOp::ReduceScatter { send: sendbuff as usize, recv: recvbuff as usize, count: recvcount, dtype: datatype, op };
+    let o = CollOp::ReduceScatter {
+        send: sendbuff as usize,
+        recv: recvbuff as usize,
+        count: recvcount,
+        dtype: datatype,
+        op,
+    };
     collective("ncclReduceScatter", comm, o, stream, |c| {
         Ok(real::ncclReduceScatter()?(sendbuff, recvbuff, recvcount, datatype, op, c, stream))
     })
@@ -639,11 +718,20 @@ pub unsafe extern "C" fn ncclBroadcast(
     stream: cudaStream_t,
 ) -> ncclResult_t {
     let o = CollOp::Broadcast { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, root };
-    collective("ncclBroadcast", comm, o, stream, |c| Ok(real::ncclBroadcast()?(sendbuff, recvbuff, count, datatype, root, c, stream)))
+    collective("ncclBroadcast", comm, o, stream, |c| {
+        Ok(real::ncclBroadcast()?(sendbuff, recvbuff, count, datatype, root, c, stream))
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ncclBcast(buff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t {
+pub unsafe extern "C" fn ncclBcast(
+    buff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    root: c_int,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
     let o = CollOp::Broadcast { send: buff as usize, recv: buff as usize, count, dtype: datatype, root };
     collective("ncclBcast", comm, o, stream, |c| Ok(real::ncclBcast()?(buff, count, datatype, root, c, stream)))
 }
@@ -660,12 +748,23 @@ pub unsafe extern "C" fn ncclReduce(
     stream: cudaStream_t,
 ) -> ncclResult_t {
     let o = CollOp::Reduce { send: sendbuff as usize, recv: recvbuff as usize, count, dtype: datatype, op, root };
-    collective("ncclReduce", comm, o, stream, |c| Ok(real::ncclReduce()?(sendbuff, recvbuff, count, datatype, op, root, c, stream)))
+    collective("ncclReduce", comm, o, stream, |c| {
+        Ok(real::ncclReduce()?(sendbuff, recvbuff, count, datatype, op, root, c, stream))
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ncclAlltoAll(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t {
-    forward("ncclAlltoAll", comm, Some("AlltoAll"), |c| Ok(real::ncclAlltoAll()?(sendbuff, recvbuff, count, datatype, c, stream)))
+pub unsafe extern "C" fn ncclAlltoAll(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    forward("ncclAlltoAll", comm, Some("AlltoAll"), |c| {
+        Ok(real::ncclAlltoAll()?(sendbuff, recvbuff, count, datatype, c, stream))
+    })
 }
 
 #[no_mangle]
@@ -678,7 +777,9 @@ pub unsafe extern "C" fn ncclGather(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    forward("ncclGather", comm, Some("Gather"), |c| Ok(real::ncclGather()?(sendbuff, recvbuff, count, datatype, root, c, stream)))
+    forward("ncclGather", comm, Some("Gather"), |c| {
+        Ok(real::ncclGather()?(sendbuff, recvbuff, count, datatype, root, c, stream))
+    })
 }
 
 #[no_mangle]
@@ -691,16 +792,32 @@ pub unsafe extern "C" fn ncclScatter(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    forward("ncclScatter", comm, Some("Scatter"), |c| Ok(real::ncclScatter()?(sendbuff, recvbuff, count, datatype, root, c, stream)))
+    forward("ncclScatter", comm, Some("Scatter"), |c| {
+        Ok(real::ncclScatter()?(sendbuff, recvbuff, count, datatype, root, c, stream))
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ncclSend(sendbuff: *const c_void, count: usize, datatype: ncclDataType_t, peer: c_int, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t {
+pub unsafe extern "C" fn ncclSend(
+    sendbuff: *const c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    peer: c_int,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
     forward("ncclSend", comm, Some("Send"), |c| Ok(real::ncclSend()?(sendbuff, count, datatype, peer, c, stream)))
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ncclRecv(recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, peer: c_int, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t {
+pub unsafe extern "C" fn ncclRecv(
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    peer: c_int,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
     forward("ncclRecv", comm, Some("Recv"), |c| Ok(real::ncclRecv()?(recvbuff, count, datatype, peer, c, stream)))
 }
 

@@ -188,7 +188,11 @@ impl CommHandle {
                 .iter()
                 .filter_map(|c| Some(self.counted(c, route)).filter(|&n| n > 0).map(|n| format!("{c} {n}")))
                 .collect();
-            if parts.is_empty() { "none".to_string() } else { parts.join(", ") }
+            if parts.is_empty() {
+                "none".to_string()
+            } else {
+                parts.join(", ")
+            }
         };
         format!("on mkernel: {}; on NCCL: {}", side(Route::Mkernel), side(Route::Nccl))
     }

@@ -105,14 +105,11 @@ pub fn start_inits(mut jobs: Vec<InitJob>, wait: bool) -> Result<()> {
         .into_iter()
         .map(|job| {
             let h = job.handle.clone();
-            std::thread::Builder::new()
-                .name("mk-nccl-init".into())
-                .spawn(move || run_init(job))
-                .map_err(|e| {
-                    let err = NcclError::system(format!("cannot start an init thread: {e}"));
-                    h.settle(MkSlot::Failed(err.clone()));
-                    err
-                })
+            std::thread::Builder::new().name("mk-nccl-init".into()).spawn(move || run_init(job)).map_err(|e| {
+                let err = NcclError::system(format!("cannot start an init thread: {e}"));
+                h.settle(MkSlot::Failed(err.clone()));
+                err
+            })
         })
         .collect();
     if !wait {
@@ -170,11 +167,20 @@ fn finish_real(rc: ncclResult_t, comm: ncclComm_t, stream: sys::CUstream, what: 
 pub fn attach(h: &Arc<CommHandle>) {
     let slot = match wait_real_ready(h).and_then(|()| attach_inner(h)) {
         Ok(c) => {
-            mkernel::mk_info!(Some(h.rank), "libmkernel-nccl: rank {} of {} has an mkernel communicator", h.rank, h.nranks);
+            mkernel::mk_info!(
+                Some(h.rank),
+                "libmkernel-nccl: rank {} of {} has an mkernel communicator",
+                h.rank,
+                h.nranks
+            );
             MkSlot::Ready(Arc::new(c))
         }
         Err(e) => {
-            mkernel::mk_info!(Some(h.rank), "libmkernel-nccl: every call of this communicator goes to NCCL: {}", e.message);
+            mkernel::mk_info!(
+                Some(h.rank),
+                "libmkernel-nccl: every call of this communicator goes to NCCL: {}",
+                e.message
+            );
             MkSlot::Off(e.message)
         }
     };
@@ -241,7 +247,15 @@ fn attach_inner(h: &CommHandle) -> Result<MkComm> {
     // SAFETY: host and device buffers of the sizes given; the real broadcast of msg.len() bytes.
     unsafe {
         check("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(scratch.buf, msg.as_ptr().cast(), msg.len()))?;
-        let rc = real::ncclBroadcast()?(buf, buf, msg.len(), 1 /* ncclUint8 */, 0, comm, scratch.stream as cudaStream_t);
+        let rc = real::ncclBroadcast()?(
+            buf,
+            buf,
+            msg.len(),
+            1, /* ncclUint8 */
+            0,
+            comm,
+            scratch.stream as cudaStream_t,
+        );
         finish_real(rc, comm, scratch.stream, "ncclBroadcast of mkernel's unique id")?;
         check("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2(msg.as_mut_ptr().cast(), scratch.buf, msg.len()))?;
     }
@@ -259,7 +273,15 @@ fn attach_inner(h: &CommHandle) -> Result<MkComm> {
     // SAFETY: one int32 through the device buffer, reduced with ncclMin.
     unsafe {
         check("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(scratch.buf, (&all_made as *const i32).cast(), 4))?;
-        let rc = real::ncclAllReduce()?(buf, buf, 1, 2 /* ncclInt32 */, 3 /* ncclMin */, comm, scratch.stream as cudaStream_t);
+        let rc = real::ncclAllReduce()?(
+            buf,
+            buf,
+            1,
+            2, /* ncclInt32 */
+            3, /* ncclMin */
+            comm,
+            scratch.stream as cudaStream_t,
+        );
         finish_real(rc, comm, scratch.stream, "ncclAllReduce of the attach outcome")?;
         check("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2((&mut all_made as *mut i32).cast(), scratch.buf, 4))?;
     }
@@ -275,7 +297,11 @@ fn attach_inner(h: &CommHandle) -> Result<MkComm> {
 }
 
 fn real_ok(rc: ncclResult_t, what: &str) -> Result<()> {
-    if rc == ncclSuccess { Ok(()) } else { Err(NcclError::new(rc, format!("the real {what} failed with ncclResult_t {rc}"))) }
+    if rc == ncclSuccess {
+        Ok(())
+    } else {
+        Err(NcclError::new(rc, format!("the real {what} failed with ncclResult_t {rc}")))
+    }
 }
 
 #[cfg(test)]

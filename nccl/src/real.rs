@@ -90,7 +90,11 @@ pub fn real() -> Option<&'static RealNccl> {
 fn dl_error() -> String {
     // SAFETY: dlerror returns NULL or a NUL-terminated string owned by libc.
     let e = unsafe { libc::dlerror() };
-    if e.is_null() { "unknown dlopen error".into() } else { unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned() }
+    if e.is_null() {
+        "unknown dlopen error".into()
+    } else {
+        unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+    }
 }
 
 fn file_of(addr: usize) -> String {
@@ -126,7 +130,11 @@ fn open(path: &str) -> std::result::Result<usize, String> {
     let c = CString::new(path).map_err(|_| "the path holds a NUL byte".to_string())?;
     // SAFETY: dlopen of a path; the handle is kept for the life of the process.
     let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-    if h.is_null() { Err(dl_error()) } else { Ok(h as usize) }
+    if h.is_null() {
+        Err(dl_error())
+    } else {
+        Ok(h as usize)
+    }
 }
 
 /// Selects the mode from MK_NCCL_MODE and MK_NCCL_LIBRARY (see the module comment).
@@ -147,9 +155,9 @@ pub fn select(mode: Option<&str>, library: Option<&str>) -> Result<Mode> {
     if let Some(path) = library.filter(|p| !p.trim().is_empty()) {
         // An explicit library that cannot be used is an error, never a silent fallback.
         let real = open(path).and_then(|h| probe(h, "MK_NCCL_LIBRARY"));
-        return real.map(Mode::Interpose).map_err(|e| {
-            NcclError::system(format!("MK_NCCL_LIBRARY={path} cannot be used as the real NCCL: {e}"))
-        });
+        return real
+            .map(Mode::Interpose)
+            .map_err(|e| NcclError::system(format!("MK_NCCL_LIBRARY={path} cannot be used as the real NCCL: {e}")));
     }
     match probe(libc::RTLD_NEXT as usize, "the loader's search order after libmkernel-nccl (RTLD_NEXT)") {
         Ok(r) => return Ok(Mode::Interpose(r)),
@@ -160,7 +168,10 @@ pub fn select(mode: Option<&str>, library: Option<&str>) -> Result<Mode> {
         Err(e) => tried.push(format!("libnccl.so.2 not usable ({e})")),
     }
     if mode.as_deref() == Some("interpose") {
-        return Err(NcclError::system(format!("MK_NCCL_MODE=interpose but no real NCCL was found: {}", tried.join("; "))));
+        return Err(NcclError::system(format!(
+            "MK_NCCL_MODE=interpose but no real NCCL was found: {}",
+            tried.join("; ")
+        )));
     }
     Ok(Mode::Standalone(tried.join("; ")))
 }

@@ -40,7 +40,9 @@ fn cuda_include() -> PathBuf {
         .flatten()
         .map(|e| e.path().join("site-packages/nvidia/cu13/include"))
         .find(|p| p.join("cuda_runtime.h").is_file())
-        .unwrap_or_else(|| panic!("no cuda_runtime.h under {}: run scripts/setup.sh or set MK_CUDA_INCLUDE", lib.display()))
+        .unwrap_or_else(|| {
+            panic!("no cuda_runtime.h under {}: run scripts/setup.sh or set MK_CUDA_INCLUDE", lib.display())
+        })
 }
 
 fn out_dir() -> PathBuf {
@@ -67,24 +69,48 @@ fn compile_c(name: &str, source: &str, run: bool) {
         cc.args(["-fsyntax-only"]);
     }
     let out = cc.output().expect("cc runs");
-    assert!(out.status.success(), "{name}.c does not compile against nccl.h:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{name}.c does not compile against nccl.h:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     if run {
         let out = Command::new(&exe).output().unwrap();
-        assert!(out.status.success(), "{name} failed:\n{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{name} failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
 /// The prototypes of every `#[no_mangle]` function of this crate, as cbindgen writes them,
 /// naming NCCL's types.
 fn rust_prototypes() -> String {
-    let mut config =
-        cbindgen::Config { language: cbindgen::Language::C, no_includes: true, usize_is_size_t: true, ..Default::default() };
+    let mut config = cbindgen::Config {
+        language: cbindgen::Language::C,
+        no_includes: true,
+        usize_is_size_t: true,
+        ..Default::default()
+    };
     // The types and constants the prototypes name are the header's: none is emitted.
     use cbindgen::ItemType::*;
     config.export.item_types = vec![Functions, Structs, Typedefs, OpaqueItems];
     config.export.exclude = [
-        "ncclResult_t", "ncclDataType_t", "ncclRedOp_t", "ncclScalarResidence_t", "cudaStream_t", "CUstream_st",
-        "ncclUniqueId", "ncclComm", "ncclComm_t", "ncclWindow_vidmem", "ncclWindow_t", "ncclConfig_t", "ncclSimInfo_t",
+        "ncclResult_t",
+        "ncclDataType_t",
+        "ncclRedOp_t",
+        "ncclScalarResidence_t",
+        "cudaStream_t",
+        "CUstream_st",
+        "ncclUniqueId",
+        "ncclComm",
+        "ncclComm_t",
+        "ncclWindow_vidmem",
+        "ncclWindow_t",
+        "ncclConfig_t",
+        "ncclSimInfo_t",
     ]
     .map(String::from)
     .to_vec();
@@ -163,8 +189,26 @@ fn config_layout_and_constants_match_the_real_header() {
             }));
         )*};
     }
-    field!(ncclConfig_t, size, magic, version, blocking, cgaClusterSize, minCTAs, maxCTAs, netName, splitShare,
-        trafficClass, commName, collnetEnable, CTAPolicy, shrinkShare, nvlsCTAs, nChannelsPerNetPeer, nvlinkCentricSched);
+    field!(
+        ncclConfig_t,
+        size,
+        magic,
+        version,
+        blocking,
+        cgaClusterSize,
+        minCTAs,
+        maxCTAs,
+        netName,
+        splitShare,
+        trafficClass,
+        commName,
+        collnetEnable,
+        CTAPolicy,
+        shrinkShare,
+        nvlsCTAs,
+        nChannelsPerNetPeer,
+        nvlinkCentricSched
+    );
     sa(format!("sizeof(ncclSimInfo_t) == {}", size_of::<ncclSimInfo_t>()));
     field!(ncclSimInfo_t, size, magic, version, estimatedTime);
     sa(format!("sizeof(ncclUniqueId) == {}", size_of::<ncclUniqueId>()));
@@ -172,21 +216,41 @@ fn config_layout_and_constants_match_the_real_header() {
     sa(format!("NCCL_VERSION_CODE == {NCCL_VERSION_CODE}"));
     sa(format!("NCCL_CONFIG_UNDEF_INT == {NCCL_CONFIG_UNDEF_INT} - 0"));
     for (name, v) in [
-        ("ncclSuccess", ncclSuccess), ("ncclUnhandledCudaError", ncclUnhandledCudaError), ("ncclSystemError", ncclSystemError),
-        ("ncclInternalError", ncclInternalError), ("ncclInvalidArgument", ncclInvalidArgument),
-        ("ncclInvalidUsage", ncclInvalidUsage), ("ncclRemoteError", ncclRemoteError), ("ncclInProgress", ncclInProgress),
-        ("ncclNumResults", ncclNumResults), ("ncclFloat8e4m3", ncclFloat8e4m3), ("ncclFloat8e5m2", ncclFloat8e5m2),
-        ("ncclNumTypes", ncclNumTypes), ("ncclSum", ncclSum), ("ncclNumOps", ncclNumOps),
+        ("ncclSuccess", ncclSuccess),
+        ("ncclUnhandledCudaError", ncclUnhandledCudaError),
+        ("ncclSystemError", ncclSystemError),
+        ("ncclInternalError", ncclInternalError),
+        ("ncclInvalidArgument", ncclInvalidArgument),
+        ("ncclInvalidUsage", ncclInvalidUsage),
+        ("ncclRemoteError", ncclRemoteError),
+        ("ncclInProgress", ncclInProgress),
+        ("ncclNumResults", ncclNumResults),
+        ("ncclFloat8e4m3", ncclFloat8e4m3),
+        ("ncclFloat8e5m2", ncclFloat8e5m2),
+        ("ncclNumTypes", ncclNumTypes),
+        ("ncclSum", ncclSum),
+        ("ncclNumOps", ncclNumOps),
     ] {
         sa(format!("{name} == {v}"));
     }
     // mkernel's data types and ops carry NCCL's numbers (they are passed through unchanged).
     for t in mkernel::types::mkDataType_t::ALL {
-        let nccl = ["ncclInt8", "ncclUint8", "ncclInt32", "ncclUint32", "ncclInt64", "ncclUint64", "ncclFloat16", "ncclFloat32",
-            "ncclFloat64", "ncclBfloat16"][t as usize];
+        let nccl = [
+            "ncclInt8",
+            "ncclUint8",
+            "ncclInt32",
+            "ncclUint32",
+            "ncclInt64",
+            "ncclUint64",
+            "ncclFloat16",
+            "ncclFloat32",
+            "ncclFloat64",
+            "ncclBfloat16",
+        ][t as usize];
         sa(format!("{nccl} == {} && sizeof(ncclDataType_t) == sizeof(int)", t as i32));
     }
-    for (o, nccl) in mkernel::types::mkRedOp_t::ALL.iter().zip(["ncclSum", "ncclProd", "ncclMax", "ncclMin", "ncclAvg"]) {
+    for (o, nccl) in mkernel::types::mkRedOp_t::ALL.iter().zip(["ncclSum", "ncclProd", "ncclMax", "ncclMin", "ncclAvg"])
+    {
         sa(format!("{nccl} == {} && sizeof(ncclRedOp_t) == sizeof(int)", *o as i32));
     }
     sa("sizeof(ncclResult_t) == sizeof(int)".into());

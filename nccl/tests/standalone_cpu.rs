@@ -65,8 +65,18 @@ fn a_group_holds_collectives_until_its_end_and_reports_their_errors() {
     assert_eq!(unsafe { ncclBroadcast(x, x, 4, 7, 2, c, null_mut()) }, ncclInvalidArgument);
     assert!(last_error().contains("root 2 is not a rank"), "{}", last_error());
     // Held: returns at once although the communicator is not ready.
-    assert_eq!(unsafe { ncclAllReduce(x, x, 4, 7, 4 /* ncclAvg */, c, null_mut()) }, ncclSuccess);
-    assert_eq!(unsafe { ncclReduce(x, x, 4, 9, 2 /* ncclMax */, 1, c, null_mut()) }, ncclSuccess);
+    assert_eq!(
+        unsafe {
+            ncclAllReduce(x, x, 4, 7, 4 /* ncclAvg */, c, null_mut())
+        },
+        ncclSuccess
+    );
+    assert_eq!(
+        unsafe {
+            ncclReduce(x, x, 4, 9, 2 /* ncclMax */, 1, c, null_mut())
+        },
+        ncclSuccess
+    );
     let h2 = h.clone();
     let settle = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(50));

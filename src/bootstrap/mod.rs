@@ -206,7 +206,11 @@ impl Bootstrap {
         for step in 0..n - 1 {
             let send_idx = (self.rank + n - step) % n;
             let recv_idx = (self.rank + 2 * n - step - 1) % n;
-            let what = format!("rank {} bootstrap allgather step {step} (waiting on rank {})", self.rank, (self.rank + n - 1) % n);
+            let what = format!(
+                "rank {} bootstrap allgather step {step} (waiting on rank {})",
+                self.rank,
+                (self.rank + n - 1) % n
+            );
             let payload = std::mem::take(&mut blocks[send_idx]);
             let Ring { next, prev } = ring;
             let received = std::thread::scope(|s| {

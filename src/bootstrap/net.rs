@@ -6,7 +6,6 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-
 /// Fills `buf` from the kernel's random source.
 pub fn random_bytes(buf: &mut [u8]) -> Result<()> {
     let mut filled = 0;
@@ -62,11 +61,7 @@ impl Deadline {
 
     /// The `mkTimeout` for `what` not finishing before this deadline.
     pub fn expired(&self, what: &dyn std::fmt::Display) -> MkError {
-        MkError::timeout(format!(
-            "{what} did not complete within {}={} ms",
-            self.governed_by,
-            self.total.as_millis()
-        ))
+        MkError::timeout(format!("{what} did not complete within {}={} ms", self.governed_by, self.total.as_millis()))
     }
 
     /// Time left, or `mkTimeout` naming what was being waited for.
@@ -157,11 +152,13 @@ pub fn interface_matches(filter: &str, name: &str) -> bool {
         Some(r) => (true, r),
         None => (false, rest),
     };
-    let hit = rest
-        .split(',')
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-        .any(|p| if exact { name == p } else { name.starts_with(p) });
+    let hit = rest.split(',').map(str::trim).filter(|p| !p.is_empty()).any(|p| {
+        if exact {
+            name == p
+        } else {
+            name.starts_with(p)
+        }
+    });
     hit != exclude
 }
 
@@ -170,17 +167,13 @@ pub fn interface_matches(filter: &str, name: &str) -> bool {
 pub fn local_address() -> Result<IpAddr> {
     let ifs = interfaces()?;
     if let Some(filter) = crate::env::socket_ifname() {
-        return ifs
-            .iter()
-            .find(|i| interface_matches(&filter, &i.name))
-            .map(|i| i.addr)
-            .ok_or_else(|| {
-                let names: Vec<_> = ifs.iter().map(|i| i.name.as_str()).collect();
-                MkError::system(format!(
-                    "MK_SOCKET_IFNAME={filter:?} matches no interface that is up (have: {})",
-                    names.join(", ")
-                ))
-            });
+        return ifs.iter().find(|i| interface_matches(&filter, &i.name)).map(|i| i.addr).ok_or_else(|| {
+            let names: Vec<_> = ifs.iter().map(|i| i.name.as_str()).collect();
+            MkError::system(format!(
+                "MK_SOCKET_IFNAME={filter:?} matches no interface that is up (have: {})",
+                names.join(", ")
+            ))
+        });
     }
     let pick = ifs
         .iter()
@@ -231,7 +224,12 @@ fn io_err(e: std::io::Error, what: &dyn std::fmt::Display, deadline: &Deadline) 
     }
 }
 
-pub fn write_all_before(s: &mut TcpStream, bytes: &[u8], deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<()> {
+pub fn write_all_before(
+    s: &mut TcpStream,
+    bytes: &[u8],
+    deadline: &Deadline,
+    what: &dyn std::fmt::Display,
+) -> Result<()> {
     s.set_write_timeout(Some(deadline.remaining(what)?))?;
     s.write_all(bytes).map_err(|e| io_err(e, what, deadline))
 }
@@ -271,7 +269,12 @@ impl ReadBefore for &[u8] {
     }
 }
 
-pub fn read_exact_before(s: &mut TcpStream, buf: &mut [u8], deadline: &Deadline, what: &dyn std::fmt::Display) -> Result<()> {
+pub fn read_exact_before(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: &Deadline,
+    what: &dyn std::fmt::Display,
+) -> Result<()> {
     s.read_exact_before(buf, deadline, what)
 }
 

@@ -119,7 +119,13 @@ mod tests {
 
     #[test]
     fn hello_and_replies_round_trip() {
-        let h = Hello { rank: 3, nranks: 8, listen: "192.168.1.9:3333".parse().unwrap(), host_hash: 0xdead_beef, timeout_ms: 1500 };
+        let h = Hello {
+            rank: 3,
+            nranks: 8,
+            listen: "192.168.1.9:3333".parse().unwrap(),
+            host_hash: 0xdead_beef,
+            timeout_ms: 1500,
+        };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
         let t = RootReply::Table(vec![h.clone(), Hello { rank: 4, ..h.clone() }]);
         assert_eq!(RootReply::decode(&t.encode()).unwrap(), t);

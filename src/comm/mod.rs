@@ -110,7 +110,10 @@ pub struct Comm {
 /// Why a communicator has no NVLink data plane, if it has none: a node holds more ranks
 /// than the view maps. The same answer on every rank (the creation is collective).
 pub fn data_plane_missing(nodes: &[usize]) -> Option<String> {
-    let biggest = (0..=nodes.iter().copied().max().unwrap_or(0)).map(|n| nodes.iter().filter(|&&m| m == n).count()).max().unwrap_or(0);
+    let biggest = (0..=nodes.iter().copied().max().unwrap_or(0))
+        .map(|n| nodes.iter().filter(|&&m| m == n).count())
+        .max()
+        .unwrap_or(0);
     (biggest > crate::kernel_abi::MK_MAX_PEERS).then(|| {
         format!("{biggest} ranks on one node; the NVLink data plane maps at most {}", crate::kernel_abi::MK_MAX_PEERS)
     })
@@ -152,15 +155,30 @@ impl Comm {
             None
         } else {
             let _g = context.enter()?;
-            Some(workspace::SymmetricWorkspace::create(&bootstrap, rank as usize, nranks as usize, &topology.node_ranks, &context, &config)?)
+            Some(workspace::SymmetricWorkspace::create(
+                &bootstrap,
+                rank as usize,
+                nranks as usize,
+                &topology.node_ranks,
+                &context,
+                &config,
+            )?)
         };
         let inter_node = match &workspace {
             Some(ws) if topology.spans_nodes() => {
                 let _g = context.enter()?;
                 let local = topology.local_rank;
                 let window = Window {
-                    data: MemoryRegion { base: ws.view.data[local], bytes: ws.view.data_bytes + ws.view.op_bytes, kind: MemoryKind::Device },
-                    signals: MemoryRegion { base: ws.view.signals[local], bytes: workspace::SIGNAL_BYTES as u64, kind: MemoryKind::Device },
+                    data: MemoryRegion {
+                        base: ws.view.data[local],
+                        bytes: ws.view.data_bytes + ws.view.op_bytes,
+                        kind: MemoryKind::Device,
+                    },
+                    signals: MemoryRegion {
+                        base: ws.view.signals[local],
+                        bytes: workspace::SIGNAL_BYTES as u64,
+                        kind: MemoryKind::Device,
+                    },
                 };
                 let timeout = config.timeout;
                 let setup = InterNodeSetup {
@@ -176,7 +194,8 @@ impl Comm {
                 };
                 // SAFETY: the window is this rank's workspace allocation, which the Comm
                 // keeps until after the proxy stops (field order; `abort` stops it first).
-                let inter = unsafe { start_inter_node(setup) }.map_err(|e| e.context("starting the inter-node path"))?;
+                let inter =
+                    unsafe { start_inter_node(setup) }.map_err(|e| e.context("starting the inter-node path"))?;
                 // Best effort (a failure here only brings back the lazy first load).
                 if let Err(e) = crate::ops::preload_across_nodes() {
                     mk_info!(Some(rank as usize), "kernels not preloaded: {e}");
@@ -186,7 +205,11 @@ impl Comm {
             _ => None,
         };
         let proxy_ring = inter_node.as_ref().map(|i| i.ring.view());
-        mk_info!(Some(rank as usize), "communicator ready: {nranks} ranks, device {device}, {} node(s)", topology.node_count);
+        mk_info!(
+            Some(rank as usize),
+            "communicator ready: {nranks} ranks, device {device}, {} node(s)",
+            topology.node_count
+        );
         Ok(Comm {
             inter_node: Mutex::new(inter_node),
             workspace,
@@ -218,7 +241,9 @@ impl Comm {
             )));
         }
         self.workspace.as_ref().ok_or_else(|| {
-            MkError::invalid_usage(self.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+            MkError::invalid_usage(
+                self.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()),
+            )
         })
     }
 

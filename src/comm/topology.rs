@@ -40,15 +40,7 @@ impl Topology {
         let node_ranks = ranks_on_node(nodes, node);
         let local_rank = local_rank(nodes, rank);
         let rail_peers = (0..node_count).map(|n| rank_with_local_rank(nodes, n, local_rank)).collect();
-        Ok(Topology {
-            rank,
-            node,
-            node_count,
-            local_rank,
-            node_ranks,
-            rail_peers,
-            uniform: is_uniform(nodes),
-        })
+        Ok(Topology { rank, node, node_count, local_rank, node_ranks, rail_peers, uniform: is_uniform(nodes) })
     }
 
     /// Ranks on this node.
@@ -65,12 +57,7 @@ impl Topology {
     /// The ranks this rank exchanges inter-node traffic with: its rail peers on the other
     /// nodes, in node order.
     pub fn inter_node_peers(&self) -> Vec<usize> {
-        self.rail_peers
-            .iter()
-            .enumerate()
-            .filter(|&(n, _)| n != self.node)
-            .filter_map(|(_, p)| *p)
-            .collect()
+        self.rail_peers.iter().enumerate().filter(|&(n, _)| n != self.node).filter_map(|(_, p)| *p).collect()
     }
 }
 
@@ -139,7 +126,10 @@ impl Topology {
     pub fn reduce_scatter_routes(&self, nodes: &[usize]) -> Result<Vec<ReduceRoute>> {
         self.require_uniform("a hierarchical ReduceScatter")?;
         Ok((0..nodes.len())
-            .map(|o| ReduceRoute { node_reducer: self.node_ranks[local_rank(nodes, o)], crosses_network: nodes[o] != self.node })
+            .map(|o| ReduceRoute {
+                node_reducer: self.node_ranks[local_rank(nodes, o)],
+                crosses_network: nodes[o] != self.node,
+            })
             .collect())
     }
 }
@@ -276,7 +266,10 @@ mod tests {
                             assert!(from == s && nodes[s] != t.node);
                             assert_eq!(nodes[relay], t.node, "the relay is on this node");
                             // The relay itself gets the shard over the network.
-                            assert_eq!(tops[relay].allgather_routes(&nodes).unwrap()[s], GatherRoute::Network { from: s });
+                            assert_eq!(
+                                tops[relay].allgather_routes(&nodes).unwrap()[s],
+                                GatherRoute::Network { from: s }
+                            );
                         }
                     }
                 }
@@ -298,7 +291,11 @@ mod tests {
                 for t in &tops {
                     let route = t.reduce_scatter_routes(&nodes).unwrap()[o];
                     assert_eq!(nodes[route.node_reducer], t.node, "the first hop stays in the node");
-                    assert_eq!(local_rank(&nodes, route.node_reducer), local_rank(&nodes, o), "reducer is GPU-i of the owner");
+                    assert_eq!(
+                        local_rank(&nodes, route.node_reducer),
+                        local_rank(&nodes, o),
+                        "reducer is GPU-i of the owner"
+                    );
                     assert_eq!(route.crosses_network, nodes[o] != t.node);
                     contributors_per_reducer.entry(route.node_reducer).or_default().push(t.rank);
                 }

@@ -101,7 +101,9 @@ impl VmmMapping {
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             };
             // SAFETY: the range is mapped.
-            if let Err(e) = check(&format!("cuMemSetAccess(device {d})"), unsafe { sys::cuMemSetAccess(ptr, size, &desc, 1) }) {
+            if let Err(e) =
+                check(&format!("cuMemSetAccess(device {d})"), unsafe { sys::cuMemSetAccess(ptr, size, &desc, 1) })
+            {
                 // SAFETY: undoes the map and reservation above; the caller keeps the handle.
                 unsafe {
                     sys::cuMemUnmap(ptr, size);
@@ -159,7 +161,12 @@ fn vmm_prop(device: i32) -> sys::CUmemAllocationProp {
         requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
         location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device },
         win32HandleMetaData: std::ptr::null_mut(),
-        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 { compressionType: 0, gpuDirectRDMACapable: 0, usage: 0, reserved: [0; 4] },
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
     }
 }
 
@@ -170,7 +177,11 @@ fn vmm_alloc(device: i32, bytes: usize) -> Result<(VmmMapping, i32)> {
     let mut gran = 0usize;
     // SAFETY: reads the granularity for a valid property struct.
     check("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(&mut gran, &prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        sys::cuMemGetAllocationGranularity(
+            &mut gran,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
     })?;
     let size = bytes.div_ceil(gran.max(1)) * gran.max(1);
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -179,7 +190,12 @@ fn vmm_alloc(device: i32, bytes: usize) -> Result<(VmmMapping, i32)> {
     let mut fd: i32 = -1;
     // SAFETY: exports the handle as a descriptor into fd.
     if let Err(e) = check("cuMemExportToShareableHandle(POSIX fd)", unsafe {
-        sys::cuMemExportToShareableHandle((&mut fd as *mut i32).cast(), handle, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+        sys::cuMemExportToShareableHandle(
+            (&mut fd as *mut i32).cast(),
+            handle,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
     }) {
         // SAFETY: releases the allocation created above.
         unsafe { sys::cuMemRelease(handle) };
@@ -251,7 +267,11 @@ impl PeerInfo {
     }
     fn decode(b: &[u8]) -> Result<PeerInfo> {
         if b.len() != Self::BYTES {
-            return Err(MkError::internal(format!("workspace exchange: {} bytes from a peer, expected {}", b.len(), Self::BYTES)));
+            return Err(MkError::internal(format!(
+                "workspace exchange: {} bytes from a peer, expected {}",
+                b.len(),
+                Self::BYTES
+            )));
         }
         let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
@@ -282,7 +302,9 @@ pub fn wanted_cta_slots(max_ctas: Option<u32>, sm_count: u32, data_bytes: u64) -
 /// `members` are the node's ranks in local-rank order (each once, `rank` among them, all
 /// below `nranks`); at most MK_MAX_PEERS of them, since the view maps that many.
 pub fn node_view_slots(members: &[usize], rank: usize, nranks: usize) -> Result<(usize, usize)> {
-    let bad = |why: &str| Err(MkError::internal(format!("workspace members {members:?} of rank {rank} (of {nranks}): {why}")));
+    let bad = |why: &str| {
+        Err(MkError::internal(format!("workspace members {members:?} of rank {rank} (of {nranks}): {why}")))
+    };
     if members.iter().enumerate().any(|(i, &m)| m >= nranks || members[..i].contains(&m)) {
         return bad("a member is out of range or repeated");
     }
@@ -334,7 +356,14 @@ impl SymmetricWorkspace {
     /// is indexed by local rank (`node_view_slots`). At most MK_MAX_PEERS members (checked
     /// by the caller). Sizes (`data_bytes`, `cta_slots`) are the minimum over *all* ranks,
     /// so offsets inside the regions agree across nodes too (inter-node puts rely on it).
-    pub fn create(bootstrap: &Bootstrap, rank: usize, nranks: usize, members: &[usize], context: &PrimaryContext, config: &CommConfig) -> Result<Self> {
+    pub fn create(
+        bootstrap: &Bootstrap,
+        rank: usize,
+        nranks: usize,
+        members: &[usize],
+        context: &PrimaryContext,
+        config: &CommConfig,
+    ) -> Result<Self> {
         let (local_rank, local_size) = node_view_slots(members, rank, nranks)?;
         let device = context.device;
         let sms = cuda::sm_count(device)? as u32;
@@ -347,12 +376,23 @@ impl SymmetricWorkspace {
         let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
         // SAFETY: allocates pinned, device-mapped host memory.
         check("cuMemHostAlloc(status block)", unsafe {
-            sys::cuMemHostAlloc(&mut host, std::mem::size_of::<CommStatus>(), sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
+            sys::cuMemHostAlloc(
+                &mut host,
+                std::mem::size_of::<CommStatus>(),
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
         })?;
         let status_host = host as *mut CommStatus;
         // SAFETY: fresh allocation of the right size.
         unsafe { status_host.write_volatile(CommStatus::default()) };
-        let mut ws = SymmetricWorkspace { own: Backing::None, peers: Vec::new(), status_host, transport: String::new(), members: Vec::new(), view: WorkspaceView::default() };
+        let mut ws = SymmetricWorkspace {
+            own: Backing::None,
+            peers: Vec::new(),
+            status_host,
+            transport: String::new(),
+            members: Vec::new(),
+            view: WorkspaceView::default(),
+        };
         LIVE_WORKSPACES.fetch_add(1, Ordering::AcqRel);
         let mut status_dev: sys::CUdeviceptr = 0;
         // SAFETY: host came from cuMemHostAlloc with DEVICEMAP.
@@ -361,8 +401,16 @@ impl SymmetricWorkspace {
         let pid = std::process::id();
         let host_hash = crate::bootstrap::host_hash();
         let mut info = PeerInfo {
-            pid, host: host_hash, device, base: 0, data_bytes: want_bytes, cta_slots: want_slots,
-            vmm: 0, fd: -1, alloc_bytes: alloc_bytes as u64, handle: [0; 64],
+            pid,
+            host: host_hash,
+            device,
+            base: 0,
+            data_bytes: want_bytes,
+            cta_slots: want_slots,
+            vmm: 0,
+            fd: -1,
+            alloc_bytes: alloc_bytes as u64,
+            handle: [0; 64],
         };
 
         // Round 1: everyone tries the VMM allocation and says whether it worked.
@@ -443,21 +491,22 @@ impl SymmetricWorkspace {
         let cta_slots = infos.iter().map(|i| i.cta_slots).min().unwrap_or(want_slots).max(1);
 
         // In-process peers on other devices read and write this allocation directly.
-        let other_local_devices: Vec<i32> = members
-            .iter()
-            .map(|&r| &infos[r])
-            .filter(|i| !remote(i) && i.device != device)
-            .map(|i| i.device)
-            .collect();
+        let other_local_devices: Vec<i32> =
+            members.iter().map(|&r| &infos[r]).filter(|i| !remote(i) && i.device != device).map(|i| i.device).collect();
         for &d in &other_local_devices {
             match &ws.own {
                 Backing::Vmm(m, _) => {
                     let desc = sys::CUmemAccessDesc {
-                        location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: d },
+                        location: sys::CUmemLocation {
+                            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                            id: d,
+                        },
                         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
                     };
                     // SAFETY: our mapped range.
-                    check(&format!("cuMemSetAccess(for device {d})"), unsafe { sys::cuMemSetAccess(m.ptr, m.size, &desc, 1) })?;
+                    check(&format!("cuMemSetAccess(for device {d})"), unsafe {
+                        sys::cuMemSetAccess(m.ptr, m.size, &desc, 1)
+                    })?;
                 }
                 _ => {
                     let peer_ctx = PrimaryContext::retain(d)?;
@@ -483,7 +532,11 @@ impl SymmetricWorkspace {
                 let mut h: sys::CUmemGenericAllocationHandle = 0;
                 // SAFETY: fd is a descriptor of the peer's exported allocation.
                 let rc = unsafe {
-                    sys::cuMemImportFromShareableHandle(&mut h, fd as usize as *mut std::ffi::c_void, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+                    sys::cuMemImportFromShareableHandle(
+                        &mut h,
+                        fd as usize as *mut std::ffi::c_void,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    )
                 };
                 // SAFETY: the import holds its own reference.
                 unsafe { libc::close(fd) };
@@ -500,14 +553,22 @@ impl SymmetricWorkspace {
                 ws.peers.push(PeerMapping::Vmm(m));
             } else {
                 if i.handle == [0u8; 64] {
-                    return Err(MkError::system(format!("rank {r} could not export its workspace with CUDA IPC (cuIpcGetMemHandle failed there)")));
+                    return Err(MkError::system(format!(
+                        "rank {r} could not export its workspace with CUDA IPC (cuIpcGetMemHandle failed there)"
+                    )));
                 }
                 let h = sys::CUipcMemHandle_st { reserved: i.handle.map(|c| c as std::os::raw::c_char) };
                 let mut p: sys::CUdeviceptr = 0;
                 // SAFETY: the handle names a live allocation of another process of this node.
                 check(
                     &format!("cuIpcOpenMemHandle(workspace of rank {r}, pid {}, device {})", i.pid, i.device),
-                    unsafe { sys::cuIpcOpenMemHandle_v2(&mut p, h, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32) },
+                    unsafe {
+                        sys::cuIpcOpenMemHandle_v2(
+                            &mut p,
+                            h,
+                            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                        )
+                    },
                 )?;
                 OPEN_IPC_MAPPINGS.fetch_add(1, Ordering::AcqRel);
                 ws.peers.push(PeerMapping::Ipc(p));
@@ -534,8 +595,12 @@ impl SymmetricWorkspace {
         }
         ws.view = view;
         ws.members = members.to_vec();
-        mk_info!(Some(rank), "symmetric workspace: {} MiB data + 2 MiB signals per rank, {cta_slots} CTA slots, peers mapped by {}",
-            data_bytes >> 20, ws.transport);
+        mk_info!(
+            Some(rank),
+            "symmetric workspace: {} MiB data + 2 MiB signals per rank, {cta_slots} CTA slots, peers mapped by {}",
+            data_bytes >> 20,
+            ws.transport
+        );
         Ok(ws)
     }
 
@@ -605,8 +670,16 @@ mod tests {
         let mut handle = [0u8; 64];
         handle.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8 * 3);
         let info = PeerInfo {
-            pid: 77, host: 0xdead_beef_0123, device: 3, base: 0x7f00_0000_1000, data_bytes: 1 << 28, cta_slots: 16,
-            vmm: 1, fd: 42, alloc_bytes: (1 << 28) + (2 << 20), handle,
+            pid: 77,
+            host: 0xdead_beef_0123,
+            device: 3,
+            base: 0x7f00_0000_1000,
+            data_bytes: 1 << 28,
+            cta_slots: 16,
+            vmm: 1,
+            fd: 42,
+            alloc_bytes: (1 << 28) + (2 << 20),
+            handle,
         };
         let enc = info.encode();
         assert_eq!(enc.len(), PeerInfo::BYTES);

@@ -16,7 +16,8 @@ impl DeviceBuffer {
     pub fn alloc(bytes: usize) -> Result<Self> {
         driver()?;
         // SAFETY: a plain allocation in the current context.
-        let ptr = unsafe { cu::malloc_sync(bytes.max(1)) }.map_err(|e| cuda_err(&format!("cuMemAlloc({bytes} bytes)"), e))?;
+        let ptr =
+            unsafe { cu::malloc_sync(bytes.max(1)) }.map_err(|e| cuda_err(&format!("cuMemAlloc({bytes} bytes)"), e))?;
         Ok(DeviceBuffer { ptr, bytes })
     }
 }

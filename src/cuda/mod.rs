@@ -8,8 +8,8 @@ pub mod memory;
 pub mod platform;
 
 use crate::error::{MkError, Result};
-pub use cudarc::driver::sys;
 use cudarc::driver::result as cu;
+pub use cudarc::driver::sys;
 use parking_lot::Mutex;
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -111,7 +111,9 @@ impl PrimaryContext {
         driver()?;
         let n = device_count()?;
         if device < 0 || device >= n {
-            return Err(MkError::invalid_argument(format!("CUDA device {device} does not exist (this machine has {n})")));
+            return Err(MkError::invalid_argument(format!(
+                "CUDA device {device} does not exist (this machine has {n})"
+            )));
         }
         // SAFETY: device is a valid ordinal.
         let ctx = unsafe { cu::primary_ctx::retain(device) }.map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
@@ -174,11 +176,14 @@ pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
                 .map(|(_, bytes)| *bytes)
                 .ok_or_else(|| MkError::internal(format!("no embedded kernel module named {module}")))?;
             // The driver wants the image at an address that stays valid; copy it to aligned memory.
-            let aligned: Vec<u64> = image.chunks(8).map(|c| {
-                let mut b = [0u8; 8];
-                b[..c.len()].copy_from_slice(c);
-                u64::from_le_bytes(b)
-            }).collect();
+            let aligned: Vec<u64> = image
+                .chunks(8)
+                .map(|c| {
+                    let mut b = [0u8; 8];
+                    b[..c.len()].copy_from_slice(c);
+                    u64::from_le_bytes(b)
+                })
+                .collect();
             // SAFETY: `aligned` holds a complete fatbin image for the duration of the call.
             let m = unsafe { cu::module::load_data(aligned.as_ptr().cast()) }
                 .map_err(|e| cuda_err(&format!("loading kernel module {module} (needs an sm_90 GPU)"), e))?;
@@ -238,7 +243,12 @@ pub struct LaunchConfig {
 /// # Safety
 /// `params` must match the kernel's signature exactly, and every pointer the kernel
 /// dereferences must be valid for the launch.
-pub unsafe fn launch(f: sys::CUfunction, cfg: LaunchConfig, stream: sys::CUstream, params: &mut [*mut c_void]) -> Result<()> {
+pub unsafe fn launch(
+    f: sys::CUfunction,
+    cfg: LaunchConfig,
+    stream: sys::CUstream,
+    params: &mut [*mut c_void],
+) -> Result<()> {
     if cfg.shared_mem_bytes > 48 * 1024 {
         check(
             "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",

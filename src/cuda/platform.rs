@@ -57,7 +57,9 @@ pub fn probe(device: i32) -> Result<Platform> {
     let mut driver_version = 0;
     // SAFETY: writes one int.
     check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut driver_version) })?;
-    use sys::CUdevice_attribute::{CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR};
+    use sys::CUdevice_attribute::{
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+    };
     let compute_capability = (
         device_attribute(device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
         device_attribute(device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
@@ -102,8 +104,14 @@ mod tests {
     #[test]
     fn messages_say_what_was_found_and_what_is_required() {
         let old = judge(&platform((9, 0), 12080)).unwrap_err().message;
-        assert!(old.contains("version 12.8") && old.contains("CUDA 13.0 or newer") && old.contains(">= 13000"), "{old}");
+        assert!(
+            old.contains("version 12.8") && old.contains("CUDA 13.0 or newer") && old.contains(">= 13000"),
+            "{old}"
+        );
         let gpu = judge(&platform((8, 0), 13000)).unwrap_err().message;
-        assert!(gpu.contains("device 1 (Test GPU) has compute capability 8.0") && gpu.contains("compute capability 9.0"), "{gpu}");
+        assert!(
+            gpu.contains("device 1 (Test GPU) has compute capability 8.0") && gpu.contains("compute capability 9.0"),
+            "{gpu}"
+        );
     }
 }

@@ -65,7 +65,16 @@ pub unsafe extern "C" fn mkReduceScatter(
     stream: CUstream,
 ) -> mkResult_t {
     with_comm(comm, "mkReduceScatter", |c| {
-        collective(c, CollectiveKind::ReduceScatter, sendbuff as u64, recvbuff as u64, recvcount, datatype, Some(op), stream)
+        collective(
+            c,
+            CollectiveKind::ReduceScatter,
+            sendbuff as u64,
+            recvbuff as u64,
+            recvcount,
+            datatype,
+            Some(op),
+            stream,
+        )
     })
 }
 
@@ -97,10 +106,19 @@ mod tests {
     fn null_comm_is_invalid_argument() {
         let p = 0x10000 as *mut c_void;
         unsafe {
-            assert_eq!(mkAllGather(p, p, 4, 7, std::ptr::null_mut(), std::ptr::null_mut()), mkResult_t::mkInvalidArgument);
+            assert_eq!(
+                mkAllGather(p, p, 4, 7, std::ptr::null_mut(), std::ptr::null_mut()),
+                mkResult_t::mkInvalidArgument
+            );
             assert!(thread_last_error().contains("mkAllGather: comm is NULL"));
-            assert_eq!(mkReduceScatter(p, p, 4, 7, 0, std::ptr::null_mut(), std::ptr::null_mut()), mkResult_t::mkInvalidArgument);
-            assert_eq!(mkAllReduce(p, p, 4, 7, 0, std::ptr::null_mut(), std::ptr::null_mut()), mkResult_t::mkInvalidArgument);
+            assert_eq!(
+                mkReduceScatter(p, p, 4, 7, 0, std::ptr::null_mut(), std::ptr::null_mut()),
+                mkResult_t::mkInvalidArgument
+            );
+            assert_eq!(
+                mkAllReduce(p, p, 4, 7, 0, std::ptr::null_mut(), std::ptr::null_mut()),
+                mkResult_t::mkInvalidArgument
+            );
             assert!(thread_last_error().contains("mkAllReduce: comm is NULL"));
         }
     }

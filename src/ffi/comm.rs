@@ -1,6 +1,6 @@
 //! Communicator creation and teardown.
 
-use super::config::{resolve, mkConfig_t};
+use super::config::{mkConfig_t, resolve};
 use super::handles::Ending;
 use super::{end_comm, guard, mkComm_t, register, with_comm, write_out};
 use crate::bootstrap::{root::start_root, UniqueId, MAX_RANKS, UNIQUE_ID_BYTES};
@@ -47,7 +47,14 @@ pub unsafe extern "C" fn mkGetUniqueId(uniqueId: *mut mkUniqueId) -> mkResult_t 
     })
 }
 
-fn init_into(comm: *mut mkComm_t, nranks: c_int, id: &mkUniqueId, rank: c_int, device: Option<i32>, config: Result<CommConfig>) -> Result<()> {
+fn init_into(
+    comm: *mut mkComm_t,
+    nranks: c_int,
+    id: &mkUniqueId,
+    rank: c_int,
+    device: Option<i32>,
+    config: Result<CommConfig>,
+) -> Result<()> {
     if comm.is_null() {
         return Err(MkError::invalid_argument("comm (the output pointer) is NULL"));
     }
@@ -78,7 +85,12 @@ fn init_into(comm: *mut mkComm_t, nranks: c_int, id: &mkUniqueId, rank: c_int, d
 /// the other nodes over MK_NET (sockets, or RDMA where libibverbs and a device exist) and
 /// starts a proxy thread that carries its kernels' inter-node transfers.
 #[no_mangle]
-pub unsafe extern "C" fn mkCommInitRank(comm: *mut mkComm_t, nranks: c_int, commId: mkUniqueId, rank: c_int) -> mkResult_t {
+pub unsafe extern "C" fn mkCommInitRank(
+    comm: *mut mkComm_t,
+    nranks: c_int,
+    commId: mkUniqueId,
+    rank: c_int,
+) -> mkResult_t {
     guard(None, "mkCommInitRank", || init_into(comm, nranks, &commId, rank, None, Ok(CommConfig::from_env())))
 }
 
@@ -111,7 +123,9 @@ pub unsafe extern "C" fn mkCommInitAll(comms: *mut mkComm_t, ndev: c_int, devlis
             return Err(MkError::invalid_argument(format!("ndev must be positive, got {ndev}")));
         }
         if ndev as usize > MAX_RANKS {
-            return Err(MkError::invalid_argument(format!("ndev = {ndev} exceeds the {MAX_RANKS} ranks a communicator may have")));
+            return Err(MkError::invalid_argument(format!(
+                "ndev = {ndev} exceeds the {MAX_RANKS} ranks a communicator may have"
+            )));
         }
         let n = ndev as usize;
         // SAFETY: the caller provides room for ndev handles.
@@ -141,10 +155,8 @@ pub unsafe extern "C" fn mkCommInitAll(comms: *mut mkComm_t, ndev: c_int, devlis
                 .collect()
         });
         // Report the root cause, not the timeouts it caused on the other ranks.
-        if let Some(e) = results
-            .iter()
-            .filter_map(|r| r.as_ref().err())
-            .min_by_key(|e| (e.code == mkResult_t::mkTimeout) as u8)
+        if let Some(e) =
+            results.iter().filter_map(|r| r.as_ref().err()).min_by_key(|e| (e.code == mkResult_t::mkTimeout) as u8)
         {
             return Err(e.clone());
         }

@@ -205,7 +205,10 @@ pub unsafe fn resolve(cfg: *const mkConfig_t) -> Result<CommConfig> {
     }
     if c.workspaceBytes != -1 {
         if c.workspaceBytes < 0 {
-            return Err(MkError::invalid_argument(format!("config->workspaceBytes = {} is negative", c.workspaceBytes)));
+            return Err(MkError::invalid_argument(format!(
+                "config->workspaceBytes = {} is negative",
+                c.workspaceBytes
+            )));
         }
         out.workspace_bytes = c.workspaceBytes as u64;
     }
@@ -268,7 +271,14 @@ mod tests {
             // SAFETY: a fresh anonymous mapping of two pages; the second is made inaccessible.
             unsafe {
                 let page = libc::sysconf(libc::_SC_PAGESIZE) as usize;
-                let base = libc::mmap(std::ptr::null_mut(), 2 * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+                let base = libc::mmap(
+                    std::ptr::null_mut(),
+                    2 * page,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
                 assert_ne!(base, libc::MAP_FAILED);
                 assert_eq!(libc::mprotect(base.cast::<u8>().add(page).cast(), page, libc::PROT_NONE), 0);
                 GuardedPage { base: base.cast(), page }
@@ -339,7 +349,12 @@ mod tests {
             future_flag: c_int,
             future_bytes: c_longlong,
         }
-        let fresh = || Newer { base: mkConfig_t { size: std::mem::size_of::<Newer>(), ..initializer() }, future_int: MK_CONFIG_UNDEF_INT, future_flag: 0, future_bytes: -1 };
+        let fresh = || Newer {
+            base: mkConfig_t { size: std::mem::size_of::<Newer>(), ..initializer() },
+            future_int: MK_CONFIG_UNDEF_INT,
+            future_flag: 0,
+            future_bytes: -1,
+        };
         let n = fresh();
         let mut expected = CommConfig::from_env();
         expected.max_ctas = Some(3);
@@ -350,7 +365,11 @@ mod tests {
         let mut set = fresh();
         set.future_flag = 1;
         let e = unsafe { resolve((&set as *const Newer).cast()) }.unwrap_err().message;
-        assert!(e.contains("newer header") && e.contains(&format!("byte offset {}", std::mem::offset_of!(Newer, future_flag))), "{e}");
+        assert!(
+            e.contains("newer header")
+                && e.contains(&format!("byte offset {}", std::mem::offset_of!(Newer, future_flag))),
+            "{e}"
+        );
         let mut huge = initializer();
         huge.size = 1 << 40;
         assert!(unsafe { resolve(&huge) }.unwrap_err().message.contains("larger than any mkConfig_t"));

@@ -51,7 +51,18 @@ pub unsafe extern "C" fn mkAllGatherGemm(
     stream: CUstream,
 ) -> mkResult_t {
     with_comm(comm, "mkAllGatherGemm", |c| {
-        let args = crate::ops::ag_gemm::validate_args(A as u64, B as u64, C as u64, gatheredA as u64, M, N, K, dtype, c.nranks, c.rank)?;
+        let args = crate::ops::ag_gemm::validate_args(
+            A as u64,
+            B as u64,
+            C as u64,
+            gatheredA as u64,
+            M,
+            N,
+            K,
+            dtype,
+            c.nranks,
+            c.rank,
+        )?;
         crate::ops::ag_gemm::all_gather_gemm(c, &args, stream)
     })
 }
@@ -141,7 +152,12 @@ pub unsafe extern "C" fn mkGemmAllReduce(
 /// kernels cannot index with int32) are mkInvalidArgument naming tokens, topk and
 /// recvCapacity; `*bytes` is then left as it was.
 #[no_mangle]
-pub unsafe extern "C" fn mkMoeLayoutBytes(tokens: usize, topk: usize, recvCapacity: usize, bytes: *mut usize) -> mkResult_t {
+pub unsafe extern "C" fn mkMoeLayoutBytes(
+    tokens: usize,
+    topk: usize,
+    recvCapacity: usize,
+    bytes: *mut usize,
+) -> mkResult_t {
     super::guard(None, "mkMoeLayoutBytes", || {
         let size = crate::ops::moe::checked_layout_offsets(tokens, topk, recvCapacity)
             .map(|l| l.words)
@@ -207,7 +223,16 @@ pub unsafe extern "C" fn mkMoeDispatchGemm(
     use crate::ops::moe::{dispatch_gemm, validate_dispatch, MoeDims};
     with_comm(comm, "mkMoeDispatchGemm", |c| {
         let dims = MoeDims { tokens, hidden, ffn, top_k: topk, experts, capacity: recvCapacity, nranks: c.nranks };
-        let args = validate_dispatch(x as u64, topkIdx as u64, w1 as u64, y as u64, recvCounts as u64, layout as u64, dims, dtype)?;
+        let args = validate_dispatch(
+            x as u64,
+            topkIdx as u64,
+            w1 as u64,
+            y as u64,
+            recvCounts as u64,
+            layout as u64,
+            dims,
+            dtype,
+        )?;
         dispatch_gemm(c, &args, true, stream)
     })
 }
@@ -242,7 +267,8 @@ pub unsafe extern "C" fn mkMoeGemmCombine(
     use crate::ops::moe::{gemm_combine, validate_combine, MoeDims};
     with_comm(comm, "mkMoeGemmCombine", |c| {
         let dims = MoeDims { tokens, hidden, ffn, top_k: topk, experts, capacity: recvCapacity, nranks: c.nranks };
-        let args = validate_combine(yAct as u64, w2 as u64, topkWeights as u64, layout as u64, out as u64, dims, dtype)?;
+        let args =
+            validate_combine(yAct as u64, w2 as u64, topkWeights as u64, layout as u64, out as u64, dims, dtype)?;
         gemm_combine(c, &args, true, stream)
     })
 }
@@ -302,8 +328,21 @@ pub unsafe extern "C" fn mkRingAttention(
     use crate::ops::ring_attention::{ring_attention, validate_args};
     with_comm(comm, "mkRingAttention", |c| {
         let args = validate_args(
-            q as u64, k as u64, v as u64, out as u64, lse as u64, batch, seqLocal, numHeads, numKvHeads, headDim, softmaxScale, causal,
-            dtype, c.nranks, c.rank,
+            q as u64,
+            k as u64,
+            v as u64,
+            out as u64,
+            lse as u64,
+            batch,
+            seqLocal,
+            numHeads,
+            numKvHeads,
+            headDim,
+            softmaxScale,
+            causal,
+            dtype,
+            c.nranks,
+            c.rank,
         )?;
         ring_attention(c, &args, stream)
     })
@@ -323,10 +362,27 @@ mod tests {
         let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
         let s = std::ptr::null_mut();
         unsafe {
-            let r = mkMoeDispatchGemm(p, p as *const i32, p, p, p as *mut i32, p, 4, 256, 256, 2, 8, 512, bf16, std::ptr::null_mut(), s);
+            let r = mkMoeDispatchGemm(
+                p,
+                p as *const i32,
+                p,
+                p,
+                p as *mut i32,
+                p,
+                4,
+                256,
+                256,
+                2,
+                8,
+                512,
+                bf16,
+                std::ptr::null_mut(),
+                s,
+            );
             assert_eq!(r, mkResult_t::mkInvalidArgument);
             assert!(thread_last_error().contains("mkMoeDispatchGemm: comm is NULL"), "{}", thread_last_error());
-            let r = mkMoeGemmCombine(p, p, p as *const f32, p, p, 4, 256, 256, 2, 8, 512, bf16, std::ptr::null_mut(), s);
+            let r =
+                mkMoeGemmCombine(p, p, p as *const f32, p, p, 4, 256, 256, 2, 8, 512, bf16, std::ptr::null_mut(), s);
             assert_eq!(r, mkResult_t::mkInvalidArgument);
             assert!(thread_last_error().contains("mkMoeGemmCombine: comm is NULL"));
             let mut bytes = 0usize;
@@ -335,10 +391,16 @@ mod tests {
             assert_eq!(mkMoeLayoutBytes(10, 3, 512, std::ptr::null_mut()), mkResult_t::mkInvalidArgument);
             assert!(thread_last_error().contains("bytes is NULL"));
             // Sizes that wrap size_t (or pass the kernels' int32 word index) are refused by name.
-            for (t, k, cap) in [(usize::MAX / 2 + 1, 2, 512), (usize::MAX / 3, 1, 128), (1, 1, usize::MAX), (1 << 30, 2, 0)] {
+            for (t, k, cap) in
+                [(usize::MAX / 2 + 1, 2, 512), (usize::MAX / 3, 1, 128), (1, 1, usize::MAX), (1 << 30, 2, 0)]
+            {
                 bytes = 7;
                 assert_eq!(mkMoeLayoutBytes(t, k, cap, &mut bytes), mkResult_t::mkInvalidArgument, "{t} {k} {cap}");
-                assert!(thread_last_error().contains(&format!("tokens = {t}, topk = {k}, recvCapacity = {cap}")), "{}", thread_last_error());
+                assert!(
+                    thread_last_error().contains(&format!("tokens = {t}, topk = {k}, recvCapacity = {cap}")),
+                    "{}",
+                    thread_last_error()
+                );
                 assert_eq!(bytes, 7);
             }
         }

@@ -236,7 +236,10 @@ mod tests {
         };
         inside.wait();
         let closed = reg.close(h, Ending::Aborted).unwrap();
-        assert!(reg.enter(h).err().unwrap().message.contains("was aborted by mkCommAbort"), "calls after abort are refused");
+        assert!(
+            reg.enter(h).err().unwrap().message.contains("was aborted by mkCommAbort"),
+            "calls after abort are refused"
+        );
         closed.value().aborted.store(true, Ordering::SeqCst);
         let start = Instant::now();
         assert_eq!(closed.wait_for_calls(Duration::from_secs(10)), 0);

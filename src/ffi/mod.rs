@@ -193,7 +193,11 @@ mod tests {
         let fake = 0x8 as mkComm_t;
         let r = with_comm(fake, "mkTest", |_| panic!("the body must not run"));
         assert_eq!(r, mkResult_t::mkInvalidArgument);
-        assert!(thread_last_error().contains("mkTest: comm 0x8 is not a communicator of this library"), "{}", thread_last_error());
+        assert!(
+            thread_last_error().contains("mkTest: comm 0x8 is not a communicator of this library"),
+            "{}",
+            thread_last_error()
+        );
         assert_eq!(end_comm(fake, Ending::Destroyed).unwrap_err().code, mkResult_t::mkInvalidArgument);
     }
 

@@ -15,8 +15,8 @@ use crate::comm::Comm;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{AgGemmParams, MK_AG_GEMM_MAX_CHUNKS, MK_MAX_PEERS};
-use crate::ops::hier_collectives::{fused_op_workspace, NodeLayout};
 use crate::ops::gemm::{self as engine, Epilogue, PlanOverrides};
+use crate::ops::hier_collectives::{fused_op_workspace, NodeLayout};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
@@ -88,7 +88,9 @@ pub fn validate(shape: &AgGemmShape) -> Result<()> {
         )));
     }
     if k == 0 || k % 8 != 0 {
-        return Err(MkError::invalid_argument(format!("K = {k} must be a positive multiple of 8 (16-byte rows for TMA)")));
+        return Err(MkError::invalid_argument(format!(
+            "K = {k} must be a positive multiple of 8 (16-byte rows for TMA)"
+        )));
     }
     if n == 0 && m != 0 {
         return Err(MkError::invalid_argument("N must be positive"));
@@ -117,7 +119,10 @@ pub fn plan(shape: &AgGemmShape, grid_ctas: u32, comm_override: Option<u32>) -> 
     };
     let blocks_per_rank = rows_per_rank.div_ceil(ROW_BLOCK).max(1);
     if nranks > CHUNK_FLAG_WORDS / 4 {
-        return Err(MkError::invalid_usage(format!("mkAllGatherGemm: {nranks} ranks, at most {} are supported", CHUNK_FLAG_WORDS / 4)));
+        return Err(MkError::invalid_usage(format!(
+            "mkAllGatherGemm: {nranks} ranks, at most {} are supported",
+            CHUNK_FLAG_WORDS / 4
+        )));
     }
     let stride = flag_stride(nranks);
     let blocks_per_chunk = blocks_per_rank.div_ceil(stride);
@@ -222,9 +227,24 @@ pub struct AgGemmArgs {
 
 /// Argument checks (no CUDA). The rules are the GEMM engine's plus divisibility of M.
 #[allow(clippy::too_many_arguments)]
-pub fn validate_args(a: u64, b: u64, c: u64, gathered: u64, m: usize, n: usize, k: usize, dtype: RawDataType, nranks: usize, rank: usize) -> Result<AgGemmArgs> {
+pub fn validate_args(
+    a: u64,
+    b: u64,
+    c: u64,
+    gathered: u64,
+    m: usize,
+    n: usize,
+    k: usize,
+    dtype: RawDataType,
+    nranks: usize,
+    rank: usize,
+) -> Result<AgGemmArgs> {
     let dtype = mkDataType_t::from_raw(dtype)?;
-    crate::ensure_arg!(dtype.is_gemm_type(), "dtype {} is not supported: mkAllGatherGemm takes mkBfloat16 or mkFloat16", dtype.name());
+    crate::ensure_arg!(
+        dtype.is_gemm_type(),
+        "dtype {} is not supported: mkAllGatherGemm takes mkBfloat16 or mkFloat16",
+        dtype.name()
+    );
     let shape = AgGemmShape { m, n, k, nranks, rank };
     validate(&shape)?;
     if m > 0 && n > 0 {
@@ -233,9 +253,15 @@ pub fn validate_args(a: u64, b: u64, c: u64, gathered: u64, m: usize, n: usize, 
         crate::ensure_arg!(c != 0, "C is NULL");
     }
     crate::ensure_arg!(n % 8 == 0, "N = {n} must be a multiple of 8: C rows are written with TMA (16-byte rows)");
-    crate::ensure_arg!(m <= i32::MAX as usize && n <= i32::MAX as usize && k <= i32::MAX as usize, "M, N and K must each be at most 2^31-1");
+    crate::ensure_arg!(
+        m <= i32::MAX as usize && n <= i32::MAX as usize && k <= i32::MAX as usize,
+        "M, N and K must each be at most 2^31-1"
+    );
     for (ptr, name) in [(a, "A"), (b, "B"), (c, "C"), (gathered, "gatheredA")] {
-        crate::ensure_arg!(ptr % 16 == 0, "{name} = {ptr:#x} is not 16-byte aligned (TMA and 16-byte vector copies need it)");
+        crate::ensure_arg!(
+            ptr % 16 == 0,
+            "{name} = {ptr:#x} is not 16-byte aligned (TMA and 16-byte vector copies need it)"
+        );
     }
     Ok(AgGemmArgs { a, b, c, gathered, shape, dtype, trace: 0 })
 }
@@ -293,7 +319,13 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         )));
     }
     // The engine's tile for the compute CTAs (the fused kernels exist for widths 256 and 128).
-    let tile = engine::plan(m, n, p.compute_ctas as usize, true, PlanOverrides { max_ctas: Some(p.compute_ctas as usize), ..Default::default() });
+    let tile = engine::plan(
+        m,
+        n,
+        p.compute_ctas as usize,
+        true,
+        PlanOverrides { max_ctas: Some(p.compute_ctas as usize), ..Default::default() },
+    );
     let bn = if tile.bn >= 256 { 256 } else { 128 };
     let group_m = raster_group(m, rows_per_rank, bn, p.compute_ctas as usize);
     let smem = engine::smem_bytes(bn, Epilogue::Tma);
@@ -329,8 +361,14 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         params.ring = *ring;
         params.rank_of = nl.rank_of;
     }
-    let f = kernel(args.dtype, bn).ok_or_else(|| MkError::internal(format!("no AllGather+GEMM kernel for BN {bn}")))?.function()?;
-    let cfg = LaunchConfig { grid: (p.compute_ctas + p.comm_ctas, 1, 1), block: (engine::THREADS, 1, 1), shared_mem_bytes: smem as u32 };
+    let f = kernel(args.dtype, bn)
+        .ok_or_else(|| MkError::internal(format!("no AllGather+GEMM kernel for BN {bn}")))?
+        .function()?;
+    let cfg = LaunchConfig {
+        grid: (p.compute_ctas + p.comm_ctas, 1, 1),
+        block: (engine::THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
@@ -344,7 +382,8 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
 
 fn copy_async(dst: u64, src: u64, bytes: usize, stream: sys::CUstream) -> Result<()> {
     // SAFETY: both ranges are device memory of the caller's stated sizes.
-    unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream) }.map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))
+    unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream) }
+        .map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))
 }
 
 #[cfg(test)]
@@ -500,7 +539,10 @@ mod tests {
                     }
                 }
                 for (r, h) in held.iter().enumerate() {
-                    assert!(h.iter().all(|&c| c == 1), "{nranks}/{rpn} interleaved={interleaved}: rank {r} received {h:?}");
+                    assert!(
+                        h.iter().all(|&c| c == 1),
+                        "{nranks}/{rpn} interleaved={interleaved}: rank {r} received {h:?}"
+                    );
                 }
                 // Compute order: a permutation, own rows first, then the local peers'.
                 for nl in &ls {

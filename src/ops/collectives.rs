@@ -5,9 +5,9 @@
 use crate::comm::Comm;
 use crate::cuda::kernels::Kernel;
 use crate::cuda::{self, sys, LaunchConfig};
+use crate::ensure_arg;
 use crate::error::{mkResult_t, MkError, Result};
 use crate::kernel_abi::{CollectiveParams, MkOp, MkWait, WorkspaceView};
-use crate::ensure_arg;
 use crate::types::{mkDataType_t, mkRedOp_t, RawDataType, RawRedOp};
 
 /// Threads per CTA of the collective kernels.
@@ -82,7 +82,15 @@ pub struct CollectivePlan {
 /// Plans one call. `count` is elements per rank segment; `cta_slots` and `data_bytes` come
 /// from the workspace (the same on every rank, so every rank plans the same steps);
 /// `single_rank_ctas` is the grid cap for the one-rank copy (no workspace involved).
-pub fn plan(kind: CollectiveKind, count: u64, elem: u64, nranks: u64, cta_slots: u32, data_bytes: u64, single_rank_ctas: u32) -> CollectivePlan {
+pub fn plan(
+    kind: CollectiveKind,
+    count: u64,
+    elem: u64,
+    nranks: u64,
+    cta_slots: u32,
+    data_bytes: u64,
+    single_rank_ctas: u32,
+) -> CollectivePlan {
     let bytes = count * elem;
     let want = bytes.div_ceil(MIN_BYTES_PER_CTA).max(1);
     if nranks == 1 {
@@ -140,7 +148,12 @@ pub struct ErrorWord(pub u32);
 
 impl ErrorWord {
     pub fn encode(code: mkResult_t, peer: Option<usize>, what: u32, op: u32) -> ErrorWord {
-        ErrorWord((code as u32 & 0xff) | ((peer.map_or(0xff, |p| p as u32) & 0xff) << 8) | ((what & 0xff) << 16) | ((op & 0xff) << 24))
+        ErrorWord(
+            (code as u32 & 0xff)
+                | ((peer.map_or(0xff, |p| p as u32) & 0xff) << 8)
+                | ((what & 0xff) << 16)
+                | ((op & 0xff) << 24),
+        )
     }
     pub fn code(self) -> mkResult_t {
         match self.0 & 0xff {
@@ -226,7 +239,11 @@ pub fn check_device_pointer(ptr: u64, device: i32, what: &str) -> Result<()> {
         let mut managed: u32 = 0;
         // SAFETY: as above.
         let rm = unsafe {
-            sys::cuPointerGetAttribute((&mut managed as *mut u32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)
+            sys::cuPointerGetAttribute(
+                (&mut managed as *mut u32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                ptr,
+            )
         };
         if !(rm == sys::CUresult::CUDA_SUCCESS && managed != 0) {
             return Err(MkError::invalid_argument(format!(
@@ -238,10 +255,16 @@ pub fn check_device_pointer(ptr: u64, device: i32, what: &str) -> Result<()> {
     let mut ordinal: i32 = -1;
     // SAFETY: as above.
     let r = unsafe {
-        sys::cuPointerGetAttribute((&mut ordinal as *mut i32).cast(), sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+        sys::cuPointerGetAttribute(
+            (&mut ordinal as *mut i32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
     };
     if r == sys::CUresult::CUDA_SUCCESS && ordinal != device {
-        return Err(MkError::invalid_argument(format!("{what} ({ptr:#x}) is memory of device {ordinal}, but the communicator uses device {device}")));
+        return Err(MkError::invalid_argument(format!(
+            "{what} ({ptr:#x}) is memory of device {ordinal}, but the communicator uses device {device}"
+        )));
     }
     Ok(())
 }
@@ -260,7 +283,16 @@ pub struct CollectiveArgs {
 
 /// Argument checks that need no GPU: dtype/op values, NULLs, element alignment, sizes,
 /// and overlap (only NCCL's in-place position is allowed).
-pub fn validate(kind: CollectiveKind, send: u64, recv: u64, count: usize, dtype: RawDataType, op: Option<RawRedOp>, rank: usize, nranks: usize) -> Result<CollectiveArgs> {
+pub fn validate(
+    kind: CollectiveKind,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: RawDataType,
+    op: Option<RawRedOp>,
+    rank: usize,
+    nranks: usize,
+) -> Result<CollectiveArgs> {
     let dtype = mkDataType_t::from_raw(dtype)?;
     let op = match op {
         Some(o) => mkRedOp_t::from_raw(o)?,
@@ -274,7 +306,12 @@ pub fn validate(kind: CollectiveKind, send: u64, recv: u64, count: usize, dtype:
     let elem = dtype.size() as u64;
     let (send_count, recv_count) = kind
         .buffer_counts(count, nranks as u64)
-        .filter(|&(s, r)| s.checked_mul(elem).is_some() && r.checked_mul(elem).is_some() && s * elem <= isize::MAX as u64 && r * elem <= isize::MAX as u64)
+        .filter(|&(s, r)| {
+            s.checked_mul(elem).is_some()
+                && r.checked_mul(elem).is_some()
+                && s * elem <= isize::MAX as u64
+                && r * elem <= isize::MAX as u64
+        })
         .ok_or_else(|| MkError::invalid_argument(format!("count {count} × {nranks} ranks × {elem} bytes overflows")))?;
     ensure_arg!(send != 0, "sendbuff is NULL");
     ensure_arg!(recv != 0, "recvbuff is NULL");
@@ -285,7 +322,9 @@ pub fn validate(kind: CollectiveKind, send: u64, recv: u64, count: usize, dtype:
     // is refused, so the ends below (and the in-place offsets inside them) cannot wrap.
     let end = |ptr: u64, bytes: u64, name: &str| {
         ptr.checked_add(bytes).ok_or_else(|| {
-            MkError::invalid_argument(format!("{name} ({ptr:#x}) + {bytes} bytes runs past the end of the address space"))
+            MkError::invalid_argument(format!(
+                "{name} ({ptr:#x}) + {bytes} bytes runs past the end of the address space"
+            ))
         })
     };
     let (send_end, recv_end) = (end(send, send_bytes, "sendbuff")?, end(recv, recv_bytes, "recvbuff")?);
@@ -310,14 +349,25 @@ pub fn validate(kind: CollectiveKind, send: u64, recv: u64, count: usize, dtype:
 
 /// Validates, plans and launches one collective on `comm` (stream-ordered, no host sync).
 /// A communicator that spans nodes runs the hierarchical kernel (`ops::hier_collectives`).
-pub fn collective(comm: &Comm, kind: CollectiveKind, send: u64, recv: u64, count: usize, dtype: RawDataType, op: Option<RawRedOp>, stream: sys::CUstream) -> Result<()> {
+pub fn collective(
+    comm: &Comm,
+    kind: CollectiveKind,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: RawDataType,
+    op: Option<RawRedOp>,
+    stream: sys::CUstream,
+) -> Result<()> {
     if comm.topology.spans_nodes() {
         return super::hier_collectives::collective(comm, kind, send, recv, count, dtype, op, stream);
     }
     comm.check_usable()?;
     let args = validate(kind, send, recv, count, dtype, op, comm.rank, comm.nranks)?;
     let ws = comm.workspace.as_ref().ok_or_else(|| {
-        MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+        MkError::invalid_usage(
+            comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()),
+        )
     })?;
     if args.count == 0 {
         return Ok(());
@@ -336,9 +386,16 @@ fn single_rank_ctas(comm: &Comm) -> Result<u32> {
 
 /// Launches the collective kernel for validated `args` (the context must be current),
 /// staging its loads in `stage_bytes` of dynamic shared memory (0: in registers).
-pub fn launch(view: &WorkspaceView, args: &CollectiveArgs, single_rank_ctas: u32, stage_bytes: u32, stream: sys::CUstream) -> Result<()> {
+pub fn launch(
+    view: &WorkspaceView,
+    args: &CollectiveArgs,
+    single_rank_ctas: u32,
+    stage_bytes: u32,
+    stream: sys::CUstream,
+) -> Result<()> {
     let elem = args.dtype.size() as u64;
-    let p = plan(args.kind, args.count, elem, view.nranks as u64, view.cta_slots as u32, view.data_bytes, single_rank_ctas);
+    let p =
+        plan(args.kind, args.count, elem, view.nranks as u64, view.cta_slots as u32, view.data_bytes, single_rank_ctas);
     let f = kernel(args.dtype).function()?;
     let mut params = CollectiveParams {
         ws: *view,
@@ -385,7 +442,10 @@ mod tests {
                             let p = plan(kind, count, elem, nranks, slots, data, 264);
                             assert!(p.ctas >= 1 && p.ctas <= slots, "{kind:?} {p:?}");
                             let slot_bytes = (((data / slots as u64) & !255) / 2) & !255;
-                            assert!(slot_need(kind, p.chunk, elem, nranks) <= slot_bytes, "{kind:?} n={nranks} e={elem} {p:?} slot {slot_bytes}");
+                            assert!(
+                                slot_need(kind, p.chunk, elem, nranks) <= slot_bytes,
+                                "{kind:?} n={nranks} e={elem} {p:?} slot {slot_bytes}"
+                            );
                             assert!(p.chunk * p.ctas as u64 >= count.min(p.chunk * p.ctas as u64));
                             assert!(count.div_ceil(p.chunk) >= p.ctas as u64, "no idle CTA: {p:?} count {count}");
                             if count * elem >= 1 << 20 {
@@ -430,12 +490,28 @@ mod tests {
         // kernels/moe.cu: a receive buffer too small (what 5) and a bad expert id (what 6).
         let cap = ErrorWord::encode(mkResult_t::mkInvalidUsage, Some(3), 5, 19).to_error(1);
         assert_eq!(cap.code, mkResult_t::mkInvalidUsage);
-        assert!(cap.message.contains("mkMoeDispatchGemm on rank 1: the receive buffer of rank 3 needs more rows than recvCapacity"), "{}", cap.message);
-        assert!(ErrorWord::encode(mkResult_t::mkInvalidUsage, Some(0), 6, 19).to_error(0).message.contains("outside [-1, E)"));
-        assert!(ErrorWord::encode(mkResult_t::mkTimeout, Some(2), 4, 20).to_error(0).message.contains("mkMoeGemmCombine on rank 0 timed out waiting for rank 2"));
+        assert!(
+            cap.message.contains(
+                "mkMoeDispatchGemm on rank 1: the receive buffer of rank 3 needs more rows than recvCapacity"
+            ),
+            "{}",
+            cap.message
+        );
+        assert!(ErrorWord::encode(mkResult_t::mkInvalidUsage, Some(0), 6, 19)
+            .to_error(0)
+            .message
+            .contains("outside [-1, E)"));
+        assert!(ErrorWord::encode(mkResult_t::mkTimeout, Some(2), 4, 20)
+            .to_error(0)
+            .message
+            .contains("mkMoeGemmCombine on rank 0 timed out waiting for rank 2"));
         // kernels/hier_collectives.cu: network waits and proxy failures.
         let net = ErrorWord::encode(mkResult_t::mkTimeout, Some(5), 7, 1).to_error(1);
-        assert!(net.message.contains("mkAllGather on rank 1 timed out waiting for rank 5 (its data over the network)"), "{}", net.message);
+        assert!(
+            net.message.contains("mkAllGather on rank 1 timed out waiting for rank 5 (its data over the network)"),
+            "{}",
+            net.message
+        );
         let proxy = ErrorWord::encode(mkResult_t::mkRemoteError, Some(2), 9, 3).to_error(0);
         assert_eq!(proxy.code, mkResult_t::mkRemoteError);
         assert!(proxy.message.contains("inter-node proxy failed"), "{}", proxy.message);
@@ -469,8 +545,10 @@ mod tests {
         assert!(v(rs, 0x1000, 0x1000 + 160, 10, f32_, Some(4)).is_ok());
         // a buffer that wraps the address space is refused, not judged disjoint
         let top = u64::MAX - 15;
-        assert!(msg(v(ar, 0x1000, top, 10, f32_, Some(0))).contains("recvbuff (0xfffffffffffffff0) + 40 bytes runs past the end"));
-        assert!(msg(v(ag, top, 0x1000, 10, f32_, None)).contains("sendbuff (0xfffffffffffffff0) + 40 bytes runs past the end"));
+        assert!(msg(v(ar, 0x1000, top, 10, f32_, Some(0)))
+            .contains("recvbuff (0xfffffffffffffff0) + 40 bytes runs past the end"));
+        assert!(msg(v(ag, top, 0x1000, 10, f32_, None))
+            .contains("sendbuff (0xfffffffffffffff0) + 40 bytes runs past the end"));
     }
 
     #[test]

@@ -45,7 +45,11 @@ pub enum Cluster {
 impl Cluster {
     /// CTAs per cluster.
     pub fn size(self) -> usize {
-        if self == Cluster::None { 1 } else { 2 }
+        if self == Cluster::None {
+            1
+        } else {
+            2
+        }
     }
     /// Whether kernels/gemm.cu has this cluster kind for a tile width and epilogue.
     pub fn compiled_for(self, bn: usize, epilogue: Epilogue) -> bool {
@@ -62,7 +66,11 @@ pub fn stages(bn: usize, epilogue: Epilogue) -> usize {
 /// Shared memory of one consumer warpgroup's epilogue staging: TmaEpilogue 64·bn·2 bytes,
 /// DirectStoreEpilogue none.
 fn epilogue_staging_per_wg(bn: usize, epilogue: Epilogue) -> usize {
-    if epilogue == Epilogue::Tma { 64 * bn * 2 } else { 0 }
+    if epilogue == Epilogue::Tma {
+        64 * bn * 2
+    } else {
+        0
+    }
 }
 
 /// The deepest ring of `bm`- and `bn`-row stages (at most 8) that fits in the shared-memory
@@ -227,7 +235,17 @@ pub fn plan(m: usize, n: usize, sms: usize, tma_epilogue_ok: bool, o: PlanOverri
     } else {
         group_m.clamp(1, tiles_m.max(1))
     };
-    GemmPlan { bn, epilogue, stages: stages(bn, epilogue), smem_bytes: smem_bytes(bn, epilogue), tiles_m, tiles_n, group_m, grid, cluster }
+    GemmPlan {
+        bn,
+        epilogue,
+        stages: stages(bn, epilogue),
+        smem_bytes: smem_bytes(bn, epilogue),
+        tiles_m,
+        tiles_n,
+        group_m,
+        grid,
+        cluster,
+    }
 }
 
 /// A GEMM call's arguments after validation.
@@ -265,7 +283,10 @@ pub fn validate(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: Raw
         "K = {k} must be a positive multiple of 8: TMA reads rows of A and B that must start on 16-byte boundaries (K * 2 bytes)"
     );
     let limit = i32::MAX as usize;
-    crate::ensure_arg!(m <= limit && n <= limit && k <= limit, "M = {m}, N = {n}, K = {k}: each must be at most {limit}");
+    crate::ensure_arg!(
+        m <= limit && n <= limit && k <= limit,
+        "M = {m}, N = {n}, K = {k}: each must be at most {limit}"
+    );
     crate::ensure_arg!(
         m.div_ceil(BM) * n.div_ceil(64) <= limit,
         "M = {m}, N = {n}: more than {limit} tiles of {BM}x64 (the tile index is 32-bit); split the GEMM"
@@ -280,17 +301,42 @@ pub fn validate(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: Raw
 /// device-visible address, a peer's mapped buffer too), box {box_cols, box_rows}, 128-byte
 /// swizzle, zero fill out of bounds. The engine's maps: A (BM, BK), B (bn, BK), C (64, 64).
 /// Needs ptr % 16 == 0 and cols % 8 == 0.
-pub fn tensor_map(ptr: u64, dtype: mkDataType_t, rows: usize, cols: usize, box_rows: usize, box_cols: usize) -> Result<sys::CUtensorMap> {
-    tiled_tensor_map(ptr, dtype, &[cols as u64, rows as u64], &[cols as u64 * 2], &[box_cols as u32, box_rows as u32], "cuTensorMapEncodeTiled")
+pub fn tensor_map(
+    ptr: u64,
+    dtype: mkDataType_t,
+    rows: usize,
+    cols: usize,
+    box_rows: usize,
+    box_cols: usize,
+) -> Result<sys::CUtensorMap> {
+    tiled_tensor_map(
+        ptr,
+        dtype,
+        &[cols as u64, rows as u64],
+        &[cols as u64 * 2],
+        &[box_cols as u32, box_rows as u32],
+        "cuTensorMapEncodeTiled",
+    )
 }
 
 /// A TMA descriptor of any rank (up to 5) over a bf16/fp16 tensor at `ptr`: `dims`
 /// innermost first, the byte `strides` of dims 1.., one box extent per dim; 128-byte
 /// swizzle, 256-byte L2 promotion, zero fill out of bounds. `what` names the caller in errors.
-pub fn tiled_tensor_map(ptr: u64, dtype: mkDataType_t, dims: &[u64], strides: &[u64], boxes: &[u32], what: &str) -> Result<sys::CUtensorMap> {
+pub fn tiled_tensor_map(
+    ptr: u64,
+    dtype: mkDataType_t,
+    dims: &[u64],
+    strides: &[u64],
+    boxes: &[u32],
+    what: &str,
+) -> Result<sys::CUtensorMap> {
     let rank = dims.len();
     if !(1..=5).contains(&rank) || strides.len() + 1 != rank || boxes.len() != rank {
-        return Err(MkError::internal(format!("{what}: a tensor map of {rank} dims with {} strides and {} boxes", strides.len(), boxes.len())));
+        return Err(MkError::internal(format!(
+            "{what}: a tensor map of {rank} dims with {} strides and {} boxes",
+            strides.len(),
+            boxes.len()
+        )));
     }
     let dt = match dtype {
         mkDataType_t::mkFloat16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
@@ -333,11 +379,17 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
     let mut ta = tensor_map(args.a, args.dtype, args.m, args.k, a_rows, BK)?;
     let mut tb = tensor_map(args.b, args.dtype, args.n, args.k, b_rows, BK)?;
     // The direct epilogue ignores tma_c; pass any valid map.
-    let mut tc = if plan.epilogue == Epilogue::Tma { tensor_map(args.c, args.dtype, args.m, args.n, 64, 64)? } else { ta };
-    let f = plan.kernel(args.dtype).ok_or_else(|| MkError::internal(format!("no GEMM kernel for {plan:?}")))?.function()?;
+    let mut tc =
+        if plan.epilogue == Epilogue::Tma { tensor_map(args.c, args.dtype, args.m, args.n, 64, 64)? } else { ta };
+    let f =
+        plan.kernel(args.dtype).ok_or_else(|| MkError::internal(format!("no GEMM kernel for {plan:?}")))?.function()?;
     let mut c = args.c;
     let (mut m, mut n, mut k, mut g) = (args.m as i32, args.n as i32, args.k as i32, plan.group_m as i32);
-    let mut cfg = LaunchConfig { grid: (plan.grid as u32, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: plan.smem_bytes as u32 };
+    let mut cfg = LaunchConfig {
+        grid: (plan.grid as u32, 1, 1),
+        block: (THREADS, 1, 1),
+        shared_mem_bytes: plan.smem_bytes as u32,
+    };
     let mut params: [*mut c_void; 8] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
@@ -360,10 +412,19 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
     unsafe { launch_cluster2(f, cfg, stream, &mut params) }
 }
 
-fn cluster2_config(f: sys::CUfunction, cfg: LaunchConfig, stream: sys::CUstream, attr: &mut sys::CUlaunchAttribute) -> Result<sys::CUlaunchConfig> {
+fn cluster2_config(
+    f: sys::CUfunction,
+    cfg: LaunchConfig,
+    stream: sys::CUstream,
+    attr: &mut sys::CUlaunchAttribute,
+) -> Result<sys::CUlaunchConfig> {
     // SAFETY: plain attribute setting on a valid function.
     cuda::check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
-        sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)
+        sys::cuFuncSetAttribute(
+            f,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            cfg.shared_mem_bytes as i32,
+        )
     })?;
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
     attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 2, y: 1, z: 1 };
@@ -396,7 +457,9 @@ fn max_active_clusters(f: sys::CUfunction, smem: usize) -> Result<usize> {
     // SAFETY: lc points at attr, alive for the call.
     cuda::check("cuOccupancyMaxActiveClusters", unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &lc) })?;
     if n < 1 {
-        return Err(MkError::internal(format!("no 2-CTA cluster of the GEMM kernel fits on this GPU ({smem} bytes of shared memory)")));
+        return Err(MkError::internal(format!(
+            "no 2-CTA cluster of the GEMM kernel fits on this GPU ({smem} bytes of shared memory)"
+        )));
     }
     CACHE.lock().push((f as usize, smem, n as usize));
     Ok(n as usize)
@@ -406,10 +469,18 @@ fn max_active_clusters(f: sys::CUfunction, smem: usize) -> Result<usize> {
 ///
 /// # Safety
 /// As for [`cuda::launch`]; `cfg.grid.0` must be even.
-unsafe fn launch_cluster2(f: sys::CUfunction, cfg: LaunchConfig, stream: sys::CUstream, params: &mut [*mut c_void]) -> Result<()> {
+unsafe fn launch_cluster2(
+    f: sys::CUfunction,
+    cfg: LaunchConfig,
+    stream: sys::CUstream,
+    params: &mut [*mut c_void],
+) -> Result<()> {
     let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
     let lc = cluster2_config(f, cfg, stream, &mut attr)?;
-    cuda::check("cuLaunchKernelEx (2-CTA clusters)", sys::cuLaunchKernelEx(&lc, f, params.as_mut_ptr(), std::ptr::null_mut()))
+    cuda::check(
+        "cuLaunchKernelEx (2-CTA clusters)",
+        sys::cuLaunchKernelEx(&lc, f, params.as_mut_ptr(), std::ptr::null_mut()),
+    )
 }
 
 /// The SM count of the current context's device (cached per device).
@@ -442,7 +513,16 @@ pub fn with_current_context<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
 
 /// mkGemm's body: validate, plan for the current device, launch.
 #[allow(clippy::too_many_arguments)] // mirrors the C signature
-pub fn gemm(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: RawDataType, stream: sys::CUstream) -> Result<()> {
+pub fn gemm(
+    a: u64,
+    b: u64,
+    c: u64,
+    m: usize,
+    n: usize,
+    k: usize,
+    dtype: RawDataType,
+    stream: sys::CUstream,
+) -> Result<()> {
     let args = validate(a, b, c, m, n, k, dtype)?;
     if m == 0 || n == 0 {
         return Ok(());
@@ -467,7 +547,12 @@ mod tests {
     #[test]
     fn tensor_map_rank_mismatches_are_errors_before_any_driver_call() {
         let bf16 = mkDataType_t::mkBfloat16;
-        for (dims, strides, boxes) in [(&[8u64, 8][..], &[][..], &[8u32, 8][..]), (&[8, 8], &[16], &[8]), (&[], &[], &[]), (&[1; 6], &[2; 5], &[1; 6])] {
+        for (dims, strides, boxes) in [
+            (&[8u64, 8][..], &[][..], &[8u32, 8][..]),
+            (&[8, 8], &[16], &[8]),
+            (&[], &[], &[]),
+            (&[1; 6], &[2; 5], &[1; 6]),
+        ] {
             let e = tiled_tensor_map(0, bf16, dims, strides, boxes, "test").unwrap_err();
             assert_eq!(e.code, crate::error::mkResult_t::mkInternalError, "{dims:?} {strides:?} {boxes:?}");
         }
@@ -523,9 +608,8 @@ mod tests {
 
     #[test]
     fn clusters_pair_tiles_and_fall_back_where_they_cannot() {
-        let with = |m, n, bn, c| {
-            plan(m, n, 132, true, PlanOverrides { bn: Some(bn), cluster: Some(c), ..Default::default() })
-        };
+        let with =
+            |m, n, bn, c| plan(m, n, 132, true, PlanOverrides { bn: Some(bn), cluster: Some(c), ..Default::default() });
         // Large: pairs of m-blocks share B; the raster group counts pairs; even grid.
         let p = with(8192, 8192, 256, Cluster::ShareB);
         assert_eq!((p.cluster, p.group_m, p.grid), (Cluster::ShareB, 8, 132));
@@ -538,11 +622,27 @@ mod tests {
         // or a single CTA: no cluster.
         assert_eq!(with(384, 8192, 256, Cluster::ShareB).cluster, Cluster::None); // 3 m-blocks
         assert_eq!(with(8192, 8192, 256, Cluster::ShareA).cluster, Cluster::None); // no bn256 c2a kernel
-        assert_eq!(plan(8192, 8190, 132, false, PlanOverrides { cluster: Some(Cluster::ShareB), ..Default::default() }).cluster, Cluster::None);
-        let p = plan(256, 256, 132, true, PlanOverrides { max_ctas: Some(1), cluster: Some(Cluster::ShareB), ..Default::default() });
+        assert_eq!(
+            plan(8192, 8190, 132, false, PlanOverrides { cluster: Some(Cluster::ShareB), ..Default::default() })
+                .cluster,
+            Cluster::None
+        );
+        let p = plan(
+            256,
+            256,
+            132,
+            true,
+            PlanOverrides { max_ctas: Some(1), cluster: Some(Cluster::ShareB), ..Default::default() },
+        );
         assert_eq!((p.cluster, p.grid), (Cluster::None, 1));
         // An odd CTA budget rounds down to whole clusters.
-        let p = plan(8192, 8192, 132, true, PlanOverrides { max_ctas: Some(101), cluster: Some(Cluster::ShareB), ..Default::default() });
+        let p = plan(
+            8192,
+            8192,
+            132,
+            true,
+            PlanOverrides { max_ctas: Some(101), cluster: Some(Cluster::ShareB), ..Default::default() },
+        );
         assert_eq!(p.grid, 100);
     }
 

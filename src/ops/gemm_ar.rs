@@ -94,6 +94,9 @@ mod tests {
         assert!(plan(16, 60, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).is_err());
         assert!(plan(8192, 8192, 12, 4, 0, 132, None, ONE_SHOT_MAX_M).is_err());
         assert!(plan(16, 64, 64, 4, 0, 132, Some(132), ONE_SHOT_MAX_M).is_err());
-        assert_eq!(plan(16, 64, 64, 4, 0, 132, Some(11), ONE_SHOT_MAX_M).unwrap(), GemmArPlan::OneShot { compute_ctas: 121, reduce_ctas: 11 });
+        assert_eq!(
+            plan(16, 64, 64, 4, 0, 132, Some(11), ONE_SHOT_MAX_M).unwrap(),
+            GemmArPlan::OneShot { compute_ctas: 121, reduce_ctas: 11 }
+        );
     }
 }

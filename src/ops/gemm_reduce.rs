@@ -73,22 +73,46 @@ pub struct GemmReduceArgs {
 
 /// Argument checks (no CUDA).
 #[allow(clippy::too_many_arguments)]
-pub fn validate(reduction: Reduction, a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: RawDataType, nranks: usize) -> Result<GemmReduceArgs> {
+pub fn validate(
+    reduction: Reduction,
+    a: u64,
+    b: u64,
+    c: u64,
+    m: usize,
+    n: usize,
+    k: usize,
+    dtype: RawDataType,
+    nranks: usize,
+) -> Result<GemmReduceArgs> {
     let dtype = mkDataType_t::from_raw(dtype)?;
-    crate::ensure_arg!(dtype.is_gemm_type(), "dtype {} is not supported: {} takes mkBfloat16 or mkFloat16", dtype.name(), reduction.name());
+    crate::ensure_arg!(
+        dtype.is_gemm_type(),
+        "dtype {} is not supported: {} takes mkBfloat16 or mkFloat16",
+        dtype.name(),
+        reduction.name()
+    );
     if reduction == Reduction::Scatter {
-        crate::ensure_arg!(m % nranks == 0, "M = {m} is not divisible by nranks = {nranks}: each rank receives M / nranks rows of C");
+        crate::ensure_arg!(
+            m % nranks == 0,
+            "M = {m} is not divisible by nranks = {nranks}: each rank receives M / nranks rows of C"
+        );
     }
     crate::ensure_arg!(k > 0 && k % 8 == 0, "K = {k} must be a positive multiple of 8 (16-byte rows for TMA)");
     crate::ensure_arg!(n % 8 == 0, "N = {n} must be a multiple of 8: partial rows are moved as 16-byte vectors");
-    crate::ensure_arg!(m <= i32::MAX as usize && n <= i32::MAX as usize && k <= i32::MAX as usize, "M, N and K must each be at most 2^31-1");
+    crate::ensure_arg!(
+        m <= i32::MAX as usize && n <= i32::MAX as usize && k <= i32::MAX as usize,
+        "M, N and K must each be at most 2^31-1"
+    );
     if m > 0 && n > 0 {
         crate::ensure_arg!(a != 0, "A is NULL");
         crate::ensure_arg!(b != 0, "B is NULL");
         crate::ensure_arg!(c != 0, "C is NULL");
     }
     for (ptr, name) in [(a, "A"), (b, "B"), (c, "C")] {
-        crate::ensure_arg!(ptr % 16 == 0, "{name} = {ptr:#x} is not 16-byte aligned (TMA and 16-byte vector stores need it)");
+        crate::ensure_arg!(
+            ptr % 16 == 0,
+            "{name} = {ptr:#x} is not 16-byte aligned (TMA and 16-byte vector stores need it)"
+        );
     }
     let tiles = m.div_ceil(ROW_BLOCK) * n.div_ceil(128);
     // Three flags per tile: two stored slabs, and the two-phase AllReduce's "reduced".
@@ -119,7 +143,11 @@ pub fn interleave_owners(reduction: Reduction, two_phase: bool, m: usize, nranks
 /// (`owned_tile`) follows the compute order exactly.
 pub fn reduction_group_m(tiles_m: usize, bn: usize, compute_ctas: usize, owners: usize) -> usize {
     let g = engine::raster_group(tiles_m, bn, compute_ctas);
-    if owners > 1 { g.div_ceil(owners) * owners } else { g }
+    if owners > 1 {
+        g.div_ceil(owners) * owners
+    } else {
+        g
+    }
 }
 
 pub use super::schedule::{grouped_index, grouped_tile, interleaved_tile, owned_tile, Tile};
@@ -142,7 +170,11 @@ pub fn side_staging_bytes(bm: usize, bn: usize) -> usize {
 
 /// Items of a `total`-item walk that reducer team `j` of `stride` takes (j, j + stride, ...).
 pub fn team_items(total: usize, j: usize, stride: usize) -> usize {
-    if j < total { (total - j).div_ceil(stride) } else { 0 }
+    if j < total {
+        (total - j).div_ceil(stride)
+    } else {
+        0
+    }
 }
 
 /// Early sums: the most reducer items of one GEMM CTA's walk that its side warps may sum
@@ -184,7 +216,11 @@ pub fn early_items(
 /// The one-shot reducer items of a call (the kernel's reduce_tiles walk): the tiles of the
 /// 128-row blocks holding rows [row_lo, row_hi).
 pub fn reducer_items(row_lo: usize, row_hi: usize, tiles_n: usize) -> usize {
-    if row_hi <= row_lo { 0 } else { ((row_hi - 1) / ROW_BLOCK - row_lo / ROW_BLOCK + 1) * tiles_n }
+    if row_hi <= row_lo {
+        0
+    } else {
+        ((row_hi - 1) / ROW_BLOCK - row_lo / ROW_BLOCK + 1) * tiles_n
+    }
 }
 
 /// Rows per piece of an early sum (kernels/gemm_reduce_early.cu kSideRows): the side warps look
@@ -197,7 +233,11 @@ pub const SIDE_ROWS: usize = 32;
 /// one. Team `j` of `stride`, items of `rows_of(i)` rows: returns the (item index, first
 /// row offset) pairs the team sums (kernels/gemm_reduce_early.cu reduce_tiles_from).
 pub fn team_rest(total: usize, j: usize, stride: usize, done: usize, rows: usize) -> Vec<(usize, usize)> {
-    (0..team_items(total, j, stride)).skip(done).enumerate().map(|(x, k)| (j + k * stride, if x == 0 { rows } else { 0 })).collect()
+    (0..team_items(total, j, stride))
+        .skip(done)
+        .enumerate()
+        .map(|(x, k)| (j + k * stride, if x == 0 { rows } else { 0 }))
+        .collect()
 }
 
 /// The GEMM + reduction kernel for a dtype, tile width and tile rows (BM 128 or 64), with
@@ -227,7 +267,11 @@ pub fn kernel(dtype: mkDataType_t, bn: usize, bm: usize, early: bool) -> Option<
 /// Rows per GEMM tile of the fused kernel: 64 when M fits one such tile (the `_bm64`
 /// kernels: A stages of 64 rows, so a deeper ring of B fits), else the engine's 128.
 pub fn tile_rows(m: usize) -> usize {
-    if m <= 64 { 64 } else { engine::BM }
+    if m <= 64 {
+        64
+    } else {
+        engine::BM
+    }
 }
 
 /// Validated call on `comm`: plan, launch (stream-ordered, no host sync).
@@ -258,7 +302,16 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
             let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid, comm.config.comm_ctas)?;
             (p.compute_ctas, p.reduce_ctas, false)
         }
-        Reduction::All => match gemm_ar::plan(m, n, k, nranks, rank, grid, comm.config.comm_ctas, comm.config.tuning.gemm_ar_one_shot_max_m)? {
+        Reduction::All => match gemm_ar::plan(
+            m,
+            n,
+            k,
+            nranks,
+            rank,
+            grid,
+            comm.config.comm_ctas,
+            comm.config.tuning.gemm_ar_one_shot_max_m,
+        )? {
             gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas, false),
             gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas, true),
         },
@@ -299,7 +352,13 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
         crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
     }
-    let tile = engine::plan(m, n, compute_ctas as usize, true, PlanOverrides { max_ctas: Some(compute_ctas as usize), ..Default::default() });
+    let tile = engine::plan(
+        m,
+        n,
+        compute_ctas as usize,
+        true,
+        PlanOverrides { max_ctas: Some(compute_ctas as usize), ..Default::default() },
+    );
     let bn = if tile.bn >= 256 { 256 } else { 128 };
     let tiles_n = n.div_ceil(bn);
     let interleave = interleave_owners(args.reduction, two_phase || nodes.is_some(), m, nranks);
@@ -314,7 +373,16 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let mut ta = engine::tensor_map(args.a, args.dtype, m, k, bm, engine::BK)?;
     let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
     let mut tp = engine::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
-    let early = early_items(args.reduction, comm.config.tuning.gemm_reducers, nodes.is_none(), reduce_ctas, bm, bn, reducer_items(row_lo, row_hi, tiles_n), compute_ctas as usize);
+    let early = early_items(
+        args.reduction,
+        comm.config.tuning.gemm_reducers,
+        nodes.is_none(),
+        reduce_ctas,
+        bm,
+        bn,
+        reducer_items(row_lo, row_hi, tiles_n),
+        compute_ctas as usize,
+    );
     let mut params = GemmReduceParams {
         ws: ws.view,
         c: args.c,
@@ -360,13 +428,16 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     }
     // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere).
     let f = kernel(args.dtype, bn, bm, early > 0)
-        .ok_or_else(|| MkError::internal(format!("no GEMM + reduction kernel for BN {bn}, BM {bm}, early sums {}", early > 0)))?
+        .ok_or_else(|| {
+            MkError::internal(format!("no GEMM + reduction kernel for BN {bn}, BM {bm}, early sums {}", early > 0))
+        })?
         .function()?;
     let cfg = LaunchConfig {
         grid: (compute_ctas + reduce_ctas, 1, 1),
         block: (engine::THREADS, 1, 1),
         // Early sums stage in shared memory after the engine's (side_staging_bytes).
-        shared_mem_bytes: (engine::fused_smem_bytes(bm, bn) + if early > 0 { side_staging_bytes(bm, bn) } else { 0 }) as u32,
+        shared_mem_bytes: (engine::fused_smem_bytes(bm, bn) + if early > 0 { side_staging_bytes(bm, bn) } else { 0 })
+            as u32,
     };
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
@@ -376,7 +447,8 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     ];
     // SAFETY: the parameters match the kernel (3 tensor maps, GemmReduceParams); the
     // buffers were checked to be device memory of this device, of the caller's sizes.
-    unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }.map_err(|e| e.context(format!("launching {}", args.reduction.name())))
+    unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }
+        .map_err(|e| e.context(format!("launching {}", args.reduction.name())))
 }
 
 #[cfg(test)]
@@ -477,7 +549,10 @@ mod tests {
                         }
                         for i in 0..total {
                             let want = usize::from(i % stride == j);
-                            assert!(seen[i * 128..(i + 1) * 128].iter().all(|&c| c == want), "total {total} j {j} done {done} rows {rows} item {i}");
+                            assert!(
+                                seen[i * 128..(i + 1) * 128].iter().all(|&c| c == want),
+                                "total {total} j {j} done {done} rows {rows} item {i}"
+                            );
                         }
                     }
                 }
@@ -521,12 +596,15 @@ mod tests {
             let (tiles_m, tiles_n) = (m / ROW_BLOCK, n / bn);
             let group_m = reduction_group_m(tiles_m, bn, ctas, owners);
             assert_eq!(group_m % owners, 0);
-            let compute: Vec<Tile> = (0..tiles_m * tiles_n).map(|t| interleaved_tile(tiles_m, tiles_n, group_m, owners, t)).collect();
+            let compute: Vec<Tile> =
+                (0..tiles_m * tiles_n).map(|t| interleaved_tile(tiles_m, tiles_n, group_m, owners, t)).collect();
             let blocks = tiles_m / owners;
             for q in 0..owners {
                 let first = q * blocks;
-                let mine: Vec<Tile> = compute.iter().copied().filter(|&(b, _)| b >= first && b < first + blocks).collect();
-                let walk: Vec<Tile> = (0..blocks * tiles_n).map(|i| owned_tile(tiles_n, group_m, owners, first, blocks, i)).collect();
+                let mine: Vec<Tile> =
+                    compute.iter().copied().filter(|&(b, _)| b >= first && b < first + blocks).collect();
+                let walk: Vec<Tile> =
+                    (0..blocks * tiles_n).map(|i| owned_tile(tiles_n, group_m, owners, first, blocks, i)).collect();
                 assert_eq!(walk, mine, "owner {q} of M {m} N {n}: reducers walk the compute order");
                 let shares: Vec<usize> = (0..ctas).map(|j| (j..walk.len()).step_by(ctas).count()).collect();
                 assert!(shares.iter().max().unwrap() - shares.iter().min().unwrap() <= 1, "{shares:?}");

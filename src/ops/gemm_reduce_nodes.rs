@@ -307,12 +307,14 @@ mod tests {
 
     #[test]
     fn oversized_calls_are_refused_with_the_rule() {
-        let err = plan(Reduction::Scatter, 1 << 17, 1 << 14, 2, 2, 4, 0, TILE_WORD, tiles(1 << 17, 1 << 14), END_WORD).unwrap_err();
+        let err = plan(Reduction::Scatter, 1 << 17, 1 << 14, 2, 2, 4, 0, TILE_WORD, tiles(1 << 17, 1 << 14), END_WORD)
+            .unwrap_err();
         assert!(err.message.contains("split the GEMM"), "{}", err.message);
         let err = plan(Reduction::All, 128, 1 << 24, 2, 2, 4, 0, TILE_WORD, 1, END_WORD).unwrap_err();
         assert!(err.message.contains("4 GiB"), "{}", err.message);
         // 8 nodes of 2, M = 2^18: 128 blocks per owner, 9 x 128 counters.
-        let err = plan(Reduction::Scatter, 1 << 18, 128, 2, 8, 16, 0, TILE_WORD, tiles(1 << 18, 128), END_WORD).unwrap_err();
+        let err =
+            plan(Reduction::Scatter, 1 << 18, 128, 2, 8, 16, 0, TILE_WORD, tiles(1 << 18, 128), END_WORD).unwrap_err();
         assert!(err.message.contains("counters"), "{}", err.message);
     }
 
@@ -348,10 +350,22 @@ mod tests {
                         // The rows each rank receives in its inbox: every owned row, once per other node.
                         for g in 0..r {
                             let (lo, hi) = owner_range(p.owner_rows, m, g);
-                            let received: u64 = all.iter().filter(|x| x.to == g && x.signal_word < p.net_reduced_word).map(|x| x.bytes).sum();
-                            assert_eq!(received, ((hi - lo) * n * 2 * (nodes - 1)) as u64, "rank {g} {reduction:?} M={m}");
+                            let received: u64 = all
+                                .iter()
+                                .filter(|x| x.to == g && x.signal_word < p.net_reduced_word)
+                                .map(|x| x.bytes)
+                                .sum();
+                            assert_eq!(
+                                received,
+                                ((hi - lo) * n * 2 * (nodes - 1)) as u64,
+                                "rank {g} {reduction:?} M={m}"
+                            );
                             if reduction == Reduction::All {
-                                let sums: u64 = all.iter().filter(|x| x.to == g && x.signal_word >= p.net_reduced_word).map(|x| x.bytes).sum();
+                                let sums: u64 = all
+                                    .iter()
+                                    .filter(|x| x.to == g && x.signal_word >= p.net_reduced_word)
+                                    .map(|x| x.bytes)
+                                    .sum();
                                 // The sums of the owners with its local rank on the other nodes.
                                 let expect: usize = (0..nodes)
                                     .filter(|&x| x != node_of(g))
@@ -399,10 +413,12 @@ mod tests {
                             let me = ro(node, l);
                             for mm in 0..nodes {
                                 let (lo, hi) = owner_range(p.owner_rows, m, ro(mm, l));
-                                let base = if mm == node { p.inbox_offset } else { p.outbox_offset } + mm as u64 * p.slab_bytes;
+                                let base = if mm == node { p.inbox_offset } else { p.outbox_offset }
+                                    + mm as u64 * p.slab_bytes;
                                 for i in lo..hi {
                                     for j in 0..n {
-                                        let s: f32 = (0..local).map(|x| mem[ro(node, x)][at(p.partial_offset, i, j)]).sum();
+                                        let s: f32 =
+                                            (0..local).map(|x| mem[ro(node, x)][at(p.partial_offset, i, j)]).sum();
                                         mem[me][at(base, i - lo, j)] = s;
                                     }
                                 }
@@ -416,7 +432,8 @@ mod tests {
                         }
                     }
                     let apply = |mem: &mut Vec<Vec<f32>>, put: &NodePut| {
-                        let (s, d, len) = (put.src_offset as usize / 4, put.dst_offset as usize / 4, put.bytes as usize / 4);
+                        let (s, d, len) =
+                            (put.src_offset as usize / 4, put.dst_offset as usize / 4, put.bytes as usize / 4);
                         let data = mem[put.from][s..s + len].to_vec();
                         mem[put.to][d..d + len].copy_from_slice(&data);
                     };
@@ -429,7 +446,9 @@ mod tests {
                         let (lo, hi) = owner_range(p.owner_rows, m, g);
                         for i in lo..hi {
                             for j in 0..n {
-                                let s: f32 = (0..nodes).map(|x| mem[g][at(p.inbox_offset + x as u64 * p.slab_bytes, i - lo, j)]).sum();
+                                let s: f32 = (0..nodes)
+                                    .map(|x| mem[g][at(p.inbox_offset + x as u64 * p.slab_bytes, i - lo, j)])
+                                    .sum();
                                 out[g][i * n + j] = s;
                                 if reduction == Reduction::All {
                                     mem[g][at(p.reduced_offset, i, j)] = s;
@@ -462,11 +481,16 @@ mod tests {
                         }
                     }
                     for g in 0..r {
-                        let (lo, hi) = if reduction == Reduction::Scatter { owner_range(p.owner_rows, m, g) } else { (0, m) };
+                        let (lo, hi) =
+                            if reduction == Reduction::Scatter { owner_range(p.owner_rows, m, g) } else { (0, m) };
                         for i in lo..hi {
                             for j in 0..n {
                                 let want: f32 = (0..r).map(|x| value(x, i, j)).sum();
-                                assert_eq!(out[g][i * n + j], want, "{reduction:?} nodes {nodes}x{local} M={m} rank {g} ({i},{j})");
+                                assert_eq!(
+                                    out[g][i * n + j],
+                                    want,
+                                    "{reduction:?} nodes {nodes}x{local} M={m} rank {g} ({i},{j})"
+                                );
                             }
                         }
                     }

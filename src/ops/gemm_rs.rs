@@ -60,7 +60,9 @@ pub fn validate(shape: &GemmRsShape) -> Result<()> {
         )));
     }
     if k == 0 || k % 8 != 0 {
-        return Err(MkError::invalid_argument(format!("K = {k} must be a positive multiple of 8 (16-byte rows for TMA)")));
+        return Err(MkError::invalid_argument(format!(
+            "K = {k} must be a positive multiple of 8 (16-byte rows for TMA)"
+        )));
     }
     if n % 8 != 0 {
         return Err(MkError::invalid_argument(format!(
@@ -122,8 +124,10 @@ mod tests {
         assert_eq!((p.reduce_ctas, p.compute_ctas), (0, 132));
         let p = plan(&shape(4 * 1024, 8192, 1024, 4, 0), 132, Some(14)).unwrap();
         assert_eq!((p.reduce_ctas, p.compute_ctas), (14, 118));
-        assert!(plan(&shape(4 * 1024, 8192, 1024, 4, 0), 132, Some(132)).unwrap_err().message.contains("below the grid"));
+        assert!(plan(&shape(4 * 1024, 8192, 1024, 4, 0), 132, Some(132))
+            .unwrap_err()
+            .message
+            .contains("below the grid"));
         assert_eq!(plan(&shape(4 * 1024, 8192, 1024, 4, 0), 1, None).unwrap().compute_ctas, 1);
     }
-
 }

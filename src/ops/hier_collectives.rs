@@ -7,13 +7,17 @@
 //!
 //! Written without a GPU; `mktest nodes` is its first GPU run.
 
-use super::collectives::{check_device_pointer, validate, CollectiveArgs, CollectiveKind, MIN_BYTES_PER_CTA, PIECE_ALIGN_BYTES};
+use super::collectives::{
+    check_device_pointer, validate, CollectiveArgs, CollectiveKind, MIN_BYTES_PER_CTA, PIECE_ALIGN_BYTES,
+};
 use crate::comm::topology::{rank_with_local_rank, Topology};
 use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
-use crate::kernel_abi::{HierCollectiveParams, ProxyRingView, WorkspaceView, MK_MAX_NODES, MK_MAX_NODE_RANKS, MK_MAX_PEERS};
+use crate::kernel_abi::{
+    HierCollectiveParams, ProxyRingView, WorkspaceView, MK_MAX_NODES, MK_MAX_NODE_RANKS, MK_MAX_PEERS,
+};
 use crate::types::{mkDataType_t, RawDataType, RawRedOp};
 
 const _: () = assert!(MK_MAX_NODE_RANKS == MK_MAX_NODES * MK_MAX_PEERS);
@@ -56,22 +60,34 @@ pub fn node_layout(topology: &Topology, nodes: &[usize], what: &str) -> Result<N
     let mut rank_of = [-1i32; MK_MAX_NODE_RANKS];
     for m in 0..topology.node_count {
         for l in 0..topology.local_size() {
-            let r = rank_with_local_rank(nodes, m, l).ok_or_else(|| MkError::internal(format!("node {m} has no local rank {l}")))?;
+            let r = rank_with_local_rank(nodes, m, l)
+                .ok_or_else(|| MkError::internal(format!("node {m} has no local rank {l}")))?;
             rank_of[m * MK_MAX_PEERS + l] = r as i32;
         }
     }
-    Ok(NodeLayout { nodes: topology.node_count, local_size: topology.local_size(), node: topology.node, local_rank: topology.local_rank, rank_of })
+    Ok(NodeLayout {
+        nodes: topology.node_count,
+        local_size: topology.local_size(),
+        node: topology.node,
+        local_rank: topology.local_rank,
+        rank_of,
+    })
 }
 
 /// The workspace a dense fused op runs on: on one node the communicator's (refused with
 /// mkInvalidUsage when it has no data plane); across nodes this node's (its view indexed
 /// by local rank), with the rank table and this rank's proxy ring.
-pub fn fused_op_workspace<'a>(comm: &'a Comm, op: &str) -> Result<(&'a SymmetricWorkspace, Option<(NodeLayout, ProxyRingView)>)> {
+pub fn fused_op_workspace<'a>(
+    comm: &'a Comm,
+    op: &str,
+) -> Result<(&'a SymmetricWorkspace, Option<(NodeLayout, ProxyRingView)>)> {
     if !comm.topology.spans_nodes() {
         return Ok((comm.one_node_workspace(op)?, None));
     }
     let ws = comm.workspace.as_ref().ok_or_else(|| {
-        MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+        MkError::invalid_usage(
+            comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()),
+        )
     })?;
     let ring = comm.proxy_ring.ok_or_else(|| MkError::internal("a communicator across nodes without a proxy ring"))?;
     Ok((ws, Some((node_layout(&comm.topology, &comm.nodes, op)?, ring))))
@@ -133,7 +149,15 @@ pub fn layout(kind: CollectiveKind, chunk: u64, elem: u64, nodes: u64, local: u6
 
 /// Plans one call. `cta_slots` and `data_bytes` come from the workspace (the minimum over
 /// all ranks of all nodes, so every rank plans the same steps and offsets).
-pub fn plan(kind: CollectiveKind, count: u64, elem: u64, nodes: u64, local: u64, cta_slots: u32, data_bytes: u64) -> Result<HierPlan> {
+pub fn plan(
+    kind: CollectiveKind,
+    count: u64,
+    elem: u64,
+    nodes: u64,
+    local: u64,
+    cta_slots: u32,
+    data_bytes: u64,
+) -> Result<HierPlan> {
     let slots = cta_slots.clamp(1, MAX_NET_CTAS) as u64;
     // The partition of the data region is by the workspace's cta_slots (as the one-node kernel).
     let region = (data_bytes / cta_slots.max(1) as u64) & !255;
@@ -203,7 +227,15 @@ pub fn kernel(dtype: mkDataType_t) -> crate::cuda::kernels::Kernel {
 }
 
 /// The kernel's parameters for validated `args`.
-pub fn params(view: &WorkspaceView, ring: ProxyRingView, nl: &NodeLayout, rank: usize, nranks: usize, args: &CollectiveArgs, p: &HierPlan) -> HierCollectiveParams {
+pub fn params(
+    view: &WorkspaceView,
+    ring: ProxyRingView,
+    nl: &NodeLayout,
+    rank: usize,
+    nranks: usize,
+    args: &CollectiveArgs,
+    p: &HierPlan,
+) -> HierCollectiveParams {
     HierCollectiveParams {
         ws: *view,
         ring,
@@ -233,11 +265,22 @@ pub fn params(view: &WorkspaceView, ring: ProxyRingView, nl: &NodeLayout, rank: 
 
 /// Validates, plans and launches one collective on a communicator that spans nodes.
 #[allow(clippy::too_many_arguments)]
-pub fn collective(comm: &Comm, kind: CollectiveKind, send: u64, recv: u64, count: usize, dtype: RawDataType, op: Option<RawRedOp>, stream: sys::CUstream) -> Result<()> {
+pub fn collective(
+    comm: &Comm,
+    kind: CollectiveKind,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: RawDataType,
+    op: Option<RawRedOp>,
+    stream: sys::CUstream,
+) -> Result<()> {
     comm.check_usable()?;
     let args = validate(kind, send, recv, count, dtype, op, comm.rank, comm.nranks)?;
     let ws = comm.workspace.as_ref().ok_or_else(|| {
-        MkError::invalid_usage(comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()))
+        MkError::invalid_usage(
+            comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()),
+        )
     })?;
     let ring = comm.proxy_ring.ok_or_else(|| MkError::internal("a communicator across nodes without a proxy ring"))?;
     let nl = node_layout(&comm.topology, &comm.nodes, kind.name())?;
@@ -245,7 +288,15 @@ pub fn collective(comm: &Comm, kind: CollectiveKind, send: u64, recv: u64, count
         return Ok(());
     }
     let elem = args.dtype.size() as u64;
-    let plan = plan(kind, args.count, elem, nl.nodes as u64, nl.local_size as u64, ws.view.cta_slots as u32, ws.view.data_bytes)?;
+    let plan = plan(
+        kind,
+        args.count,
+        elem,
+        nl.nodes as u64,
+        nl.local_size as u64,
+        ws.view.cta_slots as u32,
+        ws.view.data_bytes,
+    )?;
     let _ctx = comm.context.enter()?;
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
@@ -265,7 +316,8 @@ mod tests {
     use crate::comm::node_of_ranks;
     use crate::error::mkResult_t;
 
-    const KINDS: [CollectiveKind; 3] = [CollectiveKind::AllGather, CollectiveKind::ReduceScatter, CollectiveKind::AllReduce];
+    const KINDS: [CollectiveKind; 3] =
+        [CollectiveKind::AllGather, CollectiveKind::ReduceScatter, CollectiveKind::AllReduce];
 
     /// The sub-areas of a slot, as (offset, bytes) ranges.
     fn areas(kind: CollectiveKind, p: &HierPlan, elem: u64, nodes: u64, local: u64) -> Vec<(u64, u64)> {
@@ -273,7 +325,9 @@ mod tests {
         let subs = |base: u64, k: u64| (0..k).map(move |i| (base + i * p.sub_bytes, p.sub_bytes));
         match kind {
             CollectiveKind::AllGather => subs(p.gather_off, nodes).collect(),
-            CollectiveKind::ReduceScatter => subs(p.stage_off, ranks).chain(subs(p.outbox_off, nodes)).chain(subs(p.inbox_off, nodes)).collect(),
+            CollectiveKind::ReduceScatter => {
+                subs(p.stage_off, ranks).chain(subs(p.outbox_off, nodes)).chain(subs(p.inbox_off, nodes)).collect()
+            }
             CollectiveKind::AllReduce => std::iter::once((p.stage_off, p.chunk * elem))
                 .chain(subs(p.outbox_off, nodes))
                 .chain(subs(p.inbox_off, nodes))
@@ -297,7 +351,9 @@ mod tests {
                                     continue;
                                 }
                             };
-                            let what = format!("{kind:?} {nodes}x{local} e={elem} slots={slots} data={data} count={count}: {p:?}");
+                            let what = format!(
+                                "{kind:?} {nodes}x{local} e={elem} slots={slots} data={data} count={count}: {p:?}"
+                            );
                             assert!(p.ctas >= 1 && p.ctas <= slots.min(MAX_NET_CTAS), "{what}");
                             assert!(count.div_ceil(p.chunk) >= p.ctas as u64, "no idle CTA: {what}");
                             let mut a = areas(kind, &p, elem, nodes, local);
@@ -307,7 +363,10 @@ mod tests {
                             }
                             let end = a.last().map_or(0, |&(o, b)| o + b);
                             assert!(end <= p.slot_bytes, "{what}");
-                            assert!(p.slot_bytes * 2 <= p.region_bytes && p.region_bytes * slots as u64 <= data, "{what}");
+                            assert!(
+                                p.slot_bytes * 2 <= p.region_bytes && p.region_bytes * slots as u64 <= data,
+                                "{what}"
+                            );
                             assert!(a.iter().all(|&(o, _)| o % SUB_ALIGN == 0), "{what}");
                             if kind == CollectiveKind::AllReduce {
                                 // Every element of a piece belongs to exactly one owner's slice.
@@ -347,7 +406,10 @@ mod tests {
         assert_eq!(nl.rank_of[2 * MK_MAX_PEERS + 1], 5);
         // Uneven nodes and too many nodes are refused with mkInvalidUsage.
         let uneven = [0, 0, 1];
-        assert_eq!(node_layout(&Topology::new(0, &uneven).unwrap(), &uneven, "x").unwrap_err().code, mkResult_t::mkInvalidUsage);
+        assert_eq!(
+            node_layout(&Topology::new(0, &uneven).unwrap(), &uneven, "x").unwrap_err().code,
+            mkResult_t::mkInvalidUsage
+        );
         let nine = node_of_ranks(&[0; 9], Some(1));
         let e = node_layout(&Topology::new(0, &nine).unwrap(), &nine, "mkAllReduce").unwrap_err();
         assert!(e.code == mkResult_t::mkInvalidUsage && e.message.contains("at most 8 nodes"), "{}", e.message);
@@ -360,7 +422,8 @@ mod tests {
     fn model_of_the_kernel_data_flow_gives_the_collective() {
         for (nranks, rpn) in [(4usize, 2u32), (6, 2), (6, 3), (8, 2), (2, 1)] {
             let nodes = node_of_ranks(&vec![0; nranks], Some(rpn));
-            let layouts: Vec<NodeLayout> = (0..nranks).map(|r| node_layout(&Topology::new(r, &nodes).unwrap(), &nodes, "x").unwrap()).collect();
+            let layouts: Vec<NodeLayout> =
+                (0..nranks).map(|r| node_layout(&Topology::new(r, &nodes).unwrap(), &nodes, "x").unwrap()).collect();
             let (n_nodes, local) = (layouts[0].nodes, layouts[0].local_size);
             let rank_of = |m: usize, l: usize| layouts[0].rank_of[m * MK_MAX_PEERS + l] as usize;
             for kind in KINDS {
@@ -371,8 +434,16 @@ mod tests {
                 let mut slot = vec![vec![f64::NAN; words]; nranks];
                 let w = |off: u64| (off / 8) as usize;
                 let input = |r: usize, i: usize| (r * 1000 + i) as f64;
-                let send_len = if kind == CollectiveKind::ReduceScatter { nranks * count as usize } else { count as usize };
-                let mut out = vec![vec![f64::NAN; if kind == CollectiveKind::AllGather { nranks * count as usize } else { count as usize }]; nranks];
+                let send_len =
+                    if kind == CollectiveKind::ReduceScatter { nranks * count as usize } else { count as usize };
+                let mut out =
+                    vec![
+                        vec![
+                            f64::NAN;
+                            if kind == CollectiveKind::AllGather { nranks * count as usize } else { count as usize }
+                        ];
+                        nranks
+                    ];
                 let c = count as usize;
                 let sub = w(p.sub_bytes);
                 match kind {
@@ -414,9 +485,17 @@ mod tests {
                     CollectiveKind::ReduceScatter | CollectiveKind::AllReduce => {
                         let rs = kind == CollectiveKind::ReduceScatter;
                         // (lo, hi) of owner q's part of the piece.
-                        let part = |q: usize| if rs { (0usize, c) } else { let s = p.slice as usize; ((q * s).min(c), (q * s + s).min(c)) };
+                        let part = |q: usize| {
+                            if rs {
+                                (0usize, c)
+                            } else {
+                                let s = p.slice as usize;
+                                ((q * s).min(c), (q * s + s).min(c))
+                            }
+                        };
                         // Where owner q's contribution sits in a staging area.
-                        let staged = |q: usize, i: usize| if rs { w(p.stage_off) + q * sub + i } else { w(p.stage_off) + i };
+                        let staged =
+                            |q: usize, i: usize| if rs { w(p.stage_off) + q * sub + i } else { w(p.stage_off) + i };
                         let value = |r: usize, q: usize, i: usize| if rs { input(r, q * c + i) } else { input(r, i) };
                         let _ = send_len;
                         for r in 0..nranks {
@@ -433,7 +512,11 @@ mod tests {
                             for m in 0..n_nodes {
                                 let o = rank_of(m, nl.local_rank);
                                 let (lo, hi) = part(o);
-                                let dst = if m == nl.node { w(p.inbox_off) + nl.node * sub } else { w(p.outbox_off) + m * sub };
+                                let dst = if m == nl.node {
+                                    w(p.inbox_off) + nl.node * sub
+                                } else {
+                                    w(p.outbox_off) + m * sub
+                                };
                                 for i in lo..hi {
                                     let s: f64 = (0..local).map(|j| before[rank_of(nl.node, j)][staged(o, i)]).sum();
                                     slot[r][dst + i - lo] = s;
@@ -446,7 +529,8 @@ mod tests {
                                 let peer = rank_of(m, nl.local_rank);
                                 let (lo, hi) = part(peer);
                                 for i in 0..hi - lo {
-                                    slot[peer][w(p.inbox_off) + nl.node * sub + i] = snapshot[r][w(p.outbox_off) + m * sub + i];
+                                    slot[peer][w(p.inbox_off) + nl.node * sub + i] =
+                                        snapshot[r][w(p.outbox_off) + m * sub + i];
                                 }
                             }
                         }

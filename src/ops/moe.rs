@@ -65,7 +65,11 @@ pub fn receive_layout(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result
     for (src, ids) in routing.iter().enumerate() {
         // Ranks may hold different numbers of tokens: each routing is [T_src, k].
         if ids.len() % s.top_k != 0 {
-            return Err(MkError::invalid_argument(format!("routing of rank {src} has {} ids, not a multiple of k = {}", ids.len(), s.top_k)));
+            return Err(MkError::invalid_argument(format!(
+                "routing of rank {src} has {} ids, not a multiple of k = {}",
+                ids.len(),
+                s.top_k
+            )));
         }
         for t in 0..ids.len() / s.top_k {
             let mut sent = false;
@@ -75,14 +79,21 @@ pub fn receive_layout(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result
                     continue;
                 }
                 if e < 0 || e as usize >= s.experts {
-                    return Err(MkError::invalid_argument(format!("expert id {e} of token {t} on rank {src} is outside [0, {})", s.experts)));
+                    return Err(MkError::invalid_argument(format!(
+                        "expert id {e} of token {t} on rank {src} is outside [0, {})",
+                        s.experts
+                    )));
                 }
                 let e = e as usize;
                 if owner(s, e) != rank || seen_local.contains(&e) {
                     continue;
                 }
                 seen_local.push(e);
-                rows[e - rank * per_rank].push(ReceivedRow { source: src, token: t, local_expert: e - rank * per_rank });
+                rows[e - rank * per_rank].push(ReceivedRow {
+                    source: src,
+                    token: t,
+                    local_expert: e - rank * per_rank,
+                });
                 sent = true;
             }
             tokens_from[src] += sent as usize;
@@ -213,10 +224,12 @@ pub fn device_layout(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result<
     let slots = ids
         .iter()
         .enumerate()
-        .map(|(i, &e)| (e >= 0).then(|| {
-            let d = owner(s, e as usize);
-            (d, position[&(d, i / s.top_k, e as usize)])
-        }))
+        .map(|(i, &e)| {
+            (e >= 0).then(|| {
+                let d = owner(s, e as usize);
+                (d, position[&(d, i / s.top_k, e as usize)])
+            })
+        })
         .collect();
     Ok(DeviceLayout { recv_counts, expert_base, rows_needed, slots, rows })
 }
@@ -244,7 +257,11 @@ impl MoeDims {
 
 /// GEMM tile width for `cols` output columns (a multiple of 128).
 pub fn tile_width(cols: usize) -> usize {
-    if cols % 256 == 0 { 256 } else { 128 }
+    if cols % 256 == 0 {
+        256
+    } else {
+        128
+    }
 }
 
 pub fn validate_dims(d: &MoeDims) -> Result<()> {
@@ -298,7 +315,11 @@ fn check_ptr(ptr: u64, name: &str, align: u64, needed: bool) -> Result<()> {
 
 fn gemm_dtype(dtype: RawDataType, op: &str) -> Result<mkDataType_t> {
     let dtype = mkDataType_t::from_raw(dtype)?;
-    crate::ensure_arg!(dtype.is_gemm_type(), "dtype {} is not supported: {op} takes mkBfloat16 or mkFloat16", dtype.name());
+    crate::ensure_arg!(
+        dtype.is_gemm_type(),
+        "dtype {} is not supported: {op} takes mkBfloat16 or mkFloat16",
+        dtype.name()
+    );
     Ok(dtype)
 }
 
@@ -318,7 +339,16 @@ pub struct DispatchArgs {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn validate_dispatch(x: u64, topk_idx: u64, w1: u64, y: u64, recv_counts: u64, layout: u64, dims: MoeDims, dtype: RawDataType) -> Result<DispatchArgs> {
+pub fn validate_dispatch(
+    x: u64,
+    topk_idx: u64,
+    w1: u64,
+    y: u64,
+    recv_counts: u64,
+    layout: u64,
+    dims: MoeDims,
+    dtype: RawDataType,
+) -> Result<DispatchArgs> {
     let dtype = gemm_dtype(dtype, "mkMoeDispatchGemm")?;
     validate_dims(&dims)?;
     let has_tokens = dims.tokens > 0;
@@ -346,7 +376,15 @@ pub struct CombineArgs {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn validate_combine(y_act: u64, w2: u64, topk_weights: u64, layout: u64, out: u64, dims: MoeDims, dtype: RawDataType) -> Result<CombineArgs> {
+pub fn validate_combine(
+    y_act: u64,
+    w2: u64,
+    topk_weights: u64,
+    layout: u64,
+    out: u64,
+    dims: MoeDims,
+    dtype: RawDataType,
+) -> Result<CombineArgs> {
     let dtype = gemm_dtype(dtype, "mkMoeGemmCombine")?;
     validate_dims(&dims)?;
     let has_tokens = dims.tokens > 0;
@@ -380,7 +418,13 @@ pub struct RolePlan {
 /// tiles and then, with its consumer warps, pulls and sums its share of the output (the
 /// GEMM keeps every SM; the pull overlaps the GEMM's last wave). Dedicated pull CTAs
 /// spend the whole GEMM waiting, and their polling slowed the GEMM beside them (benches/RESULTS.md).
-pub fn plan_roles_for(dir: Direction, bytes: f64, gemm_flops: f64, grid: u32, comm_override: Option<u32>) -> Result<RolePlan> {
+pub fn plan_roles_for(
+    dir: Direction,
+    bytes: f64,
+    gemm_flops: f64,
+    grid: u32,
+    comm_override: Option<u32>,
+) -> Result<RolePlan> {
     match (dir, comm_override) {
         (Direction::Combine, None) => {
             crate::ensure_arg!(grid >= 1, "the MoE combine needs at least 1 CTA");
@@ -398,14 +442,21 @@ pub fn plan_roles_for(dir: Direction, bytes: f64, gemm_flops: f64, grid: u32, co
 /// GEMM's estimated time when `comm_override` is None: moving them takes at most half of
 /// it; at least 1, at most half the grid).
 pub fn plan_roles(bytes: f64, gemm_flops: f64, grid: u32, comm_override: Option<u32>) -> Result<RolePlan> {
-    crate::ensure_arg!(grid >= 2, "the MoE kernels need at least 2 CTAs (compute and communication); the grid cap is {grid}");
+    crate::ensure_arg!(
+        grid >= 2,
+        "the MoE kernels need at least 2 CTAs (compute and communication); the grid cap is {grid}"
+    );
     let comm_ctas = match comm_override {
         Some(c) => {
-            crate::ensure_arg!(c >= 1 && c < grid, "communication CTAs = {c} (MK_COMM_SMS) must be in [1, {grid}) for a grid of {grid} CTAs");
+            crate::ensure_arg!(
+                c >= 1 && c < grid,
+                "communication CTAs = {c} (MK_COMM_SMS) must be in [1, {grid}) for a grid of {grid} CTAs"
+            );
             c
         }
         None => {
-            let gemm_s = gemm_flops / (super::ag_gemm::GEMM_FLOPS_PER_S * (grid as f64 / super::ag_gemm::FULL_GPU_SMS).min(1.0));
+            let gemm_s =
+                gemm_flops / (super::ag_gemm::GEMM_FLOPS_PER_S * (grid as f64 / super::ag_gemm::FULL_GPU_SMS).min(1.0));
             let needed = (bytes / (COMM_BYTES_PER_CTA_PER_S * 0.5 * gemm_s.max(1e-9))).ceil() as u32;
             needed.clamp(1, (grid / 2).max(1))
         }
@@ -428,7 +479,11 @@ pub fn prep_smem_bytes(d: &MoeDims) -> usize {
 /// no longer fits the L2 share).
 pub fn group_m(d: &MoeDims, bn: usize, compute_ctas: usize) -> usize {
     let rows_est = (d.tokens * d.top_k).max(1);
-    engine::raster_group(d.capacity.div_ceil(ROW_BLOCK).min(rows_est.div_ceil(ROW_BLOCK) + d.experts_local()), bn, compute_ctas)
+    engine::raster_group(
+        d.capacity.div_ceil(ROW_BLOCK).min(rows_est.div_ceil(ROW_BLOCK) + d.experts_local()),
+        bn,
+        compute_ctas,
+    )
 }
 
 /// Send lists (q = local expert · n + step, kernels/moe.cu `prep`) that every warp of the
@@ -521,7 +576,9 @@ pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result<B
             expert.push(le);
             seg.push((first, nb));
             block_rows.push((rows.len() - b * ROW_BLOCK).min(ROW_BLOCK));
-            srcmask.push(rows[b * ROW_BLOCK..rows.len().min((b + 1) * ROW_BLOCK)].iter().fold(0u32, |m, r| m | 1 << r.source));
+            srcmask.push(
+                rows[b * ROW_BLOCK..rows.len().min((b + 1) * ROW_BLOCK)].iter().fold(0u32, |m, r| m | 1 << r.source),
+            );
         }
     }
     let key = vec![0; srcmask.len()];
@@ -567,7 +624,14 @@ pub fn send_tables(s: &MoeShape, ids: &[i32], rank: usize) -> (Vec<usize>, Vec<u
 /// Tile `t` of the MoE GEMM (kernels/moe.cu `MoeRaster::tile`): (block, n-block within the
 /// expert). `order` None = identity; `runs` (per block: first order position, length of its
 /// run) None = the engine's fixed groups of `group_m`.
-pub fn moe_tile(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_m: usize, tiles_n: usize, group_m: usize, t: usize) -> (usize, usize) {
+pub fn moe_tile(
+    order: Option<&[usize]>,
+    runs: Option<&[(usize, usize)]>,
+    tiles_m: usize,
+    tiles_n: usize,
+    group_m: usize,
+    t: usize,
+) -> (usize, usize) {
     moe_tile_banded(order, runs, tiles_m, tiles_n, tiles_n, group_m, t)
 }
 
@@ -581,7 +645,15 @@ pub fn band_locate(per_col: usize, band_w: usize, u: usize) -> (usize, usize, us
 
 /// `moe_tile` with column bands (MoeParams::band_w: `band_locate`): every tile of band b
 /// before band b + 1, each band rastered as `moe_tile` over its columns.
-pub fn moe_tile_banded(order: Option<&[usize]>, runs: Option<&[(usize, usize)]>, tiles_m: usize, tiles_n: usize, band_w: usize, group_m: usize, t: usize) -> (usize, usize) {
+pub fn moe_tile_banded(
+    order: Option<&[usize]>,
+    runs: Option<&[(usize, usize)]>,
+    tiles_m: usize,
+    tiles_n: usize,
+    band_w: usize,
+    group_m: usize,
+    t: usize,
+) -> (usize, usize) {
     debug_assert!(tiles_n % band_w == 0);
     let at_order = |pos: usize| order.map_or(pos, |o| o[pos]);
     let (col0, band_w, t) = band_locate(tiles_m, band_w, t);
@@ -611,7 +683,8 @@ pub fn pull_item(tokens: usize, tiles_n: usize, band_w: usize, it: usize) -> (us
 pub fn run_group((rs, len): (usize, usize), group_m: usize, at: usize) -> (usize, usize) {
     let groups = len.div_ceil(group_m);
     let (q, r, o) = (len / groups, len % groups, at - rs);
-    let (gs, gl) = if o < r * (q + 1) { (o / (q + 1) * (q + 1), q + 1) } else { (r * (q + 1) + (o - r * (q + 1)) / q * q, q) };
+    let (gs, gl) =
+        if o < r * (q + 1) { (o / (q + 1) * (q + 1), q + 1) } else { (r * (q + 1) + (o - r * (q + 1)) / q * q, q) };
     (rs + gs, gl)
 }
 
@@ -679,7 +752,10 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     let bn = tile_width(l.cols);
     let smem = engine::smem_bytes(bn, Epilogue::Tma);
     if l.dir == Direction::Dispatch && prep_smem_bytes(&l.dims) > smem {
-        return Err(MkError::internal(format!("{name}: the prep CTA needs {} bytes of shared memory, the launch has {smem}", prep_smem_bytes(&l.dims))));
+        return Err(MkError::internal(format!(
+            "{name}: the prep CTA needs {} bytes of shared memory, the launch has {smem}",
+            prep_smem_bytes(&l.dims)
+        )));
     }
     let region = ws.view.data[comm.rank] + ws.view.data_bytes;
     l.params.ws = ws.view;
@@ -695,17 +771,24 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     l.params.comm_ctas = roles.comm_ctas as i32;
     l.params.gemm = l.gemm as i32;
     l.params.send_by_gemm_ctas = (l.dir == Direction::Dispatch && comm.config.comm_ctas.is_none()) as i32;
-    l.params.burst_lists = if l.params.send_by_gemm_ctas != 0 && l.gemm && burst_for(comm.config.tuning.moe_burst, l.dims.nranks) {
-        burst_lists(&l.dims, roles.compute_ctas as usize, l.cols / bn) as i32
-    } else {
-        0
-    };
+    l.params.burst_lists =
+        if l.params.send_by_gemm_ctas != 0 && l.gemm && burst_for(comm.config.tuning.moe_burst, l.dims.nranks) {
+            burst_lists(&l.dims, roles.compute_ctas as usize, l.cols / bn) as i32
+        } else {
+            0
+        };
     let fix = |p: u64| if p == u64::MAX { region + COUNTS_BYTES as u64 } else { p };
     let mut ta = engine::tensor_map(fix(l.a.0), l.dtype, l.a.1, l.a.2, engine::BM, engine::BK)?;
     let mut tb = engine::tensor_map(fix(l.b.0), l.dtype, l.b.1, l.b.2, bn, engine::BK)?;
     let mut tc = engine::tensor_map(fix(l.c.0), l.dtype, l.c.1, l.c.2, 64, 64)?;
-    let f = kernel(l.dir, l.dtype, bn).ok_or_else(|| MkError::internal(format!("no MoE kernel for BN {bn}")))?.function()?;
-    let cfg = LaunchConfig { grid: (roles.compute_ctas + roles.comm_ctas, 1, 1), block: (engine::THREADS, 1, 1), shared_mem_bytes: smem as u32 };
+    let f = kernel(l.dir, l.dtype, bn)
+        .ok_or_else(|| MkError::internal(format!("no MoE kernel for BN {bn}")))?
+        .function()?;
+    let cfg = LaunchConfig {
+        grid: (roles.compute_ctas + roles.comm_ctas, 1, 1),
+        block: (engine::THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
     let mut params = l.params;
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
@@ -757,8 +840,23 @@ fn check_pointers(comm: &Comm, ptrs: &[(u64, &str)]) -> Result<()> {
 /// tokens only (the benchmark's unfused baseline then runs the GEMMs itself).
 pub fn dispatch_gemm(comm: &Comm, a: &DispatchArgs, gemm: bool, stream: sys::CUstream) -> Result<()> {
     let d = a.dims;
-    crate::ensure_arg!(d.nranks == comm.nranks, "internal: dims for {} ranks on a communicator of {}", d.nranks, comm.nranks);
-    check_pointers(comm, &[(a.x, "x"), (a.topk_idx, "topkIdx"), (a.w1, "w1"), (a.y, "y"), (a.recv_counts, "recvCounts"), (a.layout, "layout")])?;
+    crate::ensure_arg!(
+        d.nranks == comm.nranks,
+        "internal: dims for {} ranks on a communicator of {}",
+        d.nranks,
+        comm.nranks
+    );
+    check_pointers(
+        comm,
+        &[
+            (a.x, "x"),
+            (a.topk_idx, "topkIdx"),
+            (a.w1, "w1"),
+            (a.y, "y"),
+            (a.recv_counts, "recvCounts"),
+            (a.layout, "layout"),
+        ],
+    )?;
     let mut params = base_params(&d, a.layout);
     params.x = a.x;
     params.topk_idx = a.topk_idx;
@@ -788,8 +886,16 @@ pub fn dispatch_gemm(comm: &Comm, a: &DispatchArgs, gemm: bool, stream: sys::CUs
 /// benchmark's unfused baseline wrote it with separate GEMM launches); only pull and sum.
 pub fn gemm_combine(comm: &Comm, a: &CombineArgs, gemm: bool, stream: sys::CUstream) -> Result<()> {
     let d = a.dims;
-    crate::ensure_arg!(d.nranks == comm.nranks, "internal: dims for {} ranks on a communicator of {}", d.nranks, comm.nranks);
-    check_pointers(comm, &[(a.y_act, "yAct"), (a.w2, "w2"), (a.topk_weights, "topkWeights"), (a.layout, "layout"), (a.out, "out")])?;
+    crate::ensure_arg!(
+        d.nranks == comm.nranks,
+        "internal: dims for {} ranks on a communicator of {}",
+        d.nranks,
+        comm.nranks
+    );
+    check_pointers(
+        comm,
+        &[(a.y_act, "yAct"), (a.w2, "w2"), (a.topk_weights, "topkWeights"), (a.layout, "layout"), (a.out, "out")],
+    )?;
     let mut params = base_params(&d, a.layout);
     params.topk_weights = a.topk_weights;
     params.out = a.out;
@@ -834,8 +940,15 @@ mod tests {
         let s = shape(1, 1, 8, 2);
         assert!(receive_layout(&s, &[vec![8], vec![0]], 0).unwrap_err().message.contains("outside [0, 8)"));
         let s2 = shape(1, 2, 8, 2);
-        assert!(receive_layout(&s2, &[vec![0, 1, 2], vec![0, 1]], 0).unwrap_err().message.contains("not a multiple of k = 2"));
-        assert_eq!(rows_needed(&receive_layout(&s2, &[vec![0, 1, 2, 3], vec![]], 0).unwrap().0), 4, "ranks may hold different T");
+        assert!(receive_layout(&s2, &[vec![0, 1, 2], vec![0, 1]], 0)
+            .unwrap_err()
+            .message
+            .contains("not a multiple of k = 2"));
+        assert_eq!(
+            rows_needed(&receive_layout(&s2, &[vec![0, 1, 2, 3], vec![]], 0).unwrap().0),
+            4,
+            "ranks may hold different T"
+        );
     }
 
     #[test]
@@ -843,11 +956,8 @@ mod tests {
         // 3 ranks, 6 experts (2 each), k = 2, skewed: expert 0 takes most, -1 holes, a
         // token routed to two experts of the same rank.
         let s = shape(4, 2, 6, 3);
-        let routing = vec![
-            vec![0, 1, 0, -1, 0, 5, -1, -1],
-            vec![0, 2, 0, 3, 1, 0, 4, 4],
-            vec![-1, -1, 0, 1, 5, 4, 0, 2],
-        ];
+        let routing =
+            vec![vec![0, 1, 0, -1, 0, 5, -1, -1], vec![0, 2, 0, 3, 1, 0, 4, 4], vec![-1, -1, 0, 1, 5, 4, 0, 2]];
         let mut pairs = 0;
         let mut wire = 0;
         for r in 0..3 {
@@ -868,7 +978,16 @@ mod tests {
         // Distinct (token, expert) pairs with an expert: count them directly.
         let direct: usize = routing
             .iter()
-            .map(|ids| ids.chunks(2).map(|c| { let mut v: Vec<_> = c.iter().filter(|&&e| e >= 0).collect(); v.sort(); v.dedup(); v.len() }).sum::<usize>())
+            .map(|ids| {
+                ids.chunks(2)
+                    .map(|c| {
+                        let mut v: Vec<_> = c.iter().filter(|&&e| e >= 0).collect();
+                        v.sort();
+                        v.dedup();
+                        v.len()
+                    })
+                    .sum::<usize>()
+            })
             .sum();
         assert_eq!(pairs, direct);
         // Rank 1's token 3 goes to experts 4 and 4 (one rank, one expert): one row, one send.
@@ -885,7 +1004,15 @@ mod tests {
         assert_eq!(tokens_from, vec![0, 0]);
     }
 
-    fn dims(tokens: usize, hidden: usize, ffn: usize, top_k: usize, experts: usize, capacity: usize, nranks: usize) -> MoeDims {
+    fn dims(
+        tokens: usize,
+        hidden: usize,
+        ffn: usize,
+        top_k: usize,
+        experts: usize,
+        capacity: usize,
+        nranks: usize,
+    ) -> MoeDims {
         MoeDims { tokens, hidden, ffn, top_k, experts, capacity, nranks }
     }
 
@@ -903,15 +1030,27 @@ mod tests {
         // Products that wrap usize are refused, not wrapped into small values.
         assert!(err(dims(1 << 59, 256, 256, 32, 16, 1024, 8)).contains("sizes too large"), "T·k and T·H wrap to 0");
         assert!(err(dims(4, 1 << 57, 256, 8, 16, 1 << 21, 8)).contains("more than 2^64"), "the slab count wraps");
-        assert!(err(dims(4, 256, (usize::MAX / 2 + 1) & !127, 8, 16, 1024, 8)).contains("sizes too large"), "E_local·F wraps");
+        assert!(
+            err(dims(4, 256, (usize::MAX / 2 + 1) & !127, 8, 16, 1024, 8)).contains("sizes too large"),
+            "E_local·F wraps"
+        );
         let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
         let d = dims(4, 256, 256, 2, 16, 1024, 2);
         let p = 0x1000;
         assert!(validate_dispatch(p, p, p, p, p, p, d, bf16).is_ok());
         assert!(validate_dispatch(0, p, p, p, p, p, d, bf16).unwrap_err().message.contains("x is NULL"));
-        assert!(validate_dispatch(0, 0, p, p, p, p, dims(0, 256, 256, 2, 16, 1024, 2), bf16).is_ok(), "a rank without tokens still takes part");
-        assert!(validate_dispatch(p, p, p + 8, p, p, p, d, bf16).unwrap_err().message.contains("w1 = 0x1008 is not 16-byte aligned"));
-        assert!(validate_dispatch(p, p, p, p, p, p, d, mkDataType_t::mkFloat32 as RawDataType).unwrap_err().message.contains("mkBfloat16 or mkFloat16"));
+        assert!(
+            validate_dispatch(0, 0, p, p, p, p, dims(0, 256, 256, 2, 16, 1024, 2), bf16).is_ok(),
+            "a rank without tokens still takes part"
+        );
+        assert!(validate_dispatch(p, p, p + 8, p, p, p, d, bf16)
+            .unwrap_err()
+            .message
+            .contains("w1 = 0x1008 is not 16-byte aligned"));
+        assert!(validate_dispatch(p, p, p, p, p, p, d, mkDataType_t::mkFloat32 as RawDataType)
+            .unwrap_err()
+            .message
+            .contains("mkBfloat16 or mkFloat16"));
         assert!(validate_combine(p, p, p, p, 0, d, bf16).unwrap_err().message.contains("out is NULL"));
         assert!(validate_combine(p, p, p + 2, p, p, d, bf16).unwrap_err().message.contains("topkWeights"));
     }
@@ -930,14 +1069,32 @@ mod tests {
         assert!(plan_roles(bytes, flops, 8, Some(8)).unwrap_err().message.contains("MK_COMM_SMS"));
         assert!(plan_roles(bytes, flops, 1, None).is_err());
         // The combine pulls after its GEMM, on every CTA, unless MK_COMM_SMS says.
-        assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 132, None).unwrap(), RolePlan { compute_ctas: 132, comm_ctas: 0 });
-        assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 1, None).unwrap(), RolePlan { compute_ctas: 1, comm_ctas: 0 });
-        assert_eq!(plan_roles_for(Direction::Combine, bytes, flops, 66, Some(5)).unwrap(), RolePlan { compute_ctas: 61, comm_ctas: 5 });
+        assert_eq!(
+            plan_roles_for(Direction::Combine, bytes, flops, 132, None).unwrap(),
+            RolePlan { compute_ctas: 132, comm_ctas: 0 }
+        );
+        assert_eq!(
+            plan_roles_for(Direction::Combine, bytes, flops, 1, None).unwrap(),
+            RolePlan { compute_ctas: 1, comm_ctas: 0 }
+        );
+        assert_eq!(
+            plan_roles_for(Direction::Combine, bytes, flops, 66, Some(5)).unwrap(),
+            RolePlan { compute_ctas: 61, comm_ctas: 5 }
+        );
         // The dispatch's last GEMM CTA computes the layout first; the GEMM CTAs send, unless
         // MK_COMM_SMS says (then the first communication CTA computes the layout).
-        assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 132, None).unwrap(), RolePlan { compute_ctas: 132, comm_ctas: 0 });
-        assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 1, None).unwrap(), RolePlan { compute_ctas: 1, comm_ctas: 0 });
-        assert_eq!(plan_roles_for(Direction::Dispatch, bytes, flops, 132, Some(7)).unwrap(), RolePlan { compute_ctas: 125, comm_ctas: 7 });
+        assert_eq!(
+            plan_roles_for(Direction::Dispatch, bytes, flops, 132, None).unwrap(),
+            RolePlan { compute_ctas: 132, comm_ctas: 0 }
+        );
+        assert_eq!(
+            plan_roles_for(Direction::Dispatch, bytes, flops, 1, None).unwrap(),
+            RolePlan { compute_ctas: 1, comm_ctas: 0 }
+        );
+        assert_eq!(
+            plan_roles_for(Direction::Dispatch, bytes, flops, 132, Some(7)).unwrap(),
+            RolePlan { compute_ctas: 125, comm_ctas: 7 }
+        );
         assert!(plan_roles_for(Direction::Dispatch, bytes, flops, 0, None).is_err());
     }
 
@@ -963,14 +1120,19 @@ mod tests {
     #[test]
     fn layout_buffer_and_prep_memory() {
         let lo = layout_offsets(10, 3, 512);
-        assert_eq!((lo.dest, lo.row, lo.mb_expert, lo.mb_order, lo.mb_srcmask, lo.mb_run, lo.mb_seg), (4, 34, 64, 68, 72, 76, 80));
+        assert_eq!(
+            (lo.dest, lo.row, lo.mb_expert, lo.mb_order, lo.mb_srcmask, lo.mb_run, lo.mb_seg),
+            (4, 34, 64, 68, 72, 76, 80)
+        );
         assert_eq!((lo.mb_rows, lo.send, lo.send_row0, lo.words), (84, 88, 118, 118 + MAX_EXPERTS + 1));
         assert_eq!(checked_layout_offsets(usize::MAX / 2, 3, 512), None);
         assert_eq!(checked_layout_offsets(usize::MAX / 8, 3, 512), None, "3·slots wraps though T·k does not");
         assert_eq!(checked_layout_offsets(usize::MAX, 1, 0), None, "the first table offset wraps");
         // The largest call fits the prep CTA's shared memory beside the narrowest engine.
         let d = dims(4096, 7168, 2048, 8, MAX_EXPERTS, MAX_CAPACITY_BLOCKS * ROW_BLOCK, 8);
-        assert!(prep_smem_bytes(&d) <= engine::smem_bytes(256, Epilogue::Tma).min(engine::smem_bytes(128, Epilogue::Tma)));
+        assert!(
+            prep_smem_bytes(&d) <= engine::smem_bytes(256, Epilogue::Tma).min(engine::smem_bytes(128, Epilogue::Tma))
+        );
     }
 
     #[test]
@@ -978,7 +1140,8 @@ mod tests {
         // 2 ranks, 4 experts (2 each), k = 2, skew: expert 0 takes 130 rows (two blocks).
         let s = shape(130, 2, 4, 2);
         let r0: Vec<i32> = (0..130).flat_map(|t| [0, if t % 3 == 0 { 3 } else { -1 }]).collect();
-        let r1: Vec<i32> = (0..130).flat_map(|t| [if t % 2 == 0 { 0 } else { 2 }, if t == 5 { 2 } else { -1 }]).collect();
+        let r1: Vec<i32> =
+            (0..130).flat_map(|t| [if t % 2 == 0 { 0 } else { 2 }, if t == 5 { 2 } else { -1 }]).collect();
         let routing = vec![r0, r1];
         let l0 = device_layout(&s, &routing, 0).unwrap();
         assert_eq!(l0.recv_counts, vec![130 + 65, 0]);
@@ -1036,9 +1199,16 @@ mod tests {
             let (rs, len) = t.run[b];
             assert!(rs <= p && p < rs + len);
             for q in rs..rs + len {
-                assert_eq!((t.expert[t.order[q]], t.key[t.order[q]]), (t.expert[b], t.key[b]), "a run is one (key, expert)");
+                assert_eq!(
+                    (t.expert[t.order[q]], t.key[t.order[q]]),
+                    (t.expert[b], t.key[b]),
+                    "a run is one (key, expert)"
+                );
             }
-            assert!(rs == 0 || (t.expert[t.order[rs - 1]], t.key[t.order[rs - 1]]) != (t.expert[b], t.key[b]), "runs are maximal");
+            assert!(
+                rs == 0 || (t.expert[t.order[rs - 1]], t.key[t.order[rs - 1]]) != (t.expert[b], t.key[b]),
+                "runs are maximal"
+            );
             let (first, blocks) = t.seg[b];
             assert!(first <= b && b < first + blocks && t.expert[first] == t.expert[b]);
             assert!(first == 0 || t.expert[first - 1] != t.expert[b]);
@@ -1049,7 +1219,11 @@ mod tests {
         for b in 0..nb {
             let (first, blocks) = t.seg[b];
             let last = b + 1 == first + blocks;
-            assert!(t.rows[b] >= 1 && t.rows[b] <= ROW_BLOCK && (last || t.rows[b] == ROW_BLOCK), "block {b}: {} rows", t.rows[b]);
+            assert!(
+                t.rows[b] >= 1 && t.rows[b] <= ROW_BLOCK && (last || t.rows[b] == ROW_BLOCK),
+                "block {b}: {} rows",
+                t.rows[b]
+            );
         }
     }
 
@@ -1081,7 +1255,9 @@ mod tests {
                     assert_eq!(run_group(run, group_m, at), (gs, gl));
                     assert_eq!(runs[at_order(at)], run, "a group never straddles two runs");
                 }
-                let blocks: std::collections::BTreeSet<usize> = (gs * tiles_n..(gs + gl) * tiles_n).map(|i| moe_tile(order, Some(runs), tiles_m, tiles_n, group_m, i).0).collect();
+                let blocks: std::collections::BTreeSet<usize> = (gs * tiles_n..(gs + gl) * tiles_n)
+                    .map(|i| moe_tile(order, Some(runs), tiles_m, tiles_n, group_m, i).0)
+                    .collect();
                 assert_eq!(blocks, (gs..gs + gl).map(at_order).collect());
                 sizes.push(gl);
                 q += gl;
@@ -1094,13 +1270,18 @@ mod tests {
 
     #[test]
     fn block_order_mirrors_the_prep_and_the_raster_covers_every_tile() {
-        for (nranks, tokens, top_k, experts) in [(1, 300, 2, 8), (2, 400, 4, 16), (4, 512, 8, 32), (8, 256, 8, 64), (3, 200, 3, 12)] {
+        for (nranks, tokens, top_k, experts) in
+            [(1, 300, 2, 8), (2, 400, 4, 16), (4, 512, 8, 32), (8, 256, 8, 64), (3, 200, 3, 12)]
+        {
             let s = shape(tokens, top_k, experts, nranks);
             let routing = routing_for(tokens, top_k, experts, nranks, 7 + nranks as u64);
             for rank in 0..nranks {
                 let t = block_tables(&s, &routing, rank).unwrap();
                 let dl = device_layout(&s, &routing, rank).unwrap();
-                assert_eq!(t.expert.len() * ROW_BLOCK, dl.expert_base.last().unwrap() + dl.recv_counts.last().unwrap().next_multiple_of(ROW_BLOCK));
+                assert_eq!(
+                    t.expert.len() * ROW_BLOCK,
+                    dl.expert_base.last().unwrap() + dl.recv_counts.last().unwrap().next_multiple_of(ROW_BLOCK)
+                );
                 check_tables(&t);
                 for (tiles_n, g) in [(1, 1), (8, 5), (3, 2), (28, 6), (4, 100)] {
                     let g = g.min(t.expert.len()).max(1);
@@ -1154,7 +1335,15 @@ mod tests {
                     }
                 }
                 // Every distinct (token, expert) of this rank is in some list.
-                let distinct: usize = routing[rank].chunks(top_k).map(|c| { let mut v: Vec<_> = c.iter().filter(|&&e| e >= 0).collect(); v.sort(); v.dedup(); v.len() }).sum();
+                let distinct: usize = routing[rank]
+                    .chunks(top_k)
+                    .map(|c| {
+                        let mut v: Vec<_> = c.iter().filter(|&&e| e >= 0).collect();
+                        v.sort();
+                        v.dedup();
+                        v.len()
+                    })
+                    .sum();
                 assert_eq!(slots.len(), distinct);
             }
         }
@@ -1174,7 +1363,12 @@ mod tests {
             let tiles = t.expert.len() * 8;
             let mut sum = 0usize;
             for w0 in (0..tiles).step_by(15) {
-                let mut bt: Vec<(usize, usize)> = (w0..tiles.min(w0 + 15)).map(|i| { let (b, n) = moe_tile(Some(&t.order), runs, t.expert.len(), 8, g, i); (t.expert[b], n) }).collect();
+                let mut bt: Vec<(usize, usize)> = (w0..tiles.min(w0 + 15))
+                    .map(|i| {
+                        let (b, n) = moe_tile(Some(&t.order), runs, t.expert.len(), 8, g, i);
+                        (t.expert[b], n)
+                    })
+                    .collect();
                 bt.sort();
                 bt.dedup();
                 sum += bt.len();
@@ -1185,7 +1379,11 @@ mod tests {
         // The comparison: blocks by the send step of the latest source they hold (rank 1 of
         // 4), fixed raster groups.
         let mut arrival = expert.clone();
-        arrival.key = expert.srcmask.iter().map(|&m| (0..4).filter(|&src| m >> src & 1 != 0).map(|src| (1 + 4 - src) % 4).max().unwrap()).collect();
+        arrival.key = expert
+            .srcmask
+            .iter()
+            .map(|&m| (0..4).filter(|&src| m >> src & 1 != 0).map(|src| (1 + 4 - src) % 4).max().unwrap())
+            .collect();
         arrival.order.sort_by_key(|&b| (arrival.key[b], b));
         let (a, e) = (wave_b_tiles(&arrival, None), wave_b_tiles(&expert, Some(&expert.run)));
         assert!(e * 2.0 < a, "B tiles per wave: arrival {a:.1}, expert {e:.1}");
@@ -1217,7 +1415,10 @@ mod tests {
             for i in 0..tiles_m * bw {
                 let (b0, n0) = moe_tile(None, Some(&t.seg), tiles_m, bw, g, i);
                 for band in 0..tiles_n / bw {
-                    assert_eq!(moe_tile_banded(None, Some(&t.seg), tiles_m, tiles_n, bw, g, band * tiles_m * bw + i), (b0, band * bw + n0));
+                    assert_eq!(
+                        moe_tile_banded(None, Some(&t.seg), tiles_m, tiles_n, bw, g, band * tiles_m * bw + i),
+                        (b0, band * bw + n0)
+                    );
                 }
             }
             // The pull's items: every (token, tile) once, band by band.

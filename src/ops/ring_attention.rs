@@ -45,8 +45,17 @@ pub struct RingShape {
 /// Checks the rules the header will state; messages name the rule.
 pub fn validate(s: &RingShape) -> Result<()> {
     crate::ensure_arg!(s.head_dim == 64 || s.head_dim == 128, "headDim = {} is not supported: 64 or 128", s.head_dim);
-    crate::ensure_arg!(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "numKvHeads = {} must divide numHeads = {} (GQA)", s.kv_heads, s.heads);
-    crate::ensure_arg!(!s.causal || s.seq_local % 2 == 0, "seqLocal = {} must be even for causal attention: each rank holds two zigzag chunks of seqLocal / 2 tokens", s.seq_local);
+    crate::ensure_arg!(
+        s.kv_heads > 0 && s.heads % s.kv_heads == 0,
+        "numKvHeads = {} must divide numHeads = {} (GQA)",
+        s.kv_heads,
+        s.heads
+    );
+    crate::ensure_arg!(
+        !s.causal || s.seq_local % 2 == 0,
+        "seqLocal = {} must be even for causal attention: each rank holds two zigzag chunks of seqLocal / 2 tokens",
+        s.seq_local
+    );
     if s.seq_local.checked_mul(s.nranks).is_none() {
         return Err(MkError::invalid_argument("seqLocal × nranks overflows"));
     }
@@ -57,7 +66,11 @@ pub fn validate(s: &RingShape) -> Result<()> {
 pub fn token_pos(s: &RingShape, rank: usize, i: usize) -> usize {
     if s.causal {
         let half = s.seq_local / 2;
-        if i < half { rank * half + i } else { (2 * s.nranks - 1 - rank) * half + (i - half) }
+        if i < half {
+            rank * half + i
+        } else {
+            (2 * s.nranks - 1 - rank) * half + (i - half)
+        }
     } else {
         rank * s.seq_local + i
     }
@@ -137,14 +150,34 @@ pub struct RingArgs {
 /// Argument checks (no CUDA); messages name the rule.
 #[allow(clippy::too_many_arguments)]
 pub fn validate_args(
-    q: u64, k: u64, v: u64, out: u64, lse: u64, batch: usize, seq_local: usize, heads: usize, kv_heads: usize, head_dim: usize,
-    softmax_scale: f32, causal: i32, dtype: RawDataType, nranks: usize, rank: usize,
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    lse: u64,
+    batch: usize,
+    seq_local: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    softmax_scale: f32,
+    causal: i32,
+    dtype: RawDataType,
+    nranks: usize,
+    rank: usize,
 ) -> Result<RingArgs> {
     let dtype = mkDataType_t::from_raw(dtype)?;
-    crate::ensure_arg!(dtype.is_gemm_type(), "dtype {} is not supported: mkRingAttention takes mkBfloat16 or mkFloat16", dtype.name());
+    crate::ensure_arg!(
+        dtype.is_gemm_type(),
+        "dtype {} is not supported: mkRingAttention takes mkBfloat16 or mkFloat16",
+        dtype.name()
+    );
     crate::ensure_arg!(causal == 0 || causal == 1, "causal = {causal} must be 0 or 1");
     crate::ensure_arg!(heads > 0, "numHeads must be positive");
-    crate::ensure_arg!(softmax_scale.is_finite() && softmax_scale > 0.0, "softmaxScale = {softmax_scale} must be finite and positive");
+    crate::ensure_arg!(
+        softmax_scale.is_finite() && softmax_scale > 0.0,
+        "softmaxScale = {softmax_scale} must be finite and positive"
+    );
     if nranks == 0 || rank >= nranks {
         return Err(MkError::internal(format!("rank {rank} of {nranks}")));
     }
@@ -153,7 +186,10 @@ pub fn validate_args(
     let global = seq_local * nranks;
     crate::ensure_arg!(global <= i32::MAX as usize / 2, "seqLocal × nranks = {global} must be below 2^30");
     let items = batch.checked_mul(heads).and_then(|x| x.checked_mul(seq_local.div_ceil(BLOCK_M)));
-    crate::ensure_arg!(items.is_some_and(|x| x <= i32::MAX as usize), "batch × numHeads × ⌈seqLocal / 128⌉ must be below 2^31");
+    crate::ensure_arg!(
+        items.is_some_and(|x| x <= i32::MAX as usize),
+        "batch × numHeads × ⌈seqLocal / 128⌉ must be below 2^31"
+    );
     if batch > 0 && seq_local > 0 {
         for (ptr, name, align) in [(q, "q", 16), (k, "k", 16), (v, "v", 16), (out, "out", 16), (lse, "lse", 4)] {
             crate::ensure_arg!(ptr != 0, "{name} is NULL");
@@ -183,7 +219,9 @@ pub fn kernel_for(dtype: mkDataType_t, head_dim: usize, traced: bool) -> Option<
 
 fn kernel(args: &RingArgs) -> Result<sys::CUfunction> {
     let d = args.shape.head_dim;
-    kernel_for(args.dtype, d, args.trace != 0).ok_or_else(|| MkError::internal(format!("no ring-attention kernel for D {d}")))?.function()
+    kernel_for(args.dtype, d, args.trace != 0)
+        .ok_or_else(|| MkError::internal(format!("no ring-attention kernel for D {d}")))?
+        .function()
 }
 
 fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
@@ -230,7 +268,14 @@ struct RingAttnMaps {
 /// {64 d, 1 head, BLOCK_M tokens, 1 batch} = one 128-byte-swizzled 128 x 128-byte tile
 /// block, zeros out of bounds (tokens past `tokens`: the kernel's tail rows). Needs
 /// ptr % 16 == 0 (checked for the caller's tensors; workspace regions are aligned).
-fn head_map(ptr: u64, dtype: mkDataType_t, batch: usize, tokens: usize, heads: usize, head_dim: usize) -> Result<sys::CUtensorMap> {
+fn head_map(
+    ptr: u64,
+    dtype: mkDataType_t,
+    batch: usize,
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+) -> Result<sys::CUtensorMap> {
     let row = (head_dim * 2) as u64;
     crate::ops::gemm::tiled_tensor_map(
         ptr,
@@ -250,7 +295,11 @@ fn kv_source(p: &RingAttnParams, src: usize, value: bool) -> u64 {
     if p.kv_gathered != 0 {
         (if value { p.v_gathered } else { p.kv_gathered }) + src as u64 * bytes
     } else if src == p.rank as usize {
-        if value { p.v } else { p.k }
+        if value {
+            p.v
+        } else {
+            p.k
+        }
     } else {
         p.ws.data[src] + p.kv_offset + if value { bytes } else { 0 }
     }
@@ -258,7 +307,11 @@ fn kv_source(p: &RingAttnParams, src: usize, value: bool) -> u64 {
 
 fn tensor_maps(args: &RingArgs, p: &RingAttnParams) -> Result<RingAttnMaps> {
     let s = &args.shape;
-    crate::ensure_arg!(s.nranks <= MK_MAX_PEERS, "{} ranks: mkRingAttention reads at most {MK_MAX_PEERS} K/V sources", s.nranks);
+    crate::ensure_arg!(
+        s.nranks <= MK_MAX_PEERS,
+        "{} ranks: mkRingAttention reads at most {MK_MAX_PEERS} K/V sources",
+        s.nranks
+    );
     // SAFETY: CUtensorMap is plain bytes; all-zero is a valid (unused) value.
     let mut maps: RingAttnMaps = unsafe { std::mem::zeroed() };
     maps.q = head_map(p.q, args.dtype, s.batch, s.seq_local, s.heads, s.head_dim)?;
@@ -277,12 +330,19 @@ fn launch(args: &RingArgs, mut p: RingAttnParams, grid: u32, stream: sys::CUstre
     // it does at every head dimension (97 KiB at D = 64, 193 KiB at D = 128).
     // SAFETY: sets one attribute of a loaded kernel.
     cuda::check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
-        sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+        sys::cuFuncSetAttribute(
+            f,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
     })?;
     let cfg = LaunchConfig { grid: (grid, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem };
     let mut trace = args.trace;
-    let mut kernel_params: [*mut c_void; 3] =
-        [(&mut p as *mut RingAttnParams).cast(), (&mut maps as *mut RingAttnMaps).cast(), (&mut trace as *mut u64).cast()];
+    let mut kernel_params: [*mut c_void; 3] = [
+        (&mut p as *mut RingAttnParams).cast(),
+        (&mut maps as *mut RingAttnMaps).cast(),
+        (&mut trace as *mut u64).cast(),
+    ];
     // The `_trace` twin takes the buffer as a third parameter; the plain kernels two.
     let kernel_params = if args.trace != 0 { &mut kernel_params[..] } else { &mut kernel_params[..2] };
     // SAFETY: the parameters match the kernel (RingAttnParams and RingAttnMaps by value, and
@@ -333,7 +393,13 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
 /// at element s · batch·seqLocal·numKvHeads·headDim, as mkAllGather leaves them): what
 /// the unfused baseline runs after its communication. Same masking and positions as the
 /// ring; no signals. `grid_cap` bounds the CTAs.
-pub fn attention_gathered(args: &RingArgs, k_gathered: u64, v_gathered: u64, grid_cap: u32, stream: sys::CUstream) -> Result<()> {
+pub fn attention_gathered(
+    args: &RingArgs,
+    k_gathered: u64,
+    v_gathered: u64,
+    grid_cap: u32,
+    stream: sys::CUstream,
+) -> Result<()> {
     let s = args.shape;
     if s.batch == 0 || s.seq_local == 0 {
         return Ok(());
@@ -418,7 +484,10 @@ mod tests {
 
     #[test]
     fn rules_are_named() {
-        assert!(validate(&RingShape { head_dim: 96, ..shape(1024, false, 4) }).unwrap_err().message.contains("headDim"));
+        assert!(validate(&RingShape { head_dim: 96, ..shape(1024, false, 4) })
+            .unwrap_err()
+            .message
+            .contains("headDim"));
         assert!(validate(&RingShape { kv_heads: 5, ..shape(1024, false, 4) }).unwrap_err().message.contains("divide"));
         assert!(validate(&shape(1023, true, 4)).unwrap_err().message.contains("even"));
         assert!(validate(&shape(1023, false, 4)).is_ok());
@@ -447,9 +516,9 @@ mod tests {
             .flat_map(|step| step_work(s, rank, step).1)
             .map(|p| match p.visibility {
                 Visibility::Full => p.q.len * p.k.len,
-                Visibility::Partial => (0..p.q.len)
-                    .map(|i| (0..p.k.len).filter(|&j| p.k.start + j <= p.q.start + i).count())
-                    .sum(),
+                Visibility::Partial => {
+                    (0..p.q.len).map(|i| (0..p.k.len).filter(|&j| p.k.start + j <= p.q.start + i).count()).sum()
+                }
                 Visibility::None => unreachable!("skipped blocks are not planned"),
             })
             .sum()
@@ -460,7 +529,8 @@ mod tests {
         for n in 1..=8 {
             let s = shape(16, true, n);
             for r in 0..n {
-                let direct: usize = rank_spans(&s, r).iter().map(|q| (0..q.len).map(|i| q.start + i + 1).sum::<usize>()).sum();
+                let direct: usize =
+                    rank_spans(&s, r).iter().map(|q| (0..q.len).map(|i| q.start + i + 1).sum::<usize>()).sum();
                 assert_eq!(visible_pairs(&s, r), direct, "n={n} rank={r}");
             }
             let s = shape(16, false, n);
@@ -484,7 +554,8 @@ mod tests {
             for n in 1..=8 {
                 let s = shape(2 * 45, causal, n);
                 for r in 0..n {
-                    let from_spans: Vec<usize> = rank_spans(&s, r).iter().flat_map(|sp| sp.start..sp.start + sp.len).collect();
+                    let from_spans: Vec<usize> =
+                        rank_spans(&s, r).iter().flat_map(|sp| sp.start..sp.start + sp.len).collect();
                     let direct: Vec<usize> = (0..s.seq_local).map(|i| token_pos(&s, r, i)).collect();
                     assert_eq!(direct, from_spans);
                     // The kernel classifies a tile by its first and last token: positions must be monotonic.
@@ -508,7 +579,13 @@ mod tests {
     #[test]
     fn sched_sections_fit_the_l2_budget_and_keep_gqa_groups_whole() {
         let s = |seq_local: usize, heads: usize, kv_heads: usize, nranks: usize| RingShape {
-            batch: 1, seq_local, heads, kv_heads, head_dim: 128, causal: true, nranks,
+            batch: 1,
+            seq_local,
+            heads,
+            kv_heads,
+            head_dim: 128,
+            causal: true,
+            nranks,
         };
         // 16 MiB of K and V: 4 heads at S 8K, 2 at 16K, 1 at 32K (one rank, D 128, bf16).
         assert_eq!(sched_section(&s(8192, 32, 32, 1)), 4);
@@ -546,7 +623,8 @@ mod tests {
     #[test]
     fn dynamic_order_balances_causal_items() {
         for seq in [8192usize, 16384, 32768] {
-            let s = RingShape { batch: 1, seq_local: seq, heads: 32, kv_heads: 32, head_dim: 128, causal: true, nranks: 1 };
+            let s =
+                RingShape { batch: 1, seq_local: seq, heads: 32, kv_heads: 32, head_dim: 128, causal: true, nranks: 1 };
             let (q_blocks, items, grid) = plan_grid(&s, 132);
             let section = sched_section(&s);
             let cost = |item: usize| (q_blocks - item % q_blocks) as u64 + 1; // j = 0: the last query block, q_blocks tiles
@@ -567,7 +645,15 @@ mod tests {
     fn call_arguments_are_checked_with_the_rule() {
         let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
         let p = 0x1000u64;
-        let call = |q: u64, lse: u64, seq: usize, heads: usize, kvh: usize, d: usize, scale: f32, causal: i32, dtype: RawDataType| {
+        let call = |q: u64,
+                    lse: u64,
+                    seq: usize,
+                    heads: usize,
+                    kvh: usize,
+                    d: usize,
+                    scale: f32,
+                    causal: i32,
+                    dtype: RawDataType| {
             validate_args(q, p, p, p, lse, 1, seq, heads, kvh, d, scale, causal, dtype, 4, 1)
         };
         assert!(call(p, p, 256, 4, 2, 128, 0.1, 1, bf16).is_ok());
@@ -582,7 +668,10 @@ mod tests {
         assert!(call(p, p, 256, 4, 2, 64, f32::NAN, 0, bf16).unwrap_err().message.contains("softmaxScale"));
         assert!(call(p, p, 256, 4, 2, 64, 0.1, 2, bf16).unwrap_err().message.contains("causal"));
         assert!(call(p, p, 256, 0, 0, 64, 0.1, 0, bf16).unwrap_err().message.contains("numHeads"));
-        assert!(call(p, p, 256, 4, 2, 64, 0.1, 0, mkDataType_t::mkFloat32 as RawDataType).unwrap_err().message.contains("not supported"));
+        assert!(call(p, p, 256, 4, 2, 64, 0.1, 0, mkDataType_t::mkFloat32 as RawDataType)
+            .unwrap_err()
+            .message
+            .contains("not supported"));
         assert!(call(p, p, 256, 4, 2, 64, 0.1, 0, 77).is_err());
         // An empty problem needs no pointers.
         assert!(call(0, 0, 0, 4, 2, 64, 0.1, 0, bf16).is_ok());

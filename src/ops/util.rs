@@ -6,7 +6,14 @@ use crate::kernel_abi::FillRandomParams;
 use crate::types::mkDataType_t;
 
 /// Fills `count` elements at `data` with uniform values in [-scale, scale) from `seed`.
-pub fn fill_random(data: u64, count: u64, dtype: mkDataType_t, seed: u64, scale: f32, stream: sys::CUstream) -> Result<()> {
+pub fn fill_random(
+    data: u64,
+    count: u64,
+    dtype: mkDataType_t,
+    seed: u64,
+    scale: f32,
+    stream: sys::CUstream,
+) -> Result<()> {
     use mkDataType_t::*;
     if !matches!(dtype, mkFloat16 | mkBfloat16 | mkFloat32 | mkFloat64 | mkInt32) {
         return Err(MkError::invalid_argument(format!("fill_random does not support {}", dtype.name())));

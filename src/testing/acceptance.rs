@@ -79,7 +79,11 @@ impl Rule {
     /// and rounded once to `dtype`: a GEMM element with K = `terms`, a collective's sum
     /// over `terms` ranks.
     pub fn reduction(dtype: mkDataType_t, terms: usize) -> Rule {
-        Rule { rtol: unit_roundoff(dtype), gamma: gamma(terms.max(1), accumulation_unit(dtype)), floor: underflow_floor(dtype) }
+        Rule {
+            rtol: unit_roundoff(dtype),
+            gamma: gamma(terms.max(1), accumulation_unit(dtype)),
+            floor: underflow_floor(dtype),
+        }
     }
 
     /// The largest |out − ref| this rule accepts for an element with this reference value
@@ -167,7 +171,16 @@ impl fmt::Display for Verdict {
         }
         if let Some(w) = self.worst {
             if self.rel_l2.is_some() {
-                write!(f, ", worst [{}]: got {:.6e} want {:.6e} (|err| {:.2e}, bound {:.2e}, {:.2} of it)", w.index, w.got, w.want, (w.got - w.want).abs(), w.bound, self.worst_ratio)?;
+                write!(
+                    f,
+                    ", worst [{}]: got {:.6e} want {:.6e} (|err| {:.2e}, bound {:.2e}, {:.2} of it)",
+                    w.index,
+                    w.got,
+                    w.want,
+                    (w.got - w.want).abs(),
+                    w.bound,
+                    self.worst_ratio
+                )?;
             } else if self.wrong > 0 || self.nonfinite > 0 {
                 write!(f, ", first [{}]: got {:.6e} want {:.6e}", w.index, w.got, w.want)?;
             }
@@ -191,10 +204,18 @@ pub fn check_close(out: &[f64], reference: &[f64], bounds: &[f64], l2_limit: f64
             v.nonfinite += 1;
             f64::INFINITY
         } else if err <= b {
-            if b > 0.0 { err / b } else { 0.0 }
+            if b > 0.0 {
+                err / b
+            } else {
+                0.0
+            }
         } else {
             v.wrong += 1;
-            if b > 0.0 { err / b } else { f64::INFINITY }
+            if b > 0.0 {
+                err / b
+            } else {
+                f64::INFINITY
+            }
         };
         if v.worst.is_none() || ratio > v.worst_ratio {
             v.worst_ratio = ratio;
@@ -227,7 +248,8 @@ pub fn check_exact(out: &[f64], want: &[f64]) -> Verdict {
 pub fn check_exact_bytes(out: &[u8], want: &[u8], dtype: mkDataType_t) -> Verdict {
     assert_eq!(out.len(), want.len());
     let es = dtype.size();
-    let mut v = Verdict { elements: out.len() / es, wrong: 0, nonfinite: 0, worst_ratio: 0.0, worst: None, rel_l2: None };
+    let mut v =
+        Verdict { elements: out.len() / es, wrong: 0, nonfinite: 0, worst_ratio: 0.0, worst: None, rel_l2: None };
     for (i, (o, w)) in out.chunks_exact(es).zip(want.chunks_exact(es)).enumerate() {
         if o != w {
             if v.wrong == 0 {
@@ -268,11 +290,20 @@ mod tests {
     /// A correct GEMM as the GPU forms it: fp32 accumulation in chunks of 16 products,
     /// `k_skipped` (a range of K) left out in the rows and columns of `skip_tile`, then one
     /// rounding to `dtype`.
-    fn gpu_like_gemm(a: &[f64], b: &[f64], m: usize, n: usize, k: usize, dtype: mkDataType_t, skip: Option<((usize, usize, usize, usize), (usize, usize))>) -> Vec<f64> {
+    fn gpu_like_gemm(
+        a: &[f64],
+        b: &[f64],
+        m: usize,
+        n: usize,
+        k: usize,
+        dtype: mkDataType_t,
+        skip: Option<((usize, usize, usize, usize), (usize, usize))>,
+    ) -> Vec<f64> {
         let mut c = vec![0.0; m * n];
         for i in 0..m {
             for j in 0..n {
-                let skipping = skip.filter(|&((r0, r1, c0, c1), _)| (r0..r1).contains(&i) && (c0..c1).contains(&j)).map(|s| s.1);
+                let skipping =
+                    skip.filter(|&((r0, r1, c0, c1), _)| (r0..r1).contains(&i) && (c0..c1).contains(&j)).map(|s| s.1);
                 let mut acc = 0f32;
                 for k0 in (0..k).step_by(16) {
                     let mut chunk = 0f32;
@@ -317,7 +348,13 @@ mod tests {
     /// Replaces elements of `out` (in `candidates` order) by `replacement(i)` for as long as
     /// the relative L2 norm stays within `limit`: the most damage a norm-only check admits.
     /// Returns how many were replaced.
-    fn corrupt_within_norm_budget(out: &mut [f64], reference: &[f64], limit: f64, candidates: impl Iterator<Item = usize>, replacement: impl Fn(usize) -> f64) -> usize {
+    fn corrupt_within_norm_budget(
+        out: &mut [f64],
+        reference: &[f64],
+        limit: f64,
+        candidates: impl Iterator<Item = usize>,
+        replacement: impl Fn(usize) -> f64,
+    ) -> usize {
         let den: f64 = reference.iter().map(|r| r * r).sum();
         let mut num: f64 = out.iter().zip(reference).map(|(o, r)| (o - r) * (o - r)).sum();
         let mut replaced = 0;
@@ -347,7 +384,10 @@ mod tests {
             assert!(!v.passed(), "{}: {v}", dtype.name());
             assert!(v.wrong > 128 * 128 / 2, "most of the tile is caught: {v}");
             let w = v.worst.unwrap();
-            assert!((128..256).contains(&(w.index / n)) && w.index % n < 128, "the worst element lies in the tile: {v}");
+            assert!(
+                (128..256).contains(&(w.index / n)) && w.index % n < 128,
+                "the worst element lies in the tile: {v}"
+            );
             // One K step of 16 (a single wgmma) in one 64x64 block is caught too.
             let out = gpu_like_gemm(&a, &b, m, n, k, dtype, Some(((0, 64, 64, 128), (512, 528))));
             let v = gemm_verdict(&out, &reference, &mag, dtype, k);
@@ -365,7 +405,13 @@ mod tests {
         let mut out = gpu_like_gemm(&a, &b, m, n, k, dtype, None);
         // As many zeros as the global norm's budget leaves room for, spread over the output:
         // a norm-only check accepts this result.
-        let zeroed = corrupt_within_norm_budget(&mut out, &reference, tolerance(dtype), (0..m * n).map(|z| (z * 7919 + 13) % (m * n)), |_| 0.0);
+        let zeroed = corrupt_within_norm_budget(
+            &mut out,
+            &reference,
+            tolerance(dtype),
+            (0..m * n).map(|z| (z * 7919 + 13) % (m * n)),
+            |_| 0.0,
+        );
         assert!(zeroed >= 2, "{zeroed}");
         assert!(relative_error(&out, &reference) <= tolerance(dtype), "the norm alone accepts it");
         let v = gemm_verdict(&out, &reference, &mag, dtype, k);
@@ -385,10 +431,18 @@ mod tests {
         let stale: Vec<f64> = rng.values(BF16, ranks * count);
         let mut out = fresh.clone();
         let len = out.len();
-        let n_stale = corrupt_within_norm_budget(&mut out, &fresh, tolerance(BF16), (0..len).map(|s| (s * 2663 + 17) % len), |i| stale[i]);
+        let n_stale = corrupt_within_norm_budget(
+            &mut out,
+            &fresh,
+            tolerance(BF16),
+            (0..len).map(|s| (s * 2663 + 17) % len),
+            |i| stale[i],
+        );
         assert!(n_stale >= 20, "{n_stale}");
         assert!(relative_error(&out, &fresh) <= tolerance(BF16), "the norm alone accepts it");
-        let encode = |v: &[f64]| v.iter().flat_map(|&x| crate::testing::f32_to_bf16(x as f32).to_le_bytes()).collect::<Vec<u8>>();
+        let encode = |v: &[f64]| {
+            v.iter().flat_map(|&x| crate::testing::f32_to_bf16(x as f32).to_le_bytes()).collect::<Vec<u8>>()
+        };
         let v = check_exact_bytes(&encode(&out), &encode(&fresh), BF16);
         assert!(!v.passed(), "{v}");
         assert!(v.wrong > n_stale * 9 / 10, "{v}"); // a stale value may equal the fresh one
@@ -417,7 +471,14 @@ mod tests {
         for dtype in [BF16, F16, F32] {
             let inputs: Vec<Vec<f64>> = (0..ranks).map(|_| rng.values(dtype, count)).collect();
             let sum = |skip: Option<usize>| -> Vec<f64> {
-                (0..count).map(|i| round_to(dtype, (0..ranks).filter(|&r| Some(r) != skip).fold(0f32, |s, r| s + inputs[r][i] as f32) as f64)).collect()
+                (0..count)
+                    .map(|i| {
+                        round_to(
+                            dtype,
+                            (0..ranks).filter(|&r| Some(r) != skip).fold(0f32, |s, r| s + inputs[r][i] as f32) as f64,
+                        )
+                    })
+                    .collect()
             };
             let reference: Vec<f64> = (0..count).map(|i| inputs.iter().map(|r| r[i]).sum()).collect();
             let mag: Vec<f64> = (0..count).map(|i| inputs.iter().map(|r| r[i].abs()).sum()).collect();

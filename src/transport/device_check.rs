@@ -73,7 +73,8 @@ fn run(l: &Launch) -> Result<ProxyCheckOutcome> {
     let ring = Arc::new(ProxyRing::on_device(l.capacity, l.timeout)?);
     let status = DeviceBuffer::alloc(4 * l.ctas as usize)?;
     // SAFETY: the range is this allocation.
-    unsafe { cu::memset_d8_sync(status.ptr, 0xff, 4 * l.ctas as usize) }.map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
+    unsafe { cu::memset_d8_sync(status.ptr, 0xff, 4 * l.ctas as usize) }
+        .map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
     let transport = RecordingTransport::default();
     let proxy = if l.start_proxy {
         Some(Proxy::start(Arc::clone(&ring), Box::new(transport.clone()), ProxyOptions::new(0, l.timeout))?)
@@ -92,7 +93,9 @@ fn run(l: &Launch) -> Result<ProxyCheckOutcome> {
     let f = cuda::function("proxy", "mk_proxy_test")?;
     let mut stream: sys::CUstream = std::ptr::null_mut();
     // SAFETY: a stream of the current context, destroyed below.
-    cuda::check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) })?;
+    cuda::check("cuStreamCreate", unsafe {
+        sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+    })?;
     let cfg = LaunchConfig { grid: (l.ctas, 1, 1), block: (32, 1, 1), shared_mem_bytes: 0 };
     let start = Instant::now();
     // SAFETY: one parameter, a ProxyTestParams by value, as the kernel declares; every
@@ -132,14 +135,19 @@ fn run(l: &Launch) -> Result<ProxyCheckOutcome> {
 /// Many CTAs post through a small ring (many laps, back-pressure) to a live proxy: every
 /// command must arrive once, intact, in each CTA's order, and every CTA must end with 0.
 pub fn check_many_producers() -> Result<ProxyCheckOutcome> {
-    let l = Launch { ctas: 64, commands_per_cta: 40, capacity: 16, timeout: Duration::from_secs(10), start_proxy: true };
+    let l =
+        Launch { ctas: 64, commands_per_cta: 40, capacity: 16, timeout: Duration::from_secs(10), start_proxy: true };
     let out = run(&l)?;
     let total = (l.ctas * l.commands_per_cta) as usize;
     if out.status.iter().any(|&s| s != 0) {
         return Err(MkError::internal(format!("CTA statuses {:?}", out.status)));
     }
     if out.puts.len() != total || out.completed != total as u64 {
-        return Err(MkError::internal(format!("{} puts executed, {} completed, {total} posted", out.puts.len(), out.completed)));
+        return Err(MkError::internal(format!(
+            "{} puts executed, {} completed, {total} posted",
+            out.puts.len(),
+            out.completed
+        )));
     }
     let mut next = vec![0u64; l.ctas as usize];
     for p in &out.puts {
@@ -159,10 +167,15 @@ pub fn check_many_producers() -> Result<ProxyCheckOutcome> {
 /// No proxy drains the ring: the CTA that finds it full must give up with mkTimeout after
 /// about the timeout, not hang.
 pub fn check_full_ring_times_out() -> Result<ProxyCheckOutcome> {
-    let l = Launch { ctas: 1, commands_per_cta: 5, capacity: 4, timeout: Duration::from_millis(500), start_proxy: false };
+    let l =
+        Launch { ctas: 1, commands_per_cta: 5, capacity: 4, timeout: Duration::from_millis(500), start_proxy: false };
     let out = run(&l)?;
     if out.status != [mkResult_t::mkTimeout as i32] {
-        return Err(MkError::internal(format!("status {:?}, expected [{}] (mkTimeout)", out.status, mkResult_t::mkTimeout as i32)));
+        return Err(MkError::internal(format!(
+            "status {:?}, expected [{}] (mkTimeout)",
+            out.status,
+            mkResult_t::mkTimeout as i32
+        )));
     }
     if out.elapsed < l.timeout {
         return Err(MkError::internal(format!("gave up after {:?}, before the {:?} timeout", out.elapsed, l.timeout)));

@@ -82,10 +82,18 @@ pub unsafe fn start_inter_node(setup: InterNodeSetup<'_>) -> Result<Option<Inter
     let mut options = ProxyOptions::new(rank, setup.timeout);
     options.cpus = setup.proxy_cpus;
     let proxy = Proxy::start(Arc::clone(&ring), transport, options)?;
-    mk_info!(Some(rank), "inter-node path up over {:?}: peers {peers:?}, {}-slot proxy ring", setup.net, ring.capacity());
+    mk_info!(
+        Some(rank),
+        "inter-node path up over {:?}: peers {peers:?}, {}-slot proxy ring",
+        setup.net,
+        ring.capacity()
+    );
     if topology.rail_peers.iter().any(Option::is_none) {
         // Not an error here: the ops that need a peer on every node reject the layout.
-        crate::log::warn(Some(rank), format_args!("rank {rank} has no GPU-i peer on some node (nodes of unequal size)"));
+        crate::log::warn(
+            Some(rank),
+            format_args!("rank {rank} has no GPU-i peer on some node (nodes of unequal size)"),
+        );
     }
     Ok(Some(InterNode { net: setup.net, ring, proxy, peers }))
 }

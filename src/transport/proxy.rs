@@ -170,9 +170,16 @@ impl ProxyRing {
     /// is where producers find the ticket counter (a zeroed u64 in device memory for GPU
     /// producers); None puts it in the ring memory itself, for host producers.
     /// `timeout` bounds every producer wait (MK_TIMEOUT_MS).
-    pub fn new(memory: Box<dyn RingMemory>, capacity: u32, head_address: Option<u64>, timeout: Duration) -> Result<ProxyRing> {
+    pub fn new(
+        memory: Box<dyn RingMemory>,
+        capacity: u32,
+        head_address: Option<u64>,
+        timeout: Duration,
+    ) -> Result<ProxyRing> {
         if !capacity.is_power_of_two() || !(2..=1 << 20).contains(&capacity) {
-            return Err(MkError::invalid_argument(format!("proxy ring capacity {capacity} must be a power of two in [2, 2^20]")));
+            return Err(MkError::invalid_argument(format!(
+                "proxy ring capacity {capacity} must be a power of two in [2, 2^20]"
+            )));
         }
         if memory.bytes() < ring_bytes(capacity) || memory.host_ptr() as usize % 256 != 0 {
             return Err(MkError::invalid_argument(format!(
@@ -283,9 +290,22 @@ pub fn command_header(kind: u32, peer: u32) -> u32 {
 }
 
 /// A put command (`signal` None: no signal write).
-pub fn put_command(peer: u32, src_offset: u64, dst_offset: u64, bytes: u32, signal: Option<(u32, u32)>) -> ProxyCommand {
+pub fn put_command(
+    peer: u32,
+    src_offset: u64,
+    dst_offset: u64,
+    bytes: u32,
+    signal: Option<(u32, u32)>,
+) -> ProxyCommand {
     let (signal_id, signal_value) = signal.unwrap_or((MK_PROXY_NO_SIGNAL, 0));
-    ProxyCommand { header: command_header(MK_PROXY_KIND_PUT, peer), bytes, src_offset, dst_offset, signal_id, signal_value }
+    ProxyCommand {
+        header: command_header(MK_PROXY_KIND_PUT, peer),
+        bytes,
+        src_offset,
+        dst_offset,
+        signal_id,
+        signal_value,
+    }
 }
 
 /// Decodes a command taken from the ring into a transport request. A malformed command is
@@ -365,7 +385,12 @@ impl HostProducer {
             }
             match self.ring.error_code() {
                 mkResult_t::mkSuccess => {}
-                code => return Err(MkError::new(code, format!("waiting for {what}: the proxy failed (see mkCommGetAsyncError)"))),
+                code => {
+                    return Err(MkError::new(
+                        code,
+                        format!("waiting for {what}: the proxy failed (see mkCommGetAsyncError)"),
+                    ))
+                }
             }
             if start.elapsed() >= self.ring.timeout {
                 return Err(MkError::timeout(format!(
@@ -398,7 +423,15 @@ pub const PROXY_IDLE_SLEEP: Duration = Duration::from_micros(20);
 /// timer slack (50 µs by default) to every sleep, which would make a 20 µs poll ~70 µs.
 fn quick_sleeps() {
     // SAFETY: PR_SET_TIMERSLACK changes only the calling thread's slack (in ns).
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong) };
+    unsafe {
+        libc::prctl(
+            libc::PR_SET_TIMERSLACK,
+            1000 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+        )
+    };
 }
 
 /// Settings of a proxy thread.
@@ -665,13 +698,15 @@ impl Worker {
                 // waiter sees the error word rather than a timeout.
                 continue;
             }
-            let posted = decode_command(&cmd).and_then(|put| self.transport.post_put(&put).map_err(|e| {
-                if e.code == mkResult_t::mkInvalidArgument {
-                    MkError::internal(format!("a kernel posted an out-of-range proxy command: {}", e.message))
-                } else {
-                    e
-                }
-            }));
+            let posted = decode_command(&cmd).and_then(|put| {
+                self.transport.post_put(&put).map_err(|e| {
+                    if e.code == mkResult_t::mkInvalidArgument {
+                        MkError::internal(format!("a kernel posted an out-of-range proxy command: {}", e.message))
+                    } else {
+                        e
+                    }
+                })
+            });
             match posted {
                 Ok(id) => {
                     if self.in_flight.is_empty() {
@@ -679,7 +714,8 @@ impl Worker {
                     }
                     self.in_flight.push_back((ticket, id));
                 }
-                Err(e) => self.fail(e.context(format!("proxy command {ticket} (to rank {})", cmd.header >> MK_PROXY_PEER_SHIFT))),
+                Err(e) => self
+                    .fail(e.context(format!("proxy command {ticket} (to rank {})", cmd.header >> MK_PROXY_PEER_SHIFT))),
             }
         }
         taken
@@ -766,8 +802,17 @@ mod tests {
     #[test]
     fn malformed_commands_are_internal_errors() {
         let bad_kind = ProxyCommand { header: 7 | 1 << 8, ..Default::default() };
-        let signal_without_id = ProxyCommand { header: command_header(MK_PROXY_KIND_SIGNAL, 1), signal_id: MK_PROXY_NO_SIGNAL, ..Default::default() };
-        let signal_with_bytes = ProxyCommand { header: command_header(MK_PROXY_KIND_SIGNAL, 1), bytes: 4, signal_id: 0, ..Default::default() };
+        let signal_without_id = ProxyCommand {
+            header: command_header(MK_PROXY_KIND_SIGNAL, 1),
+            signal_id: MK_PROXY_NO_SIGNAL,
+            ..Default::default()
+        };
+        let signal_with_bytes = ProxyCommand {
+            header: command_header(MK_PROXY_KIND_SIGNAL, 1),
+            bytes: 4,
+            signal_id: 0,
+            ..Default::default()
+        };
         for c in [bad_kind, signal_without_id, signal_with_bytes] {
             assert_eq!(decode_command(&c).unwrap_err().code, mkResult_t::mkInternalError, "{c:?}");
         }
@@ -816,7 +861,8 @@ mod tests {
         } else {
             let ctx = crate::cuda::PrimaryContext::retain(0).unwrap();
             let _current = ctx.enter().unwrap();
-            ProxyRing::on_device(8, Duration::from_secs(1)).unwrap_or_else(|e| panic!("a GPU is present but no device ring: {e}"));
+            ProxyRing::on_device(8, Duration::from_secs(1))
+                .unwrap_or_else(|e| panic!("a GPU is present but no device ring: {e}"));
         }
     }
 

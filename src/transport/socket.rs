@@ -69,7 +69,13 @@ impl Frame {
     fn decode(b: &[u8; FRAME_BYTES]) -> Frame {
         let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
-        Frame { kind: u32_at(0), signal_id: u32_at(4), bytes: u64_at(8), dst_offset: u64_at(16), signal_value: u64_at(24) }
+        Frame {
+            kind: u32_at(0),
+            signal_id: u32_at(4),
+            bytes: u64_at(8),
+            dst_offset: u64_at(16),
+            signal_value: u64_at(24),
+        }
     }
 
     fn close() -> Frame {
@@ -284,7 +290,9 @@ fn lost_peer(peer: usize, e: std::io::Error, timeout: Duration, doing: &str) -> 
             "rank {peer} did not make progress {doing} within MK_TIMEOUT_MS={} ms",
             timeout.as_millis()
         )),
-        ErrorKind::UnexpectedEof => MkError::remote(format!("rank {peer} closed its connection {doing} (did it exit?)")),
+        ErrorKind::UnexpectedEof => {
+            MkError::remote(format!("rank {peer} closed its connection {doing} (did it exit?)"))
+        }
         _ => MkError::remote(format!("connection to rank {peer} failed {doing}: {e}")),
     }
 }
@@ -342,7 +350,9 @@ impl ThreadStats {
     }
 
     fn log(&self, rank: usize, what: &str, staging: &Staging) {
-        let calls = staging.stager.as_ref().map(|s| format!("; copies issued {}, buffer waits {}, signals {}", s.times.issue, s.times.wait, s.times.signal));
+        let calls = staging.stager.as_ref().map(|s| {
+            format!("; copies issued {}, buffer waits {}, signals {}", s.times.issue, s.times.wait, s.times.signal)
+        });
         crate::mk_info!(
             Some(rank),
             "socket transport {what}: {} messages, {:.1} MB; idle {:.1} ms, socket {:.1} ms, staging {:.1} ms{}",
@@ -429,7 +439,13 @@ fn next_job(queue: &mpsc::Receiver<SendJob>) -> std::result::Result<SendJob, mps
 }
 
 /// A put from a window in host memory.
-fn send_host_put(socket: &mut TcpStream, frame: &Frame, src: usize, len: usize, stats: &mut ThreadStats) -> std::io::Result<()> {
+fn send_host_put(
+    socket: &mut TcpStream,
+    frame: &Frame,
+    src: usize,
+    len: usize,
+    stats: &mut ThreadStats,
+) -> std::io::Result<()> {
     // SAFETY: `register`'s contract keeps the window valid until close, and post_put
     // checked that [src, src + len) lies in its data region.
     let data = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
@@ -474,7 +490,15 @@ struct CopyAhead {
 impl CopyAhead {
     /// Writes the front put of `jobs` (its frame, then its data chunk by chunk, the first
     /// chunk in the same write as the frame).
-    fn send_front(&mut self, jobs: &VecDeque<SendJob>, stager: &mut DeviceStager, socket: &mut TcpStream, frame: &Frame, len: usize, stats: &mut ThreadStats) -> std::result::Result<(), SendError> {
+    fn send_front(
+        &mut self,
+        jobs: &VecDeque<SendJob>,
+        stager: &mut DeviceStager,
+        socket: &mut TcpStream,
+        frame: &Frame,
+        len: usize,
+        stats: &mut ThreadStats,
+    ) -> std::result::Result<(), SendError> {
         const _: () = assert!(FRAME_BYTES <= STAGING_HEADROOM);
         let header = frame.encode();
         if len == 0 {
@@ -492,7 +516,8 @@ impl CopyAhead {
             } else {
                 STAGING_HEADROOM
             };
-            ThreadStats::timed(&mut stats.socket, || socket.write_all(&buffer[from..STAGING_HEADROOM + bytes])).map_err(SendError::Io)?;
+            ThreadStats::timed(&mut stats.socket, || socket.write_all(&buffer[from..STAGING_HEADROOM + bytes]))
+                .map_err(SendError::Io)?;
             self.front_sent += 1;
         }
         Ok(())
@@ -503,7 +528,8 @@ impl CopyAhead {
     fn top_up(&mut self, jobs: &VecDeque<SendJob>, stager: &mut DeviceStager) -> Result<()> {
         let lens = || jobs.iter().map(|j| if let SendJob::Put { len, .. } = j { *len } else { 0 });
         while self.issued.len() < stager.buffer_count() {
-            let Some((t, offset, bytes)) = nth_chunk(lens(), self.front_sent, self.issued.len(), stager.chunk_bytes()) else {
+            let Some((t, offset, bytes)) = nth_chunk(lens(), self.front_sent, self.issued.len(), stager.chunk_bytes())
+            else {
                 break;
             };
             let SendJob::Put { src, .. } = jobs[t] else { unreachable!("only puts have chunks") };
@@ -515,13 +541,22 @@ impl CopyAhead {
 
 /// Reads exactly `buf`, waiting without limit for the first byte only when `idle_ok`
 /// (between messages); returns false on a clean end of stream before any byte.
-fn read_message_part(socket: &mut TcpStream, buf: &mut [u8], idle_ok: bool, shared: &Shared, peer: usize, timeout: Duration) -> Result<bool> {
+fn read_message_part(
+    socket: &mut TcpStream,
+    buf: &mut [u8],
+    idle_ok: bool,
+    shared: &Shared,
+    peer: usize,
+    timeout: Duration,
+) -> Result<bool> {
     let mut got = 0;
     let mut last_progress = Instant::now();
     while got < buf.len() {
         match socket.read(&mut buf[got..]) {
             Ok(0) if got == 0 && idle_ok && shared.closing.load(Ordering::Acquire) => return Ok(false),
-            Ok(0) => return Err(lost_peer(peer, ErrorKind::UnexpectedEof.into(), timeout, "while sending to this rank")),
+            Ok(0) => {
+                return Err(lost_peer(peer, ErrorKind::UnexpectedEof.into(), timeout, "while sending to this rank"))
+            }
             Ok(n) => {
                 got += n;
                 last_progress = Instant::now();
@@ -575,7 +610,8 @@ fn receive_messages(link: &Link, socket: &mut TcpStream, staging: &mut Staging, 
     socket.set_read_timeout(Some(IDLE_POLL))?;
     loop {
         let mut header = [0u8; FRAME_BYTES];
-        if !ThreadStats::timed(&mut stats.idle, || read_message_part(socket, &mut header, true, shared, peer, timeout))? {
+        if !ThreadStats::timed(&mut stats.idle, || read_message_part(socket, &mut header, true, shared, peer, timeout))?
+        {
             return Ok(());
         }
         let frame = Frame::decode(&header);
@@ -593,7 +629,8 @@ fn receive_messages(link: &Link, socket: &mut TcpStream, staging: &mut Staging, 
             // The copies to the device may still run when this returns; the signal below is
             // written by the same stream, after them.
             stager.receive_into_device(dst_addr, frame.bytes as usize, &mut |chunk| {
-                let r = ThreadStats::timed(&mut reading, || read_message_part(socket, chunk, false, shared, peer, timeout));
+                let r =
+                    ThreadStats::timed(&mut reading, || read_message_part(socket, chunk, false, shared, peer, timeout));
                 match r? {
                     true => Ok(()),
                     false => Err(MkError::remote("the transport closed in the middle of a message")),
@@ -605,7 +642,8 @@ fn receive_messages(link: &Link, socket: &mut TcpStream, staging: &mut Staging, 
             // SAFETY: the range was checked against the registered data region just above,
             // and `register`'s contract keeps it valid until close.
             let dst = unsafe { std::slice::from_raw_parts_mut(dst_addr as *mut u8, frame.bytes as usize) };
-            complete = ThreadStats::timed(&mut stats.socket, || read_message_part(socket, dst, false, shared, peer, timeout))?;
+            complete =
+                ThreadStats::timed(&mut stats.socket, || read_message_part(socket, dst, false, shared, peer, timeout))?;
         }
         if !complete {
             return Ok(()); // closing
@@ -659,8 +697,12 @@ impl Transport for SocketTransport {
 
     fn connection_blob(&mut self, _peers: &[usize]) -> Result<Vec<u8>> {
         let window = self.window.ok_or_else(|| MkError::invalid_usage("register a window before connecting"))?;
-        Ok(SocketBlob { listen: self.listener.local_addr()?, data_bytes: window.data.bytes, signal_words: window.signal_words() }
-            .encode())
+        Ok(SocketBlob {
+            listen: self.listener.local_addr()?,
+            data_bytes: window.data.bytes,
+            signal_words: window.signal_words(),
+        }
+        .encode())
     }
 
     fn connect(&mut self, blobs: &[Vec<u8>], peers: &[usize]) -> Result<()> {
@@ -675,9 +717,13 @@ impl Transport for SocketTransport {
         let higher_ranks: Vec<usize> = higher.iter().map(|(p, _)| *p).collect();
         // Dial the lower ranks while accepting the higher ones: every pair has one dialer.
         let (dialed, accepted) = std::thread::scope(|s| {
-            let dialer = std::thread::Builder::new().name(format!("mk-sock-dial-{}", self.rank)).spawn_scoped(s, || {
-                lower.iter().map(|(p, b)| self.dial(*p, b.listen, &deadline).map(|sock| (*p, sock))).collect::<Result<Vec<_>>>()
-            });
+            let dialer =
+                std::thread::Builder::new().name(format!("mk-sock-dial-{}", self.rank)).spawn_scoped(s, || {
+                    lower
+                        .iter()
+                        .map(|(p, b)| self.dial(*p, b.listen, &deadline).map(|sock| (*p, sock)))
+                        .collect::<Result<Vec<_>>>()
+                });
             let dialer = match dialer {
                 Ok(d) => d,
                 Err(e) => {
@@ -714,10 +760,14 @@ impl Transport for SocketTransport {
         let id = self.next_post;
         let (signal_id, signal_value) = put.signal.unwrap_or((u32::MAX, 0));
         let frame = Frame { kind: FRAME_PUT, signal_id, bytes: put.bytes, dst_offset: put.dst_offset, signal_value };
-        let job = SendJob::Put { id, frame, src: (window.data.base + put.src_offset) as usize, len: put.bytes as usize };
+        let job =
+            SendJob::Put { id, frame, src: (window.data.base + put.src_offset) as usize, len: put.bytes as usize };
         let sent = link.jobs.as_ref().is_some_and(|jobs| jobs.send(job).is_ok());
         if !sent {
-            return Err(self.shared.error().unwrap_or_else(|| MkError::remote(format!("the connection to rank {} is gone", put.peer))));
+            return Err(self
+                .shared
+                .error()
+                .unwrap_or_else(|| MkError::remote(format!("the connection to rank {} is gone", put.peer))));
         }
         self.next_post += 1;
         Ok(id)

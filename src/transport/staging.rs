@@ -37,7 +37,12 @@ pub fn chunks(len: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> 
 /// The `index`-th chunk (counting from 0) of the concatenation of transfers `lens` (each
 /// split by `chunk`), skipping the first `skip` chunks of the first transfer: (transfer,
 /// offset, bytes). What a sender's copy-ahead walks over its queue of puts.
-pub fn nth_chunk(lens: impl IntoIterator<Item = usize>, skip: usize, index: usize, chunk: usize) -> Option<(usize, usize, usize)> {
+pub fn nth_chunk(
+    lens: impl IntoIterator<Item = usize>,
+    skip: usize,
+    index: usize,
+    chunk: usize,
+) -> Option<(usize, usize, usize)> {
     let chunk = chunk.max(1);
     let mut left = index;
     for (t, len) in lens.into_iter().enumerate() {
@@ -136,7 +141,9 @@ impl DeviceStager {
             stager.buffers.push(p.cast());
             let mut e: sys::CUevent = std::ptr::null_mut();
             // SAFETY: creates an event in the current context; destroyed in Drop.
-            check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) })?;
+            check("cuEventCreate", unsafe {
+                sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+            })?;
             stager.events.push(e);
         }
         let mut w: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -226,7 +233,12 @@ impl DeviceStager {
     /// it is given), each chunk's copy to the device overlapping the receipt of the next.
     /// Returns with the last copies possibly still in flight: work issued later on this
     /// stager (`store_u64`) runs after them.
-    pub fn receive_into_device(&mut self, device: u64, len: usize, source: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+    pub fn receive_into_device(
+        &mut self,
+        device: u64,
+        len: usize,
+        source: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
         for (offset, bytes) in chunks(len, self.chunk) {
             let i = self.acquire()?;
             // SAFETY: as finish_copy_out: no copy uses buffer i (acquire waited).
@@ -258,13 +270,21 @@ impl DeviceStager {
         if self.stream_mem_ops {
             // SAFETY: `device` is an 8-byte aligned signal word of the registered window.
             let r = unsafe {
-                sys::cuStreamWriteValue64_v2(self.stream, device, value, sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32)
+                sys::cuStreamWriteValue64_v2(
+                    self.stream,
+                    device,
+                    value,
+                    sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                )
             };
             if r == sys::CUresult::CUDA_SUCCESS {
                 return Ok(());
             }
             // Not enqueued: fall back for good (ordering is kept: nothing was issued).
-            crate::mk_warn!(None, "socket transport: cuStreamWriteValue64 failed ({r:?}); signals fall back to synchronised copies");
+            crate::mk_warn!(
+                None,
+                "socket transport: cuStreamWriteValue64 failed ({r:?}); signals fall back to synchronised copies"
+            );
             self.stream_mem_ops = false;
         }
         self.sync()?;
@@ -326,7 +346,8 @@ mod tests {
 
     #[test]
     fn chunks_cover_every_byte_once() {
-        for (len, chunk) in [(0, 4), (1, 4), (4, 4), (5, 4), (9, 4), (STAGING_CHUNK_BYTES * 2 + 3, STAGING_CHUNK_BYTES)] {
+        for (len, chunk) in [(0, 4), (1, 4), (4, 4), (5, 4), (9, 4), (STAGING_CHUNK_BYTES * 2 + 3, STAGING_CHUNK_BYTES)]
+        {
             let plan: Vec<_> = chunks(len, chunk).collect();
             let mut next = 0;
             for &(offset, bytes) in &plan {
@@ -345,7 +366,8 @@ mod tests {
         let all: Vec<_> = (0..).map_while(|k| nth_chunk(lens, 1, k, 4)).collect();
         assert_eq!(all, vec![(0, 4, 4), (0, 8, 1), (2, 0, 4), (3, 0, 1)]);
         // The same as chunks() per transfer, in order, when nothing is skipped.
-        let flat: Vec<_> = lens.iter().enumerate().flat_map(|(t, &l)| chunks(l, 4).map(move |(o, b)| (t, o, b))).collect();
+        let flat: Vec<_> =
+            lens.iter().enumerate().flat_map(|(t, &l)| chunks(l, 4).map(move |(o, b)| (t, o, b))).collect();
         assert_eq!((0..).map_while(|k| nth_chunk(lens, 0, k, 4)).collect::<Vec<_>>(), flat);
         assert_eq!(nth_chunk([0usize; 3], 0, 0, 4), None);
     }

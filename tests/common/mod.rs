@@ -31,7 +31,11 @@ impl HostWindow {
     pub fn window(&self) -> Window {
         Window {
             data: MemoryRegion { base: self.data as u64, bytes: self.data_bytes as u64, kind: MemoryKind::Host },
-            signals: MemoryRegion { base: self.signals.as_ptr() as u64, bytes: 8 * self.signals.len() as u64, kind: MemoryKind::Host },
+            signals: MemoryRegion {
+                base: self.signals.as_ptr() as u64,
+                bytes: 8 * self.signals.len() as u64,
+                kind: MemoryKind::Host,
+            },
         }
     }
 

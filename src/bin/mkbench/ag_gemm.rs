@@ -20,10 +20,13 @@
 
 use crate::collectives::Events;
 use crate::copy_engine::PeerShards;
-use crate::fused_common::{bad, common_flag, for_each_option, measure_cold_slowest, measure_slowest, L2Flush, parse_list, parse_pairs, print_trace, run_ranks};
+use crate::fused_common::{
+    bad, common_flag, for_each_option, measure_cold_slowest, measure_slowest, parse_list, parse_pairs, print_trace,
+    run_ranks, L2Flush,
+};
 use crate::measure::{host_enqueue_us, Protocol};
-use crate::record::{self, Json};
 use crate::ranks;
+use crate::record::{self, Json};
 use cudarc::driver::result as cu;
 use mkernel::comm::CommConfig;
 use mkernel::cublaslt::CublasLt;
@@ -97,7 +100,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let mut cfg = CommConfig::from_env();
     cfg.workspace_bytes = cfg.workspace_bytes.max((max_m * max_k * 2) as u64);
     let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
-    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
+    let stream =
+        cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let lt = CublasLt::new()?;
     let dtype = o.dtype;
     let a_local = TestBuffer::new(o.rows.iter().max().copied().unwrap_or(0) * max_k, dtype)?;
@@ -109,7 +113,11 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let elem = if dtype == mkDataType_t::mkFloat32 { 4 } else { 2 };
     // The copy-engine baseline's shard buffers, sized for the largest shard; absent (with
     // the reason printed) where CUDA IPC is not available.
-    let shards = if n > 1 { PeerShards::new(&comm.bootstrap, rank, n, max_rows * max_k * elem).map_err(|e| e.message) } else { Err("one rank".into()) };
+    let shards = if n > 1 {
+        PeerShards::new(&comm.bootstrap, rank, n, max_rows * max_k * elem).map_err(|e| e.message)
+    } else {
+        Err("one rank".into())
+    };
     let protocol = Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters };
     let l2_flush = L2Flush::new()?;
     a_local.randomize(11 + rank as u64, 1.0, stream)?;
@@ -130,7 +138,21 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         }
         println!(
             "# {:>6} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>9} {:>9} | {:>9} {:>9} {:>8} {:>8} | {:>7} {:>7} {:>6}",
-            "rows", "N", "K", "fused us", "TF/s", "AG+cuBLAS", "CE+cuBLAS", "cuBLAS", "AG+ours*", "ours*", "AG us", "CE us", "f/unf", "overlap", "#wrong"
+            "rows",
+            "N",
+            "K",
+            "fused us",
+            "TF/s",
+            "AG+cuBLAS",
+            "CE+cuBLAS",
+            "cuBLAS",
+            "AG+ours*",
+            "ours*",
+            "AG us",
+            "CE us",
+            "f/unf",
+            "overlap",
+            "#wrong"
         );
     }
     let mut all_ok = true;
@@ -140,9 +162,26 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let args = validate_args(a_local.ptr(), b.ptr(), c.ptr(), 0, m, nn, kk, dtype as i32, n, rank)?;
             let gemm_args = engine::validate(a_gathered.ptr(), b.ptr(), c.ptr(), m, nn, kk, dtype as i32)?;
             let sms_cap = comm.config.max_ctas.map_or(sms as usize, |v| v as usize);
-            let gemm_plan = engine::plan(m, nn, sms_cap, gemm_args.tma_epilogue_ok(), engine::PlanOverrides { max_ctas: Some(sms_cap), ..Default::default() });
+            let gemm_plan = engine::plan(
+                m,
+                nn,
+                sms_cap,
+                gemm_args.tma_epilogue_ok(),
+                engine::PlanOverrides { max_ctas: Some(sms_cap), ..Default::default() },
+            );
             let blas = lt.gemm(m, nn, kk, dtype, dtype)?;
-            let ag = || collective(&comm, CollectiveKind::AllGather, a_local.ptr(), a_gathered.ptr(), rows * kk, dtype as i32, None, stream);
+            let ag = || {
+                collective(
+                    &comm,
+                    CollectiveKind::AllGather,
+                    a_local.ptr(),
+                    a_gathered.ptr(),
+                    rows * kk,
+                    dtype as i32,
+                    None,
+                    stream,
+                )
+            };
             let ours = || engine::launch(&gemm_args, &gemm_plan, stream);
             let cublas = || blas.run(&lt, a_gathered.ptr(), b.ptr(), c_ref.ptr(), stream);
             let cublas_ref = &cublas;
@@ -162,7 +201,9 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             // across nodes an in-flight hierarchical kernel waits for its proxy's copies, which
             // that load holds up: the first `ours()` after an in-flight mkAllGather stalled
             // until the kernel's timeout. (DESIGN-NOTES: lazy loading across nodes.)
-            for (what, part) in [("ours", &ours as &dyn Fn() -> Result<()>), ("cuBLAS", &cublas), ("AllGather", &ag), ("fused", &fused)] {
+            for (what, part) in
+                [("ours", &ours as &dyn Fn() -> Result<()>), ("cuBLAS", &cublas), ("AllGather", &ag), ("fused", &fused)]
+            {
                 part()?;
                 // SAFETY: live stream.
                 unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
@@ -187,7 +228,12 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 sh.stage(a_local.ptr(), rows * kk * elem, stream)?;
             }
             comm.bootstrap.barrier()?;
-            let ce = || shards.as_ref().map_err(|why| bad(why)).and_then(|sh| sh.all_gather(a_gathered.ptr(), rows * kk * elem, stream));
+            let ce = || {
+                shards
+                    .as_ref()
+                    .map_err(|why| bad(why))
+                    .and_then(|sh| sh.all_gather(a_gathered.ptr(), rows * kk * elem, stream))
+            };
             let ag_blas = || ag().and_then(|_| cublas());
             let ag_ours = || ag().and_then(|_| ours());
             let mut contenders: Vec<(&str, &dyn Fn() -> Result<()>)> = vec![
@@ -204,7 +250,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 contenders.push(("ag_copy_engine", &ce));
             }
             let fns: Vec<&dyn Fn() -> Result<()>> = contenders.iter().map(|c| c.1).collect();
-            let stats = measure_slowest(&comm, &events, stream, protocol, &fns).and_then(|s| phase("timed blocks", 0.0).map(|_| s))?;
+            let stats = measure_slowest(&comm, &events, stream, protocol, &fns)
+                .and_then(|s| phase("timed blocks", 0.0).map(|_| s))?;
             let cold_fused = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &fused)?;
             let cold_base = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &ag_blas)?;
             let host = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
@@ -215,7 +262,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 Ok(us)
             };
             let host_fused = host(&fused).and_then(|t| phase("fused, enqueued back to back", t))?;
-            let host_unfused = host(contenders[1].1).and_then(|t| phase("AllGather + cuBLAS, enqueued back to back", t))?;
+            let host_unfused =
+                host(contenders[1].1).and_then(|t| phase("AllGather + cuBLAS, enqueued back to back", t))?;
             let med = |name: &str| contenders.iter().position(|c| c.0 == name).map(|i| stats[i].median);
             if o.trace {
                 print_trace(&comm, stream, &format!("ag_gemm rows/rank {rows} N {nn} K {kk}"), &|buf| {
@@ -228,7 +276,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             }
             if rank == 0 {
                 let t_fused = stats[0].median;
-                let (t_ag_blas, t_blas, t_ag_ours, t_ours, t_ag) = (stats[1].median, stats[2].median, stats[3].median, stats[4].median, stats[5].median);
+                let (t_ag_blas, t_blas, t_ag_ours, t_ours, t_ag) =
+                    (stats[1].median, stats[2].median, stats[3].median, stats[4].median, stats[5].median);
                 let t_ce_blas = med("ag_copy_engine+cublaslt");
                 let t_ce = med("ag_copy_engine");
                 let best_unfused = t_ce_blas.map_or(t_ag_blas, |t| t.min(t_ag_blas));
@@ -255,10 +304,16 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                         };
                         record::contender(c.0, Some(*s), host)
                     })
-                    .chain([record::contender("fused_cold_l2", Some(cold_fused), None), record::contender("ag_mk+cublaslt_cold_l2", Some(cold_base), None)])
+                    .chain([
+                        record::contender("fused_cold_l2", Some(cold_fused), None),
+                        record::contender("ag_mk+cublaslt_cold_l2", Some(cold_base), None),
+                    ])
                     .collect();
                 record::row(
-                    record::shape(&[("ranks", n), ("rows", rows), ("m", m), ("n", nn), ("k", kk)], &[("dtype", dtype.name())]),
+                    record::shape(
+                        &[("ranks", n), ("rows", rows), ("m", m), ("n", nn), ("k", kk)],
+                        &[("dtype", dtype.name())],
+                    ),
                     recorded,
                     &[
                         ("rel_err", Json::num(rel_err)),

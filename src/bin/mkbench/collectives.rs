@@ -57,7 +57,16 @@ fn parse(op_name: &str, args: &[String]) -> Result<Options> {
         "all_reduce" => CollectiveKind::AllReduce,
         _ => return Err(MkError::invalid_argument(format!("unknown collective {op_name}"))),
     };
-    let mut o = Options { kind, min_bytes: 8, max_bytes: 1 << 30, factor: 2, iters: 20, warmup: 5, ranks: 1, op: mkRedOp_t::mkSum };
+    let mut o = Options {
+        kind,
+        min_bytes: 8,
+        max_bytes: 1 << 30,
+        factor: 2,
+        iters: 20,
+        warmup: 5,
+        ranks: 1,
+        op: mkRedOp_t::mkSum,
+    };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut val = || it.next().cloned().ok_or_else(|| MkError::invalid_argument(format!("{a} needs a value")));
@@ -76,7 +85,11 @@ fn parse(op_name: &str, args: &[String]) -> Result<Options> {
                     _ => return Err(bad("--op (sum or avg)")),
                 }
             }
-            other => return Err(MkError::invalid_argument(format!("unknown option {other:?} (see src/bin/mkbench/collectives.rs)"))),
+            other => {
+                return Err(MkError::invalid_argument(format!(
+                    "unknown option {other:?} (see src/bin/mkbench/collectives.rs)"
+                )))
+            }
         }
     }
     if o.factor < 2 || o.iters == 0 || o.ranks == 0 || o.min_bytes == 0 || o.min_bytes > o.max_bytes {
@@ -121,7 +134,8 @@ pub(crate) struct Events {
 }
 impl Events {
     pub(crate) fn new(n: usize) -> Result<Self> {
-        let mk = || cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cuda::cuda_err("cuEventCreate", e));
+        let mk =
+            || cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cuda::cuda_err("cuEventCreate", e));
         Ok(Events { pairs: (0..n).map(|_| Ok((mk()?, mk()?))).collect::<Result<_>>()? })
     }
     /// Median microseconds of `f` over the pairs, each call timed on its own.
@@ -133,7 +147,12 @@ impl Events {
 
     /// Microseconds of each of `calls` calls of `f` (at most one per event pair), each
     /// call timed on its own, in call order.
-    pub(crate) fn times_us(&self, stream: sys::CUstream, calls: usize, f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    pub(crate) fn times_us(
+        &self,
+        stream: sys::CUstream,
+        calls: usize,
+        f: impl FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
         self.times_us_after(stream, calls, || Ok(()), f)
     }
 
@@ -180,7 +199,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let ctx = PrimaryContext::retain(device)?;
     let _g = ctx.enter()?;
     let comm = crate::fused_common::init_comm(id, n, rank, device, CommConfig::from_env())?;
-    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
+    let stream =
+        cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let dtype = mkDataType_t::mkFloat32;
     let es = 4u64;
     let nr = n as u64;
@@ -194,7 +214,10 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let send = TestBuffer::new(send_max as usize, dtype)?;
     let recv = TestBuffer::new(recv_max as usize, dtype)?;
     let (copy_src, copy_dst) = if rank == 0 {
-        (Some(TestBuffer::new((o.max_bytes / es) as usize, dtype)?), Some(TestBuffer::new((o.max_bytes / es) as usize, dtype)?))
+        (
+            Some(TestBuffer::new((o.max_bytes / es) as usize, dtype)?),
+            Some(TestBuffer::new((o.max_bytes / es) as usize, dtype)?),
+        )
     } else {
         (None, None)
     };
@@ -215,7 +238,11 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     };
 
     let gpus = cuda::device_count()?;
-    let mut nccl_note = if gpus > 1 { String::new() } else { "needs several GPUs; this machine shows one, so only the D2D copy baseline runs".to_string() };
+    let mut nccl_note = if gpus > 1 {
+        String::new()
+    } else {
+        "needs several GPUs; this machine shows one, so only the D2D copy baseline runs".to_string()
+    };
     let nccl = if n > 1 && gpus > 1 {
         match Nccl::init(&comm.bootstrap, rank, n) {
             Ok(x) => {
@@ -245,8 +272,10 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 mkernel::ops::hier_collectives::network_fraction(kind, comm.topology.node_count as u64, nr));
         }
         println!("#");
-        println!("# {:>12} {:>12} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>7}",
-            "", "", "", "out-of-place", "", "", "", "in-place", "", "", "", "D2D copy", "", "");
+        println!(
+            "# {:>12} {:>12} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>7}",
+            "", "", "", "out-of-place", "", "", "", "in-place", "", "", "", "D2D copy", "", ""
+        );
         println!("# {:>12} {:>12} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>7}   {:>10} {:>8} {:>7}",
             "size(B)", "count", "type", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "GB/s", "oop/copy", "nccl(us)", "busbw", "bw/nccl");
     }
@@ -263,13 +292,15 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             CollectiveKind::AllReduce => count * es,
             _ => count * es * nr,
         };
-        let mut row = Row { bytes: size, count, times: [0.0; 2], wrong: [0; 2], copy_us: 0.0, nccl_us: None, host_us: 0.0 };
+        let mut row =
+            Row { bytes: size, count, times: [0.0; 2], wrong: [0; 2], copy_us: 0.0, nccl_us: None, host_us: 0.0 };
         // Baseline first, alone on the GPU.
         comm.bootstrap.barrier()?;
         if let (Some(src), Some(dst)) = (&copy_src, &copy_dst) {
             let copy = || -> Result<()> {
                 // SAFETY: both buffers hold max_bytes >= size.
-                unsafe { cu::memcpy_dtod_async(dst.ptr(), src.ptr(), size as usize, stream) }.map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))
+                unsafe { cu::memcpy_dtod_async(dst.ptr(), src.ptr(), size as usize, stream) }
+                    .map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))
             };
             for _ in 0..o.warmup {
                 copy()?;
@@ -289,7 +320,11 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 (send.ptr(), recv.ptr())
             };
             // ReduceScatter in place needs recvbuff to hold the whole send: use send for it.
-            let (sp, rp) = if in_place && kind == CollectiveKind::ReduceScatter { (send.ptr(), send.ptr() + rank as u64 * count * es) } else { (sp, rp) };
+            let (sp, rp) = if in_place && kind == CollectiveKind::ReduceScatter {
+                (send.ptr(), send.ptr() + rank as u64 * count * es)
+            } else {
+                (sp, rp)
+            };
             let fill = || fill_random(sp, send_n, dtype, seed_base + rank as u64, 1.0, stream);
             let call = || collective(&comm, kind, sp, rp, count as usize, dtype as i32, Some(o.op as i32), stream);
             fill()?;
@@ -316,7 +351,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 return Err(MkError::new(err, format!("{} failed asynchronously at {size} bytes", kind.name())));
             }
             // SAFETY: one u64.
-            unsafe { cu::memset_d8_async(wrong_counter.ptr(), 0, 8, stream) }.map_err(|e| cuda::cuda_err("cuMemsetD8Async", e))?;
+            unsafe { cu::memset_d8_async(wrong_counter.ptr(), 0, 8, stream) }
+                .map_err(|e| cuda::cuda_err("cuMemsetD8Async", e))?;
             let out_count = if kind == CollectiveKind::AllGather { count * nr } else { count };
             let mut p = CollectiveCheckParams {
                 out: rp,
@@ -328,13 +364,18 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 rank: rank as i32,
                 nranks: n as i32,
             };
-            let cfg = LaunchConfig { grid: (out_count.div_ceil(256).clamp(1, 4096) as u32, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid: (out_count.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
+                block: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
             // SAFETY: one CollectiveCheckParams; rp holds out_count floats.
             unsafe { cuda::launch(check_fn, cfg, stream, &mut [(&mut p as *mut CollectiveCheckParams).cast()])? };
             sync()?;
             let mut w = [0u8; 8];
             // SAFETY: reads the one u64.
-            unsafe { cu::memcpy_dtoh_sync(&mut w, wrong_counter.ptr()) }.map_err(|e| cuda::cuda_err("cuMemcpyDtoH", e))?;
+            unsafe { cu::memcpy_dtoh_sync(&mut w, wrong_counter.ptr()) }
+                .map_err(|e| cuda::cuda_err("cuMemcpyDtoH", e))?;
             let wrong = u64::from_le_bytes(w);
             // The slowest rank's median, and everyone's wrong elements.
             let mut mine = t.to_le_bytes().to_vec();
@@ -382,7 +423,11 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         record::config("bus_factor", Json::num(factor));
         for r in &rows {
             let named = record::contender_median;
-            let out_of_place = Json::obj(&[("name", Json::str("out_of_place")), ("median_us", Json::num(r.times[0])), ("host_enqueue_us", Json::num(r.host_us))]);
+            let out_of_place = Json::obj(&[
+                ("name", Json::str("out_of_place")),
+                ("median_us", Json::num(r.times[0])),
+                ("host_enqueue_us", Json::num(r.host_us)),
+            ]);
             let mut contenders = vec![out_of_place, named("in_place", r.times[1])];
             if r.copy_us > 0.0 {
                 contenders.push(named("d2d_copy", r.copy_us));
@@ -391,7 +436,11 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 contenders.push(named("nccl", t));
             }
             record::row(
-                Json::obj(&[("op", Json::str(kind.name())), ("bytes", Json::num(r.bytes as f64)), ("count", Json::num(r.count as f64))]),
+                Json::obj(&[
+                    ("op", Json::str(kind.name())),
+                    ("bytes", Json::num(r.bytes as f64)),
+                    ("count", Json::num(r.count as f64)),
+                ]),
                 contenders,
                 &[("wrong", Json::Arr(vec![Json::num(r.wrong[0] as f64), Json::num(r.wrong[1] as f64)]))],
             );

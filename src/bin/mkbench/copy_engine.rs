@@ -26,7 +26,10 @@ fn check(what: &str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(MkError::new(mkernel::error::mkResult_t::mkUnhandledCudaError, format!("copy-engine baseline: {what} failed: {r:?}")))
+        Err(MkError::new(
+            mkernel::error::mkResult_t::mkUnhandledCudaError,
+            format!("copy-engine baseline: {what} failed: {r:?}"),
+        ))
     }
 }
 
@@ -61,7 +64,9 @@ impl PeerShards {
                 continue;
             }
             if h.first() != Some(&1) || h.len() < 65 {
-                return Err(MkError::system(format!("copy-engine baseline: rank {r} could not export its buffer (cuIpcGetMemHandle)")));
+                return Err(MkError::system(format!(
+                    "copy-engine baseline: rank {r} could not export its buffer (cuIpcGetMemHandle)"
+                )));
             }
             let mut peer = sys::CUipcMemHandle_st { reserved: [0; 64] };
             for (d, s) in peer.reserved.iter_mut().zip(&h[1..65]) {
@@ -76,7 +81,6 @@ impl PeerShards {
             self.opened.push(p);
         }
         Ok(())
-
     }
 
     /// Copies this rank's shard (`bytes` at `src`, at most the size given to `new`) into its
@@ -85,7 +89,8 @@ impl PeerShards {
         self.fits(bytes)?;
         // SAFETY: both hold at least `bytes`; the stream is live.
         unsafe {
-            cu::memcpy_dtod_async(self.own.ptr, src, bytes, stream).map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))?;
+            cu::memcpy_dtod_async(self.own.ptr, src, bytes, stream)
+                .map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))?;
             cu::stream::synchronize(stream).map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))
         }
     }
@@ -96,14 +101,18 @@ impl PeerShards {
         self.fits(bytes)?;
         for (r, &src) in self.peers.iter().enumerate() {
             // SAFETY: src maps a peer's buffer of at least `bytes`; dst holds nranks × bytes.
-            unsafe { cu::memcpy_dtod_async(dst + (r * bytes) as u64, src, bytes, stream) }.map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))?;
+            unsafe { cu::memcpy_dtod_async(dst + (r * bytes) as u64, src, bytes, stream) }
+                .map_err(|e| cuda::cuda_err("cuMemcpyDtoDAsync", e))?;
         }
         Ok(())
     }
 
     fn fits(&self, bytes: usize) -> Result<()> {
         if bytes > self.bytes {
-            return Err(MkError::invalid_argument(format!("copy-engine baseline: a {bytes}-byte shard exceeds the {} bytes allocated", self.bytes)));
+            return Err(MkError::invalid_argument(format!(
+                "copy-engine baseline: a {bytes}-byte shard exceeds the {} bytes allocated",
+                self.bytes
+            )));
         }
         Ok(())
     }

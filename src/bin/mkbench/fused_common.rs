@@ -37,7 +37,13 @@ pub fn run_ranks(
 
 /// Comm::init, its time and its workspace recorded in the run's config (`comm_init_ms`,
 /// `workspace_bytes`: this rank's symmetric workspace, data and fused-op regions).
-pub fn init_comm(id: &mkernel::bootstrap::UniqueId, n: usize, rank: usize, device: i32, cfg: mkernel::comm::CommConfig) -> Result<Comm> {
+pub fn init_comm(
+    id: &mkernel::bootstrap::UniqueId,
+    n: usize,
+    rank: usize,
+    device: i32,
+    cfg: mkernel::comm::CommConfig,
+) -> Result<Comm> {
     use crate::record::{self, Json};
     let t = std::time::Instant::now();
     let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
@@ -50,7 +56,11 @@ pub fn init_comm(id: &mkernel::bootstrap::UniqueId, n: usize, rank: usize, devic
 /// Walks a fused bench's arguments: `flag value` pairs, each handed to `option(flag, value)`
 /// (which reads the common ones with `common_flag`), and, when `trace` is given, the lone
 /// flag `--trace`. A flag without its value is an error.
-pub fn for_each_option(args: &[String], mut trace: Option<&mut bool>, mut option: impl FnMut(&str, &str) -> Result<()>) -> Result<()> {
+pub fn for_each_option(
+    args: &[String],
+    mut trace: Option<&mut bool>,
+    mut option: impl FnMut(&str, &str) -> Result<()>,
+) -> Result<()> {
     let mut i = 0;
     while i < args.len() {
         if let (Some(t), "--trace") = (trace.as_deref_mut(), args[i].as_str()) {
@@ -96,10 +106,17 @@ pub fn parse_pairs(v: &str, what: &str) -> Result<Vec<(usize, usize)>> {
 /// The shared protocol (measure.rs) across ranks: every rank runs the same contenders in
 /// the same interleaved blocks, a barrier before each block; `events` must hold at least
 /// `p.iters` pairs. Per contender, the statistics of the slowest rank's time call by call.
-pub fn measure_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, p: Protocol, contenders: &[&dyn Fn() -> Result<()>]) -> Result<Vec<Stats>> {
+pub fn measure_slowest(
+    comm: &Comm,
+    events: &Events,
+    stream: sys::CUstream,
+    p: Protocol,
+    contenders: &[&dyn Fn() -> Result<()>],
+) -> Result<Vec<Stats>> {
     let sync = || {
         // SAFETY: live stream.
-        unsafe { cudarc::driver::result::stream::synchronize(stream) }.map_err(|e| mkernel::cuda::cuda_err("cuStreamSynchronize", e))
+        unsafe { cudarc::driver::result::stream::synchronize(stream) }
+            .map_err(|e| mkernel::cuda::cuda_err("cuStreamSynchronize", e))
     };
     let mine = measure_interleaved(
         contenders.len(),
@@ -120,8 +137,10 @@ pub fn measure_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, p: P
         .map(|samples| {
             let bytes: Vec<u8> = samples.iter().flat_map(|t| t.to_le_bytes()).collect();
             let all = comm.bootstrap.allgather(&bytes)?;
-            let per_rank: Vec<Vec<f64>> =
-                all.iter().map(|b| b.chunks_exact(8).map(|w| f64::from_le_bytes(w.try_into().expect("8 bytes"))).collect()).collect();
+            let per_rank: Vec<Vec<f64>> = all
+                .iter()
+                .map(|b| b.chunks_exact(8).map(|w| f64::from_le_bytes(w.try_into().expect("8 bytes"))).collect())
+                .collect();
             Stats::of(&slowest_per_call(&per_rank)).ok_or_else(|| bad("timing (no samples)"))
         })
         .collect()
@@ -147,7 +166,14 @@ impl L2Flush {
 
 /// Cold-L2 times of `f` across ranks: `p.blocks` blocks of `p.iters` calls, each call after
 /// an L2 flush (outside its timing); the slowest rank per call.
-pub fn measure_cold_slowest(comm: &Comm, events: &Events, stream: sys::CUstream, p: Protocol, flush: &L2Flush, f: &dyn Fn() -> Result<()>) -> Result<Stats> {
+pub fn measure_cold_slowest(
+    comm: &Comm,
+    events: &Events,
+    stream: sys::CUstream,
+    p: Protocol,
+    flush: &L2Flush,
+    f: &dyn Fn() -> Result<()>,
+) -> Result<Stats> {
     let mut mine = Vec::with_capacity(p.blocks * p.iters);
     for _ in 0..p.blocks {
         comm.bootstrap.barrier()?;
@@ -155,8 +181,10 @@ pub fn measure_cold_slowest(comm: &Comm, events: &Events, stream: sys::CUstream,
     }
     let bytes: Vec<u8> = mine.iter().flat_map(|t| t.to_le_bytes()).collect();
     let all = comm.bootstrap.allgather(&bytes)?;
-    let per_rank: Vec<Vec<f64>> =
-        all.iter().map(|b| b.chunks_exact(8).map(|w| f64::from_le_bytes(w.try_into().expect("8 bytes"))).collect()).collect();
+    let per_rank: Vec<Vec<f64>> = all
+        .iter()
+        .map(|b| b.chunks_exact(8).map(|w| f64::from_le_bytes(w.try_into().expect("8 bytes"))).collect())
+        .collect();
     Stats::of(&slowest_per_call(&per_rank)).ok_or_else(|| bad("cold-L2 timing (no samples)"))
 }
 
@@ -201,7 +229,11 @@ pub fn print_trace(comm: &Comm, stream: sys::CUstream, label: &str, call: &dyn F
     let us = |ns: u64| ns as f64 / 1e3;
     let med_max = |mut v: Vec<u64>| -> (f64, f64) {
         v.sort_unstable();
-        if v.is_empty() { (0.0, 0.0) } else { (us(v[v.len() / 2]), us(v[v.len() - 1])) }
+        if v.is_empty() {
+            (0.0, 0.0)
+        } else {
+            (us(v[v.len() / 2]), us(v[v.len() - 1]))
+        }
     };
     let mut line = format!(
         "trace {label} rank {}: kernel {:.1} µs, started {:.1} µs after the earliest rank, CTA starts spread over {:.1} µs",
@@ -221,7 +253,8 @@ pub fn print_trace(comm: &Comm, stream: sys::CUstream, label: &str, call: &dyn F
         let (tail, _) = med_max(r.iter().map(|w| last.saturating_sub(w[2])).collect());
         let moved: u64 = r.iter().map(|w| w[5]).sum();
         let items: u64 = r.iter().map(|w| w[6]).sum();
-        let busy: Vec<u64> = r.iter().filter(|w| w[5] > 0).map(|w| (w[2].saturating_sub(w[1])).saturating_sub(w[4]).max(1)).collect();
+        let busy: Vec<u64> =
+            r.iter().filter(|w| w[5] > 0).map(|w| (w[2].saturating_sub(w[1])).saturating_sub(w[4]).max(1)).collect();
         let rate = if busy.is_empty() { 0.0 } else { moved as f64 / busy.iter().sum::<u64>() as f64 };
         line += &format!(
             "\n    {name:>7}: {} CTAs, setup {setup:.1} µs, work {work:.1} (max {work_max:.1}) µs, waits {wait:.1} (max {wait_max:.1}) µs, \

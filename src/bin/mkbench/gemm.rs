@@ -12,13 +12,13 @@
 
 use crate::measure::Stats;
 use crate::record;
+use cudarc::driver::result as cu;
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::MkError;
 use mkernel::ops::gemm::{self, Cluster, GemmArgs, PlanOverrides};
 use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
-use cudarc::driver::result as cu;
 
 const LARGE: [(usize, usize, usize); 5] =
     [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 28672, 8192), (16384, 8192, 8192), (8192, 8192, 28672)];
@@ -48,11 +48,17 @@ struct Timer {
 
 impl Timer {
     fn new() -> mkernel::Result<Self> {
-        let mk = || cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cuda::cuda_err("cuEventCreate", e));
+        let mk =
+            || cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cuda::cuda_err("cuEventCreate", e));
         Ok(Timer { start: mk()?, end: mk()? })
     }
     /// Mean microseconds per call of `f(i)` over `n` calls on `stream`.
-    fn time(&self, stream: sys::CUstream, n: usize, mut f: impl FnMut(usize) -> mkernel::Result<()>) -> mkernel::Result<f64> {
+    fn time(
+        &self,
+        stream: sys::CUstream,
+        n: usize,
+        mut f: impl FnMut(usize) -> mkernel::Result<()>,
+    ) -> mkernel::Result<f64> {
         // SAFETY: events created by this timer, stream live.
         unsafe {
             cu::event::record(self.start, stream).map_err(|e| cuda::cuda_err("cuEventRecord", e))?;
@@ -61,7 +67,9 @@ impl Timer {
             }
             cu::event::record(self.end, stream).map_err(|e| cuda::cuda_err("cuEventRecord", e))?;
             cu::event::synchronize(self.end).map_err(|e| cuda::cuda_err("cuEventSynchronize", e))?;
-            Ok(cu::event::elapsed(self.start, self.end).map_err(|e| cuda::cuda_err("cuEventElapsedTime", e))? as f64 * 1e3 / n as f64)
+            Ok(cu::event::elapsed(self.start, self.end).map_err(|e| cuda::cuda_err("cuEventElapsedTime", e))? as f64
+                * 1e3
+                / n as f64)
         }
     }
 }
@@ -94,7 +102,11 @@ fn parse(args: &[String]) -> mkernel::Result<Options> {
                     Some("bf16") => vec![mkDataType_t::mkBfloat16],
                     Some("fp16") => vec![mkDataType_t::mkFloat16],
                     Some("both") => dtypes,
-                    other => return Err(MkError::invalid_argument(format!("--dtype takes bf16, fp16 or both, not {other:?}"))),
+                    other => {
+                        return Err(MkError::invalid_argument(format!(
+                            "--dtype takes bf16, fp16 or both, not {other:?}"
+                        )))
+                    }
                 }
             }
             "--shape" => shapes.push(
@@ -103,7 +115,11 @@ fn parse(args: &[String]) -> mkernel::Result<Options> {
                     .ok_or_else(|| MkError::invalid_argument("--shape takes MxNxK, e.g. 8192x8192x8192"))?,
             ),
             "--sweep" => sweep = true,
-            other => return Err(MkError::invalid_argument(format!("unknown option {other:?} (see src/bin/mkbench/gemm.rs)"))),
+            other => {
+                return Err(MkError::invalid_argument(format!(
+                    "unknown option {other:?} (see src/bin/mkbench/gemm.rs)"
+                )))
+            }
         }
     }
     Ok(Options { dtypes, shapes, sweep })
@@ -119,13 +135,16 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
 
     let ctx = PrimaryContext::retain(0)?;
     let _g = ctx.enter()?;
-    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
+    let stream =
+        cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let sms = cuda::sm_count(0)? as usize;
     let lt = CublasLt::new()?;
     let timer = Timer::new()?;
     let mut rows = Vec::new();
 
-    println!("# mkbench gemm: C[M,N] = A[M,K]·B[N,K]ᵀ, row-major, fp32 accumulate; {sms} SMs; times are medians of 9 blocks");
+    println!(
+        "# mkbench gemm: C[M,N] = A[M,K]·B[N,K]ᵀ, row-major, fp32 accumulate; {sms} SMs; times are medians of 9 blocks"
+    );
     println!(
         "# {:>5} {:>6} {:>6} {:>6}  {:>10} {:>9}  {:>10} {:>9}  {:>6}  {:>8} {:>6}  plan",
         "dtype", "M", "N", "K", "mk(us)", "TFLOP/s", "cublas(us)", "TFLOP/s", "ratio", "rel_err", "#wrong"
@@ -146,7 +165,15 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
             let c = TestBuffer::new(m * n, dtype)?;
             let c_ref = TestBuffer::new(m * n, dtype)?;
             let cublas = lt.gemm(m, n, k, dtype, dtype)?;
-            let args_for = |i: usize| GemmArgs { a: inputs[i % sets].0.ptr(), b: inputs[i % sets].1.ptr(), c: c.ptr(), m, n, k, dtype };
+            let args_for = |i: usize| GemmArgs {
+                a: inputs[i % sets].0.ptr(),
+                b: inputs[i % sets].1.ptr(),
+                c: c.ptr(),
+                m,
+                n,
+                k,
+                dtype,
+            };
             let tma_ok = args_for(0).tma_epilogue_ok();
             let default_plan = gemm::plan(m, n, sms, tma_ok, PlanOverrides::default());
 
@@ -167,7 +194,8 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
                 for bn in gemm::TILE_WIDTHS {
                     for cluster in [Cluster::None, Cluster::ShareA, Cluster::ShareB] {
                         for group in [None, Some(8usize)] {
-                            let o = PlanOverrides { bn: Some(bn), group_m: group, max_ctas: None, cluster: Some(cluster) };
+                            let o =
+                                PlanOverrides { bn: Some(bn), group_m: group, max_ctas: None, cluster: Some(cluster) };
                             let p = gemm::plan(m, n, sms, tma_ok, o);
                             // Narrow tiles only where they are the skinny-shape candidates.
                             if p.cluster != cluster || (bn < 256 && p.tiles() > 2 * sms) {
@@ -190,7 +218,9 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
             let mut times: Vec<Vec<f64>> = vec![Vec::new(); contenders.len() + 1];
             for rep in 0..10 {
                 let n_iter = if rep == 0 { 2 * inner } else { inner }; // rep 0 = warm-up, discarded
-                let t = timer.time(stream, n_iter, |i| cublas.run(&lt, inputs[i % sets].0.ptr(), inputs[i % sets].1.ptr(), c_ref.ptr(), stream))?;
+                let t = timer.time(stream, n_iter, |i| {
+                    cublas.run(&lt, inputs[i % sets].0.ptr(), inputs[i % sets].1.ptr(), c_ref.ptr(), stream)
+                })?;
                 if rep > 0 {
                     times[0].push(t);
                 }
@@ -203,8 +233,11 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
             }
             let cublas_us = median(times[0].clone());
             let ours_us = median(times[1].clone());
-            let variants: Vec<(String, f64)> =
-                contenders.iter().zip(&times[1..]).map(|((name, _), t)| (name.clone(), tflops(shape, median(t.clone())))).collect();
+            let variants: Vec<(String, f64)> = contenders
+                .iter()
+                .zip(&times[1..])
+                .map(|((name, _), t)| (name.clone(), tflops(shape, median(t.clone()))))
+                .collect();
             let plan = format!(
                 "bn{} g{} ctas{} {:?}{}",
                 default_plan.bn,
@@ -230,17 +263,31 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
                 cublas_us / ours_us,
                 rel_err,
                 u8::from(wrong),
-                if sweep { variants.iter().map(|(n, t)| format!(" {n}={t:.0}")).collect::<String>() } else { String::new() }
+                if sweep {
+                    variants.iter().map(|(n, t)| format!(" {n}={t:.0}")).collect::<String>()
+                } else {
+                    String::new()
+                }
             );
             let mut recorded = vec![
                 record::contender("mk", Stats::of(&times[1]), None),
                 record::contender("cublaslt", Stats::of(&times[0]), None),
             ];
-            recorded.extend(contenders.iter().zip(&times[1..]).skip(1).map(|((name, _), t)| record::contender(name, Stats::of(t), None)));
+            recorded.extend(
+                contenders
+                    .iter()
+                    .zip(&times[1..])
+                    .skip(1)
+                    .map(|((name, _), t)| record::contender(name, Stats::of(t), None)),
+            );
             record::row(
                 record::shape(&[("m", m), ("n", n), ("k", k)], &[("dtype", dtype.name())]),
                 recorded,
-                &[("plan", record::Json::str(plan)), ("rel_err", record::Json::num(rel_err)), ("wrong", record::Json::Bool(wrong))],
+                &[
+                    ("plan", record::Json::str(plan)),
+                    ("rel_err", record::Json::num(rel_err)),
+                    ("wrong", record::Json::Bool(wrong)),
+                ],
             );
             rows.push(Row { dtype, shape, ours_us, cublas_us, wrong });
         }

@@ -15,10 +15,13 @@
 //! a reduction needs SMs to add.
 
 use crate::collectives::Events;
-use crate::record::{self, Json};
-use crate::fused_common::{bad, common_flag, for_each_option, measure_cold_slowest, measure_slowest, L2Flush, parse_list, parse_pairs, print_trace, run_ranks};
+use crate::fused_common::{
+    bad, common_flag, for_each_option, measure_cold_slowest, measure_slowest, parse_list, parse_pairs, print_trace,
+    run_ranks, L2Flush,
+};
 use crate::measure::{host_enqueue_us, Protocol};
 use crate::ranks;
+use crate::record::{self, Json};
 use cudarc::driver::result as cu;
 use mkernel::comm::CommConfig;
 use mkernel::cublaslt::CublasLt;
@@ -86,7 +89,14 @@ fn run(reduction: Reduction, name: &str, args: &[String]) -> Result<bool> {
     run_ranks(name, args, o.ranks, &|rank, n, id, device| rank_main(reduction, &o, rank, n, id, device))
 }
 
-fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
+fn rank_main(
+    reduction: Reduction,
+    o: &Options,
+    rank: usize,
+    n: usize,
+    id: &mkernel::bootstrap::UniqueId,
+    device: i32,
+) -> Result<bool> {
     let ctx = PrimaryContext::retain(device)?;
     let _g = ctx.enter()?;
     let dtype = mkDataType_t::mkBfloat16;
@@ -97,7 +107,8 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
     // P, and R for the two-phase AllReduce; across nodes also the node partials (src/ops/gemm_reduce_nodes.rs).
     cfg.workspace_bytes = cfg.workspace_bytes.max((max_m * max_n * 2 * 4) as u64);
     let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
-    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
+    let stream =
+        cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let lt = CublasLt::new()?;
     let a = TestBuffer::new(max_m * max_k, dtype)?;
     let b = TestBuffer::new(max_n * max_k, dtype)?;
@@ -125,7 +136,19 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
         );
         println!(
             "# {:>6} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>9} {:>9} {:>9} {:>9} | {:>7} {:>7} {:>7}",
-            "M", "N", "K", "fused us", "TF/s", "ours+coll", "cuBL+coll", "cuBLAS", "ours", "coll", "f/unf", "f/cuBL", "overlap"
+            "M",
+            "N",
+            "K",
+            "fused us",
+            "TF/s",
+            "ours+coll",
+            "cuBL+coll",
+            "cuBLAS",
+            "ours",
+            "coll",
+            "f/unf",
+            "f/cuBL",
+            "overlap"
         );
     }
     let mut all_ok = true;
@@ -134,10 +157,27 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
             let m = if reduction == Reduction::Scatter { m0.next_multiple_of(n) } else { m0 };
             let args = validate(reduction, a.ptr(), b.ptr(), out.ptr(), m, nn, kk, dtype as i32, n)?;
             let gemm_args = engine::validate(a.ptr(), b.ptr(), partial.ptr(), m, nn, kk, dtype as i32)?;
-            let plan = engine::plan(m, nn, cap, gemm_args.tma_epilogue_ok(), engine::PlanOverrides { max_ctas: Some(cap), ..Default::default() });
+            let plan = engine::plan(
+                m,
+                nn,
+                cap,
+                gemm_args.tma_epilogue_ok(),
+                engine::PlanOverrides { max_ctas: Some(cap), ..Default::default() },
+            );
             let blas = lt.gemm(m, nn, kk, dtype, dtype)?;
             let count = if reduction == Reduction::Scatter { m / n * nn } else { m * nn };
-            let coll = || collective(&comm, kind, partial.ptr(), out.ptr(), count, dtype as i32, Some(mkRedOp_t::mkSum as i32), stream);
+            let coll = || {
+                collective(
+                    &comm,
+                    kind,
+                    partial.ptr(),
+                    out.ptr(),
+                    count,
+                    dtype as i32,
+                    Some(mkRedOp_t::mkSum as i32),
+                    stream,
+                )
+            };
             let ours = || engine::launch(&gemm_args, &plan, stream);
             let cublas = || blas.run(&lt, a.ptr(), b.ptr(), partial.ptr(), stream);
             let fused = || gemm_reduce(&comm, &args, stream);
@@ -147,7 +187,16 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
             out_ref.poison(stream)?;
             comm.bootstrap.barrier()?;
             cublas()?;
-            collective(&comm, kind, partial.ptr(), out_ref.ptr(), count, dtype as i32, Some(mkRedOp_t::mkSum as i32), stream)?;
+            collective(
+                &comm,
+                kind,
+                partial.ptr(),
+                out_ref.ptr(),
+                count,
+                dtype as i32,
+                Some(mkRedOp_t::mkSum as i32),
+                stream,
+            )?;
             fused()?;
             // SAFETY: live stream.
             unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
@@ -180,7 +229,8 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
             };
             let host_fused = host(&fused)?;
             let host_unfused = host(&blas_coll)?;
-            let [t_fused, t_blas_coll, t_blas, t_ours_coll, t_ours, t_coll] = [0, 1, 2, 3, 4, 5].map(|i| stats[i].median);
+            let [t_fused, t_blas_coll, t_blas, t_ours_coll, t_ours, t_coll] =
+                [0, 1, 2, 3, 4, 5].map(|i| stats[i].median);
             if o.trace {
                 print_trace(&comm, stream, &format!("{label} M {m} N {nn} K {kk}"), &|buf| {
                     gemm_reduce(&comm, &GemmReduceArgs { trace: buf, ..args }, stream)
@@ -211,10 +261,16 @@ fn rank_main(reduction: Reduction, o: &Options, rank: usize, n: usize, id: &mker
                         };
                         record::contender(c.0, Some(*s), host)
                     })
-                    .chain([record::contender("fused_cold_l2", Some(cold_fused), None), record::contender("cublaslt+mk_collective_cold_l2", Some(cold_base), None)])
+                    .chain([
+                        record::contender("fused_cold_l2", Some(cold_fused), None),
+                        record::contender("cublaslt+mk_collective_cold_l2", Some(cold_base), None),
+                    ])
                     .collect();
                 record::row(
-                    record::shape(&[("ranks", n), ("m", m), ("n", nn), ("k", kk)], &[("op", label), ("dtype", dtype.name())]),
+                    record::shape(
+                        &[("ranks", n), ("m", m), ("n", nn), ("k", kk)],
+                        &[("op", label), ("dtype", dtype.name())],
+                    ),
                     recorded,
                     &[
                         ("rel_err", Json::num(rel_err)),

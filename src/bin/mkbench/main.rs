@@ -13,11 +13,11 @@ mod gemm_reduce;
 mod measure;
 mod moe;
 mod nccl;
-mod ring_attn;
 #[path = "../mktest/ranks.rs"]
 #[allow(dead_code)]
 mod ranks;
 mod record;
+mod ring_attn;
 
 use mkernel::testing::gpu_unavailable_reason;
 

@@ -22,7 +22,9 @@ impl Protocol {
     /// Refuses a protocol with no timed call.
     pub fn validate(&self) -> Result<()> {
         if self.blocks == 0 || self.iters == 0 {
-            return Err(MkError::invalid_argument("mkbench: need at least one block (--blocks) of at least one call (-n)"));
+            return Err(MkError::invalid_argument(
+                "mkbench: need at least one block (--blocks) of at least one call (-n)",
+            ));
         }
         Ok(())
     }

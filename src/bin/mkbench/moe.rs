@@ -17,16 +17,18 @@
 //! are summed over their 12 warps, the GEMM CTAs count 64-row Z slabs as items).
 
 use crate::collectives::Events;
-use crate::record::{self, Json};
 use crate::fused_common::{bad, common_flag, for_each_option, measure_slowest, print_trace, run_ranks};
 use crate::measure::Protocol;
 use crate::ranks;
+use crate::record::{self, Json};
 use cudarc::driver::result as cu;
 use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, Result};
 use mkernel::ops::gemm as engine;
-use mkernel::ops::moe::{self, device_layout, gemm_combine, dispatch_gemm, validate_combine, validate_dispatch, MoeDims, MoeShape};
+use mkernel::ops::moe::{
+    self, device_layout, dispatch_gemm, gemm_combine, validate_combine, validate_dispatch, MoeDims, MoeShape,
+};
 use mkernel::testing::TestBuffer;
 use mkernel::types::mkDataType_t;
 
@@ -49,7 +51,18 @@ pub fn check(_op: &str, args: &[String]) -> Result<()> {
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { ranks: ranks::nranks_requested(), tokens: 4096, hidden: 7168, ffn: 2048, experts: 256, top_k: 8, iters: Protocol::DEFAULT.iters, warmup: 3, blocks: Protocol::DEFAULT.blocks, trace: false };
+    let mut o = Options {
+        ranks: ranks::nranks_requested(),
+        tokens: 4096,
+        hidden: 7168,
+        ffn: 2048,
+        experts: 256,
+        top_k: 8,
+        iters: Protocol::DEFAULT.iters,
+        warmup: 3,
+        blocks: Protocol::DEFAULT.blocks,
+        trace: false,
+    };
     for_each_option(args, Some(&mut o.trace), |flag, v| {
         let num = || v.parse::<usize>().map_err(|_| bad(flag));
         match flag {
@@ -110,7 +123,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let mut cfg = CommConfig::from_env();
     cfg.workspace_bytes = cfg.workspace_bytes.max((moe::COUNTS_BYTES + cap * h * 2) as u64);
     let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
-    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
+    let stream =
+        cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let x = TestBuffer::new(t * h, dtype)?;
     let w1 = TestBuffer::new(el * f * h, dtype)?;
     let w2 = TestBuffer::new(el * h * f, dtype)?;
@@ -139,11 +153,39 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             continue;
         }
         let base = layout.expert_base[le];
-        let a1 = engine::validate(recv + (base * h * 2) as u64, w1.ptr() + (le * f * h * 2) as u64, y.ptr() + (base * f * 2) as u64, rows, f, h, dtype as i32)?;
-        let p1 = engine::plan(rows, f, grid, a1.tma_epilogue_ok(), engine::PlanOverrides { max_ctas: Some(grid), ..Default::default() });
+        let a1 = engine::validate(
+            recv + (base * h * 2) as u64,
+            w1.ptr() + (le * f * h * 2) as u64,
+            y.ptr() + (base * f * 2) as u64,
+            rows,
+            f,
+            h,
+            dtype as i32,
+        )?;
+        let p1 = engine::plan(
+            rows,
+            f,
+            grid,
+            a1.tma_epilogue_ok(),
+            engine::PlanOverrides { max_ctas: Some(grid), ..Default::default() },
+        );
         g1.push((a1, p1));
-        let a2 = engine::validate(y.ptr() + (base * f * 2) as u64, w2.ptr() + (le * h * f * 2) as u64, recv + (base * h * 2) as u64, rows, h, f, dtype as i32)?;
-        let p2 = engine::plan(rows, h, grid, a2.tma_epilogue_ok(), engine::PlanOverrides { max_ctas: Some(grid), ..Default::default() });
+        let a2 = engine::validate(
+            y.ptr() + (base * f * 2) as u64,
+            w2.ptr() + (le * h * f * 2) as u64,
+            recv + (base * h * 2) as u64,
+            rows,
+            h,
+            f,
+            dtype as i32,
+        )?;
+        let p2 = engine::plan(
+            rows,
+            h,
+            grid,
+            a2.tma_epilogue_ok(),
+            engine::PlanOverrides { max_ctas: Some(grid), ..Default::default() },
+        );
         g2.push((a2, p2));
     }
     let events = Events::new(o.iters)?;
@@ -158,18 +200,35 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let fused_combine = || gemm_combine(&comm, &cargs, true, stream);
     let exchange_combine = || gemm_combine(&comm, &cargs, false, stream);
     let unfused_combine = || gemm2().and_then(|_| exchange_combine());
-    let contenders: [&dyn Fn() -> Result<()>; 8] =
-        [&fused_dispatch, &exchange_dispatch, &unfused_dispatch, &gemm1, &fused_combine, &gemm2, &exchange_combine, &unfused_combine];
+    let contenders: [&dyn Fn() -> Result<()>; 8] = [
+        &fused_dispatch,
+        &exchange_dispatch,
+        &unfused_dispatch,
+        &gemm1,
+        &fused_combine,
+        &gemm2,
+        &exchange_combine,
+        &unfused_combine,
+    ];
     let protocol = Protocol { warmup: o.warmup.max(1), blocks: o.blocks, iters: o.iters };
     let stats = measure_slowest(&comm, &events, stream, protocol, &contenders)?;
     let [t_fd, t_xd, t_ud, t_g1, t_fc, t_g2, t_xc, t_uc] = [0, 1, 2, 3, 4, 5, 6, 7].map(|i| stats[i].median);
     if o.trace {
-        print_trace(&comm, stream, "moe dispatch", &|buf| dispatch_gemm(&comm, &moe::DispatchArgs { trace: buf, ..dargs }, true, stream))?;
-        print_trace(&comm, stream, "moe combine", &|buf| gemm_combine(&comm, &moe::CombineArgs { trace: buf, ..cargs }, true, stream))?;
+        print_trace(&comm, stream, "moe dispatch", &|buf| {
+            dispatch_gemm(&comm, &moe::DispatchArgs { trace: buf, ..dargs }, true, stream)
+        })?;
+        print_trace(&comm, stream, "moe combine", &|buf| {
+            gemm_combine(&comm, &moe::CombineArgs { trace: buf, ..cargs }, true, stream)
+        })?;
     }
     let err = comm.async_error();
     let rows: usize = layout.recv_counts.iter().sum();
-    let sent_rows: usize = layout.slots.iter().enumerate().filter(|(i, s)| s.is_some() && !ids[rank][i / k * k..*i].contains(&ids[rank][*i])).count();
+    let sent_rows: usize = layout
+        .slots
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| s.is_some() && !ids[rank][i / k * k..*i].contains(&ids[rank][*i]))
+        .count();
     let all = comm.bootstrap.allgather(&[(rows as u64).to_le_bytes(), (sent_rows as u64).to_le_bytes()].concat())?;
     let max_rows = all.iter().map(|v| u64::from_le_bytes(v[..8].try_into().unwrap())).max().unwrap_or(0) as f64;
     if rank == 0 {
@@ -182,19 +241,52 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             o.blocks,
             o.iters
         );
-        println!("# {:<9} | {:>10} {:>7} | {:>10} {:>7} | {:>9} | {:>10} {:>7} | {:>9} {:>8}", "direction", "fused us", "TF/s", "unfused us", "TF/s", "fused/unf", "exchange us", "GB/s", "GEMMs us", "GEMM TF/s");
+        println!(
+            "# {:<9} | {:>10} {:>7} | {:>10} {:>7} | {:>9} | {:>10} {:>7} | {:>9} {:>8}",
+            "direction",
+            "fused us",
+            "TF/s",
+            "unfused us",
+            "TF/s",
+            "fused/unf",
+            "exchange us",
+            "GB/s",
+            "GEMMs us",
+            "GEMM TF/s"
+        );
         println!(
             "  {:<9} | {:>10.1} {:>7.1} | {:>10.1} {:>7.1} | {:>9.3} | {:>10.1} {:>7.1} | {:>9.1} {:>8.1}",
-            "dispatch", t_fd, tf(t_fd), t_ud, tf(t_ud), t_fd / t_ud, t_xd, gbs(t_xd), t_g1, tf(t_g1)
+            "dispatch",
+            t_fd,
+            tf(t_fd),
+            t_ud,
+            tf(t_ud),
+            t_fd / t_ud,
+            t_xd,
+            gbs(t_xd),
+            t_g1,
+            tf(t_g1)
         );
         println!(
             "  {:<9} | {:>10.1} {:>7.1} | {:>10.1} {:>7.1} | {:>9.3} | {:>10.1} {:>7.1} | {:>9.1} {:>8.1}{}",
-            "combine", t_fc, tf(t_fc), t_uc, tf(t_uc), t_fc / t_uc, t_xc, gbs(t_xc), t_g2, tf(t_g2),
+            "combine",
+            t_fc,
+            tf(t_fc),
+            t_uc,
+            tf(t_uc),
+            t_fc / t_uc,
+            t_xc,
+            gbs(t_xc),
+            t_g2,
+            tf(t_g2),
             if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
         );
         let c = |name: &str, i: usize| record::contender(name, Some(stats[i]), None);
         let shape = |direction: &str| {
-            record::shape(&[("ranks", n), ("tokens", t), ("hidden", h), ("ffn", f), ("experts", e), ("topk", k)], &[("direction", direction)])
+            record::shape(
+                &[("ranks", n), ("tokens", t), ("hidden", h), ("ffn", f), ("experts", e), ("topk", k)],
+                &[("direction", direction)],
+            )
         };
         let extra = |baseline: &str| {
             [

@@ -94,12 +94,29 @@ impl Nccl {
 
     /// One call of the collective with mkernel's argument conventions (kind 1 AllGather,
     /// 2 ReduceScatter, 3 AllReduce; count per rank segment as mkernel's ops take it).
-    pub fn call(&self, kind: i32, send: u64, recv: u64, count: usize, dtype: i32, op: i32, stream: CUstream) -> Result<()> {
+    pub fn call(
+        &self,
+        kind: i32,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: i32,
+        op: i32,
+        stream: CUstream,
+    ) -> Result<()> {
         // SAFETY: device buffers sized as for the mkernel call.
         let r = unsafe {
             match kind {
                 1 => (self.all_gather)(send as *const c_void, recv as *mut c_void, count, dtype, self.comm, stream),
-                2 => (self.reduce_scatter)(send as *const c_void, recv as *mut c_void, count, dtype, op, self.comm, stream),
+                2 => (self.reduce_scatter)(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    count,
+                    dtype,
+                    op,
+                    self.comm,
+                    stream,
+                ),
                 _ => (self.all_reduce)(send as *const c_void, recv as *mut c_void, count, dtype, op, self.comm, stream),
             }
         };

@@ -209,7 +209,10 @@ pub struct Machine {
 impl Machine {
     pub fn query() -> Machine {
         let out = std::process::Command::new("nvidia-smi")
-            .args(["--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem", "--format=csv,noheader,nounits"])
+            .args([
+                "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem",
+                "--format=csv,noheader,nounits",
+            ])
             .output()
             .ok()
             .filter(|o| o.status.success())
@@ -304,7 +307,13 @@ mod tests {
             let (y, m, dd) = ymd(&cur);
             let leap = (py % 4 == 0 && py % 100 != 0) || py % 400 == 0;
             let len = [31, if leap { 29 } else { 28 }, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31][pm as usize - 1];
-            let expect = if pd < len { (py, pm, pd + 1) } else if pm < 12 { (py, pm + 1, 1) } else { (py + 1, 1, 1) };
+            let expect = if pd < len {
+                (py, pm, pd + 1)
+            } else if pm < 12 {
+                (py, pm + 1, 1)
+            } else {
+                (py + 1, 1, 1)
+            };
             assert_eq!((y, m, dd), expect, "after {prev}");
             prev = cur;
         }
@@ -327,7 +336,9 @@ mod tests {
 
     #[test]
     fn nvidia_smi_csv_fills_the_machine_and_absent_fields_stay_null() {
-        let m = Machine::from_nvidia_smi("NVIDIA H200, 570.86.15, 1980, 1980, 3201\nNVIDIA H200, 570.86.15, 345, 1980, 3201\n");
+        let m = Machine::from_nvidia_smi(
+            "NVIDIA H200, 570.86.15, 1980, 1980, 3201\nNVIDIA H200, 570.86.15, 345, 1980, 3201\n",
+        );
         assert_eq!(m.gpu.as_deref(), Some("NVIDIA H200"));
         assert_eq!(m.driver.as_deref(), Some("570.86.15"));
         assert_eq!((m.sm_clock_mhz, m.max_sm_clock_mhz, m.mem_clock_mhz), (Some(1980.0), Some(1980.0), Some(3201.0)));
@@ -363,7 +374,10 @@ mod tests {
     fn a_contender_carries_its_statistics() {
         let s = Stats::of(&[1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
         let t = contender("fused", Some(s), Some(7.5)).text();
-        assert_eq!(t, r#"{"name":"fused","median_us":3,"p10_us":1,"p90_us":5,"min_us":1,"samples":5,"host_enqueue_us":7.5}"#);
+        assert_eq!(
+            t,
+            r#"{"name":"fused","median_us":3,"p10_us":1,"p90_us":5,"min_us":1,"samples":5,"host_enqueue_us":7.5}"#
+        );
         assert_eq!(contender("x", None, None).text(), r#"{"name":"x","median_us":null,"host_enqueue_us":null}"#);
     }
 }

@@ -22,16 +22,18 @@
 //! (trace_summary).
 
 use crate::collectives::Events;
-use crate::record::{self, Json};
 use crate::fused_common::{bad, common_flag, for_each_option, measure_slowest, parse_list, run_ranks, trace_words};
 use crate::measure::Protocol;
 use crate::ranks;
+use crate::record::{self, Json};
 use cudarc::driver::result as cu;
 use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::Result;
 use mkernel::ops::collectives::{collective, CollectiveKind};
-use mkernel::ops::ring_attention::{attention_gathered, ring_attention, validate_args, workspace_bytes, RingArgs, RingShape};
+use mkernel::ops::ring_attention::{
+    attention_gathered, ring_attention, validate_args, workspace_bytes, RingArgs, RingShape,
+};
 use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 
@@ -58,7 +60,20 @@ pub fn check(_op: &str, args: &[String]) -> Result<()> {
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options { ranks: ranks::nranks_requested(), seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], iters: Protocol::DEFAULT.iters, warmup: 2, blocks: Protocol::DEFAULT.blocks, trace: false, unfused: 1, rest_ms: 0 };
+    let mut o = Options {
+        ranks: ranks::nranks_requested(),
+        seq: vec![8192, 16384, 32768],
+        heads: 32,
+        kv_heads: 32,
+        dim: 128,
+        causal: vec![0, 1],
+        iters: Protocol::DEFAULT.iters,
+        warmup: 2,
+        blocks: Protocol::DEFAULT.blocks,
+        trace: false,
+        unfused: 1,
+        rest_ms: 0,
+    };
     for_each_option(args, Some(&mut o.trace), |flag, v| {
         match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
@@ -88,12 +103,21 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let _g = ctx.enter()?;
     let dtype = mkDataType_t::mkBfloat16;
     let max_sl = o.seq.iter().max().copied().unwrap_or(0) / n;
-    let shape_of = |sl: usize, causal: bool| RingShape { batch: 1, seq_local: sl, heads: o.heads, kv_heads: o.kv_heads, head_dim: o.dim, causal, nranks: n };
+    let shape_of = |sl: usize, causal: bool| RingShape {
+        batch: 1,
+        seq_local: sl,
+        heads: o.heads,
+        kv_heads: o.kv_heads,
+        head_dim: o.dim,
+        causal,
+        nranks: n,
+    };
     let mut cfg = CommConfig::from_env();
     // The fused op's K/V copy, and the collectives' staging for the unfused AllGathers.
     cfg.workspace_bytes = cfg.workspace_bytes.max(workspace_bytes(&shape_of(max_sl, false)));
     let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
-    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
+    let stream =
+        cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
     let q_elems = max_sl * o.heads * o.dim;
     let kv_elems = max_sl * o.kv_heads * o.dim;
     let q = TestBuffer::new(q_elems, dtype)?;
@@ -131,7 +155,23 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     for &causal in &o.causal {
         for &s_global in &o.seq {
             let sl = s_global / n;
-            let args = validate_args(q.ptr(), k.ptr(), v.ptr(), out.ptr(), lse.ptr(), 1, sl, o.heads, o.kv_heads, o.dim, 1.0 / (o.dim as f32).sqrt(), causal as i32, dtype as i32, n, rank)?;
+            let args = validate_args(
+                q.ptr(),
+                k.ptr(),
+                v.ptr(),
+                out.ptr(),
+                lse.ptr(),
+                1,
+                sl,
+                o.heads,
+                o.kv_heads,
+                o.dim,
+                1.0 / (o.dim as f32).sqrt(),
+                causal as i32,
+                dtype as i32,
+                n,
+                rank,
+            )?;
             let count = sl * o.kv_heads * o.dim;
             let fused = || ring_attention(&comm, &args, stream);
             let gather = || {
@@ -168,7 +208,10 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let unfused_seq = || gather().and_then(|_| attn());
             let mut contenders: Vec<(&str, &dyn Fn() -> Result<()>)> = vec![("fused", &fused)];
             if o.unfused != 0 {
-                contenders.extend([("mk_all_gather+attention", &unfused_seq as &dyn Fn() -> Result<()>), ("attention", &attn)]);
+                contenders.extend([
+                    ("mk_all_gather+attention", &unfused_seq as &dyn Fn() -> Result<()>),
+                    ("attention", &attn),
+                ]);
                 if n > 1 {
                     contenders.push(("mk_all_gather", &gather));
                 }
@@ -185,28 +228,67 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 all_ok = false;
             }
             if rank == 0 {
-                let flops = 4.0 * o.heads as f64 * sl as f64 * s_global as f64 * o.dim as f64 * if causal == 1 { 0.5 } else { 1.0 };
+                let flops = 4.0
+                    * o.heads as f64
+                    * sl as f64
+                    * s_global as f64
+                    * o.dim as f64
+                    * if causal == 1 { 0.5 } else { 1.0 };
                 let tf = flops / (t_fused * 1e-6) / 1e12;
                 println!(
                     "  {:>6} {:>6} {:>6} | {:>10.1} {:>7.1} | {:>10.1} {:>10.1} {:>10.1} | {:>7.3} {:>7.3}{}",
-                    s_global, sl, causal, t_fused, tf, t_unfused, t_attn, t_comm,
-                    t_fused / t_unfused, t_attn.max(t_comm) / t_fused,
-                    if err == mkernel::error::mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
+                    s_global,
+                    sl,
+                    causal,
+                    t_fused,
+                    tf,
+                    t_unfused,
+                    t_attn,
+                    t_comm,
+                    t_fused / t_unfused,
+                    t_attn.max(t_comm) / t_fused,
+                    if err == mkernel::error::mkResult_t::mkSuccess {
+                        String::new()
+                    } else {
+                        format!("  ASYNC ERROR {err:?}")
+                    }
                 );
-                println!("  {:>20} fused p10/p90 {:.1}/{:.1} µs; rel err vs unfused {rel_err:.1e}{}", "", stats[0].p10, stats[0].p90, if wrong { "  WRONG" } else { "" });
+                println!(
+                    "  {:>20} fused p10/p90 {:.1}/{:.1} µs; rel err vs unfused {rel_err:.1e}{}",
+                    "",
+                    stats[0].p10,
+                    stats[0].p90,
+                    if wrong { "  WRONG" } else { "" }
+                );
                 record::row(
-                    record::shape(&[("ranks", n), ("seq", s_global), ("seq_per_rank", sl), ("heads", o.heads), ("dim", o.dim), ("causal", causal)], &[]),
+                    record::shape(
+                        &[
+                            ("ranks", n),
+                            ("seq", s_global),
+                            ("seq_per_rank", sl),
+                            ("heads", o.heads),
+                            ("dim", o.dim),
+                            ("causal", causal),
+                        ],
+                        &[],
+                    ),
                     contenders.iter().zip(&stats).map(|(c, s)| record::contender(c.0, Some(*s), None)).collect(),
                     &[
                         ("rel_err", Json::num(rel_err)),
                         ("wrong", Json::Bool(wrong)),
-                        ("baseline", Json::str("mk_all_gather+attention (attention: our kernel; cuDNN in benches/sdpa_baseline.py)")),
+                        (
+                            "baseline",
+                            Json::str(
+                                "mk_all_gather+attention (attention: our kernel; cuDNN in benches/sdpa_baseline.py)",
+                            ),
+                        ),
                         ("async_error", Json::Bool(err != mkernel::error::mkResult_t::mkSuccess)),
                     ],
                 );
             }
             if o.trace {
-                let words = trace_words(&comm, stream, &|buf| ring_attention(&comm, &RingArgs { trace: buf, ..args }, stream))?;
+                let words =
+                    trace_words(&comm, stream, &|buf| ring_attention(&comm, &RingArgs { trace: buf, ..args }, stream))?;
                 println!("{}", trace_summary(&format!("S {s_global} causal {causal} rank {rank}"), &words));
             }
         }
@@ -275,9 +357,15 @@ mod tests {
 
     #[test]
     fn fair_measurement_options_parse() {
-        let args: Vec<String> = "--seq 8192,16384 --causal 1,0 --unfused 0 --rest-ms 1000 -w 3 -n 10 --trace".split(' ').map(String::from).collect();
+        let args: Vec<String> = "--seq 8192,16384 --causal 1,0 --unfused 0 --rest-ms 1000 -w 3 -n 10 --trace"
+            .split(' ')
+            .map(String::from)
+            .collect();
         let o = parse(&args).unwrap();
-        assert_eq!((o.seq, o.causal, o.unfused, o.rest_ms, o.warmup, o.iters, o.trace), (vec![8192, 16384], vec![1, 0], 0, 1000, 3, 10, true));
+        assert_eq!(
+            (o.seq, o.causal, o.unfused, o.rest_ms, o.warmup, o.iters, o.trace),
+            (vec![8192, 16384], vec![1, 0], 0, 1000, 3, 10, true)
+        );
         let o = parse(&[]).unwrap();
         assert_eq!((o.unfused, o.rest_ms, o.trace), (1, 0, false), "defaults: every column, no rest");
         assert!(parse(&["--rest-ms".into(), "x".into()]).is_err());
@@ -288,7 +376,9 @@ mod tests {
     fn trace_summary_reads_the_kernel_layout() {
         // Two CTAs: start 1000 / 1000 ns, compute from 2000 to 12000 and 2000 to 10000 ns.
         let mut w = vec![0u64; 3 * MK_TRACE_WORDS];
-        for (c, done, k, v, q, kv1, items, tiles) in [(0usize, 12_000u64, 500u64, 300u64, 100u64, 700u64, 3u64, 40u64), (1, 10_000, 1500, 0, 0, 0, 2, 30)] {
+        for (c, done, k, v, q, kv1, items, tiles) in
+            [(0usize, 12_000u64, 500u64, 300u64, 100u64, 700u64, 3u64, 40u64), (1, 10_000, 1500, 0, 0, 0, 2, 30)]
+        {
             let x = &mut w[c * MK_TRACE_WORDS..(c + 1) * MK_TRACE_WORDS];
             x[0] = 1000;
             x[1] = 2000;

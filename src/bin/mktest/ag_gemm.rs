@@ -17,14 +17,18 @@ use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
 use mkernel::cuda::sys;
 use mkernel::error::{mkResult_t, MkError, Result};
-use std::cell::Cell;
 use mkernel::ffi::fused::mkAllGatherGemm;
 use mkernel::ffi::mkComm_t;
 use mkernel::testing::{check_close, check_exact_bytes, gemm_reference, to_f64, tolerance, Rule, TestBuffer};
 use mkernel::types::mkDataType_t;
+use std::cell::Cell;
 
 pub fn run() -> Result<Outcome> {
-    fused_common::run_suite("ag_gemm", |comm, _control, rank, n| correctness(comm, rank, n).and_then(|_| graph_replay(comm, rank, n)), absent_rank)
+    fused_common::run_suite(
+        "ag_gemm",
+        |comm, _control, rank, n| correctness(comm, rank, n).and_then(|_| graph_replay(comm, rank, n)),
+        absent_rank,
+    )
 }
 
 /// One problem: every rank's shard of A (one allocation per rank: this rank passes its own,
@@ -45,7 +49,14 @@ pub(crate) struct Case {
 }
 
 impl Case {
-    pub(crate) fn new(dtype: mkDataType_t, rows_per_rank: usize, n: usize, k: usize, nranks: usize, rank: usize) -> Result<Case> {
+    pub(crate) fn new(
+        dtype: mkDataType_t,
+        rows_per_rank: usize,
+        n: usize,
+        k: usize,
+        nranks: usize,
+        rank: usize,
+    ) -> Result<Case> {
         let m = rows_per_rank * nranks;
         Ok(Case {
             dtype,
@@ -69,7 +80,15 @@ impl Case {
 
 impl FusedCase for Case {
     fn label(&self) -> String {
-        format!("{} M={} ({}x{}) N={} K={}", self.dtype.name(), self.m(), self.nranks, self.rows_per_rank, self.n, self.k)
+        format!(
+            "{} M={} ({}x{}) N={} K={}",
+            self.dtype.name(),
+            self.m(),
+            self.nranks,
+            self.rows_per_rank,
+            self.n,
+            self.k
+        )
     }
 
     /// Fresh inputs: shard s of A from seed (seed, s) on every rank (so every rank knows
@@ -112,7 +131,11 @@ impl FusedCase for Case {
         let rule = Rule::reduction(self.dtype, k);
         let bounds: Vec<f64> = reference.iter().zip(&mag).map(|(&r, &g)| rule.bound(r, g)).collect();
         let c_verdict = check_close(&c, &reference, &bounds, tolerance(self.dtype));
-        let gathered = if self.with_gathered.get() { Some(check_exact_bytes(&self.gathered.download()?, &a_bytes, self.dtype)) } else { None };
+        let gathered = if self.with_gathered.get() {
+            Some(check_exact_bytes(&self.gathered.download()?, &a_bytes, self.dtype))
+        } else {
+            None
+        };
         let mut buffers: Vec<(&str, &TestBuffer)> = vec![("C", &self.c), ("gatheredA", &self.gathered), ("B", &self.b)];
         buffers.extend(self.a_shards.iter().map(|s| ("A shard", s)));
         let guards = fused_common::guards_intact(&buffers)?;
@@ -125,7 +148,16 @@ impl FusedCase for Case {
 pub(crate) fn shapes() -> Vec<(usize, usize, usize)> {
     // (rows per rank, N, K): decode sizes (1-16 rows per rank), K = 8 (one MMA step, the
     // smallest K allowed), N = 8, shards that straddle tiles, a partial tile in M, N and K.
-    vec![(1, 264, 72), (4, 8, 8), (7, 520, 8), (16, 136, 200), (97, 264, 72), (128, 520, 136), (200, 1000, 520), (333, 776, 264)]
+    vec![
+        (1, 264, 72),
+        (4, 8, 8),
+        (7, 520, 8),
+        (16, 136, 200),
+        (97, 264, 72),
+        (128, 520, 136),
+        (200, 1000, 520),
+        (333, 776, 264),
+    ]
 }
 
 fn correctness(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
@@ -134,7 +166,9 @@ fn correctness(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
         for (rows, cols, k) in shapes() {
             let case = Case::new(dtype, rows, cols, k, n, rank)?;
             // The second round without gatheredA (the op must not need it).
-            let (c, f) = fused_common::check_rounds(comm, rank, "mkAllGatherGemm", &case, 17, 2, &|round| case.with_gathered.set(round == 0))?;
+            let (c, f) = fused_common::check_rounds(comm, rank, "mkAllGatherGemm", &case, 17, 2, &|round| {
+                case.with_gathered.set(round == 0)
+            })?;
             checks += c;
             failures += f;
         }
@@ -148,7 +182,12 @@ fn correctness(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
 }
 
 fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
-    fused_common::graph_replay(comm, rank, "mkAllGatherGemm", &Case::new(mkDataType_t::mkBfloat16, 160, 392, 200, n, rank)?)
+    fused_common::graph_replay(
+        comm,
+        rank,
+        "mkAllGatherGemm",
+        &Case::new(mkDataType_t::mkBfloat16, 160, 392, 200, n, rank)?,
+    )
 }
 
 fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
@@ -159,4 +198,3 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
         Ok(case.launch(comm, stream))
     })
 }
-

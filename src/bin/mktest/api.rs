@@ -13,7 +13,9 @@
 //! ranks are each a node of their own (mkConfig_t.ranksPerNode = 1) MoE and ring attention
 //! are refused with mkInvalidUsage naming the rule.
 
-use crate::collectives::{async_error, check_stopped, config, destroy, init_comm, say, timed_sync, Case, Stream, FAULT_TIMEOUT_MS};
+use crate::collectives::{
+    async_error, check_stopped, config, destroy, init_comm, say, timed_sync, Case, Stream, FAULT_TIMEOUT_MS,
+};
 use crate::outcome::{self, Outcome};
 use crate::ranks::{self, RankEnv};
 use mkernel::bootstrap::{root::start_root, UniqueId};
@@ -22,7 +24,10 @@ use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::collectives::{mkAllGather, mkAllReduce, mkReduceScatter};
 use mkernel::ffi::comm::mkCommAbort;
-use mkernel::ffi::fused::{mkAllGatherGemm, mkGemmAllReduce, mkGemmReduceScatter, mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes, mkRingAttention};
+use mkernel::ffi::fused::{
+    mkAllGatherGemm, mkGemmAllReduce, mkGemmReduceScatter, mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes,
+    mkRingAttention,
+};
 use mkernel::ffi::gemm::mkGemm;
 use mkernel::ffi::mkComm_t;
 use mkernel::ffi::query::{mkCommCount, mkCommCuDevice, mkCommUserRank, mkGetLastError};
@@ -91,7 +96,8 @@ fn sync_all() -> Result<()> {
 
 /// A fresh unique id made by rank 0 and broadcast over the control communicator.
 fn fresh_id(control: &Comm, rank: usize) -> Result<UniqueId> {
-    let bytes = control.bootstrap.broadcast(&if rank == 0 { start_root()?.to_bytes().to_vec() } else { Vec::new() }, 0)?;
+    let bytes =
+        control.bootstrap.broadcast(&if rank == 0 { start_root()?.to_bytes().to_vec() } else { Vec::new() }, 0)?;
     UniqueId::from_bytes(&bytes.try_into().map_err(|_| MkError::internal("a broadcast unique id has the wrong size"))?)
 }
 
@@ -128,7 +134,12 @@ fn rank_main(env: &RankEnv) -> Result<()> {
     outcome::count(t.checks);
     say(rank, format!("api: {} checks, {} wrong", t.checks, t.failures.len()));
     if !t.failures.is_empty() {
-        return Err(MkError::internal(format!("{} of {} API checks wrong: {}", t.failures.len(), t.checks, t.failures.join("; "))));
+        return Err(MkError::internal(format!(
+            "{} of {} API checks wrong: {}",
+            t.failures.len(),
+            t.checks,
+            t.failures.join("; ")
+        )));
     }
     Ok(())
 }
@@ -138,13 +149,25 @@ fn queries(comm: mkComm_t, env: &RankEnv, t: &mut Tally) {
     // SAFETY (this function): a live communicator and valid out-pointers, or NULL where the
     // call must refuse it.
     let r = unsafe { mkCommCount(comm, &mut v) };
-    t.check("mkCommCount", r == mkResult_t::mkSuccess && v == env.nranks as c_int, format!("{r:?}, {v} (expected {})", env.nranks));
+    t.check(
+        "mkCommCount",
+        r == mkResult_t::mkSuccess && v == env.nranks as c_int,
+        format!("{r:?}, {v} (expected {})", env.nranks),
+    );
     v = -1;
     let r = unsafe { mkCommUserRank(comm, &mut v) };
-    t.check("mkCommUserRank", r == mkResult_t::mkSuccess && v == env.rank as c_int, format!("{r:?}, {v} (expected {})", env.rank));
+    t.check(
+        "mkCommUserRank",
+        r == mkResult_t::mkSuccess && v == env.rank as c_int,
+        format!("{r:?}, {v} (expected {})", env.rank),
+    );
     v = -1;
     let r = unsafe { mkCommCuDevice(comm, &mut v) };
-    t.check("mkCommCuDevice", r == mkResult_t::mkSuccess && v == env.device, format!("{r:?}, {v} (expected {})", env.device));
+    t.check(
+        "mkCommCuDevice",
+        r == mkResult_t::mkSuccess && v == env.device,
+        format!("{r:?}, {v} (expected {})", env.device),
+    );
     let code = async_error(comm);
     t.check("mkCommGetAsyncError on a healthy communicator", code == mkResult_t::mkSuccess, format!("{code:?}"));
     let r = unsafe { mkCommCount(comm, std::ptr::null_mut()) };
@@ -170,12 +193,20 @@ fn count_zero(comm: mkComm_t, n: usize, t: &mut Tally) -> Result<()> {
     let f32_ = mkDataType_t::mkFloat32 as i32;
     let sum = mkRedOp_t::mkSum as i32;
     let succeeds = |t: &mut Tally, what: &str, rc: mkResult_t| {
-        t.check(what, rc == mkResult_t::mkSuccess, format!("{rc:?} {}", if rc == mkResult_t::mkSuccess { String::new() } else { last_error(comm) }));
+        t.check(
+            what,
+            rc == mkResult_t::mkSuccess,
+            format!("{rc:?} {}", if rc == mkResult_t::mkSuccess { String::new() } else { last_error(comm) }),
+        );
     };
     // SAFETY (the calls below): count 0 touches no memory; the buffers are valid anyway.
     unsafe {
         succeeds(t, "mkAllGather count 0, NULL buffers", mkAllGather(null_s, null_r, 0, f32_, comm, stream.0));
-        succeeds(t, "mkReduceScatter count 0, NULL buffers", mkReduceScatter(null_s, null_r, 0, f32_, sum, comm, stream.0));
+        succeeds(
+            t,
+            "mkReduceScatter count 0, NULL buffers",
+            mkReduceScatter(null_s, null_r, 0, f32_, sum, comm, stream.0),
+        );
         succeeds(t, "mkAllReduce count 0, NULL buffers", mkAllReduce(null_s, null_r, 0, f32_, sum, comm, stream.0));
         succeeds(t, "mkAllGather count 0", mkAllGather(s, r, 0, f32_, comm, stream.0));
         succeeds(t, "mkReduceScatter count 0", mkReduceScatter(s, r, 0, f32_, sum, comm, stream.0));
@@ -191,13 +222,21 @@ fn count_zero(comm: mkComm_t, n: usize, t: &mut Tally) -> Result<()> {
     let d = bf16 as i32;
     // SAFETY: M = 0: nothing is read or written.
     unsafe {
-        succeeds(t, "mkAllGatherGemm M = 0", mkAllGatherGemm(ap, bp, cp, std::ptr::null_mut(), 0, 64, 64, d, comm, stream.0));
+        succeeds(
+            t,
+            "mkAllGatherGemm M = 0",
+            mkAllGatherGemm(ap, bp, cp, std::ptr::null_mut(), 0, 64, 64, d, comm, stream.0),
+        );
         succeeds(t, "mkGemmReduceScatter M = 0", mkGemmReduceScatter(ap, bp, cp, 0, 64, 64, d, comm, stream.0));
         succeeds(t, "mkGemmAllReduce M = 0", mkGemmAllReduce(ap, bp, cp, 0, 64, 64, d, comm, stream.0));
         succeeds(t, "mkGemm M = 0", mkGemm(ap, bp, cp, 0, 64, 64, d, stream.0));
     }
     stream.sync()?;
-    t.check("count 0 leaves the outputs untouched", untouched(&recv)? && untouched(&c)?, "recvbuff and C still poisoned, guard bands intact");
+    t.check(
+        "count 0 leaves the outputs untouched",
+        untouched(&recv)? && untouched(&c)?,
+        "recvbuff and C still poisoned, guard bands intact",
+    );
     let code = async_error(comm);
     t.check("no asynchronous error after count 0", code == mkResult_t::mkSuccess, format!("{code:?}"));
     let _ = n;
@@ -235,7 +274,9 @@ fn fused_argument_errors(comm: mkComm_t, n: usize, t: &mut Tally) -> Result<()> 
         unsafe { mkGemmAllReduce(a, b, c, m, nn, k, dt, comm, stream.0) }
     };
     // Each call, then its message (mkGetLastError holds the last failure only).
-    let rejects = |t: &mut Tally, what: &str, r: mkResult_t, needle: &str| t.expect_error(what, r, mkResult_t::mkInvalidArgument, comm, needle);
+    let rejects = |t: &mut Tally, what: &str, r: mkResult_t, needle: &str| {
+        t.expect_error(what, r, mkResult_t::mkInvalidArgument, comm, needle)
+    };
     rejects(t, "mkAllGatherGemm K = 12", ag(ap, bp, cp, m, 64, 12, d), "K = 12");
     rejects(t, "mkAllGatherGemm N = 12", ag(ap, bp, cp, m, 12, 64, d), "N = 12");
     rejects(t, "mkAllGatherGemm dtype float32", ag(ap, bp, cp, m, 64, 64, f32_), "not supported");
@@ -281,12 +322,45 @@ fn fused_argument_errors(comm: mkComm_t, n: usize, t: &mut Tally) -> Result<()> 
     let dispatch = |x: *const c_void, layout: *mut c_void, h: usize, k: usize, e: usize, cap: usize, dt: i32| {
         // SAFETY: every call here breaks a rule and must return before touching memory.
         unsafe {
-            mkMoeDispatchGemm(x, idx.ptr() as *const i32, w.ptr() as *const _, y.ptr() as *mut _, counts.ptr() as *mut i32, layout, 8, h, 128, k, e, cap, dt, comm, stream.0)
+            mkMoeDispatchGemm(
+                x,
+                idx.ptr() as *const i32,
+                w.ptr() as *const _,
+                y.ptr() as *mut _,
+                counts.ptr() as *mut i32,
+                layout,
+                8,
+                h,
+                128,
+                k,
+                e,
+                cap,
+                dt,
+                comm,
+                stream.0,
+            )
         }
     };
     let combine = |out: *mut c_void, h: usize, k: usize, e: usize, cap: usize, dt: i32| {
         // SAFETY: as above.
-        unsafe { mkMoeGemmCombine(y.ptr() as *const _, w.ptr() as *const _, weights.ptr() as *const f32, layout.ptr() as *const _, out, 8, h, 128, k, e, cap, dt, comm, stream.0) }
+        unsafe {
+            mkMoeGemmCombine(
+                y.ptr() as *const _,
+                w.ptr() as *const _,
+                weights.ptr() as *const f32,
+                layout.ptr() as *const _,
+                out,
+                8,
+                h,
+                128,
+                k,
+                e,
+                cap,
+                dt,
+                comm,
+                stream.0,
+            )
+        }
     };
     let (xp, lp, op) = (x.ptr() as *const c_void, layout.ptr() as *mut c_void, out.ptr() as *mut c_void);
     rejects(t, "mkMoeDispatchGemm H = 100", dispatch(xp, lp, 100, 2, experts, 128, d), "H = 100");
@@ -304,8 +378,13 @@ fn fused_argument_errors(comm: mkComm_t, n: usize, t: &mut Tally) -> Result<()> 
         rejects(t, "mkMoeDispatchGemm E not a multiple of nranks", dispatch(xp, lp, 128, 2, 2 * n + 1, 128, d), "");
     }
     stream.sync()?;
-    let untouched_all = untouched(&c)? && untouched(&y)? && untouched(&out)? && untouched(&counts)? && untouched(&layout)?;
-    t.check("rejected calls launch nothing", untouched_all, "C, y, out, recvCounts and layout still poisoned, guard bands intact");
+    let untouched_all =
+        untouched(&c)? && untouched(&y)? && untouched(&out)? && untouched(&counts)? && untouched(&layout)?;
+    t.check(
+        "rejected calls launch nothing",
+        untouched_all,
+        "C, y, out, recvCounts and layout still poisoned, guard bands intact",
+    );
     let code = async_error(comm);
     t.check("no asynchronous error after the rejected calls", code == mkResult_t::mkSuccess, format!("{code:?}"));
     Ok(())
@@ -316,7 +395,8 @@ fn abort_after_use(env: &RankEnv, control: &Comm, t: &mut Tally) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
     let comm = init_comm(env, &fresh_id(control, rank)?, &config(10_000, 16 << 20))?;
     let stream = Stream::new()?;
-    let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 4099, false, rank, n)?;
+    let mut case =
+        Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 4099, false, rank, n)?;
     case.prepare(31)?;
     case.launch(comm, stream.0)?;
     stream.sync()?;
@@ -340,11 +420,24 @@ fn refusal_after_abort(env: &RankEnv, control: &Comm, t: &mut Tally) -> Result<(
     control.bootstrap.barrier()?;
     comm.abort();
     let (send, recv) = (TestBuffer::new(16, mkDataType_t::mkFloat32)?, TestBuffer::new(16, mkDataType_t::mkFloat32)?);
-    let r = mkernel::ops::collectives::collective(&comm, CollectiveKind::AllReduce, send.ptr(), recv.ptr(), 16, mkDataType_t::mkFloat32 as i32, Some(0), std::ptr::null_mut());
+    let r = mkernel::ops::collectives::collective(
+        &comm,
+        CollectiveKind::AllReduce,
+        send.ptr(),
+        recv.ptr(),
+        16,
+        mkDataType_t::mkFloat32 as i32,
+        Some(0),
+        std::ptr::null_mut(),
+    );
     let ok = matches!(&r, Err(e) if e.code == mkResult_t::mkInvalidUsage && e.message.contains("aborted"));
     t.check("an AllReduce after abort", ok, format!("{:?}", r.as_ref().err().map(|e| (e.code, e.message.clone()))));
     let usable = comm.check_usable();
-    t.check("check_usable after abort", usable.as_ref().is_err_and(|e| e.code == mkResult_t::mkInvalidUsage), format!("{:?}", usable.err().map(|e| e.code)));
+    t.check(
+        "check_usable after abort",
+        usable.as_ref().is_err_and(|e| e.code == mkResult_t::mkInvalidUsage),
+        format!("{:?}", usable.err().map(|e| e.code)),
+    );
     control.bootstrap.barrier()?;
     drop(comm);
     Ok(())
@@ -356,7 +449,8 @@ fn abort_stops_peers(env: &RankEnv, control: &Comm, t: &mut Tally) -> Result<()>
     let (rank, n) = (env.rank, env.nranks);
     let comm = init_comm(env, &fresh_id(control, rank)?, &config(FAULT_TIMEOUT_MS, 16 << 20))?;
     let stream = Stream::new()?;
-    let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 1 << 20, false, rank, n)?;
+    let mut case =
+        Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 1 << 20, false, rank, n)?;
     case.prepare(41)?;
     control.bootstrap.barrier()?;
     if rank == n - 1 {
@@ -367,8 +461,13 @@ fn abort_stops_peers(env: &RankEnv, control: &Comm, t: &mut Tally) -> Result<()>
     } else {
         let start = Instant::now();
         case.launch(comm, stream.0)?;
-        let stopped = timed_sync(&stream, Duration::from_secs(30)).and_then(|_| check_stopped(rank, comm, start.elapsed(), "a peer aborted"));
-        t.check("peers of an aborted rank stop and refuse new work", stopped.is_ok(), format!("{:?}", stopped.map_err(|e| e.message)));
+        let stopped = timed_sync(&stream, Duration::from_secs(30))
+            .and_then(|_| check_stopped(rank, comm, start.elapsed(), "a peer aborted"));
+        t.check(
+            "peers of an aborted rank stop and refuse new work",
+            stopped.is_ok(),
+            format!("{:?}", stopped.map_err(|e| e.message)),
+        );
         destroy(comm)?;
     }
     control.bootstrap.barrier()
@@ -405,27 +504,69 @@ fn cross_node_refusals(env: &RankEnv, control: &Comm, t: &mut Tally) -> Result<(
     // must be refused before it touches them. Each message is read right after its call.
     let r = unsafe {
         mkMoeDispatchGemm(
-            x.ptr() as *const _, idx.ptr() as *const i32, w.ptr() as *const _, y.ptr() as *mut _, counts.ptr() as *mut i32, layout.ptr() as *mut _,
-            8, 128, 128, 2, experts, 128, d, comm, stream.0,
+            x.ptr() as *const _,
+            idx.ptr() as *const i32,
+            w.ptr() as *const _,
+            y.ptr() as *mut _,
+            counts.ptr() as *mut i32,
+            layout.ptr() as *mut _,
+            8,
+            128,
+            128,
+            2,
+            experts,
+            128,
+            d,
+            comm,
+            stream.0,
         )
     };
     t.expect_error("mkMoeDispatchGemm across nodes", r, mkResult_t::mkInvalidUsage, comm, "across nodes");
     let r = unsafe {
         mkMoeGemmCombine(
-            y.ptr() as *const _, w.ptr() as *const _, weights.ptr() as *const f32, layout.ptr() as *const _, out.ptr() as *mut _,
-            8, 128, 128, 2, experts, 128, d, comm, stream.0,
+            y.ptr() as *const _,
+            w.ptr() as *const _,
+            weights.ptr() as *const f32,
+            layout.ptr() as *const _,
+            out.ptr() as *mut _,
+            8,
+            128,
+            128,
+            2,
+            experts,
+            128,
+            d,
+            comm,
+            stream.0,
         )
     };
     t.expect_error("mkMoeGemmCombine across nodes", r, mkResult_t::mkInvalidUsage, comm, "across nodes");
     let r = unsafe {
         mkRingAttention(
-            q.ptr() as *const _, k.ptr() as *const _, v.ptr() as *const _, o.ptr() as *mut _, lse.ptr() as *mut f32,
-            1, 16, 4, 4, 64, 0.125, 0, d, comm, stream.0,
+            q.ptr() as *const _,
+            k.ptr() as *const _,
+            v.ptr() as *const _,
+            o.ptr() as *mut _,
+            lse.ptr() as *mut f32,
+            1,
+            16,
+            4,
+            4,
+            64,
+            0.125,
+            0,
+            d,
+            comm,
+            stream.0,
         )
     };
     t.expect_error("mkRingAttention across nodes", r, mkResult_t::mkInvalidUsage, comm, "across nodes");
     stream.sync()?;
-    t.check("refused calls launch nothing", untouched(&y)? && untouched(&out)? && untouched(&o)?, "y, out and attention out still poisoned");
+    t.check(
+        "refused calls launch nothing",
+        untouched(&y)? && untouched(&out)? && untouched(&o)?,
+        "y, out and attention out still poisoned",
+    );
     control.bootstrap.barrier()?;
     destroy(comm)
 }

@@ -29,7 +29,10 @@ use mkernel::ffi::config::{mkConfig_t, MK_CONFIG_MAGIC, MK_CONFIG_UNDEF_INT};
 use mkernel::ffi::mkComm_t;
 use mkernel::ffi::query::mkGetLastError;
 use mkernel::ops::collectives::CollectiveKind;
-use mkernel::testing::{check_close, check_exact, f32_to_bf16, f32_to_f16, gamma, accumulation_unit, to_f64, tolerance, underflow_floor, unit_roundoff, Rule, TestBuffer, Verdict};
+use mkernel::testing::{
+    accumulation_unit, check_close, check_exact, f32_to_bf16, f32_to_f16, gamma, to_f64, tolerance, underflow_floor,
+    unit_roundoff, Rule, TestBuffer, Verdict,
+};
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -52,7 +55,13 @@ pub fn run() -> Result<Outcome> {
     }
     println!("  starting {n} rank processes");
     let victim = kill_mode() != KillMode::Skip;
-    ranks::spawn(&["collectives".to_string()], n, IDS, Duration::from_secs(180), |r| if victim && r == n - 1 { VICTIM_EXIT } else { 0 })?;
+    ranks::spawn(&["collectives".to_string()], n, IDS, Duration::from_secs(180), |r| {
+        if victim && r == n - 1 {
+            VICTIM_EXIT
+        } else {
+            0
+        }
+    })?;
     Ok(Outcome::Spawned { nranks: n })
 }
 
@@ -107,7 +116,11 @@ pub(crate) fn init_comm(env: &RankEnv, id: &UniqueId, cfg: &mkConfig_t) -> Resul
     }
     let mut comm: mkComm_t = std::ptr::null_mut();
     // SAFETY: out-pointer and config are valid.
-    ffi("mkCommInitRankConfig", unsafe { mkCommInitRankConfig(&mut comm, env.nranks as i32, uid, env.rank as i32, cfg) }, comm)?;
+    ffi(
+        "mkCommInitRankConfig",
+        unsafe { mkCommInitRankConfig(&mut comm, env.nranks as i32, uid, env.rank as i32, cfg) },
+        comm,
+    )?;
     Ok(comm)
 }
 
@@ -128,7 +141,9 @@ impl Stream {
     pub(crate) fn new() -> Result<Self> {
         let mut s: sys::CUstream = std::ptr::null_mut();
         // SAFETY: creates a stream in the current context.
-        cuda::check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) })?;
+        cuda::check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        })?;
         Ok(Stream(s))
     }
     pub(crate) fn sync(&self) -> Result<()> {
@@ -265,7 +280,15 @@ pub(crate) struct Case {
 }
 
 impl Case {
-    pub(crate) fn new(kind: CollectiveKind, dtype: mkDataType_t, op: mkRedOp_t, count: usize, in_place: bool, rank: usize, nranks: usize) -> Result<Case> {
+    pub(crate) fn new(
+        kind: CollectiveKind,
+        dtype: mkDataType_t,
+        op: mkRedOp_t,
+        count: usize,
+        in_place: bool,
+        rank: usize,
+        nranks: usize,
+    ) -> Result<Case> {
         let es = dtype.size() as u64;
         let (send_n, recv_n) = kind.buffer_counts(count as u64, nranks as u64).unwrap();
         let (bufs, send, recv) = if in_place {
@@ -283,7 +306,21 @@ impl Case {
             let (sp, rp) = (s.ptr(), r.ptr());
             (vec![s, r], sp, rp)
         };
-        Ok(Case { kind, dtype, op, count, in_place, rank, nranks, _bufs: bufs, send, recv, expected: Vec::new(), bounds: None, node_size: nranks })
+        Ok(Case {
+            kind,
+            dtype,
+            op,
+            count,
+            in_place,
+            rank,
+            nranks,
+            _bufs: bufs,
+            send,
+            recv,
+            expected: Vec::new(),
+            bounds: None,
+            node_size: nranks,
+        })
     }
 
     /// The communicator spans nodes of `ranks_per_node` ranks: each node's partial (ranks
@@ -309,11 +346,15 @@ impl Case {
         let bound = match self.op {
             mkRedOp_t::mkSum => Rule::reduction(self.dtype, n).bound(exact, abs_sum) + node_roundings * u * abs_sum,
             // The sum's bound, divided by n (the division's own rounding is the extra term).
-            mkRedOp_t::mkAvg => (Rule::reduction(self.dtype, n + 1).bound(exact * n as f64, abs_sum) + node_roundings * u * abs_sum) / n as f64,
+            mkRedOp_t::mkAvg => {
+                (Rule::reduction(self.dtype, n + 1).bound(exact * n as f64, abs_sum) + node_roundings * u * abs_sum)
+                    / n as f64
+            }
             // n − 1 multiplications in the accumulator, one rounding at the end (and one per
             // node partial): relative bounds.
             _ => {
-                let rel = u * (1.0 + node_roundings * (n / self.node_size) as f64) + gamma(n, accumulation_unit(self.dtype));
+                let rel =
+                    u * (1.0 + node_roundings * (n / self.node_size) as f64) + gamma(n, accumulation_unit(self.dtype));
                 1.01 * (underflow_floor(self.dtype) + rel * exact.abs())
             }
         };
@@ -322,7 +363,13 @@ impl Case {
 
     pub(crate) fn label(&self) -> String {
         let op = if self.kind == CollectiveKind::AllGather { String::new() } else { format!(" {:?}", self.op) };
-        format!("{}{op} {} count={} {}", self.kind.name(), self.dtype.name(), self.count, if self.in_place { "in-place" } else { "out-of-place" })
+        format!(
+            "{}{op} {} count={} {}",
+            self.kind.name(),
+            self.dtype.name(),
+            self.count,
+            if self.in_place { "in-place" } else { "out-of-place" }
+        )
     }
 
     /// Poisons the output, uploads this rank's fresh input, computes the expected output.
@@ -331,11 +378,17 @@ impl Case {
         let (send_n, recv_n) = self.kind.buffer_counts(self.count as u64, self.nranks as u64).unwrap();
         let inputs: Vec<Vec<f64>> = (0..self.nranks)
             .map(|p| {
-                let (bytes, vals) = random_input(self.dtype, send_n as usize, seed ^ ((p as u64 + 1) * 0x9e37_79b9), self.op == mkRedOp_t::mkProd);
+                let (bytes, vals) = random_input(
+                    self.dtype,
+                    send_n as usize,
+                    seed ^ ((p as u64 + 1) * 0x9e37_79b9),
+                    self.op == mkRedOp_t::mkProd,
+                );
                 if p == self.rank {
                     // poison the whole output first (in place: then the input goes in)
                     // SAFETY: recv holds recv_n elements.
-                    unsafe { cu::memset_d8_sync(self.recv, 0xff, recv_n as usize * es) }.map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
+                    unsafe { cu::memset_d8_sync(self.recv, 0xff, recv_n as usize * es) }
+                        .map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
                     upload_at(self.send, &bytes)?;
                 }
                 Ok(vals)
@@ -356,7 +409,11 @@ impl Case {
             }
         };
         self.expected = elements.iter().map(|e| e.0).collect();
-        self.bounds = if elements.iter().any(|e| e.1.is_some()) { Some(elements.iter().map(|e| e.1.unwrap_or(0.0)).collect()) } else { None };
+        self.bounds = if elements.iter().any(|e| e.1.is_some()) {
+            Some(elements.iter().map(|e| e.1.unwrap_or(0.0)).collect())
+        } else {
+            None
+        };
         Ok(())
     }
 
@@ -404,7 +461,10 @@ fn rank_main(env: &RankEnv) -> Result<()> {
     control_cfg.workspace_bytes = 0;
     let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
     if rank == 0 {
-        say(rank, format!("peers mapped by: {}", control.workspace.as_ref().map_or("-".to_string(), |w| w.transport.clone())));
+        say(
+            rank,
+            format!("peers mapped by: {}", control.workspace.as_ref().map_or("-".to_string(), |w| w.transport.clone())),
+        );
     }
     let mode = kill_mode();
     let result = (|| {
@@ -450,7 +510,13 @@ pub(crate) fn case_matrix() -> Vec<(CollectiveKind, mkDataType_t, mkRedOp_t, usi
 /// Runs every case of `case_matrix()` out of place and in place on `comm`, each with fresh
 /// inputs (seeds from `seed`), a bounded wait, and the element-wise check; `ranks_per_node`
 /// when the communicator spans nodes. Returns (checks, failures).
-pub(crate) fn run_matrix(comm: mkComm_t, rank: usize, n: usize, ranks_per_node: Option<usize>, mut seed: u64) -> Result<(usize, usize)> {
+pub(crate) fn run_matrix(
+    comm: mkComm_t,
+    rank: usize,
+    n: usize,
+    ranks_per_node: Option<usize>,
+    mut seed: u64,
+) -> Result<(usize, usize)> {
     let stream = Stream::new()?;
     let (mut checks, mut failures) = (0usize, 0usize);
     for (kind, dtype, op, count) in case_matrix() {
@@ -523,18 +589,46 @@ pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize, ranks_per_n
     let stream = Stream::new()?;
     let nodes = |c: Case| if let Some(rpn) = ranks_per_node { c.across_nodes(rpn) } else { c };
     let mut cases = vec![
-        nodes(Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 100_003, false, rank, n)?),
-        nodes(Case::new(CollectiveKind::AllGather, mkDataType_t::mkBfloat16, mkRedOp_t::mkSum, 50_001, false, rank, n)?),
-        nodes(Case::new(CollectiveKind::ReduceScatter, mkDataType_t::mkFloat16, mkRedOp_t::mkAvg, 30_001, true, rank, n)?),
+        nodes(Case::new(
+            CollectiveKind::AllReduce,
+            mkDataType_t::mkFloat32,
+            mkRedOp_t::mkSum,
+            100_003,
+            false,
+            rank,
+            n,
+        )?),
+        nodes(Case::new(
+            CollectiveKind::AllGather,
+            mkDataType_t::mkBfloat16,
+            mkRedOp_t::mkSum,
+            50_001,
+            false,
+            rank,
+            n,
+        )?),
+        nodes(Case::new(
+            CollectiveKind::ReduceScatter,
+            mkDataType_t::mkFloat16,
+            mkRedOp_t::mkAvg,
+            30_001,
+            true,
+            rank,
+            n,
+        )?),
         nodes(Case::new(CollectiveKind::AllReduce, mkDataType_t::mkBfloat16, mkRedOp_t::mkMax, 4_097, true, rank, n)?),
     ];
-    let mut interleaved = nodes(Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 7_777, false, rank, n)?);
+    let mut interleaved =
+        nodes(Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 7_777, false, rank, n)?);
     for c in cases.iter_mut() {
         c.prepare(1)?;
     }
     // SAFETY: capture on a live non-default stream; the launches are our ops.
     unsafe {
-        cuda::check("cuStreamBeginCapture", sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))?;
+        cuda::check(
+            "cuStreamBeginCapture",
+            sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
+        )?;
     }
     let launched: Result<()> = cases.iter().try_for_each(|c| c.launch(comm, stream.0));
     let mut graph: sys::CUgraph = std::ptr::null_mut();
@@ -599,7 +693,10 @@ pub(crate) fn timed_sync(stream: &Stream, limit: Duration) -> Result<Duration> {
             cuda::check("cuStreamQuery", r)?;
         }
         if start.elapsed() > limit {
-            return Err(MkError::timeout(format!("the op did not stop within {} s: its bounded waits did not fire", limit.as_secs())));
+            return Err(MkError::timeout(format!(
+                "the op did not stop within {} s: its bounded waits did not fire",
+                limit.as_secs()
+            )));
         }
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -613,14 +710,22 @@ pub(crate) fn check_stopped(rank: usize, comm: mkComm_t, elapsed: Duration, what
         return Err(MkError::internal(format!("{what}: expected mkTimeout or mkRemoteError, got {code:?}")));
     }
     if elapsed > limit {
-        return Err(MkError::internal(format!("{what}: took {:.2} s, more than the timeout plus {} s", elapsed.as_secs_f64(), FAULT_SLACK.as_secs())));
+        return Err(MkError::internal(format!(
+            "{what}: took {:.2} s, more than the timeout plus {} s",
+            elapsed.as_secs_f64(),
+            FAULT_SLACK.as_secs()
+        )));
     }
     // The communicator now refuses new work with the same code and a message.
     let host_probe = TestBuffer::new(16, mkDataType_t::mkFloat32)?;
     // SAFETY: valid device buffer.
-    let again = unsafe { mkAllReduce(host_probe.ptr() as *const _, host_probe.ptr() as *mut _, 16, 7, 0, comm, std::ptr::null_mut()) };
+    let again = unsafe {
+        mkAllReduce(host_probe.ptr() as *const _, host_probe.ptr() as *mut _, 16, 7, 0, comm, std::ptr::null_mut())
+    };
     if again != code {
-        return Err(MkError::internal(format!("{what}: a new op after the failure returned {again:?}, expected {code:?}")));
+        return Err(MkError::internal(format!(
+            "{what}: a new op after the failure returned {again:?}, expected {code:?}"
+        )));
     }
     Ok(code)
 }
@@ -629,7 +734,8 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
     let comm = init_comm(env, &env.ids[3], &config(FAULT_TIMEOUT_MS, 16 << 20))?;
     let stream = Stream::new()?;
-    let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 1 << 20, false, rank, n)?;
+    let mut case =
+        Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 1 << 20, false, rank, n)?;
     case.prepare(77)?;
     let absent = n - 1;
     let mut outcome = Ok(());
@@ -637,7 +743,8 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     if rank != absent {
         let t = Instant::now();
         case.launch(comm, stream.0)?;
-        outcome = timed_sync(&stream, Duration::from_secs(30)).and_then(|_| check_stopped(rank, comm, t.elapsed(), "absent rank").map(|c| code = c));
+        outcome = timed_sync(&stream, Duration::from_secs(30))
+            .and_then(|_| check_stopped(rank, comm, t.elapsed(), "absent rank").map(|c| code = c));
     }
     // Every survivor has stopped; at least one of them must have timed out itself.
     let codes = control.bootstrap.allgather(&[code as i32 as u8])?;
@@ -652,7 +759,8 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
         let c = async_error(comm);
         say(rank, format!("absent rank's late call: stopped after {:.3} s with {c:?}", elapsed.as_secs_f64()));
         if c != mkResult_t::mkRemoteError || t.elapsed() > Duration::from_millis(FAULT_TIMEOUT_MS as u64) {
-            outcome = Err(MkError::internal(format!("absent rank's late call: expected a prompt mkRemoteError, got {c:?}")));
+            outcome =
+                Err(MkError::internal(format!("absent rank's late call: expected a prompt mkRemoteError, got {c:?}")));
         }
     }
     control.bootstrap.barrier()?;
@@ -671,14 +779,25 @@ fn init_destroy_leaks(env: &RankEnv, control: &Comm) -> Result<()> {
     cfg.workspace_bytes = 16 << 20;
     cfg.timeout = Duration::from_secs(10);
     let cycle = |i: usize| -> Result<()> {
-        let id_bytes = control.bootstrap.broadcast(&if rank == 0 { start_root()?.to_bytes().to_vec() } else { Vec::new() }, 0)?;
+        let id_bytes =
+            control.bootstrap.broadcast(&if rank == 0 { start_root()?.to_bytes().to_vec() } else { Vec::new() }, 0)?;
         let id = UniqueId::from_bytes(&id_bytes.try_into().map_err(|_| MkError::internal("id size"))?)?;
         let comm = Comm::init(&id, n as i32, rank as i32, Some(env.device), cfg.clone())?;
         if i % 25 == 0 {
             // use it: a small AllReduce through the Rust entry point
-            let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 1001, false, rank, n)?;
+            let mut case =
+                Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 1001, false, rank, n)?;
             case.prepare(i as u64)?;
-            mkernel::ops::collectives::collective(&comm, CollectiveKind::AllReduce, case.send, case.recv, 1001, 7, Some(0), std::ptr::null_mut())?;
+            mkernel::ops::collectives::collective(
+                &comm,
+                CollectiveKind::AllReduce,
+                case.send,
+                case.recv,
+                1001,
+                7,
+                Some(0),
+                std::ptr::null_mut(),
+            )?;
             cuda::check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
             let (ok, detail) = case.verify()?;
             if !ok {
@@ -691,14 +810,16 @@ fn init_destroy_leaks(env: &RankEnv, control: &Comm) -> Result<()> {
     };
     cycle(0)?;
     control.bootstrap.barrier()?;
-    let (free0, ipc0, live0) = (device_free()?, OPEN_IPC_MAPPINGS.load(Ordering::Acquire), LIVE_WORKSPACES.load(Ordering::Acquire));
+    let (free0, ipc0, live0) =
+        (device_free()?, OPEN_IPC_MAPPINGS.load(Ordering::Acquire), LIVE_WORKSPACES.load(Ordering::Acquire));
     control.bootstrap.barrier()?;
     let t = Instant::now();
     for i in 1..=100 {
         cycle(i)?;
     }
     control.bootstrap.barrier()?;
-    let (free1, ipc1, live1) = (device_free()?, OPEN_IPC_MAPPINGS.load(Ordering::Acquire), LIVE_WORKSPACES.load(Ordering::Acquire));
+    let (free1, ipc1, live1) =
+        (device_free()?, OPEN_IPC_MAPPINGS.load(Ordering::Acquire), LIVE_WORKSPACES.load(Ordering::Acquire));
     control.bootstrap.barrier()?;
     let lost = free0 as i64 - free1 as i64;
     say(rank, format!("100 init/destroy cycles in {:.1} s: device memory {lost:+} bytes, IPC mappings {ipc0} -> {ipc1}, workspaces {live0} -> {live1}", t.elapsed().as_secs_f64()));
@@ -713,7 +834,8 @@ fn killed_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
     let comm = init_comm(env, &env.ids[4], &config(FAULT_TIMEOUT_MS, 16 << 20))?;
     let stream = Stream::new()?;
-    let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 4 << 20, false, rank, n)?;
+    let mut case =
+        Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 4 << 20, false, rank, n)?;
     case.prepare(99)?;
     control.bootstrap.barrier()?;
     if rank == n - 1 {
@@ -751,7 +873,8 @@ fn in_process_ranks() -> Result<()> {
         (CollectiveKind::AllGather, mkDataType_t::mkBfloat16, mkRedOp_t::mkSum, 123_457),
         (CollectiveKind::ReduceScatter, mkDataType_t::mkInt32, mkRedOp_t::mkMax, 65_539),
     ] {
-        let mut cases = [Case::new(kind, dtype, op, count, false, 0, 2)?, Case::new(kind, dtype, op, count, false, 1, 2)?];
+        let mut cases =
+            [Case::new(kind, dtype, op, count, false, 0, 2)?, Case::new(kind, dtype, op, count, false, 1, 2)?];
         for c in cases.iter_mut() {
             c.prepare(4242)?;
         }

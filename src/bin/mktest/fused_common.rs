@@ -2,8 +2,10 @@
 //! default-stream fills before a launch on a non-blocking stream, the graph-replay check
 //! and the absent-rank check.
 
+use crate::collectives::{
+    async_error, check_stopped, config, destroy, ffi, init_comm, say, timed_sync, Stream, FAULT_TIMEOUT_MS,
+};
 use crate::outcome::Outcome;
-use crate::collectives::{async_error, check_stopped, config, destroy, ffi, init_comm, say, timed_sync, Stream, FAULT_TIMEOUT_MS};
 use crate::ranks::{self, RankEnv};
 use mkernel::bootstrap::root::start_root;
 use mkernel::comm::{Comm, CommConfig};
@@ -61,7 +63,15 @@ pub trait FusedCase {
 /// Runs `case` `rounds` times with fresh inputs (seeds `seed`, `seed + 1`, …): one call, a
 /// bounded wait, no asynchronous error, the case's check. `before(round)` adjusts the case
 /// before each round. Returns (checks, failures); the caller counts them.
-pub fn check_rounds(comm: mkComm_t, rank: usize, op: &str, case: &dyn FusedCase, seed: u64, rounds: u64, before: &dyn Fn(u64)) -> Result<(usize, usize)> {
+pub fn check_rounds(
+    comm: mkComm_t,
+    rank: usize,
+    op: &str,
+    case: &dyn FusedCase,
+    seed: u64,
+    rounds: u64,
+    before: &dyn Fn(u64),
+) -> Result<(usize, usize)> {
     let stream = Stream::new()?;
     let mut failures = 0;
     for round in 0..rounds {
@@ -91,7 +101,12 @@ pub fn graph_replay(comm: mkComm_t, rank: usize, op: &str, case: &dyn FusedCase)
     let stream = Stream::new()?;
     case.prepare(1)?;
     // SAFETY: capture on a live non-default stream; the launch is our op.
-    unsafe { cuda::check("cuStreamBeginCapture", sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))? };
+    unsafe {
+        cuda::check(
+            "cuStreamBeginCapture",
+            sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
+        )?
+    };
     let launched = case.launch(comm, stream.0);
     let mut graph: sys::CUgraph = std::ptr::null_mut();
     // SAFETY: ends the capture begun above.
@@ -145,7 +160,13 @@ pub fn graph_replay(comm: mkComm_t, rank: usize, op: &str, case: &dyn FusedCase)
 /// a short timeout); every other rank must stop within the timeout with mkTimeout or
 /// mkRemoteError, refuse new work, and at least one must report mkTimeout itself.
 /// `launch(comm, stream)` prepares fresh inputs and calls the op once.
-pub fn absent_rank(env: &RankEnv, control: &Comm, id_index: usize, what: &str, launch: impl Fn(mkComm_t, sys::CUstream) -> Result<mkResult_t>) -> Result<()> {
+pub fn absent_rank(
+    env: &RankEnv,
+    control: &Comm,
+    id_index: usize,
+    what: &str,
+    launch: impl Fn(mkComm_t, sys::CUstream) -> Result<mkResult_t>,
+) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
     let comm = init_comm(env, &env.ids[id_index], &config(FAULT_TIMEOUT_MS, 64 << 20))?;
     let stream = Stream::new()?;
@@ -155,7 +176,8 @@ pub fn absent_rank(env: &RankEnv, control: &Comm, id_index: usize, what: &str, l
     if rank != absent {
         let t = Instant::now();
         ffi(what, launch(comm, stream.0)?, comm)?;
-        outcome = timed_sync(&stream, Duration::from_secs(30)).and_then(|_| check_stopped(rank, comm, t.elapsed(), what).map(|c| code = c));
+        outcome = timed_sync(&stream, Duration::from_secs(30))
+            .and_then(|_| check_stopped(rank, comm, t.elapsed(), what).map(|c| code = c));
         crate::outcome::count(1);
     }
     let codes = control.bootstrap.allgather(&[code as i32 as u8])?;

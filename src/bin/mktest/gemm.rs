@@ -5,11 +5,11 @@
 //! NaN-poisoned outputs and guard bands checked for every check; then the public entry point mkGemm
 //! (argument errors, a real call) and mkGemm captured in a CUDA graph and replayed.
 
+use crate::outcome::{self, Outcome};
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError};
 use mkernel::ops::gemm::{self, Cluster, GemmArgs, PlanOverrides, TILE_WIDTHS};
-use crate::outcome::{self, Outcome};
 use mkernel::testing::{check_close, gemm_reference, tolerance, Rule, TestBuffer, Verdict};
 use mkernel::types::mkDataType_t;
 use std::ffi::c_void;
@@ -17,7 +17,8 @@ use std::ffi::c_void;
 const DTYPES: [mkDataType_t; 2] = [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16];
 
 fn sync() -> mkernel::Result<()> {
-    cudarc::driver::result::ctx::synchronize().map_err(|e| cuda::cuda_err("cuCtxSynchronize (after the GEMM kernel)", e))
+    cudarc::driver::result::ctx::synchronize()
+        .map_err(|e| cuda::cuda_err("cuCtxSynchronize (after the GEMM kernel)", e))
 }
 
 /// The reference of C = A·Bᵀ and each element's bound.
@@ -37,7 +38,14 @@ fn cpu_reference(a: &TestBuffer, b: &TestBuffer, m: usize, n: usize, k: usize) -
 /// cuBLASLt with fp32 output, for shapes too large for the CPU: Σ|a·b| comes from a second
 /// cuBLASLt GEMM of |A| and |B|, and the bound allows the reference's own fp32
 /// accumulation (another γ_K·Σ|a·b|) and rounding (2⁻²⁴·|ref|) besides the kernel's.
-fn cublas_reference(lt: &CublasLt, a: &TestBuffer, b: &TestBuffer, m: usize, n: usize, k: usize) -> mkernel::Result<Reference> {
+fn cublas_reference(
+    lt: &CublasLt,
+    a: &TestBuffer,
+    b: &TestBuffer,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> mkernel::Result<Reference> {
     let s = std::ptr::null_mut();
     let product = |x: &TestBuffer, y: &TestBuffer| -> mkernel::Result<Vec<f64>> {
         let r32 = TestBuffer::new(m * n, mkDataType_t::mkFloat32)?;
@@ -49,7 +57,11 @@ fn cublas_reference(lt: &CublasLt, a: &TestBuffer, b: &TestBuffer, m: usize, n: 
     let absolute = |x: &TestBuffer| -> mkernel::Result<TestBuffer> {
         let abs = TestBuffer::new(x.count, x.dtype)?;
         // bf16 and f16 keep the sign in bit 15.
-        let bytes: Vec<u8> = x.download()?.chunks_exact(2).flat_map(|c| (u16::from_le_bytes([c[0], c[1]]) & 0x7fff).to_le_bytes()).collect();
+        let bytes: Vec<u8> = x
+            .download()?
+            .chunks_exact(2)
+            .flat_map(|c| (u16::from_le_bytes([c[0], c[1]]) & 0x7fff).to_le_bytes())
+            .collect();
         abs.upload(&bytes)?;
         Ok(abs)
     };
@@ -64,7 +76,10 @@ fn cublas_reference(lt: &CublasLt, a: &TestBuffer, b: &TestBuffer, m: usize, n: 
 fn verify(c: &TestBuffer, reference: &Reference) -> mkernel::Result<(bool, String)> {
     let verdict: Verdict = check_close(&c.download_f64()?, &reference.value, &reference.bound, tolerance(c.dtype));
     let guards = c.guards_intact()?;
-    Ok((verdict.passed() && guards.is_none(), format!("{verdict}{}", guards.map_or(String::new(), |w| format!("; GUARD {w}")))))
+    Ok((
+        verdict.passed() && guards.is_none(),
+        format!("{verdict}{}", guards.map_or(String::new(), |w| format!("; GUARD {w}"))),
+    ))
 }
 
 struct Case {
@@ -102,7 +117,8 @@ pub fn run() -> mkernel::Result<Outcome> {
     for _ in 0..4 {
         small.push(Case { m: next(1, 700), n: next(1, 700), k: 8 * next(1, 100) });
     }
-    let large = [Case { m: 4096, n: 4096, k: 4096 }, Case { m: 2048, n: 8192, k: 8192 }, Case { m: 333, n: 8192, k: 2056 }];
+    let large =
+        [Case { m: 4096, n: 4096, k: 4096 }, Case { m: 2048, n: 8192, k: 8192 }, Case { m: 333, n: 8192, k: 2056 }];
     let lt = CublasLt::new()?;
 
     for dtype in DTYPES {
@@ -114,7 +130,8 @@ pub fn run() -> mkernel::Result<Outcome> {
             seed += 2;
             a.randomize(seed, 1.0, s)?;
             b.randomize(seed + 1, 1.0, s)?;
-            let reference = if is_large { cublas_reference(&lt, &a, &b, m, n, k)? } else { cpu_reference(&a, &b, m, n, k)? };
+            let reference =
+                if is_large { cublas_reference(&lt, &a, &b, m, n, k)? } else { cpu_reference(&a, &b, m, n, k)? };
             let args = GemmArgs { a: a.ptr(), b: b.ptr(), c: c.ptr(), m, n, k, dtype };
             for bn in TILE_WIDTHS {
                 for cluster in [Cluster::None, Cluster::ShareA, Cluster::ShareB] {
@@ -124,7 +141,12 @@ pub fn run() -> mkernel::Result<Outcome> {
                                 continue;
                             }
                             let tma_ok = args.tma_epilogue_ok() && !force_direct;
-                            let o = PlanOverrides { bn: Some(bn), group_m: None, max_ctas: Some(ctas), cluster: Some(cluster) };
+                            let o = PlanOverrides {
+                                bn: Some(bn),
+                                group_m: None,
+                                max_ctas: Some(ctas),
+                                cluster: Some(cluster),
+                            };
                             let plan = gemm::plan(m, n, sms, tma_ok, o);
                             if plan.cluster != cluster {
                                 // No such kernel, or an odd tile count: covered by Cluster::None
@@ -172,7 +194,16 @@ pub fn run() -> mkernel::Result<Outcome> {
         c.poison(s)?;
         // SAFETY: valid device buffers of the stated sizes.
         let r = unsafe {
-            mkernel::ffi::gemm::mkGemm(a.ptr() as *const c_void, b.ptr() as *const c_void, c.ptr() as *mut c_void, m, n, k, dtype as i32, s)
+            mkernel::ffi::gemm::mkGemm(
+                a.ptr() as *const c_void,
+                b.ptr() as *const c_void,
+                c.ptr() as *mut c_void,
+                m,
+                n,
+                k,
+                dtype as i32,
+                s,
+            )
         };
         sync()?;
         let (verified, detail) = verify(&c, &cpu_reference(&a, &b, m, n, k)?)?;
@@ -184,7 +215,16 @@ pub fn run() -> mkernel::Result<Outcome> {
         // Misaligned A (by one element) must be rejected, not mis-computed.
         // SAFETY: rejected before any access.
         let r = unsafe {
-            mkernel::ffi::gemm::mkGemm((a.ptr() + 2) as *const c_void, b.ptr() as *const c_void, c.ptr() as *mut c_void, m, n, k, dtype as i32, s)
+            mkernel::ffi::gemm::mkGemm(
+                (a.ptr() + 2) as *const c_void,
+                b.ptr() as *const c_void,
+                c.ptr() as *mut c_void,
+                m,
+                n,
+                k,
+                dtype as i32,
+                s,
+            )
         };
         let ok = r == mkResult_t::mkInvalidArgument;
         checks += 1;
@@ -207,9 +247,21 @@ pub fn run() -> mkernel::Result<Outcome> {
         let r = unsafe {
             cuda::check(
                 "cuStreamBeginCapture",
-                cuda::sys::cuStreamBeginCapture_v2(stream, cuda::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                cuda::sys::cuStreamBeginCapture_v2(
+                    stream,
+                    cuda::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                ),
             )?;
-            let r = mkernel::ffi::gemm::mkGemm(a.ptr() as *const c_void, b.ptr() as *const c_void, c.ptr() as *mut c_void, m, n, k, dtype as i32, stream);
+            let r = mkernel::ffi::gemm::mkGemm(
+                a.ptr() as *const c_void,
+                b.ptr() as *const c_void,
+                c.ptr() as *mut c_void,
+                m,
+                n,
+                k,
+                dtype as i32,
+                stream,
+            );
             cuda::check("cuStreamEndCapture", cuda::sys::cuStreamEndCapture(stream, &mut graph))?;
             cuda::check("cuGraphInstantiate", cuda::sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0))?;
             r
@@ -236,7 +288,12 @@ pub fn run() -> mkernel::Result<Outcome> {
         }
         checks += 1;
         failures += usize::from(!ok);
-        println!("  mkGemm in a CUDA graph {m}x{n}x{k} {}: {r:?}, 2 replays: {} -> {}", dtype.name(), details.join(" | "), if ok { "ok" } else { "WRONG" });
+        println!(
+            "  mkGemm in a CUDA graph {m}x{n}x{k} {}: {r:?}, 2 replays: {} -> {}",
+            dtype.name(),
+            details.join(" | "),
+            if ok { "ok" } else { "WRONG" }
+        );
     }
 
     outcome::count(checks);

@@ -20,7 +20,13 @@ use mkernel::testing::{check_close, to_f64, tolerance, unit_roundoff, Rule, Test
 use mkernel::types::mkDataType_t;
 
 pub fn run() -> Result<Outcome> {
-    fused_common::run_suite("gemm_reduce", |comm, control, rank, n| correctness(comm, control, rank, n, false).and_then(|_| graph_replay(comm, rank, n, false)), absent_rank)
+    fused_common::run_suite(
+        "gemm_reduce",
+        |comm, control, rank, n| {
+            correctness(comm, control, rank, n, false).and_then(|_| graph_replay(comm, rank, n, false))
+        },
+        absent_rank,
+    )
 }
 
 pub(crate) struct Case {
@@ -41,7 +47,15 @@ pub(crate) struct Case {
 }
 
 impl Case {
-    pub(crate) fn new(scatter: bool, dtype: mkDataType_t, m: usize, n: usize, k: usize, nranks: usize, rank: usize) -> Result<Case> {
+    pub(crate) fn new(
+        scatter: bool,
+        dtype: mkDataType_t,
+        m: usize,
+        n: usize,
+        k: usize,
+        nranks: usize,
+        rank: usize,
+    ) -> Result<Case> {
         let rows_out = if scatter { m / nranks } else { m };
         Ok(Case {
             scatter,
@@ -59,7 +73,14 @@ impl Case {
     }
 
     pub(crate) fn label(&self) -> String {
-        format!("{} {} M={} N={} K={}", if self.scatter { "GEMM+RS" } else { "GEMM+AR" }, self.dtype.name(), self.m, self.n, self.k)
+        format!(
+            "{} {} M={} N={} K={}",
+            if self.scatter { "GEMM+RS" } else { "GEMM+AR" },
+            self.dtype.name(),
+            self.m,
+            self.n,
+            self.k
+        )
     }
 
     pub(crate) fn prepare(&self, seed: u64) -> Result<()> {
@@ -73,7 +94,19 @@ impl Case {
         let (a, b) = (self.a_shards[self.rank].ptr(), self.b_shards[self.rank].ptr());
         let f = if self.scatter { mkGemmReduceScatter } else { mkGemmAllReduce };
         // SAFETY: device buffers of the sizes the op expects.
-        unsafe { f(a as *const _, b as *const _, self.c.ptr() as *mut _, self.m, self.n, self.k, self.dtype as i32, comm, stream) }
+        unsafe {
+            f(
+                a as *const _,
+                b as *const _,
+                self.c.ptr() as *mut _,
+                self.m,
+                self.n,
+                self.k,
+                self.dtype as i32,
+                comm,
+                stream,
+            )
+        }
     }
 
     /// (passed, detail, raw output bytes). Each element is Σ_r p_r with p_r rank r's dot
@@ -90,7 +123,8 @@ impl Case {
         let (reference, bounds) = reduced_reference(&a, &b, r0..r1, n, k, self.dtype, self.node_partials);
         let verdict: Verdict = check_close(&out, &reference, &bounds, tolerance(self.dtype));
         let mut buffers: Vec<(&str, &TestBuffer)> = vec![("C", &self.c)];
-        buffers.extend(self.a_shards.iter().map(|s| ("A shard", s)).chain(self.b_shards.iter().map(|s| ("B shard", s))));
+        buffers
+            .extend(self.a_shards.iter().map(|s| ("A shard", s)).chain(self.b_shards.iter().map(|s| ("B shard", s))));
         let guards = fused_common::guards_intact(&buffers)?;
         let ok = verdict.passed() && guards.is_none();
         Ok((ok, format!("{verdict}{}", guards.map_or(String::new(), |w| format!("; GUARD {w}"))), raw))
@@ -101,7 +135,15 @@ impl Case {
 /// element's bound: each rank's partial accumulated over K and, with several ranks, stored
 /// in the element type; the n partials summed in fp32 and rounded once; across nodes one
 /// more rounding of the node partials.
-pub(crate) fn reduced_reference(a: &[Vec<f64>], b: &[Vec<f64>], rows: std::ops::Range<usize>, n: usize, k: usize, dtype: mkDataType_t, node_partials: bool) -> (Vec<f64>, Vec<f64>) {
+pub(crate) fn reduced_reference(
+    a: &[Vec<f64>],
+    b: &[Vec<f64>],
+    rows: std::ops::Range<usize>,
+    n: usize,
+    k: usize,
+    dtype: mkDataType_t,
+    node_partials: bool,
+) -> (Vec<f64>, Vec<f64>) {
     let nr = a.len();
     let u = unit_roundoff(dtype);
     let partial_rule = Rule::reduction(dtype, k);
@@ -142,7 +184,15 @@ pub(crate) fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize,
             // Decode sizes (1-16 rows per rank for GEMM+RS, M = 1..16 for GEMM+AR), K = 8
             // (one MMA step), N = 8, and a partial tile in every dimension.
             let shapes: Vec<(usize, usize, usize)> = if scatter {
-                vec![(n, 264, 72), (n * 5, 8, 8), (n * 16, 520, 8), (n * 97, 264, 72), (n * 128, 520, 136), (n * 333, 776, 264), (n * 300, 4360, 72)]
+                vec![
+                    (n, 264, 72),
+                    (n * 5, 8, 8),
+                    (n * 16, 520, 8),
+                    (n * 97, 264, 72),
+                    (n * 128, 520, 136),
+                    (n * 333, 776, 264),
+                    (n * 300, 4360, 72),
+                ]
             } else {
                 vec![
                     (1, 264, 72),
@@ -184,7 +234,10 @@ pub(crate) fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize,
                         failures += 1;
                     }
                     if !ok || rank == 0 {
-                        say(rank, format!("{} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
+                        say(
+                            rank,
+                            format!("{} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }),
+                        );
                     }
                 }
             }
@@ -212,8 +265,14 @@ pub(crate) fn graph_replay(comm: mkComm_t, rank: usize, n: usize, across_nodes: 
     ar2.prepare(3)?;
     ar3.prepare(4)?;
     // SAFETY: capture on a live non-default stream; the launches are our ops.
-    unsafe { cuda::check("cuStreamBeginCapture", sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))? };
-    let launched = [rs.launch(comm, stream.0), ar.launch(comm, stream.0), ar2.launch(comm, stream.0), ar3.launch(comm, stream.0)];
+    unsafe {
+        cuda::check(
+            "cuStreamBeginCapture",
+            sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
+        )?
+    };
+    let launched =
+        [rs.launch(comm, stream.0), ar.launch(comm, stream.0), ar2.launch(comm, stream.0), ar3.launch(comm, stream.0)];
     let mut graph: sys::CUgraph = std::ptr::null_mut();
     // SAFETY: ends the capture begun above.
     cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
@@ -282,7 +341,6 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     })
 }
 
-
 #[cfg(test)]
 mod tests {
     //! The bound against the rounding the header documents, simulated on the CPU: each
@@ -303,18 +361,32 @@ mod tests {
             .collect()
     }
 
-    fn simulated(a: &[Vec<f64>], b: &[Vec<f64>], m: usize, n: usize, k: usize, dtype: mkDataType_t, node_size: usize, drop_rank: Option<(usize, usize)>) -> Vec<f64> {
+    fn simulated(
+        a: &[Vec<f64>],
+        b: &[Vec<f64>],
+        m: usize,
+        n: usize,
+        k: usize,
+        dtype: mkDataType_t,
+        node_size: usize,
+        drop_rank: Option<(usize, usize)>,
+    ) -> Vec<f64> {
         let nr = a.len();
         let mut c = vec![0.0; m * n];
         for i in 0..m {
             for j in 0..n {
                 let partial = |r: usize| -> f32 {
                     let p = (0..k).fold(0f32, |s, kk| s + (a[r][i * k + kk] * b[r][j * k + kk]) as f32);
-                    if nr > 1 { round_to(dtype, p as f64) as f32 } else { p }
+                    if nr > 1 {
+                        round_to(dtype, p as f64) as f32
+                    } else {
+                        p
+                    }
                 };
                 let mut total = 0f32;
                 for node in (0..nr).collect::<Vec<_>>().chunks(node_size) {
-                    let s = node.iter().filter(|&&r| drop_rank != Some((i * n + j, r))).fold(0f32, |s, &r| s + partial(r));
+                    let s =
+                        node.iter().filter(|&&r| drop_rank != Some((i * n + j, r))).fold(0f32, |s, &r| s + partial(r));
                     total += if node_size < nr { round_to(dtype, s as f64) as f32 } else { s };
                 }
                 c[i * n + j] = round_to(dtype, total as f64);

@@ -45,7 +45,11 @@ const SUITES: &[(&str, Suite, usize)] = &[
 
 /// MK_TEST_KILL=only runs a suite's killed-rank test alone: one check per surviving rank.
 fn floor_of(floor: usize) -> usize {
-    if std::env::var("MK_TEST_KILL").is_ok_and(|v| v == "only") { 1 } else { floor }
+    if std::env::var("MK_TEST_KILL").is_ok_and(|v| v == "only") {
+        1
+    } else {
+        floor
+    }
 }
 
 fn main() {
@@ -94,7 +98,11 @@ fn main() {
                 }
             }
             Ok(Outcome::Spawned { nranks }) => {
-                println!("[suite {name}] ok on {nranks} rank processes, each at least {} checks ({:.1} s)", floor_of(*floor), secs())
+                println!(
+                    "[suite {name}] ok on {nranks} rank processes, each at least {} checks ({:.1} s)",
+                    floor_of(*floor),
+                    secs()
+                )
             }
             Ok(Outcome::Skipped(why)) => {
                 println!("[suite {name}] SKIPPED: {why}");
@@ -107,7 +115,10 @@ fn main() {
         }
     }
     if failed > 0 {
-        println!("FAILED ({failed} suite(s){})", if skipped > 0 { format!(", {skipped} skipped") } else { String::new() });
+        println!(
+            "FAILED ({failed} suite(s){})",
+            if skipped > 0 { format!(", {skipped} skipped") } else { String::new() }
+        );
         std::process::exit(1);
     }
     if skipped > 0 {

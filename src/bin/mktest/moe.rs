@@ -25,7 +25,11 @@ use mkernel::types::mkDataType_t;
 pub fn run() -> Result<Outcome> {
     fused_common::run_suite(
         "moe",
-        |comm, control, rank, n| correctness(comm, control, rank, n).and_then(|_| graph_replay(comm, rank, n)).and_then(|_| capacity_overflow(comm, rank, n)),
+        |comm, control, rank, n| {
+            correctness(comm, control, rank, n)
+                .and_then(|_| graph_replay(comm, rank, n))
+                .and_then(|_| capacity_overflow(comm, rank, n))
+        },
         absent_rank,
     )
 }
@@ -62,7 +66,11 @@ struct Sizes {
 }
 
 fn tokens_of(s: &Sizes, r: usize) -> usize {
-    if r % 2 == 1 { s.tokens_odd } else { s.tokens }
+    if r % 2 == 1 {
+        s.tokens_odd
+    } else {
+        s.tokens
+    }
 }
 
 /// Every rank's routing and weights for `seed`: choice 0 often the hot expert, −1 holes,
@@ -261,7 +269,8 @@ impl Case {
         let s = &self.s;
         let (h, f) = (s.hidden, s.ffn);
         let el = s.experts / self.n;
-        let counts: Vec<i32> = self.counts.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+        let counts: Vec<i32> =
+            self.counts.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
         let mut want: Vec<i32> = inp.layout.recv_counts.iter().map(|&c| c as i32).collect();
         want.push(inp.layout.rows_needed as i32);
         if counts != want {
@@ -291,7 +300,14 @@ impl Case {
         let verdict = check_close(&out, &reference, &bounds, tolerance(s.dtype));
         let guards = self.guards()?;
         let ok = verdict.passed() && guards.is_none();
-        Ok((ok, format!("{} rows: {verdict}{}", inp.layout.rows.len(), guards.map_or(String::new(), |w| format!("; GUARD {w}")))))
+        Ok((
+            ok,
+            format!(
+                "{} rows: {verdict}{}",
+                inp.layout.rows.len(),
+                guards.map_or(String::new(), |w| format!("; GUARD {w}"))
+            ),
+        ))
     }
 
     /// The prep's m-block tables in the layout buffer against ops::moe::block_tables (the
@@ -302,7 +318,8 @@ impl Case {
         let shape = MoeShape { tokens: t, top_k: s.top_k, experts: s.experts, nranks: self.n };
         // The dispatch's prep writes the tables.
         let want = block_tables(&shape, &inp.ids, self.rank)?;
-        let words: Vec<i32> = self.layout.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+        let words: Vec<i32> =
+            self.layout.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
         let lo = layout_offsets(t, s.top_k, self.capacity); // as the launch: this call's tokens
         let nb = want.expert.len();
         let pack = |v: &[(usize, usize)]| v.iter().map(|&(a, l)| (a | l << 15) as i32).collect::<Vec<_>>();
@@ -323,7 +340,10 @@ impl Case {
         }
         for (name, off, v) in checks {
             if words[off..off + v.len()] != v[..] {
-                return Ok(Some(format!("layout: {name} differ from ops::moe::{}", if name.starts_with("send") { "send_tables" } else { "block_tables" })));
+                return Ok(Some(format!(
+                    "layout: {name} differ from ops::moe::{}",
+                    if name.starts_with("send") { "send_tables" } else { "block_tables" }
+                )));
             }
         }
         Ok(None)
@@ -344,7 +364,11 @@ impl Case {
                     .filter_map(|j| {
                         let (d, row) = inp.layout.slots[tok * k + j]?;
                         let le = inp.ids[self.rank][tok * k + j] as usize - d * el;
-                        Some(Choice { weight: inp.weights[self.rank][tok * k + j] as f64, y_row: &yact[d][row * f..][..f], w2: &w2[d][le * h * f..][..h * f] })
+                        Some(Choice {
+                            weight: inp.weights[self.rank][tok * k + j] as f64,
+                            y_row: &yact[d][row * f..][..f],
+                            w2: &w2[d][le * h * f..][..h * f],
+                        })
                     })
                     .collect()
             })
@@ -352,8 +376,11 @@ impl Case {
         let (reference, bounds) = combine_reference(&choices, h, f, k, s.dtype);
         let out = &out_all[..t * h];
         // Tokens with no expert are exactly 0 (a bound of 0 demands it too; this says which).
-        let empty: Vec<usize> = (0..t).filter(|&tok| inp.layout.slots[tok * k..(tok + 1) * k].iter().all(Option::is_none)).collect();
-        let zeros = empty.iter().fold(check_exact(&[], &[]), |v, &tok| v.and(check_exact(&out[tok * h..(tok + 1) * h], &vec![0.0; h])));
+        let empty: Vec<usize> =
+            (0..t).filter(|&tok| inp.layout.slots[tok * k..(tok + 1) * k].iter().all(Option::is_none)).collect();
+        let zeros = empty
+            .iter()
+            .fold(check_exact(&[], &[]), |v, &tok| v.and(check_exact(&out[tok * h..(tok + 1) * h], &vec![0.0; h])));
         let verdict = check_close(out, &reference, &bounds, tolerance(s.dtype));
         let guards = self.guards()?;
         let ok = verdict.passed() && zeros.passed() && guards.is_none();
@@ -369,8 +396,15 @@ impl Case {
 
     /// None when every buffer's guard bands are intact (outputs, layout and inputs).
     fn guards(&self) -> Result<Option<String>> {
-        let mut buffers: Vec<(&str, &TestBuffer)> =
-            vec![("y", &self.y), ("recvCounts", &self.counts), ("layout", &self.layout), ("out", &self.out), ("w1", &self.w1), ("topkIdx", &self.idx), ("topkWeights", &self.weights)];
+        let mut buffers: Vec<(&str, &TestBuffer)> = vec![
+            ("y", &self.y),
+            ("recvCounts", &self.counts),
+            ("layout", &self.layout),
+            ("out", &self.out),
+            ("w1", &self.w1),
+            ("topkIdx", &self.idx),
+            ("topkWeights", &self.weights),
+        ];
         buffers.extend(self.x_shards.iter().map(|b| ("x shard", b)));
         buffers.extend(self.w2_shards.iter().map(|b| ("w2 shard", b)));
         buffers.extend(self.yact_shards.iter().map(|b| ("yAct shard", b)));
@@ -390,7 +424,13 @@ struct Choice<'a> {
 /// dot product of `ffn` terms rounded to the element type (its own bound, weighted by w_j),
 /// then the weighted terms summed in fp32 (`top_k` additions and a product each) and
 /// rounded once. A token with no choice has the bound 0: exactly 0.
-fn combine_reference(tokens: &[Vec<Choice>], h: usize, f: usize, top_k: usize, dtype: mkDataType_t) -> (Vec<f64>, Vec<f64>) {
+fn combine_reference(
+    tokens: &[Vec<Choice>],
+    h: usize,
+    f: usize,
+    top_k: usize,
+    dtype: mkDataType_t,
+) -> (Vec<f64>, Vec<f64>) {
     let (z_rule, sum_rule) = (Rule::reduction(dtype, f), Rule::reduction(dtype, top_k + 1));
     let mut reference = vec![0f64; tokens.len() * h];
     let mut bounds = vec![0f64; tokens.len() * h];
@@ -398,7 +438,11 @@ fn combine_reference(tokens: &[Vec<Choice>], h: usize, f: usize, top_k: usize, d
         for c in 0..h {
             let (mut total, mut slack, mut terms_abs) = (0.0, 0.0, 0.0);
             for ch in choices {
-                let (z, mag) = ch.y_row.iter().zip(&ch.w2[c * f..(c + 1) * f]).fold((0.0, 0.0), |(s, g), (a, b)| (s + a * b, g + (a * b).abs()));
+                let (z, mag) = ch
+                    .y_row
+                    .iter()
+                    .zip(&ch.w2[c * f..(c + 1) * f])
+                    .fold((0.0, 0.0), |(s, g), (a, b)| (s + a * b, g + (a * b).abs()));
                 total += ch.weight * z;
                 slack += ch.weight * z_rule.bound(z, mag);
                 terms_abs += (ch.weight * z).abs();
@@ -412,7 +456,16 @@ fn combine_reference(tokens: &[Vec<Choice>], h: usize, f: usize, top_k: usize, d
 
 fn sizes_list() -> Vec<Sizes> {
     use mkDataType_t::{mkBfloat16 as BF, mkFloat16 as FP};
-    let sz = |tokens, tokens_odd, hidden, ffn, top_k, experts, dtype, spread| Sizes { tokens, tokens_odd, hidden, ffn, top_k, experts, dtype, spread };
+    let sz = |tokens, tokens_odd, hidden, ffn, top_k, experts, dtype, spread| Sizes {
+        tokens,
+        tokens_odd,
+        hidden,
+        ffn,
+        top_k,
+        experts,
+        dtype,
+        spread,
+    };
     vec![
         sz(37, 37, 384, 256, 2, 8, BF, 8),
         sz(50, 23, 256, 384, 8, 64, FP, 40),
@@ -492,7 +545,16 @@ fn correctness(comm: mkComm_t, _control: &Comm, rank: usize, n: usize) -> Result
 
 fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let stream = Stream::new()?;
-    let s = Sizes { tokens: 29, tokens_odd: 17, hidden: 256, ffn: 256, top_k: 4, experts: 16, dtype: mkDataType_t::mkBfloat16, spread: 12 };
+    let s = Sizes {
+        tokens: 29,
+        tokens_odd: 17,
+        hidden: 256,
+        ffn: 256,
+        top_k: 4,
+        experts: 16,
+        dtype: mkDataType_t::mkBfloat16,
+        spread: 12,
+    };
     // Room for any of the replays' routings.
     let mut cap = 0;
     for seed in 40..50 {
@@ -501,7 +563,12 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let case = Case::new(s, n, rank, cap)?;
     let inp = case.prepare(40)?;
     // SAFETY: capture on a live non-default stream; the launches are our ops.
-    unsafe { cuda::check("cuStreamBeginCapture", sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))? };
+    unsafe {
+        cuda::check(
+            "cuStreamBeginCapture",
+            sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
+        )?
+    };
     let launched = [case.dispatch(comm, stream.0), case.combine(comm, stream.0)];
     let mut graph: sys::CUgraph = std::ptr::null_mut();
     // SAFETY: ends the capture begun above.
@@ -535,7 +602,10 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
         sys::cuGraphExecDestroy(exec);
         sys::cuGraphDestroy(graph);
     }
-    say(rank, format!("graph capture: dispatch+combine x 3 replays (fresh routing) + 3 direct calls, {failures} wrong"));
+    say(
+        rank,
+        format!("graph capture: dispatch+combine x 3 replays (fresh routing) + 3 direct calls, {failures} wrong"),
+    );
     if failures > 0 {
         return Err(MkError::internal("MoE graph replay gave wrong results"));
     }
@@ -546,7 +616,16 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
 /// must be reported on every rank, with the needed rows in recvCounts[E_local].
 fn capacity_overflow(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let stream = Stream::new()?;
-    let s = Sizes { tokens: 200, tokens_odd: 150, hidden: 128, ffn: 128, top_k: 2, experts: 8, dtype: mkDataType_t::mkFloat16, spread: 8 };
+    let s = Sizes {
+        tokens: 200,
+        tokens_odd: 150,
+        hidden: 128,
+        ffn: 128,
+        top_k: 2,
+        experts: 8,
+        dtype: mkDataType_t::mkFloat16,
+        spread: 8,
+    };
     let needed = capacity_for(&s, n, 77, 0)?;
     let case = Case::new(s, n, rank, needed - ROW_BLOCK)?;
     case.prepare(77)?;
@@ -554,11 +633,20 @@ fn capacity_overflow(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     stream.sync()?;
     let code = async_error(comm);
     // SAFETY: live handle.
-    let msg = unsafe { std::ffi::CStr::from_ptr(mkernel::ffi::query::mkGetLastError(comm)) }.to_string_lossy().into_owned();
-    let counts: Vec<i32> = case.counts.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+    let msg =
+        unsafe { std::ffi::CStr::from_ptr(mkernel::ffi::query::mkGetLastError(comm)) }.to_string_lossy().into_owned();
+    let counts: Vec<i32> =
+        case.counts.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
     let reported = *counts.last().unwrap() as usize;
-    let ok = code == mkResult_t::mkInvalidUsage && reported == needed && msg.contains("needs more rows than recvCapacity");
-    say(rank, format!("capacity overflow: {code:?}, rows needed {reported} (expected {needed}), \"{msg}\" -> {}", if ok { "ok" } else { "WRONG" }));
+    let ok =
+        code == mkResult_t::mkInvalidUsage && reported == needed && msg.contains("needs more rows than recvCapacity");
+    say(
+        rank,
+        format!(
+            "capacity overflow: {code:?}, rows needed {reported} (expected {needed}), \"{msg}\" -> {}",
+            if ok { "ok" } else { "WRONG" }
+        ),
+    );
     outcome::count(1);
     if !ok {
         return Err(MkError::internal("MoE capacity overflow not reported as specified"));
@@ -573,7 +661,16 @@ fn capacity_overflow(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
 
 fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
-    let s = Sizes { tokens: 64, tokens_odd: 64, hidden: 256, ffn: 256, top_k: 2, experts: 8, dtype: mkDataType_t::mkBfloat16, spread: 8 };
+    let s = Sizes {
+        tokens: 64,
+        tokens_odd: 64,
+        hidden: 256,
+        ffn: 256,
+        top_k: 2,
+        experts: 8,
+        dtype: mkDataType_t::mkBfloat16,
+        spread: 8,
+    };
     let case = Case::new(s, n, rank, capacity_for(&s, n, 5, 0)?)?;
     fused_common::absent_rank(env, control, 2, "mkMoeDispatchGemm (a rank absent)", |comm, stream| {
         case.prepare(5)?;
@@ -615,7 +712,11 @@ mod tests {
                         return Vec::new();
                     }
                     (0..top_k)
-                        .map(|j| Choice { weight: weights[t * top_k + j].abs() + 0.05, y_row: &y[(t * top_k + j) * f..][..f], w2: &w2[((t + j) % experts) * h * f..][..h * f] })
+                        .map(|j| Choice {
+                            weight: weights[t * top_k + j].abs() + 0.05,
+                            y_row: &y[(t * top_k + j) * f..][..f],
+                            w2: &w2[((t + j) % experts) * h * f..][..h * f],
+                        })
                         .collect()
                 })
                 .collect();
@@ -629,7 +730,11 @@ mod tests {
                             if drop == Some((t, j)) {
                                 continue;
                             }
-                            let z = x.y_row.iter().zip(&x.w2[c * f..(c + 1) * f]).fold(0f32, |s, (a, b)| s + (a * b) as f32);
+                            let z = x
+                                .y_row
+                                .iter()
+                                .zip(&x.w2[c * f..(c + 1) * f])
+                                .fold(0f32, |s, (a, b)| s + (a * b) as f32);
                             acc += x.weight as f32 * round_to(dtype, z as f64) as f32;
                         }
                         out[t * h + c] = round_to(dtype, acc as f64);

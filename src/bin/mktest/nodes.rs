@@ -32,8 +32,11 @@
 //!
 
 use crate::ag_gemm::Case as AgGemmCase;
+use crate::collectives::{
+    async_error, config, graph_replay_on, init_comm, kill_mode, run_matrix, say, timed_sync, Case, KillMode, Stream,
+    FAULT_SLACK, FAULT_TIMEOUT_MS,
+};
 use crate::fused_common::{self, FusedCase};
-use crate::collectives::{async_error, config, graph_replay_on, init_comm, kill_mode, run_matrix, say, timed_sync, Case, KillMode, Stream, FAULT_SLACK, FAULT_TIMEOUT_MS};
 use crate::outcome::{self, Outcome};
 use crate::ranks::{self, RankEnv, VICTIM_EXIT};
 use mkernel::comm::{Comm, CommConfig};
@@ -48,7 +51,11 @@ const IDS: usize = 6; // control, main + graph, killed node (collective), killed
 
 /// Ranks per emulated node: MK_RANKS_PER_NODE, else half the ranks (two nodes).
 fn ranks_per_node(n: usize) -> usize {
-    std::env::var("MK_RANKS_PER_NODE").ok().and_then(|v| v.trim().parse().ok()).filter(|&r: &usize| r >= 1).unwrap_or((n / 2).max(1))
+    std::env::var("MK_RANKS_PER_NODE")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&r: &usize| r >= 1)
+        .unwrap_or((n / 2).max(1))
 }
 
 pub fn run() -> Result<Outcome> {
@@ -66,7 +73,13 @@ pub fn run() -> Result<Outcome> {
     println!("  starting {n} rank processes, {} emulated nodes of {rpn}", n / rpn);
     let victim = kill_mode() != KillMode::Skip;
     // The killed node is the last one.
-    ranks::spawn(&["nodes".to_string()], n, IDS, Duration::from_secs(240), |r| if victim && r >= n - rpn { VICTIM_EXIT } else { 0 })?;
+    ranks::spawn(&["nodes".to_string()], n, IDS, Duration::from_secs(240), |r| {
+        if victim && r >= n - rpn {
+            VICTIM_EXIT
+        } else {
+            0
+        }
+    })?;
     Ok(Outcome::Spawned { nranks: n })
 }
 
@@ -108,20 +121,36 @@ fn correctness_and_graphs(env: &RankEnv, control: &Comm, rpn: usize) -> Result<(
     // SAFETY: a live handle made by init_comm.
     let nodes = unsafe { (*comm).comm() }.topology.node_count;
     if rank == 0 {
-        say(rank, format!("{n} ranks in {nodes} nodes of {rpn}, inter-node over {:?}", unsafe { (*comm).comm() }.inter_node.lock().as_ref().map(|i| i.net)));
+        say(
+            rank,
+            format!(
+                "{n} ranks in {nodes} nodes of {rpn}, inter-node over {:?}",
+                unsafe { (*comm).comm() }.inter_node.lock().as_ref().map(|i| i.net)
+            ),
+        );
     }
     if nodes < 2 {
-        return Err(MkError::internal(format!("the communicator has {nodes} node(s): MK_RANKS_PER_NODE={rpn} did not split it")));
+        return Err(MkError::internal(format!(
+            "the communicator has {nodes} node(s): MK_RANKS_PER_NODE={rpn} did not split it"
+        )));
     }
     let t = Instant::now();
     // MK_TEST_NODES=fused: the fused ops' checks only.
-    let (checks, failures) =
-        if std::env::var("MK_TEST_NODES").is_ok_and(|v| v == "fused") { (0, 0) } else { run_matrix(comm, rank, n, Some(rpn), 0x5eed_0000)? };
+    let (checks, failures) = if std::env::var("MK_TEST_NODES").is_ok_and(|v| v == "fused") {
+        (0, 0)
+    } else {
+        run_matrix(comm, rank, n, Some(rpn), 0x5eed_0000)?
+    };
     outcome::count(checks);
     say(rank, format!("across nodes: {checks} checks, {failures} failed, {:.1} s", t.elapsed().as_secs_f64()));
     let fused = all_gather_gemm(comm, rank, n);
     let graphs = if checks > 0 { graph_replay_on(comm, rank, n, Some(rpn)) } else { Ok(()) };
-    let fused_graphs = fused_common::graph_replay(comm, rank, "mkAllGatherGemm across nodes", &AgGemmCase::new(mkDataType_t::mkBfloat16, 256, 392, 200, n, rank)?);
+    let fused_graphs = fused_common::graph_replay(
+        comm,
+        rank,
+        "mkAllGatherGemm across nodes",
+        &AgGemmCase::new(mkDataType_t::mkBfloat16, 256, 392, 200, n, rank)?,
+    );
     // Every rank is done with the communicator before any closes its connections.
     control.bootstrap.barrier()?;
     crate::collectives::destroy(comm)?;
@@ -140,7 +169,14 @@ fn gemm_reduce_across_nodes(env: &RankEnv, control: &Comm, rpn: usize) -> Result
     let result = crate::gemm_reduce::correctness(comm, control, rank, n, true)
         .and_then(|_| crate::gemm_reduce::graph_replay(comm, rank, n, true))
         .and_then(|_| gemm_reduce_back_to_back(comm, rank, n));
-    say(rank, format!("mkGemmReduceScatter / mkGemmAllReduce across nodes: {:.1} s, {}", t.elapsed().as_secs_f64(), if result.is_ok() { "passed" } else { "FAILED" }));
+    say(
+        rank,
+        format!(
+            "mkGemmReduceScatter / mkGemmAllReduce across nodes: {:.1} s, {}",
+            t.elapsed().as_secs_f64(),
+            if result.is_ok() { "passed" } else { "FAILED" }
+        ),
+    );
     control.bootstrap.barrier()?;
     crate::collectives::destroy(comm)?;
     result
@@ -158,7 +194,8 @@ fn gemm_reduce_back_to_back(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize)
         for _ in 0..6 {
             crate::collectives::ffi(&case.label(), case.launch(comm, stream.0), comm)?;
         }
-        timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{} back to back", case.label())))?;
+        timed_sync(&stream, Duration::from_secs(30))
+            .map_err(|e| e.context(format!("{} back to back", case.label())))?;
         let code = async_error(comm);
         if code != mkResult_t::mkSuccess {
             return Err(MkError::new(code, format!("{} back to back: asynchronous error {code:?}", case.label())));
@@ -166,7 +203,10 @@ fn gemm_reduce_back_to_back(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize)
         let (ok, detail, _) = case.verify()?;
         outcome::count(1);
         if !ok || rank == 0 {
-            say(rank, format!("{} 6 calls back to back: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
+            say(
+                rank,
+                format!("{} 6 calls back to back: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }),
+            );
         }
         if !ok {
             return Err(MkError::internal(format!("{} back to back: wrong result", case.label())));
@@ -187,7 +227,9 @@ fn all_gather_gemm(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize) -> Resul
     for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
         for &(rows, cols, k) in &shapes {
             let case = AgGemmCase::new(dtype, rows, cols, k, n, rank)?;
-            let (c, f) = fused_common::check_rounds(comm, rank, "mkAllGatherGemm", &case, 31, 2, &|round| case.with_gathered.set(round == 0))?;
+            let (c, f) = fused_common::check_rounds(comm, rank, "mkAllGatherGemm", &case, 31, 2, &|round| {
+                case.with_gathered.set(round == 0)
+            })?;
             checks += c;
             failures += f;
         }
@@ -202,10 +244,17 @@ fn all_gather_gemm(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize) -> Resul
         for _ in 0..6 {
             crate::collectives::ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
         }
-        timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{} back to back", case.label())))?;
+        timed_sync(&stream, Duration::from_secs(30))
+            .map_err(|e| e.context(format!("{} back to back", case.label())))?;
         let code = async_error(comm);
         if code != mkResult_t::mkSuccess {
-            return Err(MkError::new(code, format!("mkAllGatherGemm {} back to back (gatheredA {with_gathered}): asynchronous error {code:?}", case.label())));
+            return Err(MkError::new(
+                code,
+                format!(
+                    "mkAllGatherGemm {} back to back (gatheredA {with_gathered}): asynchronous error {code:?}",
+                    case.label()
+                ),
+            ));
         }
         let (ok, detail) = case.verify()?;
         checks += 1;
@@ -213,11 +262,21 @@ fn all_gather_gemm(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize) -> Resul
             failures += 1;
         }
         if !ok || rank == 0 {
-            say(rank, format!("mkAllGatherGemm {} 6 calls back to back: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
+            say(
+                rank,
+                format!(
+                    "mkAllGatherGemm {} 6 calls back to back: {detail} -> {}",
+                    case.label(),
+                    if ok { "ok" } else { "WRONG" }
+                ),
+            );
         }
     }
     outcome::count(checks);
-    say(rank, format!("mkAllGatherGemm across nodes: {checks} checks, {failures} wrong, {:.1} s", t.elapsed().as_secs_f64()));
+    say(
+        rank,
+        format!("mkAllGatherGemm across nodes: {checks} checks, {failures} wrong, {:.1} s", t.elapsed().as_secs_f64()),
+    );
     if failures > 0 {
         return Err(MkError::internal(format!("mkAllGatherGemm across nodes: {failures} of {checks} checks wrong")));
     }
@@ -242,13 +301,17 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     let stream = Stream::new()?;
     let fused_stream = Stream::new()?;
     let rs_stream = Stream::new()?;
-    let mut case = Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 4 << 20, false, rank, n)?;
+    let mut case =
+        Case::new(CollectiveKind::AllReduce, mkDataType_t::mkFloat32, mkRedOp_t::mkSum, 4 << 20, false, rank, n)?;
     case.prepare(99)?;
     control.bootstrap.barrier()?;
     if rank >= n - rpn {
         // Never join the ops: the survivors are waiting for this node's data when it dies.
         std::thread::sleep(Duration::from_millis(500));
-        say(rank, "killed node: exiting while the other nodes are in mkAllReduce, mkAllGatherGemm and mkGemmReduceScatter");
+        say(
+            rank,
+            "killed node: exiting while the other nodes are in mkAllReduce, mkAllGatherGemm and mkGemmReduceScatter",
+        );
         use std::io::Write;
         let _ = std::io::stdout().flush();
         // SAFETY: ends the process at once, as a crash would.
@@ -266,7 +329,11 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
         return Err(MkError::internal(format!("killed node: expected mkTimeout or mkRemoteError, got {code:?}")));
     }
     if t.elapsed() > limit {
-        return Err(MkError::internal(format!("killed node: took {:.2} s, more than the timeout plus {} s", t.elapsed().as_secs_f64(), FAULT_SLACK.as_secs())));
+        return Err(MkError::internal(format!(
+            "killed node: took {:.2} s, more than the timeout plus {} s",
+            t.elapsed().as_secs_f64(),
+            FAULT_SLACK.as_secs()
+        )));
     }
     // Each fused op must stop the same way, within the same limit.
     let fused_stopped = |what: &str, stream: &Stream, comm| -> Result<mkResult_t> {
@@ -274,10 +341,16 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
         let code = async_error(comm);
         say(rank, format!("killed node: {what} stopped after {:.2} s with {code:?}", t.elapsed().as_secs_f64()));
         if code != mkResult_t::mkTimeout && code != mkResult_t::mkRemoteError {
-            return Err(MkError::internal(format!("killed node: {what}: expected mkTimeout or mkRemoteError, got {code:?}")));
+            return Err(MkError::internal(format!(
+                "killed node: {what}: expected mkTimeout or mkRemoteError, got {code:?}"
+            )));
         }
         if t.elapsed() > limit {
-            return Err(MkError::internal(format!("killed node: {what} took {:.2} s, more than the timeout plus {} s", t.elapsed().as_secs_f64(), FAULT_SLACK.as_secs())));
+            return Err(MkError::internal(format!(
+                "killed node: {what} took {:.2} s, more than the timeout plus {} s",
+                t.elapsed().as_secs_f64(),
+                FAULT_SLACK.as_secs()
+            )));
         }
         Ok(code)
     };
@@ -287,11 +360,15 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     // The communicators refuse new work with the same code.
     let again = case.launch(comm, stream.0).err().map(|e| e.code);
     if again != Some(code) {
-        return Err(MkError::internal(format!("killed node: a new op after the failure gave {again:?}, expected {code:?}")));
+        return Err(MkError::internal(format!(
+            "killed node: a new op after the failure gave {again:?}, expected {code:?}"
+        )));
     }
     let again = fused_case.launch(fused_comm, fused_stream.0);
     if again != fused_code {
-        return Err(MkError::internal(format!("killed node: mkAllGatherGemm after the failure gave {again:?}, expected {fused_code:?}")));
+        return Err(MkError::internal(format!(
+            "killed node: mkAllGatherGemm after the failure gave {again:?}, expected {fused_code:?}"
+        )));
     }
     crate::collectives::destroy(comm)?;
     crate::collectives::destroy(fused_comm)?;

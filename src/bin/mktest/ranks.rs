@@ -44,11 +44,16 @@ fn parse_ids(s: &str) -> mkernel::Result<Vec<UniqueId>> {
         .map(|h| {
             let h = h.trim();
             if h.len() != 2 * UNIQUE_ID_BYTES {
-                return Err(MkError::invalid_argument(format!("{ENV_IDS}: an id has {} hex digits, expected {}", h.len(), 2 * UNIQUE_ID_BYTES)));
+                return Err(MkError::invalid_argument(format!(
+                    "{ENV_IDS}: an id has {} hex digits, expected {}",
+                    h.len(),
+                    2 * UNIQUE_ID_BYTES
+                )));
             }
             let mut b = [0u8; UNIQUE_ID_BYTES];
             for (i, byte) in b.iter_mut().enumerate() {
-                *byte = u8::from_str_radix(&h[2 * i..2 * i + 2], 16).map_err(|_| MkError::invalid_argument(format!("{ENV_IDS}: not hex")))?;
+                *byte = u8::from_str_radix(&h[2 * i..2 * i + 2], 16)
+                    .map_err(|_| MkError::invalid_argument(format!("{ENV_IDS}: not hex")))?;
             }
             UniqueId::from_bytes(&b)
         })
@@ -71,7 +76,9 @@ pub fn child_env(nids: usize) -> mkernel::Result<Option<RankEnv>> {
         if rank == 0 {
             let (ids, text) = make_ids(nids)?;
             let tmp = format!("{path}.tmp{}", std::process::id());
-            std::fs::write(&tmp, &text).and_then(|_| std::fs::rename(&tmp, &path)).map_err(|e| MkError::system(format!("writing {path}: {e}")))?;
+            std::fs::write(&tmp, &text)
+                .and_then(|_| std::fs::rename(&tmp, &path))
+                .map_err(|e| MkError::system(format!("writing {path}: {e}")))?;
             ids
         } else {
             let deadline = Instant::now() + Duration::from_secs(60);
@@ -101,7 +108,13 @@ pub fn child_env(nids: usize) -> mkernel::Result<Option<RankEnv>> {
 /// Runs this executable with `args` in `nranks` processes of this executable; each rank must exit with
 /// `expected_exit(rank)` before `deadline`, or every remaining rank is killed. A rank that
 /// exits with `SKIP_EXIT` (it could not run) is a failure, reported as a skip.
-pub fn spawn(args: &[String], nranks: usize, nids: usize, deadline: Duration, expected_exit: impl Fn(usize) -> i32) -> mkernel::Result<()> {
+pub fn spawn(
+    args: &[String],
+    nranks: usize,
+    nids: usize,
+    deadline: Duration,
+    expected_exit: impl Fn(usize) -> i32,
+) -> mkernel::Result<()> {
     let (_ids, text) = make_ids(nids)?;
     let exe = std::env::current_exe().map_err(|e| MkError::system(format!("current_exe: {e}")))?;
     let mut children: Vec<Option<Child>> = Vec::new();
@@ -124,7 +137,9 @@ pub fn spawn(args: &[String], nranks: usize, nids: usize, deadline: Duration, ex
             if let Ok(Some(status)) = child.try_wait() {
                 let code = status.code().unwrap_or(-1);
                 if code == SKIP_EXIT && expected_exit(r) != SKIP_EXIT {
-                    failures.push(format!("rank {r} SKIPPED (exit {SKIP_EXIT}): a rank that cannot run fails the multi-rank case"));
+                    failures.push(format!(
+                        "rank {r} SKIPPED (exit {SKIP_EXIT}): a rank that cannot run fails the multi-rank case"
+                    ));
                 } else if code != expected_exit(r) {
                     failures.push(format!("rank {r} exited with {status} (expected {})", expected_exit(r)));
                 }

@@ -38,7 +38,11 @@ use mkernel::types::mkDataType_t;
 pub fn run() -> Result<Outcome> {
     fused_common::run_suite(
         "ring_attn",
-        |comm, _control, rank, n| correctness(comm, rank, n).and_then(|_| argument_errors(comm, rank, n)).and_then(|_| graph_replay(comm, rank, n)),
+        |comm, _control, rank, n| {
+            correctness(comm, rank, n)
+                .and_then(|_| argument_errors(comm, rank, n))
+                .and_then(|_| graph_replay(comm, rank, n))
+        },
         absent_rank,
     )
 }
@@ -58,7 +62,17 @@ struct Case {
 }
 
 impl Case {
-    fn new(dtype: mkDataType_t, batch: usize, seq_local: usize, heads: usize, kv_heads: usize, head_dim: usize, causal: bool, nranks: usize, rank: usize) -> Result<Case> {
+    fn new(
+        dtype: mkDataType_t,
+        batch: usize,
+        seq_local: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        causal: bool,
+        nranks: usize,
+        rank: usize,
+    ) -> Result<Case> {
         let shape = RingShape { batch, seq_local, heads, kv_heads, head_dim, causal, nranks };
         let q_elems = batch * seq_local * heads * head_dim;
         let shard = batch * seq_local * kv_heads * head_dim;
@@ -141,10 +155,17 @@ impl FusedCase for Case {
         let out_verdict = check_close(&out, &ref_out, &out_bound, tolerance(self.dtype));
         let lse_verdict = check_close(&lse, &ref_lse, &lse_bound, LSE_L2_LIMIT);
         let mut buffers: Vec<(&str, &TestBuffer)> = vec![("out", &self.out), ("lse", &self.lse), ("q", &self.q)];
-        buffers.extend(self.k_shards.iter().map(|b| ("K shard", b)).chain(self.v_shards.iter().map(|b| ("V shard", b))));
+        buffers
+            .extend(self.k_shards.iter().map(|b| ("K shard", b)).chain(self.v_shards.iter().map(|b| ("V shard", b))));
         let guards = fused_common::guards_intact(&buffers)?;
         let ok = out_verdict.passed() && lse_verdict.passed() && guards.is_none();
-        Ok((ok, format!("out: {out_verdict}; lse: {lse_verdict}{}", guards.map_or(String::new(), |w| format!("; GUARD {w}")))))
+        Ok((
+            ok,
+            format!(
+                "out: {out_verdict}; lse: {lse_verdict}{}",
+                guards.map_or(String::new(), |w| format!("; GUARD {w}"))
+            ),
+        ))
     }
 }
 
@@ -162,14 +183,27 @@ struct AttentionReference {
     lse_bound: Vec<f64>,
 }
 
-fn attention_reference(s: &RingShape, rank: usize, scale: f64, q: &[f64], k: &[f64], v: &[f64], dtype: mkDataType_t) -> AttentionReference {
+fn attention_reference(
+    s: &RingShape,
+    rank: usize,
+    scale: f64,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dtype: mkDataType_t,
+) -> AttentionReference {
     let (d, h, hkv, sl, n) = (s.head_dim, s.heads, s.kv_heads, s.seq_local, s.nranks);
     let shard = s.batch * sl * hkv * d;
     let u = unit_roundoff(dtype);
     let u_acc = accumulation_unit(mkDataType_t::mkFloat32);
     let (exp_err, rescale_err) = (2f64.powi(-21), 2f64.powi(-22));
     let rows = s.batch * sl * h;
-    let mut r = AttentionReference { out: vec![0f64; rows * d], out_bound: vec![0f64; rows * d], lse: vec![0f64; rows], lse_bound: vec![0f64; rows] };
+    let mut r = AttentionReference {
+        out: vec![0f64; rows * d],
+        out_bound: vec![0f64; rows * d],
+        lse: vec![0f64; rows],
+        lse_bound: vec![0f64; rows],
+    };
     let mut scores = Vec::with_capacity(n * sl);
     for b in 0..s.batch {
         for hh in 0..h {
@@ -185,7 +219,10 @@ fn attention_reference(s: &RingShape, rank: usize, scale: f64, q: &[f64], k: &[f
                             continue;
                         }
                         let base = src * shard + ((b * sl + j) * hkv + hk) * d;
-                        let (dot, mag) = qrow.iter().zip(&k[base..base + d]).fold((0.0, 0.0), |(a, g), (x, y)| (a + x * y, g + (x * y).abs()));
+                        let (dot, mag) = qrow
+                            .iter()
+                            .zip(&k[base..base + d])
+                            .fold((0.0, 0.0), |(a, g), (x, y)| (a + x * y, g + (x * y).abs()));
                         dot_mag_max = dot_mag_max.max(mag);
                         scores.push((scale * dot, base));
                     }
@@ -207,11 +244,16 @@ fn attention_reference(s: &RingShape, rank: usize, scale: f64, q: &[f64], k: &[f
                 let score_err = scale * gamma(d, u_acc) * dot_mag_max + 2f64.powi(-22) * s_max;
                 let factor = u + gamma(keys.max(1), u_acc) + 2.2 * (score_err + exp_err) + blocks * rescale_err;
                 for c in 0..d {
-                    r.out_bound[row + c] = 1.01 * (underflow_floor(dtype) + factor * mag[c] + 2.0 * u * r.out[row + c].abs());
+                    r.out_bound[row + c] =
+                        1.01 * (underflow_floor(dtype) + factor * mag[c] + 2.0 * u * r.out[row + c].abs());
                 }
                 let li = (b * h + hh) * sl + i;
                 r.lse[li] = mx + sum.ln();
-                r.lse_bound[li] = 1.01 * (2.2 * (score_err + exp_err) + gamma(keys.max(1), u_acc) + blocks * rescale_err + 2f64.powi(-23) * r.lse[li].abs());
+                r.lse_bound[li] = 1.01
+                    * (2.2 * (score_err + exp_err)
+                        + gamma(keys.max(1), u_acc)
+                        + blocks * rescale_err
+                        + 2f64.powi(-23) * r.lse[li].abs());
             }
         }
     }
@@ -303,7 +345,12 @@ fn last_error(comm: mkComm_t) -> String {
 }
 
 fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
-    fused_common::graph_replay(comm, rank, "mkRingAttention", &Case::new(mkDataType_t::mkBfloat16, 1, 192, 4, 2, 128, true, n, rank)?)
+    fused_common::graph_replay(
+        comm,
+        rank,
+        "mkRingAttention",
+        &Case::new(mkDataType_t::mkBfloat16, 1, 192, 4, 2, 128, true, n, rank)?,
+    )
 }
 
 fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
@@ -338,7 +385,16 @@ mod tests {
 
     /// (out, lse) as the kernel forms them; `drop_block` leaves one 64-key block out of one
     /// query row (a block that never arrived).
-    fn simulated(s: &RingShape, rank: usize, scale: f32, q: &[f64], k: &[f64], v: &[f64], dtype: mkDataType_t, drop_block: Option<(usize, usize)>) -> (Vec<f64>, Vec<f64>) {
+    fn simulated(
+        s: &RingShape,
+        rank: usize,
+        scale: f32,
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        dtype: mkDataType_t,
+        drop_block: Option<(usize, usize)>,
+    ) -> (Vec<f64>, Vec<f64>) {
         let (d, h, hkv, sl, n) = (s.head_dim, s.heads, s.kv_heads, s.seq_local, s.nranks);
         let shard = s.batch * sl * hkv * d;
         let mut out = vec![0f64; s.batch * sl * h * d];
@@ -350,7 +406,11 @@ mod tests {
                     let qpos = token_pos(s, rank, i);
                     let row = (b * sl + i) * h + hh;
                     let keys: Vec<usize> = (0..n)
-                        .flat_map(|src| (0..sl).filter(move |&j| !(s.causal && token_pos(s, src, j) > qpos)).map(move |j| src * shard + ((b * sl + j) * hkv + hk) * d))
+                        .flat_map(|src| {
+                            (0..sl)
+                                .filter(move |&j| !(s.causal && token_pos(s, src, j) > qpos))
+                                .map(move |j| src * shard + ((b * sl + j) * hkv + hk) * d)
+                        })
                         .collect();
                     let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
                     let mut acc = vec![0f32; d];
@@ -358,7 +418,10 @@ mod tests {
                         if drop_block == Some((row, blk)) {
                             continue;
                         }
-                        let sc: Vec<f32> = block.iter().map(|&base| scale * (0..d).fold(0f32, |a, c| a + (q[row * d + c] * k[base + c]) as f32)).collect();
+                        let sc: Vec<f32> = block
+                            .iter()
+                            .map(|&base| scale * (0..d).fold(0f32, |a, c| a + (q[row * d + c] * k[base + c]) as f32))
+                            .collect();
                         let m_new = sc.iter().fold(m, |a, &x| a.max(x));
                         let rescale = (m - m_new).exp();
                         l *= rescale;
@@ -397,7 +460,11 @@ mod tests {
                 let (out, lse) = simulated(&s, rank, scale, &q, &k, &v, dtype, None);
                 let vo = check_close(&out, &r.out, &r.out_bound, tolerance(dtype));
                 let vl = check_close(&lse, &r.lse, &r.lse_bound, LSE_L2_LIMIT);
-                assert!(vo.passed() && vl.passed(), "{} causal {causal} D {d} n {nranks}: out {vo}; lse {vl}", dtype.name());
+                assert!(
+                    vo.passed() && vl.passed(),
+                    "{} causal {causal} D {d} n {nranks}: out {vo}; lse {vl}",
+                    dtype.name()
+                );
                 if nranks * seq_local > 64 {
                     // The last query row's first key block never arrived.
                     let last_row = seq_local * 4 - 1;

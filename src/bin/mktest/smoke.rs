@@ -22,7 +22,11 @@ pub fn run() -> mkernel::Result<Outcome> {
         // Uniform on [-2, 2): mean 0, variance 4/3.
         let ok = bad == 0 && mean.abs() < 0.01 && (var - 4.0 / 3.0).abs() < 0.01;
         outcome::count(1);
-        println!("  fill_random {:>8} n={n}: mean {mean:+.4} var {var:.4} out-of-range {bad} -> {}", dtype.name(), if ok { "ok" } else { "WRONG" });
+        println!(
+            "  fill_random {:>8} n={n}: mean {mean:+.4} var {var:.4} out-of-range {bad} -> {}",
+            dtype.name(),
+            if ok { "ok" } else { "WRONG" }
+        );
         if !ok {
             return Err(MkError::internal(format!("fill_random {} produced wrong statistics", dtype.name())));
         }
@@ -38,7 +42,8 @@ pub fn run() -> mkernel::Result<Outcome> {
     }
     // ...and a write one element past the end is caught.
     // SAFETY: the trailing guard band lies inside the allocation.
-    unsafe { cudarc::driver::result::memset_d8_sync(buf.ptr() + buf.bytes() as u64, 0, 2) }.map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
+    unsafe { cudarc::driver::result::memset_d8_sync(buf.ptr() + buf.bytes() as u64, 0, 2) }
+        .map_err(|e| cuda::cuda_err("cuMemsetD8", e))?;
     if buf.guards_intact()?.is_none() {
         return Err(MkError::internal("a write past the end of a TestBuffer went unnoticed"));
     }

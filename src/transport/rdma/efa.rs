@@ -73,7 +73,14 @@ pub fn query_device(lib: &VerbsLibrary, ctx: Ptr) -> Option<EfaDevice> {
 
 /// Creates an SRD queue pair (reset state) able to post RDMA writes and sends with
 /// immediate data.
-pub fn create_srd_qp(lib: &VerbsLibrary, ctx: Ptr, pd: Ptr, cq: Ptr, send_depth: u32, receive_depth: u32) -> Result<Ptr> {
+pub fn create_srd_qp(
+    lib: &VerbsLibrary,
+    ctx: Ptr,
+    pd: Ptr,
+    cq: Ptr,
+    send_depth: u32,
+    receive_depth: u32,
+) -> Result<Ptr> {
     let efa = lib.efa.ok_or_else(|| MkError::system("libefa.so.1 did not load"))?;
     let mut init = ibv_qp_init_attr_ex {
         qp_context: null_mut(),
@@ -104,7 +111,8 @@ pub fn create_srd_qp(lib: &VerbsLibrary, ctx: Ptr, pd: Ptr, cq: Ptr, send_depth:
     };
     let mut efa_attr = efadv_qp_init_attr { comp_mask: 0, driver_qp_type: EFADV_QP_DRIVER_TYPE_SRD, reserved: [0; 4] };
     // SAFETY: both attribute structs are filled; inlen is the size of efa_attr.
-    let qp = unsafe { (efa.create_qp_ex)(ctx, &mut init, &mut efa_attr, std::mem::size_of::<efadv_qp_init_attr>() as u32) };
+    let qp =
+        unsafe { (efa.create_qp_ex)(ctx, &mut init, &mut efa_attr, std::mem::size_of::<efadv_qp_init_attr>() as u32) };
     if qp.is_null() {
         return Err(MkError::system(format!("efadv_create_qp_ex (SRD) failed: {}", std::io::Error::last_os_error())));
     }

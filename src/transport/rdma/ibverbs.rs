@@ -285,13 +285,17 @@ unsafe impl Send for IbVerbs {}
 impl IbVerbs {
     /// Opens the first (device, port) `MK_IB_HCA` allows.
     pub fn open(rank: usize) -> Result<IbVerbs> {
-        let lib = library().map_err(|why| MkError::system(format!("RDMA needs libibverbs, which did not load ({why})")))?;
+        let lib =
+            library().map_err(|why| MkError::system(format!("RDMA needs libibverbs, which did not load ({why})")))?;
         let (name, port) = chosen_ports()?
             .into_iter()
             .next()
             .ok_or_else(|| MkError::system("no RDMA device with an active port matches MK_IB_HCA (or none exists)"))?;
         let list = DeviceList::get(lib).ok_or_else(|| errno_error("ibv_get_device_list"))?;
-        let dev = list.devices().find(|&d| list.name(d) == name).ok_or_else(|| MkError::system(format!("{name} vanished")))?;
+        let dev = list
+            .devices()
+            .find(|&d| list.name(d) == name)
+            .ok_or_else(|| MkError::system(format!("{name} vanished")))?;
         // SAFETY: dev is from the live list; the context is closed in Drop.
         let ctx = unsafe { (lib.open_device)(dev) };
         if ctx.is_null() {
@@ -318,7 +322,8 @@ impl IbVerbs {
             mrs: Vec::new(),
             wcs: vec![ibv_wc::default(); 32],
         };
-        v.port_info = query_port(lib, ctx, v.port).ok_or_else(|| errno_error(&format!("ibv_query_port({name}:{port})")))?;
+        v.port_info =
+            query_port(lib, ctx, v.port).ok_or_else(|| errno_error(&format!("ibv_query_port({name}:{port})")))?;
         if let Some((_, max_qp_wr)) = query_device(lib, ctx) {
             v.max_qp_wr = max_qp_wr.max(1);
         }
@@ -379,7 +384,8 @@ impl IbVerbs {
         // SAFETY: the caller keeps the range valid until the layer is dropped.
         let mr = unsafe { (self.lib.reg_mr)(self.pd, base as Ptr, bytes as usize, access) };
         if mr.is_null() {
-            let hint = if kind == MemoryKind::Device { " (device memory: load nvidia_peermem or use dmabuf)" } else { "" };
+            let hint =
+                if kind == MemoryKind::Device { " (device memory: load nvidia_peermem or use dmabuf)" } else { "" };
             return Err(MkError::system(format!(
                 "ibv_reg_mr of {bytes} bytes on {} failed: {}{hint}",
                 self.device,
@@ -433,7 +439,10 @@ impl IbVerbs {
         // SAFETY: qp is live; attr is filled for the fields in mask.
         let r = unsafe { (self.lib.modify_qp)(qp, attr, mask) };
         if r != 0 {
-            return Err(MkError::system(format!("ibv_modify_qp to {what} failed: {}", std::io::Error::from_raw_os_error(r))));
+            return Err(MkError::system(format!(
+                "ibv_modify_qp to {what} failed: {}",
+                std::io::Error::from_raw_os_error(r)
+            )));
         }
         Ok(())
     }
@@ -444,7 +453,13 @@ impl IbVerbs {
             send_cq: self.cq,
             recv_cq: self.cq,
             srq: null_mut(),
-            cap: ibv_qp_cap { max_send_wr: self.send_depth, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: MAX_INLINE },
+            cap: ibv_qp_cap {
+                max_send_wr: self.send_depth,
+                max_recv_wr: 1,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: MAX_INLINE,
+            },
             qp_type: IBV_QPT_RC,
             sq_sig_all: 0,
         };
@@ -502,7 +517,12 @@ impl IbVerbs {
             max_rd_atomic: 1,
             ..Default::default()
         };
-        let mask = IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC;
+        let mask = IBV_QP_STATE
+            | IBV_QP_SQ_PSN
+            | IBV_QP_TIMEOUT
+            | IBV_QP_RETRY_CNT
+            | IBV_QP_RNR_RETRY
+            | IBV_QP_MAX_QP_RD_ATOMIC;
         self.modify(qp, &mut attr, mask, "RTS")
     }
 
@@ -594,7 +614,13 @@ impl Verbs for IbVerbs {
                         return Err(e);
                     }
                 };
-                if let Err(e) = efa::bring_up(self.lib, qp, self.port, self.psn, self.efa_caps & EFADV_DEVICE_ATTR_CAPS_RNR_RETRY != 0) {
+                if let Err(e) = efa::bring_up(
+                    self.lib,
+                    qp,
+                    self.port,
+                    self.psn,
+                    self.efa_caps & EFADV_DEVICE_ATTR_CAPS_RNR_RETRY != 0,
+                ) {
                     // SAFETY: created above, destroyed once.
                     unsafe { (self.lib.destroy_qp)(qp) };
                     return Err(e);
@@ -669,13 +695,17 @@ impl Verbs for IbVerbs {
         // SAFETY: a live MR.
         let lkey: u32 = unsafe { read_at(slots.mr, MR_LKEY) };
         for _ in 0..count {
-            let slot = slots.free.pop().ok_or_else(|| MkError::internal(format!("rank {peer}'s receive slots are all posted")))?;
+            let slot = slots
+                .free
+                .pop()
+                .ok_or_else(|| MkError::internal(format!("rank {peer}'s receive slots are all posted")))?;
             let mut sge = ibv_sge {
                 addr: slots.buffer[slot as usize].as_ptr() as u64,
                 length: SIGNAL_MESSAGE_BYTES as u32,
                 lkey,
             };
-            let mut wr = ibv_recv_wr { wr_id: RECEIVE_TAG | slot as u64, next: null_mut(), sg_list: &mut sge, num_sge: 1 };
+            let mut wr =
+                ibv_recv_wr { wr_id: RECEIVE_TAG | slot as u64, next: null_mut(), sg_list: &mut sge, num_sge: 1 };
             let mut bad: *mut ibv_recv_wr = null_mut();
             // SAFETY: the provider's ibv_post_recv; the slot stays registered and unused
             // until its completion returns it.
@@ -687,7 +717,10 @@ impl Verbs for IbVerbs {
             };
             if r != 0 {
                 slots.free.push(slot);
-                return Err(MkError::system(format!("ibv_post_recv for rank {peer}: {}", std::io::Error::from_raw_os_error(r))));
+                return Err(MkError::system(format!(
+                    "ibv_post_recv for rank {peer}: {}",
+                    std::io::Error::from_raw_os_error(r)
+                )));
             }
         }
         Ok(())

@@ -161,7 +161,11 @@ pub fn plan_put_in_chunks(put: &PutRequest, remote: &RdmaBlob, max_write: u64) -
         done += bytes;
     }
     if let Some((id, value)) = put.signal {
-        steps.push(WriteStep::Flag { value, remote_addr: remote.signals.addr + 8 * id as u64, rkey: remote.signals.rkey });
+        steps.push(WriteStep::Flag {
+            value,
+            remote_addr: remote.signals.addr + 8 * id as u64,
+            rkey: remote.signals.rkey,
+        });
     }
     steps
 }
@@ -194,7 +198,6 @@ pub fn check_window(window: &Window) -> Result<()> {
     Ok(())
 }
 
-
 /// The signal message payload of the sequenced protocol.
 pub fn encode_signal(id: u32, value: u64) -> [u8; SIGNAL_MESSAGE_BYTES] {
     let mut p = [0u8; SIGNAL_MESSAGE_BYTES];
@@ -225,7 +228,14 @@ pub fn plan_work(
         let op = match (*step, ordering) {
             (WriteStep::Data { src_offset, remote_addr, rkey, bytes }, _) => {
                 let imm = (ordering == SignalOrdering::Sequenced).then_some(*next_seq);
-                WorkOp::Write { local_addr: local.data.base + src_offset, lkey: data_keys.lkey, bytes: bytes as u32, remote_addr, rkey, imm }
+                WorkOp::Write {
+                    local_addr: local.data.base + src_offset,
+                    lkey: data_keys.lkey,
+                    bytes: bytes as u32,
+                    remote_addr,
+                    rkey,
+                    imm,
+                }
             }
             (WriteStep::Flag { value, remote_addr, rkey }, SignalOrdering::WriteThenFlag) => {
                 WorkOp::WriteValue { value, remote_addr, rkey }
@@ -423,7 +433,9 @@ impl RdmaTransport {
         let peer = c.peer;
         if let Err(why) = &c.status {
             let what = if matches!(c.kind, CompletionKind::Sent { .. }) { "to" } else { "from" };
-            return Err(MkError::remote(format!("RDMA transfer {what} rank {peer} failed: {why} (is rank {peer} alive?)")));
+            return Err(MkError::remote(format!(
+                "RDMA transfer {what} rank {peer} failed: {why} (is rank {peer} alive?)"
+            )));
         }
         if peer >= self.nranks {
             return Err(MkError::internal(format!("completion names rank {peer} of {}", self.nranks)));
@@ -459,7 +471,8 @@ impl RdmaTransport {
         let mut ready = std::mem::take(&mut self.ready_signals);
         ready.clear();
         let result = self.peers[peer].incoming.arrive(peer, seq, signal, &mut ready);
-        let result = result.and_then(|()| ready.iter().try_for_each(|&(id, value)| self.write_local_signal(peer, id, value)));
+        let result =
+            result.and_then(|()| ready.iter().try_for_each(|&(id, value)| self.write_local_signal(peer, id, value)));
         self.ready_signals = ready;
         result?;
         self.verbs()?.post_receives(peer, 1)
@@ -501,7 +514,11 @@ impl Transport for RdmaTransport {
             mtu: address.mtu,
             psn: address.psn,
             data: RemoteRegion { addr: window.data.base, rkey: self.data_keys.rkey, bytes: window.data.bytes },
-            signals: RemoteRegion { addr: window.signals.base, rkey: self.signal_keys.rkey, bytes: window.signals.bytes },
+            signals: RemoteRegion {
+                addr: window.signals.base,
+                rkey: self.signal_keys.rkey,
+                bytes: window.signals.bytes,
+            },
             qp_nums: self.qp_nums.clone(),
         }
         .encode())
@@ -519,7 +536,10 @@ impl Transport for RdmaTransport {
                 )));
             }
             let remote_qp = *remote.qp_nums.get(self.rank).filter(|&&q| q != 0).ok_or_else(|| {
-                MkError::invalid_usage(format!("rank {p} has no queue pair for rank {}: every peer must list the other", self.rank))
+                MkError::invalid_usage(format!(
+                    "rank {p} has no queue pair for rank {}: every peer must list the other",
+                    self.rank
+                ))
             })?;
             if self.qp_nums[p] == 0 {
                 return Err(MkError::invalid_usage(format!("rank {p} was not among the peers of connection_blob")));
@@ -542,11 +562,9 @@ impl Transport for RdmaTransport {
         }
         self.verbs()?;
         let window = self.window.ok_or_else(|| MkError::invalid_usage("register a window before posting"))?;
-        let remote = self
-            .remotes
-            .get(put.peer)
-            .and_then(|r| r.as_ref())
-            .ok_or_else(|| MkError::invalid_argument(format!("rank {} is not connected to rank {}", self.rank, put.peer)))?;
+        let remote = self.remotes.get(put.peer).and_then(|r| r.as_ref()).ok_or_else(|| {
+            MkError::invalid_argument(format!("rank {} is not connected to rank {}", self.rank, put.peer))
+        })?;
         let (data_bytes, signal_words) = window_limits(remote);
         check_put_ranges(put, &window, data_bytes, signal_words)?;
         let steps = plan_put_in_chunks(put, remote, self.max_write);
@@ -679,7 +697,10 @@ mod tests {
         assert_eq!(next_src, u32::MAX as u64);
         assert!(matches!(steps.last(), Some(WriteStep::Flag { .. })));
         let small = plan_put_in_chunks(&PutRequest { bytes: 10_000, ..put }, &remote, 4096);
-        let sizes: Vec<u64> = small.iter().filter_map(|s| if let WriteStep::Data { bytes, .. } = s { Some(*bytes) } else { None }).collect();
+        let sizes: Vec<u64> = small
+            .iter()
+            .filter_map(|s| if let WriteStep::Data { bytes, .. } = s { Some(*bytes) } else { None })
+            .collect();
         assert_eq!(sizes, vec![4096, 4096, 10_000 - 8192], "a device's smaller write limit splits puts further");
     }
 
@@ -689,7 +710,9 @@ mod tests {
         assert_eq!(page_cover(0x10010, 0x10, 0x1000), (0x10000, 0x1000));
         assert_eq!(page_cover(0x10ff0, 0x20, 0x1000), (0x10000, 0x2000));
         let (b, n) = page_cover(0x7f00_1234_5678, 3 << 20, 1 << 16);
-        assert!(b <= 0x7f00_1234_5678 && b + n >= 0x7f00_1234_5678 + (3 << 20) && b % (1 << 16) == 0 && n % (1 << 16) == 0);
+        assert!(
+            b <= 0x7f00_1234_5678 && b + n >= 0x7f00_1234_5678 + (3 << 20) && b % (1 << 16) == 0 && n % (1 << 16) == 0
+        );
     }
 
     /// The no-device fallback: on a machine without RDMA devices (CI, the development
@@ -721,7 +744,8 @@ mod tests {
             signals: MemoryRegion { base: 0x9000, bytes: 64, kind: MemoryKind::Host },
         };
         let keys = MemoryKeys { lkey: 7, rkey: 8 };
-        let put = PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 2 * MAX_WRITE_BYTES + 5, signal: Some((3, 99)) };
+        let put =
+            PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 2 * MAX_WRITE_BYTES + 5, signal: Some((3, 99)) };
         let steps = plan_put(&put, &remote);
         let mut seq = u32::MAX - 1;
         let work = plan_work(&put, 11, &steps, SignalOrdering::Sequenced, &window, keys, &mut seq);

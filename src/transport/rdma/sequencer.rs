@@ -26,7 +26,13 @@ impl SignalSequencer {
 
     /// Records message `seq` (carrying `signal` = (signal id, value) or none) and appends
     /// to `ready` the signals that may now be written, in sending order.
-    pub fn arrive(&mut self, peer: usize, seq: u32, signal: Option<(u32, u64)>, ready: &mut Vec<(u32, u64)>) -> Result<()> {
+    pub fn arrive(
+        &mut self,
+        peer: usize,
+        seq: u32,
+        signal: Option<(u32, u64)>,
+        ready: &mut Vec<(u32, u64)>,
+    ) -> Result<()> {
         if seq.wrapping_sub(self.next) >= SEQUENCE_WINDOW || self.arrived.contains_key(&seq) {
             return Err(MkError::remote(format!(
                 "rank {peer} sent message {seq} twice or out of its window (expecting {} next): the RDMA \

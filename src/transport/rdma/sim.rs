@@ -149,7 +149,10 @@ impl SimFabric {
     /// The device of `rank` on this fabric.
     pub fn endpoint(&self, rank: usize) -> SimVerbs {
         let mut f = self.0.lock();
-        f.nodes.insert(rank, Node { alive: true, regions: Vec::new(), queue_pairs: HashMap::new(), completions: Vec::new() });
+        f.nodes.insert(
+            rank,
+            Node { alive: true, regions: Vec::new(), queue_pairs: HashMap::new(), completions: Vec::new() },
+        );
         SimVerbs { fabric: self.clone(), rank, config: f.config }
     }
 
@@ -169,7 +172,9 @@ impl SimFabric {
 }
 
 fn find_region(node: &Node, key: impl Fn(&MemoryKeys) -> bool, addr: u64, bytes: u64) -> bool {
-    node.regions.iter().any(|(r, k)| key(k) && addr >= r.base && addr.checked_add(bytes).is_some_and(|e| e <= r.base + r.bytes))
+    node.regions
+        .iter()
+        .any(|(r, k)| key(k) && addr >= r.base && addr.checked_add(bytes).is_some_and(|e| e <= r.base + r.bytes))
 }
 
 impl Fabric {
@@ -181,7 +186,10 @@ impl Fabric {
 
     /// Fails message `m` at its sender; RC queue pairs enter the error state and flush.
     fn fail(&mut self, m: &Message, why: &str) {
-        self.complete(m.from, Completion { peer: m.to, kind: CompletionKind::Sent { id: m.wr.id }, status: Err(why.into()) });
+        self.complete(
+            m.from,
+            Completion { peer: m.to, kind: CompletionKind::Sent { id: m.wr.id }, status: Err(why.into()) },
+        );
         if let Some(qp) = self.nodes.get_mut(&m.from).and_then(|n| n.queue_pairs.get_mut(&m.to)) {
             qp.posted = qp.posted.saturating_sub(1);
             if self.config.ordering == SignalOrdering::WriteThenFlag {
@@ -191,12 +199,20 @@ impl Fabric {
         if self.config.ordering == SignalOrdering::WriteThenFlag {
             let (from, to) = (m.from, m.to);
             let flushed: Vec<Message> = {
-                let (flushed, kept) = std::mem::take(&mut self.in_flight).into_iter().partition(|x| x.from == from && x.to == to);
+                let (flushed, kept) =
+                    std::mem::take(&mut self.in_flight).into_iter().partition(|x| x.from == from && x.to == to);
                 self.in_flight = kept;
                 flushed
             };
             for x in flushed {
-                self.complete(from, Completion { peer: to, kind: CompletionKind::Sent { id: x.wr.id }, status: Err("work request flushed".into()) });
+                self.complete(
+                    from,
+                    Completion {
+                        peer: to,
+                        kind: CompletionKind::Sent { id: x.wr.id },
+                        status: Err("work request flushed".into()),
+                    },
+                );
             }
             if let Some(qp) = self.nodes.get_mut(&from).and_then(|n| n.queue_pairs.get_mut(&to)) {
                 qp.posted = 0;
@@ -268,7 +284,10 @@ impl Fabric {
             qp.posted = qp.posted.saturating_sub(1);
         }
         if m.wr.signaled {
-            self.complete(m.from, Completion { peer: m.to, kind: CompletionKind::Sent { id: m.wr.id }, status: Ok(()) });
+            self.complete(
+                m.from,
+                Completion { peer: m.to, kind: CompletionKind::Sent { id: m.wr.id }, status: Ok(()) },
+            );
         }
         let received = match m.wr.op {
             WorkOp::Write { imm: Some(imm), .. } => Some(CompletionKind::ReceivedWrite { imm }),
@@ -391,7 +410,10 @@ impl Verbs for SimVerbs {
         self.with_node(|node, _| {
             let qp = node.queue_pairs.get_mut(&peer).ok_or_else(|| MkError::invalid_usage("receives before create"))?;
             if qp.receives + count > depth {
-                return Err(MkError::internal(format!("{} receives exceed the receive queue's {depth}", qp.receives + count)));
+                return Err(MkError::internal(format!(
+                    "{} receives exceed the receive queue's {depth}",
+                    qp.receives + count
+                )));
             }
             qp.receives += count;
             Ok(())
