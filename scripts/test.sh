@@ -10,6 +10,12 @@ export CARGO_TERM_COLOR=never
 echo "== cargo build (libmkernel.so, libmkernel.a, mktest, mkbench; kernels compiled by build.rs)"
 cargo build --release --lib --bins
 
+echo "== lint: rustfmt and clippy (warnings are errors)"
+cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
+cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
+cargo fmt --all --check
+cargo clippy --release --workspace --all-targets -- -D warnings
+
 ./scripts/test-nccl.sh  # libmkernel-nccl: fetches nccl.h 2.28.9, ABI, Rust and C tests (its GPU suite SKIPPED here)
 
 echo "== RDMA: libmkernel.so loads libibverbs at run time, never links it (protocol tests: rdma_sim, rdma_abi below)"

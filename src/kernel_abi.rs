@@ -375,7 +375,7 @@ pub struct GemmReduceParams {
     /// warps after it.
     pub side_reduce: u32,
     /// Byte offsets in every rank's data region: N slabs each of [owner_rows, n], slab m at
-    /// + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
+    /// Word + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
     pub outbox_offset: u64,
     pub inbox_offset: u64,
     pub slab_bytes: u64,
@@ -527,11 +527,11 @@ pub struct RingAttnParams {
 pub const MK_SIG_ABORT: u32 = 0;
 /// Nonzero: the first error word a kernel of this rank recorded (a 32-bit CAS on its low half).
 pub const MK_SIG_ERROR_CLAIM: u32 = 1;
-/// + b: last step of collective CTA b (its own rank only).
+/// Word + b: last step of collective CTA b (its own rank only).
 pub const MK_SIG_SEQ: u32 = 64;
 /// Collective CTA slots with flags.
 pub const MK_SIG_MAX_CTAS: u32 = 256;
-/// + b * MK_MAX_PEERS + src: src's piece of step s is staged (collectives).
+/// Word + b * MK_MAX_PEERS + src: src's piece of step s is staged (collectives).
 pub const MK_SIG_READY: u32 = 512;
 /// AllReduce: src's reduced slice is ready.
 pub const MK_SIG_READY2: u32 = MK_SIG_READY + MK_SIG_MAX_CTAS * MK_MAX_PEERS as u32;
@@ -564,13 +564,13 @@ pub const AGG_EPOCH: u32 = MK_SIG_OP_BASE;
 pub const AGG_ARRIVE: u32 = MK_SIG_OP_BASE + 1;
 /// CTAs of the running launch that copied their slice of the own rows (counter).
 pub const AGG_LOCAL: u32 = MK_SIG_OP_BASE + 2;
-/// + q: local rank q finished epoch e (written by q).
+/// Word + q: local rank q finished epoch e (written by q).
 pub const AGG_DONE: u32 = MK_SIG_OP_BASE + 8;
-/// + node m: node m's GPU-l rank finished epoch e (written by its proxy).
+/// Word + node m: node m's GPU-l rank finished epoch e (written by its proxy).
 pub const AGG_NET_DONE: u32 = MK_SIG_OP_BASE + 16;
-/// + src * flag_stride + c: chunk c of global rank src arrived.
+/// Word + src * flag_stride + c: chunk c of global rank src arrived.
 pub const AGG_CHUNK: u32 = MK_SIG_OP_BASE + 64;
-/// + q * MK_AG_GEMM_MAX_CHUNKS + c (one node) or + (q * nodes + m) * flag_stride + c (across
+/// Word + q * MK_AG_GEMM_MAX_CHUNKS + c (one node) or + (q * nodes + m) * flag_stride + c (across
 /// nodes): pushers done with chunk c (of source node m) for local rank q (counter, reset by
 /// the last).
 pub const AGG_PUSHED: u32 = AGG_CHUNK + MK_MAX_PEERS as u32 * MK_AG_GEMM_MAX_CHUNKS as u32;
@@ -591,7 +591,7 @@ const _: () = assert!(MK_SIG_RING_BASE + 65536 <= MK_SIG_WORDS);
 // GEMM + ReduceScatter / AllReduce (kernels/gemm_reduce*.cu).
 pub const GR_EPOCH: u32 = MK_SIG_OP_BASE + 1024;
 pub const GR_ARRIVE: u32 = MK_SIG_OP_BASE + 1025;
-/// + q: rank q finished reading this rank's P of epoch e.
+/// Word + q: rank q finished reading this rank's P of epoch e.
 pub const GR_DONE: u32 = MK_SIG_OP_BASE + 1032;
 /// Across nodes, + m: node m's GPU-l rank is done with its inbox and R of epoch e (this rank
 /// may put the next call's data there); written by that rank's proxy.
@@ -599,7 +599,7 @@ pub const GR_NET_DONE: u32 = MK_SIG_OP_BASE + 1040;
 /// Across nodes: element counters, [GR_COUNT, GR_TILE): a range of their own, because a
 /// counter must start at 0 and the words past the tile flags hold other shapes' epochs.
 pub const GR_COUNT: u32 = MK_SIG_OP_BASE + 1056;
-/// + tile * 2 + slab: slab stored (own region). Two-phase AllReduce: GR_TILE + 2 * tiles +
+/// Word + tile * 2 + slab: slab stored (own region). Two-phase AllReduce: GR_TILE + 2 * tiles +
 /// tile: the owner reduced the tile into its R. Across nodes the network flags follow.
 pub const GR_TILE: u32 = MK_SIG_OP_BASE + 2048;
 
@@ -608,9 +608,9 @@ pub const MOE_EPOCH: u32 = MK_SIG_MOE_BASE;
 pub const MOE_ARRIVE: u32 = MK_SIG_MOE_BASE + 1;
 /// The prep CTA wrote the layout of epoch e.
 pub const MOE_PREP: u32 = MK_SIG_MOE_BASE + 2;
-/// + q: rank q finished MoE kernel e (written by q).
+/// Word + q: rank q finished MoE kernel e (written by q).
 pub const MOE_DONE: u32 = MK_SIG_MOE_BASE + 8;
-/// + s: rank s wrote its counts here (written by s).
+/// Word + s: rank s wrote its counts here (written by s).
 pub const MOE_CNT: u32 = MK_SIG_MOE_BASE + 16;
 /// Senders' next chunk of the send list (counter).
 pub const MOE_GRAB: u32 = MK_SIG_MOE_BASE + 40;
@@ -620,11 +620,11 @@ pub const MOE_EXIT: u32 = MK_SIG_MOE_BASE + 41;
 pub const MOE_PULL_GRAB: u32 = MK_SIG_MOE_BASE + 42;
 /// Combine: pulling warps done (counter; the last resets both).
 pub const MOE_PULL_EXIT: u32 = MK_SIG_MOE_BASE + 43;
-/// + s * E_local + le: all of rank s's rows of local expert le arrived (written by s).
+/// Word + s * E_local + le: all of rank s's rows of local expert le arrived (written by s).
 pub const MOE_RECV: u32 = MK_SIG_MOE_BASE + 1024;
-/// + q: rows of send list q copied (counter; the last copier resets it).
+/// Word + q: rows of send list q copied (counter; the last copier resets it).
 pub const MOE_SENT: u32 = MK_SIG_MOE_BASE + 2048;
-/// + (m_block * tiles_n + n) * 2 + slab: Z slab stored.
+/// Word + (m_block * tiles_n + n) * 2 + slab: Z slab stored.
 pub const MOE_TILE: u32 = MK_SIG_MOE_BASE + 3072;
 /// End of the MoE range.
 pub const MOE_END: u32 = MK_SIG_MOE_BASE + 65536;
@@ -650,9 +650,9 @@ pub const RING_COPIED: u32 = MK_SIG_RING_BASE + 2;
 pub const RING_SCHED_NEXT: u32 = MK_SIG_RING_BASE + 3;
 /// Dynamic schedule: CTAs of the running launch that took their last.
 pub const RING_SCHED_DONE: u32 = MK_SIG_RING_BASE + 4;
-/// + q: rank q finished reading this rank's K/V of epoch e.
+/// Word + q: rank q finished reading this rank's K/V of epoch e.
 pub const RING_DONE: u32 = MK_SIG_RING_BASE + 8;
-/// + src: src's K/V of epoch e is in its workspace (written by src).
+/// Word + src: src's K/V of epoch e is in its workspace (written by src).
 pub const RING_KV: u32 = MK_SIG_RING_BASE + 16;
 
 // ---- Error words: bits 0-7 mkResult_t, 8-15 peer rank (0xff: none), 16-23 what was

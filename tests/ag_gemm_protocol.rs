@@ -222,6 +222,7 @@ fn push_hier(ctx: &RankCtx, a: &[f64], epoch: u64, part: usize, call: u64) -> Re
 
 /// The GEMM producer of CTA b: its tiles' row blocks in the kernel's order, each after the
 /// chunk waits (ChunkAWait::before_a_load), reading and checking every row.
+#[allow(clippy::manual_checked_ops)] // bpr > 0 is the raster choice, not a division guard
 fn gemm_rows(ctx: &RankCtx, epoch: u64, b: usize, call: u64) -> Result<()> {
     let (g, rpr, nranks) = (ctx.rank, ctx.rows_per_rank, ctx.nl.nodes * ctx.nl.local_size);
     let m = rpr * nranks;

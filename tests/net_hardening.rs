@@ -228,7 +228,7 @@ fn an_unused_roots_thread_ends_within_its_idle_limit() {
         std::thread::sleep(Duration::from_millis(10));
     }
     root.join().unwrap();
-    let e = TcpStream::connect(id.root).err().expect("the root's port is closed");
+    let e = TcpStream::connect(id.root).expect_err("the root's port is closed");
     assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused);
     drop(silent);
     // A rank that arrives after it reports which limit ended the root.

@@ -721,8 +721,8 @@ mod tests {
         use crate::kernel_abi::{MK_SIG_MAX_CTAS, MK_SIG_OP_BASE, MK_SIG_READY, MK_SIG_SEQ};
         assert!(SIG_ERROR_CLAIM_WORD < MK_SIG_SEQ as usize);
         assert_eq!(SIGNAL_BYTES, 2 << 20);
-        assert!(MK_SIG_MAX_CTAS >= MAX_CTA_SLOTS);
+        const { assert!(MK_SIG_MAX_CTAS >= MAX_CTA_SLOTS) };
         // READY, READY2, FREE for every CTA slot and peer must end before the fused ops' words.
-        assert!(MK_SIG_READY as usize + 3 * MK_SIG_MAX_CTAS as usize * MK_MAX_PEERS <= MK_SIG_OP_BASE as usize);
+        const { assert!(MK_SIG_READY as usize + 3 * MK_SIG_MAX_CTAS as usize * MK_MAX_PEERS <= MK_SIG_OP_BASE as usize) };
     }
 }

@@ -387,6 +387,7 @@ mod tests {
     /// regions, rows as the kernel forms them): node partials, the puts, the final sums in
     /// node order and the AllReduce gather give Σ over ranks on every rank.
     #[test]
+    #[allow(clippy::needless_range_loop)] // indices follow the formulas being checked
     fn the_plan_computes_the_sum() {
         for (nodes, local, interleaved) in [(2, 2, false), (2, 2, true), (3, 1, false), (2, 3, true)] {
             let r = nodes * local;

@@ -419,6 +419,7 @@ mod tests {
     /// host arrays: every rank's slots, one piece, every kind. Checks the plan's offsets
     /// and the kernel's indexing rules (which sub-piece holds whose data) end to end.
     #[test]
+    #[allow(clippy::needless_range_loop)] // indices follow the formulas being checked
     fn model_of_the_kernel_data_flow_gives_the_collective() {
         for (nranks, rpn) in [(4usize, 2u32), (6, 2), (6, 3), (8, 2), (2, 1)] {
             let nodes = node_of_ranks(&vec![0; nranks], Some(rpn));

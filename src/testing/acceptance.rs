@@ -287,6 +287,9 @@ mod tests {
         }
     }
 
+    /// A tile (rows lo..hi, columns lo..hi) and the range of K its accumulation skipped.
+    type SkippedSteps = ((usize, usize, usize, usize), (usize, usize));
+
     /// A correct GEMM as the GPU forms it: fp32 accumulation in chunks of 16 products,
     /// `k_skipped` (a range of K) left out in the rows and columns of `skip_tile`, then one
     /// rounding to `dtype`.
@@ -297,7 +300,7 @@ mod tests {
         n: usize,
         k: usize,
         dtype: mkDataType_t,
-        skip: Option<((usize, usize, usize, usize), (usize, usize))>,
+        skip: Option<SkippedSteps>,
     ) -> Vec<f64> {
         let mut c = vec![0.0; m * n];
         for i in 0..m {
