@@ -4,61 +4,25 @@
 //! that signals arrive after their data through the whole path, that the ring's tickets
 //! complete, and that a vanished peer fails the producer with mkRemoteError, not a hang.
 
+mod common;
+use common::HostWindow;
 use mkernel::error::mkResult_t;
 use mkernel::transport::proxy::{put_command, Proxy, ProxyOptions, ProxyRing};
 use mkernel::transport::rdma::sim::{SimConfig, SimFabric, SimRng};
 use mkernel::transport::rdma::RdmaTransport;
-use mkernel::transport::{MemoryKind, MemoryRegion, Transport, Window};
-use std::sync::atomic::{AtomicU64, Ordering};
+use mkernel::transport::Transport;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 const SLOT: usize = 4096;
 
-struct HostWindow {
-    data: *mut u8,
-    data_bytes: usize,
-    signals: &'static [AtomicU64],
-}
-
-// SAFETY: leaked memory; readers synchronise through the signal words.
-unsafe impl Send for HostWindow {}
-// SAFETY: as above.
-unsafe impl Sync for HostWindow {}
-
-impl HostWindow {
-    fn new(data_bytes: usize, words: usize) -> HostWindow {
-        let data = Box::leak(vec![0u8; data_bytes].into_boxed_slice()).as_mut_ptr();
-        let signals = Box::leak((0..words).map(|_| AtomicU64::new(0)).collect::<Vec<_>>().into_boxed_slice());
-        HostWindow { data, data_bytes, signals }
-    }
-
-    fn window(&self) -> Window {
-        Window {
-            data: MemoryRegion { base: self.data as u64, bytes: self.data_bytes as u64, kind: MemoryKind::Host },
-            signals: MemoryRegion {
-                base: self.signals.as_ptr() as u64,
-                bytes: 8 * self.signals.len() as u64,
-                kind: MemoryKind::Host,
-            },
-        }
-    }
-
-    /// Fills a source slot (before the puts that read it are posted).
-    fn fill(&self, offset: usize, len: usize, seed: u64) {
-        assert!(offset + len <= self.data_bytes);
-        let mut bytes = vec![0u8; len];
-        fill(seed, &mut bytes);
-        // SAFETY: in bounds of the leaked allocation; nothing reads the slot yet.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data.add(offset), len) };
-    }
-
-    fn read(&self, offset: usize, len: usize) -> Vec<u8> {
-        assert!(offset + len <= self.data_bytes);
-        // SAFETY: in bounds; destination slots are read only after their signal.
-        unsafe { std::slice::from_raw_parts(self.data.add(offset), len) }.to_vec()
-    }
+/// Fills a source slot with seeded bytes (before the puts that read it are posted).
+fn fill_slot(w: &HostWindow, offset: usize, len: usize, seed: u64) {
+    let mut bytes = vec![0u8; len];
+    fill(seed, &mut bytes);
+    w.fill(offset, &bytes);
 }
 
 fn fill(seed: u64, buf: &mut [u8]) {
@@ -68,7 +32,7 @@ fn fill(seed: u64, buf: &mut [u8]) {
 
 /// Proxies for two ranks over `fabric`, windows of `puts` source and `puts` destination slots.
 fn start(fabric: &SimFabric, puts: usize) -> Vec<(Proxy, Arc<ProxyRing>, Arc<HostWindow>)> {
-    let windows: Vec<Arc<HostWindow>> = (0..2).map(|_| Arc::new(HostWindow::new(2 * puts * SLOT, 4))).collect();
+    let windows: Vec<Arc<HostWindow>> = (0..2).map(|_| Arc::new(HostWindow::new(2 * puts * SLOT, 4, 0))).collect();
     let mut transports: Vec<RdmaTransport> =
         (0..2).map(|r| RdmaTransport::over(r, 2, Box::new(fabric.endpoint(r)))).collect();
     for (t, w) in transports.iter_mut().zip(&windows) {
@@ -107,7 +71,7 @@ fn puts_through_the_proxy_land_before_their_signals() {
                     let producer = ring.host_producer().unwrap();
                     let len = |j: usize| 1 + (j * 977) % SLOT;
                     for j in 0..puts {
-                        w.fill(j * SLOT, len(j), (me * puts + j) as u64);
+                        fill_slot(&w, j * SLOT, len(j), (me * puts + j) as u64);
                     }
                     // What the peer put into this rank, checked as each signal is seen,
                     // while this rank's own puts are still being posted.
@@ -119,7 +83,7 @@ fn puts_through_the_proxy_land_before_their_signals() {
                             let n = len(*verified);
                             fill(((1 - me) * puts + *verified) as u64, &mut expected[..n]);
                             assert!(
-                                w.read((puts + *verified) * SLOT, n) == expected[..n],
+                                w.slice((puts + *verified) * SLOT, n) == &expected[..n],
                                 "rank {me}: signal {seen} before the data of put {verified}"
                             );
                             *verified += 1;

@@ -7,65 +7,26 @@
 //! - a full send queue holds puts back instead of failing them;
 //! - a vanished peer and a bad remote key surface as mkRemoteError, within a bound.
 
+mod common;
+use common::HostWindow;
 use mkernel::error::mkResult_t;
 use mkernel::transport::rdma::sim::{SimConfig, SimFabric, SimRng};
 use mkernel::transport::rdma::{RdmaBlob, RdmaTransport};
-use mkernel::transport::{MemoryKind, MemoryRegion, PostId, PutRequest, Transport, Window};
+use mkernel::transport::{PostId, PutRequest, Transport};
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 const BOUND: Duration = Duration::from_secs(30);
 /// Bytes of each put's slot in the data region.
 const SLOT: usize = 3000;
 
-/// A rank's window in host memory, leaked so the simulated NIC can never outlive it.
-#[derive(Clone, Copy)]
-struct HostWindow {
-    data: *mut u8,
-    data_bytes: usize,
-    signals: &'static [AtomicU64],
-}
-
-// SAFETY: the memory is leaked (lives forever); readers synchronise through the signals.
-unsafe impl Send for HostWindow {}
-
-impl HostWindow {
-    fn new(data_bytes: usize, signal_words: usize) -> HostWindow {
-        let data = Box::leak(vec![0u8; data_bytes].into_boxed_slice()).as_mut_ptr();
-        let signals = Box::leak((0..signal_words).map(|_| AtomicU64::new(0)).collect::<Vec<_>>().into_boxed_slice());
-        HostWindow { data, data_bytes, signals }
-    }
-
-    fn window(&self) -> Window {
-        Window {
-            data: MemoryRegion { base: self.data as u64, bytes: self.data_bytes as u64, kind: MemoryKind::Host },
-            signals: MemoryRegion {
-                base: self.signals.as_ptr() as u64,
-                bytes: 8 * self.signals.len() as u64,
-                kind: MemoryKind::Host,
-            },
-        }
-    }
-
-    fn write(&self, offset: usize, bytes: &[u8]) {
-        assert!(offset + bytes.len() <= self.data_bytes);
-        // SAFETY: in bounds of the leaked allocation; only the owning rank writes its
-        // source slots, before posting the puts that read them.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data.add(offset), bytes.len()) };
-    }
-
-    fn read(&self, offset: usize, len: usize) -> Vec<u8> {
-        assert!(offset + len <= self.data_bytes);
-        // SAFETY: in bounds; read after the acquire load of a signal that follows the write.
-        unsafe { std::slice::from_raw_parts(self.data.add(offset), len) }.to_vec()
-    }
-}
-
 /// Connected transports for `n` ranks over `fabric`, with their windows.
 fn connect(fabric: &SimFabric, n: usize, data_bytes: usize, signal_words: usize) -> Vec<(RdmaTransport, HostWindow)> {
     let mut ranks: Vec<(RdmaTransport, HostWindow)> = (0..n)
-        .map(|r| (RdmaTransport::over(r, n, Box::new(fabric.endpoint(r))), HostWindow::new(data_bytes, signal_words)))
+        .map(|r| {
+            (RdmaTransport::over(r, n, Box::new(fabric.endpoint(r))), HostWindow::new(data_bytes, signal_words, 0))
+        })
         .collect();
     let peers = |r: usize| (0..n).filter(|&p| p != r).collect::<Vec<_>>();
     for (r, (t, w)) in ranks.iter_mut().enumerate() {
@@ -127,7 +88,7 @@ struct ExchangeRank {
 impl ExchangeRank {
     fn new(me: usize, t: RdmaTransport, w: HostWindow, seed: u64, puts: usize, words: usize) -> ExchangeRank {
         for j in 0..puts {
-            w.write(j * SLOT, &payload(seed, me, j));
+            w.fill(j * SLOT, &payload(seed, me, j));
         }
         let rng = SimRng::new(seed.wrapping_add(me as u64));
         ExchangeRank {
@@ -155,7 +116,7 @@ impl ExchangeRank {
             let v = word.load(Ordering::Acquire) as usize;
             while self.verified < v {
                 let expected = payload(self.seed, peer, self.verified);
-                let got = self.w.read((self.puts + self.verified) * SLOT, expected.len());
+                let got = self.w.slice((self.puts + self.verified) * SLOT, expected.len()).to_vec();
                 assert!(
                     got == expected,
                     "rank {}: signal {v} seen before the data of put {} landed",
@@ -281,7 +242,7 @@ fn full_send_queues_hold_puts_back() {
         let (sender, sw) = &mut src[0];
         let (receiver, rw) = &mut dst[0];
         for j in 0..200 {
-            sw.write(j * SLOT, &payload(5, 0, j));
+            sw.fill(j * SLOT, &payload(5, 0, j));
         }
         let ids: Vec<PostId> = (0..200)
             .map(|j| sender.post_put(&put_of(1, 5, 0, j, 200, 4)).expect("a full queue is not an error"))
@@ -303,7 +264,7 @@ fn full_send_queues_hold_puts_back() {
         }
         for j in 0..200 {
             let expected = payload(5, 0, j);
-            assert_eq!(rw.read((200 + j) * SLOT, expected.len()), expected, "{:?}: put {j}", config.ordering);
+            assert_eq!(rw.slice((200 + j) * SLOT, expected.len()), expected, "{:?}: put {j}", config.ordering);
         }
         assert_eq!(sender.backlog(1), 0);
         let mut sorted = completed.clone();
@@ -330,7 +291,7 @@ fn a_vanished_peer_is_a_remote_error() {
         let fabric = SimFabric::new(config);
         let mut ranks = connect(&fabric, 3, 100 * SLOT, 4);
         for j in 0..50 {
-            ranks[0].1.write(j * SLOT, &payload(8, 0, j));
+            ranks[0].1.fill(j * SLOT, &payload(8, 0, j));
         }
         for j in 0..20 {
             ranks[0].0.post_put(&put_of(2, 8, 0, j, 50, 4)).unwrap();
@@ -365,7 +326,7 @@ fn a_bad_remote_key_is_a_remote_error() {
     for config in [SimConfig::rc(2), SimConfig::srd(2)] {
         let fabric = SimFabric::new(config);
         let mut ts: Vec<(RdmaTransport, HostWindow)> = (0..2)
-            .map(|r| (RdmaTransport::over(r, 2, Box::new(fabric.endpoint(r))), HostWindow::new(SLOT, 2)))
+            .map(|r| (RdmaTransport::over(r, 2, Box::new(fabric.endpoint(r))), HostWindow::new(SLOT, 2, 0)))
             .collect();
         for (t, w) in ts.iter_mut() {
             // SAFETY: leaked window.
@@ -378,7 +339,7 @@ fn a_bad_remote_key_is_a_remote_error() {
         blobs[1] = wrong.encode();
         ts[0].0.connect(&blobs, &[1]).unwrap();
         ts[1].0.connect(&blobs, &[0]).unwrap();
-        ts[0].1.write(0, &[7; 100]);
+        ts[0].1.fill(0, &[7; 100]);
         ts[0]
             .0
             .post_put(&PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 100, signal: Some((0, 1)) })
@@ -394,7 +355,7 @@ fn a_bad_remote_key_is_a_remote_error() {
         };
         assert_eq!(e.code, mkResult_t::mkRemoteError, "{e}");
         assert!(e.message.contains("remote access"), "{e}");
-        assert!(ts[1].1.read(0, 100).iter().all(|&b| b == 0), "nothing lands through a wrong key");
+        assert!(ts[1].1.slice(0, 100).iter().all(|&b| b == 0), "nothing lands through a wrong key");
         assert_eq!(ts[1].1.signals[0].load(Ordering::Acquire), 0, "no signal either");
     }
 }

@@ -3,17 +3,17 @@
 //! GPU i ↔ GPU i peers from the topology, a wrong secret refused, a killed peer giving
 //! mkRemoteError and a stopped one mkTimeout within the timeout.
 
+mod common;
+use common::HostWindow;
 use mkernel::bootstrap::handshake::{self, DialSpec, Purpose};
 use mkernel::bootstrap::net::Deadline;
 use mkernel::bootstrap::{root::start_root, Bootstrap, UniqueId, UNIQUE_ID_BYTES};
 use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::transport::socket::{SocketBlob, SocketTransport};
-use mkernel::transport::{
-    connect_through_bootstrap, MemoryKind, MemoryRegion, PostId, PutRequest, Transport, TransportAuth, Window,
-};
+use mkernel::transport::{connect_through_bootstrap, MemoryKind, PostId, PutRequest, Transport, TransportAuth};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 const ROLE: &str = "MK_TEST_TRANSPORT_RANK";
@@ -30,46 +30,6 @@ fn hex(b: &[u8]) -> String {
 
 fn unhex(s: &str) -> Vec<u8> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
-}
-
-/// A rank's window in plain host memory (leaked for the test's lifetime, so the
-/// transport's threads can never outlive it).
-struct HostWindow {
-    data: *mut u8,
-    data_bytes: usize,
-    signals: &'static [AtomicU64],
-}
-
-impl HostWindow {
-    fn new(data_bytes: usize, signal_words: usize) -> HostWindow {
-        let data = Box::leak(vec![0u8; data_bytes].into_boxed_slice()).as_mut_ptr();
-        let signals = Box::leak((0..signal_words).map(|_| AtomicU64::new(0)).collect::<Vec<_>>().into_boxed_slice());
-        HostWindow { data, data_bytes, signals }
-    }
-
-    fn window(&self) -> Window {
-        Window {
-            data: MemoryRegion { base: self.data as u64, bytes: self.data_bytes as u64, kind: MemoryKind::Host },
-            signals: MemoryRegion {
-                base: self.signals.as_ptr() as u64,
-                bytes: 8 * self.signals.len() as u64,
-                kind: MemoryKind::Host,
-            },
-        }
-    }
-
-    fn bytes(&self, offset: usize, len: usize) -> &[u8] {
-        assert!(offset + len <= self.data_bytes);
-        // SAFETY: in bounds of the leaked allocation; callers read a range only after the
-        // signal of the put that wrote it (acquire), and nothing writes it again.
-        unsafe { std::slice::from_raw_parts(self.data.add(offset), len) }
-    }
-
-    fn fill(&self, offset: usize, bytes: &[u8]) {
-        assert!(offset + bytes.len() <= self.data_bytes);
-        // SAFETY: in bounds; the source area is written before any put reads it.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data.add(offset), bytes.len()) };
-    }
 }
 
 fn pattern(from: usize, message: usize, i: usize) -> u8 {
@@ -116,7 +76,7 @@ fn run_exchange_rank(
     let timeout = Duration::from_secs(20);
     let boot = Bootstrap::join(id, rank, nranks, timeout)?;
     let (offsets, area) = message_offsets();
-    let window = HostWindow::new(area * (nranks + 1), SIZES.len() * nranks);
+    let window = HostWindow::new(area * (nranks + 1), SIZES.len() * nranks, 0);
     for (m, &size) in SIZES.iter().enumerate() {
         let bytes: Vec<u8> = (0..size).map(|i| pattern(rank, m, i)).collect();
         window.fill(offsets[m], &bytes);
@@ -151,7 +111,7 @@ fn run_exchange_rank(
                 }
                 std::hint::spin_loop();
             }
-            let got = window.bytes(area * (p + 1) + offsets[m], size);
+            let got = window.slice(area * (p + 1) + offsets[m], size);
             if let Some(i) = (0..size).find(|&i| got[i] != pattern(p, m, i)) {
                 return Err(MkError::internal(format!(
                     "rank {rank}: message {m} ({size} bytes) from rank {p} was signalled before byte {i} arrived"
@@ -204,7 +164,7 @@ fn child_rank_entry() {
         "connect-then-wait" => {
             let timeout = Duration::from_secs(30);
             let boot = Bootstrap::join(&id, rank, nranks, timeout).unwrap();
-            let window = HostWindow::new(64 << 20, 4);
+            let window = HostWindow::new(64 << 20, 4, 0);
             let mut t = SocketTransport::new(rank, nranks, TransportAuth::from_unique_id(&id), timeout).unwrap();
             // SAFETY: leaked window.
             unsafe { t.register(window.window()).unwrap() };
@@ -247,8 +207,8 @@ fn ranks_as_processes_exchange_with_rail_peers() {
 fn wrong_secret_is_refused() {
     loopback();
     let timeout = Duration::from_millis(1500);
-    let window0 = HostWindow::new(4096, 1);
-    let window1 = HostWindow::new(4096, 1);
+    let window0 = HostWindow::new(4096, 1, 0);
+    let window1 = HostWindow::new(4096, 1, 0);
     let good = TransportAuth::new(&[1; 16], 7);
     let bad = TransportAuth::new(&[2; 16], 7);
     let mut t0 = SocketTransport::new(0, 2, good, timeout).unwrap();
@@ -284,7 +244,7 @@ fn connect_to_child(timeout: Duration) -> (SocketTransport, Child, HostWindow) {
     let id = start_root().unwrap();
     let child = spawn_rank("connect-then-wait", &id, 1, 2);
     let boot = Bootstrap::join(&id, 0, 2, Duration::from_secs(20)).unwrap();
-    let window = HostWindow::new(64 << 20, 4);
+    let window = HostWindow::new(64 << 20, 4, 0);
     let mut t = SocketTransport::new(0, 2, TransportAuth::from_unique_id(&id), timeout).unwrap();
     // SAFETY: leaked window.
     unsafe { t.register(window.window()).unwrap() };
@@ -357,7 +317,7 @@ fn puts_outside_either_window_are_rejected_before_sending() {
                 s.spawn(move || -> Result<()> {
                     let boot = Bootstrap::join(&id, rank, 2, timeout)?;
                     // Rank 0 has the bigger window; rank 1's is 1000 bytes with 2 signals.
-                    let window = if rank == 0 { HostWindow::new(8192, 8) } else { HostWindow::new(1000, 2) };
+                    let window = if rank == 0 { HostWindow::new(8192, 8, 0) } else { HostWindow::new(1000, 2, 0) };
                     let mut t = SocketTransport::new(rank, 2, TransportAuth::from_unique_id(&id), timeout)?;
                     // SAFETY: leaked window.
                     unsafe { t.register(window.window())? };
@@ -400,7 +360,7 @@ fn puts_outside_either_window_are_rejected_before_sending() {
 fn device_windows_need_a_cuda_context() {
     loopback();
     let mut t = SocketTransport::new(0, 2, TransportAuth::new(&[1; 16], 1), Duration::from_secs(1)).unwrap();
-    let host = HostWindow::new(64, 1);
+    let host = HostWindow::new(64, 1, 0);
     let mut device = host.window();
     device.data.kind = MemoryKind::Device;
     // SAFETY: leaked memory; rejected before anything uses it.
@@ -427,7 +387,7 @@ fn raw_frame(kind: u32, signal_id: u32, bytes: u64, dst_offset: u64, signal_valu
 fn hand_made_peer(frames: &[Vec<u8>]) -> (SocketTransport, HostWindow, std::net::TcpStream) {
     loopback();
     let auth = TransportAuth::new(&[9; 16], 99);
-    let window = HostWindow::new(1000, 2);
+    let window = HostWindow::new(1000, 2, 0);
     let mut t = SocketTransport::new(0, 2, auth, Duration::from_secs(5)).unwrap();
     // SAFETY: leaked window.
     unsafe { t.register(window.window()).unwrap() };
@@ -463,7 +423,7 @@ fn hostile_frames_are_remote_errors_and_write_nothing() {
         let (mut t, window, _sock) = hand_made_peer(&frames);
         let e = poll_until_error(&mut t, Duration::from_secs(5));
         assert_eq!(e.code, mkResult_t::mkRemoteError, "{what}: {e}");
-        assert!(window.bytes(0, 1000).iter().all(|&b| b == 0), "{what}: the window was written");
+        assert!(window.slice(0, 1000).iter().all(|&b| b == 0), "{what}: the window was written");
         assert!(window.signals.iter().all(|w| w.load(Ordering::Acquire) == 0), "{what}: a signal was written");
     }
     // The same peer sending a valid put is accepted: the rejections above were about the frames.
@@ -473,7 +433,7 @@ fn hostile_frames_are_remote_errors_and_write_nothing() {
         assert!(start.elapsed() < Duration::from_secs(5), "the valid put never landed");
         std::thread::yield_now();
     }
-    assert_eq!(window.bytes(996, 4), &[0xAB; 4]);
+    assert_eq!(window.slice(996, 4), &[0xAB; 4]);
     let mut done = Vec::new();
     t.poll(&mut done).unwrap();
 }
@@ -500,7 +460,7 @@ fn one_signal_covers_every_earlier_put_to_the_peer() {
             .map(|rank| {
                 s.spawn(move || -> Result<()> {
                     let boot = Bootstrap::join(&id, rank, 2, timeout)?;
-                    let window = HostWindow::new(chunks * chunk, 1);
+                    let window = HostWindow::new(chunks * chunk, 1, 0);
                     let mut t = SocketTransport::new(rank, 2, TransportAuth::from_unique_id(&id), timeout)?;
                     // SAFETY: leaked window.
                     unsafe { t.register(window.window())? };
@@ -533,7 +493,7 @@ fn one_signal_covers_every_earlier_put_to_the_peer() {
                             assert!(start.elapsed() < timeout, "the signal never arrived");
                             std::hint::spin_loop();
                         }
-                        let got = window.bytes(0, chunks * chunk);
+                        let got = window.slice(0, chunks * chunk);
                         if let Some(i) = (0..chunks * chunk).find(|&i| got[i] != pattern(0, i / chunk, i)) {
                             panic!("byte {i} (chunk {}) was not there when the later signal was", i / chunk);
                         }

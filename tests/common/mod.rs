@@ -7,6 +7,7 @@ use std::sync::atomic::AtomicU64;
 /// A rank's window in leaked host memory: data region (8-byte aligned) and signal words.
 /// The transport threads write into it; tests read a range only after the acquire load of
 /// the signal that published it.
+#[derive(Clone, Copy)]
 pub struct HostWindow {
     pub data: *mut u8,
     pub data_bytes: usize,
