@@ -16,7 +16,7 @@ using namespace mk::gemm;
 // warps sum the rest after it. Loads staged with cp.async in kSideStagingBytes after the
 // engine's shared memory (the ring is in use). An item is summed in pieces of kSideRows
 // rows; between pieces the side warps look for the end of the GEMM.
-// Measured (benches/RESULTS.md): GEMM+RS M 1024 / 4096 at 2 ranks 0.866 -> 0.845, 0.881 -> 0.843;
+// Measured (benches/results/2026-12-03-moe-burst-early-sums-attention.md): GEMM+RS M 1024 / 4096 at 2 ranks 0.866 -> 0.845, 0.881 -> 0.843;
 // GEMM+AR M 256 lost (one GEMM tile of time does not cover a tile's sum beside the GEMM,
 // whose TMA loads leave the side warps ~4-6 GB/s per CTA), so only ReduceScatter gets
 // these kernels, separate entries that leave the others' code as it was.

@@ -17,7 +17,7 @@
 //   3. the last CTA advances the epoch and raises RING_DONE + me in every peer's region.
 // Each rank pulls every peer's K/V once, which is the traffic of a ring (every rank
 // receives n-1 blocks) without relaying through intermediate ranks: within one node the
-// peer is one NVLink hop away, so relaying would only add latency (DESIGN-NOTES.md).
+// peer is one NVLink hop away, so relaying would only add latency (docs/decisions/0022-ring-attention-pull-not-relay.md).
 //
 // Math engine (FlashAttention-3 style, warp-specialised):
 //   warps 0-7   two consumer warpgroups, 64 query rows each: S = Q·Kᵀ by wgmma from

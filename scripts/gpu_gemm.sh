@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4's full GPU cycle for the GEMM engine, in one device call: correctness, the
+# The full GPU cycle for the GEMM engine, in one device call: correctness, the
 # fusion hooks, the benchmark against cuBLASLt, and the SASS/ptxas checks. Logs go to
 # $OUT (or ./gpu-gemm-logs). Build here first (no Rust toolchain on the GPU machine):
 #   cargo build --release && scripts/gemm_standalone/build.sh

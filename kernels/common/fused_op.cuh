@@ -46,7 +46,7 @@ __device__ __forceinline__ void mk_op_epoch_end(const WorkspaceView& ws, uint32_
 // Every CTA's fence is at GPU scope (all CTAs of this grid are on this GPU), and only the
 // last CTA pays one fence at system scope, for all of its stores (mk_op_epoch_end: a
 // fence.sc.sys per CTA, then a fence.sc.sys and a release at system scope per peer, on
-// the kernel's critical path: ~3 us of the end at M = 1, benches/RESULTS.md).
+// the kernel's critical path: ~3 us of the end at M = 1, benches/results/2026-12-03-courier-and-fa3-attention.md).
 // A load has returned its value before the CTA's barrier (its data was summed and stored),
 // so no scope stronger than GPU is needed to order the reads themselves.
 // Not for ops that write into peers' memory (AG+GEMM's pushes, MoE's sends): there the

@@ -120,7 +120,7 @@ __device__ __forceinline__ void mk_fail(const WorkspaceView& ws, uint32_t word) 
 // setmaxnreg): the abort word (device memory) and the timeout on every check; the host's
 // abort flag only once per kHostCheckNs, because it lives in host-mapped memory and every
 // read crosses PCIe: hundreds of waiting threads reading it every few microseconds slowed
-// the GEMM CTAs beside them by 10-100x (the MoE kernels, benches/RESULTS.md).
+// the GEMM CTAs beside them by 10-100x (the MoE kernels, benches/results/2026-12-02-moe-time-split.md).
 // A host abort (mkCommAbort) is noticed within a millisecond. Returns false, with the
 // error recorded, when the wait must stop.
 struct MkWaitChecks {

@@ -6,7 +6,7 @@
 //! The pushers are, by default, the three warps of every GEMM CTA's producer warpgroup
 //! that the engine leaves idle (its TMA producer is one thread): the push then runs beside
 //! the GEMM on every SM and costs the GEMM no CTA. Measured on one H200 with 2 ranks
-//! sharing it (benches/RESULTS.md), dedicated push CTAs cost the GEMM their SMs for the
+//! sharing it (benches/results/2026-12-02-fused-dense-ops-time-split.md), dedicated push CTAs cost the GEMM their SMs for the
 //! whole kernel while pushing for a fraction of it (idle 85-90% of the kernel), and one
 //! CTA pushing a 2 MB chunk alone took 35-200 µs. `MK_COMM_SMS` = c ≥ 1 still selects c
 //! dedicated CTAs (all threads copy; useful where a link needs many SMs to saturate).
@@ -142,7 +142,7 @@ pub fn plan(shape: &AgGemmShape, grid_ctas: u32, comm_override: Option<u32>) -> 
 /// wave's m-blocks hold this rank's rows and at most one peer's. Row blocks are consumed
 /// own rows first, then rank+1's, …; a group spanning every source makes the first wave
 /// wait for the last rank to push (and, with ranks sharing a GPU, to start): at 4 ranks,
-/// 128 rows/rank, groups of 4 ran 1.07× unfused, of 2 at 1.00 (benches/RESULTS.md). Never
+/// 128 rows/rank, groups of 4 ran 1.07× unfused, of 2 at 1.00 (docs/decisions/0014-ag-gemm-raster-group.md). Never
 /// below 2 m-blocks: one block per wave re-reads all of B per block (group 1: 1.13×).
 pub fn raster_group(m: usize, rows_per_rank: usize, bn: usize, compute_ctas: usize) -> usize {
     let tiles_m = m.div_ceil(ROW_BLOCK);

@@ -184,7 +184,7 @@ pub fn team_items(total: usize, j: usize, stride: usize) -> usize {
 /// are the GEMM CTAs' warps after the GEMM on one node (`Reducers::Early`, no dedicated
 /// CTAs), the kernel has side staging (BM 128, BN 256), and some CTA has two or more items.
 ///
-/// Measured (benches/RESULTS.md, one H200, 2 ranks): GEMM+RS M 1024 / 4096, K
+/// Measured (benches/results/2026-12-03-moe-burst-early-sums-attention.md, one H200, 2 ranks): GEMM+RS M 1024 / 4096, K
 /// 1024 (8 / 32 GEMM tiles, 4 / 16 items per CTA) 0.866 -> 0.845, 0.881 -> 0.843 of the
 /// unfused sequence. GEMM+AR M 256 lost (K 1024 0.82 -> 0.92, K 3584 0.87 -> 0.94, 4
 /// ranks 0.82 -> 0.86): two GEMM tiles per CTA, and beside the GEMM the side warps sum only

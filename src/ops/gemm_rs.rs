@@ -16,7 +16,7 @@
 //! - dedicated reduction CTAs (`MK_COMM_SMS` = c ≥ 1): c CTAs reduce while the others
 //!   compute, overlapping the whole GEMM but taking c SMs from it.
 //!
-//! Measured on one H200 with ranks sharing it (benches/RESULTS.md):
+//! Measured on one H200 with ranks sharing it (benches/results/2026-12-02-fused-dense-ops-time-split.md):
 //! the dedicated CTAs spent 40–75% of their time waiting for tiles, and their SMs cost the
 //! GEMM more than the overlap gained; the default is the faster one there.
 

@@ -417,7 +417,7 @@ pub struct RolePlan {
 /// Combine: no communication CTAs unless MK_COMM_SMS asks for them: every CTA runs GEMM
 /// tiles and then, with its consumer warps, pulls and sums its share of the output (the
 /// GEMM keeps every SM; the pull overlaps the GEMM's last wave). Dedicated pull CTAs
-/// spend the whole GEMM waiting, and their polling slowed the GEMM beside them (benches/RESULTS.md).
+/// spend the whole GEMM waiting, and their polling slowed the GEMM beside them (benches/results/2026-12-02-moe-time-split.md).
 pub fn plan_roles_for(
     dir: Direction,
     bytes: f64,
@@ -502,7 +502,7 @@ pub fn burst_lists(d: &MoeDims, compute_ctas: usize, tiles_n: usize) -> usize {
 }
 
 /// Whether the dispatch bursts (`Tuning::moe_burst`: forced on or off, or auto). Auto bursts at 4
-/// ranks and more. Measured (benches/RESULTS.md; one H200, T 4096, DeepSeek-V3-like sizes, two
+/// ranks and more. Measured (benches/results/2026-12-03-moe-burst-early-sums-attention.md; one H200, T 4096, DeepSeek-V3-like sizes, two
 /// GPU rounds): 4 ranks 11.3-11.8 ms with the burst against 12.05-12.08 without; 2 ranks
 /// 6.75-6.90 ms against 6.27-6.28 without — at 2 ranks the first wave's waits were short anyway (45 us per
 /// CTA), and all 32 CTAs' 12 warps grabbing one 8-row chunk each overshoot the first lists

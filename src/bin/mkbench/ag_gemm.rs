@@ -200,7 +200,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             // default) the first launch of a kernel can wait for the context to go idle, and
             // across nodes an in-flight hierarchical kernel waits for its proxy's copies, which
             // that load holds up: the first `ours()` after an in-flight mkAllGather stalled
-            // until the kernel's timeout. (DESIGN-NOTES: lazy loading across nodes.)
+            // until the kernel's timeout. (docs/decisions/0030-preload-kernels-across-nodes.md)
             for (what, part) in
                 [("ours", &ours as &dyn Fn() -> Result<()>), ("cuBLAS", &cublas), ("AllGather", &ag), ("fused", &fused)]
             {
