@@ -17,8 +17,6 @@ command -v go >/dev/null || need_apt+=(golang-go)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 # rdma-core's headers: tests/rdma_abi.rs checks the transport's verbs declarations against them.
 pkg-config --exists libibverbs 2>/dev/null || need_apt+=(libibverbs-dev)
-pkg-config --exists librdmacm 2>/dev/null || need_apt+=(librdmacm-dev)
-compgen -G "/usr/lib/llvm-*/lib/libclang.so" >/dev/null || need_apt+=(libclang-dev)
 if ((${#need_apt[@]})); then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${need_apt[@]}"
