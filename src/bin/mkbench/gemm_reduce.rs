@@ -250,22 +250,14 @@ fn rank_main(
                     "  {:>22} fused p10/p90 {:.1}/{:.1} µs, cold L2 {:.1} (baseline {:.1}) µs; host enqueue µs/call: fused {host_fused:.1}, cuBLAS+coll {host_unfused:.1}; rel err {rel_err:.1e}{}",
                     "", stats[0].p10, stats[0].p90, cold_fused.median, cold_base.median, if wrong { "  WRONG" } else { "" }
                 );
-                let recorded: Vec<Json> = contenders
-                    .iter()
-                    .zip(&stats)
-                    .map(|(c, s)| {
-                        let host = match c.0 {
-                            "fused" => Some(host_fused),
-                            "cublaslt+mk_collective" => Some(host_unfused),
-                            _ => None,
-                        };
-                        record::contender(c.0, Some(*s), host)
-                    })
-                    .chain([
-                        record::contender("fused_cold_l2", Some(cold_fused), None),
-                        record::contender("cublaslt+mk_collective_cold_l2", Some(cold_base), None),
-                    ])
-                    .collect();
+                let names: Vec<&str> = contenders.iter().map(|c| c.0).collect();
+                let recorded = record::fused_contenders(
+                    &names,
+                    &stats,
+                    "cublaslt+mk_collective",
+                    (host_fused, host_unfused),
+                    (cold_fused, cold_base),
+                );
                 record::row(
                     record::shape(
                         &[("ranks", n), ("m", m), ("n", nn), ("k", kk)],

@@ -117,6 +117,32 @@ pub fn contender(name: &str, stats: Option<Stats>, host_us: Option<f64>) -> Json
     Json::obj(&pairs)
 }
 
+/// A fused bench's contenders: each timed one with its statistics (and the host's enqueue
+/// time for the fused op and for `baseline`), then the fused op and `baseline` again with a
+/// cold L2 (`cold` holds their statistics, in that order).
+pub fn fused_contenders(
+    names: &[&str],
+    stats: &[Stats],
+    baseline: &str,
+    host_us: (f64, f64),
+    cold: (Stats, Stats),
+) -> Vec<Json> {
+    let host = |name: &str| match name {
+        "fused" => Some(host_us.0),
+        n if n == baseline => Some(host_us.1),
+        _ => None,
+    };
+    names
+        .iter()
+        .zip(stats)
+        .map(|(name, s)| contender(name, Some(*s), host(name)))
+        .chain([
+            contender("fused_cold_l2", Some(cold.0), None),
+            contender(&format!("{baseline}_cold_l2"), Some(cold.1), None),
+        ])
+        .collect()
+}
+
 /// A row's shape from its sizes and named texts (dtype, mode).
 pub fn shape(sizes: &[(&str, usize)], texts: &[(&str, &str)]) -> Json {
     let mut pairs: Vec<(&str, Json)> = sizes.iter().map(|&(k, v)| (k, Json::num(v as f64))).collect();
@@ -321,6 +347,25 @@ mod tests {
 
     fn ymd(s: &str) -> (i64, i64, i64) {
         (s[0..4].parse().unwrap(), s[5..7].parse().unwrap(), s[8..10].parse().unwrap())
+    }
+
+    #[test]
+    fn fused_contenders_put_host_times_on_the_fused_op_and_baseline_and_add_cold_rows() {
+        let st = |m: f64| Stats::of(&[m, m + 1.0, m + 2.0]).unwrap();
+        let rows = fused_contenders(
+            &["fused", "base", "capped"],
+            &[st(1.0), st(2.0), st(3.0)],
+            "base",
+            (4.5, 6.5),
+            (st(7.0), st(8.0)),
+        );
+        let text: Vec<String> = rows.iter().map(|r| r.text()).collect();
+        assert_eq!(text.len(), 5);
+        assert!(text[0].contains(r#""name":"fused""#) && text[0].contains(r#""host_enqueue_us":4.5"#), "{}", text[0]);
+        assert!(text[1].contains(r#""name":"base""#) && text[1].contains(r#""host_enqueue_us":6.5"#), "{}", text[1]);
+        assert!(text[2].contains(r#""name":"capped""#) && text[2].contains(r#""host_enqueue_us":null"#), "{}", text[2]);
+        assert!(text[3].contains(r#""name":"fused_cold_l2""#) && text[3].contains(r#""median_us":8"#), "{}", text[3]);
+        assert!(text[4].contains(r#""name":"base_cold_l2""#) && text[4].contains(r#""median_us":9"#), "{}", text[4]);
     }
 
     #[test]
