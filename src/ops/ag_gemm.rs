@@ -277,15 +277,14 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
     let sms = cuda::sm_count(comm.context.device)? as u32;
     let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
     let rows_per_rank = m / nranks;
+    for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
+        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+    }
+    if args.gathered != 0 {
+        crate::ops::collectives::check_device_pointer(args.gathered, comm.context.device, "gatheredA")?;
+    }
     if nranks == 1 {
-        // Nothing to gather: the engine alone, and the caller's copy of A if asked for. The
-        // pointers are checked as on every other rank count.
-        for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
-            crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
-        }
-        if args.gathered != 0 {
-            crate::ops::collectives::check_device_pointer(args.gathered, comm.context.device, "gatheredA")?;
-        }
+        // Nothing to gather: the engine alone, and the caller's copy of A if asked for.
         let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
         engine::gemm_with(&g, PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() }, stream)?;
         if args.gathered != 0 && args.gathered != args.a {
@@ -303,12 +302,6 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
              communicator with MK_WORKSPACE_BYTES (or mkConfig_t.workspaceBytes) of at least {needed}",
             ws.view.op_bytes
         )));
-    }
-    for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
-        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
-    }
-    if args.gathered != 0 {
-        crate::ops::collectives::check_device_pointer(args.gathered, comm.context.device, "gatheredA")?;
     }
     let p = plan(&args.shape, grid, comm.config.comm_ctas)?;
     let chunk_bytes = (p.chunk_rows * k * 2) as u64;

@@ -284,13 +284,13 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let (nranks, rank) = (comm.nranks, comm.rank);
     let sms = cuda::sm_count(comm.context.device)? as u32;
     let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
+    let _ctx = comm.context.enter()?;
+    for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
+        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+    }
     if nranks == 1 {
         // The sum over one rank is its product: the engine alone, storing C directly (the
         // fused kernel would store a partial and copy it: 1.3x the GEMM's time).
-        let _ctx = comm.context.enter()?;
-        for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
-            crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
-        }
         let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
         return engine::gemm_with(&g, PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() }, stream);
     }
@@ -347,10 +347,6 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
             if two_phase || (node_plan.is_some() && args.reduction == Reduction::All) { " and its reduced rows" } else { "" },
             ws.view.op_bytes
         )));
-    }
-    let _ctx = comm.context.enter()?;
-    for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
-        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
     }
     let tile = engine::plan(
         m,
