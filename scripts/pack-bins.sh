@@ -39,5 +39,6 @@ done
 # The sanitizer runtimes test_abi_san needs, from the compiler that linked it.
 for rt in $(ldd build/ctests/test_abi_san | awk '/lib(asan|ubsan)/ { print $3 }'); do cp -L "$rt" "$tmp/ctests/lib/"; done
 mkdir -p "$(dirname "$out")"
-tar -C "$tmp" -cf - mktest mkbench transport_gpu ctests | xz -T0 -6 > "$out"
+git rev-parse HEAD > "$tmp/COMMIT"
+tar -C "$tmp" -cf - COMMIT mktest mkbench transport_gpu ctests | xz -T0 -6 > "$out"
 echo "pack-bins: $out ($(du -h "$out" | cut -f1))"

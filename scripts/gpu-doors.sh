@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The doors users come in by, on a GPU machine without Rust or Go, from what
+# scripts/pack-doors.sh put in one folder (default .carry/doors):
+#   1. examples: the C, C++ and Go examples, run by examples/run-examples.sh --require-gpu;
+#   2. Python: the wheel installed over the machine's own torch, pytest python/tests (the GPU
+#      tests at N = 1, 2, 4 ranks under MPS), then benches/python_overhead.py at 1 and 2 ranks;
+#   3. NCCL: ctests/nccl/gpu.sh with the carried libmkernel-nccl (the nccl-tests-style C
+#      suite at N = 1, 2, 4 and the unmodified PyTorch script under LD_PRELOAD).
+# Each step has a timeout; logs go to $OUT (default gpu-run-logs): doors.log, and the JSON
+# record of python_overhead. Exits 0 only when every step passed; a step that reports
+# SKIPPED fails here, since this script exists to run on a GPU.
+#   scripts/gpu-doors.sh [--dir DIR] [--only "examples python nccl"] [--deadline SECONDS]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DIR=.carry/doors; ONLY="examples python nccl"; DEADLINE=0; T0=$(date +%s)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dir) DIR=$2; shift ;;
+    --only) ONLY=$2; shift ;;
+    --deadline) DEADLINE=$2; shift ;;
+    *) echo "gpu-doors.sh: unknown option $1"; exit 2 ;;
+  esac
+  shift
+done
+OUT=${OUT:-gpu-run-logs}
+mkdir -p "$OUT"
+LOG=$OUT/doors.log
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+[ -f "$DIR/COMMIT" ] && export MK_COMMIT=$(cat "$DIR/COMMIT")
+status=0
+# The seconds a step may take: its own limit, cut to what --deadline leaves.
+limit() {
+  [ "$DEADLINE" = 0 ] && { echo "$1"; return; }
+  local left=$(( DEADLINE - ($(date +%s) - T0) - 10 ))
+  echo $(( $1 < left ? $1 : (left > 1 ? left : 1) ))
+}
+step() {  # NAME SECONDS COMMAND...
+  local name=$1 secs; secs=$(limit "$2"); shift 2
+  echo "===== $name (limit ${secs} s)" >> "$LOG"
+  local t0; t0=$(date +%s)
+  timeout "$secs" "$@" >> "$LOG" 2>&1
+  local rc=$?
+  local verdict=PASS
+  case $rc in 0) ;; 124|137) verdict="TIMEOUT"; status=1 ;; *) verdict="FAIL (exit $rc)"; status=1 ;; esac
+  echo "[$(( $(date +%s) - T0 )) s] $name: $verdict in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/doors-summary.txt"
+}
+
+MPS_STARTED=0
+start_mps() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mk-doors-mps CUDA_MPS_LOG_DIRECTORY=/tmp/mk-doors-mpslog
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d 2>/dev/null && MPS_STARTED=1
+}
+stop_mps() { if [ "$MPS_STARTED" = 1 ]; then echo quit | timeout 20 nvidia-cuda-mps-control; MPS_STARTED=0; fi; }
+trap stop_mps EXIT
+
+for door in $ONLY; do
+  case $door in
+    examples)
+      start_mps
+      step examples 180 env LD_LIBRARY_PATH="$DIR/examples/lib:$LD_LIBRARY_PATH" \
+        examples/run-examples.sh --require-gpu "$DIR"/examples/bin/*
+      stop_mps ;;
+    python)
+      wheel=$(ls "$DIR"/mkernel-*.whl | head -1)
+      start_mps
+      step python-tests 420 env MK_PYTHON_TORCH=system MK_PYTHON_WHEEL="$wheel" PYTHONUNBUFFERED=1 scripts/test-python.sh
+      venv=build/python-test-venv
+      if [ -x "$venv/bin/python" ]; then
+        step python-overhead-n1 120 "$venv/bin/python" benches/python_overhead.py --json "$OUT/python_overhead-n1.json"
+        step python-overhead-n2 120 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 MK_MAX_CTAS=32 "$venv/bin/python" -m torch.distributed.run \
+          --standalone --nproc-per-node 2 benches/python_overhead.py --json "$OUT/python_overhead-n2.json"
+      fi
+      stop_mps ;;
+    nccl)
+      step nccl 420 env MK_NCCL_SO="$PWD/$DIR/libmkernel_nccl.so" OUT="$OUT/nccl" ctests/nccl/gpu.sh ;;
+    *) echo "gpu-doors.sh: unknown door $door"; exit 2 ;;
+  esac
+done
+exit $status
