@@ -65,10 +65,10 @@ for door in $ONLY; do
       wheel=$(ls "$DIR"/mkernel-*.whl | head -1)
       start_mps
       step python-tests 420 env MK_PYTHON_TORCH=system MK_PYTHON_WHEEL="$wheel" PYTHONUNBUFFERED=1 scripts/test-python.sh
-      venv=build/python-test-venv
-      if [ -x "$venv/bin/python" ]; then
-        step python-overhead-n1 120 "$venv/bin/python" benches/python_overhead.py --json "$OUT/python_overhead-n1.json"
-        step python-overhead-n2 120 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 MK_MAX_CTAS=32 "$venv/bin/python" -m torch.distributed.run \
+      site=build/python-test-venv/site  # where test-python.sh installed the wheel
+      if [ -d "$site" ]; then
+        step python-overhead-n1 120 env PYTHONPATH="$site" python3 benches/python_overhead.py --json "$OUT/python_overhead-n1.json"
+        step python-overhead-n2 120 env PYTHONPATH="$site" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 MK_MAX_CTAS=32 python3 -m torch.distributed.run \
           --standalone --nproc-per-node 2 benches/python_overhead.py --json "$OUT/python_overhead-n2.json"
       fi
       stop_mps ;;

@@ -29,22 +29,25 @@ fi
 rm -rf "$venv"
 pip=(--quiet --disable-pip-version-check --no-compile)
 if [ "${MK_PYTHON_TORCH:-stubbed}" = system ]; then
-  python3 -m venv --system-site-packages "$venv"
-  "$venv/bin/python" - "$TORCH_VERSION" <<'PY'
+  # The machine's own python3 and torch, which may live in a venv of their own (a new venv's
+  # --system-site-packages would see the base interpreter's packages, not that venv's): the
+  # wheel goes into a folder put first on PYTHONPATH instead.
+  py=python3
+  "$py" - "$TORCH_VERSION" <<'PY'
 import sys, torch
 pinned = sys.argv[1].rsplit(".", 1)[0]
 print("test-python: torch", torch.__version__, "from", torch.__file__)
 if not torch.__version__.startswith(pinned + "."):
     print(f"test-python: warning: the tests are pinned to torch {pinned}, this is {torch.__version__}")
 PY
-  if ! "$venv/bin/python" -m pytest --version >/dev/null 2>&1; then
-    # pytest from the wheel cache when it is there (no network needed), else from the index.
-    pytest_pin=$(grep '^pytest==' python/requirements-test-cpu.txt)
-    "$venv/bin/pip" install "${pip[@]}" --no-index --find-links "$cache" "$pytest_pin" 2>/dev/null ||
-      "$venv/bin/pip" install "${pip[@]}" "$pytest_pin"
-  fi
+  "$py" -m pytest --version >/dev/null 2>&1 || { echo "test-python: $py has no pytest"; exit 1; }
+  site=$PWD/$venv/site
+  "$py" -m pip install "${pip[@]}" --no-deps --target "$site" "$wheel"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  echo "test-python: wheel installed into $site in $(( $(date +%s) - t0 )) s"
 else
   python3 -m venv "$venv"
+  py=$PWD/$venv/bin/python
   mkdir -p "$cache"
   # Installs from the cache without an index; on a miss, downloads into the cache first.
   cached() {
@@ -66,10 +69,10 @@ else
     "$venv/bin/python" python/tools/cuda_stubs.py "$torch_lib" "$stubs"
     export LD_LIBRARY_PATH="$stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   fi
+  "$venv/bin/pip" install "${pip[@]}" --no-deps "$wheel"
+  echo "test-python: venv ready in $(( $(date +%s) - t0 )) s ($(du -sh "$venv" | cut -f1))"
 fi
-"$venv/bin/pip" install "${pip[@]}" --no-deps "$wheel"
-echo "test-python: venv ready in $(( $(date +%s) - t0 )) s ($(du -sh "$venv" | cut -f1))"
 
 # From python/, so `import mkernel` finds the installed wheel, not python/src.
 cd python
-"../$venv/bin/python" -m pytest tests
+"$py" -m pytest tests "$@"
