@@ -135,13 +135,46 @@ pub struct Verdict {
     /// The largest |out − ref| / bound (∞ where a bound is 0 and the element differs).
     pub worst_ratio: f64,
     pub worst: Option<Worst>,
-    /// ‖out − ref‖₂ / ‖ref‖₂ and the limit it must stay within (None: exact comparison).
-    pub rel_l2: Option<(f64, f64)>,
+    /// The norms of the relative L2 error and its limit (None: exact comparison).
+    pub l2: Option<L2>,
+}
+
+/// A norm is a statistic: over fewer elements than this, one correctly rounded element whose
+/// terms cancel (a bf16 sum of four ranks across two nodes rounds twice) carries
+/// ‖out − ref‖₂ / ‖ref‖₂ past the limit while inside its own bound, so below it the
+/// element-wise bounds judge alone.
+pub const MIN_L2_ELEMENTS: usize = 64;
+
+/// ‖out − ref‖₂² and ‖ref‖₂², kept apart so that parts of one result fold exactly.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct L2 {
+    pub err_sq: f64,
+    pub ref_sq: f64,
+    pub limit: f64,
+}
+
+impl L2 {
+    /// ‖out − ref‖₂ / ‖ref‖₂ (0 when both are 0, ∞ when only the reference is).
+    pub fn relative(&self) -> f64 {
+        if self.ref_sq == 0.0 {
+            if self.err_sq == 0.0 {
+                0.0
+            } else {
+                f64::INFINITY
+            }
+        } else {
+            (self.err_sq / self.ref_sq).sqrt()
+        }
+    }
 }
 
 impl Verdict {
     pub fn passed(&self) -> bool {
-        self.wrong == 0 && self.nonfinite == 0 && self.rel_l2.is_none_or(|(e, limit)| e <= limit)
+        let l2_ok = match self.l2 {
+            Some(l2) if self.elements >= MIN_L2_ELEMENTS => l2.relative() <= l2.limit,
+            _ => true,
+        };
+        self.wrong == 0 && self.nonfinite == 0 && l2_ok
     }
 
     /// Folds another part of the same result into this one (indices of `other` offset by
@@ -154,8 +187,10 @@ impl Verdict {
         self.elements += other.elements;
         self.wrong += other.wrong;
         self.nonfinite += other.nonfinite;
-        self.rel_l2 = match (self.rel_l2, other.rel_l2) {
-            (Some((a, l)), Some((b, m))) => Some((a.max(b), l.min(m))),
+        self.l2 = match (self.l2, other.l2) {
+            (Some(a), Some(b)) => {
+                Some(L2 { err_sq: a.err_sq + b.err_sq, ref_sq: a.ref_sq + b.ref_sq, limit: a.limit.min(b.limit) })
+            }
             (a, b) => a.or(b),
         };
         self
@@ -164,13 +199,13 @@ impl Verdict {
 
 impl fmt::Display for Verdict {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = if self.rel_l2.is_some() { "outside bound" } else { "differ" };
+        let kind = if self.l2.is_some() { "outside bound" } else { "differ" };
         write!(f, "{} of {} {kind}", self.wrong, self.elements)?;
         if self.nonfinite > 0 {
             write!(f, ", {} non-finite", self.nonfinite)?;
         }
         if let Some(w) = self.worst {
-            if self.rel_l2.is_some() {
+            if self.l2.is_some() {
                 write!(
                     f,
                     ", worst [{}]: got {:.6e} want {:.6e} (|err| {:.2e}, bound {:.2e}, {:.2} of it)",
@@ -185,19 +220,24 @@ impl fmt::Display for Verdict {
                 write!(f, ", first [{}]: got {:.6e} want {:.6e}", w.index, w.got, w.want)?;
             }
         }
-        if let Some((e, limit)) = self.rel_l2 {
-            write!(f, ", rel L2 {e:.2e} (limit {limit:.0e})")?;
+        if let Some(l2) = self.l2 {
+            write!(f, ", rel L2 {:.2e} (limit {:.0e}", l2.relative(), l2.limit)?;
+            if self.elements < MIN_L2_ELEMENTS {
+                write!(f, ", not judged below {MIN_L2_ELEMENTS} elements")?;
+            }
+            write!(f, ")")?;
         }
         Ok(())
     }
 }
 
-/// Element-wise: `|out[i] − reference[i]| ≤ bounds[i]`, NaN and ∞ never pass; then the
-/// global relative L2 norm within `l2_limit` (`super::tolerance(dtype)`).
+/// Element-wise: `|out[i] − reference[i]| ≤ bounds[i]`, NaN and ∞ never pass; then, over
+/// at least `MIN_L2_ELEMENTS` elements, the global relative L2 norm within `l2_limit`
+/// (`super::tolerance(dtype)`).
 pub fn check_close(out: &[f64], reference: &[f64], bounds: &[f64], l2_limit: f64) -> Verdict {
     assert_eq!(out.len(), reference.len());
     assert_eq!(out.len(), bounds.len());
-    let mut v = Verdict { elements: out.len(), wrong: 0, nonfinite: 0, worst_ratio: 0.0, worst: None, rel_l2: None };
+    let mut v = Verdict { elements: out.len(), wrong: 0, nonfinite: 0, worst_ratio: 0.0, worst: None, l2: None };
     for (i, ((&o, &r), &b)) in out.iter().zip(reference).zip(bounds).enumerate() {
         let err = (o - r).abs();
         let ratio = if !o.is_finite() {
@@ -222,7 +262,12 @@ pub fn check_close(out: &[f64], reference: &[f64], bounds: &[f64], l2_limit: f64
             v.worst = Some(Worst { index: i, got: o, want: r, bound: b });
         }
     }
-    v.rel_l2 = Some((super::relative_error(out, reference), l2_limit));
+    let (mut err_sq, mut ref_sq) = (0.0, 0.0);
+    for (&o, &r) in out.iter().zip(reference) {
+        err_sq += (o - r) * (o - r);
+        ref_sq += r * r;
+    }
+    v.l2 = Some(L2 { err_sq, ref_sq, limit: l2_limit });
     v
 }
 
@@ -230,7 +275,7 @@ pub fn check_close(out: &[f64], reference: &[f64], bounds: &[f64], l2_limit: f64
 /// gather decoded to f64). NaN never equals anything; +0 equals −0.
 pub fn check_exact(out: &[f64], want: &[f64]) -> Verdict {
     assert_eq!(out.len(), want.len());
-    let mut v = Verdict { elements: out.len(), wrong: 0, nonfinite: 0, worst_ratio: 0.0, worst: None, rel_l2: None };
+    let mut v = Verdict { elements: out.len(), wrong: 0, nonfinite: 0, worst_ratio: 0.0, worst: None, l2: None };
     for (i, (&o, &w)) in out.iter().zip(want).enumerate() {
         if o != w {
             if v.wrong == 0 {
@@ -249,7 +294,7 @@ pub fn check_exact_bytes(out: &[u8], want: &[u8], dtype: mkDataType_t) -> Verdic
     assert_eq!(out.len(), want.len());
     let es = dtype.size();
     let mut v =
-        Verdict { elements: out.len() / es, wrong: 0, nonfinite: 0, worst_ratio: 0.0, worst: None, rel_l2: None };
+        Verdict { elements: out.len() / es, wrong: 0, nonfinite: 0, worst_ratio: 0.0, worst: None, l2: None };
     for (i, (o, w)) in out.chunks_exact(es).zip(want.chunks_exact(es)).enumerate() {
         if o != w {
             if v.wrong == 0 {
@@ -396,6 +441,31 @@ mod tests {
             let v = gemm_verdict(&out, &reference, &mag, dtype, k);
             assert!(!v.passed() && v.wrong > 64 * 64 / 4, "{}: {v}", dtype.name());
         }
+    }
+
+    #[test]
+    fn the_norm_judges_only_enough_elements_and_folds_exactly() {
+        // One bf16 sum whose terms cancel: inside its bound, far past the norm's limit.
+        let one = check_close(&[-0.3828125], &[-0.376953125], &[9.38e-3], tolerance(BF16));
+        assert!(one.passed(), "{one}");
+        assert!(one.l2.unwrap().relative() > tolerance(BF16));
+        assert!(one.to_string().contains("not judged"), "{one}");
+        // The same relative error on every element of a large result fails on the norm alone.
+        let n = 4 * MIN_L2_ELEMENTS;
+        let reference: Vec<f64> = (0..n).map(|i| 1.0 + i as f64 / n as f64).collect();
+        let out: Vec<f64> = reference.iter().map(|r| r * (1.0 + 2.0 * tolerance(BF16))).collect();
+        let bounds: Vec<f64> = reference.iter().map(|r| r * 0.1).collect();
+        let whole = check_close(&out, &reference, &bounds, tolerance(BF16));
+        assert!(whole.wrong == 0 && !whole.passed(), "{whole}");
+        // Parts fold into the verdict of the whole, small parts included.
+        let folded = [(0, 5), (5, 130), (130, n)]
+            .iter()
+            .map(|&(a, b)| check_close(&out[a..b], &reference[a..b], &bounds[a..b], tolerance(BF16)))
+            .reduce(Verdict::and)
+            .unwrap();
+        assert_eq!(folded.passed(), whole.passed());
+        let (f, w) = (folded.l2.unwrap().relative(), whole.l2.unwrap().relative());
+        assert!((f - w).abs() <= 1e-12 * w, "{f} vs {w}");
     }
 
     #[test]
