@@ -7,13 +7,17 @@
 # (each MPS client gets 100/N % of the SMs and an MK_MAX_CTAS that fits in it, so every
 # persistent grid is co-resident) — smoke, collectives, api (the C ABI on a live
 # communicator), the fused ops (ag_gemm, gemm_reduce, moe, ring_attn)
-# and, with one rank, the GEMM engine — then the benches: collectives, `mkbench gemm`, and
-# the fused ops beside their unfused sequences; writes logs under $OUT (at most 8 files),
-# and stops MPS.
+# and, with one rank, the GEMM engine — then the soak (mktest soak: every op in a random
+# order with random shapes, 4 ranks under MPS, for --soak-seconds), then the benches:
+# collectives, `mkbench gemm`, and the fused ops beside their unfused sequences; writes logs
+# under $OUT (at most 8 files), and stops MPS.
 # Then the collectives and the dense fused ops across emulated nodes (mktest nodes: 4 ranks,
 # MK_RANKS_PER_NODE=2, MK_NET=socket; its killed-node test without MPS), logged to
 # $OUT/nodes.log, and their benches.
-# Options: --ranks "1 2 4 8" (tests)  --suites "gemm_reduce ..." (instead of every suite)
+# Options: --ranks "1 2 4 8" (tests)  --suites "gemm_reduce ..." (instead of every suite;
+#          soak and chaos named there run only in their own steps)
+#          --soak-seconds 240 (the soak's duration, 0 leaves it out; it runs when --ranks
+#          holds 4, cut to what --deadline leaves)
 #          --bench-ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
 #          --no-nodes (skip mktest nodes and its benches)  --only-nodes (only mktest nodes and the
 #          emulated-node benches)  --node-ops "all_gather reduce_scatter all_reduce ag_gemm
@@ -24,6 +28,9 @@
 #          and cut each step's timeout to what is left: for a device call with a time limit;
 #          skipped steps are listed as SKIPPED (deadline) and make the exit status 3 when
 #          nothing failed)
+# Without MPS, beside the collectives' killed rank: mktest chaos at 2 and 4 ranks (of
+# --ranks): a rank dies at a random moment of a sequence of ops, the survivors must stop,
+# make a new communicator and run verified ops on it.
 # Then the C tests that `make ctest` built (test_abi, test_abi_san, test_cxx) against the
 # carried libmkernel, on the GPU (their GPU branches run only here), and the cargo tests
 # that need a GPU (transport_gpu --ignored), logged to $OUT/ctest.log.
@@ -40,15 +47,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0; REQUIRE_GPU=1; STEP=0
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
-RANKS="1 2 4 8"; SUITES=""; NODE_OPS="all_gather reduce_scatter all_reduce ag_gemm gemm_rs gemm_ar"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1
+RANKS="1 2 4 8"; SUITES=""; SOAK_SECONDS=240; NODE_OPS="all_gather reduce_scatter all_reduce ag_gemm gemm_rs gemm_ar"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1
 while [ $# -gt 0 ]; do
   case "$1" in
-    --ranks|--suites|--node-ops|--bench-ranks|--max-size|--deadline)
+    --ranks|--suites|--node-ops|--bench-ranks|--max-size|--deadline|--soak-seconds)
       [ $# -ge 2 ] || { echo "gpu-run.sh: $1 needs a value"; exit 2; } ;;
   esac
   case "$1" in
     --ranks) RANKS="$2"; shift ;;
     --suites) SUITES="$2"; shift ;;
+    --soak-seconds) SOAK_SECONDS="$2"; shift ;;
     --node-ops) NODE_OPS="$2"; shift ;;
     --bench-ranks) BENCH_RANKS="$2"; shift ;;
     --no-tests) TESTS=0 ;;
@@ -65,7 +73,9 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-for v in "$DEADLINE"; do case "$v" in ''|*[!0-9]*) echo "gpu-run.sh: --deadline takes whole seconds, not $v"; exit 2 ;; esac; done
+for v in "$DEADLINE" "$SOAK_SECONDS"; do case "$v" in ''|*[!0-9]*) echo "gpu-run.sh: --deadline and --soak-seconds take whole seconds, not $v"; exit 2 ;; esac; done
+# A suite named in --suites (or every suite when none is).
+wants() { [ -z "$SUITES" ] || [[ " $SUITES " == *" $1 "* ]]; }
 . scripts/gpu-bins.sh  # $OUT, and $BIN from BIN or BIN_TAR
 [ -f "$BIN/COMMIT" ] && export MK_COMMIT=$(cat "$BIN/COMMIT")
 JSON_DIR="$OUT/json"; mkdir -p "$JSON_DIR"
@@ -118,7 +128,12 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for n in $RANKS; do
     suites="smoke collectives api ag_gemm gemm_reduce moe ring_attn"
     [ "$n" = 1 ] && suites="$suites gemm"  # the engine alone is a one-rank suite
-    [ -n "$SUITES" ] && suites="$SUITES"
+    # soak and chaos run in their own steps (below), never in this loop.
+    if [ -n "$SUITES" ]; then
+      suites=""; for s in $SUITES; do case "$s" in soak|chaos) ;; *) suites="$suites $s" ;; esac; done
+      suites=${suites# }
+      [ -n "$suites" ] || break
+    fi
     late "mktest $suites N=$n" && continue
     echo "===== mktest $suites with $n rank(s)" | tee -a "$OUT/mktest.log"
     t0=$(date +%s)
@@ -144,7 +159,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   # CTA sums after its GEMM, no early sums) at 2 ranks.
   for step in "after 2"; do
     read -r mode ranks <<<"$step"
-    { [ -z "$SUITES" ] || [[ " $SUITES " == *" gemm_reduce "* ]]; } || break
+    wants gemm_reduce || break
     late "mktest gemm_reduce MK_INTERNAL_GEMM_REDUCERS=$mode N=$ranks" && continue
     echo "===== mktest gemm_reduce with MK_INTERNAL_GEMM_REDUCERS=$mode, $ranks ranks" | tee -a "$OUT/mktest.log"
     with_ranks "$ranks" env MK_INTERNAL_GEMM_REDUCERS="$mode" MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" gemm_reduce >> "$OUT/mktest.log" 2>&1
@@ -152,6 +167,29 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     note "mktest gemm_reduce MK_INTERNAL_GEMM_REDUCERS=$mode N=$ranks: $(outcome $rc)"
     check_rc $rc
   done
+fi
+
+if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ] && [ "$SOAK_SECONDS" -gt 0 ] && wants soak && [[ " $RANKS " == *" 4 "* ]]; then
+  # The soak: every op in a random order with random legal shapes, 4 ranks under MPS. Its
+  # duration is cut to what --deadline leaves (start-up, the last call and the summary take
+  # well under 2 minutes); the suite's own deadline (ranks::spawn) is the duration + 240 s.
+  soak=$SOAK_SECONDS
+  if [ "$DEADLINE" != 0 ]; then
+    left=$(( DEADLINE - ($(date +%s) - T0) - 20 - 120 ))
+    [ "$left" -lt "$soak" ] && soak=$left
+  fi
+  if [ "$soak" -lt 30 ]; then
+    note "mktest soak N=4: SKIPPED (deadline)"; SKIPPED_STEPS=$((SKIPPED_STEPS + 1))
+  else
+    echo "===== mktest soak, 4 ranks, MK_SOAK_SECONDS=$soak" | tee -a "$OUT/mktest.log"
+    t0=$(date +%s)
+    with_ranks 4 env MK_SOAK_SECONDS="$soak" timeout "$(limit $((soak + 300)))" "$BIN/mktest" soak >> "$OUT/mktest.log" 2>&1
+    rc=$?
+    note "mktest soak N=4 ($soak s, MPS): $(outcome $rc) in $(( $(date +%s) - t0 )) s"
+    check_rc $rc
+    sed -n '/^===== mktest soak/,$p' "$OUT/mktest.log" | grep -E "soak|calls|WRONG|FAILED|error" | tail -n 16 | sed "s/^/    /"
+    if [ "$rc" != 0 ] && [ "$MPS" = 1 ]; then stop_mps; nvidia-cuda-mps-control -d && MPS=1; fi
+  fi
 fi
 
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
@@ -196,6 +234,18 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     note "mktest killed rank N=$n (no MPS): $(outcome $rc)"
     check_rc $rc
     grep -E "killed rank|FAILED" "$OUT/mktest.log" | tail -n 6 | sed "s/^/    /"
+  done
+  # Chaos, also without MPS: a rank dies at a random moment of a sequence of collectives and
+  # fused ops; the survivors stop, make a new communicator and run verified ops on it.
+  for n in $RANKS; do
+    { [ "$n" = 2 ] || [ "$n" = 4 ]; } && wants chaos || continue
+    late "mktest chaos N=$n" && continue
+    echo "===== mktest chaos, $n ranks, no MPS" | tee -a "$OUT/mktest.log"
+    env MK_TEST_NRANKS="$n" timeout "$(limit 180)" "$BIN/mktest" chaos >> "$OUT/mktest.log" 2>&1
+    rc=$?
+    note "mktest chaos N=$n (no MPS): $(outcome $rc)"
+    check_rc $rc
+    grep -E "chaos|FAILED" "$OUT/mktest.log" | tail -n 8 | sed "s/^/    /"
   done
   if nvidia-cuda-mps-control -d; then MPS=1; fi
 fi

@@ -22,13 +22,19 @@ fn sync() -> mkernel::Result<()> {
 }
 
 /// The reference of C = A·Bᵀ and each element's bound.
-struct Reference {
+pub(crate) struct Reference {
     value: Vec<f64>,
     bound: Vec<f64>,
 }
 
 /// float64 on the CPU: the bound is testing::Rule's for a dot product of K terms.
-fn cpu_reference(a: &TestBuffer, b: &TestBuffer, m: usize, n: usize, k: usize) -> mkernel::Result<Reference> {
+pub(crate) fn cpu_reference(
+    a: &TestBuffer,
+    b: &TestBuffer,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> mkernel::Result<Reference> {
     let (value, mag) = gemm_reference(&a.download_f64()?, &b.download_f64()?, m, n, k);
     let rule = Rule::reduction(a.dtype, k);
     let bound = value.iter().zip(&mag).map(|(&r, &g)| rule.bound(r, g)).collect();
@@ -73,7 +79,7 @@ fn cublas_reference(
 }
 
 /// C against the reference element by element, its guard bands intact.
-fn verify(c: &TestBuffer, reference: &Reference) -> mkernel::Result<(bool, String)> {
+pub(crate) fn verify(c: &TestBuffer, reference: &Reference) -> mkernel::Result<(bool, String)> {
     let verdict: Verdict = check_close(&c.download_f64()?, &reference.value, &reference.bound, tolerance(c.dtype));
     let guards = c.guards_intact()?;
     Ok((

@@ -10,6 +10,7 @@
 
 mod ag_gemm;
 mod api;
+mod chaos;
 mod collectives;
 mod fused_common;
 mod gemm;
@@ -20,6 +21,7 @@ mod outcome;
 mod ranks;
 mod ring_attn;
 mod smoke;
+mod soak;
 
 use mkernel::testing::gpu_unavailable_reason;
 use outcome::{Outcome, SKIP_EXIT};
@@ -41,6 +43,10 @@ const SUITES: &[(&str, Suite, usize)] = &[
     ("ring_attn", ring_attn::run, 55),
     // MK_TEST_NODES=fused leaves the ~900 collective cases out: the floor covers the rest.
     ("nodes", nodes::run, 120),
+    // The first round (every op once, the MoE pair two checks) runs whatever the duration.
+    ("soak", soak::run, soak::CHECKS_PER_ROUND),
+    // A survivor: an op before the death, its own stop, two ops on the survivors' communicator.
+    ("chaos", chaos::run, 4),
 ];
 
 /// MK_TEST_KILL=only runs a suite's killed-rank test alone: one check per surviving rank.

@@ -52,17 +52,17 @@ impl Rng {
 }
 
 #[derive(Clone, Copy)]
-struct Sizes {
-    tokens: usize,
+pub(crate) struct Sizes {
+    pub(crate) tokens: usize,
     /// Odd ranks hold this many tokens instead (0: a rank with nothing to send).
-    tokens_odd: usize,
-    hidden: usize,
-    ffn: usize,
-    top_k: usize,
-    experts: usize,
-    dtype: mkDataType_t,
+    pub(crate) tokens_odd: usize,
+    pub(crate) hidden: usize,
+    pub(crate) ffn: usize,
+    pub(crate) top_k: usize,
+    pub(crate) experts: usize,
+    pub(crate) dtype: mkDataType_t,
     /// At most this many distinct experts get tokens (besides the hot one).
-    spread: usize,
+    pub(crate) spread: usize,
 }
 
 fn tokens_of(s: &Sizes, r: usize) -> usize {
@@ -115,7 +115,7 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 /// One configuration's device buffers (the largest T of any rank) on one rank.
-struct Case {
+pub(crate) struct Case {
     s: Sizes,
     n: usize,
     rank: usize,
@@ -133,7 +133,7 @@ struct Case {
     out: TestBuffer,
 }
 
-struct Inputs {
+pub(crate) struct Inputs {
     ids: Vec<Vec<i32>>,
     weights: Vec<Vec<f32>>,
     layout: DeviceLayout,
@@ -141,7 +141,7 @@ struct Inputs {
 }
 
 impl Case {
-    fn new(s: Sizes, n: usize, rank: usize, capacity: usize) -> Result<Case> {
+    pub(crate) fn new(s: Sizes, n: usize, rank: usize, capacity: usize) -> Result<Case> {
         let t_max = s.tokens.max(s.tokens_odd).max(1);
         let el = s.experts / n;
         let mut words = 0usize;
@@ -168,7 +168,7 @@ impl Case {
         })
     }
 
-    fn label(&self) -> String {
+    pub(crate) fn label(&self) -> String {
         let s = &self.s;
         format!(
             "{} T={}/{} H={} F={} k={} E={} cap={}",
@@ -189,7 +189,7 @@ impl Case {
 
     /// Fresh inputs for `seed` (every rank's x, W2, Y' regenerated from seeds); outputs and
     /// the layout buffer poisoned (the dispatch must fill the layout every call).
-    fn prepare(&self, seed: u64) -> Result<Inputs> {
+    pub(crate) fn prepare(&self, seed: u64) -> Result<Inputs> {
         let s = &self.s;
         let null = std::ptr::null_mut();
         fused_common::fill_shards(&self.x_shards, seed * 100, 1.0)?;
@@ -215,7 +215,7 @@ impl Case {
         Ok(Inputs { ids, weights, layout, seed })
     }
 
-    fn dispatch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+    pub(crate) fn dispatch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
         let s = &self.s;
         let x = self.x_shards[self.rank].ptr();
         // SAFETY: device buffers of the sizes the op expects.
@@ -240,7 +240,7 @@ impl Case {
         }
     }
 
-    fn combine(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+    pub(crate) fn combine(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
         let s = &self.s;
         let yact = self.yact_shards[self.rank].ptr();
         // SAFETY: device buffers of the sizes the op expects.
@@ -265,7 +265,7 @@ impl Case {
     }
 
     /// recvCounts and every received row of Y against float64.
-    fn verify_dispatch(&self, inp: &Inputs) -> Result<(bool, String)> {
+    pub(crate) fn verify_dispatch(&self, inp: &Inputs) -> Result<(bool, String)> {
         let s = &self.s;
         let (h, f) = (s.hidden, s.ffn);
         let el = s.experts / self.n;
@@ -350,7 +350,7 @@ impl Case {
     }
 
     /// out[t] against Σ_j w·round(Y'_owner[row]·W2_eᵀ) in float64.
-    fn verify_combine(&self, inp: &Inputs) -> Result<(bool, String)> {
+    pub(crate) fn verify_combine(&self, inp: &Inputs) -> Result<(bool, String)> {
         let s = &self.s;
         let (h, f, k) = (s.hidden, s.ffn, s.top_k);
         let el = s.experts / self.n;
@@ -480,7 +480,7 @@ fn sizes_list() -> Vec<Sizes> {
 }
 
 /// The smallest recvCapacity this seed's routing needs, plus `slack` blocks.
-fn capacity_for(s: &Sizes, n: usize, seed: u64, slack: usize) -> Result<usize> {
+pub(crate) fn capacity_for(s: &Sizes, n: usize, seed: u64, slack: usize) -> Result<usize> {
     let (ids, _) = routing(s, n, seed);
     let shape = MoeShape { tokens: tokens_of(s, 0), top_k: s.top_k, experts: s.experts, nranks: n };
     Ok(device_layout(&shape, &ids, 0)?.rows_needed.max(ROW_BLOCK) + slack * ROW_BLOCK)

@@ -115,6 +115,18 @@ pub fn spawn(
     deadline: Duration,
     expected_exit: impl Fn(usize) -> i32,
 ) -> mkernel::Result<()> {
+    spawn_with_env(args, nranks, nids, deadline, &[], expected_exit)
+}
+
+/// `spawn`, with `env` (name, value) set in every rank process besides the rank variables.
+pub fn spawn_with_env(
+    args: &[String],
+    nranks: usize,
+    nids: usize,
+    deadline: Duration,
+    env: &[(&str, String)],
+    expected_exit: impl Fn(usize) -> i32,
+) -> mkernel::Result<()> {
     let (_ids, text) = make_ids(nids)?;
     let exe = std::env::current_exe().map_err(|e| MkError::system(format!("current_exe: {e}")))?;
     let mut children: Vec<Option<Child>> = Vec::new();
@@ -124,6 +136,7 @@ pub fn spawn(
             .env(ENV_RANK, r.to_string())
             .env(ENV_NRANKS, nranks.to_string())
             .env(ENV_IDS, &text)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .spawn()
             .map_err(|e| MkError::system(format!("starting rank {r}: {e}")))?;
         children.push(Some(child));

@@ -47,7 +47,7 @@ pub fn run() -> Result<Outcome> {
     )
 }
 
-struct Case {
+pub(crate) struct Case {
     dtype: mkDataType_t,
     shape: RingShape,
     rank: usize,
@@ -62,7 +62,7 @@ struct Case {
 }
 
 impl Case {
-    fn new(
+    pub(crate) fn new(
         dtype: mkDataType_t,
         batch: usize,
         seq_local: usize,
