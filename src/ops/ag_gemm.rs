@@ -17,6 +17,7 @@ use crate::error::{MkError, Result};
 use crate::kernel_abi::{AgGemmParams, MK_AG_GEMM_MAX_CHUNKS, MK_MAX_PEERS};
 use crate::ops::gemm::{self as engine, Epilogue, PlanOverrides};
 use crate::ops::hier_collectives::{fused_op_workspace, NodeLayout};
+use crate::ops::launch;
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
@@ -324,9 +325,9 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
     let smem = engine::smem_bytes(bn, Epilogue::Tma);
     // The fused ops' region follows the collectives' data region in every rank's workspace.
     let gathered_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
-    let mut ta = engine::tensor_map(gathered_base, args.dtype, m, k, engine::BM, engine::BK)?;
-    let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
-    let mut tc = engine::tensor_map(args.c, args.dtype, m, n, 64, 64)?;
+    let mut ta = launch::tensor_map(gathered_base, args.dtype, m, k, engine::BM, engine::BK)?;
+    let mut tb = launch::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
+    let mut tc = launch::tensor_map(args.c, args.dtype, m, n, 64, 64)?;
     let mut params = AgGemmParams {
         ws: ws.view,
         a_local: args.a,

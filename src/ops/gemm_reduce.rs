@@ -10,6 +10,7 @@ use crate::cuda::kernels::Kernel;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{self, GemmReduceParams, MkOp};
+use crate::ops::launch;
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
@@ -366,9 +367,9 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     // The view is indexed by local rank (the global rank across nodes).
     let partial_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
     let bm = tile_rows(m);
-    let mut ta = engine::tensor_map(args.a, args.dtype, m, k, bm, engine::BK)?;
-    let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
-    let mut tp = engine::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
+    let mut ta = launch::tensor_map(args.a, args.dtype, m, k, bm, engine::BK)?;
+    let mut tb = launch::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
+    let mut tp = launch::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
     let early = early_items(
         args.reduction,
         comm.config.tuning.gemm_reducers,

@@ -16,6 +16,7 @@ use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
 use crate::kernel_abi::MoeParams;
 use crate::ops::gemm::{self as engine, Epilogue};
+use crate::ops::launch;
 use crate::types::{mkDataType_t, RawDataType};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -778,9 +779,9 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
             0
         };
     let fix = |p: u64| if p == u64::MAX { region + COUNTS_BYTES as u64 } else { p };
-    let mut ta = engine::tensor_map(fix(l.a.0), l.dtype, l.a.1, l.a.2, engine::BM, engine::BK)?;
-    let mut tb = engine::tensor_map(fix(l.b.0), l.dtype, l.b.1, l.b.2, bn, engine::BK)?;
-    let mut tc = engine::tensor_map(fix(l.c.0), l.dtype, l.c.1, l.c.2, 64, 64)?;
+    let mut ta = launch::tensor_map(fix(l.a.0), l.dtype, l.a.1, l.a.2, engine::BM, engine::BK)?;
+    let mut tb = launch::tensor_map(fix(l.b.0), l.dtype, l.b.1, l.b.2, bn, engine::BK)?;
+    let mut tc = launch::tensor_map(fix(l.c.0), l.dtype, l.c.1, l.c.2, 64, 64)?;
     let f = kernel(l.dir, l.dtype, bn)
         .ok_or_else(|| MkError::internal(format!("no MoE kernel for BN {bn}")))?
         .function()?;

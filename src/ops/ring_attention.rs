@@ -277,7 +277,7 @@ fn head_map(
     head_dim: usize,
 ) -> Result<sys::CUtensorMap> {
     let row = (head_dim * 2) as u64;
-    crate::ops::gemm::tiled_tensor_map(
+    crate::ops::launch::tiled_tensor_map(
         ptr,
         dtype,
         &[head_dim as u64, heads as u64, tokens as u64, batch as u64],
