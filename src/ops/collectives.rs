@@ -4,10 +4,11 @@
 
 use crate::comm::Comm;
 use crate::cuda::kernels::Kernel;
-use crate::cuda::{self, sys, LaunchConfig};
+use crate::cuda::sys;
 use crate::ensure_arg;
 use crate::error::{mkResult_t, MkError, Result};
 use crate::kernel_abi::{CollectiveParams, MkOp, MkWait, WorkspaceView};
+use crate::ops::launch::{DeviceCaps, KernelLaunch};
 use crate::types::{mkDataType_t, mkRedOp_t, RawDataType, RawRedOp};
 
 /// Threads per CTA of the collective kernels.
@@ -376,12 +377,13 @@ pub fn collective(
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let stage_bytes = STAGE_BYTES;
-    launch(&ws.view, &args, single_rank_ctas(comm)?, stage_bytes, stream)
+    launch(&ws.view, &args, single_rank_ctas(DeviceCaps::of(comm)?), stage_bytes, stream)
 }
 
-fn single_rank_ctas(comm: &Comm) -> Result<u32> {
-    let sms = cuda::sm_count(comm.context.device)? as u32;
-    Ok(comm.config.max_ctas.unwrap_or(2 * sms).max(1))
+/// Grid cap of the one-rank copy, which no workspace slots bound: the configured cap, else
+/// two CTAs per SM.
+pub fn single_rank_ctas(caps: DeviceCaps) -> u32 {
+    caps.max_ctas.unwrap_or(2 * caps.sms).max(1)
 }
 
 /// Launches the collective kernel for validated `args` (the context must be current),
@@ -396,7 +398,6 @@ pub fn launch(
     let elem = args.dtype.size() as u64;
     let p =
         plan(args.kind, args.count, elem, view.nranks as u64, view.cta_slots as u32, view.data_bytes, single_rank_ctas);
-    let f = kernel(args.dtype).function()?;
     let mut params = CollectiveParams {
         ws: *view,
         send: args.send,
@@ -410,18 +411,26 @@ pub fn launch(
         stage_bytes,
         reserved: 0,
     };
-    // cuda::launch raises the function's dynamic shared-memory limit above 48 KiB.
-    let cfg = LaunchConfig { grid: (p.ctas, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: stage_bytes };
+    // The launch raises the function's dynamic shared-memory limit above 48 KiB.
+    let launch = KernelLaunch::new(kernel(args.dtype), p.ctas, THREADS, stage_bytes);
     // SAFETY: one CollectiveParams by value; the buffers were checked to be device memory
     // of this context's device, large enough as the caller promised.
-    unsafe { cuda::launch(f, cfg, stream, &mut [(&mut params as *mut CollectiveParams).cast()]) }
-        .map_err(|e| e.context(format!("launching {}", args.kind.name())))
+    unsafe { launch.launch(stream, &mut [(&mut params as *mut CollectiveParams).cast()], Some(args.kind.name())) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::types::mkDataType_t::*;
+
+    #[test]
+    fn the_one_rank_copy_takes_two_ctas_per_sm_unless_capped() {
+        let caps = |sms, max_ctas| DeviceCaps { sms, max_ctas };
+        assert_eq!(single_rank_ctas(caps(132, None)), 264);
+        assert_eq!(single_rank_ctas(caps(132, Some(16))), 16);
+        assert_eq!(single_rank_ctas(caps(132, Some(500))), 500, "the cap is not bound to the SMs");
+        assert_eq!(single_rank_ctas(caps(0, None)), 1);
+    }
 
     fn slot_need(kind: CollectiveKind, chunk: u64, elem: u64, nranks: u64) -> u64 {
         match kind {

@@ -13,11 +13,12 @@ use super::collectives::{
 use crate::comm::topology::{rank_with_local_rank, Topology};
 use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
-use crate::cuda::{self, sys, LaunchConfig};
+use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{
     HierCollectiveParams, ProxyRingView, WorkspaceView, MK_MAX_NODES, MK_MAX_NODE_RANKS, MK_MAX_PEERS,
 };
+use crate::ops::launch::KernelLaunch;
 use crate::types::{mkDataType_t, RawDataType, RawRedOp};
 
 const _: () = assert!(MK_MAX_NODE_RANKS == MK_MAX_NODES * MK_MAX_PEERS);
@@ -301,13 +302,17 @@ pub fn collective(
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let mut params = params(&ws.view, ring, &nl, comm.rank, comm.nranks, &args, &plan);
-    let f = kernel(args.dtype).function()?;
-    let cfg = LaunchConfig { grid: (plan.ctas, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let launch = KernelLaunch::new(kernel(args.dtype), plan.ctas, THREADS, 0);
     // SAFETY: one HierCollectiveParams by value; the buffers were checked to be device
     // memory of this context's device, as large as the caller promised; the workspace and
     // the ring live as long as the communicator.
-    unsafe { cuda::launch(f, cfg, stream, &mut [(&mut params as *mut HierCollectiveParams).cast()]) }
-        .map_err(|e| e.context(format!("launching {} across nodes", kind.name())))
+    unsafe {
+        launch.launch(
+            stream,
+            &mut [(&mut params as *mut HierCollectiveParams).cast()],
+            Some(&format!("{} across nodes", kind.name())),
+        )
+    }
 }
 
 #[cfg(test)]
