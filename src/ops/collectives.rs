@@ -412,10 +412,12 @@ pub fn launch(
         reserved: 0,
     };
     // The launch raises the function's dynamic shared-memory limit above 48 KiB.
-    let launch = KernelLaunch::new(kernel(args.dtype), p.ctas, THREADS, stage_bytes);
+    let kernel_launch = KernelLaunch::new(kernel(args.dtype), p.ctas, THREADS, stage_bytes);
     // SAFETY: one CollectiveParams by value; the buffers were checked to be device memory
     // of this context's device, large enough as the caller promised.
-    unsafe { launch.launch(stream, &mut [(&mut params as *mut CollectiveParams).cast()], Some(args.kind.name())) }
+    unsafe {
+        kernel_launch.launch(stream, &mut [(&mut params as *mut CollectiveParams).cast()], Some(args.kind.name()))
+    }
 }
 
 #[cfg(test)]

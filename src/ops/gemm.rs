@@ -264,6 +264,18 @@ pub fn plan(m: usize, n: usize, sms: usize, tma_epilogue_ok: bool, o: PlanOverri
     }
 }
 
+/// Tile width of a fused op's GEMM on `ctas` compute CTAs: the plain engine's choice for
+/// the shape on that many SMs, with 64 raised to 128 (the fused kernels are built for
+/// widths 256 and 128).
+pub fn fused_tile_width(m: usize, n: usize, ctas: usize) -> usize {
+    let tile = plan(m, n, ctas, true, PlanOverrides { max_ctas: Some(ctas), ..Default::default() });
+    if tile.bn >= 256 {
+        256
+    } else {
+        128
+    }
+}
+
 /// A GEMM call's arguments after validation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmArgs {
@@ -326,7 +338,7 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
     // The direct epilogue ignores tma_c; pass any valid map.
     let mut tc =
         if plan.epilogue == Epilogue::Tma { tensor_map(args.c, args.dtype, args.m, args.n, 64, 64)? } else { ta };
-    let launch = plan.kernel_launch(args.dtype)?;
+    let kernel_launch = plan.kernel_launch(args.dtype)?;
     let mut c = args.c;
     let (mut m, mut n, mut k, mut g) = (args.m as i32, args.n as i32, args.k as i32, plan.group_m as i32);
     let mut params: [*mut c_void; 8] = [
@@ -342,7 +354,7 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
     // SAFETY: the parameters match the entry kernels' signature (3 tensor maps, a pointer,
     // 4 ints); A, B and C were validated and cover M×K, N×K and M×N elements (caller's
     // contract); a cluster plan names a cluster kernel, launched with cluster dims (2,1,1).
-    unsafe { launch.launch(stream, &mut params, None) }
+    unsafe { kernel_launch.launch(stream, &mut params, None) }
 }
 
 /// Runs `f` with a current context: the caller's if it has one (the CUDA runtime's usual

@@ -302,12 +302,12 @@ pub fn collective(
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let mut params = params(&ws.view, ring, &nl, comm.rank, comm.nranks, &args, &plan);
-    let launch = KernelLaunch::new(kernel(args.dtype), plan.ctas, THREADS, 0);
+    let kernel_launch = KernelLaunch::new(kernel(args.dtype), plan.ctas, THREADS, 0);
     // SAFETY: one HierCollectiveParams by value; the buffers were checked to be device
     // memory of this context's device, as large as the caller promised; the workspace and
     // the ring live as long as the communicator.
     unsafe {
-        launch.launch(
+        kernel_launch.launch(
             stream,
             &mut [(&mut params as *mut HierCollectiveParams).cast()],
             Some(&format!("{} across nodes", kind.name())),

@@ -20,9 +20,9 @@ pub fn fill_random(
         return Err(MkError::invalid_argument(format!("fill_random does not support {}", dtype.name())));
     }
     let mut p = FillRandomParams { data, count, seed, dtype: dtype as i32, scale };
-    let launch = KernelLaunch::new(crate::cuda::kernels::MK_FILL_RANDOM, fill_grid(count), THREADS, 0);
+    let kernel_launch = KernelLaunch::new(crate::cuda::kernels::MK_FILL_RANDOM, fill_grid(count), THREADS, 0);
     // SAFETY: the kernel takes one FillRandomParams by value; data is the caller's buffer.
-    unsafe { launch.launch(stream, &mut [(&mut p as *mut FillRandomParams).cast()], None) }
+    unsafe { kernel_launch.launch(stream, &mut [(&mut p as *mut FillRandomParams).cast()], None) }
 }
 
 /// Threads per block of the fill kernel.
