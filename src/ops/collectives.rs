@@ -80,6 +80,14 @@ pub struct CollectivePlan {
     pub chunk: u64,
 }
 
+impl CollectivePlan {
+    /// The launch of this plan for `dtype`, staging loads in `stage_bytes` of dynamic
+    /// shared memory per CTA (0: in registers).
+    pub fn kernel_launch(&self, dtype: mkDataType_t, stage_bytes: u32) -> KernelLaunch {
+        KernelLaunch::new(kernel(dtype), self.ctas, THREADS, stage_bytes)
+    }
+}
+
 /// Plans one call. `count` is elements per rank segment; `cta_slots` and `data_bytes` come
 /// from the workspace (the same on every rank, so every rank plans the same steps);
 /// `single_rank_ctas` is the grid cap for the one-rank copy (no workspace involved).
@@ -412,7 +420,7 @@ pub fn launch(
         reserved: 0,
     };
     // The launch raises the function's dynamic shared-memory limit above 48 KiB.
-    let kernel_launch = KernelLaunch::new(kernel(args.dtype), p.ctas, THREADS, stage_bytes);
+    let kernel_launch = p.kernel_launch(args.dtype, stage_bytes);
     // SAFETY: one CollectiveParams by value; the buffers were checked to be device memory
     // of this context's device, large enough as the caller promised.
     unsafe {
@@ -424,6 +432,16 @@ pub fn launch(
 mod tests {
     use super::*;
     use crate::types::mkDataType_t::*;
+
+    #[test]
+    fn the_launch_is_the_plan() {
+        let p = plan(CollectiveKind::AllReduce, 1 << 20, 2, 4, 16, 64 << 20, 264);
+        let l = p.kernel_launch(mkBfloat16, STAGE_BYTES);
+        assert_eq!(
+            (l.kernel, l.grid, l.block, l.smem_bytes),
+            (crate::cuda::kernels::MK_COLLECTIVE_BF16, p.ctas, 512, 128 << 10)
+        );
+    }
 
     #[test]
     fn the_one_rank_copy_takes_two_ctas_per_sm_unless_capped() {

@@ -111,6 +111,13 @@ pub struct HierPlan {
     pub slot_bytes: u64,
 }
 
+impl HierPlan {
+    /// The launch of this plan for `dtype`.
+    pub fn kernel_launch(&self, dtype: mkDataType_t) -> KernelLaunch {
+        KernelLaunch::new(kernel(dtype), self.ctas, THREADS, 0)
+    }
+}
+
 pub(crate) fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
@@ -302,7 +309,7 @@ pub fn collective(
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let mut params = params(&ws.view, ring, &nl, comm.rank, comm.nranks, &args, &plan);
-    let kernel_launch = KernelLaunch::new(kernel(args.dtype), plan.ctas, THREADS, 0);
+    let kernel_launch = plan.kernel_launch(args.dtype);
     // SAFETY: one HierCollectiveParams by value; the buffers were checked to be device
     // memory of this context's device, as large as the caller promised; the workspace and
     // the ring live as long as the communicator.
@@ -384,6 +391,16 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_launch_is_the_plan() {
+        let p = plan(CollectiveKind::ReduceScatter, 1 << 20, 4, 2, 4, 16, 256 << 20).unwrap();
+        let l = p.kernel_launch(mkDataType_t::mkFloat32);
+        assert_eq!(
+            (l.kernel, l.grid, l.block, l.smem_bytes),
+            (crate::cuda::kernels::MK_HIER_COLLECTIVE_F32, p.ctas, 512, 0)
+        );
     }
 
     #[test]
