@@ -599,28 +599,8 @@ mod tests {
         }
     }
 
-    /// What the launcher computed inline before the plan carried it (copied from it):
-    /// (bn, group_m, smem, grid, m_block_base).
-    fn launcher_values(shape: &AgGemmShape, grid: u32, comm: Option<u32>) -> (usize, usize, usize, u32, i32) {
-        let AgGemmShape { m, n, nranks, rank, .. } = *shape;
-        let rows_per_rank = m / nranks;
-        let p = plan(shape, grid, comm).unwrap();
-        let tile = engine::plan(
-            m,
-            n,
-            p.compute_ctas as usize,
-            true,
-            PlanOverrides { max_ctas: Some(p.compute_ctas as usize), ..Default::default() },
-        );
-        let bn = if tile.bn >= 256 { 256 } else { 128 };
-        let group_m = raster_group(m, rows_per_rank, bn, p.compute_ctas as usize);
-        let smem = engine::smem_bytes(bn, Epilogue::Tma);
-        (bn, group_m, smem, p.compute_ctas + p.comm_ctas, ((rank * rows_per_rank) / ROW_BLOCK) as i32)
-    }
-
     #[test]
-    fn the_plan_carries_what_the_launcher_computed() {
-        let mut checked = 0;
+    fn every_plan_launches_a_built_kernel_on_its_whole_grid() {
         for nranks in [2, 3, 4, 8] {
             for rows in [1, 24, 100, 128, 256, 512, 1000, 2048, 8192] {
                 for n in [64, 128, 1024, 3584, 8192, 28672] {
@@ -629,24 +609,23 @@ mod tests {
                         for rank in [0, nranks - 1] {
                             let shape = AgGemmShape { m: rows * nranks, n, k: 64, nranks, rank };
                             let p = plan(&shape, grid, comm).unwrap();
-                            let (bn, group_m, smem, g, base) = launcher_values(&shape, grid, comm);
-                            assert_eq!(
-                                (p.bn, p.group_m, p.smem_bytes, p.grid, p.m_block_base as i32),
-                                (bn, group_m, smem, g, base),
-                                "{shape:?} grid {grid} comm {comm:?}"
-                            );
-                            let l = p.kernel_launch(mkDataType_t::mkFloat16).unwrap();
-                            assert_eq!(
-                                (l.kernel, l.grid, l.block, l.smem_bytes),
-                                (kernel(mkDataType_t::mkFloat16, bn).unwrap(), g, 384, smem as u32)
-                            );
-                            checked += 1;
+                            assert_eq!(p.grid, grid, "push CTAs come out of the grid: {shape:?}");
+                            assert_eq!(p.compute_ctas + p.comm_ctas, grid);
+                            assert!(p.bn == 128 || p.bn == 256);
+                            assert!(p.smem_bytes <= engine::SMEM_LIMIT);
+                            let tiles_m = shape.m.div_ceil(ROW_BLOCK);
+                            assert!((1..=tiles_m.max(1)).contains(&p.group_m), "{p:?}");
+                            assert_eq!(p.m_block_base, rank * rows / ROW_BLOCK);
+                            for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
+                                let l = p.kernel_launch(dtype).unwrap();
+                                assert_eq!((l.grid, l.block, l.smem_bytes), (grid, 384, p.smem_bytes as u32));
+                                assert_eq!(l.clusters, crate::ops::launch::Clusters::None);
+                            }
                         }
                     }
                 }
             }
         }
-        assert_eq!(checked, 4 * 9 * 6 * 6 * 2);
     }
 
     /// The GEMM's tile, its raster group and shared memory for representative shapes.

@@ -547,92 +547,8 @@ mod tests {
     use super::*;
     use crate::ops::gemm::Epilogue;
 
-    /// The launcher's arithmetic before the plan carried it (copied from it): the values
-    /// it computed, in GemmReducePlan's field order (smem and grid as launched).
-    #[allow(clippy::type_complexity)]
-    fn launcher_values(
-        s: &GemmReduceShape,
-        grid: u32,
-        comm_ctas: Option<u32>,
-        tuning: &Tuning,
-    ) -> Result<(
-        (u32, u32, bool, Option<gemm_reduce_nodes::NodeReducePlan>, u64),
-        (usize, usize, usize, usize, usize),
-        (usize, usize, usize),
-        usize,
-        u32,
-        u32,
-    )> {
-        let GemmReduceShape { reduction, m, n, k, nranks, rank, nodes } = *s;
-        let (compute_ctas, reduce_ctas, two_phase) = match reduction {
-            Reduction::Scatter => {
-                let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid, comm_ctas)?;
-                (p.compute_ctas, p.reduce_ctas, false)
-            }
-            Reduction::All => {
-                match gemm_ar::plan(m, n, k, nranks, rank, grid, comm_ctas, tuning.gemm_ar_one_shot_max_m)? {
-                    gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas, false),
-                    gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas, true),
-                }
-            }
-        };
-        let two_phase = two_phase && nodes.is_none();
-        let tiles = m.div_ceil(ROW_BLOCK) * n.div_ceil(128);
-        let node_plan = match &nodes {
-            Some((nl_nodes, data_bytes)) => Some(gemm_reduce_nodes::plan(
-                reduction,
-                m,
-                n,
-                2,
-                *nl_nodes,
-                nranks,
-                *data_bytes,
-                GR_TILE_WORD,
-                tiles,
-                GR_END_WORD,
-            )?),
-            None => None,
-        };
-        let needed = node_plan.map_or((m * n * 2 * if two_phase { 2 } else { 1 }) as u64, |p| p.op_bytes);
-        let tile = engine::plan(
-            m,
-            n,
-            compute_ctas as usize,
-            true,
-            PlanOverrides { max_ctas: Some(compute_ctas as usize), ..Default::default() },
-        );
-        let bn = if tile.bn >= 256 { 256 } else { 128 };
-        let tiles_n = n.div_ceil(bn);
-        let interleave = interleave_owners(reduction, two_phase || nodes.is_some(), m, nranks);
-        let group_m = reduction_group_m(m.div_ceil(ROW_BLOCK), bn, compute_ctas as usize, interleave);
-        let (row_lo, row_hi, out_row0) = match reduction {
-            Reduction::Scatter => (rank * m / nranks, (rank + 1) * m / nranks, rank * m / nranks),
-            Reduction::All => (0, m, 0),
-        };
-        let bm = tile_rows(m);
-        let early = early_items(
-            reduction,
-            tuning.gemm_reducers,
-            nodes.is_none(),
-            reduce_ctas,
-            bm,
-            bn,
-            reducer_items(row_lo, row_hi, tiles_n),
-            compute_ctas as usize,
-        );
-        let smem = (engine::fused_smem_bytes(bm, bn) + if early > 0 { side_staging_bytes(bm, bn) } else { 0 }) as u32;
-        Ok((
-            (compute_ctas, reduce_ctas, two_phase, node_plan, needed),
-            (bm, bn, tiles_n, interleave, group_m),
-            (row_lo, row_hi, out_row0),
-            early,
-            smem,
-            compute_ctas + reduce_ctas,
-        ))
-    }
-
     #[test]
-    fn the_plan_carries_what_the_launcher_computed() {
+    fn every_plan_launches_a_built_kernel_within_the_shared_memory() {
         let tunings = [
             Tuning::default(),
             Tuning { gemm_reducers: Reducers::After, ..Tuning::default() },
@@ -644,49 +560,33 @@ mod tests {
             for nranks in [2, 3, 4, 8] {
                 for rows in [1, 16, 64, 100, 128, 256, 512, 1024, 4096] {
                     for n in [100, 128, 1024, 3584, 8192, 1 << 16] {
-                        for (grid, comm) in
-                            [(132, None), (132, Some(14)), (132, Some(132)), (66, None), (33, None), (1, None)]
-                        {
+                        for (grid, comm) in [(132, None), (132, Some(14)), (132, Some(132)), (66, None), (1, None)] {
                             for nodes in [None, Some((2, 64 << 20)), Some((nranks, 1 << 30))] {
                                 for tuning in &tunings {
-                                    for rank in [0, nranks - 1] {
-                                        let m = rows * nranks;
-                                        let s = GemmReduceShape { reduction, m, n, k: 1024, nranks, rank, nodes };
-                                        let old = launcher_values(&s, grid, comm, tuning);
-                                        let new = plan(&s, grid, comm, tuning);
-                                        match (old, new) {
-                                            (Ok(o), Ok(p)) => {
-                                                let l = p.kernel_launch(mkDataType_t::mkBfloat16).unwrap();
-                                                assert_eq!(
-                                                    (
-                                                        (
-                                                            p.compute_ctas,
-                                                            p.reduce_ctas,
-                                                            p.two_phase,
-                                                            p.node_plan,
-                                                            p.op_bytes
-                                                        ),
-                                                        (p.bm, p.bn, p.tiles_n, p.interleave, p.group_m),
-                                                        (p.row_lo, p.row_hi, p.out_row0),
-                                                        p.early_items,
-                                                        l.smem_bytes,
-                                                        l.grid
-                                                    ),
-                                                    o,
-                                                    "{s:?} grid {grid} comm {comm:?} {tuning:?}"
-                                                );
-                                                let want =
-                                                    kernel(mkDataType_t::mkBfloat16, o.1 .1, o.1 .0, o.3 > 0).unwrap();
-                                                assert_eq!((l.kernel, l.block), (want, 384));
-                                                planned += 1;
-                                            }
-                                            (Err(o), Err(p)) => {
-                                                assert_eq!((o.code, o.message), (p.code, p.message));
-                                                refused += 1;
-                                            }
-                                            (o, p) => panic!("{s:?}: launcher {o:?}, plan {p:?}"),
-                                        }
+                                    let m = rows * nranks;
+                                    let s =
+                                        GemmReduceShape { reduction, m, n, k: 1024, nranks, rank: nranks - 1, nodes };
+                                    let Ok(p) = plan(&s, grid, comm, tuning) else {
+                                        refused += 1;
+                                        continue;
+                                    };
+                                    planned += 1;
+                                    assert_eq!(p.compute_ctas + p.reduce_ctas, grid, "{s:?}");
+                                    assert_eq!(p.node_plan.is_some(), nodes.is_some());
+                                    assert!(!p.two_phase || (reduction == Reduction::All && nodes.is_none()));
+                                    assert_eq!(p.group_m % p.interleave, 0);
+                                    assert!(p.row_lo <= p.row_hi && p.row_hi <= m && p.out_row0 <= p.row_lo);
+                                    if p.early_items > 0 {
+                                        assert_eq!(
+                                            (reduction, p.bm, p.bn, p.reduce_ctas),
+                                            (Reduction::Scatter, 128, 256, 0)
+                                        );
+                                        assert!(nodes.is_none() && tuning.gemm_reducers == Reducers::Early);
                                     }
+                                    // The kernel's 1 KiB of static shared memory fits beside.
+                                    assert!(p.smem_bytes + 1024 <= engine::SMEM_LIMIT, "{p:?}");
+                                    let l = p.kernel_launch(mkDataType_t::mkBfloat16).unwrap();
+                                    assert_eq!((l.grid, l.block, l.smem_bytes), (grid, 384, p.smem_bytes as u32));
                                 }
                             }
                         }
@@ -694,7 +594,7 @@ mod tests {
                 }
             }
         }
-        assert!(planned > 10_000 && refused > 100, "{planned} planned, {refused} refused");
+        assert!(planned > 1000 && refused > 100, "{planned} planned, {refused} refused");
     }
 
     /// Representative plans: the tile, order, early sums and grid they launch.
