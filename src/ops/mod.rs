@@ -1,5 +1,6 @@
-//! One module per operation: argument checks and planning in plain Rust (tested on the
-//! CPU), then the launch.
+//! One module per operation: argument checks, then `plan` (shape, device caps, tuning →
+//! a Plan naming the kernel, grid and role split; plain Rust, tested on the CPU), then the
+//! launch of that plan through the one launch path, [`launch`].
 
 pub mod ag_gemm;
 pub mod collectives;
