@@ -1,6 +1,7 @@
-//! Launch of the GEMM + reduction kernels (kernels/gemm_reduce.cu, kernels/gemm_reduce_early.cu) shared by
-//! mkGemmReduceScatter and mkGemmAllReduce: argument checks, role split (from the
-//! `gemm_rs` / `gemm_ar` planners), tensor maps, launch.
+//! The GEMM + reduction kernels (kernels/gemm_reduce.cu, kernels/gemm_reduce_early.cu)
+//! shared by mkGemmReduceScatter and mkGemmAllReduce: argument checks, the plan
+//! (`GemmReducePlan`: the role split of the `gemm_rs` / `gemm_ar` planners, tile, owner
+//! order, early sums, grid; pure and CPU-tested), then tensor maps and the launch.
 
 use super::gemm::{self as engine, PlanOverrides};
 use super::hier_collectives::fused_op_workspace;
@@ -10,8 +11,7 @@ use crate::comm::Comm;
 use crate::cuda::kernels::Kernel;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
-use crate::kernel_abi::ProxyRingView;
-use crate::kernel_abi::{self, GemmReduceParams, MkOp};
+use crate::kernel_abi::{self, GemmReduceParams, MkOp, ProxyRingView};
 use crate::ops::hier_collectives::NodeLayout;
 use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
 use crate::tuning::Tuning;
@@ -279,9 +279,9 @@ pub fn tile_rows(m: usize) -> usize {
     }
 }
 
-/// Where the reduction runs and what it reduces: the rank's place, the grid cap and
-/// communication CTAs, the internal tuning, and across nodes the node count and the byte
-/// offset of the fused-op region in the data window (the node plan's buffers follow it).
+/// One GEMM + reduction call as the planner sees it: the op, the sizes, this rank's place,
+/// and across nodes the node count and the byte offset of the fused-op region in every
+/// rank's data window (the node plan's buffers follow it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmReduceShape {
     pub reduction: Reduction,
