@@ -5,9 +5,9 @@
 # C tests built by `make ctest` and the libmkernel (plus sanitizer runtimes) they load:
 # $BIN/ctests and $BIN/ctests/lib from a BIN_TAR, else build/ctests and build/prefix/lib.
 # Also `outcome RC`: how a step's exit status reads in the summaries (77 is mktest's
-# SKIPPED, 124/137 timeout's TIMEOUT; only 0 is a pass); $SMS, the SM count of GPU 0 (as
-# nvidia-smi reports it; SMS=N overrides; 132, an H100/H200 SXM, only where nothing can be
-# read); and `max_ctas_for N`, the MK_MAX_CTAS of each of N rank processes sharing the GPU.
+# SKIPPED, 124/137 timeout's TIMEOUT; only 0 is a pass); $SMS, the SM count of GPU 0
+# (scripts/sm-count.sh; SMS=N overrides); and `max_ctas_for N`, the MK_MAX_CTAS of each of
+# N rank processes sharing the GPU.
 OUT=${OUT:-gpu-run-logs}
 mkdir -p "$OUT"
 BIN=${BIN:-target/release}
@@ -25,12 +25,7 @@ outcome() {
     *) echo "FAIL (exit $1)" ;;
   esac
 }
-sm_count() {  # the SM count of GPU 0, or 132 where nvidia-smi gives none
-  local n
-  n=$(nvidia-smi -i 0 --query-gpu=multiprocessor_count --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -d ' ') || true
-  case "$n" in ''|*[!0-9]*|0) echo 132 ;; *) echo "$n" ;; esac
-}
-SMS=${SMS:-$(sm_count)}
+SMS=${SMS:-$(scripts/sm-count.sh)}
 # Under MPS each of N ranks gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100/N % of the SMs; its
 # grid cap is half of that share, of the SM count rounded down to a multiple of 8, so every
 # persistent grid stays co-resident (132 SMs: 32, 16 and 8 at 2, 4 and 8 ranks, at least 1).

@@ -44,9 +44,7 @@ for n in 1 2 4; do
   step "c-standalone-n$n" env MK_NCCL_MODE=standalone MK_DEBUG=WARN "$BIN/gpu_collectives" "$n"
 done
 
-# The SM count of GPU 0 for MK_MAX_CTAS; 132 (an H100/H200 SXM) only where nvidia-smi gives none.
-SMS=${SMS:-$(nvidia-smi -i 0 --query-gpu=multiprocessor_count --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -d ' ')}
-case "$SMS" in ''|*[!0-9]*|0) SMS=132 ;; esac
+SMS=${SMS:-$(scripts/sm-count.sh)}  # for MK_MAX_CTAS; SMS=N overrides
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mk-nccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/mk-nccl-mpslog
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 MPS=0; nvidia-cuda-mps-control -d 2>/dev/null && MPS=1
