@@ -113,7 +113,7 @@ if nvidia-cuda-mps-control -d; then MPS=1; note "MPS started"; else MPS=0; note 
 stop_mps() { if [ "$MPS" = 1 ]; then echo quit | timeout 20 nvidia-cuda-mps-control; MPS=0; fi; }
 trap stop_mps EXIT
 
-max_ctas_for() { case "$1" in 1) echo "";; 2) echo 32;; 4) echo 16;; *) echo $(( 128 / $1 / 2 > 0 ? 128 / $1 / 2 : 1 ));; esac; }
+note "GPU: $SMS SMs; MK_MAX_CTAS per rank at 2, 4, 8 ranks: $(max_ctas_for 2), $(max_ctas_for 4), $(max_ctas_for 8)"
 
 with_ranks() {  # N command...: runs the command as an MPS client sized for N ranks
   local n=$1; shift

@@ -44,8 +44,7 @@ for n in 1 2 4; do
   step "c-standalone-n$n" env MK_NCCL_MODE=standalone MK_DEBUG=WARN "$BIN/gpu_collectives" "$n"
 done
 
-SMS=$(nvidia-smi --query-gpu=multiprocessor_count --format=csv,noheader 2>/dev/null | head -1)
-SMS=${SMS:-132}
+SMS=${SMS:-$(scripts/sm-count.sh)}  # for MK_MAX_CTAS; SMS=N overrides
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mk-nccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/mk-nccl-mpslog
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 MPS=0; nvidia-cuda-mps-control -d 2>/dev/null && MPS=1

@@ -11,12 +11,14 @@
 //! CTA pushing a 2 MB chunk alone took 35-200 µs. `MK_COMM_SMS` = c ≥ 1 still selects c
 //! dedicated CTAs (all threads copy; useful where a link needs many SMs to saturate).
 
+use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
-use crate::cuda::{self, sys, LaunchConfig};
+use crate::cuda::{self, sys};
 use crate::error::{MkError, Result};
-use crate::kernel_abi::{AgGemmParams, MK_AG_GEMM_MAX_CHUNKS, MK_MAX_PEERS};
+use crate::kernel_abi::{AgGemmParams, ProxyRingView, MK_AG_GEMM_MAX_CHUNKS, MK_MAX_PEERS};
 use crate::ops::gemm::{self as engine, Epilogue, PlanOverrides};
 use crate::ops::hier_collectives::{fused_op_workspace, NodeLayout};
+use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
@@ -74,6 +76,26 @@ pub struct AgGemmPlan {
     /// rank+2, ... (every rank pushes to rank-1 first, rank-2 next, so data arrives in
     /// the order it is consumed).
     pub source_order: Vec<usize>,
+    /// The GEMM's tile width (`engine::fused_tile_width` on the compute CTAs): with the
+    /// dtype, it names the kernel (`kernel`).
+    pub bn: usize,
+    /// Raster group of the fused GEMM (`raster_group`).
+    pub group_m: usize,
+    /// Dynamic shared memory: the engine's, TMA epilogue.
+    pub smem_bytes: usize,
+    /// CTAs launched: compute_ctas + comm_ctas.
+    pub grid: u32,
+    /// The m-block of this rank's first own row (its rows start the rotated order).
+    pub m_block_base: usize,
+}
+
+impl AgGemmPlan {
+    /// The launch of this plan for `dtype`.
+    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
+        let kernel = kernel(dtype, self.bn)
+            .ok_or_else(|| MkError::internal(format!("no AllGather+GEMM kernel for BN {}", self.bn)))?;
+        Ok(KernelLaunch::new(kernel, self.grid, engine::THREADS, self.smem_bytes as u32))
+    }
 }
 
 /// Checks the shape rules; the messages name the rule.
@@ -98,11 +120,12 @@ pub fn validate(shape: &AgGemmShape) -> Result<()> {
     Ok(())
 }
 
-/// Plans the role split, chunking and order. `grid_ctas` is the CTAs the kernel may use
-/// (SM count, capped by MK_MAX_CTAS); `comm_override` comes from MK_COMM_SMS / config.
+/// Plans the role split, chunking and order, and the GEMM's tile. `grid_ctas` is the CTAs
+/// the kernel may use (`DeviceCaps::grid_cap`: SM count, capped by MK_MAX_CTAS);
+/// `comm_override` comes from MK_COMM_SMS / config.
 pub fn plan(shape: &AgGemmShape, grid_ctas: u32, comm_override: Option<u32>) -> Result<AgGemmPlan> {
     validate(shape)?;
-    let AgGemmShape { m, nranks, rank, .. } = *shape;
+    let AgGemmShape { m, n, nranks, rank, .. } = *shape;
     let rows_per_rank = m / nranks;
     if grid_ctas < 1 {
         return Err(MkError::invalid_argument("the grid cap (MK_MAX_CTAS) must be at least 1"));
@@ -127,14 +150,21 @@ pub fn plan(shape: &AgGemmShape, grid_ctas: u32, comm_override: Option<u32>) -> 
     let stride = flag_stride(nranks);
     let blocks_per_chunk = blocks_per_rank.div_ceil(stride);
     let chunk_rows = blocks_per_chunk * ROW_BLOCK;
+    let compute_ctas = grid_ctas - comm_ctas;
+    let bn = engine::fused_tile_width(m, n, compute_ctas as usize);
     Ok(AgGemmPlan {
         rows_per_rank,
         comm_ctas,
-        compute_ctas: grid_ctas - comm_ctas,
+        compute_ctas,
         chunk_rows,
         chunks_per_rank: rows_per_rank.div_ceil(chunk_rows),
         flag_stride: stride,
         source_order: (0..nranks).map(|i| (rank + i) % nranks).collect(),
+        bn,
+        group_m: raster_group(m, rows_per_rank, bn, compute_ctas as usize),
+        smem_bytes: engine::smem_bytes(bn, Epilogue::Tma),
+        grid: compute_ctas + comm_ctas,
+        m_block_base: (rank * rows_per_rank) / ROW_BLOCK,
     })
 }
 
@@ -269,14 +299,12 @@ pub fn validate_args(
 /// mkAllGatherGemm on `comm`: validate, plan, launch (stream-ordered, no host sync).
 pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) -> Result<()> {
     comm.check_usable()?;
-    let AgGemmShape { m, n, k, nranks, rank } = args.shape;
+    let AgGemmShape { m, n, k, nranks, .. } = args.shape;
     if m == 0 || n == 0 {
         return Ok(());
     }
     let _ctx = comm.context.enter()?;
-    let sms = cuda::sm_count(comm.context.device)? as u32;
-    let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
-    let rows_per_rank = m / nranks;
+    let grid = DeviceCaps::of(comm)?.grid_cap();
     for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
         crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
     }
@@ -311,22 +339,24 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
             p.chunk_rows
         )));
     }
-    // The engine's tile for the compute CTAs (the fused kernels exist for widths 256 and 128).
-    let tile = engine::plan(
-        m,
-        n,
-        p.compute_ctas as usize,
-        true,
-        PlanOverrides { max_ctas: Some(p.compute_ctas as usize), ..Default::default() },
-    );
-    let bn = if tile.bn >= 256 { 256 } else { 128 };
-    let group_m = raster_group(m, rows_per_rank, bn, p.compute_ctas as usize);
-    let smem = engine::smem_bytes(bn, Epilogue::Tma);
+    launch(args, &p, ws, nodes.as_ref(), stream)
+}
+
+/// Launches the fused kernel of plan `p` for validated `args` (the context current) on this
+/// node's workspace `ws`, and across nodes with the rank table and proxy ring `nodes`.
+fn launch(
+    args: &AgGemmArgs,
+    p: &AgGemmPlan,
+    ws: &SymmetricWorkspace,
+    nodes: Option<&(NodeLayout, ProxyRingView)>,
+    stream: sys::CUstream,
+) -> Result<()> {
+    let AgGemmShape { m, n, k, rank, .. } = args.shape;
     // The fused ops' region follows the collectives' data region in every rank's workspace.
     let gathered_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
-    let mut ta = engine::tensor_map(gathered_base, args.dtype, m, k, engine::BM, engine::BK)?;
-    let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
-    let mut tc = engine::tensor_map(args.c, args.dtype, m, n, 64, 64)?;
+    let mut ta = launch::tensor_map(gathered_base, args.dtype, m, k, engine::BM, engine::BK)?;
+    let mut tb = launch::tensor_map(args.b, args.dtype, n, k, p.bn, engine::BK)?;
+    let mut tc = launch::tensor_map(args.c, args.dtype, m, n, 64, 64)?;
     let mut params = AgGemmParams {
         ws: ws.view,
         a_local: args.a,
@@ -335,33 +365,26 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         m: m as i32,
         n: n as i32,
         k: k as i32,
-        rows_per_rank: rows_per_rank as i32,
+        rows_per_rank: p.rows_per_rank as i32,
         chunk_rows: p.chunk_rows as i32,
         chunks_per_rank: p.chunks_per_rank as i32,
         compute_ctas: p.compute_ctas as i32,
         comm_ctas: p.comm_ctas as i32,
-        group_m: group_m as i32,
-        m_block_base: ((rank * rows_per_rank) / ROW_BLOCK) as i32,
+        group_m: p.group_m as i32,
+        m_block_base: p.m_block_base as i32,
         trace: args.trace,
         global_rank: rank as i32,
         flag_stride: p.flag_stride as i32,
         nodes: 1,
         ..Default::default()
     };
-    if let Some((nl, ring)) = &nodes {
+    if let Some((nl, ring)) = nodes {
         params.nodes = nl.nodes as i32;
         params.node = nl.node as i32;
         params.ring = *ring;
         params.rank_of = nl.rank_of;
     }
-    let f = kernel(args.dtype, bn)
-        .ok_or_else(|| MkError::internal(format!("no AllGather+GEMM kernel for BN {bn}")))?
-        .function()?;
-    let cfg = LaunchConfig {
-        grid: (p.compute_ctas + p.comm_ctas, 1, 1),
-        block: (engine::THREADS, 1, 1),
-        shared_mem_bytes: smem as u32,
-    };
+    let kernel_launch = p.kernel_launch(args.dtype)?;
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
@@ -370,7 +393,7 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
     ];
     // SAFETY: the parameters match the kernel (3 tensor maps, AgGemmParams); the buffers
     // were checked to be device memory of this device, of the sizes the caller promised.
-    unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }.map_err(|e| e.context("launching mkAllGatherGemm"))
+    unsafe { kernel_launch.launch(stream, &mut kernel_params, Some("mkAllGatherGemm")) }
 }
 
 fn copy_async(dst: u64, src: u64, bytes: usize, stream: sys::CUstream) -> Result<()> {
@@ -574,6 +597,54 @@ mod tests {
                 assert!(kernel(dtype, bn).is_some(), "{dtype:?} bn {bn}");
             }
         }
+    }
+
+    #[test]
+    fn every_plan_launches_a_built_kernel_on_its_whole_grid() {
+        for nranks in [2, 3, 4, 8] {
+            for rows in [1, 24, 100, 128, 256, 512, 1000, 2048, 8192] {
+                for n in [64, 128, 1024, 3584, 8192, 28672] {
+                    for (grid, comm) in [(132, None), (132, Some(20)), (66, None), (33, None), (16, Some(4)), (1, None)]
+                    {
+                        for rank in [0, nranks - 1] {
+                            let shape = AgGemmShape { m: rows * nranks, n, k: 64, nranks, rank };
+                            let p = plan(&shape, grid, comm).unwrap();
+                            assert_eq!(p.grid, grid, "push CTAs come out of the grid: {shape:?}");
+                            assert_eq!(p.compute_ctas + p.comm_ctas, grid);
+                            assert!(p.bn == 128 || p.bn == 256);
+                            assert!(p.smem_bytes <= engine::SMEM_LIMIT);
+                            let tiles_m = shape.m.div_ceil(ROW_BLOCK);
+                            assert!((1..=tiles_m.max(1)).contains(&p.group_m), "{p:?}");
+                            assert_eq!(p.m_block_base, rank * rows / ROW_BLOCK);
+                            for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
+                                let l = p.kernel_launch(dtype).unwrap();
+                                assert_eq!((l.grid, l.block, l.smem_bytes), (grid, 384, p.smem_bytes as u32));
+                                assert_eq!(l.clusters, crate::ops::launch::Clusters::None);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The GEMM's tile, its raster group and shared memory for representative shapes.
+    #[test]
+    fn the_plan_picks_the_tile_group_and_grid() {
+        // 4 ranks × 2048 rows, N 8192 on a whole H200: wide tiles, the engine's group, 3 stages
+        // of 48 KiB + 64 KiB of epilogue staging + 1 KiB alignment + barriers and mailbox.
+        let p = plan(&shape(8192, 8192, 8192, 4, 1), 132, None).unwrap();
+        assert_eq!((p.bn, p.group_m, p.smem_bytes, p.grid, p.m_block_base), (256, 16, 214_128, 132, 16));
+        // 2 ranks × 128 rows on 32 CTAs: 64 tiles of 256 fill the grid; both blocks in a group.
+        let p = plan(&shape(256, 8192, 1024, 2, 1), 32, None).unwrap();
+        assert_eq!((p.bn, p.group_m, p.grid, p.m_block_base), (256, 2, 32, 1));
+        // Skinny on a whole GPU: 128 columns (the fused kernels have no 64).
+        let p = plan(&shape(256, 4096, 1024, 2, 0), 132, None).unwrap();
+        assert_eq!((p.bn, p.group_m, p.grid, p.m_block_base), (128, 2, 132, 0));
+        assert_eq!(p.smem_bytes, engine::smem_bytes(128, Epilogue::Tma));
+        // Dedicated push CTAs are launched beside the compute CTAs.
+        let p = plan(&shape(4096, 8192, 1024, 4, 3), 132, Some(20)).unwrap();
+        assert_eq!((p.compute_ctas, p.grid, p.m_block_base), (112, 132, 24));
     }
 
     #[test]

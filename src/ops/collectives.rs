@@ -4,10 +4,11 @@
 
 use crate::comm::Comm;
 use crate::cuda::kernels::Kernel;
-use crate::cuda::{self, sys, LaunchConfig};
+use crate::cuda::sys;
 use crate::ensure_arg;
 use crate::error::{mkResult_t, MkError, Result};
 use crate::kernel_abi::{CollectiveParams, MkOp, MkWait, WorkspaceView};
+use crate::ops::launch::{DeviceCaps, KernelLaunch};
 use crate::types::{mkDataType_t, mkRedOp_t, RawDataType, RawRedOp};
 
 /// Threads per CTA of the collective kernels.
@@ -77,6 +78,14 @@ pub struct CollectivePlan {
     pub ctas: u32,
     /// Elements per piece (one CTA step).
     pub chunk: u64,
+}
+
+impl CollectivePlan {
+    /// The launch of this plan for `dtype`, staging loads in `stage_bytes` of dynamic
+    /// shared memory per CTA (0: in registers).
+    pub fn kernel_launch(&self, dtype: mkDataType_t, stage_bytes: u32) -> KernelLaunch {
+        KernelLaunch::new(kernel(dtype), self.ctas, THREADS, stage_bytes)
+    }
 }
 
 /// Plans one call. `count` is elements per rank segment; `cta_slots` and `data_bytes` come
@@ -376,12 +385,13 @@ pub fn collective(
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let stage_bytes = STAGE_BYTES;
-    launch(&ws.view, &args, single_rank_ctas(comm)?, stage_bytes, stream)
+    launch(&ws.view, &args, single_rank_ctas(DeviceCaps::of(comm)?), stage_bytes, stream)
 }
 
-fn single_rank_ctas(comm: &Comm) -> Result<u32> {
-    let sms = cuda::sm_count(comm.context.device)? as u32;
-    Ok(comm.config.max_ctas.unwrap_or(2 * sms).max(1))
+/// Grid cap of the one-rank copy, which no workspace slots bound: the configured cap, else
+/// two CTAs per SM.
+pub fn single_rank_ctas(caps: DeviceCaps) -> u32 {
+    caps.max_ctas.unwrap_or(2 * caps.sms).max(1)
 }
 
 /// Launches the collective kernel for validated `args` (the context must be current),
@@ -396,7 +406,6 @@ pub fn launch(
     let elem = args.dtype.size() as u64;
     let p =
         plan(args.kind, args.count, elem, view.nranks as u64, view.cta_slots as u32, view.data_bytes, single_rank_ctas);
-    let f = kernel(args.dtype).function()?;
     let mut params = CollectiveParams {
         ws: *view,
         send: args.send,
@@ -410,18 +419,38 @@ pub fn launch(
         stage_bytes,
         reserved: 0,
     };
-    // cuda::launch raises the function's dynamic shared-memory limit above 48 KiB.
-    let cfg = LaunchConfig { grid: (p.ctas, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: stage_bytes };
+    // The launch raises the function's dynamic shared-memory limit above 48 KiB.
+    let kernel_launch = p.kernel_launch(args.dtype, stage_bytes);
     // SAFETY: one CollectiveParams by value; the buffers were checked to be device memory
     // of this context's device, large enough as the caller promised.
-    unsafe { cuda::launch(f, cfg, stream, &mut [(&mut params as *mut CollectiveParams).cast()]) }
-        .map_err(|e| e.context(format!("launching {}", args.kind.name())))
+    unsafe {
+        kernel_launch.launch(stream, &mut [(&mut params as *mut CollectiveParams).cast()], Some(args.kind.name()))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::types::mkDataType_t::*;
+
+    #[test]
+    fn the_launch_is_the_plan() {
+        let p = plan(CollectiveKind::AllReduce, 1 << 20, 2, 4, 16, 64 << 20, 264);
+        let l = p.kernel_launch(mkBfloat16, STAGE_BYTES);
+        assert_eq!(
+            (l.kernel, l.grid, l.block, l.smem_bytes),
+            (crate::cuda::kernels::MK_COLLECTIVE_BF16, p.ctas, 512, 128 << 10)
+        );
+    }
+
+    #[test]
+    fn the_one_rank_copy_takes_two_ctas_per_sm_unless_capped() {
+        let caps = |sms, max_ctas| DeviceCaps { sms, max_ctas };
+        assert_eq!(single_rank_ctas(caps(132, None)), 264);
+        assert_eq!(single_rank_ctas(caps(132, Some(16))), 16);
+        assert_eq!(single_rank_ctas(caps(132, Some(500))), 500, "the cap is not bound to the SMs");
+        assert_eq!(single_rank_ctas(caps(0, None)), 1);
+    }
 
     fn slot_need(kind: CollectiveKind, chunk: u64, elem: u64, nranks: u64) -> u64 {
         match kind {

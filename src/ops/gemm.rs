@@ -4,8 +4,9 @@
 //! Three parts: [`validate`] (argument checks, no CUDA), [`plan`] (tile width, epilogue,
 //! grid, raster group: pure arithmetic, unit-tested) and [`launch`] (tensor maps + launch).
 
+use super::launch::{current_sm_count, tensor_map, Clusters, KernelLaunch};
 use crate::cuda::kernels::Kernel;
-use crate::cuda::{self, sys, LaunchConfig};
+use crate::cuda::{self, sys};
 use crate::error::{MkError, Result};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
@@ -156,6 +157,21 @@ impl GemmPlan {
     pub fn kernel_name(&self, dtype: mkDataType_t) -> &'static str {
         self.kernel(dtype).map_or("", |k| k.name)
     }
+    /// Rows of the A box and of the B box a CTA loads: a CTA of a cluster loads half of
+    /// the shared operand (multicast to both).
+    pub fn box_rows(&self) -> (usize, usize) {
+        let a_rows = if self.cluster == Cluster::ShareA { BM / 2 } else { BM };
+        let b_rows = if self.cluster == Cluster::ShareB { self.bn / 2 } else { self.bn };
+        (a_rows, b_rows)
+    }
+    /// The launch of this plan for `dtype`: its kernel, `grid` CTAs of THREADS, its shared
+    /// memory, in 2-CTA clusters for a cluster plan (co-resident pairs: the launch may
+    /// lower the grid to what the GPU holds at once).
+    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
+        let kernel = self.kernel(dtype).ok_or_else(|| MkError::internal(format!("no GEMM kernel for {self:?}")))?;
+        let clusters = if self.cluster == Cluster::None { Clusters::None } else { Clusters::Pairs };
+        Ok(KernelLaunch { clusters, ..KernelLaunch::new(kernel, self.grid as u32, THREADS, self.smem_bytes as u32) })
+    }
 }
 
 /// The plain-GEMM kernel for a dtype (bf16 or f16), tile width, epilogue and cluster kind.
@@ -248,6 +264,18 @@ pub fn plan(m: usize, n: usize, sms: usize, tma_epilogue_ok: bool, o: PlanOverri
     }
 }
 
+/// Tile width of a fused op's GEMM on `ctas` compute CTAs: the plain engine's choice for
+/// the shape on that many SMs, with 64 raised to 128 (the fused kernels are built for
+/// widths 256 and 128).
+pub fn fused_tile_width(m: usize, n: usize, ctas: usize) -> usize {
+    let tile = plan(m, n, ctas, true, PlanOverrides { max_ctas: Some(ctas), ..Default::default() });
+    if tile.bn >= 256 {
+        256
+    } else {
+        128
+    }
+}
+
 /// A GEMM call's arguments after validation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmArgs {
@@ -297,75 +325,6 @@ pub fn validate(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: Raw
     Ok(GemmArgs { a, b, c, m, n, k, dtype })
 }
 
-/// A 2-D TMA descriptor for a row-major [rows, cols] bf16/fp16 matrix at `ptr` (any
-/// device-visible address, a peer's mapped buffer too), box {box_cols, box_rows}, 128-byte
-/// swizzle, zero fill out of bounds. The engine's maps: A (BM, BK), B (bn, BK), C (64, 64).
-/// Needs ptr % 16 == 0 and cols % 8 == 0.
-pub fn tensor_map(
-    ptr: u64,
-    dtype: mkDataType_t,
-    rows: usize,
-    cols: usize,
-    box_rows: usize,
-    box_cols: usize,
-) -> Result<sys::CUtensorMap> {
-    tiled_tensor_map(
-        ptr,
-        dtype,
-        &[cols as u64, rows as u64],
-        &[cols as u64 * 2],
-        &[box_cols as u32, box_rows as u32],
-        "cuTensorMapEncodeTiled",
-    )
-}
-
-/// A TMA descriptor of any rank (up to 5) over a bf16/fp16 tensor at `ptr`: `dims`
-/// innermost first, the byte `strides` of dims 1.., one box extent per dim; 128-byte
-/// swizzle, 256-byte L2 promotion, zero fill out of bounds. `what` names the caller in errors.
-pub fn tiled_tensor_map(
-    ptr: u64,
-    dtype: mkDataType_t,
-    dims: &[u64],
-    strides: &[u64],
-    boxes: &[u32],
-    what: &str,
-) -> Result<sys::CUtensorMap> {
-    let rank = dims.len();
-    if !(1..=5).contains(&rank) || strides.len() + 1 != rank || boxes.len() != rank {
-        return Err(MkError::internal(format!(
-            "{what}: a tensor map of {rank} dims with {} strides and {} boxes",
-            strides.len(),
-            boxes.len()
-        )));
-    }
-    let dt = match dtype {
-        mkDataType_t::mkFloat16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-    };
-    let elem = [1u32; 5];
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: dims, boxes and elem have `rank` entries and strides rank - 1 (checked above);
-    // the map is written by the call.
-    cuda::check(what, unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            dt,
-            rank as u32,
-            ptr as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    })?;
-    // SAFETY: initialised by the successful call.
-    Ok(unsafe { map.assume_init() })
-}
-
 /// Launches the plain GEMM with `plan` on `stream` in the current context.
 // The stream handle is only passed to the driver, never dereferenced here.
 #[allow(clippy::not_unsafe_ptr_arg_deref)]
@@ -373,23 +332,15 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
     if args.m == 0 || args.n == 0 {
         return Ok(());
     }
-    // A CTA of a cluster loads half of the shared operand (multicast to both).
-    let a_rows = if plan.cluster == Cluster::ShareA { BM / 2 } else { BM };
-    let b_rows = if plan.cluster == Cluster::ShareB { plan.bn / 2 } else { plan.bn };
+    let (a_rows, b_rows) = plan.box_rows();
     let mut ta = tensor_map(args.a, args.dtype, args.m, args.k, a_rows, BK)?;
     let mut tb = tensor_map(args.b, args.dtype, args.n, args.k, b_rows, BK)?;
     // The direct epilogue ignores tma_c; pass any valid map.
     let mut tc =
         if plan.epilogue == Epilogue::Tma { tensor_map(args.c, args.dtype, args.m, args.n, 64, 64)? } else { ta };
-    let f =
-        plan.kernel(args.dtype).ok_or_else(|| MkError::internal(format!("no GEMM kernel for {plan:?}")))?.function()?;
+    let kernel_launch = plan.kernel_launch(args.dtype)?;
     let mut c = args.c;
     let (mut m, mut n, mut k, mut g) = (args.m as i32, args.n as i32, args.k as i32, plan.group_m as i32);
-    let mut cfg = LaunchConfig {
-        grid: (plan.grid as u32, 1, 1),
-        block: (THREADS, 1, 1),
-        shared_mem_bytes: plan.smem_bytes as u32,
-    };
     let mut params: [*mut c_void; 8] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
@@ -400,100 +351,10 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
         (&mut k as *mut i32).cast(),
         (&mut g as *mut i32).cast(),
     ];
-    if plan.cluster == Cluster::None {
-        // SAFETY: the parameters match the entry kernels' signature (3 tensor maps, a pointer,
-        // 4 ints); A, B and C were validated and cover M×K, N×K and M×N elements (caller's contract).
-        return unsafe { cuda::launch(f, cfg, stream, &mut params) };
-    }
-    // Persistent clusters must all be resident: no more than the GPU can co-schedule.
-    let resident = max_active_clusters(f, plan.smem_bytes)?;
-    cfg.grid.0 = cfg.grid.0.min(2 * resident as u32).max(2);
-    // SAFETY: as above; the kernel is a cluster kernel launched with cluster dims (2,1,1).
-    unsafe { launch_cluster2(f, cfg, stream, &mut params) }
-}
-
-fn cluster2_config(
-    f: sys::CUfunction,
-    cfg: LaunchConfig,
-    stream: sys::CUstream,
-    attr: &mut sys::CUlaunchAttribute,
-) -> Result<sys::CUlaunchConfig> {
-    // SAFETY: plain attribute setting on a valid function.
-    cuda::check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
-        sys::cuFuncSetAttribute(
-            f,
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            cfg.shared_mem_bytes as i32,
-        )
-    })?;
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 2, y: 1, z: 1 };
-    Ok(sys::CUlaunchConfig {
-        gridDimX: cfg.grid.0,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: cfg.block.0,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: stream,
-        attrs: attr,
-        numAttrs: 1,
-    })
-}
-
-/// How many 2-CTA clusters of `f` can be resident at once (cached per function and size).
-fn max_active_clusters(f: sys::CUfunction, smem: usize) -> Result<usize> {
-    use parking_lot::Mutex;
-    static CACHE: Mutex<Vec<(usize, usize, usize)>> = Mutex::new(Vec::new());
-    if let Some(&(_, _, n)) = CACHE.lock().iter().find(|(g, s, _)| *g == f as usize && *s == smem) {
-        return Ok(n);
-    }
-    // SAFETY: an all-zero attribute is valid plain data; it is filled in by cluster2_config.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    let cfg = LaunchConfig { grid: (2, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem as u32 };
-    let lc = cluster2_config(f, cfg, std::ptr::null_mut(), &mut attr)?;
-    let mut n: i32 = 0;
-    // SAFETY: lc points at attr, alive for the call.
-    cuda::check("cuOccupancyMaxActiveClusters", unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &lc) })?;
-    if n < 1 {
-        return Err(MkError::internal(format!(
-            "no 2-CTA cluster of the GEMM kernel fits on this GPU ({smem} bytes of shared memory)"
-        )));
-    }
-    CACHE.lock().push((f as usize, smem, n as usize));
-    Ok(n as usize)
-}
-
-/// Launches a kernel with cluster dims (2,1,1).
-///
-/// # Safety
-/// As for [`cuda::launch`]; `cfg.grid.0` must be even.
-unsafe fn launch_cluster2(
-    f: sys::CUfunction,
-    cfg: LaunchConfig,
-    stream: sys::CUstream,
-    params: &mut [*mut c_void],
-) -> Result<()> {
-    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    let lc = cluster2_config(f, cfg, stream, &mut attr)?;
-    cuda::check(
-        "cuLaunchKernelEx (2-CTA clusters)",
-        sys::cuLaunchKernelEx(&lc, f, params.as_mut_ptr(), std::ptr::null_mut()),
-    )
-}
-
-/// The SM count of the current context's device (cached per device).
-pub fn current_sm_count() -> Result<usize> {
-    use parking_lot::Mutex;
-    static CACHE: Mutex<Vec<(i32, usize)>> = Mutex::new(Vec::new());
-    let dev = cuda::current_device()?;
-    if let Some(&(_, s)) = CACHE.lock().iter().find(|(d, _)| *d == dev) {
-        return Ok(s);
-    }
-    let s = cuda::sm_count(dev)? as usize;
-    CACHE.lock().push((dev, s));
-    Ok(s)
+    // SAFETY: the parameters match the entry kernels' signature (3 tensor maps, a pointer,
+    // 4 ints); A, B and C were validated and cover M×K, N×K and M×N elements (caller's
+    // contract); a cluster plan names a cluster kernel, launched with cluster dims (2,1,1).
+    unsafe { kernel_launch.launch(stream, &mut params, None) }
 }
 
 /// Runs `f` with a current context: the caller's if it has one (the CUDA runtime's usual
@@ -543,20 +404,6 @@ mod tests {
     use crate::error::mkResult_t;
 
     const BF16: RawDataType = mkDataType_t::mkBfloat16 as RawDataType;
-
-    #[test]
-    fn tensor_map_rank_mismatches_are_errors_before_any_driver_call() {
-        let bf16 = mkDataType_t::mkBfloat16;
-        for (dims, strides, boxes) in [
-            (&[8u64, 8][..], &[][..], &[8u32, 8][..]),
-            (&[8, 8], &[16], &[8]),
-            (&[], &[], &[]),
-            (&[1; 6], &[2; 5], &[1; 6]),
-        ] {
-            let e = tiled_tensor_map(0, bf16, dims, strides, boxes, "test").unwrap_err();
-            assert_eq!(e.code, crate::error::mkResult_t::mkInternalError, "{dims:?} {strides:?} {boxes:?}");
-        }
-    }
 
     #[test]
     fn smem_fits_and_mirrors_kernel_stages() {
@@ -644,6 +491,32 @@ mod tests {
             PlanOverrides { max_ctas: Some(101), cluster: Some(Cluster::ShareB), ..Default::default() },
         );
         assert_eq!(p.grid, 100);
+    }
+
+    /// The launch carries the plan as the kernel reads it: grid, 384 threads, the plan's
+    /// shared memory, clusters exactly for cluster plans, and half boxes of the shared operand.
+    #[test]
+    fn the_launch_is_the_plan() {
+        let bf16 = mkDataType_t::mkBfloat16;
+        let with = |m, n, c: Option<Cluster>, bn: Option<usize>| {
+            plan(m, n, 132, true, PlanOverrides { bn, cluster: c, ..Default::default() })
+        };
+        for (p, clusters, boxes) in [
+            (with(8192, 8192, None, None), Clusters::None, (128, 256)),
+            (with(128, 8192, None, None), Clusters::None, (128, 64)),
+            (with(8192, 8192, Some(Cluster::ShareB), Some(256)), Clusters::Pairs, (128, 128)),
+            (with(128, 8192, Some(Cluster::ShareA), Some(64)), Clusters::Pairs, (64, 64)),
+            (plan(1, 1, 132, false, PlanOverrides::default()), Clusters::None, (128, 64)),
+        ] {
+            let l = p.kernel_launch(bf16).unwrap();
+            assert_eq!(l.kernel, p.kernel(bf16).unwrap());
+            assert_eq!(
+                (l.grid, l.block, l.smem_bytes, l.clusters),
+                (p.grid as u32, 384, p.smem_bytes as u32, clusters)
+            );
+            assert_eq!(p.box_rows(), boxes, "{p:?}");
+        }
+        assert!(with(8192, 8192, None, None).kernel_launch(mkDataType_t::mkFloat32).is_err());
     }
 
     #[test]

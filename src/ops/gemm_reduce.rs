@@ -1,15 +1,20 @@
-//! Launch of the GEMM + reduction kernels (kernels/gemm_reduce.cu, kernels/gemm_reduce_early.cu) shared by
-//! mkGemmReduceScatter and mkGemmAllReduce: argument checks, role split (from the
-//! `gemm_rs` / `gemm_ar` planners), tensor maps, launch.
+//! The GEMM + reduction kernels (kernels/gemm_reduce.cu, kernels/gemm_reduce_early.cu)
+//! shared by mkGemmReduceScatter and mkGemmAllReduce: argument checks, the plan
+//! (`GemmReducePlan`: the role split of the `gemm_rs` / `gemm_ar` planners, tile, owner
+//! order, early sums, grid; pure and CPU-tested), then tensor maps and the launch.
 
 use super::gemm::{self as engine, PlanOverrides};
 use super::hier_collectives::fused_op_workspace;
 use super::{gemm_ar, gemm_reduce_nodes, gemm_rs};
+use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
 use crate::cuda::kernels::Kernel;
-use crate::cuda::{self, sys, LaunchConfig};
+use crate::cuda::sys;
 use crate::error::{MkError, Result};
-use crate::kernel_abi::{self, GemmReduceParams, MkOp};
+use crate::kernel_abi::{self, GemmReduceParams, MkOp, ProxyRingView};
+use crate::ops::hier_collectives::NodeLayout;
+use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
+use crate::tuning::Tuning;
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
@@ -274,6 +279,147 @@ pub fn tile_rows(m: usize) -> usize {
     }
 }
 
+/// One GEMM + reduction call as the planner sees it: the op, the sizes, this rank's place,
+/// and across nodes the node count and the byte offset of the fused-op region in every
+/// rank's data window (the node plan's buffers follow it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmReduceShape {
+    pub reduction: Reduction,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub nranks: usize,
+    pub rank: usize,
+    /// Across nodes: (nodes, the fused-op region's offset in every rank's data window).
+    pub nodes: Option<(usize, u64)>,
+}
+
+/// Everything a GEMM + reduction launch needs, from the shape, the grid and the tuning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmReducePlan {
+    pub compute_ctas: u32,
+    /// Dedicated reduction CTAs (MK_COMM_SMS); 0: the GEMM CTAs reduce.
+    pub reduce_ctas: u32,
+    /// AllReduce on one node with large M: reduce by owner, then gather the reduced rows.
+    pub two_phase: bool,
+    /// Across nodes: the hierarchical reduction's layout and signal words.
+    pub node_plan: Option<gemm_reduce_nodes::NodeReducePlan>,
+    /// Bytes of the fused-op region the call uses.
+    pub op_bytes: u64,
+    /// GEMM tile rows (`tile_rows`) and width (`engine::fused_tile_width`).
+    pub bm: usize,
+    pub bn: usize,
+    pub tiles_n: usize,
+    /// Owners whose row blocks the tile order interleaves (`interleave_owners`).
+    pub interleave: usize,
+    pub group_m: usize,
+    /// Rows of the sum this rank writes, and its first row in C.
+    pub row_lo: usize,
+    pub row_hi: usize,
+    pub out_row0: usize,
+    /// Items each GEMM CTA's side warps sum during the GEMM (`early_items`; > 0 selects the
+    /// early-sum kernel).
+    pub early_items: usize,
+    pub smem_bytes: usize,
+    /// CTAs launched: compute_ctas + reduce_ctas.
+    pub grid: u32,
+}
+
+impl GemmReducePlan {
+    /// The launch of this plan for `dtype`.
+    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
+        let (bn, bm, early) = (self.bn, self.bm, self.early_items > 0);
+        let kernel = kernel(dtype, bn, bm, early).ok_or_else(|| {
+            MkError::internal(format!("no GEMM + reduction kernel for BN {bn}, BM {bm}, early sums {early}"))
+        })?;
+        Ok(KernelLaunch::new(kernel, self.grid, engine::THREADS, self.smem_bytes as u32))
+    }
+}
+
+/// Plans a GEMM + reduction on more than one rank: the role split (`gemm_rs::plan` or
+/// `gemm_ar::plan`), across nodes the node plan, then the tile, order and early sums.
+/// `grid_ctas` is `DeviceCaps::grid_cap`; `comm_override` MK_COMM_SMS / config.
+pub fn plan(
+    s: &GemmReduceShape,
+    grid_ctas: u32,
+    comm_override: Option<u32>,
+    tuning: &Tuning,
+) -> Result<GemmReducePlan> {
+    let GemmReduceShape { reduction, m, n, k, nranks, rank, nodes } = *s;
+    let (compute_ctas, reduce_ctas, two_phase) = match reduction {
+        Reduction::Scatter => {
+            let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid_ctas, comm_override)?;
+            (p.compute_ctas, p.reduce_ctas, false)
+        }
+        Reduction::All => {
+            match gemm_ar::plan(m, n, k, nranks, rank, grid_ctas, comm_override, tuning.gemm_ar_one_shot_max_m)? {
+                gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas, false),
+                gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas, true),
+            }
+        }
+    };
+    // Across nodes the kernel always reduces in its hierarchical phases (the one-node
+    // planners above only split the CTAs).
+    let two_phase = two_phase && nodes.is_none();
+    let tiles = m.div_ceil(ROW_BLOCK) * n.div_ceil(128);
+    let node_plan = match nodes {
+        Some((node_count, partial_offset)) => Some(gemm_reduce_nodes::plan(
+            reduction,
+            m,
+            n,
+            2,
+            node_count,
+            nranks,
+            partial_offset,
+            GR_TILE_WORD,
+            tiles,
+            GR_END_WORD,
+        )?),
+        None => None,
+    };
+    // P (this rank's partial product), and for the two-phase path R (its reduced rows);
+    // across nodes also the outbox and inbox of node partials.
+    let op_bytes = node_plan.map_or((m * n * 2 * if two_phase { 2 } else { 1 }) as u64, |p| p.op_bytes);
+    let bn = engine::fused_tile_width(m, n, compute_ctas as usize);
+    let tiles_n = n.div_ceil(bn);
+    let interleave = interleave_owners(reduction, two_phase || nodes.is_some(), m, nranks);
+    let group_m = reduction_group_m(m.div_ceil(ROW_BLOCK), bn, compute_ctas as usize, interleave);
+    let (row_lo, row_hi, out_row0) = match reduction {
+        Reduction::Scatter => (rank * m / nranks, (rank + 1) * m / nranks, rank * m / nranks),
+        Reduction::All => (0, m, 0),
+    };
+    let bm = tile_rows(m);
+    let early = early_items(
+        reduction,
+        tuning.gemm_reducers,
+        nodes.is_none(),
+        reduce_ctas,
+        bm,
+        bn,
+        reducer_items(row_lo, row_hi, tiles_n),
+        compute_ctas as usize,
+    );
+    Ok(GemmReducePlan {
+        compute_ctas,
+        reduce_ctas,
+        two_phase,
+        node_plan,
+        op_bytes,
+        bm,
+        bn,
+        tiles_n,
+        interleave,
+        group_m,
+        row_lo,
+        row_hi,
+        out_row0,
+        early_items: early,
+        // Early sums stage in shared memory after the engine's (side_staging_bytes).
+        smem_bytes: engine::fused_smem_bytes(bm, bn) + if early > 0 { side_staging_bytes(bm, bn) } else { 0 },
+        grid: compute_ctas + reduce_ctas,
+    })
+}
+
 /// Validated call on `comm`: plan, launch (stream-ordered, no host sync).
 pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) -> Result<()> {
     comm.check_usable()?;
@@ -282,8 +428,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         return Ok(());
     }
     let (nranks, rank) = (comm.nranks, comm.rank);
-    let sms = cuda::sm_count(comm.context.device)? as u32;
-    let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
+    let grid = DeviceCaps::of(comm)?.grid_cap();
     let _ctx = comm.context.enter()?;
     for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
         crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
@@ -297,88 +442,50 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
     // rank table (src/ops/gemm_reduce_nodes.rs); rows are still owned by global rank.
     let (ws, nodes) = fused_op_workspace(comm, args.reduction.name())?;
-    let (compute_ctas, reduce_ctas, two_phase) = match args.reduction {
-        Reduction::Scatter => {
-            let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid, comm.config.comm_ctas)?;
-            (p.compute_ctas, p.reduce_ctas, false)
-        }
-        Reduction::All => match gemm_ar::plan(
-            m,
-            n,
-            k,
-            nranks,
-            rank,
-            grid,
-            comm.config.comm_ctas,
-            comm.config.tuning.gemm_ar_one_shot_max_m,
-        )? {
-            gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas, false),
-            gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas, true),
-        },
+    let shape = GemmReduceShape {
+        reduction: args.reduction,
+        m,
+        n,
+        k,
+        nranks,
+        rank,
+        nodes: nodes.as_ref().map(|(nl, _)| (nl.nodes, ws.view.data_bytes)),
     };
-    // Across nodes the kernel always reduces in its hierarchical phases (the one-node
-    // planners above only split the CTAs).
-    let two_phase = two_phase && nodes.is_none();
-    let tiles = m.div_ceil(ROW_BLOCK) * n.div_ceil(128);
-    let node_plan = match &nodes {
-        Some((nl, _)) => Some(gemm_reduce_nodes::plan(
-            args.reduction,
-            m,
-            n,
-            2,
-            nl.nodes,
-            nranks,
-            ws.view.data_bytes,
-            GR_TILE_WORD,
-            tiles,
-            GR_END_WORD,
-        )?),
-        None => None,
-    };
-    // P (this rank's partial product), and for the two-phase path R (its reduced rows);
-    // across nodes also the outbox and inbox of node partials.
-    let needed = node_plan.map_or((m * n * 2 * if two_phase { 2 } else { 1 }) as u64, |p| p.op_bytes);
+    let p = plan(&shape, grid, comm.config.comm_ctas, &comm.config.tuning)?;
+    let needed = p.op_bytes;
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
             "{} keeps this rank's partial product{}{} ({needed} bytes) in the workspace's fused-op region, which holds {}: \
              create the communicator with MK_WORKSPACE_BYTES (or mkConfig_t.workspaceBytes) of at least {needed}",
             args.reduction.name(),
-            if node_plan.is_some() { ", its node partials" } else { "" },
-            if two_phase || (node_plan.is_some() && args.reduction == Reduction::All) { " and its reduced rows" } else { "" },
+            if p.node_plan.is_some() { ", its node partials" } else { "" },
+            if p.two_phase || (p.node_plan.is_some() && args.reduction == Reduction::All) {
+                " and its reduced rows"
+            } else {
+                ""
+            },
             ws.view.op_bytes
         )));
     }
-    let tile = engine::plan(
-        m,
-        n,
-        compute_ctas as usize,
-        true,
-        PlanOverrides { max_ctas: Some(compute_ctas as usize), ..Default::default() },
-    );
-    let bn = if tile.bn >= 256 { 256 } else { 128 };
-    let tiles_n = n.div_ceil(bn);
-    let interleave = interleave_owners(args.reduction, two_phase || nodes.is_some(), m, nranks);
-    let group_m = reduction_group_m(m.div_ceil(ROW_BLOCK), bn, compute_ctas as usize, interleave);
-    let (row_lo, row_hi, out_row0) = match args.reduction {
-        Reduction::Scatter => (rank * m / nranks, (rank + 1) * m / nranks, rank * m / nranks),
-        Reduction::All => (0, m, 0),
-    };
+    launch(args, &shape, &p, ws, nodes.as_ref(), stream)
+}
+
+/// Launches the kernel of plan `p` for validated `args` of `shape` (the context current)
+/// on this node's workspace `ws`, and across nodes with the rank table and proxy ring `nodes`.
+fn launch(
+    args: &GemmReduceArgs,
+    shape: &GemmReduceShape,
+    p: &GemmReducePlan,
+    ws: &SymmetricWorkspace,
+    nodes: Option<&(NodeLayout, ProxyRingView)>,
+    stream: sys::CUstream,
+) -> Result<()> {
+    let GemmReduceShape { m, n, k, nranks, rank, .. } = *shape;
     // The view is indexed by local rank (the global rank across nodes).
     let partial_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
-    let bm = tile_rows(m);
-    let mut ta = engine::tensor_map(args.a, args.dtype, m, k, bm, engine::BK)?;
-    let mut tb = engine::tensor_map(args.b, args.dtype, n, k, bn, engine::BK)?;
-    let mut tp = engine::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
-    let early = early_items(
-        args.reduction,
-        comm.config.tuning.gemm_reducers,
-        nodes.is_none(),
-        reduce_ctas,
-        bm,
-        bn,
-        reducer_items(row_lo, row_hi, tiles_n),
-        compute_ctas as usize,
-    );
+    let mut ta = launch::tensor_map(args.a, args.dtype, m, k, p.bm, engine::BK)?;
+    let mut tb = launch::tensor_map(args.b, args.dtype, n, k, p.bn, engine::BK)?;
+    let mut tp = launch::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
     let mut params = GemmReduceParams {
         ws: ws.view,
         c: args.c,
@@ -386,27 +493,27 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         m: m as i32,
         n: n as i32,
         k: k as i32,
-        row_lo: row_lo as i32,
-        row_hi: row_hi as i32,
-        out_row0: out_row0 as i32,
-        tiles_n: tiles_n as i32,
-        group_m: group_m as i32,
-        compute_ctas: compute_ctas as i32,
-        reduce_ctas: reduce_ctas as i32,
+        row_lo: p.row_lo as i32,
+        row_hi: p.row_hi as i32,
+        out_row0: p.out_row0 as i32,
+        tiles_n: p.tiles_n as i32,
+        group_m: p.group_m as i32,
+        compute_ctas: p.compute_ctas as i32,
+        reduce_ctas: p.reduce_ctas as i32,
         op: args.reduction.op_code(),
-        two_phase: two_phase as i32,
+        two_phase: p.two_phase as i32,
         trace: args.trace,
         reduced_offset: ws.view.data_bytes + (m * n * 2) as u64,
         rows_per_rank: (m / nranks) as i32,
-        interleave: interleave as i32,
+        interleave: p.interleave as i32,
         nodes: 1,
         global_rank: rank as i32,
         // One node, no dedicated CTAs: each GEMM CTA's warps reduce after its GEMM (its
         // side warps the earlier tiles during it: early_items). side_reduce stays 0.
-        early_items: early as i32,
+        early_items: p.early_items as i32,
         ..GemmReduceParams::default()
     };
-    if let (Some((nl, ring)), Some(np)) = (&nodes, &node_plan) {
+    if let (Some((nl, ring)), Some(np)) = (nodes, &p.node_plan) {
         params.nodes = nl.nodes as i32;
         params.node = nl.node as i32;
         params.owner_rows = np.owner_rows as i32;
@@ -423,18 +530,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         params.rank_of = nl.rank_of;
     }
     // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere).
-    let f = kernel(args.dtype, bn, bm, early > 0)
-        .ok_or_else(|| {
-            MkError::internal(format!("no GEMM + reduction kernel for BN {bn}, BM {bm}, early sums {}", early > 0))
-        })?
-        .function()?;
-    let cfg = LaunchConfig {
-        grid: (compute_ctas + reduce_ctas, 1, 1),
-        block: (engine::THREADS, 1, 1),
-        // Early sums stage in shared memory after the engine's (side_staging_bytes).
-        shared_mem_bytes: (engine::fused_smem_bytes(bm, bn) + if early > 0 { side_staging_bytes(bm, bn) } else { 0 })
-            as u32,
-    };
+    let kernel_launch = p.kernel_launch(args.dtype)?;
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
@@ -443,14 +539,113 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     ];
     // SAFETY: the parameters match the kernel (3 tensor maps, GemmReduceParams); the
     // buffers were checked to be device memory of this device, of the caller's sizes.
-    unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }
-        .map_err(|e| e.context(format!("launching {}", args.reduction.name())))
+    unsafe { kernel_launch.launch(stream, &mut kernel_params, Some(args.reduction.name())) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::ops::gemm::Epilogue;
+
+    #[test]
+    fn every_plan_launches_a_built_kernel_within_the_shared_memory() {
+        let tunings = [
+            Tuning::default(),
+            Tuning { gemm_reducers: Reducers::After, ..Tuning::default() },
+            Tuning { gemm_ar_one_shot_max_m: 0, ..Tuning::default() },
+            Tuning { gemm_ar_one_shot_max_m: 16384, ..Tuning::default() },
+        ];
+        let (mut planned, mut refused) = (0, 0);
+        for reduction in [Reduction::Scatter, Reduction::All] {
+            for nranks in [2, 3, 4, 8] {
+                for rows in [1, 16, 64, 100, 128, 256, 512, 1024, 4096] {
+                    for n in [100, 128, 1024, 3584, 8192, 1 << 16] {
+                        for (grid, comm) in [(132, None), (132, Some(14)), (132, Some(132)), (66, None), (1, None)] {
+                            for nodes in [None, Some((2, 64 << 20)), Some((nranks, 1 << 30))] {
+                                for tuning in &tunings {
+                                    let m = rows * nranks;
+                                    let s =
+                                        GemmReduceShape { reduction, m, n, k: 1024, nranks, rank: nranks - 1, nodes };
+                                    let Ok(p) = plan(&s, grid, comm, tuning) else {
+                                        refused += 1;
+                                        continue;
+                                    };
+                                    planned += 1;
+                                    assert_eq!(p.compute_ctas + p.reduce_ctas, grid, "{s:?}");
+                                    assert_eq!(p.node_plan.is_some(), nodes.is_some());
+                                    assert!(!p.two_phase || (reduction == Reduction::All && nodes.is_none()));
+                                    assert_eq!(p.group_m % p.interleave, 0);
+                                    assert!(p.row_lo <= p.row_hi && p.row_hi <= m && p.out_row0 <= p.row_lo);
+                                    if p.early_items > 0 {
+                                        assert_eq!(
+                                            (reduction, p.bm, p.bn, p.reduce_ctas),
+                                            (Reduction::Scatter, 128, 256, 0)
+                                        );
+                                        assert!(nodes.is_none() && tuning.gemm_reducers == Reducers::Early);
+                                    }
+                                    // The kernel's 1 KiB of static shared memory fits beside.
+                                    assert!(p.smem_bytes + 1024 <= engine::SMEM_LIMIT, "{p:?}");
+                                    let l = p.kernel_launch(mkDataType_t::mkBfloat16).unwrap();
+                                    assert_eq!((l.grid, l.block, l.smem_bytes), (grid, 384, p.smem_bytes as u32));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(planned > 1000 && refused > 100, "{planned} planned, {refused} refused");
+    }
+
+    /// Representative plans: the tile, order, early sums and grid they launch.
+    #[test]
+    fn the_plan_picks_tile_order_early_sums_and_grid() {
+        let t = Tuning::default();
+        let rs = |m, n, nranks, rank, grid, nodes| {
+            plan(&GemmReduceShape { reduction: Reduction::Scatter, m, n, k: 1024, nranks, rank, nodes }, grid, None, &t)
+                .unwrap()
+        };
+        // GEMM+RS, 2 ranks × 2048 rows, N 8192, on 32 CTAs: BN 256, owners interleaved, the
+        // group sqrt(32·256/128) = 8; early sums (this rank's 16 blocks × 32 tiles over 32
+        // CTAs: 16 items per CTA's walk, 15 early), 16 KiB of side staging.
+        let p = rs(4096, 8192, 2, 1, 32, None);
+        assert_eq!((p.bm, p.bn, p.tiles_n, p.interleave, p.group_m), (128, 256, 32, 2, 8));
+        assert_eq!((p.row_lo, p.row_hi, p.out_row0), (2048, 4096, 2048));
+        assert_eq!((p.early_items, p.smem_bytes, p.grid, p.op_bytes), (15, 214_128 + 16_384, 32, 4096 * 8192 * 2));
+        // Across nodes: no early sums, the node plan's bytes.
+        let p = rs(4096, 8192, 4, 1, 32, Some((2, 1 << 20)));
+        assert_eq!((p.early_items, p.interleave, p.op_bytes), (0, 4, p.node_plan.unwrap().op_bytes));
+        assert!(p.node_plan.is_some());
+        // GEMM+AR: small M one-shot with the BM 64 kernel; large M two-phase.
+        let ar = |m, grid| {
+            plan(
+                &GemmReduceShape { reduction: Reduction::All, m, n: 8192, k: 1024, nranks: 4, rank: 2, nodes: None },
+                grid,
+                None,
+                &t,
+            )
+            .unwrap()
+        };
+        let p = ar(64, 132);
+        assert_eq!(
+            (p.bm, p.two_phase, p.row_lo, p.row_hi, p.early_items, p.op_bytes),
+            (64, false, 0, 64, 0, 64 * 8192 * 2)
+        );
+        let p = ar(8192, 132);
+        assert_eq!((p.bm, p.two_phase, p.interleave, p.op_bytes), (128, true, 4, 2 * 8192 * 8192 * 2));
+        // Dedicated reduction CTAs are launched beside the compute CTAs.
+        let s = GemmReduceShape {
+            reduction: Reduction::Scatter,
+            m: 4096,
+            n: 8192,
+            k: 1024,
+            nranks: 4,
+            rank: 0,
+            nodes: None,
+        };
+        let p = plan(&s, 132, Some(14), &t).unwrap();
+        assert_eq!((p.compute_ctas, p.reduce_ctas, p.grid, p.early_items), (118, 14, 132, 0));
+    }
 
     /// The small-M kernels' ring: deeper at bn 256 (4 stages instead of 3), never shallower,
     /// within the shared-memory limit beside the kernel's 1 KiB of static shared memory, and

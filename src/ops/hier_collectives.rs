@@ -13,11 +13,12 @@ use super::collectives::{
 use crate::comm::topology::{rank_with_local_rank, Topology};
 use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
-use crate::cuda::{self, sys, LaunchConfig};
+use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{
     HierCollectiveParams, ProxyRingView, WorkspaceView, MK_MAX_NODES, MK_MAX_NODE_RANKS, MK_MAX_PEERS,
 };
+use crate::ops::launch::KernelLaunch;
 use crate::types::{mkDataType_t, RawDataType, RawRedOp};
 
 const _: () = assert!(MK_MAX_NODE_RANKS == MK_MAX_NODES * MK_MAX_PEERS);
@@ -108,6 +109,13 @@ pub struct HierPlan {
     pub gather_off: u64,
     pub region_bytes: u64,
     pub slot_bytes: u64,
+}
+
+impl HierPlan {
+    /// The launch of this plan for `dtype`.
+    pub fn kernel_launch(&self, dtype: mkDataType_t) -> KernelLaunch {
+        KernelLaunch::new(kernel(dtype), self.ctas, THREADS, 0)
+    }
 }
 
 pub(crate) fn align_up(x: u64, a: u64) -> u64 {
@@ -301,13 +309,17 @@ pub fn collective(
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let mut params = params(&ws.view, ring, &nl, comm.rank, comm.nranks, &args, &plan);
-    let f = kernel(args.dtype).function()?;
-    let cfg = LaunchConfig { grid: (plan.ctas, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let kernel_launch = plan.kernel_launch(args.dtype);
     // SAFETY: one HierCollectiveParams by value; the buffers were checked to be device
     // memory of this context's device, as large as the caller promised; the workspace and
     // the ring live as long as the communicator.
-    unsafe { cuda::launch(f, cfg, stream, &mut [(&mut params as *mut HierCollectiveParams).cast()]) }
-        .map_err(|e| e.context(format!("launching {} across nodes", kind.name())))
+    unsafe {
+        kernel_launch.launch(
+            stream,
+            &mut [(&mut params as *mut HierCollectiveParams).cast()],
+            Some(&format!("{} across nodes", kind.name())),
+        )
+    }
 }
 
 #[cfg(test)]
@@ -379,6 +391,16 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_launch_is_the_plan() {
+        let p = plan(CollectiveKind::ReduceScatter, 1 << 20, 4, 2, 4, 16, 256 << 20).unwrap();
+        let l = p.kernel_launch(mkDataType_t::mkFloat32);
+        assert_eq!(
+            (l.kernel, l.grid, l.block, l.smem_bytes),
+            (crate::cuda::kernels::MK_HIER_COLLECTIVE_F32, p.ctas, 512, 0)
+        );
     }
 
     #[test]

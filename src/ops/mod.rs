@@ -1,5 +1,6 @@
-//! One module per operation: argument checks and planning in plain Rust (tested on the
-//! CPU), then the launch.
+//! One module per operation: argument checks, then `plan` (shape, device caps, tuning →
+//! a Plan naming the kernel, grid and role split; plain Rust, tested on the CPU), then the
+//! launch of that plan through the one launch path, [`launch`].
 
 pub mod ag_gemm;
 pub mod collectives;
@@ -9,6 +10,7 @@ pub mod gemm_reduce;
 pub mod gemm_reduce_nodes;
 pub mod gemm_rs;
 pub mod hier_collectives;
+pub mod launch;
 pub mod moe;
 pub mod ring_attention;
 pub mod schedule;

@@ -1,7 +1,8 @@
 //! MoE dispatch + grouped GEMM and the way back: the routing semantics and the
 //! receive layout as plain Rust (the definition the kernels and their float64 reference
-//! tests share), the argument checks, the role split, and the launches of
-//! kernels/moe.cu (mkMoeDispatchGemm, mkMoeGemmCombine).
+//! tests share), the argument checks, the plan (`MoePlan`: role split, tile, bands, raster
+//! group, burst and layout tables, pure and CPU-tested), and the launches of kernels/moe.cu
+//! (mkMoeDispatchGemm, mkMoeGemmCombine).
 //!
 //! Semantics. Rank r holds T tokens and, per token, k expert ids (−1 = none) and weights.
 //! Experts are spread evenly: rank r owns experts [r·E/n, (r+1)·E/n). Dispatch sends each
@@ -12,10 +13,12 @@
 //! expert's segment starts on a 128-row boundary (`device_layout`), so GEMM tiles never
 //! straddle two experts.
 use crate::comm::Comm;
-use crate::cuda::{self, sys, LaunchConfig};
+use crate::cuda::sys;
 use crate::error::{MkError, Result};
-use crate::kernel_abi::MoeParams;
+use crate::kernel_abi::{MoeParams, WorkspaceView};
 use crate::ops::gemm::{self as engine, Epilogue};
+use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
+use crate::tuning::Tuning;
 use crate::types::{mkDataType_t, RawDataType};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -688,7 +691,7 @@ pub fn run_group((rs, len): (usize, usize), group_m: usize, at: usize) -> (usize
     (rs + gs, gl)
 }
 
-// ---- launches ----------------------------------------------------------------------------
+// ---- plan and launch -------------------------------------------------------------------
 
 /// Which MoE kernel: token dispatch + GEMM, or GEMM + combine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -706,7 +709,103 @@ impl Direction {
     }
 }
 
-struct Launch {
+/// Everything a MoE launch needs, from the direction, the sizes, the grid and the tuning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoePlan {
+    pub dir: Direction,
+    pub roles: RolePlan,
+    /// The GEMM's tile width (`tile_width` of its output columns): with the direction and
+    /// dtype, it names the kernel.
+    pub bn: usize,
+    pub smem_bytes: usize,
+    /// Column tiles of the GEMM, and per column band (`band_width`; all of them: one band).
+    pub tiles_n: usize,
+    pub band_w: usize,
+    /// Raster group cap (`group_m`).
+    pub group_m: usize,
+    /// Dispatch without MK_COMM_SMS: the GEMM CTAs' idle warps send the rows.
+    pub send_by_gemm_ctas: bool,
+    /// Send lists every warp sends before the GEMM (`burst_lists`; 0: no burst).
+    pub burst_lists: usize,
+    /// Where the tables live in the caller's layout buffer.
+    pub layout: LayoutOffsets,
+    /// CTAs launched: compute and communication.
+    pub grid: u32,
+}
+
+impl MoePlan {
+    /// The launch of this plan for `dtype`.
+    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
+        let bn = self.bn;
+        let kernel =
+            kernel(self.dir, dtype, bn).ok_or_else(|| MkError::internal(format!("no MoE kernel for BN {bn}")))?;
+        Ok(KernelLaunch::new(kernel, self.grid, engine::THREADS, self.smem_bytes as u32))
+    }
+}
+
+/// The grouped GEMM's output columns and contraction: dispatch Y = X·W1ᵀ (F, H), combine
+/// Z = Y'·W2ᵀ (H, F).
+pub fn gemm_cols(dir: Direction, d: &MoeDims) -> (usize, usize) {
+    match dir {
+        Direction::Dispatch => (d.ffn, d.hidden),
+        Direction::Combine => (d.hidden, d.ffn),
+    }
+}
+
+/// Plans one call: the role split (`plan_roles_for`: from the bytes each rank sends, its
+/// GEMM's estimated FLOPs at uniform routing, the grid cap and MK_COMM_SMS), the tile,
+/// bands, raster group and burst (`Tuning::moe_bands`, `Tuning::moe_burst`), and the layout
+/// tables. `gemm = false` runs the data movement only (the unfused baselines of mkbench).
+pub fn plan(
+    dir: Direction,
+    d: &MoeDims,
+    grid_ctas: u32,
+    comm_override: Option<u32>,
+    tuning: &Tuning,
+    gemm: bool,
+) -> Result<MoePlan> {
+    let (cols, inner) = gemm_cols(dir, d);
+    let bytes_moved = (d.tokens * d.top_k * d.hidden * 2) as f64;
+    let rows_est = (d.tokens * d.top_k).max(1);
+    let flops = 2.0 * rows_est as f64 * cols as f64 * inner as f64;
+    let roles = plan_roles_for(dir, bytes_moved, flops, grid_ctas, comm_override)?;
+    let bn = tile_width(cols);
+    let smem = engine::smem_bytes(bn, Epilogue::Tma);
+    if dir == Direction::Dispatch && prep_smem_bytes(d) > smem {
+        return Err(MkError::internal(format!(
+            "{}: the prep CTA needs {} bytes of shared memory, the launch has {smem}",
+            dir.name(),
+            prep_smem_bytes(d)
+        )));
+    }
+    let tiles_n = cols / bn;
+    let send_by_gemm_ctas = dir == Direction::Dispatch && comm_override.is_none();
+    Ok(MoePlan {
+        dir,
+        roles,
+        bn,
+        smem_bytes: smem,
+        tiles_n,
+        band_w: match dir {
+            Direction::Dispatch => tiles_n,
+            Direction::Combine => band_width(tiles_n, tuning.moe_bands),
+        },
+        group_m: group_m(d, bn, roles.compute_ctas as usize),
+        send_by_gemm_ctas,
+        burst_lists: if send_by_gemm_ctas && gemm && burst_for(tuning.moe_burst, d.nranks) {
+            burst_lists(d, roles.compute_ctas as usize, tiles_n)
+        } else {
+            0
+        },
+        layout: layout_offsets(d.tokens, d.top_k, d.capacity),
+        grid: roles.compute_ctas + roles.comm_ctas,
+    })
+}
+
+/// A validated call's operands: the GEMM's A [rows, K], B [rows, K] and C [rows, cols]
+/// as (pointer, rows, cols), `REGION` standing for this rank's receive buffer / Z in the
+/// fused-op region; and the kernel parameters the call itself sets.
+struct MoeCall {
     dir: Direction,
     dims: MoeDims,
     dtype: mkDataType_t,
@@ -714,12 +813,11 @@ struct Launch {
     b: (u64, usize, usize),
     c: (u64, usize, usize),
     params: MoeParams,
-    /// The GEMM's output columns (F for dispatch, H for combine).
-    cols: usize,
-    inner: usize,
-    bytes_moved: f64,
     gemm: bool,
 }
+
+/// The operand pointer standing for this rank's buffer in the fused-op region.
+const REGION: u64 = u64::MAX;
 
 /// Byte offsets of the count exchange and of the receive buffer / Z in the fused-op
 /// region, and the bytes the op needs there.
@@ -727,69 +825,62 @@ fn region_needed(dims: &MoeDims) -> usize {
     COUNTS_BYTES + dims.capacity * dims.hidden * 2
 }
 
-fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
+/// Checks the call against `comm`'s workspace, plans it for the device, launches the plan.
+fn run(comm: &Comm, call: MoeCall, stream: sys::CUstream) -> Result<()> {
     comm.check_usable()?;
-    let name = l.dir.name();
-    crate::ensure_arg!(l.dims.nranks == comm.nranks, "{name}: internal: nranks mismatch");
+    let name = call.dir.name();
+    crate::ensure_arg!(call.dims.nranks == comm.nranks, "{name}: internal: nranks mismatch");
     let ws = comm.one_node_workspace(name)?;
-    let needed = region_needed(&l.dims) as u64;
+    let needed = region_needed(&call.dims) as u64;
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
             "{name} keeps a receive buffer of recvCapacity·H = {}·{} elements (plus {COUNTS_BYTES} bytes of counts) in the \
              workspace's fused-op region, which holds {} bytes: create the communicator with MK_WORKSPACE_BYTES (or \
              mkConfig_t.workspaceBytes) of at least {needed}",
-            l.dims.capacity,
-            l.dims.hidden,
+            call.dims.capacity,
+            call.dims.hidden,
             ws.view.op_bytes
         )));
     }
     let _ctx = comm.context.enter()?;
-    let sms = cuda::sm_count(comm.context.device)? as u32;
-    let grid = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
-    let rows_est = (l.dims.tokens * l.dims.top_k).max(1);
-    let flops = 2.0 * rows_est as f64 * l.cols as f64 * l.inner as f64;
-    let roles = plan_roles_for(l.dir, l.bytes_moved, flops, grid, comm.config.comm_ctas)?;
-    let bn = tile_width(l.cols);
-    let smem = engine::smem_bytes(bn, Epilogue::Tma);
-    if l.dir == Direction::Dispatch && prep_smem_bytes(&l.dims) > smem {
-        return Err(MkError::internal(format!(
-            "{name}: the prep CTA needs {} bytes of shared memory, the launch has {smem}",
-            prep_smem_bytes(&l.dims)
-        )));
-    }
+    let grid = DeviceCaps::of(comm)?.grid_cap();
+    let p = plan(call.dir, &call.dims, grid, comm.config.comm_ctas, &comm.config.tuning, call.gemm)?;
     let region = ws.view.data[comm.rank] + ws.view.data_bytes;
-    l.params.ws = ws.view;
-    l.params.counts_offset = ws.view.data_bytes;
-    l.params.buf_offset = ws.view.data_bytes + COUNTS_BYTES as u64;
-    l.params.tiles_n = (l.cols / bn) as i32;
-    l.params.band_w = match l.dir {
-        Direction::Dispatch => l.cols / bn,
-        Direction::Combine => band_width(l.cols / bn, comm.config.tuning.moe_bands),
-    } as i32;
-    l.params.group_m = group_m(&l.dims, bn, roles.compute_ctas as usize) as i32;
-    l.params.compute_ctas = roles.compute_ctas as i32;
-    l.params.comm_ctas = roles.comm_ctas as i32;
-    l.params.gemm = l.gemm as i32;
-    l.params.send_by_gemm_ctas = (l.dir == Direction::Dispatch && comm.config.comm_ctas.is_none()) as i32;
-    l.params.burst_lists =
-        if l.params.send_by_gemm_ctas != 0 && l.gemm && burst_for(comm.config.tuning.moe_burst, l.dims.nranks) {
-            burst_lists(&l.dims, roles.compute_ctas as usize, l.cols / bn) as i32
-        } else {
-            0
-        };
-    let fix = |p: u64| if p == u64::MAX { region + COUNTS_BYTES as u64 } else { p };
-    let mut ta = engine::tensor_map(fix(l.a.0), l.dtype, l.a.1, l.a.2, engine::BM, engine::BK)?;
-    let mut tb = engine::tensor_map(fix(l.b.0), l.dtype, l.b.1, l.b.2, bn, engine::BK)?;
-    let mut tc = engine::tensor_map(fix(l.c.0), l.dtype, l.c.1, l.c.2, 64, 64)?;
-    let f = kernel(l.dir, l.dtype, bn)
-        .ok_or_else(|| MkError::internal(format!("no MoE kernel for BN {bn}")))?
-        .function()?;
-    let cfg = LaunchConfig {
-        grid: (roles.compute_ctas + roles.comm_ctas, 1, 1),
-        block: (engine::THREADS, 1, 1),
-        shared_mem_bytes: smem as u32,
-    };
-    let mut params = l.params;
+    launch(call, &p, &ws.view, region, stream)
+}
+
+/// Launches plan `p` for `call` (the context current) on the workspace `view`, whose
+/// fused-op region starts at `region` on this rank.
+fn launch(call: MoeCall, p: &MoePlan, view: &WorkspaceView, region: u64, stream: sys::CUstream) -> Result<()> {
+    let mut params = call.params;
+    let lo = &p.layout;
+    params.lay_dest = lo.dest as i32;
+    params.lay_row = lo.row as i32;
+    params.lay_mb_expert = lo.mb_expert as i32;
+    params.lay_mb_order = lo.mb_order as i32;
+    params.lay_mb_srcmask = lo.mb_srcmask as i32;
+    params.lay_mb_run = lo.mb_run as i32;
+    params.lay_mb_seg = lo.mb_seg as i32;
+    params.lay_mb_rows = lo.mb_rows as i32;
+    params.lay_send = lo.send as i32;
+    params.lay_send_row0 = lo.send_row0 as i32;
+    params.ws = *view;
+    params.counts_offset = view.data_bytes;
+    params.buf_offset = view.data_bytes + COUNTS_BYTES as u64;
+    params.tiles_n = p.tiles_n as i32;
+    params.band_w = p.band_w as i32;
+    params.group_m = p.group_m as i32;
+    params.compute_ctas = p.roles.compute_ctas as i32;
+    params.comm_ctas = p.roles.comm_ctas as i32;
+    params.gemm = call.gemm as i32;
+    params.send_by_gemm_ctas = p.send_by_gemm_ctas as i32;
+    params.burst_lists = p.burst_lists as i32;
+    let at = |ptr: u64| if ptr == REGION { region + COUNTS_BYTES as u64 } else { ptr };
+    let (a, b, c, dtype) = (call.a, call.b, call.c, call.dtype);
+    let mut ta = launch::tensor_map(at(a.0), dtype, a.1, a.2, engine::BM, engine::BK)?;
+    let mut tb = launch::tensor_map(at(b.0), dtype, b.1, b.2, p.bn, engine::BK)?;
+    let mut tc = launch::tensor_map(at(c.0), dtype, c.1, c.2, 64, 64)?;
+    let kernel_launch = p.kernel_launch(dtype)?;
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
@@ -798,23 +889,13 @@ fn launch(comm: &Comm, mut l: Launch, stream: sys::CUstream) -> Result<()> {
     ];
     // SAFETY: the parameters match the kernel (3 tensor maps, MoeParams); the buffers were
     // checked to be device memory of this device.
-    unsafe { cuda::launch(f, cfg, stream, &mut kernel_params) }.map_err(|e| e.context(format!("launching {name}")))
+    unsafe { kernel_launch.launch(stream, &mut kernel_params, Some(call.dir.name())) }
 }
 
+/// The parameters a call's sizes and layout buffer set (the plan sets the rest).
 fn base_params(dims: &MoeDims, layout: u64) -> MoeParams {
-    let lo = layout_offsets(dims.tokens, dims.top_k, dims.capacity);
     MoeParams {
         layout,
-        lay_dest: lo.dest as i32,
-        lay_row: lo.row as i32,
-        lay_mb_expert: lo.mb_expert as i32,
-        lay_mb_order: lo.mb_order as i32,
-        lay_mb_srcmask: lo.mb_srcmask as i32,
-        lay_mb_run: lo.mb_run as i32,
-        lay_mb_seg: lo.mb_seg as i32,
-        lay_mb_rows: lo.mb_rows as i32,
-        lay_send: lo.send as i32,
-        lay_send_row0: lo.send_row0 as i32,
         tokens: dims.tokens as i32,
         hidden: dims.hidden as i32,
         ffn: dims.ffn as i32,
@@ -863,19 +944,16 @@ pub fn dispatch_gemm(comm: &Comm, a: &DispatchArgs, gemm: bool, stream: sys::CUs
     params.recv_counts = a.recv_counts;
     params.trace = a.trace;
     let el = d.experts_local();
-    launch(
+    run(
         comm,
-        Launch {
+        MoeCall {
             dir: Direction::Dispatch,
             dims: d,
             dtype: a.dtype,
-            a: (u64::MAX, d.capacity, d.hidden),
+            a: (REGION, d.capacity, d.hidden),
             b: (a.w1, el * d.ffn, d.hidden),
             c: (a.y, d.capacity, d.ffn),
             params,
-            cols: d.ffn,
-            inner: d.hidden,
-            bytes_moved: (d.tokens * d.top_k * d.hidden * 2) as f64,
             gemm,
         },
         stream,
@@ -901,19 +979,16 @@ pub fn gemm_combine(comm: &Comm, a: &CombineArgs, gemm: bool, stream: sys::CUstr
     params.out = a.out;
     params.trace = a.trace;
     let el = d.experts_local();
-    launch(
+    run(
         comm,
-        Launch {
+        MoeCall {
             dir: Direction::Combine,
             dims: d,
             dtype: a.dtype,
             a: (a.y_act, d.capacity, d.ffn),
             b: (a.w2, el * d.hidden, d.ffn),
-            c: (u64::MAX, d.capacity, d.hidden),
+            c: (REGION, d.capacity, d.hidden),
             params,
-            cols: d.hidden,
-            inner: d.ffn,
-            bytes_moved: (d.tokens * d.top_k * d.hidden * 2) as f64,
             gemm,
         },
         stream,
@@ -1014,6 +1089,87 @@ mod tests {
         nranks: usize,
     ) -> MoeDims {
         MoeDims { tokens, hidden, ffn, top_k, experts, capacity, nranks }
+    }
+
+    #[test]
+    fn every_plan_launches_a_built_kernel_on_whole_bands() {
+        let tunings = [
+            Tuning::default(),
+            Tuning { moe_bands: 1, ..Tuning::default() },
+            Tuning { moe_bands: 7, moe_burst: Some(true), ..Tuning::default() },
+            Tuning { moe_burst: Some(false), ..Tuning::default() },
+        ];
+        let (mut planned, mut refused) = (0, 0);
+        for dir in [Direction::Dispatch, Direction::Combine] {
+            for nranks in [1, 2, 4, 8] {
+                for (tokens, top_k, experts) in [(0, 1, 8), (1, 1, 8), (128, 2, 16), (4096, 8, 256), (512, 6, 64)] {
+                    for (hidden, ffn) in [(128, 128), (7168, 2048), (4096, 1408), (2048, 768)] {
+                        for capacity in [128, 4096, 40960] {
+                            for (grid, comm) in
+                                [(132, None), (132, Some(4)), (33, Some(1)), (16, None), (1, None), (8, Some(8))]
+                            {
+                                for tuning in &tunings {
+                                    for gemm in [true, false] {
+                                        let d = MoeDims { tokens, hidden, ffn, top_k, experts, capacity, nranks };
+                                        let Ok(p) = plan(dir, &d, grid, comm, tuning, gemm) else {
+                                            refused += 1;
+                                            continue;
+                                        };
+                                        planned += 1;
+                                        let (cols, _) = gemm_cols(dir, &d);
+                                        assert_eq!(p.roles.compute_ctas + p.roles.comm_ctas, grid, "{dir:?} {d:?}");
+                                        assert_eq!((p.bn * p.tiles_n, p.tiles_n % p.band_w), (cols, 0));
+                                        assert!(
+                                            dir == Direction::Combine || p.band_w == p.tiles_n,
+                                            "dispatch: one band"
+                                        );
+                                        assert_eq!(p.send_by_gemm_ctas, dir == Direction::Dispatch && comm.is_none());
+                                        assert!(
+                                            p.burst_lists <= experts
+                                                && (p.burst_lists == 0 || (gemm && p.send_by_gemm_ctas))
+                                        );
+                                        assert!(p.group_m >= 1);
+                                        let l = p.kernel_launch(mkDataType_t::mkFloat16).unwrap();
+                                        assert_eq!((l.grid, l.block, l.smem_bytes), (grid, 384, p.smem_bytes as u32));
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(planned > 10_000 && refused > 100, "{planned} planned, {refused} refused");
+    }
+
+    /// Representative plans at DeepSeek-V3-like sizes (T 4096, H 7168, F 2048, k 8, E 256).
+    #[test]
+    fn the_plan_picks_roles_tiles_bands_and_burst() {
+        let t = Tuning::default();
+        let d = dims(4096, 7168, 2048, 8, 256, 40960, 4);
+        // Dispatch on 33 CTAs: every CTA computes and sends, BN 256 over F, one band, the
+        // group sqrt(33·256/128) ≈ 8; the burst at 4 ranks: 512 rows (4 blocks) per expert
+        // at uniform routing, a first wave of 5 blocks, so 3 experts' lists to 4 ranks.
+        let p = plan(Direction::Dispatch, &d, 33, None, &t, true).unwrap();
+        assert_eq!((p.roles, p.bn, p.tiles_n, p.band_w), (RolePlan { compute_ctas: 33, comm_ctas: 0 }, 256, 8, 8));
+        assert_eq!((p.send_by_gemm_ctas, p.grid, p.smem_bytes), (true, 33, 214_128));
+        assert_eq!((p.group_m, p.burst_lists), (8, 12));
+        // No burst without the GEMM, or at 2 ranks.
+        assert_eq!(plan(Direction::Dispatch, &d, 33, None, &t, false).unwrap().burst_lists, 0);
+        assert_eq!(
+            plan(Direction::Dispatch, &dims(4096, 7168, 2048, 8, 256, 40960, 2), 33, None, &t, true)
+                .unwrap()
+                .burst_lists,
+            0
+        );
+        // Combine: BN 256 over H, 28 column tiles in 4 bands of 7.
+        let p = plan(Direction::Combine, &d, 33, None, &t, true).unwrap();
+        assert_eq!((p.bn, p.tiles_n, p.band_w, p.send_by_gemm_ctas, p.burst_lists), (256, 28, 7, false, 0));
+        // MK_COMM_SMS: dedicated CTAs beside the compute CTAs, no sends from the GEMM CTAs.
+        let p = plan(Direction::Dispatch, &d, 33, Some(4), &t, true).unwrap();
+        assert_eq!((p.roles, p.grid, p.send_by_gemm_ctas), (RolePlan { compute_ctas: 29, comm_ctas: 4 }, 33, false));
+        assert!(plan(Direction::Dispatch, &d, 33, Some(33), &t, true).is_err());
+        assert_eq!(p.layout, layout_offsets(4096, 8, 40960));
     }
 
     #[test]

@@ -13,9 +13,10 @@
 //! rank (r − s) mod n.
 
 use crate::comm::Comm;
-use crate::cuda::{self, sys, LaunchConfig};
+use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnParams, WorkspaceView, MK_MAX_PEERS};
+use crate::ops::launch::{DeviceCaps, KernelLaunch};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
@@ -88,13 +89,51 @@ pub fn workspace_bytes(s: &RingShape) -> u64 {
     2 * (s.batch * s.seq_local * s.kv_heads * s.head_dim * 2) as u64
 }
 
-/// Work items (batch, head, query block) and the grid: one CTA per SM (the kernel uses
-/// 193 KiB of shared memory at D = 128), never more than there are
-/// items, within the grid cap (MK_MAX_CTAS: ranks sharing a GPU must all be resident).
-pub fn plan_grid(s: &RingShape, grid_cap: u32) -> (usize, usize, u32) {
+/// What a ring-attention launch needs from the shape and the grid cap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingAttentionPlan {
+    /// Query blocks of BLOCK_M local tokens per (batch, head).
+    pub q_blocks: usize,
+    /// Work items: (batch, head, query block).
+    pub items: usize,
+    /// CTAs: one per SM (the kernel uses 193 KiB of shared memory at D = 128), never more
+    /// than there are items, within the grid cap (MK_MAX_CTAS: ranks sharing a GPU must all
+    /// be resident).
+    pub grid: u32,
+    /// (batch, head) pairs per section of the dynamic order (`sched_section`).
+    pub sched_section: usize,
+    /// The kernel's dynamic shared memory (`smem_bytes`).
+    pub smem_bytes: usize,
+    /// Head dimension (64 or 128) and whether the kernel writes a trace: with the dtype,
+    /// they name the kernel (`kernel_for`).
+    pub head_dim: usize,
+    pub traced: bool,
+}
+
+impl RingAttentionPlan {
+    /// The launch of this plan for `dtype`.
+    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
+        let d = self.head_dim;
+        let kernel = kernel_for(dtype, d, self.traced)
+            .ok_or_else(|| MkError::internal(format!("no ring-attention kernel for D {d}")))?;
+        Ok(KernelLaunch::new(kernel, self.grid, THREADS, self.smem_bytes as u32))
+    }
+}
+
+/// Plans one call on `grid_cap` CTAs (`DeviceCaps::grid_cap`); `traced` selects the
+/// kernel that writes `mkbench --trace`'s timing buffer.
+pub fn plan(s: &RingShape, grid_cap: u32, traced: bool) -> RingAttentionPlan {
     let q_blocks = s.seq_local.div_ceil(BLOCK_M);
     let items = s.batch * s.heads * q_blocks;
-    (q_blocks, items, (items as u32).clamp(1, grid_cap.max(1)))
+    RingAttentionPlan {
+        q_blocks,
+        items,
+        grid: (items as u32).clamp(1, grid_cap.max(1)),
+        sched_section: sched_section(s),
+        smem_bytes: smem_bytes(s.head_dim),
+        head_dim: s.head_dim,
+        traced,
+    }
 }
 
 /// K/V bytes a section of the dynamic schedule may keep in L2 at once (the H200 has 60 MB
@@ -217,17 +256,11 @@ pub fn kernel_for(dtype: mkDataType_t, head_dim: usize, traced: bool) -> Option<
     })
 }
 
-fn kernel(args: &RingArgs) -> Result<sys::CUfunction> {
-    let d = args.shape.head_dim;
-    kernel_for(args.dtype, d, args.trace != 0)
-        .ok_or_else(|| MkError::internal(format!("no ring-attention kernel for D {d}")))?
-        .function()
-}
-
-fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
+/// The kernel's parameters for `args` and its plan (one rank, no workspace: the caller
+/// adds the workspace and the schedule's counter, or the gathered K/V).
+fn params(args: &RingArgs, plan: &RingAttentionPlan) -> RingAttnParams {
     let s = &args.shape;
-    let (q_blocks, items, grid) = plan_grid(s, grid_cap);
-    let p = RingAttnParams {
+    RingAttnParams {
         ws: WorkspaceView::default(),
         q: args.q,
         k: args.k,
@@ -245,13 +278,12 @@ fn params(args: &RingArgs, grid_cap: u32) -> (RingAttnParams, u32) {
         causal: s.causal as i32,
         nranks: s.nranks as i32,
         rank: args.rank as i32,
-        q_blocks: q_blocks as i32,
-        num_items: items as i32,
+        q_blocks: plan.q_blocks as i32,
+        num_items: plan.items as i32,
         scale_log2: args.softmax_scale * std::f32::consts::LOG2_E,
         sched_dynamic: 0,
-        sched_section: sched_section(s) as i32,
-    };
-    (p, grid)
+        sched_section: plan.sched_section as i32,
+    }
 }
 
 /// The kernel's TMA descriptors (ring_attention.cu `RingAttnMaps`, its second parameter,
@@ -277,7 +309,7 @@ fn head_map(
     head_dim: usize,
 ) -> Result<sys::CUtensorMap> {
     let row = (head_dim * 2) as u64;
-    crate::ops::gemm::tiled_tensor_map(
+    crate::ops::launch::tiled_tensor_map(
         ptr,
         dtype,
         &[head_dim as u64, heads as u64, tokens as u64, batch as u64],
@@ -322,21 +354,12 @@ fn tensor_maps(args: &RingArgs, p: &RingAttnParams) -> Result<RingAttnMaps> {
     Ok(maps)
 }
 
-fn launch(args: &RingArgs, mut p: RingAttnParams, grid: u32, stream: sys::CUstream) -> Result<()> {
-    let f = kernel(args)?;
+/// Launches `plan` with parameters `p` (the context current).
+fn launch(args: &RingArgs, plan: &RingAttentionPlan, mut p: RingAttnParams, stream: sys::CUstream) -> Result<()> {
+    // The launch opts in to the dynamic shared memory, which passes 48 KiB at every head
+    // dimension (97 KiB at D = 64, 193 KiB at D = 128).
+    let kernel_launch = plan.kernel_launch(args.dtype)?;
     let mut maps = tensor_maps(args, &p)?;
-    let smem = smem_bytes(args.shape.head_dim) as u32;
-    // The opt-in is needed whenever dynamic plus static shared memory passes 48 KiB, which
-    // it does at every head dimension (97 KiB at D = 64, 193 KiB at D = 128).
-    // SAFETY: sets one attribute of a loaded kernel.
-    cuda::check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
-        sys::cuFuncSetAttribute(
-            f,
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-    })?;
-    let cfg = LaunchConfig { grid: (grid, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: smem };
     let mut trace = args.trace;
     let mut kernel_params: [*mut c_void; 3] = [
         (&mut p as *mut RingAttnParams).cast(),
@@ -344,16 +367,11 @@ fn launch(args: &RingArgs, mut p: RingAttnParams, grid: u32, stream: sys::CUstre
         (&mut trace as *mut u64).cast(),
     ];
     // The `_trace` twin takes the buffer as a third parameter; the plain kernels two.
-    let kernel_params = if args.trace != 0 { &mut kernel_params[..] } else { &mut kernel_params[..2] };
+    let kernel_params = if plan.traced { &mut kernel_params[..] } else { &mut kernel_params[..2] };
     // SAFETY: the parameters match the kernel (RingAttnParams and RingAttnMaps by value, and
     // the `_trace` twin's u64); the tensors were checked to be device memory of this
     // device, of the sizes the caller promised, and the maps describe exactly those tensors.
-    unsafe { cuda::launch(f, cfg, stream, kernel_params) }.map_err(|e| e.context("launching mkRingAttention"))
-}
-
-fn grid_cap(comm: &Comm) -> Result<u32> {
-    let sms = cuda::sm_count(comm.context.device)? as u32;
-    Ok(comm.config.max_ctas.map_or(sms, |c| c.min(sms)))
+    unsafe { kernel_launch.launch(stream, kernel_params, Some("mkRingAttention")) }
 }
 
 /// mkRingAttention on `comm`: validate, plan, launch (stream-ordered, no host sync).
@@ -367,7 +385,8 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
     for (ptr, name) in [(args.q, "q"), (args.k, "k"), (args.v, "v"), (args.out, "out"), (args.lse, "lse")] {
         crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
     }
-    let (mut p, grid) = params(args, grid_cap(comm)?);
+    let plan = plan(&s, DeviceCaps::of(comm)?.grid_cap(), args.trace != 0);
+    let mut p = params(args, &plan);
     if s.nranks > 1 {
         let ws = comm.one_node_workspace("mkRingAttention")?;
         let needed = workspace_bytes(&s);
@@ -386,7 +405,7 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
         p.ws = ws.view;
         p.sched_dynamic = 1;
     }
-    launch(args, p, grid, stream)
+    launch(args, &plan, p, stream)
 }
 
 /// The attention alone over K/V already gathered in local buffers (shard of source rank s
@@ -404,10 +423,11 @@ pub fn attention_gathered(
     if s.batch == 0 || s.seq_local == 0 {
         return Ok(());
     }
-    let (mut p, grid) = params(args, grid_cap);
+    let plan = plan(&s, grid_cap, args.trace != 0);
+    let mut p = params(args, &plan);
     p.kv_gathered = k_gathered;
     p.v_gathered = v_gathered;
-    launch(args, p, grid, stream)
+    launch(args, &plan, p, stream)
 }
 
 /// A span of global token positions, [start, start + len).
@@ -568,12 +588,45 @@ mod tests {
     #[test]
     fn grid_and_workspace_plan() {
         let s = RingShape { batch: 2, seq_local: 300, heads: 4, kv_heads: 2, head_dim: 64, causal: false, nranks: 4 };
-        assert_eq!(plan_grid(&s, 132), (3, 24, 24));
-        assert_eq!(plan_grid(&s, 16), (3, 24, 16));
+        let p = plan(&s, 132, false);
+        assert_eq!((p.q_blocks, p.items, p.grid, p.sched_section, p.smem_bytes), (3, 24, 24, 8, 99328));
+        assert_eq!(plan(&s, 16, true).grid, 16);
+        assert_eq!(plan(&RingShape { seq_local: 0, ..s }, 16, false).grid, 1, "at least one CTA");
         assert_eq!(workspace_bytes(&s), 2 * 2 * 300 * 2 * 64 * 2);
         assert_eq!(smem_bytes(128), 197632);
         assert_eq!(smem_bytes(64), 99328);
         assert!(smem_bytes(128) <= 232448, "fits the 227 KiB a block may opt in to");
+    }
+
+    #[test]
+    fn every_plan_launches_one_cta_per_item_within_the_cap() {
+        let bf16 = mkDataType_t::mkBfloat16;
+        for (batch, heads, kv_heads) in [(1, 32, 32), (2, 32, 8), (4, 4, 2), (1, 1, 1), (0, 8, 8)] {
+            for seq_local in [0, 1, 128, 300, 1024, 8192, 32768] {
+                for head_dim in [64, 128] {
+                    for (causal, nranks) in [(false, 1), (true, 1), (false, 4), (true, 8)] {
+                        for grid_cap in [132, 66, 16, 1, 0] {
+                            for traced in [false, true] {
+                                let s = RingShape { batch, seq_local, heads, kv_heads, head_dim, causal, nranks };
+                                let p = plan(&s, grid_cap, traced);
+                                assert!(
+                                    p.q_blocks * BLOCK_M >= seq_local && p.q_blocks * BLOCK_M < seq_local + BLOCK_M
+                                );
+                                assert_eq!(p.items, batch * heads * p.q_blocks);
+                                assert_eq!(p.grid as usize, p.items.min(grid_cap.max(1) as usize).max(1), "{s:?}");
+                                let l = p.kernel_launch(bf16).unwrap();
+                                assert_eq!(l.kernel, kernel_for(bf16, head_dim, traced).unwrap());
+                                assert_eq!(
+                                    (l.grid, l.block, l.smem_bytes),
+                                    (p.grid, THREADS, smem_bytes(head_dim) as u32)
+                                );
+                                assert!(l.smem_bytes > 48 * 1024, "the launch opts in to the shared memory");
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
@@ -625,8 +678,7 @@ mod tests {
         for seq in [8192usize, 16384, 32768] {
             let s =
                 RingShape { batch: 1, seq_local: seq, heads: 32, kv_heads: 32, head_dim: 128, causal: true, nranks: 1 };
-            let (q_blocks, items, grid) = plan_grid(&s, 132);
-            let section = sched_section(&s);
+            let RingAttentionPlan { q_blocks, items, grid, sched_section: section, .. } = plan(&s, 132, false);
             let cost = |item: usize| (q_blocks - item % q_blocks) as u64 + 1; // j = 0: the last query block, q_blocks tiles
             let mut ctas = std::collections::BinaryHeap::new();
             (0..grid).for_each(|c| ctas.push(std::cmp::Reverse((0u64, c))));

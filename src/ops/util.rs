@@ -1,8 +1,9 @@
 //! Launchers for kernels/util.cu: device-side random fills for tests and benchmarks.
 
-use crate::cuda::{self, sys, LaunchConfig};
+use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::FillRandomParams;
+use crate::ops::launch::KernelLaunch;
 use crate::types::mkDataType_t;
 
 /// Fills `count` elements at `data` with uniform values in [-scale, scale) from `seed`.
@@ -18,10 +19,29 @@ pub fn fill_random(
     if !matches!(dtype, mkFloat16 | mkBfloat16 | mkFloat32 | mkFloat64 | mkInt32) {
         return Err(MkError::invalid_argument(format!("fill_random does not support {}", dtype.name())));
     }
-    let f = crate::cuda::kernels::MK_FILL_RANDOM.function()?;
     let mut p = FillRandomParams { data, count, seed, dtype: dtype as i32, scale };
-    let blocks = count.div_ceil(256).clamp(1, 4096) as u32;
-    let cfg = LaunchConfig { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 };
+    let kernel_launch = KernelLaunch::new(crate::cuda::kernels::MK_FILL_RANDOM, fill_grid(count), THREADS, 0);
     // SAFETY: the kernel takes one FillRandomParams by value; data is the caller's buffer.
-    unsafe { cuda::launch(f, cfg, stream, &mut [(&mut p as *mut FillRandomParams).cast()]) }
+    unsafe { kernel_launch.launch(stream, &mut [(&mut p as *mut FillRandomParams).cast()], None) }
+}
+
+/// Threads per block of the fill kernel.
+const THREADS: u32 = 256;
+
+/// Blocks of a fill of `count` elements: one element per thread, at most 4096 blocks (the
+/// kernel strides over the rest).
+pub fn fill_grid(count: u64) -> u32 {
+    count.div_ceil(THREADS as u64).clamp(1, 4096) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fill_blocks_cover_the_elements_up_to_4096() {
+        for (count, blocks) in [(0, 1), (1, 1), (256, 1), (257, 2), (4096 * 256, 4096), (u64::MAX / 2, 4096)] {
+            assert_eq!(fill_grid(count), blocks, "{count}");
+        }
+    }
 }
