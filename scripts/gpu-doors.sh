@@ -64,7 +64,10 @@ for door in $ONLY; do
     python)
       wheel=$(ls "$DIR"/mkernel-*.whl | head -1)
       start_mps
-      step python-tests 420 env MK_PYTHON_TORCH=system MK_PYTHON_WHEEL="$wheel" PYTHONUNBUFFERED=1 scripts/test-python.sh
+      # -v names each test as it ends; pytest-timeout (in the GPU image) fails a stuck test with
+      # its traceback instead of letting the step's timeout kill pytest before its summary.
+      step python-tests 900 env MK_PYTHON_TORCH=system MK_PYTHON_WHEEL="$wheel" PYTHONUNBUFFERED=1 \
+        scripts/test-python.sh -v --timeout=150
       site=build/python-test-venv/site  # where test-python.sh installed the wheel
       if [ -d "$site" ]; then
         step python-overhead-n1 120 env PYTHONPATH="$site" python3 benches/python_overhead.py --json "$OUT/python_overhead-n1.json"

@@ -65,5 +65,9 @@ if grep -q "interpose mode over .*libnccl" "$LOGS/torch-interpose-w1.log" &&
 else
   failed=$((failed + 1)); echo "FAILED: interpose at world size 1 did not run AllReduce on mkernel (see $LOGS/torch-interpose-w1.log)"
 fi
+# Seven judged outcomes: the three C runs, the three torch runs and the interpose check.
+# A step that died without a verdict (a shell error inside it) counts as a failure.
+missing=$(( 7 - passed - failed ))
+[ "$missing" -gt 0 ] && { failed=$((failed + missing)); echo "FAILED: $missing step(s) ended without a verdict"; }
 echo "libmkernel-nccl GPU suite: $passed passed, $failed failed"
 [ "$failed" = 0 ]
