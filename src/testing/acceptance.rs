@@ -293,8 +293,7 @@ pub fn check_exact(out: &[f64], want: &[f64]) -> Verdict {
 pub fn check_exact_bytes(out: &[u8], want: &[u8], dtype: mkDataType_t) -> Verdict {
     assert_eq!(out.len(), want.len());
     let es = dtype.size();
-    let mut v =
-        Verdict { elements: out.len() / es, wrong: 0, nonfinite: 0, worst_ratio: 0.0, worst: None, l2: None };
+    let mut v = Verdict { elements: out.len() / es, wrong: 0, nonfinite: 0, worst_ratio: 0.0, worst: None, l2: None };
     for (i, (o, w)) in out.chunks_exact(es).zip(want.chunks_exact(es)).enumerate() {
         if o != w {
             if v.wrong == 0 {
