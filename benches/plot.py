@@ -5,10 +5,11 @@
     python3 benches/plot.py --check RECORD.json [...]     (validate only; no matplotlib needed)
 
 Per record: collectives (rows with "bytes") get nccl-tests style curves, bus bandwidth and
-latency against size, one line per contender; every other bench gets the speedup of the
-fused op over each baseline per shape (baseline time / fused time: above 1 the fused op
-wins), and its time per contender. Every record is validated first; a record that does not
-match the schema stops the run with the rule it broke.
+latency against size, one line per contender, one PNG per dtype; every other bench gets the
+speedup of the fused op over each baseline per shape (baseline time / fused time: above 1
+the fused op wins; graph replays against the fused op's graph replays, cold-L2 times against
+its cold-L2 time), and its time per contender. Every record is validated first; a record
+that does not match the schema stops the run with the rule it broke.
 """
 import argparse
 import json
@@ -21,6 +22,7 @@ TOP_KEYS = {"schema": str, "bench": str, "ok": bool, "command": list, "commit": 
             "machine": dict, "config": dict, "rows": list}
 MACHINE_KEYS = ("gpu", "driver", "sm_clock_mhz", "max_sm_clock_mhz", "mem_clock_mhz", "gpu_count", "host")
 STAT_KEYS = ("median_us", "p10_us", "p90_us", "min_us", "host_enqueue_us")
+GRAPH_SUFFIX = "_graph"
 
 
 class SchemaError(ValueError):
@@ -74,6 +76,10 @@ def validate(rec, where="record"):
                     _need(c["p10_us"] <= c["median_us"] <= c["p90_us"], cw, "p10_us <= median_us <= p90_us")
             if "samples" in c:
                 _need(isinstance(c["samples"], int) and c["samples"] > 0, cw, '"samples" is a positive integer')
+            if "graph_calls" in c:
+                _need(isinstance(c["graph_calls"], int) and not isinstance(c["graph_calls"], bool)
+                      and c["graph_calls"] > 0, cw, '"graph_calls" is a positive integer')
+                _need(c["name"].endswith(GRAPH_SUFFIX), cw, f'a contender with "graph_calls" is named <x>{GRAPH_SUFFIX}')
     return rec
 
 
@@ -103,30 +109,38 @@ def plot_record(rec, out_dir, stem):
     written = []
     if rows and all("bytes" in r["shape"] for r in rows):
         factor = rec["config"].get("bus_factor", 1.0)
-        names = sorted({c["name"] for r in rows for c in r["contenders"]})
-        fig, (bw, lat) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for name in names:
-            pts = [(r["shape"]["bytes"], _medians(r)[name]) for r in rows if name in _medians(r)]
-            if not pts:
-                continue
-            xs = [p[0] for p in pts]
-            # A copy moves its bytes once: its bandwidth is not scaled by the bus factor.
-            f = 1.0 if name == "d2d_copy" else factor
-            bw.plot(xs, [b / t / 1e3 * f for b, t in pts], marker="o", label=name)
-            lat.plot(xs, [t for _, t in pts], marker="o", label=name)
-        for ax, ylabel in ((bw, "bus bandwidth (GB/s)"), (lat, "time (µs)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("size (bytes)")
-            ax.set_ylabel(ylabel)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-        lat.set_yscale("log")
-        fig.suptitle(title)
-        path = os.path.join(out_dir, f"{stem}-bandwidth-latency.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        dtypes = []
+        for r in rows:
+            d = r["shape"].get("dtype", rec["config"].get("dtype", ""))
+            if d not in dtypes:
+                dtypes.append(d)
+        for dtype in dtypes:
+            these = [r for r in rows if r["shape"].get("dtype", rec["config"].get("dtype", "")) == dtype]
+            names = sorted({c["name"] for r in these for c in r["contenders"]})
+            fig, (bw, lat) = plt.subplots(1, 2, figsize=(12, 4.5))
+            for name in names:
+                pts = [(r["shape"]["bytes"], _medians(r)[name]) for r in these if name in _medians(r)]
+                if not pts:
+                    continue
+                xs = [p[0] for p in pts]
+                # A copy moves its bytes once: its bandwidth is not scaled by the bus factor.
+                f = 1.0 if name == "d2d_copy" else factor
+                bw.plot(xs, [b / t / 1e3 * f for b, t in pts], marker="o", label=name)
+                lat.plot(xs, [t for _, t in pts], marker="o", label=name)
+            for ax, ylabel in ((bw, "bus bandwidth (GB/s)"), (lat, "time (µs)")):
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("size (bytes)")
+                ax.set_ylabel(ylabel)
+                ax.grid(True, which="both", alpha=0.3)
+                ax.legend(fontsize=8)
+            lat.set_yscale("log")
+            fig.suptitle(f"{title}, {dtype}" if dtype else title)
+            name = f"{stem}-{dtype}-bandwidth-latency.png" if len(dtypes) > 1 else f"{stem}-bandwidth-latency.png"
+            path = os.path.join(out_dir, name)
+            fig.tight_layout()
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
         return written
 
     labels = [_shape_label(r["shape"]) for r in rows]
@@ -136,9 +150,14 @@ def plot_record(rec, out_dir, stem):
     xs = list(range(len(rows)))
     if any("fused" in m for m in medians):
         for name in baselines:
-            # Cold-L2 baselines against the cold-L2 fused time; the cold fused time itself is
-            # not a baseline.
-            ref = "fused_cold_l2" if name.endswith("_cold_l2") else "fused"
+            # Cold-L2 baselines against the cold-L2 fused time, graph replays against the
+            # fused op's graph replays; those fused times themselves are not baselines.
+            if name.endswith("_cold_l2"):
+                ref = "fused_cold_l2"
+            elif name.endswith(GRAPH_SUFFIX):
+                ref = "fused" + GRAPH_SUFFIX
+            else:
+                ref = "fused"
             if name == ref:
                 continue
             pts = [(x, m[name] / m[ref]) for x, m in zip(xs, medians) if ref in m and name in m]

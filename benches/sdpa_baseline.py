@@ -1,54 +1,194 @@
 """Single-GPU attention baseline for `mkbench ring_attn`: torch scaled_dot_product_attention
 with the cuDNN and the FlashAttention-2 backends, forward, bf16, B=1 H=32 D=128, random
-inputs, CUDA-event medians after warm-up. TFLOP/s = 4·B·H·S²·D / t (half of it causal).
+inputs in [-1, 1). TFLOP/s = 4·B·H·S²·D / t (half of it causal).
 
     python3 benches/sdpa_baseline.py [S ...] [--causal 0,1] [--backends cudnn,flash]
-                                     [-w 3] [-n 10] [--rest-ms 0]
+                                     [-w 3] [-n 10] [--blocks 5] [--rest-ms 0] [--json PATH]
+
+The protocol is mkbench's (docs/benchmarks.md): per case, -w warm-up calls per backend,
+then --blocks blocks in which every backend, in an order rotated by one per block, makes -n
+calls, each timed by its own pair of CUDA events and synchronised once per block; the
+median with p10 / p90, and the host's time to enqueue one call. --json PATH writes the run's
+record in mkbench's schema (mkbench/1): bench "sdpa_baseline", one row per case with the
+shape keys of `mkbench ring_attn`'s one-rank rows (ranks, seq, seq_per_rank, heads, dim,
+causal) and one contender per backend (sdpa_cudnn, sdpa_flash). The tensors are torch's
+[B, H, S, D]; mkbench's kernels take [S, H, D] (config.layout says so).
 
 The H200 lowers its clocks under sustained attention (power), so a case measured after
 long ones reads slower. For a fair comparison with `mkbench ring_attn` give both the same
-case order (--causal 1,0 runs the causal cases first), warm-up and iterations, and the
+case order (--causal 1,0 runs the causal cases first), warm-up, blocks and calls, and the
 same idle time before each case (--rest-ms; mkbench takes --rest-ms and --unfused 0).
+The record-building functions need no torch (scripts/test-bench.sh checks them on a CPU).
 """
 import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
 import time
-import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-import torch.nn.functional as F
 
-ap = argparse.ArgumentParser()
-ap.add_argument("seqs", nargs="*", type=int, default=[8192, 16384, 32768])
-ap.add_argument("--causal", default="0,1", help="cases in this order, comma-separated")
-ap.add_argument("--backends", default="cudnn,flash")
-ap.add_argument("-w", dest="warmup", type=int, default=3)
-ap.add_argument("-n", dest="iters", type=int, default=10)
-ap.add_argument("--rest-ms", type=int, default=0, help="idle time before each case")
-args = ap.parse_args()
-backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 B, H, D = 1, 32, 128
-print(f"# torch {torch.__version__} SDPA forward bf16 B={B} H={H} D={D}, median of {args.iters} after {args.warmup} warm-up, rest {args.rest_ms} ms")
-print(f"# {'S':>6} {'causal':>6} | {'backend':>8} {'ms':>8} {'TF/s':>7}")
-for causal in (c == "1" for c in args.causal.split(",")):
-    for S in args.seqs:
-        q, k, v = (torch.rand(B, H, S, D, device="cuda", dtype=torch.bfloat16) * 2 - 1 for _ in range(3))
-        for name in args.backends.split(","):
-            try:
-                if args.rest_ms > 0:
-                    torch.cuda.synchronize()
-                    time.sleep(args.rest_ms / 1000)
-                with sdpa_kernel(backends[name]):
+SCHEMA = "mkbench/1"
+
+
+def stats(samples):
+    """Median, nearest-rank p10 / p90, min and count of `samples` (µs), as measure.rs."""
+    v = sorted(samples)
+    n = len(v)
+    median = v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+    def pct(q):
+        return v[min(max(math.ceil(q * n), 1), n) - 1]
+
+    return {"median_us": median, "p10_us": pct(0.10), "p90_us": pct(0.90), "min_us": v[0], "samples": n}
+
+
+def machine():
+    """The GPU as nvidia-smi reports it now (null fields where it is missing)."""
+    fields = {k: None for k in ("gpu", "driver", "sm_clock_mhz", "max_sm_clock_mhz", "mem_clock_mhz")}
+    count = 0
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem",
+             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+        lines = [line for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+    except (OSError, subprocess.SubprocessError):
+        lines = []
+    if lines:
+        count = len(lines)
+        f = [x.strip() for x in lines[0].split(",")]
+        for i, key in enumerate(fields):
+            if i < len(f) and f[i]:
+                if i < 2:
+                    fields[key] = f[i]
+                else:
+                    try:
+                        fields[key] = float(f[i])
+                    except ValueError:
+                        pass
+    try:
+        host = open("/proc/sys/kernel/hostname").read().strip()
+    except OSError:
+        host = None
+    return {**fields, "gpu_count": count, "host": host}
+
+
+def commit():
+    if os.environ.get("MK_COMMIT"):
+        return os.environ["MK_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20)
+        if out.returncode == 0:
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def row(seq, causal, results):
+    """One case: `results` maps a backend to (GPU µs samples, host µs samples), or to None
+    where the backend refused the case."""
+    contenders = []
+    for backend, r in results.items():
+        if r is None:
+            contenders.append({"name": f"sdpa_{backend}", "median_us": None})
+            continue
+        gpu, host = r
+        contenders.append({"name": f"sdpa_{backend}", **stats(gpu), "host_enqueue_us": stats(host)["median_us"]})
+    shape = {"ranks": 1, "seq": seq, "seq_per_rank": seq, "heads": H, "dim": D, "causal": int(causal)}
+    return {"shape": shape, "contenders": contenders}
+
+
+def record(ok, config, rows, torch_version=None):
+    """The whole record (docs/benchmarks.md)."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    cfg = {"batch": B, "layout": "torch SDPA [B, H, S, D]; mkbench ring_attn takes [S, H, D]", **config}
+    if torch_version:
+        cfg["torch"] = torch_version
+    return {"schema": SCHEMA, "bench": "sdpa_baseline", "ok": ok, "command": list(sys.argv), "commit": commit(),
+            "date": date, "machine": machine(), "config": cfg, "rows": rows}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("seqs", nargs="*", type=int, default=[8192, 16384, 32768])
+    ap.add_argument("--causal", default="0,1", help="cases in this order, comma-separated")
+    ap.add_argument("--backends", default="cudnn,flash")
+    ap.add_argument("-w", dest="warmup", type=int, default=3)
+    ap.add_argument("-n", dest="iters", type=int, default=10)
+    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--rest-ms", type=int, default=0, help="idle time before each case")
+    ap.add_argument("--json", help="write the run's record (mkbench/1) here")
+    args = ap.parse_args()
+    if args.iters < 1 or args.blocks < 1:
+        ap.error("need -n >= 1 and --blocks >= 1")
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    known = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    names = args.backends.split(",")
+    unknown = [b for b in names if b not in known]
+    if unknown:
+        ap.error(f"unknown backend(s) {unknown}: cudnn, flash")
+    print(f"# torch {torch.__version__} SDPA forward bf16 B={B} H={H} D={D}, warm-up {args.warmup} then "
+          f"{args.blocks} interleaved blocks of {args.iters} calls (median), rest {args.rest_ms} ms")
+    print(f"# {'S':>6} {'causal':>6} | {'backend':>8} {'ms':>8} {'TF/s':>7} {'p10 ms':>8} {'p90 ms':>8} {'host us':>8}")
+    rows = []
+    for causal in (c == "1" for c in args.causal.split(",")):
+        for S in args.seqs:
+            q, k, v = (torch.rand(B, H, S, D, device="cuda", dtype=torch.bfloat16) * 2 - 1 for _ in range(3))
+            if args.rest_ms > 0:
+                torch.cuda.synchronize()
+                time.sleep(args.rest_ms / 1000)
+
+            def call(name):
+                with sdpa_kernel(known[name]):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            results, usable = {}, []
+            for name in names:
+                try:
                     for _ in range(args.warmup):
-                        F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                    times = []
+                        call(name)
+                    torch.cuda.synchronize()
+                    usable.append(name)
+                    results[name] = ([], [])
+                except Exception as e:  # a backend that does not take this shape
+                    results[name] = None
+                    print(f"  {S:>6} {int(causal):>6} | {name:>8} unavailable: {type(e).__name__}: {e}")
+            for block in range(args.blocks):
+                for i in range(len(usable)):
+                    name = usable[(i + block) % len(usable)]
+                    pairs = []
                     for _ in range(args.iters):
                         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         a.record()
-                        F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                        t = time.perf_counter()
+                        call(name)
+                        results[name][1].append((time.perf_counter() - t) * 1e6)
                         b.record()
-                        torch.cuda.synchronize()
-                        times.append(a.elapsed_time(b))
-                ms = sorted(times)[len(times) // 2]
-                flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-                print(f"  {S:>6} {int(causal):>6} | {name:>8} {ms:>8.3f} {flops / ms / 1e9:>7.1f}")
-            except Exception as e:  # a backend that does not take this shape
-                print(f"  {S:>6} {int(causal):>6} | {name:>8} unavailable: {type(e).__name__}: {e}")
+                        pairs.append((a, b))
+                    torch.cuda.synchronize()
+                    results[name][0].extend(a.elapsed_time(b) * 1e3 for a, b in pairs)
+            flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+            for name in usable:
+                s = stats(results[name][0])
+                ms = s["median_us"] / 1e3
+                print(f"  {S:>6} {int(causal):>6} | {name:>8} {ms:>8.3f} {flops / ms / 1e9:>7.1f} "
+                      f"{s['p10_us'] / 1e3:>8.3f} {s['p90_us'] / 1e3:>8.3f} {stats(results[name][1])['median_us']:>8.1f}")
+            rows.append(row(S, causal, results))
+    if args.json:
+        config = {"warmup": args.warmup, "blocks": args.blocks, "iters": args.iters, "rest_ms": args.rest_ms,
+                  "backends": names}
+        with open(args.json, "w") as f:
+            json.dump(record(True, config, rows, torch.__version__), f)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

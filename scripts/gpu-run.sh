@@ -9,7 +9,8 @@
 # communicator), the fused ops (ag_gemm, gemm_reduce, moe, ring_attn)
 # and, with one rank, the GEMM engine — then the soak (mktest soak: every op in a random
 # order with random shapes, 4 ranks under MPS, for --soak-seconds), then the benches:
-# collectives, `mkbench gemm`, and the fused ops beside their unfused sequences; writes logs
+# collectives (float, and the reductions in every dtype), `mkbench gemm`, and the fused ops
+# beside their unfused sequences (torch SDPA's record beside ring attention's); writes logs
 # under $OUT (at most 8 files), and stops MPS.
 # Then the collectives and the dense fused ops across emulated nodes (mktest nodes: 4 ranks,
 # MK_RANKS_PER_NODE=2, MK_NET=socket; its killed-node test without MPS), logged to
@@ -278,21 +279,31 @@ if [ "$TESTS" = 1 ] && [ "$NODES" = 1 ]; then
 fi
 
 if [ "$BENCH" = 1 ]; then
+  # The collectives in float from 8 B (5 interleaved blocks of 20 calls, every output
+  # element checked), then the reductions in every dtype the library takes, to 16M.
   for n in ${BENCH_RANKS:-$RANKS}; do
     for op in all_gather reduce_scatter all_reduce; do
       lo=8; hi=$MAXSIZE
       [ "$n" -gt 1 ] && hi=256M
       late "mkbench $op -g $n" && continue
       echo "===== mkbench $op -b $lo -e $hi -f 2 -n 20 -w 5 -g $n" >> "$OUT/bench.log"
-      with_ranks "$n" timeout "$(limit 100)" "$BIN/mkbench" $op -b $lo -e $hi -f 2 -n 20 -w 5 -g "$n" --json "$JSON_DIR/$op-g$n.json" >> "$OUT/bench.log" 2>&1
+      with_ranks "$n" timeout "$(limit 150)" "$BIN/mkbench" $op -b $lo -e $hi -f 2 -n 20 -w 5 -g "$n" --json "$JSON_DIR/$op-g$n.json" >> "$OUT/bench.log" 2>&1
       rc=$?
       note "mkbench $op -g $n: $(outcome $rc)"
+      check_rc $rc
+    done
+    for op in reduce_scatter all_reduce; do
+      late "mkbench $op --dtype all -g $n" && continue
+      echo "===== mkbench $op --dtype all -b 8 -e 16M -f 8 -n 20 -w 5 -g $n" >> "$OUT/bench.log"
+      with_ranks "$n" timeout "$(limit 150)" "$BIN/mkbench" $op --dtype all -b 8 -e 16M -f 8 -n 20 -w 5 -g "$n" --json "$JSON_DIR/$op-all-dtypes-g$n.json" >> "$OUT/bench.log" 2>&1
+      rc=$?
+      note "mkbench $op --dtype all -g $n: $(outcome $rc)"
       check_rc $rc
     done
   done
   if [ "$GEMM" = 1 ] && "$BIN/mkbench" 2>&1 | grep -q "^  gemm" && ! late "mkbench gemm"; then
     echo "===== mkbench gemm" | tee -a "$OUT/gemm.log"
-    timeout "$(limit 200)" "$BIN/mkbench" gemm --json "$JSON_DIR/gemm.json" >> "$OUT/gemm.log" 2>&1; rc=$?
+    timeout "$(limit 300)" "$BIN/mkbench" gemm --json "$JSON_DIR/gemm.json" >> "$OUT/gemm.log" 2>&1; rc=$?
     tail -n 15 "$OUT/gemm.log"
     note "mkbench gemm: $(outcome $rc)"
     check_rc $rc
@@ -324,7 +335,8 @@ if [ "$BENCH" = 1 ]; then
       if [ "$op" = ring_attn ] && [ "$n" = 1 ] && python3 -c "import torch" 2>/dev/null; then
         echo "===== sdpa_baseline.py (cuDNN, same protocol)" | tee -a "$OUT/fused.log"
         timeout "$(limit 120)" python3 benches/sdpa_baseline.py 8192 16384 32768 --causal 1,0 --backends cudnn \
-          --rest-ms 1000 -w 3 -n 10 >> "$OUT/fused.log" 2>&1 || { note "sdpa_baseline.py: FAILED"; status=1; }
+          --rest-ms 1000 -w 3 -n 10 --blocks 5 --json "$JSON_DIR/sdpa_baseline.json" >> "$OUT/fused.log" 2>&1 \
+          || { note "sdpa_baseline.py: FAILED"; status=1; }
       fi
     done
   done

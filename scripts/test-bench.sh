@@ -3,7 +3,8 @@
 #  1. mkbench's unit tests (protocol statistics, interleaving, record writer, options);
 #     the record the Rust writer produces is validated by benches/plot.py --check.
 #  2. The schema check accepts the fixtures (benches/fixtures) and refuses records that
-#     break one rule each.
+#     break one rule each; benches/sdpa_baseline.py's record writer (no torch needed) makes a
+#     record the check accepts, with mkbench's statistics.
 #  3. plot.py renders the fixtures to PNGs (matplotlib in a venv under target/).
 #  4. mkbench refuses a typo before probing a GPU (exit 2) and, without a GPU, says
 #     SKIPPED with exit 77.
@@ -42,7 +43,25 @@ broken("p10-above-median", lambda r: r["rows"][0]["contenders"][0].update(p10_us
 broken("twice", lambda r: r["rows"][0]["contenders"].append(r["rows"][0]["contenders"][0]), "appears twice")
 broken("no-rows-key", lambda r: r.pop("rows"), 'missing key "rows"')
 broken("negative-time", lambda r: r["rows"][1]["contenders"][2].update(median_us=-1.0), "positive")
-print("schema: 7 broken records refused, each naming its rule")
+broken("graph-calls-zero", lambda r: r["rows"][0]["contenders"][-1].update(graph_calls=0), '"graph_calls" is a positive integer')
+broken("graph-calls-name", lambda r: r["rows"][0]["contenders"][0].update(graph_calls=10), "is named <x>_graph")
+print("schema: 9 broken records refused, each naming its rule")
+EOF
+python3 - "$WORK" <<'EOF'
+import json, subprocess, sys
+sys.path.insert(0, "benches")
+import sdpa_baseline as s
+assert s.stats([5.0, 1.0, 4.0, 2.0, 3.0]) == {"median_us": 3.0, "p10_us": 1.0, "p90_us": 5.0, "min_us": 1.0, "samples": 5}
+assert s.stats([4.0, 2.0])["median_us"] == 3.0
+rows = [s.row(8192, True, {"cudnn": ([900.0 + i for i in range(50)], [12.0] * 50), "flash": None})]
+path = f"{sys.argv[1]}/sdpa.json"
+json.dump(s.record(True, {"warmup": 3, "blocks": 5, "iters": 10}, rows), open(path, "w"))
+r = subprocess.run([sys.executable, "benches/plot.py", "--check", path], capture_output=True, text=True)
+assert r.returncode == 0, r.stderr
+rec = json.load(open(path))
+assert rec["bench"] == "sdpa_baseline" and rec["rows"][0]["shape"]["seq_per_rank"] == 8192
+assert rec["rows"][0]["contenders"][0]["host_enqueue_us"] == 12.0
+print("sdpa_baseline.py: its record passes the schema check")
 EOF
 
 echo "== plot.py renders the fixtures"
@@ -54,7 +73,8 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import matplotlib" 2>
   "$VENV/bin/pip" install -q "${links[@]}" matplotlib
 fi
 "$VENV/bin/python" benches/plot.py benches/fixtures/*.json -o "$WORK/png" > "$WORK/png.list"
-[ "$(wc -l < "$WORK/png.list")" = 2 ] || fail "expected 2 PNGs, got: $(cat "$WORK/png.list")"
+# ag_gemm's speedup plot, and all_gather's curves for each of its two dtypes.
+[ "$(wc -l < "$WORK/png.list")" = 3 ] || fail "expected 3 PNGs, got: $(cat "$WORK/png.list")"
 while read -r png; do
   [ "$(head -c 8 "$png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ] || fail "$png is not a PNG"
   [ "$(stat -c %s "$png")" -gt 10000 ] || fail "$png is suspiciously small"
@@ -68,6 +88,8 @@ for op in all_gather ag_gemm gemm_rs gemm_ar moe ring_attn gemm; do
   grep -q -- "--no-such-option" "$WORK/out" || fail "mkbench $op: the message does not name the option"
   ./target/release/mkbench "$op" --help | grep -q -- "--json" || fail "mkbench $op --help"
 done
+set +e; ./target/release/mkbench all_reduce --dtype fp8 > "$WORK/out" 2>&1; rc=$?; set -e
+[ $rc = 2 ] && grep -q -- "--dtype" "$WORK/out" || fail "mkbench all_reduce --dtype fp8 exited $rc: $(cat "$WORK/out")"
 if ./target/release/mkbench all_gather -b 8 -e 8 > "$WORK/out" 2>&1; then
   grep -q "^OK" "$WORK/out" || fail "mkbench exited 0 without saying OK"
 else

@@ -13,20 +13,22 @@
 //!   cuBLAS         cuBLASLt alone on the gathered A: the overlap ceiling
 //!   AG+ours(cap)   mkAllGather, then our GEMM capped to MK_MAX_CTAS (extra column)
 //!   ours(cap), AG, CE   the parts alone, for overlap = max(t_gemm, t_comm) / t_fused
+//!   graphs         CUDA-graph replays of GRAPH_CALLS captured calls of the fused op and of
+//!                  AG+cuBLAS (time per call, the host's launches out of the way)
 //! The fused output is checked once per shape against AG+cuBLAS (#wrong = 1 when the
-//! relative error exceeds the dtype's band). Host enqueue µs per call for the fused op and
-//! for AG+cuBLAS. TFLOP/s are per rank (2·M·N·K / t). With -g N > 1 the ranks are processes
-//! of this binary (run under MPS on one GPU).
+//! relative error exceeds the dtype's band). Every contender records the host's enqueue µs
+//! per call. TFLOP/s are per rank (2·M·N·K / t). With -g N > 1 the ranks are processes of
+//! this binary (run under MPS on one GPU).
 
-use crate::collectives::Events;
 use crate::copy_engine::PeerShards;
 use crate::fused_common::{
-    bad, common_flag, for_each_option, measure_cold_slowest, measure_slowest, parse_list, parse_pairs, print_trace,
-    run_ranks, L2Flush,
+    bad, capture_everywhere, common_flag, for_each_option, measure_cold_slowest, measure_slowest, parse_list,
+    parse_pairs, print_trace, run_ranks, L2Flush, Timed,
 };
-use crate::measure::{host_enqueue_us, Protocol};
+use crate::measure::{Progress, Protocol, GRAPH_CALLS};
 use crate::ranks;
 use crate::record::{self, Json};
+use crate::timing::Events;
 use cudarc::driver::result as cu;
 use mkernel::comm::CommConfig;
 use mkernel::cublaslt::CublasLt;
@@ -156,8 +158,12 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         );
     }
     let mut all_ok = true;
+    let mut progress = (rank == 0).then(|| Progress::new(o.nk.len() * o.rows.len()));
     for &(nn, kk) in &o.nk {
         for &rows in &o.rows {
+            if let Some(p) = progress.as_mut() {
+                p.step(&format!("rows/rank {rows} N {nn} K {kk}"));
+            }
             let m = rows * n;
             let args = validate_args(a_local.ptr(), b.ptr(), c.ptr(), 0, m, nn, kk, dtype as i32, n, rank)?;
             let gemm_args = engine::validate(a_gathered.ptr(), b.ptr(), c.ptr(), m, nn, kk, dtype as i32)?;
@@ -236,35 +242,32 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             };
             let ag_blas = || ag().and_then(|_| cublas());
             let ag_ours = || ag().and_then(|_| ours());
-            let mut contenders: Vec<(&str, &dyn Fn() -> Result<()>)> = vec![
-                ("fused", &fused),
-                ("ag_mk+cublaslt", &ag_blas),
-                ("cublaslt", &cublas),
-                ("ag_mk+ours_capped", &ag_ours),
-                ("ours_capped", &ours),
-                ("ag_mk", &ag),
+            let mut contenders: Vec<(&str, Timed)> = vec![
+                ("fused", Timed::Calls(&fused)),
+                ("ag_mk+cublaslt", Timed::Calls(&ag_blas)),
+                ("cublaslt", Timed::Calls(&cublas)),
+                ("ag_mk+ours_capped", Timed::Calls(&ag_ours)),
+                ("ours_capped", Timed::Calls(&ours)),
+                ("ag_mk", Timed::Calls(&ag)),
             ];
             let ce_blas = || ce().and_then(|_| cublas());
             if shards.is_ok() {
-                contenders.push(("ag_copy_engine+cublaslt", &ce_blas));
-                contenders.push(("ag_copy_engine", &ce));
+                contenders.push(("ag_copy_engine+cublaslt", Timed::Calls(&ce_blas)));
+                contenders.push(("ag_copy_engine", Timed::Calls(&ce)));
             }
-            let fns: Vec<&dyn Fn() -> Result<()>> = contenders.iter().map(|c| c.1).collect();
-            let stats = measure_slowest(&comm, &events, stream, protocol, &fns)
+            let graphs = capture_everywhere(&comm, stream, GRAPH_CALLS, &[&fused, &ag_blas])?;
+            if let Ok(g) = &graphs {
+                contenders.push(("fused_graph", Timed::Graph(&g[0])));
+                contenders.push(("ag_mk+cublaslt_graph", Timed::Graph(&g[1])));
+            }
+            let (names, timed): (Vec<&str>, Vec<Timed>) = contenders.into_iter().unzip();
+            let meas = measure_slowest(&comm, &events, stream, protocol, &timed)
                 .and_then(|s| phase("timed blocks", 0.0).map(|_| s))?;
+            let stats = &meas.stats;
             let cold_fused = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &fused)?;
             let cold_base = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &ag_blas)?;
-            let host = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
-                let us = host_enqueue_us(o.iters, f)?;
-                // SAFETY: live stream.
-                unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
-                comm.bootstrap.barrier()?;
-                Ok(us)
-            };
-            let host_fused = host(&fused).and_then(|t| phase("fused, enqueued back to back", t))?;
-            let host_unfused =
-                host(contenders[1].1).and_then(|t| phase("AllGather + cuBLAS, enqueued back to back", t))?;
-            let med = |name: &str| contenders.iter().position(|c| c.0 == name).map(|i| stats[i].median);
+            let (host_fused, host_unfused) = (meas.host_us[0], meas.host_us[1]);
+            let med = |name: &str| names.iter().position(|n| *n == name).map(|i| meas.median(i));
             if o.trace {
                 print_trace(&comm, stream, &format!("ag_gemm rows/rank {rows} N {nn} K {kk}"), &|buf| {
                     all_gather_gemm(&comm, &AgGemmArgs { trace: buf, ..args }, stream)
@@ -290,17 +293,14 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                     if err == mkernel::error::mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
                 );
                 println!(
-                    "  {:>22} fused p10/p90 {:.1}/{:.1} µs, cold L2 {:.1} (baseline {:.1}) µs; host enqueue µs/call: fused {host_fused:.1}, AG+cuBLAS {host_unfused:.1}; rel err {rel_err:.1e}",
-                    "", stats[0].p10, stats[0].p90, cold_fused.median, cold_base.median
+                    "  {:>22} fused p10/p90 {:.1}/{:.1} µs, cold L2 {:.1} (baseline {:.1}) µs, graph {} (baseline {}) µs/call; host enqueue µs/call: fused {host_fused:.1}, AG+cuBLAS {host_unfused:.1}; rel err {rel_err:.1e}",
+                    "", stats[0].p10, stats[0].p90, cold_fused.median, cold_base.median,
+                    opt(med("fused_graph")), opt(med("ag_mk+cublaslt_graph"))
                 );
-                let names: Vec<&str> = contenders.iter().map(|c| c.0).collect();
-                let recorded = record::fused_contenders(
-                    &names,
-                    &stats,
-                    "ag_mk+cublaslt",
-                    (host_fused, host_unfused),
-                    (cold_fused, cold_base),
-                );
+                if let Err(why) = &graphs {
+                    println!("  {:>22} no graph replay: {why}", "");
+                }
+                let recorded = record::fused_contenders(&names, &meas, "ag_mk+cublaslt", (cold_fused, cold_base));
                 record::row(
                     record::shape(
                         &[("ranks", n), ("rows", rows), ("m", m), ("n", nn), ("k", kk)],

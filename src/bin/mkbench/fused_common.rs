@@ -1,8 +1,8 @@
 //! What the fused-op benches share: option parsing, the communicator's start (timed), and
 //! the measurement protocol (measure.rs) run across ranks.
 
-use crate::collectives::Events;
-use crate::measure::{measure_interleaved, slowest_per_call, Protocol, Stats};
+use crate::measure::{measure_interleaved, slowest_per_call, Measured, Protocol, Stats};
+use crate::timing::{CapturedGraph, Events};
 use mkernel::comm::Comm;
 use mkernel::cuda::sys;
 use mkernel::error::{MkError, Result};
@@ -103,16 +103,30 @@ pub fn parse_pairs(v: &str, what: &str) -> Result<Vec<(usize, usize)>> {
         .collect()
 }
 
+/// How one contender of the shared protocol is timed.
+#[derive(Clone, Copy)]
+pub enum Timed<'a> {
+    /// Direct calls, each timed by its own pair of events.
+    Calls(&'a dyn Fn() -> Result<()>),
+    /// Direct calls, with the second function enqueued ahead of each outside its timing
+    /// (restoring an in-place call's input).
+    CallsAfter(&'a dyn Fn() -> Result<()>, &'a dyn Fn() -> Result<()>),
+    /// Replays of a captured graph; a sample is one replay's time divided by its calls.
+    Graph(&'a CapturedGraph),
+}
+
 /// The shared protocol (measure.rs) across ranks: every rank runs the same contenders in
 /// the same interleaved blocks, a barrier before each block; `events` must hold at least
-/// `p.iters` pairs. Per contender, the statistics of the slowest rank's time call by call.
+/// `p.iters` pairs. Per contender, the statistics of the slowest rank's time call by call,
+/// and the slowest rank's median host time to enqueue one call. A graph of G calls gets
+/// max(1, p.iters / G) replays per block and warm-up replays covering `p.warmup` calls.
 pub fn measure_slowest(
     comm: &Comm,
     events: &Events,
     stream: sys::CUstream,
     p: Protocol,
-    contenders: &[&dyn Fn() -> Result<()>],
-) -> Result<Vec<Stats>> {
+    contenders: &[Timed],
+) -> Result<Measured> {
     let sync = || {
         // SAFETY: live stream.
         unsafe { cudarc::driver::result::stream::synchronize(stream) }
@@ -123,27 +137,73 @@ pub fn measure_slowest(
         p,
         |c| {
             comm.bootstrap.barrier()?;
-            for _ in 0..p.warmup {
-                contenders[c]()?;
+            match contenders[c] {
+                Timed::Calls(f) => (0..p.warmup).try_for_each(|_| f())?,
+                Timed::CallsAfter(f, before) => (0..p.warmup).try_for_each(|_| before().and_then(|_| f()))?,
+                Timed::Graph(g) => (0..p.warmup.div_ceil(g.calls).max(1)).try_for_each(|_| g.launch(stream))?,
             }
             sync()
         },
         |c, iters| {
             comm.bootstrap.barrier()?;
-            events.times_us(stream, iters, contenders[c])
+            match contenders[c] {
+                Timed::Calls(f) => events.timed_calls(stream, iters, || Ok(()), f),
+                Timed::CallsAfter(f, before) => events.timed_calls(stream, iters, before, f),
+                Timed::Graph(g) => {
+                    let per_call = |(gpu, host): (f64, f64)| (gpu / g.calls as f64, host / g.calls as f64);
+                    let replays = (iters / g.calls).max(1);
+                    Ok(events
+                        .timed_calls(stream, replays, || Ok(()), || g.launch(stream))?
+                        .into_iter()
+                        .map(per_call)
+                        .collect())
+                }
+            }
         },
     )?;
-    mine.iter()
-        .map(|samples| {
-            let bytes: Vec<u8> = samples.iter().flat_map(|t| t.to_le_bytes()).collect();
-            let all = comm.bootstrap.allgather(&bytes)?;
-            let per_rank: Vec<Vec<f64>> = all
-                .iter()
-                .map(|b| b.chunks_exact(8).map(|w| f64::from_le_bytes(w.try_into().expect("8 bytes"))).collect())
-                .collect();
-            Stats::of(&slowest_per_call(&per_rank)).ok_or_else(|| bad("timing (no samples)"))
-        })
-        .collect()
+    let mut measured = Measured { stats: Vec::with_capacity(mine.len()), host_us: Vec::with_capacity(mine.len()) };
+    for samples in &mine {
+        let gpu: Vec<f64> = samples.iter().map(|s| s.0).collect();
+        let host: Vec<f64> = samples.iter().map(|s| s.1).collect();
+        let host_median = Stats::of(&host).ok_or_else(|| bad("host timing (no samples)"))?.median;
+        let (stats, host_slowest) = slowest_across_ranks(comm, &gpu, host_median)?;
+        measured.stats.push(stats);
+        measured.host_us.push(host_slowest);
+    }
+    Ok(measured)
+}
+
+/// Across ranks: the statistics of the slowest rank's time call by call (`samples` are
+/// this rank's, every rank's in the same call order), and the largest of the ranks' `value`s.
+pub fn slowest_across_ranks(comm: &Comm, samples: &[f64], value: f64) -> Result<(Stats, f64)> {
+    let bytes: Vec<u8> = samples.iter().chain([&value]).flat_map(|t| t.to_le_bytes()).collect();
+    let all = comm.bootstrap.allgather(&bytes)?;
+    let mut per_rank: Vec<Vec<f64>> = all
+        .iter()
+        .map(|b| b.chunks_exact(8).map(|w| f64::from_le_bytes(w.try_into().expect("8 bytes"))).collect())
+        .collect();
+    let largest = per_rank.iter_mut().filter_map(|r| r.pop()).fold(f64::NEG_INFINITY, f64::max);
+    let stats = Stats::of(&slowest_per_call(&per_rank)).ok_or_else(|| bad("timing (no samples)"))?;
+    Ok((stats, largest))
+}
+
+/// `calls` calls of each of `fs` captured into one graph each, on every rank: the graphs
+/// where every rank captured every one, else why not (this rank's error, or which rank
+/// failed), so that all ranks replay the same graphs or none.
+pub fn capture_everywhere(
+    comm: &Comm,
+    stream: sys::CUstream,
+    calls: usize,
+    fs: &[&dyn Fn() -> Result<()>],
+) -> Result<std::result::Result<Vec<CapturedGraph>, String>> {
+    let mine: std::result::Result<Vec<CapturedGraph>, String> =
+        fs.iter().map(|f| CapturedGraph::capture(stream, calls, *f).map_err(|e| e.message)).collect();
+    let verdicts = comm.bootstrap.allgather(&[u8::from(mine.is_ok())])?;
+    Ok(match (mine, verdicts.iter().position(|v| v.first() != Some(&1))) {
+        (Err(why), _) => Err(format!("rank {}: {why}", comm.rank)),
+        (Ok(_), Some(r)) => Err(format!("rank {r} could not capture")),
+        (Ok(graphs), None) => Ok(graphs),
+    })
 }
 
 /// A device buffer larger than any L2 (256 MiB; the H200's L2 is 50 MB): writing it before
@@ -179,13 +239,7 @@ pub fn measure_cold_slowest(
         comm.bootstrap.barrier()?;
         mine.extend(events.times_us_after(stream, p.iters, || flush.enqueue(stream), f)?);
     }
-    let bytes: Vec<u8> = mine.iter().flat_map(|t| t.to_le_bytes()).collect();
-    let all = comm.bootstrap.allgather(&bytes)?;
-    let per_rank: Vec<Vec<f64>> = all
-        .iter()
-        .map(|b| b.chunks_exact(8).map(|w| f64::from_le_bytes(w.try_into().expect("8 bytes"))).collect())
-        .collect();
-    Stats::of(&slowest_per_call(&per_rank)).ok_or_else(|| bad("cold-L2 timing (no samples)"))
+    Ok(slowest_across_ranks(comm, &mine, 0.0)?.0)
 }
 
 /// One call of a fused op with a zeroed per-CTA timing buffer (room for 1024 CTAs of

@@ -5,12 +5,14 @@
 //! the same clocks and temperature; each block is CUDA-event timed over several launches,
 //! and the median block is reported. Our result is checked against cuBLAS's (#wrong).
 //!
-//! Options: --dtype bf16|fp16|both (both) · --shape MxNxK (repeatable; default: the
-//! issue's 5 large + 3 skinny shapes) · --sweep (also time every tile width) ·
+//! Options: --dtype bf16|fp16|both (both) · --shape MxNxK (repeatable; default: 5 large
+//! and 3 skinny shapes, then the decode-sized table M ∈ {1, 16, 64, 128, 256} × (N, K) ∈
+//! {(8192, 8192), (28672, 8192), (8192, 28672)}) · --sweep (also time every tile width) ·
 //! --json PATH (the run's record, docs/benchmarks.md: per shape both contenders' block
-//! times as median / p10 / p90, the plan, the relative error).
+//! times as median / p10 / p90, the host's enqueue µs per launch, the plan, the relative
+//! error).
 
-use crate::measure::Stats;
+use crate::measure::{host_enqueue_us, Progress, Stats};
 use crate::record;
 use cudarc::driver::result as cu;
 use mkernel::cublaslt::CublasLt;
@@ -23,6 +25,22 @@ use mkernel::types::mkDataType_t;
 const LARGE: [(usize, usize, usize); 5] =
     [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 28672, 8192), (16384, 8192, 8192), (8192, 8192, 28672)];
 const SKINNY: [(usize, usize, usize); 3] = [(128, 8192, 8192), (512, 8192, 8192), (2048, 8192, 8192)];
+/// Decode-sized rows (M) against the (N, K) of a large model's projections.
+const SMALL_M: [usize; 5] = [1, 16, 64, 128, 256];
+const SMALL_M_NK: [(usize, usize); 3] = [(8192, 8192), (28672, 8192), (8192, 28672)];
+
+/// The shapes run without --shape: LARGE, SKINNY, then SMALL_M × SMALL_M_NK, each once.
+fn default_shape_list() -> Vec<(usize, usize, usize)> {
+    let mut shapes: Vec<(usize, usize, usize)> = LARGE.into_iter().chain(SKINNY).collect();
+    for (n, k) in SMALL_M_NK {
+        for m in SMALL_M {
+            if !shapes.contains(&(m, n, k)) {
+                shapes.push((m, n, k));
+            }
+        }
+    }
+    shapes
+}
 
 struct Row {
     dtype: mkDataType_t,
@@ -129,8 +147,7 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
     let Options { dtypes, mut shapes, sweep } = parse(args)?;
     let default_shapes = shapes.is_empty();
     if default_shapes {
-        shapes.extend(LARGE);
-        shapes.extend(SKINNY);
+        shapes = default_shape_list();
     }
 
     let ctx = PrimaryContext::retain(0)?;
@@ -141,17 +158,30 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
     let lt = CublasLt::new()?;
     let timer = Timer::new()?;
     let mut rows = Vec::new();
+    let mut progress = Progress::new(dtypes.len() * shapes.len());
 
     println!(
         "# mkbench gemm: C[M,N] = A[M,K]·B[N,K]ᵀ, row-major, fp32 accumulate; {sms} SMs; times are medians of 9 blocks"
     );
     println!(
-        "# {:>5} {:>6} {:>6} {:>6}  {:>10} {:>9}  {:>10} {:>9}  {:>6}  {:>8} {:>6}  plan",
-        "dtype", "M", "N", "K", "mk(us)", "TFLOP/s", "cublas(us)", "TFLOP/s", "ratio", "rel_err", "#wrong"
+        "# {:>5} {:>6} {:>6} {:>6}  {:>10} {:>9}  {:>10} {:>9}  {:>6}  {:>8} {:>6}  {:>11}  plan",
+        "dtype",
+        "M",
+        "N",
+        "K",
+        "mk(us)",
+        "TFLOP/s",
+        "cublas(us)",
+        "TFLOP/s",
+        "ratio",
+        "rel_err",
+        "#wrong",
+        "host mk/cuB"
     );
     for &dtype in &dtypes {
         for &shape in &shapes {
             let (m, n, k) = shape;
+            progress.step(&format!("{} M {m} N {n} K {k}", dtype.name()));
             let set_bytes = (m * k + n * k) * dtype.size();
             let sets = 2usize.max((200usize << 20).div_ceil(set_bytes));
             let mut inputs = Vec::with_capacity(sets);
@@ -233,6 +263,16 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
             }
             let cublas_us = median(times[0].clone());
             let ours_us = median(times[1].clone());
+            // Host µs to enqueue one launch, back to back (the GPU catches up after).
+            let sync = || {
+                // SAFETY: stream is live.
+                unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))
+            };
+            let host_mk = host_enqueue_us(inner, || gemm::launch(&args_for(0), &default_plan, stream))?;
+            sync()?;
+            let host_cublas =
+                host_enqueue_us(inner, || cublas.run(&lt, inputs[0].0.ptr(), inputs[0].1.ptr(), c_ref.ptr(), stream))?;
+            sync()?;
             let variants: Vec<(String, f64)> = contenders
                 .iter()
                 .zip(&times[1..])
@@ -251,7 +291,7 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
                 }
             );
             println!(
-                "  {:>5} {:>6} {:>6} {:>6}  {:>10.1} {:>9.1}  {:>10.1} {:>9.1}  {:>6.3}  {:>8.1e} {:>6}  {plan}{}",
+                "  {:>5} {:>6} {:>6} {:>6}  {:>10.1} {:>9.1}  {:>10.1} {:>9.1}  {:>6.3}  {:>8.1e} {:>6}  {:>11}  {plan}{}",
                 if dtype == mkDataType_t::mkBfloat16 { "bf16" } else { "fp16" },
                 m,
                 n,
@@ -263,6 +303,7 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
                 cublas_us / ours_us,
                 rel_err,
                 u8::from(wrong),
+                format!("{host_mk:.1}/{host_cublas:.1}"),
                 if sweep {
                     variants.iter().map(|(n, t)| format!(" {n}={t:.0}")).collect::<String>()
                 } else {
@@ -270,8 +311,8 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
                 }
             );
             let mut recorded = vec![
-                record::contender("mk", Stats::of(&times[1]), None),
-                record::contender("cublaslt", Stats::of(&times[0]), None),
+                record::contender("mk", Stats::of(&times[1]), Some(host_mk)),
+                record::contender("cublaslt", Stats::of(&times[0]), Some(host_cublas)),
             ];
             recorded.extend(
                 contenders
@@ -281,7 +322,24 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
                     .map(|((name, _), t)| record::contender(name, Stats::of(t), None)),
             );
             record::row(
-                record::shape(&[("m", m), ("n", n), ("k", k)], &[("dtype", dtype.name())]),
+                record::shape(
+                    &[("m", m), ("n", n), ("k", k)],
+                    &[
+                        ("dtype", dtype.name()),
+                        (
+                            "set",
+                            if LARGE.contains(&shape) {
+                                "large"
+                            } else if SKINNY.contains(&shape) {
+                                "skinny"
+                            } else if SMALL_M.contains(&m) && SMALL_M_NK.contains(&(n, k)) {
+                                "small_m"
+                            } else {
+                                "given"
+                            },
+                        ),
+                    ],
+                ),
                 recorded,
                 &[
                     ("plan", record::Json::str(plan)),
@@ -325,4 +383,22 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
     // SAFETY: created above, no work pending after the last synchronize.
     let _ = unsafe { cu::stream::destroy(stream) };
     Ok(wrong == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_shapes_start_from_one_row_and_never_repeat() {
+        let shapes = default_shape_list();
+        for (n, k) in SMALL_M_NK {
+            for m in SMALL_M {
+                assert_eq!(shapes.iter().filter(|&&s| s == (m, n, k)).count(), 1, "M {m} N {n} K {k}");
+            }
+        }
+        assert!(shapes.contains(&(1, 8192, 28672)));
+        assert_eq!(shapes.len(), LARGE.len() + SKINNY.len() + SMALL_M.len() * SMALL_M_NK.len() - 1);
+        assert!(parse(&["--shape".into(), "1x8192x8192".into()]).is_ok());
+    }
 }

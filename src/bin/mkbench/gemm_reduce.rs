@@ -9,19 +9,20 @@
 //! cuBLASLt on all the SMs then mkReduceScatter / mkAllReduce (the fair baseline);
 //! cuBLASLt alone (the overlap ceiling); our GEMM capped to MK_MAX_CTAS then the collective
 //! (an extra column); our GEMM and the collective alone (overlap efficiency
-//! max(t_gemm, t_comm) / t_fused). The fused output is checked once per shape against
-//! cuBLASLt + collective. Host enqueue µs per call for the fused op and the baseline.
-//! TFLOP/s per rank = 2·M·N·K / t. bf16. The copy-engine collective is not offered here:
-//! a reduction needs SMs to add.
+//! max(t_gemm, t_comm) / t_fused); CUDA-graph replays of GRAPH_CALLS captured calls of the
+//! fused op and of the baseline (time per call, the host's launches out of the way). The
+//! fused output is checked once per shape against cuBLASLt + collective. Every contender
+//! records the host's enqueue µs per call. TFLOP/s per rank = 2·M·N·K / t. bf16. The
+//! copy-engine collective is not offered here: a reduction needs SMs to add.
 
-use crate::collectives::Events;
 use crate::fused_common::{
-    bad, common_flag, for_each_option, measure_cold_slowest, measure_slowest, parse_list, parse_pairs, print_trace,
-    run_ranks, L2Flush,
+    bad, capture_everywhere, common_flag, for_each_option, measure_cold_slowest, measure_slowest, parse_list,
+    parse_pairs, print_trace, run_ranks, L2Flush, Timed,
 };
-use crate::measure::{host_enqueue_us, Protocol};
+use crate::measure::{Progress, Protocol, GRAPH_CALLS};
 use crate::ranks;
 use crate::record::{self, Json};
+use crate::timing::Events;
 use cudarc::driver::result as cu;
 use mkernel::comm::CommConfig;
 use mkernel::cublaslt::CublasLt;
@@ -152,8 +153,12 @@ fn rank_main(
         );
     }
     let mut all_ok = true;
+    let mut progress = (rank == 0).then(|| Progress::new(o.nk.len() * o.ms.len()));
     for &(nn, kk) in &o.nk {
         for &m0 in &o.ms {
+            if let Some(p) = progress.as_mut() {
+                p.step(&format!("M {m0} N {nn} K {kk}"));
+            }
             let m = if reduction == Reduction::Scatter { m0.next_multiple_of(n) } else { m0 };
             let args = validate(reduction, a.ptr(), b.ptr(), out.ptr(), m, nn, kk, dtype as i32, n)?;
             let gemm_args = engine::validate(a.ptr(), b.ptr(), partial.ptr(), m, nn, kk, dtype as i32)?;
@@ -208,29 +213,28 @@ fn rank_main(
             all_ok &= !wrong;
             let ours_coll = || ours().and_then(|_| coll());
             let blas_coll = || cublas().and_then(|_| coll());
-            let contenders: [(&str, &dyn Fn() -> Result<()>); 6] = [
-                ("fused", &fused),
-                ("cublaslt+mk_collective", &blas_coll),
-                ("cublaslt", &cublas),
-                ("ours_capped+mk_collective", &ours_coll),
-                ("ours_capped", &ours),
-                ("mk_collective", &coll),
+            let mut contenders: Vec<(&str, Timed)> = vec![
+                ("fused", Timed::Calls(&fused)),
+                ("cublaslt+mk_collective", Timed::Calls(&blas_coll)),
+                ("cublaslt", Timed::Calls(&cublas)),
+                ("ours_capped+mk_collective", Timed::Calls(&ours_coll)),
+                ("ours_capped", Timed::Calls(&ours)),
+                ("mk_collective", Timed::Calls(&coll)),
             ];
-            let fns: Vec<&dyn Fn() -> Result<()>> = contenders.iter().map(|c| c.1).collect();
-            let stats = measure_slowest(&comm, &events, stream, protocol, &fns)?;
+            let graphs = capture_everywhere(&comm, stream, GRAPH_CALLS, &[&fused, &blas_coll])?;
+            if let Ok(g) = &graphs {
+                contenders.push(("fused_graph", Timed::Graph(&g[0])));
+                contenders.push(("cublaslt+mk_collective_graph", Timed::Graph(&g[1])));
+            }
+            let (names, timed): (Vec<&str>, Vec<Timed>) = contenders.into_iter().unzip();
+            let meas = measure_slowest(&comm, &events, stream, protocol, &timed)?;
+            let stats = &meas.stats;
             let cold_fused = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &fused)?;
             let cold_base = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &blas_coll)?;
-            let host = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
-                let us = host_enqueue_us(o.iters, f)?;
-                // SAFETY: live stream.
-                unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
-                comm.bootstrap.barrier()?;
-                Ok(us)
-            };
-            let host_fused = host(&fused)?;
-            let host_unfused = host(&blas_coll)?;
+            let med = |name: &str| names.iter().position(|n| *n == name).map(|i| meas.median(i));
             let [t_fused, t_blas_coll, t_blas, t_ours_coll, t_ours, t_coll] =
-                [0, 1, 2, 3, 4, 5].map(|i| stats[i].median);
+                [0, 1, 2, 3, 4, 5].map(|i| meas.median(i));
+            let (host_fused, host_unfused) = (meas.host_us[0], meas.host_us[1]);
             if o.trace {
                 print_trace(&comm, stream, &format!("{label} M {m} N {nn} K {kk}"), &|buf| {
                     gemm_reduce(&comm, &GemmReduceArgs { trace: buf, ..args }, stream)
@@ -246,18 +250,17 @@ fn rank_main(
                     t_fused / t_ours_coll, t_fused / t_blas_coll, t_ours.max(t_coll) / t_fused,
                     if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
                 );
+                let graph = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.1}"));
                 println!(
-                    "  {:>22} fused p10/p90 {:.1}/{:.1} µs, cold L2 {:.1} (baseline {:.1}) µs; host enqueue µs/call: fused {host_fused:.1}, cuBLAS+coll {host_unfused:.1}; rel err {rel_err:.1e}{}",
-                    "", stats[0].p10, stats[0].p90, cold_fused.median, cold_base.median, if wrong { "  WRONG" } else { "" }
+                    "  {:>22} fused p10/p90 {:.1}/{:.1} µs, cold L2 {:.1} (baseline {:.1}) µs, graph {} (baseline {}) µs/call; host enqueue µs/call: fused {host_fused:.1}, cuBLAS+coll {host_unfused:.1}; rel err {rel_err:.1e}{}",
+                    "", stats[0].p10, stats[0].p90, cold_fused.median, cold_base.median,
+                    graph(med("fused_graph")), graph(med("cublaslt+mk_collective_graph")), if wrong { "  WRONG" } else { "" }
                 );
-                let names: Vec<&str> = contenders.iter().map(|c| c.0).collect();
-                let recorded = record::fused_contenders(
-                    &names,
-                    &stats,
-                    "cublaslt+mk_collective",
-                    (host_fused, host_unfused),
-                    (cold_fused, cold_base),
-                );
+                if let Err(why) = &graphs {
+                    println!("  {:>22} no graph replay: {why}", "");
+                }
+                let recorded =
+                    record::fused_contenders(&names, &meas, "cublaslt+mk_collective", (cold_fused, cold_base));
                 record::row(
                     record::shape(
                         &[("ranks", n), ("m", m), ("n", nn), ("k", kk)],

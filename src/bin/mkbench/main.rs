@@ -5,8 +5,10 @@
 //! is touched, so a typo fails the same way on a machine without one.
 
 mod ag_gemm;
+mod collective_check;
 mod collectives;
 mod copy_engine;
+mod cublas_grouped;
 mod fused_common;
 mod gemm;
 mod gemm_reduce;
@@ -18,6 +20,7 @@ mod nccl;
 mod ranks;
 mod record;
 mod ring_attn;
+mod timing;
 
 use mkernel::testing::gpu_unavailable_reason;
 
@@ -28,15 +31,15 @@ type Check = fn(&str, &[String]) -> mkernel::Result<()>;
 
 /// Every benchmark, by name. Add a module and one line here.
 const BENCHES: &[(&str, Bench, &str)] = &[
-    ("all_gather", collectives::all_gather, "mkAllGather vs D2D copy, nccl-tests style (-b -e -f -n -w -g, --op, --json PATH)"),
+    ("all_gather", collectives::all_gather, "mkAllGather vs D2D copy and NCCL, nccl-tests style, every element checked (-b -e -f -n -w --blocks -g, --op sum|prod|max|min|avg, --dtype T,...|all)"),
     ("reduce_scatter", collectives::reduce_scatter, "mkReduceScatter, same options"),
     ("all_reduce", collectives::all_reduce, "mkAllReduce, same options"),
     ("ag_gemm", ag_gemm::run, "mkAllGatherGemm vs mkAllGather+cuBLASLt, copy-engine AllGather+cuBLASLt, cuBLASLt alone, capped GEMM (-g, --rows, --nk NxK,..., --dtype bf16|fp16, -n, -w, --blocks)"),
     ("gemm_rs", gemm_reduce::gemm_rs, "mkGemmReduceScatter vs cuBLASLt+mkReduceScatter, cuBLASLt alone, capped GEMM+mkReduceScatter (-g, --m, --nk NxK,..., -n, -w, --blocks)"),
     ("gemm_ar", gemm_reduce::gemm_ar, "mkGemmAllReduce vs cuBLASLt+mkAllReduce, cuBLASLt alone, capped GEMM+mkAllReduce (-g, --m, --nk NxK,..., -n, -w, --blocks)"),
-    ("moe", moe::run, "mkMoeDispatchGemm / mkMoeGemmCombine vs exchange + per-expert GEMMs (-g, --tokens, --hidden, --ffn, --experts, --topk, -n, -w)"),
+    ("moe", moe::run, "mkMoeDispatchGemm / mkMoeGemmCombine vs exchange + cuBLAS grouped GEMM (-g, --tokens, --hidden, --ffn, --experts, --topk, -n, -w, --blocks)"),
     ("ring_attn", ring_attn::run, "mkRingAttention vs mkAllGather(K,V)+attention, the attention alone (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, -n, -w)"),
-    ("gemm", gemm::run, "GEMM engine vs cuBLASLt (--dtype, --shape MxNxK, --sweep, --json PATH)"),
+    ("gemm", gemm::run, "GEMM engine vs cuBLASLt, from M = 1 (--dtype, --shape MxNxK, --sweep, --json PATH)"),
 ];
 
 /// The option checks, by bench name (every bench's parser).

@@ -1,8 +1,9 @@
 //! The measurement protocol every bench shares, as plain functions testable without a GPU:
 //! contenders timed in interleaved blocks (A B C, B C A, C A B, ...) so each sees the same
 //! clocks, temperature and neighbours; summaries as median with p10 / p90; the host's
-//! enqueue time per call. The GPU timing itself (CUDA events) is `timer` in
-//! `measure_interleaved`, so the protocol is the same whatever does the timing.
+//! enqueue time per call; the progress line of a long bench. The GPU timing itself (CUDA
+//! events) is `timer` in `measure_interleaved`, so the protocol is the same whatever does
+//! the timing.
 
 use mkernel::error::{MkError, Result};
 use std::time::Instant;
@@ -69,19 +70,20 @@ pub fn block_order(contenders: usize, block: usize) -> Vec<usize> {
 }
 
 /// Runs the protocol: `warmup(c)` once per contender, then `p.blocks` rounds in which every
-/// contender, in `block_order`, is timed by `timer(c, p.iters)` (the per-call times, µs, of
-/// `p.iters` calls); returns each contender's samples, in contender order.
-pub fn measure_interleaved(
+/// contender, in `block_order`, is timed by `timer(c, p.iters)` (one sample per timed call,
+/// e.g. its µs, or its GPU and host µs); returns each contender's samples, in contender
+/// order.
+pub fn measure_interleaved<S>(
     contenders: usize,
     p: Protocol,
     mut warmup: impl FnMut(usize) -> Result<()>,
-    mut timer: impl FnMut(usize, usize) -> Result<Vec<f64>>,
-) -> Result<Vec<Vec<f64>>> {
+    mut timer: impl FnMut(usize, usize) -> Result<Vec<S>>,
+) -> Result<Vec<Vec<S>>> {
     p.validate()?;
     for c in 0..contenders {
         warmup(c)?;
     }
-    let mut samples = vec![Vec::with_capacity(p.blocks * p.iters); contenders];
+    let mut samples: Vec<Vec<S>> = (0..contenders).map(|_| Vec::with_capacity(p.blocks * p.iters)).collect();
     for block in 0..p.blocks {
         for c in block_order(contenders, block) {
             samples[c].extend(timer(c, p.iters)?);
@@ -95,6 +97,59 @@ pub fn measure_interleaved(
 pub fn slowest_per_call(ranks: &[Vec<f64>]) -> Vec<f64> {
     let n = ranks.iter().map(Vec::len).min().unwrap_or(0);
     (0..n).map(|i| ranks.iter().map(|r| r[i]).fold(f64::NEG_INFINITY, f64::max)).collect()
+}
+
+/// Calls captured into each CUDA graph whose replays are timed: enough that a replay's
+/// launch is a small share of its time, few enough that a replay of the largest cases stays
+/// within a block.
+pub const GRAPH_CALLS: usize = 10;
+
+/// The suffix of a contender timed by graph replays (`fused_graph`, `out_of_place_graph`).
+pub const GRAPH_SUFFIX: &str = "_graph";
+
+/// What the shared protocol gives per contender, in contender order: the statistics of its
+/// per-call GPU times (the slowest rank's, call by call) and the host's time to enqueue one
+/// call (µs; the median over this rank's calls, the slowest rank's median).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Measured {
+    pub stats: Vec<Stats>,
+    pub host_us: Vec<f64>,
+}
+
+impl Measured {
+    pub fn median(&self, c: usize) -> f64 {
+        self.stats[c].median
+    }
+}
+
+/// The progress line of a long bench at the start of step `k` of `n` (1-based), after
+/// `elapsed_s` seconds: the time left is estimated from the mean of the steps done.
+pub fn progress_line(k: usize, n: usize, elapsed_s: f64, what: &str) -> String {
+    let left = if k > 1 {
+        format!(", about {:.0} s left", elapsed_s / (k - 1) as f64 * (n + 1 - k) as f64)
+    } else {
+        String::new()
+    };
+    format!("# step {k} of {n} ({elapsed_s:.0} s elapsed{left}): {what}")
+}
+
+/// Prints `progress_line` to stderr for each step of a long bench (the tables stay on
+/// stdout). Only the process that reports (rank 0) should make one.
+pub struct Progress {
+    total: usize,
+    done: usize,
+    start: Instant,
+}
+
+impl Progress {
+    pub fn new(total: usize) -> Progress {
+        Progress { total, done: 0, start: Instant::now() }
+    }
+
+    pub fn step(&mut self, what: &str) {
+        self.done += 1;
+        eprintln!("{}", progress_line(self.done, self.total, self.start.elapsed().as_secs_f64(), what));
+    }
 }
 
 /// Host microseconds to enqueue one call of `f`: `calls` calls back to back, timed on
@@ -192,9 +247,11 @@ mod tests {
         assert_eq!(samples.len(), 2);
         assert!(samples.iter().all(|s| s.len() == 12));
         assert!(samples[1].iter().all(|&x| x >= 100.0));
-        assert!(measure_interleaved(1, Protocol { blocks: 0, ..p }, |_| Ok(()), |_, _| Ok(vec![])).is_err());
+        assert!(measure_interleaved(1, Protocol { blocks: 0, ..p }, |_| Ok(()), |_, _| Ok(Vec::<f64>::new())).is_err());
         // A timer error stops the measurement and comes back.
-        assert!(measure_interleaved(1, p, |_| Ok(()), |_, _| Err(MkError::invalid_argument("x"))).is_err());
+        assert!(
+            measure_interleaved(1, p, |_| Ok(()), |_, _| Err::<Vec<f64>, _>(MkError::invalid_argument("x"))).is_err()
+        );
     }
 
     #[test]
@@ -207,6 +264,14 @@ mod tests {
             assert_eq!(s[i], a[i].max(b[i]));
         }
         assert_eq!(slowest_per_call(&[vec![1.0, 2.0], vec![3.0]]), [3.0]);
+    }
+
+    #[test]
+    fn progress_estimates_what_is_left_from_the_steps_done() {
+        assert_eq!(progress_line(1, 4, 0.2, "first"), "# step 1 of 4 (0 s elapsed): first");
+        // Two steps done in 20 s: 10 s each, three to go (this one included).
+        assert_eq!(progress_line(3, 4, 20.0, "M 16"), "# step 3 of 4 (20 s elapsed, about 20 s left): M 16");
+        assert_eq!(progress_line(4, 4, 30.0, "last"), "# step 4 of 4 (30 s elapsed, about 10 s left): last");
     }
 
     #[test]

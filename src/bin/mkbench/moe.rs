@@ -3,24 +3,36 @@
 //!
 //!   mkbench moe [-g ranks] [--tokens 4096] [--hidden 7168] [--ffn 2048] [--experts 256] [--topk 8] [-n iters] [-w warmup] [--blocks B] [--trace]
 //!
-//! Unfused dispatch = the same kernel with its GEMM switched off (the token exchange alone:
-//! count exchange, 16-byte-vector copies into the owners' receive buffers, signals), then
-//! one GEMM-engine launch per local expert on the received rows (the grouped GEMM as
-//! separate launches). Unfused combine = one GEMM launch per local expert into the
-//! workspace, then the combine kernel with its GEMM switched off (pull and weighted sum).
-//! Uniform routing (k distinct experts per token), bf16, Y' = Y. Medians of CUDA-event-
-//! timed calls after warm-up, the slowest rank's. Bandwidth as DeepEP counts it: bytes of
-//! the (token, expert) rows a rank sends (dispatch) or receives back (combine) / time of the
-//! exchange alone; TFLOP/s per rank = 2·rows·F·H / time, rows = this rank's received rows.
-//! `--trace` adds, per direction, one traced call of the fused kernel: per role (GEMM /
-//! send or pull CTAs) where the time went (kernels/common/trace.cuh; the pull CTAs' waits
-//! are summed over their 12 warps, the GEMM CTAs count 64-row Z slabs as items).
+//! The baseline per direction is the token exchange plus a grouped GEMM from cuBLAS
+//! (cublas_grouped.rs: one cublasGemmGroupedBatchedEx call over the local experts, each
+//! with its own row count). Unfused dispatch = the same kernel with its GEMM switched off
+//! (the token exchange alone: count exchange, 16-byte-vector copies into the owners'
+//! receive buffers, signals; it ends once every row is here), then the grouped GEMM on the
+//! received rows. Unfused combine = the grouped GEMM into the workspace, then the combine
+//! kernel with its GEMM switched off (pull and weighted sum). Extras: each part alone, and
+//! the exchange with one GEMM-engine launch per expert capped to MK_MAX_CTAS
+//! (`per_expert_gemms_capped`). Without cuBLAS's grouped GEMM (no libcublas, or older than
+//! 12.5) the per-expert launches are the baseline and the record says so.
+//! Each direction's fused output is checked once against its baseline's (received rows of
+//! Y; every token of the output). Then the shared protocol (measure.rs: interleaved
+//! blocks, the slowest rank per call; median, p10, p90; every contender's host enqueue µs
+//! per call), with CUDA-graph replays of GRAPH_CALLS captured calls of the fused ops and
+//! of the baselines. Uniform routing (k distinct experts per token), bf16, Y' = Y.
+//! Bandwidth as DeepEP counts it: bytes of the (token, expert) rows a rank sends (dispatch)
+//! or receives back (combine) / time of the exchange alone; TFLOP/s per rank =
+//! 2·rows·F·H / time, rows = the most rows any rank received. `--trace` adds, per
+//! direction, one traced call of the fused kernel: per role (GEMM / send or pull CTAs)
+//! where the time went (kernels/common/trace.cuh; the pull CTAs' waits are summed over
+//! their 12 warps, the GEMM CTAs count 64-row Z slabs as items).
 
-use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, for_each_option, measure_slowest, print_trace, run_ranks};
-use crate::measure::Protocol;
+use crate::cublas_grouped::{Cublas, ExpertGemm, GroupedGemm};
+use crate::fused_common::{
+    bad, capture_everywhere, common_flag, for_each_option, measure_slowest, print_trace, run_ranks, Timed,
+};
+use crate::measure::{Measured, Protocol, GRAPH_CALLS};
 use crate::ranks;
 use crate::record::{self, Json};
+use crate::timing::Events;
 use cudarc::driver::result as cu;
 use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
@@ -29,7 +41,7 @@ use mkernel::ops::gemm as engine;
 use mkernel::ops::moe::{
     self, device_layout, dispatch_gemm, gemm_combine, validate_combine, validate_dispatch, MoeDims, MoeShape,
 };
-use mkernel::testing::TestBuffer;
+use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 
 struct Options {
@@ -142,77 +154,180 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let dargs = validate_dispatch(x.ptr(), idx.ptr(), w1.ptr(), y.ptr(), counts.ptr(), lay.ptr(), dims, dtype as i32)?;
     let cargs = validate_combine(y.ptr(), w2.ptr(), wts.ptr(), lay.ptr(), out.ptr(), dims, dtype as i32)?;
     let recv = moe::region_buffer(&comm).expect("data plane");
-    // The unfused grouped GEMMs: one engine launch per local expert with rows.
+    // The baseline's grouped GEMMs (cuBLAS), and the per-expert engine launches (capped).
+    let blas = Cublas::new(stream);
+    let experts1: Vec<ExpertGemm> = (0..el)
+        .map(|le| ExpertGemm {
+            a: recv + (layout.expert_base[le] * h * 2) as u64,
+            w: w1.ptr() + (le * f * h * 2) as u64,
+            c: y.ptr() + (layout.expert_base[le] * f * 2) as u64,
+            rows: layout.recv_counts[le],
+        })
+        .collect();
+    let experts2: Vec<ExpertGemm> = (0..el)
+        .map(|le| ExpertGemm {
+            a: y.ptr() + (layout.expert_base[le] * f * 2) as u64,
+            w: w2.ptr() + (le * h * f * 2) as u64,
+            c: recv + (layout.expert_base[le] * h * 2) as u64,
+            rows: layout.recv_counts[le],
+        })
+        .collect();
+    let grouped = match &blas {
+        Ok(b) => Ok((b, GroupedGemm::new(&experts1, f, h, dtype)?, GroupedGemm::new(&experts2, h, f, dtype)?)),
+        Err(e) => Err(e.message.clone()),
+    };
+    // Every rank has cuBLAS's grouped GEMM or none uses it (the contenders must match).
+    let everywhere = comm.bootstrap.allgather(&[u8::from(grouped.is_ok())])?.iter().all(|v| v.first() == Some(&1));
+    let grouped = match grouped {
+        Ok(g) if everywhere => Ok(g),
+        Ok(_) => Err("another rank has no cuBLAS grouped GEMM".to_string()),
+        Err(why) => Err(why),
+    };
     let sms = cuda::sm_count(device)? as usize;
     let grid = comm.config.max_ctas.map_or(sms, |v| v as usize);
-    let mut g1 = Vec::new();
-    let mut g2 = Vec::new();
-    for le in 0..el {
-        let rows = layout.recv_counts[le];
-        if rows == 0 {
-            continue;
-        }
-        let base = layout.expert_base[le];
-        let a1 = engine::validate(
-            recv + (base * h * 2) as u64,
-            w1.ptr() + (le * f * h * 2) as u64,
-            y.ptr() + (base * f * 2) as u64,
-            rows,
-            f,
-            h,
-            dtype as i32,
-        )?;
-        let p1 = engine::plan(
-            rows,
-            f,
-            grid,
-            a1.tma_epilogue_ok(),
-            engine::PlanOverrides { max_ctas: Some(grid), ..Default::default() },
-        );
-        g1.push((a1, p1));
-        let a2 = engine::validate(
-            y.ptr() + (base * f * 2) as u64,
-            w2.ptr() + (le * h * f * 2) as u64,
-            recv + (base * h * 2) as u64,
-            rows,
-            h,
-            f,
-            dtype as i32,
-        )?;
-        let p2 = engine::plan(
-            rows,
-            h,
-            grid,
-            a2.tma_epilogue_ok(),
-            engine::PlanOverrides { max_ctas: Some(grid), ..Default::default() },
-        );
-        g2.push((a2, p2));
-    }
+    let engine_gemms =
+        |experts: &[ExpertGemm], n_out: usize, k_in: usize| -> Result<Vec<(engine::GemmArgs, engine::GemmPlan)>> {
+            experts
+                .iter()
+                .filter(|x| x.rows > 0)
+                .map(|x| {
+                    let a = engine::validate(x.a, x.w, x.c, x.rows, n_out, k_in, dtype as i32)?;
+                    let p = engine::plan(
+                        x.rows,
+                        n_out,
+                        grid,
+                        a.tma_epilogue_ok(),
+                        engine::PlanOverrides { max_ctas: Some(grid), ..Default::default() },
+                    );
+                    Ok((a, p))
+                })
+                .collect()
+        };
+    let g1 = engine_gemms(&experts1, f, h)?;
+    let g2 = engine_gemms(&experts2, h, f)?;
     let events = Events::new(o.iters)?;
-    let gemm1 = || g1.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
-    let gemm2 = || g2.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
-    // The dispatch leaves the layout the combines read; a combine may be repeated on it.
-    // Every contender in the shared protocol. Each dispatch rebuilds the same layout the
-    // combines read (the warm-up runs the fused dispatch first), so any order is valid.
+    let capped1 = || g1.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
+    let capped2 = || g2.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
+    let grouped1 = || grouped.as_ref().map_err(|why| bad(why)).and_then(|(b, g, _)| g.run(b));
+    let grouped2 = || grouped.as_ref().map_err(|why| bad(why)).and_then(|(b, _, g)| g.run(b));
+    // Each dispatch rebuilds the same layout the combines read (the check runs a dispatch
+    // first), so the contenders may run in any order.
     let fused_dispatch = || dispatch_gemm(&comm, &dargs, true, stream);
     let exchange_dispatch = || dispatch_gemm(&comm, &dargs, false, stream);
-    let unfused_dispatch = || exchange_dispatch().and_then(|_| gemm1());
+    let grouped_dispatch = || exchange_dispatch().and_then(|_| grouped1());
+    let capped_dispatch = || exchange_dispatch().and_then(|_| capped1());
     let fused_combine = || gemm_combine(&comm, &cargs, true, stream);
     let exchange_combine = || gemm_combine(&comm, &cargs, false, stream);
-    let unfused_combine = || gemm2().and_then(|_| exchange_combine());
-    let contenders: [&dyn Fn() -> Result<()>; 8] = [
-        &fused_dispatch,
-        &exchange_dispatch,
-        &unfused_dispatch,
-        &gemm1,
-        &fused_combine,
-        &gemm2,
-        &exchange_combine,
-        &unfused_combine,
+    let grouped_combine = || grouped2().and_then(|_| exchange_combine());
+    let capped_combine = || capped2().and_then(|_| exchange_combine());
+    let has_grouped = grouped.is_ok();
+    let (base_dispatch, base_combine): (&dyn Fn() -> Result<()>, &dyn Fn() -> Result<()>) =
+        if has_grouped { (&grouped_dispatch, &grouped_combine) } else { (&capped_dispatch, &capped_combine) };
+    let (base_dispatch_name, base_combine_name) = if has_grouped {
+        ("exchange+grouped_gemm", "grouped_gemm+exchange")
+    } else {
+        ("exchange+per_expert_gemms_capped", "per_expert_gemms_capped+exchange")
+    };
+
+    // The check, once per direction: the baseline's output, then the fused op's, each into
+    // a poisoned buffer; every rank done (synchronised, a barrier) between the steps, so no
+    // step's writes meet a peer's reads of the step before.
+    let sync = || -> Result<()> {
+        // SAFETY: live stream.
+        unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+        comm.bootstrap.barrier()
+    };
+    let run_into = |buf: &TestBuffer, f: &dyn Fn() -> Result<()>| -> Result<Vec<f64>> {
+        buf.poison(stream)?;
+        sync()?;
+        f()?;
+        sync()?;
+        buf.download_f64()
+    };
+    let valid_rows = |v: &[f64]| -> Vec<f64> {
+        (0..el)
+            .flat_map(|le| {
+                let (base, rows) = (layout.expert_base[le], layout.recv_counts[le]);
+                v[base * f..(base + rows) * f].iter().copied()
+            })
+            .collect()
+    };
+    let y_ref = valid_rows(&run_into(&y, base_dispatch)?);
+    let y_fused = valid_rows(&run_into(&y, &fused_dispatch)?);
+    let out_ref = run_into(&out, base_combine)?;
+    let out_fused = run_into(&out, &fused_combine)?;
+    let rel_err = [relative_error(&y_fused, &y_ref), relative_error(&out_fused, &out_ref)];
+    // The worst rank's relative error per direction (NaN, from any rank, stays NaN).
+    let rel_all = comm.bootstrap.allgather(&[rel_err[0].to_le_bytes(), rel_err[1].to_le_bytes()].concat())?;
+    let worst = |i: usize| {
+        rel_all.iter().map(|b| f64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"))).fold(
+            0.0f64,
+            |a, r| {
+                if r.is_nan() || a.is_nan() {
+                    f64::NAN
+                } else {
+                    a.max(r)
+                }
+            },
+        )
+    };
+    // Written so that a NaN error counts as wrong (every comparison with NaN is false).
+    #[allow(clippy::neg_cmp_op_on_partial_ord)]
+    let wrong_any = [0, 1].map(|i| !(worst(i) <= tolerance(dtype)));
+
+    // (direction, name, how it is timed).
+    let mut contenders: Vec<(&str, &str, Timed)> = vec![
+        ("dispatch", "fused", Timed::Calls(&fused_dispatch)),
+        ("dispatch", base_dispatch_name, Timed::Calls(base_dispatch)),
+        ("dispatch", "exchange", Timed::Calls(&exchange_dispatch)),
+        ("combine", "fused", Timed::Calls(&fused_combine)),
+        ("combine", base_combine_name, Timed::Calls(base_combine)),
+        ("combine", "exchange", Timed::Calls(&exchange_combine)),
     ];
+    if has_grouped {
+        contenders.extend([
+            ("dispatch", "grouped_gemm", Timed::Calls(&grouped1 as &dyn Fn() -> Result<()>)),
+            ("dispatch", "exchange+per_expert_gemms_capped", Timed::Calls(&capped_dispatch)),
+            ("combine", "grouped_gemm", Timed::Calls(&grouped2)),
+            ("combine", "per_expert_gemms_capped+exchange", Timed::Calls(&capped_combine)),
+        ]);
+    } else {
+        contenders.extend([
+            ("dispatch", "per_expert_gemms_capped", Timed::Calls(&capped1 as &dyn Fn() -> Result<()>)),
+            ("combine", "per_expert_gemms_capped", Timed::Calls(&capped2)),
+        ]);
+    }
     let protocol = Protocol { warmup: o.warmup.max(1), blocks: o.blocks, iters: o.iters };
-    let stats = measure_slowest(&comm, &events, stream, protocol, &contenders)?;
-    let [t_fd, t_xd, t_ud, t_g1, t_fc, t_g2, t_xc, t_uc] = [0, 1, 2, 3, 4, 5, 6, 7].map(|i| stats[i].median);
+    let timed: Vec<Timed> = contenders.iter().map(|c| c.2).collect();
+    let mut meas = measure_slowest(&comm, &events, stream, protocol, &timed)?;
+    // Graph replays in a second interleaved pass, the baselines captured last: whether
+    // cuBLAS's grouped GEMM can be captured is cuBLAS's business, and a capture it refuses
+    // must not touch the direct calls' timing.
+    let graphs_fused = capture_everywhere(&comm, stream, GRAPH_CALLS, &[&fused_dispatch, &fused_combine])?;
+    let graphs_base = capture_everywhere(&comm, stream, GRAPH_CALLS, &[base_dispatch, base_combine])?;
+    let graph_names = [
+        format!("{base_dispatch_name}{}", crate::measure::GRAPH_SUFFIX),
+        format!("{base_combine_name}{}", crate::measure::GRAPH_SUFFIX),
+    ];
+    let mut graph_contenders: Vec<(&str, &str, Timed)> = Vec::new();
+    if let Ok(g) = &graphs_fused {
+        graph_contenders.push(("dispatch", "fused_graph", Timed::Graph(&g[0])));
+        graph_contenders.push(("combine", "fused_graph", Timed::Graph(&g[1])));
+    }
+    if let Ok(g) = &graphs_base {
+        graph_contenders.push(("dispatch", &graph_names[0], Timed::Graph(&g[0])));
+        graph_contenders.push(("combine", &graph_names[1], Timed::Graph(&g[1])));
+    }
+    if !graph_contenders.is_empty() {
+        let timed: Vec<Timed> = graph_contenders.iter().map(|c| c.2).collect();
+        let graphs = measure_slowest(&comm, &events, stream, protocol, &timed)?;
+        meas.stats.extend(graphs.stats);
+        meas.host_us.extend(graphs.host_us);
+        contenders.extend(graph_contenders);
+    }
+    let of = |direction: &str, name: &str| {
+        contenders.iter().position(|c| c.0 == direction && c.1 == name).map(|i| meas.median(i))
+    };
     if o.trace {
         print_trace(&comm, stream, "moe dispatch", &|buf| {
             dispatch_gemm(&comm, &moe::DispatchArgs { trace: buf, ..dargs }, true, stream)
@@ -234,79 +349,99 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     if rank == 0 {
         let tf = |us: f64| 2.0 * max_rows * f as f64 * h as f64 / (us * 1e-6) / 1e12;
         let gbs = |us: f64| sent_rows as f64 * h as f64 * 2.0 / (us * 1e-6) / 1e9;
+        let opt = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.1}"));
         println!(
-            "# mkbench moe: {n} rank(s), bf16, T={t}/rank, H={h}, F={f}, E={e}, k={k}, {sms} SMs, MK_MAX_CTAS={}, recvCapacity={cap}, rows/rank <= {max_rows}, warm-up {} then {} interleaved blocks of {} calls (median of the slowest rank per call); outputs not verified here (mktest moe checks them)",
+            "# mkbench moe: {n} rank(s), bf16, T={t}/rank, H={h}, F={f}, E={e}, k={k}, {sms} SMs, MK_MAX_CTAS={}, recvCapacity={cap}, rows/rank <= {max_rows}, warm-up {} then {} interleaved blocks of {} calls (median of the slowest rank per call); graphs of {GRAPH_CALLS} calls",
             comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
-            o.warmup,
+            protocol.warmup,
             o.blocks,
             o.iters
         );
+        match &grouped {
+            Ok(_) => println!(
+                "# baseline: exchange + cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx, one group per local expert)"
+            ),
+            Err(why) => println!(
+                "# baseline: exchange + one GEMM-engine launch per expert, capped (no cuBLAS grouped GEMM: {why})"
+            ),
+        }
+        if let Err(why) = &graphs_fused {
+            println!("# no graph replay of the fused ops: {why}");
+        }
+        if let Err(why) = &graphs_base {
+            println!("# no graph replay of the baselines: {why}");
+        }
         println!(
-            "# {:<9} | {:>10} {:>7} | {:>10} {:>7} | {:>9} | {:>10} {:>7} | {:>9} {:>8}",
-            "direction",
-            "fused us",
-            "TF/s",
-            "unfused us",
-            "TF/s",
-            "fused/unf",
-            "exchange us",
-            "GB/s",
-            "GEMMs us",
-            "GEMM TF/s"
+            "# {:<9} | {:>10} {:>7} | {:>10} {:>7} | {:>9} | {:>10} {:>7} | {:>9} {:>8} | {:>9} | {:>9} {:>9} | {:>7} {:>7}",
+            "direction", "fused us", "TF/s", "base us", "TF/s", "fused/base", "exchange us", "GB/s", "grouped us", "TF/s",
+            "capped us", "graph f", "graph b", "#wrong", "rel err"
         );
-        println!(
-            "  {:<9} | {:>10.1} {:>7.1} | {:>10.1} {:>7.1} | {:>9.3} | {:>10.1} {:>7.1} | {:>9.1} {:>8.1}",
-            "dispatch",
-            t_fd,
-            tf(t_fd),
-            t_ud,
-            tf(t_ud),
-            t_fd / t_ud,
-            t_xd,
-            gbs(t_xd),
-            t_g1,
-            tf(t_g1)
-        );
-        println!(
-            "  {:<9} | {:>10.1} {:>7.1} | {:>10.1} {:>7.1} | {:>9.3} | {:>10.1} {:>7.1} | {:>9.1} {:>8.1}{}",
-            "combine",
-            t_fc,
-            tf(t_fc),
-            t_uc,
-            tf(t_uc),
-            t_fc / t_uc,
-            t_xc,
-            gbs(t_xc),
-            t_g2,
-            tf(t_g2),
-            if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
-        );
-        let c = |name: &str, i: usize| record::contender(name, Some(stats[i]), None);
-        let shape = |direction: &str| {
-            record::shape(
-                &[("ranks", n), ("tokens", t), ("hidden", h), ("ffn", f), ("experts", e), ("topk", k)],
-                &[("direction", direction)],
-            )
-        };
-        let extra = |baseline: &str| {
-            [
-                ("async_error", Json::Bool(err != mkResult_t::mkSuccess)),
-                ("baseline", Json::str(baseline)),
-                ("verified", Json::Bool(false)),
-            ]
-        };
-        record::row(
-            shape("dispatch"),
-            vec![c("fused", 0), c("exchange+per_expert_gemms", 2), c("exchange", 1), c("per_expert_gemms", 3)],
-            &extra("exchange+per_expert_gemms (one GEMM launch per expert; no grouped GEMM)"),
-        );
-        record::row(
-            shape("combine"),
-            vec![c("fused", 4), c("per_expert_gemms+exchange", 7), c("exchange", 6), c("per_expert_gemms", 5)],
-            &extra("per_expert_gemms+exchange (one GEMM launch per expert; no grouped GEMM)"),
+        for (i, (direction, base)) in
+            [("dispatch", base_dispatch_name), ("combine", base_combine_name)].into_iter().enumerate()
+        {
+            let t_fused = of(direction, "fused").unwrap_or(f64::NAN);
+            let t_base = of(direction, base).unwrap_or(f64::NAN);
+            let t_x = of(direction, "exchange").unwrap_or(f64::NAN);
+            let t_g = of(direction, "grouped_gemm");
+            let capped_name = if direction == "dispatch" {
+                "exchange+per_expert_gemms_capped"
+            } else {
+                "per_expert_gemms_capped+exchange"
+            };
+            println!(
+                "  {:<9} | {:>10.1} {:>7.1} | {:>10.1} {:>7.1} | {:>9.3} | {:>10.1} {:>7.1} | {:>9} {:>8} | {:>9} | {:>9} {:>9} | {:>7} {:>7.1e}{}",
+                direction,
+                t_fused,
+                tf(t_fused),
+                t_base,
+                tf(t_base),
+                t_fused / t_base,
+                t_x,
+                gbs(t_x),
+                opt(t_g),
+                t_g.map_or("-".into(), |t| format!("{:.1}", tf(t))),
+                opt(of(direction, capped_name)),
+                opt(of(direction, "fused_graph")),
+                opt(of(direction, &graph_names[i])),
+                u8::from(wrong_any[i]),
+                worst(i),
+                if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
+            );
+            let idx: Vec<usize> = (0..contenders.len()).filter(|&j| contenders[j].0 == direction).collect();
+            let names: Vec<&str> = idx.iter().map(|&j| contenders[j].1).collect();
+            let sub = Measured {
+                stats: idx.iter().map(|&j| meas.stats[j]).collect(),
+                host_us: idx.iter().map(|&j| meas.host_us[j]).collect(),
+            };
+            record::row(
+                record::shape(
+                    &[("ranks", n), ("tokens", t), ("hidden", h), ("ffn", f), ("experts", e), ("topk", k)],
+                    &[("direction", direction), ("dtype", dtype.name())],
+                ),
+                record::measured_contenders(&names, &sub),
+                &[
+                    ("async_error", Json::Bool(err != mkResult_t::mkSuccess)),
+                    ("baseline", Json::str(base)),
+                    ("fused_over_baseline", Json::num(t_fused / t_base)),
+                    ("rel_err", Json::num(worst(i))),
+                    ("wrong", Json::Bool(wrong_any[i])),
+                ],
+            );
+        }
+        record::config(
+            "baseline",
+            Json::str(match &grouped {
+                Ok(_) => "exchange + cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx, one group per local expert)"
+                    .to_string(),
+                Err(why) => {
+                    format!("exchange + one GEMM-engine launch per expert, capped (no cuBLAS grouped GEMM: {why})")
+                }
+            }),
         );
     }
     // SAFETY: live stream.
     unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
-    Ok(err == mkResult_t::mkSuccess)
+    drop(graphs_fused);
+    drop(graphs_base);
+    Ok(err == mkResult_t::mkSuccess && wrong_any == [false, false])
 }

@@ -4,7 +4,7 @@
 //! arrays, strings, numbers and null, so it is written here (about 60 lines) instead of
 //! adding serde to the library's dependencies.
 
-use crate::measure::Stats;
+use crate::measure::{Measured, Stats, GRAPH_CALLS, GRAPH_SUFFIX};
 use mkernel::error::{MkError, Result};
 use std::fmt::Write as _;
 use std::sync::Mutex;
@@ -117,30 +117,33 @@ pub fn contender(name: &str, stats: Option<Stats>, host_us: Option<f64>) -> Json
     Json::obj(&pairs)
 }
 
-/// A fused bench's contenders: each timed one with its statistics (and the host's enqueue
-/// time for the fused op and for `baseline`), then the fused op and `baseline` again with a
-/// cold L2 (`cold` holds their statistics, in that order).
-pub fn fused_contenders(
-    names: &[&str],
-    stats: &[Stats],
-    baseline: &str,
-    host_us: (f64, f64),
-    cold: (Stats, Stats),
-) -> Vec<Json> {
-    let host = |name: &str| match name {
-        "fused" => Some(host_us.0),
-        n if n == baseline => Some(host_us.1),
-        _ => None,
-    };
+/// Contenders measured by the shared protocol, named in contender order: each with its
+/// statistics and host enqueue time per call; a contender named `<x>_graph` (graph
+/// replays) also carries `graph_calls`, the calls captured per graph.
+pub fn measured_contenders(names: &[&str], m: &Measured) -> Vec<Json> {
     names
         .iter()
-        .zip(stats)
-        .map(|(name, s)| contender(name, Some(*s), host(name)))
-        .chain([
-            contender("fused_cold_l2", Some(cold.0), None),
-            contender(&format!("{baseline}_cold_l2"), Some(cold.1), None),
-        ])
+        .enumerate()
+        .map(|(i, name)| {
+            let c = contender(name, Some(m.stats[i]), Some(m.host_us[i]));
+            match c {
+                Json::Obj(mut pairs) if name.ends_with(GRAPH_SUFFIX) => {
+                    pairs.push(("graph_calls".into(), Json::num(GRAPH_CALLS as f64)));
+                    Json::Obj(pairs)
+                }
+                c => c,
+            }
+        })
         .collect()
+}
+
+/// A fused bench's contenders (`measured_contenders`), then the fused op and `baseline`
+/// again with a cold L2 (`cold` holds their statistics, in that order).
+pub fn fused_contenders(names: &[&str], m: &Measured, baseline: &str, cold: (Stats, Stats)) -> Vec<Json> {
+    let mut v = measured_contenders(names, m);
+    v.push(contender("fused_cold_l2", Some(cold.0), None));
+    v.push(contender(&format!("{baseline}_cold_l2"), Some(cold.1), None));
+    v
 }
 
 /// A row's shape from its sizes and named texts (dtype, mode).
@@ -148,11 +151,6 @@ pub fn shape(sizes: &[(&str, usize)], texts: &[(&str, &str)]) -> Json {
     let mut pairs: Vec<(&str, Json)> = sizes.iter().map(|&(k, v)| (k, Json::num(v as f64))).collect();
     pairs.extend(texts.iter().map(|&(k, v)| (k, Json::str(v))));
     Json::obj(&pairs)
-}
-
-/// A contender known only by a median (benches that time one median per contender).
-pub fn contender_median(name: &str, median_us: f64) -> Json {
-    Json::obj(&[("name", Json::str(name)), ("median_us", Json::Num(median_us))])
 }
 
 /// The rows this process has recorded, written by `finish`.
@@ -318,6 +316,11 @@ mod tests {
     use super::*;
     use std::time::{Duration, UNIX_EPOCH};
 
+    /// A contender known only by a median (the schema allows it).
+    fn contender_median(name: &str, median_us: f64) -> Json {
+        Json::obj(&[("name", Json::str(name)), ("median_us", Json::Num(median_us))])
+    }
+
     #[test]
     fn dates_are_utc_iso_8601() {
         assert_eq!(utc_date(UNIX_EPOCH), "1970-01-01T00:00:00Z");
@@ -350,21 +353,18 @@ mod tests {
     }
 
     #[test]
-    fn fused_contenders_put_host_times_on_the_fused_op_and_baseline_and_add_cold_rows() {
+    fn fused_contenders_carry_host_times_graph_calls_and_cold_rows() {
         let st = |m: f64| Stats::of(&[m, m + 1.0, m + 2.0]).unwrap();
-        let rows = fused_contenders(
-            &["fused", "base", "capped"],
-            &[st(1.0), st(2.0), st(3.0)],
-            "base",
-            (4.5, 6.5),
-            (st(7.0), st(8.0)),
-        );
+        let m = Measured { stats: vec![st(1.0), st(2.0), st(3.0)], host_us: vec![4.5, 6.5, 0.5] };
+        let rows = fused_contenders(&["fused", "base", "fused_graph"], &m, "base", (st(7.0), st(8.0)));
         let text: Vec<String> = rows.iter().map(|r| r.text()).collect();
         assert_eq!(text.len(), 5);
         assert!(text[0].contains(r#""name":"fused""#) && text[0].contains(r#""host_enqueue_us":4.5"#), "{}", text[0]);
+        assert!(!text[0].contains("graph_calls"), "{}", text[0]);
         assert!(text[1].contains(r#""name":"base""#) && text[1].contains(r#""host_enqueue_us":6.5"#), "{}", text[1]);
-        assert!(text[2].contains(r#""name":"capped""#) && text[2].contains(r#""host_enqueue_us":null"#), "{}", text[2]);
+        assert!(text[2].contains(r#""name":"fused_graph""#) && text[2].contains(r#""graph_calls":10"#), "{}", text[2]);
         assert!(text[3].contains(r#""name":"fused_cold_l2""#) && text[3].contains(r#""median_us":8"#), "{}", text[3]);
+        assert!(text[3].contains(r#""host_enqueue_us":null"#), "{}", text[3]);
         assert!(text[4].contains(r#""name":"base_cold_l2""#) && text[4].contains(r#""median_us":9"#), "{}", text[4]);
     }
 
@@ -402,9 +402,13 @@ mod tests {
     fn a_record_has_the_documented_top_level_keys() {
         let machine = Machine::from_nvidia_smi("NVIDIA H200, 570.86.15, 1980, 1980, 3201");
         let s = Stats::of(&[10.0, 11.0, 12.0, 13.0, 30.0]).unwrap();
+        let graph = Stats::of(&[8.0, 8.5, 9.0]).unwrap();
+        let measured = Measured { stats: vec![s, graph], host_us: vec![5.0, 0.4] };
+        let mut contenders = measured_contenders(&["fused", "fused_graph"], &measured);
+        contenders.push(contender_median("cublaslt", 9.5));
         let rows = vec![Json::obj(&[
             ("shape", shape(&[("m", 256), ("n", 8192), ("k", 8192)], &[("dtype", "bf16")])),
-            ("contenders", Json::Arr(vec![contender("fused", Some(s), Some(5.0)), contender_median("cublaslt", 9.5)])),
+            ("contenders", Json::Arr(contenders)),
         ])];
         let doc = document("ag_gemm", true, machine, Json::obj(&[("ranks", Json::num(2.0))]), rows);
         let Json::Obj(pairs) = &doc else { panic!("not an object") };

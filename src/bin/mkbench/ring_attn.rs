@@ -7,7 +7,9 @@
 //! Per (global S, causal): the fused op; the unfused ring (mkAllGather of K, mkAllGather of
 //! V, then the same attention kernel over the gathered K/V, no overlap); and its two parts
 //! alone (attention over gathered K/V; the two AllGathers) for the overlap efficiency
-//! max(t_attn, t_comm) / t_fused. Batch 1, bf16. The fused output is checked once per case
+//! max(t_attn, t_comm) / t_fused; CUDA-graph replays of GRAPH_CALLS captured calls of the
+//! fused op and of the unfused ring (time per call). Every contender records the host's
+//! enqueue µs per call. Batch 1, bf16. The fused output is checked once per case
 //! against the unfused ring's. Times follow the shared protocol (measure.rs: -w warm-up,
 //! then --blocks interleaved blocks of -n calls, the slowest rank per call; median, p10,
 //! p90). TFLOP/s per rank: 4·H·S_local·
@@ -21,11 +23,13 @@
 //! per case, by the kernel's `_trace` twin with a per-CTA timing buffer, summarised per rank
 //! (trace_summary).
 
-use crate::collectives::Events;
-use crate::fused_common::{bad, common_flag, for_each_option, measure_slowest, parse_list, run_ranks, trace_words};
-use crate::measure::Protocol;
+use crate::fused_common::{
+    bad, capture_everywhere, common_flag, for_each_option, measure_slowest, parse_list, run_ranks, trace_words, Timed,
+};
+use crate::measure::{Progress, Protocol, GRAPH_CALLS};
 use crate::ranks;
 use crate::record::{self, Json};
+use crate::timing::Events;
 use cudarc::driver::result as cu;
 use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
@@ -152,8 +156,12 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         );
     }
     let mut all_ok = true;
+    let mut progress = (rank == 0).then(|| Progress::new(o.causal.len() * o.seq.len()));
     for &causal in &o.causal {
         for &s_global in &o.seq {
+            if let Some(p) = progress.as_mut() {
+                p.step(&format!("S {s_global} causal {causal}"));
+            }
             let sl = s_global / n;
             let args = validate_args(
                 q.ptr(),
@@ -206,19 +214,31 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 std::thread::sleep(std::time::Duration::from_millis(o.rest_ms));
             }
             let unfused_seq = || gather().and_then(|_| attn());
-            let mut contenders: Vec<(&str, &dyn Fn() -> Result<()>)> = vec![("fused", &fused)];
+            let mut contenders: Vec<(&str, Timed)> = vec![("fused", Timed::Calls(&fused))];
             if o.unfused != 0 {
                 contenders.extend([
-                    ("mk_all_gather+attention", &unfused_seq as &dyn Fn() -> Result<()>),
-                    ("attention", &attn),
+                    ("mk_all_gather+attention", Timed::Calls(&unfused_seq)),
+                    ("attention", Timed::Calls(&attn)),
                 ]);
                 if n > 1 {
-                    contenders.push(("mk_all_gather", &gather));
+                    contenders.push(("mk_all_gather", Timed::Calls(&gather)));
                 }
             }
-            let fns: Vec<&dyn Fn() -> Result<()>> = contenders.iter().map(|c| c.1).collect();
-            let stats = measure_slowest(&comm, &events, stream, protocol, &fns)?;
-            let med = |name: &str| contenders.iter().position(|c| c.0 == name).map(|i| stats[i].median);
+            let graphs = if o.unfused != 0 {
+                capture_everywhere(&comm, stream, GRAPH_CALLS, &[&fused, &unfused_seq])?
+            } else {
+                capture_everywhere(&comm, stream, GRAPH_CALLS, &[&fused])?
+            };
+            if let Ok(g) = &graphs {
+                contenders.push(("fused_graph", Timed::Graph(&g[0])));
+                if let Some(u) = g.get(1) {
+                    contenders.push(("mk_all_gather+attention_graph", Timed::Graph(u)));
+                }
+            }
+            let (names, timed): (Vec<&str>, Vec<Timed>) = contenders.into_iter().unzip();
+            let meas = measure_slowest(&comm, &events, stream, protocol, &timed)?;
+            let stats = &meas.stats;
+            let med = |name: &str| names.iter().position(|c| *c == name).map(|i| meas.median(i));
             let t_fused = stats[0].median;
             let t_unfused = med("mk_all_gather+attention").unwrap_or(f64::NAN);
             let t_attn = med("attention").unwrap_or(f64::NAN);
@@ -253,13 +273,24 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                         format!("  ASYNC ERROR {err:?}")
                     }
                 );
+                let opt = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.1}"));
                 println!(
-                    "  {:>20} fused p10/p90 {:.1}/{:.1} µs; rel err vs unfused {rel_err:.1e}{}",
+                    "  {:>20} fused p10/p90 {:.1}/{:.1} µs, graph {} (unfused {}) µs/call; host enqueue µs/call: fused {:.1}{}; rel err vs unfused {rel_err:.1e}{}",
                     "",
                     stats[0].p10,
                     stats[0].p90,
+                    opt(med("fused_graph")),
+                    opt(med("mk_all_gather+attention_graph")),
+                    meas.host_us[0],
+                    names
+                        .iter()
+                        .position(|c| *c == "mk_all_gather+attention")
+                        .map_or(String::new(), |i| format!(", unfused {:.1}", meas.host_us[i])),
                     if wrong { "  WRONG" } else { "" }
                 );
+                if let Err(why) = &graphs {
+                    println!("  {:>20} no graph replay: {why}", "");
+                }
                 record::row(
                     record::shape(
                         &[
@@ -272,7 +303,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                         ],
                         &[],
                     ),
-                    contenders.iter().zip(&stats).map(|(c, s)| record::contender(c.0, Some(*s), None)).collect(),
+                    record::measured_contenders(&names, &meas),
                     &[
                         ("rel_err", Json::num(rel_err)),
                         ("wrong", Json::Bool(wrong)),
