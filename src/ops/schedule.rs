@@ -1,6 +1,8 @@
 //! Host mirrors of the device tile schedules (kernels/common/gemm/scheduler.cuh and the
 //! reducers' walks in kernels/common/gemm_reduce.cuh), in one place: the planners use them,
 //! and the CPU ports of the protocols and their tests check what the kernels will do.
+//! `tests/schedule_vectors.rs` compiles scheduler.cuh as host C++ and checks the first three
+//! against it tile by tile.
 
 /// A tile (m-block, n-block).
 pub type Tile = (usize, usize);
