@@ -3,6 +3,7 @@
 //! the C ABI.
 
 mod acceptance;
+pub mod collective_values;
 pub use acceptance::{
     accumulation_unit, check_close, check_exact, check_exact_bytes, gamma, gemm_reference, underflow_floor,
     unit_roundoff, Rule, Verdict, Worst,

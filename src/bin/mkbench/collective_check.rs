@@ -15,6 +15,7 @@
 //! match bit for bit. NaN never passes.
 
 use mkernel::ops::collectives::CollectiveKind;
+use mkernel::testing::collective_values::{exact_reduction, is_float, push_element, splitmix};
 use mkernel::testing::{
     accumulation_unit, f32_to_bf16, f32_to_f16, gamma, to_f64, underflow_floor, unit_roundoff, Rule,
 };
@@ -48,59 +49,14 @@ pub fn table_runs(first: u64, len: u64, period: usize) -> Vec<(u64, usize, u64)>
     runs
 }
 
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-fn is_float(t: mkDataType_t) -> bool {
-    use mkDataType_t::*;
-    matches!(t, mkFloat16 | mkBfloat16 | mkFloat32 | mkFloat64)
-}
-
 /// `rank`'s table: `period` random elements of `dtype` (bytes).
 fn rank_table(dtype: mkDataType_t, op: mkRedOp_t, seed: u64, rank: usize, period: usize) -> Vec<u8> {
-    use mkDataType_t::*;
     let base = splitmix(seed ^ (rank as u64 + 1).wrapping_mul(0xd6e8_feb8_6659_fd93));
     let mut bytes = Vec::with_capacity(period * dtype.size());
     for j in 0..period {
-        let r = splitmix(base ^ j as u64);
-        let mut u = (r >> 40) as f32 * (2.0 / 16_777_216.0) - 1.0;
-        if op == mkRedOp_t::mkProd {
-            u = u.signum() * (0.75 + 0.5 * u.abs());
-        }
-        let si = (r % 7) as i64 - 3;
-        let ui = (r % 4) + 1;
-        match dtype {
-            mkFloat16 => bytes.extend_from_slice(&f32_to_f16(u).to_le_bytes()),
-            mkBfloat16 => bytes.extend_from_slice(&f32_to_bf16(u).to_le_bytes()),
-            mkFloat32 => bytes.extend_from_slice(&u.to_le_bytes()),
-            mkFloat64 => bytes.extend_from_slice(&(u as f64 + (r & 0xff) as f64 * 1e-12).to_le_bytes()),
-            mkInt8 => bytes.push(si as i8 as u8),
-            mkUint8 => bytes.push(ui as u8),
-            mkInt32 => bytes.extend_from_slice(&(si as i32).to_le_bytes()),
-            mkUint32 => bytes.extend_from_slice(&(ui as u32).to_le_bytes()),
-            mkInt64 => bytes.extend_from_slice(&si.to_le_bytes()),
-            mkUint64 => bytes.extend_from_slice(&ui.to_le_bytes()),
-        }
+        push_element(&mut bytes, dtype, splitmix(base ^ j as u64), op == mkRedOp_t::mkProd);
     }
     bytes
-}
-
-/// An exact integer wrapped to `dtype`'s width, as the kernels' integer arithmetic wraps.
-fn wrap_int(v: i128, dtype: mkDataType_t) -> i128 {
-    use mkDataType_t::*;
-    match dtype {
-        mkInt8 => v as i8 as i128,
-        mkUint8 => v as u8 as i128,
-        mkInt32 => v as i32 as i128,
-        mkUint32 => v as u32 as i128,
-        mkInt64 => v as i64 as i128,
-        mkUint64 => v as u64 as i128,
-        _ => v,
-    }
 }
 
 /// The exact float64 reduction of one element over the ranks' values (integers wrap; an
@@ -109,24 +65,10 @@ fn wrap_int(v: i128, dtype: mkDataType_t) -> i128 {
 /// is the ranks per node (`vals.len()` on one node).
 pub fn reference(vals: &[f64], op: mkRedOp_t, dtype: mkDataType_t, node_size: usize) -> (f64, Option<f64>) {
     let n = vals.len();
+    let exact = exact_reduction(vals, op, dtype);
     if !is_float(dtype) {
-        let ints: Vec<i128> = vals.iter().map(|&v| v as i128).collect();
-        let r = match op {
-            mkRedOp_t::mkSum => wrap_int(ints.iter().sum(), dtype),
-            mkRedOp_t::mkProd => ints.iter().fold(1i128, |a, b| wrap_int(a * b, dtype)),
-            mkRedOp_t::mkMax => *ints.iter().max().expect("one rank at least"),
-            mkRedOp_t::mkMin => *ints.iter().min().expect("one rank at least"),
-            mkRedOp_t::mkAvg => wrap_int(ints.iter().sum(), dtype) / n as i128,
-        };
-        return (r as f64, None);
+        return (exact, None);
     }
-    let exact = match op {
-        mkRedOp_t::mkSum => vals.iter().sum(),
-        mkRedOp_t::mkAvg => vals.iter().sum::<f64>() / n as f64,
-        mkRedOp_t::mkProd => vals.iter().product(),
-        mkRedOp_t::mkMax => vals.iter().copied().fold(f64::MIN, f64::max),
-        mkRedOp_t::mkMin => vals.iter().copied().fold(f64::MAX, f64::min),
-    };
     if matches!(op, mkRedOp_t::mkMax | mkRedOp_t::mkMin) {
         return (exact, None);
     }

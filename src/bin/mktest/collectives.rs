@@ -29,9 +29,10 @@ use mkernel::ffi::config::{mkConfig_t, MK_CONFIG_MAGIC, MK_CONFIG_UNDEF_INT};
 use mkernel::ffi::mkComm_t;
 use mkernel::ffi::query::mkGetLastError;
 use mkernel::ops::collectives::CollectiveKind;
+use mkernel::testing::collective_values::{exact_reduction, is_float, push_element, splitmix};
 use mkernel::testing::{
-    accumulation_unit, check_close, check_exact, f32_to_bf16, f32_to_f16, gamma, to_f64, tolerance, underflow_floor,
-    unit_roundoff, Rule, TestBuffer, Verdict,
+    accumulation_unit, check_close, check_exact, gamma, to_f64, tolerance, underflow_floor, unit_roundoff, Rule,
+    TestBuffer, Verdict,
 };
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 use std::sync::atomic::Ordering;
@@ -158,92 +159,15 @@ impl Drop for Stream {
     }
 }
 
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-fn is_float(t: mkDataType_t) -> bool {
-    use mkDataType_t::*;
-    matches!(t, mkFloat16 | mkBfloat16 | mkFloat32 | mkFloat64)
-}
-
-fn is_signed(t: mkDataType_t) -> bool {
-    use mkDataType_t::*;
-    matches!(t, mkInt8 | mkInt32 | mkInt64)
-}
-
-/// `n` random elements of `dtype` (bytes, and their exact values). Floats uniform in
-/// [-1, 1) (for products, ±[0.75, 1.25), so 8 factors stay clear of half's subnormals);
-/// signed integers in [-3, 3]; unsigned in [1, 4] (products of 8 ranks wrap in 8 bits).
+/// `n` random elements of `dtype` (bytes, and their exact values), in the ranges
+/// `push_element` documents.
 fn random_input(dtype: mkDataType_t, n: usize, seed: u64, for_prod: bool) -> (Vec<u8>, Vec<f64>) {
-    use mkDataType_t::*;
     let mut bytes = Vec::with_capacity(n * dtype.size());
     for i in 0..n {
-        let r = splitmix(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ i as u64);
-        let mut u = (r >> 40) as f32 * (2.0 / 16_777_216.0) - 1.0;
-        if for_prod {
-            u = u.signum() * (0.75 + 0.5 * u.abs());
-        }
-        let si = (r % 7) as i64 - 3;
-        let ui = (r % 4) + 1;
-        match dtype {
-            mkFloat16 => bytes.extend_from_slice(&f32_to_f16(u).to_le_bytes()),
-            mkBfloat16 => bytes.extend_from_slice(&f32_to_bf16(u).to_le_bytes()),
-            mkFloat32 => bytes.extend_from_slice(&u.to_le_bytes()),
-            mkFloat64 => bytes.extend_from_slice(&(u as f64 + (r & 0xff) as f64 * 1e-12).to_le_bytes()),
-            mkInt8 => bytes.push(si as i8 as u8),
-            mkUint8 => bytes.push(ui as u8),
-            mkInt32 => bytes.extend_from_slice(&(si as i32).to_le_bytes()),
-            mkUint32 => bytes.extend_from_slice(&(ui as u32).to_le_bytes()),
-            mkInt64 => bytes.extend_from_slice(&si.to_le_bytes()),
-            mkUint64 => bytes.extend_from_slice(&ui.to_le_bytes()),
-        }
+        push_element(&mut bytes, dtype, splitmix(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ i as u64), for_prod);
     }
     let vals = to_f64(&bytes, dtype);
     (bytes, vals)
-}
-
-/// Wraps an exact integer to `dtype`'s width, as the kernel's integer arithmetic does.
-fn wrap_int(v: i128, dtype: mkDataType_t) -> i128 {
-    use mkDataType_t::*;
-    match dtype {
-        mkInt8 => v as i8 as i128,
-        mkUint8 => v as u8 as i128,
-        mkInt32 => v as i32 as i128,
-        mkUint32 => v as u32 as i128,
-        mkInt64 => v as i64 as i128,
-        mkUint64 => v as u64 as i128,
-        _ => v,
-    }
-}
-
-/// The exact reduction of one element over the ranks' values (integers wrap as the
-/// kernel's integer arithmetic does).
-fn reduce_ref(vals: &[f64], op: mkRedOp_t, dtype: mkDataType_t) -> f64 {
-    let n = vals.len();
-    if is_float(dtype) {
-        return match op {
-            mkRedOp_t::mkSum => vals.iter().sum(),
-            mkRedOp_t::mkAvg => vals.iter().sum::<f64>() / n as f64,
-            mkRedOp_t::mkProd => vals.iter().product(),
-            mkRedOp_t::mkMax => vals.iter().cloned().fold(f64::MIN, f64::max),
-            mkRedOp_t::mkMin => vals.iter().cloned().fold(f64::MAX, f64::min),
-        };
-    }
-    let ints: Vec<i128> = vals.iter().map(|&v| v as i128).collect();
-    let r = match op {
-        mkRedOp_t::mkSum => wrap_int(ints.iter().sum(), dtype),
-        mkRedOp_t::mkProd => wrap_int(ints.iter().fold(1i128, |a, b| wrap_int(a * b, dtype)), dtype),
-        mkRedOp_t::mkMax => *ints.iter().max().unwrap(),
-        mkRedOp_t::mkMin => *ints.iter().min().unwrap(),
-        // integer avg: the wrapped sum divided by nranks, truncating (C division)
-        mkRedOp_t::mkAvg => wrap_int(ints.iter().sum(), dtype) / n as i128,
-    };
-    let _ = is_signed(dtype);
-    r as f64
 }
 
 fn upload_at(ptr: u64, bytes: &[u8]) -> Result<()> {
@@ -335,7 +259,7 @@ impl Case {
     /// allows: an fp32 reduction over the ranks rounded once (testing::Rule), plus one
     /// rounding per node partial across nodes. Max, Min and integers are exact (None).
     fn reference(&self, vals: &[f64]) -> (f64, Option<f64>) {
-        let exact = reduce_ref(vals, self.op, self.dtype);
+        let exact = exact_reduction(vals, self.op, self.dtype);
         if !is_float(self.dtype) || matches!(self.op, mkRedOp_t::mkMax | mkRedOp_t::mkMin) {
             return (exact, None);
         }

@@ -44,6 +44,7 @@ use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::gemm::mkGemm;
 use mkernel::ffi::mkComm_t;
 use mkernel::ops::collectives::CollectiveKind;
+use mkernel::testing::collective_values::splitmix;
 use mkernel::testing::TestBuffer;
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 use std::collections::{BTreeMap, BTreeSet};
@@ -126,13 +127,6 @@ pub(crate) fn shared_seed(env: &RankEnv) -> Result<u64> {
         return Ok(seed);
     }
     Ok(env.ids.iter().flat_map(|id| id.to_bytes()).fold(0x5eed, |h, b| splitmix(h ^ u64::from(b))))
-}
-
-pub(crate) fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 /// The generator every rank runs in step. Integers only, so ranks on different hosts draw
