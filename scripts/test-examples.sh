@@ -41,6 +41,15 @@ readelf -SW "$so" | grep -q ' \.symtab ' && fail "the installed library has a fu
 readelf -p .gnu_debuglink "$so" | grep -qF "libmkernel.so.$version.debug" || fail "no .gnu_debuglink to the debug file"
 [ -s "$so.debug" ] || fail "INSTALL_DEBUG=1 installed no debug file"
 echo "  stripped library $(stat -c %s "$so") bytes (build: $(stat -c %s target/release/libmkernel.so)), debug file beside it"
+# The test and benchmark helpers (mkernel::testing, the cuBLASLt loader) serve mktest and
+# mkbench; nothing the C ABI reaches calls them, so the linker leaves them out of the library.
+# Each has a message of its own: none may be in the library's data.
+for marker in "src/cublaslt.rs:libcublasLt.so not found" "src/testing/acceptance.rs:not judged below"; do
+  file=${marker%%:*} text=${marker#*:}
+  grep -qF "$text" "$file" || fail "the marker \"$text\" is no longer in $file: choose another"
+  strings "$so" | grep -qF "$text" && fail "the installed library holds code of $file (\"$text\")"
+done
+echo "  no test or benchmark helpers in the library"
 
 echo "== libmkernel.a: only the mk* API is global, the same symbols the shared library exports"
 nm -D --defined-only "$so" | awk '{print $3}' | sort >"$work/so.syms"
