@@ -94,6 +94,17 @@ pub fn check_rounds(
     Ok((rounds as usize, failures))
 }
 
+/// Waits for `stream` (unbounded: the communicator's timeout ends a stuck op) and requires
+/// no asynchronous error on `comm`.
+pub fn sync_no_error(comm: mkComm_t, stream: &Stream, what: &str) -> Result<()> {
+    stream.sync()?;
+    let code = async_error(comm);
+    if code != mkResult_t::mkSuccess {
+        return Err(MkError::new(code, format!("{what}: asynchronous error {code:?}")));
+    }
+    Ok(())
+}
+
 /// Counts a suite's `checks` toward its tally, says how many were wrong, and fails when
 /// any was.
 pub fn count_checks(rank: usize, op: &str, checks: usize, failures: usize) -> Result<()> {
@@ -136,62 +147,35 @@ pub fn graph_replay_of(
     for c in captured {
         c.case.prepare(c.capture_seed)?;
     }
-    // SAFETY: capture on a live non-default stream; the launches are our ops.
-    unsafe {
-        cuda::check(
-            "cuStreamBeginCapture",
-            sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
-        )?
-    };
-    let launched: Vec<mkResult_t> = captured.iter().map(|c| c.case.launch(comm, stream.0)).collect();
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    // SAFETY: ends the capture begun above.
-    cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
-    for (c, code) in captured.iter().zip(launched) {
-        ffi(&format!("{op} {} (captured)", c.case.label()), code, comm)?;
-    }
-    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-    // SAFETY: graph from the capture.
-    cuda::check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
+    let graph = CapturedGraph::capture(comm, &stream, |s| {
+        captured.iter().map(|c| (format!("{op} {} (captured)", c.case.label()), c.case.launch(comm, s))).collect()
+    })?;
     let mut failures = 0;
-    let result = (|| -> Result<()> {
-        for replay in 0..3u64 {
-            for c in captured {
-                c.case.prepare(c.replay_seed + replay)?;
-            }
-            // SAFETY: instantiated graph, live stream.
-            cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
-            stream.sync()?;
-            if async_error(comm) != mkResult_t::mkSuccess {
-                return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
-            }
-            for c in captured {
-                let (ok, detail) = c.case.verify()?;
-                crate::outcome::count(1);
-                if !ok {
-                    failures += 1;
-                    say(rank, format!("graph replay {replay}: {} {detail} -> WRONG", c.case.label()));
-                }
-            }
-            let case = captured[direct].case;
-            case.prepare(direct_seed + replay)?;
-            ffi(&format!("{op} {}", case.label()), case.launch(comm, stream.0), comm)?;
-            stream.sync()?;
-            let (ok, detail) = case.verify()?;
+    for replay in 0..3u64 {
+        for c in captured {
+            c.case.prepare(c.replay_seed + replay)?;
+        }
+        graph.launch(&stream)?;
+        sync_no_error(comm, &stream, &format!("{op} graph replay {replay}"))?;
+        for c in captured {
+            let (ok, detail) = c.case.verify()?;
             crate::outcome::count(1);
             if !ok {
                 failures += 1;
-                say(rank, format!("call between replays: {} {detail} -> WRONG", case.label()));
+                say(rank, format!("graph replay {replay}: {} {detail} -> WRONG", c.case.label()));
             }
         }
-        Ok(())
-    })();
-    // SAFETY: destroyed once, whatever happened above.
-    unsafe {
-        sys::cuGraphExecDestroy(exec);
-        sys::cuGraphDestroy(graph);
+        let case = captured[direct].case;
+        case.prepare(direct_seed + replay)?;
+        ffi(&format!("{op} {}", case.label()), case.launch(comm, stream.0), comm)?;
+        stream.sync()?;
+        let (ok, detail) = case.verify()?;
+        crate::outcome::count(1);
+        if !ok {
+            failures += 1;
+            say(rank, format!("call between replays: {} {detail} -> WRONG", case.label()));
+        }
     }
-    result?;
     say(
         rank,
         format!(
@@ -203,6 +187,63 @@ pub fn graph_replay_of(
         return Err(MkError::internal(format!("{op} graph replay gave wrong results")));
     }
     Ok(())
+}
+
+/// An instantiated CUDA graph captured from launches on one stream; destroyed on drop,
+/// whatever happens after the capture.
+pub struct CapturedGraph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+impl CapturedGraph {
+    /// Captures what `launch(stream)` issues on `stream` (it returns each launch's name and
+    /// result, checked once the capture has ended) and instantiates the graph.
+    pub fn capture(
+        comm: mkComm_t,
+        stream: &Stream,
+        launch: impl FnOnce(sys::CUstream) -> Vec<(String, mkResult_t)>,
+    ) -> Result<CapturedGraph> {
+        // SAFETY: capture on a live non-default stream; the launches are our ops.
+        unsafe {
+            cuda::check(
+                "cuStreamBeginCapture",
+                sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
+            )?
+        };
+        let launched = launch(stream.0);
+        let mut graph = CapturedGraph { graph: std::ptr::null_mut(), exec: std::ptr::null_mut() };
+        // SAFETY: ends the capture begun above.
+        cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph.graph) })?;
+        for (what, code) in launched {
+            ffi(&what, code, comm)?;
+        }
+        // SAFETY: graph from the capture.
+        cuda::check("cuGraphInstantiate", unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut graph.exec, graph.graph, 0)
+        })?;
+        Ok(graph)
+    }
+
+    /// One replay on `stream` (stream-ordered).
+    pub fn launch(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: instantiated graph, live stream.
+        cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(self.exec, stream.0) })
+    }
+}
+
+impl Drop for CapturedGraph {
+    fn drop(&mut self) {
+        // SAFETY: each handle is destroyed once, and only when it was created.
+        unsafe {
+            if !self.exec.is_null() {
+                sys::cuGraphExecDestroy(self.exec);
+            }
+            if !self.graph.is_null() {
+                sys::cuGraphDestroy(self.graph);
+            }
+        }
+    }
 }
 
 /// The last rank never calls the op (on a communicator made from `env.ids[id_index]` with
