@@ -77,7 +77,7 @@ pub fn check_rounds(
     for round in 0..rounds {
         before(round);
         case.prepare(seed + round)?;
-        ffi(op, case.launch(comm, stream.0), comm)?;
+        ffi(&format!("{op} {}", case.label()), case.launch(comm, stream.0), comm)?;
         timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{op} {}", case.label())))?;
         let code = async_error(comm);
         if code != mkResult_t::mkSuccess {
@@ -94,66 +94,156 @@ pub fn check_rounds(
     Ok((rounds as usize, failures))
 }
 
+/// Waits for `stream` (unbounded: the communicator's timeout ends a stuck op) and requires
+/// no asynchronous error on `comm`.
+pub fn sync_no_error(comm: mkComm_t, stream: &Stream, what: &str) -> Result<()> {
+    stream.sync()?;
+    let code = async_error(comm);
+    if code != mkResult_t::mkSuccess {
+        return Err(MkError::new(code, format!("{what}: asynchronous error {code:?}")));
+    }
+    Ok(())
+}
+
+/// Counts a suite's `checks` toward its tally, says how many were wrong, and fails when
+/// any was.
+pub fn count_checks(rank: usize, op: &str, checks: usize, failures: usize) -> Result<()> {
+    crate::outcome::count(checks);
+    say(rank, format!("correctness: {checks} checks, {failures} wrong"));
+    if failures > 0 {
+        return Err(MkError::internal(format!("{op}: {failures} of {checks} checks wrong")));
+    }
+    Ok(())
+}
+
 /// Captures one call of `op` in a CUDA graph, then three times replays it on fresh inputs
 /// and checks, and makes a direct call on fresh inputs between replays (the device-side
 /// epochs must stay in step whichever way the op is launched).
 pub fn graph_replay(comm: mkComm_t, rank: usize, op: &str, case: &dyn FusedCase) -> Result<()> {
+    graph_replay_of(comm, rank, op, &[Captured { case, capture_seed: 1, replay_seed: 100 }], 0, 200)
+}
+
+/// One launch in a captured graph: its case, the seed of its inputs at capture and, at
+/// replay r, `replay_seed + r`.
+pub struct Captured<'a> {
+    pub case: &'a dyn FusedCase,
+    pub capture_seed: u64,
+    pub replay_seed: u64,
+}
+
+/// Captures the launches of `captured` in one CUDA graph, in order, then three times
+/// replays it on fresh inputs and checks every launch, and between replays calls
+/// `captured[direct]` directly on fresh inputs (seed `direct_seed + r`) and checks it (the
+/// device-side epochs must stay in step whichever way the ops are launched).
+pub fn graph_replay_of(
+    comm: mkComm_t,
+    rank: usize,
+    op: &str,
+    captured: &[Captured],
+    direct: usize,
+    direct_seed: u64,
+) -> Result<()> {
     let stream = Stream::new()?;
-    case.prepare(1)?;
-    // SAFETY: capture on a live non-default stream; the launch is our op.
-    unsafe {
-        cuda::check(
-            "cuStreamBeginCapture",
-            sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
-        )?
-    };
-    let launched = case.launch(comm, stream.0);
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    // SAFETY: ends the capture begun above.
-    cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
-    ffi(&format!("{op} (captured)"), launched, comm)?;
-    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-    // SAFETY: graph from the capture.
-    cuda::check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
+    for c in captured {
+        c.case.prepare(c.capture_seed)?;
+    }
+    let graph = CapturedGraph::capture(comm, &stream, |s| {
+        captured.iter().map(|c| (format!("{op} {} (captured)", c.case.label()), c.case.launch(comm, s))).collect()
+    })?;
     let mut failures = 0;
-    let result = (|| -> Result<()> {
-        for replay in 0..3u64 {
-            case.prepare(100 + replay)?;
-            // SAFETY: instantiated graph, live stream.
-            cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
-            stream.sync()?;
-            if async_error(comm) != mkResult_t::mkSuccess {
-                return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
-            }
-            let (ok, detail) = case.verify()?;
+    for replay in 0..3u64 {
+        for c in captured {
+            c.case.prepare(c.replay_seed + replay)?;
+        }
+        graph.launch(&stream)?;
+        sync_no_error(comm, &stream, &format!("{op} graph replay {replay}"))?;
+        for c in captured {
+            let (ok, detail) = c.case.verify()?;
             crate::outcome::count(1);
             if !ok {
                 failures += 1;
-                say(rank, format!("graph replay {replay}: {detail} -> WRONG"));
-            }
-            case.prepare(200 + replay)?;
-            ffi(op, case.launch(comm, stream.0), comm)?;
-            stream.sync()?;
-            let (ok, detail) = case.verify()?;
-            crate::outcome::count(1);
-            if !ok {
-                failures += 1;
-                say(rank, format!("call between replays: {detail} -> WRONG"));
+                say(rank, format!("graph replay {replay}: {} {detail} -> WRONG", c.case.label()));
             }
         }
-        Ok(())
-    })();
-    // SAFETY: destroyed once, whatever happened above.
-    unsafe {
-        sys::cuGraphExecDestroy(exec);
-        sys::cuGraphDestroy(graph);
+        let case = captured[direct].case;
+        case.prepare(direct_seed + replay)?;
+        ffi(&format!("{op} {}", case.label()), case.launch(comm, stream.0), comm)?;
+        stream.sync()?;
+        let (ok, detail) = case.verify()?;
+        crate::outcome::count(1);
+        if !ok {
+            failures += 1;
+            say(rank, format!("call between replays: {} {detail} -> WRONG", case.label()));
+        }
     }
-    result?;
-    say(rank, format!("graph capture: 3 replays + 3 direct calls with fresh inputs, {failures} wrong"));
+    say(
+        rank,
+        format!(
+            "graph capture: {} launch(es) x 3 replays + 3 direct calls with fresh inputs, {failures} wrong",
+            captured.len()
+        ),
+    );
     if failures > 0 {
         return Err(MkError::internal(format!("{op} graph replay gave wrong results")));
     }
     Ok(())
+}
+
+/// An instantiated CUDA graph captured from launches on one stream; destroyed on drop,
+/// whatever happens after the capture.
+pub struct CapturedGraph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+impl CapturedGraph {
+    /// Captures what `launch(stream)` issues on `stream` (it returns each launch's name and
+    /// result, checked once the capture has ended) and instantiates the graph.
+    pub fn capture(
+        comm: mkComm_t,
+        stream: &Stream,
+        launch: impl FnOnce(sys::CUstream) -> Vec<(String, mkResult_t)>,
+    ) -> Result<CapturedGraph> {
+        // SAFETY: capture on a live non-default stream; the launches are our ops.
+        unsafe {
+            cuda::check(
+                "cuStreamBeginCapture",
+                sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
+            )?
+        };
+        let launched = launch(stream.0);
+        let mut graph = CapturedGraph { graph: std::ptr::null_mut(), exec: std::ptr::null_mut() };
+        // SAFETY: ends the capture begun above.
+        cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph.graph) })?;
+        for (what, code) in launched {
+            ffi(&what, code, comm)?;
+        }
+        // SAFETY: graph from the capture.
+        cuda::check("cuGraphInstantiate", unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut graph.exec, graph.graph, 0)
+        })?;
+        Ok(graph)
+    }
+
+    /// One replay on `stream` (stream-ordered).
+    pub fn launch(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: instantiated graph, live stream.
+        cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(self.exec, stream.0) })
+    }
+}
+
+impl Drop for CapturedGraph {
+    fn drop(&mut self) {
+        // SAFETY: each handle is destroyed once, and only when it was created.
+        unsafe {
+            if !self.exec.is_null() {
+                sys::cuGraphExecDestroy(self.exec);
+            }
+            if !self.graph.is_null() {
+                sys::cuGraphDestroy(self.graph);
+            }
+        }
+    }
 }
 
 /// The last rank never calls the op (on a communicator made from `env.ids[id_index]` with

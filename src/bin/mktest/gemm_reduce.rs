@@ -3,17 +3,18 @@
 //! Per rank: both ops × both dtypes × shapes (decode sizes: 1-16 rows per rank for
 //! GEMM+RS, M = 1..16 for GEMM+AR; K = 8; N = 8; M odd; N, K off the tile grid) against a
 //! float64 CPU reference of Σ_r A_r·B_rᵀ element by element (every rank regenerates every
-//! rank's inputs from their seeds, one allocation per rank, guard bands checked); AllReduce outputs must be bitwise identical on every
-//! rank; every shape twice with fresh inputs; capture in a CUDA graph and replay with fresh
-//! inputs; and, with several ranks, a rank that never calls.
+//! rank's inputs from their seeds, one allocation per rank, guard bands checked);
+//! AllReduce outputs must be bitwise identical on every rank; every shape twice with fresh
+//! inputs; capture in a CUDA graph and replay with fresh inputs; and, with several ranks, a
+//! rank that never calls. The cases are a table driven by fused_common's check_rounds,
+//! graph_replay_of and absent_rank.
 
-use crate::collectives::{async_error, ffi, say, Stream};
-use crate::fused_common;
-use crate::outcome::{self, Outcome};
+use crate::fused_common::{self, Captured, FusedCase};
+use crate::outcome::Outcome;
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
-use mkernel::cuda::{self, sys};
-use mkernel::error::{mkResult_t, MkError, Result};
+use mkernel::cuda::sys;
+use mkernel::error::{mkResult_t, Result};
 use mkernel::ffi::fused::{mkGemmAllReduce, mkGemmReduceScatter};
 use mkernel::ffi::mkComm_t;
 use mkernel::testing::{check_close, to_f64, tolerance, unit_roundoff, Rule, TestBuffer, Verdict};
@@ -72,7 +73,38 @@ impl Case {
         })
     }
 
-    pub(crate) fn label(&self) -> String {
+    fn op(&self) -> &'static str {
+        if self.scatter {
+            "mkGemmReduceScatter"
+        } else {
+            "mkGemmAllReduce"
+        }
+    }
+
+    /// (passed, detail, raw output bytes). Each element is Σ_r p_r with p_r rank r's dot
+    /// product of K terms: its bound is each partial's (accumulated over K, rounded to the
+    /// element type when there are several ranks) plus the fp32 sum of the n partials and
+    /// its one rounding, plus one more rounding of the node partials across nodes.
+    pub(crate) fn verify_with_output(&self) -> Result<(bool, String, Vec<u8>)> {
+        let (m, n, k, nr) = (self.m, self.n, self.k, self.nranks);
+        let a: Vec<Vec<f64>> = self.a_shards.iter().map(|s| s.download_f64()).collect::<Result<_>>()?;
+        let b: Vec<Vec<f64>> = self.b_shards.iter().map(|s| s.download_f64()).collect::<Result<_>>()?;
+        let raw = self.c.download()?;
+        let (r0, r1) = if self.scatter { (self.rank * m / nr, (self.rank + 1) * m / nr) } else { (0, m) };
+        let out = to_f64(&raw, self.dtype);
+        let (reference, bounds) = reduced_reference(&a, &b, r0..r1, n, k, self.dtype, self.node_partials);
+        let verdict: Verdict = check_close(&out, &reference, &bounds, tolerance(self.dtype));
+        let mut buffers: Vec<(&str, &TestBuffer)> = vec![("C", &self.c)];
+        buffers
+            .extend(self.a_shards.iter().map(|s| ("A shard", s)).chain(self.b_shards.iter().map(|s| ("B shard", s))));
+        let guards = fused_common::guards_intact(&buffers)?;
+        let ok = verdict.passed() && guards.is_none();
+        Ok((ok, format!("{verdict}{}", guards.map_or(String::new(), |w| format!("; GUARD {w}"))), raw))
+    }
+}
+
+impl FusedCase for Case {
+    fn label(&self) -> String {
         format!(
             "{} {} M={} N={} K={}",
             if self.scatter { "GEMM+RS" } else { "GEMM+AR" },
@@ -83,14 +115,14 @@ impl Case {
         )
     }
 
-    pub(crate) fn prepare(&self, seed: u64) -> Result<()> {
+    fn prepare(&self, seed: u64) -> Result<()> {
         fused_common::fill_shards(&self.a_shards, seed * 100, 1.0)?;
         fused_common::fill_shards(&self.b_shards, seed * 100 + 50, 1.0)?;
         self.c.poison(std::ptr::null_mut())?;
         fused_common::sync_default_stream()
     }
 
-    pub(crate) fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
         let (a, b) = (self.a_shards[self.rank].ptr(), self.b_shards[self.rank].ptr());
         let f = if self.scatter { mkGemmReduceScatter } else { mkGemmAllReduce };
         // SAFETY: device buffers of the sizes the op expects.
@@ -109,25 +141,43 @@ impl Case {
         }
     }
 
-    /// (passed, detail, raw output bytes). Each element is Σ_r p_r with p_r rank r's dot
-    /// product of K terms: its bound is each partial's (accumulated over K, rounded to the
-    /// element type when there are several ranks) plus the fp32 sum of the n partials and
-    /// its one rounding, plus one more rounding of the node partials across nodes.
-    pub(crate) fn verify(&self) -> Result<(bool, String, Vec<u8>)> {
-        let (m, n, k, nr) = (self.m, self.n, self.k, self.nranks);
-        let a: Vec<Vec<f64>> = self.a_shards.iter().map(|s| s.download_f64()).collect::<Result<_>>()?;
-        let b: Vec<Vec<f64>> = self.b_shards.iter().map(|s| s.download_f64()).collect::<Result<_>>()?;
-        let raw = self.c.download()?;
-        let (r0, r1) = if self.scatter { (self.rank * m / nr, (self.rank + 1) * m / nr) } else { (0, m) };
-        let out = to_f64(&raw, self.dtype);
-        let (reference, bounds) = reduced_reference(&a, &b, r0..r1, n, k, self.dtype, self.node_partials);
-        let verdict: Verdict = check_close(&out, &reference, &bounds, tolerance(self.dtype));
-        let mut buffers: Vec<(&str, &TestBuffer)> = vec![("C", &self.c)];
-        buffers
-            .extend(self.a_shards.iter().map(|s| ("A shard", s)).chain(self.b_shards.iter().map(|s| ("B shard", s))));
-        let guards = fused_common::guards_intact(&buffers)?;
-        let ok = verdict.passed() && guards.is_none();
-        Ok((ok, format!("{verdict}{}", guards.map_or(String::new(), |w| format!("; GUARD {w}"))), raw))
+    fn verify(&self) -> Result<(bool, String)> {
+        self.verify_with_output().map(|(ok, detail, _)| (ok, detail))
+    }
+}
+
+/// An mkGemmAllReduce case whose output every rank must hold bit for bit: its check also
+/// compares the output's SHA-256 across ranks over the control communicator (a collective
+/// call: every rank verifies the same cases in the same order).
+struct SameOnEveryRank<'a> {
+    case: &'a Case,
+    control: &'a Comm,
+}
+
+impl FusedCase for SameOnEveryRank<'_> {
+    fn label(&self) -> String {
+        self.case.label()
+    }
+
+    fn prepare(&self, seed: u64) -> Result<()> {
+        self.case.prepare(seed)
+    }
+
+    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        self.case.launch(comm, stream)
+    }
+
+    fn verify(&self) -> Result<(bool, String)> {
+        let (mut ok, mut detail, raw) = self.case.verify_with_output()?;
+        let digest = mkernel::bootstrap::crypto::sha256(&[&raw]);
+        let all = self.control.bootstrap.allgather(&digest)?;
+        if all.iter().any(|d| d[..] != digest[..]) {
+            ok = false;
+            detail.push_str(", ranks' outputs DIFFER");
+        } else {
+            detail.push_str(", identical on all ranks");
+        }
+        Ok((ok, detail))
     }
 }
 
@@ -169,160 +219,83 @@ pub(crate) fn reduced_reference(
     (reference, bounds)
 }
 
-/// `across_nodes`: the communicator spans nodes (the node partials' rounding is allowed for).
-pub(crate) fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize, across_nodes: bool) -> Result<()> {
-    let stream = Stream::new()?;
-    let (mut checks, mut failures) = (0, 0);
-    for scatter in [true, false] {
-        for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
-            // (M, N, K): decode-sized and odd M (AllReduce, one-shot), shards off the tile
-            // grid; M = n·384 and n·256 take the two-phase AllReduce when n > 1. N = 4360
-            // (18 tiles of 256, the last partial) gives more reducer items than the 8-32
-            // CTAs of a shared GPU, with a partial last wave: for GEMM+RS the early-sum
-            // kernels (ops::gemm_reduce::early_items), with K = 72 a GEMM short enough that
-            // the side warps are often stopped inside an item and the 12 warps finish it.
-            // Decode sizes (1-16 rows per rank for GEMM+RS, M = 1..16 for GEMM+AR), K = 8
-            // (one MMA step), N = 8, and a partial tile in every dimension.
-            let shapes: Vec<(usize, usize, usize)> = if scatter {
-                vec![
-                    (n, 264, 72),
-                    (n * 5, 8, 8),
-                    (n * 16, 520, 8),
-                    (n * 97, 264, 72),
-                    (n * 128, 520, 136),
-                    (n * 333, 776, 264),
-                    (n * 300, 4360, 72),
-                ]
-            } else {
-                vec![
-                    (1, 264, 72),
-                    (3, 264, 8),
-                    (16, 8, 136),
-                    (7, 520, 136),
-                    (64, 1032, 256),
-                    (255, 776, 264),
-                    (n * 200 + 3, 392, 200),
-                    (n * 384, 776, 264),
-                    (n * 256, 1032, 136),
-                    (250, 4360, 72),
-                ]
-            };
-            for (m, cols, k) in shapes {
-                let mut case = Case::new(scatter, dtype, m, cols, k, n, rank)?;
-                case.node_partials = across_nodes;
-                for round in 0..2u64 {
-                    case.prepare(7 + round)?;
-                    ffi(&case.label(), case.launch(comm, stream.0), comm)?;
-                    stream.sync()?;
-                    if async_error(comm) != mkResult_t::mkSuccess {
-                        return Err(MkError::new(async_error(comm), format!("{}: asynchronous error", case.label())));
-                    }
-                    let (mut ok, mut detail, raw) = case.verify()?;
-                    if !scatter {
-                        // Every rank's C must be the same bits.
-                        let digest = mkernel::bootstrap::crypto::sha256(&[&raw]);
-                        let all = control.bootstrap.allgather(&digest)?;
-                        if all.iter().any(|d| d[..] != digest[..]) {
-                            ok = false;
-                            detail.push_str(", ranks' outputs DIFFER");
-                        } else {
-                            detail.push_str(", identical on all ranks");
-                        }
-                    }
-                    checks += 1;
-                    if !ok {
-                        failures += 1;
-                    }
-                    if !ok || rank == 0 {
-                        say(
-                            rank,
-                            format!("{} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }),
-                        );
-                    }
-                }
-            }
-        }
+const DTYPES: [mkDataType_t; 2] = [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16];
+
+/// (M, N, K) of each op's cases with `nranks` ranks: decode-sized and odd M (AllReduce,
+/// one-shot), shards off the tile grid; M = n·384 and n·256 take the two-phase AllReduce
+/// when n > 1. N = 4360 (18 tiles of 256, the last partial) gives more reducer items than
+/// the 8-32 CTAs of a shared GPU, with a partial last wave: for GEMM+RS the early-sum
+/// kernels (ops::gemm_reduce::early_items), with K = 72 a GEMM short enough that the side
+/// warps are often stopped inside an item and the 12 warps finish it. Decode sizes (1-16
+/// rows per rank for GEMM+RS, M = 1..16 for GEMM+AR), K = 8 (one MMA step), N = 8, and a
+/// partial tile in every dimension.
+fn shapes(scatter: bool, n: usize) -> Vec<(usize, usize, usize)> {
+    if scatter {
+        vec![
+            (n, 264, 72),
+            (n * 5, 8, 8),
+            (n * 16, 520, 8),
+            (n * 97, 264, 72),
+            (n * 128, 520, 136),
+            (n * 333, 776, 264),
+            (n * 300, 4360, 72),
+        ]
+    } else {
+        vec![
+            (1, 264, 72),
+            (3, 264, 8),
+            (16, 8, 136),
+            (7, 520, 136),
+            (64, 1032, 256),
+            (255, 776, 264),
+            (n * 200 + 3, 392, 200),
+            (n * 384, 776, 264),
+            (n * 256, 1032, 136),
+            (250, 4360, 72),
+        ]
     }
-    outcome::count(checks);
-    say(rank, format!("correctness: {checks} checks, {failures} wrong"));
-    if failures > 0 {
-        return Err(MkError::internal(format!("GEMM + reduction: {failures} of {checks} checks wrong")));
-    }
-    Ok(())
 }
 
+/// Every case, twice with fresh inputs: GEMM+RS then GEMM+AR, each in both dtypes over
+/// its shapes; AllReduce outputs also bit for bit the same on every rank.
+/// `across_nodes`: the communicator spans nodes (the node partials' rounding is allowed for).
+pub(crate) fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize, across_nodes: bool) -> Result<()> {
+    let table = [true, false].into_iter().flat_map(|scatter| {
+        DTYPES.into_iter().flat_map(move |dtype| shapes(scatter, n).into_iter().map(move |s| (scatter, dtype, s)))
+    });
+    let (mut checks, mut failures) = (0, 0);
+    for (scatter, dtype, (m, cols, k)) in table {
+        let mut case = Case::new(scatter, dtype, m, cols, k, n, rank)?;
+        case.node_partials = across_nodes;
+        let checked: &dyn FusedCase = if scatter { &case } else { &SameOnEveryRank { case: &case, control } };
+        let (c, f) = fused_common::check_rounds(comm, rank, case.op(), checked, 7, 2, &|_| ())?;
+        checks += c;
+        failures += f;
+    }
+    fused_common::count_checks(rank, "GEMM + reduction", checks, failures)
+}
+
+/// One graph of four launches (GEMM+RS; one-shot GEMM+AR; GEMM+AR two-phase when n > 1;
+/// one-shot GEMM+AR with M not a multiple of 128, where every rank sums every tile),
+/// replayed with fresh inputs, the small GEMM+AR called directly between replays.
 pub(crate) fn graph_replay(comm: mkComm_t, rank: usize, n: usize, across_nodes: bool) -> Result<()> {
-    let stream = Stream::new()?;
-    let mut rs = Case::new(true, mkDataType_t::mkBfloat16, n * 160, 392, 200, n, rank)?;
-    let mut ar = Case::new(false, mkDataType_t::mkFloat16, 33, 264, 136, n, rank)?;
-    let mut ar2 = Case::new(false, mkDataType_t::mkBfloat16, n * 384, 264, 136, n, rank)?; // two-phase when n > 1
-    let mut ar3 = Case::new(false, mkDataType_t::mkBfloat16, 200, 776, 136, n, rank)?; // one-shot, M not a multiple of 128: every rank sums every tile
-    for c in [&mut rs, &mut ar, &mut ar2, &mut ar3] {
-        c.node_partials = across_nodes;
-    }
-    rs.prepare(1)?;
-    ar.prepare(2)?;
-    ar2.prepare(3)?;
-    ar3.prepare(4)?;
-    // SAFETY: capture on a live non-default stream; the launches are our ops.
-    unsafe {
-        cuda::check(
-            "cuStreamBeginCapture",
-            sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
-        )?
+    let case = |scatter, dtype, m, cols, k| -> Result<Case> {
+        let mut case = Case::new(scatter, dtype, m, cols, k, n, rank)?;
+        case.node_partials = across_nodes;
+        Ok(case)
     };
-    let launched =
-        [rs.launch(comm, stream.0), ar.launch(comm, stream.0), ar2.launch(comm, stream.0), ar3.launch(comm, stream.0)];
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    // SAFETY: ends the capture begun above.
-    cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
-    for r in launched {
-        ffi("captured launch", r, comm)?;
-    }
-    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-    // SAFETY: graph from the capture.
-    cuda::check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
-    let mut failures = 0;
-    for replay in 0..3u64 {
-        rs.prepare(10 + replay)?;
-        ar.prepare(20 + replay)?;
-        ar2.prepare(40 + replay)?;
-        ar3.prepare(50 + replay)?;
-        // SAFETY: instantiated graph, live stream.
-        cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
-        stream.sync()?;
-        if async_error(comm) != mkResult_t::mkSuccess {
-            return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
-        }
-        for c in [&rs, &ar, &ar2, &ar3] {
-            let (ok, detail, _) = c.verify()?;
-            outcome::count(1);
-            if !ok {
-                failures += 1;
-                say(rank, format!("graph replay {replay}: {} {detail} -> WRONG", c.label()));
-            }
-        }
-        // A direct call between replays keeps the device-side epochs in step.
-        ar.prepare(30 + replay)?;
-        ffi("mkGemmAllReduce", ar.launch(comm, stream.0), comm)?;
-        stream.sync()?;
-        let (ok, detail, _) = ar.verify()?;
-        outcome::count(1);
-        if !ok {
-            failures += 1;
-            say(rank, format!("call between replays: {detail} -> WRONG"));
-        }
-    }
-    // SAFETY: destroyed once.
-    unsafe {
-        sys::cuGraphExecDestroy(exec);
-        sys::cuGraphDestroy(graph);
-    }
-    say(rank, format!("graph capture: 4 launches x 3 replays + 3 direct calls with fresh inputs, {failures} wrong"));
-    if failures > 0 {
-        return Err(MkError::internal("GEMM + reduction graph replay gave wrong results"));
-    }
-    Ok(())
+    let (bf16, f16) = (mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16);
+    let rs = case(true, bf16, n * 160, 392, 200)?;
+    let ar = case(false, f16, 33, 264, 136)?;
+    let ar_two_phase = case(false, bf16, n * 384, 264, 136)?;
+    let ar_every_tile = case(false, bf16, 200, 776, 136)?;
+    let captured = [
+        Captured { case: &rs, capture_seed: 1, replay_seed: 10 },
+        Captured { case: &ar, capture_seed: 2, replay_seed: 20 },
+        Captured { case: &ar_two_phase, capture_seed: 3, replay_seed: 40 },
+        Captured { case: &ar_every_tile, capture_seed: 4, replay_seed: 50 },
+    ];
+    fused_common::graph_replay_of(comm, rank, "GEMM + reduction", &captured, 1, 30)
 }
 
 fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {

@@ -14,7 +14,7 @@ use crate::fused_common;
 use crate::outcome::{self, Outcome};
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
-use mkernel::cuda::{self, sys};
+use mkernel::cuda::sys;
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::{mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes};
 use mkernel::ffi::mkComm_t;
@@ -499,17 +499,11 @@ fn step(rank: usize, what: &str, ok: bool, detail: &str, failures: &mut usize) {
 fn run_once(case: &Case, comm: mkComm_t, stream: &Stream, seed: u64, failures: &mut usize) -> Result<()> {
     let inp = case.prepare(seed)?;
     ffi(&case.label(), case.dispatch(comm, stream.0), comm)?;
-    stream.sync()?;
-    if async_error(comm) != mkResult_t::mkSuccess {
-        return Err(MkError::new(async_error(comm), format!("{}: asynchronous error in the dispatch", case.label())));
-    }
+    fused_common::sync_no_error(comm, stream, &format!("{} dispatch", case.label()))?;
     let (ok, detail) = case.verify_dispatch(&inp)?;
     step(case.rank, &format!("dispatch {} seed {}", case.label(), inp.seed), ok, &detail, failures);
     ffi(&case.label(), case.combine(comm, stream.0), comm)?;
-    stream.sync()?;
-    if async_error(comm) != mkResult_t::mkSuccess {
-        return Err(MkError::new(async_error(comm), format!("{}: asynchronous error in the combine", case.label())));
-    }
+    fused_common::sync_no_error(comm, stream, &format!("{} combine", case.label()))?;
     let (ok, detail) = case.verify_combine(&inp)?;
     step(case.rank, &format!("combine  {} seed {}", case.label(), inp.seed), ok, &detail, failures);
     Ok(())
@@ -561,46 +555,25 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
         cap = cap.max(capacity_for(&s, n, seed, 0)?);
     }
     let case = Case::new(s, n, rank, cap)?;
-    let inp = case.prepare(40)?;
-    // SAFETY: capture on a live non-default stream; the launches are our ops.
-    unsafe {
-        cuda::check(
-            "cuStreamBeginCapture",
-            sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
-        )?
-    };
-    let launched = [case.dispatch(comm, stream.0), case.combine(comm, stream.0)];
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    // SAFETY: ends the capture begun above.
-    cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
-    for r in launched {
-        ffi("captured launch", r, comm)?;
-    }
-    drop(inp);
-    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-    // SAFETY: graph from the capture.
-    cuda::check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
+    case.prepare(40)?;
+    let graph = fused_common::CapturedGraph::capture(comm, &stream, |s| {
+        vec![
+            (format!("mkMoeDispatchGemm {} (captured)", case.label()), case.dispatch(comm, s)),
+            (format!("mkMoeGemmCombine {} (captured)", case.label()), case.combine(comm, s)),
+        ]
+    })?;
     let mut failures = 0;
     for replay in 0..3u64 {
         // Fresh tokens, weights and routing: the counts change, the graph does not.
         let inp = case.prepare(41 + replay)?;
-        // SAFETY: instantiated graph, live stream.
-        cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
-        stream.sync()?;
-        if async_error(comm) != mkResult_t::mkSuccess {
-            return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
-        }
+        graph.launch(&stream)?;
+        fused_common::sync_no_error(comm, &stream, &format!("{} graph replay {replay}", case.label()))?;
         let (ok, detail) = case.verify_dispatch(&inp)?;
         step(rank, &format!("graph replay {replay} dispatch"), ok, &detail, &mut failures);
         let (ok, detail) = case.verify_combine(&inp)?;
         step(rank, &format!("graph replay {replay} combine"), ok, &detail, &mut failures);
         // A direct call between replays keeps the device-side epochs in step.
         run_once(&case, comm, &stream, 45 + replay, &mut failures)?;
-    }
-    // SAFETY: destroyed once.
-    unsafe {
-        sys::cuGraphExecDestroy(exec);
-        sys::cuGraphDestroy(graph);
     }
     say(
         rank,

@@ -532,7 +532,7 @@ impl Live {
             }
             Live::AllGatherGemm(case) => case.verify().map(|(ok, detail)| (ok, detail, None)),
             Live::GemmReduce { case, scatter } => {
-                case.verify().map(|(ok, detail, raw)| (ok, detail, if *scatter { None } else { Some(raw) }))
+                case.verify_with_output().map(|(ok, detail, raw)| (ok, detail, if *scatter { None } else { Some(raw) }))
             }
             Live::RingAttention(case) => case.verify().map(|(ok, detail)| (ok, detail, None)),
         }
