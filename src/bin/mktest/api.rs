@@ -14,7 +14,8 @@
 //! are refused with mkInvalidUsage naming the rule.
 
 use crate::collectives::{
-    async_error, check_stopped, config, destroy, init_comm, say, timed_sync, Case, Stream, FAULT_TIMEOUT_MS,
+    async_error, check_stopped, config, control_comm, destroy, init_comm, say, timed_sync, Case, Stream,
+    FAULT_TIMEOUT_MS,
 };
 use crate::outcome::{self, Outcome};
 use crate::ranks::{self, RankEnv};
@@ -110,9 +111,7 @@ fn rank_main(env: &RankEnv) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
     let ctx = PrimaryContext::retain(env.device)?;
     let _g = ctx.enter()?;
-    let mut control_cfg = CommConfig::from_env();
-    control_cfg.workspace_bytes = 0;
-    let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
+    let control = control_comm(env)?;
     let mut t = Tally { rank, checks: 0, failures: Vec::new() };
     let comm = init_comm(env, &env.ids[1], &config(10_000, 64 << 20))?;
     let result = (|| -> Result<()> {

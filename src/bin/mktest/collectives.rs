@@ -110,6 +110,14 @@ pub(crate) fn config(timeout_ms: i32, workspace: i64) -> mkConfig_t {
     }
 }
 
+/// The control communicator of a rank's tests (the first id): host barriers, broadcasts and
+/// allgathers between the checks, with no device workspace.
+pub(crate) fn control_comm(env: &RankEnv) -> Result<Comm> {
+    let mut cfg = CommConfig::from_env();
+    cfg.workspace_bytes = 0;
+    Comm::init(&env.ids[0], env.nranks as i32, env.rank as i32, Some(env.device), cfg)
+}
+
 pub(crate) fn init_comm(env: &RankEnv, id: &UniqueId, cfg: &mkConfig_t) -> Result<mkComm_t> {
     let mut uid = mkUniqueId { internal: [0; UNIQUE_ID_BYTES] };
     for (d, s) in uid.internal.iter_mut().zip(id.to_bytes()) {
@@ -381,9 +389,7 @@ fn rank_main(env: &RankEnv) -> Result<()> {
     let ctx = PrimaryContext::retain(env.device)?;
     let _g = ctx.enter()?;
     // The control communicator: host barriers and id broadcasts between the tests.
-    let mut control_cfg = CommConfig::from_env();
-    control_cfg.workspace_bytes = 0;
-    let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
+    let control = control_comm(env)?;
     if rank == 0 {
         say(
             rank,

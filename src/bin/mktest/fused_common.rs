@@ -3,12 +3,13 @@
 //! and the absent-rank check.
 
 use crate::collectives::{
-    async_error, check_stopped, config, destroy, ffi, init_comm, say, timed_sync, Stream, FAULT_TIMEOUT_MS,
+    async_error, check_stopped, config, control_comm, destroy, ffi, init_comm, say, timed_sync, Stream,
+    FAULT_TIMEOUT_MS,
 };
 use crate::outcome::Outcome;
 use crate::ranks::{self, RankEnv};
 use mkernel::bootstrap::root::start_root;
-use mkernel::comm::{Comm, CommConfig};
+use mkernel::comm::Comm;
 use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::mkComm_t;
@@ -308,9 +309,7 @@ pub fn run_suite(
     let ctx = PrimaryContext::retain(env.device)?;
     let _g = ctx.enter()?;
     // The control communicator: host barriers and allgathers between the checks.
-    let mut control_cfg = CommConfig::from_env();
-    control_cfg.workspace_bytes = 0;
-    let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
+    let control = control_comm(&env)?;
     let comm = init_comm(&env, &env.ids[1], &config(30_000, 64 << 20))?;
     let outcome = checks(comm, &control, rank, n);
     control.bootstrap.barrier()?;

@@ -29,7 +29,7 @@
 
 use crate::ag_gemm::Case as AllGatherGemmCase;
 use crate::collectives::{
-    async_error, config, destroy, ffi, init_comm, say, timed_sync, Case as CollectiveCase, Stream,
+    async_error, config, control_comm, destroy, ffi, init_comm, say, timed_sync, Case as CollectiveCase, Stream,
 };
 use crate::fused_common::{self, FusedCase};
 use crate::gemm_reduce::Case as GemmReduceCase;
@@ -38,7 +38,7 @@ use crate::outcome::{self, Outcome};
 use crate::ranks::{self, RankEnv};
 use crate::ring_attn::Case as RingAttentionCase;
 use mkernel::bootstrap::root::start_root;
-use mkernel::comm::{Comm, CommConfig};
+use mkernel::comm::Comm;
 use mkernel::cuda::{sys, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::gemm::mkGemm;
@@ -614,9 +614,7 @@ fn rank_main(env: &RankEnv, seed: u64) -> Result<()> {
     let ctx = PrimaryContext::retain(env.device)?;
     let _g = ctx.enter()?;
     // The control communicator: whether another call follows, and the AllReduce digests.
-    let mut control_cfg = CommConfig::from_env();
-    control_cfg.workspace_bytes = 0;
-    let control = Comm::init(&env.ids[0], n as i32, rank as i32, Some(env.device), control_cfg)?;
+    let control = control_comm(env)?;
     let comm = init_comm(env, &env.ids[1], &config(30_000, WORKSPACE_BYTES as i64))?;
     // An error returns at once (the others' next call or broadcast then fails); wrong
     // results are counted and the ranks finish together.
