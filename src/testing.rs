@@ -4,10 +4,12 @@
 
 mod acceptance;
 pub mod collective_values;
+mod graph;
 pub use acceptance::{
     accumulation_unit, check_close, check_exact, check_exact_bytes, gamma, gemm_reference, underflow_floor,
     unit_roundoff, Rule, Verdict, Worst,
 };
+pub use graph::CapturedGraph;
 
 use crate::cuda::{self, memory::DeviceBuffer, sys};
 use crate::error::Result;

@@ -2,7 +2,7 @@
 //! the measurement protocol (measure.rs) run across ranks.
 
 use crate::measure::{measure_interleaved, slowest_per_call, Measured, Protocol, Stats};
-use crate::timing::{CapturedGraph, Events};
+use crate::timing::{Events, GraphOfCalls};
 use mkernel::comm::Comm;
 use mkernel::cuda::sys;
 use mkernel::error::{MkError, Result};
@@ -112,7 +112,7 @@ pub enum Timed<'a> {
     /// (restoring an in-place call's input).
     CallsAfter(&'a dyn Fn() -> Result<()>, &'a dyn Fn() -> Result<()>),
     /// Replays of a captured graph; a sample is one replay's time divided by its calls.
-    Graph(&'a CapturedGraph),
+    Graph(&'a GraphOfCalls),
 }
 
 /// The shared protocol (measure.rs) across ranks: every rank runs the same contenders in
@@ -195,9 +195,9 @@ pub fn capture_everywhere(
     stream: sys::CUstream,
     calls: usize,
     fs: &[&dyn Fn() -> Result<()>],
-) -> Result<std::result::Result<Vec<CapturedGraph>, String>> {
-    let mine: std::result::Result<Vec<CapturedGraph>, String> =
-        fs.iter().map(|f| CapturedGraph::capture(stream, calls, *f).map_err(|e| e.message)).collect();
+) -> Result<std::result::Result<Vec<GraphOfCalls>, String>> {
+    let mine: std::result::Result<Vec<GraphOfCalls>, String> =
+        fs.iter().map(|f| GraphOfCalls::capture(stream, calls, *f).map_err(|e| e.message)).collect();
     let verdicts = comm.bootstrap.allgather(&[u8::from(mine.is_ok())])?;
     Ok(match (mine, verdicts.iter().position(|v| v.first() != Some(&1))) {
         (Err(why), _) => Err(format!("rank {}: {why}", comm.rank)),

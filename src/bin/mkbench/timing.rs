@@ -6,6 +6,7 @@
 use cudarc::driver::result as cu;
 use mkernel::cuda::{self, sys};
 use mkernel::error::Result;
+use mkernel::testing::CapturedGraph;
 use std::time::Instant;
 
 /// Pairs of CUDA events, one pair per timed call.
@@ -81,52 +82,21 @@ impl Drop for Events {
 
 /// `calls` calls of one contender captured into a CUDA graph and instantiated: one replay
 /// runs them back to back with no host launch between them.
-pub(crate) struct CapturedGraph {
-    graph: sys::CUgraph,
-    exec: sys::CUgraphExec,
+pub(crate) struct GraphOfCalls {
+    graph: CapturedGraph,
     pub calls: usize,
 }
 
-impl CapturedGraph {
+impl GraphOfCalls {
     /// Captures `calls` calls of `f` on `stream` (global capture mode, as mktest's graph
-    /// tests) and instantiates the graph. On an error the capture is ended and nothing is
-    /// left behind.
-    pub(crate) fn capture(stream: sys::CUstream, calls: usize, f: &dyn Fn() -> Result<()>) -> Result<CapturedGraph> {
-        // SAFETY: capture on the caller's live non-default stream.
-        cuda::check("cuStreamBeginCapture", unsafe {
-            sys::cuStreamBeginCapture_v2(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
-        })?;
-        let launched = (0..calls).try_for_each(|_| f());
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: ends the capture begun above, whatever the calls returned.
-        let ended = cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream, &mut graph) });
-        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-        let instantiated = launched.and(ended).and_then(|_| {
-            // SAFETY: the graph the capture produced.
-            cuda::check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })
-        });
-        let captured = CapturedGraph { graph, exec, calls };
-        instantiated.map(|_| captured)
+    /// tests) and instantiates the graph; on an error nothing is left behind.
+    pub(crate) fn capture(stream: sys::CUstream, calls: usize, f: &dyn Fn() -> Result<()>) -> Result<GraphOfCalls> {
+        let graph = CapturedGraph::capture(stream, |_| (0..calls).try_for_each(|_| f()))?;
+        Ok(GraphOfCalls { graph, calls })
     }
 
     /// One replay of the captured calls on `stream`.
     pub(crate) fn launch(&self, stream: sys::CUstream) -> Result<()> {
-        // SAFETY: an instantiated graph and the caller's live stream.
-        cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(self.exec, stream) })
-    }
-}
-
-impl Drop for CapturedGraph {
-    fn drop(&mut self) {
-        // SAFETY: each handle made once by capture (null where that step did not happen),
-        // destroyed once; the caller synchronised the replays.
-        unsafe {
-            if !self.exec.is_null() {
-                sys::cuGraphExecDestroy(self.exec);
-            }
-            if !self.graph.is_null() {
-                sys::cuGraphDestroy(self.graph);
-            }
-        }
+        self.graph.launch(stream)
     }
 }

@@ -13,7 +13,7 @@ use mkernel::comm::Comm;
 use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::mkComm_t;
-use mkernel::testing::TestBuffer;
+use mkernel::testing::{CapturedGraph, TestBuffer};
 use std::time::{Duration, Instant};
 
 /// Test inputs are filled and outputs poisoned on the legacy default stream, which the
@@ -148,15 +148,17 @@ pub fn graph_replay_of(
     for c in captured {
         c.case.prepare(c.capture_seed)?;
     }
-    let graph = CapturedGraph::capture(comm, &stream, |s| {
-        captured.iter().map(|c| (format!("{op} {} (captured)", c.case.label()), c.case.launch(comm, s))).collect()
+    let graph = CapturedGraph::capture(stream.0, |s| {
+        captured
+            .iter()
+            .try_for_each(|c| ffi(&format!("{op} {} (captured)", c.case.label()), c.case.launch(comm, s), comm))
     })?;
     let mut failures = 0;
     for replay in 0..3u64 {
         for c in captured {
             c.case.prepare(c.replay_seed + replay)?;
         }
-        graph.launch(&stream)?;
+        graph.launch(stream.0)?;
         sync_no_error(comm, &stream, &format!("{op} graph replay {replay}"))?;
         for c in captured {
             let (ok, detail) = c.case.verify()?;
@@ -188,63 +190,6 @@ pub fn graph_replay_of(
         return Err(MkError::internal(format!("{op} graph replay gave wrong results")));
     }
     Ok(())
-}
-
-/// An instantiated CUDA graph captured from launches on one stream; destroyed on drop,
-/// whatever happens after the capture.
-pub struct CapturedGraph {
-    graph: sys::CUgraph,
-    exec: sys::CUgraphExec,
-}
-
-impl CapturedGraph {
-    /// Captures what `launch(stream)` issues on `stream` (it returns each launch's name and
-    /// result, checked once the capture has ended) and instantiates the graph.
-    pub fn capture(
-        comm: mkComm_t,
-        stream: &Stream,
-        launch: impl FnOnce(sys::CUstream) -> Vec<(String, mkResult_t)>,
-    ) -> Result<CapturedGraph> {
-        // SAFETY: capture on a live non-default stream; the launches are our ops.
-        unsafe {
-            cuda::check(
-                "cuStreamBeginCapture",
-                sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
-            )?
-        };
-        let launched = launch(stream.0);
-        let mut graph = CapturedGraph { graph: std::ptr::null_mut(), exec: std::ptr::null_mut() };
-        // SAFETY: ends the capture begun above.
-        cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph.graph) })?;
-        for (what, code) in launched {
-            ffi(&what, code, comm)?;
-        }
-        // SAFETY: graph from the capture.
-        cuda::check("cuGraphInstantiate", unsafe {
-            sys::cuGraphInstantiateWithFlags(&mut graph.exec, graph.graph, 0)
-        })?;
-        Ok(graph)
-    }
-
-    /// One replay on `stream` (stream-ordered).
-    pub fn launch(&self, stream: &Stream) -> Result<()> {
-        // SAFETY: instantiated graph, live stream.
-        cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(self.exec, stream.0) })
-    }
-}
-
-impl Drop for CapturedGraph {
-    fn drop(&mut self) {
-        // SAFETY: each handle is destroyed once, and only when it was created.
-        unsafe {
-            if !self.exec.is_null() {
-                sys::cuGraphExecDestroy(self.exec);
-            }
-            if !self.graph.is_null() {
-                sys::cuGraphDestroy(self.graph);
-            }
-        }
-    }
 }
 
 /// The last rank never calls the op (on a communicator made from `env.ids[id_index]` with

@@ -19,7 +19,7 @@ use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::{mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes};
 use mkernel::ffi::mkComm_t;
 use mkernel::ops::moe::{block_tables, device_layout, layout_offsets, send_tables, DeviceLayout, MoeShape, ROW_BLOCK};
-use mkernel::testing::{check_close, check_exact, tolerance, Rule, TestBuffer};
+use mkernel::testing::{check_close, check_exact, tolerance, CapturedGraph, Rule, TestBuffer};
 use mkernel::types::mkDataType_t;
 
 pub fn run() -> Result<Outcome> {
@@ -556,17 +556,15 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     }
     let case = Case::new(s, n, rank, cap)?;
     case.prepare(40)?;
-    let graph = fused_common::CapturedGraph::capture(comm, &stream, |s| {
-        vec![
-            (format!("mkMoeDispatchGemm {} (captured)", case.label()), case.dispatch(comm, s)),
-            (format!("mkMoeGemmCombine {} (captured)", case.label()), case.combine(comm, s)),
-        ]
+    let graph = CapturedGraph::capture(stream.0, |s| {
+        ffi(&format!("mkMoeDispatchGemm {} (captured)", case.label()), case.dispatch(comm, s), comm)?;
+        ffi(&format!("mkMoeGemmCombine {} (captured)", case.label()), case.combine(comm, s), comm)
     })?;
     let mut failures = 0;
     for replay in 0..3u64 {
         // Fresh tokens, weights and routing: the counts change, the graph does not.
         let inp = case.prepare(41 + replay)?;
-        graph.launch(&stream)?;
+        graph.launch(stream.0)?;
         fused_common::sync_no_error(comm, &stream, &format!("{} graph replay {replay}", case.label()))?;
         let (ok, detail) = case.verify_dispatch(&inp)?;
         step(rank, &format!("graph replay {replay} dispatch"), ok, &detail, &mut failures);
