@@ -8,7 +8,7 @@
 #      suite at N = 1, 2, 4 and the unmodified PyTorch script under LD_PRELOAD).
 # Each step has a timeout; logs go to $OUT (default gpu-run-logs): doors.log, and the JSON
 # record of python_overhead. Exits 0 only when every step passed; a step that reports
-# SKIPPED fails here, since this script exists to run on a GPU.
+# SKIPPED fails here, since this script exists to run on a GPU; without a GPU it exits 77.
 #   scripts/gpu-doors.sh [--dir DIR] [--only "examples python nccl"] [--deadline SECONDS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +22,10 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L 2>/dev/null | grep -q GPU; then
+  echo "SKIPPED: the doors need a GPU (none found)"
+  exit 77
+fi
 OUT=${OUT:-gpu-run-logs}
 mkdir -p "$OUT"
 LOG=$OUT/doors.log

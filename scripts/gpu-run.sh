@@ -20,6 +20,8 @@
 #          --soak-seconds 240 (the soak's duration, 0 leaves it out; it runs when --ranks
 #          holds 4, cut to what --deadline leaves)
 #          --bench-ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
+#          --doors DIR (the examples, wheel and libmkernel-nccl that scripts/pack-doors.sh packed,
+#          default .carry/doors; run last by scripts/gpu-doors.sh)  --no-doors
 #          --no-nodes (skip mktest nodes and its benches)  --only-nodes (only mktest nodes and the
 #          emulated-node benches)  --node-ops "all_gather reduce_scatter all_reduce ag_gemm
 #          gemm_rs gemm_ar" (which emulated-node benches)
@@ -48,10 +50,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0; REQUIRE_GPU=1; STEP=0
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
-RANKS="1 2 4 8"; SUITES=""; SOAK_SECONDS=240; NODE_OPS="all_gather reduce_scatter all_reduce ag_gemm gemm_rs gemm_ar"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1
+RANKS="1 2 4 8"; SUITES=""; SOAK_SECONDS=240; NODE_OPS="all_gather reduce_scatter all_reduce ag_gemm gemm_rs gemm_ar"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1; DOORS=1; DOORS_DIR=.carry/doors
 while [ $# -gt 0 ]; do
   case "$1" in
-    --ranks|--suites|--node-ops|--bench-ranks|--max-size|--deadline|--soak-seconds)
+    --ranks|--suites|--node-ops|--bench-ranks|--max-size|--deadline|--soak-seconds|--doors)
       [ $# -ge 2 ] || { echo "gpu-run.sh: $1 needs a value"; exit 2; } ;;
   esac
   case "$1" in
@@ -65,7 +67,9 @@ while [ $# -gt 0 ]; do
     --no-gemm) GEMM=0 ;;
     --max-size) MAXSIZE="$2"; shift ;;
     --no-nodes) NODES=0 ;;
-    --only-nodes) ONLY_NODES=1; BENCH=0 ;;
+    --only-nodes) ONLY_NODES=1; BENCH=0; DOORS=0 ;;
+    --doors) DOORS_DIR="$2"; shift ;;
+    --no-doors) DOORS=0 ;;
     --deadline) DEADLINE="$2"; shift ;;
     --require-gpu) REQUIRE_GPU=1 ;;
     --allow-skip) REQUIRE_GPU=0 ;;
@@ -364,6 +368,21 @@ if [ "$NODES" = 1 ] && [ "$NODE_BENCH" = 1 ]; then
 fi
 
 stop_mps
+if [ "$DOORS" = 1 ] && [ "$TESTS" = 1 ] && ! late "the doors (examples, Python, NCCL)"; then
+  # What users link or import, from what scripts/pack-doors.sh packed (gpu-doors.sh).
+  if [ -d "$DOORS_DIR" ]; then
+    d_args=(--dir "$DOORS_DIR")
+    [ "$DEADLINE" != 0 ] && d_args+=(--deadline "$(limit 100000)")
+    OUT="$OUT" scripts/gpu-doors.sh "${d_args[@]}" > "$OUT/doors.console" 2>&1
+    rc=$?
+    note "doors (examples, Python, NCCL): $(outcome $rc)"
+    sed 's/^/    /' "$OUT/doors-summary.txt" 2>/dev/null
+    check_rc $rc
+  else
+    note "doors: FAIL: $DOORS_DIR is missing (run scripts/pack-doors.sh first, or pass --no-doors)"
+    status=1
+  fi
+fi
 if [ -n "$(ls -A "$JSON_DIR" 2>/dev/null)" ]; then
   tar -C "$OUT" -czf "$OUT/bench-json.tar.gz" json && rm -rf "$JSON_DIR"
 else
