@@ -117,7 +117,7 @@ run_fake() {  # EXIT ARGS...: gpu-run.sh's exit status on fakes that exit EXIT
   set -e
   echo "$rc"
 }
-FAST="--ranks 1 --no-bench --no-nodes"
+FAST="--ranks 1 --no-bench --no-nodes --no-doors"
 rc=$(run_fake 77 $FAST); [ "$rc" = 1 ] || fail "skipped suites under --require-gpu (default) exited $rc, not 1"
 grep -q "SKIPPED" "$WORK/out/summary.txt" || fail "the summary does not say SKIPPED"
 rc=$(run_fake 77 $FAST --require-gpu); [ "$rc" = 1 ] || fail "--require-gpu: exited $rc, not 1"
@@ -125,6 +125,7 @@ rc=$(run_fake 77 $FAST --allow-skip); [ "$rc" = 3 ] || fail "--allow-skip: skipp
 rc=$(run_fake 0 $FAST); [ "$rc" = 0 ] || fail "passing fakes exited $rc, not 0: $(tail -5 "$WORK/log")"
 grep -q "\[step 1, " "$WORK/log" || fail "no progress line on the console"
 rc=$(run_fake 77 --no-tests --no-nodes --ranks 1); [ "$rc" = 1 ] || fail "skipped benches exited $rc, not 1"
+rc=$(run_fake 0 --ranks 1 --no-bench --no-nodes --doors "$WORK/nowhere"); [ "$rc" = 1 ] || fail "missing doors exited $rc, not 1"
 rc=$(run_fake 0 $FAST --bogus); [ "$rc" = 2 ] || fail "a typo exited $rc, not 2"
 grep -q "MPS\|nvidia-smi" "$WORK/log" && fail "a typo reached the GPU probe"
 rc=$(run_fake 0 $FAST --deadline); [ "$rc" = 2 ] || fail "--deadline without a value exited $rc, not 2"
