@@ -235,18 +235,8 @@ fn config_layout_and_constants_match_the_real_header() {
     }
     // mkernel's data types and ops carry NCCL's numbers (they are passed through unchanged).
     for t in mkernel::types::mkDataType_t::ALL {
-        let nccl = [
-            "ncclInt8",
-            "ncclUint8",
-            "ncclInt32",
-            "ncclUint32",
-            "ncclInt64",
-            "ncclUint64",
-            "ncclFloat16",
-            "ncclFloat32",
-            "ncclFloat64",
-            "ncclBfloat16",
-        ][t as usize];
+        // datatype_name is checked here too: a wrong name fails the static assert.
+        let nccl = datatype_name(t as ncclDataType_t);
         sa(format!("{nccl} == {} && sizeof(ncclDataType_t) == sizeof(int)", t as i32));
     }
     for (o, nccl) in mkernel::types::mkRedOp_t::ALL.iter().zip(["ncclSum", "ncclProd", "ncclMax", "ncclMin", "ncclAvg"])
