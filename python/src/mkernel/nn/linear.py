@@ -108,6 +108,20 @@ def _init_weight(weight: torch.Tensor, fan_in: int) -> None:
     nn.init.uniform_(weight, -bound, bound)
 
 
+def _shard_setup(layer: str, comm, split: str, features: int, dtype: torch.dtype, device):
+    """The checks both layers make before creating their weights: `split` (the features
+    divided over the ranks, `features` of them) divisible by the world size, and a dtype the
+    fused ops take. Returns the world size and the parameters' device (the communicator's
+    GPU when `device` is None)."""
+    communicator = resolve(comm)
+    n = communicator.world_size
+    if features % n != 0:
+        check.fail(layer, f"expected {split} ({features}) to be divisible by the world size ({n})")
+    if dtype not in check.GEMM_DTYPES:
+        check.fail(layer, f"expected dtype torch.bfloat16 or torch.float16, but got {dtype}")
+    return n, device if device is not None else torch.device("cuda", communicator.device)
+
+
 class ColumnParallelLinear(nn.Module):
     """Linear layer whose output features are split over the ranks: y = x · Aᵀ + b, A = [A_0; ...; A_{n-1}].
 
@@ -140,23 +154,13 @@ class ColumnParallelLinear(nn.Module):
         device=None,
     ):
         super().__init__()
-        communicator = resolve(comm)
-        n = communicator.world_size
-        if out_features % n != 0:
-            check.fail(
-                "nn.ColumnParallelLinear",
-                f"expected out_features ({out_features}) to be divisible by the world size ({n})",
-            )
-        if dtype not in check.GEMM_DTYPES:
-            check.fail("nn.ColumnParallelLinear", f"expected dtype torch.bfloat16 or torch.float16, but got {dtype}")
+        n, device = _shard_setup("nn.ColumnParallelLinear", comm, "out_features", out_features, dtype, device)
         self.comm = comm_name(comm)
         self.world_size = n
         self.in_features = in_features
         self.out_features = out_features
         self.out_features_per_rank = out_features // n
         self.sequence_parallel = sequence_parallel
-        if device is None:
-            device = torch.device("cuda", communicator.device)
         self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(self.out_features_per_rank, dtype=dtype, device=device)) if bias else None
         with torch.no_grad():
@@ -215,22 +219,13 @@ class RowParallelLinear(nn.Module):
         device=None,
     ):
         super().__init__()
-        communicator = resolve(comm)
-        n = communicator.world_size
-        if in_features % n != 0:
-            check.fail(
-                "nn.RowParallelLinear", f"expected in_features ({in_features}) to be divisible by the world size ({n})"
-            )
-        if dtype not in check.GEMM_DTYPES:
-            check.fail("nn.RowParallelLinear", f"expected dtype torch.bfloat16 or torch.float16, but got {dtype}")
+        n, device = _shard_setup("nn.RowParallelLinear", comm, "in_features", in_features, dtype, device)
         self.comm = comm_name(comm)
         self.world_size = n
         self.in_features = in_features
         self.out_features = out_features
         self.in_features_per_rank = in_features // n
         self.sequence_parallel = sequence_parallel
-        if device is None:
-            device = torch.device("cuda", communicator.device)
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         with torch.no_grad():
