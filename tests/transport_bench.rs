@@ -19,7 +19,7 @@ use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{MkError, Result};
 use mkernel::kernel_abi::{ProxyCommand, MK_PROXY_KIND_SIGNAL};
 use mkernel::transport::inter_node::{start_inter_node, InterNodeSetup};
-use mkernel::transport::proxy::{command_header, put_command, HostProducer, Proxy, ProxyRing};
+use mkernel::transport::proxy::{command_header, put_command, quick_sleeps, HostProducer, Proxy, ProxyRing};
 use mkernel::transport::{NetKind, TransportAuth};
 use std::sync::atomic::Ordering;
 use std::sync::Barrier;
@@ -48,20 +48,6 @@ fn wait(w: &HostWindow, word: usize, target: u64) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Short sleeps without the default 50 µs timer slack.
-fn quick_sleeps() {
-    // SAFETY: changes only the calling thread's timer slack.
-    unsafe {
-        libc::prctl(
-            libc::PR_SET_TIMERSLACK,
-            1000 as libc::c_ulong,
-            0 as libc::c_ulong,
-            0 as libc::c_ulong,
-            0 as libc::c_ulong,
-        )
-    };
 }
 
 struct Rank {

@@ -421,7 +421,7 @@ pub const PROXY_IDLE_SLEEP: Duration = Duration::from_micros(20);
 
 /// Makes the calling thread's short sleeps last what they ask for: Linux adds up to the
 /// timer slack (50 µs by default) to every sleep, which would make a 20 µs poll ~70 µs.
-fn quick_sleeps() {
+pub fn quick_sleeps() {
     // SAFETY: PR_SET_TIMERSLACK changes only the calling thread's slack (in ns).
     unsafe {
         libc::prctl(
