@@ -85,6 +85,18 @@ pub fn f32_to_f16(f: f32) -> u16 {
     sign | h as u16
 }
 
+/// `n` values uniform in [0, 1) from a xorshift sequence seeded by `seed`: the raw inputs of
+/// the CPU models of the kernels' rounding, each test mapping them to its range and dtype.
+pub fn xorshift_unit(seed: u64, n: usize) -> impl Iterator<Item = f64> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n).map(move |_| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 11) as f64 / (1u64 << 53) as f64
+    })
+}
+
 /// `v` rounded to the nearest value of the float type `dtype` (other types unchanged).
 pub fn round_to(dtype: mkDataType_t, v: f64) -> f64 {
     match dtype {

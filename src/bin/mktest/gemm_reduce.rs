@@ -320,18 +320,11 @@ mod tests {
     //! rank's partial accumulated in f32 and rounded to the element type, the partials
     //! summed in f32 in rank order (within each node first, across nodes) and rounded once.
     use super::*;
-    use mkernel::testing::round_to;
+    use mkernel::testing::{round_to, xorshift_unit};
 
+    /// Values in [-1, 1), rounded to `dtype`.
     fn values(seed: u64, n: usize, dtype: mkDataType_t) -> Vec<f64> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                round_to(dtype, (x >> 11) as f64 / (1u64 << 52) as f64 - 1.0)
-            })
-            .collect()
+        xorshift_unit(seed, n).map(|u| round_to(dtype, 2.0 * u - 1.0)).collect()
     }
 
     fn simulated(

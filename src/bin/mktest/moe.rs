@@ -655,18 +655,11 @@ mod tests {
     //! accumulated in f32 and rounded to the element type, the weighted terms summed in f32
     //! in choice order, rounded once.
     use super::*;
-    use mkernel::testing::round_to;
+    use mkernel::testing::{round_to, xorshift_unit};
 
+    /// Values in [-scale, 3·scale), rounded to `dtype`.
     fn values(seed: u64, n: usize, dtype: mkDataType_t, scale: f64) -> Vec<f64> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                round_to(dtype, scale * ((x >> 11) as f64 / (1u64 << 52) as f64 * 2.0 - 1.0))
-            })
-            .collect()
+        xorshift_unit(seed, n).map(|u| round_to(dtype, scale * (4.0 * u - 1.0))).collect()
     }
 
     #[test]

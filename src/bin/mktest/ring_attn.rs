@@ -370,18 +370,11 @@ mod tests {
     //! rescaling, the probabilities rounded to the element type before P·V, fp32
     //! accumulation, the row sum from the unrounded probabilities, out rounded once.
     use super::*;
-    use mkernel::testing::round_to;
+    use mkernel::testing::{round_to, xorshift_unit};
 
+    /// Values in [-scale, 3·scale), rounded to `dtype`.
     fn values(seed: u64, n: usize, dtype: mkDataType_t, scale: f64) -> Vec<f64> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                round_to(dtype, scale * ((x >> 11) as f64 / (1u64 << 52) as f64 * 2.0 - 1.0))
-            })
-            .collect()
+        xorshift_unit(seed, n).map(|u| round_to(dtype, scale * (4.0 * u - 1.0))).collect()
     }
 
     /// (out, lse) as the kernel forms them; `drop_block` leaves one 64-key block out of one
