@@ -883,7 +883,8 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
 }  // namespace ring_attn
 }  // namespace mk
 
-// Each kernel and its `_trace` twin (mkbench --trace only; a third parameter, the buffer,
+// Each kernel and its `_trace` twin (mkbench --trace only: a `tool` kernel, built into the
+// ring_attention_tools fatbin, which the library does not embed; a third parameter, the buffer,
 // read where used from the parameter space like p: held in a register, it cost the
 // 56-register producer a spill).
 #define MK_RING_ATTN_ENTRY(NAME, T, D)                                                                   \

@@ -43,13 +43,20 @@ readelf -p .gnu_debuglink "$so" | grep -qF "libmkernel.so.$version.debug" || fai
 echo "  stripped library $(stat -c %s "$so") bytes (build: $(stat -c %s target/release/libmkernel.so)), debug file beside it"
 # The test and benchmark helpers (mkernel::testing, the cuBLASLt loader) serve mktest and
 # mkbench; nothing the C ABI reaches calls them, so the linker leaves them out of the library.
-# Each has a message of its own: none may be in the library's data.
+# Each has a message of its own: none may be in the library's data. (The strings go to a file
+# first: `strings | grep -q` under pipefail reads a match as a failure once grep stops early.)
+strings "$so" >"$work/so.strings"
 for marker in "src/cublaslt.rs:libcublasLt.so not found" "src/testing/acceptance.rs:not judged below"; do
   file=${marker%%:*} text=${marker#*:}
   grep -qF "$text" "$file" || fail "the marker \"$text\" is no longer in $file: choose another"
-  strings "$so" | grep -qF "$text" && fail "the installed library holds code of $file (\"$text\")"
+  grep -qF "$text" "$work/so.strings" && fail "the installed library holds code of $file (\"$text\")"
 done
-echo "  no test or benchmark helpers in the library"
+# Ring attention's `_trace` twins are `tool` kernels (kernels/instances.txt), compiled into a
+# fatbin only mkbench embeds: the library holds the kernels' code (ELF section .text.<name>)
+# but not the twins'.
+grep -qx '\.text\.mk_ring_attn_bf16_d128' "$work/so.strings" || fail "the library holds no ring attention kernel (the check below would prove nothing)"
+grep -qx '\.text\.mk_ring_attn_bf16_d128_trace' "$work/so.strings" && fail "the installed library holds the ring attention _trace kernels"
+echo "  no test or benchmark helpers, and no tool kernels, in the library"
 
 echo "== libmkernel.a: only the mk* API is global, the same symbols the shared library exports"
 nm -D --defined-only "$so" | awk '{print $3}' | sort >"$work/so.syms"

@@ -42,16 +42,40 @@ fn every_kernel_family_is_embedded() {
     {
         assert!(embedded.contains(&family), "kernels/{family}.cu is not embedded: {embedded:?}");
     }
-    for (name, bytes) in mkernel::cuda::kernels::FATBINS {
+    let tools: Vec<&str> = mkernel::cuda::kernels::TOOL_FATBINS.iter().map(|(name, _)| *name).collect();
+    assert_eq!(tools, ["ring_attention_tools"], "the fatbins of kernels/instances.txt's `tool` kernels");
+    for (name, bytes) in mkernel::cuda::kernels::FATBINS.iter().chain(mkernel::cuda::kernels::TOOL_FATBINS) {
         assert!(bytes.len() > 1000, "{name}: fatbin of {} bytes", bytes.len());
+    }
+}
+
+/// Every kernel constant names a fatbin that exists, and the kernel is in that fatbin's image
+/// (as its ELF section `.text.<name>`), not in the other build of the same file.
+#[test]
+fn every_kernel_is_in_the_fatbin_it_names() {
+    use mkernel::cuda::kernels::{ALL, FATBINS, TOOL_FATBINS};
+    let contains = |image: &[u8], text: &str| image.windows(text.len()).any(|w| w == text.as_bytes());
+    for k in ALL {
+        let image = FATBINS.iter().chain(TOOL_FATBINS).find(|(name, _)| *name == k.file).map(|(_, b)| *b);
+        let image = image.unwrap_or_else(|| panic!("{}: no fatbin named {}", k.name, k.file));
+        let section = format!(".text.{}\0", k.name);
+        assert!(contains(image, &section), "{} is not in {}.fatbin", k.name, k.file);
+        if let Some(library_twin) = k.file.strip_suffix("_tools") {
+            let (_, library) = FATBINS.iter().find(|(name, _)| *name == library_twin).expect("the library's build");
+            assert!(
+                !contains(library, &section),
+                "tool kernel {} is also in the library's {library_twin}.fatbin",
+                k.name
+            );
+        }
     }
 }
 
 #[test]
 fn engine_kernels_do_not_spill() {
     let reports = ptxas_reports();
-    for family in ["gemm", "ag_gemm", "gemm_reduce", "moe", "ring_attention"] {
-        let report = reports.get(family).unwrap_or_else(|| panic!("no ptxas report for kernels/{family}.cu"));
+    for family in ["gemm", "ag_gemm", "gemm_reduce", "moe", "ring_attention", "ring_attention_tools"] {
+        let report = reports.get(family).unwrap_or_else(|| panic!("no ptxas report for {family}.fatbin"));
         let props = properties(report);
         assert!(!props.is_empty(), "kernels/{family}.cu: no function properties in the ptxas report");
         for (function, line) in props {

@@ -158,8 +158,32 @@ unsafe impl Send for LoadedModule {}
 /// Modules loaded so far, per (context, kernels/*.cu stem).
 static MODULES: Mutex<Option<HashMap<(usize, &'static str), LoadedModule>>> = Mutex::new(None);
 
-/// Returns a kernel of the embedded module `module` (a kernels/*.cu stem) in the current
-/// context, loading the module on first use. Kernels are `extern "C"` so names are plain.
+/// The fatbins of the `tool` kernels (kernels/instances.txt), once [`register_tool_kernels`]
+/// has run. Only mkbench and mktest call it, and nothing the C ABI reaches does, so the
+/// linker leaves `kernels::TOOL_FATBINS` out of libmkernel.so.
+static TOOL_IMAGES: OnceLock<&'static [(&'static str, &'static [u8])]> = OnceLock::new();
+
+/// Makes the `tool` kernels (e.g. ring attention's `_trace` twins) loadable by [`function`]
+/// in this process.
+pub fn register_tool_kernels() {
+    let _ = TOOL_IMAGES.set(kernels::TOOL_FATBINS);
+}
+
+/// The fatbin image named `module`: the library's, or a registered tool fatbin.
+fn fatbin_image(module: &str) -> Result<&'static [u8]> {
+    let tools: &[(&str, &[u8])] = TOOL_IMAGES.get().copied().unwrap_or(&[]);
+    kernels::FATBINS.iter().chain(tools).find(|(name, _)| *name == module).map(|(_, bytes)| *bytes).ok_or_else(|| {
+        if module.ends_with("_tools") {
+            MkError::internal(format!("{module} holds tool kernels: call cuda::register_tool_kernels first"))
+        } else {
+            MkError::internal(format!("no embedded kernel module named {module}"))
+        }
+    })
+}
+
+/// Returns a kernel of the embedded module `module` (a kernels/*.cu stem, or `<stem>_tools`
+/// once registered) in the current context, loading the module on first use. Kernels are
+/// `extern "C"` so names are plain.
 pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
     driver()?;
     let ctx = cu::ctx::get_current()
@@ -170,11 +194,7 @@ pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
     let loaded = match modules.entry((ctx as usize, module)) {
         Entry::Occupied(entry) => entry.into_mut(),
         Entry::Vacant(entry) => {
-            let image = kernels::FATBINS
-                .iter()
-                .find(|(name, _)| *name == module)
-                .map(|(_, bytes)| *bytes)
-                .ok_or_else(|| MkError::internal(format!("no embedded kernel module named {module}")))?;
+            let image = fatbin_image(module)?;
             // The driver wants the image at an address that stays valid; copy it to aligned memory.
             let aligned: Vec<u64> = image
                 .chunks(8)

@@ -72,6 +72,8 @@ fn split_json(args: &[String]) -> Result<(Vec<String>, Option<String>), String> 
 }
 
 fn main() {
+    // `--trace` launches ring attention's `_trace` twins, which live outside the library.
+    mkernel::cuda::register_tool_kernels();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = || {
         eprintln!("usage: mkbench <op> [options]");
