@@ -121,8 +121,23 @@ pub fn count_checks(rank: usize, op: &str, checks: usize, failures: usize) -> Re
 /// and checks, and makes a direct call on fresh inputs between replays (the device-side
 /// epochs must stay in step whichever way the op is launched).
 pub fn graph_replay(comm: mkComm_t, rank: usize, op: &str, case: &dyn FusedCase) -> Result<()> {
-    graph_replay_of(comm, rank, op, &[Captured { case, capture_seed: 1, replay_seed: 100 }], 0, 200)
+    let (capture_seed, replay_seed, direct_seed) = GRAPH_REPLAY_SEEDS;
+    graph_replay_of(comm, rank, op, &[Captured { case, capture_seed, replay_seed }], 0, direct_seed)
 }
+
+/// [`graph_replay`]'s seeds: the capture's, and the first of the replays' and of the direct
+/// calls' (each then + 0, 1, 2).
+const GRAPH_REPLAY_SEEDS: (u64, u64, u64) = (1, 100, 200);
+
+/// Every seed [`graph_replay`] prepares its case with (a case sized by its inputs, such as
+/// MoE's receive capacity, needs room for them all).
+pub fn graph_replay_seeds() -> impl Iterator<Item = u64> {
+    let (capture, replay, direct) = GRAPH_REPLAY_SEEDS;
+    std::iter::once(capture).chain(replay..replay + REPLAYS).chain(direct..direct + REPLAYS)
+}
+
+/// How many times a captured graph is replayed.
+const REPLAYS: u64 = 3;
 
 /// One launch in a captured graph: its case, the seed of its inputs at capture and, at
 /// replay r, `replay_seed + r`.
@@ -154,7 +169,7 @@ pub fn graph_replay_of(
             .try_for_each(|c| ffi(&format!("{op} {} (captured)", c.case.label()), c.case.launch(comm, s), comm))
     })?;
     let mut failures = 0;
-    for replay in 0..3u64 {
+    for replay in 0..REPLAYS {
         for c in captured {
             c.case.prepare(c.replay_seed + replay)?;
         }
@@ -182,7 +197,7 @@ pub fn graph_replay_of(
     say(
         rank,
         format!(
-            "graph capture: {} launch(es) x 3 replays + 3 direct calls with fresh inputs, {failures} wrong",
+            "graph capture: {} launch(es) x {REPLAYS} replays + {REPLAYS} direct calls with fresh inputs, {failures} wrong",
             captured.len()
         ),
     );

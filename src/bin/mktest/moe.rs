@@ -10,7 +10,7 @@
 //! on each replay, the capacity overflow, and (several ranks) a rank that never calls.
 
 use crate::collectives::{async_error, ffi, say, Stream};
-use crate::fused_common;
+use crate::fused_common::{self, FusedCase};
 use crate::outcome::{self, Outcome};
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
@@ -19,8 +19,9 @@ use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::{mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes};
 use mkernel::ffi::mkComm_t;
 use mkernel::ops::moe::{block_tables, device_layout, layout_offsets, send_tables, DeviceLayout, MoeShape, ROW_BLOCK};
-use mkernel::testing::{check_close, check_exact, tolerance, CapturedGraph, Rule, TestBuffer};
+use mkernel::testing::{check_close, check_exact, tolerance, Rule, TestBuffer};
 use mkernel::types::mkDataType_t;
+use std::cell::RefCell;
 
 pub fn run() -> Result<Outcome> {
     fused_common::run_suite(
@@ -131,6 +132,8 @@ pub(crate) struct Case {
     counts: TestBuffer,
     layout: TestBuffer,
     out: TestBuffer,
+    /// The routing of the last `FusedCase::prepare`, which `verify` checks against.
+    inputs: RefCell<Option<Inputs>>,
 }
 
 pub(crate) struct Inputs {
@@ -165,6 +168,7 @@ impl Case {
             counts: TestBuffer::new(el + 1, mkDataType_t::mkInt32)?,
             layout: TestBuffer::new(words / 4, mkDataType_t::mkInt32)?,
             out: TestBuffer::new(t_max * s.hidden, s.dtype)?,
+            inputs: RefCell::new(None),
         })
     }
 
@@ -189,7 +193,7 @@ impl Case {
 
     /// Fresh inputs for `seed` (every rank's x, W2, Y' regenerated from seeds); outputs and
     /// the layout buffer poisoned (the dispatch must fill the layout every call).
-    pub(crate) fn prepare(&self, seed: u64) -> Result<Inputs> {
+    pub(crate) fn fresh_inputs(&self, seed: u64) -> Result<Inputs> {
         let s = &self.s;
         let null = std::ptr::null_mut();
         fused_common::fill_shards(&self.x_shards, seed * 100, 1.0)?;
@@ -412,6 +416,34 @@ impl Case {
     }
 }
 
+/// One round of the pair: the dispatch, then the combine on the same routing (it reads the
+/// layout the dispatch wrote), each checked against float64.
+impl FusedCase for Case {
+    fn label(&self) -> String {
+        Case::label(self)
+    }
+
+    fn prepare(&self, seed: u64) -> Result<()> {
+        *self.inputs.borrow_mut() = Some(self.fresh_inputs(seed)?);
+        Ok(())
+    }
+
+    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        match self.dispatch(comm, stream) {
+            mkResult_t::mkSuccess => self.combine(comm, stream),
+            failed => failed,
+        }
+    }
+
+    fn verify(&self) -> Result<(bool, String)> {
+        let inputs = self.inputs.borrow();
+        let inp = inputs.as_ref().ok_or_else(|| MkError::internal("MoE case verified before prepare"))?;
+        let (dispatch_ok, dispatch) = self.verify_dispatch(inp)?;
+        let (combine_ok, combine) = self.verify_combine(inp)?;
+        Ok((dispatch_ok && combine_ok, format!("seed {}: dispatch {dispatch}; combine {combine}", inp.seed)))
+    }
+}
+
 /// One routed choice of a token: its weight, the owner's row of Y' [ffn] and the expert's
 /// W2 [hidden, ffn].
 struct Choice<'a> {
@@ -486,59 +518,29 @@ pub(crate) fn capacity_for(s: &Sizes, n: usize, seed: u64, slack: usize) -> Resu
     Ok(device_layout(&shape, &ids, 0)?.rows_needed.max(ROW_BLOCK) + slack * ROW_BLOCK)
 }
 
-fn step(rank: usize, what: &str, ok: bool, detail: &str, failures: &mut usize) {
-    outcome::count(1);
-    if !ok {
-        *failures += 1;
-    }
-    if !ok || rank == 0 {
-        say(rank, format!("{what}: {detail} -> {}", if ok { "ok" } else { "WRONG" }));
-    }
-}
-
-fn run_once(case: &Case, comm: mkComm_t, stream: &Stream, seed: u64, failures: &mut usize) -> Result<()> {
-    let inp = case.prepare(seed)?;
-    ffi(&case.label(), case.dispatch(comm, stream.0), comm)?;
-    fused_common::sync_no_error(comm, stream, &format!("{} dispatch", case.label()))?;
-    let (ok, detail) = case.verify_dispatch(&inp)?;
-    step(case.rank, &format!("dispatch {} seed {}", case.label(), inp.seed), ok, &detail, failures);
-    ffi(&case.label(), case.combine(comm, stream.0), comm)?;
-    fused_common::sync_no_error(comm, stream, &format!("{} combine", case.label()))?;
-    let (ok, detail) = case.verify_combine(&inp)?;
-    step(case.rank, &format!("combine  {} seed {}", case.label(), inp.seed), ok, &detail, failures);
-    Ok(())
-}
-
 fn correctness(comm: mkComm_t, _control: &Comm, rank: usize, n: usize) -> Result<()> {
-    let stream = Stream::new()?;
-    let mut failures = 0;
-    let mut checks = 0;
+    let (mut checks, mut failures) = (0, 0);
     for (i, s) in sizes_list().into_iter().enumerate() {
         if s.experts % n != 0 {
             continue;
         }
-        let big = s.hidden >= 4096;
-        let seeds: Vec<u64> = if big { vec![3] } else { vec![1 + i as u64, 11 + i as u64] };
+        let (first_seed, rounds) = (1 + 10 * i as u64, if s.hidden >= 4096 { 1 } else { 2 });
         // Capacity: exactly what the first seed needs (tight), and enough for the others.
         let mut cap = 0;
-        for &seed in &seeds {
+        for seed in first_seed..first_seed + rounds {
             cap = cap.max(capacity_for(&s, n, seed, 0)?);
         }
         let case = Case::new(s, n, rank, cap)?;
-        for &seed in &seeds {
-            run_once(&case, comm, &stream, seed, &mut failures)?;
-            checks += 2;
-        }
+        let (c, f) = fused_common::check_rounds(comm, rank, "MoE", &case, first_seed, rounds, &|_| {})?;
+        checks += c;
+        failures += f;
     }
-    say(rank, format!("correctness: {checks} checks, {failures} wrong"));
-    if failures > 0 {
-        return Err(MkError::internal(format!("MoE: {failures} of {checks} checks wrong")));
-    }
-    Ok(())
+    fused_common::count_checks(rank, "MoE", checks, failures)
 }
 
+/// Dispatch and combine captured in one graph, replayed on fresh routings (the counts
+/// change, the graph does not), with direct calls between replays.
 fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
-    let stream = Stream::new()?;
     let s = Sizes {
         tokens: 29,
         tokens_odd: 17,
@@ -549,38 +551,12 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
         dtype: mkDataType_t::mkBfloat16,
         spread: 12,
     };
-    // Room for any of the replays' routings.
+    // Room for the routing of every seed fused_common::graph_replay uses.
     let mut cap = 0;
-    for seed in 40..50 {
+    for seed in fused_common::graph_replay_seeds() {
         cap = cap.max(capacity_for(&s, n, seed, 0)?);
     }
-    let case = Case::new(s, n, rank, cap)?;
-    case.prepare(40)?;
-    let graph = CapturedGraph::capture(stream.0, |s| {
-        ffi(&format!("mkMoeDispatchGemm {} (captured)", case.label()), case.dispatch(comm, s), comm)?;
-        ffi(&format!("mkMoeGemmCombine {} (captured)", case.label()), case.combine(comm, s), comm)
-    })?;
-    let mut failures = 0;
-    for replay in 0..3u64 {
-        // Fresh tokens, weights and routing: the counts change, the graph does not.
-        let inp = case.prepare(41 + replay)?;
-        graph.launch(stream.0)?;
-        fused_common::sync_no_error(comm, &stream, &format!("{} graph replay {replay}", case.label()))?;
-        let (ok, detail) = case.verify_dispatch(&inp)?;
-        step(rank, &format!("graph replay {replay} dispatch"), ok, &detail, &mut failures);
-        let (ok, detail) = case.verify_combine(&inp)?;
-        step(rank, &format!("graph replay {replay} combine"), ok, &detail, &mut failures);
-        // A direct call between replays keeps the device-side epochs in step.
-        run_once(&case, comm, &stream, 45 + replay, &mut failures)?;
-    }
-    say(
-        rank,
-        format!("graph capture: dispatch+combine x 3 replays (fresh routing) + 3 direct calls, {failures} wrong"),
-    );
-    if failures > 0 {
-        return Err(MkError::internal("MoE graph replay gave wrong results"));
-    }
-    Ok(())
+    fused_common::graph_replay(comm, rank, "MoE dispatch+combine", &Case::new(s, n, rank, cap)?)
 }
 
 /// Last on the main communicator (it leaves it unusable): a recvCapacity one block short
@@ -644,7 +620,7 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     };
     let case = Case::new(s, n, rank, capacity_for(&s, n, 5, 0)?)?;
     fused_common::absent_rank(env, control, 2, "mkMoeDispatchGemm (a rank absent)", |comm, stream| {
-        case.prepare(5)?;
+        case.fresh_inputs(5)?;
         Ok(case.dispatch(comm, stream))
     })
 }

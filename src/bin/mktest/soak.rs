@@ -594,7 +594,7 @@ fn moe_pair(
     };
     let sizes = moe::Sizes { tokens, tokens_odd, hidden, ffn, top_k, experts, dtype, spread };
     let case = moe::Case::new(sizes, nranks, rank, moe::capacity_for(&sizes, nranks, seed, slack)?)?;
-    let inputs = case.prepare(seed)?;
+    let inputs = case.fresh_inputs(seed)?;
     ffi("mkMoeDispatchGemm", case.dispatch(comm, stream.0), comm)?;
     finish(comm, stream, "mkMoeDispatchGemm")?;
     let (dispatch_ok, dispatch_detail) = case.verify_dispatch(&inputs)?;
