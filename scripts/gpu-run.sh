@@ -305,6 +305,18 @@ if [ "$BENCH" = 1 ]; then
       check_rc $rc
     done
   done
+  # Small AllReduces with the ranks as threads of one process (--threads): no start skew
+  # between MPS client processes, so this is the latency a one-GPU run can judge.
+  for n in ${BENCH_RANKS:-$RANKS}; do
+    [ "$n" -gt 1 ] || continue
+    late "mkbench all_reduce --threads -g $n" && continue
+    echo "===== mkbench all_reduce --threads -b 8 -e 1M -f 2 -n 20 -w 5 -g $n (MK_MAX_CTAS=$(max_ctas_for "$n"))" >> "$OUT/bench.log"
+    env MK_MAX_CTAS="$(max_ctas_for "$n")" timeout "$(limit 120)" "$BIN/mkbench" all_reduce --threads -b 8 -e 1M -f 2 -n 20 -w 5 -g "$n" \
+      --json "$JSON_DIR/all_reduce-threads-g$n.json" >> "$OUT/bench.log" 2>&1
+    rc=$?
+    note "mkbench all_reduce --threads -g $n: $(outcome $rc)"
+    check_rc $rc
+  done
   if [ "$GEMM" = 1 ] && "$BIN/mkbench" 2>&1 | grep -q "^  gemm" && ! late "mkbench gemm"; then
     echo "===== mkbench gemm" | tee -a "$OUT/gemm.log"
     timeout "$(limit 300)" "$BIN/mkbench" gemm --json "$JSON_DIR/gemm.json" >> "$OUT/gemm.log" 2>&1; rc=$?

@@ -1,11 +1,14 @@
 //! `mkbench all_gather | reduce_scatter | all_reduce`, in the style of nccl-tests:
 //!
-//!   mkbench all_reduce -b 8 -e 1G -f 2 -n 20 -w 5 --blocks 5 -g <ranks>
+//!   mkbench all_reduce -b 8 -e 1G -f 2 -n 20 -w 5 --blocks 5 -g <ranks> [--threads]
 //!                      [--op sum|prod|max|min|avg] [--dtype float|half|bfloat16|...|all] [--json PATH]
 //!
 //! With -g N > 1 it starts N rank processes of itself (sharing the GPU under MPS, or one
 //! per GPU), or joins ranks a launcher started (MK_TEST_RANK / MK_TEST_NRANKS /
-//! MK_TEST_ID_FILE, as mktest). Sizes are bytes of the larger buffer (nccl-tests'
+//! MK_TEST_ID_FILE, as mktest). `--threads` runs the N ranks as threads of this process
+//! instead, every communicator on device 0 (as `mkCommInitAll` with a repeated device): one
+//! context, no MPS, so the ranks' calls start without the skew between processes, which
+//! reaches tens of µs under MPS and would dominate small-message latency. Sizes are bytes of the larger buffer (nccl-tests'
 //! convention: AllGather's recvbuff, ReduceScatter's sendbuff, AllReduce's buffer), from -b
 //! to -e by -f; a size too small for one element per rank segment runs one element (the
 //! table shows the size run), and a size whose count repeats the previous one is left out.
@@ -54,6 +57,8 @@ struct Options {
     warmup: usize,
     blocks: usize,
     ranks: usize,
+    /// The ranks as threads of this process on device 0, instead of rank processes.
+    threads: bool,
     op: mkRedOp_t,
     dtypes: Vec<mkDataType_t>,
 }
@@ -117,11 +122,16 @@ fn parse(op_name: &str, args: &[String]) -> Result<Options> {
         warmup: Protocol::DEFAULT.warmup,
         blocks: Protocol::DEFAULT.blocks,
         ranks: 1,
+        threads: false,
         op: mkRedOp_t::mkSum,
         dtypes: vec![mkDataType_t::mkFloat32],
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
+        if a == "--threads" {
+            o.threads = true;
+            continue;
+        }
         let mut val = || it.next().cloned().ok_or_else(|| MkError::invalid_argument(format!("{a} needs a value")));
         let bad = |a: &str| MkError::invalid_argument(format!("bad value for {a}"));
         match a.as_str() {
@@ -205,11 +215,33 @@ fn run(op_name: &str, args: &[String]) -> Result<bool> {
         let id = mkernel::bootstrap::root::start_root()?;
         return rank_main(&o, 0, 1, &id, 0);
     }
+    if o.threads {
+        return run_threads(&o);
+    }
     let mut child_args = vec![op_name.to_string()];
     child_args.extend(args.iter().cloned());
     crate::record::parent_of_ranks();
     ranks::spawn(&child_args, o.ranks, 1, Duration::from_secs(500), |_| 0)?;
     Ok(true)
+}
+
+/// The ranks as threads of this process, all on device 0; true when every rank's checks
+/// passed. A rank's error ends its thread; the others then fail within the communicator's
+/// timeout, and the first error (by rank) is returned.
+fn run_threads(o: &Options) -> Result<bool> {
+    let id = &mkernel::bootstrap::root::start_root()?;
+    let outcomes: Vec<Result<bool>> = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..o.ranks).map(|r| s.spawn(move || rank_main(o, r, o.ranks, id, 0))).collect();
+        ranks
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(MkError::internal("a rank thread panicked"))))
+            .collect()
+    });
+    let mut all_ok = true;
+    for outcome in outcomes {
+        all_ok &= outcome?;
+    }
+    Ok(all_ok)
 }
 
 /// Bytes of output downloaded at a time for the host check (a multiple of every type's size).
@@ -314,8 +346,9 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     if rank == 0 {
         let sms = cuda::sm_count(device)?;
         println!(
-            "# mkbench {}: {n} rank(s), {}, op {redop}, {sms} SMs, MK_MAX_CTAS={}, warm-up {} then {} interleaved blocks of {} calls (median of the slowest rank per call); graphs of {GRAPH_CALLS} calls",
+            "# mkbench {}: {n} rank(s){}, {}, op {redop}, {sms} SMs, MK_MAX_CTAS={}, warm-up {} then {} interleaved blocks of {} calls (median of the slowest rank per call); graphs of {GRAPH_CALLS} calls",
             kind.name(),
+            if o.threads { " as threads of one process" } else { "" },
             o.dtypes.iter().map(|d| d.name()).collect::<Vec<_>>().join(","),
             comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
             o.warmup,
@@ -477,6 +510,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     if rank == 0 {
         println!("# algbw, busbw in GB/s (1e9 B/s); copy GB/s counts bytes read + written; host: µs to enqueue one out-of-place call; graph: per call, replays of {GRAPH_CALLS} captured calls");
         record::config("ranks", Json::num(n as f64));
+        record::config("ranks_as", Json::str(if o.threads { "threads of one process" } else { "processes" }));
         record::config("dtypes", Json::Arr(o.dtypes.iter().map(|d| Json::str(d.name())).collect()));
         record::config("op", Json::str(&redop));
         record::config("bus_factor", Json::num(factor));
@@ -560,6 +594,16 @@ mod tests {
         assert!(parse("all_reduce", &args("--op xor")).is_err());
         assert!(parse("all_reduce", &args("--blocks 0")).is_err());
         assert!(parse("all_reduce", &args("-b 1K -e 8")).is_err());
+    }
+
+    #[test]
+    fn threads_is_a_lone_flag_anywhere() {
+        assert!(!parse("all_reduce", &args("-g 2")).unwrap().threads);
+        let o = parse("all_reduce", &args("--threads -g 2 -e 64K")).unwrap();
+        assert!(o.threads && o.ranks == 2 && o.max_bytes == 64 << 10);
+        assert!(parse("all_reduce", &args("-g 2 --threads")).unwrap().threads);
+        // It takes no value: what follows is the next option.
+        assert!(parse("all_reduce", &args("--threads 2")).is_err());
     }
 
     #[test]

@@ -47,9 +47,12 @@ pub fn init_comm(
     use crate::record::{self, Json};
     let t = std::time::Instant::now();
     let comm = Comm::init(id, n as i32, rank as i32, Some(device), cfg)?;
-    record::config("comm_init_ms", Json::num(t.elapsed().as_secs_f64() * 1e3));
-    let bytes = comm.workspace.as_ref().map(|w| w.view.data_bytes + w.view.op_bytes);
-    record::config("workspace_bytes", bytes.map_or(Json::Null, |b| Json::num(b as f64)));
+    // Rank 0's (ranks that are threads of one process share the record).
+    if rank == 0 {
+        record::config("comm_init_ms", Json::num(t.elapsed().as_secs_f64() * 1e3));
+        let bytes = comm.workspace.as_ref().map(|w| w.view.data_bytes + w.view.op_bytes);
+        record::config("workspace_bytes", bytes.map_or(Json::Null, |b| Json::num(b as f64)));
+    }
     Ok(comm)
 }
 
