@@ -5,9 +5,8 @@
 # C tests built by `make ctest` and the libmkernel (plus sanitizer runtimes) they load:
 # $BIN/ctests and $BIN/ctests/lib from a BIN_TAR, else build/ctests and build/prefix/lib.
 # Also `outcome RC`: how a step's exit status reads in the summaries (77 is mktest's
-# SKIPPED, 124/137 timeout's TIMEOUT; only 0 is a pass); $SMS, the SM count of GPU 0
-# (scripts/sm-count.sh; SMS=N overrides); and `max_ctas_for N`, the MK_MAX_CTAS of each of
-# N rank processes sharing the GPU.
+# SKIPPED, 124/137 timeout's TIMEOUT; only 0 is a pass); and the MPS helpers of
+# scripts/mps.sh ($SMS, max_ctas_for, as_ranks, mps_start, mps_stop).
 OUT=${OUT:-gpu-run-logs}
 mkdir -p "$OUT"
 BIN=${BIN:-target/release}
@@ -25,14 +24,4 @@ outcome() {
     *) echo "FAIL (exit $1)" ;;
   esac
 }
-SMS=${SMS:-$(scripts/sm-count.sh)}
-# Under MPS each of N ranks gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100/N % of the SMs; its
-# grid cap is half of that share, of the SM count rounded down to a multiple of 8, so every
-# persistent grid stays co-resident (132 SMs: 32, 16 and 8 at 2, 4 and 8 ranks, at least 1).
-# One rank: empty (every SM).
-max_ctas_for() {
-  local n=$1 cap
-  [ "$n" -gt 1 ] || { echo ""; return; }
-  cap=$(( SMS / 8 * 8 / n / 2 ))
-  echo $(( cap > 0 ? cap : 1 ))
-}
+. scripts/mps.sh  # $SMS, max_ctas_for, as_ranks, mps_start, mps_stop

@@ -49,25 +49,19 @@ step() {  # NAME SECONDS COMMAND...
   echo "[$(( $(date +%s) - T0 )) s] $name: $verdict in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/doors-summary.txt"
 }
 
-MPS_STARTED=0
-start_mps() {
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mk-doors-mps CUDA_MPS_LOG_DIRECTORY=/tmp/mk-doors-mpslog
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d 2>/dev/null && MPS_STARTED=1
-}
-stop_mps() { if [ "$MPS_STARTED" = 1 ]; then echo quit | timeout 20 nvidia-cuda-mps-control; MPS_STARTED=0; fi; }
-trap stop_mps EXIT
+. scripts/mps.sh  # rank_env, mps_start, mps_stop
+trap mps_stop EXIT
 
 for door in $ONLY; do
   case $door in
     examples)
-      start_mps
+      mps_start doors
       step examples 180 env LD_LIBRARY_PATH="$DIR/examples/lib:$LD_LIBRARY_PATH" \
         examples/run-examples.sh --require-gpu "$DIR"/examples/bin/*
-      stop_mps ;;
+      mps_stop ;;
     python)
       wheel=$(ls "$DIR"/mkernel-*.whl | head -1)
-      start_mps
+      mps_start doors
       # -v names each test as it ends; pytest-timeout (in the GPU image) fails a stuck test with
       # its traceback instead of letting the step's timeout kill pytest before its summary.
       step python-tests 900 env MK_PYTHON_TORCH=system MK_PYTHON_WHEEL="$wheel" PYTHONUNBUFFERED=1 \
@@ -75,10 +69,10 @@ for door in $ONLY; do
       site=build/python-test-venv/site  # where test-python.sh installed the wheel
       if [ -d "$site" ]; then
         step python-overhead-n1 120 env PYTHONPATH="$site" python3 benches/python_overhead.py --json "$OUT/python_overhead-n1.json"
-        step python-overhead-n2 120 env PYTHONPATH="$site" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 MK_MAX_CTAS=32 python3 -m torch.distributed.run \
+        step python-overhead-n2 120 env $(rank_env 2) PYTHONPATH="$site" python3 -m torch.distributed.run \
           --standalone --nproc-per-node 2 benches/python_overhead.py --json "$OUT/python_overhead-n2.json"
       fi
-      stop_mps ;;
+      mps_stop ;;
     nccl)
       step nccl 420 env MK_NCCL_SO="$PWD/$DIR/libmkernel_nccl.so" OUT="$OUT/nccl" ctests/nccl/gpu.sh ;;
     *) echo "gpu-doors.sh: unknown door $door"; exit 2 ;;

@@ -8,14 +8,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-fused-logs}
-. scripts/gpu-bins.sh  # $OUT created, $BIN, outcome(), $SMS
+. scripts/gpu-bins.sh  # $OUT created, $BIN, outcome(), as_ranks, mps_start
 SUITE=${1:-ag_gemm}; BENCH=${2-ag_gemm}
 B=$BIN
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mk-mps CUDA_MPS_LOG_DIRECTORY=/tmp/mk-mpslog
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-nvidia-cuda-mps-control -d && trap 'echo quit | timeout 20 nvidia-cuda-mps-control' EXIT
-as_ranks() { local n=$1; shift; if [ "$n" -gt 1 ]; then env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / n)) MK_MAX_CTAS=$((SMS / n / 2)) MK_TEST_NRANKS=$n "$@"; else env MK_TEST_NRANKS=1 "$@"; fi; }
+mps_start fused; trap mps_stop EXIT
 status=0
 for n in ${RANKS:-1 2 4 8}; do
   echo "===== mktest $SUITE N=$n" | tee -a "$OUT/tests.log"

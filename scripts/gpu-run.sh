@@ -112,22 +112,11 @@ status=0
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,compute_mode --format=csv; } | tee -a "$SUMMARY"
 
 # MPS: several rank processes on one GPU run side by side instead of time-slicing.
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mk-mps CUDA_MPS_LOG_DIRECTORY=/tmp/mk-mpslog
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-if nvidia-cuda-mps-control -d; then MPS=1; note "MPS started"; else MPS=0; note "MPS did not start: ranks will time-slice"; fi
-stop_mps() { if [ "$MPS" = 1 ]; then echo quit | timeout 20 nvidia-cuda-mps-control; MPS=0; fi; }
-trap stop_mps EXIT
+if mps_start run; then note "MPS started"; else note "MPS did not start: ranks will time-slice"; fi
+trap mps_stop EXIT
 
 note "GPU: $SMS SMs; MK_MAX_CTAS per rank at 2, 4, 8 ranks: $(max_ctas_for 2), $(max_ctas_for 4), $(max_ctas_for 8)"
 
-with_ranks() {  # N command...: runs the command as an MPS client sized for N ranks
-  local n=$1; shift
-  if [ "$n" -gt 1 ]; then
-    env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$(( 100 / n )) MK_MAX_CTAS=$(max_ctas_for "$n") MK_TEST_NRANKS="$n" "$@"
-  else
-    env MK_TEST_NRANKS=1 "$@"
-  fi
-}
 
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for n in $RANKS; do
@@ -143,19 +132,19 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     echo "===== mktest $suites with $n rank(s)" | tee -a "$OUT/mktest.log"
     t0=$(date +%s)
     # The killed-rank test runs after MPS stops (see below).
-    with_ranks "$n" env MK_TEST_KILL=skip timeout "$(limit 480)" "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
+    as_ranks "$n" env MK_TEST_KILL=skip timeout "$(limit 480)" "$BIN/mktest" $suites >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest $suites N=$n: $(outcome $rc) in $(( $(date +%s) - t0 )) s"
     check_rc $rc
     grep -E "WRONG|FAILED|SKIPPED|error|stopped after|init/destroy|graph capture|correctness:|in-process|^\[suite" "$OUT/mktest.log" | tail -n 40 | sed "s/^/    /" | tail -n 12
     # A hung or crashed client can leave the MPS server unusable for the next N: restart it.
-    if [ "$rc" != 0 ] && [ "$MPS" = 1 ]; then stop_mps; nvidia-cuda-mps-control -d && MPS=1; fi
+    if [ "$rc" != 0 ] && [ "$MPS" = 1 ]; then mps_stop; mps_start run; fi
   done
   # The MoE kernels' dedicated-CTA path (MK_COMM_SMS: sender / pull CTAs instead of the
   # GEMM CTAs' own warps), at 2 ranks.
   if ! late "mktest moe MK_COMM_SMS=4 N=2"; then
     echo "===== mktest moe with MK_COMM_SMS=4, 2 ranks" | tee -a "$OUT/mktest.log"
-    with_ranks 2 env MK_COMM_SMS=4 MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" moe >> "$OUT/mktest.log" 2>&1
+    as_ranks 2 env MK_COMM_SMS=4 MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" moe >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest moe MK_COMM_SMS=4 N=2: $(outcome $rc)"
     check_rc $rc
@@ -167,7 +156,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     wants gemm_reduce || break
     late "mktest gemm_reduce MK_INTERNAL_GEMM_REDUCERS=$mode N=$ranks" && continue
     echo "===== mktest gemm_reduce with MK_INTERNAL_GEMM_REDUCERS=$mode, $ranks ranks" | tee -a "$OUT/mktest.log"
-    with_ranks "$ranks" env MK_INTERNAL_GEMM_REDUCERS="$mode" MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" gemm_reduce >> "$OUT/mktest.log" 2>&1
+    as_ranks "$ranks" env MK_INTERNAL_GEMM_REDUCERS="$mode" MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" gemm_reduce >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest gemm_reduce MK_INTERNAL_GEMM_REDUCERS=$mode N=$ranks: $(outcome $rc)"
     check_rc $rc
@@ -188,12 +177,12 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ] && [ "$SOAK_SECONDS" -gt 0 ] && wan
   else
     echo "===== mktest soak, 4 ranks, MK_SOAK_SECONDS=$soak" | tee -a "$OUT/mktest.log"
     t0=$(date +%s)
-    with_ranks 4 env MK_SOAK_SECONDS="$soak" timeout "$(limit $((soak + 300)))" "$BIN/mktest" soak >> "$OUT/mktest.log" 2>&1
+    as_ranks 4 env MK_SOAK_SECONDS="$soak" timeout "$(limit $((soak + 300)))" "$BIN/mktest" soak >> "$OUT/mktest.log" 2>&1
     rc=$?
     note "mktest soak N=4 ($soak s, MPS): $(outcome $rc) in $(( $(date +%s) - t0 )) s"
     check_rc $rc
     sed -n '/^===== mktest soak/,$p' "$OUT/mktest.log" | grep -E "soak|calls|WRONG|FAILED|error" | tail -n 16 | sed "s/^/    /"
-    if [ "$rc" != 0 ] && [ "$MPS" = 1 ]; then stop_mps; nvidia-cuda-mps-control -d && MPS=1; fi
+    if [ "$rc" != 0 ] && [ "$MPS" = 1 ]; then mps_stop; mps_start run; fi
   fi
 fi
 
@@ -229,7 +218,7 @@ fi
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   # A rank killed mid-op, without MPS: under MPS the dying client poisons the others'
   # contexts (their next launch fails with an illegal address), which would test MPS, not us.
-  stop_mps
+  mps_stop
   for n in $RANKS; do
     [ "$n" -gt 1 ] || continue
     late "mktest killed rank N=$n" && continue
@@ -252,7 +241,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     check_rc $rc
     grep -E "chaos|FAILED" "$OUT/mktest.log" | tail -n 8 | sed "s/^/    /"
   done
-  if nvidia-cuda-mps-control -d; then MPS=1; fi
+  mps_start run
 fi
 
 if [ "$TESTS" = 1 ] && [ "$NODES" = 1 ]; then
@@ -263,14 +252,14 @@ if [ "$TESTS" = 1 ] && [ "$NODES" = 1 ]; then
   if ! late "mktest nodes N=4"; then
     echo "===== mktest nodes, 4 ranks, $NODE_ENV" | tee -a "$OUT/nodes.log"
     t0=$(date +%s)
-    with_ranks 4 env $NODE_ENV MK_TEST_KILL=skip timeout "$(limit 280)" "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
+    as_ranks 4 env $NODE_ENV MK_TEST_KILL=skip timeout "$(limit 280)" "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
     rc=$?
     note "mktest nodes N=4 (2 per node, sockets): $(outcome $rc) in $(( $(date +%s) - t0 )) s"
     check_rc $rc
     grep -E "WRONG|FAILED|error|across nodes|graph capture|inter-node|SKIPPED" "$OUT/nodes.log" | tail -n 12 | sed "s/^/    /"
   fi
   # One emulated node killed while the others wait for it, without MPS (see above).
-  stop_mps
+  mps_stop
   if ! late "mktest nodes killed node N=4"; then
     echo "===== mktest nodes, killed node only, 4 ranks, $NODE_ENV, no MPS" | tee -a "$OUT/nodes.log"
     env $NODE_ENV MK_TEST_KILL=only MK_TEST_NRANKS=4 timeout "$(limit 90)" "$BIN/mktest" nodes >> "$OUT/nodes.log" 2>&1
@@ -279,7 +268,7 @@ if [ "$TESTS" = 1 ] && [ "$NODES" = 1 ]; then
     check_rc $rc
     grep -E "killed node|FAILED" "$OUT/nodes.log" | tail -n 6 | sed "s/^/    /"
   fi
-  if nvidia-cuda-mps-control -d; then MPS=1; fi
+  mps_start run
 fi
 
 if [ "$BENCH" = 1 ]; then
@@ -291,7 +280,7 @@ if [ "$BENCH" = 1 ]; then
       [ "$n" -gt 1 ] && hi=256M
       late "mkbench $op -g $n" && continue
       echo "===== mkbench $op -b $lo -e $hi -f 2 -n 20 -w 5 -g $n" >> "$OUT/bench.log"
-      with_ranks "$n" timeout "$(limit 150)" "$BIN/mkbench" $op -b $lo -e $hi -f 2 -n 20 -w 5 -g "$n" --json "$JSON_DIR/$op-g$n.json" >> "$OUT/bench.log" 2>&1
+      as_ranks "$n" timeout "$(limit 150)" "$BIN/mkbench" $op -b $lo -e $hi -f 2 -n 20 -w 5 -g "$n" --json "$JSON_DIR/$op-g$n.json" >> "$OUT/bench.log" 2>&1
       rc=$?
       note "mkbench $op -g $n: $(outcome $rc)"
       check_rc $rc
@@ -299,7 +288,7 @@ if [ "$BENCH" = 1 ]; then
     for op in reduce_scatter all_reduce; do
       late "mkbench $op --dtype all -g $n" && continue
       echo "===== mkbench $op --dtype all -b 8 -e 16M -f 8 -n 20 -w 5 -g $n" >> "$OUT/bench.log"
-      with_ranks "$n" timeout "$(limit 150)" "$BIN/mkbench" $op --dtype all -b 8 -e 16M -f 8 -n 20 -w 5 -g "$n" --json "$JSON_DIR/$op-all-dtypes-g$n.json" >> "$OUT/bench.log" 2>&1
+      as_ranks "$n" timeout "$(limit 150)" "$BIN/mkbench" $op --dtype all -b 8 -e 16M -f 8 -n 20 -w 5 -g "$n" --json "$JSON_DIR/$op-all-dtypes-g$n.json" >> "$OUT/bench.log" 2>&1
       rc=$?
       note "mkbench $op --dtype all -g $n: $(outcome $rc)"
       check_rc $rc
@@ -345,7 +334,7 @@ if [ "$BENCH" = 1 ]; then
       fi
       late "mkbench $op -g $n" && continue
       echo "===== mkbench $op $args" | tee -a "$OUT/fused.log"
-      with_ranks "$n" timeout "$(limit 200)" "$BIN/mkbench" $op $args --json "$JSON_DIR/$op-g$n.json" >> "$OUT/fused.log" 2>&1; rc=$?
+      as_ranks "$n" timeout "$(limit 200)" "$BIN/mkbench" $op $args --json "$JSON_DIR/$op-g$n.json" >> "$OUT/fused.log" 2>&1; rc=$?
       note "mkbench $op -g $n: $(outcome $rc)"
       check_rc $rc
       if [ "$op" = ring_attn ] && [ "$n" = 1 ] && python3 -c "import torch" 2>/dev/null; then
@@ -372,14 +361,14 @@ if [ "$NODES" = 1 ] && [ "$NODE_BENCH" = 1 ]; then
     esac
     late "mkbench $op -g 4 across 2 emulated nodes" && continue
     echo "===== mkbench $spec -g 4, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
-    with_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout "$(limit 120)" "$BIN/mkbench" $spec -g 4 --json "$JSON_DIR/$op-g4-nodes.json" >> "$OUT/bench.log" 2>&1
+    as_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout "$(limit 120)" "$BIN/mkbench" $spec -g 4 --json "$JSON_DIR/$op-g4-nodes.json" >> "$OUT/bench.log" 2>&1
     rc=$?
     note "mkbench $op -g 4 across 2 emulated nodes: $(outcome $rc)"
     check_rc $rc
   done
 fi
 
-stop_mps
+mps_stop
 if [ "$DOORS" = 1 ] && [ "$TESTS" = 1 ] && ! late "the doors (examples, Python, NCCL)"; then
   # What users link or import, from what scripts/pack-doors.sh packed (gpu-doors.sh).
   if [ -d "$DOORS_DIR" ]; then

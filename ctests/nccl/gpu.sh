@@ -44,15 +44,11 @@ for n in 1 2 4; do
   step "c-standalone-n$n" env MK_NCCL_MODE=standalone MK_DEBUG=WARN "$BIN/gpu_collectives" "$n"
 done
 
-SMS=${SMS:-$(scripts/sm-count.sh)}  # for MK_MAX_CTAS; SMS=N overrides
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mk-nccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/mk-nccl-mpslog
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-MPS=0; nvidia-cuda-mps-control -d 2>/dev/null && MPS=1
-trap '[ "$MPS" = 1 ] && echo quit | timeout 20 nvidia-cuda-mps-control' EXIT
+. scripts/mps.sh  # as_ranks, mps_start, mps_stop
+mps_start nccl; trap mps_stop EXIT
 torch_run() {  # WORLD MODE
   local world=$1 mode=$2
-  env MK_NCCL_MODE="$mode" MK_DEBUG=INFO MK_MAX_CTAS=$((SMS / world)) CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / world)) \
-    LD_PRELOAD="$LIB/libmkernel-nccl.so.2" timeout 300 \
+  as_ranks "$world" env MK_NCCL_MODE="$mode" MK_DEBUG=INFO LD_PRELOAD="$LIB/libmkernel-nccl.so.2" timeout 300 \
     python3 -m torch.distributed.run --standalone --nproc-per-node "$world" ctests/nccl/torch_collectives.py
 }
 step torch-standalone-w2 torch_run 2 standalone
