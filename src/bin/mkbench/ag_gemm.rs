@@ -2,7 +2,7 @@
 //! same run:
 //!
 //!   mkbench ag_gemm [-g ranks] [--rows 128,512,2048,8192] [--nk 8192x8192,28672x8192]
-//!                   [--dtype bf16|fp16] [-n iters] [-w warmup] [--trace]
+//!                   [--dtype bf16|fp16] [-n iters] [-w warmup] [--trace] [--threads]
 //!
 //! Per shape (rows per rank, N, K; M = ranks × rows), each contender in the shared
 //! protocol (measure.rs: interleaved blocks, -w warm-up, --blocks blocks of -n calls, the
@@ -49,6 +49,8 @@ struct Options {
     warmup: usize,
     blocks: usize,
     trace: bool,
+    /// `--threads`: the ranks as threads of this process (fused_common::run_ranks).
+    threads: bool,
 }
 
 /// Parses the options without touching a GPU.
@@ -66,8 +68,9 @@ fn parse(args: &[String]) -> Result<Options> {
         warmup: Protocol::DEFAULT.warmup,
         blocks: Protocol::DEFAULT.blocks,
         trace: false,
+        threads: false,
     };
-    for_each_option(args, Some(&mut o.trace), |flag, v| {
+    for_each_option(args, &mut [("--trace", &mut o.trace), ("--threads", &mut o.threads)], |flag, v| {
         match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--rows" => o.rows = parse_list(v, "--rows")?,
@@ -90,7 +93,7 @@ fn parse(args: &[String]) -> Result<Options> {
 
 pub fn run(args: &[String]) -> Result<bool> {
     let o = parse(args)?;
-    run_ranks("ag_gemm", args, o.ranks, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
+    run_ranks("ag_gemm", args, o.ranks, o.threads, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
 }
 
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {

@@ -31,10 +31,9 @@
 //! (AllReduce).
 
 use crate::collective_check::{Expectation, PERIOD};
-use crate::fused_common::{capture_everywhere, measure_slowest, Timed};
+use crate::fused_common::{capture_everywhere, measure_slowest, run_ranks, Timed};
 use crate::measure::{Measured, Progress, Protocol, GRAPH_CALLS};
 use crate::nccl::Nccl;
-use crate::ranks;
 use crate::record::{self, Json};
 use crate::timing::Events;
 
@@ -46,7 +45,6 @@ use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::ops::util::fill_random;
 use mkernel::testing::TestBuffer;
 use mkernel::types::{mkDataType_t, mkRedOp_t};
-use std::time::Duration;
 
 struct Options {
     kind: CollectiveKind,
@@ -208,40 +206,7 @@ pub fn all_reduce(args: &[String]) -> Result<bool> {
 
 fn run(op_name: &str, args: &[String]) -> Result<bool> {
     let o = parse(op_name, args)?;
-    if let Some(env) = ranks::child_env(1)? {
-        return rank_main(&o, env.rank, env.nranks, &env.ids[0], env.device);
-    }
-    if o.ranks == 1 {
-        let id = mkernel::bootstrap::root::start_root()?;
-        return rank_main(&o, 0, 1, &id, 0);
-    }
-    if o.threads {
-        return run_threads(&o);
-    }
-    let mut child_args = vec![op_name.to_string()];
-    child_args.extend(args.iter().cloned());
-    crate::record::parent_of_ranks();
-    ranks::spawn(&child_args, o.ranks, 1, Duration::from_secs(500), |_| 0)?;
-    Ok(true)
-}
-
-/// The ranks as threads of this process, all on device 0; true when every rank's checks
-/// passed. A rank's error ends its thread; the others then fail within the communicator's
-/// timeout, and the first error (by rank) is returned.
-fn run_threads(o: &Options) -> Result<bool> {
-    let id = &mkernel::bootstrap::root::start_root()?;
-    let outcomes: Vec<Result<bool>> = std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..o.ranks).map(|r| s.spawn(move || rank_main(o, r, o.ranks, id, 0))).collect();
-        ranks
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(MkError::internal("a rank thread panicked"))))
-            .collect()
-    });
-    let mut all_ok = true;
-    for outcome in outcomes {
-        all_ok &= outcome?;
-    }
-    Ok(all_ok)
+    run_ranks(op_name, args, o.ranks, o.threads, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
 }
 
 /// Bytes of output downloaded at a time for the host check (a multiple of every type's size).
@@ -510,7 +475,6 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     if rank == 0 {
         println!("# algbw, busbw in GB/s (1e9 B/s); copy GB/s counts bytes read + written; host: µs to enqueue one out-of-place call; graph: per call, replays of {GRAPH_CALLS} captured calls");
         record::config("ranks", Json::num(n as f64));
-        record::config("ranks_as", Json::str(if o.threads { "threads of one process" } else { "processes" }));
         record::config("dtypes", Json::Arr(o.dtypes.iter().map(|d| Json::str(d.name())).collect()));
         record::config("op", Json::str(&redop));
         record::config("bus_factor", Json::num(factor));

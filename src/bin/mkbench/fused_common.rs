@@ -11,28 +11,52 @@ pub fn bad(what: &str) -> MkError {
     MkError::invalid_argument(format!("mkbench: bad {what}"))
 }
 
-/// How every fused bench starts: as a rank process spawned by a parent run (the ids come
-/// through the environment), as the only rank, or as the parent spawning `ranks` processes
-/// of this binary that run `mkbench <name> <args>`. `rank_main(rank, nranks, id, device)`
-/// is the bench itself.
-pub fn run_ranks(
-    name: &str,
-    args: &[String],
-    ranks: usize,
-    rank_main: &dyn Fn(usize, usize, &mkernel::bootstrap::UniqueId, i32) -> Result<bool>,
-) -> Result<bool> {
+/// A bench's body on one rank: `(rank, nranks, id, device)`, true when its checks passed.
+pub type RankMain<'a> = dyn Fn(usize, usize, &mkernel::bootstrap::UniqueId, i32) -> Result<bool> + Sync + 'a;
+
+/// How every bench with ranks starts: as a rank process spawned by a parent run (the ids
+/// come through the environment), as the only rank, as `ranks` threads of this process on
+/// device 0 (`threads`: `--threads`, the layout of `mkCommInitAll` with a repeated device,
+/// without the start skew between MPS client processes), or as the parent spawning `ranks`
+/// processes of this binary that run `mkbench <name> <args>`.
+pub fn run_ranks(name: &str, args: &[String], ranks: usize, threads: bool, rank_main: &RankMain) -> Result<bool> {
+    use crate::record::{self, Json};
     if let Some(env) = crate::ranks::child_env(1)? {
+        record::config("ranks_as", Json::str("processes"));
         return rank_main(env.rank, env.nranks, &env.ids[0], env.device);
     }
     if ranks == 1 {
         let id = mkernel::bootstrap::root::start_root()?;
         return rank_main(0, 1, &id, 0);
     }
+    if threads {
+        record::config("ranks_as", Json::str("threads of one process"));
+        return run_threads(ranks, rank_main);
+    }
     let mut child = vec![name.to_string()];
     child.extend(args.iter().cloned());
     crate::record::parent_of_ranks();
     crate::ranks::spawn(&child, ranks, 1, std::time::Duration::from_secs(500), |_| 0)?;
     Ok(true)
+}
+
+/// The ranks as threads of this process, all on device 0; true when every rank's checks
+/// passed. A rank's error ends its thread, the others then fail within the communicator's
+/// timeout, and the first error (by rank) is returned.
+fn run_threads(ranks: usize, rank_main: &RankMain) -> Result<bool> {
+    let id = &mkernel::bootstrap::root::start_root()?;
+    let outcomes: Vec<Result<bool>> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..ranks).map(|r| s.spawn(move || rank_main(r, ranks, id, 0))).collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_else(|_| Err(MkError::internal("a rank thread panicked"))))
+            .collect()
+    });
+    let mut all_ok = true;
+    for outcome in outcomes {
+        all_ok &= outcome?;
+    }
+    Ok(all_ok)
 }
 
 /// Comm::init, its time and its workspace recorded in the run's config (`comm_init_ms`,
@@ -57,17 +81,17 @@ pub fn init_comm(
 }
 
 /// Walks a fused bench's arguments: `flag value` pairs, each handed to `option(flag, value)`
-/// (which reads the common ones with `common_flag`), and, when `trace` is given, the lone
-/// flag `--trace`. A flag without its value is an error.
+/// (which reads the common ones with `common_flag`), and the lone flags of `lone` (e.g.
+/// `--trace`, `--threads`), each setting its bool. A flag without its value is an error.
 pub fn for_each_option(
     args: &[String],
-    mut trace: Option<&mut bool>,
+    lone: &mut [(&str, &mut bool)],
     mut option: impl FnMut(&str, &str) -> Result<()>,
 ) -> Result<()> {
     let mut i = 0;
     while i < args.len() {
-        if let (Some(t), "--trace") = (trace.as_deref_mut(), args[i].as_str()) {
-            *t = true;
+        if let Some((_, set)) = lone.iter_mut().find(|(flag, _)| *flag == args[i]) {
+            **set = true;
             i += 1;
             continue;
         }
@@ -352,20 +376,24 @@ mod tests {
     }
 
     #[test]
-    fn options_come_in_pairs_and_trace_stands_alone_where_taken() {
-        let (mut seen, mut trace) = (Vec::new(), false);
-        for_each_option(&args("-g 2 --trace --rows 128,512"), Some(&mut trace), |f, v| {
+    fn options_come_in_pairs_and_lone_flags_stand_alone_where_taken() {
+        let (mut seen, mut trace, mut threads) = (Vec::new(), false, false);
+        let mut lone = [("--trace", &mut trace), ("--threads", &mut threads)];
+        for_each_option(&args("-g 2 --trace --rows 128,512"), &mut lone, |f, v| {
             seen.push(format!("{f}={v}"));
             Ok(())
         })
         .unwrap();
-        assert!(trace);
+        assert!(trace && !threads);
         assert_eq!(seen, ["-g=2", "--rows=128,512"]);
-        // Without a trace option, --trace is an ordinary flag (and here lacks its value).
-        assert!(for_each_option(&args("--trace"), None, |_, _| Ok(())).is_err());
-        assert!(for_each_option(&args("-n"), None, |_, _| Ok(())).is_err());
+        let mut lone = [("--trace", &mut trace), ("--threads", &mut threads)];
+        for_each_option(&args("--threads -g 2"), &mut lone, |_, _| Ok(())).unwrap();
+        assert!(threads);
+        // Without a lone --trace, it is an ordinary flag (and here lacks its value).
+        assert!(for_each_option(&args("--trace"), &mut [], |_, _| Ok(())).is_err());
+        assert!(for_each_option(&args("-n"), &mut [], |_, _| Ok(())).is_err());
         let (mut ranks, mut iters, mut warmup) = (1, 1, 1);
-        for_each_option(&args("-g 4 -n 7 -w 2"), None, |f, v| {
+        for_each_option(&args("-g 4 -n 7 -w 2"), &mut [], |f, v| {
             assert!(common_flag(f, v, &mut ranks, &mut iters, &mut warmup)?);
             Ok(())
         })

@@ -1,7 +1,7 @@
 //! `mkbench gemm_rs` and `mkbench gemm_ar`: mkGemmReduceScatter / mkGemmAllReduce beside
 //! the unfused sequences they replace, in the same run:
 //!
-//!   mkbench gemm_rs [-g ranks] [--m 1024,4096,16384] [--nk 8192x1024,8192x3584] [-n iters] [-w warmup] [--trace]
+//!   mkbench gemm_rs [-g ranks] [--m 1024,4096,16384] [--nk 8192x1024,8192x3584] [-n iters] [-w warmup] [--trace] [--threads]
 //!   mkbench gemm_ar [-g ranks] [--m 1,16,64,256,2048,8192,16384] [--nk ...]
 //!
 //! Per shape, in the shared protocol (measure.rs: interleaved blocks, --blocks blocks of
@@ -42,6 +42,8 @@ struct Options {
     warmup: usize,
     blocks: usize,
     trace: bool,
+    /// `--threads`: the ranks as threads of this process (fused_common::run_ranks).
+    threads: bool,
 }
 
 /// Parses the options without touching a GPU (`op` is gemm_rs or gemm_ar).
@@ -62,8 +64,9 @@ fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
         warmup: Protocol::DEFAULT.warmup,
         blocks: Protocol::DEFAULT.blocks,
         trace: false,
+        threads: false,
     };
-    for_each_option(args, Some(&mut o.trace), |flag, v| {
+    for_each_option(args, &mut [("--trace", &mut o.trace), ("--threads", &mut o.threads)], |flag, v| {
         match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--m" => o.ms = parse_list(v, "--m")?,
@@ -87,7 +90,7 @@ pub fn gemm_ar(args: &[String]) -> Result<bool> {
 
 fn run(reduction: Reduction, name: &str, args: &[String]) -> Result<bool> {
     let o = parse(reduction, args)?;
-    run_ranks(name, args, o.ranks, &|rank, n, id, device| rank_main(reduction, &o, rank, n, id, device))
+    run_ranks(name, args, o.ranks, o.threads, &|rank, n, id, device| rank_main(reduction, &o, rank, n, id, device))
 }
 
 fn rank_main(

@@ -1,7 +1,7 @@
 //! `mkbench moe`: mkMoeDispatchGemm and mkMoeGemmCombine beside the unfused sequences, in
 //! the same run:
 //!
-//!   mkbench moe [-g ranks] [--tokens 4096] [--hidden 7168] [--ffn 2048] [--experts 256] [--topk 8] [-n iters] [-w warmup] [--blocks B] [--trace]
+//!   mkbench moe [-g ranks] [--tokens 4096] [--hidden 7168] [--ffn 2048] [--experts 256] [--topk 8] [-n iters] [-w warmup] [--blocks B] [--trace] [--threads]
 //!
 //! The baseline per direction is the token exchange plus a grouped GEMM from cuBLAS
 //! (cublas_grouped.rs: one cublasGemmGroupedBatchedEx call over the local experts, each
@@ -55,6 +55,8 @@ struct Options {
     warmup: usize,
     blocks: usize,
     trace: bool,
+    /// `--threads`: the ranks as threads of this process (fused_common::run_ranks).
+    threads: bool,
 }
 
 /// Parses the options without touching a GPU.
@@ -74,8 +76,9 @@ fn parse(args: &[String]) -> Result<Options> {
         warmup: 3,
         blocks: Protocol::DEFAULT.blocks,
         trace: false,
+        threads: false,
     };
-    for_each_option(args, Some(&mut o.trace), |flag, v| {
+    for_each_option(args, &mut [("--trace", &mut o.trace), ("--threads", &mut o.threads)], |flag, v| {
         let num = || v.parse::<usize>().map_err(|_| bad(flag));
         match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
@@ -95,7 +98,7 @@ fn parse(args: &[String]) -> Result<Options> {
 
 pub fn run(args: &[String]) -> Result<bool> {
     let o = parse(args)?;
-    run_ranks("moe", args, o.ranks, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
+    run_ranks("moe", args, o.ranks, o.threads, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
 }
 
 /// Uniform routing: k distinct experts per token, from a per-rank seed.

@@ -1,7 +1,7 @@
 //! `mkbench ring_attn`: mkRingAttention beside the unfused ring it replaces, in the same run:
 //!
 //!   mkbench ring_attn [-g ranks] [--seq 8192,16384,32768] [--heads 32] [--kv-heads 32]
-//!                     [--dim 128] [--causal 0,1] [-n iters] [-w warmup] [--trace]
+//!                     [--dim 128] [--causal 0,1] [-n iters] [-w warmup] [--trace] [--threads]
 //!                     [--unfused 0|1] [--rest-ms ms] [--blocks B]
 //!
 //! Per (global S, causal): the fused op; the unfused ring (mkAllGather of K, mkAllGather of
@@ -52,6 +52,8 @@ struct Options {
     warmup: usize,
     blocks: usize,
     trace: bool,
+    /// `--threads`: the ranks as threads of this process (fused_common::run_ranks).
+    threads: bool,
     /// 0: only the fused op (no unfused ring, no attention alone, no AllGathers).
     unfused: usize,
     /// Idle time before each case (after the stream has drained), in ms.
@@ -75,10 +77,11 @@ fn parse(args: &[String]) -> Result<Options> {
         warmup: 2,
         blocks: Protocol::DEFAULT.blocks,
         trace: false,
+        threads: false,
         unfused: 1,
         rest_ms: 0,
     };
-    for_each_option(args, Some(&mut o.trace), |flag, v| {
+    for_each_option(args, &mut [("--trace", &mut o.trace), ("--threads", &mut o.threads)], |flag, v| {
         match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
             "--seq" => o.seq = parse_list(v, "--seq")?,
@@ -99,7 +102,7 @@ fn parse(args: &[String]) -> Result<Options> {
 
 pub fn run(args: &[String]) -> Result<bool> {
     let o = parse(args)?;
-    run_ranks("ring_attn", args, o.ranks, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
+    run_ranks("ring_attn", args, o.ranks, o.threads, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
 }
 
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
