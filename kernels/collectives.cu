@@ -15,6 +15,8 @@
 //      other slices (AllReduce: reduce-scatter + all-gather inside the piece),
 //   5. post FREE to every peer.
 // Every wait is bounded (common/signals.cuh). With one rank the op is a plain copy.
+// Small messages take the low-latency protocol instead (collective_ll below; the host's
+// plan picks it, the same on every rank).
 // Launched with p.stage_bytes of dynamic shared memory (the host always passes ops::collectives::STAGE_BYTES), the copies
 // and reductions stage their loads there with cp.async (common/reduce_copy.cuh): a CTA
 // then keeps tens of KiB in flight instead of a few vectors per thread, which is what
@@ -26,6 +28,149 @@
 #include "mkernel.h"
 #include "common/reduce_copy.cuh"
 #include "common/signals.cuh"
+
+// ---- the low-latency protocol (p.protocol == MK_PROTOCOL_LOW_LATENCY) ----
+// A sender writes every 8 bytes of its piece, with the step as a flag beside each half, as
+// one 16-byte line {lo, step, hi, step} straight into each peer's LL region; the receiver
+// polls its own region until both flags of a line equal the step. Data and flag travel in
+// one store, so a step costs one one-way trip: no staging copy, no fence, no flag round
+// trip. Safety without a free-slot wait: a line of step s lands in the CTA's area for
+// parity s & 1, which its reader finished reading at step s - 2, before it sent anything of
+// step s - 1 -- and the sender has received all of step s - 1. Only this protocol writes
+// the LL region (zeroed at init), so a stale line holds an older step (same parity, at most
+// s - 2), never s. At the end of a step each rank posts FREE(s) to its peers, which the
+// simple protocol's wait for step s - 2 expects whichever protocol ran step s.
+
+// The lines of `source`'s piece for CTA b at `step` in `owner`'s LL region (right after its
+// signal region; layout: MK_LL_BYTES in mk_kernel_abi.h).
+__device__ __forceinline__ uint4* ll_lines(const WorkspaceView& ws, int owner, uint32_t b, uint64_t step, int source) {
+  char* region = reinterpret_cast<char*>(ws.signals[owner]) + (uint64_t)MK_SIG_WORDS * 8;
+  return reinterpret_cast<uint4*>(region + (((uint64_t)b * 2 + (step & 1)) * MK_MAX_PEERS + source) * MK_LL_SOURCE_BYTES);
+}
+
+// Bytes [8i, 8i + 8) of the `nb` bytes at `src` (zero past the end).
+__device__ __forceinline__ uint2 ll_read(const char* src, uint64_t nb, uint64_t i) {
+  const uint64_t at = i * 8;
+  if (at + 8 <= nb && (reinterpret_cast<uintptr_t>(src + at) & 7) == 0) return *reinterpret_cast<const uint2*>(src + at);
+  uint64_t w = 0;  // byte by byte into a register (an array would live on the stack)
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    if (at + k < nb) w |= (uint64_t)(uint8_t)src[at + k] << (8 * k);
+  return make_uint2((uint32_t)w, (uint32_t)(w >> 32));
+}
+
+// Writes the bytes of `v` that fall inside the `nb` bytes at `dst`, at [8i, 8i + 8).
+__device__ __forceinline__ void ll_write(char* dst, uint64_t nb, uint64_t i, uint2 v) {
+  const uint64_t at = i * 8;
+  if (at + 8 <= nb && (reinterpret_cast<uintptr_t>(dst + at) & 7) == 0) {
+    *reinterpret_cast<uint2*>(dst + at) = v;
+    return;
+  }
+  const uint64_t w = (uint64_t)v.x | (uint64_t)v.y << 32;
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    if (at + k < nb) dst[at + k] = (char)(w >> (8 * k));
+}
+
+__device__ __forceinline__ void ll_put(uint4* line, uint2 v, uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line), "r"(v.x), "r"(flag), "r"(v.y), "r"(flag)
+               : "memory");
+}
+
+__device__ __forceinline__ bool ll_try(const uint4* line, uint32_t flag, uint2& v) {
+  uint32_t lo, f1, hi, f2;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(lo), "=r"(f1), "=r"(hi), "=r"(f2) : "l"(line) : "memory");
+  v = make_uint2(lo, hi);
+  return f1 == flag && f2 == flag;
+}
+
+// One thread: polls `line` until it carries `flag` (bounded as every wait: abort word,
+// timeout, host abort). False: the wait gave up with the error recorded.
+__device__ __forceinline__ bool ll_get(const WorkspaceView& ws, const uint4* line, uint32_t flag, int peer, uint32_t op,
+                                       uint2& v) {
+  if (ll_try(line, flag, v)) return true;
+  MkWaitChecks checks(ws);
+  for (uint32_t spin = 1;; ++spin) {
+    if (ll_try(line, flag, v)) return true;
+    if ((spin & 31) == 0 && !checks.keep_waiting(peer, MK_WAIT_READY, op)) return false;
+  }
+}
+
+// acc (in Traits<T>::Acc) op= the elements of an 8-byte line; `first` starts the sum.
+template <typename T>
+__device__ __forceinline__ void ll_accumulate(typename Traits<T>::Acc (&acc)[8 / sizeof(T)], uint2 v, bool first, int op) {
+  const T* t = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int k = 0; k < (int)(8 / sizeof(T)); ++k)
+    acc[k] = first ? Traits<T>::load(t[k]) : combine<typename Traits<T>::Acc>(acc[k], Traits<T>::load(t[k]), op);
+}
+
+// The pieces of this CTA by the low-latency protocol: thread t moves line t of each piece
+// (MK_LL_PIECE_BYTES = 8 bytes x threads). AllGather and AllReduce send their piece to every
+// peer; ReduceScatter sends each peer the piece of that peer's segment. Reductions combine
+// the sources in rank order 0..n-1 and round once, as the simple protocol does, so every
+// rank's AllReduce result is bitwise the same.
+template <typename T>
+__device__ __forceinline__ void collective_ll(const CollectiveParams& p) {
+  const WorkspaceView& ws = p.ws;
+  const int rank = ws.rank, nranks = ws.nranks;
+  const uint64_t es = (uint64_t)p.elem_size;
+  const char* send = reinterpret_cast<const char*>(p.send);
+  char* recv = reinterpret_cast<char*>(p.recv);
+  const uint32_t b = blockIdx.x, opk = (uint32_t)p.kind, i = threadIdx.x;
+  uint64_t* seq_word = mk_signal_word(ws, rank, MK_SIG_SEQ + b);
+  const uint32_t freed = MK_SIG_FREE + b * MK_MAX_PEERS;
+  uint64_t step = *seq_word;
+  const uint64_t npieces = (p.count + p.chunk - 1) / p.chunk;
+  for (uint64_t g = b; g < npieces; g += gridDim.x) {
+    ++step;
+    const uint32_t flag = (uint32_t)step;
+    const uint64_t off = g * p.chunk;
+    const uint64_t nb = min(p.chunk, p.count - off) * es;  // bytes of this piece per source
+    const bool mine = (uint64_t)i * 8 < nb;                // this thread has a line
+    bool ok = true;
+    if (mine) {
+      // This rank's line of its own segment (AllGather, AllReduce: the piece itself).
+      const bool scatter = p.kind == MK_OP_REDUCE_SCATTER;
+      const uint2 own = ll_read(send + ((scatter ? (uint64_t)rank * p.count : 0) + off) * es, nb, i);
+      // Send: the same line to every peer, or (ReduceScatter) peer q's segment's line.
+      for (int k = 1; k < nranks; ++k) {
+        const int q = (rank + k) % nranks;
+        const uint2 v = scatter ? ll_read(send + ((uint64_t)q * p.count + off) * es, nb, i) : own;
+        ll_put(ll_lines(ws, q, b, step, rank) + i, v, flag);
+      }
+      // Receive: each source's line in rank order, this rank's from `own`.
+      if (p.kind == MK_OP_ALL_GATHER) {
+        for (int q = 0; q < nranks && ok; ++q) {
+          char* out = recv + ((uint64_t)q * p.count + off) * es;
+          uint2 v = own;
+          if (q == rank && out == send + off * es) continue;  // in place: already there
+          if (q != rank) ok = ll_get(ws, ll_lines(ws, rank, b, step, q) + i, flag, q, opk, v);
+          if (ok) ll_write(out, nb, i, v);
+        }
+      } else {
+        typename Traits<T>::Acc acc[8 / sizeof(T)];
+        for (int q = 0; q < nranks && ok; ++q) {
+          uint2 v = own;
+          if (q != rank) ok = ll_get(ws, ll_lines(ws, rank, b, step, q) + i, flag, q, opk, v);
+          if (ok) ll_accumulate<T>(acc, v, q == 0, p.op);
+        }
+        if (ok) {
+          uint2 out;
+          T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+          for (int k = 0; k < (int)(8 / sizeof(T)); ++k) o[k] = Traits<T>::store(finalize(acc[k], p.op, nranks));
+          ll_write(recv + off * es, nb, i, out);
+        }
+      }
+    }
+    if (!__syncthreads_and(ok)) return;
+    // FREE(step) for the simple protocol's slot-reuse wait; it orders nothing (this step
+    // read no peer's slot), so a relaxed store.
+    if ((int)i < nranks && (int)i != rank) mk_st_relaxed_sys(mk_signal_word(ws, i, freed + rank), step);
+  }
+  if (i == 0) *seq_word = step;
+}
 
 template <typename T>
 __device__ __forceinline__ void collective(const CollectiveParams& p) {
@@ -40,6 +185,10 @@ __device__ __forceinline__ void collective(const CollectiveParams& p) {
     if (send != recv)
       copy_range(recv, nullptr, send, p.count * es, p.elem_size, (uint64_t)blockIdx.x * blockDim.x + threadIdx.x,
                  (uint64_t)gridDim.x * blockDim.x, p.stage_bytes);
+    return;
+  }
+  if (p.protocol == MK_PROTOCOL_LOW_LATENCY) {
+    collective_ll<T>(p);
     return;
   }
 

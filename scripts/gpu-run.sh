@@ -149,6 +149,18 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     note "mktest moe MK_COMM_SMS=4 N=2: $(outcome $rc)"
     check_rc $rc
   fi
+  # The collectives with every message on one protocol, at 2 ranks: 0 sends all of them
+  # through the simple one, 4 MiB all but the largest through the low-latency one (several
+  # pieces per LL CTA); the default splits at 64 KiB.
+  for ll_max in 0 4194304; do
+    wants collectives || break
+    late "mktest collectives MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES=$ll_max N=2" && continue
+    echo "===== mktest collectives with MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES=$ll_max, 2 ranks" | tee -a "$OUT/mktest.log"
+    as_ranks 2 env MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES="$ll_max" MK_TEST_KILL=skip timeout "$(limit 150)" "$BIN/mktest" collectives >> "$OUT/mktest.log" 2>&1
+    rc=$?
+    note "mktest collectives MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES=$ll_max N=2: $(outcome $rc)"
+    check_rc $rc
+  done
   # GEMM+RS/AR's non-default reducers, when the suite runs: after (every warp of a GEMM
   # CTA sums after its GEMM, no early sums) at 2 ranks.
   for step in "after 2"; do

@@ -26,6 +26,7 @@ pub const INTERNAL_KNOBS: &[(&str, &str, &str)] = &[
     ("MK_INTERNAL_GEMM_REDUCERS", "early", "who sums the partials of mkGemmReduceScatter / mkGemmAllReduce on one node without MK_COMM_SMS: early (mkGemmReduceScatter with BN 256 tiles and more tiles than CTAs: two idle producer warps of each GEMM CTA sum its earlier tiles during the GEMM, every warp the rest after it; elsewhere as after) or after (every warp of each GEMM CTA, after its GEMM)"),
     ("MK_INTERNAL_GEMM_AR_ONESHOT_MAX_M", "256", "mkGemmAllReduce: the largest M that takes the one-shot path (every rank sums every tile); above it, two-phase (each owner sums its 128-row blocks, the others copy them) where M divides into whole blocks per rank"),
     ("MK_INTERNAL_MOE_BANDS", "4", "mkMoeGemmCombine: column bands of its GEMM (fewer where H / tile width has no such divisor); the pull of band b's outputs runs beside the GEMM of the later bands; 1: pull after the GEMM only"),
+    ("MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES", "65536", "mkAllGather / mkReduceScatter / mkAllReduce within a node: the largest message per rank segment (AllReduce: the buffer) that takes the low-latency protocol (data and its step's flag pushed together in 16-byte lines into the peers' LL regions); above it, the simple protocol (staged, flagged, pulled); 0 never takes LL. Every rank must set the same value"),
     ("MK_INTERNAL_MOE_BURST", "auto", "mkMoeDispatchGemm: 1 = before their GEMM, all warps of the GEMM CTAs send the rows of the first local experts, then the side warps send the rest; 0 = the side warps send everything; auto = 1 at 4 or more ranks"),
 ];
 
@@ -111,6 +112,11 @@ pub fn internal_gemm_ar_one_shot_max_m() -> Option<usize> {
     parse_u64("MK_INTERNAL_GEMM_AR_ONESHOT_MAX_M").map(|m| m as usize)
 }
 
+/// `MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES`.
+pub fn internal_collective_ll_max_bytes() -> Option<u64> {
+    parse_u64("MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES")
+}
+
 /// `MK_INTERNAL_MOE_BANDS` (at least 1).
 pub fn internal_moe_bands() -> Option<usize> {
     parse_u64("MK_INTERNAL_MOE_BANDS").map(|b| (b as usize).max(1))
@@ -148,6 +154,7 @@ mod tests {
         let default_of = |name: &str| INTERNAL_KNOBS.iter().find(|(n, _, _)| *n == name).unwrap().1;
         assert_eq!(default_of("MK_INTERNAL_GEMM_AR_ONESHOT_MAX_M"), t.gemm_ar_one_shot_max_m.to_string());
         assert_eq!(default_of("MK_INTERNAL_MOE_BANDS"), t.moe_bands.to_string());
+        assert_eq!(default_of("MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES"), t.collective_ll_max_bytes.to_string());
         assert_eq!(default_of("MK_INTERNAL_MOE_BURST"), "auto");
         assert_eq!(t.moe_burst, None);
         assert_eq!(default_of("MK_INTERNAL_GEMM_REDUCERS"), "early");

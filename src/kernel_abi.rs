@@ -88,11 +88,39 @@ pub struct CollectiveParams {
     /// Dynamic shared memory the kernel was launched with, in which its copies and
     /// reductions stage their loads (cp.async); 0 keeps the loads in registers.
     pub stage_bytes: u32,
-    pub reserved: u32,
+    /// How the pieces move: an `MkProtocol` (every rank plans the same one).
+    pub protocol: u32,
+}
+
+/// How a collective moves its pieces between ranks (`CollectiveParams::protocol`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MkProtocol {
+    /// Each rank stages its piece in its own slot of the data region and flags it; the
+    /// peers pull it and flag that they have read it (bandwidth: large messages).
+    #[default]
+    Simple = 0,
+    /// Each rank pushes every 8 bytes of its piece, with the step in the same 16-byte line,
+    /// into each peer's LL region; a receiver polls its own region until a line carries the
+    /// step (latency: small messages, one one-way trip and no flag round trip).
+    LowLatency = 1,
 }
 
 /// Threads per CTA of the collective kernels (kernels/collectives.cu).
 pub const MK_COLLECTIVE_THREADS: u32 = 512;
+
+/// CTAs that have an area in the LL region: a low-latency call's grid is at most this.
+pub const MK_LL_MAX_CTAS: u32 = 16;
+/// Payload bytes of one low-latency piece from one source (one CTA step): one 8-byte line
+/// per thread of a collective CTA.
+pub const MK_LL_PIECE_BYTES: u32 = 8 * MK_COLLECTIVE_THREADS;
+/// Bytes of a piece's lines from one source: 16 per 8 bytes of payload.
+pub const MK_LL_SOURCE_BYTES: u32 = 2 * MK_LL_PIECE_BYTES;
+/// Bytes of each rank's LL region, right after its signal region (zeroed with it): per CTA
+/// b < MK_LL_MAX_CTAS, per step parity, per source rank, one piece's lines, at
+/// ((b * 2 + (step & 1)) * MK_MAX_PEERS + source) * MK_LL_SOURCE_BYTES.
+pub const MK_LL_BYTES: u32 = MK_LL_MAX_CTAS * 2 * MK_MAX_PEERS as u32 * MK_LL_SOURCE_BYTES;
+
 /// Threads per CTA of the hierarchical collective kernels (kernels/hier_collectives.cu).
 pub const MK_HIER_THREADS: u32 = 512;
 

@@ -21,6 +21,9 @@ pub struct Tuning {
     /// mkMoeDispatchGemm: every warp of the GEMM CTAs sends the first wave's rows before the
     /// GEMM; None: by rank count, `ops::moe::burst_for` (MK_INTERNAL_MOE_BURST).
     pub moe_burst: Option<bool>,
+    /// The collectives within a node: the largest message per rank segment (bytes) that takes
+    /// the low-latency protocol; 0 never (MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES).
+    pub collective_ll_max_bytes: u64,
 }
 
 impl Default for Tuning {
@@ -30,6 +33,7 @@ impl Default for Tuning {
             gemm_ar_one_shot_max_m: crate::ops::gemm_ar::ONE_SHOT_MAX_M,
             moe_bands: crate::ops::moe::DEFAULT_BANDS,
             moe_burst: None,
+            collective_ll_max_bytes: crate::ops::collectives::LL_MAX_BYTES,
         }
     }
 }
@@ -45,6 +49,8 @@ impl Tuning {
             gemm_ar_one_shot_max_m: crate::env::internal_gemm_ar_one_shot_max_m().unwrap_or(d.gemm_ar_one_shot_max_m),
             moe_bands: crate::env::internal_moe_bands().unwrap_or(d.moe_bands),
             moe_burst: crate::env::internal_moe_burst().unwrap_or(d.moe_burst),
+            collective_ll_max_bytes: crate::env::internal_collective_ll_max_bytes()
+                .unwrap_or(d.collective_ll_max_bytes),
         }
     }
 
@@ -83,6 +89,11 @@ impl Tuning {
             ),
             ("MK_INTERNAL_MOE_BANDS", self.moe_bands.to_string(), self.moe_bands == d.moe_bands),
             ("MK_INTERNAL_MOE_BURST", burst(self.moe_burst), self.moe_burst == d.moe_burst),
+            (
+                "MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES",
+                self.collective_ll_max_bytes.to_string(),
+                self.collective_ll_max_bytes == d.collective_ll_max_bytes,
+            ),
         ];
         rows.into_iter()
             .map(|(name, value, default)| {
@@ -99,7 +110,7 @@ mod tests {
     #[test]
     fn description_names_every_setting_and_marks_overrides() {
         let d = Tuning::default().describe();
-        assert_eq!(d.len(), 4);
+        assert_eq!(d.len(), 5);
         assert!(d.iter().all(|l| l.starts_with("tuning: MK_INTERNAL_") && !l.contains("environment")), "{d:?}");
         assert!(d[0].ends_with("= early"), "{}", d[0]);
         let t = Tuning { gemm_reducers: Reducers::After, moe_burst: Some(false), ..Tuning::default() }.describe();

@@ -312,7 +312,7 @@ def torch_distributed_bootstrap(_comm, rank, n, init_file):
             problems = []
             if (comm.rank, comm.world_size) != (rank, n):
                 problems.append(f"rank/world {comm.rank}/{comm.world_size}, want {rank}/{n}")
-            if comm.device_memory_bytes != (2 << 20) + 2 * (64 << 20):
+            if comm.device_memory_bytes != (4 << 20) + 2 * (64 << 20):
                 problems.append(f"device_memory_bytes {comm.device_memory_bytes}")
             got = mkernel.all_reduce(torch.full((256,), float(rank + 1), device=DEV), comm)
             problems += close_to(

@@ -35,8 +35,14 @@ use crate::kernel_abi::{CommStatus, WorkspaceView};
 use crate::mk_info;
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-/// Bytes of the signal region in front of each rank's data region.
+/// Bytes of the signal region at the start of each rank's allocation.
 pub const SIGNAL_BYTES: usize = crate::kernel_abi::MK_SIG_WORDS as usize * 8;
+/// Bytes of the collectives' low-latency region, right after the signal region (kernels
+/// find it at `signals[r] + SIGNAL_BYTES`); zeroed with the signals, so a line never holds
+/// a step it was not written for.
+pub const LL_BYTES: usize = crate::kernel_abi::MK_LL_BYTES as usize;
+/// Bytes in front of each rank's data region: the signal and low-latency regions.
+pub const CONTROL_BYTES: usize = SIGNAL_BYTES + LL_BYTES;
 /// u64 word index of the abort word in the signal region.
 pub const SIG_ABORT_WORD: usize = crate::kernel_abi::MK_SIG_ABORT as usize;
 /// u64 word index of the device-side claim on this rank's first error: kernels arbitrate
@@ -339,8 +345,8 @@ unsafe impl Send for SymmetricWorkspace {}
 unsafe impl Sync for SymmetricWorkspace {}
 
 fn zero_signals(base: u64) -> Result<()> {
-    // SAFETY: the signal region lies at the start of the allocation.
-    check("cuMemsetD8(signal region)", unsafe { sys::cuMemsetD8_v2(base, 0, SIGNAL_BYTES) })?;
+    // SAFETY: the signal and low-latency regions lie at the start of the allocation.
+    check("cuMemsetD8(signal and LL regions)", unsafe { sys::cuMemsetD8_v2(base, 0, CONTROL_BYTES) })?;
     // SAFETY: plain synchronisation of the current context.
     check("cuCtxSynchronize(after zeroing the signal region)", unsafe { sys::cuCtxSynchronize() })
 }
@@ -369,8 +375,9 @@ impl SymmetricWorkspace {
         let sms = cuda::sm_count(device)? as u32;
         let want_bytes = config.workspace_bytes.max(MIN_DATA_BYTES);
         let want_slots = wanted_cta_slots(config.max_ctas, sms, want_bytes);
-        // Signals, the collectives' data region, then an equal region for the fused ops.
-        let alloc_bytes = SIGNAL_BYTES + 2 * want_bytes as usize;
+        // Signals, the LL region, the collectives' data region, then an equal region for
+        // the fused ops.
+        let alloc_bytes = CONTROL_BYTES + 2 * want_bytes as usize;
 
         // Status block first, so every later failure path frees it through Drop.
         let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -591,14 +598,15 @@ impl SymmetricWorkspace {
         };
         for (l, m) in ws.peers.iter().enumerate() {
             view.signals[l] = m.base();
-            view.data[l] = m.base() + SIGNAL_BYTES as u64;
+            view.data[l] = m.base() + CONTROL_BYTES as u64;
         }
         ws.view = view;
         ws.members = members.to_vec();
         mk_info!(
             Some(rank),
-            "symmetric workspace: {} MiB data + 2 MiB signals per rank, {cta_slots} CTA slots, peers mapped by {}",
+            "symmetric workspace: {} MiB data + {} MiB signal and LL regions per rank, {cta_slots} CTA slots, peers mapped by {}",
             data_bytes >> 20,
+            CONTROL_BYTES >> 20,
             ws.transport
         );
         Ok(ws)
@@ -716,6 +724,17 @@ mod tests {
         assert_eq!(wanted_cta_slots(None, 132, 1), 1);
     }
 
+    /// The Python package sizes a communicator's memory as the library does
+    /// (python/src/mkernel/comm.py `_CONTROL_BYTES`, "N << M").
+    #[test]
+    fn the_python_package_knows_the_control_regions() {
+        let py = include_str!("../../python/src/mkernel/comm.py");
+        let line = py.lines().find_map(|l| l.strip_prefix("_CONTROL_BYTES = ")).expect("_CONTROL_BYTES in comm.py");
+        let (n, shift) = line.split_once("<<").expect("N << M");
+        let value = n.trim().parse::<usize>().unwrap() << shift.trim().parse::<u32>().unwrap();
+        assert_eq!(value, CONTROL_BYTES, "python/src/mkernel/comm.py _CONTROL_BYTES");
+    }
+
     #[test]
     fn signal_layout_fits_the_slots() {
         use crate::kernel_abi::{MK_SIG_MAX_CTAS, MK_SIG_OP_BASE, MK_SIG_READY, MK_SIG_SEQ};
@@ -724,5 +743,11 @@ mod tests {
         const { assert!(MK_SIG_MAX_CTAS >= MAX_CTA_SLOTS) };
         // READY, READY2, FREE for every CTA slot and peer must end before the fused ops' words.
         const { assert!(MK_SIG_READY as usize + 3 * MK_SIG_MAX_CTAS as usize * MK_MAX_PEERS <= MK_SIG_OP_BASE as usize) };
+        // The LL region holds every LL CTA's two parities of every source's lines, and the
+        // data region after it stays 256-byte aligned (the collectives' pieces rely on it).
+        use crate::kernel_abi::{MK_LL_MAX_CTAS, MK_LL_SOURCE_BYTES};
+        assert_eq!(LL_BYTES, MK_LL_MAX_CTAS as usize * 2 * MK_MAX_PEERS * MK_LL_SOURCE_BYTES as usize);
+        const { assert!(MK_LL_MAX_CTAS <= MK_SIG_MAX_CTAS) };
+        assert_eq!(CONTROL_BYTES % 256, 0);
     }
 }

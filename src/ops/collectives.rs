@@ -7,7 +7,7 @@ use crate::cuda::kernels::Kernel;
 use crate::cuda::sys;
 use crate::ensure_arg;
 use crate::error::{mkResult_t, MkError, Result};
-use crate::kernel_abi::{CollectiveParams, MkOp, MkWait, WorkspaceView};
+use crate::kernel_abi::{CollectiveParams, MkOp, MkProtocol, MkWait, WorkspaceView, MK_LL_MAX_CTAS, MK_LL_PIECE_BYTES};
 use crate::ops::launch::{DeviceCaps, KernelLaunch};
 use crate::types::{mkDataType_t, mkRedOp_t, RawDataType, RawRedOp};
 
@@ -15,6 +15,12 @@ use crate::types::{mkDataType_t, mkRedOp_t, RawDataType, RawRedOp};
 pub const THREADS: u32 = crate::kernel_abi::MK_COLLECTIVE_THREADS;
 /// Bytes a CTA should have to move before another CTA is worth adding.
 pub const MIN_BYTES_PER_CTA: u64 = 64 << 10;
+/// Largest message per rank segment (bytes; AllReduce: the buffer) that takes the
+/// low-latency protocol by default (`Tuning::collective_ll_max_bytes`): one piece of
+/// MK_LL_PIECE_BYTES per LL CTA. A first choice from the protocol's shape (one one-way trip
+/// where the simple protocol takes two to three flag trips and a pull), not yet a measured
+/// crossover: `mkbench all_reduce --threads` across it is the measurement that sets it.
+pub const LL_MAX_BYTES: u64 = MK_LL_MAX_CTAS as u64 * MK_LL_PIECE_BYTES as u64;
 /// Pieces are multiples of this many bytes, so every piece starts 256-byte aligned.
 pub const PIECE_ALIGN_BYTES: u64 = 256;
 /// Dynamic shared memory per CTA in which the kernels stage their loads (docs/decisions/0104).
@@ -72,12 +78,13 @@ impl CollectiveKind {
     }
 }
 
-/// Grid and piece size of one call.
+/// Grid, piece size and protocol of one call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CollectivePlan {
     pub ctas: u32,
     /// Elements per piece (one CTA step).
     pub chunk: u64,
+    pub protocol: MkProtocol,
 }
 
 impl CollectivePlan {
@@ -90,7 +97,9 @@ impl CollectivePlan {
 
 /// Plans one call. `count` is elements per rank segment; `cta_slots` and `data_bytes` come
 /// from the workspace (the same on every rank, so every rank plans the same steps);
-/// `single_rank_ctas` is the grid cap for the one-rank copy (no workspace involved).
+/// `single_rank_ctas` is the grid cap for the one-rank copy (no workspace involved); a
+/// message of at most `ll_max_bytes` per segment takes the low-latency protocol.
+#[allow(clippy::too_many_arguments)]
 pub fn plan(
     kind: CollectiveKind,
     count: u64,
@@ -99,11 +108,20 @@ pub fn plan(
     cta_slots: u32,
     data_bytes: u64,
     single_rank_ctas: u32,
+    ll_max_bytes: u64,
 ) -> CollectivePlan {
     let bytes = count * elem;
     let want = bytes.div_ceil(MIN_BYTES_PER_CTA).max(1);
     if nranks == 1 {
-        return CollectivePlan { ctas: want.min(single_rank_ctas.max(1) as u64) as u32, chunk: count.max(1) };
+        let ctas = want.min(single_rank_ctas.max(1) as u64) as u32;
+        return CollectivePlan { ctas, chunk: count.max(1), protocol: MkProtocol::Simple };
+    }
+    if bytes <= ll_max_bytes {
+        // One piece of MK_LL_PIECE_BYTES per source and step (a line per thread); each LL
+        // CTA has its own area of the LL region, and a CTA slot's step counter.
+        let chunk = (MK_LL_PIECE_BYTES as u64 / elem).max(1);
+        let ctas = count.div_ceil(chunk).clamp(1, MK_LL_MAX_CTAS.min(cta_slots.max(1)) as u64);
+        return CollectivePlan { ctas: ctas as u32, chunk, protocol: MkProtocol::LowLatency };
     }
     let slots = cta_slots.max(1) as u64;
     let region = (data_bytes / slots) & !255;
@@ -124,7 +142,7 @@ pub fn plan(
     let even = count.div_ceil(ctas).div_ceil(align) * align;
     let chunk = even.min(max_chunk).max(1);
     let pieces = count.div_ceil(chunk).max(1);
-    CollectivePlan { ctas: pieces.min(ctas) as u32, chunk }
+    CollectivePlan { ctas: pieces.min(ctas) as u32, chunk, protocol: MkProtocol::Simple }
 }
 
 /// The kernel instantiation for a dtype.
@@ -385,7 +403,8 @@ pub fn collective(
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let stage_bytes = STAGE_BYTES;
-    launch(&ws.view, &args, single_rank_ctas(DeviceCaps::of(comm)?), stage_bytes, stream)
+    let ll_max_bytes = comm.config.tuning.collective_ll_max_bytes;
+    launch(&ws.view, &args, single_rank_ctas(DeviceCaps::of(comm)?), stage_bytes, ll_max_bytes, stream)
 }
 
 /// Grid cap of the one-rank copy, which no workspace slots bound: the configured cap, else
@@ -395,17 +414,19 @@ pub fn single_rank_ctas(caps: DeviceCaps) -> u32 {
 }
 
 /// Launches the collective kernel for validated `args` (the context must be current),
-/// staging its loads in `stage_bytes` of dynamic shared memory (0: in registers).
+/// staging its loads in `stage_bytes` of dynamic shared memory (0: in registers), by the
+/// low-latency protocol up to `ll_max_bytes` per rank segment.
 pub fn launch(
     view: &WorkspaceView,
     args: &CollectiveArgs,
     single_rank_ctas: u32,
     stage_bytes: u32,
+    ll_max_bytes: u64,
     stream: sys::CUstream,
 ) -> Result<()> {
     let elem = args.dtype.size() as u64;
-    let p =
-        plan(args.kind, args.count, elem, view.nranks as u64, view.cta_slots as u32, view.data_bytes, single_rank_ctas);
+    let (nranks, slots) = (view.nranks as u64, view.cta_slots as u32);
+    let p = plan(args.kind, args.count, elem, nranks, slots, view.data_bytes, single_rank_ctas, ll_max_bytes);
     let mut params = CollectiveParams {
         ws: *view,
         send: args.send,
@@ -417,7 +438,7 @@ pub fn launch(
         op: args.op as i32,
         elem_size: elem as i32,
         stage_bytes,
-        reserved: 0,
+        protocol: p.protocol as u32,
     };
     // The launch raises the function's dynamic shared-memory limit above 48 KiB.
     let kernel_launch = p.kernel_launch(args.dtype, stage_bytes);
@@ -435,7 +456,7 @@ mod tests {
 
     #[test]
     fn the_launch_is_the_plan() {
-        let p = plan(CollectiveKind::AllReduce, 1 << 20, 2, 4, 16, 64 << 20, 264);
+        let p = plan(CollectiveKind::AllReduce, 1 << 20, 2, 4, 16, 64 << 20, 264, LL_MAX_BYTES);
         let l = p.kernel_launch(mkBfloat16, STAGE_BYTES);
         assert_eq!(
             (l.kernel, l.grid, l.block, l.smem_bytes),
@@ -468,7 +489,7 @@ mod tests {
                 for elem in [1u64, 2, 4, 8] {
                     for (slots, data) in [(64u32, 256u64 << 20), (8, 4 << 20), (1, 64 << 10), (16, 1 << 20)] {
                         for count in [1u64, 7, 255, 4097, 1_000_003, 300_000_000] {
-                            let p = plan(kind, count, elem, nranks, slots, data, 264);
+                            let p = plan(kind, count, elem, nranks, slots, data, 264, 0);
                             assert!(p.ctas >= 1 && p.ctas <= slots, "{kind:?} {p:?}");
                             let slot_bytes = (((data / slots as u64) & !255) / 2) & !255;
                             assert!(
@@ -489,14 +510,44 @@ mod tests {
 
     #[test]
     fn grid_grows_with_size_and_respects_caps() {
-        let small = plan(CollectiveKind::AllGather, 1000, 4, 4, 64, 256 << 20, 264);
+        let small = plan(CollectiveKind::AllGather, 1000, 4, 4, 64, 256 << 20, 264, 0);
         assert_eq!(small.ctas, 1);
-        let big = plan(CollectiveKind::AllGather, 64 << 20, 4, 4, 16, 256 << 20, 264);
-        assert_eq!(big.ctas, 16);
-        let one = plan(CollectiveKind::AllGather, 256 << 20, 1, 1, 1, 0, 264);
+        let big = plan(CollectiveKind::AllGather, 64 << 20, 4, 4, 16, 256 << 20, 264, LL_MAX_BYTES);
+        assert_eq!((big.ctas, big.protocol), (16, MkProtocol::Simple));
+        let one = plan(CollectiveKind::AllGather, 256 << 20, 1, 1, 1, 0, 264, LL_MAX_BYTES);
         assert_eq!((one.ctas, one.chunk), (264, 256 << 20));
-        let capped = plan(CollectiveKind::AllReduce, 256 << 20, 1, 1, 1, 0, 10);
+        let capped = plan(CollectiveKind::AllReduce, 256 << 20, 1, 1, 1, 0, 10, LL_MAX_BYTES);
         assert_eq!(capped.ctas, 10);
+    }
+
+    #[test]
+    fn small_messages_take_the_low_latency_protocol_one_line_per_thread() {
+        use crate::kernel_abi::MK_COLLECTIVE_THREADS;
+        let kinds = [CollectiveKind::AllGather, CollectiveKind::ReduceScatter, CollectiveKind::AllReduce];
+        for kind in kinds {
+            for nranks in [2u64, 3, 8] {
+                for elem in [1u64, 2, 4, 8] {
+                    for slots in [1u32, 4, 64] {
+                        for count in [1u64, 3, 511, 4096, 4097, LL_MAX_BYTES / elem] {
+                            let p = plan(kind, count, elem, nranks, slots, 256 << 20, 264, LL_MAX_BYTES);
+                            assert_eq!(p.protocol, MkProtocol::LowLatency, "{kind:?} count {count} elem {elem}");
+                            // A piece is one 8-byte line per thread, and every CTA has an LL area.
+                            assert_eq!(p.chunk * elem, 8 * MK_COLLECTIVE_THREADS as u64);
+                            assert!(p.ctas >= 1 && p.ctas <= MK_LL_MAX_CTAS.min(slots), "{p:?}");
+                            assert!(count.div_ceil(p.chunk) >= p.ctas as u64, "no idle CTA: {p:?} count {count}");
+                        }
+                    }
+                }
+            }
+        }
+        // Just above the limit, with one rank, or with LL off: the simple protocol.
+        let ar = CollectiveKind::AllReduce;
+        assert_eq!(plan(ar, LL_MAX_BYTES / 4 + 1, 4, 2, 64, 256 << 20, 264, LL_MAX_BYTES).protocol, MkProtocol::Simple);
+        assert_eq!(plan(ar, 16, 4, 1, 64, 256 << 20, 264, LL_MAX_BYTES).protocol, MkProtocol::Simple);
+        assert_eq!(plan(ar, 16, 4, 2, 64, 256 << 20, 264, 0).protocol, MkProtocol::Simple);
+        // 64 KiB of float over 16 LL CTAs: one piece each.
+        let p = plan(ar, 16384, 4, 2, 64, 256 << 20, 264, LL_MAX_BYTES);
+        assert_eq!((p.ctas, p.chunk), (16, 1024));
     }
 
     #[test]

@@ -28,8 +28,9 @@ _names = itertools.count()
 Timeout = Union[float, int, datetime.timedelta, None]
 
 # Layout of the symmetric workspace the library allocates per rank at init (src/comm/workspace.rs):
-# a signal region, then the collectives' data region and an equal region for the fused ops.
-_SIGNAL_BYTES = 2 << 20
+# the signal and low-latency regions (CONTROL_BYTES there, which a Rust test checks this
+# against), then the collectives' data region and an equal region for the fused ops.
+_CONTROL_BYTES = 4 << 20
 _MIN_DATA_BYTES = 64 << 10
 _DEFAULT_WORKSPACE_BYTES = 256 << 20
 
@@ -99,7 +100,7 @@ def _workspace_allocation(workspace_bytes: int | None) -> int:
         text = os.environ.get("MK_WORKSPACE_BYTES", "").strip()
         # The library reads a non-negative decimal integer and ignores anything else.
         data = int(text) if text.isdigit() else _DEFAULT_WORKSPACE_BYTES
-    return _SIGNAL_BYTES + 2 * max(data, _MIN_DATA_BYTES)
+    return _CONTROL_BYTES + 2 * max(data, _MIN_DATA_BYTES)
 
 
 class Communicator:

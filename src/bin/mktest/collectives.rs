@@ -416,12 +416,15 @@ fn rank_main(env: &RankEnv) -> Result<()> {
 }
 
 /// The collectives' case matrix: every dtype × AllGather / ReduceScatter (every op) /
-/// AllReduce (every op) × counts of 1, 3, 1000 and 70,001, and three dtypes at counts large
-/// enough to pipeline through many workspace steps.
+/// AllReduce (every op) × counts of 1, 3, 1000, 16,001 and 70,001, and three dtypes at
+/// counts large enough to pipeline through many workspace steps. Within a node the first
+/// three take the low-latency protocol (at most 64 KiB per segment), and 16,001 too for
+/// types of up to 4 bytes (spread over several LL CTAs, ending in a partial line); the rest
+/// the simple one.
 pub(crate) fn case_matrix() -> Vec<(CollectiveKind, mkDataType_t, mkRedOp_t, usize)> {
     let mut cases = Vec::new();
     for dtype in mkDataType_t::ALL {
-        for count in [1usize, 3, 1000, 70_001] {
+        for count in [1usize, 3, 1000, 16_001, 70_001] {
             cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, count));
             for op in mkRedOp_t::ALL {
                 cases.push((CollectiveKind::ReduceScatter, dtype, op, count));
