@@ -55,6 +55,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include "common/fused_op.cuh"
+#include "common/ring_attention.cuh"
 #include "common/gemm/wgmma_rs_ops.cuh"
 #include "common/trace.cuh"
 
@@ -115,86 +116,11 @@ struct RingAttnMaps {
   CUtensorMap v[MK_MAX_PEERS];
 };
 
-// 2^x on the SFU (MUFU.EX2), subnormal results flushed to 0: exp2f's fix-up of the
-// subnormal range would triple the softmax's instruction count, and probabilities below
-// 2^-126 of the row maximum vanish in the row sum anyway. 2^-inf = +0.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <typename T>
-struct Mma;  // the packing of two fp32 into a b32 register of T
-template <>
-struct Mma<__nv_bfloat16> {
-  __device__ static uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
-template <>
-struct Mma<__half> {
-  __device__ static uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
-
-// Element offset of (row, 16-byte chunk) in a tile of R rows stored as wgmma's K-major
-// 128-byte-swizzle layout: 64-element column blocks of R rows x 128 bytes, chunk c of row
-// r at c ^ (r & 7) inside its block (the tile must start 1024-byte aligned).
-template <int R>
-__device__ __forceinline__ int swz(int row, int chunk) {
-  return (chunk >> 3) * (R * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
-}
-
-// Global token position of local token i on `rank` (ops::ring_attention::rank_spans):
-// contiguous shards, or zigzag chunks rank and 2n-1-rank of seq/2 tokens. Monotonic in i.
-__device__ __forceinline__ int token_pos(int rank, int i, int seq, int n, bool causal) {
-  if (!causal) return rank * seq + i;
-  const int half = seq >> 1;
-  return i < half ? rank * half + i : (2 * n - 1 - rank) * half + (i - half);
-}
-
-// All threads of the CTA copy `bytes` (a multiple of 16) from src to dst.
-__device__ __forceinline__ void cta_copy(char* dst, const char* src, size_t bytes) {
-  constexpr int kInFlight = 8;
-  const int4* s = reinterpret_cast<const int4*>(src);
-  int4* d = reinterpret_cast<int4*>(dst);
-  const size_t n = bytes / 16, stride = blockDim.x;
-  size_t i = threadIdx.x;
-  for (; i + (kInFlight - 1) * stride < n; i += kInFlight * stride) {
-    int4 v[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) v[u] = s[i + u * stride];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) d[i + u * stride] = v[u];
-  }
-  for (; i < n; i += stride) d[i] = s[i];
-}
-
 // Phase 1: this CTA's slice of K and V into the own workspace; the last CTA raises the
 // K/V flag in every peer. False when a wait gave up (the CTA then skips to the end).
 __device__ __forceinline__ bool publish_kv(const RingAttnParams& p, uint64_t epoch) {
-  const WorkspaceView& ws = p.ws;
-  // Peers read our workspace during their previous call: wait until all have finished.
-  if (!mk_cta_wait_peers(ws, RING_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, MK_OP_RING_ATTENTION)) return false;
-  const size_t bytes = (size_t)p.kv_elems * 2;  // one of K, V
-  const size_t slice = ((bytes / 16 + gridDim.x - 1) / gridDim.x) * 16;
-  const size_t begin = min(bytes, (size_t)blockIdx.x * slice), end = min(bytes, begin + slice);
-  char* own = reinterpret_cast<char*>(ws.data[ws.rank]) + p.kv_offset;
-  cta_copy(own + begin, reinterpret_cast<const char*>(p.k) + begin, end - begin);
-  cta_copy(own + bytes + begin, reinterpret_cast<const char*>(p.v) + begin, end - begin);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    if (mk_arrive_last(mk_signal_word(ws, ws.rank, RING_COPIED), gridDim.x)) {
-      for (int q = 0; q < ws.nranks; ++q)
-        if (q != ws.rank) mk_signal_store(mk_signal_word(ws, q, RING_KV + ws.rank), epoch);
-    }
-  }
-  return true;
+  return publish_kv(p.ws, reinterpret_cast<const void*>(p.k), reinterpret_cast<const void*>(p.v), p.kv_elems, p.kv_offset,
+                    epoch, RING_DONE, RING_COPIED, RING_KV, MK_OP_RING_ATTENTION);
 }
 
 // Barriers of the load pipeline (static shared memory beside the dynamic tiles).
@@ -255,13 +181,6 @@ __device__ __forceinline__ int sched_item(const RingAttnParams& p, int i) {
   return (sec * p.sched_section + r % len) * p.q_blocks + r / len;
 }
 
-// The next ticket of the dynamic schedule.
-__device__ __forceinline__ int take_ticket(unsigned long long* counter) {
-  unsigned long long v;
-  asm volatile("atom.relaxed.gpu.global.add.u64 %0, [%1], 1;" : "=l"(v) : "l"(counter));
-  return (int)v;
-}
-
 // One work item: (batch, head, 128-query block) and the query positions it covers.
 struct Item {
   int b, h, hk, q0, q_rows, qmin, qmax;
@@ -279,14 +198,6 @@ struct Item {
     qmax = token_pos(p.rank, q0 + q_rows - 1, p.seq_local, p.nranks, causal);
   }
 };
-
-// The rank whose K/V ring step s (0 <= s < n) of `rank` reads: (rank - s) mod n, without
-// the integer division of `%` (about 20 instructions, which ran per tile in the consumers'
-// loop and cost the 24-register producer spills).
-__device__ __forceinline__ int ring_src(int rank, int s, int n) {
-  const int r = rank - s;
-  return r < 0 ? r + n : r;
-}
 
 // The 128-key blocks of source `src` that queries up to position qmax see: a prefix
 // [0, n) of its blocks, since local positions grow with the local index (block kb is
@@ -338,17 +249,6 @@ struct Attn {
   static constexpr int SREG = BN / 2;    // score accumulators per thread (m64nBN)
   static constexpr int OREG = D / 2;     // output accumulators per thread (m64nD)
   static constexpr int TILE = BN * D;    // elements of one K or V tile
-
-  // Descriptor of an MN-major 128-byte-swizzled B operand (V: [key][d], d contiguous):
-  // 8-key groups 1024 bytes apart (stride byte offset), 64-wide d blocks `block_bytes`
-  // apart (leading byte offset), as CUTLASS's canonical MN-major SW128 layout.
-  __device__ static uint64_t desc_mn_sw128(const void* p, uint32_t block_bytes) {
-    uint64_t desc = (uint64_t(gemm::smem_addr(p)) & 0x3FFFF) >> 4;
-    desc |= uint64_t(block_bytes >> 4) << 16;
-    desc |= uint64_t(1024 >> 4) << 32;
-    desc |= uint64_t(1) << 62;
-    return desc;
-  }
 
   // The producer (one thread: lane 0 of warp 8): per item of this CTA its Q, then its
   // visible K/V tiles in ring order, into the slot rings; the only loads of the engine.

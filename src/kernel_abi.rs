@@ -546,6 +546,57 @@ pub struct RingAttnParams {
     pub sched_section: i32,
 }
 
+/// Parameters of the ring-attention backward kernels (kernels/ring_attention_backward.cu).
+/// Tensors as the mkRingAttentionBackward header states: q/out/dout/dq [batch, seq_local,
+/// heads, D], k/v/dk/dv [batch, seq_local, kv_heads, D], lse [batch, heads, seq_local]
+/// fp32. The fused-op region of every rank holds, from `kv_offset`: its K and V copy
+/// (more than one rank), the rows' (lse·log2 e, delta) at `rows_offset` (own use), and
+/// the dK/dV accumulator slots at `slots_offset` (read by the ring predecessor):
+/// ops::ring_attention_backward::WorkspaceLayout.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RingAttnBwdParams {
+    pub ws: WorkspaceView,
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub out: u64,
+    pub dout: u64,
+    pub lse: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+    /// Byte offsets in every rank's fused-op region (absolute, from the region's base in
+    /// `ws.data`): the K copy (V follows it at `kv_elems` elements), the row values, the
+    /// dK/dV slots.
+    pub kv_offset: u64,
+    pub rows_offset: u64,
+    pub slots_offset: u64,
+    /// Elements of one rank's K (= of its V): batch · seq_local · kv_heads · D.
+    pub kv_elems: u64,
+    pub batch: i32,
+    pub seq_local: i32,
+    pub heads: i32,
+    pub kv_heads: i32,
+    /// 1: causal mask over global positions (zigzag layout); 0: none (contiguous shards).
+    pub causal: i32,
+    pub nranks: i32,
+    pub rank: i32,
+    /// 64-token query tiles per (batch, head); the row values are padded to q_tiles · 64
+    /// per (batch, head).
+    pub q_tiles: i32,
+    /// 128-query dQ items per (batch, head).
+    pub q_blocks: i32,
+    /// 128-key dK/dV items per (batch, kv head) and per ring step: batch · kv_heads · k_blocks.
+    pub k_blocks: i32,
+    pub kv_items: i32,
+    /// Tickets of one call: nranks · kv_items dK/dV items, then batch · heads · q_blocks dQ items.
+    pub num_tickets: i32,
+    /// softmaxScale, and softmaxScale · log2(e) (scores go through exp2).
+    pub scale: f32,
+    pub scale_log2: f32,
+}
+
 // ---- Signal region (u64 words; 2 MiB per rank, zeroed at init by src/comm/workspace.rs) ----
 // Flags are epoch-valued (they only grow), so nothing is reset between calls; counters are
 // zero between launches (the last arrival resets them). Each fused op owns a disjoint range,
@@ -683,6 +734,35 @@ pub const RING_DONE: u32 = MK_SIG_RING_BASE + 8;
 /// Word + src: src's K/V of epoch e is in its workspace (written by src).
 pub const RING_KV: u32 = MK_SIG_RING_BASE + 16;
 
+// Ring attention backward (kernels/ring_attention_backward.cu): the upper half of the ring
+// range, own region unless noted.
+pub const RING_BWD_BASE: u32 = MK_SIG_RING_BASE + 32768;
+/// Last completed epoch of this rank.
+pub const RING_BWD_EPOCH: u32 = RING_BWD_BASE;
+/// CTAs of the running launch that have finished.
+pub const RING_BWD_ARRIVE: u32 = RING_BWD_BASE + 1;
+/// CTAs of the running launch that copied their K/V slice.
+pub const RING_BWD_COPIED: u32 = RING_BWD_BASE + 2;
+/// Dynamic schedule: tickets taken in the running launch.
+pub const RING_BWD_SCHED_NEXT: u32 = RING_BWD_BASE + 3;
+/// Dynamic schedule: CTAs of the running launch that took their last.
+pub const RING_BWD_SCHED_DONE: u32 = RING_BWD_BASE + 4;
+/// CTAs of the running launch that wrote their share of the row values (counter).
+pub const RING_BWD_ROWS_ARRIVE: u32 = RING_BWD_BASE + 5;
+/// Every row value of epoch e is written (the last arrival raises it).
+pub const RING_BWD_ROWS_READY: u32 = RING_BWD_BASE + 6;
+/// Word + q: rank q finished reading this rank's K/V and dK/dV slots of epoch e.
+pub const RING_BWD_DONE: u32 = RING_BWD_BASE + 8;
+/// Word + src: src's K/V of epoch e is in its workspace (written by src).
+pub const RING_BWD_KV: u32 = RING_BWD_BASE + 16;
+/// Word + item: the ring successor (rank + 1) stored its dK/dV accumulator of the item
+/// for ring step s of epoch e: value (e − 1) · nranks + s + 1 (written by that rank).
+pub const RING_BWD_CHAIN: u32 = RING_BWD_BASE + 64;
+/// Most dK/dV items per ring step with more than one rank (one chain word each).
+pub const RING_BWD_MAX_ITEMS: u32 = MK_SIG_RING_BASE + 65536 - RING_BWD_CHAIN;
+const _: () =
+    assert!(RING_KV + MK_MAX_PEERS as u32 <= RING_BWD_BASE && RING_BWD_KV + MK_MAX_PEERS as u32 <= RING_BWD_CHAIN);
+
 // ---- Error words: bits 0-7 mkResult_t, 8-15 peer rank (0xff: none), 16-23 what was
 // awaited (`MkWait`), 24-31 the op (`MkOp`). Decoded by ops::collectives::ErrorWord.
 
@@ -699,10 +779,11 @@ pub enum MkOp {
     MoeDispatch = 19,
     MoeCombine = 20,
     RingAttention = 21,
+    RingAttentionBackward = 22,
 }
 
 /// Every op, for decoding (a free item: cbindgen would emit an associated constant).
-const MK_OPS: [MkOp; 9] = [
+const MK_OPS: [MkOp; 10] = [
     MkOp::AllGather,
     MkOp::ReduceScatter,
     MkOp::AllReduce,
@@ -712,6 +793,7 @@ const MK_OPS: [MkOp; 9] = [
     MkOp::MoeDispatch,
     MkOp::MoeCombine,
     MkOp::RingAttention,
+    MkOp::RingAttentionBackward,
 ];
 
 impl MkOp {
@@ -730,6 +812,7 @@ impl MkOp {
             MkOp::MoeDispatch => "mkMoeDispatchGemm",
             MkOp::MoeCombine => "mkMoeGemmCombine",
             MkOp::RingAttention => "mkRingAttention",
+            MkOp::RingAttentionBackward => "mkRingAttentionBackward",
         }
     }
 }

@@ -37,9 +37,18 @@ fn properties(report: &str) -> Vec<(String, String)> {
 #[test]
 fn every_kernel_family_is_embedded() {
     let embedded: Vec<&str> = mkernel::cuda::kernels::FATBINS.iter().map(|(name, _)| *name).collect();
-    for family in
-        ["util", "gemm", "collectives", "hier_collectives", "ag_gemm", "gemm_reduce", "proxy", "moe", "ring_attention"]
-    {
+    for family in [
+        "util",
+        "gemm",
+        "collectives",
+        "hier_collectives",
+        "ag_gemm",
+        "gemm_reduce",
+        "proxy",
+        "moe",
+        "ring_attention",
+        "ring_attention_backward",
+    ] {
         assert!(embedded.contains(&family), "kernels/{family}.cu is not embedded: {embedded:?}");
     }
     let tools: Vec<&str> = mkernel::cuda::kernels::TOOL_FATBINS.iter().map(|(name, _)| *name).collect();
@@ -74,7 +83,9 @@ fn every_kernel_is_in_the_fatbin_it_names() {
 #[test]
 fn engine_kernels_do_not_spill() {
     let reports = ptxas_reports();
-    for family in ["gemm", "ag_gemm", "gemm_reduce", "moe", "ring_attention", "ring_attention_tools"] {
+    let families =
+        ["gemm", "ag_gemm", "gemm_reduce", "moe", "ring_attention", "ring_attention_tools", "ring_attention_backward"];
+    for family in families {
         let report = reports.get(family).unwrap_or_else(|| panic!("no ptxas report for {family}.fatbin"));
         let props = properties(report);
         assert!(!props.is_empty(), "kernels/{family}.cu: no function properties in the ptxas report");

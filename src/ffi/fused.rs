@@ -348,6 +348,93 @@ pub unsafe extern "C" fn mkRingAttention(
     })
 }
 
+/// The gradients of mkRingAttention (context-parallel attention backward) in one
+/// persistent kernel: dq of this rank's queries, and dk/dv of this rank's K/V shard, whose
+/// gradient sums the contributions of every rank's queries. The K/V blocks travel between
+/// ranks inside the kernel as in the forward, and each block's dK/dV accumulator (fp32)
+/// travels with it, so the sum ends on the block's owner.
+///
+/// - Layouts, GQA, dtypes, head dims and the causal zigzag are mkRingAttention's: `q`,
+///   `out`, `dout`, `dq`: [batch, seqLocal, numHeads, headDim]; `k`, `v`, `dk`, `dv`:
+///   [batch, seqLocal, numKvHeads, headDim]; `lse`: [batch, numHeads, seqLocal] fp32. `out`
+///   and `lse` are what mkRingAttention returned for q, k, v (the same softmaxScale and
+///   causal flag); `dout` is the gradient of the loss with respect to `out`.
+/// - With P = exp(softmaxScale · q·kᵀ [masked] − lse): delta = rowsum(dout ∘ out) (fp32
+///   products of the elements, summed over d in order), dP = dout·vᵀ, dS = P ∘ (dP − delta),
+///   dv = Pᵀ·dout, dk = softmaxScale · dSᵀ·q, dq = softmaxScale · dS·k. Scores, P, dP and
+///   dS are fp32; P and dS are rounded to `dtype` before their products (as
+///   FlashAttention does), which accumulate in fp32; dq, dk, dv are rounded once. The
+///   exponentials use the GPU's exp2 approximation (relative error about 2^-22) with
+///   lse · log2(e) formed in fp32.
+/// - Summation order, fixed: dq over ring steps (K/V of ranks r, r − 1, …), within a step
+///   over 64-key tiles in order; dk/dv of a 128-key block over the ranks b − 1, b − 2, …,
+///   b (b the block's owner), each rank's partial added to the running sum as its 64-query
+///   tiles come (query heads of a GQA group in order, each its tiles in order). No
+///   atomics: results are bitwise reproducible from run to run for the same inputs, rank
+///   count and shape (and the same on every GPU of one model).
+///
+/// Rules as mkRingAttention's (mkInvalidArgument, with the rule), and dout, dq, dk, dv
+/// 16-byte aligned device memory of this rank's device. The communicator's fused-op region
+/// (MK_WORKSPACE_BYTES / mkConfig_t.workspaceBytes) must hold the row values, 8 ·
+/// batch · numHeads · ⌈seqLocal / 64⌉ · 64 bytes, and with n > 1 ranks also this rank's K
+/// and V (2 · batch · seqLocal · numKvHeads · headDim elements) and the travelling sums,
+/// (n − 1) · batch · numKvHeads · ⌈seqLocal / 128⌉ · 128 · headDim · 8 bytes; else
+/// mkInvalidUsage names the size needed (also above 32704 128-key blocks of batch ×
+/// numKvHeads per rank). Needs an sm_90 GPU.
+///
+/// Stream-ordered and asynchronous, capturable in a CUDA graph. Every rank must call it
+/// with the same shape, scale, causal flag and dtype. A peer that does not arrive within
+/// MK_TIMEOUT_MS makes the kernel stop; mkCommGetAsyncError then reports mkTimeout (or
+/// mkRemoteError on the ranks stopped by the failing one) and dq/dk/dv are undefined.
+#[no_mangle]
+pub unsafe extern "C" fn mkRingAttentionBackward(
+    q: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+    out: *const c_void,
+    dout: *const c_void,
+    lse: *const f32,
+    dq: *mut c_void,
+    dk: *mut c_void,
+    dv: *mut c_void,
+    batch: usize,
+    seqLocal: usize,
+    numHeads: usize,
+    numKvHeads: usize,
+    headDim: usize,
+    softmaxScale: f32,
+    causal: i32,
+    dtype: RawDataType,
+    comm: mkComm_t,
+    stream: CUstream,
+) -> mkResult_t {
+    use crate::ops::ring_attention_backward::{ring_attention_backward, validate_args};
+    with_comm(comm, "mkRingAttentionBackward", |c| {
+        let args = validate_args(
+            q as u64,
+            k as u64,
+            v as u64,
+            out as u64,
+            dout as u64,
+            lse as u64,
+            dq as u64,
+            dk as u64,
+            dv as u64,
+            batch,
+            seqLocal,
+            numHeads,
+            numKvHeads,
+            headDim,
+            softmaxScale,
+            causal,
+            dtype,
+            c.nranks,
+            c.rank,
+        )?;
+        ring_attention_backward(c, &args, stream)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

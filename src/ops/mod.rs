@@ -13,6 +13,7 @@ pub mod hier_collectives;
 pub mod launch;
 pub mod moe;
 pub mod ring_attention;
+pub mod ring_attention_backward;
 pub mod schedule;
 pub mod util;
 

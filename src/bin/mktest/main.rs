@@ -20,6 +20,7 @@ mod nodes;
 mod outcome;
 mod ranks;
 mod ring_attn;
+mod ring_attn_bwd;
 mod smoke;
 mod soak;
 
@@ -41,6 +42,8 @@ const SUITES: &[(&str, Suite, usize)] = &[
     ("gemm_reduce", gemm_reduce::run, 80),
     ("moe", moe::run, 36),
     ("ring_attn", ring_attn::run, 55),
+    // 36 gradient checks, 4 argument errors, 6 around the graph (46 at one rank).
+    ("ring_attn_bwd", ring_attn_bwd::run, 44),
     // MK_TEST_NODES=fused leaves the ~900 collective cases out: the floor covers the rest.
     ("nodes", nodes::run, 120),
     // The first round (every op once, the MoE pair two checks) runs whatever the duration.

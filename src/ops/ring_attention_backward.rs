@@ -1,0 +1,564 @@
+//! Ring attention backward (context parallel): the argument rules, the plan (pure and
+//! CPU-tested) and the launch of kernels/ring_attention_backward.cu, which follows it: the
+//! ring step sources of the dK/dV items and the chain their accumulators travel along,
+//! the causal visibility of query tiles and key tiles, the ticket order and the layout of
+//! the workspace. Layouts of the tensors are the forward's (`ops::ring_attention`).
+//!
+//! dK/dV. At ring step s (0 ≤ s < n) rank r computes, from its own queries, the partial
+//! gradient of the K/V block that started on rank (r + s + 1) mod n (its own at s = n − 1)
+//! and adds it to the sum the block's previous holder, rank r + 1, formed at step s − 1.
+//! So the sum of block b's gradient runs over ranks b − 1, b − 2, …, b (mod n) in that
+//! order and ends at its owner, which writes dk/dv. dQ accumulates in registers over every
+//! ring step (sources r, r − 1, …) and is stored once.
+
+use crate::comm::Comm;
+use crate::cuda::sys;
+use crate::error::{MkError, Result};
+use crate::kernel_abi::{RingAttnBwdParams, MK_MAX_PEERS, RING_BWD_MAX_ITEMS};
+use crate::ops::launch::{DeviceCaps, KernelLaunch};
+use crate::ops::ring_attention::{token_pos, RingArgs, RingShape};
+use crate::types::{mkDataType_t, RawDataType};
+use std::ffi::c_void;
+
+/// Rows of an item's X tiles (the kernel's BX: 128 keys of a dK/dV item, 128 queries of a
+/// dQ item, 64 per consumer warpgroup) and of a streamed Y tile (BY).
+pub const BLOCK_X: usize = 128;
+pub const BLOCK_Y: usize = 64;
+/// Threads per CTA: two math warpgroups and one loading warpgroup.
+pub const THREADS: u32 = 384;
+/// Slots of the kernel's X ring (pairs of 128-row tiles) and of its Y ring.
+pub const X_STAGES: usize = 2;
+pub const Y_STAGES: usize = 2;
+
+/// Dynamic shared memory of the kernel (ring_attention_backward.cu smem_bytes): X_STAGES
+/// pairs of X tiles, Y_STAGES pairs of Y tiles, their 64 row values each (8 bytes), and
+/// 1 KiB to align to the 128-byte swizzle's period. The kernel traps when given less.
+pub fn smem_bytes(head_dim: usize) -> usize {
+    X_STAGES * 2 * BLOCK_X * head_dim * 2 + Y_STAGES * 2 * BLOCK_Y * head_dim * 2 + Y_STAGES * BLOCK_Y * 8 + 1024
+}
+
+/// The rank whose K/V block rank `rank` works on at dK/dV ring step `step`: (rank + step +
+/// 1) mod n, its own at the last step.
+pub fn kv_step_source(rank: usize, step: usize, n: usize) -> usize {
+    (rank + step + 1) % n
+}
+
+/// The ranks whose partials make block `owner`'s dK/dV, in the order they are summed (the
+/// chain its accumulator travels along): ring step s is rank (owner − s − 1) mod n, which
+/// reads the sum of step s − 1 from rank + 1.
+pub fn chain_order(owner: usize, n: usize) -> Vec<usize> {
+    (0..n).map(|s| (owner + n - (s + 1) % n) % n).collect()
+}
+
+/// How many of `rank`'s local tokens lie at global positions below `pos`: a prefix of the
+/// local index, since positions grow with it (the kernel's tokens_before).
+pub fn tokens_before(s: &RingShape, rank: usize, pos: usize) -> usize {
+    let clamp = |start: usize, len: usize| pos.saturating_sub(start).min(len);
+    if s.causal {
+        let half = s.seq_local / 2;
+        clamp(rank * half, half) + clamp((2 * s.nranks - 1 - rank) * half, s.seq_local - half)
+    } else {
+        clamp(rank * s.seq_local, s.seq_local)
+    }
+}
+
+/// The query tiles (of BLOCK_Y local queries of `rank`) that key block `block` (BLOCK_X keys)
+/// of `src` must meet: from the first that holds a query at or after the block's first
+/// key, to the last. Causal blocks that no query of `rank` sees give an empty range.
+pub fn query_tiles(s: &RingShape, rank: usize, src: usize, block: usize) -> std::ops::Range<usize> {
+    let q_tiles = s.seq_local.div_ceil(BLOCK_Y);
+    let first = if s.causal { tokens_before(s, rank, token_pos(s, src, block * BLOCK_X)) / BLOCK_Y } else { 0 };
+    first.min(q_tiles)..q_tiles
+}
+
+/// The key tiles (of BLOCK_Y keys of `src`) that query block `block` (BLOCK_X local queries
+/// of `rank`) must meet: a prefix, up to the last key at or before its last query.
+pub fn key_tiles(s: &RingShape, rank: usize, src: usize, block: usize) -> usize {
+    let last = (block * BLOCK_X + BLOCK_X).min(s.seq_local) - 1;
+    let count = if s.causal { tokens_before(s, src, token_pos(s, rank, last) + 1) } else { s.seq_local };
+    count.div_ceil(BLOCK_Y)
+}
+
+/// What a ticket stands for (the kernel's Task).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ticket {
+    /// dK/dV of key block `block` of (batch, kv_head) at ring step `step`; `index` numbers
+    /// the blocks of one step (the chain word and slot).
+    KeyBlock { step: usize, index: usize, batch: usize, kv_head: usize, block: usize },
+    /// dQ of query block `block` of (batch, head).
+    QueryBlock { batch: usize, head: usize, block: usize },
+}
+
+/// The launch plan of one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingAttentionBackwardPlan {
+    pub q_tiles: usize,
+    pub q_blocks: usize,
+    pub k_blocks: usize,
+    /// dK/dV items of one ring step: batch · kv_heads · k_blocks.
+    pub kv_items: usize,
+    /// nranks · kv_items dK/dV tickets, then batch · heads · q_blocks dQ tickets.
+    pub tickets: usize,
+    pub grid: u32,
+    pub smem_bytes: usize,
+    pub head_dim: usize,
+}
+
+pub fn plan(s: &RingShape, grid_cap: u32) -> RingAttentionBackwardPlan {
+    let q_tiles = s.seq_local.div_ceil(BLOCK_Y);
+    let q_blocks = s.seq_local.div_ceil(BLOCK_X);
+    let k_blocks = s.seq_local.div_ceil(BLOCK_X);
+    let kv_items = s.batch * s.kv_heads * k_blocks;
+    let tickets = s.nranks * kv_items + s.batch * s.heads * q_blocks;
+    RingAttentionBackwardPlan {
+        q_tiles,
+        q_blocks,
+        k_blocks,
+        kv_items,
+        tickets,
+        grid: (tickets as u32).clamp(1, grid_cap.max(1)),
+        smem_bytes: smem_bytes(s.head_dim),
+        head_dim: s.head_dim,
+    }
+}
+
+impl RingAttentionBackwardPlan {
+    /// Ticket `i` (< tickets): dK/dV items step by step, then dQ items, each (batch, head)'s
+    /// heaviest query block first (causal: later local queries see more keys).
+    pub fn ticket(&self, s: &RingShape, i: usize) -> Ticket {
+        if i < s.nranks * self.kv_items {
+            let (step, index) = (i / self.kv_items, i % self.kv_items);
+            Ticket::KeyBlock {
+                step,
+                index,
+                batch: index / (self.k_blocks * s.kv_heads),
+                kv_head: index / self.k_blocks % s.kv_heads,
+                block: index % self.k_blocks,
+            }
+        } else {
+            let j = i - s.nranks * self.kv_items;
+            let bh = j / self.q_blocks;
+            Ticket::QueryBlock { batch: bh / s.heads, head: bh % s.heads, block: self.q_blocks - 1 - j % self.q_blocks }
+        }
+    }
+
+    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
+        let d = self.head_dim;
+        let kernel = kernel_for(dtype, d)
+            .ok_or_else(|| MkError::internal(format!("no ring-attention backward kernel for D {d}")))?;
+        Ok(KernelLaunch::new(kernel, self.grid, THREADS, self.smem_bytes as u32))
+    }
+}
+
+/// Where the backward's data lie in every rank's fused-op region (byte offsets from the
+/// region's start): its K and V copy (more than one rank), the per-query row values (lse ·
+/// log2 e, delta) of this rank (8 bytes per query, q_tiles · 64 per (batch, head)), and the
+/// dK/dV slots (fp32, one per dK/dV item of each ring step but the last).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkspaceLayout {
+    pub kv: u64,
+    pub rows: u64,
+    pub slots: u64,
+    pub bytes: u64,
+}
+
+pub fn workspace_layout(s: &RingShape, plan: &RingAttentionBackwardPlan) -> WorkspaceLayout {
+    let align = |x: u64| x.div_ceil(256) * 256;
+    let kv_bytes = if s.nranks > 1 { 2 * (s.batch * s.seq_local * s.kv_heads * s.head_dim * 2) as u64 } else { 0 };
+    let rows_bytes = (s.batch * s.heads * plan.q_tiles * BLOCK_Y * 8) as u64;
+    let slot_bytes = (2 * BLOCK_X * s.head_dim * 4) as u64;
+    let slots_bytes = (s.nranks as u64 - 1) * plan.kv_items as u64 * slot_bytes;
+    let rows = align(kv_bytes);
+    let slots = align(rows + rows_bytes);
+    WorkspaceLayout { kv: 0, rows, slots, bytes: slots + slots_bytes }
+}
+
+/// A validated mkRingAttentionBackward call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RingBackwardArgs {
+    /// q, k, v, out (the forward's output) and lse as the forward takes them; `lse` is the
+    /// forward's.
+    pub forward: RingArgs,
+    pub dout: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+}
+
+/// Argument checks (no CUDA); messages name the rule.
+#[allow(clippy::too_many_arguments)]
+pub fn validate_args(
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    dout: u64,
+    lse: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    batch: usize,
+    seq_local: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    softmax_scale: f32,
+    causal: i32,
+    dtype: RawDataType,
+    nranks: usize,
+    rank: usize,
+) -> Result<RingBackwardArgs> {
+    let dt = mkDataType_t::from_raw(dtype)?;
+    crate::ensure_arg!(
+        dt.is_gemm_type(),
+        "dtype {} is not supported: mkRingAttentionBackward takes mkBfloat16 or mkFloat16",
+        dt.name()
+    );
+    let forward = crate::ops::ring_attention::validate_args(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        batch,
+        seq_local,
+        heads,
+        kv_heads,
+        head_dim,
+        softmax_scale,
+        causal,
+        dtype,
+        nranks,
+        rank,
+    )?;
+    if batch > 0 && seq_local > 0 {
+        for (ptr, name) in [(dout, "dout"), (dq, "dq"), (dk, "dk"), (dv, "dv")] {
+            crate::ensure_arg!(ptr != 0, "{name} is NULL");
+            crate::ensure_arg!(ptr % 16 == 0, "{name} = {ptr:#x} is not 16-byte aligned");
+        }
+    }
+    Ok(RingBackwardArgs { forward, dout, dq, dk, dv })
+}
+
+pub fn kernel_for(dtype: mkDataType_t, head_dim: usize) -> Option<crate::cuda::kernels::Kernel> {
+    use crate::cuda::kernels::*;
+    use mkDataType_t::{mkBfloat16, mkFloat16};
+    Some(match (dtype, head_dim) {
+        (mkBfloat16, 128) => MK_RING_ATTN_BWD_BF16_D128,
+        (mkBfloat16, 64) => MK_RING_ATTN_BWD_BF16_D64,
+        (mkFloat16, 128) => MK_RING_ATTN_BWD_F16_D128,
+        (mkFloat16, 64) => MK_RING_ATTN_BWD_F16_D64,
+        _ => return None,
+    })
+}
+
+/// The kernel's TMA descriptors (ring_attention_backward.cu `BwdMaps`): q and dout of this
+/// rank, K and V of every source where this rank reads them; sources ≥ nranks stay zero.
+#[repr(C)]
+struct BwdMaps {
+    q: sys::CUtensorMap,
+    dout: sys::CUtensorMap,
+    k: [sys::CUtensorMap; MK_MAX_PEERS],
+    v: [sys::CUtensorMap; MK_MAX_PEERS],
+}
+
+/// A 4-D map over a [batch][token][head][d] tensor, box {64 d, 1 head, 64 tokens, 1 batch},
+/// zeros past `tokens`.
+fn head_map(ptr: u64, dtype: mkDataType_t, s: &RingShape, heads: usize) -> Result<sys::CUtensorMap> {
+    let row = (s.head_dim * 2) as u64;
+    crate::ops::launch::tiled_tensor_map(
+        ptr,
+        dtype,
+        &[s.head_dim as u64, heads as u64, s.seq_local as u64, s.batch as u64],
+        &[row, row * heads as u64, row * (heads * s.seq_local) as u64],
+        &[64, 1, BLOCK_Y as u32, 1],
+        "cuTensorMapEncodeTiled (mkRingAttentionBackward)",
+    )
+}
+
+/// mkRingAttentionBackward on `comm`: validate, plan, launch (stream-ordered, no host sync).
+pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys::CUstream) -> Result<()> {
+    comm.check_usable()?;
+    let f = &args.forward;
+    let s = f.shape;
+    if s.batch == 0 || s.seq_local == 0 {
+        return Ok(());
+    }
+    crate::ensure_arg!(
+        s.nranks <= MK_MAX_PEERS,
+        "{} ranks: mkRingAttentionBackward reads at most {MK_MAX_PEERS} K/V sources",
+        s.nranks
+    );
+    let _ctx = comm.context.enter()?;
+    for (ptr, name) in [
+        (f.q, "q"),
+        (f.k, "k"),
+        (f.v, "v"),
+        (f.out, "out"),
+        (f.lse, "lse"),
+        (args.dout, "dout"),
+        (args.dq, "dq"),
+        (args.dk, "dk"),
+        (args.dv, "dv"),
+    ] {
+        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+    }
+    let plan = plan(&s, DeviceCaps::of(comm)?.grid_cap());
+    let ws = comm.one_node_workspace("mkRingAttentionBackward")?;
+    let layout = workspace_layout(&s, &plan);
+    if layout.bytes > ws.view.op_bytes {
+        return Err(MkError::invalid_usage(format!(
+            "mkRingAttentionBackward keeps this rank's K/V copy, its row values and the travelling dK/dV sums \
+             ({} bytes) in the workspace's fused-op region, which holds {}: create the communicator with \
+             MK_WORKSPACE_BYTES (or mkConfig_t.workspaceBytes) of at least {}",
+            layout.bytes, ws.view.op_bytes, layout.bytes
+        )));
+    }
+    if s.nranks > 1 && plan.kv_items > RING_BWD_MAX_ITEMS as usize {
+        return Err(MkError::invalid_usage(format!(
+            "mkRingAttentionBackward: batch × numKvHeads × ⌈seqLocal / 128⌉ = {} blocks per ring step, more than the \
+             {RING_BWD_MAX_ITEMS} it keeps a signal word for",
+            plan.kv_items
+        )));
+    }
+    let base = ws.view.data_bytes;
+    let mut p = RingAttnBwdParams {
+        ws: ws.view,
+        q: f.q,
+        k: f.k,
+        v: f.v,
+        out: f.out,
+        dout: args.dout,
+        lse: f.lse,
+        dq: args.dq,
+        dk: args.dk,
+        dv: args.dv,
+        kv_offset: base + layout.kv,
+        rows_offset: base + layout.rows,
+        slots_offset: base + layout.slots,
+        kv_elems: (s.batch * s.seq_local * s.kv_heads * s.head_dim) as u64,
+        batch: s.batch as i32,
+        seq_local: s.seq_local as i32,
+        heads: s.heads as i32,
+        kv_heads: s.kv_heads as i32,
+        causal: s.causal as i32,
+        nranks: s.nranks as i32,
+        rank: f.rank as i32,
+        q_tiles: plan.q_tiles as i32,
+        q_blocks: plan.q_blocks as i32,
+        k_blocks: plan.k_blocks as i32,
+        kv_items: plan.kv_items as i32,
+        num_tickets: plan.tickets as i32,
+        scale: f.softmax_scale,
+        scale_log2: f.softmax_scale * std::f32::consts::LOG2_E,
+    };
+    // SAFETY: CUtensorMap is plain bytes; all-zero is a valid (unused) value.
+    let mut maps: BwdMaps = unsafe { std::mem::zeroed() };
+    maps.q = head_map(f.q, f.dtype, &s, s.heads)?;
+    maps.dout = head_map(args.dout, f.dtype, &s, s.heads)?;
+    let kv_bytes = p.kv_elems * 2;
+    for src in 0..s.nranks {
+        let (k, v) = if src == f.rank {
+            (f.k, f.v)
+        } else {
+            let at = p.ws.data[src] + p.kv_offset;
+            (at, at + kv_bytes)
+        };
+        maps.k[src] = head_map(k, f.dtype, &s, s.kv_heads)?;
+        maps.v[src] = head_map(v, f.dtype, &s, s.kv_heads)?;
+    }
+    let kernel_launch = plan.kernel_launch(f.dtype)?;
+    let mut kernel_params: [*mut c_void; 2] =
+        [(&mut p as *mut RingAttnBwdParams).cast(), (&mut maps as *mut BwdMaps).cast()];
+    // SAFETY: the parameters match the kernel (RingAttnBwdParams and BwdMaps by value); the
+    // tensors were checked to be device memory of this device, of the sizes the caller
+    // promised, and the maps describe exactly those tensors; the workspace holds the layout.
+    unsafe { kernel_launch.launch(stream, &mut kernel_params, Some("mkRingAttentionBackward")) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::ring_attention::rank_spans;
+
+    fn shape(batch: usize, seq_local: usize, heads: usize, kv_heads: usize, causal: bool, nranks: usize) -> RingShape {
+        RingShape { batch, seq_local, heads, kv_heads, head_dim: 64, causal, nranks }
+    }
+
+    #[test]
+    fn every_block_sums_every_rank_once_and_ends_at_its_owner() {
+        for n in 1..=8 {
+            for owner in 0..n {
+                let order = chain_order(owner, n);
+                assert_eq!(*order.last().unwrap(), owner, "n={n}: the owner adds last and writes dk/dv");
+                let mut seen = order.clone();
+                seen.sort();
+                assert_eq!(seen, (0..n).collect::<Vec<_>>());
+                for (step, &rank) in order.iter().enumerate() {
+                    assert_eq!(kv_step_source(rank, step, n), owner, "rank {rank} holds the block at step {step}");
+                    if step > 0 {
+                        // It reads the previous sum from its ring successor.
+                        assert_eq!(order[step - 1], (rank + 1) % n);
+                    }
+                }
+            }
+            // At each step the ranks work on n different blocks.
+            for step in 0..n {
+                let mut srcs: Vec<usize> = (0..n).map(|r| kv_step_source(r, step, n)).collect();
+                srcs.sort();
+                assert_eq!(srcs, (0..n).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    #[test]
+    fn tokens_before_counts_the_prefix_of_earlier_positions() {
+        for causal in [false, true] {
+            for n in 1..=5 {
+                let s = shape(1, 2 * 19, 2, 1, causal, n);
+                for r in 0..n {
+                    for pos in 0..=s.seq_local * n + 3 {
+                        let direct = (0..s.seq_local).filter(|&i| token_pos(&s, r, i) < pos).count();
+                        assert_eq!(tokens_before(&s, r, pos), direct, "causal={causal} n={n} r={r} pos={pos}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every visible (query, key) pair of every (rank, source) is met by exactly the tiles
+    /// the two walks take: a dK/dV item's query tiles and a dQ item's key tiles, and the
+    /// tiles left out hold no visible pair.
+    #[test]
+    fn walks_meet_every_visible_pair_and_skip_only_masked_tiles() {
+        for causal in [false, true] {
+            for n in 1..=4 {
+                for seq_local in [2, 64, 130, 200, 300] {
+                    let s = shape(1, seq_local, 2, 1, causal, n);
+                    let visible = |r: usize, src: usize, q: usize, k: usize| {
+                        q < seq_local && k < seq_local && (!causal || token_pos(&s, src, k) <= token_pos(&s, r, q))
+                    };
+                    let q_tiles = seq_local.div_ceil(BLOCK_Y);
+                    for r in 0..n {
+                        for src in 0..n {
+                            for block in 0..seq_local.div_ceil(BLOCK_X) {
+                                // dK/dV: keys block·128.., every query tile.
+                                let walked = query_tiles(&s, r, src, block);
+                                for qt in 0..q_tiles {
+                                    let any = (block * BLOCK_X..(block + 1) * BLOCK_X)
+                                        .any(|k| (qt * BLOCK_Y..(qt + 1) * BLOCK_Y).any(|q| visible(r, src, q, k)));
+                                    if any {
+                                        assert!(walked.contains(&qt), "{s:?} r={r} src={src} kb={block} qt={qt}");
+                                    }
+                                }
+                                // dQ: queries block·128.., the key tiles of src.
+                                let tiles = key_tiles(&s, r, src, block);
+                                for kt in 0..seq_local.div_ceil(BLOCK_Y) {
+                                    let any = (kt * BLOCK_Y..(kt + 1) * BLOCK_Y).any(|k| {
+                                        (block * BLOCK_X..(block + 1) * BLOCK_X).any(|q| visible(r, src, q, k))
+                                    });
+                                    assert_eq!(kt < tiles, any, "{s:?} r={r} src={src} qb={block} kt={kt}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Causal skipping: the walked query tiles of a dK/dV item start at the first one that
+    /// is not entirely masked, so a skipped tile never holds a visible pair, and a walked
+    /// range is a suffix (the kernel's first_tile).
+    #[test]
+    fn causal_dkdv_walks_skip_the_masked_prefix_exactly() {
+        for n in 1..=4 {
+            let s = shape(1, 256, 2, 2, true, n);
+            for r in 0..n {
+                for src in 0..n {
+                    for block in 0..2 {
+                        let walked = query_tiles(&s, r, src, block);
+                        assert_eq!(walked.end, 4);
+                        if walked.start > 0 {
+                            let qt = walked.start - 1;
+                            let kmin = token_pos(&s, src, block * BLOCK_X);
+                            let q_last = token_pos(&s, r, qt * BLOCK_Y + BLOCK_Y - 1);
+                            assert!(q_last < kmin, "tile {qt} holds a query at or after the block's first key");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tickets_cover_every_item_once_step_by_step() {
+        let s = RingShape { batch: 2, seq_local: 300, heads: 6, kv_heads: 2, head_dim: 128, causal: true, nranks: 3 };
+        let p = plan(&s, 132);
+        assert_eq!((p.q_tiles, p.q_blocks, p.k_blocks, p.kv_items), (5, 3, 3, 12));
+        assert_eq!(p.tickets, 3 * 12 + 2 * 6 * 3);
+        let mut kv = std::collections::BTreeSet::new();
+        let mut dq = std::collections::BTreeSet::new();
+        let mut last_step = 0;
+        for i in 0..p.tickets {
+            match p.ticket(&s, i) {
+                Ticket::KeyBlock { step, index, batch, kv_head, block } => {
+                    assert!(step >= last_step, "dK/dV tickets run step by step");
+                    last_step = step;
+                    assert_eq!(index, (batch * s.kv_heads + kv_head) * p.k_blocks + block);
+                    assert!(kv.insert((step, batch, kv_head, block)));
+                }
+                Ticket::QueryBlock { batch, head, block } => {
+                    assert!(kv.len() == s.nranks * p.kv_items, "dQ tickets follow every dK/dV ticket");
+                    assert!(dq.insert((batch, head, block)));
+                }
+            }
+        }
+        assert_eq!(kv.len(), 3 * 12);
+        assert_eq!(dq.len(), 2 * 6 * 3);
+        assert_eq!(plan(&s, 16).grid, 16);
+    }
+
+    #[test]
+    fn workspace_layout_and_shared_memory() {
+        let s = RingShape { batch: 1, seq_local: 200, heads: 4, kv_heads: 2, head_dim: 128, causal: false, nranks: 4 };
+        let p = plan(&s, 132);
+        let l = workspace_layout(&s, &p);
+        let kv = 2 * 200 * 2 * 128 * 2;
+        assert_eq!(l.rows, (kv as u64).div_ceil(256) * 256);
+        assert_eq!(l.slots, (l.rows + 4 * 4 * 64 * 8).div_ceil(256) * 256);
+        assert_eq!(l.bytes, l.slots + 3 * (2 * 2) * (2 * 128 * 128 * 4));
+        assert!(l.rows % 16 == 0 && l.slots % 16 == 0, "bulk copies and float4 slots need 16-byte alignment");
+        let one = workspace_layout(&RingShape { nranks: 1, ..s }, &p);
+        assert_eq!((one.rows, one.slots), (0, 4 * 4 * 64 * 8), "one rank: no K/V copy and no slots");
+        assert_eq!(smem_bytes(128), 198656);
+        assert!(smem_bytes(128) <= 232448, "fits the 227 KiB a block may opt in to");
+        assert_eq!(smem_bytes(64), 100352);
+    }
+
+    #[test]
+    fn call_arguments_are_checked_with_the_rule() {
+        let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
+        let p = 0x1000u64;
+        let call = |dout: u64, dq: u64, dk: u64, dv: u64, d: usize, dtype: RawDataType| {
+            validate_args(p, p, p, p, dout, p, dq, dk, dv, 1, 256, 4, 2, d, 0.1, 1, dtype, 4, 1)
+        };
+        assert!(call(p, p, p, p, 128, bf16).is_ok());
+        assert!(call(0, p, p, p, 128, bf16).unwrap_err().message.contains("dout is NULL"));
+        assert!(call(p, p + 4, p, p, 128, bf16).unwrap_err().message.contains("dq"));
+        assert!(call(p, p, 0, p, 128, bf16).unwrap_err().message.contains("dk is NULL"));
+        assert!(call(p, p, p, p + 2, 128, bf16).unwrap_err().message.contains("dv"));
+        assert!(call(p, p, p, p, 96, bf16).unwrap_err().message.contains("headDim"));
+        let f32_type = mkDataType_t::mkFloat32 as RawDataType;
+        assert!(call(p, p, p, p, 64, f32_type).unwrap_err().message.contains("mkRingAttentionBackward"));
+    }
+
+    #[test]
+    fn zigzag_spans_are_the_forwards() {
+        // The backward reads the forward's layout: positions from ring_attention::token_pos.
+        let s = shape(1, 8, 1, 1, true, 2);
+        assert_eq!(rank_spans(&s, 0).iter().map(|x| x.start).collect::<Vec<_>>(), vec![0, 12]);
+        assert_eq!(tokens_before(&s, 0, 12), 4);
+        assert_eq!(tokens_before(&s, 1, 12), 8, "chunks 1 and 2 lie before position 12");
+    }
+}
