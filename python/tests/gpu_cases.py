@@ -183,6 +183,44 @@ def ring_attention(comm, rank, n):
     return problems
 
 
+def _attention64(q, k, v, scale: float, causal: bool, seq: int, rows: torch.Tensor) -> torch.Tensor:
+    """Attention of the global rows `rows` of q (positions in the sequence) in float64."""
+    group = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if causal:
+        scores = scores.masked_fill(~(rows[:, None] >= torch.arange(seq)[None, :]), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), vv)
+
+
+def ring_attention_backward(comm, rank, n):
+    """Autograd through mkernel.ring_attention (mkRingAttentionBackward) against float64
+    autograd of the whole sequence's attention: dq of this rank's queries, dk and dv of its
+    K/V shard (which sum every rank's queries)."""
+    problems = []
+    batch, seq_local, heads, kv_heads = 1, 96, 4, 2
+    seq = seq_local * n
+    for dim, causal in ((64, False), (128, True)):
+        scale = 1 / math.sqrt(dim)
+        q, k, v = (seeded(800 + dim + i, batch, seq, h, dim) for i, h in enumerate((heads, kv_heads, kv_heads)))
+        dout = seeded(900 + dim, batch, seq, heads, dim)
+        pos = torch.cat([_zigzag_positions(r, n, seq_local, causal) for r in range(n)])
+        mine = _zigzag_positions(rank, n, seq_local, causal)
+        # float64 reference over the global sequence, rows in the ranks' shard order.
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        out64 = _attention64(q64[:, pos], k64, v64, scale, causal, seq, pos)
+        out64.backward(dout.double()[:, pos])
+        local = [t[:, mine].contiguous().to(DEV).requires_grad_() for t in (q, k, v)]
+        out, _lse = mkernel.ring_attention(*local, comm, causal=causal)
+        out.backward(dout[:, mine].contiguous().to(DEV))
+        for name, got, ref in zip("qkv", local, (q64, k64, v64)):
+            want = ref.grad[:, mine]
+            atol = 2e-2 * float(want.abs().max())
+            problems += close_to(f"d{name} D={dim} causal={causal}", got.grad, want, rtol=5e-2, atol=atol)
+    torch.cuda.synchronize()
+    return problems
+
+
 def compile_and_graphs(comm, rank, n):
     problems = []
     rows, k, nn_ = 64, 128, 128

@@ -269,6 +269,20 @@ def cases(c):
             r"ring_attention: expected q and k to have the same dtype",
         ),
         (
+            "ring-bwd-lse",
+            lambda: torch.ops.mkernel.ring_attention_backward(
+                *(t(1, 8, h, 64) for h in (4, 2, 2, 4, 4)), t(1, 8, 4, dtype=f32), n, 0.125, False
+            ),
+            r"ring_attention_backward: expected lse \[batch, heads, seq_local\] \(1, 4, 8\), but got \(1, 8, 4\)",
+        ),
+        (
+            "ring-bwd-dout",
+            lambda: torch.ops.mkernel.ring_attention_backward(
+                *(t(1, 8, h, 64) for h in (4, 2, 2, 4, 2)), t(1, 4, 8, dtype=f32), n, 0.125, False
+            ),
+            r"ring_attention_backward: expected dout to have q's shape \(1, 8, 4, 64\), but got \(1, 8, 2, 64\)",
+        ),
+        (
             "ring-device",
             lambda: mkernel.ring_attention(t(1, 8, 4, 64), t(1, 8, 4, 64), t(1, 8, 4, 64), n),
             r"ring_attention: expected q to be on cuda:0",

@@ -126,7 +126,7 @@ def test_column_layer_skips_dx_for_an_input_without_grad(shape_comm):
     )
 
 
-def test_ring_attention_module_compiles_and_has_no_backward(shape_comm):
+def test_ring_attention_module_compiles_forward_and_backward(shape_comm):
     comm = shape_comm(2).name
     attn = RingAttention(comm, causal=True)
     recorder = GraphRecorder()
@@ -137,7 +137,21 @@ def test_ring_attention_module_compiles_and_has_no_backward(shape_comm):
     assert out.shape == q.shape
     assert recorder.mkernel_ops() == ["mkernel.ring_attention"]
 
-    q = torch.empty(1, 8, 4, 64, requires_grad=True, **meta)
-    out = attn(q, torch.empty(1, 8, 2, 64, **meta), torch.empty(1, 8, 2, 64, **meta))
-    with pytest.raises(NotImplementedError, match="RingAttention has no backward pass"):
-        out.float().sum().backward()
+    # The backward: one mkernel op in the backward graph, gradients shaped like the inputs.
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    fw, bw = GraphRecorder(), GraphRecorder()
+    traced = torch.compile(
+        attn,
+        backend=aot_autograd(
+            fw_compiler=lambda gm, ex: make_boxed_func(fw(gm, ex)),
+            bw_compiler=lambda gm, ex: make_boxed_func(bw(gm, ex)),
+        ),
+        fullgraph=True,
+    )
+    q, k, v = (torch.empty(1, 8, h, 64, requires_grad=True, **meta) for h in (4, 2, 2))
+    traced(q, k, v).float().sum().backward()
+    assert fw.mkernel_ops() == ["mkernel.ring_attention"]
+    assert bw.mkernel_ops() == ["mkernel.ring_attention_backward"]
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)

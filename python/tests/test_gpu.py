@@ -1,7 +1,7 @@
 """GPU tests: N = 1, 2, 4 rank processes sharing one GPU (MPS), every op against a float64
-reference, torch.compile, CUDA graph capture and replay, the parallel layers forward and
-backward, and abort / timeout behaviour. Skipped (and reported as skipped) without an
-sm_90 GPU."""
+reference (ring attention's gradients too), torch.compile, CUDA graph capture and replay,
+the parallel layers forward and backward, and abort / timeout behaviour. Skipped (and
+reported as skipped) without an sm_90 GPU."""
 
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ def test_moe(n):
 @pytest.mark.parametrize("n", RANKS)
 def test_ring_attention(n):
     _no_problems(run_ranks(n, gpu_cases.ring_attention))
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_ring_attention_backward(n):
+    _no_problems(run_ranks(n, gpu_cases.ring_attention_backward))
 
 
 @pytest.mark.parametrize("n", RANKS)

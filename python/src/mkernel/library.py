@@ -173,3 +173,48 @@ def _(q, k, v, comm, softmax_scale, causal):
     lookup(comm)
     out_shape, lse_shape = ops.ring_attention_shapes(q, k, v, softmax_scale, causal)
     return _empty(out_shape, q), _empty(lse_shape, q, torch.float32)
+
+
+@custom_op("mkernel::ring_attention_backward", mutates_args=())
+def ring_attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    comm: str,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    c = lookup(comm)
+    shapes = ops.ring_attention_backward_shapes(q, k, v, out, dout, lse, softmax_scale, causal)
+    dq, dk, dv = (_empty(shape, q) for shape in shapes)
+    ops.ring_attention_backward_launch(q, k, v, out, dout, lse, dq, dk, dv, softmax_scale, causal, c)
+    return dq, dk, dv
+
+
+@ring_attention_backward.register_fake
+def _(q, k, v, out, dout, lse, comm, softmax_scale, causal):
+    lookup(comm)
+    shapes = ops.ring_attention_backward_shapes(q, k, v, out, dout, lse, softmax_scale, causal)
+    return tuple(_empty(shape, q) for shape in shapes)
+
+
+def _ring_attention_setup(ctx, inputs, output):
+    q, k, v, comm, softmax_scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.comm, ctx.softmax_scale, ctx.causal = comm, softmax_scale, causal
+
+
+def _ring_attention_grad(ctx, dout, _dlse):
+    # lse is a by-product (as in FlashAttention): no gradient flows through it.
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward(
+        q, k, v, out, dout.contiguous(), lse, ctx.comm, ctx.softmax_scale, ctx.causal
+    )
+    return dq, dk, dv, None, None, None
+
+
+ring_attention.register_autograd(_ring_attention_grad, setup_context=_ring_attention_setup)

@@ -584,6 +584,53 @@ def ring_attention_launch(q, k, v, out, lse, softmax_scale: float, causal: bool,
     )
 
 
+def ring_attention_backward_shapes(q, k, v, out, dout, lse, softmax_scale: float, causal: bool):
+    """(dq, dk, dv) shapes, after the forward's rules and out, dout, lse matching them."""
+    op = "ring_attention_backward"
+    q_shape, lse_shape = ring_attention_shapes(q, k, v, softmax_scale, causal)
+    for name, t in (("out", out), ("dout", dout)):
+        check.tensor(op, name, t, dtypes=check.GEMM_DTYPES, dim=4)
+        if tuple(t.shape) != q_shape:
+            check.fail(op, f"expected {name} to have q's shape {q_shape}, but got {tuple(t.shape)}")
+    check.same_dtype(op, q=q, out=out, dout=dout)
+    check.tensor(op, "lse", lse, dtypes=(torch.float32,), dim=3)
+    if tuple(lse.shape) != lse_shape:
+        check.fail(op, f"expected lse [batch, heads, seq_local] {lse_shape}, but got {tuple(lse.shape)}")
+    return q_shape, tuple(k.shape), tuple(v.shape)
+
+
+def ring_attention_backward_launch(
+    q, k, v, out, dout, lse, dq, dk, dv, softmax_scale: float, causal: bool, comm
+) -> None:
+    op = "ring_attention_backward"
+    tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv)
+    check.on_device(op, comm.device, **tensors)
+    for name, t in tensors.items():
+        check.aligned(op, name, t, 4 if name == "lse" else 16)
+    batch, seq, heads, head_dim = q.shape
+    _call(
+        comm,
+        "mkRingAttentionBackward",
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        dout.data_ptr(),
+        _lib.as_ptr(lse.data_ptr(), ctypes.c_float),
+        dq.data_ptr(),
+        dk.data_ptr(),
+        dv.data_ptr(),
+        batch,
+        seq,
+        heads,
+        k.shape[2],
+        head_dim,
+        ctypes.c_float(softmax_scale),
+        1 if causal else 0,
+        check.dtype_code(q.dtype),
+    )
+
+
 def default_softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
@@ -597,13 +644,15 @@ def ring_attention(
     softmax_scale: float | None = None,
     causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Context-parallel attention forward: returns (out, lse).
+    """Context-parallel attention: returns (out, lse), differentiable in q, k and v.
 
     q [batch, seq_local, heads, head_dim], k and v [batch, seq_local, kv_heads, head_dim]
     (GQA when kv_heads < heads), this rank's shard of the global sequence: contiguous
     shards without causal, the zigzag layout with causal=True (see mkernel.h). out is like
     q; lse [batch, heads, seq_local] float32 (natural log). softmax_scale defaults to
-    1/sqrt(head_dim).
+    1/sqrt(head_dim). Autograd runs mkRingAttentionBackward (every rank must run the
+    backward too, as it ran the forward); no gradient flows through lse (a by-product, as
+    in FlashAttention).
     """
     _tensors("ring_attention", q=q, k=k, v=v)
     if softmax_scale is None:

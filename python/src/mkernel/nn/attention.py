@@ -1,4 +1,4 @@
-"""Context-parallel attention as a module (forward only)."""
+"""Context-parallel attention as a module, forward and backward."""
 
 from __future__ import annotations
 
@@ -6,21 +6,6 @@ import torch
 from torch import nn
 
 from ..ops import comm_name, default_softmax_scale, resolve
-
-
-class _RingAttentionForward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, comm: str, softmax_scale: float, causal: bool):
-        out, lse = torch.ops.mkernel.ring_attention(q, k, v, comm, softmax_scale, causal)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        raise NotImplementedError(
-            "mkernel.nn.RingAttention has no backward pass: libmkernel exports the ring attention forward "
-            "(mkRingAttention) only. Run it under torch.no_grad() / torch.inference_mode(), or detach its inputs."
-        )
 
 
 class RingAttention(nn.Module):
@@ -32,7 +17,8 @@ class RingAttention(nn.Module):
     without `causal`, the zigzag layout with `causal=True` (see mkernel.ring_attention).
     Returns out, like q; with return_lse=True also lse [batch, heads, seq_local] float32.
 
-    Forward only: backward raises NotImplementedError until the library has the backward op.
+    Differentiable in q, k and v: the backward is mkRingAttentionBackward, which every rank
+    runs (as every rank ran the forward); no gradient flows through lse.
     """
 
     def __init__(self, comm, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
@@ -45,7 +31,7 @@ class RingAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         scale = self.softmax_scale if self.softmax_scale is not None else default_softmax_scale(q.shape[-1])
-        out, lse = _RingAttentionForward.apply(q, k, v, self.comm, float(scale), bool(self.causal))
+        out, lse = torch.ops.mkernel.ring_attention(q, k, v, self.comm, float(scale), bool(self.causal))
         return (out, lse) if self.return_lse else out
 
     def extra_repr(self) -> str:
