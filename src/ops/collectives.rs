@@ -252,43 +252,31 @@ impl ErrorWord {
 }
 
 /// Checks that `ptr` is device (or managed) memory of `device`, naming `what` otherwise.
+/// One driver call per pointer (every op call checks each of its buffers): the memory
+/// type, whether it is managed and its device, together.
 pub fn check_device_pointer(ptr: u64, device: i32, what: &str) -> Result<()> {
-    let mut mem_type: u32 = 0;
-    // SAFETY: queries one attribute of an address; fails cleanly for unknown addresses.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut mem_type as *mut u32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-            ptr,
-        )
+    use sys::CUpointer_attribute::{
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, CU_POINTER_ATTRIBUTE_IS_MANAGED, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
     };
-    if r != sys::CUresult::CUDA_SUCCESS || mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-        let mut managed: u32 = 0;
-        // SAFETY: as above.
-        let rm = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut managed as *mut u32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
-                ptr,
-            )
-        };
-        if !(rm == sys::CUresult::CUDA_SUCCESS && managed != 0) {
-            return Err(MkError::invalid_argument(format!(
-                "{what} ({ptr:#x}) is not device memory (allocate it with cudaMalloc on the communicator's device)"
-            )));
-        }
+    let (mut mem_type, mut managed, mut ordinal) = (0u32, 0u32, -1i32);
+    let mut attributes =
+        [CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_IS_MANAGED, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL];
+    let mut data: [*mut std::ffi::c_void; 3] =
+        [(&mut mem_type as *mut u32).cast(), (&mut managed as *mut u32).cast(), (&mut ordinal as *mut i32).cast()];
+    // SAFETY: three attributes, each written into its own variable of the type the driver
+    // documents (CUmemorytype and a boolean as unsigned int, the ordinal as int). An address
+    // the driver does not know is not an error: the attributes stay zero (not device memory).
+    let r = unsafe { sys::cuPointerGetAttributes(3, attributes.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+    let is_device = r == sys::CUresult::CUDA_SUCCESS && mem_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
+    if managed != 0 && r == sys::CUresult::CUDA_SUCCESS {
         return Ok(());
     }
-    let mut ordinal: i32 = -1;
-    // SAFETY: as above.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut ordinal as *mut i32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            ptr,
-        )
-    };
-    if r == sys::CUresult::CUDA_SUCCESS && ordinal != device {
+    if !is_device {
+        return Err(MkError::invalid_argument(format!(
+            "{what} ({ptr:#x}) is not device memory (allocate it with cudaMalloc on the communicator's device)"
+        )));
+    }
+    if ordinal != device {
         return Err(MkError::invalid_argument(format!(
             "{what} ({ptr:#x}) is memory of device {ordinal}, but the communicator uses device {device}"
         )));
