@@ -3,7 +3,8 @@
 # scripts/pack-doors.sh put in one folder (default .carry/doors):
 #   1. examples: the C, C++ and Go examples, run by examples/run-examples.sh --require-gpu;
 #   2. Python: the wheel installed over the machine's own torch, pytest python/tests (the GPU
-#      tests at N = 1, 2, 4 ranks under MPS), then benches/python_overhead.py at 1 and 2 ranks;
+#      tests at N = 1, 2, 4 ranks under MPS), then benches/python_overhead.py at 1 and 2 ranks
+#      and benches/attention_same_process.py (ring attention against SDPA, fwd and bwd);
 #   3. NCCL: ctests/nccl/gpu.sh with the carried libmkernel-nccl (the nccl-tests-style C
 #      suite at N = 1, 2, 4 and the unmodified PyTorch script under LD_PRELOAD).
 # Each step has a timeout; logs go to $OUT (default gpu-run-logs): doors.log, and the JSON
@@ -71,6 +72,9 @@ for door in $ONLY; do
         step python-overhead-n1 120 env PYTHONPATH="$site" python3 benches/python_overhead.py --json "$OUT/python_overhead-n1.json"
         step python-overhead-n2 120 env $(rank_env 2) PYTHONPATH="$site" python3 -m torch.distributed.run \
           --standalone --nproc-per-node 2 benches/python_overhead.py --json "$OUT/python_overhead-n2.json"
+        # Attention at one rank through the package, beside SDPA on the same tensors, fwd and bwd.
+        step attention-same-process 300 env PYTHONPATH="$site" python3 benches/attention_same_process.py 8192 16384 32768 \
+          --causal 1,0 --backward --rest-ms 1000 --json "$OUT/attention_same_process.json"
       fi
       mps_stop ;;
     nccl)

@@ -129,4 +129,24 @@ rc=$(run_fake 0 --ranks 1 --no-bench --no-nodes --doors "$WORK/nowhere"); [ "$rc
 rc=$(run_fake 0 $FAST --bogus); [ "$rc" = 2 ] || fail "a typo exited $rc, not 2"
 grep -q "MPS\|nvidia-smi" "$WORK/log" && fail "a typo reached the GPU probe"
 rc=$(run_fake 0 $FAST --deadline); [ "$rc" = 2 ] || fail "--deadline without a value exited $rc, not 2"
+echo "== attention_same_process.py: its record (built without torch) passes the schema check"
+python3 - "$WORK" <<'PY'
+import json, subprocess, sys
+sys.path.insert(0, "benches")
+import attention_same_process as a
+import bench_record
+timed = ([2000.0 + i for i in range(50)], [15.0] * 50)
+rows = [a.row(8192, 32, 8, True, d, {"mkernel": timed, "sdpa_cudnn": timed, "sdpa_flash": None}, {"mkernel": 3e-3})
+        for d in ("fwd", "fwd+bwd", "bwd")]
+path = f"{sys.argv[1]}/attention.json"
+json.dump(bench_record.record("attention_same_process", True, {"warmup": 3}, rows), open(path, "w"))
+r = subprocess.run([sys.executable, "benches/plot.py", "--check", path], capture_output=True, text=True)
+assert r.returncode == 0, r.stderr
+rec = json.load(open(path))
+assert [row["shape"]["direction"] for row in rec["rows"]] == ["fwd", "fwd+bwd", "bwd"]
+mk = rec["rows"][0]["contenders"][0]
+assert mk["name"] == "mkernel" and mk["rel_err_vs_cudnn"] == 3e-3 and mk["host_enqueue_us"] == 15.0
+assert rec["rows"][0]["contenders"][2] == {"name": "sdpa_flash", "median_us": None}
+PY
+
 echo "== benchmark tooling tests passed"
