@@ -4,7 +4,8 @@
 #   1. examples: the C, C++ and Go examples, run by examples/run-examples.sh --require-gpu;
 #   2. Python: the wheel installed over the machine's own torch, pytest python/tests (the GPU
 #      tests at N = 1, 2, 4 ranks under MPS), then benches/python_overhead.py at 1 and 2 ranks
-#      and benches/attention_same_process.py (ring attention against SDPA, fwd and bwd);
+#      and benches/attention_same_process.py (ring attention against SDPA, fwd and bwd) and
+#      benches/moe_same_process.py (the MoE ops against torch._grouped_mm);
 #   3. NCCL: ctests/nccl/gpu.sh with the carried libmkernel-nccl (the nccl-tests-style C
 #      suite at N = 1, 2, 4 and the unmodified PyTorch script under LD_PRELOAD).
 # Each step has a timeout; logs go to $OUT (default gpu-run-logs): doors.log, and the JSON
@@ -75,6 +76,9 @@ for door in $ONLY; do
         # Attention at one rank through the package, beside SDPA on the same tensors, fwd and bwd.
         step attention-same-process 300 env PYTHONPATH="$site" python3 benches/attention_same_process.py 8192 16384 32768 \
           --causal 1,0 --backward --rest-ms 1000 --json "$OUT/attention_same_process.json"
+        # MoE at one rank through the package, beside torch._grouped_mm, dispatch and combine.
+        step moe-same-process 240 env PYTHONPATH="$site" python3 benches/moe_same_process.py 4096 16384 \
+          --json "$OUT/moe_same_process.json"
       fi
       mps_stop ;;
     nccl)

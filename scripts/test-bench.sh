@@ -129,7 +129,7 @@ rc=$(run_fake 0 --ranks 1 --no-bench --no-nodes --doors "$WORK/nowhere"); [ "$rc
 rc=$(run_fake 0 $FAST --bogus); [ "$rc" = 2 ] || fail "a typo exited $rc, not 2"
 grep -q "MPS\|nvidia-smi" "$WORK/log" && fail "a typo reached the GPU probe"
 rc=$(run_fake 0 $FAST --deadline); [ "$rc" = 2 ] || fail "--deadline without a value exited $rc, not 2"
-echo "== attention_same_process.py: its record (built without torch) passes the schema check"
+echo "== attention_same_process.py, moe_same_process.py: their records (built without torch) pass the schema check"
 python3 - "$WORK" <<'PY'
 import json, subprocess, sys
 sys.path.insert(0, "benches")
@@ -147,6 +147,13 @@ assert [row["shape"]["direction"] for row in rec["rows"]] == ["fwd", "fwd+bwd", 
 mk = rec["rows"][0]["contenders"][0]
 assert mk["name"] == "mkernel" and mk["rel_err_vs_cudnn"] == 3e-3 and mk["host_enqueue_us"] == 15.0
 assert rec["rows"][0]["contenders"][2] == {"name": "sdpa_flash", "median_us": None}
+import moe_same_process as m
+rows = [m.row(4096, 32, 7168, 2048, 8, d, {"mkernel": timed, "torch_grouped_mm": timed}, {"mkernel": 1e-3})
+        for d in ("dispatch", "combine")]
+json.dump(bench_record.record("moe_same_process", True, {"warmup": 3}, rows), open(path, "w"))
+r = subprocess.run([sys.executable, "benches/plot.py", "--check", path], capture_output=True, text=True)
+assert r.returncode == 0, r.stderr
+assert json.load(open(path))["rows"][1]["shape"]["direction"] == "combine"
 PY
 
 echo "== benchmark tooling tests passed"
