@@ -11,6 +11,7 @@ pub mod gemm_reduce_nodes;
 pub mod gemm_rs;
 pub mod hier_collectives;
 pub mod launch;
+pub mod memo;
 pub mod moe;
 pub mod ring_attention;
 pub mod ring_attention_backward;
