@@ -390,9 +390,9 @@ pub fn plan(m: usize, n: usize, k: usize, sms: usize, tma_epilogue_ok: bool, o: 
 
 /// Tile width of a fused op's GEMM on `ctas` compute CTAs: the plain engine's choice for
 /// the shape on that many SMs, with 64 raised to 128 (the fused kernels are built for
-/// widths 256 and 128).
+/// widths 256 and 128). Planned without K: the fused kernels do not split K (their
+/// epilogues flag every slab), and the table's widths for a class assume its split.
 pub fn fused_tile_width(m: usize, n: usize, ctas: usize) -> usize {
-    // K unknown here (0): no split; the width is what the fused kernels take from it.
     let tile = plan(m, n, 0, ctas, true, PlanOverrides { max_ctas: Some(ctas), ..Default::default() });
     if tile.bn >= 256 {
         256

@@ -139,6 +139,17 @@ pub fn wave_efficiency(items: usize, slots: usize) -> f64 {
     items as f64 / (items.div_ceil(slots) * slots) as f64
 }
 
+/// Tile rows for M rows of A: 64 when M fits one such tile (one consumer warpgroup has all
+/// the rows, and the A stages shrink so the ring holds more of B), else 128. The GEMM +
+/// reduction kernels' `_bm64` choice too (`gemm_reduce::tile_rows`).
+pub fn tile_rows(m: usize) -> usize {
+    if m <= 64 {
+        64
+    } else {
+        128
+    }
+}
+
 /// The rule for shapes the table does not list, on `ctas` CTAs:
 /// - 64-row tiles at M ≤ 64 (one consumer has all the rows; the A stages shrink);
 /// - the widest tile (256) unless it leaves more than half of the CTAs idle: 128, then 64;
@@ -148,7 +159,7 @@ pub fn wave_efficiency(items: usize, slots: usize) -> f64 {
 ///   split over 2 CTAs where that fills 95 % and more.
 pub fn rule(m: usize, n: usize, k: usize, ctas: usize) -> TileChoice {
     let ctas = ctas.max(1);
-    let bm = if m <= 64 { 64 } else { 128 };
+    let bm = tile_rows(m);
     let tiles = |bn: usize| m.div_ceil(bm) * n.div_ceil(bn);
     let k_blocks = k.div_ceil(super::gemm::BK);
     let max_split = (k_blocks / MIN_K_BLOCKS_PER_SPLIT).clamp(1, MAX_SPLIT_K);
