@@ -86,9 +86,9 @@ impl TileChoice {
     }
 }
 
-/// Most CTAs one tile's K is split over (a cluster; the portable cluster limit is 8, and
-/// CTA 0 reads the others' partials one after another).
-pub const MAX_SPLIT_K: usize = 4;
+/// Most CTAs the rule splits one tile's K over (a cluster may have 8: `gemm::MAX_SPLIT_K`; CTA 0
+/// reads the others' partials one after another).
+pub const RULE_MAX_SPLIT_K: usize = 4;
 /// Fewest 64-wide K blocks each CTA of a split takes: below it the pipeline's fill and the
 /// fold cost more than the split gains.
 pub const MIN_K_BLOCKS_PER_SPLIT: usize = 8;
@@ -154,7 +154,7 @@ pub fn tile_rows(m: usize) -> usize {
 /// - 64-row tiles at M ≤ 64 (one consumer has all the rows; the A stages shrink);
 /// - the widest tile (256) unless it leaves more than half of the CTAs idle: 128, then 64;
 /// - split-K over the CTAs a narrow tile count leaves idle, each CTA keeping at least
-///   MIN_K_BLOCKS_PER_SPLIT K blocks (at most MAX_SPLIT_K);
+///   MIN_K_BLOCKS_PER_SPLIT K blocks (at most RULE_MAX_SPLIT_K);
 /// - a partial last wave (below 90 % of the slots busy) over few waves: 128-wide tiles
 ///   split over 2 CTAs where that fills 95 % and more.
 pub fn rule(m: usize, n: usize, k: usize, ctas: usize) -> TileChoice {
@@ -162,7 +162,7 @@ pub fn rule(m: usize, n: usize, k: usize, ctas: usize) -> TileChoice {
     let bm = tile_rows(m);
     let tiles = |bn: usize| m.div_ceil(bm) * n.div_ceil(bn);
     let k_blocks = k.div_ceil(super::gemm::BK);
-    let max_split = (k_blocks / MIN_K_BLOCKS_PER_SPLIT).clamp(1, MAX_SPLIT_K);
+    let max_split = (k_blocks / MIN_K_BLOCKS_PER_SPLIT).clamp(1, RULE_MAX_SPLIT_K);
     let mut bn = 256;
     while bn > 64 && tiles(bn) * 2 < ctas {
         bn /= 2;
@@ -236,7 +236,7 @@ mod tests {
         for (c, t) in TABLE {
             assert!(t.bm == 64 || t.bm == 128, "{c:?}");
             assert!([256, 128, 64].contains(&t.bn), "{c:?}");
-            assert!((1..=MAX_SPLIT_K).contains(&t.split_k), "{c:?}");
+            assert!((1..=RULE_MAX_SPLIT_K).contains(&t.split_k), "{c:?}");
             if t.split_k > 1 {
                 assert!(SPLIT_K_WIDTHS.contains(&t.bn), "{c:?}: no split-K kernel at bn {}", t.bn);
                 assert!(c.k / 64 >= t.split_k * MIN_K_BLOCKS_PER_SPLIT, "{c:?}");

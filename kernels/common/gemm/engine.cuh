@@ -340,8 +340,8 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
       // zero-filled: its wgmmas would take the SM's tensor cores (shared by both consumer
       // warpgroups) for nothing -- half the tensor work of a small-M GEMM. Such a
       // warpgroup still waits for every stage to fill and releases it (the empty barrier
-      // counts all 8 consumer warps: an arrival without the wait could be counted in the
-      // wrong phase) and still runs the epilogue, so every epilogue's protocol (slab
+      // counts every consumer warp that takes part: an arrival without the wait could be
+      // counted in the wrong phase) and still runs the epilogue, so every epilogue's protocol (slab
       // flags, the courier's mailbox count) is unchanged. The accumulators it hands over
       // are stale (the previous tile's, or never written) instead of the zeros the wgmmas
       // would have made: every row of the slab is >= M, which every epilogue clips (TMA:
