@@ -392,8 +392,8 @@ pub fn run() -> mkernel::Result<Outcome> {
 
     // mkGemm inside a CUDA graph (stream capture on a non-default stream), replayed twice
     // with the inputs changed in between: the graph must recompute, not replay stale data.
-    for dtype in DTYPES {
-        let (m, n, k) = (512, 1024, 512);
+    // The second shape plans split-K (a cluster launch, 64-row tiles) on an H100 or H200.
+    for (dtype, (m, n, k)) in DTYPES.iter().flat_map(|&d| [(d, (512, 1024, 512)), (d, (64, 1024, 4096))]) {
         let a = TestBuffer::new(m * k, dtype)?;
         let b = TestBuffer::new(n * k, dtype)?;
         let c = TestBuffer::new(m * n, dtype)?;
@@ -447,15 +447,16 @@ pub fn run() -> mkernel::Result<Outcome> {
         checks += 1;
         failures += usize::from(!ok);
         println!(
-            "  mkGemm in a CUDA graph {m}x{n}x{k} {}: {r:?}, 2 replays: {} -> {}",
+            "  mkGemm in a CUDA graph {m}x{n}x{k} {} ({}): {r:?}, 2 replays: {} -> {}",
             dtype.name(),
+            gemm::plan(m, n, k, sms, true, PlanOverrides::default()).tile().describe(),
             details.join(" | "),
             if ok { "ok" } else { "WRONG" }
         );
     }
 
     outcome::count(checks);
-    println!("  gemm: {checks} checks, {failures} failed; {not_planned} (tile width, cluster) variants not planned for their shape");
+    println!("  gemm: {checks} checks, {failures} failed; {not_planned} (tile, split, cluster) variants not planned for their shape");
     if failures > 0 {
         return Err(MkError::internal(format!("{failures} of {checks} GEMM checks failed")));
     }
