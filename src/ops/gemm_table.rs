@@ -199,11 +199,16 @@ pub fn describe_table() -> Vec<String> {
 }
 
 /// Logs the table at INFO once per process, and each shape class's choice the first time
-/// it is planned (at most 256 classes, so a caller sweeping shapes cannot grow it without bound).
+/// it is planned (at most 256 classes, so a caller sweeping shapes cannot grow it without
+/// bound). Without INFO (read once per process) it returns at once: it runs on every call.
 pub fn log_choice(m: usize, n: usize, k: usize, ctas: usize, choice: &TileChoice, source: Source) {
     use parking_lot::Mutex;
     use std::collections::HashSet;
     use std::sync::OnceLock;
+    static INFO: OnceLock<bool> = OnceLock::new();
+    if !*INFO.get_or_init(crate::log::info_enabled) {
+        return;
+    }
     static TABLE_LOGGED: OnceLock<()> = OnceLock::new();
     static SEEN: Mutex<Option<HashSet<ShapeClass>>> = Mutex::new(None);
     TABLE_LOGGED.get_or_init(|| {
