@@ -441,8 +441,8 @@ pub fn validate(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: Raw
         "M = {m}, N = {n}, K = {k}: each must be at most {limit}"
     );
     crate::ensure_arg!(
-        m.div_ceil(BM) * n.div_ceil(64) <= limit,
-        "M = {m}, N = {n}: more than {limit} tiles of {BM}x64 (the tile index is 32-bit); split the GEMM"
+        m.div_ceil(64) * n.div_ceil(64) <= limit,
+        "M = {m}, N = {n}: more than {limit} tiles of 64x64 (the smallest tile; the tile index is 32-bit); split the GEMM"
     );
     crate::ensure_arg!(a % 16 == 0, "A = {a:#x} is not 16-byte aligned (TMA needs 16-byte aligned base addresses)");
     crate::ensure_arg!(b % 16 == 0, "B = {b:#x} is not 16-byte aligned (TMA needs 16-byte aligned base addresses)");
