@@ -4,8 +4,10 @@
 //                    128-byte swizzled, into a STAGES-deep ring (full/empty mbarriers);
 //                    warp 1 is the epilogue's courier when the epilogue flags its slabs
 //                    (Epi::kCourier), warps 1-3 (2-3) the AWait hook's side work;
-//   warpgroups 1, 2  consumers: each owns 64 rows of the BM=128 tile, wgmma m64nBNk16 from
-//                    shared memory with one batch in flight, then the epilogue policy.
+//   warpgroups 1, 2  consumers: each owns 64 rows of the BM=128 tile (a BM=64 tile has
+//                    only the first), wgmma m64nBNk16 from shared memory with one batch in
+//                    flight, [split-K: CTA 0 of the cluster folds the others' partials,
+//                    split_k_fold], then the epilogue policy.
 // Compile-time policies make it the core of every fused op:
 //   Sched  tile order (scheduler.cuh: GroupedRaster, RankRotatedRaster);
 //   AWait  hook before a tile's A rows are loaded (hooks.cuh: NoAWait, FlagAWait);
