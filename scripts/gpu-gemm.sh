@@ -15,9 +15,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,po
   | tee "$OUT/gpu.txt"
 
 echo "== mktest gemm"
-# Sweep the variants (tile widths, 2-CTA clusters) only when every variant passed its checks.
+# Sweep the variants (tile heights and widths, split-K, 2-CTA clusters) only when every
+# variant passed its checks.
 sweep="--sweep"
-timeout 150 ./target/release/mktest gemm > "$OUT/mktest_gemm.log" 2>&1 || { status=1; sweep=""; }
+timeout 240 ./target/release/mktest gemm > "$OUT/mktest_gemm.log" 2>&1 || { status=1; sweep=""; }
 grep -v " -> ok$" "$OUT/mktest_gemm.log" | tail -20
 
 if [ -f build/gemm_standalone/libmkgemm_standalone.so ]; then

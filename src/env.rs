@@ -8,7 +8,11 @@ use std::time::Duration;
 
 /// (name, default, meaning) of each public knob: docs/environment.md's first table.
 pub const KNOBS: &[(&str, &str, &str)] = &[
-    ("MK_DEBUG", "(unset)", "WARN or INFO: log to stderr with host:pid [rank] prefixes; INFO also prints the internal tuning"),
+    (
+        "MK_DEBUG",
+        "(unset)",
+        "WARN or INFO: log to stderr with host:pid [rank] prefixes; INFO also prints the internal tuning, the GEMM tile table and each GEMM shape class's tile the first time it is planned",
+    ),
     ("MK_TIMEOUT_MS", "30000", "bound on every in-kernel wait for a peer"),
     ("MK_BOOTSTRAP_TIMEOUT_MS", "30000", "bound on every bootstrap step (connect, rendezvous, allgather)"),
     ("MK_SOCKET_IFNAME", "(first non-loopback)", "interfaces for bootstrap sockets: comma-separated prefixes, '^' excludes, '=' exact"),

@@ -18,6 +18,11 @@ fn enabled_level() -> Option<Level> {
     }
 }
 
+/// Whether `MK_DEBUG` asks for INFO (read now: callers on a hot path cache it).
+pub fn info_enabled() -> bool {
+    enabled_level() == Some(Level::Info)
+}
+
 fn hostname() -> &'static str {
     static HOST: OnceLock<String> = OnceLock::new();
     HOST.get_or_init(|| {

@@ -98,6 +98,20 @@ fn engine_kernels_do_not_spill() {
     }
 }
 
+/// ptxas serialises every wgmma of a function it cannot pipeline (a call, too few
+/// registers, an accumulator written by another instruction: "Potential Performance Loss:
+/// wgmma.mma_async instructions are serialized", C7515): several times slower and still
+/// correct, so only the build log shows it.
+#[test]
+fn engine_kernels_keep_wgmma_pipelined() {
+    let reports = ptxas_reports();
+    for family in ["gemm", "ag_gemm", "gemm_reduce", "moe", "ring_attention"] {
+        let report = reports.get(family).unwrap_or_else(|| panic!("no ptxas report for kernels/{family}.cu"));
+        let serialised: Vec<&str> = report.lines().filter(|l| l.contains("instructions are serialized")).collect();
+        assert!(serialised.is_empty(), "kernels/{family}.cu: {serialised:#?}");
+    }
+}
+
 /// The hierarchical collectives: one kernel per dtype, none spilling (a small stack frame
 /// holds the per-parity proxy tickets, which are indexed by the step's parity).
 #[test]

@@ -83,7 +83,7 @@ int smem_bytes(int bn, int tma) {
   using namespace mk::gemm;
 #define MK_SMEM(B, E)                                                                                    \
   if (bn == B && tma == E)                                                                               \
-    return engine_smem_bytes<GemmConfig<__nv_bfloat16, B, PlainStages<B, (bool)E>::value>,              \
+    return engine_smem_bytes<GemmConfig<__nv_bfloat16, B, PlainStages<128, B, (bool)E, false>::value>, \
                              std::conditional<E, TmaStoreEpilogue, DirectStoreEpilogue<StoreOp>>::type>();
   MK_SMEM(256, 1) MK_SMEM(128, 1) MK_SMEM(64, 1) MK_SMEM(256, 0) MK_SMEM(128, 0) MK_SMEM(64, 0)
 #undef MK_SMEM

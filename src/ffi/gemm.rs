@@ -14,6 +14,12 @@ use std::ffi::c_void;
 /// mkBfloat16 or mkFloat16. Products accumulate in fp32; C is rounded to `dtype` once.
 /// Requires an sm_90 GPU (H100/H200).
 ///
+/// Deterministic: the same call on the same device gives the same bits on every run. The
+/// order of the fp32 sums depends on the shape and the SM count only (through the planned
+/// tile and split-K): where K is split over s CTAs, s partial sums over consecutive K
+/// ranges are added in K order before C is rounded. Results may differ in the last bits
+/// between shapes that plan differently, and from other GEMM libraries.
+///
 /// Rules (each violation returns mkInvalidArgument, with the rule named in mkGetLastError):
 /// A, B and C non-NULL; K a positive multiple of 8; A and B 16-byte aligned; C aligned to
 /// its element size; M, N, K at most INT_MAX. Any M and N are allowed (M == 0 or N == 0

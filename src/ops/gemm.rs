@@ -1,9 +1,11 @@
 //! `mkGemm`: C[M,N] = A[M,K] · B[N,K]ᵀ (row-major, bf16 or fp16, fp32 accumulate) on the
 //! Hopper GEMM engine (kernels/common/gemm, entry kernels in kernels/gemm.cu).
 //!
-//! Three parts: [`validate`] (argument checks, no CUDA), [`plan`] (tile width, epilogue,
-//! grid, raster group: pure arithmetic, unit-tested) and [`launch`] (tensor maps + launch).
+//! Three parts: [`validate`] (argument checks, no CUDA), [`plan`] (tile, split-K, epilogue,
+//! grid, raster group: pure arithmetic, unit-tested; the tile and split come from the table
+//! of `ops::gemm_table`) and [`launch`] (tensor maps + launch).
 
+use super::gemm_table::{self, TileChoice};
 use super::launch::{current_sm_count, tensor_map, Clusters, KernelLaunch};
 use crate::cuda::kernels::Kernel;
 use crate::cuda::{self, sys};
@@ -11,8 +13,11 @@ use crate::error::{MkError, Result};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
-/// Rows of A (and C) per tile: two consumer warpgroups of 64 rows.
+/// Rows of A (and C) per tile: two consumer warpgroups of 64 rows. The plain GEMM also has
+/// 64-row tiles (`GemmPlan::bm`), used at small M.
 pub const BM: usize = 128;
+/// Tile rows the plain-GEMM kernels are compiled for.
+pub const TILE_ROWS: [usize; 2] = [128, 64];
 /// K per pipeline stage: 64 two-byte elements = one 128-byte swizzle row.
 pub const BK: usize = 64;
 /// Threads per CTA: one producer warpgroup + two consumer warpgroups.
@@ -58,11 +63,30 @@ impl Cluster {
     }
 }
 
-/// Pipeline depth of the plain-GEMM kernels: the deepest ring that fits next to the
-/// epilogue's staging buffers, at most 8. Mirrors `PlainStages` in kernels/gemm.cu.
+/// Pipeline depth of the plain-GEMM kernels with 128-row tiles and no split:
+/// [`tile_stages`] of that tile.
 pub fn stages(bn: usize, epilogue: Epilogue) -> usize {
-    ring_stages(BM, bn, epilogue_staging_per_wg(bn, epilogue))
+    tile_stages(BM, bn, false, epilogue)
 }
+
+/// Pipeline depth of a plain-GEMM kernel: the deepest ring that fits next to the
+/// epilogue's staging buffers and, for split-K, the fp32 partial slabs (one of 64 × bn per
+/// 64 rows of the tile), at most 8. Mirrors `PlainStages` in kernels/gemm.cu.
+pub fn tile_stages(bm: usize, bn: usize, split_k: bool, epilogue: Epilogue) -> usize {
+    ring_stages(bm, bn, epilogue_staging_per_wg(bn, epilogue) + split_k_partials_bytes(bm, bn, split_k) / 2)
+}
+
+/// The split-K partial slabs of a CTA (kernels/common/gemm/engine.cuh PART_SLABS × PART_BYTES).
+fn split_k_partials_bytes(bm: usize, bn: usize, split_k: bool) -> usize {
+    if split_k {
+        bm / 64 * 64 * bn * 4
+    } else {
+        0
+    }
+}
+
+/// Split-K's four mbarriers after the mailboxes (kSplitKBarrierBytes).
+const SPLIT_K_BARRIER_BYTES: usize = 32;
 
 /// Shared memory of one consumer warpgroup's epilogue staging: TmaEpilogue 64·bn·2 bytes,
 /// DirectStoreEpilogue none.
@@ -106,17 +130,30 @@ pub fn fused_smem_bytes(bm: usize, bn: usize) -> usize {
 /// kernels/common/gemm/epilogue.cuh): two slots of two mbarriers and a slab's coordinates.
 const MAILBOX_BYTES: usize = 64;
 
-/// Dynamic shared memory of a plain-GEMM kernel (the kernel traps if it gets less).
+/// Dynamic shared memory of a plain-GEMM kernel with 128-row tiles and no split.
 pub fn smem_bytes(bn: usize, epilogue: Epilogue) -> usize {
-    engine_smem_bytes(BM, bn, stages(bn, epilogue), epilogue_staging_per_wg(bn, epilogue))
+    tile_smem_bytes(BM, bn, false, epilogue)
+}
+
+/// Dynamic shared memory of a plain-GEMM kernel (the kernel traps if it gets less).
+pub fn tile_smem_bytes(bm: usize, bn: usize, split_k: bool, epilogue: Epilogue) -> usize {
+    engine_smem_bytes(bm, bn, tile_stages(bm, bn, split_k, epilogue), epilogue_staging_per_wg(bn, epilogue))
+        + split_k_partials_bytes(bm, bn, split_k)
+        + if split_k { SPLIT_K_BARRIER_BYTES } else { 0 }
 }
 
 /// Optional overrides of the planner's choices (benchmarks and tuning; fused ops pass
 /// their CTA budget here).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PlanOverrides {
+    /// Tile rows (128 or 64).
+    pub bm: Option<usize>,
     /// Tile width (64, 128 or 256).
     pub bn: Option<usize>,
+    /// CTAs that split K for one tile, 1 to 8 (falls back to 1 where no split-K kernel
+    /// exists: widths 64 and 128 with the TMA epilogue, without a multicast cluster; and is
+    /// lowered to the K blocks).
+    pub split_k: Option<usize>,
     /// m-blocks per raster group.
     pub group_m: Option<usize>,
     /// Upper bound on the number of CTAs (the engine's CTA-count parameter).
@@ -129,7 +166,12 @@ pub struct PlanOverrides {
 /// Everything the launch needs, decided from the shape and the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmPlan {
+    /// Tile rows: 128, or 64 (one consumer warpgroup; A boxed {64, 64}).
+    pub bm: usize,
     pub bn: usize,
+    /// CTAs of a cluster that compute one tile over consecutive K ranges (1: no split);
+    /// CTA 0 adds the others' fp32 partials in rank order, the same on every run.
+    pub split_k: usize,
     pub epilogue: Epilogue,
     pub stages: usize,
     pub smem_bytes: usize,
@@ -138,10 +180,13 @@ pub struct GemmPlan {
     /// Raster group passed to the kernel: m-blocks walked together (pairs of m-blocks
     /// for Cluster::ShareB).
     pub group_m: usize,
-    /// Persistent CTAs: min(tiles, SMs, max_ctas), even with clusters (the launch may lower
-    /// it further to what can be co-resident as clusters).
+    /// Persistent CTAs: min(tiles, SMs, max_ctas), a whole number of clusters (pairs for
+    /// multicast, split_k CTAs per tile for split-K; the launch may lower it further to
+    /// what can be co-resident as clusters).
     pub grid: usize,
     pub cluster: Cluster,
+    /// Whether the tile came from the table or the rule (`ops::gemm_table`); logged at INFO.
+    pub source: gemm_table::Source,
 }
 
 impl GemmPlan {
@@ -151,7 +196,17 @@ impl GemmPlan {
     /// The entry kernel (kernels/gemm.cu) this plan runs; None for a combination no kernel
     /// is built for (the planner never makes one).
     pub fn kernel(&self, dtype: mkDataType_t) -> Option<Kernel> {
-        gemm_kernel(dtype, self.bn, self.epilogue, self.cluster)
+        if self.bm == BM && self.split_k == 1 {
+            gemm_kernel(dtype, self.bn, self.epilogue, self.cluster)
+        } else if self.cluster == Cluster::None {
+            gemm_tile_kernel(dtype, self.bm, self.bn, self.epilogue, self.split_k > 1)
+        } else {
+            None
+        }
+    }
+    /// The tile as the table states it.
+    pub fn tile(&self) -> TileChoice {
+        TileChoice { bm: self.bm, bn: self.bn, split_k: self.split_k, cluster: self.cluster }
     }
     /// The name of `kernel(dtype)` ("" where there is none).
     pub fn kernel_name(&self, dtype: mkDataType_t) -> &'static str {
@@ -160,16 +215,23 @@ impl GemmPlan {
     /// Rows of the A box and of the B box a CTA loads: a CTA of a cluster loads half of
     /// the shared operand (multicast to both).
     pub fn box_rows(&self) -> (usize, usize) {
-        let a_rows = if self.cluster == Cluster::ShareA { BM / 2 } else { BM };
+        let a_rows = if self.cluster == Cluster::ShareA { self.bm / 2 } else { self.bm };
         let b_rows = if self.cluster == Cluster::ShareB { self.bn / 2 } else { self.bn };
         (a_rows, b_rows)
     }
     /// The launch of this plan for `dtype`: its kernel, `grid` CTAs of THREADS, its shared
-    /// memory, in 2-CTA clusters for a cluster plan (co-resident pairs: the launch may
-    /// lower the grid to what the GPU holds at once).
+    /// memory, in 2-CTA clusters for a multicast plan and clusters of split_k CTAs for a
+    /// split-K plan (co-resident clusters: the launch may lower the grid to what the GPU
+    /// holds at once).
     pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
         let kernel = self.kernel(dtype).ok_or_else(|| MkError::internal(format!("no GEMM kernel for {self:?}")))?;
-        let clusters = if self.cluster == Cluster::None { Clusters::None } else { Clusters::Pairs };
+        let clusters = if self.cluster != Cluster::None {
+            Clusters::Of(2)
+        } else if self.split_k > 1 {
+            Clusters::Of(self.split_k as u32)
+        } else {
+            Clusters::None
+        };
         Ok(KernelLaunch { clusters, ..KernelLaunch::new(kernel, self.grid as u32, THREADS, self.smem_bytes as u32) })
     }
 }
@@ -209,66 +271,129 @@ pub fn gemm_kernel(dtype: mkDataType_t, bn: usize, epilogue: Epilogue, cluster: 
     })
 }
 
+/// The plain-GEMM kernel without multicast for 64- or 128-row tiles, split-K or not (the
+/// 128-row unsplit ones are [`gemm_kernel`]'s).
+pub fn gemm_tile_kernel(
+    dtype: mkDataType_t,
+    bm: usize,
+    bn: usize,
+    epilogue: Epilogue,
+    split_k: bool,
+) -> Option<Kernel> {
+    use crate::cuda::kernels::*;
+    use Epilogue::{Direct, Tma};
+    let f16 = match dtype {
+        mkDataType_t::mkFloat16 => true,
+        mkDataType_t::mkBfloat16 => false,
+        _ => return None,
+    };
+    Some(match (f16, bm, bn, epilogue, split_k) {
+        (_, 128, _, _, false) => return gemm_kernel(dtype, bn, epilogue, Cluster::None),
+        (false, 64, 256, Tma, false) => MK_GEMM_BF16_BN256_TMA_BM64,
+        (false, 64, 256, Direct, false) => MK_GEMM_BF16_BN256_DIRECT_BM64,
+        (false, 64, 128, Tma, false) => MK_GEMM_BF16_BN128_TMA_BM64,
+        (false, 64, 128, Direct, false) => MK_GEMM_BF16_BN128_DIRECT_BM64,
+        (false, 64, 64, Tma, false) => MK_GEMM_BF16_BN64_TMA_BM64,
+        (false, 64, 64, Direct, false) => MK_GEMM_BF16_BN64_DIRECT_BM64,
+        (true, 64, 256, Tma, false) => MK_GEMM_F16_BN256_TMA_BM64,
+        (true, 64, 256, Direct, false) => MK_GEMM_F16_BN256_DIRECT_BM64,
+        (true, 64, 128, Tma, false) => MK_GEMM_F16_BN128_TMA_BM64,
+        (true, 64, 128, Direct, false) => MK_GEMM_F16_BN128_DIRECT_BM64,
+        (true, 64, 64, Tma, false) => MK_GEMM_F16_BN64_TMA_BM64,
+        (true, 64, 64, Direct, false) => MK_GEMM_F16_BN64_DIRECT_BM64,
+        (false, 128, 128, Tma, true) => MK_GEMM_BF16_BN128_TMA_SPLITK,
+        (false, 128, 64, Tma, true) => MK_GEMM_BF16_BN64_TMA_SPLITK,
+        (false, 64, 128, Tma, true) => MK_GEMM_BF16_BN128_TMA_BM64_SPLITK,
+        (false, 64, 64, Tma, true) => MK_GEMM_BF16_BN64_TMA_BM64_SPLITK,
+        (true, 128, 128, Tma, true) => MK_GEMM_F16_BN128_TMA_SPLITK,
+        (true, 128, 64, Tma, true) => MK_GEMM_F16_BN64_TMA_SPLITK,
+        (true, 64, 128, Tma, true) => MK_GEMM_F16_BN128_TMA_BM64_SPLITK,
+        (true, 64, 64, Tma, true) => MK_GEMM_F16_BN64_TMA_BM64_SPLITK,
+        _ => return None,
+    })
+}
+
+/// Most CTAs a split-K cluster may have (the portable cluster size).
+pub const MAX_SPLIT_K: usize = 8;
+
 /// Raster group: as many m-blocks as balance the A rows and B rows one wave of `ctas`
 /// tiles touches (g·BM ≈ (ctas/g)·BN), so the wave's operands stay in L2.
 pub fn raster_group(tiles_m: usize, bn: usize, ctas: usize) -> usize {
-    let g = ((ctas * bn) as f64 / BM as f64).sqrt().round() as usize;
+    raster_group_of(tiles_m, BM, bn, ctas)
+}
+
+/// [`raster_group`] for `bm`-row tiles and `ctas` concurrent tiles.
+fn raster_group_of(tiles_m: usize, bm: usize, bn: usize, ctas: usize) -> usize {
+    let g = ((ctas * bn) as f64 / bm as f64).sqrt().round() as usize;
     g.clamp(1, tiles_m.max(1))
 }
 
-/// Picks the tile width, epilogue, grid and raster group.
+/// Picks the tile, split-K, epilogue, grid and raster group for C[m, n] = A[m, k]·B[n, k]ᵀ
+/// on `sms` SMs.
 ///
-/// Widest tile (256) unless it leaves more than half of the SMs idle: skinny problems
-/// (few tiles) step down to 128, then 64 columns, so every SM gets work.
-pub fn plan(m: usize, n: usize, sms: usize, tma_epilogue_ok: bool, o: PlanOverrides) -> GemmPlan {
+/// The tile (rows, width, split-K, cluster kind) is the table's for the shape class, else
+/// the rule's (`ops::gemm_table::choose`); overrides replace any part of it. A split needs
+/// a split-K kernel (widths 64 and 128, the TMA epilogue, no multicast) and a K block per
+/// CTA, else it falls back to 1; multicast needs 128-row tiles.
+pub fn plan(m: usize, n: usize, k: usize, sms: usize, tma_epilogue_ok: bool, o: PlanOverrides) -> GemmPlan {
     let sms = sms.max(1);
     let ctas_cap = o.max_ctas.unwrap_or(sms).clamp(1, sms);
-    let tiles_for = |bn: usize| m.div_ceil(BM) * n.div_ceil(bn);
-    let bn = o.bn.unwrap_or_else(|| {
-        let mut bn = 256;
-        while bn > 64 && tiles_for(bn) * 2 < ctas_cap {
-            bn /= 2;
-        }
-        bn
-    });
+    let (choice, source) = gemm_table::choose(m, n, k, ctas_cap);
+    let bm = o.bm.filter(|b| TILE_ROWS.contains(b)).unwrap_or(choice.bm);
+    let bn = o.bn.unwrap_or(choice.bn);
     let epilogue = if tma_epilogue_ok { Epilogue::Tma } else { Epilogue::Direct };
-    let tiles_m = m.div_ceil(BM);
+    let tiles_m = m.div_ceil(bm);
     let tiles_n = n.div_ceil(bn);
-    let mut cluster = o.cluster.unwrap_or(Cluster::None);
+    let mut cluster = o.cluster.unwrap_or(choice.cluster);
     let even = match cluster {
         Cluster::None => true,
         Cluster::ShareA => tiles_n % 2 == 0,
         Cluster::ShareB => tiles_m % 2 == 0,
     };
-    if !even || !cluster.compiled_for(bn, epilogue) || ctas_cap < 2 {
+    if !even || bm != BM || !cluster.compiled_for(bn, epilogue) || ctas_cap < 2 {
         cluster = Cluster::None;
     }
-    let cs = cluster.size();
-    let grid = ((tiles_m * tiles_n).min(ctas_cap) / cs * cs).max(1);
-    let group_m = o.group_m.unwrap_or_else(|| raster_group(tiles_m, bn, grid));
+    let mut split_k =
+        o.split_k.unwrap_or(choice.split_k).clamp(1, MAX_SPLIT_K).min(k.div_ceil(BK)).min(ctas_cap).max(1);
+    if split_k > 1
+        && (cluster != Cluster::None || gemm_tile_kernel(mkDataType_t::mkBfloat16, bm, bn, epilogue, true).is_none())
+    {
+        split_k = 1;
+    }
+    let grid = if split_k > 1 {
+        (tiles_m * tiles_n).min(ctas_cap / split_k).max(1) * split_k
+    } else {
+        let cs = cluster.size();
+        ((tiles_m * tiles_n).min(ctas_cap) / cs * cs).max(1)
+    };
+    let group_m = o.group_m.unwrap_or_else(|| raster_group_of(tiles_m, bm, bn, grid / split_k));
     let group_m = if cluster == Cluster::ShareB {
         group_m.div_ceil(2).clamp(1, tiles_m.div_ceil(2))
     } else {
         group_m.clamp(1, tiles_m.max(1))
     };
     GemmPlan {
+        bm,
         bn,
+        split_k,
         epilogue,
-        stages: stages(bn, epilogue),
-        smem_bytes: smem_bytes(bn, epilogue),
+        stages: tile_stages(bm, bn, split_k > 1, epilogue),
+        smem_bytes: tile_smem_bytes(bm, bn, split_k > 1, epilogue),
         tiles_m,
         tiles_n,
         group_m,
         grid,
         cluster,
+        source,
     }
 }
 
 /// Tile width of a fused op's GEMM on `ctas` compute CTAs: the plain engine's choice for
 /// the shape on that many SMs, with 64 raised to 128 (the fused kernels are built for
-/// widths 256 and 128).
+/// widths 256 and 128). Planned without K: the fused kernels do not split K (their
+/// epilogues flag every slab), and the table's widths for a class assume its split.
 pub fn fused_tile_width(m: usize, n: usize, ctas: usize) -> usize {
-    let tile = plan(m, n, ctas, true, PlanOverrides { max_ctas: Some(ctas), ..Default::default() });
+    let tile = plan(m, n, 0, ctas, true, PlanOverrides { max_ctas: Some(ctas), ..Default::default() });
     if tile.bn >= 256 {
         256
     } else {
@@ -316,8 +441,8 @@ pub fn validate(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: Raw
         "M = {m}, N = {n}, K = {k}: each must be at most {limit}"
     );
     crate::ensure_arg!(
-        m.div_ceil(BM) * n.div_ceil(64) <= limit,
-        "M = {m}, N = {n}: more than {limit} tiles of {BM}x64 (the tile index is 32-bit); split the GEMM"
+        m.div_ceil(64) * n.div_ceil(64) <= limit,
+        "M = {m}, N = {n}: more than {limit} tiles of 64x64 (the smallest tile; the tile index is 32-bit); split the GEMM"
     );
     crate::ensure_arg!(a % 16 == 0, "A = {a:#x} is not 16-byte aligned (TMA needs 16-byte aligned base addresses)");
     crate::ensure_arg!(b % 16 == 0, "B = {b:#x} is not 16-byte aligned (TMA needs 16-byte aligned base addresses)");
@@ -394,7 +519,10 @@ pub fn gemm(
 /// Plans (with overrides) and launches in the current context; returns nothing more than
 /// [`launch`] but lets benchmarks and fused ops steer the plan.
 pub fn gemm_with(args: &GemmArgs, o: PlanOverrides, stream: sys::CUstream) -> Result<()> {
-    let p = plan(args.m, args.n, current_sm_count()?, args.tma_epilogue_ok(), o);
+    let sms = current_sm_count()?;
+    let p = plan(args.m, args.n, args.k, sms, args.tma_epilogue_ok(), o);
+    let ctas = o.max_ctas.unwrap_or(sms).clamp(1, sms.max(1));
+    gemm_table::log_choice(args.m, args.n, args.k, ctas, &p.tile(), p.source);
     launch(args, &p, stream)
 }
 
@@ -418,11 +546,37 @@ mod tests {
                 assert!(stages(bn, e) >= 3);
             }
         }
+        // 64-row tiles: half the A stage, a deeper ring (kernels/gemm.cu PlainStages<64, ...>).
+        assert_eq!(tile_stages(64, 256, false, Epilogue::Tma), 4);
+        assert_eq!(tile_stages(64, 128, false, Epilogue::Tma), 8);
+        // Split-K: the fp32 partial slabs take ring stages.
+        assert_eq!(tile_stages(128, 128, true, Epilogue::Tma), 4);
+        assert_eq!(tile_stages(128, 64, true, Epilogue::Tma), 7);
+        assert_eq!(tile_stages(64, 128, true, Epilogue::Tma), 6);
+        assert_eq!(tile_stages(64, 64, true, Epilogue::Tma), 8);
+        for bm in TILE_ROWS {
+            for bn in TILE_WIDTHS {
+                for e in [Epilogue::Tma, Epilogue::Direct] {
+                    for split in [false, true] {
+                        if split && gemm_tile_kernel(mkDataType_t::mkBfloat16, bm, bn, e, true).is_none() {
+                            continue;
+                        }
+                        assert!(tile_smem_bytes(bm, bn, split, e) <= SMEM_LIMIT, "bm {bm} bn {bn} {e:?} {split}");
+                        assert!(tile_stages(bm, bn, split, e) >= 3, "bm {bm} bn {bn} {e:?} {split}");
+                        assert!(gemm_tile_kernel(mkDataType_t::mkFloat16, bm, bn, e, split).is_some() || split);
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            tile_smem_bytes(64, 128, true, Epilogue::Tma),
+            1024 + 6 * 192 * 128 + 2 * 64 * 128 * 2 + 64 * 128 * 4 + 2 * 6 * 8 + 64 + 32
+        );
     }
 
     #[test]
     fn large_shapes_use_the_wide_tile_and_every_sm() {
-        let p = plan(8192, 8192, 132, true, PlanOverrides::default());
+        let p = plan(8192, 8192, 8192, 132, true, PlanOverrides::default());
         assert_eq!((p.bn, p.epilogue, p.tiles_m, p.tiles_n, p.grid), (256, Epilogue::Tma, 64, 32, 132));
         assert_eq!(p.group_m, 16); // sqrt(132 * 256 / 128) = 16.2
         assert_eq!(p.kernel_name(mkDataType_t::mkBfloat16), "mk_gemm_bf16_bn256_tma");
@@ -432,37 +586,97 @@ mod tests {
     #[test]
     fn skinny_shapes_narrow_the_tile_to_fill_the_sms() {
         // M = 128: 32 tiles of 256 would idle 100 SMs; 64-wide tiles give 128.
-        let p = plan(128, 8192, 132, true, PlanOverrides::default());
-        assert_eq!((p.bn, p.grid, p.group_m), (64, 128, 1));
+        let p = plan(128, 8192, 4096, 132, true, PlanOverrides::default());
+        assert_eq!((p.bm, p.bn, p.split_k, p.grid, p.group_m), (128, 64, 1, 128, 1));
         // M = 512: 128 tiles of 256 already fill the GPU.
-        assert_eq!(plan(512, 8192, 132, true, PlanOverrides::default()).bn, 256);
+        assert_eq!(plan(512, 8192, 4096, 132, true, PlanOverrides::default()).bn, 256);
         // Tiny problems: one tile, one CTA.
-        let p = plan(1, 1, 132, false, PlanOverrides::default());
-        assert_eq!((p.bn, p.grid, p.tiles(), p.epilogue), (64, 1, 1, Epilogue::Direct));
+        let p = plan(1, 1, 8, 132, false, PlanOverrides::default());
+        assert_eq!((p.bm, p.bn, p.grid, p.tiles(), p.epilogue), (64, 64, 1, 1, Epilogue::Direct));
+        assert_eq!(p.kernel_name(mkDataType_t::mkBfloat16), "mk_gemm_bf16_bn64_direct_bm64");
+    }
+
+    #[test]
+    fn small_m_takes_the_table_and_splits_k() {
+        let bf16 = mkDataType_t::mkBfloat16;
+        // Decode rows: 64-row tiles, 128 tiles of 64 columns.
+        let p = plan(1, 8192, 8192, 132, true, PlanOverrides::default());
+        assert_eq!((p.bm, p.bn, p.split_k, p.grid, p.source), (64, 64, 1, 128, gemm_table::Source::Table));
+        assert_eq!(p.kernel_name(bf16), "mk_gemm_bf16_bn64_tma_bm64");
+        assert_eq!(p.box_rows(), (64, 64));
+        // M = 128: 64 tiles of 128 x 128, each split over a cluster of 2 CTAs.
+        let p = plan(128, 8192, 8192, 132, true, PlanOverrides::default());
+        assert_eq!((p.bm, p.bn, p.split_k, p.tiles(), p.grid), (128, 128, 2, 64, 128));
+        assert_eq!(p.kernel_name(mkDataType_t::mkFloat16), "mk_gemm_f16_bn128_tma_splitk");
+        // Few tiles: the rule splits K over the idle SMs (clusters of 4 at most).
+        let p = plan(16, 1024, 8192, 132, true, PlanOverrides::default());
+        assert_eq!((p.bm, p.bn, p.split_k, p.grid), (64, 64, 4, 64));
+        assert_eq!(p.kernel_name(bf16), "mk_gemm_bf16_bn64_tma_bm64_splitk");
+        // No split where there is no split-K kernel (direct epilogue), or too short a K.
+        let p = plan(16, 1024, 8192, 132, false, PlanOverrides::default());
+        assert_eq!((p.split_k, p.grid), (1, 16));
+        let p =
+            plan(16, 1024, 8192, 132, true, PlanOverrides { split_k: Some(8), bn: Some(256), ..Default::default() });
+        assert_eq!((p.split_k, p.bn), (1, 256));
+        let p = plan(16, 1024, 128, 132, true, PlanOverrides { split_k: Some(8), ..Default::default() });
+        assert_eq!(p.split_k, 2); // two K blocks
+                                  // A split the CTA budget cannot hold is lowered to it; the grid is whole clusters.
+        let p =
+            plan(1, 64, 8192, 132, true, PlanOverrides { split_k: Some(8), max_ctas: Some(6), ..Default::default() });
+        assert_eq!((p.split_k, p.grid), (6, 6));
+        let p = plan(
+            1,
+            8192,
+            8192,
+            132,
+            true,
+            PlanOverrides { split_k: Some(3), max_ctas: Some(100), ..Default::default() },
+        );
+        assert_eq!((p.split_k, p.grid), (3, 99));
+        // Multicast clusters need 128-row tiles and no split.
+        let p = plan(1, 8192, 8192, 132, true, PlanOverrides { cluster: Some(Cluster::ShareA), ..Default::default() });
+        assert_eq!((p.cluster, p.bm), (Cluster::None, 64));
+        let p = plan(
+            1,
+            8192,
+            8192,
+            132,
+            true,
+            PlanOverrides { bm: Some(128), bn: Some(64), cluster: Some(Cluster::ShareA), ..Default::default() },
+        );
+        assert_eq!((p.cluster, p.bm, p.split_k), (Cluster::ShareA, 128, 1));
     }
 
     #[test]
     fn overrides_cap_ctas_and_fix_the_tile() {
-        let o = PlanOverrides { bn: Some(128), group_m: Some(4), max_ctas: Some(100), cluster: None };
-        let p = plan(4096, 4096, 132, true, o);
+        let o = PlanOverrides { bn: Some(128), group_m: Some(4), max_ctas: Some(100), ..Default::default() };
+        let p = plan(4096, 4096, 4096, 132, true, o);
         assert_eq!((p.bn, p.group_m, p.grid), (128, 4, 100));
         // A CTA cap above the SM count is clamped to the SMs (one CTA per SM).
-        let p = plan(4096, 4096, 132, true, PlanOverrides { max_ctas: Some(1000), ..Default::default() });
+        let p = plan(4096, 4096, 4096, 132, true, PlanOverrides { max_ctas: Some(1000), ..Default::default() });
         assert_eq!(p.grid, 132);
         // group never exceeds the m-blocks
-        assert_eq!(plan(256, 65536, 132, true, PlanOverrides::default()).group_m, 2);
+        assert_eq!(plan(256, 65536, 4096, 132, true, PlanOverrides::default()).group_m, 2);
     }
 
     #[test]
     fn clusters_pair_tiles_and_fall_back_where_they_cannot() {
-        let with =
-            |m, n, bn, c| plan(m, n, 132, true, PlanOverrides { bn: Some(bn), cluster: Some(c), ..Default::default() });
+        let with = |m, n, bn, c| {
+            plan(m, n, 4096, 132, true, PlanOverrides { bn: Some(bn), cluster: Some(c), ..Default::default() })
+        };
         // Large: pairs of m-blocks share B; the raster group counts pairs; even grid.
         let p = with(8192, 8192, 256, Cluster::ShareB);
         assert_eq!((p.cluster, p.group_m, p.grid), (Cluster::ShareB, 8, 132));
         assert_eq!(p.kernel_name(mkDataType_t::mkBfloat16), "mk_gemm_bf16_bn256_tma_c2b");
         // Skinny: pairs of n-blocks share A.
-        let p = with(128, 8192, 64, Cluster::ShareA);
+        let p = plan(
+            128,
+            8192,
+            4096,
+            132,
+            true,
+            PlanOverrides { bn: Some(64), cluster: Some(Cluster::ShareA), ..Default::default() },
+        );
         assert_eq!((p.cluster, p.grid, p.group_m), (Cluster::ShareA, 128, 1));
         assert_eq!(p.kernel_name(mkDataType_t::mkFloat16), "mk_gemm_f16_bn64_tma_c2a");
         // Odd number of tiles along the shared direction, no such kernel, direct epilogue,
@@ -470,13 +684,14 @@ mod tests {
         assert_eq!(with(384, 8192, 256, Cluster::ShareB).cluster, Cluster::None); // 3 m-blocks
         assert_eq!(with(8192, 8192, 256, Cluster::ShareA).cluster, Cluster::None); // no bn256 c2a kernel
         assert_eq!(
-            plan(8192, 8190, 132, false, PlanOverrides { cluster: Some(Cluster::ShareB), ..Default::default() })
+            plan(8192, 8190, 4096, 132, false, PlanOverrides { cluster: Some(Cluster::ShareB), ..Default::default() })
                 .cluster,
             Cluster::None
         );
         let p = plan(
             256,
             256,
+            4096,
             132,
             true,
             PlanOverrides { max_ctas: Some(1), cluster: Some(Cluster::ShareB), ..Default::default() },
@@ -486,6 +701,7 @@ mod tests {
         let p = plan(
             8192,
             8192,
+            4096,
             132,
             true,
             PlanOverrides { max_ctas: Some(101), cluster: Some(Cluster::ShareB), ..Default::default() },
@@ -499,14 +715,16 @@ mod tests {
     fn the_launch_is_the_plan() {
         let bf16 = mkDataType_t::mkBfloat16;
         let with = |m, n, c: Option<Cluster>, bn: Option<usize>| {
-            plan(m, n, 132, true, PlanOverrides { bn, cluster: c, ..Default::default() })
+            plan(m, n, 4096, 132, true, PlanOverrides { bn, cluster: c, ..Default::default() })
         };
         for (p, clusters, boxes) in [
             (with(8192, 8192, None, None), Clusters::None, (128, 256)),
             (with(128, 8192, None, None), Clusters::None, (128, 64)),
-            (with(8192, 8192, Some(Cluster::ShareB), Some(256)), Clusters::Pairs, (128, 128)),
-            (with(128, 8192, Some(Cluster::ShareA), Some(64)), Clusters::Pairs, (64, 64)),
-            (plan(1, 1, 132, false, PlanOverrides::default()), Clusters::None, (128, 64)),
+            (with(8192, 8192, Some(Cluster::ShareB), Some(256)), Clusters::Of(2), (128, 128)),
+            (with(128, 8192, Some(Cluster::ShareA), Some(64)), Clusters::Of(2), (64, 64)),
+            (plan(1, 1, 8, 132, false, PlanOverrides::default()), Clusters::None, (64, 64)),
+            (plan(128, 8192, 8192, 132, true, PlanOverrides::default()), Clusters::Of(2), (128, 128)),
+            (plan(16, 1024, 8192, 132, true, PlanOverrides::default()), Clusters::Of(4), (64, 64)),
         ] {
             let l = p.kernel_launch(bf16).unwrap();
             assert_eq!(l.kernel, p.kernel(bf16).unwrap());

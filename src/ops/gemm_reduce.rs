@@ -269,14 +269,12 @@ pub fn kernel(dtype: mkDataType_t, bn: usize, bm: usize, early: bool) -> Option<
     })
 }
 
-/// Rows per GEMM tile of the fused kernel: 64 when M fits one such tile (the `_bm64`
-/// kernels: A stages of 64 rows, so a deeper ring of B fits), else the engine's 128.
+/// Rows per GEMM tile of the fused kernel: the engine planner's (`gemm_table::tile_rows`),
+/// 64 when M fits one such tile (the `_bm64` kernels: A stages of 64 rows, so a deeper ring
+/// of B fits), else 128. The reduction walks 128-row blocks, so 64-row tiles serve only
+/// M ≤ 64, where both agree on the one block.
 pub fn tile_rows(m: usize) -> usize {
-    if m <= 64 {
-        64
-    } else {
-        engine::BM
-    }
+    super::gemm_table::tile_rows(m)
 }
 
 /// One GEMM + reduction call as the planner sees it: the op, the sizes, this rank's place,

@@ -1,6 +1,6 @@
 //! The one launch path of the ops. Each op plans in plain Rust (a `*Plan` from the shape,
 //! the [`DeviceCaps`] and the tuning) and hands the result here: the grid cap, the TMA
-//! descriptors, and one [`KernelLaunch`] that runs a planned kernel, singly or in 2-CTA
+//! descriptors, and one [`KernelLaunch`] that runs a planned kernel, singly or in
 //! clusters, and names the op in a failed launch's error.
 
 use crate::comm::Comm;
@@ -151,10 +151,10 @@ fn encode_tiled(
 pub enum Clusters {
     /// Each CTA on its own.
     None,
-    /// Clusters of two CTAs (cluster dims (2,1,1)); the grid is even, and lowered at
-    /// launch to as many pairs as the GPU can hold at once (a persistent grid must be
-    /// co-resident).
-    Pairs,
+    /// Clusters of n CTAs (cluster dims (n,1,1), 2 <= n <= 8); the grid is a multiple of
+    /// n, and lowered at launch to as many clusters as the GPU can hold at once (a
+    /// persistent grid must be co-resident).
+    Of(u32),
 }
 
 /// One planned launch: the entry kernel, a one-dimensional grid and block, and the dynamic
@@ -187,10 +187,10 @@ impl KernelLaunch {
             LaunchConfig { grid: (self.grid, 1, 1), block: (self.block, 1, 1), shared_mem_bytes: self.smem_bytes };
         let launched = match self.clusters {
             Clusters::None => cuda::launch(f, cfg, stream, params),
-            Clusters::Pairs => {
-                let resident = max_active_pairs(f, self.kernel.name, self.block, self.smem_bytes)?;
-                cfg.grid.0 = cfg.grid.0.min(2 * resident as u32).max(2);
-                launch_pairs(f, cfg, stream, params)
+            Clusters::Of(n) => {
+                let resident = max_active_clusters(f, self.kernel.name, self.block, self.smem_bytes, n)?;
+                cfg.grid.0 = cfg.grid.0.min(n * resident as u32).max(n);
+                launch_clusters(f, cfg, n, stream, params)
             }
         };
         launched.map_err(|e| match op {
@@ -200,11 +200,13 @@ impl KernelLaunch {
     }
 }
 
-/// The launch configuration of a 2-CTA cluster kernel (opting in to its dynamic shared
-/// memory first); `attr` receives the cluster dimension the configuration points at.
-fn pairs_config(
+/// The launch configuration of a kernel in clusters of `n` CTAs (opting in to its dynamic
+/// shared memory first, and to a cluster size above the portable 8 never); `attr`
+/// receives the cluster dimension the configuration points at.
+fn clusters_config(
     f: sys::CUfunction,
     cfg: LaunchConfig,
+    n: u32,
     stream: sys::CUstream,
     attr: &mut sys::CUlaunchAttribute,
 ) -> Result<sys::CUlaunchConfig> {
@@ -217,7 +219,7 @@ fn pairs_config(
         )
     })?;
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 2, y: 1, z: 1 };
+    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: n, y: 1, z: 1 };
     Ok(sys::CUlaunchConfig {
         gridDimX: cfg.grid.0,
         gridDimY: 1,
@@ -232,47 +234,46 @@ fn pairs_config(
     })
 }
 
-/// How many 2-CTA clusters of `f` can be resident at once (cached per function, block and
-/// shared memory size).
-fn max_active_pairs(f: sys::CUfunction, name: &str, block: u32, smem: u32) -> Result<usize> {
+/// How many clusters of `n` CTAs of `f` can be resident at once (cached per function,
+/// block, shared memory size and cluster size).
+fn max_active_clusters(f: sys::CUfunction, name: &str, block: u32, smem: u32, n: u32) -> Result<usize> {
     use parking_lot::Mutex;
-    static CACHE: Mutex<Vec<(usize, u32, u32, usize)>> = Mutex::new(Vec::new());
-    if let Some(&(_, _, _, n)) = CACHE.lock().iter().find(|(g, b, s, _)| *g == f as usize && *b == block && *s == smem)
-    {
-        return Ok(n);
+    type Key = (usize, u32, u32, u32);
+    static CACHE: Mutex<Vec<(Key, usize)>> = Mutex::new(Vec::new());
+    let key = (f as usize, block, smem, n);
+    if let Some(&(_, c)) = CACHE.lock().iter().find(|(k, _)| *k == key) {
+        return Ok(c);
     }
-    // SAFETY: an all-zero attribute is valid plain data; it is filled in by pairs_config.
+    // SAFETY: an all-zero attribute is valid plain data; it is filled in by clusters_config.
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    let cfg = LaunchConfig { grid: (2, 1, 1), block: (block, 1, 1), shared_mem_bytes: smem };
-    let lc = pairs_config(f, cfg, std::ptr::null_mut(), &mut attr)?;
-    let mut n: i32 = 0;
+    let cfg = LaunchConfig { grid: (n, 1, 1), block: (block, 1, 1), shared_mem_bytes: smem };
+    let lc = clusters_config(f, cfg, n, std::ptr::null_mut(), &mut attr)?;
+    let mut c: i32 = 0;
     // SAFETY: lc points at attr, alive for the call.
-    cuda::check("cuOccupancyMaxActiveClusters", unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &lc) })?;
-    if n < 1 {
+    cuda::check("cuOccupancyMaxActiveClusters", unsafe { sys::cuOccupancyMaxActiveClusters(&mut c, f, &lc) })?;
+    if c < 1 {
         return Err(MkError::internal(format!(
-            "no 2-CTA cluster of {name} fits on this GPU ({smem} bytes of shared memory)"
+            "no {n}-CTA cluster of {name} fits on this GPU ({smem} bytes of shared memory)"
         )));
     }
-    CACHE.lock().push((f as usize, block, smem, n as usize));
-    Ok(n as usize)
+    CACHE.lock().push((key, c as usize));
+    Ok(c as usize)
 }
 
-/// Launches a kernel with cluster dims (2,1,1).
+/// Launches a kernel with cluster dims (n,1,1).
 ///
 /// # Safety
-/// As for [`cuda::launch`]; `cfg.grid.0` must be even.
-unsafe fn launch_pairs(
+/// As for [`cuda::launch`]; `cfg.grid.0` must be a multiple of `n`.
+unsafe fn launch_clusters(
     f: sys::CUfunction,
     cfg: LaunchConfig,
+    n: u32,
     stream: sys::CUstream,
     params: &mut [*mut c_void],
 ) -> Result<()> {
     let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    let lc = pairs_config(f, cfg, stream, &mut attr)?;
-    cuda::check(
-        "cuLaunchKernelEx (2-CTA clusters)",
-        sys::cuLaunchKernelEx(&lc, f, params.as_mut_ptr(), std::ptr::null_mut()),
-    )
+    let lc = clusters_config(f, cfg, n, stream, &mut attr)?;
+    cuda::check("cuLaunchKernelEx (clusters)", sys::cuLaunchKernelEx(&lc, f, params.as_mut_ptr(), std::ptr::null_mut()))
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ pub mod gemm_ar;
 pub mod gemm_reduce;
 pub mod gemm_reduce_nodes;
 pub mod gemm_rs;
+pub mod gemm_table;
 pub mod hier_collectives;
 pub mod launch;
 pub mod memo;

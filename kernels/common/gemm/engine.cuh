@@ -4,8 +4,10 @@
 //                    128-byte swizzled, into a STAGES-deep ring (full/empty mbarriers);
 //                    warp 1 is the epilogue's courier when the epilogue flags its slabs
 //                    (Epi::kCourier), warps 1-3 (2-3) the AWait hook's side work;
-//   warpgroups 1, 2  consumers: each owns 64 rows of the BM=128 tile, wgmma m64nBNk16 from
-//                    shared memory with one batch in flight, then the epilogue policy.
+//   warpgroups 1, 2  consumers: each owns 64 rows of the BM=128 tile (a BM=64 tile has
+//                    only the first), wgmma m64nBNk16 from shared memory with one batch in
+//                    flight, [split-K: CTA 0 of the cluster folds the others' partials,
+//                    split_k_fold], then the epilogue policy.
 // Compile-time policies make it the core of every fused op:
 //   Sched  tile order (scheduler.cuh: GroupedRaster, RankRotatedRaster);
 //   AWait  hook before a tile's A rows are loaded (hooks.cuh: NoAWait, FlagAWait);
@@ -72,17 +74,30 @@ constexpr int SHARE_NONE = 0, SHARE_A = 1, SHARE_B = 2;
 // PRODUCER_REGS_: registers of the producer warpgroup after setmaxnreg (the consumers get
 // what is left of the 64K, rounded down to a multiple of 8). 40 suits a lone TMA producer;
 // a fused kernel whose hook runs side work in the producer's idle warps takes more.
-// BM_: rows per tile, 128 (two consumer slabs of 64) or 64 for a GEMM of M <= 64 (no
-// cluster): A stages of 64 rows (the A tensor map's box must be {64, 64}), so more stages
-// fit beside the same B tiles; consumer 1 then never has rows and only keeps the stage and
-// epilogue protocol (see `live` below).
-template <typename T_, int BN_, int STAGES_, int SHARE_ = SHARE_NONE, int PRODUCER_REGS_ = 40, int BM_ = 128>
+// BM_: rows per tile, 128 (two consumer slabs of 64) or 64 for small M (no multicast):
+// A stages of 64 rows (the A tensor map's box must be {64, 64}), so more stages fit beside
+// the same B tiles. Consumer 1 then has no rows: with an epilogue that flags its slabs
+// (Epi::kCourier; used at M <= 64 only, where its slab lies past row M) it keeps the stage
+// and epilogue protocol (see `live` below); otherwise it sits out (kIdleConsumer).
+// SPLIT_K_: the CTAs of a cluster (its size is the launch's, 1 to 8, read at run time)
+// compute the same C tile over consecutive K ranges and CTA 0 of the cluster adds the
+// others' fp32 partials to its own, in cluster rank order, before its epilogue: the sum is
+// formed in the same order on every run (split_k_fold). No operand is shared.
+template <typename T_, int BN_, int STAGES_, int SHARE_ = SHARE_NONE, int PRODUCER_REGS_ = 40, int BM_ = 128,
+          bool SPLIT_K_ = false>
 struct GemmConfig {
   using T = T_;
   static constexpr int SHARE = SHARE_;
+  // CTAs per cluster that share an operand by multicast (a split-K cluster's size is the launch's).
   static constexpr int CLUSTER = SHARE_ == SHARE_NONE ? 1 : 2;
   static constexpr int BM = BM_;
   static_assert(BM_ == 128 || (BM_ == 64 && SHARE_ == SHARE_NONE), "BM 64 only without a cluster");
+  static constexpr bool SPLIT_K = SPLIT_K_;
+  static_assert(!SPLIT_K_ || SHARE_ == SHARE_NONE, "a split-K cluster shares no operand");
+  // Split-K: one fp32 slab of 64 x BN per consumer slab of the tile, where the CTA leaves
+  // its partial for CTA 0 of the cluster to read.
+  static constexpr int PART_SLABS = SPLIT_K_ ? BM_ / 64 : 0;
+  static constexpr int PART_BYTES = 64 * BN_ * 4;
   static constexpr int BN = BN_;
   static constexpr int BK = 64;  // 64 x 2 bytes = one 128-byte swizzle row
   static constexpr int STAGES = STAGES_;
@@ -113,11 +128,63 @@ struct RingStages {
   static constexpr int value = fit > 8 ? 8 : fit;
 };
 
+// Split-K's barriers after the mailboxes: per consumer slab, "partials stored" (in CTA 0 of
+// the cluster) and "partial read" (in the others).
+constexpr int kSplitKBarrierBytes = 4 * 8;
+
 // Shared memory the engine needs for a config and epilogue (plus 1024 for alignment slack).
 template <class Cfg, class Epi>
 __host__ __device__ constexpr int engine_smem_bytes() {
   return 1024 + Cfg::STAGES * Cfg::STAGE_BYTES + Cfg::CONSUMERS * Epi::template smem_bytes_per_wg<Cfg::BN>() +
-         2 * Cfg::STAGES * 8 + kMailboxBytes;
+         Cfg::PART_SLABS * Cfg::PART_BYTES + 2 * Cfg::STAGES * 8 + kMailboxBytes +
+         (Cfg::SPLIT_K ? kSplitKBarrierBytes : 0);
+}
+
+// Split-K (Cfg::SPLIT_K), one consumer warpgroup's slab of a tile once its mainloop is
+// done: CTA 0 of the cluster waits until the other CTAs have stored their partials of the
+// slab, adds them to its own accumulators in rank order 1..split-1 into `sum` (a separate
+// array: a non-wgmma write to the accumulators would make ptxas serialise every wgmma)
+// and tells each CTA it has read them; the others wait until CTA 0 has read their previous
+// partial, store this one (fp32, [float4 j][thread]: conflict-free, contiguous per warp)
+// and tell CTA 0. `phase` is the slab's count of tiles so far, mod 2. Returns whether this
+// CTA stores the tile (CTA 0).
+template <class Cfg>
+__device__ __forceinline__ bool split_k_fold(const float (&acc)[Cfg::BN / 2], float (&sum)[Cfg::BN / 2], char* part,
+                                             uint64_t* stored, uint64_t* read, int consumer, int thread,
+                                             uint32_t rank, uint32_t split, uint32_t& phase) {
+  constexpr int VECS = Cfg::BN / 8;  // float4s per thread
+  if (rank == 0) {
+    mbar_wait_cluster(stored, phase);
+#pragma unroll
+    for (int i = 0; i < Cfg::BN / 2; ++i) sum[i] = acc[i];
+    for (uint32_t r = 1; r < split; ++r) {
+      const uint32_t src = cluster_map(part, r) + thread * 16;
+#pragma unroll
+      for (int j = 0; j < VECS; ++j) {
+        const float4 v = ld_shared_cluster_f32x4(src + j * 128 * 16);
+        sum[4 * j] += v.x;
+        sum[4 * j + 1] += v.y;
+        sum[4 * j + 2] += v.z;
+        sum[4 * j + 3] += v.w;
+      }
+    }
+    fence_operands(sum);  // every remote load has returned before the barrier
+    named_barrier_sync(1 + consumer, 128);
+    if (thread == 0)
+      for (uint32_t r = 1; r < split; ++r) mbar_arrive_cluster_release(read, r);
+  } else {
+    mbar_wait_cluster(read, phase ^ 1);  // a fresh barrier: the first wait returns at once
+    const uint32_t dst = smem_addr(part) + thread * 16;
+#pragma unroll
+    for (int j = 0; j < VECS; ++j)
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(dst + j * 128 * 16), "f"(acc[4 * j]),
+                   "f"(acc[4 * j + 1]), "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3])
+                   : "memory");
+    named_barrier_sync(1 + consumer, 128);  // the warpgroup's stores, then thread 0's release
+    if (thread == 0) mbar_arrive_cluster_release(stored, 0);
+  }
+  phase ^= 1;
+  return rank == 0;
 }
 
 struct GemmShape {
@@ -141,11 +208,18 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
   char* smem_b = smem_a + STAGES * Cfg::A_STAGE_BYTES;
   char* smem_c = smem_b + STAGES * Cfg::B_STAGE_BYTES;
   constexpr int C_WG_BYTES = Epi::template smem_bytes_per_wg<BN>();
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem_c + Cfg::CONSUMERS * C_WG_BYTES);
+  char* smem_part = smem_c + Cfg::CONSUMERS * C_WG_BYTES;  // split-K partials (PART_SLABS of them)
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_part + Cfg::PART_SLABS * Cfg::PART_BYTES);
   uint64_t* empty = full + STAGES;
   uint64_t* mailboxes = empty + STAGES;  // the epilogue courier's (kMailboxBytes)
+  uint64_t* part_stored = mailboxes + 2 * kMailboxWords;  // split-K: 2 + 2 barriers
+  uint64_t* part_read = part_stored + 2;
 
   constexpr int CLUSTER = Cfg::CLUSTER, SHARE = Cfg::SHARE;
+  static_assert(!Cfg::SPLIT_K || !Epi::kCourier, "split-K: only CTA 0 of a cluster stores, a courier counts every slab");
+  // A 64-row tile's second consumer has no rows. Unless the epilogue counts its slabs (a
+  // courier), it takes no part at all: no stage waits, no epilogue.
+  constexpr bool kIdleConsumer = BM == 64 && !Epi::kCourier;
   const int wg = threadIdx.x / 128;
   const int tiles_m = (shape.M + BM - 1) / BM;
   const int tiles_n = (shape.N + BN - 1) / BN;
@@ -154,8 +228,13 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
   const int items_n = SHARE == SHARE_A ? (tiles_n + 1) / 2 : tiles_n;
   const int num_items = items_m * items_n;
   const int k_blocks = (shape.K + BK - 1) / BK;
-  const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;
-  const int item0 = cta / CLUSTER, item_step = num_ctas / CLUSTER;
+  // Split-K: the cluster's CTAs take one item together, CTA r its k-blocks [kb0, kb0 + kbs).
+  const uint32_t split = Cfg::SPLIT_K ? cluster_nctarank() : 1;
+  const uint32_t rank = CLUSTER > 1 || Cfg::SPLIT_K ? cluster_ctarank() : 0;
+  const int kb0 = Cfg::SPLIT_K ? (int)((int64_t)rank * k_blocks / split) : 0;
+  const int kbs = Cfg::SPLIT_K ? (int)((int64_t)(rank + 1) * k_blocks / split) - kb0 : k_blocks;
+  const int group = CLUSTER * (int)split;
+  const int item0 = cta / group, item_step = num_ctas / group;
   // C tile of this CTA for a cluster tile.
   auto expand = [&](TileCoord c) {
     if (SHARE == SHARE_A) c.n_block = c.n_block * 2 + (int)rank;
@@ -166,7 +245,14 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], Cfg::CONSUMERS * 4 * CLUSTER);  // one arrival per consumer warp of the cluster
+      // One arrival per consumer warp of the (multicast) cluster.
+      mbar_init(&empty[s], (kIdleConsumer ? 1 : Cfg::CONSUMERS) * 4 * CLUSTER);
+    }
+    if constexpr (Cfg::SPLIT_K) {
+      for (int c = 0; c < Cfg::PART_SLABS; ++c) {
+        if (split > 1) mbar_init(&part_stored[c], split - 1);  // CTA 0's: one arrival per other CTA
+        mbar_init(&part_read[c], 1);                           // the others': CTA 0's arrival
+      }
     }
     for (int c = 0; c < Cfg::CONSUMERS; ++c) {
       mbar_init(&mailboxes[c * kMailboxWords], 1);      // a slab handed to the courier
@@ -174,8 +260,8 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
     }
     fence_mbar_init();
   }
-  if constexpr (CLUSTER > 1) {
-    cluster_sync();  // the peer's barriers exist before anything is multicast into it
+  if constexpr (CLUSTER > 1 || Cfg::SPLIT_K) {
+    cluster_sync();  // the peers' barriers exist before anything is multicast or arrives on them
   } else {
     __syncthreads();
   }
@@ -191,7 +277,7 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
         const TileCoord tc = expand(Sched::tile(sched, t));
         const int m0 = tc.m_block * BM, n0 = tc.n_block * BN;
         AWait::before_a_load(await, tc.m_block, m0, BM);
-        for (int kb = 0; kb < k_blocks; ++kb) {
+        for (int kb = kb0; kb < kb0 + kbs; ++kb) {
           // In a cluster this waits until both CTAs' consumers freed the slot (the peer
           // multicasts into it too).
           mbar_wait(&empty[stage], phase ^ 1);
@@ -234,6 +320,7 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
     int stage = 0;
     uint32_t phase = 0;
     float acc[BN / 2];
+    uint32_t part_phase = 0;
     SlabInfo slab;
     slab.M = shape.M;
     slab.N = shape.N;
@@ -247,15 +334,16 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
         if constexpr (CLUSTER > 1) mbar_arrive_cluster(&empty[s], rank ^ 1);
       }
     };
-    for (int t = item0; t < num_items; t += item_step) {
+    const int my_items = kIdleConsumer && consumer == 1 ? 0 : num_items;
+    for (int t = item0; t < my_items; t += item_step) {
       const TileCoord tc = expand(Sched::tile(sched, t));
       // A slab entirely at or below row M (M <= 64: consumer 1 on every tile; else the
       // last m-block's lower half when M % 128 is in (0, 64]) multiplies only the rows TMA
       // zero-filled: its wgmmas would take the SM's tensor cores (shared by both consumer
       // warpgroups) for nothing -- half the tensor work of a small-M GEMM. Such a
       // warpgroup still waits for every stage to fill and releases it (the empty barrier
-      // counts all 8 consumer warps: an arrival without the wait could be counted in the
-      // wrong phase) and still runs the epilogue, so every epilogue's protocol (slab
+      // counts every consumer warp that takes part: an arrival without the wait could be
+      // counted in the wrong phase) and still runs the epilogue, so every epilogue's protocol (slab
       // flags, the courier's mailbox count) is unchanged. The accumulators it hands over
       // are stale (the previous tile's, or never written) instead of the zeros the wgmmas
       // would have made: every row of the slab is >= M, which every epilogue clips (TMA:
@@ -273,7 +361,7 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
         live = consumer * 64 < BM && tc.m_block * BM + consumer * 64 < shape.M;
       if (live) {
         int prev = -1;
-        for (int kb = 0; kb < k_blocks; ++kb) {
+        for (int kb = 0; kb < kbs; ++kb) {
           mbar_wait(&full[stage], phase);
           const char* a = smem_a + stage * Cfg::A_STAGE_BYTES + consumer * (64 * BK * 2);
           const char* b = smem_b + stage * Cfg::B_STAGE_BYTES;
@@ -296,7 +384,7 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
         fence_operands(acc);
         release(prev);
       } else {
-        for (int kb = 0; kb < k_blocks; ++kb) {
+        for (int kb = 0; kb < kbs; ++kb) {
           mbar_wait(&full[stage], phase);
           release(stage);
           if (++stage == STAGES) {
@@ -308,6 +396,17 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
       slab.tile = tc;
       slab.row0 = tc.m_block * BM + consumer * 64;
       slab.col0 = tc.n_block * BN;
+      if constexpr (Cfg::SPLIT_K) {
+        // A slab of the tile (the other consumer of a 64-row tile sits out); split 1: a
+        // launch without clusters, nothing to fold.
+        if (split > 1) {
+          float sum[BN / 2];
+          if (split_k_fold<Cfg>(acc, sum, smem_part + consumer * Cfg::PART_BYTES, &part_stored[consumer],
+                                &part_read[consumer], consumer, thread, rank, split, part_phase))
+            Epi::template store<T, BN>(epi, sum, slab);
+          continue;
+        }
+      }
       Epi::template store<T, BN>(epi, acc, slab);
     }
     Epi::finish(epi, slab);
@@ -316,8 +415,9 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
   // courier, a consumer's thread 0 in the epilogue), and a fused kernel may follow with
   // warp-collective .aligned instructions (setmaxnreg, bar.sync), undefined on a diverged warp.
   __syncwarp();
-  // No CTA may exit while its peer can still multicast into it or arrive on its barriers.
-  if constexpr (CLUSTER > 1) cluster_sync();
+  // No CTA may exit while its peer can still multicast into it, arrive on its barriers or
+  // (split-K) read its partials.
+  if constexpr (CLUSTER > 1 || Cfg::SPLIT_K) cluster_sync();
 }
 
 // After gemm_persistent, in every thread of the CTA: gives each warpgroup the launch's

@@ -174,6 +174,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let gemm_plan = engine::plan(
                 m,
                 nn,
+                kk,
                 sms_cap,
                 gemm_args.tma_epilogue_ok(),
                 engine::PlanOverrides { max_ctas: Some(sms_cap), ..Default::default() },

@@ -168,6 +168,7 @@ fn rank_main(
             let plan = engine::plan(
                 m,
                 nn,
+                kk,
                 cap,
                 gemm_args.tma_epilogue_ok(),
                 engine::PlanOverrides { max_ctas: Some(cap), ..Default::default() },

@@ -198,6 +198,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                     let p = engine::plan(
                         x.rows,
                         n_out,
+                        k_in,
                         grid,
                         a.tma_epilogue_ok(),
                         engine::PlanOverrides { max_ctas: Some(grid), ..Default::default() },

@@ -1,15 +1,20 @@
 //! mkGemm on the GPU: float64 CPU reference on small and awkward shapes, cuBLASLt (fp32
 //! output, with Σ|a·b| from cuBLASLt on |A|, |B| for the bound) on large ones, element by
 //! element (testing::Rule; the cuBLASLt reference's own accumulation error is allowed for
-//! too), both dtypes, every tile width and both epilogues, fresh random inputs,
-//! NaN-poisoned outputs and guard bands checked for every check; then the public entry point mkGemm
-//! (argument errors, a real call) and mkGemm captured in a CUDA graph and replayed.
+//! too), both dtypes, every tile width, both tile heights (128, 64), split-K over 2 and 4
+//! CTAs (on the whole GPU and on 5 CTAs, where each cluster takes many tiles), both
+//! epilogues, fresh random inputs, NaN-poisoned outputs and guard bands checked for every
+//! check; then the decode shapes (M 1..256 against the (N, K) of a large model's
+//! projections) with a float64 reference on sampled rows, each planned, forced split and
+//! unsplit, and the planned call repeated and rerun on half the SMs, bit for bit the same;
+//! then the public entry point mkGemm (argument errors, a real call) and mkGemm captured in
+//! a CUDA graph and replayed.
 
 use crate::outcome::{self, Outcome};
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError};
-use mkernel::ops::gemm::{self, Cluster, GemmArgs, PlanOverrides, TILE_WIDTHS};
+use mkernel::ops::gemm::{self, Cluster, GemmArgs, PlanOverrides, TILE_ROWS, TILE_WIDTHS};
 use mkernel::testing::{check_close, gemm_reference, tolerance, Rule, TestBuffer, Verdict};
 use mkernel::types::mkDataType_t;
 use std::ffi::c_void;
@@ -88,6 +93,128 @@ pub(crate) fn verify(c: &TestBuffer, reference: &Reference) -> mkernel::Result<(
     ))
 }
 
+/// Decode-sized rows (M) against the (N, K) of a large model's projections: the shapes
+/// `mkbench gemm` times beside cuBLASLt (its SMALL_M table).
+const DECODE_M: [usize; 5] = [1, 16, 64, 128, 256];
+const DECODE_NK: [(usize, usize); 3] = [(8192, 8192), (28672, 8192), (8192, 28672)];
+
+/// Float64 reference of the given rows of C = A·Bᵀ (row after row, every column), each row
+/// on its own thread.
+fn sampled_reference(a: &[f64], b: &[f64], rows: &[usize], n: usize, k: usize, dtype: mkDataType_t) -> Reference {
+    let per_row: Vec<(Vec<f64>, Vec<f64>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> =
+            rows.iter().map(|&r| scope.spawn(move || gemm_reference(&a[r * k..(r + 1) * k], b, 1, n, k))).collect();
+        handles.into_iter().map(|h| h.join().expect("reference thread")).collect()
+    });
+    let rule = Rule::reduction(dtype, k);
+    let mut value = Vec::with_capacity(rows.len() * n);
+    let mut bound = Vec::with_capacity(rows.len() * n);
+    for (v, mag) in per_row {
+        bound.extend(v.iter().zip(&mag).map(|(&r, &g)| rule.bound(r, g)));
+        value.extend(v);
+    }
+    Reference { value, bound }
+}
+
+/// The decode shapes (bf16): A fresh per shape, B per (N, K); C poisoned before every
+/// call. Each shape runs its planned kernel and a forced alternative (split over 2 CTAs if
+/// the plan does not split, else unsplit), checked on sampled rows (the first, the last and
+/// two random ones: every n-block and the whole of K) against float64, with every element
+/// of C finite and its guard bands intact; the planned call is then repeated, and rerun
+/// with half the SMs (another grid, the same tiles and K split), and both must match the
+/// first bit for bit. Returns (checks, failures).
+fn decode_shapes(sms: usize, seed: &mut u64) -> mkernel::Result<(usize, usize)> {
+    let s = std::ptr::null_mut();
+    let dtype = mkDataType_t::mkBfloat16;
+    let (mut checks, mut failures) = (0usize, 0usize);
+    for (n, k) in DECODE_NK {
+        let b = TestBuffer::new(n * k, dtype)?;
+        *seed += 1;
+        b.randomize(*seed, 1.0, s)?;
+        sync()?;
+        let b64 = b.download_f64()?;
+        for m in DECODE_M {
+            let a = TestBuffer::new(m * k, dtype)?;
+            let c = TestBuffer::new(m * n, dtype)?;
+            *seed += 1;
+            a.randomize(*seed, 1.0, s)?;
+            sync()?;
+            let a64 = a.download_f64()?;
+            let mut rows = vec![0, m - 1];
+            if m > 2 {
+                rows.push(1 + (*seed as usize) % (m - 2));
+                rows.push(1 + (seed.wrapping_mul(0x9e37_79b9) as usize >> 7) % (m - 2));
+            }
+            rows.sort_unstable();
+            rows.dedup();
+            let reference = sampled_reference(&a64, &b64, &rows, n, k, dtype);
+            let args = GemmArgs { a: a.ptr(), b: b.ptr(), c: c.ptr(), m, n, k, dtype };
+            let planned = gemm::plan(m, n, k, sms, args.tma_epilogue_ok(), PlanOverrides::default());
+            let other = PlanOverrides {
+                bn: Some(planned.bn.min(128)),
+                split_k: Some(if planned.split_k > 1 { 1 } else { 2 }),
+                ..Default::default()
+            };
+            let forced = gemm::plan(m, n, k, sms, args.tma_epilogue_ok(), other);
+            let half = gemm::plan(
+                m,
+                n,
+                k,
+                sms,
+                args.tma_epilogue_ok(),
+                PlanOverrides {
+                    bm: Some(planned.bm),
+                    bn: Some(planned.bn),
+                    split_k: Some(planned.split_k),
+                    max_ctas: Some(sms / 2),
+                    ..Default::default()
+                },
+            );
+            let run = |plan: &gemm::GemmPlan| -> mkernel::Result<Vec<u8>> {
+                c.poison(s)?;
+                gemm::launch(&args, plan, s).map_err(|e| e.context(format!("M {m} N {n} K {k} {plan:?}")))?;
+                sync().map_err(|e| e.context(format!("M {m} N {n} K {k} {plan:?}")))?;
+                c.download()
+            };
+            let mut first: Option<Vec<u8>> = None;
+            for (what, plan) in [("planned", planned), ("forced", forced)] {
+                let bytes = run(&plan)?;
+                let all = mkernel::testing::to_f64(&bytes, dtype);
+                let nonfinite = all.iter().filter(|v| !v.is_finite()).count();
+                let sampled: Vec<f64> = rows.iter().flat_map(|&r| all[r * n..(r + 1) * n].iter().copied()).collect();
+                let verdict = check_close(&sampled, &reference.value, &reference.bound, tolerance(dtype));
+                let guards = c.guards_intact()?;
+                let ok = verdict.passed() && nonfinite == 0 && guards.is_none();
+                checks += 1;
+                failures += usize::from(!ok);
+                println!(
+                    "  decode gemm {m:>4}x{n:>5}x{k:>5} bf16 {what:<7} {} ctas {:>3}, rows {rows:?}: {verdict}, {nonfinite} non-finite{} -> {}",
+                    plan.tile().describe(),
+                    plan.grid,
+                    guards.map_or(String::new(), |w| format!("; GUARD {w}")),
+                    if ok { "ok" } else { "WRONG" }
+                );
+                if what == "planned" {
+                    first = Some(bytes);
+                }
+            }
+            let first = first.expect("the planned run");
+            for (what, plan) in [("repeated", planned), ("half the SMs", half)] {
+                let same = run(&plan)? == first;
+                checks += 1;
+                failures += usize::from(!same);
+                println!(
+                    "  decode gemm {m:>4}x{n:>5}x{k:>5} bf16 {what}: {} ctas {:>3} -> {}",
+                    plan.tile().describe(),
+                    plan.grid,
+                    if same { "bitwise identical" } else { "DIFFERS (not deterministic)" }
+                );
+            }
+        }
+    }
+    Ok((checks, failures))
+}
+
 struct Case {
     m: usize,
     n: usize,
@@ -139,55 +266,80 @@ pub fn run() -> mkernel::Result<Outcome> {
             let reference =
                 if is_large { cublas_reference(&lt, &a, &b, m, n, k)? } else { cpu_reference(&a, &b, m, n, k)? };
             let args = GemmArgs { a: a.ptr(), b: b.ptr(), c: c.ptr(), m, n, k, dtype };
-            for bn in TILE_WIDTHS {
-                for cluster in [Cluster::None, Cluster::ShareA, Cluster::ShareB] {
-                    for ctas in [sms, 5] {
-                        for force_direct in [false, true] {
-                            if force_direct && (ctas != sms || !args.tma_epilogue_ok() || cluster != Cluster::None) {
-                                continue;
+            let mut variants = Vec::new();
+            for bm in TILE_ROWS {
+                for bn in TILE_WIDTHS {
+                    for cluster in [Cluster::None, Cluster::ShareA, Cluster::ShareB] {
+                        for split_k in [1, 2, 4] {
+                            for ctas in [sms, 5] {
+                                for force_direct in [false, true] {
+                                    variants.push((bm, bn, cluster, split_k, ctas, force_direct));
+                                }
                             }
-                            let tma_ok = args.tma_epilogue_ok() && !force_direct;
-                            let o = PlanOverrides {
-                                bn: Some(bn),
-                                group_m: None,
-                                max_ctas: Some(ctas),
-                                cluster: Some(cluster),
-                            };
-                            let plan = gemm::plan(m, n, sms, tma_ok, o);
-                            if plan.cluster != cluster {
-                                // No such kernel, or an odd tile count: covered by Cluster::None
-                                // (counted and printed; the suite's floor bounds how many skip).
-                                not_planned += 1;
-                                continue;
-                            }
-                            c.poison(s)?;
-                            gemm::launch(&args, &plan, s)
-                                .map_err(|e| e.context(format!("{} {m}x{n}x{k} {plan:?}", dtype.name())))?;
-                            sync().map_err(|e| e.context(format!("{} {m}x{n}x{k} {plan:?}", dtype.name())))?;
-                            let (ok, detail) = verify(&c, &reference)?;
-                            checks += 1;
-                            if !ok {
-                                failures += 1;
-                            }
-                            println!(
-                                "  {} gemm {:>5}x{:>5}x{:>5} {:>8} bn{:<3} {:?} {:?} ctas {:>3}: {detail} -> {}",
-                                if is_large { "cublas" } else { "cpu64 " },
-                                m,
-                                n,
-                                k,
-                                dtype.name(),
-                                bn,
-                                plan.epilogue,
-                                plan.cluster,
-                                plan.grid,
-                                if ok { "ok" } else { "WRONG" }
-                            );
                         }
                     }
                 }
             }
+            for (bm, bn, cluster, split_k, ctas, force_direct) in variants {
+                let multicast = cluster != Cluster::None;
+                if multicast && (bm != gemm::BM || split_k > 1) {
+                    continue; // never built
+                }
+                if force_direct && (ctas != sms || !args.tma_epilogue_ok() || multicast || split_k > 1) {
+                    continue;
+                }
+                // The large shapes take the 64-row and split variants on the whole GPU only.
+                if is_large && (bm != gemm::BM || split_k > 1) && (ctas != sms || split_k > 2) {
+                    continue;
+                }
+                let tma_ok = args.tma_epilogue_ok() && !force_direct;
+                let o = PlanOverrides {
+                    bm: Some(bm),
+                    bn: Some(bn),
+                    split_k: Some(split_k),
+                    group_m: None,
+                    max_ctas: Some(ctas),
+                    cluster: Some(cluster),
+                };
+                let plan = gemm::plan(m, n, k, sms, tma_ok, o);
+                if plan.cluster != cluster || plan.split_k != split_k {
+                    // No such kernel, an odd tile count, or too few K blocks: covered by
+                    // the variants without (counted and printed; the suite's floor bounds
+                    // how many skip).
+                    not_planned += 1;
+                    continue;
+                }
+                c.poison(s)?;
+                gemm::launch(&args, &plan, s)
+                    .map_err(|e| e.context(format!("{} {m}x{n}x{k} {plan:?}", dtype.name())))?;
+                sync().map_err(|e| e.context(format!("{} {m}x{n}x{k} {plan:?}", dtype.name())))?;
+                let (ok, detail) = verify(&c, &reference)?;
+                checks += 1;
+                if !ok {
+                    failures += 1;
+                }
+                println!(
+                    "  {} gemm {:>5}x{:>5}x{:>5} {:>8} bm{:<3} bn{:<3} split{} {:?} {:?} ctas {:>3}: {detail} -> {}",
+                    if is_large { "cublas" } else { "cpu64 " },
+                    m,
+                    n,
+                    k,
+                    dtype.name(),
+                    plan.bm,
+                    bn,
+                    plan.split_k,
+                    plan.epilogue,
+                    plan.cluster,
+                    plan.grid,
+                    if ok { "ok" } else { "WRONG" }
+                );
+            }
         }
     }
+
+    let (c2, f2) = decode_shapes(sms, &mut seed)?;
+    checks += c2;
+    failures += f2;
 
     // The public entry point: a real call through mkGemm, then argument errors.
     for dtype in DTYPES {
@@ -240,8 +392,8 @@ pub fn run() -> mkernel::Result<Outcome> {
 
     // mkGemm inside a CUDA graph (stream capture on a non-default stream), replayed twice
     // with the inputs changed in between: the graph must recompute, not replay stale data.
-    for dtype in DTYPES {
-        let (m, n, k) = (512, 1024, 512);
+    // The second shape plans split-K (a cluster launch, 64-row tiles) on an H100 or H200.
+    for (dtype, (m, n, k)) in DTYPES.iter().flat_map(|&d| [(d, (512, 1024, 512)), (d, (64, 1024, 4096))]) {
         let a = TestBuffer::new(m * k, dtype)?;
         let b = TestBuffer::new(n * k, dtype)?;
         let c = TestBuffer::new(m * n, dtype)?;
@@ -295,15 +447,16 @@ pub fn run() -> mkernel::Result<Outcome> {
         checks += 1;
         failures += usize::from(!ok);
         println!(
-            "  mkGemm in a CUDA graph {m}x{n}x{k} {}: {r:?}, 2 replays: {} -> {}",
+            "  mkGemm in a CUDA graph {m}x{n}x{k} {} ({}): {r:?}, 2 replays: {} -> {}",
             dtype.name(),
+            gemm::plan(m, n, k, sms, true, PlanOverrides::default()).tile().describe(),
             details.join(" | "),
             if ok { "ok" } else { "WRONG" }
         );
     }
 
     outcome::count(checks);
-    println!("  gemm: {checks} checks, {failures} failed; {not_planned} (tile width, cluster) variants not planned for their shape");
+    println!("  gemm: {checks} checks, {failures} failed; {not_planned} (tile, split, cluster) variants not planned for their shape");
     if failures > 0 {
         return Err(MkError::internal(format!("{failures} of {checks} GEMM checks failed")));
     }
