@@ -487,23 +487,34 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
+/// One query row of the check: q, dout, delta = dout · out, and the forward's lse.
+struct Query {
+    q: Vec<f64>,
+    dout: Vec<f64>,
+    delta: f64,
+    lse: f64,
+}
+
 impl Inputs<'_> {
-    /// P, and dS = P(dP − delta), of query (rank `qr`, local `i`, head `h`) against key
-    /// (rank `kr`, local `j`) in float64, from the forward's lse and out (the header's
-    /// definition); also the query's q and dout rows.
-    fn p_ds(&self, s: &RingShape, scale: f64, (qr, i, h): (usize, usize, usize), k: &[f64], v: &[f64]) -> (f64, f64) {
-        let (q, g) = (self.q.row(qr, i, h), self.dout.row(qr, i, h));
-        let delta = dot(&g, &self.out.row(qr, i, h));
-        let lse = self.lse[(qr * s.heads + h) * s.seq_local + i] as f64;
-        let p = (scale * dot(&q, k) - lse).exp();
-        (p, p * (dot(&g, v) - delta))
+    fn query(&self, s: &RingShape, rank: usize, i: usize, h: usize) -> Query {
+        let (q, dout) = (self.q.row(rank, i, h), self.dout.row(rank, i, h));
+        let delta = dot(&dout, &self.out.row(rank, i, h));
+        Query { q, dout, delta, lse: self.lse[(rank * s.heads + h) * s.seq_local + i] as f64 }
     }
+}
+
+/// P and dS = P(dP − delta) of a query against key row `k`, value row `v`, in float64, from
+/// the forward's lse and out (the header's definition).
+fn p_ds(scale: f64, x: &Query, k: &[f64], v: &[f64]) -> (f64, f64) {
+    let p = (scale * dot(&x.q, k) - x.lse).exp();
+    (p, p * (dot(&x.dout, v) - x.delta))
 }
 
 /// dq of local query `i` of head `h` on `rank`, in float64: scale · Σ dS · k over every
 /// visible key of every rank.
 fn dq_row(s: &RingShape, scale: f64, x: &Inputs, rank: usize, i: usize, h: usize) -> Vec<f64> {
     let hk = h / (s.heads / s.kv_heads);
+    let query = x.query(s, rank, i, h);
     let mut dq = vec![0.0; s.head_dim];
     for src in 0..s.nranks {
         for j in 0..s.seq_local {
@@ -511,7 +522,7 @@ fn dq_row(s: &RingShape, scale: f64, x: &Inputs, rank: usize, i: usize, h: usize
                 continue;
             }
             let k = x.k.row(src, j, hk);
-            let (_, ds) = x.p_ds(s, scale, (rank, i, h), &k, &x.v.row(src, j, hk));
+            let (_, ds) = p_ds(scale, &query, &k, &x.v.row(src, j, hk));
             for (d, kc) in dq.iter_mut().zip(&k) {
                 *d += scale * ds * kc;
             }
@@ -532,11 +543,11 @@ fn dkdv_row(s: &RingShape, scale: f64, x: &Inputs, rank: usize, j: usize, hk: us
                 continue;
             }
             for h in hk * group..(hk + 1) * group {
-                let (p, ds) = x.p_ds(s, scale, (qr, i, h), &k, &v);
-                let (q, g) = (x.q.row(qr, i, h), x.dout.row(qr, i, h));
+                let query = x.query(s, qr, i, h);
+                let (p, ds) = p_ds(scale, &query, &k, &v);
                 for c in 0..s.head_dim {
-                    dk[c] += scale * ds * q[c];
-                    dv[c] += p * g[c];
+                    dk[c] += scale * ds * query.q[c];
+                    dv[c] += p * query.dout[c];
                 }
             }
         }
