@@ -1,9 +1,22 @@
-"""Single-GPU attention baseline for `mkbench ring_attn`: torch scaled_dot_product_attention
-with the cuDNN and the FlashAttention-2 backends, forward, bf16, B=1 H=32 D=128, random
-inputs in [-1, 1). TFLOP/s = 4·B·H·S²·D / t (half of it causal).
+"""Single-GPU attention baseline for `mkbench ring_attn` and `mkbench ring_attn_bwd`: torch
+scaled_dot_product_attention with the cuDNN and the FlashAttention-2 backends, bf16, B=1,
+H=32 D=128 by default, random inputs in [-1, 1). Forward TFLOP/s = 4·B·H·S²·D / t (half of
+it causal).
 
     python3 benches/sdpa_baseline.py [S ...] [--causal 0,1] [--backends cudnn,flash]
+                                     [--heads 32] [--kv-heads 32] [--dim 128] [--backward]
                                      [-w 3] [-n 10] [--blocks 5] [--rest-ms 0] [--json PATH]
+
+--backward times, per backend, the backward alone (`torch.autograd.grad` of a forward kept
+with its graph, dout random in [-1, 1)) and the forward + backward, as training runs them;
+the backend is chosen for the forward, and autograd runs that backend's backward. FLOPs by
+FlashAttention's convention: the backward 2.5 × the forward's, forward + backward 3.5 ×.
+Its record is bench "sdpa_baseline_bwd", rows keyed as `mkbench ring_attn_bwd`'s one-rank
+rows (ranks, seq, seq_per_rank, heads, kv_heads, dim, causal), contenders
+sdpa_<backend>_backward and sdpa_<backend>_forward+backward. --kv-heads below --heads
+(grouped-query attention, torch's enable_gqa) needs --backward. A backend that refuses a
+case (not built in, or not for this shape or GPU) is recorded with a null time and its
+error printed.
 
 The protocol is mkbench's (docs/benchmarks.md): per case, -w warm-up calls per backend,
 then --blocks blocks in which every backend, in an order rotated by one per block, makes -n
@@ -87,27 +100,35 @@ def commit():
     return "unknown"
 
 
-def row(seq, causal, results):
-    """One case: `results` maps a backend to (GPU µs samples, host µs samples), or to None
-    where the backend refused the case."""
+def row(seq, causal, results, heads=H, dim=D, kv_heads=None):
+    """One case: `results` maps a contender (a backend, or `<backend>_backward` and
+    `<backend>_forward+backward`) to (GPU µs samples, host µs samples), or to None where the
+    backend refused the case. The shape is `mkbench ring_attn`'s one-rank rows', and with
+    `kv_heads` `mkbench ring_attn_bwd`'s."""
     contenders = []
-    for backend, r in results.items():
+    for key, r in results.items():
         if r is None:
-            contenders.append({"name": f"sdpa_{backend}", "median_us": None})
+            contenders.append({"name": f"sdpa_{key}", "median_us": None})
             continue
         gpu, host = r
-        contenders.append({"name": f"sdpa_{backend}", **stats(gpu), "host_enqueue_us": stats(host)["median_us"]})
-    shape = {"ranks": 1, "seq": seq, "seq_per_rank": seq, "heads": H, "dim": D, "causal": int(causal)}
+        contenders.append({"name": f"sdpa_{key}", **stats(gpu), "host_enqueue_us": stats(host)["median_us"]})
+    shape = {"ranks": 1, "seq": seq, "seq_per_rank": seq, "heads": heads, "dim": dim, "causal": int(causal)}
+    if kv_heads is not None:
+        shape["kv_heads"] = kv_heads
     return {"shape": shape, "contenders": contenders}
 
 
-def record(ok, config, rows, torch_version=None):
-    """The whole record (docs/benchmarks.md)."""
+def record(ok, config, rows, torch_version=None, backward=False):
+    """The whole record (docs/benchmarks.md): bench "sdpa_baseline", or with `backward`
+    "sdpa_baseline_bwd"."""
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     cfg = {"batch": B, "layout": "torch SDPA [B, H, S, D]; mkbench ring_attn takes [S, H, D]", **config}
+    if backward:
+        cfg["flops"] = "backward 2.5 x and forward+backward 3.5 x the forward's 4*B*H*S^2*D, half when causal"
     if torch_version:
         cfg["torch"] = torch_version
-    return {"schema": SCHEMA, "bench": "sdpa_baseline", "ok": ok, "command": list(sys.argv), "commit": commit(),
+    bench = "sdpa_baseline_bwd" if backward else "sdpa_baseline"
+    return {"schema": SCHEMA, "bench": bench, "ok": ok, "command": list(sys.argv), "commit": commit(),
             "date": date, "machine": machine(), "config": cfg, "rows": rows}
 
 
@@ -116,6 +137,10 @@ def main():
     ap.add_argument("seqs", nargs="*", type=int, default=[8192, 16384, 32768])
     ap.add_argument("--causal", default="0,1", help="cases in this order, comma-separated")
     ap.add_argument("--backends", default="cudnn,flash")
+    ap.add_argument("--heads", type=int, default=H)
+    ap.add_argument("--kv-heads", type=int, help="K/V heads (default: --heads); fewer needs --backward")
+    ap.add_argument("--dim", type=int, default=D)
+    ap.add_argument("--backward", action="store_true", help="time the backward and the forward + backward")
     ap.add_argument("-w", dest="warmup", type=int, default=3)
     ap.add_argument("-n", dest="iters", type=int, default=10)
     ap.add_argument("--blocks", type=int, default=5)
@@ -124,6 +149,11 @@ def main():
     args = ap.parse_args()
     if args.iters < 1 or args.blocks < 1:
         ap.error("need -n >= 1 and --blocks >= 1")
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    if kv_heads < 1 or args.heads % kv_heads:
+        ap.error(f"--kv-heads {kv_heads} must divide --heads {args.heads}")
+    if kv_heads != args.heads and not args.backward:
+        ap.error("--kv-heads below --heads needs --backward (mkbench ring_attn's rows have no kv_heads)")
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -134,58 +164,89 @@ def main():
     unknown = [b for b in names if b not in known]
     if unknown:
         ap.error(f"unknown backend(s) {unknown}: cudnn, flash")
-    print(f"# torch {torch.__version__} SDPA forward bf16 B={B} H={H} D={D}, warm-up {args.warmup} then "
-          f"{args.blocks} interleaved blocks of {args.iters} calls (median), rest {args.rest_ms} ms")
-    print(f"# {'S':>6} {'causal':>6} | {'backend':>8} {'ms':>8} {'TF/s':>7} {'p10 ms':>8} {'p90 ms':>8} {'host us':>8}")
+    heads, dim = args.heads, args.dim
+    what = "forward and backward" if args.backward else "forward"
+    print(f"# torch {torch.__version__} SDPA {what} bf16 B={B} H={heads} H_kv={kv_heads} D={dim}, warm-up "
+          f"{args.warmup} then {args.blocks} interleaved blocks of {args.iters} calls (median), rest {args.rest_ms} ms")
+    if args.backward:
+        print("# TF/s: backward 2.5 x, forward+backward 3.5 x the forward's 4·B·H·S²·D, half when causal")
+    print(f"# {'S':>6} {'causal':>6} | {'contender':>22} {'ms':>8} {'TF/s':>7} {'p10 ms':>8} {'p90 ms':>8} {'host us':>8}")
     rows = []
     for causal in (c == "1" for c in args.causal.split(",")):
         for S in args.seqs:
-            q, k, v = (torch.rand(B, H, S, D, device="cuda", dtype=torch.bfloat16) * 2 - 1 for _ in range(3))
+            def rand(h, grad=False):
+                x = torch.rand(B, h, S, dim, device="cuda", dtype=torch.bfloat16) * 2 - 1
+                return x.requires_grad_(grad)
+
+            q, k, v = rand(heads, args.backward), rand(kv_heads, args.backward), rand(kv_heads, args.backward)
+            gqa = {"enable_gqa": True} if kv_heads != heads else {}
+
+            def forward(name):
+                with sdpa_kernel(known[name]):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
+
+            # Per contender: its call, and the factor of the forward's FLOPs it does.
+            calls = {}
+            for name in names:
+                if not args.backward:
+                    calls[name] = ((lambda name=name: forward(name)), 1.0)
+                    continue
+                dout = rand(heads)
+                kept = {}
+
+                def backward(name=name, dout=dout, kept=kept):
+                    # The forward kept with its graph (made at the warm-up), as autograd keeps it.
+                    if name not in kept:
+                        kept[name] = forward(name)
+                    torch.autograd.grad(kept[name], (q, k, v), dout, retain_graph=True)
+
+                def forward_backward(name=name, dout=dout):
+                    torch.autograd.grad(forward(name), (q, k, v), dout)
+
+                calls[f"{name}_backward"] = (backward, 2.5)
+                calls[f"{name}_forward+backward"] = (forward_backward, 3.5)
             if args.rest_ms > 0:
                 torch.cuda.synchronize()
                 time.sleep(args.rest_ms / 1000)
-
-            def call(name):
-                with sdpa_kernel(known[name]):
-                    F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
             results, usable = {}, []
-            for name in names:
+            for key, (call, _) in calls.items():
                 try:
                     for _ in range(args.warmup):
-                        call(name)
+                        call()
                     torch.cuda.synchronize()
-                    usable.append(name)
-                    results[name] = ([], [])
+                    usable.append(key)
+                    results[key] = ([], [])
                 except Exception as e:  # a backend that does not take this shape
-                    results[name] = None
-                    print(f"  {S:>6} {int(causal):>6} | {name:>8} unavailable: {type(e).__name__}: {e}")
+                    results[key] = None
+                    print(f"  {S:>6} {int(causal):>6} | {key:>22} unavailable: {type(e).__name__}: {e}")
             for block in range(args.blocks):
                 for i in range(len(usable)):
-                    name = usable[(i + block) % len(usable)]
+                    key = usable[(i + block) % len(usable)]
+                    call = calls[key][0]
                     pairs = []
                     for _ in range(args.iters):
                         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         a.record()
                         t = time.perf_counter()
-                        call(name)
-                        results[name][1].append((time.perf_counter() - t) * 1e6)
+                        call()
+                        results[key][1].append((time.perf_counter() - t) * 1e6)
                         b.record()
                         pairs.append((a, b))
                     torch.cuda.synchronize()
-                    results[name][0].extend(a.elapsed_time(b) * 1e3 for a, b in pairs)
-            flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-            for name in usable:
-                s = stats(results[name][0])
+                    results[key][0].extend(a.elapsed_time(b) * 1e3 for a, b in pairs)
+            flops = 4 * B * heads * S * S * dim * (0.5 if causal else 1.0)
+            for key in usable:
+                s = stats(results[key][0])
                 ms = s["median_us"] / 1e3
-                print(f"  {S:>6} {int(causal):>6} | {name:>8} {ms:>8.3f} {flops / ms / 1e9:>7.1f} "
-                      f"{s['p10_us'] / 1e3:>8.3f} {s['p90_us'] / 1e3:>8.3f} {stats(results[name][1])['median_us']:>8.1f}")
-            rows.append(row(S, causal, results))
+                print(f"  {S:>6} {int(causal):>6} | {key:>22} {ms:>8.3f} {calls[key][1] * flops / ms / 1e9:>7.1f} "
+                      f"{s['p10_us'] / 1e3:>8.3f} {s['p90_us'] / 1e3:>8.3f} {stats(results[key][1])['median_us']:>8.1f}")
+            rows.append(row(S, causal, results, heads, dim, kv_heads if args.backward else None))
+            del q, k, v, calls
     if args.json:
         config = {"warmup": args.warmup, "blocks": args.blocks, "iters": args.iters, "rest_ms": args.rest_ms,
                   "backends": names}
         with open(args.json, "w") as f:
-            json.dump(record(True, config, rows, torch.__version__), f)
+            json.dump(record(True, config, rows, torch.__version__, args.backward), f)
             f.write("\n")
     return 0
 

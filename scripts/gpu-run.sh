@@ -10,7 +10,8 @@
 # and, with one rank, the GEMM engine — then the soak (mktest soak: every op in a random
 # order with random shapes, 4 ranks under MPS, for --soak-seconds), then the benches:
 # collectives (float, and the reductions in every dtype), `mkbench gemm`, and the fused ops
-# beside their unfused sequences (torch SDPA's record beside ring attention's); writes logs
+# beside their unfused sequences (torch SDPA's records beside ring attention's forward and
+# backward); writes logs
 # under $OUT (at most 8 files), and stops MPS.
 # Then the collectives and the dense fused ops across emulated nodes (mktest nodes: 4 ranks,
 # MK_RANKS_PER_NODE=2, MK_NET=socket; its killed-node test without MPS), logged to
@@ -329,12 +330,15 @@ if [ "$BENCH" = 1 ]; then
   # where every rank's GEMM shares the one GPU), in mkbench's default protocol (5
   # interleaved blocks of 20 calls; ring attention's long cases 5 blocks of 5).
   for n in ${BENCH_RANKS:-$RANKS}; do
-    for op in ag_gemm gemm_rs gemm_ar moe ring_attn; do
-      args="-g $n"
-      # One rank: against cuDNN (below) by the same protocol, the fused op alone (the unfused
-      # columns equal it there), causal first, each case after 1 s idle: the H200 lowers its
-      # clocks under sustained attention, so a case measured after long ones reads slower.
+    for op in ag_gemm gemm_rs gemm_ar moe ring_attn ring_attn_bwd; do
+      args="-g $n"; secs=200
+      # One rank: against torch SDPA (below) by the same protocol, causal first, each case
+      # after 1 s idle: the H200 lowers its clocks under sustained attention, so a case
+      # measured after long ones reads slower. The forward alone (its unfused columns equal
+      # it there); the backward and forward + backward, S 8K to 32K (a float64 check of
+      # sampled rows on the host before each case).
       [ "$op" = ring_attn ] && [ "$n" = 1 ] && args="$args --causal 1,0 --unfused 0 --rest-ms 1000 -w 3 -n 10"
+      [ "$op" = ring_attn_bwd ] && [ "$n" = 1 ] && { args="$args --seq 8192,16384,32768 --causal 1,0 --rest-ms 1000 -w 3 -n 10"; secs=360; }
       if [ "$n" -gt 1 ]; then
         case $op in
           ag_gemm) args="$args --rows 128,512,2048 --nk 8192x8192" ;;
@@ -342,11 +346,12 @@ if [ "$BENCH" = 1 ]; then
           gemm_ar) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024" ;;
           moe) args="$args" ;;
           ring_attn) args="$args --seq 16384,32768 -n 5 -w 1" ;;
+          ring_attn_bwd) args="$args --seq 8192 --causal 1,0 -n 5 -w 1" ;;
         esac
       fi
       late "mkbench $op -g $n" && continue
       echo "===== mkbench $op $args" | tee -a "$OUT/fused.log"
-      as_ranks "$n" timeout "$(limit 200)" "$BIN/mkbench" $op $args --json "$JSON_DIR/$op-g$n.json" >> "$OUT/fused.log" 2>&1; rc=$?
+      as_ranks "$n" timeout "$(limit $secs)" "$BIN/mkbench" $op $args --json "$JSON_DIR/$op-g$n.json" >> "$OUT/fused.log" 2>&1; rc=$?
       note "mkbench $op -g $n: $(outcome $rc)"
       check_rc $rc
       if [ "$op" = ring_attn ] && [ "$n" = 1 ] && python3 -c "import torch" 2>/dev/null; then
@@ -354,6 +359,13 @@ if [ "$BENCH" = 1 ]; then
         timeout "$(limit 120)" python3 benches/sdpa_baseline.py 8192 16384 32768 --causal 1,0 --backends cudnn \
           --rest-ms 1000 -w 3 -n 10 --blocks 5 --json "$JSON_DIR/sdpa_baseline.json" >> "$OUT/fused.log" 2>&1 \
           || { note "sdpa_baseline.py: FAILED"; status=1; }
+      fi
+      if [ "$op" = ring_attn_bwd ] && [ "$n" = 1 ] && python3 -c "import torch" 2>/dev/null && ! late "sdpa_baseline.py --backward"; then
+        echo "===== sdpa_baseline.py --backward (cuDNN, flash; same protocol)" | tee -a "$OUT/fused.log"
+        timeout "$(limit 240)" python3 benches/sdpa_baseline.py 8192 16384 32768 --causal 1,0 --backward --backends cudnn,flash \
+          --rest-ms 1000 -w 3 -n 10 --blocks 5 --json "$JSON_DIR/sdpa_baseline_bwd.json" >> "$OUT/fused.log" 2>&1; rc=$?
+        note "sdpa_baseline.py --backward: $(outcome $rc)"
+        [ "$rc" = 0 ] || status=1
       fi
     done
   done

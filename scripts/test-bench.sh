@@ -61,7 +61,26 @@ assert r.returncode == 0, r.stderr
 rec = json.load(open(path))
 assert rec["bench"] == "sdpa_baseline" and rec["rows"][0]["shape"]["seq_per_rank"] == 8192
 assert rec["rows"][0]["contenders"][0]["host_enqueue_us"] == 12.0
-print("sdpa_baseline.py: its record passes the schema check")
+assert "kv_heads" not in rec["rows"][0]["shape"], "forward rows are keyed as mkbench ring_attn's"
+# --backward: two contenders per backend, rows keyed as mkbench ring_attn_bwd's one-rank rows.
+samples = ([2000.0 + i for i in range(50)], [30.0] * 50)
+rows = [s.row(16384, False, {"cudnn_backward": samples, "cudnn_forward+backward": samples,
+                             "flash_backward": None, "flash_forward+backward": None}, 32, 128, 8)]
+json.dump(s.record(True, {"warmup": 3, "blocks": 5, "iters": 10}, rows, backward=True), open(path, "w"))
+r = subprocess.run([sys.executable, "benches/plot.py", "--check", path], capture_output=True, text=True)
+assert r.returncode == 0, r.stderr
+rec = json.load(open(path))
+assert rec["bench"] == "sdpa_baseline_bwd" and "2.5" in rec["config"]["flops"]
+assert rec["rows"][0]["shape"] == {"ranks": 1, "seq": 16384, "seq_per_rank": 16384, "heads": 32, "kv_heads": 8,
+                                   "dim": 128, "causal": 0}
+names = [c["name"] for c in rec["rows"][0]["contenders"]]
+assert names == ["sdpa_cudnn_backward", "sdpa_cudnn_forward+backward", "sdpa_flash_backward",
+                 "sdpa_flash_forward+backward"], names
+assert rec["rows"][0]["contenders"][2]["median_us"] is None
+for bad in (["--kv-heads", "8"], ["--kv-heads", "5", "--backward"]):
+    r = subprocess.run([sys.executable, "benches/sdpa_baseline.py", *bad], capture_output=True, text=True)
+    assert r.returncode == 2 and "--kv-heads" in r.stderr, (bad, r.returncode, r.stderr)
+print("sdpa_baseline.py: its records (forward, --backward) pass the schema check")
 EOF
 
 echo "== plot.py renders the fixtures"
@@ -82,7 +101,7 @@ done < "$WORK/png.list"
 
 echo "== mkbench: a typo fails before the GPU probe; no GPU is SKIPPED (77), not OK"
 cargo build --release --bin mkbench
-for op in all_gather ag_gemm gemm_rs gemm_ar moe ring_attn gemm; do
+for op in all_gather ag_gemm gemm_rs gemm_ar moe ring_attn ring_attn_bwd gemm; do
   set +e; ./target/release/mkbench "$op" --no-such-option 1 > "$WORK/out" 2>&1; rc=$?; set -e
   [ $rc = 2 ] || fail "mkbench $op --no-such-option exited $rc, not 2: $(cat "$WORK/out")"
   grep -q -- "--no-such-option" "$WORK/out" || fail "mkbench $op: the message does not name the option"

@@ -20,6 +20,7 @@ mod nccl;
 mod ranks;
 mod record;
 mod ring_attn;
+mod ring_attn_bwd;
 mod timing;
 
 use mkernel::testing::gpu_unavailable_reason;
@@ -39,6 +40,7 @@ const BENCHES: &[(&str, Bench, &str)] = &[
     ("gemm_ar", gemm_reduce::gemm_ar, "mkGemmAllReduce vs cuBLASLt+mkAllReduce, cuBLASLt alone, capped GEMM+mkAllReduce (-g, --m, --nk NxK,..., -n, -w, --blocks)"),
     ("moe", moe::run, "mkMoeDispatchGemm / mkMoeGemmCombine vs exchange + cuBLAS grouped GEMM (-g, --tokens, --hidden, --ffn, --experts, --topk, -n, -w, --blocks)"),
     ("ring_attn", ring_attn::run, "mkRingAttention vs mkAllGather(K,V)+attention, the attention alone (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, -n, -w)"),
+    ("ring_attn_bwd", ring_attn_bwd::run, "mkRingAttentionBackward alone and after mkRingAttention, checked (bitwise repeat, finite, float64 rows); torch SDPA in benches/sdpa_baseline.py --backward (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, -n, -w, --blocks, --rest-ms, --threads)"),
     ("gemm", gemm::run, "GEMM engine vs cuBLASLt, from M = 1 (--dtype, --shape MxNxK, --sweep, --json PATH)"),
 ];
 
@@ -52,6 +54,7 @@ const CHECKS: &[(&str, Check)] = &[
     ("gemm_ar", gemm_reduce::check),
     ("moe", moe::check),
     ("ring_attn", ring_attn::check),
+    ("ring_attn_bwd", ring_attn_bwd::check),
     ("gemm", gemm::check),
 ];
 
@@ -78,7 +81,7 @@ fn main() {
     let usage = || {
         eprintln!("usage: mkbench <op> [options]");
         for (name, _, help) in BENCHES {
-            eprintln!("  {name:<12} {help}");
+            eprintln!("  {name:<14} {help}");
         }
     };
     let Some(op) = args.first() else {

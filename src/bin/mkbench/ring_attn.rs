@@ -43,11 +43,7 @@ use mkernel::types::mkDataType_t;
 
 struct Options {
     ranks: usize,
-    seq: Vec<usize>,
-    heads: usize,
-    kv_heads: usize,
-    dim: usize,
-    causal: Vec<usize>,
+    cases: Cases,
     iters: usize,
     warmup: usize,
     blocks: usize,
@@ -56,8 +52,57 @@ struct Options {
     threads: bool,
     /// 0: only the fused op (no unfused ring, no attention alone, no AllGathers).
     unfused: usize,
+}
+
+/// The cases both ring-attention benches sweep (this one and `ring_attn_bwd`), batch 1,
+/// and the idle time before each: `--seq S,...` (global), `--causal 0,1` (in this order),
+/// `--heads`, `--kv-heads`, `--dim`, `--rest-ms`.
+pub struct Cases {
+    pub seq: Vec<usize>,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub dim: usize,
+    pub causal: Vec<usize>,
     /// Idle time before each case (after the stream has drained), in ms.
-    rest_ms: u64,
+    pub rest_ms: u64,
+}
+
+impl Default for Cases {
+    fn default() -> Cases {
+        Cases { seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], rest_ms: 0 }
+    }
+}
+
+impl Cases {
+    /// Reads one of the options above into its field; false when `flag` is not one of them.
+    pub fn flag(&mut self, flag: &str, v: &str) -> Result<bool> {
+        match flag {
+            "--seq" => self.seq = parse_list(v, "--seq")?,
+            "--heads" => self.heads = v.parse().map_err(|_| bad("--heads"))?,
+            "--kv-heads" => self.kv_heads = v.parse().map_err(|_| bad("--kv-heads"))?,
+            "--dim" => self.dim = v.parse().map_err(|_| bad("--dim"))?,
+            "--causal" => self.causal = parse_list(v, "--causal")?,
+            "--rest-ms" => self.rest_ms = v.parse().map_err(|_| bad("--rest-ms"))?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The idle time before a case: lets `stream` drain, then sleeps `--rest-ms`.
+    pub fn rest(&self, stream: mkernel::cuda::sys::CUstream) -> Result<()> {
+        if self.rest_ms > 0 {
+            // SAFETY: live stream.
+            unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
+            std::thread::sleep(std::time::Duration::from_millis(self.rest_ms));
+        }
+        Ok(())
+    }
+}
+
+/// The forward's FLOPs on one rank of `n`, batch 1: 4·H·S_local·S·D, half of it causal (the
+/// FlashAttention convention: the masked half is not counted).
+pub fn forward_flops(heads: usize, seq_local: usize, seq: usize, dim: usize, causal: bool) -> f64 {
+    4.0 * heads as f64 * seq_local as f64 * seq as f64 * dim as f64 * if causal { 0.5 } else { 1.0 }
 }
 
 /// Parses the options without touching a GPU.
@@ -68,29 +113,19 @@ pub fn check(_op: &str, args: &[String]) -> Result<()> {
 fn parse(args: &[String]) -> Result<Options> {
     let mut o = Options {
         ranks: ranks::nranks_requested(),
-        seq: vec![8192, 16384, 32768],
-        heads: 32,
-        kv_heads: 32,
-        dim: 128,
-        causal: vec![0, 1],
+        cases: Cases::default(),
         iters: Protocol::DEFAULT.iters,
         warmup: 2,
         blocks: Protocol::DEFAULT.blocks,
         trace: false,
         threads: false,
         unfused: 1,
-        rest_ms: 0,
     };
     for_each_option(args, &mut [("--trace", &mut o.trace), ("--threads", &mut o.threads)], |flag, v| {
         match flag {
             f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
-            "--seq" => o.seq = parse_list(v, "--seq")?,
-            "--heads" => o.heads = v.parse().map_err(|_| bad("--heads"))?,
-            "--kv-heads" => o.kv_heads = v.parse().map_err(|_| bad("--kv-heads"))?,
-            "--dim" => o.dim = v.parse().map_err(|_| bad("--dim"))?,
-            "--causal" => o.causal = parse_list(v, "--causal")?,
+            f if o.cases.flag(f, v)? => {}
             "--unfused" => o.unfused = v.parse().map_err(|_| bad("--unfused"))?,
-            "--rest-ms" => o.rest_ms = v.parse().map_err(|_| bad("--rest-ms"))?,
             "--blocks" => o.blocks = v.parse().map_err(|_| bad("--blocks"))?,
             other => return Err(bad(other)),
         }
@@ -109,13 +144,13 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let ctx = PrimaryContext::retain(device)?;
     let _g = ctx.enter()?;
     let dtype = mkDataType_t::mkBfloat16;
-    let max_sl = o.seq.iter().max().copied().unwrap_or(0) / n;
+    let max_sl = o.cases.seq.iter().max().copied().unwrap_or(0) / n;
     let shape_of = |sl: usize, causal: bool| RingShape {
         batch: 1,
         seq_local: sl,
-        heads: o.heads,
-        kv_heads: o.kv_heads,
-        head_dim: o.dim,
+        heads: o.cases.heads,
+        kv_heads: o.cases.kv_heads,
+        head_dim: o.cases.dim,
         causal,
         nranks: n,
     };
@@ -125,16 +160,16 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream =
         cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
-    let q_elems = max_sl * o.heads * o.dim;
-    let kv_elems = max_sl * o.kv_heads * o.dim;
+    let q_elems = max_sl * o.cases.heads * o.cases.dim;
+    let kv_elems = max_sl * o.cases.kv_heads * o.cases.dim;
     let q = TestBuffer::new(q_elems, dtype)?;
     let k = TestBuffer::new(kv_elems, dtype)?;
     let v = TestBuffer::new(kv_elems, dtype)?;
     let out = TestBuffer::new(q_elems, dtype)?;
     let out_ref = TestBuffer::new(q_elems, dtype)?;
-    let lse_ref = TestBuffer::new(max_sl * o.heads, mkDataType_t::mkFloat32)?;
+    let lse_ref = TestBuffer::new(max_sl * o.cases.heads, mkDataType_t::mkFloat32)?;
     let protocol = Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters };
-    let lse = TestBuffer::new(max_sl * o.heads, mkDataType_t::mkFloat32)?;
+    let lse = TestBuffer::new(max_sl * o.cases.heads, mkDataType_t::mkFloat32)?;
     let kg = TestBuffer::new(kv_elems * n, dtype)?;
     let vg = TestBuffer::new(kv_elems * n, dtype)?;
     q.randomize(11 + rank as u64, 1.0, stream)?;
@@ -146,9 +181,9 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     if rank == 0 {
         println!(
             "# mkbench ring_attn: {n} rank(s), bf16, B=1 H={} H_kv={} D={}, {sms} SMs, MK_MAX_CTAS={}, warm-up {} + {} timed calls (median of the slowest rank)",
-            o.heads,
-            o.kv_heads,
-            o.dim,
+            o.cases.heads,
+            o.cases.kv_heads,
+            o.cases.dim,
             comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
             o.warmup,
             o.iters
@@ -159,9 +194,9 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         );
     }
     let mut all_ok = true;
-    let mut progress = (rank == 0).then(|| Progress::new(o.causal.len() * o.seq.len()));
-    for &causal in &o.causal {
-        for &s_global in &o.seq {
+    let mut progress = (rank == 0).then(|| Progress::new(o.cases.causal.len() * o.cases.seq.len()));
+    for &causal in &o.cases.causal {
+        for &s_global in &o.cases.seq {
             if let Some(p) = progress.as_mut() {
                 p.step(&format!("S {s_global} causal {causal}"));
             }
@@ -174,16 +209,16 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 lse.ptr(),
                 1,
                 sl,
-                o.heads,
-                o.kv_heads,
-                o.dim,
-                1.0 / (o.dim as f32).sqrt(),
+                o.cases.heads,
+                o.cases.kv_heads,
+                o.cases.dim,
+                1.0 / (o.cases.dim as f32).sqrt(),
                 causal as i32,
                 dtype as i32,
                 n,
                 rank,
             )?;
-            let count = sl * o.kv_heads * o.dim;
+            let count = sl * o.cases.kv_heads * o.cases.dim;
             let fused = || ring_attention(&comm, &args, stream);
             let gather = || {
                 if n == 1 {
@@ -205,17 +240,13 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             // SAFETY: live stream.
             unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
             comm.bootstrap.barrier()?;
-            let elems = sl * o.heads * o.dim;
+            let elems = sl * o.cases.heads * o.cases.dim;
             let (got, want) = (out.download_f64()?, out_ref.download_f64()?);
             let rel_err = relative_error(&got[..elems], &want[..elems]);
             #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN error counts as wrong
             let wrong = !(rel_err <= tolerance(dtype));
             all_ok &= !wrong;
-            if o.rest_ms > 0 {
-                // SAFETY: live stream.
-                unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
-                std::thread::sleep(std::time::Duration::from_millis(o.rest_ms));
-            }
+            o.cases.rest(stream)?;
             let unfused_seq = || gather().and_then(|_| attn());
             let mut contenders: Vec<(&str, Timed)> = vec![("fused", Timed::Calls(&fused))];
             if o.unfused != 0 {
@@ -251,12 +282,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 all_ok = false;
             }
             if rank == 0 {
-                let flops = 4.0
-                    * o.heads as f64
-                    * sl as f64
-                    * s_global as f64
-                    * o.dim as f64
-                    * if causal == 1 { 0.5 } else { 1.0 };
+                let flops = forward_flops(o.cases.heads, sl, s_global, o.cases.dim, causal == 1);
                 let tf = flops / (t_fused * 1e-6) / 1e12;
                 println!(
                     "  {:>6} {:>6} {:>6} | {:>10.1} {:>7.1} | {:>10.1} {:>10.1} {:>10.1} | {:>7.3} {:>7.3}{}",
@@ -300,8 +326,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                             ("ranks", n),
                             ("seq", s_global),
                             ("seq_per_rank", sl),
-                            ("heads", o.heads),
-                            ("dim", o.dim),
+                            ("heads", o.cases.heads),
+                            ("dim", o.cases.dim),
                             ("causal", causal),
                         ],
                         &[],
@@ -397,11 +423,11 @@ mod tests {
             .collect();
         let o = parse(&args).unwrap();
         assert_eq!(
-            (o.seq, o.causal, o.unfused, o.rest_ms, o.warmup, o.iters, o.trace),
+            (o.cases.seq, o.cases.causal, o.unfused, o.cases.rest_ms, o.warmup, o.iters, o.trace),
             (vec![8192, 16384], vec![1, 0], 0, 1000, 3, 10, true)
         );
         let o = parse(&[]).unwrap();
-        assert_eq!((o.unfused, o.rest_ms, o.trace), (1, 0, false), "defaults: every column, no rest");
+        assert_eq!((o.unfused, o.cases.rest_ms, o.trace), (1, 0, false), "defaults: every column, no rest");
         assert!(parse(&["--rest-ms".into(), "x".into()]).is_err());
     }
     use mkernel::kernel_abi::MK_TRACE_WORDS;
