@@ -18,10 +18,10 @@ sdpa_<backend>_backward and sdpa_<backend>_forward+backward. --kv-heads below --
 case (not built in, or not for this shape or GPU) is recorded with a null time and its
 error printed.
 
-The protocol is mkbench's (docs/benchmarks.md): per case, -w warm-up calls per backend,
-then --blocks blocks in which every backend, in an order rotated by one per block, makes -n
-calls, each timed by its own pair of CUDA events and synchronised once per block; the
-median with p10 / p90, and the host's time to enqueue one call. --json PATH writes the run's
+The protocol is mkbench's (docs/benchmarks.md, benches/bench_record.py): per case, -w
+warm-up calls per backend, then --blocks blocks in which every backend, in an order rotated
+by one per block, makes -n calls, each timed by its own pair of CUDA events and synchronised
+once per block; the median with p10 / p90, and the host's time to enqueue one call. --json PATH writes the run's
 record in mkbench's schema (mkbench/1): bench "sdpa_baseline", one row per case with the
 shape keys of `mkbench ring_attn`'s one-rank rows (ranks, seq, seq_per_rank, heads, dim,
 causal) and one contender per backend (sdpa_cudnn, sdpa_flash). The tensors are torch's
@@ -34,70 +34,14 @@ same idle time before each case (--rest-ms; mkbench takes --rest-ms and --unfuse
 The record-building functions need no torch (scripts/test-bench.sh checks them on a CPU).
 """
 import argparse
-import datetime
 import json
-import math
-import os
-import subprocess
 import sys
 import time
 
+import bench_record
+from bench_record import stats
+
 B, H, D = 1, 32, 128
-SCHEMA = "mkbench/1"
-
-
-def stats(samples):
-    """Median, nearest-rank p10 / p90, min and count of `samples` (µs), as measure.rs."""
-    v = sorted(samples)
-    n = len(v)
-    median = v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
-
-    def pct(q):
-        return v[min(max(math.ceil(q * n), 1), n) - 1]
-
-    return {"median_us": median, "p10_us": pct(0.10), "p90_us": pct(0.90), "min_us": v[0], "samples": n}
-
-
-def machine():
-    """The GPU as nvidia-smi reports it now (null fields where it is missing)."""
-    fields = {k: None for k in ("gpu", "driver", "sm_clock_mhz", "max_sm_clock_mhz", "mem_clock_mhz")}
-    count = 0
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem",
-             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
-        lines = [line for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
-    except (OSError, subprocess.SubprocessError):
-        lines = []
-    if lines:
-        count = len(lines)
-        f = [x.strip() for x in lines[0].split(",")]
-        for i, key in enumerate(fields):
-            if i < len(f) and f[i]:
-                if i < 2:
-                    fields[key] = f[i]
-                else:
-                    try:
-                        fields[key] = float(f[i])
-                    except ValueError:
-                        pass
-    try:
-        host = open("/proc/sys/kernel/hostname").read().strip()
-    except OSError:
-        host = None
-    return {**fields, "gpu_count": count, "host": host}
-
-
-def commit():
-    if os.environ.get("MK_COMMIT"):
-        return os.environ["MK_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20)
-        if out.returncode == 0:
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
 
 
 def row(seq, causal, results, heads=H, dim=D, kv_heads=None):
@@ -105,13 +49,7 @@ def row(seq, causal, results, heads=H, dim=D, kv_heads=None):
     `<backend>_forward+backward`) to (GPU µs samples, host µs samples), or to None where the
     backend refused the case. The shape is `mkbench ring_attn`'s one-rank rows', and with
     `kv_heads` `mkbench ring_attn_bwd`'s."""
-    contenders = []
-    for key, r in results.items():
-        if r is None:
-            contenders.append({"name": f"sdpa_{key}", "median_us": None})
-            continue
-        gpu, host = r
-        contenders.append({"name": f"sdpa_{key}", **stats(gpu), "host_enqueue_us": stats(host)["median_us"]})
+    contenders = [bench_record.contender(f"sdpa_{key}", r) for key, r in results.items()]
     shape = {"ranks": 1, "seq": seq, "seq_per_rank": seq, "heads": heads, "dim": dim, "causal": int(causal)}
     if kv_heads is not None:
         shape["kv_heads"] = kv_heads
@@ -121,15 +59,12 @@ def row(seq, causal, results, heads=H, dim=D, kv_heads=None):
 def record(ok, config, rows, torch_version=None, backward=False):
     """The whole record (docs/benchmarks.md): bench "sdpa_baseline", or with `backward`
     "sdpa_baseline_bwd"."""
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     cfg = {"batch": B, "layout": "torch SDPA [B, H, S, D]; mkbench ring_attn takes [S, H, D]", **config}
     if backward:
         cfg["flops"] = "backward 2.5 x and forward+backward 3.5 x the forward's 4*B*H*S^2*D, half when causal"
     if torch_version:
         cfg["torch"] = torch_version
-    bench = "sdpa_baseline_bwd" if backward else "sdpa_baseline"
-    return {"schema": SCHEMA, "bench": bench, "ok": ok, "command": list(sys.argv), "commit": commit(),
-            "date": date, "machine": machine(), "config": cfg, "rows": rows}
+    return bench_record.record("sdpa_baseline_bwd" if backward else "sdpa_baseline", ok, cfg, rows)
 
 
 def main():
@@ -208,32 +143,9 @@ def main():
             if args.rest_ms > 0:
                 torch.cuda.synchronize()
                 time.sleep(args.rest_ms / 1000)
-            results, usable = {}, []
-            for key, (call, _) in calls.items():
-                try:
-                    for _ in range(args.warmup):
-                        call()
-                    torch.cuda.synchronize()
-                    usable.append(key)
-                    results[key] = ([], [])
-                except Exception as e:  # a backend that does not take this shape
-                    results[key] = None
-                    print(f"  {S:>6} {int(causal):>6} | {key:>22} unavailable: {type(e).__name__}: {e}")
-            for block in range(args.blocks):
-                for i in range(len(usable)):
-                    key = usable[(i + block) % len(usable)]
-                    call = calls[key][0]
-                    pairs = []
-                    for _ in range(args.iters):
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        a.record()
-                        t = time.perf_counter()
-                        call()
-                        results[key][1].append((time.perf_counter() - t) * 1e6)
-                        b.record()
-                        pairs.append((a, b))
-                    torch.cuda.synchronize()
-                    results[key][0].extend(a.elapsed_time(b) * 1e3 for a, b in pairs)
+            results = bench_record.interleaved({key: call for key, (call, _) in calls.items()}, args.warmup,
+                                               args.blocks, args.iters)
+            usable = [key for key, r in results.items() if r is not None]
             flops = 4 * B * heads * S * S * dim * (0.5 if causal else 1.0)
             for key in usable:
                 s = stats(results[key][0])

@@ -121,7 +121,7 @@ note "GPU: $SMS SMs; MK_MAX_CTAS per rank at 2, 4, 8 ranks: $(max_ctas_for 2), $
 
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for n in $RANKS; do
-    suites="smoke collectives api ag_gemm gemm_reduce moe ring_attn"
+    suites="smoke collectives api ag_gemm gemm_reduce moe ring_attn ring_attn_bwd"
     [ "$n" = 1 ] && suites="$suites gemm"  # the engine alone is a one-rank suite
     # soak and chaos run in their own steps (below), never in this loop.
     if [ -n "$SUITES" ]; then

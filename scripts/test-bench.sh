@@ -51,8 +51,9 @@ python3 - "$WORK" <<'EOF'
 import json, subprocess, sys
 sys.path.insert(0, "benches")
 import sdpa_baseline as s
-assert s.stats([5.0, 1.0, 4.0, 2.0, 3.0]) == {"median_us": 3.0, "p10_us": 1.0, "p90_us": 5.0, "min_us": 1.0, "samples": 5}
-assert s.stats([4.0, 2.0])["median_us"] == 3.0
+import bench_record
+assert bench_record.stats([5.0, 1.0, 4.0, 2.0, 3.0]) == {"median_us": 3.0, "p10_us": 1.0, "p90_us": 5.0, "min_us": 1.0, "samples": 5}
+assert bench_record.stats([4.0, 2.0])["median_us"] == 3.0
 rows = [s.row(8192, True, {"cudnn": ([900.0 + i for i in range(50)], [12.0] * 50), "flash": None})]
 path = f"{sys.argv[1]}/sdpa.json"
 json.dump(s.record(True, {"warmup": 3, "blocks": 5, "iters": 10}, rows), open(path, "w"))
