@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer audit of the GPU test suites, on the GPU machine, from carried binaries
-# (BIN=DIR or BIN_TAR=FILE as scripts/gpu-run.sh takes them). One rank (a sanitized
-# process cannot be an MPS client here, and several ranks without MPS time-slice): every
+# (BIN=DIR or BIN_TAR=FILE as scripts/gpu-run.sh takes them). One rank by default (a
+# sanitized process cannot be an MPS client here, and rank processes without MPS
+# time-slice; --ranks below runs several as threads of one process): every
 # `mktest` suite under memcheck (out-of-bounds and misaligned accesses, leaks of device
 # memory), then racecheck and synccheck (shared-memory hazards, barriers reached by part of a
 # warp or block) on the fused-op suites. Each step has a timeout. Only a clean run is a
@@ -10,16 +11,20 @@
 # and make it exit 3 when nothing failed. Writes $OUT/sanitize.log and
 # $OUT/sanitize-summary.txt.
 #   scripts/gpu-sanitize.sh [--tools "memcheck racecheck synccheck"] [--suites "..."]
-#                           [--step-timeout 90] [--deadline SECONDS]
+#                           [--ranks N] [--step-timeout 90] [--deadline SECONDS]
+# --ranks N > 1 runs the fused-op suites of --suites (the others are left out) with their N
+# ranks as threads of the one sanitized process (MK_TEST_THREADS=1, each rank's grid capped
+# as scripts/mps.sh caps N rank processes, so the ranks' persistent grids are co-resident).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu-bins.sh  # $OUT, and $BIN from BIN or BIN_TAR
 TOOLS="memcheck racecheck synccheck"; SUITES="smoke collectives api gemm ag_gemm gemm_reduce moe ring_attn ring_attn_bwd"
-STEP=90; DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0
+STEP=90; DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0; RANKS=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --tools) TOOLS="$2"; shift ;;
     --suites) SUITES="$2"; shift ;;
+    --ranks) RANKS="$2"; shift ;;
     --step-timeout) STEP="$2"; shift ;;
     --deadline) DEADLINE="$2"; shift ;;
     *) echo "gpu-sanitize.sh: unknown option $1"; exit 2 ;;
@@ -28,7 +33,15 @@ while [ $# -gt 0 ]; do
 done
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$SAN" ] || { echo "gpu-sanitize.sh: compute-sanitizer not found"; exit 2; }
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} MK_TEST_NRANKS=1
+case "$RANKS" in ''|*[!0-9]*|0) echo "gpu-sanitize.sh: --ranks takes a positive whole number"; exit 2 ;; esac
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} MK_TEST_NRANKS=$RANKS
+if [ "$RANKS" -gt 1 ]; then
+  # Only the suites that run their ranks as threads; the others would start rank processes.
+  fused=""
+  for s in $SUITES; do case " ag_gemm gemm_reduce moe ring_attn ring_attn_bwd " in *" $s "*) fused="$fused $s" ;; esac; done
+  SUITES=$fused
+  export MK_TEST_THREADS=1 MK_MAX_CTAS="$(max_ctas_for "$RANKS")"
+fi
 SUMMARY="$OUT/sanitize-summary.txt"; LOG="$OUT/sanitize.log"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -45,7 +58,7 @@ for tool in $TOOLS; do
       [ "$left" -lt 20 ] && { note "$tool $suite: SKIPPED (deadline)"; SKIPPED_STEPS=$((SKIPPED_STEPS + 1)); continue; }
       [ "$left" -lt "$t" ] && t=$left
     fi
-    echo "===== $tool: mktest $suite" >> "$LOG"
+    echo "===== $tool: mktest $suite, $RANKS rank(s)" >> "$LOG"
     s0=$(date +%s)
     # --report-api-errors no: the suites' argument tests hand host pointers to the library,
     # whose cuPointerGetAttribute check then fails as it should (the library checks every

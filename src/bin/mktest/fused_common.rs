@@ -256,6 +256,9 @@ pub fn run_suite(
         Some(env) => env,
         None => {
             let n = ranks::nranks_requested();
+            if n > 1 && ranks::threads_requested() {
+                return run_rank_threads(n, checks, absent);
+            }
             if n > 1 {
                 println!("  starting {n} rank processes");
                 ranks::spawn(&[name.to_string()], n, IDS, Duration::from_secs(240), |_| 0)?;
@@ -265,18 +268,59 @@ pub fn run_suite(
             RankEnv { rank: 0, nranks: 1, ids, device: 0 }
         }
     };
+    run_rank(&env, checks, absent)?;
+    Ok(Outcome::Ran)
+}
+
+/// The suite's `n` ranks as threads of this process (ranks::threads_requested), each on
+/// the device a rank process would use; the first error by rank, else the fewest checks
+/// any rank executed.
+fn run_rank_threads(
+    n: usize,
+    checks: fn(mkComm_t, &Comm, usize, usize) -> Result<()>,
+    absent: fn(&RankEnv, &Comm) -> Result<()>,
+) -> Result<Outcome> {
+    println!("  running {n} ranks as threads of this process");
+    let ids = (0..IDS).map(|_| start_root()).collect::<Result<Vec<_>>>()?;
+    let devices = cuda::device_count()?.max(1) as usize;
+    let outcomes: Vec<Result<usize>> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..n)
+            .map(|rank| {
+                let env = RankEnv { rank, nranks: n, ids: ids.clone(), device: (rank % devices) as i32 };
+                s.spawn(move || run_rank(&env, checks, absent).map(|_| crate::outcome::take_tally()))
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_else(|_| Err(MkError::internal("a rank thread panicked"))))
+            .collect()
+    });
+    let mut fewest_checks = usize::MAX;
+    for (rank, outcome) in outcomes.into_iter().enumerate() {
+        fewest_checks = fewest_checks.min(outcome.map_err(|e| e.context(format!("rank {rank}")))?);
+    }
+    Ok(Outcome::Threads { nranks: n, fewest_checks })
+}
+
+/// One rank of a fused-op suite: its communicators, the checks, and (several ranks) the
+/// absent-rank check.
+fn run_rank(
+    env: &RankEnv,
+    checks: fn(mkComm_t, &Comm, usize, usize) -> Result<()>,
+    absent: fn(&RankEnv, &Comm) -> Result<()>,
+) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
     let ctx = PrimaryContext::retain(env.device)?;
     let _g = ctx.enter()?;
     // The control communicator: host barriers and allgathers between the checks.
-    let control = control_comm(&env)?;
-    let comm = init_comm(&env, &env.ids[1], &config(30_000, 64 << 20))?;
+    let control = control_comm(env)?;
+    let comm = init_comm(env, &env.ids[1], &config(30_000, 64 << 20))?;
     let outcome = checks(comm, &control, rank, n);
     control.bootstrap.barrier()?;
     destroy(comm)?;
     outcome?;
     if n > 1 {
-        absent(&env, &control)?;
+        absent(env, &control)?;
     }
-    Ok(Outcome::Ran)
+    Ok(())
 }

@@ -107,6 +107,18 @@ fn main() {
                     println!("[suite {name}] ok, {checks} checks ({:.1} s)", secs());
                 }
             }
+            Ok(Outcome::Threads { nranks, fewest_checks }) => {
+                let floor = floor_of(*floor);
+                if fewest_checks < floor {
+                    println!("[suite {name}] FAILED: a rank thread executed {fewest_checks} checks, fewer than the suite's floor of {floor} ({:.1} s)", secs());
+                    failed += 1;
+                } else {
+                    println!(
+                        "[suite {name}] ok on {nranks} rank threads, each at least {fewest_checks} checks ({:.1} s)",
+                        secs()
+                    );
+                }
+            }
             Ok(Outcome::Spawned { nranks }) => {
                 println!(
                     "[suite {name}] ok on {nranks} rank processes, each at least {} checks ({:.1} s)",

@@ -3,6 +3,9 @@
 //! run them under MPS so their persistent kernels are co-resident), hands them the unique
 //! ids through MK_TEST_IDS, and waits for them with a deadline, killing stragglers.
 //!
+//! With MK_TEST_THREADS=1 the fused-op suites run their ranks as threads of this process
+//! instead (`threads_requested`).
+//!
 //! A launcher (mpirun, srun, a script) can start the ranks itself instead: set
 //! MK_TEST_RANK, MK_TEST_NRANKS and MK_TEST_ID_FILE (a path on a shared file system) in
 //! every rank; rank 0 creates the ids and writes them there, the others read them.
@@ -27,6 +30,16 @@ pub struct RankEnv {
     pub nranks: usize,
     pub ids: Vec<UniqueId>,
     pub device: i32,
+}
+
+pub const ENV_THREADS: &str = "MK_TEST_THREADS";
+
+/// Whether the ranks run as threads of one process (MK_TEST_THREADS=1), every
+/// communicator in the one context of its device, as `mkCommInitAll` makes them (peers
+/// reached by plain pointers, no IPC), instead of rank processes. The suites with a
+/// killed rank or node, which need processes, ignore it.
+pub fn threads_requested() -> bool {
+    std::env::var(ENV_THREADS).is_ok_and(|v| v.trim() == "1")
 }
 
 /// Ranks asked for (MK_TEST_NRANKS, default 1).
