@@ -162,6 +162,18 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     note "mktest collectives MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES=$ll_max N=2: $(outcome $rc)"
     check_rc $rc
   done
+  # The fused-op suites with 2 ranks as threads of one process (MK_TEST_THREADS=1): the
+  # communicators of one process, whose peers are plain pointers instead of IPC mappings.
+  threaded=""
+  for s in ag_gemm gemm_reduce moe ring_attn ring_attn_bwd; do wants "$s" && threaded="$threaded $s"; done
+  if [ -n "$threaded" ] && ! late "mktest$threaded, 2 rank threads"; then
+    echo "===== mktest$threaded, 2 ranks as threads of one process" | tee -a "$OUT/mktest.log"
+    env MK_TEST_THREADS=1 MK_TEST_NRANKS=2 MK_MAX_CTAS="$(max_ctas_for 2)" MK_TEST_KILL=skip timeout "$(limit 300)" \
+      "$BIN/mktest" $threaded >> "$OUT/mktest.log" 2>&1
+    rc=$?
+    note "mktest$threaded, 2 rank threads: $(outcome $rc)"
+    check_rc $rc
+  fi
   # GEMM+RS/AR's non-default reducers, when the suite runs: after (every warp of a GEMM
   # CTA sums after its GEMM, no early sums) at 2 ranks.
   for step in "after 2"; do
