@@ -6,8 +6,10 @@
 # Starts MPS, runs the mktest suites with 1, 2, 4 and 8 rank processes sharing the GPU
 # (each MPS client gets 100/N % of the SMs and an MK_MAX_CTAS that fits in it, so every
 # persistent grid is co-resident) — smoke, collectives, api (the C ABI on a live
-# communicator), the fused ops (ag_gemm, gemm_reduce, moe, ring_attn)
-# and, with one rank, the GEMM engine — then the soak (mktest soak: every op in a random
+# communicator), the fused ops (ag_gemm, gemm_reduce, moe, ring_attn, ring_attn_bwd)
+# and, with one rank, the GEMM engine; at 2 ranks also the collectives with every message on
+# one protocol, and the fused suites with their ranks as threads of one process — then the
+# soak (mktest soak: every op in a random
 # order with random shapes, 4 ranks under MPS, for --soak-seconds), then the benches:
 # collectives (float, and the reductions in every dtype), `mkbench gemm`, and the fused ops
 # beside their unfused sequences (torch SDPA's records beside ring attention's forward and
