@@ -21,7 +21,6 @@ halved when causal. The protocol is mkbench's (bench_record.interleaved).
 Needs a CUDA GPU and the mkernel package; without a GPU it prints SKIPPED and exits 77.
 """
 import argparse
-import json
 import sys
 import time
 
@@ -43,13 +42,7 @@ def rel_l2(got, want):
 def row(seq, heads, kv_heads, causal, direction, results, errors):
     shape = {"ranks": 1, "seq": seq, "seq_per_rank": seq, "heads": heads, "kv_heads": kv_heads, "dim": D,
              "causal": int(causal), "direction": direction}
-    contenders = []
-    for name, timed in results.items():
-        c = bench_record.contender(name, timed)
-        if name in errors:
-            c["rel_err_vs_cudnn"] = errors[name]
-        contenders.append(c)
-    return {"shape": shape, "contenders": contenders}
+    return bench_record.row(shape, results, {name: {"rel_err_vs_cudnn": e} for name, e in errors.items()})
 
 
 def main():
@@ -59,11 +52,8 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
     ap.add_argument("--backward", action="store_true", help="also time fwd+bwd and bwd alone")
-    ap.add_argument("-w", dest="warmup", type=int, default=3)
-    ap.add_argument("-n", dest="iters", type=int, default=10)
-    ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--rest-ms", type=int, default=0, help="idle time before each case")
-    ap.add_argument("--json", help="write the run's record (mkbench/1) here")
+    bench_record.add_protocol_args(ap)
     args = ap.parse_args()
     kv_heads = args.kv_heads or args.heads
     if args.iters < 1 or args.blocks < 1 or args.heads % kv_heads:
@@ -85,8 +75,8 @@ def main():
     print(f"# torch {torch.__version__}, mkernel {mkernel.__version__}: attention bf16 B={B} H={args.heads} "
           f"H_kv={kv_heads} D={D}, one process, the same tensors; warm-up {args.warmup} then {args.blocks} "
           f"interleaved blocks of {args.iters} calls (median), rest {args.rest_ms} ms")
-    print(f"# {'S':>6} {'causal':>6} {'dir':>7} | {'contender':>12} {'ms':>8} {'TF/s':>7} {'p10 ms':>8} "
-          f"{'p90 ms':>8} {'host us':>8} {'rel err':>8}")
+    print(f"# {'S':>6} {'causal':>6} {'dir':>7} | {'contender':>28} {'ms':>8} {'TF/s':>7} {'p10 ms':>8} "
+          f"{'p90 ms':>8} {'host us':>8} {'rel err':>8}  (rel err: against cuDNN)")
     rows, ok = [], True
     for causal in (c == "1" for c in args.causal.split(",")):
         for S in args.seqs:
@@ -145,25 +135,17 @@ def main():
                 results = bench_record.interleaved(calls, args.warmup, args.blocks, args.iters)
                 results.update({name: None for name in refused})
                 flops = 4 * B * args.heads * S * S * D * (0.5 if causal else 1.0) * FLOP_FACTOR[direction]
-                for name, timed in results.items():
-                    if timed is None:
-                        continue
-                    s, host = bench_record.stats(timed[0]), bench_record.stats(timed[1])
-                    ms = s["median_us"] / 1e3
-                    err = f"{errors[name]:.2e}" if name in errors else "ref"
-                    print(f"  {S:>6} {int(causal):>6} {direction:>7} | {name:>12} {ms:>8.3f} {flops / ms / 1e9:>7.1f} "
-                          f"{s['p10_us'] / 1e3:>8.3f} {s['p90_us'] / 1e3:>8.3f} {host['median_us']:>8.1f} {err:>8}")
+                bench_record.print_timed(f"{S:>6} {int(causal):>6} {direction:>7}", results, flops,
+                                         {name: f"{e:.2e}" for name, e in errors.items()})
                 rows.append(row(S, args.heads, kv_heads, causal, direction, results, errors))
     comm.close()
     if args.json:
         config = {"batch": B, "layout": "mkernel [B, S, H, D]; SDPA on transposed views of the same tensors",
-                  "warmup": args.warmup, "blocks": args.blocks, "iters": args.iters, "rest_ms": args.rest_ms,
+                  **bench_record.protocol_config(args), "rest_ms": args.rest_ms,
                   "flops": "forward 4·B·H·S²·D, backward 2.5x, halved when causal",
                   "check": f"relative L2 against cuDNN (outputs, and gradients with --backward) <= {TOLERANCE}",
                   "torch": torch.__version__}
-        with open(args.json, "w") as f:
-            json.dump(bench_record.record("attention_same_process", ok, config, rows), f)
-            f.write("\n")
+        bench_record.write(args.json, "attention_same_process", ok, config, rows)
     print("OK" if ok else "FAILED: a contender disagrees with cuDNN beyond the tolerance (see rel err)")
     return 0 if ok else 1
 

@@ -77,6 +77,47 @@ def interleaved(calls, warmup, blocks, iters):
     return results
 
 
+def add_protocol_args(ap):
+    """The protocol's options (-w, -n, --blocks) and --json, as mkbench names them."""
+    ap.add_argument("-w", dest="warmup", type=int, default=3)
+    ap.add_argument("-n", dest="iters", type=int, default=10)
+    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--json", help="write the run's record (mkbench/1) here")
+
+
+def protocol_config(args):
+    return {"warmup": args.warmup, "blocks": args.blocks, "iters": args.iters}
+
+
+def row(shape, results, notes=None):
+    """A record's row: `shape` (the case's keys) and one contender per entry of `results`
+    (name -> timed, as `interleaved` returns), with `notes[name]` (a dict) added to it."""
+    notes = notes or {}
+    return {"shape": shape, "contenders": [{**contender(name, t), **notes.get(name, {})} for name, t in results.items()]}
+
+
+def print_timed(label, results, flops, notes=None):
+    """One line per contender that ran: `label`, its name, median ms, TF/s for `flops`,
+    p10 / p90 ms, host µs, and `notes[name]` (text) if given."""
+    for name, timed in results.items():
+        if timed is None:
+            continue
+        s, host = stats(timed[0]), stats(timed[1])
+        ms = s["median_us"] / 1e3
+        note = (notes or {}).get(name, "")
+        print(f"  {label} | {name:>28} {ms:>8.3f} {flops / ms / 1e9:>7.1f} {s['p10_us'] / 1e3:>8.3f} "
+              f"{s['p90_us'] / 1e3:>8.3f} {host['median_us']:>8.1f} {note:>8}")
+
+
+def write(path, bench, ok, config, rows):
+    """Writes the record (below) as one JSON line to `path`."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump(record(bench, ok, config, rows), f)
+        f.write("\n")
+
+
 def machine():
     """The GPU as nvidia-smi reports it now (null fields where it is missing)."""
     fields = {k: None for k in ("gpu", "driver", "sm_clock_mhz", "max_sm_clock_mhz", "mem_clock_mhz")}

@@ -24,7 +24,6 @@ Needs a CUDA GPU, torch._grouped_mm (torch 2.8 and later) and the mkernel packag
 a GPU it prints SKIPPED and exits 77.
 """
 import argparse
-import json
 import sys
 
 import bench_record
@@ -35,13 +34,7 @@ TOLERANCE = 2e-2
 def row(tokens, experts, hidden, ffn, topk, direction, results, errors):
     shape = {"ranks": 1, "tokens": tokens, "experts": experts, "hidden": hidden, "ffn": ffn, "topk": topk,
              "direction": direction}
-    contenders = []
-    for name, timed in results.items():
-        c = bench_record.contender(name, timed)
-        if name in errors:
-            c["rel_err_vs_torch"] = errors[name]
-        contenders.append(c)
-    return {"shape": shape, "contenders": contenders}
+    return bench_record.row(shape, results, {name: {"rel_err_vs_torch": e} for name, e in errors.items()})
 
 
 def main():
@@ -51,10 +44,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--ffn", type=int, default=2048)
     ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("-w", dest="warmup", type=int, default=3)
-    ap.add_argument("-n", dest="iters", type=int, default=10)
-    ap.add_argument("--blocks", type=int, default=5)
-    ap.add_argument("--json", help="write the run's record (mkbench/1) here")
+    bench_record.add_protocol_args(ap)
     args = ap.parse_args()
     if args.iters < 1 or args.blocks < 1 or not 1 <= args.topk <= args.experts:
         ap.error("need -n >= 1, --blocks >= 1 and 1 <= --topk <= --experts")
@@ -75,7 +65,7 @@ def main():
     print(f"# torch {torch.__version__}, mkernel {mkernel.__version__}: MoE at one rank, E={E} H={H} F={F} "
           f"top-k {k}, bf16; warm-up {args.warmup} then {args.blocks} interleaved blocks of {args.iters} calls")
     print(f"# {'T':>6} {'dir':>8} | {'contender':>28} {'ms':>8} {'TF/s':>7} {'p10 ms':>8} {'p90 ms':>8} "
-          f"{'host us':>8} {'rel err':>8}")
+          f"{'host us':>8} {'rel err':>8}  (rel err: against torch)")
     rows, ok = [], True
     for T in args.tokens:
         x = torch.rand(T, H, device=dev, dtype=bf16) * 2 - 1
@@ -138,24 +128,16 @@ def main():
                          "torch_grouped_mm": torch_gemm2}),
         ):
             results = bench_record.interleaved(calls, args.warmup, args.blocks, args.iters)
-            for name, timed in results.items():
-                if timed is None:
-                    continue
-                s, host = bench_record.stats(timed[0]), bench_record.stats(timed[1])
-                ms = s["median_us"] / 1e3
-                err = f"{errors[name]:.2e}" if name in errors else "ref"
-                print(f"  {T:>6} {direction:>8} | {name:>28} {ms:>8.3f} {flops / ms / 1e9:>7.1f} "
-                      f"{s['p10_us'] / 1e3:>8.3f} {s['p90_us'] / 1e3:>8.3f} {host['median_us']:>8.1f} {err:>8}")
+            bench_record.print_timed(f"{T:>6} {direction:>8}", results, flops,
+                                     {name: f"{e:.2e}" for name, e in errors.items()})
             rows.append(row(T, E, H, F, k, direction, results, errors))
     comm.close()
     if args.json:
-        config = {"warmup": args.warmup, "blocks": args.blocks, "iters": args.iters,
+        config = {**bench_record.protocol_config(args),
                   "flops": "2·T·k·hidden·ffn per direction (routed rows, not padding)",
                   "check": f"per-expert row sums of y and the combined output against torch, relative L2 <= {TOLERANCE}",
                   "torch": torch.__version__}
-        with open(args.json, "w") as f:
-            json.dump(bench_record.record("moe_same_process", ok, config, rows), f)
-            f.write("\n")
+        bench_record.write(args.json, "moe_same_process", ok, config, rows)
     print("OK" if ok else "FAILED: mkernel disagrees with torch beyond the tolerance (see rel err)")
     return 0 if ok else 1
 

@@ -76,11 +76,8 @@ def main():
     ap.add_argument("--kv-heads", type=int, help="K/V heads (default: --heads); fewer needs --backward")
     ap.add_argument("--dim", type=int, default=D)
     ap.add_argument("--backward", action="store_true", help="time the backward and the forward + backward")
-    ap.add_argument("-w", dest="warmup", type=int, default=3)
-    ap.add_argument("-n", dest="iters", type=int, default=10)
-    ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--rest-ms", type=int, default=0, help="idle time before each case")
-    ap.add_argument("--json", help="write the run's record (mkbench/1) here")
+    bench_record.add_protocol_args(ap)
     args = ap.parse_args()
     if args.iters < 1 or args.blocks < 1:
         ap.error("need -n >= 1 and --blocks >= 1")

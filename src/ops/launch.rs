@@ -95,7 +95,7 @@ pub fn tiled_tensor_map(
     key.dims[..rank].copy_from_slice(dims);
     key.strides[..rank - 1].copy_from_slice(strides);
     key.boxes[..rank].copy_from_slice(boxes);
-    ENCODED.get_or_try(key, |_| encode_tiled(ptr, dtype, dims, strides, boxes, what))
+    ENCODED.get_or_try(key, |key| encode_tiled(key, dtype, what))
 }
 
 /// Everything `cuTensorMapEncodeTiled` reads for one of the maps above.
@@ -109,32 +109,25 @@ struct TensorMapKey {
     boxes: [u32; 5],
 }
 
-fn encode_tiled(
-    ptr: u64,
-    dtype: mkDataType_t,
-    dims: &[u64],
-    strides: &[u64],
-    boxes: &[u32],
-    what: &str,
-) -> Result<sys::CUtensorMap> {
-    let rank = dims.len();
+/// Encodes the map `key` describes (`dtype` is its element type, `what` names the caller).
+fn encode_tiled(key: &TensorMapKey, dtype: mkDataType_t, what: &str) -> Result<sys::CUtensorMap> {
     let dt = match dtype {
         mkDataType_t::mkFloat16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     };
     let elem = [1u32; 5];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: dims, boxes and elem have `rank` entries and strides rank - 1 (checked above);
-    // the map is written by the call.
+    // SAFETY: the key's arrays hold at least `rank` dims, boxes and elem entries and rank - 1
+    // strides (rank <= 5, checked by tiled_tensor_map); the map is written by the call.
     cuda::check(what, unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             dt,
-            rank as u32,
-            ptr as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
+            key.rank as u32,
+            key.ptr as *mut c_void,
+            key.dims.as_ptr(),
+            key.strides.as_ptr(),
+            key.boxes.as_ptr(),
             elem.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
