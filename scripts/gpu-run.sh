@@ -123,7 +123,7 @@ note "GPU: $SMS SMs; MK_MAX_CTAS per rank at 2, 4, 8 ranks: $(max_ctas_for 2), $
 
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for n in $RANKS; do
-    suites="smoke collectives api ag_gemm gemm_reduce moe ring_attn ring_attn_bwd"
+    suites="smoke collectives api ag_gemm gemm_reduce moe ring_attn ring_attn_bwd mixed"
     [ "$n" = 1 ] && suites="$suites gemm"  # the engine alone is a one-rank suite
     # soak and chaos run in their own steps (below), never in this loop.
     if [ -n "$SUITES" ]; then
@@ -167,7 +167,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   # The fused-op suites with 2 ranks as threads of one process (MK_TEST_THREADS=1): the
   # communicators of one process, whose peers are plain pointers instead of IPC mappings.
   threaded=""
-  for s in ag_gemm gemm_reduce moe ring_attn ring_attn_bwd; do wants "$s" && threaded="$threaded $s"; done
+  for s in ag_gemm gemm_reduce moe ring_attn ring_attn_bwd mixed; do wants "$s" && threaded="$threaded $s"; done
   if [ -n "$threaded" ] && ! late "mktest$threaded, 2 rank threads"; then
     echo "===== mktest$threaded, 2 ranks as threads of one process" | tee -a "$OUT/mktest.log"
     env MK_TEST_THREADS=1 MK_TEST_NRANKS=2 MK_MAX_CTAS="$(max_ctas_for 2)" MK_TEST_KILL=skip timeout "$(limit 300)" \

@@ -18,7 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu-bins.sh  # $OUT, and $BIN from BIN or BIN_TAR
-TOOLS="memcheck racecheck synccheck"; SUITES="smoke collectives api gemm ag_gemm gemm_reduce moe ring_attn ring_attn_bwd"
+TOOLS="memcheck racecheck synccheck"; SUITES="smoke collectives api gemm ag_gemm gemm_reduce moe ring_attn ring_attn_bwd mixed"
 STEP=90; DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0; RANKS=1
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -38,7 +38,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} MK_TEST_NRANKS
 if [ "$RANKS" -gt 1 ]; then
   # Only the suites that run their ranks as threads; the others would start rank processes.
   fused=""
-  for s in $SUITES; do case " ag_gemm gemm_reduce moe ring_attn ring_attn_bwd " in *" $s "*) fused="$fused $s" ;; esac; done
+  for s in $SUITES; do case " ag_gemm gemm_reduce moe ring_attn ring_attn_bwd mixed " in *" $s "*) fused="$fused $s" ;; esac; done
   SUITES=$fused
   export MK_TEST_THREADS=1 MK_MAX_CTAS="$(max_ctas_for "$RANKS")"
 fi

@@ -606,6 +606,12 @@ pub struct RingAttnBwdParams {
 pub const MK_SIG_ABORT: u32 = 0;
 /// Nonzero: the first error word a kernel of this rank recorded (a 32-bit CAS on its low half).
 pub const MK_SIG_ERROR_CLAIM: u32 = 1;
+/// Fences between fused ops of different kernels (kernels/fused_fence.cu) this rank completed.
+pub const MK_SIG_FENCE_SEQ: u32 = 2;
+/// Word + src, written by src: src reached its fence k (so it has finished every fused op
+/// before it, and reads and writes no rank's fused-op region for them any more).
+pub const MK_SIG_FENCE_DONE: u32 = 8;
+const _: () = assert!(MK_SIG_FENCE_DONE + MK_MAX_PEERS as u32 <= MK_SIG_SEQ);
 /// Word + b: last step of collective CTA b (its own rank only).
 pub const MK_SIG_SEQ: u32 = 64;
 /// Collective CTA slots with flags.
@@ -780,10 +786,12 @@ pub enum MkOp {
     MoeCombine = 20,
     RingAttention = 21,
     RingAttentionBackward = 22,
+    /// The fence a communicator runs between two fused ops of different kernels.
+    FusedFence = 23,
 }
 
 /// Every op, for decoding (a free item: cbindgen would emit an associated constant).
-const MK_OPS: [MkOp; 10] = [
+const MK_OPS: [MkOp; 11] = [
     MkOp::AllGather,
     MkOp::ReduceScatter,
     MkOp::AllReduce,
@@ -794,6 +802,7 @@ const MK_OPS: [MkOp; 10] = [
     MkOp::MoeCombine,
     MkOp::RingAttention,
     MkOp::RingAttentionBackward,
+    MkOp::FusedFence,
 ];
 
 impl MkOp {
@@ -813,6 +822,7 @@ impl MkOp {
             MkOp::MoeCombine => "mkMoeGemmCombine",
             MkOp::RingAttention => "mkRingAttention",
             MkOp::RingAttentionBackward => "mkRingAttentionBackward",
+            MkOp::FusedFence => "the fence between fused ops",
         }
     }
 }

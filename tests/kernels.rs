@@ -39,6 +39,7 @@ fn every_kernel_family_is_embedded() {
     let embedded: Vec<&str> = mkernel::cuda::kernels::FATBINS.iter().map(|(name, _)| *name).collect();
     for family in [
         "util",
+        "fused_fence",
         "gemm",
         "collectives",
         "hier_collectives",

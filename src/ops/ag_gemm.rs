@@ -16,6 +16,7 @@ use crate::comm::Comm;
 use crate::cuda::{self, sys};
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{AgGemmParams, ProxyRingView, MK_AG_GEMM_MAX_CHUNKS, MK_MAX_PEERS};
+use crate::ops::fused_fence::{self, FusedKernel};
 use crate::ops::gemm::{self as engine, Epilogue, PlanOverrides};
 use crate::ops::hier_collectives::{fused_op_workspace, NodeLayout};
 use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
@@ -339,6 +340,7 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
             p.chunk_rows
         )));
     }
+    fused_fence::before_launch(comm, &ws.view, FusedKernel::AllGatherGemm, stream)?;
     launch(args, &p, ws, nodes.as_ref(), stream)
 }
 

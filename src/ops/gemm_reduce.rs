@@ -12,6 +12,7 @@ use crate::cuda::kernels::Kernel;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{self, GemmReduceParams, MkOp, ProxyRingView};
+use crate::ops::fused_fence::{self, FusedKernel};
 use crate::ops::hier_collectives::NodeLayout;
 use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
 use crate::tuning::Tuning;
@@ -465,6 +466,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
             ws.view.op_bytes
         )));
     }
+    fused_fence::before_launch(comm, &ws.view, FusedKernel::GemmReduce, stream)?;
     launch(args, &shape, &p, ws, nodes.as_ref(), stream)
 }
 

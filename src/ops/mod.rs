@@ -4,6 +4,7 @@
 
 pub mod ag_gemm;
 pub mod collectives;
+pub mod fused_fence;
 pub mod gemm;
 pub mod gemm_ar;
 pub mod gemm_reduce;

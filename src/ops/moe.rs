@@ -16,6 +16,7 @@ use crate::comm::Comm;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{MoeParams, WorkspaceView};
+use crate::ops::fused_fence::{self, FusedKernel};
 use crate::ops::gemm::{self as engine, Epilogue};
 use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
 use crate::tuning::Tuning;
@@ -846,6 +847,7 @@ fn run(comm: &Comm, call: MoeCall, stream: sys::CUstream) -> Result<()> {
     let grid = DeviceCaps::of(comm)?.grid_cap();
     let p = plan(call.dir, &call.dims, grid, comm.config.comm_ctas, &comm.config.tuning, call.gemm)?;
     let region = ws.view.data[comm.rank] + ws.view.data_bytes;
+    fused_fence::before_launch(comm, &ws.view, FusedKernel::Moe, stream)?;
     launch(call, &p, &ws.view, region, stream)
 }
 

@@ -16,6 +16,7 @@ use crate::comm::Comm;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnParams, WorkspaceView, MK_MAX_PEERS};
+use crate::ops::fused_fence::{self, FusedKernel};
 use crate::ops::launch::{DeviceCaps, KernelLaunch};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
@@ -404,6 +405,7 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
     if let Some(ws) = &comm.workspace {
         p.ws = ws.view;
         p.sched_dynamic = 1;
+        fused_fence::before_launch(comm, &ws.view, FusedKernel::RingAttention, stream)?;
     }
     launch(args, &plan, p, stream)
 }

@@ -15,6 +15,7 @@ use crate::comm::Comm;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnBwdParams, MK_MAX_PEERS, RING_BWD_MAX_ITEMS};
+use crate::ops::fused_fence::{self, FusedKernel};
 use crate::ops::launch::{DeviceCaps, KernelLaunch};
 use crate::ops::ring_attention::{token_pos, RingArgs, RingShape};
 use crate::types::{mkDataType_t, RawDataType};
@@ -368,6 +369,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
         maps.v[src] = head_map(v, f.dtype, &s, s.kv_heads)?;
     }
     let kernel_launch = plan.kernel_launch(f.dtype)?;
+    fused_fence::before_launch(comm, &ws.view, FusedKernel::RingAttentionBackward, stream)?;
     let mut kernel_params: [*mut c_void; 2] =
         [(&mut p as *mut RingAttnBwdParams).cast(), (&mut maps as *mut BwdMaps).cast()];
     // SAFETY: the parameters match the kernel (RingAttnBwdParams and BwdMaps by value); the

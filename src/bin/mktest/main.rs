@@ -15,6 +15,7 @@ mod collectives;
 mod fused_common;
 mod gemm;
 mod gemm_reduce;
+mod mixed;
 mod moe;
 mod nodes;
 mod outcome;
@@ -45,6 +46,8 @@ const SUITES: &[(&str, Suite, usize)] = &[
     ("ring_attn", ring_attn::run, 55),
     // 36 gradient checks, 4 argument errors, 6 around the graph (46 at one rank).
     ("ring_attn_bwd", ring_attn_bwd::run, 44),
+    // 6 rounds of 4 ops, and 4 captured ops x 3 replays + 3 direct calls.
+    ("mixed", mixed::run, 36),
     // MK_TEST_NODES=fused leaves the ~900 collective cases out: the floor covers the rest.
     ("nodes", nodes::run, 120),
     // The first round (every op once, the MoE pair two checks) runs whatever the duration.

@@ -1,0 +1,117 @@
+//! Fused ops of different kernels back to back on one communicator, with no barrier between
+//! the ranks: AllGather + GEMM, GEMM + AllReduce, GEMM + ReduceScatter and ring attention.
+//! All of them keep their buffers in the same fused-op region of every rank, and each
+//! orders itself only against its own previous call, so every switch of kernel depends on
+//! the fence between them (ops::fused_fence): without it a fast rank's next op overwrites
+//! what a slow peer is still reading.
+//!
+//! Per round: fresh inputs for every case (outputs poisoned), the four ops launched one
+//! after another on one stream, one bounded wait, every output checked against its float64
+//! reference. Then the sequence captured in one CUDA graph and replayed on fresh inputs,
+//! with a direct call between replays (a graph may be replayed after any op).
+
+use crate::collectives::{async_error, ffi, say, timed_sync, Stream};
+use crate::fused_common::{self, Captured, FusedCase};
+use crate::outcome::Outcome;
+use crate::ranks::RankEnv;
+use mkernel::comm::Comm;
+use mkernel::error::{mkResult_t, MkError, Result};
+use mkernel::ffi::mkComm_t;
+use mkernel::types::mkDataType_t;
+use std::time::Duration;
+
+pub fn run() -> Result<Outcome> {
+    fused_common::run_suite(
+        "mixed",
+        |comm, _control, rank, n| back_to_back(comm, rank, n).and_then(|_| graph_replay(comm, rank, n)),
+        absent_rank,
+    )
+}
+
+/// Rounds of the sequence with fresh inputs.
+const ROUNDS: u64 = 6;
+
+/// The four ops, small enough that a round takes milliseconds (so ranks drift apart by
+/// whole ops), each of a different kernel family.
+struct Sequence {
+    all_gather_gemm: crate::ag_gemm::Case,
+    gemm_all_reduce: crate::gemm_reduce::Case,
+    gemm_reduce_scatter: crate::gemm_reduce::Case,
+    ring_attention: crate::ring_attn::Case,
+}
+
+impl Sequence {
+    fn new(n: usize, rank: usize) -> Result<Sequence> {
+        let bf16 = mkDataType_t::mkBfloat16;
+        Ok(Sequence {
+            all_gather_gemm: crate::ag_gemm::Case::new(bf16, 128, 512, 256, n, rank)?,
+            gemm_all_reduce: crate::gemm_reduce::Case::new(false, bf16, 256, 512, 256, n, rank)?,
+            gemm_reduce_scatter: crate::gemm_reduce::Case::new(true, bf16, 128 * n, 512, 256, n, rank)?,
+            ring_attention: crate::ring_attn::Case::new(bf16, 1, 128, 4, 2, 128, true, n, rank)?,
+        })
+    }
+
+    /// In launch order: a different kernel family after every one.
+    fn cases(&self) -> [&dyn FusedCase; 4] {
+        [&self.all_gather_gemm, &self.gemm_all_reduce, &self.ring_attention, &self.gemm_reduce_scatter]
+    }
+}
+
+fn back_to_back(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+    let seq = Sequence::new(n, rank)?;
+    let stream = Stream::new()?;
+    let (mut checks, mut failures) = (0, 0);
+    for round in 0..ROUNDS {
+        for (i, case) in seq.cases().into_iter().enumerate() {
+            case.prepare(10 * round + i as u64 + 1)?;
+        }
+        for case in seq.cases() {
+            ffi(&format!("mixed {}", case.label()), case.launch(comm, stream.0), comm)?;
+        }
+        timed_sync(&stream, Duration::from_secs(60)).map_err(|e| e.context(format!("mixed round {round}")))?;
+        let code = async_error(comm);
+        if code != mkResult_t::mkSuccess {
+            return Err(MkError::new(code, format!("mixed round {round}: asynchronous error {code:?}")));
+        }
+        for case in seq.cases() {
+            let (ok, detail) = case.verify()?;
+            checks += 1;
+            if !ok {
+                failures += 1;
+            }
+            if !ok || rank == 0 {
+                say(
+                    rank,
+                    format!("mixed round {round}: {} {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }),
+                );
+            }
+        }
+    }
+    fused_common::count_checks(rank, "mixed", checks, failures)
+}
+
+fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+    let seq = Sequence::new(n, rank)?;
+    let captured: Vec<Captured> = seq
+        .cases()
+        .into_iter()
+        .enumerate()
+        .map(|(i, case)| Captured { case, capture_seed: 500 + i as u64, replay_seed: 600 + 10 * i as u64 })
+        .collect();
+    fused_common::graph_replay_of(comm, rank, "mixed", &captured, 1, 700)
+}
+
+fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
+    let (rank, n) = (env.rank, env.nranks);
+    let seq = Sequence::new(n, rank)?;
+    fused_common::absent_rank(env, control, 2, "a fused op after another kernel's (a rank absent)", |comm, stream| {
+        seq.gemm_all_reduce.prepare(5)?;
+        seq.all_gather_gemm.prepare(6)?;
+        // The others' AllReduce and the fence after it wait for the absent rank.
+        let first = seq.gemm_all_reduce.launch(comm, stream);
+        if first != mkResult_t::mkSuccess {
+            return Ok(first);
+        }
+        Ok(seq.all_gather_gemm.launch(comm, stream))
+    })
+}
