@@ -74,7 +74,7 @@ struct HasRowsEnd<Sched, std::void_t<decltype(Sched::rows_end(std::declval<const
 // ticket >= items ends the CTA's loop. The producer thread takes the tickets and hands
 // each to the item's other readers (every consumer warp, the courier) through a ring of
 // kTicketSlots slots in shared memory with full/empty mbarriers, as the stages are handed
-// over. Tested at compile time, so static schedulers compile to the code they had.
+// over. Tested at compile time, so a static scheduler's walk compiles to the plain loop.
 // Not built for clusters, split-K or 64-row tiles (static_assert below).
 template <class Sched, class = void>
 struct HasTickets : std::false_type {};
