@@ -12,7 +12,8 @@
 //   Y = X_recv · W1_eᵀ, m-blocks in the receive layout's order (expert-major, raster groups
 //   cut at experts, so an expert's blocks share its weight tiles in L2); before loading a
 //   tile's A rows the producer waits for RECV[s, expert] of every source s whose rows the
-//   block holds.
+//   block holds. Both kernels' GEMMs schedule tiles dynamically: the GEMM CTAs take them in
+//   that order from a ticket counter (MoeRaster, MOE_TILE_NEXT), so they end together.
 // Dispatch, the prep (the last GEMM CTA before its GEMM; the first comm CTA with
 //   MK_COMM_SMS): counts this rank's routing per expert and each (token, expert)'s position
 //   among this rank's tokens of that expert, exchanges the counts, computes the layout, the
@@ -36,6 +37,7 @@
 #include "common/gemm/engine.cuh"
 #include "common/fused_op.cuh"
 #include "common/trace.cuh"
+#include "common/moe_raster.cuh"  // band_locate, MoeRaster, ld_cg
 
 // Signal words (MOE_*), layout words (MOE_LAY_*), MOE_MAX_EXPERTS and MOE_WARPS: in
 // mk_kernel_abi.h (src/kernel_abi.rs).
@@ -43,8 +45,6 @@
 namespace mk { namespace moe {
 
 using namespace mk::gemm;
-
-__device__ __forceinline__ int ld_cg(const int* p) { return __ldcg(p); }
 
 // The MoE kernels' waits: with a back-off (signals.cuh), up to 2 us between polls.
 __device__ __forceinline__ bool moe_wait(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer,
@@ -69,76 +69,6 @@ __device__ __forceinline__ bool moe_cta_wait_peers(const WorkspaceView& ws, uint
   if (p < ws.nranks && p != skip) ok = moe_wait(ws, mk_signal_word(ws, ws.rank, first_word + p), target, p, MK_WAIT_OP_FLAG, op);
   return __syncthreads_and(ok) != 0;
 }
-
-// Column bands of band_w columns (MoeParams::band_w, which divides tiles_n; host mirror
-// ops::moe::band_locate): u counts units (tiles_m per column for the GEMM's tiles, tokens
-// per column for the pull's items) band by band; on return u is the unit within its band,
-// w the band's width, and the result its first column.
-__device__ __forceinline__ int band_locate(int per_col, int band_w, int& u, int& w) {
-  const int band = u / (per_col * band_w);
-  u -= band * per_col * band_w;
-  w = band_w;
-  return band * band_w;
-}
-
-// Tiles: t -> grouped raster over (ordered m-block index, n-block); the m-block index goes
-// through the order table (identity when null), and the B row block is the expert's
-// (E_local·N_total view). With a run table, raster groups never straddle two runs (a run:
-// consecutive order positions of one expert, and for the dispatch one order key): a run of
-// L blocks is cut into ceil(L / group_m) groups of balanced sizes, so the tiles that share
-// an expert's B tile run in the same wave. Host mirror: ops::moe::moe_tile.
-struct MoeRaster {
-  struct Params {
-    const int* order;      // m-block order (layout); null: identity
-    const int* runs;       // per m-block: first order position of its run | length << 15; null: fixed groups
-    const int* mb_expert;  // local expert of each m-block (layout)
-    const int* mb_rows;    // rows of each m-block in use (layout): 1..128
-    int tiles_m, tiles_n;
-    int band_w;  // column tiles per band (divides tiles_n, band_locate): the raster runs band by band
-    int group_m;
-  };
-  // The engine skips the wgmmas of a 64-row consumer slab at or past this row: an expert's
-  // last m-block holds (rows mod 128) rows, and at 4 ranks (T 4096, k 8, E 256: ~512 +- 22
-  // rows per expert) about half of the experts end in a block of <= 64 rows: ~16 of ~288
-  // blocks' tensor work was padding. The unfused per-expert GEMMs (M = the expert's rows)
-  // skip it too. The slab's stale accumulators go to padding rows (Y: unspecified; Z: never read).
-  __device__ static int rows_end(const Params& p, const TileCoord& c, int) {
-    return c.m_block * 128 + ld_cg(p.mb_rows + c.m_block);
-  }
-  __device__ static TileCoord tile(const Params& p, int t) {
-    // Bands (the combine: its pull follows them): band b's tiles, then band b + 1's, each
-    // band rastered as below over its bw column tiles.
-    int bw;
-    const int col0 = band_locate(p.tiles_m, p.band_w, t, bw);
-    int pos, nb;
-    if (p.runs == nullptr) {
-      const TileCoord c = grouped_tile(p.tiles_m, bw, p.group_m, t);
-      pos = c.m_block;
-      nb = c.n_block;
-    } else {
-      // Groups tile the order positions, so position t / bw lies in t's group.
-      const int at = t / bw;
-      const int info = ld_cg(p.runs + (p.order ? ld_cg(p.order + at) : at));
-      const int rs = info & 0x7fff, len = info >> 15;
-      const int groups = (len + p.group_m - 1) / p.group_m;
-      const int q = len / groups, r = len % groups, o = at - rs;  // r groups of q + 1, then q
-      int gs, gl;
-      if (o < r * (q + 1)) {
-        gs = o / (q + 1) * (q + 1);
-        gl = q + 1;
-      } else {
-        gs = r * (q + 1) + (o - r * (q + 1)) / q * q;
-        gl = q;
-      }
-      gs += rs;
-      const int in_group = t - gs * bw;
-      pos = gs + in_group % gl;
-      nb = in_group / gl;
-    }
-    const int mb = p.order ? ld_cg(p.order + pos) : pos;
-    return TileCoord{mb, ld_cg(p.mb_expert + mb) * p.tiles_n + col0 + nb};
-  }
-};
 
 // C tile columns: the scheduler's n_block counts over all experts' B rows; the output has
 // only one expert's columns.
@@ -565,6 +495,20 @@ __device__ __forceinline__ int sender_warps(const MoeParams& p) {
          p.comm_ctas * MOE_WARPS;
 }
 
+// Whole CTA, in every GEMM CTA of a launch with a GEMM, once its GEMM is done (or skipped):
+// the last to arrive resets the tile tickets (MoeRaster) for the next launch, which starts
+// after this one ends (stream order). Every CTA's producer thread has taken its last ticket
+// (an atomic whose value it used) before the barrier, and the fence orders it before the
+// arrival; a CTA that skipped its GEMM (a failed wait, an overflow) took none.
+__device__ __forceinline__ void release_tile_tickets(const MoeParams& p) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (mk_arrive_last(reinterpret_cast<uint64_t*>(peer_word(p.ws, p.ws.rank, MOE_TILE_EXIT)), (unsigned long long)p.compute_ctas))
+      atomicExch(peer_word(p.ws, p.ws.rank, MOE_TILE_NEXT), 0ull);
+  }
+}
+
 // Before a tile's A rows are loaded: wait for the rows of the block's expert from every
 // source whose rows the m-block holds (one flag per (source, local expert)).
 struct SourceAWait {
@@ -655,7 +599,7 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
       // Raster groups cut at the (key, expert) runs.
       typename MoeRaster::Params sched{layout + p.lay_mb_order, layout + p.lay_mb_run,
                                        layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n, p.tiles_n,
-                                       max(1, min(p.group_m, total_mb))};
+                                       max(1, min(p.group_m, total_mb)), peer_word(ws, ws.rank, MOE_TILE_NEXT)};
       typename SourceAWait::Params await{&p, layout + p.lay_mb_srcmask, layout + p.lay_mb_expert, epoch};
       typename Epi::Params epi;
       epi.dest.tma_c = tma_c;
@@ -684,6 +628,7 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
     __syncthreads();
     mk_trace_time(p.trace, MK_TR_ROLE);
   }
+  if (p.gemm && j < 0) release_tile_tickets(p);
   mk_op_epoch_end(ws, MOE_EPOCH, MOE_ARRIVE, MOE_DONE, epoch);
   mk_trace_time(p.trace, MK_TR_END);
 }
@@ -926,7 +871,7 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
         // order), groups cut at expert segments, column bands first (band_w).
         typename MoeRaster::Params sched{nullptr, layout + p.lay_mb_seg,
                                          layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n, p.band_w,
-                                         max(1, min(p.group_m, total_mb))};
+                                         max(1, min(p.group_m, total_mb)), peer_word(ws, ws.rank, MOE_TILE_NEXT)};
         typename PullBeside<T, BN>::Params await{&p, epoch};
         typename Epi::Params epi;
         epi.dest.tma_c = tma_c;
@@ -954,6 +899,7 @@ __device__ __forceinline__ void combine(const CUtensorMap* tma_a, const CUtensor
     __syncthreads();
     mk_trace_time(p.trace, MK_TR_ROLE);
   }
+  if (p.gemm && (int)blockIdx.x < p.compute_ctas) release_tile_tickets(p);
   mk_op_epoch_end(ws, MOE_EPOCH, MOE_ARRIVE, MOE_DONE, epoch);
   mk_trace_time(p.trace, MK_TR_END);
 }

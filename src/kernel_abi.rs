@@ -705,8 +705,14 @@ pub const MOE_EXIT: u32 = MK_SIG_MOE_BASE + 41;
 pub const MOE_PULL_GRAB: u32 = MK_SIG_MOE_BASE + 42;
 /// Combine: pulling warps done (counter; the last resets both).
 pub const MOE_PULL_EXIT: u32 = MK_SIG_MOE_BASE + 43;
+/// The GEMM's dynamic tile schedule (both kernels): the next ticket, i.e. tile in the
+/// schedule's order (counter, zero between launches).
+pub const MOE_TILE_NEXT: u32 = MK_SIG_MOE_BASE + 44;
+/// GEMM CTAs of the running launch that took their last ticket (counter; the last resets both).
+pub const MOE_TILE_EXIT: u32 = MK_SIG_MOE_BASE + 45;
 /// Word + s * E_local + le: all of rank s's rows of local expert le arrived (written by s).
 pub const MOE_RECV: u32 = MK_SIG_MOE_BASE + 1024;
+const _: () = assert!(MOE_CNT + MK_MAX_PEERS as u32 <= MOE_GRAB && MOE_TILE_EXIT < MOE_RECV);
 /// Word + q: rows of send list q copied (counter; the last copier resets it).
 pub const MOE_SENT: u32 = MK_SIG_MOE_BASE + 2048;
 /// Word + (m_block * tiles_n + n) * 2 + slab: Z slab stored.

@@ -625,9 +625,11 @@ pub fn send_tables(s: &MoeShape, ids: &[i32], rank: usize) -> (Vec<usize>, Vec<u
     (row0, slots)
 }
 
-/// Tile `t` of the MoE GEMM (kernels/moe.cu `MoeRaster::tile`): (block, n-block within the
-/// expert). `order` None = identity; `runs` (per block: first order position, length of its
-/// run) None = the engine's fixed groups of `group_m`.
+/// Tile `t` of the MoE GEMM (kernels/common/moe_raster.cuh `MoeRaster::tile`): (block,
+/// n-block within the expert). The GEMM CTAs take tiles by ticket, so `t` is also the
+/// ticket of the dynamic schedule: tiles start in this order, whichever CTA computes them.
+/// `order` None = identity; `runs` (per block: first order position, length of its run)
+/// None = the engine's fixed groups of `group_m`.
 pub fn moe_tile(
     order: Option<&[usize]>,
     runs: Option<&[(usize, usize)]>,
@@ -639,16 +641,17 @@ pub fn moe_tile(
     moe_tile_banded(order, runs, tiles_m, tiles_n, tiles_n, group_m, t)
 }
 
-/// Column bands (kernels/moe.cu `band_locate`): unit `u` of a band-major sequence with
-/// `per_col` units per column -> (first column of its band, the band's width, the unit
-/// within the band), for bands of `band_w` columns (dividing the column tiles).
+/// Column bands (kernels/common/moe_raster.cuh `band_locate`): unit `u` of a band-major
+/// sequence with `per_col` units per column -> (first column of its band, the band's width,
+/// the unit within the band), for bands of `band_w` columns (dividing the column tiles).
 pub fn band_locate(per_col: usize, band_w: usize, u: usize) -> (usize, usize, usize) {
     let band = u / (per_col * band_w);
     (band * band_w, band_w, u - band * per_col * band_w)
 }
 
 /// `moe_tile` with column bands (MoeParams::band_w: `band_locate`): every tile of band b
-/// before band b + 1, each band rastered as `moe_tile` over its columns.
+/// before band b + 1, each band rastered as `moe_tile` over its columns. The host mirror of
+/// `MoeRaster::tile` (tests/schedule_vectors.rs checks the two against each other).
 pub fn moe_tile_banded(
     order: Option<&[usize]>,
     runs: Option<&[(usize, usize)]>,

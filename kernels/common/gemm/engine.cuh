@@ -9,7 +9,8 @@
 //                    flight, [split-K: CTA 0 of the cluster folds the others' partials,
 //                    split_k_fold], then the epilogue policy.
 // Compile-time policies make it the core of every fused op:
-//   Sched  tile order (scheduler.cuh: GroupedRaster, RankRotatedRaster);
+//   Sched  tile order (scheduler.cuh: GroupedRaster, RankRotatedRaster), static (CTA
+//          `cta` takes items cta, cta + num_ctas, ...) or dynamic (HasTickets: tickets);
 //   AWait  hook before a tile's A rows are loaded (hooks.cuh: NoAWait, FlagAWait);
 //   Epi    what happens to each C tile (epilogue.cuh: TmaStoreEpilogue, DirectStoreEpilogue).
 // The CTA count is a run-time argument: a fused kernel gives the engine `num_ctas` of its
@@ -60,6 +61,116 @@ struct HasRowsEnd : std::false_type {};
 template <class Sched>
 struct HasRowsEnd<Sched, std::void_t<decltype(Sched::rows_end(std::declval<const typename Sched::Params&>(),
                                                               std::declval<const TileCoord&>(), 0))>> : std::true_type {};
+
+// Whether the scheduler hands out its items dynamically, by defining
+//   __device__ static unsigned long long* tickets(const Params&);
+// a counter in global memory that is zero when the launch starts, shared by the launch's
+// GEMM CTAs (the kernel resets it for the next launch once every CTA took its last ticket,
+// mk_arrive_last). Ticket t is item t of the same order Sched::tile defines (t < items):
+// a CTA takes its next item from the counter as it starts loading its current one, instead
+// of cta, cta + num_ctas, ..., so the CTAs that finish early take more items and all end
+// within about one item of each other. Each item is computed exactly as under the static
+// walk (the same tile, k-blocks and epilogue): only which CTA computes it changes. A
+// ticket >= items ends the CTA's loop. The producer thread takes the tickets and hands
+// each to the item's other readers (every consumer warp, the courier) through a ring of
+// kTicketSlots slots in shared memory with full/empty mbarriers, as the stages are handed
+// over. Tested at compile time, so a static scheduler's walk compiles to the plain loop.
+// Not built for clusters, split-K or 64-row tiles (static_assert below).
+template <class Sched, class = void>
+struct HasTickets : std::false_type {};
+template <class Sched>
+struct HasTickets<Sched, std::void_t<decltype(Sched::tickets(std::declval<const typename Sched::Params&>()))>>
+    : std::true_type {};
+
+// The dynamic schedule's hand-off ring (static shared memory of the kernels that use it,
+// beside engine_smem_bytes). Slots let the producer run as many items ahead of the slowest
+// reader as its stage ring lets it (the courier trails the consumers by up to two items).
+constexpr int kTicketSlots = 8;
+struct TicketRing {
+  uint64_t full[kTicketSlots];   // the producer wrote the slot's ticket (one arrival)
+  uint64_t empty[kTicketSlots];  // every reader has read it (one arrival per reader)
+  int ticket[kTicketSlots];
+};
+template <class Sched>
+__device__ __forceinline__ TicketRing* ticket_ring() {
+  __shared__ TicketRing ring;
+  return &ring;
+}
+
+// The next ticket: a relaxed atomic whose result is waited for only where it is used (an
+// asm, so ptxas does not aggregate it over the warp and wait for the shuffle at once).
+__device__ __forceinline__ int take_item_ticket(unsigned long long* counter) {
+  unsigned long long v;
+  asm volatile("atom.relaxed.gpu.global.add.u64 %0, [%1], 1;" : "=l"(v) : "l"(counter) : "memory");
+  return (int)v;
+}
+
+// One thread: the k-th ticket of this CTA (k = 0, 1, ...), once the producer wrote it; the
+// caller's arrival on empty (after it) lets the producer reuse the slot.
+__device__ __forceinline__ int ticket_at(TicketRing* ring, int k) {
+  const int s = k % kTicketSlots;
+  mbar_wait(&ring->full[s], (k / kTicketSlots) & 1);
+  const int t = ring->ticket[s];
+  mbar_arrive(&ring->empty[s]);  // release: the read above, then the slot is free
+  return t;
+}
+
+// Whole warp (converged): lane 0 reads the k-th ticket for the warp, every lane gets it.
+__device__ __forceinline__ int warp_ticket_at(TicketRing* ring, int k) {
+  int t = 0;
+  if (threadIdx.x % 32 == 0) t = ticket_at(ring, k);
+  return __shfl_sync(0xffffffffu, t, 0);
+}
+
+// The items a CTA's producer thread walks: static (item0, item0 + item_step, ...), or the
+// tickets of a dynamic schedule, each handed to the readers before it is returned (also the
+// one that ends the walk). started() runs once the item's A rows may be loaded (after
+// AWait): the dynamic walk takes the next ticket there, one item ahead, so the atomic's
+// round trip overlaps the item's loads (its value is waited for only at the next item),
+// and a CTA still waiting for an item's rows has not yet claimed another.
+template <class Sched, bool = HasTickets<Sched>::value>
+struct ProducerWalk {
+  int step;
+  __device__ ProducerWalk(const typename Sched::Params&, int item_step) : step(item_step) {}
+  __device__ int first(int item0) { return item0; }
+  __device__ int next(int t) { return t + step; }
+  __device__ void started(const typename Sched::Params&) {}
+};
+template <class Sched>
+struct ProducerWalk<Sched, true> {
+  int k = 0;  // tickets handed over
+  int ticket;
+  __device__ ProducerWalk(const typename Sched::Params& p, int) : ticket(take_item_ticket(Sched::tickets(p))) {}
+  __device__ int first(int) { return publish(); }
+  __device__ int next(int) { return publish(); }
+  __device__ void started(const typename Sched::Params& p) { ticket = take_item_ticket(Sched::tickets(p)); }
+  __device__ int publish() {
+    TicketRing* ring = ticket_ring<Sched>();
+    const int s = k % kTicketSlots;
+    mbar_wait(&ring->empty[s], ((k / kTicketSlots) & 1) ^ 1);  // every reader read the slot's last ticket
+    ring->ticket[s] = ticket;
+    mbar_arrive(&ring->full[s]);  // release: the ticket, then the arrival
+    ++k;
+    return ticket;
+  }
+};
+
+// The items a consumer warp walks: static, or the dynamic schedule's tickets as the
+// producer hands them over (warp-collective: every lane of the warp calls it).
+template <class Sched, bool = HasTickets<Sched>::value>
+struct ConsumerWalk {
+  int step;
+  __device__ explicit ConsumerWalk(int item_step) : step(item_step) {}
+  __device__ int first(int item0) { return item0; }
+  __device__ int next(int t) { return t + step; }
+};
+template <class Sched>
+struct ConsumerWalk<Sched, true> {
+  int k = 0;
+  __device__ explicit ConsumerWalk(int) {}
+  __device__ int first(int) { return warp_ticket_at(ticket_ring<Sched>(), k++); }
+  __device__ int next(int) { return warp_ticket_at(ticket_ring<Sched>(), k++); }
+};
 
 // Operand shared by a 2-CTA cluster (TMA multicast): each CTA loads half of it for both.
 //   SHARE_NONE  no cluster;
@@ -241,6 +352,9 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
     if (SHARE == SHARE_B) c.m_block = c.m_block * 2 + (int)rank;
     return c;
   };
+  constexpr bool kDynamic = HasTickets<Sched>::value;
+  static_assert(!kDynamic || (CLUSTER == 1 && !Cfg::SPLIT_K && !kIdleConsumer),
+                "a dynamic schedule hands one CTA each item and needs both consumers");
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -258,6 +372,14 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
       mbar_init(&mailboxes[c * kMailboxWords], 1);      // a slab handed to the courier
       mbar_init(&mailboxes[c * kMailboxWords + 1], 1);  // the courier took it
     }
+    if constexpr (kDynamic) {
+      TicketRing* ring = ticket_ring<Sched>();
+      for (int s = 0; s < kTicketSlots; ++s) {
+        mbar_init(&ring->full[s], 1);
+        // Readers: every consumer warp, and the courier.
+        mbar_init(&ring->empty[s], Cfg::CONSUMERS * 4 + (Epi::kCourier ? 1 : 0));
+      }
+    }
     fence_mbar_init();
   }
   if constexpr (CLUSTER > 1 || Cfg::SPLIT_K) {
@@ -273,10 +395,12 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
       prefetch_tensor_map(tma_b);
       int stage = 0;
       uint32_t phase = 0;
-      for (int t = item0; t < num_items; t += item_step) {
+      ProducerWalk<Sched> walk(sched, item_step);
+      for (int t = walk.first(item0); t < num_items; t = walk.next(t)) {
         const TileCoord tc = expand(Sched::tile(sched, t));
         const int m0 = tc.m_block * BM, n0 = tc.n_block * BN;
         AWait::before_a_load(await, tc.m_block, m0, BM);
+        walk.started(sched);
         for (int kb = kb0; kb < kb0 + kbs; ++kb) {
           // In a cluster this waits until both CTAs' consumers freed the slot (the peer
           // multicasts into it too).
@@ -307,8 +431,19 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
       }
     } else if (Epi::kCourier && threadIdx.x / 32 == 1) {
       static_assert(!Epi::kCourier || Cfg::CONSUMERS == 2, "the courier serves two consumer warpgroups");
-      const int tiles = item0 < num_items ? (num_items - item0 + item_step - 1) / item_step : 0;
-      if (threadIdx.x == 32) Epi::courier(epi, mailboxes, tiles);
+      if constexpr (kDynamic) {
+        // The courier reads every ticket too: it serves the items in the consumers' order.
+        if constexpr (Epi::kCourier) {
+          if (threadIdx.x == 32) {
+            uint32_t box_phase = 0;
+            for (int k = 0; ticket_at(ticket_ring<Sched>(), k) < num_items; ++k)
+              Epi::courier_tile(epi, mailboxes, box_phase);
+          }
+        }
+      } else {
+        const int tiles = item0 < num_items ? (num_items - item0 + item_step - 1) / item_step : 0;
+        if (threadIdx.x == 32) Epi::courier(epi, mailboxes, tiles);
+      }
     } else if (threadIdx.x >= 32) {
       AWait::side_work(await, threadIdx.x - 32);
     }
@@ -335,7 +470,8 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
       }
     };
     const int my_items = kIdleConsumer && consumer == 1 ? 0 : num_items;
-    for (int t = item0; t < my_items; t += item_step) {
+    ConsumerWalk<Sched> walk(item_step);
+    for (int t = walk.first(item0); t < my_items; t = walk.next(t)) {
       const TileCoord tc = expand(Sched::tile(sched, t));
       // A slab entirely at or below row M (M <= 64: consumer 1 on every tile; else the
       // last m-block's lower half when M % 128 is in (0, 64]) multiplies only the rows TMA

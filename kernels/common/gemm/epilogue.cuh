@@ -11,6 +11,8 @@
 //     __device__ static void finish(const Params&, const SlabInfo&);  // after the last tile
 //     static constexpr bool kCourier;  // true: the engine runs courier() in warp 1 of the
 //     __device__ static void courier(const Params&, uint64_t* mailboxes, int tiles);  // producer warpgroup
+//     // With a dynamic schedule (HasTickets, engine.cuh), one tile of the courier's work:
+//     __device__ static void courier_tile(const Params&, uint64_t* mailboxes, uint32_t& phase);
 //   };
 // Accumulator layout (wgmma m64nBNk16, fp32): see acc_row / acc_col below.
 #pragma once
@@ -235,20 +237,24 @@ struct TmaEpilogue {
   // the tiles; returns after the last.
   __device__ static void courier(const Params& p, uint64_t* mailboxes, int tiles) {
     uint32_t phase = 0;
-    for (int i = 0; i < tiles; ++i) {
-      for (int c = 0; c < 2; ++c) {
-        uint64_t* box = mailboxes + c * kMailboxWords;
-        mbar_wait(&box[0], phase);
-        const int* info = reinterpret_cast<const int*>(box + 2);
-        SlabInfo done;
-        done.tile = TileCoord{info[0], info[1]};
-        done.row0 = info[2];
-        done.consumer = c;
-        Signal::after_store(p.signal, done);
-        mbar_arrive(&box[1]);  // the slot is free again
-      }
-      phase ^= 1;
+    for (int i = 0; i < tiles; ++i) courier_tile(p, mailboxes, phase);
+  }
+
+  // One tile of the courier's work: the two slabs of the CTA's next tile (a dynamic
+  // schedule's courier calls it once per ticket, not knowing its tile count ahead).
+  __device__ static void courier_tile(const Params& p, uint64_t* mailboxes, uint32_t& phase) {
+    for (int c = 0; c < 2; ++c) {
+      uint64_t* box = mailboxes + c * kMailboxWords;
+      mbar_wait(&box[0], phase);
+      const int* info = reinterpret_cast<const int*>(box + 2);
+      SlabInfo done;
+      done.tile = TileCoord{info[0], info[1]};
+      done.row0 = info[2];
+      done.consumer = c;
+      Signal::after_store(p.signal, done);
+      mbar_arrive(&box[1]);  // the slot is free again
     }
+    phase ^= 1;
   }
 
  private:

@@ -1,5 +1,6 @@
 // Tile schedulers for the persistent GEMM engine: which (m_block, n_block) C tile the
 // linear work index t maps to. CTA `cta` of `num_ctas` processes t = cta, cta + num_ctas, …
+// (or, for a scheduler with a ticket counter, the tickets it takes: engine.cuh HasTickets),
 // so every policy only has to define the order. Policies are compile-time so the plain
 // GEMM pays nothing for the fused ops' orders.
 //
