@@ -8,44 +8,12 @@
 //! a phase mixed up (a partial overwritten before it was read, or read before it was
 //! stored) shows as a wrong sum or a hang. Keep it in step with the kernel.
 
+mod common;
+use common::mbarrier::Mbarrier;
 use mkernel::ops::gemm::plan;
 use mkernel::ops::gemm::PlanOverrides;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// An mbarrier: `count` arrivals complete the current phase; a waiter asks for the
-/// completion of the phase with a given parity (a fresh barrier's phase 0 is incomplete,
-/// so waiting on parity 1 returns at once, as `mbar_wait` documents).
-struct Mbarrier {
-    state: Mutex<(u32, u32)>, // (completed phases, arrivals in the current phase)
-    count: u32,
-    changed: Condvar,
-}
-
-impl Mbarrier {
-    fn new(count: u32) -> Mbarrier {
-        Mbarrier { state: Mutex::new((0, 0)), count, changed: Condvar::new() }
-    }
-    fn arrive(&self) {
-        let mut s = self.state.lock().unwrap();
-        s.1 += 1;
-        if s.1 == self.count {
-            s.0 += 1;
-            s.1 = 0;
-            self.changed.notify_all();
-        }
-    }
-    /// try_wait.parity: true once the phase of this parity has completed, i.e. the
-    /// current (incomplete) phase's parity differs from `parity`.
-    fn wait(&self, parity: u32) {
-        let mut s = self.state.lock().unwrap();
-        while s.0 % 2 == parity {
-            let (g, timeout) = self.changed.wait_timeout(s, Duration::from_secs(20)).unwrap();
-            assert!(!timeout.timed_out(), "a split-K barrier wait hung (parity {parity})");
-            s = g;
-        }
-    }
-}
 
 /// One CTA's split-K state: its partial slab and its two barriers (only CTA 0's "stored"
 /// and only the others' "read" are used).
@@ -68,8 +36,8 @@ fn run_cluster(split: usize, k_blocks: usize, tiles: usize, elems: usize, jitter
         (0..split)
             .map(|_| Cta {
                 part: Mutex::new(vec![f64::NAN; elems]),
-                stored: Mbarrier::new(split as u32 - 1),
-                read: Mbarrier::new(1),
+                stored: Mbarrier::new(split as u32 - 1, "split-K barrier"),
+                read: Mbarrier::new(1, "split-K barrier"),
             })
             .collect(),
     );

@@ -11,46 +11,16 @@
 //! next launch. A phase mixed up shows as a wrong sequence or a hang. Keep it in step with
 //! the kernels.
 
+mod common;
+use common::mbarrier::Mbarrier;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// kTicketSlots in engine.cuh.
 const SLOTS: usize = 8;
 /// Consumer warps per CTA (two warpgroups of four) and the courier: the empty barrier's count.
 const CONSUMER_WARPS: usize = 8;
-
-/// An mbarrier: `count` arrivals complete the current phase; a waiter asks for the
-/// completion of the phase with a given parity (a fresh barrier's phase 0 is incomplete,
-/// so waiting on parity 1 returns at once).
-struct Mbarrier {
-    state: Mutex<(u32, u32)>, // (completed phases, arrivals in the current phase)
-    count: u32,
-    changed: Condvar,
-}
-
-impl Mbarrier {
-    fn new(count: u32) -> Mbarrier {
-        Mbarrier { state: Mutex::new((0, 0)), count, changed: Condvar::new() }
-    }
-    fn arrive(&self) {
-        let mut s = self.state.lock().unwrap();
-        s.1 += 1;
-        if s.1 == self.count {
-            s.0 += 1;
-            s.1 = 0;
-            self.changed.notify_all();
-        }
-    }
-    fn wait(&self, parity: u32) {
-        let mut s = self.state.lock().unwrap();
-        while s.0 % 2 == parity {
-            let (g, timeout) = self.changed.wait_timeout(s, Duration::from_secs(20)).unwrap();
-            assert!(!timeout.timed_out(), "a ticket ring wait hung (parity {parity})");
-            s = g;
-        }
-    }
-}
 
 /// One CTA's ticket ring (engine.cuh `TicketRing`).
 struct Ring {
@@ -62,8 +32,8 @@ struct Ring {
 impl Ring {
     fn new(readers: u32) -> Ring {
         Ring {
-            full: (0..SLOTS).map(|_| Mbarrier::new(1)).collect(),
-            empty: (0..SLOTS).map(|_| Mbarrier::new(readers)).collect(),
+            full: (0..SLOTS).map(|_| Mbarrier::new(1, "ticket ring")).collect(),
+            empty: (0..SLOTS).map(|_| Mbarrier::new(readers, "ticket ring")).collect(),
             ticket: (0..SLOTS).map(|_| AtomicU64::new(u64::MAX)).collect(),
         }
     }

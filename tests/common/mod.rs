@@ -1,5 +1,9 @@
-//! Helpers shared by the transport tests (each test crate includes this module).
+//! Helpers shared by the integration tests (each test crate that uses them includes this
+//! module): host windows for the transport tests, and a CPU mbarrier (`mbarrier`) for the
+//! ports of device protocols.
 #![allow(dead_code)] // not every test uses every helper
+
+pub mod mbarrier;
 
 use mkernel::transport::{MemoryKind, MemoryRegion, Window};
 use std::sync::atomic::AtomicU64;
