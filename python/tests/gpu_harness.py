@@ -19,8 +19,14 @@ import torch.multiprocessing as mp
 
 import mkernel
 
-# Grid cap per rank count, as scripts/gpu-run.sh sizes MPS clients.
-MAX_CTAS = {1: None, 2: 32, 4: 16, 8: 8}
+def max_ctas(world_size: int) -> int | None:
+    """Each rank's grid cap when `world_size` ranks share GPU 0 under MPS: half of its
+    100/N % share of the SMs, the SM count rounded down to a multiple of 8, at least 1
+    (scripts/mps.sh's max_ctas_for); None for one rank (every SM)."""
+    if world_size <= 1:
+        return None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return max(1, sms // 8 * 8 // world_size // 2)
 
 
 def gpu_ready() -> tuple[bool, str]:
@@ -41,7 +47,7 @@ def _rank_main(rank, world_size, unique_id, results, target, args, comm_kwargs):
         if world_size > 1:
             os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(100 // world_size))
         torch.cuda.set_device(0)
-        kwargs = {"timeout": comm_kwargs.pop("timeout_s", 120), "max_ctas": MAX_CTAS.get(world_size)}
+        kwargs = {"timeout": comm_kwargs.pop("timeout_s", 120), "max_ctas": max_ctas(world_size)}
         kwargs.update(comm_kwargs)
         if unique_id is None:
             payload = target(None, rank, world_size, *args)

@@ -14,7 +14,7 @@ import pytest
 
 import gpu_cases
 from docs_example import TP_MLP, doc_example
-from gpu_harness import requires_gpu, run_ranks
+from gpu_harness import max_ctas, requires_gpu, run_ranks
 
 pytestmark = requires_gpu
 RANKS = [1, 2, 4]
@@ -77,7 +77,7 @@ def test_bootstrap_over_torch_distributed(tmp_path):
 
 
 def _torchrun(script, *args):
-    env = dict(os.environ, MK_MAX_CTAS="32", CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="50")
+    env = dict(os.environ, MK_MAX_CTAS=str(max_ctas(2)), CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="50")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
