@@ -91,19 +91,23 @@ impl Case {
     }
 }
 
+/// A ring attention case's name in the suites' lines (forward and backward alike).
+pub(crate) fn shape_label(dtype: mkDataType_t, s: &RingShape) -> String {
+    format!(
+        "{} B={} S_local={} H={} H_kv={} D={} {}",
+        dtype.name(),
+        s.batch,
+        s.seq_local,
+        s.heads,
+        s.kv_heads,
+        s.head_dim,
+        if s.causal { "causal" } else { "full" }
+    )
+}
+
 impl FusedCase for Case {
     fn label(&self) -> String {
-        let s = &self.shape;
-        format!(
-            "{} B={} S_local={} H={} H_kv={} D={} {}",
-            self.dtype.name(),
-            s.batch,
-            s.seq_local,
-            s.heads,
-            s.kv_heads,
-            s.head_dim,
-            if s.causal { "causal" } else { "full" }
-        )
+        shape_label(self.dtype, &self.shape)
     }
 
     /// Fresh inputs (shard s of K/V from seeds (seed, s) on every rank; Q per rank) and

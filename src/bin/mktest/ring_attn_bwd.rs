@@ -98,21 +98,40 @@ impl Case {
             dv: TestBuffer::new(kv_elems, dtype)?,
         })
     }
-}
 
-impl FusedCase for Case {
-    fn label(&self) -> String {
-        let s = &self.shape;
-        format!(
-            "{} B={} S_local={} H={} H_kv={} D={} {}",
-            self.dtype.name(),
+    /// The backward alone on this rank's tensors and the forward's out and lse.
+    ///
+    /// # Safety
+    /// `comm` is a live communicator; the buffers are the sizes the shape gives.
+    unsafe fn backward(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        let (s, r) = (&self.shape, self.rank);
+        mkRingAttentionBackward(
+            self.q[r].ptr() as *const _,
+            self.k[r].ptr() as *const _,
+            self.v[r].ptr() as *const _,
+            self.out.ptr() as *const _,
+            self.dout[r].ptr() as *const _,
+            self.lse.ptr() as *const f32,
+            self.dq.ptr() as *mut _,
+            self.dk.ptr() as *mut _,
+            self.dv.ptr() as *mut _,
             s.batch,
             s.seq_local,
             s.heads,
             s.kv_heads,
             s.head_dim,
-            if s.causal { "causal" } else { "full" }
+            self.scale,
+            s.causal as i32,
+            self.dtype as i32,
+            comm,
+            stream,
         )
+    }
+}
+
+impl FusedCase for Case {
+    fn label(&self) -> String {
+        crate::ring_attn::shape_label(self.dtype, &self.shape)
     }
 
     /// Fresh inputs (shard s of every tensor from seeds (seed, s) on every rank) and
@@ -154,27 +173,7 @@ impl FusedCase for Case {
             if fwd != mkResult_t::mkSuccess {
                 return fwd;
             }
-            mkRingAttentionBackward(
-                self.q[r].ptr() as *const _,
-                self.k[r].ptr() as *const _,
-                self.v[r].ptr() as *const _,
-                self.out.ptr() as *const _,
-                self.dout[r].ptr() as *const _,
-                self.lse.ptr() as *const f32,
-                self.dq.ptr() as *mut _,
-                self.dk.ptr() as *mut _,
-                self.dv.ptr() as *mut _,
-                s.batch,
-                s.seq_local,
-                s.heads,
-                s.kv_heads,
-                s.head_dim,
-                self.scale,
-                s.causal as i32,
-                self.dtype as i32,
-                comm,
-                stream,
-            )
+            self.backward(comm, stream)
         }
     }
 
@@ -438,31 +437,8 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     // for the absent rank's K/V and dK/dV sums are what is checked.
     fused_common::absent_rank(env, control, 3, "mkRingAttentionBackward (a rank absent)", |comm, stream| {
         case.prepare(7)?;
-        let s = &case.shape;
-        // SAFETY: device buffers of the sizes the op expects.
-        Ok(unsafe {
-            mkRingAttentionBackward(
-                case.q[rank].ptr() as *const _,
-                case.k[rank].ptr() as *const _,
-                case.v[rank].ptr() as *const _,
-                case.out.ptr() as *const _,
-                case.dout[rank].ptr() as *const _,
-                case.lse.ptr() as *const f32,
-                case.dq.ptr() as *mut _,
-                case.dk.ptr() as *mut _,
-                case.dv.ptr() as *mut _,
-                s.batch,
-                s.seq_local,
-                s.heads,
-                s.kv_heads,
-                s.head_dim,
-                case.scale,
-                s.causal as i32,
-                case.dtype as i32,
-                comm,
-                stream,
-            )
-        })
+        // SAFETY: the harness's live communicator; the case's buffers.
+        Ok(unsafe { case.backward(comm, stream) })
     })
 }
 
