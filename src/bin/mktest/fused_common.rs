@@ -73,26 +73,51 @@ pub fn check_rounds(
     rounds: u64,
     before: &dyn Fn(u64),
 ) -> Result<(usize, usize)> {
+    check_rounds_of(comm, rank, op, &[case], seed, rounds, before)
+}
+
+/// `check_rounds` for several cases launched one after another on one stream in every
+/// round, with one bounded wait after the last: case i of round r gets seed
+/// `seed + r · cases + i`, and every case is checked.
+pub fn check_rounds_of(
+    comm: mkComm_t,
+    rank: usize,
+    op: &str,
+    cases: &[&dyn FusedCase],
+    seed: u64,
+    rounds: u64,
+    before: &dyn Fn(u64),
+) -> Result<(usize, usize)> {
     let stream = Stream::new()?;
     let mut failures = 0;
+    let labels = cases.iter().map(|c| c.label()).collect::<Vec<_>>().join(", ");
     for round in 0..rounds {
         before(round);
-        case.prepare(seed + round)?;
-        ffi(&format!("{op} {}", case.label()), case.launch(comm, stream.0), comm)?;
-        timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{op} {}", case.label())))?;
+        for (i, case) in cases.iter().enumerate() {
+            case.prepare(seed + round * cases.len() as u64 + i as u64)?;
+        }
+        for case in cases {
+            ffi(&format!("{op} {}", case.label()), case.launch(comm, stream.0), comm)?;
+        }
+        timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{op} {labels}")))?;
         let code = async_error(comm);
         if code != mkResult_t::mkSuccess {
-            return Err(MkError::new(code, format!("{op} {}: asynchronous error {code:?}", case.label())));
+            return Err(MkError::new(code, format!("{op} {labels}: asynchronous error {code:?}")));
         }
-        let (ok, detail) = case.verify()?;
-        if !ok {
-            failures += 1;
-        }
-        if !ok || rank == 0 {
-            say(rank, format!("{op} {} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }));
+        for case in cases {
+            let (ok, detail) = case.verify()?;
+            if !ok {
+                failures += 1;
+            }
+            if !ok || rank == 0 {
+                say(
+                    rank,
+                    format!("{op} {} round {round}: {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }),
+                );
+            }
         }
     }
-    Ok((rounds as usize, failures))
+    Ok((rounds as usize * cases.len(), failures))
 }
 
 /// Waits for `stream` (unbounded: the communicator's timeout ends a stuck op) and requires

@@ -10,15 +10,13 @@
 //! reference. Then the sequence captured in one CUDA graph and replayed on fresh inputs,
 //! with a direct call between replays (a graph may be replayed after any op).
 
-use crate::collectives::{async_error, ffi, say, timed_sync, Stream};
 use crate::fused_common::{self, Captured, FusedCase};
 use crate::outcome::Outcome;
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
-use mkernel::error::{mkResult_t, MkError, Result};
+use mkernel::error::{mkResult_t, Result};
 use mkernel::ffi::mkComm_t;
 use mkernel::types::mkDataType_t;
-use std::time::Duration;
 
 pub fn run() -> Result<Outcome> {
     fused_common::run_suite(
@@ -59,34 +57,7 @@ impl Sequence {
 
 fn back_to_back(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let seq = Sequence::new(n, rank)?;
-    let stream = Stream::new()?;
-    let (mut checks, mut failures) = (0, 0);
-    for round in 0..ROUNDS {
-        for (i, case) in seq.cases().into_iter().enumerate() {
-            case.prepare(10 * round + i as u64 + 1)?;
-        }
-        for case in seq.cases() {
-            ffi(&format!("mixed {}", case.label()), case.launch(comm, stream.0), comm)?;
-        }
-        timed_sync(&stream, Duration::from_secs(60)).map_err(|e| e.context(format!("mixed round {round}")))?;
-        let code = async_error(comm);
-        if code != mkResult_t::mkSuccess {
-            return Err(MkError::new(code, format!("mixed round {round}: asynchronous error {code:?}")));
-        }
-        for case in seq.cases() {
-            let (ok, detail) = case.verify()?;
-            checks += 1;
-            if !ok {
-                failures += 1;
-            }
-            if !ok || rank == 0 {
-                say(
-                    rank,
-                    format!("mixed round {round}: {} {detail} -> {}", case.label(), if ok { "ok" } else { "WRONG" }),
-                );
-            }
-        }
-    }
+    let (checks, failures) = fused_common::check_rounds_of(comm, rank, "mixed", &seq.cases(), 1, ROUNDS, &|_| {})?;
     fused_common::count_checks(rank, "mixed", checks, failures)
 }
 
