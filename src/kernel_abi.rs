@@ -275,6 +275,26 @@ pub struct ProxyRingView {
     pub timeout_ns: u64,
 }
 
+/// Parameters of the fence between fused ops of different kernels (kernels/fused_fence.cu):
+/// this node's workspace and, across nodes, the node count (1: one node, the fields below
+/// unused), this rank's node, its proxy ring and the rank table (as `AgGemmParams`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FusedFenceParams {
+    pub ws: WorkspaceView,
+    pub nodes: i32,
+    pub node: i32,
+    pub ring: ProxyRingView,
+    pub rank_of: [i32; MK_MAX_NODE_RANKS],
+}
+
+impl Default for FusedFenceParams {
+    fn default() -> Self {
+        // SAFETY: plain integers and arrays of them: all-zero is a valid value.
+        unsafe { std::mem::zeroed() }
+    }
+}
+
 /// Parameters of the proxy test kernel (kernels/proxy.cu): every CTA's thread 0 posts
 /// `commands_per_cta` puts to `peer`, each of `bytes` bytes at offsets spaced `stride`
 /// apart, signalling `signal_value` on word (CTA index); the status of each CTA's last
@@ -611,7 +631,10 @@ pub const MK_SIG_FENCE_SEQ: u32 = 2;
 /// Word + src, written by src: src reached its fence k (so it has finished every fused op
 /// before it, and reads and writes no rank's fused-op region for them any more).
 pub const MK_SIG_FENCE_DONE: u32 = 8;
-const _: () = assert!(MK_SIG_FENCE_DONE + MK_MAX_PEERS as u32 <= MK_SIG_SEQ);
+/// Word + m, written (through the proxy) by the rank of node m with this rank's local rank:
+/// it reached fence k (the node-crossing half of MK_SIG_FENCE_DONE).
+pub const MK_SIG_FENCE_NET_DONE: u32 = MK_SIG_FENCE_DONE + MK_MAX_PEERS as u32;
+const _: () = assert!(MK_SIG_FENCE_NET_DONE + MK_MAX_NODES as u32 <= MK_SIG_SEQ);
 /// Word + b: last step of collective CTA b (its own rank only).
 pub const MK_SIG_SEQ: u32 = 64;
 /// Collective CTA slots with flags.

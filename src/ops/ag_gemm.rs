@@ -340,7 +340,7 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
             p.chunk_rows
         )));
     }
-    fused_fence::before_launch(comm, &ws.view, FusedKernel::AllGatherGemm, stream)?;
+    fused_fence::before_launch(comm, &ws.view, nodes.as_ref(), FusedKernel::AllGatherGemm, stream)?;
     launch(args, &p, ws, nodes.as_ref(), stream)
 }
 

@@ -8,19 +8,18 @@
 //! a fused op's kernel family differs from the previous fused op's on this communicator, the
 //! launch enqueues kernels/fused_fence.cu first: each rank posts its fence number to every
 //! peer of its node and waits for theirs, so every peer has finished every fused op before
-//! it. Every rank makes the same calls in the same order (the communicator's contract), so
-//! every rank enqueues the same fences. A fused op captured into a CUDA graph is always
-//! fenced, and the first direct fused op after a capture too: a graph may be replayed after
-//! any op, and any op may follow a replay.
-//!
-//! Across nodes the fence covers the ranks of this node; the ops that run across nodes
-//! (AllGather + GEMM, GEMM + ReduceScatter / AllReduce) also order their puts between nodes
-//! against their own previous call only.
+//! it. Across nodes it also exchanges fence numbers, through the proxy, with the rank of
+//! every other node that has this rank's local rank: the only ranks of other nodes a fused
+//! op writes to. Every rank makes the same calls in the same order (the communicator's
+//! contract), so every rank enqueues the same fences. A fused op captured into a CUDA graph
+//! is always fenced, and the first direct fused op after a capture too: a graph may be
+//! replayed after any op, and any op may follow a replay.
 
 use crate::comm::Comm;
 use crate::cuda::{self, sys};
 use crate::error::Result;
-use crate::kernel_abi::WorkspaceView;
+use crate::kernel_abi::{FusedFenceParams, ProxyRingView, WorkspaceView};
+use crate::ops::hier_collectives::NodeLayout;
 use crate::ops::launch::KernelLaunch;
 
 /// The fused kernels that share one epoch and DONE words, and so order themselves against
@@ -47,11 +46,12 @@ pub enum LastFused {
     Unknown,
 }
 
-/// Whether a fused op of `next` needs the fence first, after `last`, on a node of
-/// `local_ranks` ranks, when its launch is (`capturing`) or is not captured into a graph:
-/// a captured op is always fenced, since a graph is replayed after whatever ran before.
-pub fn needs_fence(last: LastFused, next: FusedKernel, local_ranks: usize, capturing: bool) -> bool {
-    local_ranks > 1
+/// Whether a fused op of `next` needs the fence first, after `last`, on a communicator of
+/// `nranks` ranks (every node's), when its launch is (`capturing`) or is not captured into
+/// a graph: a captured op is always fenced, since a graph is replayed after whatever ran
+/// before.
+pub fn needs_fence(last: LastFused, next: FusedKernel, nranks: usize, capturing: bool) -> bool {
+    nranks > 1
         && (capturing
             || match last {
                 LastFused::Nothing => false,
@@ -69,20 +69,35 @@ pub fn after(next: FusedKernel, capturing: bool) -> LastFused {
     }
 }
 
-/// Called by every fused op right before it launches `next` on `stream`: enqueues the fence
-/// when needs_fence says so, and records what the host now knows.
-pub fn before_launch(comm: &Comm, view: &WorkspaceView, next: FusedKernel, stream: sys::CUstream) -> Result<()> {
+/// Called by every fused op right before it launches `next` on `stream`, with the node
+/// layout and proxy ring of a communicator across nodes: enqueues the fence when
+/// needs_fence says so, and records what the host now knows.
+pub fn before_launch(
+    comm: &Comm,
+    view: &WorkspaceView,
+    nodes: Option<&(NodeLayout, ProxyRingView)>,
+    next: FusedKernel,
+    stream: sys::CUstream,
+) -> Result<()> {
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: queries the caller's live stream.
     cuda::check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(stream, &mut status) })?;
     let capturing = status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let mut last = comm.last_fused_kernel.lock();
-    if needs_fence(*last, next, view.nranks as usize, capturing) {
-        let mut ws = *view;
+    if needs_fence(*last, next, comm.nranks, capturing) {
+        let mut params = FusedFenceParams { ws: *view, nodes: 1, ..Default::default() };
+        if let Some((layout, ring)) = nodes {
+            params.nodes = layout.nodes as i32;
+            params.node = layout.node as i32;
+            params.ring = *ring;
+            params.rank_of = layout.rank_of;
+        }
         let launch = KernelLaunch::new(crate::cuda::kernels::MK_FUSED_FENCE, 1, 32, 0);
-        // SAFETY: the kernel takes one WorkspaceView by value; its pointers are this
-        // communicator's mapped workspace.
-        unsafe { launch.launch(stream, &mut [(&mut ws as *mut WorkspaceView).cast()], Some("the fused-op fence"))? };
+        // SAFETY: the kernel takes one FusedFenceParams by value; its pointers are this
+        // communicator's mapped workspace and proxy ring.
+        unsafe {
+            launch.launch(stream, &mut [(&mut params as *mut FusedFenceParams).cast()], Some("the fused-op fence"))?
+        };
     }
     *last = after(next, capturing);
     Ok(())
@@ -101,6 +116,8 @@ mod tests {
         assert!(needs_fence(Direct(GemmReduce), AllGatherGemm, 2, false));
         assert!(needs_fence(Direct(RingAttention), RingAttentionBackward, 4, false));
         assert!(!needs_fence(Direct(Moe), AllGatherGemm, 1, false), "one rank has no peer");
+        // Two nodes of one rank each: no local peer, but a rank on the other node.
+        assert!(needs_fence(Direct(GemmReduce), AllGatherGemm, 2, false));
         // A graph may be replayed after anything, and anything may follow a replay.
         assert!(needs_fence(Direct(GemmReduce), GemmReduce, 2, true));
         assert!(needs_fence(Nothing, Moe, 2, true));

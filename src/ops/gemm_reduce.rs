@@ -466,7 +466,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
             ws.view.op_bytes
         )));
     }
-    fused_fence::before_launch(comm, &ws.view, FusedKernel::GemmReduce, stream)?;
+    fused_fence::before_launch(comm, &ws.view, nodes.as_ref(), FusedKernel::GemmReduce, stream)?;
     launch(args, &shape, &p, ws, nodes.as_ref(), stream)
 }
 

@@ -850,7 +850,7 @@ fn run(comm: &Comm, call: MoeCall, stream: sys::CUstream) -> Result<()> {
     let grid = DeviceCaps::of(comm)?.grid_cap();
     let p = plan(call.dir, &call.dims, grid, comm.config.comm_ctas, &comm.config.tuning, call.gemm)?;
     let region = ws.view.data[comm.rank] + ws.view.data_bytes;
-    fused_fence::before_launch(comm, &ws.view, FusedKernel::Moe, stream)?;
+    fused_fence::before_launch(comm, &ws.view, None, FusedKernel::Moe, stream)?;
     launch(call, &p, &ws.view, region, stream)
 }
 

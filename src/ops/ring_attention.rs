@@ -405,7 +405,7 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
     if let Some(ws) = &comm.workspace {
         p.ws = ws.view;
         p.sched_dynamic = 1;
-        fused_fence::before_launch(comm, &ws.view, FusedKernel::RingAttention, stream)?;
+        fused_fence::before_launch(comm, &ws.view, None, FusedKernel::RingAttention, stream)?;
     }
     launch(args, &plan, p, stream)
 }

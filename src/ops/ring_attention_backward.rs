@@ -369,7 +369,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
         maps.v[src] = head_map(v, f.dtype, &s, s.kv_heads)?;
     }
     let kernel_launch = plan.kernel_launch(f.dtype)?;
-    fused_fence::before_launch(comm, &ws.view, FusedKernel::RingAttentionBackward, stream)?;
+    fused_fence::before_launch(comm, &ws.view, None, FusedKernel::RingAttentionBackward, stream)?;
     let mut kernel_params: [*mut c_void; 2] =
         [(&mut p as *mut RingAttnBwdParams).cast(), (&mut maps as *mut BwdMaps).cast()];
     // SAFETY: the parameters match the kernel (RingAttnBwdParams and BwdMaps by value); the

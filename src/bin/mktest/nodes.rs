@@ -23,6 +23,10 @@
 //! back to back without a host sync; in the killed-node test the survivors'
 //! mkGemmReduceScatter must stop with mkRemoteError or mkTimeout too.
 //!
+//! The fused ops of different kernels back to back without a barrier, directly and in one
+//! graph (the mixed suite's sequence across nodes): each switch depends on the fence that
+//! also runs between nodes.
+//!
 //! MK_TEST_NODES=fused runs only the fused ops' checks (and graph replay) of the
 //! correctness part (the collectives' ~900 cases take most of the suite's time).
 //!
@@ -160,15 +164,17 @@ fn correctness_and_graphs(env: &RankEnv, control: &Comm, rpn: usize) -> Result<(
     fused.and(graphs).and(fused_graphs)
 }
 
-/// mkGemmReduceScatter / mkGemmAllReduce across the nodes, on their own communicator (the
-/// largest case keeps ~8 MiB of partials, node partials and sums in the workspace).
+/// mkGemmReduceScatter / mkGemmAllReduce across the nodes, then the fused ops of different
+/// kernels back to back, on their own communicator (the largest case keeps ~8 MiB of
+/// partials, node partials and sums in the workspace).
 fn gemm_reduce_across_nodes(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
     let comm = init_comm(env, &env.ids[4], &node_config(10_000, 64 << 20, rpn))?;
     let t = Instant::now();
     let result = crate::gemm_reduce::correctness(comm, control, rank, n, true)
         .and_then(|_| crate::gemm_reduce::graph_replay(comm, rank, n, true))
-        .and_then(|_| gemm_reduce_back_to_back(comm, rank, n));
+        .and_then(|_| gemm_reduce_back_to_back(comm, rank, n))
+        .and_then(|_| crate::mixed::across_nodes(comm, rank, n));
     say(
         rank,
         format!(
