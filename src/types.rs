@@ -94,6 +94,17 @@ impl mkDataType_t {
     pub fn is_gemm_type(self) -> bool {
         matches!(self, mkDataType_t::mkFloat16 | mkDataType_t::mkBfloat16)
     }
+
+    /// `v` as a type `op` accepts (one of the GEMM types), else mkInvalidArgument naming `op`.
+    pub fn gemm_type_from_raw(v: RawDataType, op: &str) -> Result<Self> {
+        let dtype = Self::from_raw(v)?;
+        crate::ensure_arg!(
+            dtype.is_gemm_type(),
+            "dtype {} is not supported: {op} takes mkBfloat16 or mkFloat16",
+            dtype.name()
+        );
+        Ok(dtype)
+    }
 }
 
 impl mkRedOp_t {

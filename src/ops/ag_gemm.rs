@@ -270,12 +270,7 @@ pub fn validate_args(
     nranks: usize,
     rank: usize,
 ) -> Result<AgGemmArgs> {
-    let dtype = mkDataType_t::from_raw(dtype)?;
-    crate::ensure_arg!(
-        dtype.is_gemm_type(),
-        "dtype {} is not supported: mkAllGatherGemm takes mkBfloat16 or mkFloat16",
-        dtype.name()
-    );
+    let dtype = mkDataType_t::gemm_type_from_raw(dtype, "mkAllGatherGemm")?;
     let shape = AgGemmShape { m, n, k, nranks, rank };
     validate(&shape)?;
     if m > 0 && n > 0 {

@@ -422,12 +422,7 @@ impl GemmArgs {
 
 /// Checks mkGemm's arguments (no CUDA call). M == 0 or N == 0 is a valid empty GEMM.
 pub fn validate(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: RawDataType) -> Result<GemmArgs> {
-    let dtype = mkDataType_t::from_raw(dtype)?;
-    crate::ensure_arg!(
-        matches!(dtype, mkDataType_t::mkBfloat16 | mkDataType_t::mkFloat16),
-        "dtype {} is not supported: mkGemm takes mkBfloat16 or mkFloat16 (A, B and C share the type)",
-        dtype.name()
-    );
+    let dtype = mkDataType_t::gemm_type_from_raw(dtype, "mkGemm")?;
     crate::ensure_arg!(a != 0, "A is NULL");
     crate::ensure_arg!(b != 0, "B is NULL");
     crate::ensure_arg!(c != 0, "C is NULL");

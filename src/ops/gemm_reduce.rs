@@ -90,13 +90,7 @@ pub fn validate(
     dtype: RawDataType,
     nranks: usize,
 ) -> Result<GemmReduceArgs> {
-    let dtype = mkDataType_t::from_raw(dtype)?;
-    crate::ensure_arg!(
-        dtype.is_gemm_type(),
-        "dtype {} is not supported: {} takes mkBfloat16 or mkFloat16",
-        dtype.name(),
-        reduction.name()
-    );
+    let dtype = mkDataType_t::gemm_type_from_raw(dtype, reduction.name())?;
     if reduction == Reduction::Scatter {
         crate::ensure_arg!(
             m % nranks == 0,

@@ -317,16 +317,6 @@ fn check_ptr(ptr: u64, name: &str, align: u64, needed: bool) -> Result<()> {
     Ok(())
 }
 
-fn gemm_dtype(dtype: RawDataType, op: &str) -> Result<mkDataType_t> {
-    let dtype = mkDataType_t::from_raw(dtype)?;
-    crate::ensure_arg!(
-        dtype.is_gemm_type(),
-        "dtype {} is not supported: {op} takes mkBfloat16 or mkFloat16",
-        dtype.name()
-    );
-    Ok(dtype)
-}
-
 /// A validated mkMoeDispatchGemm call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DispatchArgs {
@@ -353,7 +343,7 @@ pub fn validate_dispatch(
     dims: MoeDims,
     dtype: RawDataType,
 ) -> Result<DispatchArgs> {
-    let dtype = gemm_dtype(dtype, "mkMoeDispatchGemm")?;
+    let dtype = mkDataType_t::gemm_type_from_raw(dtype, "mkMoeDispatchGemm")?;
     validate_dims(&dims)?;
     let has_tokens = dims.tokens > 0;
     check_ptr(x, "x", 16, has_tokens)?;
@@ -389,7 +379,7 @@ pub fn validate_combine(
     dims: MoeDims,
     dtype: RawDataType,
 ) -> Result<CombineArgs> {
-    let dtype = gemm_dtype(dtype, "mkMoeGemmCombine")?;
+    let dtype = mkDataType_t::gemm_type_from_raw(dtype, "mkMoeGemmCombine")?;
     validate_dims(&dims)?;
     let has_tokens = dims.tokens > 0;
     check_ptr(y_act, "yAct", 16, true)?;

@@ -206,12 +206,7 @@ pub fn validate_args(
     nranks: usize,
     rank: usize,
 ) -> Result<RingArgs> {
-    let dtype = mkDataType_t::from_raw(dtype)?;
-    crate::ensure_arg!(
-        dtype.is_gemm_type(),
-        "dtype {} is not supported: mkRingAttention takes mkBfloat16 or mkFloat16",
-        dtype.name()
-    );
+    let dtype = mkDataType_t::gemm_type_from_raw(dtype, "mkRingAttention")?;
     crate::ensure_arg!(causal == 0 || causal == 1, "causal = {causal} must be 0 or 1");
     crate::ensure_arg!(heads > 0, "numHeads must be positive");
     crate::ensure_arg!(

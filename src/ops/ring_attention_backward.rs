@@ -209,12 +209,8 @@ pub fn validate_args(
     nranks: usize,
     rank: usize,
 ) -> Result<RingBackwardArgs> {
-    let dt = mkDataType_t::from_raw(dtype)?;
-    crate::ensure_arg!(
-        dt.is_gemm_type(),
-        "dtype {} is not supported: mkRingAttentionBackward takes mkBfloat16 or mkFloat16",
-        dt.name()
-    );
+    // Named here: the forward's checks below would name mkRingAttention.
+    mkDataType_t::gemm_type_from_raw(dtype, "mkRingAttentionBackward")?;
     let forward = crate::ops::ring_attention::validate_args(
         q,
         k,
