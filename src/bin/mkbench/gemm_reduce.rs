@@ -16,9 +16,9 @@
 //! copy-engine collective is not offered here: a reduction needs SMs to add.
 
 use crate::fused_common::{
-    bad, capture_everywhere, common_flag, for_each_option, measure_cold_slowest, measure_slowest, parse_list,
-    parse_pairs, print_trace, run_ranks, L2Flush, Timed,
+    bad, capture_everywhere, measure_cold_slowest, measure_slowest, print_trace, run_ranks, L2Flush, Timed,
 };
+use crate::fused_options::{common_flag, for_each_option, parse_list, parse_pairs};
 use crate::measure::{Progress, Protocol, GRAPH_CALLS};
 use crate::ranks;
 use crate::record::{self, Json};

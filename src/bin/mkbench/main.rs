@@ -10,6 +10,7 @@ mod collectives;
 mod copy_engine;
 mod cublas_grouped;
 mod fused_common;
+mod fused_options;
 mod gemm;
 mod gemm_reduce;
 mod measure;

@@ -26,9 +26,8 @@
 //! their 12 warps, the GEMM CTAs count 64-row Z slabs as items).
 
 use crate::cublas_grouped::{Cublas, ExpertGemm, GroupedGemm};
-use crate::fused_common::{
-    bad, capture_everywhere, common_flag, for_each_option, measure_slowest, print_trace, run_ranks, Timed,
-};
+use crate::fused_common::{bad, capture_everywhere, measure_slowest, print_trace, run_ranks, Timed};
+use crate::fused_options::{common_flag, for_each_option};
 use crate::measure::{Measured, Protocol, GRAPH_CALLS};
 use crate::ranks;
 use crate::record::{self, Json};

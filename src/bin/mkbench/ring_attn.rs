@@ -23,9 +23,8 @@
 //! per case, by the kernel's `_trace` twin with a per-CTA timing buffer, summarised per rank
 //! (trace_summary).
 
-use crate::fused_common::{
-    bad, capture_everywhere, common_flag, for_each_option, measure_slowest, parse_list, run_ranks, trace_words, Timed,
-};
+use crate::fused_common::{bad, capture_everywhere, measure_slowest, run_ranks, trace_words, Timed};
+use crate::fused_options::{common_flag, for_each_option, parse_list};
 use crate::measure::{Progress, Protocol, GRAPH_CALLS};
 use crate::ranks;
 use crate::record::{self, Json};

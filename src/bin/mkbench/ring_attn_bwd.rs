@@ -31,7 +31,8 @@
 //! ring_attn_bwd suite puts on its whole tensors (that suite checks every element against
 //! the float64 gradient with per-element bounds, on small shapes).
 
-use crate::fused_common::{bad, capture_everywhere, common_flag, for_each_option, measure_slowest, run_ranks, Timed};
+use crate::fused_common::{bad, capture_everywhere, measure_slowest, run_ranks, Timed};
+use crate::fused_options::{common_flag, for_each_option};
 use crate::measure::{Progress, Protocol, GRAPH_CALLS};
 use crate::ranks;
 use crate::record::{self, Json};
