@@ -1,6 +1,6 @@
 //! What the fused-op benches share when they run: their ranks, the communicator's start
 //! (timed), and the measurement protocol (measure.rs) run across ranks. Their options are
-//! parsed by fused_options.rs.
+//! read by fused_options.rs.
 
 use crate::measure::{measure_interleaved, slowest_per_call, Measured, Protocol, Stats};
 use crate::timing::{Events, GraphOfCalls};

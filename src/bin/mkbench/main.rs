@@ -145,10 +145,7 @@ fn main() {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(s: &str) -> Vec<String> {
-        s.split_whitespace().map(String::from).collect()
-    }
+    use crate::fused_options::command_line as args;
 
     #[test]
     fn json_path_is_taken_out_of_any_bench_arguments() {
