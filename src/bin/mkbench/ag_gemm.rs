@@ -310,3 +310,23 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
     Ok(all_ok)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fused_options::command_line as args;
+
+    #[test]
+    fn shapes_and_dtype_parse_beside_the_common_options() {
+        let d = parse(&[]).unwrap();
+        assert_eq!(
+            (&d.rows[..], &d.nk[..], d.dtype),
+            (&[128, 512, 2048, 8192][..], &[(8192, 8192), (28672, 8192)][..], mkDataType_t::mkBfloat16)
+        );
+        assert_eq!((d.common.protocol, d.common.trace), (Protocol::DEFAULT, false));
+        let o = parse(&args("--rows 64 --nk 16x32 --dtype fp16 --trace -w 1")).unwrap();
+        assert_eq!((&o.rows[..], &o.nk[..], o.dtype), (&[64][..], &[(16, 32)][..], mkDataType_t::mkFloat16));
+        assert_eq!((o.common.trace, o.common.protocol.warmup), (true, 1));
+        assert!(parse(&args("--dtype fp8")).err().is_some_and(|e| e.message.contains("--dtype (bf16 or fp16)")));
+    }
+}

@@ -271,3 +271,24 @@ fn rank_main(
     unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
     Ok(all_ok)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fused_options::command_line as args;
+
+    #[test]
+    fn each_reduction_has_its_rows_and_both_take_the_common_options() {
+        let rs = parse(Reduction::Scatter, &[]).unwrap();
+        let ar = parse(Reduction::All, &[]).unwrap();
+        assert_eq!(rs.ms, [1024, 4096, 16384]);
+        assert_eq!(ar.ms, [1, 16, 64, 256, 2048, 8192, 16384]);
+        assert_eq!((&ar.nk[..], ar.common.protocol), (&[(8192, 1024), (8192, 3584)][..], Protocol::DEFAULT));
+        let o = parse(Reduction::All, &args("--m 8,16 --nk 64x128 --threads --blocks 2")).unwrap();
+        assert_eq!(
+            (&o.ms[..], &o.nk[..], o.common.threads, o.common.protocol.blocks),
+            (&[8, 16][..], &[(64, 128)][..], true, 2)
+        );
+        assert!(parse(Reduction::Scatter, &args("--rows 8")).is_err(), "ag_gemm's flag");
+    }
+}

@@ -426,3 +426,20 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     drop(graphs_base);
     Ok(err == mkResult_t::mkSuccess && wrong_any == [false, false])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fused_options::command_line as args;
+
+    #[test]
+    fn the_moe_shape_parses_beside_the_common_options() {
+        let d = parse(&[]).unwrap();
+        assert_eq!((d.tokens, d.hidden, d.ffn, d.experts, d.top_k), (4096, 7168, 2048, 256, 8));
+        assert_eq!(d.common.protocol, Protocol { warmup: 3, ..Protocol::DEFAULT });
+        let o = parse(&args("--tokens 16 --hidden 128 --ffn 64 --experts 8 --topk 2 -g 2 --trace")).unwrap();
+        assert_eq!((o.tokens, o.hidden, o.ffn, o.experts, o.top_k), (16, 128, 64, 8, 2));
+        assert_eq!((o.common.ranks, o.common.trace), (2, true));
+        assert_eq!(parse(&args("--topk two")).err().map(|e| e.message).as_deref(), Some("mkbench: bad --topk"));
+    }
+}
