@@ -22,11 +22,10 @@
 
 use crate::copy_engine::PeerShards;
 use crate::fused_common::{
-    bad, capture_everywhere, common_flag, for_each_option, measure_cold_slowest, measure_slowest, parse_list,
-    parse_pairs, print_trace, run_ranks, L2Flush, Timed,
+    bad, capture_everywhere, measure_cold_slowest, measure_slowest, print_trace, run_ranks, L2Flush, Timed,
 };
+use crate::fused_options::{parse_list, parse_pairs, FusedDefaults, FusedOptions};
 use crate::measure::{Progress, Protocol, GRAPH_CALLS};
-use crate::ranks;
 use crate::record::{self, Json};
 use crate::timing::Events;
 use cudarc::driver::result as cu;
@@ -41,16 +40,10 @@ use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 
 struct Options {
-    ranks: usize,
+    common: FusedOptions,
     rows: Vec<usize>,
     nk: Vec<(usize, usize)>,
     dtype: mkDataType_t,
-    iters: usize,
-    warmup: usize,
-    blocks: usize,
-    trace: bool,
-    /// `--threads`: the ranks as threads of this process (fused_common::run_ranks).
-    threads: bool,
 }
 
 /// Parses the options without touching a GPU.
@@ -59,41 +52,33 @@ pub fn check(_op: &str, args: &[String]) -> Result<()> {
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options {
-        ranks: ranks::nranks_requested(),
-        rows: vec![128, 512, 2048, 8192],
-        nk: vec![(8192, 8192), (28672, 8192)],
-        dtype: mkDataType_t::mkBfloat16,
-        iters: Protocol::DEFAULT.iters,
-        warmup: Protocol::DEFAULT.warmup,
-        blocks: Protocol::DEFAULT.blocks,
-        trace: false,
-        threads: false,
-    };
-    for_each_option(args, &mut [("--trace", &mut o.trace), ("--threads", &mut o.threads)], |flag, v| {
+    let mut rows = vec![128, 512, 2048, 8192];
+    let mut nk = vec![(8192, 8192), (28672, 8192)];
+    let mut dtype = mkDataType_t::mkBfloat16;
+    let defaults = FusedDefaults { warmup: Protocol::DEFAULT.warmup, takes_trace: true };
+    let common = FusedOptions::parse(args, defaults, |flag, v| {
         match flag {
-            f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
-            "--rows" => o.rows = parse_list(v, "--rows")?,
-            "--nk" => o.nk = parse_pairs(v, "--nk")?,
-            "--blocks" => o.blocks = v.parse().map_err(|_| bad("--blocks"))?,
+            "--rows" => rows = parse_list(v, "--rows")?,
+            "--nk" => nk = parse_pairs(v, "--nk")?,
             "--dtype" => {
-                o.dtype = match v {
+                dtype = match v {
                     "bf16" => mkDataType_t::mkBfloat16,
                     "fp16" => mkDataType_t::mkFloat16,
                     _ => return Err(bad("--dtype (bf16 or fp16)")),
                 }
             }
-            other => return Err(bad(other)),
+            _ => return Ok(false),
         }
-        Ok(())
+        Ok(true)
     })?;
-    Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters }.validate()?;
-    Ok(o)
+    Ok(Options { common, rows, nk, dtype })
 }
 
 pub fn run(args: &[String]) -> Result<bool> {
     let o = parse(args)?;
-    run_ranks("ag_gemm", args, o.ranks, o.threads, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
+    run_ranks("ag_gemm", args, o.common.ranks, o.common.threads, &|rank, n, id, device| {
+        rank_main(&o, rank, n, id, device)
+    })
 }
 
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
@@ -123,20 +108,20 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     } else {
         Err("one rank".into())
     };
-    let protocol = Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters };
+    let protocol = o.common.protocol;
     let l2_flush = L2Flush::new()?;
     a_local.randomize(11 + rank as u64, 1.0, stream)?;
     b.randomize(99, 1.0, stream)?;
-    let events = Events::new(o.iters)?;
+    let events = Events::new(protocol.iters)?;
     let sms = cuda::sm_count(device)?;
     if rank == 0 {
         println!(
             "# mkbench ag_gemm: {n} rank(s), {}, {sms} SMs, MK_MAX_CTAS={} (our GEMM's cap; cuBLAS uncapped), warm-up {} then {} interleaved blocks of {} calls (median of the slowest rank per call)",
             dtype.name(),
             comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
-            o.warmup,
-            o.blocks,
-            o.iters
+            protocol.warmup,
+            protocol.blocks,
+            protocol.iters
         );
         if let Err(why) = &shards {
             println!("# copy-engine AllGather baseline: absent ({why})");
@@ -272,7 +257,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let cold_base = measure_cold_slowest(&comm, &events, stream, protocol, &l2_flush, &ag_blas)?;
             let (host_fused, host_unfused) = (meas.host_us[0], meas.host_us[1]);
             let med = |name: &str| names.iter().position(|n| *n == name).map(|i| meas.median(i));
-            if o.trace {
+            if o.common.trace {
                 print_trace(&comm, stream, &format!("ag_gemm rows/rank {rows} N {nn} K {kk}"), &|buf| {
                     all_gather_gemm(&comm, &AgGemmArgs { trace: buf, ..args }, stream)
                 })?;
@@ -324,4 +309,24 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     // SAFETY: live stream.
     unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
     Ok(all_ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fused_options::command_line as args;
+
+    #[test]
+    fn shapes_and_dtype_parse_beside_the_common_options() {
+        let d = parse(&[]).unwrap();
+        assert_eq!(
+            (&d.rows[..], &d.nk[..], d.dtype),
+            (&[128, 512, 2048, 8192][..], &[(8192, 8192), (28672, 8192)][..], mkDataType_t::mkBfloat16)
+        );
+        assert_eq!((d.common.protocol, d.common.trace), (Protocol::DEFAULT, false));
+        let o = parse(&args("--rows 64 --nk 16x32 --dtype fp16 --trace -w 1")).unwrap();
+        assert_eq!((&o.rows[..], &o.nk[..], o.dtype), (&[64][..], &[(16, 32)][..], mkDataType_t::mkFloat16));
+        assert_eq!((o.common.trace, o.common.protocol.warmup), (true, 1));
+        assert!(parse(&args("--dtype fp8")).err().is_some_and(|e| e.message.contains("--dtype (bf16 or fp16)")));
+    }
 }

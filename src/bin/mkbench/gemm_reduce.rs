@@ -16,11 +16,10 @@
 //! copy-engine collective is not offered here: a reduction needs SMs to add.
 
 use crate::fused_common::{
-    bad, capture_everywhere, common_flag, for_each_option, measure_cold_slowest, measure_slowest, parse_list,
-    parse_pairs, print_trace, run_ranks, L2Flush, Timed,
+    capture_everywhere, measure_cold_slowest, measure_slowest, print_trace, run_ranks, L2Flush, Timed,
 };
+use crate::fused_options::{parse_list, parse_pairs, FusedDefaults, FusedOptions};
 use crate::measure::{Progress, Protocol, GRAPH_CALLS};
-use crate::ranks;
 use crate::record::{self, Json};
 use crate::timing::Events;
 use cudarc::driver::result as cu;
@@ -35,15 +34,9 @@ use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 
 struct Options {
-    ranks: usize,
+    common: FusedOptions,
     ms: Vec<usize>,
     nk: Vec<(usize, usize)>,
-    iters: usize,
-    warmup: usize,
-    blocks: usize,
-    trace: bool,
-    /// `--threads`: the ranks as threads of this process (fused_common::run_ranks).
-    threads: bool,
 }
 
 /// Parses the options without touching a GPU (`op` is gemm_rs or gemm_ar).
@@ -53,31 +46,21 @@ pub fn check(op: &str, args: &[String]) -> Result<()> {
 }
 
 fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
-    let mut o = Options {
-        ranks: ranks::nranks_requested(),
-        ms: match reduction {
-            Reduction::Scatter => vec![1024, 4096, 16384],
-            Reduction::All => vec![1, 16, 64, 256, 2048, 8192, 16384],
-        },
-        nk: vec![(8192, 1024), (8192, 3584)],
-        iters: Protocol::DEFAULT.iters,
-        warmup: Protocol::DEFAULT.warmup,
-        blocks: Protocol::DEFAULT.blocks,
-        trace: false,
-        threads: false,
+    let mut ms = match reduction {
+        Reduction::Scatter => vec![1024, 4096, 16384],
+        Reduction::All => vec![1, 16, 64, 256, 2048, 8192, 16384],
     };
-    for_each_option(args, &mut [("--trace", &mut o.trace), ("--threads", &mut o.threads)], |flag, v| {
+    let mut nk = vec![(8192, 1024), (8192, 3584)];
+    let defaults = FusedDefaults { warmup: Protocol::DEFAULT.warmup, takes_trace: true };
+    let common = FusedOptions::parse(args, defaults, |flag, v| {
         match flag {
-            f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
-            "--m" => o.ms = parse_list(v, "--m")?,
-            "--nk" => o.nk = parse_pairs(v, "--nk")?,
-            "--blocks" => o.blocks = v.parse().map_err(|_| bad("--blocks"))?,
-            other => return Err(bad(other)),
+            "--m" => ms = parse_list(v, "--m")?,
+            "--nk" => nk = parse_pairs(v, "--nk")?,
+            _ => return Ok(false),
         }
-        Ok(())
+        Ok(true)
     })?;
-    Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters }.validate()?;
-    Ok(o)
+    Ok(Options { common, ms, nk })
 }
 
 pub fn gemm_rs(args: &[String]) -> Result<bool> {
@@ -90,7 +73,9 @@ pub fn gemm_ar(args: &[String]) -> Result<bool> {
 
 fn run(reduction: Reduction, name: &str, args: &[String]) -> Result<bool> {
     let o = parse(reduction, args)?;
-    run_ranks(name, args, o.ranks, o.threads, &|rank, n, id, device| rank_main(reduction, &o, rank, n, id, device))
+    run_ranks(name, args, o.common.ranks, o.common.threads, &|rank, n, id, device| {
+        rank_main(reduction, &o, rank, n, id, device)
+    })
 }
 
 fn rank_main(
@@ -119,11 +104,11 @@ fn rank_main(
     let partial = TestBuffer::new(max_m * max_n, dtype)?;
     let out = TestBuffer::new(max_m * max_n, dtype)?;
     let out_ref = TestBuffer::new(max_m * max_n, dtype)?;
-    let protocol = Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters };
+    let protocol = o.common.protocol;
     let l2_flush = L2Flush::new()?;
     a.randomize(5 + rank as u64, 1.0, stream)?;
     b.randomize(50 + rank as u64, 1.0, stream)?;
-    let events = Events::new(o.iters)?;
+    let events = Events::new(protocol.iters)?;
     let sms = cuda::sm_count(device)? as usize;
     let cap = comm.config.max_ctas.map_or(sms, |v| v as usize);
     let (label, kind) = match reduction {
@@ -134,9 +119,9 @@ fn rank_main(
         println!(
             "# mkbench {label}: {n} rank(s), bf16, {sms} SMs, MK_MAX_CTAS={}, warm-up {} then {} interleaved blocks of {} calls (median of the slowest rank per call; cuBLAS uncapped)",
             comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
-            o.warmup,
-            o.blocks,
-            o.iters
+            protocol.warmup,
+            protocol.blocks,
+            protocol.iters
         );
         println!(
             "# {:>6} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>9} {:>9} {:>9} {:>9} | {:>7} {:>7} {:>7}",
@@ -239,7 +224,7 @@ fn rank_main(
             let [t_fused, t_blas_coll, t_blas, t_ours_coll, t_ours, t_coll] =
                 [0, 1, 2, 3, 4, 5].map(|i| meas.median(i));
             let (host_fused, host_unfused) = (meas.host_us[0], meas.host_us[1]);
-            if o.trace {
+            if o.common.trace {
                 print_trace(&comm, stream, &format!("{label} M {m} N {nn} K {kk}"), &|buf| {
                     gemm_reduce(&comm, &GemmReduceArgs { trace: buf, ..args }, stream)
                 })?;
@@ -285,4 +270,25 @@ fn rank_main(
     // SAFETY: live stream.
     unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
     Ok(all_ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fused_options::command_line as args;
+
+    #[test]
+    fn each_reduction_has_its_rows_and_both_take_the_common_options() {
+        let rs = parse(Reduction::Scatter, &[]).unwrap();
+        let ar = parse(Reduction::All, &[]).unwrap();
+        assert_eq!(rs.ms, [1024, 4096, 16384]);
+        assert_eq!(ar.ms, [1, 16, 64, 256, 2048, 8192, 16384]);
+        assert_eq!((&ar.nk[..], ar.common.protocol), (&[(8192, 1024), (8192, 3584)][..], Protocol::DEFAULT));
+        let o = parse(Reduction::All, &args("--m 8,16 --nk 64x128 --threads --blocks 2")).unwrap();
+        assert_eq!(
+            (&o.ms[..], &o.nk[..], o.common.threads, o.common.protocol.blocks),
+            (&[8, 16][..], &[(64, 128)][..], true, 2)
+        );
+        assert!(parse(Reduction::Scatter, &args("--rows 8")).is_err(), "ag_gemm's flag");
+    }
 }

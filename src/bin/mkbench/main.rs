@@ -10,6 +10,7 @@ mod collectives;
 mod copy_engine;
 mod cublas_grouped;
 mod fused_common;
+mod fused_options;
 mod gemm;
 mod gemm_reduce;
 mod measure;
@@ -144,10 +145,7 @@ fn main() {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(s: &str) -> Vec<String> {
-        s.split_whitespace().map(String::from).collect()
-    }
+    use crate::fused_options::command_line as args;
 
     #[test]
     fn json_path_is_taken_out_of_any_bench_arguments() {

@@ -26,11 +26,9 @@
 //! their 12 warps, the GEMM CTAs count 64-row Z slabs as items).
 
 use crate::cublas_grouped::{Cublas, ExpertGemm, GroupedGemm};
-use crate::fused_common::{
-    bad, capture_everywhere, common_flag, for_each_option, measure_slowest, print_trace, run_ranks, Timed,
-};
+use crate::fused_common::{bad, capture_everywhere, measure_slowest, print_trace, run_ranks, Timed};
+use crate::fused_options::{FusedDefaults, FusedOptions};
 use crate::measure::{Measured, Protocol, GRAPH_CALLS};
-use crate::ranks;
 use crate::record::{self, Json};
 use crate::timing::Events;
 use cudarc::driver::result as cu;
@@ -45,18 +43,12 @@ use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 
 struct Options {
-    ranks: usize,
+    common: FusedOptions,
     tokens: usize,
     hidden: usize,
     ffn: usize,
     experts: usize,
     top_k: usize,
-    iters: usize,
-    warmup: usize,
-    blocks: usize,
-    trace: bool,
-    /// `--threads`: the ranks as threads of this process (fused_common::run_ranks).
-    threads: bool,
 }
 
 /// Parses the options without touching a GPU.
@@ -65,40 +57,25 @@ pub fn check(_op: &str, args: &[String]) -> Result<()> {
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options {
-        ranks: ranks::nranks_requested(),
-        tokens: 4096,
-        hidden: 7168,
-        ffn: 2048,
-        experts: 256,
-        top_k: 8,
-        iters: Protocol::DEFAULT.iters,
-        warmup: 3,
-        blocks: Protocol::DEFAULT.blocks,
-        trace: false,
-        threads: false,
-    };
-    for_each_option(args, &mut [("--trace", &mut o.trace), ("--threads", &mut o.threads)], |flag, v| {
-        let num = || v.parse::<usize>().map_err(|_| bad(flag));
-        match flag {
-            f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
-            "--tokens" => o.tokens = num()?,
-            "--hidden" => o.hidden = num()?,
-            "--ffn" => o.ffn = num()?,
-            "--experts" => o.experts = num()?,
-            "--topk" => o.top_k = num()?,
-            "--blocks" => o.blocks = num()?,
-            other => return Err(bad(other)),
-        }
-        Ok(())
+    let (mut tokens, mut hidden, mut ffn, mut experts, mut top_k) = (4096, 7168, 2048, 256, 8);
+    let common = FusedOptions::parse(args, FusedDefaults { warmup: 3, takes_trace: true }, |flag, v| {
+        let target = match flag {
+            "--tokens" => &mut tokens,
+            "--hidden" => &mut hidden,
+            "--ffn" => &mut ffn,
+            "--experts" => &mut experts,
+            "--topk" => &mut top_k,
+            _ => return Ok(false),
+        };
+        *target = v.parse().map_err(|_| bad(flag))?;
+        Ok(true)
     })?;
-    Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters }.validate()?;
-    Ok(o)
+    Ok(Options { common, tokens, hidden, ffn, experts, top_k })
 }
 
 pub fn run(args: &[String]) -> Result<bool> {
     let o = parse(args)?;
-    run_ranks("moe", args, o.ranks, o.threads, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
+    run_ranks("moe", args, o.common.ranks, o.common.threads, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
 }
 
 /// Uniform routing: k distinct experts per token, from a per-rank seed.
@@ -209,7 +186,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         };
     let g1 = engine_gemms(&experts1, f, h)?;
     let g2 = engine_gemms(&experts2, h, f)?;
-    let events = Events::new(o.iters)?;
+    let events = Events::new(o.common.protocol.iters)?;
     let capped1 = || g1.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
     let capped2 = || g2.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
     let grouped1 = || grouped.as_ref().map_err(|why| bad(why)).and_then(|(b, g, _)| g.run(b));
@@ -301,7 +278,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             ("combine", "per_expert_gemms_capped", Timed::Calls(&capped2)),
         ]);
     }
-    let protocol = Protocol { warmup: o.warmup.max(1), blocks: o.blocks, iters: o.iters };
+    let protocol = Protocol { warmup: o.common.protocol.warmup.max(1), ..o.common.protocol };
     let timed: Vec<Timed> = contenders.iter().map(|c| c.2).collect();
     let mut meas = measure_slowest(&comm, &events, stream, protocol, &timed)?;
     // Graph replays in a second interleaved pass, the baselines captured last: whether
@@ -332,7 +309,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let of = |direction: &str, name: &str| {
         contenders.iter().position(|c| c.0 == direction && c.1 == name).map(|i| meas.median(i))
     };
-    if o.trace {
+    if o.common.trace {
         print_trace(&comm, stream, "moe dispatch", &|buf| {
             dispatch_gemm(&comm, &moe::DispatchArgs { trace: buf, ..dargs }, true, stream)
         })?;
@@ -358,8 +335,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             "# mkbench moe: {n} rank(s), bf16, T={t}/rank, H={h}, F={f}, E={e}, k={k}, {sms} SMs, MK_MAX_CTAS={}, recvCapacity={cap}, rows/rank <= {max_rows}, warm-up {} then {} interleaved blocks of {} calls (median of the slowest rank per call); graphs of {GRAPH_CALLS} calls",
             comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
             protocol.warmup,
-            o.blocks,
-            o.iters
+            protocol.blocks,
+            protocol.iters
         );
         match &grouped {
             Ok(_) => println!(
@@ -448,4 +425,21 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     drop(graphs_fused);
     drop(graphs_base);
     Ok(err == mkResult_t::mkSuccess && wrong_any == [false, false])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fused_options::command_line as args;
+
+    #[test]
+    fn the_moe_shape_parses_beside_the_common_options() {
+        let d = parse(&[]).unwrap();
+        assert_eq!((d.tokens, d.hidden, d.ffn, d.experts, d.top_k), (4096, 7168, 2048, 256, 8));
+        assert_eq!(d.common.protocol, Protocol { warmup: 3, ..Protocol::DEFAULT });
+        let o = parse(&args("--tokens 16 --hidden 128 --ffn 64 --experts 8 --topk 2 -g 2 --trace")).unwrap();
+        assert_eq!((o.tokens, o.hidden, o.ffn, o.experts, o.top_k), (16, 128, 64, 8, 2));
+        assert_eq!((o.common.ranks, o.common.trace), (2, true));
+        assert_eq!(parse(&args("--topk two")).err().map(|e| e.message).as_deref(), Some("mkbench: bad --topk"));
+    }
 }

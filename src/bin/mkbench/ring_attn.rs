@@ -23,11 +23,9 @@
 //! per case, by the kernel's `_trace` twin with a per-CTA timing buffer, summarised per rank
 //! (trace_summary).
 
-use crate::fused_common::{
-    bad, capture_everywhere, common_flag, for_each_option, measure_slowest, parse_list, run_ranks, trace_words, Timed,
-};
-use crate::measure::{Progress, Protocol, GRAPH_CALLS};
-use crate::ranks;
+use crate::fused_common::{bad, capture_everywhere, measure_slowest, run_ranks, trace_words, Timed};
+use crate::fused_options::{parse_list, FusedDefaults, FusedOptions};
+use crate::measure::{Progress, GRAPH_CALLS};
 use crate::record::{self, Json};
 use crate::timing::Events;
 use cudarc::driver::result as cu;
@@ -42,14 +40,8 @@ use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 
 struct Options {
-    ranks: usize,
+    common: FusedOptions,
     cases: Cases,
-    iters: usize,
-    warmup: usize,
-    blocks: usize,
-    trace: bool,
-    /// `--threads`: the ranks as threads of this process (fused_common::run_ranks).
-    threads: bool,
     /// 0: only the fused op (no unfused ring, no attention alone, no AllGathers).
     unfused: usize,
 }
@@ -111,33 +103,23 @@ pub fn check(_op: &str, args: &[String]) -> Result<()> {
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options {
-        ranks: ranks::nranks_requested(),
-        cases: Cases::default(),
-        iters: Protocol::DEFAULT.iters,
-        warmup: 2,
-        blocks: Protocol::DEFAULT.blocks,
-        trace: false,
-        threads: false,
-        unfused: 1,
-    };
-    for_each_option(args, &mut [("--trace", &mut o.trace), ("--threads", &mut o.threads)], |flag, v| {
+    let (mut cases, mut unfused) = (Cases::default(), 1);
+    let common = FusedOptions::parse(args, FusedDefaults { warmup: 2, takes_trace: true }, |flag, v| {
         match flag {
-            f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
-            f if o.cases.flag(f, v)? => {}
-            "--unfused" => o.unfused = v.parse().map_err(|_| bad("--unfused"))?,
-            "--blocks" => o.blocks = v.parse().map_err(|_| bad("--blocks"))?,
-            other => return Err(bad(other)),
+            f if cases.flag(f, v)? => {}
+            "--unfused" => unfused = v.parse().map_err(|_| bad("--unfused"))?,
+            _ => return Ok(false),
         }
-        Ok(())
+        Ok(true)
     })?;
-    Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters }.validate()?;
-    Ok(o)
+    Ok(Options { common, cases, unfused })
 }
 
 pub fn run(args: &[String]) -> Result<bool> {
     let o = parse(args)?;
-    run_ranks("ring_attn", args, o.ranks, o.threads, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
+    run_ranks("ring_attn", args, o.common.ranks, o.common.threads, &|rank, n, id, device| {
+        rank_main(&o, rank, n, id, device)
+    })
 }
 
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
@@ -168,14 +150,14 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let out = TestBuffer::new(q_elems, dtype)?;
     let out_ref = TestBuffer::new(q_elems, dtype)?;
     let lse_ref = TestBuffer::new(max_sl * o.cases.heads, mkDataType_t::mkFloat32)?;
-    let protocol = Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters };
+    let protocol = o.common.protocol;
     let lse = TestBuffer::new(max_sl * o.cases.heads, mkDataType_t::mkFloat32)?;
     let kg = TestBuffer::new(kv_elems * n, dtype)?;
     let vg = TestBuffer::new(kv_elems * n, dtype)?;
     q.randomize(11 + rank as u64, 1.0, stream)?;
     k.randomize(21 + rank as u64, 1.0, stream)?;
     v.randomize(31 + rank as u64, 1.0, stream)?;
-    let events = Events::new(o.iters)?;
+    let events = Events::new(protocol.iters)?;
     let sms = cuda::sm_count(device)? as u32;
     let grid_cap = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
     if rank == 0 {
@@ -185,8 +167,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             o.cases.kv_heads,
             o.cases.dim,
             comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
-            o.warmup,
-            o.iters
+            protocol.warmup,
+            protocol.iters
         );
         println!(
             "# {:>6} {:>6} {:>6} | {:>10} {:>7} | {:>10} {:>10} {:>10} | {:>7} {:>7}",
@@ -346,7 +328,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                     ],
                 );
             }
-            if o.trace {
+            if o.common.trace {
                 let words =
                     trace_words(&comm, stream, &|buf| ring_attention(&comm, &RingArgs { trace: buf, ..args }, stream))?;
                 println!("{}", trace_summary(&format!("S {s_global} causal {causal} rank {rank}"), &words));
@@ -423,11 +405,12 @@ mod tests {
             .collect();
         let o = parse(&args).unwrap();
         assert_eq!(
-            (o.cases.seq, o.cases.causal, o.unfused, o.cases.rest_ms, o.warmup, o.iters, o.trace),
-            (vec![8192, 16384], vec![1, 0], 0, 1000, 3, 10, true)
+            (o.cases.seq, o.cases.causal, o.unfused, o.cases.rest_ms, o.common.trace),
+            (vec![8192, 16384], vec![1, 0], 0, 1000, true)
         );
+        assert_eq!((o.common.protocol.warmup, o.common.protocol.iters), (3, 10));
         let o = parse(&[]).unwrap();
-        assert_eq!((o.unfused, o.cases.rest_ms, o.trace), (1, 0, false), "defaults: every column, no rest");
+        assert_eq!((o.unfused, o.cases.rest_ms, o.common.trace), (1, 0, false), "defaults: every column, no rest");
         assert!(parse(&["--rest-ms".into(), "x".into()]).is_err());
     }
     use mkernel::kernel_abi::MK_TRACE_WORDS;

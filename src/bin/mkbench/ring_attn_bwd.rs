@@ -31,9 +31,9 @@
 //! ring_attn_bwd suite puts on its whole tensors (that suite checks every element against
 //! the float64 gradient with per-element bounds, on small shapes).
 
-use crate::fused_common::{bad, capture_everywhere, common_flag, for_each_option, measure_slowest, run_ranks, Timed};
-use crate::measure::{Progress, Protocol, GRAPH_CALLS};
-use crate::ranks;
+use crate::fused_common::{capture_everywhere, measure_slowest, run_ranks, Timed};
+use crate::fused_options::{FusedDefaults, FusedOptions};
+use crate::measure::{Progress, GRAPH_CALLS};
 use crate::record::{self, Json};
 use crate::ring_attn::{forward_flops, Cases};
 use crate::timing::Events;
@@ -53,13 +53,8 @@ use mkernel::types::mkDataType_t;
 const BACKWARD_OVER_FORWARD: f64 = 2.5;
 
 struct Options {
-    ranks: usize,
+    common: FusedOptions,
     cases: Cases,
-    iters: usize,
-    warmup: usize,
-    blocks: usize,
-    /// `--threads`: the ranks as threads of this process (fused_common::run_ranks).
-    threads: bool,
 }
 
 /// Parses the options without touching a GPU.
@@ -68,30 +63,16 @@ pub fn check(_op: &str, args: &[String]) -> Result<()> {
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options {
-        ranks: ranks::nranks_requested(),
-        cases: Cases::default(),
-        iters: Protocol::DEFAULT.iters,
-        warmup: 2,
-        blocks: Protocol::DEFAULT.blocks,
-        threads: false,
-    };
-    for_each_option(args, &mut [("--threads", &mut o.threads)], |flag, v| {
-        match flag {
-            f if common_flag(f, v, &mut o.ranks, &mut o.iters, &mut o.warmup)? => {}
-            f if o.cases.flag(f, v)? => {}
-            "--blocks" => o.blocks = v.parse().map_err(|_| bad("--blocks"))?,
-            other => return Err(bad(other)),
-        }
-        Ok(())
-    })?;
-    Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters }.validate()?;
-    Ok(o)
+    let mut cases = Cases::default();
+    let common = FusedOptions::parse(args, FusedDefaults { warmup: 2, takes_trace: false }, |f, v| cases.flag(f, v))?;
+    Ok(Options { common, cases })
 }
 
 pub fn run(args: &[String]) -> Result<bool> {
     let o = parse(args)?;
-    run_ranks("ring_attn_bwd", args, o.ranks, o.threads, &|rank, n, id, device| rank_main(&o, rank, n, id, device))
+    run_ranks("ring_attn_bwd", args, o.common.ranks, o.common.threads, &|rank, n, id, device| {
+        rank_main(&o, rank, n, id, device)
+    })
 }
 
 /// The device tensors of one rank, sized for the largest case.
@@ -165,8 +146,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     t.k.randomize(21 + rank as u64, 1.0, stream)?;
     t.v.randomize(31 + rank as u64, 1.0, stream)?;
     t.dout.randomize(41 + rank as u64, 1.0, stream)?;
-    let protocol = Protocol { warmup: o.warmup, blocks: o.blocks, iters: o.iters };
-    let events = Events::new(o.iters)?;
+    let protocol = o.common.protocol;
+    let events = Events::new(protocol.iters)?;
     if rank == 0 {
         println!(
             "# mkbench ring_attn_bwd: {n} rank(s), bf16, B=1 H={} H_kv={} D={}, MK_MAX_CTAS={}, warm-up {} + {} blocks of {} timed calls (median of the slowest rank)",
@@ -174,9 +155,9 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             c.kv_heads,
             c.dim,
             comm.config.max_ctas.map_or("-".into(), |v| v.to_string()),
-            o.warmup,
-            o.blocks,
-            o.iters
+            protocol.warmup,
+            protocol.blocks,
+            protocol.iters
         );
         println!(
             "# TF/s per rank: backward 2.5 x, forward+backward 3.5 x the forward's 4·H·S_local·S·D, half when causal"
@@ -588,11 +569,9 @@ fn sampled_errors(s: &RingShape, scale: f64, x: &Inputs, rank: usize, got: &[Glo
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fused_options::command_line as args;
+    use crate::measure::Protocol;
     use mkernel::testing::{f32_to_bf16, xorshift_unit};
-
-    fn args(s: &str) -> Vec<String> {
-        s.split_whitespace().map(String::from).collect()
-    }
 
     #[test]
     fn options_parse_and_typos_are_refused() {
@@ -600,7 +579,8 @@ mod tests {
             "-g 4 --threads --seq 4096,8192 --causal 1,0 --heads 16 --kv-heads 4 --dim 64 -n 7 -w 1 --blocks 3 --rest-ms 500",
         ))
         .unwrap();
-        assert_eq!((o.ranks, o.threads, o.iters, o.warmup, o.blocks), (4, true, 7, 1, 3));
+        let want = Protocol { warmup: 1, blocks: 3, iters: 7 };
+        assert_eq!((o.common.ranks, o.common.threads, o.common.protocol), (4, true, want));
         let c = &o.cases;
         assert_eq!(
             (&c.seq[..], &c.causal[..], c.heads, c.kv_heads, c.dim, c.rest_ms),
@@ -608,7 +588,7 @@ mod tests {
         );
         let d = parse(&[]).unwrap();
         assert_eq!(
-            (&d.cases.seq[..], d.cases.heads, d.cases.dim, d.threads),
+            (&d.cases.seq[..], d.cases.heads, d.cases.dim, d.common.threads),
             (&[8192, 16384, 32768][..], 32, 128, false)
         );
         for bad in ["--unfused 0", "--trace", "--seq 1,x", "--blocks 0", "-n 0", "--heads"] {
