@@ -448,6 +448,7 @@ mod tests {
     //! differences of float64 attention, and gradients that miss a ring step fail the
     //! bounds.
     use super::*;
+    use mkernel::ops::ring_attention_backward::chain_order;
     use mkernel::testing::{round_to, xorshift_unit};
 
     fn values(seed: u64, n: usize, dtype: mkDataType_t, scale: f64) -> Vec<f64> {
@@ -485,6 +486,164 @@ mod tests {
             }
         }
         total
+    }
+
+    /// The kernel's arithmetic, step by step on the CPU: the forward's lse (fp32) and out
+    /// (rounded to the element type), lse · log2 e and delta in fp32, P = 2^(s·scale·log2 e −
+    /// lse2) in fp32 with the exp2 approximation's error (2^-22, one sign for every P), P
+    /// and dS rounded before their products, fp32 sums in the kernel's orders (dq over
+    /// ring steps r, r − 1, …; dk/dv along the chain r − 1, r − 2, …, r, each rank's
+    /// heads and queries in order), scale and the final rounding at the end. Returns this
+    /// rank's dq, dk, dv.
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    fn emulate_kernel(
+        s: &RingShape,
+        rank: usize,
+        scale: f32,
+        q: &[Vec<f64>],
+        k: &[Vec<f64>],
+        v: &[Vec<f64>],
+        dout: &[Vec<f64>],
+        dtype: mkDataType_t,
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (d, h, hkv, sl, n) = (s.head_dim, s.heads, s.kv_heads, s.seq_local, s.nranks);
+        let group = h / hkv;
+        let at = |t: &[Vec<f64>], heads: usize, r: usize, b: usize, i: usize, head: usize| -> Vec<f32> {
+            t[r][((b * sl + i) * heads + head) * d..][..d].iter().map(|&x| x as f32).collect()
+        };
+        let dot32 = |x: &[f32], y: &[f32]| x.iter().zip(y).fold(0f32, |acc, (a, c)| a.mul_add(*c, acc));
+        let visible =
+            |qr: usize, qi: usize, kr: usize, ki: usize| !s.causal || token_pos(s, kr, ki) <= token_pos(s, qr, qi);
+        // The forward's outputs and the kernel's row values, per (rank, batch, head, query).
+        let mut rows = vec![(0f32, 0f32); n * s.batch * h * sl];
+        let row_index = |r: usize, b: usize, hh: usize, i: usize| ((r * s.batch + b) * h + hh) * sl + i;
+        for r in 0..n {
+            for b in 0..s.batch {
+                for hh in 0..h {
+                    for i in 0..sl {
+                        let qrow: Vec<f64> = q[r][((b * sl + i) * h + hh) * d..][..d].to_vec();
+                        let mut sc = Vec::new();
+                        for kr in 0..n {
+                            for ki in 0..sl {
+                                if visible(r, i, kr, ki) {
+                                    let krow = &k[kr][((b * sl + ki) * hkv + hh / group) * d..][..d];
+                                    let x: f64 = qrow.iter().zip(krow).map(|(a, c)| a * c).sum();
+                                    sc.push((scale as f64 * x, kr, ki));
+                                }
+                            }
+                        }
+                        let mx = sc.iter().map(|x| x.0).fold(f64::NEG_INFINITY, f64::max);
+                        let sum: f64 = sc.iter().map(|x| (x.0 - mx).exp()).sum();
+                        let lse = (mx + sum.ln()) as f32;
+                        let mut delta = 0f32;
+                        for c in 0..d {
+                            let o: f64 = sc
+                                .iter()
+                                .map(|&(x, kr, ki)| {
+                                    (x - mx).exp() / sum * v[kr][((b * sl + ki) * hkv + hh / group) * d + c]
+                                })
+                                .sum();
+                            let g = dout[r][((b * sl + i) * h + hh) * d + c] as f32;
+                            delta = (round_to(dtype, o) as f32).mul_add(g, delta);
+                        }
+                        rows[row_index(r, b, hh, i)] = (lse * std::f32::consts::LOG2_E, delta);
+                    }
+                }
+            }
+        }
+        let sl2 = scale * std::f32::consts::LOG2_E;
+        // P and dS of (query qi of rank qr, key ki of rank kr), each rounded to the element type.
+        let p_ds = |b: usize, hh: usize, qr: usize, qi: usize, kr: usize, ki: usize| -> (f32, f32) {
+            let (lse2, delta) = rows[row_index(qr, b, hh, qi)];
+            let score = dot32(&at(q, h, qr, b, qi, hh), &at(k, hkv, kr, b, ki, hh / group));
+            let p = (2f32.powf(score * sl2 - lse2) as f64 * (1.0 + 2f64.powi(-22))) as f32;
+            let dp = dot32(&at(dout, h, qr, b, qi, hh), &at(v, hkv, kr, b, ki, hh / group));
+            (round_to(dtype, p as f64) as f32, round_to(dtype, (p * (dp - delta)) as f64) as f32)
+        };
+        let mut dq = vec![0.0; s.batch * sl * h * d];
+        let mut dk = vec![0.0; s.batch * sl * hkv * d];
+        let mut dv = vec![0.0; s.batch * sl * hkv * d];
+        for b in 0..s.batch {
+            for hh in 0..h {
+                for qi in 0..sl {
+                    let mut acc = vec![0f32; d];
+                    for step in 0..n {
+                        let src = (rank + n - step) % n;
+                        for ki in 0..sl {
+                            if visible(rank, qi, src, ki) {
+                                let (_, ds) = p_ds(b, hh, rank, qi, src, ki);
+                                let krow = at(k, hkv, src, b, ki, hh / group);
+                                for c in 0..d {
+                                    acc[c] = ds.mul_add(krow[c], acc[c]);
+                                }
+                            }
+                        }
+                    }
+                    for c in 0..d {
+                        dq[((b * sl + qi) * h + hh) * d + c] = round_to(dtype, (acc[c] * scale) as f64);
+                    }
+                }
+            }
+            for hk in 0..hkv {
+                for ki in 0..sl {
+                    let (mut acc_k, mut acc_v) = (vec![0f32; d], vec![0f32; d]);
+                    for qr in chain_order(rank, n) {
+                        for hh in hk * group..(hk + 1) * group {
+                            for qi in 0..sl {
+                                if visible(qr, qi, rank, ki) {
+                                    let (p, ds) = p_ds(b, hh, qr, qi, rank, ki);
+                                    let (qrow, grow) = (at(q, h, qr, b, qi, hh), at(dout, h, qr, b, qi, hh));
+                                    for c in 0..d {
+                                        acc_k[c] = ds.mul_add(qrow[c], acc_k[c]);
+                                        acc_v[c] = p.mul_add(grow[c], acc_v[c]);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    for c in 0..d {
+                        let e = ((b * sl + ki) * hkv + hk) * d + c;
+                        dk[e] = round_to(dtype, (acc_k[c] * scale) as f64);
+                        dv[e] = round_to(dtype, acc_v[c] as f64);
+                    }
+                }
+            }
+        }
+        (dq, dk, dv)
+    }
+
+    /// A kernel that computes what the header states, in its rounding order, passes the
+    /// suite's bounds on shapes like the suite's (off-grid shards, GQA, both dtypes, D 64
+    /// and 128): the bounds do not fail a correct kernel.
+    #[test]
+    fn the_kernels_arithmetic_passes_the_bounds() {
+        for (dtype, n, seq_local, heads, kv_heads, d, causal) in [
+            (mkDataType_t::mkBfloat16, 3, 130, 4, 2, 128, true),
+            (mkDataType_t::mkFloat16, 3, 130, 4, 2, 128, true),
+            (mkDataType_t::mkFloat16, 2, 72, 4, 1, 64, false),
+            (mkDataType_t::mkBfloat16, 4, 64, 2, 2, 64, false),
+        ] {
+            let s = RingShape { batch: 1, seq_local, heads, kv_heads, head_dim: d, causal, nranks: n };
+            let scale = 1.5 / (d as f32).sqrt();
+            let uniform = |seed: u64, len: usize, sc: f64| -> Vec<f64> {
+                xorshift_unit(seed, len).map(|u| round_to(dtype, sc * (2.0 * u - 1.0))).collect()
+            };
+            let shard = |seed: u64, hs: usize, sc: f64| -> Vec<Vec<f64>> {
+                (0..n).map(|r| uniform(seed * 10 + r as u64, seq_local * hs * d, sc)).collect()
+            };
+            let (q, k, v, dout) =
+                (shard(1, heads, 2.0), shard(2, kv_heads, 1.0), shard(3, kv_heads, 1.0), shard(4, heads, 1.0));
+            for rank in [0, n - 1] {
+                let g = gradient_reference(&s, rank, scale as f64, &q, &k, &v, &dout, dtype);
+                let (dq, dk, dv) = emulate_kernel(&s, rank, scale, &q, &k, &v, &dout, dtype);
+                for (name, got, want, bound) in
+                    [("dq", &dq, &g.dq, &g.dq_bound), ("dk", &dk, &g.dk, &g.dk_bound), ("dv", &dv, &g.dv, &g.dv_bound)]
+                {
+                    let verdict = check_close(got, want, bound, 2.0 * tolerance(dtype));
+                    assert!(verdict.passed(), "{s:?} {dtype:?} rank {rank} {name}: {verdict}");
+                }
+            }
+        }
     }
 
     #[test]
