@@ -152,7 +152,7 @@ pub struct PlanOverrides {
     pub bn: Option<usize>,
     /// CTAs that split K for one tile, 1 to 8 (falls back to 1 where no split-K kernel
     /// exists: widths 64 and 128 with the TMA epilogue, without a multicast cluster; and is
-    /// lowered to the K blocks).
+    /// lowered to the K blocks and to the CTA budget).
     pub split_k: Option<usize>,
     /// m-blocks per raster group.
     pub group_m: Option<usize>,
@@ -473,7 +473,8 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
     ];
     // SAFETY: the parameters match the entry kernels' signature (3 tensor maps, a pointer,
     // 4 ints); A, B and C were validated and cover M×K, N×K and M×N elements (caller's
-    // contract); a cluster plan names a cluster kernel, launched with cluster dims (2,1,1).
+    // contract); a cluster plan names a cluster kernel, launched in clusters of its size
+    // (2 for multicast, split_k for split-K; `kernel_launch`).
     unsafe { kernel_launch.launch(stream, &mut params, None) }
 }
 
@@ -730,6 +731,69 @@ mod tests {
             assert_eq!(p.box_rows(), boxes, "{p:?}");
         }
         assert!(with(8192, 8192, None, None).kernel_launch(mkDataType_t::mkFloat32).is_err());
+    }
+
+    /// Whatever the shape, SM count, CTA budget, epilogue and overrides, the plan is one the
+    /// launch can honour: a kernel for both dtypes, clusters of at most 8 that divide the
+    /// grid, no more CTAs than the budget or than the tiles' clusters, shared memory within
+    /// the limit, a split only with the TMA epilogue and never past the K blocks, multicast
+    /// only with 128-row tiles, and the A box as tall as the rows a CTA loads.
+    #[test]
+    fn every_plan_is_launchable() {
+        let mut plans = 0;
+        for sms in [132, 114, 16, 1] {
+            for m in [1, 5, 63, 64, 65, 128, 129, 257, 1000] {
+                for n in [8, 64, 264, 1024, 8192, 28672] {
+                    for k in [0, 8, 136, 520, 8192] {
+                        for tma in [true, false] {
+                            for max_ctas in [None, Some(5), Some(7), Some(66)] {
+                                for split_k in [None, Some(1), Some(3), Some(8), Some(16)] {
+                                    for (bm, cluster) in [
+                                        (None, None),
+                                        (Some(64), None),
+                                        (Some(128), Some(Cluster::ShareA)),
+                                        (None, Some(Cluster::ShareB)),
+                                    ] {
+                                        let o = PlanOverrides { bm, split_k, max_ctas, cluster, ..Default::default() };
+                                        let p = plan(m, n, k, sms, tma, o);
+                                        let cap = max_ctas.unwrap_or(sms).min(sms);
+                                        let what = format!("{m}x{n}x{k} on {sms} SMs, tma {tma}, {o:?}: {p:?}");
+                                        for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
+                                            let l = p.kernel_launch(dtype).unwrap_or_else(|e| panic!("{what}: {e:?}"));
+                                            let size = match l.clusters {
+                                                Clusters::None => 1,
+                                                Clusters::Of(s) => s as usize,
+                                            };
+                                            assert!(size <= MAX_SPLIT_K, "{what}");
+                                            assert!(l.grid as usize % size == 0 && l.grid as usize >= size, "{what}");
+                                        }
+                                        assert!(p.grid <= cap, "{what}");
+                                        assert!(p.grid / (p.split_k * p.cluster.size()) <= p.tiles().max(1), "{what}");
+                                        assert!(p.smem_bytes <= SMEM_LIMIT && p.stages >= 3, "{what}");
+                                        if p.split_k > 1 {
+                                            assert!(p.split_k <= k.div_ceil(BK), "{what}");
+                                            assert_eq!(
+                                                (p.epilogue, p.cluster),
+                                                (Epilogue::Tma, Cluster::None),
+                                                "{what}"
+                                            );
+                                        }
+                                        if p.cluster != Cluster::None {
+                                            assert_eq!(p.bm, BM, "{what}");
+                                        }
+                                        let a_rows = if p.cluster == Cluster::ShareA { p.bm / 2 } else { p.bm };
+                                        assert_eq!(p.box_rows().0, a_rows, "{what}");
+                                        assert!(p.group_m >= 1, "{what}");
+                                        plans += 1;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(plans, 4 * 9 * 6 * 5 * 2 * 4 * 5 * 4);
     }
 
     #[test]
