@@ -684,8 +684,9 @@ mkResult_t mkRingAttention(const void *q,
  *   [batch, seqLocal, numKvHeads, headDim]; `lse`: [batch, numHeads, seqLocal] fp32. `out`
  *   and `lse` are what mkRingAttention returned for q, k, v (the same softmaxScale and
  *   causal flag); `dout` is the gradient of the loss with respect to `out`.
- * - With P = exp(softmaxScale · q·kᵀ [masked] − lse): delta = rowsum(dout ∘ out) (fp32
- *   products of the elements, summed over d in order), dP = dout·vᵀ, dS = P ∘ (dP − delta),
+ * - With P = exp(softmaxScale · q·kᵀ [masked] − lse): delta = rowsum(dout ∘ out) (in fp32:
+ *   each run of 8 elements of d a chain of fused multiply-adds from zero, the runs added in
+ *   order of d), dP = dout·vᵀ, dS = P ∘ (dP − delta),
  *   dv = Pᵀ·dout, dk = softmaxScale · dSᵀ·q, dq = softmaxScale · dS·k. Scores, P, dP and
  *   dS are fp32; P and dS are rounded to `dtype` before their products (as
  *   FlashAttention does), which accumulate in fp32; dq, dk, dv are rounded once. The
