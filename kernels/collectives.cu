@@ -26,13 +26,14 @@
 #include <stdint.h>
 #include "mk_kernel_abi.h"
 #include "mkernel.h"
+#include "common/ll_line.cuh"
 #include "common/reduce_copy.cuh"
 #include "common/signals.cuh"
 
 // ---- the low-latency protocol (p.protocol == MK_PROTOCOL_LOW_LATENCY) ----
-// A sender writes every 8 bytes of its piece, with the step as a flag beside each half, as
-// one 16-byte line {lo, step, hi, step} straight into each peer's LL region; the receiver
-// polls its own region until both flags of a line equal the step. Data and flag travel in
+// A sender writes every 8 bytes of its piece, with a flag of the step beside each half, as
+// one 16-byte line straight into each peer's LL region (common/ll_line.cuh); the receiver
+// polls its own region until both flags of a line are the step's. Data and flag travel in
 // one store, so a step costs one one-way trip: no staging copy, no fence, no flag round
 // trip. Safety without a free-slot wait: a line of step s lands in the CTA's area for
 // parity s & 1, which its reader finished reading at step s - 2, before it sent anything of
@@ -48,45 +49,22 @@ __device__ __forceinline__ uint4* ll_lines(const WorkspaceView& ws, int owner, u
   return reinterpret_cast<uint4*>(region + (((uint64_t)b * 2 + (step & 1)) * MK_MAX_PEERS + source) * MK_LL_SOURCE_BYTES);
 }
 
-// Bytes [8i, 8i + 8) of the `nb` bytes at `src` (zero past the end).
-__device__ __forceinline__ uint2 ll_read(const char* src, uint64_t nb, uint64_t i) {
-  const uint64_t at = i * 8;
-  if (at + 8 <= nb && (reinterpret_cast<uintptr_t>(src + at) & 7) == 0) return *reinterpret_cast<const uint2*>(src + at);
-  uint64_t w = 0;  // byte by byte into a register (an array would live on the stack)
-#pragma unroll
-  for (int k = 0; k < 8; ++k)
-    if (at + k < nb) w |= (uint64_t)(uint8_t)src[at + k] << (8 * k);
-  return make_uint2((uint32_t)w, (uint32_t)(w >> 32));
-}
-
-// Writes the bytes of `v` that fall inside the `nb` bytes at `dst`, at [8i, 8i + 8).
-__device__ __forceinline__ void ll_write(char* dst, uint64_t nb, uint64_t i, uint2 v) {
-  const uint64_t at = i * 8;
-  if (at + 8 <= nb && (reinterpret_cast<uintptr_t>(dst + at) & 7) == 0) {
-    *reinterpret_cast<uint2*>(dst + at) = v;
-    return;
-  }
-  const uint64_t w = (uint64_t)v.x | (uint64_t)v.y << 32;
-#pragma unroll
-  for (int k = 0; k < 8; ++k)
-    if (at + k < nb) dst[at + k] = (char)(w >> (8 * k));
-}
-
-__device__ __forceinline__ void ll_put(uint4* line, uint2 v, uint32_t flag) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line), "r"(v.x), "r"(flag), "r"(v.y), "r"(flag)
+__device__ __forceinline__ void ll_put(uint4* line, uint2 v, LlFlags flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line), "r"(v.x), "r"(flag.lo), "r"(v.y),
+               "r"(flag.hi)
                : "memory");
 }
 
-__device__ __forceinline__ bool ll_try(const uint4* line, uint32_t flag, uint2& v) {
+__device__ __forceinline__ bool ll_try(const uint4* line, LlFlags flag, uint2& v) {
   uint32_t lo, f1, hi, f2;
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(lo), "=r"(f1), "=r"(hi), "=r"(f2) : "l"(line) : "memory");
   v = make_uint2(lo, hi);
-  return f1 == flag && f2 == flag;
+  return ll_flags_match(f1, f2, flag);
 }
 
 // One thread: polls `line` until it carries `flag` (bounded as every wait: abort word,
 // timeout, host abort). False: the wait gave up with the error recorded.
-__device__ __forceinline__ bool ll_get(const WorkspaceView& ws, const uint4* line, uint32_t flag, int peer, uint32_t op,
+__device__ __forceinline__ bool ll_get(const WorkspaceView& ws, const uint4* line, LlFlags flag, int peer, uint32_t op,
                                        uint2& v) {
   if (ll_try(line, flag, v)) return true;
   MkWaitChecks checks(ws);
@@ -124,7 +102,7 @@ __device__ __forceinline__ void collective_ll(const CollectiveParams& p) {
   const uint64_t npieces = (p.count + p.chunk - 1) / p.chunk;
   for (uint64_t g = b; g < npieces; g += gridDim.x) {
     ++step;
-    const uint32_t flag = (uint32_t)step;
+    const LlFlags flag = ll_flags(step);
     const uint64_t off = g * p.chunk;
     const uint64_t nb = min(p.chunk, p.count - off) * es;  // bytes of this piece per source
     const bool mine = (uint64_t)i * 8 < nb;                // this thread has a line
