@@ -38,7 +38,7 @@ pub enum Epilogue {
 
 /// 2-CTA clusters whose CTAs share one operand through TMA multicast (kernels/common/gemm
 /// SHARE_A / SHARE_B): half the L2→SM traffic for that operand.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Cluster {
     /// One CTA per work item.
     None,
@@ -185,7 +185,9 @@ pub struct GemmPlan {
     /// what can be co-resident as clusters).
     pub grid: usize,
     pub cluster: Cluster,
-    /// Whether the tile came from the table or the rule (`ops::gemm_table`); logged at INFO.
+    /// What the table or the rule chose (`ops::gemm_table`), before the epilogue, the CTA
+    /// budget and the overrides adjusted it; logged at INFO.
+    pub chosen: TileChoice,
     pub source: gemm_table::Source,
 }
 
@@ -384,6 +386,7 @@ pub fn plan(m: usize, n: usize, k: usize, sms: usize, tma_epilogue_ok: bool, o: 
         group_m,
         grid,
         cluster,
+        chosen: choice,
         source,
     }
 }
@@ -518,7 +521,7 @@ pub fn gemm_with(args: &GemmArgs, o: PlanOverrides, stream: sys::CUstream) -> Re
     let sms = current_sm_count()?;
     let p = plan(args.m, args.n, args.k, sms, args.tma_epilogue_ok(), o);
     let ctas = o.max_ctas.unwrap_or(sms).clamp(1, sms.max(1));
-    gemm_table::log_choice(args.m, args.n, args.k, ctas, &p.tile(), p.source);
+    gemm_table::log_choice(args.m, args.n, args.k, ctas, &p);
     launch(args, &p, stream)
 }
 

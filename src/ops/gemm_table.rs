@@ -58,7 +58,7 @@ pub struct ShapeClass {
 }
 
 /// What the planner runs for a shape class.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TileChoice {
     /// Rows per tile: 128 (two consumer warpgroups) or 64 (one; A stages half the size).
     pub bm: usize,
@@ -190,6 +190,21 @@ pub fn choose(m: usize, n: usize, k: usize, ctas: usize) -> (TileChoice, Source)
     }
 }
 
+/// The tile a plan runs and where it came from, as logged at INFO.
+pub fn plan_origin(plan: &super::gemm::GemmPlan) -> String {
+    let source = if plan.source == Source::Table { "table" } else { "rule" };
+    let tile = plan.tile();
+    if tile == plan.chosen {
+        format!("{} ({source})", tile.describe())
+    } else {
+        format!(
+            "{} (the {source} chose {}; adjusted to the epilogue, CTA budget or overrides)",
+            tile.describe(),
+            plan.chosen.describe()
+        )
+    }
+}
+
 /// One line per table row, as printed at INFO.
 pub fn describe_table() -> Vec<String> {
     TABLE
@@ -198,10 +213,12 @@ pub fn describe_table() -> Vec<String> {
         .collect()
 }
 
-/// Logs the table at INFO once per process, and each shape class's choice the first time
-/// it is planned (at most 256 classes, so a caller sweeping shapes cannot grow it without
-/// bound). Without INFO (read once per process) it returns at once: it runs on every call.
-pub fn log_choice(m: usize, n: usize, k: usize, ctas: usize, choice: &TileChoice, source: Source) {
+/// Logs the table at INFO once per process, and each plan of a shape class the first time
+/// it is made (at most 256, so a caller sweeping shapes cannot grow the set without bound):
+/// the tile run, and where it differs, what the table or rule chose before the epilogue,
+/// the CTA budget or the caller's overrides changed it. Without INFO (read once per
+/// process) it returns at once: it runs on every call.
+pub fn log_choice(m: usize, n: usize, k: usize, ctas: usize, plan: &super::gemm::GemmPlan) {
     use parking_lot::Mutex;
     use std::collections::HashSet;
     use std::sync::OnceLock;
@@ -210,24 +227,20 @@ pub fn log_choice(m: usize, n: usize, k: usize, ctas: usize, choice: &TileChoice
         return;
     }
     static TABLE_LOGGED: OnceLock<()> = OnceLock::new();
-    static SEEN: Mutex<Option<HashSet<ShapeClass>>> = Mutex::new(None);
+    static SEEN: Mutex<Option<HashSet<(ShapeClass, TileChoice)>>> = Mutex::new(None);
     TABLE_LOGGED.get_or_init(|| {
         for line in describe_table() {
             crate::log::info(None, format_args!("{line}"));
         }
     });
     let class = ShapeClass { m: MClass::of(m), n, k, ctas };
+    let tile = plan.tile();
     let mut seen = SEEN.lock();
     let seen = seen.get_or_insert_with(HashSet::new);
-    if seen.len() < 256 && seen.insert(class) {
+    if seen.len() < 256 && seen.insert((class, tile)) {
         crate::log::info(
             None,
-            format_args!(
-                "gemm plan: M {m} ({}) N {n} K {k} on {ctas} CTAs -> {} ({})",
-                class.m.name(),
-                choice.describe(),
-                if source == Source::Table { "table" } else { "rule" }
-            ),
+            format_args!("gemm plan: M {m} ({}) N {n} K {k} on {ctas} CTAs -> {}", class.m.name(), plan_origin(plan)),
         );
     }
 }
@@ -235,6 +248,22 @@ pub fn log_choice(m: usize, n: usize, k: usize, ctas: usize, choice: &TileChoice
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_logged_origin_names_an_adjusted_choice() {
+        use crate::ops::gemm::{plan, PlanOverrides};
+        // M 100 N K 8192 on 132 SMs: the table splits 128-wide tiles over 2 CTAs.
+        let tma = plan(100, 8192, 8192, 132, true, PlanOverrides::default());
+        assert_eq!(plan_origin(&tma), "bm128 bn128 split2 (table)");
+        // A split needs the TMA epilogue: without it the same choice runs unsplit.
+        let direct = plan(100, 8192, 8192, 132, false, PlanOverrides::default());
+        assert_eq!(direct.split_k, 1);
+        assert!(
+            plan_origin(&direct).starts_with("bm128 bn128 split1 (the table chose bm128 bn128 split2;"),
+            "{}",
+            plan_origin(&direct)
+        );
+    }
 
     #[test]
     fn every_row_is_buildable_and_fits_its_shape() {
