@@ -218,3 +218,48 @@ fn refused_joins_are_logged() {
         "the refusal must be logged: {stderr}"
     );
 }
+
+#[test]
+fn ranks_that_disagree_on_a_shared_setting_all_fail_alike() {
+    use mkernel::comm::{agreement, CommConfig};
+    loopback();
+    let id = start_root().unwrap();
+    let boots = join_threads(id, vec![(0, 3), (1, 3), (2, 3)]);
+    let handles: Vec<_> = boots
+        .into_iter()
+        .enumerate()
+        .map(|(rank, b)| {
+            std::thread::spawn(move || {
+                let mut config = CommConfig::from_env();
+                // Rank 1 alone sends every collective through the simple protocol.
+                if rank == 1 {
+                    config.tuning.collective_ll_max_bytes = 0;
+                }
+                config.max_ctas = Some(40 + rank as u32);
+                agreement::agree(&b.unwrap(), &config)
+            })
+        })
+        .collect();
+    for r in handles.into_iter().map(|h| h.join().unwrap()) {
+        let e = r.expect_err("a difference in a shared setting fails on every rank");
+        assert_eq!(e.code, mkResult_t::mkInvalidUsage);
+        assert!(e.message.contains("MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES") && e.message.contains("rank 1"), "{e}");
+    }
+
+    // Alike, they agree, and every rank takes the smallest grid cap.
+    let id = start_root().unwrap();
+    let boots = join_threads(id, vec![(0, 2), (1, 2)]);
+    let handles: Vec<_> = boots
+        .into_iter()
+        .enumerate()
+        .map(|(rank, b)| {
+            std::thread::spawn(move || {
+                let config = CommConfig { max_ctas: Some(66 - rank as u32), ..CommConfig::from_env() };
+                agreement::agree(&b.unwrap(), &config)
+            })
+        })
+        .collect();
+    for r in handles.into_iter().map(|h| h.join().unwrap()) {
+        assert_eq!(r.unwrap().max_ctas, Some(65));
+    }
+}

@@ -1,6 +1,7 @@
 //! The communicator: rank, size, device context, bootstrap, configuration, and the error
 //! state (`mkGetLastError`, `mkCommGetAsyncError`, abort).
 
+pub mod agreement;
 pub mod topology;
 pub mod workspace;
 
@@ -150,6 +151,7 @@ impl Comm {
         let context = PrimaryContext::retain(device)?;
         crate::cuda::platform::check_device(device)?;
         let bootstrap = Bootstrap::join(id, rank as usize, nranks as usize, config.bootstrap_timeout)?;
+        let config = agreement::agree(&bootstrap, &config)?;
         let nodes = node_of_ranks(bootstrap.host_hashes(), config.ranks_per_node);
         let topology = Topology::new(rank as usize, &nodes)?;
         let data_plane_missing = data_plane_missing(&nodes);

@@ -43,11 +43,14 @@ pub struct mkConfig_t {
     /// themselves (AllGather+GEMM and the MoE dispatch send from the idle warps of the
     /// producer warpgroup; GEMM+ReduceScatter/AllReduce and the MoE combine reduce or pull
     /// on the consumer warps after their last tile; the MoE dispatch keeps one CTA for the
-    /// layout). c >= 1: c dedicated CTAs take those roles instead.
+    /// layout). c >= 1: c dedicated CTAs take those roles instead. Every rank must give the
+    /// same value (creation fails with mkInvalidUsage on every rank otherwise).
     pub commCtas: c_int,
-    /// Cap on any kernel's grid, for several ranks sharing one GPU (MK_MAX_CTAS).
+    /// Cap on any kernel's grid, for several ranks sharing one GPU (MK_MAX_CTAS). Ranks may
+    /// differ: the communicator takes the smallest cap any rank set.
     pub maxCtas: c_int,
-    /// Ranks per node; groups ranks into nodes (MK_RANKS_PER_NODE).
+    /// Ranks per node; groups ranks into nodes (MK_RANKS_PER_NODE). Every rank must give the
+    /// same value (creation fails with mkInvalidUsage on every rank otherwise).
     pub ranksPerNode: c_int,
     /// Symmetric workspace per rank allocated at init, in bytes (MK_WORKSPACE_BYTES); -1 unset.
     pub workspaceBytes: c_longlong,
