@@ -104,8 +104,8 @@ pub struct Comm {
     /// What kernels get to post to the proxy (None on one node).
     pub proxy_ring: Option<ProxyRingView>,
     last_error: Mutex<CString>,
-    /// The kernel family of the last fused op launched (ops::fused_fence).
-    pub last_fused_kernel: Mutex<crate::ops::fused_fence::LastFused>,
+    /// What the host knows of the fused ops launched, for their fences (ops::fused_fence).
+    pub fused_fence: Mutex<crate::ops::fused_fence::FenceState>,
     async_error: AtomicI32,
     aborted: AtomicBool,
 }
@@ -228,7 +228,7 @@ impl Comm {
             topology,
             proxy_ring,
             last_error: Mutex::new(CString::default()),
-            last_fused_kernel: Mutex::new(Default::default()),
+            fused_fence: Mutex::new(Default::default()),
             async_error: AtomicI32::new(mkResult_t::mkSuccess as i32),
             aborted: AtomicBool::new(false),
         })

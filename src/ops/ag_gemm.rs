@@ -335,8 +335,9 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
             p.chunk_rows
         )));
     }
-    fused_fence::before_launch(comm, &ws.view, nodes.as_ref(), FusedKernel::AllGatherGemm, stream)?;
-    launch(args, &p, ws, nodes.as_ref(), stream)
+    fused_fence::launch_fenced(comm, &ws.view, nodes.as_ref(), FusedKernel::AllGatherGemm, stream, || {
+        launch(args, &p, ws, nodes.as_ref(), stream)
+    })
 }
 
 /// Launches the fused kernel of plan `p` for validated `args` (the context current) on this

@@ -460,8 +460,9 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
             ws.view.op_bytes
         )));
     }
-    fused_fence::before_launch(comm, &ws.view, nodes.as_ref(), FusedKernel::GemmReduce, stream)?;
-    launch(args, &shape, &p, ws, nodes.as_ref(), stream)
+    fused_fence::launch_fenced(comm, &ws.view, nodes.as_ref(), FusedKernel::GemmReduce, stream, || {
+        launch(args, &shape, &p, ws, nodes.as_ref(), stream)
+    })
 }
 
 /// Launches the kernel of plan `p` for validated `args` of `shape` (the context current)

@@ -840,8 +840,9 @@ fn run(comm: &Comm, call: MoeCall, stream: sys::CUstream) -> Result<()> {
     let grid = DeviceCaps::of(comm)?.grid_cap();
     let p = plan(call.dir, &call.dims, grid, comm.config.comm_ctas, &comm.config.tuning, call.gemm)?;
     let region = ws.view.data[comm.rank] + ws.view.data_bytes;
-    fused_fence::before_launch(comm, &ws.view, None, FusedKernel::Moe, stream)?;
-    launch(call, &p, &ws.view, region, stream)
+    fused_fence::launch_fenced(comm, &ws.view, None, FusedKernel::Moe, stream, || {
+        launch(call, &p, &ws.view, region, stream)
+    })
 }
 
 /// Launches plan `p` for `call` (the context current) on the workspace `view`, whose

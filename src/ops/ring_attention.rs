@@ -397,12 +397,16 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
         p.kv_offset = ws.view.data_bytes;
     }
     // The dynamic schedule's counter lives in the signal region, which one rank has too.
-    if let Some(ws) = &comm.workspace {
-        p.ws = ws.view;
-        p.sched_dynamic = 1;
-        fused_fence::before_launch(comm, &ws.view, None, FusedKernel::RingAttention, stream)?;
+    match &comm.workspace {
+        Some(ws) => {
+            p.ws = ws.view;
+            p.sched_dynamic = 1;
+            fused_fence::launch_fenced(comm, &ws.view, None, FusedKernel::RingAttention, stream, || {
+                launch(args, &plan, p, stream)
+            })
+        }
+        None => launch(args, &plan, p, stream),
     }
-    launch(args, &plan, p, stream)
 }
 
 /// The attention alone over K/V already gathered in local buffers (shard of source rank s

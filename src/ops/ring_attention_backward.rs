@@ -365,13 +365,14 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
         maps.v[src] = head_map(v, f.dtype, &s, s.kv_heads)?;
     }
     let kernel_launch = plan.kernel_launch(f.dtype)?;
-    fused_fence::before_launch(comm, &ws.view, None, FusedKernel::RingAttentionBackward, stream)?;
-    let mut kernel_params: [*mut c_void; 2] =
-        [(&mut p as *mut RingAttnBwdParams).cast(), (&mut maps as *mut BwdMaps).cast()];
-    // SAFETY: the parameters match the kernel (RingAttnBwdParams and BwdMaps by value); the
-    // tensors were checked to be device memory of this device, of the sizes the caller
-    // promised, and the maps describe exactly those tensors; the workspace holds the layout.
-    unsafe { kernel_launch.launch(stream, &mut kernel_params, Some("mkRingAttentionBackward")) }
+    fused_fence::launch_fenced(comm, &ws.view, None, FusedKernel::RingAttentionBackward, stream, || {
+        let mut kernel_params: [*mut c_void; 2] =
+            [(&mut p as *mut RingAttnBwdParams).cast(), (&mut maps as *mut BwdMaps).cast()];
+        // SAFETY: the parameters match the kernel (RingAttnBwdParams and BwdMaps by value); the
+        // tensors were checked to be device memory of this device, of the sizes the caller
+        // promised, and the maps describe exactly those tensors; the workspace holds the layout.
+        unsafe { kernel_launch.launch(stream, &mut kernel_params, Some("mkRingAttentionBackward")) }
+    })
 }
 
 #[cfg(test)]

@@ -7,19 +7,28 @@
 //!
 //! Per round: fresh inputs for every case (outputs poisoned), the four ops launched one
 //! after another on one stream, one bounded wait, every output checked against its float64
-//! reference. Then the sequence captured in one CUDA graph and replayed on fresh inputs,
-//! with a direct call between replays (a graph may be replayed after any op).
+//! reference. In each round one rank (a different one each round) is held back: a large
+//! memset on its stream before each of its ops, so the others reach each op first and
+//! whatever an op lets them finish before the slow rank does, they finish first. Then the
+//! sequence captured in one CUDA graph (the slow rank's memsets in it too) and replayed on
+//! fresh inputs, each replay followed at once, without a host sync, by a direct
+//! AllGather + GEMM: a switch of kernel after a replay the host never saw, which only the
+//! fence the graph ends with orders.
 //!
 //! The nodes suite runs the sequence across emulated nodes too (`across_nodes`), where the
 //! fence also exchanges fence numbers between nodes through the proxies.
 
-use crate::fused_common::{self, Captured, FusedCase};
+use crate::collectives::{ffi, say, Stream};
+use crate::fused_common::{self, FusedCase};
 use crate::outcome::Outcome;
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
-use mkernel::error::{mkResult_t, Result};
+use mkernel::cuda::sys;
+use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::mkComm_t;
+use mkernel::testing::{CapturedGraph, TestBuffer};
 use mkernel::types::mkDataType_t;
+use std::cell::Cell;
 
 pub fn run() -> Result<Outcome> {
     fused_common::run_suite(
@@ -29,8 +38,60 @@ pub fn run() -> Result<Outcome> {
     )
 }
 
-/// Rounds of the sequence with fresh inputs.
-const ROUNDS: u64 = 6;
+/// Rounds of the sequence with fresh inputs: enough for every rank of 8 to be the slow one.
+const ROUNDS: u64 = 8;
+
+/// Replays of the captured sequence.
+const REPLAYS: u64 = 3;
+
+/// Bytes the slow rank's memset writes before each of its ops: ~0.1 ms of an H100's
+/// bandwidth, many times one of the sequence's ops, so the others are a whole op ahead.
+const DELAY_BYTES: usize = 256 << 20;
+
+/// Holds one rank back: a memset of DELAY_BYTES on its stream before each op while it is
+/// the slow rank.
+struct Delay {
+    scratch: TestBuffer,
+    rank: usize,
+    slow: Cell<Option<usize>>,
+}
+
+impl Delay {
+    fn new(rank: usize) -> Result<Delay> {
+        Ok(Delay { scratch: TestBuffer::new(DELAY_BYTES, mkDataType_t::mkUint8)?, rank, slow: Cell::new(None) })
+    }
+
+    fn enqueue(&self, stream: sys::CUstream) -> Result<()> {
+        match self.slow.get() == Some(self.rank) {
+            true => self.scratch.poison(stream),
+            false => Ok(()),
+        }
+    }
+}
+
+/// A case whose launch on the slow rank comes after the delay.
+struct Slowed<'a> {
+    case: &'a dyn FusedCase,
+    delay: &'a Delay,
+}
+
+impl FusedCase for Slowed<'_> {
+    fn label(&self) -> String {
+        self.case.label()
+    }
+    fn prepare(&self, seed: u64) -> Result<()> {
+        self.case.prepare(seed)
+    }
+    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        match self.delay.enqueue(stream) {
+            Ok(()) => self.case.launch(comm, stream),
+            Err(e) => e.code,
+        }
+    }
+    fn verify(&self) -> Result<(bool, String)> {
+        self.case.verify()
+    }
+}
 
 /// Four ops, small enough that a round takes milliseconds (so ranks drift apart by whole
 /// ops), each of a different kernel family than the one before it.
@@ -77,19 +138,62 @@ pub fn across_nodes(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
 
 fn back_to_back(comm: mkComm_t, rank: usize, n: usize, across_nodes: bool) -> Result<()> {
     let seq = Sequence::new(n, rank, across_nodes)?;
-    let (checks, failures) = fused_common::check_rounds_of(comm, rank, "mixed", &seq.cases(), 1, ROUNDS, &|_| {})?;
+    let delay = Delay::new(rank)?;
+    let slowed = seq.cases().map(|case| Slowed { case, delay: &delay });
+    let cases: Vec<&dyn FusedCase> = slowed.iter().map(|c| c as &dyn FusedCase).collect();
+    let slow_rank_of = |round: u64| delay.slow.set((n > 1).then_some(round as usize % n));
+    let (checks, failures) = fused_common::check_rounds_of(comm, rank, "mixed", &cases, 1, ROUNDS, &slow_rank_of)?;
     fused_common::count_checks(rank, "mixed", checks, failures)
 }
 
+/// The sequence captured in one graph (the last rank held back inside it), then per replay:
+/// fresh inputs, the replay and right behind it a direct AllGather + GEMM on buffers of its
+/// own, one wait, every output checked. The graph ends with GEMM + ReduceScatter, so the
+/// direct call switches kernels after a replay the host cannot see.
 fn graph_replay(comm: mkComm_t, rank: usize, n: usize, across_nodes: bool) -> Result<()> {
     let seq = Sequence::new(n, rank, across_nodes)?;
-    let captured: Vec<Captured> = seq
-        .cases()
-        .into_iter()
-        .enumerate()
-        .map(|(i, case)| Captured { case, capture_seed: 500 + i as u64, replay_seed: 600 + 10 * i as u64 })
-        .collect();
-    fused_common::graph_replay_of(comm, rank, "mixed", &captured, 1, 700)
+    let delay = Delay::new(rank)?;
+    delay.slow.set((n > 1).then_some(n - 1));
+    let slowed = seq.cases().map(|case| Slowed { case, delay: &delay });
+    let direct = crate::ag_gemm::Case::new(mkDataType_t::mkBfloat16, 128, 512, 256, n, rank)?;
+    let stream = Stream::new()?;
+    for (i, c) in slowed.iter().enumerate() {
+        c.prepare(500 + i as u64)?;
+    }
+    let graph = CapturedGraph::capture(stream.0, |s| {
+        slowed.iter().try_for_each(|c| ffi(&format!("mixed {} (captured)", c.label()), c.launch(comm, s), comm))
+    })?;
+    let mut failures = 0;
+    for replay in 0..REPLAYS {
+        for (i, c) in slowed.iter().enumerate() {
+            c.prepare(600 + 10 * i as u64 + replay)?;
+        }
+        direct.prepare(700 + replay)?;
+        graph.launch(stream.0)?;
+        ffi(&format!("mixed {} after a replay", direct.label()), direct.launch(comm, stream.0), comm)?;
+        fused_common::sync_no_error(comm, &stream, &format!("mixed graph replay {replay} and a direct call"))?;
+        let checked = slowed.iter().map(|c| c as &dyn FusedCase).chain([&direct as &dyn FusedCase]);
+        for (i, case) in checked.enumerate() {
+            let (ok, detail) = case.verify()?;
+            crate::outcome::count(1);
+            if !ok {
+                failures += 1;
+                let what = if i == slowed.len() { "direct call after the replay" } else { "in the graph" };
+                say(rank, format!("graph replay {replay}, {what}: {} {detail} -> WRONG", case.label()));
+            }
+        }
+    }
+    say(
+        rank,
+        format!(
+            "graph capture: {} launches x {REPLAYS} replays, each followed by a direct call, {failures} wrong",
+            slowed.len()
+        ),
+    );
+    if failures > 0 {
+        return Err(MkError::internal("mixed: graph replay or the direct call after it gave wrong results"));
+    }
+    Ok(())
 }
 
 fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
