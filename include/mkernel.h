@@ -16,6 +16,10 @@
  *   did not return is mkInvalidArgument with a message saying which, never a crash.
  * - Operations on one communicator are issued in the same order on every rank; issue them
  *   from one thread at a time (as with NCCL), or the order between threads is undefined.
+ * - On each rank they must also run in that order on the device: pass one stream, or order
+ *   the streams you pass with events. Each operation's handshake with its peers, and the
+ *   fence between fused operations of different kernels, assume the previous operation on
+ *   the communicator has ended before the next one starts.
  * - mkCommAbort (and mkCommDestroy) may be called from another thread while a thread is
  *   inside a call on the communicator or waiting on its stream (a watchdog): the work in
  *   flight stops, calls in progress return, and the release waits for them to leave.
