@@ -2,18 +2,96 @@
 //! (kernels/common/gemm/engine.cuh) and the persistent loop around it, one host thread per
 //! CTA of a cluster (its consumer warpgroup), mbarriers modelled with their phase and
 //! arrival count, the "shared memory" partial slabs plain host memory. The K blocks of a
-//! tile are split as the kernel splits them (CTA r: [r·kb/S, (r+1)·kb/S)), each CTA's
-//! partial is the sum of its blocks' values, and CTA 0 must fold exactly this tile's
-//! partials of every CTA, in rank order, for every tile, whatever the threads' timing:
-//! a phase mixed up (a partial overwritten before it was read, or read before it was
-//! stored) shows as a wrong sum or a hang. Keep it in step with the kernel.
+//! tile are split by the kernel's own `split_k_range` (kernels/common/gemm/scheduler.cuh,
+//! compiled as host C++ and run here), each CTA's partial is the sum of its blocks' values,
+//! and CTA 0 must fold exactly this tile's partials of every CTA, in rank order, for every
+//! tile, whatever the threads' timing: a phase mixed up (a partial overwritten before it
+//! was read, or read before it was stored) shows as a wrong sum or a hang. Keep the fold's
+//! port in step with the kernel.
 
 mod common;
 use common::mbarrier::Mbarrier;
 use mkernel::ops::gemm::plan;
 use mkernel::ops::gemm::PlanOverrides;
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+use std::process::Command;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
+
+const DRIVER: &str = r#"
+#define __device__
+#define __forceinline__ inline
+#include <algorithm>
+#include <cstdio>
+using std::min;
+#include "scheduler.cuh"
+using namespace mk::gemm;
+
+// Every CTA's K blocks for splits 1..8 of 1..1024 K blocks and of a few large counts (K up
+// to 2^31 - 1: 2^25 blocks of 64): "split k_blocks rank first count".
+int main() {
+  const int large[] = {4095, 65536, 131071, 1 << 24, 1 << 25};
+  for (uint32_t split = 1; split <= 8; ++split) {
+    auto print = [&](int k_blocks) {
+      for (uint32_t rank = 0; rank < split; ++rank) {
+        const KBlockRange r = split_k_range(rank, split, k_blocks);
+        std::printf("%u %d %u %d %d\n", split, k_blocks, rank, r.first, r.count);
+      }
+    };
+    for (int k_blocks = 1; k_blocks <= 1024; ++k_blocks) print(k_blocks);
+    for (int k_blocks : large) print(k_blocks);
+  }
+  return 0;
+}
+"#;
+
+/// (split, k_blocks) to the K blocks of each CTA of the cluster, in rank order.
+type KRanges = HashMap<(usize, usize), Vec<Range<usize>>>;
+
+/// The K blocks of a tile that each CTA of a split-K cluster takes, by the device's own
+/// function, for every pair the driver prints. Built once per test binary (its tests run
+/// in parallel).
+fn device_k_ranges() -> &'static KRanges {
+    static RANGES: OnceLock<KRanges> = OnceLock::new();
+    RANGES.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("split_k_protocol");
+        std::fs::create_dir_all(&dir).unwrap();
+        let (src, exe) = (dir.join("driver.cpp"), dir.join("driver"));
+        std::fs::write(&src, DRIVER).unwrap();
+        let gemm = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/common/gemm");
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let built = Command::new(&cxx)
+            .args(["-std=c++17", "-O1", "-Wall", "-Werror", "-I"])
+            .arg(&gemm)
+            .arg(&src)
+            .arg("-o")
+            .arg(&exe)
+            .output()
+            .unwrap_or_else(|e| panic!("{cxx}: {e} (a C++ compiler is needed; scripts/setup.sh installs one)"));
+        assert!(built.status.success(), "{cxx} failed:\n{}", String::from_utf8_lossy(&built.stderr));
+        let run = Command::new(&exe).output().unwrap();
+        assert!(run.status.success());
+        let mut ranges = KRanges::new();
+        for line in String::from_utf8(run.stdout).unwrap().lines() {
+            let v: Vec<i64> = line.split(' ').map(|w| w.parse().unwrap()).collect();
+            let [split, k_blocks, rank, first, count] = v[..] else { panic!("{line}") };
+            assert!(first >= 0 && count >= 0, "split {split} k_blocks {k_blocks}: CTA {rank} has [{first}, +{count})");
+            let cta = ranges.entry((split as usize, k_blocks as usize)).or_default();
+            assert_eq!(cta.len() as i64, rank, "{line}: ranks in order");
+            cta.push(first as usize..(first + count) as usize);
+        }
+        ranges
+    })
+}
+
+/// The ranges of `split` CTAs over `k_blocks` K blocks (a pair the driver printed).
+fn k_ranges(split: usize, k_blocks: usize) -> &'static [Range<usize>] {
+    device_k_ranges()
+        .get(&(split, k_blocks))
+        .unwrap_or_else(|| panic!("no device ranges for split {split} of {k_blocks}"))
+}
 
 /// One CTA's split-K state: its partial slab and its two barriers (only CTA 0's "stored"
 /// and only the others' "read" are used).
@@ -29,9 +107,10 @@ fn block_value(t: usize, kb: usize, e: usize) -> f64 {
     (t * 1000 + kb) as f64 * 4.0 + e as f64
 }
 
-/// Runs the cluster over `tiles` tiles (the items this cluster takes) of `k_blocks` K
-/// blocks; returns CTA 0's folded sums per tile.
-fn run_cluster(split: usize, k_blocks: usize, tiles: usize, elems: usize, jitter: bool) -> Vec<Vec<f64>> {
+/// Runs the cluster over `tiles` tiles (the items this cluster takes), CTA r computing K
+/// blocks `ranges[r]` of each; returns CTA 0's folded sums per tile.
+fn run_cluster(ranges: &'static [Range<usize>], tiles: usize, elems: usize, jitter: bool) -> Vec<Vec<f64>> {
+    let split = ranges.len();
     let ctas: Arc<Vec<Cta>> = Arc::new(
         (0..split)
             .map(|_| Cta {
@@ -45,15 +124,12 @@ fn run_cluster(split: usize, k_blocks: usize, tiles: usize, elems: usize, jitter
         .map(|rank| {
             let ctas = Arc::clone(&ctas);
             std::thread::spawn(move || {
-                // engine.cuh: kb0 = rank * k_blocks / split, kbs = (rank + 1) * k_blocks / split - kb0.
-                let kb0 = rank * k_blocks / split;
-                let kbs = (rank + 1) * k_blocks / split - kb0;
                 let mut phase = 0u32;
                 let mut folded = Vec::new();
                 for t in 0..tiles {
                     // The mainloop: this CTA's K range of tile t.
                     let acc: Vec<f64> =
-                        (0..elems).map(|e| (kb0..kb0 + kbs).map(|kb| block_value(t, kb, e)).sum()).collect();
+                        (0..elems).map(|e| ranges[rank].clone().map(|kb| block_value(t, kb, e)).sum()).collect();
                     if jitter && (t + rank) % 3 == 0 {
                         std::thread::sleep(Duration::from_micros(200));
                     }
@@ -92,15 +168,15 @@ fn cta_zero_folds_every_tiles_partials_in_rank_order() {
         for (k_blocks, tiles) in [(split, 1), (16, 7), (17, 12), (128, 5)] {
             for jitter in [false, true] {
                 let elems = 8;
-                let folded = run_cluster(split, k_blocks, tiles, elems, jitter);
+                let ranges = k_ranges(split, k_blocks);
+                let folded = run_cluster(ranges, tiles, elems, jitter);
                 assert_eq!(folded.len(), tiles);
                 for (t, sum) in folded.iter().enumerate() {
                     // The rank-order sum of the CTAs' K ranges, as the fold forms it.
                     for (e, &got) in sum.iter().enumerate() {
                         let mut want = 0.0;
-                        for r in 0..split {
-                            let (kb0, kb1) = (r * k_blocks / split, (r + 1) * k_blocks / split);
-                            let part: f64 = (kb0..kb1).map(|kb| block_value(t, kb, e)).sum();
+                        for range in ranges {
+                            let part: f64 = range.clone().map(|kb| block_value(t, kb, e)).sum();
                             want += part;
                         }
                         assert_eq!(got, want, "split {split} k_blocks {k_blocks} tile {t} element {e}");
@@ -108,6 +184,27 @@ fn cta_zero_folds_every_tiles_partials_in_rank_order() {
                 }
             }
         }
+    }
+}
+
+/// The device's ranges: consecutive in rank order from block 0, covering the tile's K
+/// blocks once, sizes within one of each other, so every CTA has a block whenever
+/// split <= k_blocks (what the planner keeps and the kernel traps without).
+#[test]
+fn k_ranges_cover_the_k_blocks_once_in_rank_order() {
+    let ranges = device_k_ranges();
+    assert_eq!(ranges.len(), 8 * (1024 + 5), "every (split, k_blocks) the driver sweeps");
+    for (&(split, k_blocks), ctas) in ranges {
+        let what = format!("split {split} of {k_blocks} K blocks: {ctas:?}");
+        assert_eq!(ctas.len(), split, "{what}");
+        let mut covered = 0;
+        for r in ctas {
+            assert_eq!(r.start, covered, "{what}");
+            covered = r.end;
+        }
+        assert_eq!(covered, k_blocks, "{what}");
+        let (least, most) = (ctas.iter().map(|r| r.len()).min().unwrap(), ctas.iter().map(|r| r.len()).max().unwrap());
+        assert!(most - least <= 1 && least == k_blocks / split, "{what}");
     }
 }
 
@@ -121,11 +218,10 @@ fn planned_splits_give_every_cta_k_blocks() {
             let s = p.split_k;
             assert!(s >= 1 && s <= k_blocks, "{m}x{n}x{k}: split {s}");
             let mut covered = 0;
-            for r in 0..s {
-                let (kb0, kb1) = (r * k_blocks / s, (r + 1) * k_blocks / s);
-                assert!(kb1 > kb0, "{m}x{n}x{k}: CTA {r} of {s} has no K block");
-                assert_eq!(kb0, covered);
-                covered = kb1;
+            for (r, range) in k_ranges(s, k_blocks).iter().enumerate() {
+                assert!(!range.is_empty(), "{m}x{n}x{k}: CTA {r} of {s} has no K block");
+                assert_eq!(range.start, covered);
+                covered = range.end;
             }
             assert_eq!(covered, k_blocks);
             assert_eq!(p.grid % s, 0, "whole clusters");

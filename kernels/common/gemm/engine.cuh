@@ -342,8 +342,8 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
   // Split-K: the cluster's CTAs take one item together, CTA r its k-blocks [kb0, kb0 + kbs).
   const uint32_t split = Cfg::SPLIT_K ? cluster_nctarank() : 1;
   const uint32_t rank = CLUSTER > 1 || Cfg::SPLIT_K ? cluster_ctarank() : 0;
-  const int kb0 = Cfg::SPLIT_K ? (int)((int64_t)rank * k_blocks / split) : 0;
-  const int kbs = Cfg::SPLIT_K ? (int)((int64_t)(rank + 1) * k_blocks / split) - kb0 : k_blocks;
+  const KBlockRange k_range = Cfg::SPLIT_K ? split_k_range(rank, split, k_blocks) : KBlockRange{0, k_blocks};
+  const int kb0 = k_range.first, kbs = k_range.count;
   const int group = CLUSTER * (int)split;
   const int item0 = cta / group, item_step = num_ctas / group;
   // C tile of this CTA for a cluster tile.

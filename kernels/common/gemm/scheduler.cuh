@@ -3,6 +3,7 @@
 // (or, for a scheduler with a ticket counter, the tickets it takes: engine.cuh HasTickets),
 // so every policy only has to define the order. Policies are compile-time so the plain
 // GEMM pays nothing for the fused ops' orders.
+// Also here: the K blocks each CTA of a split-K cluster computes (split_k_range).
 //
 // Policy interface (duck-typed):
 //   struct Policy {
@@ -10,6 +11,7 @@
 //     __device__ static TileCoord tile(const Params&, int t);  // 0 <= t < tiles_m * tiles_n
 //   };
 #pragma once
+#include <cstdint>
 
 namespace mk { namespace gemm {
 
@@ -87,6 +89,19 @@ struct OwnerInterleavedRaster {
     return interleaved_tile(p.tiles_m, p.tiles_n, p.group_m, p.owners, t);
   }
 };
+
+// Split-K: the K blocks [first, first + count) that CTA `rank` of a cluster of `split` CTAs
+// computes for the tile the cluster shares. Consecutive ranges in rank order that cover the
+// tile's k_blocks once and differ in size by at most one, so every CTA has a block when
+// split <= k_blocks. tests/split_k_protocol.rs runs this very function, host-compiled.
+struct KBlockRange {
+  int first;
+  int count;
+};
+__device__ __forceinline__ KBlockRange split_k_range(uint32_t rank, uint32_t split, int k_blocks) {
+  const int first = (int)((int64_t)rank * k_blocks / split);
+  return KBlockRange{first, (int)((int64_t)(rank + 1) * k_blocks / split) - first};
+}
 
 }  // namespace gemm
 }  // namespace mk

@@ -1,0 +1,109 @@
+//! The GEMM engine's ring depth and dynamic shared memory per tile: what the planner
+//! launches each kernel with. Plain arithmetic that uses nothing else of the crate, so
+//! build.rs includes this file too: it evaluates [`tile_stages`] and [`tile_smem_bytes`] for
+//! every [`TILE_ROWS`] × [`TILE_WIDTHS`] × split-K or not × [`Epilogue`] (the compiled tiles
+//! among them) into kernels/gemm.cu's `PlannedTile`, which every plain-GEMM kernel checks
+//! against its own `PlainStages` and `engine_smem_bytes` at compile time. The kernel's
+//! formula lays out its shared memory and this one sizes the launch; checking them where
+//! the kernels are compiled fails every build (no GPU, no test to run) when one changes and
+//! the other does not.
+
+/// Rows of A (and C) per tile: two consumer warpgroups of 64 rows. The plain GEMM also has
+/// 64-row tiles (`GemmPlan::bm`), used at small M.
+pub const BM: usize = 128;
+/// Tile rows the plain-GEMM kernels are compiled for.
+pub const TILE_ROWS: [usize; 2] = [128, 64];
+/// K per pipeline stage: 64 two-byte elements = one 128-byte swizzle row.
+pub const BK: usize = 64;
+/// Largest dynamic shared memory a Hopper CTA can have (227 KiB).
+pub const SMEM_LIMIT: usize = 232_448;
+/// Tile widths the entry kernels are compiled for.
+pub const TILE_WIDTHS: [usize; 3] = [256, 128, 64];
+
+/// How C tiles leave the CTA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// Swizzled shared-memory staging + TMA bulk stores (needs N % 8 == 0, 16-byte aligned C).
+    Tma,
+    /// Bounds-checked stores from registers (any N, any 2-byte aligned C).
+    Direct,
+}
+
+/// Pipeline depth of the plain-GEMM kernels with 128-row tiles and no split:
+/// [`tile_stages`] of that tile.
+pub fn stages(bn: usize, epilogue: Epilogue) -> usize {
+    tile_stages(BM, bn, false, epilogue)
+}
+
+/// Pipeline depth of a plain-GEMM kernel: the deepest ring that fits next to the
+/// epilogue's staging buffers and, for split-K, the fp32 partial slabs (one of 64 × bn per
+/// 64 rows of the tile), at most 8. `PlainStages` in kernels/gemm.cu, checked there.
+pub fn tile_stages(bm: usize, bn: usize, split_k: bool, epilogue: Epilogue) -> usize {
+    ring_stages(bm, bn, epilogue_staging_per_wg(bn, epilogue) + split_k_partials_bytes(bm, bn, split_k) / 2)
+}
+
+/// The split-K partial slabs of a CTA (kernels/common/gemm/engine.cuh PART_SLABS × PART_BYTES).
+fn split_k_partials_bytes(bm: usize, bn: usize, split_k: bool) -> usize {
+    if split_k {
+        bm / 64 * 64 * bn * 4
+    } else {
+        0
+    }
+}
+
+/// Split-K's four mbarriers after the mailboxes (kSplitKBarrierBytes).
+const SPLIT_K_BARRIER_BYTES: usize = 32;
+
+/// Shared memory of one consumer warpgroup's epilogue staging: TmaEpilogue 64·bn·2 bytes,
+/// DirectStoreEpilogue none.
+fn epilogue_staging_per_wg(bn: usize, epilogue: Epilogue) -> usize {
+    if epilogue == Epilogue::Tma {
+        64 * bn * 2
+    } else {
+        0
+    }
+}
+
+/// The deepest ring of `bm`- and `bn`-row stages (at most 8) that fits in the shared-memory
+/// limit beside two warpgroups' epilogue staging; the formula of `PlainStages` and
+/// `FusedStages<BN, BM>` in the kernels.
+fn ring_stages(bm: usize, bn: usize, staging_per_wg: usize) -> usize {
+    ((SMEM_LIMIT - 1024 - 2 * staging_per_wg - 256) / ((bm + bn) * BK * 2)).min(8)
+}
+
+/// Dynamic shared memory the engine needs for a tile shape, ring depth and epilogue
+/// staging per consumer warpgroup: `engine_smem_bytes` in kernels/common/gemm/engine.cuh
+/// (kernels/gemm.cu checks it through [`tile_smem_bytes`]); fused kernels that carve
+/// their own shared memory after the engine's add theirs to it.
+pub fn engine_smem_bytes(bm: usize, bn: usize, stages: usize, staging_per_wg: usize) -> usize {
+    1024 + stages * (bm + bn) * BK * 2 + 2 * staging_per_wg + 2 * stages * 8 + MAILBOX_BYTES
+}
+
+/// Ring depth of a fused engine with the TMA epilogue and `bm`-row tiles (128, or 64 for
+/// the small-M GEMM + reduce kernels): mirrors `FusedStages<BN, BM>` in
+/// kernels/common/fused_op.cuh (`stages(bn, Epilogue::Tma)` at bm 128).
+pub fn fused_stages(bm: usize, bn: usize) -> usize {
+    ring_stages(bm, bn, epilogue_staging_per_wg(bn, Epilogue::Tma))
+}
+
+/// Dynamic shared memory of a fused engine with the TMA epilogue and `bm`-row tiles
+/// (`smem_bytes(bn, Epilogue::Tma)` at bm 128).
+pub fn fused_smem_bytes(bm: usize, bn: usize) -> usize {
+    engine_smem_bytes(bm, bn, fused_stages(bm, bn), epilogue_staging_per_wg(bn, Epilogue::Tma))
+}
+
+/// The epilogue courier's mailbox after the stage barriers (kMailboxBytes in
+/// kernels/common/gemm/epilogue.cuh): two slots of two mbarriers and a slab's coordinates.
+const MAILBOX_BYTES: usize = 64;
+
+/// Dynamic shared memory of a plain-GEMM kernel with 128-row tiles and no split.
+pub fn smem_bytes(bn: usize, epilogue: Epilogue) -> usize {
+    tile_smem_bytes(BM, bn, false, epilogue)
+}
+
+/// Dynamic shared memory of a plain-GEMM kernel (the kernel traps if it gets less).
+pub fn tile_smem_bytes(bm: usize, bn: usize, split_k: bool, epilogue: Epilogue) -> usize {
+    engine_smem_bytes(bm, bn, tile_stages(bm, bn, split_k, epilogue), epilogue_staging_per_wg(bn, epilogue))
+        + split_k_partials_bytes(bm, bn, split_k)
+        + if split_k { SPLIT_K_BARRIER_BYTES } else { 0 }
+}
