@@ -1,11 +1,14 @@
 //! Fused ops of different kernels back to back on one communicator, with no barrier between
-//! the ranks: AllGather + GEMM, GEMM + AllReduce, GEMM + ReduceScatter and ring attention.
+//! the ranks: AllGather + GEMM, MoE dispatch + combine, GEMM + AllReduce, ring attention and
+//! GEMM + ReduceScatter. MoE's dispatch writes its counts into every rank's region as it
+//! starts, so right after the held-back rank's AllGather + GEMM (below) it is the op most
+//! exposed to the race the fence closes.
 //! All of them keep their buffers in the same fused-op region of every rank, and each
 //! orders itself only against its own previous call, so every switch of kernel depends on
 //! the fence between them (ops::fused_fence): without it a fast rank's next op overwrites
 //! what a slow peer is still reading.
 //!
-//! Per round: fresh inputs for every case (outputs poisoned), the four ops launched one
+//! Per round: fresh inputs for every case (outputs poisoned), the five ops launched one
 //! after another on one stream, one bounded wait, every output checked against its float64
 //! reference. In each round one rank (a different one each round) is held back: a large
 //! memset on its stream before each of its ops, so the others reach each op first and
@@ -93,10 +96,12 @@ impl FusedCase for Slowed<'_> {
     }
 }
 
-/// Four ops, small enough that a round takes milliseconds (so ranks drift apart by whole
+/// The ops, small enough that a round takes milliseconds (so ranks drift apart by whole
 /// ops), each of a different kernel family than the one before it.
 struct Sequence {
     all_gather_gemm: crate::ag_gemm::Case,
+    /// On one node only (MoE does not run across nodes).
+    moe: Option<crate::moe::Case>,
     gemm_all_reduce: crate::gemm_reduce::Case,
     /// Ring attention on one node; across nodes (where ring attention does not run) a second
     /// AllGather + GEMM of another shape.
@@ -113,6 +118,7 @@ impl Sequence {
         };
         let mut seq = Sequence {
             all_gather_gemm: crate::ag_gemm::Case::new(bf16, 128, 512, 256, n, rank)?,
+            moe: if across_nodes { None } else { Some(moe_case(n, rank)?) },
             gemm_all_reduce: crate::gemm_reduce::Case::new(false, bf16, 256, 512, 256, n, rank)?,
             third,
             gemm_reduce_scatter: crate::gemm_reduce::Case::new(true, bf16, 128 * n, 512, 256, n, rank)?,
@@ -124,9 +130,33 @@ impl Sequence {
     }
 
     /// In launch order: a different kernel family after every one.
-    fn cases(&self) -> [&dyn FusedCase; 4] {
-        [&self.all_gather_gemm, &self.gemm_all_reduce, self.third.as_ref(), &self.gemm_reduce_scatter]
+    fn cases(&self) -> Vec<&dyn FusedCase> {
+        let mut cases: Vec<&dyn FusedCase> = vec![&self.all_gather_gemm];
+        if let Some(moe) = &self.moe {
+            cases.push(moe);
+        }
+        cases.extend([&self.gemm_all_reduce as &dyn FusedCase, self.third.as_ref(), &self.gemm_reduce_scatter]);
+        cases
     }
+}
+
+/// A small MoE dispatch + combine (skewed routing, fresh with every seed) whose receive
+/// capacity holds any routing: every token's choices on one rank, and each local expert's
+/// last block padded.
+fn moe_case(n: usize, rank: usize) -> Result<crate::moe::Case> {
+    let s = crate::moe::Sizes {
+        tokens: 29,
+        tokens_odd: 17,
+        hidden: 256,
+        ffn: 256,
+        top_k: 4,
+        experts: 16,
+        dtype: mkDataType_t::mkBfloat16,
+        spread: 12,
+    };
+    let block = mkernel::ops::moe::ROW_BLOCK;
+    let capacity = ((n * s.tokens * s.top_k).div_ceil(block) + s.experts / n) * block;
+    crate::moe::Case::new(s, n, rank, capacity)
 }
 
 /// The sequence on a communicator across (emulated) nodes, where the fence also exchanges
@@ -139,7 +169,7 @@ pub fn across_nodes(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
 fn back_to_back(comm: mkComm_t, rank: usize, n: usize, across_nodes: bool) -> Result<()> {
     let seq = Sequence::new(n, rank, across_nodes)?;
     let delay = Delay::new(rank)?;
-    let slowed = seq.cases().map(|case| Slowed { case, delay: &delay });
+    let slowed: Vec<Slowed> = seq.cases().into_iter().map(|case| Slowed { case, delay: &delay }).collect();
     let cases: Vec<&dyn FusedCase> = slowed.iter().map(|c| c as &dyn FusedCase).collect();
     let slow_rank_of = |round: u64| delay.slow.set((n > 1).then_some(round as usize % n));
     let (checks, failures) = fused_common::check_rounds_of(comm, rank, "mixed", &cases, 1, ROUNDS, &slow_rank_of)?;
@@ -154,7 +184,7 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize, across_nodes: bool) -> Re
     let seq = Sequence::new(n, rank, across_nodes)?;
     let delay = Delay::new(rank)?;
     delay.slow.set((n > 1).then_some(n - 1));
-    let slowed = seq.cases().map(|case| Slowed { case, delay: &delay });
+    let slowed: Vec<Slowed> = seq.cases().into_iter().map(|case| Slowed { case, delay: &delay }).collect();
     let direct = crate::ag_gemm::Case::new(mkDataType_t::mkBfloat16, 128, 512, 256, n, rank)?;
     let stream = Stream::new()?;
     for (i, c) in slowed.iter().enumerate() {
