@@ -4,8 +4,7 @@
 //! takes and the bytes `ll_read` / `ll_write` move; each must be what the protocol needs,
 //! on a machine without a GPU.
 
-use std::path::Path;
-use std::process::Command;
+mod common;
 
 const DRIVER: &str = r#"
 #define __device__
@@ -69,26 +68,10 @@ int main(int argc, char** argv) {
 /// Builds and runs the driver in a directory of its own per test (`name`): the tests run in
 /// parallel.
 fn device_vectors(name: &str, cases: &str) -> String {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("ll_line_vectors").join(name);
-    std::fs::create_dir_all(&dir).unwrap();
-    let (src, exe, input) = (dir.join("driver.cpp"), dir.join("driver"), dir.join("cases.txt"));
-    std::fs::write(&src, DRIVER).unwrap();
+    let exe = common::host_cxx::build_driver(&format!("ll_line_vectors/{name}"), DRIVER);
+    let input = exe.with_file_name("cases.txt");
     std::fs::write(&input, cases).unwrap();
-    let common = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/common");
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let built = Command::new(&cxx)
-        // The device code's `#pragma unroll` means nothing to the host compiler.
-        .args(["-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-I"])
-        .arg(&common)
-        .arg(&src)
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .unwrap_or_else(|e| panic!("{cxx}: {e} (a C++ compiler is needed; scripts/setup.sh installs one)"));
-    assert!(built.status.success(), "{cxx} failed:\n{}", String::from_utf8_lossy(&built.stderr));
-    let run = Command::new(&exe).arg(&input).output().unwrap();
-    assert!(run.status.success());
-    String::from_utf8(run.stdout).unwrap()
+    common::host_cxx::run_driver(&exe, &[&input])
 }
 
 /// Reader steps around the places a 32-bit flag wraps (and ordinary ones), each paired with

@@ -5,10 +5,10 @@
 //! layouts the host mirror builds) and prints every tile; each must equal the mirror's. A
 //! change to either side that the other does not follow fails here, on a machine without a GPU.
 
+mod common;
 use mkernel::ops::moe::{band_width, block_tables, moe_tile_banded, MoeShape};
 use mkernel::ops::schedule::{grouped_index, grouped_tile, interleaved_tile};
 use std::path::Path;
-use std::process::Command;
 
 const DRIVER: &str = r#"
 #define __device__
@@ -150,32 +150,13 @@ fn write_moe_cases(cases: &[MoeCase], path: &Path) {
 }
 
 fn device_vectors(moe: &[MoeCase]) -> String {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("schedule_vectors");
-    std::fs::create_dir_all(&dir).unwrap();
-    let (src, exe) = (dir.join("driver.cpp"), dir.join("driver"));
-    std::fs::write(&src, DRIVER).unwrap();
-    let common = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/common");
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let built = Command::new(&cxx)
-        .args(["-std=c++17", "-O1", "-Wall", "-Werror", "-I"])
-        .arg(common.join("gemm"))
-        .arg("-I")
-        .arg(&common)
-        .arg(&src)
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .unwrap_or_else(|e| panic!("{cxx}: {e} (a C++ compiler is needed; scripts/setup.sh installs one)"));
-    assert!(built.status.success(), "{cxx} failed:\n{}", String::from_utf8_lossy(&built.stderr));
-    let mut cmd = Command::new(&exe);
-    if !moe.is_empty() {
-        let cases = dir.join("moe_cases.txt");
-        write_moe_cases(moe, &cases);
-        cmd.arg(cases);
+    let exe = common::host_cxx::build_driver("schedule_vectors", DRIVER);
+    if moe.is_empty() {
+        return common::host_cxx::run_driver(&exe, &[]);
     }
-    let run = cmd.output().unwrap();
-    assert!(run.status.success());
-    String::from_utf8(run.stdout).unwrap()
+    let cases = exe.with_file_name("moe_cases.txt");
+    write_moe_cases(moe, &cases);
+    common::host_cxx::run_driver(&exe, &[&cases])
 }
 
 #[test]

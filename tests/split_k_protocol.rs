@@ -15,8 +15,6 @@ use mkernel::ops::gemm::plan;
 use mkernel::ops::gemm::PlanOverrides;
 use std::collections::HashMap;
 use std::ops::Range;
-use std::path::Path;
-use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -56,25 +54,10 @@ type KRanges = HashMap<(usize, usize), Vec<Range<usize>>>;
 fn device_k_ranges() -> &'static KRanges {
     static RANGES: OnceLock<KRanges> = OnceLock::new();
     RANGES.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("split_k_protocol");
-        std::fs::create_dir_all(&dir).unwrap();
-        let (src, exe) = (dir.join("driver.cpp"), dir.join("driver"));
-        std::fs::write(&src, DRIVER).unwrap();
-        let gemm = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/common/gemm");
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-        let built = Command::new(&cxx)
-            .args(["-std=c++17", "-O1", "-Wall", "-Werror", "-I"])
-            .arg(&gemm)
-            .arg(&src)
-            .arg("-o")
-            .arg(&exe)
-            .output()
-            .unwrap_or_else(|e| panic!("{cxx}: {e} (a C++ compiler is needed; scripts/setup.sh installs one)"));
-        assert!(built.status.success(), "{cxx} failed:\n{}", String::from_utf8_lossy(&built.stderr));
-        let run = Command::new(&exe).output().unwrap();
-        assert!(run.status.success());
+        let exe = common::host_cxx::build_driver("split_k_protocol", DRIVER);
+        let out = common::host_cxx::run_driver(&exe, &[]);
         let mut ranges = KRanges::new();
-        for line in String::from_utf8(run.stdout).unwrap().lines() {
+        for line in out.lines() {
             let v: Vec<i64> = line.split(' ').map(|w| w.parse().unwrap()).collect();
             let [split, k_blocks, rank, first, count] = v[..] else { panic!("{line}") };
             assert!(first >= 0 && count >= 0, "split {split} k_blocks {k_blocks}: CTA {rank} has [{first}, +{count})");

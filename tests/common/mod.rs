@@ -1,8 +1,9 @@
 //! Helpers shared by the integration tests (each test crate that uses them includes this
-//! module): host windows for the transport tests, and a CPU mbarrier (`mbarrier`) for the
-//! ports of device protocols.
+//! module): host windows for the transport tests, a CPU mbarrier (`mbarrier`) for the
+//! ports of device protocols, and device headers compiled as host C++ (`host_cxx`).
 #![allow(dead_code)] // not every test uses every helper
 
+pub mod host_cxx;
 pub mod mbarrier;
 
 use mkernel::transport::{MemoryKind, MemoryRegion, Window};
