@@ -144,16 +144,7 @@ impl Sequence {
 /// capacity holds any routing: every token's choices on one rank, and each local expert's
 /// last block padded.
 fn moe_case(n: usize, rank: usize) -> Result<crate::moe::Case> {
-    let s = crate::moe::Sizes {
-        tokens: 29,
-        tokens_odd: 17,
-        hidden: 256,
-        ffn: 256,
-        top_k: 4,
-        experts: 16,
-        dtype: mkDataType_t::mkBfloat16,
-        spread: 12,
-    };
+    let s = crate::moe::small_sizes();
     let block = mkernel::ops::moe::ROW_BLOCK;
     let capacity = ((n * s.tokens * s.top_k).div_ceil(block) + s.experts / n) * block;
     crate::moe::Case::new(s, n, rank, capacity)

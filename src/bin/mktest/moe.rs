@@ -595,10 +595,10 @@ fn repeats_are_bitwise(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// Dispatch and combine captured in one graph, replayed on fresh routings (the counts
-/// change, the graph does not), with direct calls between replays.
-fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
-    let s = Sizes {
+/// A dispatch + combine of a few dozen tokens per rank over 16 experts (a skewed routing),
+/// for the suites that run it among other ops or many times.
+pub(crate) fn small_sizes() -> Sizes {
+    Sizes {
         tokens: 29,
         tokens_odd: 17,
         hidden: 256,
@@ -607,7 +607,13 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
         experts: 16,
         dtype: mkDataType_t::mkBfloat16,
         spread: 12,
-    };
+    }
+}
+
+/// Dispatch and combine captured in one graph, replayed on fresh routings (the counts
+/// change, the graph does not), with direct calls between replays.
+fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
+    let s = small_sizes();
     // Room for the routing of every seed fused_common::graph_replay uses.
     let mut cap = 0;
     for seed in fused_common::graph_replay_seeds() {
