@@ -3,7 +3,10 @@
 //! build.rs includes this file too: it evaluates [`tile_stages`] and [`tile_smem_bytes`] for
 //! every [`TILE_ROWS`] × [`TILE_WIDTHS`] × split-K or not × [`Epilogue`] (the compiled tiles
 //! among them) into kernels/gemm.cu's `PlannedTile`, which every plain-GEMM kernel checks
-//! against its own `PlainStages` and `engine_smem_bytes` at compile time. The kernel's
+//! against its own `PlainStages` and `engine_smem_bytes` at compile time, and
+//! [`fused_stages`] and [`fused_smem_bytes`] for every tile rows × width into
+//! kernels/common/fused_op.cuh's `PlannedFused`, which every fused kernel checks its
+//! `FusedStages` ring and `engine_smem_bytes` against (`mk_check_engine_smem`). The kernel's
 //! formula lays out its shared memory and this one sizes the launch; checking them where
 //! the kernels are compiled fails every build (no GPU, no test to run) when one changes and
 //! the other does not.
@@ -80,14 +83,14 @@ pub fn engine_smem_bytes(bm: usize, bn: usize, stages: usize, staging_per_wg: us
 }
 
 /// Ring depth of a fused engine with the TMA epilogue and `bm`-row tiles (128, or 64 for
-/// the small-M GEMM + reduce kernels): mirrors `FusedStages<BN, BM>` in
-/// kernels/common/fused_op.cuh (`stages(bn, Epilogue::Tma)` at bm 128).
+/// the small-M GEMM + reduce kernels): `FusedStages<BN, BM>` in
+/// kernels/common/fused_op.cuh, checked there (`stages(bn, Epilogue::Tma)` at bm 128).
 pub fn fused_stages(bm: usize, bn: usize) -> usize {
     ring_stages(bm, bn, epilogue_staging_per_wg(bn, Epilogue::Tma))
 }
 
 /// Dynamic shared memory of a fused engine with the TMA epilogue and `bm`-row tiles
-/// (`smem_bytes(bn, Epilogue::Tma)` at bm 128).
+/// (`smem_bytes(bn, Epilogue::Tma)` at bm 128); kernels/common/fused_op.cuh checks it.
 pub fn fused_smem_bytes(bm: usize, bn: usize) -> usize {
     engine_smem_bytes(bm, bn, fused_stages(bm, bn), epilogue_staging_per_wg(bn, Epilogue::Tma))
 }
