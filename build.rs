@@ -307,6 +307,9 @@ fn compile_kernels(manifest: &Path, out: &Path, generated: &[PathBuf], tool_stem
                     if fatbin.exists() && std::fs::read_to_string(&stamp_file).ok() == Some(stamp.to_string()) {
                         return (stem, tool, Ok(()));
                     }
+                    // A failed compile overwrites the ptxas log: without a stamp, the next
+                    // build compiles again rather than keep that log beside an older fatbin.
+                    std::fs::remove_file(&stamp_file).ok();
                     let output = Command::new(nvcc)
                         .args(NVCC_FLAGS)
                         .args(if tool { &["-DMK_TOOL_KERNELS"][..] } else { &[] })
