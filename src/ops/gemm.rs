@@ -54,9 +54,9 @@ impl Cluster {
 /// their CTA budget here).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PlanOverrides {
-    /// Tile rows (128 or 64).
+    /// Tile rows (128 or 64; any other value is ignored).
     pub bm: Option<usize>,
-    /// Tile width (64, 128 or 256).
+    /// Tile width (64, 128 or 256; any other value is ignored).
     pub bn: Option<usize>,
     /// CTAs that split K for one tile, 1 to 8 (falls back to 1 where no split-K kernel
     /// exists: widths 64 and 128 with the TMA epilogue, without a multicast cluster; and is
@@ -250,7 +250,7 @@ pub fn plan(m: usize, n: usize, k: usize, sms: usize, tma_epilogue_ok: bool, o: 
     let ctas_cap = o.max_ctas.unwrap_or(sms).clamp(1, sms);
     let (choice, source) = gemm_table::choose(m, n, k, ctas_cap);
     let bm = o.bm.filter(|b| TILE_ROWS.contains(b)).unwrap_or(choice.bm);
-    let bn = o.bn.unwrap_or(choice.bn);
+    let bn = o.bn.filter(|b| TILE_WIDTHS.contains(b)).unwrap_or(choice.bn);
     let epilogue = if tma_epilogue_ok { Epilogue::Tma } else { Epilogue::Direct };
     let tiles_m = m.div_ceil(bm);
     let tiles_n = n.div_ceil(bn);
@@ -659,13 +659,15 @@ mod tests {
                         for tma in [true, false] {
                             for max_ctas in [None, Some(5), Some(7), Some(66)] {
                                 for split_k in [None, Some(1), Some(3), Some(8), Some(16)] {
-                                    for (bm, cluster) in [
-                                        (None, None),
-                                        (Some(64), None),
-                                        (Some(128), Some(Cluster::ShareA)),
-                                        (None, Some(Cluster::ShareB)),
+                                    for (bm, bn, cluster) in [
+                                        (None, None, None),
+                                        (Some(64), Some(256), None),
+                                        (Some(128), Some(64), Some(Cluster::ShareA)),
+                                        (None, Some(128), Some(Cluster::ShareB)),
+                                        (Some(96), Some(96), None),
                                     ] {
-                                        let o = PlanOverrides { bm, split_k, max_ctas, cluster, ..Default::default() };
+                                        let o =
+                                            PlanOverrides { bm, bn, split_k, max_ctas, cluster, ..Default::default() };
                                         let p = plan(m, n, k, sms, tma, o);
                                         let cap = max_ctas.unwrap_or(sms).min(sms);
                                         let what = format!("{m}x{n}x{k} on {sms} SMs, tma {tma}, {o:?}: {p:?}");
@@ -704,7 +706,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(plans, 4 * 9 * 6 * 5 * 2 * 4 * 5 * 4);
+        assert_eq!(plans, 4 * 9 * 6 * 5 * 2 * 4 * 5 * 5);
     }
 
     #[test]
