@@ -5,12 +5,17 @@
 // peer that is still summing its partials there.
 //
 // One CTA of 32 threads. Thread q < MK_MAX_PEERS posts this rank's fence number to local
-// peer q and waits for q's. Across nodes, thread 0 first hands one signal per other node m
-// to the proxy (for the rank of node m with this rank's local rank: the only ranks of other
-// nodes a fused op writes to), and thread MK_MAX_PEERS + m waits for that rank's. When the
-// kernel ends, every rank this one writes to has finished every fused op before the fence
-// (each posts only after its previous kernel ended, in stream order, and a kernel drains its
-// proxy puts before it ends), so the next op may write their regions.
+// peer q and waits for q's. Across nodes, once every local peer has posted, thread 0 hands
+// one signal per other node m to the proxy (for the rank of node m with this rank's local
+// rank: the only ranks of other nodes a fused op writes to), and thread MK_MAX_PEERS + m
+// waits for that rank's. When the kernel ends, every rank of every node has finished every
+// fused op before the fence (each posts only after its previous kernel ended, in stream
+// order, and a kernel drains its proxy puts before it ends), so the next op may write the
+// regions of its local peers and of its GPU-l peers.
+// The signal waits for the local peers because they may still read this rank's region for
+// an earlier op (GEMM + reduction across nodes sums its local peers' partials and copies
+// reduced rows out of their R): a rank of another node may put into this rank's region only
+// once this rank's whole node is done with it, as GEMM + reduction's own GR_NET_DONE says.
 //
 // Across nodes the signal carries the fence number's low 32 bits, as the fused ops' own
 // signals carry their epochs: a communicator runs fewer than 2^32 fences.
@@ -27,12 +32,22 @@ extern "C" __global__ void __launch_bounds__(32) mk_fused_fence(const __grid_con
   __shared__ uint64_t fence;
   __shared__ int posted;
   uint64_t* seq = mk_signal_word(ws, ws.rank, MK_SIG_FENCE_SEQ);
+  if (threadIdx.x == 0) fence = *seq + 1;
+  __syncthreads();
+  const int q = threadIdx.x, m = q - MK_MAX_PEERS;
+  int ok = 1;
+  if (q < ws.nranks && q != ws.rank) {
+    mk_signal_store(mk_signal_word(ws, q, MK_SIG_FENCE_DONE + ws.rank), fence);
+    ok = mk_wait_geq(ws, mk_signal_word(ws, ws.rank, MK_SIG_FENCE_DONE + q), fence, q, MK_WAIT_OP_FLAG,
+                     MK_OP_FUSED_FENCE);
+  }
+  // A failed wait recorded its error; the fence is not counted.
+  if (!__syncthreads_and(ok)) return;
   if (threadIdx.x == 0) {
-    fence = *seq + 1;
     posted = 1;
-    for (int m = 0; m < p.nodes; ++m) {
-      if (m == p.node) continue;
-      const int peer = p.rank_of[m * MK_MAX_PEERS + ws.rank];
+    for (int n = 0; n < p.nodes; ++n) {
+      if (n == p.node) continue;
+      const int peer = p.rank_of[n * MK_MAX_PEERS + ws.rank];
       uint64_t ticket;
       const int rc = mk_proxy_signal(p.ring, (uint32_t)peer, MK_SIG_FENCE_NET_DONE + p.node, (uint32_t)fence, &ticket);
       if (rc != mkSuccess) {
@@ -43,13 +58,7 @@ extern "C" __global__ void __launch_bounds__(32) mk_fused_fence(const __grid_con
     }
   }
   __syncthreads();
-  const int q = threadIdx.x, m = q - MK_MAX_PEERS;
-  int ok = posted;
-  if (ok && q < ws.nranks && q != ws.rank) {
-    mk_signal_store(mk_signal_word(ws, q, MK_SIG_FENCE_DONE + ws.rank), fence);
-    ok = mk_wait_geq(ws, mk_signal_word(ws, ws.rank, MK_SIG_FENCE_DONE + q), fence, q, MK_WAIT_OP_FLAG,
-                     MK_OP_FUSED_FENCE);
-  }
+  ok = posted;
   if (ok && m >= 0 && m < p.nodes && m != p.node) {
     ok = mk_wait_geq(ws, mk_signal_word(ws, ws.rank, MK_SIG_FENCE_NET_DONE + m), (uint32_t)fence,
                      p.rank_of[m * MK_MAX_PEERS + ws.rank], MK_WAIT_NET, MK_OP_FUSED_FENCE);

@@ -632,7 +632,8 @@ pub const MK_SIG_FENCE_SEQ: u32 = 2;
 /// before it, and reads and writes no rank's fused-op region for them any more).
 pub const MK_SIG_FENCE_DONE: u32 = 8;
 /// Word + m, written (through the proxy) by the rank of node m with this rank's local rank:
-/// it reached fence k (the node-crossing half of MK_SIG_FENCE_DONE).
+/// it and every rank of its node reached fence k (the node-crossing half of
+/// MK_SIG_FENCE_DONE).
 pub const MK_SIG_FENCE_NET_DONE: u32 = MK_SIG_FENCE_DONE + MK_MAX_PEERS as u32;
 const _: () = assert!(MK_SIG_FENCE_NET_DONE + MK_MAX_NODES as u32 <= MK_SIG_SEQ);
 /// Word + b: last step of collective CTA b (its own rank only).

@@ -9,9 +9,10 @@
 //! launch enqueues kernels/fused_fence.cu first: each rank posts its fence number to every
 //! peer of its node and waits for theirs, so every peer has finished every fused op before
 //! it. Across nodes it also exchanges fence numbers, through the proxy, with the rank of
-//! every other node that has this rank's local rank: the only ranks of other nodes a fused
-//! op writes to. Every rank makes the same calls in the same order (the communicator's
-//! contract), so every rank enqueues the same fences.
+//! every other node that has this rank's local rank (the only ranks of other nodes a fused
+//! op writes to), once every peer of its own node has posted, since those peers may still
+//! read its region for an earlier op. Every rank makes the same calls in the same order
+//! (the communicator's contract), so every rank enqueues the same fences.
 //!
 //! The host cannot see when a captured CUDA graph is replayed, so a graph carries its own
 //! fences: a fence before its first fused op (the replay may follow any op) and one after
@@ -187,7 +188,8 @@ mod tests {
     }
 
     /// The device's order of fences and fused ops for `calls` on `nranks` ranks, the fences
-    /// chosen by `plan`.
+    /// chosen by `plan`. A fence stands for a barrier of every rank of every node
+    /// (tests/fused_fence_protocol.rs checks that the kernel is one).
     fn device_order(calls: &[Call], nranks: usize, plan: Planner) -> Vec<Item> {
         let mut state = FenceState::default();
         let (mut device, mut graphs, mut open) = (Vec::new(), Vec::<Vec<Item>>::new(), None);
