@@ -38,7 +38,9 @@ extern "C" __global__ void __launch_bounds__(32) mk_fused_fence(const __grid_con
   int ok = 1;
   if (q < ws.nranks && q != ws.rank) {
     mk_signal_store(mk_signal_word(ws, q, MK_SIG_FENCE_DONE + ws.rank), fence);
-    ok = mk_wait_geq(ws, mk_signal_word(ws, ws.rank, MK_SIG_FENCE_DONE + q), fence, q, MK_WAIT_OP_FLAG,
+    // The error word names a global rank; q is a local one.
+    const int peer = p.nodes > 1 ? p.rank_of[p.node * MK_MAX_PEERS + q] : q;
+    ok = mk_wait_geq(ws, mk_signal_word(ws, ws.rank, MK_SIG_FENCE_DONE + q), fence, peer, MK_WAIT_OP_FLAG,
                      MK_OP_FUSED_FENCE);
   }
   // A failed wait recorded its error; the fence is not counted.

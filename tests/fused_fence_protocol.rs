@@ -339,6 +339,18 @@ fn a_missing_rank_or_a_failed_proxy_ends_every_fence_with_an_error() {
                 if Some(rank) == failing {
                     assert_eq!(waited, MkWait::Proxy as u32, "{what}: the failing rank names its proxy: {error:#x}");
                 }
+                // A timeout names the global rank that did not post: the missing rank
+                // itself on its node, a GPU-l peer on another.
+                let peer = ((error >> 8) & 0xff) as usize;
+                if code == timeout && waited == MkWait::OpFlag as u32 {
+                    assert_eq!(Some(peer), absent, "{what}: rank {rank}: {error:#x}");
+                }
+                if code == timeout && waited == MkWait::Net as u32 {
+                    assert!(
+                        peer % local == rank % local && peer / local != rank / local,
+                        "{what}: rank {rank}: {error:#x}"
+                    );
+                }
             }
         }
     }
