@@ -20,6 +20,10 @@
  *   the streams you pass with events. Each operation's handshake with its peers, and the
  *   fence between fused operations of different kernels, assume the previous operation on
  *   the communicator has ended before the next one starts.
+ * - Capture fused operations into CUDA graphs alike on every rank: an operation captured on
+ *   one rank must be captured (and the graph replayed) on all of them, since the fences
+ *   between fused operations are placed per capture. A rank that calls directly while its
+ *   peers replay a graph can end in a timeout error.
  * - mkCommAbort (and mkCommDestroy) may be called from another thread while a thread is
  *   inside a call on the communicator or waiting on its stream (a watchdog): the work in
  *   flight stops, calls in progress return, and the release waits for them to leave.
