@@ -68,7 +68,8 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
       // proxy), and opens the gate at once. Peers must have finished reading our previous
       // partials before we overwrite them.
       epoch = mk_op_epoch_begin(ws, GR_EPOCH);
-      const bool peers_done = mk_cta_wait_peers(ws, GR_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, p.op);
+      const bool peers_done = mk_cta_wait_peers(ws, GR_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, p.op,
+                                                 p.rank_of + p.node * MK_MAX_PEERS);
       if (peers_done && blockIdx.x == 0 && threadIdx.x == 0) gr_post_net_done(p, epoch);
       if (threadIdx.x == 0) gate_open(&gate, epoch, peers_done);
     }

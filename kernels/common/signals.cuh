@@ -198,12 +198,15 @@ __device__ __forceinline__ bool mk_wait_geq_backoff(const WorkspaceView& ws, con
 
 // Whole CTA: thread p (< nranks, p != skip) waits for flag_base[p] >= target in this
 // rank's signal region, then every thread learns whether all waits succeeded.
-// `flag_index(p)` is MK_SIG_READY + b*MK_MAX_PEERS + p and the like.
+// `flag_index(p)` is MK_SIG_READY + b*MK_MAX_PEERS + p and the like. Across nodes ws
+// indexes this node's ranks: `global_of[p]` is local rank p's global rank, the one an
+// error names (null: one node, where the two are the same).
 __device__ __forceinline__ bool mk_cta_wait_peers(const WorkspaceView& ws, uint32_t first_word, uint64_t target, int skip,
-                                                  uint32_t what, uint32_t op) {
+                                                  uint32_t what, uint32_t op, const int* global_of = nullptr) {
   int ok = 1;
   int p = threadIdx.x;
-  if (p < ws.nranks && p != skip) ok = mk_wait_geq(ws, mk_signal_word(ws, ws.rank, first_word + p), target, p, what, op);
+  if (p < ws.nranks && p != skip)
+    ok = mk_wait_geq(ws, mk_signal_word(ws, ws.rank, first_word + p), target, global_of ? global_of[p] : p, what, op);
   return __syncthreads_and(ok) != 0;
 }
 
