@@ -12,10 +12,10 @@
 //
 // The GEMM reads every row through the one tensor map of the gathered buffer, own rows too,
 // although it could read those from the caller's A in place: with a second map for the own
-// rows the GEMM ran 7-12 % slower at 2 ranks (N = K = 8192, every tile,
+// rows the GEMM runs 7-12 % slower at 2 ranks (N = K = 8192, every tile,
 // with pushes and waits switched off, and not cured by prefetching the second map), more
 // than the copy costs (47 µs at 2048 rows/rank). Copied by the pushers instead, chunk by
-// chunk ahead of the peers' rows, it was slower still (the GEMM's first tiles wait
+// chunk ahead of the peers' rows, it is slower still (the GEMM's first tiles wait
 // on 96 threads per CTA instead of 384).
 //
 // Epochs live on the device (signal word AGG_EPOCH), so a captured CUDA graph replays

@@ -10,8 +10,8 @@ using namespace mk::gemm;
 
 // The side warps' hook (kernels/common/gemm/hooks.cuh). The side_reduce branch (the idle
 // producer warps reduce everything during the GEMM) is never planned by the host: it
-// measured slower than reducing after the GEMM, and is removed together with a GPU run
-// (docs/decisions/0101-side-reducers.md).
+// measured slower than reducing after the GEMM, and its removal waits for a GPU run at 1-8
+// ranks (docs/decisions/0101-side-reducers.md).
 // On one node, warp 2 first opens the CTA's start gate (open_gate): warps 2-3 run beside
 // the GEMM from its start, which is what lets the epoch read and the peers' GR_DONE wait
 // overlap the first loads.
@@ -64,9 +64,9 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     // The engine's own barrier (after its mbarrier inits) orders this init before any use.
     if (threadIdx.x == 0) mbar_init(&gate.bar, 1);
     if (p.nodes > 1) {
-      // Across nodes: the whole CTA waits first, as before the gate (thread 0 posts to the
-      // proxy), and opens the gate at once. Peers must have finished reading our previous
-      // partials before we overwrite them.
+      // Across nodes: the whole CTA waits first (thread 0 posts to the proxy) and opens the
+      // gate at once. Peers must have finished reading our previous partials before we
+      // overwrite them.
       epoch = mk_op_epoch_begin(ws, GR_EPOCH);
       const bool peers_done = mk_cta_wait_peers(ws, GR_DONE, epoch - 1, ws.rank, MK_WAIT_OP_FLAG, p.op,
                                                  p.rank_of + p.node * MK_MAX_PEERS);
@@ -74,7 +74,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
       if (threadIdx.x == 0) gate_open(&gate, epoch, peers_done);
     }
     // One node: warp 2 opens the gate during the GEMM (ReduceSideWork). "setup" in the
-    // trace is now the time before the engine starts.
+    // trace is the time before the engine starts.
     mk_trace_time(p.trace, MK_TR_SETUP);
     RasterParams sched;
     sched.tiles_m = (p.m + Cfg::BM - 1) / Cfg::BM;

@@ -19,7 +19,7 @@ using namespace mk::gemm;
 // Measured (benches/results/2026-12-03-moe-burst-early-sums-attention.md): GEMM+RS M 1024 / 4096 at 2 ranks 0.866 -> 0.845, 0.881 -> 0.843;
 // GEMM+AR M 256 lost (one GEMM tile of time does not cover a tile's sum beside the GEMM,
 // whose TMA loads leave the side warps ~4-6 GB/s per CTA), so only ReduceScatter gets
-// these kernels, separate entries that leave the others' code as it was.
+// these kernels, separate entries so that the others' code does not depend on them.
 constexpr int kSideRows = 32;  // ops::gemm_reduce::SIDE_ROWS
 
 // Shared between a GEMM CTA's side warps and its warps after the GEMM.

@@ -35,7 +35,7 @@
 // the proxy's error word; a failure records an error word naming the global rank awaited
 // and raises the abort word of every rank of this node (value: 1 + this global rank).
 //
-// Written without a GPU: first run by `mktest nodes` (scripts/gpu-run.sh).
+// `mktest nodes` (scripts/gpu-run.sh) tests it on a GPU, with nodes emulated on one machine.
 #include <stdint.h>
 #include "mk_kernel_abi.h"
 #include "mkernel.h"

@@ -165,7 +165,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   // order (a token listing an expert twice is one row): per 32-token warp a bitmap of the
   // lanes routed to each expert, the warps' counts prefixed per expert. A thread's token's
   // ids are loaded once, together, into registers (kMaxTopK unrolled slots): loaded per use
-  // they were three chains of K dependent loads per round, most of the prep's time.
+  // they would be three chains of K dependent loads per round, most of the prep's time.
   for (int c0 = 0; c0 < p.tokens; c0 += blockDim.x) {
     const int t = c0 + tid;
     int ids[kMaxTopK];
@@ -273,8 +273,8 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   __syncthreads();
   for (int q = tid; q <= E; q += blockDim.x) send_row0[q] = srow0[q];
   // Pass 2: rows at the owners, and the send list; a thread per token, its ids and pass 1's
-  // positions loaded together into registers (per slot, they were two dependent loads and
-  // up to K - 1 more per slot, 86 slots per thread at T 4096, k 8).
+  // positions loaded together into registers (loaded per slot, they would be two dependent
+  // loads and up to K - 1 more per slot, 86 slots per thread at T 4096, k 8).
   for (int t = tid; t < p.tokens; t += blockDim.x) {
     int ids[kMaxTopK];
     load_ids(ids, idx, t, p.tokens, K);
@@ -381,8 +381,8 @@ __device__ __forceinline__ void warp_copy_row(char* dst, const char* src, int ve
 }
 
 // Registers of the dispatch GEMM's producer warpgroup, whose three idle warps send token
-// rows: a send loop spilled at 80; the send-list walk (list search, per-list
-// counts) spilled at 88 (ptxas moved kernel-long values to local memory); at 96 nothing
+// rows: a send loop spills at 80; the send-list walk (list search, per-list
+// counts) spills at 88 (ptxas moves kernel-long values to local memory); at 96 nothing
 // spills and the consumers keep 200 (GemmConfig rounds their share down to 8; no spills).
 constexpr int kProducerRegs = 96;
 // The senders: dedicated CTAs (CtaTeam), or the idle warps of a GEMM CTA's producer
@@ -403,14 +403,14 @@ constexpr int kSendChunk = 8;
 // warp to leave resets the grab counters for the next launch.
 // ws.data[rank] / ws.signals[rank] read at the use: indexing the parameter's pointer arrays
 // with a run-time rank otherwise keeps them in registers, scarce in the side warps
-// (ptxas spilled the send loop). `ws` lives in the __grid_constant__ kernel parameter:
+// (ptxas spills the send loop). `ws` lives in the __grid_constant__ kernel parameter:
 // the load goes through an asm (volatile: not hoisted out of the caller's loop) with the
 // parameter's generic address, which ptxas forms as the parameter window base
 // (c[0x0][0x198]) + offset, as for any pointer into the parameter that escapes. With a C++
 // volatile load instead, ptxas (CUDA 13.0, sm_90a) drops the window base:
 // LD.E.64.STRONG.SYS from the bare offset (0x1f0 + 8 * rank + 0x40 for signals[]), CUDA_ERROR_ILLEGAL_ADDRESS in the first MoE call (compute-sanitizer:
 // "Access to 0x230 is out of bounds"). Plain loads become constant-bank loads (correct),
-// but moved ptxas to spill in the dispatch (bn256: 32 B stores, 104 B loads).
+// but make ptxas spill in the dispatch (bn256: 32 B stores, 104 B loads).
 __device__ __forceinline__ uint64_t param_word(const uint64_t* a) {
   uint64_t v;
   asm volatile("ld.u64 %0, [%1];" : "=l"(v) : "l"(a));
@@ -580,7 +580,7 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
 
   // The prep: the first communication CTA (MK_COMM_SMS), else the last GEMM CTA, which then
   // runs its GEMM tiles like the others (every CTA waits for the layout anyway; a prep CTA
-  // that only sent afterwards left the GEMM one SM short: 15 of 16 CTAs at 4 ranks).
+  // that only sends afterwards leaves the GEMM one SM short: 15 of 16 CTAs at 4 ranks).
   if (j == (p.comm_ctas > 0 ? 0 : -1)) {
     const bool ok = prep(p, epoch, smem);
     // The prep's generic shared-memory writes, before the engine's TMA loads reuse the space.
@@ -678,10 +678,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // item i (min(kPullChunk, 32 / K) items), so the layout reads and the slab-flag acquires
 // are one round trip each per batch of items instead of per item, and every row of the
 // batch is prefetched into L2 once its flag is seen, so only the first item's loads wait
-// for HBM. Before, an item cost a layout round trip, a flag round trip and K / RB row round
-// trips from HBM, each row's load address behind a load of the peer's base from the
-// parameter space: the side warps (RB 4: the producer warpgroup's 96 registers) could not
-// keep up with the bands (4 ranks: they pulled until the kernel's end).
+// for HBM. Looked up one item at a time, an item costs a layout round trip, a flag round
+// trip and K / RB row round trips from HBM, each row's load address behind a load of the
+// peer's base from the parameter space: the side warps (RB 4: the producer warpgroup's 96
+// registers) then cannot keep up with the bands (4 ranks: they pull until the kernel's end).
 template <typename T, int BN, int RB = 8>
 __device__ __forceinline__ void pull_rows_warp(const MoeParams& p, uint64_t epoch) {
   const WorkspaceView& ws = p.ws;

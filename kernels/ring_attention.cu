@@ -126,8 +126,8 @@ __device__ __forceinline__ bool publish_kv(const RingAttnParams& p, uint64_t epo
 // Barriers of the load pipeline (static shared memory beside the dynamic tiles).
 //   q_full[qs], k_full[st], v_full[st]: the tile's TMA boxes have landed (1 arrival, the
 //     producer's arrive.expect_tx, plus the tile's bytes). TMA writes through the async
-//     proxy, which wgmma reads through: no proxy fence after the wait (the cp.async
-//     version needed fence.proxy.async, a MEMBAR, after each of these waits);
+//     proxy, which wgmma reads through: no proxy fence after the wait (loads by cp.async
+//     would need fence.proxy.async, a MEMBAR, after each of these waits);
 //   k_empty[st], v_empty[st]: every consumer warp's wgmmas that read the tile have
 //     completed (8 arrivals: lane 0 of each consumer warp after its wgmma wait);
 //   q_empty[qs]: every consumer warp has stored its O rows, which it stages through the
@@ -161,7 +161,7 @@ struct Pipeline {
 // CTAs running at the same time share their K/V in L2. A CTA's items are increasing.
 __device__ __forceinline__ int cta_item(const RingAttnParams& p, int k) {
   // 32-bit unsigned: k · g stays below num_items + g < 2^32 (num_items < 2^31), and
-  // 64-bit arithmetic here cost the 56-register producer a spill.
+  // 64-bit arithmetic here costs the 56-register producer a spill.
   const unsigned g = gridDim.x;
   const unsigned i = (unsigned)k * g + ((k & 1) ? g - 1 - blockIdx.x : blockIdx.x);
   return i < (unsigned)p.num_items ? (int)i : -1;
@@ -414,7 +414,7 @@ struct Attn {
     // descriptors of the k-steps are this plus the step's byte offset / 16: the start
     // address field is address / 16 in 14 bits and shared memory ends below 256 KiB, so
     // the sum never carries out of it. Computed once per item (not per k-step inside the
-    // turn, where the slot-dependent address took 4 vector instructions and an R2UR per
+    // turn, where the slot-dependent address takes 4 vector instructions and an R2UR per
     // wgmma).
     auto q_desc = [&](int k) -> uint64_t {
       return make_smem_desc_sw128(reinterpret_cast<const char*>(sQ + (k % Q_STAGES) * BM * D) + 64 * wg * 128);
@@ -527,8 +527,8 @@ struct Attn {
     // Keeps the softmax ahead of the wgmma wait<0> that follows it. ptxas otherwise moves
     // that WARPGROUP.DEPBAR to the top of the softmax (the packing of P after it writes
     // the registers the in-flight P·V reads, and its scheduler interleaves the packs with
-    // the exponentials), and the softmax no longer overlaps P·V: seen in the SASS of the
-    // previous version, every MUFU.EX2 of the loop after the DEPBAR. A shared-memory store
+    // the exponentials), and the softmax does not overlap P·V: without the anchor, every
+    // MUFU.EX2 of the loop comes after the DEPBAR in the SASS. A shared-memory store
     // of a value that depends on every exponential (the row sums) stays before the wait.
     auto anchor = [&](const float (&l_row)[2]) {
       asm volatile("st.shared.u32 [%0], %1;" ::"r"(gemm::smem_addr(&pl.anchor)), "r"(__float_as_uint(l_row[0] + l_row[1]))
@@ -785,7 +785,7 @@ __device__ __forceinline__ void ring_attention(const RingAttnParams& p, const Ri
 
 // Each kernel and its `_trace` twin (mkbench --trace only: a `tool` kernel, built into the
 // ring_attention_tools fatbin, which the library does not embed; a third parameter, the buffer,
-// read where used from the parameter space like p: held in a register, it cost the
+// read where used from the parameter space like p: held in a register, it costs the
 // 56-register producer a spill).
 #define MK_RING_ATTN_ENTRY(NAME, T, D)                                                                   \
   extern "C" __global__ void __launch_bounds__(mk::ring_attn::THREADS, 1) NAME(const __grid_constant__ RingAttnParams p, \

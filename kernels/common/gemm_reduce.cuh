@@ -40,10 +40,10 @@ using namespace mk::gemm;
 // once and warp 2 of the producer warpgroup (idle in the default "after" mode) reads the
 // epoch and waits for the peers beside it (open_gate); the epilogue's store thread waits
 // for the gate before its first store into P (GatedDest), the courier reads the epoch
-// from it (EpochTileSignal). Before: every CTA read the epoch, waited for the peers and met
-// at two CTA barriers before its first TMA load (the trace's setup, 2.2 us at M = 1).
-// Across nodes the whole CTA still waits first (thread 0 also posts GR_NET_DONE through
-// the proxy) and opens the gate before the engine starts.
+// from it (EpochTileSignal). The GEMM thus does not wait for the peers: reading the epoch,
+// waiting and meeting at two CTA barriers before the first TMA load costs 2.2 us at M = 1.
+// Across nodes the whole CTA waits first (thread 0 also posts GR_NET_DONE through the
+// proxy) and opens the gate before the engine starts.
 struct Gate {
   uint64_t bar;    // mbarrier, count 1: arrives once, when epoch and ok are written
   uint64_t epoch;  // this launch's epoch (last completed + 1)
@@ -65,7 +65,7 @@ __device__ __forceinline__ void gate_wait(Gate* g) { mbar_wait(&g->bar, 0); }
 // off (mk_wait_geq_backoff, up to 256 ns between polls) so that a long wait --
 // back-to-back calls where a peer is still reading -- does not steal issue slots and L2
 // bandwidth from the GEMM beside it (tight system-scope polls during a GEMM
-// slowed it 20-25 %). Inline and call-free: 80 registers after setmaxnreg.
+// slow it 20-25 %). Inline and call-free: 80 registers after setmaxnreg.
 __device__ __forceinline__ void open_gate(const GemmReduceParams& p, Gate* g) {
   const WorkspaceView& ws = p.ws;
   const int lane = threadIdx.x & 31;
@@ -96,8 +96,8 @@ struct EpochTileSignal {
   __device__ static void after_store(const Params& p, const SlabInfo& s) {
     // A slab entirely at or below row M holds no row of P (TMA clipped all of it) and its
     // flag is never read: every wait (wait_partials) skips the slabs outside the rows it
-    // sums, which are < M. At M <= 64 that is every tile's second slab, whose flag cost
-    // the courier a system-scope release (a MEMBAR.SYS) per tile on the way to the
+    // sums, which are < M. At M <= 64 that is every tile's second slab, whose flag would
+    // cost the courier a system-scope release (a MEMBAR.SYS) per tile on the way to the
     // reduction.
     if (s.row0 >= p.m) return;
     // The courier got this slab from a consumer's store thread, which had passed the gate
@@ -107,8 +107,8 @@ struct EpochTileSignal {
     if (!p.gate->ok) return;
     // The engine waited for the slab's bulk stores to complete; the proxy fence orders those
     // async-proxy writes before this thread's generic accesses, and the release store at
-    // system scope publishes them to a peer's acquire. A full fence.sc.sys before it (as
-    // mk_signal_store) only added cost: 5 % of the whole op at 2 ranks.
+    // system scope publishes them to a peer's acquire. A full fence.sc.sys before it (as in
+    // mk_signal_store) only adds cost: 5 % of the whole op at 2 ranks.
     fence_proxy_async_global();
     uint64_t* f = p.flags + ((size_t)s.tile.m_block * p.tiles_n + s.tile.n_block) * 2 + s.consumer;
     mk_st_release_sys(f, p.gate->epoch);
@@ -361,9 +361,9 @@ __device__ __forceinline__ void sum_partials(const GemmReduceParams& p, const St
 // the GEMM computes them: with owner-interleaved compute (p.interleave owners, group_m a
 // multiple of them: the host plans it so), an owner's blocks come group_m / owners to a
 // group, n-block by n-block. Reducer teams take i = j, j + stride, ... of one owner's tiles,
-// so every team gets its share: striding over all tiles and skipping other owners' left
-// the CTAs of the other parity idle at two ranks (the stride and the interleave are both
-// even) -- half the CTAs reduced everything. Mirrored by gemm_reduce::owned_tile (tested).
+// so every team gets its share: striding over all tiles and skipping other owners' would
+// leave the CTAs of the other parity idle at two ranks (the stride and the interleave are
+// both even) -- half the CTAs would reduce everything. Mirrored by gemm_reduce::owned_tile (tested).
 __device__ __forceinline__ TileCoord owned_tile(const GemmReduceParams& p, int first, int blocks, int i) {
   TileCoord c = grouped_tile(blocks, p.tiles_n, max(1, p.group_m / max(1, p.interleave)), i);
   c.m_block += first;

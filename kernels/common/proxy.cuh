@@ -56,7 +56,7 @@ __device__ __forceinline__ void mk_proxy_store_release_u32(uint32_t* p, uint32_t
 // How often a waiter reads the proxy's error word, and the longest pause between reads of
 // the counter it waits for. Both live in host memory, so every read crosses PCIe: dozens
 // of CTAs reading two words every microsecond slow everything else on the link (the
-// staging copies of this very path; MkWaitChecks in signals.cuh has the GEMM story).
+// staging copies of this very path; MkWaitChecks in signals.cuh gives the GEMM's case).
 #define MK_PROXY_ERROR_CHECK_NS 1000000ull
 #define MK_PROXY_MAX_BACKOFF_NS 4096u
 

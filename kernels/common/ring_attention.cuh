@@ -76,8 +76,8 @@ __device__ __forceinline__ int take_ticket(unsigned long long* counter) {
 }
 
 // The rank whose K/V ring step s (0 <= s < n) of `rank` reads: (rank - s) mod n, without
-// the integer division of `%` (about 20 instructions, which ran per tile in the consumers'
-// loop and cost the 24-register producer spills).
+// the integer division of `%` (about 20 instructions, which would run per tile in the
+// consumers' loop and cost the 24-register producer spills).
 __device__ __forceinline__ int ring_src(int rank, int s, int n) {
   const int r = rank - s;
   return r < 0 ? r + n : r;

@@ -90,7 +90,7 @@ __device__ __forceinline__ CommStatus* mk_status(const WorkspaceView& ws) {
 // the status block: the same value, so the order of those stores does not matter.
 // Branch-free and 32-bit on purpose: this is inlined into the bounded waits of register-
 // tight GEMM producer warps (after setmaxnreg), where a 64-bit CAS and a branch around
-// the store made ptxas spill (mk_ag_gemm_*, the ring-attention trace kernels).
+// the store make ptxas spill (mk_ag_gemm_*, the ring-attention trace kernels).
 // `own_signals` is word 0 of this rank's signal region (mk_signal_word(ws, ws.rank, 0)):
 // waiters already hold it, and recomputing it from ws.signals[ws.rank] costs registers.
 __device__ __forceinline__ void mk_record_error_at(const WorkspaceView& ws, uint64_t* own_signals, uint32_t word) {
@@ -119,7 +119,7 @@ __device__ __forceinline__ void mk_fail(const WorkspaceView& ws, uint32_t word) 
 // The checks a bounded wait makes between polls of its flag, call-free (usable after
 // setmaxnreg): the abort word (device memory) and the timeout on every check; the host's
 // abort flag only once per kHostCheckNs, because it lives in host-mapped memory and every
-// read crosses PCIe: hundreds of waiting threads reading it every few microseconds slowed
+// read crosses PCIe: hundreds of waiting threads reading it every few microseconds slow
 // the GEMM CTAs beside them by 10-100x (the MoE kernels, benches/results/2026-12-02-moe-time-split.md).
 // A host abort (mkCommAbort) is noticed within a millisecond. Returns false, with the
 // error recorded, when the wait must stop.
@@ -176,9 +176,8 @@ __device__ __noinline__ bool mk_wait_geq(const WorkspaceView& ws, const uint64_t
 }
 
 // mk_wait_geq_inline with a back-off, for waits beside a running GEMM: hundreds of threads
-// polling system-scope acquire loads in a tight loop slowed the GEMM CTAs beside them by
-// orders of magnitude (the MoE kernels' first GPU run: the fused combine took 130x the
-// unfused one). Polls with relaxed loads, sleeping FIRST_NS doubling up to MAX_NS between
+// polling system-scope acquire loads in a tight loop slow the GEMM CTAs beside them by
+// orders of magnitude (a fused MoE combine that polls so takes 130x the unfused one). Polls with relaxed loads, sleeping FIRST_NS doubling up to MAX_NS between
 // them, checks abort and timeout every CHECK_EVERY polls (a power of two), then one
 // acquire load. Inline and call-free: a GEMM producer warpgroup uses it after setmaxnreg.
 template <unsigned FIRST_NS, unsigned MAX_NS, uint32_t CHECK_EVERY>

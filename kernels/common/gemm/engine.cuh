@@ -53,9 +53,9 @@ namespace mk { namespace gemm {
 //   __device__ static int rows_end(const Params&, const TileCoord&, int M);
 // (MoE: an expert's last m-block holds fewer than BM rows; rows past the expert's count
 // are padding whose products nobody reads). Consumer slabs at or past it skip their wgmmas.
-// Tested at compile time so that schedulers without it compile to exactly the code they
-// had before the hook: with the hook's default inlined instead, the AG+GEMM kernel's SASS
-// shifted and it ran ~4 % slower at 4 ranks x 2048 rows.
+// Tested at compile time so that schedulers without it compile to code free of the hook:
+// with the hook's default inlined instead, the AG+GEMM kernel's SASS shifts and it runs
+// ~4 % slower at 4 ranks x 2048 rows.
 template <class Sched, class = void>
 struct HasRowsEnd : std::false_type {};
 template <class Sched>
@@ -480,13 +480,13 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
       // warpgroup still waits for every stage to fill and releases it (the empty barrier
       // counts every consumer warp that takes part: an arrival without the wait could be
       // counted in the wrong phase) and still runs the epilogue, so every epilogue's protocol (slab
-      // flags, the courier's mailbox count) is unchanged. The accumulators it hands over
+      // flags, the courier's mailbox count) is that of a live slab. The accumulators it hands over
       // are stale (the previous tile's, or never written) instead of the zeros the wgmmas
       // would have made: every row of the slab is >= M, which every epilogue clips (TMA:
       // the tensor map's extent; DirectStoreEpilogue: r < M). Zeroing them here would be a
       // non-wgmma definition of the accumulator registers, which makes ptxas serialise
-      // every wgmma of the kernel (C7515; seen on the first build of this). An epilogue
-      // that writes rows >= M anywhere must not rely on their values.
+      // every wgmma of the kernel (ptxas warning C7515). An epilogue that writes rows >= M
+      // anywhere must not rely on their values.
       // Warpgroup-uniform (tile and consumer), so wgmma stays warpgroup-converged.
       // (With BM = 64 consumer 1's slab lies outside the tile: never live.)
       // A scheduler may end the live rows earlier (HasRowsEnd; rows past it are padding).

@@ -158,9 +158,9 @@ struct FlagTileSignal {
 // courier thread (warp 1 of the producer warpgroup, idle otherwise) through a one-slot
 // mailbox per warpgroup (mbarriers: release / acquire at CTA scope, so the courier's
 // system-scope release covers the stores too). A system-scope release stalls the issuing
-// warp until its memory operations drain -- on the consumer's thread 0 that held the
-// whole warpgroup's next wgmma, once per tile (the fused GEMM phase ran ~10 % slower than
-// the plain GEMM).
+// warp until its memory operations drain -- on the consumer's thread 0 it would hold the
+// whole warpgroup's next wgmma, once per tile (the fused GEMM phase then runs ~10 % slower
+// than the plain GEMM).
 template <class Dest = LocalDest, class Op = TmaStoreOp, class Signal = NoTileSignal>
 struct TmaEpilogue {
   struct Params {
@@ -207,7 +207,7 @@ struct TmaEpilogue {
         int row, col;
         const CUtensorMap* m = Dest::map(p.dest, s, row, col);
         // A Dest with kMayRefuse returns nullptr to store nothing (a fused op whose start
-        // wait failed); checked only for such Dests, so the others' code is unchanged.
+        // wait failed); checked only for such Dests, so the others' code has no check.
         if (!DestMayRefuse<Dest>::value || m != nullptr) {
 #pragma unroll
           for (int b = 0; b < BN / 64; ++b) Op::box(m, s.smem + b * 8192, col + b * 64, row);
