@@ -393,7 +393,8 @@ const char *mkGetLastError(mkComm_t comm);
  * Across nodes (ranks on several hosts, or MK_RANKS_PER_NODE): every node must hold the
  * same number of ranks (at most 8 nodes of at most 8 ranks), else mkInvalidUsage. Each
  * shard crosses the network once per node, to the rank with the owner's local rank, and
- * is forwarded over NVLink there. Not yet run on a GPU (see the README's status).
+ * is forwarded over NVLink there. Tested only between nodes emulated on one GPU (see the
+ * README's status).
  */
 mkResult_t mkAllGather(const void *sendbuff,
                        void *recvbuff,

@@ -434,7 +434,7 @@ pub struct GemmReduceParams {
     /// `mk_gemm_reduce_early_*` kernels only): the most of a GEMM CTA's reducer items (tiles
     /// of its walk, all but its last) that its two idle producer warps may sum during the
     /// GEMM, as the partials are flagged; the CTA's 12 warps sum the rest after it. Last in
-    /// the struct, so the other kernels' parameter offsets (and code) stay as they were.
+    /// the struct, so the other kernels' parameter offsets (and code) do not depend on it.
     pub early_items: i32,
 }
 

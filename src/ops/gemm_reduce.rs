@@ -156,7 +156,7 @@ pub use super::schedule::{grouped_index, grouped_tile, interleaved_tile, owned_t
 /// (kernels/gemm_reduce_early.cu side_staging_bytes): 16 KiB (or 8) where the 227 KiB leave it
 /// beside 1 KiB of static shared memory, else 0 (no early sums). Only the BM 128, BN 256
 /// kernels have room (three stages of 48 KiB and 64 KiB of epilogue staging leave 17 KiB);
-/// the others' rings took the space for more stages.
+/// the others' rings use the space for more stages.
 pub fn side_staging_bytes(bm: usize, bn: usize) -> usize {
     let free = engine::SMEM_LIMIT.saturating_sub(1024 + engine::fused_smem_bytes(bm, bn));
     if free >= 16384 {
@@ -768,7 +768,7 @@ mod tests {
 
     /// Each owner's reducer teams visit its tiles exactly once, in the order the GEMM
     /// computes them, with every team's share within one tile of the others' -- the
-    /// stride over all tiles used before gave one parity of teams every tile at two ranks.
+    /// plain stride over all tiles would give one parity of teams every tile at two ranks.
     #[test]
     fn reducers_share_each_owners_tiles_in_compute_order() {
         for &(m, n, bn, ctas, owners) in &[

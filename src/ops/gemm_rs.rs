@@ -2,7 +2,7 @@
 //!
 //! Every rank computes P = A·Bᵀ over its K slice; rank o owns rows [o·M/n, (o+1)·M/n) of
 //! the sum. Compute CTAs store partial tiles in their own workspace (no remote stores in
-//! the epilogue: Hopper's TMA pipeline stalls on them, PEERS.md) and raise a flag per
+//! the epilogue: Hopper's TMA pipeline stalls on them, docs/decisions/0009) and raise a flag per
 //! 64-row slab; the reduction on each owner pulls a tile's partials from every rank once
 //! all are flagged, sums them in fp32 in rank order (the same on every run) and writes C.
 //! Every rank computes the tiles in the same order, the owners' row blocks interleaved

@@ -5,7 +5,7 @@
 //! stream-ordered and graph-capturable). Routes as `comm::topology` plans them: a shard
 //! crosses the network once per node, GPU i ↔ GPU i; reductions sum within the node first.
 //!
-//! Written without a GPU; `mktest nodes` is its first GPU run.
+//! `mktest nodes` (scripts/gpu-run.sh) tests it on a GPU, with nodes emulated on one machine.
 
 use super::collectives::{
     check_device_pointer, validate, CollectiveArgs, CollectiveKind, MIN_BYTES_PER_CTA, PIECE_ALIGN_BYTES,

@@ -404,14 +404,14 @@ pub struct RolePlan {
 /// ~150 us at 4 ranks, while every CTA waits for the layout anyway), and the token rows
 /// are sent by the three idle warps of every GEMM CTA's producer warpgroup
 /// (`send_by_gemm_ctas`), so that no SM waits idle once the rows are out (dedicated
-/// senders sat idle for 75% of the kernel at 4 ranks; a prep CTA that only sends after the
+/// senders sit idle for 75% of the kernel at 4 ranks; a prep CTA that only sends after the
 /// layout leaves the GEMM grid - 1 CTAs, 15 of 16 at 4 ranks, where the GEMM is ~90 % of
 /// the kernel and the rows are out after a third of it). With MK_COMM_SMS = c, c communication CTAs compute the layout and send.
 ///
 /// Combine: no communication CTAs unless MK_COMM_SMS asks for them: every CTA runs GEMM
 /// tiles and then, with its consumer warps, pulls and sums its share of the output (the
 /// GEMM keeps every SM; the pull overlaps the GEMM's last wave). Dedicated pull CTAs
-/// spend the whole GEMM waiting, and their polling slowed the GEMM beside them (benches/results/2026-12-02-moe-time-split.md).
+/// spend the whole GEMM waiting, and their polling slows the GEMM beside them (benches/results/2026-12-02-moe-time-split.md).
 pub fn plan_roles_for(
     dir: Direction,
     bytes: f64,
@@ -484,8 +484,8 @@ pub fn group_m(d: &MoeDims, bn: usize, compute_ctas: usize) -> usize {
 /// dispatch's GEMM CTAs sends before the GEMM (`Tuning::moe_burst`; MoeParams::burst_lists): the
 /// local experts whose blocks the first wave of tiles covers (expert-major order, at the
 /// expected rows per expert of uniform routing), plus one. The side warps alone (3 per CTA,
-/// 4 vectors in flight per lane) took ~150-200 us to get the first experts' rows out at 4
-/// ranks while every GEMM CTA waited for them (a trace); all 12 warps of a CTA,
+/// 4 vectors in flight per lane) take ~150-200 us to get the first experts' rows out at 4
+/// ranks while every GEMM CTA waits for them (a trace); all 12 warps of a CTA,
 /// with 8 in flight, send them ~4x faster and are idle until then anyway.
 pub fn burst_lists(d: &MoeDims, compute_ctas: usize, tiles_n: usize) -> usize {
     let rows_per_expert = (d.tokens * d.top_k * d.nranks).div_ceil(d.experts.max(1)).max(1);
@@ -498,7 +498,7 @@ pub fn burst_lists(d: &MoeDims, compute_ctas: usize, tiles_n: usize) -> usize {
 /// Whether the dispatch bursts (`Tuning::moe_burst`: forced on or off, or auto). Auto bursts at 4
 /// ranks and more. Measured (benches/results/2026-12-03-moe-burst-early-sums-attention.md; one H200, T 4096, DeepSeek-V3-like sizes, two
 /// GPU rounds): 4 ranks 11.3-11.8 ms with the burst against 12.05-12.08 without; 2 ranks
-/// 6.75-6.90 ms against 6.27-6.28 without — at 2 ranks the first wave's waits were short anyway (45 us per
+/// 6.75-6.90 ms against 6.27-6.28 without — at 2 ranks the first wave's waits are short anyway (45 us per
 /// CTA), and all 32 CTAs' 12 warps grabbing one 8-row chunk each overshoot the first lists
 /// 4x (384 chunks for 96), which holds every CTA's GEMM back.
 pub fn burst_for(forced: Option<bool>, nranks: usize) -> bool {
@@ -508,7 +508,7 @@ pub fn burst_for(forced: Option<bool>, nranks: usize) -> bool {
 /// Column bands of the combine's GEMM (`Tuning::moe_bands`). The pull of a token's output tile
 /// needs the tile's slabs of all its k rows, on up to k experts anywhere in the expert-major
 /// order, so without bands nothing can be pulled before the GEMM's end (4 ranks:
-/// the pull, ~2.6 ms alone, ran after a ~11 ms GEMM). With b bands the GEMM finishes band 0
+/// the pull, ~2.6 ms alone, runs after a ~11 ms GEMM). With b bands the GEMM finishes band 0
 /// (every block, its first H / b columns) after ~1/b of its time, and the side warps pull
 /// band 0's outputs while bands 1.. compute; each band reads A (Y') again: b x 168 MB per
 /// rank at DeepSeek-V3-like sizes, beside ~1.8 GB of W2 tiles read once.

@@ -160,7 +160,7 @@ pub fn sched_section(s: &RingShape) -> usize {
 /// index), the section's pairs alternating at each weight. So the CTAs taking tickets
 /// share one section's K/V in L2, and the last tickets of the call are the lightest
 /// items: greedy list scheduling in this order ends with every CTA within about one
-/// light item of the others (a fixed round robin of the same items left ~3 % idle).
+/// light item of the others (a fixed round robin of the same items leaves ~3 % idle).
 pub fn sched_item(i: usize, pairs: usize, q_blocks: usize, section: usize) -> usize {
     let per_section = section * q_blocks;
     let sec = i / per_section;

@@ -4,7 +4,7 @@
 //! draining it into a recording transport. Each check returns what it saw or an error
 //! saying what was wrong. Needs a current CUDA context (sm_90) and no peers.
 //!
-//! Written without a GPU at hand: not run yet.
+//! `transport_gpu --ignored` runs them on a GPU (scripts/gpu-run.sh).
 
 use super::proxy::{Proxy, ProxyOptions, ProxyRing};
 use super::{PostId, PutRequest, Transport, Window};

@@ -413,7 +413,7 @@ impl HostProducer {
 }
 
 /// How long the proxy keeps polling without sleeping after its last command or completion.
-/// Sleeping between the commands of one collective added a sleep (20 µs asked, ~70 µs
+/// Sleeping between the commands of one collective adds a sleep (20 µs asked, ~70 µs
 /// with the default 50 µs timer slack) to every network hop.
 pub const PROXY_STAY_AWAKE: Duration = Duration::from_millis(5);
 /// The idle proxy's (and a waiting host producer's) sleep per poll.

@@ -11,7 +11,7 @@
 //!   and the signal word is written by the stream itself (`cuStreamWriteValue64`) behind
 //!   the data copies: data before signal by stream order, with no host round trip. Where
 //!   stream memory operations are not available it falls back to synchronising the stream
-//!   and copying the word (the previous scheme: three CUDA round trips per message).
+//!   and copying the word (three CUDA round trips per message).
 //!
 //! The stream must be non-blocking: a copy on the legacy default stream would wait for the
 //! persistent kernel that is waiting for this very data.

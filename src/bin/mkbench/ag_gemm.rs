@@ -194,7 +194,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             // Every part alone once first, synchronised: under lazy module loading (CUDA's
             // default) the first launch of a kernel can wait for the context to go idle, and
             // across nodes an in-flight hierarchical kernel waits for its proxy's copies, which
-            // that load holds up: the first `ours()` after an in-flight mkAllGather stalled
+            // that load holds up: the first `ours()` after an in-flight mkAllGather stalls
             // until the kernel's timeout. (docs/decisions/0030-preload-kernels-across-nodes.md)
             for (what, part) in
                 [("ours", &ours as &dyn Fn() -> Result<()>), ("cuBLAS", &cublas), ("AllGather", &ag), ("fused", &fused)]

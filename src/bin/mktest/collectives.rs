@@ -649,7 +649,7 @@ pub(crate) fn check_stopped(rank: usize, comm: mkComm_t, elapsed: Duration, what
             FAULT_SLACK.as_secs()
         )));
     }
-    // The communicator now refuses new work with the same code and a message.
+    // After the timeout the communicator refuses new work with the same code and a message.
     let host_probe = TestBuffer::new(16, mkDataType_t::mkFloat32)?;
     // SAFETY: valid device buffer.
     let again = unsafe {
