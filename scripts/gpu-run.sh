@@ -340,8 +340,8 @@ if [ "$BENCH" = 1 ]; then
     note "mkbench gemm: $(outcome $rc)"
     check_rc $rc
   fi
-  # The fused ops beside their unfused sequences (issue shapes; fewer at several ranks,
-  # where every rank's GEMM shares the one GPU), in mkbench's default protocol (5
+  # The fused ops beside their unfused sequences (mkbench's default shapes; fewer at several
+  # ranks, where every rank's GEMM shares the one GPU), in mkbench's default protocol (5
   # interleaved blocks of 20 calls; ring attention's long cases 5 blocks of 5).
   for n in ${BENCH_RANKS:-$RANKS}; do
     for op in ag_gemm gemm_rs gemm_ar moe ring_attn ring_attn_bwd; do
