@@ -146,6 +146,9 @@ pub struct Verdict {
 pub const MIN_L2_ELEMENTS: usize = 64;
 
 /// ‖out − ref‖₂² and ‖ref‖₂², kept apart so that parts of one result fold exactly.
+/// A reference that is zero everywhere has no scale to be relative to: any rounding at all
+/// (a gradient whose terms cancel exactly in float64, say) puts the norm at ∞, so there
+/// the element-wise bounds judge alone, as they do below `MIN_L2_ELEMENTS`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct L2 {
     pub err_sq: f64,
@@ -171,7 +174,7 @@ impl L2 {
 impl Verdict {
     pub fn passed(&self) -> bool {
         let l2_ok = match self.l2 {
-            Some(l2) if self.elements >= MIN_L2_ELEMENTS => l2.relative() <= l2.limit,
+            Some(l2) if self.elements >= MIN_L2_ELEMENTS && l2.ref_sq > 0.0 => l2.relative() <= l2.limit,
             _ => true,
         };
         self.wrong == 0 && self.nonfinite == 0 && l2_ok
@@ -224,6 +227,8 @@ impl fmt::Display for Verdict {
             write!(f, ", rel L2 {:.2e} (limit {:.0e}", l2.relative(), l2.limit)?;
             if self.elements < MIN_L2_ELEMENTS {
                 write!(f, ", not judged below {MIN_L2_ELEMENTS} elements")?;
+            } else if l2.ref_sq == 0.0 {
+                write!(f, ", not judged: the reference is zero")?;
             }
             write!(f, ")")?;
         }
@@ -232,8 +237,8 @@ impl fmt::Display for Verdict {
 }
 
 /// Element-wise: `|out[i] − reference[i]| ≤ bounds[i]`, NaN and ∞ never pass; then, over
-/// at least `MIN_L2_ELEMENTS` elements, the global relative L2 norm within `l2_limit`
-/// (`super::tolerance(dtype)`).
+/// at least `MIN_L2_ELEMENTS` elements and a reference not zero everywhere, the global
+/// relative L2 norm within `l2_limit` (`super::tolerance(dtype)`).
 pub fn check_close(out: &[f64], reference: &[f64], bounds: &[f64], l2_limit: f64) -> Verdict {
     assert_eq!(out.len(), reference.len());
     assert_eq!(out.len(), bounds.len());
@@ -440,6 +445,30 @@ mod tests {
             let v = gemm_verdict(&out, &reference, &mag, dtype, k);
             assert!(!v.passed() && v.wrong > 64 * 64 / 4, "{}: {v}", dtype.name());
         }
+    }
+
+    #[test]
+    fn a_zero_reference_is_judged_by_the_bounds_alone() {
+        // A gradient whose terms cancel exactly in float64 (one key: dS = P(dP − δ) = 0),
+        // computed with rounding: tiny, inside every bound, and at ∞ relative to zero.
+        let n = 4 * MIN_L2_ELEMENTS;
+        let reference = vec![0.0; n];
+        let bounds = vec![4.8e-3; n];
+        let rounded: Vec<f64> = (0..n).map(|i| if i % 3 == 0 { 0.0 } else { 3.9e-9 * (i % 7) as f64 }).collect();
+        let v = check_close(&rounded, &reference, &bounds, tolerance(BF16));
+        assert!(v.l2.unwrap().relative().is_infinite() && v.passed(), "{v}");
+        assert!(v.to_string().contains("reference is zero"), "{v}");
+        // Past one bound, or NaN anywhere, still fails.
+        let mut past = rounded.clone();
+        past[100] = 5e-3;
+        assert!(!check_close(&past, &reference, &bounds, tolerance(BF16)).passed());
+        let mut nan = rounded;
+        nan[7] = f64::NAN;
+        assert!(!check_close(&nan, &reference, &bounds, tolerance(BF16)).passed());
+        // A part with a zero reference folded into a nonzero whole is judged by the norm.
+        let whole = check_close(&past[..n / 2], &reference[..n / 2], &bounds[..n / 2], tolerance(BF16))
+            .and(check_close(&[1.0; 64], &[1.0; 64], &[0.1; 64], tolerance(BF16)));
+        assert!(whole.l2.unwrap().ref_sq > 0.0);
     }
 
     #[test]
