@@ -622,7 +622,7 @@ pub struct RingAttnBwdParams {
 // zero between launches (the last arrival resets them). Each fused op owns a disjoint range,
 // so one op's flags can never satisfy another op's wait.
 
-/// Nonzero: 1 + the rank that raised the abort.
+/// Nonzero: a kernel raised the abort (1 + its rank within the node; waits test only nonzero).
 pub const MK_SIG_ABORT: u32 = 0;
 /// Nonzero: the first error word a kernel of this rank recorded (a 32-bit CAS on its low half).
 pub const MK_SIG_ERROR_CLAIM: u32 = 1;
