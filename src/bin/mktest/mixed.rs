@@ -65,9 +65,10 @@ impl Delay {
     }
 
     fn enqueue(&self, stream: sys::CUstream) -> Result<()> {
-        match self.slow.get() == Some(self.rank) {
-            true => self.scratch.poison(stream),
-            false => Ok(()),
+        if self.slow.get() == Some(self.rank) {
+            self.scratch.poison(stream)
+        } else {
+            Ok(())
         }
     }
 }
