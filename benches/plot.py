@@ -6,10 +6,11 @@
 
 Per record: collectives (rows with "bytes") get nccl-tests style curves, bus bandwidth and
 latency against size, one line per contender, one PNG per dtype; every other bench gets the
-speedup of the fused op over each baseline per shape (baseline time / fused time: above 1
-the fused op wins; graph replays against the fused op's graph replays, cold-L2 times against
-its cold-L2 time), and its time per contender. Every record is validated first; a record
-that does not match the schema stops the run with the rule it broke.
+speedup of the op under test ("fused", or "mk" for the GEMM engine) over each baseline per
+shape (baseline time / its time: above 1 ours wins; graph replays against our graph
+replays, cold-L2 times against our cold-L2 time), and its time per contender. Every record
+is validated first; a record that does not match the schema stops the run with the rule it
+broke.
 """
 import argparse
 import json
@@ -145,32 +146,34 @@ def plot_record(rec, out_dir, stem):
 
     labels = [_shape_label(r["shape"]) for r in rows]
     medians = [_medians(r) for r in rows]
-    baselines = sorted({n for m in medians for n in m if n != "fused"})
+    # The op under test: "fused" in the fused-op benches, "mk" in the GEMM engine's.
+    ours = next((n for n in ("fused", "mk") if any(n in m for m in medians)), "fused")
+    baselines = sorted({n for m in medians for n in m if n != ours})
     fig, (sp, tm) = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(rows) + 4), 9))
     xs = list(range(len(rows)))
-    if any("fused" in m for m in medians):
+    if any(ours in m for m in medians):
         for name in baselines:
-            # Cold-L2 baselines against the cold-L2 fused time, graph replays against the
-            # fused op's graph replays; those fused times themselves are not baselines.
+            # Cold-L2 baselines against the cold-L2 time of ours, graph replays against our
+            # graph replays; those times of ours themselves are not baselines.
             if name.endswith("_cold_l2"):
-                ref = "fused_cold_l2"
+                ref = ours + "_cold_l2"
             elif name.endswith(GRAPH_SUFFIX):
-                ref = "fused" + GRAPH_SUFFIX
+                ref = ours + GRAPH_SUFFIX
             else:
-                ref = "fused"
+                ref = ours
             if name == ref:
                 continue
             pts = [(x, m[name] / m[ref]) for x, m in zip(xs, medians) if ref in m and name in m]
             if pts:
                 sp.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{name} / {ref}")
         sp.axhline(1.0, color="black", linewidth=0.8)
-        sp.set_ylabel("speedup of fused (baseline time / fused time)")
+        sp.set_ylabel(f"speedup of {ours} (baseline time / its time)")
         sp.legend(fontsize=8)
     sp.set_xticks(xs)
     sp.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     sp.grid(True, alpha=0.3)
     width = 0.8 / max(1, len(baselines) + 1)
-    for i, name in enumerate(["fused"] + baselines):
+    for i, name in enumerate([ours] + baselines):
         vals = [m.get(name, 0.0) for m in medians]
         if any(vals):
             tm.bar([x + i * width for x in xs], vals, width=width, label=name)

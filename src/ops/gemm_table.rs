@@ -109,8 +109,11 @@ const fn row(m: MClass, n: usize, k: usize, choice: TileChoice) -> (ShapeClass, 
 /// - M ≤ 128, N 8192: 64 tiles of 128 × 128 split over 2 CTAs (128 CTAs): half of A per
 ///   CTA and the wider wgmma, where 128 tiles of 128 × 64 reread all of A from L2 per tile.
 /// - M ≤ 128, N 28672: 112 tiles of 128 × 256 — one wave, B read once.
-/// - M ≤ 256 and ≤ 512, N 28672: 128 × 256 tiles leave a partial last wave (224 or 448
-///   tiles on 132 SMs: 85 %); 128 × 128 tiles split over 2 CTAs fill 97 % of the waves.
+/// - M ≤ 256, N 28672: 224 tiles of 128 × 256 (a partial second wave). Splitting 128-wide
+///   tiles over 2 CTAs fills 97 % of the waves on paper, but measured 0.75–0.79× cuBLAS
+///   against 0.98–1.0× unsplit at the neighbouring shapes
+///   (benches/results/2026-12-05-h100-gemm-table-and-rank-threads.md): the fold and the
+///   shallower ring cost more than the idle slots.
 pub const TABLE: &[(ShapeClass, TileChoice)] = &[
     row(MClass::UpTo64, 8192, 8192, TileChoice::new(64, 64, 1)),
     row(MClass::UpTo64, 28672, 8192, TileChoice::new(64, 128, 1)),
@@ -119,9 +122,8 @@ pub const TABLE: &[(ShapeClass, TileChoice)] = &[
     row(MClass::UpTo128, 28672, 8192, TileChoice::new(128, 256, 1)),
     row(MClass::UpTo128, 8192, 28672, TileChoice::new(128, 128, 2)),
     row(MClass::UpTo256, 8192, 8192, TileChoice::new(128, 128, 1)),
-    row(MClass::UpTo256, 28672, 8192, TileChoice::new(128, 128, 2)),
+    row(MClass::UpTo256, 28672, 8192, TileChoice::new(128, 256, 1)),
     row(MClass::UpTo256, 8192, 28672, TileChoice::new(128, 128, 1)),
-    row(MClass::UpTo512, 28672, 8192, TileChoice::new(128, 128, 2)),
 ];
 
 /// Where a choice came from.
@@ -129,14 +131,6 @@ pub const TABLE: &[(ShapeClass, TileChoice)] = &[
 pub enum Source {
     Table,
     Rule,
-}
-
-/// Fraction of the CTA slots a tile count keeps busy over its waves (1.0: whole waves).
-pub fn wave_efficiency(items: usize, slots: usize) -> f64 {
-    if items == 0 || slots == 0 {
-        return 1.0;
-    }
-    items as f64 / (items.div_ceil(slots) * slots) as f64
 }
 
 /// Tile rows for M rows of A: 64 when M fits one such tile (one consumer warpgroup has all
@@ -154,9 +148,10 @@ pub fn tile_rows(m: usize) -> usize {
 /// - 64-row tiles at M ≤ 64 (one consumer has all the rows; the A stages shrink);
 /// - the widest tile (256) unless it leaves more than half of the CTAs idle: 128, then 64;
 /// - split-K over the CTAs a narrow tile count leaves idle, each CTA keeping at least
-///   MIN_K_BLOCKS_PER_SPLIT K blocks (at most RULE_MAX_SPLIT_K);
-/// - a partial last wave (below 90 % of the slots busy) over few waves: 128-wide tiles
-///   split over 2 CTAs where that fills 95 % and more.
+///   MIN_K_BLOCKS_PER_SPLIT K blocks (at most RULE_MAX_SPLIT_K).
+///
+/// A partial last wave keeps its wide tiles: splitting them over 2 CTAs to fill the
+/// waves measured slower (see [`TABLE`]); a stream-K schedule is what would close it.
 pub fn rule(m: usize, n: usize, k: usize, ctas: usize) -> TileChoice {
     let ctas = ctas.max(1);
     let bm = tile_rows(m);
@@ -170,13 +165,6 @@ pub fn rule(m: usize, n: usize, k: usize, ctas: usize) -> TileChoice {
     if tiles(bn) * 2 < ctas {
         let split = (ctas / tiles(bn)).min(max_split);
         return TileChoice::new(bm, bn, split.max(1));
-    }
-    let waves = tiles(bn).div_ceil(ctas);
-    if bn == 256 && waves <= 4 && wave_efficiency(tiles(256), ctas) < 0.9 && max_split >= 2 {
-        let split_efficiency = wave_efficiency(tiles(128), ctas / 2);
-        if split_efficiency >= 0.95 {
-            return TileChoice::new(bm, 128, 2);
-        }
     }
     TileChoice::new(bm, bn, 1)
 }
@@ -332,18 +320,13 @@ mod tests {
     }
 
     #[test]
-    fn the_rule_splits_a_partial_last_wave() {
-        // 512 x 28672: 448 tiles of 256 on 132 SMs (3.4 waves, 85 %) -> 896 tiles of 128
-        // on 66 pairs (97 %).
-        assert!(wave_efficiency(448, 132) < 0.9);
-        assert!(wave_efficiency(896, 66) >= 0.95);
-        assert_eq!(rule(512, 28672, 8192, 132), TileChoice::new(128, 128, 2));
-        // Many waves: the quantisation costs little, keep the wide tile.
+    fn the_rule_keeps_wide_tiles_for_a_partial_last_wave() {
+        // 512 x 28672: 448 tiles of 256 on 132 SMs (3.4 waves, 85 % of the slots busy);
+        // splitting them measured slower, so the wide unsplit tile stays.
+        assert_eq!(rule(512, 28672, 8192, 132), TileChoice::new(128, 256, 1));
+        assert_eq!(choose(512, 28672, 8192, 132), (TileChoice::new(128, 256, 1), Source::Rule));
+        assert_eq!(choose(256, 28672, 8192, 132), (TileChoice::new(128, 256, 1), Source::Table));
         assert_eq!(rule(8192, 28672, 8192, 132), TileChoice::new(128, 256, 1));
-        // Too short a K to split: keep it.
-        assert_eq!(rule(512, 28672, 512, 132), TileChoice::new(128, 256, 1));
-        assert_eq!(wave_efficiency(0, 132), 1.0);
-        assert_eq!(wave_efficiency(264, 132), 1.0);
     }
 
     #[test]
