@@ -39,7 +39,8 @@ struct PlannedTile;  // no entry: a tile the planner does not know
 
 template <typename T, int BN, bool TMA_EPI, int SHARE = SHARE_NONE, int BM = 128, bool SPLIT_K = false>
 __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
-                                           const CUtensorMap* tma_c, void* c, int M, int N, int K, int group_m) {
+                                           const CUtensorMap* tma_c, void* c, int M, int N, int K, int group_m,
+                                           int a_box_rows) {
   using Cfg = GemmConfig<T, BN, PlainStages<BM, BN, TMA_EPI, SPLIT_K>::value, SHARE, 40, BM, SPLIT_K>;
   using Epi = typename std::conditional<TMA_EPI, TmaStoreEpilogue, DirectStoreEpilogue<StoreOp>>::type;
   using Planned = PlannedTile<BM, BN, TMA_EPI, SPLIT_K>;
@@ -52,6 +53,8 @@ __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUten
   if (dyn_smem < uint32_t(engine_smem_bytes<Cfg, Epi>())) __trap();  // host/kernel plan mismatch
   // Every CTA of a split-K cluster needs a K block (the host plans S <= K / 64).
   if (SPLIT_K && (int)cluster_nctarank() > (K + Cfg::BK - 1) / Cfg::BK) __trap();
+  // The A box the host made (ops::gemm::GemmPlan::a_box_rows): min(M, the rows a CTA loads).
+  if (a_box_rows < 1 || a_box_rows > Cfg::A_LOAD_ROWS || (a_box_rows < Cfg::A_LOAD_ROWS && a_box_rows != M)) __trap();
 
   RasterParams sched;
   sched.tiles_m = (M + Cfg::BM - 1) / Cfg::BM;
@@ -70,7 +73,7 @@ __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUten
     epi.c = c;
     epi.ldc = N;
   }
-  gemm_persistent<Cfg, GroupedRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{M, N, K}, sched, await, epi,
+  gemm_persistent<Cfg, GroupedRaster, NoAWait, Epi>(tma_a, tma_b, GemmShape{M, N, K, a_box_rows}, sched, await, epi,
                                                      blockIdx.x, gridDim.x, smem);
 }
 
@@ -80,8 +83,10 @@ __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUten
 #define MK_GEMM_ENTRY_FULL(NAME, T, BN, TMA_EPI, SHARE, BM, SPLIT_K)                                    \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                 \
       NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,       \
-           const __grid_constant__ CUtensorMap tma_c, void* c, int M, int N, int K, int group_m) {     \
-    mk::gemm::plain_gemm<T, BN, TMA_EPI, SHARE, BM, SPLIT_K>(&tma_a, &tma_b, &tma_c, c, M, N, K, group_m); \
+           const __grid_constant__ CUtensorMap tma_c, void* c, int M, int N, int K, int group_m,      \
+           int a_box_rows) {                                                                           \
+    mk::gemm::plain_gemm<T, BN, TMA_EPI, SHARE, BM, SPLIT_K>(&tma_a, &tma_b, &tma_c, c, M, N, K, group_m,   \
+                                                              a_box_rows);                             \
   }
 #define MK_GEMM_ENTRY_SHARE(NAME, T, BN, TMA_EPI, SHARE) MK_GEMM_ENTRY_FULL(NAME, T, BN, TMA_EPI, SHARE, 128, false)
 #define MK_GEMM_ENTRY(NAME, T, BN, TMA_EPI) MK_GEMM_ENTRY_SHARE(NAME, T, BN, TMA_EPI, mk::gemm::SHARE_NONE)

@@ -74,7 +74,7 @@ pub struct PlanOverrides {
 /// Everything the launch needs, decided from the shape and the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmPlan {
-    /// Tile rows: 128, or 64 (one consumer warpgroup; A boxed {64, 64}).
+    /// Tile rows: 128, or 64 (one consumer warpgroup; A boxed {64, 64} or `a_box_rows`).
     pub bm: usize,
     pub bn: usize,
     /// CTAs of a cluster that compute one tile over consecutive K ranges (1: no split);
@@ -128,6 +128,13 @@ impl GemmPlan {
         let a_rows = if self.cluster == Cluster::ShareA { self.bm / 2 } else { self.bm };
         let b_rows = if self.cluster == Cluster::ShareB { self.bn / 2 } else { self.bn };
         (a_rows, b_rows)
+    }
+    /// Rows of the A box for `m` rows of A: `box_rows().0`, or `m` where A has fewer rows
+    /// (one tile's worth), so the TMA unit fills no rows past A's last (the engine's
+    /// `GemmShape::a_box_rows` says why); the kernel credits each stage with this box and
+    /// never stores the accumulator rows past M that the box leaves stale.
+    pub fn a_box_rows(&self, m: usize) -> usize {
+        self.box_rows().0.min(m.max(1))
     }
     /// The launch of this plan for `dtype`: its kernel, `grid` CTAs of THREADS, its shared
     /// memory, in 2-CTA clusters for a multicast plan and clusters of split_k CTAs for a
@@ -363,7 +370,8 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
     if args.m == 0 || args.n == 0 {
         return Ok(());
     }
-    let (a_rows, b_rows) = plan.box_rows();
+    let (_, b_rows) = plan.box_rows();
+    let a_rows = plan.a_box_rows(args.m);
     let mut ta = tensor_map(args.a, args.dtype, args.m, args.k, a_rows, BK)?;
     let mut tb = tensor_map(args.b, args.dtype, args.n, args.k, b_rows, BK)?;
     // The direct epilogue ignores tma_c; pass any valid map.
@@ -372,7 +380,8 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
     let kernel_launch = plan.kernel_launch(args.dtype)?;
     let mut c = args.c;
     let (mut m, mut n, mut k, mut g) = (args.m as i32, args.n as i32, args.k as i32, plan.group_m as i32);
-    let mut params: [*mut c_void; 8] = [
+    let mut a_box = a_rows as i32;
+    let mut params: [*mut c_void; 9] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
         (&mut tc as *mut sys::CUtensorMap).cast(),
@@ -381,9 +390,10 @@ pub fn launch(args: &GemmArgs, plan: &GemmPlan, stream: sys::CUstream) -> Result
         (&mut n as *mut i32).cast(),
         (&mut k as *mut i32).cast(),
         (&mut g as *mut i32).cast(),
+        (&mut a_box as *mut i32).cast(),
     ];
     // SAFETY: the parameters match the entry kernels' signature (3 tensor maps, a pointer,
-    // 4 ints); A, B and C were validated and cover M×K, N×K and M×N elements (caller's
+    // 5 ints); A, B and C were validated and cover M×K, N×K and M×N elements (caller's
     // contract); a cluster plan names a cluster kernel, launched in clusters of its size
     // (2 for multicast, split_k for split-K; `kernel_launch`).
     unsafe { kernel_launch.launch(stream, &mut params, None) }
@@ -488,6 +498,28 @@ mod tests {
         assert_eq!(p.group_m, 16); // sqrt(132 * 256 / 128) = 16.2
         assert_eq!(p.kernel_name(mkDataType_t::mkBfloat16), "mk_gemm_bf16_bn256_tma");
         assert_eq!(p.kernel_name(mkDataType_t::mkFloat16), "mk_gemm_f16_bn256_tma");
+    }
+
+    #[test]
+    fn the_a_box_stops_at_the_last_row_of_a() {
+        // Fewer rows than a tile: the box has exactly A's rows, so the TMA fills none.
+        let p = plan(1, 8192, 8192, 132, true, PlanOverrides::default());
+        assert_eq!((p.box_rows().0, p.a_box_rows(1)), (64, 1));
+        assert_eq!(p.a_box_rows(5), 5);
+        assert_eq!(p.a_box_rows(64), 64);
+        let p = plan(100, 8192, 8192, 132, true, PlanOverrides::default());
+        assert_eq!((p.bm, p.a_box_rows(100)), (128, 100));
+        // A tile's rows or more: the full box (the last m-block's overhang stays filled).
+        let p = plan(4096, 4096, 4096, 132, true, PlanOverrides::default());
+        assert_eq!(p.a_box_rows(4096), p.box_rows().0);
+        assert_eq!(p.a_box_rows(129), p.box_rows().0);
+        // A cluster sharing A loads half the tile's rows per CTA: at most that many.
+        let o = PlanOverrides { bn: Some(128), cluster: Some(Cluster::ShareA), ..PlanOverrides::default() };
+        let p = plan(4096, 4096, 4096, 132, true, o);
+        assert_eq!(p.cluster, Cluster::ShareA);
+        assert_eq!((p.a_box_rows(4096), p.a_box_rows(40)), (64, 40));
+        // M = 0 never launches; the box stays a legal size.
+        assert_eq!(p.a_box_rows(0), 1);
     }
 
     #[test]

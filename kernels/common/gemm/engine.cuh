@@ -186,7 +186,7 @@ constexpr int SHARE_NONE = 0, SHARE_A = 1, SHARE_B = 2;
 // what is left of the 64K, rounded down to a multiple of 8). 40 suits a lone TMA producer;
 // a fused kernel whose hook runs side work in the producer's idle warps takes more.
 // BM_: rows per tile, 128 (two consumer slabs of 64) or 64 for small M (no multicast):
-// A stages of 64 rows (the A tensor map's box must be {64, 64}), so more stages fit beside
+// A stages of 64 rows (the A tensor map's box {64, 64}, or fewer rows: GemmShape), so more stages fit beside
 // the same B tiles. Consumer 1 then has no rows: with an epilogue that flags its slabs
 // (Epi::kCourier; used at M <= 64 only, where its slab lies past row M) it keeps the stage
 // and epilogue protocol (see `live` below); otherwise it sits out (kIdleConsumer).
@@ -300,12 +300,19 @@ __device__ __forceinline__ bool split_k_fold(const float (&acc)[Cfg::BN / 2], fl
 
 struct GemmShape {
   int M, N, K;
+  // Rows of the A tensor map's box when the caller made it shorter than Cfg::A_LOAD_ROWS
+  // (0: A_LOAD_ROWS). A plain GEMM whose M is below the tile's rows boxes A at M rows, so
+  // the TMA unit fills no rows past A's last: with the full box, 64-wide tiles at
+  // N = K = 8192 took 18 % longer at M = 1 than at M = 64 on the same plan. The shared-memory
+  // rows past the box keep stale data; they only feed accumulator rows at or past M, which
+  // no epilogue stores.
+  int a_box_rows = 0;
 };
 
 // Runs the engine in one CTA of a kernel launched with Cfg::THREADS threads and
 // __launch_bounds__(Cfg::THREADS, 1). `smem` is the dynamic shared memory
 // (engine_smem_bytes<Cfg, Epi>() bytes). tma_a / tma_b point at __grid_constant__ tensor
-// maps: A dims {K, M}, B dims {K, N}, boxes {64, BM} / {64, BN}, SWIZZLE_128B.
+// maps: A dims {K, M}, B dims {K, N}, boxes {64, BM} (or shape.a_box_rows) / {64, BN}, SWIZZLE_128B.
 template <class Cfg, class Sched, class AWait, class Epi>
 __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const CUtensorMap* tma_b, GemmShape shape,
                                                 const typename Sched::Params& sched,
@@ -395,6 +402,10 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
       prefetch_tensor_map(tma_b);
       int stage = 0;
       uint32_t phase = 0;
+      // Bytes each stage's loads complete: the TMA credits a box's full size, fill included.
+      const uint32_t stage_tx = shape.a_box_rows > 0
+                                    ? Cfg::B_STAGE_BYTES + (Cfg::A_STAGE_BYTES / Cfg::A_LOAD_ROWS) * shape.a_box_rows
+                                    : Cfg::STAGE_BYTES;
       ProducerWalk<Sched> walk(sched, item_step);
       for (int t = walk.first(item0); t < num_items; t = walk.next(t)) {
         const TileCoord tc = expand(Sched::tile(sched, t));
@@ -405,7 +416,7 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
           // In a cluster this waits until both CTAs' consumers freed the slot (the peer
           // multicasts into it too).
           mbar_wait(&empty[stage], phase ^ 1);
-          mbar_expect_tx(&full[stage], Cfg::STAGE_BYTES);
+          mbar_expect_tx(&full[stage], stage_tx);
           char* a_dst = smem_a + stage * Cfg::A_STAGE_BYTES;
           char* b_dst = smem_b + stage * Cfg::B_STAGE_BYTES;
           if constexpr (SHARE == SHARE_A) {
