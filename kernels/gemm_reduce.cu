@@ -92,7 +92,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     epi.signal.m = p.m;
     // Runs whatever the gate's outcome (a failed gate only stops P's stores and flags): the
     // loads and wgmmas touch nothing a peer reads.
-    gemm_persistent<Cfg, Raster, ReduceSideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
+    gemm_persistent<Cfg, Raster, ReduceSideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k, p.a_box_rows}, sched, await, epi,
                                                               blockIdx.x, p.compute_ctas, smem);
     // Without dedicated reduction CTAs (and side warps), the GEMM CTAs reduce once their
     // GEMM is done: all 12 warps, as CTA c of the grid taking owned tiles c, c + grid, ...

@@ -198,7 +198,7 @@ __device__ __forceinline__ void gemm_reduce_early(const CUtensorMap* tma_a, cons
   epi.signal.tiles_n = p.tiles_n;
   epi.signal.gate = &gate;
   epi.signal.m = p.m;
-  gemm_persistent<Cfg, OwnerInterleavedRaster, EarlySideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k}, sched, await, epi,
+  gemm_persistent<Cfg, OwnerInterleavedRaster, EarlySideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k, p.a_box_rows}, sched, await, epi,
                                                                              blockIdx.x, p.compute_ctas, smem);
   // Consumer 0 is past its last epilogue: the side warps start no further piece. "GEMM" in
   // the trace is this moment, not the CTA barrier after the side warps.

@@ -379,6 +379,9 @@ pub struct GemmReduceParams {
     pub m: i32,
     pub n: i32,
     pub k: i32,
+    /// Rows of A's tensor-map box: the tile's rows, or m where A has fewer (the engine's
+    /// `GemmShape::a_box_rows`).
+    pub a_box_rows: i32,
     /// Rows of the sum this rank produces: [row_lo, row_hi).
     pub row_lo: i32,
     pub row_hi: i32,

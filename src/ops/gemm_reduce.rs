@@ -478,7 +478,9 @@ fn launch(
     let GemmReduceShape { m, n, k, nranks, rank, .. } = *shape;
     // The view is indexed by local rank (the global rank across nodes).
     let partial_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
-    let mut ta = launch::tensor_map(args.a, args.dtype, m, k, p.bm, engine::BK)?;
+    // A box no taller than A (see the engine's GemmShape::a_box_rows).
+    let a_box_rows = p.bm.min(m);
+    let mut ta = launch::tensor_map(args.a, args.dtype, m, k, a_box_rows, engine::BK)?;
     let mut tb = launch::tensor_map(args.b, args.dtype, n, k, p.bn, engine::BK)?;
     let mut tp = launch::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
     let mut params = GemmReduceParams {
@@ -488,6 +490,7 @@ fn launch(
         m: m as i32,
         n: n as i32,
         k: k as i32,
+        a_box_rows: a_box_rows as i32,
         row_lo: p.row_lo as i32,
         row_hi: p.row_hi as i32,
         out_row0: p.out_row0 as i32,
