@@ -12,14 +12,16 @@
 # record of python_overhead. Exits 0 only when every step passed; a step that reports
 # SKIPPED fails here, since this script exists to run on a GPU; without a GPU it exits 77.
 #   scripts/gpu-doors.sh [--dir DIR] [--only "examples python nccl"] [--deadline SECONDS]
+#                        [--pytest-k EXPR]   (only the Python tests pytest -k EXPR selects)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DIR=.carry/doors; ONLY="examples python nccl"; DEADLINE=0; T0=$(date +%s)
+DIR=.carry/doors; ONLY="examples python nccl"; DEADLINE=0; PYTEST_K=""; T0=$(date +%s)
 while [ $# -gt 0 ]; do
   case "$1" in
     --dir) DIR=$2; shift ;;
     --only) ONLY=$2; shift ;;
     --deadline) DEADLINE=$2; shift ;;
+    --pytest-k) PYTEST_K=$2; shift ;;
     *) echo "gpu-doors.sh: unknown option $1"; exit 2 ;;
   esac
   shift
@@ -67,7 +69,7 @@ for door in $ONLY; do
       # -v names each test as it ends; pytest-timeout (in the GPU image) fails a stuck test with
       # its traceback instead of letting the step's timeout kill pytest before its summary.
       step python-tests 900 env MK_PYTHON_TORCH=system MK_PYTHON_WHEEL="$wheel" PYTHONUNBUFFERED=1 \
-        scripts/test-python.sh -v --timeout=150
+        scripts/test-python.sh -v --timeout=150 ${PYTEST_K:+-k "$PYTEST_K"}
       site=build/python-test-venv/site  # where test-python.sh installed the wheel
       if [ -d "$site" ]; then
         step python-overhead-n1 120 env PYTHONPATH="$site" python3 benches/python_overhead.py --json "$OUT/python_overhead-n1.json"
