@@ -1,6 +1,6 @@
 """Shared fixtures. CPU tests use `shape_comm`, a registered stand-in that has a world size
-but no library handle: enough for the shape rules and fake implementations, which only
-look a communicator up for its world size."""
+but no library handle: enough for the public functions, which look a communicator up for
+its name and world size, and for the ops' checks that run before a launch."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ class ShapeOnlyComm:
 def shape_comm():
     made = []
 
-    def make(world_size: int, rank: int = 0) -> ShapeOnlyComm:
-        c = ShapeOnlyComm(world_size, rank)
+    def make(world_size: int, rank: int = 0, name: str | None = None) -> ShapeOnlyComm:
+        c = ShapeOnlyComm(world_size, rank) if name is None else ShapeOnlyComm(world_size, rank, name=name)
         comm_registry.register(c)
         made.append(c)
         return c

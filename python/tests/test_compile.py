@@ -155,3 +155,56 @@ def test_ring_attention_module_compiles_forward_and_backward(shape_comm):
     assert fw.mkernel_ops() == ["mkernel.ring_attention"]
     assert bw.mkernel_ops() == ["mkernel.ring_attention_backward"]
     assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit, imported by Inductor
+def test_graphs_compiled_at_two_world_sizes_under_one_name(shape_comm, monkeypatch, tmp_path):
+    """Inductor caches compiled graphs on disk, keyed by the traced graph, and every process of a
+    user shares that cache. A graph compiled for a 1-rank communicator must not be served to a
+    2-rank one of the same name, whose AllGather + GEMM returns twice the rows: the graph holds
+    the world size, so the two graphs differ. Runs Inductor on CPU tensors, the kernel launch
+    replaced by a CPU stand-in."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    from mkernel import comm as registry
+    from mkernel import ops
+
+    def launch(a, b, out, gathered, comm):
+        # As if every rank held this rank's rows.
+        out.copy_(a.repeat(comm.world_size, 1) @ b.t())
+
+    monkeypatch.setattr(ops, "all_gather_gemm_launch", launch)
+    name = "test-compile-one-name"
+
+    def step(x, w):
+        return mkernel.all_gather_gemm(x, w, name)
+
+    g = torch.Generator().manual_seed(7)
+    x, w = (torch.randn(*shape, generator=g).to(bf16) for shape in ((4, 16), (8, 16)))
+
+    def fresh_compile():
+        # A new process's view: nothing compiled in memory, only the disk cache.
+        torch._dynamo.reset()
+        return torch.compile(step, backend="inductor", fullgraph=True)
+
+    with temporary_cache_dir(str(tmp_path)), torch._inductor.config.patch(fx_graph_cache=True):
+        try:
+            shape_comm(1, name=name)
+            counters.clear()
+            one_rank = fresh_compile()
+            assert one_rank(x, w).shape == (4, 8)
+            assert fresh_compile()(x, w).shape == (4, 8)
+            # The cache is on and served the second compile: the case the 2-rank compile must miss.
+            hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+            assert hits >= 1, dict(counters)
+
+            registry.unregister(name)
+            shape_comm(2, name=name)
+            y = fresh_compile()(x, w)
+            assert y.shape == (8, 8)
+            assert torch.equal(y, step(x, w))
+            # A function compiled before the name changed hands recompiles (Dynamo guards on the world size).
+            assert one_rank(x, w).shape == (8, 8)
+        finally:
+            torch._dynamo.reset()

@@ -76,6 +76,12 @@ def equal(op: str, what: str, value: int, expected: int, because: str = ""):
         fail(op, f"expected {what} to be {expected}, but got {value}{suffix}")
 
 
+def world_size(op: str, n: int):
+    """The world size a shape rule is given: an op argument, so it may come from a traced graph."""
+    if n < 1:
+        fail(op, f"expected world_size to be positive, but got {n}")
+
+
 def reduce_op(op: str, reduce: str) -> int:
     if reduce not in _lib.REDOP_CODES:
         fail(op, f"expected op to be one of {REDUCE_OPS}, but got {reduce!r}")

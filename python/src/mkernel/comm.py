@@ -44,9 +44,14 @@ def get_unique_id() -> bytes:
 
 
 def lookup(name: str):
-    """The communicator registered under `name` (what the torch.ops.mkernel ops are given)."""
-    with _registry_lock:
-        comm = _registry.get(name)
+    """The communicator registered under `name` (what the torch.ops.mkernel ops are given).
+
+    Reads without the lock: one dict read is atomic (under the GIL, and with a free-threaded
+    build's per-dict locks); the lock only keeps register()'s check-and-insert whole. So
+    torch.compile traces the lookup (Dynamo cannot enter a lock) and guards on the world
+    size it reads, recompiling when another communicator takes the name.
+    """
+    comm = _registry.get(name)
     if comm is None:
         raise MkInvalidUsageError(
             f"mkernel: no communicator is registered under the name {name!r} (it was closed, aborted, "

@@ -3,8 +3,15 @@
 The fake implementations run the same shape and dtype rules as the eager ops and return
 empty tensors of the output shapes, so torch.compile(fullgraph=True) traces through them
 without graph breaks, and they also serve meta tensors. A communicator is passed by its
-registered name (Communicator.name), as torch's functional collectives pass a group name;
-the fake implementations look it up only for its world size.
+registered name (Communicator.name), as torch's functional collectives pass a group name.
+
+Every op whose output shapes or shape rules depend on the world size takes it as an
+explicit `world_size` argument, as torch's functional collectives take `group_size`, and
+its fake implementation reads nothing but its arguments (docs/decisions/0046). The traced
+graph then holds every input of the shape logic, so a compiled graph cached for one world
+size (Inductor's FX graph cache is on disk, shared by every process of a user) cannot be
+served to a communicator of another size under the same name. The real implementations
+look the name up and refuse a `world_size` that differs from the communicator's.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
+from . import _checks as check
 from . import ops
 from .comm import lookup
 
@@ -20,30 +28,42 @@ def _empty(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype if dtype is not None else like.dtype, device=like.device)
 
 
+def _communicator(op: str, name: str, world_size: int):
+    """The communicator registered under `name`, after checking that it has `world_size` ranks."""
+    comm = lookup(name)
+    if world_size != comm.world_size:
+        check.fail(
+            op,
+            f"expected world_size to be the world size of communicator {name!r} ({comm.world_size}), but got "
+            f"{world_size} (a graph compiled for another communicator of the same name?)",
+        )
+    return comm
+
+
 @custom_op("mkernel::all_gather", mutates_args=())
-def all_gather(x: torch.Tensor, comm: str) -> torch.Tensor:
-    c = lookup(comm)
-    out = _empty(ops.all_gather_shapes(x, c.world_size), x)
+def all_gather(x: torch.Tensor, comm: str, world_size: int) -> torch.Tensor:
+    c = _communicator("all_gather", comm, world_size)
+    out = _empty(ops.all_gather_shapes(x, world_size), x)
     ops.all_gather_launch(x, out, c)
     return out
 
 
 @all_gather.register_fake
-def _(x, comm):
-    return _empty(ops.all_gather_shapes(x, lookup(comm).world_size), x)
+def _(x, comm, world_size):
+    return _empty(ops.all_gather_shapes(x, world_size), x)
 
 
 @custom_op("mkernel::reduce_scatter", mutates_args=())
-def reduce_scatter(x: torch.Tensor, comm: str, op: str) -> torch.Tensor:
-    c = lookup(comm)
-    out = _empty(ops.reduce_scatter_shapes(x, op, c.world_size), x)
+def reduce_scatter(x: torch.Tensor, comm: str, world_size: int, op: str) -> torch.Tensor:
+    c = _communicator("reduce_scatter", comm, world_size)
+    out = _empty(ops.reduce_scatter_shapes(x, op, world_size), x)
     ops.reduce_scatter_launch(x, out, op, c)
     return out
 
 
 @reduce_scatter.register_fake
-def _(x, comm, op):
-    return _empty(ops.reduce_scatter_shapes(x, op, lookup(comm).world_size), x)
+def _(x, comm, world_size, op):
+    return _empty(ops.reduce_scatter_shapes(x, op, world_size), x)
 
 
 @custom_op("mkernel::all_reduce", mutates_args=())
@@ -56,7 +76,6 @@ def all_reduce(x: torch.Tensor, comm: str, op: str) -> torch.Tensor:
 
 @all_reduce.register_fake
 def _(x, comm, op):
-    lookup(comm)
     return _empty(ops.all_reduce_shapes(x, op), x)
 
 
@@ -74,11 +93,11 @@ def _(a, b):
 
 @custom_op("mkernel::all_gather_gemm", mutates_args=())
 def all_gather_gemm(
-    a: torch.Tensor, b: torch.Tensor, comm: str, return_gathered: bool
+    a: torch.Tensor, b: torch.Tensor, comm: str, world_size: int, return_gathered: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (C, gathered A); the gathered A is empty ([0, K]) unless return_gathered."""
-    c = lookup(comm)
-    c_shape, g_shape = ops.all_gather_gemm_shapes(a, b, c.world_size)
+    c = _communicator("all_gather_gemm", comm, world_size)
+    c_shape, g_shape = ops.all_gather_gemm_shapes(a, b, world_size)
     out = _empty(c_shape, a)
     gathered = _empty(g_shape if return_gathered else (0, a.shape[1]), a)
     ops.all_gather_gemm_launch(a, b, out, gathered if return_gathered else None, c)
@@ -86,22 +105,22 @@ def all_gather_gemm(
 
 
 @all_gather_gemm.register_fake
-def _(a, b, comm, return_gathered):
-    c_shape, g_shape = ops.all_gather_gemm_shapes(a, b, lookup(comm).world_size)
+def _(a, b, comm, world_size, return_gathered):
+    c_shape, g_shape = ops.all_gather_gemm_shapes(a, b, world_size)
     return _empty(c_shape, a), _empty(g_shape if return_gathered else (0, a.shape[1]), a)
 
 
 @custom_op("mkernel::gemm_reduce_scatter", mutates_args=())
-def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, comm: str) -> torch.Tensor:
-    c = lookup(comm)
-    out = _empty(ops.gemm_reduce_scatter_shapes(a, b, c.world_size), a)
+def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, comm: str, world_size: int) -> torch.Tensor:
+    c = _communicator("gemm_reduce_scatter", comm, world_size)
+    out = _empty(ops.gemm_reduce_scatter_shapes(a, b, world_size), a)
     ops.gemm_reduce_scatter_launch(a, b, out, c)
     return out
 
 
 @gemm_reduce_scatter.register_fake
-def _(a, b, comm):
-    return _empty(ops.gemm_reduce_scatter_shapes(a, b, lookup(comm).world_size), a)
+def _(a, b, comm, world_size):
+    return _empty(ops.gemm_reduce_scatter_shapes(a, b, world_size), a)
 
 
 @custom_op("mkernel::gemm_all_reduce", mutates_args=())
@@ -114,16 +133,15 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, comm: str) -> torch.Tensor
 
 @gemm_all_reduce.register_fake
 def _(a, b, comm):
-    lookup(comm)
     return _empty(ops.gemm_all_reduce_shapes(a, b), a)
 
 
 @custom_op("mkernel::moe_dispatch_gemm", mutates_args=())
 def moe_dispatch_gemm(
-    x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, comm: str, recv_capacity: int
+    x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, comm: str, world_size: int, recv_capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    c = lookup(comm)
-    y_shape, counts_shape, layout_shape, experts = ops.moe_dispatch_shapes(x, topk_idx, w1, recv_capacity, c.world_size)
+    c = _communicator("moe_dispatch_gemm", comm, world_size)
+    y_shape, counts_shape, layout_shape, experts = ops.moe_dispatch_shapes(x, topk_idx, w1, recv_capacity, world_size)
     y = _empty(y_shape, x)
     counts = _empty(counts_shape, x, torch.int32)
     layout = _empty(layout_shape, x, torch.uint8)
@@ -132,27 +150,30 @@ def moe_dispatch_gemm(
 
 
 @moe_dispatch_gemm.register_fake
-def _(x, topk_idx, w1, comm, recv_capacity):
-    y_shape, counts_shape, layout_shape, _experts = ops.moe_dispatch_shapes(
-        x, topk_idx, w1, recv_capacity, lookup(comm).world_size
-    )
+def _(x, topk_idx, w1, comm, world_size, recv_capacity):
+    y_shape, counts_shape, layout_shape, _experts = ops.moe_dispatch_shapes(x, topk_idx, w1, recv_capacity, world_size)
     return _empty(y_shape, x), _empty(counts_shape, x, torch.int32), _empty(layout_shape, x, torch.uint8)
 
 
 @custom_op("mkernel::moe_gemm_combine", mutates_args=())
 def moe_gemm_combine(
-    y_act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, layout: torch.Tensor, comm: str
+    y_act: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    layout: torch.Tensor,
+    comm: str,
+    world_size: int,
 ) -> torch.Tensor:
-    c = lookup(comm)
-    out_shape, experts = ops.moe_combine_shapes(y_act, w2, topk_weights, layout, c.world_size)
+    c = _communicator("moe_gemm_combine", comm, world_size)
+    out_shape, experts = ops.moe_combine_shapes(y_act, w2, topk_weights, layout, world_size)
     out = _empty(out_shape, y_act)
     ops.moe_combine_launch(y_act, w2, topk_weights, layout, out, experts, c)
     return out
 
 
 @moe_gemm_combine.register_fake
-def _(y_act, w2, topk_weights, layout, comm):
-    out_shape, _experts = ops.moe_combine_shapes(y_act, w2, topk_weights, layout, lookup(comm).world_size)
+def _(y_act, w2, topk_weights, layout, comm, world_size):
+    out_shape, _experts = ops.moe_combine_shapes(y_act, w2, topk_weights, layout, world_size)
     return _empty(out_shape, y_act)
 
 
@@ -170,7 +191,6 @@ def ring_attention(
 
 @ring_attention.register_fake
 def _(q, k, v, comm, softmax_scale, causal):
-    lookup(comm)
     out_shape, lse_shape = ops.ring_attention_shapes(q, k, v, softmax_scale, causal)
     return _empty(out_shape, q), _empty(lse_shape, q, torch.float32)
 
@@ -196,7 +216,6 @@ def ring_attention_backward(
 
 @ring_attention_backward.register_fake
 def _(q, k, v, out, dout, lse, comm, softmax_scale, causal):
-    lookup(comm)
     shapes = ops.ring_attention_backward_shapes(q, k, v, out, dout, lse, softmax_scale, causal)
     return tuple(_empty(shape, q) for shape in shapes)
 

@@ -8,7 +8,8 @@ so every op can be captured in a CUDA graph.
 
 The public functions route through torch.ops.mkernel.* (so torch.compile keeps them in
 the graph) unless `out=` is given, in which case they launch into `out` directly (eager
-mode and CUDA graphs).
+mode and CUDA graphs). They resolve the communicator first and pass its name, and its
+world size to the ops whose shapes depend on it (mkernel.library says why).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def resolve(comm: CommLike):
 
 
 def comm_name(comm: CommLike) -> str:
-    return comm if isinstance(comm, str) else resolve(comm).name
+    """The registered name of a Communicator or name; raises for a name nothing is registered under."""
+    return resolve(comm).name
 
 
 def _tensors(op: str, **named) -> None:
@@ -63,6 +65,7 @@ def _call(comm, fn_name: str, *args) -> None:
 
 def all_gather_shapes(x, world_size: int):
     check.tensor("all_gather", "input", x, min_dim=1)
+    check.world_size("all_gather", world_size)
     return (x.shape[0] * world_size, *x.shape[1:])
 
 
@@ -76,6 +79,7 @@ def all_gather_launch(x, out, comm) -> None:
 def reduce_scatter_shapes(x, op: str, world_size: int):
     check.tensor("reduce_scatter", "input", x, min_dim=1)
     check.reduce_op("reduce_scatter", op)
+    check.world_size("reduce_scatter", world_size)
     rows = x.shape[0]
     if rows % world_size != 0:
         check.fail(
@@ -127,9 +131,9 @@ def all_gather(input: torch.Tensor, comm: CommLike, *, out: torch.Tensor | None 
     starts at `input` (as NCCL).
     """
     _tensors("all_gather", input=input)
-    if out is None:
-        return torch.ops.mkernel.all_gather(input, comm_name(comm))
     c = resolve(comm)
+    if out is None:
+        return torch.ops.mkernel.all_gather(input, c.name, c.world_size)
     shape = all_gather_shapes(input, c.world_size)
     check.output("all_gather", "out", out, shape=shape, dtype=input.dtype, device=c.device)
     all_gather_launch(input, out, c)
@@ -146,9 +150,9 @@ def reduce_scatter(
     Half and bfloat16 accumulate in float and round once.
     """
     _tensors("reduce_scatter", input=input)
-    if out is None:
-        return torch.ops.mkernel.reduce_scatter(input, comm_name(comm), op)
     c = resolve(comm)
+    if out is None:
+        return torch.ops.mkernel.reduce_scatter(input, c.name, c.world_size, op)
     shape = reduce_scatter_shapes(input, op, c.world_size)
     check.output("reduce_scatter", "out", out, shape=shape, dtype=input.dtype, device=c.device)
     reduce_scatter_launch(input, out, op, c)
@@ -163,9 +167,9 @@ def all_reduce(
     In place with `out=input`.
     """
     _tensors("all_reduce", input=input)
-    if out is None:
-        return torch.ops.mkernel.all_reduce(input, comm_name(comm), op)
     c = resolve(comm)
+    if out is None:
+        return torch.ops.mkernel.all_reduce(input, c.name, op)
     shape = all_reduce_shapes(input, op)
     check.output("all_reduce", "out", out, shape=shape, dtype=input.dtype, device=c.device)
     all_reduce_launch(input, out, op, c)
@@ -231,6 +235,7 @@ def all_gather_gemm_shapes(a, b, world_size: int):
     rows, n, k = _gemm_operands(op, a, b)
     check.multiple_of(op, "K (a.shape[1])", k, 8, positive=True)
     check.multiple_of(op, "N (b.shape[0])", n, 8)
+    check.world_size(op, world_size)
     m = rows * world_size
     return (m, n), (m, k)
 
@@ -275,10 +280,10 @@ def all_gather_gemm(
     K a positive multiple of 8, N a multiple of 8; the gathered A must fit in the workspace.
     """
     _tensors("all_gather_gemm", a=a, b=b)
-    if out is None and gathered_out is None:
-        c, g = torch.ops.mkernel.all_gather_gemm(a, b, comm_name(comm), return_gathered)
-        return (c, g) if return_gathered else c
     comm = resolve(comm)
+    if out is None and gathered_out is None:
+        c, g = torch.ops.mkernel.all_gather_gemm(a, b, comm.name, comm.world_size, return_gathered)
+        return (c, g) if return_gathered else c
     c_shape, g_shape = all_gather_gemm_shapes(a, b, comm.world_size)
     if out is None:
         out = torch.empty(c_shape, dtype=a.dtype, device=a.device)
@@ -296,6 +301,7 @@ def gemm_reduce_scatter_shapes(a, b, world_size: int):
     m, n, k = _gemm_operands(op, a, b)
     check.multiple_of(op, "K (a.shape[1])", k, 8)
     check.multiple_of(op, "N (b.shape[0])", n, 8)
+    check.world_size(op, world_size)
     if m % world_size != 0:
         check.fail(op, f"expected M (a.shape[0] = {m}) to be divisible by the world size ({world_size})")
     return (m // world_size, n)
@@ -333,9 +339,9 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out
     the dtype, then summed in fp32 in rank order and rounded once.
     """
     _tensors("gemm_reduce_scatter", a=a, b=b)
-    if out is None:
-        return torch.ops.mkernel.gemm_reduce_scatter(a, b, comm_name(comm))
     c = resolve(comm)
+    if out is None:
+        return torch.ops.mkernel.gemm_reduce_scatter(a, b, c.name, c.world_size)
     shape = gemm_reduce_scatter_shapes(a, b, c.world_size)
     check.output("gemm_reduce_scatter", "out", out, shape=shape, dtype=a.dtype, device=c.device)
     gemm_reduce_scatter_launch(a, b, out, c)
@@ -345,9 +351,9 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out
 def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out: torch.Tensor | None = None):
     """Σ over ranks of a @ b.T on every rank (bitwise identical): [M, N]. Any M."""
     _tensors("gemm_all_reduce", a=a, b=b)
-    if out is None:
-        return torch.ops.mkernel.gemm_all_reduce(a, b, comm_name(comm))
     c = resolve(comm)
+    if out is None:
+        return torch.ops.mkernel.gemm_all_reduce(a, b, c.name)
     shape = gemm_all_reduce_shapes(a, b)
     check.output("gemm_all_reduce", "out", out, shape=shape, dtype=a.dtype, device=c.device)
     gemm_all_reduce_launch(a, b, out, c)
@@ -398,6 +404,7 @@ def moe_dispatch_shapes(x, topk_idx, w1, recv_capacity: int, world_size: int):
         check.fail(op, f"expected topk (topk_idx.shape[1]) to be in [1, 32], but got {topk}")
     local_experts, ffn, w_hidden = w1.shape
     check.equal(op, "w1.shape[2]", w_hidden, hidden, "x's hidden size; w1 is [E_local, ffn, hidden]")
+    check.world_size(op, world_size)
     experts = local_experts * world_size
     if not 1 <= experts <= 1024:
         check.fail(op, f"expected the number of experts (w1.shape[0] * world size = {experts}) to be in [1, 1024]")
@@ -453,7 +460,8 @@ def moe_dispatch_gemm(
     the smallest recv_capacity that fits) and the layout for moe_gemm_combine.
     """
     _tensors("moe_dispatch_gemm", x=x, topk_idx=topk_idx, w1=w1)
-    y, counts, layout = torch.ops.mkernel.moe_dispatch_gemm(x, topk_idx, w1, comm_name(comm), recv_capacity)
+    c = resolve(comm)
+    y, counts, layout = torch.ops.mkernel.moe_dispatch_gemm(x, topk_idx, w1, c.name, c.world_size, recv_capacity)
     return MoeDispatch(y, counts, layout)
 
 
@@ -470,6 +478,7 @@ def moe_combine_shapes(y_act, w2, topk_weights, layout, world_size: int):
     tokens, topk = topk_weights.shape
     if not 1 <= topk <= 32:
         check.fail(op, f"expected topk (topk_weights.shape[1]) to be in [1, 32], but got {topk}")
+    check.world_size(op, world_size)
     experts = local_experts * world_size
     if not 1 <= experts <= 1024:
         check.fail(op, f"expected the number of experts (w2.shape[0] * world size = {experts}) to be in [1, 1024]")
@@ -528,7 +537,8 @@ def moe_gemm_combine(
     out[t] = Σ_j topk_weights[t, j] · (y_act row of (t, topk_idx[t, j])) · W2ᵀ.
     """
     _tensors("moe_gemm_combine", y_act=y_act, w2=w2, topk_weights=topk_weights, layout=layout)
-    return torch.ops.mkernel.moe_gemm_combine(y_act, w2, topk_weights, layout, comm_name(comm))
+    c = resolve(comm)
+    return torch.ops.mkernel.moe_gemm_combine(y_act, w2, topk_weights, layout, c.name, c.world_size)
 
 
 # --- Ring attention ---------------------------------------------------------------------------------

@@ -29,10 +29,10 @@ class _ColumnSequenceParallel(torch.autograd.Function):
     """y = AllGather(x) · Wᵀ. Backward: dx = ReduceScatter(dy · W) fused, dW = dyᵀ · AllGather(x)."""
 
     @staticmethod
-    def forward(ctx, x, weight, comm: str):
-        y, gathered = torch.ops.mkernel.all_gather_gemm(x, weight, comm, True)
+    def forward(ctx, x, weight, comm: str, world_size: int):
+        y, gathered = torch.ops.mkernel.all_gather_gemm(x, weight, comm, world_size, True)
         ctx.save_for_backward(gathered, weight)
-        ctx.comm = comm
+        ctx.comm, ctx.world_size = comm, world_size
         return y
 
     @staticmethod
@@ -42,9 +42,9 @@ class _ColumnSequenceParallel(torch.autograd.Function):
         # needs_input_grad is the same on every rank (same model), so skipping the collective is consistent.
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.mkernel.gemm_reduce_scatter(dy, _transposed(weight), ctx.comm)
+            dx = torch.ops.mkernel.gemm_reduce_scatter(dy, _transposed(weight), ctx.comm, ctx.world_size)
         dw = dy.t() @ gathered
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 class _ColumnReplicated(torch.autograd.Function):
@@ -72,20 +72,22 @@ class _RowSequenceParallel(torch.autograd.Function):
     and db = Σ AllGather(dy) in plain torch on the gathered dy the fused op returns."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm: str):
+    def forward(ctx, x, weight, bias, comm: str, world_size: int):
         ctx.save_for_backward(x, weight)
-        ctx.comm = comm
+        ctx.comm, ctx.world_size = comm, world_size
         ctx.has_bias = bias is not None
-        y = torch.ops.mkernel.gemm_reduce_scatter(x, weight, comm)
+        y = torch.ops.mkernel.gemm_reduce_scatter(x, weight, comm, world_size)
         return y + bias if bias is not None else y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx, gathered_dy = torch.ops.mkernel.all_gather_gemm(dy.contiguous(), _transposed(weight), ctx.comm, True)
+        dx, gathered_dy = torch.ops.mkernel.all_gather_gemm(
+            dy.contiguous(), _transposed(weight), ctx.comm, ctx.world_size, True
+        )
         dw = gathered_dy.t() @ x
         db = gathered_dy.sum(0) if ctx.has_bias else None
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class _RowAllReduce(torch.autograd.Function):
@@ -169,7 +171,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)
         if self.sequence_parallel:
-            y = _ColumnSequenceParallel.apply(rows, self.weight, self.comm)
+            y = _ColumnSequenceParallel.apply(rows, self.weight, self.comm, self.world_size)
             lead = (x.shape[0] * self.world_size, *x.shape[1:-1])
         else:
             y = _ColumnReplicated.apply(rows, self.weight, self.comm)
@@ -240,7 +242,7 @@ class RowParallelLinear(nn.Module):
                     f"expected the sequence length (input.shape[0] = {x.shape[0]}) to be divisible by the world size "
                     f"({self.world_size}) with sequence_parallel=True",
                 )
-            y = _RowSequenceParallel.apply(rows, self.weight, self.bias, self.comm)
+            y = _RowSequenceParallel.apply(rows, self.weight, self.bias, self.comm, self.world_size)
             return y.reshape(x.shape[0] // self.world_size, *x.shape[1:-1], self.out_features)
         y = _RowAllReduce.apply(rows, self.weight, self.comm)
         if self.bias is not None:
