@@ -28,6 +28,29 @@
  *   inside a call on the communicator or waiting on its stream (a watchdog): the work in
  *   flight stops, calls in progress return, and the release waits for them to leave.
  *   Later calls on the handle are refused (mkInvalidArgument: "was aborted").
+ * - Graph capture and threads: the operations (collectives, fused operations, mkGemm) make
+ *   no call that stream capture refuses, in any capture mode; an operation's first call in
+ *   a process loads its kernels with the calling thread's capture mode relaxed for that
+ *   moment, and the library's transport threads (across nodes) copy and wait in relaxed
+ *   mode. Communicator creation, destruction and abort allocate, free and synchronise:
+ *   never inside a capture. While one thread captures in global mode (CUDA's default, and
+ *   PyTorch's capture_error_mode="global"), CUDA refuses such calls from every thread of
+ *   the process and invalidates that capture, and so it does with the synchronous copies,
+ *   allocations and synchronisations of your own threads. A program whose threads call
+ *   CUDA while another captures (ranks as threads, a watchdog, a data loader) should
+ *   capture in thread-local mode (cudaStreamCaptureModeThreadLocal;
+ *   capture_error_mode="thread_local"), where only the capturing thread's own calls count.
+ * - Several ranks in one process on one device (threads, or mkCommInitAll with a repeated
+ *   device) share that device's CUDA context. There a call that waits for the whole
+ *   context (cudaDeviceSynchronize, cudaFree, the first load of one of your kernels) also
+ *   waits for the other ranks' operations in flight, and those wait for this rank's next
+ *   operation: the ranks stop with mkTimeout after MK_TIMEOUT_MS. Make such calls only
+ *   while no rank has an operation in flight that waits for this one (after a host barrier
+ *   that follows every rank's stream synchronisation, say), wait for your own work with
+ *   cudaStreamSynchronize on its streams, and pass non-blocking streams
+ *   (cudaStreamNonBlocking), on which the operations do not wait for work on the legacy
+ *   default stream nor it for them. Creating such a communicator loads every kernel of the
+ *   library, so the operations' own first calls load nothing.
  *
  * Error strings (mkGetLastError):
  * - mkGetLastError(comm): the communicator's last failure, shared by all threads and the

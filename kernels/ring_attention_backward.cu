@@ -283,7 +283,7 @@ struct Engine {
 #pragma unroll
       for (int c = 0; c < D / 64; ++c) tma_load_4d(dst + c * (BY * 64), map, bar, c * 64, head, row0, b);
     };
-    const uint64_t* abort_word = mk_signal_word(p.ws, me, MK_SIG_ABORT);
+    uint64_t* own_signals = mk_signal_word(p.ws, me, 0);
     int tile = 0;
     for (int k = 0;; ++k) {
       const int ticket = take_ticket(reinterpret_cast<unsigned long long*>(mk_signal_word(p.ws, me, RING_BWD_SCHED_NEXT)));
@@ -296,8 +296,10 @@ struct Engine {
         break;
       }
       const Task t(p, task);
-      // Another wait of this rank or a peer gave up: stop at this item.
-      if ((t.kv && !ensure(t.src)) || mk_ld_relaxed_sys(abort_word) != 0) {
+      // Another wait of this rank or a peer gave up: stop at this item (a peer's failure
+      // recorded as this rank's mkRemoteError, when no wait of its own saw it).
+      if ((t.kv && !ensure(t.src)) ||
+          mk_abort_seen(p.ws, own_signals, MK_WAIT_OP_FLAG, MK_OP_RING_ATTENTION_BACKWARD)) {
         *reinterpret_cast<volatile int*>(&pl.abort_item) = k;
         mbar_arrive(&pl.x_full[xs]);
         return false;

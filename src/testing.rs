@@ -9,7 +9,7 @@ pub use acceptance::{
     accumulation_unit, check_close, check_exact, check_exact_bytes, gamma, gemm_reference, underflow_floor,
     unit_roundoff, Rule, Verdict, Worst,
 };
-pub use graph::CapturedGraph;
+pub use graph::{CapturedGraph, CAPTURE_MODE};
 
 use crate::cuda::{self, memory::DeviceBuffer, sys};
 use crate::error::Result;

@@ -116,6 +116,18 @@ __device__ __forceinline__ void mk_fail(const WorkspaceView& ws, uint32_t word) 
   mk_raise_abort(ws);
 }
 
+// The abort word read outside a wait, by a loop that stops between waits whose flags had
+// already arrived: true, with mkRemoteError recorded (first error wins), when a rank raised
+// it, so that this rank reports why its outputs are missing even though no wait of its own
+// gave up. Call-free, for code after setmaxnreg.
+__device__ __forceinline__ bool mk_abort_seen(const WorkspaceView& ws, uint64_t* own_signals, uint32_t what,
+                                              uint32_t op) {
+  const uint64_t raised = mk_ld_relaxed_sys(own_signals + MK_SIG_ABORT);
+  if (raised == 0) return false;
+  mk_record_error_at(ws, own_signals, mk_error_word(mkRemoteError, (uint32_t)(raised - 1), what, op));
+  return true;
+}
+
 // The checks a bounded wait makes between polls of its flag, call-free (usable after
 // setmaxnreg): the abort word (device memory) and the timeout on every check; the host's
 // abort flag only once per kHostCheckNs, because it lives in host-mapped memory and every

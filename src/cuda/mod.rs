@@ -191,6 +191,11 @@ pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
         .ok_or_else(|| MkError::internal("no current CUDA context while loading a kernel"))?;
     let mut guard = MODULES.lock();
     let modules = guard.get_or_insert_with(HashMap::new);
+    if let Some(f) = modules.get(&(ctx as usize, module)).and_then(|m| m.functions.get(kernel)) {
+        return Ok(*f);
+    }
+    // A first load, maybe inside a capture: see RelaxedCapture.
+    let _relaxed = RelaxedCapture::enter()?;
     let loaded = match modules.entry((ctx as usize, module)) {
         Entry::Occupied(entry) => entry.into_mut(),
         Entry::Vacant(entry) => {
@@ -220,15 +225,37 @@ pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
             entry.insert(LoadedModule { module: m, functions: HashMap::new() })
         }
     };
-    if let Some(f) = loaded.functions.get(kernel) {
-        return Ok(*f);
-    }
     let cname = CString::new(kernel).map_err(|_| MkError::internal("kernel name contains NUL"))?;
     // SAFETY: the module is loaded in the current context.
     let f = unsafe { cu::module::get_function(loaded.module, cname) }
         .map_err(|e| cuda_err(&format!("looking up kernel {kernel} in module {module}"), e))?;
     loaded.functions.insert(kernel.to_string(), f);
     Ok(f)
+}
+
+/// The calling thread's stream-capture mode set to relaxed until dropped, then restored
+/// (cuThreadExchangeStreamCaptureMode, in the push-pop fashion CUDA advises for library
+/// code). Loading a kernel module places its code in device memory: one of the potentially
+/// unsafe calls (as cuMemAlloc) that CUDA may refuse while this thread captures in global or
+/// thread-local mode, or while another thread captures in global mode, invalidating that
+/// capture. A load enqueues no work, so the capture stays what the caller enqueued, and an
+/// op's first call may be captured like any other.
+struct RelaxedCapture(sys::CUstreamCaptureMode);
+
+impl RelaxedCapture {
+    fn enter() -> Result<RelaxedCapture> {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: swaps the calling thread's mode with a valid one; restored on drop.
+        check("cuThreadExchangeStreamCaptureMode", unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) })?;
+        Ok(RelaxedCapture(mode))
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        // SAFETY: puts back the mode `enter` swapped out; a guard lives on one thread's stack.
+        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut self.0) };
+    }
 }
 
 /// Loads `kernels` in the current context now (module, function, and its code:

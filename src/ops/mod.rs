@@ -20,6 +20,17 @@ pub mod ring_attention_backward;
 pub mod schedule;
 pub mod util;
 
+/// Loads every kernel of the library (the tools' fatbins aside) in the current context:
+/// see `cuda::preload`. For ranks that share one CUDA context (threads of one process on
+/// one device): there a kernel's first load can wait for the context to go idle, that is
+/// for a peer's op in flight, which waits for this rank's launch — a deadlock until the
+/// timeout. The communicator's creation loads them before any of its ranks can launch.
+pub fn preload_all() -> crate::error::Result<()> {
+    use crate::cuda::kernels::{ALL, FATBINS};
+    let kernels: Vec<_> = ALL.iter().copied().filter(|k| FATBINS.iter().any(|(file, _)| *file == k.file)).collect();
+    crate::cuda::preload(&kernels)
+}
+
 /// Loads the kernels that run across nodes (hierarchical collectives, the dense fused ops) in
 /// the current context: see `cuda::preload`.
 pub fn preload_across_nodes() -> crate::error::Result<()> {

@@ -113,11 +113,18 @@ fn check(what: &str, r: sys::CUresult) -> Result<()> {
 
 impl DeviceStager {
     /// Makes `context` (a `CUcontext`, retained by the communicator for the transport's
-    /// lifetime) current on the calling thread and allocates the stream, buffers and events.
+    /// lifetime) current on the calling thread, a transport thread, sets that thread's
+    /// stream-capture mode to relaxed for its life, and allocates the stream, buffers and
+    /// events. Relaxed: its copies, allocations and event waits, made while the kernels of
+    /// earlier calls move data, must neither be refused by nor invalidate a capture that an
+    /// application thread has open in global mode (CUDA's default).
     pub fn new(context: usize) -> Result<DeviceStager> {
         crate::cuda::driver()?;
         // SAFETY: the communicator keeps the context alive while the transport exists.
         check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(context as sys::CUcontext) })?;
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: sets the calling thread's mode; the previous one is not needed back.
+        check("cuThreadExchangeStreamCaptureMode", unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) })?;
         let mut stream: sys::CUstream = std::ptr::null_mut();
         // SAFETY: creates a stream in the current context; destroyed in Drop.
         check("cuStreamCreate", unsafe {

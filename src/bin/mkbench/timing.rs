@@ -88,8 +88,9 @@ pub(crate) struct GraphOfCalls {
 }
 
 impl GraphOfCalls {
-    /// Captures `calls` calls of `f` on `stream` (global capture mode, as mktest's graph
-    /// tests) and instantiates the graph; on an error nothing is left behind.
+    /// Captures `calls` calls of `f` on `stream` (thread-local mode: ranks that are threads
+    /// of this process capture side by side, testing::CAPTURE_MODE) and instantiates the
+    /// graph; on an error nothing is left behind and the stream is usable.
     pub(crate) fn capture(stream: sys::CUstream, calls: usize, f: &dyn Fn() -> Result<()>) -> Result<GraphOfCalls> {
         let graph = CapturedGraph::capture(stream, |_| (0..calls).try_for_each(|_| f()))?;
         Ok(GraphOfCalls { graph, calls })

@@ -31,8 +31,8 @@ use mkernel::ffi::query::mkGetLastError;
 use mkernel::ops::collectives::CollectiveKind;
 use mkernel::testing::collective_values::{exact_reduction, is_float, push_element, splitmix};
 use mkernel::testing::{
-    accumulation_unit, check_close, check_exact, gamma, to_f64, tolerance, underflow_floor, unit_roundoff, Rule,
-    TestBuffer, Verdict,
+    accumulation_unit, check_close, check_exact, gamma, to_f64, tolerance, underflow_floor, unit_roundoff,
+    CapturedGraph, Rule, TestBuffer, Verdict,
 };
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 use std::sync::atomic::Ordering;
@@ -556,28 +556,13 @@ pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize, ranks_per_n
     for c in cases.iter_mut() {
         c.prepare(1)?;
     }
-    // SAFETY: capture on a live non-default stream; the launches are our ops.
-    unsafe {
-        cuda::check(
-            "cuStreamBeginCapture",
-            sys::cuStreamBeginCapture_v2(stream.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
-        )?;
-    }
-    let launched: Result<()> = cases.iter().try_for_each(|c| c.launch(comm, stream.0));
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    // SAFETY: ends the capture begun above.
-    cuda::check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) })?;
-    launched?;
-    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-    // SAFETY: graph from the capture.
-    cuda::check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) })?;
+    let graph = CapturedGraph::capture(stream.0, |s| cases.iter().try_for_each(|c| c.launch(comm, s)))?;
     let mut failures = 0;
     for replay in 0..4u64 {
         for (i, c) in cases.iter_mut().enumerate() {
             c.prepare(1000 + replay * 10 + i as u64)?;
         }
-        // SAFETY: instantiated graph, live stream.
-        cuda::check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.0) })?;
+        graph.launch(stream.0)?;
         stream.sync()?;
         if async_error(comm) != mkResult_t::mkSuccess {
             return Err(MkError::new(async_error(comm), "asynchronous error during graph replay"));
@@ -600,11 +585,6 @@ pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize, ranks_per_n
             failures += 1;
             say(rank, format!("op between replays -> WRONG ({detail})"));
         }
-    }
-    // SAFETY: destroyed once.
-    unsafe {
-        sys::cuGraphExecDestroy(exec);
-        sys::cuGraphDestroy(graph);
     }
     say(rank, format!("graph capture: 4 ops × 4 replays with fresh inputs, {failures} wrong"));
     if failures > 0 {

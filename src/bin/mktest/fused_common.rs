@@ -1,6 +1,6 @@
 //! What the fused-op suites share: the rank launcher and per-rank frame, finishing
-//! default-stream fills before a launch on a non-blocking stream, the graph-replay check
-//! and the absent-rank check.
+//! default-stream fills before a launch on a non-blocking stream, the rank threads' barrier
+//! before a launch, the graph-replay check and the absent-rank check.
 
 use crate::collectives::{
     async_error, check_stopped, config, control_comm, destroy, ffi, init_comm, say, timed_sync, Stream,
@@ -14,13 +14,39 @@ use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::mkComm_t;
 use mkernel::testing::{CapturedGraph, TestBuffer};
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 /// Test inputs are filled and outputs poisoned on the legacy default stream, which the
 /// op's non-blocking stream does not wait for: finish them before the op is launched.
+/// Only that stream: ranks that are threads of one process share the context, and waiting
+/// for all of it would wait for a peer's op in flight, which waits for this rank's launch.
 pub fn sync_default_stream() -> Result<()> {
-    // SAFETY: synchronises the current context.
-    cuda::check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    // SAFETY: synchronises the legacy default stream (NULL) of the current context.
+    cuda::check("cuStreamSynchronize(legacy default stream)", unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) })
+}
+
+thread_local! {
+    /// In a rank thread (MK_TEST_THREADS=1): the control communicator, whose host barrier
+    /// `peers_ready` waits at. None in a rank process.
+    static RANK_THREAD_CONTROL: RefCell<Option<Rc<Comm>>> = const { RefCell::new(None) };
+}
+
+/// Every rank calls this before it launches (or captures) the ops under test, after
+/// preparing their inputs. Ranks that are threads of one process share one CUDA context, in which a call
+/// that waits for the whole context — cuMemFree of a test buffer, cuCtxSynchronize, a
+/// graph's instantiation or destruction — also waits for the peers' ops in flight, which
+/// wait for this rank's launch: a deadlock until the ops' timeout. So in rank threads this
+/// is a host barrier: no rank launches before every rank has finished the host work that
+/// precedes its own launch. Rank processes (a context each) go straight on.
+pub fn peers_ready() -> Result<()> {
+    match RANK_THREAD_CONTROL.with(|c| c.borrow().clone()) {
+        Some(control) => {
+            control.bootstrap.barrier().map_err(|e| e.context("the rank threads' barrier before a launch"))
+        }
+        None => Ok(()),
+    }
 }
 
 /// None when every buffer's guard bands are intact, else which buffer's band was written.
@@ -96,6 +122,7 @@ pub fn check_rounds_of(
         for (i, case) in cases.iter().enumerate() {
             case.prepare(seed + round * cases.len() as u64 + i as u64)?;
         }
+        peers_ready()?;
         for case in cases {
             ffi(&format!("{op} {}", case.label()), case.launch(comm, stream.0), comm)?;
         }
@@ -188,6 +215,8 @@ pub fn graph_replay_of(
     for c in captured {
         c.case.prepare(c.capture_seed)?;
     }
+    // Also before the capture: no peer frees or synchronises the shared context meanwhile.
+    peers_ready()?;
     let graph = CapturedGraph::capture(stream.0, |s| {
         captured
             .iter()
@@ -198,6 +227,7 @@ pub fn graph_replay_of(
         for c in captured {
             c.case.prepare(c.replay_seed + replay)?;
         }
+        peers_ready()?;
         graph.launch(stream.0)?;
         sync_no_error(comm, &stream, &format!("{op} graph replay {replay}"))?;
         for c in captured {
@@ -210,6 +240,7 @@ pub fn graph_replay_of(
         }
         let case = captured[direct].case;
         case.prepare(direct_seed + replay)?;
+        peers_ready()?;
         ffi(&format!("{op} {}", case.label()), case.launch(comm, stream.0), comm)?;
         stream.sync()?;
         let (ok, detail) = case.verify()?;
@@ -249,6 +280,8 @@ pub fn absent_rank(
     let absent = n - 1;
     let mut outcome = Ok(());
     let mut code = mkResult_t::mkSuccess;
+    // Every rank, the absent one too: a barrier counts them all.
+    peers_ready()?;
     if rank != absent {
         let t = Instant::now();
         ffi(what, launch(comm, stream.0)?, comm)?;
@@ -293,7 +326,7 @@ pub fn run_suite(
             RankEnv { rank: 0, nranks: 1, ids, device: 0 }
         }
     };
-    run_rank(&env, checks, absent)?;
+    run_rank(&env, false, checks, absent)?;
     Ok(Outcome::Ran)
 }
 
@@ -312,7 +345,7 @@ fn run_rank_threads(
         let threads: Vec<_> = (0..n)
             .map(|rank| {
                 let env = RankEnv { rank, nranks: n, ids: ids.clone(), device: (rank % devices) as i32 };
-                s.spawn(move || run_rank(&env, checks, absent).map(|_| crate::outcome::take_tally()))
+                s.spawn(move || run_rank(&env, true, checks, absent).map(|_| crate::outcome::take_tally()))
             })
             .collect();
         threads
@@ -328,9 +361,10 @@ fn run_rank_threads(
 }
 
 /// One rank of a fused-op suite: its communicators, the checks, and (several ranks) the
-/// absent-rank check.
+/// absent-rank check. `thread`: the rank is a thread of this process (`peers_ready`).
 fn run_rank(
     env: &RankEnv,
+    thread: bool,
     checks: fn(mkComm_t, &Comm, usize, usize) -> Result<()>,
     absent: fn(&RankEnv, &Comm) -> Result<()>,
 ) -> Result<()> {
@@ -338,14 +372,21 @@ fn run_rank(
     let ctx = PrimaryContext::retain(env.device)?;
     let _g = ctx.enter()?;
     // The control communicator: host barriers and allgathers between the checks.
-    let control = control_comm(env)?;
-    let comm = init_comm(env, &env.ids[1], &config(30_000, 64 << 20))?;
-    let outcome = checks(comm, &control, rank, n);
-    control.bootstrap.barrier()?;
-    destroy(comm)?;
-    outcome?;
-    if n > 1 {
-        absent(env, &control)?;
+    let control = Rc::new(control_comm(env)?);
+    if thread {
+        RANK_THREAD_CONTROL.with(|c| *c.borrow_mut() = Some(control.clone()));
     }
-    Ok(())
+    let outcome = (|| {
+        let comm = init_comm(env, &env.ids[1], &config(30_000, 64 << 20))?;
+        let outcome = checks(comm, &control, rank, n);
+        control.bootstrap.barrier()?;
+        destroy(comm)?;
+        outcome?;
+        if n > 1 {
+            absent(env, &control)?;
+        }
+        Ok(())
+    })();
+    RANK_THREAD_CONTROL.with(|c| c.borrow_mut().take());
+    outcome
 }

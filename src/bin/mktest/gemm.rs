@@ -15,7 +15,7 @@ use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError};
 use mkernel::ops::gemm::{self, Cluster, GemmArgs, PlanOverrides, TILE_ROWS, TILE_WIDTHS};
-use mkernel::testing::{check_close, gemm_reference, tolerance, Rule, TestBuffer, Verdict};
+use mkernel::testing::{check_close, gemm_reference, tolerance, CapturedGraph, Rule, TestBuffer, Verdict};
 use mkernel::types::mkDataType_t;
 use std::ffi::c_void;
 
@@ -399,31 +399,25 @@ pub fn run() -> mkernel::Result<Outcome> {
         let c = TestBuffer::new(m * n, dtype)?;
         let stream = cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking)
             .map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
-        let mut graph: cuda::sys::CUgraph = std::ptr::null_mut();
-        let mut exec: cuda::sys::CUgraphExec = std::ptr::null_mut();
-        // SAFETY: capture of one mkGemm on a live stream; handles destroyed below.
-        let r = unsafe {
-            cuda::check(
-                "cuStreamBeginCapture",
-                cuda::sys::cuStreamBeginCapture_v2(
-                    stream,
-                    cuda::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                ),
-            )?;
-            let r = mkernel::ffi::gemm::mkGemm(
-                a.ptr() as *const c_void,
-                b.ptr() as *const c_void,
-                c.ptr() as *mut c_void,
-                m,
-                n,
-                k,
-                dtype as i32,
-                stream,
-            );
-            cuda::check("cuStreamEndCapture", cuda::sys::cuStreamEndCapture(stream, &mut graph))?;
-            cuda::check("cuGraphInstantiate", cuda::sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0))?;
-            r
-        };
+        // The call's own result is checked below, as a wrong result is: a capture that
+        // fails otherwise ends the suite with its error.
+        let mut r = mkResult_t::mkInternalError;
+        let graph = CapturedGraph::capture(stream, |s| {
+            // SAFETY: device buffers of m×k, n×k and m×n elements; `s` is the capturing stream.
+            r = unsafe {
+                mkernel::ffi::gemm::mkGemm(
+                    a.ptr() as *const c_void,
+                    b.ptr() as *const c_void,
+                    c.ptr() as *mut c_void,
+                    m,
+                    n,
+                    k,
+                    dtype as i32,
+                    s,
+                )
+            };
+            Ok(())
+        })?;
         let mut ok = r == mkResult_t::mkSuccess;
         let mut details = Vec::new();
         for round in 0..2u64 {
@@ -431,19 +425,15 @@ pub fn run() -> mkernel::Result<Outcome> {
             b.randomize(seed + 201 + 2 * round, 1.0, s)?;
             c.poison(s)?;
             sync()?;
-            // SAFETY: exec is a valid instantiated graph.
-            unsafe { cuda::check("cuGraphLaunch", cuda::sys::cuGraphLaunch(exec, stream))? };
+            graph.launch(stream)?;
             sync()?;
             let (verified, detail) = verify(&c, &cpu_reference(&a, &b, m, n, k)?)?;
             details.push(detail);
             ok &= verified;
         }
+        drop(graph);
         // SAFETY: destroyed once, after the last launch completed.
-        unsafe {
-            cuda::sys::cuGraphExecDestroy(exec);
-            cuda::sys::cuGraphDestroy(graph);
-            let _ = cudarc::driver::result::stream::destroy(stream);
-        }
+        let _ = unsafe { cudarc::driver::result::stream::destroy(stream) };
         checks += 1;
         failures += usize::from(!ok);
         println!(

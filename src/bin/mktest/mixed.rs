@@ -182,6 +182,7 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize, across_nodes: bool) -> Re
     for (i, c) in slowed.iter().enumerate() {
         c.prepare(500 + i as u64)?;
     }
+    fused_common::peers_ready()?;
     let graph = CapturedGraph::capture(stream.0, |s| {
         slowed.iter().try_for_each(|c| ffi(&format!("mixed {} (captured)", c.label()), c.launch(comm, s), comm))
     })?;
@@ -191,6 +192,7 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize, across_nodes: bool) -> Re
             c.prepare(600 + 10 * i as u64 + replay)?;
         }
         direct.prepare(700 + replay)?;
+        fused_common::peers_ready()?;
         graph.launch(stream.0)?;
         ffi(&format!("mixed {} after a replay", direct.label()), direct.launch(comm, stream.0), comm)?;
         fused_common::sync_no_error(comm, &stream, &format!("mixed graph replay {replay} and a direct call"))?;

@@ -562,6 +562,7 @@ fn repeats_are_bitwise(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let mut ok = true;
     for launch in 0..3 {
         case.prepare(seed)?;
+        fused_common::peers_ready()?;
         ffi(&format!("MoE repeat {}", case.label()), case.launch(comm, stream.0), comm)?;
         fused_common::sync_no_error(comm, &stream, "MoE repeat")?;
         let inputs = case.inputs.borrow();
@@ -639,6 +640,7 @@ fn capacity_overflow(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let needed = capacity_for(&s, n, 77, 0)?;
     let case = Case::new(s, n, rank, needed - ROW_BLOCK)?;
     case.prepare(77)?;
+    fused_common::peers_ready()?;
     ffi("mkMoeDispatchGemm (too small)", case.dispatch(comm, stream.0), comm)?;
     stream.sync()?;
     let code = async_error(comm);
