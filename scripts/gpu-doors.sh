@@ -78,8 +78,9 @@ for door in $ONLY; do
         # Attention at one rank through the package, beside SDPA on the same tensors, fwd and bwd.
         step attention-same-process 300 env PYTHONPATH="$site" python3 benches/attention_same_process.py 8192 16384 32768 \
           --causal 1,0 --backward --rest-ms 1000 --json "$OUT/attention_same_process.json"
-        # MoE at one rank through the package, beside torch._grouped_mm, dispatch and combine.
-        step moe-same-process 240 env PYTHONPATH="$site" python3 benches/moe_same_process.py 4096 16384 \
+        # MoE at one rank through the package, beside torch._grouped_mm, dispatch and combine,
+        # from a decode batch (256 tokens) to 16K.
+        step moe-same-process 240 env PYTHONPATH="$site" python3 benches/moe_same_process.py 256 4096 16384 \
           --json "$OUT/moe_same_process.json"
       fi
       mps_stop ;;
