@@ -58,7 +58,7 @@ int make_map(CUtensorMap* m, const void* ptr, int dtype, long rows, long cols, i
   return r == CUDA_SUCCESS ? 0 : 200 + (int)r;
 }
 
-typedef void (*Entry)(CUtensorMap, CUtensorMap, CUtensorMap, void*, int, int, int, int);
+typedef void (*Entry)(CUtensorMap, CUtensorMap, CUtensorMap, void*, int, int, int, int, int);
 
 Entry pick(int dtype, int bn, int tma) {
 #define MK_PICK(D, B, E, F) \
@@ -120,7 +120,10 @@ extern "C" int mk_standalone_gemm(const void* A, const void* B, void* C, int M, 
   if (!f) return 1;
   CUtensorMap ta, tb, tc;
   int e;
-  if ((e = make_map(&ta, A, dtype, M, K, 128, 64))) return e;
+  // A boxed as the library boxes it: min(M, 128) rows (ops::gemm::GemmPlan::a_box_rows),
+  // the box height the kernel is told.
+  const int a_box_rows = M < 128 ? M : 128;
+  if ((e = make_map(&ta, A, dtype, M, K, a_box_rows, 64))) return e;
   if ((e = make_map(&tb, B, dtype, N, K, bn, 64))) return e;
   if (tma_epi) {
     if ((e = make_map(&tc, C, dtype, M, N, 64, 64))) return e;
@@ -139,7 +142,7 @@ extern "C" int mk_standalone_gemm(const void* A, const void* B, void* C, int M, 
   const int tiles = ((M + 127) / 128) * ((N + bn - 1) / bn);
   int grid = num_ctas < tiles ? num_ctas : tiles;
   if (grid < 1) grid = 1;
-  f<<<grid, 384, smem, reinterpret_cast<cudaStream_t>(stream)>>>(ta, tb, tc, C, M, N, K, group_m);
+  f<<<grid, 384, smem, reinterpret_cast<cudaStream_t>(stream)>>>(ta, tb, tc, C, M, N, K, group_m, a_box_rows);
   cudaError_t r = cudaGetLastError();
   return r == cudaSuccess ? 0 : 1000 + (int)r;
 }
