@@ -229,6 +229,13 @@ pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
     // SAFETY: the module is loaded in the current context.
     let f = unsafe { cu::module::get_function(loaded.module, cname) }
         .map_err(|e| cuda_err(&format!("looking up kernel {kernel} in module {module}"), e))?;
+    // Under lazy loading a function's code is placed at its first attribute read or launch:
+    // read one here, inside the relaxed window, as `preload` does.
+    let mut threads = 0i32;
+    // SAFETY: writes one int attribute of a function of the current context.
+    check(&format!("cuFuncGetAttribute({kernel})"), unsafe {
+        sys::cuFuncGetAttribute(&mut threads, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f)
+    })?;
     loaded.functions.insert(kernel.to_string(), f);
     Ok(f)
 }
