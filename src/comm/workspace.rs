@@ -333,9 +333,6 @@ pub struct SymmetricWorkspace {
     status_host: *mut CommStatus,
     /// "vmm" or "legacy IPC (why)" or "single process".
     pub transport: String,
-    /// Another rank of this node runs in this process on this device: in this rank's CUDA
-    /// context.
-    pub shares_context: bool,
     /// The global rank of each view slot (`view.data[l]` is rank `members[l]`'s region).
     pub members: Vec<usize>,
     /// What the kernels get.
@@ -400,7 +397,6 @@ impl SymmetricWorkspace {
             peers: Vec::new(),
             status_host,
             transport: String::new(),
-            shares_context: false,
             members: Vec::new(),
             view: WorkspaceView::default(),
         };
@@ -532,8 +528,8 @@ impl SymmetricWorkspace {
         // Ranks that share this rank's CUDA context (threads of this process on its device):
         // every kernel loaded before the barrier below, so that none loads while a peer's op
         // is in flight (ops::preload_all). Best effort: a failure brings back the lazy load.
-        ws.shares_context = members.iter().any(|&r| r != rank && !remote(&infos[r]) && infos[r].device == device);
-        if ws.shares_context {
+        let shares_context = members.iter().any(|&r| r != rank && !remote(&infos[r]) && infos[r].device == device);
+        if shares_context {
             if let Err(e) = crate::ops::preload_all() {
                 mk_info!(Some(rank), "kernels not preloaded for the ranks sharing this context: {e}");
             }

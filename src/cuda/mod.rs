@@ -182,7 +182,8 @@ fn fatbin_image(module: &str) -> Result<&'static [u8]> {
 }
 
 /// Returns a kernel of the embedded module `module` (a kernels/*.cu stem, or `<stem>_tools`
-/// once registered) in the current context, loading the module on first use. Kernels are
+/// once registered) in the current context, loading the module and the kernel's code on first
+/// use. Kernels are
 /// `extern "C"` so names are plain.
 pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
     driver()?;
@@ -230,7 +231,7 @@ pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
     let f = unsafe { cu::module::get_function(loaded.module, cname) }
         .map_err(|e| cuda_err(&format!("looking up kernel {kernel} in module {module}"), e))?;
     // Under lazy loading a function's code is placed at its first attribute read or launch:
-    // read one here, inside the relaxed window, as `preload` does.
+    // read one here, inside the relaxed window (this is also what `preload` relies on).
     let mut threads = 0i32;
     // SAFETY: writes one int attribute of a function of the current context.
     check(&format!("cuFuncGetAttribute({kernel})"), unsafe {
@@ -265,21 +266,15 @@ impl Drop for RelaxedCapture {
     }
 }
 
-/// Loads `kernels` in the current context now (module, function, and its code:
-/// reading an attribute loads it, as NCCL does; `cuFuncLoad` would need a 12.4 driver),
+/// Loads `kernels` in the current context now (module, function, and its code: `function`
+/// reads an attribute on a first load, as NCCL does; `cuFuncLoad` would need a 12.4 driver),
 /// instead of at their first launch. Under CUDA's lazy loading (the default)
 /// a first launch can wait for the context to go idle; across nodes a kernel in flight
 /// waits for its proxy's CUDA copies, which such a load holds up, so the kernels that run
 /// across nodes are loaded when the communicator is created.
 pub fn preload(kernels: &[kernels::Kernel]) -> Result<()> {
     for k in kernels {
-        let f = k.function()?;
-        let k = k.name;
-        let mut threads = 0;
-        // SAFETY: a function handle of a module loaded in the current context; writes one int.
-        check(&format!("cuFuncGetAttribute({k})"), unsafe {
-            sys::cuFuncGetAttribute(&mut threads, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f)
-        })?;
+        k.function()?;
     }
     Ok(())
 }
