@@ -134,7 +134,7 @@ impl GemmPlan {
     /// `GemmShape::a_box_rows` says why); the kernel credits each stage with this box and
     /// never stores the accumulator rows past M that the box leaves stale.
     pub fn a_box_rows(&self, m: usize) -> usize {
-        self.box_rows().0.min(m.max(1))
+        a_box_rows(self.box_rows().0, m)
     }
     /// The launch of this plan for `dtype`: its kernel, `grid` CTAs of THREADS, its shared
     /// memory, in 2-CTA clusters for a multicast plan and clusters of split_k CTAs for a
@@ -361,6 +361,12 @@ pub fn validate(a: u64, b: u64, c: u64, m: usize, n: usize, k: usize, dtype: Raw
     crate::ensure_arg!(b % 16 == 0, "B = {b:#x} is not 16-byte aligned (TMA needs 16-byte aligned base addresses)");
     crate::ensure_arg!(c % 2 == 0, "C = {c:#x} is not aligned to its 2-byte element type");
     Ok(GemmArgs { a, b, c, m, n, k, dtype })
+}
+
+/// Rows of an A tensor-map box for `m` rows of A where a CTA loads `load_rows` per tile: no
+/// taller than A (the engine's `GemmShape::a_box_rows` says why), and at least 1.
+pub fn a_box_rows(load_rows: usize, m: usize) -> usize {
+    load_rows.min(m.max(1))
 }
 
 /// Launches the plain GEMM with `plan` on `stream` in the current context.

@@ -478,8 +478,7 @@ fn launch(
     let GemmReduceShape { m, n, k, nranks, rank, .. } = *shape;
     // The view is indexed by local rank (the global rank across nodes).
     let partial_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
-    // A box no taller than A (see the engine's GemmShape::a_box_rows).
-    let a_box_rows = p.bm.min(m);
+    let a_box_rows = engine::a_box_rows(p.bm, m);
     let mut ta = launch::tensor_map(args.a, args.dtype, m, k, a_box_rows, engine::BK)?;
     let mut tb = launch::tensor_map(args.b, args.dtype, n, k, p.bn, engine::BK)?;
     let mut tp = launch::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
