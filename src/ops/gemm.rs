@@ -513,8 +513,11 @@ mod tests {
         assert_eq!((p.box_rows().0, p.a_box_rows(1)), (64, 1));
         assert_eq!(p.a_box_rows(5), 5);
         assert_eq!(p.a_box_rows(64), 64);
-        let p = plan(100, 8192, 8192, 132, true, PlanOverrides::default());
+        let p = plan(100, 4096, 4096, 132, true, PlanOverrides::default());
         assert_eq!((p.bm, p.a_box_rows(100)), (128, 100));
+        // 64-row tiles over more rows: one m-block's rows per box.
+        let p = plan(100, 8192, 8192, 132, true, PlanOverrides::default());
+        assert_eq!((p.bm, p.a_box_rows(100)), (64, 64));
         // A tile's rows or more: the full box (the last m-block's overhang stays filled).
         let p = plan(4096, 4096, 4096, 132, true, PlanOverrides::default());
         assert_eq!(p.a_box_rows(4096), p.box_rows().0);
@@ -549,8 +552,12 @@ mod tests {
         assert_eq!((p.bm, p.bn, p.split_k, p.grid, p.source), (64, 64, 1, 128, gemm_table::Source::Table));
         assert_eq!(p.kernel_name(bf16), "mk_gemm_bf16_bn64_tma_bm64");
         assert_eq!(p.box_rows(), (64, 64));
-        // M = 128: 64 tiles of 128 x 128, each split over a cluster of 2 CTAs.
+        // M = 128, K = 8192: 128 tiles of 64 x 128, two m-blocks.
         let p = plan(128, 8192, 8192, 132, true, PlanOverrides::default());
+        assert_eq!((p.bm, p.bn, p.split_k, p.tiles(), p.grid), (64, 128, 1, 128, 128));
+        assert_eq!(p.kernel_name(bf16), "mk_gemm_bf16_bn128_tma_bm64");
+        // M = 128, K = 28672: 64 tiles of 128 x 128, each split over a cluster of 2 CTAs.
+        let p = plan(128, 8192, 28672, 132, true, PlanOverrides::default());
         assert_eq!((p.bm, p.bn, p.split_k, p.tiles(), p.grid), (128, 128, 2, 64, 128));
         assert_eq!(p.kernel_name(mkDataType_t::mkFloat16), "mk_gemm_f16_bn128_tma_splitk");
         // Few tiles: the rule splits K over the idle SMs (clusters of 4 at most).
@@ -668,7 +675,7 @@ mod tests {
             (with(8192, 8192, Some(Cluster::ShareB), Some(256)), Clusters::Of(2), (128, 128)),
             (with(128, 8192, Some(Cluster::ShareA), Some(64)), Clusters::Of(2), (64, 64)),
             (plan(1, 1, 8, 132, false, PlanOverrides::default()), Clusters::None, (64, 64)),
-            (plan(128, 8192, 8192, 132, true, PlanOverrides::default()), Clusters::Of(2), (128, 128)),
+            (plan(128, 8192, 28672, 132, true, PlanOverrides::default()), Clusters::Of(2), (128, 128)),
             (plan(16, 1024, 8192, 132, true, PlanOverrides::default()), Clusters::Of(4), (64, 64)),
         ] {
             let l = p.kernel_launch(bf16).unwrap();

@@ -106,24 +106,32 @@ const fn row(m: MClass, n: usize, k: usize, choice: TileChoice) -> (ShapeClass, 
 /// The table. Reasons per row (132 SMs; B is N·K·2 bytes, read once when one m-block):
 /// - M ≤ 64: all B traffic. 64-row tiles (deeper ring); enough tiles that every SM
 ///   streams part of B (128 at N 8192 with bn 64, 224 at N 28672 with bn 128).
-/// - M ≤ 128, N 8192: 64 tiles of 128 × 128 split over 2 CTAs (128 CTAs): half of A per
-///   CTA and the wider wgmma, where 128 tiles of 128 × 64 reread all of A from L2 per tile.
+/// - M ≤ 128, N 8192, K 8192: 128 tiles of 64 × 128 (two m-blocks of one consumer
+///   warpgroup each): one wave with no fold, B read by two CTAs through L2; swept 1.02×
+///   cuBLAS against 0.94× for 64 tiles of 128 × 128 split over 2 CTAs.
+/// - M ≤ 128, N 8192, K 28672: 64 tiles of 128 × 128 split over 2 CTAs (128 CTAs): at
+///   this depth the fold is cheap and each CTA reads half of A once.
 /// - M ≤ 128, N 28672: 112 tiles of 128 × 256 — one wave, B read once.
-/// - M ≤ 256, N 28672: 224 tiles of 128 × 256 (a partial second wave). Splitting 128-wide
-///   tiles over 2 CTAs fills 97 % of the waves on paper, but measured 0.75–0.79× cuBLAS
-///   against 0.98–1.0× unsplit at the neighbouring shapes
-///   (benches/results/2026-12-05-h100-gemm-table-and-rank-threads.md): the fold and the
+/// - 128 < M ≤ 512, N 28672: 128 × 128 tiles (448 at M 256, 896 at M 512 — 3.4 and 6.8
+///   waves), where 128 × 256 leaves a partial last wave of wide tiles (224 and 448 tiles:
+///   1.7 and 3.4 waves); swept 0.99× and 1.0× cuBLAS against 0.93× and 0.85×. Splitting
+///   the wide tiles over 2 CTAs to fill the waves measured 0.75–0.79×: the fold and the
 ///   shallower ring cost more than the idle slots.
+///
+/// Measured on an H100 SXM (132 SMs, as the H200):
+/// benches/results/2026-12-05-h100-gemm-table-and-rank-threads.md and
+/// benches/results/2026-12-05-h100-gemm-decode-rows.md.
 pub const TABLE: &[(ShapeClass, TileChoice)] = &[
     row(MClass::UpTo64, 8192, 8192, TileChoice::new(64, 64, 1)),
     row(MClass::UpTo64, 28672, 8192, TileChoice::new(64, 128, 1)),
     row(MClass::UpTo64, 8192, 28672, TileChoice::new(64, 64, 1)),
-    row(MClass::UpTo128, 8192, 8192, TileChoice::new(128, 128, 2)),
+    row(MClass::UpTo128, 8192, 8192, TileChoice::new(64, 128, 1)),
     row(MClass::UpTo128, 28672, 8192, TileChoice::new(128, 256, 1)),
     row(MClass::UpTo128, 8192, 28672, TileChoice::new(128, 128, 2)),
     row(MClass::UpTo256, 8192, 8192, TileChoice::new(128, 128, 1)),
-    row(MClass::UpTo256, 28672, 8192, TileChoice::new(128, 256, 1)),
+    row(MClass::UpTo256, 28672, 8192, TileChoice::new(128, 128, 1)),
     row(MClass::UpTo256, 8192, 28672, TileChoice::new(128, 128, 1)),
+    row(MClass::UpTo512, 28672, 8192, TileChoice::new(128, 128, 1)),
 ];
 
 /// Where a choice came from.
@@ -240,11 +248,11 @@ mod tests {
     #[test]
     fn the_logged_origin_names_an_adjusted_choice() {
         use crate::ops::gemm::{plan, PlanOverrides};
-        // M 100 N K 8192 on 132 SMs: the table splits 128-wide tiles over 2 CTAs.
-        let tma = plan(100, 8192, 8192, 132, true, PlanOverrides::default());
+        // M 100 N 8192 K 28672 on 132 SMs: the table splits 128-wide tiles over 2 CTAs.
+        let tma = plan(100, 8192, 28672, 132, true, PlanOverrides::default());
         assert_eq!(plan_origin(&tma), "bm128 bn128 split2 (table)");
         // A split needs the TMA epilogue: without it the same choice runs unsplit.
-        let direct = plan(100, 8192, 8192, 132, false, PlanOverrides::default());
+        let direct = plan(100, 8192, 28672, 132, false, PlanOverrides::default());
         assert_eq!(direct.split_k, 1);
         assert!(
             plan_origin(&direct).starts_with("bm128 bn128 split1 (the table chose bm128 bn128 split2;"),
@@ -265,8 +273,14 @@ mod tests {
                 assert!(c.ctas >= t.split_k);
             }
             assert_eq!(t.cluster, Cluster::None, "{c:?}");
-            // 64-row tiles only where every M of the class fits one of them.
-            assert_eq!(t.bm == 64, c.m == MClass::UpTo64, "{c:?}");
+            // 64-row tiles for every M that fits one of them; at most two m-blocks of them
+            // (past 128 rows, 128-row tiles read B half as often).
+            if c.m == MClass::UpTo64 {
+                assert_eq!(t.bm, 64, "{c:?}");
+            }
+            if t.bm == 64 {
+                assert!(matches!(c.m, MClass::UpTo64 | MClass::UpTo128), "{c:?}");
+            }
         }
         // One row per class.
         for (i, (a, _)) in TABLE.iter().enumerate() {
@@ -283,7 +297,8 @@ mod tests {
             }
         }
         assert_eq!(choose(1, 8192, 8192, 132), (TileChoice::new(64, 64, 1), Source::Table));
-        assert_eq!(choose(100, 8192, 8192, 132), (TileChoice::new(128, 128, 2), Source::Table));
+        assert_eq!(choose(100, 8192, 8192, 132), (TileChoice::new(64, 128, 1), Source::Table));
+        assert_eq!(choose(100, 8192, 28672, 132), (TileChoice::new(128, 128, 2), Source::Table));
         // Another SM count (or a fused op's CTA budget) is another class: the rule.
         assert_eq!(choose(1, 8192, 8192, 114).1, Source::Rule);
         assert_eq!(choose(1, 8192, 8192, 64).1, Source::Rule);
@@ -322,10 +337,12 @@ mod tests {
     #[test]
     fn the_rule_keeps_wide_tiles_for_a_partial_last_wave() {
         // 512 x 28672: 448 tiles of 256 on 132 SMs (3.4 waves, 85 % of the slots busy);
-        // splitting them measured slower, so the wide unsplit tile stays.
+        // splitting them measured slower, so the rule keeps the wide unsplit tile. The
+        // table lists the measured shapes, where 128-wide unsplit tiles ran faster still.
         assert_eq!(rule(512, 28672, 8192, 132), TileChoice::new(128, 256, 1));
-        assert_eq!(choose(512, 28672, 8192, 132), (TileChoice::new(128, 256, 1), Source::Rule));
-        assert_eq!(choose(256, 28672, 8192, 132), (TileChoice::new(128, 256, 1), Source::Table));
+        assert_eq!(rule(384, 28672, 4096, 132), TileChoice::new(128, 256, 1));
+        assert_eq!(choose(512, 28672, 8192, 132), (TileChoice::new(128, 128, 1), Source::Table));
+        assert_eq!(choose(256, 28672, 8192, 132), (TileChoice::new(128, 128, 1), Source::Table));
         assert_eq!(rule(8192, 28672, 8192, 132), TileChoice::new(128, 256, 1));
     }
 
