@@ -9,7 +9,7 @@ use crate::abi::*;
 use crate::collectives::{self, CollOp, Queued};
 use crate::error::{self, guard, note_real_result, set_thread_last_error, NcclError, Result};
 use crate::group;
-use crate::handle::{lookup, register, unregister, CommHandle, Route};
+use crate::handle::{lookup, register, unregister, wraps_real, CommHandle, Route, Wrapping};
 use crate::init::{self, parse_config, InitJob};
 use crate::real::{self, Mode};
 use mkernel::bootstrap::root::start_root;
@@ -39,6 +39,20 @@ fn on_comm(name: &str, comm: ncclComm_t, body: impl FnOnce(&Arc<CommHandle>) -> 
     }
 }
 
+/// NCCL's own entry points call its exported functions on its own communicators
+/// (`ncclCommEnsureReady` asks `ncclCommGetAsyncError` before every query and collective).
+/// Those calls bind to this library's definitions, which come first in the process, and
+/// carry a real communicator: in interpose mode one that a handle wraps goes straight back
+/// to the real NCCL, untouched by this library's checks and last-error bookkeeping.
+fn nccl_internal(comm: ncclComm_t) -> bool {
+    matches!(real::mode(), Ok(Mode::Interpose(_))) && wraps_real(comm)
+}
+
+/// A call NCCL made on its own communicator, handed back to it.
+fn pass_back(call: impl FnOnce() -> Result<ncclResult_t>) -> ncclResult_t {
+    call().unwrap_or_else(|e| e.code)
+}
+
 /// Result of a call made to the real NCCL, remembered for ncclGetLastError.
 fn from_real(rc: ncclResult_t) -> Result<ncclResult_t> {
     note_real_result(rc);
@@ -62,6 +76,9 @@ fn forward(
 ) -> ncclResult_t {
     if !matches!(real::mode(), Ok(Mode::Interpose(_))) {
         return forward_plain(name, || Err(NcclError::internal("unreachable: standalone refuses first")));
+    }
+    if nccl_internal(comm) {
+        return pass_back(|| call(comm));
     }
     on_comm(name, comm, |h| {
         let _ = h.mk_comm();
@@ -498,6 +515,7 @@ unsafe fn derived(
         let rc = make(h.real_comm(), &mut child)?;
         let (mut rank, mut nranks) = (0, 0);
         if rc == ncclSuccess && !child.is_null() {
+            let _wrapping = Wrapping::new(child);
             real::ncclCommUserRank()?(child, &mut rank);
             real::ncclCommCount()?(child, &mut nranks);
         }
@@ -534,6 +552,9 @@ pub unsafe extern "C" fn ncclCommShrink(
 /// then the init's error, or the first asynchronous error of the communicator.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommGetAsyncError(comm: ncclComm_t, asyncError: *mut ncclResult_t) -> ncclResult_t {
+    if nccl_internal(comm) {
+        return pass_back(|| Ok(real::ncclCommGetAsyncError()?(comm, asyncError)));
+    }
     on_comm("ncclCommGetAsyncError", comm, |h| {
         if asyncError.is_null() {
             return Err(NcclError::invalid_argument("asyncError is NULL"));
@@ -564,6 +585,9 @@ unsafe fn query(
     local: impl FnOnce(&CommHandle) -> c_int,
     real_fn: fn() -> Result<real::types::ncclCommCount>,
 ) -> ncclResult_t {
+    if nccl_internal(comm) {
+        return pass_back(|| Ok(real_fn()?(comm, out)));
+    }
     on_comm(name, comm, |h| {
         if out.is_null() {
             return Err(NcclError::invalid_argument(format!("{name}: the output pointer is NULL")));

@@ -9,7 +9,7 @@ use crate::abi::*;
 use crate::error::{to_cstring, NcclError, Result};
 use mkernel::comm::Comm;
 use parking_lot::{Condvar, Mutex};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -80,6 +80,9 @@ pub struct CommHandle {
 
 impl CommHandle {
     pub fn new(rank: usize, nranks: usize, device: i32, blocking: bool, real: Option<usize>) -> Arc<CommHandle> {
+        if let Some(r) = real {
+            note_wrapped(r);
+        }
         Arc::new(CommHandle {
             rank,
             nranks,
@@ -198,7 +201,59 @@ impl CommHandle {
     }
 }
 
+impl Drop for CommHandle {
+    fn drop(&mut self) {
+        if let Some(r) = self.real {
+            note_unwrapped(r);
+        }
+    }
+}
+
 static LIVE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+
+/// The real communicators wrapped by handles that exist (registered or not yet, and until
+/// the last reference, so through the real ncclCommDestroy), with how many handles wrap
+/// each: an address the real NCCL frees and reuses may briefly have two.
+static WRAPPED_REAL: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
+
+fn note_wrapped(real: usize) {
+    *WRAPPED_REAL.lock().get_or_insert_with(HashMap::new).entry(real).or_insert(0) += 1;
+}
+
+fn note_unwrapped(real: usize) {
+    let mut wrapped = WRAPPED_REAL.lock();
+    if let Some(map) = wrapped.as_mut() {
+        if let Some(n) = map.get_mut(&real) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&real);
+            }
+        }
+    }
+}
+
+/// Whether `comm` is a real NCCL communicator that one of this library's handles wraps
+/// (interpose mode), as opposed to a handle of ours or a foreign pointer.
+pub fn wraps_real(comm: ncclComm_t) -> bool {
+    WRAPPED_REAL.lock().as_ref().is_some_and(|m| m.contains_key(&(comm as usize)))
+}
+
+/// A real communicator counted as wrapped before its handle exists, while this library
+/// queries it (a split's child: the real queries call back into `ncclCommGetAsyncError`).
+pub struct Wrapping(usize);
+
+impl Wrapping {
+    pub fn new(real: ncclComm_t) -> Wrapping {
+        note_wrapped(real as usize);
+        Wrapping(real as usize)
+    }
+}
+
+impl Drop for Wrapping {
+    fn drop(&mut self) {
+        note_unwrapped(self.0);
+    }
+}
 
 /// Registers a handle and returns the pointer C gets.
 pub fn register(h: Arc<CommHandle>) -> ncclComm_t {
@@ -255,6 +310,23 @@ mod tests {
         assert!(lookup(p).is_err(), "a destroyed handle is refused");
         assert!(unregister(p).is_err(), "destroying twice is refused");
         assert_eq!(Arc::strong_count(&taken), 2, "the caller's and the test's references remain");
+    }
+
+    #[test]
+    fn wrapped_real_communicators_are_known_while_a_handle_wraps_them() {
+        let real = 0x7e57_0000usize;
+        assert!(!wraps_real(real as ncclComm_t));
+        let a = CommHandle::new(0, 1, 0, true, Some(real));
+        let p = register(a.clone());
+        assert!(wraps_real(real as ncclComm_t));
+        assert!(!wraps_real(p), "a handle is not a real communicator");
+        // The real NCCL reused the address while the first handle still lives.
+        let b = CommHandle::new(0, 1, 0, true, Some(real));
+        drop(unregister(p).unwrap());
+        drop(a);
+        assert!(wraps_real(real as ncclComm_t), "the second handle still wraps it");
+        drop(b);
+        assert!(!wraps_real(real as ncclComm_t));
     }
 
     #[test]
