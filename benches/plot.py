@@ -97,8 +97,9 @@ def _medians(row):
     return {c["name"]: c["median_us"] for c in row["contenders"] if c.get("median_us")}
 
 
-def plot_record(rec, out_dir, stem):
-    """Writes the record's PNGs into out_dir; returns their paths."""
+def plot_record(rec, out_dir, stem, contenders=None):
+    """Writes the record's PNGs into out_dir; returns their paths. `contenders`: the names
+    to plot (all when None), e.g. a sweep's planned kernel and cuBLASLt without its variants."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,7 +146,7 @@ def plot_record(rec, out_dir, stem):
         return written
 
     labels = [_shape_label(r["shape"]) for r in rows]
-    medians = [_medians(r) for r in rows]
+    medians = [{n: t for n, t in _medians(r).items() if contenders is None or n in contenders} for r in rows]
     # The op under test: "fused" in the fused-op benches, "mk" in the GEMM engine's.
     ours = next((n for n in ("fused", "mk") if any(n in m for m in medians)), "fused")
     baselines = sorted({n for m in medians for n in m if n != ours})
@@ -196,6 +197,7 @@ def main(argv=None):
     ap.add_argument("records", nargs="+", help="mkbench --json files")
     ap.add_argument("-o", "--out", default=".", help="folder for the PNGs")
     ap.add_argument("--check", action="store_true", help="validate the records only")
+    ap.add_argument("--contenders", help="comma-separated names to plot (default: every contender)")
     a = ap.parse_args(argv)
     try:
         recs = [(p, load(p)) for p in a.records]
@@ -208,7 +210,8 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     for path, rec in recs:
         stem = os.path.splitext(os.path.basename(path))[0]
-        for png in plot_record(rec, a.out, stem):
+        only = set(a.contenders.split(",")) if a.contenders else None
+        for png in plot_record(rec, a.out, stem, only):
             print(png)
     return 0
 
