@@ -57,7 +57,13 @@ def main():
     import mkernel
 
     E, H, F, k = args.experts, args.hidden, args.ffn, args.topk
-    comm = mkernel.Communicator(unique_id=mkernel.get_unique_id(), rank=0, world_size=1, device=0)
+    # The dispatch keeps its receive buffer (capacity rows of H) and the counts in the
+    # workspace: room for the largest batch's padded capacity, at most T·k + E·128 rows.
+    most_rows = max(args.tokens) * k + E * 128
+    workspace = max(256 << 20, most_rows * H * 2 + (1 << 20))
+    comm = mkernel.Communicator(
+        unique_id=mkernel.get_unique_id(), rank=0, world_size=1, device=0, workspace_bytes=workspace
+    )
     dev, bf16 = "cuda", torch.bfloat16
     w1 = (torch.rand(E, F, H, device=dev, dtype=bf16) * 2 - 1) / H**0.5
     w2 = (torch.rand(E, H, F, device=dev, dtype=bf16) * 2 - 1) / F**0.5
