@@ -67,7 +67,7 @@ MK_NCCL_MODE=standalone "$BIN/cpu_standalone"
 # Interpose found by RTLD_NEXT: the program links the stand-in, this library is preloaded.
 MK_DEBUG=INFO LD_PRELOAD="$LIB/libmkernel-nccl.so.2" "$BIN/cpu_interpose" 2>"$log"
 expect_line "$log" "interpose mode over .*libfakenccl.so (NCCL 2.27.7, found by the loader's search order"
-expect_line "$log" "destroyed rank 0 of 1; calls on mkernel: none; on NCCL: AllReduce 1, Broadcast 1, Send 1, Recv 1"
+expect_line "$log" "destroyed rank 0 of 1; calls on mkernel: none; on NCCL: AllReduce 1, Broadcast 2, Send 1, Recv 1"
 # Interpose found by MK_NCCL_LIBRARY.
 MK_DEBUG=INFO MK_NCCL_LIBRARY="$PWD/$BIN/libfakenccl.so" "$BIN/cpu_interpose_linked" 2>"$log"
 expect_line "$log" "found by MK_NCCL_LIBRARY"

@@ -22,6 +22,8 @@ int main(void) {
   float *buf = (float *)0x10000;
   CHECK(ncclAllReduce(buf, buf, 4, ncclFloat, ncclSum, comm, NULL) == ncclSuccess, "AllReduce forwarded");
   CHECK(ncclBroadcast(buf, buf, 4, ncclFloat, 0, comm, NULL) == ncclSuccess, "Broadcast forwarded");
+  /* The real ncclBcast calls the exported ncclBroadcast with its own communicator. */
+  CHECK(ncclBcast(buf, 4, ncclFloat, 0, comm, NULL) == ncclSuccess, "Bcast forwarded: %s", ncclGetLastError(comm));
   CHECK(ncclGroupStart() == ncclSuccess, "group start");
   CHECK(ncclSend(buf, 4, ncclFloat, 0, comm, NULL) == ncclSuccess, "Send forwarded in a group");
   CHECK(ncclGroupEnd() == ncclSuccess, "group end");

@@ -65,6 +65,14 @@ ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, ncclDataType_t t, i
   READY(comm);
   return ncclSuccess;
 }
+/* As NCCL's: ncclBcast is the exported ncclBroadcast in place. */
+ncclResult_t ncclBcast(void *buff, size_t n, ncclDataType_t t, int root, ncclComm_t comm, cudaStream_t st) {
+  OWN(comm);
+  void *sym = dlsym(RTLD_DEFAULT, "ncclBroadcast");
+  ncclResult_t (*broadcast)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t) = NULL;
+  memcpy(&broadcast, &sym, sizeof broadcast);
+  return broadcast ? broadcast(buff, buff, n, t, root, comm, st) : ncclInternalError;
+}
 ncclResult_t ncclSend(const void *s, size_t n, ncclDataType_t t, int peer, ncclComm_t comm, cudaStream_t st) {
   (void)s; (void)n; (void)t; (void)peer; (void)st;
   OWN(comm);

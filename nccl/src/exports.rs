@@ -40,7 +40,9 @@ fn on_comm(name: &str, comm: ncclComm_t, body: impl FnOnce(&Arc<CommHandle>) -> 
 }
 
 /// NCCL's own entry points call its exported functions on its own communicators
-/// (`ncclCommEnsureReady` asks `ncclCommGetAsyncError` before every query and collective).
+/// (`ncclCommEnsureReady` asks `ncclCommGetAsyncError` before every query and collective;
+/// `ncclBcast` is `ncclBroadcast` in place). Every entry point that takes a communicator
+/// checks this first.
 /// Those calls bind to this library's definitions, which come first in the process, and
 /// carry a real communicator: in interpose mode one that a handle wraps goes straight back
 /// to the real NCCL, untouched by this library's checks and last-error bookkeeping.
@@ -130,6 +132,9 @@ fn collective(
     stream: cudaStream_t,
     real_call: impl FnOnce(ncclComm_t) -> Result<ncclResult_t>,
 ) -> ncclResult_t {
+    if nccl_internal(comm) {
+        return pass_back(|| real_call(comm));
+    }
     on_comm(name, comm, |h| {
         if standalone()? {
             return run_on_mkernel(h, op, stream);
@@ -196,6 +201,11 @@ pub extern "C" fn ncclGetErrorString(result: ncclResult_t) -> *const c_char {
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
     std::panic::catch_unwind(|| {
+        if nccl_internal(comm) {
+            if let Ok(f) = real::ncclGetLastError() {
+                return f(comm);
+            }
+        }
         let h = if comm.is_null() { None } else { lookup(comm).ok() };
         if error::last_error_is_real() {
             if let Ok(f) = real::ncclGetLastError() {
@@ -427,6 +437,9 @@ fn synchronize(h: &CommHandle) -> Result<()> {
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
+    if nccl_internal(comm) {
+        return pass_back(|| Ok(real::ncclCommFinalize()?(comm)));
+    }
     on_comm("ncclCommFinalize", comm, |h| {
         if !standalone()? {
             let _ = h.mk_comm();
@@ -455,6 +468,9 @@ pub unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
+    if nccl_internal(comm) {
+        return pass_back(|| Ok(real::ncclCommDestroy()?(comm)));
+    }
     plain("ncclCommDestroy", || {
         let h = unregister(comm)?;
         let _ = h.mk_comm();
@@ -472,6 +488,9 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
 /// its thread releases what it made when it finishes.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
+    if nccl_internal(comm) {
+        return pass_back(|| Ok(real::ncclCommAbort()?(comm)));
+    }
     plain("ncclCommAbort", || {
         let h = unregister(comm)?;
         h.aborted.store(true, Ordering::Release);
@@ -504,6 +523,9 @@ unsafe fn derived(
 ) -> ncclResult_t {
     if !matches!(real::mode(), Ok(Mode::Interpose(_))) {
         return forward_plain(name, || Err(NcclError::internal("unreachable: standalone refuses first")));
+    }
+    if nccl_internal(comm) {
+        return pass_back(|| make(comm, newcomm));
     }
     on_comm(name, comm, |h| {
         if newcomm.is_null() {
