@@ -32,6 +32,10 @@ class ShapeOnlyComm:
     device: int = 0
     name: str = field(default_factory=lambda: f"test-shape-comm:{next(_ids)}")
 
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", self.device)
+
     def handle(self):
         raise AssertionError("a shape-only communicator cannot launch")
 

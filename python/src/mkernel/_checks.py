@@ -93,14 +93,15 @@ def softmax_scale(op: str, scale: float):
         fail(op, f"expected softmax_scale to be finite and positive, but got {scale!r}")
 
 
-def on_device(op: str, device: int, **named):
-    """Checks that every tensor is in the memory of CUDA device `device`."""
+def on_device(op: str, device: torch.device, **named):
+    """Checks that every tensor is in the memory of `device` (a CUDA device with its index).
+
+    One comparison of torch.device objects per tensor: reading `t.device.type` and
+    `t.device.index` would build two device objects.
+    """
     for name, t in named.items():
-        if t.device.type != "cuda" or t.device.index != device:
-            fail(
-                op,
-                f"expected {name} to be on cuda:{device} (the communicator's device), but got a tensor on {t.device}",
-            )
+        if t.device != device:
+            fail(op, f"expected {name} to be on {device} (the communicator's device), but got a tensor on {t.device}")
 
 
 def aligned(op: str, name: str, t: torch.Tensor, alignment: int):
@@ -113,7 +114,7 @@ def aligned(op: str, name: str, t: torch.Tensor, alignment: int):
         )
 
 
-def output(op: str, name: str, out, *, shape, dtype, device: int):
+def output(op: str, name: str, out, *, shape, dtype, device: torch.device):
     """Checks a caller-supplied output tensor (out=)."""
     tensor(op, name, out, dtypes=(dtype,))
     if tuple(out.shape) != tuple(shape):

@@ -70,7 +70,7 @@ def all_gather_shapes(x, world_size: int):
 
 
 def all_gather_launch(x, out, comm) -> None:
-    check.on_device("all_gather", comm.device, input=x, output=out)
+    check.on_device("all_gather", comm.torch_device, input=x, output=out)
     for name, t in (("input", x), ("output", out)):
         check.aligned("all_gather", name, t, t.element_size())
     _call(comm, "mkAllGather", x.data_ptr(), out.data_ptr(), x.numel(), check.dtype_code(x.dtype))
@@ -89,7 +89,7 @@ def reduce_scatter_shapes(x, op: str, world_size: int):
 
 
 def reduce_scatter_launch(x, out, op: str, comm) -> None:
-    check.on_device("reduce_scatter", comm.device, input=x, output=out)
+    check.on_device("reduce_scatter", comm.torch_device, input=x, output=out)
     for name, t in (("input", x), ("output", out)):
         check.aligned("reduce_scatter", name, t, t.element_size())
     _call(
@@ -110,7 +110,7 @@ def all_reduce_shapes(x, op: str):
 
 
 def all_reduce_launch(x, out, op: str, comm) -> None:
-    check.on_device("all_reduce", comm.device, input=x, output=out)
+    check.on_device("all_reduce", comm.torch_device, input=x, output=out)
     for name, t in (("input", x), ("output", out)):
         check.aligned("all_reduce", name, t, t.element_size())
     _call(
@@ -135,7 +135,7 @@ def all_gather(input: torch.Tensor, comm: CommLike, *, out: torch.Tensor | None 
     if out is None:
         return torch.ops.mkernel.all_gather(input, c.name, c.world_size)
     shape = all_gather_shapes(input, c.world_size)
-    check.output("all_gather", "out", out, shape=shape, dtype=input.dtype, device=c.device)
+    check.output("all_gather", "out", out, shape=shape, dtype=input.dtype, device=c.torch_device)
     all_gather_launch(input, out, c)
     return out
 
@@ -154,7 +154,7 @@ def reduce_scatter(
     if out is None:
         return torch.ops.mkernel.reduce_scatter(input, c.name, c.world_size, op)
     shape = reduce_scatter_shapes(input, op, c.world_size)
-    check.output("reduce_scatter", "out", out, shape=shape, dtype=input.dtype, device=c.device)
+    check.output("reduce_scatter", "out", out, shape=shape, dtype=input.dtype, device=c.torch_device)
     reduce_scatter_launch(input, out, op, c)
     return out
 
@@ -171,7 +171,7 @@ def all_reduce(
     if out is None:
         return torch.ops.mkernel.all_reduce(input, c.name, op)
     shape = all_reduce_shapes(input, op)
-    check.output("all_reduce", "out", out, shape=shape, dtype=input.dtype, device=c.device)
+    check.output("all_reduce", "out", out, shape=shape, dtype=input.dtype, device=c.torch_device)
     all_reduce_launch(input, out, op, c)
     return out
 
@@ -203,7 +203,7 @@ def gemm_launch(a, b, out) -> None:
     if a.device.type != "cuda":
         check.fail(op, f"expected a to be a CUDA tensor, but got a tensor on {a.device}")
     device = a.device.index
-    check.on_device(op, device, a=a, b=b, out=out)
+    check.on_device(op, a.device, a=a, b=b, out=out)
     check.aligned(op, "a", a, 16)
     check.aligned(op, "b", b, 16)
     check.aligned(op, "out", out, out.element_size())
@@ -225,7 +225,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -
     shape = gemm_shapes(a, b)
     if a.device.type != "cuda":
         check.fail("gemm", f"expected a to be a CUDA tensor, but got a tensor on {a.device}")
-    check.output("gemm", "out", out, shape=shape, dtype=a.dtype, device=a.device.index)
+    check.output("gemm", "out", out, shape=shape, dtype=a.dtype, device=a.device)
     gemm_launch(a, b, out)
     return out
 
@@ -245,7 +245,7 @@ def all_gather_gemm_launch(a, b, out, gathered, comm) -> None:
     named = {"a": a, "b": b, "out": out}
     if gathered is not None:
         named["gathered_a"] = gathered
-    check.on_device(op, comm.device, **named)
+    check.on_device(op, comm.torch_device, **named)
     for name, t in named.items():
         check.aligned(op, name, t, 16)
     m, n = out.shape
@@ -287,11 +287,11 @@ def all_gather_gemm(
     c_shape, g_shape = all_gather_gemm_shapes(a, b, comm.world_size)
     if out is None:
         out = torch.empty(c_shape, dtype=a.dtype, device=a.device)
-    check.output("all_gather_gemm", "out", out, shape=c_shape, dtype=a.dtype, device=comm.device)
+    check.output("all_gather_gemm", "out", out, shape=c_shape, dtype=a.dtype, device=comm.torch_device)
     if gathered_out is None and return_gathered:
         gathered_out = torch.empty(g_shape, dtype=a.dtype, device=a.device)
     if gathered_out is not None:
-        check.output("all_gather_gemm", "gathered_out", gathered_out, shape=g_shape, dtype=a.dtype, device=comm.device)
+        check.output("all_gather_gemm", "gathered_out", gathered_out, shape=g_shape, dtype=a.dtype, device=comm.torch_device)
     all_gather_gemm_launch(a, b, out, gathered_out, comm)
     return (out, gathered_out) if (return_gathered or gathered_out is not None) else out
 
@@ -316,7 +316,7 @@ def gemm_all_reduce_shapes(a, b):
 
 
 def _reduced_gemm_launch(op: str, fn_name: str, a, b, out, comm) -> None:
-    check.on_device(op, comm.device, a=a, b=b, out=out)
+    check.on_device(op, comm.torch_device, a=a, b=b, out=out)
     for name, t in (("a", a), ("b", b), ("out", out)):
         check.aligned(op, name, t, 16)
     m, k = a.shape
@@ -343,7 +343,7 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out
     if out is None:
         return torch.ops.mkernel.gemm_reduce_scatter(a, b, c.name, c.world_size)
     shape = gemm_reduce_scatter_shapes(a, b, c.world_size)
-    check.output("gemm_reduce_scatter", "out", out, shape=shape, dtype=a.dtype, device=c.device)
+    check.output("gemm_reduce_scatter", "out", out, shape=shape, dtype=a.dtype, device=c.torch_device)
     gemm_reduce_scatter_launch(a, b, out, c)
     return out
 
@@ -355,7 +355,7 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out: to
     if out is None:
         return torch.ops.mkernel.gemm_all_reduce(a, b, c.name)
     shape = gemm_all_reduce_shapes(a, b)
-    check.output("gemm_all_reduce", "out", out, shape=shape, dtype=a.dtype, device=c.device)
+    check.output("gemm_all_reduce", "out", out, shape=shape, dtype=a.dtype, device=c.torch_device)
     gemm_all_reduce_launch(a, b, out, c)
     return out
 
@@ -418,7 +418,7 @@ def moe_dispatch_shapes(x, topk_idx, w1, recv_capacity: int, world_size: int):
 
 def moe_dispatch_launch(x, topk_idx, w1, y, recv_counts, layout, experts: int, comm) -> None:
     op = "moe_dispatch_gemm"
-    check.on_device(op, comm.device, x=x, topk_idx=topk_idx, w1=w1, y=y, recv_counts=recv_counts, layout=layout)
+    check.on_device(op, comm.torch_device, x=x, topk_idx=topk_idx, w1=w1, y=y, recv_counts=recv_counts, layout=layout)
     for name, t, alignment in (
         ("x", x, 16),
         ("w1", w1, 16),
@@ -497,7 +497,7 @@ def moe_combine_shapes(y_act, w2, topk_weights, layout, world_size: int):
 
 def moe_combine_launch(y_act, w2, topk_weights, layout, out, experts: int, comm) -> None:
     op = "moe_gemm_combine"
-    check.on_device(op, comm.device, y_act=y_act, w2=w2, topk_weights=topk_weights, layout=layout, out=out)
+    check.on_device(op, comm.torch_device, y_act=y_act, w2=w2, topk_weights=topk_weights, layout=layout, out=out)
     for name, t, alignment in (
         ("y_act", y_act, 16),
         ("w2", w2, 16),
@@ -571,7 +571,7 @@ def ring_attention_shapes(q, k, v, softmax_scale: float, causal: bool):
 
 def ring_attention_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, comm) -> None:
     op = "ring_attention"
-    check.on_device(op, comm.device, q=q, k=k, v=v, out=out, lse=lse)
+    check.on_device(op, comm.torch_device, q=q, k=k, v=v, out=out, lse=lse)
     for name, t, alignment in (("q", q, 16), ("k", k, 16), ("v", v, 16), ("out", out, 16), ("lse", lse, 4)):
         check.aligned(op, name, t, alignment)
     batch, seq, heads, head_dim = q.shape
@@ -614,7 +614,7 @@ def ring_attention_backward_launch(
 ) -> None:
     op = "ring_attention_backward"
     tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv)
-    check.on_device(op, comm.device, **tensors)
+    check.on_device(op, comm.torch_device, **tensors)
     for name, t in tensors.items():
         check.aligned(op, name, t, 4 if name == "lse" else 16)
     batch, seq, heads, head_dim = q.shape
