@@ -1,13 +1,16 @@
 """How the torch.ops.mkernel ops are registered: their schemas and tags, torch's own
 consistency checks of a custom op (torch.library.opcheck: schema, autograd registration,
-fake against real), and the autograd node of an op without a gradient formula. CPU
-tensors; the kernel launches are replaced by CPU stand-ins that fill the outputs."""
+fake against real), the autograd node of an op without a gradient formula, and the
+public functions' path to the ops. CPU tensors; the kernel launches are replaced by CPU
+stand-ins that fill the outputs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import mkernel
 from mkernel import ops
 
 bf16 = torch.bfloat16
@@ -138,3 +141,44 @@ def test_ring_attention_keeps_its_gradient_formula(shape_comm, cpu_launches, mon
     torch.testing.assert_close(q.grad, dout * 2, rtol=0, atol=0)
     assert torch.equal(k.grad, torch.ones_like(k)) and torch.equal(v.grad, -torch.ones_like(v))
     assert seen["causal"] is True and seen["scale"] == 0.125 and torch.equal(seen["lse"], torch.full_like(lse, 0.5))
+
+
+class OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
+def test_public_functions_call_the_op_without_grad(shape_comm, cpu_launches):
+    """Without grad the public functions skip the op's autograd kernel (mkernel.ops.dispatch), and
+    dispatch modes and the profiler still see the op."""
+    name = shape_comm(2).name
+    x = _random(6, 4, dtype=torch.float32)
+    with OpRecorder() as recorder:
+        y = mkernel.all_reduce(x, name)
+    assert recorder.ops == ["mkernel.all_reduce.default"]
+    torch.testing.assert_close(y, x * 2, rtol=0, atol=0)
+    assert not y.requires_grad
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        mkernel.all_reduce(x, name)
+    assert "mkernel::all_reduce" in {e.name for e in prof.events()}
+
+
+def test_public_functions_keep_the_autograd_node(shape_comm, cpu_launches):
+    name = shape_comm(2).name
+    x = _random(6, 4, dtype=torch.float32).requires_grad_()
+    y = mkernel.all_reduce(x, name)
+    assert y.requires_grad
+    with pytest.raises(RuntimeError, match=r"mkernel\.all_reduce has no gradient formula"):
+        y.sum().backward()
+    with torch.no_grad():
+        assert not mkernel.all_reduce(x, name).requires_grad
+    # A differentiable op records its backward through the public function too.
+    q, k, v = (_random(1, 8, h, 64, seed=s).requires_grad_() for s, h in ((0, 4), (1, 2), (2, 2)))
+    out, _lse = mkernel.ring_attention(q, k, v, name, causal=True)
+    assert out.grad_fn is not None

@@ -19,7 +19,8 @@ for the same schema, tags and fake: its backend kernel runs behind a Dynamo-disa
 wrapper and checks every result for aliasing, and its autograd kernel builds a metadata
 object per call (pytorch/pytorch#139500). Each op gets the autograd kernel custom_op would
 give it: ring attention's formula, and for the others a node whose backward raises, so a
-gradient never stops silently at an mkernel op.
+gradient never stops silently at an mkernel op. The public functions skip that kernel
+where it would only pass the call on (mkernel.ops.dispatch).
 """
 
 from __future__ import annotations
@@ -312,8 +313,8 @@ def _ring_attention_setup(ctx, inputs, output):
 def _ring_attention_grad(ctx, dout, _dlse):
     # lse is a by-product (as in FlashAttention): no gradient flows through it.
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward(
-        q, k, v, out, dout.contiguous(), lse, ctx.comm, ctx.softmax_scale, ctx.causal
+    dq, dk, dv = ops.dispatch(
+        ring_attention_backward, q, k, v, out, dout.contiguous(), lse, ctx.comm, ctx.softmax_scale, ctx.causal
     )
     return dq, dk, dv, None, None, None
 
