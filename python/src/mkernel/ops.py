@@ -66,8 +66,13 @@ def dispatch(op, *args):
         return op(*args)
 
 
-def _stream(device: int) -> _lib.mkStream_t:
-    return _lib.mkStream_t(torch.cuda.current_stream(device).cuda_stream)
+def _stream(device: int) -> int:
+    """The current torch stream of CUDA device `device`, as the cudaStream_t value ctypes passes.
+
+    torch.cuda.current_stream(device).cuda_stream would build a torch.cuda.Stream object
+    per call; the raw lookup is the one Inductor's generated code makes before each launch.
+    """
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 def _call(comm, fn_name: str, *args) -> None:
