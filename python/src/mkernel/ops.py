@@ -76,10 +76,17 @@ def _stream(device: int) -> int:
 
 
 def _call(comm, fn_name: str, *args) -> None:
-    """Calls a communicator op with its handle and stream last; raises with the comm's message."""
-    handle = comm.handle()
-    fn = getattr(_lib.library(), fn_name)
-    raise_for(fn(*args, handle, _stream(comm.device)), fn_name, handle)
+    """Calls a communicator op with its handle and stream last; raises with the comm's message.
+
+    The library refuses any op of a communicator that has hit an asynchronous error, before
+    launching (Comm::check_usable); a refusal raises that error as check_async_error words
+    it, so the check costs a C call only when a call fails.
+    """
+    handle = comm.open_handle()
+    code = getattr(_lib.library(), fn_name)(*args, handle, _stream(comm.device))
+    if code != _lib.SUCCESS:
+        comm.check_async_error(handle)
+        raise_for(code, fn_name, handle)
 
 
 # --- AllGather / ReduceScatter / AllReduce ------------------------------------------------------
