@@ -110,6 +110,16 @@ def test_typed_pointers_point_at_the_tensors(launch):
     assert args[4] == out.data_ptr()
 
 
+def test_ring_attention_passes_the_scale_as_a_float(launch):
+    library, comm = launch
+    q, k, v = (_random(1, 8, h, 64, dtype=torch.bfloat16, seed=s) for s, h in ((0, 4), (1, 2), (2, 2)))
+    out, lse = mkernel.ring_attention(q, k, v, comm.name, softmax_scale=0.3, causal=True)
+    name, args = library.calls[-1]
+    assert name == "mkRingAttention"
+    assert ctypes.cast(args[4], ctypes.c_void_p).value == lse.data_ptr()
+    assert args[5:] == (1, 8, 4, 2, 64, pytest.approx(0.3), 1, _lib.DTYPE_CODES["bfloat16"], HANDLE, STREAM)
+
+
 def test_a_refused_launch_raises_the_asynchronous_error(launch):
     library, comm = launch
     library.result = _lib.REMOTE_ERROR
