@@ -16,6 +16,7 @@ why).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from typing import NamedTuple, Union
 
@@ -392,8 +393,13 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out: to
 # --- MoE --------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256, typed=True)
 def moe_layout_bytes(tokens: int, topk: int, recv_capacity: int) -> int:
-    """Bytes of the layout buffer moe_dispatch_gemm fills and moe_gemm_combine reads (mkMoeLayoutBytes)."""
+    """Bytes of the layout buffer moe_dispatch_gemm fills and moe_gemm_combine reads (mkMoeLayoutBytes).
+
+    A pure function of its arguments, cached: both MoE ops' shape rules ask it on every
+    call. Sizes it refuses raise every time (lru_cache keeps no exceptions).
+    """
     size = ctypes.c_size_t(0)
     raise_for(_lib.library().mkMoeLayoutBytes(tokens, topk, recv_capacity, ctypes.byref(size)), "mkMoeLayoutBytes")
     return size.value
