@@ -82,6 +82,11 @@ def test_all_reduce_passes_handle_and_stream_last(launch):
     assert name == "mkAllReduce"
     assert args == (x.data_ptr(), y.data_ptr(), 64, _lib.DTYPE_CODES["float32"], _lib.REDOP_CODES["max"], HANDLE, STREAM)
     assert comm.async_checks == [], "a launch the library accepts needs no asynchronous error query"
+    # The op allocates its output, a 0-d one too.
+    scalar = _random(())
+    out = mkernel.all_reduce(scalar, comm.name)
+    assert out.shape == () and out.dtype == torch.float32
+    assert library.calls[-1][1][:3] == (scalar.data_ptr(), out.data_ptr(), 1)
 
 
 def test_typed_pointers_point_at_the_tensors(launch):
@@ -91,6 +96,9 @@ def test_typed_pointers_point_at_the_tensors(launch):
     idx = torch.tensor([[0, -1]] * tokens, dtype=torch.int32)
     w1 = _random(1, ffn, hidden, dtype=torch.bfloat16, seed=1)
     y, counts, layout = mkernel.moe_dispatch_gemm(x, idx, w1, comm.name, 128)
+    assert (y.shape, y.dtype) == ((128, ffn), torch.bfloat16)
+    assert (counts.shape, counts.dtype) == ((2,), torch.int32)
+    assert (layout.shape, layout.dtype) == ((mkernel.moe_layout_bytes(tokens, topk, 128),), torch.uint8)
     name, args = library.calls[-1]
     assert name == "mkMoeDispatchGemm"
 
