@@ -18,8 +18,8 @@ the torch.library.custom_op decorator, whose eager calls pay about 5 µs more of
 for the same schema, tags and fake: its backend kernel runs behind a Dynamo-disabling
 wrapper and checks every result for aliasing, and its autograd kernel builds a metadata
 object per call (pytorch/pytorch#139500). Each op gets the autograd kernel custom_op would
-give it: ring attention's formula, and for the others a node whose backward raises, so a
-gradient never stops silently at an mkernel op. The public functions skip that kernel
+give it (_autograd_kernel): ring attention's formula, and for the others a node whose
+backward raises, so a gradient never stops silently at an mkernel op. The public functions skip that kernel
 where it would only pass the call on (mkernel.ops.dispatch).
 """
 
@@ -36,14 +36,19 @@ _LIBRARY = Library("mkernel", "FRAGMENT")
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 
 
+def _below_autograd(op, keyset, *args):
+    """Calls `op` below the autograd keys: its implementation, or its fake while tracing."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+
+
 class _NoGradient(torch.autograd.Function):
     """The autograd node of an op without a gradient formula: its backward raises."""
 
     @staticmethod
     def forward(ctx, name, op, keyset, *args):
         ctx.name = name
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+        return _below_autograd(op, keyset, *args)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -53,36 +58,55 @@ class _NoGradient(torch.autograd.Function):
         )
 
 
-def _autograd_kernel(name: str, op):
-    """The Autograd kernel of an op without a gradient formula (what custom_op registers for one).
+class _RingAttentionGradient(torch.autograd.Function):
+    """Ring attention's autograd node: the backward is torch.ops.mkernel.ring_attention_backward
+    on what the forward saved. lse is a by-product (as in FlashAttention): no gradient flows
+    through it."""
 
-    Without grad the call goes on to the op's implementation or fake (below the autograd
-    keys); with grad its outputs get a _NoGradient node.
+    @staticmethod
+    def forward(ctx, name, op, keyset, q, k, v, comm, softmax_scale, causal):
+        out, lse = _below_autograd(op, keyset, q, k, v, comm, softmax_scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.softmax_scale, ctx.causal = comm, softmax_scale, causal
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ops.dispatch(
+            ring_attention_backward, q, k, v, out, dout.contiguous(), lse, ctx.comm, ctx.softmax_scale, ctx.causal
+        )
+        return None, None, None, dq, dk, dv, None, None, None
+
+
+def _autograd_kernel(name: str, op, gradient):
+    """An op's Autograd kernel, as custom_op's: with grad, the outputs get a node of the
+    autograd.Function `gradient`; without, the call goes on below the autograd keys.
+
+    torch.library.register_autograd would make the same node, but rebuilds the op's
+    arguments from its schema on every call (utils.fill_defaults, several µs of host time),
+    which a schema without defaults does not need.
     """
 
     def kernel(keyset, *args):
         if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            return _NoGradient.apply(name, op, keyset, *args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+            return gradient.apply(name, op, keyset, *args)
+        return _below_autograd(op, keyset, *args)
 
     return kernel
 
 
-def _define(schema: str, *, differentiable: bool = False):
+def _define(schema: str, *, gradient=_NoGradient):
     """Defines torch.ops.mkernel.<name> with `schema` and the decorated function as its
-    implementation for every device; returns the op (its OpOverloadPacket).
-
-    Ops with differentiable=True get their formula from torch.library.register_autograd;
-    the others a kernel whose backward raises."""
+    implementation for every device, and an Autograd kernel with the autograd.Function
+    `gradient` (default: a backward that raises); returns the op (its OpOverloadPacket)."""
 
     def define(impl):
         name = schema.split("(", 1)[0]
         _LIBRARY.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
         _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
         op = getattr(torch.ops.mkernel, name)
-        if not differentiable:
-            _LIBRARY.impl(name, _autograd_kernel(name, op.default), "Autograd", with_keyset=True)
+        _LIBRARY.impl(name, _autograd_kernel(name, op.default, gradient), "Autograd", with_keyset=True)
         return op
 
     return define
@@ -263,7 +287,7 @@ def _(y_act, w2, topk_weights, layout, comm, world_size):
 
 @_define(
     "ring_attention(Tensor q, Tensor k, Tensor v, str comm, float softmax_scale, bool causal) -> (Tensor, Tensor)",
-    differentiable=True,
+    gradient=_RingAttentionGradient,
 )
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: str, softmax_scale: float, causal: bool
@@ -308,24 +332,3 @@ def ring_attention_backward(
 def _(q, k, v, out, dout, lse, comm, softmax_scale, causal):
     shapes = ops.ring_attention_backward_shapes(q, k, v, out, dout, lse, softmax_scale, causal)
     return tuple(_empty(shape, q) for shape in shapes)
-
-
-def _ring_attention_setup(ctx, inputs, output):
-    q, k, v, comm, softmax_scale, causal = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.comm, ctx.softmax_scale, ctx.causal = comm, softmax_scale, causal
-
-
-def _ring_attention_grad(ctx, dout, _dlse):
-    # lse is a by-product (as in FlashAttention): no gradient flows through it.
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ops.dispatch(
-        ring_attention_backward, q, k, v, out, dout.contiguous(), lse, ctx.comm, ctx.softmax_scale, ctx.causal
-    )
-    return dq, dk, dv, None, None, None
-
-
-torch.library.register_autograd(
-    "mkernel::ring_attention", _ring_attention_grad, setup_context=_ring_attention_setup, lib=_LIBRARY
-)
