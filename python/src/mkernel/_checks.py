@@ -27,6 +27,7 @@ TORCH_DTYPES = {
     torch.float64: "float64",
     torch.bfloat16: "bfloat16",
 }
+ALL_DTYPES = tuple(TORCH_DTYPES)
 GEMM_DTYPES = (torch.bfloat16, torch.float16)
 REDUCE_OPS = tuple(_lib.REDOP_CODES)
 
@@ -35,15 +36,18 @@ def fail(op: str, message: str):
     raise MkInvalidArgumentError(f"mkernel.{op}: {message}")
 
 
+_DTYPE_CODES = {dtype: _lib.DTYPE_CODES[name] for dtype, name in TORCH_DTYPES.items()}
+
+
 def dtype_code(dtype: torch.dtype) -> int:
-    return _lib.DTYPE_CODES[TORCH_DTYPES[dtype]]
+    return _DTYPE_CODES[dtype]
 
 
 def tensor(op: str, name: str, t, *, dtypes=None, dim: int | None = None, min_dim: int | None = None):
     """Checks that `t` is a contiguous tensor with an allowed dtype and rank."""
     if not isinstance(t, torch.Tensor):
         fail(op, f"expected {name} to be a torch.Tensor, but got {type(t).__name__}")
-    allowed = dtypes if dtypes is not None else tuple(TORCH_DTYPES)
+    allowed = dtypes if dtypes is not None else ALL_DTYPES
     if t.dtype not in allowed:
         names = ", ".join(str(d) for d in allowed)
         fail(op, f"expected {name} to have dtype in ({names}), but got {t.dtype}")
@@ -117,6 +121,6 @@ def aligned(op: str, name: str, t: torch.Tensor, alignment: int):
 def output(op: str, name: str, out, *, shape, dtype, device: torch.device):
     """Checks a caller-supplied output tensor (out=)."""
     tensor(op, name, out, dtypes=(dtype,))
-    if tuple(out.shape) != tuple(shape):
+    if out.shape != tuple(shape):  # torch.Size is a tuple
         fail(op, f"expected {name} to have shape {tuple(shape)}, but got {tuple(out.shape)}")
     on_device(op, device, **{name: out})
