@@ -90,6 +90,36 @@ def _call(comm, fn_name: str, *args) -> None:
         raise_for(code, fn_name, handle)
 
 
+def _memoized(rule):
+    """Caches a shape rule's result by everything it reads of its arguments: each tensor's
+    shape, dtype and contiguity, and each other argument's type and value.
+
+    For the rules whose checks cost more than building that key (the MoE and ring
+    attention rules, about 2 µs against 1 µs). A rule that raises stores nothing, so a bad
+    call raises its message every time; arguments that give no key (symbolic sizes while
+    tracing, which cannot be hashed) run the rule itself.
+    """
+    cache = {}
+
+    @functools.wraps(rule)
+    def cached(*args):
+        try:
+            key = tuple(
+                [(a.shape, a.dtype, a.is_contiguous()) if isinstance(a, torch.Tensor) else (type(a), a) for a in args]
+            )
+            result = cache.get(key)
+        except Exception:  # noqa: BLE001 -- no key: the rule itself runs and raises what it raises
+            return rule(*args)
+        if result is None:
+            result = rule(*args)
+            if len(cache) >= 1024:
+                cache.clear()
+            cache[key] = result
+        return result
+
+    return cached
+
+
 # --- AllGather / ReduceScatter / AllReduce ------------------------------------------------------
 
 
@@ -425,6 +455,7 @@ class MoeDispatch(NamedTuple):
     layout: torch.Tensor
 
 
+@_memoized
 def moe_dispatch_shapes(x, topk_idx, w1, recv_capacity: int, world_size: int):
     op = "moe_dispatch_gemm"
     check.tensor(op, "x", x, dtypes=check.GEMM_DTYPES, dim=2)
@@ -502,6 +533,7 @@ def moe_dispatch_gemm(
     return MoeDispatch(y, counts, layout)
 
 
+@_memoized
 def moe_combine_shapes(y_act, w2, topk_weights, layout, world_size: int):
     op = "moe_gemm_combine"
     check.tensor(op, "y_act", y_act, dtypes=check.GEMM_DTYPES, dim=2)
@@ -581,6 +613,7 @@ def moe_gemm_combine(
 # --- Ring attention ---------------------------------------------------------------------------------
 
 
+@_memoized
 def ring_attention_shapes(q, k, v, softmax_scale: float, causal: bool):
     op = "ring_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -631,6 +664,7 @@ def ring_attention_launch(q, k, v, out, lse, softmax_scale: float, causal: bool,
     )
 
 
+@_memoized
 def ring_attention_backward_shapes(q, k, v, out, dout, lse, softmax_scale: float, causal: bool):
     """(dq, dk, dv) shapes, after the forward's rules and out, dout, lse matching them."""
     op = "ring_attention_backward"
