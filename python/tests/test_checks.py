@@ -304,10 +304,15 @@ def test_op_argument_checks(shape_comm, case_id):
 
 def test_alignment_check_names_the_rule():
     raw = torch.zeros(64, dtype=torch.uint8)
-    _checks.aligned("gemm", "a", raw, 16)  # torch's allocations are aligned
+    _checks.aligned("gemm", ("a", raw, 16), ("b", raw[4:], 4))  # torch's allocations are aligned
     expect(
-        lambda: _checks.aligned("gemm", "a", raw[1:], 16),
-        r"gemm: expected a to be 16-byte aligned, but its data starts at address 0x[0-9a-f]+",
+        lambda: _checks.aligned("gemm", ("a", raw, 16), ("b", raw[1:], 16)),
+        r"gemm: expected b to be 16-byte aligned, but its data starts at address 0x[0-9a-f]+",
+    )
+    # In the order given: the first misaligned tensor is named.
+    expect(
+        lambda: _checks.aligned("gemm", ("a", raw[2:], 4), ("b", raw[1:], 16)),
+        r"gemm: expected a to be 4-byte aligned",
     )
 
 

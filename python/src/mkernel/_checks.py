@@ -108,14 +108,17 @@ def on_device(op: str, device: torch.device, **named):
             fail(op, f"expected {name} to be on {device} (the communicator's device), but got a tensor on {t.device}")
 
 
-def aligned(op: str, name: str, t: torch.Tensor, alignment: int):
-    """Checks that the tensor's first element sits at a multiple of `alignment` bytes."""
-    if t.data_ptr() % alignment != 0:
-        fail(
-            op,
-            f"expected {name} to be {alignment}-byte aligned, but its data starts at address "
-            f"{t.data_ptr():#x} (a view with a storage offset? call .clone())",
-        )
+def aligned(op: str, *specs):
+    """Checks, for each (name, tensor, alignment) in order, that the tensor's first element
+    sits at a multiple of `alignment` bytes (one call for all of an op's tensors)."""
+    for name, t, alignment in specs:
+        address = t.data_ptr()
+        if address % alignment != 0:
+            fail(
+                op,
+                f"expected {name} to be {alignment}-byte aligned, but its data starts at address "
+                f"{address:#x} (a view with a storage offset? call .clone())",
+            )
 
 
 def output(op: str, name: str, out, *, shape, dtype, device: torch.device):

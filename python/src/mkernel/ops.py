@@ -131,8 +131,7 @@ def all_gather_shapes(x, world_size: int):
 
 def all_gather_launch(x, out, comm) -> None:
     check.on_device("all_gather", comm.torch_device, input=x, output=out)
-    for name, t in (("input", x), ("output", out)):
-        check.aligned("all_gather", name, t, t.element_size())
+    check.aligned("all_gather", ("input", x, x.element_size()), ("output", out, out.element_size()))
     _call(comm, "mkAllGather", x.data_ptr(), out.data_ptr(), x.numel(), check.dtype_code(x.dtype))
 
 
@@ -150,8 +149,7 @@ def reduce_scatter_shapes(x, op: str, world_size: int):
 
 def reduce_scatter_launch(x, out, op: str, comm) -> None:
     check.on_device("reduce_scatter", comm.torch_device, input=x, output=out)
-    for name, t in (("input", x), ("output", out)):
-        check.aligned("reduce_scatter", name, t, t.element_size())
+    check.aligned("reduce_scatter", ("input", x, x.element_size()), ("output", out, out.element_size()))
     _call(
         comm,
         "mkReduceScatter",
@@ -171,8 +169,7 @@ def all_reduce_shapes(x, op: str):
 
 def all_reduce_launch(x, out, op: str, comm) -> None:
     check.on_device("all_reduce", comm.torch_device, input=x, output=out)
-    for name, t in (("input", x), ("output", out)):
-        check.aligned("all_reduce", name, t, t.element_size())
+    check.aligned("all_reduce", ("input", x, x.element_size()), ("output", out, out.element_size()))
     _call(
         comm,
         "mkAllReduce",
@@ -264,9 +261,7 @@ def gemm_launch(a, b, out) -> None:
         check.fail(op, f"expected a to be a CUDA tensor, but got a tensor on {a.device}")
     device = a.device.index
     check.on_device(op, a.device, a=a, b=b, out=out)
-    check.aligned(op, "a", a, 16)
-    check.aligned(op, "b", b, 16)
-    check.aligned(op, "out", out, out.element_size())
+    check.aligned(op, ("a", a, 16), ("b", b, 16), ("out", out, out.element_size()))
     m, k = a.shape
     n = b.shape[0]
     lib = _lib.library()
@@ -306,8 +301,7 @@ def all_gather_gemm_launch(a, b, out, gathered, comm) -> None:
     if gathered is not None:
         named["gathered_a"] = gathered
     check.on_device(op, comm.torch_device, **named)
-    for name, t in named.items():
-        check.aligned(op, name, t, 16)
+    check.aligned(op, *((name, t, 16) for name, t in named.items()))
     m, n = out.shape
     k = a.shape[1]
     _call(
@@ -377,8 +371,7 @@ def gemm_all_reduce_shapes(a, b):
 
 def _reduced_gemm_launch(op: str, fn_name: str, a, b, out, comm) -> None:
     check.on_device(op, comm.torch_device, a=a, b=b, out=out)
-    for name, t in (("a", a), ("b", b), ("out", out)):
-        check.aligned(op, name, t, 16)
+    check.aligned(op, ("a", a, 16), ("b", b, 16), ("out", out, 16))
     m, k = a.shape
     n = b.shape[0]
     _call(comm, fn_name, a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, check.dtype_code(a.dtype))
@@ -485,15 +478,15 @@ def moe_dispatch_shapes(x, topk_idx, w1, recv_capacity: int, world_size: int):
 def moe_dispatch_launch(x, topk_idx, w1, y, recv_counts, layout, experts: int, comm) -> None:
     op = "moe_dispatch_gemm"
     check.on_device(op, comm.torch_device, x=x, topk_idx=topk_idx, w1=w1, y=y, recv_counts=recv_counts, layout=layout)
-    for name, t, alignment in (
+    check.aligned(
+        op,
         ("x", x, 16),
         ("w1", w1, 16),
         ("y", y, 16),
         ("layout", layout, 16),
         ("topk_idx", topk_idx, 4),
         ("recv_counts", recv_counts, 4),
-    ):
-        check.aligned(op, name, t, alignment)
+    )
     tokens, hidden = x.shape
     _call(
         comm,
@@ -567,14 +560,14 @@ def moe_combine_shapes(y_act, w2, topk_weights, layout, world_size: int):
 def moe_combine_launch(y_act, w2, topk_weights, layout, out, experts: int, comm) -> None:
     op = "moe_gemm_combine"
     check.on_device(op, comm.torch_device, y_act=y_act, w2=w2, topk_weights=topk_weights, layout=layout, out=out)
-    for name, t, alignment in (
+    check.aligned(
+        op,
         ("y_act", y_act, 16),
         ("w2", w2, 16),
         ("layout", layout, 16),
         ("out", out, 16),
         ("topk_weights", topk_weights, 4),
-    ):
-        check.aligned(op, name, t, alignment)
+    )
     tokens, topk = topk_weights.shape
     recv_capacity, ffn = y_act.shape
     _call(
@@ -642,8 +635,7 @@ def ring_attention_shapes(q, k, v, softmax_scale: float, causal: bool):
 def ring_attention_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, comm) -> None:
     op = "ring_attention"
     check.on_device(op, comm.torch_device, q=q, k=k, v=v, out=out, lse=lse)
-    for name, t, alignment in (("q", q, 16), ("k", k, 16), ("v", v, 16), ("out", out, 16), ("lse", lse, 4)):
-        check.aligned(op, name, t, alignment)
+    check.aligned(op, ("q", q, 16), ("k", k, 16), ("v", v, 16), ("out", out, 16), ("lse", lse, 4))
     batch, seq, heads, head_dim = q.shape
     _call(
         comm,
@@ -686,8 +678,7 @@ def ring_attention_backward_launch(
     op = "ring_attention_backward"
     tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv)
     check.on_device(op, comm.torch_device, **tensors)
-    for name, t in tensors.items():
-        check.aligned(op, name, t, 4 if name == "lse" else 16)
+    check.aligned(op, *((name, t, 4 if name == "lse" else 16) for name, t in tensors.items()))
     batch, seq, heads, head_dim = q.shape
     _call(
         comm,
