@@ -32,8 +32,14 @@ class ShapeOnlyComm:
     device: int = 0
     name: str = field(default_factory=lambda: f"test-shape-comm:{next(_ids)}")
 
-    def handle(self):
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", self.device)
+
+    def open_handle(self):
         raise AssertionError("a shape-only communicator cannot launch")
+
+    handle = open_handle
 
 
 @pytest.fixture

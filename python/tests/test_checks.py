@@ -304,10 +304,15 @@ def test_op_argument_checks(shape_comm, case_id):
 
 def test_alignment_check_names_the_rule():
     raw = torch.zeros(64, dtype=torch.uint8)
-    _checks.aligned("gemm", "a", raw, 16)  # torch's allocations are aligned
+    _checks.aligned("gemm", ("a", raw, 16), ("b", raw[4:], 4))  # torch's allocations are aligned
     expect(
-        lambda: _checks.aligned("gemm", "a", raw[1:], 16),
-        r"gemm: expected a to be 16-byte aligned, but its data starts at address 0x[0-9a-f]+",
+        lambda: _checks.aligned("gemm", ("a", raw, 16), ("b", raw[1:], 16)),
+        r"gemm: expected b to be 16-byte aligned, but its data starts at address 0x[0-9a-f]+",
+    )
+    # In the order given: the first misaligned tensor is named.
+    expect(
+        lambda: _checks.aligned("gemm", ("a", raw[2:], 4), ("b", raw[1:], 16)),
+        r"gemm: expected a to be 4-byte aligned",
     )
 
 
@@ -383,3 +388,43 @@ def test_layers_check_divisibility(shape_comm):
         lambda: mkernel.nn.RowParallelLinear(64, 64, c.name, dtype=torch.float32, device="meta"),
         r"expected dtype torch.bfloat16 or torch.float16",
     )
+
+
+def test_cached_shape_rules_still_refuse(shape_comm):
+    """The MoE and ring attention shape rules keep their results by the arguments' shapes,
+    dtypes and contiguity: a call that differs from a cached good one in any of them, or a
+    bad call made twice, raises its message. Meta tensors: the ops' fakes run the rules."""
+    n = shape_comm(2).name
+
+    def m(*shape, dtype=bf16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    def qkv(seq=8, dtype=bf16):
+        return m(1, seq, 4, 64, dtype=dtype), m(1, seq, 2, 64, dtype=dtype), m(1, seq, 2, 64, dtype=dtype)
+
+    q, k, v = qkv()
+    for _ in range(2):  # the second call is served from the cache
+        assert mkernel.ring_attention(q, k, v, n, causal=True)[0].shape == q.shape
+    strided_k = m(1, 2, 8, 64).transpose(1, 2)  # k's shape, not contiguous
+    assert strided_k.shape == k.shape
+    for _ in range(2):
+        expect(
+            lambda: mkernel.ring_attention(q, strided_k, v, n, causal=True), r"ring_attention: expected k to be contiguous"
+        )
+        expect(lambda: mkernel.ring_attention(*qkv(dtype=f32), n), r"ring_attention: expected q to have dtype in")
+        expect(lambda: mkernel.ring_attention(*qkv(seq=7), n, causal=True), r"expected an even seq_local")
+        expect(lambda: mkernel.ring_attention(q, k, v, n, softmax_scale=float("nan")), r"expected softmax_scale")
+    assert mkernel.ring_attention(*qkv(seq=7), n, causal=False)[0].shape == (1, 7, 4, 64)
+
+    x, idx, w1 = m(5, 128), m(5, 2, dtype=torch.int32), m(1, 256, 128)
+    assert mkernel.moe_dispatch_gemm(x, idx, w1, n, 256).y.shape == (256, 256)
+    for _ in range(2):
+        expect(lambda: mkernel.moe_dispatch_gemm(x, idx, w1, n, 200), r"expected recv_capacity to be a multiple of 128")
+        expect(
+            lambda: mkernel.moe_dispatch_gemm(m(128, 5).t(), idx, w1, n, 256),
+            r"moe_dispatch_gemm: expected x to be contiguous",
+        )
+        expect(
+            lambda: mkernel.moe_dispatch_gemm(x, idx, m(1, 256, 128, dtype=f16), n, 256),
+            r"expected x and w1 to have the same dtype",
+        )

@@ -62,6 +62,24 @@ def test_functional_ops_compile_without_graph_breaks(shape_comm):
     ]
 
 
+def test_dynamic_shapes_trace_the_shape_rules(shape_comm):
+    """With symbolic sizes the fakes run the shape rules themselves (a symbolic size has no
+    cache key): one graph serves two sequence lengths."""
+    comm = shape_comm(2).name
+
+    def step(q, k, v):
+        return mkernel.ring_attention(q, k, v, comm, causal=True)[0]
+
+    recorder = GraphRecorder()
+    compiled = torch.compile(step, backend=recorder, fullgraph=True, dynamic=True)
+    meta = dict(dtype=bf16, device="meta")
+    for seq in (8, 16):
+        out = compiled(torch.empty(1, seq, 4, 64, **meta), *(torch.empty(1, seq, 2, 64, **meta) for _ in range(2)))
+        assert out.shape == (1, seq, 4, 64)
+    assert len(recorder.graphs) == 1
+    assert recorder.mkernel_ops() == ["mkernel.ring_attention"]
+
+
 class TensorParallelMLP(torch.nn.Module):
     def __init__(self, hidden, ffn, comm, sequence_parallel):
         super().__init__()

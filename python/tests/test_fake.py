@@ -242,6 +242,10 @@ def test_moe_layout_bytes_follows_the_documented_formula():
     # mkernel.h: 4·(4 + 3·tokens·topk + 6·recvCapacity/128 + 1025).
     for tokens, topk, cap in [(0, 1, 0), (5, 3, 512), (4096, 8, 65536)]:
         assert mkernel.moe_layout_bytes(tokens, topk, cap) == 4 * (4 + 3 * tokens * topk + 6 * cap // 128 + 1025)
+    # The sizes the library refuses (a layout of 2^31 int32 words or more) raise on every call.
+    for _ in range(2):
+        with pytest.raises(mkernel.MkInvalidArgumentError, match="mkMoeLayoutBytes failed"):
+            mkernel.moe_layout_bytes(1 << 20, 1 << 10, 128)
 
 
 def test_moe_segment_starts():

@@ -27,6 +27,7 @@ TORCH_DTYPES = {
     torch.float64: "float64",
     torch.bfloat16: "bfloat16",
 }
+ALL_DTYPES = tuple(TORCH_DTYPES)
 GEMM_DTYPES = (torch.bfloat16, torch.float16)
 REDUCE_OPS = tuple(_lib.REDOP_CODES)
 
@@ -35,15 +36,18 @@ def fail(op: str, message: str):
     raise MkInvalidArgumentError(f"mkernel.{op}: {message}")
 
 
+_DTYPE_CODES = {dtype: _lib.DTYPE_CODES[name] for dtype, name in TORCH_DTYPES.items()}
+
+
 def dtype_code(dtype: torch.dtype) -> int:
-    return _lib.DTYPE_CODES[TORCH_DTYPES[dtype]]
+    return _DTYPE_CODES[dtype]
 
 
 def tensor(op: str, name: str, t, *, dtypes=None, dim: int | None = None, min_dim: int | None = None):
     """Checks that `t` is a contiguous tensor with an allowed dtype and rank."""
     if not isinstance(t, torch.Tensor):
         fail(op, f"expected {name} to be a torch.Tensor, but got {type(t).__name__}")
-    allowed = dtypes if dtypes is not None else tuple(TORCH_DTYPES)
+    allowed = dtypes if dtypes is not None else ALL_DTYPES
     if t.dtype not in allowed:
         names = ", ".join(str(d) for d in allowed)
         fail(op, f"expected {name} to have dtype in ({names}), but got {t.dtype}")
@@ -93,29 +97,33 @@ def softmax_scale(op: str, scale: float):
         fail(op, f"expected softmax_scale to be finite and positive, but got {scale!r}")
 
 
-def on_device(op: str, device: int, **named):
-    """Checks that every tensor is in the memory of CUDA device `device`."""
+def on_device(op: str, device: torch.device, **named):
+    """Checks that every tensor is in the memory of `device` (a CUDA device with its index).
+
+    One comparison of torch.device objects per tensor: reading `t.device.type` and
+    `t.device.index` would build two device objects.
+    """
     for name, t in named.items():
-        if t.device.type != "cuda" or t.device.index != device:
+        if t.device != device:
+            fail(op, f"expected {name} to be on {device} (the communicator's device), but got a tensor on {t.device}")
+
+
+def aligned(op: str, *specs):
+    """Checks, for each (name, tensor, alignment) in order, that the tensor's first element
+    sits at a multiple of `alignment` bytes (one call for all of an op's tensors)."""
+    for name, t, alignment in specs:
+        address = t.data_ptr()
+        if address % alignment != 0:
             fail(
                 op,
-                f"expected {name} to be on cuda:{device} (the communicator's device), but got a tensor on {t.device}",
+                f"expected {name} to be {alignment}-byte aligned, but its data starts at address "
+                f"{address:#x} (a view with a storage offset? call .clone())",
             )
 
 
-def aligned(op: str, name: str, t: torch.Tensor, alignment: int):
-    """Checks that the tensor's first element sits at a multiple of `alignment` bytes."""
-    if t.data_ptr() % alignment != 0:
-        fail(
-            op,
-            f"expected {name} to be {alignment}-byte aligned, but its data starts at address "
-            f"{t.data_ptr():#x} (a view with a storage offset? call .clone())",
-        )
-
-
-def output(op: str, name: str, out, *, shape, dtype, device: int):
+def output(op: str, name: str, out, *, shape, dtype, device: torch.device):
     """Checks a caller-supplied output tensor (out=)."""
     tensor(op, name, out, dtypes=(dtype,))
-    if tuple(out.shape) != tuple(shape):
+    if out.shape != tuple(shape):  # torch.Size is a tuple
         fail(op, f"expected {name} to have shape {tuple(shape)}, but got {tuple(out.shape)}")
     on_device(op, device, **{name: out})

@@ -61,7 +61,8 @@ def lookup(name: str):
 
 
 def register(comm) -> None:
-    """Registers an object with `name`, `rank`, `world_size` and `device` for lookup() by name."""
+    """Registers an object with `name`, `rank`, `world_size`, `device` and `torch_device` for lookup() by name
+    (and, to launch, `open_handle()` and `check_async_error(handle)`)."""
     with _registry_lock:
         if comm.name in _registry:
             raise MkInvalidUsageError(f"mkernel: a communicator named {comm.name!r} already exists")
@@ -127,6 +128,9 @@ class Communicator:
             id (from mkernel.get_unique_id() on one rank) on every rank, and this rank.
         name: the name the torch.library ops use for it (default: "mkernel:<n>").
 
+    Attributes: name, rank, world_size, device (the CUDA device index) and torch_device
+    (that device as a torch.device, which the ops compare their tensors' devices with).
+
     Creation blocks until every rank has joined. Use it as a context manager, or call
     close(). abort() may be called from any thread (a watchdog): it stops the kernels and
     host waits of this communicator, and every later call raises MkInvalidUsageError.
@@ -181,6 +185,7 @@ class Communicator:
                 "mkernel's communicators need an NVIDIA GPU (sm_90)"
             )
         self.device = self._resolve_device(device)
+        self.torch_device = torch.device("cuda", self.device)
         if unique_id is None:
             uid, rank, world_size = self._unique_id_from_group(group)
         self.rank = rank
@@ -304,10 +309,20 @@ class Communicator:
 
     def handle(self) -> _lib.mkComm_t:
         """The mkComm_t, after checking that the communicator is open and has no async error."""
+        handle = self.open_handle()
+        self.check_async_error(handle)
+        return handle
+
+    def open_handle(self) -> _lib.mkComm_t:
+        """The mkComm_t, after checking that the communicator is open (not closed or aborted).
+
+        What the ops launch with: the library refuses every op of a communicator with an
+        asynchronous error before it launches anything, and the ops then raise that error
+        (mkernel.ops._call), so they need no mkCommGetAsyncError call of their own first.
+        """
         handle = self._handle
         if handle is None:
             raise MkInvalidUsageError(f"mkernel: communicator {self.name!r} is {self._state}; create a new one")
-        self.check_async_error(handle)
         return handle
 
     def check_async_error(self, handle=None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import comm_name, default_softmax_scale, resolve
+from ..ops import comm_name, default_softmax_scale, dispatch, resolve
 
 
 class RingAttention(nn.Module):
@@ -31,7 +31,9 @@ class RingAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         scale = self.softmax_scale if self.softmax_scale is not None else default_softmax_scale(q.shape[-1])
-        out, lse = torch.ops.mkernel.ring_attention(q, k, v, self.comm, float(scale), bool(self.causal))
+        out, lse = dispatch(
+            torch.ops.mkernel.ring_attention, q, k, v, self.comm, float(scale), bool(self.causal)
+        )
         return (out, lse) if self.return_lse else out
 
     def extra_repr(self) -> str:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import _checks as check
-from ..ops import comm_name, resolve
+from ..ops import comm_name, dispatch, resolve
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ class _ColumnSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, comm: str, world_size: int):
-        y, gathered = torch.ops.mkernel.all_gather_gemm(x, weight, comm, world_size, True)
+        y, gathered = dispatch(torch.ops.mkernel.all_gather_gemm, x, weight, comm, world_size, True)
         ctx.save_for_backward(gathered, weight)
         ctx.comm, ctx.world_size = comm, world_size
         return y
@@ -42,7 +42,9 @@ class _ColumnSequenceParallel(torch.autograd.Function):
         # needs_input_grad is the same on every rank (same model), so skipping the collective is consistent.
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.mkernel.gemm_reduce_scatter(dy, _transposed(weight), ctx.comm, ctx.world_size)
+            dx = dispatch(
+                torch.ops.mkernel.gemm_reduce_scatter, dy, _transposed(weight), ctx.comm, ctx.world_size
+            )
         dw = dy.t() @ gathered
         return dx, dw, None, None
 
@@ -62,7 +64,7 @@ class _ColumnReplicated(torch.autograd.Function):
         dy = dy.contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.mkernel.gemm_all_reduce(dy, _transposed(weight), ctx.comm)
+            dx = dispatch(torch.ops.mkernel.gemm_all_reduce, dy, _transposed(weight), ctx.comm)
         dw = dy.t() @ x
         return dx, dw, None
 
@@ -76,14 +78,14 @@ class _RowSequenceParallel(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.world_size = comm, world_size
         ctx.has_bias = bias is not None
-        y = torch.ops.mkernel.gemm_reduce_scatter(x, weight, comm, world_size)
+        y = dispatch(torch.ops.mkernel.gemm_reduce_scatter, x, weight, comm, world_size)
         return y + bias if bias is not None else y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx, gathered_dy = torch.ops.mkernel.all_gather_gemm(
-            dy.contiguous(), _transposed(weight), ctx.comm, ctx.world_size, True
+        dx, gathered_dy = dispatch(
+            torch.ops.mkernel.all_gather_gemm, dy.contiguous(), _transposed(weight), ctx.comm, ctx.world_size, True
         )
         dw = gathered_dy.t() @ x
         db = gathered_dy.sum(0) if ctx.has_bias else None
@@ -96,7 +98,7 @@ class _RowAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, comm: str):
         ctx.save_for_backward(x, weight)
-        return torch.ops.mkernel.gemm_all_reduce(x, weight, comm)
+        return dispatch(torch.ops.mkernel.gemm_all_reduce, x, weight, comm)
 
     @staticmethod
     def backward(ctx, dy):

@@ -1,0 +1,184 @@
+"""How the torch.ops.mkernel ops are registered: their schemas and tags, torch's own
+consistency checks of a custom op (torch.library.opcheck: schema, autograd registration,
+fake against real), the autograd node of an op without a gradient formula, and the
+public functions' path to the ops. CPU tensors; the kernel launches are replaced by CPU
+stand-ins that fill the outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mkernel
+from mkernel import ops
+
+bf16 = torch.bfloat16
+
+# The schemas as documented in docs/python.md; a compiled graph or a caller of torch.ops.mkernel.* relies on them.
+SCHEMAS = {
+    "all_gather": "mkernel::all_gather(Tensor x, str comm, SymInt world_size) -> Tensor",
+    "reduce_scatter": "mkernel::reduce_scatter(Tensor x, str comm, SymInt world_size, str op) -> Tensor",
+    "all_reduce": "mkernel::all_reduce(Tensor x, str comm, str op) -> Tensor",
+    "gemm": "mkernel::gemm(Tensor a, Tensor b) -> Tensor",
+    "all_gather_gemm": "mkernel::all_gather_gemm(Tensor a, Tensor b, str comm, SymInt world_size, "
+    "bool return_gathered) -> (Tensor, Tensor)",
+    "gemm_reduce_scatter": "mkernel::gemm_reduce_scatter(Tensor a, Tensor b, str comm, SymInt world_size) -> Tensor",
+    "gemm_all_reduce": "mkernel::gemm_all_reduce(Tensor a, Tensor b, str comm) -> Tensor",
+    "moe_dispatch_gemm": "mkernel::moe_dispatch_gemm(Tensor x, Tensor topk_idx, Tensor w1, str comm, "
+    "SymInt world_size, SymInt recv_capacity) -> (Tensor, Tensor, Tensor)",
+    "moe_gemm_combine": "mkernel::moe_gemm_combine(Tensor y_act, Tensor w2, Tensor topk_weights, Tensor layout, "
+    "str comm, SymInt world_size) -> Tensor",
+    "ring_attention": "mkernel::ring_attention(Tensor q, Tensor k, Tensor v, str comm, float softmax_scale, "
+    "bool causal) -> (Tensor, Tensor)",
+    "ring_attention_backward": "mkernel::ring_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, "
+    "Tensor dout, Tensor lse, str comm, float softmax_scale, bool causal) -> (Tensor, Tensor, Tensor)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_schema_and_tags(name):
+    op = getattr(torch.ops.mkernel, name).default
+    assert str(op._schema) == SCHEMAS[name]
+    assert torch.Tag.pt2_compliant_tag in op.tags
+
+
+def _random(*shape, dtype=bf16, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.fixture
+def cpu_launches(monkeypatch):
+    """Replaces the launches with CPU stand-ins: outputs filled from the inputs, as if every rank held this rank's."""
+
+    def all_reduce(x, out, op, comm):
+        out.copy_(x * comm.world_size)
+
+    def all_gather_gemm(a, b, out, gathered, comm):
+        rows = a.repeat(comm.world_size, 1)
+        out.copy_(rows.float() @ b.float().t())
+        if gathered is not None:
+            gathered.copy_(rows)
+
+    def moe_dispatch(x, topk_idx, w1, y, recv_counts, layout, experts, comm):
+        y.copy_(torch.arange(y.numel(), dtype=torch.float32).reshape(y.shape) % 7)
+        recv_counts.fill_(3)
+        layout.fill_(1)
+
+    def ring_attention(q, k, v, out, lse, softmax_scale, causal, comm):
+        out.copy_(q * softmax_scale)
+        lse.fill_(0.5)
+
+    monkeypatch.setattr(ops, "all_reduce_launch", all_reduce)
+    monkeypatch.setattr(ops, "all_gather_gemm_launch", all_gather_gemm)
+    monkeypatch.setattr(ops, "moe_dispatch_launch", moe_dispatch)
+    monkeypatch.setattr(ops, "ring_attention_launch", ring_attention)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(shape_comm, cpu_launches, requires_grad):
+    """torch's checks of a custom op: its schema against what it does, an autograd kernel for
+    inputs that require grad, and the fake's outputs against the real ones."""
+    name = shape_comm(2).name
+
+    def r(*shape, seed=0):
+        return _random(*shape, seed=seed).requires_grad_(requires_grad)
+
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    cases = [
+        (torch.ops.mkernel.all_reduce.default, (r(6, 4), name, "sum")),
+        (torch.ops.mkernel.all_gather_gemm.default, (r(4, 16), r(8, 16, seed=1), name, 2, True)),
+        (
+            torch.ops.mkernel.moe_dispatch_gemm.default,
+            (r(5, 128), torch.tensor([[0, 1]] * 5, dtype=torch.int32), r(1, 128, 128), name, 2, 256),
+        ),
+        (
+            torch.ops.mkernel.ring_attention.default,
+            (r(1, 8, 4, 64), r(1, 8, 2, 64, seed=1), r(1, 8, 2, 64, seed=2), name, 0.125, True),
+        ),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=utils)
+
+
+def test_backward_through_an_op_without_a_formula_raises(shape_comm, cpu_launches):
+    name = shape_comm(2).name
+    x = _random(6, 4, dtype=torch.float32).requires_grad_()
+    y = torch.ops.mkernel.all_reduce(x, name, "sum")
+    assert y.requires_grad
+    torch.testing.assert_close(y, x.detach() * 2, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"mkernel\.all_reduce has no gradient formula"):
+        y.sum().backward()
+    # Without grad the output is a plain tensor.
+    with torch.no_grad():
+        assert not torch.ops.mkernel.all_reduce(x, name, "sum").requires_grad
+
+
+def test_integer_outputs_need_no_gradient(shape_comm, cpu_launches):
+    name = shape_comm(2).name
+    x = _random(5, 128).requires_grad_()
+    idx = torch.tensor([[0, 1]] * 5, dtype=torch.int32)
+    y, counts, layout = torch.ops.mkernel.moe_dispatch_gemm(x, idx, _random(1, 128, 128), name, 2, 256)
+    assert y.requires_grad and not counts.requires_grad and not layout.requires_grad
+
+
+def test_ring_attention_keeps_its_gradient_formula(shape_comm, cpu_launches, monkeypatch):
+    """The forward records the backward op with what the forward saved."""
+    name = shape_comm(2).name
+    seen = {}
+
+    def backward_launch(q, k, v, out, dout, lse, dq, dk, dv, softmax_scale, causal, comm):
+        seen.update(dout=dout.clone(), lse=lse.clone(), causal=causal, scale=softmax_scale)
+        dq.copy_(dout * 2)
+        dk.fill_(1.0)
+        dv.fill_(-1.0)
+
+    monkeypatch.setattr(ops, "ring_attention_backward_launch", backward_launch)
+    q, k, v = (_random(1, 8, h, 64, seed=s).requires_grad_() for s, h in ((0, 4), (1, 2), (2, 2)))
+    out, lse = torch.ops.mkernel.ring_attention(q, k, v, name, 0.125, True)
+    dout = _random(*out.shape, seed=3)
+    out.backward(dout)
+    torch.testing.assert_close(q.grad, dout * 2, rtol=0, atol=0)
+    assert torch.equal(k.grad, torch.ones_like(k)) and torch.equal(v.grad, -torch.ones_like(v))
+    assert seen["causal"] is True and seen["scale"] == 0.125 and torch.equal(seen["lse"], torch.full_like(lse, 0.5))
+
+
+class OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
+def test_public_functions_call_the_op_without_grad(shape_comm, cpu_launches):
+    """Without grad the public functions skip the op's autograd kernel (mkernel.ops.dispatch), and
+    dispatch modes and the profiler still see the op."""
+    name = shape_comm(2).name
+    x = _random(6, 4, dtype=torch.float32)
+    with OpRecorder() as recorder:
+        y = mkernel.all_reduce(x, name)
+    assert recorder.ops == ["mkernel.all_reduce.default"]
+    torch.testing.assert_close(y, x * 2, rtol=0, atol=0)
+    assert not y.requires_grad
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        mkernel.all_reduce(x, name)
+    assert "mkernel::all_reduce" in {e.name for e in prof.events()}
+
+
+def test_public_functions_keep_the_autograd_node(shape_comm, cpu_launches):
+    name = shape_comm(2).name
+    x = _random(6, 4, dtype=torch.float32).requires_grad_()
+    y = mkernel.all_reduce(x, name)
+    assert y.requires_grad
+    with pytest.raises(RuntimeError, match=r"mkernel\.all_reduce has no gradient formula"):
+        y.sum().backward()
+    with torch.no_grad():
+        assert not mkernel.all_reduce(x, name).requires_grad
+    # A differentiable op records its backward through the public function too.
+    q, k, v = (_random(1, 8, h, 64, seed=s).requires_grad_() for s, h in ((0, 4), (1, 2), (2, 2)))
+    out, _lse = mkernel.ring_attention(q, k, v, name, causal=True)
+    assert out.grad_fn is not None
