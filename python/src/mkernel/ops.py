@@ -416,16 +416,27 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out: to
 # --- MoE --------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=256, typed=True)
-def moe_layout_bytes(tokens: int, topk: int, recv_capacity: int) -> int:
-    """Bytes of the layout buffer moe_dispatch_gemm fills and moe_gemm_combine reads (mkMoeLayoutBytes).
-
-    A pure function of its arguments, cached: both MoE ops' shape rules ask it on every
-    call. Sizes it refuses raise every time (lru_cache keeps no exceptions).
-    """
+def _layout_bytes(tokens, topk, recv_capacity) -> int:
     size = ctypes.c_size_t(0)
     raise_for(_lib.library().mkMoeLayoutBytes(tokens, topk, recv_capacity, ctypes.byref(size)), "mkMoeLayoutBytes")
     return size.value
+
+
+_cached_layout_bytes = functools.lru_cache(maxsize=256)(_layout_bytes)
+
+
+def moe_layout_bytes(tokens: int, topk: int, recv_capacity: int) -> int:
+    """Bytes of the layout buffer moe_dispatch_gemm fills and moe_gemm_combine reads (mkMoeLayoutBytes).
+
+    A pure function of its arguments, cached for int arguments: both MoE ops' shape rules
+    ask it on every call. Other arguments bypass the cache: a symbolic size while
+    torch.compile traces cannot be hashed (ctypes converts it to an int, which specializes
+    the trace to that size). Sizes it refuses raise every time (lru_cache keeps no
+    exceptions).
+    """
+    if type(tokens) is int and type(topk) is int and type(recv_capacity) is int:
+        return _cached_layout_bytes(tokens, topk, recv_capacity)
+    return _layout_bytes(tokens, topk, recv_capacity)
 
 
 def moe_segment_starts(recv_counts: torch.Tensor) -> torch.Tensor:
