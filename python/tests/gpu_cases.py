@@ -331,12 +331,14 @@ def async_timeout(comm, rank, n):
     mkernel.all_reduce(x, comm)
     torch.cuda.synchronize()  # bounded by the communicator's 2 s timeout
     problems = []
-    try:
-        mkernel.all_reduce(x, comm)
-        problems.append("the op after a timed-out one did not raise")
-    except (mkernel.MkTimeoutError, mkernel.MkRemoteError) as e:
-        if "abort it and create a new one" not in str(e):
-            problems.append(f"unexpected message: {e}")
+    # Every later call raises the error with the kernel's description (which op, on which rank).
+    for call in ("the op after a timed-out one", "a second op"):
+        try:
+            mkernel.all_reduce(x, comm)
+            problems.append(f"{call} did not raise")
+        except (mkernel.MkTimeoutError, mkernel.MkRemoteError) as e:
+            if "abort it and create a new one" not in str(e) or "mkAllReduce on rank 0" not in str(e):
+                problems.append(f"{call}: unexpected message: {e}")
     comm.abort()
     return problems
 

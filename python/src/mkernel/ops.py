@@ -79,14 +79,16 @@ def _stream(device: int) -> int:
 def _call(comm, fn_name: str, *args) -> None:
     """Calls a communicator op with its handle and stream last; raises with the comm's message.
 
-    The library refuses any op of a communicator that has hit an asynchronous error, before
-    launching (Comm::check_usable); a refusal raises that error as check_async_error words
-    it, so the check costs a C call only when a call fails.
+    A communicator that has hit an asynchronous error raises it first, as check_async_error
+    words it. The library would refuse the launch by itself (Comm::check_usable), but a
+    refused call makes its own generic refusal the communicator's message (mkGetLastError),
+    replacing the error's description (which op, which peer, a MoE receive buffer too
+    small) for good.
     """
     handle = comm.open_handle()
+    comm.check_async_error(handle)
     code = getattr(_lib.library(), fn_name)(*args, handle, _stream(comm.device))
     if code != _lib.SUCCESS:
-        comm.check_async_error(handle)
         raise_for(code, fn_name, handle)
 
 
