@@ -258,6 +258,18 @@ def compile_and_graphs(comm, rank, n):
         static_out.fill_(float("nan"))
         graph.replay()
         problems += close_to(f"graph replay (seed {seed})", static_out, reference(full), rtol=2e-2, atol=0.5 * n)
+    # torch.compile(mode="reduce-overhead"): Inductor's CUDA graph trees run the step, record it
+    # on their own capture stream (the stream the ops must find as the current one) and replay it.
+    from torch._dynamo.utils import counters
+
+    counters["inductor"]["cudagraph_skips"] = 0
+    graphed = torch.compile(lambda x: step(x), mode="reduce-overhead", fullgraph=True)
+    for seed in (25, 26, 27, 28):  # warm-up, recording, then replays
+        full = seeded(seed, rows * n, k)
+        got = graphed(_shard(full, rank, n).to(DEV))
+        problems += close_to(f"reduce-overhead (seed {seed})", got, reference(full), rtol=2e-2, atol=0.5 * n)
+    if counters["inductor"]["cudagraph_skips"]:
+        problems.append("reduce-overhead: Inductor ran the step without CUDA graphs")
     torch.cuda.synchronize()
     return problems
 
