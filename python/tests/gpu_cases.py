@@ -258,6 +258,18 @@ def compile_and_graphs(comm, rank, n):
         static_out.fill_(float("nan"))
         graph.replay()
         problems += close_to(f"graph replay (seed {seed})", static_out, reference(full), rtol=2e-2, atol=0.5 * n)
+    # torch.compile(mode="reduce-overhead"): Inductor's CUDA graph trees run the step, record it
+    # on their own capture stream (the stream the ops must find as the current one) and replay it.
+    from torch._dynamo.utils import counters
+
+    counters["inductor"]["cudagraph_skips"] = 0
+    graphed = torch.compile(lambda x: step(x), mode="reduce-overhead", fullgraph=True)
+    for seed in (25, 26, 27, 28):  # warm-up, recording, then replays
+        full = seeded(seed, rows * n, k)
+        got = graphed(_shard(full, rank, n).to(DEV))
+        problems += close_to(f"reduce-overhead (seed {seed})", got, reference(full), rtol=2e-2, atol=0.5 * n)
+    if counters["inductor"]["cudagraph_skips"]:
+        problems.append("reduce-overhead: Inductor ran the step without CUDA graphs")
     torch.cuda.synchronize()
     return problems
 
@@ -331,12 +343,14 @@ def async_timeout(comm, rank, n):
     mkernel.all_reduce(x, comm)
     torch.cuda.synchronize()  # bounded by the communicator's 2 s timeout
     problems = []
-    try:
-        mkernel.all_reduce(x, comm)
-        problems.append("the op after a timed-out one did not raise")
-    except (mkernel.MkTimeoutError, mkernel.MkRemoteError) as e:
-        if "abort it and create a new one" not in str(e):
-            problems.append(f"unexpected message: {e}")
+    # Every later call raises the error with the kernel's description (which op, on which rank).
+    for call in ("the op after a timed-out one", "a second op"):
+        try:
+            mkernel.all_reduce(x, comm)
+            problems.append(f"{call} did not raise")
+        except (mkernel.MkTimeoutError, mkernel.MkRemoteError) as e:
+            if "abort it and create a new one" not in str(e) or "mkAllReduce on rank 0" not in str(e):
+                problems.append(f"{call}: unexpected message: {e}")
     comm.abort()
     return problems
 

@@ -79,6 +79,31 @@ def test_dynamic_shapes_trace_the_shape_rules(shape_comm):
     assert len(recorder.graphs) == 1
     assert recorder.mkernel_ops() == ["mkernel.ring_attention"]
 
+def test_moe_ops_compile_for_a_second_token_count(shape_comm):
+    """A second token count makes Dynamo trace the MoE ops again with a symbolic count
+    (automatic dynamic shapes), so their shape rules and moe_layout_bytes see a symbolic
+    size, which no cache can hash."""
+    comm = shape_comm(2).name
+    hidden, ffn, topk, cap = 128, 256, 2, 256
+
+    def step(x, idx, w1, w2, weights):
+        d = mkernel.moe_dispatch_gemm(x, idx, w1, comm, cap)
+        return d.layout, mkernel.moe_gemm_combine(d.y, w2, weights, d.layout, comm)
+
+    compiled = torch.compile(step, backend=GraphRecorder(), fullgraph=True)
+    meta = dict(device="meta")
+    for tokens in (5, 9, 13):
+        layout, out = compiled(
+            torch.empty(tokens, hidden, dtype=bf16, **meta),
+            torch.empty(tokens, topk, dtype=torch.int32, **meta),
+            torch.empty(1, ffn, hidden, dtype=bf16, **meta),
+            torch.empty(1, hidden, ffn, dtype=bf16, **meta),
+            torch.empty(tokens, topk, dtype=torch.float32, **meta),
+        )
+        assert layout.shape == (mkernel.moe_layout_bytes(tokens, topk, cap),)
+        assert out.shape == (tokens, hidden) and out.dtype == bf16
+
+
 
 class TensorParallelMLP(torch.nn.Module):
     def __init__(self, hidden, ffn, comm, sequence_parallel):

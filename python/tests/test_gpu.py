@@ -1,6 +1,7 @@
 """GPU tests: N = 1, 2, 4 rank processes sharing one GPU (MPS), every op against a float64
-reference (ring attention's gradients too), torch.compile, CUDA graph capture and replay,
-the parallel layers forward and backward, and abort / timeout behaviour. Skipped (and
+reference (ring attention's gradients too), torch.compile, CUDA graph capture and replay
+(torch.cuda.graph and torch.compile's reduce-overhead mode), the parallel layers forward and
+backward, and abort / timeout behaviour. Skipped (and
 reported as skipped) without an sm_90 GPU."""
 
 from __future__ import annotations

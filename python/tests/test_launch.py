@@ -1,10 +1,11 @@
 """The launch path on a CPU: the C library replaced by a stand-in that records its calls,
 the communicator by one whose tensors live on the CPU. What each C function is given (the
-handle and current stream last, typed pointers at the right addresses), and a refused call
-raising the communicator's asynchronous error."""
+handle and current stream last, typed pointers at the right addresses), and a communicator's
+asynchronous error raised with its description."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from dataclasses import dataclass, field
 
@@ -81,7 +82,7 @@ def test_all_reduce_passes_handle_and_stream_last(launch):
     name, args = library.calls[-1]
     assert name == "mkAllReduce"
     assert args == (x.data_ptr(), y.data_ptr(), 64, _lib.DTYPE_CODES["float32"], _lib.REDOP_CODES["max"], HANDLE, STREAM)
-    assert comm.async_checks == [], "a launch the library accepts needs no asynchronous error query"
+    assert comm.async_checks == [HANDLE], "the asynchronous error is queried before the launch"
     # The op allocates its output, a 0-d one too.
     scalar = _random(())
     out = mkernel.all_reduce(scalar, comm.name)
@@ -128,7 +129,7 @@ def test_ring_attention_passes_the_scale_as_a_float(launch):
     assert args[5:] == (1, 8, 4, 2, 64, pytest.approx(0.3), 1, _lib.DTYPE_CODES["bfloat16"], HANDLE, STREAM)
 
 
-def test_a_refused_launch_raises_the_asynchronous_error(launch):
+def test_an_asynchronous_error_raises_before_the_launch(launch):
     library, comm = launch
     library.result = _lib.REMOTE_ERROR
     comm.async_error = mkernel.MkRemoteError("communicator failed asynchronously (abort it and create a new one)")
@@ -136,7 +137,65 @@ def test_a_refused_launch_raises_the_asynchronous_error(launch):
     with pytest.raises(mkernel.MkRemoteError, match="failed asynchronously"):
         mkernel.all_reduce(x, comm.name, out=torch.empty(64))
     assert comm.async_checks == [HANDLE]
+    assert library.calls == [], "nothing is launched on a failed communicator"
     # With no asynchronous error recorded, the refusal carries the library's message.
     comm.async_error = None
     with pytest.raises(mkernel.MkRemoteError, match=r"mkAllReduce failed: remote error: the library's detail"):
         mkernel.all_reduce(x, comm.name, out=torch.empty(64))
+
+
+class FailedCommLibrary:
+    """The library's side of a communicator whose kernel recorded an error (src/comm): the
+    first look at the error (mkCommGetAsyncError, or the check every op makes before it
+    launches) makes the kernel's description the communicator's message, and a refused op
+    then replaces that message with its own refusal."""
+
+    REFUSAL = "the communicator hit an earlier asynchronous error (see mkCommGetAsyncError); destroy it and create a new one"
+
+    def __init__(self, code, description):
+        self.code, self.description = code, description
+        self.recorded = False
+        self.message = ""
+
+    def _async_error(self):
+        if not self.recorded:
+            self.recorded = True
+            self.message = self.description
+        return self.code
+
+    def __getattr__(self, name):
+        def call(*args):
+            if name == "mkCommGetAsyncError":
+                args[1]._obj.value = self._async_error()
+                return _lib.SUCCESS
+            if name == "mkGetLastError":
+                return self.message.encode()
+            if name == "mkGetErrorString":
+                return b"timeout"
+            if name in ("mkConfigInit", "mkCommInitRankConfig", "mkCommAbort"):
+                return _lib.SUCCESS
+            code = self._async_error()  # an op on the communicator: refused before it launches
+            self.message = f"{name}: {self.REFUSAL}"
+            return code
+
+        return call
+
+
+def test_an_asynchronous_error_keeps_its_description(monkeypatch):
+    """Every call after a kernel's timeout raises the timeout with the kernel's description (which
+    op, which peer), not the generic refusal the library gives an op on a failed communicator."""
+    description = "mkAllReduce on rank 0 timed out waiting for rank 1 (step 3) after MK_TIMEOUT_MS"
+    monkeypatch.setattr(_lib, "_library", FailedCommLibrary(_lib.TIMEOUT, description))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: STREAM, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    comm = mkernel.Communicator(unique_id=bytes(128), rank=0, world_size=1, device=0, name="test-async-description")
+    comm.torch_device = torch.device("cpu")
+    try:
+        x = _random(64)
+        for call in range(2):
+            with pytest.raises(mkernel.MkTimeoutError, match="timed out waiting for rank 1") as raised:
+                mkernel.all_reduce(x, comm, out=torch.empty(64))
+            assert "abort it and create a new one" in str(raised.value), call
+    finally:
+        comm.abort()

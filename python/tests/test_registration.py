@@ -78,13 +78,17 @@ def cpu_launches(monkeypatch):
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_opcheck(shape_comm, cpu_launches, requires_grad):
     """torch's checks of a custom op: its schema against what it does, an autograd kernel for
-    inputs that require grad, and the fake's outputs against the real ones."""
+    inputs that require grad, the fake's outputs against the real ones, and AOTAutograd's
+    trace with symbolic sizes against eager (without grad: with it, the backward of an op
+    without a gradient formula raises, as it should)."""
     name = shape_comm(2).name
 
     def r(*shape, seed=0):
         return _random(*shape, seed=seed).requires_grad_(requires_grad)
 
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    if not requires_grad:
+        utils += ("test_aot_dispatch_dynamic",)
     cases = [
         (torch.ops.mkernel.all_reduce.default, (r(6, 4), name, "sum")),
         (torch.ops.mkernel.all_gather_gemm.default, (r(4, 16), r(8, 16, seed=1), name, 2, True)),

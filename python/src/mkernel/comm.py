@@ -314,12 +314,7 @@ class Communicator:
         return handle
 
     def open_handle(self) -> _lib.mkComm_t:
-        """The mkComm_t, after checking that the communicator is open (not closed or aborted).
-
-        What the ops launch with: the library refuses every op of a communicator with an
-        asynchronous error before it launches anything, and the ops then raise that error
-        (mkernel.ops._call), so they need no mkCommGetAsyncError call of their own first.
-        """
+        """The mkComm_t, after checking that the communicator is open (not closed or aborted)."""
         handle = self._handle
         if handle is None:
             raise MkInvalidUsageError(f"mkernel: communicator {self.name!r} is {self._state}; create a new one")

@@ -79,14 +79,16 @@ def _stream(device: int) -> int:
 def _call(comm, fn_name: str, *args) -> None:
     """Calls a communicator op with its handle and stream last; raises with the comm's message.
 
-    The library refuses any op of a communicator that has hit an asynchronous error, before
-    launching (Comm::check_usable); a refusal raises that error as check_async_error words
-    it, so the check costs a C call only when a call fails.
+    A communicator that has hit an asynchronous error raises it first, as check_async_error
+    words it. The library would refuse the launch by itself (Comm::check_usable), but a
+    refused call makes its own generic refusal the communicator's message (mkGetLastError),
+    replacing the error's description (which op, which peer, a MoE receive buffer too
+    small) for good.
     """
     handle = comm.open_handle()
+    comm.check_async_error(handle)
     code = getattr(_lib.library(), fn_name)(*args, handle, _stream(comm.device))
     if code != _lib.SUCCESS:
-        comm.check_async_error(handle)
         raise_for(code, fn_name, handle)
 
 
@@ -416,16 +418,27 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out: to
 # --- MoE --------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=256, typed=True)
-def moe_layout_bytes(tokens: int, topk: int, recv_capacity: int) -> int:
-    """Bytes of the layout buffer moe_dispatch_gemm fills and moe_gemm_combine reads (mkMoeLayoutBytes).
-
-    A pure function of its arguments, cached: both MoE ops' shape rules ask it on every
-    call. Sizes it refuses raise every time (lru_cache keeps no exceptions).
-    """
+def _layout_bytes(tokens, topk, recv_capacity) -> int:
     size = ctypes.c_size_t(0)
     raise_for(_lib.library().mkMoeLayoutBytes(tokens, topk, recv_capacity, ctypes.byref(size)), "mkMoeLayoutBytes")
     return size.value
+
+
+_cached_layout_bytes = functools.lru_cache(maxsize=256)(_layout_bytes)
+
+
+def moe_layout_bytes(tokens: int, topk: int, recv_capacity: int) -> int:
+    """Bytes of the layout buffer moe_dispatch_gemm fills and moe_gemm_combine reads (mkMoeLayoutBytes).
+
+    A pure function of its arguments, cached for int arguments: both MoE ops' shape rules
+    ask it on every call. Other arguments bypass the cache: a symbolic size while
+    torch.compile traces cannot be hashed (ctypes converts it to an int, which specializes
+    the trace to that size). Sizes it refuses raise every time (lru_cache keeps no
+    exceptions).
+    """
+    if type(tokens) is int and type(topk) is int and type(recv_capacity) is int:
+        return _cached_layout_bytes(tokens, topk, recv_capacity)
+    return _layout_bytes(tokens, topk, recv_capacity)
 
 
 def moe_segment_starts(recv_counts: torch.Tensor) -> torch.Tensor:
