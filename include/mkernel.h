@@ -338,9 +338,9 @@ mkResult_t mkCommAbort(mkComm_t comm);
 /**
  * Reports an error that happened asynchronously (a peer timed out or failed inside a
  * kernel): mkSuccess while none has, else mkTimeout, mkRemoteError, ... Once it is set,
- * the communicator refuses new operations; abort and recreate it. The first asynchronous
- * error also becomes the communicator's message: mkGetLastError(comm) describes it (which
- * op, which peer).
+ * the communicator refuses new operations with that code; abort and recreate it. The first
+ * asynchronous error also becomes the communicator's message: mkGetLastError(comm)
+ * describes it (which op, which peer), and so does the message of every refused operation.
  */
 mkResult_t mkCommGetAsyncError(mkComm_t comm, mkResult_t *asyncError);
 

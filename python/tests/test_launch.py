@@ -148,9 +148,9 @@ class FailedCommLibrary:
     """The library's side of a communicator whose kernel recorded an error (src/comm): the
     first look at the error (mkCommGetAsyncError, or the check every op makes before it
     launches) makes the kernel's description the communicator's message, and a refused op
-    then replaces that message with its own refusal."""
+    then replaces that message with its own refusal, which quotes the description."""
 
-    REFUSAL = "the communicator hit an earlier asynchronous error (see mkCommGetAsyncError); destroy it and create a new one"
+    REFUSAL = "the communicator stopped at an earlier asynchronous error: {}; destroy it and create a new one"
 
     def __init__(self, code, description):
         self.code, self.description = code, description
@@ -175,7 +175,7 @@ class FailedCommLibrary:
             if name in ("mkConfigInit", "mkCommInitRankConfig", "mkCommAbort"):
                 return _lib.SUCCESS
             code = self._async_error()  # an op on the communicator: refused before it launches
-            self.message = f"{name}: {self.REFUSAL}"
+            self.message = f"{name}: {self.REFUSAL.format(self.description)}"
             return code
 
         return call

@@ -2,6 +2,7 @@
 //! state (`mkGetLastError`, `mkCommGetAsyncError`, abort).
 
 pub mod agreement;
+pub mod async_error;
 pub mod topology;
 pub mod workspace;
 
@@ -15,7 +16,7 @@ use crate::transport::proxy::{cpus_near_cuda_device, ProxyRing};
 use crate::transport::{select_net_from_env, MemoryKind, MemoryRegion, TransportAuth, Window};
 use parking_lot::Mutex;
 use std::ffi::CString;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use topology::Topology;
@@ -106,7 +107,7 @@ pub struct Comm {
     last_error: Mutex<CString>,
     /// What the host knows of the fused ops launched, for their fences (ops::fused_fence).
     pub fused_fence: Mutex<crate::ops::fused_fence::FenceState>,
-    async_error: AtomicI32,
+    async_error: async_error::AsyncError,
     aborted: AtomicBool,
 }
 
@@ -229,7 +230,7 @@ impl Comm {
             proxy_ring,
             last_error: Mutex::new(CString::default()),
             fused_fence: Mutex::new(Default::default()),
-            async_error: AtomicI32::new(mkResult_t::mkSuccess as i32),
+            async_error: Default::default(),
             aborted: AtomicBool::new(false),
         })
     }
@@ -268,17 +269,13 @@ impl Comm {
     /// it becomes the communicator's message (a later one would free the string a caller
     /// may be reading).
     pub fn record_async_error(&self, e: &MkError) {
-        let first = self
-            .async_error
-            .compare_exchange(mkResult_t::mkSuccess as i32, e.code as i32, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok();
-        if first {
+        if self.async_error.record(e) {
             self.set_last_error(&e.message);
         }
     }
 
     pub fn async_error(&self) -> mkResult_t {
-        if self.async_error.load(Ordering::Acquire) == mkResult_t::mkSuccess as i32 {
+        if !self.async_error.is_set() {
             // A kernel of this rank may have recorded a timeout or a peer's failure; the
             // kernel's word says more (which op, which peer), so it goes first.
             if let Some(word) = self.workspace.as_ref().map(|w| w.error_word()).filter(|&w| w != 0) {
@@ -288,7 +285,7 @@ impl Comm {
                 self.record_async_error(&e.context("the inter-node proxy failed"));
             }
         }
-        mkResult_t::from_i32(self.async_error.load(Ordering::Acquire))
+        self.async_error.code()
     }
 
     /// Marks the communicator aborted and unblocks any host-side wait: this rank's kernels
@@ -315,12 +312,10 @@ impl Comm {
         if self.is_aborted() {
             return Err(MkError::invalid_usage("the communicator was aborted; destroy it and create a new one"));
         }
-        match self.async_error() {
-            mkResult_t::mkSuccess => Ok(()),
-            code => Err(MkError::new(
-                code,
-                "the communicator hit an earlier asynchronous error (see mkCommGetAsyncError); destroy it and create a new one",
-            )),
+        self.async_error();
+        match self.async_error.refusal() {
+            None => Ok(()),
+            Some(e) => Err(e),
         }
     }
 }

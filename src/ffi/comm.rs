@@ -196,9 +196,9 @@ pub unsafe extern "C" fn mkCommAbort(comm: mkComm_t) -> mkResult_t {
 
 /// Reports an error that happened asynchronously (a peer timed out or failed inside a
 /// kernel): mkSuccess while none has, else mkTimeout, mkRemoteError, ... Once it is set,
-/// the communicator refuses new operations; abort and recreate it. The first asynchronous
-/// error also becomes the communicator's message: mkGetLastError(comm) describes it (which
-/// op, which peer).
+/// the communicator refuses new operations with that code; abort and recreate it. The first
+/// asynchronous error also becomes the communicator's message: mkGetLastError(comm)
+/// describes it (which op, which peer), and so does the message of every refused operation.
 #[no_mangle]
 pub unsafe extern "C" fn mkCommGetAsyncError(comm: mkComm_t, asyncError: *mut mkResult_t) -> mkResult_t {
     with_comm(comm, "mkCommGetAsyncError", |c| write_out(asyncError, c.async_error(), "asyncError"))

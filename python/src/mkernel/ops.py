@@ -80,10 +80,10 @@ def _call(comm, fn_name: str, *args) -> None:
     """Calls a communicator op with its handle and stream last; raises with the comm's message.
 
     A communicator that has hit an asynchronous error raises it first, as check_async_error
-    words it. The library would refuse the launch by itself (Comm::check_usable), but a
-    refused call makes its own generic refusal the communicator's message (mkGetLastError),
-    replacing the error's description (which op, which peer, a MoE receive buffer too
-    small) for good.
+    words it (the communicator's name, the kernel's description: which op, which peer, a MoE
+    receive buffer too small). The library would refuse the launch by itself
+    (Comm::check_usable) with the same code and description; querying first keeps every
+    such error in one wording, for one C call.
     """
     handle = comm.open_handle()
     comm.check_async_error(handle)
