@@ -90,9 +90,10 @@ def test_moe_ops_compile_for_a_second_token_count(shape_comm):
         d = mkernel.moe_dispatch_gemm(x, idx, w1, comm, cap)
         return d.layout, mkernel.moe_gemm_combine(d.y, w2, weights, d.layout, comm)
 
-    compiled = torch.compile(step, backend=GraphRecorder(), fullgraph=True)
+    recorder = GraphRecorder()
+    compiled = torch.compile(step, backend=recorder, fullgraph=True)
     meta = dict(device="meta")
-    for tokens in (5, 9, 13):
+    for tokens in (5, 9, 13, 17):
         layout, out = compiled(
             torch.empty(tokens, hidden, dtype=bf16, **meta),
             torch.empty(tokens, topk, dtype=torch.int32, **meta),
@@ -102,6 +103,9 @@ def test_moe_ops_compile_for_a_second_token_count(shape_comm):
         )
         assert layout.shape == (mkernel.moe_layout_bytes(tokens, topk, cap),)
         assert out.shape == (tokens, hidden) and out.dtype == bf16
+    # The first count's static graph, then one graph for every other count: the layout's
+    # size stays an expression of the count instead of specializing it.
+    assert len(recorder.graphs) == 2
 
 
 

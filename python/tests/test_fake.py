@@ -248,6 +248,18 @@ def test_moe_layout_bytes_follows_the_documented_formula():
             mkernel.moe_layout_bytes(1 << 20, 1 << 10, 128)
 
 
+def test_moe_layout_bytes_of_symbolic_sizes_match_the_library():
+    """The expression a symbolic token count gets is the library's count at every size."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    tokens = env.create_unbacked_symint()
+    for t, k, cap in [(0, 1, 0), (1, 1, 128), (7, 3, 1), (333, 8, 4096), (4096, 8, 65536 + 128)]:
+        size = mkernel.moe_layout_bytes(tokens, k, cap)
+        assert isinstance(size, torch.SymInt)
+        assert int(size.node.expr.subs(tokens.node.expr, t)) == mkernel.moe_layout_bytes(t, k, cap), (t, k, cap)
+
+
 def test_moe_segment_starts():
     counts = torch.tensor([0, 1, 128, 129, 999], dtype=torch.int32)  # the last entry is the needed capacity
     assert mkernel.moe_segment_starts(counts).tolist() == [0, 0, 128, 256, 512]

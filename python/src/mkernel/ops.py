@@ -431,14 +431,26 @@ def moe_layout_bytes(tokens: int, topk: int, recv_capacity: int) -> int:
     """Bytes of the layout buffer moe_dispatch_gemm fills and moe_gemm_combine reads (mkMoeLayoutBytes).
 
     A pure function of its arguments, cached for int arguments: both MoE ops' shape rules
-    ask it on every call. Other arguments bypass the cache: a symbolic size while
-    torch.compile traces cannot be hashed (ctypes converts it to an int, which specializes
-    the trace to that size). Sizes it refuses raise every time (lru_cache keeps no
-    exceptions).
+    ask it on every call. Sizes it refuses raise every time (lru_cache keeps no
+    exceptions). A symbolic size (torch.compile tracing with dynamic shapes) gets the same
+    count as an expression of that size, from the library's own coefficients
+    (_layout_terms): passed to ctypes it would become an int and specialize the compiled
+    graph to that token count, so that every new count compiled again.
     """
     if type(tokens) is int and type(topk) is int and type(recv_capacity) is int:
         return _cached_layout_bytes(tokens, topk, recv_capacity)
-    return _layout_bytes(tokens, topk, recv_capacity)
+    fixed, per_slot, per_block = _layout_terms()
+    return fixed + per_slot * tokens * topk + per_block * ((recv_capacity + 127) // 128)
+
+
+@functools.lru_cache(maxsize=1)
+def _layout_terms() -> tuple[int, int, int]:
+    """The layout size's terms, as the library counts them: bytes for no token and no row
+    block, per (token, choice) slot, and per 128-row block of the receive buffer. The size
+    is affine in the slots and blocks (ops::moe::checked_layout_offsets; a test checks it
+    against mkMoeLayoutBytes)."""
+    fixed = _layout_bytes(0, 1, 0)
+    return fixed, _layout_bytes(1, 1, 0) - fixed, _layout_bytes(0, 1, 128) - fixed
 
 
 def moe_segment_starts(recv_counts: torch.Tensor) -> torch.Tensor:
