@@ -280,9 +280,16 @@ impl Machine {
 }
 
 /// The commit measured: MK_COMMIT (gpu-run.sh sets it from the packed binaries' commit),
-/// else `git rev-parse HEAD` where a checkout is at hand, else "unknown".
+/// else the COMMIT file `scripts/pack-bins.sh` puts beside the binaries, else `git
+/// rev-parse HEAD` where a checkout is at hand, else "unknown". The packed file goes
+/// before git: on the GPU machine the run's checkout may be another commit than the one
+/// the binaries were built from.
 fn commit() -> String {
     if let Ok(c) = std::env::var("MK_COMMIT") {
+        return c;
+    }
+    let exe_dir = std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.to_path_buf()));
+    if let Some(c) = exe_dir.and_then(|d| packed_commit(&d)) {
         return c;
     }
     std::process::Command::new("git")
@@ -292,6 +299,13 @@ fn commit() -> String {
         .filter(|o| o.status.success())
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_else(|| "unknown".into())
+}
+
+/// The commit in `dir/COMMIT` (one line of hex digits, as `git rev-parse HEAD` writes it).
+fn packed_commit(dir: &std::path::Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("COMMIT")).ok()?;
+    let c = text.trim();
+    (c.len() >= 7 && c.chars().all(|ch| ch.is_ascii_hexdigit())).then(|| c.to_string())
 }
 
 /// ISO 8601 UTC, seconds precision ("2026-12-05T02:10:00Z").
@@ -314,6 +328,18 @@ pub fn utc_date(t: std::time::SystemTime) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_packed_commit_file_names_the_binaries_commit() {
+        let dir = std::env::temp_dir().join(format!("mkbench-commit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(packed_commit(&dir), None, "no file");
+        std::fs::write(dir.join("COMMIT"), "3f3b7db5c7400e7d31a24a694bc5df387f10a60b\n").unwrap();
+        assert_eq!(packed_commit(&dir).as_deref(), Some("3f3b7db5c7400e7d31a24a694bc5df387f10a60b"));
+        std::fs::write(dir.join("COMMIT"), "not a commit\n").unwrap();
+        assert_eq!(packed_commit(&dir), None, "anything but hex digits is ignored");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
     use std::time::{Duration, UNIX_EPOCH};
 
     /// A contender known only by a median (the schema allows it).
