@@ -36,10 +36,8 @@ class ShapeOnlyComm:
     def torch_device(self) -> torch.device:
         return torch.device("cuda", self.device)
 
-    def open_handle(self):
+    def handle(self):
         raise AssertionError("a shape-only communicator cannot launch")
-
-    handle = open_handle
 
 
 @pytest.fixture

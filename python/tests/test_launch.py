@@ -51,7 +51,8 @@ class CpuComm:
     async_error: Exception | None = None
     async_checks: list = field(default_factory=list)
 
-    def open_handle(self):
+    def handle(self):
+        self.check_async_error(HANDLE)
         return HANDLE
 
     def check_async_error(self, handle=None):

@@ -62,7 +62,7 @@ def lookup(name: str):
 
 def register(comm) -> None:
     """Registers an object with `name`, `rank`, `world_size`, `device` and `torch_device` for lookup() by name
-    (and, to launch, `open_handle()` and `check_async_error(handle)`)."""
+    (and, to launch, `handle()`)."""
     with _registry_lock:
         if comm.name in _registry:
             raise MkInvalidUsageError(f"mkernel: a communicator named {comm.name!r} already exists")
@@ -309,15 +309,10 @@ class Communicator:
 
     def handle(self) -> _lib.mkComm_t:
         """The mkComm_t, after checking that the communicator is open and has no async error."""
-        handle = self.open_handle()
-        self.check_async_error(handle)
-        return handle
-
-    def open_handle(self) -> _lib.mkComm_t:
-        """The mkComm_t, after checking that the communicator is open (not closed or aborted)."""
         handle = self._handle
         if handle is None:
             raise MkInvalidUsageError(f"mkernel: communicator {self.name!r} is {self._state}; create a new one")
+        self.check_async_error(handle)
         return handle
 
     def check_async_error(self, handle=None) -> None:

@@ -19,8 +19,8 @@ for the same schema, tags and fake: its backend kernel runs behind a Dynamo-disa
 wrapper and checks every result for aliasing, and its autograd kernel builds a metadata
 object per call (pytorch/pytorch#139500). Each op gets the autograd kernel custom_op would
 give it (_autograd_kernel): ring attention's formula, and for the others a node whose
-backward raises, so a gradient never stops silently at an mkernel op. The public functions skip that kernel
-where it would only pass the call on (mkernel.ops.dispatch).
+backward raises, so a gradient never stops silently at an mkernel op. The public
+functions skip that kernel where it would only pass the call on (mkernel.ops.dispatch).
 """
 
 from __future__ import annotations

@@ -79,14 +79,13 @@ def _stream(device: int) -> int:
 def _call(comm, fn_name: str, *args) -> None:
     """Calls a communicator op with its handle and stream last; raises with the comm's message.
 
-    A communicator that has hit an asynchronous error raises it first, as check_async_error
-    words it (the communicator's name, the kernel's description: which op, which peer, a MoE
-    receive buffer too small). The library would refuse the launch by itself
+    A communicator that has hit an asynchronous error raises it first (Communicator.handle,
+    in check_async_error's words (the communicator's name, the kernel's description: which op, which peer, a MoE
+    receive buffer too small)). The library would refuse the launch by itself
     (Comm::check_usable) with the same code and description; querying first keeps every
     such error in one wording, for one C call.
     """
-    handle = comm.open_handle()
-    comm.check_async_error(handle)
+    handle = comm.handle()
     code = getattr(_lib.library(), fn_name)(*args, handle, _stream(comm.device))
     if code != _lib.SUCCESS:
         raise_for(code, fn_name, handle)
