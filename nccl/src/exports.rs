@@ -41,11 +41,11 @@ fn on_comm(name: &str, comm: ncclComm_t, body: impl FnOnce(&Arc<CommHandle>) -> 
 
 /// NCCL's own entry points call its exported functions on its own communicators
 /// (`ncclCommEnsureReady` asks `ncclCommGetAsyncError` before every query and collective;
-/// `ncclBcast` is `ncclBroadcast` in place). Every entry point that takes a communicator
-/// checks this first.
-/// Those calls bind to this library's definitions, which come first in the process, and
-/// carry a real communicator: in interpose mode one that a handle wraps goes straight back
-/// to the real NCCL, untouched by this library's checks and last-error bookkeeping.
+/// `ncclBcast` is `ncclBroadcast` in place). Those calls bind to this library's
+/// definitions, which come first in the process, and carry a real communicator: in
+/// interpose mode one that a handle wraps goes straight back to the real NCCL, untouched by
+/// this library's checks and last-error bookkeeping. Every entry point that takes a
+/// communicator checks this first (docs/decisions/0047).
 fn nccl_internal(comm: ncclComm_t) -> bool {
     matches!(real::mode(), Ok(Mode::Interpose(_))) && wraps_real(comm)
 }

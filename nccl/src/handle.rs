@@ -66,8 +66,10 @@ pub struct CommHandle {
     pub nranks: usize,
     pub device: i32,
     pub blocking: bool,
-    /// Interpose mode: the real NCCL communicator this one wraps.
+    /// Interpose mode: the real NCCL communicator this one wraps, counted as wrapped while
+    /// this handle exists.
     pub real: Option<usize>,
+    _wrapping: Option<Wrapping>,
     mk: Mutex<MkSlot>,
     mk_settled: Condvar,
     /// ncclCommFinalize in progress (non-blocking communicators).
@@ -80,15 +82,13 @@ pub struct CommHandle {
 
 impl CommHandle {
     pub fn new(rank: usize, nranks: usize, device: i32, blocking: bool, real: Option<usize>) -> Arc<CommHandle> {
-        if let Some(r) = real {
-            note_wrapped(r);
-        }
         Arc::new(CommHandle {
             rank,
             nranks,
             device,
             blocking,
             real,
+            _wrapping: real.map(|r| Wrapping::new(r as ncclComm_t)),
             mk: Mutex::new(MkSlot::Pending),
             mk_settled: Condvar::new(),
             finalizing: AtomicBool::new(false),
@@ -201,14 +201,6 @@ impl CommHandle {
     }
 }
 
-impl Drop for CommHandle {
-    fn drop(&mut self) {
-        if let Some(r) = self.real {
-            note_unwrapped(r);
-        }
-    }
-}
-
 static LIVE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
 
 /// The real communicators wrapped by handles that exist (registered or not yet, and until
@@ -238,8 +230,9 @@ pub fn wraps_real(comm: ncclComm_t) -> bool {
     WRAPPED_REAL.lock().as_ref().is_some_and(|m| m.contains_key(&(comm as usize)))
 }
 
-/// A real communicator counted as wrapped before its handle exists, while this library
-/// queries it (a split's child: the real queries call back into `ncclCommGetAsyncError`).
+/// A real communicator counted as wrapped while this value lives: held by the handle that
+/// wraps it, and before that handle exists while this library queries it (a split's child:
+/// the real queries call back into `ncclCommGetAsyncError`).
 pub struct Wrapping(usize);
 
 impl Wrapping {
