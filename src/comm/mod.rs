@@ -312,11 +312,11 @@ impl Comm {
         if self.is_aborted() {
             return Err(MkError::invalid_usage("the communicator was aborted; destroy it and create a new one"));
         }
-        self.async_error();
-        match self.async_error.refusal() {
-            None => Ok(()),
-            Some(e) => Err(e),
+        // async_error() first: it records a kernel's or the proxy's failure not yet seen.
+        if self.async_error() == mkResult_t::mkSuccess {
+            return Ok(());
         }
+        self.async_error.refusal().map_or(Ok(()), Err)
     }
 }
 

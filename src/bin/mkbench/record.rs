@@ -328,18 +328,6 @@ pub fn utc_date(t: std::time::SystemTime) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_packed_commit_file_names_the_binaries_commit() {
-        let dir = std::env::temp_dir().join(format!("mkbench-commit-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        assert_eq!(packed_commit(&dir), None, "no file");
-        std::fs::write(dir.join("COMMIT"), "3f3b7db5c7400e7d31a24a694bc5df387f10a60b\n").unwrap();
-        assert_eq!(packed_commit(&dir).as_deref(), Some("3f3b7db5c7400e7d31a24a694bc5df387f10a60b"));
-        std::fs::write(dir.join("COMMIT"), "not a commit\n").unwrap();
-        assert_eq!(packed_commit(&dir), None, "anything but hex digits is ignored");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
     use std::time::{Duration, UNIX_EPOCH};
 
     /// A contender known only by a median (the schema allows it).
@@ -454,5 +442,17 @@ mod tests {
             r#"{"name":"fused","median_us":3,"p10_us":1,"p90_us":5,"min_us":1,"samples":5,"host_enqueue_us":7.5}"#
         );
         assert_eq!(contender("x", None, None).text(), r#"{"name":"x","median_us":null,"host_enqueue_us":null}"#);
+    }
+
+    #[test]
+    fn the_packed_commit_file_names_the_binaries_commit() {
+        let dir = std::env::temp_dir().join(format!("mkbench-commit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(packed_commit(&dir), None, "no file");
+        std::fs::write(dir.join("COMMIT"), "3f3b7db5c7400e7d31a24a694bc5df387f10a60b\n").unwrap();
+        assert_eq!(packed_commit(&dir).as_deref(), Some("3f3b7db5c7400e7d31a24a694bc5df387f10a60b"));
+        std::fs::write(dir.join("COMMIT"), "not a commit\n").unwrap();
+        assert_eq!(packed_commit(&dir), None, "anything but hex digits is ignored");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
