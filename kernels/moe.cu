@@ -14,10 +14,10 @@
 //   tile's A rows the producer waits for RECV[s, expert] of every source s whose rows the
 //   block holds. Both kernels' GEMMs schedule tiles dynamically: the GEMM CTAs take them in
 //   that order from a ticket counter (MoeRaster, MOE_TILE_NEXT), so they end together.
-// Dispatch, the prep (the last GEMM CTA before its GEMM; the first comm CTA with
-//   MK_COMM_SMS): counts this rank's routing per expert and each (token, expert)'s position
-//   among this rank's tokens of that expert, exchanges the counts, computes the layout, the
-//   m-block tables and the send list into the caller's layout buffer. Then the senders copy
+// Dispatch, the prep (the first CTAs, each a slice of the tokens, before their GEMM): counts
+//   this rank's routing per expert and each (token, expert)'s position among this rank's
+//   tokens of that expert, exchanges the counts, computes the layout, the m-block tables
+//   and the send list into the caller's layout buffer. Then the senders copy
 //   token rows (16-byte vectors) into the owners' receive buffers, expert by expert (the
 //   send list), and whoever completes a (destination, expert) list raises
 //   RECV[this rank, expert] there. The senders are the three idle warps of every GEMM CTA's
@@ -100,7 +100,7 @@ struct ZSlabSignal {
   }
 };
 
-// ---- dispatch: the prep CTA ----------------------------------------------------------
+// ---- dispatch: the prep -------------------------------------------------------------
 
 // Warp 0 of the calling CTA: a[0..items) -> its exclusive prefix sum, in place (a chunk
 // per lane, then a shuffle scan over the lanes' sums). Returns the total (every lane).
@@ -133,77 +133,68 @@ __device__ __forceinline__ void load_ids(int (&ids)[kMaxTopK], const int* idx, i
   for (int j = 0; j < kMaxTopK; ++j) ids[j] = j < K && t < tokens ? idx[(size_t)t * K + j] : -1;
 }
 
-// Whole CTA (the last GEMM CTA, before its GEMM; with MK_COMM_SMS the first comm CTA).
-// Returns false if a wait failed.
-__device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem) {
-  const WorkspaceView& ws = p.ws;
-  const int n = ws.nranks, me = ws.rank, E = p.experts, El = p.experts_local, K = p.top_k;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  uint32_t* bits = reinterpret_cast<uint32_t*>(smem);             // [MOE_WARPS][E] lanes routed to e
-  int* pre = reinterpret_cast<int*>(bits + MOE_WARPS * E);         // [MOE_WARPS][E] tokens of e before the warp
-  int* run = pre + MOE_WARPS * E;                                  // [E] own tokens of e so far
-  int* cnt = run + E;                                              // [n][E] every rank's counts
-  int* off = cnt + n * E;                                          // [E] row of own first token of e at its owner
-  int* lbase = off + E;                                            // [El + 1] own experts' first rows
-  unsigned char* keys = reinterpret_cast<unsigned char*>(lbase + El + 1);  // [capacity / 128] block order keys
-  __shared__ int bad_id, overflow, needed_max;
-  int* layout = reinterpret_cast<int*>(p.layout);
-  const int* idx = reinterpret_cast<const int*>(p.topk_idx);
-  int* lay_dest = layout + p.lay_dest;
-  int* lay_row = layout + p.lay_row;
+// The prep CTAs' waits for each other: polls up to 256 ns apart (the moe_wait back-off's
+// 2 us would add up over the prep's barriers); thread 0 waits, every thread learns the outcome.
+__device__ __forceinline__ bool prep_wait(const WorkspaceView& ws, uint32_t word, uint64_t epoch) {
+  int ok = 1;
+  if (threadIdx.x == 0)
+    ok = mk_wait_geq_backoff<32, 256, 32>(ws, mk_signal_word(ws, ws.rank, word), epoch, ws.rank, MK_WAIT_OP_FLAG,
+                                          MK_OP_MOE_DISPATCH);
+  return __syncthreads_and(ok) != 0;
+}
 
-  for (int i = tid; i < MOE_WARPS * E; i += blockDim.x) bits[i] = 0;
-  for (int i = tid; i < E; i += blockDim.x) run[i] = 0;
+// Whole CTA, each of the `ctas` prep CTAs: after the CTA's writes, arrive on MOE_PREP_ARRIVE;
+// the last arrival sets the counter back to zero, then raises `word` to epoch (release), so
+// the next barrier's arrivals, which follow the wait for `word`, count from zero.
+__device__ __forceinline__ bool prep_barrier(const WorkspaceView& ws, uint32_t word, uint64_t epoch, int ctas) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (mk_arrive_last(mk_signal_word(ws, ws.rank, MOE_PREP_ARRIVE), (unsigned long long)ctas))
+      mk_signal_store(mk_signal_word(ws, ws.rank, word), epoch);
+  }
+  return prep_wait(ws, word, epoch);
+}
+
+// The prep CTAs' integers in this rank's count-exchange area, after the exchanged counts
+// ([nranks][E]; ops::moe::prep_split sizes the CTAs to fit): per prep CTA its tokens'
+// count of each expert, which the column scans turn into the count of the tokens before
+// the CTA's; each expert's total; this rank's first row of each expert at its owner.
+struct PrepScratch {
+  int* cta_count;  // [prep_ctas][E]
+  int* total;      // [E]
+  int* first_row;  // [E]
+  __device__ PrepScratch(const MoeParams& p) {
+    const WorkspaceView& ws = p.ws;
+    cta_count = reinterpret_cast<int*>(reinterpret_cast<char*>(ws.data[ws.rank]) + p.counts_offset) + ws.nranks * p.experts;
+    total = cta_count + p.prep_ctas * p.experts;
+    first_row = total + p.experts;
+  }
+};
+
+// Whole CTA, prep CTA 0, once the totals are in: exchanges them with every rank, computes
+// every destination's layout (expert segments padded to 128 rows), this rank's offsets and
+// the send lists' starts, raises MOE_PREP_OFFSETS (the other prep CTAs' pass 2 needs only
+// those), then this rank's m-block tables and block order. An overflow (some rank's
+// receive buffer too small) is recorded and written to the layout's overflow word before
+// the flag; nothing else is written then. Returns false if a wait failed.
+__device__ __noinline__ bool prep_tables(const MoeParams& p, uint64_t epoch, char* smem) {
+  const WorkspaceView& ws = p.ws;
+  const int n = ws.nranks, me = ws.rank, E = p.experts, El = p.experts_local;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  int* run = reinterpret_cast<int*>(smem) + 2 * MOE_WARPS * E;  // [E] this rank's tokens of e
+  int* cnt = run + E;                                           // [n][E] every rank's counts
+  int* off = cnt + n * E;                                       // [E] row of own first token of e at its owner
+  int* lbase = off + E;                                         // [El + 1] own experts' first rows
+  __shared__ int overflow, needed_max;
+  int* layout = reinterpret_cast<int*>(p.layout);
+  const PrepScratch scratch(p);
+  for (int e = tid; e < E; e += blockDim.x) run[e] = ld_cg(scratch.total + e);
   if (tid == 0) {
-    bad_id = 0;
     overflow = 0;
     needed_max = 0;
   }
   __syncthreads();
-
-  // Pass 1: per (token, j) the position among this rank's tokens of that expert, in token
-  // order (a token listing an expert twice is one row): per 32-token warp a bitmap of the
-  // lanes routed to each expert, the warps' counts prefixed per expert. A thread's token's
-  // ids are loaded once, together, into registers (kMaxTopK unrolled slots): loaded per use
-  // they would be three chains of K dependent loads per round, most of the prep's time.
-  for (int c0 = 0; c0 < p.tokens; c0 += blockDim.x) {
-    const int t = c0 + tid;
-    int ids[kMaxTopK];
-    load_ids(ids, idx, t, p.tokens, K);
-#pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
-      const int e = ids[j];
-      if (e >= 0 && e < E) atomicOr(&bits[warp * E + e], 1u << lane);
-      else if (j < K && t < p.tokens && e != -1) bad_id = 1;
-    }
-    __syncthreads();
-    for (int e = tid; e < E; e += blockDim.x) {
-      int s = run[e];
-      for (int w = 0; w < MOE_WARPS; ++w) {
-        pre[w * E + e] = s;
-        s += __popc(bits[w * E + e]);
-      }
-      run[e] = s;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
-      if (j < K && t < p.tokens) {
-        const int e = ids[j];
-        const bool ok = e >= 0 && e < E;
-        lay_dest[(size_t)t * K + j] = ok ? e / El : -1;
-        lay_row[(size_t)t * K + j] = ok ? pre[warp * E + e] + __popc(bits[warp * E + e] & ((1u << lane) - 1)) : -1;
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
-      const int e = ids[j];
-      if (e >= 0 && e < E) bits[warp * E + e] = 0;
-    }
-    __syncthreads();
-  }
-  if (tid == 0 && bad_id) mk_record_error(ws, mk_error_word(mkInvalidUsage, me, MK_WAIT_MOE_EXPERT, MK_OP_MOE_DISPATCH));
 
   // Nobody may still be sending into or pulling from any region of the previous kernel.
   if (!moe_cta_wait_peers(ws, MOE_DONE, epoch - 1, me, MK_OP_MOE_DISPATCH)) return false;
@@ -250,20 +241,15 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     layout[MOE_LAY_OVERFLOW] = overflow;
     if (overflow) mk_record_error(ws, mk_error_word(mkInvalidUsage, overflow - 1, MK_WAIT_MOE_CAPACITY, MK_OP_MOE_DISPATCH));
   }
-  if (overflow) {
-    __syncthreads();
-    return true;
-  }
-  // The send list (host mirror: ops::moe::send_tables): this rank's rows grouped into
-  // lists q = le * n + step, one per (local expert le, destination d = (me + step) mod n),
-  // each in token order: the senders walk it in that order, so every destination gets
+  // The send lists' starts (host mirror: ops::moe::send_tables): this rank's rows grouped
+  // into lists q = le * n + step, one per (local expert le, destination d = (me + step) mod
+  // n), each in token order: the senders walk it in that order, so every destination gets
   // every source's rows of its expert 0 first, then expert 1, ..., which is the order the
   // dispatch GEMM takes its blocks (expert-major), and each (source, expert) is flagged
-  // once its list is out (MOE_RECV). Entries are slots t * K + j (the first j of the
-  // token naming that expert); send_row0[q] = first entry of list q, [E] = total.
-  int* srow0 = pre;  // pass 1's per-warp prefixes are free: [E + 1] list starts, by q
+  // once its list is out (MOE_RECV). Pass 2 writes the entries: slots t * K + j (the first
+  // j of the token naming that expert). send_row0[q] = first entry of list q, [E] = total.
+  int* srow0 = reinterpret_cast<int*>(smem);  // [E + 1] list starts, by q (pass 1's tables are free)
   int* send_row0 = layout + p.lay_send_row0;
-  int* send = layout + p.lay_send;
   for (int q = tid; q < E; q += blockDim.x) srow0[q] = run[((me + q % n) % n) * El + q / n];
   __syncthreads();
   if (warp == 0) {
@@ -272,29 +258,11 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   }
   __syncthreads();
   for (int q = tid; q <= E; q += blockDim.x) send_row0[q] = srow0[q];
-  // Pass 2: rows at the owners, and the send list; a thread per token, its ids and pass 1's
-  // positions loaded together into registers (loaded per slot, they would be two dependent
-  // loads and up to K - 1 more per slot, 86 slots per thread at T 4096, k 8).
-  for (int t = tid; t < p.tokens; t += blockDim.x) {
-    int ids[kMaxTopK];
-    load_ids(ids, idx, t, p.tokens, K);
-    int pos[kMaxTopK];
-#pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) pos[j] = ids[j] >= 0 && ids[j] < E ? lay_row[(size_t)t * K + j] : 0;
-#pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
-      const int e = ids[j];
-      if (e >= 0 && e < E) {
-        const int i = t * K + j;
-        lay_row[i] = pos[j] + off[e];
-        bool first = true;  // a token listing one expert twice travels once for it
-#pragma unroll
-        for (int u = 0; u < j; ++u) first &= ids[u] != e;
-        const int d = e / El;
-        if (first) send[srow0[(e - d * El) * n + (d - me + n) % n] + pos[j]] = i;
-      }
-    }
-  }
+  for (int e = tid; e < E; e += blockDim.x) scratch.first_row[e] = off[e];
+  __syncthreads();
+  if (tid == 0) mk_signal_store(mk_signal_word(ws, me, MOE_PREP_OFFSETS), epoch);
+  if (overflow) return true;
+
   // Own m-block tables (thread per local expert): expert and the sources each block holds,
   // and each block's expert segment (first block | blocks << 15: the combine's groups).
   int* mb_expert = layout + p.lay_mb_expert;
@@ -325,42 +293,159 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   // (expert-major), as runs of one expert's blocks with raster groups cut at them
   // (MoeRaster): an expert's blocks share its W1 tiles (256 x 7168 x 2 bytes = 3.7 MB at
   // DeepSeek-V3-like sizes) in L2. The senders send expert by expert to every destination
-  // (the send list above) and flag each (source, expert), so block b waits only for its own
-  // expert's rows. The order tables keep a per-block key (always 0: one key) so that runs
-  // are (key, expert) runs.
-  const int total = lbase[El] / 128;
-  const int nkeys = 1;
-  for (int b = tid; b < total; b += blockDim.x) keys[b] = 0;
-  __syncthreads();
-  // Per (key, expert): blocks (kcnt), then the first order position (exclusive prefix over
-  // (key, expert) in that order); bits/pre of pass 1 are free now (nkeys * El <= E words).
-  int* kcnt = reinterpret_cast<int*>(bits);
-  for (int le = tid; le < El; le += blockDim.x) {
-    for (int k = 0; k < nkeys; ++k) kcnt[k * El + le] = 0;
-    for (int b = lbase[le] / 128; b < lbase[le + 1] / 128; ++b) ++kcnt[keys[b] * El + le];
-  }
-  __syncthreads();
-  if (warp == 0) warp_exclusive_scan(kcnt, nkeys * El, lane);  // first position per (key, expert)
-  __syncthreads();
-  // The order, and per block its (key, expert) run in order space: first position | length
-  // << 15 (MoeRaster cuts its raster groups at run boundaries).
+  // and flag each (source, expert), so block b waits only for its own expert's rows. Per
+  // block its expert's run: first block | blocks << 15.
   int* order = layout + p.lay_mb_order;
   int* mb_run = layout + p.lay_mb_run;
   for (int le = tid; le < El; le += blockDim.x) {
-    for (int k = 0; k < nkeys; ++k) {
-      const int first = kcnt[k * El + le];
-      const int next = k * El + le + 1 < nkeys * El ? kcnt[k * El + le + 1] : total;
-      int pos = first;
-      for (int b = lbase[le] / 128; b < lbase[le + 1] / 128; ++b)
-        if (keys[b] == k) {
-          order[pos++] = b;
-          mb_run[b] = first | (next - first) << 15;
-        }
+    const int first = lbase[le] / 128, blocks = lbase[le + 1] / 128 - first;
+    for (int b = first; b < first + blocks; ++b) {
+      order[b] = b;
+      mb_run[b] = first | blocks << 15;
     }
   }
-  if (tid == 0) layout[MOE_LAY_TOTAL_MB] = total;
+  if (tid == 0) layout[MOE_LAY_TOTAL_MB] = lbase[El] / 128;
   __syncthreads();
   return true;
+}
+
+// Whole CTA, each prep CTA c < p.prep_ctas (ops::moe::prep_split; the launch's other CTAs
+// wait for MOE_PREP). The layout is the same for any split: positions are in token order.
+//   Pass 1, the CTA's tokens [c * prep_tokens, +prep_tokens): per (token, j) its position
+//   among the CTA's tokens of that expert (per-warp lane bitmaps and a prefix over warps:
+//   no atomics, deterministic), and the CTA's count per expert.
+//   Column scans: each expert's counts over the prep CTAs become exclusive prefixes (the
+//   tokens of e before the CTA's), and their sum the rank's total.
+//   CTA 0: prep_tables (count exchange, offsets, send lists' starts, m-block tables).
+//   Pass 2, the same tokens: each row at its owner = pass 1's position + the CTA's prefix +
+//   the rank's first row of that expert there; the send-list entries.
+// The last CTA through pass 2 raises MOE_PREP. Returns false if a wait failed (recorded,
+// with the abort raised: the other CTAs' waits end too).
+__device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem) {
+  const WorkspaceView& ws = p.ws;
+  const int n = ws.nranks, me = ws.rank, E = p.experts, El = p.experts_local, K = p.top_k;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int c = blockIdx.x, P = p.prep_ctas;
+  const int t0 = min(p.tokens, c * p.prep_tokens), t1 = min(p.tokens, t0 + p.prep_tokens);
+  uint32_t* bits = reinterpret_cast<uint32_t*>(smem);      // [MOE_WARPS][E] lanes routed to e
+  int* pre = reinterpret_cast<int*>(bits + MOE_WARPS * E);  // [MOE_WARPS][E] tokens of e before the warp
+  int* run = pre + MOE_WARPS * E;                           // [E] the CTA's tokens of e so far
+  __shared__ int bad_id;
+  int* layout = reinterpret_cast<int*>(p.layout);
+  const int* idx = reinterpret_cast<const int*>(p.topk_idx);
+  int* lay_dest = layout + p.lay_dest;
+  int* lay_row = layout + p.lay_row;
+  const PrepScratch scratch(p);
+
+  for (int i = tid; i < MOE_WARPS * E; i += blockDim.x) bits[i] = 0;
+  for (int i = tid; i < E; i += blockDim.x) run[i] = 0;
+  if (tid == 0) bad_id = 0;
+  __syncthreads();
+
+  // Pass 1, a thread per token and round. A thread's token's ids are loaded once,
+  // together, into registers (kMaxTopK unrolled slots): loaded per use they would be three
+  // chains of K dependent loads per round. A token listing an expert twice is one row.
+  for (int c0 = t0; c0 < t1; c0 += blockDim.x) {
+    const int t = c0 + tid;
+    int ids[kMaxTopK];
+    load_ids(ids, idx, t, t1, K);
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      const int e = ids[j];
+      if (e >= 0 && e < E) atomicOr(&bits[warp * E + e], 1u << lane);
+      else if (j < K && t < t1 && e != -1) bad_id = 1;
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) {
+      int s = run[e];
+      for (int w = 0; w < MOE_WARPS; ++w) {
+        pre[w * E + e] = s;
+        s += __popc(bits[w * E + e]);
+      }
+      run[e] = s;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      if (j < K && t < t1) {
+        const int e = ids[j];
+        const bool ok = e >= 0 && e < E;
+        lay_dest[(size_t)t * K + j] = ok ? e / El : -1;
+        lay_row[(size_t)t * K + j] = ok ? pre[warp * E + e] + __popc(bits[warp * E + e] & ((1u << lane) - 1)) : -1;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      const int e = ids[j];
+      if (e >= 0 && e < E) bits[warp * E + e] = 0;
+    }
+    __syncthreads();
+  }
+  if (tid == 0 && bad_id) mk_record_error(ws, mk_error_word(mkInvalidUsage, me, MK_WAIT_MOE_EXPERT, MK_OP_MOE_DISPATCH));
+  for (int e = tid; e < E; e += blockDim.x) scratch.cta_count[c * E + e] = run[e];
+  if (!prep_barrier(ws, MOE_PREP_COUNTED, epoch, P)) return false;
+
+  // Column scans: warp w of CTA c takes experts c * MOE_WARPS + w, then every
+  // P * MOE_WARPS-th; its lanes scan 32 CTAs' counts at a time.
+  for (int e = c * MOE_WARPS + warp; e < E; e += P * MOE_WARPS) {
+    int carry = 0;
+    for (int b = 0; b < P; b += 32) {
+      const int i = b + lane;
+      const int v = i < P ? ld_cg(scratch.cta_count + i * E + e) : 0;
+      int incl = v;
+      for (int d = 1; d < 32; d *= 2) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += u;
+      }
+      if (i < P) scratch.cta_count[i * E + e] = carry + incl - v;
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) scratch.total[e] = carry;
+  }
+  if (!prep_barrier(ws, MOE_PREP_SCANNED, epoch, P)) return false;
+
+  if (c == 0) {
+    if (!prep_tables(p, epoch, smem)) return false;
+  } else if (!prep_wait(ws, MOE_PREP_OFFSETS, epoch)) {
+    return false;
+  }
+  if (ld_cg(layout + MOE_LAY_OVERFLOW) == 0) {
+    // Pass 2. Per expert: the first row of the CTA's tokens of e at its owner, and their
+    // first entry in e's send list (pass 1's tables are free).
+    int* row_base = reinterpret_cast<int*>(bits);
+    int* send_base = row_base + E;
+    const int* send_row0 = layout + p.lay_send_row0;
+    int* send = layout + p.lay_send;
+    for (int e = tid; e < E; e += blockDim.x) {
+      const int before = ld_cg(scratch.cta_count + c * E + e), d = e / El;
+      row_base[e] = before + ld_cg(scratch.first_row + e);
+      send_base[e] = before + ld_cg(send_row0 + (e - d * El) * n + (d - me + n) % n);
+    }
+    __syncthreads();
+    // A thread per token, its ids and pass 1's positions (its own writes: the same thread
+    // had the same token) loaded together into registers.
+    for (int t = t0 + tid; t < t1; t += blockDim.x) {
+      int ids[kMaxTopK];
+      load_ids(ids, idx, t, t1, K);
+      int pos[kMaxTopK];
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) pos[j] = ids[j] >= 0 && ids[j] < E ? lay_row[(size_t)t * K + j] : 0;
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) {
+        const int e = ids[j];
+        if (e >= 0 && e < E) {
+          const int i = t * K + j;
+          lay_row[i] = pos[j] + row_base[e];
+          bool first = true;  // a token listing one expert twice travels once for it
+#pragma unroll
+          for (int u = 0; u < j; ++u) first &= ids[u] != e;
+          if (first) send[send_base[e] + pos[j]] = i;
+        }
+      }
+    }
+  }
+  return prep_barrier(ws, MOE_PREP, epoch, P);
 }
 
 // All threads of the warp copy one row (bytes a multiple of 16) to dst, IN_FLIGHT vectors
@@ -578,18 +663,15 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   const int* layout = reinterpret_cast<const int*>(p.layout);
   const int j = (int)blockIdx.x - p.compute_ctas;
 
-  // The prep: the first communication CTA (MK_COMM_SMS), else the last GEMM CTA, which then
-  // runs its GEMM tiles like the others (every CTA waits for the layout anyway; a prep CTA
-  // that only sends afterwards leaves the GEMM one SM short: 15 of 16 CTAs at 4 ranks).
-  if (j == (p.comm_ctas > 0 ? 0 : -1)) {
-    const bool ok = prep(p, epoch, smem);
+  // The prep (CTAs [0, prep_ctas)); every CTA then waits for its layout.
+  bool ready = true;
+  if ((int)blockIdx.x < p.prep_ctas) {
+    ready = prep(p, epoch, smem);
     // The prep's generic shared-memory writes, before the engine's TMA loads reuse the space.
     fence_proxy_async_smem();
     __syncthreads();
-    if (threadIdx.x == 0) mk_signal_store(mk_signal_word(ws, ws.rank, MOE_PREP), ok ? epoch : 0);
   }
-  // The layout of this epoch is in place (thread 0's acquire, then the barrier).
-  bool ready = moe_cta_wait(ws, mk_signal_word(ws, ws.rank, MOE_PREP), epoch, ws.rank, MK_OP_MOE_DISPATCH);
+  ready = ready && prep_wait(ws, MOE_PREP, epoch);
   if (ready && ld_cg(layout + MOE_LAY_OVERFLOW) != 0) ready = false;
   mk_trace_time(p.trace, MK_TR_SETUP);
 
@@ -621,7 +703,7 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
       if (blockIdx.x == 0) wait_all_rows(p, epoch);
     }
   } else if (ready) {
-    // The communication CTAs (the prep CTA, once the layout is out, or MK_COMM_SMS's).
+    // The communication CTAs (MK_COMM_SMS).
     send_rows_warp<8>(p, epoch, sender_warps(p));
   }
   if (p.trace) {

@@ -519,6 +519,10 @@ pub struct MoeParams {
     /// lists q < burst_lists (the rows of the first wave of tiles) before its GEMM starts;
     /// 0: only the side warps send (ops::moe::burst_lists, `Tuning::moe_burst`).
     pub burst_lists: i32,
+    /// Dispatch: CTAs [0, prep_ctas) build the layout, prep_tokens tokens each
+    /// (ops::moe::prep_split); 0 in the combine.
+    pub prep_ctas: i32,
+    pub prep_tokens: i32,
     /// As `AgGemmParams::trace`.
     pub trace: u64,
 }
@@ -718,8 +722,16 @@ pub const GR_TILE: u32 = MK_SIG_OP_BASE + 2048;
 // MoE (kernels/moe.cu), own region unless noted, all in [MK_SIG_MOE_BASE, +65536).
 pub const MOE_EPOCH: u32 = MK_SIG_MOE_BASE;
 pub const MOE_ARRIVE: u32 = MK_SIG_MOE_BASE + 1;
-/// The prep CTA wrote the layout of epoch e.
+/// The prep CTAs wrote the layout of epoch e (the last of them raises it).
 pub const MOE_PREP: u32 = MK_SIG_MOE_BASE + 2;
+/// The prep CTAs' arrivals at each of their barriers (counter; the last resets it).
+pub const MOE_PREP_ARRIVE: u32 = MK_SIG_MOE_BASE + 3;
+/// Every prep CTA wrote its per-expert counts of epoch e.
+pub const MOE_PREP_COUNTED: u32 = MK_SIG_MOE_BASE + 4;
+/// The counts' prefixes over the prep CTAs and their totals of epoch e are written.
+pub const MOE_PREP_SCANNED: u32 = MK_SIG_MOE_BASE + 5;
+/// Prep CTA 0 wrote this rank's offsets, the send lists' starts and the overflow word of epoch e.
+pub const MOE_PREP_OFFSETS: u32 = MK_SIG_MOE_BASE + 6;
 /// Word + q: rank q finished MoE kernel e (written by q).
 pub const MOE_DONE: u32 = MK_SIG_MOE_BASE + 8;
 /// Word + s: rank s wrote its counts here (written by s).

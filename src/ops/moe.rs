@@ -126,7 +126,8 @@ pub const COUNTS_BYTES: usize = 64 << 10;
 /// Per-slab flags of Z (signal words MOE_TILE .. MOE_END; below them the dispatch's
 /// per-(source, expert) flags at MOE_RECV and per-list counters at MOE_SENT).
 pub const TILE_FLAG_WORDS: usize = (crate::kernel_abi::MOE_END - crate::kernel_abi::MOE_TILE) as usize;
-/// Most 128-row blocks in a receive buffer (one byte of order key each in shared memory).
+/// Most 128-row blocks in a receive buffer (the m-block tables pack a block and a block
+/// count into 15 bits each).
 pub const MAX_CAPACITY_BLOCKS: usize = 16_384;
 const WARPS: usize = crate::kernel_abi::MOE_WARPS as usize;
 
@@ -458,10 +459,37 @@ pub fn plan_roles(bytes: f64, gemm_flops: f64, grid: u32, comm_override: Option<
     Ok(RolePlan { compute_ctas: grid - comm_ctas, comm_ctas })
 }
 
-/// Shared memory the dispatch's prep CTA uses (kernels/moe.cu `prep`).
+/// How the dispatch's prep is split over CTAs (MoeParams::prep_ctas, prep_tokens): CTA c
+/// counts tokens [c·tokens_per_cta, (c + 1)·tokens_per_cta) in pass 1 and writes their rows
+/// and send-list entries in pass 2; CTA 0 also exchanges the counts and builds the tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrepSplit {
+    pub ctas: usize,
+    pub tokens_per_cta: usize,
+}
+
+/// The prep's split: one pass over a CTA's tokens costs about as much for 1 token per
+/// thread as for fewer (its loads' latency), so a CTA takes one thread's worth per thread
+/// (`threads` tokens) and the grid's CTAs share the rest. Their per-expert counts
+/// ([ctas][E], then the column totals [E] and this rank's offsets [E]) live in the
+/// count-exchange area after the exchanged counts ([nranks][E]), which bounds the CTAs
+/// when E is large; one CTA always fits (E ≤ MAX_EXPERTS, nranks ≤ MK_MAX_PEERS).
+pub fn prep_split(tokens: usize, experts: usize, nranks: usize, grid: usize, threads: usize) -> PrepSplit {
+    let fit = (COUNTS_BYTES / 4 / experts.max(1)).saturating_sub(nranks + 2);
+    let wanted = tokens.div_ceil(threads.max(1));
+    let ctas = wanted.min(grid).min(fit).max(1);
+    let tokens_per_cta = tokens.div_ceil(ctas).max(1);
+    PrepSplit { ctas: tokens.div_ceil(tokens_per_cta).max(1), tokens_per_cta }
+}
+const _: () = assert!(
+    (crate::kernel_abi::MK_MAX_PEERS + 3) * crate::kernel_abi::MOE_MAX_EXPERTS as usize * 4 <= COUNTS_BYTES,
+    "the count-exchange area holds every rank's counts and one prep CTA's scratch at the most experts"
+);
+
+/// Shared memory the dispatch's prep uses (kernels/moe.cu `prep`, and `prep_tables` in CTA 0).
 pub fn prep_smem_bytes(d: &MoeDims) -> usize {
     let e = d.experts;
-    (2 * WARPS * e + e + d.nranks * e + e + d.experts_local() + 1) * 4 + d.capacity / ROW_BLOCK
+    (2 * WARPS * e + e + d.nranks * e + e + d.experts_local() + 1) * 4
 }
 
 /// The raster group cap (MoeParams::group_m): m-blocks of one group, which share one wave's
@@ -723,6 +751,8 @@ pub struct MoePlan {
     pub burst_lists: usize,
     /// Where the tables live in the caller's layout buffer.
     pub layout: LayoutOffsets,
+    /// The dispatch's prep over CTAs [0, prep.ctas) (combine: none).
+    pub prep: PrepSplit,
     /// CTAs launched: compute and communication.
     pub grid: u32,
 }
@@ -792,6 +822,16 @@ pub fn plan(
             0
         },
         layout: layout_offsets(d.tokens, d.top_k, d.capacity),
+        prep: match dir {
+            Direction::Dispatch => prep_split(
+                d.tokens,
+                d.experts,
+                d.nranks,
+                (roles.compute_ctas + roles.comm_ctas) as usize,
+                engine::THREADS as usize,
+            ),
+            Direction::Combine => PrepSplit { ctas: 0, tokens_per_cta: 0 },
+        },
         grid: roles.compute_ctas + roles.comm_ctas,
     })
 }
@@ -871,6 +911,8 @@ fn launch(call: MoeCall, p: &MoePlan, view: &WorkspaceView, region: u64, stream:
     params.gemm = call.gemm as i32;
     params.send_by_gemm_ctas = p.send_by_gemm_ctas as i32;
     params.burst_lists = p.burst_lists as i32;
+    params.prep_ctas = p.prep.ctas as i32;
+    params.prep_tokens = p.prep.tokens_per_cta as i32;
     let at = |ptr: u64| if ptr == REGION { region + COUNTS_BYTES as u64 } else { ptr };
     let (a, b, c, dtype) = (call.a, call.b, call.c, call.dtype);
     let mut ta = launch::tensor_map(at(a.0), dtype, a.1, a.2, engine::BM, engine::BK)?;
@@ -1285,6 +1327,33 @@ mod tests {
         assert!(
             prep_smem_bytes(&d) <= engine::smem_bytes(256, Epilogue::Tma).min(engine::smem_bytes(128, Epilogue::Tma))
         );
+    }
+
+    #[test]
+    fn prep_split_covers_the_tokens_and_fits_its_scratch() {
+        // A CTA's worth per thread first: 4096 tokens over 384 threads is 11 CTAs.
+        assert_eq!(prep_split(4096, 32, 1, 132, 384), PrepSplit { ctas: 11, tokens_per_cta: 373 });
+        assert_eq!(prep_split(16384, 256, 8, 132, 384), PrepSplit { ctas: 43, tokens_per_cta: 382 });
+        // Decode sizes: one CTA; no tokens: one CTA with nothing to count.
+        assert_eq!(prep_split(256, 32, 2, 132, 384).ctas, 1);
+        assert_eq!(prep_split(0, 32, 2, 132, 384).ctas, 1);
+        // The grid and the scratch bound the CTAs: 1024 experts at 8 ranks leave room for 6.
+        assert_eq!(prep_split(1 << 20, 32, 1, 132, 384).ctas, 132);
+        assert_eq!(prep_split(1 << 20, MAX_EXPERTS, 8, 132, 384).ctas, 6);
+        for tokens in [0, 1, 383, 384, 385, 4095, 4097, 65537, 1 << 20] {
+            for experts in [1, 7, 32, 256, 1000, MAX_EXPERTS] {
+                for nranks in [1, 2, 8] {
+                    for grid in [1, 2, 16, 132] {
+                        let s = prep_split(tokens, experts, nranks, grid, 384);
+                        let at = format!("T {tokens} E {experts} n {nranks} grid {grid}: {s:?}");
+                        assert!(s.ctas >= 1 && s.ctas <= grid && s.tokens_per_cta >= 1, "{at}");
+                        assert!(s.ctas * s.tokens_per_cta >= tokens, "every token has a CTA: {at}");
+                        assert!((s.ctas - 1) * s.tokens_per_cta < tokens.max(1), "no CTA without tokens: {at}");
+                        assert!((nranks + s.ctas + 2) * experts * 4 <= COUNTS_BYTES, "the scratch fits: {at}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -507,6 +507,8 @@ fn sizes_list() -> Vec<Sizes> {
         // Decode sizes: 1 and 16 tokens (odd ranks 16 and 0), the smallest hidden and ffn.
         sz(1, 16, 128, 128, 4, 8, FP, 8),
         sz(16, 0, 128, 256, 2, 16, BF, 16),
+        // Enough tokens that several CTAs share the prep (ops::moe::prep_split: 4 and 3).
+        sz(1200, 777, 256, 256, 6, 64, BF, 48),
         // DeepSeek-V3-sized expert matrices (E kept small so every rank can rebuild them).
         sz(40, 40, 7168, 2048, 2, 8, BF, 8),
     ]
