@@ -126,21 +126,42 @@ __device__ __forceinline__ int warp_exclusive_scan(int* a, int items, int lane) 
 // Most choices per token (MoeParams::top_k; ops::moe validates k <= 32).
 constexpr int kMaxTopK = 32;
 
-// ids[j] = token t's expert j for j < K (all loads issued together); -1 past K or past the
-// tokens (-1 is "no expert": nothing is counted or written for it).
-__device__ __forceinline__ void load_ids(int (&ids)[kMaxTopK], const int* idx, int t, int tokens, int K) {
+// ids[j] = token t's expert j for j < K <= KMAX (all loads issued together); -1 past K or
+// past the tokens (-1 is "no expert": nothing is counted or written for it).
+template <int KMAX>
+__device__ __forceinline__ void load_ids(int (&ids)[KMAX], const int* idx, int t, int tokens, int K) {
 #pragma unroll
-  for (int j = 0; j < kMaxTopK; ++j) ids[j] = j < K && t < tokens ? idx[(size_t)t * K + j] : -1;
+  for (int j = 0; j < KMAX; ++j) ids[j] = j < K && t < tokens ? idx[(size_t)t * K + j] : -1;
 }
 
-// The prep CTAs' waits for each other: polls up to 256 ns apart (the moe_wait back-off's
-// 2 us would add up over the prep's barriers); thread 0 waits, every thread learns the outcome.
+// The prep CTAs' waits for each other's flags (own signal region, this GPU only: gpu
+// scope), polls up to 256 ns apart (the moe_wait back-off's 2 us would add up over the
+// prep's steps), bounded like every wait; thread 0 waits, every thread learns the outcome.
 __device__ __forceinline__ bool prep_wait(const WorkspaceView& ws, uint32_t word, uint64_t epoch) {
   int ok = 1;
-  if (threadIdx.x == 0)
-    ok = mk_wait_geq_backoff<32, 256, 32>(ws, mk_signal_word(ws, ws.rank, word), epoch, ws.rank, MK_WAIT_OP_FLAG,
-                                          MK_OP_MOE_DISPATCH);
+  if (threadIdx.x == 0) {
+    const uint64_t* flag = mk_signal_word(ws, ws.rank, word);
+    if (mk_ld_acquire_gpu(flag) < epoch) {
+      MkWaitChecks checks(ws);
+      unsigned ns = 32;
+      for (uint32_t spin = 1;; ++spin) {
+        __nanosleep(ns);
+        if (ns < 256) ns *= 2;
+        if (mk_ld_acquire_gpu(flag) >= epoch) break;
+        if ((spin & 31) == 0 && !checks.keep_waiting(ws.rank, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH)) {
+          ok = 0;
+          break;
+        }
+      }
+    }
+  }
   return __syncthreads_and(ok) != 0;
+}
+
+// Thread 0, after a barrier of its CTA: the CTA's writes (fence), then `word` = epoch.
+__device__ __forceinline__ void prep_raise(const WorkspaceView& ws, uint32_t word, uint64_t epoch) {
+  __threadfence();
+  mk_st_release_gpu(mk_signal_word(ws, ws.rank, word), epoch);
 }
 
 // Whole CTA, each of the `ctas` prep CTAs: after the CTA's writes, arrive on MOE_PREP_ARRIVE;
@@ -150,8 +171,7 @@ __device__ __forceinline__ bool prep_barrier(const WorkspaceView& ws, uint32_t w
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    if (mk_arrive_last(mk_signal_word(ws, ws.rank, MOE_PREP_ARRIVE), (unsigned long long)ctas))
-      mk_signal_store(mk_signal_word(ws, ws.rank, word), epoch);
+    if (mk_arrive_last(mk_signal_word(ws, ws.rank, MOE_PREP_ARRIVE), (unsigned long long)ctas)) prep_raise(ws, word, epoch);
   }
   return prep_wait(ws, word, epoch);
 }
@@ -260,7 +280,7 @@ __device__ __noinline__ bool prep_tables(const MoeParams& p, uint64_t epoch, cha
   for (int q = tid; q <= E; q += blockDim.x) send_row0[q] = srow0[q];
   for (int e = tid; e < E; e += blockDim.x) scratch.first_row[e] = off[e];
   __syncthreads();
-  if (tid == 0) mk_signal_store(mk_signal_word(ws, me, MOE_PREP_OFFSETS), epoch);
+  if (tid == 0) prep_raise(ws, MOE_PREP_OFFSETS, epoch);
   if (overflow) return true;
 
   // Own m-block tables (thread per local expert): expert and the sources each block holds,
@@ -321,6 +341,7 @@ __device__ __noinline__ bool prep_tables(const MoeParams& p, uint64_t epoch, cha
 //   the rank's first row of that expert there; the send-list entries.
 // The last CTA through pass 2 raises MOE_PREP. Returns false if a wait failed (recorded,
 // with the abort raised: the other CTAs' waits end too).
+template <int KMAX>
 __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem) {
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, E = p.experts, El = p.experts_local, K = p.top_k;
@@ -343,14 +364,15 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   __syncthreads();
 
   // Pass 1, a thread per token and round. A thread's token's ids are loaded once,
-  // together, into registers (kMaxTopK unrolled slots): loaded per use they would be three
+  // together, into registers (KMAX unrolled slots: the smallest of 8, 16, 32 that holds K, since
+  // the prep runs once per launch and its instructions come from L2 or memory): loaded per use they would be three
   // chains of K dependent loads per round. A token listing an expert twice is one row.
   for (int c0 = t0; c0 < t1; c0 += blockDim.x) {
     const int t = c0 + tid;
-    int ids[kMaxTopK];
+    int ids[KMAX];
     load_ids(ids, idx, t, t1, K);
 #pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
+    for (int j = 0; j < KMAX; ++j) {
       const int e = ids[j];
       if (e >= 0 && e < E) atomicOr(&bits[warp * E + e], 1u << lane);
       else if (j < K && t < t1 && e != -1) bad_id = 1;
@@ -366,7 +388,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     }
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
+    for (int j = 0; j < KMAX; ++j) {
       if (j < K && t < t1) {
         const int e = ids[j];
         const bool ok = e >= 0 && e < E;
@@ -376,7 +398,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     }
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
+    for (int j = 0; j < KMAX; ++j) {
       const int e = ids[j];
       if (e >= 0 && e < E) bits[warp * E + e] = 0;
     }
@@ -384,6 +406,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   }
   if (tid == 0 && bad_id) mk_record_error(ws, mk_error_word(mkInvalidUsage, me, MK_WAIT_MOE_EXPERT, MK_OP_MOE_DISPATCH));
   for (int e = tid; e < E; e += blockDim.x) scratch.cta_count[c * E + e] = run[e];
+  mk_trace_time(p.trace, MK_TR_STEP);
   if (!prep_barrier(ws, MOE_PREP_COUNTED, epoch, P)) return false;
 
   // Column scans: warp w of CTA c takes experts c * MOE_WARPS + w, then every
@@ -404,12 +427,14 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     if (lane == 0) scratch.total[e] = carry;
   }
   if (!prep_barrier(ws, MOE_PREP_SCANNED, epoch, P)) return false;
+  mk_trace_time(p.trace, MK_TR_STEP + 1);
 
   if (c == 0) {
     if (!prep_tables(p, epoch, smem)) return false;
   } else if (!prep_wait(ws, MOE_PREP_OFFSETS, epoch)) {
     return false;
   }
+  mk_trace_time(p.trace, MK_TR_STEP + 2);
   if (ld_cg(layout + MOE_LAY_OVERFLOW) == 0) {
     // Pass 2. Per expert: the first row of the CTA's tokens of e at its owner, and their
     // first entry in e's send list (pass 1's tables are free).
@@ -426,13 +451,13 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     // A thread per token, its ids and pass 1's positions (its own writes: the same thread
     // had the same token) loaded together into registers.
     for (int t = t0 + tid; t < t1; t += blockDim.x) {
-      int ids[kMaxTopK];
+      int ids[KMAX];
       load_ids(ids, idx, t, t1, K);
-      int pos[kMaxTopK];
+      int pos[KMAX];
 #pragma unroll
-      for (int j = 0; j < kMaxTopK; ++j) pos[j] = ids[j] >= 0 && ids[j] < E ? lay_row[(size_t)t * K + j] : 0;
+      for (int j = 0; j < KMAX; ++j) pos[j] = ids[j] >= 0 && ids[j] < E ? lay_row[(size_t)t * K + j] : 0;
 #pragma unroll
-      for (int j = 0; j < kMaxTopK; ++j) {
+      for (int j = 0; j < KMAX; ++j) {
         const int e = ids[j];
         if (e >= 0 && e < E) {
           const int i = t * K + j;
@@ -445,7 +470,16 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
       }
     }
   }
+  mk_trace_time(p.trace, MK_TR_STEP + 3);
   return prep_barrier(ws, MOE_PREP, epoch, P);
+}
+
+// The prep for this launch's top-k: the slot loops are unrolled to KMAX, so K <= 8 (the
+// common case) runs a quarter of the code of K <= 32.
+__device__ __forceinline__ bool prep_for_top_k(const MoeParams& p, uint64_t epoch, char* smem) {
+  if (p.top_k <= 8) return prep<8>(p, epoch, smem);
+  if (p.top_k <= 16) return prep<16>(p, epoch, smem);
+  return prep<kMaxTopK>(p, epoch, smem);
 }
 
 // All threads of the warp copy one row (bytes a multiple of 16) to dst, IN_FLIGHT vectors
@@ -666,7 +700,7 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   // The prep (CTAs [0, prep_ctas)); every CTA then waits for its layout.
   bool ready = true;
   if ((int)blockIdx.x < p.prep_ctas) {
-    ready = prep(p, epoch, smem);
+    ready = prep_for_top_k(p, epoch, smem);
     // The prep's generic shared-memory writes, before the engine's TMA loads reuse the space.
     fence_proxy_async_smem();
     __syncthreads();

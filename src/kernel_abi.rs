@@ -449,7 +449,7 @@ impl Default for GemmReduceParams {
 }
 
 /// u64 words per CTA in a fused kernel's trace buffer (layout in kernels/common/trace.cuh).
-pub const MK_TRACE_WORDS: usize = 10;
+pub const MK_TRACE_WORDS: usize = 14;
 
 /// Parameters of the MoE kernels (kernels/moe.cu: mkMoeDispatchGemm and mkMoeGemmCombine).
 /// The tensor maps travel as separate kernel arguments: dispatch A = this rank's receive

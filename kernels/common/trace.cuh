@@ -8,6 +8,8 @@
 //   8 a GEMM CTA's GEMM done, where the same CTA then moves data (0 if not recorded)
 //   9 a GEMM CTA's side work done (the producer warpgroup's idle warps: AG+GEMM's push,
 //     MoE dispatch's token sends; 0 if not recorded)
+//   10-13 the setup's steps done, where a kernel records them (0 if not): the MoE
+//     dispatch's prep CTAs: pass 1, the column scans, the offsets (CTA 0: its tables), pass 2
 // Thread 0 writes the times; counters are added by one thread of the counting team.
 #pragma once
 #include <stdint.h>
@@ -15,7 +17,8 @@
 #include "signals.cuh"
 
 enum MkTraceSlot { MK_TR_START = 0, MK_TR_SETUP = 1, MK_TR_ROLE = 2, MK_TR_END = 3, MK_TR_WAIT = 4, MK_TR_BYTES = 5,
-                   MK_TR_ITEMS = 6, MK_TR_SM = 7, MK_TR_GEMM = 8, MK_TR_SIDE = 9 };
+                   MK_TR_ITEMS = 6, MK_TR_SM = 7, MK_TR_GEMM = 8, MK_TR_SIDE = 9, MK_TR_STEP = 10 };
+constexpr int MK_TR_STEPS = 4;  // slots MK_TR_STEP .. + 3
 
 __device__ __forceinline__ uint64_t* mk_trace_slot(uint64_t trace, int slot) {
   return reinterpret_cast<uint64_t*>(trace) + (size_t)blockIdx.x * MK_TRACE_WORDS + slot;
@@ -39,6 +42,7 @@ __device__ __forceinline__ void mk_trace_begin(uint64_t trace, bool communicatio
   *mk_trace_slot(trace, MK_TR_ITEMS) = 0;
   *mk_trace_slot(trace, MK_TR_GEMM) = 0;
   *mk_trace_slot(trace, MK_TR_SIDE) = 0;
+  for (int i = 0; i < MK_TR_STEPS; ++i) *mk_trace_slot(trace, MK_TR_STEP + i) = 0;
   *mk_trace_slot(trace, MK_TR_START) = mk_globaltimer();
 }
 // One thread of whichever team counts: adds `v` to a counter slot (atomically: a GEMM

@@ -307,6 +307,22 @@ pub fn print_trace(comm: &Comm, stream: sys::CUstream, label: &str, call: &dyn F
                 moved as f64 / rest_ns.max(1) as f64
             );
         }
+        // The setup's steps (slots 10..13), where the kernel records them: when each ended,
+        // the median over the CTAs that record it and CTA 0's (the MoE dispatch's prep:
+        // pass 1, column scans, offsets / CTA 0's tables, pass 2).
+        let steps: Vec<&&&[u64]> = r.iter().filter(|w| w[10] != 0).collect();
+        if !steps.is_empty() {
+            line += "\n             setup steps done after";
+            for i in 10..14 {
+                let (med, _) = med_max(steps.iter().map(|w| w[i].saturating_sub(w[0])).collect());
+                line += &format!(" {med:.1}");
+            }
+            line += " µs (median over CTAs; CTA 0:";
+            for i in 10..14 {
+                line += &format!(" {:.1}", us(words[i].saturating_sub(words[0])));
+            }
+            line += ")";
+        }
         // GEMM CTAs whose idle producer warps moved data during the GEMM: when they ended.
         let side: Vec<&&&[u64]> = r.iter().filter(|w| w[9] != 0).collect();
         if !side.is_empty() {
