@@ -509,6 +509,9 @@ fn sizes_list() -> Vec<Sizes> {
         sz(16, 0, 128, 256, 2, 16, BF, 16),
         // Enough tokens that several CTAs share the prep (ops::moe::prep_split: 4 and 3).
         sz(1200, 777, 256, 256, 6, 64, BF, 48),
+        // Top-k past 8 and past 16 (the prep's slot loops are unrolled to 8, 16 or 32).
+        sz(500, 130, 128, 256, 12, 32, FP, 24),
+        sz(90, 45, 128, 128, 20, 32, BF, 24),
         // DeepSeek-V3-sized expert matrices (E kept small so every rank can rebuild them).
         sz(40, 40, 7168, 2048, 2, 8, BF, 8),
     ]
