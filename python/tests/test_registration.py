@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mkernel
@@ -145,6 +146,36 @@ def test_ring_attention_keeps_its_gradient_formula(shape_comm, cpu_launches, mon
     torch.testing.assert_close(q.grad, dout * 2, rtol=0, atol=0)
     assert torch.equal(k.grad, torch.ones_like(k)) and torch.equal(v.grad, -torch.ones_like(v))
     assert seen["causal"] is True and seen["scale"] == 0.125 and torch.equal(seen["lse"], torch.full_like(lse, 0.5))
+
+
+def test_ring_attention_lse_is_a_constant(shape_comm, cpu_launches):
+    """lse carries no gradient and says so: requires_grad is False, so a loss of lse alone
+    cannot be differentiated (rather than giving q, k, v a silent zero)."""
+    name = shape_comm(2).name
+    q, k, v = (_random(1, 8, h, 64, seed=s).requires_grad_() for s, h in ((0, 4), (1, 2), (2, 2)))
+    for out, lse in (
+        torch.ops.mkernel.ring_attention(q, k, v, name, 0.125, True),
+        mkernel.ring_attention(q, k, v, name, causal=True),
+    ):
+        assert out.requires_grad and not lse.requires_grad
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            lse.sum().backward()
+
+
+def test_forward_mode_ad_is_refused(shape_comm, cpu_launches):
+    """A tangent would be dropped below the autograd keys (a zero output tangent): refused,
+    through the op and the public function alike; plain inputs inside a dual level run."""
+    name = shape_comm(2).name
+    x = _random(6, 4, dtype=torch.float32)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.ones_like(x))
+        for call in (lambda t: torch.ops.mkernel.all_reduce(t, name, "sum"), lambda t: mkernel.all_reduce(t, name)):
+            with pytest.raises(RuntimeError, match=r"mkernel\.all_reduce has no forward-mode derivative"):
+                call(dual)
+            torch.testing.assert_close(call(x), x * 2, rtol=0, atol=0)
+        q, k, v = (_random(1, 8, h, 64, seed=s) for s, h in ((0, 4), (1, 2), (2, 2)))
+        with pytest.raises(RuntimeError, match=r"mkernel\.ring_attention has no forward-mode derivative"):
+            mkernel.ring_attention(forward_ad.make_dual(q, torch.ones_like(q)), k, v, name, causal=True)
 
 
 class OpRecorder(TorchDispatchMode):

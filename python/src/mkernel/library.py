@@ -26,6 +26,7 @@ functions skip that kernel where it would only pass the call on (mkernel.ops.dis
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 from torch.library import Library
 
 from . import _checks as check
@@ -60,12 +61,14 @@ class _NoGradient(torch.autograd.Function):
 
 class _RingAttentionGradient(torch.autograd.Function):
     """Ring attention's autograd node: the backward is torch.ops.mkernel.ring_attention_backward
-    on what the forward saved. lse is a by-product (as in FlashAttention): no gradient flows
-    through it."""
+    on what the forward saved. lse is a by-product (as in FlashAttention) and is returned as a
+    constant (requires_grad False): a loss that uses it gets no gradient through it, visibly,
+    rather than a silent zero."""
 
     @staticmethod
     def forward(ctx, name, op, keyset, q, k, v, comm, softmax_scale, causal):
         out, lse = _below_autograd(op, keyset, q, k, v, comm, softmax_scale, causal)
+        ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.softmax_scale, ctx.causal = comm, softmax_scale, causal
         return out, lse
@@ -79,6 +82,20 @@ class _RingAttentionGradient(torch.autograd.Function):
         return None, None, None, dq, dk, dv, None, None, None
 
 
+def _refuse_tangents(name: str, args) -> None:
+    """Forward-mode AD (torch.autograd.forward_ad) is not defined for mkernel's ops: an
+    input with a tangent is refused, since going on below the autograd keys would drop the
+    tangent and leave the output's as zero. Checked only inside a dual level (a module
+    global), so calls outside one pay nothing."""
+    level = _forward_ad._current_level
+    for a in args:
+        if isinstance(a, torch.Tensor) and torch._VF._unpack_dual(a, level=level)[1] is not None:
+            raise RuntimeError(
+                f"mkernel.{name} has no forward-mode derivative (torch.autograd.forward_ad): an input carries a "
+                "tangent; compute it outside the dual level, or use reverse mode"
+            )
+
+
 def _autograd_kernel(name: str, op, gradient):
     """An op's Autograd kernel, as custom_op's: with grad, the outputs get a node of the
     autograd.Function `gradient`; without, the call goes on below the autograd keys.
@@ -89,6 +106,8 @@ def _autograd_kernel(name: str, op, gradient):
     """
 
     def kernel(keyset, *args):
+        if _forward_ad._current_level >= 0:
+            _refuse_tangents(name, args)
         if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):
             return gradient.apply(name, op, keyset, *args)
         return _below_autograd(op, keyset, *args)

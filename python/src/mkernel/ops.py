@@ -21,6 +21,7 @@ import math
 from typing import NamedTuple, Union
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from . import _checks as check
 from . import _lib
@@ -59,9 +60,14 @@ def dispatch(op, *args):
     (mkernel.library) sends the call below the autograd keys; entering them here instead
     saves that Python hop and its redispatch (about 2.5 µs). Every other dispatch key and
     mode (fake and meta tensors, dispatch modes, the profiler) still sees the op. While
-    torch.compile traces, the call is the op itself, which the graph records.
+    torch.compile traces, the call is the op itself, which the graph records. Inside a
+    forward-mode AD level the autograd kernel runs too: it refuses inputs with tangents.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+    if (
+        torch.compiler.is_compiling()
+        or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))
+        or _forward_ad._current_level >= 0
+    ):
         return op(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)
