@@ -92,8 +92,16 @@ pub fn device_attribute(dev: i32, attr: sys::CUdevice_attribute) -> Result<i32> 
     unsafe { cu::device::get_attribute(dev, attr) }.map_err(|e| cuda_err("cuDeviceGetAttribute", e))
 }
 
+/// The SM count of device `dev`, read from the driver once per device (it cannot change
+/// while the process runs): every op call plans with it.
 pub fn sm_count(dev: i32) -> Result<i32> {
-    device_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+    static KNOWN: Mutex<Vec<(i32, i32)>> = Mutex::new(Vec::new());
+    if let Some(&(_, sms)) = KNOWN.lock().iter().find(|(d, _)| *d == dev) {
+        return Ok(sms);
+    }
+    let sms = device_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    KNOWN.lock().push((dev, sms));
+    Ok(sms)
 }
 
 /// A retained primary context of one device; released on drop.
@@ -120,11 +128,20 @@ impl PrimaryContext {
         Ok(PrimaryContext { device, ctx })
     }
 
-    /// Makes this context current until the guard drops, then restores the caller's.
+    /// Makes this context current until the guard drops, then restores the caller's. Where
+    /// it is current already (a torch program's thread, every call after the first), nothing
+    /// is pushed or popped: reading the current context is thread-local, while a push and a
+    /// pop are two more driver calls per op call.
     pub fn enter(&self) -> Result<ContextGuard> {
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes the calling thread's current context (or null).
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut current) })?;
+        if current == self.ctx {
+            return Ok(ContextGuard { pushed: false });
+        }
         // SAFETY: pushes a valid, retained context.
         check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(self.ctx) })?;
-        Ok(ContextGuard { _private: () })
+        Ok(ContextGuard { pushed: true })
     }
 }
 
@@ -136,14 +153,17 @@ impl Drop for PrimaryContext {
 }
 
 pub struct ContextGuard {
-    _private: (),
+    /// `enter` pushed the context (it was not current), so the drop pops it.
+    pushed: bool,
 }
 
 impl Drop for ContextGuard {
     fn drop(&mut self) {
-        let mut old: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: pops the context pushed by `enter`.
-        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
+        if self.pushed {
+            let mut old: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: pops the context pushed by `enter`.
+            let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
+        }
     }
 }
 
@@ -279,6 +299,33 @@ pub fn preload(kernels: &[kernels::Kernel]) -> Result<()> {
     Ok(())
 }
 
+/// Lets `f` launch with `bytes` of dynamic shared memory: above the default 48 KiB a
+/// function must opt in (cuFuncSetAttribute). The opt-in is per function and stays, so it
+/// is made once per function at the largest size asked so far, not on every launch. A
+/// function handle is never reused for another function: modules stay loaded in contexts
+/// that `function` keeps alive for the life of the process.
+pub fn allow_dynamic_smem(f: sys::CUfunction, bytes: u32) -> Result<()> {
+    static ALLOWED: Mutex<Option<HashMap<usize, u32>>> = Mutex::new(None);
+    if bytes <= 48 * 1024 {
+        return Ok(());
+    }
+    if ALLOWED.lock().as_ref().and_then(|m| m.get(&(f as usize))).is_some_and(|&b| b >= bytes) {
+        return Ok(());
+    }
+    // SAFETY: sets one attribute of a loaded function.
+    check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+        sys::cuFuncSetAttribute(
+            f,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+    })?;
+    let mut guard = ALLOWED.lock();
+    let allowed = guard.get_or_insert_with(HashMap::new).entry(f as usize).or_insert(0);
+    *allowed = (*allowed).max(bytes);
+    Ok(())
+}
+
 /// Launch geometry of one kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchConfig {
@@ -298,16 +345,7 @@ pub unsafe fn launch(
     stream: sys::CUstream,
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    if cfg.shared_mem_bytes > 48 * 1024 {
-        check(
-            "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
-            sys::cuFuncSetAttribute(
-                f,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                cfg.shared_mem_bytes as i32,
-            ),
-        )?;
-    }
+    allow_dynamic_smem(f, cfg.shared_mem_bytes)?;
     cu::launch_kernel(f, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, params)
         .map_err(|e| cuda_err("cuLaunchKernel", e))
 }

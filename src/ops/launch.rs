@@ -34,17 +34,9 @@ impl DeviceCaps {
     }
 }
 
-/// The SM count of the current context's device (cached per device).
+/// The SM count of the current context's device.
 pub fn current_sm_count() -> Result<usize> {
-    use parking_lot::Mutex;
-    static CACHE: Mutex<Vec<(i32, usize)>> = Mutex::new(Vec::new());
-    let dev = cuda::current_device()?;
-    if let Some(&(_, s)) = CACHE.lock().iter().find(|(d, _)| *d == dev) {
-        return Ok(s);
-    }
-    let s = cuda::sm_count(dev)? as usize;
-    CACHE.lock().push((dev, s));
-    Ok(s)
+    Ok(cuda::sm_count(cuda::current_device()?)? as usize)
 }
 
 /// A 2-D TMA descriptor for a row-major [rows, cols] bf16/fp16 matrix at `ptr` (any
@@ -203,14 +195,7 @@ fn clusters_config(
     stream: sys::CUstream,
     attr: &mut sys::CUlaunchAttribute,
 ) -> Result<sys::CUlaunchConfig> {
-    // SAFETY: plain attribute setting on a valid function.
-    cuda::check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
-        sys::cuFuncSetAttribute(
-            f,
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            cfg.shared_mem_bytes as i32,
-        )
-    })?;
+    cuda::allow_dynamic_smem(f, cfg.shared_mem_bytes)?;
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
     attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: n, y: 1, z: 1 };
     Ok(sys::CUlaunchConfig {
