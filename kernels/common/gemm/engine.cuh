@@ -11,7 +11,7 @@
 // Compile-time policies make it the core of every fused op:
 //   Sched  tile order (scheduler.cuh: GroupedRaster, RankRotatedRaster), static (CTA
 //          `cta` takes items cta, cta + num_ctas, ...) or dynamic (HasTickets: tickets);
-//   AWait  hook before a tile's A rows are loaded (hooks.cuh: NoAWait, FlagAWait);
+//   AWait  hook before a tile's A rows are loaded (hooks.cuh: NoAWait; the fused ops' own waits);
 //   Epi    what happens to each C tile (epilogue.cuh: TmaStoreEpilogue, DirectStoreEpilogue).
 // The CTA count is a run-time argument: a fused kernel gives the engine `num_ctas` of its
 // CTAs (ids 0..num_ctas-1) and uses the others for communication.
@@ -20,7 +20,7 @@
 //
 // Using it in a fused kernel (see kernels/gemm.cu for the plain case):
 //   using Cfg = GemmConfig<__nv_bfloat16, 256, 3>;        // T, BN in {64,128,256}, stages
-//   using Epi = TmaEpilogue<PeerDest, TmaAddOp, MySignal>; // or TmaStoreEpilogue, DirectStoreEpilogue<Op>
+//   using Epi = TmaEpilogue<PeerDest, TmaStoreOp, MySignal>; // or TmaStoreEpilogue, DirectStoreEpilogue<Op>
 //   extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1) my_fused(const __grid_constant__ CUtensorMap ta,
 //       const __grid_constant__ CUtensorMap tb, const __grid_constant__ MyParams p) {
 //     extern __shared__ __align__(1024) char smem[];

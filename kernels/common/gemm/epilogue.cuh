@@ -106,13 +106,9 @@ struct LocalDest {
   }
 };
 
-// How the boxes are written: plain store, or element-wise add into the destination
-// (reduce into a peer's or a shared buffer without a separate pass).
+// How the boxes are written (the Op policy): TMA bulk tensor stores.
 struct TmaStoreOp {
   __device__ static void box(const CUtensorMap* m, const void* src, int col, int row) { tma_store_2d(m, src, col, row); }
-};
-struct TmaAddOp {
-  __device__ static void box(const CUtensorMap* m, const void* src, int col, int row) { tma_reduce_add_2d(m, src, col, row); }
 };
 
 // What happens once a slab's stores are complete and visible (e.g. raise a peer's flag).
@@ -129,22 +125,6 @@ struct NoTileSignal {
   };
   static constexpr bool enabled = false;
   __device__ static void after_store(const Params&, const SlabInfo&) {}
-};
-
-// Reference signal: after both 64-row slabs of tile (m, n) are stored, flags[m * tiles_n + n]
-// has been incremented twice (system-scope release), i.e. it reaches 2 * epoch on the
-// epoch-th call when flags are never reset. Fused ops bring their own (signals.cuh).
-struct FlagTileSignal {
-  struct Params {
-    uint64_t* flags;
-    int tiles_n;
-  };
-  static constexpr bool enabled = true;
-  __device__ static void after_store(const Params& p, const SlabInfo& s) {
-    fence_proxy_async_global();  // the TMA (async proxy) writes are ordered before the flag
-    uint64_t* f = p.flags + (size_t)s.tile.m_block * p.tiles_n + s.tile.n_block;
-    asm volatile("red.release.sys.global.add.u64 [%0], 1;" ::"l"(f) : "memory");
-  }
 };
 
 // Default: registers -> 128B-swizzled shared memory (conflict-free 4-byte stores) ->

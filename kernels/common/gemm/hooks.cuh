@@ -40,33 +40,5 @@ struct NoAWait {
   __device__ static void side_work(const Params&, int) {}
 };
 
-// Waits until flags[row / rows_per_flag] >= epoch for every flag covering the tile's rows
-// (epoch-valued flags, never reset; written with release at system scope by the sender).
-// A minimal reference policy: the fused ops bring their own, with the bounded wait
-// and abort flag of kernels/common/signals.cuh.
-struct FlagAWait {
-  struct Params {
-    const uint64_t* flags;
-    uint64_t epoch;
-    int rows_per_flag;
-    int rows_total;  // M: flags past it are not read
-  };
-  __device__ static void before_a_load(const Params& p, int, int m_row0, int rows) {
-    const int last = min(m_row0 + rows, p.rows_total) - 1;
-    for (int f = m_row0 / p.rows_per_flag; f <= last / p.rows_per_flag; ++f) {
-      uint64_t v;
-      do {
-        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p.flags + f) : "memory");
-      } while (v < p.epoch);
-    }
-    fence_proxy_async_global();
-  }
-  __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
-    row = m_row0;
-    return tma_a;
-  }
-  __device__ static void side_work(const Params&, int) {}
-};
-
 }  // namespace gemm
 }  // namespace mk
