@@ -136,25 +136,12 @@ __device__ __forceinline__ void load_ids(int (&ids)[KMAX], const int* idx, int t
 
 // The prep CTAs' waits for each other's flags (own signal region, this GPU only: gpu
 // scope), polls up to 256 ns apart (the moe_wait back-off's 2 us would add up over the
-// prep's steps), bounded like every wait; thread 0 waits, every thread learns the outcome.
+// prep's steps); thread 0 waits, every thread learns the outcome.
 __device__ __forceinline__ bool prep_wait(const WorkspaceView& ws, uint32_t word, uint64_t epoch) {
   int ok = 1;
-  if (threadIdx.x == 0) {
-    const uint64_t* flag = mk_signal_word(ws, ws.rank, word);
-    if (mk_ld_acquire_gpu(flag) < epoch) {
-      MkWaitChecks checks(ws);
-      unsigned ns = 32;
-      for (uint32_t spin = 1;; ++spin) {
-        __nanosleep(ns);
-        if (ns < 256) ns *= 2;
-        if (mk_ld_acquire_gpu(flag) >= epoch) break;
-        if ((spin & 31) == 0 && !checks.keep_waiting(ws.rank, MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH)) {
-          ok = 0;
-          break;
-        }
-      }
-    }
-  }
+  if (threadIdx.x == 0)
+    ok = mk_wait_geq_backoff<32, 256, 32, MkScope::Gpu>(ws, mk_signal_word(ws, ws.rank, word), epoch, ws.rank,
+                                                        MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
   return __syncthreads_and(ok) != 0;
 }
 

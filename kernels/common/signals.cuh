@@ -56,8 +56,25 @@ __device__ __forceinline__ uint64_t mk_ld_acquire_gpu(const uint64_t* p) {
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ uint64_t mk_ld_relaxed_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ void mk_st_release_gpu(uint64_t* p, uint64_t v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// Who shares a flag: the system (peers, the host) or only this GPU's CTAs.
+enum class MkScope { Sys, Gpu };
+template <MkScope S>
+__device__ __forceinline__ uint64_t mk_ld_acquire(const uint64_t* p) {
+  if constexpr (S == MkScope::Gpu) return mk_ld_acquire_gpu(p);
+  else return mk_ld_acquire_sys(p);
+}
+template <MkScope S>
+__device__ __forceinline__ uint64_t mk_ld_relaxed(const uint64_t* p) {
+  if constexpr (S == MkScope::Gpu) return mk_ld_relaxed_gpu(p);
+  else return mk_ld_relaxed_sys(p);
 }
 __device__ __forceinline__ void mk_st_relaxed_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -201,17 +218,18 @@ __device__ __noinline__ bool mk_wait_geq(const WorkspaceView& ws, const uint64_t
 // orders of magnitude (a fused MoE combine that polls so takes 130x the unfused one). Polls with relaxed loads, sleeping FIRST_NS doubling up to MAX_NS between
 // them, checks abort and timeout every CHECK_EVERY polls (a power of two), then one
 // acquire load. Inline and call-free: a GEMM producer warpgroup uses it after setmaxnreg.
-template <unsigned FIRST_NS, unsigned MAX_NS, uint32_t CHECK_EVERY>
+// SCOPE: the flag's (MkScope::Gpu for flags only this GPU's CTAs post and read).
+template <unsigned FIRST_NS, unsigned MAX_NS, uint32_t CHECK_EVERY, MkScope SCOPE = MkScope::Sys>
 __device__ __forceinline__ bool mk_wait_geq_backoff(const WorkspaceView& ws, const uint64_t* flag, uint64_t target,
                                                     int peer, uint32_t what, uint32_t op) {
   static_assert((CHECK_EVERY & (CHECK_EVERY - 1)) == 0, "CHECK_EVERY: a power of two");
-  if (mk_ld_acquire_sys(flag) >= target) return true;
+  if (mk_ld_acquire<SCOPE>(flag) >= target) return true;
   MkWaitChecks checks(ws);
   unsigned ns = FIRST_NS;
   for (uint32_t spin = 1;; ++spin) {
     __nanosleep(ns);
     if (ns < MAX_NS) ns *= 2;
-    if (mk_ld_relaxed_sys(flag) >= target) return mk_ld_acquire_sys(flag) >= target;  // flags only grow
+    if (mk_ld_relaxed<SCOPE>(flag) >= target) return mk_ld_acquire<SCOPE>(flag) >= target;  // flags only grow
     if ((spin & (CHECK_EVERY - 1)) == 0 && !checks.keep_waiting(peer, what, op)) return false;
   }
 }
