@@ -102,6 +102,15 @@ struct ZSlabSignal {
 
 // ---- dispatch: the prep -------------------------------------------------------------
 
+// Whole warp: lane l's v -> the sum of lanes 0..l's (a shuffle scan).
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+  for (int d = 1; d < 32; d *= 2) {
+    const int u = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
+
 // Warp 0 of the calling CTA: a[0..items) -> its exclusive prefix sum, in place (a chunk
 // per lane, then a shuffle scan over the lanes' sums). Returns the total (every lane).
 __device__ __forceinline__ int warp_exclusive_scan(int* a, int items, int lane) {
@@ -109,11 +118,7 @@ __device__ __forceinline__ int warp_exclusive_scan(int* a, int items, int lane) 
   const int i0 = min(items, lane * chunk), i1 = min(items, i0 + chunk);
   int sum = 0;
   for (int i = i0; i < i1; ++i) sum += a[i];
-  int incl = sum;
-  for (int d = 1; d < 32; d *= 2) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += v;
-  }
+  const int incl = warp_inclusive_sum(sum, lane);
   int pos = incl - sum;
   for (int i = i0; i < i1; ++i) {
     const int c = a[i];
@@ -179,6 +184,25 @@ struct PrepScratch {
   }
 };
 
+// The prep's shared memory (ops::moe::prep_smem_bytes): pass 1's per-warp tables, then
+// what CTA 0's prep_tables adds.
+struct PrepShared {
+  uint32_t* bits;  // [MOE_WARPS][E] lanes routed to e
+  int* pre;        // [MOE_WARPS][E] tokens of e before the warp
+  int* run;        // [E] tokens of e: the CTA's so far (pass 1), the rank's (prep_tables)
+  int* cnt;        // [n][E] every rank's counts
+  int* off;        // [E] row of own first token of e at its owner
+  int* lbase;      // [El + 1] own experts' first rows
+  __device__ PrepShared(char* smem, int E, int n) {
+    bits = reinterpret_cast<uint32_t*>(smem);
+    pre = reinterpret_cast<int*>(bits + MOE_WARPS * E);
+    run = pre + MOE_WARPS * E;
+    cnt = run + E;
+    off = cnt + n * E;
+    lbase = off + E;
+  }
+};
+
 // Whole CTA, prep CTA 0, once the totals are in: exchanges them with every rank, computes
 // every destination's layout (expert segments padded to 128 rows), this rank's offsets and
 // the send lists' starts, raises MOE_PREP_OFFSETS (the other prep CTAs' pass 2 needs only
@@ -189,10 +213,8 @@ __device__ __noinline__ bool prep_tables(const MoeParams& p, uint64_t epoch, cha
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, E = p.experts, El = p.experts_local;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  int* run = reinterpret_cast<int*>(smem) + 2 * MOE_WARPS * E;  // [E] this rank's tokens of e
-  int* cnt = run + E;                                           // [n][E] every rank's counts
-  int* off = cnt + n * E;                                       // [E] row of own first token of e at its owner
-  int* lbase = off + E;                                         // [El + 1] own experts' first rows
+  const PrepShared sh(smem, E, n);
+  int *run = sh.run, *cnt = sh.cnt, *off = sh.off, *lbase = sh.lbase;
   __shared__ int overflow, needed_max;
   int* layout = reinterpret_cast<int*>(p.layout);
   const PrepScratch scratch(p);
@@ -255,7 +277,7 @@ __device__ __noinline__ bool prep_tables(const MoeParams& p, uint64_t epoch, cha
   // dispatch GEMM takes its blocks (expert-major), and each (source, expert) is flagged
   // once its list is out (MOE_RECV). Pass 2 writes the entries: slots t * K + j (the first
   // j of the token naming that expert). send_row0[q] = first entry of list q, [E] = total.
-  int* srow0 = reinterpret_cast<int*>(smem);  // [E + 1] list starts, by q (pass 1's tables are free)
+  int* srow0 = reinterpret_cast<int*>(sh.bits);  // [E + 1] list starts, by q (pass 1's tables are free)
   int* send_row0 = layout + p.lay_send_row0;
   for (int q = tid; q < E; q += blockDim.x) srow0[q] = run[((me + q % n) % n) * El + q / n];
   __syncthreads();
@@ -335,9 +357,9 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int c = blockIdx.x, P = p.prep_ctas;
   const int t0 = min(p.tokens, c * p.prep_tokens), t1 = min(p.tokens, t0 + p.prep_tokens);
-  uint32_t* bits = reinterpret_cast<uint32_t*>(smem);      // [MOE_WARPS][E] lanes routed to e
-  int* pre = reinterpret_cast<int*>(bits + MOE_WARPS * E);  // [MOE_WARPS][E] tokens of e before the warp
-  int* run = pre + MOE_WARPS * E;                           // [E] the CTA's tokens of e so far
+  const PrepShared sh(smem, E, n);
+  uint32_t* bits = sh.bits;
+  int *pre = sh.pre, *run = sh.run;
   __shared__ int bad_id;
   int* layout = reinterpret_cast<int*>(p.layout);
   const int* idx = reinterpret_cast<const int*>(p.topk_idx);
@@ -403,11 +425,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     for (int b = 0; b < P; b += 32) {
       const int i = b + lane;
       const int v = i < P ? ld_cg(scratch.cta_count + i * E + e) : 0;
-      int incl = v;
-      for (int d = 1; d < 32; d *= 2) {
-        const int u = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += u;
-      }
+      const int incl = warp_inclusive_sum(v, lane);
       if (i < P) scratch.cta_count[i * E + e] = carry + incl - v;
       carry += __shfl_sync(0xffffffffu, incl, 31);
     }
