@@ -15,6 +15,7 @@
 //! the GEMM. Keep it in step with the kernel.
 
 use mkernel::ops::moe::{device_layout, prep_split, send_tables, MoeShape, ROW_BLOCK};
+use mkernel::testing::collective_values::splitmix;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
@@ -28,14 +29,12 @@ fn words(n: usize, v: i32) -> Vec<AtomicI32> {
     (0..n).map(|_| AtomicI32::new(v)).collect()
 }
 
+/// Random draws: SplitMix64 of a counter.
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0 = self.0.wrapping_add(1);
+        splitmix(self.0)
     }
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
