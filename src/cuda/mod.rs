@@ -305,25 +305,45 @@ pub fn preload(kernels: &[kernels::Kernel]) -> Result<()> {
 /// function handle is never reused for another function: modules stay loaded in contexts
 /// that `function` keeps alive for the life of the process.
 pub fn allow_dynamic_smem(f: sys::CUfunction, bytes: u32) -> Result<()> {
-    static ALLOWED: Mutex<Option<HashMap<usize, u32>>> = Mutex::new(None);
+    static ALLOWED: HighWaterMarks = HighWaterMarks::new();
     if bytes <= 48 * 1024 {
         return Ok(());
     }
-    if ALLOWED.lock().as_ref().and_then(|m| m.get(&(f as usize))).is_some_and(|&b| b >= bytes) {
-        return Ok(());
+    ALLOWED.raise(f as usize, bytes, |b| {
+        // SAFETY: sets one attribute of a loaded function.
+        check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+            sys::cuFuncSetAttribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                b as i32,
+            )
+        })
+    })
+}
+
+/// Per key, the largest value a setter has been asked for, where the setter (a driver
+/// attribute) keeps only the last value set. The setter runs under the lock that records
+/// its value: two threads raising one key at once could otherwise leave the driver at the
+/// smaller value and the record at the larger, and every later launch that trusts the
+/// record would fail.
+struct HighWaterMarks(Mutex<Option<HashMap<usize, u32>>>);
+
+impl HighWaterMarks {
+    const fn new() -> HighWaterMarks {
+        HighWaterMarks(Mutex::new(None))
     }
-    // SAFETY: sets one attribute of a loaded function.
-    check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
-        sys::cuFuncSetAttribute(
-            f,
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-    })?;
-    let mut guard = ALLOWED.lock();
-    let allowed = guard.get_or_insert_with(HashMap::new).entry(f as usize).or_insert(0);
-    *allowed = (*allowed).max(bytes);
-    Ok(())
+
+    /// Calls `set(value)` unless a value at least as large was set for `key` before.
+    fn raise(&self, key: usize, value: u32, set: impl FnOnce(u32) -> Result<()>) -> Result<()> {
+        let mut guard = self.0.lock();
+        let mark = guard.get_or_insert_with(HashMap::new).entry(key).or_insert(0);
+        if *mark >= value {
+            return Ok(());
+        }
+        set(value)?;
+        *mark = value;
+        Ok(())
+    }
 }
 
 /// Launch geometry of one kernel.
@@ -348,4 +368,59 @@ pub unsafe fn launch(
     allow_dynamic_smem(f, cfg.shared_mem_bytes)?;
     cu::launch_kernel(f, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, params)
         .map_err(|e| cuda_err("cuLaunchKernel", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[test]
+    fn raising_from_many_threads_leaves_the_setter_at_the_largest_value() {
+        for round in 0..20u32 {
+            let marks = HighWaterMarks::new();
+            let driver = AtomicU32::new(0); // keeps only the last value set, like the attribute
+            let sets = AtomicU32::new(0);
+            std::thread::scope(|s| {
+                for t in 0..8u32 {
+                    let (marks, driver, sets) = (&marks, &driver, &sets);
+                    s.spawn(move || {
+                        for i in 0..50u32 {
+                            let value = 49_152 + ((t * 7919 + i * 104_729 + round) % 180_000);
+                            marks
+                                .raise(7, value, |v| {
+                                    sets.fetch_add(1, Ordering::Relaxed);
+                                    std::thread::yield_now();
+                                    driver.store(v, Ordering::SeqCst);
+                                    Ok(())
+                                })
+                                .unwrap();
+                            assert!(driver.load(Ordering::SeqCst) >= value, "a raise returned before its value held");
+                        }
+                    });
+                }
+            });
+            let largest = (0..8u32)
+                .flat_map(|t| (0..50u32).map(move |i| 49_152 + ((t * 7919 + i * 104_729 + round) % 180_000)))
+                .max()
+                .unwrap();
+            assert_eq!(driver.load(Ordering::SeqCst), largest);
+            assert!(sets.load(Ordering::Relaxed) < 400, "the record skips values already covered");
+        }
+    }
+
+    #[test]
+    fn a_failed_set_is_not_recorded() {
+        let marks = HighWaterMarks::new();
+        let e = marks.raise(1, 100_000, |_| Err(MkError::internal("refused"))).unwrap_err();
+        assert_eq!(e.message, "refused");
+        let mut called = false;
+        marks
+            .raise(1, 60_000, |_| {
+                called = true;
+                Ok(())
+            })
+            .unwrap();
+        assert!(called, "the failed value must not cover a smaller one");
+    }
 }
