@@ -14,7 +14,7 @@
 //! are refused with mkInvalidUsage naming the rule.
 
 use crate::collectives::{
-    async_error, check_stopped, config, control_comm, destroy, init_comm, say, timed_sync, Case, Stream,
+    async_error, check_stopped, config, control_comm, destroy, init_comm, last_error, say, timed_sync, Case, Stream,
     FAULT_TIMEOUT_MS,
 };
 use crate::outcome::{self, Outcome};
@@ -31,7 +31,7 @@ use mkernel::ffi::fused::{
 };
 use mkernel::ffi::gemm::mkGemm;
 use mkernel::ffi::mkComm_t;
-use mkernel::ffi::query::{mkCommCount, mkCommCuDevice, mkCommUserRank, mkGetLastError};
+use mkernel::ffi::query::{mkCommCount, mkCommCuDevice, mkCommUserRank};
 use mkernel::ops::collectives::CollectiveKind;
 use mkernel::testing::TestBuffer;
 use mkernel::types::{mkDataType_t, mkRedOp_t};
@@ -83,11 +83,6 @@ impl Tally {
         let ok = r == want && !msg.is_empty() && msg.contains(needle);
         self.check(what, ok, format!("{r:?} \"{msg}\""));
     }
-}
-
-fn last_error(comm: mkComm_t) -> String {
-    // SAFETY: a live communicator (or NULL); the string stays valid until its next call.
-    unsafe { std::ffi::CStr::from_ptr(mkGetLastError(comm)) }.to_string_lossy().into_owned()
 }
 
 fn sync_all() -> Result<()> {

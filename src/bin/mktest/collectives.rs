@@ -145,6 +145,13 @@ pub(crate) fn async_error(comm: mkComm_t) -> mkResult_t {
     e
 }
 
+/// The communicator's last failure message (mkGetLastError), an asynchronous error's
+/// included: which wait stopped, on which peer.
+pub(crate) fn last_error(comm: mkComm_t) -> String {
+    // SAFETY: a live communicator (or NULL); the string stays valid until its next call.
+    unsafe { std::ffi::CStr::from_ptr(mkernel::ffi::query::mkGetLastError(comm)) }.to_string_lossy().into_owned()
+}
+
 pub(crate) struct Stream(pub(crate) sys::CUstream);
 impl Stream {
     pub(crate) fn new() -> Result<Self> {

@@ -3,7 +3,7 @@
 //! before a launch, the graph-replay check and the absent-rank check.
 
 use crate::collectives::{
-    async_error, check_stopped, config, control_comm, destroy, ffi, init_comm, say, timed_sync, Stream,
+    async_error, check_stopped, config, control_comm, destroy, ffi, init_comm, last_error, say, timed_sync, Stream,
     FAULT_TIMEOUT_MS,
 };
 use crate::outcome::Outcome;
@@ -129,7 +129,10 @@ pub fn check_rounds_of(
         timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{op} {labels}")))?;
         let code = async_error(comm);
         if code != mkResult_t::mkSuccess {
-            return Err(MkError::new(code, format!("{op} {labels}: asynchronous error {code:?}")));
+            return Err(MkError::new(
+                code,
+                format!("{op} {labels}: asynchronous error {code:?}: {}", last_error(comm)),
+            ));
         }
         for case in cases {
             let (ok, detail) = case.verify()?;
@@ -153,7 +156,7 @@ pub fn sync_no_error(comm: mkComm_t, stream: &Stream, what: &str) -> Result<()> 
     stream.sync()?;
     let code = async_error(comm);
     if code != mkResult_t::mkSuccess {
-        return Err(MkError::new(code, format!("{what}: asynchronous error {code:?}")));
+        return Err(MkError::new(code, format!("{what}: asynchronous error {code:?}: {}", last_error(comm))));
     }
     Ok(())
 }
@@ -331,8 +334,8 @@ pub fn run_suite(
 }
 
 /// The suite's `n` ranks as threads of this process (ranks::threads_requested), each on
-/// the device a rank process would use; the first error by rank, else the fewest checks
-/// any rank executed.
+/// the device a rank process would use; the first error by rank (every rank's printed),
+/// else the fewest checks any rank executed.
 fn run_rank_threads(
     n: usize,
     checks: fn(mkComm_t, &Comm, usize, usize) -> Result<()>,
@@ -353,11 +356,24 @@ fn run_rank_threads(
             .map(|t| t.join().unwrap_or_else(|_| Err(MkError::internal("a rank thread panicked"))))
             .collect()
     });
+    // Every failing rank is printed: the first one's error is often a peer's report
+    // (mkRemoteError) of what a later rank saw first.
+    let mut first_error = None;
     let mut fewest_checks = usize::MAX;
     for (rank, outcome) in outcomes.into_iter().enumerate() {
-        fewest_checks = fewest_checks.min(outcome.map_err(|e| e.context(format!("rank {rank}")))?);
+        match outcome {
+            Ok(checks) => fewest_checks = fewest_checks.min(checks),
+            Err(e) => {
+                let e = e.context(format!("rank {rank}"));
+                println!("  [rank {rank}] FAILED: {}", e.message);
+                first_error.get_or_insert(e);
+            }
+        }
     }
-    Ok(Outcome::Threads { nranks: n, fewest_checks })
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(Outcome::Threads { nranks: n, fewest_checks }),
+    }
 }
 
 /// One rank of a fused-op suite: its communicators, the checks, and (several ranks) the
