@@ -556,10 +556,13 @@ mod tests {
         let p = plan(128, 8192, 8192, 132, true, PlanOverrides::default());
         assert_eq!((p.bm, p.bn, p.split_k, p.tiles(), p.grid), (64, 128, 1, 128, 128));
         assert_eq!(p.kernel_name(bf16), "mk_gemm_bf16_bn128_tma_bm64");
-        // M = 128, K = 28672: 64 tiles of 128 x 128, each split over a cluster of 2 CTAs.
+        // M = 128, K = 28672: the same 128 tiles of 64 x 128.
         let p = plan(128, 8192, 28672, 132, true, PlanOverrides::default());
-        assert_eq!((p.bm, p.bn, p.split_k, p.tiles(), p.grid), (128, 128, 2, 64, 128));
-        assert_eq!(p.kernel_name(mkDataType_t::mkFloat16), "mk_gemm_f16_bn128_tma_splitk");
+        assert_eq!((p.bm, p.bn, p.split_k, p.tiles(), p.grid), (64, 128, 1, 128, 128));
+        // M = 100, N = 4096, K = 16384: 64 tiles of 128 x 64, each split over a cluster of 2 CTAs.
+        let p = plan(100, 4096, 16384, 132, true, PlanOverrides::default());
+        assert_eq!((p.bm, p.bn, p.split_k, p.tiles(), p.grid), (128, 64, 2, 64, 128));
+        assert_eq!(p.kernel_name(mkDataType_t::mkFloat16), "mk_gemm_f16_bn64_tma_splitk");
         // Few tiles: the rule splits K over the idle SMs (clusters of 4 at most).
         let p = plan(16, 1024, 8192, 132, true, PlanOverrides::default());
         assert_eq!((p.bm, p.bn, p.split_k, p.grid), (64, 64, 4, 64));
@@ -675,7 +678,7 @@ mod tests {
             (with(8192, 8192, Some(Cluster::ShareB), Some(256)), Clusters::Of(2), (128, 128)),
             (with(128, 8192, Some(Cluster::ShareA), Some(64)), Clusters::Of(2), (64, 64)),
             (plan(1, 1, 8, 132, false, PlanOverrides::default()), Clusters::None, (64, 64)),
-            (plan(128, 8192, 28672, 132, true, PlanOverrides::default()), Clusters::Of(2), (128, 128)),
+            (plan(100, 4096, 16384, 132, true, PlanOverrides::default()), Clusters::Of(2), (128, 64)),
             (plan(16, 1024, 8192, 132, true, PlanOverrides::default()), Clusters::Of(4), (64, 64)),
         ] {
             let l = p.kernel_launch(bf16).unwrap();

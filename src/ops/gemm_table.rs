@@ -104,30 +104,34 @@ const fn row(m: MClass, n: usize, k: usize, choice: TileChoice) -> (ShapeClass, 
 }
 
 /// The table. Reasons per row (132 SMs; B is N·K·2 bytes, read once when one m-block):
-/// - M ≤ 64: all B traffic. 64-row tiles (deeper ring); enough tiles that every SM
-///   streams part of B (128 at N 8192 with bn 64, 224 at N 28672 with bn 128).
+/// - M ≤ 64: all B traffic. 64-row tiles (deeper ring); enough tiles that nearly every SM
+///   streams part of B (128 at N 8192 with bn 64, 112 at N 28672 with bn 256: at N 28672
+///   the wide tile swept 1.5 % faster than 224 of bn 128 at M 64 on the H100 and 7 % on the
+///   H200, within 1 % of it at M 1 and 16).
 /// - M ≤ 128, N 8192, K 8192: 128 tiles of 64 × 128 (two m-blocks of one consumer
 ///   warpgroup each): one wave with no fold, B read by two CTAs through L2; swept 1.02×
 ///   cuBLAS against 0.94× for 64 tiles of 128 × 128 split over 2 CTAs.
-/// - M ≤ 128, N 8192, K 28672: 64 tiles of 128 × 128 split over 2 CTAs (128 CTAs): at
-///   this depth the fold is cheap and each CTA reads half of A once.
-/// - M ≤ 128, N 28672: 112 tiles of 128 × 256 — one wave, B read once.
+/// - M ≤ 128, N 8192, K 28672: 128 tiles of 64 × 128, as at K 8192; swept 1–2 % faster
+///   than 64 tiles of 128 × 128 split over 2 CTAs on the H100, 5 % on the H200.
+/// - M ≤ 128, N 28672: 224 tiles of 128 × 128 (1.7 waves); swept 2 % faster than one wave
+///   of 112 tiles of 128 × 256 on the H100, 4.6 % on the H200.
 /// - 128 < M ≤ 512, N 28672: 128 × 128 tiles (448 at M 256, 896 at M 512 — 3.4 and 6.8
 ///   waves), where 128 × 256 leaves a partial last wave of wide tiles (224 and 448 tiles:
 ///   1.7 and 3.4 waves); swept 0.99× and 1.0× cuBLAS against 0.93× and 0.85×. Splitting
 ///   the wide tiles over 2 CTAs to fill the waves measured 0.75–0.79×: the fold and the
 ///   shallower ring cost more than the idle slots.
 ///
-/// Measured on an H100 SXM (132 SMs, as the H200):
-/// benches/results/2026-12-05-h100-gemm-table-and-rank-threads.md and
-/// benches/results/2026-12-05-h100-gemm-decode-rows.md.
+/// Measured on an H100 SXM and an H200 (132 SMs each):
+/// benches/results/2026-12-05-h100-gemm-table-and-rank-threads.md,
+/// benches/results/2026-12-05-h100-gemm-decode-rows.md and
+/// benches/results/2026-12-05-h200-moe-gemm-rows.md.
 pub const TABLE: &[(ShapeClass, TileChoice)] = &[
     row(MClass::UpTo64, 8192, 8192, TileChoice::new(64, 64, 1)),
-    row(MClass::UpTo64, 28672, 8192, TileChoice::new(64, 128, 1)),
+    row(MClass::UpTo64, 28672, 8192, TileChoice::new(64, 256, 1)),
     row(MClass::UpTo64, 8192, 28672, TileChoice::new(64, 64, 1)),
     row(MClass::UpTo128, 8192, 8192, TileChoice::new(64, 128, 1)),
-    row(MClass::UpTo128, 28672, 8192, TileChoice::new(128, 256, 1)),
-    row(MClass::UpTo128, 8192, 28672, TileChoice::new(128, 128, 2)),
+    row(MClass::UpTo128, 28672, 8192, TileChoice::new(128, 128, 1)),
+    row(MClass::UpTo128, 8192, 28672, TileChoice::new(64, 128, 1)),
     row(MClass::UpTo256, 8192, 8192, TileChoice::new(128, 128, 1)),
     row(MClass::UpTo256, 28672, 8192, TileChoice::new(128, 128, 1)),
     row(MClass::UpTo256, 8192, 28672, TileChoice::new(128, 128, 1)),
@@ -248,14 +252,14 @@ mod tests {
     #[test]
     fn the_logged_origin_names_an_adjusted_choice() {
         use crate::ops::gemm::{plan, PlanOverrides};
-        // M 100 N 8192 K 28672 on 132 SMs: the table splits 128-wide tiles over 2 CTAs.
-        let tma = plan(100, 8192, 28672, 132, true, PlanOverrides::default());
-        assert_eq!(plan_origin(&tma), "bm128 bn128 split2 (table)");
+        // M 100 N 4096 K 16384 on 132 SMs: 64 tiles of 128 x 64, each split over 2 CTAs by the rule.
+        let tma = plan(100, 4096, 16384, 132, true, PlanOverrides::default());
+        assert_eq!(plan_origin(&tma), "bm128 bn64 split2 (rule)");
         // A split needs the TMA epilogue: without it the same choice runs unsplit.
-        let direct = plan(100, 8192, 28672, 132, false, PlanOverrides::default());
+        let direct = plan(100, 4096, 16384, 132, false, PlanOverrides::default());
         assert_eq!(direct.split_k, 1);
         assert!(
-            plan_origin(&direct).starts_with("bm128 bn128 split1 (the table chose bm128 bn128 split2;"),
+            plan_origin(&direct).starts_with("bm128 bn64 split1 (the rule chose bm128 bn64 split2;"),
             "{}",
             plan_origin(&direct)
         );
@@ -298,7 +302,7 @@ mod tests {
         }
         assert_eq!(choose(1, 8192, 8192, 132), (TileChoice::new(64, 64, 1), Source::Table));
         assert_eq!(choose(100, 8192, 8192, 132), (TileChoice::new(64, 128, 1), Source::Table));
-        assert_eq!(choose(100, 8192, 28672, 132), (TileChoice::new(128, 128, 2), Source::Table));
+        assert_eq!(choose(100, 8192, 28672, 132), (TileChoice::new(64, 128, 1), Source::Table));
         // Another SM count (or a fused op's CTA budget) is another class: the rule.
         assert_eq!(choose(1, 8192, 8192, 114).1, Source::Rule);
         assert_eq!(choose(1, 8192, 8192, 64).1, Source::Rule);
@@ -351,6 +355,6 @@ mod tests {
         let lines = describe_table();
         assert_eq!(lines.len(), TABLE.len());
         assert_eq!(lines[0], "gemm table: M<=64 N 8192 K 8192 on 132 CTAs -> bm64 bn64 split1");
-        assert!(lines.iter().any(|l| l.ends_with("bm128 bn128 split2")));
+        assert!(lines.iter().any(|l| l == "gemm table: M<=64 N 28672 K 8192 on 132 CTAs -> bm64 bn256 split1"));
     }
 }
