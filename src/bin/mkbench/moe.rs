@@ -309,6 +309,9 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let of = |direction: &str, name: &str| {
         contenders.iter().position(|c| c.0 == direction && c.1 == name).map(|i| meas.median(i))
     };
+    let host_of = |direction: &str, name: &str| {
+        contenders.iter().position(|c| c.0 == direction && c.1 == name).map_or(f64::NAN, |i| meas.host_us[i])
+    };
     if o.common.trace {
         print_trace(&comm, stream, "moe dispatch", &|buf| {
             dispatch_gemm(&comm, &moe::DispatchArgs { trace: buf, ..dargs }, true, stream)
@@ -353,9 +356,9 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             println!("# no graph replay of the baselines: {why}");
         }
         println!(
-            "# {:<9} | {:>10} {:>7} | {:>10} {:>7} | {:>9} | {:>10} {:>7} | {:>9} {:>8} | {:>9} | {:>9} {:>9} | {:>7} {:>7}",
+            "# {:<9} | {:>10} {:>7} | {:>10} {:>7} | {:>9} | {:>10} {:>7} | {:>9} {:>8} | {:>9} | {:>9} {:>9} | {:>11} | {:>7} {:>7}",
             "direction", "fused us", "TF/s", "base us", "TF/s", "fused/base", "exchange us", "GB/s", "grouped us", "TF/s",
-            "capped us", "graph f", "graph b", "#wrong", "rel err"
+            "capped us", "graph f", "graph b", "host f/b us", "#wrong", "rel err"
         );
         for (i, (direction, base)) in
             [("dispatch", base_dispatch_name), ("combine", base_combine_name)].into_iter().enumerate()
@@ -370,7 +373,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 "per_expert_gemms_capped+exchange"
             };
             println!(
-                "  {:<9} | {:>10.1} {:>7.1} | {:>10.1} {:>7.1} | {:>9.3} | {:>10.1} {:>7.1} | {:>9} {:>8} | {:>9} | {:>9} {:>9} | {:>7} {:>7.1e}{}",
+                "  {:<9} | {:>10.1} {:>7.1} | {:>10.1} {:>7.1} | {:>9.3} | {:>10.1} {:>7.1} | {:>9} {:>8} | {:>9} | {:>9} {:>9} | {:>11} | {:>7} {:>7.1e}{}",
                 direction,
                 t_fused,
                 tf(t_fused),
@@ -384,6 +387,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 opt(of(direction, capped_name)),
                 opt(of(direction, "fused_graph")),
                 opt(of(direction, &graph_names[i])),
+                format!("{:.1}/{:.1}", host_of(direction, "fused"), host_of(direction, base)),
                 u8::from(wrong_any[i]),
                 worst(i),
                 if err == mkResult_t::mkSuccess { String::new() } else { format!("  ASYNC ERROR {err:?}") }
