@@ -13,6 +13,7 @@ mod fused_common;
 mod fused_options;
 mod gemm;
 mod gemm_reduce;
+mod host;
 mod measure;
 mod moe;
 mod nccl;
@@ -43,6 +44,7 @@ const BENCHES: &[(&str, Bench, &str)] = &[
     ("ring_attn", ring_attn::run, "mkRingAttention vs mkAllGather(K,V)+attention, the attention alone (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, -n, -w)"),
     ("ring_attn_bwd", ring_attn_bwd::run, "mkRingAttentionBackward alone and after mkRingAttention, checked (bitwise repeat, finite, float64 rows); torch SDPA in benches/sdpa_baseline.py --backward (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, -n, -w, --blocks, --rest-ms, --threads)"),
     ("gemm", gemm::run, "GEMM engine vs cuBLASLt, from M = 1 (--dtype, --shape MxNxK, --sweep, --json PATH)"),
+    ("host", host::run, "host µs per call, piece by piece (context, pointer check, capture query, launch, copy call) and whole mkAllReduce / mkGemm calls, one rank (-n, -w, --blocks)"),
 ];
 
 /// The option checks, by bench name (every bench's parser).
@@ -57,6 +59,7 @@ const CHECKS: &[(&str, Check)] = &[
     ("ring_attn", ring_attn::check),
     ("ring_attn_bwd", ring_attn_bwd::check),
     ("gemm", gemm::check),
+    ("host", host::check),
 ];
 
 /// Takes `--json PATH` out of a bench's arguments (every bench takes it; the record
