@@ -333,6 +333,13 @@ if [ "$BENCH" = 1 ]; then
     note "mkbench all_reduce --threads -g $n: $(outcome $rc)"
     check_rc $rc
   done
+  # The host time of an op call, piece by piece (one rank, a few seconds).
+  if ! late "mkbench host"; then
+    echo "===== mkbench host" >> "$OUT/bench.log"
+    timeout "$(limit 60)" "$BIN/mkbench" host --json "$JSON_DIR/host.json" >> "$OUT/bench.log" 2>&1; rc=$?
+    note "mkbench host: $(outcome $rc)"
+    check_rc $rc
+  fi
   if [ "$GEMM" = 1 ] && "$BIN/mkbench" 2>&1 | grep -q "^  gemm" && ! late "mkbench gemm"; then
     echo "===== mkbench gemm" | tee -a "$OUT/gemm.log"
     timeout "$(limit 300)" "$BIN/mkbench" gemm --json "$JSON_DIR/gemm.json" >> "$OUT/gemm.log" 2>&1; rc=$?
