@@ -87,7 +87,7 @@ impl FenceState {
 }
 
 /// The capture sequence `stream` is being captured into, if any.
-fn capture_of(stream: sys::CUstream) -> Result<Option<u64>> {
+pub fn capture_of(stream: sys::CUstream) -> Result<Option<u64>> {
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let mut id: sys::cuuint64_t = 0;
     // SAFETY: queries the caller's live stream; the optional outputs are NULL.

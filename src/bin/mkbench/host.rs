@@ -87,22 +87,7 @@ pub fn run(args: &[String]) -> Result<bool> {
         (
             "capture_query",
             "cuStreamGetCaptureInfo (every fused-op call)",
-            Box::new(|| {
-                let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-                let mut seq: sys::cuuint64_t = 0;
-                // SAFETY: queries a live stream; the optional outputs are NULL.
-                cuda::check("cuStreamGetCaptureInfo", unsafe {
-                    sys::cuStreamGetCaptureInfo_v3(
-                        stream,
-                        &mut status,
-                        &mut seq,
-                        std::ptr::null_mut(),
-                        std::ptr::null_mut(),
-                        std::ptr::null_mut(),
-                        std::ptr::null_mut(),
-                    )
-                })
-            }),
+            Box::new(|| mkernel::ops::fused_fence::capture_of(stream).map(|_| ())),
         ),
         (
             "small_launch",
