@@ -11,7 +11,7 @@
 # one protocol, and the fused suites with their ranks as threads of one process — then the
 # soak (mktest soak: every op in a random
 # order with random shapes, 4 ranks under MPS, for --soak-seconds), then the benches:
-# collectives (float, and the reductions in every dtype), `mkbench gemm`, and the fused ops
+# collectives (float, and the reductions in every dtype), `mkbench host`, `mkbench gemm`, and the fused ops
 # beside their unfused sequences (torch SDPA's records beside ring attention's forward and
 # backward); writes logs
 # under $OUT (at most 8 files), and stops MPS.
