@@ -6,8 +6,8 @@
 
 Per record: collectives (rows with "bytes") get nccl-tests style curves, bus bandwidth and
 latency against size, one line per contender, one PNG per dtype; every other bench gets the
-speedup of the op under test ("fused", or "mk" for the GEMM engine) over each baseline per
-shape (baseline time / its time: above 1 ours wins; graph replays against our graph
+speedup of the op under test ("fused", "mk" for the GEMM engine, or the row's mkernel_*
+contender in the Python benches) over each baseline per shape (baseline time / its time: above 1 ours wins; graph replays against our graph
 replays, cold-L2 times against our cold-L2 time), and its time per contender. Every record
 is validated first; a record that does not match the schema stops the run with the rule it
 broke.
@@ -93,6 +93,24 @@ def _shape_label(shape, skip=("dtype", "ranks")):
     return " ".join(f"{k}={v}" for k, v in shape.items() if k not in skip)
 
 
+def _constant_keys(rows):
+    """The shape keys with one value in every row (named once in the title, not per shape)."""
+    if len(rows) < 2:
+        return set()
+    first = rows[0]["shape"]
+    return {k for k, v in first.items() if all(r["shape"].get(k) == v for r in rows[1:])}
+
+
+def _under_test(medians):
+    """The op under test, per row: "fused" in the fused-op benches, "mk" in the GEMM
+    engine's, else the row's first contender named mkernel_* (the Python benches, whose op
+    differs by row: mkernel_dispatch_gemm, mkernel_gemm_combine)."""
+    for name in ("fused", "mk"):
+        if any(name in m for m in medians):
+            return [name] * len(medians)
+    return [next((n for n in m if n.startswith("mkernel_")), None) for m in medians]
+
+
 def _medians(row):
     return {c["name"]: c["median_us"] for c in row["contenders"] if c.get("median_us")}
 
@@ -145,37 +163,45 @@ def plot_record(rec, out_dir, stem, contenders=None):
             written.append(path)
         return written
 
-    labels = [_shape_label(r["shape"]) for r in rows]
+    constant = _constant_keys(rows)
+    labels = [_shape_label(r["shape"], skip=("dtype", "ranks", *constant)) for r in rows]
+    if constant:
+        title += "\n" + _shape_label(rows[0]["shape"], skip=tuple(k for k in rows[0]["shape"] if k not in constant))
     medians = [{n: t for n, t in _medians(r).items() if contenders is None or n in contenders} for r in rows]
-    # The op under test: "fused" in the fused-op benches, "mk" in the GEMM engine's.
-    ours = next((n for n in ("fused", "mk") if any(n in m for m in medians)), "fused")
-    baselines = sorted({n for m in medians for n in m if n != ours})
+    ours = _under_test(medians)
+    ours_names = sorted({o for o in ours if o})
+    ours_label = ours_names[0] if len(ours_names) == 1 else "mkernel"
+    baselines = sorted({n for m in medians for n in m if n not in ours_names})
     fig, (sp, tm) = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(rows) + 4), 9))
     xs = list(range(len(rows)))
-    if any(ours in m for m in medians):
+    if ours_names:
         for name in baselines:
             # Cold-L2 baselines against the cold-L2 time of ours, graph replays against our
             # graph replays; those times of ours themselves are not baselines.
-            if name.endswith("_cold_l2"):
-                ref = ours + "_cold_l2"
-            elif name.endswith(GRAPH_SUFFIX):
-                ref = ours + GRAPH_SUFFIX
-            else:
-                ref = ours
-            if name == ref:
-                continue
-            pts = [(x, m[name] / m[ref]) for x, m in zip(xs, medians) if ref in m and name in m]
+            refs = []
+            for o in ours:
+                if o is None:
+                    refs.append(None)
+                elif name.endswith("_cold_l2"):
+                    refs.append(o + "_cold_l2")
+                elif name.endswith(GRAPH_SUFFIX):
+                    refs.append(o + GRAPH_SUFFIX)
+                else:
+                    refs.append(o)
+            pts = [(x, m[name] / m[r]) for x, m, r in zip(xs, medians, refs) if r and r != name and r in m and name in m]
             if pts:
-                sp.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{name} / {ref}")
+                ref = refs[pts[0][0]]
+                shown = ref if len(ours_names) == 1 else ref.replace(ours[pts[0][0]], ours_label)
+                sp.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{name} / {shown}")
         sp.axhline(1.0, color="black", linewidth=0.8)
-        sp.set_ylabel(f"speedup of {ours} (baseline time / its time)")
+        sp.set_ylabel(f"speedup of {ours_label} (baseline time / its time)")
         sp.legend(fontsize=8)
     sp.set_xticks(xs)
     sp.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     sp.grid(True, alpha=0.3)
     width = 0.8 / max(1, len(baselines) + 1)
-    for i, name in enumerate([ours] + baselines):
-        vals = [m.get(name, 0.0) for m in medians]
+    ours_times = [m.get(o, 0.0) if o else 0.0 for m, o in zip(medians, ours)]
+    for i, (name, vals) in enumerate([(ours_label, ours_times)] + [(n, [m.get(n, 0.0) for m in medians]) for n in baselines]):
         if any(vals):
             tm.bar([x + i * width for x in xs], vals, width=width, label=name)
     tm.set_xticks([x + 0.4 for x in xs])

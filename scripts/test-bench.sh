@@ -93,16 +93,31 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import matplotlib" 2>
   "$VENV/bin/pip" install -q "${links[@]}" matplotlib
 fi
 "$VENV/bin/python" benches/plot.py benches/fixtures/*.json -o "$WORK/png" > "$WORK/png.list"
-# ag_gemm's speedup plot, and all_gather's curves for each of its two dtypes.
-[ "$(wc -l < "$WORK/png.list")" = 3 ] || fail "expected 3 PNGs, got: $(cat "$WORK/png.list")"
+# ag_gemm's speedup plot, all_gather's curves for each of its two dtypes, and a Python
+# bench's (moe_same_process: the op under test is each row's mkernel_* contender).
+[ "$(wc -l < "$WORK/png.list")" = 4 ] || fail "expected 4 PNGs, got: $(cat "$WORK/png.list")"
 while read -r png; do
   [ "$(head -c 8 "$png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ] || fail "$png is not a PNG"
   [ "$(stat -c %s "$png")" -gt 10000 ] || fail "$png is suspiciously small"
 done < "$WORK/png.list"
 
+echo "== plot.py: the op under test per row, the shape keys shared by every row"
+python3 - <<'EOF'
+import sys
+sys.path.insert(0, "benches")
+import plot
+assert plot._under_test([{"fused": 1, "x": 2}, {"x": 3}]) == ["fused", "fused"]
+assert plot._under_test([{"mk": 1, "cublaslt": 2}]) == ["mk"]
+assert plot._under_test([{"mkernel_dispatch_gemm": 1, "t": 2}, {"mkernel_gemm_combine": 1, "t": 2}, {"t": 1}]) == [
+    "mkernel_dispatch_gemm", "mkernel_gemm_combine", None]
+rows = [{"shape": {"a": 1, "b": 2}}, {"shape": {"a": 1, "b": 3}}]
+assert plot._constant_keys(rows) == {"a"}
+assert plot._constant_keys(rows[:1]) == set()
+EOF
+
 echo "== mkbench: a typo fails before the GPU probe; no GPU is SKIPPED (77), not OK"
 cargo build --release --bin mkbench
-for op in all_gather ag_gemm gemm_rs gemm_ar moe ring_attn ring_attn_bwd gemm; do
+for op in all_gather ag_gemm gemm_rs gemm_ar moe ring_attn ring_attn_bwd gemm host; do
   set +e; ./target/release/mkbench "$op" --no-such-option 1 > "$WORK/out" 2>&1; rc=$?; set -e
   [ $rc = 2 ] || fail "mkbench $op --no-such-option exited $rc, not 2: $(cat "$WORK/out")"
   grep -q -- "--no-such-option" "$WORK/out" || fail "mkbench $op: the message does not name the option"

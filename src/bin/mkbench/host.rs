@@ -27,13 +27,17 @@ fn parse(args: &[String]) -> Result<Options> {
         let mut value = |what: &str| -> Result<usize> {
             it.next()
                 .and_then(|v| v.parse::<usize>().ok())
-                .ok_or_else(|| MkError::invalid_argument(format!("mkbench host: {what} needs a number")))
+                .ok_or_else(|| MkError::invalid_argument(format!("{what} needs a number")))
         };
         match a.as_str() {
             "-n" => protocol.iters = value("-n")?,
             "-w" => protocol.warmup = value("-w")?,
             "--blocks" => protocol.blocks = value("--blocks")?,
-            other => return Err(MkError::invalid_argument(format!("mkbench host: unknown option {other}"))),
+            other => {
+                return Err(MkError::invalid_argument(format!(
+                    "unknown option {other:?} (see src/bin/mkbench/host.rs)"
+                )))
+            }
         }
     }
     protocol.validate()?;
