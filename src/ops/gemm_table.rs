@@ -121,7 +121,9 @@ const fn row(m: MClass, n: usize, k: usize, choice: TileChoice) -> (ShapeClass, 
 ///   the wide tiles over 2 CTAs to fill the waves measured 0.75–0.79×: the fold and the
 ///   shallower ring cost more than the idle slots.
 ///
-/// Measured on an H100 SXM and an H200 (132 SMs each):
+/// One table for both GPUs; a row changes where both GPUs' sweeps agree
+/// (docs/decisions/0049-one-gemm-table-for-h100-and-h200.md). Measured on an H100 SXM and
+/// an H200 (132 SMs each):
 /// benches/results/2026-12-05-h100-gemm-table-and-rank-threads.md,
 /// benches/results/2026-12-05-h100-gemm-decode-rows.md and
 /// benches/results/2026-12-05-h200-moe-gemm-rows.md.
