@@ -429,6 +429,16 @@ if [ "$DOORS" = 1 ] && [ "$TESTS" = 1 ] && ! late "the doors (examples, Python, 
     status=1
   fi
 fi
+# The one-GPU speed targets as this run's records show them (a report: it gates nothing).
+records=$(ls "$JSON_DIR"/*.json "$OUT"/*.json 2>/dev/null)
+if [ -n "$records" ] && command -v python3 > /dev/null; then
+  # shellcheck disable=SC2086  # one path per word: the run's own file names have no spaces
+  if python3 benches/targets.py $records > "$OUT/targets.txt" 2>&1; then
+    note "targets: $(tail -n 1 "$OUT/targets.txt" | sed 's/^# //') (targets.txt)"
+  else
+    note "targets: benches/targets.py failed (targets.txt)"
+  fi
+fi
 if [ -n "$(ls -A "$JSON_DIR" 2>/dev/null)" ]; then
   tar -C "$OUT" -czf "$OUT/bench-json.tar.gz" json && rm -rf "$JSON_DIR"
 else

@@ -115,6 +115,38 @@ assert plot._constant_keys(rows) == {"a"}
 assert plot._constant_keys(rows[:1]) == set()
 EOF
 
+echo "== targets.py: met, missed and not measured, from records made here and from stored ones"
+python3 - <<'EOF'
+import sys
+sys.path.insert(0, "benches")
+import targets
+
+def c(name, us, host=None):
+    return {"name": name, "median_us": us, "host_enqueue_us": host}
+
+def rec(bench, rows, config=None):
+    return {"bench": bench, "config": config or {}, "machine": {"gpu": "G"}, "rows": rows}
+
+gemm = rec("gemm", [
+    {"shape": {"m": 1, "n": 8192, "k": 8192}, "contenders": [c("mk", 10.0, 4.0), c("cublaslt", 10.5)]},
+    {"shape": {"m": 512, "n": 8192, "k": 8192}, "contenders": [c("mk", 10.0, 4.0), c("cublaslt", 9.0)]},
+])
+ar = rec("all_reduce", [
+    {"shape": {"bytes": 8}, "contenders": [c("out_of_place", 7.0, 4.0), c("out_of_place_graph", 3.0)]},
+    {"shape": {"bytes": 1 << 20}, "contenders": [c("out_of_place", 20.0, 4.0)]},
+], {"ranks": 2, "ranks_as": "processes"})
+gar = rec("gemm_ar", [{"shape": {"ranks": 2, "m": 1, "n": 8, "k": 8}, "contenders": [c("fused", 16.0, 6.0), c("cublaslt", 10.0)]}])
+v = {x["target"].split()[0]: x["met"] for x in targets.judge([gemm, ar, gar])}
+assert v == {"gemm_decode": True, "gemm_table": False, "host_per_call": False, "all_reduce_latency": True,
+             "gemm_ar_small_m": False, "moe_vs_grouped_mm": None}, v
+moe = rec("moe_same_process", [{"shape": {"tokens": 4096, "direction": "dispatch"},
+                                "contenders": [c("mkernel_dispatch_gemm", 9.0), c("torch_grouped_mm", 10.0)]}])
+assert targets.moe_vs_grouped_mm([moe])["met"] is True
+assert "NOT MEASURED" in targets.report(targets.judge([]))
+EOF
+out=$(python3 benches/targets.py benches/results/2026-12-05-h200-moe-gemm-rows/*.json) || fail "targets.py on the stored records"
+grep -q "measured targets met" <<< "$out" || fail "targets.py printed no summary: $out"
+
 echo "== mkbench: a typo fails before the GPU probe; no GPU is SKIPPED (77), not OK"
 cargo build --release --bin mkbench
 for op in all_gather ag_gemm gemm_rs gemm_ar moe ring_attn ring_attn_bwd gemm host; do

@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""The one-GPU speed targets, judged from bench records: for each target, what the given
+records show and whether it is met. A target no given record speaks to says so.
+
+    python3 benches/targets.py RECORD.json [RECORD.json ...] [--json OUT]
+
+Records are mkbench's `--json` output and the Python benches' (`moe_same_process`), all in
+the schema plot.py validates (docs/benchmarks.md). Each target names the records it reads:
+
+| target | records | met when |
+|---|---|---|
+| gemm_decode | gemm | cuBLASLt time / ours >= 1.0 at M in {1, 16, 64, 128, 256} and (N, K) in DECODE_NK |
+| gemm_table | gemm | cuBLASLt time / ours >= 0.95 on every shape |
+| host_per_call | any mkbench record | the op under test's median host enqueue time <= 5 us, per bench |
+| all_reduce_latency | all_reduce at 2 ranks | out-of-place direct call <= 8 us at every size <= 64 KiB |
+| gemm_ar_small_m | gemm_ar | fused <= cuBLASLt alone + 5 us at M <= 16 |
+| moe_vs_grouped_mm | moe_same_process | mkernel time <= torch._grouped_mm time at 4096 and 16384 tokens |
+
+Exit status 0 whatever the verdicts: this reports, it does not gate (a run on a GPU the
+targets were not set for still prints its table). With --json, writes the verdicts.
+"""
+import argparse
+import json
+import sys
+
+DECODE_M = (1, 16, 64, 128, 256)
+DECODE_NK = ((8192, 8192), (28672, 8192), (8192, 28672))
+GEMM_DECODE_MIN = 1.0
+GEMM_TABLE_MIN = 0.95
+HOST_MAX_US = 5.0
+ALL_REDUCE_MAX_BYTES = 64 * 1024
+ALL_REDUCE_MAX_US = 8.0
+GEMM_AR_MAX_M = 16
+GEMM_AR_SLACK_US = 5.0
+MOE_TOKENS = (4096, 16384)
+
+# The contender that is the op under test, by bench (host_per_call).
+UNDER_TEST = {
+    "gemm": "mk",
+    "all_gather": "out_of_place",
+    "reduce_scatter": "out_of_place",
+    "all_reduce": "out_of_place",
+    "ag_gemm": "fused",
+    "gemm_rs": "fused",
+    "gemm_ar": "fused",
+    "moe": "fused",
+    "ring_attn": "fused",
+    "ring_attn_bwd": "fused",
+}
+
+
+def _median(row, name):
+    for c in row["contenders"]:
+        if c["name"] == name:
+            return c.get("median_us")
+    return None
+
+
+def _host(row, name):
+    for c in row["contenders"]:
+        if c["name"] == name:
+            return c.get("host_enqueue_us")
+    return None
+
+
+def _ranks(rec, row):
+    return row["shape"].get("ranks", rec["config"].get("ranks", 1))
+
+
+def _gpu(rec):
+    return rec["machine"].get("gpu") or "unknown GPU"
+
+
+def _verdict(name, lines, checks):
+    """checks: booleans, one per measured point; none measured -> no verdict."""
+    if not checks:
+        return {"target": name, "met": None, "lines": lines or ["no record speaks to it"]}
+    return {"target": name, "met": all(checks), "lines": lines}
+
+
+def _gemm_ratios(records, keep):
+    """(cuBLASLt time / ours, label) of every gemm row that `keep(shape)` accepts."""
+    out = []
+    for rec in records:
+        if rec["bench"] != "gemm":
+            continue
+        for row in rec["rows"]:
+            s = row["shape"]
+            ours, theirs = _median(row, "mk"), _median(row, "cublaslt")
+            if keep(s) and ours and theirs:
+                out.append((theirs / ours, f'{_gpu(rec)} {s.get("dtype", "")} {s["m"]} x {s["n"]} x {s["k"]}'))
+    return out
+
+
+def _gemm_verdict(name, ratios, least):
+    """The count and the lowest ratio, then every shape under `least`."""
+    if not ratios:
+        return _verdict(name, [], [])
+    low = min(ratios)
+    lines = [f"{len(ratios)} shapes, lowest {low[0]:.3f} ({low[1]})"]
+    lines += [f"{label}: {r:.3f}" for r, label in ratios if r < least]
+    return _verdict(name, lines, [r >= least for r, _ in ratios])
+
+
+def gemm_decode(records):
+    decode = lambda s: s.get("m") in DECODE_M and (s.get("n"), s.get("k")) in DECODE_NK  # noqa: E731
+    return _gemm_verdict(f"gemm_decode (>= {GEMM_DECODE_MIN} x cuBLASLt)", _gemm_ratios(records, decode), GEMM_DECODE_MIN)
+
+
+def gemm_table(records):
+    return _gemm_verdict(
+        f"gemm_table (>= {GEMM_TABLE_MIN} x cuBLASLt on every shape)", _gemm_ratios(records, lambda s: True), GEMM_TABLE_MIN
+    )
+
+
+def host_per_call(records):
+    by_bench = {}
+    for rec in records:
+        name = UNDER_TEST.get(rec["bench"])
+        if name is None:
+            continue
+        for row in rec["rows"]:
+            h = _host(row, name)
+            if h is not None:
+                by_bench.setdefault((rec["bench"], _gpu(rec)), []).append(h)
+    lines, checks = [], []
+    for (bench, gpu), hosts in sorted(by_bench.items()):
+        hosts.sort()
+        median = hosts[len(hosts) // 2] if len(hosts) % 2 else (hosts[len(hosts) // 2 - 1] + hosts[len(hosts) // 2]) / 2
+        checks.append(median <= HOST_MAX_US)
+        lines.append(f"{gpu} {bench}: {median:.1f} us ({len(hosts)} rows)")
+    return _verdict(f"host_per_call (<= {HOST_MAX_US} us, median per op)", lines, checks)
+
+
+def all_reduce_latency(records):
+    lines, checks = [], []
+    for rec in records:
+        if rec["bench"] != "all_reduce" or rec["config"].get("ranks") != 2:
+            continue
+        direct = [(r["shape"]["bytes"], _median(r, "out_of_place"), _median(r, "out_of_place_graph")) for r in rec["rows"]
+                  if r["shape"].get("bytes", 1 << 62) <= ALL_REDUCE_MAX_BYTES and _median(r, "out_of_place")]
+        if not direct:
+            continue
+        worst = max(direct, key=lambda d: d[1])
+        checks.append(worst[1] <= ALL_REDUCE_MAX_US)
+        graphs = [g for _, _, g in direct if g]
+        graph = f", graph replay {min(graphs):.1f}-{max(graphs):.1f} us" if graphs else ""
+        lines.append(f'{_gpu(rec)}, ranks as {rec["config"].get("ranks_as", "?")}: direct up to {worst[1]:.1f} us '
+                     f"(at {worst[0]} B){graph}")
+    return _verdict(f"all_reduce_latency (2 ranks, <= {ALL_REDUCE_MAX_US} us direct up to 64 KiB)", lines, checks)
+
+
+def gemm_ar_small_m(records):
+    lines, checks = [], []
+    for rec in records:
+        if rec["bench"] != "gemm_ar":
+            continue
+        for row in rec["rows"]:
+            s = row["shape"]
+            if s.get("m", GEMM_AR_MAX_M + 1) > GEMM_AR_MAX_M or _ranks(rec, row) < 2:
+                continue
+            fused, alone = _median(row, "fused"), _median(row, "cublaslt")
+            if not fused or not alone:
+                continue
+            checks.append(fused <= alone + GEMM_AR_SLACK_US)
+            lines.append(f'{_gpu(rec)} {_ranks(rec, row)} ranks M {s["m"]} N {s["n"]} K {s["k"]}: '
+                         f"fused {fused:.1f} us, cuBLASLt alone {alone:.1f} us (+{fused - alone:.1f})")
+    return _verdict(f"gemm_ar_small_m (fused <= cuBLASLt + {GEMM_AR_SLACK_US} us at M <= {GEMM_AR_MAX_M})", lines, checks)
+
+
+def moe_vs_grouped_mm(records):
+    lines, checks = [], []
+    for rec in records:
+        if rec["bench"] != "moe_same_process":
+            continue
+        for row in rec["rows"]:
+            s = row["shape"]
+            if s.get("tokens") not in MOE_TOKENS:
+                continue
+            ours = next((c for c in row["contenders"] if c["name"].startswith("mkernel_")), None)
+            grouped = _median(row, "torch_grouped_mm")
+            if not ours or not ours.get("median_us") or not grouped:
+                continue
+            ratio = grouped / ours["median_us"]
+            checks.append(ratio >= 1.0)
+            lines.append(f'{_gpu(rec)} {s["tokens"]} tokens {s.get("direction", "")}: {ratio:.2f} x torch._grouped_mm')
+    return _verdict("moe_vs_grouped_mm (>= 1.0 x torch._grouped_mm alone)", lines, checks)
+
+
+TARGETS = (gemm_decode, gemm_table, host_per_call, all_reduce_latency, gemm_ar_small_m, moe_vs_grouped_mm)
+
+
+def judge(records):
+    return [t(records) for t in TARGETS]
+
+
+def report(verdicts):
+    out = []
+    for v in verdicts:
+        state = {True: "MET", False: "MISSED", None: "NOT MEASURED"}[v["met"]]
+        out.append(f"{state:<12} {v['target']}")
+        out += [f"             {line}" for line in v["lines"]]
+    met = sum(v["met"] is True for v in verdicts)
+    measured = sum(v["met"] is not None for v in verdicts)
+    out.append(f"# {met} of {measured} measured targets met ({len(verdicts)} targets)")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("records", nargs="+")
+    ap.add_argument("--json", help="write the verdicts here")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    import plot  # the schema check
+
+    records = [plot.load(p) for p in a.records]
+    verdicts = judge(records)
+    print(report(verdicts))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(verdicts, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
