@@ -63,6 +63,14 @@ def _host(row, name):
     return None
 
 
+def _rows(records, bench):
+    """(record, row) of every row of the records of `bench`."""
+    for rec in records:
+        if rec["bench"] == bench:
+            for row in rec["rows"]:
+                yield rec, row
+
+
 def _ranks(rec, row):
     return row["shape"].get("ranks", rec["config"].get("ranks", 1))
 
@@ -81,14 +89,11 @@ def _verdict(name, lines, checks):
 def _gemm_ratios(records, keep):
     """(cuBLASLt time / ours, label) of every gemm row that `keep(shape)` accepts."""
     out = []
-    for rec in records:
-        if rec["bench"] != "gemm":
-            continue
-        for row in rec["rows"]:
-            s = row["shape"]
-            ours, theirs = _median(row, "mk"), _median(row, "cublaslt")
-            if keep(s) and ours and theirs:
-                out.append((theirs / ours, f'{_gpu(rec)} {s.get("dtype", "")} {s["m"]} x {s["n"]} x {s["k"]}'))
+    for rec, row in _rows(records, "gemm"):
+        s = row["shape"]
+        ours, theirs = _median(row, "mk"), _median(row, "cublaslt")
+        if keep(s) and ours and theirs:
+            out.append((theirs / ours, f'{_gpu(rec)} {s.get("dtype", "")} {s["m"]} x {s["n"]} x {s["k"]}'))
     return out
 
 
@@ -152,38 +157,32 @@ def all_reduce_latency(records):
 
 def gemm_ar_small_m(records):
     lines, checks = [], []
-    for rec in records:
-        if rec["bench"] != "gemm_ar":
+    for rec, row in _rows(records, "gemm_ar"):
+        s = row["shape"]
+        if s.get("m", GEMM_AR_MAX_M + 1) > GEMM_AR_MAX_M or _ranks(rec, row) < 2:
             continue
-        for row in rec["rows"]:
-            s = row["shape"]
-            if s.get("m", GEMM_AR_MAX_M + 1) > GEMM_AR_MAX_M or _ranks(rec, row) < 2:
-                continue
-            fused, alone = _median(row, "fused"), _median(row, "cublaslt")
-            if not fused or not alone:
-                continue
-            checks.append(fused <= alone + GEMM_AR_SLACK_US)
-            lines.append(f'{_gpu(rec)} {_ranks(rec, row)} ranks M {s["m"]} N {s["n"]} K {s["k"]}: '
-                         f"fused {fused:.1f} us, cuBLASLt alone {alone:.1f} us (+{fused - alone:.1f})")
+        fused, alone = _median(row, "fused"), _median(row, "cublaslt")
+        if not fused or not alone:
+            continue
+        checks.append(fused <= alone + GEMM_AR_SLACK_US)
+        lines.append(f'{_gpu(rec)} {_ranks(rec, row)} ranks M {s["m"]} N {s["n"]} K {s["k"]}: '
+                     f"fused {fused:.1f} us, cuBLASLt alone {alone:.1f} us (+{fused - alone:.1f})")
     return _verdict(f"gemm_ar_small_m (fused <= cuBLASLt + {GEMM_AR_SLACK_US} us at M <= {GEMM_AR_MAX_M})", lines, checks)
 
 
 def moe_vs_grouped_mm(records):
     lines, checks = [], []
-    for rec in records:
-        if rec["bench"] != "moe_same_process":
+    for rec, row in _rows(records, "moe_same_process"):
+        s = row["shape"]
+        if s.get("tokens") not in MOE_TOKENS:
             continue
-        for row in rec["rows"]:
-            s = row["shape"]
-            if s.get("tokens") not in MOE_TOKENS:
-                continue
-            ours = next((c for c in row["contenders"] if c["name"].startswith("mkernel_")), None)
-            grouped = _median(row, "torch_grouped_mm")
-            if not ours or not ours.get("median_us") or not grouped:
-                continue
-            ratio = grouped / ours["median_us"]
-            checks.append(ratio >= 1.0)
-            lines.append(f'{_gpu(rec)} {s["tokens"]} tokens {s.get("direction", "")}: {ratio:.2f} x torch._grouped_mm')
+        ours = next((c for c in row["contenders"] if c["name"].startswith("mkernel_")), None)
+        grouped = _median(row, "torch_grouped_mm")
+        if not ours or not ours.get("median_us") or not grouped:
+            continue
+        ratio = grouped / ours["median_us"]
+        checks.append(ratio >= 1.0)
+        lines.append(f'{_gpu(rec)} {s["tokens"]} tokens {s.get("direction", "")}: {ratio:.2f} x torch._grouped_mm')
     return _verdict("moe_vs_grouped_mm (>= 1.0 x torch._grouped_mm alone)", lines, checks)
 
 
