@@ -22,7 +22,8 @@
 //! over the ranks. Then the shared protocol (measure.rs: -w warm-up calls, --blocks
 //! interleaved blocks of -n calls, the slowest rank per call; median, p10, p90, and the
 //! host's enqueue time per call) over: out of place; in place (its input restored before
-//! each call, outside the timing, so values never grow); a device-to-device cuMemcpyAsync
+//! each call and the stream idle again, outside the timing, so values never grow and the
+//! call starts as an out-of-place one does); a device-to-device cuMemcpyAsync
 //! of the same size on rank 0 while the other ranks wait (read + write, as our one-rank
 //! copy); NCCL (dlopen, nccl.rs) out of place on the same buffers when the ranks sit on
 //! several GPUs (NCCL refuses two ranks on one GPU); and CUDA-graph replays of
@@ -384,7 +385,10 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let call = |s: u64, r: u64| collective(&comm, kind, s, r, count as usize, dtype as i32, op_arg, stream);
             let out_of_place = || call(send.ptr(), recv.ptr());
             let in_place = || call(ip_send, ip_recv);
-            let restore_in_place = || restore(ip_send);
+            // The restoring copy finishes before the timed call is enqueued: left in flight,
+            // the GPU runs it while the host enqueues the call, and a host-bound small call
+            // reads 2-3 µs faster in place than out of place.
+            let restore_in_place = || restore(ip_send).and_then(|_| sync());
 
             // The check, out of place then in place, before any timing.
             restore(send.ptr())?;
