@@ -10,6 +10,10 @@ the exchange is a local permutation:
 - `combine`: mkernel.moe_gemm_combine (times W2ᵀ, weighted sum per token) against
   torch._grouped_mm with W2ᵀ then a weighted index_add_ in fp32 (`torch_grouped_mm_index_add`),
   and the grouped GEMM alone.
+Two bounds in the same run, for where the time of a fused op goes: the same FLOPs as one
+dense GEMM of every routed row with one expert's weights (`torch_dense_mm`: what the
+tensor cores take for this work, no expert boundaries) and the rows' gather alone
+(`torch_gather`: the copy a dispatch makes at one rank).
 Before timing, each case checks mkernel against torch: recvCounts equal the per-expert
 counts; per expert, the sum of its rows of y (order-free: mkernel orders rows within an
 expert by arrival) and the combined output, relative L2 at most 2e-2.
@@ -94,6 +98,12 @@ def main():
         def torch_gemm1():
             return torch._grouped_mm(x_sorted, w1t, offs=offs)
 
+        def torch_dense1():
+            return torch.mm(x_sorted, w1t[0])
+
+        def torch_gather():
+            return x[source_token]
+
         # The check of the dispatch, order-free within an expert.
         d = mk_dispatch()
         y_ref = torch_gemm1()
@@ -121,6 +131,9 @@ def main():
         def torch_gemm2():
             return torch._grouped_mm(y_act_ref, w2t, offs=offs)
 
+        def torch_dense2():
+            return torch.mm(y_act_ref, w2t[0])
+
         out_mk, out_ref = mk_combine().double(), torch_combine().double()
         errors["mkernel_gemm_combine"] = (
             float((out_mk - out_ref).norm() / out_ref.norm()) if bool(out_mk.isfinite().all()) else float("inf")
@@ -129,9 +142,9 @@ def main():
         flops = 2 * T * k * H * F
         for direction, calls in (
             ("dispatch", {"mkernel_dispatch_gemm": mk_dispatch, "torch_gather_grouped_mm": torch_dispatch,
-                          "torch_grouped_mm": torch_gemm1}),
+                          "torch_grouped_mm": torch_gemm1, "torch_dense_mm": torch_dense1, "torch_gather": torch_gather}),
             ("combine", {"mkernel_gemm_combine": mk_combine, "torch_grouped_mm_index_add": torch_combine,
-                         "torch_grouped_mm": torch_gemm2}),
+                         "torch_grouped_mm": torch_gemm2, "torch_dense_mm": torch_dense2}),
         ):
             results = bench_record.interleaved(calls, args.warmup, args.blocks, args.iters)
             bench_record.print_timed(f"{T:>6} {direction:>8}", results, flops,
