@@ -96,16 +96,18 @@ def row(shape, results, notes=None):
     return {"shape": shape, "contenders": [{**contender(name, t), **notes.get(name, {})} for name, t in results.items()]}
 
 
-def print_timed(label, results, flops, notes=None):
-    """One line per contender that ran: `label`, its name, median ms, TF/s for `flops`,
-    p10 / p90 ms, host µs, and `notes[name]` (text) if given."""
+def print_timed(label, results, flops, notes=None, no_flops=()):
+    """One line per contender that ran: `label`, its name, median ms, TF/s for `flops`
+    ("-" for the contenders in `no_flops`, which do no math: a copy), p10 / p90 ms, host
+    µs, and `notes[name]` (text) if given."""
     for name, timed in results.items():
         if timed is None:
             continue
         s, host = stats(timed[0]), stats(timed[1])
         ms = s["median_us"] / 1e3
         note = (notes or {}).get(name, "")
-        print(f"  {label} | {name:>28} {ms:>8.3f} {flops / ms / 1e9:>7.1f} {s['p10_us'] / 1e3:>8.3f} "
+        tf = "-" if name in no_flops else f"{flops / ms / 1e9:.1f}"
+        print(f"  {label} | {name:>28} {ms:>8.3f} {tf:>7} {s['p10_us'] / 1e3:>8.3f} "
               f"{s['p90_us'] / 1e3:>8.3f} {host['median_us']:>8.1f} {note:>8}")
 
 
