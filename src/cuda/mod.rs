@@ -95,13 +95,8 @@ pub fn device_attribute(dev: i32, attr: sys::CUdevice_attribute) -> Result<i32> 
 /// The SM count of device `dev`, read from the driver once per device (it cannot change
 /// while the process runs): every op call plans with it.
 pub fn sm_count(dev: i32) -> Result<i32> {
-    static KNOWN: Mutex<Vec<(i32, i32)>> = Mutex::new(Vec::new());
-    if let Some(&(_, sms)) = KNOWN.lock().iter().find(|(d, _)| *d == dev) {
-        return Ok(sms);
-    }
-    let sms = device_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-    KNOWN.lock().push((dev, sms));
-    Ok(sms)
+    static KNOWN: crate::ops::memo::Memo<i32, i32> = crate::ops::memo::Memo::new(64);
+    KNOWN.get_or_try(dev, |&d| device_attribute(d, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))
 }
 
 /// A retained primary context of one device; released on drop.

@@ -215,27 +215,22 @@ fn clusters_config(
 /// How many clusters of `n` CTAs of `f` can be resident at once (cached per function,
 /// block, shared memory size and cluster size).
 fn max_active_clusters(f: sys::CUfunction, name: &str, block: u32, smem: u32, n: u32) -> Result<usize> {
-    use parking_lot::Mutex;
-    type Key = (usize, u32, u32, u32);
-    static CACHE: Mutex<Vec<(Key, usize)>> = Mutex::new(Vec::new());
-    let key = (f as usize, block, smem, n);
-    if let Some(&(_, c)) = CACHE.lock().iter().find(|(k, _)| *k == key) {
-        return Ok(c);
-    }
-    // SAFETY: an all-zero attribute is valid plain data; it is filled in by clusters_config.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    let cfg = LaunchConfig { grid: (n, 1, 1), block: (block, 1, 1), shared_mem_bytes: smem };
-    let lc = clusters_config(f, cfg, n, std::ptr::null_mut(), &mut attr)?;
-    let mut c: i32 = 0;
-    // SAFETY: lc points at attr, alive for the call.
-    cuda::check("cuOccupancyMaxActiveClusters", unsafe { sys::cuOccupancyMaxActiveClusters(&mut c, f, &lc) })?;
-    if c < 1 {
-        return Err(MkError::internal(format!(
-            "no {n}-CTA cluster of {name} fits on this GPU ({smem} bytes of shared memory)"
-        )));
-    }
-    CACHE.lock().push((key, c as usize));
-    Ok(c as usize)
+    static RESIDENT: Memo<(usize, u32, u32, u32), usize> = Memo::new(256);
+    RESIDENT.get_or_try((f as usize, block, smem, n), |_| {
+        // SAFETY: an all-zero attribute is valid plain data; it is filled in by clusters_config.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        let cfg = LaunchConfig { grid: (n, 1, 1), block: (block, 1, 1), shared_mem_bytes: smem };
+        let lc = clusters_config(f, cfg, n, std::ptr::null_mut(), &mut attr)?;
+        let mut c: i32 = 0;
+        // SAFETY: lc points at attr, alive for the call.
+        cuda::check("cuOccupancyMaxActiveClusters", unsafe { sys::cuOccupancyMaxActiveClusters(&mut c, f, &lc) })?;
+        if c < 1 {
+            return Err(MkError::internal(format!(
+                "no {n}-CTA cluster of {name} fits on this GPU ({smem} bytes of shared memory)"
+            )));
+        }
+        Ok(c as usize)
+    })
 }
 
 /// Launches a kernel with cluster dims (n,1,1).
