@@ -306,12 +306,9 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         meas.host_us.extend(graphs.host_us);
         contenders.extend(graph_contenders);
     }
-    let of = |direction: &str, name: &str| {
-        contenders.iter().position(|c| c.0 == direction && c.1 == name).map(|i| meas.median(i))
-    };
-    let host_of = |direction: &str, name: &str| {
-        contenders.iter().position(|c| c.0 == direction && c.1 == name).map_or(f64::NAN, |i| meas.host_us[i])
-    };
+    let index = |direction: &str, name: &str| contenders.iter().position(|c| c.0 == direction && c.1 == name);
+    let of = |direction: &str, name: &str| index(direction, name).map(|i| meas.median(i));
+    let host_of = |direction: &str, name: &str| index(direction, name).map_or(f64::NAN, |i| meas.host_us[i]);
     if o.common.trace {
         print_trace(&comm, stream, "moe dispatch", &|buf| {
             dispatch_gemm(&comm, &moe::DispatchArgs { trace: buf, ..dargs }, true, stream)
