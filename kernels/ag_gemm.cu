@@ -99,7 +99,7 @@ __device__ __forceinline__ bool copy_gathered_out(const AgGemmParams& p, uint64_
   if (p.gathered_out == 0) return true;
   const int tid = Team::tid(), threads = Team::threads();
   const WorkspaceView& ws = p.ws;
-  const int n = p.m / p.rows_per_rank, me = p.global_rank, chunks = p.chunks_per_rank;
+  const int n = p.m / p.rows_per_rank, chunks = p.chunks_per_rank;
   const size_t row_bytes = (size_t)p.k * 2;
   const char* own = reinterpret_cast<const char*>(ws.data[ws.rank]) + p.gathered_offset;
   for (int src = 0; src < n; ++src) {

@@ -2,7 +2,7 @@
 // raster, no A wait and either the TMA-store or the direct-store epilogue.
 //
 // Kernel name: mk_gemm_<dtype>_bn<BN>_<epilogue>[_c2a|_c2b][_bm64][_splitk], dtype in
-// {bf16, f16}, BN in {64, 128, 256}, epilogue in {tma, direct}; _c2a/_c2b: 2-CTA cluster
+// {bf16, f16}, BN in {64, 128, 224, 256}, epilogue in {tma, direct}; _c2a/_c2b: 2-CTA cluster
 // sharing A/B; _bm64: 64-row tiles (A map box {64, 64}); _splitk: the CTAs of a cluster
 // (cluster dims (S,1,1), 2 <= S <= 8, S <= the K blocks) split K and CTA 0 adds the
 // partials in rank order. All share one signature (unused arguments are ignored):
@@ -19,7 +19,9 @@ namespace mk { namespace gemm {
 // Deepest ring that fits in 227 KiB next to the epilogue's staging buffers and, for
 // split-K, the fp32 partial slabs (counted as staging: half per consumer warpgroup).
 template <int BM, int BN, bool TMA_EPI, bool SPLIT_K>
-struct PlainStages : RingStages<BM, BN, (TMA_EPI ? 64 * BN * 2 : 0) + (SPLIT_K ? BM / 64 * 64 * BN * 4 / 2 : 0)> {};
+struct PlainStages
+    : RingStages<BM, BN,
+                 (TMA_EPI ? TmaStoreEpilogue::smem_bytes_per_wg<BN>() : 0) + (SPLIT_K ? BM / 64 * 64 * BN * 4 / 2 : 0)> {};
 
 // The ring depth and dynamic shared memory the planner launches a tile with
 // (ops::gemm::tile_stages and tile_smem_bytes), one specialization per tile rows x width x
@@ -69,6 +71,8 @@ __device__ __forceinline__ void plain_gemm(const CUtensorMap* tma_a, const CUten
   if constexpr (TMA_EPI) {
     epi.dest.tma_c = tma_c;
     epi.signal.unused = 0;
+    epi.dest.c = c;  // the columns of a 224-wide tile past its three boxes
+    epi.dest.ldc = N;
   } else {
     epi.c = c;
     epi.ldc = N;

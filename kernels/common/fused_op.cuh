@@ -90,7 +90,7 @@ struct WarpTeam {
 // Deepest stage ring that fits in 227 KiB beside the TMA epilogue's staging buffers, for
 // tiles of BM rows (ops::gemm::fused_stages(bm, bn), checked in mk_check_engine_smem).
 template <int BN, int BM = 128>
-struct FusedStages : mk::gemm::RingStages<BM, BN, 64 * BN * 2> {};
+struct FusedStages : mk::gemm::RingStages<BM, BN, mk::gemm::TmaStoreEpilogue::smem_bytes_per_wg<BN>()> {};
 
 // The ring depth and dynamic shared memory the planner launches a fused engine with
 // (ops::gemm::fused_stages and fused_smem_bytes), one specialization per tile rows x width

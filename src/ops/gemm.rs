@@ -56,7 +56,7 @@ impl Cluster {
 pub struct PlanOverrides {
     /// Tile rows (128 or 64; any other value is ignored).
     pub bm: Option<usize>,
-    /// Tile width (64, 128 or 256; any other value is ignored).
+    /// Tile width (64, 128, 224 or 256; any other value is ignored).
     pub bn: Option<usize>,
     /// CTAs that split K for one tile, 1 to 8 (falls back to 1 where no split-K kernel
     /// exists: widths 64 and 128 with the TMA epilogue, without a multicast cluster; and is
@@ -165,15 +165,19 @@ pub fn gemm_kernel(dtype: mkDataType_t, bn: usize, epilogue: Epilogue, cluster: 
     };
     Some(match (f16, bn, epilogue, cluster) {
         (false, 256, Tma, Single) => MK_GEMM_BF16_BN256_TMA,
+        (false, 224, Tma, Single) => MK_GEMM_BF16_BN224_TMA,
         (false, 128, Tma, Single) => MK_GEMM_BF16_BN128_TMA,
         (false, 64, Tma, Single) => MK_GEMM_BF16_BN64_TMA,
         (false, 256, Direct, Single) => MK_GEMM_BF16_BN256_DIRECT,
+        (false, 224, Direct, Single) => MK_GEMM_BF16_BN224_DIRECT,
         (false, 128, Direct, Single) => MK_GEMM_BF16_BN128_DIRECT,
         (false, 64, Direct, Single) => MK_GEMM_BF16_BN64_DIRECT,
         (true, 256, Tma, Single) => MK_GEMM_F16_BN256_TMA,
+        (true, 224, Tma, Single) => MK_GEMM_F16_BN224_TMA,
         (true, 128, Tma, Single) => MK_GEMM_F16_BN128_TMA,
         (true, 64, Tma, Single) => MK_GEMM_F16_BN64_TMA,
         (true, 256, Direct, Single) => MK_GEMM_F16_BN256_DIRECT,
+        (true, 224, Direct, Single) => MK_GEMM_F16_BN224_DIRECT,
         (true, 128, Direct, Single) => MK_GEMM_F16_BN128_DIRECT,
         (true, 64, Direct, Single) => MK_GEMM_F16_BN64_DIRECT,
         (false, 256, Tma, ShareB) => MK_GEMM_BF16_BN256_TMA_C2B,
@@ -208,12 +212,16 @@ pub fn gemm_tile_kernel(
         (_, 128, _, _, false) => return gemm_kernel(dtype, bn, epilogue, Cluster::None),
         (false, 64, 256, Tma, false) => MK_GEMM_BF16_BN256_TMA_BM64,
         (false, 64, 256, Direct, false) => MK_GEMM_BF16_BN256_DIRECT_BM64,
+        (false, 64, 224, Tma, false) => MK_GEMM_BF16_BN224_TMA_BM64,
+        (false, 64, 224, Direct, false) => MK_GEMM_BF16_BN224_DIRECT_BM64,
         (false, 64, 128, Tma, false) => MK_GEMM_BF16_BN128_TMA_BM64,
         (false, 64, 128, Direct, false) => MK_GEMM_BF16_BN128_DIRECT_BM64,
         (false, 64, 64, Tma, false) => MK_GEMM_BF16_BN64_TMA_BM64,
         (false, 64, 64, Direct, false) => MK_GEMM_BF16_BN64_DIRECT_BM64,
         (true, 64, 256, Tma, false) => MK_GEMM_F16_BN256_TMA_BM64,
         (true, 64, 256, Direct, false) => MK_GEMM_F16_BN256_DIRECT_BM64,
+        (true, 64, 224, Tma, false) => MK_GEMM_F16_BN224_TMA_BM64,
+        (true, 64, 224, Direct, false) => MK_GEMM_F16_BN224_DIRECT_BM64,
         (true, 64, 128, Tma, false) => MK_GEMM_F16_BN128_TMA_BM64,
         (true, 64, 128, Direct, false) => MK_GEMM_F16_BN128_DIRECT_BM64,
         (true, 64, 64, Tma, false) => MK_GEMM_F16_BN64_TMA_BM64,
@@ -495,6 +503,30 @@ mod tests {
             tile_smem_bytes(64, 128, true, Epilogue::Tma),
             1024 + 6 * 192 * 128 + 2 * 64 * 128 * 2 + 64 * 128 * 4 + 2 * 6 * 8 + 64 + 32
         );
+    }
+
+    #[test]
+    fn the_224_wide_tile_fills_whole_waves_at_28672_columns() {
+        let wide = PlanOverrides { bn: Some(224), ..Default::default() };
+        // 128 tiles across N: one wave of 128 CTAs up to 128 rows, two (132 + 124) at 256.
+        for (m, bm, tiles, grid) in [(16, 64, 128, 128), (128, 128, 128, 128), (256, 128, 256, 132)] {
+            let p = plan(m, 28672, 8192, 132, true, wide);
+            assert_eq!((p.bm, p.bn, p.tiles_n, p.tiles(), p.grid), (bm, 224, 128, tiles, grid), "M {m}");
+        }
+        let p = plan(256, 28672, 8192, 132, true, wide);
+        assert_eq!(p.kernel_name(mkDataType_t::mkBfloat16), "mk_gemm_bf16_bn224_tma");
+        assert_eq!(p.kernel_name(mkDataType_t::mkFloat16), "mk_gemm_f16_bn224_tma");
+        let direct = plan(16, 28672, 8192, 132, false, wide);
+        assert_eq!(direct.kernel_name(mkDataType_t::mkBfloat16), "mk_gemm_bf16_bn224_direct_bm64");
+        // Staging holds the three whole 64-column boxes per warpgroup (the last 32 columns
+        // leave from registers), which leaves room for four stages of 128 + 224 rows.
+        assert_eq!(p.stages, 4);
+        assert_eq!(p.smem_bytes, 1024 + 4 * (128 + 224) * 128 + 2 * 64 * 192 * 2 + 2 * 4 * 8 + 64);
+        // No split-K or multicast kernel at this width: the plan runs without either.
+        let o = PlanOverrides { split_k: Some(2), cluster: Some(Cluster::ShareB), ..wide };
+        let p = plan(256, 28672, 8192, 132, true, o);
+        assert_eq!((p.bn, p.split_k, p.cluster), (224, 1, Cluster::None));
+        assert!(p.kernel(mkDataType_t::mkBfloat16).is_some());
     }
 
     #[test]

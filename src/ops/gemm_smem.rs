@@ -20,8 +20,11 @@ pub const TILE_ROWS: [usize; 2] = [128, 64];
 pub const BK: usize = 64;
 /// Largest dynamic shared memory a Hopper CTA can have (227 KiB).
 pub const SMEM_LIMIT: usize = 232_448;
-/// Tile widths the entry kernels are compiled for.
-pub const TILE_WIDTHS: [usize; 3] = [256, 128, 64];
+/// Tile widths the entry kernels are compiled for. 224 is not a power of two for the waves:
+/// 28672 (a large model's FFN width) is 128 tiles of 224, one per SM of 132 at up to 128
+/// rows and two waves at 256, where 256 makes 112 and 128 makes 224; its last 32 columns
+/// leave from registers (no 64-column box fits them).
+pub const TILE_WIDTHS: [usize; 4] = [256, 224, 128, 64];
 
 /// How C tiles leave the CTA.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,11 +60,12 @@ fn split_k_partials_bytes(bm: usize, bn: usize, split_k: bool) -> usize {
 /// Split-K's four mbarriers after the mailboxes (kSplitKBarrierBytes).
 const SPLIT_K_BARRIER_BYTES: usize = 32;
 
-/// Shared memory of one consumer warpgroup's epilogue staging: TmaEpilogue 64·bn·2 bytes,
-/// DirectStoreEpilogue none.
+/// Shared memory of one consumer warpgroup's epilogue staging: TmaEpilogue 64 rows of the
+/// columns its 64-wide boxes store (all of a tile whose width is a multiple of 64, the
+/// whole boxes of one that is not: `kBoxedCols`), two bytes each; DirectStoreEpilogue none.
 fn epilogue_staging_per_wg(bn: usize, epilogue: Epilogue) -> usize {
     if epilogue == Epilogue::Tma {
-        64 * bn * 2
+        64 * (bn / 64 * 64) * 2
     } else {
         0
     }

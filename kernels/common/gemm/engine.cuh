@@ -226,7 +226,8 @@ struct GemmConfig {
   // Rows this CTA's producer loads per stage (boxes of the tensor maps).
   static constexpr int A_LOAD_ROWS = SHARE == SHARE_A ? BM / 2 : BM;
   static constexpr int B_LOAD_ROWS = SHARE == SHARE_B ? BN / 2 : BN;
-  static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma N");
+  // 224: 128 tiles across N = 28672 (one wave on 132 SMs) where 256 makes 112 and 128 makes 224.
+  static_assert(BN == 64 || BN == 128 || BN == 224 || BN == 256, "wgmma N");
   static_assert(sizeof(T) == 2, "16-bit inputs");
 };
 

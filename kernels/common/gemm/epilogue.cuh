@@ -98,6 +98,11 @@ struct DestCombines<Dest, std::void_t<decltype(Dest::kCombines)>> : std::bool_co
 struct LocalDest {
   struct Params {
     const CUtensorMap* tma_c;  // C: dims {N, M}, box {64, 64}, CU_TENSOR_MAP_SWIZZLE_128B
+    // C itself, for the columns of a tile past its last whole 64-column box (widths that
+    // are not a multiple of 64; see TmaEpilogue::store_tail): row-major, `ldc` elements
+    // per row. Unread at the other widths.
+    void* c;
+    long long ldc;
   };
   __device__ static const CUtensorMap* map(const Params& p, const SlabInfo& s, int& row, int& col) {
     row = s.row0;
@@ -148,13 +153,24 @@ struct TmaEpilogue {
     typename Signal::Params signal;
   };
   static constexpr bool kCourier = Signal::enabled;
+  // Columns of a BN-wide tile that leave through 64 x 64 TMA boxes: all of them, or, for a
+  // width that is not a multiple of 64 (224: three boxes and 32 columns), the whole boxes;
+  // the rest leave from registers (store_tail). Staging holds the boxed columns only.
+  template <int BN>
+  static constexpr int kBoxedCols = BN / 64 * 64;
   template <int BN>
   __host__ __device__ static constexpr int smem_bytes_per_wg() {
-    return 64 * BN * 2;
+    return 64 * kBoxedCols<BN> * 2;
   }
 
   template <typename T, int BN>
   __device__ static void store(const Params& p, float (&acc)[BN / 2], const SlabInfo& s) {
+    constexpr int kBoxed = kBoxedCols<BN>;
+    // A tail goes straight to C: only the plain GEMM's destination, stored whole and not
+    // signalled (a peer's buffer, a combining Dest or a flag would need the tail too).
+    static_assert(kBoxed == BN || (std::is_same<Dest, LocalDest>::value && std::is_same<Op, TmaStoreOp>::value &&
+                                   !Signal::enabled),
+                  "a tile width that is not a multiple of 64 only with the plain TMA store epilogue");
     const int warp = s.thread >> 5, lane = s.thread & 31;
     // The previous tile's stores must have finished reading the staging buffer; a
     // signalling epilogue waits for them to complete and signals that slab now (they were
@@ -169,7 +185,7 @@ struct TmaEpilogue {
     named_barrier_sync(1 + s.consumer, 128);
     const uint32_t base = smem_addr(s.smem);
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
+    for (int j = 0; j < kBoxed / 8; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = warp * 16 + (lane >> 2) + h * 8;
@@ -199,6 +215,23 @@ struct TmaEpilogue {
         s.signal_row0 = s.row0;
         s.signal_pending = true;
       }
+    }
+    if constexpr (kBoxed < BN) store_tail<T, BN>(p, acc, s);
+  }
+
+  // The columns past the whole boxes (kBoxedCols..BN-1 of the tile), from registers: each
+  // thread writes its pairs of adjacent columns as one 4-byte store, rows >= M and columns
+  // >= N skipped. A pair never straddles N: the TMA epilogue needs N % 8 == 0 and pairs
+  // start at even columns. 4-byte aligned: C is 16-byte aligned (the same condition).
+  template <typename T, int BN>
+  __device__ static void store_tail(const Params& p, const float (&acc)[BN / 2], const SlabInfo& s) {
+    T* c = static_cast<T*>(p.dest.c);
+#pragma unroll
+    for (int i = kBoxedCols<BN> / 2; i < BN / 2; i += 2) {
+      const int r = s.row0 + acc_row(i, s.thread);
+      const int col = s.col0 + acc_col(i, s.thread);
+      if (r < s.M && col < s.N)
+        *reinterpret_cast<uint32_t*>(c + (long long)r * p.dest.ldc + col) = pack2<T>(acc[i], acc[i + 1]);
     }
   }
 

@@ -238,6 +238,8 @@ pub fn run() -> mkernel::Result<Outcome> {
         Case { m: 5, n: 264, k: 136 },
         Case { m: 129, n: 257, k: 72 },
         Case { m: 1000, n: 3000, k: 520 },
+        // N ends inside the register-stored columns of a 224-wide tile (640..671 of its third).
+        Case { m: 77, n: 648, k: 200 },
     ];
     // A few random awkward shapes (different every run; printed so a failure can be replayed).
     let mut rng = seed;
