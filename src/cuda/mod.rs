@@ -247,13 +247,54 @@ pub fn function(module: &'static str, kernel: &str) -> Result<sys::CUfunction> {
         .map_err(|e| cuda_err(&format!("looking up kernel {kernel} in module {module}"), e))?;
     // Under lazy loading a function's code is placed at its first attribute read or launch:
     // read one here, inside the relaxed window (this is also what `preload` relies on).
-    let mut threads = 0i32;
-    // SAFETY: writes one int attribute of a function of the current context.
-    check(&format!("cuFuncGetAttribute({kernel})"), unsafe {
-        sys::cuFuncGetAttribute(&mut threads, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f)
-    })?;
+    let static_smem = function_attribute(f, kernel, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
+    allow_all_dynamic_smem(f, kernel, static_smem)?;
     loaded.functions.insert(kernel.to_string(), f);
     Ok(f)
+}
+
+fn function_attribute(f: sys::CUfunction, kernel: &str, attribute: sys::CUfunction_attribute) -> Result<i32> {
+    let mut value = 0i32;
+    // SAFETY: writes one int attribute of a function of the current context.
+    check(&format!("cuFuncGetAttribute({kernel})"), unsafe { sys::cuFuncGetAttribute(&mut value, attribute, f) })?;
+    Ok(value)
+}
+
+/// Lets `f` launch with as much dynamic shared memory as the device gives a block beside
+/// the function's static shared memory. Above 48 KiB a function must opt in
+/// (cuFuncSetAttribute), and that call may wait for work in flight in the context (copies,
+/// reportedly): on a launch path, where ranks sharing a context have kernels waiting for
+/// this rank's launch, it is a deadlock hazard. So every function opts in once, when it is
+/// loaded (with the communicator, for ranks sharing a context: `ops::preload_all`), as NCCL
+/// does at initialisation; a launch never calls it, and one that asks for more than the
+/// device has fails in cuLaunchKernel with the driver's error.
+fn allow_all_dynamic_smem(f: sys::CUfunction, kernel: &str, static_smem: i32) -> Result<()> {
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: writes one CUdevice of the current context.
+    check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut dev) })?;
+    let mut optin = 0i32;
+    // SAFETY: writes one int attribute of a valid device.
+    check("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)", unsafe {
+        sys::cuDeviceGetAttribute(
+            &mut optin,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            dev,
+        )
+    })?;
+    let dynamic = dynamic_smem_allowance(optin, static_smem);
+    if dynamic <= 48 * 1024 {
+        return Ok(()); // every function may take this much without opting in
+    }
+    // SAFETY: sets one attribute of a loaded function.
+    check(&format!("cuFuncSetAttribute({kernel}, MAX_DYNAMIC_SHARED_SIZE_BYTES = {dynamic})"), unsafe {
+        sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic)
+    })
+}
+
+/// The dynamic shared memory a function may opt in to: the device's per-block opt-in
+/// limit less the function's static shared memory (the driver refuses more).
+fn dynamic_smem_allowance(optin: i32, static_smem: i32) -> i32 {
+    (optin - static_smem).max(0)
 }
 
 /// The calling thread's stream-capture mode set to relaxed until dropped, then restored
@@ -294,53 +335,6 @@ pub fn preload(kernels: &[kernels::Kernel]) -> Result<()> {
     Ok(())
 }
 
-/// Lets `f` launch with `bytes` of dynamic shared memory: above the default 48 KiB a
-/// function must opt in (cuFuncSetAttribute). The opt-in is per function and stays, so it
-/// is made once per function at the largest size asked so far, not on every launch. A
-/// function handle is never reused for another function: modules stay loaded in contexts
-/// that `function` keeps alive for the life of the process.
-pub fn allow_dynamic_smem(f: sys::CUfunction, bytes: u32) -> Result<()> {
-    static ALLOWED: HighWaterMarks = HighWaterMarks::new();
-    if bytes <= 48 * 1024 {
-        return Ok(());
-    }
-    ALLOWED.raise(f as usize, bytes, |b| {
-        // SAFETY: sets one attribute of a loaded function.
-        check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
-            sys::cuFuncSetAttribute(
-                f,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                b as i32,
-            )
-        })
-    })
-}
-
-/// Per key, the largest value a setter has been asked for, where the setter (a driver
-/// attribute) keeps only the last value set. The setter runs under the lock that records
-/// its value: two threads raising one key at once could otherwise leave the driver at the
-/// smaller value and the record at the larger, and every later launch that trusts the
-/// record would fail.
-struct HighWaterMarks(Mutex<Option<HashMap<usize, u32>>>);
-
-impl HighWaterMarks {
-    const fn new() -> HighWaterMarks {
-        HighWaterMarks(Mutex::new(None))
-    }
-
-    /// Calls `set(value)` unless a value at least as large was set for `key` before.
-    fn raise(&self, key: usize, value: u32, set: impl FnOnce(u32) -> Result<()>) -> Result<()> {
-        let mut guard = self.0.lock();
-        let mark = guard.get_or_insert_with(HashMap::new).entry(key).or_insert(0);
-        if *mark >= value {
-            return Ok(());
-        }
-        set(value)?;
-        *mark = value;
-        Ok(())
-    }
-}
-
 /// Launch geometry of one kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchConfig {
@@ -360,62 +354,6 @@ pub unsafe fn launch(
     stream: sys::CUstream,
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    allow_dynamic_smem(f, cfg.shared_mem_bytes)?;
     cu::launch_kernel(f, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, params)
         .map_err(|e| cuda_err("cuLaunchKernel", e))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::{AtomicU32, Ordering};
-
-    #[test]
-    fn raising_from_many_threads_leaves_the_setter_at_the_largest_value() {
-        for round in 0..20u32 {
-            let marks = HighWaterMarks::new();
-            let driver = AtomicU32::new(0); // keeps only the last value set, like the attribute
-            let sets = AtomicU32::new(0);
-            std::thread::scope(|s| {
-                for t in 0..8u32 {
-                    let (marks, driver, sets) = (&marks, &driver, &sets);
-                    s.spawn(move || {
-                        for i in 0..50u32 {
-                            let value = 49_152 + ((t * 7919 + i * 104_729 + round) % 180_000);
-                            marks
-                                .raise(7, value, |v| {
-                                    sets.fetch_add(1, Ordering::Relaxed);
-                                    std::thread::yield_now();
-                                    driver.store(v, Ordering::SeqCst);
-                                    Ok(())
-                                })
-                                .unwrap();
-                            assert!(driver.load(Ordering::SeqCst) >= value, "a raise returned before its value held");
-                        }
-                    });
-                }
-            });
-            let largest = (0..8u32)
-                .flat_map(|t| (0..50u32).map(move |i| 49_152 + ((t * 7919 + i * 104_729 + round) % 180_000)))
-                .max()
-                .unwrap();
-            assert_eq!(driver.load(Ordering::SeqCst), largest);
-            assert!(sets.load(Ordering::Relaxed) < 400, "the record skips values already covered");
-        }
-    }
-
-    #[test]
-    fn a_failed_set_is_not_recorded() {
-        let marks = HighWaterMarks::new();
-        let e = marks.raise(1, 100_000, |_| Err(MkError::internal("refused"))).unwrap_err();
-        assert_eq!(e.message, "refused");
-        let mut called = false;
-        marks
-            .raise(1, 60_000, |_| {
-                called = true;
-                Ok(())
-            })
-            .unwrap();
-        assert!(called, "the failed value must not cover a smaller one");
-    }
 }

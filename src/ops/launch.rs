@@ -185,20 +185,18 @@ impl KernelLaunch {
     }
 }
 
-/// The launch configuration of a kernel in clusters of `n` CTAs (opting in to its dynamic
-/// shared memory first, and to a cluster size above the portable 8 never); `attr`
-/// receives the cluster dimension the configuration points at.
+/// The launch configuration of a kernel in clusters of `n` CTAs (never above the portable
+/// 8: no opt-in to larger clusters); `attr` receives the cluster dimension the
+/// configuration points at.
 fn clusters_config(
-    f: sys::CUfunction,
     cfg: LaunchConfig,
     n: u32,
     stream: sys::CUstream,
     attr: &mut sys::CUlaunchAttribute,
-) -> Result<sys::CUlaunchConfig> {
-    cuda::allow_dynamic_smem(f, cfg.shared_mem_bytes)?;
+) -> sys::CUlaunchConfig {
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
     attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: n, y: 1, z: 1 };
-    Ok(sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
         gridDimX: cfg.grid.0,
         gridDimY: 1,
         gridDimZ: 1,
@@ -209,7 +207,7 @@ fn clusters_config(
         hStream: stream,
         attrs: attr,
         numAttrs: 1,
-    })
+    }
 }
 
 /// How many clusters of `n` CTAs of `f` can be resident at once (cached per function,
@@ -220,7 +218,7 @@ fn max_active_clusters(f: sys::CUfunction, name: &str, block: u32, smem: u32, n:
         // SAFETY: an all-zero attribute is valid plain data; it is filled in by clusters_config.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         let cfg = LaunchConfig { grid: (n, 1, 1), block: (block, 1, 1), shared_mem_bytes: smem };
-        let lc = clusters_config(f, cfg, n, std::ptr::null_mut(), &mut attr)?;
+        let lc = clusters_config(cfg, n, std::ptr::null_mut(), &mut attr);
         let mut c: i32 = 0;
         // SAFETY: lc points at attr, alive for the call.
         cuda::check("cuOccupancyMaxActiveClusters", unsafe { sys::cuOccupancyMaxActiveClusters(&mut c, f, &lc) })?;
@@ -245,7 +243,7 @@ unsafe fn launch_clusters(
     params: &mut [*mut c_void],
 ) -> Result<()> {
     let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-    let lc = clusters_config(f, cfg, n, stream, &mut attr)?;
+    let lc = clusters_config(cfg, n, stream, &mut attr);
     cuda::check("cuLaunchKernelEx (clusters)", sys::cuLaunchKernelEx(&lc, f, params.as_mut_ptr(), std::ptr::null_mut()))
 }
 
