@@ -23,6 +23,9 @@
 #          --soak-seconds 240 (the soak's duration, 0 leaves it out; it runs when --ranks
 #          holds 4, cut to what --deadline leaves)
 #          --bench-ranks "1 2 4 8"  --no-tests  --no-bench  --no-gemm  --max-size 1G
+#          --gemm-sweep "256x28672x8192 ..." (after `mkbench gemm`: `mkbench gemm --sweep`
+#          on these shapes, every tile, split and cluster beside cuBLASLt; how a table row
+#          is chosen)
 #          --doors DIR (the examples, wheel and libmkernel-nccl that scripts/pack-doors.sh packed,
 #          default .carry/doors; run last by scripts/gpu-doors.sh)  --no-doors
 #          --no-nodes (skip mktest nodes and its benches)  --only-nodes (only mktest nodes and the
@@ -53,10 +56,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0; REQUIRE_GPU=1; STEP=0
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
-RANKS="1 2 4 8"; SUITES=""; SOAK_SECONDS=240; NODE_OPS="all_gather reduce_scatter all_reduce ag_gemm gemm_rs gemm_ar"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1; DOORS=1; DOORS_DIR=.carry/doors
+RANKS="1 2 4 8"; SUITES=""; SOAK_SECONDS=240; NODE_OPS="all_gather reduce_scatter all_reduce ag_gemm gemm_rs gemm_ar"; BENCH_RANKS=""; TESTS=1; BENCH=1; GEMM=1; MAXSIZE=1G; NODES=1; ONLY_NODES=0; NODE_BENCH=1; DOORS=1; DOORS_DIR=.carry/doors; GEMM_SWEEP=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --ranks|--suites|--node-ops|--bench-ranks|--max-size|--deadline|--soak-seconds|--doors)
+    --ranks|--suites|--node-ops|--bench-ranks|--max-size|--deadline|--soak-seconds|--doors|--gemm-sweep)
       [ $# -ge 2 ] || { echo "gpu-run.sh: $1 needs a value"; exit 2; } ;;
   esac
   case "$1" in
@@ -68,6 +71,7 @@ while [ $# -gt 0 ]; do
     --no-tests) TESTS=0 ;;
     --no-bench) BENCH=0; NODE_BENCH=0 ;;
     --no-gemm) GEMM=0 ;;
+    --gemm-sweep) GEMM_SWEEP="$2"; shift ;;
     --max-size) MAXSIZE="$2"; shift ;;
     --no-nodes) NODES=0 ;;
     --only-nodes) ONLY_NODES=1; BENCH=0; DOORS=0 ;;
@@ -345,6 +349,15 @@ if [ "$BENCH" = 1 ]; then
     timeout "$(limit 300)" "$BIN/mkbench" gemm --json "$JSON_DIR/gemm.json" >> "$OUT/gemm.log" 2>&1; rc=$?
     tail -n 15 "$OUT/gemm.log"
     note "mkbench gemm: $(outcome $rc)"
+    check_rc $rc
+  fi
+  if [ "$GEMM" = 1 ] && [ -n "$GEMM_SWEEP" ] && ! late "mkbench gemm --sweep"; then
+    shape_args=""
+    for shape in $GEMM_SWEEP; do shape_args="$shape_args --shape $shape"; done
+    echo "===== mkbench gemm --sweep$shape_args" | tee -a "$OUT/gemm.log"
+    timeout "$(limit 300)" "$BIN/mkbench" gemm --sweep $shape_args --json "$JSON_DIR/gemm-sweep.json" >> "$OUT/gemm.log" 2>&1; rc=$?
+    tail -n 15 "$OUT/gemm.log"
+    note "mkbench gemm --sweep: $(outcome $rc)"
     check_rc $rc
   fi
   # The fused ops beside their unfused sequences (mkbench's default shapes; fewer at several
