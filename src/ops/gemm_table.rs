@@ -165,8 +165,10 @@ pub fn tile_rows(m: usize) -> usize {
 ///   MIN_K_BLOCKS_PER_SPLIT K blocks (at most RULE_MAX_SPLIT_K).
 ///
 /// A partial last wave keeps its wide tiles: splitting them over 2 CTAs to fill the
-/// waves measured slower (see [`TABLE`]); a stream-K schedule is what would close it
-/// (proposed, not built: docs/decisions/0050-stream-k-by-the-last-arriver.md).
+/// waves measured slower (see [`TABLE`]). A width that makes whole waves (224 at N 28672,
+/// docs/decisions/0051-a-224-wide-tile-for-whole-waves.md) or a stream-K schedule
+/// (docs/decisions/0050-stream-k-by-the-last-arriver.md) is what would close it; neither is
+/// measured, so the rule picks neither.
 pub fn rule(m: usize, n: usize, k: usize, ctas: usize) -> TileChoice {
     let ctas = ctas.max(1);
     let bm = tile_rows(m);
