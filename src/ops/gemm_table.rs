@@ -62,7 +62,7 @@ pub struct ShapeClass {
 pub struct TileChoice {
     /// Rows per tile: 128 (two consumer warpgroups) or 64 (one; A stages half the size).
     pub bm: usize,
-    /// Columns per tile: 256, 128 or 64.
+    /// Columns per tile: 256, 224, 128 or 64.
     pub bn: usize,
     /// CTAs of a cluster that split K for one tile (1: no split). Split-K kernels exist for
     /// bn 64 and 128 with the TMA epilogue.

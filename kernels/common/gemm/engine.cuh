@@ -19,7 +19,7 @@
 // A tile that overhangs M, N or K is handled by TMA: loads zero-fill, stores clip.
 //
 // Using it in a fused kernel (see kernels/gemm.cu for the plain case):
-//   using Cfg = GemmConfig<__nv_bfloat16, 256, 3>;        // T, BN in {64,128,256}, stages
+//   using Cfg = GemmConfig<__nv_bfloat16, 256, 3>;        // T, BN in {64,128,224,256}, stages
 //   using Epi = TmaEpilogue<PeerDest, TmaStoreOp, MySignal>; // or TmaStoreEpilogue, DirectStoreEpilogue<Op>
 //   extern "C" __global__ void __launch_bounds__(Cfg::THREADS, 1) my_fused(const __grid_constant__ CUtensorMap ta,
 //       const __grid_constant__ CUtensorMap tb, const __grid_constant__ MyParams p) {
