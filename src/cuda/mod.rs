@@ -272,16 +272,9 @@ fn allow_all_dynamic_smem(f: sys::CUfunction, kernel: &str, static_smem: i32) ->
     let mut dev: sys::CUdevice = 0;
     // SAFETY: writes one CUdevice of the current context.
     check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut dev) })?;
-    let mut optin = 0i32;
-    // SAFETY: writes one int attribute of a valid device.
-    check("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)", unsafe {
-        sys::cuDeviceGetAttribute(
-            &mut optin,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-            dev,
-        )
-    })?;
-    let dynamic = dynamic_smem_allowance(optin, static_smem);
+    let optin = device_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    // The driver refuses more than the per-block limit less the static shared memory.
+    let dynamic = (optin - static_smem).max(0);
     if dynamic <= 48 * 1024 {
         return Ok(()); // every function may take this much without opting in
     }
@@ -289,12 +282,6 @@ fn allow_all_dynamic_smem(f: sys::CUfunction, kernel: &str, static_smem: i32) ->
     check(&format!("cuFuncSetAttribute({kernel}, MAX_DYNAMIC_SHARED_SIZE_BYTES = {dynamic})"), unsafe {
         sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic)
     })
-}
-
-/// The dynamic shared memory a function may opt in to: the device's per-block opt-in
-/// limit less the function's static shared memory (the driver refuses more).
-fn dynamic_smem_allowance(optin: i32, static_smem: i32) -> i32 {
-    (optin - static_smem).max(0)
 }
 
 /// The calling thread's stream-capture mode set to relaxed until dropped, then restored
