@@ -21,6 +21,7 @@ targets were not set for still prints its table). With --json, writes the verdic
 """
 import argparse
 import json
+import statistics
 import sys
 
 DECODE_M = (1, 16, 64, 128, 256)
@@ -49,18 +50,16 @@ UNDER_TEST = {
 }
 
 
+def _field(row, name, key):
+    """`key` of the contender `name` in `row`, or None."""
+    for c in row["contenders"]:
+        if c["name"] == name:
+            return c.get(key)
+    return None
+
+
 def _median(row, name):
-    for c in row["contenders"]:
-        if c["name"] == name:
-            return c.get("median_us")
-    return None
-
-
-def _host(row, name):
-    for c in row["contenders"]:
-        if c["name"] == name:
-            return c.get("host_enqueue_us")
-    return None
+    return _field(row, name, "median_us")
 
 
 def _rows(records, bench):
@@ -125,13 +124,12 @@ def host_per_call(records):
         if name is None:
             continue
         for row in rec["rows"]:
-            h = _host(row, name)
+            h = _field(row, name, "host_enqueue_us")
             if h is not None:
                 by_bench.setdefault((rec["bench"], _gpu(rec)), []).append(h)
     lines, checks = [], []
     for (bench, gpu), hosts in sorted(by_bench.items()):
-        hosts.sort()
-        median = hosts[len(hosts) // 2] if len(hosts) % 2 else (hosts[len(hosts) // 2 - 1] + hosts[len(hosts) // 2]) / 2
+        median = statistics.median(hosts)
         checks.append(median <= HOST_MAX_US)
         lines.append(f"{gpu} {bench}: {median:.1f} us ({len(hosts)} rows)")
     return _verdict(f"host_per_call (<= {HOST_MAX_US} us, median per op)", lines, checks)
