@@ -14,8 +14,8 @@
 //! are refused with mkInvalidUsage naming the rule.
 
 use crate::collectives::{
-    async_error, check_stopped, config, control_comm, destroy, init_comm, last_error, say, timed_sync, Case, Stream,
-    FAULT_TIMEOUT_MS,
+    async_error, check_stopped, config, control_comm, destroy, init_comm, last_error, longest_op_timeout, say,
+    timed_sync, Case, Stream, FAULT_TIMEOUT_MS,
 };
 use crate::outcome::{self, Outcome};
 use crate::ranks::{self, RankEnv};
@@ -455,7 +455,7 @@ fn abort_stops_peers(env: &RankEnv, control: &Comm, t: &mut Tally) -> Result<()>
     } else {
         let start = Instant::now();
         case.launch(comm, stream.0)?;
-        let stopped = timed_sync(&stream, Duration::from_secs(30))
+        let stopped = timed_sync(&stream, longest_op_timeout())
             .and_then(|_| check_stopped(rank, comm, start.elapsed(), "a peer aborted"));
         t.check(
             "peers of an aborted rank stop and refuse new work",

@@ -33,8 +33,8 @@
 //! leaves the killed-rank tests out: the suite reports SKIPPED (exit 77), not a pass.
 
 use crate::collectives::{
-    async_error, check_stopped, config, destroy, ffi, init_comm, kill_mode, say, timed_sync, KillMode, Stream,
-    FAULT_TIMEOUT_MS,
+    async_error, check_stopped, config, destroy, ffi, init_comm, kill_mode, longest_op_timeout, say, timed_sync,
+    KillMode, Stream, FAULT_TIMEOUT_MS,
 };
 use crate::outcome::{self, Outcome};
 use crate::ranks::{self, RankEnv, ENV_IDS, VICTIM_EXIT};
@@ -245,7 +245,7 @@ fn rank_main(env: &RankEnv, plan: &ChaosPlan) -> Result<()> {
         }
         let code = match launched {
             Ok(()) => {
-                timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(what.clone()))?;
+                timed_sync(&stream, longest_op_timeout()).map_err(|e| e.context(what.clone()))?;
                 async_error(comm)
             }
             // Refused: the communicator already knows of a failure.

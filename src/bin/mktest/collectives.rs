@@ -41,6 +41,29 @@ use std::time::{Duration, Instant};
 const IDS: usize = 5; // control, main, graph, absent-rank test, killed-rank test
 pub(crate) const FAULT_TIMEOUT_MS: i32 = 2000;
 pub(crate) const FAULT_SLACK: Duration = Duration::from_secs(3);
+/// The suites' main communicators' timeout unless MK_TEST_TIMEOUT_MS sets it: a stall that
+/// the kernels' bounded waits end shows up sooner with a shorter one.
+const SUITE_TIMEOUT_MS: i32 = 30_000;
+/// How long past its communicator's timeout an op may run before the harness calls it a
+/// hang: a wait notices the clock within microseconds, then its CTA leaves and the others
+/// stop at their next wait; the margin covers that, the host's polling and a GPU slowed
+/// many times by compute-sanitizer. Equal bounds would race: a stall that the kernels end
+/// at their timeout must read as the kernels' mkTimeout, never as a harness timeout.
+pub(crate) const STOP_MARGIN: Duration = Duration::from_secs(15);
+
+/// The timeout of the suites' main communicators (MK_TEST_TIMEOUT_MS, default 30 s).
+pub(crate) fn suite_timeout_ms() -> i32 {
+    std::env::var("MK_TEST_TIMEOUT_MS")
+        .ok()
+        .and_then(|v| v.trim().parse::<i32>().ok())
+        .filter(|&ms| ms > 0)
+        .unwrap_or(SUITE_TIMEOUT_MS)
+}
+
+/// The longest timeout of any communicator the suites create: what `timed_sync` is given.
+pub(crate) fn longest_op_timeout() -> Duration {
+    Duration::from_millis(suite_timeout_ms().max(SUITE_TIMEOUT_MS) as u64)
+}
 
 pub fn run() -> Result<Outcome> {
     if let Some(env) = ranks::child_env(IDS)? {
@@ -469,7 +492,7 @@ pub(crate) fn run_matrix(
             case.prepare(seed)?;
             case.launch(comm, stream.0)?;
             // Bounded: a hung kernel must fail the test, not the whole run.
-            timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(case.label()))?;
+            timed_sync(&stream, longest_op_timeout()).map_err(|e| e.context(case.label()))?;
             let code = async_error(comm);
             if code != mkResult_t::mkSuccess {
                 return Err(MkError::new(code, format!("{}: asynchronous error {code:?}", case.label())));
@@ -600,9 +623,11 @@ pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize, ranks_per_n
     Ok(())
 }
 
-/// Waits for the stream with a bound of its own (the kernel's timeout must fire first).
-pub(crate) fn timed_sync(stream: &Stream, limit: Duration) -> Result<Duration> {
+/// Waits for the stream with a bound of its own: `op_timeout` (at least the timeout of the
+/// communicator whose ops are in flight) plus STOP_MARGIN, so the kernels' timeout fires first.
+pub(crate) fn timed_sync(stream: &Stream, op_timeout: Duration) -> Result<Duration> {
     let start = Instant::now();
+    let limit = op_timeout + STOP_MARGIN;
     loop {
         // SAFETY: live stream.
         let r = unsafe { sys::cuStreamQuery(stream.0) };
@@ -614,8 +639,11 @@ pub(crate) fn timed_sync(stream: &Stream, limit: Duration) -> Result<Duration> {
         }
         if start.elapsed() > limit {
             return Err(MkError::timeout(format!(
-                "the op did not stop within {} s: its bounded waits did not fire",
-                limit.as_secs()
+                "the op did not stop within {} s (its communicator's timeout of at most {} s plus {} s): \
+                 its bounded waits did not fire",
+                limit.as_secs(),
+                op_timeout.as_secs(),
+                STOP_MARGIN.as_secs()
             )));
         }
         std::thread::sleep(Duration::from_millis(1));
@@ -663,7 +691,7 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     if rank != absent {
         let t = Instant::now();
         case.launch(comm, stream.0)?;
-        outcome = timed_sync(&stream, Duration::from_secs(30))
+        outcome = timed_sync(&stream, longest_op_timeout())
             .and_then(|_| check_stopped(rank, comm, t.elapsed(), "absent rank").map(|c| code = c));
     }
     // Every survivor has stopped; at least one of them must have timed out itself.
@@ -675,7 +703,7 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
         // The absent rank learns at its next call: the peers raised its abort word.
         let t = Instant::now();
         case.launch(comm, stream.0)?;
-        let elapsed = timed_sync(&stream, Duration::from_secs(30))?;
+        let elapsed = timed_sync(&stream, longest_op_timeout())?;
         let c = async_error(comm);
         say(rank, format!("absent rank's late call: stopped after {:.3} s with {c:?}", elapsed.as_secs_f64()));
         if c != mkResult_t::mkRemoteError || t.elapsed() > Duration::from_millis(FAULT_TIMEOUT_MS as u64) {
@@ -771,7 +799,7 @@ fn killed_rank(env: &RankEnv, control: &Comm) -> Result<()> {
     std::thread::sleep(Duration::from_millis(800));
     let t = Instant::now();
     case.launch(comm, stream.0)?;
-    timed_sync(&stream, Duration::from_secs(30))?;
+    timed_sync(&stream, longest_op_timeout())?;
     check_stopped(rank, comm, t.elapsed(), "killed rank")?;
     outcome::count(1);
     destroy(comm)?;
@@ -802,7 +830,7 @@ fn in_process_ranks() -> Result<()> {
             c.launch(comms[i], streams[i].0)?;
         }
         for s in &streams {
-            timed_sync(s, Duration::from_secs(30))?;
+            timed_sync(s, longest_op_timeout())?;
         }
         for (i, c) in cases.iter().enumerate() {
             let (ok, detail) = c.verify()?;

@@ -3,8 +3,8 @@
 //! before a launch, the graph-replay check and the absent-rank check.
 
 use crate::collectives::{
-    async_error, check_stopped, config, control_comm, destroy, ffi, init_comm, last_error, say, timed_sync, Stream,
-    FAULT_TIMEOUT_MS,
+    async_error, check_stopped, config, control_comm, destroy, ffi, init_comm, last_error, longest_op_timeout, say,
+    suite_timeout_ms, timed_sync, Stream, FAULT_TIMEOUT_MS,
 };
 use crate::outcome::Outcome;
 use crate::ranks::{self, RankEnv};
@@ -126,7 +126,7 @@ pub fn check_rounds_of(
         for case in cases {
             ffi(&format!("{op} {}", case.label()), case.launch(comm, stream.0), comm)?;
         }
-        timed_sync(&stream, Duration::from_secs(30)).map_err(|e| e.context(format!("{op} {labels}")))?;
+        timed_sync(&stream, longest_op_timeout()).map_err(|e| e.context(format!("{op} {labels}")))?;
         let code = async_error(comm);
         if code != mkResult_t::mkSuccess {
             return Err(MkError::new(
@@ -288,7 +288,7 @@ pub fn absent_rank(
     if rank != absent {
         let t = Instant::now();
         ffi(what, launch(comm, stream.0)?, comm)?;
-        outcome = timed_sync(&stream, Duration::from_secs(30))
+        outcome = timed_sync(&stream, longest_op_timeout())
             .and_then(|_| check_stopped(rank, comm, t.elapsed(), what).map(|c| code = c));
         crate::outcome::count(1);
     }
@@ -393,7 +393,7 @@ fn run_rank(
         RANK_THREAD_CONTROL.with(|c| *c.borrow_mut() = Some(control.clone()));
     }
     let outcome = (|| {
-        let comm = init_comm(env, &env.ids[1], &config(30_000, 64 << 20))?;
+        let comm = init_comm(env, &env.ids[1], &config(suite_timeout_ms(), 64 << 20))?;
         let outcome = checks(comm, &control, rank, n);
         control.bootstrap.barrier()?;
         destroy(comm)?;

@@ -37,8 +37,8 @@
 
 use crate::ag_gemm::Case as AgGemmCase;
 use crate::collectives::{
-    async_error, config, graph_replay_on, init_comm, kill_mode, run_matrix, say, timed_sync, Case, KillMode, Stream,
-    FAULT_SLACK, FAULT_TIMEOUT_MS,
+    async_error, config, graph_replay_on, init_comm, kill_mode, longest_op_timeout, run_matrix, say, timed_sync, Case,
+    KillMode, Stream, FAULT_SLACK, FAULT_TIMEOUT_MS,
 };
 use crate::fused_common::{self, FusedCase};
 use crate::outcome::{self, Outcome};
@@ -200,8 +200,7 @@ fn gemm_reduce_back_to_back(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize)
         for _ in 0..6 {
             crate::collectives::ffi(&case.label(), case.launch(comm, stream.0), comm)?;
         }
-        timed_sync(&stream, Duration::from_secs(30))
-            .map_err(|e| e.context(format!("{} back to back", case.label())))?;
+        timed_sync(&stream, longest_op_timeout()).map_err(|e| e.context(format!("{} back to back", case.label())))?;
         let code = async_error(comm);
         if code != mkResult_t::mkSuccess {
             return Err(MkError::new(code, format!("{} back to back: asynchronous error {code:?}", case.label())));
@@ -250,8 +249,7 @@ fn all_gather_gemm(comm: mkernel::ffi::mkComm_t, rank: usize, n: usize) -> Resul
         for _ in 0..6 {
             crate::collectives::ffi("mkAllGatherGemm", case.launch(comm, stream.0), comm)?;
         }
-        timed_sync(&stream, Duration::from_secs(30))
-            .map_err(|e| e.context(format!("{} back to back", case.label())))?;
+        timed_sync(&stream, longest_op_timeout()).map_err(|e| e.context(format!("{} back to back", case.label())))?;
         let code = async_error(comm);
         if code != mkResult_t::mkSuccess {
             return Err(MkError::new(
@@ -328,7 +326,7 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     crate::collectives::ffi("mkAllGatherGemm", fused_case.launch(fused_comm, fused_stream.0), fused_comm)?;
     crate::collectives::ffi("mkGemmReduceScatter", rs_case.launch(rs_comm, rs_stream.0), rs_comm)?;
     let limit = Duration::from_millis(FAULT_TIMEOUT_MS as u64) + FAULT_SLACK;
-    let elapsed = timed_sync(&stream, Duration::from_secs(30))?;
+    let elapsed = timed_sync(&stream, longest_op_timeout())?;
     let code = async_error(comm);
     say(rank, format!("killed node: stopped after {:.2} s with {code:?}", elapsed.as_secs_f64()));
     if code != mkResult_t::mkTimeout && code != mkResult_t::mkRemoteError {
@@ -343,7 +341,7 @@ fn killed_node(env: &RankEnv, control: &Comm, rpn: usize) -> Result<()> {
     }
     // Each fused op must stop the same way, within the same limit.
     let fused_stopped = |what: &str, stream: &Stream, comm| -> Result<mkResult_t> {
-        timed_sync(stream, Duration::from_secs(30))?;
+        timed_sync(stream, longest_op_timeout())?;
         let code = async_error(comm);
         say(rank, format!("killed node: {what} stopped after {:.2} s with {code:?}", t.elapsed().as_secs_f64()));
         if code != mkResult_t::mkTimeout && code != mkResult_t::mkRemoteError {

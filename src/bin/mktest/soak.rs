@@ -29,7 +29,8 @@
 
 use crate::ag_gemm::Case as AllGatherGemmCase;
 use crate::collectives::{
-    async_error, config, control_comm, destroy, ffi, init_comm, say, timed_sync, Case as CollectiveCase, Stream,
+    async_error, config, control_comm, destroy, ffi, init_comm, longest_op_timeout, say, suite_timeout_ms, timed_sync,
+    Case as CollectiveCase, Stream,
 };
 use crate::fused_common::{self, FusedCase};
 use crate::gemm_reduce::Case as GemmReduceCase;
@@ -541,7 +542,7 @@ impl Live {
 
 /// Waits (bounded) for the stream and requires no asynchronous error on `comm`.
 pub(crate) fn finish(comm: mkComm_t, stream: &Stream, what: &str) -> Result<()> {
-    timed_sync(stream, Duration::from_secs(30)).map_err(|e| e.context(what.to_string()))?;
+    timed_sync(stream, longest_op_timeout()).map_err(|e| e.context(what.to_string()))?;
     let code = async_error(comm);
     if code != mkResult_t::mkSuccess {
         return Err(MkError::new(code, format!("{what}: asynchronous error {code:?}")));
@@ -615,7 +616,7 @@ fn rank_main(env: &RankEnv, seed: u64) -> Result<()> {
     let _g = ctx.enter()?;
     // The control communicator: whether another call follows, and the AllReduce digests.
     let control = control_comm(env)?;
-    let comm = init_comm(env, &env.ids[1], &config(30_000, WORKSPACE_BYTES as i64))?;
+    let comm = init_comm(env, &env.ids[1], &config(suite_timeout_ms(), WORKSPACE_BYTES as i64))?;
     // An error returns at once (the others' next call or broadcast then fails); wrong
     // results are counted and the ranks finish together.
     let (checks, failures) = soak(comm, &control, rank, n, seed)?;
