@@ -26,7 +26,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L 2>/dev/null | grep -q GPU; then
+if ! command -v nvidia-smi >/dev/null || ! grep -q GPU <<<"$(nvidia-smi -L 2>/dev/null)"; then
   echo "SKIPPED: the doors need a GPU (none found)"
   exit 77
 fi

@@ -115,6 +115,17 @@ late() {
   note "$*: SKIPPED (deadline)"; SKIPPED_STEPS=$((SKIPPED_STEPS + 1)); return 0
 }
 status=0
+# Every step the options ask for is wanted before its own conditions are tested, and the
+# summary must hold a line for each (PASS, FAIL, TIMEOUT or SKIPPED): a step whose gate
+# went false without a word shows as NOT RUN at the end and fails the run.
+WANTED=()
+want() { WANTED+=("$1"); }
+# A bench step that passed must have written its JSON record.
+has_record() {
+  [ "$2" = 0 ] || return 0
+  [ -s "$1" ] && return 0
+  note "$3: passed but wrote no record ($(basename "$1"))"; status=1
+}
 
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,compute_mode --format=csv; } | tee -a "$SUMMARY"
 
@@ -135,6 +146,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
       suites=${suites# }
       [ -n "$suites" ] || break
     fi
+    want "mktest $suites N=$n"
     late "mktest $suites N=$n" && continue
     echo "===== mktest $suites with $n rank(s)" | tee -a "$OUT/mktest.log"
     t0=$(date +%s)
@@ -149,6 +161,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   done
   # The MoE kernels' dedicated-CTA path (MK_COMM_SMS: sender / pull CTAs instead of the
   # GEMM CTAs' own warps), at 2 ranks.
+  want "mktest moe MK_COMM_SMS=4 N=2"
   if ! late "mktest moe MK_COMM_SMS=4 N=2"; then
     echo "===== mktest moe with MK_COMM_SMS=4, 2 ranks" | tee -a "$OUT/mktest.log"
     as_ranks 2 env MK_COMM_SMS=4 MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" moe >> "$OUT/mktest.log" 2>&1
@@ -161,6 +174,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   # pieces per LL CTA); the default splits at 64 KiB.
   for ll_max in 0 4194304; do
     wants collectives || break
+    want "mktest collectives MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES=$ll_max N=2"
     late "mktest collectives MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES=$ll_max N=2" && continue
     echo "===== mktest collectives with MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES=$ll_max, 2 ranks" | tee -a "$OUT/mktest.log"
     as_ranks 2 env MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES="$ll_max" MK_TEST_KILL=skip timeout "$(limit 150)" "$BIN/mktest" collectives >> "$OUT/mktest.log" 2>&1
@@ -172,6 +186,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   # communicators of one process, whose peers are plain pointers instead of IPC mappings.
   threaded=""
   for s in ag_gemm gemm_reduce moe ring_attn ring_attn_bwd mixed; do wants "$s" && threaded="$threaded $s"; done
+  [ -n "$threaded" ] && want "mktest$threaded, 2 rank threads"
   if [ -n "$threaded" ] && ! late "mktest$threaded, 2 rank threads"; then
     echo "===== mktest$threaded, 2 ranks as threads of one process" | tee -a "$OUT/mktest.log"
     env MK_TEST_THREADS=1 MK_TEST_NRANKS=2 MK_MAX_CTAS="$(max_ctas_for 2)" MK_TEST_KILL=skip timeout "$(limit 300)" \
@@ -185,6 +200,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for step in "after 2"; do
     read -r mode ranks <<<"$step"
     wants gemm_reduce || break
+    want "mktest gemm_reduce MK_INTERNAL_GEMM_REDUCERS=$mode N=$ranks"
     late "mktest gemm_reduce MK_INTERNAL_GEMM_REDUCERS=$mode N=$ranks" && continue
     echo "===== mktest gemm_reduce with MK_INTERNAL_GEMM_REDUCERS=$mode, $ranks ranks" | tee -a "$OUT/mktest.log"
     as_ranks "$ranks" env MK_INTERNAL_GEMM_REDUCERS="$mode" MK_TEST_KILL=skip timeout "$(limit 120)" "$BIN/mktest" gemm_reduce >> "$OUT/mktest.log" 2>&1
@@ -198,6 +214,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ] && [ "$SOAK_SECONDS" -gt 0 ] && wan
   # The soak: every op in a random order with random legal shapes, 4 ranks under MPS. Its
   # duration is cut to what --deadline leaves (start-up, the last call and the summary take
   # well under 2 minutes); the suite's own deadline (ranks::spawn) is the duration + 240 s.
+  want "mktest soak N=4"
   soak=$SOAK_SECONDS
   if [ "$DEADLINE" != 0 ]; then
     left=$(( DEADLINE - ($(date +%s) - T0) - 20 - 120 ))
@@ -222,6 +239,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   # ASan the driver's allocations that live until exit read as leaks, so leak detection
   # stays with the CPU run (make ctest); CUDA needs the shadow gap unprotected.
   for t in test_abi test_abi_san test_cxx; do
+    want "ctest $t"
     late "ctest $t" && continue
     if [ ! -x "$CTEST_BIN/$t" ]; then
       note "ctest $t: MISSING from $CTEST_BIN (pack with scripts/pack-bins.sh, which runs make ctest)"; status=1; continue
@@ -252,6 +270,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   mps_stop
   for n in $RANKS; do
     [ "$n" -gt 1 ] || continue
+    want "mktest killed rank N=$n"
     late "mktest killed rank N=$n" && continue
     echo "===== mktest collectives, killed rank only, $n rank(s), no MPS" | tee -a "$OUT/mktest.log"
     env MK_TEST_KILL=only MK_TEST_NRANKS="$n" timeout "$(limit 90)" "$BIN/mktest" collectives >> "$OUT/mktest.log" 2>&1
@@ -264,6 +283,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   # fused ops; the survivors stop, make a new communicator and run verified ops on it.
   for n in $RANKS; do
     { [ "$n" = 2 ] || [ "$n" = 4 ]; } && wants chaos || continue
+    want "mktest chaos N=$n"
     late "mktest chaos N=$n" && continue
     echo "===== mktest chaos, $n ranks, no MPS" | tee -a "$OUT/mktest.log"
     env MK_TEST_NRANKS="$n" timeout "$(limit 180)" "$BIN/mktest" chaos >> "$OUT/mktest.log" 2>&1
@@ -280,6 +300,7 @@ if [ "$TESTS" = 1 ] && [ "$NODES" = 1 ]; then
   # over sockets (the GPU machine has no RDMA device). The suite's own deadline is 240 s
   # (ranks::spawn kills stragglers); timeout is the backstop.
   NODE_ENV="MK_RANKS_PER_NODE=2 MK_NET=socket"
+  want "mktest nodes N=4"; want "mktest nodes killed node N=4"
   if ! late "mktest nodes N=4"; then
     echo "===== mktest nodes, 4 ranks, $NODE_ENV" | tee -a "$OUT/nodes.log"
     t0=$(date +%s)
@@ -309,26 +330,31 @@ if [ "$BENCH" = 1 ]; then
     for op in all_gather reduce_scatter all_reduce; do
       lo=8; hi=$MAXSIZE
       [ "$n" -gt 1 ] && hi=256M
+      want "mkbench $op -g $n"
       late "mkbench $op -g $n" && continue
       echo "===== mkbench $op -b $lo -e $hi -f 2 -n 20 -w 5 -g $n" >> "$OUT/bench.log"
       as_ranks "$n" timeout "$(limit 150)" "$BIN/mkbench" $op -b $lo -e $hi -f 2 -n 20 -w 5 -g "$n" --json "$JSON_DIR/$op-g$n.json" >> "$OUT/bench.log" 2>&1
       rc=$?
       note "mkbench $op -g $n: $(outcome $rc)"
       check_rc $rc
+      has_record "$JSON_DIR/$op-g$n.json" $rc "mkbench $op -g $n"
     done
     for op in reduce_scatter all_reduce; do
+      want "mkbench $op --dtype all -g $n"
       late "mkbench $op --dtype all -g $n" && continue
       echo "===== mkbench $op --dtype all -b 8 -e 16M -f 8 -n 20 -w 5 -g $n" >> "$OUT/bench.log"
       as_ranks "$n" timeout "$(limit 150)" "$BIN/mkbench" $op --dtype all -b 8 -e 16M -f 8 -n 20 -w 5 -g "$n" --json "$JSON_DIR/$op-all-dtypes-g$n.json" >> "$OUT/bench.log" 2>&1
       rc=$?
       note "mkbench $op --dtype all -g $n: $(outcome $rc)"
       check_rc $rc
+      has_record "$JSON_DIR/$op-all-dtypes-g$n.json" $rc "mkbench $op --dtype all -g $n"
     done
   done
   # Small AllReduces with the ranks as threads of one process (--threads): no start skew
   # between MPS client processes, so this is the latency a one-GPU run can judge.
   for n in ${BENCH_RANKS:-$RANKS}; do
     [ "$n" -gt 1 ] || continue
+    want "mkbench all_reduce --threads -g $n"
     late "mkbench all_reduce --threads -g $n" && continue
     echo "===== mkbench all_reduce --threads -b 8 -e 1M -f 2 -n 20 -w 5 -g $n (MK_MAX_CTAS=$(max_ctas_for "$n"))" >> "$OUT/bench.log"
     env MK_MAX_CTAS="$(max_ctas_for "$n")" timeout "$(limit 120)" "$BIN/mkbench" all_reduce --threads -b 8 -e 1M -f 2 -n 20 -w 5 -g "$n" \
@@ -336,21 +362,27 @@ if [ "$BENCH" = 1 ]; then
     rc=$?
     note "mkbench all_reduce --threads -g $n: $(outcome $rc)"
     check_rc $rc
+    has_record "$JSON_DIR/all_reduce-threads-g$n.json" $rc "mkbench all_reduce --threads -g $n"
   done
   # The host time of an op call, piece by piece (one rank, a few seconds).
+  want "mkbench host"
   if ! late "mkbench host"; then
     echo "===== mkbench host" >> "$OUT/bench.log"
     timeout "$(limit 60)" "$BIN/mkbench" host --json "$JSON_DIR/host.json" >> "$OUT/bench.log" 2>&1; rc=$?
     note "mkbench host: $(outcome $rc)"
     check_rc $rc
+    has_record "$JSON_DIR/host.json" $rc "mkbench host"
   fi
-  if [ "$GEMM" = 1 ] && "$BIN/mkbench" 2>&1 | grep -q "^  gemm" && ! late "mkbench gemm"; then
+  [ "$GEMM" = 1 ] && want "mkbench gemm"
+  if [ "$GEMM" = 1 ] && ! late "mkbench gemm"; then
     echo "===== mkbench gemm" | tee -a "$OUT/gemm.log"
     timeout "$(limit 300)" "$BIN/mkbench" gemm --json "$JSON_DIR/gemm.json" >> "$OUT/gemm.log" 2>&1; rc=$?
     tail -n 15 "$OUT/gemm.log"
     note "mkbench gemm: $(outcome $rc)"
     check_rc $rc
+    has_record "$JSON_DIR/gemm.json" $rc "mkbench gemm"
   fi
+  [ "$GEMM" = 1 ] && [ -n "$GEMM_SWEEP" ] && want "mkbench gemm --sweep"
   if [ "$GEMM" = 1 ] && [ -n "$GEMM_SWEEP" ] && ! late "mkbench gemm --sweep"; then
     shape_args=""
     for shape in $GEMM_SWEEP; do shape_args="$shape_args --shape $shape"; done
@@ -359,6 +391,7 @@ if [ "$BENCH" = 1 ]; then
     tail -n 15 "$OUT/gemm.log"
     note "mkbench gemm --sweep: $(outcome $rc)"
     check_rc $rc
+    has_record "$JSON_DIR/gemm-sweep.json" $rc "mkbench gemm --sweep"
   fi
   # The fused ops beside their unfused sequences (mkbench's default shapes; fewer at several
   # ranks, where every rank's GEMM shares the one GPU), in mkbench's default protocol (5
@@ -383,11 +416,13 @@ if [ "$BENCH" = 1 ]; then
           ring_attn_bwd) args="$args --seq 8192 --causal 1,0 -n 5 -w 1" ;;
         esac
       fi
+      want "mkbench $op -g $n"
       late "mkbench $op -g $n" && continue
       echo "===== mkbench $op $args" | tee -a "$OUT/fused.log"
       as_ranks "$n" timeout "$(limit $secs)" "$BIN/mkbench" $op $args --json "$JSON_DIR/$op-g$n.json" >> "$OUT/fused.log" 2>&1; rc=$?
       note "mkbench $op -g $n: $(outcome $rc)"
       check_rc $rc
+      has_record "$JSON_DIR/$op-g$n.json" $rc "mkbench $op -g $n"
       if [ "$op" = ring_attn ] && [ "$n" = 1 ] && python3 -c "import torch" 2>/dev/null; then
         echo "===== sdpa_baseline.py (cuDNN, same protocol)" | tee -a "$OUT/fused.log"
         timeout "$(limit 120)" python3 benches/sdpa_baseline.py 8192 16384 32768 --causal 1,0 --backends cudnn \
@@ -417,6 +452,7 @@ if [ "$NODES" = 1 ] && [ "$NODE_BENCH" = 1 ]; then
       gemm_ar) spec="gemm_ar --m 16,256,2048 --nk 8192x1024 -n 5 -w 2" ;;
       *) note "unknown --node-ops entry $op"; status=1; continue ;;
     esac
+    want "mkbench $op -g 4 across 2 emulated nodes"
     late "mkbench $op -g 4 across 2 emulated nodes" && continue
     echo "===== mkbench $spec -g 4, MK_RANKS_PER_NODE=2 MK_NET=socket" | tee -a "$OUT/bench.log"
     as_ranks 4 env MK_RANKS_PER_NODE=2 MK_NET=socket timeout "$(limit 120)" "$BIN/mkbench" $spec -g 4 --json "$JSON_DIR/$op-g4-nodes.json" >> "$OUT/bench.log" 2>&1
@@ -427,7 +463,8 @@ if [ "$NODES" = 1 ] && [ "$NODE_BENCH" = 1 ]; then
 fi
 
 mps_stop
-if [ "$DOORS" = 1 ] && [ "$TESTS" = 1 ] && ! late "the doors (examples, Python, NCCL)"; then
+[ "$DOORS" = 1 ] && [ "$TESTS" = 1 ] && want "doors (examples, Python, NCCL)"
+if [ "$DOORS" = 1 ] && [ "$TESTS" = 1 ] && ! late "doors (examples, Python, NCCL)"; then
   # What users link or import, from what scripts/pack-doors.sh packed (gpu-doors.sh).
   if [ -d "$DOORS_DIR" ]; then
     d_args=(--dir "$DOORS_DIR")
@@ -438,7 +475,7 @@ if [ "$DOORS" = 1 ] && [ "$TESTS" = 1 ] && ! late "the doors (examples, Python, 
     sed 's/^/    /' "$OUT/doors-summary.txt" 2>/dev/null
     check_rc $rc
   else
-    note "doors: FAIL: $DOORS_DIR is missing (run scripts/pack-doors.sh first, or pass --no-doors)"
+    note "doors (examples, Python, NCCL): FAIL: $DOORS_DIR is missing (run scripts/pack-doors.sh first, or pass --no-doors)"
     status=1
   fi
 fi
@@ -457,6 +494,9 @@ if [ -n "$(ls -A "$JSON_DIR" 2>/dev/null)" ]; then
 else
   rmdir "$JSON_DIR" 2>/dev/null
 fi
+for w in "${WANTED[@]}"; do
+  grep -qF -- "] $w" "$SUMMARY" || { note "$w: NOT RUN (asked for; no step ran it or said why)"; status=1; }
+done
 if [ "$SKIPPED_STEPS" -gt 0 ]; then
   note "$SKIPPED_STEPS step(s) SKIPPED (deadline or --allow-skip): not a pass"
   [ $status = 0 ] && status=3

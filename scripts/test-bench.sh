@@ -153,7 +153,7 @@ for op in all_gather ag_gemm gemm_rs gemm_ar moe ring_attn ring_attn_bwd gemm ho
   set +e; ./target/release/mkbench "$op" --no-such-option 1 > "$WORK/out" 2>&1; rc=$?; set -e
   [ $rc = 2 ] || fail "mkbench $op --no-such-option exited $rc, not 2: $(cat "$WORK/out")"
   grep -q -- "--no-such-option" "$WORK/out" || fail "mkbench $op: the message does not name the option"
-  ./target/release/mkbench "$op" --help | grep -q -- "--json" || fail "mkbench $op --help"
+  grep -q -- "--json" <<<"$(./target/release/mkbench "$op" --help)" || fail "mkbench $op --help"
 done
 set +e; ./target/release/mkbench all_reduce --dtype fp8 > "$WORK/out" 2>&1; rc=$?; set -e
 [ $rc = 2 ] && grep -q -- "--dtype" "$WORK/out" || fail "mkbench all_reduce --dtype fp8 exited $rc: $(cat "$WORK/out")"
@@ -165,19 +165,20 @@ else
 fi
 
 echo "== gpu-run.sh with fake binaries: skip is not pass"
-fake() {  # fake DIR EXIT: binaries that print what they are and exit EXIT
+fake() {  # fake DIR EXIT [RECORD]: binaries that print what they are and exit EXIT, writing
+          # the file after --json (an empty record) when RECORD is 1
   mkdir -p "$1/ctests"
   for b in mktest mkbench transport_gpu ctests/test_abi ctests/test_abi_san ctests/test_cxx; do
-    printf '#!/bin/sh\n[ "$1" = "" ] && [ "%s" = mkbench ] && echo "  gemm x"\necho "fake %s: SKIPPED or run, exit %s"\nexit %s\n' \
-      "$b" "$b" "$2" "$2" > "$1/$b"
+    printf '#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = --json ] && [ "%s" = 1 ] && echo "{}" > "$2"; shift; done\necho "fake %s: SKIPPED or run, exit %s"\nexit %s\n' \
+      "${3:-1}" "$b" "$2" "$2" > "$1/$b"
     chmod +x "$1/$b"
   done
   tar -C "$1" -cJf "$1.tar.xz" .
 }
-run_fake() {  # EXIT ARGS...: gpu-run.sh's exit status on fakes that exit EXIT
+run_fake() {  # EXIT ARGS...: gpu-run.sh's exit status on fakes that exit EXIT (FAKE_RECORD=0: no records)
   local code=$1; shift
   rm -rf "$WORK/fake" "$WORK/out"
-  fake "$WORK/fake" "$code"
+  fake "$WORK/fake" "$code" "${FAKE_RECORD:-1}"
   set +e
   env PATH="/usr/bin:/bin" OUT="$WORK/out" BIN_TAR="$WORK/fake.tar.xz" timeout 120 bash scripts/gpu-run.sh "$@" > "$WORK/log" 2>&1
   local rc=$?
@@ -192,6 +193,17 @@ rc=$(run_fake 77 $FAST --allow-skip); [ "$rc" = 3 ] || fail "--allow-skip: skipp
 rc=$(run_fake 0 $FAST); [ "$rc" = 0 ] || fail "passing fakes exited $rc, not 0: $(tail -5 "$WORK/log")"
 grep -q "\[step 1, " "$WORK/log" || fail "no progress line on the console"
 rc=$(run_fake 77 --no-tests --no-nodes --ranks 1); [ "$rc" = 1 ] || fail "skipped benches exited $rc, not 1"
+BENCH_ONLY="--no-tests --no-nodes --no-doors --ranks 1"
+rc=$(run_fake 0 $BENCH_ONLY); [ "$rc" = 0 ] || fail "passing benches with records exited $rc, not 0: $(tail -5 "$WORK/log")"
+for step in "mkbench host" "mkbench gemm" "mkbench moe -g 1"; do
+  grep -qF "] $step: PASS" "$WORK/out/summary.txt" || fail "the bench run has no PASS line for $step"
+done
+rc=$(FAKE_RECORD=0 run_fake 0 $BENCH_ONLY); [ "$rc" = 1 ] || fail "benches that wrote no record exited $rc, not 1"
+grep -q "passed but wrote no record" "$WORK/out/summary.txt" || fail "the summary does not name the missing records"
+echo "== no pipeline into grep -q in the scripts (under pipefail a producer's SIGPIPE or usage exit reads as no match)"
+if hits=$(grep -rnE '\|[[:space:]]*grep[[:space:]]+(-[a-zA-Z]*q|--quiet)' scripts ctests examples bindings --include='*.sh' | grep -vE ':[0-9]+:[[:space:]]*#'); then
+  fail "pipelines into grep -q: $hits"
+fi
 rc=$(run_fake 0 --ranks 1 --no-bench --no-nodes --doors "$WORK/nowhere"); [ "$rc" = 1 ] || fail "missing doors exited $rc, not 1"
 rc=$(run_fake 0 $FAST --bogus); [ "$rc" = 2 ] || fail "a typo exited $rc, not 2"
 grep -q "MPS\|nvidia-smi" "$WORK/log" && fail "a typo reached the GPU probe"

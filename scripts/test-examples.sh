@@ -36,9 +36,9 @@ export PKG_CONFIG_PATH=$libdir/pkgconfig
 [ "$(pkg-config --modversion mkernel)" = "$version" ] || fail "mkernel.pc version"
 
 so=$libdir/libmkernel.so.$version
-readelf -SW "$so" | grep -q '\.debug_' && fail "the installed library has debug sections"
-readelf -SW "$so" | grep -q ' \.symtab ' && fail "the installed library has a full symbol table"
-readelf -p .gnu_debuglink "$so" | grep -qF "libmkernel.so.$version.debug" || fail "no .gnu_debuglink to the debug file"
+grep -q '\.debug_' <<<"$(readelf -SW "$so")" && fail "the installed library has debug sections"
+grep -q ' \.symtab ' <<<"$(readelf -SW "$so")" && fail "the installed library has a full symbol table"
+grep -qF "libmkernel.so.$version.debug" <<<"$(readelf -p .gnu_debuglink "$so")" || fail "no .gnu_debuglink to the debug file"
 [ -s "$so.debug" ] || fail "INSTALL_DEBUG=1 installed no debug file"
 echo "  stripped library $(stat -c %s "$so") bytes (build: $(stat -c %s target/release/libmkernel.so)), debug file beside it"
 # The test and benchmark helpers (mkernel::testing, the cuBLASLt loader) serve mktest and
@@ -82,7 +82,7 @@ cc "$work/clash.c" -o "$work/clash" $(pkg-config --cflags --libs mkernel-static)
 run_examples() { env -u LD_LIBRARY_PATH examples/run-examples.sh "$@" || fail "an example failed"; }
 
 # no_mkernel_needed BINARY: the program does not load libmkernel.so.
-no_mkernel_needed() { readelf -d "$1" | grep -q 'NEEDED.*libmkernel' && fail "$1 needs libmkernel.so"; true; }
+no_mkernel_needed() { grep -q 'NEEDED.*libmkernel' <<<"$(readelf -d "$1")" && fail "$1 needs libmkernel.so"; true; }
 
 echo "== C and C++ examples through pkg-config, shared (RPATH from pkg-config's libdir)"
 make -s -C examples LINK=shared OUT="$work/pc-shared" >/dev/null
@@ -96,7 +96,7 @@ run_examples "$work"/pc-static/*
 echo "== a fully static executable (cc -static) with the archive"
 cc -static "$work/clash.c" -o "$work/clash-static" $(pkg-config --static --cflags --libs mkernel-static) 2>"$work/static.log" ||
   { cat "$work/static.log"; fail "cc -static with mkernel-static"; }
-readelf -d "$work/clash-static" 2>/dev/null | grep -q NEEDED && fail "cc -static produced a dynamic executable"
+grep -q NEEDED <<<"$(readelf -d "$work/clash-static" 2>/dev/null)" && fail "cc -static produced a dynamic executable"
 "$work/clash-static" || fail "the fully static executable failed"
 echo "  links and runs (glibc warns that getaddrinfo/dlopen need its shared libraries at run time)"
 

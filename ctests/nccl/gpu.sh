@@ -12,7 +12,7 @@
 # the CUDA toolkit (nvcc's include/ and lib64/). Logs go to $OUT when set, else build/nccl-tests.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L 2>/dev/null | grep -q GPU; then
+if ! command -v nvidia-smi >/dev/null || ! grep -q GPU <<<"$(nvidia-smi -L 2>/dev/null)"; then
   echo "SKIPPED: libmkernel-nccl GPU suite (no GPU on this machine)"
   exit 77
 fi
