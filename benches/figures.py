@@ -67,15 +67,22 @@ class Page:
             marks.append(f"[[{self.cited.index(path) + 1}]]({self.link(path)})")
         return "".join(marks)
 
+    def run(self, i, path):
+        """The run's GPU, commit, date and command, then its record (and the note it was
+        transcribed from)."""
+        p = records.provenance(self.store[path])
+        via = self.store[path].get("transcribed_from")
+        note = f"; transcribed from [{via}]({self.link(via)})" if via else ""
+        return (f"{p['gpu']}, commit {p['commit']}, {p['date']}: `{short(p['command'])}` "
+                f"([{os.path.basename(path)}]({self.link(path)}){note})")
+
     def sources(self):
-        lines = ["", "Runs:", ""]
-        for i, path in enumerate(self.cited, 1):
-            p = records.provenance(self.store[path])
-            via = self.store[path].get("transcribed_from")
-            note = f"; transcribed from [{via}]({self.link(via)})" if via else ""
-            lines.append(f"{i}. {p['gpu']}, commit {p['commit']}, {p['date']}: `{short(p['command'])}` "
-                         f"([{os.path.basename(path)}]({self.link(path)}){note})")
-        return lines
+        """The runs cited, as the numbered lines that end a block."""
+        return ["", "Runs:", ""] + [f"{i}. {self.run(i, path)}" for i, path in enumerate(self.cited, 1)]
+
+    def sources_inline(self):
+        """The runs cited, in one parenthesis (a block inside a table cell or a sentence)."""
+        return "(" + "; ".join(f"[{i}] {self.run(i, path)}" for i, path in enumerate(self.cited, 1)) + ")"
 
 
 def short(command, keep=2):
@@ -239,6 +246,27 @@ def gemm(page):
         f"{_max_rel_err(*rows_, moved):.1e} in these runs; {_wrong(*rows_, moved)}.",
     ]
     return "\n".join(lines)
+
+
+H100_GEMM_BEFORE = "2026-12-05-h100-gemm-table-and-rank-threads/gemm.json"
+
+
+def gemm_split_k_wave(page):
+    """docs/ops/gemm.md, inline: split-K run on a partial last wave (the table's plans before
+    the planner stopped doing that)."""
+    rec = page.record(H100_GEMM_BEFORE)
+    split = [r for r in rec["rows"] if "split1" not in r["plan"] and r["shape"]["n"] == 28672]
+    return (f"measured {span([time_over(r, 'cublaslt', 'mk') for r in split], '{:.2f}', '×')} cuBLASLt's throughput at "
+            f"M {per(sorted({r['shape']['m'] for r in split}), '{}')}, N 28672 on an H100 {page.cite(H100_GEMM_BEFORE)}")
+
+
+def gemm_a_box(page):
+    """docs/ops/gemm.md, inline: the same plan at M = 1 and 64 with a 64-row A box."""
+    rec = page.record(H100_GEMM_BEFORE)
+    one, sixty_four = (rows(rec, m=m, n=8192, k=8192, dtype="bfloat16")[0] for m in (1, 64))
+    assert one["plan"] == sixty_four["plan"], "the A box figure compares one plan at two heights"
+    return (f"with a 64-row box the same plan took {median(one, 'mk'):.1f} µs at M = 1 and "
+            f"{median(sixty_four, 'mk'):.1f} at M = 64 (N = K = 8192, bf16, H100) {page.cite(H100_GEMM_BEFORE)}")
 
 
 def _dense_2_ranks(page, op):
@@ -568,7 +596,7 @@ def latest(page):
     return _table(_status_rows(page) + extra)
 
 
-FIGURES = {f.__name__: f for f in (status, latest, gemm, collectives, ag_gemm, gemm_rs, gemm_ar, moe,
+FIGURES = {f.__name__: f for f in (status, latest, gemm, gemm_split_k_wave, gemm_a_box, collectives, ag_gemm, gemm_rs, gemm_ar, moe,
                                    ring_attention, inter_node, host_per_call, python_gpu)}
 
 
@@ -582,7 +610,7 @@ def render(name, store, page_path, inline):
     page = Page(store, page_path)
     text = FIGURES[name](page)
     if inline:
-        return text
+        return f"{text} {page.sources_inline()}"
     return "\n" + "\n".join([text, *page.sources()]) + "\n"
 
 
