@@ -228,7 +228,7 @@ python3 benches/figures.py --check
 python3 - "$WORK" <<'PY'
 import json, os, shutil, subprocess, sys
 sys.path.insert(0, "benches")
-import figures, plot, records
+import figure_catalog, figures, plot, records
 work = sys.argv[1]
 
 # targets.py on every record of a day, python_overhead records included: judged, the others set aside.
@@ -254,7 +254,7 @@ except plot.SchemaError as e:
 # The runs list: the program by its name, no --json path, long repeated options shortened.
 assert records.command({"command": ["/tmp/bins/mkbench", "gemm", "--json", "/x.json", "-n", "3"]}) == "mkbench gemm -n 3"
 assert figures.short("mkbench gemm --shape a --shape b --shape c --shape d -w 1") == "mkbench gemm --shape a --shape b … (4 --shape) -w 1"
-assert figures.span([1.0, 1.004]) == "1.00" and figures.span([0.5, 1.0], "{:.1f}", "×") == "0.5–1.0×"
+assert figure_catalog.span([1.0, 1.004]) == "1.00" and figure_catalog.span([0.5, 1.0], "{:.1f}", "×") == "0.5–1.0×"
 
 # --check on a copy of the pages: a changed figure, an unknown block, a figure written by hand
 # beside the blocks; --write repairs the first.
