@@ -178,9 +178,11 @@ def ag_gemm(page):
     four = page.record(AG_GEMM_4_RANKS)
     pts4 = [(r["shape"]["rows"], time_over(r, "fused", unfused)) for r in four["rows"]]
     s = rec["rows"][0]["shape"]
-    return (f"H200, ranks as MPS processes (32 CTAs each), N {s['n']}, K {s['k']}, bf16, fused time / unfused "
+    return (f"H200, ranks as MPS processes ({rec['config']['MK_MAX_CTAS']} CTAs each), N {s['n']}, K {s['k']}, bf16, "
+            f"fused time / unfused "
             f"(`mkAllGather`, then our GEMM): 2 ranks {per([p[1] for p in pts])} at {per([p[0] for p in pts], '{}')} "
-            f"rows per rank {page.cite(DENSE_2_RANKS['ag_gemm'][0])}; 4 ranks (16 CTAs each) {per([p[1] for p in pts4])} "
+            f"rows per rank {page.cite(DENSE_2_RANKS['ag_gemm'][0])}; 4 ranks ({four['config']['MK_MAX_CTAS']} CTAs each) "
+            f"{per([p[1] for p in pts4])} "
             f"at {per([p[0] for p in pts4], '{}')} {page.cite(AG_GEMM_4_RANKS)}.")
 
 
@@ -191,7 +193,8 @@ def _reduce_op(page, op, collective):
     for m, ratio, row in pts:
         t = contender(row, "fused")["median_us"]
         parts.append(f"{ratio:.3f} at M {m}" + (f" (fused {t:.1f} µs)" if t else ""))
-    return (f"2 ranks on one H200 (MPS, 32 CTAs each), N {s['n']}, K {s['k']}, bf16, fused time / unfused (our GEMM, "
+    return (f"2 ranks on one H200 (MPS, {rec['config']['MK_MAX_CTAS']} CTAs each), N {s['n']}, K {s['k']}, bf16, "
+            f"fused time / unfused (our GEMM, "
             f"then `{collective}`): {', '.join(parts)} {page.cite(DENSE_2_RANKS[op][0])}.")
 
 
