@@ -8,6 +8,8 @@ computed from a record, beside the baseline of the same run.
 import os
 import statistics
 
+import records
+
 
 def rows(rec, **shape):
     """The rows of `rec` whose shape has every given key = value."""
@@ -46,6 +48,11 @@ def per(values, fmt="{:.3f}"):
 
 def ms(us):
     return f"{us / 1e3:.2f}"
+
+
+def gpu(page, path):
+    """The GPU the record at `path` ran on ("H100"): a figure names it from the record."""
+    return records.gpu(page.record(path))
 
 
 
@@ -114,7 +121,7 @@ def gemm_h100(page):
     ms_ = [r["shape"]["m"] for r in rec["rows"]]
     host = [contender(r, "mk")["host_enqueue_us"] for r in rec["rows"]]
     host_lt = [contender(r, "cublaslt")["host_enqueue_us"] for r in rec["rows"]]
-    return (f"H100, the table's plans: {span(every, '{:.3f}', '×')} cuBLASLt's throughput on all {len(every)} "
+    return (f"{gpu(page, H100_GEMM)}, the table's plans: {span(every, '{:.3f}', '×')} cuBLASLt's throughput on all {len(every)} "
             f"shapes of `mkbench gemm` (bf16 and fp16, M {min(ms_)}–{max(ms_)}), "
             f"{span(decode, '{:.3f}', '×')} on the {len(decode)} decode shapes (M {min(DECODE_M)}–{max(DECODE_M)}); "
             f"host time per call median {statistics.median(host):.1f} µs against cuBLASLt's "
@@ -125,7 +132,7 @@ def gemm_h200(page):
     runs = [page.record(p) for p in H200_GEMM]
     parts = [f"{span(_gemm_ratios(rec), '{:.2f}', '×')} {page.cite(p)}" for p, rec in zip(H200_GEMM, runs)]
     ms_ = [r["shape"]["m"] for rec in runs for r in rec["rows"]]
-    return (f"H200, decode and tail-wave shapes (M {min(ms_)}–{max(ms_)}, bf16), two runs minutes apart: "
+    return (f"{' and '.join(sorted({gpu(page, p) for p in H200_GEMM}))}, decode and tail-wave shapes (M {min(ms_)}–{max(ms_)}, bf16), two runs minutes apart: "
             f"{' and '.join(parts)} cuBLASLt's throughput")
 
 
@@ -152,7 +159,8 @@ def gemm_split_k_wave(page):
     rec = page.record(H100_GEMM_BEFORE)
     split = [r for r in rec["rows"] if "split1" not in r["plan"] and r["shape"]["n"] == 28672]
     return (f"measured {span([time_over(r, 'cublaslt', 'mk') for r in split], '{:.2f}', '×')} cuBLASLt's throughput at "
-            f"M {per(sorted({r['shape']['m'] for r in split}), '{}')}, N 28672 on an H100 {page.cite(H100_GEMM_BEFORE)}")
+            f"M {per(sorted({r['shape']['m'] for r in split}), '{}')}, N 28672 on an {gpu(page, H100_GEMM_BEFORE)} "
+            f"{page.cite(H100_GEMM_BEFORE)}")
 
 
 def gemm_a_box(page):
@@ -162,7 +170,8 @@ def gemm_a_box(page):
     if one["plan"] != sixty_four["plan"]:
         raise ValueError(f"{H100_GEMM_BEFORE}: M = 1 and 64 ran different plans; the A box figure needs one")
     return (f"with a 64-row box the same plan took {median(one, 'mk'):.1f} µs at M = 1 and "
-            f"{median(sixty_four, 'mk'):.1f} at M = 64 (N = K = 8192, bf16, H100) {page.cite(H100_GEMM_BEFORE)}")
+            f"{median(sixty_four, 'mk'):.1f} at M = 64 (N = K = 8192, bf16, {gpu(page, H100_GEMM_BEFORE)}) "
+            f"{page.cite(H100_GEMM_BEFORE)}")
 
 
 def _dense_2_ranks(page, op):
@@ -178,7 +187,7 @@ def ag_gemm(page):
     four = page.record(AG_GEMM_4_RANKS)
     pts4 = [(r["shape"]["rows"], time_over(r, "fused", unfused)) for r in four["rows"]]
     s = rec["rows"][0]["shape"]
-    return (f"H200, ranks as MPS processes ({rec['config']['MK_MAX_CTAS']} CTAs each), N {s['n']}, K {s['k']}, bf16, "
+    return (f"{records.gpu(rec)}, ranks as MPS processes ({rec['config']['MK_MAX_CTAS']} CTAs each), N {s['n']}, K {s['k']}, bf16, "
             f"fused time / unfused "
             f"(`mkAllGather`, then our GEMM): 2 ranks {per([p[1] for p in pts])} at {per([p[0] for p in pts], '{}')} "
             f"rows per rank {page.cite(DENSE_2_RANKS['ag_gemm'][0])}; 4 ranks ({four['config']['MK_MAX_CTAS']} CTAs each) "
@@ -193,7 +202,7 @@ def _reduce_op(page, op, collective):
     for m, ratio, row in pts:
         t = contender(row, "fused")["median_us"]
         parts.append(f"{ratio:.3f} at M {m}" + (f" (fused {t:.1f} µs)" if t else ""))
-    return (f"2 ranks on one H200 (MPS, {rec['config']['MK_MAX_CTAS']} CTAs each), N {s['n']}, K {s['k']}, bf16, "
+    return (f"2 ranks on one {records.gpu(rec)} (MPS, {rec['config']['MK_MAX_CTAS']} CTAs each), N {s['n']}, K {s['k']}, bf16, "
             f"fused time / unfused (our GEMM, "
             f"then `{collective}`): {', '.join(parts)} {page.cite(DENSE_2_RANKS[op][0])}.")
 
@@ -222,9 +231,9 @@ def _moe_2_ranks(page):
     return {d: time_over(rows(rec, direction=d)[0], "fused", MOE_UNFUSED[d]) for d in ("dispatch", "combine")}
 
 
-def _moe_torch(page, gpu):
-    """{(tokens, direction): row} of the one-rank MoE beside torch on `gpu`."""
-    rec = page.record(MOE_TORCH[gpu])
+def _moe_torch(page, which):
+    """{(tokens, direction): row} of the one-rank MoE beside torch, T >= 4096, from MOE_TORCH[which]."""
+    rec = page.record(MOE_TORCH[which])
     return {(r["shape"]["tokens"], r["shape"]["direction"]): r for r in rec["rows"] if r["shape"]["tokens"] >= 4096}
 
 
@@ -232,27 +241,30 @@ def _ours(row):
     return next(c["name"] for c in row["contenders"] if c["name"].startswith("mkernel_"))
 
 
-def moe_torch(page, gpu):
-    got = _moe_torch(page, gpu)
+def moe_torch(page, which):
+    """The one-rank MoE beside torch on the same tensors, from MOE_TORCH[which]."""
+    got = _moe_torch(page, which)
     tokens = sorted({t for t, _ in got})
     d = [got[(t, "dispatch")] for t in tokens]
     c = [got[(t, "combine")] for t in tokens]
     ours = lambda rs: per([median(r, _ours(r)) / 1e3 for r in rs], "{:.2f}")  # noqa: E731
     base = lambda rs, n: per([median(r, n) / 1e3 for r in rs], "{:.2f}")  # noqa: E731
     over = lambda rs, n: per([time_over(r, n, _ours(r)) for r in rs], "{:.2f}")  # noqa: E731
-    return (f"{gpu}, one rank, E 32, H 7168, F 2048, k 8, T {per(tokens, '{}')}: dispatch {ours(d)} ms against "
+    s = d[0]["shape"]
+    return (f"{records.gpu(page.record(MOE_TORCH[which]))}, one rank, E {s['experts']}, H {s['hidden']}, F {s['ffn']}, "
+            f"k {s['topk']}, T {per(tokens, '{}')}: dispatch {ours(d)} ms against "
             f"{base(d, 'torch_gather_grouped_mm')} for gather + `torch._grouped_mm` ({over(d, 'torch_gather_grouped_mm')}× "
             f"its speed) and {base(d, 'torch_grouped_mm')} for `torch._grouped_mm` alone on rows already laid out "
             f"({over(d, 'torch_grouped_mm')}×); combine {ours(c)} ms against {base(c, 'torch_grouped_mm_index_add')} for "
             f"grouped_mm + index_add ({over(c, 'torch_grouped_mm_index_add')}×) and {base(c, 'torch_grouped_mm')} for "
-            f"grouped_mm alone ({over(c, 'torch_grouped_mm')}×) {page.cite(MOE_TORCH[gpu])}")
+            f"grouped_mm alone ({over(c, 'torch_grouped_mm')}×) {page.cite(MOE_TORCH[which])}")
 
 
 def moe(page):
     """docs/ops/moe.md."""
     two = _moe_2_ranks(page)
     return "\n".join([
-        f"- H200, 2 ranks as MPS processes, fused time / unfused (our exchange and per-expert GEMMs): dispatch "
+        f"- {gpu(page, MOE_2_RANKS)}, 2 ranks as MPS processes, fused time / unfused (our exchange and per-expert GEMMs): dispatch "
         f"{two['dispatch']:.3f}, combine {two['combine']:.3f} {page.cite(MOE_2_RANKS)}.",
         f"- {moe_torch(page, 'H100')}.",
         f"- {moe_h100_engine(page)}.",
@@ -284,11 +296,11 @@ def ring_attention(page):
     fwd = _attention_pairs(page)
     rec, bwd, bwd_rows = _attention_backward(page)
     return "\n".join([
-        f"- Forward, H200, one rank, D 128, bf16: "
+        f"- Forward, {gpu(page, RING_ATTN[0])}, one rank, bf16: "
         f"{span([f[2] for f in fwd], '{:.0f}', ' TF/s')} at S {min(f[0] for f in fwd) // 1024}–"
         f"{max(f[0] for f in fwd) // 1024}K against cuDNN's {span([f[3] for f in fwd], '{:.0f}')} in the same call: "
         f"{span([f[2] / f[3] for f in fwd], '{:.2f}', '×')} its throughput {page.cite(*RING_ATTN)}.",
-        f"- Backward, H100, one rank through the Python package, beside SDPA on the same tensors: "
+        f"- Backward, {gpu(page, ATTENTION_H100)}, one rank through the Python package, beside SDPA on the same tensors: "
         f"{span([b[0] for b in bwd], '{:.0f}', ' TF/s')} against cuDNN's {span([b[1] for b in bwd], '{:.0f}')} "
         f"({span([b[2] for b in bwd], '{:.2f}', '×')}) in the {len(bwd_rows)} cases the run finished ("
         + ", ".join(f"{r['shape']['seq'] // 1024}K {'causal' if r['shape']['causal'] else 'non-causal'}" for r in bwd_rows)
@@ -305,12 +317,11 @@ def _all_reduce_small(page, gpu, ranks_as):
 
 def all_reduce_small(page):
     parts = []
-    for gpu in ("H100", "H200"):
-        for ranks_as in ("processes", "threads"):
-            direct, graph, copy = _all_reduce_small(page, gpu, ranks_as)
-            copies = f", a D2D copy {span(copy, '{:.1f}')}" if copy else ""
-            parts.append(f"{gpu}, {ranks_as}: {span(graph, '{:.1f}')} µs in a CUDA graph, {span(direct, '{:.1f}')} "
-                         f"called directly{copies} {page.cite(ALL_REDUCE_2_RANKS[(gpu, ranks_as)])}")
+    for (which, ranks_as), path in ALL_REDUCE_2_RANKS.items():
+        direct, graph, copy = _all_reduce_small(page, which, ranks_as)
+        copies = f", a D2D copy {span(copy, '{:.1f}')}" if copy else ""
+        parts.append(f"{gpu(page, path)}, {ranks_as}: {span(graph, '{:.1f}')} µs in a CUDA graph, {span(direct, '{:.1f}')} "
+                     f"called directly{copies} {page.cite(path)}")
     return f"2-rank AllReduce ≤ {SMALL_BYTES // 1024} KB, µs per call: " + "; ".join(parts)
 
 
@@ -328,7 +339,8 @@ def host_per_call(page):
         beside = [f"{label} {host(n):.1f}" for n, label in HOST_BASELINES.items()
                   if any(c["name"] == n for r in rec["rows"] for c in r["contenders"])]
         parts.append(f"{op} {host(name):.1f}" + (f" ({', '.join(beside)})" if beside else "") + f" {page.cite(path)}")
-    return ("Host µs per call on an H100, median over a record's rows of the enqueue time: "
+    gpus = " and ".join(sorted({gpu(page, path) for path, _ in HOST_H100.values()}))
+    return (f"Host µs per call on an {gpus}, median over a record's rows of the enqueue time: "
             + ", ".join(parts) + ".")
 
 
@@ -347,7 +359,8 @@ def python_host(page):
                      f"{host['c_abi_ctypes']['median']:.2f} through ctypes to the C ABI, "
                      f"{host['package_out']['median']:.1f} through `mkernel.all_reduce(out=)`, "
                      f"{host['torch_ops']['median']:.1f} through `torch.ops` {page.cite(path)}")
-    return "Host µs per call of a 16 KB AllReduce, H100: " + "; ".join(parts)
+    gpus = " and ".join(sorted({gpu(page, p) for p in PYTHON_OVERHEAD}))
+    return f"Host µs per call of a 16 KB AllReduce, {gpus}: " + "; ".join(parts)
 
 
 def tp_mlp(page):
@@ -358,8 +371,10 @@ def tp_mlp(page):
         fused, torch_ = mlp["fused_layers"]["median"], mlp["torch_matmul_plus_mkernel_collectives"]["median"]
         parts.append(f"{s['ranks']} rank{'s' if s['ranks'] > 1 else ''}, {s['tokens']} tokens: fused layers "
                      f"{ms(fused)} ms against {ms(torch_)} ({torch_ / fused:.2f}×) {page.cite(path)}")
-    return ("Tensor-parallel MLP step (H 4096, F 16384, bf16, forward and backward, sequence parallel), H100: "
-            + "; ".join(parts))
+    s = page.record(PYTHON_OVERHEAD[0])["mlp_step_us"]["shape"]
+    gpus = " and ".join(sorted({gpu(page, p) for p in PYTHON_OVERHEAD}))
+    return (f"Tensor-parallel MLP step (H {s['hidden']}, F {s['ffn']}, {s['dtype']}, forward and backward, sequence "
+            f"parallel), {gpus}: " + "; ".join(parts))
 
 
 TP_MLP_WHY = (
@@ -386,7 +401,7 @@ def moe_h100_engine(page):
     """The dispatch at T 16384 against the engine on the same rows as one dense GEMM."""
     dense = rows(page.record(MOE_H100_DENSE), m=131072, n=2048, k=7168)[0]
     dispatch = rows(page.record(MOE_H100_MKBENCH), direction="dispatch")[0]
-    return (f"H100, T 16384: the engine on the dispatch's routed rows as one dense GEMM takes {ms(median(dense, 'mk'))} ms "
+    return (f"{gpu(page, MOE_H100_MKBENCH)}, T {dispatch['shape']['tokens']}: the engine on the dispatch's routed rows as one dense GEMM takes {ms(median(dense, 'mk'))} ms "
             f"against cuBLASLt's {ms(median(dense, 'cublaslt'))} {page.cite(MOE_H100_DENSE)}; the fused dispatch "
             f"{ms(median(dispatch, 'fused'))} ms, the exchange (the rows' copy) alone {ms(median(dispatch, 'exchange'))} "
             f"{page.cite(MOE_H100_MKBENCH)}: part of the copy is hidden under the GEMM")
@@ -409,16 +424,16 @@ def collectives(page):
     gain = "; ".join(f"`{op}` {span(v, '{:.2f}', '×')}" for op, v in by_op.items())
     speed = span([time_over(r, "d2d_copy", "out_of_place") for r in copy], "{:.2f}", "×")
     return "\n".join([
-        f"- H200, one rank, float: `mkAllGather` at {speed} "
+        f"- {gpu(page, COLLECTIVES_COPY)}, one rank, float: `mkAllGather` at {speed} "
         f"the speed of a device-to-device copy of the same size at {copy[0]['shape']['bytes'] >> 20} MB – "
         f"{copy[-1]['shape']['bytes'] >> 30} GB {page.cite(COLLECTIVES_COPY)}.",
-        f"- H200, 2 ranks, out of place, 32 and 128 MB: time with loads into registers / time with loads staged in "
+        f"- {gpu(page, STAGING)}, 2 ranks, out of place, 32 and 128 MB: time with loads into registers / time with loads staged in "
         f"shared memory: {gain} {page.cite(STAGING)}.",
     ])
 
 
 def inter_node(page):
-    """docs/ops/inter_node.md: 4 ranks in 2 emulated nodes over loopback TCP, one H200."""
+    """docs/ops/inter_node.md: 4 ranks in 2 emulated nodes over loopback TCP on one GPU."""
     parts = []
     for op, key in (("ag_gemm", "rows"), ("gemm_rs", "m"), ("gemm_ar", "m")):
         rec = page.record(NODES[op])
@@ -428,7 +443,7 @@ def inter_node(page):
     coll = page.record(NODES["collectives"])
     times = ", ".join(f"`{r['shape']['op']}` {ms(median(r, 'out_of_place'))} ms" for r in coll["rows"])
     return "\n".join([
-        "- H200, 4 ranks in 2 emulated nodes (loopback TCP), bf16, fused time / unfused (our GEMM and the "
+        f"- {gpu(page, NODES['collectives'])}, 4 ranks in 2 emulated nodes (loopback TCP), bf16, fused time / unfused (our GEMM and the "
         "hierarchical collective, one after the other): " + "; ".join(parts) + ".",
         f"- The collectives at 64 MB, out of place, same run: {times} {page.cite(NODES['collectives'])}; one loopback "
         "stream per proxy bounds them, not the kernels.",
@@ -455,20 +470,20 @@ def _status_rows(page):
         ("`mkGemm`", f"{gemm_h100(page)}; {gemm_h200(page)}"),
         ("`mkAllGather`, `mkReduceScatter`, `mkAllReduce`", all_reduce_small(page)),
         ("`mkAllGatherGemm`, `mkGemmReduceScatter`, `mkGemmAllReduce`",
-         f"H200, 2 ranks as MPS processes: fused time {span(dense, '{:.2f}', '×')} the unfused (our GEMM and our "
+         f"{gpu(page, DENSE_2_RANKS['gemm_rs'][0])}, 2 ranks as MPS processes: fused time {span(dense, '{:.2f}', '×')} the unfused (our GEMM and our "
          f"collective, one after the other) {page.cite(*(v[0] for v in DENSE_2_RANKS.values()))}"),
         ("`mkMoeDispatchGemm`, `mkMoeGemmCombine`",
-         f"H200, 2 ranks: fused time {two['dispatch']:.2f} / {two['combine']:.2f}× the unfused (dispatch / combine) "
-         f"{page.cite(MOE_2_RANKS)}; H200, one rank, T 4096 and 16384: dispatch at {over(d, 'torch_gather_grouped_mm')} "
+         f"{gpu(page, MOE_2_RANKS)}, 2 ranks: fused time {two['dispatch']:.2f} / {two['combine']:.2f}× the unfused (dispatch / combine) "
+         f"{page.cite(MOE_2_RANKS)}; {gpu(page, MOE_TORCH['H200'])}, one rank, T 4096 and 16384: dispatch at {over(d, 'torch_gather_grouped_mm')} "
          f"the speed of gather + `torch._grouped_mm` and {over(d, 'torch_grouped_mm')} that of `torch._grouped_mm` alone "
          f"on rows already laid out, combine at {over(c, 'torch_grouped_mm_index_add')} grouped_mm + index_add and "
          f"{over(c, 'torch_grouped_mm')} grouped_mm alone {page.cite(MOE_TORCH['H200'])}"),
         ("`mkRingAttention`, `mkRingAttentionBackward`",
-         f"forward, H200, one rank: {span([f[2] / f[3] for f in fwd], '{:.2f}', '×')} cuDNN's throughput "
-         f"{page.cite(*RING_ATTN)}; backward, H100, one rank: {span([b[2] for b in bwd], '{:.2f}', '×')} cuDNN's "
+         f"forward, {gpu(page, RING_ATTN[0])}, one rank: {span([f[2] / f[3] for f in fwd], '{:.2f}', '×')} cuDNN's throughput "
+         f"{page.cite(*RING_ATTN)}; backward, {gpu(page, ATTENTION_H100)}, one rank: {span([b[2] for b in bwd], '{:.2f}', '×')} cuDNN's "
          f"backward {page.cite(ATTENTION_H100)}"),
         ("Python package",
-         f"H100, host µs per call of a 16 KB AllReduce: {span([h['c_abi_ctypes']['median'] for _, h, _ in py], '{:.2f}')} "
+         f"{gpu(page, PYTHON_OVERHEAD[0])}, host µs per call of a 16 KB AllReduce: {span([h['c_abi_ctypes']['median'] for _, h, _ in py], '{:.2f}')} "
          f"through ctypes to the C ABI, {span([h['package_out']['median'] for _, h, _ in py], '{:.1f}')} through "
          f"`mkernel.all_reduce(out=)`, {span([h['torch_ops']['median'] for _, h, _ in py], '{:.1f}')} through "
          f"`torch.ops` {page.cite(*PYTHON_OVERHEAD)}; a tensor-parallel MLP step with the fused layers runs at "
