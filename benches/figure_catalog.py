@@ -121,7 +121,8 @@ def gemm_h100(page):
     ms_ = [r["shape"]["m"] for r in rec["rows"]]
     host = [contender(r, "mk")["host_enqueue_us"] for r in rec["rows"]]
     host_lt = [contender(r, "cublaslt")["host_enqueue_us"] for r in rec["rows"]]
-    return (f"{gpu(page, H100_GEMM)}, the table's plans: {span(every, '{:.3f}', '×')} cuBLASLt's throughput on all {len(every)} "
+    return (f"{gpu(page, H100_GEMM)}, the table's plans: {span(every, '{:.3f}', '×')} cuBLASLt's throughput on all "
+            f"{len(every)} "
             f"shapes of `mkbench gemm` (bf16 and fp16, M {min(ms_)}–{max(ms_)}), "
             f"{span(decode, '{:.3f}', '×')} on the {len(decode)} decode shapes (M {min(DECODE_M)}–{max(DECODE_M)}); "
             f"host time per call median {statistics.median(host):.1f} µs against cuBLASLt's "
@@ -132,7 +133,8 @@ def gemm_h200(page):
     runs = [page.record(p) for p in H200_GEMM]
     parts = [f"{span(_gemm_ratios(rec), '{:.2f}', '×')} {page.cite(p)}" for p, rec in zip(H200_GEMM, runs)]
     ms_ = [r["shape"]["m"] for rec in runs for r in rec["rows"]]
-    return (f"{' and '.join(sorted({gpu(page, p) for p in H200_GEMM}))}, decode and tail-wave shapes (M {min(ms_)}–{max(ms_)}, bf16), two runs minutes apart: "
+    gpus = " and ".join(sorted({gpu(page, p) for p in H200_GEMM}))
+    return (f"{gpus}, decode and tail-wave shapes (M {min(ms_)}–{max(ms_)}, bf16), two runs minutes apart: "
             f"{' and '.join(parts)} cuBLASLt's throughput")
 
 
@@ -187,7 +189,8 @@ def ag_gemm(page):
     four = page.record(AG_GEMM_4_RANKS)
     pts4 = [(r["shape"]["rows"], time_over(r, "fused", unfused)) for r in four["rows"]]
     s = rec["rows"][0]["shape"]
-    return (f"{records.gpu(rec)}, ranks as MPS processes ({rec['config']['MK_MAX_CTAS']} CTAs each), N {s['n']}, K {s['k']}, bf16, "
+    return (f"{records.gpu(rec)}, ranks as MPS processes ({rec['config']['MK_MAX_CTAS']} CTAs each), "
+            f"N {s['n']}, K {s['k']}, bf16, "
             f"fused time / unfused "
             f"(`mkAllGather`, then our GEMM): 2 ranks {per([p[1] for p in pts])} at {per([p[0] for p in pts], '{}')} "
             f"rows per rank {page.cite(DENSE_2_RANKS['ag_gemm'][0])}; 4 ranks ({four['config']['MK_MAX_CTAS']} CTAs each) "
@@ -202,7 +205,8 @@ def _reduce_op(page, op, collective):
     for m, ratio, row in pts:
         t = contender(row, "fused")["median_us"]
         parts.append(f"{ratio:.3f} at M {m}" + (f" (fused {t:.1f} µs)" if t else ""))
-    return (f"2 ranks on one {records.gpu(rec)} (MPS, {rec['config']['MK_MAX_CTAS']} CTAs each), N {s['n']}, K {s['k']}, bf16, "
+    return (f"2 ranks on one {records.gpu(rec)} (MPS, {rec['config']['MK_MAX_CTAS']} CTAs each), "
+            f"N {s['n']}, K {s['k']}, bf16, "
             f"fused time / unfused (our GEMM, "
             f"then `{collective}`): {', '.join(parts)} {page.cite(DENSE_2_RANKS[op][0])}.")
 
@@ -264,7 +268,8 @@ def moe(page):
     """docs/ops/moe.md."""
     two = _moe_2_ranks(page)
     return "\n".join([
-        f"- {gpu(page, MOE_2_RANKS)}, 2 ranks as MPS processes, fused time / unfused (our exchange and per-expert GEMMs): dispatch "
+        f"- {gpu(page, MOE_2_RANKS)}, 2 ranks as MPS processes, fused time / unfused (our exchange and "
+        f"per-expert GEMMs): dispatch "
         f"{two['dispatch']:.3f}, combine {two['combine']:.3f} {page.cite(MOE_2_RANKS)}.",
         f"- {moe_torch(page, 'H100')}.",
         f"- {moe_h100_engine(page)}.",
@@ -329,13 +334,16 @@ HOST_BASELINES = {"d2d_copy": "a D2D copy", "cublaslt": "cuBLASLt"}
 
 
 def host_per_call(page):
-    """docs/architecture.md: host µs per call of each op on an H100, beside the host time of
-    the run's library baseline where it has one."""
+    """docs/architecture.md: host µs per call of each op, beside the host time of the run's
+    library baseline where it has one."""
     parts = []
     for op, (path, name) in HOST_H100.items():
         rec = page.record(path)
-        host = lambda n: statistics.median(  # noqa: E731
-            c["host_enqueue_us"] for r in rec["rows"] for c in r["contenders"] if c["name"] == n and c.get("host_enqueue_us"))
+
+        def host(n):
+            return statistics.median(c["host_enqueue_us"] for r in rec["rows"] for c in r["contenders"]
+                                     if c["name"] == n and c.get("host_enqueue_us"))
+
         beside = [f"{label} {host(n):.1f}" for n, label in HOST_BASELINES.items()
                   if any(c["name"] == n for r in rec["rows"] for c in r["contenders"])]
         parts.append(f"{op} {host(name):.1f}" + (f" ({', '.join(beside)})" if beside else "") + f" {page.cite(path)}")
@@ -401,7 +409,8 @@ def moe_h100_engine(page):
     """The dispatch at T 16384 against the engine on the same rows as one dense GEMM."""
     dense = rows(page.record(MOE_H100_DENSE), m=131072, n=2048, k=7168)[0]
     dispatch = rows(page.record(MOE_H100_MKBENCH), direction="dispatch")[0]
-    return (f"{gpu(page, MOE_H100_MKBENCH)}, T {dispatch['shape']['tokens']}: the engine on the dispatch's routed rows as one dense GEMM takes {ms(median(dense, 'mk'))} ms "
+    return (f"{gpu(page, MOE_H100_MKBENCH)}, T {dispatch['shape']['tokens']}: the engine on the dispatch's routed rows "
+            f"as one dense GEMM takes {ms(median(dense, 'mk'))} ms "
             f"against cuBLASLt's {ms(median(dense, 'cublaslt'))} {page.cite(MOE_H100_DENSE)}; the fused dispatch "
             f"{ms(median(dispatch, 'fused'))} ms, the exchange (the rows' copy) alone {ms(median(dispatch, 'exchange'))} "
             f"{page.cite(MOE_H100_MKBENCH)}: part of the copy is hidden under the GEMM")
@@ -427,7 +436,8 @@ def collectives(page):
         f"- {gpu(page, COLLECTIVES_COPY)}, one rank, float: `mkAllGather` at {speed} "
         f"the speed of a device-to-device copy of the same size at {copy[0]['shape']['bytes'] >> 20} MB – "
         f"{copy[-1]['shape']['bytes'] >> 30} GB {page.cite(COLLECTIVES_COPY)}.",
-        f"- {gpu(page, STAGING)}, 2 ranks, out of place, 32 and 128 MB: time with loads into registers / time with loads staged in "
+        f"- {gpu(page, STAGING)}, 2 ranks, out of place, 32 and 128 MB: time with loads into registers / time with "
+        f"loads staged in "
         f"shared memory: {gain} {page.cite(STAGING)}.",
     ])
 
@@ -443,52 +453,66 @@ def inter_node(page):
     coll = page.record(NODES["collectives"])
     times = ", ".join(f"`{r['shape']['op']}` {ms(median(r, 'out_of_place'))} ms" for r in coll["rows"])
     return "\n".join([
-        f"- {gpu(page, NODES['collectives'])}, 4 ranks in 2 emulated nodes (loopback TCP), bf16, fused time / unfused (our GEMM and the "
+        f"- {gpu(page, NODES['collectives'])}, 4 ranks in 2 emulated nodes (loopback TCP), bf16, fused time / unfused "
+        f"(our GEMM and the "
         "hierarchical collective, one after the other): " + "; ".join(parts) + ".",
         f"- The collectives at 64 MB, out of place, same run: {times} {page.cite(NODES['collectives'])}; one loopback "
         "stream per proxy bounds them, not the kernels.",
     ])
 
 
-def _status_rows(page):
-    """(op, figure) rows shared by the README's status and the results index."""
+def _dense_row(page):
+    ratios = [p[1] for op in DENSE_2_RANKS for p in _dense_2_ranks(page, op)[3]]
+    return (f"{gpu(page, DENSE_2_RANKS['gemm_rs'][0])}, 2 ranks as MPS processes: fused time "
+            f"{span(ratios, '{:.2f}', '×')} the unfused (our GEMM and our collective, one after the other) "
+            f"{page.cite(*(path for path, _ in DENSE_2_RANKS.values()))}")
+
+
+def _moe_row(page):
     two = _moe_2_ranks(page)
+    got = _moe_torch(page, "H200")
+    d = [r for (_, k), r in got.items() if k == "dispatch"]
+    c = [r for (_, k), r in got.items() if k == "combine"]
+    tokens = sorted({t for t, _ in got})
+    over = lambda rs, n: span([time_over(r, n, _ours(r)) for r in rs], "{:.2f}", "×")  # noqa: E731
+    return (f"{gpu(page, MOE_2_RANKS)}, 2 ranks: fused time {two['dispatch']:.2f} / {two['combine']:.2f}× the "
+            f"unfused (dispatch / combine) {page.cite(MOE_2_RANKS)}; {gpu(page, MOE_TORCH['H200'])}, one rank, "
+            f"T {per(tokens, '{}').replace(' / ', ' and ')}: dispatch at {over(d, 'torch_gather_grouped_mm')} the speed "
+            f"of gather + `torch._grouped_mm` and {over(d, 'torch_grouped_mm')} that of `torch._grouped_mm` alone on "
+            f"rows already laid out, combine at {over(c, 'torch_grouped_mm_index_add')} grouped_mm + index_add and "
+            f"{over(c, 'torch_grouped_mm')} grouped_mm alone {page.cite(MOE_TORCH['H200'])}")
+
+
+def _attention_row(page):
     fwd = _attention_pairs(page)
     _, bwd, _ = _attention_backward(page)
-    dense = []
-    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
-        _, _, _, pts = _dense_2_ranks(page, op)
-        dense += [p[1] for p in pts]
-    over = lambda rs, n: span([time_over(r, n, _ours(r)) for r in rs], "{:.2f}", "×")  # noqa: E731
-    h200 = _moe_torch(page, "H200")
-    d = [r for (t, k), r in h200.items() if k == "dispatch"]
-    c = [r for (t, k), r in h200.items() if k == "combine"]
+    return (f"forward, {gpu(page, RING_ATTN[0])}, one rank: {span([f[2] / f[3] for f in fwd], '{:.2f}', '×')} "
+            f"cuDNN's throughput {page.cite(*RING_ATTN)}; backward, {gpu(page, ATTENTION_H100)}, one rank: "
+            f"{span([b[2] for b in bwd], '{:.2f}', '×')} cuDNN's backward {page.cite(ATTENTION_H100)}")
+
+
+def _python_row(page):
     py = [_python(page, p) for p in PYTHON_OVERHEAD]
+    host = lambda key, fmt: span([h[key]["median"] for _, h, _ in py], fmt)  # noqa: E731
     mlp = span([m["torch_matmul_plus_mkernel_collectives"]["median"] / m["fused_layers"]["median"] for _, _, m in py],
                "{:.2f}", "×")
+    why = os.path.relpath("docs/python.md", page.dir or ".")
+    return (f"{gpu(page, PYTHON_OVERHEAD[0])}, host µs per call of a 16 KB AllReduce: "
+            f"{host('c_abi_ctypes', '{:.2f}')} through ctypes to the C ABI, {host('package_out', '{:.1f}')} through "
+            f"`mkernel.all_reduce(out=)`, {host('torch_ops', '{:.1f}')} through `torch.ops` {page.cite(*PYTHON_OVERHEAD)}; "
+            f"a tensor-parallel MLP step with the fused layers runs at {mlp} the speed of torch matmuls around "
+            f"mkernel's collectives (slower; why: [docs/python.md]({why}#benchmark))")
+
+
+def _status_rows(page):
+    """(op, figure) rows shared by the README's status and the results index."""
     return [
         ("`mkGemm`", f"{gemm_h100(page)}; {gemm_h200(page)}"),
         ("`mkAllGather`, `mkReduceScatter`, `mkAllReduce`", all_reduce_small(page)),
-        ("`mkAllGatherGemm`, `mkGemmReduceScatter`, `mkGemmAllReduce`",
-         f"{gpu(page, DENSE_2_RANKS['gemm_rs'][0])}, 2 ranks as MPS processes: fused time {span(dense, '{:.2f}', '×')} the unfused (our GEMM and our "
-         f"collective, one after the other) {page.cite(*(v[0] for v in DENSE_2_RANKS.values()))}"),
-        ("`mkMoeDispatchGemm`, `mkMoeGemmCombine`",
-         f"{gpu(page, MOE_2_RANKS)}, 2 ranks: fused time {two['dispatch']:.2f} / {two['combine']:.2f}× the unfused (dispatch / combine) "
-         f"{page.cite(MOE_2_RANKS)}; {gpu(page, MOE_TORCH['H200'])}, one rank, T 4096 and 16384: dispatch at {over(d, 'torch_gather_grouped_mm')} "
-         f"the speed of gather + `torch._grouped_mm` and {over(d, 'torch_grouped_mm')} that of `torch._grouped_mm` alone "
-         f"on rows already laid out, combine at {over(c, 'torch_grouped_mm_index_add')} grouped_mm + index_add and "
-         f"{over(c, 'torch_grouped_mm')} grouped_mm alone {page.cite(MOE_TORCH['H200'])}"),
-        ("`mkRingAttention`, `mkRingAttentionBackward`",
-         f"forward, {gpu(page, RING_ATTN[0])}, one rank: {span([f[2] / f[3] for f in fwd], '{:.2f}', '×')} cuDNN's throughput "
-         f"{page.cite(*RING_ATTN)}; backward, {gpu(page, ATTENTION_H100)}, one rank: {span([b[2] for b in bwd], '{:.2f}', '×')} cuDNN's "
-         f"backward {page.cite(ATTENTION_H100)}"),
-        ("Python package",
-         f"{gpu(page, PYTHON_OVERHEAD[0])}, host µs per call of a 16 KB AllReduce: {span([h['c_abi_ctypes']['median'] for _, h, _ in py], '{:.2f}')} "
-         f"through ctypes to the C ABI, {span([h['package_out']['median'] for _, h, _ in py], '{:.1f}')} through "
-         f"`mkernel.all_reduce(out=)`, {span([h['torch_ops']['median'] for _, h, _ in py], '{:.1f}')} through "
-         f"`torch.ops` {page.cite(*PYTHON_OVERHEAD)}; a tensor-parallel MLP step with the fused layers runs at "
-         f"{mlp} the speed of torch matmuls around mkernel's collectives (slower; why: "
-         f"[docs/python.md]({os.path.relpath('docs/python.md', page.dir or '.')}#benchmark))"),
+        ("`mkAllGatherGemm`, `mkGemmReduceScatter`, `mkGemmAllReduce`", _dense_row(page)),
+        ("`mkMoeDispatchGemm`, `mkMoeGemmCombine`", _moe_row(page)),
+        ("`mkRingAttention`, `mkRingAttentionBackward`", _attention_row(page)),
+        ("Python package", _python_row(page)),
     ]
 
 
