@@ -55,10 +55,13 @@ def gpu(page, path):
     return records.gpu(page.record(path))
 
 
-
-H100_GEMM = "2026-12-05-h100-gemm-decode-rows/gemm-sweep-3f3b7db.json"
-H200_GEMM = ("2026-12-05-h200-moe-gemm-rows/h200-gemm-decode.json", "2026-12-05-h200-moe-gemm-rows/h200-gemm-sweep.json")
-H100_GEMM_ROWS = "2026-12-05-h200-moe-gemm-rows/h100-gemm-rows-0e0c2c3.json"
+# The records the figures read (paths under benches/results/) and the contenders they set
+# side by side. A newer run shows in the pages once its record is named here and
+# `figures.py --write` has run.
+GEMM_TABLE = "2026-12-05-h100-gemm-decode-rows/gemm-sweep-3f3b7db.json"
+GEMM_DECODE_RUNS = ("2026-12-05-h200-moe-gemm-rows/h200-gemm-decode.json",
+                    "2026-12-05-h200-moe-gemm-rows/h200-gemm-sweep.json")
+GEMM_ROWS_CHANGED = "2026-12-05-h200-moe-gemm-rows/h100-gemm-rows-0e0c2c3.json"
 DECODE_M = (1, 16, 64, 128, 256)
 DENSE_2_RANKS = {
     "ag_gemm": ("2026-12-04-error-claim-full-suite/ag_gemm-g2.json", "ag_mk+ours_capped"),
@@ -72,7 +75,7 @@ MOE_TORCH = {"H100": "2026-12-05-h100-moe-prep-over-ctas/moe_same_process.json",
              "H200": "2026-12-05-h200-moe-gemm-rows/h200-moe_same_process.json"}
 RING_ATTN = ("2026-12-03-moe-burst-early-sums-attention/ring_attn-g1.json",
              "2026-12-03-moe-burst-early-sums-attention/sdpa_baseline.json")
-ATTENTION_H100 = "2026-12-05-h100-gemm-decode-rows/attention_same_process-partial.json"
+ATTENTION_BACKWARD = "2026-12-05-h100-gemm-decode-rows/attention_same_process-partial.json"
 ALL_REDUCE_2_RANKS = {
     ("H100", "processes"): "2026-12-05-h200-moe-gemm-rows/h100-host-all_reduce-g2.json",
     ("H100", "threads"): "2026-12-05-h200-moe-gemm-rows/h100-host-all_reduce-threads-g2.json",
@@ -80,7 +83,7 @@ ALL_REDUCE_2_RANKS = {
     ("H200", "threads"): "2026-12-05-h200-moe-gemm-rows/h200-all_reduce-threads-g2.json",
 }
 SMALL_BYTES = 32 * 1024
-HOST_H100 = {  # op -> (record, its contender under test)
+HOST_PER_CALL = {  # op -> (record, its contender under test)
     "`mkAllGather`": ("2026-12-05-h200-moe-gemm-rows/h100-host-all_gather-g1.json", "out_of_place"),
     "`mkReduceScatter`": ("2026-12-05-h200-moe-gemm-rows/h100-host-reduce_scatter-g1.json", "out_of_place"),
     "`mkAllReduce`": ("2026-12-05-h200-moe-gemm-rows/h100-host-all_reduce-g1.json", "out_of_place"),
@@ -94,6 +97,15 @@ HOST_H100 = {  # op -> (record, its contender under test)
 PYTHON_OVERHEAD = ("2026-12-05-h100-gemm-decode-rows/python_overhead-n1.json",
                    "2026-12-05-h100-moe-prep-over-ctas/python_overhead-n1-5d431d2.json",
                    "2026-12-05-h100-gemm-decode-rows/python_overhead-n2.json")
+GEMM_TABLE_EARLIER = "2026-12-05-h100-gemm-table-and-rank-threads/gemm.json"
+GEMM_AR_TWO_PHASE = "2026-12-03-courier-and-fa3-attention/gemm_ar-g2-two-phase.json"
+MOE_DENSE_GEMM = "2026-12-05-h100-moe-prep-over-ctas/gemm-moe-dense.json"
+MOE_DISPATCH = "2026-12-05-h100-moe-prep-over-ctas/moe-16384.json"
+COLLECTIVES_COPY = "2026-12-02-collectives-vs-copy/all_gather-g1.json"
+STAGING = "2026-12-03-staged-loads/collectives-staging-g2.json"
+NODES = {op: f"2026-12-03-gemm-reduce-emulated-nodes/{op}-g4-nodes.json"
+         for op in ("ag_gemm", "gemm_rs", "gemm_ar", "collectives")}
+HOST_BASELINES = {"d2d_copy": "a D2D copy", "cublaslt": "cuBLASLt"}
 
 
 def _gemm_ratios(rec, keep=lambda s: True):
@@ -115,65 +127,62 @@ def _wrong(*recs):
 
 
 def gemm_h100(page):
-    rec = page.record(H100_GEMM)
+    rec = page.record(GEMM_TABLE)
     every = _gemm_ratios(rec)
     decode = _gemm_ratios(rec, lambda s: s["m"] in DECODE_M)
     ms_ = [r["shape"]["m"] for r in rec["rows"]]
     host = [contender(r, "mk")["host_enqueue_us"] for r in rec["rows"]]
     host_lt = [contender(r, "cublaslt")["host_enqueue_us"] for r in rec["rows"]]
-    return (f"{gpu(page, H100_GEMM)}, the table's plans: {span(every, '{:.3f}', '×')} cuBLASLt's throughput on all "
+    return (f"{gpu(page, GEMM_TABLE)}, the table's plans: {span(every, '{:.3f}', '×')} cuBLASLt's throughput on all "
             f"{len(every)} "
             f"shapes of `mkbench gemm` (bf16 and fp16, M {min(ms_)}–{max(ms_)}), "
             f"{span(decode, '{:.3f}', '×')} on the {len(decode)} decode shapes (M {min(DECODE_M)}–{max(DECODE_M)}); "
             f"host time per call median {statistics.median(host):.1f} µs against cuBLASLt's "
-            f"{statistics.median(host_lt):.1f} {page.cite(H100_GEMM)}")
+            f"{statistics.median(host_lt):.1f} {page.cite(GEMM_TABLE)}")
 
 
 def gemm_h200(page):
-    runs = [page.record(p) for p in H200_GEMM]
-    parts = [f"{span(_gemm_ratios(rec), '{:.2f}', '×')} {page.cite(p)}" for p, rec in zip(H200_GEMM, runs)]
+    runs = [page.record(p) for p in GEMM_DECODE_RUNS]
+    parts = [f"{span(_gemm_ratios(rec), '{:.2f}', '×')} {page.cite(p)}" for p, rec in zip(GEMM_DECODE_RUNS, runs)]
     ms_ = [r["shape"]["m"] for rec in runs for r in rec["rows"]]
-    gpus = " and ".join(sorted({gpu(page, p) for p in H200_GEMM}))
+    gpus = " and ".join(sorted({gpu(page, p) for p in GEMM_DECODE_RUNS}))
     return (f"{gpus}, decode and tail-wave shapes (M {min(ms_)}–{max(ms_)}, bf16), two runs minutes apart: "
             f"{' and '.join(parts)} cuBLASLt's throughput")
 
 
 def gemm(page):
     """docs/ops/gemm.md: the engine against cuBLASLt on both GPUs, and how close its outputs are."""
-    rows_ = [page.record(H100_GEMM), *(page.record(p) for p in H200_GEMM)]
-    moved = page.record(H100_GEMM_ROWS)
+    rows_ = [page.record(GEMM_TABLE), *(page.record(p) for p in GEMM_DECODE_RUNS)]
+    moved = page.record(GEMM_ROWS_CHANGED)
     lines = [
         f"- {gemm_h100(page)}.",
         f"- {gemm_h200(page)}. Three shape classes whose table rows then took the sweep's faster tile: "
-        f"{span(_gemm_ratios(moved), '{:.3f}', '×')} on the H100 afterwards {page.cite(H100_GEMM_ROWS)}.",
+        f"{span(_gemm_ratios(moved), '{:.3f}', '×')} on the H100 afterwards {page.cite(GEMM_ROWS_CHANGED)}.",
         f"- Outputs are not bit-identical to cuBLASLt's: relative error against cuBLASLt up to "
         f"{_max_rel_err(*rows_, moved):.1e} in these runs; {_wrong(*rows_, moved)}.",
     ]
     return "\n".join(lines)
 
 
-H100_GEMM_BEFORE = "2026-12-05-h100-gemm-table-and-rank-threads/gemm.json"
-
-
 def gemm_split_k_wave(page):
     """docs/ops/gemm.md, inline: split-K run on a partial last wave (the table's plans before
     the planner stopped doing that)."""
-    rec = page.record(H100_GEMM_BEFORE)
+    rec = page.record(GEMM_TABLE_EARLIER)
     split = [r for r in rec["rows"] if "split1" not in r["plan"] and r["shape"]["n"] == 28672]
     return (f"measured {span([time_over(r, 'cublaslt', 'mk') for r in split], '{:.2f}', '×')} cuBLASLt's throughput at "
-            f"M {per(sorted({r['shape']['m'] for r in split}), '{}')}, N 28672 on an {gpu(page, H100_GEMM_BEFORE)} "
-            f"{page.cite(H100_GEMM_BEFORE)}")
+            f"M {per(sorted({r['shape']['m'] for r in split}), '{}')}, N 28672 on an {gpu(page, GEMM_TABLE_EARLIER)} "
+            f"{page.cite(GEMM_TABLE_EARLIER)}")
 
 
 def gemm_a_box(page):
     """docs/ops/gemm.md, inline: the same plan at M = 1 and 64 with a 64-row A box."""
-    rec = page.record(H100_GEMM_BEFORE)
+    rec = page.record(GEMM_TABLE_EARLIER)
     one, sixty_four = (rows(rec, m=m, n=8192, k=8192, dtype="bfloat16")[0] for m in (1, 64))
     if one["plan"] != sixty_four["plan"]:
-        raise ValueError(f"{H100_GEMM_BEFORE}: M = 1 and 64 ran different plans; the A box figure needs one")
+        raise ValueError(f"{GEMM_TABLE_EARLIER}: M = 1 and 64 ran different plans; the A box figure needs one")
     return (f"with a 64-row box the same plan took {median(one, 'mk'):.1f} µs at M = 1 and "
-            f"{median(sixty_four, 'mk'):.1f} at M = 64 (N = K = 8192, bf16, {gpu(page, H100_GEMM_BEFORE)}) "
-            f"{page.cite(H100_GEMM_BEFORE)}")
+            f"{median(sixty_four, 'mk'):.1f} at M = 64 (N = K = 8192, bf16, {gpu(page, GEMM_TABLE_EARLIER)}) "
+            f"{page.cite(GEMM_TABLE_EARLIER)}")
 
 
 def _dense_2_ranks(page, op):
@@ -214,9 +223,6 @@ def _reduce_op(page, op, collective):
 def gemm_rs(page):
     """docs/ops/gemm_reduce_scatter.md."""
     return _reduce_op(page, "gemm_rs", "mkReduceScatter")
-
-
-GEMM_AR_TWO_PHASE = "2026-12-03-courier-and-fa3-attention/gemm_ar-g2-two-phase.json"
 
 
 def gemm_ar(page):
@@ -290,7 +296,7 @@ def _attention_pairs(page):
 
 
 def _attention_backward(page):
-    rec = page.record(ATTENTION_H100)
+    rec = page.record(ATTENTION_BACKWARD)
     bwd = rows(rec, direction="bwd")
     return rec, [(contender(r, "mkernel")["tflops"], contender(r, "sdpa_cudnn")["tflops"],
                   time_over(r, "sdpa_cudnn", "mkernel")) for r in bwd], bwd
@@ -305,11 +311,11 @@ def ring_attention(page):
         f"{span([f[2] for f in fwd], '{:.0f}', ' TF/s')} at S {min(f[0] for f in fwd) // 1024}–"
         f"{max(f[0] for f in fwd) // 1024}K against cuDNN's {span([f[3] for f in fwd], '{:.0f}')} in the same call: "
         f"{span([f[2] / f[3] for f in fwd], '{:.2f}', '×')} its throughput {page.cite(*RING_ATTN)}.",
-        f"- Backward, {gpu(page, ATTENTION_H100)}, one rank through the Python package, beside SDPA on the same tensors: "
+        f"- Backward, {gpu(page, ATTENTION_BACKWARD)}, one rank through the Python package, beside SDPA on the same tensors: "
         f"{span([b[0] for b in bwd], '{:.0f}', ' TF/s')} against cuDNN's {span([b[1] for b in bwd], '{:.0f}')} "
         f"({span([b[2] for b in bwd], '{:.2f}', '×')}) in the {len(bwd_rows)} cases the run finished ("
         + ", ".join(f"{r['shape']['seq'] // 1024}K {'causal' if r['shape']['causal'] else 'non-causal'}" for r in bwd_rows)
-        + f"; B 1, H 32, D 128, bf16) {page.cite(ATTENTION_H100)}.",
+        + f"; B 1, H 32, D 128, bf16) {page.cite(ATTENTION_BACKWARD)}.",
     ])
 
 
@@ -330,14 +336,11 @@ def all_reduce_small(page):
     return f"2-rank AllReduce ≤ {SMALL_BYTES // 1024} KB, µs per call: " + "; ".join(parts)
 
 
-HOST_BASELINES = {"d2d_copy": "a D2D copy", "cublaslt": "cuBLASLt"}
-
-
 def host_per_call(page):
     """docs/architecture.md: host µs per call of each op, beside the host time of the run's
     library baseline where it has one."""
     parts = []
-    for op, (path, name) in HOST_H100.items():
+    for op, (path, name) in HOST_PER_CALL.items():
         rec = page.record(path)
 
         def host(n):
@@ -347,7 +350,7 @@ def host_per_call(page):
         beside = [f"{label} {host(n):.1f}" for n, label in HOST_BASELINES.items()
                   if any(c["name"] == n for r in rec["rows"] for c in r["contenders"])]
         parts.append(f"{op} {host(name):.1f}" + (f" ({', '.join(beside)})" if beside else "") + f" {page.cite(path)}")
-    gpus = " and ".join(sorted({gpu(page, path) for path, _ in HOST_H100.values()}))
+    gpus = " and ".join(sorted({gpu(page, path) for path, _ in HOST_PER_CALL.values()}))
     return (f"Host µs per call on an {gpus}, median over a record's rows of the enqueue time: "
             + ", ".join(parts) + ".")
 
@@ -401,25 +404,15 @@ def python_gpu(page):
     return "\n".join([f"- {python_host(page)}.", f"- {tp_mlp(page)}. {TP_MLP_WHY}"])
 
 
-MOE_H100_DENSE = "2026-12-05-h100-moe-prep-over-ctas/gemm-moe-dense.json"
-MOE_H100_MKBENCH = "2026-12-05-h100-moe-prep-over-ctas/moe-16384.json"
-
-
 def moe_h100_engine(page):
     """The dispatch at T 16384 against the engine on the same rows as one dense GEMM."""
-    dense = rows(page.record(MOE_H100_DENSE), m=131072, n=2048, k=7168)[0]
-    dispatch = rows(page.record(MOE_H100_MKBENCH), direction="dispatch")[0]
-    return (f"{gpu(page, MOE_H100_MKBENCH)}, T {dispatch['shape']['tokens']}: the engine on the dispatch's routed rows "
+    dense = rows(page.record(MOE_DENSE_GEMM), m=131072, n=2048, k=7168)[0]
+    dispatch = rows(page.record(MOE_DISPATCH), direction="dispatch")[0]
+    return (f"{gpu(page, MOE_DISPATCH)}, T {dispatch['shape']['tokens']}: the engine on the dispatch's routed rows "
             f"as one dense GEMM takes {ms(median(dense, 'mk'))} ms "
-            f"against cuBLASLt's {ms(median(dense, 'cublaslt'))} {page.cite(MOE_H100_DENSE)}; the fused dispatch "
+            f"against cuBLASLt's {ms(median(dense, 'cublaslt'))} {page.cite(MOE_DENSE_GEMM)}; the fused dispatch "
             f"{ms(median(dispatch, 'fused'))} ms, the exchange (the rows' copy) alone {ms(median(dispatch, 'exchange'))} "
-            f"{page.cite(MOE_H100_MKBENCH)}: part of the copy is hidden under the GEMM")
-
-
-COLLECTIVES_COPY = "2026-12-02-collectives-vs-copy/all_gather-g1.json"
-STAGING = "2026-12-03-staged-loads/collectives-staging-g2.json"
-NODES = {op: f"2026-12-03-gemm-reduce-emulated-nodes/{op}-g4-nodes.json"
-         for op in ("ag_gemm", "gemm_rs", "gemm_ar", "collectives")}
+            f"{page.cite(MOE_DISPATCH)}: part of the copy is hidden under the GEMM")
 
 
 def collectives(page):
@@ -487,8 +480,8 @@ def _attention_row(page):
     fwd = _attention_pairs(page)
     _, bwd, _ = _attention_backward(page)
     return (f"forward, {gpu(page, RING_ATTN[0])}, one rank: {span([f[2] / f[3] for f in fwd], '{:.2f}', '×')} "
-            f"cuDNN's throughput {page.cite(*RING_ATTN)}; backward, {gpu(page, ATTENTION_H100)}, one rank: "
-            f"{span([b[2] for b in bwd], '{:.2f}', '×')} cuDNN's backward {page.cite(ATTENTION_H100)}")
+            f"cuDNN's throughput {page.cite(*RING_ATTN)}; backward, {gpu(page, ATTENTION_BACKWARD)}, one rank: "
+            f"{span([b[2] for b in bwd], '{:.2f}', '×')} cuDNN's backward {page.cite(ATTENTION_BACKWARD)}")
 
 
 def _python_row(page):
