@@ -441,10 +441,11 @@ def inter_node(page):
     for op, key in (("ag_gemm", "rows"), ("gemm_rs", "m"), ("gemm_ar", "m")):
         rec = page.record(NODES[op])
         pts = [(r["shape"][key], time_over(r, "fused", "ours+mk_collective")) for r in rec["rows"]]
-        label = "rows per rank" if key == "rows" else "M"
-        parts.append(f"`{op}` {per([p[1] for p in pts])} at {label} {per([p[0] for p in pts], '{}')} {page.cite(NODES[op])}")
+        at = f"{per([p[0] for p in pts], '{}')} rows per rank" if key == "rows" else f"M {per([p[0] for p in pts], '{}')}"
+        parts.append(f"`{op}` {per([p[1] for p in pts])} at {at} {page.cite(NODES[op])}")
     coll = page.record(NODES["collectives"])
-    times = ", ".join(f"`{r['shape']['op']}` {ms(median(r, 'out_of_place'))} ms" for r in coll["rows"])
+    # The note gives these to a tenth of a millisecond.
+    times = ", ".join(f"`{r['shape']['op']}` {median(r, 'out_of_place') / 1e3:.1f} ms" for r in coll["rows"])
     return "\n".join([
         f"- {gpu(page, NODES['collectives'])}, 4 ranks in 2 emulated nodes (loopback TCP), bf16, fused time / unfused "
         f"(our GEMM and the "

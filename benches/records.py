@@ -88,7 +88,10 @@ def stored(results_dir):
             continue
         for name in sorted(os.listdir(full)):
             if name.endswith(".json"):
-                out[f"{folder}/{name}"] = load(os.path.join(full, name))
+                rec = out[f"{folder}/{name}"] = load(os.path.join(full, name))
+                note = rec.get("transcribed_from")
+                if note and not os.path.isfile(os.path.join(results_dir, note)):
+                    raise RecordError(f"{folder}/{name}: transcribed from {note}, which is not in {results_dir}")
     return out
 
 
