@@ -47,12 +47,17 @@ def validate(rec, where="record"):
         _need(isinstance(rec[key], kind), where, f'"{key}" must be a {kind.__name__}')
     _need(rec["schema"] == SCHEMA, where, f'"schema" must be "{SCHEMA}", not {rec["schema"]!r}')
     _need(all(isinstance(a, str) for a in rec["command"]), where, '"command" is a list of strings')
-    _need(len(rec["date"]) == 20 and rec["date"].endswith("Z") and rec["date"][10] == "T", where,
-          '"date" is ISO 8601 UTC, e.g. 2026-12-05T02:10:00Z')
-    for key in MACHINE_KEYS:
+    # A record transcribed from a dated results note (benches/records.py) holds only what
+    # the note states: the day without a time, the GPU without its clocks.
+    transcribed = "transcribed_from" in rec
+    full_date = len(rec["date"]) == 20 and rec["date"].endswith("Z") and rec["date"][10] == "T"
+    day = len(rec["date"]) == 10 and rec["date"][4] == "-" and rec["date"][7] == "-"
+    _need(full_date or (transcribed and day), where, '"date" is ISO 8601 UTC, e.g. 2026-12-05T02:10:00Z'
+          + (" (or the day, 2026-12-05, in a transcribed record)" if transcribed else ""))
+    for key in ("gpu",) if transcribed else MACHINE_KEYS:
         _need(key in rec["machine"], f"{where}.machine", f'missing key "{key}"')
     for key in ("sm_clock_mhz", "max_sm_clock_mhz", "mem_clock_mhz"):
-        _need(_number_or_null(rec["machine"][key]), f"{where}.machine", f'"{key}" is a number or null')
+        _need(_number_or_null(rec["machine"].get(key)), f"{where}.machine", f'"{key}" is a number or null')
     for i, row in enumerate(rec["rows"]):
         w = f"{where}.rows[{i}]"
         _need(isinstance(row, dict), w, "a row is an object")

@@ -4,8 +4,10 @@ records show and whether it is met. A target no given record speaks to says so.
 
     python3 benches/targets.py RECORD.json [RECORD.json ...] [--json OUT]
 
-Records are mkbench's `--json` output and the Python benches' (`moe_same_process`), all in
-the schema plot.py validates (docs/benchmarks.md). Each target names the records it reads:
+Records are any that benches/records.py reads: mkbench's `--json` output and the Python
+benches' (`moe_same_process`) in the schema plot.py validates (docs/benchmarks.md), and
+kinds no target reads (`python_overhead`), which are counted in a note and set aside. Each
+target names the records it reads:
 
 | target | records | met when |
 |---|---|---|
@@ -17,12 +19,17 @@ the schema plot.py validates (docs/benchmarks.md). Each target names the records
 | moe_vs_grouped_mm | moe_same_process | mkernel time <= torch._grouped_mm time at 4096 and 16384 tokens |
 
 Exit status 0 whatever the verdicts: this reports, it does not gate (a run on a GPU the
-targets were not set for still prints its table). With --json, writes the verdicts.
+targets were not set for still prints its table); 1 for a file that is no record. With --json, writes the verdicts.
 """
 import argparse
 import json
+import os
 import statistics
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from records import MKBENCH, load  # noqa: E402
+from records import kind as records_kind  # noqa: E402
 
 DECODE_M = (1, 16, 64, 128, 256)
 DECODE_NK = ((8192, 8192), (28672, 8192), (8192, 28672))
@@ -188,11 +195,26 @@ TARGETS = (gemm_decode, gemm_table, host_per_call, all_reduce_latency, gemm_ar_s
 
 
 def judge(records):
+    """The verdict of every target on `records` (mkbench/1)."""
     return [t(records) for t in TARGETS]
 
 
-def report(verdicts):
-    out = []
+def set_aside(records):
+    """(the mkbench/1 records among `records`, a note counting the others by kind or None)."""
+    measured, others = [], {}
+    for r in records:
+        if records_kind(r) == MKBENCH:
+            measured.append(r)
+        else:
+            others[records_kind(r)] = others.get(records_kind(r), 0) + 1
+    if not others:
+        return measured, None
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(others.items()))
+    return measured, f"# set aside, no target reads them: {kinds} record(s)"
+
+
+def report(verdicts, note=None):
+    out = [note] if note else []
     for v in verdicts:
         state = {True: "MET", False: "MISSED", None: "NOT MEASURED"}[v["met"]]
         out.append(f"{state:<12} {v['target']}")
@@ -208,12 +230,14 @@ def main(argv=None):
     ap.add_argument("records", nargs="+")
     ap.add_argument("--json", help="write the verdicts here")
     a = ap.parse_args(argv)
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    import plot  # the schema check
-
-    records = [plot.load(p) for p in a.records]
-    verdicts = judge(records)
-    print(report(verdicts))
+    try:
+        records = [load(p) for p in a.records]
+    except (ValueError, OSError) as e:  # RecordError, plot.SchemaError, a JSON error
+        print(f"targets.py: {e}", file=sys.stderr)
+        return 1
+    measured, note = set_aside(records)
+    verdicts = judge(measured)
+    print(report(verdicts, note))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(verdicts, f, indent=1)

@@ -235,4 +235,64 @@ assert r.returncode == 0, r.stderr
 assert json.load(open(path))["rows"][1]["shape"]["direction"] == "combine"
 PY
 
+echo "== figures.py: README and docs figures match the stored records; targets.py reads every record kind"
+python3 benches/figures.py --check
+python3 - "$WORK" <<'PY'
+import json, os, shutil, subprocess, sys
+sys.path.insert(0, "benches")
+import figure_catalog, figures, plot, records
+work = sys.argv[1]
+
+# targets.py on every record of a day, python_overhead records included: judged, the others set aside.
+day = sorted(f"benches/results/2026-12-05-h100-gemm-decode-rows/{n}" for n in os.listdir("benches/results/2026-12-05-h100-gemm-decode-rows") if n.endswith(".json"))
+r = subprocess.run([sys.executable, "benches/targets.py", *day], capture_output=True, text=True)
+assert r.returncode == 0, r.stderr
+assert "set aside, no target reads them: 2 python_overhead record(s)" in r.stdout, r.stdout
+assert "measured targets met" in r.stdout, r.stdout
+json.dump({"bench": "something_else"}, open(f"{work}/odd.json", "w"))
+r = subprocess.run([sys.executable, "benches/targets.py", f"{work}/odd.json"], capture_output=True, text=True)
+assert r.returncode == 1 and "not a record of a known kind" in r.stderr, (r.returncode, r.stderr)
+
+# A transcribed record may give the day alone; a measured one may not.
+rec = json.load(open("benches/results/2026-12-04-error-claim-full-suite/moe-g2.json"))
+records.validate(rec)
+rec.pop("transcribed_from")
+try:
+    plot.validate(rec)
+    raise AssertionError("a measured record without a time of day was accepted")
+except plot.SchemaError as e:
+    assert "ISO 8601" in str(e), e
+
+# The runs list: the program by its name, no --json path, long repeated options shortened.
+assert records.command({"command": ["/tmp/bins/mkbench", "gemm", "--json", "/x.json", "-n", "3"]}) == "mkbench gemm -n 3"
+assert figures.short("mkbench gemm --shape a --shape b --shape c --shape d -w 1") == "mkbench gemm --shape a --shape b … (4 --shape) -w 1"
+assert figure_catalog.span([1.0, 1.004]) == "1.00" and figure_catalog.span([0.5, 1.0], "{:.1f}", "×") == "0.5–1.0×"
+
+# --check on a copy of the pages: a changed figure, an unknown block, a figure written by hand
+# beside the blocks; --write repairs the first.
+root = f"{work}/pages"
+for d in ("docs", "benches/results"):
+    shutil.copytree(d, f"{root}/{d}")
+shutil.copy("README.md", root)
+def check():
+    return subprocess.run([sys.executable, "benches/figures.py", "--check", "--root", root], capture_output=True, text=True)
+assert check().returncode == 0, check().stderr
+page = f"{root}/docs/ops/moe.md"
+text = open(page).read()
+open(page, "w").write(text.replace("dispatch 0.613", "dispatch 0.500", 1))
+r = check()
+assert r.returncode == 1 and "docs/ops/moe.md: figures differ from the records" in r.stderr and "0.500" in r.stderr, r.stderr
+assert subprocess.run([sys.executable, "benches/figures.py", "--write", "--root", root]).returncode == 0
+assert open(page).read() == text and check().returncode == 0
+open(page, "w").write(text + "\n<!-- figures:no_such_figure -->\n<!-- /figures -->\n")
+r = check()
+assert r.returncode == 1 and "no figure named 'no_such_figure'" in r.stderr, r.stderr
+open(page, "w").write(text)
+readme = open(f"{root}/README.md").read()
+open(f"{root}/README.md", "w").write(readme.replace("| `mkGemm` | done;", "| `mkGemm` | done; 1.5× cuBLASLt;", 1))
+r = check()
+assert r.returncode == 1 and "a figure outside a figures block" in r.stderr, r.stderr
+print("figures.py: a changed figure, an unknown block and a hand-written figure fail --check; --write repairs")
+PY
+
 echo "== benchmark tooling tests passed"
