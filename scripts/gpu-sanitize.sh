@@ -11,7 +11,9 @@
 # and make it exit 3 when nothing failed. Writes $OUT/sanitize.log and
 # $OUT/sanitize-summary.txt.
 #   scripts/gpu-sanitize.sh [--tools "memcheck racecheck synccheck"] [--suites "..."]
-#                           [--ranks N] [--step-timeout 90] [--deadline SECONDS]
+#                           [--ranks N] [--step-timeout 90] [--deadline SECONDS] [--full-size]
+# Each suite runs its sanitizer-sized set (MK_TEST_SANITIZE=1, grids of 8 CTAs) unless
+# --full-size asks for its whole set.
 # --ranks N > 1 runs the fused-op suites of --suites (the others are left out) with their N
 # ranks as threads of the one sanitized process (MK_TEST_THREADS=1, each rank's grid capped
 # as scripts/mps.sh caps N rank processes, so the ranks' persistent grids are co-resident).
@@ -19,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu-bins.sh  # $OUT, and $BIN from BIN or BIN_TAR
 TOOLS="memcheck racecheck synccheck"; SUITES="smoke collectives api gemm ag_gemm gemm_reduce moe ring_attn ring_attn_bwd mixed"
-STEP=90; DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0; RANKS=1
+STEP=90; DEADLINE=0; T0=$(date +%s); SKIPPED_STEPS=0; RANKS=1; FULL_SIZE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --tools) TOOLS="$2"; shift ;;
@@ -27,6 +29,7 @@ while [ $# -gt 0 ]; do
     --ranks) RANKS="$2"; shift ;;
     --step-timeout) STEP="$2"; shift ;;
     --deadline) DEADLINE="$2"; shift ;;
+    --full-size) FULL_SIZE=1 ;;
     *) echo "gpu-sanitize.sh: unknown option $1"; exit 2 ;;
   esac
   shift
@@ -35,12 +38,17 @@ SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer
 [ -x "$SAN" ] || { echo "gpu-sanitize.sh: compute-sanitizer not found"; exit 2; }
 case "$RANKS" in ''|*[!0-9]*|0) echo "gpu-sanitize.sh: --ranks takes a positive whole number"; exit 2 ;; esac
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} MK_TEST_NRANKS=$RANKS
+# The suites' sanitizer-sized sets (mktest's MK_TEST_SANITIZE: one dtype, at most two rounds,
+# the small shapes), with every grid capped at 8 CTAs so those shapes still give each CTA
+# several work items; --full-size runs the suites' whole sets and grids instead.
+if [ "$FULL_SIZE" = 0 ]; then export MK_TEST_SANITIZE=1 MK_MAX_CTAS=8; fi
 if [ "$RANKS" -gt 1 ]; then
   # Only the suites that run their ranks as threads; the others would start rank processes.
   fused=""
   for s in $SUITES; do case " ag_gemm gemm_reduce moe ring_attn ring_attn_bwd mixed " in *" $s "*) fused="$fused $s" ;; esac; done
   SUITES=$fused
-  export MK_TEST_THREADS=1 MK_MAX_CTAS="$(max_ctas_for "$RANKS")"
+  export MK_TEST_THREADS=1
+  [ "$FULL_SIZE" = 1 ] && export MK_MAX_CTAS="$(max_ctas_for "$RANKS")"
 fi
 SUMMARY="$OUT/sanitize-summary.txt"; LOG="$OUT/sanitize.log"
 : > "$SUMMARY"

@@ -162,7 +162,7 @@ pub(crate) fn shapes() -> Vec<(usize, usize, usize)> {
 
 fn correctness(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let (mut checks, mut failures) = (0, 0);
-    for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
+    for &dtype in fused_common::case_dtypes() {
         for (rows, cols, k) in shapes() {
             let case = Case::new(dtype, rows, cols, k, n, rank)?;
             // The second round without gatheredA (the op must not need it).

@@ -14,6 +14,7 @@ use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::mkComm_t;
 use mkernel::testing::{CapturedGraph, TestBuffer};
+use mkernel::types::mkDataType_t;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -46,6 +47,36 @@ pub fn peers_ready() -> Result<()> {
             control.bootstrap.barrier().map_err(|e| e.context("the rank threads' barrier before a launch"))
         }
         None => Ok(()),
+    }
+}
+
+/// MK_TEST_SANITIZE=1 (scripts/gpu-sanitize.sh sets it): the suites run a set sized for
+/// compute-sanitizer's racecheck and synccheck, which slow a kernel by orders of magnitude,
+/// so that every tool finishes every suite: one element type (the kernels of the other are
+/// the same template), at most two rounds of each case, and only the shapes a suite marks
+/// as small. The sanitizer runs cap the grid (MK_MAX_CTAS) so small shapes still give
+/// every CTA several work items, the path where a ring carries its phases across items.
+pub fn sanitizer_sized() -> bool {
+    std::env::var("MK_TEST_SANITIZE").is_ok_and(|v| v.trim() == "1")
+}
+
+/// The element types a suite's cases run in: both 16-bit types, or bf16 alone when
+/// `sanitizer_sized`.
+pub fn case_dtypes() -> &'static [mkDataType_t] {
+    if sanitizer_sized() {
+        &[mkDataType_t::mkBfloat16]
+    } else {
+        &[mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16]
+    }
+}
+
+/// Rounds of a case: `full`, or at most two when `sanitizer_sized` (two, so the device-side
+/// epochs still advance between calls).
+pub fn case_rounds(full: u64) -> u64 {
+    if sanitizer_sized() {
+        full.min(2)
+    } else {
+        full
     }
 }
 

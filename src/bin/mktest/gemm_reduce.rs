@@ -219,8 +219,6 @@ pub(crate) fn reduced_reference(
     (reference, bounds)
 }
 
-const DTYPES: [mkDataType_t; 2] = [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16];
-
 /// (M, N, K) of each op's cases with `nranks` ranks: decode-sized and odd M (AllReduce,
 /// one-shot), shards off the tile grid; M = n·384 and n·256 take the two-phase AllReduce
 /// when n > 1. N = 4360 (18 tiles of 256, the last partial) gives more reducer items than
@@ -261,7 +259,9 @@ fn shapes(scatter: bool, n: usize) -> Vec<(usize, usize, usize)> {
 /// `across_nodes`: the communicator spans nodes (the node partials' rounding is allowed for).
 pub(crate) fn correctness(comm: mkComm_t, control: &Comm, rank: usize, n: usize, across_nodes: bool) -> Result<()> {
     let table = [true, false].into_iter().flat_map(|scatter| {
-        DTYPES.into_iter().flat_map(move |dtype| shapes(scatter, n).into_iter().map(move |s| (scatter, dtype, s)))
+        fused_common::case_dtypes()
+            .iter()
+            .flat_map(move |&dtype| shapes(scatter, n).into_iter().map(move |s| (scatter, dtype, s)))
     });
     let (mut checks, mut failures) = (0, 0);
     for (scatter, dtype, (m, cols, k)) in table {

@@ -164,7 +164,15 @@ fn back_to_back(comm: mkComm_t, rank: usize, n: usize, across_nodes: bool) -> Re
     let slowed: Vec<Slowed> = seq.cases().into_iter().map(|case| Slowed { case, delay: &delay }).collect();
     let cases: Vec<&dyn FusedCase> = slowed.iter().map(|c| c as &dyn FusedCase).collect();
     let slow_rank_of = |round: u64| delay.slow.set((n > 1).then_some(round as usize % n));
-    let (checks, failures) = fused_common::check_rounds_of(comm, rank, "mixed", &cases, 1, ROUNDS, &slow_rank_of)?;
+    let (checks, failures) = fused_common::check_rounds_of(
+        comm,
+        rank,
+        "mixed",
+        &cases,
+        1,
+        fused_common::case_rounds(ROUNDS),
+        &slow_rank_of,
+    )?;
     fused_common::count_checks(rank, "mixed", checks, failures)
 }
 
@@ -187,7 +195,8 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize, across_nodes: bool) -> Re
         slowed.iter().try_for_each(|c| ffi(&format!("mixed {} (captured)", c.label()), c.launch(comm, s), comm))
     })?;
     let mut failures = 0;
-    for replay in 0..REPLAYS {
+    let replays = fused_common::case_rounds(REPLAYS);
+    for replay in 0..replays {
         for (i, c) in slowed.iter().enumerate() {
             c.prepare(600 + 10 * i as u64 + replay)?;
         }
@@ -210,7 +219,7 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize, across_nodes: bool) -> Re
     say(
         rank,
         format!(
-            "graph capture: {} launches x {REPLAYS} replays, each followed by a direct call, {failures} wrong",
+            "graph capture: {} launches x {replays} replays, each followed by a direct call, {failures} wrong",
             slowed.len()
         ),
     );

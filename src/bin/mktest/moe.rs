@@ -527,7 +527,9 @@ pub(crate) fn capacity_for(s: &Sizes, n: usize, seed: u64, slack: usize) -> Resu
 fn correctness(comm: mkComm_t, _control: &Comm, rank: usize, n: usize) -> Result<()> {
     let (mut checks, mut failures) = (0, 0);
     for (i, s) in sizes_list().into_iter().enumerate() {
-        if s.experts % n != 0 {
+        // Sanitizer-sized (fused_common::sanitizer_sized): the DeepSeek-sized expert matrices
+        // add no code path the smaller hidden sizes do not take.
+        if s.experts % n != 0 || (fused_common::sanitizer_sized() && s.hidden >= 4096) {
             continue;
         }
         let (first_seed, rounds) = (1 + 10 * i as u64, if s.hidden >= 4096 { 1 } else { 2 });
