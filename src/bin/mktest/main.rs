@@ -22,6 +22,7 @@ mod outcome;
 mod ranks;
 mod ring_attn;
 mod ring_attn_bwd;
+mod shared_queue;
 mod smoke;
 mod soak;
 
@@ -32,6 +33,7 @@ type Suite = fn() -> mkernel::Result<Outcome>;
 
 /// Every suite: name, entry point, and the fewest checks one rank of it must execute at any
 /// rank count (below what the case matrix gives at N = 1..8). Add a module and one line.
+/// Under MK_TEST_SANITIZE the fused suites run smaller sets: `SANITIZER_FLOORS`.
 const SUITES: &[(&str, Suite, usize)] = &[
     ("smoke", smoke::run, 4),
     // At least 534 on an H200 (132 SMs): 185 variants of the fixed shapes per dtype, 12 or
@@ -56,12 +58,22 @@ const SUITES: &[(&str, Suite, usize)] = &[
     ("soak", soak::run, soak::CHECKS_PER_ROUND),
     // A survivor: an op before the death, its own stop, two ops on the survivors' communicator.
     ("chaos", chaos::run, 4),
+    // Two ranks of one context whose streams share one hardware queue: both stop with an
+    // error within the timeout, and the next calls report it.
+    ("shared_queue", shared_queue::run, 2),
 ];
 
+/// The floors of the sanitizer-sized sets (fused_common::sanitizer_sized: one dtype, at
+/// most two rounds, the small shapes), about half of the whole sets' floors.
+const SANITIZER_FLOORS: &[(&str, usize)] =
+    &[("ag_gemm", 17), ("gemm_reduce", 36), ("moe", 15), ("ring_attn", 22), ("ring_attn_bwd", 16), ("mixed", 14)];
+
 /// MK_TEST_KILL=only runs a suite's killed-rank test alone: one check per surviving rank.
-fn floor_of(floor: usize) -> usize {
+fn floor_of(name: &str, floor: usize) -> usize {
     if std::env::var("MK_TEST_KILL").is_ok_and(|v| v == "only") {
         1
+    } else if fused_common::sanitizer_sized() {
+        SANITIZER_FLOORS.iter().find(|s| s.0 == name).map_or(floor, |s| s.1)
     } else {
         floor
     }
@@ -89,6 +101,9 @@ fn main() {
         }
         v
     };
+    if ranks::threads_requested() {
+        fused_common::spread_stream_queues();
+    }
     if let Some(why) = gpu_unavailable_reason() {
         for (name, _, _) in &selected {
             println!("[suite {name}] SKIPPED: no GPU ({why})");
@@ -104,7 +119,7 @@ fn main() {
         match run() {
             Ok(Outcome::Ran) => {
                 let checks = outcome::take_tally();
-                let floor = floor_of(*floor);
+                let floor = floor_of(name, *floor);
                 if checks < floor {
                     println!("[suite {name}] FAILED: {checks} checks executed, fewer than the suite's floor of {floor} ({:.1} s)", secs());
                     failed += 1;
@@ -113,7 +128,7 @@ fn main() {
                 }
             }
             Ok(Outcome::Threads { nranks, fewest_checks }) => {
-                let floor = floor_of(*floor);
+                let floor = floor_of(name, *floor);
                 if fewest_checks < floor {
                     println!("[suite {name}] FAILED: a rank thread executed {fewest_checks} checks, fewer than the suite's floor of {floor} ({:.1} s)", secs());
                     failed += 1;
@@ -127,7 +142,7 @@ fn main() {
             Ok(Outcome::Spawned { nranks }) => {
                 println!(
                     "[suite {name}] ok on {nranks} rank processes, each at least {} checks ({:.1} s)",
-                    floor_of(*floor),
+                    floor_of(name, *floor),
                     secs()
                 )
             }
