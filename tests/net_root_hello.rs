@@ -136,7 +136,7 @@ fn a_rank_after_a_complete_rendezvous_is_not_blamed_on_the_idle_limit() {
     let (id, root) = start_root_with(RootLimits::default()).unwrap();
     Bootstrap::join(&id, 0, 1, Duration::from_secs(20)).expect("a one-rank communicator");
     root.join().unwrap(); // the root ends with its rendezvous
-    let e = Bootstrap::join(&id, 0, 1, Duration::from_millis(500)).err().expect("no root to join");
+    let e = Bootstrap::join(&id, 0, 1, Duration::from_secs(1)).err().expect("no root to join");
     assert_eq!(e.code, mkResult_t::mkTimeout, "{e}");
     assert!(e.message.contains("its rendezvous is complete or has failed"), "{e}");
     assert!(!e.message.contains("ROOT_IDLE_LIMIT"), "the idle limit has not passed: {e}");
@@ -144,7 +144,7 @@ fn a_rank_after_a_complete_rendezvous_is_not_blamed_on_the_idle_limit() {
     let idle = Duration::from_millis(200);
     let (id, root) = start_root_with(RootLimits { idle, ..RootLimits::default() }).unwrap();
     root.join().unwrap();
-    let e = Bootstrap::join(&id, 0, 1, Duration::from_millis(500)).err().expect("no root to join");
+    let e = Bootstrap::join(&id, 0, 1, Duration::from_secs(1)).err().expect("no root to join");
     assert!(e.message.contains("ROOT_IDLE_LIMIT"), "{e}");
 }
 

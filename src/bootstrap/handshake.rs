@@ -439,15 +439,21 @@ fn attempt(
 /// comment). The timeout message names the deadline's variable and the last failure.
 pub fn dial(addr: SocketAddr, spec: DialSpec<'_>, deadline: &Deadline, what: &str) -> Result<SecureStream> {
     let mut pause = FIRST_RETRY_PAUSE;
+    // The latest failure that says more than "the deadline passed": an attempt that the
+    // deadline itself cut short would hide why the ones before it failed.
+    let mut last_failure: Option<MkError> = None;
     loop {
         match attempt(addr, spec, deadline, what) {
             Ok(s) => return Ok(s),
             Err(AttemptError::Fatal(e)) => return Err(e),
             Err(AttemptError::Retry(e)) => {
+                if e.code != mkResult_t::mkTimeout || !e.message.contains(deadline.governed_by()) {
+                    last_failure = Some(e);
+                }
                 if deadline.left() <= pause {
                     let mut out = deadline.expired(&what);
-                    if e.code != mkResult_t::mkTimeout || !e.message.contains(deadline.governed_by()) {
-                        out.message.push_str(&format!(" (last attempt: {})", e.message));
+                    if let Some(e) = last_failure {
+                        out.message.push_str(&format!(" (last failure: {})", e.message));
                     }
                     return Err(out);
                 }

@@ -96,7 +96,7 @@ pub fn ended_root_hint(id: &UniqueId) -> String {
     format!(
         "nothing listens at the bootstrap root's address, so the root of this unique id has ended. A root ends once \
          its rendezvous is complete or has failed (a unique id serves one communicator, and every rank must join \
-         within the first rank's MK_BOOTSTRAP_TIMEOUT_MS), when the process that called mkGetUniqueId exits{idle}; \
+         within the first rank's MK_BOOTSTRAP_TIMEOUT_MS), or when the process that called mkGetUniqueId exits{idle}; \
          that process's log (MK_DEBUG=INFO) says which"
     )
 }
@@ -154,7 +154,10 @@ fn serve(listener: &TcpListener, id: &UniqueId, limits: RootLimits) -> Result<()
             )),
         };
         match admitted {
-            Ok(true) => return Ok(()),
+            Ok(true) => {
+                mk_info!(None, "bootstrap root on {}: all {} ranks joined; closing", id.root, rendezvous.nranks);
+                return Ok(());
+            }
             Ok(false) => {}
             Err(e) => return Err(e),
         }
