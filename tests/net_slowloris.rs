@@ -41,7 +41,8 @@ struct AttackCounts {
     connects: usize,
     /// Connections that were handed a handshake slot (a ready challenge).
     slots_won: usize,
-    /// The most slots held at once.
+    /// The most slots it held at once, as it saw them: it notices a close only on its next
+    /// poll, so this can exceed the listener's slot count.
     peak_held: usize,
 }
 

@@ -283,7 +283,7 @@ fn advance(
                 let n = u64::from_le_bytes(p.buf[..LENGTH_BYTES].try_into().expect("8 bytes"));
                 if n > max as u64 {
                     // Judged on the length alone: the rest need not arrive.
-                    let e = MkError::remote(format!("its first frame announces {n} bytes (limit {max})"));
+                    let e = MkError::remote(format!("a first frame of {n} bytes, over the limit of {max}"));
                     return finish(p, dialer, keys, Some(Err(e)));
                 }
                 LENGTH_BYTES + n as usize + TAG_BYTES
