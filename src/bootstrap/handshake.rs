@@ -15,8 +15,10 @@
 //! derived from the same transcript (`frames`).
 //!
 //! A dialer retries until its step's deadline: refused and reset connections, an acceptor
-//! that is busy (too many handshakes in flight) or one that dropped it. It stops at once on
-//! an authentication failure, which is never transient.
+//! that is busy (too many handshakes in flight) or one that dropped it, after a pause with
+//! random jitter. It stops at once on an authentication failure, which is never transient.
+//! While an acceptor's slots are full, a dialer's connection waits in the kernel's accept
+//! queue, and the dialer waits for its challenge (see `acceptor`).
 
 use super::crypto::{hmac_sha256, hmac_sha256_verify, TAG_BYTES};
 use super::frames::{FrameKeys, SecureStream};
@@ -29,6 +31,14 @@ use std::time::Duration;
 pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(5);
 /// How timeout messages name `HANDSHAKE_LIMIT`.
 pub const HANDSHAKE_LIMIT_NAME: &str = "mkernel's fixed HANDSHAKE_LIMIT";
+/// How long an accepted connection keeps its handshake slot without sending its proof
+/// while other connections wait for a slot. The proof is one round trip after the
+/// challenge; this allows for hundreds of LAN round trips and a dialer descheduled on a
+/// busy host. A dialer that misses it is closed and retries.
+pub const PROOF_GRACE: Duration = Duration::from_millis(250);
+/// A dialer's first pause between attempts; it doubles up to `MAX_RETRY_PAUSE`.
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(5);
+const MAX_RETRY_PAUSE: Duration = Duration::from_millis(200);
 
 const CHALLENGE_MAGIC: &[u8; 4] = b"MKA2";
 const PROOF_MAGIC: &[u8; 4] = b"MKD2";
@@ -77,7 +87,8 @@ impl Purpose {
 #[repr(u8)]
 pub enum ChallengeStatus {
     Ready = 0,
-    /// Too many handshakes in flight: try again shortly.
+    /// Too many handshakes in flight: try again shortly. mkernel's acceptors queue
+    /// newcomers instead (`acceptor`), but a dialer still treats it as a reason to retry.
     Busy = 1,
 }
 
@@ -427,29 +438,54 @@ fn attempt(
 /// Dials `addr` and completes the handshake, retrying until `deadline` (see the module
 /// comment). The timeout message names the deadline's variable and the last failure.
 pub fn dial(addr: SocketAddr, spec: DialSpec<'_>, deadline: &Deadline, what: &str) -> Result<SecureStream> {
-    let mut pause = Duration::from_millis(5);
+    let mut pause = FIRST_RETRY_PAUSE;
+    // The latest failure that says more than "the deadline passed": an attempt that the
+    // deadline itself cut short would hide why the ones before it failed.
+    let mut last_failure: Option<MkError> = None;
     loop {
         match attempt(addr, spec, deadline, what) {
             Ok(s) => return Ok(s),
             Err(AttemptError::Fatal(e)) => return Err(e),
             Err(AttemptError::Retry(e)) => {
+                if e.code != mkResult_t::mkTimeout || !e.message.contains(deadline.governed_by()) {
+                    last_failure = Some(e);
+                }
                 if deadline.left() <= pause {
                     let mut out = deadline.expired(&what);
-                    if e.code != mkResult_t::mkTimeout || !e.message.contains(deadline.governed_by()) {
-                        out.message.push_str(&format!(" (last attempt: {})", e.message));
+                    if let Some(e) = last_failure {
+                        out.message.push_str(&format!(" (last failure: {})", e.message));
                     }
                     return Err(out);
                 }
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(200));
+                std::thread::sleep(jittered(pause));
+                pause = (pause * 2).min(MAX_RETRY_PAUSE);
             }
         }
     }
 }
 
+/// A pause drawn uniformly from [pause / 2, pause], so dialers that failed together do not
+/// come back together.
+fn jittered(pause: Duration) -> Duration {
+    let mut r = [0u8; 4];
+    if random_bytes(&mut r).is_err() {
+        return pause;
+    }
+    let half = pause / 2;
+    half + half.mul_f64(f64::from(u32::from_le_bytes(r)) / f64::from(u32::MAX))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retry_pauses_are_jittered_within_half_to_whole() {
+        let pause = Duration::from_millis(200);
+        let pauses: Vec<Duration> = (0..64).map(|_| jittered(pause)).collect();
+        assert!(pauses.iter().all(|p| (pause / 2..=pause).contains(p)), "{pauses:?}");
+        assert!(pauses.iter().any(|p| *p != pauses[0]), "64 equal pauses: no jitter");
+    }
 
     fn spec(key: &[u8]) -> DialSpec<'_> {
         DialSpec { key, session: 42, purpose: Purpose::BootstrapRing, dialer: 3, target: 4 }

@@ -20,7 +20,7 @@ use crate::error::{MkError, Result};
 use crate::mk_info;
 use acceptor::{Acceptor, AcceptorConfig};
 use frames::SecureStream;
-use handshake::{DialSpec, Purpose, HANDSHAKE_LIMIT, ROOT_ID};
+use handshake::{DialSpec, Purpose, HANDSHAKE_LIMIT, PROOF_GRACE, ROOT_ID};
 use net::Deadline;
 use parking_lot::Mutex;
 use std::net::{Shutdown, TcpStream};
@@ -30,8 +30,8 @@ use wire::{Hello, RootReply, MAX_ROOT_REPLY_BYTES};
 /// Largest payload a rank sends in one bootstrap collective; a peer's frame over it is a
 /// protocol error, not an allocation.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
-/// Handshakes a rank's ring listener runs at once.
-const RING_MAX_IN_FLIGHT: usize = 16;
+/// Handshakes a rank's ring listener runs at once (more wait in its queue).
+pub const RING_MAX_IN_FLIGHT: usize = 16;
 
 /// The most ranks a communicator may have. Every rank count that comes from C or from the
 /// network is checked against it before anything is sized by it (the root's tables grow
@@ -94,11 +94,8 @@ impl Bootstrap {
         };
         let mut root = handshake::dial(id.root, spec, &deadline, &what).map_err(|mut e| {
             if e.code == crate::error::mkResult_t::mkTimeout && e.message.contains("refused") {
-                e.message.push_str(&format!(
-                    "; nothing listens at the root's address: the process that called mkGetUniqueId exited, or \
-                     its root stopped after ROOT_IDLE_LIMIT={} s with no rank joining",
-                    root::ROOT_IDLE_LIMIT.as_secs()
-                ));
+                e.message.push_str("; ");
+                e.message.push_str(&root::ended_root_hint(id));
             }
             e
         })?;
@@ -152,6 +149,7 @@ impl Bootstrap {
                     me: rank as u32,
                     max_in_flight: RING_MAX_IN_FLIGHT,
                     handshake_limit: HANDSHAKE_LIMIT,
+                    proof_grace: PROOF_GRACE,
                     first_frame_max: None,
                     log_rank: Some(rank),
                 };

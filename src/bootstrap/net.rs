@@ -4,6 +4,7 @@
 use crate::error::{MkError, Result};
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 /// Fills `buf` from the kernel's random source.
@@ -183,9 +184,22 @@ pub fn local_address() -> Result<IpAddr> {
     Ok(pick.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
 }
 
+/// Connections a listener's kernel queue holds while every handshake slot is taken; they
+/// wait there in arrival order (see `acceptor`). The kernel caps it at
+/// `net.core.somaxconn`.
+pub const LISTEN_BACKLOG: i32 = 1024;
+
+/// A non-blocking listener on `addr`, on a port the kernel picks, with a `LISTEN_BACKLOG`
+/// queue.
 pub fn bind_listener(addr: IpAddr) -> Result<TcpListener> {
     let l = TcpListener::bind(SocketAddr::new(addr, 0))
         .map_err(|e| MkError::system(format!("cannot listen on {addr}: {e}")))?;
+    // listen(2) again on a listening socket only sets its queue's length.
+    // SAFETY: a plain syscall on a descriptor `l` owns.
+    if unsafe { libc::listen(l.as_raw_fd(), LISTEN_BACKLOG) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(MkError::system(format!("cannot listen on {addr}: {e}")));
+    }
     l.set_nonblocking(true)?;
     Ok(l)
 }

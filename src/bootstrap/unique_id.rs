@@ -1,9 +1,11 @@
 //! `mkUniqueId`: 128 opaque bytes carrying the root's address and port, a random 128-bit
-//! secret every joining connection must prove it knows, and a random session number.
+//! secret every joining connection must prove it knows, a random session number, and when
+//! the root stops waiting for its first rank.
 
 use super::net::random_bytes;
 use crate::error::{MkError, Result};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::time::{Duration, SystemTime};
 
 pub const UNIQUE_ID_BYTES: usize = 128;
 const MAGIC: &[u8; 4] = b"MKU1";
@@ -13,6 +15,10 @@ pub struct UniqueId {
     pub root: SocketAddr,
     pub secret: [u8; 16],
     pub session: u64,
+    /// When the root closes if no rank has joined by then, in ms since the Unix epoch on
+    /// the root's clock (0: unknown). A rank that finds no root uses it to say truthfully
+    /// whether that limit can be why.
+    pub root_idle_until_ms: u64,
 }
 
 /// Writes a socket address as family (1 byte), port (2), address (16).
@@ -48,13 +54,28 @@ pub fn decode_addr(b: &[u8]) -> Result<SocketAddr> {
     Ok(SocketAddr::new(ip, port))
 }
 
+fn unix_time() -> Duration {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default()
+}
+
 impl UniqueId {
     pub fn new(root: SocketAddr) -> Result<Self> {
         let mut secret = [0u8; 16];
         random_bytes(&mut secret)?;
         let mut session = [0u8; 8];
         random_bytes(&mut session)?;
-        Ok(UniqueId { root, secret, session: u64::from_le_bytes(session) })
+        Ok(UniqueId { root, secret, session: u64::from_le_bytes(session), root_idle_until_ms: 0 })
+    }
+
+    /// This id, recording that its root closes `idle` from now if no rank joins.
+    pub fn with_root_idle_limit(self, idle: Duration) -> Self {
+        let until = unix_time().saturating_add(idle);
+        UniqueId { root_idle_until_ms: until.as_millis().min(u128::from(u64::MAX)) as u64, ..self }
+    }
+
+    /// Whether the root's wait for its first rank is over (true when unknown).
+    pub fn root_idle_limit_passed(&self) -> bool {
+        unix_time().as_millis() >= u128::from(self.root_idle_until_ms)
     }
 
     pub fn to_bytes(&self) -> [u8; UNIQUE_ID_BYTES] {
@@ -63,6 +84,7 @@ impl UniqueId {
         encode_addr(&self.root, &mut v);
         v.extend_from_slice(&self.secret);
         v.extend_from_slice(&self.session.to_le_bytes());
+        v.extend_from_slice(&self.root_idle_until_ms.to_le_bytes());
         let mut out = [0u8; UNIQUE_ID_BYTES];
         out[..v.len()].copy_from_slice(&v);
         out
@@ -78,7 +100,8 @@ impl UniqueId {
         let o = 4 + ENCODED_ADDR_BYTES;
         let secret: [u8; 16] = b[o..o + 16].try_into().expect("16 bytes");
         let session = u64::from_le_bytes(b[o + 16..o + 24].try_into().expect("8 bytes"));
-        Ok(UniqueId { root, secret, session })
+        let root_idle_until_ms = u64::from_le_bytes(b[o + 24..o + 32].try_into().expect("8 bytes"));
+        Ok(UniqueId { root, secret, session, root_idle_until_ms })
     }
 }
 
@@ -89,10 +112,19 @@ mod tests {
     #[test]
     fn round_trips_v4_and_v6() {
         for root in ["10.1.2.3:4567".parse().unwrap(), "[2001:db8::7]:9".parse().unwrap()] {
-            let id = UniqueId::new(root).unwrap();
+            let id = UniqueId::new(root).unwrap().with_root_idle_limit(Duration::from_secs(60));
             let back = UniqueId::from_bytes(&id.to_bytes()).unwrap();
             assert_eq!(back, id);
         }
+    }
+
+    #[test]
+    fn the_root_idle_limit_is_known_to_have_passed_only_once_it_has() {
+        let root = "127.0.0.1:1".parse().unwrap();
+        let fresh = UniqueId::new(root).unwrap();
+        assert!(fresh.root_idle_limit_passed(), "unknown counts as passed");
+        assert!(!fresh.with_root_idle_limit(Duration::from_secs(60)).root_idle_limit_passed());
+        assert!(fresh.with_root_idle_limit(Duration::ZERO).root_idle_limit_passed());
     }
 
     #[test]

@@ -18,7 +18,7 @@
 use super::staging::{missing_context, nth_chunk, DeviceStager, STAGING_HEADROOM};
 use super::{check_peers, check_put_ranges, MemoryKind, PostId, PutRequest, Transport, TransportAuth, Window};
 use crate::bootstrap::acceptor::{Acceptor, AcceptorConfig};
-use crate::bootstrap::handshake::{self, DialSpec, Purpose, HANDSHAKE_LIMIT};
+use crate::bootstrap::handshake::{self, DialSpec, Purpose, HANDSHAKE_LIMIT, PROOF_GRACE};
 use crate::bootstrap::net::{self, Deadline, TRANSPORT_TIMEOUT_VAR};
 use crate::bootstrap::unique_id::{decode_addr, encode_addr, ENCODED_ADDR_BYTES};
 use crate::error::{MkError, Result};
@@ -39,8 +39,8 @@ const FRAME_PUT: u32 = 1;
 const FRAME_CLOSE: u32 = 2;
 /// Puts up to this size are sent with their header in one write.
 const SMALL_PUT_BYTES: usize = 64 << 10;
-/// Handshakes a rank's transport listener runs at once.
-const TRANSPORT_MAX_IN_FLIGHT: usize = 32;
+/// Handshakes a rank's transport listener runs at once (more wait in its queue).
+pub const TRANSPORT_MAX_IN_FLIGHT: usize = 32;
 /// How often an idle receiver looks at the closing flag.
 const IDLE_POLL: Duration = Duration::from_millis(100);
 
@@ -222,6 +222,7 @@ impl SocketTransport {
             me: self.rank as u32,
             max_in_flight: TRANSPORT_MAX_IN_FLIGHT,
             handshake_limit: HANDSHAKE_LIMIT,
+            proof_grace: PROOF_GRACE,
             first_frame_max: None,
             log_rank: Some(self.rank),
         };
