@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-megatron_core = pytest.importorskip("megatron.core", reason="megatron-core is not installed (scripts/test-python.sh installs it)")
+if os.environ.get("MK_TEST_MEGATRON") == "required":  # scripts/test-python.sh installs it: never skip there
+    import megatron.core  # noqa: F401
+else:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (scripts/test-python.sh installs it)")
 
 import torch.distributed as dist  # noqa: E402
 
