@@ -56,7 +56,9 @@ def transformer_config(args):
         num_moe_experts=args.experts,
         moe_router_topk=args.topk,
         moe_ffn_hidden_size=args.moe_ffn,
-        moe_token_dispatcher_type="alltoall",
+        # AllGather/ReduceScatter dispatch for the local spec: libmkernel-nccl's standalone mode
+        # (ranks sharing one GPU) has no send/receive for an all-to-all. mkernel's spec ignores it.
+        moe_token_dispatcher_type="allgather",
         moe_aux_loss_coeff=0.0,
     ) if args.experts else {}
     return TransformerConfig(

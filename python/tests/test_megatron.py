@@ -151,6 +151,14 @@ def build_layers(cfg, comms, **spec_args):
     return local, fused
 
 
+def build_mkernel_layer(cfg, comms, **spec_args):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from mkernel.megatron import get_gpt_layer_mkernel_spec
+
+    return build_module(get_gpt_layer_mkernel_spec(comms, **spec_args), config=cfg, layer_number=1)
+
+
 def assert_checkpoints_interchange(a: torch.nn.Module, b: torch.nn.Module):
     """a's state dict loads into b strictly and b then holds exactly a's tensors (keys, shapes, values)."""
     sa, sb = a.state_dict(), b.state_dict()
@@ -315,7 +323,7 @@ def test_unsupported_dense_configs_are_refused_at_build(megatron_world, override
     from mkernel.megatron import Communicators
 
     with pytest.raises(MkInvalidArgumentError, match=match):
-        build_layers(config(**overrides), Communicators(factory=RecordingFactory()), **spec_args)
+        build_mkernel_layer(config(**overrides), Communicators(factory=RecordingFactory()), **spec_args)
 
 
 @pytest.mark.parametrize("option", ["multi_latent_attention", "moe_grouped_gemm"])
@@ -342,7 +350,7 @@ def test_unsupported_moe_configs_are_refused_at_build(megatron_world, overrides,
 
     experts = overrides.get("num_moe_experts", 4)
     with pytest.raises(MkInvalidArgumentError, match=match):
-        build_layers(moe_config(**overrides), Communicators(factory=RecordingFactory()), num_experts=experts)
+        build_mkernel_layer(moe_config(**overrides), Communicators(factory=RecordingFactory()), num_experts=experts)
 
 
 def test_megatron_cp_sharding_is_mkernel_zigzag(megatron_world):  # get_pg_size reads the group once dist is up
@@ -517,14 +525,20 @@ def _moe_ep2_body(rank, world_size):
     w1 = torch.randn(experts, ffn, hidden, dtype=torch.float64) / 8
     w2 = torch.randn(experts, hidden, ffn, dtype=torch.float64) / 8
     act = torch.nn.functional.gelu
+    w1.requires_grad_(True)
     whole = moe_reference(x, idx, weights, w1, w2, act)
+    whole.square().sum().backward()
     mine = slice(rank * tokens, (rank + 1) * tokens)
     local = slice(rank * experts // 2, (rank + 1) * experts // 2)
-    w1_local = w1[local].clone().requires_grad_(True)
-    out = moe_reference(x[mine], idx[mine], weights[mine], w1_local, w2[local].clone(), act, group)
+    w1_local = w1[local].detach().clone().requires_grad_(True)
+    x_mine = x[mine].clone().requires_grad_(True)
+    out = moe_reference(x_mine, idx[mine], weights[mine], w1_local, w2[local].clone(), act, group)
     torch.testing.assert_close(out, whole[mine])
-    out.sum().backward()
-    assert w1_local.grad is not None and w1_local.grad.abs().sum() > 0
+    # Each rank's loss is its own tokens' part; the gradient of the sum over ranks reaches
+    # this rank's experts from every rank's tokens through the gathers.
+    out.square().sum().backward()
+    assert w1_local.grad.abs().sum() > 0
+    torch.testing.assert_close(w1_local.grad, w1.grad[local])
     return True
 
 

@@ -33,7 +33,8 @@ def check_communicators(layer: str, communicators) -> None:
     if not isinstance(communicators, Communicators):
         raise MkInvalidArgumentError(
             f"mkernel.megatron.{layer}: expected communicators to be an mkernel.megatron.Communicators, "
-            f"but got {type(communicators).__name__} (build the layer through get_gpt_layer_mkernel_spec(communicators))"
+            f"but got {type(communicators).__name__} (build the layer through "
+            "get_gpt_layer_mkernel_spec(communicators))"
         )
 
 

@@ -13,8 +13,9 @@ with the local spec. The fused ops take each GEMM's weights as one [E_local, N, 
 tensor: the forward stacks the experts' weights (one copy of them per step).
 
 The library has no backward for its MoE ops yet. The backward here recomputes the
-layer unfused from the saved inputs (torch's all-to-all over the expert-parallel group,
-the same GEMMs and activation, `moe_reference`) and differentiates that: gradients
+layer unfused from the saved inputs (the tokens all-gathered over the expert-parallel
+group, the same GEMMs and activation, the outputs summed back: `moe_reference`)
+and differentiates that: gradients
 reach x, the router's probabilities and every expert weight, at the cost of one more
 forward of the experts.
 """
@@ -66,42 +67,37 @@ def moe_reference(x, topk_idx, topk_weights, w1, w2, activation, ep_group=None):
     x [tokens, hidden]; topk_idx [tokens, k] (-1: none), topk_weights [tokens, k] float32;
     w1 [E_local, ffn, hidden], w2 [E_local, hidden, ffn] of this rank's experts
     [r·E_local, (r+1)·E_local). out[t] = Σ_j topk_weights[t, j] · expert_e(x[t]).
+
+    Over an expert-parallel group (every rank with the same token count) the tokens, ids
+    and weights are all-gathered, each rank applies its own experts to the choices that
+    name them, and the partial outputs are summed over the group, each rank keeping its
+    rows: AllGather, AllReduce and (in the backward) ReduceScatter only, which
+    libmkernel-nccl's standalone mode serves; it has no send/receive for an all-to-all.
     """
-    tokens, k = topk_idx.shape
-    local_experts = w1.shape[0]
     ep = dist.get_world_size(ep_group) if ep_group is not None else 1
     rank = dist.get_rank(ep_group) if ep_group is not None else 0
-    flat = topk_idx.reshape(-1).to(torch.int64)
-    slots = torch.nonzero(flat >= 0).squeeze(1)
-    order = torch.argsort(flat[slots], stable=True)
-    slots = slots[order]
-    expert = flat[slots]
-    rows = x[slots // k]
     if ep > 1:
-        send = torch.bincount(expert // local_experts, minlength=ep)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=ep_group)
-        send_sizes, recv_sizes = send.tolist(), recv.tolist()
-        received_expert = expert.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(received_expert, expert, recv_sizes, send_sizes, group=ep_group)
-        received = rows.new_empty(sum(recv_sizes), rows.shape[1])
-        received = dist.nn.functional.all_to_all_single(received, rows, recv_sizes, send_sizes, group=ep_group)
+        x_all = torch.cat(dist.nn.functional.all_gather(x, group=ep_group))
+        weights_all = torch.cat(dist.nn.functional.all_gather(topk_weights, group=ep_group))
+        idx_all = [torch.empty_like(topk_idx) for _ in range(ep)]
+        dist.all_gather(idx_all, topk_idx.contiguous(), group=ep_group)
+        idx_all = torch.cat(idx_all)
     else:
-        received, received_expert = rows, expert
-    local = received_expert - rank * local_experts
-    out_rows = received.new_zeros(received.shape[0], w2.shape[1])
+        x_all, weights_all, idx_all = x, topk_weights, topk_idx
+    local_experts = w1.shape[0]
+    k = idx_all.shape[1]
+    local = idx_all.to(torch.int64).reshape(-1) - rank * local_experts
+    accumulate = torch.promote_types(torch.float32, x.dtype)  # fp32 sums, as moe_gemm_combine's
+    out = torch.zeros(x_all.shape[0], w2.shape[1], dtype=accumulate, device=x.device)
     for e in range(local_experts):
-        at = torch.nonzero(local == e).squeeze(1)
-        if at.numel():
-            y = activation(received[at] @ w1[e].t()) @ w2[e].t()
-            out_rows = out_rows.index_copy(0, at, y)
+        slots = torch.nonzero(local == e).squeeze(1)
+        if slots.numel():
+            tokens = slots // k
+            y = activation(x_all[tokens] @ w1[e].t()) @ w2[e].t()
+            out = out.index_add(0, tokens, y.to(accumulate) * weights_all.reshape(-1)[slots].unsqueeze(1))
     if ep > 1:
-        back = out_rows.new_empty(rows.shape[0], out_rows.shape[1])
-        back = dist.nn.functional.all_to_all_single(back, out_rows, send_sizes, recv_sizes, group=ep_group)
-    else:
-        back = out_rows
-    weighted = back.to(torch.float32) * topk_weights.reshape(-1)[slots].unsqueeze(1)
-    out = weighted.new_zeros(tokens, back.shape[1]).index_add(0, slots // k, weighted)
+        # An AllReduce and this rank's rows: gloo (the CPU tests) has no ReduceScatter.
+        out = dist.nn.functional.all_reduce(out, group=ep_group)[rank * x.shape[0] : (rank + 1) * x.shape[0]]
     return out.to(x.dtype)
 
 
@@ -163,7 +159,8 @@ class MkernelMoELayer(MoELayer):
         check_communicators(layer, communicators)
         ep_size = config.expert_model_parallel_size
         if config.num_moe_experts % ep_size != 0:
-            refuse(layer, "config.num_moe_experts", config.num_moe_experts, [f"multiples of expert_model_parallel_size ({ep_size})"])
+            multiples = f"multiples of expert_model_parallel_size ({ep_size})"
+            refuse(layer, "config.num_moe_experts", config.num_moe_experts, [multiples])
         check_moe(layer, config, num_local_experts=config.num_moe_experts // ep_size, ep_size=ep_size)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
         if not isinstance(self.experts, MkernelExperts):
