@@ -89,7 +89,8 @@ def local_norm_takes_sequence_parallel() -> bool:
     return gpt_layer_specs.HAVE_APEX
 
 
-def build_model(args, config):
+def build_model(args, config, **communicator_options):
+    """GPTModel with the chosen spec; for --spec mkernel also its Communicators (options passed on)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -98,7 +99,8 @@ def build_model(args, config):
     if args.spec == "mkernel":
         import mkernel.megatron  # mkernel
 
-        communicators = mkernel.megatron.Communicators()  # mkernel: one per model, over parallel_state's groups
+        # mkernel: one per model, over parallel_state's groups
+        communicators = mkernel.megatron.Communicators(**communicator_options)
         spec = mkernel.megatron.get_gpt_layer_mkernel_spec(  # mkernel
             communicators, num_experts=experts, normalization="RMSNorm"
         )
@@ -145,7 +147,7 @@ def main(argv=None):
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -174,6 +176,12 @@ def main(argv=None):
         OptimizerConfig(optimizer="adam", lr=args.lr, bf16=True, use_distributed_optimizer=False, clip_grad=1.0),
         [model],
     )
+
+    # As Megatron's training loop wires them: the data-parallel (and CP) gradient reduction and
+    # the sum of sequence-parallel parameters' gradients over the TP group run in finalize_model_grads.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model.no_sync
 
     batches = synthetic_batches(
         args, parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(), "cuda"

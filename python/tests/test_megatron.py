@@ -501,17 +501,20 @@ def _two_rank_body(rank, world_size):
     assert ep.group is parallel_state.get_expert_model_parallel_group() and ep.world_size == 2
     assert len(fused.mlp.experts.local_experts) == 4
     comms.close()
+    # In the same processes (each spawn costs seconds of imports): the MoE recomputation over EP = 2.
+    report["moe_reference_ep2"] = _moe_reference_over_two_ranks(rank)
     return report
 
 
-def test_tp_cp_ep_of_two_ranks_wire_megatrons_groups():
+def test_tp_cp_ep_of_two_ranks_wire_megatrons_groups_and_moe_recomputes_over_ep():
     results = run_ranks(2, _two_rank_body)
     for rank in range(2):
+        assert results[rank]["moe_reference_ep2"] is True
         assert "sequence parallel not supported by torch LayerNorm" in results[rank]["local_spec_sp"]
         assert "Context parallelism is only supported by TEDotProductAttention" in results[rank]["local_spec_cp"]
 
 
-def _moe_ep2_body(rank, world_size):
+def _moe_reference_over_two_ranks(rank):
     """moe_reference over two expert-parallel ranks equals the one-rank computation with all experts."""
     from mkernel.megatron import moe_reference
 
@@ -542,8 +545,36 @@ def _moe_ep2_body(rank, world_size):
     return True
 
 
-def test_moe_reference_over_two_expert_parallel_ranks():
-    assert run_ranks(2, _moe_ep2_body) == {0: True, 1: True}
+def _load_example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt", REPO / "examples/megatron/train_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_example_builds_both_specs_and_they_share_checkpoints(megatron_world):
+    """The example's own config and model builder (its training loop needs a GPU): both specs,
+    MoE, checkpoints interchange; the local spec with sequence parallelism is refused without Apex."""
+    example = _load_example()
+    small = ["--layers", "2", "--hidden", "256", "--heads", "4", "--ffn", "512", "--seq", "64", "--vocab", "512"]
+    for extra in ([], ["--experts", "4", "--moe-ffn", "128"]):
+        models = {}
+        for spec in ("mkernel", "local"):
+            args = example.parse_args(["--spec", spec, *small, *extra])
+            config = example.transformer_config(args)
+            config.use_cpu_initialization = True
+            models[spec], communicators = example.build_model(args, config, factory=RecordingFactory())
+            assert (communicators is None) == (spec == "local")
+        assert type(models["mkernel"].decoder.layers[0].self_attention.core_attention).__name__ == "MkernelRingAttention"
+        assert_checkpoints_interchange(models["mkernel"], models["local"])
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if not gpt_layer_specs.HAVE_APEX:
+        args = example.parse_args(["--spec", "local", "--sequence-parallel", "--tp", "2", *small])
+        with pytest.raises(SystemExit, match="needs Apex's FusedLayerNorm"):
+            example.build_model(args, example.transformer_config(args))
 
 
 def test_the_example_parses_its_arguments():
