@@ -29,7 +29,6 @@ else:
 
 import torch.distributed as dist  # noqa: E402
 
-import mkernel  # noqa: E402
 from mkernel.errors import MkInvalidArgumentError, MkInvalidUsageError  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Apex is not installed")
@@ -185,13 +184,11 @@ def assert_checkpoints_interchange(a: torch.nn.Module, b: torch.nn.Module):
 def megatron_world():
     """parallel_state initialised over a one-rank gloo group (TP = CP = EP = 1)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(0)
-    del model_parallel_cuda_manual_seed
     yield parallel_state
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
