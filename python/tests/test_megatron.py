@@ -277,6 +277,53 @@ def test_gpt_model_checkpoints_interchange(megatron_world):
     assert made and all(c.closed for c in made)
 
 
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_fused_paths_give_megatrons_shapes_forward_and_backward(megatron_world, shape_comm, sequence_parallel):
+    """Each mkernel module's fused path at two tensor-/context-parallel ranks, on meta tensors
+    (the ops' shape-only implementations): Megatron's output shapes and bias handling, and
+    gradients shaped like the inputs and parameters through the fused autograd functions.
+    The communicator is a shape-only stand-in of world size 2, so no data moves."""
+    from mkernel.megatron import Communicators
+
+    layer = build_mkernel_layer(config(), Communicators(factory=RecordingFactory())).to("meta")
+    two = shape_comm(2)
+    s, b, h = 8, 2, 256
+    attention, mlp = layer.self_attention, layer.mlp
+    for module in (attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2):
+        module.comm, module.sequence_parallel = two, sequence_parallel
+    shard = s // 2 if sequence_parallel else s
+
+    def run(module, x):
+        x = x.detach().requires_grad_(True)
+        y, bias = module(x)
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+        for p in module.parameters():
+            if p.grad is not None:
+                assert p.grad.shape == p.shape
+        return y, bias
+
+    qkv_width = attention.linear_qkv.output_size_per_partition
+    y, bias = run(attention.linear_qkv, torch.empty(shard, b, h, dtype=torch.bfloat16, device="meta"))
+    assert y.shape == (s, b, qkv_width) and bias is None  # skip_bias_add=False: added inside
+    assert attention.linear_qkv.weight.grad is not None and attention.linear_qkv.bias.grad is not None
+    y, bias = run(attention.linear_proj, torch.empty(s, b, h, dtype=torch.bfloat16, device="meta"))
+    assert y.shape == (shard, b, h) and bias is attention.linear_proj.bias  # skip_bias_add=True: returned
+    y, _ = run(mlp.linear_fc1, torch.empty(shard, b, h, dtype=torch.bfloat16, device="meta"))
+    assert y.shape == (s, b, mlp.linear_fc1.output_size_per_partition)
+    y, _ = run(mlp.linear_fc2, torch.empty(s, b, 512, dtype=torch.bfloat16, device="meta"))
+    assert y.shape == (shard, b, h)
+
+    core = attention.core_attention
+    core.comm = shape_comm(2)
+    heads, d = 4, 64
+    q, k, v = (torch.empty(s, b, heads, d, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in range(3))
+    out = core(q, k, v, None)
+    assert out.shape == (s, b, heads * d)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
 def test_communicators_close_once_and_refuse_afterwards(megatron_world):
     from mkernel.megatron import Communicators
 

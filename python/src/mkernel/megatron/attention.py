@@ -103,7 +103,7 @@ class MkernelRingAttention(MegatronModule):
             refuse("MkernelRingAttention.forward", "attention_mask", "a tensor", ["None (or a causal mask)"])
         q, k, v = (t.transpose(0, 1).contiguous() for t in (query, key, value))
         out, _lse = ring_attention(
-            q, k, v, self.comm, softmax_scale=self.softmax_scale, causal=mask_type == AttnMaskType.causal
+            q, k, v, self.comm.name, softmax_scale=self.softmax_scale, causal=mask_type == AttnMaskType.causal
         )
         s, b = query.shape[0], query.shape[1]
         return out.transpose(0, 1).reshape(s, b, -1)

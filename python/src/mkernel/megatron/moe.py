@@ -115,9 +115,9 @@ class _FusedMoe(torch.autograd.Function):
     def forward(ctx, x, topk_weights, w1, w2, topk_idx, layer):
         tokens, topk = topk_idx.shape
         capacity = receive_capacity(tokens, topk, w1.shape[0], layer.comm.world_size)
-        dispatched = moe_dispatch_gemm(x, topk_idx, w1, layer.comm, capacity)
+        dispatched = moe_dispatch_gemm(x, topk_idx, w1, layer.comm.name, capacity)
         y_act = layer.activation(dispatched.y).contiguous()
-        out = moe_gemm_combine(y_act, w2, topk_weights, dispatched.layout, layer.comm)
+        out = moe_gemm_combine(y_act, w2, topk_weights, dispatched.layout, layer.comm.name)
         ctx.save_for_backward(x, topk_weights, w1, w2, topk_idx)
         ctx.layer = layer
         return out
