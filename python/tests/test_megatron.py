@@ -218,6 +218,7 @@ def test_the_spec_swaps_only_the_parallel_modules(megatron_world):
     assert type(fused.mlp.linear_fc1) is MkernelColumnParallelLinear
     assert type(fused.mlp.linear_fc2) is MkernelRowParallelLinear
     assert isinstance(fused.mlp.linear_fc1, ColumnParallelLinear) and isinstance(fused.mlp.linear_fc2, RowParallelLinear)
+
     def names(model):  # the module tree, less DotProductAttention's own softmax and dropout modules
         inner = "self_attention.core_attention."
         return [(n, type(c).__name__) for n, c in model.named_modules() if not n.startswith(inner)]

@@ -114,7 +114,7 @@ class Communicators:
                 )
         comm = self._made.get(role)
         if comm is None:
-            if self._finalizer.alive is False:
+            if not self._finalizer.alive:
                 raise MkInvalidUsageError("mkernel.megatron.Communicators: closed; make new Communicators")
             comm = self._factory(mine, name=f"megatron-{role}:{id(self):x}")
             self._made[role] = comm
