@@ -63,6 +63,9 @@ else
     cached --no-deps "torch==$TORCH_VERSION"
   fi
   cached -r python/requirements-test-cpu.txt
+  # mkernel.megatron's tests need the real megatron-core; required here, so they cannot skip.
+  cached --no-deps -r python/requirements-test-megatron.txt
+  export MK_TEST_MEGATRON=required
   if [ "${MK_PYTHON_TORCH:-stubbed}" != full ]; then
     stubs="$PWD/$venv/cuda-stubs"
     torch_lib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/torch/lib
