@@ -101,13 +101,6 @@ fn main() {
         usage();
         std::process::exit(2);
     };
-    // --threads runs the ranks as threads of one context, whose streams CUDA spreads over
-    // CUDA_DEVICE_MAX_CONNECTIONS hardware queues: two ranks in one queue cannot run together
-    // (docs/thread-safety.md), so ask for the most there are unless the caller set it. The
-    // driver reads it when it creates the context: here, before any CUDA call.
-    if args[1..].iter().any(|a| a == "--threads") && std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
-        std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
-    }
     if args[1..].iter().any(|a| a == "--help" || a == "-h") {
         println!("mkbench {op}: {help}\n  every op also takes --json PATH (docs/benchmarks.md)");
         return;

@@ -50,21 +50,6 @@ pub fn peers_ready() -> Result<()> {
     }
 }
 
-/// CUDA spreads a context's streams over CUDA_DEVICE_MAX_CONNECTIONS hardware queues
-/// (default 8), and a queue runs its kernels in order: rank threads whose streams land in
-/// one queue serialize, and since each rank's kernel waits for the other's, the first one
-/// waits out its timeout (the `shared_queue` suite shows that). The rank-thread suites test
-/// the ops, not that hazard, so they ask for the most queues there are (32; the driver reads
-/// the variable when it creates the context, so this runs before any CUDA call) unless the
-/// caller set it.
-pub fn spread_stream_queues() {
-    const VAR: &str = "CUDA_DEVICE_MAX_CONNECTIONS";
-    if std::env::var_os(VAR).is_none() {
-        // At the start of main, before any thread is spawned.
-        std::env::set_var(VAR, "32");
-    }
-}
-
 /// MK_TEST_SANITIZE=1 (scripts/gpu-sanitize.sh sets it): the suites run a set sized for
 /// compute-sanitizer's racecheck and synccheck, which slow a kernel by orders of magnitude,
 /// so that every tool finishes every suite: one element type (the kernels of the other are

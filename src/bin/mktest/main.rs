@@ -22,7 +22,6 @@ mod outcome;
 mod ranks;
 mod ring_attn;
 mod ring_attn_bwd;
-mod shared_queue;
 mod smoke;
 mod soak;
 
@@ -58,9 +57,6 @@ const SUITES: &[(&str, Suite, usize)] = &[
     ("soak", soak::run, soak::CHECKS_PER_ROUND),
     // A survivor: an op before the death, its own stop, two ops on the survivors' communicator.
     ("chaos", chaos::run, 4),
-    // Two ranks of one context whose streams share one hardware queue: both stop with an
-    // error within the timeout, and the next calls report it.
-    ("shared_queue", shared_queue::run, 2),
 ];
 
 /// The floors of the sanitizer-sized sets (fused_common::sanitizer_sized: one dtype, at
@@ -101,9 +97,6 @@ fn main() {
         }
         v
     };
-    if ranks::threads_requested() {
-        fused_common::spread_stream_queues();
-    }
     if let Some(why) = gpu_unavailable_reason() {
         for (name, _, _) in &selected {
             println!("[suite {name}] SKIPPED: no GPU ({why})");
