@@ -181,10 +181,10 @@ pub fn check_rounds_of(
     Ok((rounds as usize * cases.len(), failures))
 }
 
-/// Waits for `stream` (unbounded: the communicator's timeout ends a stuck op) and requires
-/// no asynchronous error on `comm`.
+/// Waits for `stream` within the ops' bound (`timed_sync`: a stuck op ends with the
+/// communicator's timeout well before it) and requires no asynchronous error on `comm`.
 pub fn sync_no_error(comm: mkComm_t, stream: &Stream, what: &str) -> Result<()> {
-    stream.sync()?;
+    timed_sync(stream, longest_op_timeout()).map_err(|e| e.context(what.to_string()))?;
     let code = async_error(comm);
     if code != mkResult_t::mkSuccess {
         return Err(MkError::new(code, format!("{what}: asynchronous error {code:?}: {}", last_error(comm))));

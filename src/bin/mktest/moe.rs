@@ -571,7 +571,7 @@ fn repeats_are_bitwise(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
         case.prepare(seed)?;
         fused_common::peers_ready()?;
         ffi(&format!("MoE repeat {}", case.label()), case.launch(comm, stream.0), comm)?;
-        fused_common::sync_no_error(comm, &stream, "MoE repeat")?;
+        fused_common::sync_no_error(comm, &stream, &format!("MoE repeat, launch {launch}"))?;
         let inputs = case.inputs.borrow();
         let inp = inputs.as_ref().ok_or_else(|| MkError::internal("MoE case launched before prepare"))?;
         let (y, out) = (case.y.download_f64()?, case.out.download_f64()?);
