@@ -18,7 +18,7 @@ use std::process::Command;
 
 // The planner's shared-memory arithmetic, evaluated here for the GEMM kernels' checks.
 #[allow(dead_code)]
-#[path = "src/ops/gemm_smem.rs"]
+#[path = "src/ops/gemm/smem.rs"]
 mod gemm_smem;
 
 const NVCC_FLAGS: &[&str] = &[

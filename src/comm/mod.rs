@@ -3,6 +3,7 @@
 
 pub mod agreement;
 pub mod async_error;
+#[path = "../transport/topology.rs"]
 pub mod topology;
 pub mod workspace;
 

@@ -2,22 +2,37 @@
 //! a Plan naming the kernel, grid and role split; plain Rust, tested on the CPU), then the
 //! launch of that plan through the one launch path, [`launch`].
 
+#[path = "dense/ag_gemm.rs"]
 pub mod ag_gemm;
 pub mod collectives;
+#[path = "common/fused_fence.rs"]
 pub mod fused_fence;
+#[path = "gemm/engine.rs"]
 pub mod gemm;
+#[path = "dense/gemm_ar.rs"]
 pub mod gemm_ar;
+#[path = "dense/gemm_reduce.rs"]
 pub mod gemm_reduce;
+#[path = "dense/gemm_reduce_nodes.rs"]
 pub mod gemm_reduce_nodes;
+#[path = "dense/gemm_rs.rs"]
 pub mod gemm_rs;
+#[path = "gemm/table.rs"]
 pub mod gemm_table;
+#[path = "collectives/hier.rs"]
 pub mod hier_collectives;
+#[path = "common/launch.rs"]
 pub mod launch;
+#[path = "../cuda/memo.rs"]
 pub mod memo;
 pub mod moe;
+#[path = "attention/ring_attention.rs"]
 pub mod ring_attention;
+#[path = "attention/ring_attention_backward.rs"]
 pub mod ring_attention_backward;
+#[path = "common/schedule.rs"]
 pub mod schedule;
+#[path = "common/util.rs"]
 pub mod util;
 
 /// Loads every kernel of the library (the tools' fatbins aside) in the current context:

@@ -13,7 +13,7 @@ use crate::error::{MkError, Result};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
-#[path = "gemm_smem.rs"]
+#[path = "smem.rs"]
 mod smem;
 pub use smem::{
     engine_smem_bytes, fused_smem_bytes, fused_stages, smem_bytes, stages, tile_smem_bytes, tile_stages, Epilogue, BK,
