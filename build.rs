@@ -3,7 +3,7 @@
 //!    the committed include/mkernel.h, and a test fails when the committed one is stale);
 //! 2. generates kernels' parameter-struct header from src/kernel_abi.rs (one truth for
 //!    Rust and CUDA), and the plain and fused GEMMs' planned ring depth and shared memory
-//!    per tile from src/ops/gemm_smem.rs (the kernels check them at compile time);
+//!    per tile from src/ops/gemm/smem.rs (the kernels check them at compile time);
 //! 3. expands kernels/instances.txt, the one list of kernel entry points, into each kernel
 //!    file's instantiations (kernel_instances/<stem>.inc) and a Rust constant per kernel;
 //! 4. compiles every kernels/*.cu with nvcc for sm_90a into a fatbin embedded in the

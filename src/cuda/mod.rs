@@ -4,8 +4,10 @@
 //! Nothing here links CUDA at build time. Every entry point first calls [`driver`], which
 //! turns a missing libcuda into `mkSystemError` instead of cudarc's panic.
 
+pub mod memo;
 pub mod memory;
 pub mod platform;
+pub mod pointer;
 
 use crate::error::{MkError, Result};
 use cudarc::driver::result as cu;
@@ -95,7 +97,7 @@ pub fn device_attribute(dev: i32, attr: sys::CUdevice_attribute) -> Result<i32> 
 /// The SM count of device `dev`, read from the driver once per device (it cannot change
 /// while the process runs): every op call plans with it.
 pub fn sm_count(dev: i32) -> Result<i32> {
-    static KNOWN: crate::ops::memo::Memo<i32, i32> = crate::ops::memo::Memo::new(64);
+    static KNOWN: crate::cuda::memo::Memo<i32, i32> = crate::cuda::memo::Memo::new(64);
     KNOWN.get_or_try(dev, |&d| device_attribute(d, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))
 }
 
@@ -320,6 +322,37 @@ pub fn preload(kernels: &[kernels::Kernel]) -> Result<()> {
         k.function()?;
     }
     Ok(())
+}
+
+/// Loads every kernel of the library (the tools' fatbins aside) in the current context:
+/// see [`preload`]. For ranks that share one CUDA context (threads of one process on
+/// one device): there a kernel's first load can wait for the context to go idle, that is
+/// for a peer's op in flight, which waits for this rank's launch — a deadlock until the
+/// timeout. The communicator's creation loads them before any of its ranks can launch.
+pub fn preload_all() -> crate::error::Result<()> {
+    use kernels::{ALL, FATBINS};
+    let kernels: Vec<_> = ALL.iter().copied().filter(|k| FATBINS.iter().any(|(file, _)| *file == k.file)).collect();
+    preload(&kernels)
+}
+
+/// Loads the kernels that run across nodes (hierarchical collectives, the dense fused ops) in
+/// the current context: see [`preload`].
+pub fn preload_across_nodes() -> crate::error::Result<()> {
+    let files = ["hier_collectives", "ag_gemm", "gemm_reduce"];
+    let kernels: Vec<_> = kernels::ALL.iter().copied().filter(|k| files.contains(&k.file)).collect();
+    preload(&kernels)
+}
+
+/// Why GPU work cannot run here, or None when a CUDA device is usable.
+pub fn gpu_unavailable_reason() -> Option<String> {
+    if let Err(e) = driver() {
+        return Some(e.message);
+    }
+    match device_count() {
+        Ok(0) => Some("no CUDA device".into()),
+        Ok(_) => None,
+        Err(e) => Some(e.message),
+    }
 }
 
 /// Launch geometry of one kernel.

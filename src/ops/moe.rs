@@ -16,9 +16,9 @@ use crate::comm::Comm;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{MoeParams, WorkspaceView};
-use crate::ops::fused_fence::{self, FusedKernel};
-use crate::ops::gemm::{self as engine, Epilogue};
-use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
+use crate::ops::common::fused_fence::{self, FusedKernel};
+use crate::ops::common::launch::{self, DeviceCaps, KernelLaunch};
+use crate::ops::gemm::engine::{self as engine, Epilogue};
 use crate::tuning::Tuning;
 use crate::types::{mkDataType_t, RawDataType};
 use std::collections::HashMap;
@@ -114,8 +114,8 @@ pub fn rows_needed(layout: &[Vec<ReceivedRow>]) -> usize {
 
 // ---- the device layout -----------------------------------------------------------------
 
-/// GEMM row block: every expert's segment of a receive buffer starts on a multiple of it.
-pub const ROW_BLOCK: usize = 128;
+/// Every expert's segment of a receive buffer starts on a multiple of the GEMM row block.
+pub use crate::ops::gemm::engine::ROW_BLOCK;
 /// Most experts (the prep CTA keeps per-expert tables in shared memory).
 pub const MAX_EXPERTS: usize = crate::kernel_abi::MOE_MAX_EXPERTS as usize;
 /// Most experts per token (one warp lane per choice).
@@ -450,8 +450,9 @@ pub fn plan_roles(bytes: f64, gemm_flops: f64, grid: u32, comm_override: Option<
             c
         }
         None => {
-            let gemm_s =
-                gemm_flops / (super::ag_gemm::GEMM_FLOPS_PER_S * (grid as f64 / super::ag_gemm::FULL_GPU_SMS).min(1.0));
+            let gemm_s = gemm_flops
+                / (crate::ops::common::gpu_model::GEMM_FLOPS_PER_S
+                    * (grid as f64 / crate::ops::common::gpu_model::FULL_GPU_SMS).min(1.0));
             let needed = (bytes / (COMM_BYTES_PER_CTA_PER_S * 0.5 * gemm_s.max(1e-9))).ceil() as u32;
             needed.clamp(1, (grid / 2).max(1))
         }
@@ -532,15 +533,6 @@ pub fn burst_lists(d: &MoeDims, compute_ctas: usize, tiles_n: usize) -> usize {
 pub fn burst_for(forced: Option<bool>, nranks: usize) -> bool {
     forced.unwrap_or(nranks >= 4)
 }
-
-/// Column bands of the combine's GEMM (`Tuning::moe_bands`). The pull of a token's output tile
-/// needs the tile's slabs of all its k rows, on up to k experts anywhere in the expert-major
-/// order, so without bands nothing can be pulled before the GEMM's end (4 ranks:
-/// the pull, ~2.6 ms alone, runs after a ~11 ms GEMM). With b bands the GEMM finishes band 0
-/// (every block, its first H / b columns) after ~1/b of its time, and the side warps pull
-/// band 0's outputs while bands 1.. compute; each band reads A (Y') again: b x 168 MB per
-/// rank at DeepSeek-V3-like sizes, beside ~1.8 GB of W2 tiles read once.
-pub const DEFAULT_BANDS: usize = 4;
 
 /// Column tiles per band for `tiles_n` column tiles and `bands` requested: the most bands
 /// up to `bands` that divide `tiles_n` (every band the same width).
@@ -683,7 +675,7 @@ pub fn moe_tile_banded(
     let at_order = |pos: usize| order.map_or(pos, |o| o[pos]);
     let (col0, band_w, t) = band_locate(tiles_m, band_w, t);
     let (pos, nb) = match runs {
-        None => crate::ops::schedule::grouped_tile(tiles_m, band_w, group_m, t),
+        None => crate::ops::common::schedule::grouped_tile(tiles_m, band_w, group_m, t),
         Some(runs) => {
             let at = t / band_w;
             let (gs, gl) = run_group(runs[at_order(at)], group_m, at);
@@ -949,7 +941,7 @@ fn check_pointers(comm: &Comm, ptrs: &[(u64, &str)]) -> Result<()> {
     let _ctx = comm.context.enter()?;
     for &(p, name) in ptrs {
         if p != 0 {
-            crate::ops::collectives::check_device_pointer(p, comm.context.device, name)?;
+            crate::cuda::pointer::check_device_pointer(p, comm.context.device, name)?;
         }
     }
     Ok(())

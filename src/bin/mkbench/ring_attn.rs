@@ -32,10 +32,10 @@ use cudarc::driver::result as cu;
 use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::Result;
-use mkernel::ops::collectives::{collective, CollectiveKind};
-use mkernel::ops::ring_attention::{
+use mkernel::ops::attention::ring_attention::{
     attention_gathered, ring_attention, validate_args, workspace_bytes, RingArgs, RingShape,
 };
+use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 

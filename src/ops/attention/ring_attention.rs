@@ -16,8 +16,8 @@ use crate::comm::Comm;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnParams, WorkspaceView, MK_MAX_PEERS};
-use crate::ops::fused_fence::{self, FusedKernel};
-use crate::ops::launch::{DeviceCaps, KernelLaunch};
+use crate::ops::common::fused_fence::{self, FusedKernel};
+use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
@@ -305,7 +305,7 @@ fn head_map(
     head_dim: usize,
 ) -> Result<sys::CUtensorMap> {
     let row = (head_dim * 2) as u64;
-    crate::ops::launch::tiled_tensor_map(
+    crate::ops::common::launch::tiled_tensor_map(
         ptr,
         dtype,
         &[head_dim as u64, heads as u64, tokens as u64, batch as u64],
@@ -379,7 +379,7 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
     }
     let _ctx = comm.context.enter()?;
     for (ptr, name) in [(args.q, "q"), (args.k, "k"), (args.v, "v"), (args.out, "out"), (args.lse, "lse")] {
-        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+        crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
     }
     let plan = plan(&s, DeviceCaps::of(comm)?.grid_cap(), args.trace != 0);
     let mut p = params(args, &plan);

@@ -2,7 +2,7 @@
 //! CPU-tested) and the launch of kernels/ring_attention_backward.cu, which follows it: the
 //! ring step sources of the dK/dV items and the chain their accumulators travel along,
 //! the causal visibility of query tiles and key tiles, the ticket order and the layout of
-//! the workspace. Layouts of the tensors are the forward's (`ops::ring_attention`).
+//! the workspace. Layouts of the tensors are the forward's (`ops::attention::ring_attention`).
 //!
 //! dK/dV. At ring step s (0 ≤ s < n) rank r computes, from its own queries, the partial
 //! gradient of the K/V block that started on rank (r + s + 1) mod n (its own at s = n − 1)
@@ -15,9 +15,9 @@ use crate::comm::Comm;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnBwdParams, MK_MAX_PEERS, RING_BWD_MAX_ITEMS};
-use crate::ops::fused_fence::{self, FusedKernel};
-use crate::ops::launch::{DeviceCaps, KernelLaunch};
-use crate::ops::ring_attention::{token_pos, RingArgs, RingShape};
+use crate::ops::attention::ring_attention::{token_pos, RingArgs, RingShape};
+use crate::ops::common::fused_fence::{self, FusedKernel};
+use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
@@ -211,7 +211,7 @@ pub fn validate_args(
 ) -> Result<RingBackwardArgs> {
     // Named here: the forward's checks below would name mkRingAttention.
     mkDataType_t::gemm_type_from_raw(dtype, "mkRingAttentionBackward")?;
-    let forward = crate::ops::ring_attention::validate_args(
+    let forward = crate::ops::attention::ring_attention::validate_args(
         q,
         k,
         v,
@@ -263,7 +263,7 @@ struct BwdMaps {
 /// zeros past `tokens`.
 fn head_map(ptr: u64, dtype: mkDataType_t, s: &RingShape, heads: usize) -> Result<sys::CUtensorMap> {
     let row = (s.head_dim * 2) as u64;
-    crate::ops::launch::tiled_tensor_map(
+    crate::ops::common::launch::tiled_tensor_map(
         ptr,
         dtype,
         &[s.head_dim as u64, heads as u64, s.seq_local as u64, s.batch as u64],
@@ -298,7 +298,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
         (args.dk, "dk"),
         (args.dv, "dv"),
     ] {
-        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+        crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
     }
     let plan = plan(&s, DeviceCaps::of(comm)?.grid_cap());
     let ws = comm.one_node_workspace("mkRingAttentionBackward")?;
@@ -378,7 +378,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::ring_attention::rank_spans;
+    use crate::ops::attention::ring_attention::rank_spans;
 
     fn shape(batch: usize, seq_local: usize, heads: usize, kv_heads: usize, causal: bool, nranks: usize) -> RingShape {
         RingShape { batch, seq_local, heads, kv_heads, head_dim: 64, causal, nranks }

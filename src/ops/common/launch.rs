@@ -5,9 +5,9 @@
 
 use crate::comm::Comm;
 use crate::cuda::kernels::Kernel;
+use crate::cuda::memo::Memo;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
-use crate::ops::memo::Memo;
 use crate::types::mkDataType_t;
 use std::ffi::c_void;
 

@@ -3,7 +3,7 @@
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::FillRandomParams;
-use crate::ops::launch::KernelLaunch;
+use crate::ops::common::launch::KernelLaunch;
 use crate::types::mkDataType_t;
 
 /// Fills `count` elements at `data` with uniform values in [-scale, scale) from `seed`.

@@ -16,15 +16,16 @@ use crate::comm::Comm;
 use crate::cuda::{self, sys};
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{AgGemmParams, ProxyRingView, MK_AG_GEMM_MAX_CHUNKS, MK_MAX_PEERS};
-use crate::ops::fused_fence::{self, FusedKernel};
-use crate::ops::gemm::{self as engine, Epilogue, PlanOverrides};
-use crate::ops::hier_collectives::{fused_op_workspace, NodeLayout};
-use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
+use crate::ops::common::fused_fence::{self, FusedKernel};
+use crate::ops::common::fused_workspace::fused_op_workspace;
+use crate::ops::common::launch::{self, DeviceCaps, KernelLaunch};
+use crate::ops::common::node_layout::NodeLayout;
+use crate::ops::gemm::engine::{self as engine, Epilogue, PlanOverrides};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
-/// The GEMM's row-block height; chunks are whole row blocks so one wait covers one block.
-pub const ROW_BLOCK: usize = 128;
+/// Chunks are whole row blocks, so one wait covers one block.
+pub use crate::ops::gemm::engine::ROW_BLOCK;
 /// At most this many signalled chunks per rank: fewer, larger pushes beyond it (the
 /// kernel's flag array is sized by the same constant).
 pub const MAX_CHUNKS_PER_RANK: usize = MK_AG_GEMM_MAX_CHUNKS;
@@ -38,18 +39,6 @@ pub const CHUNK_FLAG_WORDS: usize = MK_MAX_PEERS * MK_AG_GEMM_MAX_CHUNKS;
 pub fn flag_stride(nranks: usize) -> usize {
     (CHUNK_FLAG_WORDS / nranks.max(1)).min(MAX_CHUNKS_PER_RANK)
 }
-/// GEMM rate assumed for a whole H100/H200 when sizing roles (FLOP/s; measured cuBLAS
-/// ~700 T), and its SM count: a grid of g CTAs is assumed to compute at g / 132 of it
-/// (ranks sharing one GPU get a fraction of its SMs, so their GEMMs take longer and hide
-/// more communication).
-pub const GEMM_FLOPS_PER_S: f64 = 700e12;
-pub const FULL_GPU_SMS: f64 = 132.0;
-
-/// Estimated seconds of an M×N×K GEMM on `ctas` CTAs.
-pub fn gemm_seconds(m: usize, n: usize, k: usize, ctas: u32) -> f64 {
-    2.0 * m as f64 * n as f64 * k as f64 / (GEMM_FLOPS_PER_S * (ctas as f64 / FULL_GPU_SMS).min(1.0))
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AgGemmShape {
     /// All gathered rows (as in the unfused GEMM).
@@ -302,15 +291,19 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
     let _ctx = comm.context.enter()?;
     let grid = DeviceCaps::of(comm)?.grid_cap();
     for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
-        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+        crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
     }
     if args.gathered != 0 {
-        crate::ops::collectives::check_device_pointer(args.gathered, comm.context.device, "gatheredA")?;
+        crate::cuda::pointer::check_device_pointer(args.gathered, comm.context.device, "gatheredA")?;
     }
     if nranks == 1 {
         // Nothing to gather: the engine alone, and the caller's copy of A if asked for.
-        let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
-        engine::gemm_with(&g, PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() }, stream)?;
+        let g = crate::ops::gemm::op::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
+        crate::ops::gemm::op::gemm_with(
+            &g,
+            PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() },
+            stream,
+        )?;
         if args.gathered != 0 && args.gathered != args.a {
             copy_async(args.gathered, args.a, m * k * 2, stream)?;
         }
@@ -510,8 +503,8 @@ mod tests {
     /// Rank tables for `nranks` ranks in nodes of `rpn` (by rank, as MK_RANKS_PER_NODE), or
     /// by host (interleaved: rank r on host r % nodes).
     fn layouts(nranks: usize, rpn: usize, interleaved: bool) -> Vec<NodeLayout> {
-        use crate::comm::{node_of_ranks, topology::Topology};
-        use crate::ops::hier_collectives::node_layout;
+        use crate::ops::common::node_layout::node_layout;
+        use crate::transport::topology::{node_of_ranks, Topology};
         let nodes = if interleaved {
             let hosts: Vec<u64> = (0..nranks).map(|r| (r % (nranks / rpn)) as u64 + 7).collect();
             node_of_ranks(&hosts, None)
@@ -617,7 +610,7 @@ mod tests {
                             for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
                                 let l = p.kernel_launch(dtype).unwrap();
                                 assert_eq!((l.grid, l.block, l.smem_bytes), (grid, 384, p.smem_bytes as u32));
-                                assert_eq!(l.clusters, crate::ops::launch::Clusters::None);
+                                assert_eq!(l.clusters, crate::ops::common::launch::Clusters::None);
                             }
                         }
                     }

@@ -3,19 +3,19 @@
 //! (`GemmReducePlan`: the role split of the `gemm_rs` / `gemm_ar` planners, tile, owner
 //! order, early sums, grid; pure and CPU-tested), then tensor maps and the launch.
 
-use super::gemm::{self as engine, PlanOverrides};
-use super::hier_collectives::fused_op_workspace;
-use super::{gemm_ar, gemm_reduce_nodes, gemm_rs};
 use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
 use crate::cuda::kernels::Kernel;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{self, GemmReduceParams, MkOp, ProxyRingView};
-use crate::ops::fused_fence::{self, FusedKernel};
-use crate::ops::hier_collectives::NodeLayout;
-use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
-use crate::tuning::Tuning;
+use crate::ops::common::fused_fence::{self, FusedKernel};
+use crate::ops::common::fused_workspace::fused_op_workspace;
+use crate::ops::common::launch::{self, DeviceCaps, KernelLaunch};
+use crate::ops::common::node_layout::NodeLayout;
+use crate::ops::dense::{gemm_ar, gemm_reduce_nodes, gemm_rs};
+use crate::ops::gemm::engine::{self as engine, PlanOverrides};
+use crate::tuning::{Reducers, Tuning};
 use crate::types::{mkDataType_t, RawDataType};
 use std::ffi::c_void;
 
@@ -48,18 +48,6 @@ impl Reduction {
             Reduction::All => MkOp::GemmAllReduce as i32,
         }
     }
-}
-
-/// Who sums the partials on one node without dedicated reduction CTAs
-/// (`Tuning::gemm_reducers`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reducers {
-    /// GEMM+RS: the producer warpgroup's two idle warps of each GEMM CTA sum its earlier
-    /// tiles while the GEMM computes the later ones (`early_items`); every warp sums the
-    /// rest after the GEMM. GEMM+AR: as `After`. The default.
-    Early,
-    /// Every warp of each GEMM CTA, after its GEMM.
-    After,
 }
 
 /// A validated call.
@@ -150,7 +138,7 @@ pub fn reduction_group_m(tiles_m: usize, bn: usize, compute_ctas: usize, owners:
     }
 }
 
-pub use super::schedule::{grouped_index, grouped_tile, interleaved_tile, owned_tile, Tile};
+pub use crate::ops::common::schedule::{grouped_index, grouped_tile, interleaved_tile, owned_tile, Tile};
 
 /// Shared memory after the fused engine's where the side warps stage their early sums
 /// (kernels/gemm_reduce_early.cu side_staging_bytes): 16 KiB (or 8) where the 227 KiB leave it
@@ -269,7 +257,7 @@ pub fn kernel(dtype: mkDataType_t, bn: usize, bm: usize, early: bool) -> Option<
 /// of B fits), else 128. The reduction walks 128-row blocks, so 64-row tiles serve only
 /// M ≤ 64, where both agree on the one block.
 pub fn tile_rows(m: usize) -> usize {
-    super::gemm_table::tile_rows(m)
+    crate::ops::gemm::table::tile_rows(m)
 }
 
 /// One GEMM + reduction call as the planner sees it: the op, the sizes, this rank's place,
@@ -424,16 +412,20 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let grid = DeviceCaps::of(comm)?.grid_cap();
     let _ctx = comm.context.enter()?;
     for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
-        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+        crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
     }
     if nranks == 1 {
         // The sum over one rank is its product: the engine alone, storing C directly (the
         // fused kernel would store a partial and copy it: 1.3x the GEMM's time).
-        let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
-        return engine::gemm_with(&g, PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() }, stream);
+        let g = crate::ops::gemm::op::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
+        return crate::ops::gemm::op::gemm_with(
+            &g,
+            PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() },
+            stream,
+        );
     }
     // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
-    // rank table (src/ops/gemm_reduce_nodes.rs); rows are still owned by global rank.
+    // rank table (src/ops/dense/gemm_reduce_nodes.rs); rows are still owned by global rank.
     let (ws, nodes) = fused_op_workspace(comm, args.reduction.name())?;
     let shape = GemmReduceShape {
         reduction: args.reduction,
@@ -542,7 +534,7 @@ fn launch(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gemm::Epilogue;
+    use crate::ops::gemm::engine::Epilogue;
 
     #[test]
     fn every_plan_launches_a_built_kernel_within_the_shared_memory() {
