@@ -22,6 +22,9 @@ use std::sync::OnceLock;
 /// one constant per kernel entry point (`kernels::MK_GEMM_BF16_BN256_TMA`, ...), generated
 /// from kernels/instances.txt, the list the kernel files instantiate from.
 pub mod kernels {
+    use crate::error::{MkError, Result};
+    use crate::types::ElementType;
+
     include!(concat!(env!("OUT_DIR"), "/kernel_fatbins.rs"));
 
     /// A kernel entry point: the kernels/*.cu file (fatbin) that holds it and its name.
@@ -36,6 +39,64 @@ pub mod kernels {
         pub fn function(self) -> crate::error::Result<super::sys::CUfunction> {
             super::function(self.file, self.name)
         }
+    }
+
+    /// One line of kernels/instances.txt: the kernel, its entry macro and the macro's
+    /// arguments after the kernel name.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Instance {
+        pub kernel: Kernel,
+        pub entry: &'static str,
+        pub args: &'static [&'static str],
+    }
+
+    /// One argument a planner asks of an instance, matched against the instance's text.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Arg<'a> {
+        /// The element type's CUDA type (`ElementType::cuda_type`).
+        Element,
+        Text(&'a str),
+        Int(usize),
+        Bool(bool),
+    }
+
+    impl Arg<'_> {
+        fn matches(self, element: &ElementType, text: &str) -> bool {
+            match self {
+                Arg::Element => text == element.cuda_type,
+                Arg::Text(t) => text == t,
+                Arg::Int(n) => text.parse::<usize>() == Ok(n),
+                Arg::Bool(b) => text == if b { "true" } else { "false" },
+            }
+        }
+    }
+
+    /// The kernel `op` launches: the instance of entry macro `entry` whose arguments are
+    /// `args` for `element`. An element type no instance of `entry` is compiled for is
+    /// mkInvalidUsage ("no kernel for this dtype"); a missing tile or variant of a compiled
+    /// type is a planner's error (mkInternalError).
+    pub fn choose(op: &str, element: &ElementType, entry: &str, args: &[Arg]) -> Result<Kernel> {
+        let of_entry = || INSTANCES.iter().filter(|i| i.entry == entry);
+        let matches = |i: &&Instance| {
+            i.args.len() == args.len() && args.iter().zip(i.args).all(|(a, text)| a.matches(element, text))
+        };
+        if let Some(i) = of_entry().find(matches) {
+            return Ok(i.kernel);
+        }
+        let position = args.iter().position(|a| *a == Arg::Element);
+        let compiled: Vec<&str> = crate::types::ELEMENT_TYPES
+            .iter()
+            .filter(|t| of_entry().any(|i| position.is_some_and(|p| i.args.get(p) == Some(&t.cuda_type))))
+            .map(|t| t.c_name)
+            .collect();
+        if !compiled.contains(&element.c_name) {
+            return Err(MkError::invalid_usage(format!(
+                "{op}: no kernel for this dtype ({}): its kernels are compiled for {}",
+                element.c_name,
+                compiled.join(", ")
+            )));
+        }
+        Err(MkError::internal(format!("{op}: no {entry} kernel for {} with {args:?}", element.c_name)))
     }
 
     include!(concat!(env!("OUT_DIR"), "/kernel_instances.rs"));

@@ -13,6 +13,7 @@
 //! expert's segment starts on a 128-row boundary (`device_layout`), so GEMM tiles never
 //! straddle two experts.
 use crate::comm::Comm;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{MoeParams, WorkspaceView};
@@ -20,7 +21,7 @@ use crate::ops::common::fused_fence::{self, FusedKernel};
 use crate::ops::common::launch::{self, DeviceCaps, KernelLaunch};
 use crate::ops::gemm::engine::{self as engine, Epilogue};
 use crate::tuning::Tuning;
-use crate::types::{mkDataType_t, RawDataType};
+use crate::types::{mkDataType_t, Element, RawDataType};
 use std::collections::HashMap;
 use std::ffi::c_void;
 
@@ -541,21 +542,13 @@ pub fn band_width(tiles_n: usize, bands: usize) -> usize {
     tiles_n.max(1) / b
 }
 
-/// The MoE kernel for a direction, dtype and tile width (BN 128 or 256).
-pub fn kernel(dir: Direction, dtype: mkDataType_t, bn: usize) -> Option<crate::cuda::kernels::Kernel> {
-    use crate::cuda::kernels::*;
-    use mkDataType_t::{mkBfloat16, mkFloat16};
-    Some(match (dir, dtype, bn) {
-        (Direction::Dispatch, mkBfloat16, 256) => MK_MOE_DISPATCH_BF16_BN256,
-        (Direction::Dispatch, mkBfloat16, 128) => MK_MOE_DISPATCH_BF16_BN128,
-        (Direction::Dispatch, mkFloat16, 256) => MK_MOE_DISPATCH_F16_BN256,
-        (Direction::Dispatch, mkFloat16, 128) => MK_MOE_DISPATCH_F16_BN128,
-        (Direction::Combine, mkBfloat16, 256) => MK_MOE_COMBINE_BF16_BN256,
-        (Direction::Combine, mkBfloat16, 128) => MK_MOE_COMBINE_BF16_BN128,
-        (Direction::Combine, mkFloat16, 256) => MK_MOE_COMBINE_F16_BN256,
-        (Direction::Combine, mkFloat16, 128) => MK_MOE_COMBINE_F16_BN128,
-        _ => return None,
-    })
+/// The MoE kernel of a direction for `dtype` and tile width `bn` (MK_MOE_ENTRY lines).
+pub fn kernel(dir: Direction, dtype: impl Element, bn: usize) -> Result<Kernel> {
+    let (op, direction) = match dir {
+        Direction::Dispatch => ("mkMoeDispatchGemm", "dispatch"),
+        Direction::Combine => ("mkMoeGemmCombine", "combine"),
+    };
+    kernels::choose(op, dtype.element(), "MK_MOE_ENTRY", &[Arg::Text(direction), Arg::Element, Arg::Int(bn)])
 }
 
 /// The m-block tables the dispatch's prep writes into the layout buffer (kernels/moe.cu
@@ -751,10 +744,8 @@ pub struct MoePlan {
 
 impl MoePlan {
     /// The launch of this plan for `dtype`.
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
-        let bn = self.bn;
-        let kernel =
-            kernel(self.dir, dtype, bn).ok_or_else(|| MkError::internal(format!("no MoE kernel for BN {bn}")))?;
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        let kernel = kernel(self.dir, dtype, self.bn)?;
         Ok(KernelLaunch::new(kernel, self.grid, engine::THREADS, self.smem_bytes as u32))
     }
 }
@@ -1236,7 +1227,7 @@ mod tests {
         assert!(validate_dispatch(p, p, p, p, p, p, d, mkDataType_t::mkFloat32 as RawDataType)
             .unwrap_err()
             .message
-            .contains("mkBfloat16 or mkFloat16"));
+            .contains("mkFloat16 or mkBfloat16"));
         assert!(validate_combine(p, p, p, p, 0, d, bf16).unwrap_err().message.contains("out is NULL"));
         assert!(validate_combine(p, p, p + 2, p, p, d, bf16).unwrap_err().message.contains("topkWeights"));
     }

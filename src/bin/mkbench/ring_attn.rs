@@ -138,7 +138,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     };
     let mut cfg = CommConfig::from_env();
     // The fused op's K/V copy, and the collectives' staging for the unfused AllGathers.
-    cfg.workspace_bytes = cfg.workspace_bytes.max(workspace_bytes(&shape_of(max_sl, false)));
+    cfg.workspace_bytes = cfg.workspace_bytes.max(workspace_bytes(&shape_of(max_sl, false), dtype));
     let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream =
         cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;

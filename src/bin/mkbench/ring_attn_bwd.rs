@@ -111,7 +111,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     // the collectives' staging for the check's gathers.
     cfg.workspace_bytes = cfg
         .workspace_bytes
-        .max(mkernel::ops::attention::ring_attention::workspace_bytes(&largest))
+        .max(mkernel::ops::attention::ring_attention::workspace_bytes(&largest, dtype))
         .max(workspace_layout(&largest, &plan(&largest, 1)).bytes);
     let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream =

@@ -12,13 +12,14 @@
 //! ring step (sources r, r − 1, …) and is stored once.
 
 use crate::comm::Comm;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnBwdParams, MK_MAX_PEERS, RING_BWD_MAX_ITEMS};
 use crate::ops::attention::ring_attention::{token_pos, RingArgs, RingShape};
 use crate::ops::common::fused_fence::{self, FusedKernel};
 use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
-use crate::types::{mkDataType_t, RawDataType};
+use crate::types::{mkDataType_t, Element, RawDataType};
 use std::ffi::c_void;
 
 /// Rows of an item's X tiles (the kernel's BX: 128 keys of a dK/dV item, 128 queries of a
@@ -143,10 +144,8 @@ impl RingAttentionBackwardPlan {
         }
     }
 
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
-        let d = self.head_dim;
-        let kernel = kernel_for(dtype, d)
-            .ok_or_else(|| MkError::internal(format!("no ring-attention backward kernel for D {d}")))?;
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        let kernel = kernel_for(dtype, self.head_dim)?;
         Ok(KernelLaunch::new(kernel, self.grid, THREADS, self.smem_bytes as u32))
     }
 }
@@ -236,17 +235,10 @@ pub fn validate_args(
     }
     Ok(RingBackwardArgs { forward, dout, dq, dk, dv })
 }
-
-pub fn kernel_for(dtype: mkDataType_t, head_dim: usize) -> Option<crate::cuda::kernels::Kernel> {
-    use crate::cuda::kernels::*;
-    use mkDataType_t::{mkBfloat16, mkFloat16};
-    Some(match (dtype, head_dim) {
-        (mkBfloat16, 128) => MK_RING_ATTN_BWD_BF16_D128,
-        (mkBfloat16, 64) => MK_RING_ATTN_BWD_BF16_D64,
-        (mkFloat16, 128) => MK_RING_ATTN_BWD_F16_D128,
-        (mkFloat16, 64) => MK_RING_ATTN_BWD_F16_D64,
-        _ => return None,
-    })
+/// The backward kernel for `dtype` and `head_dim` (MK_RING_ATTN_BWD_ENTRY lines).
+pub fn kernel_for(dtype: impl Element, head_dim: usize) -> Result<Kernel> {
+    let args = [Arg::Element, Arg::Int(head_dim)];
+    kernels::choose("mkRingAttentionBackward", dtype.element(), "MK_RING_ATTN_BWD_ENTRY", &args)
 }
 
 /// The kernel's TMA descriptors (ring_attention_backward.cu `BwdMaps`): q and dout of this

@@ -8,6 +8,7 @@
 //! `mktest nodes` (scripts/gpu-run.sh) tests it on a GPU, with nodes emulated on one machine.
 
 use crate::comm::Comm;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::pointer::check_device_pointer;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
@@ -17,7 +18,7 @@ use crate::kernel_abi::{
 use crate::ops::collectives::{validate, CollectiveArgs, CollectiveKind, MIN_BYTES_PER_CTA, PIECE_ALIGN_BYTES};
 use crate::ops::common::launch::KernelLaunch;
 use crate::ops::common::node_layout::{node_layout, NodeLayout};
-use crate::types::{mkDataType_t, RawDataType, RawRedOp};
+use crate::types::{Element, RawDataType, RawRedOp};
 
 const _: () = assert!(MK_MAX_NODE_RANKS == MK_MAX_NODES * MK_MAX_PEERS);
 
@@ -47,8 +48,8 @@ pub struct HierPlan {
 
 impl HierPlan {
     /// The launch of this plan for `dtype`.
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> KernelLaunch {
-        KernelLaunch::new(kernel(dtype), self.ctas, THREADS, 0)
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        Ok(KernelLaunch::new(kernel(dtype)?, self.ctas, THREADS, 0))
     }
 }
 
@@ -150,22 +151,9 @@ pub fn network_fraction(kind: CollectiveKind, nodes: u64, nranks: u64) -> f64 {
     }
 }
 
-/// The kernel instantiation for a dtype.
-pub fn kernel(dtype: mkDataType_t) -> crate::cuda::kernels::Kernel {
-    use crate::cuda::kernels::*;
-    use mkDataType_t::*;
-    match dtype {
-        mkInt8 => MK_HIER_COLLECTIVE_I8,
-        mkUint8 => MK_HIER_COLLECTIVE_U8,
-        mkInt32 => MK_HIER_COLLECTIVE_I32,
-        mkUint32 => MK_HIER_COLLECTIVE_U32,
-        mkInt64 => MK_HIER_COLLECTIVE_I64,
-        mkUint64 => MK_HIER_COLLECTIVE_U64,
-        mkFloat16 => MK_HIER_COLLECTIVE_F16,
-        mkFloat32 => MK_HIER_COLLECTIVE_F32,
-        mkFloat64 => MK_HIER_COLLECTIVE_F64,
-        mkBfloat16 => MK_HIER_COLLECTIVE_BF16,
-    }
+/// The hierarchical collective kernel for `dtype` (MK_HIER_KERNEL lines).
+pub fn kernel(dtype: impl Element) -> Result<Kernel> {
+    kernels::choose("the collectives across nodes", dtype.element(), "MK_HIER_KERNEL", &[Arg::Element])
 }
 
 /// The kernel's parameters for validated `args`.
@@ -243,7 +231,7 @@ pub fn collective(
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let mut params = params(&ws.view, ring, &nl, comm.rank, comm.nranks, &args, &plan);
-    let kernel_launch = plan.kernel_launch(args.dtype);
+    let kernel_launch = plan.kernel_launch(args.dtype)?;
     // SAFETY: one HierCollectiveParams by value; the buffers were checked to be device
     // memory of this context's device, as large as the caller promised; the workspace and
     // the ring live as long as the communicator.
@@ -330,7 +318,7 @@ mod tests {
     #[test]
     fn the_launch_is_the_plan() {
         let p = plan(CollectiveKind::ReduceScatter, 1 << 20, 4, 2, 4, 16, 256 << 20).unwrap();
-        let l = p.kernel_launch(mkDataType_t::mkFloat32);
+        let l = p.kernel_launch(crate::types::mkDataType_t::mkFloat32).unwrap();
         assert_eq!(
             (l.kernel, l.grid, l.block, l.smem_bytes),
             (crate::cuda::kernels::MK_HIER_COLLECTIVE_F32, p.ctas, 512, 0)

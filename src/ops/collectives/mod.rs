@@ -3,14 +3,14 @@
 //! decoding of the error words those kernels leave in the host-mapped status block.
 
 use crate::comm::Comm;
-use crate::cuda::kernels::Kernel;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::pointer::check_device_pointer;
 use crate::cuda::sys;
 use crate::ensure_arg;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{CollectiveParams, MkProtocol, WorkspaceView, MK_LL_MAX_CTAS, MK_LL_PIECE_BYTES};
 use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
-use crate::types::{mkDataType_t, mkRedOp_t, RawDataType, RawRedOp};
+use crate::types::{mkDataType_t, mkRedOp_t, Element, RawDataType, RawRedOp};
 
 pub mod hier;
 
@@ -87,8 +87,8 @@ pub struct CollectivePlan {
 impl CollectivePlan {
     /// The launch of this plan for `dtype`, staging loads in `stage_bytes` of dynamic
     /// shared memory per CTA (0: in registers).
-    pub fn kernel_launch(&self, dtype: mkDataType_t, stage_bytes: u32) -> KernelLaunch {
-        KernelLaunch::new(kernel(dtype), self.ctas, THREADS, stage_bytes)
+    pub fn kernel_launch(&self, dtype: impl Element, stage_bytes: u32) -> Result<KernelLaunch> {
+        Ok(KernelLaunch::new(kernel(dtype)?, self.ctas, THREADS, stage_bytes))
     }
 }
 
@@ -142,27 +142,9 @@ pub fn plan(
     CollectivePlan { ctas: pieces.min(ctas) as u32, chunk, protocol: MkProtocol::Simple }
 }
 
-/// The kernel instantiation for a dtype.
-pub fn kernel(dtype: mkDataType_t) -> Kernel {
-    use crate::cuda::kernels::*;
-    use mkDataType_t::*;
-    match dtype {
-        mkInt8 => MK_COLLECTIVE_I8,
-        mkUint8 => MK_COLLECTIVE_U8,
-        mkInt32 => MK_COLLECTIVE_I32,
-        mkUint32 => MK_COLLECTIVE_U32,
-        mkInt64 => MK_COLLECTIVE_I64,
-        mkUint64 => MK_COLLECTIVE_U64,
-        mkFloat16 => MK_COLLECTIVE_F16,
-        mkFloat32 => MK_COLLECTIVE_F32,
-        mkFloat64 => MK_COLLECTIVE_F64,
-        mkBfloat16 => MK_COLLECTIVE_BF16,
-    }
-}
-
-/// The name of `kernel(dtype)`.
-pub fn kernel_name(dtype: mkDataType_t) -> &'static str {
-    kernel(dtype).name
+/// The collective kernel for `dtype` (kernels/instances.txt's MK_COLLECTIVE_KERNEL lines).
+pub fn kernel(dtype: impl Element) -> Result<Kernel> {
+    kernels::choose("the collectives", dtype.element(), "MK_COLLECTIVE_KERNEL", &[Arg::Element])
 }
 
 /// Validated arguments of one call.
@@ -310,7 +292,7 @@ pub fn launch(
         protocol: p.protocol as u32,
     };
     // The launch raises the function's dynamic shared-memory limit above 48 KiB.
-    let kernel_launch = p.kernel_launch(args.dtype, stage_bytes);
+    let kernel_launch = p.kernel_launch(args.dtype, stage_bytes)?;
     // SAFETY: one CollectiveParams by value; the buffers were checked to be device memory
     // of this context's device, large enough as the caller promised.
     unsafe {
@@ -327,7 +309,7 @@ mod tests {
     #[test]
     fn the_launch_is_the_plan() {
         let p = plan(CollectiveKind::AllReduce, 1 << 20, 2, 4, 16, 64 << 20, 264, COLLECTIVE_LL_MAX_BYTES);
-        let l = p.kernel_launch(mkBfloat16, STAGE_BYTES);
+        let l = p.kernel_launch(mkBfloat16, STAGE_BYTES).unwrap();
         assert_eq!(
             (l.kernel, l.grid, l.block, l.smem_bytes),
             (crate::cuda::kernels::MK_COLLECTIVE_BF16, p.ctas, 512, 128 << 10)

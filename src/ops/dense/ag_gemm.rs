@@ -13,6 +13,7 @@
 
 use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::{self, sys};
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{AgGemmParams, ProxyRingView, MK_AG_GEMM_MAX_CHUNKS, MK_MAX_PEERS};
@@ -21,7 +22,7 @@ use crate::ops::common::fused_workspace::fused_op_workspace;
 use crate::ops::common::launch::{self, DeviceCaps, KernelLaunch};
 use crate::ops::common::node_layout::NodeLayout;
 use crate::ops::gemm::engine::{self as engine, Epilogue, PlanOverrides};
-use crate::types::{mkDataType_t, RawDataType};
+use crate::types::{mkDataType_t, Element, RawDataType};
 use std::ffi::c_void;
 
 /// Chunks are whole row blocks, so one wait covers one block.
@@ -81,11 +82,16 @@ pub struct AgGemmPlan {
 
 impl AgGemmPlan {
     /// The launch of this plan for `dtype`.
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
-        let kernel = kernel(dtype, self.bn)
-            .ok_or_else(|| MkError::internal(format!("no AllGather+GEMM kernel for BN {}", self.bn)))?;
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        let kernel = kernel(dtype, self.bn)?;
         Ok(KernelLaunch::new(kernel, self.grid, engine::THREADS, self.smem_bytes as u32))
     }
+}
+
+/// Bytes of `rows` gathered rows of A of `k` elements of `dtype`: the whole gathered A
+/// (which the fused-op region must hold across nodes), or one chunk (one proxy put).
+pub fn gathered_bytes(dtype: impl Element, rows: usize, k: usize) -> usize {
+    dtype.element().bytes_of(rows * k)
 }
 
 /// Checks the shape rules; the messages name the rule.
@@ -220,16 +226,9 @@ pub fn node_routes(nl: &NodeLayout) -> NodeRoutes {
     NodeRoutes { puts, forwards, tile_sources }
 }
 
-/// The kernel for a dtype and tile width (BN 128 or 256).
-pub fn kernel(dtype: mkDataType_t, bn: usize) -> Option<crate::cuda::kernels::Kernel> {
-    use crate::cuda::kernels::*;
-    match (dtype, bn) {
-        (mkDataType_t::mkBfloat16, 256) => Some(MK_AG_GEMM_BF16_BN256),
-        (mkDataType_t::mkBfloat16, 128) => Some(MK_AG_GEMM_BF16_BN128),
-        (mkDataType_t::mkFloat16, 256) => Some(MK_AG_GEMM_F16_BN256),
-        (mkDataType_t::mkFloat16, 128) => Some(MK_AG_GEMM_F16_BN128),
-        _ => None,
-    }
+/// The AllGather + GEMM kernel for `dtype` and tile width `bn` (MK_AG_GEMM_ENTRY lines).
+pub fn kernel(dtype: impl Element, bn: usize) -> Result<Kernel> {
+    kernels::choose("mkAllGatherGemm", dtype.element(), "MK_AG_GEMM_ENTRY", &[Arg::Element, Arg::Int(bn)])
 }
 
 /// A validated mkAllGatherGemm call.
@@ -305,14 +304,14 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
             stream,
         )?;
         if args.gathered != 0 && args.gathered != args.a {
-            copy_async(args.gathered, args.a, m * k * 2, stream)?;
+            copy_async(args.gathered, args.a, gathered_bytes(args.dtype, m, k), stream)?;
         }
         return Ok(());
     }
     // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
     // rank table; rows are still placed by global rank.
     let (ws, nodes) = fused_op_workspace(comm, "mkAllGatherGemm")?;
-    let needed = (m * k * 2) as u64;
+    let needed = gathered_bytes(args.dtype, m, k) as u64;
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
             "mkAllGatherGemm gathers {needed} bytes of A into the workspace's fused-op region, which holds {}: create the \
@@ -321,7 +320,7 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         )));
     }
     let p = plan(&args.shape, grid, comm.config.comm_ctas)?;
-    let chunk_bytes = (p.chunk_rows * k * 2) as u64;
+    let chunk_bytes = gathered_bytes(args.dtype, p.chunk_rows, k) as u64;
     if nodes.is_some() && chunk_bytes > u32::MAX as u64 {
         return Err(MkError::invalid_usage(format!(
             "mkAllGatherGemm across nodes: a chunk of {} rows × K = {k} is {chunk_bytes} bytes, more than one proxy put moves (4 GiB)",
@@ -585,7 +584,7 @@ mod tests {
     fn every_planned_tile_width_has_a_kernel() {
         for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
             for bn in [128, 256] {
-                assert!(kernel(dtype, bn).is_some(), "{dtype:?} bn {bn}");
+                assert!(kernel(dtype, bn).is_ok(), "{dtype:?} bn {bn}");
             }
         }
     }

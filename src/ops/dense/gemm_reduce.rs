@@ -5,7 +5,7 @@
 
 use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
-use crate::cuda::kernels::Kernel;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{self, GemmReduceParams, MkOp, ProxyRingView};
@@ -16,7 +16,7 @@ use crate::ops::common::node_layout::NodeLayout;
 use crate::ops::dense::{gemm_ar, gemm_reduce_nodes, gemm_rs};
 use crate::ops::gemm::engine::{self as engine, PlanOverrides};
 use crate::tuning::{Reducers, Tuning};
-use crate::types::{mkDataType_t, RawDataType};
+use crate::types::{mkDataType_t, Element, RawDataType};
 use std::ffi::c_void;
 
 /// First signal word of the per-tile flags and the end of this op's range: three flags per
@@ -229,27 +229,17 @@ pub fn team_rest(total: usize, j: usize, stride: usize, done: usize, rows: usize
 }
 
 /// The GEMM + reduction kernel for a dtype, tile width and tile rows (BM 128 or 64), with
-/// or without early sums (BN 256, BM 128 only); None where none is built.
-pub fn kernel(dtype: mkDataType_t, bn: usize, bm: usize, early: bool) -> Option<Kernel> {
-    use crate::cuda::kernels::*;
-    let f16 = match dtype {
-        mkDataType_t::mkFloat16 => true,
-        mkDataType_t::mkBfloat16 => false,
-        _ => return None,
-    };
-    Some(match (f16, bn, bm, early) {
-        (false, 256, 128, false) => MK_GEMM_REDUCE_BF16_BN256,
-        (false, 128, 128, false) => MK_GEMM_REDUCE_BF16_BN128,
-        (true, 256, 128, false) => MK_GEMM_REDUCE_F16_BN256,
-        (true, 128, 128, false) => MK_GEMM_REDUCE_F16_BN128,
-        (false, 256, 64, false) => MK_GEMM_REDUCE_BF16_BN256_BM64,
-        (false, 128, 64, false) => MK_GEMM_REDUCE_BF16_BN128_BM64,
-        (true, 256, 64, false) => MK_GEMM_REDUCE_F16_BN256_BM64,
-        (true, 128, 64, false) => MK_GEMM_REDUCE_F16_BN128_BM64,
-        (false, 256, 128, true) => MK_GEMM_REDUCE_EARLY_BF16_BN256,
-        (true, 256, 128, true) => MK_GEMM_REDUCE_EARLY_F16_BN256,
-        _ => return None,
-    })
+/// or without early sums (MK_GEMM_REDUCE_ENTRY and MK_GEMM_REDUCE_EARLY_ENTRY lines; early
+/// sums: BN 256, BM 128 only).
+pub fn kernel(dtype: impl Element, bn: usize, bm: usize, early: bool) -> Result<Kernel> {
+    let op = "GEMM + ReduceScatter / AllReduce";
+    if early && bn == 256 && bm == engine::BM {
+        return kernels::choose(op, dtype.element(), "MK_GEMM_REDUCE_EARLY_ENTRY", &[Arg::Element]);
+    }
+    if early {
+        return Err(MkError::internal(format!("{op}: early sums need BN 256 and BM 128, not BN {bn}, BM {bm}")));
+    }
+    kernels::choose(op, dtype.element(), "MK_GEMM_REDUCE_ENTRY", &[Arg::Element, Arg::Int(bn), Arg::Int(bm)])
 }
 
 /// Rows per GEMM tile of the fused kernel: the engine planner's (`gemm_table::tile_rows`),
@@ -308,11 +298,8 @@ pub struct GemmReducePlan {
 
 impl GemmReducePlan {
     /// The launch of this plan for `dtype`.
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
-        let (bn, bm, early) = (self.bn, self.bm, self.early_items > 0);
-        let kernel = kernel(dtype, bn, bm, early).ok_or_else(|| {
-            MkError::internal(format!("no GEMM + reduction kernel for BN {bn}, BM {bm}, early sums {early}"))
-        })?;
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        let kernel = kernel(dtype, self.bn, self.bm, self.early_items > 0)?;
         Ok(KernelLaunch::new(kernel, self.grid, engine::THREADS, self.smem_bytes as u32))
     }
 }
@@ -654,7 +641,7 @@ mod tests {
             assert!(engine::fused_stages(64, bn) * (64 + bn) >= engine::fused_stages(128, bn) * (128 + bn));
             assert!(engine::fused_smem_bytes(64, bn) + 1024 <= engine::SMEM_LIMIT, "bn {bn}");
         }
-        assert!(kernel(mkDataType_t::mkFloat16, 128, 64, false).is_some());
+        assert!(kernel(mkDataType_t::mkFloat16, 128, 64, false).is_ok());
     }
 
     /// Side staging exists only where the ring leaves room (BM 128, BN 256: 17 KiB free),
@@ -695,7 +682,7 @@ mod tests {
         assert_eq!(early_items(Reduction::Scatter, Reducers::After, true, 0, 128, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, false, 0, 128, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 4, 128, 256, 128, 28), 0);
-        assert!(kernel(mkDataType_t::mkFloat16, 256, 128, true).is_some());
+        assert!(kernel(mkDataType_t::mkFloat16, 256, 128, true).is_ok());
     }
 
     /// Side warps and the team after the GEMM sum every row of every item of a team's walk

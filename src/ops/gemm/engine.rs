@@ -3,11 +3,11 @@
 //! tile and split come from the table of `ops::gemm::table`), the kernel of a plan, and the
 //! engine's constants. The mkGemm op on it is `ops::gemm::op`.
 
-use crate::cuda::kernels::Kernel;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::error::{MkError, Result};
 use crate::ops::common::launch::{Clusters, KernelLaunch};
 use crate::ops::gemm::table::{self as gemm_table, TileChoice};
-use crate::types::mkDataType_t;
+use crate::types::{mkDataType_t, Element};
 
 pub use crate::ops::gemm::smem::{
     engine_smem_bytes, fused_smem_bytes, fused_stages, smem_bytes, stages, tile_smem_bytes, tile_stages, Epilogue, BK,
@@ -45,7 +45,7 @@ impl Cluster {
     }
     /// Whether kernels/gemm.cu has this cluster kind for a tile width and epilogue.
     pub fn compiled_for(self, bn: usize, epilogue: Epilogue) -> bool {
-        gemm_kernel(mkDataType_t::mkBfloat16, bn, epilogue, self).is_some()
+        gemm_kernel(mkDataType_t::mkBfloat16, bn, epilogue, self).is_ok()
     }
 }
 
@@ -102,15 +102,16 @@ impl GemmPlan {
     pub fn tiles(&self) -> usize {
         self.tiles_m * self.tiles_n
     }
-    /// The entry kernel (kernels/gemm.cu) this plan runs; None for a combination no kernel
-    /// is built for (the planner never makes one).
-    pub fn kernel(&self, dtype: mkDataType_t) -> Option<Kernel> {
+    /// The entry kernel (kernels/gemm.cu) this plan runs for `dtype`: an error for a type
+    /// no GEMM kernel is compiled for, or a combination no kernel is built for (the planner
+    /// never makes one).
+    pub fn kernel(&self, dtype: impl Element) -> Result<Kernel> {
         if self.bm == BM && self.split_k == 1 {
             gemm_kernel(dtype, self.bn, self.epilogue, self.cluster)
         } else if self.cluster == Cluster::None {
             gemm_tile_kernel(dtype, self.bm, self.bn, self.epilogue, self.split_k > 1)
         } else {
-            None
+            Err(MkError::internal(format!("no GEMM kernel for {self:?}: split-K or 64-row tiles in a cluster")))
         }
     }
     /// The tile as the table states it.
@@ -118,7 +119,7 @@ impl GemmPlan {
         TileChoice { bm: self.bm, bn: self.bn, split_k: self.split_k, cluster: self.cluster }
     }
     /// The name of `kernel(dtype)` ("" where there is none).
-    pub fn kernel_name(&self, dtype: mkDataType_t) -> &'static str {
+    pub fn kernel_name(&self, dtype: impl Element) -> &'static str {
         self.kernel(dtype).map_or("", |k| k.name)
     }
     /// Rows of the A box and of the B box a CTA loads: a CTA of a cluster loads half of
@@ -139,8 +140,8 @@ impl GemmPlan {
     /// memory, in 2-CTA clusters for a multicast plan and clusters of split_k CTAs for a
     /// split-K plan (co-resident clusters: the launch may lower the grid to what the GPU
     /// holds at once).
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
-        let kernel = self.kernel(dtype).ok_or_else(|| MkError::internal(format!("no GEMM kernel for {self:?}")))?;
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        let kernel = self.kernel(dtype)?;
         let clusters = if self.cluster != Cluster::None {
             Clusters::Of(2)
         } else if self.split_k > 1 {
@@ -152,89 +153,34 @@ impl GemmPlan {
     }
 }
 
-/// The plain-GEMM kernel for a dtype (bf16 or f16), tile width, epilogue and cluster kind.
-pub fn gemm_kernel(dtype: mkDataType_t, bn: usize, epilogue: Epilogue, cluster: Cluster) -> Option<Kernel> {
-    use crate::cuda::kernels::*;
-    use Cluster::{None as Single, ShareA, ShareB};
-    use Epilogue::{Direct, Tma};
-    let f16 = match dtype {
-        mkDataType_t::mkFloat16 => true,
-        mkDataType_t::mkBfloat16 => false,
-        _ => return None,
-    };
-    Some(match (f16, bn, epilogue, cluster) {
-        (false, 256, Tma, Single) => MK_GEMM_BF16_BN256_TMA,
-        (false, 224, Tma, Single) => MK_GEMM_BF16_BN224_TMA,
-        (false, 128, Tma, Single) => MK_GEMM_BF16_BN128_TMA,
-        (false, 64, Tma, Single) => MK_GEMM_BF16_BN64_TMA,
-        (false, 256, Direct, Single) => MK_GEMM_BF16_BN256_DIRECT,
-        (false, 224, Direct, Single) => MK_GEMM_BF16_BN224_DIRECT,
-        (false, 128, Direct, Single) => MK_GEMM_BF16_BN128_DIRECT,
-        (false, 64, Direct, Single) => MK_GEMM_BF16_BN64_DIRECT,
-        (true, 256, Tma, Single) => MK_GEMM_F16_BN256_TMA,
-        (true, 224, Tma, Single) => MK_GEMM_F16_BN224_TMA,
-        (true, 128, Tma, Single) => MK_GEMM_F16_BN128_TMA,
-        (true, 64, Tma, Single) => MK_GEMM_F16_BN64_TMA,
-        (true, 256, Direct, Single) => MK_GEMM_F16_BN256_DIRECT,
-        (true, 224, Direct, Single) => MK_GEMM_F16_BN224_DIRECT,
-        (true, 128, Direct, Single) => MK_GEMM_F16_BN128_DIRECT,
-        (true, 64, Direct, Single) => MK_GEMM_F16_BN64_DIRECT,
-        (false, 256, Tma, ShareB) => MK_GEMM_BF16_BN256_TMA_C2B,
-        (false, 128, Tma, ShareB) => MK_GEMM_BF16_BN128_TMA_C2B,
-        (false, 128, Tma, ShareA) => MK_GEMM_BF16_BN128_TMA_C2A,
-        (false, 64, Tma, ShareA) => MK_GEMM_BF16_BN64_TMA_C2A,
-        (true, 256, Tma, ShareB) => MK_GEMM_F16_BN256_TMA_C2B,
-        (true, 128, Tma, ShareB) => MK_GEMM_F16_BN128_TMA_C2B,
-        (true, 128, Tma, ShareA) => MK_GEMM_F16_BN128_TMA_C2A,
-        (true, 64, Tma, ShareA) => MK_GEMM_F16_BN64_TMA_C2A,
-        _ => return None,
-    })
+/// The plain-GEMM kernel for an element type, tile width, epilogue and cluster kind: the
+/// instance of kernels/instances.txt that has them.
+pub fn gemm_kernel(dtype: impl Element, bn: usize, epilogue: Epilogue, cluster: Cluster) -> Result<Kernel> {
+    let tma = Arg::Bool(epilogue == Epilogue::Tma);
+    let element = dtype.element();
+    match cluster {
+        Cluster::None => kernels::choose("mkGemm", element, "MK_GEMM_ENTRY", &[Arg::Element, Arg::Int(bn), tma]),
+        Cluster::ShareA | Cluster::ShareB => {
+            let shared = Arg::Text(if cluster == Cluster::ShareA { "mk::gemm::SHARE_A" } else { "mk::gemm::SHARE_B" });
+            kernels::choose("mkGemm", element, "MK_GEMM_ENTRY_SHARE", &[Arg::Element, Arg::Int(bn), tma, shared])
+        }
+    }
 }
 
 /// The plain-GEMM kernel without multicast for 64- or 128-row tiles, split-K or not (the
 /// 128-row unsplit ones are [`gemm_kernel`]'s).
 pub fn gemm_tile_kernel(
-    dtype: mkDataType_t,
+    dtype: impl Element,
     bm: usize,
     bn: usize,
     epilogue: Epilogue,
     split_k: bool,
-) -> Option<Kernel> {
-    use crate::cuda::kernels::*;
-    use Epilogue::{Direct, Tma};
-    let f16 = match dtype {
-        mkDataType_t::mkFloat16 => true,
-        mkDataType_t::mkBfloat16 => false,
-        _ => return None,
-    };
-    Some(match (f16, bm, bn, epilogue, split_k) {
-        (_, 128, _, _, false) => return gemm_kernel(dtype, bn, epilogue, Cluster::None),
-        (false, 64, 256, Tma, false) => MK_GEMM_BF16_BN256_TMA_BM64,
-        (false, 64, 256, Direct, false) => MK_GEMM_BF16_BN256_DIRECT_BM64,
-        (false, 64, 224, Tma, false) => MK_GEMM_BF16_BN224_TMA_BM64,
-        (false, 64, 224, Direct, false) => MK_GEMM_BF16_BN224_DIRECT_BM64,
-        (false, 64, 128, Tma, false) => MK_GEMM_BF16_BN128_TMA_BM64,
-        (false, 64, 128, Direct, false) => MK_GEMM_BF16_BN128_DIRECT_BM64,
-        (false, 64, 64, Tma, false) => MK_GEMM_BF16_BN64_TMA_BM64,
-        (false, 64, 64, Direct, false) => MK_GEMM_BF16_BN64_DIRECT_BM64,
-        (true, 64, 256, Tma, false) => MK_GEMM_F16_BN256_TMA_BM64,
-        (true, 64, 256, Direct, false) => MK_GEMM_F16_BN256_DIRECT_BM64,
-        (true, 64, 224, Tma, false) => MK_GEMM_F16_BN224_TMA_BM64,
-        (true, 64, 224, Direct, false) => MK_GEMM_F16_BN224_DIRECT_BM64,
-        (true, 64, 128, Tma, false) => MK_GEMM_F16_BN128_TMA_BM64,
-        (true, 64, 128, Direct, false) => MK_GEMM_F16_BN128_DIRECT_BM64,
-        (true, 64, 64, Tma, false) => MK_GEMM_F16_BN64_TMA_BM64,
-        (true, 64, 64, Direct, false) => MK_GEMM_F16_BN64_DIRECT_BM64,
-        (false, 128, 128, Tma, true) => MK_GEMM_BF16_BN128_TMA_SPLITK,
-        (false, 128, 64, Tma, true) => MK_GEMM_BF16_BN64_TMA_SPLITK,
-        (false, 64, 128, Tma, true) => MK_GEMM_BF16_BN128_TMA_BM64_SPLITK,
-        (false, 64, 64, Tma, true) => MK_GEMM_BF16_BN64_TMA_BM64_SPLITK,
-        (true, 128, 128, Tma, true) => MK_GEMM_F16_BN128_TMA_SPLITK,
-        (true, 128, 64, Tma, true) => MK_GEMM_F16_BN64_TMA_SPLITK,
-        (true, 64, 128, Tma, true) => MK_GEMM_F16_BN128_TMA_BM64_SPLITK,
-        (true, 64, 64, Tma, true) => MK_GEMM_F16_BN64_TMA_BM64_SPLITK,
-        _ => return None,
-    })
+) -> Result<Kernel> {
+    if bm == BM && !split_k {
+        return gemm_kernel(dtype, bn, epilogue, Cluster::None);
+    }
+    let args = [Arg::Element, Arg::Int(bn), Arg::Bool(epilogue == Epilogue::Tma), Arg::Int(bm), Arg::Bool(split_k)];
+    kernels::choose("mkGemm", dtype.element(), "MK_GEMM_ENTRY_TILE", &args)
 }
 
 /// Most CTAs a split-K cluster may have (the portable cluster size).
@@ -280,7 +226,7 @@ pub fn plan(m: usize, n: usize, k: usize, sms: usize, tma_epilogue_ok: bool, o: 
     let mut split_k =
         o.split_k.unwrap_or(choice.split_k).clamp(1, MAX_SPLIT_K).min(k.div_ceil(BK)).min(ctas_cap).max(1);
     if split_k > 1
-        && (cluster != Cluster::None || gemm_tile_kernel(mkDataType_t::mkBfloat16, bm, bn, epilogue, true).is_none())
+        && (cluster != Cluster::None || gemm_tile_kernel(mkDataType_t::mkBfloat16, bm, bn, epilogue, true).is_err())
     {
         split_k = 1;
     }
@@ -361,12 +307,12 @@ mod tests {
             for bn in TILE_WIDTHS {
                 for e in [Epilogue::Tma, Epilogue::Direct] {
                     for split in [false, true] {
-                        if split && gemm_tile_kernel(mkDataType_t::mkBfloat16, bm, bn, e, true).is_none() {
+                        if split && gemm_tile_kernel(mkDataType_t::mkBfloat16, bm, bn, e, true).is_err() {
                             continue;
                         }
                         assert!(tile_smem_bytes(bm, bn, split, e) <= SMEM_LIMIT, "bm {bm} bn {bn} {e:?} {split}");
                         assert!(tile_stages(bm, bn, split, e) >= 3, "bm {bm} bn {bn} {e:?} {split}");
-                        assert!(gemm_tile_kernel(mkDataType_t::mkFloat16, bm, bn, e, split).is_some() || split);
+                        assert!(gemm_tile_kernel(mkDataType_t::mkFloat16, bm, bn, e, split).is_ok() || split);
                     }
                 }
             }
@@ -398,7 +344,7 @@ mod tests {
         let o = PlanOverrides { split_k: Some(2), cluster: Some(Cluster::ShareB), ..wide };
         let p = plan(256, 28672, 8192, 132, true, o);
         assert_eq!((p.bn, p.split_k, p.cluster), (224, 1, Cluster::None));
-        assert!(p.kernel(mkDataType_t::mkBfloat16).is_some());
+        assert!(p.kernel(mkDataType_t::mkBfloat16).is_ok());
     }
 
     #[test]
