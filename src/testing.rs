@@ -4,6 +4,7 @@
 
 mod acceptance;
 pub mod collective_values;
+pub mod fill;
 mod graph;
 pub use acceptance::{
     accumulation_unit, check_close, check_exact, check_exact_bytes, gamma, gemm_reference, underflow_floor,
@@ -187,7 +188,7 @@ impl TestBuffer {
     }
     /// Fills with uniform values in [-scale, scale) on the device.
     pub fn randomize(&self, seed: u64, scale: f32, stream: sys::CUstream) -> Result<()> {
-        crate::ops::common::util::fill_random(self.ptr(), self.count as u64, self.dtype, seed, scale, stream)
+        crate::testing::fill::fill_random(self.ptr(), self.count as u64, self.dtype, seed, scale, stream)
     }
     /// Fills every byte with 0xFF: NaN for the floating types, so unwritten outputs fail.
     pub fn poison(&self, stream: sys::CUstream) -> Result<()> {

@@ -48,6 +48,8 @@ pub mod kernels {
         pub kernel: Kernel,
         pub entry: &'static str,
         pub args: &'static [&'static str],
+        /// A `tool` line: built only into the tools' fatbin (a `_trace` twin, a test kernel).
+        pub tool: bool,
     }
 
     /// One argument a planner asks of an instance, matched against the instance's text.
@@ -76,7 +78,7 @@ pub mod kernels {
     /// mkInvalidUsage ("no kernel for this dtype"); a missing tile or variant of a compiled
     /// type is a planner's error (mkInternalError).
     pub fn choose(op: &str, element: &ElementType, entry: &str, args: &[Arg]) -> Result<Kernel> {
-        let of_entry = || INSTANCES.iter().filter(|i| i.entry == entry);
+        let of_entry = || INSTANCES.iter().filter(|i| i.entry == entry && !i.tool);
         let matches = |i: &&Instance| {
             i.args.len() == args.len() && args.iter().zip(i.args).all(|(a, text)| a.matches(element, text))
         };
@@ -93,10 +95,20 @@ pub mod kernels {
             return Err(MkError::invalid_usage(format!(
                 "{op}: no kernel for this dtype ({}): its kernels are compiled for {}",
                 element.c_name,
-                compiled.join(", ")
+                if compiled.is_empty() { "no type".to_string() } else { compiled.join(", ") }
             )));
         }
         Err(MkError::internal(format!("{op}: no {entry} kernel for {} with {args:?}", element.c_name)))
+    }
+
+    /// The `_trace` twin of a library kernel (`mkbench --trace`): the tool instance named
+    /// `<name>_trace`, compiled with the trace hooks that the library's kernels compile away
+    /// (kernels/common/trace.cuh). Loading it needs `cuda::register_tool_kernels`.
+    pub fn trace_twin(kernel: Kernel) -> Result<Kernel> {
+        let twin = format!("{}_trace", kernel.name);
+        INSTANCES.iter().find(|i| i.tool && i.kernel.name == twin).map(|i| i.kernel).ok_or_else(|| {
+            MkError::invalid_usage(format!("{} has no traced twin (kernels/instances.txt)", kernel.name))
+        })
     }
 
     include!(concat!(env!("OUT_DIR"), "/kernel_instances.rs"));

@@ -901,7 +901,11 @@ fn launch(call: MoeCall, p: &MoePlan, view: &WorkspaceView, region: u64, stream:
     let mut ta = launch::tensor_map(at(a.0), dtype, a.1, a.2, engine::BM, engine::BK)?;
     let mut tb = launch::tensor_map(at(b.0), dtype, b.1, b.2, p.bn, engine::BK)?;
     let mut tc = launch::tensor_map(at(c.0), dtype, c.1, c.2, 64, 64)?;
-    let kernel_launch = p.kernel_launch(dtype)?;
+    let mut kernel_launch = p.kernel_launch(dtype)?;
+    if params.trace != 0 {
+        // `mkbench --trace`: the twin with the trace hooks (the library's kernel has none).
+        kernel_launch.kernel = crate::cuda::kernels::trace_twin(kernel_launch.kernel)?;
+    }
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),

@@ -43,7 +43,7 @@ use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{MkError, Result};
 use mkernel::ops::collectives::{collective, CollectiveKind};
-use mkernel::ops::common::util::fill_random;
+use mkernel::testing::fill::fill_random;
 use mkernel::testing::TestBuffer;
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 

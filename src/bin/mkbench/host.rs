@@ -69,8 +69,8 @@ pub fn run(args: &[String]) -> Result<bool> {
     let (n, k) = (8192usize, 8192usize);
     let weights = DeviceBuffer::alloc(n * k * 2)?;
     let bf16 = mkDataType_t::mkBfloat16;
-    mkernel::ops::common::util::fill_random(weights.ptr, (n * k) as u64, bf16, 7, 1.0, stream)?;
-    mkernel::ops::common::util::fill_random(small_a.ptr, 2048, bf16, 8, 1.0, stream)?;
+    mkernel::testing::fill::fill_random(weights.ptr, (n * k) as u64, bf16, 7, 1.0, stream)?;
+    mkernel::testing::fill::fill_random(small_a.ptr, 2048, bf16, 8, 1.0, stream)?;
     sync()?;
 
     let pieces: Vec<Piece> = vec![
@@ -96,7 +96,7 @@ pub fn run(args: &[String]) -> Result<bool> {
         (
             "small_launch",
             "a one-CTA kernel launch with a 32-byte parameter block (mk_fill_random)",
-            Box::new(|| mkernel::ops::common::util::fill_random(small_b.ptr, 256, bf16, 9, 1.0, stream)),
+            Box::new(|| mkernel::testing::fill::fill_random(small_b.ptr, 256, bf16, 9, 1.0, stream)),
         ),
         (
             "copy_call",

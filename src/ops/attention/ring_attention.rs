@@ -234,10 +234,15 @@ pub fn validate_args(
 }
 
 /// The ring-attention kernel for `dtype` and `head_dim`; `traced`: its twin that writes
-/// `mkbench --trace`'s timing buffer (a tool kernel, MK_RING_ATTN_TRACE_ENTRY).
+/// `mkbench --trace`'s timing buffer (a tool kernel: `cuda::kernels::trace_twin`).
 pub fn kernel_for(dtype: impl Element, head_dim: usize, traced: bool) -> Result<Kernel> {
-    let entry = if traced { "MK_RING_ATTN_TRACE_ENTRY" } else { "MK_RING_ATTN_ENTRY" };
-    kernels::choose("mkRingAttention", dtype.element(), entry, &[Arg::Element, Arg::Int(head_dim)])
+    let args = [Arg::Element, Arg::Int(head_dim)];
+    let kernel = kernels::choose("mkRingAttention", dtype.element(), "MK_RING_ATTN_ENTRY", &args)?;
+    if traced {
+        kernels::trace_twin(kernel)
+    } else {
+        Ok(kernel)
+    }
 }
 
 /// The kernel's parameters for `args` and its plan (one rank, no workspace: the caller

@@ -7,4 +7,3 @@ pub mod gpu_model;
 pub mod launch;
 pub mod node_layout;
 pub mod schedule;
-pub mod util;

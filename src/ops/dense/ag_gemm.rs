@@ -374,7 +374,11 @@ fn launch(
         params.ring = *ring;
         params.rank_of = nl.rank_of;
     }
-    let kernel_launch = p.kernel_launch(args.dtype)?;
+    let mut kernel_launch = p.kernel_launch(args.dtype)?;
+    if args.trace != 0 {
+        // `mkbench --trace`: the twin with the trace hooks (the library's kernel has none).
+        kernel_launch.kernel = crate::cuda::kernels::trace_twin(kernel_launch.kernel)?;
+    }
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),

@@ -485,7 +485,7 @@ fn launch(
         nodes: 1,
         global_rank: rank as i32,
         // One node, no dedicated CTAs: each GEMM CTA's warps reduce after its GEMM (its
-        // side warps the earlier tiles during it: early_items). side_reduce stays 0.
+        // side warps the earlier tiles during it: early_items).
         early_items: p.early_items as i32,
         ..GemmReduceParams::default()
     };
@@ -506,7 +506,11 @@ fn launch(
         params.rank_of = nl.rank_of;
     }
     // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere).
-    let kernel_launch = p.kernel_launch(args.dtype)?;
+    let mut kernel_launch = p.kernel_launch(args.dtype)?;
+    if args.trace != 0 {
+        // `mkbench --trace`: the twin with the trace hooks (the library's kernel has none).
+        kernel_launch.kernel = crate::cuda::kernels::trace_twin(kernel_launch.kernel)?;
+    }
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
