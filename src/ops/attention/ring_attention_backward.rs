@@ -254,7 +254,7 @@ struct BwdMaps {
 /// A 4-D map over a [batch][token][head][d] tensor, box {64 d, 1 head, 64 tokens, 1 batch},
 /// zeros past `tokens`.
 fn head_map(ptr: u64, dtype: mkDataType_t, s: &RingShape, heads: usize) -> Result<sys::CUtensorMap> {
-    let row = (s.head_dim * 2) as u64;
+    let row = dtype.size() as u64 * s.head_dim as u64;
     crate::ops::common::launch::tiled_tensor_map(
         ptr,
         dtype,

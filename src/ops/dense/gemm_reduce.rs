@@ -479,7 +479,7 @@ fn launch(
         op: args.reduction.op_code(),
         two_phase: p.two_phase as i32,
         trace: args.trace,
-        reduced_offset: ws.view.data_bytes + (m * n * 2) as u64,
+        reduced_offset: ws.view.data_bytes + args.dtype.element().bytes_of(m * n) as u64,
         rows_per_rank: (m / nranks) as i32,
         interleave: p.interleave as i32,
         nodes: 1,
