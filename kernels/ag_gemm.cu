@@ -35,6 +35,13 @@
 // (own rows, local peers' rows, then the other nodes') waits per chunk as on one node.
 // The last CTA's end of the epoch is also sent, through the proxy, to the GPU-l rank of
 // every other node (AGG_NET_DONE): their next call's puts wait for it.
+//
+// The trace hooks stay behind their run-time test in the library's build of this file
+// (MK_TRACE_AT_RUN_TIME): compiled out, ptxas allocates the BN 128 kernels' register-tight
+// producer warps differently and spills 32 bytes (tests/kernels.rs forbids spills), while
+// with the hooks it spills nothing. The C API passes no trace buffer, so each hook is one
+// predictable branch.
+#define MK_TRACE_AT_RUN_TIME
 #include "common/gemm/engine.cuh"
 #include "common/fused_op.cuh"
 #include "common/proxy.cuh"
@@ -137,10 +144,10 @@ __device__ __forceinline__ bool push_chunks(const AgGemmParams& p, uint64_t epoc
     int ok = 1;
     uint64_t t0 = 0;
     if (tid == 0) {
-      t0 = p.trace ? mk_globaltimer() : 0;
+      t0 = MK_TRACED(p.trace) ? mk_globaltimer() : 0;
       // q must have finished reading its gathered buffer of our previous call.
       ok = mk_wait_geq_inline(ws, mk_signal_word(ws, me, AGG_DONE + q), epoch - 1, q, MK_WAIT_OP_FLAG, MK_OP_ALL_GATHER_GEMM);
-      if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+      if (MK_TRACED(p.trace)) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
     }
     if (!Team::and_all(ok)) return false;
     char* peer = reinterpret_cast<char*>(ws.data[q]) + p.gathered_offset + (size_t)me * p.rows_per_rank * row_bytes;
@@ -212,14 +219,14 @@ __device__ __forceinline__ bool push_hier(const AgGemmParams& p, uint64_t epoch,
   const bool poster = part == 0 && tid == 0 && N > 1;
   int ok = 1;
   if (tid == 0) {
-    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+    const uint64_t t0 = MK_TRACED(p.trace) ? mk_globaltimer() : 0;
     // Every local peer must have finished reading its gathered buffer of our previous call.
     for (int j = 0; j < L && ok; ++j)
       if (j != l)
         ok = mk_wait_geq_inline(ws, mk_signal_word(ws, l, AGG_DONE + j), epoch - 1, agg_rank_of(p, p.node, j),
                                 MK_WAIT_OP_FLAG, MK_OP_ALL_GATHER_GEMM);
     if (ok && poster) ok = post_own_rows(p, epoch, &ticket);
-    if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+    if (MK_TRACED(p.trace)) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
   }
   if (!Team::and_all(ok)) return false;
   const char* own = reinterpret_cast<const char*>(ws.data[l]) + p.gathered_offset;
@@ -232,9 +239,9 @@ __device__ __forceinline__ bool push_hier(const AgGemmParams& p, uint64_t epoch,
       if (s != g) {
         ok = 1;
         if (tid == 0) {
-          const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+          const uint64_t t0 = MK_TRACED(p.trace) ? mk_globaltimer() : 0;
           ok = mk_wait_geq_inline(ws, mk_signal_word(ws, l, agg_chunk(p, s, c)), epoch, s, MK_WAIT_NET, MK_OP_ALL_GATHER_GEMM);
-          if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+          if (MK_TRACED(p.trace)) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
         }
         if (!Team::and_all(ok)) return false;
       }
@@ -302,7 +309,7 @@ struct ChunkAWait {
   };
   __device__ static void before_a_load(const Params& w, int, int row0, int rows) {
     const AgGemmParams& p = *w.op;
-    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+    const uint64_t t0 = MK_TRACED(p.trace) ? mk_globaltimer() : 0;
     const int end = min(row0 + rows, p.m);
     for (int r = row0; r < end;) {
       const int src = r / p.rows_per_rank;
@@ -314,7 +321,7 @@ struct ChunkAWait {
       r = min(src * p.rows_per_rank + (c + 1) * p.chunk_rows, (src + 1) * p.rows_per_rank);
     }
     fence_proxy_async_global();  // the peers' generic-proxy stores, then our TMA loads
-    if (p.trace) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
+    if (MK_TRACED(p.trace)) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
   }
   __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
     row = m_row0;
@@ -407,7 +414,7 @@ __device__ __forceinline__ void ag_gemm(const CUtensorMap* tma_a, const CUtensor
   } else {
     push<CtaTeam>(p, epoch, blockIdx.x - p.compute_ctas, p.comm_ctas);
   }
-  if (p.trace) {
+  if (MK_TRACED(p.trace)) {
     __syncthreads();  // a GEMM CTA's thread 0 (the producer) finishes before its consumers
     mk_trace_time(p.trace, MK_TR_ROLE);
   }

@@ -262,7 +262,9 @@ __device__ __forceinline__ void collective(const CollectiveParams& p) {
 
 
 // ---- benchmark check: float32 results against the inputs' generator, on the device ----
+// A tool kernel (mkbench only): compiled into collectives_tools.fatbin, not the library.
 // The same stream as mk_fill_random in util.cu (SplitMix64 of seed and index).
+#ifdef MK_TOOL_KERNELS
 __device__ __forceinline__ uint64_t check_splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -293,5 +295,6 @@ extern "C" __global__ void mk_collective_check(CollectiveCheckParams c) {
   }
   if (wrong) atomicAdd(reinterpret_cast<unsigned long long*>(c.wrong), wrong);
 }
+#endif  // MK_TOOL_KERNELS
 
 #include "kernel_instances/collectives.inc"  // the entry points: kernels/instances.txt

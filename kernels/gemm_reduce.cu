@@ -8,11 +8,10 @@ namespace mk { namespace gemm_reduce {
 
 using namespace mk::gemm;
 
-// The side warps' hook (kernels/common/gemm/hooks.cuh). The side_reduce branch (the idle
-// producer warps reduce everything during the GEMM) is never planned by the host: it
-// measured slower than reducing after the GEMM, and its removal waits for a GPU run at 1-8
-// ranks (docs/decisions/0101-side-reducers.md).
-// On one node, warp 2 first opens the CTA's start gate (open_gate): warps 2-3 run beside
+// The side warps' hook (kernels/common/gemm/hooks.cuh). The idle producer warps do not
+// reduce during the GEMM: that measured slower than reducing after it
+// (docs/decisions/0101-side-reducers.md; kernels/gemm_reduce_early.cu sums the earlier
+// tiles during the GEMM instead). On one node, warp 2 first opens the CTA's start gate (open_gate): warps 2-3 run beside
 // the GEMM from its start, which is what lets the epoch read and the peers' GR_DONE wait
 // overlap the first loads.
 struct ReduceSideWork : NoAWait {
@@ -29,10 +28,6 @@ struct ReduceSideWork : NoAWait {
   __device__ static void run(const Params& w) {
     const GemmReduceParams& p = *w.op;
     if (p.nodes == 1 && threadIdx.x / 32 == 2) open_gate(p, w.gate);
-    if (p.side_reduce && p.reduce_ctas == 0) {
-      gate_wait(w.gate);  // both warps: the same outcome, so both (named barrier 3) reduce or neither
-      if (w.gate->ok) reduce<T, BN, SideWarps>(p, w.gate->epoch, blockIdx.x, p.compute_ctas);
-    }
   }
 };
 template <typename T, int BN>
@@ -94,7 +89,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     // loads and wgmmas touch nothing a peer reads.
     gemm_persistent<Cfg, Raster, ReduceSideWorkFor<T, BN>, Epi>(tma_a, tma_b, GemmShape{p.m, p.n, p.k, p.a_box_rows}, sched, await, epi,
                                                               blockIdx.x, p.compute_ctas, smem);
-    // Without dedicated reduction CTAs (and side warps), the GEMM CTAs reduce once their
+    // Without dedicated reduction CTAs, the GEMM CTAs reduce once their
     // GEMM is done: all 12 warps, as CTA c of the grid taking owned tiles c, c + grid, ...
     // The GEMM's stores overlap only its last wave this way (CTAs finish at different
     // times); the side warps, which overlap all of it, measured slower (docs/decisions/0101).
@@ -102,7 +97,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     // it before any side work and reaches the barrier only after): every thread reads it.
     restore_launch_registers<Cfg>();
     epoch = gate.epoch;
-    if (gate.ok && p.reduce_ctas == 0 && !p.side_reduce) {
+    if (gate.ok && p.reduce_ctas == 0) {
       mk_trace_time(p.trace, MK_TR_GEMM);
       reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x, p.compute_ctas);
     }
@@ -111,7 +106,7 @@ __device__ __forceinline__ void gemm_reduce(const CUtensorMap* tma_a, const CUte
     mk_trace_time(p.trace, MK_TR_SETUP);
     reduce<T, BN, CtaTeam>(p, epoch, blockIdx.x - p.compute_ctas, p.reduce_ctas);
   }
-  if (p.trace) {
+  if (MK_TRACED(p.trace)) {
     __syncthreads();  // a GEMM CTA's thread 0 (the producer) finishes before its consumers
     mk_trace_time(p.trace, MK_TR_ROLE);
   }

@@ -9,7 +9,7 @@ namespace mk { namespace gemm_reduce {
 using namespace mk::gemm;
 
 // ---- Early sums (GEMM+RS, the mk_gemm_reduce_early_* kernels) -------------------------
-// One node, GEMM CTAs reducing after their GEMM, planned by ops::gemm_reduce::early_items:
+// One node, GEMM CTAs reducing after their GEMM, planned by ops::dense::gemm_reduce::early_items:
 // the producer warpgroup's warps 2-3 (idle beside the GEMM once the gate is open) sum the
 // first items of the CTA's reducer walk -- at most early_items, never the CTA's last --
 // while the GEMM computes the later tiles, and stop at the end of the GEMM; the CTA's 12
@@ -20,7 +20,7 @@ using namespace mk::gemm;
 // GEMM+AR M 256 lost (one GEMM tile of time does not cover a tile's sum beside the GEMM,
 // whose TMA loads leave the side warps ~4-6 GB/s per CTA), so only ReduceScatter gets
 // these kernels, separate entries so that the others' code does not depend on them.
-constexpr int kSideRows = 32;  // ops::gemm_reduce::SIDE_ROWS
+constexpr int kSideRows = 32;  // ops::dense::gemm_reduce::SIDE_ROWS
 
 // Shared between a GEMM CTA's side warps and its warps after the GEMM.
 struct EarlySums {
@@ -30,7 +30,7 @@ struct EarlySums {
 };
 
 // Shared memory after the engine's: what fits below the 227 KiB beside 1 KiB of static
-// shared memory, 16 or 8 KiB, else 0 (ops::gemm_reduce::side_staging_bytes mirrors it).
+// shared memory, 16 or 8 KiB, else 0 (ops::dense::gemm_reduce::side_staging_bytes mirrors it).
 template <class Cfg, class Epi>
 constexpr int side_staging_bytes() {
   constexpr int free = 232448 - 1024 - engine_smem_bytes<Cfg, Epi>();
@@ -102,7 +102,7 @@ __device__ __forceinline__ void early_sums(const GemmReduceParams& p, uint64_t e
 }
 
 // reduce_tiles for the 12 warps after the side warps' early sums: the walk resumes at this
-// team's item `first`, from row `first_rows` of its rows (ops::gemm_reduce::team_rest
+// team's item `first`, from row `first_rows` of its rows (ops::dense::gemm_reduce::team_rest
 // mirrors the split).
 template <typename T, int BN>
 __device__ __forceinline__ bool reduce_tiles_from(const GemmReduceParams& p, uint64_t epoch, int j, int stride, int first,
@@ -167,7 +167,7 @@ __device__ __forceinline__ void gemm_reduce_early(const CUtensorMap* tma_a, cons
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
   // A plan mismatch (the host launches these on one node, without dedicated or side
   // reducers, with the staging) is a bug: trap rather than reduce wrongly.
-  if (dyn_smem < uint32_t(engine_smem_bytes<Cfg, Epi>() + kSide) || p.nodes != 1 || p.reduce_ctas != 0 || p.side_reduce ||
+  if (dyn_smem < uint32_t(engine_smem_bytes<Cfg, Epi>() + kSide) || p.nodes != 1 || p.reduce_ctas != 0 ||
       p.two_phase || (int)gridDim.x != p.compute_ctas)
     __trap();
   const WorkspaceView& ws = p.ws;
@@ -209,7 +209,7 @@ __device__ __forceinline__ void gemm_reduce_early(const CUtensorMap* tma_a, cons
   restore_launch_registers<Cfg>();  // its CTA barrier: the side warps' EarlySums are written
   const uint64_t epoch = gate.epoch;
   if (gate.ok) reduce_tiles_from<T, BN>(p, epoch, blockIdx.x, p.compute_ctas, early.items, early.rows);
-  if (p.trace) {
+  if (MK_TRACED(p.trace)) {
     __syncthreads();
     mk_trace_time(p.trace, MK_TR_ROLE);
   }

@@ -1,7 +1,7 @@
 // AllGather, ReduceScatter and AllReduce across nodes: NVLink within a node through the
 // node's symmetric workspace (as kernels/collectives.cu), GPU i <-> GPU i between nodes
 // through this rank's proxy ring (common/proxy.cuh), both issued from the kernel, so the
-// op is one stream-ordered, graph-capturable launch. Routes: src/comm/topology.rs.
+// op is one stream-ordered, graph-capturable launch. Routes: src/transport/topology.rs.
 //
 // Same skeleton as the one-node kernel: CTA b owns a fixed part of every rank's data region
 // (region_bytes at b * region_bytes, the same on every rank of every node) split into two

@@ -1,10 +1,12 @@
 // Proxy ring test kernel: exercises kernels/common/proxy.cuh end to end on a GPU (each
 // CTA's thread 0 posts puts and waits for their completion) and keeps the header compiled
-// by every build. Launched by the proxy GPU test; parameters in src/kernel_abi.rs.
+// by every build. Launched by the proxy GPU test; parameters in src/kernel_abi.rs. A tool
+// kernel: compiled into proxy_tools.fatbin only, never into the library.
 #include <stdint.h>
 #include "mk_kernel_abi.h"
 #include "common/proxy.cuh"
 
+#ifdef MK_TOOL_KERNELS
 extern "C" __global__ void mk_proxy_test(ProxyTestParams p) {
   if (threadIdx.x != 0) return;
   int* status = reinterpret_cast<int*>(p.status);
@@ -17,3 +19,4 @@ extern "C" __global__ void mk_proxy_test(ProxyTestParams p) {
   if (rc == mkSuccess && p.commands_per_cta > 0) rc = mk_proxy_wait_complete(p.ring, ticket);
   status[blockIdx.x] = rc;
 }
+#endif  // MK_TOOL_KERNELS

@@ -1,5 +1,6 @@
 // Utility kernels: fill buffers with reproducible pseudo-random data for tests and
-// benchmarks (fresh, never-zero inputs without a host round trip).
+// benchmarks (fresh, never-zero inputs without a host round trip). Tool kernels: compiled
+// into util_tools.fatbin only, never into the library.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -21,6 +22,7 @@ __device__ __forceinline__ float mk_uniform(uint64_t seed, uint64_t i) {
   return (float)r * (2.0f / 16777216.0f) - 1.0f;
 }
 
+#ifdef MK_TOOL_KERNELS
 extern "C" __global__ void mk_fill_random(FillRandomParams p) {
   uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += stride) {
@@ -35,3 +37,4 @@ extern "C" __global__ void mk_fill_random(FillRandomParams p) {
     }
   }
 }
+#endif  // MK_TOOL_KERNELS

@@ -106,8 +106,8 @@ fn one_of<T: Copy>(name: &str, values: &[(&str, T)]) -> Option<T> {
 // ---- internal tuning (src/tuning.rs): None when unset ----
 
 /// `MK_INTERNAL_GEMM_REDUCERS`: `early` or `after`.
-pub fn internal_gemm_reducers() -> Option<crate::ops::gemm_reduce::Reducers> {
-    use crate::ops::gemm_reduce::Reducers;
+pub fn internal_gemm_reducers() -> Option<crate::tuning::Reducers> {
+    use crate::tuning::Reducers;
     one_of("MK_INTERNAL_GEMM_REDUCERS", &[("early", Reducers::Early), ("after", Reducers::After)])
 }
 
@@ -162,6 +162,6 @@ mod tests {
         assert_eq!(default_of("MK_INTERNAL_MOE_BURST"), "auto");
         assert_eq!(t.moe_burst, None);
         assert_eq!(default_of("MK_INTERNAL_GEMM_REDUCERS"), "early");
-        assert_eq!(t.gemm_reducers, crate::ops::gemm_reduce::Reducers::Early);
+        assert_eq!(t.gemm_reducers, crate::tuning::Reducers::Early);
     }
 }

@@ -312,7 +312,7 @@ pub struct ProxyTestParams {
     pub signal_value: u32,
 }
 
-/// Most signalled chunks per source rank in AllGather + GEMM (src/ops/ag_gemm.rs
+/// Most signalled chunks per source rank in AllGather + GEMM (src/ops/dense/ag_gemm.rs
 /// MAX_CHUNKS_PER_RANK; the kernel's flag array is sized by it).
 pub const MK_AG_GEMM_MAX_CHUNKS: usize = 32;
 
@@ -407,7 +407,7 @@ pub struct GemmReduceParams {
     /// Compute and reduction walk the row blocks of this many equal owner shards
     /// interleaved (kernels/common/gemm/scheduler.cuh OwnerInterleavedRaster); 1: in order.
     pub interleave: i32,
-    /// Across nodes (src/ops/gemm_reduce_nodes.rs has the plan; 1: one node, the fields
+    /// Across nodes (src/ops/dense/gemm_reduce_nodes.rs has the plan; 1: one node, the fields
     /// below unused): `ws` is this node's workspace (indexed by local rank); global rank q
     /// owns rows [q·owner_rows, (q+1)·owner_rows) ∩ [0, m), in `owner_blocks` blocks of 128.
     pub nodes: i32,
@@ -421,10 +421,6 @@ pub struct GemmReduceParams {
     pub net_reduced_word: u32,
     pub count_node_word: u32,
     pub count_final_word: u32,
-    /// Always 0 from the host (docs/decisions/0101-side-reducers.md): 1 would have the
-    /// producer warpgroup's idle warps reduce during the GEMM instead of each GEMM CTA's 12
-    /// warps after it.
-    pub side_reduce: u32,
     /// Byte offsets in every rank's data region: N slabs each of [owner_rows, n], slab m at
     /// Word + m · slab_bytes. (R, for AllReduce, is at `reduced_offset`.)
     pub outbox_offset: u64,
@@ -433,7 +429,7 @@ pub struct GemmReduceParams {
     pub ring: ProxyRingView,
     /// rank_of[m * MK_MAX_PEERS + l]: global rank of local rank l on node m.
     pub rank_of: [i32; MK_MAX_NODE_RANKS],
-    /// GEMM+RS on one node, reducers after the GEMM (`ops::gemm_reduce::early_items`; the
+    /// GEMM+RS on one node, reducers after the GEMM (`ops::dense::gemm_reduce::early_items`; the
     /// `mk_gemm_reduce_early_*` kernels only): the most of a GEMM CTA's reducer items (tiles
     /// of its walk, all but its last) that its two idle producer warps may sum during the
     /// GEMM, as the partials are flagged; the CTA's 12 warps sum the rest after it. Last in
@@ -564,12 +560,12 @@ pub struct RingAttnParams {
     /// softmaxScale · log2(e): scores go through exp2.
     pub scale_log2: f32,
     /// Nonzero: work items are handed out at run time, in the section order of
-    /// ops::ring_attention::sched_item, from a counter in this rank's signal region
+    /// ops::attention::ring_attention::sched_item, from a counter in this rank's signal region
     /// (`ws.signals[ws.rank]`, which must then be set, also at one rank); 0: each CTA
     /// walks its fixed snake of items (gathered mode, no workspace).
     pub sched_dynamic: i32,
     /// (batch, head) pairs per section of the dynamic order (a multiple of heads /
-    /// kv_heads, ≥ 1): ops::ring_attention::sched_section.
+    /// kv_heads, ≥ 1): ops::attention::ring_attention::sched_section.
     pub sched_section: i32,
 }
 
@@ -579,7 +575,7 @@ pub struct RingAttnParams {
 /// fp32. The fused-op region of every rank holds, from `kv_offset`: its K and V copy
 /// (more than one rank), the rows' (lse·log2 e, delta) at `rows_offset` (own use), and
 /// the dK/dV accumulator slots at `slots_offset` (read by the ring predecessor):
-/// ops::ring_attention_backward::WorkspaceLayout.
+/// ops::attention::ring_attention_backward::WorkspaceLayout.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RingAttnBwdParams {

@@ -4,6 +4,7 @@
 
 mod acceptance;
 pub mod collective_values;
+pub mod fill;
 mod graph;
 pub use acceptance::{
     accumulation_unit, check_close, check_exact, check_exact_bytes, gamma, gemm_reference, underflow_floor,
@@ -16,17 +17,7 @@ use crate::error::Result;
 use crate::types::mkDataType_t;
 use cudarc::driver::result as cu;
 
-/// Why GPU work cannot run here, or None when a CUDA device is usable.
-pub fn gpu_unavailable_reason() -> Option<String> {
-    if let Err(e) = cuda::driver() {
-        return Some(e.message);
-    }
-    match cuda::device_count() {
-        Ok(0) => Some("no CUDA device".into()),
-        Ok(_) => None,
-        Err(e) => Some(e.message),
-    }
-}
+pub use crate::cuda::gpu_unavailable_reason;
 
 pub fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
@@ -197,7 +188,7 @@ impl TestBuffer {
     }
     /// Fills with uniform values in [-scale, scale) on the device.
     pub fn randomize(&self, seed: u64, scale: f32, stream: sys::CUstream) -> Result<()> {
-        crate::ops::util::fill_random(self.ptr(), self.count as u64, self.dtype, seed, scale, stream)
+        crate::testing::fill::fill_random(self.ptr(), self.count as u64, self.dtype, seed, scale, stream)
     }
     /// Fills every byte with 0xFF: NaN for the floating types, so unwritten outputs fail.
     pub fn poison(&self, stream: sys::CUstream) -> Result<()> {

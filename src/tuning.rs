@@ -5,8 +5,41 @@
 //! parsed once per process and printed at `MK_DEBUG=INFO`, one line each, as NCCL prints
 //! its tuning.
 
-use crate::ops::gemm_reduce::Reducers;
+use crate::kernel_abi::{MK_LL_MAX_CTAS, MK_LL_PIECE_BYTES};
 use std::sync::OnceLock;
+
+/// Who sums the partials of GEMM + ReduceScatter / AllReduce on one node without dedicated
+/// reduction CTAs (`Tuning::gemm_reducers`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reducers {
+    /// GEMM+RS: the producer warpgroup's two idle warps of each GEMM CTA sum its earlier
+    /// tiles while the GEMM computes the later ones (`early_items`); every warp sums the
+    /// rest after the GEMM. GEMM+AR: as `After`. The default.
+    Early,
+    /// Every warp of each GEMM CTA, after its GEMM.
+    After,
+}
+
+/// mkGemmAllReduce: the largest M that takes the one-shot path by default
+/// (`Tuning::gemm_ar_one_shot_max_m`).
+pub const GEMM_AR_ONE_SHOT_MAX_M: usize = 256;
+
+/// mkMoeGemmCombine: column bands of its GEMM by default (`Tuning::moe_bands`). The pull of a
+/// token's output tile needs the tile's slabs of all its k rows, on up to k experts anywhere in
+/// the expert-major order, so without bands nothing can be pulled before the GEMM's end (4
+/// ranks: the pull, ~2.6 ms alone, runs after a ~11 ms GEMM). With b bands the GEMM finishes
+/// band 0 (every block, its first H / b columns) after ~1/b of its time, and the side warps
+/// pull band 0's outputs while bands 1.. compute; each band reads A (Y') again: b x 168 MB per
+/// rank at DeepSeek-V3-like sizes, beside ~1.8 GB of W2 tiles read once.
+pub const MOE_BANDS: usize = 4;
+
+/// The collectives within a node: the largest message per rank segment (bytes; AllReduce: the
+/// buffer) that takes the low-latency protocol by default (`Tuning::collective_ll_max_bytes`):
+/// one piece of MK_LL_PIECE_BYTES per LL CTA. A first choice from the protocol's shape (one
+/// one-way trip where the simple protocol takes two to three flag trips and a pull), not yet a
+/// measured crossover: `mkbench all_reduce --threads` across it is the measurement that sets
+/// it.
+pub const COLLECTIVE_LL_MAX_BYTES: u64 = MK_LL_MAX_CTAS as u64 * MK_LL_PIECE_BYTES as u64;
 
 /// One process's tuning (copied into every communicator's config).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,10 +63,10 @@ impl Default for Tuning {
     fn default() -> Self {
         Tuning {
             gemm_reducers: Reducers::Early,
-            gemm_ar_one_shot_max_m: crate::ops::gemm_ar::ONE_SHOT_MAX_M,
-            moe_bands: crate::ops::moe::DEFAULT_BANDS,
+            gemm_ar_one_shot_max_m: GEMM_AR_ONE_SHOT_MAX_M,
+            moe_bands: MOE_BANDS,
             moe_burst: None,
-            collective_ll_max_bytes: crate::ops::collectives::LL_MAX_BYTES,
+            collective_ll_max_bytes: COLLECTIVE_LL_MAX_BYTES,
         }
     }
 }

@@ -13,13 +13,14 @@
 //! Keep it in step with the kernel: each block below names the kernel step it mirrors.
 
 use mkernel::bootstrap::{root::start_root, Bootstrap, UniqueId};
-use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{MkError, Result};
 use mkernel::kernel_abi::{self as abi, ProxyCommand, MK_MAX_NODES, MK_MAX_PEERS, MK_PROXY_KIND_SIGNAL};
+use mkernel::ops::collectives::hier::{plan, HierPlan};
 use mkernel::ops::collectives::CollectiveKind;
-use mkernel::ops::hier_collectives::{node_layout, plan, HierPlan, NodeLayout};
+use mkernel::ops::common::node_layout::{node_layout, NodeLayout};
 use mkernel::transport::inter_node::{start_inter_node, InterNodeSetup};
 use mkernel::transport::proxy::{command_header, put_command, HostProducer, ProxyRing};
+use mkernel::transport::topology::{node_of_ranks, Topology};
 use mkernel::transport::{NetKind, TransportAuth};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

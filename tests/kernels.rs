@@ -38,22 +38,39 @@ fn properties(report: &str) -> Vec<(String, String)> {
 fn every_kernel_family_is_embedded() {
     let embedded: Vec<&str> = mkernel::cuda::kernels::FATBINS.iter().map(|(name, _)| *name).collect();
     for family in [
-        "util",
         "fused_fence",
         "gemm",
         "collectives",
         "hier_collectives",
         "ag_gemm",
         "gemm_reduce",
-        "proxy",
+        "gemm_reduce_early",
         "moe",
         "ring_attention",
         "ring_attention_backward",
     ] {
         assert!(embedded.contains(&family), "kernels/{family}.cu is not embedded: {embedded:?}");
     }
-    let tools: Vec<&str> = mkernel::cuda::kernels::TOOL_FATBINS.iter().map(|(name, _)| *name).collect();
-    assert_eq!(tools, ["ring_attention_tools"], "the fatbins of kernels/instances.txt's `tool` kernels");
+    // The test kernels' files have no library kernel: the library does not embed them.
+    for tool_only in ["util", "proxy"] {
+        assert!(!embedded.contains(&tool_only), "kernels/{tool_only}.cu holds only tool kernels: {embedded:?}");
+    }
+    let mut tools: Vec<&str> = mkernel::cuda::kernels::TOOL_FATBINS.iter().map(|(name, _)| *name).collect();
+    tools.sort();
+    assert_eq!(
+        tools,
+        [
+            "ag_gemm_tools",
+            "collectives_tools",
+            "gemm_reduce_early_tools",
+            "gemm_reduce_tools",
+            "moe_tools",
+            "proxy_tools",
+            "ring_attention_tools",
+            "util_tools"
+        ],
+        "the fatbins of kernels/instances.txt's `tool` kernels"
+    );
     for (name, bytes) in mkernel::cuda::kernels::FATBINS.iter().chain(mkernel::cuda::kernels::TOOL_FATBINS) {
         assert!(bytes.len() > 1000, "{name}: fatbin of {} bytes", bytes.len());
     }
@@ -70,8 +87,8 @@ fn every_kernel_is_in_the_fatbin_it_names() {
         let image = image.unwrap_or_else(|| panic!("{}: no fatbin named {}", k.name, k.file));
         let section = format!(".text.{}\0", k.name);
         assert!(contains(image, &section), "{} is not in {}.fatbin", k.name, k.file);
-        if let Some(library_twin) = k.file.strip_suffix("_tools") {
-            let (_, library) = FATBINS.iter().find(|(name, _)| *name == library_twin).expect("the library's build");
+        let library_twin = k.file.strip_suffix("_tools");
+        if let Some((library_twin, library)) = library_twin.and_then(|t| FATBINS.iter().find(|(name, _)| *name == t)) {
             assert!(
                 !contains(library, &section),
                 "tool kernel {} is also in the library's {library_twin}.fatbin",
@@ -142,4 +159,21 @@ fn collective_kernels_are_built_without_spills() {
     for (function, line) in props {
         assert_eq!(line, "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", "{function}");
     }
+}
+
+/// Every kernel with trace hooks has its `_trace` twin in the tools' build of its file, and
+/// the library's kernels name no twin of their own.
+#[test]
+fn every_traced_kernel_has_a_twin_in_the_tools_fatbin() {
+    use mkernel::cuda::kernels::{trace_twin, ALL};
+    let traced = ["ag_gemm", "gemm_reduce", "gemm_reduce_early", "moe", "ring_attention"];
+    let mut twins = 0;
+    for k in ALL.iter().filter(|k| traced.contains(&k.file)) {
+        let twin = trace_twin(*k).unwrap_or_else(|e| panic!("{}: {}", k.name, e.message));
+        assert_eq!(twin.file, format!("{}_tools", k.file), "{}", k.name);
+        twins += 1;
+    }
+    assert_eq!(twins, 4 + 8 + 2 + 8 + 4);
+    let gemm = ALL.iter().find(|k| k.file == "gemm").unwrap();
+    assert!(trace_twin(*gemm).is_err(), "the plain GEMM has no hooks and no twin");
 }

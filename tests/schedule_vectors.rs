@@ -1,4 +1,4 @@
-//! The host mirrors in `mkernel::ops::schedule` and `mkernel::ops::moe` against the device
+//! The host mirrors in `mkernel::ops::common::schedule` and `mkernel::ops::moe` against the device
 //! code itself: `kernels/common/gemm/scheduler.cuh` and `kernels/common/moe_raster.cuh` are
 //! plain integer arithmetic, so they compile as host C++ with `__device__` and
 //! `__forceinline__` defined away. A driver runs them over a sweep of shapes (and of MoE
@@ -6,8 +6,8 @@
 //! change to either side that the other does not follow fails here, on a machine without a GPU.
 
 mod common;
+use mkernel::ops::common::schedule::{grouped_index, grouped_tile, interleaved_tile};
 use mkernel::ops::moe::{band_width, block_tables, moe_tile_banded, MoeShape};
-use mkernel::ops::schedule::{grouped_index, grouped_tile, interleaved_tile};
 use std::path::Path;
 
 const DRIVER: &str = r#"

@@ -11,8 +11,8 @@
 
 mod common;
 use common::mbarrier::Mbarrier;
-use mkernel::ops::gemm::plan;
-use mkernel::ops::gemm::PlanOverrides;
+use mkernel::ops::gemm::engine::plan;
+use mkernel::ops::gemm::engine::PlanOverrides;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -15,11 +15,11 @@
 //! (mkbench with MK_DEBUG=INFO logs where each transport thread's time went).
 
 use mkernel::bootstrap::{root::start_root, Bootstrap, UniqueId};
-use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{MkError, Result};
 use mkernel::kernel_abi::{ProxyCommand, MK_PROXY_KIND_SIGNAL};
 use mkernel::transport::inter_node::{start_inter_node, InterNodeSetup};
 use mkernel::transport::proxy::{command_header, put_command, quick_sleeps, HostProducer, Proxy, ProxyRing};
+use mkernel::transport::topology::{node_of_ranks, Topology};
 use mkernel::transport::{NetKind, TransportAuth};
 use std::sync::atomic::Ordering;
 use std::sync::Barrier;

@@ -5,10 +5,10 @@
 //! seen by the producer within the timeout.
 
 use mkernel::bootstrap::{root::start_root, Bootstrap, UniqueId, UNIQUE_ID_BYTES};
-use mkernel::comm::{node_of_ranks, topology::Topology};
 use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::transport::inter_node::{start_inter_node, InterNodeSetup};
 use mkernel::transport::proxy::{put_command, Proxy, ProxyRing};
+use mkernel::transport::topology::{node_of_ranks, Topology};
 use mkernel::transport::{NetKind, TransportAuth};
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;

@@ -19,7 +19,7 @@
 // reduction instead: node partials over NVLink, one proxy put per owner block to the
 // GPU-l rank of each other node, the node partials summed by the owner, and for AllReduce
 // the sums sent back the same way (reduce_nodes below; plan and data flow in
-// src/ops/gemm_reduce_nodes.rs).
+// src/ops/dense/gemm_reduce_nodes.rs).
 #pragma once
 #include "cp_async.cuh"
 #include "gemm/engine.cuh"
@@ -182,7 +182,7 @@ __device__ __forceinline__ const uint64_t* slab_flag(const GemmReduceParams& p, 
 template <class Team>
 __device__ __forceinline__ bool wait_partials(const GemmReduceParams& p, uint64_t epoch, const TileCoord& tc, int r0, int r1) {
   const WorkspaceView& ws = p.ws;
-  const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+  const uint64_t t0 = MK_TRACED(p.trace) ? mk_globaltimer() : 0;
   int ok = 1;
   const int q = Team::tid();
   if (q < ws.nranks) {
@@ -417,7 +417,7 @@ __device__ __forceinline__ bool reduce_then_gather(const GemmReduceParams& p, ui
     const int owner = (ws.rank + 1 + i % others) % ws.nranks, k = i / others;
     if (k >= blocks_of(owner) * p.tiles_n) continue;
     const TileCoord tc = owned_tile(p, owner * per_rank, blocks_of(owner), k);
-    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+    const uint64_t t0 = MK_TRACED(p.trace) ? mk_globaltimer() : 0;
     int ok = 1;
     if (Team::tid() == 0) {
       const uint64_t* f = mk_signal_word(ws, owner, GR_TILE + 2 * total + (uint32_t)tc.m_block * p.tiles_n + tc.n_block);
@@ -575,7 +575,7 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
   char* reduced = all ? own + p.reduced_offset : nullptr;
   for (int it = j; it < my_blocks * p.tiles_n; it += stride) {
     const int b = it / p.tiles_n, nt = it % p.tiles_n;
-    const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+    const uint64_t t0 = MK_TRACED(p.trace) ? mk_globaltimer() : 0;
     const int x = Team::tid();
     ok = 1;
     if (x < N)
@@ -605,7 +605,7 @@ __device__ __forceinline__ bool reduce_nodes(const GemmReduceParams& p, uint64_t
       const int lo = gr_owner_lo(p, q), hi = gr_owner_lo(p, q + 1);
       const int r0 = lo + b * 128, r1 = min(r0 + 128, hi);
       if (r0 >= r1) continue;
-      const uint64_t t0 = p.trace ? mk_globaltimer() : 0;
+      const uint64_t t0 = MK_TRACED(p.trace) ? mk_globaltimer() : 0;
       ok = 1;
       if (Team::tid() == 0)
         ok = mk_wait_geq_inline(ws, mk_signal_word(ws, x, p.net_reduced_word + m * p.owner_blocks + b), epoch, q,

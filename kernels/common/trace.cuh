@@ -1,5 +1,8 @@
-// Where each CTA of a fused kernel spends its time, for `mkbench --trace` (the C API
-// always passes trace = 0, and every call below is then one predictable branch).
+// Where each CTA of a fused kernel spends its time, for `mkbench --trace`. The hooks exist
+// only in the tool build of a kernel file (MK_TOOL_KERNELS: the `_trace` twins of
+// kernels/instances.txt, which only mkbench loads); in the kernels the library launches
+// MK_TRACED(trace) is the constant false, so every hook and every `if (MK_TRACED(...))`
+// compiles away.
 // Per CTA, MK_TRACE_WORDS u64 at trace + blockIdx.x * MK_TRACE_WORDS:
 //   0 start (%globaltimer ns)   1 after the setup every CTA does (e.g. own rows copied)
 //   2 role's work done          3 end (after the end-of-kernel handshake)
@@ -16,6 +19,14 @@
 #include "mk_kernel_abi.h"
 #include "signals.cuh"
 
+// A file that defines MK_TRACE_AT_RUN_TIME before its includes keeps its hooks behind the
+// run-time test in the library's build too (kernels/ag_gemm.cu says why).
+#if defined(MK_TOOL_KERNELS) || defined(MK_TRACE_AT_RUN_TIME)
+#define MK_TRACED(trace) ((trace) != 0)
+#else
+#define MK_TRACED(trace) false
+#endif
+
 enum MkTraceSlot { MK_TR_START = 0, MK_TR_SETUP = 1, MK_TR_ROLE = 2, MK_TR_END = 3, MK_TR_WAIT = 4, MK_TR_BYTES = 5,
                    MK_TR_ITEMS = 6, MK_TR_SM = 7, MK_TR_GEMM = 8, MK_TR_SIDE = 9, MK_TR_STEP = 10 };
 constexpr int MK_TR_STEPS = 4;  // slots MK_TR_STEP .. + 3
@@ -25,7 +36,7 @@ __device__ __forceinline__ uint64_t* mk_trace_slot(uint64_t trace, int slot) {
 }
 // The calling thread (one of a team, the caller's choice): records the time now in `slot`.
 __device__ __forceinline__ void mk_trace_stamp(uint64_t trace, int slot) {
-  if (trace) *mk_trace_slot(trace, slot) = mk_globaltimer();
+  if (MK_TRACED(trace)) *mk_trace_slot(trace, slot) = mk_globaltimer();
 }
 // Thread 0: records the time now in `slot`.
 __device__ __forceinline__ void mk_trace_time(uint64_t trace, int slot) {
@@ -33,7 +44,7 @@ __device__ __forceinline__ void mk_trace_time(uint64_t trace, int slot) {
 }
 // Thread 0, first thing in the kernel: start time, SM, role; counters zeroed.
 __device__ __forceinline__ void mk_trace_begin(uint64_t trace, bool communication_role) {
-  if (trace == 0 || threadIdx.x != 0) return;
+  if (!MK_TRACED(trace) || threadIdx.x != 0) return;
   uint32_t sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   *mk_trace_slot(trace, MK_TR_SM) = sm | ((uint64_t)communication_role << 32);
@@ -48,5 +59,5 @@ __device__ __forceinline__ void mk_trace_begin(uint64_t trace, bool communicatio
 // One thread of whichever team counts: adds `v` to a counter slot (atomically: a GEMM
 // CTA's producer thread and its side warps may count into the same slot).
 __device__ __forceinline__ void mk_trace_add(uint64_t trace, int slot, uint64_t v) {
-  if (trace) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(trace, slot)), (unsigned long long)v);
+  if (MK_TRACED(trace)) atomicAdd(reinterpret_cast<unsigned long long*>(mk_trace_slot(trace, slot)), (unsigned long long)v);
 }

@@ -16,7 +16,7 @@
 use super::CommConfig;
 use crate::bootstrap::Bootstrap;
 use crate::error::{MkError, Result};
-use crate::ops::gemm_reduce::Reducers;
+use crate::tuning::Reducers;
 
 /// A setting's name in messages (the environment variable and the `mkConfig_t` field that
 /// set it) and its value as a number.

@@ -3,7 +3,8 @@
 
 pub mod agreement;
 pub mod async_error;
-pub mod topology;
+pub mod error_word;
+pub mod fence_state;
 pub mod workspace;
 
 use crate::bootstrap::{Bootstrap, UniqueId};
@@ -13,13 +14,13 @@ use crate::kernel_abi::ProxyRingView;
 use crate::mk_info;
 use crate::transport::inter_node::{start_inter_node, InterNode, InterNodeSetup};
 use crate::transport::proxy::{cpus_near_cuda_device, ProxyRing};
+use crate::transport::topology::{node_of_ranks, Topology};
 use crate::transport::{select_net_from_env, MemoryKind, MemoryRegion, TransportAuth, Window};
 use parking_lot::Mutex;
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use topology::Topology;
 
 /// Slots of a communicator's proxy ring: commands in flight from all its CTAs (a
 /// hierarchical collective posts at most 3 per step per CTA and peer node).
@@ -58,27 +59,6 @@ impl CommConfig {
     }
 }
 
-/// Groups ranks into nodes: by `ranks_per_node` when given, else by host. Returns each
-/// rank's node index (nodes numbered in order of their lowest rank).
-pub fn node_of_ranks(host_hashes: &[u64], ranks_per_node: Option<u32>) -> Vec<usize> {
-    match ranks_per_node {
-        Some(rpn) => (0..host_hashes.len()).map(|r| r / rpn.max(1) as usize).collect(),
-        None => {
-            let mut seen: Vec<u64> = Vec::new();
-            host_hashes
-                .iter()
-                .map(|h| match seen.iter().position(|x| x == h) {
-                    Some(i) => i,
-                    None => {
-                        seen.push(*h);
-                        seen.len() - 1
-                    }
-                })
-                .collect()
-        }
-    }
-}
-
 pub struct Comm {
     /// The inter-node path (proxy thread, transport, ring) when the ranks span nodes.
     /// Declared first: stopped before the workspace its transport writes into goes away.
@@ -105,8 +85,8 @@ pub struct Comm {
     /// What kernels get to post to the proxy (None on one node).
     pub proxy_ring: Option<ProxyRingView>,
     last_error: Mutex<CString>,
-    /// What the host knows of the fused ops launched, for their fences (ops::fused_fence).
-    pub fused_fence: Mutex<crate::ops::fused_fence::FenceState>,
+    /// What the host knows of the fused ops launched, for their fences (ops::common::fused_fence).
+    pub fused_fence: Mutex<fence_state::FenceState>,
     async_error: async_error::AsyncError,
     aborted: AtomicBool,
 }
@@ -202,7 +182,7 @@ impl Comm {
                 let inter =
                     unsafe { start_inter_node(setup) }.map_err(|e| e.context("starting the inter-node path"))?;
                 // Best effort (a failure here only brings back the lazy first load).
-                if let Err(e) = crate::ops::preload_across_nodes() {
+                if let Err(e) = crate::cuda::preload_across_nodes() {
                     mk_info!(Some(rank as usize), "kernels not preloaded: {e}");
                 }
                 inter
@@ -279,7 +259,7 @@ impl Comm {
             // A kernel of this rank may have recorded a timeout or a peer's failure; the
             // kernel's word says more (which op, which peer), so it goes first.
             if let Some(word) = self.workspace.as_ref().map(|w| w.error_word()).filter(|&w| w != 0) {
-                self.record_async_error(&crate::ops::collectives::ErrorWord(word).to_error(self.rank));
+                self.record_async_error(&crate::comm::error_word::ErrorWord(word).to_error(self.rank));
             } else if let Some(e) = self.inter_node.lock().as_ref().and_then(InterNode::error) {
                 // The proxy failed (a peer's connection lost, a transfer timed out).
                 self.record_async_error(&e.context("the inter-node proxy failed"));

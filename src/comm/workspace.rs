@@ -530,7 +530,7 @@ impl SymmetricWorkspace {
         // is in flight (ops::preload_all). Best effort: a failure brings back the lazy load.
         let shares_context = members.iter().any(|&r| r != rank && !remote(&infos[r]) && infos[r].device == device);
         if shares_context {
-            if let Err(e) = crate::ops::preload_all() {
+            if let Err(e) = crate::cuda::preload_all() {
                 mk_info!(Some(rank), "kernels not preloaded for the ranks sharing this context: {e}");
             }
         }
@@ -706,7 +706,7 @@ mod tests {
 
     #[test]
     fn the_view_is_indexed_by_local_rank() {
-        use crate::comm::{node_of_ranks, topology::Topology};
+        use crate::transport::topology::{node_of_ranks, Topology};
         // Two emulated nodes of two: rank 3 is slot 1 of node 1's view [2, 3].
         let nodes = node_of_ranks(&[0; 4], Some(2));
         let t = Topology::new(3, &nodes).unwrap();

@@ -4,8 +4,10 @@
 //! Nothing here links CUDA at build time. Every entry point first calls [`driver`], which
 //! turns a missing libcuda into `mkSystemError` instead of cudarc's panic.
 
+pub mod memo;
 pub mod memory;
 pub mod platform;
+pub mod pointer;
 
 use crate::error::{MkError, Result};
 use cudarc::driver::result as cu;
@@ -20,6 +22,9 @@ use std::sync::OnceLock;
 /// one constant per kernel entry point (`kernels::MK_GEMM_BF16_BN256_TMA`, ...), generated
 /// from kernels/instances.txt, the list the kernel files instantiate from.
 pub mod kernels {
+    use crate::error::{MkError, Result};
+    use crate::types::ElementType;
+
     include!(concat!(env!("OUT_DIR"), "/kernel_fatbins.rs"));
 
     /// A kernel entry point: the kernels/*.cu file (fatbin) that holds it and its name.
@@ -34,6 +39,76 @@ pub mod kernels {
         pub fn function(self) -> crate::error::Result<super::sys::CUfunction> {
             super::function(self.file, self.name)
         }
+    }
+
+    /// One line of kernels/instances.txt: the kernel, its entry macro and the macro's
+    /// arguments after the kernel name.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Instance {
+        pub kernel: Kernel,
+        pub entry: &'static str,
+        pub args: &'static [&'static str],
+        /// A `tool` line: built only into the tools' fatbin (a `_trace` twin, a test kernel).
+        pub tool: bool,
+    }
+
+    /// One argument a planner asks of an instance, matched against the instance's text.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Arg<'a> {
+        /// The element type's CUDA type (`ElementType::cuda_type`).
+        Element,
+        Text(&'a str),
+        Int(usize),
+        Bool(bool),
+    }
+
+    impl Arg<'_> {
+        fn matches(self, element: &ElementType, text: &str) -> bool {
+            match self {
+                Arg::Element => text == element.cuda_type,
+                Arg::Text(t) => text == t,
+                Arg::Int(n) => text.parse::<usize>() == Ok(n),
+                Arg::Bool(b) => text == if b { "true" } else { "false" },
+            }
+        }
+    }
+
+    /// The kernel `op` launches: the instance of entry macro `entry` whose arguments are
+    /// `args` for `element`. An element type no instance of `entry` is compiled for is
+    /// mkInvalidUsage ("no kernel for this dtype"); a missing tile or variant of a compiled
+    /// type is a planner's error (mkInternalError).
+    pub fn choose(op: &str, element: &ElementType, entry: &str, args: &[Arg]) -> Result<Kernel> {
+        let of_entry = || INSTANCES.iter().filter(|i| i.entry == entry && !i.tool);
+        let matches = |i: &&Instance| {
+            i.args.len() == args.len() && args.iter().zip(i.args).all(|(a, text)| a.matches(element, text))
+        };
+        if let Some(i) = of_entry().find(matches) {
+            return Ok(i.kernel);
+        }
+        let position = args.iter().position(|a| *a == Arg::Element);
+        let compiled: Vec<&str> = crate::types::ELEMENT_TYPES
+            .iter()
+            .filter(|t| of_entry().any(|i| position.is_some_and(|p| i.args.get(p) == Some(&t.cuda_type))))
+            .map(|t| t.c_name)
+            .collect();
+        if !compiled.contains(&element.c_name) {
+            return Err(MkError::invalid_usage(format!(
+                "{op}: no kernel for this dtype ({}): its kernels are compiled for {}",
+                element.c_name,
+                if compiled.is_empty() { "no type".to_string() } else { compiled.join(", ") }
+            )));
+        }
+        Err(MkError::internal(format!("{op}: no {entry} kernel for {} with {args:?}", element.c_name)))
+    }
+
+    /// The `_trace` twin of a library kernel (`mkbench --trace`): the tool instance named
+    /// `<name>_trace`, compiled with the trace hooks that the library's kernels compile away
+    /// (kernels/common/trace.cuh). Loading it needs `cuda::register_tool_kernels`.
+    pub fn trace_twin(kernel: Kernel) -> Result<Kernel> {
+        let twin = format!("{}_trace", kernel.name);
+        INSTANCES.iter().find(|i| i.tool && i.kernel.name == twin).map(|i| i.kernel).ok_or_else(|| {
+            MkError::invalid_usage(format!("{} has no traced twin (kernels/instances.txt)", kernel.name))
+        })
     }
 
     include!(concat!(env!("OUT_DIR"), "/kernel_instances.rs"));
@@ -95,7 +170,7 @@ pub fn device_attribute(dev: i32, attr: sys::CUdevice_attribute) -> Result<i32> 
 /// The SM count of device `dev`, read from the driver once per device (it cannot change
 /// while the process runs): every op call plans with it.
 pub fn sm_count(dev: i32) -> Result<i32> {
-    static KNOWN: crate::ops::memo::Memo<i32, i32> = crate::ops::memo::Memo::new(64);
+    static KNOWN: crate::cuda::memo::Memo<i32, i32> = crate::cuda::memo::Memo::new(64);
     KNOWN.get_or_try(dev, |&d| device_attribute(d, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))
 }
 
@@ -320,6 +395,37 @@ pub fn preload(kernels: &[kernels::Kernel]) -> Result<()> {
         k.function()?;
     }
     Ok(())
+}
+
+/// Loads every kernel of the library (the tools' fatbins aside) in the current context:
+/// see [`preload`]. For ranks that share one CUDA context (threads of one process on
+/// one device): there a kernel's first load can wait for the context to go idle, that is
+/// for a peer's op in flight, which waits for this rank's launch — a deadlock until the
+/// timeout. The communicator's creation loads them before any of its ranks can launch.
+pub fn preload_all() -> crate::error::Result<()> {
+    use kernels::{ALL, FATBINS};
+    let kernels: Vec<_> = ALL.iter().copied().filter(|k| FATBINS.iter().any(|(file, _)| *file == k.file)).collect();
+    preload(&kernels)
+}
+
+/// Loads the kernels that run across nodes (hierarchical collectives, the dense fused ops) in
+/// the current context: see [`preload`].
+pub fn preload_across_nodes() -> crate::error::Result<()> {
+    let files = ["hier_collectives", "ag_gemm", "gemm_reduce"];
+    let kernels: Vec<_> = kernels::ALL.iter().copied().filter(|k| files.contains(&k.file)).collect();
+    preload(&kernels)
+}
+
+/// Why GPU work cannot run here, or None when a CUDA device is usable.
+pub fn gpu_unavailable_reason() -> Option<String> {
+    if let Err(e) = driver() {
+        return Some(e.message);
+    }
+    match device_count() {
+        Ok(0) => Some("no CUDA device".into()),
+        Ok(_) => None,
+        Err(e) => Some(e.message),
+    }
 }
 
 /// Launch geometry of one kernel.

@@ -51,7 +51,7 @@ pub unsafe extern "C" fn mkAllGatherGemm(
     stream: CUstream,
 ) -> mkResult_t {
     with_comm(comm, "mkAllGatherGemm", |c| {
-        let args = crate::ops::ag_gemm::validate_args(
+        let args = crate::ops::dense::ag_gemm::validate_args(
             A as u64,
             B as u64,
             C as u64,
@@ -63,7 +63,7 @@ pub unsafe extern "C" fn mkAllGatherGemm(
             c.nranks,
             c.rank,
         )?;
-        crate::ops::ag_gemm::all_gather_gemm(c, &args, stream)
+        crate::ops::dense::ag_gemm::all_gather_gemm(c, &args, stream)
     })
 }
 
@@ -101,7 +101,7 @@ pub unsafe extern "C" fn mkGemmReduceScatter(
     comm: mkComm_t,
     stream: CUstream,
 ) -> mkResult_t {
-    use crate::ops::gemm_reduce::{gemm_reduce, validate, Reduction};
+    use crate::ops::dense::gemm_reduce::{gemm_reduce, validate, Reduction};
     with_comm(comm, "mkGemmReduceScatter", |c| {
         let args = validate(Reduction::Scatter, A as u64, B as u64, C as u64, M, N, K, dtype, c.nranks)?;
         gemm_reduce(c, &args, stream)
@@ -137,7 +137,7 @@ pub unsafe extern "C" fn mkGemmAllReduce(
     comm: mkComm_t,
     stream: CUstream,
 ) -> mkResult_t {
-    use crate::ops::gemm_reduce::{gemm_reduce, validate, Reduction};
+    use crate::ops::dense::gemm_reduce::{gemm_reduce, validate, Reduction};
     with_comm(comm, "mkGemmAllReduce", |c| {
         let args = validate(Reduction::All, A as u64, B as u64, C as u64, M, N, K, dtype, c.nranks)?;
         gemm_reduce(c, &args, stream)
@@ -325,7 +325,7 @@ pub unsafe extern "C" fn mkRingAttention(
     comm: mkComm_t,
     stream: CUstream,
 ) -> mkResult_t {
-    use crate::ops::ring_attention::{ring_attention, validate_args};
+    use crate::ops::attention::ring_attention::{ring_attention, validate_args};
     with_comm(comm, "mkRingAttention", |c| {
         let args = validate_args(
             q as u64,
@@ -409,7 +409,7 @@ pub unsafe extern "C" fn mkRingAttentionBackward(
     comm: mkComm_t,
     stream: CUstream,
 ) -> mkResult_t {
-    use crate::ops::ring_attention_backward::{ring_attention_backward, validate_args};
+    use crate::ops::attention::ring_attention_backward::{ring_attention_backward, validate_args};
     with_comm(comm, "mkRingAttentionBackward", |c| {
         let args = validate_args(
             q as u64,

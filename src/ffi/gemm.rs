@@ -40,7 +40,7 @@ pub unsafe extern "C" fn mkGemm(
     dtype: RawDataType,
     stream: CUstream,
 ) -> mkResult_t {
-    guard(None, "mkGemm", || crate::ops::gemm::gemm(A as u64, B as u64, C as u64, M, N, K, dtype, stream))
+    guard(None, "mkGemm", || crate::ops::gemm::op::gemm(A as u64, B as u64, C as u64, M, N, K, dtype, stream))
 }
 
 #[cfg(test)]

@@ -13,14 +13,15 @@
 //! expert's segment starts on a 128-row boundary (`device_layout`), so GEMM tiles never
 //! straddle two experts.
 use crate::comm::Comm;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{MoeParams, WorkspaceView};
-use crate::ops::fused_fence::{self, FusedKernel};
-use crate::ops::gemm::{self as engine, Epilogue};
-use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
+use crate::ops::common::fused_fence::{self, FusedKernel};
+use crate::ops::common::launch::{self, DeviceCaps, KernelLaunch};
+use crate::ops::gemm::engine::{self as engine, Epilogue};
 use crate::tuning::Tuning;
-use crate::types::{mkDataType_t, RawDataType};
+use crate::types::{mkDataType_t, Element, RawDataType};
 use std::collections::HashMap;
 use std::ffi::c_void;
 
@@ -114,8 +115,8 @@ pub fn rows_needed(layout: &[Vec<ReceivedRow>]) -> usize {
 
 // ---- the device layout -----------------------------------------------------------------
 
-/// GEMM row block: every expert's segment of a receive buffer starts on a multiple of it.
-pub const ROW_BLOCK: usize = 128;
+/// Every expert's segment of a receive buffer starts on a multiple of the GEMM row block.
+pub use crate::ops::gemm::engine::ROW_BLOCK;
 /// Most experts (the prep CTA keeps per-expert tables in shared memory).
 pub const MAX_EXPERTS: usize = crate::kernel_abi::MOE_MAX_EXPERTS as usize;
 /// Most experts per token (one warp lane per choice).
@@ -450,8 +451,9 @@ pub fn plan_roles(bytes: f64, gemm_flops: f64, grid: u32, comm_override: Option<
             c
         }
         None => {
-            let gemm_s =
-                gemm_flops / (super::ag_gemm::GEMM_FLOPS_PER_S * (grid as f64 / super::ag_gemm::FULL_GPU_SMS).min(1.0));
+            let gemm_s = gemm_flops
+                / (crate::ops::common::gpu_model::GEMM_FLOPS_PER_S
+                    * (grid as f64 / crate::ops::common::gpu_model::FULL_GPU_SMS).min(1.0));
             let needed = (bytes / (COMM_BYTES_PER_CTA_PER_S * 0.5 * gemm_s.max(1e-9))).ceil() as u32;
             needed.clamp(1, (grid / 2).max(1))
         }
@@ -533,15 +535,6 @@ pub fn burst_for(forced: Option<bool>, nranks: usize) -> bool {
     forced.unwrap_or(nranks >= 4)
 }
 
-/// Column bands of the combine's GEMM (`Tuning::moe_bands`). The pull of a token's output tile
-/// needs the tile's slabs of all its k rows, on up to k experts anywhere in the expert-major
-/// order, so without bands nothing can be pulled before the GEMM's end (4 ranks:
-/// the pull, ~2.6 ms alone, runs after a ~11 ms GEMM). With b bands the GEMM finishes band 0
-/// (every block, its first H / b columns) after ~1/b of its time, and the side warps pull
-/// band 0's outputs while bands 1.. compute; each band reads A (Y') again: b x 168 MB per
-/// rank at DeepSeek-V3-like sizes, beside ~1.8 GB of W2 tiles read once.
-pub const DEFAULT_BANDS: usize = 4;
-
 /// Column tiles per band for `tiles_n` column tiles and `bands` requested: the most bands
 /// up to `bands` that divide `tiles_n` (every band the same width).
 pub fn band_width(tiles_n: usize, bands: usize) -> usize {
@@ -549,21 +542,13 @@ pub fn band_width(tiles_n: usize, bands: usize) -> usize {
     tiles_n.max(1) / b
 }
 
-/// The MoE kernel for a direction, dtype and tile width (BN 128 or 256).
-pub fn kernel(dir: Direction, dtype: mkDataType_t, bn: usize) -> Option<crate::cuda::kernels::Kernel> {
-    use crate::cuda::kernels::*;
-    use mkDataType_t::{mkBfloat16, mkFloat16};
-    Some(match (dir, dtype, bn) {
-        (Direction::Dispatch, mkBfloat16, 256) => MK_MOE_DISPATCH_BF16_BN256,
-        (Direction::Dispatch, mkBfloat16, 128) => MK_MOE_DISPATCH_BF16_BN128,
-        (Direction::Dispatch, mkFloat16, 256) => MK_MOE_DISPATCH_F16_BN256,
-        (Direction::Dispatch, mkFloat16, 128) => MK_MOE_DISPATCH_F16_BN128,
-        (Direction::Combine, mkBfloat16, 256) => MK_MOE_COMBINE_BF16_BN256,
-        (Direction::Combine, mkBfloat16, 128) => MK_MOE_COMBINE_BF16_BN128,
-        (Direction::Combine, mkFloat16, 256) => MK_MOE_COMBINE_F16_BN256,
-        (Direction::Combine, mkFloat16, 128) => MK_MOE_COMBINE_F16_BN128,
-        _ => return None,
-    })
+/// The MoE kernel of a direction for `dtype` and tile width `bn` (MK_MOE_ENTRY lines).
+pub fn kernel(dir: Direction, dtype: impl Element, bn: usize) -> Result<Kernel> {
+    let (op, direction) = match dir {
+        Direction::Dispatch => ("mkMoeDispatchGemm", "dispatch"),
+        Direction::Combine => ("mkMoeGemmCombine", "combine"),
+    };
+    kernels::choose(op, dtype.element(), "MK_MOE_ENTRY", &[Arg::Text(direction), Arg::Element, Arg::Int(bn)])
 }
 
 /// The m-block tables the dispatch's prep writes into the layout buffer (kernels/moe.cu
@@ -683,7 +668,7 @@ pub fn moe_tile_banded(
     let at_order = |pos: usize| order.map_or(pos, |o| o[pos]);
     let (col0, band_w, t) = band_locate(tiles_m, band_w, t);
     let (pos, nb) = match runs {
-        None => crate::ops::schedule::grouped_tile(tiles_m, band_w, group_m, t),
+        None => crate::ops::common::schedule::grouped_tile(tiles_m, band_w, group_m, t),
         Some(runs) => {
             let at = t / band_w;
             let (gs, gl) = run_group(runs[at_order(at)], group_m, at);
@@ -759,10 +744,8 @@ pub struct MoePlan {
 
 impl MoePlan {
     /// The launch of this plan for `dtype`.
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
-        let bn = self.bn;
-        let kernel =
-            kernel(self.dir, dtype, bn).ok_or_else(|| MkError::internal(format!("no MoE kernel for BN {bn}")))?;
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        let kernel = kernel(self.dir, dtype, self.bn)?;
         Ok(KernelLaunch::new(kernel, self.grid, engine::THREADS, self.smem_bytes as u32))
     }
 }
@@ -918,7 +901,11 @@ fn launch(call: MoeCall, p: &MoePlan, view: &WorkspaceView, region: u64, stream:
     let mut ta = launch::tensor_map(at(a.0), dtype, a.1, a.2, engine::BM, engine::BK)?;
     let mut tb = launch::tensor_map(at(b.0), dtype, b.1, b.2, p.bn, engine::BK)?;
     let mut tc = launch::tensor_map(at(c.0), dtype, c.1, c.2, 64, 64)?;
-    let kernel_launch = p.kernel_launch(dtype)?;
+    let mut kernel_launch = p.kernel_launch(dtype)?;
+    if params.trace != 0 {
+        // `mkbench --trace`: the twin with the trace hooks (the library's kernel has none).
+        kernel_launch.kernel = crate::cuda::kernels::trace_twin(kernel_launch.kernel)?;
+    }
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
@@ -949,7 +936,7 @@ fn check_pointers(comm: &Comm, ptrs: &[(u64, &str)]) -> Result<()> {
     let _ctx = comm.context.enter()?;
     for &(p, name) in ptrs {
         if p != 0 {
-            crate::ops::collectives::check_device_pointer(p, comm.context.device, name)?;
+            crate::cuda::pointer::check_device_pointer(p, comm.context.device, name)?;
         }
     }
     Ok(())
@@ -1244,7 +1231,7 @@ mod tests {
         assert!(validate_dispatch(p, p, p, p, p, p, d, mkDataType_t::mkFloat32 as RawDataType)
             .unwrap_err()
             .message
-            .contains("mkBfloat16 or mkFloat16"));
+            .contains("mkFloat16 or mkBfloat16"));
         assert!(validate_combine(p, p, p, p, 0, d, bf16).unwrap_err().message.contains("out is NULL"));
         assert!(validate_combine(p, p, p + 2, p, p, d, bf16).unwrap_err().message.contains("topkWeights"));
     }

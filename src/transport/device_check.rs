@@ -90,7 +90,9 @@ fn run(l: &Launch) -> Result<ProxyCheckOutcome> {
         peer: 1,
         signal_value: 7,
     };
-    let f = cuda::function("proxy", "mk_proxy_test")?;
+    // A tool kernel: in the tools' fatbin, loadable once registered.
+    cuda::register_tool_kernels();
+    let f = cuda::kernels::MK_PROXY_TEST.function()?;
     let mut stream: sys::CUstream = std::ptr::null_mut();
     // SAFETY: a stream of the current context, destroyed below.
     cuda::check("cuStreamCreate", unsafe {

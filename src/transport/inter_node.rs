@@ -7,9 +7,9 @@ use super::proxy::{Proxy, ProxyOptions, ProxyRing};
 use super::socket::SocketTransport;
 use super::{connect_through_bootstrap, NetKind, Transport, TransportAuth, Window};
 use crate::bootstrap::Bootstrap;
-use crate::comm::topology::Topology;
 use crate::error::{MkError, Result};
 use crate::mk_info;
+use crate::transport::topology::Topology;
 use std::sync::Arc;
 use std::time::Duration;
 

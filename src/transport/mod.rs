@@ -21,6 +21,7 @@ pub mod proxy;
 pub mod rdma;
 pub mod socket;
 pub mod staging;
+pub mod topology;
 
 use crate::bootstrap::{crypto::hmac_sha256, Bootstrap, UniqueId};
 use crate::error::{MkError, Result};

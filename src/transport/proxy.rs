@@ -854,7 +854,7 @@ mod tests {
     /// panics when libcuda is missing and it is called); with one, it is made.
     #[test]
     fn device_ring_without_a_gpu_is_an_error() {
-        if crate::testing::gpu_unavailable_reason().is_some() {
+        if crate::cuda::gpu_unavailable_reason().is_some() {
             let e = ProxyRing::on_device(8, Duration::from_secs(1)).err().expect("no GPU, no device ring");
             assert!(matches!(e.code, mkResult_t::mkSystemError | mkResult_t::mkUnhandledCudaError), "{e}");
             assert!(PinnedRingMemory::new(4096).is_err());

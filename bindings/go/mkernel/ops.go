@@ -199,6 +199,38 @@ func (c *Comm) RingAttention(a RingAttentionArgs, s Stream) error {
 	})
 }
 
+// RingAttentionBackwardArgs are the buffers and shape of RingAttentionBackward: Q, K, V,
+// Out and Lse as RingAttention took and produced them, DOut the gradient of Out (like Q),
+// and the gradients it writes: DQ like Q, DK and DV like K and V.
+type RingAttentionBackwardArgs struct {
+	Q, K, V, Out, DOut, Lse, DQ, DK, DV            DevicePtr
+	Batch, SeqLocal, NumHeads, NumKvHeads, HeadDim int
+	SoftmaxScale                                   float32
+	Causal                                         bool
+	DType                                          DataType
+}
+
+// RingAttentionBackward is the backward pass of RingAttention: dK/dV travel around the
+// ranks with K/V inside the kernel, so each rank ends with the gradients of its own shard
+// (mkRingAttentionBackward).
+func (c *Comm) RingAttentionBackward(a RingAttentionBackwardArgs, s Stream) error {
+	sz := sizes{op: "mkRingAttentionBackward"}
+	b, sl, nh, nkv, hd := sz.of("Batch", a.Batch), sz.of("SeqLocal", a.SeqLocal), sz.of("NumHeads", a.NumHeads),
+		sz.of("NumKvHeads", a.NumKvHeads), sz.of("HeadDim", a.HeadDim)
+	if sz.err != nil {
+		return sz.err
+	}
+	causal := C.int32_t(0)
+	if a.Causal {
+		causal = 1
+	}
+	return c.do("mkRingAttentionBackward", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkRingAttentionBackward(ptr(a.Q), ptr(a.K), ptr(a.V), ptr(a.Out), ptr(a.DOut), f32(a.Lse),
+			ptr(a.DQ), ptr(a.DK), ptr(a.DV), b, sl, nh, nkv, hd, C.float(a.SoftmaxScale), causal,
+			C.mkDataType_t(a.DType), h, stream(s))
+	})
+}
+
 // Gemm computes C = A·Bᵀ (A [m, k], B [n, k], C [m, n], row-major) with the engine every
 // fused operation is built on, on the calling thread's current context (mkGemm).
 func Gemm(a, b, out DevicePtr, m, n, k int, dtype DataType, s Stream) error {

@@ -33,9 +33,9 @@ use mkernel::comm::CommConfig;
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::Result;
-use mkernel::ops::ag_gemm::{all_gather_gemm, validate_args, AgGemmArgs};
 use mkernel::ops::collectives::{collective, CollectiveKind};
-use mkernel::ops::gemm as engine;
+use mkernel::ops::dense::ag_gemm::{all_gather_gemm, validate_args, AgGemmArgs};
+use mkernel::ops::gemm::{engine, op as gemm_op};
 use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 
@@ -154,7 +154,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             }
             let m = rows * n;
             let args = validate_args(a_local.ptr(), b.ptr(), c.ptr(), 0, m, nn, kk, dtype as i32, n, rank)?;
-            let gemm_args = engine::validate(a_gathered.ptr(), b.ptr(), c.ptr(), m, nn, kk, dtype as i32)?;
+            let gemm_args = gemm_op::validate(a_gathered.ptr(), b.ptr(), c.ptr(), m, nn, kk, dtype as i32)?;
             let sms_cap = comm.config.max_ctas.map_or(sms as usize, |v| v as usize);
             let gemm_plan = engine::plan(
                 m,
@@ -177,7 +177,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                     stream,
                 )
             };
-            let ours = || engine::launch(&gemm_args, &gemm_plan, stream);
+            let ours = || gemm_op::launch(&gemm_args, &gemm_plan, stream);
             let cublas = || blas.run(&lt, a_gathered.ptr(), b.ptr(), c_ref.ptr(), stream);
             let cublas_ref = &cublas;
             let fused = || all_gather_gemm(&comm, &args, stream);

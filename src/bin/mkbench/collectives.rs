@@ -43,7 +43,7 @@ use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{MkError, Result};
 use mkernel::ops::collectives::{collective, CollectiveKind};
-use mkernel::ops::util::fill_random;
+use mkernel::testing::fill::fill_random;
 use mkernel::testing::TestBuffer;
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 
@@ -327,7 +327,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let net = comm.inter_node.lock().as_ref().map(|i| format!("{:?}", i.net)).unwrap_or_default();
             println!("# across {} nodes of {} ranks (hierarchical kernel), inter-node over {net}: network GB/s per rank = algbw x {:.3}",
                 comm.topology.node_count, comm.topology.local_size(),
-                mkernel::ops::hier_collectives::network_fraction(kind, comm.topology.node_count as u64, nr));
+                mkernel::ops::collectives::hier::network_fraction(kind, comm.topology.node_count as u64, nr));
         }
         println!("#");
         println!(

@@ -9,7 +9,7 @@
 //! and 4 skinny shapes, one of them a partial last wave, then the decode-sized table
 //! M ∈ {1, 16, 64, 128, 256} × (N, K) ∈ {(8192, 8192), (28672, 8192), (8192, 28672)}) ·
 //! --sweep (also time every tile height and width, split-K over 2 to 4 CTAs and the
-//! multicast clusters, and name the fastest: how a row of `ops::gemm_table::TABLE` is
+//! multicast clusters, and name the fastest: how a row of `ops::gemm::table::TABLE` is
 //! chosen) · --json PATH (the run's record, docs/benchmarks.md: per shape both
 //! contenders' block times as median / p10 / p90, the host's enqueue µs per launch, the
 //! plan, the relative error).
@@ -24,8 +24,9 @@ use cudarc::driver::result as cu;
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::MkError;
-use mkernel::ops::gemm::{self, Cluster, GemmArgs, PlanOverrides};
-use mkernel::ops::gemm_table::MClass;
+use mkernel::ops::gemm::engine::{self as gemm, Cluster, PlanOverrides};
+use mkernel::ops::gemm::op::{self as gemm_op, GemmArgs};
+use mkernel::ops::gemm::table::MClass;
 use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 
@@ -241,7 +242,7 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
             // Correctness on this shape: ours vs cuBLAS (same inputs), both poisoned first.
             c.poison(stream)?;
             c_ref.poison(stream)?;
-            gemm::launch(&args_for(0), &default_plan, stream)?;
+            gemm_op::launch(&args_for(0), &default_plan, stream)?;
             cublas.run(&lt, inputs[0].0.ptr(), inputs[0].1.ptr(), c_ref.ptr(), stream)?;
             // SAFETY: stream is live.
             unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))?;
@@ -287,7 +288,7 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
                     times[0].push(t);
                 }
                 for (ci, (_, p)) in contenders.iter().enumerate() {
-                    let t = timer.time(stream, n_iter, |i| gemm::launch(&args_for(i), p, stream))?;
+                    let t = timer.time(stream, n_iter, |i| gemm_op::launch(&args_for(i), p, stream))?;
                     if rep > 0 {
                         times[ci + 1].push(t);
                     }
@@ -300,7 +301,7 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
                 // SAFETY: stream is live.
                 unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))
             };
-            let host_mk = host_enqueue_us(inner, || gemm::launch(&args_for(0), &default_plan, stream))?;
+            let host_mk = host_enqueue_us(inner, || gemm_op::launch(&args_for(0), &default_plan, stream))?;
             sync()?;
             let host_cublas =
                 host_enqueue_us(inner, || cublas.run(&lt, inputs[0].0.ptr(), inputs[0].1.ptr(), c_ref.ptr(), stream))?;
@@ -343,7 +344,7 @@ pub fn run(args: &[String]) -> mkernel::Result<bool> {
                     String::new()
                 }
             );
-            // A table row for ops::gemm_table::TABLE where a swept variant beat the plan by 2 %.
+            // A table row for ops::gemm::table::TABLE where a swept variant beat the plan by 2 %.
             if let Some((i, _)) = variants.iter().enumerate().max_by(|a, b| a.1 .1.total_cmp(&b.1 .1)) {
                 let (best, planned) = (variants[i].1, variants[0].1);
                 if i > 0 && best > 1.02 * planned {

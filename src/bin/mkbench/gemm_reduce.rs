@@ -28,8 +28,8 @@ use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, Result};
 use mkernel::ops::collectives::{collective, CollectiveKind};
-use mkernel::ops::gemm as engine;
-use mkernel::ops::gemm_reduce::{gemm_reduce, validate, GemmReduceArgs, Reduction};
+use mkernel::ops::dense::gemm_reduce::{gemm_reduce, validate, GemmReduceArgs, Reduction};
+use mkernel::ops::gemm::{engine, op as gemm_op};
 use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 
@@ -93,7 +93,7 @@ fn rank_main(
     let max_n = o.nk.iter().map(|x| x.0).max().unwrap_or(8);
     let max_k = o.nk.iter().map(|x| x.1).max().unwrap_or(8);
     let mut cfg = CommConfig::from_env();
-    // P, and R for the two-phase AllReduce; across nodes also the node partials (src/ops/gemm_reduce_nodes.rs).
+    // P, and R for the two-phase AllReduce; across nodes also the node partials (src/ops/dense/gemm_reduce_nodes.rs).
     cfg.workspace_bytes = cfg.workspace_bytes.max((max_m * max_n * 2 * 4) as u64);
     let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream =
@@ -149,7 +149,7 @@ fn rank_main(
             }
             let m = if reduction == Reduction::Scatter { m0.next_multiple_of(n) } else { m0 };
             let args = validate(reduction, a.ptr(), b.ptr(), out.ptr(), m, nn, kk, dtype as i32, n)?;
-            let gemm_args = engine::validate(a.ptr(), b.ptr(), partial.ptr(), m, nn, kk, dtype as i32)?;
+            let gemm_args = gemm_op::validate(a.ptr(), b.ptr(), partial.ptr(), m, nn, kk, dtype as i32)?;
             let plan = engine::plan(
                 m,
                 nn,
@@ -172,7 +172,7 @@ fn rank_main(
                     stream,
                 )
             };
-            let ours = || engine::launch(&gemm_args, &plan, stream);
+            let ours = || gemm_op::launch(&gemm_args, &plan, stream);
             let cublas = || blas.run(&lt, a.ptr(), b.ptr(), partial.ptr(), stream);
             let fused = || gemm_reduce(&comm, &args, stream);
             // The fused output against the unfused one (cuBLAS, then the collective), once per shape.

@@ -69,8 +69,8 @@ pub fn run(args: &[String]) -> Result<bool> {
     let (n, k) = (8192usize, 8192usize);
     let weights = DeviceBuffer::alloc(n * k * 2)?;
     let bf16 = mkDataType_t::mkBfloat16;
-    mkernel::ops::util::fill_random(weights.ptr, (n * k) as u64, bf16, 7, 1.0, stream)?;
-    mkernel::ops::util::fill_random(small_a.ptr, 2048, bf16, 8, 1.0, stream)?;
+    mkernel::testing::fill::fill_random(weights.ptr, (n * k) as u64, bf16, 7, 1.0, stream)?;
+    mkernel::testing::fill::fill_random(small_a.ptr, 2048, bf16, 8, 1.0, stream)?;
     sync()?;
 
     let pieces: Vec<Piece> = vec![
@@ -86,17 +86,17 @@ pub fn run(args: &[String]) -> Result<bool> {
         (
             "pointer_check",
             "one buffer's cuPointerGetAttributes (every call, per buffer)",
-            Box::new(|| mkernel::ops::collectives::check_device_pointer(small_a.ptr, 0, "x")),
+            Box::new(|| mkernel::cuda::pointer::check_device_pointer(small_a.ptr, 0, "x")),
         ),
         (
             "capture_query",
             "cuStreamGetCaptureInfo (every fused-op call)",
-            Box::new(|| mkernel::ops::fused_fence::capture_of(stream).map(|_| ())),
+            Box::new(|| mkernel::ops::common::fused_fence::capture_of(stream).map(|_| ())),
         ),
         (
             "small_launch",
             "a one-CTA kernel launch with a 32-byte parameter block (mk_fill_random)",
-            Box::new(|| mkernel::ops::util::fill_random(small_b.ptr, 256, bf16, 9, 1.0, stream)),
+            Box::new(|| mkernel::testing::fill::fill_random(small_b.ptr, 256, bf16, 9, 1.0, stream)),
         ),
         (
             "copy_call",
@@ -126,7 +126,9 @@ pub fn run(args: &[String]) -> Result<bool> {
         (
             "gemm_m1",
             "mkGemm 1 x 8192 x 8192 bf16 (three memoised TMA descriptors)",
-            Box::new(|| mkernel::ops::gemm::gemm(small_a.ptr, weights.ptr, small_b.ptr, 1, n, k, bf16 as i32, stream)),
+            Box::new(|| {
+                mkernel::ops::gemm::op::gemm(small_a.ptr, weights.ptr, small_b.ptr, 1, n, k, bf16 as i32, stream)
+            }),
         ),
     ];
 

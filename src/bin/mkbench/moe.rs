@@ -35,7 +35,7 @@ use cudarc::driver::result as cu;
 use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, Result};
-use mkernel::ops::gemm as engine;
+use mkernel::ops::gemm::{engine, op as gemm_op};
 use mkernel::ops::moe::{
     self, device_layout, dispatch_gemm, gemm_combine, validate_combine, validate_dispatch, MoeDims, MoeShape,
 };
@@ -166,12 +166,12 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let sms = cuda::sm_count(device)? as usize;
     let grid = comm.config.max_ctas.map_or(sms, |v| v as usize);
     let engine_gemms =
-        |experts: &[ExpertGemm], n_out: usize, k_in: usize| -> Result<Vec<(engine::GemmArgs, engine::GemmPlan)>> {
+        |experts: &[ExpertGemm], n_out: usize, k_in: usize| -> Result<Vec<(gemm_op::GemmArgs, engine::GemmPlan)>> {
             experts
                 .iter()
                 .filter(|x| x.rows > 0)
                 .map(|x| {
-                    let a = engine::validate(x.a, x.w, x.c, x.rows, n_out, k_in, dtype as i32)?;
+                    let a = gemm_op::validate(x.a, x.w, x.c, x.rows, n_out, k_in, dtype as i32)?;
                     let p = engine::plan(
                         x.rows,
                         n_out,
@@ -187,8 +187,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let g1 = engine_gemms(&experts1, f, h)?;
     let g2 = engine_gemms(&experts2, h, f)?;
     let events = Events::new(o.common.protocol.iters)?;
-    let capped1 = || g1.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
-    let capped2 = || g2.iter().try_for_each(|(a, p)| engine::launch(a, p, stream));
+    let capped1 = || g1.iter().try_for_each(|(a, p)| gemm_op::launch(a, p, stream));
+    let capped2 = || g2.iter().try_for_each(|(a, p)| gemm_op::launch(a, p, stream));
     let grouped1 = || grouped.as_ref().map_err(|why| bad(why)).and_then(|(b, g, _)| g.run(b));
     let grouped2 = || grouped.as_ref().map_err(|why| bad(why)).and_then(|(b, _, g)| g.run(b));
     // Each dispatch rebuilds the same layout the combines read (the check runs a dispatch

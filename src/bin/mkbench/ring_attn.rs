@@ -32,10 +32,10 @@ use cudarc::driver::result as cu;
 use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::Result;
-use mkernel::ops::collectives::{collective, CollectiveKind};
-use mkernel::ops::ring_attention::{
+use mkernel::ops::attention::ring_attention::{
     attention_gathered, ring_attention, validate_args, workspace_bytes, RingArgs, RingShape,
 };
+use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::testing::{relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 
@@ -138,7 +138,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     };
     let mut cfg = CommConfig::from_env();
     // The fused op's K/V copy, and the collectives' staging for the unfused AllGathers.
-    cfg.workspace_bytes = cfg.workspace_bytes.max(workspace_bytes(&shape_of(max_sl, false)));
+    cfg.workspace_bytes = cfg.workspace_bytes.max(workspace_bytes(&shape_of(max_sl, false), dtype));
     let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream =
         cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;

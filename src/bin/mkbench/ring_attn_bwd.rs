@@ -41,11 +41,11 @@ use cudarc::driver::result as cu;
 use mkernel::comm::{Comm, CommConfig};
 use mkernel::cuda::{self, sys, PrimaryContext};
 use mkernel::error::{mkResult_t, Result};
-use mkernel::ops::collectives::{collective, CollectiveKind};
-use mkernel::ops::ring_attention::{ring_attention, token_pos, RingShape};
-use mkernel::ops::ring_attention_backward::{
+use mkernel::ops::attention::ring_attention::{ring_attention, token_pos, RingShape};
+use mkernel::ops::attention::ring_attention_backward::{
     plan, ring_attention_backward, validate_args, workspace_layout, RingBackwardArgs,
 };
+use mkernel::ops::collectives::{collective, CollectiveKind};
 use mkernel::testing::{bf16_to_f32, f16_to_f32, relative_error, tolerance, TestBuffer};
 use mkernel::types::mkDataType_t;
 
@@ -111,7 +111,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     // the collectives' staging for the check's gathers.
     cfg.workspace_bytes = cfg
         .workspace_bytes
-        .max(mkernel::ops::ring_attention::workspace_bytes(&largest))
+        .max(mkernel::ops::attention::ring_attention::workspace_bytes(&largest, dtype))
         .max(workspace_layout(&largest, &plan(&largest, 1)).bytes);
     let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream =

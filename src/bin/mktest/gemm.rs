@@ -14,7 +14,8 @@ use crate::outcome::{self, Outcome};
 use mkernel::cublaslt::CublasLt;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError};
-use mkernel::ops::gemm::{self, Cluster, GemmArgs, PlanOverrides, TILE_ROWS, TILE_WIDTHS};
+use mkernel::ops::gemm::engine::{self as gemm, Cluster, PlanOverrides, TILE_ROWS, TILE_WIDTHS};
+use mkernel::ops::gemm::op::{self as gemm_op, GemmArgs};
 use mkernel::testing::{check_close, gemm_reference, tolerance, CapturedGraph, Rule, TestBuffer, Verdict};
 use mkernel::types::mkDataType_t;
 use std::ffi::c_void;
@@ -172,7 +173,7 @@ fn decode_shapes(sms: usize, seed: &mut u64) -> mkernel::Result<(usize, usize)> 
             );
             let run = |plan: &gemm::GemmPlan| -> mkernel::Result<Vec<u8>> {
                 c.poison(s)?;
-                gemm::launch(&args, plan, s).map_err(|e| e.context(format!("M {m} N {n} K {k} {plan:?}")))?;
+                gemm_op::launch(&args, plan, s).map_err(|e| e.context(format!("M {m} N {n} K {k} {plan:?}")))?;
                 sync().map_err(|e| e.context(format!("M {m} N {n} K {k} {plan:?}")))?;
                 c.download()
             };
@@ -312,7 +313,7 @@ pub fn run() -> mkernel::Result<Outcome> {
                     continue;
                 }
                 c.poison(s)?;
-                gemm::launch(&args, &plan, s)
+                gemm_op::launch(&args, &plan, s)
                     .map_err(|e| e.context(format!("{} {m}x{n}x{k} {plan:?}", dtype.name())))?;
                 sync().map_err(|e| e.context(format!("{} {m}x{n}x{k} {plan:?}", dtype.name())))?;
                 let (ok, detail) = verify(&c, &reference)?;

@@ -223,7 +223,7 @@ pub(crate) fn reduced_reference(
 /// one-shot), shards off the tile grid; M = n·384 and n·256 take the two-phase AllReduce
 /// when n > 1. N = 4360 (18 tiles of 256, the last partial) gives more reducer items than
 /// the 8-32 CTAs of a shared GPU, with a partial last wave: for GEMM+RS the early-sum
-/// kernels (ops::gemm_reduce::early_items), with K = 72 a GEMM short enough that the side
+/// kernels (ops::dense::gemm_reduce::early_items), with K = 72 a GEMM short enough that the side
 /// warps are often stopped inside an item and the 12 warps finish it. Decode sizes (1-16
 /// rows per rank for GEMM+RS, M = 1..16 for GEMM+AR), K = 8 (one MMA step), N = 8, and a
 /// partial tile in every dimension.

@@ -5,7 +5,7 @@
 //! exposed to the race the fence closes.
 //! All of them keep their buffers in the same fused-op region of every rank, and each
 //! orders itself only against its own previous call, so every switch of kernel depends on
-//! the fence between them (ops::fused_fence): without it a fast rank's next op overwrites
+//! the fence between them (ops::common::fused_fence): without it a fast rank's next op overwrites
 //! what a slow peer is still reading.
 //!
 //! Per round: fresh inputs for every case (outputs poisoned), the five ops launched one

@@ -31,7 +31,7 @@ use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::mkRingAttention;
 use mkernel::ffi::mkComm_t;
 use mkernel::ffi::query::mkGetLastError;
-use mkernel::ops::ring_attention::{token_pos, RingShape};
+use mkernel::ops::attention::ring_attention::{token_pos, RingShape};
 use mkernel::testing::{accumulation_unit, check_close, gamma, tolerance, underflow_floor, unit_roundoff, TestBuffer};
 use mkernel::types::mkDataType_t;
 

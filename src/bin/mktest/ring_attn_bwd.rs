@@ -31,7 +31,7 @@ use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::{mkRingAttention, mkRingAttentionBackward};
 use mkernel::ffi::mkComm_t;
 use mkernel::ffi::query::mkGetLastError;
-use mkernel::ops::ring_attention::{token_pos, RingShape};
+use mkernel::ops::attention::ring_attention::{token_pos, RingShape};
 use mkernel::testing::{accumulation_unit, check_close, gamma, tolerance, underflow_floor, unit_roundoff, TestBuffer};
 use mkernel::types::mkDataType_t;
 
@@ -451,7 +451,7 @@ mod tests {
     //! differences of float64 attention, and gradients that miss a ring step fail the
     //! bounds.
     use super::*;
-    use mkernel::ops::ring_attention_backward::chain_order;
+    use mkernel::ops::attention::ring_attention_backward::chain_order;
     use mkernel::testing::{round_to, xorshift_unit};
 
     fn values(seed: u64, n: usize, dtype: mkDataType_t, scale: f64) -> Vec<f64> {

@@ -694,7 +694,10 @@ fn soak(comm: mkComm_t, control: &Comm, rank: usize, n: usize, seed: u64) -> Res
 /// routing, as the call makes it).
 #[cfg(test)]
 pub(crate) fn check_legal(call: &Call, nranks: usize, data_seed: u64) -> Result<()> {
-    use mkernel::ops::{ag_gemm, gemm, gemm_reduce, moe as moe_ops, ring_attention};
+    use mkernel::ops::attention::ring_attention;
+    use mkernel::ops::dense::{ag_gemm, gemm_reduce};
+    use mkernel::ops::gemm::op as gemm_op;
+    use mkernel::ops::moe as moe_ops;
     let p = |i: u64| 0x10_0000 * i;
     let region = WORKSPACE_BYTES;
     let fits = |what: &str, bytes: usize| {
@@ -711,7 +714,7 @@ pub(crate) fn check_legal(call: &Call, nranks: usize, data_seed: u64) -> Result<
             }
             Ok(())
         }
-        Call::Gemm { dtype, m, n, k } => gemm::validate(p(1), p(2), p(3), m, n, k, dtype as i32).map(|_| ()),
+        Call::Gemm { dtype, m, n, k } => gemm_op::validate(p(1), p(2), p(3), m, n, k, dtype as i32).map(|_| ()),
         Call::AllGatherGemm { dtype, rows, n, k, .. } => {
             ag_gemm::validate_args(p(1), p(2), p(3), p(4), rows * nranks, n, k, dtype as i32, nranks, 0)?;
             fits("gathered A", rows * nranks * k * 2)

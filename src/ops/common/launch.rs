@@ -5,9 +5,9 @@
 
 use crate::comm::Comm;
 use crate::cuda::kernels::Kernel;
+use crate::cuda::memo::Memo;
 use crate::cuda::{self, sys, LaunchConfig};
 use crate::error::{MkError, Result};
-use crate::ops::memo::Memo;
 use crate::types::mkDataType_t;
 use std::ffi::c_void;
 
@@ -39,7 +39,7 @@ pub fn current_sm_count() -> Result<usize> {
     Ok(cuda::sm_count(cuda::current_device()?)? as usize)
 }
 
-/// A 2-D TMA descriptor for a row-major [rows, cols] bf16/fp16 matrix at `ptr` (any
+/// A 2-D TMA descriptor for a row-major [rows, cols] matrix of `dtype` at `ptr` (any
 /// device-visible address, a peer's mapped buffer too), box {box_cols, box_rows}, 128-byte
 /// swizzle, zero fill out of bounds. The GEMM engine's maps: A (BM, BK), B (bn, BK), C (64, 64).
 /// Needs ptr % 16 == 0 and cols % 8 == 0.
@@ -55,7 +55,7 @@ pub fn tensor_map(
         ptr,
         dtype,
         &[cols as u64, rows as u64],
-        &[cols as u64 * 2],
+        &[dtype.size() as u64 * cols as u64],
         &[box_cols as u32, box_rows as u32],
         "cuTensorMapEncodeTiled",
     )

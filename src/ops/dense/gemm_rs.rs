@@ -22,7 +22,7 @@
 
 use crate::error::{MkError, Result};
 
-pub use super::ag_gemm::ROW_BLOCK;
+pub use crate::ops::gemm::engine::ROW_BLOCK;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmRsShape {

@@ -175,10 +175,30 @@ pub fn is_uniform(nodes: &[usize]) -> bool {
     counts.iter().all(|&c| c == counts[0])
 }
 
+/// Groups ranks into nodes: by `ranks_per_node` when given, else by host. Returns each
+/// rank's node index (nodes numbered in order of their lowest rank).
+pub fn node_of_ranks(host_hashes: &[u64], ranks_per_node: Option<u32>) -> Vec<usize> {
+    match ranks_per_node {
+        Some(rpn) => (0..host_hashes.len()).map(|r| r / rpn.max(1) as usize).collect(),
+        None => {
+            let mut seen: Vec<u64> = Vec::new();
+            host_hashes
+                .iter()
+                .map(|h| match seen.iter().position(|x| x == h) {
+                    Some(i) => i,
+                    None => {
+                        seen.push(*h);
+                        seen.len() - 1
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::node_of_ranks;
     use crate::error::mkResult_t;
 
     #[test]

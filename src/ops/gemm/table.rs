@@ -1,14 +1,14 @@
 //! The GEMM engine's tile choice as data: a table keyed by shape class (rows of A in
 //! buckets, N, K, the CTAs the GEMM may use) that gives the tile rows and width, how many
 //! CTAs split K, and the cluster kind; shapes the table does not list take [`rule`].
-//! `ops::gemm::plan` asks [`choose`]; at `MK_DEBUG=INFO` the table is printed once and
+//! `ops::gemm::engine::plan` asks [`choose`]; at `MK_DEBUG=INFO` the table is printed once and
 //! each shape class's choice the first time it is planned.
 //!
 //! The listed shapes are the (N, K) of a large model's projections at decode and small
 //! batch sizes. `mkbench gemm --sweep` times every tile, split and cluster beside cuBLASLt
 //! for a shape; a row is changed here when a sweep on the GPU measures a better one.
 
-use super::gemm::Cluster;
+use crate::ops::gemm::engine::Cluster;
 
 /// Rows of A in the classes the table tells apart: M ≤ 64 fits one 64-row tile; each
 /// class up to 512 is a range of half the size above it.
@@ -173,7 +173,7 @@ pub fn rule(m: usize, n: usize, k: usize, ctas: usize) -> TileChoice {
     let ctas = ctas.max(1);
     let bm = tile_rows(m);
     let tiles = |bn: usize| m.div_ceil(bm) * n.div_ceil(bn);
-    let k_blocks = k.div_ceil(super::gemm::BK);
+    let k_blocks = k.div_ceil(crate::ops::gemm::engine::BK);
     let max_split = (k_blocks / MIN_K_BLOCKS_PER_SPLIT).clamp(1, RULE_MAX_SPLIT_K);
     let mut bn = 256;
     while bn > 64 && tiles(bn) * 2 < ctas {
@@ -196,7 +196,7 @@ pub fn choose(m: usize, n: usize, k: usize, ctas: usize) -> (TileChoice, Source)
 }
 
 /// The tile a plan runs and where it came from, as logged at INFO.
-pub fn plan_origin(plan: &super::gemm::GemmPlan) -> String {
+pub fn plan_origin(plan: &crate::ops::gemm::engine::GemmPlan) -> String {
     let source = if plan.source == Source::Table { "table" } else { "rule" };
     let tile = plan.tile();
     if tile == plan.chosen {
@@ -223,7 +223,7 @@ pub fn describe_table() -> Vec<String> {
 /// the tile run, and where it differs, what the table or rule chose before the epilogue,
 /// the CTA budget or the caller's overrides changed it. Without INFO (read once per
 /// process) it returns at once: it runs on every call.
-pub fn log_choice(m: usize, n: usize, k: usize, ctas: usize, plan: &super::gemm::GemmPlan) {
+pub fn log_choice(m: usize, n: usize, k: usize, ctas: usize, plan: &crate::ops::gemm::engine::GemmPlan) {
     use parking_lot::Mutex;
     use std::collections::HashSet;
     use std::sync::OnceLock;
@@ -256,7 +256,7 @@ mod tests {
 
     #[test]
     fn the_logged_origin_names_an_adjusted_choice() {
-        use crate::ops::gemm::{plan, PlanOverrides};
+        use crate::ops::gemm::engine::{plan, PlanOverrides};
         // M 100 N 4096 K 16384 on 132 SMs: 64 tiles of 128 x 64, each split over 2 CTAs by the rule.
         let tma = plan(100, 4096, 16384, 132, true, PlanOverrides::default());
         assert_eq!(plan_origin(&tma), "bm128 bn64 split2 (rule)");

@@ -1,9 +1,10 @@
-//! Launchers for kernels/util.cu: device-side random fills for tests and benchmarks.
+//! Launchers for kernels/util.cu: device-side random fills for tests and benchmarks (tool
+//! kernels, in the tools' fatbin: registered here before the first launch).
 
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::FillRandomParams;
-use crate::ops::launch::KernelLaunch;
+use crate::ops::common::launch::KernelLaunch;
 use crate::types::mkDataType_t;
 
 /// Fills `count` elements at `data` with uniform values in [-scale, scale) from `seed`.
@@ -19,6 +20,7 @@ pub fn fill_random(
     if !matches!(dtype, mkFloat16 | mkBfloat16 | mkFloat32 | mkFloat64 | mkInt32) {
         return Err(MkError::invalid_argument(format!("fill_random does not support {}", dtype.name())));
     }
+    crate::cuda::register_tool_kernels();
     let mut p = FillRandomParams { data, count, seed, dtype: dtype as i32, scale };
     let kernel_launch = KernelLaunch::new(crate::cuda::kernels::MK_FILL_RANDOM, fill_grid(count), THREADS, 0);
     // SAFETY: the kernel takes one FillRandomParams by value; data is the caller's buffer.

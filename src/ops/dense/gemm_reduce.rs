@@ -3,20 +3,20 @@
 //! (`GemmReducePlan`: the role split of the `gemm_rs` / `gemm_ar` planners, tile, owner
 //! order, early sums, grid; pure and CPU-tested), then tensor maps and the launch.
 
-use super::gemm::{self as engine, PlanOverrides};
-use super::hier_collectives::fused_op_workspace;
-use super::{gemm_ar, gemm_reduce_nodes, gemm_rs};
 use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
-use crate::cuda::kernels::Kernel;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{self, GemmReduceParams, MkOp, ProxyRingView};
-use crate::ops::fused_fence::{self, FusedKernel};
-use crate::ops::hier_collectives::NodeLayout;
-use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
-use crate::tuning::Tuning;
-use crate::types::{mkDataType_t, RawDataType};
+use crate::ops::common::fused_fence::{self, FusedKernel};
+use crate::ops::common::fused_workspace::fused_op_workspace;
+use crate::ops::common::launch::{self, DeviceCaps, KernelLaunch};
+use crate::ops::common::node_layout::NodeLayout;
+use crate::ops::dense::{gemm_ar, gemm_reduce_nodes, gemm_rs};
+use crate::ops::gemm::engine::{self as engine, PlanOverrides};
+use crate::tuning::{Reducers, Tuning};
+use crate::types::{mkDataType_t, Element, RawDataType};
 use std::ffi::c_void;
 
 /// First signal word of the per-tile flags and the end of this op's range: three flags per
@@ -48,18 +48,6 @@ impl Reduction {
             Reduction::All => MkOp::GemmAllReduce as i32,
         }
     }
-}
-
-/// Who sums the partials on one node without dedicated reduction CTAs
-/// (`Tuning::gemm_reducers`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reducers {
-    /// GEMM+RS: the producer warpgroup's two idle warps of each GEMM CTA sum its earlier
-    /// tiles while the GEMM computes the later ones (`early_items`); every warp sums the
-    /// rest after the GEMM. GEMM+AR: as `After`. The default.
-    Early,
-    /// Every warp of each GEMM CTA, after its GEMM.
-    After,
 }
 
 /// A validated call.
@@ -150,7 +138,7 @@ pub fn reduction_group_m(tiles_m: usize, bn: usize, compute_ctas: usize, owners:
     }
 }
 
-pub use super::schedule::{grouped_index, grouped_tile, interleaved_tile, owned_tile, Tile};
+pub use crate::ops::common::schedule::{grouped_index, grouped_tile, interleaved_tile, owned_tile, Tile};
 
 /// Shared memory after the fused engine's where the side warps stage their early sums
 /// (kernels/gemm_reduce_early.cu side_staging_bytes): 16 KiB (or 8) where the 227 KiB leave it
@@ -241,27 +229,17 @@ pub fn team_rest(total: usize, j: usize, stride: usize, done: usize, rows: usize
 }
 
 /// The GEMM + reduction kernel for a dtype, tile width and tile rows (BM 128 or 64), with
-/// or without early sums (BN 256, BM 128 only); None where none is built.
-pub fn kernel(dtype: mkDataType_t, bn: usize, bm: usize, early: bool) -> Option<Kernel> {
-    use crate::cuda::kernels::*;
-    let f16 = match dtype {
-        mkDataType_t::mkFloat16 => true,
-        mkDataType_t::mkBfloat16 => false,
-        _ => return None,
-    };
-    Some(match (f16, bn, bm, early) {
-        (false, 256, 128, false) => MK_GEMM_REDUCE_BF16_BN256,
-        (false, 128, 128, false) => MK_GEMM_REDUCE_BF16_BN128,
-        (true, 256, 128, false) => MK_GEMM_REDUCE_F16_BN256,
-        (true, 128, 128, false) => MK_GEMM_REDUCE_F16_BN128,
-        (false, 256, 64, false) => MK_GEMM_REDUCE_BF16_BN256_BM64,
-        (false, 128, 64, false) => MK_GEMM_REDUCE_BF16_BN128_BM64,
-        (true, 256, 64, false) => MK_GEMM_REDUCE_F16_BN256_BM64,
-        (true, 128, 64, false) => MK_GEMM_REDUCE_F16_BN128_BM64,
-        (false, 256, 128, true) => MK_GEMM_REDUCE_EARLY_BF16_BN256,
-        (true, 256, 128, true) => MK_GEMM_REDUCE_EARLY_F16_BN256,
-        _ => return None,
-    })
+/// or without early sums (MK_GEMM_REDUCE_ENTRY and MK_GEMM_REDUCE_EARLY_ENTRY lines; early
+/// sums: BN 256, BM 128 only).
+pub fn kernel(dtype: impl Element, bn: usize, bm: usize, early: bool) -> Result<Kernel> {
+    let op = "GEMM + ReduceScatter / AllReduce";
+    if early && bn == 256 && bm == engine::BM {
+        return kernels::choose(op, dtype.element(), "MK_GEMM_REDUCE_EARLY_ENTRY", &[Arg::Element]);
+    }
+    if early {
+        return Err(MkError::internal(format!("{op}: early sums need BN 256 and BM 128, not BN {bn}, BM {bm}")));
+    }
+    kernels::choose(op, dtype.element(), "MK_GEMM_REDUCE_ENTRY", &[Arg::Element, Arg::Int(bn), Arg::Int(bm)])
 }
 
 /// Rows per GEMM tile of the fused kernel: the engine planner's (`gemm_table::tile_rows`),
@@ -269,7 +247,7 @@ pub fn kernel(dtype: mkDataType_t, bn: usize, bm: usize, early: bool) -> Option<
 /// of B fits), else 128. The reduction walks 128-row blocks, so 64-row tiles serve only
 /// M ≤ 64, where both agree on the one block.
 pub fn tile_rows(m: usize) -> usize {
-    super::gemm_table::tile_rows(m)
+    crate::ops::gemm::table::tile_rows(m)
 }
 
 /// One GEMM + reduction call as the planner sees it: the op, the sizes, this rank's place,
@@ -320,11 +298,8 @@ pub struct GemmReducePlan {
 
 impl GemmReducePlan {
     /// The launch of this plan for `dtype`.
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
-        let (bn, bm, early) = (self.bn, self.bm, self.early_items > 0);
-        let kernel = kernel(dtype, bn, bm, early).ok_or_else(|| {
-            MkError::internal(format!("no GEMM + reduction kernel for BN {bn}, BM {bm}, early sums {early}"))
-        })?;
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        let kernel = kernel(dtype, self.bn, self.bm, self.early_items > 0)?;
         Ok(KernelLaunch::new(kernel, self.grid, engine::THREADS, self.smem_bytes as u32))
     }
 }
@@ -424,16 +399,20 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let grid = DeviceCaps::of(comm)?.grid_cap();
     let _ctx = comm.context.enter()?;
     for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
-        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+        crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
     }
     if nranks == 1 {
         // The sum over one rank is its product: the engine alone, storing C directly (the
         // fused kernel would store a partial and copy it: 1.3x the GEMM's time).
-        let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
-        return engine::gemm_with(&g, PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() }, stream);
+        let g = crate::ops::gemm::op::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
+        return crate::ops::gemm::op::gemm_with(
+            &g,
+            PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() },
+            stream,
+        );
     }
     // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
-    // rank table (src/ops/gemm_reduce_nodes.rs); rows are still owned by global rank.
+    // rank table (src/ops/dense/gemm_reduce_nodes.rs); rows are still owned by global rank.
     let (ws, nodes) = fused_op_workspace(comm, args.reduction.name())?;
     let shape = GemmReduceShape {
         reduction: args.reduction,
@@ -500,13 +479,13 @@ fn launch(
         op: args.reduction.op_code(),
         two_phase: p.two_phase as i32,
         trace: args.trace,
-        reduced_offset: ws.view.data_bytes + (m * n * 2) as u64,
+        reduced_offset: ws.view.data_bytes + args.dtype.element().bytes_of(m * n) as u64,
         rows_per_rank: (m / nranks) as i32,
         interleave: p.interleave as i32,
         nodes: 1,
         global_rank: rank as i32,
         // One node, no dedicated CTAs: each GEMM CTA's warps reduce after its GEMM (its
-        // side warps the earlier tiles during it: early_items). side_reduce stays 0.
+        // side warps the earlier tiles during it: early_items).
         early_items: p.early_items as i32,
         ..GemmReduceParams::default()
     };
@@ -527,7 +506,11 @@ fn launch(
         params.rank_of = nl.rank_of;
     }
     // Early sums run in their own kernels (BN 256, BM 128: early_items is 0 elsewhere).
-    let kernel_launch = p.kernel_launch(args.dtype)?;
+    let mut kernel_launch = p.kernel_launch(args.dtype)?;
+    if args.trace != 0 {
+        // `mkbench --trace`: the twin with the trace hooks (the library's kernel has none).
+        kernel_launch.kernel = crate::cuda::kernels::trace_twin(kernel_launch.kernel)?;
+    }
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
@@ -542,7 +525,7 @@ fn launch(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gemm::Epilogue;
+    use crate::ops::gemm::engine::Epilogue;
 
     #[test]
     fn every_plan_launches_a_built_kernel_within_the_shared_memory() {
@@ -662,7 +645,7 @@ mod tests {
             assert!(engine::fused_stages(64, bn) * (64 + bn) >= engine::fused_stages(128, bn) * (128 + bn));
             assert!(engine::fused_smem_bytes(64, bn) + 1024 <= engine::SMEM_LIMIT, "bn {bn}");
         }
-        assert!(kernel(mkDataType_t::mkFloat16, 128, 64, false).is_some());
+        assert!(kernel(mkDataType_t::mkFloat16, 128, 64, false).is_ok());
     }
 
     /// Side staging exists only where the ring leaves room (BM 128, BN 256: 17 KiB free),
@@ -703,7 +686,7 @@ mod tests {
         assert_eq!(early_items(Reduction::Scatter, Reducers::After, true, 0, 128, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, false, 0, 128, 256, 128, 32), 0);
         assert_eq!(early_items(Reduction::Scatter, Reducers::Early, true, 4, 128, 256, 128, 28), 0);
-        assert!(kernel(mkDataType_t::mkFloat16, 256, 128, true).is_some());
+        assert!(kernel(mkDataType_t::mkFloat16, 256, 128, true).is_ok());
     }
 
     /// Side warps and the team after the GEMM sum every row of every item of a team's walk

@@ -2,7 +2,7 @@
 //! CPU-tested) and the launch of kernels/ring_attention_backward.cu, which follows it: the
 //! ring step sources of the dK/dV items and the chain their accumulators travel along,
 //! the causal visibility of query tiles and key tiles, the ticket order and the layout of
-//! the workspace. Layouts of the tensors are the forward's (`ops::ring_attention`).
+//! the workspace. Layouts of the tensors are the forward's (`ops::attention::ring_attention`).
 //!
 //! dK/dV. At ring step s (0 ≤ s < n) rank r computes, from its own queries, the partial
 //! gradient of the K/V block that started on rank (r + s + 1) mod n (its own at s = n − 1)
@@ -12,13 +12,14 @@
 //! ring step (sources r, r − 1, …) and is stored once.
 
 use crate::comm::Comm;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnBwdParams, MK_MAX_PEERS, RING_BWD_MAX_ITEMS};
-use crate::ops::fused_fence::{self, FusedKernel};
-use crate::ops::launch::{DeviceCaps, KernelLaunch};
-use crate::ops::ring_attention::{token_pos, RingArgs, RingShape};
-use crate::types::{mkDataType_t, RawDataType};
+use crate::ops::attention::ring_attention::{token_pos, RingArgs, RingShape};
+use crate::ops::common::fused_fence::{self, FusedKernel};
+use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
+use crate::types::{mkDataType_t, Element, RawDataType};
 use std::ffi::c_void;
 
 /// Rows of an item's X tiles (the kernel's BX: 128 keys of a dK/dV item, 128 queries of a
@@ -143,10 +144,8 @@ impl RingAttentionBackwardPlan {
         }
     }
 
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
-        let d = self.head_dim;
-        let kernel = kernel_for(dtype, d)
-            .ok_or_else(|| MkError::internal(format!("no ring-attention backward kernel for D {d}")))?;
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        let kernel = kernel_for(dtype, self.head_dim)?;
         Ok(KernelLaunch::new(kernel, self.grid, THREADS, self.smem_bytes as u32))
     }
 }
@@ -211,7 +210,7 @@ pub fn validate_args(
 ) -> Result<RingBackwardArgs> {
     // Named here: the forward's checks below would name mkRingAttention.
     mkDataType_t::gemm_type_from_raw(dtype, "mkRingAttentionBackward")?;
-    let forward = crate::ops::ring_attention::validate_args(
+    let forward = crate::ops::attention::ring_attention::validate_args(
         q,
         k,
         v,
@@ -236,17 +235,10 @@ pub fn validate_args(
     }
     Ok(RingBackwardArgs { forward, dout, dq, dk, dv })
 }
-
-pub fn kernel_for(dtype: mkDataType_t, head_dim: usize) -> Option<crate::cuda::kernels::Kernel> {
-    use crate::cuda::kernels::*;
-    use mkDataType_t::{mkBfloat16, mkFloat16};
-    Some(match (dtype, head_dim) {
-        (mkBfloat16, 128) => MK_RING_ATTN_BWD_BF16_D128,
-        (mkBfloat16, 64) => MK_RING_ATTN_BWD_BF16_D64,
-        (mkFloat16, 128) => MK_RING_ATTN_BWD_F16_D128,
-        (mkFloat16, 64) => MK_RING_ATTN_BWD_F16_D64,
-        _ => return None,
-    })
+/// The backward kernel for `dtype` and `head_dim` (MK_RING_ATTN_BWD_ENTRY lines).
+pub fn kernel_for(dtype: impl Element, head_dim: usize) -> Result<Kernel> {
+    let args = [Arg::Element, Arg::Int(head_dim)];
+    kernels::choose("mkRingAttentionBackward", dtype.element(), "MK_RING_ATTN_BWD_ENTRY", &args)
 }
 
 /// The kernel's TMA descriptors (ring_attention_backward.cu `BwdMaps`): q and dout of this
@@ -262,8 +254,8 @@ struct BwdMaps {
 /// A 4-D map over a [batch][token][head][d] tensor, box {64 d, 1 head, 64 tokens, 1 batch},
 /// zeros past `tokens`.
 fn head_map(ptr: u64, dtype: mkDataType_t, s: &RingShape, heads: usize) -> Result<sys::CUtensorMap> {
-    let row = (s.head_dim * 2) as u64;
-    crate::ops::launch::tiled_tensor_map(
+    let row = dtype.size() as u64 * s.head_dim as u64;
+    crate::ops::common::launch::tiled_tensor_map(
         ptr,
         dtype,
         &[s.head_dim as u64, heads as u64, s.seq_local as u64, s.batch as u64],
@@ -298,7 +290,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
         (args.dk, "dk"),
         (args.dv, "dv"),
     ] {
-        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+        crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
     }
     let plan = plan(&s, DeviceCaps::of(comm)?.grid_cap());
     let ws = comm.one_node_workspace("mkRingAttentionBackward")?;
@@ -378,7 +370,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::ring_attention::rank_spans;
+    use crate::ops::attention::ring_attention::rank_spans;
 
     fn shape(batch: usize, seq_local: usize, heads: usize, kv_heads: usize, causal: bool, nranks: usize) -> RingShape {
         RingShape { batch, seq_local, heads, kv_heads, head_dim: 64, causal, nranks }

@@ -8,11 +8,8 @@
 //! GEMM + ReduceScatter) and the reduced chunk is then pulled by every rank as it
 //! finishes; one owner computes each sum, so ranks again agree bit for bit.
 
-use super::gemm_rs::{self, GemmRsShape};
 use crate::error::Result;
-
-/// Largest M that takes the one-shot path by default (`Tuning::gemm_ar_one_shot_max_m`).
-pub const ONE_SHOT_MAX_M: usize = 256;
+use crate::ops::dense::gemm_rs::{self, GemmRsShape};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum GemmArPlan {
@@ -40,7 +37,7 @@ pub fn plan(
     one_shot_max_m: usize,
 ) -> Result<GemmArPlan> {
     let shape = GemmRsShape { m, n, k, nranks, rank };
-    let two_phase_ok = m > one_shot_max_m && m % (nranks * super::ag_gemm::ROW_BLOCK) == 0 && nranks > 1;
+    let two_phase_ok = m > one_shot_max_m && m % (nranks * crate::ops::gemm::engine::ROW_BLOCK) == 0 && nranks > 1;
     if two_phase_ok {
         return gemm_rs::plan(&shape, grid_ctas, comm_override).map(GemmArPlan::TwoPhase);
     }
@@ -61,11 +58,12 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tuning::GEMM_AR_ONE_SHOT_MAX_M;
 
     #[test]
     fn small_m_is_one_shot_and_any_m_is_accepted() {
         for m in [1, 7, 16, 64, 255, 256] {
-            match plan(m, 8192, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).unwrap() {
+            match plan(m, 8192, 1024, 4, 0, 132, None, GEMM_AR_ONE_SHOT_MAX_M).unwrap() {
                 GemmArPlan::OneShot { compute_ctas, reduce_ctas } => assert_eq!(compute_ctas + reduce_ctas, 132),
                 p => panic!("M={m}: {p:?}"),
             }
@@ -74,12 +72,27 @@ mod tests {
 
     #[test]
     fn large_divisible_m_is_two_phase_else_one_shot() {
-        assert!(matches!(plan(8192, 8192, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).unwrap(), GemmArPlan::TwoPhase(_)));
-        assert!(matches!(plan(8191, 8192, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).unwrap(), GemmArPlan::OneShot { .. }));
+        assert!(matches!(
+            plan(8192, 8192, 1024, 4, 0, 132, None, GEMM_AR_ONE_SHOT_MAX_M).unwrap(),
+            GemmArPlan::TwoPhase(_)
+        ));
+        assert!(matches!(
+            plan(8191, 8192, 1024, 4, 0, 132, None, GEMM_AR_ONE_SHOT_MAX_M).unwrap(),
+            GemmArPlan::OneShot { .. }
+        ));
         // Owners must hold whole 128-row blocks: 4 x 160 rows is one-shot.
-        assert!(matches!(plan(640, 8192, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).unwrap(), GemmArPlan::OneShot { .. }));
-        assert!(matches!(plan(1024, 8192, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).unwrap(), GemmArPlan::TwoPhase(_)));
-        assert!(matches!(plan(8192, 8192, 1024, 1, 0, 132, None, ONE_SHOT_MAX_M).unwrap(), GemmArPlan::OneShot { .. }));
+        assert!(matches!(
+            plan(640, 8192, 1024, 4, 0, 132, None, GEMM_AR_ONE_SHOT_MAX_M).unwrap(),
+            GemmArPlan::OneShot { .. }
+        ));
+        assert!(matches!(
+            plan(1024, 8192, 1024, 4, 0, 132, None, GEMM_AR_ONE_SHOT_MAX_M).unwrap(),
+            GemmArPlan::TwoPhase(_)
+        ));
+        assert!(matches!(
+            plan(8192, 8192, 1024, 1, 0, 132, None, GEMM_AR_ONE_SHOT_MAX_M).unwrap(),
+            GemmArPlan::OneShot { .. }
+        ));
     }
 
     #[test]
@@ -91,11 +104,11 @@ mod tests {
 
     #[test]
     fn bad_n_or_k_is_rejected_on_both_paths() {
-        assert!(plan(16, 60, 1024, 4, 0, 132, None, ONE_SHOT_MAX_M).is_err());
-        assert!(plan(8192, 8192, 12, 4, 0, 132, None, ONE_SHOT_MAX_M).is_err());
-        assert!(plan(16, 64, 64, 4, 0, 132, Some(132), ONE_SHOT_MAX_M).is_err());
+        assert!(plan(16, 60, 1024, 4, 0, 132, None, GEMM_AR_ONE_SHOT_MAX_M).is_err());
+        assert!(plan(8192, 8192, 12, 4, 0, 132, None, GEMM_AR_ONE_SHOT_MAX_M).is_err());
+        assert!(plan(16, 64, 64, 4, 0, 132, Some(132), GEMM_AR_ONE_SHOT_MAX_M).is_err());
         assert_eq!(
-            plan(16, 64, 64, 4, 0, 132, Some(11), ONE_SHOT_MAX_M).unwrap(),
+            plan(16, 64, 64, 4, 0, 132, Some(11), GEMM_AR_ONE_SHOT_MAX_M).unwrap(),
             GemmArPlan::OneShot { compute_ctas: 121, reduce_ctas: 11 }
         );
     }

@@ -16,8 +16,12 @@
 pub const BM: usize = 128;
 /// Tile rows the plain-GEMM kernels are compiled for.
 pub const TILE_ROWS: [usize; 2] = [128, 64];
+/// Bytes of an operand element in the engine's ring and epilogue staging. The engine is
+/// laid out for 16-bit operands (its swizzle rows, its wgmma shapes); an engine for 8-bit
+/// operands is a new layout here and in kernels/common/gemm, not another element size.
+pub const OPERAND_BYTES: usize = 2;
 /// K per pipeline stage: 64 two-byte elements = one 128-byte swizzle row.
-pub const BK: usize = 64;
+pub const BK: usize = 128 / OPERAND_BYTES;
 /// Largest dynamic shared memory a Hopper CTA can have (227 KiB).
 pub const SMEM_LIMIT: usize = 232_448;
 /// Tile widths the entry kernels are compiled for. 224 is not a power of two for the waves:
@@ -65,7 +69,7 @@ const SPLIT_K_BARRIER_BYTES: usize = 32;
 /// whole boxes of one that is not: `kBoxedCols`), two bytes each; DirectStoreEpilogue none.
 fn epilogue_staging_per_wg(bn: usize, epilogue: Epilogue) -> usize {
     if epilogue == Epilogue::Tma {
-        64 * (bn / 64 * 64) * 2
+        64 * (bn / 64 * 64) * OPERAND_BYTES
     } else {
         0
     }
@@ -75,7 +79,7 @@ fn epilogue_staging_per_wg(bn: usize, epilogue: Epilogue) -> usize {
 /// limit beside two warpgroups' epilogue staging; the formula of `PlainStages` and
 /// `FusedStages<BN, BM>` in the kernels.
 fn ring_stages(bm: usize, bn: usize, staging_per_wg: usize) -> usize {
-    ((SMEM_LIMIT - 1024 - 2 * staging_per_wg - 256) / ((bm + bn) * BK * 2)).min(8)
+    ((SMEM_LIMIT - 1024 - 2 * staging_per_wg - 256) / ((bm + bn) * BK * OPERAND_BYTES)).min(8)
 }
 
 /// Dynamic shared memory the engine needs for a tile shape, ring depth and epilogue
@@ -83,7 +87,7 @@ fn ring_stages(bm: usize, bn: usize, staging_per_wg: usize) -> usize {
 /// (kernels/gemm.cu checks it through [`tile_smem_bytes`]); fused kernels that carve
 /// their own shared memory after the engine's add theirs to it.
 pub fn engine_smem_bytes(bm: usize, bn: usize, stages: usize, staging_per_wg: usize) -> usize {
-    1024 + stages * (bm + bn) * BK * 2 + 2 * staging_per_wg + 2 * stages * 8 + MAILBOX_BYTES
+    1024 + stages * (bm + bn) * BK * OPERAND_BYTES + 2 * staging_per_wg + 2 * stages * 8 + MAILBOX_BYTES
 }
 
 /// Ring depth of a fused engine with the TMA epilogue and `bm`-row tiles (128, or 64 for

@@ -13,18 +13,20 @@
 
 use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::{self, sys};
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{AgGemmParams, ProxyRingView, MK_AG_GEMM_MAX_CHUNKS, MK_MAX_PEERS};
-use crate::ops::fused_fence::{self, FusedKernel};
-use crate::ops::gemm::{self as engine, Epilogue, PlanOverrides};
-use crate::ops::hier_collectives::{fused_op_workspace, NodeLayout};
-use crate::ops::launch::{self, DeviceCaps, KernelLaunch};
-use crate::types::{mkDataType_t, RawDataType};
+use crate::ops::common::fused_fence::{self, FusedKernel};
+use crate::ops::common::fused_workspace::fused_op_workspace;
+use crate::ops::common::launch::{self, DeviceCaps, KernelLaunch};
+use crate::ops::common::node_layout::NodeLayout;
+use crate::ops::gemm::engine::{self as engine, Epilogue, PlanOverrides};
+use crate::types::{mkDataType_t, Element, RawDataType};
 use std::ffi::c_void;
 
-/// The GEMM's row-block height; chunks are whole row blocks so one wait covers one block.
-pub const ROW_BLOCK: usize = 128;
+/// Chunks are whole row blocks, so one wait covers one block.
+pub use crate::ops::gemm::engine::ROW_BLOCK;
 /// At most this many signalled chunks per rank: fewer, larger pushes beyond it (the
 /// kernel's flag array is sized by the same constant).
 pub const MAX_CHUNKS_PER_RANK: usize = MK_AG_GEMM_MAX_CHUNKS;
@@ -38,18 +40,6 @@ pub const CHUNK_FLAG_WORDS: usize = MK_MAX_PEERS * MK_AG_GEMM_MAX_CHUNKS;
 pub fn flag_stride(nranks: usize) -> usize {
     (CHUNK_FLAG_WORDS / nranks.max(1)).min(MAX_CHUNKS_PER_RANK)
 }
-/// GEMM rate assumed for a whole H100/H200 when sizing roles (FLOP/s; measured cuBLAS
-/// ~700 T), and its SM count: a grid of g CTAs is assumed to compute at g / 132 of it
-/// (ranks sharing one GPU get a fraction of its SMs, so their GEMMs take longer and hide
-/// more communication).
-pub const GEMM_FLOPS_PER_S: f64 = 700e12;
-pub const FULL_GPU_SMS: f64 = 132.0;
-
-/// Estimated seconds of an M×N×K GEMM on `ctas` CTAs.
-pub fn gemm_seconds(m: usize, n: usize, k: usize, ctas: u32) -> f64 {
-    2.0 * m as f64 * n as f64 * k as f64 / (GEMM_FLOPS_PER_S * (ctas as f64 / FULL_GPU_SMS).min(1.0))
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AgGemmShape {
     /// All gathered rows (as in the unfused GEMM).
@@ -92,11 +82,16 @@ pub struct AgGemmPlan {
 
 impl AgGemmPlan {
     /// The launch of this plan for `dtype`.
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
-        let kernel = kernel(dtype, self.bn)
-            .ok_or_else(|| MkError::internal(format!("no AllGather+GEMM kernel for BN {}", self.bn)))?;
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        let kernel = kernel(dtype, self.bn)?;
         Ok(KernelLaunch::new(kernel, self.grid, engine::THREADS, self.smem_bytes as u32))
     }
+}
+
+/// Bytes of `rows` gathered rows of A of `k` elements of `dtype`: the whole gathered A
+/// (which the fused-op region must hold across nodes), or one chunk (one proxy put).
+pub fn gathered_bytes(dtype: impl Element, rows: usize, k: usize) -> usize {
+    dtype.element().bytes_of(rows * k)
 }
 
 /// Checks the shape rules; the messages name the rule.
@@ -231,16 +226,9 @@ pub fn node_routes(nl: &NodeLayout) -> NodeRoutes {
     NodeRoutes { puts, forwards, tile_sources }
 }
 
-/// The kernel for a dtype and tile width (BN 128 or 256).
-pub fn kernel(dtype: mkDataType_t, bn: usize) -> Option<crate::cuda::kernels::Kernel> {
-    use crate::cuda::kernels::*;
-    match (dtype, bn) {
-        (mkDataType_t::mkBfloat16, 256) => Some(MK_AG_GEMM_BF16_BN256),
-        (mkDataType_t::mkBfloat16, 128) => Some(MK_AG_GEMM_BF16_BN128),
-        (mkDataType_t::mkFloat16, 256) => Some(MK_AG_GEMM_F16_BN256),
-        (mkDataType_t::mkFloat16, 128) => Some(MK_AG_GEMM_F16_BN128),
-        _ => None,
-    }
+/// The AllGather + GEMM kernel for `dtype` and tile width `bn` (MK_AG_GEMM_ENTRY lines).
+pub fn kernel(dtype: impl Element, bn: usize) -> Result<Kernel> {
+    kernels::choose("mkAllGatherGemm", dtype.element(), "MK_AG_GEMM_ENTRY", &[Arg::Element, Arg::Int(bn)])
 }
 
 /// A validated mkAllGatherGemm call.
@@ -302,24 +290,28 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
     let _ctx = comm.context.enter()?;
     let grid = DeviceCaps::of(comm)?.grid_cap();
     for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
-        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+        crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
     }
     if args.gathered != 0 {
-        crate::ops::collectives::check_device_pointer(args.gathered, comm.context.device, "gatheredA")?;
+        crate::cuda::pointer::check_device_pointer(args.gathered, comm.context.device, "gatheredA")?;
     }
     if nranks == 1 {
         // Nothing to gather: the engine alone, and the caller's copy of A if asked for.
-        let g = engine::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
-        engine::gemm_with(&g, PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() }, stream)?;
+        let g = crate::ops::gemm::op::validate(args.a, args.b, args.c, m, n, k, args.dtype as RawDataType)?;
+        crate::ops::gemm::op::gemm_with(
+            &g,
+            PlanOverrides { max_ctas: Some(grid as usize), ..Default::default() },
+            stream,
+        )?;
         if args.gathered != 0 && args.gathered != args.a {
-            copy_async(args.gathered, args.a, m * k * 2, stream)?;
+            copy_async(args.gathered, args.a, gathered_bytes(args.dtype, m, k), stream)?;
         }
         return Ok(());
     }
     // Across nodes: this node's workspace (indexed by local rank), the proxy ring and the
     // rank table; rows are still placed by global rank.
     let (ws, nodes) = fused_op_workspace(comm, "mkAllGatherGemm")?;
-    let needed = (m * k * 2) as u64;
+    let needed = gathered_bytes(args.dtype, m, k) as u64;
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
             "mkAllGatherGemm gathers {needed} bytes of A into the workspace's fused-op region, which holds {}: create the \
@@ -328,7 +320,7 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
         )));
     }
     let p = plan(&args.shape, grid, comm.config.comm_ctas)?;
-    let chunk_bytes = (p.chunk_rows * k * 2) as u64;
+    let chunk_bytes = gathered_bytes(args.dtype, p.chunk_rows, k) as u64;
     if nodes.is_some() && chunk_bytes > u32::MAX as u64 {
         return Err(MkError::invalid_usage(format!(
             "mkAllGatherGemm across nodes: a chunk of {} rows × K = {k} is {chunk_bytes} bytes, more than one proxy put moves (4 GiB)",
@@ -382,7 +374,11 @@ fn launch(
         params.ring = *ring;
         params.rank_of = nl.rank_of;
     }
-    let kernel_launch = p.kernel_launch(args.dtype)?;
+    let mut kernel_launch = p.kernel_launch(args.dtype)?;
+    if args.trace != 0 {
+        // `mkbench --trace`: the twin with the trace hooks (the library's kernel has none).
+        kernel_launch.kernel = crate::cuda::kernels::trace_twin(kernel_launch.kernel)?;
+    }
     let mut kernel_params: [*mut c_void; 4] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
@@ -510,8 +506,8 @@ mod tests {
     /// Rank tables for `nranks` ranks in nodes of `rpn` (by rank, as MK_RANKS_PER_NODE), or
     /// by host (interleaved: rank r on host r % nodes).
     fn layouts(nranks: usize, rpn: usize, interleaved: bool) -> Vec<NodeLayout> {
-        use crate::comm::{node_of_ranks, topology::Topology};
-        use crate::ops::hier_collectives::node_layout;
+        use crate::ops::common::node_layout::node_layout;
+        use crate::transport::topology::{node_of_ranks, Topology};
         let nodes = if interleaved {
             let hosts: Vec<u64> = (0..nranks).map(|r| (r % (nranks / rpn)) as u64 + 7).collect();
             node_of_ranks(&hosts, None)
@@ -592,7 +588,7 @@ mod tests {
     fn every_planned_tile_width_has_a_kernel() {
         for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
             for bn in [128, 256] {
-                assert!(kernel(dtype, bn).is_some(), "{dtype:?} bn {bn}");
+                assert!(kernel(dtype, bn).is_ok(), "{dtype:?} bn {bn}");
             }
         }
     }
@@ -617,7 +613,7 @@ mod tests {
                             for dtype in [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16] {
                                 let l = p.kernel_launch(dtype).unwrap();
                                 assert_eq!((l.grid, l.block, l.smem_bytes), (grid, 384, p.smem_bytes as u32));
-                                assert_eq!(l.clusters, crate::ops::launch::Clusters::None);
+                                assert_eq!(l.clusters, crate::ops::common::launch::Clusters::None);
                             }
                         }
                     }

@@ -28,9 +28,9 @@
 //! (NET_DONE + node, through the proxy); puts are drained before the kernel ends, so the
 //! next call may overwrite the outbox.
 
-use super::gemm_reduce::Reduction;
-use super::hier_collectives::align_up;
 use crate::error::{MkError, Result};
+use crate::ops::collectives::hier::align_up;
+use crate::ops::dense::gemm_reduce::Reduction;
 
 /// Rows of an owner block, and of a GEMM tile.
 pub const BLOCK_ROWS: usize = 128;
@@ -236,7 +236,7 @@ pub fn puts_of(
 mod tests {
     use super::*;
 
-    use crate::ops::gemm_reduce::{GR_END_WORD as END_WORD, GR_TILE_WORD as TILE_WORD};
+    use crate::ops::dense::gemm_reduce::{GR_END_WORD as END_WORD, GR_TILE_WORD as TILE_WORD};
 
     fn tiles(m: usize, n: usize) -> usize {
         m.div_ceil(128) * n.div_ceil(128)

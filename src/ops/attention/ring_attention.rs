@@ -13,12 +13,13 @@
 //! rank (r − s) mod n.
 
 use crate::comm::Comm;
+use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnParams, WorkspaceView, MK_MAX_PEERS};
-use crate::ops::fused_fence::{self, FusedKernel};
-use crate::ops::launch::{DeviceCaps, KernelLaunch};
-use crate::types::{mkDataType_t, RawDataType};
+use crate::ops::common::fused_fence::{self, FusedKernel};
+use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
+use crate::types::{mkDataType_t, Element, RawDataType};
 use std::ffi::c_void;
 
 /// Queries per work item (kernel: 2 warpgroups × 64 rows) and keys per tile.
@@ -85,9 +86,9 @@ pub fn smem_bytes(head_dim: usize) -> usize {
     (Q_STAGES * BLOCK_M + 2 * KV_STAGES * BLOCK_N) * head_dim * 2 + 1024
 }
 
-/// Bytes of the fused-op region a rank needs: its K and V copy.
-pub fn workspace_bytes(s: &RingShape) -> u64 {
-    2 * (s.batch * s.seq_local * s.kv_heads * s.head_dim * 2) as u64
+/// Bytes of the fused-op region a rank needs: its K and V copy, of elements of `dtype`.
+pub fn workspace_bytes(s: &RingShape, dtype: impl Element) -> u64 {
+    2 * dtype.element().bytes_of(s.batch * s.seq_local * s.kv_heads * s.head_dim) as u64
 }
 
 /// What a ring-attention launch needs from the shape and the grid cap.
@@ -113,10 +114,8 @@ pub struct RingAttentionPlan {
 
 impl RingAttentionPlan {
     /// The launch of this plan for `dtype`.
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> Result<KernelLaunch> {
-        let d = self.head_dim;
-        let kernel = kernel_for(dtype, d, self.traced)
-            .ok_or_else(|| MkError::internal(format!("no ring-attention kernel for D {d}")))?;
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        let kernel = kernel_for(dtype, self.head_dim, self.traced)?;
         Ok(KernelLaunch::new(kernel, self.grid, THREADS, self.smem_bytes as u32))
     }
 }
@@ -234,22 +233,16 @@ pub fn validate_args(
     Ok(RingArgs { q, k, v, out, lse, shape, rank, softmax_scale, dtype, trace: 0 })
 }
 
-/// The kernel for a dtype, head dimension (64 or 128) and whether it writes a trace (the
-/// `_trace` twins, for `mkbench --trace`).
-pub fn kernel_for(dtype: mkDataType_t, head_dim: usize, traced: bool) -> Option<crate::cuda::kernels::Kernel> {
-    use crate::cuda::kernels::*;
-    use mkDataType_t::{mkBfloat16, mkFloat16};
-    Some(match (dtype, head_dim, traced) {
-        (mkBfloat16, 128, false) => MK_RING_ATTN_BF16_D128,
-        (mkBfloat16, 64, false) => MK_RING_ATTN_BF16_D64,
-        (mkFloat16, 128, false) => MK_RING_ATTN_F16_D128,
-        (mkFloat16, 64, false) => MK_RING_ATTN_F16_D64,
-        (mkBfloat16, 128, true) => MK_RING_ATTN_BF16_D128_TRACE,
-        (mkBfloat16, 64, true) => MK_RING_ATTN_BF16_D64_TRACE,
-        (mkFloat16, 128, true) => MK_RING_ATTN_F16_D128_TRACE,
-        (mkFloat16, 64, true) => MK_RING_ATTN_F16_D64_TRACE,
-        _ => return None,
-    })
+/// The ring-attention kernel for `dtype` and `head_dim`; `traced`: its twin that writes
+/// `mkbench --trace`'s timing buffer (a tool kernel: `cuda::kernels::trace_twin`).
+pub fn kernel_for(dtype: impl Element, head_dim: usize, traced: bool) -> Result<Kernel> {
+    let args = [Arg::Element, Arg::Int(head_dim)];
+    let kernel = kernels::choose("mkRingAttention", dtype.element(), "MK_RING_ATTN_ENTRY", &args)?;
+    if traced {
+        kernels::trace_twin(kernel)
+    } else {
+        Ok(kernel)
+    }
 }
 
 /// The kernel's parameters for `args` and its plan (one rank, no workspace: the caller
@@ -304,8 +297,8 @@ fn head_map(
     heads: usize,
     head_dim: usize,
 ) -> Result<sys::CUtensorMap> {
-    let row = (head_dim * 2) as u64;
-    crate::ops::launch::tiled_tensor_map(
+    let row = dtype.size() as u64 * head_dim as u64;
+    crate::ops::common::launch::tiled_tensor_map(
         ptr,
         dtype,
         &[head_dim as u64, heads as u64, tokens as u64, batch as u64],
@@ -379,13 +372,13 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
     }
     let _ctx = comm.context.enter()?;
     for (ptr, name) in [(args.q, "q"), (args.k, "k"), (args.v, "v"), (args.out, "out"), (args.lse, "lse")] {
-        crate::ops::collectives::check_device_pointer(ptr, comm.context.device, name)?;
+        crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
     }
     let plan = plan(&s, DeviceCaps::of(comm)?.grid_cap(), args.trace != 0);
     let mut p = params(args, &plan);
     if s.nranks > 1 {
         let ws = comm.one_node_workspace("mkRingAttention")?;
-        let needed = workspace_bytes(&s);
+        let needed = workspace_bytes(&s, args.dtype);
         if needed > ws.view.op_bytes {
             return Err(MkError::invalid_usage(format!(
                 "mkRingAttention copies this rank's K and V ({needed} bytes) into the workspace's fused-op region, which \
@@ -593,7 +586,7 @@ mod tests {
         assert_eq!((p.q_blocks, p.items, p.grid, p.sched_section, p.smem_bytes), (3, 24, 24, 8, 99328));
         assert_eq!(plan(&s, 16, true).grid, 16);
         assert_eq!(plan(&RingShape { seq_local: 0, ..s }, 16, false).grid, 1, "at least one CTA");
-        assert_eq!(workspace_bytes(&s), 2 * 2 * 300 * 2 * 64 * 2);
+        assert_eq!(workspace_bytes(&s, mkDataType_t::mkBfloat16), 2 * 2 * 300 * 2 * 64 * 2);
         assert_eq!(smem_bytes(128), 197632);
         assert_eq!(smem_bytes(64), 99328);
         assert!(smem_bytes(128) <= 232448, "fits the 227 KiB a block may opt in to");

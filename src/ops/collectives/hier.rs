@@ -2,24 +2,23 @@
 //! plan (pure, unit-tested: the slot layout, piece and slice sizes, the rank table) and
 //! the launch of kernels/hier_collectives.cu, which moves the data within a node over
 //! NVLink and between nodes through the proxy ring, both from the kernel (one launch,
-//! stream-ordered and graph-capturable). Routes as `comm::topology` plans them: a shard
+//! stream-ordered and graph-capturable). Routes as `transport::topology` plans them: a shard
 //! crosses the network once per node, GPU i ↔ GPU i; reductions sum within the node first.
 //!
 //! `mktest nodes` (scripts/gpu-run.sh) tests it on a GPU, with nodes emulated on one machine.
 
-use super::collectives::{
-    check_device_pointer, validate, CollectiveArgs, CollectiveKind, MIN_BYTES_PER_CTA, PIECE_ALIGN_BYTES,
-};
-use crate::comm::topology::{rank_with_local_rank, Topology};
-use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
+use crate::cuda::kernels::{self, Arg, Kernel};
+use crate::cuda::pointer::check_device_pointer;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{
     HierCollectiveParams, ProxyRingView, WorkspaceView, MK_MAX_NODES, MK_MAX_NODE_RANKS, MK_MAX_PEERS,
 };
-use crate::ops::launch::KernelLaunch;
-use crate::types::{mkDataType_t, RawDataType, RawRedOp};
+use crate::ops::collectives::{validate, CollectiveArgs, CollectiveKind, MIN_BYTES_PER_CTA, PIECE_ALIGN_BYTES};
+use crate::ops::common::launch::KernelLaunch;
+use crate::ops::common::node_layout::{node_layout, NodeLayout};
+use crate::types::{Element, RawDataType, RawRedOp};
 
 const _: () = assert!(MK_MAX_NODE_RANKS == MK_MAX_NODES * MK_MAX_PEERS);
 
@@ -29,70 +28,6 @@ pub const THREADS: u32 = crate::kernel_abi::MK_HIER_THREADS;
 pub const SUB_ALIGN: u64 = 16;
 /// Most CTA slots with network flags (the signal map gives MK_SIG_NET_CTAS per flag kind).
 pub const MAX_NET_CTAS: u32 = crate::kernel_abi::MK_SIG_NET_CTAS;
-
-/// Who is where, as the kernel's rank table holds it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NodeLayout {
-    pub nodes: usize,
-    pub local_size: usize,
-    pub node: usize,
-    pub local_rank: usize,
-    /// rank_of[m * MK_MAX_PEERS + l]: global rank of local rank l on node m (-1: none).
-    pub rank_of: [i32; MK_MAX_NODE_RANKS],
-}
-
-/// The rank table of a layout: equal-sized nodes (the routes need them), at most
-/// MK_MAX_NODES nodes and MK_MAX_PEERS ranks per node.
-pub fn node_layout(topology: &Topology, nodes: &[usize], what: &str) -> Result<NodeLayout> {
-    // The routes are defined only for equal-sized nodes: refuse others with their message.
-    topology.allgather_routes(nodes)?;
-    if topology.node_count > MK_MAX_NODES {
-        return Err(MkError::invalid_usage(format!(
-            "{what} across {} nodes: at most {MK_MAX_NODES} nodes are supported",
-            topology.node_count
-        )));
-    }
-    if topology.local_size() > MK_MAX_PEERS {
-        return Err(MkError::invalid_usage(format!(
-            "{what}: {} ranks per node, at most {MK_MAX_PEERS} are supported",
-            topology.local_size()
-        )));
-    }
-    let mut rank_of = [-1i32; MK_MAX_NODE_RANKS];
-    for m in 0..topology.node_count {
-        for l in 0..topology.local_size() {
-            let r = rank_with_local_rank(nodes, m, l)
-                .ok_or_else(|| MkError::internal(format!("node {m} has no local rank {l}")))?;
-            rank_of[m * MK_MAX_PEERS + l] = r as i32;
-        }
-    }
-    Ok(NodeLayout {
-        nodes: topology.node_count,
-        local_size: topology.local_size(),
-        node: topology.node,
-        local_rank: topology.local_rank,
-        rank_of,
-    })
-}
-
-/// The workspace a dense fused op runs on: on one node the communicator's (refused with
-/// mkInvalidUsage when it has no data plane); across nodes this node's (its view indexed
-/// by local rank), with the rank table and this rank's proxy ring.
-pub fn fused_op_workspace<'a>(
-    comm: &'a Comm,
-    op: &str,
-) -> Result<(&'a SymmetricWorkspace, Option<(NodeLayout, ProxyRingView)>)> {
-    if !comm.topology.spans_nodes() {
-        return Ok((comm.one_node_workspace(op)?, None));
-    }
-    let ws = comm.workspace.as_ref().ok_or_else(|| {
-        MkError::invalid_usage(
-            comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()),
-        )
-    })?;
-    let ring = comm.proxy_ring.ok_or_else(|| MkError::internal("a communicator across nodes without a proxy ring"))?;
-    Ok((ws, Some((node_layout(&comm.topology, &comm.nodes, op)?, ring))))
-}
 
 /// One call's grid, piece size and slot layout (byte offsets inside a CTA's slot).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -113,8 +48,8 @@ pub struct HierPlan {
 
 impl HierPlan {
     /// The launch of this plan for `dtype`.
-    pub fn kernel_launch(&self, dtype: mkDataType_t) -> KernelLaunch {
-        KernelLaunch::new(kernel(dtype), self.ctas, THREADS, 0)
+    pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
+        Ok(KernelLaunch::new(kernel(dtype)?, self.ctas, THREADS, 0))
     }
 }
 
@@ -216,22 +151,9 @@ pub fn network_fraction(kind: CollectiveKind, nodes: u64, nranks: u64) -> f64 {
     }
 }
 
-/// The kernel instantiation for a dtype.
-pub fn kernel(dtype: mkDataType_t) -> crate::cuda::kernels::Kernel {
-    use crate::cuda::kernels::*;
-    use mkDataType_t::*;
-    match dtype {
-        mkInt8 => MK_HIER_COLLECTIVE_I8,
-        mkUint8 => MK_HIER_COLLECTIVE_U8,
-        mkInt32 => MK_HIER_COLLECTIVE_I32,
-        mkUint32 => MK_HIER_COLLECTIVE_U32,
-        mkInt64 => MK_HIER_COLLECTIVE_I64,
-        mkUint64 => MK_HIER_COLLECTIVE_U64,
-        mkFloat16 => MK_HIER_COLLECTIVE_F16,
-        mkFloat32 => MK_HIER_COLLECTIVE_F32,
-        mkFloat64 => MK_HIER_COLLECTIVE_F64,
-        mkBfloat16 => MK_HIER_COLLECTIVE_BF16,
-    }
+/// The hierarchical collective kernel for `dtype` (MK_HIER_KERNEL lines).
+pub fn kernel(dtype: impl Element) -> Result<Kernel> {
+    kernels::choose("the collectives across nodes", dtype.element(), "MK_HIER_KERNEL", &[Arg::Element])
 }
 
 /// The kernel's parameters for validated `args`.
@@ -309,7 +231,7 @@ pub fn collective(
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let mut params = params(&ws.view, ring, &nl, comm.rank, comm.nranks, &args, &plan);
-    let kernel_launch = plan.kernel_launch(args.dtype);
+    let kernel_launch = plan.kernel_launch(args.dtype)?;
     // SAFETY: one HierCollectiveParams by value; the buffers were checked to be device
     // memory of this context's device, as large as the caller promised; the workspace and
     // the ring live as long as the communicator.
@@ -325,8 +247,8 @@ pub fn collective(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::node_of_ranks;
     use crate::error::mkResult_t;
+    use crate::transport::topology::{node_of_ranks, Topology};
 
     const KINDS: [CollectiveKind; 3] =
         [CollectiveKind::AllGather, CollectiveKind::ReduceScatter, CollectiveKind::AllReduce];
@@ -396,7 +318,7 @@ mod tests {
     #[test]
     fn the_launch_is_the_plan() {
         let p = plan(CollectiveKind::ReduceScatter, 1 << 20, 4, 2, 4, 16, 256 << 20).unwrap();
-        let l = p.kernel_launch(mkDataType_t::mkFloat32);
+        let l = p.kernel_launch(crate::types::mkDataType_t::mkFloat32).unwrap();
         assert_eq!(
             (l.kernel, l.grid, l.block, l.smem_bytes),
             (crate::cuda::kernels::MK_HIER_COLLECTIVE_F32, p.ctas, 512, 0)

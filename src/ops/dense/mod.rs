@@ -1,0 +1,8 @@
+//! The dense fused ops: a GEMM fused with the collective before it (AllGather + GEMM) or
+//! after it (GEMM + ReduceScatter, GEMM + AllReduce), on one node or across nodes.
+
+pub mod ag_gemm;
+pub mod gemm_ar;
+pub mod gemm_reduce;
+pub mod gemm_reduce_nodes;
+pub mod gemm_rs;

@@ -1,0 +1,89 @@
+//! An element type enters as data. A one-byte type (fp8 e4m3, as NCCL numbers it) described
+//! here and nowhere else: the planners size its buffers from the description, and choosing
+//! its kernel is a clear error ("no kernel for this dtype"), not a panic or another type's
+//! kernel, in every family — without a line of any op changed for it.
+
+use mkernel::error::mkResult_t;
+use mkernel::ops::attention::{ring_attention, ring_attention_backward};
+use mkernel::ops::collectives::{self, hier, CollectiveKind};
+use mkernel::ops::dense::{ag_gemm, gemm_reduce};
+use mkernel::ops::gemm::engine::{self, PlanOverrides};
+use mkernel::ops::moe::{self, Direction};
+use mkernel::tuning::COLLECTIVE_LL_MAX_BYTES;
+use mkernel::types::{mkDataType_t, Accepted, Element, ElementType};
+
+static FP8_E4M3: ElementType = ElementType {
+    code: 10,
+    c_name: "mkFloat8e4m3",
+    name: "float8e4m3",
+    bytes: 1,
+    cuda_type: "__nv_fp8_e4m3",
+    accepted: Accepted { collectives: true, gemm: true },
+};
+
+const BF16: mkDataType_t = mkDataType_t::mkBfloat16;
+
+fn ring_shape() -> ring_attention::RingShape {
+    ring_attention::RingShape {
+        batch: 2,
+        seq_local: 1024,
+        heads: 16,
+        kv_heads: 4,
+        head_dim: 128,
+        causal: true,
+        nranks: 4,
+    }
+}
+
+/// The error of a kernel choice for the new type: mkInvalidUsage naming it.
+fn assert_no_kernel<T: std::fmt::Debug>(what: &str, r: mkernel::Result<T>) {
+    let e = r.expect_err(what);
+    assert_eq!(e.code, mkResult_t::mkInvalidUsage, "{what}: {}", e.message);
+    assert!(e.message.contains("no kernel for this dtype (mkFloat8e4m3)"), "{what}: {}", e.message);
+    assert!(e.message.contains("mkBfloat16"), "{what} names the compiled types: {}", e.message);
+}
+
+#[test]
+fn planners_size_a_one_byte_type_from_its_description() {
+    let fp8 = &FP8_E4M3;
+    assert_eq!(ag_gemm::gathered_bytes(fp8, 4096, 7168), 4096 * 7168);
+    assert_eq!(ag_gemm::gathered_bytes(BF16, 4096, 7168), 2 * 4096 * 7168);
+    let s = ring_shape();
+    assert_eq!(ring_attention::workspace_bytes(&s, fp8), 2 * 2 * 1024 * 4 * 128);
+    assert_eq!(ring_attention::workspace_bytes(&s, BF16), 2 * ring_attention::workspace_bytes(&s, fp8));
+    // The collectives plan in elements of the type's size: a low-latency piece (a fixed
+    // number of bytes) holds twice as many one-byte elements as two-byte ones.
+    let plan = |bytes: u64| {
+        collectives::plan(CollectiveKind::AllReduce, 4096, bytes, 4, 16, 64 << 20, 264, COLLECTIVE_LL_MAX_BYTES)
+    };
+    let (one, two) = (plan(fp8.bytes as u64), plan(BF16.size() as u64));
+    assert_eq!(one.chunk, 2 * two.chunk, "{one:?} {two:?}");
+}
+
+#[test]
+fn every_family_reports_no_kernel_for_a_type_without_instances() {
+    let fp8 = &FP8_E4M3;
+    let gemm = engine::plan(4096, 4096, 4096, 132, true, PlanOverrides::default());
+    assert!(gemm.kernel_launch(BF16).is_ok());
+    assert_no_kernel("mkGemm", gemm.kernel_launch(fp8));
+    assert_no_kernel("mkAllGatherGemm", ag_gemm::kernel(fp8, 256));
+    assert_no_kernel("GEMM + reduction", gemm_reduce::kernel(fp8, 256, 128, false));
+    assert_no_kernel("GEMM + reduction, early sums", gemm_reduce::kernel(fp8, 256, 128, true));
+    assert_no_kernel("mkMoeDispatchGemm", moe::kernel(Direction::Dispatch, fp8, 256));
+    assert_no_kernel("mkMoeGemmCombine", moe::kernel(Direction::Combine, fp8, 128));
+    let s = ring_shape();
+    assert_no_kernel("mkRingAttention", ring_attention::plan(&s, 132, false).kernel_launch(fp8));
+    assert_no_kernel("mkRingAttentionBackward", ring_attention_backward::plan(&s, 132).kernel_launch(fp8));
+    assert_no_kernel("the collectives", collectives::kernel(fp8));
+    assert_no_kernel("the collectives across nodes", hier::kernel(fp8));
+}
+
+#[test]
+fn a_described_type_without_a_tile_is_a_planner_error_not_a_dtype_error() {
+    // bf16 has GEMM kernels, but none 96 wide: the planner asked for something no instance
+    // has, which is the library's error, not the caller's dtype.
+    let e = engine::gemm_kernel(BF16, 96, engine::Epilogue::Tma, engine::Cluster::None).unwrap_err();
+    assert_eq!(e.code, mkResult_t::mkInternalError, "{}", e.message);
+    assert!(e.message.contains("mkBfloat16"), "{}", e.message);
+    assert_eq!(BF16.element().cuda_type, "__nv_bfloat16");
+}
