@@ -3,8 +3,9 @@
 # here. Without a GPU the GPU suites print SKIPPED (and say so); everything else —
 # argument checks, planning math, bootstrap, the C ABI, kernel compilation — runs.
 #   scripts/test.sh             everything, as CI runs it
-#   scripts/test.sh --no-lint   without rustfmt and clippy -D warnings (minutes on 2 cores):
-#                               for checking a build; CI and every commit run the lint
+#   scripts/test.sh --no-lint   without rustfmt and clippy -D warnings (whose first build
+#                               compiles the kernels again): for checking a build; CI and
+#                               every commit run the lint
 set -euo pipefail
 lint=1
 case "${1:-}" in
