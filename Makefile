@@ -5,8 +5,10 @@
 #                                         lib/libmkernel.a (one prelinked object: only mk* symbols global),
 #                                         include/mkernel.h, lib/pkgconfig/mkernel.pc and mkernel-static.pc,
 #                                         lib/cmake/mkernel/mkernelConfig.cmake and mkernelConfigVersion.cmake
-#                                         lib/libmkernel-nccl.so.2 (+ .so link), lib/pkgconfig/mkernel-nccl.pc
-#   make uninstall PREFIX=/opt/mkernel    removes exactly those files (give it the same variables)
+#                                         lib/libmkernel-nccl.so.2 (+ .so link), lib/pkgconfig/mkernel-nccl.pc,
+#                                         lib/mkernel-nccl/libnccl.so.2 (a link: NCCL's name, see docs/nccl.md)
+#   make uninstall PREFIX=/opt/mkernel    removes exactly those files, and the directories install
+#                                         created once they are empty (give it the same variables)
 #
 # LIBDIR and INCLUDEDIR default to $(PREFIX)/lib and $(PREFIX)/include; DESTDIR stages the
 # files under another root (the installed .pc and CMake files name the final paths).
@@ -47,8 +49,33 @@ INSTALLED_FILES = $(LIBDIR)/$(SO_NAME) $(LIBDIR)/libmkernel.so.$(MAJOR) $(LIBDIR
   $(LIBDIR)/$(SO_NAME).debug $(LIBDIR)/libmkernel.a $(INCLUDEDIR)/mkernel.h \
   $(LIBDIR)/pkgconfig/mkernel.pc $(LIBDIR)/pkgconfig/mkernel-static.pc \
   $(CMAKE_DIR)/mkernelConfig.cmake $(CMAKE_DIR)/mkernelConfigVersion.cmake
+# NCCL's own file name for the library, in a directory of its own: on the loader path only
+# where a user puts it (LD_LIBRARY_PATH), never taking over NCCL for the whole system.
+NCCL_ALIAS_DIR = $(LIBDIR)/mkernel-nccl
 NCCL_INSTALLED_FILES = $(LIBDIR)/libmkernel-nccl.so.2 $(LIBDIR)/libmkernel-nccl.so \
-  $(LIBDIR)/pkgconfig/mkernel-nccl.pc
+  $(LIBDIR)/pkgconfig/mkernel-nccl.pc $(NCCL_ALIAS_DIR)/libnccl.so.2
+
+# Each directory install creates (one that did not exist; parents first) is written to
+# DIRS_RECORD, so that uninstall removes exactly those once they are empty, never a
+# directory that was there before (/usr/local/lib). $(call make_dirs,DIR...): LIBDIR's
+# subdirectories first (the record lives in LIBDIR).
+DIRS_RECORD = $(LIBDIR)/.mkernel-created-dirs
+make_dirs = for d in $(1); do \
+	  new=""; p="$$d"; \
+	  while [ "$$p" != / ] && [ ! -d "$(DESTDIR)$$p" ]; do new="$$p $$new"; p=$$(dirname "$$p"); done; \
+	  install -d "$(DESTDIR)$$d" || exit 1; \
+	  for n in $$new; do echo "$$n" >>"$(DESTDIR)$(DIRS_RECORD)" || exit 1; done; \
+	done
+# Removes the recorded directories that are empty, children first (reverse order puts a path
+# before its prefix); those still holding files stay on record for the next uninstall.
+remove_created_dirs = record="$(DESTDIR)$(DIRS_RECORD)"; \
+	if [ -f "$$record" ]; then \
+	  dirs=$$(sort -r "$$record"); rm -f "$$record"; \
+	  for d in $$dirs; do rmdir "$(DESTDIR)$$d" 2>/dev/null || true; done; \
+	  for d in $$dirs; do \
+	    if [ -d "$(DESTDIR)$$d" ] && [ -d "$(DESTDIR)$(LIBDIR)" ]; then echo "$$d" >>"$$record"; fi; \
+	  done; \
+	fi
 
 .PHONY: all build dist install uninstall ctest clean FORCE
 
@@ -101,7 +128,7 @@ $(DIST_A): $(CARGO_STAMP)
 	rm -rf $(DIST)/prelink
 
 install: dist install-nccl
-	install -d $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(CMAKE_DIR)
+	@$(call make_dirs,$(LIBDIR)/pkgconfig $(CMAKE_DIR) $(INCLUDEDIR))
 	install -m 755 $(DIST_SO) $(DESTDIR)$(LIBDIR)/$(SO_NAME)
 	ln -sf $(SO_NAME) $(DESTDIR)$(LIBDIR)/libmkernel.so.$(MAJOR)
 	ln -sf libmkernel.so.$(MAJOR) $(DESTDIR)$(LIBDIR)/libmkernel.so
@@ -120,7 +147,7 @@ install: dist install-nccl
 
 uninstall: uninstall-nccl
 	rm -f $(addprefix $(DESTDIR),$(INSTALLED_FILES))
-	rmdir $(DESTDIR)$(CMAKE_DIR) 2>/dev/null || true
+	@$(remove_created_dirs)
 
 # C tests against the installed header and library, found through pkg-config only:
 # plain with strict warnings, again under ASan/UBSan, and a C++ translation unit.
@@ -149,15 +176,18 @@ clean:
 
 # libmkernel-nccl (nccl/): NCCL's C API over mkernel, built by the same `cargo build
 # --release`. Installed as lib/libmkernel-nccl.so.2 (its SONAME: the major of NCCL's ABI,
-# stripped as libmkernel.so is), the libmkernel-nccl.so link and lib/pkgconfig/mkernel-nccl.pc.
+# stripped as libmkernel.so is), the libmkernel-nccl.so link, lib/pkgconfig/mkernel-nccl.pc
+# and lib/mkernel-nccl/libnccl.so.2, a link for programs that open NCCL by that name.
 # No header: programs compile against the nccl.h of the NCCL they were written for.
 .PHONY: install-nccl uninstall-nccl
 install-nccl: $(NCCL_DIST_SO)
-	install -d $(DESTDIR)$(LIBDIR)/pkgconfig
+	@$(call make_dirs,$(LIBDIR)/pkgconfig $(NCCL_ALIAS_DIR))
 	install -m 755 $(NCCL_DIST_SO) $(DESTDIR)$(LIBDIR)/libmkernel-nccl.so.2
 	ln -sf libmkernel-nccl.so.2 $(DESTDIR)$(LIBDIR)/libmkernel-nccl.so
+	ln -sf ../libmkernel-nccl.so.2 $(DESTDIR)$(NCCL_ALIAS_DIR)/libnccl.so.2
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(PC_LIBDIR)|' -e 's|@VERSION@|$(VERSION)|' \
 	    pkgconfig/mkernel-nccl.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/mkernel-nccl.pc
 
 uninstall-nccl:
 	rm -f $(addprefix $(DESTDIR),$(NCCL_INSTALLED_FILES))
+	@$(remove_created_dirs)

@@ -324,6 +324,19 @@ fn compile_kernels(
             jobs.push((src, stem, false));
         }
     }
+    // Progress, as plain lines on the build script's stdout: `cargo build -vv` shows them as
+    // they come (nvcc takes minutes on a few cores), and cargo keeps them in the script's
+    // `output` file beside OUT_DIR.
+    let up_to_date = |stem: &str| {
+        out.join(format!("{stem}.fatbin")).exists()
+            && std::fs::read_to_string(out.join(format!("{stem}.stamp"))).ok() == Some(stamp.to_string())
+    };
+    let stale = jobs.iter().filter(|(_, stem, _)| !up_to_date(stem)).count();
+    if stale > 0 {
+        println!("mkernel: nvcc compiles {stale} of {} kernel builds, all at once", jobs.len());
+    }
+    let compiled = std::sync::atomic::AtomicUsize::new(0);
+    let started = std::time::Instant::now();
     let results: Vec<(String, bool, Result<(), String>)> = std::thread::scope(|s| {
         let handles: Vec<_> = jobs
             .iter()
@@ -334,8 +347,9 @@ fn compile_kernels(
                 let nvcc = &nvcc;
                 let cuda_include = &cuda_include;
                 let kernels_dir = &kernels_dir;
+                let (compiled, started, up_to_date) = (&compiled, &started, &up_to_date);
                 s.spawn(move || {
-                    if fatbin.exists() && std::fs::read_to_string(&stamp_file).ok() == Some(stamp.to_string()) {
+                    if up_to_date(&stem) {
                         return (stem, tool, Ok(()));
                     }
                     // A failed compile overwrites the ptxas log: without a stamp, the next
@@ -354,6 +368,9 @@ fn compile_kernels(
                         .arg(&fatbin)
                         .arg(*src)
                         .output();
+                    let n = compiled.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                    let secs = started.elapsed().as_secs();
+                    println!("mkernel: nvcc {stem}.fatbin ended after {secs} s ({n} of {stale})");
                     let r = match output {
                         Err(e) => Err(format!("could not run {}: {e}", nvcc.display())),
                         Ok(o) => {

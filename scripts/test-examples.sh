@@ -3,7 +3,7 @@
 # and checks what a user meets there: the stripped library and its debug file, the .pc and
 # CMake files, an archive whose only global symbols are the mk* API, the C / C++ / Go
 # examples built through pkg-config and CMake, linked shared and static, the Go binding's
-# tests, and an uninstall that leaves no file behind.
+# tests, and an uninstall that leaves no file, and no directory install created, behind.
 #
 # Examples exit 0 after checking the all-reduce's sums on a GPU machine; without a usable
 # GPU they exit 77 after the library's init error, and this script prints SKIPPED for them.
@@ -129,10 +129,16 @@ if [ -n "$keep" ]; then
   echo "== kept the example binaries in $keep/bin, the library in $keep/lib"
 fi
 
-echo "== make uninstall removes every installed file"
-make -s uninstall PREFIX="$prefix" LIBDIR="$libdir" >/dev/null
-left=$(find "$prefix" ! -type d)
+echo "== make uninstall removes every installed file and the directories install created"
+# A directory that was there before install stays (as /usr/local/lib would).
+mkdir "$work/existing"
+make -s install PREFIX="$work/existing" >/dev/null
+make -s uninstall PREFIX="$work/existing" >/dev/null
+[ -d "$work/existing" ] || fail "make uninstall removed the prefix that existed before install"
+left=$(find "$work/existing" -mindepth 1)
 [ -z "$left" ] || fail "make uninstall left: $left"
+make -s uninstall PREFIX="$prefix" LIBDIR="$libdir" >/dev/null
+[ ! -e "$prefix" ] || fail "make uninstall left: $(find "$prefix")"
 
 echo "== DESTDIR stages the files; the .pc names the final prefix; the CMake package is relocatable"
 make -s install DESTDIR="$work/stage" PREFIX=/opt/mkernel >/dev/null
@@ -154,7 +160,7 @@ cmake -S "$work/cmake-find" -B "$work/cmake-find/new" -DCMAKE_PREFIX_PATH="$work
   fail "find_package(mkernel 99) accepted version $version"
 grep -q "version: $version" "$work/find-99.log" || { cat "$work/find-99.log"; fail "find_package(mkernel 99) failed for another reason"; }
 make -s uninstall DESTDIR="$work/stage" PREFIX=/opt/mkernel >/dev/null
-left=$(find "$work/stage" ! -type d)
+left=$(find "$work/stage" -mindepth 1)
 [ -z "$left" ] || fail "make uninstall DESTDIR=... left: $left"
 
 echo "== examples and packaging: all checks passed"

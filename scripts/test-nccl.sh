@@ -4,8 +4,9 @@
 # crate's Rust tests (prototypes, exports and layouts against that header; unit tests), then
 # C programs built against the real nccl.h with strict warnings and linked to the library:
 # standalone error paths and group bookkeeping, and interpose mode over a stand-in NCCL
-# (ctests/nccl/fake_nccl.c), found both by MK_NCCL_LIBRARY and under LD_PRELOAD. Ends with
-# the GPU suite (ctests/nccl/gpu.sh), which says SKIPPED without a GPU.
+# (ctests/nccl/fake_nccl.c), found both by MK_NCCL_LIBRARY and under LD_PRELOAD; and a
+# program that opens libnccl.so.2 by name through the installed alias. Ends with the GPU
+# suite (ctests/nccl/gpu.sh), which says SKIPPED without a GPU.
 #   scripts/test-nccl.sh           all of the above
 #   scripts/test-nccl.sh --fetch   only fetch the header
 set -euo pipefail
@@ -74,7 +75,14 @@ expect_line "$log" "found by MK_NCCL_LIBRARY"
 # Forced interpose with no NCCL is an error at every call, not a silent standalone.
 if MK_NCCL_MODE=interpose "$BIN/cpu_standalone" >"$log" 2>&1; then echo "FAILED: MK_NCCL_MODE=interpose ran without an NCCL"; exit 1; fi
 expect_line "$log" "MK_NCCL_MODE=interpose but no real NCCL was found"
-echo "libmkernel-nccl C programs: 4 passed, 0 failed"
+# A program that opens NCCL by name (vLLM's pynccl) under the preload, no real NCCL installed:
+# the installed alias lib/mkernel-nccl/libnccl.so.2 gives it the name (docs/nccl.md).
+version=$(env -u MK_NCCL_MODE -u MK_NCCL_LIBRARY LD_LIBRARY_PATH="$LIB/mkernel-nccl" \
+  LD_PRELOAD="$LIB/libmkernel-nccl.so.2" MK_DEBUG=INFO python3 -c \
+  'import ctypes; v = ctypes.c_int(); ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(v)); print(v.value)' 2>"$log")
+[ "$version" = 22809 ] || { echo "FAILED: ncclGetVersion through dlopen(\"libnccl.so.2\") gave '$version'"; cat "$log"; exit 1; }
+expect_line "$log" "libmkernel-nccl: standalone mode on mkernel alone"
+echo "libmkernel-nccl C programs: 5 passed, 0 failed"
 
 echo "== libmkernel-nccl: GPU suite (SKIPPED without a GPU)"
 rc=0; ctests/nccl/gpu.sh || rc=$?

@@ -49,16 +49,17 @@ impl mkResult_t {
         }
     }
 
-    /// The short, static description `mkGetErrorString` returns.
+    /// The short, static description `mkGetErrorString` returns. The reason for one failure
+    /// is in `mkGetLastError`, which the descriptions name.
     pub fn description(self) -> &'static str {
         use mkResult_t::*;
         match self {
             mkSuccess => "no error",
-            mkUnhandledCudaError => "unhandled cuda error (run with MK_DEBUG=INFO for details)",
-            mkSystemError => "unhandled system error (run with MK_DEBUG=INFO for details)",
+            mkUnhandledCudaError => "unhandled cuda error (mkGetLastError says which call failed)",
+            mkSystemError => "unhandled system error (mkGetLastError says why)",
             mkInternalError => "internal error - please report this issue to the mkernel developers",
-            mkInvalidArgument => "invalid argument (run with MK_DEBUG=WARN for details)",
-            mkInvalidUsage => "invalid usage (run with MK_DEBUG=WARN for details)",
+            mkInvalidArgument => "invalid argument (mkGetLastError says which and why)",
+            mkInvalidUsage => "invalid usage (mkGetLastError says why)",
             mkRemoteError => "remote process exited or there was a network error",
             mkInProgress => "operation in progress",
             mkTimeout => "operation timed out",

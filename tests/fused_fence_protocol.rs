@@ -12,10 +12,16 @@
 //! the check is: every rank of every node entered fence k before any rank left it. Then a
 //! rank that never arrives, and a proxy that fails, must end every fence with an error
 //! (bounded waits), never a hang.
+//!
+//! Verdicts about which peer a timeout names are causal, never about how long a step took:
+//! the driver stamps each post of a fence number (after the store is visible) and each
+//! timed-out wait (before the load that missed the post), so a test can tell a peer that
+//! had posted (a wrong name) from one that had not yet, however loaded the machine.
 
 mod common;
 use mkernel::error::mkResult_t;
 use mkernel::kernel_abi::{MK_MAX_NODES, MK_MAX_PEERS};
+use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
 
@@ -73,11 +79,15 @@ inline void __syncthreads() { cta.sync_and(1); }
 inline int __syncthreads_and(int predicate) { return cta.sync_and(predicate); }
 
 // Shared by every rank's process.
-constexpr int kMaxRanks = 64;
+constexpr int kMaxRanks = 64, kMaxFences = 16;
 struct World {
   uint64_t signals[kMaxRanks][MK_SIG_SEQ];  // the words below MK_SIG_SEQ: the fence's
   uint32_t error[kMaxRanks];                // each rank's first error word
+  uint64_t error_ns[kMaxRanks];             // when it was detected
   int entered[kMaxRanks];                   // the last fence each rank entered
+  // posted_ns[from][to][k]: when rank `from`'s post of fence k to rank `to` (a local peer's
+  // word, or a GPU-l peer's through the proxy) became visible; 0: never.
+  uint64_t posted_ns[kMaxRanks][kMaxRanks][kMaxFences];
 };
 static World* world;
 static int me, nodes, local, proxy_fails;
@@ -101,16 +111,26 @@ inline uint64_t* mk_signal_word(const WorkspaceView& ws, int rank, uint32_t inde
   }
   return reinterpret_cast<uint64_t*>(ws.signals[rank]) + index;
 }
-inline void mk_signal_store(uint64_t* flag, uint64_t value) { store(flag, value); }
-inline void record(uint32_t word) {
+// Stamps a post after its store is visible to every rank (the fence orders the clock read
+// after it), so a wait that missed the post began its last look before the stamp.
+inline void stamp_post(int to, uint64_t fence) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (fence < (uint64_t)kMaxFences) __atomic_store_n(&world->posted_ns[me][to][fence], now_ns(), __ATOMIC_RELEASE);
+}
+inline void mk_signal_store(uint64_t* flag, uint64_t value) {
+  store(flag, value);
+  stamp_post((int)((flag - &world->signals[0][0]) / MK_SIG_SEQ), value);
+}
+inline void record(uint32_t word, uint64_t at_ns) {
   uint32_t none = 0;
-  __atomic_compare_exchange_n(&world->error[me], &none, word, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  if (__atomic_compare_exchange_n(&world->error[me], &none, word, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+    __atomic_store_n(&world->error_ns[me], at_ns, __ATOMIC_RELEASE);
 }
 inline void raise_abort(const WorkspaceView& ws) {
   for (int r = 0; r < ws.nranks; ++r) store(mk_signal_word(ws, r, MK_SIG_ABORT), (uint64_t)ws.rank + 1);
 }
 inline void mk_fail(const WorkspaceView& ws, uint32_t word) {
-  record(word);
+  record(word, now_ns());
   raise_abort(ws);
 }
 inline bool mk_wait_geq(const WorkspaceView& ws, const uint64_t* flag, uint64_t target, int peer, uint32_t what,
@@ -118,13 +138,17 @@ inline bool mk_wait_geq(const WorkspaceView& ws, const uint64_t* flag, uint64_t 
   const uint64_t* aborted = mk_signal_word(ws, ws.rank, MK_SIG_ABORT);
   const uint64_t start = now_ns();
   for (;;) {
+    // The clock first: a post this look misses is stamped after `now`.
+    const uint64_t now = now_ns();
+    std::atomic_thread_fence(std::memory_order_seq_cst);
     if (load(flag) >= target) return true;
     if (const uint64_t raised = load(aborted)) {
-      record(mk_error_word(mkRemoteError, (uint32_t)(raised - 1), what, op));
+      // Stamped after the load that saw the abort: after the raiser's own stamp.
+      record(mk_error_word(mkRemoteError, (uint32_t)(raised - 1), what, op), now_ns());
       return false;
     }
-    if (now_ns() - start > ws.timeout_ns) {
-      record(mk_error_word(mkTimeout, (uint32_t)peer, what, op));
+    if (now - start > ws.timeout_ns) {
+      record(mk_error_word(mkTimeout, (uint32_t)peer, what, op), now);
       raise_abort(ws);
       return false;
     }
@@ -144,6 +168,7 @@ inline int mk_proxy_signal(const ProxyRingView&, uint32_t peer, uint32_t signal_
     std::_Exit(3);
   }
   store(&world->signals[peer][signal_id], signal_value);
+  stamp_post((int)peer, signal_value);
   return mkSuccess;
 }
 
@@ -179,7 +204,9 @@ void rank_main(int fences, int held, int absent, uint64_t timeout_ns) {
       if (h != absent && __atomic_load_n(&world->entered[h], __ATOMIC_ACQUIRE) < k)
         std::printf("left %d %d %d\n", me, k, h);
     const uint64_t seq = load(mk_signal_word(p.ws, p.ws.rank, MK_SIG_FENCE_SEQ));
-    std::printf("done %d %d %llu %u\n", me, k, (unsigned long long)seq, __atomic_load_n(&world->error[me], __ATOMIC_ACQUIRE));
+    std::printf("done %d %d %llu %u %llu\n", me, k, (unsigned long long)seq,
+                __atomic_load_n(&world->error[me], __ATOMIC_ACQUIRE),
+                (unsigned long long)__atomic_load_n(&world->error_ns[me], __ATOMIC_ACQUIRE));
     std::fflush(stdout);
     if (seq != (uint64_t)k) return;
   }
@@ -192,7 +219,7 @@ int main(int argc, char** argv) {
   const int fences = std::atoi(argv[3]), held = std::atoi(argv[4]), absent = std::atoi(argv[5]);
   const int failing = std::atoi(argv[6]);
   const uint64_t timeout_ns = (uint64_t)std::atoll(argv[7]) * 1000000ull;
-  if (nodes * local > kMaxRanks) return 2;
+  if (nodes * local > kMaxRanks || fences >= kMaxFences) return 2;
   void* shared = mmap(nullptr, sizeof(World), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (shared == MAP_FAILED) return 2;
   world = static_cast<World*>(shared);
@@ -215,6 +242,11 @@ int main(int argc, char** argv) {
     waitpid(pids[r], &status, 0);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) std::printf("abnormal %d\n", r);
   }
+  for (int from = 0; from < nodes * local; ++from)
+    for (int to = 0; to < nodes * local; ++to)
+      for (int k = 1; k <= fences; ++k)
+        if (const uint64_t at = world->posted_ns[from][to][k])
+          std::printf("post %d %d %d %llu\n", from, to, k, (unsigned long long)at);
   return 0;
 }
 "#;
@@ -245,10 +277,12 @@ fn driver() -> &'static Path {
 struct Run {
     /// (rank, fence, rank not yet in it)
     left_early: Vec<(usize, usize, usize)>,
-    /// (rank, fence, its fence count after it, its error word)
-    done: Vec<(usize, usize, u64, u32)>,
+    /// (rank, fence, its fence count after it, its error word, when the error was detected)
+    done: Vec<(usize, usize, u64, u32, u64)>,
     /// Ranks whose process did not exit cleanly: a hang the alarm ended, a bad signal word.
     abnormal: Vec<usize>,
+    /// (from, to, fence) -> when that post became visible (steady clock, ns).
+    posted: HashMap<(usize, usize, usize), u64>,
 }
 
 fn run(
@@ -280,7 +314,8 @@ fn run(
         let n = |i: usize| w[i].parse::<u64>().unwrap();
         match w[0] {
             "left" => run.left_early.push((n(1) as usize, n(2) as usize, n(3) as usize)),
-            "done" => run.done.push((n(1) as usize, n(2) as usize, n(3), n(4) as u32)),
+            "done" => run.done.push((n(1) as usize, n(2) as usize, n(3), n(4) as u32, n(5))),
+            "post" => _ = run.posted.insert((n(1) as usize, n(2) as usize, n(3) as usize), n(4)),
             "abnormal" => run.abnormal.push(n(1) as usize),
             _ => panic!("{nodes} nodes of {local}: {line}"),
         }
@@ -303,7 +338,7 @@ fn no_rank_leaves_a_fence_before_every_rank_entered_it() {
         assert!(r.abnormal.is_empty(), "{nodes}x{local}: abnormal exits {:?}", r.abnormal);
         assert!(r.left_early.is_empty(), "{nodes}x{local}: (rank, fence, rank not yet in it) {:?}", r.left_early);
         assert_eq!(r.done.len(), ranks * 12, "{nodes}x{local}: {:?}", r.done);
-        for &(rank, k, seq, error) in &r.done {
+        for &(rank, k, seq, error, _) in &r.done {
             assert_eq!((seq, error), (k as u64, 0), "{nodes}x{local}: rank {rank} fence {k}");
         }
     }
@@ -324,32 +359,52 @@ fn a_missing_rank_or_a_failed_proxy_ends_every_fence_with_an_error() {
             let r = run(nodes, local, 3, None, absent, failing, 300);
             let what = format!("{nodes}x{local}, absent {absent:?}, failing proxy {failing:?}");
             assert!(r.abnormal.is_empty(), "{what}: abnormal exits {:?}", r.abnormal);
+            // Each rank's last fence: (fence, error word, when the error was detected).
+            let mut ended = HashMap::new();
             // Every rank that came ends a fence uncounted with the fence's error (a rank
             // may pass one fence first: its peers had entered it), and no fence after it.
             for rank in (0..ranks).filter(|&r| Some(r) != absent) {
                 let mine: Vec<_> = r.done.iter().filter(|d| d.0 == rank).collect();
-                let (&&(_, last, seq, error), passed) = mine.split_last().expect("the rank ran a fence");
+                let (&&(_, last, seq, error, error_ns), passed) = mine.split_last().expect("the rank ran a fence");
                 assert!(
                     passed.iter().enumerate().all(|(i, d)| (d.1, d.2, d.3) == (i + 1, i as u64 + 1, 0)),
                     "{what}: {mine:?}"
                 );
                 assert_eq!((last, seq), (passed.len() + 1, passed.len() as u64), "{what}: {mine:?}");
-                let (code, waited, op) = (error & 0xff, (error >> 16) & 0xff, error >> 24);
+                let (code, op) = (error & 0xff, error >> 24);
                 assert!(op == MkOp::FusedFence as u32 && (code == timeout || code == remote), "{what}: {mine:?}");
-                if Some(rank) == failing {
-                    assert_eq!(waited, MkWait::Proxy as u32, "{what}: the failing rank names its proxy: {error:#x}");
-                }
-                // A timeout names the global rank that did not post: the missing rank
-                // itself on its node, a GPU-l peer on another.
+                ended.insert(rank, (last, error, error_ns));
+            }
+            for (&rank, &(last, error, error_ns)) in &ended {
+                let (code, waited) = (error & 0xff, (error >> 16) & 0xff);
                 let peer = ((error >> 8) & 0xff) as usize;
-                if code == timeout && waited == MkWait::OpFlag as u32 {
-                    assert_eq!(Some(peer), absent, "{what}: rank {rank}: {error:#x}");
-                }
-                if code == timeout && waited == MkWait::Net as u32 {
+                let node = rank / local;
+                // A timeout names the global rank whose post it waited for: a local peer, or
+                // the GPU-l peer of another node. That rank had not posted this fence to this
+                // one when the wait gave up: it never came, it was stuck in an earlier fence,
+                // or it was slower than the timeout (a loaded machine). A rank that had posted
+                // before is a wrong name.
+                if code == timeout && waited != MkWait::Proxy as u32 {
+                    let named_right = if waited == MkWait::OpFlag as u32 {
+                        peer / local == node && peer != rank
+                    } else {
+                        waited == MkWait::Net as u32 && peer % local == rank % local && peer / local != node
+                    };
+                    assert!(named_right, "{what}: rank {rank}: {error:#x}");
+                    let posted = r.posted.get(&(peer, rank, last));
                     assert!(
-                        peer % local == rank % local && peer / local != rank / local,
-                        "{what}: rank {rank}: {error:#x}"
+                        posted.is_none_or(|&at| at > error_ns),
+                        "{what}: rank {rank} timed out on rank {peer} at {error_ns} ns, which had posted fence \
+                         {last} at {posted:?}: {error:#x}"
                     );
+                }
+                // The failing rank names its proxy, unless a wait of its node gave up first
+                // (only a timeout or the proxy's failure raises the node's abort).
+                if Some(rank) == failing && waited != MkWait::Proxy as u32 {
+                    let gave_up_first = ended
+                        .iter()
+                        .any(|(&other, &(_, e, at))| other / local == node && e & 0xff == timeout && at <= error_ns);
+                    assert!(gave_up_first, "{what}: the failing rank names its proxy: {error:#x} ({ended:?})");
                 }
             }
         }

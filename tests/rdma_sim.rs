@@ -17,6 +17,9 @@ use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+/// How long a loop may go without progress before it counts as a hang. The exchanges bound
+/// the time between steps that move something, not their whole run, which a loaded machine
+/// stretches far beyond this (alone they take a few seconds).
 const BOUND: Duration = Duration::from_secs(30);
 /// Bytes of each put's slot in the data region.
 const SLOT: usize = 3000;
@@ -110,6 +113,11 @@ impl ExchangeRank {
         self.completed.len() == self.puts && self.verified >= last_signal(self.puts)
     }
 
+    /// What has moved so far: puts posted, puts completed, the peer's puts verified.
+    fn progress(&self) -> (usize, usize, usize) {
+        (self.posted, self.completed.len(), self.verified)
+    }
+
     fn check_signals(&mut self) {
         let peer = 1 - self.me;
         for word in self.w.signals {
@@ -167,10 +175,13 @@ fn exchange(config: SimConfig, puts: usize) {
         .into_iter()
         .map(|mut rank| {
             std::thread::spawn(move || {
-                let start = Instant::now();
+                let (mut seen, mut moved) = (rank.progress(), Instant::now());
                 while !rank.done() {
-                    assert!(start.elapsed() < BOUND, "rank {}: no progress", rank.me);
+                    assert!(moved.elapsed() < BOUND, "rank {}: no progress for {BOUND:?} at {seen:?}", rank.me);
                     rank.step();
+                    if rank.progress() != seen {
+                        (seen, moved) = (rank.progress(), Instant::now());
+                    }
                 }
                 rank.finish()
             })
@@ -185,12 +196,16 @@ fn exchange(config: SimConfig, puts: usize) {
 /// signals after every delivery: a signal that lands before its data is always seen.
 fn exchange_in_lockstep(config: SimConfig, puts: usize) {
     let (fabric, mut ranks) = exchange_ranks(SimConfig { deliveries_per_poll: 1, ..config }, puts);
-    let start = Instant::now();
+    let progress = |ranks: &[ExchangeRank]| (ranks[0].progress(), ranks[1].progress());
+    let (mut seen, mut moved) = (progress(&ranks), Instant::now());
     while !ranks.iter().all(ExchangeRank::done) {
-        assert!(start.elapsed() < BOUND, "no progress");
+        assert!(moved.elapsed() < BOUND, "no progress for {BOUND:?} at {seen:?}");
         for i in 0..2 {
             ranks[i].step();
             ranks[1 - i].check_signals();
+        }
+        if progress(&ranks) != seen {
+            (seen, moved) = (progress(&ranks), Instant::now());
         }
     }
     drop(ranks.into_iter().map(ExchangeRank::finish).collect::<Vec<_>>());

@@ -444,7 +444,8 @@ fn abort_does_not_wait_for_a_silent_peer() {
     let (mut t, _window, _sock) = hand_made_peer(&[]);
     let start = Instant::now();
     t.abort();
-    assert!(start.elapsed() < Duration::from_secs(1), "abort waited {:?}", start.elapsed());
+    // Well under the 5 s a close would wait, with room for a loaded machine.
+    assert!(start.elapsed() < Duration::from_secs(3), "abort waited {:?}", start.elapsed());
     let put = PutRequest { peer: 1, src_offset: 0, dst_offset: 0, bytes: 1, signal: None };
     assert!(t.post_put(&put).is_err(), "an aborted transport takes no puts");
 }

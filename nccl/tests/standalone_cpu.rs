@@ -101,7 +101,16 @@ fn abort_from_another_thread_releases_a_call_waiting_for_the_init() {
         let r = unsafe { ncclAllGather(x, x, 4, 7, c_addr as ncclComm_t, null_mut()) };
         (r, started.elapsed())
     });
-    std::thread::sleep(Duration::from_millis(100));
+    // The waiter holds the handle (a third reference, beside `h` and the registry's) from
+    // its lookup until it returns: aborted from then on, the call cannot miss the handle.
+    // (A fixed pause could end before the waiter starts on a loaded machine, and the call
+    // would then find no handle at all.)
+    let start = Instant::now();
+    while Arc::strong_count(&h) < 3 {
+        assert!(start.elapsed() < Duration::from_secs(20), "the waiter never looked the communicator up");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(20)); // most often inside the wait by now
     assert_eq!(unsafe { ncclCommAbort(c) }, ncclSuccess);
     let (r, waited) = waiter.join().unwrap();
     assert_eq!(r, ncclInvalidUsage, "the waiting call learns the communicator was aborted");

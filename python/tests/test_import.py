@@ -30,6 +30,15 @@ def test_import_needs_no_gpu():
     assert out[3] == out[2], f"loading libmkernel.so loaded the CUDA driver: {out}"
 
 
+def test_import_prints_no_warning():
+    # With every default warning shown: torch warns on import when NumPy (a requirement of
+    # the wheel) is missing, and a user sees that as mkernel's.
+    run = subprocess.run(
+        [sys.executable, "-W", "default", "-c", "import mkernel"], check=True, capture_output=True, text=True
+    )
+    assert run.stderr == "", run.stderr
+
+
 def test_bundled_library_loads_and_reports_the_header_version():
     text = header_text()
     major, minor, patch = (

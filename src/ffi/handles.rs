@@ -240,10 +240,12 @@ mod tests {
             reg.enter(h).err().unwrap().message.contains("was aborted by mkCommAbort"),
             "calls after abort are refused"
         );
-        closed.value().aborted.store(true, Ordering::SeqCst);
+        // The clock starts before the caller can see the abort: it lingers 50 ms after that,
+        // so a wait that returns sooner did not wait for it, however the threads are scheduled.
         let start = Instant::now();
+        closed.value().aborted.store(true, Ordering::SeqCst);
         assert_eq!(closed.wait_for_calls(Duration::from_secs(10)), 0);
-        assert!(start.elapsed() >= Duration::from_millis(40), "returned before the call left");
+        assert!(start.elapsed() >= Duration::from_millis(50), "returned before the call left");
         caller.join().unwrap();
         drop(closed);
         assert!(freed.load(Ordering::SeqCst));
