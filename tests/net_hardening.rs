@@ -6,6 +6,8 @@
 //! Tests here run one at a time (`serial`): the ring test finds a rank's listener among
 //! this process's listening sockets, so no other test may open one meanwhile.
 
+mod common;
+use common::listeners::listening_ports;
 use mkernel::bootstrap::acceptor::{Acceptor, AcceptorConfig};
 use mkernel::bootstrap::handshake::{
     self, Challenge, ChallengeStatus, DialSpec, DialerSide, Purpose, Verdict, VerdictStatus, CHALLENGE_BYTES,
@@ -18,7 +20,6 @@ use mkernel::bootstrap::{Bootstrap, UniqueId, MAX_RANKS};
 use mkernel::error::mkResult_t;
 use mkernel::transport::socket::{SocketBlob, SocketTransport};
 use mkernel::transport::{MemoryKind, MemoryRegion, PutRequest, Transport, TransportAuth, Window};
-use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,25 +36,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 fn threads_in_this_process() -> usize {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     status.lines().find_map(|l| l.strip_prefix("Threads:")).unwrap().trim().parse().unwrap()
-}
-
-/// Ports this process listens on (its socket inodes matched against /proc/net/tcp).
-fn listening_ports() -> HashSet<u16> {
-    let inodes: HashSet<String> = std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(str::to_string))
-        .collect();
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap()
-        + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
-    table
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            let port = u16::from_str_radix(f.get(1)?.split(':').nth(1)?, 16).ok()?;
-            (f.get(3) == Some(&"0A") && inodes.contains(*f.get(9)?)).then_some(port)
-        })
-        .collect()
 }
 
 fn silent_connections(addr: SocketAddr, count: usize) -> Vec<TcpStream> {

@@ -10,6 +10,8 @@
 //! Tests here run one at a time (`serial`): the ring case finds a rank's listener among this
 //! process's listening sockets, so no other test may open one meanwhile.
 
+mod common;
+use common::listeners::listening_ports;
 use mkernel::bootstrap::root::{start_root, ROOT_MAX_IN_FLIGHT};
 use mkernel::bootstrap::{Bootstrap, UniqueId, RING_MAX_IN_FLIGHT};
 use mkernel::transport::socket::{SocketBlob, SocketTransport, TRANSPORT_MAX_IN_FLIGHT};
@@ -202,25 +204,6 @@ fn a_reconnecting_slowloris_at_the_root_does_not_stop_the_job() {
         eprintln!("root, {sockets} attacking sockets: job started in {:?}; attacker: {counts}", start.elapsed());
         assert!(counts.peak_held >= ROOT_MAX_IN_FLIGHT, "the attacker never held every slot: {counts:?}");
     }
-}
-
-/// Ports this process listens on (its socket inodes matched against /proc/net/tcp).
-fn listening_ports() -> HashSet<u16> {
-    let inodes: HashSet<String> = std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(str::to_string))
-        .collect();
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap()
-        + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
-    table
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            let port = u16::from_str_radix(f.get(1)?.split(':').nth(1)?, 16).ok()?;
-            (f.get(3) == Some(&"0A") && inodes.contains(*f.get(9)?)).then_some(port)
-        })
-        .collect()
 }
 
 /// Rank 0's ring listener (which rank 2 dials): the attacker's connections are queued there

@@ -1,9 +1,11 @@
 //! Helpers shared by the integration tests (each test crate that uses them includes this
 //! module): host windows for the transport tests, a CPU mbarrier (`mbarrier`) for the
-//! ports of device protocols, and device headers compiled as host C++ (`host_cxx`).
+//! ports of device protocols, device headers compiled as host C++ (`host_cxx`), and the
+//! ports this process listens on (`listeners`).
 #![allow(dead_code)] // not every test uses every helper
 
 pub mod host_cxx;
+pub mod listeners;
 pub mod mbarrier;
 
 use mkernel::transport::{MemoryKind, MemoryRegion, Window};
