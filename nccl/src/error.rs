@@ -50,15 +50,16 @@ impl From<MkError> for NcclError {
     }
 }
 
-/// NCCL's text for each result code (mkernel's logging variable named in place of NCCL_DEBUG).
+/// NCCL's text for each result code; where NCCL points at NCCL_DEBUG, these point at
+/// `ncclGetLastError`, which already holds the failed call's reason.
 pub fn error_string(code: ncclResult_t) -> &'static std::ffi::CStr {
     match code {
         ncclSuccess => c"no error",
-        ncclUnhandledCudaError => c"unhandled cuda error (run with MK_DEBUG=INFO for details)",
-        ncclSystemError => c"unhandled system error (run with MK_DEBUG=INFO for details)",
+        ncclUnhandledCudaError => c"unhandled cuda error (ncclGetLastError says which call failed)",
+        ncclSystemError => c"unhandled system error (ncclGetLastError says why)",
         ncclInternalError => c"internal error - please report this issue to the mkernel developers",
-        ncclInvalidArgument => c"invalid argument (run with MK_DEBUG=WARN for details)",
-        ncclInvalidUsage => c"invalid usage (run with MK_DEBUG=WARN for details)",
+        ncclInvalidArgument => c"invalid argument (ncclGetLastError says which and why)",
+        ncclInvalidUsage => c"invalid usage (ncclGetLastError says why)",
         ncclRemoteError => c"remote process exited or there was a network error",
         ncclInProgress => c"NCCL operation in progress",
         _ => c"unknown result code",
