@@ -12,15 +12,16 @@
 
 mod common;
 use common::listeners::listening_ports;
+use common::HostWindow;
 use mkernel::bootstrap::root::{start_root, ROOT_MAX_IN_FLIGHT};
 use mkernel::bootstrap::{Bootstrap, UniqueId, RING_MAX_IN_FLIGHT};
 use mkernel::transport::socket::{SocketBlob, SocketTransport, TRANSPORT_MAX_IN_FLIGHT};
-use mkernel::transport::{MemoryKind, MemoryRegion, PutRequest, Transport, TransportAuth, Window};
+use mkernel::transport::{PutRequest, Transport, TransportAuth};
 use std::collections::HashSet;
 use std::io::{ErrorKind, Read};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -236,17 +237,6 @@ fn a_reconnecting_slowloris_at_a_ring_listener_does_not_stop_the_job() {
     }
 }
 
-/// A host window leaked for the test's lifetime (the transport's threads write into it).
-fn leaked_window(bytes: usize, signal_words: usize) -> (Window, *mut u8, &'static [AtomicU64]) {
-    let data = Box::leak(vec![0u8; bytes].into_boxed_slice()).as_mut_ptr();
-    let signals: &'static [AtomicU64] = Box::leak((0..signal_words).map(|_| AtomicU64::new(0)).collect());
-    let window = Window {
-        data: MemoryRegion { base: data as u64, bytes: bytes as u64, kind: MemoryKind::Host },
-        signals: MemoryRegion { base: signals.as_ptr() as u64, bytes: 8 * signal_words as u64, kind: MemoryKind::Host },
-    };
-    (window, data, signals)
-}
-
 /// Rank 0's transport listener, which ranks 1 and 2 dial: the attacker's connections are
 /// queued there before the transports connect, and take every slot once rank 0 accepts.
 #[test]
@@ -257,10 +247,10 @@ fn a_reconnecting_slowloris_at_a_transport_listener_does_not_stop_the_job() {
         let auth = TransportAuth::new(&[7; 16], 3);
         let mut transports: Vec<SocketTransport> =
             (0..3).map(|r| SocketTransport::new(r, 3, auth, HONEST_TIMEOUT).unwrap()).collect();
-        let windows: Vec<_> = (0..3).map(|_| leaked_window(64, 1)).collect();
-        for (t, (w, _, _)) in transports.iter_mut().zip(&windows) {
+        let windows: Vec<HostWindow> = (0..3).map(|_| HostWindow::new(64, 1, 0)).collect();
+        for (t, w) in transports.iter_mut().zip(&windows) {
             // SAFETY: the leaked windows outlive the transports.
-            unsafe { t.register(*w).unwrap() };
+            unsafe { t.register(w.window()).unwrap() };
         }
         let blobs: Vec<Vec<u8>> = transports
             .iter_mut()
@@ -287,20 +277,17 @@ fn a_reconnecting_slowloris_at_a_transport_listener_does_not_stop_the_job() {
         }
         let elapsed = start.elapsed();
         // The connection the attacker fought over carries a put.
-        let (_, data2, _) = windows[2];
-        let (_, data0, signals0) = windows[0];
-        // SAFETY: in bounds of the leaked window; nothing reads it before the put is posted.
-        unsafe { std::ptr::copy_nonoverlapping(b"queued".as_ptr(), data2, 6) };
+        windows[2].fill(0, b"queued");
         transports[2]
             .post_put(&PutRequest { peer: 0, src_offset: 0, dst_offset: 8, bytes: 6, signal: Some((0, 5)) })
             .unwrap();
         let put_start = Instant::now();
-        while signals0[0].load(Ordering::Acquire) != 5 {
+        while windows[0].signals[0].load(Ordering::Acquire) != 5 {
             assert!(put_start.elapsed() < HONEST_TIMEOUT, "the put never landed");
             std::thread::yield_now();
         }
-        // SAFETY: in bounds; the put's bytes are in place once its signal is seen (acquire).
-        assert_eq!(unsafe { std::slice::from_raw_parts(data0.add(8), 6) }, b"queued");
+        // The put's bytes are in place once its signal is seen (acquire).
+        assert_eq!(windows[0].slice(8, 6), b"queued");
         let counts = attacker.stop();
         // Close all at once: each waits for the others' Close messages.
         std::thread::scope(|s| {
