@@ -70,7 +70,7 @@ __device__ __forceinline__ bool ll_get(const WorkspaceView& ws, const uint4* lin
   MkWaitChecks checks(ws);
   for (uint32_t spin = 1;; ++spin) {
     if (ll_try(line, flag, v)) return true;
-    if ((spin & 31) == 0 && !checks.keep_waiting(peer, MK_WAIT_READY, op)) return false;
+    if ((spin & 31) == 0 && !checks.keep_waiting(peer, MK_WAIT_READY, op, line, flag.lo)) return false;
   }
 }
 

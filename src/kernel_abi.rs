@@ -64,7 +64,13 @@ pub struct CommStatus {
     pub error: u32,
     /// Set by mkCommAbort: this rank's kernels stop waiting and raise their peers' abort words.
     pub host_abort: u32,
-    pub reserved: [u32; 14],
+    /// The first timed-out wait of this rank, written before `error` by the wait whose
+    /// error word won (signals.cuh mk_record_timeout): the address of the flag it polled
+    /// (0: no wait timed out), the value it waited for and the value it last read.
+    pub timeout_flag: u64,
+    pub timeout_target: u64,
+    pub timeout_seen: u64,
+    pub reserved: [u32; 8],
 }
 
 /// Parameters of the collective kernels (kernels/collectives.cu).

@@ -126,6 +126,26 @@ __device__ __forceinline__ void mk_record_error_at(const WorkspaceView& ws, uint
   __threadfence_system();
 }
 
+// mk_record_error_at for a wait that timed out: when its word is this rank's first error,
+// the flag's address, the value awaited and the value last read go to the status block
+// first, so the host's message can name the flag that never came (error_word.rs). The
+// branch is taken once per failed call, on the way out of a wait.
+__device__ __forceinline__ void mk_record_timeout(const WorkspaceView& ws, uint64_t* own_signals, uint32_t word,
+                                                  const void* flag, uint64_t target) {
+  unsigned int* claim = reinterpret_cast<unsigned int*>(own_signals + MK_SIG_ERROR_CLAIM);
+  const unsigned int first = atomicCAS(claim, 0u, word);
+  CommStatus* status = mk_status(ws);
+  if (first == 0u) {
+    const uint64_t seen = *reinterpret_cast<const volatile uint64_t*>(flag);
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(&status->timeout_flag), "l"((uint64_t)flag) : "memory");
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(&status->timeout_target), "l"(target) : "memory");
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(&status->timeout_seen), "l"(seen) : "memory");
+    __threadfence_system();
+  }
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(&status->error), "r"(first == 0u ? word : first) : "memory");
+  __threadfence_system();
+}
+
 __device__ __forceinline__ void mk_record_error(const WorkspaceView& ws, uint32_t word) {
   mk_record_error_at(ws, mk_signal_word(ws, ws.rank, 0), word);
 }
@@ -169,7 +189,8 @@ struct MkWaitChecks {
   __device__ __forceinline__ explicit MkWaitChecks(const WorkspaceView& w)
       : ws(w), own_signals(mk_signal_word(w, w.rank, 0)), start(mk_globaltimer()),
         next_host_check(start + kHostCheckNs) {}
-  __device__ __forceinline__ bool keep_waiting(int peer, uint32_t what, uint32_t op) {
+  __device__ __forceinline__ bool keep_waiting(int peer, uint32_t what, uint32_t op, const void* flag,
+                                              uint64_t target) {
     const uint64_t raised = mk_ld_relaxed_sys(own_signals + MK_SIG_ABORT);
     if (raised != 0) {
       mk_record_error_at(ws, own_signals, mk_error_word(mkRemoteError, (uint32_t)(raised - 1), what, op));
@@ -177,7 +198,7 @@ struct MkWaitChecks {
     }
     const uint64_t now = mk_globaltimer();
     if (now - start > ws.timeout_ns) {
-      mk_record_error_at(ws, own_signals, mk_error_word(mkTimeout, (uint32_t)peer, what, op));
+      mk_record_timeout(ws, own_signals, mk_error_word(mkTimeout, (uint32_t)peer, what, op), flag, target);
       mk_raise_abort(ws);
       return false;
     }
@@ -204,7 +225,7 @@ __device__ __forceinline__ bool mk_wait_geq_inline(const WorkspaceView& ws, cons
   MkWaitChecks checks(ws);
   for (uint32_t spin = 1;; ++spin) {
     if (mk_ld_acquire_sys(flag) >= target) return true;
-    if ((spin & 31) == 0 && !checks.keep_waiting(peer, what, op)) return false;
+    if ((spin & 31) == 0 && !checks.keep_waiting(peer, what, op, flag, target)) return false;
   }
 }
 
@@ -230,7 +251,7 @@ __device__ __forceinline__ bool mk_wait_geq_backoff(const WorkspaceView& ws, con
     __nanosleep(ns);
     if (ns < MAX_NS) ns *= 2;
     if (mk_ld_relaxed<SCOPE>(flag) >= target) return mk_ld_acquire<SCOPE>(flag) >= target;  // flags only grow
-    if ((spin & (CHECK_EVERY - 1)) == 0 && !checks.keep_waiting(peer, what, op)) return false;
+    if ((spin & (CHECK_EVERY - 1)) == 0 && !checks.keep_waiting(peer, what, op, flag, target)) return false;
   }
 }
 

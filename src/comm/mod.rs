@@ -5,6 +5,7 @@ pub mod agreement;
 pub mod async_error;
 pub mod error_word;
 pub mod fence_state;
+pub mod timed_out_wait;
 pub mod workspace;
 
 use crate::bootstrap::{Bootstrap, UniqueId};
@@ -258,8 +259,14 @@ impl Comm {
         if !self.async_error.is_set() {
             // A kernel of this rank may have recorded a timeout or a peer's failure; the
             // kernel's word says more (which op, which peer), so it goes first.
-            if let Some(word) = self.workspace.as_ref().map(|w| w.error_word()).filter(|&w| w != 0) {
-                self.record_async_error(&crate::comm::error_word::ErrorWord(word).to_error(self.rank));
+            if let Some(ws) = self.workspace.as_ref().filter(|w| w.error_word() != 0) {
+                let mut e = crate::comm::error_word::ErrorWord(ws.error_word()).to_error(self.rank);
+                if e.code == mkResult_t::mkTimeout {
+                    if let Some(wait) = ws.timed_out_wait() {
+                        e.message = format!("{} ({})", e.message, wait.describe(ws.place_of(wait.flag)));
+                    }
+                }
+                self.record_async_error(&e);
             } else if let Some(e) = self.inter_node.lock().as_ref().and_then(InterNode::error) {
                 // The proxy failed (a peer's connection lost, a transfer timed out).
                 self.record_async_error(&e.context("the inter-node proxy failed"));

@@ -28,6 +28,7 @@
 //! Everything is released on drop: IPC mappings closed, host block and allocation freed.
 
 use crate::bootstrap::Bootstrap;
+use crate::comm::timed_out_wait::{FlagPlace, TimedOutWait};
 use crate::comm::CommConfig;
 use crate::cuda::{self, check, memory::DeviceBuffer, sys, PrimaryContext};
 use crate::error::{MkError, Result};
@@ -625,6 +626,29 @@ impl SymmetricWorkspace {
     pub fn error_word(&self) -> u32 {
         // SAFETY: pinned host memory owned by self; the GPU writes it, so read volatile.
         unsafe { std::ptr::addr_of!((*self.status_host).error).read_volatile() }
+    }
+
+    /// The first wait of this rank that timed out, as its kernel recorded it (None: none did).
+    pub fn timed_out_wait(&self) -> Option<TimedOutWait> {
+        // SAFETY: as above; the kernel writes these before `error` (with a system fence
+        // between), and they are read only after `error` was seen nonzero.
+        let (flag, target, seen) = unsafe {
+            (
+                std::ptr::addr_of!((*self.status_host).timeout_flag).read_volatile(),
+                std::ptr::addr_of!((*self.status_host).timeout_target).read_volatile(),
+                std::ptr::addr_of!((*self.status_host).timeout_seen).read_volatile(),
+            )
+        };
+        (flag != 0).then_some(TimedOutWait { flag, target, seen })
+    }
+
+    /// The rank and word of a device address inside one of the mapped signal regions.
+    pub fn place_of(&self, addr: u64) -> Option<FlagPlace> {
+        self.members.iter().enumerate().find_map(|(l, &rank)| {
+            let base = self.view.signals[l];
+            (base != 0 && addr >= base && addr < base + SIGNAL_BYTES as u64)
+                .then(|| FlagPlace { rank, word: ((addr - base) / 8) as u32 })
+        })
     }
 
     /// Tells this rank's kernels to stop waiting (mkCommAbort); they raise the peers' abort words.

@@ -657,6 +657,15 @@ pub(crate) fn check_stopped(rank: usize, comm: mkComm_t, elapsed: Duration, what
     if code != mkResult_t::mkTimeout && code != mkResult_t::mkRemoteError {
         return Err(MkError::internal(format!("{what}: expected mkTimeout or mkRemoteError, got {code:?}")));
     }
+    // A device wait that timed out names the flag it polled (its word, the value read and
+    // the value awaited), so a stall can be told apart from an absent peer.
+    let message = last_error(comm);
+    if message.contains("timed out waiting for") && !message.contains("the wait polled") {
+        return Err(MkError::internal(format!("{what}: the timeout's message names no flag: {message}")));
+    }
+    if code == mkResult_t::mkTimeout {
+        say(rank, format!("{what}: {message}"));
+    }
     if elapsed > limit {
         return Err(MkError::internal(format!(
             "{what}: took {:.2} s, more than the timeout plus {} s",
