@@ -45,7 +45,7 @@
 # when runs were skipped for the deadline and nothing failed, 2 for bad options, 77 without
 # a GPU (not under --plan).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 T0=$(date +%s)
 DIR=.carry/megatron; STEPS=100; RUNS="tp reference cp ep checkpoint moe-reference"; DEADLINE=0; STARTUP=40; PLAN=0
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -87,7 +87,7 @@ note() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$SUMMARY"; }
 status=0; skipped=0
 
 # ---- 1. install and check -------------------------------------------------------------
-[ -f "$DIR/COMMIT" ] && export MK_COMMIT=$(cat "$DIR/COMMIT")
+[ -f "$DIR/COMMIT" ] && MK_COMMIT=$(cat "$DIR/COMMIT") && export MK_COMMIT
 wheels=$(ls "$DIR"/megatron_core-*.whl "$DIR"/mkernel-*.whl 2>/dev/null)
 nccl_so=$(cd "$DIR" && pwd)/libmkernel_nccl.so
 if [ "$(wc -l <<<"$wheels")" != 2 ] || [ ! -f "$nccl_so" ]; then
@@ -100,12 +100,15 @@ if ! "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --n
   exit 1
 fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PYTHON" - >> "$SUMMARY" 2>&1 <<'PY'
+PYTHONWARNINGS=ignore "$PYTHON" - 2>&1 <<'PY' | grep -v "warn" | tee -a "$SUMMARY"
 # Every requirement of the two wheels (extras aside) met by an installed distribution.
 import importlib.metadata as md
 import sys
 
-from packaging.requirements import Requirement
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    sys.exit("requirements not met: megatron-core needs packaging>=24.2: not installed")
 
 problems = []
 for dist in ("megatron-core", "mkernel"):
@@ -130,8 +133,8 @@ import megatron.core, mkernel  # noqa: E401,E402 -- the installed copies, first 
 print(f"  megatron-core {md.version('megatron-core')} from {megatron.core.__file__}")
 print(f"  mkernel {md.version('mkernel')} from {mkernel.__file__}; python {sys.version.split()[0]}")
 PY
-then
-  note "FAIL: the carried wheels' requirements are not met (above)"; exit 1
+if [ "${PIPESTATUS[0]}" != 0 ]; then
+  note "FAIL: the carried wheels' requirements are not met, or they do not import (above)"; exit 1
 fi
 note "installed megatron-core and mkernel into $SITE"
 
@@ -179,6 +182,18 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 cleanup() { mps_stop; rm -rf "$WORK"; }
 trap cleanup EXIT
 if mps_start megatron; then note "MPS started"; else note "MPS did not start: the ranks time-slice (step times are not comparable)"; fi
+
+# Preflight: torch.distributed's nccl backend on libmkernel_nccl.so alone, 2 ranks on this GPU
+# (ctests/nccl/torch_collectives.py: every collective Megatron uses, checked). Informational:
+# where it fails, the runs' own logs say how Megatron fails too.
+if [ -f ctests/nccl/torch_collectives.py ]; then
+  echo "===== preflight: ctests/nccl/torch_collectives.py, 2 ranks, standalone" >> "$TRAIN_LOG"
+  # shellcheck disable=SC2046  # rank_env's NAME=VALUE words
+  timeout -k 10 90 env $(rank_env 2) MK_NCCL_MODE=standalone LD_PRELOAD="$nccl_so" "$PYTHON" -m torch.distributed.run \
+    --standalone --nproc-per-node 2 ctests/nccl/torch_collectives.py >> "$TRAIN_LOG" 2>&1
+  rc=$?
+  note "preflight (torch.distributed nccl on libmkernel_nccl.so, 2 ranks): $([ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)") $(grep -ao 'libmkernel-nccl (world 2): [0-9]* passed, [0-9]* failed' "$TRAIN_LOG" | tail -n 1)"
+fi
 
 # The seconds left before --deadline (a large number without one).
 left() { [ "$DEADLINE" = 0 ] && echo 100000 || echo $(( DEADLINE - ($(date +%s) - T0) )); }
@@ -253,7 +268,9 @@ if [ -s "$STEPS_LOG" ]; then
   crc=$?
   case $crc in
     0) note "comparison: every layout within the bound, checkpoints interchange" ;;
-    *) note "comparison: FAIL or incomplete (exit $crc; summary.txt, comparison.md)"; status=1 ;;
+    3) note "comparison: incomplete (a layout or a checkpoint direction has no runs to compare; comparison.md)"
+       [ "$status" = 0 ] && status=3 ;;
+    *) note "comparison: FAIL (exit $crc: out of bound, or the comparison itself failed; summary.txt, comparison.md)"; status=1 ;;
   esac
 else
   note "comparison: no step was logged"; status=1
