@@ -197,11 +197,13 @@ fi
 
 # The seconds left before --deadline (a large number without one).
 left() { [ "$DEADLINE" = 0 ] && echo 100000 || echo $(( DEADLINE - ($(date +%s) - T0) )); }
-# Steps a run did, from its summary line in steps.jsonl (0 when it wrote none).
+# Steps a run did: its summary line in steps.jsonl, else (it died before writing one) its step lines.
 steps_done() {
   "$PYTHON" -c 'import json, sys
-done = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(next((d["steps_done"] for d in reversed(done) if d.get("run") == sys.argv[2] and d.get("summary")), 0))' "$STEPS_LOG" "$1"
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+mine = [d for d in lines if d.get("run") == sys.argv[2]]
+print(next((d["steps_done"] for d in reversed(mine) if d.get("summary")), sum(not d.get("summary") for d in mine)))' \
+    "$STEPS_LOG" "$1"
 }
 RESERVE=40  # the comparison, MPS shutdown and the summary
 declare -A DONE_STEPS

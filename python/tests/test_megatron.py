@@ -656,6 +656,10 @@ def test_the_example_token_stream_is_a_markov_walk_repeated():
     args = example.parse_args(["--seq", "64", "--vocab", "97", "--branch", "3", "--first-batch", "2"])
     later = next(example.synthetic_batches(args, 0, 2, "cpu"))
     assert torch.equal(later["tokens"], first[2][:1, :-1]) and torch.equal(later["labels"], first[2][:1, 1:])
+    prefetched = example.Prefetched(example.token_stream(args, 2))
+    prefetched.prepare()
+    prefetched.prepare()  # makes one item ahead, not two
+    assert [torch.equal(next(prefetched), b) for b in first] == [True, True, True]
     uniform = example.parse_args(["--seq", "64", "--vocab", "97", "--data", "uniform"])
     assert next(example.token_stream(uniform, 2)).shape == (2, 65)
 

@@ -87,7 +87,7 @@ def test_a_layout_past_its_bound_fails_at_its_worst_step(tmp_path):
     for d in drift:
         if d["run"] == "cp-mkernel" and d.get("batch") == 17:
             d["loss"] += 0.05
-    layouts, checkpoints, status = compare.compare(compare.load_runs(json.dumps(d) for d in drift))
+    layouts, _, status = compare.compare(compare.load_runs(json.dumps(d) for d in drift))
     cp = next(c for c in layouts if c["layout"] == "cp2")
     assert status == 1 and cp["verdict"] == "OUT" and cp["max_abs_diff_batch"] == 17
 
