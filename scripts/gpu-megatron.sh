@@ -94,13 +94,13 @@ if [ "$(wc -l <<<"$wheels")" != 2 ] || [ ! -f "$nccl_so" ]; then
   note "FAIL: $DIR must hold one megatron_core wheel, one mkernel wheel and libmkernel_nccl.so (scripts/pack-megatron.sh)"; exit 1
 fi
 # shellcheck disable=SC2086  # one wheel path per word: pack-megatron.sh's names have no spaces
-if ! "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
+if ! timeout 180 "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
      --target "$SITE" $wheels >> "$TRAIN_LOG" 2>&1; then
   note "FAIL: pip could not install $(echo $wheels | xargs -n1 basename | tr '\n' ' ')into $SITE (train.log; the megatron-core wheel is for CPython 3.12, this is $("$PYTHON" -c 'import platform; print(platform.python_version())'))"
   exit 1
 fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-PYTHONWARNINGS=ignore "$PYTHON" - 2>&1 <<'PY' | grep -v "warn" | tee -a "$SUMMARY"
+PYTHONWARNINGS=ignore timeout 120 "$PYTHON" - 2>&1 <<'PY' | grep -v "warn" | tee -a "$SUMMARY"
 # Every requirement of the two wheels (extras aside) met by an installed distribution.
 import importlib.metadata as md
 import sys
@@ -163,7 +163,7 @@ if [ "$PLAN" = 1 ]; then
   for line in "${selected[@]}"; do
     IFS='|' read -r name group ranks steps extra <<<"$line"
     # shellcheck disable=SC2086  # the table's arguments are words without spaces
-    if "$PYTHON" examples/megatron/train_gpt.py "${MODEL[@]}" --steps "$steps" $extra --dry-run >> "$TRAIN_LOG" 2>&1; then
+    if timeout 120 "$PYTHON" examples/megatron/train_gpt.py "${MODEL[@]}" --steps "$steps" $extra --dry-run >> "$TRAIN_LOG" 2>&1; then
       note "plan $name: torchrun --standalone --nproc-per-node $ranks examples/megatron/train_gpt.py ${MODEL[*]} --steps $steps $extra"
     else
       note "plan $name: FAIL: train_gpt.py refuses its arguments (train.log)"; status=1
@@ -173,10 +173,10 @@ if [ "$PLAN" = 1 ]; then
   exit $status
 fi
 
-if ! command -v nvidia-smi >/dev/null || ! grep -q GPU <<<"$(nvidia-smi -L 2>/dev/null)"; then
+if ! command -v nvidia-smi >/dev/null || ! grep -q GPU <<<"$(timeout 30 nvidia-smi -L 2>/dev/null)"; then
   note "SKIPPED: the Megatron proof needs a GPU (none found)"; rm -rf "$WORK"; exit 77
 fi
-{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,compute_mode --format=csv; } >> "$SUMMARY"
+{ date -u; timeout 30 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,compute_mode --format=csv; } >> "$SUMMARY"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 . scripts/mps.sh  # rank_env, mps_start, mps_stop
 cleanup() { mps_stop; rm -rf "$WORK"; }
@@ -199,7 +199,7 @@ fi
 left() { [ "$DEADLINE" = 0 ] && echo 100000 || echo $(( DEADLINE - ($(date +%s) - T0) )); }
 # Steps a run did: its summary line in steps.jsonl, else (it died before writing one) its step lines.
 steps_done() {
-  "$PYTHON" -c 'import json, sys
+  timeout 60 "$PYTHON" -c 'import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 mine = [d for d in lines if d.get("run") == sys.argv[2]]
 print(next((d["steps_done"] for d in reversed(mine) if d.get("summary")), sum(not d.get("summary") for d in mine)))' \
