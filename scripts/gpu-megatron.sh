@@ -33,7 +33,8 @@
 #          time is capped at its share of what is left (train_gpt.py --max-seconds), so a slow
 #          machine gives every run fewer steps instead of losing the last runs; every cut is
 #          printed and recorded)
-#          --startup-seconds S (40: a run's expected time outside its steps, for that share)
+#          --startup-seconds S (30: a run's expected time outside its steps, for that share, until
+#          a run has measured it)
 #          --plan (install, check, and check every run's arguments with train_gpt.py --dry-run,
 #          print the commands, run nothing on a GPU; works on a CPU machine)
 # Output under $OUT (default gpu-megatron-logs; at most 6 files): summary.txt, train.log (every
@@ -47,7 +48,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 T0=$(date +%s)
-DIR=.carry/megatron; STEPS=100; RUNS="tp reference cp ep checkpoint moe-reference"; DEADLINE=0; STARTUP=40; PLAN=0
+DIR=.carry/megatron; STEPS=100; RUNS="tp reference cp ep checkpoint moe-reference"; DEADLINE=0; STARTUP=30; PLAN=0
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -197,15 +198,18 @@ fi
 
 # The seconds left before --deadline (a large number without one).
 left() { [ "$DEADLINE" = 0 ] && echo 100000 || echo $(( DEADLINE - ($(date +%s) - T0) )); }
-# Steps a run did: its summary line in steps.jsonl, else (it died before writing one) its step lines.
-steps_done() {
+# "STEPS SECONDS" of a run: the steps it did (its summary line in steps.jsonl, else, when it died
+# before writing one, its step lines) and the whole seconds its steps took.
+run_stats() {
   timeout 60 "$PYTHON" -c 'import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 mine = [d for d in lines if d.get("run") == sys.argv[2]]
-print(next((d["steps_done"] for d in reversed(mine) if d.get("summary")), sum(not d.get("summary") for d in mine)))' \
-    "$STEPS_LOG" "$1"
+steps = [d for d in mine if not d.get("summary")]
+done = next((d["steps_done"] for d in reversed(mine) if d.get("summary")), len(steps))
+print(done, int(sum(d["step_s"] for d in steps)))' "$STEPS_LOG" "$1" || echo "0 0"
 }
 RESERVE=40  # the comparison, MPS shutdown and the summary
+MEASURED_STARTUP=""
 declare -A DONE_STEPS
 for i in "${!selected[@]}"; do
   IFS='|' read -r name group ranks steps extra <<<"${selected[$i]}"
@@ -235,7 +239,7 @@ for i in "${!selected[@]}"; do
   share=$(( (budget - STARTUP * remaining) / (training_left > 0 ? training_left : 1) ))
   [ "$share" -lt 10 ] && share=10
   max_seconds=""; [ "$DEADLINE" != 0 ] && [ "$steps" -gt 1 ] && max_seconds="--max-seconds $share"
-  limit=$(( steps > 1 ? share + STARTUP * 2 : STARTUP * 3 ))
+  limit=$(( (steps > 1 ? share + STARTUP * 2 : STARTUP * 3) + 30 ))
   [ "$limit" -gt "$budget" ] && limit=$budget
   [ "$limit" -gt 540 ] && [ "$DEADLINE" = 0 ] && limit=540
   echo "===== $name: $ranks rank(s), --steps $steps $extra $max_seconds (limit $limit s)" >> "$TRAIN_LOG"
@@ -248,14 +252,22 @@ for i in "${!selected[@]}"; do
   rc=$?
   # torchrun starts each worker in a session of its own: any left (torchrun killed) goes by pid.
   for pid in $(pgrep -f -- "--label $name\$" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
-  DONE_STEPS[$name]=$(steps_done "$name")
+  read -r done_steps step_seconds <<<"$(run_stats "$name")"
+  DONE_STEPS[$name]=$done_steps
+  # What a run costs beyond its steps (start-up, first-step set-up, teardown), as measured: the
+  # largest so far replaces --startup-seconds in the shares of the runs after it.
+  outside=$(( $(date +%s) - t0 - step_seconds ))
+  if [ "$rc" = 0 ] && [ "$outside" -gt 0 ]; then
+    if [ -z "$MEASURED_STARTUP" ] || [ "$outside" -gt "$MEASURED_STARTUP" ]; then MEASURED_STARTUP=$outside; fi
+    STARTUP=$MEASURED_STARTUP
+  fi
   cut_note=""; [ "${DONE_STEPS[$name]}" -lt "$steps" ] && cut_note=", cut from $steps"
   case $rc in
     0) verdict=PASS ;;
     124|137) verdict=TIMEOUT; status=1 ;;
     *) verdict="FAIL (exit $rc)"; status=1 ;;
   esac
-  note "$name: $verdict in $(( $(date +%s) - t0 )) s, ${DONE_STEPS[$name]} step(s)$cut_note"
+  note "$name: $verdict in $(( $(date +%s) - t0 )) s, ${DONE_STEPS[$name]} step(s)$cut_note ($step_seconds s in steps)"
   if [ "$rc" != 0 ]; then
     sed -n "/^===== $name:/,\$p" "$TRAIN_LOG" | grep -E "Error|error|Traceback|FAILED|refuse|SKIPPED" | tail -n 8 | sed 's/^/    /' | tee -a "$SUMMARY"
     # A crashed client can leave the MPS server unusable for the next run.
