@@ -7,9 +7,21 @@ with the layer spec chosen by --spec: mkernel's (mkernel.megatron) or Megatron's
     torchrun --nproc-per-node 2 examples/megatron/train_gpt.py --spec local --tp 2 --sequence-parallel
 
 Every rank draws the same token stream from --seed (the data-parallel ranks take their own
-micro-batches of it), so two runs that differ only in --spec see the same data. Writes one
-JSON line per step (loss, step time) to --log on rank 0; --save / --load write and read a
-plain torch state dict of the model (rank-local shards), which both specs share.
+micro-batches of it), so two runs that differ only in --spec see the same data. The default
+stream (--data markov-copy) has something to learn that needs attention: each sequence is a
+walk through a fixed random Markov chain of --branch successors per token (learnable from
+the current token: ln(branch) nats) whose second half repeats its first half (learnable
+only by attending back, across context-parallel shards too); --data uniform draws tokens
+uniformly (nothing to learn: the loss stays at ln(vocab)).
+
+Rank 0 appends one JSON line per step to --log (the run's --label, the step, the batch's
+index in the stream, the loss averaged over the data-parallel ranks, the step time) and a
+last line with the run's arguments and how many steps it did. --save / --load write and
+read a plain torch state dict of the model (rank-local shards), which both specs share;
+with --save-after K the state after K steps is written and training goes on, so the loss of
+step K is the loss of that state on batch K, which a run of the other spec can reproduce
+with --load and --first-batch K. --max-seconds stops starting steps after that much
+training time (the last line says so), for a caller with a time budget.
 
 The mkernel spec's only lines beside the local one are marked `# mkernel` below.
 """
@@ -42,10 +54,42 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--log", default=None, help="JSON lines of loss and step time (rank 0)")
-    p.add_argument("--save", default=None, help="state dict path prefix to write after the last step")
+    p.add_argument("--data", choices=["markov-copy", "uniform"], default="markov-copy")
+    p.add_argument("--branch", type=int, default=8, help="successors per token of --data markov-copy's chain")
+    p.add_argument("--first-batch", type=int, default=0, help="index in the stream of the first step's batch")
+    p.add_argument("--log", default=None, help="append JSON lines of loss and step time here (rank 0)")
+    p.add_argument("--label", default=None, help="the run's name in --log (default: --spec)")
+    p.add_argument("--save", default=None, help="state dict path prefix to write (after --save-after steps)")
+    p.add_argument("--save-after", type=int, default=None, help="steps after which --save writes (default: all)")
     p.add_argument("--load", default=None, help="state dict path prefix to read before the first step")
-    return p.parse_args(argv)
+    p.add_argument("--max-seconds", type=float, default=None, help="start no step after this much training time")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the arguments and build the TransformerConfig (no GPU, no process group), then exit")
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(parser, args):
+    """Refuses, before anything is built, what the run could not do."""
+    for name in ("tp", "cp", "ep", "layers", "hidden", "heads", "ffn", "seq", "vocab", "micro_batch", "steps", "branch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if args.experts < 0 or args.topk < 1 or args.first_batch < 0:
+        parser.error("--experts and --first-batch must be at least 0, --topk at least 1")
+    if args.experts and args.topk > args.experts:
+        parser.error(f"--topk {args.topk} is more than --experts {args.experts}")
+    if args.branch > args.vocab:
+        parser.error(f"--branch {args.branch} is more than --vocab {args.vocab}")
+    if args.seq % (2 * args.cp):
+        parser.error(f"--seq {args.seq} must be a multiple of 2 * --cp = {2 * args.cp} (Megatron's CP sharding)")
+    if args.save_after is not None:
+        if args.save is None:
+            parser.error("--save-after needs --save")
+        if not 0 <= args.save_after <= args.steps:
+            parser.error(f"--save-after must be in [0, --steps = {args.steps}], not {args.save_after}")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        parser.error(f"--max-seconds must be positive, not {args.max_seconds}")
 
 
 def transformer_config(args):
@@ -125,13 +169,39 @@ def build_model(args, config, **communicator_options):
     return model, communicators
 
 
-def synthetic_batches(args, data_parallel_rank, data_parallel_size, device):
-    """The same token stream on every rank for a seed; each data-parallel rank takes its micro-batches."""
+def token_stream(args, rows):
+    """Batches of `rows` sequences of seq + 1 tokens, the same for every rank (see --data)."""
     import torch
 
     generator = torch.Generator().manual_seed(args.seed)
+    length = args.seq + 1
+    if args.data == "uniform":
+        while True:
+            yield torch.randint(0, args.vocab, (rows, length), generator=generator)
+    successors = torch.randint(0, args.vocab, (args.vocab, args.branch), generator=generator).tolist()
+    half = (length + 1) // 2
     while True:
-        tokens = torch.randint(0, args.vocab, (data_parallel_size * args.micro_batch, args.seq + 1), generator=generator)
+        starts = torch.randint(0, args.vocab, (rows,), generator=generator).tolist()
+        choices = torch.randint(0, args.branch, (rows, half), generator=generator).tolist()
+        batch = []
+        for token, picks in zip(starts, choices):
+            walk = [token]
+            for pick in picks[1:]:
+                token = successors[token][pick]
+                walk.append(token)
+            batch.append((walk + walk)[:length])
+        yield torch.tensor(batch, dtype=torch.int64)
+
+
+def synthetic_batches(args, data_parallel_rank, data_parallel_size, device):
+    """The token stream from batch --first-batch on; each data-parallel rank takes its micro-batches."""
+    import torch
+
+    stream = token_stream(args, data_parallel_size * args.micro_batch)
+    for _ in range(args.first_batch):
+        next(stream)
+    while True:
+        tokens = next(stream)
         mine = tokens[data_parallel_rank * args.micro_batch : (data_parallel_rank + 1) * args.micro_batch]
         position_ids = torch.arange(args.seq).unsqueeze(0).expand(args.micro_batch, -1)
         yield {
@@ -142,8 +212,51 @@ def synthetic_batches(args, data_parallel_rank, data_parallel_size, device):
         }
 
 
+class Prefetched:
+    """An iterator over `source` whose next item prepare() makes ahead, so that making it
+    (the token walk on the CPU, the copy to the GPU) stays out of the timed step."""
+
+    def __init__(self, source):
+        self.source, self.ready = source, None
+
+    def prepare(self):
+        if self.ready is None:
+            self.ready = next(self.source)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.prepare()
+        item, self.ready = self.ready, None
+        return item
+
+
+def checkpoint_path(prefix, rank):
+    return f"{prefix}.rank{rank}.pt"
+
+
+def save_checkpoint(model, prefix, rank):
+    """This rank's shard of the model's state dict (the same keys and layouts under both specs)."""
+    import torch
+
+    torch.save(model.state_dict(), checkpoint_path(prefix, rank))
+
+
+def load_checkpoint(model, prefix, rank, device):
+    import torch
+
+    model.load_state_dict(torch.load(checkpoint_path(prefix, rank), map_location=device), strict=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.dry_run:
+        config = transformer_config(args)
+        print(f"train_gpt.py: arguments and TransformerConfig accepted ({args.spec} spec, tp {config.tensor_model_parallel_size}, "
+              f"cp {config.context_parallel_size}, ep {config.expert_model_parallel_size}, "
+              f"sequence parallel {config.sequence_parallel}, experts {config.num_moe_experts})")
+        return
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -166,7 +279,7 @@ def main(argv=None):
     model, communicators = build_model(args, config)
     model.cuda()
     if args.load:
-        model.load_state_dict(torch.load(f"{args.load}.rank{dist.get_rank()}.pt", map_location="cuda"), strict=True)
+        load_checkpoint(model, args.load, dist.get_rank(), "cuda")
     model = DistributedDataParallel(
         config=config,
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
@@ -183,9 +296,9 @@ def main(argv=None):
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model.no_sync
 
-    batches = synthetic_batches(
+    batches = Prefetched(synthetic_batches(
         args, parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(), "cuda"
-    )
+    ))
 
     def forward_step(data_iterator, model):
         batch = get_batch_on_this_cp_rank(next(data_iterator))  # Megatron's own load-balanced CP sharding
@@ -202,8 +315,22 @@ def main(argv=None):
         return output, loss_func
 
     forward_backward = get_forward_backward_func()
-    log = open(args.log, "w") if args.log and dist.get_rank() == 0 else None
+    label = args.label or args.spec
+    log = open(args.log, "a") if args.log and dist.get_rank() == 0 else None
+    save_after = args.steps if args.save_after is None else args.save_after
+    if args.save and save_after == 0:
+        save_checkpoint(model.module, args.save, dist.get_rank())
+    started = time.perf_counter()
+    done, stopped = 0, None
     for step in range(args.steps):
+        # Every rank decides alike: rank 0's clock, broadcast (a rank that stopped alone would hang the rest).
+        if args.max_seconds is not None:
+            over = torch.tensor([float(time.perf_counter() - started > args.max_seconds)], device="cuda")
+            dist.broadcast(over, src=0)
+            if over.item():
+                stopped = f"--max-seconds {args.max_seconds:g} reached after {done} of {args.steps} steps"
+                break
+        batches.prepare()
         torch.cuda.synchronize()
         start = time.perf_counter()
         model.zero_grad_buffer()
@@ -220,17 +347,28 @@ def main(argv=None):
         optimizer.step()
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        done = step + 1
+        if done == save_after and args.save:
+            save_checkpoint(model.module, args.save, dist.get_rank())
         if losses:  # the last pipeline stage
-            total = losses[0]["lm loss"]
+            # The loss over the whole global batch: every data-parallel rank's tokens (CP is summed in loss_func).
+            total = losses[0]["lm loss"].detach().clone()
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
             loss = (total[0] / total[1]).item()
             if log:
-                log.write(json.dumps({"step": step, "loss": loss, "step_s": elapsed, "spec": args.spec}) + "\n")
+                line = {"run": label, "spec": args.spec, "step": step, "batch": args.first_batch + step,
+                        "loss": loss, "step_s": elapsed}
+                log.write(json.dumps(line) + "\n")
                 log.flush()
             if dist.get_rank() == 0 and (step % 10 == 0 or step == args.steps - 1):
                 print(f"step {step:4d}  loss {loss:.4f}  {elapsed * 1e3:.1f} ms", flush=True)
-    if args.save:
-        torch.save(model.module.state_dict(), f"{args.save}.rank{dist.get_rank()}.pt")
+    if stopped and dist.get_rank() == 0:
+        print(f"train_gpt.py: stopped early: {stopped}", flush=True)
     if log:
+        summary = {"run": label, "summary": True, "steps_asked": args.steps, "steps_done": done, "stopped": stopped,
+                   "world_size": dist.get_world_size(),
+                   "data_parallel_size": parallel_state.get_data_parallel_world_size(), "args": vars(args)}
+        log.write(json.dumps(summary) + "\n")
         log.close()
     del model, optimizer
     if communicators is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -599,9 +600,10 @@ def _load_example():
     return module
 
 
-def test_the_example_builds_both_specs_and_they_share_checkpoints(megatron_world):
+def test_the_example_builds_both_specs_and_they_share_checkpoints(megatron_world, tmp_path):
     """The example's own config and model builder (its training loop needs a GPU): both specs,
-    MoE, checkpoints interchange; the local spec with sequence parallelism is refused without Apex."""
+    MoE, checkpoints interchange through the example's own files (torch.save / torch.load);
+    the local spec with sequence parallelism is refused without Apex."""
     example = _load_example()
     small = ["--layers", "2", "--hidden", "256", "--heads", "4", "--ffn", "512", "--seq", "64", "--vocab", "512"]
     for extra in ([], ["--experts", "4", "--moe-ffn", "128"]):
@@ -613,13 +615,71 @@ def test_the_example_builds_both_specs_and_they_share_checkpoints(megatron_world
             models[spec], communicators = example.build_model(args, config, factory=RecordingFactory())
             assert (communicators is None) == (spec == "local")
         assert type(models["mkernel"].decoder.layers[0].self_attention.core_attention).__name__ == "MkernelRingAttention"
-        assert_checkpoints_interchange(models["mkernel"], models["local"])
+        prefix = str(tmp_path / f"mkernel{len(extra)}")
+        example.save_checkpoint(models["mkernel"], prefix, 0)
+        saved = models["mkernel"].state_dict()
+        before = models["local"].state_dict()
+        assert any(isinstance(v, torch.Tensor) and v.numel() > 1 and not torch.equal(v, before[k]) for k, v in saved.items())
+        example.load_checkpoint(models["local"], prefix, 0, "cpu")
+        loaded = models["local"].state_dict()
+        assert sorted(loaded) == sorted(saved)
+        for key, value in saved.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, loaded[key]), key
     from megatron.core.models.gpt import gpt_layer_specs
 
     if not gpt_layer_specs.HAVE_APEX:
         args = example.parse_args(["--spec", "local", "--sequence-parallel", "--tp", "2", *small])
         with pytest.raises(SystemExit, match="needs Apex's FusedLayerNorm"):
             example.build_model(args, example.transformer_config(args))
+
+
+def test_the_example_token_stream_is_a_markov_walk_repeated():
+    """--data markov-copy: the same batches for a seed, every token a successor of the one
+    before in the first half, the second half the first again; --first-batch starts later
+    in the same stream."""
+    example = _load_example()
+    args = example.parse_args(["--seq", "64", "--vocab", "97", "--branch", "3"])
+    first = [b for _, b in zip(range(3), example.token_stream(args, 2))]
+    again = [b for _, b in zip(range(3), example.token_stream(args, 2))]
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert first[0].shape == (2, 65) and not torch.equal(first[0], first[1])
+    successors = {}
+    for batch in first:
+        for row in batch.tolist():
+            half = row[:33]
+            assert row[33:] == half[:32]
+            for a, b in zip(half, half[1:]):
+                successors.setdefault(a, set()).add(b)
+    assert max(len(s) for s in successors.values()) <= 3
+    args = example.parse_args(["--seq", "64", "--vocab", "97", "--branch", "3", "--first-batch", "2"])
+    later = next(example.synthetic_batches(args, 0, 2, "cpu"))
+    assert torch.equal(later["tokens"], first[2][:1, :-1]) and torch.equal(later["labels"], first[2][:1, 1:])
+    prefetched = example.Prefetched(example.token_stream(args, 2))
+    prefetched.prepare()
+    prefetched.prepare()  # makes one item ahead, not two
+    assert [torch.equal(next(prefetched), b) for b in first] == [True, True, True]
+    uniform = example.parse_args(["--seq", "64", "--vocab", "97", "--data", "uniform"])
+    assert next(example.token_stream(uniform, 2)).shape == (2, 65)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seq", "4095", "--cp", "2"], "multiple of 2 \\* --cp"),
+        (["--save-after", "3"], "--save-after needs --save"),
+        (["--save", "x", "--save-after", "7", "--steps", "5"], "--save-after must be in"),
+        (["--experts", "4", "--topk", "5"], "--topk 5 is more than --experts 4"),
+        (["--max-seconds", "0"], "--max-seconds must be positive"),
+        (["--tp", "0"], "--tp must be at least 1"),
+    ],
+)
+def test_the_example_refuses_bad_arguments(argv, message, capsys):
+    example = _load_example()
+    with pytest.raises(SystemExit):
+        example.parse_args(argv)
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_the_example_parses_its_arguments():
