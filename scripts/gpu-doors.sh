@@ -13,6 +13,9 @@
 # SKIPPED fails here, since this script exists to run on a GPU; without a GPU it exits 77.
 #   scripts/gpu-doors.sh [--dir DIR] [--only "examples python nccl"] [--deadline SECONDS]
 #                        [--pytest-k EXPR]   (only the Python tests pytest -k EXPR selects)
+# `python` is the two passes `python-tests` (pytest) and `python-benches` (the benches,
+# installing the wheel themselves when no test pass did), so the doors split over two
+# device calls by name: --only python-tests, then --only "examples python-benches nccl".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=.carry/doors; ONLY="examples python nccl"; DEADLINE=0; PYTEST_K=""; T0=$(date +%s)
@@ -56,6 +59,10 @@ step() {  # NAME SECONDS COMMAND...
 . scripts/mps.sh  # rank_env, mps_start, mps_stop
 trap mps_stop EXIT
 
+doors=""
+for d in $ONLY; do [ "$d" = python ] && d="python-tests python-benches"; doors="$doors $d"; done
+ONLY=$doors
+site=build/python-test-venv/site  # where test-python.sh installs the wheel
 for door in $ONLY; do
   case $door in
     examples)
@@ -63,14 +70,19 @@ for door in $ONLY; do
       step examples 180 env LD_LIBRARY_PATH="$DIR/examples/lib:$LD_LIBRARY_PATH" \
         examples/run-examples.sh --require-gpu "$DIR"/examples/bin/*
       mps_stop ;;
-    python)
+    python-tests)
       wheel=$(ls "$DIR"/mkernel-*.whl | head -1)
       mps_start doors
       # -v names each test as it ends; pytest-timeout (in the GPU image) fails a stuck test with
       # its traceback instead of letting the step's timeout kill pytest before its summary.
       step python-tests 900 env MK_PYTHON_TORCH=system MK_PYTHON_WHEEL="$wheel" PYTHONUNBUFFERED=1 \
         scripts/test-python.sh -v --timeout=150 ${PYTEST_K:+-k "$PYTEST_K"}
-      site=build/python-test-venv/site  # where test-python.sh installed the wheel
+      mps_stop ;;
+    python-benches)
+      wheel=$(ls "$DIR"/mkernel-*.whl | head -1)
+      [ -d "$site" ] || step python-install 120 python3 -m pip install --quiet --disable-pip-version-check \
+        --no-compile --no-deps --target "$site" "$wheel"
+      mps_start doors
       if [ -d "$site" ]; then
         step python-overhead-n1 120 env PYTHONPATH="$site" python3 benches/python_overhead.py --json "$OUT/python_overhead-n1.json"
         step python-overhead-n2 120 env $(rank_env 2) PYTHONPATH="$site" python3 -m torch.distributed.run \
