@@ -1,7 +1,7 @@
 //! `mkConfig_t`: the versioned communicator configuration.
 
-use crate::comm::CommConfig;
 use super::versioned::VersionedStruct;
+use crate::comm::CommConfig;
 use crate::error::{MkError, Result};
 use std::os::raw::{c_int, c_longlong, c_uint};
 use std::time::Duration;
