@@ -98,6 +98,22 @@ typedef struct CUstream_st *mkStream_t;
   -1                                           /* workspaceBytes */      \
 }
 
+/** mkMoeOptions_t.magic, set by MK_MOE_OPTIONS_INITIALIZER. */
+#define MK_MOE_OPTIONS_MAGIC 0x6d6b6d6fu
+/** mkMoeOptions_t.capacityPolicy: every row travels; too small a recvCapacity moves nothing. */
+#define MK_MOE_NO_DROP 0
+/** mkMoeOptions_t.capacityPolicy: each rank sends each expert at most expertCapacity rows. */
+#define MK_MOE_DROP 1
+
+/** Start every mkMoeOptions_t from this, then set the fields you want. */
+#define MK_MOE_OPTIONS_INITIALIZER {                                     \
+  sizeof(mkMoeOptions_t),                      /* size */                \
+  MK_MOE_OPTIONS_MAGIC,                        /* magic */               \
+  MK_VERSION_CODE,                             /* version */             \
+  MK_MOE_NO_DROP,                              /* capacityPolicy */      \
+  0                                            /* expertCapacity */      \
+}
+
 
 /**
  * Result codes, numbered as NCCL numbers `ncclResult_t`. Append only: the numbers are ABI.
@@ -256,6 +272,44 @@ typedef struct {
    */
   long long workspaceBytes;
 } mkConfig_t;
+
+/**
+ * Options of mkMoeDispatchGemmWithOptions, versioned as mkConfig_t is: always start from
+ * `MK_MOE_OPTIONS_INITIALIZER` (or mkMoeOptionsInit), then set the fields you want.
+ * `size`, `magic` and `version` let one library accept the struct of any header of its
+ * major version: a smaller struct's missing fields keep the initializer's values; a
+ * larger one (at most 1024 bytes) is accepted when every field this library does not
+ * know is 0; `size` below 16, a wrong `magic`, `version` 0 or of another major version:
+ * mkInvalidArgument.
+ */
+typedef struct {
+  /**
+   * sizeof(mkMoeOptions_t) as the caller compiled it.
+   */
+  size_t size;
+  /**
+   * Must be MK_MOE_OPTIONS_MAGIC.
+   */
+  unsigned int magic;
+  /**
+   * MK_VERSION_CODE of the header the caller compiled against.
+   */
+  unsigned int version;
+  /**
+   * MK_MOE_NO_DROP (0, the initializer's): every row travels, and a call whose rows
+   * exceed recvCapacity moves nothing (see mkMoeDispatchGemm's overflow). MK_MOE_DROP
+   * (1), Megatron's capacity factor with its "position" policy: each rank sends each
+   * expert at most `expertCapacity` of its rows, the first in token order (a token
+   * listing an expert twice takes one place); the rest are dropped.
+   */
+  int capacityPolicy;
+  /**
+   * Drop mode: rows each rank may send to each expert, in [1, 2^31) (Megatron's
+   * ceil(tokens · topk / experts · capacityFactor) for this rank's tokens). 0 in no-drop
+   * mode (the initializer's).
+   */
+  long long expertCapacity;
+} mkMoeOptions_t;
 
 #ifdef __cplusplus
 extern "C" {
@@ -603,9 +657,18 @@ mkResult_t mkMoeLayoutBytes(size_t tokens, size_t topk, size_t recvCapacity, siz
  * Counts and offsets are computed on the device (the ranks exchange per-expert counts
  * inside the kernel): no host synchronisation, capturable in a CUDA graph. Every rank must
  * call it with the same hidden, ffn, topk, experts, recvCapacity and dtype (tokens may
- * differ). If some rank's rows exceed recvCapacity nothing is moved, recvCounts is still
- * written, and mkCommGetAsyncError reports mkInvalidUsage on every rank (the communicator
- * is then unusable). Rules (mkInvalidArgument): hidden and ffn positive multiples of 128;
+ * differ).
+ *
+ * Overflow: if some rank's rows exceed recvCapacity, every rank finds it in the kernel
+ * (each sees every rank's counts) and the call moves nothing: `y` and the rows in the
+ * receive buffers are left as they were, and a mkMoeGemmCombine on this layout writes
+ * nothing either (`out` keeps its contents). recvCounts is still written, so
+ * recvCounts[E_local] > recvCapacity tells the caller, on every rank alike, that the call
+ * overflowed and what recvCapacity to call again with. The overflow is not an error of the
+ * communicator: mkCommGetAsyncError stays mkSuccess and the next call runs (a larger
+ * recvCapacity may need a larger fused-op region: see below).
+ *
+ * Rules (mkInvalidArgument): hidden and ffn positive multiples of 128;
  * recvCapacity a multiple of 128; E a multiple of nranks, at most 1024; 1 ≤ topk ≤ 32;
  * x, w1, y 16-byte aligned. The receive buffer (recvCapacity·hidden elements + 64 KiB)
  * must fit in the workspace's fused-op region (MK_WORKSPACE_BYTES), else mkInvalidUsage
@@ -627,6 +690,49 @@ mkResult_t mkMoeDispatchGemm(const void *x,
                              mkDataType_t dtype,
                              mkComm_t comm,
                              mkStream_t stream);
+
+/**
+ * Fills `*options` with what `MK_MOE_OPTIONS_INITIALIZER` gives: this library's size,
+ * magic and version, no-drop mode. For callers that cannot use the macro (cgo, ctypes).
+ */
+mkResult_t mkMoeOptionsInit(mkMoeOptions_t *options);
+
+/**
+ * mkMoeDispatchGemm with options (`mkMoeOptions_t`; NULL = the initializer's, which is
+ * mkMoeDispatchGemm itself) and one more output:
+ *
+ * - `dropCounts` [experts] int32: per expert, how many of this rank's rows (distinct
+ *   (token, expert) pairs) the drop rule dropped; zeros in no-drop mode. Required in drop
+ *   mode, may be NULL in no-drop mode. Written also when the call overflows.
+ *
+ * In drop mode a dropped choice has no row at its owner: `y` and recvCounts hold the kept
+ * rows only, and mkMoeGemmCombine adds nothing for it (a token whose every choice was
+ * dropped gets 0). Each expert then receives at most nranks · expertCapacity rows, so a
+ * recvCapacity of E_local · roundup(nranks · expertCapacity, 128) never overflows.
+ * Everything is decided on the device: capturable in a CUDA graph. Each rank caps its own
+ * rows, so ranks may pass different expertCapacity values (Megatron's capacity follows
+ * each rank's token count). Rules (mkInvalidArgument, before launch): capacityPolicy
+ * MK_MOE_NO_DROP or MK_MOE_DROP; drop mode needs expertCapacity in [1, 2^31) and
+ * dropCounts; no-drop mode needs expertCapacity 0; dropCounts 4-byte aligned device
+ * memory; the rest as mkMoeDispatchGemm.
+ */
+mkResult_t mkMoeDispatchGemmWithOptions(const void *x,
+                                        const int32_t *topkIdx,
+                                        const void *w1,
+                                        void *y,
+                                        int32_t *recvCounts,
+                                        int32_t *dropCounts,
+                                        void *layout,
+                                        size_t tokens,
+                                        size_t hidden,
+                                        size_t ffn,
+                                        size_t topk,
+                                        size_t experts,
+                                        size_t recvCapacity,
+                                        mkDataType_t dtype,
+                                        const mkMoeOptions_t *options,
+                                        mkComm_t comm,
+                                        mkStream_t stream);
 
 /**
  * The experts' second GEMM fused with the way back, in one persistent kernel.

@@ -207,8 +207,8 @@ struct PrepShared {
 // every destination's layout (expert segments padded to 128 rows), this rank's offsets and
 // the send lists' starts, raises MOE_PREP_OFFSETS (the other prep CTAs' pass 2 needs only
 // those), then this rank's m-block tables and block order. An overflow (some rank's
-// receive buffer too small) is recorded and written to the layout's overflow word before
-// the flag; nothing else is written then. Returns false if a wait failed.
+// receive buffer too small) goes to recvCounts[E_local] and the layout's overflow word
+// before the flag; no table is written then. Returns false if a wait failed.
 __device__ __noinline__ bool prep_tables(const MoeParams& p, uint64_t epoch, char* smem) {
   const WorkspaceView& ws = p.ws;
   const int n = ws.nranks, me = ws.rank, E = p.experts, El = p.experts_local;
@@ -218,7 +218,15 @@ __device__ __noinline__ bool prep_tables(const MoeParams& p, uint64_t epoch, cha
   __shared__ int overflow, needed_max;
   int* layout = reinterpret_cast<int*>(p.layout);
   const PrepScratch scratch(p);
-  for (int e = tid; e < E; e += blockDim.x) run[e] = ld_cg(scratch.total + e);
+  // Drop mode: this rank sends its first expert_capacity rows of each expert (token order,
+  // ops::moe::kept) and counts the rest as dropped; the counts exchanged are those sent.
+  int* drop_counts = reinterpret_cast<int*>(p.drop_counts);
+  for (int e = tid; e < E; e += blockDim.x) {
+    const int rows = ld_cg(scratch.total + e);
+    const int sent = p.expert_capacity > 0 ? min(rows, p.expert_capacity) : rows;
+    run[e] = sent;
+    if (drop_counts != nullptr) drop_counts[e] = rows - sent;
+  }
   if (tid == 0) {
     overflow = 0;
     needed_max = 0;
@@ -256,7 +264,6 @@ __device__ __noinline__ bool prep_tables(const MoeParams& p, uint64_t epoch, cha
     }
     if (d == me) lbase[El] = base;
     atomicMax(&needed_max, base);
-    if (base > p.capacity) overflow = d + 1;
   }
   __syncthreads();
   int* counts_out = reinterpret_cast<int*>(p.recv_counts);
@@ -265,10 +272,14 @@ __device__ __noinline__ bool prep_tables(const MoeParams& p, uint64_t epoch, cha
     for (int s = 0; s < n; ++s) rows += cnt[s * E + me * El + le];
     counts_out[le] = rows;
   }
+  // An overflow is this call's outcome, not the communicator's error: every rank computed
+  // the same needed_max from the same exchanged counts, so every rank skips the moves and
+  // the GEMM alike, ends the kernel through the usual epoch handshake, and the next call
+  // starts from a clean state. The caller reads recvCounts[E_local] > recvCapacity.
   if (tid == 0) {
+    overflow = needed_max > p.capacity;
     counts_out[El] = needed_max;
     layout[MOE_LAY_OVERFLOW] = overflow;
-    if (overflow) mk_record_error(ws, mk_error_word(mkInvalidUsage, overflow - 1, MK_WAIT_MOE_CAPACITY, MK_OP_MOE_DISPATCH));
   }
   // The send lists' starts (host mirror: ops::moe::send_tables): this rank's rows grouped
   // into lists q = le * n + step, one per (local expert le, destination d = (me + step) mod
@@ -347,7 +358,9 @@ __device__ __noinline__ bool prep_tables(const MoeParams& p, uint64_t epoch, cha
 //   tokens of e before the CTA's), and their sum the rank's total.
 //   CTA 0: prep_tables (count exchange, offsets, send lists' starts, m-block tables).
 //   Pass 2, the same tokens: each row at its owner = pass 1's position + the CTA's prefix +
-//   the rank's first row of that expert there; the send-list entries.
+//   the rank's first row of that expert there; the send-list entries. In drop mode a row
+//   whose place among the rank's rows of its expert (prefix + position) reaches
+//   expert_capacity is dropped instead (owner and row −1, no entry).
 // The last CTA through pass 2 raises MOE_PREP. Returns false if a wait failed (recorded,
 // with the abort raised: the other CTAs' waits end too).
 template <int KMAX>
@@ -441,16 +454,19 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   }
   mk_trace_time(p.trace, MK_TR_STEP + 2);
   if (ld_cg(layout + MOE_LAY_OVERFLOW) == 0) {
-    // Pass 2. Per expert: the first row of the CTA's tokens of e at its owner, and their
-    // first entry in e's send list (pass 1's tables are free).
+    // Pass 2. Per expert: the first row of the CTA's tokens of e at its owner, their
+    // first entry in e's send list, and how many of them the drop rule keeps (pass 1's
+    // tables are free: MOE_WARPS * E words hold these 3 * E).
     int* row_base = reinterpret_cast<int*>(bits);
     int* send_base = row_base + E;
+    int* room = send_base + E;
     const int* send_row0 = layout + p.lay_send_row0;
     int* send = layout + p.lay_send;
     for (int e = tid; e < E; e += blockDim.x) {
       const int before = ld_cg(scratch.cta_count + c * E + e), d = e / El;
       row_base[e] = before + ld_cg(scratch.first_row + e);
       send_base[e] = before + ld_cg(send_row0 + (e - d * El) * n + (d - me + n) % n);
+      room[e] = p.expert_capacity > 0 ? p.expert_capacity - before : INT_MAX;
     }
     __syncthreads();
     // A thread per token, its ids and pass 1's positions (its own writes: the same thread
@@ -466,6 +482,12 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
         const int e = ids[j];
         if (e >= 0 && e < E) {
           const int i = t * K + j;
+          if (pos[j] >= room[e]) {
+            // Dropped: no row at the owner, nothing sent; the combine adds nothing for it.
+            lay_dest[i] = -1;
+            lay_row[i] = -1;
+            continue;
+          }
           lay_row[i] = pos[j] + row_base[e];
           bool first = true;  // a token listing one expert twice travels once for it
 #pragma unroll

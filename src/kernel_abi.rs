@@ -525,6 +525,11 @@ pub struct MoeParams {
     /// (ops::moe::prep_split); 0 in the combine.
     pub prep_ctas: i32,
     pub prep_tokens: i32,
+    /// Dispatch: 0 = no-drop mode; c > 0 = drop mode, each rank keeps the first c of its
+    /// rows of each expert in token order (ops::moe::kept).
+    pub expert_capacity: i32,
+    /// Dispatch: [E] int32, this rank's dropped rows per expert (0 in no-drop mode); 0 = none.
+    pub drop_counts: u64,
     /// As `AgGemmParams::trace`.
     pub trace: u64,
 }
@@ -886,9 +891,8 @@ pub enum MkWait {
     Free = 3,
     /// A fused op's own flag.
     OpFlag = 4,
-    /// Not a wait: a receive buffer is too small (MoE dispatch input check).
-    MoeCapacity = 5,
-    /// Not a wait: an expert id outside [-1, E) (MoE input check).
+    /// Not a wait: an expert id outside [-1, E) (MoE input check). (5 is unused: a MoE
+    /// receive buffer too small is the call's outcome, not an error word.)
     MoeExpert = 6,
     /// A rank on another node's data (through its proxy).
     Net = 7,
@@ -898,12 +902,11 @@ pub enum MkWait {
     Proxy = 9,
 }
 
-const MK_WAITS: [MkWait; 9] = [
+const MK_WAITS: [MkWait; 8] = [
     MkWait::Ready,
     MkWait::Ready2,
     MkWait::Free,
     MkWait::OpFlag,
-    MkWait::MoeCapacity,
     MkWait::MoeExpert,
     MkWait::Net,
     MkWait::Grant,

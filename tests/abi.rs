@@ -3,6 +3,8 @@
 //! library exports only `mk` symbols.
 
 use mkernel::ffi::config::{MK_CONFIG_MAGIC, MK_CONFIG_UNDEF_INT};
+use mkernel::ffi::fused::MK_MOE_OPTIONS_MAGIC;
+use mkernel::ops::moe::{MK_MOE_DROP, MK_MOE_NO_DROP};
 use std::process::Command;
 
 const COMMITTED: &str = include_str!("../include/mkernel.h");
@@ -85,6 +87,9 @@ fn handwritten_header_constants_match_rust() {
     assert_eq!(define(COMMITTED, "MK_CONFIG_MAGIC"), format!("{MK_CONFIG_MAGIC:#x}u"));
     assert_eq!(define(COMMITTED, "MK_CONFIG_UNDEF_INT"), "INT_MIN");
     assert_eq!(MK_CONFIG_UNDEF_INT, i32::MIN);
+    assert_eq!(define(COMMITTED, "MK_MOE_OPTIONS_MAGIC"), format!("{MK_MOE_OPTIONS_MAGIC:#x}u"));
+    assert_eq!(define(COMMITTED, "MK_MOE_NO_DROP"), MK_MOE_NO_DROP.to_string());
+    assert_eq!(define(COMMITTED, "MK_MOE_DROP"), MK_MOE_DROP.to_string());
 }
 
 #[test]

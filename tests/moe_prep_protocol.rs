@@ -9,12 +9,13 @@
 //! Whatever the timing, after every launch each rank's layout words (rows at the owners,
 //! the send list and its starts, the receive counts) must equal the host mirrors
 //! (`ops::moe::device_layout`, `send_tables`); a launch whose receive buffers are too small
-//! must report the overflow on every rank and write nothing else; every counter must be
-//! back at zero. A barrier miscounted shows as a hang (bounded here) or wrong words.
+//! must report the overflow on every rank and write nothing else; in drop mode the rows the
+//! drop rule drops (`ops::moe::kept`) must have no owner and no send entry, and the drop
+//! counts must equal `ops::moe::drop_counts`; every counter must be back at zero. A barrier miscounted shows as a hang (bounded here) or wrong words.
 //! Not modelled: the device memory model (flags are SeqCst atomics here), the senders and
 //! the GEMM. Keep it in step with the kernel.
 
-use mkernel::ops::moe::{device_layout, prep_split, send_tables, MoeShape, ROW_BLOCK};
+use mkernel::ops::moe::{device_layout, drop_counts, prep_split, send_tables, MoeShape, ROW_BLOCK};
 use mkernel::testing::collective_values::splitmix;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::SeqCst};
 use std::time::{Duration, Instant};
@@ -71,6 +72,8 @@ struct Launch {
     k: usize,
     experts: usize,
     capacity: usize,
+    /// Drop mode's cap (MoeParams::expert_capacity); None: no-drop mode.
+    expert_capacity: Option<usize>,
     split_ctas: usize,
     tokens_per_cta: usize,
     grid: usize,
@@ -79,6 +82,7 @@ struct Launch {
     send: Vec<AtomicI32>,
     send_row0: Vec<AtomicI32>,
     recv_counts: Vec<AtomicI32>,
+    drop_counts: Vec<AtomicI32>,
     overflow: AtomicI32,
 }
 
@@ -168,6 +172,12 @@ fn cta(ranks: &[Rank], me: usize, c: usize, l: &Launch, epoch: u64, rng: &mut Rn
                     let (i, d) = (t * k + j, e / el);
                     let before = r.area[scratch + c * e_all + e].load(SeqCst);
                     let pos = l.lay_row[i].load(SeqCst);
+                    let room = l.expert_capacity.map_or(i32::MAX, |cap| cap as i32 - before);
+                    if pos >= room {
+                        l.lay_dest[i].store(-1, SeqCst);
+                        l.lay_row[i].store(-1, SeqCst);
+                        continue;
+                    }
                     l.lay_row[i].store(pos + before + r.area[first_row + e].load(SeqCst), SeqCst);
                     if !ids[..j].iter().any(|&u| u as usize == e && u >= 0) {
                         let q = (e - d * el) * n + (d + n - me) % n;
@@ -202,7 +212,11 @@ fn tables(ranks: &[Rank], me: usize, l: &Launch, epoch: u64, rng: &mut Rng) {
     let r = &ranks[me];
     let scratch = n * e_all;
     let p = l.split_ctas;
-    let run: Vec<i32> = (0..e_all).map(|e| r.area[scratch + p * e_all + e].load(SeqCst)).collect();
+    let rows: Vec<i32> = (0..e_all).map(|e| r.area[scratch + p * e_all + e].load(SeqCst)).collect();
+    let run: Vec<i32> = rows.iter().map(|&v| l.expert_capacity.map_or(v, |cap| v.min(cap as i32))).collect();
+    for e in 0..e_all {
+        l.drop_counts[e].store(rows[e] - run[e], SeqCst);
+    }
     for q in (0..n).filter(|&q| q != me) {
         wait(&r.done[q], epoch - 1, "a peer's previous kernel");
     }
@@ -300,24 +314,35 @@ fn run(n: usize, experts: usize, k: usize, grid: usize, launches: u64, seed: u64
         let mut rng = Rng(seed ^ (epoch * 7919));
         let tokens = 1 + rng.below(60);
         let all = routing(seed * 31 + epoch, n, tokens, k, experts);
-        let shape = MoeShape { tokens, top_k: k, experts, nranks: n };
+        // Every third launch in drop mode, with a cap from 1 row to a few more than a rank
+        // sends one expert.
+        let expert_capacity = (epoch % 3 == 2).then(|| 1 + rng.below(tokens / 2 + 2));
+        let shape = MoeShape { expert_capacity, ..MoeShape::new(tokens, k, experts, n) };
         let needed = device_layout(&shape, &all, 0).unwrap().rows_needed;
         // Every fourth launch a receive buffer one block too small.
         let capacity = if epoch % 4 == 3 && needed >= ROW_BLOCK { needed - ROW_BLOCK } else { needed };
-        (tokens, all, capacity)
+        (tokens, all, capacity, expert_capacity)
     };
+    // Some drop launch drops rows (else the drop checks below would check nothing).
+    let dropping = (1..=launches).any(|epoch| {
+        let (tokens, all, _, expert_capacity) = plan(epoch);
+        let shape = MoeShape { expert_capacity, ..MoeShape::new(tokens, k, experts, n) };
+        all.iter().any(|ids| drop_counts(&shape, ids).iter().any(|&d| d > 0))
+    });
+    assert!(dropping, "no launch of seed {seed} drops a row");
     std::thread::scope(|s| {
         for me in 0..n {
             let ranks = &ranks;
             s.spawn(move || {
                 for epoch in 1..=launches {
-                    let (tokens, all, capacity) = plan(epoch);
+                    let (tokens, all, capacity, expert_capacity) = plan(epoch);
                     let split = prep_split(tokens, experts, n, grid, THREADS);
                     let l = Launch {
                         ids: all[me].clone(),
                         k,
                         experts,
                         capacity,
+                        expert_capacity,
                         split_ctas: split.ctas,
                         tokens_per_cta: split.tokens_per_cta,
                         grid,
@@ -326,6 +351,7 @@ fn run(n: usize, experts: usize, k: usize, grid: usize, launches: u64, seed: u64
                         send: words(tokens * k, -9),
                         send_row0: words(experts + 1, -9),
                         recv_counts: words(experts / n + 1, -9),
+                        drop_counts: words(experts, -9),
                         overflow: AtomicI32::new(-9),
                     };
                     std::thread::scope(|s| {
@@ -337,19 +363,34 @@ fn run(n: usize, experts: usize, k: usize, grid: usize, launches: u64, seed: u64
                             });
                         }
                     });
-                    check(&ranks[me], me, &l, &all, tokens, capacity, epoch);
+                    check(&ranks[me], me, &l, &all, tokens, capacity, expert_capacity, epoch);
                 }
             });
         }
     });
 }
 
-fn check(r: &Rank, me: usize, l: &Launch, all: &[Vec<i32>], tokens: usize, capacity: usize, epoch: u64) {
+#[allow(clippy::too_many_arguments)]
+fn check(
+    r: &Rank,
+    me: usize,
+    l: &Launch,
+    all: &[Vec<i32>],
+    tokens: usize,
+    capacity: usize,
+    expert_capacity: Option<usize>,
+    epoch: u64,
+) {
     let (n, k, experts) = (all.len(), l.k, l.experts);
-    let at = format!("rank {me} of {n}, launch {epoch}, {tokens} tokens, {} prep CTAs", l.split_ctas);
-    let shape = MoeShape { tokens, top_k: k, experts, nranks: n };
+    let at = format!(
+        "rank {me} of {n}, launch {epoch}, {tokens} tokens, {} prep CTAs, expert capacity {expert_capacity:?}",
+        l.split_ctas
+    );
+    let shape = MoeShape { expert_capacity, ..MoeShape::new(tokens, k, experts, n) };
     let want = device_layout(&shape, all, me).unwrap();
     let get = |v: &[AtomicI32]| v.iter().map(|x| x.load(SeqCst)).collect::<Vec<i32>>();
+    let dropped: Vec<i32> = drop_counts(&shape, &all[me]).iter().map(|&v| v as i32).collect();
+    assert_eq!(get(&l.drop_counts), dropped, "drop counts (written in both outcomes): {at}");
     assert_eq!(r.prep_arrive.load(SeqCst), 0, "the prep's counter is back at zero: {at}");
     assert_eq!(r.arrive.load(SeqCst), 0, "the end counter is back at zero: {at}");
     assert_eq!(get(&l.recv_counts)[experts / n], want.rows_needed as i32, "rows needed: {at}");

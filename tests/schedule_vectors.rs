@@ -88,7 +88,7 @@ fn moe_cases() -> Vec<MoeCase> {
     for (nranks, tokens, top_k, experts) in
         [(1, 300, 2, 8), (2, 400, 4, 16), (4, 512, 8, 32), (8, 256, 8, 64), (3, 200, 3, 12)]
     {
-        let s = MoeShape { tokens, top_k, experts, nranks };
+        let s = MoeShape::new(tokens, top_k, experts, nranks);
         let routing: Vec<Vec<i32>> = (0..nranks)
             .map(|_| {
                 (0..tokens)

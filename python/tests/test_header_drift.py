@@ -45,6 +45,8 @@ C_TO_CTYPES = {
     "mkConfig_t *": ctypes.POINTER(_lib.mkConfig_t),
     "const mkConfig_t *": ctypes.POINTER(_lib.mkConfig_t),
     "mkConfig_t": _lib.mkConfig_t,
+    "mkMoeOptions_t *": ctypes.POINTER(_lib.mkMoeOptions_t),
+    "const mkMoeOptions_t *": ctypes.POINTER(_lib.mkMoeOptions_t),
 }
 STRUCT_FIELD_TYPES = {
     "size_t": ctypes.c_size_t,
@@ -169,14 +171,15 @@ def test_library_exports_every_declaration():
         assert hasattr(lib, name), name
 
 
-def test_config_struct_matches_the_header():
+@pytest.mark.parametrize("name", ["mkConfig_t", "mkMoeOptions_t"])
+def test_versioned_structs_match_the_header(name):
     body = _strip_comments(header_text())
-    struct = re.search(r"typedef struct \{(.*?)\}\s*mkConfig_t;", body, flags=re.S).group(1)
+    struct = re.search(r"typedef struct \{([^{}]*?)\}\s*" + name + ";", body, flags=re.S).group(1)
     fields = [
         (m.group(2), STRUCT_FIELD_TYPES[" ".join(m.group(1).split())])
         for m in re.finditer(r"([\w ]+?)\s+(\w+);", struct)
     ]
-    assert fields == list(_lib.mkConfig_t._fields_)
+    assert fields == list(getattr(_lib, name)._fields_)
 
 
 def test_unique_id_matches_the_header():

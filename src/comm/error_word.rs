@@ -57,10 +57,6 @@ impl ErrorWord {
         let what = self.what();
         match self.code() {
             // kernels/moe.cu: errors found in the inputs on the device.
-            mkResult_t::mkInvalidUsage if what == Some(MkWait::MoeCapacity) => MkError::invalid_usage(format!(
-                "{op} on rank {rank}: the receive buffer of {peer} needs more rows than recvCapacity; nothing was moved. \
-                 recvCounts[E_local] holds the recvCapacity this routing needs (the most over ranks). Recreate the communicator"
-            )),
             mkResult_t::mkInvalidUsage if what == Some(MkWait::MoeExpert) => MkError::invalid_usage(format!(
                 "{op} on rank {rank}: topkIdx holds an expert id outside [-1, E); those choices were dropped. Recreate the communicator"
             )),
@@ -107,16 +103,7 @@ mod tests {
         // The kernel's encoding (signals.cuh mk_error_word) is the same bit layout.
         assert_eq!(ErrorWord::encode(mkResult_t::mkTimeout, Some(2), 3, 2).0, 8 | (2 << 8) | (3 << 16) | (2 << 24));
         assert_eq!(ErrorWord(0x42).code(), mkResult_t::mkInternalError);
-        // kernels/moe.cu: a receive buffer too small (what 5) and a bad expert id (what 6).
-        let cap = ErrorWord::encode(mkResult_t::mkInvalidUsage, Some(3), 5, 19).to_error(1);
-        assert_eq!(cap.code, mkResult_t::mkInvalidUsage);
-        assert!(
-            cap.message.contains(
-                "mkMoeDispatchGemm on rank 1: the receive buffer of rank 3 needs more rows than recvCapacity"
-            ),
-            "{}",
-            cap.message
-        );
+        // kernels/moe.cu: a bad expert id (what 6).
         assert!(ErrorWord::encode(mkResult_t::mkInvalidUsage, Some(0), 6, 19)
             .to_error(0)
             .message

@@ -1,5 +1,6 @@
 //! `mkConfig_t`: the versioned communicator configuration.
 
+use super::versioned::VersionedStruct;
 use crate::comm::CommConfig;
 use crate::error::{MkError, Result};
 use std::os::raw::{c_int, c_longlong, c_uint};
@@ -81,89 +82,36 @@ impl mkConfig_t {
     }
 }
 
-/// The fields a caller's struct holds: (offset, bytes) of each, in order.
-const FIELDS: [(usize, usize); 8] = [
-    (std::mem::offset_of!(mkConfig_t, magic), 4),
-    (std::mem::offset_of!(mkConfig_t, version), 4),
-    (std::mem::offset_of!(mkConfig_t, timeoutMs), 4),
-    (std::mem::offset_of!(mkConfig_t, bootstrapTimeoutMs), 4),
-    (std::mem::offset_of!(mkConfig_t, commCtas), 4),
-    (std::mem::offset_of!(mkConfig_t, maxCtas), 4),
-    (std::mem::offset_of!(mkConfig_t, ranksPerNode), 4),
-    (std::mem::offset_of!(mkConfig_t, workspaceBytes), 8),
-];
-/// Bytes of `size`, `magic` and `version`: the part every mkConfig_t has.
-const CONFIG_HEADER_BYTES: usize = std::mem::offset_of!(mkConfig_t, timeoutMs);
-/// The largest `size` accepted from a newer header.
-pub const MAX_CONFIG_BYTES: usize = 1024;
+/// How a caller's `mkConfig_t` of any version is read (`versioned`): its fields after
+/// `size` as (offset, bytes), in order; an unset word of a newer field is 0,
+/// MK_CONFIG_UNDEF_INT or -1.
+const CONFIG: VersionedStruct = VersionedStruct {
+    arg: "config",
+    type_name: "mkConfig_t",
+    initializer: "MK_CONFIG_INITIALIZER",
+    init_fn: "mkConfigInit",
+    magic: MK_CONFIG_MAGIC,
+    fields: &[
+        (std::mem::offset_of!(mkConfig_t, magic), 4),
+        (std::mem::offset_of!(mkConfig_t, version), 4),
+        (std::mem::offset_of!(mkConfig_t, timeoutMs), 4),
+        (std::mem::offset_of!(mkConfig_t, bootstrapTimeoutMs), 4),
+        (std::mem::offset_of!(mkConfig_t, commCtas), 4),
+        (std::mem::offset_of!(mkConfig_t, maxCtas), 4),
+        (std::mem::offset_of!(mkConfig_t, ranksPerNode), 4),
+        (std::mem::offset_of!(mkConfig_t, workspaceBytes), 8),
+    ],
+    unset_word: |w| w == 0 || w == MK_CONFIG_UNDEF_INT as u32 || w == u32::MAX,
+};
+const _: () = assert!(std::mem::offset_of!(mkConfig_t, timeoutMs) == super::versioned::HEADER_BYTES);
 
-/// Reads a caller's `mkConfig_t` of any version: `size` first, then at most `size` bytes,
-/// into a struct whose fields start unset. The caller's struct is only ever copied byte by
-/// byte, so a short struct at the end of a mapping and a misaligned one are both fine.
+/// Reads a caller's `mkConfig_t` of any version (`versioned`) into a struct whose fields
+/// start unset.
 ///
 /// # Safety
 /// `cfg` must be non-NULL and point to at least `cfg->size` readable bytes.
 pub unsafe fn read_config(cfg: *const mkConfig_t) -> Result<mkConfig_t> {
-    let bytes = cfg.cast::<u8>();
-    let size = std::ptr::read_unaligned(cfg.cast::<usize>());
-    if size < CONFIG_HEADER_BYTES {
-        return Err(MkError::invalid_argument(format!(
-            "config->size = {size} is smaller than the config header ({CONFIG_HEADER_BYTES} bytes): initialise mkConfig_t with \
-             MK_CONFIG_INITIALIZER or mkConfigInit"
-        )));
-    }
-    let mut out = mkConfig_t::initializer();
-    // Whole fields only: a field cut by `size` counts as absent.
-    let copied = FIELDS.iter().map(|&(offset, len)| offset + len).take_while(|&end| end <= size).last().unwrap_or(0);
-    // SAFETY: `copied` <= size bytes are readable at cfg; `out` is a plain repr(C) struct of
-    // at least `copied` bytes whose every bit pattern is valid.
-    std::ptr::copy_nonoverlapping(bytes, (&mut out as *mut mkConfig_t).cast::<u8>(), copied);
-    if out.magic != MK_CONFIG_MAGIC {
-        return Err(MkError::invalid_argument(
-            "config->magic is wrong: initialise mkConfig_t with MK_CONFIG_INITIALIZER (or mkConfigInit) before setting fields",
-        ));
-    }
-    let ours = crate::version_code() as c_uint;
-    if out.version == 0 || out.version / 10000 != ours / 10000 {
-        return Err(MkError::invalid_argument(format!(
-            "config->version = {} is not a header version of this library's major version {} (this library is {}.{}.{}): \
-             initialise mkConfig_t with MK_CONFIG_INITIALIZER from this library's mkernel.h, or with mkConfigInit",
-            out.version,
-            ours / 10000,
-            ours / 10000,
-            ours / 100 % 100,
-            ours % 100
-        )));
-    }
-    let known = std::mem::size_of::<mkConfig_t>();
-    if size > MAX_CONFIG_BYTES {
-        return Err(MkError::invalid_argument(format!(
-            "config->size = {size} is larger than any mkConfig_t ({MAX_CONFIG_BYTES} bytes at most): initialise it with \
-             MK_CONFIG_INITIALIZER or mkConfigInit"
-        )));
-    }
-    if size > known {
-        // A newer header's struct: its extra fields must be unset, since this library
-        // cannot honour them.
-        let mut extra = vec![0u8; size - known];
-        // SAFETY: bytes known..size are readable (size <= the caller's struct).
-        std::ptr::copy_nonoverlapping(bytes.add(known), extra.as_mut_ptr(), extra.len());
-        let unset = |w: u32| w == 0 || w == MK_CONFIG_UNDEF_INT as u32 || w == u32::MAX;
-        for (i, chunk) in extra.chunks(4).enumerate() {
-            let mut word = [0u8; 4];
-            word[..chunk.len()].copy_from_slice(chunk);
-            let w = u32::from_ne_bytes(word);
-            if !unset(w) {
-                return Err(MkError::invalid_argument(format!(
-                    "config->size = {size}: the config comes from a newer header (this library's mkConfig_t has {known} bytes) \
-                     and sets a field this library does not know (byte offset {}, word {w:#x}); leave newer fields unset \
-                     or use a library as new as the header",
-                    known + 4 * i
-                )));
-            }
-        }
-    }
-    Ok(out)
+    CONFIG.read(cfg, mkConfig_t::initializer())
 }
 
 /// Reads a caller's config over the environment's values.

@@ -5,6 +5,7 @@ use crate::cuda::sys::CUstream;
 use crate::error::{mkResult_t, MkError};
 use crate::types::RawDataType;
 use std::ffi::c_void;
+use std::os::raw::{c_int, c_longlong, c_uint};
 
 /// AllGather of A's rows across the ranks, then C = A_gathered · Bᵀ, in one persistent
 /// kernel: the rows of each peer are consumed by the GEMM as soon as their chunk arrives,
@@ -194,9 +195,18 @@ pub unsafe extern "C" fn mkMoeLayoutBytes(
 /// Counts and offsets are computed on the device (the ranks exchange per-expert counts
 /// inside the kernel): no host synchronisation, capturable in a CUDA graph. Every rank must
 /// call it with the same hidden, ffn, topk, experts, recvCapacity and dtype (tokens may
-/// differ). If some rank's rows exceed recvCapacity nothing is moved, recvCounts is still
-/// written, and mkCommGetAsyncError reports mkInvalidUsage on every rank (the communicator
-/// is then unusable). Rules (mkInvalidArgument): hidden and ffn positive multiples of 128;
+/// differ).
+///
+/// Overflow: if some rank's rows exceed recvCapacity, every rank finds it in the kernel
+/// (each sees every rank's counts) and the call moves nothing: `y` and the rows in the
+/// receive buffers are left as they were, and a mkMoeGemmCombine on this layout writes
+/// nothing either (`out` keeps its contents). recvCounts is still written, so
+/// recvCounts[E_local] > recvCapacity tells the caller, on every rank alike, that the call
+/// overflowed and what recvCapacity to call again with. The overflow is not an error of the
+/// communicator: mkCommGetAsyncError stays mkSuccess and the next call runs (a larger
+/// recvCapacity may need a larger fused-op region: see below).
+///
+/// Rules (mkInvalidArgument): hidden and ffn positive multiples of 128;
 /// recvCapacity a multiple of 128; E a multiple of nranks, at most 1024; 1 ≤ topk ≤ 32;
 /// x, w1, y 16-byte aligned. The receive buffer (recvCapacity·hidden elements + 64 KiB)
 /// must fit in the workspace's fused-op region (MK_WORKSPACE_BYTES), else mkInvalidUsage
@@ -233,6 +243,145 @@ pub unsafe extern "C" fn mkMoeDispatchGemm(
             dims,
             dtype,
         )?;
+        dispatch_gemm(c, &args, true, stream)
+    })
+}
+
+/// `mkMoeOptions_t.magic`; set by `MK_MOE_OPTIONS_INITIALIZER`.
+pub const MK_MOE_OPTIONS_MAGIC: c_uint = 0x6d6b_6d6f;
+
+/// Options of mkMoeDispatchGemmWithOptions, versioned as mkConfig_t is: always start from
+/// `MK_MOE_OPTIONS_INITIALIZER` (or mkMoeOptionsInit), then set the fields you want.
+/// `size`, `magic` and `version` let one library accept the struct of any header of its
+/// major version: a smaller struct's missing fields keep the initializer's values; a
+/// larger one (at most 1024 bytes) is accepted when every field this library does not
+/// know is 0; `size` below 16, a wrong `magic`, `version` 0 or of another major version:
+/// mkInvalidArgument.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct mkMoeOptions_t {
+    /// sizeof(mkMoeOptions_t) as the caller compiled it.
+    pub size: usize,
+    /// Must be MK_MOE_OPTIONS_MAGIC.
+    pub magic: c_uint,
+    /// MK_VERSION_CODE of the header the caller compiled against.
+    pub version: c_uint,
+    /// MK_MOE_NO_DROP (0, the initializer's): every row travels, and a call whose rows
+    /// exceed recvCapacity moves nothing (see mkMoeDispatchGemm's overflow). MK_MOE_DROP
+    /// (1), Megatron's capacity factor with its "position" policy: each rank sends each
+    /// expert at most `expertCapacity` of its rows, the first in token order (a token
+    /// listing an expert twice takes one place); the rest are dropped.
+    pub capacityPolicy: c_int,
+    /// Drop mode: rows each rank may send to each expert, in [1, 2^31) (Megatron's
+    /// ceil(tokens · topk / experts · capacityFactor) for this rank's tokens). 0 in no-drop
+    /// mode (the initializer's).
+    pub expertCapacity: c_longlong,
+}
+
+impl mkMoeOptions_t {
+    /// The value of `MK_MOE_OPTIONS_INITIALIZER` for this library's header.
+    pub fn initializer() -> mkMoeOptions_t {
+        mkMoeOptions_t {
+            size: std::mem::size_of::<mkMoeOptions_t>(),
+            magic: MK_MOE_OPTIONS_MAGIC,
+            version: crate::version_code() as c_uint,
+            capacityPolicy: crate::ops::moe::MK_MOE_NO_DROP,
+            expertCapacity: 0,
+        }
+    }
+}
+
+/// How a caller's `mkMoeOptions_t` of any version is read; every field's unset value is 0.
+const MOE_OPTIONS: super::versioned::VersionedStruct = super::versioned::VersionedStruct {
+    arg: "options",
+    type_name: "mkMoeOptions_t",
+    initializer: "MK_MOE_OPTIONS_INITIALIZER",
+    init_fn: "mkMoeOptionsInit",
+    magic: MK_MOE_OPTIONS_MAGIC,
+    fields: &[
+        (std::mem::offset_of!(mkMoeOptions_t, magic), 4),
+        (std::mem::offset_of!(mkMoeOptions_t, version), 4),
+        (std::mem::offset_of!(mkMoeOptions_t, capacityPolicy), 4),
+        (std::mem::offset_of!(mkMoeOptions_t, expertCapacity), 8),
+    ],
+    unset_word: |w| w == 0,
+};
+const _: () = assert!(std::mem::offset_of!(mkMoeOptions_t, capacityPolicy) == super::versioned::HEADER_BYTES);
+
+/// Fills `*options` with what `MK_MOE_OPTIONS_INITIALIZER` gives: this library's size,
+/// magic and version, no-drop mode. For callers that cannot use the macro (cgo, ctypes).
+#[no_mangle]
+pub unsafe extern "C" fn mkMoeOptionsInit(options: *mut mkMoeOptions_t) -> mkResult_t {
+    super::guard(None, "mkMoeOptionsInit", || super::write_out(options, mkMoeOptions_t::initializer(), "options"))
+}
+
+/// The capacity policy a caller's options (NULL: the initializer's) and `dropCounts` ask for.
+///
+/// # Safety
+/// `options`, when non-NULL, must point to at least `options->size` readable bytes.
+pub unsafe fn capacity_policy(
+    options: *const mkMoeOptions_t,
+    drop_counts: u64,
+) -> crate::error::Result<crate::ops::moe::CapacityPolicy> {
+    let o = if options.is_null() {
+        mkMoeOptions_t::initializer()
+    } else {
+        MOE_OPTIONS.read(options, mkMoeOptions_t::initializer())?
+    };
+    crate::ops::moe::CapacityPolicy::from_raw(o.capacityPolicy, o.expertCapacity, drop_counts)
+}
+
+/// mkMoeDispatchGemm with options (`mkMoeOptions_t`; NULL = the initializer's, which is
+/// mkMoeDispatchGemm itself) and one more output:
+///
+/// - `dropCounts` [experts] int32: per expert, how many of this rank's rows (distinct
+///   (token, expert) pairs) the drop rule dropped; zeros in no-drop mode. Required in drop
+///   mode, may be NULL in no-drop mode. Written also when the call overflows.
+///
+/// In drop mode a dropped choice has no row at its owner: `y` and recvCounts hold the kept
+/// rows only, and mkMoeGemmCombine adds nothing for it (a token whose every choice was
+/// dropped gets 0). Each expert then receives at most nranks · expertCapacity rows, so a
+/// recvCapacity of E_local · roundup(nranks · expertCapacity, 128) never overflows.
+/// Everything is decided on the device: capturable in a CUDA graph. Each rank caps its own
+/// rows, so ranks may pass different expertCapacity values (Megatron's capacity follows
+/// each rank's token count). Rules (mkInvalidArgument, before launch): capacityPolicy
+/// MK_MOE_NO_DROP or MK_MOE_DROP; drop mode needs expertCapacity in [1, 2^31) and
+/// dropCounts; no-drop mode needs expertCapacity 0; dropCounts 4-byte aligned device
+/// memory; the rest as mkMoeDispatchGemm.
+#[no_mangle]
+pub unsafe extern "C" fn mkMoeDispatchGemmWithOptions(
+    x: *const c_void,
+    topkIdx: *const i32,
+    w1: *const c_void,
+    y: *mut c_void,
+    recvCounts: *mut i32,
+    dropCounts: *mut i32,
+    layout: *mut c_void,
+    tokens: usize,
+    hidden: usize,
+    ffn: usize,
+    topk: usize,
+    experts: usize,
+    recvCapacity: usize,
+    dtype: RawDataType,
+    options: *const mkMoeOptions_t,
+    comm: mkComm_t,
+    stream: CUstream,
+) -> mkResult_t {
+    use crate::ops::moe::{dispatch_gemm, validate_dispatch, MoeDims};
+    with_comm(comm, "mkMoeDispatchGemmWithOptions", |c| {
+        let dims = MoeDims { tokens, hidden, ffn, top_k: topk, experts, capacity: recvCapacity, nranks: c.nranks };
+        let mut args = validate_dispatch(
+            x as u64,
+            topkIdx as u64,
+            w1 as u64,
+            y as u64,
+            recvCounts as u64,
+            layout as u64,
+            dims,
+            dtype,
+        )?;
+        args.policy = capacity_policy(options, dropCounts as u64)?;
         dispatch_gemm(c, &args, true, stream)
     })
 }
@@ -492,5 +641,50 @@ mod tests {
                 assert_eq!(bytes, 7);
             }
         }
+    }
+
+    #[test]
+    fn moe_options_are_read_by_version_and_their_rules_named() {
+        use crate::ops::moe::{CapacityPolicy, MK_MOE_DROP};
+        let mut o = std::mem::MaybeUninit::<mkMoeOptions_t>::zeroed();
+        assert_eq!(unsafe { mkMoeOptionsInit(o.as_mut_ptr()) }, mkResult_t::mkSuccess);
+        let o = unsafe { o.assume_init() };
+        assert_eq!((o.size, o.magic, o.capacityPolicy, o.expertCapacity), (32, MK_MOE_OPTIONS_MAGIC, 0, 0));
+        assert_eq!(o.version as i32, crate::version_code());
+        assert_eq!(unsafe { mkMoeOptionsInit(std::ptr::null_mut()) }, mkResult_t::mkInvalidArgument);
+        let counts = 0x1000;
+        // NULL options and the initializer's: no-drop mode.
+        let no_drop = CapacityPolicy::NoDrop { drop_counts: 0 };
+        assert_eq!(unsafe { capacity_policy(std::ptr::null(), 0) }.unwrap(), no_drop);
+        assert_eq!(unsafe { capacity_policy(&o, 0) }.unwrap(), no_drop);
+        let drop = mkMoeOptions_t { capacityPolicy: MK_MOE_DROP, expertCapacity: 40, ..o };
+        assert_eq!(
+            unsafe { capacity_policy(&drop, counts) }.unwrap(),
+            CapacityPolicy::Drop { expert_capacity: 40, drop_counts: counts }
+        );
+        // An older header's struct (the three header fields only) reads as the initializer.
+        let older = mkMoeOptions_t { size: 16, ..drop };
+        assert_eq!(unsafe { capacity_policy(&older, 0) }.unwrap(), no_drop);
+        let err = |o: &mkMoeOptions_t, counts: u64| unsafe { capacity_policy(o, counts) }.unwrap_err().message;
+        assert!(err(&mkMoeOptions_t { magic: 1, ..o }, 0).contains("options->magic is wrong"));
+        assert!(err(&mkMoeOptions_t { version: 0, ..o }, 0).contains("options->version = 0"));
+        assert!(err(&mkMoeOptions_t { size: 8, ..o }, 0).contains("options->size = 8"));
+        // A newer header's struct: accepted while its new fields are 0 (two fields: no
+        // padding bytes, which hold whatever was there).
+        #[repr(C)]
+        struct Newer {
+            base: mkMoeOptions_t,
+            activation: c_int,
+            spare: c_int,
+        }
+        let newer = |activation| Newer {
+            base: mkMoeOptions_t { size: std::mem::size_of::<Newer>(), ..drop },
+            activation,
+            spare: 0,
+        };
+        assert!(unsafe { capacity_policy((&newer(0) as *const Newer).cast(), counts) }.is_ok());
+        let e = unsafe { capacity_policy((&newer(1) as *const Newer).cast(), counts) }.unwrap_err().message;
+        assert!(e.contains("options comes from a newer header") && e.contains("byte offset 32"), "{e}");
+        assert!(err(&drop, 0).contains("dropCounts is NULL"));
     }
 }

@@ -26,6 +26,8 @@ pub mod gemm;
 
 pub mod handles;
 
+pub mod versioned;
+
 use crate::comm::Comm;
 use crate::error::{mkResult_t, set_thread_last_error, MkError, Result};
 use crate::mk_warn;

@@ -32,6 +32,40 @@ pub struct MoeShape {
     pub top_k: usize,
     pub experts: usize,
     pub nranks: usize,
+    /// Drop mode: each source rank sends at most this many rows to each expert (`kept`);
+    /// None: no-drop mode.
+    pub expert_capacity: Option<usize>,
+}
+
+impl MoeShape {
+    /// A no-drop call's shape.
+    pub fn new(tokens: usize, top_k: usize, experts: usize, nranks: usize) -> MoeShape {
+        MoeShape { tokens, top_k, experts, nranks, expert_capacity: None }
+    }
+}
+
+/// The drop rule (drop mode, Megatron's capacity factor with its "position" policy): a
+/// source rank's rows of one expert are kept in token order, the first `expert_capacity`
+/// of them; a row is one distinct (token, expert) pair, so a token listing an expert twice
+/// takes one place. `index` is the row's place among the source's rows of that expert.
+/// Every rank decides for its own tokens alone, so the rule needs no exchange and keeps
+/// each expert's rows from one source at most `expert_capacity`.
+pub fn kept(expert_capacity: Option<usize>, index: usize) -> bool {
+    expert_capacity.is_none_or(|c| index < c)
+}
+
+/// Drop mode: per global expert, how many of one source rank's rows (`ids`, [T × k]) the
+/// drop rule drops; every entry 0 in no-drop mode. Ids outside [0, E) count nowhere.
+pub fn drop_counts(s: &MoeShape, ids: &[i32]) -> Vec<usize> {
+    let mut rows = vec![0usize; s.experts];
+    for token in ids.chunks(s.top_k) {
+        for (j, &e) in token.iter().enumerate() {
+            if e >= 0 && (e as usize) < s.experts && !token[..j].contains(&e) {
+                rows[e as usize] += 1;
+            }
+        }
+    }
+    rows.iter().map(|&r| s.expert_capacity.map_or(0, |c| r.saturating_sub(c))).collect()
 }
 
 pub fn validate(s: &MoeShape) -> Result<()> {
@@ -61,13 +95,15 @@ pub struct ReceivedRow {
 /// What rank `rank` receives, given every rank's routing (`routing[src]` is that rank's
 /// [T × k] expert ids): per local expert, its rows in order; also the number of distinct
 /// tokens each source sends (what crosses the wire). Out-of-range ids are an error, −1 is
-/// "no expert".
+/// "no expert". In drop mode the rows the drop rule (`kept`) drops are not received.
 pub fn receive_layout(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result<(Vec<Vec<ReceivedRow>>, Vec<usize>)> {
     validate(s)?;
     let per_rank = s.experts / s.nranks;
     let mut rows: Vec<Vec<ReceivedRow>> = vec![Vec::new(); per_rank];
     let mut tokens_from = vec![0usize; s.nranks];
     for (src, ids) in routing.iter().enumerate() {
+        // This source's rows of each local expert so far (the drop rule's index).
+        let mut rows_from_src = vec![0usize; per_rank];
         // Ranks may hold different numbers of tokens: each routing is [T_src, k].
         if ids.len() % s.top_k != 0 {
             return Err(MkError::invalid_argument(format!(
@@ -94,6 +130,11 @@ pub fn receive_layout(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result
                     continue;
                 }
                 seen_local.push(e);
+                let index = &mut rows_from_src[e - rank * per_rank];
+                *index += 1;
+                if !kept(s.expert_capacity, *index - 1) {
+                    continue;
+                }
                 rows[e - rank * per_rank].push(ReceivedRow {
                     source: src,
                     token: t,
@@ -194,7 +235,8 @@ pub struct DeviceLayout {
     /// Rows of the receive buffer every rank needs, the most over ranks (the smallest
     /// recvCapacity that fits this call).
     pub rows_needed: usize,
-    /// Per own (token, choice): (owner rank, row at the owner), None for −1.
+    /// Per own (token, choice): (owner rank, row at the owner), None for −1 and for a
+    /// dropped row.
     pub slots: Vec<Option<(usize, usize)>>,
     /// Rows received by `rank`, in receive-buffer order with their row index.
     pub rows: Vec<(usize, ReceivedRow)>,
@@ -231,10 +273,10 @@ pub fn device_layout(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result<
         .iter()
         .enumerate()
         .map(|(i, &e)| {
-            (e >= 0).then(|| {
-                let d = owner(s, e as usize);
-                (d, position[&(d, i / s.top_k, e as usize)])
-            })
+            // A dropped row has no position: None, as for −1.
+            (e >= 0)
+                .then(|| owner(s, e as usize))
+                .and_then(|d| Some((d, *position.get(&(d, i / s.top_k, e as usize))?)))
         })
         .collect();
     Ok(DeviceLayout { recv_counts, expert_base, rows_needed, slots, rows })
@@ -271,7 +313,7 @@ pub fn tile_width(cols: usize) -> usize {
 }
 
 pub fn validate_dims(d: &MoeDims) -> Result<()> {
-    validate(&MoeShape { tokens: d.tokens, top_k: d.top_k, experts: d.experts, nranks: d.nranks })?;
+    validate(&MoeShape::new(d.tokens, d.top_k, d.experts, d.nranks))?;
     crate::ensure_arg!(d.top_k <= MAX_TOP_K, "k = {} exceeds {MAX_TOP_K} experts per token", d.top_k);
     crate::ensure_arg!(d.experts <= MAX_EXPERTS, "E = {} exceeds {MAX_EXPERTS} experts", d.experts);
     crate::ensure_arg!(
@@ -330,8 +372,68 @@ pub struct DispatchArgs {
     pub layout: u64,
     pub dims: MoeDims,
     pub dtype: mkDataType_t,
+    pub policy: CapacityPolicy,
     /// Per-CTA timing buffer for `mkbench moe --trace` (kernels/common/trace.cuh), else 0.
     pub trace: u64,
+}
+
+/// What a dispatch does with rows beyond the room it has (mkMoeOptions_t.capacityPolicy).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CapacityPolicy {
+    /// Every row travels; a call whose rows exceed some rank's recvCapacity moves nothing
+    /// and reports the recvCapacity it needs (recvCounts[E_local]). `drop_counts`, when
+    /// not 0, receives zeros.
+    NoDrop { drop_counts: u64 },
+    /// Each source rank sends at most `expert_capacity` rows to each expert (`kept`);
+    /// `drop_counts` [E] int32 receives this rank's dropped rows per expert.
+    Drop { expert_capacity: usize, drop_counts: u64 },
+}
+
+/// mkMoeOptions_t.capacityPolicy codes.
+pub const MK_MOE_NO_DROP: i32 = 0;
+pub const MK_MOE_DROP: i32 = 1;
+
+impl CapacityPolicy {
+    /// The policy a C caller's `capacityPolicy`, `expertCapacity` and `dropCounts` ask for.
+    pub fn from_raw(code: i32, expert_capacity: i64, drop_counts: u64) -> Result<CapacityPolicy> {
+        check_ptr(drop_counts, "dropCounts", 4, false)?;
+        match code {
+            MK_MOE_NO_DROP => {
+                crate::ensure_arg!(
+                    expert_capacity == 0,
+                    "options->expertCapacity = {expert_capacity} is set but options->capacityPolicy is MK_MOE_NO_DROP: \
+                     no-drop mode moves every row (set capacityPolicy = MK_MOE_DROP to cap each expert's rows)"
+                );
+                Ok(CapacityPolicy::NoDrop { drop_counts })
+            }
+            MK_MOE_DROP => {
+                crate::ensure_arg!(drop_counts != 0, "dropCounts is NULL: drop mode writes each expert's dropped rows there");
+                crate::ensure_arg!(
+                    expert_capacity >= 1 && expert_capacity <= i32::MAX as i64,
+                    "options->expertCapacity = {expert_capacity}: drop mode needs the rows each rank may send to each \
+                     expert, in [1, 2^31) (0 would drop every row)"
+                );
+                Ok(CapacityPolicy::Drop { expert_capacity: expert_capacity as usize, drop_counts })
+            }
+            other => Err(MkError::invalid_argument(format!(
+                "options->capacityPolicy = {other} is neither MK_MOE_NO_DROP ({MK_MOE_NO_DROP}) nor MK_MOE_DROP ({MK_MOE_DROP})"
+            ))),
+        }
+    }
+
+    /// The drop rule's cap (`MoeShape::expert_capacity`).
+    pub fn expert_capacity(&self) -> Option<usize> {
+        match *self {
+            CapacityPolicy::NoDrop { .. } => None,
+            CapacityPolicy::Drop { expert_capacity, .. } => Some(expert_capacity),
+        }
+    }
+
+    pub fn drop_counts(&self) -> u64 {
+        match *self {
+            CapacityPolicy::NoDrop { drop_counts } | CapacityPolicy::Drop { drop_counts, .. } => drop_counts,
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -354,7 +456,18 @@ pub fn validate_dispatch(
     check_ptr(y, "y", 16, true)?;
     check_ptr(recv_counts, "recvCounts", 4, true)?;
     check_ptr(layout, "layout", 16, true)?;
-    Ok(DispatchArgs { x, topk_idx, w1, y, recv_counts, layout, dims, dtype, trace: 0 })
+    Ok(DispatchArgs {
+        x,
+        topk_idx,
+        w1,
+        y,
+        recv_counts,
+        layout,
+        dims,
+        dtype,
+        policy: CapacityPolicy::NoDrop { drop_counts: 0 },
+        trace: 0,
+    })
 }
 
 /// A validated mkMoeGemmCombine call.
@@ -607,7 +720,8 @@ pub fn block_tables(s: &MoeShape, routing: &[Vec<i32>], rank: usize) -> Result<B
 /// The dispatch's send list for `rank` (kernels/moe.cu `prep`, read by `send_rows_warp`):
 /// lists q = le·nranks + step, for destination d = (rank + step) mod nranks and its local
 /// expert le (global e = d·E_local + le), each holding the slots t·k + j of this rank's
-/// tokens routed to e in token order (j the first choice naming e). Returns (start of each
+/// tokens routed to e in token order (j the first choice naming e; in drop mode the kept
+/// ones only). Returns (start of each
 /// list, then the total: E + 1 entries; the slots). Senders walk it in order, so each
 /// destination receives every source's rows of its expert 0 first, then expert 1, ...
 pub fn send_tables(s: &MoeShape, ids: &[i32], rank: usize) -> (Vec<usize>, Vec<usize>) {
@@ -618,9 +732,13 @@ pub fn send_tables(s: &MoeShape, ids: &[i32], rank: usize) -> (Vec<usize>, Vec<u
     for q in 0..s.experts {
         row0.push(slots.len());
         let e = ((rank + q % n) % n * el + q / n) as i32;
+        let mut index = 0;
         for t in 0..ids.len() / k {
             if let Some(j) = ids[t * k..(t + 1) * k].iter().position(|&x| x == e) {
-                slots.push(t * k + j);
+                if kept(s.expert_capacity, index) {
+                    slots.push(t * k + j);
+                }
+                index += 1;
             }
         }
     }
@@ -961,12 +1079,15 @@ pub fn dispatch_gemm(comm: &Comm, a: &DispatchArgs, gemm: bool, stream: sys::CUs
             (a.y, "y"),
             (a.recv_counts, "recvCounts"),
             (a.layout, "layout"),
+            (a.policy.drop_counts(), "dropCounts"),
         ],
     )?;
     let mut params = base_params(&d, a.layout);
     params.x = a.x;
     params.topk_idx = a.topk_idx;
     params.recv_counts = a.recv_counts;
+    params.expert_capacity = a.policy.expert_capacity().map_or(0, |c| c as i32);
+    params.drop_counts = a.policy.drop_counts();
     params.trace = a.trace;
     let el = d.experts_local();
     run(
@@ -1030,7 +1151,7 @@ mod tests {
     use super::*;
 
     fn shape(tokens: usize, top_k: usize, experts: usize, nranks: usize) -> MoeShape {
-        MoeShape { tokens, top_k, experts, nranks }
+        MoeShape::new(tokens, top_k, experts, nranks)
     }
 
     #[test]
@@ -1094,6 +1215,62 @@ mod tests {
         let (layout2, _) = receive_layout(&s, &routing, 2).unwrap();
         assert_eq!(layout2[0].iter().filter(|row| row.source == 1 && row.token == 3).count(), 1);
         assert!(wire < pairs, "tokens for two experts of one rank travel once");
+    }
+
+    #[test]
+    fn the_drop_rule_keeps_each_sources_first_rows_of_an_expert() {
+        // 2 ranks, 4 experts (2 each), k = 2, drop mode at 2 rows per (source, expert).
+        // Rank 0's rows of expert 0: tokens 0 (listed twice: one row), 1, 3, 4, 5.
+        let r0 = vec![0, 0, 0, 1, 1, -1, 0, 3, 0, 2, 0, -1];
+        // Rank 1's rows of expert 0: tokens 0, 1, 2.
+        let r1 = vec![0, 1, 2, 0, 0, 3];
+        let routing = vec![r0.clone(), r1.clone()];
+        let capped = |tokens| MoeShape { expert_capacity: Some(2), ..shape(tokens, 2, 4, 2) };
+        let (layout, _) = receive_layout(&capped(6), &routing, 0).unwrap();
+        let rows = |le: usize| layout[le].iter().map(|r| (r.source, r.token)).collect::<Vec<_>>();
+        assert_eq!(rows(0), vec![(0, 0), (0, 1), (1, 0), (1, 1)], "the first two of each source, token order");
+        assert_eq!(rows(1), vec![(0, 1), (0, 2), (1, 0)], "under the cap: every row");
+        assert_eq!(drop_counts(&capped(6), &r0), vec![3, 0, 0, 0]);
+        assert_eq!(drop_counts(&capped(3), &r1), vec![1, 0, 0, 0]);
+        assert_eq!(drop_counts(&shape(6, 2, 4, 2), &r0), vec![0; 4], "no-drop mode drops nothing");
+        // A dropped choice has no slot; the repeated choice of token 0 shares its row.
+        let dl = device_layout(&capped(6), &routing, 0).unwrap();
+        assert_eq!(dl.slots[0], dl.slots[1]);
+        assert_eq!((dl.slots[6], dl.slots[8], dl.slots[10]), (None, None, None), "tokens 3, 4, 5 of expert 0");
+        assert_eq!(dl.slots[7], Some((1, 128)), "token 3's expert 3 is kept: rank 1's second expert");
+        assert_eq!(dl.recv_counts, vec![4, 3]);
+        // The send list holds the kept rows only, and the block tables count them.
+        let (row0, slots) = send_tables(&capped(6), &r0, 0);
+        assert_eq!(&slots[row0[0]..row0[1]], &[0, 2], "expert 0 from rank 0: tokens 0 and 1");
+        assert_eq!(block_tables(&capped(6), &routing, 0).unwrap().rows, vec![4, 3]);
+        // The cap bounds what each expert receives: nranks · cap rows.
+        let routing = routing_for(300, 4, 8, 2, 5);
+        for rank in 0..2 {
+            let s = MoeShape { expert_capacity: Some(7), ..shape(300, 4, 8, 2) };
+            let dl = device_layout(&s, &routing, rank).unwrap();
+            assert!(dl.recv_counts.iter().all(|&c| c == 14), "{:?}", dl.recv_counts);
+            assert_eq!(dl.slots.iter().filter(|s| s.is_some()).count(), 8 * 7, "7 kept rows per expert");
+            // routing_for picks distinct experts: each of the 1200 choices is kept or dropped.
+            assert_eq!(drop_counts(&s, &routing[rank]).iter().sum::<usize>() + 8 * 7, 300 * 4);
+        }
+    }
+
+    #[test]
+    fn capacity_policy_rules_are_named() {
+        let p = 0x1000;
+        let err = |code, cap, counts| CapacityPolicy::from_raw(code, cap, counts).unwrap_err().message;
+        assert_eq!(CapacityPolicy::from_raw(MK_MOE_NO_DROP, 0, 0).unwrap(), CapacityPolicy::NoDrop { drop_counts: 0 });
+        assert_eq!(CapacityPolicy::from_raw(MK_MOE_NO_DROP, 0, p).unwrap().drop_counts(), p);
+        assert_eq!(CapacityPolicy::from_raw(MK_MOE_DROP, 9, p).unwrap().expert_capacity(), Some(9));
+        assert!(err(MK_MOE_DROP, 0, p).contains("expertCapacity = 0: drop mode needs"));
+        assert!(err(MK_MOE_DROP, -3, p).contains("expertCapacity = -3"));
+        assert!(err(MK_MOE_DROP, 1 << 31, p).contains("in [1, 2^31)"));
+        assert!(err(MK_MOE_DROP, 9, 0).contains("dropCounts is NULL"));
+        assert!(err(MK_MOE_DROP, 9, p + 2).contains("dropCounts = 0x1002 is not 4-byte aligned"));
+        assert!(err(MK_MOE_NO_DROP, 9, p).contains("is set but options->capacityPolicy is MK_MOE_NO_DROP"));
+        for code in [2, -1, i32::MAX] {
+            assert!(err(code, 9, p).contains(&format!("options->capacityPolicy = {code} is neither")));
+        }
     }
 
     #[test]

@@ -147,6 +147,38 @@ func (c *Comm) MoeDispatchGemm(a MoeDispatchArgs, s Stream) error {
 	})
 }
 
+// MoeDropArgs choose drop mode for MoeDispatchGemmWithOptions: each rank sends each expert
+// at most ExpertCapacity of its rows, the first in token order, and DropCounts
+// ([experts] int32) receives this rank's dropped rows per expert. ExpertCapacity 0 is
+// no-drop mode (DropCounts may then be 0).
+type MoeDropArgs struct {
+	ExpertCapacity int
+	DropCounts     DevicePtr
+}
+
+// MoeDispatchGemmWithOptions is MoeDispatchGemm with a capacity policy
+// (mkMoeDispatchGemmWithOptions, options from mkMoeOptionsInit).
+func (c *Comm) MoeDispatchGemmWithOptions(a MoeDispatchArgs, d MoeDropArgs, s Stream) error {
+	const op = "mkMoeDispatchGemmWithOptions"
+	sz := sizes{op: op}
+	t, hd, f, k, e, r := a.c(&sz)
+	if sz.err != nil {
+		return sz.err
+	}
+	var o C.mkMoeOptions_t
+	if err := call("mkMoeOptionsInit", nil, func() C.mkResult_t { return C.mkMoeOptionsInit(&o) }); err != nil {
+		return err
+	}
+	if d.ExpertCapacity != 0 {
+		o.capacityPolicy = C.MK_MOE_DROP
+		o.expertCapacity = C.longlong(d.ExpertCapacity)
+	}
+	return c.do(op, func(h C.mkComm_t) C.mkResult_t {
+		return C.mkMoeDispatchGemmWithOptions(ptr(a.X), i32(a.TopkIdx), ptr(a.W1), ptr(a.Y), i32(a.RecvCounts),
+			i32(d.DropCounts), ptr(a.Layout), t, hd, f, k, e, r, C.mkDataType_t(a.DType), &o, h, stream(s))
+	})
+}
+
 // MoeCombineArgs are the buffers of MoeGemmCombine: YAct [recvCapacity, ffn], W2
 // [localExperts, hidden, ffn], TopkWeights [tokens, topk] float32, Layout (as filled by
 // MoeDispatchGemm), Out [tokens, hidden].

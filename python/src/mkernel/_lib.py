@@ -55,6 +55,16 @@ class mkConfig_t(ctypes.Structure):
     ]
 
 
+class mkMoeOptions_t(ctypes.Structure):
+    _fields_ = [
+        ("size", c_size_t),
+        ("magic", c_uint),
+        ("version", c_uint),
+        ("capacityPolicy", c_int),
+        ("expertCapacity", c_longlong),
+    ]
+
+
 UNIQUE_ID_BYTES = ctypes.sizeof(mkUniqueId)
 
 # Result codes (mkResult_t), numbered as in include/mkernel.h.
@@ -127,6 +137,29 @@ DECLARATIONS: dict[str, tuple[object, list[object]]] = {
             c_size_t,
             c_size_t,
             mkDataType_t,
+            mkComm_t,
+            mkStream_t,
+        ],
+    ),
+    "mkMoeOptionsInit": (mkResult_t, [POINTER(mkMoeOptions_t)]),
+    "mkMoeDispatchGemmWithOptions": (
+        mkResult_t,
+        [
+            _void_p,
+            POINTER(c_int32),
+            _void_p,
+            _void_p,
+            POINTER(c_int32),
+            POINTER(c_int32),
+            _void_p,
+            c_size_t,
+            c_size_t,
+            c_size_t,
+            c_size_t,
+            c_size_t,
+            c_size_t,
+            mkDataType_t,
+            POINTER(mkMoeOptions_t),
             mkComm_t,
             mkStream_t,
         ],

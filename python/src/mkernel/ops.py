@@ -86,10 +86,10 @@ def _call(comm, fn_name: str, *args) -> None:
     """Calls a communicator op with its handle and stream last; raises with the comm's message.
 
     A communicator that has hit an asynchronous error raises it first (Communicator.handle,
-    in check_async_error's words (the communicator's name, the kernel's description: which op, which peer, a MoE
-    receive buffer too small)). The library would refuse the launch by itself
-    (Comm::check_usable) with the same code and description; querying first keeps every
-    such error in one wording, for one C call.
+    in check_async_error's words (the communicator's name, the kernel's description: which
+    op, which peer)). The library would refuse the launch by itself (Comm::check_usable)
+    with the same code and description; querying first keeps every such error in one
+    wording, for one C call.
     """
     handle = comm.handle()
     code = getattr(_lib.library(), fn_name)(*args, handle, _stream(comm.device))
@@ -547,6 +547,10 @@ def moe_dispatch_gemm(
     w1 [E_local, ffn, hidden]. Returns y [recv_capacity, ffn] (rows grouped by local
     expert; see moe_segment_starts), recv_counts [E_local + 1] int32 (the last entry is
     the smallest recv_capacity that fits) and the layout for moe_gemm_combine.
+
+    recv_counts[-1] > recv_capacity means the call overflowed: nothing moved (y, and the output of a
+    moe_gemm_combine on that layout, hold no data), the communicator stays usable, and a call with
+    recv_capacity = recv_counts[-1] runs. Every rank reads the same value.
     """
     _tensors("moe_dispatch_gemm", x=x, topk_idx=topk_idx, w1=w1)
     c = resolve(comm)

@@ -109,7 +109,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let (t, h, f, k, e) = (o.tokens, o.hidden, o.ffn, o.top_k, o.experts);
     let el = e / n;
     let ids = routing(o, n);
-    let layout = device_layout(&MoeShape { tokens: t, top_k: k, experts: e, nranks: n }, &ids, rank)?;
+    let layout = device_layout(&MoeShape::new(t, k, e, n), &ids, rank)?;
     let cap = layout.rows_needed;
     let dims = MoeDims { tokens: t, hidden: h, ffn: f, top_k: k, experts: e, capacity: cap, nranks: n };
     let mut cfg = CommConfig::from_env();

@@ -26,13 +26,14 @@ use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::collectives::{mkAllGather, mkAllReduce, mkReduceScatter};
 use mkernel::ffi::comm::mkCommAbort;
 use mkernel::ffi::fused::{
-    mkAllGatherGemm, mkGemmAllReduce, mkGemmReduceScatter, mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes,
-    mkRingAttention,
+    mkAllGatherGemm, mkGemmAllReduce, mkGemmReduceScatter, mkMoeDispatchGemm, mkMoeDispatchGemmWithOptions,
+    mkMoeGemmCombine, mkMoeLayoutBytes, mkMoeOptions_t, mkRingAttention,
 };
 use mkernel::ffi::gemm::mkGemm;
 use mkernel::ffi::mkComm_t;
 use mkernel::ffi::query::{mkCommCount, mkCommCuDevice, mkCommUserRank};
 use mkernel::ops::collectives::CollectiveKind;
+use mkernel::ops::moe::MK_MOE_DROP;
 use mkernel::testing::TestBuffer;
 use mkernel::types::{mkDataType_t, mkRedOp_t};
 use std::ffi::c_void;
@@ -304,12 +305,13 @@ fn fused_argument_errors(comm: mkComm_t, n: usize, t: &mut Tally) -> Result<()> 
     idx.upload(&[0i32; 16].iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
     let weights = TestBuffer::new(16, mkDataType_t::mkFloat32)?;
     let counts = TestBuffer::new(experts + 1, mkDataType_t::mkInt32)?;
+    let drops = TestBuffer::new(experts, mkDataType_t::mkInt32)?;
     let mut layout_bytes = 0usize;
     // SAFETY: valid out-pointer.
     let r = unsafe { mkMoeLayoutBytes(8, 2, 128, &mut layout_bytes) };
     t.check("mkMoeLayoutBytes", r == mkResult_t::mkSuccess && layout_bytes > 0, format!("{r:?}, {layout_bytes} bytes"));
     let layout = TestBuffer::new(layout_bytes.div_ceil(4), mkDataType_t::mkInt32)?;
-    for o in [&y, &out, &counts, &layout] {
+    for o in [&y, &out, &counts, &drops, &layout] {
         o.poison(std::ptr::null_mut())?;
     }
     sync_all()?;
@@ -371,13 +373,53 @@ fn fused_argument_errors(comm: mkComm_t, n: usize, t: &mut Tally) -> Result<()> 
     if n > 1 {
         rejects(t, "mkMoeDispatchGemm E not a multiple of nranks", dispatch(xp, lp, 128, 2, 2 * n + 1, 128, d), "");
     }
+    // The options' rules (ops::moe::CapacityPolicy::from_raw), each before any launch.
+    let with_options = |options: mkMoeOptions_t, drops: *mut i32| {
+        // SAFETY: as above; `options` lives across the call.
+        unsafe {
+            mkMoeDispatchGemmWithOptions(
+                xp,
+                idx.ptr() as *const i32,
+                w.ptr() as *const _,
+                y.ptr() as *mut _,
+                counts.ptr() as *mut i32,
+                drops,
+                lp,
+                8,
+                128,
+                128,
+                2,
+                experts,
+                128,
+                d,
+                &options,
+                comm,
+                stream.0,
+            )
+        }
+    };
+    let (init, dp) = (mkMoeOptions_t::initializer(), drops.ptr() as *mut i32);
+    let drop_mode = |cap| mkMoeOptions_t { capacityPolicy: MK_MOE_DROP, expertCapacity: cap, ..init };
+    rejects(t, "drop mode with expertCapacity 0", with_options(drop_mode(0), dp), "expertCapacity = 0");
+    rejects(t, "drop mode without dropCounts", with_options(drop_mode(4), std::ptr::null_mut()), "dropCounts is NULL");
+    rejects(
+        t,
+        "capacityPolicy 7",
+        with_options(mkMoeOptions_t { capacityPolicy: 7, ..init }, dp),
+        "capacityPolicy = 7",
+    );
+    rejects(t, "options with a wrong magic", with_options(mkMoeOptions_t { magic: 1, ..init }, dp), "options->magic");
     stream.sync()?;
-    let untouched_all =
-        untouched(&c)? && untouched(&y)? && untouched(&out)? && untouched(&counts)? && untouched(&layout)?;
+    let untouched_all = untouched(&c)?
+        && untouched(&y)?
+        && untouched(&out)?
+        && untouched(&counts)?
+        && untouched(&layout)?
+        && untouched(&drops)?;
     t.check(
         "rejected calls launch nothing",
         untouched_all,
-        "C, y, out, recvCounts and layout still poisoned, guard bands intact",
+        "C, y, out, recvCounts, layout and dropCounts still poisoned, guard bands intact",
     );
     let code = async_error(comm);
     t.check("no asynchronous error after the rejected calls", code == mkResult_t::mkSuccess, format!("{code:?}"));

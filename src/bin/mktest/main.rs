@@ -17,6 +17,7 @@ mod gemm;
 mod gemm_reduce;
 mod mixed;
 mod moe;
+mod moe_capacity;
 mod nodes;
 mod outcome;
 mod ranks;
@@ -44,8 +45,9 @@ const SUITES: &[(&str, Suite, usize)] = &[
     ("ag_gemm", ag_gemm::run, 38),
     ("gemm_reduce", gemm_reduce::run, 80),
     // 13 rounds of dispatch then combine over 7 sizes, a bitwise repeat, 6 around the
-    // graph, the capacity overflow.
-    ("moe", moe::run, 21),
+    // graph, the capacity overflow and its retry, 2 rounds and 6 around the graph in drop
+    // mode.
+    ("moe", moe::run, 30),
     ("ring_attn", ring_attn::run, 55),
     // 36 gradient checks, 4 argument errors, 6 around the graph (46 at one rank).
     ("ring_attn_bwd", ring_attn_bwd::run, 44),
@@ -62,7 +64,7 @@ const SUITES: &[(&str, Suite, usize)] = &[
 /// The floors of the sanitizer-sized sets (fused_common::sanitizer_sized: one dtype, at
 /// most two rounds, the small shapes), about half of the whole sets' floors.
 const SANITIZER_FLOORS: &[(&str, usize)] =
-    &[("ag_gemm", 17), ("gemm_reduce", 36), ("moe", 15), ("ring_attn", 22), ("ring_attn_bwd", 16), ("mixed", 14)];
+    &[("ag_gemm", 17), ("gemm_reduce", 36), ("moe", 24), ("ring_attn", 22), ("ring_attn_bwd", 16), ("mixed", 14)];
 
 /// MK_TEST_KILL=only runs a suite's killed-rank test alone: one check per surviving rank.
 fn floor_of(name: &str, floor: usize) -> usize {

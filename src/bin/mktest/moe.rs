@@ -7,18 +7,24 @@
 //! every received row of Y must match a float64 reference x_row·W1_eᵀ; the combine (fed a
 //! fresh random Y', independent of Y) must match Σ_j w·round(Y'_row·W2_eᵀ) in float64.
 //! Outputs are NaN-poisoned first (NaN never passes). Then graph capture with fresh routing
-//! on each replay, the capacity overflow, and (several ranks) a rank that never calls.
+//! on each replay, the capacity overflow and drop mode (moe_capacity), and (several ranks)
+//! a rank that never calls.
 
-use crate::collectives::{async_error, ffi, say, Stream};
+use crate::collectives::{ffi, say, Stream};
 use crate::fused_common::{self, FusedCase};
 use crate::outcome::{self, Outcome};
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
 use mkernel::cuda::sys;
 use mkernel::error::{mkResult_t, MkError, Result};
-use mkernel::ffi::fused::{mkMoeDispatchGemm, mkMoeGemmCombine, mkMoeLayoutBytes};
+use mkernel::ffi::fused::{
+    mkMoeDispatchGemm, mkMoeDispatchGemmWithOptions, mkMoeGemmCombine, mkMoeLayoutBytes, mkMoeOptions_t,
+};
 use mkernel::ffi::mkComm_t;
-use mkernel::ops::moe::{block_tables, device_layout, layout_offsets, send_tables, DeviceLayout, MoeShape, ROW_BLOCK};
+use mkernel::ops::moe::{
+    block_tables, device_layout, drop_counts, layout_offsets, send_tables, DeviceLayout, MoeShape, MK_MOE_DROP,
+    ROW_BLOCK,
+};
 use mkernel::testing::{check_close, check_exact, tolerance, Rule, TestBuffer};
 use mkernel::types::mkDataType_t;
 use std::cell::RefCell;
@@ -30,7 +36,8 @@ pub fn run() -> Result<Outcome> {
             correctness(comm, control, rank, n)
                 .and_then(|_| repeats_are_bitwise(comm, rank, n))
                 .and_then(|_| graph_replay(comm, rank, n))
-                .and_then(|_| capacity_overflow(comm, rank, n))
+                .and_then(|_| crate::moe_capacity::overflow_then_retry(comm, rank, n))
+                .and_then(|_| crate::moe_capacity::drop_mode(comm, rank, n))
         },
         absent_rank,
     )
@@ -67,7 +74,7 @@ pub(crate) struct Sizes {
     pub(crate) spread: usize,
 }
 
-fn tokens_of(s: &Sizes, r: usize) -> usize {
+pub(crate) fn tokens_of(s: &Sizes, r: usize) -> usize {
     if r % 2 == 1 {
         s.tokens_odd
     } else {
@@ -77,7 +84,7 @@ fn tokens_of(s: &Sizes, r: usize) -> usize {
 
 /// Every rank's routing and weights for `seed`: choice 0 often the hot expert, −1 holes,
 /// repeats, and a band of experts (those ≡ 1 mod 3) that never get a token.
-fn routing(s: &Sizes, n: usize, seed: u64) -> (Vec<Vec<i32>>, Vec<Vec<f32>>) {
+pub(crate) fn routing(s: &Sizes, n: usize, seed: u64) -> (Vec<Vec<i32>>, Vec<Vec<f32>>) {
     let hot = (seed as usize * 7) % s.experts;
     let allowed: Vec<usize> = (0..s.experts).filter(|e| e % 3 != 1).take(s.spread.max(1)).collect();
     let mut ids = Vec::new();
@@ -122,6 +129,9 @@ pub(crate) struct Case {
     n: usize,
     rank: usize,
     capacity: usize,
+    /// Drop mode's rows per (source rank, expert) (mkMoeDispatchGemmWithOptions); None: no-drop
+    /// mode through mkMoeDispatchGemm.
+    expert_capacity: Option<usize>,
     /// Every rank's tokens, W2 and Y' (one allocation per rank; this rank passes its own).
     x_shards: Vec<TestBuffer>,
     w1: TestBuffer,
@@ -131,6 +141,8 @@ pub(crate) struct Case {
     y: TestBuffer,
     yact_shards: Vec<TestBuffer>,
     counts: TestBuffer,
+    /// [E] int32: this rank's dropped rows per expert (drop mode).
+    drops: TestBuffer,
     layout: TestBuffer,
     out: TestBuffer,
     /// The routing of the last `FusedCase::prepare`, which `verify` checks against.
@@ -146,6 +158,17 @@ pub(crate) struct Inputs {
 
 impl Case {
     pub(crate) fn new(s: Sizes, n: usize, rank: usize, capacity: usize) -> Result<Case> {
+        Case::with_policy(s, n, rank, capacity, None)
+    }
+
+    /// A case in drop mode (`expert_capacity` Some) or no-drop mode.
+    pub(crate) fn with_policy(
+        s: Sizes,
+        n: usize,
+        rank: usize,
+        capacity: usize,
+        expert_capacity: Option<usize>,
+    ) -> Result<Case> {
         let t_max = s.tokens.max(s.tokens_odd).max(1);
         let el = s.experts / n;
         let mut words = 0usize;
@@ -159,6 +182,7 @@ impl Case {
             n,
             rank,
             capacity,
+            expert_capacity,
             x_shards: (0..n).map(|_| TestBuffer::new(t_max * s.hidden, s.dtype)).collect::<Result<_>>()?,
             w1: TestBuffer::new(el * s.ffn * s.hidden, s.dtype)?,
             w2_shards: (0..n).map(|_| TestBuffer::new(el * s.hidden * s.ffn, s.dtype)).collect::<Result<_>>()?,
@@ -167,6 +191,7 @@ impl Case {
             y: TestBuffer::new(capacity * s.ffn, s.dtype)?,
             yact_shards: (0..n).map(|_| TestBuffer::new(capacity * s.ffn, s.dtype)).collect::<Result<_>>()?,
             counts: TestBuffer::new(el + 1, mkDataType_t::mkInt32)?,
+            drops: TestBuffer::new(s.experts, mkDataType_t::mkInt32)?,
             layout: TestBuffer::new(words / 4, mkDataType_t::mkInt32)?,
             out: TestBuffer::new(t_max * s.hidden, s.dtype)?,
             inputs: RefCell::new(None),
@@ -176,7 +201,7 @@ impl Case {
     pub(crate) fn label(&self) -> String {
         let s = &self.s;
         format!(
-            "{} T={}/{} H={} F={} k={} E={} cap={}",
+            "{} T={}/{} H={} F={} k={} E={} cap={}{}",
             s.dtype.name(),
             s.tokens,
             s.tokens_odd,
@@ -184,8 +209,29 @@ impl Case {
             s.ffn,
             s.top_k,
             s.experts,
-            self.capacity
+            self.capacity,
+            self.expert_capacity.map_or(String::new(), |c| format!(" drop>{c}"))
         )
+    }
+
+    pub(crate) fn shape_of(&self, rank: usize) -> MoeShape {
+        let s = &self.s;
+        MoeShape {
+            expert_capacity: self.expert_capacity,
+            ..MoeShape::new(tokens_of(s, rank), s.top_k, s.experts, self.n)
+        }
+    }
+
+    pub(crate) fn recv_counts(&self) -> Result<Vec<i32>> {
+        Ok(self.counts.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect())
+    }
+
+    pub(crate) fn y(&self) -> &TestBuffer {
+        &self.y
+    }
+
+    pub(crate) fn out(&self) -> &TestBuffer {
+        &self.out
     }
 
     fn t_max(&self) -> usize {
@@ -213,16 +259,46 @@ impl Case {
         self.y.poison(null)?;
         self.out.poison(null)?;
         self.counts.poison(null)?;
+        self.drops.poison(null)?;
         self.layout.poison(null)?;
         fused_common::sync_default_stream()?;
-        let shape = MoeShape { tokens: t, top_k: s.top_k, experts: s.experts, nranks: self.n };
-        let layout = device_layout(&shape, &ids, self.rank)?;
+        debug_assert_eq!(self.shape_of(self.rank).tokens, t);
+        let layout = device_layout(&self.shape_of(self.rank), &ids, self.rank)?;
         Ok(Inputs { ids, weights, layout, seed })
     }
 
     pub(crate) fn dispatch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
         let s = &self.s;
         let x = self.x_shards[self.rank].ptr();
+        if let Some(expert_capacity) = self.expert_capacity {
+            let options = mkMoeOptions_t {
+                capacityPolicy: MK_MOE_DROP,
+                expertCapacity: expert_capacity as i64,
+                ..mkMoeOptions_t::initializer()
+            };
+            // SAFETY: device buffers of the sizes the op expects; options a live struct.
+            return unsafe {
+                mkMoeDispatchGemmWithOptions(
+                    x as *const _,
+                    self.idx.ptr() as *const i32,
+                    self.w1.ptr() as *const _,
+                    self.y.ptr() as *mut _,
+                    self.counts.ptr() as *mut i32,
+                    self.drops.ptr() as *mut i32,
+                    self.layout.ptr() as *mut _,
+                    tokens_of(s, self.rank),
+                    s.hidden,
+                    s.ffn,
+                    s.top_k,
+                    s.experts,
+                    self.capacity,
+                    s.dtype as i32,
+                    &options,
+                    comm,
+                    stream,
+                )
+            };
+        }
         // SAFETY: device buffers of the sizes the op expects.
         unsafe {
             mkMoeDispatchGemm(
@@ -281,6 +357,15 @@ impl Case {
         if counts != want {
             return Ok((false, format!("recvCounts {counts:?}, expected {want:?}")));
         }
+        if self.expert_capacity.is_some() {
+            let dropped: Vec<i32> =
+                self.drops.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+            let want: Vec<i32> =
+                drop_counts(&self.shape_of(self.rank), &inp.ids[self.rank]).iter().map(|&v| v as i32).collect();
+            if dropped != want {
+                return Ok((false, format!("dropCounts {dropped:?}, expected {want:?}")));
+            }
+        }
         if let Some(msg) = self.verify_block_tables(inp)? {
             return Ok((false, msg));
         }
@@ -320,7 +405,8 @@ impl Case {
     fn verify_block_tables(&self, inp: &Inputs) -> Result<Option<String>> {
         let s = &self.s;
         let t = inp.ids[self.rank].len() / s.top_k;
-        let shape = MoeShape { tokens: t, top_k: s.top_k, experts: s.experts, nranks: self.n };
+        let shape = self.shape_of(self.rank);
+        debug_assert_eq!(shape.tokens, t);
         // The dispatch's prep writes the tables.
         let want = block_tables(&shape, &inp.ids, self.rank)?;
         let words: Vec<i32> =
@@ -404,6 +490,7 @@ impl Case {
         let mut buffers: Vec<(&str, &TestBuffer)> = vec![
             ("y", &self.y),
             ("recvCounts", &self.counts),
+            ("dropCounts", &self.drops),
             ("layout", &self.layout),
             ("out", &self.out),
             ("w1", &self.w1),
@@ -519,8 +606,19 @@ fn sizes_list() -> Vec<Sizes> {
 
 /// The smallest recvCapacity this seed's routing needs, plus `slack` blocks.
 pub(crate) fn capacity_for(s: &Sizes, n: usize, seed: u64, slack: usize) -> Result<usize> {
+    capacity_with_drop(s, n, seed, slack, None)
+}
+
+/// [`capacity_for`] in drop mode (`expert_capacity` Some) or no-drop mode.
+pub(crate) fn capacity_with_drop(
+    s: &Sizes,
+    n: usize,
+    seed: u64,
+    slack: usize,
+    expert_capacity: Option<usize>,
+) -> Result<usize> {
     let (ids, _) = routing(s, n, seed);
-    let shape = MoeShape { tokens: tokens_of(s, 0), top_k: s.top_k, experts: s.experts, nranks: n };
+    let shape = MoeShape { expert_capacity, ..MoeShape::new(tokens_of(s, 0), s.top_k, s.experts, n) };
     Ok(device_layout(&shape, &ids, 0)?.rows_needed.max(ROW_BLOCK) + slack * ROW_BLOCK)
 }
 
@@ -628,54 +726,6 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
         cap = cap.max(capacity_for(&s, n, seed, 0)?);
     }
     fused_common::graph_replay(comm, rank, "MoE dispatch+combine", &Case::new(s, n, rank, cap)?)
-}
-
-/// Last on the main communicator (it leaves it unusable): a recvCapacity one block short
-/// must be reported on every rank, with the needed rows in recvCounts[E_local].
-fn capacity_overflow(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
-    let stream = Stream::new()?;
-    let s = Sizes {
-        tokens: 200,
-        tokens_odd: 150,
-        hidden: 128,
-        ffn: 128,
-        top_k: 2,
-        experts: 8,
-        dtype: mkDataType_t::mkFloat16,
-        spread: 8,
-    };
-    let needed = capacity_for(&s, n, 77, 0)?;
-    let case = Case::new(s, n, rank, needed - ROW_BLOCK)?;
-    case.prepare(77)?;
-    fused_common::peers_ready()?;
-    ffi("mkMoeDispatchGemm (too small)", case.dispatch(comm, stream.0), comm)?;
-    stream.sync()?;
-    let code = async_error(comm);
-    // SAFETY: live handle.
-    let msg =
-        unsafe { std::ffi::CStr::from_ptr(mkernel::ffi::query::mkGetLastError(comm)) }.to_string_lossy().into_owned();
-    let counts: Vec<i32> =
-        case.counts.download()?.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
-    let reported = *counts.last().unwrap() as usize;
-    let ok =
-        code == mkResult_t::mkInvalidUsage && reported == needed && msg.contains("needs more rows than recvCapacity");
-    say(
-        rank,
-        format!(
-            "capacity overflow: {code:?}, rows needed {reported} (expected {needed}), \"{msg}\" -> {}",
-            if ok { "ok" } else { "WRONG" }
-        ),
-    );
-    outcome::count(1);
-    if !ok {
-        return Err(MkError::internal("MoE capacity overflow not reported as specified"));
-    }
-    // The communicator refuses new work.
-    let again = case.combine(comm, stream.0);
-    if again == mkResult_t::mkSuccess {
-        return Err(MkError::internal("a call after the overflow was accepted"));
-    }
-    Ok(())
 }
 
 fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
