@@ -602,10 +602,12 @@ pub struct RingAttnBwdParams {
     pub dv: u64,
     /// Byte offsets in every rank's fused-op region (absolute, from the region's base in
     /// `ws.data`): the K copy (V follows it at `kv_elems` elements), the row values, the
-    /// dK/dV slots.
+    /// dK/dV slots; the one-pass engine's dQ sums (fp32) and their turn words (u64).
     pub kv_offset: u64,
     pub rows_offset: u64,
     pub slots_offset: u64,
+    pub dq_sums_offset: u64,
+    pub dq_turns_offset: u64,
     /// Elements of one rank's K (= of its V): batch · seq_local · kv_heads · D.
     pub kv_elems: u64,
     pub batch: i32,
@@ -624,8 +626,12 @@ pub struct RingAttnBwdParams {
     /// 128-key dK/dV items per (batch, kv head) and per ring step: batch · kv_heads · k_blocks.
     pub k_blocks: i32,
     pub kv_items: i32,
-    /// Tickets of one call: nranks · kv_items dK/dV items, then batch · heads · q_blocks dQ items.
+    /// Tickets of one call: nranks · kv_items dK/dV items, then batch · heads · q_blocks dQ items
+    /// (none in the one-pass engine).
     pub num_tickets: i32,
+    /// One-pass engine: 1 = dQ's partials are added to the sums in any order (atomic adds);
+    /// 0 = in each query tile's turn order (bitwise reproducible).
+    pub dq_atomic: i32,
     /// softmaxScale, and softmaxScale · log2(e) (scores go through exp2).
     pub scale: f32,
     pub scale_log2: f32,
@@ -811,6 +817,10 @@ pub const RING_BWD_ROWS_ARRIVE: u32 = RING_BWD_BASE + 5;
 pub const RING_BWD_ROWS_READY: u32 = RING_BWD_BASE + 6;
 /// Word + q: rank q finished reading this rank's K/V and dK/dV slots of epoch e.
 pub const RING_BWD_DONE: u32 = RING_BWD_BASE + 8;
+/// One-pass engine: CTAs of the running launch whose dQ writer is done (counter).
+pub const RING_BWD_DQ_ARRIVE: u32 = RING_BWD_BASE + 24;
+/// One-pass engine: every dQ partial of epoch e is summed (the last arrival raises it).
+pub const RING_BWD_DQ_READY: u32 = RING_BWD_BASE + 25;
 /// Word + src: src's K/V of epoch e is in its workspace (written by src).
 pub const RING_BWD_KV: u32 = RING_BWD_BASE + 16;
 /// Word + item: the ring successor (rank + 1) stored its dK/dV accumulator of the item
@@ -819,7 +829,8 @@ pub const RING_BWD_CHAIN: u32 = RING_BWD_BASE + 64;
 /// Most dK/dV items per ring step with more than one rank (one chain word each).
 pub const RING_BWD_MAX_ITEMS: u32 = MK_SIG_RING_BASE + 65536 - RING_BWD_CHAIN;
 const _: () =
-    assert!(RING_KV + MK_MAX_PEERS as u32 <= RING_BWD_BASE && RING_BWD_KV + MK_MAX_PEERS as u32 <= RING_BWD_CHAIN);
+    assert!(RING_KV + MK_MAX_PEERS as u32 <= RING_BWD_BASE && RING_BWD_KV + MK_MAX_PEERS as u32 <= RING_BWD_DQ_ARRIVE);
+const _: () = assert!(RING_BWD_DQ_READY < RING_BWD_CHAIN);
 
 // ---- Error words: bits 0-7 mkResult_t, 8-15 peer rank (0xff: none), 16-23 what was
 // awaited (`MkWait`), 24-31 the op (`MkOp`). Decoded by ops::collectives::ErrorWord.

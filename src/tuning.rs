@@ -20,6 +20,32 @@ pub enum Reducers {
     After,
 }
 
+/// mkRingAttentionBackward's engine (`Tuning::ring_bwd_engine`,
+/// docs/decisions/0071-one-pass-attention-backward.md). TwoPass is the default until the
+/// one-pass kernels have run on a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingBackwardEngine {
+    /// dK/dV items (S, dP, dV, dK per tile), then dQ items (S, dP, dQ): seven GEMM-units per
+    /// (key, query) pair, no sums across CTAs but the dK/dV chain.
+    TwoPass,
+    /// dK/dV items also form dQ's partial per query tile (five GEMM-units per pair); the
+    /// partials are summed in each tile's fixed turn order: bitwise reproducible.
+    OnePass,
+    /// OnePass with the partials summed by atomic adds in arrival order (not reproducible
+    /// bit for bit).
+    OnePassAtomic,
+}
+
+impl RingBackwardEngine {
+    pub fn name(self) -> &'static str {
+        match self {
+            RingBackwardEngine::TwoPass => "two-pass",
+            RingBackwardEngine::OnePass => "one-pass",
+            RingBackwardEngine::OnePassAtomic => "one-pass-atomic",
+        }
+    }
+}
+
 /// mkGemmAllReduce: the largest M that takes the one-shot path by default
 /// (`Tuning::gemm_ar_one_shot_max_m`).
 pub const GEMM_AR_ONE_SHOT_MAX_M: usize = 256;
@@ -57,6 +83,8 @@ pub struct Tuning {
     /// The collectives within a node: the largest message per rank segment (bytes) that takes
     /// the low-latency protocol; 0 never (MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES).
     pub collective_ll_max_bytes: u64,
+    /// mkRingAttentionBackward's engine (MK_INTERNAL_RING_BWD_ENGINE).
+    pub ring_bwd_engine: RingBackwardEngine,
 }
 
 impl Default for Tuning {
@@ -67,6 +95,7 @@ impl Default for Tuning {
             moe_bands: MOE_BANDS,
             moe_burst: None,
             collective_ll_max_bytes: COLLECTIVE_LL_MAX_BYTES,
+            ring_bwd_engine: RingBackwardEngine::TwoPass,
         }
     }
 }
@@ -84,6 +113,7 @@ impl Tuning {
             moe_burst: crate::env::internal_moe_burst().unwrap_or(d.moe_burst),
             collective_ll_max_bytes: crate::env::internal_collective_ll_max_bytes()
                 .unwrap_or(d.collective_ll_max_bytes),
+            ring_bwd_engine: crate::env::internal_ring_bwd_engine().unwrap_or(d.ring_bwd_engine),
         }
     }
 
@@ -127,6 +157,11 @@ impl Tuning {
                 self.collective_ll_max_bytes.to_string(),
                 self.collective_ll_max_bytes == d.collective_ll_max_bytes,
             ),
+            (
+                "MK_INTERNAL_RING_BWD_ENGINE",
+                self.ring_bwd_engine.name().to_string(),
+                self.ring_bwd_engine == d.ring_bwd_engine,
+            ),
         ];
         rows.into_iter()
             .map(|(name, value, default)| {
@@ -143,7 +178,8 @@ mod tests {
     #[test]
     fn description_names_every_setting_and_marks_overrides() {
         let d = Tuning::default().describe();
-        assert_eq!(d.len(), 5);
+        assert_eq!(d.len(), 6);
+        assert!(d[5].ends_with("MK_INTERNAL_RING_BWD_ENGINE = two-pass"), "{}", d[5]);
         assert!(d.iter().all(|l| l.starts_with("tuning: MK_INTERNAL_") && !l.contains("environment")), "{d:?}");
         assert!(d[0].ends_with("= early"), "{}", d[0]);
         let t = Tuning { gemm_reducers: Reducers::After, moe_burst: Some(false), ..Tuning::default() }.describe();

@@ -8,8 +8,13 @@
 //! gradient of the K/V block that started on rank (r + s + 1) mod n (its own at s = n − 1)
 //! and adds it to the sum the block's previous holder, rank r + 1, formed at step s − 1.
 //! So the sum of block b's gradient runs over ranks b − 1, b − 2, …, b (mod n) in that
-//! order and ends at its owner, which writes dk/dv. dQ accumulates in registers over every
-//! ring step (sources r, r − 1, …) and is stored once.
+//! order and ends at its owner, which writes dk/dv.
+//!
+//! dQ, by the engine `Tuning::ring_bwd_engine` chooses. Two-pass: dQ items after the dK/dV
+//! items accumulate dQ in registers over every ring step (sources r, r − 1, …) and store it
+//! once. One-pass (docs/decisions/0071-one-pass-attention-backward.md): the dK/dV items
+//! also form dQ's partial per 64-query tile, which the kernel sums per tile in the
+//! workspace, in ticket order (`dq_turn`) or, one-pass-atomic, in any order.
 
 use crate::comm::Comm;
 use crate::cuda::kernels::{self, Arg, Kernel};
@@ -19,6 +24,7 @@ use crate::kernel_abi::{RingAttnBwdParams, MK_MAX_PEERS, RING_BWD_MAX_ITEMS};
 use crate::ops::attention::ring_attention::{token_pos, RingArgs, RingShape};
 use crate::ops::common::fused_fence::{self, FusedKernel};
 use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
+use crate::tuning::RingBackwardEngine;
 use crate::types::{mkDataType_t, Element, RawDataType};
 use std::ffi::c_void;
 
@@ -28,15 +34,24 @@ pub const BLOCK_X: usize = 128;
 pub const BLOCK_Y: usize = 64;
 /// Threads per CTA: two math warpgroups and one loading warpgroup.
 pub const THREADS: u32 = 384;
-/// Slots of the kernel's X ring (pairs of 128-row tiles) and of its Y ring.
+/// Slots of the kernel's X ring (pairs of 128-row tiles; one in the one-pass engine, whose
+/// items are long) and of its Y ring.
 pub const X_STAGES: usize = 2;
+pub const ONE_PASS_X_STAGES: usize = 1;
 pub const Y_STAGES: usize = 2;
+/// One-pass: slots of dQ partials (BLOCK_Y × head_dim fp32) between the math warps and the
+/// dQ writer.
+pub const DQ_STAGES: usize = 2;
 
-/// Dynamic shared memory of the kernel (ring_attention_backward.cu smem_bytes): X_STAGES
-/// pairs of X tiles, Y_STAGES pairs of Y tiles, their 64 row values each (8 bytes), and
+/// Dynamic shared memory of the kernel (ring_attention_backward.cu smem_bytes): the X
+/// ring's pairs of X tiles, Y_STAGES pairs of Y tiles, their 64 row values each (8 bytes),
+/// one-pass also two dS tiles (BLOCK_X × BLOCK_Y, 16-bit) and DQ_STAGES dQ partials, and
 /// 1 KiB to align to the 128-byte swizzle's period. The kernel traps when given less.
-pub fn smem_bytes(head_dim: usize) -> usize {
-    X_STAGES * 2 * BLOCK_X * head_dim * 2 + Y_STAGES * 2 * BLOCK_Y * head_dim * 2 + Y_STAGES * BLOCK_Y * 8 + 1024
+pub fn smem_bytes(engine: RingBackwardEngine, head_dim: usize) -> usize {
+    let one_pass = engine != RingBackwardEngine::TwoPass;
+    let x_stages = if one_pass { ONE_PASS_X_STAGES } else { X_STAGES };
+    let dq = if one_pass { 2 * BLOCK_X * BLOCK_Y * 2 + DQ_STAGES * BLOCK_Y * head_dim * 4 } else { 0 };
+    x_stages * 2 * BLOCK_X * head_dim * 2 + Y_STAGES * 2 * BLOCK_Y * head_dim * 2 + Y_STAGES * BLOCK_Y * 8 + dq + 1024
 }
 
 /// The rank whose K/V block rank `rank` works on at dK/dV ring step `step`: (rank + step +
@@ -81,6 +96,27 @@ pub fn key_tiles(s: &RingShape, rank: usize, src: usize, block: usize) -> usize 
     count.div_ceil(BLOCK_Y)
 }
 
+/// One-pass: how many key blocks of `src` have a dK/dV item whose walk takes query tile `m`
+/// of `rank` (the kernel's dq_key_blocks): a prefix of the blocks, those whose
+/// `query_tiles` contain m.
+pub fn dq_key_blocks(s: &RingShape, rank: usize, src: usize, m: usize) -> usize {
+    let k_blocks = s.seq_local.div_ceil(BLOCK_X);
+    let last = (m + 1) * BLOCK_Y;
+    if !s.causal || last > s.seq_local {
+        return k_blocks;
+    }
+    tokens_before(s, src, token_pos(s, rank, last - 1) + 1).div_ceil(BLOCK_X)
+}
+
+/// One-pass: the number of dQ partials summed into query tile `m` of `rank` before the one
+/// of the dK/dV item at ring step `step`, key block `block` (the kernel's dq_turn). A tile's
+/// partials are summed in ticket order (step, then block), so the sum's order is fixed and
+/// no partial waits for a later ticket: while every rank's grid is resident, the earliest
+/// unfinished ticket never waits.
+pub fn dq_turn(s: &RingShape, rank: usize, m: usize, step: usize, block: usize) -> usize {
+    (0..step).map(|a| dq_key_blocks(s, rank, kv_step_source(rank, a, s.nranks), m)).sum::<usize>() + block
+}
+
 /// What a ticket stands for (the kernel's Task).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ticket {
@@ -99,19 +135,26 @@ pub struct RingAttentionBackwardPlan {
     pub k_blocks: usize,
     /// dK/dV items of one ring step: batch · kv_heads · k_blocks.
     pub kv_items: usize,
-    /// nranks · kv_items dK/dV tickets, then batch · heads · q_blocks dQ tickets.
+    /// nranks · kv_items dK/dV tickets, then (two-pass) batch · heads · q_blocks dQ tickets.
     pub tickets: usize,
     pub grid: u32,
     pub smem_bytes: usize,
     pub head_dim: usize,
+    pub engine: RingBackwardEngine,
 }
 
+/// The plan with this process's engine (MK_INTERNAL_RING_BWD_ENGINE, read once).
 pub fn plan(s: &RingShape, grid_cap: u32) -> RingAttentionBackwardPlan {
+    plan_for(s, grid_cap, crate::tuning::Tuning::process().ring_bwd_engine)
+}
+
+pub fn plan_for(s: &RingShape, grid_cap: u32, engine: RingBackwardEngine) -> RingAttentionBackwardPlan {
     let q_tiles = s.seq_local.div_ceil(BLOCK_Y);
     let q_blocks = s.seq_local.div_ceil(BLOCK_X);
     let k_blocks = s.seq_local.div_ceil(BLOCK_X);
     let kv_items = s.batch * s.kv_heads * k_blocks;
-    let tickets = s.nranks * kv_items + s.batch * s.heads * q_blocks;
+    let dq_items = if engine == RingBackwardEngine::TwoPass { s.batch * s.heads * q_blocks } else { 0 };
+    let tickets = s.nranks * kv_items + dq_items;
     RingAttentionBackwardPlan {
         q_tiles,
         q_blocks,
@@ -119,8 +162,9 @@ pub fn plan(s: &RingShape, grid_cap: u32) -> RingAttentionBackwardPlan {
         kv_items,
         tickets,
         grid: (tickets as u32).clamp(1, grid_cap.max(1)),
-        smem_bytes: smem_bytes(s.head_dim),
+        smem_bytes: smem_bytes(engine, s.head_dim),
         head_dim: s.head_dim,
+        engine,
     }
 }
 
@@ -145,20 +189,24 @@ impl RingAttentionBackwardPlan {
     }
 
     pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
-        let kernel = kernel_for(dtype, self.head_dim)?;
+        let kernel = kernel_for(self.engine, dtype, self.head_dim)?;
         Ok(KernelLaunch::new(kernel, self.grid, THREADS, self.smem_bytes as u32))
     }
 }
 
 /// Where the backward's data lie in every rank's fused-op region (byte offsets from the
 /// region's start): its K and V copy (more than one rank), the per-query row values (lse ·
-/// log2 e, delta) of this rank (8 bytes per query, q_tiles · 64 per (batch, head)), and the
-/// dK/dV slots (fp32, one per dK/dV item of each ring step but the last).
+/// log2 e, delta) of this rank (8 bytes per query, q_tiles · 64 per (batch, head)), the
+/// dK/dV slots (fp32, one per dK/dV item of each ring step but the last), and, one-pass,
+/// the dQ sums (fp32, BLOCK_Y × head_dim per query tile) and one u64 turn word per tile
+/// (empty, at `bytes`, for two-pass).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkspaceLayout {
     pub kv: u64,
     pub rows: u64,
     pub slots: u64,
+    pub dq_sums: u64,
+    pub dq_turns: u64,
     pub bytes: u64,
 }
 
@@ -170,7 +218,14 @@ pub fn workspace_layout(s: &RingShape, plan: &RingAttentionBackwardPlan) -> Work
     let slots_bytes = (s.nranks as u64 - 1) * plan.kv_items as u64 * slot_bytes;
     let rows = align(kv_bytes);
     let slots = align(rows + rows_bytes);
-    WorkspaceLayout { kv: 0, rows, slots, bytes: slots + slots_bytes }
+    let tiles = (s.batch * s.heads * plan.q_tiles) as u64;
+    let (sums_bytes, turns_bytes) = match plan.engine {
+        RingBackwardEngine::TwoPass => (0, 0),
+        _ => (tiles * (BLOCK_Y * s.head_dim * 4) as u64, tiles * 8),
+    };
+    let dq_sums = align(slots + slots_bytes);
+    let dq_turns = align(dq_sums + sums_bytes);
+    WorkspaceLayout { kv: 0, rows, slots, dq_sums, dq_turns, bytes: dq_turns + turns_bytes }
 }
 
 /// A validated mkRingAttentionBackward call.
@@ -235,10 +290,15 @@ pub fn validate_args(
     }
     Ok(RingBackwardArgs { forward, dout, dq, dk, dv })
 }
-/// The backward kernel for `dtype` and `head_dim` (MK_RING_ATTN_BWD_ENTRY lines).
-pub fn kernel_for(dtype: impl Element, head_dim: usize) -> Result<Kernel> {
+/// The backward kernel of `engine` for `dtype` and `head_dim` (MK_RING_ATTN_BWD_ENTRY lines;
+/// MK_RING_ATTN_BWD_ONE_PASS_ENTRY for both one-pass engines, which differ in a parameter).
+pub fn kernel_for(engine: RingBackwardEngine, dtype: impl Element, head_dim: usize) -> Result<Kernel> {
     let args = [Arg::Element, Arg::Int(head_dim)];
-    kernels::choose("mkRingAttentionBackward", dtype.element(), "MK_RING_ATTN_BWD_ENTRY", &args)
+    let entry = match engine {
+        RingBackwardEngine::TwoPass => "MK_RING_ATTN_BWD_ENTRY",
+        _ => "MK_RING_ATTN_BWD_ONE_PASS_ENTRY",
+    };
+    kernels::choose("mkRingAttentionBackward", dtype.element(), entry, &args)
 }
 
 /// The kernel's TMA descriptors (ring_attention_backward.cu `BwdMaps`): q and dout of this
@@ -292,15 +352,19 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
     ] {
         crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
     }
-    let plan = plan(&s, DeviceCaps::of(comm)?.grid_cap());
+    let plan = plan_for(&s, DeviceCaps::of(comm)?.grid_cap(), comm.config.tuning.ring_bwd_engine);
     let ws = comm.one_node_workspace("mkRingAttentionBackward")?;
     let layout = workspace_layout(&s, &plan);
     if layout.bytes > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
-            "mkRingAttentionBackward keeps this rank's K/V copy, its row values and the travelling dK/dV sums \
-             ({} bytes) in the workspace's fused-op region, which holds {}: create the communicator with \
+            "mkRingAttentionBackward ({} engine) keeps this rank's K/V copy, its row values, the travelling dK/dV \
+             sums{} ({} bytes) in the workspace's fused-op region, which holds {}: create the communicator with \
              MK_WORKSPACE_BYTES (or mkConfig_t.workspaceBytes) of at least {}",
-            layout.bytes, ws.view.op_bytes, layout.bytes
+            plan.engine.name(),
+            if plan.engine == RingBackwardEngine::TwoPass { "" } else { " and the dQ sums" },
+            layout.bytes,
+            ws.view.op_bytes,
+            layout.bytes
         )));
     }
     if s.nranks > 1 && plan.kv_items > RING_BWD_MAX_ITEMS as usize {
@@ -325,6 +389,8 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
         kv_offset: base + layout.kv,
         rows_offset: base + layout.rows,
         slots_offset: base + layout.slots,
+        dq_sums_offset: base + layout.dq_sums,
+        dq_turns_offset: base + layout.dq_turns,
         kv_elems: (s.batch * s.seq_local * s.kv_heads * s.head_dim) as u64,
         batch: s.batch as i32,
         seq_local: s.seq_local as i32,
@@ -338,6 +404,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
         k_blocks: plan.k_blocks as i32,
         kv_items: plan.kv_items as i32,
         num_tickets: plan.tickets as i32,
+        dq_atomic: (plan.engine == RingBackwardEngine::OnePassAtomic) as i32,
         scale: f.softmax_scale,
         scale_log2: f.softmax_scale * std::f32::consts::LOG2_E,
     };
@@ -485,7 +552,7 @@ mod tests {
     #[test]
     fn tickets_cover_every_item_once_step_by_step() {
         let s = RingShape { batch: 2, seq_local: 300, heads: 6, kv_heads: 2, head_dim: 128, causal: true, nranks: 3 };
-        let p = plan(&s, 132);
+        let p = plan_for(&s, 132, RingBackwardEngine::TwoPass);
         assert_eq!((p.q_tiles, p.q_blocks, p.k_blocks, p.kv_items), (5, 3, 3, 12));
         assert_eq!(p.tickets, 3 * 12 + 2 * 6 * 3);
         let mut kv = std::collections::BTreeSet::new();
@@ -507,13 +574,17 @@ mod tests {
         }
         assert_eq!(kv.len(), 3 * 12);
         assert_eq!(dq.len(), 2 * 6 * 3);
-        assert_eq!(plan(&s, 16).grid, 16);
+        assert_eq!(plan_for(&s, 16, RingBackwardEngine::TwoPass).grid, 16);
+        // One-pass: the dK/dV tickets only.
+        let one = plan_for(&s, 132, RingBackwardEngine::OnePass);
+        assert_eq!(one.tickets, 3 * 12);
+        assert!((0..one.tickets).all(|i| matches!(one.ticket(&s, i), Ticket::KeyBlock { .. })));
     }
 
     #[test]
     fn workspace_layout_and_shared_memory() {
         let s = RingShape { batch: 1, seq_local: 200, heads: 4, kv_heads: 2, head_dim: 128, causal: false, nranks: 4 };
-        let p = plan(&s, 132);
+        let p = plan_for(&s, 132, RingBackwardEngine::TwoPass);
         let l = workspace_layout(&s, &p);
         let kv = 2 * 200 * 2 * 128 * 2;
         assert_eq!(l.rows, (kv as u64).div_ceil(256) * 256);
@@ -522,9 +593,62 @@ mod tests {
         assert!(l.rows % 16 == 0 && l.slots % 16 == 0, "bulk copies and float4 slots need 16-byte alignment");
         let one = workspace_layout(&RingShape { nranks: 1, ..s }, &p);
         assert_eq!((one.rows, one.slots), (0, 4 * 4 * 64 * 8), "one rank: no K/V copy and no slots");
-        assert_eq!(smem_bytes(128), 198656);
-        assert!(smem_bytes(128) <= 232448, "fits the 227 KiB a block may opt in to");
-        assert_eq!(smem_bytes(64), 100352);
+        assert_eq!((l.dq_sums, l.dq_turns), (l.bytes, l.bytes), "two-pass: no dQ sums");
+        // One-pass: 4 · 4 query tiles of 64 × 128 fp32 sums and a turn word each, after the slots.
+        let l1 = workspace_layout(&s, &plan_for(&s, 132, RingBackwardEngine::OnePass));
+        assert_eq!(l1.dq_sums, l.bytes.div_ceil(256) * 256);
+        assert_eq!(l1.dq_turns, l1.dq_sums + 16 * 64 * 128 * 4);
+        assert_eq!(l1.bytes, l1.dq_turns + 16 * 8);
+        assert!(l1.dq_sums % 16 == 0, "bulk reduce-adds need 16-byte alignment");
+        use RingBackwardEngine::*;
+        assert_eq!(smem_bytes(TwoPass, 128), 198656);
+        assert!(smem_bytes(TwoPass, 128) <= 232448, "fits the 227 KiB a block may opt in to");
+        assert_eq!(smem_bytes(TwoPass, 64), 100352);
+        assert_eq!(smem_bytes(OnePass, 128), 231424);
+        assert!(smem_bytes(OnePass, 128) + 1024 <= 232448, "fits beside the kernel's 1 KiB of static barriers");
+        assert_eq!(smem_bytes(OnePassAtomic, 64), 133120);
+    }
+
+    /// One-pass dQ order: for every query tile, the dK/dV items whose walks take it, listed in
+    /// ticket order (ring step, then key block), are exactly the prefixes `dq_key_blocks`
+    /// counts, and each item's place in that list is its `dq_turn`: the turns of a tile are
+    /// 0, 1, 2, … with no gap (the last partial is never waited for in vain) and every item
+    /// waits only for earlier tickets.
+    #[test]
+    fn dq_turns_number_every_tiles_partials_in_ticket_order() {
+        for causal in [false, true] {
+            for n in 1..=4 {
+                for seq_local in [2, 64, 130, 200, 256, 300] {
+                    let s = shape(1, seq_local, 2, 1, causal, n);
+                    let q_tiles = seq_local.div_ceil(BLOCK_Y);
+                    let k_blocks = seq_local.div_ceil(BLOCK_X);
+                    for r in 0..n {
+                        for m in 0..q_tiles {
+                            let mut turn = 0;
+                            for step in 0..n {
+                                let src = kv_step_source(r, step, n);
+                                let walking: Vec<usize> =
+                                    (0..k_blocks).filter(|&kb| query_tiles(&s, r, src, kb).contains(&m)).collect();
+                                assert_eq!(
+                                    walking,
+                                    (0..dq_key_blocks(&s, r, src, m)).collect::<Vec<_>>(),
+                                    "{s:?} r={r} step={step} m={m}: a prefix of the blocks"
+                                );
+                                for kb in walking {
+                                    assert_eq!(
+                                        dq_turn(&s, r, m, step, kb),
+                                        turn,
+                                        "{s:?} r={r} m={m} step={step} kb={kb}"
+                                    );
+                                    turn += 1;
+                                }
+                            }
+                            assert!(turn > 0, "{s:?} r={r} m={m}: every query tile gets a partial (its own keys)");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
