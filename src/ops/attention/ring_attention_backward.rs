@@ -17,6 +17,7 @@ use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnBwdParams, MK_MAX_PEERS, RING_BWD_MAX_ITEMS};
 use crate::ops::attention::ring_attention::{token_pos, RingArgs, RingShape};
+use crate::ops::attention::TILE_ELEMENT_BYTES;
 use crate::ops::common::fused_fence::{self, FusedKernel};
 use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
 use crate::types::{mkDataType_t, Element, RawDataType};
@@ -36,7 +37,8 @@ pub const Y_STAGES: usize = 2;
 /// pairs of X tiles, Y_STAGES pairs of Y tiles, their 64 row values each (8 bytes), and
 /// 1 KiB to align to the 128-byte swizzle's period. The kernel traps when given less.
 pub fn smem_bytes(head_dim: usize) -> usize {
-    X_STAGES * 2 * BLOCK_X * head_dim * 2 + Y_STAGES * 2 * BLOCK_Y * head_dim * 2 + Y_STAGES * BLOCK_Y * 8 + 1024
+    let tile = |rows: usize| rows * head_dim * TILE_ELEMENT_BYTES;
+    X_STAGES * 2 * tile(BLOCK_X) + Y_STAGES * 2 * tile(BLOCK_Y) + Y_STAGES * BLOCK_Y * 8 + 1024
 }
 
 /// The rank whose K/V block rank `rank` works on at dK/dV ring step `step`: (rank + step +
@@ -153,7 +155,8 @@ impl RingAttentionBackwardPlan {
 /// Where the backward's data lie in every rank's fused-op region (byte offsets from the
 /// region's start): its K and V copy (more than one rank), the per-query row values (lse ·
 /// log2 e, delta) of this rank (8 bytes per query, q_tiles · 64 per (batch, head)), and the
-/// dK/dV slots (fp32, one per dK/dV item of each ring step but the last).
+/// dK/dV slots (fp32, one per dK/dV item of each ring step but the last), for K and V of
+/// elements of `dtype`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkspaceLayout {
     pub kv: u64,
@@ -162,11 +165,12 @@ pub struct WorkspaceLayout {
     pub bytes: u64,
 }
 
-pub fn workspace_layout(s: &RingShape, plan: &RingAttentionBackwardPlan) -> WorkspaceLayout {
+pub fn workspace_layout(s: &RingShape, plan: &RingAttentionBackwardPlan, dtype: impl Element) -> WorkspaceLayout {
     let align = |x: u64| x.div_ceil(256) * 256;
-    let kv_bytes = if s.nranks > 1 { 2 * (s.batch * s.seq_local * s.kv_heads * s.head_dim * 2) as u64 } else { 0 };
+    let kv_elems = s.batch * s.seq_local * s.kv_heads * s.head_dim;
+    let kv_bytes = if s.nranks > 1 { 2 * dtype.element().bytes_of(kv_elems) as u64 } else { 0 };
     let rows_bytes = (s.batch * s.heads * plan.q_tiles * BLOCK_Y * 8) as u64;
-    let slot_bytes = (2 * BLOCK_X * s.head_dim * 4) as u64;
+    let slot_bytes = (2 * BLOCK_X * s.head_dim * std::mem::size_of::<f32>()) as u64;
     let slots_bytes = (s.nranks as u64 - 1) * plan.kv_items as u64 * slot_bytes;
     let rows = align(kv_bytes);
     let slots = align(rows + rows_bytes);
@@ -294,7 +298,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
     }
     let plan = plan(&s, DeviceCaps::of(comm)?.grid_cap());
     let ws = comm.one_node_workspace("mkRingAttentionBackward")?;
-    let layout = workspace_layout(&s, &plan);
+    let layout = workspace_layout(&s, &plan, f.dtype);
     if layout.bytes > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
             "mkRingAttentionBackward keeps this rank's K/V copy, its row values and the travelling dK/dV sums \
@@ -345,7 +349,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
     let mut maps: BwdMaps = unsafe { std::mem::zeroed() };
     maps.q = head_map(f.q, f.dtype, &s, s.heads)?;
     maps.dout = head_map(args.dout, f.dtype, &s, s.heads)?;
-    let kv_bytes = p.kv_elems * 2;
+    let kv_bytes = f.dtype.element().bytes_of(p.kv_elems as usize) as u64;
     for src in 0..s.nranks {
         let (k, v) = if src == f.rank {
             (f.k, f.v)
@@ -514,13 +518,13 @@ mod tests {
     fn workspace_layout_and_shared_memory() {
         let s = RingShape { batch: 1, seq_local: 200, heads: 4, kv_heads: 2, head_dim: 128, causal: false, nranks: 4 };
         let p = plan(&s, 132);
-        let l = workspace_layout(&s, &p);
+        let l = workspace_layout(&s, &p, mkDataType_t::mkBfloat16);
         let kv = 2 * 200 * 2 * 128 * 2;
         assert_eq!(l.rows, (kv as u64).div_ceil(256) * 256);
         assert_eq!(l.slots, (l.rows + 4 * 4 * 64 * 8).div_ceil(256) * 256);
         assert_eq!(l.bytes, l.slots + 3 * (2 * 2) * (2 * 128 * 128 * 4));
         assert!(l.rows % 16 == 0 && l.slots % 16 == 0, "bulk copies and float4 slots need 16-byte alignment");
-        let one = workspace_layout(&RingShape { nranks: 1, ..s }, &p);
+        let one = workspace_layout(&RingShape { nranks: 1, ..s }, &p, mkDataType_t::mkBfloat16);
         assert_eq!((one.rows, one.slots), (0, 4 * 4 * 64 * 8), "one rank: no K/V copy and no slots");
         assert_eq!(smem_bytes(128), 198656);
         assert!(smem_bytes(128) <= 232448, "fits the 227 KiB a block may opt in to");

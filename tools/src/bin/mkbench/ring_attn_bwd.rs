@@ -112,7 +112,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     cfg.workspace_bytes = cfg
         .workspace_bytes
         .max(mkernel::ops::attention::ring_attention::workspace_bytes(&largest, dtype))
-        .max(workspace_layout(&largest, &plan(&largest, 1)).bytes);
+        .max(workspace_layout(&largest, &plan(&largest, 1), dtype).bytes);
     let comm = crate::fused_common::init_comm(id, n, rank, device, cfg)?;
     let stream =
         cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
