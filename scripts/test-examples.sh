@@ -41,12 +41,13 @@ grep -q ' \.symtab ' <<<"$(readelf -SW "$so")" && fail "the installed library ha
 grep -qF "libmkernel.so.$version.debug" <<<"$(readelf -p .gnu_debuglink "$so")" || fail "no .gnu_debuglink to the debug file"
 [ -s "$so.debug" ] || fail "INSTALL_DEBUG=1 installed no debug file"
 echo "  stripped library $(stat -c %s "$so") bytes (build: $(stat -c %s target/release/libmkernel.so)), debug file beside it"
-# The test and benchmark helpers (mkernel::testing, the cuBLASLt loader) serve mktest and
-# mkbench; nothing the C ABI reaches calls them, so the linker leaves them out of the library.
-# Each has a message of its own: none may be in the library's data. (The strings go to a file
+# The test and benchmark helpers (the tools crate's testing and cuBLASLt loader) serve
+# mktest and mkbench and are not in the library's crate; a workspace build compiles the
+# library beside them, so check that none of their code reached it. Each has a message of
+# its own: none may be in the library's data. (The strings go to a file
 # first: `strings | grep -q` under pipefail reads a match as a failure once grep stops early.)
 strings "$so" >"$work/so.strings"
-for marker in "src/cublaslt.rs:libcublasLt.so not found" "src/testing/acceptance.rs:not judged below"; do
+for marker in "tools/src/cublaslt.rs:libcublasLt.so not found" "tools/src/testing/acceptance.rs:not judged below"; do
   file=${marker%%:*} text=${marker#*:}
   grep -qF "$text" "$file" || fail "the marker \"$text\" is no longer in $file: choose another"
   grep -qF "$text" "$work/so.strings" && fail "the installed library holds code of $file (\"$text\")"

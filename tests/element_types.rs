@@ -9,7 +9,7 @@ use mkernel::ops::collectives::{self, hier, CollectiveKind};
 use mkernel::ops::dense::{ag_gemm, gemm_reduce};
 use mkernel::ops::gemm::engine::{self, PlanOverrides};
 use mkernel::ops::moe::{self, Direction};
-use mkernel::tuning::COLLECTIVE_LL_MAX_BYTES;
+use mkernel::tuning::{Tuning, COLLECTIVE_LL_MAX_BYTES};
 use mkernel::types::{mkDataType_t, Accepted, Element, ElementType};
 
 static FP8_E4M3: ElementType = ElementType {
@@ -51,6 +51,28 @@ fn planners_size_a_one_byte_type_from_its_description() {
     let s = ring_shape();
     assert_eq!(ring_attention::workspace_bytes(&s, fp8), 2 * 2 * 1024 * 4 * 128);
     assert_eq!(ring_attention::workspace_bytes(&s, BF16), 2 * ring_attention::workspace_bytes(&s, fp8));
+    // The backward's K/V copy, ahead of its fp32 row values and slots (which keep their size).
+    let backward = ring_attention_backward::plan(&s, 132);
+    let (one, two) = (
+        ring_attention_backward::workspace_layout(&s, &backward, fp8),
+        ring_attention_backward::workspace_layout(&s, &backward, BF16),
+    );
+    assert_eq!((one.kv, one.rows), (0, 2 * 2 * 1024 * 4 * 128), "K and V, one byte each");
+    assert_eq!(two.rows, 2 * one.rows);
+    assert_eq!(two.slots - two.rows, one.slots - one.rows);
+    // A GEMM + reduction keeps its partial product in the fused-op region, in the type.
+    let shape = gemm_reduce::GemmReduceShape {
+        reduction: gemm_reduce::Reduction::Scatter,
+        m: 4096,
+        n: 8192,
+        k: 1024,
+        nranks: 2,
+        rank: 1,
+        nodes: None,
+    };
+    let partial = |t| gemm_reduce::plan(&shape, t, 132, None, &Tuning::default()).unwrap().op_bytes;
+    assert_eq!(partial(fp8), 4096 * 8192);
+    assert_eq!(partial(BF16.element()), 2 * 4096 * 8192);
     // The collectives plan in elements of the type's size: a low-latency piece (a fixed
     // number of bytes) holds twice as many one-byte elements as two-byte ones.
     let plan = |bytes: u64| {

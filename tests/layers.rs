@@ -9,11 +9,9 @@ use std::path::{Path, PathBuf};
 /// Each top-level module of src/ and its layer; a module may name modules of its layer and
 /// of lower layers only. `ffi` over `ops` over `comm` over `transport` over `bootstrap` over
 /// the base (the driver layer, settings, logging, errors, the data types, the kernel ABI),
-/// whose modules may name each other. The test and benchmark support sits above the
-/// library: nothing in the library names it.
+/// whose modules may name each other. (The test and benchmark support is the tools crate,
+/// tools/, outside the library: a `crate::` path here cannot name it.)
 const LAYERS: &[(&str, u32)] = &[
-    ("testing", 7),
-    ("cublaslt", 7),
     ("ffi", 6),
     ("ops", 5),
     ("comm", 4),
@@ -143,6 +141,36 @@ fn every_top_level_module_has_a_layer() {
     assert!(declared.len() >= 10, "lib.rs declares {declared:?}");
     let missing: Vec<_> = declared.iter().filter(|m| layer_of(m).is_none()).collect();
     assert!(missing.is_empty(), "modules of lib.rs without a layer: {missing:?}");
+}
+
+/// The crate's Rust interface is the C ABI: lib.rs declares `ffi` and the modules cbindgen
+/// reads the header's types from (`error`, `types`) public, and every other layer public only
+/// under the feature `internals` (private without it).
+#[test]
+fn only_the_c_abi_is_public_without_internals() {
+    let lib = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lib.rs")).unwrap();
+    let lines: Vec<&str> = lib.lines().map(str::trim).collect();
+    let mut always_public = Vec::new();
+    let (mut gated_public, mut gated_private) = (Vec::new(), Vec::new());
+    for (i, line) in lines.iter().enumerate() {
+        let previous = if i > 0 { lines[i - 1] } else { "" };
+        let declared = |prefix: &str| line.strip_prefix(prefix).map(|m| m.trim_end_matches(';').to_string());
+        if let Some(m) = declared("pub mod ") {
+            match previous {
+                "#[cfg(feature = \"internals\")]" => gated_public.push(m),
+                _ => always_public.push(m),
+            }
+        } else if let Some(m) = declared("mod ") {
+            assert_eq!(previous, "#[cfg(not(feature = \"internals\"))]", "lib.rs: `mod {m}` outside the feature gate");
+            gated_private.push(m);
+        }
+    }
+    always_public.sort();
+    assert_eq!(always_public, ["error", "ffi", "types"], "modules public without `internals`");
+    assert_eq!(gated_public, gated_private, "each gated layer: public with `internals`, private without");
+    let declared: Vec<&str> = always_public.iter().chain(&gated_public).map(String::as_str).collect();
+    let missing: Vec<_> = LAYERS.iter().map(|(m, _)| *m).filter(|m| !declared.contains(m)).collect();
+    assert!(missing.is_empty(), "layers lib.rs does not declare: {missing:?}");
 }
 
 #[test]

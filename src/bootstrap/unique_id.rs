@@ -78,7 +78,7 @@ impl UniqueId {
         unix_time().as_millis() >= u128::from(self.root_idle_until_ms)
     }
 
-    pub fn to_bytes(&self) -> [u8; UNIQUE_ID_BYTES] {
+    pub fn to_bytes(self) -> [u8; UNIQUE_ID_BYTES] {
         let mut v = Vec::with_capacity(UNIQUE_ID_BYTES);
         v.extend_from_slice(MAGIC);
         encode_addr(&self.root, &mut v);

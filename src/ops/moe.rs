@@ -890,7 +890,9 @@ pub fn plan(
     gemm: bool,
 ) -> Result<MoePlan> {
     let (cols, inner) = gemm_cols(dir, d);
-    let bytes_moved = (d.tokens * d.top_k * d.hidden * 2) as f64;
+    // The role split weighs bytes against FLOPs before a call's element type is chosen; the
+    // tokens move as the engine's operands, so they are counted at the operand size.
+    let bytes_moved = (d.tokens * d.top_k * d.hidden * engine::OPERAND_BYTES) as f64;
     let rows_est = (d.tokens * d.top_k).max(1);
     let flops = 2.0 * rows_est as f64 * cols as f64 * inner as f64;
     let roles = plan_roles_for(dir, bytes_moved, flops, grid_ctas, comm_override)?;
@@ -955,9 +957,9 @@ struct MoeCall {
 const REGION: u64 = u64::MAX;
 
 /// Byte offsets of the count exchange and of the receive buffer / Z in the fused-op
-/// region, and the bytes the op needs there.
-fn region_needed(dims: &MoeDims) -> usize {
-    COUNTS_BYTES + dims.capacity * dims.hidden * 2
+/// region, and the bytes the op needs there for a receive buffer of elements of `dtype`.
+fn region_needed(dims: &MoeDims, dtype: impl Element) -> usize {
+    COUNTS_BYTES + dtype.element().bytes_of(dims.capacity * dims.hidden)
 }
 
 /// Checks the call against `comm`'s workspace, plans it for the device, launches the plan.
@@ -966,7 +968,7 @@ fn run(comm: &Comm, call: MoeCall, stream: sys::CUstream) -> Result<()> {
     let name = call.dir.name();
     crate::ensure_arg!(call.dims.nranks == comm.nranks, "{name}: internal: nranks mismatch");
     let ws = comm.one_node_workspace(name)?;
-    let needed = region_needed(&call.dims) as u64;
+    let needed = region_needed(&call.dims, call.dtype) as u64;
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
             "{name} keeps a receive buffer of recvCapacity·H = {}·{} elements (plus {COUNTS_BYTES} bytes of counts) in the \

@@ -7,15 +7,14 @@
 //!
 //! `proxy` holds the device→host command ring and the thread that drains it;
 //! `inter_node::start_inter_node` brings the whole path up for a communicator that spans
-//! nodes; `staging` moves device-memory windows through pinned buffers for sockets;
-//! `device_check` runs the ring's device side on a GPU (for the GPU test driver).
+//! nodes; `staging` moves device-memory windows through pinned buffers for sockets. (The
+//! GPU checks of the ring's device side are the tools crate's `device_check`.)
 //!
 //! Every put is "data, then signal": the destination's signal word changes only after all
 //! the put's bytes are in place there, so a kernel spinning on the signal may read the data.
 //! The order holds across puts to the same peer too: a signal also follows every earlier
 //! put from this rank to that peer (so many unsignalled chunks then one signal is fine).
 
-pub mod device_check;
 pub mod inter_node;
 pub mod proxy;
 pub mod rdma;

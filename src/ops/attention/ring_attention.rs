@@ -17,6 +17,7 @@ use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnParams, WorkspaceView, MK_MAX_PEERS};
+use crate::ops::attention::TILE_ELEMENT_BYTES;
 use crate::ops::common::fused_fence::{self, FusedKernel};
 use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
 use crate::types::{mkDataType_t, Element, RawDataType};
@@ -83,7 +84,7 @@ pub fn token_pos(s: &RingShape, rank: usize, i: usize) -> usize {
 /// Q_STAGES tiles, the K and V rings of KV_STAGES tiles each, and 1 KiB to align them to
 /// the 128-byte swizzle's 1024-byte period. The kernel traps when given less.
 pub fn smem_bytes(head_dim: usize) -> usize {
-    (Q_STAGES * BLOCK_M + 2 * KV_STAGES * BLOCK_N) * head_dim * 2 + 1024
+    (Q_STAGES * BLOCK_M + 2 * KV_STAGES * BLOCK_N) * head_dim * TILE_ELEMENT_BYTES + 1024
 }
 
 /// Bytes of the fused-op region a rank needs: its K and V copy, of elements of `dtype`.
@@ -146,7 +147,8 @@ pub const SCHED_L2_BYTES: usize = 16 << 20;
 /// that share each, capped at all pairs. Sections are aligned to multiples of heads /
 /// kv_heads, so the query heads of one kv head never straddle two sections.
 pub fn sched_section(s: &RingShape) -> usize {
-    let kv_bytes = (s.nranks * s.seq_local * s.head_dim * 2 * 2).max(1);
+    // K and V of one kv head over every ring step.
+    let kv_bytes = (2 * s.nranks * s.seq_local * s.head_dim * TILE_ELEMENT_BYTES).max(1);
     let kv_heads = (SCHED_L2_BYTES / kv_bytes).max(1);
     (kv_heads * (s.heads / s.kv_heads.max(1)).max(1)).min((s.batch * s.heads).max(1))
 }
@@ -310,9 +312,9 @@ fn head_map(
 
 /// Where the kernel reads source rank `src`'s K (`value` false) or V: the gathered
 /// buffers, the caller's own tensors, or the peer's fused-op region through the peer
-/// mapping (the kernel's K/V source rule; elements are 2 bytes).
-fn kv_source(p: &RingAttnParams, src: usize, value: bool) -> u64 {
-    let bytes = p.kv_elems * 2;
+/// mapping (the kernel's K/V source rule), for elements of `dtype`.
+fn kv_source(p: &RingAttnParams, dtype: mkDataType_t, src: usize, value: bool) -> u64 {
+    let bytes = dtype.element().bytes_of(p.kv_elems as usize) as u64;
     if p.kv_gathered != 0 {
         (if value { p.v_gathered } else { p.kv_gathered }) + src as u64 * bytes
     } else if src == p.rank as usize {
@@ -337,8 +339,10 @@ fn tensor_maps(args: &RingArgs, p: &RingAttnParams) -> Result<RingAttnMaps> {
     let mut maps: RingAttnMaps = unsafe { std::mem::zeroed() };
     maps.q = head_map(p.q, args.dtype, s.batch, s.seq_local, s.heads, s.head_dim)?;
     for src in 0..s.nranks {
-        maps.k[src] = head_map(kv_source(p, src, false), args.dtype, s.batch, s.seq_local, s.kv_heads, s.head_dim)?;
-        maps.v[src] = head_map(kv_source(p, src, true), args.dtype, s.batch, s.seq_local, s.kv_heads, s.head_dim)?;
+        maps.k[src] =
+            head_map(kv_source(p, args.dtype, src, false), args.dtype, s.batch, s.seq_local, s.kv_heads, s.head_dim)?;
+        maps.v[src] =
+            head_map(kv_source(p, args.dtype, src, true), args.dtype, s.batch, s.seq_local, s.kv_heads, s.head_dim)?;
     }
     Ok(maps)
 }

@@ -22,6 +22,7 @@ use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnBwdParams, MK_MAX_PEERS, RING_BWD_MAX_ITEMS};
 use crate::ops::attention::ring_attention::{token_pos, RingArgs, RingShape};
+use crate::ops::attention::TILE_ELEMENT_BYTES;
 use crate::ops::common::fused_fence::{self, FusedKernel};
 use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
 use crate::tuning::RingBackwardEngine;
@@ -50,8 +51,9 @@ pub const DQ_STAGES: usize = 2;
 pub fn smem_bytes(engine: RingBackwardEngine, head_dim: usize) -> usize {
     let one_pass = engine != RingBackwardEngine::TwoPass;
     let x_stages = if one_pass { ONE_PASS_X_STAGES } else { X_STAGES };
-    let dq = if one_pass { 2 * BLOCK_X * BLOCK_Y * 2 + DQ_STAGES * BLOCK_Y * head_dim * 4 } else { 0 };
-    x_stages * 2 * BLOCK_X * head_dim * 2 + Y_STAGES * 2 * BLOCK_Y * head_dim * 2 + Y_STAGES * BLOCK_Y * 8 + dq + 1024
+    let tile = |rows: usize| rows * head_dim * TILE_ELEMENT_BYTES;
+    let dq = if one_pass { 2 * BLOCK_X * BLOCK_Y * TILE_ELEMENT_BYTES + DQ_STAGES * BLOCK_Y * head_dim * 4 } else { 0 };
+    x_stages * 2 * tile(BLOCK_X) + Y_STAGES * 2 * tile(BLOCK_Y) + Y_STAGES * BLOCK_Y * 8 + dq + 1024
 }
 
 /// The rank whose K/V block rank `rank` works on at dK/dV ring step `step`: (rank + step +
@@ -197,9 +199,9 @@ impl RingAttentionBackwardPlan {
 /// Where the backward's data lie in every rank's fused-op region (byte offsets from the
 /// region's start): its K and V copy (more than one rank), the per-query row values (lse ·
 /// log2 e, delta) of this rank (8 bytes per query, q_tiles · 64 per (batch, head)), the
-/// dK/dV slots (fp32, one per dK/dV item of each ring step but the last), and, one-pass,
-/// the dQ sums (fp32, BLOCK_Y × head_dim per query tile) and one u64 turn word per tile
-/// (empty, at `bytes`, for two-pass).
+/// dK/dV slots (fp32, one per dK/dV item of each ring step but the last), for K and V of
+/// elements of `dtype`, and, one-pass, the dQ sums (fp32, BLOCK_Y × head_dim per query
+/// tile) and one u64 turn word per tile (empty, at `bytes`, for two-pass).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkspaceLayout {
     pub kv: u64,
@@ -210,11 +212,12 @@ pub struct WorkspaceLayout {
     pub bytes: u64,
 }
 
-pub fn workspace_layout(s: &RingShape, plan: &RingAttentionBackwardPlan) -> WorkspaceLayout {
+pub fn workspace_layout(s: &RingShape, plan: &RingAttentionBackwardPlan, dtype: impl Element) -> WorkspaceLayout {
     let align = |x: u64| x.div_ceil(256) * 256;
-    let kv_bytes = if s.nranks > 1 { 2 * (s.batch * s.seq_local * s.kv_heads * s.head_dim * 2) as u64 } else { 0 };
+    let kv_elems = s.batch * s.seq_local * s.kv_heads * s.head_dim;
+    let kv_bytes = if s.nranks > 1 { 2 * dtype.element().bytes_of(kv_elems) as u64 } else { 0 };
     let rows_bytes = (s.batch * s.heads * plan.q_tiles * BLOCK_Y * 8) as u64;
-    let slot_bytes = (2 * BLOCK_X * s.head_dim * 4) as u64;
+    let slot_bytes = (2 * BLOCK_X * s.head_dim * std::mem::size_of::<f32>()) as u64;
     let slots_bytes = (s.nranks as u64 - 1) * plan.kv_items as u64 * slot_bytes;
     let rows = align(kv_bytes);
     let slots = align(rows + rows_bytes);
@@ -354,7 +357,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
     }
     let plan = plan_for(&s, DeviceCaps::of(comm)?.grid_cap(), comm.config.tuning.ring_bwd_engine);
     let ws = comm.one_node_workspace("mkRingAttentionBackward")?;
-    let layout = workspace_layout(&s, &plan);
+    let layout = workspace_layout(&s, &plan, f.dtype);
     if layout.bytes > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
             "mkRingAttentionBackward ({} engine) keeps this rank's K/V copy, its row values, the travelling dK/dV \
@@ -412,7 +415,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
     let mut maps: BwdMaps = unsafe { std::mem::zeroed() };
     maps.q = head_map(f.q, f.dtype, &s, s.heads)?;
     maps.dout = head_map(args.dout, f.dtype, &s, s.heads)?;
-    let kv_bytes = p.kv_elems * 2;
+    let kv_bytes = f.dtype.element().bytes_of(p.kv_elems as usize) as u64;
     for src in 0..s.nranks {
         let (k, v) = if src == f.rank {
             (f.k, f.v)
@@ -585,17 +588,17 @@ mod tests {
     fn workspace_layout_and_shared_memory() {
         let s = RingShape { batch: 1, seq_local: 200, heads: 4, kv_heads: 2, head_dim: 128, causal: false, nranks: 4 };
         let p = plan_for(&s, 132, RingBackwardEngine::TwoPass);
-        let l = workspace_layout(&s, &p);
+        let l = workspace_layout(&s, &p, mkDataType_t::mkBfloat16);
         let kv = 2 * 200 * 2 * 128 * 2;
         assert_eq!(l.rows, (kv as u64).div_ceil(256) * 256);
         assert_eq!(l.slots, (l.rows + 4 * 4 * 64 * 8).div_ceil(256) * 256);
         assert_eq!(l.bytes, l.slots + 3 * (2 * 2) * (2 * 128 * 128 * 4));
         assert!(l.rows % 16 == 0 && l.slots % 16 == 0, "bulk copies and float4 slots need 16-byte alignment");
-        let one = workspace_layout(&RingShape { nranks: 1, ..s }, &p);
+        let one = workspace_layout(&RingShape { nranks: 1, ..s }, &p, mkDataType_t::mkBfloat16);
         assert_eq!((one.rows, one.slots), (0, 4 * 4 * 64 * 8), "one rank: no K/V copy and no slots");
         assert_eq!((l.dq_sums, l.dq_turns), (l.bytes, l.bytes), "two-pass: no dQ sums");
         // One-pass: 4 · 4 query tiles of 64 × 128 fp32 sums and a turn word each, after the slots.
-        let l1 = workspace_layout(&s, &plan_for(&s, 132, RingBackwardEngine::OnePass));
+        let l1 = workspace_layout(&s, &plan_for(&s, 132, RingBackwardEngine::OnePass), mkDataType_t::mkBfloat16);
         assert_eq!(l1.dq_sums, l.bytes.div_ceil(256) * 256);
         assert_eq!(l1.dq_turns, l1.dq_sums + 16 * 64 * 128 * 4);
         assert_eq!(l1.bytes, l1.dq_turns + 16 * 8);

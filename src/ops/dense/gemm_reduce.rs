@@ -306,9 +306,11 @@ impl GemmReducePlan {
 
 /// Plans a GEMM + reduction on more than one rank: the role split (`gemm_rs::plan` or
 /// `gemm_ar::plan`), across nodes the node plan, then the tile, order and early sums.
-/// `grid_ctas` is `DeviceCaps::grid_cap`; `comm_override` MK_COMM_SMS / config.
+/// `grid_ctas` is `DeviceCaps::grid_cap`; `comm_override` MK_COMM_SMS / config; the partial
+/// products and their sums are elements of `dtype`.
 pub fn plan(
     s: &GemmReduceShape,
+    dtype: impl Element,
     grid_ctas: u32,
     comm_override: Option<u32>,
     tuning: &Tuning,
@@ -335,7 +337,7 @@ pub fn plan(
             reduction,
             m,
             n,
-            2,
+            dtype.element().bytes,
             node_count,
             nranks,
             partial_offset,
@@ -347,7 +349,8 @@ pub fn plan(
     };
     // P (this rank's partial product), and for the two-phase path R (its reduced rows);
     // across nodes also the outbox and inbox of node partials.
-    let op_bytes = node_plan.map_or((m * n * 2 * if two_phase { 2 } else { 1 }) as u64, |p| p.op_bytes);
+    let partial_bytes = dtype.element().bytes_of(m * n) as u64;
+    let op_bytes = node_plan.map_or(if two_phase { 2 * partial_bytes } else { partial_bytes }, |p| p.op_bytes);
     let bn = engine::fused_tile_width(m, n, compute_ctas as usize);
     let tiles_n = n.div_ceil(bn);
     let interleave = interleave_owners(reduction, two_phase || nodes.is_some(), m, nranks);
@@ -423,7 +426,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
         rank,
         nodes: nodes.as_ref().map(|(nl, _)| (nl.nodes, ws.view.data_bytes)),
     };
-    let p = plan(&shape, grid, comm.config.comm_ctas, &comm.config.tuning)?;
+    let p = plan(&shape, args.dtype, grid, comm.config.comm_ctas, &comm.config.tuning)?;
     let needed = p.op_bytes;
     if needed > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
@@ -527,6 +530,8 @@ mod tests {
     use super::*;
     use crate::ops::gemm::engine::Epilogue;
 
+    const BF16: mkDataType_t = mkDataType_t::mkBfloat16;
+
     #[test]
     fn every_plan_launches_a_built_kernel_within_the_shared_memory() {
         let tunings = [
@@ -546,7 +551,7 @@ mod tests {
                                     let m = rows * nranks;
                                     let s =
                                         GemmReduceShape { reduction, m, n, k: 1024, nranks, rank: nranks - 1, nodes };
-                                    let Ok(p) = plan(&s, grid, comm, tuning) else {
+                                    let Ok(p) = plan(&s, BF16, grid, comm, tuning) else {
                                         refused += 1;
                                         continue;
                                     };
@@ -582,8 +587,14 @@ mod tests {
     fn the_plan_picks_tile_order_early_sums_and_grid() {
         let t = Tuning::default();
         let rs = |m, n, nranks, rank, grid, nodes| {
-            plan(&GemmReduceShape { reduction: Reduction::Scatter, m, n, k: 1024, nranks, rank, nodes }, grid, None, &t)
-                .unwrap()
+            plan(
+                &GemmReduceShape { reduction: Reduction::Scatter, m, n, k: 1024, nranks, rank, nodes },
+                BF16,
+                grid,
+                None,
+                &t,
+            )
+            .unwrap()
         };
         // GEMM+RS, 2 ranks × 2048 rows, N 8192, on 32 CTAs: BN 256, owners interleaved, the
         // group sqrt(32·256/128) = 8; early sums (this rank's 16 blocks × 32 tiles over 32
@@ -600,6 +611,7 @@ mod tests {
         let ar = |m, grid| {
             plan(
                 &GemmReduceShape { reduction: Reduction::All, m, n: 8192, k: 1024, nranks: 4, rank: 2, nodes: None },
+                BF16,
                 grid,
                 None,
                 &t,
@@ -623,7 +635,7 @@ mod tests {
             rank: 0,
             nodes: None,
         };
-        let p = plan(&s, 132, Some(14), &t).unwrap();
+        let p = plan(&s, BF16, 132, Some(14), &t).unwrap();
         assert_eq!((p.compute_ctas, p.reduce_ctas, p.grid, p.early_items), (118, 14, 132, 0));
     }
 

@@ -11,7 +11,7 @@ use crate::types::{mkDataType_t, Element};
 
 pub use crate::ops::gemm::smem::{
     engine_smem_bytes, fused_smem_bytes, fused_stages, smem_bytes, stages, tile_smem_bytes, tile_stages, Epilogue, BK,
-    BM, SMEM_LIMIT, TILE_ROWS, TILE_WIDTHS,
+    BM, OPERAND_BYTES, SMEM_LIMIT, TILE_ROWS, TILE_WIDTHS,
 };
 
 /// The GEMM's row block: the rows of its tallest tile. The fused ops align what they

@@ -1,15 +1,16 @@
 //! The GEMM engine's ring depth and dynamic shared memory per tile: what the planner
-//! launches each kernel with. Plain arithmetic that uses nothing else of the crate, so
-//! build.rs includes this file too: it evaluates [`tile_stages`] and [`tile_smem_bytes`] for
-//! every [`TILE_ROWS`] × [`TILE_WIDTHS`] × split-K or not × [`Epilogue`] (the compiled tiles
-//! among them) into kernels/gemm.cu's `PlannedTile`, which every plain-GEMM kernel checks
-//! against its own `PlainStages` and `engine_smem_bytes` at compile time, and
-//! [`fused_stages`] and [`fused_smem_bytes`] for every tile rows × width into
-//! kernels/common/fused_op.cuh's `PlannedFused`, which every fused kernel checks its
-//! `FusedStages` ring and `engine_smem_bytes` against (`mk_check_engine_smem`). The kernel's
-//! formula lays out its shared memory and this one sizes the launch; checking them where
-//! the kernels are compiled fails every build (no GPU, no test to run) when one changes and
-//! the other does not.
+//! launches each kernel with. The kernels check the same numbers at compile time:
+//! kernels/gemm_planned_tiles.inc lists [`tile_stages`] and [`tile_smem_bytes`] for every
+//! [`TILE_ROWS`] × [`TILE_WIDTHS`] × split-K or not × [`Epilogue`] (the compiled tiles among
+//! them), which kernels/gemm.cu makes its `PlannedTile` and every plain-GEMM kernel checks
+//! against its own `PlainStages` and `engine_smem_bytes`, and [`fused_stages`] and
+//! [`fused_smem_bytes`] for every tile rows × width, which kernels/common/fused_op.cuh makes
+//! its `PlannedFused` and every fused kernel checks its `FusedStages` ring and
+//! `engine_smem_bytes` against (`mk_check_engine_smem`). The kernel's formula lays out its
+//! shared memory and this one sizes the launch. The list is generated from this file and
+//! committed; this file's test fails when the two differ (`MK_UPDATE_PLANNED_TILES=1 cargo
+//! test --release --lib planned_tiles` writes it again), so a change to one formula fails
+//! the kernels' build or that test until the other agrees (docs/decisions/0062).
 
 /// Rows of A (and C) per tile: two consumer warpgroups of 64 rows. The plain GEMM also has
 /// 64-row tiles (`GemmPlan::bm`), used at small M.
@@ -117,4 +118,57 @@ pub fn tile_smem_bytes(bm: usize, bn: usize, split_k: bool, epilogue: Epilogue) 
     engine_smem_bytes(bm, bn, tile_stages(bm, bn, split_k, epilogue), epilogue_staging_per_wg(bn, epilogue))
         + split_k_partials_bytes(bm, bn, split_k)
         + if split_k { SPLIT_K_BARRIER_BYTES } else { 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// kernels/gemm_planned_tiles.inc from the formulas above: two lists, each read only
+    /// where its macro is defined, `MK_PLANNED_TILE(BM, BN, TMA_EPI, SPLIT_K, stages,
+    /// bytes)` and `MK_PLANNED_FUSED(BM, BN, stages, bytes)`. One file for both: the same
+    /// arithmetic, one place that writes it.
+    fn planned_tiles() -> String {
+        let mut text = String::from(
+            "// Generated from src/ops/gemm/smem.rs by its test `committed_planned_tiles_are_fresh`\n\
+             // (MK_UPDATE_PLANNED_TILES=1 cargo test --release --lib planned_tiles). Do not edit.\n\
+             #ifdef MK_PLANNED_TILE\n",
+        );
+        for bm in TILE_ROWS {
+            for bn in TILE_WIDTHS {
+                for split_k in [false, true] {
+                    for epilogue in [Epilogue::Tma, Epilogue::Direct] {
+                        let (stages, bytes) =
+                            (tile_stages(bm, bn, split_k, epilogue), tile_smem_bytes(bm, bn, split_k, epilogue));
+                        let tma = epilogue == Epilogue::Tma;
+                        text.push_str(&format!("MK_PLANNED_TILE({bm}, {bn}, {tma}, {split_k}, {stages}, {bytes})\n"));
+                    }
+                }
+            }
+        }
+        text.push_str("#endif\n#ifdef MK_PLANNED_FUSED\n");
+        for bm in TILE_ROWS {
+            for bn in TILE_WIDTHS {
+                let (stages, bytes) = (fused_stages(bm, bn), fused_smem_bytes(bm, bn));
+                text.push_str(&format!("MK_PLANNED_FUSED({bm}, {bn}, {stages}, {bytes})\n"));
+            }
+        }
+        text.push_str("#endif\n");
+        text
+    }
+
+    #[test]
+    fn committed_planned_tiles_are_fresh() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/gemm_planned_tiles.inc");
+        let generated = planned_tiles();
+        if std::env::var("MK_UPDATE_PLANNED_TILES").is_ok_and(|v| v == "1") {
+            std::fs::write(&path, &generated).expect("writing kernels/gemm_planned_tiles.inc");
+        }
+        let committed = std::fs::read_to_string(&path).expect("kernels/gemm_planned_tiles.inc");
+        assert!(
+            committed == generated,
+            "kernels/gemm_planned_tiles.inc differs from src/ops/gemm/smem.rs: write it again with \
+             `MK_UPDATE_PLANNED_TILES=1 cargo test --release --lib planned_tiles` and commit it"
+        );
+    }
 }

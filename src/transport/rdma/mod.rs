@@ -21,14 +21,13 @@
 //! - Errors: a failed completion (peer gone, access error) fails the transport with
 //!   `mkRemoteError` naming the peer; the proxy bounds every wait by MK_TIMEOUT_MS.
 //!
-//! `sim` is an in-memory verbs layer (RC-like and SRD-like) that the CPU tests drive this
-//! code over. No part of the `ibverbs` path has run on RDMA hardware (docs/rdma.md).
+//! The CPU tests drive this code over an in-memory verbs layer (RC-like and SRD-like):
+//! `mkernel_tools::rdma_sim`, outside the library. No part of the `ibverbs` path has run on RDMA hardware (docs/rdma.md).
 
 pub mod abi;
 pub mod efa;
 pub mod ibverbs;
 pub mod sequencer;
-pub mod sim;
 pub mod verbs;
 
 use super::staging::DeviceStager;

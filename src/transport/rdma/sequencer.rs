@@ -57,7 +57,31 @@ impl SignalSequencer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::rdma::sim::SimRng as Rng;
+
+    /// A deterministic generator (splitmix64) for the delivery orders; the simulated
+    /// fabric's own generator lives with the simulator, outside the library.
+    struct Rng(u64);
+
+    impl Rng {
+        fn new(seed: u64) -> Rng {
+            Rng(seed)
+        }
+
+        /// Uniform in `0..n` (n > 0).
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            (z ^ (z >> 31)) % n
+        }
+
+        fn shuffle<T>(&mut self, items: &mut [T]) {
+            for i in (1..items.len()).rev() {
+                items.swap(i, self.below(i as u64 + 1) as usize);
+            }
+        }
+    }
 
     #[test]
     fn signals_wait_for_every_earlier_message_and_keep_their_order() {

@@ -4,8 +4,8 @@
 //! complete, how a receiver turns immediates into signals, back-pressure when a send queue
 //! is full, and errors. A `Verbs` implementation holds only the device: queue pairs, memory
 //! registration, posting one work request, reading completions. Two implement it:
-//! `ibverbs::IbVerbs` (libibverbs and libefa loaded at run time) and `sim::SimVerbs` (an
-//! in-memory fabric that behaves like RC or like SRD, for tests).
+//! `ibverbs::IbVerbs` (libibverbs and libefa loaded at run time) and the tools crate's
+//! `rdma_sim::SimVerbs` (an in-memory fabric that behaves like RC or like SRD, for tests).
 
 use super::RdmaBlob;
 use crate::error::{MkError, Result};
