@@ -19,7 +19,7 @@ use mkernel::testing::collective_values::{exact_reduction, is_float, push_elemen
 use mkernel::testing::{
     accumulation_unit, f32_to_bf16, f32_to_f16, gamma, to_f64, underflow_floor, unit_roundoff, Rule,
 };
-use mkernel::types::{mkDataType_t, mkRedOp_t};
+use mkernel::types::{mkDataType_t, mkRedOp_t, Element};
 
 /// Entries per rank's table in the bench (a prime, so no piece size divides it).
 pub const PERIOD: usize = 1_048_573;
@@ -105,6 +105,8 @@ fn encode(dtype: mkDataType_t, v: f64) -> Vec<u8> {
         mkUint32 => (v as i64 as u32).to_le_bytes().to_vec(),
         mkInt64 => (v as i64).to_le_bytes().to_vec(),
         mkUint64 => (v as u64).to_le_bytes().to_vec(),
+        mkFloat8e4m3 => vec![mkernel::testing::fp8::f32_to_e4m3(v as f32)],
+        mkFloat8e5m2 => vec![(f32_to_f16(v as f32) >> 8) as u8],
     }
 }
 
@@ -288,7 +290,9 @@ mod tests {
         let mut v = Vec::new();
         for dtype in mkDataType_t::ALL {
             v.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum));
-            for op in mkRedOp_t::ALL {
+            // fp8 is gathered only (mkReduceScatter and mkAllReduce refuse it).
+            let reduces = if dtype.element().accepted.reduce { &mkRedOp_t::ALL[..] } else { &[] };
+            for &op in reduces {
                 v.push((CollectiveKind::ReduceScatter, dtype, op));
                 v.push((CollectiveKind::AllReduce, dtype, op));
             }

@@ -14,6 +14,7 @@ mod chaos;
 mod collectives;
 mod fused_common;
 mod gemm;
+mod gemm_fp8;
 mod gemm_reduce;
 mod mixed;
 mod moe;
@@ -39,6 +40,9 @@ const SUITES: &[(&str, Suite, usize)] = &[
     // more per random shape, 60 decode checks, 8 of the entry point. The floor fails when
     // the cluster or split-K variants stop being planned for the fixed shapes.
     ("gemm", gemm::run, 500),
+    // mkScaledGemm: 8 shapes x 2 input kinds x 2 scale modes x 2 outputs x 2-4 kernels
+    // (about 224), then the entry point's call and 7 refusals and the untouched C.
+    ("gemm_fp8", gemm_fp8::run, 200),
     ("collectives", collectives::run, 900),
     ("api", api::run, 50),
     ("ag_gemm", ag_gemm::run, 38),
