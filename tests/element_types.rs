@@ -1,7 +1,7 @@
-//! An element type enters as data. A one-byte type (fp8 e4m3, as NCCL numbers it) described
-//! here and nowhere else: the planners size its buffers from the description, and choosing
-//! its kernel is a clear error ("no kernel for this dtype"), not a panic or another type's
-//! kernel, in every family — without a line of any op changed for it.
+//! An element type enters as data. fp8 e4m3 (NCCL's value 10) is described in the type table
+//! and has kernels only for mkScaledGemm: the planners size its buffers from the description,
+//! and choosing its kernel in any other family is a clear error ("no kernel for this dtype"),
+//! not a panic or another type's kernel — without a line of those ops changed for it.
 
 use mkernel::error::mkResult_t;
 use mkernel::ops::attention::{ring_attention, ring_attention_backward};
@@ -10,16 +10,9 @@ use mkernel::ops::dense::{ag_gemm, gemm_reduce};
 use mkernel::ops::gemm::engine::{self, PlanOverrides};
 use mkernel::ops::moe::{self, Direction};
 use mkernel::tuning::COLLECTIVE_LL_MAX_BYTES;
-use mkernel::types::{mkDataType_t, Accepted, Element, ElementType};
+use mkernel::types::{mkDataType_t, Element};
 
-static FP8_E4M3: ElementType = ElementType {
-    code: 10,
-    c_name: "mkFloat8e4m3",
-    name: "float8e4m3",
-    bytes: 1,
-    cuda_type: "__nv_fp8_e4m3",
-    accepted: Accepted { collectives: true, gemm: true },
-};
+const FP8_E4M3: mkDataType_t = mkDataType_t::mkFloat8e4m3;
 
 const BF16: mkDataType_t = mkDataType_t::mkBfloat16;
 
@@ -45,7 +38,7 @@ fn assert_no_kernel<T: std::fmt::Debug>(what: &str, r: mkernel::Result<T>) {
 
 #[test]
 fn planners_size_a_one_byte_type_from_its_description() {
-    let fp8 = &FP8_E4M3;
+    let fp8 = FP8_E4M3;
     assert_eq!(ag_gemm::gathered_bytes(fp8, 4096, 7168), 4096 * 7168);
     assert_eq!(ag_gemm::gathered_bytes(BF16, 4096, 7168), 2 * 4096 * 7168);
     let s = ring_shape();
@@ -56,13 +49,13 @@ fn planners_size_a_one_byte_type_from_its_description() {
     let plan = |bytes: u64| {
         collectives::plan(CollectiveKind::AllReduce, 4096, bytes, 4, 16, 64 << 20, 264, COLLECTIVE_LL_MAX_BYTES)
     };
-    let (one, two) = (plan(fp8.bytes as u64), plan(BF16.size() as u64));
+    let (one, two) = (plan(fp8.size() as u64), plan(BF16.size() as u64));
     assert_eq!(one.chunk, 2 * two.chunk, "{one:?} {two:?}");
 }
 
 #[test]
 fn every_family_reports_no_kernel_for_a_type_without_instances() {
-    let fp8 = &FP8_E4M3;
+    let fp8 = FP8_E4M3;
     let gemm = engine::plan(4096, 4096, 4096, 132, true, PlanOverrides::default());
     assert!(gemm.kernel_launch(BF16).is_ok());
     assert_no_kernel("mkGemm", gemm.kernel_launch(fp8));
@@ -76,6 +69,9 @@ fn every_family_reports_no_kernel_for_a_type_without_instances() {
     assert_no_kernel("mkRingAttentionBackward", ring_attention_backward::plan(&s, 132).kernel_launch(fp8));
     assert_no_kernel("the collectives", collectives::kernel(fp8));
     assert_no_kernel("the collectives across nodes", hier::kernel(fp8));
+    // Its own op has kernels; a gather moves it with the one-byte unsigned integer's kernel.
+    assert!(mkernel::ops::gemm::scaled::kernel(fp8, BF16, 128, engine::Epilogue::Tma).is_ok());
+    assert!(collectives::kernel(fp8.element().moved_as()).is_ok());
 }
 
 #[test]

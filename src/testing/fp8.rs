@@ -81,7 +81,8 @@ mod tests {
         }
         assert_eq!(f32_to_e4m3(1.0625), 0x38, "halfway between 1 and 1.125: to the even 1.0");
         assert_eq!(f32_to_e4m3(1.1875), 0x3A, "halfway between 1.125 and 1.25: to the even 1.25");
-        assert_eq!(f32_to_e4m3(1.07), 0x38);
+        assert_eq!(f32_to_e4m3(1.05), 0x38);
+        assert_eq!(f32_to_e4m3(1.07), 0x39, "past the midpoint 1.0625");
         assert_eq!(f32_to_e4m3(1.1), 0x39);
         assert_eq!(f32_to_e4m3(1.0e6), 0x7E);
         assert_eq!(f32_to_e4m3(-1.0e6), 0xFE);

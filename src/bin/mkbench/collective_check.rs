@@ -19,7 +19,7 @@ use mkernel::testing::collective_values::{exact_reduction, is_float, push_elemen
 use mkernel::testing::{
     accumulation_unit, f32_to_bf16, f32_to_f16, gamma, to_f64, underflow_floor, unit_roundoff, Rule,
 };
-use mkernel::types::{mkDataType_t, mkRedOp_t, Element};
+use mkernel::types::{mkDataType_t, mkRedOp_t};
 
 /// Entries per rank's table in the bench (a prime, so no piece size divides it).
 pub const PERIOD: usize = 1_048_573;
@@ -232,6 +232,7 @@ impl Expectation {
 mod tests {
     use super::*;
     use mkernel::testing::{bf16_to_f32, f16_to_f32};
+    use mkernel::types::Element;
 
     const SMALL: usize = 61;
 

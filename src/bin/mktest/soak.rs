@@ -354,7 +354,11 @@ fn draw_once(kind: Kind, rng: &mut Rng, nranks: usize) -> Call {
     let collective = |rng: &mut Rng, kind: CollectiveKind| Call::Collective {
         kind,
         // fp8 is gathered only (mkReduceScatter and mkAllReduce refuse it).
-        dtype: if kind == CollectiveKind::AllGather { rng.pick(&mkDataType_t::ALL) } else { rng.pick(&reducing_types()) },
+        dtype: if kind == CollectiveKind::AllGather {
+            rng.pick(&mkDataType_t::ALL)
+        } else {
+            rng.pick(&reducing_types())
+        },
         op: if kind == CollectiveKind::AllGather { mkRedOp_t::mkSum } else { rng.pick(&mkRedOp_t::ALL) },
         count: rng.sized(1, 1 << 17),
         in_place: rng.coin(),

@@ -106,7 +106,9 @@ fn encode_tiled(key: &TensorMapKey, dtype: mkDataType_t, what: &str) -> Result<s
     let dt = match dtype {
         mkDataType_t::mkFloat16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         // fp8: the TMA unit moves bytes (zero fill is +0 in e4m3 and e5m2); wgmma reads them.
-        mkDataType_t::mkFloat8e4m3 | mkDataType_t::mkFloat8e5m2 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        mkDataType_t::mkFloat8e4m3 | mkDataType_t::mkFloat8e5m2 => {
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8
+        }
         _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     };
     let elem = [1u32; 5];
