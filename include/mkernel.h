@@ -154,6 +154,12 @@ typedef enum {
    * One scale per row of A (`scaleA[M]`) and one per row of B (`scaleB[N]`, a column of C).
    */
   mkScaleRowwise = 1,
+  /**
+   * DeepSeek-V3's blocks: one scale per row of A per 128 of K (`scaleA[K/128][M]`), one per
+   * 128 × 128 block of B (`scaleB[K/128][ceil(N/128)]`), row-major (the memory of torch's
+   * 1x128 and 128x128 scales); K a multiple of 128.
+   */
+  mkScaleBlock = 2,
 } mkScaleMode_t;
 
 /**
@@ -828,16 +834,23 @@ mkResult_t mkGemm(const void *A,
  * `scaleA` and `scaleB` are fp32 in device memory, as `scaleMode` says:
  * - mkScaleTensor: one value each; C[m][n] = scaleA[0] * scaleB[0] * sum_k A[m][k] * B[n][k];
  * - mkScaleRowwise: scaleA[M] (one per row of A) and scaleB[N] (one per row of B, a column
- *   of C); C[m][n] = scaleA[m] * scaleB[n] * sum_k A[m][k] * B[n][k].
+ *   of C); C[m][n] = scaleA[m] * scaleB[n] * sum_k A[m][k] * B[n][k];
+ * - mkScaleBlock (DeepSeek-V3's): scaleA[K/128][M] (one per row of A per 128 of K) and
+ *   scaleB[K/128][ceil(N/128)] (one per 128 x 128 block of B), row-major (the memory of
+ *   torch's 1x128 and 128x128 scales), K a multiple of 128;
+ *   C[m][n] = sum_b scaleA[b][m] * scaleB[b][n/128] * sum_{k in block b} A[m][k] * B[n][k].
+ *
  * Products are exact in fp32; the tensor cores' sums are added into fp32 every 128 of K (the
- * fp8 tensor cores accumulate with fewer bits than fp32); the scales multiply the fp32 sum;
- * C is rounded to `cType` once. Requires an sm_90 GPU (H100/H200).
+ * fp8 tensor cores accumulate with fewer bits than fp32), multiplied by their block's scales
+ * first in block mode; per tensor and rowwise, the scales multiply the fp32 sum once; C is
+ * rounded to `cType` once. Requires an sm_90 GPU (H100/H200).
  *
  * The scales are read by the kernel, not checked by the host: a NaN or infinite scale, or
  * NaN in A or B, gives NaN or infinite values in C (as in cuBLASLt and torch._scaled_mm).
  *
  * Rules (each violation returns mkInvalidArgument, with the rule named in mkGetLastError):
- * A, B, C, scaleA, scaleB non-NULL; K a positive multiple of 16; A and B 16-byte aligned;
+ * A, B, C, scaleA, scaleB non-NULL; K a positive multiple of 16 (of 128 with block scales);
+ * A and B 16-byte aligned;
  * C 2-byte aligned; the scales 4-byte aligned; M, N, K at most INT_MAX; abType mkFloat8e4m3
  * (mkFloat8e5m2 is refused: no kernel takes it); cType mkBfloat16 or mkFloat16; scaleMode
  * a mkScaleMode_t. Any M and N (M == 0 or N == 0 does nothing). C must not overlap the

@@ -4,9 +4,15 @@
 // Kernel name: mk_scaled_gemm_e4m3_<out>_bn<BN>_<epilogue>, out in {bf16, f16}, BN in
 // {64, 128}, epilogue in {tma, direct}. One signature:
 //   (CUtensorMap tma_a, CUtensorMap tma_b, CUtensorMap tma_c, void* c, const float* scale_a,
-//    const float* scale_b, int M, int N, int K, int group_m, int scale_a_step, int scale_b_step)
-// scale_a[r * scale_a_step] scales row r of A, scale_b[n * scale_b_step] row n of B: step 0
-// is one scale per tensor, step 1 one per row (the two modes share every kernel).
+//    const float* scale_b, int M, int N, int K, int group_m, int scale_a_step, int scale_b_step,
+//    int scale_k_blocks)
+// Per tensor and rowwise (scale_k_blocks == 0): scale_a[r * scale_a_step] scales row r of A,
+// scale_b[n * scale_b_step] row n of B (step 0: one scale per tensor, 1: one per row), once,
+// on the fp32 sum. Block scales (scale_k_blocks = K / 128, the steps unused): scale_a is
+// [K/128][M] (one per row of A per 128 of K), scale_b [K/128][ceil(N/128)] (one per
+// 128 x 128 block of B), row-major (torch's layouts for its 1x128 and 128x128 recipes);
+// each 128-wide stage's sums are scaled as they are promoted. The three modes share every
+// kernel (a uniform branch).
 // Launch: 384 threads, grid = number of CTAs (<= tiles), dynamic shared memory =
 // ScaledConfig::smem_bytes, which src/ops/gemm/scaled.rs computes by the same formula (the
 // kernel traps when it gets less).
@@ -22,7 +28,9 @@
 //   sum is added into a separate fp32 array once they are done: every 128 of K, the
 //   interval DeepSeek-V3 uses. The wait for those wgmmas leaves no batch in flight across
 //   stages; the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile;
-// - the scales multiply the fp32 sums once, before the epilogue: sA[row]·sB[col]·Σ.
+// - per-tensor and rowwise scales multiply the fp32 sums once, before the epilogue:
+//   sA[row]·sB[col]·Σ; block scales multiply each stage's sums at their promotion:
+//   Σ_kb sA[row][kb]·sB[col/128][kb]·Σ_kb.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -55,6 +63,8 @@ struct ScaledConfig {
   // 1024 alignment slack, ring, staging, full/empty barriers.
   static constexpr int smem_bytes = 1024 + STAGES * STAGE_BYTES + CONSUMERS * STAGING_PER_WG + 2 * STAGES * 8;
   static_assert(BN == 64 || BN == 128, "wgmma e4m3 tile widths: acc and the promoted sums both live in registers");
+  // Block scales: a tile's columns lie in one 128-wide block of B.
+  static_assert(128 % BN == 0, "a tile within one block of B's scales");
   static_assert(sizeof(TOut) == 2, "bf16 or fp16 output");
   static_assert(smem_bytes <= 232448, "shared memory");
   static_assert(CONSUMER_REGS >= 2 * (BN / 2) + 64, "two accumulator arrays and addressing in the consumers' registers");
@@ -67,7 +77,7 @@ template <class Cfg>
 __device__ __forceinline__ void scaled_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
                                             const CUtensorMap* tma_c, void* c, const float* scale_a,
                                             const float* scale_b, int M, int N, int K, int group_m,
-                                            int scale_a_step, int scale_b_step) {
+                                            int scale_a_step, int scale_b_step, int scale_k_blocks) {
   using Epi = ScaledEpilogue<Cfg>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, STAGES = Cfg::STAGES;
   static_assert(Epi::template smem_bytes_per_wg<BN>() == Cfg::STAGING_PER_WG, "staging as the planner counts it");
@@ -160,10 +170,24 @@ __device__ __forceinline__ void scaled_gemm(const CUtensorMap* tma_a, const CUte
       // still waits for and releases every stage (the empty barrier counts both consumers'
       // warps) and runs the epilogue, which clips its rows. Warpgroup-uniform.
       const bool live = slab.row0 < M;
+      const bool block_scales = scale_k_blocks > 0;
+      // This thread's two rows (acc_row: r and r + 8) and the tile's column of B's blocks;
+      // a stage's scales are a row further (M, and ceil(N/128), floats).
+      const int r = slab.row0 + acc_row(0, thread);
+      const int n_blocks = (N + 127) / 128;
+      const float* block_sa = scale_a + r;
+      const float* block_sb = scale_b + slab.col0 / 128;
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) sum[i] = 0.f;
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(&full[stage], phase);
+        // Block scales: loaded before the wgmmas, used once they are done.
+        float s0 = 1.f, s1 = 1.f;
+        if (block_scales && live) {
+          const float sb = __ldg(block_sb + (long long)kb * n_blocks);
+          s0 = r < M ? __ldg(block_sa + (long long)kb * M) * sb : 0.f;
+          s1 = r + 8 < M ? __ldg(block_sa + (long long)kb * M + 8) * sb : 0.f;
+        }
         if (live) {
           const char* a = smem_a + stage * Cfg::A_STAGE_BYTES + consumer * (64 * BK);
           const char* b = smem_b + stage * Cfg::B_STAGE_BYTES;
@@ -178,30 +202,37 @@ __device__ __forceinline__ void scaled_gemm(const CUtensorMap* tma_a, const CUte
         // The stage's operands are read: hand the slot back before the promotion's adds.
         if (warp_leader) mbar_arrive(&empty[stage]);
         if (live) {
+          if (block_scales) {
 #pragma unroll
-          for (int i = 0; i < BN / 2; ++i) sum[i] += acc[i];
+            for (int i = 0; i < BN / 2; ++i) sum[i] += acc[i] * ((i & 2) ? s1 : s0);
+          } else {
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) sum[i] += acc[i];
+          }
         }
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;
         }
       }
-      // C = sA[row] · sB[col] · Σ, in fp32. A thread's accumulators cover two rows (acc_row:
-      // r and r + 8) and, per 8 columns, one pair (acc_col): elements 4j..4j+3 are (r, c),
-      // (r, c+1), (r+8, c), (r+8, c+1). Rows and columns past C take no scale (the epilogue
-      // clips them, and their scales may not exist).
-      const int r = slab.row0 + acc_row(0, thread);
-      const float sa0 = r < M ? __ldg(scale_a + (long long)r * scale_a_step) : 0.f;
-      const float sa1 = r + 8 < M ? __ldg(scale_a + (long long)(r + 8) * scale_a_step) : 0.f;
+      // C = sA[row] · sB[col] · Σ, in fp32 (per tensor and rowwise; block scales were applied
+      // at the promotion). A thread's accumulators cover two rows (acc_row: r and r + 8) and,
+      // per 8 columns, one pair (acc_col): elements 4j..4j+3 are (r, c), (r, c+1), (r+8, c),
+      // (r+8, c+1). Rows and columns past C take no scale (the epilogue clips them, and their
+      // scales may not exist).
+      if (!block_scales) {
+        const float sa0 = r < M ? __ldg(scale_a + (long long)r * scale_a_step) : 0.f;
+        const float sa1 = r + 8 < M ? __ldg(scale_a + (long long)(r + 8) * scale_a_step) : 0.f;
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int col = slab.col0 + acc_col(4 * j, thread);
-        const float sb0 = col < N ? __ldg(scale_b + (long long)col * scale_b_step) : 0.f;
-        const float sb1 = col + 1 < N ? __ldg(scale_b + (long long)(col + 1) * scale_b_step) : 0.f;
-        sum[4 * j] = sum[4 * j] * sa0 * sb0;
-        sum[4 * j + 1] = sum[4 * j + 1] * sa0 * sb1;
-        sum[4 * j + 2] = sum[4 * j + 2] * sa1 * sb0;
-        sum[4 * j + 3] = sum[4 * j + 3] * sa1 * sb1;
+        for (int j = 0; j < BN / 8; ++j) {
+          const int col = slab.col0 + acc_col(4 * j, thread);
+          const float sb0 = col < N ? __ldg(scale_b + (long long)col * scale_b_step) : 0.f;
+          const float sb1 = col + 1 < N ? __ldg(scale_b + (long long)(col + 1) * scale_b_step) : 0.f;
+          sum[4 * j] = sum[4 * j] * sa0 * sb0;
+          sum[4 * j + 1] = sum[4 * j + 1] * sa0 * sb1;
+          sum[4 * j + 2] = sum[4 * j + 2] * sa1 * sb0;
+          sum[4 * j + 3] = sum[4 * j + 3] * sa1 * sb1;
+        }
       }
       Epi::template store<typename Cfg::TOut, BN>(epi, sum, slab);
     }
@@ -217,10 +248,10 @@ __device__ __forceinline__ void scaled_gemm(const CUtensorMap* tma_a, const CUte
   extern "C" __global__ void __launch_bounds__(384, 1)                                                          \
       NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,                \
            const __grid_constant__ CUtensorMap tma_c, void* c, const float* scale_a, const float* scale_b, int M, \
-           int N, int K, int group_m, int scale_a_step, int scale_b_step) {                                     \
+           int N, int K, int group_m, int scale_a_step, int scale_b_step, int scale_k_blocks) {                 \
     static_assert(std::is_same<TAB, __nv_fp8_e4m3>::value, "the kernels' wgmma reads e4m3");                    \
     mk::gemm::scaled_gemm<mk::gemm::ScaledConfig<TOUT, BN, TMA_EPI>>(                                           \
-        &tma_a, &tma_b, &tma_c, c, scale_a, scale_b, M, N, K, group_m, scale_a_step, scale_b_step);             \
+        &tma_a, &tma_b, &tma_c, c, scale_a, scale_b, M, N, K, group_m, scale_a_step, scale_b_step, scale_k_blocks); \
   }
 
 #include "kernel_instances/scaled_gemm.inc"  // the entry points: kernels/instances.txt

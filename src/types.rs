@@ -47,27 +47,37 @@ pub enum mkScaleMode_t {
     mkScaleTensor = 0,
     /// One scale per row of A (`scaleA[M]`) and one per row of B (`scaleB[N]`, a column of C).
     mkScaleRowwise = 1,
+    /// DeepSeek-V3's blocks: one scale per row of A per 128 of K (`scaleA[K/128][M]`), one per
+    /// 128 × 128 block of B (`scaleB[K/128][ceil(N/128)]`), row-major (the memory of torch's
+    /// 1x128 and 128x128 scales); K a multiple of 128.
+    mkScaleBlock = 2,
 }
 
 /// How a `mkScaleMode_t` crosses the C boundary (the header shows it as `mkScaleMode_t`).
 pub type RawScaleMode = c_int;
 
 impl mkScaleMode_t {
-    pub const ALL: [mkScaleMode_t; 2] = [mkScaleMode_t::mkScaleTensor, mkScaleMode_t::mkScaleRowwise];
+    pub const ALL: [mkScaleMode_t; 3] =
+        [mkScaleMode_t::mkScaleTensor, mkScaleMode_t::mkScaleRowwise, mkScaleMode_t::mkScaleBlock];
+
+    /// The side of a block scale's square (and its row segment of A) in elements.
+    pub const BLOCK: usize = 128;
 
     pub fn from_raw(v: RawScaleMode) -> Result<Self> {
         Self::ALL.iter().copied().find(|m| *m as c_int == v).ok_or_else(|| {
             MkError::invalid_argument(format!(
-                "unknown scale mode {v}: expected a mkScaleMode_t value in 0..=1 (mkScaleTensor, mkScaleRowwise)"
+                "unknown scale mode {v}: expected a mkScaleMode_t value in 0..=2 (mkScaleTensor, mkScaleRowwise, mkScaleBlock)"
             ))
         })
     }
 
-    /// Scales of A and of B this mode reads for an [M, K] A and an [N, K] B.
-    pub fn scale_counts(self, m: usize, n: usize) -> (usize, usize) {
+    /// Scales of A and of B this mode reads for an [M, K] A and an [N, K] B (K a multiple
+    /// of [`Self::BLOCK`] for block scales).
+    pub fn scale_counts(self, m: usize, n: usize, k: usize) -> (usize, usize) {
         match self {
             mkScaleMode_t::mkScaleTensor => (1, 1),
             mkScaleMode_t::mkScaleRowwise => (m, n),
+            mkScaleMode_t::mkScaleBlock => (m * (k / Self::BLOCK), n.div_ceil(Self::BLOCK) * (k / Self::BLOCK)),
         }
     }
 }
@@ -337,13 +347,14 @@ mod tests {
         for m in mkScaleMode_t::ALL {
             assert_eq!(mkScaleMode_t::from_raw(m as c_int).unwrap(), m);
         }
-        for bad in [-1, 2, 3, c_int::MAX] {
+        for bad in [-1, 3, 4, c_int::MAX] {
             let e = mkScaleMode_t::from_raw(bad).unwrap_err();
             assert_eq!(e.code, mkResult_t::mkInvalidArgument);
             assert!(e.message.contains(&format!("unknown scale mode {bad}")), "{}", e.message);
         }
-        assert_eq!(mkScaleMode_t::mkScaleTensor.scale_counts(7, 9), (1, 1));
-        assert_eq!(mkScaleMode_t::mkScaleRowwise.scale_counts(7, 9), (7, 9));
+        assert_eq!(mkScaleMode_t::mkScaleTensor.scale_counts(7, 9, 256), (1, 1));
+        assert_eq!(mkScaleMode_t::mkScaleRowwise.scale_counts(7, 9, 256), (7, 9));
+        assert_eq!(mkScaleMode_t::mkScaleBlock.scale_counts(7, 129, 256), (7 * 2, 2 * 2));
     }
 
     #[test]

@@ -58,9 +58,12 @@ const (
 	ScaleTensor ScaleMode = C.mkScaleTensor
 	// ScaleRowwise: one scale per row of A (M of them) and per row of B (N of them).
 	ScaleRowwise ScaleMode = C.mkScaleRowwise
+	// ScaleBlock: one per row of A per 128 of K ([K/128][M]), one per 128 x 128 block of B
+	// ([K/128][ceil(N/128)]), row-major; K a multiple of 128.
+	ScaleBlock ScaleMode = C.mkScaleBlock
 )
 
-var scaleModeNames = [...]string{"mkScaleTensor", "mkScaleRowwise"}
+var scaleModeNames = [...]string{"mkScaleTensor", "mkScaleRowwise", "mkScaleBlock"}
 
 func (m ScaleMode) String() string {
 	if m >= 0 && int(m) < len(scaleModeNames) {

@@ -85,7 +85,7 @@ DTYPE_CODES = {
     "float8e5m2": 11,
 }
 # Scale modes of mkScaledGemm (mkScaleMode_t).
-SCALE_MODE_CODES = {"tensor": 0, "rowwise": 1}
+SCALE_MODE_CODES = {"tensor": 0, "rowwise": 1, "block": 2}
 REDOP_CODES = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 
 _void_p = ctypes.c_void_p

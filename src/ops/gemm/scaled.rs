@@ -1,5 +1,6 @@
 //! `mkScaledGemm`: C[M,N] = (A·sA)(B·sB)ᵀ with A [M,K] and B [N,K] in fp8 e4m3 (both
-//! K-major), fp32 scales per tensor or per row, fp32 accumulation promoted every 128 of K,
+//! K-major), fp32 scales per tensor, per row or per block (A 1×128, B 128×128), fp32
+//! accumulation promoted every 128 of K,
 //! C in bf16 or fp16 rounded once (kernels/scaled_gemm.cu). [`validate`] (argument rules, no
 //! CUDA), [`plan`] (tile, grid, ring: pure) and [`launch`]. docs/decisions/0063 says why it
 //! is an entry point of its own and what it leaves out.
@@ -48,11 +49,21 @@ impl ScaledGemmArgs {
     pub fn tma_epilogue_ok(&self) -> bool {
         self.n % 8 == 0 && self.c % 16 == 0
     }
-    /// The kernel's scale steps: scale_a[r · step_a] scales row r of A (0: one per tensor).
+    /// The kernel's scale steps: scale_a[r · step_a] scales row r of A (0: one per tensor;
+    /// unused with block scales).
     pub fn scale_steps(&self) -> (i32, i32) {
         match self.mode {
-            mkScaleMode_t::mkScaleTensor => (0, 0),
+            mkScaleMode_t::mkScaleTensor | mkScaleMode_t::mkScaleBlock => (0, 0),
             mkScaleMode_t::mkScaleRowwise => (1, 1),
+        }
+    }
+    /// The kernel's `scale_k_blocks`: K / 128 with block scales (a row of either scale
+    /// array), 0 for the other modes.
+    pub fn scale_k_blocks(&self) -> i32 {
+        if self.mode == mkScaleMode_t::mkScaleBlock {
+            (self.k / mkScaleMode_t::BLOCK) as i32
+        } else {
+            0
         }
     }
 }
@@ -97,6 +108,12 @@ pub fn validate(
     crate::ensure_arg!(
         k > 0 && k % K_MULTIPLE == 0,
         "K = {k} must be a positive multiple of {K_MULTIPLE}: TMA reads rows of A and B that must start on 16-byte boundaries (K one-byte elements)"
+    );
+    crate::ensure_arg!(
+        mode != mkScaleMode_t::mkScaleBlock || k % mkScaleMode_t::BLOCK == 0,
+        "K = {k} must be a multiple of {} with block scales (one scale per {} of K)",
+        mkScaleMode_t::BLOCK,
+        mkScaleMode_t::BLOCK
     );
     let limit = i32::MAX as usize;
     crate::ensure_arg!(
@@ -209,12 +226,14 @@ pub fn launch(args: &ScaledGemmArgs, plan: &ScaledPlan, stream: sys::CUstream) -
     let mut ta = tensor_map(args.a, args.ab, args.m, args.k, BM, BK)?;
     let mut tb = tensor_map(args.b, args.ab, args.n, args.k, plan.bn, BK)?;
     // The direct epilogue ignores tma_c; pass any valid map.
-    let mut tc = if plan.epilogue == Epilogue::Tma { tensor_map(args.c, args.out, args.m, args.n, 64, 64)? } else { ta };
+    let mut tc =
+        if plan.epilogue == Epilogue::Tma { tensor_map(args.c, args.out, args.m, args.n, 64, 64)? } else { ta };
     let kernel_launch = plan.kernel_launch(args.ab, args.out)?;
     let (mut c, mut scale_a, mut scale_b) = (args.c, args.scale_a, args.scale_b);
     let (mut m, mut n, mut k, mut g) = (args.m as i32, args.n as i32, args.k as i32, plan.group_m as i32);
     let (mut step_a, mut step_b) = args.scale_steps();
-    let mut params: [*mut c_void; 12] = [
+    let mut scale_k_blocks = args.scale_k_blocks();
+    let mut params: [*mut c_void; 13] = [
         (&mut ta as *mut sys::CUtensorMap).cast(),
         (&mut tb as *mut sys::CUtensorMap).cast(),
         (&mut tc as *mut sys::CUtensorMap).cast(),
@@ -227,9 +246,10 @@ pub fn launch(args: &ScaledGemmArgs, plan: &ScaledPlan, stream: sys::CUstream) -
         (&mut g as *mut i32).cast(),
         (&mut step_a as *mut i32).cast(),
         (&mut step_b as *mut i32).cast(),
+        (&mut scale_k_blocks as *mut i32).cast(),
     ];
     // SAFETY: the parameters match MK_SCALED_GEMM_ENTRY's signature (3 tensor maps, 3
-    // pointers, 6 ints); A, B, C and the scales were validated and cover M×K, N×K, M×N and
+    // pointers, 7 ints); A, B, C and the scales were validated and cover M×K, N×K, M×N and
     // the mode's scale counts (caller's contract).
     unsafe { kernel_launch.launch(stream, &mut params, None) }
 }
@@ -271,9 +291,17 @@ mod tests {
     const BF16: RawDataType = mkBfloat16 as RawDataType;
     const TENSOR: RawScaleMode = mkScaleTensor as RawScaleMode;
     const ROWWISE: RawScaleMode = mkScaleRowwise as RawScaleMode;
+    const BLOCK: RawScaleMode = mkScaleBlock as RawScaleMode;
 
     /// validate with good pointers (A, sA, B, sB, C) and the given sizes and types.
-    fn check(m: usize, n: usize, k: usize, ab: RawDataType, out: RawDataType, mode: RawScaleMode) -> Result<ScaledGemmArgs> {
+    fn check(
+        m: usize,
+        n: usize,
+        k: usize,
+        ab: RawDataType,
+        out: RawDataType,
+        mode: RawScaleMode,
+    ) -> Result<ScaledGemmArgs> {
         validate(0x1000, 0x5000, 0x2000, 0x6000, 0x3000, m, n, k, ab, out, mode)
     }
 
@@ -289,8 +317,11 @@ mod tests {
         assert_eq!((a.ab, a.out, a.mode), (mkFloat8e4m3, mkBfloat16, mkScaleRowwise));
         assert_eq!(a.scale_steps(), (1, 1));
         assert!(!a.tma_epilogue_ok(), "N = 257 needs the direct epilogue");
+        assert_eq!(a.scale_k_blocks(), 0);
         let t = check(128, 256, 128, E4M3, mkFloat16 as RawDataType, TENSOR).unwrap();
-        assert_eq!(t.scale_steps(), (0, 0));
+        assert_eq!((t.scale_steps(), t.scale_k_blocks()), ((0, 0), 0));
+        let b = check(100, 300, 1024, E4M3, BF16, BLOCK).unwrap();
+        assert_eq!((b.mode, b.scale_steps(), b.scale_k_blocks()), (mkScaleBlock, (0, 0), 8));
         assert!(t.tma_epilogue_ok());
         assert!(check(0, 0, 16, E4M3, BF16, TENSOR).is_ok(), "an empty GEMM is valid");
     }
@@ -313,7 +344,11 @@ mod tests {
         }
         assert!(message(check(1 << 31, 1, 16, E4M3, BF16, TENSOR)).contains("at most"));
         assert!(message(check(1 << 30, 1 << 30, 16, E4M3, BF16, TENSOR)).contains("tiles"));
-        assert!(message(check(4, 4, 32, E4M3, BF16, 2)).contains("unknown scale mode 2"));
+        assert!(message(check(4, 4, 32, E4M3, BF16, 3)).contains("unknown scale mode 3"));
+        for k in [16, 144, 1040] {
+            let e = message(check(4, 4, k, E4M3, BF16, BLOCK));
+            assert!(e.contains(&format!("K = {k} must be a multiple of 128 with block scales")), "{e}");
+        }
         assert!(message(check(4, 4, 32, E4M3, BF16, -1)).contains("unknown scale mode -1"));
         assert!(message(check(4, 4, 32, 99, BF16, TENSOR)).contains("unknown datatype 99"));
         assert!(message(check(4, 4, 32, E4M3, 99, TENSOR)).contains("unknown datatype 99"));
