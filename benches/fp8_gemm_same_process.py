@@ -3,7 +3,12 @@
 C[M,N] = (A·sA)(B·sB)ᵀ with A [M,K] and B [N,K] in e4m3 (B passed to torch as the
 column-major [K,N] view it requires), bf16 out, per scale mode:
 - `tensor`: one fp32 scale each (torch: 0-dim scales);
-- `rowwise`: one per row of A and of B (torch: scale_a [M,1], scale_b [1,N]).
+- `rowwise`: one per row of A and of B (torch: scale_a [M,1], scale_b [1,N]);
+- `block`: DeepSeek-V3's, A 1x128 and B 128x128 (torch: torch.nn.functional.scaled_mm with
+  its Blockwise_1x128 and Blockwise_128x128 recipes, on the same scale memory: mkernel's
+  [K/128, M] scale_a is torch's outer-dim-major (M, K/128), its [K/128, ceil(N/128)]
+  scale_b torch's for the [K, N] operand). Where torch has no such recipe on this device,
+  its contender is recorded as not run.
 Shapes: the GEMM table's large shapes and its decode rows (M in {1, 16, 64, 128, 256}
 against the (N, K) of a large model's projections), as `mkbench gemm` runs them in bf16.
 Inputs: uniform [-1, 1) quantized as a user does (amax to 448, per tensor or per row).
@@ -13,7 +18,7 @@ to bf16 from fp32 sums; they differ in summation order) and no NaN.
 TFLOP/s counts 2·M·N·K. The protocol and record are mkbench's (bench_record); the record's
 bench is `fp8_gemm` and benches/targets.py judges it (fp8_gemm_large, fp8_gemm_decode).
 
-    PYTHONPATH=<the wheel's site> python3 benches/fp8_gemm_same_process.py [--mode tensor|rowwise|both]
+    PYTHONPATH=<the wheel's site> python3 benches/fp8_gemm_same_process.py [--mode tensor|rowwise|block|all]
         [--shape MxNxK ...] [-w 3] [-n 10] [--blocks 5] [--json PATH]
 
 Needs a CUDA GPU with fp8 (sm_89 or later; mkernel's kernels need sm_90), torch with
@@ -47,20 +52,34 @@ def parse_shape(text):
     return tuple(int(p) for p in parts)
 
 
-def quantize(x, mode):
-    """(e4m3 tensor, fp32 scales) of x: per tensor one scale, rowwise one per row ([rows, 1])."""
+def quantize(x, mode, side):
+    """(e4m3 tensor, fp32 scales in mkernel's layout) of x [rows, K]: per tensor one scale,
+    rowwise one per row ([rows, 1]), block one per row per 128 of K for A ([K/128, rows]) or
+    per 128 x 128 block for B ([K/128, ceil(rows/128)])."""
     import torch
 
+    rows, k = x.shape
     if mode == "tensor":
         scale = (x.abs().amax().float() / E4M3_MAX).clamp(min=1e-12)
-    else:
+        return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+    if mode == "rowwise":
         scale = (x.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp(min=1e-12)
-    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+        return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+    kb = k // 128
+    if side == "a":
+        scale = (x.view(rows, kb, 128).abs().amax(dim=2) / E4M3_MAX).clamp(min=1e-12)  # [rows, K/128]
+        q = (x.view(rows, kb, 128) / scale.unsqueeze(2)).view(rows, k)
+    else:
+        nb = -(-rows // 128)
+        padded = torch.nn.functional.pad(x, (0, 0, 0, nb * 128 - rows))
+        scale = (padded.view(nb, 128, kb, 128).abs().amax(dim=(1, 3)) / E4M3_MAX).clamp(min=1e-12)  # [nb, K/128]
+        q = (padded.view(nb, 128, kb, 128) / scale.view(nb, 1, kb, 1)).view(nb * 128, k)[:rows]
+    return q.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale.t().contiguous()
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("tensor", "rowwise", "both"), default="both")
+    ap.add_argument("--mode", choices=("tensor", "rowwise", "block", "all"), default="all")
     ap.add_argument("--shape", type=parse_shape, action="append")
     bench_record.add_protocol_args(ap)
     args = ap.parse_args()
@@ -75,7 +94,9 @@ def main():
     from mkernel import _lib
 
     lib = _lib.library()
-    modes = ("tensor", "rowwise") if args.mode == "both" else (args.mode,)
+    modes = ("tensor", "rowwise", "block") if args.mode == "all" else (args.mode,)
+    functional = torch.nn.functional
+    recipes = getattr(functional, "ScalingType", None)
     shapes = args.shape or default_shapes()
     e4m3, bf16 = _lib.DTYPE_CODES["float8e4m3"], _lib.DTYPE_CODES["bfloat16"]
     print(f"# torch {torch.__version__}: C = (A·sA)(B·sB)ᵀ, e4m3 in, bf16 out; {torch.cuda.get_device_name()}")
@@ -83,14 +104,16 @@ def main():
     rows, ok = [], True
     for m, n, k in shapes:
         for mode in modes:
+            if mode == "block" and k % 128:
+                continue
             gen = torch.Generator(device="cuda").manual_seed(m * 7 + n * 13 + k)
             x = torch.rand(m, k, device="cuda", generator=gen) * 2 - 1
             w = torch.rand(n, k, device="cuda", generator=gen) * 2 - 1
-            a, sa = quantize(x, mode)
-            b, sb = quantize(w, mode)  # [N, K] row-major: K-major, as both contenders read it
+            a, sa = quantize(x, mode, "a")
+            b, sb = quantize(w, mode, "b")  # [N, K] row-major: K-major, as both contenders read it
             c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             # torch's conventions: scale_b [1, N] for rowwise, 0-dim for a tensor.
-            sa_t, sb_t = (sa, sb) if mode == "tensor" else (sa, sb.reshape(1, n))
+            sa_t, sb_t = (sa, sb.reshape(1, n)) if mode == "rowwise" else (sa, sb)
             sa_flat, sb_flat = sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous()
             stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
             mode_code = _lib.SCALE_MODE_CODES[mode]
@@ -104,6 +127,12 @@ def main():
                     raise RuntimeError(f"mkScaledGemm: {code}: {lib.mkGetLastError(None).decode()}")
 
             def torch_call():
+                if mode == "block":
+                    if recipes is None:
+                        raise RuntimeError("torch.nn.functional has no ScalingType (blockwise scaled_mm)")
+                    return functional.scaled_mm(
+                        a, b.t(), sa.t(), recipes.Blockwise_1x128, sb, recipes.Blockwise_128x128,
+                        output_dtype=torch.bfloat16)
                 return torch._scaled_mm(a, b.t(), scale_a=sa_t, scale_b=sb_t, out_dtype=torch.bfloat16)
 
             notes = {}
@@ -118,8 +147,8 @@ def main():
                 if not err <= TOLERANCE:
                     ok = False
                     print(f"  {m}x{n}x{k} {mode}: WRONG: relative L2 {err:.3g} vs torch._scaled_mm (limit {TOLERANCE})")
-            except RuntimeError as e:
-                print(f"  {m}x{n}x{k} {mode}: torch._scaled_mm unavailable here: {e}")
+            except (RuntimeError, TypeError, AttributeError) as e:
+                print(f"  {m}x{n}x{k} {mode}: torch's scaled mm unavailable here: {e}")
             results = bench_record.interleaved(
                 {"mkernel_scaled_gemm": mkernel_call, "torch_scaled_mm": torch_call}, args.warmup, args.blocks, args.iters
             )
