@@ -83,3 +83,43 @@ fn a_described_type_without_a_tile_is_a_planner_error_not_a_dtype_error() {
     assert!(e.message.contains("mkBfloat16"), "{}", e.message);
     assert_eq!(BF16.element().cuda_type, "__nv_bfloat16");
 }
+
+/// Every op that does not take fp8 refuses both fp8 types with mkInvalidArgument naming the
+/// op, before any other rule and before any CUDA call (so this runs without a GPU); the
+/// gather takes them.
+#[test]
+fn ops_without_fp8_refuse_it_by_name() {
+    use mkernel::ops::dense::gemm_reduce::Reduction;
+    let p = 0x10000u64;
+    let dims = moe::MoeDims { tokens: 128, hidden: 128, ffn: 128, top_k: 1, experts: 2, capacity: 256, nranks: 2 };
+    for fp8 in [mkDataType_t::mkFloat8e4m3, mkDataType_t::mkFloat8e5m2] {
+        let d = fp8 as i32;
+        let refused: [(&str, Result<(), mkernel::MkError>); 9] = [
+            ("mkGemm", mkernel::ops::gemm::op::validate(p, p, p, 128, 128, 128, d).map(drop)),
+            ("mkAllGatherGemm", ag_gemm::validate_args(p, p, p, 0, 128, 128, 128, d, 2, 0).map(drop)),
+            ("mkGemmReduceScatter", gemm_reduce::validate(Reduction::Scatter, p, p, p, 128, 128, 128, d, 2).map(drop)),
+            ("mkGemmAllReduce", gemm_reduce::validate(Reduction::All, p, p, p, 128, 128, 128, d, 2).map(drop)),
+            ("mkMoeDispatchGemm", moe::validate_dispatch(p, p, p, p, p, p, dims, d).map(drop)),
+            ("mkMoeGemmCombine", moe::validate_combine(p, p, p, p, p, dims, d).map(drop)),
+            (
+                "mkRingAttention",
+                ring_attention::validate_args(p, p, p, p, p, 1, 128, 4, 4, 128, 0.1, 0, d, 2, 0).map(drop),
+            ),
+            (
+                "mkRingAttentionBackward",
+                ring_attention_backward::validate_args(p, p, p, p, p, p, p, p, p, 1, 128, 4, 4, 128, 0.1, 0, d, 2, 0)
+                    .map(drop),
+            ),
+            ("mkAllReduce", collectives::validate(CollectiveKind::AllReduce, p, 2 * p, 64, d, Some(0), 0, 2).map(drop)),
+        ];
+        for (op, r) in refused {
+            let e = r.expect_err(op);
+            assert_eq!(e.code, mkResult_t::mkInvalidArgument, "{op}: {}", e.message);
+            assert!(e.message.contains(op) && e.message.contains(fp8.name()), "{op}: {}", e.message);
+        }
+        let e = collectives::validate(CollectiveKind::ReduceScatter, p, 4 * p, 64, d, Some(0), 0, 2).unwrap_err();
+        assert!(e.message.contains("mkReduceScatter reduces only"), "{}", e.message);
+        let gathered = collectives::validate(CollectiveKind::AllGather, p, 4 * p, 64, d, None, 0, 2).unwrap();
+        assert_eq!(gathered.dtype, fp8);
+    }
+}
