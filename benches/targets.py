@@ -17,6 +17,8 @@ target names the records it reads:
 | all_reduce_latency | all_reduce at 2 ranks | out-of-place direct call <= 8 us at every size <= 64 KiB |
 | gemm_ar_small_m | gemm_ar | fused <= cuBLASLt alone + 5 us at M <= 16 |
 | moe_vs_grouped_mm | moe_same_process | mkernel time <= torch._grouped_mm time at 4096 and 16384 tokens |
+| fp8_gemm_large | fp8_gemm | geomean of torch._scaled_mm time / mkScaledGemm's >= 1.0 over the large shapes, per GPU and scale mode |
+| fp8_gemm_decode | fp8_gemm | torch._scaled_mm time / mkScaledGemm's >= 0.95 on every decode row (M <= 256) |
 
 Exit status 0 whatever the verdicts: this reports, it does not gate (a run on a GPU the
 targets were not set for still prints its table); 1 for a file that is no record. With --json, writes the verdicts.
@@ -41,6 +43,9 @@ ALL_REDUCE_MAX_US = 8.0
 GEMM_AR_MAX_M = 16
 GEMM_AR_SLACK_US = 5.0
 MOE_TOKENS = (4096, 16384)
+FP8_LARGE_GEOMEAN_MIN = 1.0
+FP8_DECODE_MIN = 0.95
+FP8_DECODE_MAX_M = 256
 
 # The contender that is the op under test, by bench (host_per_call).
 UNDER_TEST = {
@@ -54,6 +59,7 @@ UNDER_TEST = {
     "moe": "fused",
     "ring_attn": "fused",
     "ring_attn_bwd": "fused",
+    "fp8_gemm": "mkernel_scaled_gemm",
 }
 
 
@@ -191,7 +197,52 @@ def moe_vs_grouped_mm(records):
     return _verdict("moe_vs_grouped_mm (>= 1.0 x torch._grouped_mm alone)", lines, checks)
 
 
-TARGETS = (gemm_decode, gemm_table, host_per_call, all_reduce_latency, gemm_ar_small_m, moe_vs_grouped_mm)
+def _fp8_ratios(records, keep):
+    """(torch._scaled_mm time / mkScaledGemm's, GPU, mode, label) of every fp8_gemm row that
+    `keep(shape)` accepts and both contenders ran."""
+    out = []
+    for rec, row in _rows(records, "fp8_gemm"):
+        s = row["shape"]
+        ours, theirs = _median(row, "mkernel_scaled_gemm"), _median(row, "torch_scaled_mm")
+        if keep(s) and ours and theirs:
+            out.append((theirs / ours, _gpu(rec), s.get("mode", ""), f'{s["m"]} x {s["n"]} x {s["k"]}'))
+    return out
+
+
+def fp8_gemm_large(records):
+    by_group = {}
+    for ratio, gpu, mode, _ in _fp8_ratios(records, lambda s: s.get("m", 0) > FP8_DECODE_MAX_M):
+        by_group.setdefault((gpu, mode), []).append(ratio)
+    lines, checks = [], []
+    for (gpu, mode), ratios in sorted(by_group.items()):
+        g = statistics.geometric_mean(ratios)
+        checks.append(g >= FP8_LARGE_GEOMEAN_MIN)
+        lines.append(f"{gpu} {mode}: geomean {g:.3f} over {len(ratios)} shapes (lowest {min(ratios):.3f})")
+    return _verdict(f"fp8_gemm_large (geomean >= {FP8_LARGE_GEOMEAN_MIN} x torch._scaled_mm)", lines, checks)
+
+
+def fp8_gemm_decode(records):
+    ratios = _fp8_ratios(records, lambda s: s.get("m", 0) <= FP8_DECODE_MAX_M)
+    if not ratios:
+        return _verdict(f"fp8_gemm_decode (>= {FP8_DECODE_MIN} x torch._scaled_mm)", [], [])
+    low = min(ratios)
+    lines = [f"{len(ratios)} rows, lowest {low[0]:.3f} ({low[1]} {low[2]} {low[3]})"]
+    lines += [f"{gpu} {mode} {label}: {r:.3f}" for r, gpu, mode, label in ratios if r < FP8_DECODE_MIN]
+    return _verdict(
+        f"fp8_gemm_decode (>= {FP8_DECODE_MIN} x torch._scaled_mm)", lines, [r >= FP8_DECODE_MIN for r, *_ in ratios]
+    )
+
+
+TARGETS = (
+    gemm_decode,
+    gemm_table,
+    host_per_call,
+    all_reduce_latency,
+    gemm_ar_small_m,
+    moe_vs_grouped_mm,
+    fp8_gemm_large,
+    fp8_gemm_decode,
+)
 
 
 def judge(records):

@@ -159,6 +159,26 @@ typedef enum {
 } mkResult_t;
 
 /**
+ * How mkScaledGemm's scales apply to A and B (fp32 scales in device memory).
+ */
+typedef enum {
+  /**
+   * One scale for all of A, one for all of B (`scaleA[0]`, `scaleB[0]`).
+   */
+  mkScaleTensor = 0,
+  /**
+   * One scale per row of A (`scaleA[M]`) and one per row of B (`scaleB[N]`, a column of C).
+   */
+  mkScaleRowwise = 1,
+  /**
+   * DeepSeek-V3's blocks: one scale per row of A per 128 of K (`scaleA[K/128][M]`), one per
+   * 128 × 128 block of B (`scaleB[K/128][ceil(N/128)]`), row-major (the memory of torch's
+   * 1x128 and 128x128 scales); K a multiple of 128.
+   */
+  mkScaleBlock = 2,
+} mkScaleMode_t;
+
+/**
  * Element type of a buffer. Numbering mirrors `ncclDataType_t`.
  */
 typedef enum {
@@ -172,6 +192,8 @@ typedef enum {
   mkFloat32 = 7,
   mkFloat64 = 8,
   mkBfloat16 = 9,
+  mkFloat8e4m3 = 10,
+  mkFloat8e5m2 = 11,
 } mkDataType_t;
 
 /**
@@ -907,6 +929,54 @@ mkResult_t mkGemm(const void *A,
                   size_t K,
                   mkDataType_t dtype,
                   mkStream_t stream);
+
+/**
+ * C = (A * scaleA) * (B * scaleB)^T with fp8 A and B: the scaled GEMM of fp8 training and
+ * inference (torch._scaled_mm's convention: the scales dequantize A and B).
+ *
+ * A is [M, K] and B is [N, K], both row-major (K-major, as fp8 tensor cores read them) and
+ * densely packed, of type `abType`: mkFloat8e4m3. C is [M, N] row-major of type `cType`:
+ * mkBfloat16 or mkFloat16. All device memory of the current CUDA context's device.
+ * `scaleA` and `scaleB` are fp32 in device memory, as `scaleMode` says:
+ * - mkScaleTensor: one value each; C[m][n] = scaleA[0] * scaleB[0] * sum_k A[m][k] * B[n][k];
+ * - mkScaleRowwise: scaleA[M] (one per row of A) and scaleB[N] (one per row of B, a column
+ *   of C); C[m][n] = scaleA[m] * scaleB[n] * sum_k A[m][k] * B[n][k];
+ * - mkScaleBlock (DeepSeek-V3's): scaleA[K/128][M] (one per row of A per 128 of K) and
+ *   scaleB[K/128][ceil(N/128)] (one per 128 x 128 block of B), row-major (the memory of
+ *   torch's 1x128 and 128x128 scales), K a multiple of 128;
+ *   C[m][n] = sum_b scaleA[b][m] * scaleB[b][n/128] * sum_{k in block b} A[m][k] * B[n][k].
+ *
+ * Products are exact in fp32; the tensor cores' sums are added into fp32 every 128 of K (the
+ * fp8 tensor cores accumulate with fewer bits than fp32), multiplied by their block's scales
+ * first in block mode; per tensor and rowwise, the scales multiply the fp32 sum once; C is
+ * rounded to `cType` once. Requires an sm_90 GPU (H100/H200).
+ *
+ * The scales are read by the kernel, not checked by the host: a NaN or infinite scale, or
+ * NaN in A or B, gives NaN or infinite values in C (as in cuBLASLt and torch._scaled_mm).
+ *
+ * Rules (each violation returns mkInvalidArgument, with the rule named in mkGetLastError):
+ * A, B, C, scaleA, scaleB non-NULL; K a positive multiple of 16 (of 128 with block scales);
+ * A and B 16-byte aligned;
+ * C 2-byte aligned; the scales 4-byte aligned; M, N, K at most INT_MAX; abType mkFloat8e4m3
+ * (mkFloat8e5m2 is refused: no kernel takes it); cType mkBfloat16 or mkFloat16; scaleMode
+ * a mkScaleMode_t. Any M and N (M == 0 or N == 0 does nothing). C must not overlap the
+ * inputs. Fastest when N % 8 == 0 and C is 16-byte aligned (TMA stores).
+ *
+ * Deterministic, stream-ordered and asynchronous as mkGemm; safe to capture in a CUDA
+ * graph. Uses the calling thread's current context, or device 0's primary context.
+ */
+mkResult_t mkScaledGemm(const void *A,
+                        const float *scaleA,
+                        const void *B,
+                        const float *scaleB,
+                        void *C,
+                        size_t M,
+                        size_t N,
+                        size_t K,
+                        mkDataType_t abType,
+                        mkDataType_t cType,
+                        mkScaleMode_t scaleMode,
+                        mkStream_t stream);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -7,7 +7,7 @@
 # (each MPS client gets 100/N % of the SMs and an MK_MAX_CTAS that fits in it, so every
 # persistent grid is co-resident) — smoke, collectives, api (the C ABI on a live
 # communicator), the fused ops (ag_gemm, gemm_reduce, moe, ring_attn, ring_attn_bwd)
-# and, with one rank, the GEMM engine; at 2 ranks also the collectives with every message on
+# and, with one rank, the GEMM engine and the scaled fp8 GEMM; at 2 ranks also the collectives with every message on
 # one protocol, and the fused suites with their ranks as threads of one process — then the
 # soak (mktest soak: every op in a random
 # order with random shapes, 4 ranks under MPS, for --soak-seconds), then the benches:
@@ -139,7 +139,7 @@ note "GPU: $SMS SMs; MK_MAX_CTAS per rank at 2, 4, 8 ranks: $(max_ctas_for 2), $
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for n in $RANKS; do
     suites="smoke collectives api ag_gemm gemm_reduce moe ring_attn ring_attn_bwd mixed"
-    [ "$n" = 1 ] && suites="$suites gemm"  # the engine alone is a one-rank suite
+    [ "$n" = 1 ] && suites="$suites gemm gemm_fp8"  # the GEMM engine and the scaled fp8 GEMM alone: one-rank suites
     # soak and chaos run in their own steps (below), never in this loop.
     if [ -n "$SUITES" ]; then
       suites=""; for s in $SUITES; do case "$s" in soak|chaos) ;; *) suites="$suites $s" ;; esac; done

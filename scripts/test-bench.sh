@@ -138,10 +138,20 @@ ar = rec("all_reduce", [
 gar = rec("gemm_ar", [{"shape": {"ranks": 2, "m": 1, "n": 8, "k": 8}, "contenders": [c("fused", 16.0, 6.0), c("cublaslt", 10.0)]}])
 v = {x["target"].split()[0]: x["met"] for x in targets.judge([gemm, ar, gar])}
 assert v == {"gemm_decode": True, "gemm_table": False, "host_per_call": False, "all_reduce_latency": True,
-             "gemm_ar_small_m": False, "moe_vs_grouped_mm": None}, v
+             "gemm_ar_small_m": False, "moe_vs_grouped_mm": None, "fp8_gemm_large": None, "fp8_gemm_decode": None}, v
 moe = rec("moe_same_process", [{"shape": {"tokens": 4096, "direction": "dispatch"},
                                 "contenders": [c("mkernel_dispatch_gemm", 9.0), c("torch_grouped_mm", 10.0)]}])
 assert targets.moe_vs_grouped_mm([moe])["met"] is True
+fp8 = rec("fp8_gemm", [
+    {"shape": {"m": 4096, "n": 4096, "k": 4096, "mode": "tensor"},
+     "contenders": [c("mkernel_scaled_gemm", 100.0), c("torch_scaled_mm", 110.0)]},
+    {"shape": {"m": 8192, "n": 8192, "k": 8192, "mode": "tensor"},
+     "contenders": [c("mkernel_scaled_gemm", 800.0), c("torch_scaled_mm", 760.0)]},
+    {"shape": {"m": 1, "n": 8192, "k": 8192, "mode": "rowwise"},
+     "contenders": [c("mkernel_scaled_gemm", 10.0), c("torch_scaled_mm", 9.0)]},
+])
+assert targets.fp8_gemm_large([fp8])["met"] is True, "geomean of 1.10 and 0.95"
+assert targets.fp8_gemm_decode([fp8])["met"] is False, "0.90 on a decode row"
 assert "NOT MEASURED" in targets.report(targets.judge([]))
 EOF
 out=$(python3 benches/targets.py benches/results/2026-12-05-h200-moe-gemm-rows/*.json) || fail "targets.py on the stored records"
@@ -208,7 +218,7 @@ rc=$(run_fake 0 --ranks 1 --no-bench --no-nodes --doors "$WORK/nowhere"); [ "$rc
 rc=$(run_fake 0 $FAST --bogus); [ "$rc" = 2 ] || fail "a typo exited $rc, not 2"
 grep -q "MPS\|nvidia-smi" "$WORK/log" && fail "a typo reached the GPU probe"
 rc=$(run_fake 0 $FAST --deadline); [ "$rc" = 2 ] || fail "--deadline without a value exited $rc, not 2"
-echo "== attention_same_process.py, moe_same_process.py: their records (built without torch) pass the schema check"
+echo "== attention_same_process.py, moe_same_process.py, fp8_gemm_same_process.py: their records (built without torch) pass the schema check"
 python3 - "$WORK" <<'PY'
 import json, subprocess, sys
 sys.path.insert(0, "benches")
@@ -233,6 +243,14 @@ json.dump(bench_record.record("moe_same_process", True, {"warmup": 3}, rows), op
 r = subprocess.run([sys.executable, "benches/plot.py", "--check", path], capture_output=True, text=True)
 assert r.returncode == 0, r.stderr
 assert json.load(open(path))["rows"][1]["shape"]["direction"] == "combine"
+import fp8_gemm_same_process as f
+rows = [bench_record.row({"m": 1, "n": 8192, "k": 8192, "mode": mode, "dtype": "e4m3"},
+                         {"mkernel_scaled_gemm": timed, "torch_scaled_mm": timed},
+                         {"mkernel_scaled_gemm": {"rel_err_vs_torch": 2e-3}}) for mode in ("tensor", "rowwise")]
+assert len(f.default_shapes()) == 5 + 15
+json.dump(bench_record.record("fp8_gemm", True, {"warmup": 3}, rows), open(path, "w"))
+r = subprocess.run([sys.executable, "benches/plot.py", "--check", path], capture_output=True, text=True)
+assert r.returncode == 0, r.stderr
 PY
 
 echo "== figures.py: README and docs figures match the stored records; targets.py reads every record kind"

@@ -22,6 +22,8 @@ pub enum mkDataType_t {
     mkFloat32 = 7,
     mkFloat64 = 8,
     mkBfloat16 = 9,
+    mkFloat8e4m3 = 10,
+    mkFloat8e5m2 = 11,
 }
 
 /// Reduction operator. Numbering mirrors `ncclRedOp_t`.
@@ -36,13 +38,61 @@ pub enum mkRedOp_t {
     mkAvg = 4,
 }
 
+/// How mkScaledGemm's scales apply to A and B (fp32 scales in device memory).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)]
+pub enum mkScaleMode_t {
+    /// One scale for all of A, one for all of B (`scaleA[0]`, `scaleB[0]`).
+    mkScaleTensor = 0,
+    /// One scale per row of A (`scaleA[M]`) and one per row of B (`scaleB[N]`, a column of C).
+    mkScaleRowwise = 1,
+    /// DeepSeek-V3's blocks: one scale per row of A per 128 of K (`scaleA[K/128][M]`), one per
+    /// 128 × 128 block of B (`scaleB[K/128][ceil(N/128)]`), row-major (the memory of torch's
+    /// 1x128 and 128x128 scales); K a multiple of 128.
+    mkScaleBlock = 2,
+}
+
+/// How a `mkScaleMode_t` crosses the C boundary (the header shows it as `mkScaleMode_t`).
+pub type RawScaleMode = c_int;
+
+impl mkScaleMode_t {
+    pub const ALL: [mkScaleMode_t; 3] =
+        [mkScaleMode_t::mkScaleTensor, mkScaleMode_t::mkScaleRowwise, mkScaleMode_t::mkScaleBlock];
+
+    /// The side of a block scale's square (and its row segment of A) in elements.
+    pub const BLOCK: usize = 128;
+
+    pub fn from_raw(v: RawScaleMode) -> Result<Self> {
+        Self::ALL.iter().copied().find(|m| *m as c_int == v).ok_or_else(|| {
+            MkError::invalid_argument(format!(
+                "unknown scale mode {v}: expected a mkScaleMode_t value in 0..=2 (mkScaleTensor, mkScaleRowwise, mkScaleBlock)"
+            ))
+        })
+    }
+
+    /// Scales of A and of B this mode reads for an [M, K] A and an [N, K] B (K a multiple
+    /// of [`Self::BLOCK`] for block scales).
+    pub fn scale_counts(self, m: usize, n: usize, k: usize) -> (usize, usize) {
+        match self {
+            mkScaleMode_t::mkScaleTensor => (1, 1),
+            mkScaleMode_t::mkScaleRowwise => (m, n),
+            mkScaleMode_t::mkScaleBlock => (m * (k / Self::BLOCK), n.div_ceil(Self::BLOCK) * (k / Self::BLOCK)),
+        }
+    }
+}
+
 /// Which ops take an element type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Accepted {
-    /// mkAllGather, mkReduceScatter, mkAllReduce (and the NCCL library's collectives).
-    pub collectives: bool,
+    /// mkAllGather: a byte move, whatever the type.
+    pub gather: bool,
+    /// mkReduceScatter, mkAllReduce: arithmetic in the type.
+    pub reduce: bool,
     /// Every op built on the GEMM engine: mkGemm, the dense fused ops, ring attention and MoE.
     pub gemm: bool,
+    /// mkScaledGemm's A and B (the fp8 GEMM with scales).
+    pub scaled_gemm: bool,
 }
 
 /// Everything the library knows of one element type. Byte sizes, argument checks and the
@@ -62,8 +112,14 @@ pub struct ElementType {
     pub accepted: Accepted,
 }
 
-const ALL_OPS: Accepted = Accepted { collectives: true, gemm: true };
-const COLLECTIVES: Accepted = Accepted { collectives: true, gemm: false };
+const ALL_OPS: Accepted = Accepted { gather: true, reduce: true, gemm: true, scaled_gemm: false };
+const COLLECTIVES: Accepted = Accepted { gather: true, reduce: true, gemm: false, scaled_gemm: false };
+/// fp8: gathered as bytes and multiplied by mkScaledGemm; no reduction in the type yet
+/// (NCCL reduces fp8 in fp32 with one rounding) and no unscaled GEMM (an fp8 product needs
+/// its scales).
+const FP8_SCALED: Accepted = Accepted { gather: true, reduce: false, gemm: false, scaled_gemm: true };
+/// fp8 e5m2: gathered as bytes only (mkScaledGemm's kernels take e4m3).
+const FP8_MOVED: Accepted = Accepted { gather: true, reduce: false, gemm: false, scaled_gemm: false };
 
 const fn element(
     code: c_int,
@@ -77,7 +133,7 @@ const fn element(
 }
 
 /// Every element type of `mkDataType_t`, in the order of its values.
-pub static ELEMENT_TYPES: [ElementType; 10] = [
+pub static ELEMENT_TYPES: [ElementType; 12] = [
     element(0, "mkInt8", "int8", 1, "int8_t", COLLECTIVES),
     element(1, "mkUint8", "uint8", 1, "uint8_t", COLLECTIVES),
     element(2, "mkInt32", "int32", 4, "int32_t", COLLECTIVES),
@@ -88,6 +144,8 @@ pub static ELEMENT_TYPES: [ElementType; 10] = [
     element(7, "mkFloat32", "float", 4, "float", COLLECTIVES),
     element(8, "mkFloat64", "double", 8, "double", COLLECTIVES),
     element(9, "mkBfloat16", "bfloat16", 2, "__nv_bfloat16", ALL_OPS),
+    element(10, "mkFloat8e4m3", "float8e4m3", 1, "__nv_fp8_e4m3", FP8_SCALED),
+    element(11, "mkFloat8e5m2", "float8e5m2", 1, "__nv_fp8_e5m2", FP8_MOVED),
 ];
 
 /// What the planners take as an element type: a `mkDataType_t`, or a description itself
@@ -116,8 +174,25 @@ impl ElementType {
 
     /// The C names of the types the GEMM-based ops take, for messages: "mkFloat16 or mkBfloat16".
     pub fn gemm_names() -> String {
-        let names: Vec<&str> = ELEMENT_TYPES.iter().filter(|t| t.accepted.gemm).map(|t| t.c_name).collect();
+        Self::names_where(|a| a.gemm)
+    }
+
+    /// The C names of the types whose `accepted` passes `takes`, joined with "or".
+    pub fn names_where(takes: impl Fn(&Accepted) -> bool) -> String {
+        let names: Vec<&str> = ELEMENT_TYPES.iter().filter(|t| takes(&t.accepted)).map(|t| t.c_name).collect();
         names.join(" or ")
+    }
+
+    /// The integer type of the same size, whose byte-moving kernels move this type's bytes
+    /// unchanged (fp8's AllGather runs mkUint8's kernel): the type itself where it reduces.
+    pub fn moved_as(&'static self) -> &'static ElementType {
+        if self.accepted.reduce {
+            return self;
+        }
+        ELEMENT_TYPES
+            .iter()
+            .find(|t| t.accepted.reduce && t.bytes == self.bytes && t.c_name.starts_with("mkUint"))
+            .unwrap_or(self)
     }
 }
 
@@ -127,7 +202,7 @@ pub type RawDataType = c_int;
 pub type RawRedOp = c_int;
 
 impl mkDataType_t {
-    pub const ALL: [mkDataType_t; 10] = [
+    pub const ALL: [mkDataType_t; 12] = [
         mkDataType_t::mkInt8,
         mkDataType_t::mkUint8,
         mkDataType_t::mkInt32,
@@ -138,12 +213,14 @@ impl mkDataType_t {
         mkDataType_t::mkFloat32,
         mkDataType_t::mkFloat64,
         mkDataType_t::mkBfloat16,
+        mkDataType_t::mkFloat8e4m3,
+        mkDataType_t::mkFloat8e5m2,
     ];
 
     pub fn from_raw(v: RawDataType) -> Result<Self> {
         Self::ALL.iter().copied().find(|t| *t as c_int == v).ok_or_else(|| {
             MkError::invalid_argument(format!(
-                "unknown datatype {v}: expected a mkDataType_t value in 0..=9 (mkInt8 .. mkBfloat16)"
+                "unknown datatype {v}: expected a mkDataType_t value in 0..=11 (mkInt8 .. mkFloat8e5m2)"
             ))
         })
     }
@@ -165,11 +242,30 @@ impl mkDataType_t {
     /// `v` as a type `op` accepts (one of the GEMM types), else mkInvalidArgument naming `op`.
     pub fn gemm_type_from_raw(v: RawDataType, op: &str) -> Result<Self> {
         let dtype = Self::from_raw(v)?;
+        let hint = if dtype.element().accepted.scaled_gemm {
+            " (an fp8 product needs its scales: mkScaledGemm takes them)"
+        } else {
+            ""
+        };
         crate::ensure_arg!(
             dtype.is_gemm_type(),
-            "dtype {} is not supported: {op} takes {}",
+            "dtype {} is not supported: {op} takes {}{hint}",
             dtype.name(),
             ElementType::gemm_names()
+        );
+        Ok(dtype)
+    }
+
+    /// `v` as a type a collective takes: any type for a byte move (`reduces` false:
+    /// mkAllGather), a type with arithmetic for a reduction; else mkInvalidArgument naming `op`.
+    pub fn collective_type_from_raw(v: RawDataType, op: &str, reduces: bool) -> Result<Self> {
+        let dtype = Self::from_raw(v)?;
+        let accepted = dtype.element().accepted;
+        crate::ensure_arg!(
+            if reduces { accepted.reduce } else { accepted.gather },
+            "dtype {} is not supported: {op} reduces only {} (mkAllGather moves every type)",
+            dtype.name(),
+            ElementType::names_where(|a| a.reduce)
         );
         Ok(dtype)
     }
@@ -200,7 +296,9 @@ mod tests {
         for t in mkDataType_t::ALL {
             assert_eq!(mkDataType_t::from_raw(t as c_int).unwrap(), t);
         }
-        for bad in [-1, 10, 11, 1 << 20, c_int::MIN] {
+        assert_eq!(mkDataType_t::from_raw(10).unwrap(), mkDataType_t::mkFloat8e4m3);
+        assert_eq!(mkDataType_t::from_raw(11).unwrap(), mkDataType_t::mkFloat8e5m2);
+        for bad in [-1, 12, 13, 1 << 20, c_int::MIN] {
             let e = mkDataType_t::from_raw(bad).unwrap_err();
             assert_eq!(e.code, mkResult_t::mkInvalidArgument);
             assert!(e.message.contains(&bad.to_string()));
@@ -217,6 +315,46 @@ mod tests {
         assert_eq!(ElementType::gemm_names(), "mkFloat16 or mkBfloat16");
         let e = mkDataType_t::gemm_type_from_raw(mkDataType_t::mkFloat32 as c_int, "mkGemm").unwrap_err();
         assert!(e.message.contains("mkGemm takes mkFloat16 or mkBfloat16"), "{}", e.message);
+    }
+
+    #[test]
+    fn fp8_types_are_one_byte_and_taken_only_where_built() {
+        use mkDataType_t::*;
+        for t in [mkFloat8e4m3, mkFloat8e5m2] {
+            assert_eq!(t.size(), 1);
+            assert!(!t.is_gemm_type());
+            let e = mkDataType_t::gemm_type_from_raw(t as c_int, "mkAllGatherGemm").unwrap_err();
+            assert_eq!(e.code, mkResult_t::mkInvalidArgument);
+            assert!(e.message.contains("mkAllGatherGemm takes mkFloat16 or mkBfloat16"), "{}", e.message);
+            // A byte move takes it, running the kernel of the one-byte unsigned integer.
+            assert_eq!(mkDataType_t::collective_type_from_raw(t as c_int, "mkAllGather", false).unwrap(), t);
+            assert_eq!(t.element().moved_as().c_name, "mkUint8");
+            let e = mkDataType_t::collective_type_from_raw(t as c_int, "mkAllReduce", true).unwrap_err();
+            assert_eq!(e.code, mkResult_t::mkInvalidArgument);
+            assert!(e.message.contains("mkAllReduce reduces only"), "{}", e.message);
+            assert!(!e.message.contains("mkFloat8"), "fp8 is not in the list of reducing types: {}", e.message);
+        }
+        let e = mkDataType_t::gemm_type_from_raw(mkFloat8e4m3 as c_int, "mkGemm").unwrap_err();
+        assert!(e.message.contains("mkScaledGemm"), "e4m3 points at the scaled GEMM: {}", e.message);
+        assert_eq!(ElementType::names_where(|a| a.scaled_gemm), "mkFloat8e4m3");
+        // Types that reduce are moved as themselves.
+        assert_eq!(mkBfloat16.element().moved_as().c_name, "mkBfloat16");
+        assert_eq!(mkInt8.element().moved_as().c_name, "mkInt8");
+    }
+
+    #[test]
+    fn scale_modes_map_from_their_values_and_reject_unknown() {
+        for m in mkScaleMode_t::ALL {
+            assert_eq!(mkScaleMode_t::from_raw(m as c_int).unwrap(), m);
+        }
+        for bad in [-1, 3, 4, c_int::MAX] {
+            let e = mkScaleMode_t::from_raw(bad).unwrap_err();
+            assert_eq!(e.code, mkResult_t::mkInvalidArgument);
+            assert!(e.message.contains(&format!("unknown scale mode {bad}")), "{}", e.message);
+        }
+        assert_eq!(mkScaleMode_t::mkScaleTensor.scale_counts(7, 9, 256), (1, 1));
+        assert_eq!(mkScaleMode_t::mkScaleRowwise.scale_counts(7, 9, 256), (7, 9));
+        assert_eq!(mkScaleMode_t::mkScaleBlock.scale_counts(7, 129, 256), (7 * 2, 2 * 2));
     }
 
     #[test]

@@ -1,7 +1,7 @@
-//! An element type enters as data. A one-byte type (fp8 e4m3, as NCCL numbers it) described
-//! here and nowhere else: the planners size its buffers from the description, and choosing
-//! its kernel is a clear error ("no kernel for this dtype"), not a panic or another type's
-//! kernel, in every family — without a line of any op changed for it.
+//! An element type enters as data. fp8 e4m3 (NCCL's value 10) is described in the type table
+//! and has kernels only for mkScaledGemm: the planners size its buffers from the description,
+//! and choosing its kernel in any other family is a clear error ("no kernel for this dtype"),
+//! not a panic or another type's kernel — without a line of those ops changed for it.
 
 use mkernel::error::mkResult_t;
 use mkernel::ops::attention::{ring_attention, ring_attention_backward};
@@ -12,14 +12,7 @@ use mkernel::ops::moe::{self, Direction};
 use mkernel::tuning::{Tuning, COLLECTIVE_LL_MAX_BYTES};
 use mkernel::types::{mkDataType_t, Accepted, Element, ElementType};
 
-static FP8_E4M3: ElementType = ElementType {
-    code: 10,
-    c_name: "mkFloat8e4m3",
-    name: "float8e4m3",
-    bytes: 1,
-    cuda_type: "__nv_fp8_e4m3",
-    accepted: Accepted { collectives: true, gemm: true },
-};
+const FP8_E4M3: mkDataType_t = mkDataType_t::mkFloat8e4m3;
 
 const BF16: mkDataType_t = mkDataType_t::mkBfloat16;
 
@@ -45,7 +38,7 @@ fn assert_no_kernel<T: std::fmt::Debug>(what: &str, r: mkernel::Result<T>) {
 
 #[test]
 fn planners_size_a_one_byte_type_from_its_description() {
-    let fp8 = &FP8_E4M3;
+    let fp8 = FP8_E4M3;
     assert_eq!(ag_gemm::gathered_bytes(fp8, 4096, 7168), 4096 * 7168);
     assert_eq!(ag_gemm::gathered_bytes(BF16, 4096, 7168), 2 * 4096 * 7168);
     let s = ring_shape();
@@ -78,13 +71,13 @@ fn planners_size_a_one_byte_type_from_its_description() {
     let plan = |bytes: u64| {
         collectives::plan(CollectiveKind::AllReduce, 4096, bytes, 4, 16, 64 << 20, 264, COLLECTIVE_LL_MAX_BYTES)
     };
-    let (one, two) = (plan(fp8.bytes as u64), plan(BF16.size() as u64));
+    let (one, two) = (plan(fp8.size() as u64), plan(BF16.size() as u64));
     assert_eq!(one.chunk, 2 * two.chunk, "{one:?} {two:?}");
 }
 
 #[test]
 fn every_family_reports_no_kernel_for_a_type_without_instances() {
-    let fp8 = &FP8_E4M3;
+    let fp8 = FP8_E4M3;
     let gemm = engine::plan(4096, 4096, 4096, 132, true, PlanOverrides::default());
     assert!(gemm.kernel_launch(BF16).is_ok());
     assert_no_kernel("mkGemm", gemm.kernel_launch(fp8));
@@ -98,6 +91,9 @@ fn every_family_reports_no_kernel_for_a_type_without_instances() {
     assert_no_kernel("mkRingAttentionBackward", ring_attention_backward::plan(&s, 132).kernel_launch(fp8));
     assert_no_kernel("the collectives", collectives::kernel(fp8));
     assert_no_kernel("the collectives across nodes", hier::kernel(fp8));
+    // Its own op has kernels; a gather moves it with the one-byte unsigned integer's kernel.
+    assert!(mkernel::ops::gemm::scaled::kernel(fp8, BF16, 128, engine::Epilogue::Tma).is_ok());
+    assert!(collectives::kernel(fp8.element().moved_as()).is_ok());
 }
 
 #[test]
@@ -108,4 +104,44 @@ fn a_described_type_without_a_tile_is_a_planner_error_not_a_dtype_error() {
     assert_eq!(e.code, mkResult_t::mkInternalError, "{}", e.message);
     assert!(e.message.contains("mkBfloat16"), "{}", e.message);
     assert_eq!(BF16.element().cuda_type, "__nv_bfloat16");
+}
+
+/// Every op that does not take fp8 refuses both fp8 types with mkInvalidArgument naming the
+/// op, before any other rule and before any CUDA call (so this runs without a GPU); the
+/// gather takes them.
+#[test]
+fn ops_without_fp8_refuse_it_by_name() {
+    use mkernel::ops::dense::gemm_reduce::Reduction;
+    let p = 0x10000u64;
+    let dims = moe::MoeDims { tokens: 128, hidden: 128, ffn: 128, top_k: 1, experts: 2, capacity: 256, nranks: 2 };
+    for fp8 in [mkDataType_t::mkFloat8e4m3, mkDataType_t::mkFloat8e5m2] {
+        let d = fp8 as i32;
+        let refused: [(&str, Result<(), mkernel::MkError>); 9] = [
+            ("mkGemm", mkernel::ops::gemm::op::validate(p, p, p, 128, 128, 128, d).map(drop)),
+            ("mkAllGatherGemm", ag_gemm::validate_args(p, p, p, 0, 128, 128, 128, d, 2, 0).map(drop)),
+            ("mkGemmReduceScatter", gemm_reduce::validate(Reduction::Scatter, p, p, p, 128, 128, 128, d, 2).map(drop)),
+            ("mkGemmAllReduce", gemm_reduce::validate(Reduction::All, p, p, p, 128, 128, 128, d, 2).map(drop)),
+            ("mkMoeDispatchGemm", moe::validate_dispatch(p, p, p, p, p, p, dims, d).map(drop)),
+            ("mkMoeGemmCombine", moe::validate_combine(p, p, p, p, p, dims, d).map(drop)),
+            (
+                "mkRingAttention",
+                ring_attention::validate_args(p, p, p, p, p, 1, 128, 4, 4, 128, 0.1, 0, d, 2, 0).map(drop),
+            ),
+            (
+                "mkRingAttentionBackward",
+                ring_attention_backward::validate_args(p, p, p, p, p, p, p, p, p, 1, 128, 4, 4, 128, 0.1, 0, d, 2, 0)
+                    .map(drop),
+            ),
+            ("mkAllReduce", collectives::validate(CollectiveKind::AllReduce, p, 2 * p, 64, d, Some(0), 0, 2).map(drop)),
+        ];
+        for (op, r) in refused {
+            let e = r.expect_err(op);
+            assert_eq!(e.code, mkResult_t::mkInvalidArgument, "{op}: {}", e.message);
+            assert!(e.message.contains(op) && e.message.contains(fp8.name()), "{op}: {}", e.message);
+        }
+        let e = collectives::validate(CollectiveKind::ReduceScatter, p, 4 * p, 64, d, Some(0), 0, 2).unwrap_err();
+        assert!(e.message.contains("mkReduceScatter reduces only"), "{}", e.message);
+        let gathered = collectives::validate(CollectiveKind::AllGather, p, 4 * p, 64, d, None, 0, 2).unwrap();
+        assert_eq!(gathered.dtype, fp8);
+    }
 }

@@ -38,8 +38,10 @@
 
 enum { AR, AG, RS, BC, RD, NCOLL };
 static const char *coll_names[] = {"AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce"};
-static const char *type_names[] = {"int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double", "bfloat16"};
-static const size_t type_sizes[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
+/* The two fp8 types (10, 11) are only moved (gathered, broadcast): their bytes are compared. */
+static const char *type_names[] = {"int8",  "uint8",    "int32",  "uint32",  "int64",  "uint64",
+                                   "half",  "float",    "double", "bfloat16", "f8e4m3", "f8e5m2"};
+static const size_t type_sizes[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1};
 static const char *op_names[] = {"sum", "prod", "max", "min", "avg"};
 
 static int nranks;
@@ -87,13 +89,14 @@ static double from_bf16(uint16_t b) {
   return f;
 }
 
-static int is_float(int t) { return t >= ncclFloat16; }
+static int is_float(int t) { return t >= ncclFloat16 && t <= ncclBfloat16; }
+static int is_fp8(int t) { return t == ncclFloat8e4m3 || t == ncclFloat8e5m2; }
 
 /* Element i of a buffer as double (floats) or int64 bits widened (integers). */
 static double get(const void *buf, int t, size_t i) {
   switch (t) {
     case ncclInt8: return ((const int8_t *)buf)[i];
-    case ncclUint8: return ((const uint8_t *)buf)[i];
+    case ncclUint8: case ncclFloat8e4m3: case ncclFloat8e5m2: return ((const uint8_t *)buf)[i];
     case ncclInt32: return ((const int32_t *)buf)[i];
     case ncclUint32: return ((const uint32_t *)buf)[i];
     case ncclInt64: return (double)((const int64_t *)buf)[i];
@@ -109,7 +112,7 @@ static void put(void *buf, int t, size_t i, double v) {
   int64_t w = is_float(t) ? 0 : (int64_t)v;
   switch (t) {
     case ncclInt8: ((int8_t *)buf)[i] = (int8_t)(uint8_t)(uint64_t)w; break;
-    case ncclUint8: ((uint8_t *)buf)[i] = (uint8_t)(uint64_t)w; break;
+    case ncclUint8: case ncclFloat8e4m3: case ncclFloat8e5m2: ((uint8_t *)buf)[i] = (uint8_t)(uint64_t)w; break;
     case ncclInt32: ((int32_t *)buf)[i] = (int32_t)(uint32_t)(uint64_t)w; break;
     case ncclUint32: ((uint32_t *)buf)[i] = (uint32_t)(uint64_t)w; break;
     case ncclInt64: ((int64_t *)buf)[i] = w; break;
@@ -124,6 +127,7 @@ static void put(void *buf, int t, size_t i, double v) {
 /* Random inputs every type holds exactly: multiples of 1/4 in [-2, 2] for floats, small
  * integers for integers (no sum of up to 8 ranks overflows; products wrap as the type's). */
 static double random_value(int t) {
+  if (is_fp8(t)) return rand() % 256; /* any byte, NaN patterns included: a move keeps them */
   int r = rand() % 17;
   if (is_float(t)) return (r - 8) / 4.0;
   if (t == ncclUint8 || t == ncclUint32 || t == ncclUint64) return r % 9;
@@ -261,7 +265,8 @@ static void sweep(size_t max_bytes, long *rows, long *bad_rows) {
   for (int coll = 0; coll < NCOLL; coll++) {
     int reduces = coll == AR || coll == RS || coll == RD;
     double factor = coll == AR ? 2.0 * (nranks - 1) / nranks : (coll == AG || coll == RS) ? (double)(nranks - 1) / nranks : 1.0;
-    for (int t = 0; t < 10; t++) {
+    /* fp8 only where mkernel moves it: AllGather, Broadcast (its reductions are refused). */
+    for (int t = 0; t < (reduces ? 10 : 12); t++) {
       for (int op = 0; op < (reduces ? 5 : 1); op++) {
         for (size_t bytes = 8; bytes <= max_bytes; bytes *= 8) {
           size_t full = bytes / type_sizes[t];

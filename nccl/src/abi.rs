@@ -19,7 +19,7 @@ pub const ncclRemoteError: ncclResult_t = 6;
 pub const ncclInProgress: ncclResult_t = 7;
 pub const ncclNumResults: ncclResult_t = 8;
 
-/// `ncclDataType_t`; mkernel's `mkDataType_t` numbers its ten types the same way.
+/// `ncclDataType_t`; mkernel's `mkDataType_t` numbers its twelve types the same way.
 pub type ncclDataType_t = c_int;
 pub const ncclFloat8e4m3: ncclDataType_t = 10;
 pub const ncclFloat8e5m2: ncclDataType_t = 11;

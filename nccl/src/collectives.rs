@@ -37,9 +37,14 @@ pub struct Queued {
     pub stream: usize,
 }
 
-/// Whether mkernel runs this data type and operator (its ten types and five built-in ops).
+/// Whether mkernel runs this data type and operator: a move (`op` None: AllGather,
+/// Broadcast) of any of its types, fp8 included (as bytes); a reduction of its ten types
+/// with arithmetic (ncclInt8 .. ncclBfloat16) and the five built-in ops.
 pub fn mkernel_supports(dtype: ncclDataType_t, op: Option<ncclRedOp_t>) -> bool {
-    (0..=9).contains(&dtype) && op.is_none_or(|o| (0..ncclNumOps).contains(&o))
+    match op {
+        None => (0..=11).contains(&dtype),
+        Some(o) => (0..=9).contains(&dtype) && (0..ncclNumOps).contains(&o),
+    }
 }
 
 impl CollOp {
@@ -71,9 +76,10 @@ impl CollOp {
                 "datatype {dtype} is not an ncclDataType_t (0..{ncclNumTypes})"
             )));
         }
-        if !mkernel_supports(dtype, None) {
+        if !mkernel_supports(dtype, op.map(|_| ncclSum)) {
             return Err(NcclError::invalid_argument(format!(
-                "{} is not supported by mkernel (it runs ncclInt8 .. ncclBfloat16)",
+                "{} is not supported by mkernel's reductions (they run ncclInt8 .. ncclBfloat16; fp8 is gathered \
+                 and broadcast as bytes)",
                 datatype_name(dtype)
             )));
         }
@@ -185,7 +191,9 @@ mod tests {
         assert!(ar(7, 4).check(2).is_ok(), "float avg");
         let e = ar(10, 0).check(2).unwrap_err();
         assert_eq!(e.code, ncclInvalidArgument);
-        assert!(e.message.contains("ncclFloat8e4m3 is not supported by mkernel"), "{}", e.message);
+        assert!(e.message.contains("ncclFloat8e4m3 is not supported by mkernel's reductions"), "{}", e.message);
+        let ag = |dtype| CollOp::AllGather { send: 0x1000, recv: 0x2000, count: 4, dtype };
+        assert!(ag(10).check(2).is_ok() && ag(11).check(2).is_ok(), "fp8 is gathered");
         assert!(ar(12, 0).check(2).unwrap_err().message.contains("not an ncclDataType_t"));
         assert!(ar(7, 5).check(2).unwrap_err().message.contains("not a built-in ncclRedOp_t"));
         let b = |root| CollOp::Broadcast { send: 0, recv: 0, count: 1, dtype: 0, root };
@@ -200,7 +208,9 @@ mod tests {
     #[test]
     fn mkernel_runs_its_ten_types_and_five_ops() {
         assert!((0..=9).all(|t| mkernel_supports(t, Some(0))));
-        assert!(!mkernel_supports(10, None) && !mkernel_supports(11, None));
+        assert!(mkernel_supports(10, None) && mkernel_supports(11, None), "fp8 moves as bytes");
+        assert!(!mkernel_supports(10, Some(0)) && !mkernel_supports(11, Some(0)), "no fp8 reduction");
+        assert!(!mkernel_supports(12, None));
         assert!((0..5).all(|o| mkernel_supports(7, Some(o))));
         assert!(!mkernel_supports(7, Some(5)), "PreMulSum operators go to NCCL");
     }

@@ -42,6 +42,12 @@ def collectives(comm, rank, n):
             problems.append(f"all_gather {dtype}: differs from the concatenation")
         if not torch.equal(mkernel.all_gather(mine, comm).cpu(), full):
             problems.append(f"all_gather {dtype} (functional): differs")
+    # fp8 is gathered as bytes: every bit pattern (NaN included) arrives unchanged.
+    for seed, dtype in ((3, torch.float8_e4m3fn), (4, torch.float8_e5m2)):
+        full = torch.randint(0, 256, (n * 6, 5), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+        out = mkernel.all_gather(_shard(full, rank, n).to(DEV).view(dtype), comm)
+        if out.dtype != dtype or not torch.equal(out.view(torch.uint8).cpu(), full):
+            problems.append(f"all_gather {dtype}: differs from the concatenation (bytes)")
     # ReduceScatter and AllReduce: every rank's contribution is seeded(100 + r).
     contributions = [seeded(100 + r, n * 8, 16, dtype=torch.float32) for r in range(n)]
     stacked = torch.stack([c.double() for c in contributions])
@@ -76,6 +82,17 @@ def gemms(comm, rank, n):
     out = _poisoned((m, nn_), bf16)
     mkernel.gemm(a.to(DEV), b.to(DEV), out=out)
     problems += close_to("gemm", out, ref, rtol=1e-2, atol=2e-2)
+    # Scaled fp8 GEMM, both scale modes, against float64 of the dequantized inputs.
+    a8, b8 = (a / 4).to(torch.float8_e4m3fn), (b / 4).to(torch.float8_e4m3fn)
+    deq_a, deq_b = a8.double(), b8.double()
+    for mode, sa, sb in (
+        ("tensor", torch.tensor(0.75), torch.tensor(1.5)),
+        ("rowwise", torch.rand(m, 1, generator=torch.Generator().manual_seed(12)) + 0.5,
+         torch.rand(1, nn_, generator=torch.Generator().manual_seed(13)) + 0.5),
+    ):
+        ref8 = (deq_a * sa.double().reshape(-1, 1)) @ (deq_b * sb.double().reshape(-1, 1)).T
+        c8 = mkernel.scaled_gemm(a8.to(DEV), b8.to(DEV), sa.float().to(DEV), sb.float().to(DEV))
+        problems += close_to(f"scaled_gemm {mode}", c8, ref8, rtol=1e-2, atol=2e-2)
     # AllGather + GEMM: A's rows sharded, B replicated.
     c, gathered = mkernel.all_gather_gemm(_shard(a, rank, n).to(DEV), b.to(DEV), comm, return_gathered=True)
     problems += close_to("all_gather_gemm", c, ref, rtol=1e-2, atol=2e-2)

@@ -13,6 +13,7 @@ import mkernel
 from mkernel import _checks
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+e4m3 = torch.float8_e4m3fn
 
 
 def t(*shape, dtype=bf16):
@@ -286,6 +287,79 @@ def cases(c):
             "ring-device",
             lambda: mkernel.ring_attention(t(1, 8, 4, 64), t(1, 8, 4, 64), t(1, 8, 4, 64), n),
             r"ring_attention: expected q to be on cuda:0",
+        ),
+        # fp8: reductions refuse it; scaled_gemm's rules
+        (
+            "ar-fp8",
+            lambda: mkernel.all_reduce(t(8, dtype=e4m3), n),
+            r"all_reduce: expected input to have dtype in \(.*\), but got torch.float8_e4m3fn",
+        ),
+        (
+            "rs-fp8",
+            lambda: mkernel.reduce_scatter(t(8, 4, dtype=torch.float8_e5m2), n),
+            r"reduce_scatter: expected input to have dtype in \(.*\), but got torch.float8_e5m2",
+        ),
+        (
+            "gemm-fp8",
+            lambda: mkernel.gemm(t(4, 16, dtype=e4m3), t(8, 16, dtype=e4m3)),
+            r"gemm: expected a to have dtype in \(torch.bfloat16, torch.float16\), but got torch.float8_e4m3fn",
+        ),
+        (
+            "sgemm-bf16",
+            lambda: mkernel.scaled_gemm(t(4, 16), t(8, 16), t(1, dtype=f32), t(1, dtype=f32)),
+            r"scaled_gemm: expected a to have dtype in \(torch.float8_e4m3fn\), but got torch.bfloat16",
+        ),
+        (
+            "sgemm-e5m2",
+            lambda: mkernel.scaled_gemm(
+                t(4, 16, dtype=torch.float8_e5m2), t(8, 16, dtype=e4m3), t(1, dtype=f32), t(1, dtype=f32)
+            ),
+            r"scaled_gemm: expected a to have dtype in \(torch.float8_e4m3fn\), but got torch.float8_e5m2",
+        ),
+        (
+            "sgemm-k",
+            lambda: mkernel.scaled_gemm(t(4, 24, dtype=e4m3), t(8, 24, dtype=e4m3), t(1, dtype=f32), t(1, dtype=f32)),
+            r"scaled_gemm: expected K \(a.shape\[1\]\) to be a multiple of 16, but got 24",
+        ),
+        (
+            "sgemm-shared-k",
+            lambda: mkernel.scaled_gemm(t(4, 32, dtype=e4m3), t(8, 16, dtype=e4m3), t(1, dtype=f32), t(1, dtype=f32)),
+            r"scaled_gemm: expected a \[M, K\] and b \[N, K\] to share K",
+        ),
+        (
+            "sgemm-scale-dtype",
+            lambda: mkernel.scaled_gemm(t(4, 16, dtype=e4m3), t(8, 16, dtype=e4m3), t(1), t(1, dtype=f32)),
+            r"scaled_gemm: expected scale_a to have dtype in \(torch.float32\), but got torch.bfloat16",
+        ),
+        (
+            "sgemm-scale-count",
+            lambda: mkernel.scaled_gemm(
+                t(4, 16, dtype=e4m3), t(8, 16, dtype=e4m3), t(4, 1, dtype=f32), t(1, dtype=f32)
+            ),
+            r"scaled_gemm: expected scale_a and scale_b to hold one value each \(per tensor\), M = 4 and N = 8 "
+            r"values \(rowwise: one per row of a and of b\), or, K being a multiple of 128, .* but got \(4, 1\) and \(1,\)",
+        ),
+        (
+            "sgemm-block-layout",
+            lambda: mkernel.scaled_gemm(
+                t(4, 256, dtype=e4m3), t(8, 256, dtype=e4m3), t(4, 2, dtype=f32), t(2, 1, dtype=f32)
+            ),
+            r"scaled_gemm: expected .* the shapes \(2, 4\) and \(2, 1\) \(block: \[K/128, M\] and "
+            r"\[K/128, ceil\(N/128\)\]\), but got \(4, 2\) and \(2, 1\)",
+        ),
+        (
+            "sgemm-out-dtype",
+            lambda: mkernel.scaled_gemm(
+                t(4, 16, dtype=e4m3), t(8, 16, dtype=e4m3), t(1, dtype=f32), t(1, dtype=f32), out_dtype=f32
+            ),
+            r"scaled_gemm: expected out_dtype to be one of \(torch.bfloat16, torch.float16\), but got torch.float32",
+        ),
+        (
+            "sgemm-device",
+            lambda: mkernel.scaled_gemm(
+                t(4, 16, dtype=e4m3), t(8, 16, dtype=e4m3), t(4, 1, dtype=f32), t(1, 8, dtype=f32)
+            ),
+            r"scaled_gemm: expected a to be a CUDA tensor, but got a tensor on cpu",
         ),
     ]
 

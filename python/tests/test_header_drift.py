@@ -22,6 +22,7 @@ C_TO_CTYPES = {
     "mkResult_t": ctypes.c_int,
     "mkDataType_t": ctypes.c_int,
     "mkRedOp_t": ctypes.c_int,
+    "mkScaleMode_t": ctypes.c_int,
     "int": ctypes.c_int,
     "int32_t": ctypes.c_int32,
     "size_t": ctypes.c_size_t,
@@ -207,8 +208,12 @@ def test_enum_values_match_the_header():
         "float32": "mkFloat32",
         "float64": "mkFloat64",
         "bfloat16": "mkBfloat16",
+        "float8e4m3": "mkFloat8e4m3",
+        "float8e5m2": "mkFloat8e5m2",
     }
     assert {python_names[k]: v for k, v in _lib.DTYPE_CODES.items()} == dtypes
+    modes = _enum(body, "mkScaleMode_t")
+    assert {"mkScale" + k.capitalize(): v for k, v in _lib.SCALE_MODE_CODES.items()} == modes
     ops = _enum(body, "mkRedOp_t")
     assert {"mk" + k.capitalize(): v for k, v in _lib.REDOP_CODES.items()} == ops
     results = _enum(body, "mkResult_t")

@@ -22,6 +22,8 @@ SCHEMAS = {
     "reduce_scatter": "mkernel::reduce_scatter(Tensor x, str comm, SymInt world_size, str op) -> Tensor",
     "all_reduce": "mkernel::all_reduce(Tensor x, str comm, str op) -> Tensor",
     "gemm": "mkernel::gemm(Tensor a, Tensor b) -> Tensor",
+    "scaled_gemm": "mkernel::scaled_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype) "
+    "-> Tensor",
     "all_gather_gemm": "mkernel::all_gather_gemm(Tensor a, Tensor b, str comm, SymInt world_size, "
     "bool return_gathered) -> (Tensor, Tensor)",
     "gemm_reduce_scatter": "mkernel::gemm_reduce_scatter(Tensor a, Tensor b, str comm, SymInt world_size) -> Tensor",
@@ -70,7 +72,18 @@ def cpu_launches(monkeypatch):
         out.copy_(q * softmax_scale)
         lse.fill_(0.5)
 
+    def scaled_gemm(a, b, scale_a, scale_b, out, mode):
+        if mode == "block":  # scale_a [K/128, M], scale_b [K/128, ceil(N/128)]: each to its elements
+            sa_full = scale_a.t().repeat_interleave(128, 1)
+            sb_full = scale_b.t().repeat_interleave(128, 0)[: b.shape[0]].repeat_interleave(128, 1)
+            out.copy_((a.float() * sa_full) @ (b.float() * sb_full).t())
+            return
+        rowwise = mode == "rowwise"
+        sa, sb = (scale_a.reshape(-1, 1), scale_b.reshape(-1, 1)) if rowwise else (scale_a.reshape(()), scale_b.reshape(()))
+        out.copy_((a.float() * sa) @ (b.float() * sb).t())
+
     monkeypatch.setattr(ops, "all_reduce_launch", all_reduce)
+    monkeypatch.setattr(ops, "scaled_gemm_launch", scaled_gemm)
     monkeypatch.setattr(ops, "all_gather_gemm_launch", all_gather_gemm)
     monkeypatch.setattr(ops, "moe_dispatch_launch", moe_dispatch)
     monkeypatch.setattr(ops, "ring_attention_launch", ring_attention)
@@ -86,6 +99,12 @@ def test_opcheck(shape_comm, cpu_launches, requires_grad):
 
     def r(*shape, seed=0):
         return _random(*shape, seed=seed).requires_grad_(requires_grad)
+
+    def e4m3(*shape, seed=0):  # fp8 tensors cannot require grad
+        return _random(*shape, dtype=torch.float32, seed=seed).to(torch.float8_e4m3fn)
+
+    def scales(*shape, seed=0):
+        return torch.rand(shape, generator=torch.Generator().manual_seed(seed)).requires_grad_(requires_grad)
 
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     if not requires_grad:
@@ -104,6 +123,16 @@ def test_opcheck(shape_comm, cpu_launches, requires_grad):
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=utils)
+    # scaled_gemm per tensor, rowwise and block. Without test_schema: its SchemaCheckMode
+    # compares every input before and after the call with arithmetic CPU torch does not
+    # implement for float8 ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn').
+    fp8_cases = [
+        (e4m3(4, 32), e4m3(8, 32, seed=1), scales(4, 1), scales(1, 8, seed=1), bf16),
+        (e4m3(4, 32), e4m3(8, 32, seed=1), scales(), scales(seed=1), torch.float16),
+        (e4m3(4, 256), e4m3(130, 256, seed=1), scales(2, 4), scales(2, 2, seed=1), bf16),
+    ]
+    for args in fp8_cases:
+        torch.library.opcheck(torch.ops.mkernel.scaled_gemm.default, args, test_utils=utils[1:])
 
 
 def test_backward_through_an_op_without_a_formula_raises(shape_comm, cpu_launches):

@@ -3,7 +3,7 @@
 use super::guard;
 use crate::cuda::sys::CUstream;
 use crate::error::mkResult_t;
-use crate::types::RawDataType;
+use crate::types::{RawDataType, RawScaleMode};
 use std::ffi::c_void;
 
 /// C = A * B^T on the GPU, the engine every fused operation is built on, alone (for tests
@@ -43,6 +43,72 @@ pub unsafe extern "C" fn mkGemm(
     guard(None, "mkGemm", || crate::ops::gemm::op::gemm(A as u64, B as u64, C as u64, M, N, K, dtype, stream))
 }
 
+/// C = (A * scaleA) * (B * scaleB)^T with fp8 A and B: the scaled GEMM of fp8 training and
+/// inference (torch._scaled_mm's convention: the scales dequantize A and B).
+///
+/// A is [M, K] and B is [N, K], both row-major (K-major, as fp8 tensor cores read them) and
+/// densely packed, of type `abType`: mkFloat8e4m3. C is [M, N] row-major of type `cType`:
+/// mkBfloat16 or mkFloat16. All device memory of the current CUDA context's device.
+/// `scaleA` and `scaleB` are fp32 in device memory, as `scaleMode` says:
+/// - mkScaleTensor: one value each; C[m][n] = scaleA[0] * scaleB[0] * sum_k A[m][k] * B[n][k];
+/// - mkScaleRowwise: scaleA[M] (one per row of A) and scaleB[N] (one per row of B, a column
+///   of C); C[m][n] = scaleA[m] * scaleB[n] * sum_k A[m][k] * B[n][k];
+/// - mkScaleBlock (DeepSeek-V3's): scaleA[K/128][M] (one per row of A per 128 of K) and
+///   scaleB[K/128][ceil(N/128)] (one per 128 x 128 block of B), row-major (the memory of
+///   torch's 1x128 and 128x128 scales), K a multiple of 128;
+///   C[m][n] = sum_b scaleA[b][m] * scaleB[b][n/128] * sum_{k in block b} A[m][k] * B[n][k].
+///
+/// Products are exact in fp32; the tensor cores' sums are added into fp32 every 128 of K (the
+/// fp8 tensor cores accumulate with fewer bits than fp32), multiplied by their block's scales
+/// first in block mode; per tensor and rowwise, the scales multiply the fp32 sum once; C is
+/// rounded to `cType` once. Requires an sm_90 GPU (H100/H200).
+///
+/// The scales are read by the kernel, not checked by the host: a NaN or infinite scale, or
+/// NaN in A or B, gives NaN or infinite values in C (as in cuBLASLt and torch._scaled_mm).
+///
+/// Rules (each violation returns mkInvalidArgument, with the rule named in mkGetLastError):
+/// A, B, C, scaleA, scaleB non-NULL; K a positive multiple of 16 (of 128 with block scales);
+/// A and B 16-byte aligned;
+/// C 2-byte aligned; the scales 4-byte aligned; M, N, K at most INT_MAX; abType mkFloat8e4m3
+/// (mkFloat8e5m2 is refused: no kernel takes it); cType mkBfloat16 or mkFloat16; scaleMode
+/// a mkScaleMode_t. Any M and N (M == 0 or N == 0 does nothing). C must not overlap the
+/// inputs. Fastest when N % 8 == 0 and C is 16-byte aligned (TMA stores).
+///
+/// Deterministic, stream-ordered and asynchronous as mkGemm; safe to capture in a CUDA
+/// graph. Uses the calling thread's current context, or device 0's primary context.
+#[no_mangle]
+pub unsafe extern "C" fn mkScaledGemm(
+    A: *const c_void,
+    scaleA: *const f32,
+    B: *const c_void,
+    scaleB: *const f32,
+    C: *mut c_void,
+    M: usize,
+    N: usize,
+    K: usize,
+    abType: RawDataType,
+    cType: RawDataType,
+    scaleMode: RawScaleMode,
+    stream: CUstream,
+) -> mkResult_t {
+    guard(None, "mkScaledGemm", || {
+        crate::ops::gemm::scaled::scaled_gemm(
+            A as u64,
+            scaleA as u64,
+            B as u64,
+            scaleB as u64,
+            C as u64,
+            M,
+            N,
+            K,
+            abType,
+            cType,
+            scaleMode,
+            stream,
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -68,6 +134,35 @@ mod tests {
             check(mkGemm(0x10008 as *const c_void, p, p, 4, 4, 8, bf16, s), "16-byte aligned");
             check(mkGemm(p, p, p, 4, 4, 8, 1234, s), "unknown datatype 1234");
             check(mkGemm(p, p, p, 4, 4, 8, mkDataType_t::mkFloat32 as RawDataType, s), "not supported");
+            check(mkGemm(p, p, p, 4, 4, 8, mkDataType_t::mkFloat8e4m3 as RawDataType, s), "mkScaledGemm takes them");
+            check(mkGemm(p, p, p, 4, 4, 8, mkDataType_t::mkFloat8e5m2 as RawDataType, s), "not supported");
+        }
+    }
+
+    #[test]
+    fn scaled_gemm_refuses_bad_arguments_before_any_cuda_call() {
+        use crate::types::mkScaleMode_t;
+        let p = 0x10000 as *mut c_void;
+        let sc = 0x20000 as *const f32;
+        let e4m3 = mkDataType_t::mkFloat8e4m3 as RawDataType;
+        let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
+        let row = mkScaleMode_t::mkScaleRowwise as RawScaleMode;
+        let s = std::ptr::null_mut();
+        let check = |r: mkResult_t, needle: &str| {
+            assert_eq!(r, mkResult_t::mkInvalidArgument, "{needle}");
+            let msg = thread_last_error();
+            assert!(msg.starts_with("mkScaledGemm: ") && msg.contains(needle), "{msg:?} lacks {needle:?}");
+        };
+        unsafe {
+            check(mkScaledGemm(p, std::ptr::null(), p, sc, p, 4, 4, 32, e4m3, bf16, row, s), "scaleA is NULL");
+            check(mkScaledGemm(p, sc, p, std::ptr::null(), p, 4, 4, 32, e4m3, bf16, row, s), "scaleB is NULL");
+            check(mkScaledGemm(p, 0x20002 as *const f32, p, sc, p, 4, 4, 32, e4m3, bf16, row, s), "scaleA = 0x20002");
+            check(mkScaledGemm(p, sc, p, sc, p, 4, 4, 40, e4m3, bf16, row, s), "multiple of 16");
+            check(mkScaledGemm(p, sc, p, sc, p, 4, 4, 32, e4m3, bf16, 7, s), "unknown scale mode 7");
+            check(mkScaledGemm(p, sc, p, sc, p, 4, 4, 32, bf16, bf16, row, s), "abType bfloat16");
+            let e5m2 = mkDataType_t::mkFloat8e5m2 as RawDataType;
+            check(mkScaledGemm(p, sc, p, sc, p, 4, 4, 32, e5m2, bf16, row, s), "no e5m2 kernels");
+            check(mkScaledGemm(p, sc, p, sc, p, 4, 4, 32, e4m3, e4m3, row, s), "cType float8e4m3");
         }
     }
 }

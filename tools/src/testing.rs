@@ -5,6 +5,7 @@
 mod acceptance;
 pub mod collective_values;
 pub mod fill;
+pub mod fp8;
 mod graph;
 pub use acceptance::{
     accumulation_unit, check_close, check_exact, check_exact_bytes, gamma, gemm_reference, underflow_floor,
@@ -115,6 +116,8 @@ pub fn to_f64(bytes: &[u8], dtype: mkDataType_t) -> Vec<f64> {
             mkUint32 => u32::from_le_bytes(c.try_into().unwrap()) as f64,
             mkInt64 => i64::from_le_bytes(c.try_into().unwrap()) as f64,
             mkUint64 => u64::from_le_bytes(c.try_into().unwrap()) as f64,
+            mkFloat8e4m3 => fp8::e4m3_to_f32(c[0]) as f64,
+            mkFloat8e5m2 => fp8::e5m2_to_f32(c[0]) as f64,
         })
         .collect()
 }

@@ -115,6 +115,9 @@ func TestEnumsMatchTheHeader(t *testing.T) {
 	if got, want := redOpNames[:], enumerators(t, header, "mkRedOp_t"); strings.Join(got, ",") != strings.Join(want, ",") {
 		t.Errorf("RedOp names %v, header mkRedOp_t %v", got, want)
 	}
+	if got, want := scaleModeNames[:], enumerators(t, header, "mkScaleMode_t"); strings.Join(got, ",") != strings.Join(want, ",") {
+		t.Errorf("ScaleMode names %v, header mkScaleMode_t %v", got, want)
+	}
 	results := enumerators(t, header, "mkResult_t")
 	if len(results) != len(resultNames) {
 		t.Errorf("header mkResult_t has %d codes, the binding names %d", len(results), len(resultNames))

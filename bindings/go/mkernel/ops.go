@@ -275,3 +275,18 @@ func Gemm(a, b, out DevicePtr, m, n, k int, dtype DataType, s Stream) error {
 		return C.mkGemm(ptr(a), ptr(b), ptr(out), cm, cn, ck, C.mkDataType_t(dtype), stream(s))
 	})
 }
+
+// ScaledGemm computes C = (A·scaleA)(B·scaleB)ᵀ with fp8 A [m, k] and B [n, k] (row-major,
+// abType Float8e4m3), fp32 scales in device memory as mode says, and C [m, n] of cType
+// (Bfloat16 or Float16), on the calling thread's current context (mkScaledGemm).
+func ScaledGemm(a, scaleA, b, scaleB, out DevicePtr, m, n, k int, abType, cType DataType, mode ScaleMode, s Stream) error {
+	sz := sizes{op: "mkScaledGemm"}
+	cm, cn, ck := sz.of("m", m), sz.of("n", n), sz.of("k", k)
+	if sz.err != nil {
+		return sz.err
+	}
+	return call("mkScaledGemm", nil, func() C.mkResult_t {
+		return C.mkScaledGemm(ptr(a), f32(scaleA), ptr(b), f32(scaleB), ptr(out), cm, cn, ck,
+			C.mkDataType_t(abType), C.mkDataType_t(cType), C.mkScaleMode_t(mode), stream(s))
+	})
+}

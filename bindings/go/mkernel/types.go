@@ -19,10 +19,14 @@ const (
 	Float32  DataType = C.mkFloat32
 	Float64  DataType = C.mkFloat64
 	Bfloat16 DataType = C.mkBfloat16
+	// Float8e4m3 and Float8e5m2 are gathered as bytes by AllGather; ScaledGemm multiplies
+	// Float8e4m3. No reduction and no unscaled GEMM takes them.
+	Float8e4m3 DataType = C.mkFloat8e4m3
+	Float8e5m2 DataType = C.mkFloat8e5m2
 )
 
 var dataTypeNames = [...]string{"mkInt8", "mkUint8", "mkInt32", "mkUint32", "mkInt64", "mkUint64", "mkFloat16",
-	"mkFloat32", "mkFloat64", "mkBfloat16"}
+	"mkFloat32", "mkFloat64", "mkBfloat16", "mkFloat8e4m3", "mkFloat8e5m2"}
 
 func (t DataType) String() string {
 	if t >= 0 && int(t) < len(dataTypeNames) {
@@ -34,7 +38,7 @@ func (t DataType) String() string {
 // Size is the size of one element in bytes (0 for an unknown type).
 func (t DataType) Size() int {
 	switch t {
-	case Int8, Uint8:
+	case Int8, Uint8, Float8e4m3, Float8e5m2:
 		return 1
 	case Float16, Bfloat16:
 		return 2
@@ -44,6 +48,28 @@ func (t DataType) Size() int {
 		return 8
 	}
 	return 0
+}
+
+// ScaleMode says how ScaledGemm's fp32 scales apply (mkScaleMode_t).
+type ScaleMode int32
+
+const (
+	// ScaleTensor: one scale for all of A, one for all of B.
+	ScaleTensor ScaleMode = C.mkScaleTensor
+	// ScaleRowwise: one scale per row of A (M of them) and per row of B (N of them).
+	ScaleRowwise ScaleMode = C.mkScaleRowwise
+	// ScaleBlock: one per row of A per 128 of K ([K/128][M]), one per 128 x 128 block of B
+	// ([K/128][ceil(N/128)]), row-major; K a multiple of 128.
+	ScaleBlock ScaleMode = C.mkScaleBlock
+)
+
+var scaleModeNames = [...]string{"mkScaleTensor", "mkScaleRowwise", "mkScaleBlock"}
+
+func (m ScaleMode) String() string {
+	if m >= 0 && int(m) < len(scaleModeNames) {
+		return scaleModeNames[m]
+	}
+	return fmt.Sprintf("mkScaleMode_t(%d)", int32(m))
 }
 
 // RedOp is a reduction operator (mkRedOp_t, numbered as ncclRedOp_t).

@@ -37,6 +37,7 @@ from .ops import (
     moe_segment_starts,
     reduce_scatter,
     ring_attention,
+    scaled_gemm,
 )
 
 
@@ -80,4 +81,5 @@ __all__ = [
     "nn",
     "reduce_scatter",
     "ring_attention",
+    "scaled_gemm",
 ]

@@ -26,9 +26,16 @@ TORCH_DTYPES = {
     torch.float32: "float32",
     torch.float64: "float64",
     torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8e4m3",
+    torch.float8_e5m2: "float8e5m2",
 }
 ALL_DTYPES = tuple(TORCH_DTYPES)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# fp8 is gathered only: the reductions take every other type.
+REDUCE_DTYPES = tuple(d for d in TORCH_DTYPES if d not in FP8_DTYPES)
 GEMM_DTYPES = (torch.bfloat16, torch.float16)
+# A and B of scaled_gemm (mkScaledGemm's kernels read e4m3).
+SCALED_GEMM_DTYPES = (torch.float8_e4m3fn,)
 REDUCE_OPS = tuple(_lib.REDOP_CODES)
 
 

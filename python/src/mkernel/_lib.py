@@ -27,6 +27,7 @@ LIBRARY_ENV = "MKERNEL_LIBRARY"
 mkResult_t = c_int
 mkDataType_t = c_int
 mkRedOp_t = c_int
+mkScaleMode_t = c_int
 
 
 class mkComm_t(ctypes.c_void_p):
@@ -90,7 +91,11 @@ DTYPE_CODES = {
     "float32": 7,
     "float64": 8,
     "bfloat16": 9,
+    "float8e4m3": 10,
+    "float8e5m2": 11,
 }
+# Scale modes of mkScaledGemm (mkScaleMode_t).
+SCALE_MODE_CODES = {"tensor": 0, "rowwise": 1, "block": 2}
 REDOP_CODES = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 
 _void_p = ctypes.c_void_p
@@ -228,6 +233,23 @@ DECLARATIONS: dict[str, tuple[object, list[object]]] = {
         ],
     ),
     "mkGemm": (mkResult_t, [_void_p, _void_p, _void_p, c_size_t, c_size_t, c_size_t, mkDataType_t, mkStream_t]),
+    "mkScaledGemm": (
+        mkResult_t,
+        [
+            _void_p,
+            POINTER(c_float),
+            _void_p,
+            POINTER(c_float),
+            _void_p,
+            c_size_t,
+            c_size_t,
+            c_size_t,
+            mkDataType_t,
+            mkDataType_t,
+            mkScaleMode_t,
+            mkStream_t,
+        ],
+    ),
     "mkGetVersion": (mkResult_t, [POINTER(c_int)]),
     "mkCommCount": (mkResult_t, [mkComm_t, POINTER(c_int)]),
     "mkCommUserRank": (mkResult_t, [mkComm_t, POINTER(c_int)]),

@@ -210,6 +210,20 @@ def _(a, b):
     return _empty(ops.gemm_shapes(a, b), a)
 
 
+@_define("scaled_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype) -> Tensor")
+def scaled_gemm(a, b, scale_a, scale_b, out_dtype):
+    shape, mode = ops.scaled_gemm_shapes(a, b, scale_a, scale_b, out_dtype)
+    out = _empty(shape, a, out_dtype)
+    ops.scaled_gemm_launch(a, b, scale_a, scale_b, out, mode)
+    return out
+
+
+@_fake("scaled_gemm")
+def _(a, b, scale_a, scale_b, out_dtype):
+    shape, _mode = ops.scaled_gemm_shapes(a, b, scale_a, scale_b, out_dtype)
+    return _empty(shape, a, out_dtype)
+
+
 @_define(
     "all_gather_gemm(Tensor a, Tensor b, str comm, SymInt world_size, bool return_gathered) -> (Tensor, Tensor)"
 )

@@ -143,7 +143,7 @@ def all_gather_launch(x, out, comm) -> None:
 
 
 def reduce_scatter_shapes(x, op: str, world_size: int):
-    check.tensor("reduce_scatter", "input", x, min_dim=1)
+    check.tensor("reduce_scatter", "input", x, dtypes=check.REDUCE_DTYPES, min_dim=1)
     check.reduce_op("reduce_scatter", op)
     check.world_size("reduce_scatter", world_size)
     rows = x.shape[0]
@@ -169,7 +169,7 @@ def reduce_scatter_launch(x, out, op: str, comm) -> None:
 
 
 def all_reduce_shapes(x, op: str):
-    check.tensor("all_reduce", "input", x)
+    check.tensor("all_reduce", "input", x, dtypes=check.REDUCE_DTYPES)
     check.reduce_op("all_reduce", op)
     return tuple(x.shape)
 
@@ -289,6 +289,102 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -
         check.fail("gemm", f"expected a to be a CUDA tensor, but got a tensor on {a.device}")
     check.output("gemm", "out", out, shape=shape, dtype=a.dtype, device=a.device)
     gemm_launch(a, b, out)
+    return out
+
+
+def scaled_gemm_shapes(a, b, scale_a, scale_b, out_dtype):
+    """C's shape and the scale mode ("tensor", "rowwise" or "block") the scales' sizes give."""
+    op = "scaled_gemm"
+    check.tensor(op, "a", a, dtypes=check.SCALED_GEMM_DTYPES, dim=2)
+    check.tensor(op, "b", b, dtypes=check.SCALED_GEMM_DTYPES, dim=2)
+    check.tensor(op, "scale_a", scale_a, dtypes=(torch.float32,))
+    check.tensor(op, "scale_b", scale_b, dtypes=(torch.float32,))
+    if out_dtype not in check.GEMM_DTYPES:
+        check.fail(op, f"expected out_dtype to be one of {check.GEMM_DTYPES}, but got {out_dtype}")
+    if a.shape[1] != b.shape[1]:
+        check.fail(
+            op,
+            f"expected a [M, K] and b [N, K] to share K, but got a.shape = {tuple(a.shape)} and "
+            f"b.shape = {tuple(b.shape)} (b is the nn.Linear weight layout: C = a @ b.T)",
+        )
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    check.multiple_of(op, "K (a.shape[1])", k, 16, positive=True)
+    # Where two modes fit the sizes (M = N = 1, or K = 128 with N = 1), they compute the same C.
+    block_shapes = ((k // 128, m), (k // 128, -(-n // 128)))
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        mode = "tensor"
+    elif scale_a.numel() == m and scale_b.numel() == n:
+        mode = "rowwise"
+    elif k % 128 == 0 and (tuple(scale_a.shape), tuple(scale_b.shape)) == block_shapes:
+        mode = "block"
+    else:
+        check.fail(
+            op,
+            f"expected scale_a and scale_b to hold one value each (per tensor), M = {m} and N = {n} values "
+            f"(rowwise: one per row of a and of b), or, K being a multiple of 128, the shapes "
+            f"{block_shapes[0]} and {block_shapes[1]} (block: [K/128, M] and [K/128, ceil(N/128)]), but got "
+            f"{tuple(scale_a.shape)} and {tuple(scale_b.shape)}",
+        )
+    return (m, n), mode
+
+
+def scaled_gemm_launch(a, b, scale_a, scale_b, out, mode: str) -> None:
+    op = "scaled_gemm"
+    if a.device.type != "cuda":
+        check.fail(op, f"expected a to be a CUDA tensor, but got a tensor on {a.device}")
+    device = a.device.index
+    check.on_device(op, a.device, a=a, b=b, scale_a=scale_a, scale_b=scale_b, out=out)
+    check.aligned(
+        op, ("a", a, 16), ("b", b, 16), ("scale_a", scale_a, 4), ("scale_b", scale_b, 4), ("out", out, 2)
+    )
+    m, k = a.shape
+    n = b.shape[0]
+    lib = _lib.library()
+    with torch.cuda.device(device):
+        code = lib.mkScaledGemm(
+            a.data_ptr(),
+            _lib.as_ptr(scale_a.data_ptr(), ctypes.c_float),
+            b.data_ptr(),
+            _lib.as_ptr(scale_b.data_ptr(), ctypes.c_float),
+            out.data_ptr(),
+            m,
+            n,
+            k,
+            check.dtype_code(a.dtype),
+            check.dtype_code(out.dtype),
+            _lib.SCALE_MODE_CODES[mode],
+            _stream(device),
+        )
+    raise_for(code, "mkScaledGemm")
+
+
+def scaled_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """C = (a · scale_a) @ (b · scale_b).T with fp8 a [M, K] and b [N, K] (torch.float8_e4m3fn,
+    row-major: b is the nn.Linear weight layout, the transpose of torch._scaled_mm's second
+    operand) and float32 scales as torch._scaled_mm takes them: one value each (per tensor), or
+    M values for a and N for b (rowwise; torch's [M, 1] and [1, N] shapes are fine). C is
+    out_dtype (bfloat16 or float16), accumulated in fp32 (promoted every 128 of K) and rounded
+    once. K must be a multiple of 16. Block scales (DeepSeek-V3's) are also taken: scale_a
+    [K/128, M] (one per row of a per 128 of K: torch's outer-dim-major 1x128 scale_a, transposed)
+    and scale_b [K/128, ceil(N/128)] (one per 128 × 128 block of b: torch's 128x128 scale_b for
+    its [K, N] second operand), contiguous, K a multiple of 128. The scales are not checked for NaN or infinity (they stay
+    on the GPU); such a scale gives NaN or infinity in C, as in torch._scaled_mm."""
+    _tensors("scaled_gemm", a=a, b=b, scale_a=scale_a, scale_b=scale_b)
+    if out is None:
+        return dispatch(torch.ops.mkernel.scaled_gemm, a, b, scale_a, scale_b, out_dtype)
+    shape, mode = scaled_gemm_shapes(a, b, scale_a, scale_b, out_dtype)
+    if a.device.type != "cuda":
+        check.fail("scaled_gemm", f"expected a to be a CUDA tensor, but got a tensor on {a.device}")
+    check.output("scaled_gemm", "out", out, shape=shape, dtype=out_dtype, device=a.device)
+    scaled_gemm_launch(a, b, scale_a, scale_b, out, mode)
     return out
 
 

@@ -231,7 +231,8 @@ pub fn collective(
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let mut params = params(&ws.view, ring, &nl, comm.rank, comm.nranks, &args, &plan);
-    let kernel_launch = plan.kernel_launch(args.dtype)?;
+    // A type without arithmetic (fp8) is only gathered: its bytes move as mkUint8's.
+    let kernel_launch = plan.kernel_launch(args.dtype.element().moved_as())?;
     // SAFETY: one HierCollectiveParams by value; the buffers were checked to be device
     // memory of this context's device, as large as the caller promised; the workspace and
     // the ring live as long as the communicator.

@@ -171,7 +171,7 @@ pub fn validate(
     rank: usize,
     nranks: usize,
 ) -> Result<CollectiveArgs> {
-    let dtype = mkDataType_t::from_raw(dtype)?;
+    let dtype = mkDataType_t::collective_type_from_raw(dtype, kind.name(), kind != CollectiveKind::AllGather)?;
     let op = match op {
         Some(o) => mkRedOp_t::from_raw(o)?,
         None => mkRedOp_t::mkSum,
@@ -292,7 +292,8 @@ pub fn launch(
         protocol: p.protocol as u32,
     };
     // The launch raises the function's dynamic shared-memory limit above 48 KiB.
-    let kernel_launch = p.kernel_launch(args.dtype, stage_bytes)?;
+    // A type without arithmetic (fp8) is only gathered: its bytes move as mkUint8's.
+    let kernel_launch = p.kernel_launch(args.dtype.element().moved_as(), stage_bytes)?;
     // SAFETY: one CollectiveParams by value; the buffers were checked to be device memory
     // of this context's device, large enough as the caller promised.
     unsafe {
@@ -437,6 +438,25 @@ mod tests {
             .contains("recvbuff (0xfffffffffffffff0) + 40 bytes runs past the end"));
         assert!(msg(v(ag, top, 0x1000, 10, f32_, None))
             .contains("sendbuff (0xfffffffffffffff0) + 40 bytes runs past the end"));
+    }
+
+    #[test]
+    fn fp8_is_gathered_as_bytes_and_refused_by_the_reductions() {
+        use crate::error::mkResult_t;
+        let v = |k, d| validate(k, 0x1000, 0x9000, 10, d, Some(0), 1, 4);
+        for fp8 in [mkFloat8e4m3, mkFloat8e5m2] {
+            let args = v(CollectiveKind::AllGather, fp8 as RawDataType).unwrap();
+            assert_eq!(args.dtype, fp8);
+            // Its launch is mkUint8's: the same bytes, moved unchanged.
+            let p = plan(CollectiveKind::AllGather, 1 << 20, 1, 4, 16, 64 << 20, 264, COLLECTIVE_LL_MAX_BYTES);
+            let l = p.kernel_launch(args.dtype.element().moved_as(), STAGE_BYTES).unwrap();
+            assert_eq!(l.kernel, crate::cuda::kernels::MK_COLLECTIVE_U8);
+            for kind in [CollectiveKind::ReduceScatter, CollectiveKind::AllReduce] {
+                let e = v(kind, fp8 as RawDataType).unwrap_err();
+                assert_eq!(e.code, mkResult_t::mkInvalidArgument);
+                assert!(e.message.contains(&format!("{} reduces only", kind.name())), "{}", e.message);
+            }
+        }
     }
 
     #[test]

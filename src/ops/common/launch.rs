@@ -42,7 +42,8 @@ pub fn current_sm_count() -> Result<usize> {
 /// A 2-D TMA descriptor for a row-major [rows, cols] matrix of `dtype` at `ptr` (any
 /// device-visible address, a peer's mapped buffer too), box {box_cols, box_rows}, 128-byte
 /// swizzle, zero fill out of bounds. The GEMM engine's maps: A (BM, BK), B (bn, BK), C (64, 64).
-/// Needs ptr % 16 == 0 and cols % 8 == 0.
+/// Needs ptr % 16 == 0 and rows of a multiple of 16 bytes (cols % 8 == 0 for 16-bit types,
+/// cols % 16 == 0 for fp8).
 pub fn tensor_map(
     ptr: u64,
     dtype: mkDataType_t,
@@ -61,7 +62,7 @@ pub fn tensor_map(
     )
 }
 
-/// A TMA descriptor of any rank (up to 5) over a bf16/fp16 tensor at `ptr`: `dims`
+/// A TMA descriptor of any rank (up to 5) over a bf16, fp16 or fp8 tensor at `ptr`: `dims`
 /// innermost first, the byte `strides` of dims 1.., one box extent per dim; 128-byte
 /// swizzle, 256-byte L2 promotion, zero fill out of bounds. `what` names the caller in errors.
 pub fn tiled_tensor_map(
@@ -105,6 +106,10 @@ struct TensorMapKey {
 fn encode_tiled(key: &TensorMapKey, dtype: mkDataType_t, what: &str) -> Result<sys::CUtensorMap> {
     let dt = match dtype {
         mkDataType_t::mkFloat16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        // fp8: the TMA unit moves bytes (zero fill is +0 in e4m3 and e5m2); wgmma reads them.
+        mkDataType_t::mkFloat8e4m3 | mkDataType_t::mkFloat8e5m2 => {
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8
+        }
         _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     };
     let elem = [1u32; 5];

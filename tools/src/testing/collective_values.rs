@@ -39,6 +39,9 @@ pub fn push_element(bytes: &mut Vec<u8>, dtype: mkDataType_t, r: u64, for_prod: 
         mkUint32 => bytes.extend_from_slice(&(ui as u32).to_le_bytes()),
         mkInt64 => bytes.extend_from_slice(&si.to_le_bytes()),
         mkUint64 => bytes.extend_from_slice(&ui.to_le_bytes()),
+        // Gathered only (no arithmetic): any value of the format will do.
+        mkFloat8e4m3 => bytes.push(crate::testing::fp8::f32_to_e4m3(u)),
+        mkFloat8e5m2 => bytes.push((f32_to_f16(u) >> 8) as u8),
     }
 }
 

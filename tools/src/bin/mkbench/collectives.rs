@@ -43,7 +43,7 @@ use mkernel::comm::CommConfig;
 use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{MkError, Result};
 use mkernel::ops::collectives::{collective, CollectiveKind};
-use mkernel::types::{mkDataType_t, mkRedOp_t};
+use mkernel::types::{mkDataType_t, mkRedOp_t, Element};
 use mkernel_tools::testing::fill::fill_random;
 use mkernel_tools::testing::TestBuffer;
 
@@ -78,6 +78,8 @@ const DTYPE_NAMES: &[(&str, mkDataType_t)] = &[
     ("fp64", mkDataType_t::mkFloat64),
     ("bfloat16", mkDataType_t::mkBfloat16),
     ("bf16", mkDataType_t::mkBfloat16),
+    ("float8e4m3", mkDataType_t::mkFloat8e4m3),
+    ("float8e5m2", mkDataType_t::mkFloat8e5m2),
 ];
 
 fn parse_dtypes(v: &str) -> Option<Vec<mkDataType_t>> {
@@ -153,8 +155,15 @@ fn parse(op_name: &str, args: &[String]) -> Result<Options> {
             }
             "--dtype" => {
                 o.dtypes = parse_dtypes(&val()?).ok_or_else(|| {
-                    bad("--dtype (int8 uint8 int32 uint32 int64 uint64 half float double bfloat16, comma-separated, or all)")
-                })?
+                    bad("--dtype (int8 uint8 int32 uint32 int64 uint64 half float double bfloat16 float8e4m3 float8e5m2, comma-separated, or all)")
+                })?;
+                // fp8 is gathered only: a reduction's "all" is every type it reduces.
+                if kind != CollectiveKind::AllGather {
+                    o.dtypes.retain(|t| t.element().accepted.reduce);
+                    if o.dtypes.is_empty() {
+                        return Err(bad("--dtype: fp8 is gathered only (mkReduceScatter and mkAllReduce refuse it)"));
+                    }
+                }
             }
             other => {
                 return Err(MkError::invalid_argument(format!(
@@ -551,7 +560,10 @@ mod tests {
     fn dtypes_parse_by_name_alias_list_or_all() {
         let o = parse("all_reduce", &args("--dtype bf16,float,half,fp32")).unwrap();
         assert_eq!(o.dtypes, [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat32, mkDataType_t::mkFloat16]);
-        assert_eq!(parse("all_reduce", &args("--dtype all")).unwrap().dtypes, mkDataType_t::ALL);
+        let reducing: Vec<_> = mkDataType_t::ALL.into_iter().filter(|t| t.element().accepted.reduce).collect();
+        assert_eq!(parse("all_reduce", &args("--dtype all")).unwrap().dtypes, reducing);
+        assert_eq!(parse("all_gather", &args("--dtype all")).unwrap().dtypes, mkDataType_t::ALL);
+        assert!(parse("all_reduce", &args("--dtype float8e4m3")).is_err());
         assert_eq!(parse("all_gather", &[]).unwrap().dtypes, [mkDataType_t::mkFloat32]);
         for t in mkDataType_t::ALL {
             assert_eq!(parse_dtypes(t.name()), Some(vec![t]), "{}", t.name());

@@ -14,6 +14,7 @@ mod chaos;
 mod collectives;
 mod fused_common;
 mod gemm;
+mod gemm_fp8;
 mod gemm_reduce;
 mod mixed;
 mod moe;
@@ -40,6 +41,10 @@ const SUITES: &[(&str, Suite, usize)] = &[
     // more per random shape, 60 decode checks, 8 of the entry point. The floor fails when
     // the cluster or split-K variants stop being planned for the fixed shapes.
     ("gemm", gemm::run, 500),
+    // mkScaledGemm: 9 shapes x 2-3 scale modes (block where K % 128 == 0) x 2-4 kernels
+    // (78 in all) x 2 input kinds x 2 outputs = 312, then the entry point's call, its 8
+    // refusals and the untouched C: 322.
+    ("gemm_fp8", gemm_fp8::run, 300),
     ("collectives", collectives::run, 900),
     ("api", api::run, 50),
     ("ag_gemm", ag_gemm::run, 38),

@@ -45,7 +45,7 @@ use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::gemm::mkGemm;
 use mkernel::ffi::mkComm_t;
 use mkernel::ops::collectives::CollectiveKind;
-use mkernel::types::{mkDataType_t, mkRedOp_t};
+use mkernel::types::{mkDataType_t, mkRedOp_t, Element};
 use mkernel_tools::testing::collective_values::splitmix;
 use mkernel_tools::testing::TestBuffer;
 use std::collections::{BTreeMap, BTreeSet};
@@ -340,6 +340,11 @@ fn draw(kind: Kind, rng: &mut Rng, nranks: usize) -> Call {
     }
 }
 
+/// The types mkReduceScatter and mkAllReduce take (every type but fp8, which is gathered only).
+fn reducing_types() -> Vec<mkDataType_t> {
+    mkDataType_t::ALL.into_iter().filter(|t| t.element().accepted.reduce).collect()
+}
+
 /// The rules each op's validator states: K (and N where C rows go out by TMA) multiples of
 /// 8, M divisible by nranks for the scatter and gather ops, MoE sizes multiples of 128 and
 /// E a multiple of nranks, ring attention's D 64 or 128, kv heads dividing heads, an even
@@ -348,7 +353,12 @@ fn draw_once(kind: Kind, rng: &mut Rng, nranks: usize) -> Call {
     let dtype = rng.pick(&GEMM_TYPES);
     let collective = |rng: &mut Rng, kind: CollectiveKind| Call::Collective {
         kind,
-        dtype: rng.pick(&mkDataType_t::ALL),
+        // fp8 is gathered only (mkReduceScatter and mkAllReduce refuse it).
+        dtype: if kind == CollectiveKind::AllGather {
+            rng.pick(&mkDataType_t::ALL)
+        } else {
+            rng.pick(&reducing_types())
+        },
         op: if kind == CollectiveKind::AllGather { mkRedOp_t::mkSum } else { rng.pick(&mkRedOp_t::ALL) },
         count: rng.sized(1, 1 << 17),
         in_place: rng.coin(),

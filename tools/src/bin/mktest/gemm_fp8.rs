@@ -1,0 +1,427 @@
+//! mkScaledGemm on the GPU (e4m3 A and B, fp32 scales, bf16 or fp16 C), element by element
+//! against float64 of the dequantized inputs, with fresh random inputs, NaN-poisoned
+//! outputs and guard bands checked for every check. Two kinds of input:
+//! - exact sums: A and B hold small integers (|v| ≤ 4, exact in e4m3), so every partial sum
+//!   the tensor cores form inside a stage (|Σ| ≤ 128·16 = 2¹¹) and every promoted fp32 sum
+//!   of them (|Σ| ≤ 16·K < 2²⁴) is an exact integer, whatever the accumulator's width (the
+//!   fp8 tensor cores keep at least 13 fraction bits past the largest addend's binade, and
+//!   integers up to 2¹¹ need none). What is left is the scales' fp32 roundings and C's one
+//!   rounding, a bound so tight that one missed K stage, a wrong scale or a misplaced tile
+//!   fails it;
+//! - quantized: uniform values in [-1, 1) scaled as a user quantizes them (the amax of the
+//!   tensor, of each row, or of each block to 448), rounded to e4m3. The bound follows the
+//!   kernel's accumulation: inside each 128-wide stage, four wgmma k32 steps that each align
+//!   33 addends to the largest one's binade and keep 13 fraction bits (DeepSeek-V3 §3.3.2;
+//!   truncation), so each step errs by at most 33·2⁻¹³·2·(Σ|stage terms|); the stages'
+//!   promotion into fp32 by γ_{K/128+1}(2⁻²³); the scales' roundings and C's.
+//!
+//! Every tile width (64, 128), both epilogues (TMA; direct where N % 8 ≠ 0 or forced), both
+//! output types and the three scale modes (block where K is a multiple of 128), M from 1
+//! (decode) to 4096; large shapes are checked on sampled rows (every column). Then the C
+//! entry point: a real call and its refusals (NULL and misaligned scales, K not a multiple
+//! of 16, e5m2, a bad scale mode), nothing written.
+
+use crate::outcome::{self, Outcome};
+use mkernel::cuda::{self, PrimaryContext};
+use mkernel::error::{mkResult_t, MkError};
+use mkernel::ops::gemm::engine::Epilogue;
+use mkernel::ops::gemm::scaled::{self, ScaledGemmArgs, ScaledPlan, TILE_WIDTHS};
+use mkernel_tools::testing::fp8::{e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
+use mkernel_tools::testing::{
+    check_close, gamma, to_f64, tolerance, underflow_floor, unit_roundoff, xorshift_unit, TestBuffer,
+};
+use mkernel::types::{mkDataType_t, mkScaleMode_t};
+use std::ffi::c_void;
+
+const OUTPUTS: [mkDataType_t; 2] = [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16];
+const MODES: [mkScaleMode_t; 3] =
+    [mkScaleMode_t::mkScaleTensor, mkScaleMode_t::mkScaleRowwise, mkScaleMode_t::mkScaleBlock];
+/// A block scale's side (and a stage's K).
+const BLOCK: usize = mkScaleMode_t::BLOCK;
+
+fn sync() -> mkernel::Result<()> {
+    cudarc::driver::result::ctx::synchronize()
+        .map_err(|e| cuda::cuda_err("cuCtxSynchronize (after the scaled GEMM kernel)", e))
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Inputs {
+    ExactSums,
+    Quantized,
+}
+
+/// Which operand: A's block scales are one per row per 128 of K, B's one per 128 rows.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Side {
+    A,
+    B,
+}
+
+/// One operand on the host: its e4m3 bytes (row-major, `rows` × `k`) and its fp32 scales as
+/// the mode lays them out (one; one per row; [K/128][M] for A or [K/128][ceil(N/128)] for B).
+struct Operand {
+    bytes: Vec<u8>,
+    /// The bytes' e4m3 values.
+    values: Vec<f64>,
+    scales: Vec<f32>,
+    mode: mkScaleMode_t,
+    side: Side,
+    rows: usize,
+}
+
+impl Operand {
+    fn row(&self, row: usize, k: usize) -> &[f64] {
+        &self.values[row * k..(row + 1) * k]
+    }
+    /// The scale of `row`'s elements in K block `kb`.
+    fn scale(&self, row: usize, kb: usize) -> f64 {
+        let i = match (self.mode, self.side) {
+            (mkScaleMode_t::mkScaleTensor, _) => 0,
+            (mkScaleMode_t::mkScaleRowwise, _) => row,
+            (mkScaleMode_t::mkScaleBlock, Side::A) => kb * self.rows + row,
+            (mkScaleMode_t::mkScaleBlock, Side::B) => kb * self.rows.div_ceil(BLOCK) + row / BLOCK,
+        };
+        self.scales[i] as f64
+    }
+}
+
+/// The scale group of element (row, k): the elements that share its scale.
+fn group(mode: mkScaleMode_t, side: Side, row: usize, k: usize) -> (usize, usize) {
+    match (mode, side) {
+        (mkScaleMode_t::mkScaleTensor, _) => (0, 0),
+        (mkScaleMode_t::mkScaleRowwise, _) => (row, 0),
+        (mkScaleMode_t::mkScaleBlock, Side::A) => (row, k / BLOCK),
+        (mkScaleMode_t::mkScaleBlock, Side::B) => (row / BLOCK, k / BLOCK),
+    }
+}
+
+/// Fresh inputs for `rows` × `k` of `side` under `mode`.
+fn operand(side: Side, rows: usize, k: usize, mode: mkScaleMode_t, inputs: Inputs, seed: u64) -> Operand {
+    let kb = k.div_ceil(BLOCK);
+    let (n_scales, index): (usize, Box<dyn Fn(usize, usize) -> usize>) = match (mode, side) {
+        (mkScaleMode_t::mkScaleTensor, _) => (1, Box::new(|_, _| 0)),
+        (mkScaleMode_t::mkScaleRowwise, _) => (rows, Box::new(|r, _| r)),
+        (mkScaleMode_t::mkScaleBlock, Side::A) => (kb * rows, Box::new(move |r, b| b * rows + r)),
+        (mkScaleMode_t::mkScaleBlock, Side::B) => {
+            (kb * rows.div_ceil(BLOCK), Box::new(move |r, b| b * rows.div_ceil(BLOCK) + r))
+        }
+    };
+    let unit: Vec<f64> = xorshift_unit(seed, rows * k + n_scales).collect();
+    let (values, draws) = unit.split_at(rows * k);
+    let (bytes, scales): (Vec<u8>, Vec<f32>) = match inputs {
+        Inputs::ExactSums => {
+            // Integers in [-4, 4]; scales 2^[-3, 3) with a mantissa that is no power of 2, so
+            // their products round.
+            let bytes = values.iter().map(|u| f32_to_e4m3(((u * 9.0).floor() - 4.0) as f32)).collect();
+            let scales = draws.iter().map(|u| (2f64.powf(6.0 * u - 3.0) * 1.37) as f32).collect();
+            (bytes, scales)
+        }
+        Inputs::Quantized => {
+            // x uniform in [-1, 1); each scale group's amax maps to 448: scale = amax / 448,
+            // stored x / scale rounded to e4m3, so the dequantized value is e4m3 · scale.
+            let x: Vec<f32> = values.iter().map(|u| (2.0 * u - 1.0) as f32).collect();
+            let mut amax = vec![1e-6f32; n_scales];
+            for (i, v) in x.iter().enumerate() {
+                let (g, b) = group(mode, side, i / k, i % k);
+                let s = &mut amax[index(g, b)];
+                *s = s.max(v.abs());
+            }
+            let scales: Vec<f32> = amax.iter().map(|a| a / E4M3_MAX).collect();
+            let bytes = x
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    let (g, b) = group(mode, side, i / k, i % k);
+                    f32_to_e4m3(v / scales[index(g, b)])
+                })
+                .collect();
+            (bytes, scales)
+        }
+    };
+    let table: Vec<f64> = (0..=255u8).map(|b| e4m3_to_f32(b) as f64).collect();
+    let values = bytes.iter().map(|&b| table[b as usize]).collect();
+    Operand { bytes, values, scales, mode, side, rows }
+}
+
+/// Float64 reference and per-element bound of the given rows of C (every column):
+/// ref = Σ_kb sA·sB·S_kb over the 128-wide K blocks, S_kb = Σ_{k in kb} a·b. The bound: C's
+/// rounding (u_C·|ref|) and underflow floor; the scales' fp32 roundings (two per term, 2⁻²³
+/// relative, on |ref| for one scale of the whole sum, on Σ_kb|sA·sB·S_kb| for block scales)
+/// and the fp32 promotion of the K/128 stage sums (γ_{K/128+1}(2⁻²³)·Σ_kb|sA·sB·S_kb|); for
+/// quantized inputs also the fp8 accumulator's truncation inside each stage.
+fn reference(
+    a: &Operand,
+    b: &Operand,
+    rows: &[usize],
+    n: usize,
+    k: usize,
+    out: mkDataType_t,
+    inputs: Inputs,
+) -> (Vec<f64>, Vec<f64>) {
+    let u_out = unit_roundoff(out);
+    let floor = underflow_floor(out);
+    let u_scale = 2f64.powi(-23);
+    let blocks = k.div_ceil(BLOCK);
+    // A stage of the fp8 accumulator: 4 wgmma k32 steps, each at most 33 addends truncated
+    // at 13 fraction bits below a binade of at most 2·Σ|stage terms|.
+    let stage_rel = if inputs == Inputs::ExactSums { 0.0 } else { 4.0 * 33.0 * 2f64.powi(-13) * 2.0 };
+    let promote = gamma(blocks + 1, u_scale);
+    let per_row: Vec<(Vec<f64>, Vec<f64>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = rows
+            .iter()
+            .map(|&r| {
+                scope.spawn(move || {
+                    let mut value = Vec::with_capacity(n);
+                    let mut bound = Vec::with_capacity(n);
+                    let arow = a.row(r, k);
+                    for c in 0..n {
+                        let brow = b.row(c, k);
+                        let (mut v, mut mag_blocks, mut mag_terms) = (0.0, 0.0, 0.0);
+                        for kb in 0..blocks {
+                            let (lo, hi) = (kb * BLOCK, ((kb + 1) * BLOCK).min(k));
+                            let (mut sum, mut abs) = (0.0, 0.0);
+                            for (x, y) in arow[lo..hi].iter().zip(&brow[lo..hi]) {
+                                sum += x * y;
+                                abs += (x * y).abs();
+                            }
+                            let s = a.scale(r, kb) * b.scale(c, kb);
+                            v += sum * s;
+                            mag_blocks += (sum * s).abs();
+                            mag_terms += abs * s.abs();
+                        }
+                        let scaling =
+                            u_scale * if a.mode == mkScaleMode_t::mkScaleBlock { mag_blocks } else { v.abs() };
+                        value.push(v);
+                        bound.push(
+                            1.01 * (floor + u_out * v.abs() + scaling + promote * mag_blocks + stage_rel * mag_terms),
+                        );
+                    }
+                    (value, bound)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("reference thread")).collect()
+    });
+    let mut value = Vec::with_capacity(rows.len() * n);
+    let mut bound = Vec::with_capacity(rows.len() * n);
+    for (v, b) in per_row {
+        value.extend(v);
+        bound.extend(b);
+    }
+    (value, bound)
+}
+
+/// The relative-L2 backstop (testing::tolerance) of a result: C's type's for exact sums;
+/// for quantized inputs bf16's for both outputs, since there the fp8 tensor cores' sums
+/// (13 fraction bits, truncated, over every 32 of K) err by more than fp16's rounding.
+fn l2_limit(out: mkDataType_t, inputs: Inputs) -> f64 {
+    match inputs {
+        Inputs::ExactSums => tolerance(out),
+        Inputs::Quantized => tolerance(mkDataType_t::mkBfloat16),
+    }
+}
+
+/// Device copies of an operand's bytes and scales.
+fn upload(op: &Operand) -> mkernel::Result<(TestBuffer, TestBuffer)> {
+    let bytes = TestBuffer::new(op.bytes.len(), mkDataType_t::mkFloat8e4m3)?;
+    bytes.upload(&op.bytes)?;
+    let scales = TestBuffer::new(op.scales.len(), mkDataType_t::mkFloat32)?;
+    scales.upload(&op.scales.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>())?;
+    Ok((bytes, scales))
+}
+
+/// Rows of C checked: all of a small C, else the first, the last and two random ones.
+fn rows_to_check(m: usize, n: usize, seed: u64) -> Vec<usize> {
+    if m * n <= 1 << 20 {
+        return (0..m).collect();
+    }
+    let mut rows =
+        vec![0, m - 1, 1 + (seed as usize) % (m - 2), 1 + (seed.wrapping_mul(0x9e37_79b9) as usize >> 7) % (m - 2)];
+    rows.sort_unstable();
+    rows.dedup();
+    rows
+}
+
+struct Case {
+    m: usize,
+    n: usize,
+    k: usize,
+}
+
+pub fn run() -> mkernel::Result<Outcome> {
+    let ctx = PrimaryContext::retain(0)?;
+    let _g = ctx.enter()?;
+    let s = std::ptr::null_mut();
+    let sms = cuda::sm_count(0)? as usize;
+    let mut seed = 0xf8f8_0000u64 + std::process::id() as u64;
+    let (mut checks, mut failures) = (0usize, 0usize);
+
+    let cases = [
+        Case { m: 1, n: 64, k: 16 },
+        Case { m: 1, n: 4096, k: 4096 },
+        Case { m: 16, n: 300, k: 144 },
+        Case { m: 129, n: 257, k: 272 },
+        // Block scales over a partial last block of B's rows (N = 300) and of A's tile.
+        Case { m: 129, n: 300, k: 384 },
+        Case { m: 200, n: 1000, k: 1040 },
+        Case { m: 512, n: 1024, k: 2048 },
+        Case { m: 4096, n: 4096, k: 4096 },
+        Case { m: 64, n: 7168, k: 8192 },
+    ];
+    for case in &cases {
+        let (m, n, k) = (case.m, case.n, case.k);
+        for inputs in [Inputs::ExactSums, Inputs::Quantized] {
+            for mode in MODES.into_iter().filter(|&mode| mode != mkScaleMode_t::mkScaleBlock || k % BLOCK == 0) {
+                seed += 2;
+                let a = operand(Side::A, m, k, mode, inputs, seed);
+                let b = operand(Side::B, n, k, mode, inputs, seed + 1);
+                let (a_dev, sa_dev) = upload(&a)?;
+                let (b_dev, sb_dev) = upload(&b)?;
+                let rows = rows_to_check(m, n, seed);
+                for out in OUTPUTS {
+                    let (want, bound) = reference(&a, &b, &rows, n, k, out, inputs);
+                    let c = TestBuffer::new(m * n, out)?;
+                    let args = ScaledGemmArgs {
+                        a: a_dev.ptr(),
+                        scale_a: sa_dev.ptr(),
+                        b: b_dev.ptr(),
+                        scale_b: sb_dev.ptr(),
+                        c: c.ptr(),
+                        m,
+                        n,
+                        k,
+                        ab: mkDataType_t::mkFloat8e4m3,
+                        out,
+                        mode,
+                    };
+                    let planned = scaled::plan(m, n, sms, args.tma_epilogue_ok());
+                    // The planned kernel, then every other tile width and the direct epilogue.
+                    let mut plans: Vec<ScaledPlan> = vec![planned];
+                    for bn in TILE_WIDTHS {
+                        for epilogue in [Epilogue::Tma, Epilogue::Direct] {
+                            let p = scaled::plan_tile(m, n, sms, bn, epilogue);
+                            let allowed = epilogue == Epilogue::Direct || args.tma_epilogue_ok();
+                            if allowed && !plans.contains(&p) {
+                                plans.push(p);
+                            }
+                        }
+                    }
+                    for plan in plans {
+                        c.poison(s)?;
+                        scaled::launch(&args, &plan, s)
+                            .map_err(|e| e.context(format!("M {m} N {n} K {k} {plan:?}")))?;
+                        sync().map_err(|e| e.context(format!("M {m} N {n} K {k} {plan:?}")))?;
+                        let all = to_f64(&c.download()?, out);
+                        let nonfinite = all.iter().filter(|v| !v.is_finite()).count();
+                        let got: Vec<f64> =
+                            rows.iter().flat_map(|&r| all[r * n..(r + 1) * n].iter().copied()).collect();
+                        let verdict = check_close(&got, &want, &bound, l2_limit(out, inputs));
+                        let guards = c.guards_intact()?;
+                        let ok = verdict.passed() && nonfinite == 0 && guards.is_none();
+                        checks += 1;
+                        failures += usize::from(!ok);
+                        println!(
+                            "  scaled gemm {m:>4}x{n:>5}x{k:>5} e4m3->{} {:?} {:?} bn {} {:?} ctas {:>3}{}, {} rows: {verdict}, {nonfinite} non-finite{} -> {}",
+                            out.name(),
+                            mode,
+                            inputs,
+                            plan.bn,
+                            plan.epilogue,
+                            plan.grid,
+                            if plan == planned { " (planned)" } else { "" },
+                            rows.len(),
+                            guards.map_or(String::new(), |w| format!("; GUARD {w}")),
+                            if ok { "ok" } else { "WRONG" }
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    let (c2, f2) = entry_point(&mut seed)?;
+    checks += c2;
+    failures += f2;
+
+    outcome::count(checks);
+    println!("  gemm_fp8: {checks} checks, {failures} failed");
+    if failures > 0 {
+        return Err(MkError::internal(format!("{failures} of {checks} scaled GEMM checks failed")));
+    }
+    Ok(Outcome::Ran)
+}
+
+/// mkScaledGemm itself: a real call (rowwise, bf16), then each refusal, with C poisoned
+/// before and still all poison after (nothing written). Returns (checks, failures).
+fn entry_point(seed: &mut u64) -> mkernel::Result<(usize, usize)> {
+    let s = std::ptr::null_mut();
+    let (m, n, k) = (300, 520, 272);
+    let mode = mkScaleMode_t::mkScaleRowwise;
+    *seed += 2;
+    let a = operand(Side::A, m, k, mode, Inputs::Quantized, *seed);
+    let b = operand(Side::B, n, k, mode, Inputs::Quantized, *seed + 1);
+    let (a_dev, sa_dev) = upload(&a)?;
+    let (b_dev, sb_dev) = upload(&b)?;
+    let out = mkDataType_t::mkBfloat16;
+    let c = TestBuffer::new(m * n, out)?;
+    let rows: Vec<usize> = (0..m).collect();
+    let (want, bound) = reference(&a, &b, &rows, n, k, out, Inputs::Quantized);
+    let call = |a: u64, sa: u64, b: u64, sb: u64, k: usize, ab: mkDataType_t, mode: i32| {
+        // SAFETY: device buffers of the sizes stated (or pointers the call refuses before
+        // any access).
+        unsafe {
+            mkernel::ffi::gemm::mkScaledGemm(
+                a as *const c_void,
+                sa as *const f32,
+                b as *const c_void,
+                sb as *const f32,
+                c.ptr() as *mut c_void,
+                m,
+                n,
+                k,
+                ab as i32,
+                out as i32,
+                mode,
+                s,
+            )
+        }
+    };
+    let (mut checks, mut failures) = (0, 0);
+    c.poison(s)?;
+    let r = call(a_dev.ptr(), sa_dev.ptr(), b_dev.ptr(), sb_dev.ptr(), k, mkDataType_t::mkFloat8e4m3, mode as i32);
+    sync()?;
+    let verdict = check_close(&c.download_f64()?, &want, &bound, l2_limit(out, Inputs::Quantized));
+    let ok = r == mkResult_t::mkSuccess && verdict.passed() && c.guards_intact()?.is_none();
+    checks += 1;
+    failures += usize::from(!ok);
+    println!("  mkScaledGemm {m}x{n}x{k} rowwise -> bf16: {r:?} {verdict} -> {}", if ok { "ok" } else { "WRONG" });
+
+    // C poisoned again: the refused calls below must leave it so.
+    c.poison(s)?;
+    sync()?;
+    let e4m3 = mkDataType_t::mkFloat8e4m3;
+    let (pa, psa, pb, psb) = (a_dev.ptr(), sa_dev.ptr(), b_dev.ptr(), sb_dev.ptr());
+    let block = mkScaleMode_t::mkScaleBlock as i32;
+    let refusals: [(&str, mkResult_t); 8] = [
+        ("scaleA NULL", call(pa, 0, pb, psb, k, e4m3, mode as i32)),
+        ("scaleB NULL", call(pa, psa, pb, 0, k, e4m3, mode as i32)),
+        ("scaleA misaligned", call(pa, psa + 2, pb, psb, k, e4m3, mode as i32)),
+        ("A misaligned", call(pa + 8, psa, pb, psb, k, e4m3, mode as i32)),
+        ("K = 264 (not a multiple of 16)", call(pa, psa, pb, psb, 264, e4m3, mode as i32)),
+        ("e5m2 operands", call(pa, psa, pb, psb, k, mkDataType_t::mkFloat8e5m2, mode as i32)),
+        ("scale mode 3", call(pa, psa, pb, psb, k, e4m3, 3)),
+        ("block scales with K = 272 (not a multiple of 128)", call(pa, psa, pb, psb, k, e4m3, block)),
+    ];
+    for (what, r) in refusals {
+        let ok = r == mkResult_t::mkInvalidArgument;
+        checks += 1;
+        failures += usize::from(!ok);
+        println!("  mkScaledGemm {what}: {r:?} -> {}", if ok { "ok" } else { "WRONG" });
+    }
+    // Nothing was written by the refused calls: C is still all poison (0xFF bytes).
+    let untouched = c.download()?.iter().all(|&b| b == 0xff);
+    checks += 1;
+    failures += usize::from(!untouched);
+    println!("  mkScaledGemm refusals wrote nothing: {}", if untouched { "ok" } else { "WRONG" });
+    Ok((checks, failures))
+}
