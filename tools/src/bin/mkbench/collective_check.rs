@@ -105,7 +105,7 @@ fn encode(dtype: mkDataType_t, v: f64) -> Vec<u8> {
         mkUint32 => (v as i64 as u32).to_le_bytes().to_vec(),
         mkInt64 => (v as i64).to_le_bytes().to_vec(),
         mkUint64 => (v as u64).to_le_bytes().to_vec(),
-        mkFloat8e4m3 => vec![mkernel::testing::fp8::f32_to_e4m3(v as f32)],
+        mkFloat8e4m3 => vec![mkernel_tools::testing::fp8::f32_to_e4m3(v as f32)],
         mkFloat8e5m2 => vec![(f32_to_f16(v as f32) >> 8) as u8],
     }
 }
@@ -231,8 +231,8 @@ impl Expectation {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mkernel_tools::testing::{bf16_to_f32, f16_to_f32};
     use mkernel::types::Element;
+    use mkernel_tools::testing::{bf16_to_f32, f16_to_f32};
 
     const SMALL: usize = 61;
 

@@ -26,11 +26,11 @@ use mkernel::cuda::{self, PrimaryContext};
 use mkernel::error::{mkResult_t, MkError};
 use mkernel::ops::gemm::engine::Epilogue;
 use mkernel::ops::gemm::scaled::{self, ScaledGemmArgs, ScaledPlan, TILE_WIDTHS};
+use mkernel::types::{mkDataType_t, mkScaleMode_t};
 use mkernel_tools::testing::fp8::{e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
 use mkernel_tools::testing::{
     check_close, gamma, to_f64, tolerance, underflow_floor, unit_roundoff, xorshift_unit, TestBuffer,
 };
-use mkernel::types::{mkDataType_t, mkScaleMode_t};
 use std::ffi::c_void;
 
 const OUTPUTS: [mkDataType_t; 2] = [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16];

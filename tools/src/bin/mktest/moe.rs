@@ -25,7 +25,6 @@ use mkernel::ops::moe::{
     block_tables, device_layout, drop_counts, layout_offsets, send_tables, DeviceLayout, MoeShape, MK_MOE_DROP,
     ROW_BLOCK,
 };
-use mkernel_tools::testing::{check_close, check_exact, tolerance, Rule, TestBuffer};
 use mkernel::types::mkDataType_t;
 use mkernel_tools::testing::{check_close, check_exact, tolerance, Rule, TestBuffer};
 use std::cell::RefCell;
