@@ -10,7 +10,7 @@ use mkernel::ops::dense::{ag_gemm, gemm_reduce};
 use mkernel::ops::gemm::engine::{self, PlanOverrides};
 use mkernel::ops::moe::{self, Direction};
 use mkernel::tuning::{Tuning, COLLECTIVE_LL_MAX_BYTES};
-use mkernel::types::{mkDataType_t, Accepted, Element, ElementType};
+use mkernel::types::{mkDataType_t, Element};
 
 const FP8_E4M3: mkDataType_t = mkDataType_t::mkFloat8e4m3;
 
@@ -65,7 +65,7 @@ fn planners_size_a_one_byte_type_from_its_description() {
     };
     let partial = |t| gemm_reduce::plan(&shape, t, 132, None, &Tuning::default()).unwrap().op_bytes;
     assert_eq!(partial(fp8), 4096 * 8192);
-    assert_eq!(partial(BF16.element()), 2 * 4096 * 8192);
+    assert_eq!(partial(BF16), 2 * 4096 * 8192);
     // The collectives plan in elements of the type's size: a low-latency piece (a fixed
     // number of bytes) holds twice as many one-byte elements as two-byte ones.
     let plan = |bytes: u64| {
