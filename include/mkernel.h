@@ -104,6 +104,12 @@ typedef struct CUstream_st *mkStream_t;
 #define MK_MOE_NO_DROP 0
 /** mkMoeOptions_t.capacityPolicy: each rank sends each expert at most expertCapacity rows. */
 #define MK_MOE_DROP 1
+/** mkMoeOptions_t.activation: none; y = x · w1ᵀ, w1 [E_local, ffn, hidden]. */
+#define MK_MOE_ACT_NONE 0
+/** mkMoeOptions_t.activation: SwiGLU, y = silu(x · w_gateᵀ) · (x · w_upᵀ), w1 [E_local, 2·ffn, hidden]. */
+#define MK_MOE_ACT_SILU 1
+/** mkMoeOptions_t.activation: GeGLU, y = gelu(x · w_gateᵀ) · (x · w_upᵀ), GELU's erf form. */
+#define MK_MOE_ACT_GELU 2
 
 /** Start every mkMoeOptions_t from this, then set the fields you want. */
 #define MK_MOE_OPTIONS_INITIALIZER {                                     \
@@ -111,7 +117,9 @@ typedef struct CUstream_st *mkStream_t;
   MK_MOE_OPTIONS_MAGIC,                        /* magic */               \
   MK_VERSION_CODE,                             /* version */             \
   MK_MOE_NO_DROP,                              /* capacityPolicy */      \
-  0                                            /* expertCapacity */      \
+  0,                                           /* expertCapacity */      \
+  MK_MOE_ACT_NONE,                             /* activation */          \
+  0                                            /* reserved */            \
 }
 
 
@@ -331,6 +339,21 @@ typedef struct {
    * mode (the initializer's).
    */
   long long expertCapacity;
+  /**
+   * MK_MOE_ACT_NONE (0, the initializer's): `y` = x · w1ᵀ, `w1` [E_local, ffn, hidden].
+   * MK_MOE_ACT_SILU (1, SwiGLU) or MK_MOE_ACT_GELU (2, GeGLU; GELU's erf form, as
+   * torch.nn.functional.gelu): `w1` is [E_local, 2·ffn, hidden] in Megatron's fused fc1
+   * layout (per expert, rows [0, ffn) the gate, rows [ffn, 2·ffn) the up projection) and
+   * `y` [recvCapacity, ffn] = act(x · w_gateᵀ) · (x · w_upᵀ), computed in fp32 and
+   * rounded once.
+   */
+  int activation;
+  /**
+   * Must be 0 (the initializer's). Keeps the struct free of tail padding: a library of
+   * an older header reads a newer struct's bytes past its own as fields that must be
+   * unset, and padding would hold whatever the caller's stack held.
+   */
+  int reserved;
 } mkMoeOptions_t;
 
 #ifdef __cplusplus
@@ -733,10 +756,22 @@ mkResult_t mkMoeOptionsInit(mkMoeOptions_t *options);
  * recvCapacity of E_local · roundup(nranks · expertCapacity, 128) never overflows.
  * Everything is decided on the device: capturable in a CUDA graph. Each rank caps its own
  * rows, so ranks may pass different expertCapacity values (Megatron's capacity follows
- * each rank's token count). Rules (mkInvalidArgument, before launch): capacityPolicy
- * MK_MOE_NO_DROP or MK_MOE_DROP; drop mode needs expertCapacity in [1, 2^31) and
- * dropCounts; no-drop mode needs expertCapacity 0; dropCounts 4-byte aligned device
- * memory; the rest as mkMoeDispatchGemm.
+ * each rank's token count).
+ *
+ * With `options->activation` MK_MOE_ACT_SILU (SwiGLU) or MK_MOE_ACT_GELU (GeGLU), `w1` is
+ * the gated weight [E_local, 2·ffn, hidden] (Megatron's fused fc1 layout: per expert the
+ * ffn gate rows, then the ffn up rows) and `y` [recvCapacity, ffn] = act(gate) · up, formed
+ * in the GEMM's epilogue (fp32, one rounding): the unactivated [rows, 2·ffn] never goes to
+ * memory. Drop mode and the gated weight combine freely.
+ *
+ * Rules (mkInvalidArgument, before launch): capacityPolicy MK_MOE_NO_DROP or MK_MOE_DROP;
+ * drop mode needs expertCapacity in [1, 2^31) and dropCounts; no-drop mode needs
+ * expertCapacity 0; dropCounts 4-byte aligned device memory; activation one of
+ * MK_MOE_ACT_NONE, MK_MOE_ACT_SILU, MK_MOE_ACT_GELU and reserved 0; a gated `w1` whose
+ * allocation ends before E_local · 2·ffn · hidden elements (e.g. a plain [E_local, ffn,
+ * hidden] weight) is refused where the driver knows the allocation's extent (memory
+ * suballocated from a larger block, as PyTorch's caching allocator does, is checked only
+ * against that block); the rest as mkMoeDispatchGemm.
  */
 mkResult_t mkMoeDispatchGemmWithOptions(const void *x,
                                         const int32_t *topkIdx,

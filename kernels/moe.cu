@@ -12,7 +12,8 @@
 //   Y = X_recv · W1_eᵀ, m-blocks in the receive layout's order (expert-major, raster groups
 //   cut at experts, so an expert's blocks share its weight tiles in L2); before loading a
 //   tile's A rows the producer waits for RECV[s, expert] of every source s whose rows the
-//   block holds. Both kernels' GEMMs schedule tiles dynamically: the GEMM CTAs take them in
+//   block holds. With a gated w1 (SwiGLU, GeGLU: dispatch_gated) a tile loads an output
+//   column block's gate and up rows together and its epilogue writes act(gate) · up. Both kernels' GEMMs schedule tiles dynamically: the GEMM CTAs take them in
 //   that order from a ticket counter (MoeRaster, MOE_TILE_NEXT), so they end together.
 // Dispatch, the prep (the first CTAs, each a slice of the tokens, before their GEMM): counts
 //   this rank's routing per expert and each (token, expert)'s position among this rank's
@@ -711,11 +712,127 @@ __device__ __forceinline__ void wait_all_rows(const MoeParams& p, uint64_t epoch
   __syncthreads();
 }
 
-template <typename T, int BN>
-__device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
-                                         const MoeParams& p) {
+// ---- dispatch with a gated weight (SwiGLU, GeGLU) -------------------------------------
+//
+// w1 is [E_local, 2·F, H] in Megatron's fused fc1 layout: per expert, rows [0, F) the gate,
+// rows [F, 2·F) the up projection. A tile of BN accumulator columns covers BN/2 output
+// columns: its B tile is their BN/2 gate rows then the matching BN/2 up rows (two TMA boxes
+// per stage, engine.cuh HasSplitB), so one wgmma accumulates gate and up together, and
+// every consumer thread holds gate column c and up column c + BN/2 of the same rows
+// (acc_col: index i and i + BN/4). The epilogue writes act(gate) · up, fp32, rounded once.
+// The scheduler's n-block counts BN-wide tiles over E_local · 2F accumulator columns
+// (tiles_n = 2F / BN per expert); Y has F columns.
+
+// MoeParams::activation (ops::moe::Activation): 0 is the plain dispatch's.
+enum GateActivation : int { kActSilu = 1, kActGelu = 2 };
+
+// SiLU (SwiGLU): g · sigmoid(g), as torch.nn.functional.silu.
+struct SiluGate {
+  __device__ static float apply(float g) { return g / (1.0f + __expf(-g)); }
+};
+// GELU (GeGLU), the erf form g · Φ(g): torch.nn.functional.gelu's default
+// (approximate='none'), which megatron-core's glu applies with activation_func = F.gelu.
+// Φ(g) = erfc(−g/√2)/2 from Numerical Recipes' Chebyshev fit of erfc (Press et al., §6.2,
+// `erfcc`: relative error below 1.2e-7 for every argument, so Φ keeps its relative
+// precision in the negative tail, where 1 + erff(g/√2) cancels). Not erff: its branches,
+// inlined over 128 live accumulators, spill the consumer's registers (ptxas).
+struct GeluGate {
+  __device__ static float apply(float g) {
+    const float z = fabsf(g) * 0.70710678118654752f;
+    const float t = __fdividef(1.0f, fmaf(0.5f, z, 1.0f));
+    float p = 0.17087277f;
+    p = fmaf(t, p, -0.82215223f);
+    p = fmaf(t, p, 1.48851587f);
+    p = fmaf(t, p, -1.13520398f);
+    p = fmaf(t, p, 0.27886807f);
+    p = fmaf(t, p, -0.18628806f);
+    p = fmaf(t, p, 0.09678418f);
+    p = fmaf(t, p, 0.37409196f);
+    p = fmaf(t, p, 1.00002368f);
+    p = fmaf(t, p, -1.26551223f);
+    const float erfc_z = t * expf(p - z * z);  // erfc(|g|/√2)
+    const float cdf = g >= 0.0f ? 1.0f - 0.5f * erfc_z : 0.5f * erfc_z;
+    return g * cdf;
+  }
+};
+
+// The dispatch's A wait, and the gated weight's B rows: tile n_block = e · tiles_n + nb
+// covers output columns [nb · BN/2, +BN/2) of local expert e, whose gate rows start at
+// e · 2F + nb · BN/2 and up rows F later.
+struct GatedSourceAWait : SourceAWait {
+  __device__ static int b_halves(const Params& w, int n_block, int half_rows, int& second_row) {
+    const int tiles_n = w.op->tiles_n, F = w.op->ffn;
+    const int e = n_block / tiles_n, nb = n_block - e * tiles_n;
+    const int first = e * 2 * F + nb * half_rows;
+    second_row = first + F;
+    return first;
+  }
+};
+
+// The gated dispatch's epilogue: a 64 x BN accumulator slab (gate | up) -> act(gate) · up,
+// 64 x BN/2, staged and stored as TmaEpilogue<ExpertDest> stores a plain slab. Keeps the
+// plain epilogue's staging size (smem_bytes_per_wg<BN>, of which it uses half) so that the
+// ring depth and launch size are the plain dispatch's (mk_check_engine_smem, ops::moe::plan).
+struct GatedEpilogue : TmaEpilogue<ExpertDest, TmaStoreOp, NoTileSignal> {
+  using Base = TmaEpilogue<ExpertDest, TmaStoreOp, NoTileSignal>;
+  struct Params : Base::Params {
+    int activation;  // kActSilu or kActGelu (checked on the host)
+  };
+
+  template <typename T, int BN>
+  __device__ static void store(const Params& p, float (&acc)[BN / 2], const SlabInfo& s) {
+    if (s.thread == 0) tma_store_wait_read();  // the previous slab's stores have read the staging
+    named_barrier_sync(1 + s.consumer, 128);
+    // Uniform over the launch: one staging loop per activation.
+    if (p.activation == kActGelu) {
+      stage<T, BN, GeluGate>(acc, s);
+    } else {
+      stage<T, BN, SiluGate>(acc, s);
+    }
+    fence_proxy_async_smem();
+    named_barrier_sync(1 + s.consumer, 128);
+    if (s.thread == 0) {
+      // Accumulator column col0 = n_block · BN is output column n_block · BN/2 of the
+      // E_local · F view: the expert's column is that mod F.
+      const int col = (s.col0 / 2) % p.dest.cols;
+#pragma unroll
+      for (int b = 0; b < BN / 2 / 64; ++b) tma_store_2d(p.dest.tma_c, s.smem + b * 8192, col + b * 64, s.row0);
+      tma_store_commit();
+    }
+  }
+
+ private:
+  // The staging of TmaEpilogue::store (128B-swizzled 64 x 64 boxes) over the BN/2 output
+  // columns: element i of the gate half and element i + BN/4 (the up column BN/2 later).
+  template <typename T, int BN, class Act>
+  __device__ static void stage(const float (&acc)[BN / 2], const SlabInfo& s) {
+    static_assert((BN / 2) % 64 == 0, "whole 64-column output boxes");
+    constexpr int kUp = BN / 4;
+    const int warp = s.thread >> 5, lane = s.thread & 31;
+    const uint32_t base = smem_addr(s.smem);
+#pragma unroll
+    for (int j = 0; j < BN / 2 / 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp * 16 + (lane >> 2) + h * 8;
+        const uint32_t off = (j >> 3) * 8192 + row * 128 + (((j & 7) ^ (row & 7)) << 4) + (lane & 3) * 4;
+        const int i = j * 4 + h * 2;
+        const uint32_t v = pack2<T>(Act::apply(acc[i]) * acc[i + kUp], Act::apply(acc[i + 1]) * acc[i + 1 + kUp]);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + off), "r"(v) : "memory");
+      }
+    }
+  }
+};
+
+// The dispatch kernel, plain (Y = X · W1ᵀ, F columns) or gated (Y = act(X · W_gateᵀ) ·
+// (X · W_upᵀ) from a [E_local, 2·F, H] w1): the same prep, sends and schedule; only the
+// GEMM's B loads, width and epilogue differ.
+template <typename T, int BN, bool GATED>
+__device__ __forceinline__ void dispatch_kernel(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
+                                                const CUtensorMap* tma_c, const MoeParams& p) {
   using Cfg = GemmConfig<T, BN, FusedStages<BN>::value, SHARE_NONE, kProducerRegs>;
-  using Epi = TmaEpilogue<ExpertDest, TmaStoreOp, NoTileSignal>;
+  using Epi = std::conditional_t<GATED, GatedEpilogue, TmaEpilogue<ExpertDest, TmaStoreOp, NoTileSignal>>;
+  using AWait = std::conditional_t<GATED, GatedSourceAWait, SourceAWait>;
   extern __shared__ __align__(1024) char smem[];
   mk_check_engine_smem<Cfg, Epi>();
   const WorkspaceView& ws = p.ws;
@@ -743,11 +860,12 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
       typename MoeRaster::Params sched{layout + p.lay_mb_order, layout + p.lay_mb_run,
                                        layout + p.lay_mb_expert, layout + p.lay_mb_rows, total_mb, p.tiles_n, p.tiles_n,
                                        max(1, min(p.group_m, total_mb)), peer_word(ws, ws.rank, MOE_TILE_NEXT)};
-      typename SourceAWait::Params await{&p, layout + p.lay_mb_srcmask, layout + p.lay_mb_expert, epoch};
+      typename AWait::Params await{&p, layout + p.lay_mb_srcmask, layout + p.lay_mb_expert, epoch};
       typename Epi::Params epi;
       epi.dest.tma_c = tma_c;
       epi.dest.cols = p.ffn;
       epi.signal.unused = 0;
+      if constexpr (GATED) epi.activation = p.activation;
       // The burst: until the first wave's rows are out, every warp sends (the consumers have
       // nothing to do before them; 8 vectors in flight: the launch's 168 registers).
       if (p.send_by_gemm_ctas && p.burst_lists > 0) {
@@ -755,8 +873,10 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
         const int entries = ld_cg(row0 + min(p.experts, p.burst_lists));
         send_rows_warp<8>(p, epoch, sender_warps(p), (entries + kSendChunk - 1) / kSendChunk);
       }
-      gemm_persistent<Cfg, MoeRaster, SourceAWait, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, p.ffn, p.hidden}, sched,
-                                                         await, epi, blockIdx.x, p.compute_ctas, smem);
+      // Gated: 2·F accumulator columns (gate | up per tile), F output columns.
+      const int gemm_cols = GATED ? 2 * p.ffn : p.ffn;
+      gemm_persistent<Cfg, MoeRaster, AWait, Epi>(tma_a, tma_b, GemmShape{total_mb * 128, gemm_cols, p.hidden}, sched,
+                                                   await, epi, blockIdx.x, p.compute_ctas, smem);
     } else {
       // Communication only (the benchmark's unfused baseline): the would-be GEMM CTAs send
       // with all their warps; the kernel ends once every source's rows are here.
@@ -774,6 +894,18 @@ __device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtenso
   if (p.gemm && j < 0) release_tile_tickets(p);
   mk_op_epoch_end(ws, MOE_EPOCH, MOE_ARRIVE, MOE_DONE, epoch);
   mk_trace_time(p.trace, MK_TR_END);
+}
+
+// The entry points' functions (MK_MOE_ENTRY): the plain dispatch, and the gated one.
+template <typename T, int BN>
+__device__ __forceinline__ void dispatch(const CUtensorMap* tma_a, const CUtensorMap* tma_b, const CUtensorMap* tma_c,
+                                         const MoeParams& p) {
+  dispatch_kernel<T, BN, false>(tma_a, tma_b, tma_c, p);
+}
+template <typename T, int BN>
+__device__ __forceinline__ void dispatch_gated(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
+                                               const CUtensorMap* tma_c, const MoeParams& p) {
+  dispatch_kernel<T, BN, true>(tma_a, tma_b, tma_c, p);
 }
 
 // ---- combine ----------------------------------------------------------------------------

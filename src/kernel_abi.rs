@@ -532,6 +532,9 @@ pub struct MoeParams {
     pub drop_counts: u64,
     /// As `AgGemmParams::trace`.
     pub trace: u64,
+    /// Dispatch, the gated kernels (`dispatch_gated`): 1 = SiLU (SwiGLU), 2 = GELU, erf form
+    /// (GeGLU) applied to the gate half of w1 (ops::moe::Activation); unread by the others.
+    pub activation: i32,
 }
 
 /// Parameters of the ring-attention kernels (kernels/ring_attention.cu). Tensors as the

@@ -4,7 +4,7 @@
 
 use mkernel::ffi::config::{MK_CONFIG_MAGIC, MK_CONFIG_UNDEF_INT};
 use mkernel::ffi::fused::MK_MOE_OPTIONS_MAGIC;
-use mkernel::ops::moe::{MK_MOE_DROP, MK_MOE_NO_DROP};
+use mkernel::ops::moe::{MK_MOE_ACT_GELU, MK_MOE_ACT_NONE, MK_MOE_ACT_SILU, MK_MOE_DROP, MK_MOE_NO_DROP};
 use std::process::Command;
 
 const COMMITTED: &str = include_str!("../include/mkernel.h");
@@ -90,6 +90,9 @@ fn handwritten_header_constants_match_rust() {
     assert_eq!(define(COMMITTED, "MK_MOE_OPTIONS_MAGIC"), format!("{MK_MOE_OPTIONS_MAGIC:#x}u"));
     assert_eq!(define(COMMITTED, "MK_MOE_NO_DROP"), MK_MOE_NO_DROP.to_string());
     assert_eq!(define(COMMITTED, "MK_MOE_DROP"), MK_MOE_DROP.to_string());
+    assert_eq!(define(COMMITTED, "MK_MOE_ACT_NONE"), MK_MOE_ACT_NONE.to_string());
+    assert_eq!(define(COMMITTED, "MK_MOE_ACT_SILU"), MK_MOE_ACT_SILU.to_string());
+    assert_eq!(define(COMMITTED, "MK_MOE_ACT_GELU"), MK_MOE_ACT_GELU.to_string());
 }
 
 #[test]

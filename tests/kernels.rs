@@ -182,7 +182,7 @@ fn every_traced_kernel_has_a_twin_in_the_tools_fatbin() {
         assert_eq!(twin.file, format!("{}_tools", k.file), "{}", k.name);
         twins += 1;
     }
-    assert_eq!(twins, 4 + 8 + 2 + 8 + 4);
+    assert_eq!(twins, 4 + 10 + 2 + 8 + 4);
     let gemm = ALL.iter().find(|k| k.file == "gemm").unwrap();
     assert!(trace_twin(*gemm).is_err(), "the plain GEMM has no hooks and no twin");
 }

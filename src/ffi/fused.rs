@@ -276,6 +276,17 @@ pub struct mkMoeOptions_t {
     /// ceil(tokens · topk / experts · capacityFactor) for this rank's tokens). 0 in no-drop
     /// mode (the initializer's).
     pub expertCapacity: c_longlong,
+    /// MK_MOE_ACT_NONE (0, the initializer's): `y` = x · w1ᵀ, `w1` [E_local, ffn, hidden].
+    /// MK_MOE_ACT_SILU (1, SwiGLU) or MK_MOE_ACT_GELU (2, GeGLU; GELU's erf form, as
+    /// torch.nn.functional.gelu): `w1` is [E_local, 2·ffn, hidden] in Megatron's fused fc1
+    /// layout (per expert, rows [0, ffn) the gate, rows [ffn, 2·ffn) the up projection) and
+    /// `y` [recvCapacity, ffn] = act(x · w_gateᵀ) · (x · w_upᵀ), computed in fp32 and
+    /// rounded once.
+    pub activation: c_int,
+    /// Must be 0 (the initializer's). Keeps the struct free of tail padding: a library of
+    /// an older header reads a newer struct's bytes past its own as fields that must be
+    /// unset, and padding would hold whatever the caller's stack held.
+    pub reserved: c_int,
 }
 
 impl mkMoeOptions_t {
@@ -287,6 +298,8 @@ impl mkMoeOptions_t {
             version: crate::version_code() as c_uint,
             capacityPolicy: crate::ops::moe::MK_MOE_NO_DROP,
             expertCapacity: 0,
+            activation: crate::ops::moe::MK_MOE_ACT_NONE,
+            reserved: 0,
         }
     }
 }
@@ -303,6 +316,8 @@ const MOE_OPTIONS: super::versioned::VersionedStruct = super::versioned::Version
         (std::mem::offset_of!(mkMoeOptions_t, version), 4),
         (std::mem::offset_of!(mkMoeOptions_t, capacityPolicy), 4),
         (std::mem::offset_of!(mkMoeOptions_t, expertCapacity), 8),
+        (std::mem::offset_of!(mkMoeOptions_t, activation), 4),
+        (std::mem::offset_of!(mkMoeOptions_t, reserved), 4),
     ],
     unset_word: |w| w == 0,
 };
@@ -315,20 +330,33 @@ pub unsafe extern "C" fn mkMoeOptionsInit(options: *mut mkMoeOptions_t) -> mkRes
     super::guard(None, "mkMoeOptionsInit", || super::write_out(options, mkMoeOptions_t::initializer(), "options"))
 }
 
-/// The capacity policy a caller's options (NULL: the initializer's) and `dropCounts` ask for.
+/// The capacity policy and activation a caller's options (NULL: the initializer's) and
+/// `dropCounts` ask for.
 ///
 /// # Safety
 /// `options`, when non-NULL, must point to at least `options->size` readable bytes.
-pub unsafe fn capacity_policy(
+pub unsafe fn moe_options(
     options: *const mkMoeOptions_t,
     drop_counts: u64,
-) -> crate::error::Result<crate::ops::moe::CapacityPolicy> {
+) -> crate::error::Result<(crate::ops::moe::CapacityPolicy, crate::ops::moe::Activation)> {
     let o = if options.is_null() {
         mkMoeOptions_t::initializer()
     } else {
         MOE_OPTIONS.read(options, mkMoeOptions_t::initializer())?
     };
-    crate::ops::moe::CapacityPolicy::from_raw(o.capacityPolicy, o.expertCapacity, drop_counts)
+    let policy = crate::ops::moe::CapacityPolicy::from_raw(o.capacityPolicy, o.expertCapacity, drop_counts)?;
+    Ok((policy, crate::ops::moe::Activation::from_raw(o.activation, o.reserved)?))
+}
+
+/// The capacity policy a caller's options ask for (`moe_options`).
+///
+/// # Safety
+/// As `moe_options`.
+pub unsafe fn capacity_policy(
+    options: *const mkMoeOptions_t,
+    drop_counts: u64,
+) -> crate::error::Result<crate::ops::moe::CapacityPolicy> {
+    moe_options(options, drop_counts).map(|(policy, _)| policy)
 }
 
 /// mkMoeDispatchGemm with options (`mkMoeOptions_t`; NULL = the initializer's, which is
@@ -344,10 +372,22 @@ pub unsafe fn capacity_policy(
 /// recvCapacity of E_local · roundup(nranks · expertCapacity, 128) never overflows.
 /// Everything is decided on the device: capturable in a CUDA graph. Each rank caps its own
 /// rows, so ranks may pass different expertCapacity values (Megatron's capacity follows
-/// each rank's token count). Rules (mkInvalidArgument, before launch): capacityPolicy
-/// MK_MOE_NO_DROP or MK_MOE_DROP; drop mode needs expertCapacity in [1, 2^31) and
-/// dropCounts; no-drop mode needs expertCapacity 0; dropCounts 4-byte aligned device
-/// memory; the rest as mkMoeDispatchGemm.
+/// each rank's token count).
+///
+/// With `options->activation` MK_MOE_ACT_SILU (SwiGLU) or MK_MOE_ACT_GELU (GeGLU), `w1` is
+/// the gated weight [E_local, 2·ffn, hidden] (Megatron's fused fc1 layout: per expert the
+/// ffn gate rows, then the ffn up rows) and `y` [recvCapacity, ffn] = act(gate) · up, formed
+/// in the GEMM's epilogue (fp32, one rounding): the unactivated [rows, 2·ffn] never goes to
+/// memory. Drop mode and the gated weight combine freely.
+///
+/// Rules (mkInvalidArgument, before launch): capacityPolicy MK_MOE_NO_DROP or MK_MOE_DROP;
+/// drop mode needs expertCapacity in [1, 2^31) and dropCounts; no-drop mode needs
+/// expertCapacity 0; dropCounts 4-byte aligned device memory; activation one of
+/// MK_MOE_ACT_NONE, MK_MOE_ACT_SILU, MK_MOE_ACT_GELU and reserved 0; a gated `w1` whose
+/// allocation ends before E_local · 2·ffn · hidden elements (e.g. a plain [E_local, ffn,
+/// hidden] weight) is refused where the driver knows the allocation's extent (memory
+/// suballocated from a larger block, as PyTorch's caching allocator does, is checked only
+/// against that block); the rest as mkMoeDispatchGemm.
 #[no_mangle]
 pub unsafe extern "C" fn mkMoeDispatchGemmWithOptions(
     x: *const c_void,
@@ -381,7 +421,10 @@ pub unsafe extern "C" fn mkMoeDispatchGemmWithOptions(
             dims,
             dtype,
         )?;
-        args.policy = capacity_policy(options, dropCounts as u64)?;
+        let (policy, activation) = moe_options(options, dropCounts as u64)?;
+        crate::ops::moe::validate_activation(&dims, activation)?;
+        args.policy = policy;
+        args.activation = activation;
         dispatch_gemm(c, &args, true, stream)
     })
 }
@@ -649,7 +692,8 @@ mod tests {
         let mut o = std::mem::MaybeUninit::<mkMoeOptions_t>::zeroed();
         assert_eq!(unsafe { mkMoeOptionsInit(o.as_mut_ptr()) }, mkResult_t::mkSuccess);
         let o = unsafe { o.assume_init() };
-        assert_eq!((o.size, o.magic, o.capacityPolicy, o.expertCapacity), (32, MK_MOE_OPTIONS_MAGIC, 0, 0));
+        assert_eq!((o.size, o.magic, o.capacityPolicy, o.expertCapacity), (40, MK_MOE_OPTIONS_MAGIC, 0, 0));
+        assert_eq!((o.activation, o.reserved), (0, 0));
         assert_eq!(o.version as i32, crate::version_code());
         assert_eq!(unsafe { mkMoeOptionsInit(std::ptr::null_mut()) }, mkResult_t::mkInvalidArgument);
         let counts = 0x1000;
@@ -665,6 +709,16 @@ mod tests {
         // An older header's struct (the three header fields only) reads as the initializer.
         let older = mkMoeOptions_t { size: 16, ..drop };
         assert_eq!(unsafe { capacity_policy(&older, 0) }.unwrap(), no_drop);
+        // The activation: read with the policy; a header without it (32 bytes) reads as none.
+        use crate::ops::moe::{Activation, MK_MOE_ACT_GELU, MK_MOE_ACT_SILU};
+        let swiglu = mkMoeOptions_t { activation: MK_MOE_ACT_SILU, ..drop };
+        assert_eq!(unsafe { moe_options(&swiglu, counts) }.unwrap().1, Activation::Silu);
+        let geglu = mkMoeOptions_t { activation: MK_MOE_ACT_GELU, ..o };
+        assert_eq!(unsafe { moe_options(&geglu, 0) }.unwrap(), (no_drop, Activation::Gelu));
+        assert_eq!(unsafe { moe_options(&mkMoeOptions_t { size: 32, ..swiglu }, counts) }.unwrap().1, Activation::None);
+        let act_err = |o: &mkMoeOptions_t| unsafe { moe_options(o, 0) }.unwrap_err().message;
+        assert!(act_err(&mkMoeOptions_t { activation: 3, ..o }).contains("options->activation = 3 is none of"));
+        assert!(act_err(&mkMoeOptions_t { reserved: 1, ..o }).contains("options->reserved = 1 must be 0"));
         let err = |o: &mkMoeOptions_t, counts: u64| unsafe { capacity_policy(o, counts) }.unwrap_err().message;
         assert!(err(&mkMoeOptions_t { magic: 1, ..o }, 0).contains("options->magic is wrong"));
         assert!(err(&mkMoeOptions_t { version: 0, ..o }, 0).contains("options->version = 0"));
@@ -674,17 +728,14 @@ mod tests {
         #[repr(C)]
         struct Newer {
             base: mkMoeOptions_t,
-            activation: c_int,
+            future: c_int,
             spare: c_int,
         }
-        let newer = |activation| Newer {
-            base: mkMoeOptions_t { size: std::mem::size_of::<Newer>(), ..drop },
-            activation,
-            spare: 0,
-        };
+        let newer =
+            |future| Newer { base: mkMoeOptions_t { size: std::mem::size_of::<Newer>(), ..drop }, future, spare: 0 };
         assert!(unsafe { capacity_policy((&newer(0) as *const Newer).cast(), counts) }.is_ok());
         let e = unsafe { capacity_policy((&newer(1) as *const Newer).cast(), counts) }.unwrap_err().message;
-        assert!(e.contains("options comes from a newer header") && e.contains("byte offset 32"), "{e}");
+        assert!(e.contains("options comes from a newer header") && e.contains("byte offset 40"), "{e}");
         assert!(err(&drop, 0).contains("dropCounts is NULL"));
     }
 }

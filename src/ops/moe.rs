@@ -373,6 +373,8 @@ pub struct DispatchArgs {
     pub dims: MoeDims,
     pub dtype: mkDataType_t,
     pub policy: CapacityPolicy,
+    /// The plain GEMM, or the gated w1's activation.
+    pub activation: Activation,
     /// Per-CTA timing buffer for `mkbench moe --trace` (kernels/common/trace.cuh), else 0.
     pub trace: u64,
 }
@@ -436,6 +438,113 @@ impl CapacityPolicy {
     }
 }
 
+/// mkMoeOptions_t.activation codes.
+pub const MK_MOE_ACT_NONE: i32 = 0;
+pub const MK_MOE_ACT_SILU: i32 = 1;
+pub const MK_MOE_ACT_GELU: i32 = 2;
+
+/// What the dispatch's GEMM writes (mkMoeOptions_t.activation): X · W1ᵀ, or with a gated
+/// w1 [E_local, 2·F, H] (Megatron's fused fc1: per expert F gate rows, then F up rows)
+/// act(X · W_gateᵀ) · (X · W_upᵀ), formed in the epilogue (kernels/moe.cu GatedEpilogue).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    None,
+    /// SwiGLU: silu(g) = g · sigmoid(g).
+    Silu,
+    /// GeGLU: gelu(g) = g · Φ(g), the erf form (torch.nn.functional.gelu's default).
+    Gelu,
+}
+
+impl Activation {
+    /// The activation a C caller's `activation` and `reserved` ask for.
+    pub fn from_raw(code: i32, reserved: i32) -> Result<Activation> {
+        crate::ensure_arg!(
+            reserved == 0,
+            "options->reserved = {reserved} must be 0 (initialise with MK_MOE_OPTIONS_INITIALIZER)"
+        );
+        match code {
+            MK_MOE_ACT_NONE => Ok(Activation::None),
+            MK_MOE_ACT_SILU => Ok(Activation::Silu),
+            MK_MOE_ACT_GELU => Ok(Activation::Gelu),
+            other => Err(MkError::invalid_argument(format!(
+                "options->activation = {other} is none of MK_MOE_ACT_NONE ({MK_MOE_ACT_NONE}), MK_MOE_ACT_SILU \
+                 ({MK_MOE_ACT_SILU}), MK_MOE_ACT_GELU ({MK_MOE_ACT_GELU})"
+            ))),
+        }
+    }
+
+    /// MoeParams::activation.
+    pub fn code(self) -> i32 {
+        match self {
+            Activation::None => MK_MOE_ACT_NONE,
+            Activation::Silu => MK_MOE_ACT_SILU,
+            Activation::Gelu => MK_MOE_ACT_GELU,
+        }
+    }
+
+    /// Whether w1 is the gated [E_local, 2·F, H] weight.
+    pub fn gated(self) -> bool {
+        self != Activation::None
+    }
+
+    /// Rows of w1 per local expert: F, or 2·F gated.
+    pub fn w1_rows(self, ffn: usize) -> usize {
+        if self.gated() {
+            2 * ffn
+        } else {
+            ffn
+        }
+    }
+}
+
+/// The gated weight's sizes: its E_local · 2·F rows index the B tensor map and the
+/// kernel's row arithmetic in int32.
+pub fn validate_activation(d: &MoeDims, activation: Activation) -> Result<()> {
+    let rows = d.experts_local().checked_mul(activation.w1_rows(d.ffn));
+    crate::ensure_arg!(
+        rows.is_some_and(|r| r < i32::MAX as usize),
+        "E_local · 2·ffn = {} · {} rows of a gated w1 must stay below 2^31",
+        d.experts_local(),
+        2 * d.ffn
+    );
+    Ok(())
+}
+
+/// The gated dispatch's tile: 256 accumulator columns, 128 gate and 128 up, so an output
+/// tile of 128 columns covers any F (a multiple of 128) and stores two whole 64-column boxes.
+pub const GATED_BN: usize = 256;
+
+/// The w1 rule a driver-reported allocation lets the host check: `w1` (`w1_bytes` needed)
+/// must end inside the allocation [base, base + size) that holds it. `range` None: the
+/// driver does not know the extent (nothing to check). Memory suballocated from a larger
+/// block (PyTorch's caching allocator) is checked against that block only.
+pub fn check_w1_extent(
+    w1: u64,
+    w1_bytes: u64,
+    range: Option<(u64, u64)>,
+    activation: Activation,
+    ffn: usize,
+) -> Result<()> {
+    let Some((base, size)) = range else { return Ok(()) };
+    let end = base.saturating_add(size);
+    crate::ensure_arg!(
+        w1 >= base && w1.checked_add(w1_bytes).is_some_and(|e| e <= end),
+        "w1 = {w1:#x}: its allocation ends {} bytes after it, fewer than the {w1_bytes} bytes of E_local · {} · hidden \
+         elements{}",
+        end.saturating_sub(w1),
+        if activation.gated() { "2·ffn" } else { "ffn" },
+        if activation.gated() {
+            format!(
+                " a gated activation reads (w1 [E_local, 2·ffn, hidden], gate rows then up rows per expert, ffn = {ffn}; \
+                 a plain [E_local, ffn, hidden] weight is half of it)"
+            )
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn validate_dispatch(
     x: u64,
@@ -466,6 +575,7 @@ pub fn validate_dispatch(
         dims,
         dtype,
         policy: CapacityPolicy::NoDrop { drop_counts: 0 },
+        activation: Activation::None,
         trace: 0,
     })
 }
@@ -664,6 +774,16 @@ pub fn kernel(dir: Direction, dtype: impl Element, bn: usize) -> Result<Kernel> 
     kernels::choose(op, dtype.element(), "MK_MOE_ENTRY", &[Arg::Text(direction), Arg::Element, Arg::Int(bn)])
 }
 
+/// The gated dispatch's kernel for `dtype` and tile width `bn` (`dispatch_gated` lines).
+pub fn gated_dispatch_kernel(dtype: impl Element, bn: usize) -> Result<Kernel> {
+    kernels::choose(
+        "mkMoeDispatchGemmWithOptions",
+        dtype.element(),
+        "MK_MOE_ENTRY",
+        &[Arg::Text("dispatch_gated"), Arg::Element, Arg::Int(bn)],
+    )
+}
+
 /// The m-block tables the dispatch's prep writes into the layout buffer (kernels/moe.cu
 /// `prep`), for `rank`'s receive buffer; host mirror for tests.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -839,9 +959,12 @@ impl Direction {
 pub struct MoePlan {
     pub dir: Direction,
     pub roles: RolePlan,
-    /// The GEMM's tile width (`tile_width` of its output columns): with the direction and
-    /// dtype, it names the kernel.
+    /// The GEMM's tile width (`tile_width` of its output columns; gated: `GATED_BN`
+    /// accumulator columns): with the direction, `gated` and the dtype, it names the kernel.
     pub bn: usize,
+    /// The dispatch with a gated w1: each tile's B is BN/2 gate rows and BN/2 up rows, and
+    /// `tiles_n` counts tiles over 2·F accumulator columns.
+    pub gated: bool,
     pub smem_bytes: usize,
     /// Column tiles of the GEMM, and per column band (`band_width`; all of them: one band).
     pub tiles_n: usize,
@@ -863,7 +986,8 @@ pub struct MoePlan {
 impl MoePlan {
     /// The launch of this plan for `dtype`.
     pub fn kernel_launch(&self, dtype: impl Element) -> Result<KernelLaunch> {
-        let kernel = kernel(self.dir, dtype, self.bn)?;
+        let kernel =
+            if self.gated { gated_dispatch_kernel(dtype, self.bn)? } else { kernel(self.dir, dtype, self.bn)? };
         Ok(KernelLaunch::new(kernel, self.grid, engine::THREADS, self.smem_bytes as u32))
     }
 }
@@ -881,6 +1005,8 @@ pub fn gemm_cols(dir: Direction, d: &MoeDims) -> (usize, usize) {
 /// GEMM's estimated FLOPs at uniform routing, the grid cap and MK_COMM_SMS), the tile,
 /// bands, raster group and burst (`Tuning::moe_bands`, `Tuning::moe_burst`), and the layout
 /// tables. `gemm = false` runs the data movement only (the unfused baselines of mkbench).
+/// A gated `activation` (dispatch only) computes 2·F accumulator columns in tiles of
+/// `GATED_BN` (gate and up halves) and writes F.
 pub fn plan(
     dir: Direction,
     d: &MoeDims,
@@ -888,15 +1014,22 @@ pub fn plan(
     comm_override: Option<u32>,
     tuning: &Tuning,
     gemm: bool,
+    activation: Activation,
 ) -> Result<MoePlan> {
-    let (cols, inner) = gemm_cols(dir, d);
+    let gated = activation.gated();
+    if gated && dir != Direction::Dispatch {
+        return Err(MkError::internal(format!("{}: only the dispatch takes a gated weight", dir.name())));
+    }
+    let (out_cols, inner) = gemm_cols(dir, d);
+    // The GEMM's accumulator columns: gated, the gate's and the up projection's.
+    let cols = if gated { 2 * out_cols } else { out_cols };
     // The role split weighs bytes against FLOPs before a call's element type is chosen; the
     // tokens move as the engine's operands, so they are counted at the operand size.
     let bytes_moved = (d.tokens * d.top_k * d.hidden * engine::OPERAND_BYTES) as f64;
     let rows_est = (d.tokens * d.top_k).max(1);
     let flops = 2.0 * rows_est as f64 * cols as f64 * inner as f64;
     let roles = plan_roles_for(dir, bytes_moved, flops, grid_ctas, comm_override)?;
-    let bn = tile_width(cols);
+    let bn = if gated { GATED_BN } else { tile_width(cols) };
     let smem = engine::smem_bytes(bn, Epilogue::Tma);
     if dir == Direction::Dispatch && prep_smem_bytes(d) > smem {
         return Err(MkError::internal(format!(
@@ -911,6 +1044,7 @@ pub fn plan(
         dir,
         roles,
         bn,
+        gated,
         smem_bytes: smem,
         tiles_n,
         band_w: match dir {
@@ -951,6 +1085,7 @@ struct MoeCall {
     c: (u64, usize, usize),
     params: MoeParams,
     gemm: bool,
+    activation: Activation,
 }
 
 /// The operand pointer standing for this rank's buffer in the fused-op region.
@@ -981,7 +1116,7 @@ fn run(comm: &Comm, call: MoeCall, stream: sys::CUstream) -> Result<()> {
     }
     let _ctx = comm.context.enter()?;
     let grid = DeviceCaps::of(comm)?.grid_cap();
-    let p = plan(call.dir, &call.dims, grid, comm.config.comm_ctas, &comm.config.tuning, call.gemm)?;
+    let p = plan(call.dir, &call.dims, grid, comm.config.comm_ctas, &comm.config.tuning, call.gemm, call.activation)?;
     let region = ws.view.data[comm.rank] + ws.view.data_bytes;
     fused_fence::launch_fenced(comm, &ws.view, None, FusedKernel::Moe, stream, || {
         launch(call, &p, &ws.view, region, stream)
@@ -1016,10 +1151,13 @@ fn launch(call: MoeCall, p: &MoePlan, view: &WorkspaceView, region: u64, stream:
     params.burst_lists = p.burst_lists as i32;
     params.prep_ctas = p.prep.ctas as i32;
     params.prep_tokens = p.prep.tokens_per_cta as i32;
+    params.activation = call.activation.code();
     let at = |ptr: u64| if ptr == REGION { region + COUNTS_BYTES as u64 } else { ptr };
     let (a, b, c, dtype) = (call.a, call.b, call.c, call.dtype);
     let mut ta = launch::tensor_map(at(a.0), dtype, a.1, a.2, engine::BM, engine::BK)?;
-    let mut tb = launch::tensor_map(at(b.0), dtype, b.1, b.2, p.bn, engine::BK)?;
+    // Gated: each B tile is two boxes, the gate rows and the up rows (engine.cuh HasSplitB).
+    let b_box_rows = if p.gated { p.bn / 2 } else { p.bn };
+    let mut tb = launch::tensor_map(at(b.0), dtype, b.1, b.2, b_box_rows, engine::BK)?;
     let mut tc = launch::tensor_map(at(c.0), dtype, c.1, c.2, 64, 64)?;
     let mut kernel_launch = p.kernel_launch(dtype)?;
     if params.trace != 0 {
@@ -1084,6 +1222,13 @@ pub fn dispatch_gemm(comm: &Comm, a: &DispatchArgs, gemm: bool, stream: sys::CUs
             (a.policy.drop_counts(), "dropCounts"),
         ],
     )?;
+    let el = d.experts_local();
+    let w1_rows = el * a.activation.w1_rows(d.ffn);
+    if a.activation.gated() {
+        let w1_bytes = (w1_rows * d.hidden * 2) as u64;
+        let _ctx = comm.context.enter()?;
+        check_w1_extent(a.w1, w1_bytes, allocation_range(a.w1), a.activation, d.ffn)?;
+    }
     let mut params = base_params(&d, a.layout);
     params.x = a.x;
     params.topk_idx = a.topk_idx;
@@ -1091,7 +1236,6 @@ pub fn dispatch_gemm(comm: &Comm, a: &DispatchArgs, gemm: bool, stream: sys::CUs
     params.expert_capacity = a.policy.expert_capacity().map_or(0, |c| c as i32);
     params.drop_counts = a.policy.drop_counts();
     params.trace = a.trace;
-    let el = d.experts_local();
     run(
         comm,
         MoeCall {
@@ -1099,10 +1243,11 @@ pub fn dispatch_gemm(comm: &Comm, a: &DispatchArgs, gemm: bool, stream: sys::CUs
             dims: d,
             dtype: a.dtype,
             a: (REGION, d.capacity, d.hidden),
-            b: (a.w1, el * d.ffn, d.hidden),
+            b: (a.w1, w1_rows, d.hidden),
             c: (a.y, d.capacity, d.ffn),
             params,
             gemm,
+            activation: a.activation,
         },
         stream,
     )
@@ -1138,9 +1283,19 @@ pub fn gemm_combine(comm: &Comm, a: &CombineArgs, gemm: bool, stream: sys::CUstr
             c: (REGION, d.capacity, d.hidden),
             params,
             gemm,
+            activation: Activation::None,
         },
         stream,
     )
+}
+
+/// The allocation holding device pointer `ptr`, (base, bytes), as the driver reports it
+/// (a context current); None when it does not know (then nothing can be checked).
+fn allocation_range(ptr: u64) -> Option<(u64, u64)> {
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: two out-parameters of the types the driver documents.
+    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+    (r == sys::CUresult::CUDA_SUCCESS && size > 0).then_some((base, size as u64))
 }
 
 /// Device pointer of this rank's receive buffer / Z in the fused-op region (benchmarks).
@@ -1276,6 +1431,53 @@ mod tests {
     }
 
     #[test]
+    fn activation_rules_are_named() {
+        assert_eq!(Activation::from_raw(MK_MOE_ACT_NONE, 0).unwrap(), Activation::None);
+        assert_eq!(Activation::from_raw(MK_MOE_ACT_SILU, 0).unwrap(), Activation::Silu);
+        assert_eq!(Activation::from_raw(MK_MOE_ACT_GELU, 0).unwrap(), Activation::Gelu);
+        for a in [Activation::None, Activation::Silu, Activation::Gelu] {
+            assert_eq!(Activation::from_raw(a.code(), 0).unwrap(), a);
+        }
+        for code in [3, -1, i32::MAX] {
+            let e = Activation::from_raw(code, 0).unwrap_err().message;
+            assert!(e.contains(&format!("options->activation = {code} is none of MK_MOE_ACT_NONE")), "{e}");
+        }
+        let e = Activation::from_raw(MK_MOE_ACT_SILU, 5).unwrap_err().message;
+        assert!(e.contains("options->reserved = 5 must be 0"), "{e}");
+        assert_eq!((Activation::None.w1_rows(768), Activation::Gelu.w1_rows(768)), (768, 1536));
+        // The gated weight's rows stay in int32.
+        let d = MoeDims { tokens: 1, hidden: 128, ffn: 1 << 23, top_k: 1, experts: 128, capacity: 128, nranks: 1 };
+        assert!(validate_activation(&d, Activation::None).is_ok());
+        let e = validate_activation(&d, Activation::Silu).unwrap_err().message;
+        assert!(e.contains("E_local · 2·ffn = 128 · 16777216 rows"), "{e}");
+        assert!(validate_activation(&MoeDims { ffn: 1 << 22, ..d }, Activation::Silu).is_ok());
+    }
+
+    #[test]
+    fn a_gated_w1_must_fit_its_allocation() {
+        let (ffn, hidden, el) = (256usize, 128usize, 4usize);
+        let gated_bytes = (el * 2 * ffn * hidden * 2) as u64;
+        let w1 = 0x10_0000u64;
+        // A gated weight in an allocation of exactly its size, or in a larger block.
+        assert!(check_w1_extent(w1, gated_bytes, Some((w1, gated_bytes)), Activation::Silu, ffn).is_ok());
+        assert!(check_w1_extent(w1 + 512, gated_bytes, Some((w1, gated_bytes + 512)), Activation::Gelu, ffn).is_ok());
+        // The driver does not know the extent: nothing to check.
+        assert!(check_w1_extent(w1, gated_bytes, None, Activation::Silu, ffn).is_ok());
+        // A plain [E_local, ffn, hidden] weight passed as gated: half the bytes.
+        let e =
+            check_w1_extent(w1, gated_bytes, Some((w1, gated_bytes / 2)), Activation::Silu, ffn).unwrap_err().message;
+        assert!(
+            e.contains(&format!("ends {} bytes after it, fewer than the {gated_bytes} bytes", gated_bytes / 2))
+                && e.contains("w1 [E_local, 2·ffn, hidden]")
+                && e.contains("ffn = 256"),
+            "{e}"
+        );
+        // One byte short, and a pointer past its allocation's end.
+        assert!(check_w1_extent(w1, gated_bytes, Some((w1, gated_bytes - 1)), Activation::Gelu, ffn).is_err());
+        assert!(check_w1_extent(w1, 16, Some((0, 8)), Activation::Silu, ffn).is_err());
+    }
+
+    #[test]
     fn experts_without_tokens_have_empty_groups() {
         let s = shape(3, 1, 8, 2);
         let (layout, tokens_from) = receive_layout(&s, &[vec![0, 0, 0], vec![0, -1, 1]], 1).unwrap();
@@ -1313,16 +1515,29 @@ mod tests {
                                 [(132, None), (132, Some(4)), (33, Some(1)), (16, None), (1, None), (8, Some(8))]
                             {
                                 for tuning in &tunings {
-                                    for gemm in [true, false] {
+                                    for (gemm, act) in [
+                                        (true, Activation::None),
+                                        (false, Activation::None),
+                                        (true, Activation::Silu),
+                                        (true, Activation::Gelu),
+                                    ] {
                                         let d = MoeDims { tokens, hidden, ffn, top_k, experts, capacity, nranks };
-                                        let Ok(p) = plan(dir, &d, grid, comm, tuning, gemm) else {
+                                        let planned_call = plan(dir, &d, grid, comm, tuning, gemm, act);
+                                        if act.gated() && dir == Direction::Combine {
+                                            assert!(planned_call.is_err(), "the combine takes no gated weight");
+                                            continue;
+                                        }
+                                        let Ok(p) = planned_call else {
                                             refused += 1;
                                             continue;
                                         };
                                         planned += 1;
-                                        let (cols, _) = gemm_cols(dir, &d);
+                                        // Gated: gate and up accumulator columns, in GATED_BN tiles.
+                                        let cols = act.w1_rows(gemm_cols(dir, &d).0);
                                         assert_eq!(p.roles.compute_ctas + p.roles.comm_ctas, grid, "{dir:?} {d:?}");
                                         assert_eq!((p.bn * p.tiles_n, p.tiles_n % p.band_w), (cols, 0));
+                                        assert_eq!(p.gated, act.gated());
+                                        assert!(!p.gated || p.bn == GATED_BN);
                                         assert!(
                                             dir == Direction::Combine || p.band_w == p.tiles_n,
                                             "dispatch: one band"
@@ -1354,25 +1569,25 @@ mod tests {
         // Dispatch on 33 CTAs: every CTA computes and sends, BN 256 over F, one band, the
         // group sqrt(33·256/128) ≈ 8; the burst at 4 ranks: 512 rows (4 blocks) per expert
         // at uniform routing, a first wave of 5 blocks, so 3 experts' lists to 4 ranks.
-        let p = plan(Direction::Dispatch, &d, 33, None, &t, true).unwrap();
+        let p = plan(Direction::Dispatch, &d, 33, None, &t, true, Activation::None).unwrap();
         assert_eq!((p.roles, p.bn, p.tiles_n, p.band_w), (RolePlan { compute_ctas: 33, comm_ctas: 0 }, 256, 8, 8));
         assert_eq!((p.send_by_gemm_ctas, p.grid, p.smem_bytes), (true, 33, 214_128));
         assert_eq!((p.group_m, p.burst_lists), (8, 12));
         // No burst without the GEMM, or at 2 ranks.
-        assert_eq!(plan(Direction::Dispatch, &d, 33, None, &t, false).unwrap().burst_lists, 0);
+        assert_eq!(plan(Direction::Dispatch, &d, 33, None, &t, false, Activation::None).unwrap().burst_lists, 0);
         assert_eq!(
-            plan(Direction::Dispatch, &dims(4096, 7168, 2048, 8, 256, 40960, 2), 33, None, &t, true)
+            plan(Direction::Dispatch, &dims(4096, 7168, 2048, 8, 256, 40960, 2), 33, None, &t, true, Activation::None)
                 .unwrap()
                 .burst_lists,
             0
         );
         // Combine: BN 256 over H, 28 column tiles in 4 bands of 7.
-        let p = plan(Direction::Combine, &d, 33, None, &t, true).unwrap();
+        let p = plan(Direction::Combine, &d, 33, None, &t, true, Activation::None).unwrap();
         assert_eq!((p.bn, p.tiles_n, p.band_w, p.send_by_gemm_ctas, p.burst_lists), (256, 28, 7, false, 0));
         // MK_COMM_SMS: dedicated CTAs beside the compute CTAs, no sends from the GEMM CTAs.
-        let p = plan(Direction::Dispatch, &d, 33, Some(4), &t, true).unwrap();
+        let p = plan(Direction::Dispatch, &d, 33, Some(4), &t, true, Activation::None).unwrap();
         assert_eq!((p.roles, p.grid, p.send_by_gemm_ctas), (RolePlan { compute_ctas: 29, comm_ctas: 4 }, 33, false));
-        assert!(plan(Direction::Dispatch, &d, 33, Some(33), &t, true).is_err());
+        assert!(plan(Direction::Dispatch, &d, 33, Some(33), &t, true, Activation::None).is_err());
         assert_eq!(p.layout, layout_offsets(4096, 8, 40960));
     }
 

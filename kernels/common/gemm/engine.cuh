@@ -62,6 +62,19 @@ template <class Sched>
 struct HasRowsEnd<Sched, std::void_t<decltype(Sched::rows_end(std::declval<const typename Sched::Params&>(),
                                                               std::declval<const TileCoord&>(), 0))>> : std::true_type {};
 
+// Whether the AWait hook (hooks.cuh) loads each B tile as two halves of BN/2 rows from
+// rows it names, by defining
+//   __device__ static int b_halves(const Params&, int n_block, int half_rows, int& second_row);
+// which returns the first half's first B row and sets the second's (the B tensor map's box
+// is then {64, BN/2}). The MoE dispatch's gated weight loads a tile's gate rows and the
+// matching up rows this way, so one wgmma accumulates both (the epilogue combines them).
+// Tested at compile time: other hooks' producers keep their one B load per stage.
+template <class AWait, class = void>
+struct HasSplitB : std::false_type {};
+template <class AWait>
+struct HasSplitB<AWait, std::void_t<decltype(AWait::b_halves(std::declval<const typename AWait::Params&>(), 0, 0,
+                                                             std::declval<int&>()))>> : std::true_type {};
+
 // Whether the scheduler hands out its items dynamically, by defining
 //   __device__ static unsigned long long* tickets(const Params&);
 // a counter in global memory that is zero when the launch starts, shared by the launch's
@@ -432,6 +445,13 @@ __device__ __forceinline__ void gemm_persistent(const CUtensorMap* tma_a, const 
           if constexpr (SHARE == SHARE_B) {
             tma_load_2d_multicast(b_dst + rank * (Cfg::B_LOAD_ROWS * BK * 2), tma_b, &full[stage], kb * BK,
                                   n0 + (int)rank * Cfg::B_LOAD_ROWS, 0x3);
+          } else if constexpr (HasSplitB<AWait>::value) {
+            static_assert(SHARE == SHARE_NONE && (BN / 2) % 8 == 0, "split B: no cluster, whole swizzle atoms");
+            // Asked per k-block, as the A source: rows kept across the loop spill the producer's registers.
+            int b_second;
+            const int b_first = AWait::b_halves(await, tc.n_block, BN / 2, b_second);
+            tma_load_2d(b_dst, tma_b, &full[stage], kb * BK, b_first);
+            tma_load_2d(b_dst + (BN / 2) * BK * 2, tma_b, &full[stage], kb * BK, b_second);
           } else {
             tma_load_2d(b_dst, tma_b, &full[stage], kb * BK, n0);
           }

@@ -17,6 +17,9 @@
 //     // producer's (Cfg::PRODUCER_REGS); named barrier 3 is theirs. With a signalling
 //     // epilogue (Epi::kCourier) warp 1 is the courier: only warps 2-3 (thread = 32..95) run it.
 //     __device__ static void side_work(const Params&, int thread);
+//     // Optional (engine.cuh HasSplitB): each B tile as two halves of BN/2 rows from the
+//     // rows this returns (first) and sets (second_row); producer thread, per k-block.
+//     __device__ static int b_halves(const Params&, int n_block, int half_rows, int& second_row);
 //   };
 // After observing a flag through ordinary loads, the hook must execute
 // fence_proxy_async_global() so that the TMA loads that follow see the data.

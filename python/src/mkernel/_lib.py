@@ -63,6 +63,8 @@ class mkMoeOptions_t(ctypes.Structure):
         ("version", c_uint),
         ("capacityPolicy", c_int),
         ("expertCapacity", c_longlong),
+        ("activation", c_int),
+        ("reserved", c_int),
     ]
 
 

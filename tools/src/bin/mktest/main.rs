@@ -19,6 +19,7 @@ mod gemm_reduce;
 mod mixed;
 mod moe;
 mod moe_capacity;
+mod moe_gated;
 mod nodes;
 mod outcome;
 mod ranks;
@@ -51,8 +52,9 @@ const SUITES: &[(&str, Suite, usize)] = &[
     ("gemm_reduce", gemm_reduce::run, 80),
     // 13 rounds of dispatch then combine over 7 sizes, a bitwise repeat, 6 around the
     // graph, the capacity overflow and its retry, 2 rounds and 6 around the graph in drop
-    // mode.
-    ("moe", moe::run, 30),
+    // mode; gated: 6 rounds (SiLU and GELU over 3 sizes), 1 in drop mode, 6 around the
+    // graph, 2 argument rules.
+    ("moe", moe::run, 45),
     ("ring_attn", ring_attn::run, 55),
     // 36 gradient checks, 4 argument errors, 6 around the graph (46 at one rank).
     ("ring_attn_bwd", ring_attn_bwd::run, 44),

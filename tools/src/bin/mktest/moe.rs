@@ -22,8 +22,8 @@ use mkernel::ffi::fused::{
 };
 use mkernel::ffi::mkComm_t;
 use mkernel::ops::moe::{
-    block_tables, device_layout, drop_counts, layout_offsets, send_tables, DeviceLayout, MoeShape, MK_MOE_DROP,
-    ROW_BLOCK,
+    block_tables, device_layout, drop_counts, layout_offsets, send_tables, Activation, DeviceLayout, MoeShape,
+    MK_MOE_DROP, MK_MOE_NO_DROP, ROW_BLOCK,
 };
 use mkernel::types::mkDataType_t;
 use mkernel_tools::testing::{check_close, check_exact, tolerance, Rule, TestBuffer};
@@ -38,6 +38,7 @@ pub fn run() -> Result<Outcome> {
                 .and_then(|_| graph_replay(comm, rank, n))
                 .and_then(|_| crate::moe_capacity::overflow_then_retry(comm, rank, n))
                 .and_then(|_| crate::moe_capacity::drop_mode(comm, rank, n))
+                .and_then(|_| crate::moe_gated::gated(comm, rank, n))
         },
         absent_rank,
     )
@@ -132,6 +133,9 @@ pub(crate) struct Case {
     /// Drop mode's rows per (source rank, expert) (mkMoeDispatchGemmWithOptions); None: no-drop
     /// mode through mkMoeDispatchGemm.
     expert_capacity: Option<usize>,
+    /// The dispatch's GEMM: plain, or a gated w1 [E_local, 2·F, H] (SwiGLU, GeGLU) through
+    /// mkMoeDispatchGemmWithOptions.
+    activation: Activation,
     /// Every rank's tokens, W2 and Y' (one allocation per rank; this rank passes its own).
     x_shards: Vec<TestBuffer>,
     w1: TestBuffer,
@@ -169,6 +173,19 @@ impl Case {
         capacity: usize,
         expert_capacity: Option<usize>,
     ) -> Result<Case> {
+        Case::with_options(s, n, rank, capacity, expert_capacity, Activation::None)
+    }
+
+    /// A case with a capacity policy and the dispatch's activation (gated: w1 holds 2·F rows
+    /// per expert).
+    pub(crate) fn with_options(
+        s: Sizes,
+        n: usize,
+        rank: usize,
+        capacity: usize,
+        expert_capacity: Option<usize>,
+        activation: Activation,
+    ) -> Result<Case> {
         let t_max = s.tokens.max(s.tokens_odd).max(1);
         let el = s.experts / n;
         let mut words = 0usize;
@@ -183,8 +200,9 @@ impl Case {
             rank,
             capacity,
             expert_capacity,
+            activation,
             x_shards: (0..n).map(|_| TestBuffer::new(t_max * s.hidden, s.dtype)).collect::<Result<_>>()?,
-            w1: TestBuffer::new(el * s.ffn * s.hidden, s.dtype)?,
+            w1: TestBuffer::new(el * activation.w1_rows(s.ffn) * s.hidden, s.dtype)?,
             w2_shards: (0..n).map(|_| TestBuffer::new(el * s.hidden * s.ffn, s.dtype)).collect::<Result<_>>()?,
             idx: TestBuffer::new(t_max * s.top_k, mkDataType_t::mkInt32)?,
             weights: TestBuffer::new(t_max * s.top_k, mkDataType_t::mkFloat32)?,
@@ -201,7 +219,7 @@ impl Case {
     pub(crate) fn label(&self) -> String {
         let s = &self.s;
         format!(
-            "{} T={}/{} H={} F={} k={} E={} cap={}{}",
+            "{} T={}/{} H={} F={} k={} E={} cap={}{}{}",
             s.dtype.name(),
             s.tokens,
             s.tokens_odd,
@@ -210,7 +228,8 @@ impl Case {
             s.top_k,
             s.experts,
             self.capacity,
-            self.expert_capacity.map_or(String::new(), |c| format!(" drop>{c}"))
+            self.expert_capacity.map_or(String::new(), |c| format!(" drop>{c}")),
+            if self.activation.gated() { format!(" {:?}-gated", self.activation) } else { String::new() }
         )
     }
 
@@ -270,34 +289,14 @@ impl Case {
     pub(crate) fn dispatch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
         let s = &self.s;
         let x = self.x_shards[self.rank].ptr();
-        if let Some(expert_capacity) = self.expert_capacity {
+        if self.expert_capacity.is_some() || self.activation.gated() {
             let options = mkMoeOptions_t {
-                capacityPolicy: MK_MOE_DROP,
-                expertCapacity: expert_capacity as i64,
+                capacityPolicy: if self.expert_capacity.is_some() { MK_MOE_DROP } else { MK_MOE_NO_DROP },
+                expertCapacity: self.expert_capacity.unwrap_or(0) as i64,
+                activation: self.activation.code(),
                 ..mkMoeOptions_t::initializer()
             };
-            // SAFETY: device buffers of the sizes the op expects; options a live struct.
-            return unsafe {
-                mkMoeDispatchGemmWithOptions(
-                    x as *const _,
-                    self.idx.ptr() as *const i32,
-                    self.w1.ptr() as *const _,
-                    self.y.ptr() as *mut _,
-                    self.counts.ptr() as *mut i32,
-                    self.drops.ptr() as *mut i32,
-                    self.layout.ptr() as *mut _,
-                    tokens_of(s, self.rank),
-                    s.hidden,
-                    s.ffn,
-                    s.top_k,
-                    s.experts,
-                    self.capacity,
-                    s.dtype as i32,
-                    &options,
-                    comm,
-                    stream,
-                )
-            };
+            return self.dispatch_with_options(comm, stream, &options);
         }
         // SAFETY: device buffers of the sizes the op expects.
         unsafe {
@@ -315,6 +314,41 @@ impl Case {
                 s.experts,
                 self.capacity,
                 s.dtype as i32,
+                comm,
+                stream,
+            )
+        }
+    }
+
+    /// mkMoeDispatchGemmWithOptions on this case's buffers with `options` (also options that
+    /// do not fit them: the argument tests).
+    pub(crate) fn dispatch_with_options(
+        &self,
+        comm: mkComm_t,
+        stream: sys::CUstream,
+        options: &mkMoeOptions_t,
+    ) -> mkResult_t {
+        let s = &self.s;
+        let x = self.x_shards[self.rank].ptr();
+        // SAFETY: device buffers of the sizes the op expects (w1 as this case allocated it);
+        // options a live struct.
+        unsafe {
+            mkMoeDispatchGemmWithOptions(
+                x as *const _,
+                self.idx.ptr() as *const i32,
+                self.w1.ptr() as *const _,
+                self.y.ptr() as *mut _,
+                self.counts.ptr() as *mut i32,
+                self.drops.ptr() as *mut i32,
+                self.layout.ptr() as *mut _,
+                tokens_of(s, self.rank),
+                s.hidden,
+                s.ffn,
+                s.top_k,
+                s.experts,
+                self.capacity,
+                s.dtype as i32,
+                options,
                 comm,
                 stream,
             )
@@ -376,13 +410,24 @@ impl Case {
         let mut out = Vec::with_capacity(inp.layout.rows.len() * f);
         let mut reference = Vec::with_capacity(inp.layout.rows.len() * f);
         let mut bounds = Vec::with_capacity(inp.layout.rows.len() * f);
+        let dot = |xr: &[f64], wr: &[f64]| {
+            xr.iter().zip(wr).fold((0.0, 0.0), |(s, g), (a, b)| (s + a * b, g + (a * b).abs()))
+        };
+        // w1 rows per expert: F, or the gate's F then the up projection's F.
+        let rows_per_expert = self.activation.w1_rows(f);
         for (row, r) in &inp.layout.rows {
             let xr = &x[r.source][r.token * h..][..h];
+            let w1_expert = &w1[r.local_expert * rows_per_expert * h..][..rows_per_expert * h];
             for c in 0..f {
-                let wr = &w1[(r.local_expert * f + c) * h..][..h];
-                let (dot, mag) = xr.iter().zip(wr).fold((0.0, 0.0), |(s, g), (a, b)| (s + a * b, g + (a * b).abs()));
-                reference.push(dot);
-                bounds.push(rule.bound(dot, mag));
+                let (value, bound) = if self.activation.gated() {
+                    let (gate, up) = (dot(xr, &w1_expert[c * h..][..h]), dot(xr, &w1_expert[(f + c) * h..][..h]));
+                    crate::moe_gated::reference(self.activation, gate, up, &rule)
+                } else {
+                    let (d, mag) = dot(xr, &w1_expert[c * h..][..h]);
+                    (d, rule.bound(d, mag))
+                };
+                reference.push(value);
+                bounds.push(bound);
                 out.push(y[row * f + c]);
             }
         }
