@@ -15,8 +15,8 @@ use mkernel::error::{mkResult_t, MkError, Result};
 use mkernel::ffi::fused::mkMoeOptions_t;
 use mkernel::ffi::mkComm_t;
 use mkernel::ops::moe::{Activation, MK_MOE_ACT_SILU};
-use mkernel_tools::testing::Rule;
 use mkernel::types::mkDataType_t;
+use mkernel_tools::testing::Rule;
 
 extern "C" {
     /// The C library's erf (glibc's libm, which std links on Linux): float64 GELU's Φ.
