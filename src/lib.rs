@@ -26,6 +26,10 @@ pub mod error;
 pub mod ffi;
 pub mod types;
 
+// Each layer written out as its two declarations rather than by a macro: cbindgen follows
+// `mod` items as written to find the header's types, and tests/layers.rs reads these lines
+// to check the gate.
+
 #[cfg(feature = "internals")]
 pub mod bootstrap;
 #[cfg(not(feature = "internals"))]
