@@ -19,6 +19,13 @@ target names the records it reads:
 | moe_vs_grouped_mm | moe_same_process | mkernel time <= torch._grouped_mm time at 4096 and 16384 tokens |
 | fp8_gemm_large | fp8_gemm | geomean of torch._scaled_mm time / mkScaledGemm's >= 1.0 over the large shapes, per GPU and scale mode |
 | fp8_gemm_decode | fp8_gemm | torch._scaled_mm time / mkScaledGemm's >= 0.95 on every decode row (M <= 256) |
+| attention_fwd | ring_attn + sdpa_baseline | cuDNN SDPA time / mkRingAttention's (one rank) >= 1.0 on every row |
+| attention_bwd | ring_attn_bwd + sdpa_baseline_bwd | cuDNN's backward time / mkRingAttentionBackward's >= 0.95 on every row |
+| attention_fwd_bwd | ring_attn_bwd + sdpa_baseline_bwd | cuDNN's forward + backward time / mkernel's >= 0.95 on every row |
+
+The attention targets pair a row of ours with cuDNN's row of the same GPU and shape (seq,
+heads, kv_heads, dim, causal, at one rank), from the record of the same date when there is
+one: the issue asks for both from the same run, and a record does not say which run it was.
 
 Exit status 0 whatever the verdicts: this reports, it does not gate (a run on a GPU the
 targets were not set for still prints its table); 1 for a file that is no record. With --json, writes the verdicts.
@@ -46,6 +53,11 @@ MOE_TOKENS = (4096, 16384)
 FP8_LARGE_GEOMEAN_MIN = 1.0
 FP8_DECODE_MIN = 0.95
 FP8_DECODE_MAX_M = 256
+ATTENTION_FWD_MIN = 1.0
+ATTENTION_BWD_MIN = 0.95
+ATTENTION_FWD_BWD_MIN = 0.95
+# The shape keys an attention row of ours and cuDNN's must share.
+ATTENTION_KEYS = ("seq", "heads", "kv_heads", "dim", "causal")
 
 # The contender that is the op under test, by bench (host_per_call).
 UNDER_TEST = {
@@ -233,6 +245,56 @@ def fp8_gemm_decode(records):
     )
 
 
+def _attention_key(rec, row):
+    s = row["shape"]
+    kv = s.get("kv_heads", s.get("heads"))
+    return (_gpu(rec),) + tuple(kv if k == "kv_heads" else s.get(k) for k in ATTENTION_KEYS)
+
+
+def _attention_ratios(records, ours_bench, ours_name, theirs_bench, theirs_name):
+    """(cuDNN time / ours, label) of every one-rank row of `ours_bench` with a cuDNN row of
+    the same GPU and shape; cuDNN's row from a record of the same date when one exists."""
+    theirs = {}
+    for rec, row in _rows(records, theirs_bench):
+        t = _median(row, theirs_name)
+        if t:
+            theirs.setdefault(_attention_key(rec, row), []).append((rec.get("date"), t))
+    out = []
+    for rec, row in _rows(records, ours_bench):
+        ours = _median(row, ours_name)
+        candidates = theirs.get(_attention_key(rec, row))
+        if _ranks(rec, row) != 1 or not ours or not candidates:
+            continue
+        same_day = [t for d, t in candidates if d and d == rec.get("date")]
+        t = (same_day or [t for _, t in candidates])[-1]
+        s = row["shape"]
+        kv = s.get("kv_heads", s.get("heads"))
+        label = f'{_gpu(rec)} S {s.get("seq")} H {s.get("heads")}/{kv} D {s.get("dim")} causal {s.get("causal")}'
+        out.append((t / ours, label))
+    return out
+
+
+def _attention_verdict(name, least, ratios):
+    lines = [f"{label}: {r:.3f} x cuDNN" for r, label in ratios]
+    return _verdict(f"{name} (>= {least} x cuDNN SDPA)", lines, [r >= least for r, _ in ratios])
+
+
+def attention_fwd(records):
+    ratios = _attention_ratios(records, "ring_attn", "fused", "sdpa_baseline", "sdpa_cudnn")
+    return _attention_verdict("attention_fwd", ATTENTION_FWD_MIN, ratios)
+
+
+def attention_bwd(records):
+    ratios = _attention_ratios(records, "ring_attn_bwd", "fused", "sdpa_baseline_bwd", "sdpa_cudnn_backward")
+    return _attention_verdict("attention_bwd", ATTENTION_BWD_MIN, ratios)
+
+
+def attention_fwd_bwd(records):
+    ratios = _attention_ratios(records, "ring_attn_bwd", "forward+backward", "sdpa_baseline_bwd",
+                               "sdpa_cudnn_forward+backward")
+    return _attention_verdict("attention_fwd_bwd", ATTENTION_FWD_BWD_MIN, ratios)
+
+
 TARGETS = (
     gemm_decode,
     gemm_table,
@@ -242,6 +304,9 @@ TARGETS = (
     moe_vs_grouped_mm,
     fp8_gemm_large,
     fp8_gemm_decode,
+    attention_fwd,
+    attention_bwd,
+    attention_fwd_bwd,
 )
 
 

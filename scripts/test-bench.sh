@@ -138,7 +138,8 @@ ar = rec("all_reduce", [
 gar = rec("gemm_ar", [{"shape": {"ranks": 2, "m": 1, "n": 8, "k": 8}, "contenders": [c("fused", 16.0, 6.0), c("cublaslt", 10.0)]}])
 v = {x["target"].split()[0]: x["met"] for x in targets.judge([gemm, ar, gar])}
 assert v == {"gemm_decode": True, "gemm_table": False, "host_per_call": False, "all_reduce_latency": True,
-             "gemm_ar_small_m": False, "moe_vs_grouped_mm": None, "fp8_gemm_large": None, "fp8_gemm_decode": None}, v
+             "gemm_ar_small_m": False, "moe_vs_grouped_mm": None, "fp8_gemm_large": None, "fp8_gemm_decode": None,
+             "attention_fwd": None, "attention_bwd": None, "attention_fwd_bwd": None}, v
 moe = rec("moe_same_process", [{"shape": {"tokens": 4096, "direction": "dispatch"},
                                 "contenders": [c("mkernel_dispatch_gemm", 9.0), c("torch_grouped_mm", 10.0)]}])
 assert targets.moe_vs_grouped_mm([moe])["met"] is True
@@ -152,6 +153,26 @@ fp8 = rec("fp8_gemm", [
 ])
 assert targets.fp8_gemm_large([fp8])["met"] is True, "geomean of 1.10 and 0.95"
 assert targets.fp8_gemm_decode([fp8])["met"] is False, "0.90 on a decode row"
+def attn(bench, contenders, date="d1", gpu="G", kv=32, ranks=1):
+    shape = {"ranks": ranks, "seq": 8192, "heads": 32, "kv_heads": kv, "dim": 128, "causal": 1}
+    if bench in ("ring_attn", "sdpa_baseline"):
+        del shape["kv_heads"]  # the forward rows carry no kv_heads
+    return {"bench": bench, "date": date, "config": {}, "machine": {"gpu": gpu},
+            "rows": [{"shape": shape, "contenders": [c(n, us) for n, us in contenders]}]}
+
+fwd = [attn("ring_attn", [("fused", 100.0)]), attn("sdpa_baseline", [("sdpa_cudnn", 101.0)])]
+assert targets.attention_fwd(fwd)["met"] is True, "1.01 x cuDNN"
+# cuDNN's row of another GPU, or of another rank count of ours, pairs with nothing.
+assert targets.attention_fwd([fwd[0], attn("sdpa_baseline", [("sdpa_cudnn", 101.0)], gpu="H")])["met"] is None
+assert targets.attention_fwd([attn("ring_attn", [("fused", 100.0)], ranks=2), fwd[1]])["met"] is None
+# The same day's cuDNN row is the one paired, whatever order the records come in.
+bwd = [attn("sdpa_baseline_bwd", [("sdpa_cudnn_backward", 90.0), ("sdpa_cudnn_forward+backward", 200.0)], "d2"),
+       attn("ring_attn_bwd", [("fused", 100.0), ("forward+backward", 100.0)], "d1"),
+       attn("sdpa_baseline_bwd", [("sdpa_cudnn_backward", 96.0), ("sdpa_cudnn_forward+backward", 90.0)], "d1")]
+assert targets.attention_bwd(bwd)["met"] is True, "0.96 x on d1 (0.90 on d2 is another day)"
+assert targets.attention_fwd_bwd(bwd)["met"] is False, "0.90 x on d1"
+# Grouped-query rows pair only with cuDNN's grouped-query rows.
+assert targets.attention_bwd([attn("ring_attn_bwd", [("fused", 100.0)], kv=8), bwd[2]])["met"] is None
 assert "NOT MEASURED" in targets.report(targets.judge([]))
 EOF
 out=$(python3 benches/targets.py benches/results/2026-12-05-h200-moe-gemm-rows/*.json) || fail "targets.py on the stored records"
