@@ -44,6 +44,11 @@ impl RingBackwardEngine {
             RingBackwardEngine::OnePassAtomic => "one-pass-atomic",
         }
     }
+
+    /// Whether a second call on the same inputs gives the same bits.
+    pub fn reproducible(self) -> bool {
+        self != RingBackwardEngine::OnePassAtomic
+    }
 }
 
 /// mkGemmAllReduce: the largest M that takes the one-shot path by default

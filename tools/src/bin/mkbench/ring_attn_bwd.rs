@@ -22,7 +22,8 @@
 //!
 //! The check, once per case on every rank, before timing (dq, dk, dv poisoned with NaN
 //! before each call): a second backward call into other buffers must give the same bits
-//! (the header promises bitwise reproducible results); every element of dq, dk, dv must be
+//! (the header promises bitwise reproducible results; under the opt-in one-pass-atomic engine
+//! the bits that differ are counted, not failed); every element of dq, dk, dv must be
 //! finite; and sampled rows of dq (local queries at both ends of each zigzag half and one
 //! more, for the first and last head) and of dk, dv (the same local keys, for the first and
 //! last KV head) are recomputed in float64 from the definition in the header, over every
@@ -221,7 +222,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             };
             let args = args_into(&t.grads)?;
             let verdict = check_case(&comm, &t, &args, &args_into(&t.again)?, stream)?;
-            let wrong = !verdict.passed();
+            let wrong = !verdict.passed(mkernel::tuning::Tuning::process().ring_bwd_engine.reproducible());
             all_ok &= !wrong;
             c.rest(stream)?;
             let backward = || ring_attention_backward(&comm, &args, stream);
@@ -325,10 +326,12 @@ struct Verdict {
 }
 
 impl Verdict {
-    fn passed(&self) -> bool {
+    /// `must_repeat`: the engine promises the same bits from a second call (all but
+    /// one-pass-atomic, whose differing bits are reported, not failed).
+    fn passed(&self, must_repeat: bool) -> bool {
         let limit = 2.0 * tolerance(mkDataType_t::mkBfloat16);
         // A NaN error fails.
-        self.rel_err.iter().all(|e| *e <= limit) && self.nonfinite == 0 && self.unrepeated == 0
+        self.rel_err.iter().all(|e| *e <= limit) && self.nonfinite == 0 && (self.unrepeated == 0 || !must_repeat)
     }
 }
 
@@ -727,11 +730,13 @@ mod tests {
             bv[(3 * 2 + 1) * 8 + 2] = f32_to_bf16(10.0);
             let e = got(&bv);
             assert!(e[0] < 4e-3 && e[1] < 4e-3 && e[2] > 2.0 * tolerance(bf), "{e:?}");
-            assert!(!Verdict { rel_err: e, nonfinite: 0, unrepeated: 0 }.passed());
-            assert!(!Verdict { rel_err: [f64::NAN, 0.0, 0.0], nonfinite: 0, unrepeated: 0 }.passed(), "NaN fails");
-            assert!(!Verdict { rel_err: [0.0; 3], nonfinite: 0, unrepeated: 1 }.passed());
-            assert!(!Verdict { rel_err: [0.0; 3], nonfinite: 1, unrepeated: 0 }.passed());
-            assert!(Verdict { rel_err: [1e-3; 3], nonfinite: 0, unrepeated: 0 }.passed());
+            assert!(!Verdict { rel_err: e, nonfinite: 0, unrepeated: 0 }.passed(true));
+            assert!(!Verdict { rel_err: [f64::NAN, 0.0, 0.0], nonfinite: 0, unrepeated: 0 }.passed(true), "NaN fails");
+            assert!(!Verdict { rel_err: [0.0; 3], nonfinite: 0, unrepeated: 1 }.passed(true));
+            assert!(!Verdict { rel_err: [0.0; 3], nonfinite: 1, unrepeated: 0 }.passed(true));
+            assert!(Verdict { rel_err: [1e-3; 3], nonfinite: 0, unrepeated: 0 }.passed(true));
+            assert!(Verdict { rel_err: [1e-3; 3], nonfinite: 0, unrepeated: 5 }.passed(false), "atomic sums differ");
+            assert!(!Verdict { rel_err: [1e-3; 3], nonfinite: 1, unrepeated: 5 }.passed(false));
         }
     }
 }
