@@ -115,7 +115,7 @@ def main():
             # torch's conventions: scale_b [1, N] for rowwise, 0-dim for a tensor.
             sa_t, sb_t = (sa, sb.reshape(1, n)) if mode == "rowwise" else (sa, sb)
             sa_flat, sb_flat = sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous()
-            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            stream = _lib.mkStream_t(torch.cuda.current_stream().cuda_stream)
             mode_code = _lib.SCALE_MODE_CODES[mode]
 
             def mkernel_call():
