@@ -84,18 +84,38 @@ pub fn validate(
     c_type: RawDataType,
     mode: RawScaleMode,
 ) -> Result<ScaledGemmArgs> {
+    validate_for("mkScaledGemm", a, scale_a, b, scale_b, c, m, n, k, ab_type, c_type, mode)
+}
+
+/// [`validate`] for an op that runs the scaled GEMM (`op` names it in the messages that
+/// say what it takes).
+#[allow(clippy::too_many_arguments)] // mirrors the C signature
+pub fn validate_for(
+    op: &str,
+    a: u64,
+    scale_a: u64,
+    b: u64,
+    scale_b: u64,
+    c: u64,
+    m: usize,
+    n: usize,
+    k: usize,
+    ab_type: RawDataType,
+    c_type: RawDataType,
+    mode: RawScaleMode,
+) -> Result<ScaledGemmArgs> {
     let ab = mkDataType_t::from_raw(ab_type)?;
     let scaled_types = ElementType::names_where(|t| t.scaled_gemm);
     crate::ensure_arg!(
         ab.element().accepted.scaled_gemm,
-        "abType {} is not supported: mkScaledGemm takes {scaled_types} for A and B{}",
+        "abType {} is not supported: {op} takes {scaled_types} for A and B{}",
         ab.name(),
         if ab == mkDataType_t::mkFloat8e5m2 { " (no e5m2 kernels are built)" } else { "" }
     );
     let out = mkDataType_t::from_raw(c_type)?;
     crate::ensure_arg!(
         out.is_gemm_type(),
-        "cType {} is not supported: mkScaledGemm writes C as {}",
+        "cType {} is not supported: {op} writes C as {}",
         out.name(),
         ElementType::gemm_names()
     );
