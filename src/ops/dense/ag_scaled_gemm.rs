@@ -408,7 +408,7 @@ mod tests {
     #[test]
     fn plan_chunks_every_row_and_starts_at_own_rows() {
         let p = plan(8192, 8192, 4, 2, 132).unwrap();
-        assert_eq!((p.rows_per_rank, p.bn, p.grid, p.m_block_base), (2048, 128, 132, 8));
+        assert_eq!((p.rows_per_rank, p.bn, p.grid, p.m_block_base), (2048, 128, 132, 32));
         assert_eq!(p.smem_bytes, scaled::smem_bytes(128, Epilogue::Tma));
         assert!(p.chunking.chunks_per_rank * p.chunking.chunk_rows >= p.rows_per_rank);
         assert_eq!(p.chunking.chunk_rows % ROW_BLOCK, 0);
