@@ -397,7 +397,7 @@ if [ "$BENCH" = 1 ]; then
   # ranks, where every rank's GEMM shares the one GPU), in mkbench's default protocol (5
   # interleaved blocks of 20 calls; ring attention's long cases 5 blocks of 5).
   for n in ${BENCH_RANKS:-$RANKS}; do
-    for op in ag_gemm gemm_rs gemm_ar moe ring_attn ring_attn_bwd; do
+    for op in ag_gemm ag_gemm_fp8 gemm_rs gemm_ar moe ring_attn ring_attn_bwd; do
       args="-g $n"; secs=200
       # One rank: against torch SDPA (below) by the same protocol, causal first, each case
       # after 1 s idle: the H200 lowers its clocks under sustained attention, so a case
@@ -408,7 +408,7 @@ if [ "$BENCH" = 1 ]; then
       [ "$op" = ring_attn_bwd ] && [ "$n" = 1 ] && { args="$args --seq 8192,16384,32768 --causal 1,0 --rest-ms 1000 -w 3 -n 10"; secs=360; }
       if [ "$n" -gt 1 ]; then
         case $op in
-          ag_gemm) args="$args --rows 128,512,2048 --nk 8192x8192" ;;
+          ag_gemm|ag_gemm_fp8) args="$args --rows 128,512,2048 --nk 8192x8192" ;;
           gemm_rs) args="$args --m 1024,4096" ;;
           gemm_ar) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024" ;;
           moe) args="$args" ;;
