@@ -196,7 +196,7 @@ fn staging_per_wg(bn: usize, epilogue: Epilogue) -> usize {
 }
 
 /// Ring depth: the deepest ring of (BM + bn) × BK-byte stages, at most 8, that fits beside
-/// the staging (`ScaledConfig::STAGES` in kernels/scaled_gemm.cu, the same formula).
+/// the staging (`ScaledConfig::STAGES` in kernels/common/gemm/scaled_mainloop.cuh, the same formula).
 pub fn stages(bn: usize, epilogue: Epilogue) -> usize {
     ((SMEM_LIMIT - 1024 - 2 * staging_per_wg(bn, epilogue) - 256) / ((BM + bn) * BK)).min(8)
 }
@@ -397,7 +397,7 @@ mod tests {
                 assert!(smem_bytes(bn, epilogue) <= SMEM_LIMIT, "bn {bn} {epilogue:?}");
             }
         }
-        // The values kernels/scaled_gemm.cu's ScaledConfig computes (same formula).
+        // The values ScaledConfig (kernels/common/gemm/scaled_mainloop.cuh) computes (same formula).
         assert_eq!((stages(128, Epilogue::Tma), smem_bytes(128, Epilogue::Tma)), (6, 1024 + 6 * 32768 + 32768 + 96));
         assert_eq!((stages(64, Epilogue::Tma), smem_bytes(64, Epilogue::Tma)), (8, 1024 + 8 * 24576 + 16384 + 128));
         assert_eq!((stages(128, Epilogue::Direct), smem_bytes(128, Epilogue::Direct)), (7, 1024 + 7 * 32768 + 112));
