@@ -703,6 +703,35 @@ mod tests {
     use crate::error::thread_last_error;
     use crate::types::mkDataType_t;
 
+    // No GPU needed: fails before any CUDA call (the argument rules themselves are tested
+    // on ops::dense::ag_scaled_gemm::validate_args).
+    #[test]
+    fn all_gather_scaled_gemm_rejects_a_null_comm() {
+        let p = 0x10000 as *mut c_void;
+        let sc = 0x20000 as *const f32;
+        let e4m3 = mkDataType_t::mkFloat8e4m3 as RawDataType;
+        let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
+        let r = unsafe {
+            mkAllGatherScaledGemm(
+                p,
+                sc,
+                p,
+                sc,
+                p,
+                256,
+                256,
+                256,
+                e4m3,
+                bf16,
+                1,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(r, mkResult_t::mkInvalidArgument);
+        assert!(thread_last_error().contains("mkAllGatherScaledGemm: comm is NULL"), "{}", thread_last_error());
+    }
+
     // No GPU needed: these fail before any CUDA call (the argument rules themselves are
     // tested on ops::moe::validate_dispatch / validate_combine).
     #[test]

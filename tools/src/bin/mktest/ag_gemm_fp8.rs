@@ -168,7 +168,7 @@ impl Case {
         // before any access.
         unsafe {
             mkAllGatherScaledGemm(
-                (self.a.ptr() + bad.a_offset) as *const c_void,
+                (bad.a.unwrap_or(self.a.ptr()) + bad.a_offset) as *const c_void,
                 bad.scale_a.unwrap_or(self.scale_a.ptr()) as *const f32,
                 self.b.ptr() as *const c_void,
                 self.scale_b.ptr() as *const f32,
@@ -189,6 +189,8 @@ impl Case {
 /// One broken argument of a refused call (None: the case's own).
 #[derive(Default)]
 struct Bad {
+    /// A in place of the case's (host memory, say).
+    a: Option<u64>,
     a_offset: u64,
     scale_a: Option<u64>,
     m: Option<usize>,
@@ -313,6 +315,8 @@ fn refusals(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     let case = Case::new(mkDataType_t::mkBfloat16, mkScaleMode_t::mkScaleRowwise, 64, 264, 272, n, rank)?;
     case.prepare(7)?;
     let s = std::ptr::null_mut();
+    // 16-byte aligned host memory: refused as host memory, not for its alignment.
+    let host = vec![0u128; (case.rows_per_rank * case.k).div_ceil(16)];
     let mut bad_m = vec![];
     if n > 1 {
         bad_m.push(("M not divisible by nranks", Bad { m: Some(case.m() + 1), ..Default::default() }));
@@ -321,6 +325,7 @@ fn refusals(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
         ("scaleA NULL", Bad { scale_a: Some(0), ..Default::default() }),
         ("scaleA misaligned", Bad { scale_a: Some(case.scale_a.ptr() + 2), ..Default::default() }),
         ("A misaligned", Bad { a_offset: 8, ..Default::default() }),
+        ("A in host memory", Bad { a: Some(host.as_ptr() as u64), ..Default::default() }),
         ("K = 264 (not a multiple of 16)", Bad { k: Some(264), ..Default::default() }),
         ("block scales with K = 272", Bad { mode: Some(mkScaleMode_t::mkScaleBlock as i32), ..Default::default() }),
         ("scale mode 3", Bad { mode: Some(3), ..Default::default() }),

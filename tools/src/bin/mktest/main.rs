@@ -50,8 +50,8 @@ const SUITES: &[(&str, Suite, usize)] = &[
     ("collectives", collectives::run, 900),
     ("api", api::run, 50),
     ("ag_gemm", ag_gemm::run, 38),
-    // mkAllGatherScaledGemm: 19 shape x mode cases x 2 outputs x 2 rounds = 76, 9 or 10
-    // refusals and the untouched C, 6 around the graph: 91 at one rank.
+    // mkAllGatherScaledGemm: 19 shape x mode cases x 2 outputs x 2 rounds = 76, 9 refusals
+    // (10 with several ranks) and the untouched C, 6 around the graph: 92 at one rank.
     ("ag_gemm_fp8", ag_gemm_fp8::run, 85),
     ("gemm_reduce", gemm_reduce::run, 80),
     // 13 rounds of dispatch then combine over 7 sizes, a bitwise repeat, 6 around the
