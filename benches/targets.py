@@ -66,6 +66,7 @@ UNDER_TEST = {
     "reduce_scatter": "out_of_place",
     "all_reduce": "out_of_place",
     "ag_gemm": "fused",
+    "ag_gemm_fp8": "fused_fp8",
     "gemm_rs": "fused",
     "gemm_ar": "fused",
     "moe": "fused",

@@ -607,6 +607,58 @@ mkResult_t mkAllGatherGemm(const void *A,
                            mkStream_t stream);
 
 /**
+ * AllGather of A's fp8 rows and their scales across the ranks, then the scaled GEMM
+ * C = (A_gathered·sA)(B·sB)ᵀ, in one persistent kernel: mkAllGatherGemm's overlap (each
+ * peer's rows consumed as soon as their chunk arrives, this rank's own first) with
+ * mkScaledGemm's arithmetic, moving one byte per element of A instead of two.
+ *
+ * - `A`: this rank's rows, [M / nranks, K] of `abType` (mkFloat8e4m3), row-major; rank r
+ *   holds rows [r·M/n, (r+1)·M/n).
+ * - `scaleA`: this rank's scales of its rows (fp32 device memory), as `scaleMode` says:
+ *   mkScaleTensor: one value, which scales this rank's rows (each rank's shard is
+ *   dequantized by its own scale; ranks that pass the same value get one scale for the
+ *   whole gathered A, torch's per-tensor convention); mkScaleRowwise: M / nranks values, one
+ *   per row; mkScaleBlock: [K/128][M / nranks], one per row per 128 of K (mkScaledGemm's
+ *   block layout for this rank's rows). The scales travel with the rows.
+ * - `B`, `scaleB`: [N, K] e4m3 and its scales, local (a column-parallel weight shard), as
+ *   mkScaledGemm takes them (one value; N values; [K/128][ceil(N/128)]).
+ * - `C`: [M, N] of `cType` (mkBfloat16 or mkFloat16), the full product on every rank.
+ * - `M` counts all gathered rows; N, K as in mkScaledGemm.
+ *
+ * Arithmetic as mkScaledGemm's (fp32 sums promoted every 128 of K, scaled as the mode says,
+ * C rounded once); rank r's rows of C are what mkScaledGemm gives for rank r's rows and
+ * scales. Scale values are not checked (NaN or infinite scales give NaN or infinite C).
+ *
+ * Rules (mkInvalidArgument, the rule named in mkGetLastError, nothing written): abType
+ * mkFloat8e4m3 (mkFloat8e5m2 is refused: no kernel takes it); cType mkBfloat16 or
+ * mkFloat16; scaleMode a mkScaleMode_t; M divisible by nranks; K a positive multiple of 16
+ * (of 128 with block scales); N a multiple of 8; A, B and C non-NULL and 16-byte aligned;
+ * scaleA and scaleB non-NULL and 4-byte aligned; all device memory of this rank's device.
+ * The gathered rows and scales (M·K bytes, and 4·M bytes, or 4·M·K/128 with block scales)
+ * must fit in the communicator's workspace (MK_WORKSPACE_BYTES /
+ * mkConfig_t.workspaceBytes), else mkInvalidUsage names the size needed. One node only: a
+ * communicator across nodes gets mkInvalidUsage. Needs an sm_90 GPU.
+ *
+ * Stream-ordered and asynchronous, capturable in a CUDA graph. Every rank must call it
+ * with the same M, N, K, types and mode. A peer that does not arrive within MK_TIMEOUT_MS
+ * makes the kernel stop; mkCommGetAsyncError then reports mkTimeout (or mkRemoteError)
+ * and C is undefined. With one rank, mkScaledGemm.
+ */
+mkResult_t mkAllGatherScaledGemm(const void *A,
+                                 const float *scaleA,
+                                 const void *B,
+                                 const float *scaleB,
+                                 void *C,
+                                 size_t M,
+                                 size_t N,
+                                 size_t K,
+                                 mkDataType_t abType,
+                                 mkDataType_t cType,
+                                 mkScaleMode_t scaleMode,
+                                 mkComm_t comm,
+                                 mkStream_t stream);
+
+/**
  * C = Σ over ranks of A·Bᵀ, reduce-scattered by rows, in one persistent kernel: partial
  * tiles are summed as soon as every rank has produced them.
  *

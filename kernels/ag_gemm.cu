@@ -44,6 +44,7 @@
 #define MK_TRACE_AT_RUN_TIME
 #include "common/gemm/engine.cuh"
 #include "common/fused_op.cuh"
+#include "common/ag_gemm.cuh"
 #include "common/proxy.cuh"
 #include "common/trace.cuh"
 
@@ -56,34 +57,8 @@ using namespace mk::gemm;
 // Whether every rank's rows are whole 128-row blocks (no tile mixes two ranks' rows).
 __device__ __forceinline__ bool whole_block_shards(const AgGemmParams& p) { return p.rows_per_rank % 128 == 0; }
 
-// The arrival flag of chunk c of global rank src's rows (in the receiving rank's region).
-__device__ __forceinline__ uint32_t agg_chunk(const AgGemmParams& p, int src, int c) {
-  return AGG_CHUNK + src * p.flag_stride + c;
-}
 __device__ __forceinline__ int agg_rank_of(const AgGemmParams& p, int node, int local) {
   return p.rank_of[node * MK_MAX_PEERS + local];
-}
-
-// `threads` threads (this one is `tid`) copy `bytes` (a multiple of 16) from src to dst,
-// IN_FLIGHT 16-byte loads per thread before the first store (latency-bound otherwise).
-template <int IN_FLIGHT>
-__device__ __forceinline__ void copy_vectors(char* dst, const char* src, size_t bytes, int tid, int threads) {
-  const int4* s = reinterpret_cast<const int4*>(src) + tid;
-  int4* d = reinterpret_cast<int4*>(dst) + tid;
-  // 32-bit indexes (a slice is far below 64 GB): fewer registers in the side warps.
-  const uint32_t n = (uint32_t)(bytes / 16), step = (uint32_t)threads;
-  uint32_t i = tid;
-  for (; i + (IN_FLIGHT - 1) * step < n; i += IN_FLIGHT * step, s += IN_FLIGHT * step, d += IN_FLIGHT * step) {
-    int4 v[IN_FLIGHT];
-#pragma unroll
-    for (int u = 0; u < IN_FLIGHT; ++u) v[u] = s[u * step];
-#pragma unroll
-    for (int u = 0; u < IN_FLIGHT; ++u) d[u * step] = v[u];
-  }
-  for (; i < n; i += step, s += step, d += step) *d = *s;
-}
-__device__ __forceinline__ void cta_copy(char* dst, const char* src, size_t bytes) {
-  copy_vectors<8>(dst, src, bytes, threadIdx.x, blockDim.x);
 }
 
 // Registers of the GEMM's producer warpgroup, whose three idle warps push: ptxas spills
@@ -310,17 +285,7 @@ struct ChunkAWait {
   __device__ static void before_a_load(const Params& w, int, int row0, int rows) {
     const AgGemmParams& p = *w.op;
     const uint64_t t0 = MK_TRACED(p.trace) ? mk_globaltimer() : 0;
-    const int end = min(row0 + rows, p.m);
-    for (int r = row0; r < end;) {
-      const int src = r / p.rows_per_rank;
-      const int c = (r - src * p.rows_per_rank) / p.chunk_rows;
-      const uint64_t* flag = mk_signal_word(p.ws, p.ws.rank, agg_chunk(p, src, c));
-      // A failed wait (timeout, abort) has recorded the error and raised the abort word;
-      // the tile then computes on stale rows and the kernel still ends, in bounded time.
-      mk_wait_geq_inline(p.ws, flag, w.epoch, src, MK_WAIT_OP_FLAG, MK_OP_ALL_GATHER_GEMM);
-      r = min(src * p.rows_per_rank + (c + 1) * p.chunk_rows, (src + 1) * p.rows_per_rank);
-    }
-    fence_proxy_async_global();  // the peers' generic-proxy stores, then our TMA loads
+    wait_gathered_rows(p, w.epoch, row0, rows, MK_OP_ALL_GATHER_GEMM);
     if (MK_TRACED(p.trace)) mk_trace_add(p.trace, MK_TR_WAIT, mk_globaltimer() - t0);
   }
   __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {

@@ -371,6 +371,34 @@ impl Default for AgGemmParams {
     }
 }
 
+/// Parameters of the fp8 AllGather + GEMM kernels (kernels/ag_scaled_gemm.cu): the gather's
+/// (one node; the GEMM CTAs' idle producer warps push, so `comm_ctas`, `gathered_out`,
+/// `trace` and the across-node fields are 0), A's scales and how they are gathered, and B's
+/// scales. The gathered scales live in the fused-op region after the gathered rows: per
+/// tensor and rowwise one fp32 per gathered row (a rank's one scale written for each of its
+/// rows), with block scales [K/128][m] (the GEMM's block layout over all gathered rows).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AgScaledGemmParams {
+    /// The gathered e4m3 rows, as mkAllGatherGemm's (`k` one-byte elements per row).
+    pub ag: AgGemmParams,
+    /// This rank's scales of A: one (per tensor), rows_per_rank (rowwise) or
+    /// [K/128][rows_per_rank] (block).
+    pub scale_a_local: u64,
+    /// B's scales, as mkScaledGemm takes them.
+    pub scale_b: u64,
+    /// Byte offset of the gathered scales in every rank's data region (16-byte aligned).
+    pub scale_offset: u64,
+    /// Step through `scale_a_local` per gathered scale: 0 (one scale for the shard: per
+    /// tensor) or 1.
+    pub scale_a_local_step: i32,
+    /// K / 128 with block scales, else 0 (the GEMM's `scale_k_blocks`).
+    pub scale_k_blocks: i32,
+    /// The GEMM's `scale_b_step`: 0 per tensor, 1 rowwise (unused with block scales).
+    pub scale_b_step: i32,
+    pub reserved: i32,
+}
+
 /// Parameters of the GEMM + ReduceScatter / AllReduce kernels (kernels/gemm_reduce.cu). The
 /// tensor maps (A, B, and this rank's partial-product buffer P in the fused-op region)
 /// travel as separate kernel arguments.
@@ -854,10 +882,11 @@ pub enum MkOp {
     RingAttentionBackward = 22,
     /// The fence a communicator runs between two fused ops of different kernels.
     FusedFence = 23,
+    AllGatherScaledGemm = 24,
 }
 
 /// Every op, for decoding (a free item: cbindgen would emit an associated constant).
-const MK_OPS: [MkOp; 11] = [
+const MK_OPS: [MkOp; 12] = [
     MkOp::AllGather,
     MkOp::ReduceScatter,
     MkOp::AllReduce,
@@ -869,6 +898,7 @@ const MK_OPS: [MkOp; 11] = [
     MkOp::RingAttention,
     MkOp::RingAttentionBackward,
     MkOp::FusedFence,
+    MkOp::AllGatherScaledGemm,
 ];
 
 impl MkOp {
@@ -889,6 +919,7 @@ impl MkOp {
             MkOp::RingAttention => "mkRingAttention",
             MkOp::RingAttentionBackward => "mkRingAttentionBackward",
             MkOp::FusedFence => "the fence between fused ops",
+            MkOp::AllGatherScaledGemm => "mkAllGatherScaledGemm",
         }
     }
 }

@@ -91,8 +91,9 @@ fn every_family_reports_no_kernel_for_a_type_without_instances() {
     assert_no_kernel("mkRingAttentionBackward", ring_attention_backward::plan(&s, 132).kernel_launch(fp8));
     assert_no_kernel("the collectives", collectives::kernel(fp8));
     assert_no_kernel("the collectives across nodes", hier::kernel(fp8));
-    // Its own op has kernels; a gather moves it with the one-byte unsigned integer's kernel.
+    // Its own ops have kernels; a gather moves it with the one-byte unsigned integer's kernel.
     assert!(mkernel::ops::gemm::scaled::kernel(fp8, BF16, 128, engine::Epilogue::Tma).is_ok());
+    assert!(mkernel::ops::dense::ag_scaled_gemm::kernel(fp8, BF16, 128).is_ok());
     assert!(collectives::kernel(fp8.element().moved_as()).is_ok());
 }
 

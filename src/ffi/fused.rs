@@ -3,7 +3,7 @@
 use super::{mkComm_t, with_comm};
 use crate::cuda::sys::CUstream;
 use crate::error::{mkResult_t, MkError};
-use crate::types::RawDataType;
+use crate::types::{RawDataType, RawScaleMode};
 use std::ffi::c_void;
 use std::os::raw::{c_int, c_longlong, c_uint};
 
@@ -65,6 +65,75 @@ pub unsafe extern "C" fn mkAllGatherGemm(
             c.rank,
         )?;
         crate::ops::dense::ag_gemm::all_gather_gemm(c, &args, stream)
+    })
+}
+
+/// AllGather of A's fp8 rows and their scales across the ranks, then the scaled GEMM
+/// C = (A_gathered·sA)(B·sB)ᵀ, in one persistent kernel: mkAllGatherGemm's overlap (each
+/// peer's rows consumed as soon as their chunk arrives, this rank's own first) with
+/// mkScaledGemm's arithmetic, moving one byte per element of A instead of two.
+///
+/// - `A`: this rank's rows, [M / nranks, K] of `abType` (mkFloat8e4m3), row-major; rank r
+///   holds rows [r·M/n, (r+1)·M/n).
+/// - `scaleA`: this rank's scales of its rows (fp32 device memory), as `scaleMode` says:
+///   mkScaleTensor: one value, which scales this rank's rows (each rank's shard is
+///   dequantized by its own scale; ranks that pass the same value get one scale for the
+///   whole gathered A, torch's per-tensor convention); mkScaleRowwise: M / nranks values, one
+///   per row; mkScaleBlock: [K/128][M / nranks], one per row per 128 of K (mkScaledGemm's
+///   block layout for this rank's rows). The scales travel with the rows.
+/// - `B`, `scaleB`: [N, K] e4m3 and its scales, local (a column-parallel weight shard), as
+///   mkScaledGemm takes them (one value; N values; [K/128][ceil(N/128)]).
+/// - `C`: [M, N] of `cType` (mkBfloat16 or mkFloat16), the full product on every rank.
+/// - `M` counts all gathered rows; N, K as in mkScaledGemm.
+///
+/// Arithmetic as mkScaledGemm's (fp32 sums promoted every 128 of K, scaled as the mode says,
+/// C rounded once); rank r's rows of C are what mkScaledGemm gives for rank r's rows and
+/// scales. Scale values are not checked (NaN or infinite scales give NaN or infinite C).
+///
+/// Rules (mkInvalidArgument, the rule named in mkGetLastError, nothing written): abType
+/// mkFloat8e4m3 (mkFloat8e5m2 is refused: no kernel takes it); cType mkBfloat16 or
+/// mkFloat16; scaleMode a mkScaleMode_t; M divisible by nranks; K a positive multiple of 16
+/// (of 128 with block scales); N a multiple of 8; A, B and C non-NULL and 16-byte aligned;
+/// scaleA and scaleB non-NULL and 4-byte aligned; all device memory of this rank's device.
+/// The gathered rows and scales (M·K bytes, and 4·M bytes, or 4·M·K/128 with block scales)
+/// must fit in the communicator's workspace (MK_WORKSPACE_BYTES /
+/// mkConfig_t.workspaceBytes), else mkInvalidUsage names the size needed. One node only: a
+/// communicator across nodes gets mkInvalidUsage. Needs an sm_90 GPU.
+///
+/// Stream-ordered and asynchronous, capturable in a CUDA graph. Every rank must call it
+/// with the same M, N, K, types and mode. A peer that does not arrive within MK_TIMEOUT_MS
+/// makes the kernel stop; mkCommGetAsyncError then reports mkTimeout (or mkRemoteError)
+/// and C is undefined. With one rank, mkScaledGemm.
+#[no_mangle]
+pub unsafe extern "C" fn mkAllGatherScaledGemm(
+    A: *const c_void,
+    scaleA: *const f32,
+    B: *const c_void,
+    scaleB: *const f32,
+    C: *mut c_void,
+    M: usize,
+    N: usize,
+    K: usize,
+    abType: RawDataType,
+    cType: RawDataType,
+    scaleMode: RawScaleMode,
+    comm: mkComm_t,
+    stream: CUstream,
+) -> mkResult_t {
+    use crate::ops::dense::ag_scaled_gemm::{all_gather_scaled_gemm, validate_args, AgScaledGemmCall};
+    with_comm(comm, "mkAllGatherScaledGemm", |c| {
+        let call = AgScaledGemmCall {
+            a: A as u64,
+            scale_a: scaleA as u64,
+            b: B as u64,
+            scale_b: scaleB as u64,
+            c: C as u64,
+            m: M,
+            n: N,
+            k: K,
+        };
+        let args = validate_args(&call, abType, cType, scaleMode, c.nranks, c.rank)?;
+        all_gather_scaled_gemm(c, &args, stream)
     })
 }
 
@@ -633,6 +702,35 @@ mod tests {
     use super::*;
     use crate::error::thread_last_error;
     use crate::types::mkDataType_t;
+
+    // No GPU needed: fails before any CUDA call (the argument rules themselves are tested
+    // on ops::dense::ag_scaled_gemm::validate_args).
+    #[test]
+    fn all_gather_scaled_gemm_rejects_a_null_comm() {
+        let p = 0x10000 as *mut c_void;
+        let sc = 0x20000 as *const f32;
+        let e4m3 = mkDataType_t::mkFloat8e4m3 as RawDataType;
+        let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
+        let r = unsafe {
+            mkAllGatherScaledGemm(
+                p,
+                sc,
+                p,
+                sc,
+                p,
+                256,
+                256,
+                256,
+                e4m3,
+                bf16,
+                1,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(r, mkResult_t::mkInvalidArgument);
+        assert!(thread_last_error().contains("mkAllGatherScaledGemm: comm is NULL"), "{}", thread_last_error());
+    }
 
     // No GPU needed: these fail before any CUDA call (the argument rules themselves are
     // tested on ops::moe::validate_dispatch / validate_combine).

@@ -77,6 +77,21 @@ func (c *Comm) AllGatherGemm(a, b, out, gatheredA DevicePtr, m, n, k int, dtype 
 	})
 }
 
+// AllGatherScaledGemm gathers A's fp8 rows ([m/nranks, k] per rank, abType Float8e4m3) with
+// their fp32 scales (scaleA: this rank's, as mode says) and computes
+// C = (A·scaleA)(B·scaleB)ᵀ ([m, n] of cType) on every rank (mkAllGatherScaledGemm).
+func (c *Comm) AllGatherScaledGemm(a, scaleA, b, scaleB, out DevicePtr, m, n, k int, abType, cType DataType, mode ScaleMode, s Stream) error {
+	sz := sizes{op: "mkAllGatherScaledGemm"}
+	cm, cn, ck := sz.of("m", m), sz.of("n", n), sz.of("k", k)
+	if sz.err != nil {
+		return sz.err
+	}
+	return c.do("mkAllGatherScaledGemm", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkAllGatherScaledGemm(ptr(a), f32(scaleA), ptr(b), f32(scaleB), ptr(out), cm, cn, ck,
+			C.mkDataType_t(abType), C.mkDataType_t(cType), C.mkScaleMode_t(mode), h, stream(s))
+	})
+}
+
 // GemmReduceScatter computes the sum over ranks of A·Bᵀ and leaves this rank's
 // [m/nranks, n] rows in out (mkGemmReduceScatter).
 func (c *Comm) GemmReduceScatter(a, b, out DevicePtr, m, n, k int, dtype DataType, s Stream) error {

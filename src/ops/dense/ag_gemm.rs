@@ -116,6 +116,28 @@ pub fn validate(shape: &AgGemmShape) -> Result<()> {
     Ok(())
 }
 
+/// How a rank's rows are cut into flagged chunks (the gather's unit of overlap).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunking {
+    /// Rows per signalled chunk: whole row blocks (a shard's last chunk may be shorter).
+    pub chunk_rows: usize,
+    pub chunks_per_rank: usize,
+    /// Flag words per source rank (`flag_stride(nranks)`, ≥ chunks_per_rank).
+    pub flag_stride: usize,
+}
+
+/// The chunks of `rows_per_rank` rows with `nranks` sources: as few whole row blocks per
+/// chunk as the flag words allow (mkAllGatherGemm and mkAllGatherScaledGemm).
+pub fn chunking(rows_per_rank: usize, nranks: usize) -> Result<Chunking> {
+    if nranks > CHUNK_FLAG_WORDS / 4 {
+        return Err(MkError::invalid_usage(format!("{nranks} ranks, at most {} are supported", CHUNK_FLAG_WORDS / 4)));
+    }
+    let blocks_per_rank = rows_per_rank.div_ceil(ROW_BLOCK).max(1);
+    let stride = flag_stride(nranks);
+    let chunk_rows = blocks_per_rank.div_ceil(stride) * ROW_BLOCK;
+    Ok(Chunking { chunk_rows, chunks_per_rank: rows_per_rank.div_ceil(chunk_rows), flag_stride: stride })
+}
+
 /// Plans the role split, chunking and order, and the GEMM's tile. `grid_ctas` is the CTAs
 /// the kernel may use (`DeviceCaps::grid_cap`: SM count, capped by MK_MAX_CTAS);
 /// `comm_override` comes from MK_COMM_SMS / config.
@@ -136,16 +158,7 @@ pub fn plan(shape: &AgGemmShape, grid_ctas: u32, comm_override: Option<u32>) -> 
         }
         Some(c) => c,
     };
-    let blocks_per_rank = rows_per_rank.div_ceil(ROW_BLOCK).max(1);
-    if nranks > CHUNK_FLAG_WORDS / 4 {
-        return Err(MkError::invalid_usage(format!(
-            "mkAllGatherGemm: {nranks} ranks, at most {} are supported",
-            CHUNK_FLAG_WORDS / 4
-        )));
-    }
-    let stride = flag_stride(nranks);
-    let blocks_per_chunk = blocks_per_rank.div_ceil(stride);
-    let chunk_rows = blocks_per_chunk * ROW_BLOCK;
+    let Chunking { chunk_rows, chunks_per_rank, flag_stride: stride } = chunking(rows_per_rank, nranks)?;
     let compute_ctas = grid_ctas - comm_ctas;
     let bn = engine::fused_tile_width(m, n, compute_ctas as usize);
     Ok(AgGemmPlan {
@@ -153,7 +166,7 @@ pub fn plan(shape: &AgGemmShape, grid_ctas: u32, comm_override: Option<u32>) -> 
         comm_ctas,
         compute_ctas,
         chunk_rows,
-        chunks_per_rank: rows_per_rank.div_ceil(chunk_rows),
+        chunks_per_rank,
         flag_stride: stride,
         source_order: (0..nranks).map(|i| (rank + i) % nranks).collect(),
         bn,

@@ -2,6 +2,7 @@
 //! after it (GEMM + ReduceScatter, GEMM + AllReduce), on one node or across nodes.
 
 pub mod ag_gemm;
+pub mod ag_scaled_gemm;
 pub mod gemm_ar;
 pub mod gemm_reduce;
 pub mod gemm_reduce_nodes;

@@ -84,18 +84,38 @@ pub fn validate(
     c_type: RawDataType,
     mode: RawScaleMode,
 ) -> Result<ScaledGemmArgs> {
+    validate_for("mkScaledGemm", a, scale_a, b, scale_b, c, m, n, k, ab_type, c_type, mode)
+}
+
+/// [`validate`] for an op that runs the scaled GEMM (`op` names it in the messages that
+/// say what it takes).
+#[allow(clippy::too_many_arguments)] // mirrors the C signature
+pub fn validate_for(
+    op: &str,
+    a: u64,
+    scale_a: u64,
+    b: u64,
+    scale_b: u64,
+    c: u64,
+    m: usize,
+    n: usize,
+    k: usize,
+    ab_type: RawDataType,
+    c_type: RawDataType,
+    mode: RawScaleMode,
+) -> Result<ScaledGemmArgs> {
     let ab = mkDataType_t::from_raw(ab_type)?;
     let scaled_types = ElementType::names_where(|t| t.scaled_gemm);
     crate::ensure_arg!(
         ab.element().accepted.scaled_gemm,
-        "abType {} is not supported: mkScaledGemm takes {scaled_types} for A and B{}",
+        "abType {} is not supported: {op} takes {scaled_types} for A and B{}",
         ab.name(),
         if ab == mkDataType_t::mkFloat8e5m2 { " (no e5m2 kernels are built)" } else { "" }
     );
     let out = mkDataType_t::from_raw(c_type)?;
     crate::ensure_arg!(
         out.is_gemm_type(),
-        "cType {} is not supported: mkScaledGemm writes C as {}",
+        "cType {} is not supported: {op} writes C as {}",
         out.name(),
         ElementType::gemm_names()
     );
@@ -176,7 +196,7 @@ fn staging_per_wg(bn: usize, epilogue: Epilogue) -> usize {
 }
 
 /// Ring depth: the deepest ring of (BM + bn) × BK-byte stages, at most 8, that fits beside
-/// the staging (`ScaledConfig::STAGES` in kernels/scaled_gemm.cu, the same formula).
+/// the staging (`ScaledConfig::STAGES` in kernels/common/gemm/scaled_mainloop.cuh, the same formula).
 pub fn stages(bn: usize, epilogue: Epilogue) -> usize {
     ((SMEM_LIMIT - 1024 - 2 * staging_per_wg(bn, epilogue) - 256) / ((BM + bn) * BK)).min(8)
 }
@@ -377,7 +397,7 @@ mod tests {
                 assert!(smem_bytes(bn, epilogue) <= SMEM_LIMIT, "bn {bn} {epilogue:?}");
             }
         }
-        // The values kernels/scaled_gemm.cu's ScaledConfig computes (same formula).
+        // The values ScaledConfig (kernels/common/gemm/scaled_mainloop.cuh) computes (same formula).
         assert_eq!((stages(128, Epilogue::Tma), smem_bytes(128, Epilogue::Tma)), (6, 1024 + 6 * 32768 + 32768 + 96));
         assert_eq!((stages(64, Epilogue::Tma), smem_bytes(64, Epilogue::Tma)), (8, 1024 + 8 * 24576 + 16384 + 128));
         assert_eq!((stages(128, Epilogue::Direct), smem_bytes(128, Epilogue::Direct)), (7, 1024 + 7 * 32768 + 112));

@@ -5,6 +5,7 @@
 //! is touched, so a typo fails the same way on a machine without one.
 
 mod ag_gemm;
+mod ag_gemm_fp8;
 mod collective_check;
 mod collectives;
 mod copy_engine;
@@ -38,6 +39,7 @@ const BENCHES: &[(&str, Bench, &str)] = &[
     ("reduce_scatter", collectives::reduce_scatter, "mkReduceScatter, same options"),
     ("all_reduce", collectives::all_reduce, "mkAllReduce, same options"),
     ("ag_gemm", ag_gemm::run, "mkAllGatherGemm vs mkAllGather+cuBLASLt, copy-engine AllGather+cuBLASLt, cuBLASLt alone, capped GEMM (-g, --rows, --nk NxK,..., --dtype bf16|fp16, -n, -w, --blocks)"),
+    ("ag_gemm_fp8", ag_gemm_fp8::run, "mkAllGatherScaledGemm (e4m3, rowwise scales) vs mkAllGatherGemm in bf16, mkAllGather(e4m3 rows, scales)+mkScaledGemm, mkScaledGemm alone; bytes pushed per call (-g, --rows, --nk NxK,..., -n, -w, --blocks)"),
     ("gemm_rs", gemm_reduce::gemm_rs, "mkGemmReduceScatter vs cuBLASLt+mkReduceScatter, cuBLASLt alone, capped GEMM+mkReduceScatter (-g, --m, --nk NxK,..., -n, -w, --blocks)"),
     ("gemm_ar", gemm_reduce::gemm_ar, "mkGemmAllReduce vs cuBLASLt+mkAllReduce, cuBLASLt alone, capped GEMM+mkAllReduce (-g, --m, --nk NxK,..., -n, -w, --blocks)"),
     ("moe", moe::run, "mkMoeDispatchGemm / mkMoeGemmCombine vs exchange + cuBLAS grouped GEMM (-g, --tokens, --hidden, --ffn, --experts, --topk, -n, -w, --blocks)"),
@@ -53,6 +55,7 @@ const CHECKS: &[(&str, Check)] = &[
     ("reduce_scatter", collectives::check),
     ("all_reduce", collectives::check),
     ("ag_gemm", ag_gemm::check),
+    ("ag_gemm_fp8", ag_gemm_fp8::check),
     ("gemm_rs", gemm_reduce::check),
     ("gemm_ar", gemm_reduce::check),
     ("moe", moe::check),

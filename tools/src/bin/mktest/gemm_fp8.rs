@@ -33,11 +33,11 @@ use mkernel_tools::testing::{
 };
 use std::ffi::c_void;
 
-const OUTPUTS: [mkDataType_t; 2] = [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16];
-const MODES: [mkScaleMode_t; 3] =
+pub(crate) const OUTPUTS: [mkDataType_t; 2] = [mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16];
+pub(crate) const MODES: [mkScaleMode_t; 3] =
     [mkScaleMode_t::mkScaleTensor, mkScaleMode_t::mkScaleRowwise, mkScaleMode_t::mkScaleBlock];
 /// A block scale's side (and a stage's K).
-const BLOCK: usize = mkScaleMode_t::BLOCK;
+pub(crate) const BLOCK: usize = mkScaleMode_t::BLOCK;
 
 fn sync() -> mkernel::Result<()> {
     cudarc::driver::result::ctx::synchronize()
@@ -45,28 +45,28 @@ fn sync() -> mkernel::Result<()> {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Inputs {
+pub(crate) enum Inputs {
     ExactSums,
     Quantized,
 }
 
 /// Which operand: A's block scales are one per row per 128 of K, B's one per 128 rows.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Side {
+pub(crate) enum Side {
     A,
     B,
 }
 
 /// One operand on the host: its e4m3 bytes (row-major, `rows` × `k`) and its fp32 scales as
 /// the mode lays them out (one; one per row; [K/128][M] for A or [K/128][ceil(N/128)] for B).
-struct Operand {
-    bytes: Vec<u8>,
+pub(crate) struct Operand {
+    pub(crate) bytes: Vec<u8>,
     /// The bytes' e4m3 values.
-    values: Vec<f64>,
-    scales: Vec<f32>,
-    mode: mkScaleMode_t,
-    side: Side,
-    rows: usize,
+    pub(crate) values: Vec<f64>,
+    pub(crate) scales: Vec<f32>,
+    pub(crate) mode: mkScaleMode_t,
+    pub(crate) side: Side,
+    pub(crate) rows: usize,
 }
 
 impl Operand {
@@ -96,7 +96,7 @@ fn group(mode: mkScaleMode_t, side: Side, row: usize, k: usize) -> (usize, usize
 }
 
 /// Fresh inputs for `rows` × `k` of `side` under `mode`.
-fn operand(side: Side, rows: usize, k: usize, mode: mkScaleMode_t, inputs: Inputs, seed: u64) -> Operand {
+pub(crate) fn operand(side: Side, rows: usize, k: usize, mode: mkScaleMode_t, inputs: Inputs, seed: u64) -> Operand {
     let kb = k.div_ceil(BLOCK);
     let (n_scales, index): (usize, Box<dyn Fn(usize, usize) -> usize>) = match (mode, side) {
         (mkScaleMode_t::mkScaleTensor, _) => (1, Box::new(|_, _| 0)),
@@ -150,7 +150,7 @@ fn operand(side: Side, rows: usize, k: usize, mode: mkScaleMode_t, inputs: Input
 /// relative, on |ref| for one scale of the whole sum, on Σ_kb|sA·sB·S_kb| for block scales)
 /// and the fp32 promotion of the K/128 stage sums (γ_{K/128+1}(2⁻²³)·Σ_kb|sA·sB·S_kb|); for
 /// quantized inputs also the fp8 accumulator's truncation inside each stage.
-fn reference(
+pub(crate) fn reference(
     a: &Operand,
     b: &Operand,
     rows: &[usize],
@@ -215,7 +215,7 @@ fn reference(
 /// The relative-L2 backstop (testing::tolerance) of a result: C's type's for exact sums;
 /// for quantized inputs bf16's for both outputs, since there the fp8 tensor cores' sums
 /// (13 fraction bits, truncated, over every 32 of K) err by more than fp16's rounding.
-fn l2_limit(out: mkDataType_t, inputs: Inputs) -> f64 {
+pub(crate) fn l2_limit(out: mkDataType_t, inputs: Inputs) -> f64 {
     match inputs {
         Inputs::ExactSums => tolerance(out),
         Inputs::Quantized => tolerance(mkDataType_t::mkBfloat16),
@@ -223,7 +223,7 @@ fn l2_limit(out: mkDataType_t, inputs: Inputs) -> f64 {
 }
 
 /// Device copies of an operand's bytes and scales.
-fn upload(op: &Operand) -> mkernel::Result<(TestBuffer, TestBuffer)> {
+pub(crate) fn upload(op: &Operand) -> mkernel::Result<(TestBuffer, TestBuffer)> {
     let bytes = TestBuffer::new(op.bytes.len(), mkDataType_t::mkFloat8e4m3)?;
     bytes.upload(&op.bytes)?;
     let scales = TestBuffer::new(op.scales.len(), mkDataType_t::mkFloat32)?;

@@ -9,6 +9,7 @@
 //! below), so a case matrix that silently shrinks fails.
 
 mod ag_gemm;
+mod ag_gemm_fp8;
 mod api;
 mod chaos;
 mod collectives;
@@ -49,6 +50,9 @@ const SUITES: &[(&str, Suite, usize)] = &[
     ("collectives", collectives::run, 900),
     ("api", api::run, 50),
     ("ag_gemm", ag_gemm::run, 38),
+    // mkAllGatherScaledGemm: 19 shape x mode cases x 2 outputs x 2 rounds = 76, 9 refusals
+    // (10 with several ranks) and the untouched C, 6 around the graph: 92 at one rank.
+    ("ag_gemm_fp8", ag_gemm_fp8::run, 85),
     ("gemm_reduce", gemm_reduce::run, 80),
     // 13 rounds of dispatch then combine over 7 sizes, a bitwise repeat, 6 around the
     // graph, the capacity overflow and its retry, 2 rounds and 6 around the graph in drop
@@ -70,8 +74,15 @@ const SUITES: &[(&str, Suite, usize)] = &[
 
 /// The floors of the sanitizer-sized sets (fused_common::sanitizer_sized: one dtype, at
 /// most two rounds, the small shapes), about half of the whole sets' floors.
-const SANITIZER_FLOORS: &[(&str, usize)] =
-    &[("ag_gemm", 17), ("gemm_reduce", 36), ("moe", 24), ("ring_attn", 22), ("ring_attn_bwd", 16), ("mixed", 14)];
+const SANITIZER_FLOORS: &[(&str, usize)] = &[
+    ("ag_gemm", 17),
+    ("ag_gemm_fp8", 45),
+    ("gemm_reduce", 36),
+    ("moe", 24),
+    ("ring_attn", 22),
+    ("ring_attn_bwd", 16),
+    ("mixed", 14),
+];
 
 /// MK_TEST_KILL=only runs a suite's killed-rank test alone: one check per surviving rank.
 fn floor_of(name: &str, floor: usize) -> usize {
