@@ -124,8 +124,8 @@ const COLLECTIVES: Accepted =
 /// multiplied by mkScaledGemm; no unscaled GEMM (an fp8 product needs its scales).
 const FP8_SCALED: Accepted =
     Accepted { gather: true, reduce: true, reduce_across_nodes: false, gemm: false, scaled_gemm: true };
-/// fp8 e5m2: gathered and reduced as e4m3 (mkScaledGemm's kernels take e4m3 only).
-const FP8_MOVED: Accepted =
+/// fp8 e5m2: gathered and reduced as e4m3 is (mkScaledGemm's kernels take e4m3 only).
+const FP8_COLLECTIVES: Accepted =
     Accepted { gather: true, reduce: true, reduce_across_nodes: false, gemm: false, scaled_gemm: false };
 
 const fn element(
@@ -152,7 +152,7 @@ pub static ELEMENT_TYPES: [ElementType; 12] = [
     element(8, "mkFloat64", "double", 8, "double", COLLECTIVES),
     element(9, "mkBfloat16", "bfloat16", 2, "__nv_bfloat16", ALL_OPS),
     element(10, "mkFloat8e4m3", "float8e4m3", 1, "__nv_fp8_e4m3", FP8_SCALED),
-    element(11, "mkFloat8e5m2", "float8e5m2", 1, "__nv_fp8_e5m2", FP8_MOVED),
+    element(11, "mkFloat8e5m2", "float8e5m2", 1, "__nv_fp8_e5m2", FP8_COLLECTIVES),
 ];
 
 /// What the planners take as an element type: a `mkDataType_t`, or a description itself
