@@ -87,8 +87,12 @@ impl mkScaleMode_t {
 pub struct Accepted {
     /// mkAllGather: a byte move, whatever the type.
     pub gather: bool,
-    /// mkReduceScatter, mkAllReduce: arithmetic in the type.
+    /// mkReduceScatter, mkAllReduce: arithmetic in the type (or, for fp8, in float with
+    /// one rounding to the type).
     pub reduce: bool,
+    /// The same reductions on a communicator that spans nodes, whose node partials are
+    /// stored in the element type (a second rounding that fp8 does not take).
+    pub reduce_across_nodes: bool,
     /// Every op built on the GEMM engine: mkGemm, the dense fused ops, ring attention and MoE.
     pub gemm: bool,
     /// mkScaledGemm's A and B (the fp8 GEMM with scales).
@@ -112,14 +116,17 @@ pub struct ElementType {
     pub accepted: Accepted,
 }
 
-const ALL_OPS: Accepted = Accepted { gather: true, reduce: true, gemm: true, scaled_gemm: false };
-const COLLECTIVES: Accepted = Accepted { gather: true, reduce: true, gemm: false, scaled_gemm: false };
-/// fp8: gathered as bytes and multiplied by mkScaledGemm; no reduction in the type yet
-/// (NCCL reduces fp8 in fp32 with one rounding) and no unscaled GEMM (an fp8 product needs
-/// its scales).
-const FP8_SCALED: Accepted = Accepted { gather: true, reduce: false, gemm: false, scaled_gemm: true };
-/// fp8 e5m2: gathered as bytes only (mkScaledGemm's kernels take e4m3).
-const FP8_MOVED: Accepted = Accepted { gather: true, reduce: false, gemm: false, scaled_gemm: false };
+const ALL_OPS: Accepted =
+    Accepted { gather: true, reduce: true, reduce_across_nodes: true, gemm: true, scaled_gemm: false };
+const COLLECTIVES: Accepted =
+    Accepted { gather: true, reduce: true, reduce_across_nodes: true, gemm: false, scaled_gemm: false };
+/// fp8 e4m3: gathered, reduced within a node in float with one rounding (docs/decisions/0075),
+/// multiplied by mkScaledGemm; no unscaled GEMM (an fp8 product needs its scales).
+const FP8_SCALED: Accepted =
+    Accepted { gather: true, reduce: true, reduce_across_nodes: false, gemm: false, scaled_gemm: true };
+/// fp8 e5m2: gathered and reduced as e4m3 is (mkScaledGemm's kernels take e4m3 only).
+const FP8_COLLECTIVES: Accepted =
+    Accepted { gather: true, reduce: true, reduce_across_nodes: false, gemm: false, scaled_gemm: false };
 
 const fn element(
     code: c_int,
@@ -145,7 +152,7 @@ pub static ELEMENT_TYPES: [ElementType; 12] = [
     element(8, "mkFloat64", "double", 8, "double", COLLECTIVES),
     element(9, "mkBfloat16", "bfloat16", 2, "__nv_bfloat16", ALL_OPS),
     element(10, "mkFloat8e4m3", "float8e4m3", 1, "__nv_fp8_e4m3", FP8_SCALED),
-    element(11, "mkFloat8e5m2", "float8e5m2", 1, "__nv_fp8_e5m2", FP8_MOVED),
+    element(11, "mkFloat8e5m2", "float8e5m2", 1, "__nv_fp8_e5m2", FP8_COLLECTIVES),
 ];
 
 /// What the planners take as an element type: a `mkDataType_t`, or a description itself
@@ -183,15 +190,16 @@ impl ElementType {
         names.join(" or ")
     }
 
-    /// The integer type of the same size, whose byte-moving kernels move this type's bytes
-    /// unchanged (fp8's AllGather runs mkUint8's kernel): the type itself where it reduces.
-    pub fn moved_as(&'static self) -> &'static ElementType {
-        if self.accepted.reduce {
+    /// The type whose kernels of a family without this type's own instances move its bytes
+    /// unchanged: the unsigned integer of the same size where this type does not reduce
+    /// across nodes (fp8's AllGather across nodes runs mkUint8's kernel), else itself.
+    pub fn moved_across_nodes_as(&'static self) -> &'static ElementType {
+        if self.accepted.reduce_across_nodes {
             return self;
         }
         ELEMENT_TYPES
             .iter()
-            .find(|t| t.accepted.reduce && t.bytes == self.bytes && t.c_name.starts_with("mkUint"))
+            .find(|t| t.accepted.reduce_across_nodes && t.bytes == self.bytes && t.c_name.starts_with("mkUint"))
             .unwrap_or(self)
     }
 }
@@ -326,20 +334,21 @@ mod tests {
             let e = mkDataType_t::gemm_type_from_raw(t as c_int, "mkAllGatherGemm").unwrap_err();
             assert_eq!(e.code, mkResult_t::mkInvalidArgument);
             assert!(e.message.contains("mkAllGatherGemm takes mkFloat16 or mkBfloat16"), "{}", e.message);
-            // A byte move takes it, running the kernel of the one-byte unsigned integer.
+            // Gathered and reduced within a node by its own kernels; across nodes, where
+            // partials are stored in the type, only moved (by the one-byte unsigned integer's).
             assert_eq!(mkDataType_t::collective_type_from_raw(t as c_int, "mkAllGather", false).unwrap(), t);
-            assert_eq!(t.element().moved_as().c_name, "mkUint8");
-            let e = mkDataType_t::collective_type_from_raw(t as c_int, "mkAllReduce", true).unwrap_err();
-            assert_eq!(e.code, mkResult_t::mkInvalidArgument);
-            assert!(e.message.contains("mkAllReduce reduces only"), "{}", e.message);
-            assert!(!e.message.contains("mkFloat8"), "fp8 is not in the list of reducing types: {}", e.message);
+            assert_eq!(mkDataType_t::collective_type_from_raw(t as c_int, "mkAllReduce", true).unwrap(), t);
+            assert!(!t.element().accepted.reduce_across_nodes);
+            assert_eq!(t.element().moved_across_nodes_as().c_name, "mkUint8");
         }
+        assert!(ElementType::names_where(|a| a.reduce).ends_with("mkFloat8e4m3 or mkFloat8e5m2"));
+        assert_eq!(ElementType::names_where(|a| a.reduce && !a.reduce_across_nodes), "mkFloat8e4m3 or mkFloat8e5m2");
         let e = mkDataType_t::gemm_type_from_raw(mkFloat8e4m3 as c_int, "mkGemm").unwrap_err();
         assert!(e.message.contains("mkScaledGemm"), "e4m3 points at the scaled GEMM: {}", e.message);
         assert_eq!(ElementType::names_where(|a| a.scaled_gemm), "mkFloat8e4m3");
-        // Types that reduce are moved as themselves.
-        assert_eq!(mkBfloat16.element().moved_as().c_name, "mkBfloat16");
-        assert_eq!(mkInt8.element().moved_as().c_name, "mkInt8");
+        // Types that reduce across nodes are moved as themselves.
+        assert_eq!(mkBfloat16.element().moved_across_nodes_as().c_name, "mkBfloat16");
+        assert_eq!(mkInt8.element().moved_across_nodes_as().c_name, "mkInt8");
     }
 
     #[test]

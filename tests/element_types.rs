@@ -1,5 +1,6 @@
 //! An element type enters as data. fp8 e4m3 (NCCL's value 10) is described in the type table
-//! and has kernels only for mkScaledGemm: the planners size its buffers from the description,
+//! and has kernels only for mkScaledGemm and the one-node collectives: the planners size its
+//! buffers from the description,
 //! and choosing its kernel in any other family is a clear error ("no kernel for this dtype"),
 //! not a panic or another type's kernel — without a line of those ops changed for it.
 
@@ -89,12 +90,13 @@ fn every_family_reports_no_kernel_for_a_type_without_instances() {
     let s = ring_shape();
     assert_no_kernel("mkRingAttention", ring_attention::plan(&s, 132, false).kernel_launch(fp8));
     assert_no_kernel("mkRingAttentionBackward", ring_attention_backward::plan(&s, 132).kernel_launch(fp8));
-    assert_no_kernel("the collectives", collectives::kernel(fp8));
     assert_no_kernel("the collectives across nodes", hier::kernel(fp8));
-    // Its own ops have kernels; a gather moves it with the one-byte unsigned integer's kernel.
+    // Its own ops and the one-node collectives have kernels; a gather across nodes moves it
+    // with the one-byte unsigned integer's kernel.
     assert!(mkernel::ops::gemm::scaled::kernel(fp8, BF16, 128, engine::Epilogue::Tma).is_ok());
     assert!(mkernel::ops::dense::ag_scaled_gemm::kernel(fp8, BF16, 128).is_ok());
-    assert!(collectives::kernel(fp8.element().moved_as()).is_ok());
+    assert!(collectives::kernel(fp8).is_ok());
+    assert!(hier::kernel(fp8.element().moved_across_nodes_as()).is_ok());
 }
 
 #[test]
@@ -109,7 +111,7 @@ fn a_described_type_without_a_tile_is_a_planner_error_not_a_dtype_error() {
 
 /// Every op that does not take fp8 refuses both fp8 types with mkInvalidArgument naming the
 /// op, before any other rule and before any CUDA call (so this runs without a GPU); the
-/// gather takes them.
+/// collectives take them (reductions across nodes refuse them with mkInvalidUsage).
 #[test]
 fn ops_without_fp8_refuse_it_by_name() {
     use mkernel::ops::dense::gemm_reduce::Reduction;
@@ -117,7 +119,7 @@ fn ops_without_fp8_refuse_it_by_name() {
     let dims = moe::MoeDims { tokens: 128, hidden: 128, ffn: 128, top_k: 1, experts: 2, capacity: 256, nranks: 2 };
     for fp8 in [mkDataType_t::mkFloat8e4m3, mkDataType_t::mkFloat8e5m2] {
         let d = fp8 as i32;
-        let refused: [(&str, Result<(), mkernel::MkError>); 9] = [
+        let refused: [(&str, Result<(), mkernel::MkError>); 8] = [
             ("mkGemm", mkernel::ops::gemm::op::validate(p, p, p, 128, 128, 128, d).map(drop)),
             ("mkAllGatherGemm", ag_gemm::validate_args(p, p, p, 0, 128, 128, 128, d, 2, 0).map(drop)),
             ("mkGemmReduceScatter", gemm_reduce::validate(Reduction::Scatter, p, p, p, 128, 128, 128, d, 2).map(drop)),
@@ -133,15 +135,17 @@ fn ops_without_fp8_refuse_it_by_name() {
                 ring_attention_backward::validate_args(p, p, p, p, p, p, p, p, p, 1, 128, 4, 4, 128, 0.1, 0, d, 2, 0)
                     .map(drop),
             ),
-            ("mkAllReduce", collectives::validate(CollectiveKind::AllReduce, p, 2 * p, 64, d, Some(0), 0, 2).map(drop)),
         ];
         for (op, r) in refused {
             let e = r.expect_err(op);
             assert_eq!(e.code, mkResult_t::mkInvalidArgument, "{op}: {}", e.message);
             assert!(e.message.contains(op) && e.message.contains(fp8.name()), "{op}: {}", e.message);
         }
-        let e = collectives::validate(CollectiveKind::ReduceScatter, p, 4 * p, 64, d, Some(0), 0, 2).unwrap_err();
-        assert!(e.message.contains("mkReduceScatter reduces only"), "{}", e.message);
+        for kind in [CollectiveKind::ReduceScatter, CollectiveKind::AllReduce] {
+            assert_eq!(collectives::validate(kind, p, 4 * p, 64, d, Some(0), 0, 2).unwrap().dtype, fp8);
+            let e = hier::validate_across_nodes(kind, p, 4 * p, 64, d, Some(0), 0, 2).unwrap_err();
+            assert_eq!(e.code, mkResult_t::mkInvalidUsage, "{}", e.message);
+        }
         let gathered = collectives::validate(CollectiveKind::AllGather, p, 4 * p, 64, d, None, 0, 2).unwrap();
         assert_eq!(gathered.dtype, fp8);
     }

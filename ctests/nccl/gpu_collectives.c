@@ -38,7 +38,8 @@
 
 enum { AR, AG, RS, BC, RD, NCOLL };
 static const char *coll_names[] = {"AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce"};
-/* The two fp8 types (10, 11) are only moved (gathered, broadcast): their bytes are compared. */
+/* The two fp8 types (10, 11): gathered and broadcast bit for bit; reduced in float and
+ * rounded once to the type, with saturation (docs/decisions/0075). */
 static const char *type_names[] = {"int8",  "uint8",    "int32",  "uint32",  "int64",  "uint64",
                                    "half",  "float",    "double", "bfloat16", "f8e4m3", "f8e5m2"};
 static const size_t type_sizes[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1};
@@ -92,6 +93,47 @@ static double from_bf16(uint16_t b) {
 static int is_float(int t) { return t >= ncclFloat16 && t <= ncclBfloat16; }
 static int is_fp8(int t) { return t == ncclFloat8e4m3 || t == ncclFloat8e5m2; }
 
+/* fp8 codes: e4m3 ("fn": no infinities, NaN at 0x7f/0xff, largest 448) and e5m2 (half's
+ * upper byte, largest 57344). Positive codes 0..=max increase in value. */
+static double from_fp8(uint8_t b, int t) {
+  if (t == ncclFloat8e5m2) return from_half((uint16_t)(b << 8));
+  if ((b & 0x7f) == 0x7f) return NAN;
+  int exp = (b >> 3) & 0xf, mant = b & 7;
+  double v = exp == 0 ? ldexp(mant, -9) : ldexp(8 + mant, exp - 10);
+  return (b & 0x80) ? -v : v;
+}
+static uint8_t fp8_max_code(int t) { return t == ncclFloat8e4m3 ? 0x7e : 0x7b; }
+/* f rounded to the nearest code, ties to the even one, saturated to the largest finite
+ * value (infinities too), NaN to 0x7f: __NV_SATFINITE's conversion. */
+static uint8_t to_fp8(float f, int t) {
+  if (isnan(f)) return 0x7f;
+  uint8_t sign = signbit(f) ? 0x80 : 0, hi = fp8_max_code(t), lo = 0;
+  double a = fmin(fabs((double)f), from_fp8(hi, t));
+  while (hi - lo > 1) {
+    uint8_t mid = (uint8_t)((lo + hi) / 2);
+    if (from_fp8(mid, t) <= a) lo = mid; else hi = mid;
+  }
+  double dl = a - from_fp8(lo, t), dh = from_fp8(hi, t) - a;
+  uint8_t code = (dl < dh || (dl == dh && lo % 2 == 0)) ? lo : hi;
+  return (uint8_t)(sign | (a <= from_fp8(lo, t) ? lo : code));
+}
+/* An fp8 reduction as mkernel defines it: the values in float, combined in rank order,
+ * avg divided once, then rounded once to the type (returned decoded). */
+static double fp8_reduce_ref(int t, int op, const double *v, int n) {
+  float acc = (float)v[0];
+  for (int r = 1; r < n; r++) {
+    float x = (float)v[r];
+    switch (op) {
+      case ncclSum: case ncclAvg: acc += x; break;
+      case ncclProd: acc *= x; break;
+      case ncclMax: acc = fmaxf(acc, x); break;
+      default: acc = fminf(acc, x); break;
+    }
+  }
+  if (op == ncclAvg) acc /= (float)n;
+  return from_fp8(to_fp8(acc, t), t);
+}
+
 /* Element i of a buffer as double (floats) or int64 bits widened (integers). */
 static double get(const void *buf, int t, size_t i) {
   switch (t) {
@@ -125,9 +167,16 @@ static void put(void *buf, int t, size_t i, double v) {
 }
 
 /* Random inputs every type holds exactly: multiples of 1/4 in [-2, 2] for floats, small
- * integers for integers (no sum of up to 8 ranks overflows; products wrap as the type's). */
-static double random_value(int t) {
-  if (is_fp8(t)) return rand() % 256; /* any byte, NaN patterns included: a move keeps them */
+ * integers for integers (no sum of up to 8 ranks overflows; products wrap as the type's).
+ * fp8 (as its code): any byte for a move, NaN patterns included; a reduction's operands are
+ * any finite code (subnormals to the largest), for prod magnitudes in [0.5, 2). */
+static double random_value(int t, int reduces, int op) {
+  if (is_fp8(t) && !reduces) return rand() % 256;
+  if (is_fp8(t)) {
+    int sign = (rand() & 1) ? 0x80 : 0;
+    if (op == ncclProd) return sign | (t == ncclFloat8e4m3 ? 0x30 + rand() % 16 : 0x38 + rand() % 8);
+    return sign | rand() % (fp8_max_code(t) + 1);
+  }
   int r = rand() % 17;
   if (is_float(t)) return (r - 8) / 4.0;
   if (t == ncclUint8 || t == ncclUint32 || t == ncclUint64) return r % 9;
@@ -202,8 +251,9 @@ static ncclResult_t launch(int coll, int t, int op, int root, size_t count, Buff
  * failed) and the time of `iters` further calls. */
 static long run_checked(int coll, int t, int op, int root, size_t count, Buffers *b, int in_place, double *usec) {
   size_t e = type_sizes[t], n_in = coll == RS ? count * nranks : count, n_out = coll == AG ? count * nranks : coll == RS ? count : count;
+  int reduces = coll == AR || coll == RS || coll == RD;
   for (int r = 0; r < nranks; r++) {
-    for (size_t i = 0; i < n_in; i++) put(b->host_in[r], t, i, random_value(t));
+    for (size_t i = 0; i < n_in; i++) put(b->host_in[r], t, i, random_value(t, reduces, op));
     CUDA(cudaMemset(b->recv[r], 0xff, b->recv_bytes));
     if (!in_place) CUDA(cudaMemcpy(b->send[r], b->host_in[r], n_in * e, cudaMemcpyHostToDevice));
     else {
@@ -229,13 +279,19 @@ static long run_checked(int coll, int t, int op, int root, size_t count, Buffers
         want = get(b->host_in[root], t, i);
       } else {
         size_t src = coll == RS ? (size_t)r * count + i : i;
-        for (int q = 0; q < nranks; q++) v[q] = get(b->host_in[q], t, src);
-        want = reduce_ref(t, op, v, nranks);
+        for (int q = 0; q < nranks; q++)
+          v[q] = is_fp8(t) ? from_fp8((uint8_t)get(b->host_in[q], t, src), t) : get(b->host_in[q], t, src);
+        want = is_fp8(t) ? fp8_reduce_ref(t, op, v, nranks) : reduce_ref(t, op, v, nranks);
       }
       size_t at = in_place && coll == RS ? (size_t)r * count + i : i;
       if (coll == RD && r != root) {
         /* A non-root rank's recvbuff is never written: it keeps the poison. */
         if (!in_place) wrong += ((unsigned char *)b->host_out)[at * e] != 0xff;
+        continue;
+      }
+      if (is_fp8(t) && reduces) {
+        /* Value for value (+0 equals -0): the rule fixes every bit of the rounding. */
+        wrong += !(from_fp8((uint8_t)get(b->host_out, t, at), t) == want);
         continue;
       }
       wrong += !matches(t, get(b->host_out, t, at), want);
@@ -265,8 +321,7 @@ static void sweep(size_t max_bytes, long *rows, long *bad_rows) {
   for (int coll = 0; coll < NCOLL; coll++) {
     int reduces = coll == AR || coll == RS || coll == RD;
     double factor = coll == AR ? 2.0 * (nranks - 1) / nranks : (coll == AG || coll == RS) ? (double)(nranks - 1) / nranks : 1.0;
-    /* fp8 only where mkernel moves it: AllGather, Broadcast (its reductions are refused). */
-    for (int t = 0; t < (reduces ? 10 : 12); t++) {
+    for (int t = 0; t < 12; t++) {
       for (int op = 0; op < (reduces ? 5 : 1); op++) {
         for (size_t bytes = 8; bytes <= max_bytes; bytes *= 8) {
           size_t full = bytes / type_sizes[t];

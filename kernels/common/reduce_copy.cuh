@@ -1,7 +1,8 @@
 // Element-wise building blocks of the collectives (kernels/collectives.cu within a node,
 // kernels/hier_collectives.cu across nodes): whole-CTA copies and reductions over up to
 // MK_MAX_PEERS sources, 16-byte vectors when every pointer allows, element-wise otherwise.
-// Reductions accumulate half/bfloat16 in float and round once on the store.
+// Reductions accumulate half, bfloat16 and both fp8 formats in float and round once on the
+// store (fp8 with saturation to the largest finite value, NaN kept: docs/decisions/0075).
 //
 // The vector loops have two ways to keep loads in flight. In registers a thread holds 1-4
 // (copy) or nsrc (reduce) 16-byte vectors at a time: 8-64 KiB per CTA of 512 threads, and
@@ -12,6 +13,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 #include "mk_kernel_abi.h"
 #include "mkernel.h"
@@ -34,11 +36,58 @@ template <> struct Traits<__nv_bfloat16> {
   static __device__ __forceinline__ __nv_bfloat16 store(float a) { return __float2bfloat16_rn(a); }
 };
 
+// fp8 is widened exactly (every e4m3 and e5m2 value is a float) and rounded once, to
+// nearest even with saturation: a result past the largest finite value (448 for e4m3,
+// 57344 for e5m2; an infinite one too) becomes that value with its sign, NaN stays NaN.
+// That is the conversion NCCL's fp8 reductions make (cuda_fp8.h's __NV_SATFINITE).
+template <> struct Traits<__nv_fp8_e4m3> {
+  typedef float Acc;
+  static __device__ __forceinline__ float load(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
+  static __device__ __forceinline__ __nv_fp8_e4m3 store(float a) {
+    __nv_fp8_e4m3 r;
+    r.__x = __nv_cvt_float_to_fp8(a, __NV_SATFINITE, __NV_E4M3);
+    return r;
+  }
+};
+template <> struct Traits<__nv_fp8_e5m2> {
+  typedef float Acc;
+  static __device__ __forceinline__ float load(__nv_fp8_e5m2 v) { return static_cast<float>(v); }
+  static __device__ __forceinline__ __nv_fp8_e5m2 store(float a) {
+    __nv_fp8_e5m2 r;
+    r.__x = __nv_cvt_float_to_fp8(a, __NV_SATFINITE, __NV_E5M2);
+    return r;
+  }
+};
+
+// One element loaded with __ldcg (L2 only: the peers' slots are read once); fp8 has no
+// overload of its own, so its byte is loaded.
+template <typename T> __device__ __forceinline__ T ldcg_element(const T* p) { return __ldcg(p); }
+template <> __device__ __forceinline__ __nv_fp8_e4m3 ldcg_element(const __nv_fp8_e4m3* p) {
+  __nv_fp8_e4m3 r;
+  r.__x = __ldcg(reinterpret_cast<const unsigned char*>(p));
+  return r;
+}
+template <> __device__ __forceinline__ __nv_fp8_e5m2 ldcg_element(const __nv_fp8_e5m2* p) {
+  __nv_fp8_e5m2 r;
+  r.__x = __ldcg(reinterpret_cast<const unsigned char*>(p));
+  return r;
+}
+
+// max and min: integers compare; floating accumulators take fmax/fmin, which return the
+// other operand when one is NaN (NaN only when every source is NaN), whatever the order
+// of the sources -- NCCL's rule for its floating types.
+template <typename A> __device__ __forceinline__ A max_of(A a, A b) { return a > b ? a : b; }
+template <typename A> __device__ __forceinline__ A min_of(A a, A b) { return a < b ? a : b; }
+template <> __device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
+template <> __device__ __forceinline__ float min_of(float a, float b) { return fminf(a, b); }
+template <> __device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
+template <> __device__ __forceinline__ double min_of(double a, double b) { return fmin(a, b); }
+
 template <typename A> __device__ __forceinline__ A combine(A a, A b, int op) {
   switch (op) {
     case mkProd: return (A)(a * b);
-    case mkMax: return a > b ? a : b;
-    case mkMin: return a < b ? a : b;
+    case mkMax: return max_of(a, b);
+    case mkMin: return min_of(a, b);
     default: return (A)(a + b);  // sum, avg
   }
 }
@@ -263,10 +312,10 @@ __device__ __forceinline__ void cta_reduce(T* dst, T* dst2, const char* const (&
     done = nv * V;
   }
   for (uint64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
-    A acc = Tr::load(__ldcg(reinterpret_cast<const T*>(src[0]) + i));
+    A acc = Tr::load(ldcg_element(reinterpret_cast<const T*>(src[0]) + i));
 #pragma unroll
     for (int p = 1; p < MK_MAX_PEERS; ++p)
-      if (p < nsrc) acc = combine<A>(acc, Tr::load(__ldcg(reinterpret_cast<const T*>(src[p]) + i)), op);
+      if (p < nsrc) acc = combine<A>(acc, Tr::load(ldcg_element(reinterpret_cast<const T*>(src[p]) + i)), op);
     T r = Tr::store(finalize<A>(acc, op, nranks));
     dst[i] = r;
     if (dst2) dst2[i] = r;

@@ -17,7 +17,7 @@ use crate::error::{NcclError, Result};
 use crate::handle::{CommHandle, MkComm};
 use mkernel::cuda::{check, sys};
 use mkernel::ops::collectives::{collective, CollectiveKind};
-use mkernel::types::{mkDataType_t, mkRedOp_t};
+use mkernel::types::{mkDataType_t, mkRedOp_t, Element, ElementType};
 use std::os::raw::c_int;
 use std::sync::Arc;
 
@@ -37,13 +37,15 @@ pub struct Queued {
     pub stream: usize,
 }
 
-/// Whether mkernel runs this data type and operator: a move (`op` None: AllGather,
-/// Broadcast) of any of its types, fp8 included (as bytes); a reduction of its ten types
-/// with arithmetic (ncclInt8 .. ncclBfloat16) and the five built-in ops.
+/// Whether mkernel runs this data type and operator, as its type table says: a move (`op`
+/// None: AllGather, Broadcast) of a type it gathers, a reduction of a type it reduces (all
+/// twelve, fp8 in float with one rounding) with one of the five built-in ops.
 pub fn mkernel_supports(dtype: ncclDataType_t, op: Option<ncclRedOp_t>) -> bool {
+    let Ok(t) = mkDataType_t::from_raw(dtype) else { return false };
+    let accepted = t.element().accepted;
     match op {
-        None => (0..=11).contains(&dtype),
-        Some(o) => (0..=9).contains(&dtype) && (0..ncclNumOps).contains(&o),
+        None => accepted.gather,
+        Some(o) => accepted.reduce && (0..ncclNumOps).contains(&o),
     }
 }
 
@@ -67,6 +69,17 @@ impl CollOp {
         }
     }
 
+    /// Whether mkernel runs this op on a communicator that spans nodes (`spans_nodes`) or
+    /// not: a reduction across nodes only of a type whose node partials may be stored in
+    /// the type (fp8 rounds once, so in interpose mode its reductions across nodes go to
+    /// the real NCCL).
+    pub fn runs_on_mkernel(&self, spans_nodes: bool) -> bool {
+        let (dtype, op) = self.dtype_op();
+        let across_ok =
+            || mkDataType_t::from_raw(dtype).map(|t| t.element().accepted.reduce_across_nodes).unwrap_or(false);
+        !(spans_nodes && op.is_some()) || across_ok()
+    }
+
     /// The checks made when the call is made (also inside a group): a data type and an
     /// operator mkernel runs, a root that is a rank.
     pub fn check(&self, nranks: usize) -> Result<()> {
@@ -78,9 +91,10 @@ impl CollOp {
         }
         if !mkernel_supports(dtype, op.map(|_| ncclSum)) {
             return Err(NcclError::invalid_argument(format!(
-                "{} is not supported by mkernel's reductions (they run ncclInt8 .. ncclBfloat16; fp8 is gathered \
-                 and broadcast as bytes)",
-                datatype_name(dtype)
+                "{} is not supported by mkernel's {} (they take {})",
+                datatype_name(dtype),
+                if op.is_some() { "reductions" } else { "moves" },
+                ElementType::names_where(|a| if op.is_some() { a.reduce } else { a.gather })
             )));
         }
         if let Some(op) = op.filter(|&o| !(0..ncclNumOps).contains(&o)) {
@@ -189,9 +203,11 @@ mod tests {
     fn call_time_checks_name_the_rule() {
         let ar = |dtype, op| CollOp::AllReduce { send: 0x1000, recv: 0x1000, count: 4, dtype, op };
         assert!(ar(7, 4).check(2).is_ok(), "float avg");
-        let e = ar(10, 0).check(2).unwrap_err();
-        assert_eq!(e.code, ncclInvalidArgument);
-        assert!(e.message.contains("ncclFloat8e4m3 is not supported by mkernel's reductions"), "{}", e.message);
+        for fp8 in [ncclFloat8e4m3, ncclFloat8e5m2] {
+            for op in 0..ncclNumOps {
+                assert!(ar(fp8, op).check(2).is_ok(), "fp8 reduces in float with one rounding");
+            }
+        }
         let ag = |dtype| CollOp::AllGather { send: 0x1000, recv: 0x2000, count: 4, dtype };
         assert!(ag(10).check(2).is_ok() && ag(11).check(2).is_ok(), "fp8 is gathered");
         assert!(ar(12, 0).check(2).unwrap_err().message.contains("not an ncclDataType_t"));
@@ -206,12 +222,24 @@ mod tests {
     }
 
     #[test]
-    fn mkernel_runs_its_ten_types_and_five_ops() {
-        assert!((0..=9).all(|t| mkernel_supports(t, Some(0))));
-        assert!(mkernel_supports(10, None) && mkernel_supports(11, None), "fp8 moves as bytes");
-        assert!(!mkernel_supports(10, Some(0)) && !mkernel_supports(11, Some(0)), "no fp8 reduction");
-        assert!(!mkernel_supports(12, None));
+    fn mkernel_runs_its_twelve_types_and_five_ops() {
+        assert!((0..=11).all(|t| mkernel_supports(t, Some(0)) && mkernel_supports(t, None)));
+        assert!(mkernel_supports(ncclFloat8e4m3, Some(4)) && mkernel_supports(ncclFloat8e5m2, Some(2)));
+        assert!(!mkernel_supports(12, None) && !mkernel_supports(-1, Some(0)));
         assert!((0..5).all(|o| mkernel_supports(7, Some(o))));
         assert!(!mkernel_supports(7, Some(5)), "PreMulSum operators go to NCCL");
+    }
+
+    #[test]
+    fn fp8_reductions_across_nodes_go_to_nccl() {
+        let ar = |dtype| CollOp::AllReduce { send: 0x1000, recv: 0x1000, count: 4, dtype, op: ncclSum };
+        let rs = |dtype| CollOp::ReduceScatter { send: 0x1000, recv: 0x1000, count: 4, dtype, op: 2 };
+        let ag = |dtype| CollOp::AllGather { send: 0x1000, recv: 0x2000, count: 4, dtype };
+        for fp8 in [ncclFloat8e4m3, ncclFloat8e5m2] {
+            assert!(ar(fp8).runs_on_mkernel(false) && rs(fp8).runs_on_mkernel(false), "within a node");
+            assert!(!ar(fp8).runs_on_mkernel(true) && !rs(fp8).runs_on_mkernel(true), "across nodes");
+            assert!(ag(fp8).runs_on_mkernel(true), "gathered across nodes as bytes");
+        }
+        assert!(ar(9).runs_on_mkernel(true) && ar(7).runs_on_mkernel(true), "bfloat16 and float");
     }
 }

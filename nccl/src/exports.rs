@@ -141,8 +141,12 @@ fn collective(
         }
         let routable = matches!(op, CollOp::AllReduce { .. } | CollOp::AllGather { .. } | CollOp::ReduceScatter { .. })
             && op.check(h.nranks.max(1)).is_ok();
-        if routable && h.mk_comm()?.is_some() {
-            return run_on_mkernel(h, op, stream);
+        if routable {
+            if let Some(mk) = h.mk_comm()? {
+                if op.runs_on_mkernel(mk.topology.spans_nodes()) {
+                    return run_on_mkernel(h, op, stream);
+                }
+            }
         }
         let _ = h.mk_comm();
         h.count(op.name(), Route::Nccl);

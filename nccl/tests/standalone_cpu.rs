@@ -59,12 +59,13 @@ fn a_group_holds_collectives_until_its_end_and_reports_their_errors() {
     let (h, c) = pending(2);
     let x = 0x10000 as *mut std::ffi::c_void;
     assert_eq!(ncclGroupStart(), ncclSuccess);
-    // Checked at the call: a type mkernel does not run, a root that is no rank.
-    assert_eq!(unsafe { ncclAllReduce(x, x, 4, ncclFloat8e4m3, ncclSum, c, null_mut()) }, ncclInvalidArgument);
-    assert!(last_error().contains("ncclFloat8e4m3 is not supported by mkernel"), "{}", last_error());
+    // Checked at the call: an operator mkernel does not run, a root that is no rank.
+    assert_eq!(unsafe { ncclAllReduce(x, x, 4, 7, 5, c, null_mut()) }, ncclInvalidArgument);
+    assert!(last_error().contains("op 5 is not a built-in ncclRedOp_t"), "{}", last_error());
     assert_eq!(unsafe { ncclBroadcast(x, x, 4, 7, 2, c, null_mut()) }, ncclInvalidArgument);
     assert!(last_error().contains("root 2 is not a rank"), "{}", last_error());
-    // Held: returns at once although the communicator is not ready.
+    // Held: returns at once although the communicator is not ready (fp8 reductions too).
+    assert_eq!(unsafe { ncclAllReduce(x, x, 4, ncclFloat8e4m3, ncclSum, c, null_mut()) }, ncclSuccess);
     assert_eq!(
         unsafe {
             ncclAllReduce(x, x, 4, 7, 4 /* ncclAvg */, c, null_mut())

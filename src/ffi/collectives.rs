@@ -48,13 +48,19 @@ pub unsafe extern "C" fn mkAllGather(
 ///
 /// In place when `recvbuff == sendbuff + rank * recvcount` elements. Ops: mkSum, mkProd,
 /// mkMax, mkMin, mkAvg (sum divided by nranks; integer division for integer types), for
-/// every dtype. Half and bfloat16 accumulate in float and round once; integers wrap.
+/// every dtype. Sources combine in rank order. Half, bfloat16, mkFloat8e4m3 and
+/// mkFloat8e5m2 accumulate in float and round once; integers wrap. fp8 rounds to nearest
+/// even with saturation: a result beyond the largest finite value (448 for e4m3, 57344 for
+/// e5m2), infinite ones included, becomes that value with its sign; NaN stays NaN (as
+/// NCCL's conversion). NaN in any source makes mkSum, mkProd and mkAvg NaN; mkMax and mkMin
+/// of floating types ignore NaN sources (NaN only when every source is NaN).
 /// Otherwise as mkAllGather (stream order, graphs, timeouts).
 ///
 /// Across nodes the contributions are first combined within each node (in local-rank
 /// order), then the nodes' partial results in node order; each partial is stored in the
 /// element type, so half and bfloat16 round once more per node. mkAvg divides once, by
-/// nranks, at the end.
+/// nranks, at the end. fp8 is not reduced across nodes (a partial stored in fp8 would
+/// round twice): mkInvalidUsage.
 #[no_mangle]
 pub unsafe extern "C" fn mkReduceScatter(
     sendbuff: *const c_void,

@@ -8,8 +8,8 @@ pub mod fill;
 pub mod fp8;
 mod graph;
 pub use acceptance::{
-    accumulation_unit, check_close, check_exact, check_exact_bytes, gamma, gemm_reference, underflow_floor,
-    unit_roundoff, Rule, Verdict, Worst,
+    accumulation_unit, check_close, check_exact, check_exact_bytes, check_exact_or_nan, gamma, gemm_reference,
+    underflow_floor, unit_roundoff, Rule, Verdict, Worst,
 };
 pub use graph::{CapturedGraph, CAPTURE_MODE};
 

@@ -19,8 +19,9 @@ const (
 	Float32  DataType = C.mkFloat32
 	Float64  DataType = C.mkFloat64
 	Bfloat16 DataType = C.mkBfloat16
-	// Float8e4m3 and Float8e5m2 are gathered as bytes by AllGather; ScaledGemm multiplies
-	// Float8e4m3. No reduction and no unscaled GEMM takes them.
+	// Float8e4m3 and Float8e5m2 are gathered by AllGather and reduced by ReduceScatter and
+	// AllReduce within a node (in float, rounded once); ScaledGemm multiplies Float8e4m3.
+	// No unscaled GEMM takes them.
 	Float8e4m3 DataType = C.mkFloat8e4m3
 	Float8e5m2 DataType = C.mkFloat8e5m2
 )

@@ -31,8 +31,8 @@ TORCH_DTYPES = {
 }
 ALL_DTYPES = tuple(TORCH_DTYPES)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-# fp8 is gathered only: the reductions take every other type.
-REDUCE_DTYPES = tuple(d for d in TORCH_DTYPES if d not in FP8_DTYPES)
+# The reductions take every type (fp8 within a node, in float with one rounding).
+REDUCE_DTYPES = ALL_DTYPES
 GEMM_DTYPES = (torch.bfloat16, torch.float16)
 # A and B of scaled_gemm (mkScaledGemm's kernels read e4m3).
 SCALED_GEMM_DTYPES = (torch.float8_e4m3fn,)

@@ -193,6 +193,35 @@ pub fn params(
     }
 }
 
+/// `validate`'s checks, and a reduction only of a type whose node partials may be stored in
+/// the type: fp8 reduces with one rounding (docs/decisions/0075), which a partial stored in
+/// fp8 would break, so its reductions across nodes are mkInvalidUsage.
+#[allow(clippy::too_many_arguments)]
+pub fn validate_across_nodes(
+    kind: CollectiveKind,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: RawDataType,
+    op: Option<RawRedOp>,
+    rank: usize,
+    nranks: usize,
+) -> Result<CollectiveArgs> {
+    let args = validate(kind, send, recv, count, dtype, op, rank, nranks)?;
+    let reduces = kind != CollectiveKind::AllGather;
+    if reduces && !args.dtype.element().accepted.reduce_across_nodes {
+        return Err(MkError::invalid_usage(format!(
+            "{} of {} across nodes is not supported: its node partials would be stored in the element type, a \
+             second rounding that fp8's one-rounding rule excludes (within a node it is supported; across nodes \
+             it reduces {})",
+            kind.name(),
+            args.dtype.element().c_name,
+            crate::types::ElementType::names_where(|a| a.reduce_across_nodes)
+        )));
+    }
+    Ok(args)
+}
+
 /// Validates, plans and launches one collective on a communicator that spans nodes.
 #[allow(clippy::too_many_arguments)]
 pub fn collective(
@@ -206,7 +235,7 @@ pub fn collective(
     stream: sys::CUstream,
 ) -> Result<()> {
     comm.check_usable()?;
-    let args = validate(kind, send, recv, count, dtype, op, comm.rank, comm.nranks)?;
+    let args = validate_across_nodes(kind, send, recv, count, dtype, op, comm.rank, comm.nranks)?;
     let ws = comm.workspace.as_ref().ok_or_else(|| {
         MkError::invalid_usage(
             comm.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()),
@@ -231,8 +260,8 @@ pub fn collective(
     check_device_pointer(args.send, comm.context.device, "sendbuff")?;
     check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
     let mut params = params(&ws.view, ring, &nl, comm.rank, comm.nranks, &args, &plan);
-    // A type without arithmetic (fp8) is only gathered: its bytes move as mkUint8's.
-    let kernel_launch = plan.kernel_launch(args.dtype.element().moved_as())?;
+    // A type not reduced across nodes (fp8) is only gathered: its bytes move as mkUint8's.
+    let kernel_launch = plan.kernel_launch(args.dtype.element().moved_across_nodes_as())?;
     // SAFETY: one HierCollectiveParams by value; the buffers were checked to be device
     // memory of this context's device, as large as the caller promised; the workspace and
     // the ring live as long as the communicator.
@@ -324,6 +353,31 @@ mod tests {
             (l.kernel, l.grid, l.block, l.smem_bytes),
             (crate::cuda::kernels::MK_HIER_COLLECTIVE_F32, p.ctas, 512, 0)
         );
+    }
+
+    #[test]
+    fn fp8_is_gathered_across_nodes_as_bytes_and_its_reductions_refused() {
+        use crate::types::mkDataType_t::*;
+        let v = |kind, dtype: crate::types::mkDataType_t| {
+            validate_across_nodes(kind, 0x1000, 0x100000, 10, dtype as RawDataType, Some(0), 1, 4)
+        };
+        for fp8 in [mkFloat8e4m3, mkFloat8e5m2] {
+            let args = v(CollectiveKind::AllGather, fp8).unwrap();
+            let p = plan(CollectiveKind::AllGather, 1 << 20, 1, 2, 2, 16, 256 << 20).unwrap();
+            let l = p.kernel_launch(args.dtype.element().moved_across_nodes_as()).unwrap();
+            assert_eq!(l.kernel, crate::cuda::kernels::MK_HIER_COLLECTIVE_U8);
+            for kind in [CollectiveKind::ReduceScatter, CollectiveKind::AllReduce] {
+                let e = v(kind, fp8).unwrap_err();
+                assert_eq!(e.code, mkResult_t::mkInvalidUsage);
+                let want = format!("{} of {} across nodes is not supported", kind.name(), fp8.element().c_name);
+                assert!(e.message.contains(&want), "{}", e.message);
+                assert!(!e.message.contains("mkFloat8e5m2 or") && e.message.contains("mkBfloat16"), "{}", e.message);
+            }
+        }
+        // The other types reduce across nodes as before; bad arguments still come first.
+        assert!(v(CollectiveKind::AllReduce, mkBfloat16).is_ok());
+        let e = validate_across_nodes(CollectiveKind::AllReduce, 0, 0x1000, 10, 10, Some(0), 1, 4).unwrap_err();
+        assert_eq!(e.code, mkResult_t::mkInvalidArgument);
     }
 
     #[test]

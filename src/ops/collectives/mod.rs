@@ -292,8 +292,7 @@ pub fn launch(
         protocol: p.protocol as u32,
     };
     // The launch raises the function's dynamic shared-memory limit above 48 KiB.
-    // A type without arithmetic (fp8) is only gathered: its bytes move as mkUint8's.
-    let kernel_launch = p.kernel_launch(args.dtype.element().moved_as(), stage_bytes)?;
+    let kernel_launch = p.kernel_launch(args.dtype, stage_bytes)?;
     // SAFETY: one CollectiveParams by value; the buffers were checked to be device memory
     // of this context's device, large enough as the caller promised.
     unsafe {
@@ -441,20 +440,33 @@ mod tests {
     }
 
     #[test]
-    fn fp8_is_gathered_as_bytes_and_refused_by_the_reductions() {
-        use crate::error::mkResult_t;
-        let v = |k, d| validate(k, 0x1000, 0x9000, 10, d, Some(0), 1, 4);
-        for fp8 in [mkFloat8e4m3, mkFloat8e5m2] {
-            let args = v(CollectiveKind::AllGather, fp8 as RawDataType).unwrap();
-            assert_eq!(args.dtype, fp8);
-            // Its launch is mkUint8's: the same bytes, moved unchanged.
-            let p = plan(CollectiveKind::AllGather, 1 << 20, 1, 4, 16, 64 << 20, 264, COLLECTIVE_LL_MAX_BYTES);
-            let l = p.kernel_launch(args.dtype.element().moved_as(), STAGE_BYTES).unwrap();
-            assert_eq!(l.kernel, crate::cuda::kernels::MK_COLLECTIVE_U8);
-            for kind in [CollectiveKind::ReduceScatter, CollectiveKind::AllReduce] {
-                let e = v(kind, fp8 as RawDataType).unwrap_err();
-                assert_eq!(e.code, mkResult_t::mkInvalidArgument);
-                assert!(e.message.contains(&format!("{} reduces only", kind.name())), "{}", e.message);
+    fn fp8_is_gathered_and_reduced_by_its_own_kernels() {
+        use crate::cuda::kernels::{MK_COLLECTIVE_E4M3, MK_COLLECTIVE_E5M2};
+        let v = |k, d, op| validate(k, 0x1000, 0x9000, 10, d, op, 1, 4);
+        for (fp8, kernel) in [(mkFloat8e4m3, MK_COLLECTIVE_E4M3), (mkFloat8e5m2, MK_COLLECTIVE_E5M2)] {
+            for kind in [CollectiveKind::AllGather, CollectiveKind::ReduceScatter, CollectiveKind::AllReduce] {
+                let ops: Vec<Option<RawRedOp>> = if kind == CollectiveKind::AllGather {
+                    vec![None]
+                } else {
+                    mkRedOp_t::ALL.iter().map(|&o| Some(o as RawRedOp)).collect()
+                };
+                for op in ops {
+                    let args = v(kind, fp8 as RawDataType, op).unwrap();
+                    assert_eq!(args.dtype, fp8);
+                    // One-byte elements: an LL piece is its byte size in elements, a simple
+                    // piece a multiple of 256 elements.
+                    for count in [1u64, 4097, 1 << 20] {
+                        let elem = fp8.size() as u64;
+                        let p = plan(kind, count, elem, 4, 16, 64 << 20, 264, COLLECTIVE_LL_MAX_BYTES);
+                        match p.protocol {
+                            MkProtocol::LowLatency => assert_eq!(p.chunk, MK_LL_PIECE_BYTES as u64),
+                            MkProtocol::Simple => assert_eq!(p.chunk % PIECE_ALIGN_BYTES, 0, "{p:?}"),
+                        }
+                        assert_eq!(p.protocol == MkProtocol::LowLatency, count <= COLLECTIVE_LL_MAX_BYTES);
+                        let l = p.kernel_launch(args.dtype, STAGE_BYTES).unwrap();
+                        assert_eq!(l.kernel, kernel, "{kind:?} {op:?}: the type's own kernel, which widens to float");
+                    }
+                }
             }
         }
     }

@@ -293,6 +293,25 @@ pub fn check_exact(out: &[f64], want: &[f64]) -> Verdict {
     v
 }
 
+/// Value for value where the defined result is a number (+0 equals -0), and NaN exactly
+/// where the defined result is NaN (an fp8 Sum with a NaN source): a NaN where a number is
+/// due, or a number where NaN is due, is wrong.
+pub fn check_exact_or_nan(out: &[f64], want: &[f64]) -> Verdict {
+    assert_eq!(out.len(), want.len());
+    let mut v = Verdict { elements: out.len(), wrong: 0, nonfinite: 0, worst_ratio: 0.0, worst: None, l2: None };
+    for (i, (&o, &w)) in out.iter().zip(want).enumerate() {
+        let same = if w.is_nan() { o.is_nan() } else { o == w };
+        if !same {
+            if v.wrong == 0 {
+                v.worst = Some(Worst { index: i, got: o, want: w, bound: 0.0 });
+                v.worst_ratio = f64::INFINITY;
+            }
+            v.wrong += 1;
+        }
+    }
+    v
+}
+
 /// Bit for bit, element by element (a gather, a copy): the first differing element is
 /// reported with its decoded values.
 pub fn check_exact_bytes(out: &[u8], want: &[u8], dtype: mkDataType_t) -> Verdict {
@@ -605,6 +624,17 @@ mod tests {
         assert!(format!("{v}").contains("worst [1]: got 2.5"), "{v}");
         // A zero bound (an exactly zero reference with nothing summed) demands exactly 0.
         assert!(!check_close(&[1e-30], &[0.0], &[0.0], 1.0).passed());
+    }
+
+    #[test]
+    fn nan_passes_only_where_it_is_the_defined_result() {
+        let nan = f64::NAN;
+        assert!(check_exact_or_nan(&[1.0, nan, -0.0], &[1.0, nan, 0.0]).passed());
+        let v = check_exact_or_nan(&[1.0, nan, 3.0], &[1.0, 2.0, 3.0]);
+        assert!(!v.passed() && v.wrong == 1 && v.worst.unwrap().index == 1, "NaN where a number is due: {v}");
+        let v = check_exact_or_nan(&[1.0, 448.0], &[1.0, nan]);
+        assert!(!v.passed() && v.wrong == 1, "a number where NaN is due: {v}");
+        assert!(!check_exact_or_nan(&[0.5], &[0.4375]).passed());
     }
 
     #[test]

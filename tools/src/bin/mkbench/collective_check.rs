@@ -8,15 +8,18 @@
 //! too: `period` reductions per dtype instead of one per element keep a gigabyte's check to
 //! seconds. Values as mktest's collectives suite draws them: floats uniform in [-1, 1)
 //! (±[0.75, 1.25) for Prod, so products stay clear of subnormals), signed integers in
-//! [-3, 3], unsigned in [1, 4]. A float Sum, Avg or Prod passes within the bound of the
-//! rounding the library states (`testing::Rule`: an fp32 accumulation over the ranks
-//! rounded once, plus one rounding per node partial across nodes); everything else
-//! (AllGather, Max, Min, integers, whose sums wrap as the kernels' arithmetic does) must
-//! match bit for bit. NaN never passes.
+//! [-3, 3], unsigned in [1, 4], fp8 any finite code (for Prod, magnitudes in [0.5, 2)). A
+//! float Sum, Avg or Prod passes within the bound of the rounding the library states
+//! (`testing::Rule`: an fp32 accumulation over the ranks rounded once, plus one rounding per
+//! node partial across nodes); an fp8 reduction must equal its f32-then-round-once value
+//! (`fp8_reduction`; ±0 equal); everything else (AllGather, Max, Min, integers, whose sums
+//! wrap as the kernels' arithmetic does) must match bit for bit. NaN never passes.
 
 use mkernel::ops::collectives::CollectiveKind;
 use mkernel::types::{mkDataType_t, mkRedOp_t};
-use mkernel_tools::testing::collective_values::{exact_reduction, is_float, push_element, splitmix};
+use mkernel_tools::testing::collective_values::{
+    exact_reduction, fp8_reduction, is_float, is_fp8, push_element, splitmix,
+};
 use mkernel_tools::testing::{
     accumulation_unit, f32_to_bf16, f32_to_f16, gamma, to_f64, underflow_floor, unit_roundoff, Rule,
 };
@@ -65,6 +68,11 @@ fn rank_table(dtype: mkDataType_t, op: mkRedOp_t, seed: u64, rank: usize, period
 /// is the ranks per node (`vals.len()` on one node).
 pub fn reference(vals: &[f64], op: mkRedOp_t, dtype: mkDataType_t, node_size: usize) -> (f64, Option<f64>) {
     let n = vals.len();
+    if is_fp8(dtype) {
+        // The rule is exact (one rounding of an f32 accumulation): a bound of zero compares
+        // values, so +0 and -0 are equal and NaN is wrong.
+        return (fp8_reduction(vals, op, dtype), Some(0.0));
+    }
     let exact = exact_reduction(vals, op, dtype);
     if !is_float(dtype) {
         return (exact, None);
@@ -106,7 +114,7 @@ fn encode(dtype: mkDataType_t, v: f64) -> Vec<u8> {
         mkInt64 => (v as i64).to_le_bytes().to_vec(),
         mkUint64 => (v as u64).to_le_bytes().to_vec(),
         mkFloat8e4m3 => vec![mkernel_tools::testing::fp8::f32_to_e4m3(v as f32)],
-        mkFloat8e5m2 => vec![(f32_to_f16(v as f32) >> 8) as u8],
+        mkFloat8e5m2 => vec![mkernel_tools::testing::fp8::f32_to_e5m2(v as f32)],
     }
 }
 
@@ -231,7 +239,6 @@ impl Expectation {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mkernel::types::Element;
     use mkernel_tools::testing::{bf16_to_f32, f16_to_f32};
 
     const SMALL: usize = 61;
@@ -257,7 +264,21 @@ mod tests {
         let mut out = Vec::new();
         for i in first..first + count {
             let xs: Vec<f64> = vals.iter().map(|v| v[i]).collect();
-            let v = if is_float(dtype) && dtype != mkDataType_t::mkFloat64 {
+            let v = if is_fp8(dtype) {
+                use mkernel_tools::testing::fp8::{e4m3_to_f32, e5m2_to_f32, f32_to_e4m3, f32_to_e5m2};
+                let f: Vec<f32> = xs.iter().map(|&x| x as f32).collect();
+                let r = match op {
+                    mkRedOp_t::mkSum => f[1..].iter().fold(f[0], |a, b| a + b),
+                    mkRedOp_t::mkAvg => f[1..].iter().fold(f[0], |a, b| a + b) / n as f32,
+                    mkRedOp_t::mkProd => f[1..].iter().fold(f[0], |a, b| a * b),
+                    mkRedOp_t::mkMax => f[1..].iter().fold(f[0], |a, &b| a.max(b)),
+                    mkRedOp_t::mkMin => f[1..].iter().fold(f[0], |a, &b| a.min(b)),
+                };
+                match dtype {
+                    mkDataType_t::mkFloat8e4m3 => e4m3_to_f32(f32_to_e4m3(r)) as f64,
+                    _ => e5m2_to_f32(f32_to_e5m2(r)) as f64,
+                }
+            } else if is_float(dtype) && dtype != mkDataType_t::mkFloat64 {
                 let f: Vec<f32> = xs.iter().map(|&x| x as f32).collect();
                 let r = match op {
                     mkRedOp_t::mkSum => f.iter().fold(0.0f32, |a, b| a + b),
@@ -291,9 +312,7 @@ mod tests {
         let mut v = Vec::new();
         for dtype in mkDataType_t::ALL {
             v.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum));
-            // fp8 is gathered only (mkReduceScatter and mkAllReduce refuse it).
-            let reduces = if dtype.element().accepted.reduce { &mkRedOp_t::ALL[..] } else { &[] };
-            for &op in reduces {
+            for op in mkRedOp_t::ALL {
                 v.push((CollectiveKind::ReduceScatter, dtype, op));
                 v.push((CollectiveKind::AllReduce, dtype, op));
             }
@@ -343,11 +362,23 @@ mod tests {
             let es = dtype.size();
             let label = format!("{kind:?} {} {op:?}", dtype.name());
             // One element changed: a float to 2v + 1.5 (never v, far outside any bound), an
-            // integer by one.
+            // fp8 value to 1 of the other sign (2v + 1.5 may saturate back to v), an integer
+            // by one.
             let mut one = good.clone();
             let at = 123 * es;
             let v = to_f64(&one[at..at + es], dtype)[0];
-            one[at..at + es].copy_from_slice(&encode(dtype, if is_float(dtype) { v * 2.0 + 1.5 } else { v + 1.0 }));
+            let changed = match dtype {
+                t if is_fp8(t) => {
+                    if v > 0.0 {
+                        -1.0
+                    } else {
+                        1.0
+                    }
+                }
+                t if is_float(t) => v * 2.0 + 1.5,
+                _ => v + 1.0,
+            };
+            one[at..at + es].copy_from_slice(&encode(dtype, changed));
             assert_eq!(e.wrong(count, 0, &one), 1, "{label}: one changed element");
             // A 16-element piece written one period later than its place.
             let mut moved = good.clone();
@@ -359,7 +390,7 @@ mod tests {
             // wrong; −1 or the largest value in the integers, which some expected values equal.
             let poison = vec![0xffu8; good.len()];
             let all = good.len() as u64 / es as u64;
-            let least = if is_float(dtype) { all } else { all / 2 };
+            let least = if is_float(dtype) || is_fp8(dtype) { all } else { all / 2 };
             assert!(e.wrong(count, 0, &poison) >= least, "{label}: poison passed");
         }
     }

@@ -30,10 +30,12 @@ use mkernel::ffi::mkComm_t;
 use mkernel::ffi::query::mkGetLastError;
 use mkernel::ops::collectives::CollectiveKind;
 use mkernel::types::{mkDataType_t, mkRedOp_t, Element};
-use mkernel_tools::testing::collective_values::{exact_reduction, is_float, push_element, splitmix};
+use mkernel_tools::testing::collective_values::{
+    exact_reduction, fp8_reduction, is_float, is_fp8, push_element, splitmix,
+};
 use mkernel_tools::testing::{
-    accumulation_unit, check_close, check_exact, gamma, to_f64, tolerance, underflow_floor, unit_roundoff,
-    CapturedGraph, Rule, TestBuffer, Verdict,
+    accumulation_unit, check_close, check_exact, check_exact_or_nan, gamma, to_f64, tolerance, underflow_floor,
+    unit_roundoff, CapturedGraph, Rule, TestBuffer, Verdict,
 };
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -208,6 +210,22 @@ fn random_input(dtype: mkDataType_t, n: usize, seed: u64, for_prod: bool) -> (Ve
     (bytes, vals)
 }
 
+/// One fp8 input element in this many is NaN in a reduction's inputs, so that NaN's rule
+/// (Sum, Prod, Avg give NaN; Max, Min ignore it) is checked at every rank count.
+const FP8_NAN_ONE_IN: u64 = 53;
+
+/// Replaces about one element in `FP8_NAN_ONE_IN` of an fp8 input by NaN (both signs' NaN
+/// codes: 0x7F and 0xFF in e4m3 and e5m2 alike), in the bytes and in their values.
+fn inject_fp8_nans(bytes: &mut [u8], vals: &mut [f64], seed: u64) {
+    for (i, (b, v)) in bytes.iter_mut().zip(vals.iter_mut()).enumerate() {
+        let r = splitmix(seed ^ 0x6e61_6e73 ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        if r % FP8_NAN_ONE_IN == 0 {
+            *b = if r & (1 << 40) != 0 { 0xFF } else { 0x7F };
+            *v = f64::NAN;
+        }
+    }
+}
+
 fn upload_at(ptr: u64, bytes: &[u8]) -> Result<()> {
     // SAFETY: the caller's buffer holds bytes.len() bytes at ptr.
     unsafe { cu::memcpy_htod_sync(ptr, bytes) }.map_err(|e| cuda::cuda_err("cuMemcpyHtoD", e))
@@ -295,8 +313,12 @@ impl Case {
     /// The exact float64 result of one element from every rank's value and, for an op that
     /// rounds (Sum, Avg, Prod of floats), the largest error the library's stated rounding
     /// allows: an fp32 reduction over the ranks rounded once (testing::Rule), plus one
-    /// rounding per node partial across nodes. Max, Min and integers are exact (None).
+    /// rounding per node partial across nodes. Max, Min and integers are exact (None), and
+    /// so is fp8, whose rule (f32 in rank order, one saturating rounding) fixes every bit.
     fn reference(&self, vals: &[f64]) -> (f64, Option<f64>) {
+        if is_fp8(self.dtype) {
+            return (fp8_reduction(vals, self.op, self.dtype), None);
+        }
         let exact = exact_reduction(vals, self.op, self.dtype);
         if !is_float(self.dtype) || matches!(self.op, mkRedOp_t::mkMax | mkRedOp_t::mkMin) {
             return (exact, None);
@@ -340,12 +362,12 @@ impl Case {
         let (send_n, recv_n) = self.kind.buffer_counts(self.count as u64, self.nranks as u64).unwrap();
         let inputs: Vec<Vec<f64>> = (0..self.nranks)
             .map(|p| {
-                let (bytes, vals) = random_input(
-                    self.dtype,
-                    send_n as usize,
-                    seed ^ ((p as u64 + 1) * 0x9e37_79b9),
-                    self.op == mkRedOp_t::mkProd,
-                );
+                let rank_seed = seed ^ ((p as u64 + 1) * 0x9e37_79b9);
+                let (mut bytes, mut vals) =
+                    random_input(self.dtype, send_n as usize, rank_seed, self.op == mkRedOp_t::mkProd);
+                if is_fp8(self.dtype) && self.kind != CollectiveKind::AllGather {
+                    inject_fp8_nans(&mut bytes, &mut vals, rank_seed);
+                }
                 if p == self.rank {
                     // poison the whole output first (in place: then the input goes in)
                     // SAFETY: recv holds recv_n elements.
@@ -399,6 +421,10 @@ impl Case {
         let got = to_f64(&download_at(self.recv, self.expected.len() * self.dtype.size())?, self.dtype);
         let verdict: Verdict = match &self.bounds {
             Some(bounds) => check_close(&got, &self.expected, bounds, tolerance(self.dtype)),
+            // An fp8 reduction's NaN inputs make NaN its defined result in places.
+            None if is_fp8(self.dtype) && self.kind != CollectiveKind::AllGather => {
+                check_exact_or_nan(&got, &self.expected)
+            }
             None => check_exact(&got, &self.expected),
         };
         let mut guards = None;
@@ -446,17 +472,16 @@ fn rank_main(env: &RankEnv) -> Result<()> {
 }
 
 /// The collectives' case matrix: every dtype × AllGather / ReduceScatter (every op) /
-/// AllReduce (every op) × counts of 1, 3, 1000, 16,001 and 70,001, and three dtypes at
+/// AllReduce (every op) × counts of 1, 3, 1000, 16,001 and 70,001, and four dtypes at
 /// counts large enough to pipeline through many workspace steps. Within a node the first
 /// three take the low-latency protocol (at most 64 KiB per segment), and 16,001 too for
 /// types of up to 4 bytes (spread over several LL CTAs, ending in a partial line); the rest
-/// the simple one.
+/// the simple one. fp8's reductions (in float, rounded once) are among them.
 pub(crate) fn case_matrix() -> Vec<(CollectiveKind, mkDataType_t, mkRedOp_t, usize)> {
     let mut cases = Vec::new();
     for dtype in mkDataType_t::ALL {
         for count in [1usize, 3, 1000, 16_001, 70_001] {
             cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, count));
-            // fp8 is gathered only (mkReduceScatter and mkAllReduce refuse it).
             let reduces = if dtype.element().accepted.reduce { &mkRedOp_t::ALL[..] } else { &[] };
             for &op in reduces {
                 cases.push((CollectiveKind::ReduceScatter, dtype, op, count));
@@ -464,7 +489,8 @@ pub(crate) fn case_matrix() -> Vec<(CollectiveKind, mkDataType_t, mkRedOp_t, usi
             }
         }
     }
-    for dtype in [mkDataType_t::mkFloat32, mkDataType_t::mkBfloat16, mkDataType_t::mkInt32] {
+    let large = [mkDataType_t::mkFloat32, mkDataType_t::mkBfloat16, mkDataType_t::mkInt32, mkDataType_t::mkFloat8e4m3];
+    for dtype in large {
         cases.push((CollectiveKind::AllGather, dtype, mkRedOp_t::mkSum, 1_000_003));
         cases.push((CollectiveKind::AllReduce, dtype, mkRedOp_t::mkSum, 1_000_003));
         cases.push((CollectiveKind::ReduceScatter, dtype, mkRedOp_t::mkSum, 250_007));
@@ -492,6 +518,17 @@ pub(crate) fn run_matrix(
             }
             seed += 1;
             case.prepare(seed)?;
+            if ranks_per_node.is_some()
+                && kind != CollectiveKind::AllGather
+                && !dtype.element().accepted.reduce_across_nodes
+            {
+                // fp8 is not reduced across nodes: refused before anything is enqueued.
+                checks += 1;
+                if !refused_across_nodes(case.launch(comm, stream.0), &case) {
+                    failures += 1;
+                }
+                continue;
+            }
             case.launch(comm, stream.0)?;
             // Bounded: a hung kernel must fail the test, not the whole run.
             timed_sync(&stream, longest_op_timeout()).map_err(|e| e.context(case.label()))?;
@@ -510,6 +547,19 @@ pub(crate) fn run_matrix(
         }
     }
     Ok((checks, failures))
+}
+
+/// Whether `launched` is the refusal of a reduction across nodes of a type that reduces only
+/// within a node (mkInvalidUsage naming the op and the type); says what came instead.
+fn refused_across_nodes(launched: Result<()>, case: &Case) -> bool {
+    let want = format!("{} of {} across nodes is not supported", case.kind.name(), case.dtype.element().c_name);
+    match launched {
+        Err(e) if e.code == mkResult_t::mkInvalidUsage && e.message.contains(&want) => true,
+        other => {
+            say(case.rank, format!("{} -> WRONG (expected mkInvalidUsage \"{want}\", got {other:?})", case.label()));
+            false
+        }
+    }
 }
 
 fn correctness(env: &RankEnv) -> Result<()> {

@@ -340,7 +340,7 @@ fn draw(kind: Kind, rng: &mut Rng, nranks: usize) -> Call {
     }
 }
 
-/// The types mkReduceScatter and mkAllReduce take (every type but fp8, which is gathered only).
+/// The types mkReduceScatter and mkAllReduce take (every type: fp8 in float, rounded once).
 fn reducing_types() -> Vec<mkDataType_t> {
     mkDataType_t::ALL.into_iter().filter(|t| t.element().accepted.reduce).collect()
 }
@@ -353,7 +353,6 @@ fn draw_once(kind: Kind, rng: &mut Rng, nranks: usize) -> Call {
     let dtype = rng.pick(&GEMM_TYPES);
     let collective = |rng: &mut Rng, kind: CollectiveKind| Call::Collective {
         kind,
-        // fp8 is gathered only (mkReduceScatter and mkAllReduce refuse it).
         dtype: if kind == CollectiveKind::AllGather {
             rng.pick(&mkDataType_t::ALL)
         } else {
