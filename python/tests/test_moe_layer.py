@@ -103,6 +103,33 @@ def test_grouped_recomputation_matches_float64_reference(activation, seed):
     assert got_grads[1][0, 2] == 0
 
 
+def test_grouped_recomputation_aligns_each_group_in_bf16(monkeypatch):
+    """In bf16 every expert's group of rows starts on 16 bytes (8 rows), as _grouped_mm's
+    backward needs (it contracts over the rows); the result still matches float64."""
+    seen = []
+    grouped_mm = torch._grouped_mm
+
+    def recording(a, b, offs):
+        seen.append(offs.tolist())
+        return grouped_mm(a, b, offs=offs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", recording)
+    tokens, topk, experts, hidden, ffn = 37, 3, 4, 128, 128
+    act = ACTIVATIONS["swiglu"][1]
+    idx, weights = _routing(tokens, topk, experts, 11)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
+    w1, w2 = _weights(experts, 2 * ffn, hidden, ffn, 13)
+    got = moe_local_experts(x.bfloat16(), idx, weights, w1.bfloat16(), w2.bfloat16(), act, 0)
+    assert seen and all(o % 8 == 0 for offs in seen for o in offs), seen
+    # Each group holds its expert's choices (a token listing an expert twice: two choices).
+    counts = [int((idx == e).sum()) for e in range(experts)]
+    ends = [sum(-(-c // 8) * 8 for c in counts[: e + 1]) for e in range(experts)]
+    assert seen[0] == ends
+    want = moe_reference(x, idx, weights.double(), w1, w2, act)
+    torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2)
+
+
 def test_expert_parallel_slices_sum_to_the_whole():
     """Each rank's experts (first_expert = rank * E_local) give partial sums that add up to
     the one-rank layer: what the backward's reduce-scatter relies on."""
@@ -225,7 +252,9 @@ def test_layer_with_the_default_capacity_never_checks(shape_comm, monkeypatch):
     # 2 ranks * 8 tokens * min(k 2, E_local 2) rows + 2 experts * 127 padding = 286 -> 384.
     assert fused.calls[0]["capacity"] == moe_module.receive_capacity(8, 2, 2, 2) == 384
     assert layer.recv_capacity is None
-    assert moe_module.receive_capacity(8, 2, 2, 2, expert_capacity=100) == 2 * 256
+    # Drop mode: each expert gets at most 2 ranks * C rows; the smaller of the two bounds.
+    assert moe_module.receive_capacity(8, 2, 2, 2, expert_capacity=3) == 2 * 128
+    assert moe_module.receive_capacity(8, 2, 2, 2, expert_capacity=100) == 384
 
 
 @pytest.mark.parametrize(

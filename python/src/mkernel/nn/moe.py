@@ -67,13 +67,15 @@ def expert_capacity(tokens: int, topk: int, num_experts: int, capacity_factor: f
 
 def receive_capacity(tokens: int, topk: int, local_experts: int, ep: int, expert_capacity: int | None = None) -> int:
     """Rows of moe_dispatch_gemm's receive buffer that no routing can overflow, each expert's
-    segment padded to 128 rows: every rank's tokens sending min(topk, E_local) rows here, or in
-    drop mode every rank sending each expert at most expert_capacity rows. Every rank gets the
+    segment padded to 128 rows: every rank's tokens sending min(topk, E_local) rows here, and
+    in drop mode every rank sending each expert at most expert_capacity rows (the smaller
+    bound of the two). Every rank gets the
     same value when every rank has the same token count (as the ops require of recv_capacity)."""
-    if expert_capacity is not None:
-        return local_experts * ((ep * expert_capacity + 127) // 128 * 128)
     rows = ep * tokens * min(topk, local_experts) + local_experts * 127
-    return (rows + 127) // 128 * 128
+    bound = (rows + 127) // 128 * 128
+    if expert_capacity is not None:
+        return min(bound, local_experts * ((ep * expert_capacity + 127) // 128 * 128))
+    return bound
 
 
 def moe_kept(topk_idx: torch.Tensor, num_experts: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,31 +144,48 @@ def moe_local_experts(x, topk_idx, topk_weights, w1, w2, activation: Activation,
     """The outputs of experts [first_expert, first_expert + E_local) (weights w1, w2) for
     every choice that names one, weighted and summed per token: float32 [tokens, hidden].
 
-    Grouped GEMMs (torch._grouped_mm, bf16, fp16 or fp32) over the choices sorted by expert,
-    with no host synchronisation: the choices of other experts sort last, past the last
-    group, where _grouped_mm leaves its rows unspecified; masks at the input rows and at the
-    expert outputs (before the weights multiply them) keep those rows out of the forward
-    and the backward alike.
-    Differentiable in x, topk_weights, w1 and w2 (torch._grouped_mm's backward: grouped
-    GEMMs for dgrad and wgrad).
+    Grouped GEMMs (torch._grouped_mm, bf16, fp16 or fp32) with no host synchronisation: the
+    choices of this rank's experts are laid out expert by expert in a buffer of a size known
+    without reading the routing (every choice, plus each group's padding), each expert's
+    group padded to 16 bytes of rows, since _grouped_mm's backward contracts over the rows
+    (wgrad = dZᵀ·Y per group) and its TMA loads need each group to start 16-byte aligned
+    (torchtitan pads its token groups alike). Padding rows are zero; rows past the last
+    group, which _grouped_mm leaves unspecified, and padding rows are masked at the input
+    and at the expert outputs (before the weights multiply them), so they reach neither
+    the forward nor any gradient. Differentiable in x, topk_weights, w1 and w2.
     """
     tokens, k = topk_idx.shape
+    slots = tokens * k
     local_experts = w1.shape[0]
+    align = max(1, 16 // x.element_size())
     local = topk_idx.reshape(-1).to(torch.int64) - first_expert
     mine = (local >= 0) & (local < local_experts)
-    group = torch.where(mine, local, local_experts)
+    group = torch.where(mine, local, local_experts)  # other experts' choices form a last group
+    sizes = torch.bincount(group, minlength=local_experts + 1)
+    padded = (sizes[:local_experts] + align - 1) // align * align
+    padded_ends = torch.cumsum(padded, 0)
+    offs = padded_ends.to(torch.int32)
+    # Row of each choice: its group's padded start plus its place in the group (token order).
     order = torch.argsort(group, stable=True)
-    sizes = torch.bincount(group, minlength=local_experts + 1)[:local_experts]
-    offs = torch.cumsum(sizes, 0).to(torch.int32)
-    token = order // k
-    keep = mine[order].unsqueeze(1)
+    sorted_group = group[order]
+    starts = torch.cumsum(sizes, 0) - sizes
+    capacity = slots + (align - 1) * local_experts
+    padded_starts = torch.cat([padded_ends - padded, padded_ends.new_full((1,), capacity)])
+    place = torch.arange(slots, device=x.device) - starts[sorted_group]
+    row = torch.where(sorted_group < local_experts, padded_starts[sorted_group] + place, capacity)
+    # The slot each row holds (`slots` for none); other experts' choices land in a dropped last row.
+    slot_of_row = torch.full((capacity + 1,), slots, dtype=torch.int64, device=x.device)
+    slot_of_row = slot_of_row.scatter(0, row, order)[:capacity]
+    keep = (slot_of_row < slots).unsqueeze(1)
+    slot = torch.where(slot_of_row < slots, slot_of_row, 0)
+    token = slot // k
     rows = torch.where(keep, x[token], 0)
     h = torch._grouped_mm(rows, w1.transpose(1, 2), offs=offs)
     z = torch._grouped_mm(activation(h), w2.transpose(1, 2), offs=offs)
     # Masked before the product: a weight's gradient is the product's gradient times z, and
     # 0 times an unspecified row could be NaN.
     z = torch.where(keep, z, 0)
-    weighted = z.float() * topk_weights.reshape(-1)[order].float().unsqueeze(1)
+    weighted = z.float() * topk_weights.reshape(-1)[slot].float().unsqueeze(1)
     return torch.zeros(tokens, w2.shape[1], dtype=torch.float32, device=x.device).index_add(0, token, weighted)
 
 
