@@ -341,6 +341,10 @@ class MoE(nn.Module):
             check.fail(layer, f"expected capacity_factor to be positive (or None: no drop), but got {capacity_factor!r}")
         if recv_capacity is not None:
             check.multiple_of(layer, "recv_capacity", recv_capacity, 128, positive=True)
+        check.multiple_of(layer, "hidden_size", hidden_size, 128, positive=True)
+        check.multiple_of(layer, "ffn_hidden_size", ffn_hidden_size, 128, positive=True)
+        if num_experts > 1024:
+            check.fail(layer, f"expected num_experts to be at most 1024, but got {num_experts}")
         fused, torch_activation = ACTIVATIONS[activation]
         self.comm = c.name
         self.num_experts = num_experts
