@@ -151,8 +151,9 @@ def test_expert_parallel_slices_sum_to_the_whole():
 class _FusedStandIn:
     """The fused ops replaced by CPU stand-ins: the dispatch records its arguments and
     reports `needed` as its needed capacity; the combine returns the float64 reference of
-    the recorded call (the drop rule applied), so the layer's forward is exact and its
-    backward (the code under test) is compared with float64 autograd."""
+    the recorded call (the drop rule applied; this rank's experts only), so at one rank the
+    layer's forward is exact and its backward (the code under test) is compared with
+    float64 autograd."""
 
     def __init__(self, monkeypatch, needed=None):
         self.calls = []
@@ -170,12 +171,14 @@ class _FusedStandIn:
         layout = torch.zeros(16, dtype=torch.uint8)
         if expert_capacity is None:
             return mkernel.MoeDispatch(y, counts, layout)
-        return mkernel.MoeDropDispatch(y, counts, layout, moe_kept(topk_idx, w1.shape[0], expert_capacity)[1])
+        experts = w1.shape[0] * comm.world_size  # the layer passes its resolved communicator
+        self.experts = experts
+        return mkernel.MoeDropDispatch(y, counts, layout, moe_kept(topk_idx, experts, expert_capacity)[1])
 
     def combine(self, y_act, w2, topk_weights, layout, comm):
         x, idx, w1, activation, capacity = self.last
         if capacity is not None:
-            idx = torch.where(moe_kept(idx, w1.shape[0], capacity)[0], idx, -1)
+            idx = torch.where(moe_kept(idx, self.experts, capacity)[0], idx, -1)
         act = self.layer_activation
         with torch.no_grad():
             return moe_reference(x.double(), idx, topk_weights.double(), w1.double(), w2.double(), act).to(x.dtype)
@@ -296,3 +299,71 @@ def test_layer_parameters_have_the_documented_layouts(shape_comm):
     assert gated.w1.dtype == torch.bfloat16
     plain = mkernel.nn.MoE(shape_comm(2).name, 8, 256, 128, activation="gelu", device="meta")
     assert tuple(plain.w1.shape) == (4, 128, 256)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_layer_gradients_over_two_ranks_match_float64_reference(shape_comm, monkeypatch, capacity_factor):
+    """The backward's expert-parallel path, two ranks run one after the other: each rank's
+    all_gather stand-in returns every rank's tensor of the same role, and the reduce-scatter
+    is summed over the ranks' recorded partials. Against float64 autograd of moe_reference
+    over every rank's tokens and every expert, with each rank's own drop rule."""
+    n, tokens, topk, experts, hidden, ffn = 2, 20, 3, 4, 128, 128
+    local = experts // n
+    act = ACTIVATIONS["swiglu"][1]
+    g = torch.Generator().manual_seed(21)
+    routing = [_routing(tokens, topk, experts, 30 + r) for r in range(n)]
+    xs = [torch.randn(tokens, hidden, generator=g) for _ in range(n)]
+    douts = [torch.randn(tokens, hidden, generator=g) for _ in range(n)]
+    w1, w2 = _weights(experts, 2 * ffn, hidden, ffn, 22, torch.float32)
+    capacity = None if capacity_factor is None else moe_module.expert_capacity(tokens, topk, experts, capacity_factor)
+
+    fused = _FusedStandIn(monkeypatch)
+    fused.layer_activation = act
+    roles = {}  # tensor data pointer of the current rank -> every rank's tensor of that role
+    partials = []
+
+    def all_gather(t, comm):
+        return torch.cat(roles[t.data_ptr()]) if t.data_ptr() in roles else _gather_by_value(t)
+
+    def _gather_by_value(t):
+        for candidates in by_value:
+            if any(c.shape == t.shape and c.dtype == t.dtype and torch.equal(c, t) for c in candidates):
+                return torch.cat(candidates)
+        raise AssertionError(f"all_gather of an unknown tensor {tuple(t.shape)} {t.dtype}")
+
+    def reduce_scatter(t, comm):
+        partials.append(t.clone())
+        return t[: t.shape[0] // n]  # placeholder: the sum over ranks is formed below
+
+    monkeypatch.setattr(moe_module, "all_gather", all_gather)
+    monkeypatch.setattr(moe_module, "reduce_scatter", reduce_scatter)
+    kept_idx = []
+    for r in range(n):
+        idx = routing[r][0]
+        kept_idx.append(idx if capacity is None else torch.where(moe_kept(idx, experts, capacity)[0], idx, -1))
+    by_value = [xs, kept_idx, [w for _, w in routing], douts]
+
+    grads = []
+    for r in range(n):
+        comm = shape_comm(n, rank=r).name
+        layer = mkernel.nn.MoE(comm, experts, hidden, ffn, capacity_factor=capacity_factor, dtype=torch.float32)
+        with torch.no_grad():
+            layer.w1.copy_(w1[r * local : (r + 1) * local])
+            layer.w2.copy_(w2[r * local : (r + 1) * local])
+        x = xs[r].clone().requires_grad_(True)
+        w = routing[r][1].clone().requires_grad_(True)
+        layer(x, routing[r][0], w).backward(douts[r])
+        grads.append((layer.w1.grad, layer.w2.grad))
+    # partials: per rank, dx then d(weights), each [n * tokens, ...]: the reduce-scatter's sum.
+    dx_sum = partials[0] + partials[2]
+    dw_sum = partials[1] + partials[3]
+
+    leaves = [t.double().requires_grad_(True) for t in (torch.cat(xs), torch.cat([w for _, w in routing]), w1, w2)]
+    ref = moe_reference(leaves[0], torch.cat(kept_idx), leaves[1], leaves[2].to(torch.float64), leaves[3], act)
+    ref.backward(torch.cat(douts).double())
+    torch.testing.assert_close(dx_sum.double(), leaves[0].grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dw_sum.double(), leaves[1].grad, rtol=1e-4, atol=1e-4)
+    for r in range(n):
+        mine = slice(r * local, (r + 1) * local)
+        torch.testing.assert_close(grads[r][0].double(), leaves[2].grad[mine], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(grads[r][1].double(), leaves[3].grad[mine], rtol=1e-4, atol=1e-4)
