@@ -396,3 +396,170 @@ def torch_distributed_bootstrap(_comm, rank, n, init_file):
             return problems
     finally:
         dist.destroy_process_group()
+
+
+def _relative(ref: torch.Tensor, rtol: float = 2e-2) -> dict:
+    """Tolerances scaled to the reference: a gated layer's outputs are small, and an absolute
+    bound of the plain layer's size would let a 10 % error pass."""
+    return dict(rtol=rtol, atol=rtol / 2 * float(ref.abs().max()))
+
+
+def _moe_inputs(seed, n, tokens, hidden, ffn_rows, ffn, topk, local, *, skew=0.0):
+    """Every rank's tokens, routing (-1 entries, repeated picks, `skew` of the choices on
+    experts 0 and 1) and weights, and every expert's w1 [E, ffn_rows, hidden], w2 [E, hidden, ffn]."""
+    experts = local * n
+    xs = [seeded(seed + r, tokens, hidden, scale=0.5) for r in range(n)]
+    routes, weights = [], []
+    for r in range(n):
+        g = torch.Generator().manual_seed(seed + 100 + r)
+        idx = torch.randint(0, experts, (tokens, topk), generator=g)
+        hot = torch.randint(0, min(2, experts), (tokens, topk), generator=g)
+        idx = torch.where(torch.rand(tokens, topk, generator=g) < skew, hot, idx)
+        idx = torch.where(torch.rand(tokens, topk, generator=g) < 0.1, -1, idx)
+        routes.append(idx.to(torch.int32))
+        weights.append(torch.rand(tokens, topk, generator=g))
+    w1 = seeded(seed + 200, experts, ffn_rows, hidden, scale=0.1)
+    w2 = seeded(seed + 201, experts, hidden, ffn, scale=0.1)
+    return xs, routes, weights, w1, w2
+
+
+def _moe_rows(xs, routes, expert):
+    """The rows expert `expert` receives, in the receive layout's order: by source rank, then token."""
+    return [xs[r][t] for r in range(len(xs)) for t in range(xs[r].shape[0]) if expert in routes[r][t].tolist()]
+
+
+def moe_options(comm, rank, n, seed):
+    """The dispatch's options through Python: SwiGLU and GeGLU in the epilogue, drop mode
+    (drop counts, kept rows, the combine) and an overflow that leaves the communicator usable
+    (MkMoeOverflowError names the needed capacity; the retry with it is checked), against
+    float64."""
+    from mkernel.nn.moe import ACTIVATIONS, moe_kept, receive_capacity
+
+    problems = []
+    tokens, hidden, ffn, topk, local = 64, 128, 128, 3, 2
+    experts = local * n
+    mine = slice(rank * local, (rank + 1) * local)
+    for name, fused in (("swiglu", "silu"), ("geglu", "gelu")):
+        act = ACTIVATIONS[name][1]
+        xs, routes, weights, w1, w2 = _moe_inputs(seed, n, tokens, hidden, 2 * ffn, ffn, topk, local, skew=0.5)
+        for capacity in (None, 5):
+            label = f"{name} expert_capacity={capacity} (seed {seed})"
+            kept_routes = routes
+            if capacity is not None:
+                kept_routes = [torch.where(moe_kept(r, experts, capacity)[0], r, -1) for r in routes]
+            bound = receive_capacity(tokens, topk, local, n)
+            d = mkernel.moe_dispatch_gemm(
+                xs[rank].to(DEV),
+                routes[rank].to(DEV),
+                w1[mine].contiguous().to(DEV),
+                comm,
+                bound,
+                activation=fused,
+                expert_capacity=capacity,
+            )
+            if capacity is not None:
+                want_drops = moe_kept(routes[rank], experts, capacity)[1]
+                if not torch.equal(d.drop_counts.cpu(), want_drops):
+                    problems.append(f"{label}: drop_counts {d.drop_counts.tolist()}, want {want_drops.tolist()}")
+            counts = d.recv_counts.cpu()
+            starts = mkernel.moe_segment_starts(d.recv_counts).cpu()
+            for e in range(local):
+                rows = _moe_rows(xs, kept_routes, rank * local + e)
+                if int(counts[e]) != len(rows):
+                    problems.append(f"{label}: expert {rank * local + e} got {int(counts[e])} rows, want {len(rows)}")
+                    continue
+                if rows:
+                    ref = act(torch.stack(rows).double() @ w1[rank * local + e].double().T)
+                    got = d.y[int(starts[e]) : int(starts[e]) + len(rows)]
+                    problems += close_to(f"{label}: y of expert {rank * local + e}", got, ref, **_relative(ref))
+            out = mkernel.moe_gemm_combine(d.y, w2[mine].contiguous().to(DEV), weights[rank].to(DEV), d.layout, comm)
+            ref = torch.zeros(tokens, hidden, dtype=torch.float64)
+            for t in range(tokens):
+                for j in range(topk):
+                    e = int(kept_routes[rank][t, j])
+                    if e >= 0:
+                        y_row = act(xs[rank][t].double() @ w1[e].double().T).to(bf16).double()
+                        ref[t] += weights[rank][t, j].double() * (y_row @ w2[e].double().T).to(bf16).double()
+            problems += close_to(f"{label}: moe_gemm_combine", out, ref, **_relative(ref))
+
+    # Overflow then retry: every choice on experts 0 and 1 (rank 0's), far past 128 rows.
+    xs, routes, weights, w1, w2 = _moe_inputs(seed + 1000, n, tokens, hidden, ffn, ffn, topk, local, skew=1.0)
+    d = mkernel.moe_dispatch_gemm(xs[rank].to(DEV), routes[rank].to(DEV), w1[mine].contiguous().to(DEV), comm, 128)
+    try:
+        d.raise_for_overflow()
+        problems.append(f"overflow (seed {seed}): 128 rows fit a routing that sends every choice to rank 0")
+        needed = None
+    except mkernel.MkMoeOverflowError as e:
+        needed = e.needed_capacity
+    comm.check_async_error()  # the overflow is no error of the communicator
+    if needed is not None:
+        d = mkernel.moe_dispatch_gemm(
+            xs[rank].to(DEV), routes[rank].to(DEV), w1[mine].contiguous().to(DEV), comm, needed
+        )
+        d.raise_for_overflow()
+        out = mkernel.moe_gemm_combine(d.y, w2[mine].contiguous().to(DEV), weights[rank].to(DEV), d.layout, comm)
+        ref = torch.zeros(tokens, hidden, dtype=torch.float64)
+        for t in range(tokens):
+            for j in range(topk):
+                e = int(routes[rank][t, j])
+                if e >= 0:
+                    y_row = (xs[rank][t].double() @ w1[e].double().T).to(bf16).double()
+                    ref[t] += weights[rank][t, j].double() * (y_row @ w2[e].double().T).to(bf16).double()
+        problems += close_to(f"overflow then retry at {needed} (seed {seed}): combine", out, ref, **_relative(ref))
+    torch.cuda.synchronize()
+    return problems
+
+
+def moe_layer(comm, rank, n, seed):
+    """mkernel.nn.MoE forward and backward against float64 autograd of the unfused layer
+    (moe_reference with every rank's tokens and every expert in one process): out, dx,
+    d(topk_weights), dw1, dw2, for SwiGLU, GeGLU and a plain GELU, with and without drop
+    mode, skewed routing with -1 entries."""
+    from mkernel.nn.moe import ACTIVATIONS, expert_capacity, moe_kept, moe_reference
+
+    problems = []
+    tokens, hidden, ffn, topk, local = 96, 256, 128, 4, 2
+    experts = local * n
+    mine = slice(rank * local, (rank + 1) * local)
+    rows = slice(rank * tokens, (rank + 1) * tokens)
+    for case, (name, capacity_factor) in enumerate(
+        (("swiglu", None), ("geglu", None), ("gelu", None), ("swiglu", 0.75))
+    ):
+        fused, act = ACTIVATIONS[name]
+        s = seed + 10_000 * (case + 1)
+        fc1 = 2 * ffn if fused != "none" else ffn
+        xs, routes, weights, w1, w2 = _moe_inputs(s, n, tokens, hidden, fc1, ffn, topk, local, skew=0.4)
+        dout = [seeded(s + 300 + r, tokens, hidden) for r in range(n)]
+        label = f"nn.MoE {name} capacity_factor={capacity_factor} (seed {s})"
+
+        layer = mkernel.nn.MoE(comm, experts, hidden, ffn, activation=name, capacity_factor=capacity_factor, device=DEV)
+        with torch.no_grad():
+            layer.w1.copy_(w1[mine])
+            layer.w2.copy_(w2[mine])
+        x = xs[rank].to(DEV).requires_grad_()
+        w = weights[rank].to(DEV).requires_grad_()
+        out = layer(x, routes[rank].to(DEV), w)
+        out.backward(dout[rank].to(DEV))
+
+        ref_routes = routes
+        if capacity_factor is not None:
+            capacity = expert_capacity(tokens, topk, experts, capacity_factor)
+            ref_routes = [torch.where(moe_kept(r, experts, capacity)[0], r, -1) for r in routes]
+            want_drops = moe_kept(routes[rank], experts, capacity)[1]
+            if not torch.equal(layer.drop_counts.cpu(), want_drops):
+                problems.append(f"{label}: drop_counts {layer.drop_counts.tolist()}, want {want_drops.tolist()}")
+        leaves = [t.detach().double().requires_grad_() for t in (torch.cat(xs), torch.cat(weights), w1, w2)]
+        ref = moe_reference(leaves[0], torch.cat(ref_routes), leaves[1], leaves[2], leaves[3], act)
+        ref.backward(torch.cat(dout).double())
+        grads = {"dx": (x.grad, leaves[0].grad[rows]), "d topk_weights": (w.grad, leaves[1].grad[rows])}
+        grads["d w1"] = (layer.w1.grad, leaves[2].grad[mine])
+        grads["d w2"] = (layer.w2.grad, leaves[3].grad[mine])
+        problems += close_to(f"{label}: out", out, ref[rows], **_relative(ref[rows], rtol=3e-2))
+        for what, (got, want) in grads.items():
+            if got is None:
+                problems.append(f"{label}: {what} is None")
+                continue
+            atol = 2e-2 * float(want.abs().max())
+            problems += close_to(f"{label}: {what}", got, want, rtol=5e-2, atol=atol)
+    torch.cuda.synchronize()
+    return problems

@@ -206,6 +206,80 @@ def cases(c):
             lambda: mkernel.moe_dispatch_gemm(t(4, 128), t(4, 2, dtype=torch.int32), t(2, 128, 128), n, 256),
             r"moe_dispatch_gemm: expected x to be on cuda:0",
         ),
+        # MoE dispatch options: the gated activation and drop mode
+        (
+            "moe-activation",
+            lambda: mkernel.moe_dispatch_gemm(
+                t(4, 128), t(4, 2, dtype=torch.int32), t(2, 256, 128), n, 256, activation="swiglu"
+            ),
+            r"moe_dispatch_gemm: expected activation to be one of \('none', 'silu', 'gelu'\) \('silu' = SwiGLU, "
+            r"'gelu' = GeGLU, both with the gated w1 \[E_local, 2 \* ffn, hidden\]\), but got 'swiglu'",
+        ),
+        (
+            "moe-activation-type",
+            lambda: mkernel.moe_dispatch_gemm(t(4, 128), t(4, 2, dtype=torch.int32), t(2, 256, 128), n, 256, activation=1),
+            r"moe_dispatch_gemm: expected activation to be one of .*, but got 1",
+        ),
+        (
+            "moe-gated-w1-rows",
+            lambda: mkernel.moe_dispatch_gemm(
+                t(4, 128), t(4, 2, dtype=torch.int32), t(2, 128, 128), n, 256, activation="silu"
+            ),
+            r"moe_dispatch_gemm: expected w1.shape\[1\] \(2 \* ffn with activation='silu', w1 \[E_local, 2 \* ffn, "
+            r"hidden\], gate rows then up rows\) to be a multiple of 256, but got 128",
+        ),
+        (
+            "moe-gated-w1-hidden",
+            lambda: mkernel.moe_dispatch_gemm(
+                t(4, 128), t(4, 2, dtype=torch.int32), t(2, 256, 256), n, 256, activation="gelu"
+            ),
+            r"moe_dispatch_gemm: expected w1.shape\[2\] to be 128, but got 256 \(x's hidden size; w1 is "
+            r"\[E_local, 2 \* ffn, hidden\], gate rows then up rows\)",
+        ),
+        (
+            "moe-drop-zero",
+            lambda: mkernel.moe_dispatch_gemm(
+                t(4, 128), t(4, 2, dtype=torch.int32), t(2, 128, 128), n, 256, expert_capacity=0
+            ),
+            r"moe_dispatch_gemm: expected expert_capacity >= 1 \(0 would drop every row; None is no-drop mode\), "
+            r"but got 0",
+        ),
+        (
+            "moe-drop-negative",
+            lambda: mkernel.moe_dispatch_gemm(
+                t(4, 128), t(4, 2, dtype=torch.int32), t(2, 128, 128), n, 256, expert_capacity=-3
+            ),
+            r"moe_dispatch_gemm: expected expert_capacity \(rows each rank may send to each expert; 0 = no drop\) "
+            r"to be in \[0, 2\^31\), but got -3",
+        ),
+        (
+            "moe-drop-too-large",
+            lambda: mkernel.moe_dispatch_gemm(
+                t(4, 128), t(4, 2, dtype=torch.int32), t(2, 128, 128), n, 256, expert_capacity=2**31
+            ),
+            r"moe_dispatch_gemm: expected expert_capacity .* to be in \[0, 2\^31\), but got 2147483648",
+        ),
+        (
+            "moe-drop-type",
+            lambda: mkernel.moe_dispatch_gemm(
+                t(4, 128), t(4, 2, dtype=torch.int32), t(2, 128, 128), n, 256, expert_capacity=True
+            ),
+            r"moe_dispatch_gemm: expected expert_capacity to be an int, but got bool",
+        ),
+        (
+            "moe-options-op-capacity",
+            lambda: torch.ops.mkernel.moe_dispatch_gemm_with_options(
+                t(4, 128), t(4, 2, dtype=torch.int32), t(2, 128, 128), n, 2, 256, "none", -1
+            ),
+            r"moe_dispatch_gemm: expected expert_capacity .* to be in \[0, 2\^31\), but got -1",
+        ),
+        (
+            "moe-options-device",
+            lambda: mkernel.moe_dispatch_gemm(
+                t(4, 128), t(4, 2, dtype=torch.int32), t(2, 256, 128), n, 256, activation="silu", expert_capacity=4
+            ),
+            r"moe_dispatch_gemm: expected x to be on cuda:0",
+        ),
         # MoE combine
         (
             "combine-weights",

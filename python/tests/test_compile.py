@@ -108,6 +108,30 @@ def test_moe_ops_compile_for_a_second_token_count(shape_comm):
     assert len(recorder.graphs) == 2
 
 
+def test_moe_options_compile_into_one_graph(shape_comm):
+    """The gated, dropping dispatch (moe_dispatch_gemm_with_options) stays in the graph with
+    fullgraph=True, and its MoeDropDispatch fields reach the combine."""
+    comm = shape_comm(2).name
+    tokens, hidden, ffn, topk, cap = 7, 128, 128, 2, 256
+
+    def step(x, idx, w1, w2, weights):
+        d = mkernel.moe_dispatch_gemm(x, idx, w1, comm, cap, activation="silu", expert_capacity=3)
+        return d.drop_counts, mkernel.moe_gemm_combine(d.y, w2, weights, d.layout, comm)
+
+    recorder = GraphRecorder()
+    compiled = torch.compile(step, backend=recorder, fullgraph=True)
+    meta = dict(device="meta")
+    drops, out = compiled(
+        torch.empty(tokens, hidden, dtype=bf16, **meta),
+        torch.empty(tokens, topk, dtype=torch.int32, **meta),
+        torch.empty(1, 2 * ffn, hidden, dtype=bf16, **meta),
+        torch.empty(1, hidden, ffn, dtype=bf16, **meta),
+        torch.empty(tokens, topk, dtype=torch.float32, **meta),
+    )
+    assert drops.shape == (2,) and drops.dtype == torch.int32
+    assert out.shape == (tokens, hidden) and out.dtype == bf16
+    assert recorder.mkernel_ops() == ["mkernel.moe_dispatch_gemm_with_options", "mkernel.moe_gemm_combine"]
+
 
 class TensorParallelMLP(torch.nn.Module):
     def __init__(self, hidden, ffn, comm, sequence_parallel):

@@ -27,6 +27,14 @@ def run_ops(comm: str, n: int, device: str):
     dispatch = mkernel.moe_dispatch_gemm(
         e(tokens, hidden), e(tokens, topk, dtype=torch.int32), e(local_experts, ffn, hidden), comm, cap
     )
+    gated = mkernel.moe_dispatch_gemm(
+        e(tokens, hidden), e(tokens, topk, dtype=torch.int32), e(local_experts, 2 * ffn, hidden), comm, cap,
+        activation="silu",
+    )
+    dropping = mkernel.moe_dispatch_gemm(
+        e(tokens, hidden), e(tokens, topk, dtype=torch.int32), e(local_experts, 2 * ffn, hidden), comm, cap,
+        activation="gelu", expert_capacity=3,
+    )
     return {
         "all_gather": (spec(mkernel.all_gather(e(rows, 3, dtype=torch.int64), comm)), [((n * rows, 3), torch.int64)]),
         "reduce_scatter": (
@@ -51,6 +59,20 @@ def run_ops(comm: str, n: int, device: str):
         "moe_dispatch_gemm": (
             spec(dispatch),
             [((cap, ffn), bf16), ((local_experts + 1,), torch.int32), ((layout_bytes,), torch.uint8)],
+        ),
+        "moe_dispatch_gemm silu": (
+            [type(gated).__name__, *spec(gated)],
+            ["MoeDispatch", ((cap, ffn), bf16), ((local_experts + 1,), torch.int32), ((layout_bytes,), torch.uint8)],
+        ),
+        "moe_dispatch_gemm drop": (
+            [type(dropping).__name__, *spec(dropping)],
+            [
+                "MoeDropDispatch",
+                ((cap, ffn), bf16),
+                ((local_experts + 1,), torch.int32),
+                ((layout_bytes,), torch.uint8),
+                ((local_experts * n,), torch.int32),
+            ],
         ),
         "moe_gemm_combine": (
             spec(
@@ -144,6 +166,26 @@ def direct_ops(comm: str, n: int, device: str):
             ),
             [((cap, ffn), bf16), ((local_experts + 1,), torch.int32), (layout, torch.uint8)],
         ),
+        "moe_dispatch_gemm_with_options": (
+            spec(
+                ops.moe_dispatch_gemm_with_options(
+                    e(tokens, hidden),
+                    e(tokens, topk, dtype=torch.int32),
+                    e(local_experts, 2 * ffn, hidden),
+                    comm,
+                    n,
+                    cap,
+                    "silu",
+                    7,
+                )
+            ),
+            [
+                ((cap, ffn), bf16),
+                ((local_experts + 1,), torch.int32),
+                ((local_experts * n,), torch.int32),
+                (layout, torch.uint8),
+            ],
+        ),
         "moe_gemm_combine": (
             spec(
                 ops.moe_gemm_combine(
@@ -186,7 +228,7 @@ def test_fakes_never_look_the_communicator_up():
     # Nothing is registered under the name, so a lookup would raise.
     with FakeTensorMode():
         results = direct_ops("never-registered", 2, "cuda")
-    assert len(results) == 10
+    assert len(results) == 11
     for op, (got, want) in results.items():
         assert got == want, op
 
@@ -219,6 +261,9 @@ def real_calls(comm: str, n: int):
         "moe_dispatch_gemm": lambda: ops.moe_dispatch_gemm(
             t(4, 128), t(4, 2, dtype=torch.int32), t(2, 128, 128), comm, n, 128
         ),
+        "moe_dispatch_gemm_with_options": lambda: ops.moe_dispatch_gemm_with_options(
+            t(4, 128), t(4, 2, dtype=torch.int32), t(2, 256, 128), comm, n, 128, "silu", 2
+        ),
         "moe_gemm_combine": lambda: ops.moe_gemm_combine(
             t(128, 128), t(2, 128, 128), t(4, 2, dtype=torch.float32), layout, comm, n
         ),
@@ -228,13 +273,15 @@ def real_calls(comm: str, n: int):
 @pytest.mark.parametrize("op", list(real_calls("x", 1)))
 def test_real_ops_refuse_another_world_size(shape_comm, op):
     comm = shape_comm(2).name
+    # The options variant's messages name the public function that calls it.
+    named = op.removesuffix("_with_options")
     with pytest.raises(
         mkernel.MkInvalidArgumentError,
-        match=rf"mkernel.{op}: expected world_size to be the world size of communicator '{comm}' \(2\), but got 1",
+        match=rf"mkernel.{named}: expected world_size to be the world size of communicator '{comm}' \(2\), but got 1",
     ):
         real_calls(comm, 1)[op]()
     # The communicator's own world size passes that check and reaches the device check.
-    with pytest.raises(mkernel.MkInvalidArgumentError, match=rf"mkernel.{op}: expected \w+ to be on cuda:0"):
+    with pytest.raises(mkernel.MkInvalidArgumentError, match=rf"mkernel.{named}: expected \w+ to be on cuda:0"):
         real_calls(comm, 2)[op]()
 
 

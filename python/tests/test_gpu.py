@@ -1,12 +1,14 @@
 """GPU tests: N = 1, 2, 4 rank processes sharing one GPU (MPS), every op against a float64
 reference (ring attention's gradients too), torch.compile, CUDA graph capture and replay
-(torch.cuda.graph and torch.compile's reduce-overhead mode), the parallel layers forward and
-backward, and abort / timeout behaviour. Skipped (and
+(torch.cuda.graph and torch.compile's reduce-overhead mode), the parallel layers and the MoE
+layer forward and backward, the MoE dispatch's options (gated activation, drop mode,
+overflow then retry), and abort / timeout behaviour. Skipped (and
 reported as skipped) without an sm_90 GPU."""
 
 from __future__ import annotations
 
 import os
+import random
 import re
 import subprocess
 import sys
@@ -42,6 +44,21 @@ def test_gemm_ops(n):
 @pytest.mark.parametrize("n", RANKS)
 def test_moe(n):
     _no_problems(run_ranks(n, gpu_cases.moe))
+
+
+def _fresh_seed() -> int:
+    """New inputs every run; the problems name the seed, so a failure can be replayed."""
+    return random.randrange(1 << 30)
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_moe_options(n):
+    _no_problems(run_ranks(n, gpu_cases.moe_options, _fresh_seed()))
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_moe_layer_gradients(n):
+    _no_problems(run_ranks(n, gpu_cases.moe_layer, _fresh_seed()))
 
 
 @pytest.mark.parametrize("n", RANKS)

@@ -422,6 +422,23 @@ def test_megatron_cp_sharding_is_mkernel_zigzag(megatron_world):  # get_pg_size 
             assert torch.equal(sharded["position_ids"][0], zigzag_positions(seq, cp, rank)), (cp, rank)
 
 
+def test_moe_fuses_exactly_swiglu_and_geglu(megatron_world):
+    """The dispatch epilogue takes SwiGLU and GeGLU (erf GELU) as megatron-core's MLP computes
+    them; a clamp, an offset, another activation or a plain unit run in torch."""
+    from mkernel.megatron.moe import activation_of, fused_activation_of
+
+    F = torch.nn.functional
+    assert fused_activation_of(moe_config()) == "silu"
+    assert fused_activation_of(moe_config(activation_func=F.gelu)) == "gelu"
+    assert fused_activation_of(moe_config(activation_func=F.relu)) == "none"
+    assert fused_activation_of(moe_config(gated_linear_unit=False)) == "none"
+    assert fused_activation_of(moe_config(glu_linear_offset=1.0)) == "none"
+    assert fused_activation_of(moe_config(activation_func_clamp_value=7.0)) == "none"
+    # The torch twin of the fused SwiGLU: silu(gate) * up on fc1's [gate | up] columns.
+    y = torch.randn(5, 8, dtype=torch.float64)
+    torch.testing.assert_close(activation_of(moe_config())(y), F.silu(y[:, :4]) * y[:, 4:], rtol=0, atol=0)
+
+
 def test_routing_and_unfused_moe_match_megatron_experts(megatron_world):
     """Megatron's router output converted to top-k ids and weights, then moe_reference (the MoE
     layer's backward recomputation) against Megatron's own SequentialMLP experts, forward and backward."""

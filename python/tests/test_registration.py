@@ -6,6 +6,8 @@ stand-ins that fill the outputs."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from torch.autograd import forward_ad
@@ -30,6 +32,9 @@ SCHEMAS = {
     "gemm_all_reduce": "mkernel::gemm_all_reduce(Tensor a, Tensor b, str comm) -> Tensor",
     "moe_dispatch_gemm": "mkernel::moe_dispatch_gemm(Tensor x, Tensor topk_idx, Tensor w1, str comm, "
     "SymInt world_size, SymInt recv_capacity) -> (Tensor, Tensor, Tensor)",
+    "moe_dispatch_gemm_with_options": "mkernel::moe_dispatch_gemm_with_options(Tensor x, Tensor topk_idx, "
+    "Tensor w1, str comm, SymInt world_size, SymInt recv_capacity, str activation, int expert_capacity) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
     "moe_gemm_combine": "mkernel::moe_gemm_combine(Tensor y_act, Tensor w2, Tensor topk_weights, Tensor layout, "
     "str comm, SymInt world_size) -> Tensor",
     "ring_attention": "mkernel::ring_attention(Tensor q, Tensor k, Tensor v, str comm, float softmax_scale, "
@@ -68,6 +73,10 @@ def cpu_launches(monkeypatch):
         recv_counts.fill_(3)
         layout.fill_(1)
 
+    def moe_dispatch_options(x, topk_idx, w1, y, recv_counts, drop_counts, layout, experts, activation, capacity, comm):
+        moe_dispatch(x, topk_idx, w1, y, recv_counts, layout, experts, comm)
+        drop_counts.fill_(capacity % 5)
+
     def ring_attention(q, k, v, out, lse, softmax_scale, causal, comm):
         out.copy_(q * softmax_scale)
         lse.fill_(0.5)
@@ -86,6 +95,7 @@ def cpu_launches(monkeypatch):
     monkeypatch.setattr(ops, "scaled_gemm_launch", scaled_gemm)
     monkeypatch.setattr(ops, "all_gather_gemm_launch", all_gather_gemm)
     monkeypatch.setattr(ops, "moe_dispatch_launch", moe_dispatch)
+    monkeypatch.setattr(ops, "moe_dispatch_options_launch", moe_dispatch_options)
     monkeypatch.setattr(ops, "ring_attention_launch", ring_attention)
 
 
@@ -115,6 +125,14 @@ def test_opcheck(shape_comm, cpu_launches, requires_grad):
         (
             torch.ops.mkernel.moe_dispatch_gemm.default,
             (r(5, 128), torch.tensor([[0, 1]] * 5, dtype=torch.int32), r(1, 128, 128), name, 2, 256),
+        ),
+        (
+            torch.ops.mkernel.moe_dispatch_gemm_with_options.default,
+            (r(5, 128), torch.tensor([[0, 1]] * 5, dtype=torch.int32), r(1, 256, 128), name, 2, 256, "silu", 3),
+        ),
+        (
+            torch.ops.mkernel.moe_dispatch_gemm_with_options.default,
+            (r(5, 128), torch.tensor([[0, -1]] * 5, dtype=torch.int32), r(1, 128, 128), name, 2, 128, "none", 0),
         ),
         (
             torch.ops.mkernel.ring_attention.default,
@@ -246,3 +264,53 @@ def test_public_functions_keep_the_autograd_node(shape_comm, cpu_launches):
     q, k, v = (_random(1, 8, h, 64, seed=s).requires_grad_() for s, h in ((0, 4), (1, 2), (2, 2)))
     out, _lse = mkernel.ring_attention(q, k, v, name, causal=True)
     assert out.grad_fn is not None
+
+
+def test_moe_options_carry_the_activation_and_the_drop_rule(shape_comm, monkeypatch):
+    """The public function picks the op from its options and the options struct from the
+    library's initializer: plain calls keep mkMoeDispatchGemm, gated and drop calls go
+    through mkMoeDispatchGemmWithOptions with the codes of include/mkernel.h."""
+    from mkernel import _lib
+
+    base = ops.moe_options("none", 0)
+    init = _lib.mkMoeOptions_t()
+    assert _lib.library().mkMoeOptionsInit(ctypes.byref(init)) == _lib.SUCCESS
+    assert bytes(base) == bytes(init) and init.size == ctypes.sizeof(_lib.mkMoeOptions_t)
+    silu = ops.moe_options("silu", 0)
+    assert (silu.activation, silu.capacityPolicy, silu.expertCapacity) == (1, _lib.MOE_NO_DROP, 0)
+    drop = ops.moe_options("gelu", 96)
+    assert (drop.activation, drop.capacityPolicy, drop.expertCapacity) == (2, _lib.MOE_DROP, 96)
+    assert (drop.size, drop.magic, drop.version, drop.reserved) == (init.size, init.magic, init.version, 0)
+
+    seen = []
+    monkeypatch.setattr(ops, "moe_dispatch_launch", lambda *a: seen.append(("plain",)))
+    monkeypatch.setattr(
+        ops, "moe_dispatch_options_launch", lambda *a: seen.append(("options", a[-3], a[-2]))
+    )
+    name = shape_comm(2).name
+    x, idx = _random(5, 128), torch.tensor([[0, 1]] * 5, dtype=torch.int32)
+    plain = mkernel.moe_dispatch_gemm(x, idx, _random(1, 128, 128), name, 256)
+    gated = mkernel.moe_dispatch_gemm(x, idx, _random(1, 256, 128), name, 256, activation="silu")
+    dropping = mkernel.moe_dispatch_gemm(x, idx, _random(1, 256, 128), name, 256, activation="gelu", expert_capacity=9)
+    assert seen == [("plain",), ("options", "silu", 0), ("options", "gelu", 9)]
+    assert type(plain) is mkernel.MoeDispatch and type(gated) is mkernel.MoeDispatch
+    assert type(dropping) is mkernel.MoeDropDispatch and tuple(dropping.drop_counts.shape) == (2,)
+    y, counts, layout = gated  # a gated call unpacks as a plain one
+    assert tuple(y.shape) == (256, 128) and dropping.y.shape == y.shape
+
+
+def test_moe_overflow_is_an_outcome_that_names_the_needed_capacity():
+    """recv_counts[-1] > recv_capacity: raise_for_overflow raises MkMoeOverflowError with
+    the needed capacity (no communicator state is involved); a fitting call raises nothing."""
+    y = torch.empty(256, 128, dtype=bf16)
+    layout = torch.empty(16, dtype=torch.uint8)
+    fits = mkernel.MoeDispatch(y, torch.tensor([100, 20, 256], dtype=torch.int32), layout)
+    fits.raise_for_overflow()
+    assert int(fits.needed_capacity) == 256
+    over = mkernel.MoeDropDispatch(y, torch.tensor([300, 20, 512], dtype=torch.int32), layout, torch.zeros(4))
+    with pytest.raises(mkernel.MkMoeOverflowError, match=r"need recv_capacity >= 512, but the call had 256") as info:
+        over.raise_for_overflow()
+    assert (info.value.needed_capacity, info.value.recv_capacity) == (512, 256)
+    assert isinstance(info.value, mkernel.MkError) and not isinstance(info.value, mkernel.MkInvalidUsageError)
+    with pytest.raises(mkernel.MkMoeOverflowError, match=r"call again with recv_capacity=384"):
+        mkernel.moe_raise_for_overflow(torch.tensor([0, 384], dtype=torch.int32), 128)

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 	"runtime"
 	"strings"
 	"sync"
@@ -284,5 +285,38 @@ func TestMessagesSurviveGoroutineMigration(t *testing.T) {
 	})
 	if n > 0 {
 		t.Fatalf("%d of %d calls read another call's message", n, goroutines*iterations)
+	}
+}
+
+func TestMoeOptionsStartFromTheInitializer(t *testing.T) {
+	plain, err := MoeOptions{}.options()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if plain.capacityPolicy != 0 || plain.expertCapacity != 0 || plain.activation != 0 || plain.reserved != 0 {
+		t.Errorf("the zero MoeOptions give %+v, want the initializer's no-drop, no activation", plain)
+	}
+	if plain.magic == 0 || plain.version == 0 || plain.size == 0 {
+		t.Errorf("size, magic and version must come from mkMoeOptionsInit, got %+v", plain)
+	}
+	for _, c := range []struct {
+		in                           MoeOptions
+		policy, capacity, activation int
+	}{
+		{MoeOptions{Activation: MoeActSilu}, 0, 0, 1},
+		{MoeOptions{Activation: MoeActGelu, ExpertCapacity: 96}, 1, 96, 2},
+		{MoeDropArgs{ExpertCapacity: 5}, 1, 5, 0},
+	} {
+		o, err := c.in.options()
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := []int{int(o.capacityPolicy), int(o.expertCapacity), int(o.activation)}
+		if want := []int{c.policy, c.capacity, c.activation}; !reflect.DeepEqual(got, want) {
+			t.Errorf("%+v: policy, capacity, activation = %v, want %v", c.in, got, want)
+		}
+		if o.size != plain.size || o.magic != plain.magic || o.version != plain.version {
+			t.Errorf("%+v: the header fields changed: %+v", c.in, o)
+		}
 	}
 }

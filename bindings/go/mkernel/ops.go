@@ -162,31 +162,62 @@ func (c *Comm) MoeDispatchGemm(a MoeDispatchArgs, s Stream) error {
 	})
 }
 
-// MoeDropArgs choose drop mode for MoeDispatchGemmWithOptions: each rank sends each expert
-// at most ExpertCapacity of its rows, the first in token order, and DropCounts
-// ([experts] int32) receives this rank's dropped rows per expert. ExpertCapacity 0 is
-// no-drop mode (DropCounts may then be 0).
-type MoeDropArgs struct {
+// MoeActivation is the activation MoeDispatchGemmWithOptions fuses into the first GEMM's
+// epilogue (mkMoeOptions_t.activation).
+type MoeActivation int
+
+const (
+	// MoeActNone: Y = X·W1ᵀ, W1 [localExperts, ffn, hidden].
+	MoeActNone MoeActivation = C.MK_MOE_ACT_NONE
+	// MoeActSilu (SwiGLU) and MoeActGelu (GeGLU, GELU's erf form): W1 is the gated weight
+	// [localExperts, 2·ffn, hidden] (per expert the ffn gate rows, then the ffn up rows) and
+	// Y [recvCapacity, ffn] = act(X·W_gateᵀ)·(X·W_upᵀ). MoeShape.Ffn is Y's ffn.
+	MoeActSilu MoeActivation = C.MK_MOE_ACT_SILU
+	MoeActGelu MoeActivation = C.MK_MOE_ACT_GELU
+)
+
+// MoeOptions are MoeDispatchGemmWithOptions' choices. ExpertCapacity > 0 is drop mode:
+// each rank sends each expert at most ExpertCapacity of its rows, the first in token
+// order, and DropCounts ([experts] int32) receives this rank's dropped rows per expert.
+// ExpertCapacity 0 is no-drop mode (DropCounts may then be 0). Activation (the zero value
+// MoeActNone) is fused into the first GEMM.
+type MoeOptions struct {
 	ExpertCapacity int
 	DropCounts     DevicePtr
+	Activation     MoeActivation
 }
 
-// MoeDispatchGemmWithOptions is MoeDispatchGemm with a capacity policy
-// (mkMoeDispatchGemmWithOptions, options from mkMoeOptionsInit).
-func (c *Comm) MoeDispatchGemmWithOptions(a MoeDispatchArgs, d MoeDropArgs, s Stream) error {
+// MoeDropArgs is the name MoeOptions had when it held the drop mode alone.
+type MoeDropArgs = MoeOptions
+
+// options is the mkMoeOptions_t of d: the library's initializer (mkMoeOptionsInit) with
+// d's fields set.
+func (d MoeOptions) options() (C.mkMoeOptions_t, error) {
+	var o C.mkMoeOptions_t
+	if err := call("mkMoeOptionsInit", nil, func() C.mkResult_t { return C.mkMoeOptionsInit(&o) }); err != nil {
+		return o, err
+	}
+	if d.ExpertCapacity != 0 {
+		o.capacityPolicy = C.MK_MOE_DROP
+		o.expertCapacity = C.longlong(d.ExpertCapacity)
+	}
+	o.activation = C.int(d.Activation)
+	return o, nil
+}
+
+// MoeDispatchGemmWithOptions is MoeDispatchGemm with a capacity policy and an activation
+// (mkMoeDispatchGemmWithOptions, options from mkMoeOptionsInit). An unknown Activation is
+// mkInvalidArgument from the library, naming the field.
+func (c *Comm) MoeDispatchGemmWithOptions(a MoeDispatchArgs, d MoeOptions, s Stream) error {
 	const op = "mkMoeDispatchGemmWithOptions"
 	sz := sizes{op: op}
 	t, hd, f, k, e, r := a.c(&sz)
 	if sz.err != nil {
 		return sz.err
 	}
-	var o C.mkMoeOptions_t
-	if err := call("mkMoeOptionsInit", nil, func() C.mkResult_t { return C.mkMoeOptionsInit(&o) }); err != nil {
+	o, err := d.options()
+	if err != nil {
 		return err
-	}
-	if d.ExpertCapacity != 0 {
-		o.capacityPolicy = C.MK_MOE_DROP
-		o.expertCapacity = C.longlong(d.ExpertCapacity)
 	}
 	return c.do(op, func(h C.mkComm_t) C.mkResult_t {
 		return C.mkMoeDispatchGemmWithOptions(ptr(a.X), i32(a.TopkIdx), ptr(a.W1), ptr(a.Y), i32(a.RecvCounts),

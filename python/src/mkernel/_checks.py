@@ -99,6 +99,34 @@ def reduce_op(op: str, reduce: str) -> int:
     return _lib.REDOP_CODES[reduce]
 
 
+MOE_ACTIVATIONS = tuple(_lib.MOE_ACTIVATION_CODES)
+
+
+def moe_activation(op: str, activation) -> int:
+    """The mkMoeOptions_t.activation code of an activation name ("none", "silu", "gelu")."""
+    code = _lib.MOE_ACTIVATION_CODES.get(activation) if isinstance(activation, str) else None
+    if code is None:
+        fail(
+            op,
+            f"expected activation to be one of {MOE_ACTIVATIONS} ('silu' = SwiGLU, 'gelu' = GeGLU, both with the "
+            f"gated w1 [E_local, 2 * ffn, hidden]), but got {activation!r}",
+        )
+    return code
+
+
+def expert_capacity(op: str, capacity) -> int:
+    """mkMoeOptions_t.expertCapacity: 0 is no-drop mode, [1, 2^31) drop mode with that cap."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        fail(op, f"expected expert_capacity to be an int, but got {type(capacity).__name__}")
+    if not 0 <= capacity < 2**31:
+        fail(
+            op,
+            f"expected expert_capacity (rows each rank may send to each expert; 0 = no drop) to be in [0, 2^31), "
+            f"but got {capacity}",
+        )
+    return capacity
+
+
 def softmax_scale(op: str, scale: float):
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         fail(op, f"expected softmax_scale to be finite and positive, but got {scale!r}")

@@ -99,6 +99,11 @@ DTYPE_CODES = {
 # Scale modes of mkScaledGemm (mkScaleMode_t).
 SCALE_MODE_CODES = {"tensor": 0, "rowwise": 1, "block": 2}
 REDOP_CODES = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+# mkMoeOptions_t.activation (MK_MOE_ACT_*): "silu" is SwiGLU, "gelu" GeGLU, both with the gated w1.
+MOE_ACTIVATION_CODES = {"none": 0, "silu": 1, "gelu": 2}
+# mkMoeOptions_t.capacityPolicy.
+MOE_NO_DROP = 0
+MOE_DROP = 1
 
 _void_p = ctypes.c_void_p
 

@@ -69,6 +69,25 @@ class MkTimeoutError(MkError):
     code = _lib.TIMEOUT
 
 
+class MkMoeOverflowError(MkError):
+    """A no-drop MoE dispatch whose rows did not fit its receive buffer.
+
+    Not a library error code: an overflow is the call's outcome. Nothing moved, the
+    communicator stays usable, and every rank sees the same `needed_capacity`; call again
+    with recv_capacity >= needed_capacity. Raised by MoeDispatch.raise_for_overflow
+    (which reads the needed capacity from the device) and by mkernel.nn.MoE.
+    """
+
+    def __init__(self, op: str, recv_capacity: int, needed_capacity: int):
+        super().__init__(
+            f"mkernel.{op}: the routed rows need recv_capacity >= {needed_capacity}, but the call had "
+            f"{recv_capacity}; nothing moved and the communicator is usable: call again with "
+            f"recv_capacity={needed_capacity}"
+        )
+        self.recv_capacity = recv_capacity
+        self.needed_capacity = needed_capacity
+
+
 _BY_CODE: dict[int, type[MkError]] = {
     cls.code: cls
     for cls in (

@@ -294,6 +294,52 @@ def _(x, topk_idx, w1, comm, world_size, recv_capacity):
 
 
 @_define(
+    "moe_dispatch_gemm_with_options(Tensor x, Tensor topk_idx, Tensor w1, str comm, SymInt world_size, "
+    "SymInt recv_capacity, str activation, int expert_capacity) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+def moe_dispatch_gemm_with_options(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    w1: torch.Tensor,
+    comm: str,
+    world_size: int,
+    recv_capacity: int,
+    activation: str,
+    expert_capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mkMoeDispatchGemmWithOptions: returns (y, recv_counts, drop_counts, layout). activation
+    "none", "silu" or "gelu" (gated w1); expert_capacity 0 is no-drop mode (drop_counts all 0)."""
+    c = _communicator("moe_dispatch_gemm", comm, world_size)
+    shapes = _moe_options_shapes(x, topk_idx, w1, world_size, recv_capacity, activation, expert_capacity)
+    (y_shape, counts_shape, layout_shape, experts), drops_shape = shapes
+    y = _empty(y_shape, x)
+    counts = _empty(counts_shape, x, torch.int32)
+    drops = _empty(drops_shape, x, torch.int32)
+    layout = _empty(layout_shape, x, torch.uint8)
+    ops.moe_dispatch_options_launch(x, topk_idx, w1, y, counts, drops, layout, experts, activation, expert_capacity, c)
+    return y, counts, drops, layout
+
+
+def _moe_options_shapes(x, topk_idx, w1, world_size, recv_capacity, activation, expert_capacity):
+    """moe_dispatch_shapes' four results and drop_counts' shape ([experts]), after the options' rules."""
+    check.expert_capacity("moe_dispatch_gemm", expert_capacity)
+    shapes = ops.moe_dispatch_shapes(x, topk_idx, w1, recv_capacity, world_size, activation)
+    return shapes, (shapes[3],)
+
+
+@_fake("moe_dispatch_gemm_with_options")
+def _(x, topk_idx, w1, comm, world_size, recv_capacity, activation, expert_capacity):
+    shapes = _moe_options_shapes(x, topk_idx, w1, world_size, recv_capacity, activation, expert_capacity)
+    (y_shape, counts_shape, layout_shape, _experts), drops_shape = shapes
+    return (
+        _empty(y_shape, x),
+        _empty(counts_shape, x, torch.int32),
+        _empty(drops_shape, x, torch.int32),
+        _empty(layout_shape, x, torch.uint8),
+    )
+
+
+@_define(
     "moe_gemm_combine(Tensor y_act, Tensor w2, Tensor topk_weights, Tensor layout, "
     "str comm, SymInt world_size) -> Tensor"
 )

@@ -26,7 +26,7 @@ from torch.autograd import forward_ad as _forward_ad
 from . import _checks as check
 from . import _lib
 from .comm import Communicator, lookup
-from .errors import raise_for
+from .errors import MkMoeOverflowError, raise_for
 
 CommLike = Union[Communicator, str]
 
@@ -566,17 +566,67 @@ def moe_segment_starts(recv_counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([padded.new_zeros(1), torch.cumsum(padded, 0)])
 
 
-class MoeDispatch(NamedTuple):
-    """moe_dispatch_gemm's outputs: pass `layout` (and `y` after the activation) to moe_gemm_combine."""
+def moe_raise_for_overflow(recv_counts: torch.Tensor, recv_capacity: int, op: str = "moe_dispatch_gemm") -> None:
+    """Raises MkMoeOverflowError when a dispatch's rows did not fit `recv_capacity`.
 
+    Reads recv_counts[-1], the smallest recv_capacity that fits the call's routing on every
+    rank, from the device: a host synchronisation (so not inside a CUDA graph's capture).
+    Every rank reads the same value, so every rank raises alike and may call again alike.
+    """
+    needed = int(recv_counts[-1])
+    if needed > recv_capacity:
+        raise MkMoeOverflowError(op, recv_capacity, needed)
+
+
+class _Overflow:
+    """The overflow queries of a dispatch's outputs (mixed into its NamedTuples)."""
+
+    __slots__ = ()
+
+    @property
+    def needed_capacity(self) -> torch.Tensor:
+        """The smallest recv_capacity that fits the call's routing (a 0-d int32 tensor on the
+        device, no synchronisation); larger than y.shape[0] when the call overflowed."""
+        return self.recv_counts[-1]
+
+    def raise_for_overflow(self) -> None:
+        """Raises MkMoeOverflowError when the call overflowed (moe_raise_for_overflow: syncs the host)."""
+        moe_raise_for_overflow(self.recv_counts, self.y.shape[0])
+
+
+class _MoeDispatchFields(NamedTuple):
     y: torch.Tensor
     recv_counts: torch.Tensor
     layout: torch.Tensor
 
 
+class MoeDispatch(_Overflow, _MoeDispatchFields):
+    """moe_dispatch_gemm's outputs (y, recv_counts, layout): pass `layout` (and `y`, or its
+    activation) to moe_gemm_combine. `needed_capacity` and `raise_for_overflow()` tell an overflow."""
+
+    __slots__ = ()
+
+
+class _MoeDropDispatchFields(NamedTuple):
+    y: torch.Tensor
+    recv_counts: torch.Tensor
+    layout: torch.Tensor
+    drop_counts: torch.Tensor
+
+
+class MoeDropDispatch(_Overflow, _MoeDropDispatchFields):
+    """moe_dispatch_gemm's outputs in drop mode: MoeDispatch's three, then drop_counts
+    [experts] int32 (per expert, this rank's rows the capacity dropped)."""
+
+    __slots__ = ()
+
+
 @_memoized
-def moe_dispatch_shapes(x, topk_idx, w1, recv_capacity: int, world_size: int):
+def moe_dispatch_shapes(x, topk_idx, w1, recv_capacity: int, world_size: int, activation: str = "none"):
+    """(y, recv_counts, layout) shapes and the number of experts; with a gated activation
+    w1 is [E_local, 2 * ffn, hidden] and y [recv_capacity, ffn]."""
     op = "moe_dispatch_gemm"
+    gated = check.moe_activation(op, activation) != _lib.MOE_ACTIVATION_CODES["none"]
     check.tensor(op, "x", x, dtypes=check.GEMM_DTYPES, dim=2)
     check.tensor(op, "topk_idx", topk_idx, dtypes=(torch.int32,), dim=2)
     check.tensor(op, "w1", w1, dtypes=check.GEMM_DTYPES, dim=3)
@@ -587,14 +637,20 @@ def moe_dispatch_shapes(x, topk_idx, w1, recv_capacity: int, world_size: int):
     topk = topk_idx.shape[1]
     if not 1 <= topk <= 32:
         check.fail(op, f"expected topk (topk_idx.shape[1]) to be in [1, 32], but got {topk}")
-    local_experts, ffn, w_hidden = w1.shape
-    check.equal(op, "w1.shape[2]", w_hidden, hidden, "x's hidden size; w1 is [E_local, ffn, hidden]")
+    local_experts, w_rows, w_hidden = w1.shape
+    layout = "[E_local, 2 * ffn, hidden], gate rows then up rows" if gated else "[E_local, ffn, hidden]"
+    check.equal(op, "w1.shape[2]", w_hidden, hidden, f"x's hidden size; w1 is {layout}")
     check.world_size(op, world_size)
     experts = local_experts * world_size
     if not 1 <= experts <= 1024:
         check.fail(op, f"expected the number of experts (w1.shape[0] * world size = {experts}) to be in [1, 1024]")
     check.multiple_of(op, "hidden (x.shape[1])", hidden, 128, positive=True)
-    check.multiple_of(op, "ffn (w1.shape[1])", ffn, 128, positive=True)
+    if gated:
+        check.multiple_of(op, f"w1.shape[1] (2 * ffn with activation={activation!r}, w1 {layout})", w_rows, 256, positive=True)
+        ffn = w_rows // 2
+    else:
+        check.multiple_of(op, "ffn (w1.shape[1])", w_rows, 128, positive=True)
+        ffn = w_rows
     check.multiple_of(op, "recv_capacity", recv_capacity, 128)
     if recv_capacity < 0:
         check.fail(op, f"expected recv_capacity to be non-negative, but got {recv_capacity}")
@@ -633,27 +689,133 @@ def moe_dispatch_launch(x, topk_idx, w1, y, recv_counts, layout, experts: int, c
     )
 
 
+@functools.lru_cache(maxsize=1)
+def _moe_options_initializer() -> bytes:
+    """This library's MK_MOE_OPTIONS_INITIALIZER (mkMoeOptionsInit), as bytes to copy per call."""
+    options = _lib.mkMoeOptions_t()
+    raise_for(_lib.library().mkMoeOptionsInit(ctypes.byref(options)), "mkMoeOptionsInit")
+    return bytes(options)
+
+
+def moe_options(activation: str, expert_capacity: int) -> _lib.mkMoeOptions_t:
+    """The mkMoeOptions_t of an activation name and an expert capacity (0: no-drop mode)."""
+    options = _lib.mkMoeOptions_t.from_buffer_copy(_moe_options_initializer())
+    options.activation = _lib.MOE_ACTIVATION_CODES[activation]
+    if expert_capacity:
+        options.capacityPolicy = _lib.MOE_DROP
+        options.expertCapacity = expert_capacity
+    return options
+
+
+def moe_dispatch_options_launch(
+    x, topk_idx, w1, y, recv_counts, drop_counts, layout, experts: int, activation: str, expert_capacity: int, comm
+) -> None:
+    op = "moe_dispatch_gemm"
+    check.on_device(
+        op,
+        comm.torch_device,
+        x=x,
+        topk_idx=topk_idx,
+        w1=w1,
+        y=y,
+        recv_counts=recv_counts,
+        drop_counts=drop_counts,
+        layout=layout,
+    )
+    check.aligned(
+        op,
+        ("x", x, 16),
+        ("w1", w1, 16),
+        ("y", y, 16),
+        ("layout", layout, 16),
+        ("topk_idx", topk_idx, 4),
+        ("recv_counts", recv_counts, 4),
+        ("drop_counts", drop_counts, 4),
+    )
+    tokens, hidden = x.shape
+    options = moe_options(activation, expert_capacity)
+    _call(
+        comm,
+        "mkMoeDispatchGemmWithOptions",
+        x.data_ptr(),
+        _lib.as_ptr(topk_idx.data_ptr(), ctypes.c_int32),
+        w1.data_ptr(),
+        y.data_ptr(),
+        _lib.as_ptr(recv_counts.data_ptr(), ctypes.c_int32),
+        _lib.as_ptr(drop_counts.data_ptr(), ctypes.c_int32),
+        layout.data_ptr(),
+        tokens,
+        hidden,
+        y.shape[1],  # ffn: y's columns (a gated w1 has twice as many rows)
+        topk_idx.shape[1],
+        experts,
+        y.shape[0],
+        check.dtype_code(x.dtype),
+        ctypes.byref(options),
+    )
+
+
 def moe_dispatch_gemm(
-    x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, comm: CommLike, recv_capacity: int
-) -> MoeDispatch:
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    w1: torch.Tensor,
+    comm: CommLike,
+    recv_capacity: int,
+    *,
+    activation: str = "none",
+    expert_capacity: int | None = None,
+) -> MoeDispatch | MoeDropDispatch:
     """MoE token dispatch fused with the experts' first GEMM.
 
     x [tokens, hidden] and its routing topk_idx [tokens, topk] (int32 expert ids, -1 =
     none); this rank owns experts [r * E_local, (r + 1) * E_local) with weights
-    w1 [E_local, ffn, hidden]. Returns y [recv_capacity, ffn] (rows grouped by local
-    expert; see moe_segment_starts), recv_counts [E_local + 1] int32 (the last entry is
-    the smallest recv_capacity that fits) and the layout for moe_gemm_combine.
+    w1 [E_local, ffn, hidden]. Returns MoeDispatch: y [recv_capacity, ffn] (rows grouped by
+    local expert; see moe_segment_starts), recv_counts [E_local + 1] int32 (the last entry
+    is the smallest recv_capacity that fits) and the layout for moe_gemm_combine.
+
+    activation "silu" (SwiGLU) or "gelu" (GeGLU, erf form): w1 is the gated weight
+    [E_local, 2 * ffn, hidden] (per expert the ffn gate rows, then the ffn up rows: Megatron's
+    fused fc1 layout) and y = act(x · w_gateᵀ) · (x · w_upᵀ), formed in the GEMM's epilogue.
+
+    expert_capacity C (drop mode, Megatron's capacity factor): each rank sends each expert at
+    most its first C rows in token order (a token listing an expert twice takes one place);
+    the rest are dropped and add nothing in moe_gemm_combine. Returns MoeDropDispatch, whose
+    drop_counts [experts] int32 counts this rank's dropped rows per expert. A recv_capacity
+    of E_local * roundup(world_size * C, 128) never overflows.
 
     recv_counts[-1] > recv_capacity means the call overflowed: nothing moved (y, and the output of a
     moe_gemm_combine on that layout, hold no data), the communicator stays usable, and a call with
-    recv_capacity = recv_counts[-1] runs. Every rank reads the same value.
+    recv_capacity = recv_counts[-1] runs. Every rank reads the same value; the result's
+    raise_for_overflow() raises MkMoeOverflowError naming it (a host synchronisation).
     """
-    _tensors("moe_dispatch_gemm", x=x, topk_idx=topk_idx, w1=w1)
+    op = "moe_dispatch_gemm"
+    _tensors(op, x=x, topk_idx=topk_idx, w1=w1)
     c = resolve(comm)
-    y, counts, layout = dispatch(
-        torch.ops.mkernel.moe_dispatch_gemm, x, topk_idx, w1, c.name, c.world_size, recv_capacity
+    check.moe_activation(op, activation)
+    if activation == "none" and expert_capacity is None:
+        y, counts, layout = dispatch(
+            torch.ops.mkernel.moe_dispatch_gemm, x, topk_idx, w1, c.name, c.world_size, recv_capacity
+        )
+        return MoeDispatch(y, counts, layout)
+    capacity = 0
+    if expert_capacity is not None:
+        capacity = check.expert_capacity(op, expert_capacity)
+        if capacity == 0:
+            check.fail(op, "expected expert_capacity >= 1 (0 would drop every row; None is no-drop mode), but got 0")
+    y, counts, drops, layout = dispatch(
+        torch.ops.mkernel.moe_dispatch_gemm_with_options,
+        x,
+        topk_idx,
+        w1,
+        c.name,
+        c.world_size,
+        recv_capacity,
+        activation,
+        capacity,
     )
-    return MoeDispatch(y, counts, layout)
+    if expert_capacity is None:
+        return MoeDispatch(y, counts, layout)
+    return MoeDropDispatch(y, counts, layout, drops)
 
 
 @_memoized

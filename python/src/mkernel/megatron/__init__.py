@@ -9,10 +9,11 @@ expert-parallel modules run on mkernel's fused ops (docs/megatron.md).
 Importing this module imports megatron.core; `import mkernel` does not.
 """
 
+from ..nn.moe import moe_reference
 from .attention import MkernelRingAttention, zigzag_positions
 from .communicators import Communicators
 from .linear import MkernelColumnParallelLinear, MkernelRowParallelLinear
-from .moe import MkernelExperts, MkernelMoELayer, moe_reference, topk_from_routing
+from .moe import MkernelExperts, MkernelMoELayer, topk_from_routing
 from .norm import SequenceParallelTorchNorm
 from .spec import get_gpt_block_spec, get_gpt_layer_mkernel_spec
 
