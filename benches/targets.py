@@ -266,11 +266,14 @@ def _attention_ratios(records, ours_bench, ours_name, theirs_bench, theirs_name)
         candidates = theirs.get(_attention_key(rec, row))
         if _ranks(rec, row) != 1 or not ours or not candidates:
             continue
-        same_day = [t for d, t in candidates if d and d == rec.get("date")]
+        day = (rec.get("date") or "")[:10]  # records date themselves to the second
+        same_day = [t for d, t in candidates if day and (d or "")[:10] == day]
         t = (same_day or [t for _, t in candidates])[-1]
         s = row["shape"]
         kv = s.get("kv_heads", s.get("heads"))
         label = f'{_gpu(rec)} S {s.get("seq")} H {s.get("heads")}/{kv} D {s.get("dim")} causal {s.get("causal")}'
+        if rec["config"].get("engine"):
+            label += f' ({rec["config"]["engine"]} engine)'
         out.append((t / ours, label))
     return out
 

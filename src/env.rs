@@ -32,7 +32,7 @@ pub const INTERNAL_KNOBS: &[(&str, &str, &str)] = &[
     ("MK_INTERNAL_MOE_BANDS", "4", "mkMoeGemmCombine: column bands of its GEMM (fewer where H / tile width has no such divisor); the pull of band b's outputs runs beside the GEMM of the later bands; 1: pull after the GEMM only"),
     ("MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES", "65536", "mkAllGather / mkReduceScatter / mkAllReduce within a node: the largest message per rank segment (AllReduce: the buffer) that takes the low-latency protocol (data and its step's flag pushed together in 16-byte lines into the peers' LL regions); above it, the simple protocol (staged, flagged, pulled); 0 never takes LL. Every rank must set the same value"),
     ("MK_INTERNAL_MOE_BURST", "auto", "mkMoeDispatchGemm: 1 = before their GEMM, all warps of the GEMM CTAs send the rows of the first local experts, then the side warps send the rest; 0 = the side warps send everything; auto = 1 at 4 or more ranks"),
-    ("MK_INTERNAL_RING_BWD_ENGINE", "two-pass", "mkRingAttentionBackward's engine: two-pass (dK/dV items, then dQ items that form S and dP again) or one-pass (dK/dV items also form dQ's partials, summed per query tile in a fixed order: bitwise reproducible) or one-pass-atomic (the same, summed by atomic adds in any order). one-pass needs 4 · batch · heads · ⌈seqLocal / 64⌉ · 64 · headDim bytes more of MK_WORKSPACE_BYTES. Every rank must set the same value"),
+    ("MK_INTERNAL_RING_BWD_ENGINE", "auto", "mkRingAttentionBackward's engine: auto (one-pass when the workspace's fused-op region holds its dQ sums, else two-pass; the choice depends only on the shape and the workspace, so every rank makes the same) or two-pass (dK/dV items, then dQ items that form S and dP again) or one-pass (dK/dV items also form dQ's partials, summed per query tile in a fixed order: bitwise reproducible) or one-pass-atomic (the same, summed by atomic adds in any order). one-pass needs 4 · batch · heads · ⌈seqLocal / 64⌉ · 64 · headDim bytes more of MK_WORKSPACE_BYTES. Every rank must set the same value"),
 ];
 
 fn var(name: &str) -> Option<String> {
@@ -127,12 +127,18 @@ pub fn internal_moe_bands() -> Option<usize> {
     parse_u64("MK_INTERNAL_MOE_BANDS").map(|b| (b as usize).max(1))
 }
 
-/// `MK_INTERNAL_RING_BWD_ENGINE`: `two-pass`, `one-pass` or `one-pass-atomic`.
-pub fn internal_ring_bwd_engine() -> Option<crate::tuning::RingBackwardEngine> {
+/// `MK_INTERNAL_RING_BWD_ENGINE`: Some(Some(engine)) for `two-pass`, `one-pass` or
+/// `one-pass-atomic`, Some(None) for `auto`.
+pub fn internal_ring_bwd_engine() -> Option<Option<crate::tuning::RingBackwardEngine>> {
     use crate::tuning::RingBackwardEngine as E;
     one_of(
         "MK_INTERNAL_RING_BWD_ENGINE",
-        &[("two-pass", E::TwoPass), ("one-pass", E::OnePass), ("one-pass-atomic", E::OnePassAtomic)],
+        &[
+            ("auto", None),
+            ("two-pass", Some(E::TwoPass)),
+            ("one-pass", Some(E::OnePass)),
+            ("one-pass-atomic", Some(E::OnePassAtomic)),
+        ],
     )
 }
 
@@ -173,6 +179,7 @@ mod tests {
         assert_eq!(t.moe_burst, None);
         assert_eq!(default_of("MK_INTERNAL_GEMM_REDUCERS"), "early");
         assert_eq!(t.gemm_reducers, crate::tuning::Reducers::Early);
-        assert_eq!(default_of("MK_INTERNAL_RING_BWD_ENGINE"), t.ring_bwd_engine.name());
+        assert_eq!(default_of("MK_INTERNAL_RING_BWD_ENGINE"), "auto");
+        assert_eq!(t.ring_bwd_engine, None);
     }
 }

@@ -21,8 +21,8 @@ pub enum Reducers {
 }
 
 /// mkRingAttentionBackward's engine (`Tuning::ring_bwd_engine`,
-/// docs/decisions/0071-one-pass-attention-backward.md). TwoPass is the default until the
-/// one-pass kernels have run on a GPU.
+/// docs/decisions/0071-one-pass-attention-backward.md). Unset (`auto`), a call takes OnePass
+/// when the workspace holds its dQ sums and TwoPass otherwise (`choose_engine`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RingBackwardEngine {
     /// dK/dV items (S, dP, dV, dK per tile), then dQ items (S, dP, dQ): seven GEMM-units per
@@ -88,8 +88,9 @@ pub struct Tuning {
     /// The collectives within a node: the largest message per rank segment (bytes) that takes
     /// the low-latency protocol; 0 never (MK_INTERNAL_COLLECTIVE_LL_MAX_BYTES).
     pub collective_ll_max_bytes: u64,
-    /// mkRingAttentionBackward's engine (MK_INTERNAL_RING_BWD_ENGINE).
-    pub ring_bwd_engine: RingBackwardEngine,
+    /// mkRingAttentionBackward's engine (MK_INTERNAL_RING_BWD_ENGINE); None: chosen per call
+    /// by the workspace (`ops::attention::ring_attention_backward::choose_engine`).
+    pub ring_bwd_engine: Option<RingBackwardEngine>,
 }
 
 impl Default for Tuning {
@@ -100,7 +101,7 @@ impl Default for Tuning {
             moe_bands: MOE_BANDS,
             moe_burst: None,
             collective_ll_max_bytes: COLLECTIVE_LL_MAX_BYTES,
-            ring_bwd_engine: RingBackwardEngine::TwoPass,
+            ring_bwd_engine: None,
         }
     }
 }
@@ -164,7 +165,7 @@ impl Tuning {
             ),
             (
                 "MK_INTERNAL_RING_BWD_ENGINE",
-                self.ring_bwd_engine.name().to_string(),
+                self.ring_bwd_engine.map_or("auto", RingBackwardEngine::name).to_string(),
                 self.ring_bwd_engine == d.ring_bwd_engine,
             ),
         ];
@@ -184,7 +185,7 @@ mod tests {
     fn description_names_every_setting_and_marks_overrides() {
         let d = Tuning::default().describe();
         assert_eq!(d.len(), 6);
-        assert!(d[5].ends_with("MK_INTERNAL_RING_BWD_ENGINE = two-pass"), "{}", d[5]);
+        assert!(d[5].ends_with("MK_INTERNAL_RING_BWD_ENGINE = auto"), "{}", d[5]);
         assert!(d.iter().all(|l| l.starts_with("tuning: MK_INTERNAL_") && !l.contains("environment")), "{d:?}");
         assert!(d[0].ends_with("= early"), "{}", d[0]);
         let t = Tuning { gemm_reducers: Reducers::After, moe_burst: Some(false), ..Tuning::default() }.describe();

@@ -145,9 +145,31 @@ pub struct RingAttentionBackwardPlan {
     pub engine: RingBackwardEngine,
 }
 
-/// The plan with this process's engine (MK_INTERNAL_RING_BWD_ENGINE, read once).
+/// The plan with this process's engine (MK_INTERNAL_RING_BWD_ENGINE, read once); one-pass
+/// when it is `auto`, as a call whose workspace holds the dQ sums takes it.
 pub fn plan(s: &RingShape, grid_cap: u32) -> RingAttentionBackwardPlan {
-    plan_for(s, grid_cap, crate::tuning::Tuning::process().ring_bwd_engine)
+    plan_for(s, grid_cap, crate::tuning::Tuning::process().ring_bwd_engine.unwrap_or(RingBackwardEngine::OnePass))
+}
+
+/// A call's engine: the tuning's when set; else one-pass when the workspace's fused-op region
+/// (`op_bytes`) holds one-pass's layout, dQ sums included, and two-pass otherwise. Both are
+/// bitwise reproducible, and the choice depends only on the shape, the element type and the
+/// workspace size, which every rank has alike, so every rank takes the same engine.
+pub fn choose_engine(
+    tuned: Option<RingBackwardEngine>,
+    s: &RingShape,
+    grid_cap: u32,
+    dtype: impl Element,
+    op_bytes: u64,
+) -> RingBackwardEngine {
+    tuned.unwrap_or_else(|| {
+        let one_pass = plan_for(s, grid_cap, RingBackwardEngine::OnePass);
+        if workspace_layout(s, &one_pass, dtype).bytes <= op_bytes {
+            RingBackwardEngine::OnePass
+        } else {
+            RingBackwardEngine::TwoPass
+        }
+    })
 }
 
 pub fn plan_for(s: &RingShape, grid_cap: u32, engine: RingBackwardEngine) -> RingAttentionBackwardPlan {
@@ -355,8 +377,10 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
     ] {
         crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
     }
-    let plan = plan_for(&s, DeviceCaps::of(comm)?.grid_cap(), comm.config.tuning.ring_bwd_engine);
     let ws = comm.one_node_workspace("mkRingAttentionBackward")?;
+    let grid_cap = DeviceCaps::of(comm)?.grid_cap();
+    let engine = choose_engine(comm.config.tuning.ring_bwd_engine, &s, grid_cap, f.dtype, ws.view.op_bytes);
+    let plan = plan_for(&s, grid_cap, engine);
     let layout = workspace_layout(&s, &plan, f.dtype);
     if layout.bytes > ws.view.op_bytes {
         return Err(MkError::invalid_usage(format!(
@@ -610,6 +634,23 @@ mod tests {
         assert_eq!(smem_bytes(OnePass, 128), 231424);
         assert!(smem_bytes(OnePass, 128) + 1024 <= 232448, "fits beside the kernel's 1 KiB of static barriers");
         assert_eq!(smem_bytes(OnePassAtomic, 64), 133120);
+    }
+
+    #[test]
+    fn auto_takes_one_pass_exactly_when_the_workspace_holds_it() {
+        let s = RingShape { batch: 1, seq_local: 200, heads: 4, kv_heads: 2, head_dim: 128, causal: false, nranks: 4 };
+        let need = workspace_layout(&s, &plan_for(&s, 132, RingBackwardEngine::OnePass), mkDataType_t::mkBfloat16).bytes;
+        let choose = |tuned, bytes| choose_engine(tuned, &s, 132, mkDataType_t::mkBfloat16, bytes);
+        assert_eq!(choose(None, need), RingBackwardEngine::OnePass);
+        assert_eq!(choose(None, need - 1), RingBackwardEngine::TwoPass);
+        // A set engine is kept, even where the workspace is short: the call then says so.
+        assert_eq!(choose(Some(RingBackwardEngine::OnePassAtomic), need - 1), RingBackwardEngine::OnePassAtomic);
+        assert_eq!(choose(Some(RingBackwardEngine::TwoPass), need), RingBackwardEngine::TwoPass);
+        // The default workspace at the largest one-rank shape (S 32K, H 32, D 128) is
+        // short of one-pass's 512 MiB of dQ sums: auto falls back rather than fail.
+        let big = RingShape { batch: 1, seq_local: 32768, heads: 32, kv_heads: 32, head_dim: 128, causal: true, nranks: 1 };
+        let d = choose_engine(None, &big, 132, mkDataType_t::mkBfloat16, 256 << 20);
+        assert_eq!(d, RingBackwardEngine::TwoPass);
     }
 
     /// One-pass dQ order: for every query tile, the dK/dV items whose walks take it, listed in

@@ -187,6 +187,9 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
         );
         record::config("dtype", Json::str("bf16"));
         record::config("kv_heads", Json::num(c.kv_heads as f64));
+        // MK_INTERNAL_RING_BWD_ENGINE as set; `auto` takes one-pass where the workspace holds it.
+        let engine = mkernel::tuning::Tuning::process().ring_bwd_engine;
+        record::config("engine", Json::str(engine.map_or("auto", |e| e.name())));
     }
     let mut all_ok = true;
     let mut progress = (rank == 0).then(|| Progress::new(c.causal.len() * c.seq.len()));
