@@ -248,7 +248,7 @@ for i in "${!selected[@]}"; do
   timeout -k 45 "$limit" env $(rank_env "$ranks") MK_NCCL_MODE=standalone LD_PRELOAD="$nccl_so" PYTHONUNBUFFERED=1 \
     CUDA_DEVICE_MAX_CONNECTIONS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$ranks" \
     examples/megatron/train_gpt.py "${MODEL[@]}" --steps "$steps" $extra $max_seconds \
-    --log "$STEPS_LOG" --label "$name" >> "$TRAIN_LOG" 2>&1
+    --steps-log "$STEPS_LOG" --label "$name" >> "$TRAIN_LOG" 2>&1
   rc=$?
   # torchrun starts each worker in a session of its own: any left (torchrun killed) goes by pid.
   for pid in $(pgrep -f -- "--label $name\$" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done

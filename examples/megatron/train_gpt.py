@@ -14,7 +14,7 @@ the current token: ln(branch) nats) whose second half repeats its first half (le
 only by attending back, across context-parallel shards too); --data uniform draws tokens
 uniformly (nothing to learn: the loss stays at ln(vocab)).
 
-Rank 0 appends one JSON line per step to --log (the run's --label, the step, the batch's
+Rank 0 appends one JSON line per step to --steps-log (the run's --label, the step, the batch's
 index in the stream, the loss averaged over the data-parallel ranks, the step time) and a
 last line with the run's arguments and how many steps it did. --save / --load write and
 read a plain torch state dict of the model (rank-local shards), which both specs share;
@@ -57,8 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--data", choices=["markov-copy", "uniform"], default="markov-copy")
     p.add_argument("--branch", type=int, default=8, help="successors per token of --data markov-copy's chain")
     p.add_argument("--first-batch", type=int, default=0, help="index in the stream of the first step's batch")
-    p.add_argument("--log", default=None, help="append JSON lines of loss and step time here (rank 0)")
-    p.add_argument("--label", default=None, help="the run's name in --log (default: --spec)")
+    # Not --log: torchrun reads the whole command line and refuses an option that abbreviates
+    # several of its own (--log-dir, --logs-specs).
+    p.add_argument("--steps-log", default=None, help="append JSON lines of loss and step time here (rank 0)")
+    p.add_argument("--label", default=None, help="the run's name in --steps-log (default: --spec)")
     p.add_argument("--save", default=None, help="state dict path prefix to write (after --save-after steps)")
     p.add_argument("--save-after", type=int, default=None, help="steps after which --save writes (default: all)")
     p.add_argument("--load", default=None, help="state dict path prefix to read before the first step")
@@ -316,7 +318,7 @@ def main(argv=None):
 
     forward_backward = get_forward_backward_func()
     label = args.label or args.spec
-    log = open(args.log, "a") if args.log and dist.get_rank() == 0 else None
+    log = open(args.steps_log, "a") if args.steps_log and dist.get_rank() == 0 else None
     save_after = args.steps if args.save_after is None else args.save_after
     if args.save and save_after == 0:
         save_checkpoint(model.module, args.save, dist.get_rank())
