@@ -639,7 +639,8 @@ mod tests {
     #[test]
     fn auto_takes_one_pass_exactly_when_the_workspace_holds_it() {
         let s = RingShape { batch: 1, seq_local: 200, heads: 4, kv_heads: 2, head_dim: 128, causal: false, nranks: 4 };
-        let need = workspace_layout(&s, &plan_for(&s, 132, RingBackwardEngine::OnePass), mkDataType_t::mkBfloat16).bytes;
+        let need =
+            workspace_layout(&s, &plan_for(&s, 132, RingBackwardEngine::OnePass), mkDataType_t::mkBfloat16).bytes;
         let choose = |tuned, bytes| choose_engine(tuned, &s, 132, mkDataType_t::mkBfloat16, bytes);
         assert_eq!(choose(None, need), RingBackwardEngine::OnePass);
         assert_eq!(choose(None, need - 1), RingBackwardEngine::TwoPass);
@@ -648,7 +649,8 @@ mod tests {
         assert_eq!(choose(Some(RingBackwardEngine::TwoPass), need), RingBackwardEngine::TwoPass);
         // The default workspace at the largest one-rank shape (S 32K, H 32, D 128) is
         // short of one-pass's 512 MiB of dQ sums: auto falls back rather than fail.
-        let big = RingShape { batch: 1, seq_local: 32768, heads: 32, kv_heads: 32, head_dim: 128, causal: true, nranks: 1 };
+        let big =
+            RingShape { batch: 1, seq_local: 32768, heads: 32, kv_heads: 32, head_dim: 128, causal: true, nranks: 1 };
         let d = choose_engine(None, &big, 132, mkDataType_t::mkBfloat16, 256 << 20);
         assert_eq!(d, RingBackwardEngine::TwoPass);
     }

@@ -225,7 +225,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             };
             let args = args_into(&t.grads)?;
             let verdict = check_case(&comm, &t, &args, &args_into(&t.again)?, stream)?;
-            let wrong = !verdict.passed(mkernel::tuning::Tuning::process().ring_bwd_engine.is_none_or(|e| e.reproducible()));
+            let wrong =
+                !verdict.passed(mkernel::tuning::Tuning::process().ring_bwd_engine.is_none_or(|e| e.reproducible()));
             all_ok &= !wrong;
             c.rest(stream)?;
             let backward = || ring_attention_backward(&comm, &args, stream);
