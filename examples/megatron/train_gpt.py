@@ -34,7 +34,7 @@ import os
 import time
 
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--spec", choices=["mkernel", "local"], default="mkernel")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -67,6 +67,11 @@ def parse_args(argv=None):
     p.add_argument("--max-seconds", type=float, default=None, help="start no step after this much training time")
     p.add_argument("--dry-run", action="store_true",
                    help="check the arguments and build the TransformerConfig (no GPU, no process group), then exit")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     check_args(p, args)
     return args

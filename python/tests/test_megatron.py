@@ -699,6 +699,20 @@ def test_the_example_refuses_bad_arguments(argv, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_torchrun_hands_every_option_of_the_example_to_it():
+    """torchrun parses the whole command line, the script's arguments included: an option of
+    the example that is one of torchrun's or abbreviates one would be taken, or refused as
+    ambiguous, before the example sees it (`--log` stopped every run of a GPU call that way)."""
+    from torch.distributed.run import get_args_parser
+
+    def long_options(parser):
+        return [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+
+    theirs = long_options(get_args_parser())
+    clashes = {o: [t for t in theirs if t.startswith(o)] for o in long_options(_load_example().build_parser())}
+    assert not {o: t for o, t in clashes.items() if t and o != "--help"}
+
+
 def test_the_example_parses_its_arguments():
     out = subprocess.run(
         [sys.executable, str(REPO / "examples/megatron/train_gpt.py"), "--help"], capture_output=True, text=True
