@@ -76,6 +76,10 @@ MOE_TORCH = {"H100": "2026-12-05-h100-moe-prep-over-ctas/moe_same_process.json",
 RING_ATTN = ("2026-12-03-moe-burst-early-sums-attention/ring_attn-g1.json",
              "2026-12-03-moe-burst-early-sums-attention/sdpa_baseline.json")
 ATTENTION_BACKWARD = "2026-12-05-h100-gemm-decode-rows/attention_same_process-partial.json"
+# mkbench ring_attn_bwd under the default engine where it fits (one-pass), and cuDNN's backward
+# from benches/sdpa_baseline.py --backward in the same call.
+ATTENTION_BACKWARD_ONE_PASS = ("2026-12-07-h100-one-pass-backward-first-run/bwd-one-pass.json",
+                               "2026-12-07-h100-one-pass-backward-first-run/sdpa_baseline_bwd.json")
 ALL_REDUCE_2_RANKS = {
     ("H100", "processes"): "2026-12-05-h200-moe-gemm-rows/h100-host-all_reduce-g2.json",
     ("H100", "threads"): "2026-12-05-h200-moe-gemm-rows/h100-host-all_reduce-threads-g2.json",
@@ -302,6 +306,17 @@ def _attention_backward(page):
                   time_over(r, "sdpa_cudnn", "mkernel")) for r in bwd], bwd
 
 
+def _attention_backward_one_pass(page):
+    """(seq, causal, cuDNN's backward time / ours) of every one-rank row of the one-pass engine."""
+    ours, theirs = (page.record(p) for p in ATTENTION_BACKWARD_ONE_PASS)
+    out = []
+    for r in ours["rows"]:
+        s = r["shape"]
+        base = rows(theirs, seq=s["seq"], causal=s["causal"], heads=s["heads"], kv_heads=s["kv_heads"])[0]
+        out.append((s["seq"], s["causal"], median(base, "sdpa_cudnn_backward") / median(r, "fused")))
+    return out
+
+
 def ring_attention(page):
     """docs/ops/ring_attention.md: forward and backward at one rank beside cuDNN."""
     fwd = _attention_pairs(page)
@@ -316,6 +331,11 @@ def ring_attention(page):
         f"({span([b[2] for b in bwd], '{:.2f}', '×')}) in the {len(bwd_rows)} cases the run finished ("
         + ", ".join(f"{r['shape']['seq'] // 1024}K {'causal' if r['shape']['causal'] else 'non-causal'}" for r in bwd_rows)
         + f"; B 1, H 32, D 128, bf16) {page.cite(ATTENTION_BACKWARD)}.",
+        f"- Backward, one-pass engine, {gpu(page, ATTENTION_BACKWARD_ONE_PASS[0])}, one rank, `mkbench ring_attn_bwd` "
+        f"beside `benches/sdpa_baseline.py --backward` in the same call: "
+        f"{span([b[2] for b in _attention_backward_one_pass(page)], '{:.2f}', '×')} cuDNN's backward at S "
+        f"{span([b[0] // 1024 for b in _attention_backward_one_pass(page)], '{}', 'K')}, causal and not "
+        f"(B 1, H 32, D 128, bf16) {page.cite(*ATTENTION_BACKWARD_ONE_PASS)}.",
     ])
 
 
@@ -479,10 +499,10 @@ def _moe_row(page):
 
 def _attention_row(page):
     fwd = _attention_pairs(page)
-    _, bwd, _ = _attention_backward(page)
     return (f"forward, {gpu(page, RING_ATTN[0])}, one rank: {span([f[2] / f[3] for f in fwd], '{:.2f}', '×')} "
-            f"cuDNN's throughput {page.cite(*RING_ATTN)}; backward, {gpu(page, ATTENTION_BACKWARD)}, one rank: "
-            f"{span([b[2] for b in bwd], '{:.2f}', '×')} cuDNN's backward {page.cite(ATTENTION_BACKWARD)}")
+            f"cuDNN's throughput {page.cite(*RING_ATTN)}; backward, {gpu(page, ATTENTION_BACKWARD_ONE_PASS[0])}, one "
+            f"rank, one-pass engine: {span([b[2] for b in _attention_backward_one_pass(page)], '{:.2f}', '×')} cuDNN's "
+            f"backward {page.cite(*ATTENTION_BACKWARD_ONE_PASS)}")
 
 
 def _python_row(page):
