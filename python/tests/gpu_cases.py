@@ -428,6 +428,19 @@ def _moe_rows(xs, routes, expert):
     return [xs[r][t] for r in range(len(xs)) for t in range(xs[r].shape[0]) if expert in routes[r][t].tolist()]
 
 
+def _combine_reference(x, route, weight, w1, w2, act):
+    """Float64 of this rank's combined output: per kept choice, act(x·w1ᵀ) and its product
+    with w2 each rounded to bf16 as the kernels store them, weighted and summed."""
+    ref = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(route.shape[1]):
+            e = int(route[t, j])
+            if e >= 0:
+                y_row = act(x[t].double() @ w1[e].double().T).to(bf16).double()
+                ref[t] += weight[t, j].double() * (y_row @ w2[e].double().T).to(bf16).double()
+    return ref
+
+
 def moe_options(comm, rank, n, seed):
     """The dispatch's options through Python: SwiGLU and GeGLU in the epilogue, drop mode
     (drop counts, kept rows, the combine) and an overflow that leaves the communicator usable
@@ -473,13 +486,7 @@ def moe_options(comm, rank, n, seed):
                     got = d.y[int(starts[e]) : int(starts[e]) + len(rows)]
                     problems += close_to(f"{label}: y of expert {rank * local + e}", got, ref, **_relative(ref))
             out = mkernel.moe_gemm_combine(d.y, w2[mine].contiguous().to(DEV), weights[rank].to(DEV), d.layout, comm)
-            ref = torch.zeros(tokens, hidden, dtype=torch.float64)
-            for t in range(tokens):
-                for j in range(topk):
-                    e = int(kept_routes[rank][t, j])
-                    if e >= 0:
-                        y_row = act(xs[rank][t].double() @ w1[e].double().T).to(bf16).double()
-                        ref[t] += weights[rank][t, j].double() * (y_row @ w2[e].double().T).to(bf16).double()
+            ref = _combine_reference(xs[rank], kept_routes[rank], weights[rank], w1, w2, act)
             problems += close_to(f"{label}: moe_gemm_combine", out, ref, **_relative(ref))
 
     # Overflow then retry: every choice on experts 0 and 1 (rank 0's), far past 128 rows.
@@ -498,13 +505,7 @@ def moe_options(comm, rank, n, seed):
         )
         d.raise_for_overflow()
         out = mkernel.moe_gemm_combine(d.y, w2[mine].contiguous().to(DEV), weights[rank].to(DEV), d.layout, comm)
-        ref = torch.zeros(tokens, hidden, dtype=torch.float64)
-        for t in range(tokens):
-            for j in range(topk):
-                e = int(routes[rank][t, j])
-                if e >= 0:
-                    y_row = (xs[rank][t].double() @ w1[e].double().T).to(bf16).double()
-                    ref[t] += weights[rank][t, j].double() * (y_row @ w2[e].double().T).to(bf16).double()
+        ref = _combine_reference(xs[rank], routes[rank], weights[rank], w1, w2, lambda y: y)
         problems += close_to(f"overflow then retry at {needed} (seed {seed}): combine", out, ref, **_relative(ref))
     torch.cuda.synchronize()
     return problems
