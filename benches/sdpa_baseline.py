@@ -1,10 +1,11 @@
 """Single-GPU attention baseline for `mkbench ring_attn` and `mkbench ring_attn_bwd`: torch
-scaled_dot_product_attention with the cuDNN and the FlashAttention-2 backends, bf16, B=1,
-H=32 D=128 by default, random inputs in [-1, 1). Forward TFLOP/s = 4·B·H·S²·D / t (half of
+scaled_dot_product_attention with the cuDNN and the FlashAttention-2 backends, bf16 (or
+fp16 with --dtype fp16), B=1, H=32 D=128 by default, random inputs in [-1, 1). Forward TFLOP/s = 4·B·H·S²·D / t (half of
 it causal).
 
     python3 benches/sdpa_baseline.py [S ...] [--causal 0,1] [--backends cudnn,flash]
                                      [--heads 32] [--kv-heads 32] [--dim 128] [--backward]
+                                     [--dtype bf16|fp16]
                                      [-w 3] [-n 10] [--blocks 5] [--rest-ms 0] [--json PATH]
 
 --backward times, per backend, the backward alone (`torch.autograd.grad` of a forward kept
@@ -12,7 +13,7 @@ with its graph, dout random in [-1, 1)) and the forward + backward, as training 
 the backend is chosen for the forward, and autograd runs that backend's backward. FLOPs by
 FlashAttention's convention: the backward 2.5 × the forward's, forward + backward 3.5 ×.
 Its record is bench "sdpa_baseline_bwd", rows keyed as `mkbench ring_attn_bwd`'s one-rank
-rows (ranks, seq, seq_per_rank, heads, kv_heads, dim, causal), contenders
+rows (ranks, seq, seq_per_rank, heads, kv_heads, dim, causal, dtype), contenders
 sdpa_<backend>_backward and sdpa_<backend>_forward+backward. --kv-heads below --heads
 (grouped-query attention, torch's enable_gqa) needs --backward. A backend that refuses a
 case (not built in, or not for this shape or GPU) is recorded with a null time and its
@@ -24,7 +25,7 @@ by one per block, makes -n calls, each timed by its own pair of CUDA events and 
 once per block; the median with p10 / p90, and the host's time to enqueue one call. --json PATH writes the run's
 record in mkbench's schema (mkbench/1): bench "sdpa_baseline", one row per case with the
 shape keys of `mkbench ring_attn`'s one-rank rows (ranks, seq, seq_per_rank, heads, dim,
-causal) and one contender per backend (sdpa_cudnn, sdpa_flash). The tensors are torch's
+causal, dtype: "bf16" or "fp16", as mkbench's --dtype names it) and one contender per backend (sdpa_cudnn, sdpa_flash). The tensors are torch's
 [B, H, S, D]; mkbench's kernels take [S, H, D] (config.layout says so).
 
 The H200 lowers its clocks under sustained attention (power), so a case measured after
@@ -42,17 +43,22 @@ import bench_record
 from bench_record import stats
 
 B, H, D = 1, 32, 128
+# The element types, by the names mkbench's --dtype takes (and records carry).
+DTYPES = ("bf16", "fp16")
 
 
-def row(seq, causal, results, heads=H, dim=D, kv_heads=None):
+def row(seq, causal, results, heads=H, dim=D, kv_heads=None, dtype="bf16"):
     """One case: `results` maps a contender (a backend, or `<backend>_backward` and
     `<backend>_forward+backward`) to (GPU µs samples, host µs samples), or to None where the
     backend refused the case. The shape is `mkbench ring_attn`'s one-rank rows', and with
-    `kv_heads` `mkbench ring_attn_bwd`'s."""
+    `kv_heads` `mkbench ring_attn_bwd`'s; `dtype` is one of DTYPES."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
     contenders = [bench_record.contender(f"sdpa_{key}", r) for key, r in results.items()]
     shape = {"ranks": 1, "seq": seq, "seq_per_rank": seq, "heads": heads, "dim": dim, "causal": int(causal)}
     if kv_heads is not None:
         shape["kv_heads"] = kv_heads
+    shape["dtype"] = dtype
     return {"shape": shape, "contenders": contenders}
 
 
@@ -76,6 +82,7 @@ def main():
     ap.add_argument("--kv-heads", type=int, help="K/V heads (default: --heads); fewer needs --backward")
     ap.add_argument("--dim", type=int, default=D)
     ap.add_argument("--backward", action="store_true", help="time the backward and the forward + backward")
+    ap.add_argument("--dtype", choices=DTYPES, default="bf16", help="the tensors' type (default bf16)")
     ap.add_argument("--rest-ms", type=int, default=0, help="idle time before each case")
     bench_record.add_protocol_args(ap)
     args = ap.parse_args()
@@ -97,8 +104,9 @@ def main():
     if unknown:
         ap.error(f"unknown backend(s) {unknown}: cudnn, flash")
     heads, dim = args.heads, args.dim
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     what = "forward and backward" if args.backward else "forward"
-    print(f"# torch {torch.__version__} SDPA {what} bf16 B={B} H={heads} H_kv={kv_heads} D={dim}, warm-up "
+    print(f"# torch {torch.__version__} SDPA {what} {args.dtype} B={B} H={heads} H_kv={kv_heads} D={dim}, warm-up "
           f"{args.warmup} then {args.blocks} interleaved blocks of {args.iters} calls (median), rest {args.rest_ms} ms")
     if args.backward:
         print("# TF/s: backward 2.5 x, forward+backward 3.5 x the forward's 4·B·H·S²·D, half when causal")
@@ -107,7 +115,7 @@ def main():
     for causal in (c == "1" for c in args.causal.split(",")):
         for S in args.seqs:
             def rand(h, grad=False):
-                x = torch.rand(B, h, S, dim, device="cuda", dtype=torch.bfloat16) * 2 - 1
+                x = torch.rand(B, h, S, dim, device="cuda", dtype=torch_dtype) * 2 - 1
                 return x.requires_grad_(grad)
 
             q, k, v = rand(heads, args.backward), rand(kv_heads, args.backward), rand(kv_heads, args.backward)
@@ -149,11 +157,11 @@ def main():
                 ms = s["median_us"] / 1e3
                 print(f"  {S:>6} {int(causal):>6} | {key:>22} {ms:>8.3f} {calls[key][1] * flops / ms / 1e9:>7.1f} "
                       f"{s['p10_us'] / 1e3:>8.3f} {s['p90_us'] / 1e3:>8.3f} {stats(results[key][1])['median_us']:>8.1f}")
-            rows.append(row(S, causal, results, heads, dim, kv_heads if args.backward else None))
+            rows.append(row(S, causal, results, heads, dim, kv_heads if args.backward else None, args.dtype))
             del q, k, v, calls
     if args.json:
         config = {"warmup": args.warmup, "blocks": args.blocks, "iters": args.iters, "rest_ms": args.rest_ms,
-                  "backends": names}
+                  "backends": names, "dtype": args.dtype}
         with open(args.json, "w") as f:
             json.dump(record(True, config, rows, torch.__version__, args.backward), f)
             f.write("\n")

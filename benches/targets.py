@@ -57,7 +57,9 @@ ATTENTION_FWD_MIN = 1.0
 ATTENTION_BWD_MIN = 0.95
 ATTENTION_FWD_BWD_MIN = 0.95
 # The shape keys an attention row of ours and cuDNN's must share.
-ATTENTION_KEYS = ("seq", "heads", "kv_heads", "dim", "causal")
+ATTENTION_KEYS = ("seq", "heads", "kv_heads", "dim", "causal", "dtype")
+# What a row without a dtype ran in (records from before rows carried one were all bf16).
+ATTENTION_DEFAULT_DTYPE = "bf16"
 
 # The contender that is the op under test, by bench (host_per_call).
 UNDER_TEST = {
@@ -248,8 +250,9 @@ def fp8_gemm_decode(records):
 
 def _attention_key(rec, row):
     s = row["shape"]
-    kv = s.get("kv_heads", s.get("heads"))
-    return (_gpu(rec),) + tuple(kv if k == "kv_heads" else s.get(k) for k in ATTENTION_KEYS)
+    # A forward row carries no kv_heads (as many as heads); a row without a dtype is bf16.
+    implied = {"kv_heads": s.get("heads"), "dtype": ATTENTION_DEFAULT_DTYPE}
+    return (_gpu(rec),) + tuple(s.get(k, implied.get(k)) for k in ATTENTION_KEYS)
 
 
 def _attention_ratios(records, ours_bench, ours_name, theirs_bench, theirs_name):
@@ -271,7 +274,8 @@ def _attention_ratios(records, ours_bench, ours_name, theirs_bench, theirs_name)
         t = (same_day or [t for _, t in candidates])[-1]
         s = row["shape"]
         kv = s.get("kv_heads", s.get("heads"))
-        label = f'{_gpu(rec)} S {s.get("seq")} H {s.get("heads")}/{kv} D {s.get("dim")} causal {s.get("causal")}'
+        dtype = s.get("dtype", ATTENTION_DEFAULT_DTYPE)
+        label = f'{_gpu(rec)} {dtype} S {s.get("seq")} H {s.get("heads")}/{kv} D {s.get("dim")} causal {s.get("causal")}'
         if rec["config"].get("engine"):
             label += f' ({rec["config"]["engine"]} engine)'
         out.append((t / ours, label))

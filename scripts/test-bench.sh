@@ -63,24 +63,32 @@ rec = json.load(open(path))
 assert rec["bench"] == "sdpa_baseline" and rec["rows"][0]["shape"]["seq_per_rank"] == 8192
 assert rec["rows"][0]["contenders"][0]["host_enqueue_us"] == 12.0
 assert "kv_heads" not in rec["rows"][0]["shape"], "forward rows are keyed as mkbench ring_attn's"
+assert rec["rows"][0]["shape"]["dtype"] == "bf16", "bf16 unless told otherwise"
+assert s.row(8192, True, {"cudnn": None}, dtype="fp16")["shape"]["dtype"] == "fp16"
+try:
+    s.row(8192, True, {"cudnn": None}, dtype="bfloat16")
+    raise AssertionError("a dtype mkbench does not name is refused")
+except ValueError as e:
+    assert "bfloat16" in str(e), e
 # --backward: two contenders per backend, rows keyed as mkbench ring_attn_bwd's one-rank rows.
 samples = ([2000.0 + i for i in range(50)], [30.0] * 50)
 rows = [s.row(16384, False, {"cudnn_backward": samples, "cudnn_forward+backward": samples,
-                             "flash_backward": None, "flash_forward+backward": None}, 32, 128, 8)]
+                             "flash_backward": None, "flash_forward+backward": None}, 32, 128, 8, "fp16")]
 json.dump(s.record(True, {"warmup": 3, "blocks": 5, "iters": 10}, rows, backward=True), open(path, "w"))
 r = subprocess.run([sys.executable, "benches/plot.py", "--check", path], capture_output=True, text=True)
 assert r.returncode == 0, r.stderr
 rec = json.load(open(path))
 assert rec["bench"] == "sdpa_baseline_bwd" and "2.5" in rec["config"]["flops"]
 assert rec["rows"][0]["shape"] == {"ranks": 1, "seq": 16384, "seq_per_rank": 16384, "heads": 32, "kv_heads": 8,
-                                   "dim": 128, "causal": 0}
+                                   "dim": 128, "causal": 0, "dtype": "fp16"}
 names = [c["name"] for c in rec["rows"][0]["contenders"]]
 assert names == ["sdpa_cudnn_backward", "sdpa_cudnn_forward+backward", "sdpa_flash_backward",
                  "sdpa_flash_forward+backward"], names
 assert rec["rows"][0]["contenders"][2]["median_us"] is None
-for bad in (["--kv-heads", "8"], ["--kv-heads", "5", "--backward"]):
+for bad, flag in ((["--kv-heads", "8"], "--kv-heads"), (["--kv-heads", "5", "--backward"], "--kv-heads"),
+                  (["--dtype", "fp8"], "--dtype")):
     r = subprocess.run([sys.executable, "benches/sdpa_baseline.py", *bad], capture_output=True, text=True)
-    assert r.returncode == 2 and "--kv-heads" in r.stderr, (bad, r.returncode, r.stderr)
+    assert r.returncode == 2 and flag in r.stderr, (bad, r.returncode, r.stderr)
 print("sdpa_baseline.py: its records (forward, --backward) pass the schema check")
 EOF
 
@@ -153,10 +161,12 @@ fp8 = rec("fp8_gemm", [
 ])
 assert targets.fp8_gemm_large([fp8])["met"] is True, "geomean of 1.10 and 0.95"
 assert targets.fp8_gemm_decode([fp8])["met"] is False, "0.90 on a decode row"
-def attn(bench, contenders, date="d1", gpu="G", kv=32, ranks=1):
+def attn(bench, contenders, date="d1", gpu="G", kv=32, ranks=1, dtype=None):
     shape = {"ranks": ranks, "seq": 8192, "heads": 32, "kv_heads": kv, "dim": 128, "causal": 1}
     if bench in ("ring_attn", "sdpa_baseline"):
         del shape["kv_heads"]  # the forward rows carry no kv_heads
+    if dtype:
+        shape["dtype"] = dtype  # older records' rows carry none
     return {"bench": bench, "date": date, "config": {}, "machine": {"gpu": gpu},
             "rows": [{"shape": shape, "contenders": [c(n, us) for n, us in contenders]}]}
 
@@ -173,6 +183,11 @@ assert targets.attention_bwd(bwd)["met"] is True, "0.96 x on d1 (0.90 on d2 is a
 assert targets.attention_fwd_bwd(bwd)["met"] is False, "0.90 x on d1"
 # Grouped-query rows pair only with cuDNN's grouped-query rows.
 assert targets.attention_bwd([attn("ring_attn_bwd", [("fused", 100.0)], kv=8), bwd[2]])["met"] is None
+# fp16 rows pair only with fp16 rows; a row without a dtype is bf16.
+assert targets.attention_fwd([attn("ring_attn", [("fused", 100.0)], dtype="fp16"), fwd[1]])["met"] is None
+assert targets.attention_fwd([attn("ring_attn", [("fused", 100.0)], dtype="bf16"), fwd[1]])["met"] is True
+fp16 = [attn("ring_attn", [("fused", 100.0)], dtype="fp16"), attn("sdpa_baseline", [("sdpa_cudnn", 90.0)], dtype="fp16")]
+assert targets.attention_fwd(fp16 + fwd)["met"] is False, "fp16 0.90 x pairs apart from bf16's 1.01 x"
 assert "NOT MEASURED" in targets.report(targets.judge([]))
 EOF
 out=$(python3 benches/targets.py benches/results/2026-12-05-h200-moe-gemm-rows/*.json) || fail "targets.py on the stored records"
