@@ -24,7 +24,7 @@ use crate::copy_engine::PeerShards;
 use crate::fused_common::{
     bad, capture_everywhere, measure_cold_slowest, measure_slowest, print_trace, run_ranks, L2Flush, Timed,
 };
-use crate::fused_options::{parse_list, parse_pairs, FusedDefaults, FusedOptions};
+use crate::fused_options::{parse_half_dtype, parse_list, parse_pairs, FusedDefaults, FusedOptions};
 use crate::measure::{Progress, Protocol, GRAPH_CALLS};
 use crate::record::{self, Json};
 use crate::timing::Events;
@@ -60,13 +60,7 @@ fn parse(args: &[String]) -> Result<Options> {
         match flag {
             "--rows" => rows = parse_list(v, "--rows")?,
             "--nk" => nk = parse_pairs(v, "--nk")?,
-            "--dtype" => {
-                dtype = match v {
-                    "bf16" => mkDataType_t::mkBfloat16,
-                    "fp16" => mkDataType_t::mkFloat16,
-                    _ => return Err(bad("--dtype (bf16 or fp16)")),
-                }
-            }
+            "--dtype" => dtype = parse_half_dtype(v)?,
             _ => return Ok(false),
         }
         Ok(true)

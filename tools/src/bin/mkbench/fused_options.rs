@@ -10,6 +10,7 @@ use crate::fused_common::bad;
 use crate::measure::Protocol;
 use crate::ranks;
 use mkernel::error::Result;
+use mkernel::types::mkDataType_t;
 
 /// The common options of one fused bench's run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,6 +105,25 @@ pub fn parse_pairs(v: &str, what: &str) -> Result<Vec<(usize, usize)>> {
             Ok((a.trim().parse().map_err(|_| bad(what))?, b.trim().parse().map_err(|_| bad(what))?))
         })
         .collect()
+}
+
+/// `--dtype bf16|fp16`, the 16-bit float types the fused benches that take `--dtype` run in.
+pub fn parse_half_dtype(v: &str) -> Result<mkDataType_t> {
+    match v {
+        "bf16" => Ok(mkDataType_t::mkBfloat16),
+        "fp16" => Ok(mkDataType_t::mkFloat16),
+        _ => Err(bad("--dtype (bf16 or fp16)")),
+    }
+}
+
+/// The name `--dtype` takes for `dtype` ("bf16", "fp16"), as headers and records print it;
+/// any other type by its library name.
+pub fn half_dtype_name(dtype: mkDataType_t) -> &'static str {
+    match dtype {
+        mkDataType_t::mkBfloat16 => "bf16",
+        mkDataType_t::mkFloat16 => "fp16",
+        other => other.name(),
+    }
 }
 
 /// A command line's words, for tests: "-g 2 --rows 8" -> ["-g", "2", "--rows", "8"].
@@ -201,6 +221,18 @@ mod tests {
         assert_eq!(parse_list("1,,2", "--m").unwrap_err().message, "mkbench: bad --m");
         assert_eq!(parse_pairs("8192", "--nk").unwrap_err().message, "mkbench: bad --nk");
         assert_eq!(parse_pairs("8x", "--nk").unwrap_err().message, "mkbench: bad --nk");
+    }
+
+    #[test]
+    fn half_dtypes_parse_by_their_short_names_and_print_back() {
+        for (name, dtype) in [("bf16", mkDataType_t::mkBfloat16), ("fp16", mkDataType_t::mkFloat16)] {
+            assert_eq!(parse_half_dtype(name).unwrap(), dtype);
+            assert_eq!(half_dtype_name(dtype), name);
+        }
+        for v in ["fp8", "float16", "BF16", "", "fp32"] {
+            assert_eq!(parse_half_dtype(v).unwrap_err().message, "mkbench: bad --dtype (bf16 or fp16)", "{v}");
+        }
+        assert_eq!(half_dtype_name(mkDataType_t::mkFloat32), mkDataType_t::mkFloat32.name());
     }
 
     #[test]

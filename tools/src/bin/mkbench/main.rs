@@ -43,8 +43,8 @@ const BENCHES: &[(&str, Bench, &str)] = &[
     ("gemm_rs", gemm_reduce::gemm_rs, "mkGemmReduceScatter vs cuBLASLt+mkReduceScatter, cuBLASLt alone, capped GEMM+mkReduceScatter (-g, --m, --nk NxK,..., -n, -w, --blocks)"),
     ("gemm_ar", gemm_reduce::gemm_ar, "mkGemmAllReduce vs cuBLASLt+mkAllReduce, cuBLASLt alone, capped GEMM+mkAllReduce (-g, --m, --nk NxK,..., -n, -w, --blocks)"),
     ("moe", moe::run, "mkMoeDispatchGemm / mkMoeGemmCombine vs exchange + cuBLAS grouped GEMM (-g, --tokens, --hidden, --ffn, --experts, --topk, -n, -w, --blocks)"),
-    ("ring_attn", ring_attn::run, "mkRingAttention vs mkAllGather(K,V)+attention, the attention alone (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, -n, -w)"),
-    ("ring_attn_bwd", ring_attn_bwd::run, "mkRingAttentionBackward alone and after mkRingAttention, checked (bitwise repeat, finite, float64 rows); torch SDPA in benches/sdpa_baseline.py --backward (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, -n, -w, --blocks, --rest-ms, --threads)"),
+    ("ring_attn", ring_attn::run, "mkRingAttention vs mkAllGather(K,V)+attention, the attention alone (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, --dtype bf16|fp16, -n, -w)"),
+    ("ring_attn_bwd", ring_attn_bwd::run, "mkRingAttentionBackward alone and after mkRingAttention, checked (bitwise repeat, finite, float64 rows); torch SDPA in benches/sdpa_baseline.py --backward (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, --dtype bf16|fp16, -n, -w, --blocks, --rest-ms, --threads)"),
     ("gemm", gemm::run, "GEMM engine vs cuBLASLt, from M = 1 (--dtype, --shape MxNxK, --sweep, --json PATH)"),
     ("host", host::run, "host µs per call, piece by piece (context, pointer check, capture query, launch, copy call) and whole mkAllReduce / mkGemm calls, one rank (-n, -w, --blocks)"),
 ];

@@ -2,14 +2,15 @@
 //!
 //!   mkbench ring_attn [-g ranks] [--seq 8192,16384,32768] [--heads 32] [--kv-heads 32]
 //!                     [--dim 128] [--causal 0,1] [-n iters] [-w warmup] [--trace] [--threads]
-//!                     [--unfused 0|1] [--rest-ms ms] [--blocks B]
+//!                     [--unfused 0|1] [--rest-ms ms] [--blocks B] [--dtype bf16|fp16]
 //!
 //! Per (global S, causal): the fused op; the unfused ring (mkAllGather of K, mkAllGather of
 //! V, then the same attention kernel over the gathered K/V, no overlap); and its two parts
 //! alone (attention over gathered K/V; the two AllGathers) for the overlap efficiency
 //! max(t_attn, t_comm) / t_fused; CUDA-graph replays of GRAPH_CALLS captured calls of the
 //! fused op and of the unfused ring (time per call). Every contender records the host's
-//! enqueue µs per call. Batch 1, bf16. The fused output is checked once per case
+//! enqueue µs per call. Batch 1, `--dtype` bf16 (the default) or fp16, recorded in each
+//! row's shape (`dtype`) and the config. The fused output is checked once per case
 //! against the unfused ring's. Times follow the shared protocol (measure.rs: -w warm-up,
 //! then --blocks interleaved blocks of -n calls, the slowest rank per call; median, p10,
 //! p90). TFLOP/s per rank: 4·H·S_local·
@@ -24,7 +25,7 @@
 //! (trace_summary).
 
 use crate::fused_common::{bad, capture_everywhere, measure_slowest, run_ranks, trace_words, Timed};
-use crate::fused_options::{parse_list, FusedDefaults, FusedOptions};
+use crate::fused_options::{half_dtype_name, parse_half_dtype, parse_list, FusedDefaults, FusedOptions};
 use crate::measure::{Progress, GRAPH_CALLS};
 use crate::record::{self, Json};
 use crate::timing::Events;
@@ -48,20 +49,30 @@ struct Options {
 
 /// The cases both ring-attention benches sweep (this one and `ring_attn_bwd`), batch 1,
 /// and the idle time before each: `--seq S,...` (global), `--causal 0,1` (in this order),
-/// `--heads`, `--kv-heads`, `--dim`, `--rest-ms`.
+/// `--heads`, `--kv-heads`, `--dim`, `--dtype bf16|fp16`, `--rest-ms`.
 pub struct Cases {
     pub seq: Vec<usize>,
     pub heads: usize,
     pub kv_heads: usize,
     pub dim: usize,
     pub causal: Vec<usize>,
+    /// The element type of q, k, v and the outputs (bf16 or fp16).
+    pub dtype: mkDataType_t,
     /// Idle time before each case (after the stream has drained), in ms.
     pub rest_ms: u64,
 }
 
 impl Default for Cases {
     fn default() -> Cases {
-        Cases { seq: vec![8192, 16384, 32768], heads: 32, kv_heads: 32, dim: 128, causal: vec![0, 1], rest_ms: 0 }
+        Cases {
+            seq: vec![8192, 16384, 32768],
+            heads: 32,
+            kv_heads: 32,
+            dim: 128,
+            causal: vec![0, 1],
+            dtype: mkDataType_t::mkBfloat16,
+            rest_ms: 0,
+        }
     }
 }
 
@@ -74,6 +85,7 @@ impl Cases {
             "--kv-heads" => self.kv_heads = v.parse().map_err(|_| bad("--kv-heads"))?,
             "--dim" => self.dim = v.parse().map_err(|_| bad("--dim"))?,
             "--causal" => self.causal = parse_list(v, "--causal")?,
+            "--dtype" => self.dtype = parse_half_dtype(v)?,
             "--rest-ms" => self.rest_ms = v.parse().map_err(|_| bad("--rest-ms"))?,
             _ => return Ok(false),
         }
@@ -125,7 +137,7 @@ pub fn run(args: &[String]) -> Result<bool> {
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
     let ctx = PrimaryContext::retain(device)?;
     let _g = ctx.enter()?;
-    let dtype = mkDataType_t::mkBfloat16;
+    let dtype = o.cases.dtype;
     let max_sl = o.cases.seq.iter().max().copied().unwrap_or(0) / n;
     let shape_of = |sl: usize, causal: bool| RingShape {
         batch: 1,
@@ -162,7 +174,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let grid_cap = comm.config.max_ctas.map_or(sms, |c| c.min(sms));
     if rank == 0 {
         println!(
-            "# mkbench ring_attn: {n} rank(s), bf16, B=1 H={} H_kv={} D={}, {sms} SMs, MK_MAX_CTAS={}, warm-up {} + {} timed calls (median of the slowest rank)",
+            "# mkbench ring_attn: {n} rank(s), {}, B=1 H={} H_kv={} D={}, {sms} SMs, MK_MAX_CTAS={}, warm-up {} + {} timed calls (median of the slowest rank)",
+            half_dtype_name(dtype),
             o.cases.heads,
             o.cases.kv_heads,
             o.cases.dim,
@@ -174,6 +187,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             "# {:>6} {:>6} {:>6} | {:>10} {:>7} | {:>10} {:>10} {:>10} | {:>7} {:>7}",
             "S", "S_loc", "causal", "fused us", "TF/s", "unfused us", "attn us", "AGx2 us", "f/unf", "overlap"
         );
+        record::config("dtype", Json::str(half_dtype_name(dtype)));
     }
     let mut all_ok = true;
     let mut progress = (rank == 0).then(|| Progress::new(o.cases.causal.len() * o.cases.seq.len()));
@@ -312,7 +326,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                             ("dim", o.cases.dim),
                             ("causal", causal),
                         ],
-                        &[],
+                        &[("dtype", half_dtype_name(dtype))],
                     ),
                     record::measured_contenders(&names, &meas),
                     &[
@@ -412,6 +426,19 @@ mod tests {
         let o = parse(&[]).unwrap();
         assert_eq!((o.unfused, o.cases.rest_ms, o.common.trace), (1, 0, false), "defaults: every column, no rest");
         assert!(parse(&["--rest-ms".into(), "x".into()]).is_err());
+    }
+
+    #[test]
+    fn dtype_defaults_to_bf16_and_takes_fp16() {
+        use crate::fused_options::command_line as args;
+        use mkernel::types::mkDataType_t;
+        assert_eq!(parse(&[]).unwrap().cases.dtype, mkDataType_t::mkBfloat16);
+        let o = parse(&args("--dtype fp16 --seq 4096 --unfused 0")).unwrap();
+        assert_eq!((o.cases.dtype, &o.cases.seq[..], o.unfused), (mkDataType_t::mkFloat16, &[4096][..], 0));
+        assert_eq!(parse(&args("--dtype bf16")).unwrap().cases.dtype, mkDataType_t::mkBfloat16);
+        for bad in ["--dtype fp8", "--dtype float16", "--dtype"] {
+            assert!(parse(&args(bad)).err().is_some_and(|e| e.message.contains("--dtype")), "{bad}");
+        }
     }
     use mkernel::kernel_abi::MK_TRACE_WORDS;
 

@@ -3,9 +3,10 @@
 //!
 //!   mkbench ring_attn_bwd [-g ranks] [--seq 8192,16384,32768] [--heads 32] [--kv-heads 32]
 //!                         [--dim 128] [--causal 0,1] [-n iters] [-w warmup] [--blocks B]
-//!                         [--rest-ms ms] [--threads]
+//!                         [--rest-ms ms] [--threads] [--dtype bf16|fp16]
 //!
-//! Per (global S, causal), batch 1, bf16, softmax scale 1/√D, inputs uniform in [-1, 1):
+//! Per (global S, causal), batch 1, `--dtype` bf16 (the default) or fp16 (recorded in each
+//! row's shape and the config), softmax scale 1/√D, inputs uniform in [-1, 1):
 //! mkRingAttention once (its out and lse feed the backward, as in training), then the check,
 //! then the contenders, timed as measure.rs says (-w warm-up, --blocks interleaved blocks of
 //! -n calls, the slowest rank per call; median, p10, p90; host enqueue µs per call):
@@ -28,12 +29,12 @@
 //! more, for the first and last head) and of dk, dv (the same local keys, for the first and
 //! last KV head) are recomputed in float64 from the definition in the header, over every
 //! rank's q, k, v, dout and the forward's out and lse (gathered with mkAllGather): the
-//! relative L2 error of each must stay within 2 × tolerance(bf16), the limit mktest's
+//! relative L2 error of each must stay within 2 × tolerance(dtype), the limit mktest's
 //! ring_attn_bwd suite puts on its whole tensors (that suite checks every element against
 //! the float64 gradient with per-element bounds, on small shapes).
 
 use crate::fused_common::{capture_everywhere, measure_slowest, run_ranks, Timed};
-use crate::fused_options::{FusedDefaults, FusedOptions};
+use crate::fused_options::{half_dtype_name, FusedDefaults, FusedOptions};
 use crate::measure::{Progress, GRAPH_CALLS};
 use crate::record::{self, Json};
 use crate::ring_attn::{forward_flops, Cases};
@@ -94,8 +95,8 @@ struct Tensors {
 fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::UniqueId, device: i32) -> Result<bool> {
     let ctx = PrimaryContext::retain(device)?;
     let _g = ctx.enter()?;
-    let dtype = mkDataType_t::mkBfloat16;
     let c = &o.cases;
+    let dtype = c.dtype;
     let max_sl = c.seq.iter().max().copied().unwrap_or(0) / n;
     let shape_of = |sl: usize, causal: bool| RingShape {
         batch: 1,
@@ -151,7 +152,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
     let events = Events::new(protocol.iters)?;
     if rank == 0 {
         println!(
-            "# mkbench ring_attn_bwd: {n} rank(s), bf16, B=1 H={} H_kv={} D={}, MK_MAX_CTAS={}, warm-up {} + {} blocks of {} timed calls (median of the slowest rank)",
+            "# mkbench ring_attn_bwd: {n} rank(s), {}, B=1 H={} H_kv={} D={}, MK_MAX_CTAS={}, warm-up {} + {} blocks of {} timed calls (median of the slowest rank)",
+            half_dtype_name(dtype),
             c.heads,
             c.kv_heads,
             c.dim,
@@ -185,7 +187,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 "per rank: backward 2.5 x and forward+backward 3.5 x the forward's 4*H*S_local*S*D, half when causal",
             ),
         );
-        record::config("dtype", Json::str("bf16"));
+        record::config("dtype", Json::str(half_dtype_name(dtype)));
         record::config("kv_heads", Json::num(c.kv_heads as f64));
         // MK_INTERNAL_RING_BWD_ENGINE as set; `auto` takes one-pass where the workspace holds it.
         let engine = mkernel::tuning::Tuning::process().ring_bwd_engine;
@@ -225,8 +227,8 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             };
             let args = args_into(&t.grads)?;
             let verdict = check_case(&comm, &t, &args, &args_into(&t.again)?, stream)?;
-            let wrong =
-                !verdict.passed(mkernel::tuning::Tuning::process().ring_bwd_engine.is_none_or(|e| e.reproducible()));
+            let wrong = !verdict
+                .passed(dtype, mkernel::tuning::Tuning::process().ring_bwd_engine.is_none_or(|e| e.reproducible()));
             all_ok &= !wrong;
             c.rest(stream)?;
             let backward = || ring_attention_backward(&comm, &args, stream);
@@ -293,7 +295,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                             ("dim", c.dim),
                             ("causal", causal),
                         ],
-                        &[],
+                        &[("dtype", half_dtype_name(dtype))],
                     ),
                     record::measured_contenders(&names, &meas),
                     &[
@@ -330,10 +332,11 @@ struct Verdict {
 }
 
 impl Verdict {
-    /// `must_repeat`: the engine promises the same bits from a second call (all but
-    /// one-pass-atomic, whose differing bits are reported, not failed).
-    fn passed(&self, must_repeat: bool) -> bool {
-        let limit = 2.0 * tolerance(mkDataType_t::mkBfloat16);
+    /// `dtype`: the gradients' type, whose tolerance sets the limit. `must_repeat`: the
+    /// engine promises the same bits from a second call (all but one-pass-atomic, whose
+    /// differing bits are reported, not failed).
+    fn passed(&self, dtype: mkDataType_t, must_repeat: bool) -> bool {
+        let limit = 2.0 * tolerance(dtype);
         // A NaN error fails.
         self.rel_err.iter().all(|e| *e <= limit) && self.nonfinite == 0 && (self.unrepeated == 0 || !must_repeat)
     }
@@ -386,18 +389,24 @@ fn check_case(
         .chunks_exact(4)
         .map(|w| f32::from_le_bytes(w.try_into().expect("4 bytes")))
         .collect();
-    fn bf<'a>(bits: &'a [u16], s: &RingShape, heads: usize) -> Global<'a> {
-        Global::bits(bits, mkDataType_t::mkBfloat16, s.seq_local, heads, s.head_dim)
+    // Every 16-bit tensor here (inputs, forward outputs, gradients) is in the case's dtype.
+    let dtype = t.q.dtype;
+    fn global<'a>(bits: &'a [u16], dtype: mkDataType_t, s: &RingShape, heads: usize) -> Global<'a> {
+        Global::bits(bits, dtype, s.seq_local, heads, s.head_dim)
     }
     let inputs = Inputs {
-        q: bf(&all[0], &s, s.heads),
-        k: bf(&all[1], &s, s.kv_heads),
-        v: bf(&all[2], &s, s.kv_heads),
-        dout: bf(&all[3], &s, s.heads),
-        out: bf(&all[4], &s, s.heads),
+        q: global(&all[0], dtype, &s, s.heads),
+        k: global(&all[1], dtype, &s, s.kv_heads),
+        v: global(&all[2], dtype, &s, s.kv_heads),
+        dout: global(&all[3], dtype, &s, s.heads),
+        out: global(&all[4], dtype, &s, s.heads),
         lse: &lse,
     };
-    let got = [bf(&grads[0], &s, s.heads), bf(&grads[1], &s, s.kv_heads), bf(&grads[2], &s, s.kv_heads)];
+    let got = [
+        global(&grads[0], dtype, &s, s.heads),
+        global(&grads[1], dtype, &s, s.kv_heads),
+        global(&grads[2], dtype, &s, s.kv_heads),
+    ];
     let rel_err = sampled_errors(&s, args.forward.softmax_scale as f64, &inputs, rank, &got, 7 + rank);
     // Every rank's findings, so that every rank (and the record) has the same verdict.
     let mine: Vec<u8> = rel_err
@@ -578,7 +587,7 @@ mod tests {
     use super::*;
     use crate::fused_options::command_line as args;
     use crate::measure::Protocol;
-    use mkernel_tools::testing::{f32_to_bf16, xorshift_unit};
+    use mkernel_tools::testing::{f32_to_bf16, f32_to_f16, xorshift_unit};
 
     #[test]
     fn options_parse_and_typos_are_refused() {
@@ -593,12 +602,14 @@ mod tests {
             (&c.seq[..], &c.causal[..], c.heads, c.kv_heads, c.dim, c.rest_ms),
             (&[4096, 8192][..], &[1, 0][..], 16, 4, 64, 500)
         );
+        assert_eq!(c.dtype, mkDataType_t::mkBfloat16, "bf16 unless --dtype says otherwise");
         let d = parse(&[]).unwrap();
         assert_eq!(
             (&d.cases.seq[..], d.cases.heads, d.cases.dim, d.common.threads),
             (&[8192, 16384, 32768][..], 32, 128, false)
         );
-        for bad in ["--unfused 0", "--trace", "--seq 1,x", "--blocks 0", "-n 0", "--heads"] {
+        assert_eq!(parse(&args("--dtype fp16 --dim 64")).unwrap().cases.dtype, mkDataType_t::mkFloat16);
+        for bad in ["--unfused 0", "--trace", "--seq 1,x", "--blocks 0", "-n 0", "--heads", "--dtype fp8", "--dtype"] {
             assert!(parse(&args(bad)).is_err(), "{bad}");
         }
     }
@@ -704,11 +715,11 @@ mod tests {
                     assert!((numeric(1) - dv[c]).abs() < 1e-5 * (1.0 + dv[c].abs()), "dv {j} {hk} {c}");
                 }
             }
-            // This rank's gradients as bf16 bits pass; with one sampled dv element pushed far
-            // off, dv fails and dq, dk do not.
-            let own = |t: &[f64], heads: usize| -> Vec<u16> {
+            // This rank's gradients as bf16 or fp16 bits pass; with one sampled dv element
+            // pushed far off, dv fails and dq, dk do not.
+            let own = |t: &[f64], heads: usize, encode: fn(f32) -> u16| -> Vec<u16> {
                 let len = s.seq_local * heads * 8;
-                t[rank * len..][..len].iter().map(|&x| f32_to_bf16(x as f32)).collect()
+                t[rank * len..][..len].iter().map(|&x| encode(x as f32)).collect()
             };
             let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; k.len()]);
             for i in 0..4 {
@@ -723,24 +734,45 @@ mod tests {
                     dv[at..at + 8].copy_from_slice(&b);
                 }
             }
-            let bf = mkDataType_t::mkBfloat16;
-            let (bq, bk, mut bv) = (own(&dq, 4), own(&dk, 2), own(&dv, 2));
-            let got = |bv: &[u16]| -> [f64; 3] {
-                let t = [Global::bits(&bq, bf, 4, 4, 8), Global::bits(&bk, bf, 4, 2, 8), Global::bits(bv, bf, 4, 2, 8)];
-                sampled_errors(&s, scale, &x, rank, &t, 1)
-            };
-            let e = got(&bv);
-            assert!(e.iter().all(|&e| e < 4e-3), "{e:?}");
-            bv[(3 * 2 + 1) * 8 + 2] = f32_to_bf16(10.0);
-            let e = got(&bv);
-            assert!(e[0] < 4e-3 && e[1] < 4e-3 && e[2] > 2.0 * tolerance(bf), "{e:?}");
-            assert!(!Verdict { rel_err: e, nonfinite: 0, unrepeated: 0 }.passed(true));
-            assert!(!Verdict { rel_err: [f64::NAN, 0.0, 0.0], nonfinite: 0, unrepeated: 0 }.passed(true), "NaN fails");
-            assert!(!Verdict { rel_err: [0.0; 3], nonfinite: 0, unrepeated: 1 }.passed(true));
-            assert!(!Verdict { rel_err: [0.0; 3], nonfinite: 1, unrepeated: 0 }.passed(true));
-            assert!(Verdict { rel_err: [1e-3; 3], nonfinite: 0, unrepeated: 0 }.passed(true));
-            assert!(Verdict { rel_err: [1e-3; 3], nonfinite: 0, unrepeated: 5 }.passed(false), "atomic sums differ");
-            assert!(!Verdict { rel_err: [1e-3; 3], nonfinite: 1, unrepeated: 5 }.passed(false));
+            let encoders =
+                [(mkDataType_t::mkBfloat16, f32_to_bf16 as fn(f32) -> u16), (mkDataType_t::mkFloat16, f32_to_f16)];
+            for (dtype, encode) in encoders {
+                let (bq, bk, mut bv) = (own(&dq, 4, encode), own(&dk, 2, encode), own(&dv, 2, encode));
+                let got = |bv: &[u16]| -> [f64; 3] {
+                    let t = [
+                        Global::bits(&bq, dtype, 4, 4, 8),
+                        Global::bits(&bk, dtype, 4, 2, 8),
+                        Global::bits(bv, dtype, 4, 2, 8),
+                    ];
+                    sampled_errors(&s, scale, &x, rank, &t, 1)
+                };
+                let e = got(&bv);
+                assert!(e.iter().all(|&e| e < 4e-3), "{dtype:?} {e:?}");
+                bv[(3 * 2 + 1) * 8 + 2] = encode(10.0);
+                let e = got(&bv);
+                assert!(e[0] < 4e-3 && e[1] < 4e-3 && e[2] > 2.0 * tolerance(dtype), "{dtype:?} {e:?}");
+                assert!(!Verdict { rel_err: e, nonfinite: 0, unrepeated: 0 }.passed(dtype, true));
+            }
         }
+    }
+
+    /// The verdict's limit is 2 × the tolerance of the gradients' type: an error bf16 allows
+    /// fails fp16; a NaN error, a non-finite element or a changed bit fails either.
+    #[test]
+    fn the_verdict_limit_follows_the_dtype() {
+        let (bf, fp) = (mkDataType_t::mkBfloat16, mkDataType_t::mkFloat16);
+        for dtype in [bf, fp] {
+            let v = |rel_err, nonfinite, unrepeated| Verdict { rel_err, nonfinite, unrepeated };
+            assert!(!v([f64::NAN, 0.0, 0.0], 0, 0).passed(dtype, true), "NaN fails");
+            assert!(!v([0.0; 3], 0, 1).passed(dtype, true));
+            assert!(!v([0.0; 3], 1, 0).passed(dtype, true));
+            assert!(v([1e-3; 3], 0, 0).passed(dtype, true));
+            assert!(v([1e-3; 3], 0, 5).passed(dtype, false), "atomic sums differ");
+            assert!(!v([1e-3; 3], 1, 5).passed(dtype, false));
+        }
+        let between = [0.0, 0.0, 1.5 * 2.0 * tolerance(fp)];
+        assert!(between[2] < 2.0 * tolerance(bf));
+        let v = Verdict { rel_err: between, nonfinite: 0, unrepeated: 0 };
+        assert!(v.passed(bf, true) && !v.passed(fp, true));
     }
 }
