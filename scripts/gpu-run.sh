@@ -436,6 +436,27 @@ if [ "$BENCH" = 1 ]; then
         note "sdpa_baseline.py --backward: $(outcome $rc)"
         [ "$rc" = 0 ] || status=1
       fi
+      # fp16 rows of the backward at one rank (S 8K and 16K) beside cuDNN's fp16 backward:
+      # the attention targets are per dtype.
+      if [ "$op" = ring_attn_bwd ] && [ "$n" = 1 ]; then
+        fp16_step="mkbench ring_attn_bwd -g 1 --dtype fp16"
+        want "$fp16_step"
+        if ! late "$fp16_step"; then
+          echo "===== $fp16_step" | tee -a "$OUT/fused.log"
+          timeout "$(limit 240)" "$BIN/mkbench" ring_attn_bwd -g 1 --dtype fp16 --seq 8192,16384 --causal 1,0 \
+            --rest-ms 1000 -w 3 -n 10 --json "$JSON_DIR/ring_attn_bwd-fp16-g1.json" >> "$OUT/fused.log" 2>&1; rc=$?
+          note "$fp16_step: $(outcome $rc)"
+          check_rc $rc
+          has_record "$JSON_DIR/ring_attn_bwd-fp16-g1.json" $rc "$fp16_step"
+          if python3 -c "import torch" 2>/dev/null && ! late "sdpa_baseline.py --backward --dtype fp16"; then
+            timeout "$(limit 120)" python3 benches/sdpa_baseline.py 8192 16384 --causal 1,0 --backward --dtype fp16 \
+              --backends cudnn --rest-ms 1000 -w 3 -n 10 --blocks 5 --json "$JSON_DIR/sdpa_baseline_bwd-fp16.json" \
+              >> "$OUT/fused.log" 2>&1; rc=$?
+            note "sdpa_baseline.py --backward --dtype fp16: $(outcome $rc)"
+            [ "$rc" = 0 ] || status=1
+          fi
+        fi
+      fi
     done
   done
 fi
