@@ -321,6 +321,7 @@ def ring_attention(page):
     """docs/ops/ring_attention.md: forward and backward at one rank beside cuDNN."""
     fwd = _attention_pairs(page)
     rec, bwd, bwd_rows = _attention_backward(page)
+    one_pass = _attention_backward_one_pass(page)
     return "\n".join([
         f"- Forward, {gpu(page, RING_ATTN[0])}, one rank, bf16: "
         f"{span([f[2] for f in fwd], '{:.0f}', ' TF/s')} at S {min(f[0] for f in fwd) // 1024}–"
@@ -333,8 +334,8 @@ def ring_attention(page):
         + f"; B 1, H 32, D 128, bf16) {page.cite(ATTENTION_BACKWARD)}.",
         f"- Backward, one-pass engine, {gpu(page, ATTENTION_BACKWARD_ONE_PASS[0])}, one rank, `mkbench ring_attn_bwd` "
         f"beside `benches/sdpa_baseline.py --backward` in the same call: "
-        f"{span([b[2] for b in _attention_backward_one_pass(page)], '{:.2f}', '×')} cuDNN's backward at S "
-        f"{span([b[0] // 1024 for b in _attention_backward_one_pass(page)], '{}', 'K')}, causal and not "
+        f"{span([b[2] for b in one_pass], '{:.2f}', '×')} cuDNN's backward at S "
+        f"{span([b[0] // 1024 for b in one_pass], '{}', 'K')}, causal and not "
         f"(B 1, H 32, D 128, bf16) {page.cite(*ATTENTION_BACKWARD_ONE_PASS)}.",
     ])
 
