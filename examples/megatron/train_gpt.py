@@ -165,6 +165,11 @@ def build_model(args, config, **communicator_options):
                 "refuses sequence parallelism); without Apex, compare with --spec local at the same --tp without "
                 "--sequence-parallel (the same model and math)"
             )
+        if experts:
+            # megatron-core 0.16.1's router needs this without Transformer Engine (mkernel's spec does it itself).
+            from mkernel.megatron import let_router_run_without_transformer_engine
+
+            let_router_run_without_transformer_engine()
         spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
     model = GPTModel(
         config=config,

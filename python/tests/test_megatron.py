@@ -439,6 +439,28 @@ def test_moe_fuses_exactly_swiglu_and_geglu(megatron_world):
     torch.testing.assert_close(activation_of(moe_config())(y), F.silu(y[:, :4]) * y[:, 4:], rtol=0, atol=0)
 
 
+def test_megatrons_router_gemm_runs_without_transformer_engine():
+    """megatron-core 0.16.1's router GEMM names Transformer Engine's GEMM even when TE is not
+    installed (NameError at the first MoE forward, local spec and mkernel's alike); the binding
+    the mkernel spec makes lets it take torch's path, forward and backward."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if moe_utils.HAVE_TE:
+        pytest.skip("Transformer Engine is installed: the router has its GEMM")
+    from mkernel.megatron import let_router_run_without_transformer_engine
+
+    let_router_run_without_transformer_engine()
+    assert moe_utils.te_general_gemm is None
+    assert not let_router_run_without_transformer_engine(), "a second call binds nothing"
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 16, generator=g, requires_grad=True)
+    w = torch.randn(4, 16, generator=g, requires_grad=True)
+    logits = moe_utils.router_gating_linear(x, w, None, torch.float32)
+    torch.testing.assert_close(logits.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+    logits.sum().backward()
+    torch.testing.assert_close(x.grad.double(), w.double().sum(0).expand(6, 16), rtol=1e-5, atol=1e-5)
+
+
 def test_routing_and_unfused_moe_match_megatron_experts(megatron_world):
     """Megatron's router output converted to top-k ids and weights, then moe_reference (the MoE
     layer's backward recomputation) against Megatron's own SequentialMLP experts, forward and backward."""

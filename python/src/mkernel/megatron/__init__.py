@@ -15,6 +15,7 @@ from .communicators import Communicators
 from .linear import MkernelColumnParallelLinear, MkernelRowParallelLinear
 from .moe import MkernelExperts, MkernelMoELayer, topk_from_routing
 from .norm import SequenceParallelTorchNorm
+from .router_without_te import let_router_run_without_transformer_engine
 from .spec import get_gpt_block_spec, get_gpt_layer_mkernel_spec
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "SequenceParallelTorchNorm",
     "get_gpt_block_spec",
     "get_gpt_layer_mkernel_spec",
+    "let_router_run_without_transformer_engine",
     "moe_reference",
     "topk_from_routing",
     "zigzag_positions",

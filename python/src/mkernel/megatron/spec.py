@@ -32,6 +32,7 @@ from .config_checks import check_communicators, refuse
 from .linear import MkernelColumnParallelLinear, MkernelRowParallelLinear
 from .moe import MkernelExperts, MkernelMoELayer
 from .norm import SequenceParallelTorchNorm
+from .router_without_te import let_router_run_without_transformer_engine
 
 
 def get_gpt_layer_mkernel_spec(
@@ -59,6 +60,9 @@ def get_gpt_layer_mkernel_spec(
         refuse("get_gpt_layer_mkernel_spec", "multi_latent_attention", True, [False])
     if moe_grouped_gemm:
         refuse("get_gpt_layer_mkernel_spec", "moe_grouped_gemm", True, [False])
+    if num_experts:
+        # Megatron's router, which the MoE layer keeps, fails without Transformer Engine otherwise.
+        let_router_run_without_transformer_engine()
     local = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization=normalization)
     with_comms = {"communicators": communicators}
     column = ModuleSpec(module=MkernelColumnParallelLinear, params=with_comms)
