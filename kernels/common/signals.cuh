@@ -3,7 +3,8 @@
 //
 // Every flag only ever grows (it holds a step number), so nothing is reset between calls:
 // a waiter asks "has this flag reached step s?". Every wait is bounded by the
-// communicator's timeout (ws.timeout_ns of %globaltimer). A wait that gives up
+// communicator's timeout (ws.timeout_ns of %globaltimer; 17/16 of it for a wait on a flag
+// this rank's own CTAs post: see MkWaitChecks). A wait that gives up
 //   - records an error word in the rank's host-mapped CommStatus (first error wins; the
 //     host reads it in mkCommGetAsyncError and refuses new ops afterwards),
 //   - raises the abort word in every rank's signal region (its own too), so every other
@@ -197,7 +198,12 @@ struct MkWaitChecks {
       return false;
     }
     const uint64_t now = mk_globaltimer();
-    if (now - start > ws.timeout_ns) {
+    // A wait for one of this rank's own flags (posted by this rank's other CTAs) is
+    // downstream of whatever those CTAs wait for; it gets a sixteenth longer, so that when
+    // both are stuck the upstream wait gives up first and the error (first one wins) names
+    // the cause rather than the symptom. A kernel's bound is so 17/16 of the timeout.
+    const uint64_t bound = peer == ws.rank ? ws.timeout_ns + ws.timeout_ns / 16 : ws.timeout_ns;
+    if (now - start > bound) {
       mk_record_timeout(ws, own_signals, mk_error_word(mkTimeout, (uint32_t)peer, what, op), flag, target);
       mk_raise_abort(ws);
       return false;

@@ -679,7 +679,9 @@ pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize, ranks_per_n
 /// communicator whose ops are in flight) plus STOP_MARGIN, so the kernels' timeout fires first.
 pub(crate) fn timed_sync(stream: &Stream, op_timeout: Duration) -> Result<Duration> {
     let start = Instant::now();
-    let limit = op_timeout + STOP_MARGIN;
+    // The kernels' own bound: 17/16 of the timeout (a wait on a rank's own flag gets a
+    // sixteenth more, kernels/common/signals.cuh MkWaitChecks).
+    let limit = op_timeout + op_timeout / 16 + STOP_MARGIN;
     loop {
         // SAFETY: live stream.
         let r = unsafe { sys::cuStreamQuery(stream.0) };
@@ -691,7 +693,7 @@ pub(crate) fn timed_sync(stream: &Stream, op_timeout: Duration) -> Result<Durati
         }
         if start.elapsed() > limit {
             return Err(MkError::timeout(format!(
-                "the op did not stop within {} s (its communicator's timeout of at most {} s plus {} s): \
+                "the op did not stop within {} s (17/16 of its communicator's timeout of at most {} s, plus {} s): \
                  its bounded waits did not fire",
                 limit.as_secs(),
                 op_timeout.as_secs(),

@@ -154,15 +154,24 @@ pub fn check_rounds_of(
             case.prepare(seed + round * cases.len() as u64 + i as u64)?;
         }
         peers_ready()?;
+        // How long the launch calls held this rank's thread: with ranks sharing a context, a
+        // call that waits for the context (a first module load, a free) holds its launch
+        // back while the peers' kernels wait for it; the error below says which rank it was.
+        let launching = Instant::now();
         for case in cases {
             ffi(&format!("{op} {}", case.label()), case.launch(comm, stream.0), comm)?;
         }
+        let launch_ms = launching.elapsed().as_secs_f64() * 1e3;
         timed_sync(&stream, longest_op_timeout()).map_err(|e| e.context(format!("{op} {labels}")))?;
         let code = async_error(comm);
         if code != mkResult_t::mkSuccess {
             return Err(MkError::new(
                 code,
-                format!("{op} {labels}: asynchronous error {code:?}: {}", last_error(comm)),
+                format!(
+                    "{op} {labels}: asynchronous error {code:?}: {} (this rank's launch calls returned {launch_ms:.1} ms \
+                     after the ranks' barrier)",
+                    last_error(comm)
+                ),
             ));
         }
         for case in cases {
