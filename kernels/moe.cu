@@ -151,6 +151,13 @@ __device__ __forceinline__ bool prep_wait(const WorkspaceView& ws, uint32_t word
   return __syncthreads_and(ok) != 0;
 }
 
+// Prep CTA 0, thread 0: this rank's MOE_PROGRESS = epoch · 16 + step (kernel_abi
+// MOE_STEP_*), at system scope: a peer's wait that times out reads it, so its message says
+// how far this rank's dispatch got.
+__device__ __forceinline__ void prep_progress(const WorkspaceView& ws, uint64_t epoch, uint32_t step) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) mk_st_relaxed_sys(mk_signal_word(ws, ws.rank, MOE_PROGRESS), epoch * 16 + step);
+}
+
 // Thread 0, after a barrier of its CTA: the CTA's writes (fence), then `word` = epoch.
 __device__ __forceinline__ void prep_raise(const WorkspaceView& ws, uint32_t word, uint64_t epoch) {
   __threadfence();
@@ -236,13 +243,16 @@ __device__ __noinline__ bool prep_tables(const MoeParams& p, uint64_t epoch, cha
 
   // Nobody may still be sending into or pulling from any region of the previous kernel.
   if (!moe_cta_wait_peers(ws, MOE_DONE, epoch - 1, me, MK_OP_MOE_DISPATCH)) return false;
+  prep_progress(ws, epoch, MOE_STEP_PEERS_DONE);
   // Count exchange: our counts into every rank's area [me][E], then CNT[me] there.
   for (int q = 0; q < n; ++q) {
     int* dst = reinterpret_cast<int*>(reinterpret_cast<char*>(ws.data[q]) + p.counts_offset) + me * E;
     for (int e = tid; e < E; e += blockDim.x) dst[e] = run[e];
   }
   mk_cta_signal_peers(ws, MOE_CNT, epoch, -1);
+  prep_progress(ws, epoch, MOE_STEP_COUNTS_SENT);
   if (!moe_cta_wait_peers(ws, MOE_CNT, epoch, -1, MK_OP_MOE_DISPATCH)) return false;
+  prep_progress(ws, epoch, MOE_STEP_COUNTS_IN);
   {
     const int* src = reinterpret_cast<const int*>(reinterpret_cast<const char*>(ws.data[me]) + p.counts_offset);
     for (int i = tid; i < n * E; i += blockDim.x) cnt[i] = ld_cg(src + i);
@@ -381,6 +391,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   int* lay_row = layout + p.lay_row;
   const PrepScratch scratch(p);
 
+  prep_progress(ws, epoch, MOE_STEP_BEGUN);
   for (int i = tid; i < MOE_WARPS * E; i += blockDim.x) bits[i] = 0;
   for (int i = tid; i < E; i += blockDim.x) run[i] = 0;
   if (tid == 0) bad_id = 0;
@@ -431,6 +442,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
   for (int e = tid; e < E; e += blockDim.x) scratch.cta_count[c * E + e] = run[e];
   mk_trace_time(p.trace, MK_TR_STEP);
   if (!prep_barrier(ws, MOE_PREP_COUNTED, epoch, P)) return false;
+  prep_progress(ws, epoch, MOE_STEP_COUNTED);
 
   // Column scans: warp w of CTA c takes experts c * MOE_WARPS + w, then every
   // P * MOE_WARPS-th; its lanes scan 32 CTAs' counts at a time.
@@ -446,6 +458,7 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     if (lane == 0) scratch.total[e] = carry;
   }
   if (!prep_barrier(ws, MOE_PREP_SCANNED, epoch, P)) return false;
+  prep_progress(ws, epoch, MOE_STEP_SCANNED);
   mk_trace_time(p.trace, MK_TR_STEP + 1);
 
   if (c == 0) {
@@ -499,7 +512,9 @@ __device__ __noinline__ bool prep(const MoeParams& p, uint64_t epoch, char* smem
     }
   }
   mk_trace_time(p.trace, MK_TR_STEP + 3);
-  return prep_barrier(ws, MOE_PREP, epoch, P);
+  if (!prep_barrier(ws, MOE_PREP, epoch, P)) return false;
+  prep_progress(ws, epoch, MOE_STEP_LAYOUT);
+  return true;
 }
 
 // The prep for this launch's top-k: the slot loops are unrolled to KMAX, so K <= 8 (the

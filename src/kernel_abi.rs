@@ -70,7 +70,12 @@ pub struct CommStatus {
     pub timeout_flag: u64,
     pub timeout_target: u64,
     pub timeout_seen: u64,
-    pub reserved: [u32; 8],
+    /// Beside a timed-out wait for a peer's flag, where the peer's op stood: the address of
+    /// the peer's progress word for that op (0: the op keeps none) and its value then.
+    /// Only the MoE dispatch keeps one (`MOE_PROGRESS`).
+    pub timeout_progress_word: u64,
+    pub timeout_progress: u64,
+    pub reserved: [u32; 4],
 }
 
 /// Parameters of the collective kernels (kernels/collectives.cu).
@@ -776,6 +781,19 @@ pub const MOE_PREP_COUNTED: u32 = MK_SIG_MOE_BASE + 4;
 pub const MOE_PREP_SCANNED: u32 = MK_SIG_MOE_BASE + 5;
 /// Prep CTA 0 wrote this rank's offsets, the send lists' starts and the overflow word of epoch e.
 pub const MOE_PREP_OFFSETS: u32 = MK_SIG_MOE_BASE + 6;
+/// How far this rank's dispatch prep got, written by prep CTA 0: epoch · 16 + one of the
+/// MOE_STEP_* below (timed_out_wait.rs names them). A peer whose wait for this rank's flag
+/// times out records it beside the flag, which tells a kernel that had not started from one
+/// whose prep stopped at a step.
+pub const MOE_PROGRESS: u32 = MK_SIG_MOE_BASE + 7;
+/// The steps of MOE_PROGRESS, in order.
+pub const MOE_STEP_BEGUN: u32 = 1;
+pub const MOE_STEP_COUNTED: u32 = 2;
+pub const MOE_STEP_SCANNED: u32 = 3;
+pub const MOE_STEP_PEERS_DONE: u32 = 4;
+pub const MOE_STEP_COUNTS_SENT: u32 = 5;
+pub const MOE_STEP_COUNTS_IN: u32 = 6;
+pub const MOE_STEP_LAYOUT: u32 = 7;
 /// Word + q: rank q finished MoE kernel e (written by q).
 pub const MOE_DONE: u32 = MK_SIG_MOE_BASE + 8;
 /// Word + s: rank s wrote its counts here (written by s).

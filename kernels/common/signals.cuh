@@ -127,12 +127,21 @@ __device__ __forceinline__ void mk_record_error_at(const WorkspaceView& ws, uint
   __threadfence_system();
 }
 
+// The progress word of `peer` that a timed-out wait of `op` records beside its flag, or
+// null: only the MoE dispatch keeps one (kernel_abi MOE_PROGRESS, one node), and a wait
+// for this rank's own flag learns nothing from this rank's.
+__device__ __forceinline__ const uint64_t* mk_peer_progress_word(const WorkspaceView& ws, uint32_t op, int peer) {
+  if (op != MK_OP_MOE_DISPATCH || peer == ws.rank || peer < 0 || peer >= ws.nranks) return nullptr;
+  return mk_signal_word(ws, peer, MOE_PROGRESS);
+}
+
 // mk_record_error_at for a wait that timed out: when its word is this rank's first error,
 // the flag's address, the value awaited and the value last read go to the status block
-// first, so the host's message can name the flag that never came (error_word.rs). The
+// first, so the host's message can name the flag that never came (error_word.rs), and
+// with them the awaited peer's progress word (`progress`, may be null) and its value. The
 // branch is taken once per failed call, on the way out of a wait.
 __device__ __forceinline__ void mk_record_timeout(const WorkspaceView& ws, uint64_t* own_signals, uint32_t word,
-                                                  const void* flag, uint64_t target) {
+                                                  const void* flag, uint64_t target, const uint64_t* progress) {
   unsigned int* claim = reinterpret_cast<unsigned int*>(own_signals + MK_SIG_ERROR_CLAIM);
   const unsigned int first = atomicCAS(claim, 0u, word);
   CommStatus* status = mk_status(ws);
@@ -141,6 +150,10 @@ __device__ __forceinline__ void mk_record_timeout(const WorkspaceView& ws, uint6
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(&status->timeout_flag), "l"((uint64_t)flag) : "memory");
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(&status->timeout_target), "l"(target) : "memory");
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(&status->timeout_seen), "l"(seen) : "memory");
+    const uint64_t progress_value = progress ? *reinterpret_cast<const volatile uint64_t*>(progress) : 0;
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(&status->timeout_progress_word), "l"((uint64_t)progress)
+                 : "memory");
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(&status->timeout_progress), "l"(progress_value) : "memory");
     __threadfence_system();
   }
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(&status->error), "r"(first == 0u ? word : first) : "memory");
@@ -204,7 +217,8 @@ struct MkWaitChecks {
     // the cause rather than the symptom. A kernel's bound is so 17/16 of the timeout.
     const uint64_t bound = peer == ws.rank ? ws.timeout_ns + ws.timeout_ns / 16 : ws.timeout_ns;
     if (now - start > bound) {
-      mk_record_timeout(ws, own_signals, mk_error_word(mkTimeout, (uint32_t)peer, what, op), flag, target);
+      mk_record_timeout(ws, own_signals, mk_error_word(mkTimeout, (uint32_t)peer, what, op), flag, target,
+                        mk_peer_progress_word(ws, op, peer));
       mk_raise_abort(ws);
       return false;
     }

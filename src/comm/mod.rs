@@ -263,7 +263,9 @@ impl Comm {
                 let mut e = crate::comm::error_word::ErrorWord(ws.error_word()).to_error(self.rank);
                 if e.code == mkResult_t::mkTimeout {
                     if let Some(wait) = ws.timed_out_wait() {
-                        e.message = format!("{} ({})", e.message, wait.describe(ws.place_of(wait.flag)));
+                        let progress_place = wait.progress.and_then(|p| ws.place_of(p.word));
+                        e.message =
+                            format!("{} ({})", e.message, wait.describe(ws.place_of(wait.flag), progress_place));
                     }
                 }
                 self.record_async_error(&e);

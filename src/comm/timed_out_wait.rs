@@ -1,6 +1,7 @@
 //! The flag a timed-out wait polled, as the kernel left it in the status block
 //! (signals.cuh mk_record_timeout), and its description in the error message: which
-//! rank's region, which word by name, the value awaited and the value last read.
+//! rank's region, which word by name, the value awaited and the value last read; and, for
+//! an op that keeps a progress word, where the awaited peer's op stood.
 
 use crate::kernel_abi as abi;
 
@@ -11,6 +12,42 @@ pub struct TimedOutWait {
     pub flag: u64,
     pub target: u64,
     pub seen: u64,
+    /// The awaited peer's progress word and its value when the wait gave up (None: the op
+    /// keeps none, or the wait was for this rank's own flag).
+    pub progress: Option<PeerProgress>,
+}
+
+/// A peer's progress word as a timed-out wait read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerProgress {
+    /// The word's device address as this rank's kernels see it.
+    pub word: u64,
+    pub value: u64,
+}
+
+/// The MoE dispatch's progress steps (kernel_abi MOE_STEP_*), by what the prep had done.
+fn moe_step_name(step: u64) -> Option<&'static str> {
+    Some(match step as u32 {
+        abi::MOE_STEP_BEGUN => "begun",
+        abi::MOE_STEP_COUNTED => "its tokens counted",
+        abi::MOE_STEP_SCANNED => "its counts scanned",
+        abi::MOE_STEP_PEERS_DONE => "every peer done with its previous MoE kernel",
+        abi::MOE_STEP_COUNTS_SENT => "its counts sent",
+        abi::MOE_STEP_COUNTS_IN => "every rank's counts in",
+        abi::MOE_STEP_LAYOUT => "its layout complete",
+        _ => return None,
+    })
+}
+
+/// A MOE_PROGRESS word's value: the epoch and step of that rank's latest dispatch prep
+/// (an epoch below the one a wait awaited: that dispatch had not begun its prep).
+pub fn describe_moe_progress(rank: usize, value: u64) -> String {
+    if value == 0 {
+        return format!("rank {rank} had begun no MoE dispatch on this communicator");
+    }
+    let (epoch, step) = (value >> 4, value & 15);
+    let step_name = moe_step_name(step).map_or_else(|| format!("step {step}"), str::to_string);
+    format!("rank {rank}'s latest MoE dispatch prep: epoch {epoch}, {step_name}")
 }
 
 /// Where a flag address lies: the global rank whose signal region holds it and the word
@@ -58,6 +95,7 @@ const NAMED_WORDS: &[(&str, u32)] = &[
     ("MOE_PREP_COUNTED", abi::MOE_PREP_COUNTED),
     ("MOE_PREP_SCANNED", abi::MOE_PREP_SCANNED),
     ("MOE_PREP_OFFSETS", abi::MOE_PREP_OFFSETS),
+    ("MOE_PROGRESS", abi::MOE_PROGRESS),
     ("MOE_DONE", abi::MOE_DONE),
     ("MOE_CNT", abi::MOE_CNT),
     ("MOE_GRAB", abi::MOE_GRAB),
@@ -100,12 +138,19 @@ pub fn signal_word_name(word: u32) -> String {
 impl TimedOutWait {
     /// The clause the timeout's message gains: the flag by place and name, or its raw
     /// address when it lies outside every signal region (an LL line, a data-region word).
-    pub fn describe(&self, place: Option<FlagPlace>) -> String {
+    /// `place`: where the flag lies; `progress_place`: where the progress word lies.
+    pub fn describe(&self, place: Option<FlagPlace>, progress_place: Option<FlagPlace>) -> String {
         let at = match place {
             Some(p) => format!("{} (word {}) of rank {}'s signal region", signal_word_name(p.word), p.word, p.rank),
             None => format!("the word at {:#x}", self.flag),
         };
-        format!("the wait polled {at}: it read {}, it waited for at least {}", self.seen, self.target)
+        let polled = format!("the wait polled {at}: it read {}, it waited for at least {}", self.seen, self.target);
+        match (self.progress, progress_place) {
+            (Some(p), Some(pp)) if pp.word == abi::MOE_PROGRESS => {
+                format!("{polled}; {}", describe_moe_progress(pp.rank, p.value))
+            }
+            _ => polled,
+        }
     }
 }
 
@@ -130,8 +175,8 @@ mod tests {
 
     #[test]
     fn a_description_names_the_place_or_the_raw_address() {
-        let w = TimedOutWait { flag: 0x7f00_0000_1028, target: 42, seen: 41 };
-        let placed = w.describe(Some(FlagPlace { rank: 1, word: abi::MOE_PREP_SCANNED }));
+        let w = TimedOutWait { flag: 0x7f00_0000_1028, target: 42, seen: 41, progress: None };
+        let placed = w.describe(Some(FlagPlace { rank: 1, word: abi::MOE_PREP_SCANNED }), None);
         assert_eq!(
             placed,
             format!(
@@ -139,6 +184,30 @@ mod tests {
                 abi::MOE_PREP_SCANNED
             )
         );
-        assert!(w.describe(None).starts_with("the wait polled the word at 0x7f0000001028: it read 41"));
+        assert!(w.describe(None, None).starts_with("the wait polled the word at 0x7f0000001028: it read 41"));
+    }
+
+    #[test]
+    fn a_peers_moe_progress_says_how_far_its_dispatch_got() {
+        let progress = PeerProgress { word: 0x7f00_0000_2038, value: 83 * 16 + u64::from(abi::MOE_STEP_SCANNED) };
+        let w = TimedOutWait { flag: 0x7f00_0000_1080, target: 83, seen: 81, progress: Some(progress) };
+        let text = w.describe(
+            Some(FlagPlace { rank: 1, word: abi::MOE_CNT }),
+            Some(FlagPlace { rank: 0, word: abi::MOE_PROGRESS }),
+        );
+        assert!(
+            text.ends_with(": it read 81, it waited for at least 83; rank 0's latest MoE dispatch prep: epoch 83, its counts scanned"),
+            "{text}"
+        );
+        // A dispatch that had not begun shows the previous one's epoch.
+        let before = PeerProgress { value: 81 * 16 + u64::from(abi::MOE_STEP_LAYOUT), ..progress };
+        let w = TimedOutWait { progress: Some(before), ..w };
+        let text = w.describe(None, Some(FlagPlace { rank: 0, word: abi::MOE_PROGRESS }));
+        assert!(text.ends_with("rank 0's latest MoE dispatch prep: epoch 81, its layout complete"), "{text}");
+        assert_eq!(describe_moe_progress(3, 0), "rank 3 had begun no MoE dispatch on this communicator");
+        assert_eq!(describe_moe_progress(3, 5 * 16 + 9), "rank 3's latest MoE dispatch prep: epoch 5, step 9");
+        // Only a MOE_PROGRESS word is described; another op's wait keeps its plain clause.
+        let other = w.describe(None, Some(FlagPlace { rank: 0, word: abi::MOE_PREP }));
+        assert!(other.ends_with("it waited for at least 83"), "{other}");
     }
 }

@@ -28,7 +28,7 @@
 //! Everything is released on drop: IPC mappings closed, host block and allocation freed.
 
 use crate::bootstrap::Bootstrap;
-use crate::comm::timed_out_wait::{FlagPlace, TimedOutWait};
+use crate::comm::timed_out_wait::{FlagPlace, PeerProgress, TimedOutWait};
 use crate::comm::CommConfig;
 use crate::cuda::{self, check, memory::DeviceBuffer, sys, PrimaryContext};
 use crate::error::{MkError, Result};
@@ -632,14 +632,17 @@ impl SymmetricWorkspace {
     pub fn timed_out_wait(&self) -> Option<TimedOutWait> {
         // SAFETY: as above; the kernel writes these before `error` (with a system fence
         // between), and they are read only after `error` was seen nonzero.
-        let (flag, target, seen) = unsafe {
+        let (flag, target, seen, progress_word, progress) = unsafe {
             (
                 std::ptr::addr_of!((*self.status_host).timeout_flag).read_volatile(),
                 std::ptr::addr_of!((*self.status_host).timeout_target).read_volatile(),
                 std::ptr::addr_of!((*self.status_host).timeout_seen).read_volatile(),
+                std::ptr::addr_of!((*self.status_host).timeout_progress_word).read_volatile(),
+                std::ptr::addr_of!((*self.status_host).timeout_progress).read_volatile(),
             )
         };
-        (flag != 0).then_some(TimedOutWait { flag, target, seen })
+        let progress = (progress_word != 0).then_some(PeerProgress { word: progress_word, value: progress });
+        (flag != 0).then_some(TimedOutWait { flag, target, seen, progress })
     }
 
     /// The rank and word of a device address inside one of the mapped signal regions.

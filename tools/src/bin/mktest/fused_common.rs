@@ -317,6 +317,20 @@ pub fn absent_rank(
     what: &str,
     launch: impl Fn(mkComm_t, sys::CUstream) -> Result<mkResult_t>,
 ) -> Result<()> {
+    absent_rank_with_progress(env, control, id_index, what, None, launch)
+}
+
+/// `absent_rank` for an op that keeps a progress word: a surviving rank whose timeout names
+/// a wait for the absent rank must also say where the absent rank stood, in a clause
+/// containing `progress` (the absent rank never called, so it had begun nothing).
+pub fn absent_rank_with_progress(
+    env: &RankEnv,
+    control: &Comm,
+    id_index: usize,
+    what: &str,
+    progress: Option<&str>,
+    launch: impl Fn(mkComm_t, sys::CUstream) -> Result<mkResult_t>,
+) -> Result<()> {
     let (rank, n) = (env.rank, env.nranks);
     let comm = init_comm(env, &env.ids[id_index], &config(FAULT_TIMEOUT_MS, 64 << 20))?;
     let stream = Stream::new()?;
@@ -330,6 +344,15 @@ pub fn absent_rank(
         ffi(what, launch(comm, stream.0)?, comm)?;
         outcome = timed_sync(&stream, longest_op_timeout())
             .and_then(|_| check_stopped(rank, comm, t.elapsed(), what).map(|c| code = c));
+        let message = last_error(comm);
+        if let Some(clause) = progress.filter(|_| code == mkResult_t::mkTimeout) {
+            if message.contains(&format!("waiting for rank {absent} ")) && !message.contains(clause) {
+                outcome = outcome.and(Err(MkError::internal(format!(
+                    "{what}: the timeout names a wait for the absent rank {absent} but not where it stood \
+                     (\"{clause}\"): {message}"
+                ))));
+            }
+        }
         crate::outcome::count(1);
     }
     let codes = control.bootstrap.allgather(&[code as i32 as u8])?;

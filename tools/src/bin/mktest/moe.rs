@@ -786,10 +786,20 @@ fn absent_rank(env: &RankEnv, control: &Comm) -> Result<()> {
         spread: 8,
     };
     let case = Case::new(s, n, rank, capacity_for(&s, n, 5, 0)?)?;
-    fused_common::absent_rank(env, control, 2, "mkMoeDispatchGemm (a rank absent)", |comm, stream| {
-        case.fresh_inputs(5)?;
-        Ok(case.dispatch(comm, stream))
-    })
+    // The absent rank's progress word was never written: a survivor's timeout on its counts
+    // says so (kernel_abi MOE_PROGRESS).
+    let progress = format!("rank {} had begun no MoE dispatch", n - 1);
+    fused_common::absent_rank_with_progress(
+        env,
+        control,
+        2,
+        "mkMoeDispatchGemm (a rank absent)",
+        Some(&progress),
+        |comm, stream| {
+            case.fresh_inputs(5)?;
+            Ok(case.dispatch(comm, stream))
+        },
+    )
 }
 
 #[cfg(test)]
