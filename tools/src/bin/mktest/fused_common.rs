@@ -114,8 +114,56 @@ pub fn download_shards(buffers: &[TestBuffer]) -> Result<Vec<u8>> {
 pub trait FusedCase {
     fn label(&self) -> String;
     fn prepare(&self, seed: u64) -> Result<()>;
+    /// The whole call on `stream`: every op of it, one after another.
     fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t;
     fn verify(&self) -> Result<(bool, String)>;
+    /// A call made of several ops (MoE: dispatch, combine; attention: forward, backward)
+    /// says how many, and launches them one by one through `launch_op`, so that rank
+    /// threads can meet between them (`between_ops`).
+    fn ops(&self) -> usize {
+        1
+    }
+    /// Op `i` (< `ops()`) of the call; for a one-op case the call itself.
+    fn launch_op(&self, i: usize, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        debug_assert_eq!(i, 0, "a one-op case has op 0 only");
+        self.launch(comm, stream)
+    }
+}
+
+/// MK_TEST_OP_BARRIER=0: rank threads launch a case's ops back to back instead of meeting
+/// between them (to show the stall `between_ops` prevents).
+fn op_barrier() -> bool {
+    !std::env::var("MK_TEST_OP_BARRIER").is_ok_and(|v| v.trim() == "0")
+}
+
+/// Launches every op of `case`'s call on `stream`, rank threads meeting between them
+/// (`between_ops`): the first code other than mkSuccess, after which no op is launched but
+/// the rank still meets the others (a refusal on one rank must not leave its peers waiting).
+pub fn launch_call(case: &dyn FusedCase, comm: mkComm_t, stream: sys::CUstream) -> Result<mkResult_t> {
+    let mut code = mkResult_t::mkSuccess;
+    for i in 0..case.ops() {
+        if i > 0 {
+            between_ops()?;
+        }
+        if code == mkResult_t::mkSuccess {
+            code = case.launch_op(i, comm, stream);
+        }
+    }
+    Ok(code)
+}
+
+/// Rank threads, between two ops of one call: every rank has launched the first before
+/// any launches the second. Ranks sharing a context may have their streams in one of CUDA's
+/// hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), which start work in the
+/// order it was queued: a rank's second op queued in front of a peer's first waits there for
+/// the rank's first op, which waits for the peer's, and nothing behind it starts — a stall
+/// until the ops' timeout. Rank processes (own contexts) need no such meeting.
+fn between_ops() -> Result<()> {
+    if op_barrier() {
+        peers_ready()
+    } else {
+        Ok(())
+    }
 }
 
 /// Runs `case` `rounds` times with fresh inputs (seeds `seed`, `seed + 1`, …): one call, a
@@ -159,7 +207,7 @@ pub fn check_rounds_of(
         // back while the peers' kernels wait for it; the error below says which rank it was.
         let launching = Instant::now();
         for case in cases {
-            ffi(&format!("{op} {}", case.label()), case.launch(comm, stream.0), comm)?;
+            ffi(&format!("{op} {}", case.label()), launch_call(*case, comm, stream.0)?, comm)?;
         }
         let launch_ms = launching.elapsed().as_secs_f64() * 1e3;
         timed_sync(&stream, longest_op_timeout()).map_err(|e| e.context(format!("{op} {labels}")))?;
@@ -168,8 +216,8 @@ pub fn check_rounds_of(
             return Err(MkError::new(
                 code,
                 format!(
-                    "{op} {labels}: asynchronous error {code:?}: {} (this rank's launch calls returned {launch_ms:.1} ms \
-                     after the ranks' barrier)",
+                    "{op} {labels}: asynchronous error {code:?}: {} (this rank's launch calls, with the rank \
+                     threads' meetings between ops, returned {launch_ms:.1} ms after the ranks' barrier)",
                     last_error(comm)
                 ),
             ));

@@ -568,6 +568,18 @@ impl FusedCase for Case {
         }
     }
 
+    fn ops(&self) -> usize {
+        2
+    }
+
+    fn launch_op(&self, i: usize, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        if i == 0 {
+            self.dispatch(comm, stream)
+        } else {
+            self.combine(comm, stream)
+        }
+    }
+
     fn verify(&self) -> Result<(bool, String)> {
         let inputs = self.inputs.borrow();
         let inp = inputs.as_ref().ok_or_else(|| MkError::internal("MoE case verified before prepare"))?;
@@ -713,7 +725,7 @@ fn repeats_are_bitwise(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     for launch in 0..3 {
         case.prepare(seed)?;
         fused_common::peers_ready()?;
-        ffi(&format!("MoE repeat {}", case.label()), case.launch(comm, stream.0), comm)?;
+        ffi(&format!("MoE repeat {}", case.label()), fused_common::launch_call(&case, comm, stream.0)?, comm)?;
         fused_common::sync_no_error(comm, &stream, &format!("MoE repeat, launch {launch}"))?;
         let inputs = case.inputs.borrow();
         let inp = inputs.as_ref().ok_or_else(|| MkError::internal("MoE case launched before prepare"))?;

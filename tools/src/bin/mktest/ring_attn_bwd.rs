@@ -151,11 +151,27 @@ impl FusedCase for Case {
 
     /// The forward, then the backward on its out and lse, on one stream.
     fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        match self.launch_op(0, comm, stream) {
+            mkResult_t::mkSuccess => self.launch_op(1, comm, stream),
+            failed => failed,
+        }
+    }
+
+    fn ops(&self) -> usize {
+        2
+    }
+
+    fn launch_op(&self, i: usize, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        if i > 0 {
+            // SAFETY: device buffers of the sizes the op expects; the forward's out and lse
+            // were queued before it on this stream.
+            return unsafe { self.backward(comm, stream) };
+        }
         let s = &self.shape;
         let r = self.rank;
         // SAFETY: device buffers of the sizes the ops expect.
         unsafe {
-            let fwd = mkRingAttention(
+            mkRingAttention(
                 self.q[r].ptr() as *const _,
                 self.k[r].ptr() as *const _,
                 self.v[r].ptr() as *const _,
@@ -171,11 +187,7 @@ impl FusedCase for Case {
                 self.dtype as i32,
                 comm,
                 stream,
-            );
-            if fwd != mkResult_t::mkSuccess {
-                return fwd;
-            }
-            self.backward(comm, stream)
+            )
         }
     }
 
