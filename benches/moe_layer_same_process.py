@@ -53,7 +53,8 @@ TFLOP/s counts the routed rows' math (not the padding): the layer 6·T·k·H·F 
 4·T·k·H·F, down 2·T·k·H·F), forward and backward three times that. The protocol and record
 are mkbench's (bench_record); the record's bench is `moe_layer_same_process`, rows keyed by
 model, tokens and direction, which benches/targets.py judges (`moe_layer`, and the GEMM
-phases in `moe_vs_grouped_mm`).
+phases in `moe_vs_grouped_mm`). docs/decisions/0078-moe-layer-benchmark.md says why the
+routing, the contenders and the targets are these.
 
 Memory: DeepSeek-V3's weights are 22.5 GB (w1 15 GB, w2 7.5 GB), shared by both stacks;
 its T = 16384 forward needs about 12 GB more per stack (the graph keeps its intermediates)
