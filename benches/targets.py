@@ -5,7 +5,7 @@ records show and whether it is met. A target no given record speaks to says so.
     python3 benches/targets.py RECORD.json [RECORD.json ...] [--json OUT]
 
 Records are any that benches/records.py reads: mkbench's `--json` output and the Python
-benches' (`moe_same_process`) in the schema plot.py validates (docs/benchmarks.md), and
+benches' (`moe_same_process`, `moe_layer_same_process`) in the schema plot.py validates (docs/benchmarks.md), and
 kinds no target reads (`python_overhead`), which are counted in a note and set aside. Each
 target names the records it reads:
 
@@ -16,7 +16,8 @@ target names the records it reads:
 | host_per_call | any mkbench record | the op under test's median host enqueue time <= 5 us, per bench |
 | all_reduce_latency | all_reduce at 2 ranks | out-of-place direct call <= 8 us at every size <= 64 KiB |
 | gemm_ar_small_m | gemm_ar | fused <= cuBLASLt alone + 5 us at M <= 16 |
-| moe_vs_grouped_mm | moe_same_process | mkernel time <= torch._grouped_mm time at 4096 and 16384 tokens |
+| moe_vs_grouped_mm | moe_same_process, moe_layer_same_process | each GEMM phase's mkernel time <= torch._grouped_mm time at 4096 and 16384 tokens |
+| moe_layer | moe_layer_same_process | the graph-captured torch stack's time / mkernel.nn.MoE's >= 1.0, per GPU, model and T in {4096, 16384} (forward + backward reported beside it, no target) |
 | fp8_gemm_large | fp8_gemm | geomean of torch._scaled_mm time / mkScaledGemm's >= 1.0 over the large shapes, per GPU and scale mode |
 | fp8_gemm_decode | fp8_gemm | torch._scaled_mm time / mkScaledGemm's >= 0.95 on every decode row (M <= 256) |
 | attention_fwd | ring_attn + sdpa_baseline | cuDNN SDPA time / mkRingAttention's (one rank) >= 1.0 on every row |
@@ -50,6 +51,8 @@ ALL_REDUCE_MAX_US = 8.0
 GEMM_AR_MAX_M = 16
 GEMM_AR_SLACK_US = 5.0
 MOE_TOKENS = (4096, 16384)
+MOE_PHASES = ("dispatch", "combine")
+MOE_LAYER_MIN = 1.0
 FP8_LARGE_GEOMEAN_MIN = 1.0
 FP8_DECODE_MIN = 0.95
 FP8_DECODE_MAX_M = 256
@@ -198,18 +201,41 @@ def gemm_ar_small_m(records):
 
 def moe_vs_grouped_mm(records):
     lines, checks = [], []
-    for rec, row in _rows(records, "moe_same_process"):
-        s = row["shape"]
-        if s.get("tokens") not in MOE_TOKENS:
-            continue
-        ours = next((c for c in row["contenders"] if c["name"].startswith("mkernel_")), None)
-        grouped = _median(row, "torch_grouped_mm")
-        if not ours or not ours.get("median_us") or not grouped:
-            continue
-        ratio = grouped / ours["median_us"]
-        checks.append(ratio >= 1.0)
-        lines.append(f'{_gpu(rec)} {s["tokens"]} tokens {s.get("direction", "")}: {ratio:.2f} x torch._grouped_mm')
+    for bench in ("moe_same_process", "moe_layer_same_process"):
+        for rec, row in _rows(records, bench):
+            s = row["shape"]
+            if s.get("tokens") not in MOE_TOKENS or s.get("direction") not in MOE_PHASES:
+                continue
+            ours = next((c for c in row["contenders"] if c["name"].startswith("mkernel_")), None)
+            grouped = _median(row, "torch_grouped_mm")
+            if not ours or not ours.get("median_us") or not grouped:
+                continue
+            ratio = grouped / ours["median_us"]
+            checks.append(ratio >= 1.0)
+            model = f'{s["model"]} ' if s.get("model") else ""
+            lines.append(f'{_gpu(rec)} {model}{s["tokens"]} tokens {s["direction"]}: {ratio:.2f} x torch._grouped_mm')
     return _verdict("moe_vs_grouped_mm (>= 1.0 x torch._grouped_mm alone)", lines, checks)
+
+
+def moe_layer(records):
+    """The whole layer's forward against the torch stack in one CUDA graph, per GPU, model
+    and T; the forward + backward rows of the same records as lines without a check."""
+    lines, checks, reported = [], [], []
+    for rec, row in _rows(records, "moe_layer_same_process"):
+        s = row["shape"]
+        if s.get("tokens") not in MOE_TOKENS or _ranks(rec, row) != 1:
+            continue
+        label = f'{_gpu(rec)} {s.get("model", "?")} T {s["tokens"]}'
+        if s.get("direction") == "layer":
+            ours, stack = _median(row, "mkernel_moe_layer"), _median(row, "torch_stack_graph")
+            if ours and stack:
+                checks.append(stack / ours >= MOE_LAYER_MIN)
+                lines.append(f"{label}: {stack / ours:.2f} x the graph-captured torch stack")
+        elif s.get("direction") == "fwd+bwd":
+            ours, stack = _median(row, "mkernel_moe_layer_fwd_bwd"), _median(row, "torch_stack_fwd_bwd")
+            if ours and stack:
+                reported.append(f"{label} forward + backward (no target): {stack / ours:.2f} x the torch stack")
+    return _verdict(f"moe_layer (>= {MOE_LAYER_MIN} x the torch stack in one CUDA graph)", lines + reported, checks)
 
 
 def _fp8_ratios(records, keep):
@@ -310,6 +336,7 @@ TARGETS = (
     all_reduce_latency,
     gemm_ar_small_m,
     moe_vs_grouped_mm,
+    moe_layer,
     fp8_gemm_large,
     fp8_gemm_decode,
     attention_fwd,

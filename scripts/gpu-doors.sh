@@ -5,7 +5,8 @@
 #   2. Python: the wheel installed over the machine's own torch, pytest python/tests (the GPU
 #      tests at N = 1, 2, 4 ranks under MPS), then benches/python_overhead.py at 1 and 2 ranks
 #      and benches/attention_same_process.py (ring attention against SDPA, fwd and bwd) and
-#      benches/moe_same_process.py (the MoE ops against torch._grouped_mm) and
+#      benches/moe_same_process.py (the MoE ops against torch._grouped_mm),
+#      benches/moe_layer_same_process.py (the whole MoE layer against the torch stack) and
 #      benches/fp8_gemm_same_process.py (mkScaledGemm against torch._scaled_mm);
 #   3. NCCL: ctests/nccl/gpu.sh with the carried libmkernel-nccl (the nccl-tests-style C
 #      suite at N = 1, 2, 4 and the unmodified PyTorch script under LD_PRELOAD).
@@ -95,6 +96,10 @@ for door in $ONLY; do
         # from a decode batch (256 tokens) to 16K.
         step moe-same-process 240 env PYTHONPATH="$site" python3 benches/moe_same_process.py 256 4096 16384 \
           --json "$OUT/moe_same_process.json"
+        # The whole SwiGLU MoE layer at the three model shapes beside the torch stack in one
+        # CUDA graph, its GEMM phases and forward + backward; T 4096 only, to bound the step.
+        step moe-layer-same-process 240 env PYTHONPATH="$site" python3 benches/moe_layer_same_process.py 4096 \
+          --backward --json "$OUT/moe_layer_same_process.json"
         # The scaled fp8 GEMM beside torch._scaled_mm, per tensor and rowwise, the GEMM
         # table's large shapes and decode rows.
         step fp8-gemm-same-process 300 env PYTHONPATH="$site" python3 benches/fp8_gemm_same_process.py \

@@ -146,11 +146,42 @@ ar = rec("all_reduce", [
 gar = rec("gemm_ar", [{"shape": {"ranks": 2, "m": 1, "n": 8, "k": 8}, "contenders": [c("fused", 16.0, 6.0), c("cublaslt", 10.0)]}])
 v = {x["target"].split()[0]: x["met"] for x in targets.judge([gemm, ar, gar])}
 assert v == {"gemm_decode": True, "gemm_table": False, "host_per_call": False, "all_reduce_latency": True,
-             "gemm_ar_small_m": False, "moe_vs_grouped_mm": None, "fp8_gemm_large": None, "fp8_gemm_decode": None,
+             "gemm_ar_small_m": False, "moe_vs_grouped_mm": None, "moe_layer": None, "fp8_gemm_large": None,
+             "fp8_gemm_decode": None,
              "attention_fwd": None, "attention_bwd": None, "attention_fwd_bwd": None}, v
 moe = rec("moe_same_process", [{"shape": {"tokens": 4096, "direction": "dispatch"},
                                 "contenders": [c("mkernel_dispatch_gemm", 9.0), c("torch_grouped_mm", 10.0)]}])
 assert targets.moe_vs_grouped_mm([moe])["met"] is True
+# The layer bench: its layer rows judge moe_layer (the graph-captured stack's time / mkernel's),
+# its phase rows join moe_vs_grouped_mm, its fwd+bwd rows are reported without a check.
+def layer_row(model, tokens, direction, contenders):
+    return {"shape": {"ranks": 1, "model": model, "tokens": tokens, "direction": direction},
+            "contenders": [c(n, us) for n, us in contenders]}
+layer_pass = rec("moe_layer_same_process", [
+    layer_row("deepseek-v3", 4096, "layer", [("mkernel_moe_layer", 9.0), ("torch_stack_graph", 10.0), ("torch_stack", 12.0)]),
+    layer_row("mixtral-8x7b", 16384, "layer", [("mkernel_moe_layer", 20.0), ("torch_stack_graph", 20.0)]),
+    layer_row("deepseek-v3", 4096, "dispatch", [("mkernel_dispatch_gemm", 5.0), ("torch_grouped_mm", 6.0)]),
+    layer_row("deepseek-v3", 4096, "combine", [("mkernel_gemm_combine", 4.0), ("torch_grouped_mm", 4.0)]),
+    layer_row("deepseek-v3", 4096, "fwd+bwd", [("mkernel_moe_layer_fwd_bwd", 40.0), ("torch_stack_fwd_bwd", 30.0)]),
+    layer_row("deepseek-v3", 256, "layer", [("mkernel_moe_layer", 9.0), ("torch_stack_graph", 1.0)]),
+])
+v = targets.moe_layer([layer_pass])
+assert v["met"] is True, v
+assert any("deepseek-v3 T 4096: 1.11 x" in line for line in v["lines"]), v["lines"]
+assert any("forward + backward (no target): 0.75 x" in line for line in v["lines"]), "fwd+bwd is reported, not judged"
+assert not any("T 256" in line for line in v["lines"]), "T outside {4096, 16384} is not judged"
+assert targets.moe_vs_grouped_mm([layer_pass])["met"] is True
+assert targets.moe_vs_grouped_mm([moe, layer_pass])["lines"][1] == "G deepseek-v3 4096 tokens dispatch: 1.20 x torch._grouped_mm"
+layer_miss = rec("moe_layer_same_process", [
+    layer_row("qwen3-235b", 16384, "layer", [("mkernel_moe_layer", 11.0), ("torch_stack_graph", 10.0)]),
+    layer_row("qwen3-235b", 16384, "combine", [("mkernel_gemm_combine", 4.2), ("torch_grouped_mm", 4.0)]),
+])
+assert targets.moe_layer([layer_pass, layer_miss])["met"] is False, "0.91 x on qwen3-235b"
+assert targets.moe_vs_grouped_mm([layer_miss])["met"] is False, "the combine at 0.95 x grouped_mm"
+# Without the graph's time (its capture failed) the layer row speaks to nothing.
+no_graph = rec("moe_layer_same_process", [layer_row("qwen3-235b", 4096, "layer", [("mkernel_moe_layer", 11.0),
+                                                                                  ("torch_stack_graph", None)])])
+assert targets.moe_layer([no_graph])["met"] is None
 fp8 = rec("fp8_gemm", [
     {"shape": {"m": 4096, "n": 4096, "k": 4096, "mode": "tensor"},
      "contenders": [c("mkernel_scaled_gemm", 100.0), c("torch_scaled_mm", 110.0)]},
@@ -254,7 +285,7 @@ rc=$(run_fake 0 --ranks 1 --no-bench --no-nodes --doors "$WORK/nowhere"); [ "$rc
 rc=$(run_fake 0 $FAST --bogus); [ "$rc" = 2 ] || fail "a typo exited $rc, not 2"
 grep -q "MPS\|nvidia-smi" "$WORK/log" && fail "a typo reached the GPU probe"
 rc=$(run_fake 0 $FAST --deadline); [ "$rc" = 2 ] || fail "--deadline without a value exited $rc, not 2"
-echo "== attention_same_process.py, moe_same_process.py, fp8_gemm_same_process.py: their records (built without torch) pass the schema check"
+echo "== attention_same_process.py, moe_same_process.py, moe_layer_same_process.py, fp8_gemm_same_process.py: their records (built without torch) pass the schema check"
 python3 - "$WORK" <<'PY'
 import json, subprocess, sys
 sys.path.insert(0, "benches")
@@ -279,6 +310,15 @@ json.dump(bench_record.record("moe_same_process", True, {"warmup": 3}, rows), op
 r = subprocess.run([sys.executable, "benches/plot.py", "--check", path], capture_output=True, text=True)
 assert r.returncode == 0, r.stderr
 assert json.load(open(path))["rows"][1]["shape"]["direction"] == "combine"
+import moe_layer_same_process as ml
+rows = [ml.row("deepseek-v3", 4096, 1.0, "layer", {"mkernel_moe_layer": timed, "torch_stack_graph": timed,
+                                                   "torch_stack": None},
+               {"mkernel_moe_layer": 4e-3}, {"torch_stack_graph": {"graph_calls": 1}})]
+json.dump(bench_record.record("moe_layer_same_process", True, {"warmup": 3}, rows), open(path, "w"))
+r = subprocess.run([sys.executable, "benches/plot.py", "--check", path], capture_output=True, text=True)
+assert r.returncode == 0, r.stderr
+shape = json.load(open(path))["rows"][0]["shape"]
+assert (shape["model"], shape["experts"], shape["hidden"], shape["ffn"], shape["topk"]) == ("deepseek-v3", 256, 7168, 2048, 8)
 import fp8_gemm_same_process as f
 rows = [bench_record.row({"m": 1, "n": 8192, "k": 8192, "mode": mode, "dtype": "e4m3"},
                          {"mkernel_scaled_gemm": timed, "torch_scaled_mm": timed},
