@@ -142,12 +142,13 @@ __device__ __forceinline__ void load_ids(int (&ids)[KMAX], const int* idx, int t
 
 // The prep CTAs' waits for each other's flags (own signal region, this GPU only: gpu
 // scope), polls up to 256 ns apart (the moe_wait back-off's 2 us would add up over the
-// prep's steps); thread 0 waits, every thread learns the outcome.
+// prep's steps); thread 0 waits, every thread learns the outcome. Downstream waits
+// (MkWaitChecks): a prep CTA stuck on a peer's flag must be the one whose timeout names it.
 __device__ __forceinline__ bool prep_wait(const WorkspaceView& ws, uint32_t word, uint64_t epoch) {
   int ok = 1;
   if (threadIdx.x == 0)
-    ok = mk_wait_geq_backoff<32, 256, 32, MkScope::Gpu>(ws, mk_signal_word(ws, ws.rank, word), epoch, ws.rank,
-                                                        MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
+    ok = mk_wait_geq_backoff<32, 256, 32, MkScope::Gpu, true>(ws, mk_signal_word(ws, ws.rank, word), epoch, ws.rank,
+                                                              MK_WAIT_OP_FLAG, MK_OP_MOE_DISPATCH);
   return __syncthreads_and(ok) != 0;
 }
 

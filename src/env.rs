@@ -13,7 +13,7 @@ pub const KNOBS: &[(&str, &str, &str)] = &[
         "(unset)",
         "WARN or INFO: log to stderr with host:pid [rank] prefixes; INFO also prints the internal tuning, the GEMM tile table and each GEMM shape class's tile the first time it is planned",
     ),
-    ("MK_TIMEOUT_MS", "30000", "bound on every in-kernel wait for a peer (a wait on the rank's own flags gets 17/16 of it, so the upstream wait names the cause)"),
+    ("MK_TIMEOUT_MS", "30000", "bound on every in-kernel wait for a peer (the MoE prep's waits for its own flags get 17/16 of it, so the upstream wait names the cause)"),
     ("MK_BOOTSTRAP_TIMEOUT_MS", "30000", "bound on every bootstrap step (connect, rendezvous, allgather)"),
     ("MK_SOCKET_IFNAME", "(first non-loopback)", "interfaces for bootstrap sockets: comma-separated prefixes, '^' excludes, '=' exact"),
     ("MK_RANKS_PER_NODE", "(by host)", "group ranks into nodes of this size (emulates several nodes on one host)"),

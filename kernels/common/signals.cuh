@@ -3,8 +3,8 @@
 //
 // Every flag only ever grows (it holds a step number), so nothing is reset between calls:
 // a waiter asks "has this flag reached step s?". Every wait is bounded by the
-// communicator's timeout (ws.timeout_ns of %globaltimer; 17/16 of it for a wait on a flag
-// this rank's own CTAs post: see MkWaitChecks). A wait that gives up
+// communicator's timeout (ws.timeout_ns of %globaltimer; 17/16 of it for a downstream wait
+// on a flag this rank's own CTAs post: see MkWaitChecks). A wait that gives up
 //   - records an error word in the rank's host-mapped CommStatus (first error wins; the
 //     host reads it in mkCommGetAsyncError and refuses new ops afterwards),
 //   - raises the abort word in every rank's signal region (its own too), so every other
@@ -203,6 +203,12 @@ struct MkWaitChecks {
   __device__ __forceinline__ explicit MkWaitChecks(const WorkspaceView& w)
       : ws(w), own_signals(mk_signal_word(w, w.rank, 0)), start(mk_globaltimer()),
         next_host_check(start + kHostCheckNs) {}
+  // DOWNSTREAM: a wait for a flag this rank's own CTAs post once their own waits are
+  // through (the MoE prep's barriers). It gets a sixteenth longer, so that when both are
+  // stuck the upstream wait gives up first and the error (first one wins) names the cause
+  // rather than the symptom; a kernel's bound is so 17/16 of the timeout. A template
+  // argument, not a test of `peer`: the engine kernels' waits must not pay registers for it.
+  template <bool DOWNSTREAM = false>
   __device__ __forceinline__ bool keep_waiting(int peer, uint32_t what, uint32_t op, const void* flag,
                                               uint64_t target) {
     const uint64_t raised = mk_ld_relaxed_sys(own_signals + MK_SIG_ABORT);
@@ -211,11 +217,7 @@ struct MkWaitChecks {
       return false;
     }
     const uint64_t now = mk_globaltimer();
-    // A wait for one of this rank's own flags (posted by this rank's other CTAs) is
-    // downstream of whatever those CTAs wait for; it gets a sixteenth longer, so that when
-    // both are stuck the upstream wait gives up first and the error (first one wins) names
-    // the cause rather than the symptom. A kernel's bound is so 17/16 of the timeout.
-    const uint64_t bound = peer == ws.rank ? ws.timeout_ns + ws.timeout_ns / 16 : ws.timeout_ns;
+    const uint64_t bound = DOWNSTREAM ? ws.timeout_ns + ws.timeout_ns / 16 : ws.timeout_ns;
     if (now - start > bound) {
       mk_record_timeout(ws, own_signals, mk_error_word(mkTimeout, (uint32_t)peer, what, op), flag, target,
                         mk_peer_progress_word(ws, op, peer));
@@ -260,7 +262,8 @@ __device__ __noinline__ bool mk_wait_geq(const WorkspaceView& ws, const uint64_t
 // them, checks abort and timeout every CHECK_EVERY polls (a power of two), then one
 // acquire load. Inline and call-free: a GEMM producer warpgroup uses it after setmaxnreg.
 // SCOPE: the flag's (MkScope::Gpu for flags only this GPU's CTAs post and read).
-template <unsigned FIRST_NS, unsigned MAX_NS, uint32_t CHECK_EVERY, MkScope SCOPE = MkScope::Sys>
+template <unsigned FIRST_NS, unsigned MAX_NS, uint32_t CHECK_EVERY, MkScope SCOPE = MkScope::Sys,
+          bool DOWNSTREAM = false>
 __device__ __forceinline__ bool mk_wait_geq_backoff(const WorkspaceView& ws, const uint64_t* flag, uint64_t target,
                                                     int peer, uint32_t what, uint32_t op) {
   static_assert((CHECK_EVERY & (CHECK_EVERY - 1)) == 0, "CHECK_EVERY: a power of two");
@@ -271,7 +274,8 @@ __device__ __forceinline__ bool mk_wait_geq_backoff(const WorkspaceView& ws, con
     __nanosleep(ns);
     if (ns < MAX_NS) ns *= 2;
     if (mk_ld_relaxed<SCOPE>(flag) >= target) return mk_ld_acquire<SCOPE>(flag) >= target;  // flags only grow
-    if ((spin & (CHECK_EVERY - 1)) == 0 && !checks.keep_waiting(peer, what, op, flag, target)) return false;
+    if ((spin & (CHECK_EVERY - 1)) == 0 && !checks.template keep_waiting<DOWNSTREAM>(peer, what, op, flag, target))
+      return false;
   }
 }
 

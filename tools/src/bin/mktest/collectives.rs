@@ -679,7 +679,7 @@ pub(crate) fn graph_replay_on(comm: mkComm_t, rank: usize, n: usize, ranks_per_n
 /// communicator whose ops are in flight) plus STOP_MARGIN, so the kernels' timeout fires first.
 pub(crate) fn timed_sync(stream: &Stream, op_timeout: Duration) -> Result<Duration> {
     let start = Instant::now();
-    // The kernels' own bound: 17/16 of the timeout (a wait on a rank's own flag gets a
+    // The kernels' own bound: 17/16 of the timeout (the MoE prep's downstream waits get a
     // sixteenth more, kernels/common/signals.cuh MkWaitChecks).
     let limit = op_timeout + op_timeout / 16 + STOP_MARGIN;
     loop {
