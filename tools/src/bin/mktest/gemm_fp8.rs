@@ -47,12 +47,20 @@ pub(crate) const BLOCK: usize = mkScaleMode_t::BLOCK;
 /// A's types (B is e4m3): e5m2 A is the gradient of an fp8 backward.
 pub(crate) const A_TYPES: [mkDataType_t; 2] = [mkDataType_t::mkFloat8e4m3, mkDataType_t::mkFloat8e5m2];
 
-/// An fp8 type's byte to its value, its rounding (nearest even, saturating) and its largest
-/// finite value.
-fn fp8_format(dtype: mkDataType_t) -> (fn(u8) -> f32, fn(f32) -> u8, f32) {
+/// An fp8 type's encoding as the host sees it.
+struct Fp8Format {
+    /// A byte's value.
+    decode: fn(u8) -> f32,
+    /// A value rounded to the nearest byte (ties to even, saturating).
+    encode: fn(f32) -> u8,
+    /// The largest finite value.
+    largest: f32,
+}
+
+fn fp8_format(dtype: mkDataType_t) -> Fp8Format {
     match dtype {
-        mkDataType_t::mkFloat8e4m3 => (e4m3_to_f32, f32_to_e4m3, E4M3_MAX),
-        mkDataType_t::mkFloat8e5m2 => (e5m2_to_f32, f32_to_e5m2, E5M2_MAX),
+        mkDataType_t::mkFloat8e4m3 => Fp8Format { decode: e4m3_to_f32, encode: f32_to_e4m3, largest: E4M3_MAX },
+        mkDataType_t::mkFloat8e5m2 => Fp8Format { decode: e5m2_to_f32, encode: f32_to_e5m2, largest: E5M2_MAX },
         other => panic!("{other:?} is not an fp8 type"),
     }
 }
@@ -130,7 +138,7 @@ pub(crate) fn operand_in(
     inputs: Inputs,
     seed: u64,
 ) -> Operand {
-    let (decode, encode, largest) = fp8_format(dtype);
+    let Fp8Format { decode, encode, largest } = fp8_format(dtype);
     let kb = k.div_ceil(BLOCK);
     let (n_scales, index): (usize, Box<dyn Fn(usize, usize) -> usize>) = match (mode, side) {
         (mkScaleMode_t::mkScaleTensor, _) => (1, Box::new(|_, _| 0)),
