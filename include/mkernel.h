@@ -636,7 +636,8 @@ mkResult_t mkAllGatherGemm(const void *A,
  * scales. Scale values are not checked (NaN or infinite scales give NaN or infinite C).
  *
  * Rules (mkInvalidArgument, the rule named in mkGetLastError, nothing written): abType
- * mkFloat8e4m3 (mkFloat8e5m2 is refused: no kernel takes it); cType mkBfloat16 or
+ * mkFloat8e4m3 (mkFloat8e5m2 is refused: this op's kernels read e4m3 A and B; e5m2 A is
+ * mkScaledGemmMixed's); cType mkBfloat16 or
  * mkFloat16; scaleMode a mkScaleMode_t; M divisible by nranks; K a positive multiple of 16
  * (of 128 with block scales); N a multiple of 8; A, B and C non-NULL and 16-byte aligned;
  * scaleA and scaleB non-NULL and 4-byte aligned; all device memory of this rank's device.
@@ -1028,9 +1029,11 @@ mkResult_t mkGemm(const void *A,
  * inference (torch._scaled_mm's convention: the scales dequantize A and B).
  *
  * A is [M, K] and B is [N, K], both row-major (K-major, as fp8 tensor cores read them) and
- * densely packed, of type `abType`: mkFloat8e4m3. C is [M, N] row-major of type `cType`:
- * mkBfloat16 or mkFloat16. All device memory of the current CUDA context's device.
- * `scaleA` and `scaleB` are fp32 in device memory, as `scaleMode` says:
+ * densely packed, both of type `abType`: mkFloat8e4m3. (An e5m2 A, the gradient of an fp8
+ * backward, times an e4m3 B is mkScaledGemmMixed, which takes the two types apart.) C is
+ * [M, N] row-major of type `cType`: mkBfloat16 or mkFloat16. All device memory of the
+ * current CUDA context's device. `scaleA` and `scaleB` are fp32 in device memory, as
+ * `scaleMode` says:
  * - mkScaleTensor: one value each; C[m][n] = scaleA[0] * scaleB[0] * sum_k A[m][k] * B[n][k];
  * - mkScaleRowwise: scaleA[M] (one per row of A) and scaleB[N] (one per row of B, a column
  *   of C); C[m][n] = scaleA[m] * scaleB[n] * sum_k A[m][k] * B[n][k];
@@ -1045,15 +1048,17 @@ mkResult_t mkGemm(const void *A,
  * rounded to `cType` once. Requires an sm_90 GPU (H100/H200).
  *
  * The scales are read by the kernel, not checked by the host: a NaN or infinite scale, or
- * NaN in A or B, gives NaN or infinite values in C (as in cuBLASLt and torch._scaled_mm).
+ * NaN or an infinity in A or B, gives NaN or infinite values in C (as in cuBLASLt and
+ * torch._scaled_mm).
  *
  * Rules (each violation returns mkInvalidArgument, with the rule named in mkGetLastError):
  * A, B, C, scaleA, scaleB non-NULL; K a positive multiple of 16 (of 128 with block scales);
  * A and B 16-byte aligned;
  * C 2-byte aligned; the scales 4-byte aligned; M, N, K at most INT_MAX; abType mkFloat8e4m3
- * (mkFloat8e5m2 is refused: no kernel takes it); cType mkBfloat16 or mkFloat16; scaleMode
- * a mkScaleMode_t. Any M and N (M == 0 or N == 0 does nothing). C must not overlap the
- * inputs. Fastest when N % 8 == 0 and C is 16-byte aligned (TMA stores).
+ * (mkFloat8e5m2 would make B e5m2, which is refused: only A may be e5m2); cType mkBfloat16
+ * or mkFloat16; scaleMode a mkScaleMode_t. Any M and N (M == 0 or N == 0 does nothing). C
+ * must not overlap the inputs. Fastest when N % 8 == 0 and C is 16-byte aligned (TMA
+ * stores).
  *
  * Deterministic, stream-ordered and asynchronous as mkGemm; safe to capture in a CUDA
  * graph. Uses the calling thread's current context, or device 0's primary context.
@@ -1070,6 +1075,32 @@ mkResult_t mkScaledGemm(const void *A,
                         mkDataType_t cType,
                         mkScaleMode_t scaleMode,
                         mkStream_t stream);
+
+/**
+ * mkScaledGemm with A's and B's types given apart: `aType` mkFloat8e4m3 or mkFloat8e5m2,
+ * `bType` mkFloat8e4m3. An e5m2 A is the gradient of an fp8 backward (dgrad: dY·W, wgrad:
+ * dYᵀ·X, with dY quantized to e5m2 for its range and W, X to e4m3), multiplied on the
+ * tensor cores as e5m2 × e4m3 with every scale mode, the same promotion and rounding as
+ * mkScaledGemm. With `aType` == `bType` == mkFloat8e4m3 it is mkScaledGemm.
+ *
+ * Rules: mkScaledGemm's, with `aType` mkFloat8e4m3 or mkFloat8e5m2 and `bType`
+ * mkFloat8e4m3 (B in mkFloat8e5m2 is refused with mkInvalidArgument: only A may be e5m2;
+ * the kernels multiply e5m2 by e4m3 only). Deterministic, stream-ordered, asynchronous and
+ * safe to capture in a CUDA graph, as mkScaledGemm.
+ */
+mkResult_t mkScaledGemmMixed(const void *A,
+                             const float *scaleA,
+                             const void *B,
+                             const float *scaleB,
+                             void *C,
+                             size_t M,
+                             size_t N,
+                             size_t K,
+                             mkDataType_t aType,
+                             mkDataType_t bType,
+                             mkDataType_t cType,
+                             mkScaleMode_t scaleMode,
+                             mkStream_t stream);
 
 #ifdef __cplusplus
 }  // extern "C"

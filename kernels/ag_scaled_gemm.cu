@@ -160,10 +160,10 @@ struct ScaledChunkWait {
   }
 };
 
-template <typename TOut, int BN>
+template <typename TAB, typename TOut, int BN>
 __device__ __forceinline__ void ag_scaled_gemm(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
                                                const CUtensorMap* tma_c, const AgScaledGemmParams& sp) {
-  using Cfg = ScaledConfig<TOut, BN, true, kProducerRegs>;
+  using Cfg = ScaledConfig<TAB, TAB, TOut, BN, true, kProducerRegs>;
   const AgGemmParams& p = sp.ag;
   const WorkspaceView& ws = p.ws;
   const uint64_t epoch = mk_op_epoch_begin(ws, AGG_EPOCH);
@@ -193,8 +193,8 @@ __device__ __forceinline__ void ag_scaled_gemm(const CUtensorMap* tma_a, const C
   extern "C" __global__ void __launch_bounds__(384, 1)                                              \
       NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,     \
            const __grid_constant__ CUtensorMap tma_c, const __grid_constant__ AgScaledGemmParams p) { \
-    static_assert(std::is_same<TAB, __nv_fp8_e4m3>::value, "the kernels' wgmma reads e4m3");        \
-    mk::ag_scaled_gemm::ag_scaled_gemm<TOUT, BN>(&tma_a, &tma_b, &tma_c, p);                        \
+    static_assert(std::is_same<TAB, __nv_fp8_e4m3>::value, "its instances gather and multiply e4m3");  \
+    mk::ag_scaled_gemm::ag_scaled_gemm<TAB, TOUT, BN>(&tma_a, &tma_b, &tma_c, p);                   \
   }
 
 #include "kernel_instances/ag_scaled_gemm.inc"  // the entry points: kernels/instances.txt

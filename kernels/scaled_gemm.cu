@@ -1,9 +1,9 @@
-// Scaled fp8 GEMM entry kernels (mkScaledGemm): C[M,N] = (A·sA)(B·sB)ᵀ with A [M,K] and
-// B [N,K] in e4m3, both K-major, C bf16 or fp16. The loop, the scale modes and why it is
-// kept apart from the GEMM engine: kernels/common/gemm/scaled_mainloop.cuh.
+// Scaled fp8 GEMM entry kernels (mkScaledGemm): C[M,N] = (A·sA)(B·sB)ᵀ with A [M,K] in e4m3
+// or e5m2 and B [N,K] in e4m3, both K-major, C bf16 or fp16. The loop, the scale modes and
+// why it is kept apart from the GEMM engine: kernels/common/gemm/scaled_mainloop.cuh.
 //
-// Kernel name: mk_scaled_gemm_e4m3_<out>_bn<BN>_<epilogue>, out in {bf16, f16}, BN in
-// {64, 128}, epilogue in {tma, direct}. One signature:
+// Kernel name: mk_scaled_gemm_<a>_<out>_bn<BN>_<epilogue>, a in {e4m3, e5m2} (A's type; B
+// is e4m3), out in {bf16, f16}, BN in {64, 128}, epilogue in {tma, direct}. One signature:
 //   (CUtensorMap tma_a, CUtensorMap tma_b, CUtensorMap tma_c, void* c, const float* scale_a,
 //    const float* scale_b, int M, int N, int K, int group_m, int scale_a_step, int scale_b_step,
 //    int scale_k_blocks)
@@ -32,14 +32,13 @@ __device__ __forceinline__ void scaled_gemm(const CUtensorMap* tma_a, const CUte
 }  // namespace gemm
 }  // namespace mk
 
-#define MK_SCALED_GEMM_ENTRY(NAME, TAB, TOUT, BN, TMA_EPI)                                                          \
+#define MK_SCALED_GEMM_ENTRY(NAME, TA, TB, TOUT, BN, TMA_EPI)                                                       \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                          \
       NAME(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,                \
            const __grid_constant__ CUtensorMap tma_c, void* c, const float* scale_a, const float* scale_b, int M, \
            int N, int K, int group_m, int scale_a_step, int scale_b_step, int scale_k_blocks) {                 \
-    static_assert(std::is_same<TAB, __nv_fp8_e4m3>::value, "the kernels' wgmma reads e4m3");                    \
     const mk::gemm::ScaledOperands op{c, scale_a, scale_b, M, N, K, scale_a_step, scale_b_step, scale_k_blocks}; \
-    mk::gemm::scaled_gemm<mk::gemm::ScaledConfig<TOUT, BN, TMA_EPI>>(&tma_a, &tma_b, &tma_c, op, group_m);       \
+    mk::gemm::scaled_gemm<mk::gemm::ScaledConfig<TA, TB, TOUT, BN, TMA_EPI>>(&tma_a, &tma_b, &tma_c, op, group_m); \
   }
 
 #include "kernel_instances/scaled_gemm.inc"  // the entry points: kernels/instances.txt

@@ -95,8 +95,11 @@ pub struct Accepted {
     pub reduce_across_nodes: bool,
     /// Every op built on the GEMM engine: mkGemm, the dense fused ops, ring attention and MoE.
     pub gemm: bool,
-    /// mkScaledGemm's A and B (the fp8 GEMM with scales).
+    /// The scaled fp8 GEMMs' operands: B of mkScaledGemm, A and B of mkAllGatherScaledGemm.
     pub scaled_gemm: bool,
+    /// A of mkScaledGemm: the scaled operands' types and e5m2, the gradient of an fp8
+    /// backward (dgrad and wgrad multiply an e5m2 gradient by an e4m3 weight or activation).
+    pub scaled_gemm_a: bool,
 }
 
 /// Everything the library knows of one element type. Byte sizes, argument checks and the
@@ -116,17 +119,28 @@ pub struct ElementType {
     pub accepted: Accepted,
 }
 
-const ALL_OPS: Accepted =
-    Accepted { gather: true, reduce: true, reduce_across_nodes: true, gemm: true, scaled_gemm: false };
-const COLLECTIVES: Accepted =
-    Accepted { gather: true, reduce: true, reduce_across_nodes: true, gemm: false, scaled_gemm: false };
+const ALL_OPS: Accepted = Accepted {
+    gather: true,
+    reduce: true,
+    reduce_across_nodes: true,
+    gemm: true,
+    scaled_gemm: false,
+    scaled_gemm_a: false,
+};
+const COLLECTIVES: Accepted = Accepted { gemm: false, ..ALL_OPS };
 /// fp8 e4m3: gathered, reduced within a node in float with one rounding (docs/decisions/0075),
-/// multiplied by mkScaledGemm; no unscaled GEMM (an fp8 product needs its scales).
-const FP8_SCALED: Accepted =
-    Accepted { gather: true, reduce: true, reduce_across_nodes: false, gemm: false, scaled_gemm: true };
-/// fp8 e5m2: gathered and reduced as e4m3 is (mkScaledGemm's kernels take e4m3 only).
-const FP8_COLLECTIVES: Accepted =
-    Accepted { gather: true, reduce: true, reduce_across_nodes: false, gemm: false, scaled_gemm: false };
+/// multiplied by the scaled GEMMs; no unscaled GEMM (an fp8 product needs its scales).
+const FP8_SCALED: Accepted = Accepted {
+    gather: true,
+    reduce: true,
+    reduce_across_nodes: false,
+    gemm: false,
+    scaled_gemm: true,
+    scaled_gemm_a: true,
+};
+/// fp8 e5m2: gathered and reduced as e4m3 is; mkScaledGemm's A only (its kernels multiply
+/// e5m2 A by e4m3 B: docs/decisions/0079).
+const FP8_GRADIENT: Accepted = Accepted { scaled_gemm: false, ..FP8_SCALED };
 
 const fn element(
     code: c_int,
@@ -152,7 +166,7 @@ pub static ELEMENT_TYPES: [ElementType; 12] = [
     element(8, "mkFloat64", "double", 8, "double", COLLECTIVES),
     element(9, "mkBfloat16", "bfloat16", 2, "__nv_bfloat16", ALL_OPS),
     element(10, "mkFloat8e4m3", "float8e4m3", 1, "__nv_fp8_e4m3", FP8_SCALED),
-    element(11, "mkFloat8e5m2", "float8e5m2", 1, "__nv_fp8_e5m2", FP8_COLLECTIVES),
+    element(11, "mkFloat8e5m2", "float8e5m2", 1, "__nv_fp8_e5m2", FP8_GRADIENT),
 ];
 
 /// What the planners take as an element type: a `mkDataType_t`, or a description itself
@@ -250,7 +264,7 @@ impl mkDataType_t {
     /// `v` as a type `op` accepts (one of the GEMM types), else mkInvalidArgument naming `op`.
     pub fn gemm_type_from_raw(v: RawDataType, op: &str) -> Result<Self> {
         let dtype = Self::from_raw(v)?;
-        let hint = if dtype.element().accepted.scaled_gemm {
+        let hint = if dtype.element().accepted.scaled_gemm_a {
             " (an fp8 product needs its scales: mkScaledGemm takes them)"
         } else {
             ""
@@ -346,6 +360,7 @@ mod tests {
         let e = mkDataType_t::gemm_type_from_raw(mkFloat8e4m3 as c_int, "mkGemm").unwrap_err();
         assert!(e.message.contains("mkScaledGemm"), "e4m3 points at the scaled GEMM: {}", e.message);
         assert_eq!(ElementType::names_where(|a| a.scaled_gemm), "mkFloat8e4m3");
+        assert_eq!(ElementType::names_where(|a| a.scaled_gemm_a), "mkFloat8e4m3 or mkFloat8e5m2");
         // Types that reduce across nodes are moved as themselves.
         assert_eq!(mkBfloat16.element().moved_across_nodes_as().c_name, "mkBfloat16");
         assert_eq!(mkInt8.element().moved_across_nodes_as().c_name, "mkInt8");

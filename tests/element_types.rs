@@ -93,7 +93,9 @@ fn every_family_reports_no_kernel_for_a_type_without_instances() {
     assert_no_kernel("the collectives across nodes", hier::kernel(fp8));
     // Its own ops and the one-node collectives have kernels; a gather across nodes moves it
     // with the one-byte unsigned integer's kernel.
-    assert!(mkernel::ops::gemm::scaled::kernel(fp8, BF16, 128, engine::Epilogue::Tma).is_ok());
+    assert!(mkernel::ops::gemm::scaled::kernel(fp8, fp8, BF16, 128, engine::Epilogue::Tma).is_ok());
+    let e5m2_a = mkDataType_t::mkFloat8e5m2;
+    assert!(mkernel::ops::gemm::scaled::kernel(e5m2_a, fp8, BF16, 128, engine::Epilogue::Tma).is_ok());
     assert!(mkernel::ops::dense::ag_scaled_gemm::kernel(fp8, BF16, 128).is_ok());
     assert!(collectives::kernel(fp8).is_ok());
     assert!(hier::kernel(fp8.element().moved_across_nodes_as()).is_ok());

@@ -93,6 +93,12 @@ def gemms(comm, rank, n):
         ref8 = (deq_a * sa.double().reshape(-1, 1)) @ (deq_b * sb.double().reshape(-1, 1)).T
         c8 = mkernel.scaled_gemm(a8.to(DEV), b8.to(DEV), sa.float().to(DEV), sb.float().to(DEV))
         problems += close_to(f"scaled_gemm {mode}", c8, ref8, rtol=1e-2, atol=2e-2)
+    # a in e5m2 (an fp8 gradient) times b in e4m3, against its own dequantized values.
+    a8_e5m2 = (a / 4).to(torch.float8_e5m2)
+    sa, sb = torch.tensor(0.75), torch.tensor(1.5)
+    ref8 = (a8_e5m2.double() * 0.75) @ (deq_b * 1.5).T
+    c8 = mkernel.scaled_gemm(a8_e5m2.to(DEV), b8.to(DEV), sa.to(DEV), sb.to(DEV))
+    problems += close_to("scaled_gemm e5m2 a", c8, ref8, rtol=1e-2, atol=2e-2)
     # AllGather + GEMM: A's rows sharded, B replicated.
     c, gathered = mkernel.all_gather_gemm(_shard(a, rank, n).to(DEV), b.to(DEV), comm, return_gathered=True)
     problems += close_to("all_gather_gemm", c, ref, rtol=1e-2, atol=2e-2)

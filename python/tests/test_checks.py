@@ -371,14 +371,22 @@ def cases(c):
         (
             "sgemm-bf16",
             lambda: mkernel.scaled_gemm(t(4, 16), t(8, 16), t(1, dtype=f32), t(1, dtype=f32)),
-            r"scaled_gemm: expected a to have dtype in \(torch.float8_e4m3fn\), but got torch.bfloat16",
+            r"scaled_gemm: expected a to have dtype in \(torch.float8_e4m3fn, torch.float8_e5m2\), "
+            r"but got torch.bfloat16",
         ),
         (
-            "sgemm-e5m2",
+            "sgemm-b-e5m2",
             lambda: mkernel.scaled_gemm(
-                t(4, 16, dtype=torch.float8_e5m2), t(8, 16, dtype=e4m3), t(1, dtype=f32), t(1, dtype=f32)
+                t(4, 16, dtype=torch.float8_e5m2), t(8, 16, dtype=torch.float8_e5m2), t(1, dtype=f32), t(1, dtype=f32)
             ),
-            r"scaled_gemm: expected a to have dtype in \(torch.float8_e4m3fn\), but got torch.float8_e5m2",
+            r"scaled_gemm: expected b to have dtype torch.float8_e4m3fn, but got torch.float8_e5m2 \(only a may be e5m2\)",
+        ),
+        (
+            "sgemm-b-bf16",
+            lambda: mkernel.scaled_gemm(
+                t(4, 16, dtype=torch.float8_e5m2), t(8, 16), t(1, dtype=f32), t(1, dtype=f32)
+            ),
+            r"scaled_gemm: expected b to have dtype in \(torch.float8_e4m3fn\), but got torch.bfloat16",
         ),
         (
             "sgemm-k",

@@ -113,6 +113,9 @@ def test_opcheck(shape_comm, cpu_launches, requires_grad):
     def e4m3(*shape, seed=0):  # fp8 tensors cannot require grad
         return _random(*shape, dtype=torch.float32, seed=seed).to(torch.float8_e4m3fn)
 
+    def e5m2(*shape, seed=0):  # a's other type: the gradient of an fp8 backward
+        return _random(*shape, dtype=torch.float32, seed=seed).to(torch.float8_e5m2)
+
     def scales(*shape, seed=0):
         return torch.rand(shape, generator=torch.Generator().manual_seed(seed)).requires_grad_(requires_grad)
 
@@ -141,13 +144,16 @@ def test_opcheck(shape_comm, cpu_launches, requires_grad):
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=utils)
-    # scaled_gemm per tensor, rowwise and block. Without test_schema: its SchemaCheckMode
+    # scaled_gemm per tensor, rowwise and block, a in e4m3 and in e5m2. Without test_schema: its SchemaCheckMode
     # compares every input before and after the call with arithmetic CPU torch does not
     # implement for float8 ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn').
     fp8_cases = [
         (e4m3(4, 32), e4m3(8, 32, seed=1), scales(4, 1), scales(1, 8, seed=1), bf16),
         (e4m3(4, 32), e4m3(8, 32, seed=1), scales(), scales(seed=1), torch.float16),
         (e4m3(4, 256), e4m3(130, 256, seed=1), scales(2, 4), scales(2, 2, seed=1), bf16),
+        (e5m2(4, 32), e4m3(8, 32, seed=1), scales(4, 1), scales(1, 8, seed=1), bf16),
+        (e5m2(4, 32), e4m3(8, 32, seed=1), scales(), scales(seed=1), torch.float16),
+        (e5m2(4, 256), e4m3(130, 256, seed=1), scales(2, 4), scales(2, 2, seed=1), bf16),
     ]
     for args in fp8_cases:
         torch.library.opcheck(torch.ops.mkernel.scaled_gemm.default, args, test_utils=utils[1:])

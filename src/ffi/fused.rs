@@ -91,7 +91,8 @@ pub unsafe extern "C" fn mkAllGatherGemm(
 /// scales. Scale values are not checked (NaN or infinite scales give NaN or infinite C).
 ///
 /// Rules (mkInvalidArgument, the rule named in mkGetLastError, nothing written): abType
-/// mkFloat8e4m3 (mkFloat8e5m2 is refused: no kernel takes it); cType mkBfloat16 or
+/// mkFloat8e4m3 (mkFloat8e5m2 is refused: this op's kernels read e4m3 A and B; e5m2 A is
+/// mkScaledGemmMixed's); cType mkBfloat16 or
 /// mkFloat16; scaleMode a mkScaleMode_t; M divisible by nranks; K a positive multiple of 16
 /// (of 128 with block scales); N a multiple of 8; A, B and C non-NULL and 16-byte aligned;
 /// scaleA and scaleB non-NULL and 4-byte aligned; all device memory of this rank's device.

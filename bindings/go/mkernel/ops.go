@@ -336,3 +336,17 @@ func ScaledGemm(a, scaleA, b, scaleB, out DevicePtr, m, n, k int, abType, cType 
 			C.mkDataType_t(abType), C.mkDataType_t(cType), C.mkScaleMode_t(mode), stream(s))
 	})
 }
+
+// ScaledGemmMixed is ScaledGemm with A's and B's types given apart: aType Float8e4m3 or
+// Float8e5m2 (the gradient of an fp8 backward), bType Float8e4m3 (mkScaledGemmMixed).
+func ScaledGemmMixed(a, scaleA, b, scaleB, out DevicePtr, m, n, k int, aType, bType, cType DataType, mode ScaleMode, s Stream) error {
+	sz := sizes{op: "mkScaledGemmMixed"}
+	cm, cn, ck := sz.of("m", m), sz.of("n", n), sz.of("k", k)
+	if sz.err != nil {
+		return sz.err
+	}
+	return call("mkScaledGemmMixed", nil, func() C.mkResult_t {
+		return C.mkScaledGemmMixed(ptr(a), f32(scaleA), ptr(b), f32(scaleB), ptr(out), cm, cn, ck,
+			C.mkDataType_t(aType), C.mkDataType_t(bType), C.mkDataType_t(cType), C.mkScaleMode_t(mode), stream(s))
+	})
+}

@@ -1,7 +1,10 @@
-// The scaled fp8 GEMM's persistent loop, shared by every kernel that multiplies e4m3 with
+// The scaled fp8 GEMM's persistent loop, shared by every kernel that multiplies fp8 with
 // scales: mkScaledGemm (kernels/scaled_gemm.cu) and mkAllGatherScaledGemm
-// (kernels/ag_scaled_gemm.cu). C[M,N] = (A·sA)(B·sB)ᵀ with A [M,K] and B [N,K] in e4m3, both
-// K-major (fp8 wgmma reads K-major operands only), C bf16 or fp16.
+// (kernels/ag_scaled_gemm.cu). C[M,N] = (A·sA)(B·sB)ᵀ with A [M,K] and B [N,K] in fp8 (A's
+// and B's types are the config's TA and TB: the pairs wgmma_fp8_ops.cuh has, e4m3 x e4m3
+// and e5m2 x e4m3), both K-major (fp8 wgmma reads K-major operands only), C bf16 or fp16.
+// Both fp8 types are one byte, so the ring, the swizzle and the descriptors do not depend
+// on them: only the wgmma instruction does.
 //
 // Scales (ScaledOperands). Per tensor and rowwise (scale_k_blocks == 0):
 // scale_a[r * scale_a_step] scales row r of A, scale_b[n * scale_b_step] row n of B (step 0:
@@ -47,8 +50,10 @@ namespace mk { namespace gemm {
 // PRODUCER_REGS: the producer warpgroup's registers after setmaxnreg; 40 for the TMA thread
 // alone, more where its idle warps run a fused op's side work (AWait::side_work). The
 // consumers get what is left of 168 per thread.
-template <typename TOut_, int BN_, bool TMA_EPI_, int PRODUCER_REGS_ = 40>
+template <typename TA_, typename TB_, typename TOut_, int BN_, bool TMA_EPI_, int PRODUCER_REGS_ = 40>
 struct ScaledConfig {
+  using TA = TA_;
+  using TB = TB_;
   using TOut = TOut_;
   static constexpr int BM = 128, BN = BN_, BK = 128;  // BK one-byte elements: a 128-byte row
   static constexpr bool TMA_EPI = TMA_EPI_;
@@ -64,7 +69,8 @@ struct ScaledConfig {
   static constexpr int STAGES = FIT > 8 ? 8 : FIT;
   // 1024 alignment slack, ring, staging, full/empty barriers.
   static constexpr int smem_bytes = 1024 + STAGES * STAGE_BYTES + CONSUMERS * STAGING_PER_WG + 2 * STAGES * 8;
-  static_assert(BN == 64 || BN == 128, "wgmma e4m3 tile widths: acc and the promoted sums both live in registers");
+  static_assert(BN == 64 || BN == 128, "wgmma fp8 tile widths: acc and the promoted sums both live in registers");
+  static_assert(sizeof(TA) == 1 && sizeof(TB) == 1, "one-byte fp8 operands: BK bytes are BK elements");
   // Block scales: a tile's columns lie in one 128-wide block of B.
   static_assert(128 % BN == 0, "a tile within one block of B's scales");
   static_assert(sizeof(TOut) == 2, "bf16 or fp16 output");
@@ -107,6 +113,7 @@ __device__ __forceinline__ void scaled_gemm_persistent(const CUtensorMap* tma_a,
                                                        const RasterParams& sched, const typename AWait::Params& await,
                                                        int item0, int item_step) {
   using Epi = ScaledEpilogue<Cfg>;
+  using Mma = WgmmaFp8<Cfg::BN, typename Cfg::TA, typename Cfg::TB>;  // A's and B's fp8 types
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, STAGES = Cfg::STAGES;
   static_assert(Epi::template smem_bytes_per_wg<BN>() == Cfg::STAGING_PER_WG, "staging as the planner counts it");
   extern __shared__ __align__(1024) char smem_raw[];
@@ -224,7 +231,7 @@ __device__ __forceinline__ void scaled_gemm_persistent(const CUtensorMap* tma_a,
           wgmma_fence();
 #pragma unroll
           for (int k = 0; k < BK / 32; ++k)
-            WgmmaE4m3<BN>::mma(acc, make_smem_desc_sw128(a + k * 32), make_smem_desc_sw128(b + k * 32), k > 0 ? 1 : 0);
+            Mma::mma(acc, make_smem_desc_sw128(a + k * 32), make_smem_desc_sw128(b + k * 32), k > 0 ? 1 : 0);
           wgmma_commit();
           wgmma_wait<0>();
           fence_operands(acc);

@@ -34,8 +34,10 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The reductions take every type (fp8 within a node, in float with one rounding).
 REDUCE_DTYPES = ALL_DTYPES
 GEMM_DTYPES = (torch.bfloat16, torch.float16)
-# A and B of scaled_gemm (mkScaledGemm's kernels read e4m3).
+# B of scaled_gemm (its kernels read e4m3 B) ...
 SCALED_GEMM_DTYPES = (torch.float8_e4m3fn,)
+# ... and its A: e4m3, or e5m2, the gradient of an fp8 backward (e5m2 x e4m3 kernels).
+SCALED_GEMM_A_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 REDUCE_OPS = tuple(_lib.REDOP_CODES)
 
 

@@ -257,6 +257,24 @@ DECLARATIONS: dict[str, tuple[object, list[object]]] = {
             mkStream_t,
         ],
     ),
+    "mkScaledGemmMixed": (
+        mkResult_t,
+        [
+            _void_p,
+            POINTER(c_float),
+            _void_p,
+            POINTER(c_float),
+            _void_p,
+            c_size_t,
+            c_size_t,
+            c_size_t,
+            mkDataType_t,
+            mkDataType_t,
+            mkDataType_t,
+            mkScaleMode_t,
+            mkStream_t,
+        ],
+    ),
     "mkAllGatherScaledGemm": (
         mkResult_t,
         [

@@ -295,7 +295,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -
 def scaled_gemm_shapes(a, b, scale_a, scale_b, out_dtype):
     """C's shape and the scale mode ("tensor", "rowwise" or "block") the scales' sizes give."""
     op = "scaled_gemm"
-    check.tensor(op, "a", a, dtypes=check.SCALED_GEMM_DTYPES, dim=2)
+    check.tensor(op, "a", a, dtypes=check.SCALED_GEMM_A_DTYPES, dim=2)
+    if isinstance(b, torch.Tensor) and b.dtype == torch.float8_e5m2:
+        check.fail(op, "expected b to have dtype torch.float8_e4m3fn, but got torch.float8_e5m2 (only a may be e5m2)")
     check.tensor(op, "b", b, dtypes=check.SCALED_GEMM_DTYPES, dim=2)
     check.tensor(op, "scale_a", scale_a, dtypes=(torch.float32,))
     check.tensor(op, "scale_b", scale_b, dtypes=(torch.float32,))
@@ -341,7 +343,7 @@ def scaled_gemm_launch(a, b, scale_a, scale_b, out, mode: str) -> None:
     n = b.shape[0]
     lib = _lib.library()
     with torch.cuda.device(device):
-        code = lib.mkScaledGemm(
+        code = lib.mkScaledGemmMixed(
             a.data_ptr(),
             _lib.as_ptr(scale_a.data_ptr(), ctypes.c_float),
             b.data_ptr(),
@@ -351,11 +353,12 @@ def scaled_gemm_launch(a, b, scale_a, scale_b, out, mode: str) -> None:
             n,
             k,
             check.dtype_code(a.dtype),
+            check.dtype_code(b.dtype),
             check.dtype_code(out.dtype),
             _lib.SCALE_MODE_CODES[mode],
             _stream(device),
         )
-    raise_for(code, "mkScaledGemm")
+    raise_for(code, "mkScaledGemmMixed")
 
 
 def scaled_gemm(
@@ -367,9 +370,10 @@ def scaled_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """C = (a · scale_a) @ (b · scale_b).T with fp8 a [M, K] and b [N, K] (torch.float8_e4m3fn,
-    row-major: b is the nn.Linear weight layout, the transpose of torch._scaled_mm's second
-    operand) and float32 scales as torch._scaled_mm takes them: one value each (per tensor), or
+    """C = (a · scale_a) @ (b · scale_b).T with fp8 a [M, K] (torch.float8_e4m3fn, or
+    torch.float8_e5m2: the gradient of an fp8 backward) and b [N, K] (torch.float8_e4m3fn; an
+    e5m2 b is refused), row-major (b is the nn.Linear weight layout, the transpose of
+    torch._scaled_mm's second operand), and float32 scales as torch._scaled_mm takes them: one value each (per tensor), or
     M values for a and N for b (rowwise; torch's [M, 1] and [1, N] shapes are fine). C is
     out_dtype (bfloat16 or float16), accumulated in fp32 (promoted every 128 of K) and rounded
     once. K must be a multiple of 16. Block scales (DeepSeek-V3's) are also taken: scale_a

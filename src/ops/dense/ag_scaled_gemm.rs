@@ -18,7 +18,7 @@ use crate::ops::common::launch::{self, DeviceCaps, KernelLaunch};
 use crate::ops::dense::ag_gemm::{self, Chunking, ROW_BLOCK};
 use crate::ops::gemm::engine::{Epilogue, THREADS};
 use crate::ops::gemm::scaled::{self, ScaledGemmArgs, BK, BM};
-use crate::types::{mkDataType_t, mkScaleMode_t, Element, RawDataType, RawScaleMode};
+use crate::types::{mkDataType_t, mkScaleMode_t, Accepted, Element, RawDataType, RawScaleMode};
 use std::ffi::c_void;
 
 /// The C call's pointers and sizes, before validation.
@@ -67,8 +67,10 @@ pub fn validate_args(
         return Err(MkError::internal(format!("rank {rank} of {nranks}")));
     }
     let AgScaledGemmCall { a, scale_a, b, scale_b, c, m, n, k } = *call;
-    let gemm =
-        scaled::validate_for("mkAllGatherScaledGemm", a, scale_a, b, scale_b, c, m, n, k, ab_type, c_type, mode)?;
+    // A and B of one type, e4m3: the gathered rows feed kernels compiled for e4m3 A only.
+    let op = "mkAllGatherScaledGemm";
+    let takes = |t: &Accepted| t.scaled_gemm;
+    let gemm = scaled::validate_for(op, takes, a, scale_a, b, scale_b, c, m, n, k, ab_type, ab_type, c_type, mode)?;
     crate::ensure_arg!(
         m % nranks == 0,
         "M = {m} is not divisible by nranks = {nranks}: each rank holds M / nranks rows of A"
@@ -303,8 +305,8 @@ fn launch(
     let g = &args.gemm;
     // The fused ops' region follows the collectives' data region in every rank's workspace.
     let gathered_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
-    let mut ta = launch::tensor_map(gathered_base, g.ab, g.m, g.k, BM, BK)?;
-    let mut tb = launch::tensor_map(g.b, g.ab, g.n, g.k, p.bn, BK)?;
+    let mut ta = launch::tensor_map(gathered_base, g.a_type, g.m, g.k, BM, BK)?;
+    let mut tb = launch::tensor_map(g.b, g.b_type, g.n, g.k, p.bn, BK)?;
     let mut tc = launch::tensor_map(g.c, g.out, g.m, g.n, 64, 64)?;
     let mut kernel_params = params(args, p, layout, &ws.view);
     let kernel_launch = p.kernel_launch(g.out)?;
@@ -370,9 +372,10 @@ mod tests {
         let e = message(validate_args(&good, E4M3, BF16, 7, 2, 0));
         assert!(e.contains("unknown scale mode 7"), "{e}");
         let e = message(validate_args(&good, mkFloat8e5m2 as RawDataType, BF16, 0, 2, 0));
-        assert!(e.contains("mkAllGatherScaledGemm takes mkFloat8e4m3") && e.contains("no e5m2 kernels"), "{e}");
+        assert!(e.contains("A in float8e5m2 is not supported: mkAllGatherScaledGemm takes mkFloat8e4m3 for A"), "{e}");
+        assert!(e.contains("no kernel of mkAllGatherScaledGemm does"), "{e}");
         let e = message(validate_args(&good, BF16, BF16, 0, 2, 0));
-        assert!(e.contains("abType bfloat16 is not supported"), "{e}");
+        assert!(e.contains("A in bfloat16 is not supported"), "{e}");
         let e = message(validate_args(&good, E4M3, E4M3, 0, 2, 0));
         assert!(e.contains("cType float8e4m3 is not supported: mkAllGatherScaledGemm writes C"), "{e}");
     }

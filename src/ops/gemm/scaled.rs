@@ -1,9 +1,9 @@
-//! `mkScaledGemm`: C[M,N] = (A·sA)(B·sB)ᵀ with A [M,K] and B [N,K] in fp8 e4m3 (both
-//! K-major), fp32 scales per tensor, per row or per block (A 1×128, B 128×128), fp32
-//! accumulation promoted every 128 of K,
-//! C in bf16 or fp16 rounded once (kernels/scaled_gemm.cu). [`validate`] (argument rules, no
-//! CUDA), [`plan`] (tile, grid, ring: pure) and [`launch`]. docs/decisions/0063 says why it
-//! is an entry point of its own and what it leaves out.
+//! `mkScaledGemm` and `mkScaledGemmMixed`: C[M,N] = (A·sA)(B·sB)ᵀ with A [M,K] in fp8 e4m3
+//! or e5m2 and B [N,K] in e4m3 (both K-major), fp32 scales per tensor, per row or per block
+//! (A 1×128, B 128×128), fp32 accumulation promoted every 128 of K, C in bf16 or fp16
+//! rounded once (kernels/scaled_gemm.cu). [`validate`] (argument rules, no CUDA), [`plan`]
+//! (tile, grid, ring: pure) and [`launch`]. docs/decisions/0063 says why it is an entry
+//! point of its own and what it leaves out; 0079 how A and B take different fp8 types.
 
 use crate::cuda::kernels::{self, Arg, Kernel};
 use crate::cuda::sys;
@@ -11,7 +11,7 @@ use crate::error::Result;
 use crate::ops::common::launch::{current_sm_count, tensor_map, KernelLaunch};
 use crate::ops::gemm::engine::{raster_group, Epilogue, SMEM_LIMIT, THREADS};
 use crate::ops::gemm::op::with_current_context;
-use crate::types::{mkDataType_t, mkScaleMode_t, Element, ElementType, RawDataType, RawScaleMode};
+use crate::types::{mkDataType_t, mkScaleMode_t, Accepted, Element, ElementType, RawDataType, RawScaleMode};
 use std::ffi::c_void;
 
 /// Rows of A (and C) per tile: two consumer warpgroups of 64.
@@ -37,8 +37,10 @@ pub struct ScaledGemmArgs {
     pub m: usize,
     pub n: usize,
     pub k: usize,
-    /// A's and B's element type (mkFloat8e4m3).
-    pub ab: mkDataType_t,
+    /// A's element type (mkFloat8e4m3 or mkFloat8e5m2: the kernel is chosen by it).
+    pub a_type: mkDataType_t,
+    /// B's element type (mkFloat8e4m3).
+    pub b_type: mkDataType_t,
     /// C's element type (mkBfloat16 or mkFloat16).
     pub out: mkDataType_t,
     pub mode: mkScaleMode_t,
@@ -68,29 +70,12 @@ impl ScaledGemmArgs {
     }
 }
 
-/// Checks mkScaledGemm's arguments (no CUDA call). M == 0 or N == 0 is a valid empty GEMM.
-/// The scales' values are not read here: they are device memory (see docs/ops/scaled_gemm.md).
+/// Checks the arguments of mkScaledGemm (`a_type` == `b_type`: its one abType) and
+/// mkScaledGemmMixed (no CUDA call); `op` names the entry point in the messages. M == 0 or
+/// N == 0 is a valid empty GEMM. The scales' values are not read here: they are device
+/// memory (see docs/ops/scaled_gemm.md).
 #[allow(clippy::too_many_arguments)] // mirrors the C signature
 pub fn validate(
-    a: u64,
-    scale_a: u64,
-    b: u64,
-    scale_b: u64,
-    c: u64,
-    m: usize,
-    n: usize,
-    k: usize,
-    ab_type: RawDataType,
-    c_type: RawDataType,
-    mode: RawScaleMode,
-) -> Result<ScaledGemmArgs> {
-    validate_for("mkScaledGemm", a, scale_a, b, scale_b, c, m, n, k, ab_type, c_type, mode)
-}
-
-/// [`validate`] for an op that runs the scaled GEMM (`op` names it in the messages that
-/// say what it takes).
-#[allow(clippy::too_many_arguments)] // mirrors the C signature
-pub fn validate_for(
     op: &str,
     a: u64,
     scale_a: u64,
@@ -100,17 +85,58 @@ pub fn validate_for(
     m: usize,
     n: usize,
     k: usize,
-    ab_type: RawDataType,
+    a_type: RawDataType,
+    b_type: RawDataType,
     c_type: RawDataType,
     mode: RawScaleMode,
 ) -> Result<ScaledGemmArgs> {
-    let ab = mkDataType_t::from_raw(ab_type)?;
-    let scaled_types = ElementType::names_where(|t| t.scaled_gemm);
+    validate_for(op, |t| t.scaled_gemm_a, a, scale_a, b, scale_b, c, m, n, k, a_type, b_type, c_type, mode)
+}
+
+/// [`validate`] for an op that runs the scaled GEMM with A of the types `a_takes` accepts
+/// (B: `Accepted::scaled_gemm`, e4m3, for every op); `op` names it in the messages that say
+/// what it takes.
+#[allow(clippy::too_many_arguments)] // mirrors the C signature
+pub fn validate_for(
+    op: &str,
+    a_takes: fn(&Accepted) -> bool,
+    a: u64,
+    scale_a: u64,
+    b: u64,
+    scale_b: u64,
+    c: u64,
+    m: usize,
+    n: usize,
+    k: usize,
+    a_type: RawDataType,
+    b_type: RawDataType,
+    c_type: RawDataType,
+    mode: RawScaleMode,
+) -> Result<ScaledGemmArgs> {
+    let a_type = mkDataType_t::from_raw(a_type)?;
+    let b_type = mkDataType_t::from_raw(b_type)?;
+    let (a_accepted, b_accepted) = (a_type.element().accepted, b_type.element().accepted);
     crate::ensure_arg!(
-        ab.element().accepted.scaled_gemm,
-        "abType {} is not supported: {op} takes {scaled_types} for A and B{}",
-        ab.name(),
-        if ab == mkDataType_t::mkFloat8e5m2 { " (no e5m2 kernels are built)" } else { "" }
+        a_takes(&a_accepted),
+        "A in {} is not supported: {op} takes {} for A{}",
+        a_type.name(),
+        ElementType::names_where(a_takes),
+        if a_accepted.scaled_gemm_a {
+            format!(" (mkScaledGemm takes it for A; no kernel of {op} does)")
+        } else {
+            String::new()
+        }
+    );
+    crate::ensure_arg!(
+        b_accepted.scaled_gemm,
+        "B in {} is not supported: {op} takes {} for B{}",
+        b_type.name(),
+        ElementType::names_where(|t| t.scaled_gemm),
+        if a_takes(&b_accepted) {
+            format!(" (only A may be {}: mkScaledGemmMixed takes A's type apart from B's)", b_type.element().c_name)
+        } else {
+            String::new()
+        }
     );
     let out = mkDataType_t::from_raw(c_type)?;
     crate::ensure_arg!(
@@ -149,7 +175,7 @@ pub fn validate_for(
     crate::ensure_arg!(c % 2 == 0, "C = {c:#x} is not aligned to its 2-byte element type");
     crate::ensure_arg!(scale_a % 4 == 0, "scaleA = {scale_a:#x} is not aligned to its 4-byte fp32 scales");
     crate::ensure_arg!(scale_b % 4 == 0, "scaleB = {scale_b:#x} is not aligned to its 4-byte fp32 scales");
-    Ok(ScaledGemmArgs { a, scale_a, b, scale_b, c, m, n, k, ab, out, mode })
+    Ok(ScaledGemmArgs { a, scale_a, b, scale_b, c, m, n, k, a_type, b_type, out, mode })
 }
 
 /// Everything the launch needs, decided from the shape and the device.
@@ -168,21 +194,28 @@ pub struct ScaledPlan {
 }
 
 impl ScaledPlan {
-    /// The kernel of this plan for A/B of `ab` and C of `out`.
-    pub fn kernel(&self, ab: impl Element, out: impl Element) -> Result<Kernel> {
-        kernel(ab, out, self.bn, self.epilogue)
+    /// The kernel of this plan for A of `a`, B of `b` and C of `out`.
+    pub fn kernel(&self, a: impl Element, b: impl Element, out: impl Element) -> Result<Kernel> {
+        kernel(a, b, out, self.bn, self.epilogue)
     }
     /// The launch of this plan: `grid` CTAs of THREADS with its shared memory.
-    pub fn kernel_launch(&self, ab: impl Element, out: impl Element) -> Result<KernelLaunch> {
-        Ok(KernelLaunch::new(self.kernel(ab, out)?, self.grid as u32, THREADS, self.smem_bytes as u32))
+    pub fn kernel_launch(&self, a: impl Element, b: impl Element, out: impl Element) -> Result<KernelLaunch> {
+        Ok(KernelLaunch::new(self.kernel(a, b, out)?, self.grid as u32, THREADS, self.smem_bytes as u32))
     }
 }
 
-/// The kernel for A/B of `ab`, C of `out`, a tile width and an epilogue: the instance of
-/// kernels/instances.txt's MK_SCALED_GEMM_ENTRY lines that has them.
-pub fn kernel(ab: impl Element, out: impl Element, bn: usize, epilogue: Epilogue) -> Result<Kernel> {
-    let args = [Arg::Element, Arg::Text(out.element().cuda_type), Arg::Int(bn), Arg::Bool(epilogue == Epilogue::Tma)];
-    kernels::choose("mkScaledGemm", ab.element(), "MK_SCALED_GEMM_ENTRY", &args)
+/// The kernel for A of `a`, B of `b`, C of `out`, a tile width and an epilogue: the instance
+/// of kernels/instances.txt's MK_SCALED_GEMM_ENTRY lines that has them (A's type first:
+/// the types a kernel is compiled for are named by A's).
+pub fn kernel(a: impl Element, b: impl Element, out: impl Element, bn: usize, epilogue: Epilogue) -> Result<Kernel> {
+    let args = [
+        Arg::Element,
+        Arg::Text(b.element().cuda_type),
+        Arg::Text(out.element().cuda_type),
+        Arg::Int(bn),
+        Arg::Bool(epilogue == Epilogue::Tma),
+    ];
+    kernels::choose("mkScaledGemm", a.element(), "MK_SCALED_GEMM_ENTRY", &args)
 }
 
 /// Shared memory of one consumer warpgroup's epilogue staging: 64 rows × bn two-byte outputs
@@ -243,12 +276,12 @@ pub fn launch(args: &ScaledGemmArgs, plan: &ScaledPlan, stream: sys::CUstream) -
     if args.m == 0 || args.n == 0 {
         return Ok(());
     }
-    let mut ta = tensor_map(args.a, args.ab, args.m, args.k, BM, BK)?;
-    let mut tb = tensor_map(args.b, args.ab, args.n, args.k, plan.bn, BK)?;
+    let mut ta = tensor_map(args.a, args.a_type, args.m, args.k, BM, BK)?;
+    let mut tb = tensor_map(args.b, args.b_type, args.n, args.k, plan.bn, BK)?;
     // The direct epilogue ignores tma_c; pass any valid map.
     let mut tc =
         if plan.epilogue == Epilogue::Tma { tensor_map(args.c, args.out, args.m, args.n, 64, 64)? } else { ta };
-    let kernel_launch = plan.kernel_launch(args.ab, args.out)?;
+    let kernel_launch = plan.kernel_launch(args.a_type, args.b_type, args.out)?;
     let (mut c, mut scale_a, mut scale_b) = (args.c, args.scale_a, args.scale_b);
     let (mut m, mut n, mut k, mut g) = (args.m as i32, args.n as i32, args.k as i32, plan.group_m as i32);
     let (mut step_a, mut step_b) = args.scale_steps();
@@ -274,9 +307,11 @@ pub fn launch(args: &ScaledGemmArgs, plan: &ScaledPlan, stream: sys::CUstream) -
     unsafe { kernel_launch.launch(stream, &mut params, None) }
 }
 
-/// mkScaledGemm's body: validate, plan for the current device, launch.
+/// The body of mkScaledGemm and mkScaledGemmMixed (`op`): validate, plan for the current
+/// device, launch.
 #[allow(clippy::too_many_arguments)] // mirrors the C signature
 pub fn scaled_gemm(
+    op: &str,
     a: u64,
     scale_a: u64,
     b: u64,
@@ -285,12 +320,13 @@ pub fn scaled_gemm(
     m: usize,
     n: usize,
     k: usize,
-    ab_type: RawDataType,
+    a_type: RawDataType,
+    b_type: RawDataType,
     c_type: RawDataType,
     mode: RawScaleMode,
     stream: sys::CUstream,
 ) -> Result<()> {
-    let args = validate(a, scale_a, b, scale_b, c, m, n, k, ab_type, c_type, mode)?;
+    let args = validate(op, a, scale_a, b, scale_b, c, m, n, k, a_type, b_type, c_type, mode)?;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -308,12 +344,14 @@ mod tests {
     use mkScaleMode_t::*;
 
     const E4M3: RawDataType = mkFloat8e4m3 as RawDataType;
+    const E5M2: RawDataType = mkFloat8e5m2 as RawDataType;
     const BF16: RawDataType = mkBfloat16 as RawDataType;
     const TENSOR: RawScaleMode = mkScaleTensor as RawScaleMode;
     const ROWWISE: RawScaleMode = mkScaleRowwise as RawScaleMode;
     const BLOCK: RawScaleMode = mkScaleBlock as RawScaleMode;
 
-    /// validate with good pointers (A, sA, B, sB, C) and the given sizes and types.
+    /// validate with good pointers (A, sA, B, sB, C) and the given sizes and types (A and B
+    /// of one type, as mkScaledGemm's abType gives them).
     fn check(
         m: usize,
         n: usize,
@@ -322,7 +360,20 @@ mod tests {
         out: RawDataType,
         mode: RawScaleMode,
     ) -> Result<ScaledGemmArgs> {
-        validate(0x1000, 0x5000, 0x2000, 0x6000, 0x3000, m, n, k, ab, out, mode)
+        check_mixed(m, n, k, ab, ab, out, mode)
+    }
+
+    /// validate with A's and B's types apart (mkScaledGemmMixed).
+    fn check_mixed(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: RawDataType,
+        b: RawDataType,
+        out: RawDataType,
+        mode: RawScaleMode,
+    ) -> Result<ScaledGemmArgs> {
+        validate("mkScaledGemm", 0x1000, 0x5000, 0x2000, 0x6000, 0x3000, m, n, k, a, b, out, mode)
     }
 
     fn message(r: Result<ScaledGemmArgs>) -> String {
@@ -334,7 +385,7 @@ mod tests {
     #[test]
     fn validate_accepts_both_modes_and_outputs() {
         let a = check(129, 257, 160, E4M3, BF16, ROWWISE).unwrap();
-        assert_eq!((a.ab, a.out, a.mode), (mkFloat8e4m3, mkBfloat16, mkScaleRowwise));
+        assert_eq!((a.a_type, a.b_type, a.out, a.mode), (mkFloat8e4m3, mkFloat8e4m3, mkBfloat16, mkScaleRowwise));
         assert_eq!(a.scale_steps(), (1, 1));
         assert!(!a.tma_epilogue_ok(), "N = 257 needs the direct epilogue");
         assert_eq!(a.scale_k_blocks(), 0);
@@ -348,7 +399,7 @@ mod tests {
 
     #[test]
     fn validate_names_each_broken_rule() {
-        let v = |a, sa, b, sb, c| validate(a, sa, b, sb, c, 4, 4, 32, E4M3, BF16, ROWWISE);
+        let v = |a, sa, b, sb, c| validate("mkScaledGemm", a, sa, b, sb, c, 4, 4, 32, E4M3, E4M3, BF16, ROWWISE);
         assert!(message(v(0, 0x5000, 0x2000, 0x6000, 0x3000)).contains("A is NULL"));
         assert!(message(v(0x1000, 0, 0x2000, 0x6000, 0x3000)).contains("scaleA is NULL"));
         assert!(message(v(0x1000, 0x5000, 0, 0x6000, 0x3000)).contains("B is NULL"));
@@ -375,11 +426,31 @@ mod tests {
     }
 
     #[test]
+    fn validate_takes_e5m2_for_a_only() {
+        for mode in [TENSOR, ROWWISE, BLOCK] {
+            for out in [BF16, mkFloat16 as RawDataType] {
+                let args = check_mixed(129, 300, 256, E5M2, E4M3, out, mode).unwrap();
+                assert_eq!((args.a_type, args.b_type), (mkFloat8e5m2, mkFloat8e4m3), "mode {mode}");
+            }
+        }
+        // B in e5m2, alone or with A (mkScaledGemm's one abType): refused, saying only A may be.
+        for (a, b) in [(E4M3, E5M2), (E5M2, E5M2)] {
+            let e = message(check_mixed(4, 4, 32, a, b, BF16, TENSOR));
+            assert!(e.contains("B in float8e5m2 is not supported: mkScaledGemm takes mkFloat8e4m3 for B"), "{e}");
+            assert!(e.contains("only A may be mkFloat8e5m2"), "{e}");
+        }
+    }
+
+    #[test]
     fn validate_refuses_types_it_has_no_kernels_for() {
-        let e5m2 = message(check(4, 4, 32, mkFloat8e5m2 as RawDataType, BF16, TENSOR));
-        assert!(e5m2.contains("takes mkFloat8e4m3 for A and B") && e5m2.contains("no e5m2 kernels"), "{e5m2}");
-        assert!(message(check(4, 4, 32, BF16, BF16, TENSOR)).contains("abType bfloat16 is not supported"));
-        assert!(message(check(4, 4, 32, mkInt8 as RawDataType, BF16, TENSOR)).contains("abType int8"));
+        let e = message(check(4, 4, 32, BF16, BF16, TENSOR));
+        assert!(
+            e.contains("A in bfloat16 is not supported: mkScaledGemm takes mkFloat8e4m3 or mkFloat8e5m2 for A"),
+            "{e}"
+        );
+        assert!(message(check(4, 4, 32, mkInt8 as RawDataType, BF16, TENSOR)).contains("A in int8"));
+        let e = message(check_mixed(4, 4, 32, E4M3, BF16, BF16, TENSOR));
+        assert!(e.contains("B in bfloat16 is not supported") && !e.contains("only A"), "{e}");
         let out = message(check(4, 4, 32, E4M3, mkFloat32 as RawDataType, TENSOR));
         assert!(out.contains("cType float is not supported") && out.contains("mkFloat16 or mkBfloat16"), "{out}");
         assert!(message(check(4, 4, 32, E4M3, E4M3, TENSOR)).contains("cType float8e4m3"));
@@ -390,8 +461,10 @@ mod tests {
         for bn in TILE_WIDTHS {
             for epilogue in [Epilogue::Tma, Epilogue::Direct] {
                 for out in [mkBfloat16, mkFloat16] {
-                    let k = kernel(mkFloat8e4m3, out, bn, epilogue).unwrap();
+                    let k = kernel(mkFloat8e4m3, mkFloat8e4m3, out, bn, epilogue).unwrap();
                     assert!(k.name.starts_with("mk_scaled_gemm_e4m3_"), "{}", k.name);
+                    let k = kernel(mkFloat8e5m2, mkFloat8e4m3, out, bn, epilogue).unwrap();
+                    assert!(k.name.starts_with("mk_scaled_gemm_e5m2_"), "{}", k.name);
                 }
                 assert!(stages(bn, epilogue) >= 4, "bn {bn} {epilogue:?}: a ring deep enough to hide TMA latency");
                 assert!(smem_bytes(bn, epilogue) <= SMEM_LIMIT, "bn {bn} {epilogue:?}");
@@ -401,11 +474,14 @@ mod tests {
         assert_eq!((stages(128, Epilogue::Tma), smem_bytes(128, Epilogue::Tma)), (6, 1024 + 6 * 32768 + 32768 + 96));
         assert_eq!((stages(64, Epilogue::Tma), smem_bytes(64, Epilogue::Tma)), (8, 1024 + 8 * 24576 + 16384 + 128));
         assert_eq!((stages(128, Epilogue::Direct), smem_bytes(128, Epilogue::Direct)), (7, 1024 + 7 * 32768 + 112));
-        // No kernel for e5m2 operands nor for a 256-wide tile: clear errors, not another kernel.
-        let e = kernel(mkFloat8e5m2, mkBfloat16, 128, Epilogue::Tma).unwrap_err();
+        // No kernel for e5m2 B nor for a 256-wide tile: errors, not another kernel.
+        let e = kernel(mkFloat8e5m2, mkFloat8e5m2, mkBfloat16, 128, Epilogue::Tma).unwrap_err();
+        assert_eq!(e.code, mkResult_t::mkInternalError, "{}", e.message);
+        let e = kernel(mkBfloat16, mkFloat8e4m3, mkBfloat16, 128, Epilogue::Tma).unwrap_err();
         assert_eq!(e.code, mkResult_t::mkInvalidUsage);
-        assert!(e.message.contains("no kernel for this dtype (mkFloat8e5m2)"), "{}", e.message);
-        assert_eq!(kernel(mkFloat8e4m3, mkBfloat16, 256, Epilogue::Tma).unwrap_err().code, mkResult_t::mkInternalError);
+        assert!(e.message.contains("compiled for mkFloat8e4m3, mkFloat8e5m2"), "{}", e.message);
+        let e = kernel(mkFloat8e4m3, mkFloat8e4m3, mkBfloat16, 256, Epilogue::Tma).unwrap_err();
+        assert_eq!(e.code, mkResult_t::mkInternalError);
     }
 
     #[test]
@@ -424,7 +500,8 @@ mod tests {
             assert!(p.tiles_m * BM >= m && p.tiles_n * p.bn >= n, "{m}x{n}: {p:?}");
             assert!(p.grid >= 1 && p.grid <= 132 && p.grid <= p.tiles_m * p.tiles_n, "{m}x{n}: {p:?}");
             assert!(p.group_m >= 1 && p.group_m <= p.tiles_m, "{m}x{n}: {p:?}");
-            assert!(p.kernel_launch(mkFloat8e4m3, mkBfloat16).is_ok());
+            assert!(p.kernel_launch(mkFloat8e4m3, mkFloat8e4m3, mkBfloat16).is_ok());
+            assert!(p.kernel_launch(mkFloat8e5m2, mkFloat8e4m3, mkFloat16).is_ok());
         }
     }
 }

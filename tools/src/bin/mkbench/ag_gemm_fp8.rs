@@ -166,6 +166,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
             let bf16_args =
                 ag_gemm::validate_args(a_bf16.ptr(), b_bf16.ptr(), c.ptr(), 0, m, nn, kk, bf16 as i32, n, rank)?;
             let unfused_args = scaled::validate(
+                "mkScaledGemm",
                 a_gathered.ptr(),
                 sa_gathered.ptr(),
                 b_fp8.ptr(),
@@ -174,6 +175,7 @@ fn rank_main(o: &Options, rank: usize, n: usize, id: &mkernel::bootstrap::Unique
                 m,
                 nn,
                 kk,
+                e4m3,
                 e4m3,
                 bf16 as i32,
                 rowwise as RawScaleMode,

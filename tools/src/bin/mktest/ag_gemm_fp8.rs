@@ -143,7 +143,7 @@ impl Case {
                 (mkScaleMode_t::mkScaleBlock, g)
             }
         };
-        Operand { bytes, values, scales, mode, side: Side::A, rows: m }
+        Operand { dtype: mkDataType_t::mkFloat8e4m3, bytes, values, scales, mode, side: Side::A, rows: m }
     }
 
     /// Rows of C checked: every row of a small C, else the first, the last and a middle

@@ -1,25 +1,31 @@
-//! mkScaledGemm on the GPU (e4m3 A and B, fp32 scales, bf16 or fp16 C), element by element
-//! against float64 of the dequantized inputs, with fresh random inputs, NaN-poisoned
-//! outputs and guard bands checked for every check. Two kinds of input:
-//! - exact sums: A and B hold small integers (|v| ≤ 4, exact in e4m3), so every partial sum
-//!   the tensor cores form inside a stage (|Σ| ≤ 128·16 = 2¹¹) and every promoted fp32 sum
-//!   of them (|Σ| ≤ 16·K < 2²⁴) is an exact integer, whatever the accumulator's width (the
-//!   fp8 tensor cores keep at least 13 fraction bits past the largest addend's binade, and
-//!   integers up to 2¹¹ need none). What is left is the scales' fp32 roundings and C's one
-//!   rounding, a bound so tight that one missed K stage, a wrong scale or a misplaced tile
-//!   fails it;
+//! mkScaledGemm on the GPU (A in e4m3 or e5m2, B in e4m3, fp32 scales, bf16 or fp16 C),
+//! element by element against float64 of the dequantized inputs, with fresh random inputs,
+//! NaN-poisoned outputs and guard bands checked for every check. Two kinds of input:
+//! - exact sums: A and B hold small integers (|v| ≤ 4, exact in e4m3 and e5m2), so every
+//!   partial sum the tensor cores form inside a stage (|Σ| ≤ 128·16 = 2¹¹) and every
+//!   promoted fp32 sum of them (|Σ| ≤ 16·K < 2²⁴) is an exact integer, whatever the
+//!   accumulator's width (the fp8 tensor cores keep at least 13 fraction bits past the
+//!   largest addend's binade, and integers up to 2¹¹ need none). What is left is the
+//!   scales' fp32 roundings and C's one rounding, a bound so tight that one missed K stage,
+//!   a wrong scale or a misplaced tile fails it;
 //! - quantized: uniform values in [-1, 1) scaled as a user quantizes them (the amax of the
-//!   tensor, of each row, or of each block to 448), rounded to e4m3. The bound follows the
-//!   kernel's accumulation: inside each 128-wide stage, four wgmma k32 steps that each align
-//!   33 addends to the largest one's binade and keep 13 fraction bits (DeepSeek-V3 §3.3.2;
-//!   truncation), so each step errs by at most 33·2⁻¹³·2·(Σ|stage terms|); the stages'
-//!   promotion into fp32 by γ_{K/128+1}(2⁻²³); the scales' roundings and C's.
+//!   tensor, of each row, or of each block to the type's largest value, 448 for e4m3 and
+//!   57344 for e5m2), rounded to the operand's type. The reference multiplies the same
+//!   dequantized values, so the quantization (2 mantissa bits in e5m2, 3 in e4m3) is part
+//!   of the inputs, not of the error, and the bound is the same for both types of A. It
+//!   follows the kernel's accumulation: inside each 128-wide stage, four wgmma k32 steps
+//!   that each align 33 addends to the largest one's binade and keep 13 fraction bits
+//!   (DeepSeek-V3 §3.3.2; truncation), so each step errs by at most
+//!   33·2⁻¹³·2·(Σ|stage terms|); the stages' promotion into fp32 by γ_{K/128+1}(2⁻²³); the
+//!   scales' roundings and C's.
 //!
-//! Every tile width (64, 128), both epilogues (TMA; direct where N % 8 ≠ 0 or forced), both
-//! output types and the three scale modes (block where K is a multiple of 128), M from 1
-//! (decode) to 4096; large shapes are checked on sampled rows (every column). Then the C
-//! entry point: a real call and its refusals (NULL and misaligned scales, K not a multiple
-//! of 16, e5m2, a bad scale mode), nothing written.
+//! Both types of A, every tile width (64, 128), both epilogues (TMA; direct where N % 8 ≠ 0
+//! or forced), both output types and the three scale modes (block where K is a multiple of
+//! 128), M from 1 (decode) to 4096; large shapes are checked on sampled rows (every
+//! column). Then the C entry points: real calls of mkScaledGemm and of mkScaledGemmMixed
+//! with e5m2 A and their refusals (NULL and misaligned scales, K not a multiple of 16, B in
+//! e5m2, a bad scale mode), nothing written; and one call of each captured in a CUDA graph,
+//! replayed three times on fresh inputs, each replay checked.
 
 use crate::outcome::{self, Outcome};
 use mkernel::cuda::{self, PrimaryContext};
@@ -27,9 +33,9 @@ use mkernel::error::{mkResult_t, MkError};
 use mkernel::ops::gemm::engine::Epilogue;
 use mkernel::ops::gemm::scaled::{self, ScaledGemmArgs, ScaledPlan, TILE_WIDTHS};
 use mkernel::types::{mkDataType_t, mkScaleMode_t};
-use mkernel_tools::testing::fp8::{e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
+use mkernel_tools::testing::fp8::{e4m3_to_f32, e5m2_to_f32, f32_to_e4m3, f32_to_e5m2, E4M3_MAX, E5M2_MAX};
 use mkernel_tools::testing::{
-    check_close, gamma, to_f64, tolerance, underflow_floor, unit_roundoff, xorshift_unit, TestBuffer,
+    check_close, gamma, to_f64, tolerance, underflow_floor, unit_roundoff, xorshift_unit, CapturedGraph, TestBuffer,
 };
 use std::ffi::c_void;
 
@@ -38,6 +44,26 @@ pub(crate) const MODES: [mkScaleMode_t; 3] =
     [mkScaleMode_t::mkScaleTensor, mkScaleMode_t::mkScaleRowwise, mkScaleMode_t::mkScaleBlock];
 /// A block scale's side (and a stage's K).
 pub(crate) const BLOCK: usize = mkScaleMode_t::BLOCK;
+/// A's types (B is e4m3): e5m2 A is the gradient of an fp8 backward.
+pub(crate) const A_TYPES: [mkDataType_t; 2] = [mkDataType_t::mkFloat8e4m3, mkDataType_t::mkFloat8e5m2];
+
+/// An fp8 type's encoding as the host sees it.
+struct Fp8Format {
+    /// A byte's value.
+    decode: fn(u8) -> f32,
+    /// A value rounded to the nearest byte (ties to even, saturating).
+    encode: fn(f32) -> u8,
+    /// The largest finite value.
+    largest: f32,
+}
+
+fn fp8_format(dtype: mkDataType_t) -> Fp8Format {
+    match dtype {
+        mkDataType_t::mkFloat8e4m3 => Fp8Format { decode: e4m3_to_f32, encode: f32_to_e4m3, largest: E4M3_MAX },
+        mkDataType_t::mkFloat8e5m2 => Fp8Format { decode: e5m2_to_f32, encode: f32_to_e5m2, largest: E5M2_MAX },
+        other => panic!("{other:?} is not an fp8 type"),
+    }
+}
 
 fn sync() -> mkernel::Result<()> {
     cudarc::driver::result::ctx::synchronize()
@@ -57,11 +83,13 @@ pub(crate) enum Side {
     B,
 }
 
-/// One operand on the host: its e4m3 bytes (row-major, `rows` × `k`) and its fp32 scales as
+/// One operand on the host: its fp8 bytes (row-major, `rows` × `k`) and its fp32 scales as
 /// the mode lays them out (one; one per row; [K/128][M] for A or [K/128][ceil(N/128)] for B).
 pub(crate) struct Operand {
+    /// The bytes' type: mkFloat8e4m3 or mkFloat8e5m2.
+    pub(crate) dtype: mkDataType_t,
     pub(crate) bytes: Vec<u8>,
-    /// The bytes' e4m3 values.
+    /// The bytes' values in `dtype`.
     pub(crate) values: Vec<f64>,
     pub(crate) scales: Vec<f32>,
     pub(crate) mode: mkScaleMode_t,
@@ -95,8 +123,22 @@ fn group(mode: mkScaleMode_t, side: Side, row: usize, k: usize) -> (usize, usize
     }
 }
 
-/// Fresh inputs for `rows` × `k` of `side` under `mode`.
+/// Fresh e4m3 inputs for `rows` × `k` of `side` under `mode`.
 pub(crate) fn operand(side: Side, rows: usize, k: usize, mode: mkScaleMode_t, inputs: Inputs, seed: u64) -> Operand {
+    operand_in(mkDataType_t::mkFloat8e4m3, side, rows, k, mode, inputs, seed)
+}
+
+/// Fresh inputs of fp8 type `dtype` for `rows` × `k` of `side` under `mode`.
+pub(crate) fn operand_in(
+    dtype: mkDataType_t,
+    side: Side,
+    rows: usize,
+    k: usize,
+    mode: mkScaleMode_t,
+    inputs: Inputs,
+    seed: u64,
+) -> Operand {
+    let Fp8Format { decode, encode, largest } = fp8_format(dtype);
     let kb = k.div_ceil(BLOCK);
     let (n_scales, index): (usize, Box<dyn Fn(usize, usize) -> usize>) = match (mode, side) {
         (mkScaleMode_t::mkScaleTensor, _) => (1, Box::new(|_, _| 0)),
@@ -113,13 +155,14 @@ pub(crate) fn operand(side: Side, rows: usize, k: usize, mode: mkScaleMode_t, in
             // Integers in [-4, 4]; scales 2^[-5, 1) with a mantissa that is no power of 2, so
             // their products round. The range keeps |C| far below fp16's 65504 at K = 8192
             // (sA·sB < 7.6, |a·b| <= 16: a random-sign sum of 8192 terms stays near 1e4).
-            let bytes = values.iter().map(|u| f32_to_e4m3(((u * 9.0).floor() - 4.0) as f32)).collect();
+            let bytes = values.iter().map(|u| encode(((u * 9.0).floor() - 4.0) as f32)).collect();
             let scales = draws.iter().map(|u| (2f64.powf(6.0 * u - 5.0) * 1.37) as f32).collect();
             (bytes, scales)
         }
         Inputs::Quantized => {
-            // x uniform in [-1, 1); each scale group's amax maps to 448: scale = amax / 448,
-            // stored x / scale rounded to e4m3, so the dequantized value is e4m3 · scale.
+            // x uniform in [-1, 1); each scale group's amax maps to the type's largest value:
+            // scale = amax / largest, stored x / scale rounded to the type, so the
+            // dequantized value is the stored value · scale.
             let x: Vec<f32> = values.iter().map(|u| (2.0 * u - 1.0) as f32).collect();
             let mut amax = vec![1e-6f32; n_scales];
             for (i, v) in x.iter().enumerate() {
@@ -127,21 +170,21 @@ pub(crate) fn operand(side: Side, rows: usize, k: usize, mode: mkScaleMode_t, in
                 let s = &mut amax[index(g, b)];
                 *s = s.max(v.abs());
             }
-            let scales: Vec<f32> = amax.iter().map(|a| a / E4M3_MAX).collect();
+            let scales: Vec<f32> = amax.iter().map(|a| a / largest).collect();
             let bytes = x
                 .iter()
                 .enumerate()
                 .map(|(i, v)| {
                     let (g, b) = group(mode, side, i / k, i % k);
-                    f32_to_e4m3(v / scales[index(g, b)])
+                    encode(v / scales[index(g, b)])
                 })
                 .collect();
             (bytes, scales)
         }
     };
-    let table: Vec<f64> = (0..=255u8).map(|b| e4m3_to_f32(b) as f64).collect();
+    let table: Vec<f64> = (0..=255u8).map(|b| decode(b) as f64).collect();
     let values = bytes.iter().map(|&b| table[b as usize]).collect();
-    Operand { bytes, values, scales, mode, side, rows }
+    Operand { dtype, bytes, values, scales, mode, side, rows }
 }
 
 /// Float64 reference and per-element bound of the given rows of C (every column):
@@ -224,11 +267,16 @@ pub(crate) fn l2_limit(out: mkDataType_t, inputs: Inputs) -> f64 {
 
 /// Device copies of an operand's bytes and scales.
 pub(crate) fn upload(op: &Operand) -> mkernel::Result<(TestBuffer, TestBuffer)> {
-    let bytes = TestBuffer::new(op.bytes.len(), mkDataType_t::mkFloat8e4m3)?;
-    bytes.upload(&op.bytes)?;
+    let bytes = TestBuffer::new(op.bytes.len(), op.dtype)?;
     let scales = TestBuffer::new(op.scales.len(), mkDataType_t::mkFloat32)?;
-    scales.upload(&op.scales.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>())?;
+    upload_into(op, &bytes, &scales)?;
     Ok((bytes, scales))
+}
+
+/// An operand's bytes and scales copied into device buffers of their sizes.
+fn upload_into(op: &Operand, bytes: &TestBuffer, scales: &TestBuffer) -> mkernel::Result<()> {
+    bytes.upload(&op.bytes)?;
+    scales.upload(&op.scales.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>())
 }
 
 /// Rows of C checked: all where the float64 reference of every row is cheap (M·N·K up to
@@ -274,10 +322,12 @@ pub fn run() -> mkernel::Result<Outcome> {
     ];
     for case in &cases {
         let (m, n, k) = (case.m, case.n, case.k);
-        for inputs in [Inputs::ExactSums, Inputs::Quantized] {
+        let inputs_of_each_a =
+            A_TYPES.iter().flat_map(|&t| [Inputs::ExactSums, Inputs::Quantized].map(move |i| (t, i)));
+        for (a_type, inputs) in inputs_of_each_a {
             for mode in MODES.into_iter().filter(|&mode| mode != mkScaleMode_t::mkScaleBlock || k % BLOCK == 0) {
                 seed += 2;
-                let a = operand(Side::A, m, k, mode, inputs, seed);
+                let a = operand_in(a_type, Side::A, m, k, mode, inputs, seed);
                 let b = operand(Side::B, n, k, mode, inputs, seed + 1);
                 let (a_dev, sa_dev) = upload(&a)?;
                 let (b_dev, sb_dev) = upload(&b)?;
@@ -294,7 +344,8 @@ pub fn run() -> mkernel::Result<Outcome> {
                         m,
                         n,
                         k,
-                        ab: mkDataType_t::mkFloat8e4m3,
+                        a_type,
+                        b_type: mkDataType_t::mkFloat8e4m3,
                         out,
                         mode,
                     };
@@ -325,7 +376,8 @@ pub fn run() -> mkernel::Result<Outcome> {
                         checks += 1;
                         failures += usize::from(!ok);
                         println!(
-                            "  scaled gemm {m:>4}x{n:>5}x{k:>5} e4m3->{} {:?} {:?} bn {} {:?} ctas {:>3}{}, {} rows: {verdict}, {nonfinite} non-finite{} -> {}",
+                            "  scaled gemm {m:>4}x{n:>5}x{k:>5} {}xe4m3->{} {:?} {:?} bn {} {:?} ctas {:>3}{}, {} rows: {verdict}, {nonfinite} non-finite{} -> {}",
+                            a_type.name(),
                             out.name(),
                             mode,
                             inputs,
@@ -343,9 +395,10 @@ pub fn run() -> mkernel::Result<Outcome> {
         }
     }
 
-    let (c2, f2) = entry_point(&mut seed)?;
-    checks += c2;
-    failures += f2;
+    for (c2, f2) in [entry_point(&mut seed)?, graph_replay(&mut seed)?] {
+        checks += c2;
+        failures += f2;
+    }
 
     outcome::count(checks);
     println!("  gemm_fp8: {checks} checks, {failures} failed");
@@ -355,77 +408,199 @@ pub fn run() -> mkernel::Result<Outcome> {
     Ok(Outcome::Ran)
 }
 
-/// mkScaledGemm itself: a real call (rowwise, bf16), then each refusal, with C poisoned
-/// before and still all poison after (nothing written). Returns (checks, failures).
+/// A scaled GEMM through the C ABI: mkScaledGemm where A's type is B's (its one abType),
+/// else mkScaledGemmMixed. Returns its result; the arguments are device pointers of the
+/// sizes stated or pointers the call refuses before any access.
+#[allow(clippy::too_many_arguments)] // mirrors the C signature
+fn call_entry(
+    a: u64,
+    sa: u64,
+    b: u64,
+    sb: u64,
+    c: u64,
+    (m, n, k): (usize, usize, usize),
+    (a_type, b_type, out): (mkDataType_t, mkDataType_t, mkDataType_t),
+    mode: i32,
+    stream: mkernel::cuda::sys::CUstream,
+) -> mkResult_t {
+    let (a, sa, b, sb, c) =
+        (a as *const c_void, sa as *const f32, b as *const c_void, sb as *const f32, c as *mut c_void);
+    // SAFETY: the caller's contract above; `stream` is live (or NULL, the legacy stream).
+    unsafe {
+        if a_type == b_type {
+            mkernel::ffi::gemm::mkScaledGemm(a, sa, b, sb, c, m, n, k, a_type as i32, out as i32, mode, stream)
+        } else {
+            let (ta, tb, tc) = (a_type as i32, b_type as i32, out as i32);
+            mkernel::ffi::gemm::mkScaledGemmMixed(a, sa, b, sb, c, m, n, k, ta, tb, tc, mode, stream)
+        }
+    }
+}
+
+/// The C entry points: for each type of A a real call (rowwise, bf16; mkScaledGemm for e4m3
+/// A, mkScaledGemmMixed for e5m2 A), then each refusal, with C poisoned before and still all
+/// poison after (nothing written). Returns (checks, failures).
 fn entry_point(seed: &mut u64) -> mkernel::Result<(usize, usize)> {
     let s = std::ptr::null_mut();
     let (m, n, k) = (300, 520, 272);
     let mode = mkScaleMode_t::mkScaleRowwise;
-    *seed += 2;
-    let a = operand(Side::A, m, k, mode, Inputs::Quantized, *seed);
-    let b = operand(Side::B, n, k, mode, Inputs::Quantized, *seed + 1);
-    let (a_dev, sa_dev) = upload(&a)?;
-    let (b_dev, sb_dev) = upload(&b)?;
+    let (e4m3, e5m2) = (mkDataType_t::mkFloat8e4m3, mkDataType_t::mkFloat8e5m2);
     let out = mkDataType_t::mkBfloat16;
     let c = TestBuffer::new(m * n, out)?;
     let rows: Vec<usize> = (0..m).collect();
-    let (want, bound) = reference(&a, &b, &rows, n, k, out, Inputs::Quantized);
-    let call = |a: u64, sa: u64, b: u64, sb: u64, k: usize, ab: mkDataType_t, mode: i32| {
-        // SAFETY: device buffers of the sizes stated (or pointers the call refuses before
-        // any access).
-        unsafe {
-            mkernel::ffi::gemm::mkScaledGemm(
-                a as *const c_void,
-                sa as *const f32,
-                b as *const c_void,
-                sb as *const f32,
-                c.ptr() as *mut c_void,
-                m,
-                n,
-                k,
-                ab as i32,
-                out as i32,
-                mode,
-                s,
-            )
-        }
-    };
     let (mut checks, mut failures) = (0, 0);
-    c.poison(s)?;
-    let r = call(a_dev.ptr(), sa_dev.ptr(), b_dev.ptr(), sb_dev.ptr(), k, mkDataType_t::mkFloat8e4m3, mode as i32);
-    sync()?;
-    let verdict = check_close(&c.download_f64()?, &want, &bound, l2_limit(out, Inputs::Quantized));
-    let ok = r == mkResult_t::mkSuccess && verdict.passed() && c.guards_intact()?.is_none();
-    checks += 1;
-    failures += usize::from(!ok);
-    println!("  mkScaledGemm {m}x{n}x{k} rowwise -> bf16: {r:?} {verdict} -> {}", if ok { "ok" } else { "WRONG" });
+    let mut last = None;
+    for a_type in A_TYPES {
+        *seed += 2;
+        let a = operand_in(a_type, Side::A, m, k, mode, Inputs::Quantized, *seed);
+        let b = operand(Side::B, n, k, mode, Inputs::Quantized, *seed + 1);
+        let (a_dev, sa_dev) = upload(&a)?;
+        let (b_dev, sb_dev) = upload(&b)?;
+        let (want, bound) = reference(&a, &b, &rows, n, k, out, Inputs::Quantized);
+        c.poison(s)?;
+        let (pa, psa, pb, psb) = (a_dev.ptr(), sa_dev.ptr(), b_dev.ptr(), sb_dev.ptr());
+        let r = call_entry(pa, psa, pb, psb, c.ptr(), (m, n, k), (a_type, e4m3, out), mode as i32, s);
+        sync()?;
+        let verdict = check_close(&c.download_f64()?, &want, &bound, l2_limit(out, Inputs::Quantized));
+        let ok = r == mkResult_t::mkSuccess && verdict.passed() && c.guards_intact()?.is_none();
+        checks += 1;
+        failures += usize::from(!ok);
+        let entry = if a_type == e4m3 { "mkScaledGemm" } else { "mkScaledGemmMixed" };
+        println!(
+            "  {entry} {m}x{n}x{k} {}xe4m3 rowwise -> bf16: {r:?} {verdict} -> {}",
+            a_type.name(),
+            if ok { "ok" } else { "WRONG" }
+        );
+        last = Some((a_dev, sa_dev, b_dev, sb_dev));
+    }
+    let (a_dev, sa_dev, b_dev, sb_dev) = last.expect("A_TYPES is not empty");
 
     // C poisoned again: the refused calls below must leave it so.
     c.poison(s)?;
     sync()?;
-    let e4m3 = mkDataType_t::mkFloat8e4m3;
     let (pa, psa, pb, psb) = (a_dev.ptr(), sa_dev.ptr(), b_dev.ptr(), sb_dev.ptr());
+    let call = |a: u64, sa: u64, b: u64, sb: u64, k: usize, types: (mkDataType_t, mkDataType_t), mode: i32| {
+        call_entry(a, sa, b, sb, c.ptr(), (m, n, k), (types.0, types.1, out), mode, s)
+    };
+    let rowwise = mode as i32;
     let block = mkScaleMode_t::mkScaleBlock as i32;
-    let refusals: [(&str, mkResult_t); 8] = [
-        ("scaleA NULL", call(pa, 0, pb, psb, k, e4m3, mode as i32)),
-        ("scaleB NULL", call(pa, psa, pb, 0, k, e4m3, mode as i32)),
-        ("scaleA misaligned", call(pa, psa + 2, pb, psb, k, e4m3, mode as i32)),
-        ("A misaligned", call(pa + 8, psa, pb, psb, k, e4m3, mode as i32)),
-        ("K = 264 (not a multiple of 16)", call(pa, psa, pb, psb, 264, e4m3, mode as i32)),
-        ("e5m2 operands", call(pa, psa, pb, psb, k, mkDataType_t::mkFloat8e5m2, mode as i32)),
-        ("scale mode 3", call(pa, psa, pb, psb, k, e4m3, 3)),
-        ("block scales with K = 272 (not a multiple of 128)", call(pa, psa, pb, psb, k, e4m3, block)),
+    let refusals: [(&str, mkResult_t); 10] = [
+        ("scaleA NULL", call(pa, 0, pb, psb, k, (e4m3, e4m3), rowwise)),
+        ("scaleB NULL", call(pa, psa, pb, 0, k, (e4m3, e4m3), rowwise)),
+        ("scaleA misaligned", call(pa, psa + 2, pb, psb, k, (e4m3, e4m3), rowwise)),
+        ("A misaligned", call(pa + 8, psa, pb, psb, k, (e4m3, e4m3), rowwise)),
+        ("K = 264 (not a multiple of 16)", call(pa, psa, pb, psb, 264, (e4m3, e4m3), rowwise)),
+        ("B in e5m2 refused (mkScaledGemm, abType e5m2)", call(pa, psa, pb, psb, k, (e5m2, e5m2), rowwise)),
+        ("B in e5m2 refused (mkScaledGemmMixed, e4m3 A)", {
+            // SAFETY: as call_entry's: live buffers, a call refused before any access.
+            unsafe {
+                mkernel::ffi::gemm::mkScaledGemmMixed(
+                    pa as *const c_void,
+                    psa as *const f32,
+                    pb as *const c_void,
+                    psb as *const f32,
+                    c.ptr() as *mut c_void,
+                    m,
+                    n,
+                    k,
+                    e4m3 as i32,
+                    e5m2 as i32,
+                    out as i32,
+                    rowwise,
+                    s,
+                )
+            }
+        }),
+        ("e5m2 A, scaleB NULL", call(pa, psa, pb, 0, k, (e5m2, e4m3), rowwise)),
+        ("scale mode 3", call(pa, psa, pb, psb, k, (e4m3, e4m3), 3)),
+        ("block scales with K = 272 (not a multiple of 128)", call(pa, psa, pb, psb, k, (e5m2, e4m3), block)),
     ];
     for (what, r) in refusals {
         let ok = r == mkResult_t::mkInvalidArgument;
         checks += 1;
         failures += usize::from(!ok);
-        println!("  mkScaledGemm {what}: {r:?} -> {}", if ok { "ok" } else { "WRONG" });
+        println!("  scaled GEMM entry {what}: {r:?} -> {}", if ok { "ok" } else { "WRONG" });
     }
     // Nothing was written by the refused calls: C is still all poison (0xFF bytes).
     let untouched = c.download()?.iter().all(|&b| b == 0xff);
     checks += 1;
     failures += usize::from(!untouched);
-    println!("  mkScaledGemm refusals wrote nothing: {}", if untouched { "ok" } else { "WRONG" });
+    println!("  scaled GEMM refusals wrote nothing: {}", if untouched { "ok" } else { "WRONG" });
+    Ok((checks, failures))
+}
+
+/// How many times a captured scaled GEMM is replayed.
+const REPLAYS: u64 = 3;
+
+/// One scaled GEMM call per type of A (mkScaledGemm for e4m3, mkScaledGemmMixed for e5m2;
+/// block scales, partial tiles in M and N, fp16 out) captured in a CUDA graph on a
+/// non-default stream, then replayed three times, each time on fresh inputs and scales
+/// copied into the captured buffers and C poisoned, and each replay checked element-wise:
+/// the graph recomputes from what the buffers hold, not from what they held at capture.
+/// Returns (checks, failures).
+fn graph_replay(seed: &mut u64) -> mkernel::Result<(usize, usize)> {
+    let (m, n, k) = (200, 392, 512);
+    let mode = mkScaleMode_t::mkScaleBlock;
+    let out = mkDataType_t::mkFloat16;
+    let rows: Vec<usize> = (0..m).collect();
+    let (mut checks, mut failures) = (0, 0);
+    for a_type in A_TYPES {
+        *seed += 2;
+        let fresh = |seed: u64| {
+            let a = operand_in(a_type, Side::A, m, k, mode, Inputs::Quantized, seed);
+            (a, operand(Side::B, n, k, mode, Inputs::Quantized, seed + 1))
+        };
+        let (a, b) = fresh(*seed);
+        let (a_dev, sa_dev) = upload(&a)?;
+        let (b_dev, sb_dev) = upload(&b)?;
+        let c = TestBuffer::new(m * n, out)?;
+        let stream = cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking)
+            .map_err(|e| cuda::cuda_err("cuStreamCreate", e))?;
+        // The call's own result is checked below, as a wrong result is: a capture that
+        // fails otherwise ends the suite with its error.
+        let mut r = mkResult_t::mkInternalError;
+        let (pa, psa, pb, psb) = (a_dev.ptr(), sa_dev.ptr(), b_dev.ptr(), sb_dev.ptr());
+        let types = (a_type, mkDataType_t::mkFloat8e4m3, out);
+        let graph = CapturedGraph::capture(stream, |s| {
+            r = call_entry(pa, psa, pb, psb, c.ptr(), (m, n, k), types, mode as i32, s);
+            Ok(())
+        });
+        let mut ok = r == mkResult_t::mkSuccess;
+        let mut details = Vec::new();
+        match graph {
+            Ok(graph) => {
+                for replay in 0..REPLAYS {
+                    *seed += 2;
+                    let (a, b) = fresh(*seed);
+                    upload_into(&a, &a_dev, &sa_dev)?;
+                    upload_into(&b, &b_dev, &sb_dev)?;
+                    c.poison(std::ptr::null_mut())?;
+                    sync()?;
+                    graph.launch(stream)?;
+                    sync()?;
+                    let (want, bound) = reference(&a, &b, &rows, n, k, out, Inputs::Quantized);
+                    let verdict = check_close(&c.download_f64()?, &want, &bound, l2_limit(out, Inputs::Quantized));
+                    let replay_ok = verdict.passed() && c.guards_intact()?.is_none();
+                    details.push(format!("replay {replay}: {verdict}{}", if replay_ok { "" } else { " WRONG" }));
+                    ok &= replay_ok;
+                }
+            }
+            Err(e) => {
+                ok = false;
+                details.push(format!("capture failed: {}", e.message));
+            }
+        }
+        // SAFETY: destroyed once, after the last replay completed (or the capture failed);
+        // the graph was dropped at the end of its match arm.
+        let _ = unsafe { cudarc::driver::result::stream::destroy(stream) };
+        checks += 1;
+        failures += usize::from(!ok);
+        println!(
+            "  scaled GEMM in a CUDA graph {m}x{n}x{k} {}xe4m3 block -> {}: {r:?}, {REPLAYS} replays: {} -> {}",
+            a_type.name(),
+            out.name(),
+            details.join(" | "),
+            if ok { "ok" } else { "WRONG" }
+        );
+    }
     Ok((checks, failures))
 }

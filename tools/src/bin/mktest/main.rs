@@ -44,9 +44,10 @@ const SUITES: &[(&str, Suite, usize)] = &[
     // the cluster or split-K variants stop being planned for the fixed shapes.
     ("gemm", gemm::run, 500),
     // mkScaledGemm: 9 shapes x 2-3 scale modes (block where K % 128 == 0) x 2-4 kernels
-    // (78 in all) x 2 input kinds x 2 outputs = 312, then the entry point's call, its 8
-    // refusals and the untouched C: 322.
-    ("gemm_fp8", gemm_fp8::run, 300),
+    // (78 in all) x 2 input kinds x 2 outputs x 2 types of A (e4m3, e5m2) = 624, then the
+    // entry points' 2 calls, 10 refusals and the untouched C, and 2 CUDA-graph checks
+    // (3 replays each): 639.
+    ("gemm_fp8", gemm_fp8::run, 600),
     ("collectives", collectives::run, 900),
     ("api", api::run, 50),
     ("ag_gemm", ag_gemm::run, 38),
