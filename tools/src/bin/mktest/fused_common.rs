@@ -140,10 +140,28 @@ fn op_barrier() -> bool {
 /// (`between_ops`): the first code other than mkSuccess, after which no op is launched but
 /// the rank still meets the others (a refusal on one rank must not leave its peers waiting).
 pub fn launch_call(case: &dyn FusedCase, comm: mkComm_t, stream: sys::CUstream) -> Result<mkResult_t> {
+    launch_ops(case, comm, stream, between_ops)
+}
+
+/// `launch_call` without the meetings: a multi-op case's `launch` (a captured graph, a
+/// caller that meets the peers itself).
+pub fn launch_back_to_back(case: &dyn FusedCase, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+    launch_ops(case, comm, stream, || Ok(())).unwrap_or_else(|e| e.code)
+}
+
+/// The ops of `case`'s call in order, `meet` between two of them; once one returns a code
+/// other than mkSuccess the rest are not launched (but `meet` still runs), and that code is
+/// the result.
+fn launch_ops(
+    case: &dyn FusedCase,
+    comm: mkComm_t,
+    stream: sys::CUstream,
+    meet: impl Fn() -> Result<()>,
+) -> Result<mkResult_t> {
     let mut code = mkResult_t::mkSuccess;
     for i in 0..case.ops() {
         if i > 0 {
-            between_ops()?;
+            meet()?;
         }
         if code == mkResult_t::mkSuccess {
             code = case.launch_op(i, comm, stream);
@@ -392,8 +410,8 @@ pub fn absent_rank_with_progress(
         ffi(what, launch(comm, stream.0)?, comm)?;
         outcome = timed_sync(&stream, longest_op_timeout())
             .and_then(|_| check_stopped(rank, comm, t.elapsed(), what).map(|c| code = c));
-        let message = last_error(comm);
         if let Some(clause) = progress.filter(|_| code == mkResult_t::mkTimeout) {
+            let message = last_error(comm);
             if message.contains(&format!("waiting for rank {absent} ")) && !message.contains(clause) {
                 outcome = outcome.and(Err(MkError::internal(format!(
                     "{what}: the timeout names a wait for the absent rank {absent} but not where it stood \

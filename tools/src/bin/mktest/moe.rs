@@ -562,10 +562,7 @@ impl FusedCase for Case {
     }
 
     fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
-        match self.dispatch(comm, stream) {
-            mkResult_t::mkSuccess => self.combine(comm, stream),
-            failed => failed,
-        }
+        fused_common::launch_back_to_back(self, comm, stream)
     }
 
     fn ops(&self) -> usize {

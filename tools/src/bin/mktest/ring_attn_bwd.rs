@@ -151,10 +151,7 @@ impl FusedCase for Case {
 
     /// The forward, then the backward on its out and lse, on one stream.
     fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
-        match self.launch_op(0, comm, stream) {
-            mkResult_t::mkSuccess => self.launch_op(1, comm, stream),
-            failed => failed,
-        }
+        fused_common::launch_back_to_back(self, comm, stream)
     }
 
     fn ops(&self) -> usize {
