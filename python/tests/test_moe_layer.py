@@ -186,11 +186,12 @@ class _FusedStandIn:
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "relu"])
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_layer_gradients_match_float64_reference(shape_comm, monkeypatch, activation, capacity_factor):
+def test_recompute_backward_matches_float64_reference(shape_comm, monkeypatch, activation, capacity_factor):
     comm = shape_comm(1).name
     fused = _FusedStandIn(monkeypatch)
     layer = mkernel.nn.MoE(
-        comm, 6, 128, 128, activation=activation, capacity_factor=capacity_factor, dtype=torch.float32
+        comm, 6, 128, 128, activation=activation, capacity_factor=capacity_factor, backward="recompute",
+        dtype=torch.float32,
     )
     fused.layer_activation = ACTIVATIONS[activation][1]
     tokens, topk = 30, 3
@@ -302,8 +303,8 @@ def test_layer_parameters_have_the_documented_layouts(shape_comm):
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.6])
-def test_layer_gradients_over_two_ranks_match_float64_reference(shape_comm, monkeypatch, capacity_factor):
-    """The backward's expert-parallel path, two ranks run one after the other: each rank's
+def test_recompute_backward_over_two_ranks_matches_float64_reference(shape_comm, monkeypatch, capacity_factor):
+    """The recompute backward's expert-parallel path, two ranks run one after the other: each rank's
     all_gather stand-in returns every rank's tensor of the same role, and the reduce-scatter
     is summed over the ranks' recorded partials. Against float64 autograd of moe_reference
     over every rank's tokens and every expert, with each rank's own drop rule."""
@@ -346,7 +347,9 @@ def test_layer_gradients_over_two_ranks_match_float64_reference(shape_comm, monk
     grads = []
     for r in range(n):
         comm = shape_comm(n, rank=r).name
-        layer = mkernel.nn.MoE(comm, experts, hidden, ffn, capacity_factor=capacity_factor, dtype=torch.float32)
+        layer = mkernel.nn.MoE(
+            comm, experts, hidden, ffn, capacity_factor=capacity_factor, backward="recompute", dtype=torch.float32
+        )
         with torch.no_grad():
             layer.w1.copy_(w1[r * local : (r + 1) * local])
             layer.w2.copy_(w2[r * local : (r + 1) * local])
