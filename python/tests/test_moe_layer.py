@@ -269,6 +269,7 @@ def test_layer_with_the_default_capacity_never_checks(shape_comm, monkeypatch):
         (dict(capacity_factor=0.0), r"nn.MoE: expected capacity_factor to be positive \(or None: no drop\), but got 0.0"),
         (dict(recv_capacity=200), r"nn.MoE: expected recv_capacity to be a multiple of 128, but got 200"),
         (dict(on_overflow="ignore"), r"nn.MoE: expected on_overflow to be 'retry' or 'raise', but got 'ignore'"),
+        (dict(backward="autograd"), r"nn.MoE: expected backward to be one of \('kernels', 'recompute'\), but got 'autograd'"),
         (dict(hidden_size=96), r"nn.MoE: expected hidden_size to be a multiple of 128, but got 96"),
         (dict(ffn_hidden_size=0), r"nn.MoE: expected ffn_hidden_size to be a positive multiple of 128, but got 0"),
         (dict(num_experts=2048), r"nn.MoE: expected num_experts to be at most 1024, but got 2048"),

@@ -215,20 +215,23 @@ def moe_backward_on_kernels(
     else:
         idx_all, weights_all, x_all, dout_all = kept_idx, topk_weights, x, dout
     rows = moe_receive_rows(idx_all, weights_all, rank, w1.shape[0], recv_capacity)
-    # Padding rows of the ops' outputs are unspecified (NaN, say): masked before any use.
+    # Rows that hold no token: the ops leave them unspecified (NaN, say) in h and D, and
+    # _grouped_mm leaves those past the last group so. y and dh are masked there before
+    # they meet a GEMM or a sum; the gathered x and dout rows are zero there, so that
+    # 0 · (a NaN of the caller's) never reaches a weight's gradient either.
     held = (rows.token >= 0).unsqueeze(1)
     token = rows.token.clamp(min=0)
     x_rows = torch.where(held, x_all[token], 0)
     dout_rows = torch.where(held, dout_all[token], 0)
     if hidden_rows is None:
         hidden_rows = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=rows.group_ends)
-    h = torch.where(held, hidden_rows, 0)
-    d_rows = torch.where(held, dispatched.y, 0).float()
+    d_rows = dispatched.y.float()
 
-    y, dh = activation_backward(h, d_rows * rows.weight.unsqueeze(1))
+    y, dh = activation_backward(hidden_rows, d_rows * rows.weight.unsqueeze(1))
     y = torch.where(held, y, 0)
     dh = torch.where(held, dh, 0).to(dtype)
-    # d w[t, j] = dout[t]·Z[row] = dout[t]·W2_e·y[row] = D[row]·y[row]: no Z needed.
+    # d w[t, j] = dout[t]·Z[row] = dout[t]·W2_e·y[row] = D[row]·y[row]: no Z needed (read
+    # at the rows of choices only).
     row_dweight = (d_rows * y).sum(1)
 
     # dx: dh through W1 back to the tokens' ranks, each row once (weight 1 on its first choice).
