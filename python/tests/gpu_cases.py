@@ -521,25 +521,31 @@ def moe_layer(comm, rank, n, seed):
     """mkernel.nn.MoE forward and backward against float64 autograd of the unfused layer
     (moe_reference with every rank's tokens and every expert in one process): out, dx,
     d(topk_weights), dw1, dw2, for SwiGLU, GeGLU and a plain GELU, with and without drop
-    mode, skewed routing with -1 entries."""
-    from mkernel.nn.moe import ACTIVATIONS, expert_capacity, moe_kept, moe_reference
+    mode, skewed routing with -1 entries and repeated experts, each with the backward on
+    the MoE kernels and with the recompute backward."""
+    from mkernel.nn.moe import ACTIVATIONS, BACKWARDS, expert_capacity, moe_kept, moe_reference
 
     problems = []
     tokens, hidden, ffn, topk, local = 96, 256, 128, 4, 2
     experts = local * n
     mine = slice(rank * local, (rank + 1) * local)
     rows = slice(rank * tokens, (rank + 1) * tokens)
-    for case, (name, capacity_factor) in enumerate(
-        (("swiglu", None), ("geglu", None), ("gelu", None), ("swiglu", 0.75))
-    ):
+    cases = [
+        (name, capacity_factor, backward)
+        for name, capacity_factor in (("swiglu", None), ("geglu", None), ("gelu", None), ("swiglu", 0.75))
+        for backward in BACKWARDS
+    ]
+    for case, (name, capacity_factor, backward) in enumerate(cases):
         fused, act = ACTIVATIONS[name]
         s = seed + 10_000 * (case + 1)
         fc1 = 2 * ffn if fused != "none" else ffn
         xs, routes, weights, w1, w2 = _moe_inputs(s, n, tokens, hidden, fc1, ffn, topk, local, skew=0.4)
         dout = [seeded(s + 300 + r, tokens, hidden) for r in range(n)]
-        label = f"nn.MoE {name} capacity_factor={capacity_factor} (seed {s})"
+        label = f"nn.MoE {name} capacity_factor={capacity_factor} backward={backward} (seed {s})"
 
-        layer = mkernel.nn.MoE(comm, experts, hidden, ffn, activation=name, capacity_factor=capacity_factor, device=DEV)
+        layer = mkernel.nn.MoE(
+            comm, experts, hidden, ffn, activation=name, capacity_factor=capacity_factor, backward=backward, device=DEV
+        )
         with torch.no_grad():
             layer.w1.copy_(w1[mine])
             layer.w2.copy_(w2[mine])
