@@ -278,7 +278,7 @@ class MoeFunction(torch.autograd.Function):
         if settings.backward == "kernels" and settings.fused_activation == "none":
             hidden_rows = dispatched.y
         ctx.save_for_backward(x, topk_weights, w1, w2, topk_idx, hidden_rows)
-        ctx.settings, ctx.capacity = settings, capacity
+        ctx.settings, ctx.capacity, ctx.backward = settings, capacity, settings.backward
         ctx.recv_capacity = dispatched.y.shape[0]  # the capacity that fit (after any retry)
         return out, drop_counts
 
@@ -294,7 +294,7 @@ class MoeFunction(torch.autograd.Function):
             # A dropped choice is no choice: its id -1 gives it no output and its weight no gradient.
             kept, _ = moe_kept(topk_idx, local_experts * n, ctx.capacity)
             kept_idx = torch.where(kept, topk_idx, -1)
-        if settings.backward == "kernels":
+        if ctx.backward == "kernels":  # as the forward saw it
             activation_backward = settings.activation_backward or activation_backward_by_autograd(settings.activation)
             dx, dweights, dw1, dw2 = moe_backward_on_kernels(
                 dout,
