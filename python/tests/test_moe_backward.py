@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mkernel
 from mkernel.nn import moe as moe_module
@@ -128,9 +129,6 @@ def test_autograd_activation_backward_takes_any_activation():
     torch.testing.assert_close(dh.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def _rank(comm) -> int:
-    """The rank of a communicator or its name (the layer's forward passes the resolved one)."""
-    return (resolve(comm) if isinstance(comm, str) else comm).rank
 
 
 _FUSED = {"none": lambda h: h, "silu": glu(F.silu), "gelu": glu(F.gelu)}
@@ -183,7 +181,7 @@ class _ExpertParallelWorld:
         return results
 
     def moe_dispatch_gemm(self, x, topk_idx, w1, comm, capacity, *, activation="none", expert_capacity=None):
-        rank = _rank(comm)
+        rank = resolve(comm).rank
         self.calls[rank].append(("dispatch", activation, expert_capacity, tuple(w1.shape)))
         everyone = self.exchange(rank, (x, topk_idx, expert_capacity))
         routes = [_kept_routes([idx], self.experts, cap)[0] for _, idx, cap in everyone]
@@ -211,7 +209,7 @@ class _ExpertParallelWorld:
         return mkernel.MoeDropDispatch(y, recv_counts, layout, drops)
 
     def moe_gemm_combine(self, y_act, w2, topk_weights, layout, comm):
-        rank = _rank(comm)
+        rank = resolve(comm).rank
         self.calls[rank].append(("combine", tuple(w2.shape)))
         z = {row: y_act[row].double() @ w2[le].double().t() for row, (_, _, le) in self.rows[rank].items()}
         everyone = self.exchange(rank, z)
@@ -225,10 +223,10 @@ class _ExpertParallelWorld:
         return out.to(y_act.dtype)
 
     def all_gather(self, t, comm):
-        return torch.cat(self.exchange(_rank(comm), t))
+        return torch.cat(self.exchange(resolve(comm).rank, t))
 
     def reduce_scatter(self, t, comm):
-        rank = _rank(comm)
+        rank = resolve(comm).rank
         return sum(self.exchange(rank, t)).chunk(self.n)[rank].clone()
 
 
@@ -307,3 +305,32 @@ def test_kernels_backward_matches_float64_reference(shape_comm, monkeypatch, n, 
 
 def _nonzero(t: torch.Tensor) -> bool:
     return bool(t.abs().max() > 0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("activation, expert_capacity", [("swiglu", None), ("gelu", None), ("geglu", 7)])
+def test_kernels_backward_traces_with_fake_cuda_tensors(shape_comm, n, activation, expert_capacity):
+    """moe_backward_on_kernels on fake CUDA bf16 tensors (torch.compile's tracing; called
+    directly, as autograd's engine needs a real device for fake CUDA tensors): the MoE ops'
+    and collectives' shape rules and torch._grouped_mm's CUDA rules (bf16 operands, 16-byte
+    strides, the 2D × 2D wgrad form) accept every call it makes, which the float32 CPU test
+    cannot show, and each gradient has its input's shape and dtype."""
+    tokens, topk, local, hidden, ffn = 64, 4, 2, 384, 128  # no two of hidden, ffn, 2·ffn alike
+    fused = ACTIVATIONS[activation][0]
+    fc1 = 2 * ffn if fused != "none" else ffn
+    comm = shape_comm(n).name
+    recv_capacity = receive_capacity(tokens, topk, local, n, expert_capacity)
+
+    def e(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="cuda")
+
+    with FakeTensorMode():
+        x, w1, w2 = e(tokens, hidden), e(local, fc1, hidden), e(local, hidden, ffn)
+        idx, weights = e(tokens, topk, dtype=torch.int32), e(tokens, topk, dtype=torch.float32)
+        hidden_rows = None if fused != "none" else e(recv_capacity, ffn)
+        grads = moe_backward.moe_backward_on_kernels(
+            e(tokens, hidden), x, idx, idx, weights, w1, w2, hidden_rows, comm=comm, recv_capacity=recv_capacity,
+            expert_capacity=expert_capacity, activation_backward=ACTIVATION_BACKWARDS[activation],
+        )
+        for name, grad, leaf in zip(("x", "topk_weights", "w1", "w2"), grads, (x, weights, w1, w2)):
+            assert (grad.shape, grad.dtype, grad.device) == (leaf.shape, leaf.dtype, leaf.device), name

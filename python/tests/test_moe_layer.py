@@ -13,6 +13,7 @@ import torch
 import mkernel
 from mkernel.nn import moe as moe_module
 from mkernel.nn.moe import ACTIVATIONS, moe_kept, moe_local_experts, moe_reference
+from mkernel.ops import resolve
 
 
 def _routing(tokens, topk, experts, seed, *, holes=True):
@@ -171,7 +172,7 @@ class _FusedStandIn:
         layout = torch.zeros(16, dtype=torch.uint8)
         if expert_capacity is None:
             return mkernel.MoeDispatch(y, counts, layout)
-        experts = w1.shape[0] * comm.world_size  # the layer passes its resolved communicator
+        experts = w1.shape[0] * resolve(comm).world_size  # the layer passes its communicator's name
         self.experts = experts
         return mkernel.MoeDropDispatch(y, counts, layout, moe_kept(topk_idx, experts, expert_capacity)[1])
 

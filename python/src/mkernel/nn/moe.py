@@ -238,7 +238,13 @@ def _dispatch(x, topk_idx, w1, settings: MoeSettings, expert_capacity: int | Non
         capacity = settings.recv_capacity
     while True:
         dispatched = moe_dispatch_gemm(
-            x, topk_idx, w1, comm, capacity, activation=settings.fused_activation, expert_capacity=expert_capacity
+            x,
+            topk_idx,
+            w1,
+            settings.comm,
+            capacity,
+            activation=settings.fused_activation,
+            expert_capacity=expert_capacity,
         )
         if settings.recv_capacity is None:
             return dispatched
