@@ -307,6 +307,44 @@ def _nonzero(t: torch.Tensor) -> bool:
     return bool(t.abs().max() > 0)
 
 
+def test_a_nan_token_reaches_its_own_gradients_and_its_experts_only(shape_comm, monkeypatch):
+    """Rows of the receive buffer that hold no token take no token's x: a NaN in rank 0's
+    token 0 (routed to expert 0 alone) makes that token's gradients and expert 0's weight
+    gradients NaN, and leaves every other gradient finite (0 · NaN on a padding row would
+    reach every expert's dW1)."""
+    n, tokens, topk, local, hidden, ffn = 2, 12, 2, 2, 128, 128
+    experts = local * n
+    world = _ExpertParallelWorld(monkeypatch, n, experts)
+    routing = [_routing(tokens, topk, experts, 70 + r, holes=False) for r in range(n)]
+    for idx, _ in routing:
+        idx.masked_fill_(idx == 0, 1)
+    routing[0][0][0] = torch.tensor([0, -1], dtype=torch.int32)
+    g = torch.Generator().manual_seed(71)
+    xs = [torch.randn(tokens, hidden, generator=g) for _ in range(n)]
+    xs[0][0, 5] = float("nan")
+    w1, w2 = _weights(experts, 2 * ffn, hidden, ffn, 72, torch.float32)
+    layers = []
+    for r in range(n):
+        layer = mkernel.nn.MoE(shape_comm(n, rank=r).name, experts, hidden, ffn, dtype=torch.float32)
+        with torch.no_grad():
+            layer.w1.copy_(w1[r * local : (r + 1) * local])
+            layer.w2.copy_(w2[r * local : (r + 1) * local])
+        layers.append(layer)
+
+    def step(rank):
+        x = xs[rank].clone().requires_grad_(True)
+        w = routing[rank][1].clone().requires_grad_(True)
+        layers[rank](x, routing[rank][0], w).backward(torch.ones(tokens, hidden))
+        return x.grad, w.grad, layers[rank].w1.grad, layers[rank].w2.grad
+
+    (dx0, dw0, dw1_0, dw2_0), (dx1, dw1, dw1_1, dw2_1) = world.run(step)
+    assert dx0[0].isnan().all() and dw0[0, 0].isnan()
+    assert dw1_0[0].isnan().any() and dw2_0[0].isnan().any()
+    assert dx0[1:].isfinite().all() and dw0[1:].isfinite().all() and dw0[0, 1] == 0
+    assert dw1_0[1:].isfinite().all() and dw2_0[1:].isfinite().all()
+    assert all(t.isfinite().all() for t in (dx1, dw1, dw1_1, dw2_1))
+
+
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("activation, expert_capacity", [("swiglu", None), ("gelu", None), ("geglu", 7)])
 def test_kernels_backward_traces_with_fake_cuda_tensors(shape_comm, n, activation, expert_capacity):

@@ -219,17 +219,17 @@ def moe_backward_on_kernels(
     # _grouped_mm leaves those past the last group so. y and dh are masked there before
     # they meet a GEMM or a sum; the gathered x and dout rows are zero there, so that
     # 0 · (a NaN of the caller's) never reaches a weight's gradient either.
-    held = (rows.token >= 0).unsqueeze(1)
+    empty = (rows.token < 0).unsqueeze(1)
     token = rows.token.clamp(min=0)
-    x_rows = torch.where(held, x_all[token], 0)
-    dout_rows = torch.where(held, dout_all[token], 0)
+    x_rows = x_all[token].masked_fill_(empty, 0)  # in place: each is [recv_capacity, hidden]
+    dout_rows = dout_all[token].masked_fill_(empty, 0)
     if hidden_rows is None:
         hidden_rows = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=rows.group_ends)
     d_rows = dispatched.y.float()
 
     y, dh = activation_backward(hidden_rows, d_rows * rows.weight.unsqueeze(1))
-    y = torch.where(held, y, 0)
-    dh = torch.where(held, dh, 0).to(dtype)
+    y = y.masked_fill_(empty, 0)
+    dh = dh.to(dtype).masked_fill_(empty, 0)
     # d w[t, j] = dout[t]·Z[row] = dout[t]·W2_e·y[row] = D[row]·y[row]: no Z needed (read
     # at the rows of choices only).
     row_dweight = (d_rows * y).sum(1)
