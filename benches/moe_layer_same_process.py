@@ -30,8 +30,11 @@ uniform in [-1, 1). Directions, each a row of the record with its own interleave
 - `combine`: moe_gemm_combine on the dispatch's rows (`mkernel_gemm_combine`) against
   torch._grouped_mm alone on the stack's activated rows (`torch_grouped_mm`) and that GEMM
   followed by the weighted index_add_ (`torch_grouped_mm_index_add`).
-- `fwd+bwd` (with --backward; no target): mkernel.nn.MoE's forward and autograd backward
-  (`mkernel_moe_layer_fwd_bwd`) against the same stack's forward and autograd backward
+- `fwd+bwd` (with --backward; no target): mkernel.nn.MoE's forward and autograd backward,
+  its default backward on the MoE kernels (`mkernel_moe_layer_fwd_bwd`: dout dispatched
+  through w2ᵀ, dh combined through w1ᵀ, wgrad by torch._grouped_mm, with the transposed
+  weight copies it makes each time) and its recompute backward
+  (`mkernel_moe_layer_fwd_bwd_recompute`), against the same stack's forward and autograd backward
   (`torch_stack_fwd_bwd`: mkernel.nn.moe.moe_local_experts, which is torch alone: the
   stack above with each expert's group padded to 8 rows, since _grouped_mm's wgrad needs
   16-byte aligned groups), gradients of x, the routing weights, w1 and w2 each time.
@@ -363,6 +366,13 @@ def run_backward(torch, mkernel, case, timed, checked):
     def mk_fwd_bwd():
         return torch.autograd.grad(layer(x, case.idx, weights), params, case.dout)
 
+    def mk_fwd_bwd_recompute():
+        kept, layer.settings.backward = layer.settings.backward, "recompute"
+        try:
+            return mk_fwd_bwd()
+        finally:
+            layer.settings.backward = kept
+
     def torch_fwd_bwd():
         out = moe.moe_local_experts(x, case.idx, weights, layer.w1, layer.w2, act, 0).to(torch.bfloat16)
         return torch.autograd.grad(out, params, case.dout)
@@ -376,24 +386,27 @@ def run_backward(torch, mkernel, case, timed, checked):
         dx, dweights, dw1, dw2 = grads
         return {"dx": dx.clone(), "dweights": dweights.clone(), "dw1": dw1[experts], "dw2": dw2[experts]}
 
+    mine = {"mkernel_moe_layer_fwd_bwd": mk_fwd_bwd, "mkernel_moe_layer_fwd_bwd_recompute": mk_fwd_bwd_recompute}
     refused, errors = [], {}
     try:
         ref = compared(torch_fwd_bwd())
-        got = compared(mk_fwd_bwd())
-        each = {name: rel_l2(got[name], ref[name]) for name in ref}
-        errors["mkernel_moe_layer_fwd_bwd"] = max(each.values())
-        print("  fwd+bwd check: " + ", ".join(f"{name} {e:.2e}" for name, e in each.items()))
-        del got, ref
+        for name, fn in mine.items():
+            got = compared(fn())
+            each = {what: rel_l2(got[what], ref[what]) for what in ref}
+            errors[name] = max(each.values())
+            print(f"  fwd+bwd check, {name}: " + ", ".join(f"{what} {e:.2e}" for what, e in each.items()))
+            del got
+        del ref
     except torch.OutOfMemoryError as e:
         print(f"  fwd+bwd: not checked, out of memory: {e}")
-        refused = ["mkernel_moe_layer_fwd_bwd", "torch_stack_fwd_bwd"]
+        refused = [*mine, "torch_stack_fwd_bwd"]
     torch.cuda.empty_cache()
     if refused:
         timed("fwd+bwd", {}, errors, refused=refused)
         return True
     if not checked(errors):
         return False
-    timed("fwd+bwd", {"mkernel_moe_layer_fwd_bwd": mk_fwd_bwd, "torch_stack_fwd_bwd": torch_fwd_bwd}, errors)
+    timed("fwd+bwd", {**mine, "torch_stack_fwd_bwd": torch_fwd_bwd}, errors)
     torch.cuda.empty_cache()
     return True
 

@@ -447,6 +447,29 @@ def _combine_reference(x, route, weight, w1, w2, act):
     return ref
 
 
+def _receive_rows_problems(label, d, xs, kept_routes, weights, w1, act, rank, local, recv_capacity):
+    """The row map the layer's kernels backward recomputes (moe_receive_rows) against the
+    dispatch's own rows: every row it names holds act(x[token] · W1_eᵀ) of its token and
+    expert, and it names recv_counts[e] rows of each local expert."""
+    from mkernel.nn.moe_backward import moe_receive_rows
+
+    rows = moe_receive_rows(torch.cat(kept_routes), torch.cat(weights), rank, local, recv_capacity)
+    token, ends = rows.token.cpu(), rows.group_ends.cpu().tolist()
+    x_all = torch.cat(xs).double()
+    problems, start = [], 0
+    for e in range(local):
+        held = (token[start : ends[e]] >= 0).nonzero().squeeze(1) + start
+        if held.numel() != int(d.recv_counts[e]):
+            problems.append(f"{label}: moe_receive_rows names {held.numel()} rows of local expert {e}, "
+                            f"the dispatch {int(d.recv_counts[e])}")
+        elif held.numel():
+            ref = act(x_all[token[held]] @ w1[rank * local + e].double().T)
+            got = d.y[held.to(DEV)]
+            problems += close_to(f"{label}: moe_receive_rows' rows of local expert {e}", got, ref, **_relative(ref))
+        start = ends[e]
+    return problems
+
+
 def moe_options(comm, rank, n, seed):
     """The dispatch's options through Python: SwiGLU and GeGLU in the epilogue, drop mode
     (drop counts, kept rows, the combine) and an overflow that leaves the communicator usable
@@ -491,6 +514,7 @@ def moe_options(comm, rank, n, seed):
                     ref = act(torch.stack(rows).double() @ w1[rank * local + e].double().T)
                     got = d.y[int(starts[e]) : int(starts[e]) + len(rows)]
                     problems += close_to(f"{label}: y of expert {rank * local + e}", got, ref, **_relative(ref))
+            problems += _receive_rows_problems(label, d, xs, kept_routes, weights, w1, act, rank, local, bound)
             out = mkernel.moe_gemm_combine(d.y, w2[mine].contiguous().to(DEV), weights[rank].to(DEV), d.layout, comm)
             ref = _combine_reference(xs[rank], kept_routes[rank], weights[rank], w1, w2, act)
             problems += close_to(f"{label}: moe_gemm_combine", out, ref, **_relative(ref))
@@ -521,25 +545,31 @@ def moe_layer(comm, rank, n, seed):
     """mkernel.nn.MoE forward and backward against float64 autograd of the unfused layer
     (moe_reference with every rank's tokens and every expert in one process): out, dx,
     d(topk_weights), dw1, dw2, for SwiGLU, GeGLU and a plain GELU, with and without drop
-    mode, skewed routing with -1 entries."""
-    from mkernel.nn.moe import ACTIVATIONS, expert_capacity, moe_kept, moe_reference
+    mode, skewed routing with -1 entries and repeated experts, each with the backward on
+    the MoE kernels and with the recompute backward."""
+    from mkernel.nn.moe import ACTIVATIONS, BACKWARDS, expert_capacity, moe_kept, moe_reference
 
     problems = []
     tokens, hidden, ffn, topk, local = 96, 256, 128, 4, 2
     experts = local * n
     mine = slice(rank * local, (rank + 1) * local)
     rows = slice(rank * tokens, (rank + 1) * tokens)
-    for case, (name, capacity_factor) in enumerate(
-        (("swiglu", None), ("geglu", None), ("gelu", None), ("swiglu", 0.75))
-    ):
+    cases = [
+        (name, capacity_factor, backward)
+        for name, capacity_factor in (("swiglu", None), ("geglu", None), ("gelu", None), ("swiglu", 0.75))
+        for backward in BACKWARDS
+    ]
+    for case, (name, capacity_factor, backward) in enumerate(cases):
         fused, act = ACTIVATIONS[name]
         s = seed + 10_000 * (case + 1)
         fc1 = 2 * ffn if fused != "none" else ffn
         xs, routes, weights, w1, w2 = _moe_inputs(s, n, tokens, hidden, fc1, ffn, topk, local, skew=0.4)
         dout = [seeded(s + 300 + r, tokens, hidden) for r in range(n)]
-        label = f"nn.MoE {name} capacity_factor={capacity_factor} (seed {s})"
+        label = f"nn.MoE {name} capacity_factor={capacity_factor} backward={backward} (seed {s})"
 
-        layer = mkernel.nn.MoE(comm, experts, hidden, ffn, activation=name, capacity_factor=capacity_factor, device=DEV)
+        layer = mkernel.nn.MoE(
+            comm, experts, hidden, ffn, activation=name, capacity_factor=capacity_factor, backward=backward, device=DEV
+        )
         with torch.no_grad():
             layer.w1.copy_(w1[mine])
             layer.w2.copy_(w2[mine])

@@ -13,6 +13,7 @@ import torch
 import mkernel
 from mkernel.nn import moe as moe_module
 from mkernel.nn.moe import ACTIVATIONS, moe_kept, moe_local_experts, moe_reference
+from mkernel.ops import resolve
 
 
 def _routing(tokens, topk, experts, seed, *, holes=True):
@@ -171,7 +172,7 @@ class _FusedStandIn:
         layout = torch.zeros(16, dtype=torch.uint8)
         if expert_capacity is None:
             return mkernel.MoeDispatch(y, counts, layout)
-        experts = w1.shape[0] * comm.world_size  # the layer passes its resolved communicator
+        experts = w1.shape[0] * resolve(comm).world_size  # the layer passes its communicator's name
         self.experts = experts
         return mkernel.MoeDropDispatch(y, counts, layout, moe_kept(topk_idx, experts, expert_capacity)[1])
 
@@ -186,11 +187,12 @@ class _FusedStandIn:
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "relu"])
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_layer_gradients_match_float64_reference(shape_comm, monkeypatch, activation, capacity_factor):
+def test_recompute_backward_matches_float64_reference(shape_comm, monkeypatch, activation, capacity_factor):
     comm = shape_comm(1).name
     fused = _FusedStandIn(monkeypatch)
     layer = mkernel.nn.MoE(
-        comm, 6, 128, 128, activation=activation, capacity_factor=capacity_factor, dtype=torch.float32
+        comm, 6, 128, 128, activation=activation, capacity_factor=capacity_factor, backward="recompute",
+        dtype=torch.float32,
     )
     fused.layer_activation = ACTIVATIONS[activation][1]
     tokens, topk = 30, 3
@@ -268,6 +270,7 @@ def test_layer_with_the_default_capacity_never_checks(shape_comm, monkeypatch):
         (dict(capacity_factor=0.0), r"nn.MoE: expected capacity_factor to be positive \(or None: no drop\), but got 0.0"),
         (dict(recv_capacity=200), r"nn.MoE: expected recv_capacity to be a multiple of 128, but got 200"),
         (dict(on_overflow="ignore"), r"nn.MoE: expected on_overflow to be 'retry' or 'raise', but got 'ignore'"),
+        (dict(backward="autograd"), r"nn.MoE: expected backward to be one of \('kernels', 'recompute'\), but got 'autograd'"),
         (dict(hidden_size=96), r"nn.MoE: expected hidden_size to be a multiple of 128, but got 96"),
         (dict(ffn_hidden_size=0), r"nn.MoE: expected ffn_hidden_size to be a positive multiple of 128, but got 0"),
         (dict(num_experts=2048), r"nn.MoE: expected num_experts to be at most 1024, but got 2048"),
@@ -302,8 +305,8 @@ def test_layer_parameters_have_the_documented_layouts(shape_comm):
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.6])
-def test_layer_gradients_over_two_ranks_match_float64_reference(shape_comm, monkeypatch, capacity_factor):
-    """The backward's expert-parallel path, two ranks run one after the other: each rank's
+def test_recompute_backward_over_two_ranks_matches_float64_reference(shape_comm, monkeypatch, capacity_factor):
+    """The recompute backward's expert-parallel path, two ranks run one after the other: each rank's
     all_gather stand-in returns every rank's tensor of the same role, and the reduce-scatter
     is summed over the ranks' recorded partials. Against float64 autograd of moe_reference
     over every rank's tokens and every expert, with each rank's own drop rule."""
@@ -346,7 +349,9 @@ def test_layer_gradients_over_two_ranks_match_float64_reference(shape_comm, monk
     grads = []
     for r in range(n):
         comm = shape_comm(n, rank=r).name
-        layer = mkernel.nn.MoE(comm, experts, hidden, ffn, capacity_factor=capacity_factor, dtype=torch.float32)
+        layer = mkernel.nn.MoE(
+            comm, experts, hidden, ffn, capacity_factor=capacity_factor, backward="recompute", dtype=torch.float32
+        )
         with torch.no_grad():
             layer.w1.copy_(w1[r * local : (r + 1) * local])
             layer.w2.copy_(w2[r * local : (r + 1) * local])

@@ -507,8 +507,9 @@ pub unsafe extern "C" fn mkMoeDispatchGemmWithOptions(
 /// writes `out` [tokens, hidden]: out[t] = Σ_j topkWeights[t, j] · Z[t, topkIdx[t, j]],
 /// summed in fp32 in j order 0..topk−1 (an expert listed twice counts twice; a token with no
 /// expert gets 0), rounded once. `topkWeights` [tokens, topk] fp32; `layout` as filled by the
-/// preceding mkMoeDispatchGemm of this communicator with the same sizes. Rules, errors and
-/// stream semantics as mkMoeDispatchGemm.
+/// preceding mkMoeDispatchGemm of this communicator with the same tokens, hidden, topk,
+/// experts and recvCapacity (`ffn` may differ: the layout does not depend on it). Rules,
+/// errors and stream semantics as mkMoeDispatchGemm.
 #[no_mangle]
 pub unsafe extern "C" fn mkMoeGemmCombine(
     yAct: *const c_void,

@@ -891,7 +891,9 @@ def moe_gemm_combine(
 
     y_act [recv_capacity, ffn] in the layout of moe_dispatch_gemm's y (e.g. its
     activation); w2 [E_local, hidden, ffn]; topk_weights [tokens, topk] float32; layout
-    from the preceding moe_dispatch_gemm on this communicator with the same sizes.
+    from the preceding moe_dispatch_gemm on this communicator with the same tokens, hidden,
+    topk, experts and recv_capacity (ffn may differ: the layout does not depend on it; the MoE
+    layer's backward combines [recv_capacity, 2 * ffn] gradients on a dispatch of ffn columns).
     out[t] = Σ_j topk_weights[t, j] · (y_act row of (t, topk_idx[t, j])) · W2ᵀ.
     """
     _tensors("moe_gemm_combine", y_act=y_act, w2=w2, topk_weights=topk_weights, layout=layout)

@@ -13,12 +13,11 @@ keys (`experts.local_experts.{i}.linear_fc1.weight`, ...), so checkpoints interc
 with the local spec. The fused ops take each GEMM's weights as one [E_local, N, K]
 tensor: the forward stacks the experts' weights (one copy of them per step).
 
-The backward is MoeFunction's: the layer recomputed unfused from the saved inputs (the
-tokens all-gathered over the expert-parallel communicator, each rank's experts as grouped
-GEMMs, the gradients reduce-scattered back) and differentiated: gradients reach x, the
-router's probabilities and every expert weight, at the cost of one more forward of the
-experts. `moe_reference` (mkernel.nn.moe) is the same layer written plainly, the tests'
-reference.
+The backward is MoeFunction's default, on the MoE kernels (mkernel.nn.moe_backward): the
+output gradient dispatched through W2ᵀ, the activation's gradient (autograd of the
+config's activation) combined through W1ᵀ, the weight gradients grouped GEMMs over the
+received rows. Gradients reach x, the router's probabilities and every expert weight.
+`moe_reference` (mkernel.nn.moe) is the same layer written plainly, the tests' reference.
 """
 
 from __future__ import annotations

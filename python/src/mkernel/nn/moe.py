@@ -6,14 +6,18 @@ dispatch fused with each local expert's first GEMM and, for SwiGLU and GeGLU, th
 activation in its epilogue) and moe_gemm_combine (the second GEMM fused with the way back
 and the weighted sum over the top-k).
 
-The library has no backward ops for the MoE kernels, and the dispatch's layout (which
-row holds which (token, choice)) is opaque to Python. The backward therefore recomputes
-the layer unfused from the saved inputs and differentiates that: the tokens, ids, weights
-and output gradient are all-gathered over the communicator (mkernel's all_gather), each
-rank runs its own experts on the choices that name them as grouped GEMMs
-(torch._grouped_mm, dgrad and wgrad alike, with no host synchronisation), and the
-gradients of the tokens and weights are reduce-scattered back (mkernel's reduce_scatter).
-docs/decisions/0073-moe-layer-autograd.md says why and what it costs.
+Two backwards (MoeSettings.backward):
+
+- "kernels" (the default; mkernel.nn.moe_backward): the combine's backward is a dispatch of
+  the output gradient through W2ᵀ, the dispatch's backward a combine of the activation's
+  gradient through W1ᵀ, the weight gradients grouped GEMMs (torch._grouped_mm) over the
+  receive buffer's expert segments. docs/decisions/0081-moe-backward-on-the-kernels.md.
+- "recompute": the layer recomputed unfused from the saved inputs and differentiated: the
+  tokens, ids, weights and output gradient are all-gathered over the communicator
+  (mkernel's all_gather), each rank runs its own experts on the choices that name them as
+  grouped GEMMs (torch._grouped_mm, dgrad and wgrad alike, with no host synchronisation),
+  and the gradients of the tokens and weights are reduce-scattered back (mkernel's
+  reduce_scatter). docs/decisions/0073-moe-layer-autograd.md.
 
 `moe_reference` is the same layer written plainly, per expert in any dtype (float64 for
 the tests), over torch.distributed.
@@ -33,6 +37,12 @@ from torch import nn
 from .. import _checks as check
 from ..errors import MkMoeOverflowError
 from ..ops import all_gather, moe_dispatch_gemm, moe_gemm_combine, reduce_scatter, resolve
+from .moe_backward import (
+    ACTIVATION_BACKWARDS,
+    ActivationBackward,
+    activation_backward_by_autograd,
+    moe_backward_on_kernels,
+)
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -57,6 +67,9 @@ ACTIVATIONS: dict[str, tuple[str, Activation]] = {
     "gelu": ("none", F.gelu),
     "relu": ("none", F.relu),
 }
+
+BACKWARDS = ("kernels", "recompute")
+"""MoeSettings.backward: dgrad through the MoE kernels (moe_backward), or the unfused recomputation."""
 
 
 def expert_capacity(tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
@@ -200,7 +213,11 @@ class MoeSettings:
     recv_capacity: rows of the receive buffer, None for receive_capacity's bound (never
     overflows, never checked); a given one is checked after each dispatch (a host
     synchronisation) and, with on_overflow "retry", raised to the needed capacity and the
-    dispatch called again; with "raise", MkMoeOverflowError.
+    dispatch called again; with "raise", MkMoeOverflowError;
+    backward: "kernels" (moe_backward_on_kernels) or "recompute" (moe_local_experts
+    differentiated);
+    activation_backward: for "kernels", (h, dy) -> (act(h), dh) (moe_backward's
+    ACTIVATION_BACKWARDS); None differentiates `activation` with autograd.
     """
 
     comm: str
@@ -208,6 +225,8 @@ class MoeSettings:
     activation: Activation
     recv_capacity: Optional[int] = None
     on_overflow: str = "retry"
+    backward: str = "kernels"
+    activation_backward: Optional[ActivationBackward] = None
 
 
 def _dispatch(x, topk_idx, w1, settings: MoeSettings, expert_capacity: int | None):
@@ -219,7 +238,13 @@ def _dispatch(x, topk_idx, w1, settings: MoeSettings, expert_capacity: int | Non
         capacity = settings.recv_capacity
     while True:
         dispatched = moe_dispatch_gemm(
-            x, topk_idx, w1, comm, capacity, activation=settings.fused_activation, expert_capacity=expert_capacity
+            x,
+            topk_idx,
+            w1,
+            settings.comm,
+            capacity,
+            activation=settings.fused_activation,
+            expert_capacity=expert_capacity,
         )
         if settings.recv_capacity is None:
             return dispatched
@@ -232,9 +257,11 @@ def _dispatch(x, topk_idx, w1, settings: MoeSettings, expert_capacity: int | Non
 
 
 class MoeFunction(torch.autograd.Function):
-    """The MoE layer's autograd node. Forward: the fused ops. Backward: the unfused
-    recomputation (moe_local_experts) differentiated, the tokens gathered and their
-    gradients reduce-scattered over the communicator.
+    """The MoE layer's autograd node. Forward: the fused ops. Backward (settings.backward):
+    "kernels", the output gradient dispatched through W2ᵀ and the activation's gradient
+    combined through W1ᵀ (moe_backward_on_kernels); "recompute", the unfused recomputation
+    (moe_local_experts) differentiated, the tokens gathered and their gradients
+    reduce-scattered over the communicator.
 
     apply(x [tokens, hidden], topk_weights [tokens, k] float32, w1, w2, topk_idx [tokens, k]
     int32, settings, expert_capacity (None: no drop)) -> (out [tokens, hidden], drop_counts
@@ -251,21 +278,46 @@ class MoeFunction(torch.autograd.Function):
         else:
             drop_counts = dispatched.drop_counts
         ctx.mark_non_differentiable(drop_counts)
-        ctx.save_for_backward(x, topk_weights, w1, w2, topk_idx)
-        ctx.settings, ctx.capacity = settings, capacity
+        # The kernels' backward needs h = x·W1ᵀ per row: the unactivated dispatch output is
+        # it (kept, as the forward allocated it anyway); a fused gated one is recomputed.
+        hidden_rows = None
+        if settings.backward == "kernels" and settings.fused_activation == "none":
+            hidden_rows = dispatched.y
+        ctx.save_for_backward(x, topk_weights, w1, w2, topk_idx, hidden_rows)
+        ctx.settings, ctx.capacity, ctx.backward = settings, capacity, settings.backward
+        ctx.recv_capacity = dispatched.y.shape[0]  # the capacity that fit (after any retry)
         return out, drop_counts
 
     @staticmethod
     def backward(ctx, dout, _drop_counts):
-        x, topk_weights, w1, w2, topk_idx = ctx.saved_tensors
+        x, topk_weights, w1, w2, topk_idx, hidden_rows = ctx.saved_tensors
         settings = ctx.settings
         comm = resolve(settings.comm)
         n = comm.world_size
         local_experts = w1.shape[0]
+        kept_idx = topk_idx
         if ctx.capacity is not None:
             # A dropped choice is no choice: its id -1 gives it no output and its weight no gradient.
             kept, _ = moe_kept(topk_idx, local_experts * n, ctx.capacity)
-            topk_idx = torch.where(kept, topk_idx, -1)
+            kept_idx = torch.where(kept, topk_idx, -1)
+        if ctx.backward == "kernels":  # as the forward saw it
+            activation_backward = settings.activation_backward or activation_backward_by_autograd(settings.activation)
+            dx, dweights, dw1, dw2 = moe_backward_on_kernels(
+                dout,
+                x,
+                topk_idx,
+                kept_idx,
+                topk_weights,
+                w1,
+                w2,
+                hidden_rows,
+                comm=settings.comm,
+                recv_capacity=ctx.recv_capacity,
+                expert_capacity=ctx.capacity,
+                activation_backward=activation_backward,
+            )
+            return dx, dweights, dw1, dw2, None, None, None
+        topk_idx = kept_idx
         dout = dout.contiguous()
         if n > 1:
             x_all, idx_all, weights_all, dout_all = (all_gather(t, comm) for t in (x, topk_idx, topk_weights, dout))
@@ -306,9 +358,12 @@ class MoE(nn.Module):
     (on_overflow="retry") or MkMoeOverflowError raised ("raise"); the communicator stays
     usable either way. Every rank must call forward with the same token count.
 
-    Trainable: the backward recomputes the experts unfused with torch._grouped_mm (see
-    mkernel.nn.moe) and gives x, topk_weights, w1 and w2 their gradients; every rank must
-    run the backward too, as it ran the forward.
+    Trainable: x, topk_weights, w1 and w2 get their gradients; every rank must run the
+    backward too, as it ran the forward. backward="kernels" (the default) runs dgrad on the
+    MoE ops themselves (the output gradient dispatched through W2ᵀ, the activation's
+    gradient combined through W1ᵀ; mkernel.nn.moe_backward) and wgrad as torch._grouped_mm
+    over the received rows; backward="recompute" recomputes the experts unfused with
+    torch._grouped_mm and differentiates that (one more forward of the experts).
     """
 
     def __init__(
@@ -322,6 +377,7 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
         recv_capacity: int | None = None,
         on_overflow: str = "retry",
+        backward: str = "kernels",
         device=None,
         dtype=torch.bfloat16,
     ):
@@ -332,6 +388,8 @@ class MoE(nn.Module):
             check.fail(layer, f"expected activation to be one of {tuple(ACTIVATIONS)}, but got {activation!r}")
         if on_overflow not in ("retry", "raise"):
             check.fail(layer, f"expected on_overflow to be 'retry' or 'raise', but got {on_overflow!r}")
+        if backward not in BACKWARDS:
+            check.fail(layer, f"expected backward to be one of {BACKWARDS}, but got {backward!r}")
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts % c.world_size != 0:
             check.fail(
                 layer,
@@ -350,7 +408,9 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.activation = activation
         self.capacity_factor = capacity_factor
-        self.settings = MoeSettings(c.name, fused, torch_activation, recv_capacity, on_overflow)
+        self.settings = MoeSettings(
+            c.name, fused, torch_activation, recv_capacity, on_overflow, backward, ACTIVATION_BACKWARDS[activation]
+        )
         local = num_experts // c.world_size
         fc1_rows = 2 * ffn_hidden_size if fused != "none" else ffn_hidden_size
         self.w1 = nn.Parameter(torch.empty(local, fc1_rows, hidden_size, device=device, dtype=dtype))
@@ -396,5 +456,6 @@ class MoE(nn.Module):
         local, _, hidden = self.w1.shape
         return (
             f"comm={self.comm!r}, num_experts={self.num_experts} ({local} local), hidden={hidden}, "
-            f"ffn={self.w2.shape[2]}, activation={self.activation!r}, capacity_factor={self.capacity_factor}"
+            f"ffn={self.w2.shape[2]}, activation={self.activation!r}, capacity_factor={self.capacity_factor}, "
+            f"backward={self.settings.backward!r}"
         )
