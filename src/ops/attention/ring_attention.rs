@@ -23,6 +23,7 @@ use crate::ops::common::fused_fence::{self, FusedKernel};
 use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
 use crate::types::{mkDataType_t, Element, RawDataType};
 use std::ffi::c_void;
+use std::sync::Arc;
 
 /// Queries per work item (kernel: 2 warpgroups × 64 rows) and keys per tile.
 pub const BLOCK_M: usize = 128;
@@ -407,8 +408,8 @@ struct CallKey {
 /// same arguments on the same communicator, else planned now. A communicator's rank,
 /// workspace, grid cap and device never change while it lives, and its `instance` is never
 /// reused, so a kept launch is the one planning would make again. Refusals are not kept.
-fn prepared(comm: &Comm, args: &RingArgs) -> Result<PreparedLaunch> {
-    static PREPARED: Memo<CallKey, PreparedLaunch> = Memo::new(256);
+fn prepared(comm: &Comm, args: &RingArgs) -> Result<Arc<PreparedLaunch>> {
+    static PREPARED: Memo<CallKey, Arc<PreparedLaunch>> = Memo::new(256);
     let key = CallKey {
         instance: comm.instance,
         buffers: [args.q, args.k, args.v, args.out, args.lse],
@@ -418,7 +419,7 @@ fn prepared(comm: &Comm, args: &RingArgs) -> Result<PreparedLaunch> {
         dtype: args.dtype,
         trace: args.trace,
     };
-    PREPARED.get_or_try(key, |_| prepare(comm, args))
+    PREPARED.get_or_try(key, |_| prepare(comm, args).map(Arc::new))
 }
 
 /// Plans `args` on `comm` (its context current), checks the workspace holds them, and
@@ -460,7 +461,8 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
     }
     let _ctx = comm.context.enter()?;
     comm.check_buffers(&[(args.q, "q"), (args.k, "k"), (args.v, "v"), (args.out, "out"), (args.lse, "lse")])?;
-    let prepared = prepared(comm, args)?;
+    // One copy of the kept launch, whose parameters the driver reads from this stack.
+    let prepared: PreparedLaunch = *prepared(comm, args)?;
     let function = prepared.function as sys::CUfunction;
     match &comm.workspace {
         Some(ws) => fused_fence::launch_fenced(comm, &ws.view, None, FusedKernel::RingAttention, stream, || {

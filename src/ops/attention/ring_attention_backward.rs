@@ -29,6 +29,7 @@ use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
 use crate::tuning::RingBackwardEngine;
 use crate::types::{mkDataType_t, Element, RawDataType};
 use std::ffi::c_void;
+use std::sync::Arc;
 
 /// Rows of an item's X tiles (the kernel's BX: 128 keys of a dK/dV item, 128 queries of a
 /// dQ item, 64 per consumer warpgroup) and of a streamed Y tile (BY).
@@ -381,8 +382,8 @@ struct CallKey {
 /// workspace, grid cap, tuning and device never change while it lives, and its `instance`
 /// is never reused, so a kept launch is the one planning would make again. Refusals are
 /// not kept.
-fn prepared(comm: &Comm, args: &RingBackwardArgs) -> Result<PreparedLaunch> {
-    static PREPARED: Memo<CallKey, PreparedLaunch> = Memo::new(256);
+fn prepared(comm: &Comm, args: &RingBackwardArgs) -> Result<Arc<PreparedLaunch>> {
+    static PREPARED: Memo<CallKey, Arc<PreparedLaunch>> = Memo::new(256);
     let f = &args.forward;
     let key = CallKey {
         instance: comm.instance,
@@ -392,7 +393,7 @@ fn prepared(comm: &Comm, args: &RingBackwardArgs) -> Result<PreparedLaunch> {
         scale_bits: f.softmax_scale.to_bits(),
         dtype: f.dtype,
     };
-    PREPARED.get_or_try(key, |_| prepare(comm, args))
+    PREPARED.get_or_try(key, |_| prepare(comm, args).map(Arc::new))
 }
 
 /// Chooses the engine and plans `args` on `comm` (its context current), checks the workspace
@@ -504,7 +505,8 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
         (args.dv, "dv"),
     ])?;
     let ws = comm.one_node_workspace("mkRingAttentionBackward")?;
-    let PreparedLaunch { kernel_launch, function, mut params, mut maps } = prepared(comm, args)?;
+    // One copy of the kept launch, whose parameters the driver reads from this stack.
+    let PreparedLaunch { kernel_launch, function, mut params, mut maps } = *prepared(comm, args)?;
     fused_fence::launch_fenced(comm, &ws.view, None, FusedKernel::RingAttentionBackward, stream, || {
         let mut kernel_params: [*mut c_void; 2] =
             [(&mut params as *mut RingAttnBwdParams).cast(), (&mut maps as *mut BwdMaps).cast()];
