@@ -224,9 +224,7 @@ mod tests {
     fn refused_buffers_are_never_remembered_and_the_first_refusal_is_reported() {
         let (checked, driver) = (CheckedPointers::new(DEVICE), Driver::new());
         for _ in 0..2 {
-            let e = checked
-                .check_with(&[(0x1000, "q"), (0x2000, "k"), (0x5000, "v")], |p| driver.ask(p))
-                .unwrap_err();
+            let e = checked.check_with(&[(0x1000, "q"), (0x2000, "k"), (0x5000, "v")], |p| driver.ask(p)).unwrap_err();
             assert_eq!(e.code, mkResult_t::mkInvalidArgument);
             assert!(e.message.contains("k (0x2000) is memory of device 0"), "{}", e.message);
         }

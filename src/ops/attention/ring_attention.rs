@@ -354,8 +354,8 @@ fn tensor_maps(args: &RingArgs, p: &RingAttnParams) -> Result<RingAttnMaps> {
 fn launch(args: &RingArgs, plan: &RingAttentionPlan, p: RingAttnParams, stream: sys::CUstream) -> Result<()> {
     let kernel_launch = plan.kernel_launch(args.dtype)?;
     let maps = tensor_maps(args, &p)?;
-    let prepared = PreparedLaunch { kernel_launch, function: 0, params: p, maps, trace: args.trace };
-    prepared.launch(kernel_launch.kernel.function()?, stream)
+    let function = kernel_launch.kernel.function()? as usize;
+    PreparedLaunch { kernel_launch, function, params: p, maps, trace: args.trace }.launch(stream)
 }
 
 /// One call's launch, all of it but the stream: made once per (communicator, arguments)
@@ -372,8 +372,8 @@ struct PreparedLaunch {
 }
 
 impl PreparedLaunch {
-    /// Launches it on `stream` as `function` (the context current).
-    fn launch(mut self, function: sys::CUfunction, stream: sys::CUstream) -> Result<()> {
+    /// Launches it on `stream` (the communicator's context current).
+    fn launch(mut self, stream: sys::CUstream) -> Result<()> {
         // The `_trace` twin takes the buffer as a third parameter; the plain kernels two.
         let traced = self.trace != 0;
         let mut kernel_params: [*mut c_void; 3] = [
@@ -382,11 +382,13 @@ impl PreparedLaunch {
             (&mut self.trace as *mut u64).cast(),
         ];
         let kernel_params = if traced { &mut kernel_params[..] } else { &mut kernel_params[..2] };
+        let function = self.function as sys::CUfunction;
         // SAFETY: the parameters match the kernel (RingAttnParams and RingAttnMaps by value,
         // and the `_trace` twin's u64); the tensors were checked to be device memory of this
         // device, of the sizes the caller promised, and the maps describe exactly those
-        // tensors. The launch opts in to the dynamic shared memory, which passes 48 KiB at
-        // every head dimension (97 KiB at D = 64, 193 KiB at D = 128).
+        // tensors; `function` is the kernel loaded in the communicator's context. The launch
+        // opts in to the dynamic shared memory, which passes 48 KiB at every head dimension
+        // (97 KiB at D = 64, 193 KiB at D = 128).
         unsafe { self.kernel_launch.launch_loaded(function, stream, kernel_params, Some("mkRingAttention")) }
     }
 }
@@ -463,12 +465,11 @@ pub fn ring_attention(comm: &Comm, args: &RingArgs, stream: sys::CUstream) -> Re
     comm.check_buffers(&[(args.q, "q"), (args.k, "k"), (args.v, "v"), (args.out, "out"), (args.lse, "lse")])?;
     // One copy of the kept launch, whose parameters the driver reads from this stack.
     let prepared: PreparedLaunch = *prepared(comm, args)?;
-    let function = prepared.function as sys::CUfunction;
     match &comm.workspace {
         Some(ws) => fused_fence::launch_fenced(comm, &ws.view, None, FusedKernel::RingAttention, stream, || {
-            prepared.launch(function, stream)
+            prepared.launch(stream)
         }),
-        None => prepared.launch(function, stream),
+        None => prepared.launch(stream),
     }
 }
 
