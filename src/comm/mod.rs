@@ -9,6 +9,7 @@ pub mod timed_out_wait;
 pub mod workspace;
 
 use crate::bootstrap::{Bootstrap, UniqueId};
+use crate::cuda::pointer::CheckedPointers;
 use crate::cuda::PrimaryContext;
 use crate::error::{mkResult_t, MkError, Result};
 use crate::kernel_abi::ProxyRingView;
@@ -19,7 +20,7 @@ use crate::transport::topology::{node_of_ranks, Topology};
 use crate::transport::{select_net_from_env, MemoryKind, MemoryRegion, TransportAuth, Window};
 use parking_lot::Mutex;
 use std::ffi::CString;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -76,7 +77,14 @@ pub struct Comm {
     pub data_plane_missing: Option<String>,
     pub rank: usize,
     pub nranks: usize,
+    /// A number no other communicator of this process has, ever: it keys the host-side
+    /// memos of work that depends only on a call's arguments and its communicator (whose
+    /// rank, workspace, device and settings never change while it lives).
+    pub instance: u64,
     pub context: PrimaryContext,
+    /// The buffer addresses the driver has called device memory of this communicator's
+    /// device: each is asked about once (`check_buffers`).
+    checked_pointers: CheckedPointers,
     pub bootstrap: Bootstrap,
     pub config: CommConfig,
     /// Node index of every rank.
@@ -91,6 +99,9 @@ pub struct Comm {
     async_error: async_error::AsyncError,
     aborted: AtomicBool,
 }
+
+/// The next communicator's `instance`.
+static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
 
 /// Why a communicator has no NVLink data plane, if it has none: a node holds more ranks
 /// than the view maps. The same answer on every rank (the creation is collective).
@@ -203,6 +214,8 @@ impl Comm {
             data_plane_missing,
             rank: rank as usize,
             nranks: nranks as usize,
+            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
+            checked_pointers: CheckedPointers::new(device),
             context,
             bootstrap,
             config,
@@ -232,6 +245,14 @@ impl Comm {
                 self.data_plane_missing.clone().unwrap_or_else(|| "this communicator has no data plane".into()),
             )
         })
+    }
+
+    /// Checks that each `(address, name)` of `buffers` is device memory of this
+    /// communicator's device (or managed memory), asking the driver only about addresses
+    /// it has not approved for this communicator before (`cuda::pointer::CheckedPointers`);
+    /// else mkInvalidArgument naming the first buffer that is not.
+    pub fn check_buffers(&self, buffers: &[(u64, &str)]) -> Result<()> {
+        self.checked_pointers.check(buffers)
     }
 
     /// Replaces the communicator's message (a call on it failed). The previous message's

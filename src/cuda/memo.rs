@@ -7,14 +7,15 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::hash::Hash;
 
-/// Results of `f(key)` by key. When `capacity` entries are held, the next miss empties the
+/// Results of `f(key)` by key, handed out by clone (an `Arc` for a large value: the clone
+/// is made under the lock). When `capacity` entries are held, the next miss empties the
 /// memo first: simple, and a program that keeps reusing its buffers refills it at once.
 pub struct Memo<K, V> {
     map: Mutex<Option<HashMap<K, V>>>,
     capacity: usize,
 }
 
-impl<K: Hash + Eq, V: Copy> Memo<K, V> {
+impl<K: Hash + Eq, V: Clone> Memo<K, V> {
     pub const fn new(capacity: usize) -> Self {
         Memo { map: Mutex::new(None), capacity }
     }
@@ -23,7 +24,7 @@ impl<K: Hash + Eq, V: Copy> Memo<K, V> {
     /// when it succeeds; an error is returned and not remembered.
     pub fn get_or_try<E>(&self, key: K, f: impl FnOnce(&K) -> Result<V, E>) -> Result<V, E> {
         if let Some(v) = self.map.lock().as_ref().and_then(|m| m.get(&key)) {
-            return Ok(*v);
+            return Ok(v.clone());
         }
         let v = f(&key)?;
         let mut guard = self.map.lock();
@@ -31,7 +32,7 @@ impl<K: Hash + Eq, V: Copy> Memo<K, V> {
         if map.len() >= self.capacity {
             map.clear();
         }
-        map.insert(key, v);
+        map.insert(key, v.clone());
         Ok(v)
     }
 

@@ -78,7 +78,7 @@ pub mod kernels {
     /// mkInvalidUsage ("no kernel for this dtype"); a missing tile or variant of a compiled
     /// type is a planner's error (mkInternalError).
     pub fn choose(op: &str, element: &ElementType, entry: &str, args: &[Arg]) -> Result<Kernel> {
-        let of_entry = || INSTANCES.iter().filter(|i| i.entry == entry && !i.tool);
+        let of_entry = || library_instances_of(entry).iter().copied();
         let matches = |i: &&Instance| {
             i.args.len() == args.len() && args.iter().zip(i.args).all(|(a, text)| a.matches(element, text))
         };
@@ -99,6 +99,26 @@ pub mod kernels {
             )));
         }
         Err(MkError::internal(format!("{op}: no {entry} kernel for {} with {args:?}", element.c_name)))
+    }
+
+    /// The library's (not the tools') instances of entry macro `entry`, in list order. Every
+    /// op call chooses its kernel (`choose`): grouped once, a choice scans one entry's few
+    /// lines instead of the whole list.
+    fn library_instances_of(entry: &str) -> &'static [&'static Instance] {
+        use std::sync::OnceLock;
+        type ByEntry = Vec<(&'static str, Vec<&'static Instance>)>;
+        static BY_ENTRY: OnceLock<ByEntry> = OnceLock::new();
+        let by_entry = BY_ENTRY.get_or_init(|| {
+            let mut groups: ByEntry = Vec::new();
+            for i in INSTANCES.iter().filter(|i| !i.tool) {
+                match groups.iter_mut().find(|(e, _)| *e == i.entry) {
+                    Some((_, group)) => group.push(i),
+                    None => groups.push((i.entry, vec![i])),
+                }
+            }
+            groups
+        });
+        by_entry.iter().find(|(e, _)| *e == entry).map_or(&[], |(_, group)| group.as_slice())
     }
 
     /// The `_trace` twin of a library kernel (`mkbench --trace`): the tool instance named

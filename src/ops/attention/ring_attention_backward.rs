@@ -18,6 +18,7 @@
 
 use crate::comm::Comm;
 use crate::cuda::kernels::{self, Arg, Kernel};
+use crate::cuda::memo::Memo;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{RingAttnBwdParams, MK_MAX_PEERS, RING_BWD_MAX_ITEMS};
@@ -28,6 +29,7 @@ use crate::ops::common::launch::{DeviceCaps, KernelLaunch};
 use crate::tuning::RingBackwardEngine;
 use crate::types::{mkDataType_t, Element, RawDataType};
 use std::ffi::c_void;
+use std::sync::Arc;
 
 /// Rows of an item's X tiles (the kernel's BX: 128 keys of a dK/dV item, 128 queries of a
 /// dQ item, 64 per consumer warpgroup) and of a streamed Y tile (BY).
@@ -329,6 +331,7 @@ pub fn kernel_for(engine: RingBackwardEngine, dtype: impl Element, head_dim: usi
 /// The kernel's TMA descriptors (ring_attention_backward.cu `BwdMaps`): q and dout of this
 /// rank, K and V of every source where this rank reads them; sources ≥ nranks stay zero.
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct BwdMaps {
     q: sys::CUtensorMap,
     dout: sys::CUtensorMap,
@@ -350,33 +353,54 @@ fn head_map(ptr: u64, dtype: mkDataType_t, s: &RingShape, heads: usize) -> Resul
     )
 }
 
-/// mkRingAttentionBackward on `comm`: validate, plan, launch (stream-ordered, no host sync).
-pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys::CUstream) -> Result<()> {
-    comm.check_usable()?;
+/// One call's launch, all of it but the stream: made once per (communicator, arguments)
+/// and kept (`prepared`), since it depends on nothing else.
+#[derive(Clone, Copy)]
+struct PreparedLaunch {
+    kernel_launch: KernelLaunch,
+    /// The kernel's `CUfunction` in the communicator's context, as an integer (kept across
+    /// threads; a loaded function stays valid for the process: `cuda::function`).
+    function: usize,
+    params: RingAttnBwdParams,
+    maps: BwdMaps,
+}
+
+/// What a prepared launch depends on besides its communicator (`instance`): every field
+/// of the call's arguments (the scale by its bits).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct CallKey {
+    instance: u64,
+    buffers: [u64; 9],
+    shape: RingShape,
+    rank: usize,
+    scale_bits: u32,
+    dtype: mkDataType_t,
+}
+
+/// The launch of `args` on `comm` (its context current): kept from an earlier call with the
+/// same arguments on the same communicator, else planned now. A communicator's rank,
+/// workspace, grid cap, tuning and device never change while it lives, and its `instance`
+/// is never reused, so a kept launch is the one planning would make again. Refusals are
+/// not kept.
+fn prepared(comm: &Comm, args: &RingBackwardArgs) -> Result<Arc<PreparedLaunch>> {
+    static PREPARED: Memo<CallKey, Arc<PreparedLaunch>> = Memo::new(256);
+    let f = &args.forward;
+    let key = CallKey {
+        instance: comm.instance,
+        buffers: [f.q, f.k, f.v, f.out, f.lse, args.dout, args.dq, args.dk, args.dv],
+        shape: f.shape,
+        rank: f.rank,
+        scale_bits: f.softmax_scale.to_bits(),
+        dtype: f.dtype,
+    };
+    PREPARED.get_or_try(key, |_| prepare(comm, args).map(Arc::new))
+}
+
+/// Chooses the engine and plans `args` on `comm` (its context current), checks the workspace
+/// holds the layout, and encodes the tensor maps; loads the kernel.
+fn prepare(comm: &Comm, args: &RingBackwardArgs) -> Result<PreparedLaunch> {
     let f = &args.forward;
     let s = f.shape;
-    if s.batch == 0 || s.seq_local == 0 {
-        return Ok(());
-    }
-    crate::ensure_arg!(
-        s.nranks <= MK_MAX_PEERS,
-        "{} ranks: mkRingAttentionBackward reads at most {MK_MAX_PEERS} K/V sources",
-        s.nranks
-    );
-    let _ctx = comm.context.enter()?;
-    for (ptr, name) in [
-        (f.q, "q"),
-        (f.k, "k"),
-        (f.v, "v"),
-        (f.out, "out"),
-        (f.lse, "lse"),
-        (args.dout, "dout"),
-        (args.dq, "dq"),
-        (args.dk, "dk"),
-        (args.dv, "dv"),
-    ] {
-        crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
-    }
     let ws = comm.one_node_workspace("mkRingAttentionBackward")?;
     let grid_cap = DeviceCaps::of(comm)?.grid_cap();
     let engine = choose_engine(comm.config.tuning.ring_bwd_engine, &s, grid_cap, f.dtype, ws.view.op_bytes);
@@ -402,7 +426,7 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
         )));
     }
     let base = ws.view.data_bytes;
-    let mut p = RingAttnBwdParams {
+    let p = RingAttnBwdParams {
         ws: ws.view,
         q: f.q,
         k: f.k,
@@ -451,13 +475,53 @@ pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys
         maps.v[src] = head_map(v, f.dtype, &s, s.kv_heads)?;
     }
     let kernel_launch = plan.kernel_launch(f.dtype)?;
+    let function = kernel_launch.kernel.function()? as usize;
+    Ok(PreparedLaunch { kernel_launch, function, params: p, maps })
+}
+
+/// mkRingAttentionBackward on `comm`: validate, plan, launch (stream-ordered, no host sync).
+pub fn ring_attention_backward(comm: &Comm, args: &RingBackwardArgs, stream: sys::CUstream) -> Result<()> {
+    comm.check_usable()?;
+    let f = &args.forward;
+    let s = f.shape;
+    if s.batch == 0 || s.seq_local == 0 {
+        return Ok(());
+    }
+    crate::ensure_arg!(
+        s.nranks <= MK_MAX_PEERS,
+        "{} ranks: mkRingAttentionBackward reads at most {MK_MAX_PEERS} K/V sources",
+        s.nranks
+    );
+    let _ctx = comm.context.enter()?;
+    comm.check_buffers(&[
+        (f.q, "q"),
+        (f.k, "k"),
+        (f.v, "v"),
+        (f.out, "out"),
+        (f.lse, "lse"),
+        (args.dout, "dout"),
+        (args.dq, "dq"),
+        (args.dk, "dk"),
+        (args.dv, "dv"),
+    ])?;
+    let ws = comm.one_node_workspace("mkRingAttentionBackward")?;
+    // One copy of the kept launch, whose parameters the driver reads from this stack.
+    let PreparedLaunch { kernel_launch, function, mut params, mut maps } = *prepared(comm, args)?;
     fused_fence::launch_fenced(comm, &ws.view, None, FusedKernel::RingAttentionBackward, stream, || {
         let mut kernel_params: [*mut c_void; 2] =
-            [(&mut p as *mut RingAttnBwdParams).cast(), (&mut maps as *mut BwdMaps).cast()];
+            [(&mut params as *mut RingAttnBwdParams).cast(), (&mut maps as *mut BwdMaps).cast()];
         // SAFETY: the parameters match the kernel (RingAttnBwdParams and BwdMaps by value); the
         // tensors were checked to be device memory of this device, of the sizes the caller
-        // promised, and the maps describe exactly those tensors; the workspace holds the layout.
-        unsafe { kernel_launch.launch(stream, &mut kernel_params, Some("mkRingAttentionBackward")) }
+        // promised, and the maps describe exactly those tensors; the workspace holds the
+        // layout; `function` is the kernel loaded in this context.
+        unsafe {
+            kernel_launch.launch_loaded(
+                function as sys::CUfunction,
+                stream,
+                &mut kernel_params,
+                Some("mkRingAttentionBackward"),
+            )
+        }
     })
 }
 

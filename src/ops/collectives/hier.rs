@@ -9,7 +9,6 @@
 
 use crate::comm::Comm;
 use crate::cuda::kernels::{self, Arg, Kernel};
-use crate::cuda::pointer::check_device_pointer;
 use crate::cuda::sys;
 use crate::error::{MkError, Result};
 use crate::kernel_abi::{
@@ -257,8 +256,7 @@ pub fn collective(
         ws.view.data_bytes,
     )?;
     let _ctx = comm.context.enter()?;
-    check_device_pointer(args.send, comm.context.device, "sendbuff")?;
-    check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
+    comm.check_buffers(&[(args.send, "sendbuff"), (args.recv, "recvbuff")])?;
     let mut params = params(&ws.view, ring, &nl, comm.rank, comm.nranks, &args, &plan);
     // A type not reduced across nodes (fp8) is only gathered: its bytes move as mkUint8's.
     let kernel_launch = plan.kernel_launch(args.dtype.element().moved_across_nodes_as())?;

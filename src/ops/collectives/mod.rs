@@ -4,7 +4,6 @@
 
 use crate::comm::Comm;
 use crate::cuda::kernels::{self, Arg, Kernel};
-use crate::cuda::pointer::check_device_pointer;
 use crate::cuda::sys;
 use crate::ensure_arg;
 use crate::error::{MkError, Result};
@@ -251,8 +250,7 @@ pub fn collective(
         return Ok(());
     }
     let _ctx = comm.context.enter()?;
-    check_device_pointer(args.send, comm.context.device, "sendbuff")?;
-    check_device_pointer(args.recv, comm.context.device, "recvbuff")?;
+    comm.check_buffers(&[(args.send, "sendbuff"), (args.recv, "recvbuff")])?;
     let stage_bytes = STAGE_BYTES;
     let ll_max_bytes = comm.config.tuning.collective_ll_max_bytes;
     launch(&ws.view, &args, single_rank_ctas(DeviceCaps::of(comm)?), stage_bytes, ll_max_bytes, stream)

@@ -78,7 +78,9 @@ pub fn launch_fenced(
     stream: sys::CUstream,
     launch: impl FnOnce() -> Result<()>,
 ) -> Result<()> {
-    let capture = capture_of(stream)?;
+    // One rank has no peer to fence against: `plan` asks for no fence and records nothing
+    // there, so the capture state (a driver call) is not asked for either.
+    let capture = if comm.nranks > 1 { capture_of(stream)? } else { None };
     let mut state = comm.fused_fence.lock();
     let before = *state;
     let fences = state.plan(next, comm.nranks, capture);

@@ -172,7 +172,22 @@ impl KernelLaunch {
     /// `params` must match the kernel's signature exactly (one pointer per parameter), and
     /// every pointer the kernel dereferences must be valid for the launch.
     pub unsafe fn launch(&self, stream: sys::CUstream, params: &mut [*mut c_void], op: Option<&str>) -> Result<()> {
-        let f = self.kernel.function()?;
+        self.launch_loaded(self.kernel.function()?, stream, params, op)
+    }
+
+    /// [`launch`](Self::launch) with the kernel's function in the current context already
+    /// at hand (`Kernel::function`'s value, which stays valid for the process): a caller
+    /// that keeps it skips the lookup.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch); `f` must be `self.kernel` in the current context.
+    pub unsafe fn launch_loaded(
+        &self,
+        f: sys::CUfunction,
+        stream: sys::CUstream,
+        params: &mut [*mut c_void],
+        op: Option<&str>,
+    ) -> Result<()> {
         let mut cfg =
             LaunchConfig { grid: (self.grid, 1, 1), block: (self.block, 1, 1), shared_mem_bytes: self.smem_bytes };
         let launched = match self.clusters {

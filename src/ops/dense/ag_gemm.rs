@@ -302,11 +302,9 @@ pub fn all_gather_gemm(comm: &Comm, args: &AgGemmArgs, stream: sys::CUstream) ->
     }
     let _ctx = comm.context.enter()?;
     let grid = DeviceCaps::of(comm)?.grid_cap();
-    for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
-        crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
-    }
+    comm.check_buffers(&[(args.a, "A"), (args.b, "B"), (args.c, "C")])?;
     if args.gathered != 0 {
-        crate::cuda::pointer::check_device_pointer(args.gathered, comm.context.device, "gatheredA")?;
+        comm.check_buffers(&[(args.gathered, "gatheredA")])?;
     }
     if nranks == 1 {
         // Nothing to gather: the engine alone, and the caller's copy of A if asked for.

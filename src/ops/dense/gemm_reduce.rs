@@ -401,9 +401,7 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     let (nranks, rank) = (comm.nranks, comm.rank);
     let grid = DeviceCaps::of(comm)?.grid_cap();
     let _ctx = comm.context.enter()?;
-    for (ptr, name) in [(args.a, "A"), (args.b, "B"), (args.c, "C")] {
-        crate::cuda::pointer::check_device_pointer(ptr, comm.context.device, name)?;
-    }
+    comm.check_buffers(&[(args.a, "A"), (args.b, "B"), (args.c, "C")])?;
     if nranks == 1 {
         // The sum over one rank is its product: the engine alone, storing C directly (the
         // fused kernel would store a partial and copy it: 1.3x the GEMM's time).

@@ -1,10 +1,11 @@
-//! What one op call costs the host, piece by piece, on one rank: the driver calls every op
-//! call makes (reading the current context, checking a buffer is device memory, the stream
-//! capture query of a fused op, a kernel launch with a small parameter block, the copy call
-//! a user could make instead), then whole calls for reference (`mkAllReduce` of 8 bytes,
-//! `mkGemm` at M = 1). Each piece runs `-n` times back to back per sample, timed on the
-//! host clock; the pieces take turns in interleaved blocks (measure.rs), the stream is
-//! synchronised between blocks (outside the timing) so no launch queue fills. A call's
+//! What one op call costs the host, piece by piece, on one rank: the driver calls an op
+//! call makes (reading the current context, checking a buffer is device memory, which a
+//! communicator asks the driver once per buffer and then answers itself, the stream capture
+//! query of a fused op on more than one rank, a kernel launch with a small parameter block,
+//! the copy call a user could make instead), then whole calls for reference (`mkAllReduce`
+//! of 8 bytes, `mkGemm` at M = 1). Each piece runs `-n` times back to back per sample, timed
+//! on the host clock; the pieces take turns in interleaved blocks (measure.rs), the stream
+//! is synchronised between blocks (outside the timing) so no launch queue fills. A call's
 //! host time is roughly its pieces' sum: what is left above them is the library's own
 //! work (validation, planning, parameters).
 
@@ -85,8 +86,13 @@ pub fn run(args: &[String]) -> Result<bool> {
         ),
         (
             "pointer_check",
-            "one buffer's cuPointerGetAttributes (every call, per buffer)",
+            "one buffer's cuPointerGetAttributes (a buffer's first call on a communicator)",
             Box::new(|| mkernel::cuda::pointer::check_device_pointer(small_a.ptr, 0, "x")),
+        ),
+        (
+            "pointer_known",
+            "a buffer its communicator checked before (Comm::check_buffers: no driver call)",
+            Box::new(|| comm.check_buffers(&[(small_a.ptr, "x")])),
         ),
         (
             "capture_query",

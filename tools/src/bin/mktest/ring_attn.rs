@@ -340,6 +340,18 @@ fn argument_errors(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
             return Err(MkError::internal(format!("bad argument ({needle}): got {r:?} \"{msg}\"")));
         }
     }
+    // Host memory among device buffers, twice: the buffers the communicator approved before
+    // are not asked about again, the host one is, each time (a refused call remembers nothing).
+    let host = vec![0u128; 4096];
+    let hp = host.as_ptr() as *mut std::ffi::c_void;
+    for _ in 0..2 {
+        // SAFETY: as above, rejected before any access.
+        let r = unsafe { mkRingAttention(p, p, p, hp, p.cast(), 1, 16, 4, 2, 64, 0.1, 0, bf16, comm, stream.0) };
+        let msg = last_error(comm);
+        if r != mkResult_t::mkInvalidArgument || !msg.contains("out (") || !msg.contains("is not device memory") {
+            return Err(MkError::internal(format!("host out: got {r:?} \"{msg}\"")));
+        }
+    }
     // A K/V copy larger than the fused-op region is mkInvalidUsage naming the variable.
     if n > 1 {
         let huge = 1usize << 22;
@@ -350,7 +362,7 @@ fn argument_errors(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
             return Err(MkError::internal(format!("oversized K/V: got {r:?} \"{msg}\"")));
         }
     }
-    outcome::count(cases.len() + usize::from(n > 1));
+    outcome::count(cases.len() + 2 + usize::from(n > 1));
     say(rank, "argument errors: rejected with the rule");
     Ok(())
 }

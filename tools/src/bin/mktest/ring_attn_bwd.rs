@@ -430,7 +430,21 @@ fn argument_errors(comm: mkComm_t, rank: usize) -> Result<()> {
             return Err(MkError::internal(format!("bad argument ({needle}): got {r:?} \"{msg}\"")));
         }
     }
-    outcome::count(cases.len());
+    // Host memory after eight device buffers, twice: refused each time, naming the buffer.
+    let host = vec![0u128; 4096];
+    let hp = host.as_ptr() as *mut std::ffi::c_void;
+    for _ in 0..2 {
+        // SAFETY: as above, rejected before any access.
+        let r = unsafe {
+            mkRingAttentionBackward(p, p, p, p, p, p.cast(), p, p, hp, 1, 16, 4, 2, 64, 0.1, 0, bf16, comm, stream.0)
+        };
+        // SAFETY: a live communicator; the message stays valid until its next call.
+        let msg = unsafe { std::ffi::CStr::from_ptr(mkGetLastError(comm)) }.to_string_lossy().into_owned();
+        if r != mkResult_t::mkInvalidArgument || !msg.contains("dv (") || !msg.contains("is not device memory") {
+            return Err(MkError::internal(format!("host dv: got {r:?} \"{msg}\"")));
+        }
+    }
+    outcome::count(cases.len() + 2);
     say(rank, "argument errors: rejected with the rule");
     Ok(())
 }
