@@ -6,7 +6,7 @@
 # Starts MPS, runs the mktest suites with 1, 2, 4 and 8 rank processes sharing the GPU
 # (each MPS client gets 100/N % of the SMs and an MK_MAX_CTAS that fits in it, so every
 # persistent grid is co-resident) — smoke, collectives, api (the C ABI on a live
-# communicator), the fused ops (ag_gemm, ag_gemm_fp8, gemm_reduce, moe, ring_attn, ring_attn_bwd)
+# communicator), the fused ops (ag_gemm, ag_gemm_fp8, gemm_reduce, gemm_reduce_fp8, moe, ring_attn, ring_attn_bwd)
 # and, with one rank, the GEMM engine and the scaled fp8 GEMM; at 2 ranks also the collectives with every message on
 # one protocol, and the fused suites with their ranks as threads of one process — then the
 # soak (mktest soak: every op in a random
@@ -138,7 +138,7 @@ note "GPU: $SMS SMs; MK_MAX_CTAS per rank at 2, 4, 8 ranks: $(max_ctas_for 2), $
 
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for n in $RANKS; do
-    suites="smoke collectives api ag_gemm ag_gemm_fp8 gemm_reduce moe ring_attn ring_attn_bwd mixed"
+    suites="smoke collectives api ag_gemm ag_gemm_fp8 gemm_reduce gemm_reduce_fp8 moe ring_attn ring_attn_bwd mixed"
     [ "$n" = 1 ] && suites="$suites gemm gemm_fp8"  # the GEMM engine and the scaled fp8 GEMM alone: one-rank suites
     # soak and chaos run in their own steps (below), never in this loop.
     if [ -n "$SUITES" ]; then
@@ -185,7 +185,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   # The fused-op suites with 2 ranks as threads of one process (MK_TEST_THREADS=1): the
   # communicators of one process, whose peers are plain pointers instead of IPC mappings.
   threaded=""
-  for s in ag_gemm ag_gemm_fp8 gemm_reduce moe ring_attn ring_attn_bwd mixed; do wants "$s" && threaded="$threaded $s"; done
+  for s in ag_gemm ag_gemm_fp8 gemm_reduce gemm_reduce_fp8 moe ring_attn ring_attn_bwd mixed; do wants "$s" && threaded="$threaded $s"; done
   [ -n "$threaded" ] && want "mktest$threaded, 2 rank threads"
   if [ -n "$threaded" ] && ! late "mktest$threaded, 2 rank threads"; then
     echo "===== mktest$threaded, 2 ranks as threads of one process" | tee -a "$OUT/mktest.log"
