@@ -397,7 +397,7 @@ if [ "$BENCH" = 1 ]; then
   # ranks, where every rank's GEMM shares the one GPU), in mkbench's default protocol (5
   # interleaved blocks of 20 calls; ring attention's long cases 5 blocks of 5).
   for n in ${BENCH_RANKS:-$RANKS}; do
-    for op in ag_gemm ag_gemm_fp8 gemm_rs gemm_ar moe ring_attn ring_attn_bwd; do
+    for op in ag_gemm ag_gemm_fp8 gemm_rs gemm_ar gemm_rs_fp8 gemm_ar_fp8 moe ring_attn ring_attn_bwd; do
       args="-g $n"; secs=200
       # One rank: against torch SDPA (below) by the same protocol, causal first, each case
       # after 1 s idle: the H200 lowers its clocks under sustained attention, so a case
@@ -409,8 +409,8 @@ if [ "$BENCH" = 1 ]; then
       if [ "$n" -gt 1 ]; then
         case $op in
           ag_gemm|ag_gemm_fp8) args="$args --rows 128,512,2048 --nk 8192x8192" ;;
-          gemm_rs) args="$args --m 1024,4096" ;;
-          gemm_ar) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024" ;;
+          gemm_rs|gemm_rs_fp8) args="$args --m 1024,4096" ;;
+          gemm_ar|gemm_ar_fp8) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024" ;;
           moe) args="$args" ;;
           ring_attn) args="$args --seq 16384,32768 -n 5 -w 1" ;;
           ring_attn_bwd) args="$args --seq 8192 --causal 1,0 -n 5 -w 1" ;;
