@@ -1,7 +1,9 @@
 //! The GEMM + reduction kernels (kernels/gemm_reduce.cu, kernels/gemm_reduce_early.cu)
 //! shared by mkGemmReduceScatter and mkGemmAllReduce: argument checks, the plan
 //! (`GemmReducePlan`: the role split of the `gemm_rs` / `gemm_ar` planners, tile, owner
-//! order, early sums, grid; pure and CPU-tested), then tensor maps and the launch.
+//! order, early sums, grid; pure and CPU-tested), then tensor maps and the launch. The role
+//! split, the output rows, the region's bytes and the kernel parameters on one node are also
+//! the fp8 ops' (`gemm_reduce_scaled`), which run the same reducers.
 
 use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
