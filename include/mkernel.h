@@ -729,6 +729,84 @@ mkResult_t mkGemmAllReduce(const void *A,
                            mkStream_t stream);
 
 /**
+ * fp8 GEMM + ReduceScatter: C = Σ over ranks of (A·sA)(B·sB)ᵀ, reduce-scattered by rows, in
+ * one persistent kernel: mkGemmReduceScatter's overlap (partial tiles summed as soon as every
+ * rank has produced them) with mkScaledGemm's arithmetic on each rank's K slice.
+ *
+ * - `A`: [M, K] of `abType` (mkFloat8e4m3) with this rank's K columns; `scaleA` its fp32
+ *   scales as `scaleMode` says: mkScaleTensor one value, mkScaleRowwise M values (one per
+ *   row), mkScaleBlock [K/128][M] (one per row per 128 of K) — mkScaledGemm's layouts, for
+ *   this rank's A.
+ * - `B`: [N, K] e4m3, this rank's K columns of the weight; `scaleB` likewise (one value; N
+ *   values; [K/128][ceil(N/128)], one per 128 × 128 block).
+ * - `C`: this rank's [M / nranks, N] rows of the sum, of `cType` (mkBfloat16 or
+ *   mkFloat16): rank r gets rows [r·M/n, (r+1)·M/n).
+ * - K is this rank's share of the contraction; every rank's scales are its own (a rank's
+ *   per-tensor scale scales only its own slice).
+ *
+ * Rounding: each rank's partial product is mkScaledGemm's (fp32 sums promoted every 128 of
+ * K, scaled as the mode says) rounded once to `cType`; the n partials are then added in
+ * fp32 in rank order 0..n-1 and the sum rounded once to `cType`. Scale values are not
+ * checked (NaN or infinite scales give NaN or infinite C).
+ *
+ * Rules (mkInvalidArgument, the rule named in mkGetLastError, nothing written): abType
+ * mkFloat8e4m3 (mkFloat8e5m2 is refused: this op's kernels multiply e4m3 A and B); cType
+ * mkBfloat16 or mkFloat16; scaleMode a mkScaleMode_t; M divisible by nranks; K a positive
+ * multiple of 16 (of 128 with block scales); N a multiple of 8; A, B and C non-NULL and
+ * 16-byte aligned; scaleA and scaleB non-NULL and 4-byte aligned; all device memory of
+ * this rank's device. The partial product (M·N elements of cType) must fit in the
+ * communicator's fused-op region (MK_WORKSPACE_BYTES / mkConfig_t.workspaceBytes), else
+ * mkInvalidUsage names the size. One node only: a communicator across nodes gets
+ * mkInvalidUsage. With one rank, mkScaledGemm. Needs an sm_90 GPU.
+ *
+ * Stream-ordered and asynchronous, capturable in a CUDA graph. Every rank must call it with
+ * the same M, N, K, types and mode. A peer that does not arrive within MK_TIMEOUT_MS makes
+ * the kernel stop; mkCommGetAsyncError then reports mkTimeout (or mkRemoteError) and C is
+ * undefined.
+ */
+mkResult_t mkScaledGemmReduceScatter(const void *A,
+                                     const float *scaleA,
+                                     const void *B,
+                                     const float *scaleB,
+                                     void *C,
+                                     size_t M,
+                                     size_t N,
+                                     size_t K,
+                                     mkDataType_t abType,
+                                     mkDataType_t cType,
+                                     mkScaleMode_t scaleMode,
+                                     mkComm_t comm,
+                                     mkStream_t stream);
+
+/**
+ * fp8 GEMM + AllReduce: C = Σ over ranks of (A·sA)(B·sB)ᵀ on every rank, in one persistent
+ * kernel: mkGemmAllReduce's regimes (one-shot for small M, or M not a multiple of
+ * 128·nranks; two-phase above) with mkScaledGemm's arithmetic on each rank's K slice.
+ *
+ * - `A`, `scaleA`, `B`, `scaleB`, `abType`, `scaleMode`: as mkScaledGemmReduceScatter.
+ * - `C`: [M, N] of `cType` on every rank. Any M ≥ 0 (decode shapes included).
+ *
+ * Rounding as mkScaledGemmReduceScatter; every sum is formed in rank order 0..n-1 whoever
+ * forms it, so all ranks' C are bitwise identical. Rules, errors and stream semantics as
+ * mkScaledGemmReduceScatter, without M's divisibility; the two-phase path also keeps the
+ * reduced rows in the fused-op region (2·M·N elements of cType in all). One node only.
+ * With one rank, mkScaledGemm.
+ */
+mkResult_t mkScaledGemmAllReduce(const void *A,
+                                 const float *scaleA,
+                                 const void *B,
+                                 const float *scaleB,
+                                 void *C,
+                                 size_t M,
+                                 size_t N,
+                                 size_t K,
+                                 mkDataType_t abType,
+                                 mkDataType_t cType,
+                                 mkScaleMode_t scaleMode,
+                                 mkComm_t comm,
+                                 mkStream_t stream);
+
+/**
  * Bytes of the layout buffer that mkMoeDispatchGemm fills and mkMoeGemmCombine reads:
  * 4·(4 + 3·tokens·topk + 6·recvCapacity/128 + 1025) (int32 words: per (token, choice) the
  * owner rank and the row there, per receive-buffer row block its expert, order, sources,

@@ -8,33 +8,6 @@ namespace mk { namespace gemm_reduce {
 
 using namespace mk::gemm;
 
-// The side warps' hook (kernels/common/gemm/hooks.cuh). The idle producer warps do not
-// reduce during the GEMM: that measured slower than reducing after it
-// (docs/decisions/0101-side-reducers.md; kernels/gemm_reduce_early.cu sums the earlier
-// tiles during the GEMM instead). On one node, warp 2 first opens the CTA's start gate (open_gate): warps 2-3 run beside
-// the GEMM from its start, which is what lets the epoch read and the peers' GR_DONE wait
-// overlap the first loads.
-struct ReduceSideWork : NoAWait {
-  struct Params {
-    const GemmReduceParams* op;
-    Gate* gate;
-  };
-  __device__ static void before_a_load(const Params&, int, int, int) {}
-  __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
-    row = m_row0;
-    return tma_a;
-  }
-  template <typename T, int BN>
-  __device__ static void run(const Params& w) {
-    const GemmReduceParams& p = *w.op;
-    if (p.nodes == 1 && threadIdx.x / 32 == 2) open_gate(p, w.gate);
-  }
-};
-template <typename T, int BN>
-struct ReduceSideWorkFor : ReduceSideWork {
-  __device__ static void side_work(const Params& w, int) { ReduceSideWork::run<T, BN>(w); }
-};
-
 // BM = 64 (M <= 64, chosen by the host, A's tensor map boxed {64, 64}): the A stages hold
 // only the 64 rows the one live consumer reads, so 4 stages fit instead of 3 at BN 256 (8
 // at BN 128, as with BM 128): more of B -- all of a small-M GEMM's traffic -- in flight.

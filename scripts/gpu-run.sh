@@ -6,7 +6,7 @@
 # Starts MPS, runs the mktest suites with 1, 2, 4 and 8 rank processes sharing the GPU
 # (each MPS client gets 100/N % of the SMs and an MK_MAX_CTAS that fits in it, so every
 # persistent grid is co-resident) — smoke, collectives, api (the C ABI on a live
-# communicator), the fused ops (ag_gemm, ag_gemm_fp8, gemm_reduce, moe, ring_attn, ring_attn_bwd)
+# communicator), the fused ops (ag_gemm, ag_gemm_fp8, gemm_reduce, gemm_reduce_fp8, moe, ring_attn, ring_attn_bwd)
 # and, with one rank, the GEMM engine and the scaled fp8 GEMM; at 2 ranks also the collectives with every message on
 # one protocol, and the fused suites with their ranks as threads of one process — then the
 # soak (mktest soak: every op in a random
@@ -138,7 +138,7 @@ note "GPU: $SMS SMs; MK_MAX_CTAS per rank at 2, 4, 8 ranks: $(max_ctas_for 2), $
 
 if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   for n in $RANKS; do
-    suites="smoke collectives api ag_gemm ag_gemm_fp8 gemm_reduce moe ring_attn ring_attn_bwd mixed"
+    suites="smoke collectives api ag_gemm ag_gemm_fp8 gemm_reduce gemm_reduce_fp8 moe ring_attn ring_attn_bwd mixed"
     [ "$n" = 1 ] && suites="$suites gemm gemm_fp8"  # the GEMM engine and the scaled fp8 GEMM alone: one-rank suites
     # soak and chaos run in their own steps (below), never in this loop.
     if [ -n "$SUITES" ]; then
@@ -185,7 +185,7 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
   # The fused-op suites with 2 ranks as threads of one process (MK_TEST_THREADS=1): the
   # communicators of one process, whose peers are plain pointers instead of IPC mappings.
   threaded=""
-  for s in ag_gemm ag_gemm_fp8 gemm_reduce moe ring_attn ring_attn_bwd mixed; do wants "$s" && threaded="$threaded $s"; done
+  for s in ag_gemm ag_gemm_fp8 gemm_reduce gemm_reduce_fp8 moe ring_attn ring_attn_bwd mixed; do wants "$s" && threaded="$threaded $s"; done
   [ -n "$threaded" ] && want "mktest$threaded, 2 rank threads"
   if [ -n "$threaded" ] && ! late "mktest$threaded, 2 rank threads"; then
     echo "===== mktest$threaded, 2 ranks as threads of one process" | tee -a "$OUT/mktest.log"
@@ -397,7 +397,7 @@ if [ "$BENCH" = 1 ]; then
   # ranks, where every rank's GEMM shares the one GPU), in mkbench's default protocol (5
   # interleaved blocks of 20 calls; ring attention's long cases 5 blocks of 5).
   for n in ${BENCH_RANKS:-$RANKS}; do
-    for op in ag_gemm ag_gemm_fp8 gemm_rs gemm_ar moe ring_attn ring_attn_bwd; do
+    for op in ag_gemm ag_gemm_fp8 gemm_rs gemm_ar gemm_rs_fp8 gemm_ar_fp8 moe ring_attn ring_attn_bwd; do
       args="-g $n"; secs=200
       # One rank: against torch SDPA (below) by the same protocol, causal first, each case
       # after 1 s idle: the H200 lowers its clocks under sustained attention, so a case
@@ -409,8 +409,8 @@ if [ "$BENCH" = 1 ]; then
       if [ "$n" -gt 1 ]; then
         case $op in
           ag_gemm|ag_gemm_fp8) args="$args --rows 128,512,2048 --nk 8192x8192" ;;
-          gemm_rs) args="$args --m 1024,4096" ;;
-          gemm_ar) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024" ;;
+          gemm_rs|gemm_rs_fp8) args="$args --m 1024,4096" ;;
+          gemm_ar|gemm_ar_fp8) args="$args --m 1,16,64,256,2048,8192 --nk 8192x1024" ;;
           moe) args="$args" ;;
           ring_attn) args="$args --seq 16384,32768 -n 5 -w 1" ;;
           ring_attn_bwd) args="$args --seq 8192 --causal 1,0 -n 5 -w 1" ;;

@@ -226,7 +226,7 @@ grep -q "measured targets met" <<< "$out" || fail "targets.py printed no summary
 
 echo "== mkbench: a typo fails before the GPU probe; no GPU is SKIPPED (77), not OK"
 cargo build --release --bin mkbench
-for op in all_gather ag_gemm ag_gemm_fp8 gemm_rs gemm_ar moe ring_attn ring_attn_bwd gemm host; do
+for op in all_gather ag_gemm ag_gemm_fp8 gemm_rs gemm_ar gemm_rs_fp8 gemm_ar_fp8 moe ring_attn ring_attn_bwd gemm host; do
   set +e; ./target/release/mkbench "$op" --no-such-option 1 > "$WORK/out" 2>&1; rc=$?; set -e
   [ $rc = 2 ] || fail "mkbench $op --no-such-option exited $rc, not 2: $(cat "$WORK/out")"
   grep -q -- "--no-such-option" "$WORK/out" || fail "mkbench $op: the message does not name the option"

@@ -483,6 +483,28 @@ impl Default for GemmReduceParams {
     }
 }
 
+/// Parameters of the fp8 GEMM + ReduceScatter / AllReduce kernels
+/// (kernels/gemm_reduce_scaled.cu): the bf16 kernels' (one node, the GEMM CTAs or
+/// MK_COMM_SMS's dedicated CTAs reducing after the GEMM: `a_box_rows`, `trace`,
+/// `early_items` and the across-node fields are 0; the partials P and the sums are elements
+/// of C's type), then A's and B's scales as mkScaledGemm takes them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScaledGemmReduceParams {
+    pub gr: GemmReduceParams,
+    /// This rank's scales of its A [M, K_r] and B [N, K_r]: one each (per tensor), M and N
+    /// (rowwise), [K_r/128][M] and [K_r/128][ceil(N/128)] (block).
+    pub scale_a: u64,
+    pub scale_b: u64,
+    /// The scaled GEMM's steps through the scales per row: 0 per tensor, 1 rowwise (unused
+    /// with block scales).
+    pub scale_a_step: i32,
+    pub scale_b_step: i32,
+    /// K_r / 128 with block scales, else 0.
+    pub scale_k_blocks: i32,
+    pub reserved: i32,
+}
+
 /// u64 words per CTA in a fused kernel's trace buffer (layout in kernels/common/trace.cuh).
 pub const MK_TRACE_WORDS: usize = 14;
 
@@ -901,10 +923,12 @@ pub enum MkOp {
     /// The fence a communicator runs between two fused ops of different kernels.
     FusedFence = 23,
     AllGatherScaledGemm = 24,
+    ScaledGemmReduceScatter = 25,
+    ScaledGemmAllReduce = 26,
 }
 
 /// Every op, for decoding (a free item: cbindgen would emit an associated constant).
-const MK_OPS: [MkOp; 12] = [
+const MK_OPS: [MkOp; 14] = [
     MkOp::AllGather,
     MkOp::ReduceScatter,
     MkOp::AllReduce,
@@ -917,6 +941,8 @@ const MK_OPS: [MkOp; 12] = [
     MkOp::RingAttentionBackward,
     MkOp::FusedFence,
     MkOp::AllGatherScaledGemm,
+    MkOp::ScaledGemmReduceScatter,
+    MkOp::ScaledGemmAllReduce,
 ];
 
 impl MkOp {
@@ -938,6 +964,8 @@ impl MkOp {
             MkOp::RingAttentionBackward => "mkRingAttentionBackward",
             MkOp::FusedFence => "the fence between fused ops",
             MkOp::AllGatherScaledGemm => "mkAllGatherScaledGemm",
+            MkOp::ScaledGemmReduceScatter => "mkScaledGemmReduceScatter",
+            MkOp::ScaledGemmAllReduce => "mkScaledGemmAllReduce",
         }
     }
 }

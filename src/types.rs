@@ -95,7 +95,8 @@ pub struct Accepted {
     pub reduce_across_nodes: bool,
     /// Every op built on the GEMM engine: mkGemm, the dense fused ops, ring attention and MoE.
     pub gemm: bool,
-    /// The scaled fp8 GEMMs' operands: B of mkScaledGemm, A and B of mkAllGatherScaledGemm.
+    /// The scaled fp8 GEMMs' operands: B of mkScaledGemm, A and B of mkAllGatherScaledGemm,
+    /// mkScaledGemmReduceScatter and mkScaledGemmAllReduce.
     pub scaled_gemm: bool,
     /// A of mkScaledGemm: the scaled operands' types and e5m2, the gradient of an fp8
     /// backward (dgrad and wgrad multiply an e5m2 gradient by an e4m3 weight or activation).

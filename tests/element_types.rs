@@ -97,6 +97,7 @@ fn every_family_reports_no_kernel_for_a_type_without_instances() {
     let e5m2_a = mkDataType_t::mkFloat8e5m2;
     assert!(mkernel::ops::gemm::scaled::kernel(e5m2_a, fp8, BF16, 128, engine::Epilogue::Tma).is_ok());
     assert!(mkernel::ops::dense::ag_scaled_gemm::kernel(fp8, BF16, 128).is_ok());
+    assert!(mkernel::ops::dense::gemm_reduce_scaled::kernel(fp8, BF16, 128).is_ok());
     assert!(collectives::kernel(fp8).is_ok());
     assert!(hier::kernel(fp8.element().moved_across_nodes_as()).is_ok());
 }

@@ -50,6 +50,7 @@ fn every_kernel_family_is_embedded() {
         "ring_attention_backward",
         "scaled_gemm",
         "ag_scaled_gemm",
+        "gemm_reduce_scaled",
     ] {
         assert!(embedded.contains(&family), "kernels/{family}.cu is not embedded: {embedded:?}");
     }
@@ -113,6 +114,7 @@ fn engine_kernels_do_not_spill() {
         "ring_attention_backward",
         "scaled_gemm",
         "ag_scaled_gemm",
+        "gemm_reduce_scaled",
     ];
     for family in families {
         let report = reports.get(family).unwrap_or_else(|| panic!("no ptxas report for {family}.fatbin"));
@@ -134,7 +136,16 @@ fn engine_kernels_do_not_spill() {
 #[test]
 fn engine_kernels_keep_wgmma_pipelined() {
     let reports = ptxas_reports();
-    for family in ["gemm", "ag_gemm", "gemm_reduce", "moe", "ring_attention", "scaled_gemm", "ag_scaled_gemm"] {
+    for family in [
+        "gemm",
+        "ag_gemm",
+        "gemm_reduce",
+        "moe",
+        "ring_attention",
+        "scaled_gemm",
+        "ag_scaled_gemm",
+        "gemm_reduce_scaled",
+    ] {
         let report = reports.get(family).unwrap_or_else(|| panic!("no ptxas report for kernels/{family}.cu"));
         let serialised: Vec<&str> = report.lines().filter(|l| l.contains("instructions are serialized")).collect();
         assert!(serialised.is_empty(), "kernels/{family}.cu: {serialised:#?}");

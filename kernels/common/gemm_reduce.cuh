@@ -653,5 +653,33 @@ __device__ __forceinline__ bool reduce(const GemmReduceParams& p, uint64_t epoch
 // flagged with the epoch.
 using PartialEpilogue = TmaEpilogue<GatedDest, TmaStoreOp, EpochTileSignal>;
 
+// The side warps' hook (kernels/common/gemm/hooks.cuh) of kernels/gemm_reduce.cu and
+// kernels/gemm_reduce_scaled.cu. The idle producer warps do not reduce during the GEMM:
+// that measured slower than reducing after it (docs/decisions/0101-side-reducers.md;
+// kernels/gemm_reduce_early.cu sums the earlier tiles during the GEMM instead). On one
+// node, warp 2 first opens the CTA's start gate (open_gate): warps 2-3 run beside the GEMM
+// from its start, which is what lets the epoch read and the peers' GR_DONE wait overlap the
+// first loads.
+struct ReduceSideWork : NoAWait {
+  struct Params {
+    const GemmReduceParams* op;
+    Gate* gate;
+  };
+  __device__ static void before_a_load(const Params&, int, int, int) {}
+  __device__ static const CUtensorMap* a_source(const Params&, const CUtensorMap* tma_a, int m_row0, int& row) {
+    row = m_row0;
+    return tma_a;
+  }
+  template <typename T, int BN>
+  __device__ static void run(const Params& w) {
+    const GemmReduceParams& p = *w.op;
+    if (p.nodes == 1 && threadIdx.x / 32 == 2) open_gate(p, w.gate);
+  }
+};
+template <typename T, int BN>
+struct ReduceSideWorkFor : ReduceSideWork {
+  __device__ static void side_work(const Params& w, int) { ReduceSideWork::run<T, BN>(w); }
+};
+
 }  // namespace gemm_reduce
 }  // namespace mk

@@ -115,6 +115,28 @@ def gemms(comm, rank, n):
     for m_ar in (m, 5):  # two-phase and one-shot (decode-sized) paths
         c_ar = mkernel.gemm_all_reduce(a_k[:m_ar].contiguous(), b_k, comm)
         problems += close_to(f"gemm_all_reduce M={m_ar}", c_ar, ref_sum[:m_ar], **tol)
+    # fp8 GEMM + ReduceScatter / AllReduce: K sharded, each rank with its own rowwise scales;
+    # every partial rounded to bf16, as the op stores it.
+    def k_shard(t, r):
+        return _shard(t, r, n, dim=1)
+
+    sas = [torch.rand(m, 1, generator=torch.Generator().manual_seed(20 + r)) + 0.5 for r in range(n)]
+    sbs = [torch.rand(1, nn_, generator=torch.Generator().manual_seed(40 + r)) + 0.5 for r in range(n)]
+    partials8 = [
+        ((k_shard(a8, r).double() * sas[r].double()) @ (k_shard(b8, r).double() * sbs[r].double().reshape(-1, 1)).T)
+        .to(bf16)
+        .double()
+        for r in range(n)
+    ]
+    ref8_sum = torch.stack(partials8).sum(0)
+    a8_k, b8_k = k_shard(a8, rank).to(DEV), k_shard(b8, rank).to(DEV)
+    sa_k, sb_k = sas[rank].to(DEV), sbs[rank].to(DEV)
+    out = _poisoned((rows, nn_), bf16)
+    mkernel.scaled_gemm_reduce_scatter(a8_k, b8_k, sa_k, sb_k, comm, out=out)
+    problems += close_to("scaled_gemm_reduce_scatter", out, _shard(ref8_sum, rank, n), **tol)
+    for m_ar in (m, 5):  # two-phase (n > 1) and one-shot paths
+        c8_ar = mkernel.scaled_gemm_all_reduce(a8_k[:m_ar].contiguous(), b8_k, sa_k[:m_ar].contiguous(), sb_k, comm)
+        problems += close_to(f"scaled_gemm_all_reduce M={m_ar}", c8_ar, ref8_sum[:m_ar], **tol)
     torch.cuda.synchronize()
     # As a plain list (bf16 -> float is exact): tensors sent through the queue would need the rank alive.
     return problems, mkernel.gemm_all_reduce(a_k, b_k, comm).float().cpu().flatten().tolist()

@@ -388,6 +388,56 @@ def cases(c):
             ),
             r"scaled_gemm: expected b to have dtype in \(torch.float8_e4m3fn\), but got torch.bfloat16",
         ),
+        # scaled_gemm_reduce_scatter / scaled_gemm_all_reduce: scaled_gemm's rules (e4m3 a), then the reduction's
+        (
+            "sgemmrs-e5m2",
+            lambda: mkernel.scaled_gemm_reduce_scatter(
+                t(4, 16, dtype=torch.float8_e5m2), t(8, 16, dtype=e4m3), t(1, dtype=f32), t(1, dtype=f32), n
+            ),
+            r"scaled_gemm_reduce_scatter: expected a to have dtype in \(torch.float8_e4m3fn\), but got torch.float8_e5m2",
+        ),
+        (
+            "sgemmrs-m",
+            lambda: mkernel.scaled_gemm_reduce_scatter(
+                t(5, 16, dtype=e4m3), t(8, 16, dtype=e4m3), t(1, dtype=f32), t(1, dtype=f32), n
+            ),
+            r"scaled_gemm_reduce_scatter: expected M \(a.shape\[0\] = 5\) to be divisible by the world size \(2\)",
+        ),
+        (
+            "sgemmrs-n",
+            lambda: mkernel.scaled_gemm_reduce_scatter(
+                t(4, 16, dtype=e4m3), t(12, 16, dtype=e4m3), t(1, dtype=f32), t(1, dtype=f32), n
+            ),
+            r"scaled_gemm_reduce_scatter: expected N \(b.shape\[0\]\) to be a multiple of 8, but got 12",
+        ),
+        (
+            "sgemmrs-device",
+            lambda: mkernel.scaled_gemm_reduce_scatter(
+                t(4, 16, dtype=e4m3), t(8, 16, dtype=e4m3), t(4, dtype=f32), t(8, dtype=f32), n
+            ),
+            r"scaled_gemm_reduce_scatter: expected a to be on cuda:0",
+        ),
+        (
+            "sgemmar-k",
+            lambda: mkernel.scaled_gemm_all_reduce(
+                t(3, 24, dtype=e4m3), t(8, 24, dtype=e4m3), t(1, dtype=f32), t(1, dtype=f32), n
+            ),
+            r"scaled_gemm_all_reduce: expected K \(a.shape\[1\]\) to be a multiple of 16, but got 24",
+        ),
+        (
+            "sgemmar-block-layout",
+            lambda: mkernel.scaled_gemm_all_reduce(
+                t(3, 256, dtype=e4m3), t(8, 256, dtype=e4m3), t(3, 2, dtype=f32), t(2, 1, dtype=f32), n
+            ),
+            r"scaled_gemm_all_reduce: expected .* the shapes \(2, 3\) and \(2, 1\)",
+        ),
+        (
+            "sgemmar-out",
+            lambda: mkernel.scaled_gemm_all_reduce(
+                t(3, 16, dtype=e4m3), t(8, 16, dtype=e4m3), t(1, dtype=f32), t(1, dtype=f32), n, out=t(3, 8, dtype=f16)
+            ),
+            r"scaled_gemm_all_reduce: expected out to have dtype",
+        ),
         (
             "sgemm-k",
             lambda: mkernel.scaled_gemm(t(4, 24, dtype=e4m3), t(8, 24, dtype=e4m3), t(1, dtype=f32), t(1, dtype=f32)),

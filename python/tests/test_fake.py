@@ -21,6 +21,10 @@ def run_ops(comm: str, n: int, device: str):
     def e(*shape, dtype=bf16):
         return torch.empty(*shape, dtype=dtype, device=device)
 
+    def one():
+        return e(1, dtype=torch.float32)
+
+    f8 = torch.float8_e4m3fn
     rows, k, nn_, tokens, hidden, ffn, topk, cap = 6, 32, 24, 5, 256, 384, 3, 512
     local_experts = 2
     layout_bytes = mkernel.moe_layout_bytes(tokens, topk, cap)
@@ -56,6 +60,23 @@ def run_ops(comm: str, n: int, device: str):
             [((rows, nn_), bf16)],
         ),
         "gemm_all_reduce": (spec(mkernel.gemm_all_reduce(e(rows, k), e(nn_, k), comm)), [((rows, nn_), bf16)]),
+        "scaled_gemm_reduce_scatter": (
+            spec(mkernel.scaled_gemm_reduce_scatter(e(rows * n, k, dtype=f8), e(nn_, k, dtype=f8), one(), one(), comm)),
+            [((rows, nn_), bf16)],
+        ),
+        "scaled_gemm_all_reduce": (
+            spec(
+                mkernel.scaled_gemm_all_reduce(
+                    e(rows, 256, dtype=f8),
+                    e(nn_, 256, dtype=f8),
+                    e(2, rows, dtype=torch.float32),
+                    e(2, 1, dtype=torch.float32),
+                    comm,
+                    out_dtype=torch.float16,
+                )
+            ),
+            [((rows, nn_), torch.float16)],
+        ),
         "moe_dispatch_gemm": (
             spec(dispatch),
             [((cap, ffn), bf16), ((local_experts + 1,), torch.int32), ((layout_bytes,), torch.uint8)],
@@ -142,6 +163,7 @@ def direct_ops(comm: str, n: int, device: str):
     local_experts = 2
     layout = (mkernel.moe_layout_bytes(tokens, topk, cap),)
     q, kv, lse = e(2, 8, 4, 64), e(2, 8, 2, 64), e(2, 4, 8, dtype=torch.float32)
+    f8, f32 = torch.float8_e4m3fn, torch.float32
     return {
         "all_gather": (spec(ops.all_gather(e(rows, 3, dtype=torch.int64), comm, n)), [((n * rows, 3), torch.int64)]),
         "reduce_scatter": (
@@ -158,6 +180,18 @@ def direct_ops(comm: str, n: int, device: str):
             [((rows, nn_), bf16)],
         ),
         "gemm_all_reduce": (spec(ops.gemm_all_reduce(e(rows, k), e(nn_, k), comm)), [((rows, nn_), bf16)]),
+        "scaled_gemm_reduce_scatter": (
+            spec(
+                ops.scaled_gemm_reduce_scatter(
+                    e(rows * n, k, dtype=f8), e(nn_, k, dtype=f8), e(rows * n, dtype=f32), e(nn_, dtype=f32), bf16, comm, n
+                )
+            ),
+            [((rows, nn_), bf16)],
+        ),
+        "scaled_gemm_all_reduce": (
+            spec(ops.scaled_gemm_all_reduce(e(rows, k, dtype=f8), e(nn_, k, dtype=f8), e(1, dtype=f32), e(1, dtype=f32), torch.float16, comm)),
+            [((rows, nn_), torch.float16)],
+        ),
         "moe_dispatch_gemm": (
             spec(
                 ops.moe_dispatch_gemm(
@@ -228,7 +262,7 @@ def test_fakes_never_look_the_communicator_up():
     # Nothing is registered under the name, so a lookup would raise.
     with FakeTensorMode():
         results = direct_ops("never-registered", 2, "cuda")
-    assert len(results) == 11
+    assert len(results) == 13
     for op, (got, want) in results.items():
         assert got == want, op
 
@@ -253,11 +287,15 @@ def real_calls(comm: str, n: int):
         return torch.zeros(*shape, dtype=dtype)
 
     layout = t(mkernel.moe_layout_bytes(4, 2, 128), dtype=torch.uint8)
+    f8, f32 = torch.float8_e4m3fn, torch.float32
     return {
         "all_gather": lambda: ops.all_gather(t(4, 8), comm, n),
         "reduce_scatter": lambda: ops.reduce_scatter(t(8, 8), comm, n, "sum"),
         "all_gather_gemm": lambda: ops.all_gather_gemm(t(4, 16), t(8, 16), comm, n, False),
         "gemm_reduce_scatter": lambda: ops.gemm_reduce_scatter(t(8, 16), t(8, 16), comm, n),
+        "scaled_gemm_reduce_scatter": lambda: ops.scaled_gemm_reduce_scatter(
+            t(8, 16, dtype=f8), t(8, 16, dtype=f8), t(1, dtype=f32), t(1, dtype=f32), bf16, comm, n
+        ),
         "moe_dispatch_gemm": lambda: ops.moe_dispatch_gemm(
             t(4, 128), t(4, 2, dtype=torch.int32), t(2, 128, 128), comm, n, 128
         ),

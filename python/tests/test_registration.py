@@ -30,6 +30,10 @@ SCHEMAS = {
     "bool return_gathered) -> (Tensor, Tensor)",
     "gemm_reduce_scatter": "mkernel::gemm_reduce_scatter(Tensor a, Tensor b, str comm, SymInt world_size) -> Tensor",
     "gemm_all_reduce": "mkernel::gemm_all_reduce(Tensor a, Tensor b, str comm) -> Tensor",
+    "scaled_gemm_reduce_scatter": "mkernel::scaled_gemm_reduce_scatter(Tensor a, Tensor b, Tensor scale_a, "
+    "Tensor scale_b, ScalarType out_dtype, str comm, SymInt world_size) -> Tensor",
+    "scaled_gemm_all_reduce": "mkernel::scaled_gemm_all_reduce(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+    "ScalarType out_dtype, str comm) -> Tensor",
     "moe_dispatch_gemm": "mkernel::moe_dispatch_gemm(Tensor x, Tensor topk_idx, Tensor w1, str comm, "
     "SymInt world_size, SymInt recv_capacity) -> (Tensor, Tensor, Tensor)",
     "moe_dispatch_gemm_with_options": "mkernel::moe_dispatch_gemm_with_options(Tensor x, Tensor topk_idx, "
@@ -91,8 +95,20 @@ def cpu_launches(monkeypatch):
         sa, sb = (scale_a.reshape(-1, 1), scale_b.reshape(-1, 1)) if rowwise else (scale_a.reshape(()), scale_b.reshape(()))
         out.copy_((a.float() * sa) @ (b.float() * sb).t())
 
+    def scaled_gemm_reduce_scatter(a, b, scale_a, scale_b, out, mode, comm):
+        # Every rank's partial is this rank's: the sum is world_size times it, this rank's rows.
+        full = torch.empty(a.shape[0], b.shape[0], dtype=out.dtype)
+        scaled_gemm(a, b, scale_a, scale_b, full, mode)
+        out.copy_(full[comm.rank * out.shape[0] : (comm.rank + 1) * out.shape[0]].float() * comm.world_size)
+
+    def scaled_gemm_all_reduce(a, b, scale_a, scale_b, out, mode, comm):
+        scaled_gemm(a, b, scale_a, scale_b, out, mode)
+        out.mul_(comm.world_size)
+
     monkeypatch.setattr(ops, "all_reduce_launch", all_reduce)
     monkeypatch.setattr(ops, "scaled_gemm_launch", scaled_gemm)
+    monkeypatch.setattr(ops, "scaled_gemm_reduce_scatter_launch", scaled_gemm_reduce_scatter)
+    monkeypatch.setattr(ops, "scaled_gemm_all_reduce_launch", scaled_gemm_all_reduce)
     monkeypatch.setattr(ops, "all_gather_gemm_launch", all_gather_gemm)
     monkeypatch.setattr(ops, "moe_dispatch_launch", moe_dispatch)
     monkeypatch.setattr(ops, "moe_dispatch_options_launch", moe_dispatch_options)
@@ -157,6 +173,15 @@ def test_opcheck(shape_comm, cpu_launches, requires_grad):
     ]
     for args in fp8_cases:
         torch.library.opcheck(torch.ops.mkernel.scaled_gemm.default, args, test_utils=utils[1:])
+    # The scaled GEMM + reductions (e4m3 a and b only), per tensor, rowwise and block, at two ranks.
+    reduce_cases = [
+        (e4m3(8, 32), e4m3(8, 32, seed=1), scales(8, 1), scales(1, 8, seed=1), bf16),
+        (e4m3(4, 32), e4m3(16, 32, seed=1), scales(), scales(seed=1), torch.float16),
+        (e4m3(4, 256), e4m3(136, 256, seed=1), scales(2, 4), scales(2, 2, seed=1), bf16),
+    ]
+    for args in reduce_cases:
+        torch.library.opcheck(torch.ops.mkernel.scaled_gemm_reduce_scatter.default, (*args, name, 2), test_utils=utils[1:])
+        torch.library.opcheck(torch.ops.mkernel.scaled_gemm_all_reduce.default, (*args, name), test_utils=utils[1:])
 
 
 def test_backward_through_an_op_without_a_formula_raises(shape_comm, cpu_launches):

@@ -215,6 +215,135 @@ pub unsafe extern "C" fn mkGemmAllReduce(
     })
 }
 
+/// fp8 GEMM + ReduceScatter: C = Σ over ranks of (A·sA)(B·sB)ᵀ, reduce-scattered by rows, in
+/// one persistent kernel: mkGemmReduceScatter's overlap (partial tiles summed as soon as every
+/// rank has produced them) with mkScaledGemm's arithmetic on each rank's K slice.
+///
+/// - `A`: [M, K] of `abType` (mkFloat8e4m3) with this rank's K columns; `scaleA` its fp32
+///   scales as `scaleMode` says: mkScaleTensor one value, mkScaleRowwise M values (one per
+///   row), mkScaleBlock [K/128][M] (one per row per 128 of K) — mkScaledGemm's layouts, for
+///   this rank's A.
+/// - `B`: [N, K] e4m3, this rank's K columns of the weight; `scaleB` likewise (one value; N
+///   values; [K/128][ceil(N/128)], one per 128 × 128 block).
+/// - `C`: this rank's [M / nranks, N] rows of the sum, of `cType` (mkBfloat16 or
+///   mkFloat16): rank r gets rows [r·M/n, (r+1)·M/n).
+/// - K is this rank's share of the contraction; every rank's scales are its own (a rank's
+///   per-tensor scale scales only its own slice).
+///
+/// Rounding: each rank's partial product is mkScaledGemm's (fp32 sums promoted every 128 of
+/// K, scaled as the mode says) rounded once to `cType`; the n partials are then added in
+/// fp32 in rank order 0..n-1 and the sum rounded once to `cType`. Scale values are not
+/// checked (NaN or infinite scales give NaN or infinite C).
+///
+/// Rules (mkInvalidArgument, the rule named in mkGetLastError, nothing written): abType
+/// mkFloat8e4m3 (mkFloat8e5m2 is refused: this op's kernels multiply e4m3 A and B); cType
+/// mkBfloat16 or mkFloat16; scaleMode a mkScaleMode_t; M divisible by nranks; K a positive
+/// multiple of 16 (of 128 with block scales); N a multiple of 8; A, B and C non-NULL and
+/// 16-byte aligned; scaleA and scaleB non-NULL and 4-byte aligned; all device memory of
+/// this rank's device. The partial product (M·N elements of cType) must fit in the
+/// communicator's fused-op region (MK_WORKSPACE_BYTES / mkConfig_t.workspaceBytes), else
+/// mkInvalidUsage names the size. One node only: a communicator across nodes gets
+/// mkInvalidUsage. With one rank, mkScaledGemm. Needs an sm_90 GPU.
+///
+/// Stream-ordered and asynchronous, capturable in a CUDA graph. Every rank must call it with
+/// the same M, N, K, types and mode. A peer that does not arrive within MK_TIMEOUT_MS makes
+/// the kernel stop; mkCommGetAsyncError then reports mkTimeout (or mkRemoteError) and C is
+/// undefined.
+#[no_mangle]
+pub unsafe extern "C" fn mkScaledGemmReduceScatter(
+    A: *const c_void,
+    scaleA: *const f32,
+    B: *const c_void,
+    scaleB: *const f32,
+    C: *mut c_void,
+    M: usize,
+    N: usize,
+    K: usize,
+    abType: RawDataType,
+    cType: RawDataType,
+    scaleMode: RawScaleMode,
+    comm: mkComm_t,
+    stream: CUstream,
+) -> mkResult_t {
+    use crate::ops::dense::gemm_reduce::Reduction;
+    let call = scaled_gemm_reduce_call(A, scaleA, B, scaleB, C, M, N, K);
+    scaled_gemm_reduce(Reduction::Scatter, &call, abType, cType, scaleMode, comm, stream)
+}
+
+/// fp8 GEMM + AllReduce: C = Σ over ranks of (A·sA)(B·sB)ᵀ on every rank, in one persistent
+/// kernel: mkGemmAllReduce's regimes (one-shot for small M, or M not a multiple of
+/// 128·nranks; two-phase above) with mkScaledGemm's arithmetic on each rank's K slice.
+///
+/// - `A`, `scaleA`, `B`, `scaleB`, `abType`, `scaleMode`: as mkScaledGemmReduceScatter.
+/// - `C`: [M, N] of `cType` on every rank. Any M ≥ 0 (decode shapes included).
+///
+/// Rounding as mkScaledGemmReduceScatter; every sum is formed in rank order 0..n-1 whoever
+/// forms it, so all ranks' C are bitwise identical. Rules, errors and stream semantics as
+/// mkScaledGemmReduceScatter, without M's divisibility; the two-phase path also keeps the
+/// reduced rows in the fused-op region (2·M·N elements of cType in all). One node only.
+/// With one rank, mkScaledGemm.
+#[no_mangle]
+pub unsafe extern "C" fn mkScaledGemmAllReduce(
+    A: *const c_void,
+    scaleA: *const f32,
+    B: *const c_void,
+    scaleB: *const f32,
+    C: *mut c_void,
+    M: usize,
+    N: usize,
+    K: usize,
+    abType: RawDataType,
+    cType: RawDataType,
+    scaleMode: RawScaleMode,
+    comm: mkComm_t,
+    stream: CUstream,
+) -> mkResult_t {
+    use crate::ops::dense::gemm_reduce::Reduction;
+    let call = scaled_gemm_reduce_call(A, scaleA, B, scaleB, C, M, N, K);
+    scaled_gemm_reduce(Reduction::All, &call, abType, cType, scaleMode, comm, stream)
+}
+
+/// The pointers and sizes of a scaled GEMM + reduction call.
+#[allow(clippy::too_many_arguments)] // the C call's arguments
+fn scaled_gemm_reduce_call(
+    a: *const c_void,
+    scale_a: *const f32,
+    b: *const c_void,
+    scale_b: *const f32,
+    c: *mut c_void,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> crate::ops::dense::gemm_reduce_scaled::ScaledGemmReduceCall {
+    crate::ops::dense::gemm_reduce_scaled::ScaledGemmReduceCall {
+        a: a as u64,
+        scale_a: scale_a as u64,
+        b: b as u64,
+        scale_b: scale_b as u64,
+        c: c as u64,
+        m,
+        n,
+        k,
+    }
+}
+
+/// mkScaledGemmReduceScatter's and mkScaledGemmAllReduce's body: validate, then run on `comm`.
+fn scaled_gemm_reduce(
+    reduction: crate::ops::dense::gemm_reduce::Reduction,
+    call: &crate::ops::dense::gemm_reduce_scaled::ScaledGemmReduceCall,
+    ab_type: RawDataType,
+    c_type: RawDataType,
+    mode: RawScaleMode,
+    comm: mkComm_t,
+    stream: CUstream,
+) -> mkResult_t {
+    use crate::ops::dense::gemm_reduce_scaled::{op_name, scaled_gemm_reduce, validate_args};
+    with_comm(comm, op_name(reduction), |c| {
+        let args = validate_args(reduction, call, ab_type, c_type, mode, c.nranks, c.rank)?;
+        scaled_gemm_reduce(c, &args, stream)
+    })
+}
+
 /// Bytes of the layout buffer that mkMoeDispatchGemm fills and mkMoeGemmCombine reads:
 /// 4·(4 + 3·tokens·topk + 6·recvCapacity/128 + 1025) (int32 words: per (token, choice) the
 /// owner rank and the row there, per receive-buffer row block its expert, order, sources,
@@ -733,6 +862,42 @@ mod tests {
         assert_eq!(r, mkResult_t::mkInvalidArgument);
         assert!(thread_last_error().contains("mkAllGatherScaledGemm: comm is NULL"), "{}", thread_last_error());
     }
+
+    // No GPU needed: fails before any CUDA call (the argument rules themselves are tested
+    // on ops::dense::gemm_reduce_scaled::validate_args).
+    #[test]
+    fn scaled_gemm_reductions_reject_a_null_comm() {
+        let p = 0x10000 as *mut c_void;
+        let sc = 0x20000 as *const f32;
+        let e4m3 = mkDataType_t::mkFloat8e4m3 as RawDataType;
+        let bf16 = mkDataType_t::mkBfloat16 as RawDataType;
+        let (comm, stream) = (std::ptr::null_mut(), std::ptr::null_mut());
+        for (f, name) in [
+            (mkScaledGemmReduceScatter as ScaledReduction, "mkScaledGemmReduceScatter"),
+            (mkScaledGemmAllReduce, "mkScaledGemmAllReduce"),
+        ] {
+            let r = unsafe { f(p, sc, p, sc, p, 256, 256, 256, e4m3, bf16, 1, comm, stream) };
+            assert_eq!(r, mkResult_t::mkInvalidArgument, "{name}");
+            let e = thread_last_error();
+            assert!(e.contains(&format!("{name}: comm is NULL")), "{e}");
+        }
+    }
+
+    type ScaledReduction = unsafe extern "C" fn(
+        *const c_void,
+        *const f32,
+        *const c_void,
+        *const f32,
+        *mut c_void,
+        usize,
+        usize,
+        usize,
+        RawDataType,
+        RawDataType,
+        RawScaleMode,
+        mkComm_t,
+        CUstream,
+    ) -> mkResult_t;
 
     // No GPU needed: these fail before any CUDA call (the argument rules themselves are
     // tested on ops::moe::validate_dispatch / validate_combine).

@@ -117,6 +117,35 @@ func (c *Comm) GemmAllReduce(a, b, out DevicePtr, m, n, k int, dtype DataType, s
 	})
 }
 
+// ScaledGemmReduceScatter computes the sum over ranks of (A·scaleA)(B·scaleB)ᵀ with fp8 A
+// [m, k] and B [n, k] (this rank's K slice, abType Float8e4m3) and their fp32 scales (as mode
+// says), and leaves this rank's [m/nranks, n] rows of cType in out (mkScaledGemmReduceScatter).
+func (c *Comm) ScaledGemmReduceScatter(a, scaleA, b, scaleB, out DevicePtr, m, n, k int, abType, cType DataType, mode ScaleMode, s Stream) error {
+	sz := sizes{op: "mkScaledGemmReduceScatter"}
+	cm, cn, ck := sz.of("m", m), sz.of("n", n), sz.of("k", k)
+	if sz.err != nil {
+		return sz.err
+	}
+	return c.do("mkScaledGemmReduceScatter", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkScaledGemmReduceScatter(ptr(a), f32(scaleA), ptr(b), f32(scaleB), ptr(out), cm, cn, ck,
+			C.mkDataType_t(abType), C.mkDataType_t(cType), C.mkScaleMode_t(mode), h, stream(s))
+	})
+}
+
+// ScaledGemmAllReduce computes the sum over ranks of (A·scaleA)(B·scaleB)ᵀ ([m, n] of cType)
+// on every rank, as ScaledGemmReduceScatter takes its operands (mkScaledGemmAllReduce).
+func (c *Comm) ScaledGemmAllReduce(a, scaleA, b, scaleB, out DevicePtr, m, n, k int, abType, cType DataType, mode ScaleMode, s Stream) error {
+	sz := sizes{op: "mkScaledGemmAllReduce"}
+	cm, cn, ck := sz.of("m", m), sz.of("n", n), sz.of("k", k)
+	if sz.err != nil {
+		return sz.err
+	}
+	return c.do("mkScaledGemmAllReduce", func(h C.mkComm_t) C.mkResult_t {
+		return C.mkScaledGemmAllReduce(ptr(a), f32(scaleA), ptr(b), f32(scaleB), ptr(out), cm, cn, ck,
+			C.mkDataType_t(abType), C.mkDataType_t(cType), C.mkScaleMode_t(mode), h, stream(s))
+	})
+}
+
 // MoeLayoutBytes is the size of the layout buffer MoeDispatchGemm fills (mkMoeLayoutBytes).
 func MoeLayoutBytes(tokens, topk, recvCapacity int) (int, error) {
 	sz := sizes{op: "mkMoeLayoutBytes"}

@@ -1,6 +1,7 @@
 // The scaled fp8 GEMM's persistent loop, shared by every kernel that multiplies fp8 with
-// scales: mkScaledGemm (kernels/scaled_gemm.cu) and mkAllGatherScaledGemm
-// (kernels/ag_scaled_gemm.cu). C[M,N] = (A·sA)(B·sB)ᵀ with A [M,K] and B [N,K] in fp8 (A's
+// scales: mkScaledGemm (kernels/scaled_gemm.cu), mkAllGatherScaledGemm
+// (kernels/ag_scaled_gemm.cu), and mkScaledGemmReduceScatter / mkScaledGemmAllReduce
+// (kernels/gemm_reduce_scaled.cu). C[M,N] = (A·sA)(B·sB)ᵀ with A [M,K] and B [N,K] in fp8 (A's
 // and B's types are the config's TA and TB: the pairs wgmma_fp8_ops.cuh has, e4m3 x e4m3
 // and e5m2 x e4m3), both K-major (fp8 wgmma reads K-major operands only), C bf16 or fp16.
 // Both fp8 types are one byte, so the ring, the swizzle and the descriptors do not depend
@@ -18,9 +19,11 @@
 // raster order (Sched), a TMA producer thread feeding a ring of stages, two consumer
 // warpgroups of 64 rows each, the engine's epilogues, and the engine's hook interface
 // (hooks.cuh: AWait::before_a_load in the producer thread, AWait::side_work in the producer
-// warpgroup's three idle warps), through which a fused op waits for rows and moves data. It
-// differs in the consumer's mainloop, and is kept apart so the engine's kernels stay as
-// they are:
+// warpgroup's three idle warps), through which a fused op waits for rows and moves data, and
+// the engine's epilogue interface (epilogue.cuh: C itself by default; a fused op's partial
+// tiles with a courier raising their flags, Epi::kCourier, in warp 1 of the producer
+// warpgroup, the hook's side work then in warps 2-3). It differs in the consumer's
+// mainloop, and is kept apart so the engine's kernels stay as they are:
 // - a stage holds 128 of K (128 one-byte elements: one 128-byte swizzle row), four wgmma
 //   m64nBNk32 per stage;
 // - promotion: the fp8 tensor cores accumulate with fewer mantissa bits than fp32 (about 14
@@ -58,6 +61,7 @@ struct ScaledConfig {
   static constexpr int BM = 128, BN = BN_, BK = 128;  // BK one-byte elements: a 128-byte row
   static constexpr bool TMA_EPI = TMA_EPI_;
   static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+  static constexpr int CLUSTER = 1;  // no multicast (restore_launch_registers asks)
   static constexpr int PRODUCER_REGS = PRODUCER_REGS_;
   static constexpr int CONSUMER_REGS = ((THREADS * 168 - 128 * PRODUCER_REGS) / (128 * CONSUMERS)) / 8 * 8;
   static constexpr int A_STAGE_BYTES = BM * BK, B_STAGE_BYTES = BN * BK;
@@ -82,6 +86,14 @@ struct ScaledConfig {
 template <class Cfg>
 using ScaledEpilogue = typename std::conditional<Cfg::TMA_EPI, TmaStoreEpilogue, DirectStoreEpilogue<StoreOp>>::type;
 
+// Dynamic shared memory of a kernel running the loop with epilogue Epi: the config's, and
+// the courier's mailboxes after the stage barriers when the epilogue has a courier
+// (ops::gemm::scaled::smem_bytes_with_courier mirrors it).
+template <class Cfg, class Epi>
+constexpr int scaled_smem_bytes() {
+  return Cfg::smem_bytes + (Epi::kCourier ? kMailboxBytes : 0);
+}
+
 // How the consumers read A's scales. ld.global.nc (__ldg) may only read memory that no one
 // writes while the kernel runs: right for a caller's scales (mkScaledGemm), wrong for
 // scales that peers push into the workspace during the kernel (AllGather+GEMM), which are
@@ -104,22 +116,26 @@ struct ScaledOperands {
 };
 
 // The persistent loop over tiles t = item0, item0 + item_step, ... of the order Sched
-// (GroupedRaster, RankRotatedRaster: RasterParams), with the hooks of AWait (hooks.cuh;
-// a_source must return tma_a itself: the consumers index the scales by the tile's rows).
-// Launch: Cfg::THREADS threads, dynamic shared memory Cfg::smem_bytes (traps with less).
-template <class Cfg, class Sched, class AWait, ScaleRead kScaleARead = ScaleRead::ReadOnly>
-__device__ __forceinline__ void scaled_gemm_persistent(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
-                                                       const CUtensorMap* tma_c, const ScaledOperands& op,
-                                                       const RasterParams& sched, const typename AWait::Params& await,
-                                                       int item0, int item_step) {
-  using Epi = ScaledEpilogue<Cfg>;
+// (GroupedRaster, RankRotatedRaster, OwnerInterleavedRaster: RasterParams), with the hooks
+// of AWait (hooks.cuh; a_source must return tma_a itself: the consumers index the scales by
+// the tile's rows) and the epilogue Epi (epilogue.cuh; TMA staging of Cfg::STAGING_PER_WG per
+// consumer warpgroup, a courier in warp 1 when Epi::kCourier).
+// Launch: Cfg::THREADS threads, dynamic shared memory scaled_smem_bytes<Cfg, Epi>() (traps
+// with less).
+template <class Cfg, class Sched, class AWait, class Epi, ScaleRead kScaleARead = ScaleRead::ReadOnly>
+__device__ __forceinline__ void scaled_gemm_persistent_with(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
+                                                            const typename Epi::Params& epi, const ScaledOperands& op,
+                                                            const RasterParams& sched,
+                                                            const typename AWait::Params& await, int item0,
+                                                            int item_step) {
   using Mma = WgmmaFp8<Cfg::BN, typename Cfg::TA, typename Cfg::TB>;  // A's and B's fp8 types
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, STAGES = Cfg::STAGES;
   static_assert(Epi::template smem_bytes_per_wg<BN>() == Cfg::STAGING_PER_WG, "staging as the planner counts it");
+  static_assert(!Epi::kCourier || Cfg::CONSUMERS == 2, "the courier serves two consumer warpgroups");
   extern __shared__ __align__(1024) char smem_raw[];
   uint32_t dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-  if (dyn_smem < uint32_t(Cfg::smem_bytes)) __trap();  // host/kernel plan mismatch
+  if (dyn_smem < uint32_t(scaled_smem_bytes<Cfg, Epi>())) __trap();  // host/kernel plan mismatch
 
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   char* smem_a = smem;
@@ -127,6 +143,7 @@ __device__ __forceinline__ void scaled_gemm_persistent(const CUtensorMap* tma_a,
   char* smem_c = smem_b + STAGES * Cfg::B_STAGE_BYTES;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem_c + Cfg::CONSUMERS * Cfg::STAGING_PER_WG);
   uint64_t* empty = full + STAGES;
+  uint64_t* mailboxes = empty + STAGES;  // the epilogue courier's (kMailboxBytes), with a courier only
 
   const int M = op.M, N = op.N;
   const int num_items = sched.tiles_m * sched.tiles_n;
@@ -137,6 +154,12 @@ __device__ __forceinline__ void scaled_gemm_persistent(const CUtensorMap* tma_a,
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], Cfg::CONSUMERS * 4);  // one arrival per consumer warp
+    }
+    if constexpr (Epi::kCourier) {
+      for (int c = 0; c < Cfg::CONSUMERS; ++c) {
+        mbar_init(&mailboxes[c * kMailboxWords], 1);      // a slab handed to the courier
+        mbar_init(&mailboxes[c * kMailboxWords + 1], 1);  // the courier took it
+      }
     }
     fence_mbar_init();
   }
@@ -167,6 +190,10 @@ __device__ __forceinline__ void scaled_gemm_persistent(const CUtensorMap* tma_a,
           }
         }
       }
+    } else if (Epi::kCourier && threadIdx.x / 32 == 1) {
+      // The courier raises the flag of every slab of this CTA's tiles, in their order.
+      const int tiles = item0 < num_items ? (num_items - item0 + item_step - 1) / item_step : 0;
+      if (threadIdx.x == 32) Epi::courier(epi, mailboxes, tiles);
     } else if (threadIdx.x >= 32) {
       AWait::side_work(await, threadIdx.x - 32);
     }
@@ -185,17 +212,7 @@ __device__ __forceinline__ void scaled_gemm_persistent(const CUtensorMap* tma_a,
     slab.consumer = consumer;
     slab.thread = thread;
     slab.smem = smem_c + consumer * Cfg::STAGING_PER_WG;
-    slab.mailbox = nullptr;  // these epilogues have no courier
-    typename Epi::Params epi;
-    if constexpr (Cfg::TMA_EPI) {
-      epi.dest.tma_c = tma_c;
-      epi.signal.unused = 0;
-      epi.dest.c = op.c;
-      epi.dest.ldc = N;
-    } else {
-      epi.c = op.c;
-      epi.ldc = N;
-    }
+    slab.mailbox = Epi::kCourier ? mailboxes + consumer * kMailboxWords : nullptr;
     const float* scale_a = op.scale_a;
     const float* scale_b = op.scale_b;
     for (int t = item0; t < num_items; t += item_step) {
@@ -276,6 +293,28 @@ __device__ __forceinline__ void scaled_gemm_persistent(const CUtensorMap* tma_a,
     Epi::finish(epi, slab);
   }
   __syncwarp();
+}
+
+// The loop writing C itself: TMA stores through tma_c, or direct stores into op.c
+// (ScaledEpilogue<Cfg>, no courier). Dynamic shared memory Cfg::smem_bytes.
+template <class Cfg, class Sched, class AWait, ScaleRead kScaleARead = ScaleRead::ReadOnly>
+__device__ __forceinline__ void scaled_gemm_persistent(const CUtensorMap* tma_a, const CUtensorMap* tma_b,
+                                                       const CUtensorMap* tma_c, const ScaledOperands& op,
+                                                       const RasterParams& sched, const typename AWait::Params& await,
+                                                       int item0, int item_step) {
+  using Epi = ScaledEpilogue<Cfg>;
+  typename Epi::Params epi;
+  if constexpr (Cfg::TMA_EPI) {
+    epi.dest.tma_c = tma_c;
+    epi.signal.unused = 0;
+    epi.dest.c = op.c;
+    epi.dest.ldc = op.N;
+  } else {
+    epi.c = op.c;
+    epi.ldc = op.N;
+  }
+  scaled_gemm_persistent_with<Cfg, Sched, AWait, Epi, kScaleARead>(tma_a, tma_b, epi, op, sched, await, item0,
+                                                                   item_step);
 }
 
 }  // namespace gemm

@@ -41,6 +41,8 @@ from .ops import (
     reduce_scatter,
     ring_attention,
     scaled_gemm,
+    scaled_gemm_all_reduce,
+    scaled_gemm_reduce_scatter,
 )
 
 
@@ -88,4 +90,6 @@ __all__ = [
     "reduce_scatter",
     "ring_attention",
     "scaled_gemm",
+    "scaled_gemm_all_reduce",
+    "scaled_gemm_reduce_scatter",
 ]

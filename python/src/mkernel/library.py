@@ -272,6 +272,42 @@ def _(a, b, comm):
 
 
 @_define(
+    "scaled_gemm_reduce_scatter(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, str comm, "
+    "SymInt world_size) -> Tensor"
+)
+def scaled_gemm_reduce_scatter(a, b, scale_a, scale_b, out_dtype, comm, world_size):
+    c = _communicator("scaled_gemm_reduce_scatter", comm, world_size)
+    shape, mode = ops.scaled_gemm_reduce_scatter_shapes(a, b, scale_a, scale_b, out_dtype, world_size)
+    out = _empty(shape, a, out_dtype)
+    ops.scaled_gemm_reduce_scatter_launch(a, b, scale_a, scale_b, out, mode, c)
+    return out
+
+
+@_fake("scaled_gemm_reduce_scatter")
+def _(a, b, scale_a, scale_b, out_dtype, comm, world_size):
+    shape, _mode = ops.scaled_gemm_reduce_scatter_shapes(a, b, scale_a, scale_b, out_dtype, world_size)
+    return _empty(shape, a, out_dtype)
+
+
+@_define(
+    "scaled_gemm_all_reduce(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, str comm) "
+    "-> Tensor"
+)
+def scaled_gemm_all_reduce(a, b, scale_a, scale_b, out_dtype, comm):
+    c = lookup(comm)
+    shape, mode = ops.scaled_gemm_all_reduce_shapes(a, b, scale_a, scale_b, out_dtype)
+    out = _empty(shape, a, out_dtype)
+    ops.scaled_gemm_all_reduce_launch(a, b, scale_a, scale_b, out, mode, c)
+    return out
+
+
+@_fake("scaled_gemm_all_reduce")
+def _(a, b, scale_a, scale_b, out_dtype, comm):
+    shape, _mode = ops.scaled_gemm_all_reduce_shapes(a, b, scale_a, scale_b, out_dtype)
+    return _empty(shape, a, out_dtype)
+
+
+@_define(
     "moe_dispatch_gemm(Tensor x, Tensor topk_idx, Tensor w1, "
     "str comm, SymInt world_size, SymInt recv_capacity) -> (Tensor, Tensor, Tensor)"
 )

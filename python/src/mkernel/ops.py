@@ -292,11 +292,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -
     return out
 
 
-def scaled_gemm_shapes(a, b, scale_a, scale_b, out_dtype):
-    """C's shape and the scale mode ("tensor", "rowwise" or "block") the scales' sizes give."""
-    op = "scaled_gemm"
-    check.tensor(op, "a", a, dtypes=check.SCALED_GEMM_A_DTYPES, dim=2)
-    if isinstance(b, torch.Tensor) and b.dtype == torch.float8_e5m2:
+def scaled_gemm_shapes(a, b, scale_a, scale_b, out_dtype, op: str = "scaled_gemm", a_dtypes=None):
+    """C's shape and the scale mode ("tensor", "rowwise" or "block") the scales' sizes give.
+
+    `op` names the op in the messages; `a_dtypes` are the types it takes for a (scaled_gemm's:
+    e4m3 and e5m2)."""
+    a_dtypes = a_dtypes or check.SCALED_GEMM_A_DTYPES
+    check.tensor(op, "a", a, dtypes=a_dtypes, dim=2)
+    if torch.float8_e5m2 in a_dtypes and isinstance(b, torch.Tensor) and b.dtype == torch.float8_e5m2:
         check.fail(op, "expected b to have dtype torch.float8_e4m3fn, but got torch.float8_e5m2 (only a may be e5m2)")
     check.tensor(op, "b", b, dtypes=check.SCALED_GEMM_DTYPES, dim=2)
     check.tensor(op, "scale_a", scale_a, dtypes=(torch.float32,))
@@ -521,6 +524,114 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, comm: CommLike, *, out: to
 
 
 # --- MoE --------------------------------------------------------------------------------------------
+
+
+def scaled_gemm_reduce_scatter_shapes(a, b, scale_a, scale_b, out_dtype, world_size: int):
+    """This rank's rows of C and the scale mode: scaled_gemm's rules over this rank's K slice
+    (a and b in torch.float8_e4m3fn), then the reduction's."""
+    op = "scaled_gemm_reduce_scatter"
+    (m, n), mode = scaled_gemm_shapes(a, b, scale_a, scale_b, out_dtype, op, check.SCALED_GEMM_DTYPES)
+    check.multiple_of(op, "N (b.shape[0])", n, 8)
+    check.world_size(op, world_size)
+    if m % world_size != 0:
+        check.fail(op, f"expected M (a.shape[0] = {m}) to be divisible by the world size ({world_size})")
+    return (m // world_size, n), mode
+
+
+def scaled_gemm_all_reduce_shapes(a, b, scale_a, scale_b, out_dtype):
+    """C's shape and the scale mode: scaled_gemm's rules (a and b in torch.float8_e4m3fn), N a
+    multiple of 8."""
+    op = "scaled_gemm_all_reduce"
+    (m, n), mode = scaled_gemm_shapes(a, b, scale_a, scale_b, out_dtype, op, check.SCALED_GEMM_DTYPES)
+    check.multiple_of(op, "N (b.shape[0])", n, 8)
+    return (m, n), mode
+
+
+def _scaled_reduced_gemm_launch(op: str, fn_name: str, a, b, scale_a, scale_b, out, mode: str, comm) -> None:
+    check.on_device(op, comm.torch_device, a=a, b=b, scale_a=scale_a, scale_b=scale_b, out=out)
+    check.aligned(
+        op, ("a", a, 16), ("b", b, 16), ("scale_a", scale_a, 4), ("scale_b", scale_b, 4), ("out", out, 16)
+    )
+    m, k = a.shape
+    n = b.shape[0]
+    _call(
+        comm,
+        fn_name,
+        a.data_ptr(),
+        _lib.as_ptr(scale_a.data_ptr(), ctypes.c_float),
+        b.data_ptr(),
+        _lib.as_ptr(scale_b.data_ptr(), ctypes.c_float),
+        out.data_ptr(),
+        m,
+        n,
+        k,
+        check.dtype_code(a.dtype),
+        check.dtype_code(out.dtype),
+        _lib.SCALE_MODE_CODES[mode],
+    )
+
+
+def scaled_gemm_reduce_scatter_launch(a, b, scale_a, scale_b, out, mode: str, comm) -> None:
+    _scaled_reduced_gemm_launch(
+        "scaled_gemm_reduce_scatter", "mkScaledGemmReduceScatter", a, b, scale_a, scale_b, out, mode, comm
+    )
+
+
+def scaled_gemm_all_reduce_launch(a, b, scale_a, scale_b, out, mode: str, comm) -> None:
+    _scaled_reduced_gemm_launch(
+        "scaled_gemm_all_reduce", "mkScaledGemmAllReduce", a, b, scale_a, scale_b, out, mode, comm
+    )
+
+
+def scaled_gemm_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    comm: CommLike,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Σ over ranks of (a · scale_a) @ (b · scale_b).T, reduce-scattered by rows: this rank's
+    [M / n, N] block of out_dtype (bfloat16 or float16).
+
+    a [M, K] and b [N, K] in torch.float8_e4m3fn hold this rank's K columns, with this rank's
+    float32 scales as scaled_gemm takes them (per tensor, rowwise or block; each rank's own).
+    Each rank's partial is scaled_gemm's, rounded once to out_dtype; the partials are summed
+    in fp32 in rank order and rounded once. N must be a multiple of 8."""
+    _tensors("scaled_gemm_reduce_scatter", a=a, b=b, scale_a=scale_a, scale_b=scale_b)
+    c = resolve(comm)
+    if out is None:
+        return dispatch(
+            torch.ops.mkernel.scaled_gemm_reduce_scatter, a, b, scale_a, scale_b, out_dtype, c.name, c.world_size
+        )
+    shape, mode = scaled_gemm_reduce_scatter_shapes(a, b, scale_a, scale_b, out_dtype, c.world_size)
+    check.output("scaled_gemm_reduce_scatter", "out", out, shape=shape, dtype=out_dtype, device=c.torch_device)
+    scaled_gemm_reduce_scatter_launch(a, b, scale_a, scale_b, out, mode, c)
+    return out
+
+
+def scaled_gemm_all_reduce(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    comm: CommLike,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Σ over ranks of (a · scale_a) @ (b · scale_b).T on every rank (bitwise identical):
+    [M, N] of out_dtype. Operands as scaled_gemm_reduce_scatter; any M."""
+    _tensors("scaled_gemm_all_reduce", a=a, b=b, scale_a=scale_a, scale_b=scale_b)
+    c = resolve(comm)
+    if out is None:
+        return dispatch(torch.ops.mkernel.scaled_gemm_all_reduce, a, b, scale_a, scale_b, out_dtype, c.name)
+    shape, mode = scaled_gemm_all_reduce_shapes(a, b, scale_a, scale_b, out_dtype)
+    check.output("scaled_gemm_all_reduce", "out", out, shape=shape, dtype=out_dtype, device=c.torch_device)
+    scaled_gemm_all_reduce_launch(a, b, scale_a, scale_b, out, mode, c)
+    return out
 
 
 def _layout_bytes(tokens, topk, recv_capacity) -> int:

@@ -157,14 +157,9 @@ impl AgScaledGemmPlan {
     }
 }
 
-/// The tile width: 128 columns, or 64 where 128-wide tiles would number fewer than the
-/// CTAs (mkScaledGemm's rule).
+/// The tile width: mkScaledGemm's rule (`scaled::tile_width`).
 pub fn tile_width(m: usize, n: usize, ctas: usize) -> usize {
-    if m.div_ceil(BM) * n.div_ceil(128) < ctas.max(1) && n > 64 {
-        64
-    } else {
-        128
-    }
+    scaled::tile_width(m, n, ctas)
 }
 
 /// Plans a call of `m` gathered rows over `nranks` (m % nranks == 0) on `grid_ctas` CTAs

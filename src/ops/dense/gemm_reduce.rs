@@ -1,7 +1,9 @@
 //! The GEMM + reduction kernels (kernels/gemm_reduce.cu, kernels/gemm_reduce_early.cu)
 //! shared by mkGemmReduceScatter and mkGemmAllReduce: argument checks, the plan
 //! (`GemmReducePlan`: the role split of the `gemm_rs` / `gemm_ar` planners, tile, owner
-//! order, early sums, grid; pure and CPU-tested), then tensor maps and the launch.
+//! order, early sums, grid; pure and CPU-tested), then tensor maps and the launch. The role
+//! split, the output rows, the region's bytes and the kernel parameters on one node are also
+//! the fp8 ops' (`gemm_reduce_scaled`), which run the same reducers.
 
 use crate::comm::workspace::SymmetricWorkspace;
 use crate::comm::Comm;
@@ -102,14 +104,26 @@ pub fn validate(
             "{name} = {ptr:#x} is not 16-byte aligned (TMA and 16-byte vector stores need it)"
         );
     }
+    check_tile_signals(m, n)?;
+    Ok(GemmReduceArgs { a, b, c, m, n, k, dtype, reduction, trace: 0 })
+}
+
+/// The per-tile signal words hold every tile of M × N at 128 × 128 (the narrowest tiles a
+/// planner picks past that many: `tile_signals_fit`), three flags per tile: two stored slabs,
+/// and the two-phase AllReduce's "reduced".
+pub fn check_tile_signals(m: usize, n: usize) -> Result<()> {
     let tiles = m.div_ceil(ROW_BLOCK) * n.div_ceil(128);
-    // Three flags per tile: two stored slabs, and the two-phase AllReduce's "reduced".
     crate::ensure_arg!(
-        3 * tiles <= TILE_FLAG_WORDS,
+        tile_signals_fit(tiles),
         "M = {m}, N = {n}: {tiles} tiles of 128x128 exceed the {} per-tile signals of the workspace; split the GEMM",
         TILE_FLAG_WORDS / 3
     );
-    Ok(GemmReduceArgs { a, b, c, m, n, k, dtype, reduction, trace: 0 })
+    Ok(())
+}
+
+/// Whether `tiles` tiles' flags (three each) fit in the per-tile signal words.
+pub fn tile_signals_fit(tiles: usize) -> bool {
+    3 * tiles <= TILE_FLAG_WORDS
 }
 
 /// Owner shards whose row blocks compute and reduction interleave: every destination
@@ -304,6 +318,61 @@ impl GemmReducePlan {
     }
 }
 
+/// Who computes and who sums: the GEMM CTAs, the dedicated reduction CTAs (MK_COMM_SMS), and
+/// whether the AllReduce runs in two phases (on one node).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoleSplit {
+    pub compute_ctas: u32,
+    pub reduce_ctas: u32,
+    pub two_phase: bool,
+}
+
+/// The role split of `gemm_rs::plan` (ReduceScatter) or `gemm_ar::plan` (AllReduce: one-shot
+/// or two-phase) for shape `s` on `grid_ctas` CTAs; `comm_override` is MK_COMM_SMS / config.
+pub fn role_split(
+    s: &GemmReduceShape,
+    grid_ctas: u32,
+    comm_override: Option<u32>,
+    tuning: &Tuning,
+) -> Result<RoleSplit> {
+    let GemmReduceShape { reduction, m, n, k, nranks, rank, .. } = *s;
+    Ok(match reduction {
+        Reduction::Scatter => {
+            let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid_ctas, comm_override)?;
+            RoleSplit { compute_ctas: p.compute_ctas, reduce_ctas: p.reduce_ctas, two_phase: false }
+        }
+        Reduction::All => {
+            match gemm_ar::plan(m, n, k, nranks, rank, grid_ctas, comm_override, tuning.gemm_ar_one_shot_max_m)? {
+                gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => {
+                    RoleSplit { compute_ctas, reduce_ctas, two_phase: false }
+                }
+                gemm_ar::GemmArPlan::TwoPhase(p) => {
+                    RoleSplit { compute_ctas: p.compute_ctas, reduce_ctas: p.reduce_ctas, two_phase: true }
+                }
+            }
+        }
+    })
+}
+
+/// Rows of the sum this rank writes, [row_lo, row_hi), and the row of the sum in C's row 0.
+pub fn output_rows(reduction: Reduction, m: usize, nranks: usize, rank: usize) -> (usize, usize, usize) {
+    match reduction {
+        Reduction::Scatter => (rank * m / nranks, (rank + 1) * m / nranks, rank * m / nranks),
+        Reduction::All => (0, m, 0),
+    }
+}
+
+/// The fused-op region's bytes on one node: P (M·N partials of `element_bytes`) and, for the
+/// two-phase AllReduce, R (its reduced rows, as many again).
+pub fn one_node_op_bytes(m: usize, n: usize, element_bytes: usize, two_phase: bool) -> u64 {
+    let partial_bytes = (m * n * element_bytes) as u64;
+    if two_phase {
+        2 * partial_bytes
+    } else {
+        partial_bytes
+    }
+}
+
 /// Plans a GEMM + reduction on more than one rank: the role split (`gemm_rs::plan` or
 /// `gemm_ar::plan`), across nodes the node plan, then the tile, order and early sums.
 /// `grid_ctas` is `DeviceCaps::grid_cap`; `comm_override` MK_COMM_SMS / config; the partial
@@ -315,21 +384,10 @@ pub fn plan(
     comm_override: Option<u32>,
     tuning: &Tuning,
 ) -> Result<GemmReducePlan> {
-    let GemmReduceShape { reduction, m, n, k, nranks, rank, nodes } = *s;
-    let (compute_ctas, reduce_ctas, two_phase) = match reduction {
-        Reduction::Scatter => {
-            let p = gemm_rs::plan(&gemm_rs::GemmRsShape { m, n, k, nranks, rank }, grid_ctas, comm_override)?;
-            (p.compute_ctas, p.reduce_ctas, false)
-        }
-        Reduction::All => {
-            match gemm_ar::plan(m, n, k, nranks, rank, grid_ctas, comm_override, tuning.gemm_ar_one_shot_max_m)? {
-                gemm_ar::GemmArPlan::OneShot { compute_ctas, reduce_ctas } => (compute_ctas, reduce_ctas, false),
-                gemm_ar::GemmArPlan::TwoPhase(p) => (p.compute_ctas, p.reduce_ctas, true),
-            }
-        }
-    };
+    let GemmReduceShape { reduction, m, n, nranks, rank, nodes, .. } = *s;
+    let RoleSplit { compute_ctas, reduce_ctas, two_phase } = role_split(s, grid_ctas, comm_override, tuning)?;
     // Across nodes the kernel always reduces in its hierarchical phases (the one-node
-    // planners above only split the CTAs).
+    // planners only split the CTAs).
     let two_phase = two_phase && nodes.is_none();
     let tiles = m.div_ceil(ROW_BLOCK) * n.div_ceil(128);
     let node_plan = match nodes {
@@ -349,16 +407,12 @@ pub fn plan(
     };
     // P (this rank's partial product), and for the two-phase path R (its reduced rows);
     // across nodes also the outbox and inbox of node partials.
-    let partial_bytes = dtype.element().bytes_of(m * n) as u64;
-    let op_bytes = node_plan.map_or(if two_phase { 2 * partial_bytes } else { partial_bytes }, |p| p.op_bytes);
+    let op_bytes = node_plan.map_or(one_node_op_bytes(m, n, dtype.element().bytes, two_phase), |p| p.op_bytes);
     let bn = engine::fused_tile_width(m, n, compute_ctas as usize);
     let tiles_n = n.div_ceil(bn);
     let interleave = interleave_owners(reduction, two_phase || nodes.is_some(), m, nranks);
     let group_m = reduction_group_m(m.div_ceil(ROW_BLOCK), bn, compute_ctas as usize, interleave);
-    let (row_lo, row_hi, out_row0) = match reduction {
-        Reduction::Scatter => (rank * m / nranks, (rank + 1) * m / nranks, rank * m / nranks),
-        Reduction::All => (0, m, 0),
-    };
+    let (row_lo, row_hi, out_row0) = output_rows(reduction, m, nranks, rank);
     let bm = tile_rows(m);
     let early = early_items(
         reduction,
@@ -445,6 +499,44 @@ pub fn gemm_reduce(comm: &Comm, args: &GemmReduceArgs, stream: sys::CUstream) ->
     })
 }
 
+/// The kernel parameters of plan `p` for `shape` on one node (`ws`: its workspace view):
+/// output `c`, partials and sums of `element_bytes`, error words naming op `op_code`; no
+/// tracing, no early sums, the A box's rows the tile's. Across nodes the caller fills in the
+/// node plan's fields.
+pub fn one_node_params(
+    shape: &GemmReduceShape,
+    p: &GemmReducePlan,
+    c: u64,
+    element_bytes: usize,
+    op_code: i32,
+    ws: &kernel_abi::WorkspaceView,
+) -> GemmReduceParams {
+    let GemmReduceShape { m, n, k, nranks, rank, .. } = *shape;
+    GemmReduceParams {
+        ws: *ws,
+        c,
+        partial_offset: ws.data_bytes,
+        m: m as i32,
+        n: n as i32,
+        k: k as i32,
+        row_lo: p.row_lo as i32,
+        row_hi: p.row_hi as i32,
+        out_row0: p.out_row0 as i32,
+        tiles_n: p.tiles_n as i32,
+        group_m: p.group_m as i32,
+        compute_ctas: p.compute_ctas as i32,
+        reduce_ctas: p.reduce_ctas as i32,
+        op: op_code,
+        two_phase: p.two_phase as i32,
+        reduced_offset: ws.data_bytes + (m * n * element_bytes) as u64,
+        rows_per_rank: (m / nranks) as i32,
+        interleave: p.interleave as i32,
+        nodes: 1,
+        global_rank: rank as i32,
+        ..GemmReduceParams::default()
+    }
+}
+
 /// Launches the kernel of plan `p` for validated `args` of `shape` (the context current)
 /// on this node's workspace `ws`, and across nodes with the rank table and proxy ring `nodes`.
 fn launch(
@@ -455,7 +547,7 @@ fn launch(
     nodes: Option<&(NodeLayout, ProxyRingView)>,
     stream: sys::CUstream,
 ) -> Result<()> {
-    let GemmReduceShape { m, n, k, nranks, rank, .. } = *shape;
+    let GemmReduceShape { m, n, k, .. } = *shape;
     // The view is indexed by local rank (the global rank across nodes).
     let partial_base = ws.view.data[ws.view.rank as usize] + ws.view.data_bytes;
     let a_box_rows = engine::a_box_rows(p.bm, m);
@@ -463,32 +555,12 @@ fn launch(
     let mut tb = launch::tensor_map(args.b, args.dtype, n, k, p.bn, engine::BK)?;
     let mut tp = launch::tensor_map(partial_base, args.dtype, m, n, 64, 64)?;
     let mut params = GemmReduceParams {
-        ws: ws.view,
-        c: args.c,
-        partial_offset: ws.view.data_bytes,
-        m: m as i32,
-        n: n as i32,
-        k: k as i32,
         a_box_rows: a_box_rows as i32,
-        row_lo: p.row_lo as i32,
-        row_hi: p.row_hi as i32,
-        out_row0: p.out_row0 as i32,
-        tiles_n: p.tiles_n as i32,
-        group_m: p.group_m as i32,
-        compute_ctas: p.compute_ctas as i32,
-        reduce_ctas: p.reduce_ctas as i32,
-        op: args.reduction.op_code(),
-        two_phase: p.two_phase as i32,
         trace: args.trace,
-        reduced_offset: ws.view.data_bytes + args.dtype.element().bytes_of(m * n) as u64,
-        rows_per_rank: (m / nranks) as i32,
-        interleave: p.interleave as i32,
-        nodes: 1,
-        global_rank: rank as i32,
         // One node, no dedicated CTAs: each GEMM CTA's warps reduce after its GEMM (its
         // side warps the earlier tiles during it: early_items).
         early_items: p.early_items as i32,
-        ..GemmReduceParams::default()
+        ..one_node_params(shape, p, args.c, args.dtype.element().bytes, args.reduction.op_code(), &ws.view)
     };
     if let (Some((nl, ring)), Some(np)) = (nodes, &p.node_plan) {
         params.nodes = nl.nodes as i32;

@@ -241,11 +241,26 @@ pub fn smem_bytes(bn: usize, epilogue: Epilogue) -> usize {
     1024 + s * (BM + bn) * BK + 2 * staging_per_wg(bn, epilogue) + 2 * s * 8
 }
 
-/// Plans a call: 128-wide tiles, or 64-wide where 128-wide ones would leave SMs idle (more,
-/// narrower tiles fill more of the GPU); the grouped raster; one persistent CTA per SM at most.
+/// Dynamic shared memory of a kernel whose epilogue flags its slabs through the courier
+/// (TMA stores, `scaled_smem_bytes<Cfg, Epi>` in kernels/common/gemm/scaled_mainloop.cuh):
+/// [`smem_bytes`] and the courier's mailboxes after the stage barriers.
+pub fn smem_bytes_with_courier(bn: usize) -> usize {
+    smem_bytes(bn, Epilogue::Tma) + crate::ops::gemm::smem::MAILBOX_BYTES
+}
+
+/// The tile width for `m` × `n` on `ctas` CTAs: 128 columns, or 64 where 128-wide tiles would
+/// number fewer than the CTAs (more, narrower tiles fill more of the GPU).
+pub fn tile_width(m: usize, n: usize, ctas: usize) -> usize {
+    if m.div_ceil(BM) * n.div_ceil(128) < ctas.max(1) && n > 64 {
+        64
+    } else {
+        128
+    }
+}
+
+/// Plans a call: [`tile_width`]'s tiles, the grouped raster, one persistent CTA per SM at most.
 pub fn plan(m: usize, n: usize, sms: usize, tma_epilogue_ok: bool) -> ScaledPlan {
-    let tiles_at = |bn: usize| m.div_ceil(BM) * n.div_ceil(bn);
-    let bn = if tiles_at(128) < sms.max(1) && n > 64 { 64 } else { 128 };
+    let bn = tile_width(m, n, sms);
     let epilogue = if tma_epilogue_ok { Epilogue::Tma } else { Epilogue::Direct };
     plan_tile(m, n, sms, bn, epilogue)
 }

@@ -106,7 +106,7 @@ pub fn fused_smem_bytes(bm: usize, bn: usize) -> usize {
 
 /// The epilogue courier's mailbox after the stage barriers (kMailboxBytes in
 /// kernels/common/gemm/epilogue.cuh): two slots of two mbarriers and a slab's coordinates.
-const MAILBOX_BYTES: usize = 64;
+pub const MAILBOX_BYTES: usize = 64;
 
 /// Dynamic shared memory of a plain-GEMM kernel with 128-row tiles and no split.
 pub fn smem_bytes(bn: usize, epilogue: Epilogue) -> usize {

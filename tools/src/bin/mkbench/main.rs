@@ -14,6 +14,7 @@ mod fused_common;
 mod fused_options;
 mod gemm;
 mod gemm_reduce;
+mod gemm_reduce_fp8;
 mod host;
 mod measure;
 mod moe;
@@ -42,6 +43,8 @@ const BENCHES: &[(&str, Bench, &str)] = &[
     ("ag_gemm_fp8", ag_gemm_fp8::run, "mkAllGatherScaledGemm (e4m3, rowwise scales) vs mkAllGatherGemm in bf16, mkAllGather(e4m3 rows, scales)+mkScaledGemm, mkScaledGemm alone; bytes pushed per call (-g, --rows, --nk NxK,..., -n, -w, --blocks)"),
     ("gemm_rs", gemm_reduce::gemm_rs, "mkGemmReduceScatter vs cuBLASLt+mkReduceScatter, cuBLASLt alone, capped GEMM+mkReduceScatter (-g, --m, --nk NxK,..., -n, -w, --blocks)"),
     ("gemm_ar", gemm_reduce::gemm_ar, "mkGemmAllReduce vs cuBLASLt+mkAllReduce, cuBLASLt alone, capped GEMM+mkAllReduce (-g, --m, --nk NxK,..., -n, -w, --blocks)"),
+    ("gemm_rs_fp8", gemm_reduce_fp8::gemm_rs_fp8, "mkScaledGemmReduceScatter (e4m3, rowwise scales) vs mkGemmReduceScatter in bf16, mkScaledGemm+mkReduceScatter, mkScaledGemm alone (-g, --m, --nk NxK,..., -n, -w, --blocks)"),
+    ("gemm_ar_fp8", gemm_reduce_fp8::gemm_ar_fp8, "mkScaledGemmAllReduce (e4m3, rowwise scales) vs mkGemmAllReduce in bf16, mkScaledGemm+mkAllReduce, mkScaledGemm alone (-g, --m, --nk NxK,..., -n, -w, --blocks)"),
     ("moe", moe::run, "mkMoeDispatchGemm / mkMoeGemmCombine vs exchange + cuBLAS grouped GEMM (-g, --tokens, --hidden, --ffn, --experts, --topk, -n, -w, --blocks)"),
     ("ring_attn", ring_attn::run, "mkRingAttention vs mkAllGather(K,V)+attention, the attention alone (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, --dtype bf16|fp16, -n, -w)"),
     ("ring_attn_bwd", ring_attn_bwd::run, "mkRingAttentionBackward alone and after mkRingAttention, checked (bitwise repeat, finite, float64 rows); torch SDPA in benches/sdpa_baseline.py --backward (-g, --seq S,..., --heads, --kv-heads, --dim, --causal 0,1, --dtype bf16|fp16, -n, -w, --blocks, --rest-ms, --threads)"),
@@ -58,6 +61,8 @@ const CHECKS: &[(&str, Check)] = &[
     ("ag_gemm_fp8", ag_gemm_fp8::check),
     ("gemm_rs", gemm_reduce::check),
     ("gemm_ar", gemm_reduce::check),
+    ("gemm_rs_fp8", gemm_reduce_fp8::check),
+    ("gemm_ar_fp8", gemm_reduce_fp8::check),
     ("moe", moe::check),
     ("ring_attn", ring_attn::check),
     ("ring_attn_bwd", ring_attn_bwd::check),

@@ -130,6 +130,47 @@ pub trait FusedCase {
     }
 }
 
+/// A case whose check also gives its output's bytes (to compare them across ranks).
+pub trait CheckedOutput: FusedCase {
+    /// (passed, detail, raw output bytes).
+    fn verify_with_output(&self) -> Result<(bool, String, Vec<u8>)>;
+}
+
+/// An AllReduce case whose output every rank must hold bit for bit: its check also compares
+/// the output's SHA-256 across ranks over the control communicator (a collective call: every
+/// rank verifies the same cases in the same order).
+pub struct SameOnEveryRank<'a> {
+    pub case: &'a dyn CheckedOutput,
+    pub control: &'a Comm,
+}
+
+impl FusedCase for SameOnEveryRank<'_> {
+    fn label(&self) -> String {
+        self.case.label()
+    }
+
+    fn prepare(&self, seed: u64) -> Result<()> {
+        self.case.prepare(seed)
+    }
+
+    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
+        self.case.launch(comm, stream)
+    }
+
+    fn verify(&self) -> Result<(bool, String)> {
+        let (mut ok, mut detail, raw) = self.case.verify_with_output()?;
+        let digest = mkernel::bootstrap::crypto::sha256(&[&raw]);
+        let all = self.control.bootstrap.allgather(&digest)?;
+        if all.iter().any(|d| d[..] != digest[..]) {
+            ok = false;
+            detail.push_str(", ranks' outputs DIFFER");
+        } else {
+            detail.push_str(", identical on all ranks");
+        }
+        Ok((ok, detail))
+    }
+}
+
 /// MK_TEST_OP_BARRIER=0: rank threads launch a case's ops back to back instead of meeting
 /// between them (to show the stall `between_ops` prevents).
 fn op_barrier() -> bool {

@@ -9,7 +9,7 @@
 //! rank that never calls. The cases are a table driven by fused_common's check_rounds,
 //! graph_replay_of and absent_rank.
 
-use crate::fused_common::{self, Captured, FusedCase};
+use crate::fused_common::{self, Captured, CheckedOutput, FusedCase, SameOnEveryRank};
 use crate::outcome::Outcome;
 use crate::ranks::RankEnv;
 use mkernel::comm::Comm;
@@ -146,38 +146,9 @@ impl FusedCase for Case {
     }
 }
 
-/// An mkGemmAllReduce case whose output every rank must hold bit for bit: its check also
-/// compares the output's SHA-256 across ranks over the control communicator (a collective
-/// call: every rank verifies the same cases in the same order).
-struct SameOnEveryRank<'a> {
-    case: &'a Case,
-    control: &'a Comm,
-}
-
-impl FusedCase for SameOnEveryRank<'_> {
-    fn label(&self) -> String {
-        self.case.label()
-    }
-
-    fn prepare(&self, seed: u64) -> Result<()> {
-        self.case.prepare(seed)
-    }
-
-    fn launch(&self, comm: mkComm_t, stream: sys::CUstream) -> mkResult_t {
-        self.case.launch(comm, stream)
-    }
-
-    fn verify(&self) -> Result<(bool, String)> {
-        let (mut ok, mut detail, raw) = self.case.verify_with_output()?;
-        let digest = mkernel::bootstrap::crypto::sha256(&[&raw]);
-        let all = self.control.bootstrap.allgather(&digest)?;
-        if all.iter().any(|d| d[..] != digest[..]) {
-            ok = false;
-            detail.push_str(", ranks' outputs DIFFER");
-        } else {
-            detail.push_str(", identical on all ranks");
-        }
-        Ok((ok, detail))
+impl CheckedOutput for Case {
+    fn verify_with_output(&self) -> Result<(bool, String, Vec<u8>)> {
+        Case::verify_with_output(self)
     }
 }
 

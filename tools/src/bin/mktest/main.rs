@@ -17,6 +17,7 @@ mod fused_common;
 mod gemm;
 mod gemm_fp8;
 mod gemm_reduce;
+mod gemm_reduce_fp8;
 mod mixed;
 mod moe;
 mod moe_capacity;
@@ -55,6 +56,11 @@ const SUITES: &[(&str, Suite, usize)] = &[
     // (10 with several ranks) and the untouched C, 6 around the graph: 92 at one rank.
     ("ag_gemm_fp8", ag_gemm_fp8::run, 85),
     ("gemm_reduce", gemm_reduce::run, 80),
+    // mkScaledGemmReduceScatter / mkScaledGemmAllReduce: (19 ReduceScatter + 22 AllReduce
+    // shape x mode cases) x 2 outputs x 2 rounds = 164, 13 refusals per op (14 for
+    // ReduceScatter with several ranks) and the untouched C of each, 12 around the graph:
+    // 204 at one rank.
+    ("gemm_reduce_fp8", gemm_reduce_fp8::run, 190),
     // 13 rounds of dispatch then combine over 7 sizes, a bitwise repeat, 6 around the
     // graph, the capacity overflow and its retry, 2 rounds and 6 around the graph in drop
     // mode; gated: 6 rounds (SiLU and GELU over 3 sizes), 1 in drop mode, 6 around the
@@ -79,6 +85,7 @@ const SANITIZER_FLOORS: &[(&str, usize)] = &[
     ("ag_gemm", 17),
     ("ag_gemm_fp8", 45),
     ("gemm_reduce", 36),
+    ("gemm_reduce_fp8", 100),
     ("moe", 24),
     ("ring_attn", 22),
     ("ring_attn_bwd", 16),
