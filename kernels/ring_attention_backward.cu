@@ -26,19 +26,16 @@
 //        step, in step order, accumulated in registers and stored once.
 //   4. the last CTA advances the epoch and raises RING_BWD_DONE + me in every peer.
 //
-// Engine (wgmma, TMA loads, one producer thread, two consumer warpgroups): an item holds
-// two 128-row X tiles (dK/dV: K and V of the source; dQ: Q and dout) and streams 64-row Y
-// tiles (dK/dV: Q and dout of one head, with their 64 row values; dQ: K and V of one
-// source) through a 2-slot ring. Per Y tile
+// Engine (wgmma, TMA loads, one producer thread, two consumer warpgroups; not yet
+// pipelined inside a warpgroup): an item holds two 128-row X tiles (dK/dV: K and V of
+// the source; dQ: Q and dout) and streams 64-row Y tiles (dK/dV: Q and dout of one head,
+// with their 64 row values; dQ: K and V of one source) through a 2-slot ring. Per Y tile
 // each warpgroup (64 rows of X) computes
 //   A = X1 · Y1ᵀ, B = X2 · Y2ᵀ                    (SS wgmma, both K-major)
 //   P = exp2(A · scale log2 e - lse2), dS = P ∘ (B - delta)   (masked entries 0)
 //   dK/dV items: dV += P · Y2, dK += dS · Y1       (register-A wgmma, Y MN-major)
 //   dQ items:    dQ += dS · Y1
-// where in a dK/dV item A = Sᵀ (rows keys, columns queries) and in a dQ item A = S. In the
-// one-pass engine A and B are two wgmma groups: P's exponentials run while B's product is
-// still on the tensor cores, dS once it is done, and dV's product runs while dS goes to
-// shared memory for dQ (ping-pong between the warpgroups is not built). P and
+// where in a dK/dV item A = Sᵀ (rows keys, columns queries) and in a dQ item A = S. P and
 // dS are rounded to the element type before their products (as FlashAttention does);
 // dK and dQ are scaled by softmaxScale once, at the end. Every sum has a fixed order, so
 // results are bitwise reproducible run to run (no atomics).
@@ -544,6 +541,8 @@ struct Engine {
     float acc_a[OREG];           // dK (dK/dV items) or dQ
     float acc_b[KV ? OREG : 1];  // dV
     float dqv[ONE_PASS ? 32 : 1];  // one-pass: dQ's partial of the tile (an m64n64 fragment)
+#pragma unroll
+    for (int e = 0; e < (ONE_PASS ? 32 : 1); ++e) dqv[e] = 0.f;  // defined before the first wgmma
     bool chain_ok = true;
     if constexpr (KV) {
       chain_ok = chain_in(p, epoch, t, acc_a, acc_b);
@@ -569,23 +568,21 @@ struct Engine {
       const uint64_t yd1 = make_smem_desc_sw128(y1);
       const uint64_t yd2 = yd1 + ((YT * sizeof(T)) >> 4);
       float sa[SREG], sb[SREG];
-      // Pipelined inside the warpgroup: S and dP go as two wgmma groups, so the
-      // exponentials of P run while dP's product is still on the tensor cores. (dV's product
-      // cannot also run while dS is formed: P in fp32, its packed copy for dV and dP would
-      // not fit beside the dK and dV accumulators.)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk) {
         const int cb = kk / 4, ko = (kk % 4) * 32;
         Wgmma<BY, T>::mma(sa, xd1 + ((cb * (BX * 128) + ko) >> 4), yd1 + ((cb * (BY * 128) + ko) >> 4), kk > 0);
       }
-      wgmma_commit();
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk) {
         const int cb = kk / 4, ko = (kk % 4) * 32;
         Wgmma<BY, T>::mma(sb, xd2 + ((cb * (BX * 128) + ko) >> 4), yd2 + ((cb * (BY * 128) + ko) >> 4), kk > 0);
       }
       wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(sa);
+      fence_operands(sb);
       // Y rows of this tile: queries of this rank (dK/dV) or keys of w.src (dQ).
       const int yt = w.template y_tile<ONE_PASS>(p, t);
       const int y0 = yt * BY;
@@ -596,20 +593,13 @@ struct Engine {
         need_mask = need_mask || (KV ? xpos_last > token_pos(yrank, y0, S, n, true)
                                      : token_pos(yrank, min(y0 + BY, S) - 1, S, n, true) > xpos_first);
       }
-      // PIPELINED: dS in a second loop, once dP is done; otherwise (the two-pass engine,
-      // whose D = 128 kernels spill when P's loop runs beside dP's product) in P's loop.
-      constexpr bool PIPELINED = ONE_PASS;
-      wgmma_wait<PIPELINED ? 1 : 0>();  // S is done; dP may still run
-      fence_operands(sa);
-      if constexpr (!PIPELINED) fence_operands(sb);
-      // P in place of S: sa = P (masked entries 0). Bit idx of `shown`: entry idx is visible
-      // (one register from here to dS's loop, where 32 flags would take 32).
-      uint32_t shown = 0xffffffffu;
+      // P and dS in place of the two products: sa = P, sb = dS.
 #pragma unroll
       for (int jj = 0; jj < BY / 8; ++jj) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int ycol = 8 * jj + 2 * t4 + e;
+          const float2 colv = KV ? sRows[st * BY + ycol] : make_float2(0.f, 0.f);
           bool col_ok = true;
           int ypos = 0;
           if (need_mask) {
@@ -619,71 +609,56 @@ struct Engine {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int idx = 4 * jj + 2 * r + e;
+            const float2 rv = KV ? colv : rowv[r];
             bool vis = true;
             if (need_mask) {
               vis = col_ok && xrow[r] < S;
               if (causal) vis = vis && (KV ? xpos[r] <= ypos : ypos <= xpos[r]);
-              if (!vis) shown &= ~(1u << idx);
             }
-            const float2 rv = KV ? sRows[st * BY + ycol] : rowv[r];
-            sa[idx] = vis ? exp2_ftz(sa[idx] * sl - rv.x) : 0.f;
-            if constexpr (!PIPELINED) sb[idx] = vis ? sa[idx] * (sb[idx] - rv.y) : 0.f;  // dS
+            const float pr = vis ? exp2_ftz(sa[idx] * sl - rv.x) : 0.f;
+            sb[idx] = vis ? pr * (sb[idx] - rv.y) : 0.f;
+            sa[idx] = pr;
           }
         }
       }
-      if constexpr (PIPELINED) {
-        wgmma_wait<0>();  // dP is done
-        fence_operands(sb);
-        // dS in place of dP: sb = P ∘ (dP - delta) (masked entries 0).
-#pragma unroll
-        for (int jj = 0; jj < BY / 8; ++jj)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int idx = 4 * jj + 2 * r + e;
-              const float delta = KV ? sRows[st * BY + 8 * jj + 2 * t4 + e].y : rowv[r].y;
-              sb[idx] = (shown >> idx) & 1 ? sa[idx] * (sb[idx] - delta) : 0.f;
-            }
-      }
       uint32_t pd[PSTEPS][4];
-#pragma unroll
-      for (int kk = 0; kk < PSTEPS; ++kk)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) pd[kk][q] = Mma<T>::pack(sb[8 * kk + 2 * q], sb[8 * kk + 2 * q + 1]);
       if constexpr (KV) {
-        // dV's product first: it runs while dS goes to shared memory and the warpgroups meet.
         uint32_t pp[PSTEPS][4];
 #pragma unroll
         for (int kk = 0; kk < PSTEPS; ++kk)
 #pragma unroll
           for (int q = 0; q < 4; ++q) pp[kk][q] = Mma<T>::pack(sa[8 * kk + 2 * q], sa[8 * kk + 2 * q + 1]);
+#pragma unroll
+        for (int kk = 0; kk < PSTEPS; ++kk)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) pd[kk][q] = Mma<T>::pack(sb[8 * kk + 2 * q], sb[8 * kk + 2 * q + 1]);
+        if constexpr (ONE_PASS) {
+          // dS as rounded for dK into this tile's dS buffer, rows = this warpgroup's keys:
+          // pd[kk][q] holds row row_in_x + 8 (q & 1), query columns 8 (2 kk + q / 2) + 2 t4 + {0, 1}.
+          // Both halves are needed by both warpgroups' dQ products: the barrier, after the
+          // fence that makes these generic stores visible to wgmma (async proxy). The buffer
+          // of tile + 2 is free then: each warpgroup reaches this barrier for tile + 1 only
+          // after its dQ product of `tile` completed.
+          T* ds = dq.ds + (tile & 1) * (BX * BY);
+#pragma unroll
+          for (int kk = 0; kk < PSTEPS; ++kk)
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+              *reinterpret_cast<uint32_t*>(ds + swz<BX>(row_in_x + 8 * (q & 1), 2 * kk + (q >> 1)) + 2 * t4) = pd[kk][q];
+          fence_proxy_async_smem();
+          named_barrier_sync(DS_BARRIER, 256);
+        }
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < PSTEPS; ++kk)  // dV += P·dout
           WgmmaRsT<D, T>::mma(acc_b, pp[kk], desc_mn_sw128(y1 + YT + kk * 16 * 64, BY * 128));
-      }
-      if constexpr (ONE_PASS && KV) {
-        // dS as rounded for dK into this tile's dS buffer, rows = this warpgroup's keys:
-        // pd[kk][q] holds row row_in_x + 8 (q & 1), query columns 8 (2 kk + q / 2) + 2 t4 + {0, 1}.
-        // Both halves are needed by both warpgroups' dQ products: the barrier, after the
-        // fence that makes these generic stores visible to wgmma (async proxy). The buffer
-        // of tile + 2 is free then: each warpgroup reaches this barrier for tile + 1 only
-        // after its dQ product of `tile` completed.
-        T* ds = dq.ds + (tile & 1) * (BX * BY);
+      } else {
 #pragma unroll
         for (int kk = 0; kk < PSTEPS; ++kk)
 #pragma unroll
-          for (int q = 0; q < 4; ++q)
-            *reinterpret_cast<uint32_t*>(ds + swz<BX>(row_in_x + 8 * (q & 1), 2 * kk + (q >> 1)) + 2 * t4) = pd[kk][q];
-        fence_proxy_async_smem();
-        named_barrier_sync(DS_BARRIER, 256);
-        // Defined before its wgmma (which overwrites it: its first k-step does not add), here
-        // rather than once per item, so that it holds no registers from hand_dq to here.
-#pragma unroll
-        for (int e = 0; e < 32; ++e) dqv[e] = 0.f;
+          for (int q = 0; q < 4; ++q) pd[kk][q] = Mma<T>::pack(sb[8 * kk + 2 * q], sb[8 * kk + 2 * q + 1]);
+        wgmma_fence();
       }
-      wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < PSTEPS; ++kk)  // dK += dS·q, or dQ += dS·k
         WgmmaRsT<D, T>::mma(acc_a, pd[kk], desc_mn_sw128(y1 + kk * 16 * 64, BY * 128));
