@@ -177,7 +177,15 @@ pub(crate) fn last_error(comm: mkComm_t) -> String {
     unsafe { std::ffi::CStr::from_ptr(mkernel::ffi::query::mkGetLastError(comm)) }.to_string_lossy().into_owned()
 }
 
-pub(crate) struct Stream(pub(crate) sys::CUstream);
+/// A stream: owned (destroyed on drop) or a rank thread's stream, lent (`for_rank`).
+pub(crate) struct Stream(pub(crate) sys::CUstream, bool);
+
+thread_local! {
+    /// This rank thread's stream (`Stream::lend_to_this_thread`), as an address: none in a
+    /// rank process.
+    static RANK_STREAM: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
 impl Stream {
     pub(crate) fn new() -> Result<Self> {
         let mut s: sys::CUstream = std::ptr::null_mut();
@@ -185,7 +193,25 @@ impl Stream {
         cuda::check("cuStreamCreate", unsafe {
             sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
         })?;
-        Ok(Stream(s))
+        Ok(Stream(s, true))
+    }
+    /// The stream for this rank's ops: in a rank thread the one its process made for the
+    /// rank before the threads started (fused_common::run_rank_threads says why), else a
+    /// new one.
+    pub(crate) fn for_rank() -> Result<Self> {
+        match RANK_STREAM.with(|c| c.get()) {
+            Some(address) => Ok(Stream(address as sys::CUstream, false)),
+            None => Self::new(),
+        }
+    }
+    /// Its address, for `lend_to_this_thread` in another thread (a raw stream is not Send).
+    pub(crate) fn address(&self) -> usize {
+        self.0 as usize
+    }
+    /// Makes the stream at `address` what `for_rank` gives in this thread; the stream's
+    /// owner outlives the thread.
+    pub(crate) fn lend_to_this_thread(address: usize) {
+        RANK_STREAM.with(|c| c.set(Some(address)));
     }
     pub(crate) fn sync(&self) -> Result<()> {
         // SAFETY: live stream.
@@ -194,8 +220,10 @@ impl Stream {
 }
 impl Drop for Stream {
     fn drop(&mut self) {
-        // SAFETY: created by new.
-        unsafe { sys::cuStreamDestroy_v2(self.0) };
+        if self.1 {
+            // SAFETY: created by new.
+            unsafe { sys::cuStreamDestroy_v2(self.0) };
+        }
     }
 }
 

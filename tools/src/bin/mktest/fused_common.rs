@@ -252,7 +252,7 @@ pub fn check_rounds_of(
     rounds: u64,
     before: &dyn Fn(u64),
 ) -> Result<(usize, usize)> {
-    let stream = Stream::new()?;
+    let stream = Stream::for_rank()?;
     let mut failures = 0;
     let labels = cases.iter().map(|c| c.label()).collect::<Vec<_>>().join(", ");
     for round in 0..rounds {
@@ -361,7 +361,7 @@ pub fn graph_replay_of(
     direct: usize,
     direct_seed: u64,
 ) -> Result<()> {
-    let stream = Stream::new()?;
+    let stream = Stream::for_rank()?;
     for c in captured {
         c.case.prepare(c.capture_seed)?;
     }
@@ -514,11 +514,27 @@ fn run_rank_threads(
     println!("  running {n} ranks as threads of this process");
     let ids = (0..IDS).map(|_| start_root()).collect::<Result<Vec<_>>>()?;
     let devices = cuda::device_count()?.max(1) as usize;
+    // One stream per rank for all its ops, made here back to back before any thread runs.
+    // The driver spreads a context's streams over its hardware queues
+    // (CUDA_DEVICE_MAX_CONNECTIONS) in the order they are made; streams made per case by
+    // racing threads can share a queue, where a rank's fence and op, queued in front of a
+    // peer's fence, wait for it forever (until MK_TIMEOUT_MS): docs/decisions/0083.
+    let contexts = (0..devices).map(|d| PrimaryContext::retain(d as i32)).collect::<Result<Vec<_>>>()?;
+    let streams = (0..n)
+        .map(|rank| {
+            let _g = contexts[rank % devices].enter()?;
+            Stream::new()
+        })
+        .collect::<Result<Vec<_>>>()?;
     let outcomes: Vec<Result<usize>> = std::thread::scope(|s| {
         let threads: Vec<_> = (0..n)
             .map(|rank| {
                 let env = RankEnv { rank, nranks: n, ids: ids.clone(), device: (rank % devices) as i32 };
-                s.spawn(move || run_rank(&env, true, checks, absent).map(|_| crate::outcome::take_tally()))
+                let stream = streams[rank].address();
+                s.spawn(move || {
+                    Stream::lend_to_this_thread(stream);
+                    run_rank(&env, true, checks, absent).map(|_| crate::outcome::take_tally())
+                })
             })
             .collect();
         threads

@@ -186,7 +186,7 @@ fn graph_replay(comm: mkComm_t, rank: usize, n: usize, across_nodes: bool) -> Re
     delay.slow.set((n > 1).then_some(n - 1));
     let slowed: Vec<Slowed> = seq.cases().into_iter().map(|case| Slowed { case, delay: &delay }).collect();
     let direct = crate::ag_gemm::Case::new(mkDataType_t::mkBfloat16, 128, 512, 256, n, rank)?;
-    let stream = Stream::new()?;
+    let stream = Stream::for_rank()?;
     for (i, c) in slowed.iter().enumerate() {
         c.prepare(500 + i as u64)?;
     }

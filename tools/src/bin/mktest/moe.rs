@@ -704,7 +704,7 @@ fn correctness(comm: mkComm_t, _control: &Comm, rank: usize, n: usize) -> Result
 /// about two tiles per CTA (200-300 tiles per GEMM) and skewed experts. The values themselves
 /// are checked by `correctness`; here they must only be finite and not all zero.
 fn repeats_are_bitwise(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
-    let stream = Stream::new()?;
+    let stream = Stream::for_rank()?;
     let s = Sizes {
         tokens: 2000,
         tokens_odd: 1500,

@@ -38,7 +38,7 @@ fn untouched(values: &[f64]) -> bool {
 
 /// No-drop mode: an overflowing call, then the retry with the capacity it reported.
 pub fn overflow_then_retry(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
-    let stream = Stream::new()?;
+    let stream = Stream::for_rank()?;
     let (s, seed) = (sizes(), 77);
     let needed = capacity_for(&s, n, seed, 0)?;
     let short = Case::new(s, n, rank, needed - ROW_BLOCK)?;

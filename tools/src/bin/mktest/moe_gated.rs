@@ -113,7 +113,7 @@ fn argument_rules(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
     if s.experts % n != 0 {
         return Ok(());
     }
-    let stream = Stream::new()?;
+    let stream = Stream::for_rank()?;
     let seed = 570;
     let plain = Case::with_options(s, n, rank, capacity_for(&s, n, seed, 0)?, None, Activation::None)?;
     plain.prepare(seed)?;

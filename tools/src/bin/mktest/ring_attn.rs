@@ -322,7 +322,7 @@ fn correctness(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
 
 /// Bad arguments on a live communicator: the call fails with the rule and launches nothing.
 fn argument_errors(comm: mkComm_t, rank: usize, n: usize) -> Result<()> {
-    let stream = Stream::new()?;
+    let stream = Stream::for_rank()?;
     let buf = TestBuffer::new(1 << 16, mkDataType_t::mkBfloat16)?;
     let p = buf.ptr() as *mut std::ffi::c_void;
     let bf16 = mkDataType_t::mkBfloat16 as i32;
