@@ -386,7 +386,10 @@ def test_spec_options_with_other_modules_are_refused(megatron_world, option):
         (dict(moe_ffn_hidden_size=200), r"config.moe_ffn_hidden_size = 200 is not supported; supported: positive multiples of 128"),
         (dict(hidden_size=320, num_attention_heads=5), r"config.hidden_size = 320 is not supported; supported: positive multiples of 128"),
         (dict(moe_shared_expert_intermediate_size=256), r"config.moe_shared_expert_intermediate_size = 256 is not supported; supported: None"),
-        (dict(moe_expert_capacity_factor=1.0), r"config.moe_expert_capacity_factor = 1.0 is not supported; supported: None"),
+        (
+            dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+            r"config.moe_pad_expert_input_to_capacity = True is not supported; supported: False",
+        ),
         (dict(add_bias_linear=True), r"config.add_bias_linear = True is not supported; supported: False"),
         (dict(num_moe_experts=2048), r"config.num_moe_experts = 2048 is not supported; supported: 1 to 1024"),
     ],
@@ -508,6 +511,47 @@ def test_routing_and_unfused_moe_match_megatron_experts(megatron_world):
     for g, w in zip(got, want):
         assert g.abs().sum() > 0
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_megatrons_capacity_drops_reach_the_layer_as_absent_choices(megatron_world, policy):
+    """With moe_expert_capacity_factor Megatron's router drops choices by its policy; the layer
+    takes what is left: -1 for each dropped choice, the kept ones' probabilities as weights, and
+    moe_reference (the layer's unfused form) equals Megatron's experts over the kept choices."""
+    from mkernel.megatron import Communicators, moe_reference, topk_from_routing
+    from mkernel.megatron.moe import activation_of
+
+    drops = dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy=policy)
+    build_mkernel_layer(moe_config(**drops), Communicators(factory=RecordingFactory()), num_experts=4)  # accepted
+    cfg = moe_config(params_dtype=torch.float32, bf16=False, **drops)
+    torch.manual_seed(5)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    moe = build_module(get_gpt_layer_local_spec(num_experts=4), config=cfg, layer_number=1).mlp
+    tokens = 32
+    x = torch.randn(tokens, cfg.hidden_size, dtype=torch.float64).to(torch.float32)
+    probs, routing_map = moe.router.routing(x @ moe.router.weight.t())
+    idx, weights = topk_from_routing(probs, routing_map, cfg.moe_router_topk)
+    kept = idx >= 0
+    assert (~kept).any() and kept.any(), "capacity 0.5 should drop some choices and keep others"
+    assert torch.equal(kept.sum(1), routing_map.sum(1).to(kept.sum(1).dtype))
+    rows, cols = kept.nonzero(as_tuple=True)
+    ids = idx[rows, cols].long()
+    assert routing_map[rows, ids].all()
+    assert torch.equal(weights[rows, cols], probs[rows, ids].to(torch.float32))
+    assert (weights[~kept] == 0).all()
+
+    experts = moe.experts.local_experts
+    w1 = torch.stack([e.linear_fc1.weight for e in experts]).detach()
+    w2 = torch.stack([e.linear_fc2.weight for e in experts]).detach()
+    out = moe_reference(x, idx, weights, w1, w2, activation_of(cfg))
+    expected = torch.zeros_like(out)
+    for t in range(tokens):
+        for e in routing_map[t].nonzero().flatten().tolist():
+            y, _ = experts[e](x[t : t + 1])
+            expected[t] += probs[t, e] * y[0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 # --- two processes: TP = 2, CP = 2, EP = 2 ---------------------------------------------------------

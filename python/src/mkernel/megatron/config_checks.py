@@ -87,13 +87,15 @@ def check_moe(layer: str, config, *, num_local_experts: int, ep_size: int) -> No
         refuse(layer, "config.moe_router_topk", config.moe_router_topk, [f"1 to {MOE_MAX_TOPK}"])
     _multiple(layer, "config.hidden_size", config.hidden_size, MOE_MULTIPLE)
     _multiple(layer, "config.moe_ffn_hidden_size", config.moe_ffn_hidden_size, MOE_MULTIPLE)
+    # moe_expert_capacity_factor is Megatron's router's: it drops choices (its drop policy,
+    # "probs" or "position") before the layer sees them, and a token with fewer choices
+    # is what mkernel's dispatch takes (-1 ids). Padding to capacity is not.
     for option, supported in (
         ("tensor_model_parallel_size", 1),
         ("expert_tensor_parallel_size", 1),
         ("add_bias_linear", False),
         ("moe_shared_expert_intermediate_size", None),
         ("moe_latent_size", None),
-        ("moe_expert_capacity_factor", None),
         ("moe_pad_expert_input_to_capacity", False),
         ("moe_apply_probs_on_input", False),
         ("moe_use_legacy_grouped_gemm", False),
