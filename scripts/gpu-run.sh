@@ -195,6 +195,23 @@ if [ "$TESTS" = 1 ] && [ "$ONLY_NODES" = 0 ]; then
     note "mktest$threaded, 2 rank threads: $(outcome $rc)"
     check_rc $rc
   fi
+  # Ranks that share one hardware queue stall (docs/decisions/0083): made on purpose here,
+  # two rank threads with CUDA_DEVICE_MAX_CONNECTIONS=1, the MoE suite must fail with
+  # mkTimeout within its bound (a 4 s timeout: the harness's 4·17/16 + 15 s, and the
+  # cases before the stall), never hang. A pass here would mean 0083's account is wrong.
+  queue_step="moe, 2 rank threads in one hardware queue, stall made on purpose"
+  wants moe && want "$queue_step"
+  if wants moe && ! late "$queue_step"; then
+    t=$(date +%s)
+    env CUDA_DEVICE_MAX_CONNECTIONS=1 MK_TEST_TIMEOUT_MS=4000 MK_TEST_THREADS=1 MK_TEST_NRANKS=2 \
+      MK_MAX_CTAS="$(max_ctas_for 2)" MK_TEST_KILL=skip timeout "$(limit 90)" "$BIN/mktest" moe > "$OUT/shared-queue.log" 2>&1
+    rc=$?; took=$(( $(date +%s) - t ))
+    if [ "$rc" = 1 ] && grep -q "mkTimeout" "$OUT/shared-queue.log" && [ "$took" -le 45 ]; then
+      note "$queue_step: PASS (mkTimeout, the suite ended in $took s)"
+    else
+      note "$queue_step: FAIL (rc $rc in $took s; want rc 1 with mkTimeout within 45 s: shared-queue.log)"; status=1
+    fi
+  fi
   # GEMM+RS/AR's non-default reducers, when the suite runs: after (every warp of a GEMM
   # CTA sums after its GEMM, no early sums) at 2 ranks.
   for step in "after 2"; do

@@ -250,6 +250,8 @@ fake() {  # fake DIR EXIT [RECORD]: binaries that print what they are and exit E
       "${3:-1}" "$b" "$2" "$2" > "$1/$b"
     chmod +x "$1/$b"
   done
+  # As the real one: ranks in one hardware queue stall into mkTimeout (gpu-run.sh's step).
+  sed -i '1a [ "${CUDA_DEVICE_MAX_CONNECTIONS:-}" = 1 ] \&\& { echo "fake mktest: mkTimeout"; exit 1; }' "$1/mktest"
   tar -C "$1" -cJf "$1.tar.xz" .
 }
 run_fake() {  # EXIT ARGS...: gpu-run.sh's exit status on fakes that exit EXIT (FAKE_RECORD=0: no records)
@@ -268,6 +270,7 @@ grep -q "SKIPPED" "$WORK/out/summary.txt" || fail "the summary does not say SKIP
 rc=$(run_fake 77 $FAST --require-gpu); [ "$rc" = 1 ] || fail "--require-gpu: exited $rc, not 1"
 rc=$(run_fake 77 $FAST --allow-skip); [ "$rc" = 3 ] || fail "--allow-skip: skipped steps exited $rc, not 3"
 rc=$(run_fake 0 $FAST); [ "$rc" = 0 ] || fail "passing fakes exited $rc, not 0: $(tail -5 "$WORK/log")"
+grep -qF "in one hardware queue, stall made on purpose: PASS" "$WORK/out/summary.txt" || fail "no PASS for the one-queue stall step"
 grep -q "\[step 1, " "$WORK/log" || fail "no progress line on the console"
 rc=$(run_fake 77 --no-tests --no-nodes --ranks 1); [ "$rc" = 1 ] || fail "skipped benches exited $rc, not 1"
 BENCH_ONLY="--no-tests --no-nodes --no-doors --ranks 1"
