@@ -8,6 +8,13 @@ use mkernel::comm::Comm;
 use mkernel::cuda::sys;
 use mkernel::error::{MkError, Result};
 
+/// Waits for `stream`'s work (a live stream of the current context).
+pub fn sync_stream(stream: sys::CUstream) -> Result<()> {
+    // SAFETY: live stream.
+    unsafe { cudarc::driver::result::stream::synchronize(stream) }
+        .map_err(|e| mkernel::cuda::cuda_err("cuStreamSynchronize", e))
+}
+
 pub fn bad(what: &str) -> MkError {
     MkError::invalid_argument(format!("mkbench: bad {what}"))
 }
@@ -105,11 +112,7 @@ pub fn measure_slowest(
     p: Protocol,
     contenders: &[Timed],
 ) -> Result<Measured> {
-    let sync = || {
-        // SAFETY: live stream.
-        unsafe { cudarc::driver::result::stream::synchronize(stream) }
-            .map_err(|e| mkernel::cuda::cuda_err("cuStreamSynchronize", e))
-    };
+    let sync = || sync_stream(stream);
     let mine = measure_interleaved(
         contenders.len(),
         p,

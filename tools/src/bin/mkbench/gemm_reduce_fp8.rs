@@ -14,7 +14,7 @@
 //! The fused fp8 output is checked once per shape against the unfused one (#wrong = 1 when
 //! the relative error exceeds bf16's band). TFLOP/s are per rank (2·M·N·K / t).
 
-use crate::fused_common::{bad, measure_slowest, run_ranks, Timed};
+use crate::fused_common::{bad, measure_slowest, run_ranks, sync_stream, Timed};
 use crate::fused_options::{parse_list, parse_pairs, FusedDefaults, FusedOptions};
 use crate::measure::{Progress, Protocol};
 use crate::record::{self, Json};
@@ -272,11 +272,6 @@ fn rank_main(
     }
     sync_stream(stream)?;
     Ok(all_ok)
-}
-
-fn sync_stream(stream: mkernel::cuda::sys::CUstream) -> Result<()> {
-    // SAFETY: live stream.
-    unsafe { cu::stream::synchronize(stream) }.map_err(|e| cuda::cuda_err("cuStreamSynchronize", e))
 }
 
 #[cfg(test)]
