@@ -437,6 +437,17 @@ impl SymmetricWorkspace {
             }
         }
         let infos = decode_all(bootstrap.allgather(&info.encode())?)?;
+        let sharing = ranks_sharing_the_context_of(&infos, rank);
+        if !sharing.is_empty() {
+            crate::log::warn(
+                Some(rank),
+                format_args!(
+                    "ranks {sharing:?} of this communicator share this rank's GPU and process (one context): \
+                     each rank's stream needs a hardware queue of its own, or a call can stall until \
+                     MK_TIMEOUT_MS (docs/thread-safety.md)"
+                ),
+            );
+        }
         let remote = |i: &PeerInfo| !(i.pid == pid && i.host == host_hash);
         let mut use_vmm = nranks > 1 && infos.iter().all(|i| i.vmm == 1);
         let mut imported: Vec<Option<i32>> = vec![None; nranks];
@@ -704,10 +715,41 @@ impl Drop for SymmetricWorkspace {
     }
 }
 
+/// The other ranks whose process, host and device are `rank`'s: they share its CUDA context,
+/// and with it the hardware queues its streams go to (decision 0083).
+fn ranks_sharing_the_context_of(infos: &[PeerInfo], rank: usize) -> Vec<usize> {
+    let me = &infos[rank];
+    (0..infos.len())
+        .filter(|&r| r != rank && infos[r].pid == me.pid && infos[r].host == me.host && infos[r].device == me.device)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::kernel_abi::MK_MAX_PEERS;
+
+    #[test]
+    fn ranks_share_a_context_only_with_process_host_and_device_alike() {
+        let peer = |pid, host, device| PeerInfo {
+            pid,
+            host,
+            device,
+            base: 0,
+            data_bytes: 0,
+            cta_slots: 0,
+            vmm: 0,
+            fd: -1,
+            alloc_bytes: 0,
+            handle: [0; 64],
+        };
+        // Rank 0's twins: rank 3 alone (rank 1 another device, 2 another process, 4 another host).
+        let infos = [peer(7, 1, 0), peer(7, 1, 1), peer(8, 1, 0), peer(7, 1, 0), peer(7, 2, 0)];
+        assert_eq!(ranks_sharing_the_context_of(&infos, 0), vec![3]);
+        assert_eq!(ranks_sharing_the_context_of(&infos, 3), vec![0]);
+        assert!(ranks_sharing_the_context_of(&infos, 1).is_empty());
+        assert!(ranks_sharing_the_context_of(&infos, 4).is_empty());
+    }
 
     #[test]
     fn peer_info_round_trips() {
