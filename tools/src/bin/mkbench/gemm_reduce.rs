@@ -33,10 +33,29 @@ use mkernel::types::{mkDataType_t, mkRedOp_t};
 use mkernel_tools::cublaslt::CublasLt;
 use mkernel_tools::testing::{relative_error, tolerance, TestBuffer};
 
-struct Options {
-    common: FusedOptions,
-    ms: Vec<usize>,
-    nk: Vec<(usize, usize)>,
+/// The options of the GEMM + reduction benches (bf16 and fp8): the fused ones, the M list
+/// and the N×K pairs.
+pub(crate) struct Options {
+    pub(crate) common: FusedOptions,
+    pub(crate) ms: Vec<usize>,
+    pub(crate) nk: Vec<(usize, usize)>,
+}
+
+impl Options {
+    /// `--m` and `--nk` beside the fused options, from these defaults.
+    pub(crate) fn parse(args: &[String], ms: Vec<usize>, takes_trace: bool) -> Result<Options> {
+        let (mut ms, mut nk) = (ms, vec![(8192, 1024), (8192, 3584)]);
+        let defaults = FusedDefaults { warmup: Protocol::DEFAULT.warmup, takes_trace };
+        let common = FusedOptions::parse(args, defaults, |flag, v| {
+            match flag {
+                "--m" => ms = parse_list(v, "--m")?,
+                "--nk" => nk = parse_pairs(v, "--nk")?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        })?;
+        Ok(Options { common, ms, nk })
+    }
 }
 
 /// Parses the options without touching a GPU (`op` is gemm_rs or gemm_ar).
@@ -46,21 +65,11 @@ pub fn check(op: &str, args: &[String]) -> Result<()> {
 }
 
 fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
-    let mut ms = match reduction {
+    let ms = match reduction {
         Reduction::Scatter => vec![1024, 4096, 16384],
         Reduction::All => vec![1, 16, 64, 256, 2048, 8192, 16384],
     };
-    let mut nk = vec![(8192, 1024), (8192, 3584)];
-    let defaults = FusedDefaults { warmup: Protocol::DEFAULT.warmup, takes_trace: true };
-    let common = FusedOptions::parse(args, defaults, |flag, v| {
-        match flag {
-            "--m" => ms = parse_list(v, "--m")?,
-            "--nk" => nk = parse_pairs(v, "--nk")?,
-            _ => return Ok(false),
-        }
-        Ok(true)
-    })?;
-    Ok(Options { common, ms, nk })
+    Options::parse(args, ms, true)
 }
 
 pub fn gemm_rs(args: &[String]) -> Result<bool> {

@@ -15,8 +15,8 @@
 //! the relative error exceeds bf16's band). TFLOP/s are per rank (2·M·N·K / t).
 
 use crate::fused_common::{bad, measure_slowest, run_ranks, sync_stream, Timed};
-use crate::fused_options::{parse_list, parse_pairs, FusedDefaults, FusedOptions};
-use crate::measure::{Progress, Protocol};
+use crate::gemm_reduce::Options;
+use crate::measure::Progress;
 use crate::record::{self, Json};
 use crate::timing::Events;
 use cudarc::driver::result as cu;
@@ -31,12 +31,6 @@ use mkernel::types::{mkDataType_t, mkRedOp_t, mkScaleMode_t, RawScaleMode};
 use mkernel_tools::testing::fp8::{f32_to_e4m3, E4M3_MAX};
 use mkernel_tools::testing::{relative_error, tolerance, xorshift_unit, TestBuffer};
 
-struct Options {
-    common: FusedOptions,
-    ms: Vec<usize>,
-    nk: Vec<(usize, usize)>,
-}
-
 /// Parses the options without touching a GPU (`op` is gemm_rs_fp8 or gemm_ar_fp8).
 pub fn check(op: &str, args: &[String]) -> Result<()> {
     let reduction = if op == "gemm_ar_fp8" { Reduction::All } else { Reduction::Scatter };
@@ -44,24 +38,15 @@ pub fn check(op: &str, args: &[String]) -> Result<()> {
 }
 
 fn parse(reduction: Reduction, args: &[String]) -> Result<Options> {
-    let mut ms = match reduction {
+    let ms = match reduction {
         Reduction::Scatter => vec![1024, 4096, 16384],
         Reduction::All => vec![1, 64, 256, 2048, 8192],
     };
-    let mut nk = vec![(8192, 1024), (8192, 3584)];
-    let defaults = FusedDefaults { warmup: Protocol::DEFAULT.warmup, takes_trace: false };
-    let common = FusedOptions::parse(args, defaults, |flag, v| {
-        match flag {
-            "--m" => ms = parse_list(v, "--m")?,
-            "--nk" => nk = parse_pairs(v, "--nk")?,
-            _ => return Ok(false),
-        }
-        Ok(true)
-    })?;
-    if let Some(&(nn, k)) = nk.iter().find(|&&(nn, k)| k % 16 != 0 || nn % 8 != 0) {
+    let o = Options::parse(args, ms, false)?;
+    if let Some(&(nn, k)) = o.nk.iter().find(|&&(nn, k)| k % 16 != 0 || nn % 8 != 0) {
         return Err(bad(&format!("--nk: {nn}x{k}: N must be a multiple of 8 and K of 16 for e4m3 operands")));
     }
-    Ok(Options { common, ms, nk })
+    Ok(o)
 }
 
 pub fn gemm_rs_fp8(args: &[String]) -> Result<bool> {
